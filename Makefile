@@ -1,0 +1,44 @@
+# torch-ckpt: two commands on a fresh machine.
+#   make demo   set up, then train a small GPT on real text with async checkpoints, crash it, resume exactly
+#   make test   set up, then run the test suite
+#
+# The virtual environment lives outside the clone, keyed on a hash of the dependency files, so CI and
+# repeated runs reuse it. Override VENV to put it elsewhere.
+#
+# torch: by default `torch==2.13.0` is installed first. On a CPU-only machine with the CPU wheel on disk
+# (pip's find-links) that is the CPU build; elsewhere point pip at the CPU index so no multi-GB CUDA
+# build is pulled:   make test TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+# GPU machines:      make test TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128
+PYTHON ?= python3
+TORCH_SPEC ?= torch==2.13.0
+TORCH_INDEX_URL ?=
+DEPS_HASH := $(shell cat pyproject.toml Makefile | sha256sum | cut -c1-16)
+CACHE_DIR ?= $(HOME)/.cache/torch-ckpt
+VENV ?= $(CACHE_DIR)/venv-$(DEPS_HASH)
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.deps-installed
+PYTEST_ARGS ?=
+DEMO_DIR ?= demo_run
+
+.PHONY: demo test setup clean
+
+setup: $(STAMP)
+	@$(PY) -m pip install --quiet --no-deps --no-build-isolation -e . >/dev/null
+
+$(STAMP): pyproject.toml Makefile
+	@echo ">> creating $(VENV)"
+	@mkdir -p $(CACHE_DIR)
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip setuptools wheel
+	$(PY) -m pip install --quiet "$(TORCH_SPEC)" $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL))
+	$(PY) -m pip install --quiet -e ".[dev]"
+	@touch $(STAMP)
+
+demo: setup
+	$(PY) examples/demo.py --work-dir $(DEMO_DIR)
+
+test: setup
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(DEMO_DIR) .pytest_cache build *.egg-info

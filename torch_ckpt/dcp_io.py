@@ -1,0 +1,220 @@
+"""The bridge to ``torch.distributed.checkpoint`` (DCP): checksummed writes and pickle-free reads.
+
+* :class:`ChecksumFileSystemWriter` is DCP's ``FileSystemWriter`` whose file streams compute a
+  CRC-32 and byte count of every file *while* it is written (no re-read), so the manifest can
+  record per-file checksums at zero extra I/O.
+* :class:`SafeFileSystemReader` reads DCP's ``.metadata`` with a restricted unpickler that admits
+  only DCP's own metadata classes, and :class:`SafeLoadPlanner` refuses pickled (``BYTE_IO``)
+  items, so loading a checkpoint never executes code from it. Tensor payloads are read by DCP with
+  ``torch.load(weights_only=True)``.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import threading
+import zlib
+from collections.abc import Generator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.distributed.checkpoint.metadata import Metadata
+
+from torch_ckpt.errors import CheckpointCorruptError, UnsafeCheckpointError
+
+__all__ = [
+    "ChecksumFileSystemWriter",
+    "SafeFileSystemReader",
+    "SafeLoadPlanner",
+    "read_dcp_metadata",
+    "file_crc32",
+]
+
+_CRC_CHUNK_BYTES = 16 << 20
+
+
+class _HashingStream(io.RawIOBase):
+    """Write-through file wrapper that keeps a running CRC-32 and byte count."""
+
+    def __init__(self, raw: io.BufferedWriter, on_close) -> None:
+        super().__init__()
+        self._raw = raw
+        self._on_close = on_close
+        self.crc = 0
+        self.nbytes = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b) -> int:  # type: ignore[override]
+        view = memoryview(b)
+        n = self._raw.write(view)
+        self.crc = zlib.crc32(view[:n] if n is not None and n < len(view) else view, self.crc)
+        self.nbytes += n if n is not None else len(view)
+        return n if n is not None else len(view)
+
+    def tell(self) -> int:
+        return self._raw.tell()
+
+    def fileno(self) -> int:
+        return self._raw.fileno()
+
+    def flush(self) -> None:
+        if not self._raw.closed:
+            self._raw.flush()
+
+    def close(self) -> None:
+        if not self.closed:
+            try:
+                self._raw.close()
+            finally:
+                self._on_close(self)
+                super().close()
+
+
+class _ChecksumFileSystem(FileSystem):
+    """DCP ``FileSystem`` recording ``{file name: (bytes, crc32)}`` of every file it writes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.files: dict[str, tuple[int, int]] = {}
+        self._lock = threading.Lock()
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Generator[io.IOBase, None, None]:
+        if "w" not in mode:
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        name = Path(path).name
+
+        def record(s: _HashingStream) -> None:
+            with self._lock:
+                self.files[name] = (s.nbytes, s.crc)
+
+        stream = _HashingStream(Path(path).open(mode), record)
+        try:
+            yield stream  # type: ignore[misc]
+        finally:
+            stream.close()
+
+    def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
+        super().rename(path, new_path)
+        with self._lock:
+            old, new = Path(path).name, Path(new_path).name
+            if old in self.files:
+                self.files[new] = self.files.pop(old)
+
+
+class ChecksumFileSystemWriter(FileSystemWriter):
+    """``FileSystemWriter`` that checksums while writing; see :attr:`written_files`.
+
+    Args:
+        path: local directory to write the DCP checkpoint into.
+        thread_count: writer threads per rank.
+        sync_files: fsync every file (True for a local durable commit).
+    """
+
+    def __init__(self, path: str | os.PathLike, *, thread_count: int = 1, sync_files: bool = True) -> None:
+        super().__init__(path, single_file_per_rank=True, sync_files=sync_files, thread_count=thread_count,
+                         overwrite=True)
+        self.fs = _ChecksumFileSystem()
+        self.path = self.fs.init_path(path)
+
+    @property
+    def written_files(self) -> dict[str, tuple[int, int]]:
+        """``{file name: (size in bytes, crc32)}`` of the files this rank wrote."""
+        return dict(self.fs.files)
+
+
+_ALLOWED_GLOBALS = {
+    ("torch.distributed.checkpoint.metadata", n)
+    for n in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+              "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")
+} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch.distributed.checkpoint.filesystem", "_StoragePrefix"),
+    ("torch.serialization", "_get_layout"),
+    ("torch", "Size"),
+    ("collections", "OrderedDict"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("pathlib", "PureWindowsPath"),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def __init__(self, file, source: str) -> None:
+        super().__init__(file)
+        self._source = source
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _ALLOWED_GLOBALS:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise UnsafeCheckpointError(
+            f"{self._source}: refusing to unpickle {module}.{name}; DCP metadata may only reference DCP's own "
+            "metadata classes. The file was not written by DCP or has been tampered with."
+        )
+
+
+def read_dcp_metadata(path: str | os.PathLike) -> Metadata:
+    """Read a DCP ``.metadata`` file without executing arbitrary code.
+
+    Raises:
+        UnsafeCheckpointError: the pickle references anything but DCP metadata classes.
+        CheckpointCorruptError: the file is truncated or not a DCP metadata pickle.
+    """
+    try:
+        with open(path, "rb") as f:
+            md = _MetadataUnpickler(f, str(path)).load()
+    except UnsafeCheckpointError:
+        raise
+    except (pickle.UnpicklingError, EOFError, AttributeError, ValueError, TypeError, IndexError) as exc:
+        raise CheckpointCorruptError(f"{path}: DCP metadata is unreadable ({exc!r})") from exc
+    if not isinstance(md, Metadata):
+        raise CheckpointCorruptError(f"{path}: not a DCP metadata file (got {type(md).__name__})")
+    return md
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """``FileSystemReader`` whose metadata is read with :func:`read_dcp_metadata`."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        from torch.distributed.checkpoint.metadata import StorageMeta
+
+        rank = kwargs.get("rank")
+        md = read_dcp_metadata(self._get_metadata_path(rank))
+        if getattr(md, "storage_meta", None) is None:
+            md.storage_meta = StorageMeta()
+        md.storage_meta.load_id = self.load_id
+        return md
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """Load planner that refuses pickled (``BYTE_IO``) items instead of ``torch.load(weights_only=False)``."""
+
+    def load_bytes(self, read_item, value) -> None:  # noqa: D102
+        raise UnsafeCheckpointError(
+            f"checkpoint item {read_item.dest_index.fqn!r} is a pickled object; torch-ckpt never writes those and "
+            "refuses to unpickle them. Load it with plain torch.distributed.checkpoint only if you trust the file."
+        )
+
+
+def file_crc32(path: str | os.PathLike) -> tuple[int, int]:
+    """Return ``(size in bytes, crc32)`` of a file, reading it in 16 MiB chunks."""
+    crc, size = 0, 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_CRC_CHUNK_BYTES):
+            crc = zlib.crc32(chunk, crc)
+            size += len(chunk)
+    return size, crc

@@ -1,0 +1,113 @@
+"""``DistContext``: every collective torch-ckpt performs, on its own gloo groups.
+
+Checkpoint traffic never uses the training process group (sharing it with NCCL training
+collectives or with a background thread deadlocks). Two gloo groups are created collectively when
+the manager is built: ``fg`` for decisions taken on the caller's thread (which step to restore,
+whether to save) and ``bg`` for the background writer (DCP plan exchange, commit agreement). Each
+thread therefore issues its collectives on its own group in the same order on every rank. Without
+an initialised process group every operation is a local no-op.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import warnings
+from typing import Any
+
+import torch.distributed as dist
+
+from torch_ckpt.errors import CheckpointError, CheckpointTimeoutError
+
+__all__ = ["DistContext", "single_process_quiet"]
+
+
+@contextlib.contextmanager
+def single_process_quiet(active: bool):
+    """Silence DCP's "assuming the intent is to save/load in a single process" warning.
+
+    torch-ckpt passes ``no_dist=True`` on purpose when no process group exists, so the warning
+    carries no information. Only that message is filtered, only around the call.
+    """
+    if not active:
+        yield
+        return
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"torch\.distributed is (disabled, )?unavailable or uninitialized")
+        yield
+
+
+class DistContext:
+    """Rank, world size and the checkpoint process groups.
+
+    Args:
+        timeout_seconds: how long a checkpoint collective may wait for the other ranks before
+            failing with :class:`CheckpointTimeoutError` (seconds).
+        process_group: the group whose ranks take part (default: the world).
+    """
+
+    def __init__(self, *, timeout_seconds: float = 600.0, process_group: Any = None) -> None:
+        self.enabled = dist.is_available() and dist.is_initialized()
+        self.timeout_seconds = float(timeout_seconds)
+        self.fg = self.bg = None
+        if self.enabled:
+            ranks = None if process_group is None else dist.get_process_group_ranks(process_group)
+            timeout = datetime.timedelta(seconds=self.timeout_seconds)
+            self.fg = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout)
+            self.bg = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout)
+            self.rank = dist.get_rank(self.fg)
+            self.world_size = dist.get_world_size(self.fg)
+        else:
+            self.rank, self.world_size = 0, 1
+
+    @property
+    def is_coordinator(self) -> bool:
+        """True on the rank that writes the manifest and runs retention (rank 0)."""
+        return self.rank == 0
+
+    def _wrap(self, fn, what: str):
+        try:
+            return fn()
+        except RuntimeError as exc:  # gloo reports timeouts and peer loss as RuntimeError
+            msg = str(exc)
+            if "timed out" in msg.lower() or "timeout" in msg.lower():
+                raise CheckpointTimeoutError(
+                    f"checkpoint {what} timed out after {self.timeout_seconds:.0f} s waiting for other ranks "
+                    "(did every rank call the same checkpoint method?)") from exc
+            raise CheckpointError(f"checkpoint {what} failed across ranks: {msg}") from exc
+
+    def broadcast(self, obj: Any, *, background: bool = False, what: str = "broadcast") -> Any:
+        """Return rank 0's ``obj`` on every rank."""
+        if not self.enabled:
+            return obj
+        box = [obj]
+        group = self.bg if background else self.fg
+        self._wrap(lambda: dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group), what)
+        return box[0]
+
+    def all_gather(self, obj: Any, *, background: bool = False, what: str = "all-gather") -> list[Any]:
+        """Return ``[obj of rank 0, obj of rank 1, ...]`` on every rank."""
+        if not self.enabled:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        group = self.bg if background else self.fg
+        self._wrap(lambda: dist.all_gather_object(out, obj, group=group), what)
+        return out
+
+    def barrier(self, *, background: bool = False, what: str = "barrier") -> None:
+        """Wait for every rank."""
+        if self.enabled:
+            group = self.bg if background else self.fg
+            self._wrap(lambda: dist.barrier(group=group), what)
+
+    def destroy(self) -> None:
+        """Release the checkpoint groups."""
+        if self.enabled and dist.is_initialized():
+            for g in (self.fg, self.bg):
+                if g is not None:
+                    try:
+                        dist.destroy_process_group(g)
+                    except (RuntimeError, ValueError):
+                        pass
+        self.fg = self.bg = None
+        self.enabled = False

@@ -1,0 +1,137 @@
+"""Duration strings: ``8h``, ``15m``, ``2s``, ``1.5d``, ``250ms``, ``1h30m`` or plain seconds.
+
+Every option of torch-ckpt that takes a time (MTBF, save cost, intervals) accepts the forms
+parsed here, in Python and on the command line. Parsing is unit-aware only; whether zero or a
+negative value makes sense is up to the caller, which knows what the value means.
+
+Example:
+    >>> parse_duration("1.5d")
+    129600.0
+    >>> format_duration(339.41)
+    '5.66 min'
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+__all__ = ["parse_duration", "format_duration", "DURATION_FORMS"]
+
+#: Seconds per unit suffix (lower case). ``m`` is minutes; milliseconds are ``ms``.
+_UNIT_SECONDS: dict[str, float] = {
+    "ms": 1e-3,
+    "s": 1.0,
+    "sec": 1.0,
+    "secs": 1.0,
+    "m": 60.0,
+    "min": 60.0,
+    "mins": 60.0,
+    "h": 3600.0,
+    "hr": 3600.0,
+    "hrs": 3600.0,
+    "d": 86400.0,
+    "day": 86400.0,
+    "days": 86400.0,
+    "w": 604800.0,
+}
+
+#: Human-readable summary of the accepted forms, used in error messages and ``--help``.
+DURATION_FORMS = (
+    "a number of seconds (e.g. 90 or 2.5) or a number with a unit: ms, s, m/min, h, d, w "
+    "(e.g. 250ms, 2s, 15m, 8h, 1.5d), optionally combined (1h30m)"
+)
+
+_NUMBER = r"(?:\d+(?:\.\d*)?|\.\d+)(?:e[+-]?\d+)?"
+_PART = re.compile(rf"\s*({_NUMBER})\s*([a-z]+)\s*")
+_SIGN = re.compile(r"^\s*([+-]?)(.*)$", re.DOTALL)
+
+
+def parse_duration(value: str | float | int) -> float:
+    """Convert a duration to seconds.
+
+    Args:
+        value: An ``int`` or ``float`` (already seconds), or a string: a plain number of seconds
+            (``"90"``, ``"1e3"``) or one or more ``<number><unit>`` parts (``"8h"``, ``"1h30m"``,
+            ``"250ms"``), units as in :data:`DURATION_FORMS`; case and surrounding spaces are
+            ignored, a leading sign applies to the whole value.
+
+    Returns:
+        The duration in seconds (may be zero or negative; callers reject what they cannot use).
+
+    Raises:
+        ValueError: If the string is empty, not a valid duration, or not finite (``inf``,
+            ``nan``). The message repeats the bad string and lists the accepted forms.
+        TypeError: If ``value`` is not a ``str``, ``int`` or ``float`` (``bool`` is rejected).
+    """
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+        raise TypeError(f"duration must be a str, int or float, got {type(value).__name__}: {value!r}")
+    if not isinstance(value, str):
+        seconds = float(value)
+        if not math.isfinite(seconds):
+            raise ValueError(f"duration must be finite, got {value!r}")
+        return seconds
+    text = value.strip().lower()
+    seconds = _parse_text(text)
+    if seconds is None:
+        raise ValueError(f"invalid duration {value!r}: expected {DURATION_FORMS}")
+    return seconds
+
+
+def _parse_text(text: str) -> float | None:
+    """Parse a stripped, lower-cased duration string; ``None`` if it is not one."""
+    if not text:
+        return None
+    if re.fullmatch(rf"[+-]?{_NUMBER}", text):
+        return float(text)
+    sign_match = _SIGN.match(text)
+    assert sign_match is not None  # the pattern matches any string
+    sign, body = sign_match.groups()
+    total = 0.0
+    pos = 0
+    for part in _PART.finditer(body):
+        if part.start() != pos:
+            return None
+        number, unit = part.groups()
+        if unit not in _UNIT_SECONDS:
+            return None
+        total += float(number) * _UNIT_SECONDS[unit]
+        pos = part.end()
+    if pos == 0 or pos != len(body) or not math.isfinite(total):
+        return None
+    return -total if sign == "-" else total
+
+
+def format_duration(seconds: float) -> str:
+    """Render seconds for humans with three significant digits and the largest fitting unit.
+
+    The result parses back with :func:`parse_duration` (to within the rounding).
+
+    Args:
+        seconds: The duration in seconds; may be negative or infinite.
+
+    Returns:
+        For example ``"250 ms"``, ``"2 s"``, ``"5.66 min"``, ``"1.95 h"``, ``"1.5 d"``, ``"inf"``.
+
+    Raises:
+        ValueError: If ``seconds`` is NaN.
+    """
+    seconds = float(seconds)
+    if math.isnan(seconds):
+        raise ValueError("cannot format a NaN duration")
+    if math.isinf(seconds):
+        return "inf" if seconds > 0 else "-inf"
+    sign = "-" if seconds < 0 else ""
+    magnitude = abs(seconds)
+    if magnitude == 0:
+        return "0 s"
+    for limit, unit, scale in (
+        (1.0, "ms", 1e-3),
+        (60.0, "s", 1.0),
+        (3600.0, "min", 60.0),
+        (86400.0, "h", 3600.0),
+    ):
+        # Compare after rounding so 59.999 s prints as "1 min", not "60 s".
+        if float(f"{magnitude / scale:.3g}") * scale < limit:
+            return f"{sign}{magnitude / scale:.3g} {unit}"
+    return f"{sign}{magnitude / 86400.0:.3g} d"

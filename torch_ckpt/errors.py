@@ -1,0 +1,74 @@
+"""Exception tree of torch-ckpt.
+
+Every error the library raises on purpose derives from :class:`CheckpointError`; each subclass
+also inherits the builtin a caller would naturally catch, so ``except OSError`` or
+``except FileNotFoundError`` keeps working::
+
+    CheckpointError(Exception)
+    ├── CheckpointNotFoundError(CheckpointError, FileNotFoundError)  no such checkpoint / root
+    ├── CheckpointCorruptError(CheckpointError, ValueError)          checksum, size or structure mismatch
+    ├── UnsafeCheckpointError(CheckpointError, ValueError)           would need arbitrary unpickling
+    ├── StateMismatchError(CheckpointError, KeyError)                live state and checkpoint keys differ
+    ├── CheckpointWriteError(CheckpointError, OSError)               a save failed (disk full, permission...)
+    ├── CheckpointTimeoutError(CheckpointError, TimeoutError)        ranks did not agree in time
+    └── ConfigError(CheckpointError, ValueError)                     invalid argument or configuration
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CheckpointError",
+    "CheckpointNotFoundError",
+    "CheckpointCorruptError",
+    "UnsafeCheckpointError",
+    "StateMismatchError",
+    "CheckpointWriteError",
+    "CheckpointTimeoutError",
+    "ConfigError",
+]
+
+
+class CheckpointError(Exception):
+    """Base class of every error raised by torch-ckpt."""
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """A checkpoint root, step or file does not exist (or is not a committed checkpoint)."""
+
+
+class CheckpointCorruptError(CheckpointError, ValueError):
+    """A committed checkpoint fails its checksum, size or structure checks."""
+
+
+class UnsafeCheckpointError(CheckpointError, ValueError):
+    """Loading would require unpickling arbitrary objects; refused."""
+
+
+class StateMismatchError(CheckpointError, KeyError):
+    """The live state and the checkpoint do not have the same keys (or shapes).
+
+    Attributes:
+        missing: keys the live state expects but the checkpoint lacks.
+        unexpected: keys the checkpoint has but the live state does not.
+    """
+
+    def __init__(self, message: str, *, missing: list[str] | None = None, unexpected: list[str] | None = None):
+        super().__init__(message)
+        self.message = message
+        self.missing = list(missing or [])
+        self.unexpected = list(unexpected or [])
+
+    def __str__(self) -> str:  # KeyError would otherwise repr() the message
+        return self.message
+
+
+class CheckpointWriteError(CheckpointError, OSError):
+    """Persisting a checkpoint failed; the step was not committed."""
+
+
+class CheckpointTimeoutError(CheckpointError, TimeoutError):
+    """Ranks did not reach a checkpoint agreement point within the configured timeout."""
+
+
+class ConfigError(CheckpointError, ValueError):
+    """An argument or configuration value is invalid."""

@@ -1,0 +1,78 @@
+"""``SaveHandle``: what an asynchronous save returns (two futures and per-save statistics)."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from dataclasses import asdict, dataclass
+
+__all__ = ["SaveHandle", "SaveStats"]
+
+
+@dataclass(kw_only=True)
+class SaveStats:
+    """Per-save measurements (seconds and bytes). Filled in as the save progresses.
+
+    Attributes:
+        step: training step saved.
+        bytes: tensor bytes this rank staged.
+        blocking_s: time ``save()`` held the caller (includes ``wait_for_previous_s``).
+        wait_for_previous_s: part of ``blocking_s`` spent waiting for the previous save.
+        staging_s: device/host copy into the reusable host buffers.
+        persist_s: background write + commit time (from staged to committed).
+        total_s: from the ``save()`` call until committed.
+        files_bytes: bytes of all files of the committed checkpoint (all ranks).
+        mode: "async", "sync" or "sync-over-budget".
+    """
+
+    step: int
+    bytes: int = 0
+    blocking_s: float = 0.0
+    wait_for_previous_s: float = 0.0
+    staging_s: float = 0.0
+    persist_s: float = 0.0
+    total_s: float = 0.0
+    files_bytes: int = 0
+    mode: str = "async"
+
+    @property
+    def gb_per_s(self) -> float:
+        """Throughput of the whole save in GB/s (10^9 bytes), ``bytes / total_s``."""
+        return self.bytes / self.total_s / 1e9 if self.total_s > 0 else 0.0
+
+    def as_dict(self) -> dict:
+        """Plain dict (for loggers and trackers), including ``gb_per_s``."""
+        d = asdict(self)
+        d["gb_per_s"] = self.gb_per_s
+        return d
+
+
+class SaveHandle:
+    """Handle of one save.
+
+    Attributes:
+        step: the step being saved.
+        staged: future resolved (with None) once the state has been copied off the live tensors;
+            training may then mutate them.
+        committed: future resolved (with the committed directory path, a str) once the checkpoint is
+            durable and listed; it raises the save's error if persisting failed.
+        stats: :class:`SaveStats`, complete once ``committed`` is done.
+    """
+
+    def __init__(self, step: int, staged: Future, committed: Future, stats: SaveStats) -> None:
+        self.step = step
+        self.staged = staged
+        self.committed = committed
+        self.stats = stats
+
+    def done(self) -> bool:
+        """True once the save is committed or failed."""
+        return self.committed.done()
+
+    def wait(self, timeout: float | None = None) -> str:
+        """Block until committed; returns the checkpoint path or raises the save's error."""
+        return self.committed.result(timeout)
+
+    def __repr__(self) -> str:
+        state = "committed" if self.committed.done() and not self.committed.exception() else (
+            "failed" if self.committed.done() else ("staged" if self.staged.done() else "staging"))
+        return f"SaveHandle(step={self.step}, {state})"

@@ -1,0 +1,245 @@
+"""On-disk layout, manifest and atomic commit of a checkpoint root (a local directory).
+
+Layout of a run root::
+
+    ROOT/
+      step_000000100/            committed checkpoint (DCP files + per-rank JSON + manifest.json)
+        .metadata                DCP global metadata (pickle, read with a restricted unpickler)
+        __0_0.distcp ...         tensor shards, one file per rank and writer thread
+        rank_00000.json ...      non-tensor state of each rank (types preserved, no pickle)
+        manifest.json            written last: step, world size, files with sizes and CRC-32
+      .step_000000110.tmp/       a save in progress; never listed, removed on the next start
+
+Commit protocol (crash-safe at every instant): all files are written and fsynced inside the
+temporary sibling, ``manifest.json`` is written and fsynced, the temporary directory is fsynced,
+renamed to its final name (atomic on POSIX), and the root is fsynced. A directory with a final
+name therefore always holds a complete checkpoint; ordering always uses the manifest's integer
+step, never string order.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from torch_ckpt.errors import CheckpointCorruptError, CheckpointNotFoundError, CheckpointWriteError
+
+__all__ = [
+    "FORMAT_VERSION",
+    "Manifest",
+    "step_dir_name",
+    "tmp_dir_name",
+    "scan_committed",
+    "read_manifest",
+    "write_json_durable",
+    "fsync_dir",
+    "commit_dir",
+    "clean_stale_temporaries",
+    "check_root",
+]
+
+log = logging.getLogger(__name__)
+
+FORMAT_NAME = "torch-ckpt"
+FORMAT_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+_STEP_RE = re.compile(r"^step_(\d+)$")
+_TMP_RE = re.compile(r"^\.step_(\d+)\.tmp$")
+
+
+def step_dir_name(step: int) -> str:
+    """Final directory name of ``step`` (zero-padded; ordering still uses the manifest step)."""
+    return f"step_{step:09d}"
+
+
+def tmp_dir_name(step: int) -> str:
+    """Temporary sibling directory name used while ``step`` is being written."""
+    return f".step_{step:09d}.tmp"
+
+
+def rank_file_name(rank: int) -> str:
+    """Per-rank JSON file holding that rank's non-tensor state."""
+    return f"rank_{rank:05d}.json"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Manifest:
+    """What ``manifest.json`` records about one committed checkpoint.
+
+    Attributes:
+        step: training step (int).
+        world_size: number of ranks that wrote it.
+        files: ``{file name: {"bytes": int, "crc32": int}}`` for every file except the manifest.
+        wall_time: Unix time (seconds) of the commit.
+        torch_version: ``torch.__version__`` of the writer.
+        tensor_bytes: bytes of tensor payload saved (all ranks, after deduplication).
+        timings: seconds spent per phase (``staging_s``, ``persist_s``, ...).
+        format_version: on-disk format version.
+    """
+
+    step: int
+    world_size: int
+    files: dict[str, dict[str, int]]
+    wall_time: float = field(default_factory=time.time)
+    torch_version: str = field(default_factory=lambda: torch.__version__)
+    tensor_bytes: int = 0
+    timings: dict[str, float] = field(default_factory=dict)
+    format_version: int = FORMAT_VERSION
+
+    def to_json(self) -> dict[str, Any]:
+        """Return the JSON object written to disk."""
+        return {"format": FORMAT_NAME, "format_version": self.format_version, "step": self.step,
+                "wall_time": self.wall_time, "world_size": self.world_size, "torch_version": self.torch_version,
+                "tensor_bytes": self.tensor_bytes, "timings": self.timings, "files": self.files}
+
+    @classmethod
+    def from_json(cls, data: Any, source: str) -> Manifest:
+        """Parse a manifest object; raises :class:`CheckpointCorruptError` naming ``source``."""
+        try:
+            if data.get("format") != FORMAT_NAME:
+                raise ValueError(f"format is {data.get('format')!r}, expected {FORMAT_NAME!r}")
+            if int(data["format_version"]) > FORMAT_VERSION:
+                raise ValueError(f"format_version {data['format_version']} is newer than this torch-ckpt supports "
+                                 f"({FORMAT_VERSION}); upgrade torch-ckpt")
+            files = {str(k): {"bytes": int(v["bytes"]), "crc32": int(v["crc32"])} for k, v in data["files"].items()}
+            return cls(step=int(data["step"]), world_size=int(data["world_size"]), files=files,
+                       wall_time=float(data["wall_time"]), torch_version=str(data["torch_version"]),
+                       tensor_bytes=int(data.get("tensor_bytes", 0)), timings=dict(data.get("timings", {})),
+                       format_version=int(data["format_version"]))
+        except (AttributeError, KeyError, TypeError, ValueError) as exc:
+            raise CheckpointCorruptError(f"{source}: invalid manifest ({exc})") from exc
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    """fsync a directory so renames and new entries in it are durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_json_durable(path: str | os.PathLike, obj: Any) -> tuple[int, int]:
+    """Write ``obj`` as JSON and fsync it. Returns ``(bytes, crc32)`` of what was written."""
+    import zlib
+
+    data = json.dumps(obj, separators=(",", ":"), allow_nan=True).encode()
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    return len(data), zlib.crc32(data)
+
+
+def read_manifest(step_dir: str | os.PathLike) -> Manifest:
+    """Read and validate ``step_dir/manifest.json``.
+
+    Raises:
+        CheckpointNotFoundError: the manifest does not exist.
+        CheckpointCorruptError: it is not valid JSON or not a torch-ckpt manifest.
+    """
+    path = Path(step_dir) / MANIFEST_NAME
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError as exc:
+        raise CheckpointNotFoundError(f"{path} does not exist: {step_dir} is not a committed torch-ckpt checkpoint") from exc
+    try:
+        data = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointCorruptError(f"{path}: manifest is not valid JSON ({exc})") from exc
+    return Manifest.from_json(data, str(path))
+
+
+def check_root(root: Path, *, create: bool) -> None:
+    """Validate a checkpoint root; optionally create it.
+
+    Raises:
+        CheckpointWriteError: the root exists but is not a directory, or cannot be created.
+        CheckpointNotFoundError: ``create`` is False and the root does not exist.
+    """
+    if root.exists() and not root.is_dir():
+        raise CheckpointWriteError(f"checkpoint root {root} exists but is not a directory; pass a directory path")
+    if not root.exists():
+        if not create:
+            raise CheckpointNotFoundError(f"checkpoint root {root} does not exist")
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise CheckpointWriteError(exc.errno, f"cannot create checkpoint root {root}: {exc.strerror}; "
+                                       "choose a writable location") from exc
+
+
+def scan_committed(root: str | os.PathLike) -> dict[int, Path]:
+    """Return ``{step: directory}`` of committed checkpoints under ``root`` (manifest step wins).
+
+    Directories with a final name but an unreadable manifest are skipped with a warning; temporary
+    directories are never returned.
+    """
+    root = Path(root)
+    found: dict[int, Path] = {}
+    if not root.is_dir():
+        return found
+    for entry in root.iterdir():
+        m = _STEP_RE.match(entry.name)
+        if not m or not entry.is_dir():
+            continue
+        try:
+            manifest = read_manifest(entry)
+        except (CheckpointNotFoundError, CheckpointCorruptError) as exc:
+            log.warning("ignoring %s: %s", entry, exc)
+            continue
+        if manifest.step != int(m.group(1)):
+            log.warning("ignoring %s: manifest says step %d", entry, manifest.step)
+            continue
+        found[manifest.step] = entry
+    return dict(sorted(found.items()))
+
+
+def commit_dir(tmp: Path, final: Path) -> None:
+    """Atomically publish ``tmp`` as ``final`` (fsync tmp, rename, fsync parent).
+
+    Raises:
+        CheckpointWriteError: ``final`` already exists or the rename fails.
+    """
+    fsync_dir(tmp)
+    if final.exists():
+        raise CheckpointWriteError(f"{final} already exists; a checkpoint for this step is already committed")
+    try:
+        os.rename(tmp, final)
+    except OSError as exc:
+        raise CheckpointWriteError(exc.errno, f"cannot commit {tmp} -> {final}: {exc.strerror}") from exc
+    fsync_dir(final.parent)
+
+
+def clean_stale_temporaries(root: str | os.PathLike) -> list[Path]:
+    """Remove temporary step directories left by a crashed save. Returns what was removed."""
+    removed = []
+    root = Path(root)
+    if not root.is_dir():
+        return removed
+    for entry in root.iterdir():
+        if _TMP_RE.match(entry.name) or entry.name.startswith(".trash_step_"):
+            shutil.rmtree(entry, ignore_errors=True)
+            removed.append(entry)
+    if removed:
+        log.info("removed %d stale temporary checkpoint dir(s) under %s", len(removed), root)
+    return removed
+
+
+def remove_step_dir(path: Path) -> None:
+    """Delete a committed checkpoint so that no partial one is ever visible under a final name.
+
+    The directory is first renamed to a hidden trash name (atomic), then removed.
+    """
+    trash = path.with_name(f".trash_{path.name}")
+    os.rename(path, trash)
+    shutil.rmtree(trash, ignore_errors=True)

@@ -1,0 +1,136 @@
+"""Persisting one staged checkpoint: DCP shard writes, per-rank JSON, manifest, atomic commit.
+
+:func:`persist_checkpoint` runs on every rank (in the background writer thread, or inline for
+synchronous saves). It only uses the background gloo group of :class:`~torch_ckpt.dist.DistContext`,
+and every rank takes part in every collective even when its own part failed, so one failing rank
+makes the save fail on all ranks instead of hanging them.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+from torch_ckpt.dcp_io import ChecksumFileSystemWriter
+from torch_ckpt.dist import DistContext, single_process_quiet
+from torch_ckpt.errors import CheckpointError, CheckpointWriteError
+from torch_ckpt.layout import (
+    Manifest,
+    commit_dir,
+    rank_file_name,
+    step_dir_name,
+    tmp_dir_name,
+    write_json_durable,
+)
+
+__all__ = ["PersistRequest", "persist_checkpoint"]
+
+
+@dataclass
+class PersistRequest:
+    """Everything the writer needs for one step (tensors already staged off the live state)."""
+
+    root: Path
+    step: int
+    tensors: dict[str, torch.Tensor]
+    tree: Any
+    tensor_bytes: int
+    thread_count: int = 1
+    timings: dict[str, float] | None = None
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _as_write_error(exc: BaseException, where: Path) -> CheckpointError:
+    if isinstance(exc, CheckpointError):
+        return exc
+    if isinstance(exc, OSError) and exc.errno is not None:
+        hint = {28: "the disk is full; free space or lower keep_last", 13: "permission denied; fix permissions",
+                30: "the file system is read-only; choose a writable directory"}.get(exc.errno, "check the location")
+        return CheckpointWriteError(exc.errno, f"writing checkpoint into {where} failed: {exc.strerror} ({hint})")
+    return CheckpointWriteError(f"writing checkpoint into {where} failed: {_describe(exc)}")
+
+
+def persist_checkpoint(req: PersistRequest, ctx: DistContext) -> Path:
+    """Write, verify agreement and commit one checkpoint; collective over ``ctx``'s background group.
+
+    Returns:
+        The committed directory (same on every rank).
+
+    Raises:
+        CheckpointWriteError: this or another rank failed; nothing was committed.
+    """
+    tmp = req.root / tmp_dir_name(req.step)
+    final = req.root / step_dir_name(req.step)
+    error: BaseException | None = None
+    if ctx.is_coordinator:
+        try:
+            if final.exists():
+                raise CheckpointWriteError(f"{final} already exists; step {req.step} is already committed")
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            tmp.mkdir(parents=True)
+        except BaseException as exc:  # noqa: BLE001 - reported to every rank below
+            error = exc
+    ok = ctx.broadcast(error is None and "ok" or _describe(error), background=True, what="prepare")
+    if ok != "ok":
+        raise _as_write_error(error, tmp) if error is not None else CheckpointWriteError(
+            f"rank 0 could not prepare {tmp}: {ok}")
+
+    t0 = time.monotonic()
+    files: dict[str, dict[str, int]] = {}
+    try:
+        writer = ChecksumFileSystemWriter(tmp, thread_count=req.thread_count, sync_files=True)
+        with single_process_quiet(not ctx.enabled):
+            dcp.save(req.tensors, storage_writer=writer, planner=DefaultSavePlanner(),
+                     process_group=ctx.bg if ctx.enabled else None, no_dist=not ctx.enabled)
+        rank_doc = {"step": req.step, "rank": ctx.rank, "world_size": ctx.world_size, "tree": req.tree}
+        size, crc = write_json_durable(tmp / rank_file_name(ctx.rank), rank_doc)
+        files = {name: {"bytes": b, "crc32": c} for name, (b, c) in writer.written_files.items()}
+        files[rank_file_name(ctx.rank)] = {"bytes": size, "crc32": crc}
+    except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException derives from BaseException
+        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            raise
+        error = exc
+    gathered = ctx.all_gather((None if error is None else _describe(error), files), background=True,
+                              what="shard write agreement")
+    failures = [f"rank {r}: {msg}" for r, (msg, _) in enumerate(gathered) if msg]
+    write_s = time.monotonic() - t0
+
+    commit_error: str | None = None
+    if ctx.is_coordinator:
+        if failures:
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            try:
+                all_files: dict[str, dict[str, int]] = {}
+                for _, f in gathered:
+                    all_files.update(f)
+                timings = dict(req.timings or {})
+                timings["write_s"] = write_s
+                manifest = Manifest(step=req.step, world_size=ctx.world_size, files=dict(sorted(all_files.items())),
+                                    tensor_bytes=req.tensor_bytes, timings=timings)
+                write_json_durable(tmp / "manifest.json", manifest.to_json())
+                commit_dir(tmp, final)
+            except BaseException as exc:  # noqa: BLE001
+                commit_error = _describe(exc)
+                error = error or exc
+                shutil.rmtree(tmp, ignore_errors=True)
+    outcome = ctx.broadcast(("failed", failures) if failures else (("commit-failed", commit_error) if commit_error
+                                                                    else ("ok", None)),
+                            background=True, what="commit")
+    if outcome[0] == "ok":
+        return final
+    if error is not None:
+        raise _as_write_error(error, tmp)
+    detail = "; ".join(outcome[1]) if isinstance(outcome[1], list) else str(outcome[1])
+    raise CheckpointWriteError(f"checkpoint step {req.step} was not committed: {detail}")

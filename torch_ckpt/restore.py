@@ -1,0 +1,164 @@
+"""Loading a committed checkpoint into a live state, in place, without unpickling.
+
+Steps (every rank): verify the files of the checkpoint against the manifest (sizes always, CRC-32
+when ``verify``; the work is split over ranks), read this rank's JSON tree, check that the live
+state and the checkpoint have the same tensor keys and shapes, let DCP load the tensors in place
+(resharding to the live layout), rebuild the nested state and hand it to ``load_state_dict``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping, MutableMapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from torch_ckpt.codec import TENSOR_TAG, join_state, split_state
+from torch_ckpt.dcp_io import SafeFileSystemReader, SafeLoadPlanner, file_crc32, read_dcp_metadata
+from torch_ckpt.dist import DistContext, single_process_quiet
+from torch_ckpt.errors import CheckpointCorruptError, CheckpointError, ConfigError, StateMismatchError
+from torch_ckpt.layout import Manifest, rank_file_name
+
+__all__ = ["verify_files", "load_into", "RANK_LOCAL_POLICIES"]
+
+log = logging.getLogger(__name__)
+
+RANK_LOCAL_POLICIES = ("error", "keep_live")
+
+
+def verify_files(step_dir: Path, manifest: Manifest, *, checksums: bool, part: int = 0, parts: int = 1) -> None:
+    """Check every file listed in the manifest (this rank's share when ``parts`` > 1).
+
+    Raises:
+        CheckpointCorruptError: a file is missing, has the wrong size or the wrong CRC-32; the
+            message names the file.
+    """
+    for i, (name, info) in enumerate(sorted(manifest.files.items())):
+        if i % parts != part:
+            continue
+        path = step_dir / name
+        if not path.is_file():
+            raise CheckpointCorruptError(f"{path}: file listed in the manifest is missing")
+        size = path.stat().st_size
+        if size != info["bytes"]:
+            raise CheckpointCorruptError(f"{path}: size {size} bytes, manifest says {info['bytes']} (truncated?)")
+        if checksums:
+            _, crc = file_crc32(path)
+            if crc != info["crc32"]:
+                raise CheckpointCorruptError(f"{path}: CRC-32 {crc:#010x} does not match the manifest "
+                                             f"({info['crc32']:#010x}); the file is corrupt")
+
+
+def _tensor_keys(tree: Any) -> set[str]:
+    keys: set[str] = set()
+
+    def walk(node: Any) -> None:
+        if isinstance(node, dict):
+            if len(node) == 1 and TENSOR_TAG in node:
+                keys.add(node[TENSOR_TAG])
+                return
+            for v in node.values():
+                walk(v)
+        elif isinstance(node, list):
+            for v in node:
+                walk(v)
+
+    walk(tree)
+    return keys
+
+
+def _read_rank_tree(step_dir: Path, rank: int) -> Any:
+    path = step_dir / rank_file_name(rank)
+    try:
+        doc = json.loads(path.read_bytes())
+        return doc["tree"]
+    except FileNotFoundError as exc:
+        raise CheckpointCorruptError(f"{path}: per-rank state file is missing") from exc
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CheckpointCorruptError(f"{path}: per-rank state file is unreadable ({exc})") from exc
+
+
+def _assign(target: MutableMapping, loaded: Mapping) -> None:
+    for k, v in loaded.items():
+        if isinstance(v, Mapping) and isinstance(target.get(k), MutableMapping):
+            _assign(target[k], v)
+        elif isinstance(v, torch.Tensor) and isinstance(target.get(k), torch.Tensor):
+            continue  # loaded in place by DCP
+        else:
+            target[k] = v
+
+
+def load_into(state: Any, step_dir: Path, manifest: Manifest, ctx: DistContext, *, verify: bool,
+              on_world_size_change: str = "error") -> None:
+    """Load ``step_dir`` into ``state`` (a ``Stateful`` or a mutable dict) in place.
+
+    Raises:
+        CheckpointCorruptError: files fail verification or the structure is inconsistent.
+        StateMismatchError: tensor keys or shapes differ (lists missing and unexpected keys).
+        ConfigError: the world size changed and ``on_world_size_change`` is "error".
+    """
+    if on_world_size_change not in RANK_LOCAL_POLICIES:
+        raise ConfigError(f"on_world_size_change must be one of {RANK_LOCAL_POLICIES}, got {on_world_size_change!r}")
+    err = None
+    try:
+        verify_files(step_dir, manifest, checksums=verify, part=ctx.rank, parts=ctx.world_size)
+    except CheckpointError as exc:
+        err = exc
+    errors = [e for e in ctx.all_gather(None if err is None else str(err), what="verify") if e]
+    if err is not None:
+        raise err
+    if errors:
+        raise CheckpointCorruptError(f"{step_dir}: verification failed on another rank: {errors[0]}")
+
+    live_sd = state.state_dict() if hasattr(state, "state_dict") else state
+    rank_local = tuple(getattr(state, "rank_local_keys", ()))
+    live_tensors, live_tree = split_state(live_sd, rank_local_keys=rank_local)
+
+    same_world = manifest.world_size == ctx.world_size
+    if not same_world and rank_local and on_world_size_change == "error":
+        raise ConfigError(
+            f"{step_dir} was saved with world size {manifest.world_size}, this run has {ctx.world_size}: the "
+            f"rank-local state {list(rank_local)} (RNG, dataloader position) cannot be mapped to the new ranks. "
+            "Pass on_world_size_change='keep_live' to CheckpointManager to keep this run's own rank-local state.")
+    tree = _read_rank_tree(step_dir, ctx.rank if same_world else 0)
+    if not same_world:
+        for key in rank_local:
+            if isinstance(live_tree, dict) and key in live_tree:
+                tree[key] = live_tree[key]
+
+    saved_keys = _tensor_keys(tree)
+    missing = sorted(set(live_tensors) - saved_keys)
+    unexpected = sorted(saved_keys - set(live_tensors))
+    if missing or unexpected:
+        raise StateMismatchError(
+            f"{step_dir}: state does not match the checkpoint. Missing from checkpoint: {missing[:20]}"
+            f"{' ...' if len(missing) > 20 else ''}; unexpected in checkpoint: {unexpected[:20]}"
+            f"{' ...' if len(unexpected) > 20 else ''}. Build the same model/optimizer as the saved run.",
+            missing=missing, unexpected=unexpected)
+    md = read_dcp_metadata(step_dir / ".metadata")
+    bad = []
+    for key, t in live_tensors.items():
+        smd = md.state_dict_metadata.get(key)
+        if smd is None or not hasattr(smd, "size"):
+            raise CheckpointCorruptError(f"{step_dir}: tensor {key!r} is listed in the state but not in DCP metadata")
+        if tuple(smd.size) != tuple(t.shape):
+            bad.append(f"{key}: checkpoint {tuple(smd.size)} vs live {tuple(t.shape)}")
+    if bad:
+        raise StateMismatchError(f"{step_dir}: tensor shapes differ: {bad[:20]}", missing=[], unexpected=[])
+
+    if live_tensors:
+        with single_process_quiet(not ctx.enabled):
+            dcp.load(live_tensors, storage_reader=SafeFileSystemReader(step_dir), planner=SafeLoadPlanner(),
+                     process_group=ctx.fg if ctx.enabled else None, no_dist=not ctx.enabled)
+    full = join_state(tree, live_tensors)
+    if hasattr(state, "load_state_dict"):
+        state.load_state_dict(full)
+    elif isinstance(state, MutableMapping):
+        _assign(state, full)
+    else:
+        raise ConfigError(f"cannot restore into a {type(state).__name__}: pass a dict or an object with "
+                          "state_dict()/load_state_dict()")

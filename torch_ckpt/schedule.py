@@ -1,0 +1,493 @@
+"""When to save: pure save policies (no I/O, no process group; the clock is passed in).
+
+Call contract (the manager's side), for every training step ``step`` (the optimizer step just
+completed) at monotonic time ``now_s`` seconds:
+
+1. ``policy.record_step(step, now_s)``: once per step, so policies can measure the step time.
+2. ``policy.should_save(step, now_s)``: ``True`` means "save at this step", and the policy takes
+   it as a save starting now. Asking again for the same step returns the same answer.
+3. After each save, whatever triggered it: ``policy.record_save(step, blocking_s=...,
+   durable_after_s=..., slowdown_s=..., now_s=...)``, once the blocking part has ended
+   (``durable_after_s=None`` if durability is not known yet). It may be called a second time for
+   the same step when the save becomes durable or its slowdown is measured; that call replaces
+   the first one's measurements instead of counting the save twice.
+4. ``policy.describe()``: the inputs and outputs of the last decision, for logging.
+
+Policies are not thread-safe: calls must be serialised (for example under the manager's lock
+when a background thread reports durability). Decisions depend only on the arguments received,
+so every rank fed the same inputs decides the same; in practice rank 0 decides and broadcasts,
+because ``now_s`` and measured costs differ between ranks.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Protocol, runtime_checkable
+
+from torch_ckpt.durations import parse_duration
+from torch_ckpt.interval import FORMULAS, expected_lost_work, expected_overhead
+
+__all__ = ["SavePolicy", "EveryNSteps", "EveryNSeconds", "YoungDaly", "AnyOf"]
+
+
+@runtime_checkable
+class SavePolicy(Protocol):
+    """Decides at which steps to save; see the module docstring for the call order."""
+
+    def should_save(self, step: int, now_s: float) -> bool:
+        """Whether to save after optimizer step ``step``, at monotonic time ``now_s`` seconds."""
+        ...
+
+    def record_step(self, step: int, now_s: float) -> None:
+        """Note that optimizer step ``step`` completed at monotonic time ``now_s`` seconds."""
+        ...
+
+    def record_save(
+        self,
+        step: int,
+        *,
+        blocking_s: float,
+        durable_after_s: float | None,
+        slowdown_s: float = 0.0,
+        now_s: float,
+    ) -> None:
+        """Note a save at ``step`` and its measured costs, in seconds."""
+        ...
+
+    def describe(self) -> dict[str, Any]:
+        """The inputs and outputs of the last decision, as a JSON-serialisable dict."""
+        ...
+
+
+def _check_int(name: str, value: object, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def _check_seconds(name: str, value: object, *, positive: bool) -> float:
+    try:
+        seconds = parse_duration(value)  # type: ignore[arg-type]
+    except TypeError as exc:
+        raise ValueError(f"{name}: {exc}") from None
+    except ValueError as exc:
+        raise ValueError(f"{name}: {exc}") from None
+    if seconds < 0 or (positive and seconds == 0):
+        kind = "positive" if positive else "non-negative"
+        raise ValueError(f"{name} must be {kind}, got {value!r}")
+    return seconds
+
+
+class _Ewma:
+    """Exponentially weighted moving average whose last sample can be replaced."""
+
+    __slots__ = ("alpha", "value", "_before_last")
+
+    def __init__(self, alpha: float, value: float | None = None) -> None:
+        self.alpha = alpha
+        self.value = value
+        self._before_last = value
+
+    def update(self, sample: float) -> None:
+        self._before_last = self.value
+        self.value = sample if self.value is None else self.value + self.alpha * (sample - self.value)
+
+    def replace_last(self, sample: float) -> None:
+        self.value = self._before_last
+        self.update(sample)
+
+
+class _NoMeasurements:
+    """Measurement hooks for policies whose decision needs no measurements."""
+
+    def record_step(self, step: int, now_s: float) -> None:
+        """No-op."""
+
+    def record_save(
+        self, step: int, *, blocking_s: float, durable_after_s: float | None, slowdown_s: float = 0.0, now_s: float
+    ) -> None:
+        """No-op."""
+
+
+class EveryNSteps(_NoMeasurements):
+    """Save every ``n`` optimizer steps: at steps ``n, 2n, 3n, ...`` (never at step 0).
+
+    Stateless, so it resumes correctly after a restart.
+
+    Args:
+        n: Steps between saves (integer >= 1).
+
+    Raises:
+        ConfigError: If ``n`` is not an integer >= 1 (a ``ValueError``).
+    """
+
+    def __init__(self, n: int) -> None:
+        self._n = _check_int("n", n, 1)
+        self._last: dict[str, Any] = {}
+
+    @property
+    def n(self) -> int:
+        """Steps between saves."""
+        return self._n
+
+    def should_save(self, step: int, now_s: float) -> bool:
+        """``True`` when ``step`` is a positive multiple of ``n``."""
+        decision = step > 0 and step % self._n == 0
+        self._last = {"step": step, "decision": decision}
+        return decision
+
+    def describe(self) -> dict[str, Any]:
+        """``policy``, ``n`` and the last ``step`` and ``decision``."""
+        return {"policy": "EveryNSteps", "n": self._n, **self._last}
+
+    def __repr__(self) -> str:
+        return f"EveryNSteps(n={self._n})"
+
+
+class EveryNSeconds:
+    """Save when at least ``seconds`` have passed since the last save.
+
+    The clock starts at the first step observed (no save then). Saves triggered by other
+    policies, reported through :meth:`record_save`, restart the clock too.
+
+    Args:
+        seconds: Minimum time between saves, in seconds or as a duration string (``"30m"``).
+
+    Raises:
+        ValueError: If ``seconds`` is not a positive duration.
+    """
+
+    def __init__(self, seconds: float | str) -> None:
+        self._seconds = _check_seconds("seconds", seconds, positive=True)
+        self._last_save_s: float | None = None
+        self._last_save_step: int | None = None
+        self._decided: tuple[int, bool] | None = None
+        self._last: dict[str, Any] = {}
+
+    @property
+    def seconds(self) -> float:
+        """Minimum time between saves, in seconds."""
+        return self._seconds
+
+    def should_save(self, step: int, now_s: float) -> bool:
+        """``True`` once ``seconds`` have elapsed since the last save (or the first step)."""
+        if self._decided is not None and self._decided[0] == step:
+            return self._decided[1]
+        if self._last_save_s is None:
+            self._last_save_s = now_s
+        elapsed = now_s - self._last_save_s
+        decision = elapsed >= self._seconds
+        if decision:
+            self._last_save_s, self._last_save_step = now_s, step
+        self._decided = (step, decision)
+        self._last = {"step": step, "elapsed_s": elapsed, "decision": decision}
+        return decision
+
+    def record_step(self, step: int, now_s: float) -> None:
+        """Start the clock at the first step observed."""
+        if self._last_save_s is None:
+            self._last_save_s = now_s
+
+    def record_save(
+        self, step: int, *, blocking_s: float, durable_after_s: float | None, slowdown_s: float = 0.0, now_s: float
+    ) -> None:
+        """Restart the clock at the start of a save (``now_s - blocking_s``) of a new step."""
+        if self._last_save_step is not None and step <= self._last_save_step:
+            return
+        self._last_save_step = step
+        self._last_save_s = now_s - blocking_s
+
+    def describe(self) -> dict[str, Any]:
+        """``policy``, ``seconds`` and the last ``step``, ``elapsed_s`` and ``decision``."""
+        return {"policy": "EveryNSeconds", "seconds": self._seconds, **self._last}
+
+    def __repr__(self) -> str:
+        return f"EveryNSeconds(seconds={self._seconds!r})"
+
+
+class YoungDaly:
+    """Save at the interval that minimises expected overhead, from the MTBF and the measured cost.
+
+    The interval ``T`` comes from Daly (2006, the default) or Young (1974); see
+    :mod:`torch_ckpt.interval`. ``C`` is measured online: an exponentially weighted moving
+    average (EWMA) of each save's ``blocking_s + slowdown_s``, seeded by ``initial_cost_seconds``.
+    The step time is an EWMA of the time between :meth:`record_step` calls, leaving out the step
+    that contained a save's blocking time. ``T`` is raised to the measured time until a save is
+    durable (so saves never pile up), converted to steps (nearest whole step; up when set by the
+    durability floor) and raised to ``min_interval_steps``. Until a step time has been measured
+    (two ``record_step`` calls) the policy does not save.
+
+    Args:
+        mtbf_seconds: Mean time between failures of the whole job, in seconds or a duration string.
+        per_node_mtbf_seconds: Instead of ``mtbf_seconds``: the MTBF of one node (or GPU); the
+            job's MTBF is this divided by ``nodes``.
+        nodes: Number of nodes (or GPUs) the job runs on, with ``per_node_mtbf_seconds``.
+        initial_cost_seconds: Guess for ``C`` before the first save is measured, in seconds.
+        formula: ``"daly"`` (default) or ``"young"``.
+        min_interval_steps: Never save more often than every this many steps.
+        ewma_alpha: Weight of a new sample in the moving averages, in ``(0, 1]``.
+
+    Raises:
+        ValueError: If the MTBF is not given exactly one way, or any argument is out of range
+            (the message names the field and the value).
+    """
+
+    def __init__(
+        self,
+        mtbf_seconds: float | str | None = None,
+        *,
+        per_node_mtbf_seconds: float | str | None = None,
+        nodes: int | None = None,
+        initial_cost_seconds: float | str = 5.0,
+        formula: str = "daly",
+        min_interval_steps: int = 1,
+        ewma_alpha: float = 0.3,
+    ) -> None:
+        if mtbf_seconds is not None:
+            if per_node_mtbf_seconds is not None or nodes is not None:
+                raise ValueError(
+                    "give either mtbf_seconds or per_node_mtbf_seconds with nodes, not both "
+                    f"(got mtbf_seconds={mtbf_seconds!r}, per_node_mtbf_seconds="
+                    f"{per_node_mtbf_seconds!r}, nodes={nodes!r})"
+                )
+            self._mtbf = _check_seconds("mtbf_seconds", mtbf_seconds, positive=True)
+        elif per_node_mtbf_seconds is not None and nodes is not None:
+            per_node = _check_seconds("per_node_mtbf_seconds", per_node_mtbf_seconds, positive=True)
+            self._mtbf = per_node / _check_int("nodes", nodes, 1)
+        else:
+            raise ValueError(
+                "YoungDaly needs mtbf_seconds, or per_node_mtbf_seconds together with nodes "
+                f"(got per_node_mtbf_seconds={per_node_mtbf_seconds!r}, nodes={nodes!r})"
+            )
+        if formula not in FORMULAS:
+            raise ValueError(f"formula must be one of {sorted(FORMULAS)}, got {formula!r}")
+        alpha = float(ewma_alpha)
+        if not 0.0 < alpha <= 1.0:
+            raise ValueError(f"ewma_alpha must be in (0, 1], got {ewma_alpha!r}")
+        self._formula = formula
+        self._initial_cost = _check_seconds("initial_cost_seconds", initial_cost_seconds, positive=False)
+        self._min_steps = _check_int("min_interval_steps", min_interval_steps, 1)
+        self._cost = _Ewma(alpha, self._initial_cost)
+        self._step_time = _Ewma(alpha)
+        self._durable = _Ewma(alpha)
+        self._lag = _Ewma(alpha)
+        self._cost_step: int | None = None
+        self._durable_step: int | None = None
+        self._prev_step: tuple[int, float] | None = None
+        self._skip_next_delta = False
+        self._last_save_step: int | None = None
+        self._decided: tuple[int, bool] | None = None
+        self._last: dict[str, Any] | None = None
+
+    @property
+    def mtbf_s(self) -> float:
+        """Mean time between failures of the job, in seconds."""
+        return self._mtbf
+
+    def plan(self) -> dict[str, Any]:
+        """The interval the current estimates give, without deciding anything.
+
+        Returns:
+            A dict with ``formula``, ``mtbf_s``, ``cost_s``, ``step_time_s`` (``None`` until
+            measured), ``durable_after_s``, ``durability_lag_s``, ``optimal_interval_s`` (the
+            formula's ``T``), ``interval_s`` (after the durability floor), ``interval_steps``
+            (``None`` without a step time), ``limited_by`` (``"formula"``, ``"durability"`` or
+            ``"min_interval_steps"``), ``expected_overhead`` and ``expected_lost_work_s`` (at the
+            interval actually used, whole steps included).
+        """
+        cost = float(self._cost.value)  # type: ignore[arg-type]  # seeded, never None
+        optimal = FORMULAS[self._formula](self._mtbf, cost)
+        durable = self._durable.value or 0.0
+        lag = self._lag.value or 0.0
+        interval_s, limited_by = (durable, "durability") if durable > optimal else (optimal, "formula")
+        step_time = self._step_time.value
+        steps: int | None = None
+        effective_s = interval_s
+        if step_time is not None and step_time > 0:
+            if limited_by == "durability":
+                steps = max(1, math.ceil(durable / step_time - 1e-9))
+            else:
+                steps = max(1, math.floor(optimal / step_time + 0.5))
+            if steps < self._min_steps:
+                steps, limited_by = self._min_steps, "min_interval_steps"
+            effective_s = steps * step_time
+        elif step_time is not None:  # zero-length steps: only the step floor applies
+            steps, limited_by = self._min_steps, "min_interval_steps"
+        if effective_s > 0:
+            overhead = expected_overhead(effective_s, cost, self._mtbf, lag)
+            lost = expected_lost_work(effective_s, lag)
+        else:
+            overhead, lost = math.inf, lag
+        return {
+            "policy": "YoungDaly",
+            "formula": self._formula,
+            "mtbf_s": self._mtbf,
+            "cost_s": cost,
+            "step_time_s": step_time,
+            "durable_after_s": durable,
+            "durability_lag_s": lag,
+            "optimal_interval_s": optimal,
+            "interval_s": interval_s,
+            "interval_steps": steps,
+            "limited_by": limited_by,
+            "expected_overhead": overhead,
+            "expected_lost_work_s": lost,
+        }
+
+    def should_save(self, step: int, now_s: float) -> bool:
+        """``True`` when ``interval_steps`` steps have passed since the last save."""
+        if self._decided is not None and self._decided[0] == step:
+            return self._decided[1]
+        if self._last_save_step is None:
+            self._last_save_step = step
+        plan = self.plan()
+        since = step - self._last_save_step
+        decision = plan["interval_steps"] is not None and since >= plan["interval_steps"]
+        if decision:
+            self._last_save_step = step
+        self._decided = (step, decision)
+        self._last = {**plan, "step": step, "now_s": now_s, "steps_since_save": since, "decision": decision}
+        return decision
+
+    def record_step(self, step: int, now_s: float) -> None:
+        """Measure the step time from consecutive calls (the step holding a save is left out)."""
+        if self._last_save_step is None:
+            self._last_save_step = step
+        prev = self._prev_step
+        if prev is not None and step > prev[0] and not self._skip_next_delta:
+            delta = (now_s - prev[1]) / (step - prev[0])
+            if delta >= 0:
+                self._step_time.update(delta)
+        self._skip_next_delta = False
+        self._prev_step = (step, now_s)
+
+    def record_save(
+        self,
+        step: int,
+        *,
+        blocking_s: float,
+        durable_after_s: float | None,
+        slowdown_s: float = 0.0,
+        now_s: float,
+    ) -> None:
+        """Update ``C`` (blocking + slowdown) and the durability estimates from one save.
+
+        Args:
+            step: The step saved.
+            blocking_s: Seconds the training loop was blocked by the save.
+            durable_after_s: Seconds from the start of the save until it was durable (committed),
+                or ``None`` if not known yet.
+            slowdown_s: Extra training time lost while the save persisted in the background.
+            now_s: Monotonic time of this call, in seconds.
+
+        Raises:
+            ValueError: If a duration is negative or not finite.
+        """
+        del now_s
+        for name, value in (("blocking_s", blocking_s), ("slowdown_s", slowdown_s)):
+            if not math.isfinite(value) or value < 0:
+                raise ValueError(f"{name} must be a non-negative, finite number of seconds, got {value!r}")
+        if durable_after_s is not None and (not math.isfinite(durable_after_s) or durable_after_s < 0):
+            raise ValueError(f"durable_after_s must be None or non-negative and finite, got {durable_after_s!r}")
+        if step == self._cost_step:
+            self._cost.replace_last(blocking_s + slowdown_s)
+        else:
+            self._cost.update(blocking_s + slowdown_s)
+            self._cost_step = step
+            if self._prev_step is None or step >= self._prev_step[0]:
+                self._skip_next_delta = True  # the next step's duration includes this stall
+        if durable_after_s is not None:
+            lag = max(0.0, durable_after_s - blocking_s)
+            if step == self._durable_step:
+                self._durable.replace_last(durable_after_s)
+                self._lag.replace_last(lag)
+            else:
+                self._durable.update(durable_after_s)
+                self._lag.update(lag)
+                self._durable_step = step
+        if self._last_save_step is None or step > self._last_save_step:
+            self._last_save_step = step
+
+    def describe(self) -> dict[str, Any]:
+        """The last decision's inputs and outputs (see :meth:`plan`) plus ``step``,
+        ``steps_since_save`` and ``decision``; before any decision, the current :meth:`plan`."""
+        return dict(self._last) if self._last is not None else self.plan()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The measured estimates, so a resumed run does not start again from the initial guess."""
+        return {
+            "cost_s": self._cost.value,
+            "step_time_s": self._step_time.value,
+            "durable_after_s": self._durable.value,
+            "durability_lag_s": self._lag.value,
+            "last_save_step": self._last_save_step,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore estimates saved by :meth:`state_dict` (monotonic-clock state is not restored)."""
+        cost = state.get("cost_s")
+        self._cost = _Ewma(self._cost.alpha, self._initial_cost if cost is None else float(cost))
+        for attr, key in (("_step_time", "step_time_s"), ("_durable", "durable_after_s"), ("_lag", "durability_lag_s")):
+            setattr(self, attr, _Ewma(self._cost.alpha, state.get(key)))
+        self._last_save_step = state.get("last_save_step")
+        self._cost_step = self._durable_step = self._prev_step = self._decided = None
+
+    def __repr__(self) -> str:
+        return (
+            f"YoungDaly(mtbf_seconds={self._mtbf!r}, formula={self._formula!r}, "
+            f"initial_cost_seconds={self._initial_cost!r}, min_interval_steps={self._min_steps})"
+        )
+
+
+class AnyOf:
+    """Save when any of the given policies says so; every policy sees every call.
+
+    Args:
+        *policies: One or more objects implementing :class:`SavePolicy`.
+
+    Raises:
+        ValueError: If no policy is given.
+        TypeError: If an argument does not implement :class:`SavePolicy`.
+    """
+
+    def __init__(self, *policies: SavePolicy) -> None:
+        if not policies:
+            raise ValueError("AnyOf needs at least one policy")
+        for index, policy in enumerate(policies):
+            if not isinstance(policy, SavePolicy):
+                raise TypeError(f"AnyOf argument {index} is not a SavePolicy: {policy!r}")
+        self._policies = tuple(policies)
+        self._last: dict[str, Any] = {}
+
+    @property
+    def policies(self) -> tuple[SavePolicy, ...]:
+        """The combined policies, in order."""
+        return self._policies
+
+    def should_save(self, step: int, now_s: float) -> bool:
+        """Ask every policy (no short-circuit, so each keeps its state) and return any ``True``."""
+        answers = [policy.should_save(step, now_s) for policy in self._policies]
+        triggered = [repr(p) for p, answer in zip(self._policies, answers) if answer]
+        self._last = {"step": step, "decision": any(answers), "triggered_by": triggered}
+        return any(answers)
+
+    def record_step(self, step: int, now_s: float) -> None:
+        """Forward to every policy."""
+        for policy in self._policies:
+            policy.record_step(step, now_s)
+
+    def record_save(
+        self, step: int, *, blocking_s: float, durable_after_s: float | None, slowdown_s: float = 0.0, now_s: float
+    ) -> None:
+        """Forward to every policy."""
+        for policy in self._policies:
+            policy.record_save(
+                step, blocking_s=blocking_s, durable_after_s=durable_after_s, slowdown_s=slowdown_s, now_s=now_s
+            )
+
+    def describe(self) -> dict[str, Any]:
+        """``policy``, the last ``step``/``decision``/``triggered_by`` and each policy's ``describe()``."""
+        return {"policy": "AnyOf", **self._last, "policies": [p.describe() for p in self._policies]}
+
+    def __repr__(self) -> str:
+        return f"AnyOf({', '.join(repr(p) for p in self._policies)})"
