@@ -131,7 +131,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--save-every", type=int, default=20)
     p.add_argument("--keep-last", type=int, default=3)
-    p.add_argument("--kill-after", type=int, default=None, help="default: steps // 2 + 7 (between two saves)")
+    p.add_argument(
+        "--kill-after", type=int, default=None,
+        help="SIGKILL once the log shows this step; default: the first save step at or after steps // 2, so the "
+        "kill lands while that checkpoint is being staged or written in the background",
+    )  # fmt: skip
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument(
@@ -139,7 +143,11 @@ def main(argv: list[str] | None = None) -> int:
         help="dataset windows (1920 / batch 16 = 120 steps per epoch, so the run crosses epoch boundaries)",
     )  # fmt: skip
     args = p.parse_args(argv)
-    kill_after = args.kill_after if args.kill_after is not None else args.steps // 2 + 7
+    kill_after = args.kill_after
+    if kill_after is None:
+        kill_after = -(-(args.steps // 2) // args.save_every) * args.save_every if args.save_every else args.steps // 2
+    if not 0 < kill_after < args.steps:
+        p.error(f"--kill-after must be between 1 and {args.steps - 1}")
     t_start = time.perf_counter()
 
     work = args.work_dir
@@ -182,8 +190,13 @@ def main(argv: list[str] | None = None) -> int:
 
     total = time.perf_counter() - t_start
     print("\n== report")
-    print(f"killed run: logged steps 1..{last_before_kill}; SIGKILL sent after it passed step {kill_after}")
-    print(f"resumed from step {resumed}")
+    print(f"killed run: logged steps 1..{last_before_kill}; SIGKILL sent once its log showed step {kill_after}")
+    note = ""
+    if resumed is not None and args.save_every:
+        in_flight = [s for s in range(resumed + 1, last_before_kill + 1) if s % args.save_every == 0]
+        if in_flight:
+            note = f" (the save of step {in_flight[-1]} had not committed when the kill landed)"
+    print(f"resumed from step {resumed}{note}")
     n_same = len(after) - len({msg.split(':')[0] for msg in post})
     print(f"post-resume steps bitwise identical to the reference (loss, lr, epoch, batch): {n_same}/{len(after)}")
     n_pre_same = len(before) - len({msg.split(':')[0] for msg in pre})

@@ -16,11 +16,15 @@ the *durability lag* ``L`` after a save loses back to the save before it. Averag
 failure time this adds ``L`` to the expected loss (for ``L <= T``), which is what
 :func:`expected_lost_work` and :func:`expected_overhead` include. ``L`` does not move the optimum
 to first order (it adds a constant per failure), so Young and Daly still give the interval.
+
+:class:`IntervalEstimator` turns measurements (save stalls, step times, time to durability) into
+an interval in steps; :class:`torch_ckpt.schedule.YoungDaly` decides with it.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 __all__ = [
     "young_interval",
@@ -28,6 +32,7 @@ __all__ = [
     "expected_overhead",
     "expected_lost_work",
     "FORMULAS",
+    "IntervalEstimator",
 ]
 
 
@@ -157,3 +162,170 @@ def expected_overhead(
     mtbf = _check_positive("mtbf_s", mtbf_s)
     restart = _check_non_negative("restart_s", restart_s)
     return cost / interval + (expected_lost_work(interval, durability_lag_s) + restart) / mtbf
+
+
+class _Ewma:
+    """Exponentially weighted moving average whose last sample can be replaced."""
+
+    __slots__ = ("alpha", "value", "_before_last")
+
+    def __init__(self, alpha: float, value: float | None = None) -> None:
+        self.alpha = alpha
+        self.value = value
+        self._before_last = value
+
+    def update(self, sample: float) -> None:
+        self._before_last = self.value
+        self.value = sample if self.value is None else self.value + self.alpha * (sample - self.value)
+
+    def replace_last(self, sample: float) -> None:
+        self.value = self._before_last
+        self.update(sample)
+
+
+class IntervalEstimator:
+    """Online estimates of the save cost, step time and durability, and the interval they give.
+
+    Each estimate is an exponentially weighted moving average (EWMA). The cost ``C`` of a save is
+    its ``blocking_s + slowdown_s``, seeded by ``initial_cost_s``. The step time averages the time
+    between :meth:`record_step` calls, leaving out the step that contained a save's stall. The
+    interval is the formula's ``T`` raised to the measured time until a save is durable (so saves
+    never pile up), converted to whole steps (nearest; up when set by the durability floor) and
+    raised to ``min_interval_steps``.
+
+    Args:
+        mtbf_s: Mean time between failures of the job, in seconds (> 0).
+        initial_cost_s: ``C`` before the first save is measured, in seconds (>= 0).
+        formula: ``"daly"`` or ``"young"`` (keys of :data:`FORMULAS`).
+        min_interval_steps: Smallest interval in steps (>= 1).
+        ewma_alpha: Weight of a new sample, in ``(0, 1]``.
+
+    Raises:
+        ValueError: If an argument is out of range.
+    """
+
+    def __init__(
+        self,
+        mtbf_s: float,
+        *,
+        initial_cost_s: float,
+        formula: str = "daly",
+        min_interval_steps: int = 1,
+        ewma_alpha: float = 0.3,
+    ) -> None:
+        if formula not in FORMULAS:
+            raise ValueError(f"formula must be one of {sorted(FORMULAS)}, got {formula!r}")
+        if not 0.0 < float(ewma_alpha) <= 1.0:
+            raise ValueError(f"ewma_alpha must be in (0, 1], got {ewma_alpha!r}")
+        if isinstance(min_interval_steps, bool) or not isinstance(min_interval_steps, int) or min_interval_steps < 1:
+            raise ValueError(f"min_interval_steps must be an integer >= 1, got {min_interval_steps!r}")
+        self.mtbf_s = _check_positive("mtbf_s", mtbf_s)
+        self.initial_cost_s = _check_non_negative("initial_cost_s", initial_cost_s)
+        self.formula = formula
+        self.min_interval_steps = min_interval_steps
+        self._alpha = float(ewma_alpha)
+        self.load_state_dict({})
+
+    def record_step(self, step: int, now_s: float) -> None:
+        """Measure the step time from consecutive calls (step, monotonic seconds)."""
+        prev = self._prev_step
+        if prev is not None and step > prev[0] and not self._skip_next_delta:
+            delta = (now_s - prev[1]) / (step - prev[0])
+            if delta >= 0:
+                self._step_time.update(delta)
+        self._skip_next_delta = False
+        self._prev_step = (step, now_s)
+
+    def record_save(self, step: int, *, blocking_s: float, durable_after_s: float | None, slowdown_s: float) -> None:
+        """Add one save's measurements, in seconds; a repeated ``step`` replaces its earlier sample.
+
+        Raises:
+            ValueError: If a duration is negative or not finite.
+        """
+        cost = _check_non_negative("blocking_s", blocking_s) + _check_non_negative("slowdown_s", slowdown_s)
+        if step == self._cost_step:
+            self._cost.replace_last(cost)
+        else:
+            self._cost.update(cost)
+            self._cost_step = step
+            if self._prev_step is None or step >= self._prev_step[0]:
+                self._skip_next_delta = True  # the next step's duration includes this stall
+        if durable_after_s is not None:
+            durable = _check_non_negative("durable_after_s", durable_after_s)
+            lag = max(0.0, durable - blocking_s)
+            if step == self._durable_step:
+                self._durable.replace_last(durable)
+                self._lag.replace_last(lag)
+            else:
+                self._durable.update(durable)
+                self._lag.update(lag)
+                self._durable_step = step
+
+    def plan(self) -> dict[str, Any]:
+        """The interval the current estimates give.
+
+        Returns:
+            ``formula``, ``mtbf_s``, ``cost_s``, ``step_time_s`` (``None`` until measured),
+            ``durable_after_s``, ``durability_lag_s``, ``optimal_interval_s`` (the formula's ``T``),
+            ``interval_s`` (after the durability floor), ``interval_steps`` (``None`` without a step
+            time), ``limited_by`` (``"formula"``, ``"durability"`` or ``"min_interval_steps"``),
+            ``expected_overhead`` and ``expected_lost_work_s`` (at the interval in whole steps).
+        """
+        cost = float(self._cost.value)  # type: ignore[arg-type]  # seeded, never None
+        optimal = FORMULAS[self.formula](self.mtbf_s, cost)
+        durable = self._durable.value or 0.0
+        lag = self._lag.value or 0.0
+        interval_s, limited_by = (durable, "durability") if durable > optimal else (optimal, "formula")
+        step_time = self._step_time.value
+        steps: int | None = None
+        effective_s = interval_s
+        if step_time is not None:
+            if step_time <= 0:
+                steps = 1
+            elif limited_by == "durability":
+                steps = max(1, math.ceil(durable / step_time - 1e-9))
+            else:
+                steps = max(1, math.floor(optimal / step_time + 0.5))
+            if steps < self.min_interval_steps:
+                steps, limited_by = self.min_interval_steps, "min_interval_steps"
+            effective_s = steps * step_time
+        if effective_s > 0:
+            overhead = expected_overhead(effective_s, cost, self.mtbf_s, lag)
+            lost = expected_lost_work(effective_s, lag)
+        else:
+            overhead, lost = math.inf, lag
+        return {
+            "formula": self.formula,
+            "mtbf_s": self.mtbf_s,
+            "cost_s": cost,
+            "step_time_s": step_time,
+            "durable_after_s": durable,
+            "durability_lag_s": lag,
+            "optimal_interval_s": optimal,
+            "interval_s": interval_s,
+            "interval_steps": steps,
+            "limited_by": limited_by,
+            "expected_overhead": overhead,
+            "expected_lost_work_s": lost,
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        """The estimates (``cost_s``, ``step_time_s``, ``durable_after_s``, ``durability_lag_s``)."""
+        return {
+            "cost_s": self._cost.value,
+            "step_time_s": self._step_time.value,
+            "durable_after_s": self._durable.value,
+            "durability_lag_s": self._lag.value,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` output (missing keys start fresh; clock state is reset)."""
+        cost = state.get("cost_s")
+        self._cost = _Ewma(self._alpha, self.initial_cost_s if cost is None else float(cost))
+        self._step_time = _Ewma(self._alpha, state.get("step_time_s"))
+        self._durable = _Ewma(self._alpha, state.get("durable_after_s"))
+        self._lag = _Ewma(self._alpha, state.get("durability_lag_s"))
+        self._cost_step: int | None = None
+        self._durable_step: int | None = None
+        self._prev_step: tuple[int, float] | None = None
+        self._skip_next_delta = False

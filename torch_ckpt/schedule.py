@@ -21,11 +21,11 @@ because ``now_s`` and measured costs differ between ranks.
 
 from __future__ import annotations
 
-import math
 from typing import Any, Protocol, runtime_checkable
 
 from torch_ckpt.durations import parse_duration
-from torch_ckpt.interval import FORMULAS, expected_lost_work, expected_overhead
+from torch_ckpt.errors import ConfigError
+from torch_ckpt.interval import FORMULAS, IntervalEstimator
 
 __all__ = ["SavePolicy", "EveryNSteps", "EveryNSeconds", "YoungDaly", "AnyOf"]
 
@@ -61,40 +61,18 @@ class SavePolicy(Protocol):
 
 def _check_int(name: str, value: object, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+        raise ConfigError(f"{name} must be an integer >= {minimum}, got {value!r}")
     return value
 
 
 def _check_seconds(name: str, value: object, *, positive: bool) -> float:
     try:
         seconds = parse_duration(value)  # type: ignore[arg-type]
-    except TypeError as exc:
-        raise ValueError(f"{name}: {exc}") from None
-    except ValueError as exc:
-        raise ValueError(f"{name}: {exc}") from None
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{name}: {exc}") from None
     if seconds < 0 or (positive and seconds == 0):
-        kind = "positive" if positive else "non-negative"
-        raise ValueError(f"{name} must be {kind}, got {value!r}")
+        raise ConfigError(f"{name} must be {'positive' if positive else 'non-negative'}, got {value!r}")
     return seconds
-
-
-class _Ewma:
-    """Exponentially weighted moving average whose last sample can be replaced."""
-
-    __slots__ = ("alpha", "value", "_before_last")
-
-    def __init__(self, alpha: float, value: float | None = None) -> None:
-        self.alpha = alpha
-        self.value = value
-        self._before_last = value
-
-    def update(self, sample: float) -> None:
-        self._before_last = self.value
-        self.value = sample if self.value is None else self.value + self.alpha * (sample - self.value)
-
-    def replace_last(self, sample: float) -> None:
-        self.value = self._before_last
-        self.update(sample)
 
 
 class _NoMeasurements:
@@ -154,7 +132,7 @@ class EveryNSeconds:
         seconds: Minimum time between saves, in seconds or as a duration string (``"30m"``).
 
     Raises:
-        ValueError: If ``seconds`` is not a positive duration.
+        ConfigError: If ``seconds`` is not a positive duration (a ``ValueError``).
     """
 
     def __init__(self, seconds: float | str) -> None:
@@ -212,10 +190,11 @@ class YoungDaly:
     :mod:`torch_ckpt.interval`. ``C`` is measured online: an exponentially weighted moving
     average (EWMA) of each save's ``blocking_s + slowdown_s``, seeded by ``initial_cost_seconds``.
     The step time is an EWMA of the time between :meth:`record_step` calls, leaving out the step
-    that contained a save's blocking time. ``T`` is raised to the measured time until a save is
-    durable (so saves never pile up), converted to steps (nearest whole step; up when set by the
+    that contained a save's stall. ``T`` is raised to the measured time until a save is durable
+    (so saves never pile up), converted to steps (nearest whole step; up when set by the
     durability floor) and raised to ``min_interval_steps``. Until a step time has been measured
-    (two ``record_step`` calls) the policy does not save.
+    (two ``record_step`` calls) the policy does not save. Steps are counted from the first step
+    observed (or the last save).
 
     Args:
         mtbf_seconds: Mean time between failures of the whole job, in seconds or a duration string.
@@ -228,8 +207,9 @@ class YoungDaly:
         ewma_alpha: Weight of a new sample in the moving averages, in ``(0, 1]``.
 
     Raises:
-        ValueError: If the MTBF is not given exactly one way, or any argument is out of range
-            (the message names the field and the value).
+        ConfigError: A ``ValueError``: the MTBF is not given exactly one way, or an argument is
+            out of range (zero or negative MTBF, unparseable duration...); the message names the
+            field and the value.
     """
 
     def __init__(
@@ -243,38 +223,33 @@ class YoungDaly:
         min_interval_steps: int = 1,
         ewma_alpha: float = 0.3,
     ) -> None:
+        if mtbf_seconds is not None and (per_node_mtbf_seconds is not None or nodes is not None):
+            raise ConfigError(
+                "give either mtbf_seconds or per_node_mtbf_seconds with nodes, not both (got "
+                f"mtbf_seconds={mtbf_seconds!r}, per_node_mtbf_seconds={per_node_mtbf_seconds!r}, nodes={nodes!r})"
+            )
         if mtbf_seconds is not None:
-            if per_node_mtbf_seconds is not None or nodes is not None:
-                raise ValueError(
-                    "give either mtbf_seconds or per_node_mtbf_seconds with nodes, not both "
-                    f"(got mtbf_seconds={mtbf_seconds!r}, per_node_mtbf_seconds="
-                    f"{per_node_mtbf_seconds!r}, nodes={nodes!r})"
-                )
-            self._mtbf = _check_seconds("mtbf_seconds", mtbf_seconds, positive=True)
+            mtbf = _check_seconds("mtbf_seconds", mtbf_seconds, positive=True)
         elif per_node_mtbf_seconds is not None and nodes is not None:
             per_node = _check_seconds("per_node_mtbf_seconds", per_node_mtbf_seconds, positive=True)
-            self._mtbf = per_node / _check_int("nodes", nodes, 1)
+            mtbf = per_node / _check_int("nodes", nodes, 1)
         else:
-            raise ValueError(
+            raise ConfigError(
                 "YoungDaly needs mtbf_seconds, or per_node_mtbf_seconds together with nodes "
                 f"(got per_node_mtbf_seconds={per_node_mtbf_seconds!r}, nodes={nodes!r})"
             )
         if formula not in FORMULAS:
-            raise ValueError(f"formula must be one of {sorted(FORMULAS)}, got {formula!r}")
-        alpha = float(ewma_alpha)
-        if not 0.0 < alpha <= 1.0:
-            raise ValueError(f"ewma_alpha must be in (0, 1], got {ewma_alpha!r}")
-        self._formula = formula
-        self._initial_cost = _check_seconds("initial_cost_seconds", initial_cost_seconds, positive=False)
-        self._min_steps = _check_int("min_interval_steps", min_interval_steps, 1)
-        self._cost = _Ewma(alpha, self._initial_cost)
-        self._step_time = _Ewma(alpha)
-        self._durable = _Ewma(alpha)
-        self._lag = _Ewma(alpha)
-        self._cost_step: int | None = None
-        self._durable_step: int | None = None
-        self._prev_step: tuple[int, float] | None = None
-        self._skip_next_delta = False
+            raise ConfigError(f"formula must be one of {sorted(FORMULAS)}, got {formula!r}")
+        alpha = ewma_alpha
+        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0.0 < alpha <= 1.0:
+            raise ConfigError(f"ewma_alpha must be a number in (0, 1], got {ewma_alpha!r}")
+        self._estimator = IntervalEstimator(
+            mtbf,
+            initial_cost_s=_check_seconds("initial_cost_seconds", initial_cost_seconds, positive=False),
+            formula=formula,
+            min_interval_steps=_check_int("min_interval_steps", min_interval_steps, 1),
+            ewma_alpha=float(alpha),
+        )
         self._last_save_step: int | None = None
         self._decided: tuple[int, bool] | None = None
         self._last: dict[str, Any] | None = None
@@ -282,57 +257,11 @@ class YoungDaly:
     @property
     def mtbf_s(self) -> float:
         """Mean time between failures of the job, in seconds."""
-        return self._mtbf
+        return self._estimator.mtbf_s
 
     def plan(self) -> dict[str, Any]:
-        """The interval the current estimates give, without deciding anything.
-
-        Returns:
-            A dict with ``formula``, ``mtbf_s``, ``cost_s``, ``step_time_s`` (``None`` until
-            measured), ``durable_after_s``, ``durability_lag_s``, ``optimal_interval_s`` (the
-            formula's ``T``), ``interval_s`` (after the durability floor), ``interval_steps``
-            (``None`` without a step time), ``limited_by`` (``"formula"``, ``"durability"`` or
-            ``"min_interval_steps"``), ``expected_overhead`` and ``expected_lost_work_s`` (at the
-            interval actually used, whole steps included).
-        """
-        cost = float(self._cost.value)  # type: ignore[arg-type]  # seeded, never None
-        optimal = FORMULAS[self._formula](self._mtbf, cost)
-        durable = self._durable.value or 0.0
-        lag = self._lag.value or 0.0
-        interval_s, limited_by = (durable, "durability") if durable > optimal else (optimal, "formula")
-        step_time = self._step_time.value
-        steps: int | None = None
-        effective_s = interval_s
-        if step_time is not None and step_time > 0:
-            if limited_by == "durability":
-                steps = max(1, math.ceil(durable / step_time - 1e-9))
-            else:
-                steps = max(1, math.floor(optimal / step_time + 0.5))
-            if steps < self._min_steps:
-                steps, limited_by = self._min_steps, "min_interval_steps"
-            effective_s = steps * step_time
-        elif step_time is not None:  # zero-length steps: only the step floor applies
-            steps, limited_by = self._min_steps, "min_interval_steps"
-        if effective_s > 0:
-            overhead = expected_overhead(effective_s, cost, self._mtbf, lag)
-            lost = expected_lost_work(effective_s, lag)
-        else:
-            overhead, lost = math.inf, lag
-        return {
-            "policy": "YoungDaly",
-            "formula": self._formula,
-            "mtbf_s": self._mtbf,
-            "cost_s": cost,
-            "step_time_s": step_time,
-            "durable_after_s": durable,
-            "durability_lag_s": lag,
-            "optimal_interval_s": optimal,
-            "interval_s": interval_s,
-            "interval_steps": steps,
-            "limited_by": limited_by,
-            "expected_overhead": overhead,
-            "expected_lost_work_s": lost,
-        }
+        """The interval the current estimates give, deciding nothing (see ``IntervalEstimator.plan``)."""
+        return {"policy": "YoungDaly", **self._estimator.plan()}
 
     def should_save(self, step: int, now_s: float) -> bool:
         """``True`` when ``interval_steps`` steps have passed since the last save."""
@@ -350,92 +279,53 @@ class YoungDaly:
         return decision
 
     def record_step(self, step: int, now_s: float) -> None:
-        """Measure the step time from consecutive calls (the step holding a save is left out)."""
+        """Measure the step time; the first step observed starts the step count."""
         if self._last_save_step is None:
             self._last_save_step = step
-        prev = self._prev_step
-        if prev is not None and step > prev[0] and not self._skip_next_delta:
-            delta = (now_s - prev[1]) / (step - prev[0])
-            if delta >= 0:
-                self._step_time.update(delta)
-        self._skip_next_delta = False
-        self._prev_step = (step, now_s)
+        self._estimator.record_step(step, now_s)
 
     def record_save(
-        self,
-        step: int,
-        *,
-        blocking_s: float,
-        durable_after_s: float | None,
-        slowdown_s: float = 0.0,
-        now_s: float,
+        self, step: int, *, blocking_s: float, durable_after_s: float | None, slowdown_s: float = 0.0, now_s: float
     ) -> None:
         """Update ``C`` (blocking + slowdown) and the durability estimates from one save.
 
         Args:
-            step: The step saved.
+            step: The step saved (a save of any trigger restarts the step count).
             blocking_s: Seconds the training loop was blocked by the save.
             durable_after_s: Seconds from the start of the save until it was durable (committed),
                 or ``None`` if not known yet.
             slowdown_s: Extra training time lost while the save persisted in the background.
-            now_s: Monotonic time of this call, in seconds.
+            now_s: Monotonic time of this call, in seconds (unused: the step count decides).
 
         Raises:
             ValueError: If a duration is negative or not finite.
         """
-        del now_s
-        for name, value in (("blocking_s", blocking_s), ("slowdown_s", slowdown_s)):
-            if not math.isfinite(value) or value < 0:
-                raise ValueError(f"{name} must be a non-negative, finite number of seconds, got {value!r}")
-        if durable_after_s is not None and (not math.isfinite(durable_after_s) or durable_after_s < 0):
-            raise ValueError(f"durable_after_s must be None or non-negative and finite, got {durable_after_s!r}")
-        if step == self._cost_step:
-            self._cost.replace_last(blocking_s + slowdown_s)
-        else:
-            self._cost.update(blocking_s + slowdown_s)
-            self._cost_step = step
-            if self._prev_step is None or step >= self._prev_step[0]:
-                self._skip_next_delta = True  # the next step's duration includes this stall
-        if durable_after_s is not None:
-            lag = max(0.0, durable_after_s - blocking_s)
-            if step == self._durable_step:
-                self._durable.replace_last(durable_after_s)
-                self._lag.replace_last(lag)
-            else:
-                self._durable.update(durable_after_s)
-                self._lag.update(lag)
-                self._durable_step = step
+        self._estimator.record_save(
+            step, blocking_s=blocking_s, durable_after_s=durable_after_s, slowdown_s=slowdown_s
+        )
         if self._last_save_step is None or step > self._last_save_step:
             self._last_save_step = step
 
     def describe(self) -> dict[str, Any]:
-        """The last decision's inputs and outputs (see :meth:`plan`) plus ``step``,
-        ``steps_since_save`` and ``decision``; before any decision, the current :meth:`plan`."""
+        """The last decision: :meth:`plan`'s keys plus ``step``, ``now_s``, ``steps_since_save``
+        and ``decision``; before any decision, the current :meth:`plan`."""
         return dict(self._last) if self._last is not None else self.plan()
 
     def state_dict(self) -> dict[str, Any]:
-        """The measured estimates, so a resumed run does not start again from the initial guess."""
-        return {
-            "cost_s": self._cost.value,
-            "step_time_s": self._step_time.value,
-            "durable_after_s": self._durable.value,
-            "durability_lag_s": self._lag.value,
-            "last_save_step": self._last_save_step,
-        }
+        """The measured estimates and last save step, so a resumed run keeps what it learned."""
+        return {**self._estimator.state_dict(), "last_save_step": self._last_save_step}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore estimates saved by :meth:`state_dict` (monotonic-clock state is not restored)."""
-        cost = state.get("cost_s")
-        self._cost = _Ewma(self._cost.alpha, self._initial_cost if cost is None else float(cost))
-        for attr, key in (("_step_time", "step_time_s"), ("_durable", "durable_after_s"), ("_lag", "durability_lag_s")):
-            setattr(self, attr, _Ewma(self._cost.alpha, state.get(key)))
+        """Restore :meth:`state_dict` output (monotonic-clock state is not restored)."""
+        self._estimator.load_state_dict(state)
         self._last_save_step = state.get("last_save_step")
-        self._cost_step = self._durable_step = self._prev_step = self._decided = None
+        self._decided = None
 
     def __repr__(self) -> str:
+        e = self._estimator
         return (
-            f"YoungDaly(mtbf_seconds={self._mtbf!r}, formula={self._formula!r}, "
-            f"initial_cost_seconds={self._initial_cost!r}, min_interval_steps={self._min_steps})"
+            f"YoungDaly(mtbf_seconds={e.mtbf_s!r}, formula={e.formula!r}, "
+            f"initial_cost_seconds={e.initial_cost_s!r}, min_interval_steps={e.min_interval_steps})"
         )
 
 
@@ -446,13 +336,13 @@ class AnyOf:
         *policies: One or more objects implementing :class:`SavePolicy`.
 
     Raises:
-        ValueError: If no policy is given.
+        ConfigError: If no policy is given (a ``ValueError``).
         TypeError: If an argument does not implement :class:`SavePolicy`.
     """
 
     def __init__(self, *policies: SavePolicy) -> None:
         if not policies:
-            raise ValueError("AnyOf needs at least one policy")
+            raise ConfigError("AnyOf needs at least one policy")
         for index, policy in enumerate(policies):
             if not isinstance(policy, SavePolicy):
                 raise TypeError(f"AnyOf argument {index} is not a SavePolicy: {policy!r}")

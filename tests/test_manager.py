@@ -1,0 +1,238 @@
+"""Tests of CheckpointManager: save/restore round trips, async semantics, errors, retention."""
+
+import gc
+import logging
+import subprocess
+import sys
+import textwrap
+import threading
+
+import psutil
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+import torch_ckpt.persist as persist_mod
+from torch_ckpt import CheckpointManager, CheckpointWriteError, TrainState
+from tests.conftest import train_steps
+
+
+def test_roundtrip_restores_everything_exactly(tmp_path, make_state):
+    """Model, optimizer, scheduler, RNG, step and extras come back bit for bit."""
+    state, model, opt, sched = make_state(seed=0, extras={"tokens": 123, "pair": (1, 2)})
+    train_steps(model, opt, sched, 3)
+    state.step = 3
+    with CheckpointManager(tmp_path) as mgr:
+        mgr.save(3, state).wait()
+    expected_next = torch.rand(5)  # RNG stream right after the save
+    ref_params = {k: v.clone() for k, v in model.state_dict().items()}
+    ref_opt = opt.state_dict()
+
+    state2, model2, opt2, sched2 = make_state(seed=1)
+    with CheckpointManager(tmp_path) as mgr:
+        assert mgr.restore(state2) == 3
+    assert torch.equal(torch.rand(5), expected_next)
+    for k, v in model2.state_dict().items():
+        assert torch.equal(v, ref_params[k]), k
+    for pid, s in opt2.state_dict()["state"].items():
+        for name, t in s.items():
+            assert torch.equal(t, ref_opt["state"][pid][name]), (pid, name)
+    assert sched2.state_dict() == sched.state_dict()
+    assert state2.step == 3 and state2.extras == {"tokens": 123, "pair": (1, 2)}
+    assert type(state2.extras["tokens"]) is int
+
+
+def test_training_continues_identically_after_restore(tmp_path, make_state):
+    """Losses after a restore equal those of the uninterrupted run (dropout RNG included)."""
+    state, model, opt, sched = make_state(seed=0)
+    train_steps(model, opt, sched, 2)
+    with CheckpointManager(tmp_path) as mgr:
+        mgr.save(2, state)
+    torch.manual_seed(123)  # disturb the RNG: restore must bring it back
+    ref = []
+    state_b, model_b, opt_b, sched_b = make_state(seed=5)
+    with CheckpointManager(tmp_path) as mgr:
+        mgr.restore(state_b)
+    for _ in range(3):
+        x = torch.randn(4, 8)
+        ref.append(model_b(x).pow(2).mean().item())
+    state_c, model_c, opt_c, sched_c = make_state(seed=7)
+    with CheckpointManager(tmp_path) as mgr:
+        mgr.restore(state_c)
+    got = [model_c(torch.randn(4, 8)).pow(2).mean().item() for _ in range(3)]
+    assert got == ref
+
+
+def test_plain_dcp_load_reads_our_tensors(tmp_path, make_state):
+    """A plain torch.distributed.checkpoint load finds the model under its usual keys."""
+    state, model, *_ = make_state()
+    with CheckpointManager(tmp_path) as mgr:
+        path = mgr.save(1, state).wait()
+    target = {"model": {k: torch.zeros_like(v) for k, v in model.state_dict().items()}}
+    dcp.load(target, checkpoint_id=path, no_dist=True)
+    for k, v in model.state_dict().items():
+        assert torch.equal(target["model"][k], v)
+
+
+def test_restore_with_nothing_saved_returns_none_and_logs(tmp_path, make_state, caplog):
+    """An empty root means start from scratch, logged at INFO with the location."""
+    state, *_ = make_state()
+    with caplog.at_level(logging.INFO, logger="torch_ckpt"), CheckpointManager(tmp_path / "run") as mgr:
+        assert mgr.restore(state) is None
+    assert str(tmp_path / "run") in caplog.text
+
+
+def test_save_returns_after_staging_with_handle_stats(tmp_path, make_state):
+    """save() returns a handle with two futures; stats are complete once committed."""
+    state, *_ = make_state()
+    with CheckpointManager(tmp_path) as mgr:
+        handle = mgr.save(5, state)
+        assert handle.staged.done()
+        path = handle.committed.result(timeout=60)
+        assert path.endswith("step_000000005")
+        s = handle.stats.as_dict()
+        assert s["bytes"] > 0 and s["persist_s"] > 0 and s["total_s"] >= s["blocking_s"]
+        assert s["mode"] == "async"
+        assert mgr.all_steps() == [5]
+
+
+def test_snapshot_is_taken_at_save_time(tmp_path, make_state, monkeypatch):
+    """In-place changes after save() returns never reach the checkpoint, though the write is still pending."""
+    release = threading.Event()
+    real = persist_mod.persist_checkpoint
+
+    def held_back(req, ctx):
+        assert release.wait(30)
+        return real(req, ctx)
+
+    monkeypatch.setattr("torch_ckpt.manager.persist_checkpoint", held_back)
+    state, model, opt, sched = make_state()
+    train_steps(model, opt, sched, 1)
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    exp_avg = [opt.state[p]["exp_avg"].clone() for p in model.parameters()]
+    with CheckpointManager(tmp_path) as mgr:
+        handle = mgr.save(1, state)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)
+            model.bn.running_mean.add_(1.0)
+            for p in model.parameters():
+                opt.state[p]["exp_avg"].add_(1.0)
+                opt.state[p]["step"].add_(1.0)
+        assert not handle.committed.done()
+        release.set()
+        handle.wait()
+    changed = {k: v.clone() for k, v in model.state_dict().items()}
+    assert any(not torch.equal(changed[k], expected[k]) for k in expected)  # the test could see a difference
+    state2, model2, opt2, _ = make_state(seed=9)
+    with CheckpointManager(tmp_path) as mgr:
+        mgr.restore(state2)
+    for k, v in model2.state_dict().items():
+        assert torch.equal(v, expected[k]), k
+    for p, ref in zip(model2.parameters(), exp_avg):
+        assert torch.equal(opt2.state[p]["exp_avg"], ref)
+        assert opt2.state[p]["step"].item() == 1.0
+
+
+def test_background_error_surfaces_once_and_step_not_listed(tmp_path, make_state, monkeypatch):
+    """An injected ENOSPC is raised once at the next call; the step is never listed; later saves work."""
+    calls = {"n": 0}
+    real = persist_mod.write_json_durable
+
+    def failing(path, obj):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise OSError(28, "No space left on device")
+        return real(path, obj)
+
+    monkeypatch.setattr(persist_mod, "write_json_durable", failing)
+    state, *_ = make_state()
+    with CheckpointManager(tmp_path) as mgr:
+        mgr.save(1, state)
+        with pytest.raises(CheckpointWriteError, match="disk is full") as info:
+            mgr.save(2, state)
+        assert isinstance(info.value, OSError) and info.value.errno == 28
+        mgr.wait()  # the error was reported once: nothing more to raise
+        assert mgr.all_steps() == []
+        mgr.save(2, state).wait()  # the next save works
+        assert mgr.all_steps() == [2]
+        assert not list(tmp_path.glob(".step_*"))
+
+
+def test_over_budget_state_saves_synchronously(tmp_path, make_state):
+    """A state larger than the staging budget is saved synchronously and still restores."""
+    state, model, *_ = make_state()
+    with CheckpointManager(tmp_path, staging_budget_bytes=16) as mgr:
+        handle = mgr.save(1, state)
+        assert handle.committed.done() and handle.stats.mode == "sync-over-budget"
+    state2, model2, *_ = make_state(seed=3)
+    with CheckpointManager(tmp_path) as mgr:
+        mgr.restore(state2)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), model2.parameters()))
+
+
+def test_sync_mode_commits_before_returning(tmp_path, make_state):
+    """async_save=False commits inside save()."""
+    state, *_ = make_state()
+    with CheckpointManager(tmp_path, async_save=False) as mgr:
+        handle = mgr.save(1, state)
+        assert handle.committed.done() and handle.stats.mode == "sync"
+        assert mgr.latest_step() == 1
+
+
+def test_retention_keeps_numerically_newest(tmp_path, make_state):
+    """With steps 9, 10, 11 and keep_last=2, steps 10 and 11 remain."""
+    state, *_ = make_state()
+    with CheckpointManager(tmp_path, keep_last=2) as mgr:
+        for step in (9, 10, 11):
+            mgr.save(step, state)
+        mgr.wait()
+        assert mgr.all_steps() == [10, 11]
+
+
+def test_keep_every_n_steps_keeps_history(tmp_path, make_state):
+    """keep_every_n_steps keeps multiples next to the newest ones."""
+    state, *_ = make_state()
+    with CheckpointManager(tmp_path, keep_last=1, keep_every_n_steps=4) as mgr:
+        for step in range(1, 10):
+            mgr.save(step, state)
+        mgr.wait()
+        assert mgr.all_steps() == [4, 8, 9]
+
+
+def test_resident_memory_stays_flat_over_20_saves(tmp_path):
+    """Twenty saves of a 64 MB state grow RSS by far less than one extra copy of it."""
+    model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(16)])  # ~67 MB fp32
+    state = TrainState(model=model)
+    proc = psutil.Process()
+    with CheckpointManager(tmp_path, keep_last=1) as mgr:
+        for step in range(3):
+            mgr.save(step, state)
+        mgr.wait()
+        gc.collect()
+        base = proc.memory_info().rss
+        for step in range(3, 23):
+            mgr.save(step, state)
+        mgr.wait()
+        gc.collect()
+        growth = proc.memory_info().rss - base
+    state_bytes = sum(p.numel() * 4 for p in model.parameters())
+    assert growth < 0.25 * state_bytes, f"RSS grew by {growth} bytes over 20 saves"
+
+
+def test_exit_with_save_in_flight_commits_it(tmp_path):
+    """A process that exits right after save() leaves a complete checkpoint, not a partial one."""
+    script = textwrap.dedent(f"""
+        import torch
+        from torch_ckpt import CheckpointManager, TrainState
+        model = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(8)])
+        mgr = CheckpointManager({str(tmp_path)!r})
+        mgr.save(7, TrainState(model=model))
+        # no wait(), no close(): interpreter exit must flush the in-flight save
+    """)
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=120)
+    with CheckpointManager(tmp_path) as mgr:
+        assert mgr.latest_step() == 7
+        model = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(8)])
+        assert mgr.restore(TrainState(model=model)) == 7
+    assert not list(tmp_path.glob(".step_*"))
