@@ -12,8 +12,12 @@ import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from torch_ckpt.codec import split_state
 from torch_ckpt.dist import DistContext
@@ -24,16 +28,43 @@ from torch_ckpt.persist import PersistRequest, persist_checkpoint
 from torch_ckpt.restore import RANK_LOCAL_POLICIES, load_into
 from torch_ckpt.retention import KeepAny, KeepEveryNSteps, KeepLatest, RetentionPolicy, apply_retention
 from torch_ckpt.staging import HostStager
+from torch_ckpt.writer_process import ProcessWriter
 
 __all__ = ["CheckpointManager"]
 
 log = logging.getLogger(__name__)
 
 
-def _done_future(value: Any = None) -> Future:
-    f: Future = Future()
-    f.set_result(value)
-    return f
+@dataclass(eq=False)
+class _SaveJob:
+    """One save on its way from the live state to a committed directory."""
+
+    step: int
+    tensors: dict[str, torch.Tensor]
+    tree: Any
+    fits: bool
+    t0: float
+    ready_event: Any = None
+    to_write: dict[str, torch.Tensor] = field(default_factory=dict)
+    layout: tuple = ()
+
+
+def _cuda_ready_event(tensors: dict[str, torch.Tensor]) -> Any:
+    """Event on the caller's CUDA stream marking the values to save (None without CUDA tensors)."""
+    if not any(t.device.type == "cuda" for t in tensors.values()):
+        return None
+    event = torch.cuda.Event()
+    event.record()
+    return event
+
+
+def _lower_thread_priority(niceness: int) -> None:
+    """Raise the nice value of the calling (writer) thread on Linux."""
+    if niceness and hasattr(os, "setpriority"):
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), niceness)
+        except OSError as exc:
+            log.warning("could not lower the checkpoint writer's priority: %s", exc)
 
 
 class CheckpointManager:
@@ -47,7 +78,17 @@ class CheckpointManager:
         keep_last: keep the ``keep_last`` newest committed checkpoints (>= 1; None keeps all).
         keep_every_n_steps: additionally keep every step that is a multiple of this.
         retention: a custom :class:`~torch_ckpt.retention.RetentionPolicy` (replaces the two above).
-        async_save: persist in a background thread (default) or inside :meth:`save`.
+        async_save: persist in the background (default) or inside :meth:`save`.
+        persist: where background writes run: "thread" (default; lowest latency to durable) or
+            "process" (a writer process per rank reading a shared-memory arena; keeps the write's
+            Python work off the trainer's GIL; not for DTensor/FSDP2 states).
+        overlap_staging: return from :meth:`save` before the copy is done and let it overlap the
+            next forward/backward; the manager waits for it before any optimizer of the state takes
+            its next ``step()``. Code that mutates saved tensors outside ``optimizer.step()`` (e.g.
+            BatchNorm running stats in the next forward) must call :meth:`wait_staged` first.
+        writer_niceness: nice increment of the writer thread/process (Linux; 0 = unchanged). On a
+            2-core machine 19 cuts the writer's slowdown of training from about 2x to about 1.2x at
+            the price of a slower write.
         staging_budget_bytes: host bytes for the reusable staging buffers; default half of the
             available RAM (psutil). A state that does not fit is saved synchronously straight from
             the live tensors (bounded memory, logged), never by over-allocating.
@@ -73,6 +114,9 @@ class CheckpointManager:
         keep_every_n_steps: int | None = None,
         retention: RetentionPolicy | None = None,
         async_save: bool = True,
+        persist: str = "thread",
+        overlap_staging: bool = False,
+        writer_niceness: int = 0,
         staging_budget_bytes: int | None = None,
         thread_count: int = 1,
         verify_on_load: bool = True,
@@ -86,6 +130,10 @@ class CheckpointManager:
             raise ConfigError(f"directory {directory!r} must be a local path; remote URLs go to a durable tier")
         if thread_count < 1:
             raise ConfigError(f"thread_count must be >= 1, got {thread_count!r}")
+        if persist not in ("thread", "process"):
+            raise ConfigError(f"persist must be 'thread' or 'process', got {persist!r}")
+        if not isinstance(writer_niceness, int) or not 0 <= writer_niceness <= 19:
+            raise ConfigError(f"writer_niceness must be an int in [0, 19], got {writer_niceness!r}")
         if timeout_seconds <= 0:
             raise ConfigError(f"timeout_seconds must be > 0, got {timeout_seconds!r}")
         if on_world_size_change not in RANK_LOCAL_POLICIES:
@@ -104,7 +152,13 @@ class CheckpointManager:
         self.verify_on_load = bool(verify_on_load)
         self.on_world_size_change = on_world_size_change
         self._ctx = DistContext(timeout_seconds=timeout_seconds, process_group=process_group)
-        self._stager = HostStager(budget_bytes=staging_budget_bytes)
+        self.persist_mode = persist
+        self.overlap_staging = bool(overlap_staging)
+        self.writer_niceness = writer_niceness
+        self._stager = HostStager(budget_bytes=staging_budget_bytes, share_memory=persist == "process")
+        self._process_writer: ProcessWriter | None = None
+        self._hooked: dict[int, Any] = {}
+        self._staged_future: Future | None = None
         self._executor: ThreadPoolExecutor | None = None
         self._inflight: SaveHandle | None = None
         self._pending_error: BaseException | None = None
@@ -123,6 +177,8 @@ class CheckpointManager:
             raise error
         if status is not None:
             raise CheckpointError(f"rank 0 could not prepare {self.root}: {status}")
+        if persist == "process" and self.async_save:
+            self._process_writer = ProcessWriter(self._ctx, timeout_seconds=timeout_seconds, niceness=writer_niceness)
 
     # -- context manager -------------------------------------------------------------------------
     def __enter__(self) -> CheckpointManager:
@@ -189,56 +245,98 @@ class CheckpointManager:
         stats = SaveStats(step=step, wait_for_previous_s=wait_prev)
         sd = state.state_dict() if hasattr(state, "state_dict") else state
         tensors, tree = split_state(sd, rank_local_keys=tuple(getattr(state, "rank_local_keys", ())))
+        if self._process_writer is not None and any(type(t) is not torch.Tensor for t in tensors.values()):
+            raise ConfigError("persist='process' supports plain tensors only; this state holds DTensor/sharded "
+                              "tensors (FSDP2/TP). Use persist='thread'.")
         fits = self._stager.fits(tensors)
-        t_stage = time.monotonic()
-        if fits:
-            staged = self._stager.stage(tensors)
-            staged.synchronize()
-            to_write, nbytes = staged.tensors, staged.nbytes
-            stats.mode = "async" if self.async_save else "sync"
-        else:
+        background = self.async_save and fits
+        stats.mode = "async" if background else ("sync" if fits else "sync-over-budget")
+        if not fits:
             log.warning("state of %d bytes exceeds the staging budget of %d bytes: saving step %d synchronously "
                         "from the live tensors (raise staging_budget_bytes to save asynchronously)",
                         self._stager.required_bytes(tensors), self._stager.budget_bytes, step)
-            to_write, nbytes = tensors, self._stager.required_bytes(tensors)
-            stats.mode = "sync-over-budget"
-        stats.staging_s = time.monotonic() - t_stage
-        stats.bytes = nbytes
-        req = PersistRequest(root=self.root, step=step, tensors=to_write, tree=tree, tensor_bytes=nbytes,
-                             thread_count=self.thread_count, timings={"staging_s": stats.staging_s})
-        committed: Future = Future()
-        handle = SaveHandle(step, _done_future(), committed, stats)
-        if self.async_save and fits:
-            if self._executor is None:
-                self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torch_ckpt_writer")
-            self._inflight = handle
-            stats.blocking_s = time.monotonic() - t0  # the submit below is the only remaining work
-            self._executor.submit(self._run_persist, req, handle, t0)
+        job = _SaveJob(step=step, tensors=tensors, tree=tree, fits=fits, t0=t0,
+                       ready_event=_cuda_ready_event(tensors) if self.overlap_staging else None)
+        handle = SaveHandle(step, Future(), Future(), stats)
+        self._inflight = handle
+        if background and self.overlap_staging:
+            self._install_step_hooks(state)
+            self._staged_future = handle.staged
         else:
-            self._run_persist(req, handle, t0)
+            self._stage(job, handle)
+        if background:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torch_ckpt_writer",
+                                                    initializer=_lower_thread_priority,
+                                                    initargs=(self.writer_niceness,))
+            stats.blocking_s = time.monotonic() - t0  # the submit below is the only remaining work
+            self._executor.submit(self._run_job, job, handle)
+        else:
+            self._run_job(job, handle)
             stats.blocking_s = time.monotonic() - t0
             self._raise_pending()
         return handle
 
-    def _run_persist(self, req: PersistRequest, handle: SaveHandle, t0: float) -> None:
-        t_start = time.monotonic()
+    def wait_staged(self) -> None:
+        """Block until the in-flight save no longer reads the live tensors (see ``overlap_staging``)."""
+        fut = self._staged_future
+        if fut is not None:
+            futures_wait([fut])
+
+    def _install_step_hooks(self, state: Any) -> None:
+        optimizers = state.optimizers() if callable(getattr(state, "optimizers", None)) else []
+        for opt in optimizers:
+            if id(opt) not in self._hooked:
+                self._hooked[id(opt)] = opt.register_step_pre_hook(lambda *_: self.wait_staged())
+
+    def _stage(self, job: _SaveJob, handle: SaveHandle) -> None:
+        t = time.monotonic()
+        if job.fits:
+            staged = self._stager.stage(job.tensors, ready_event=job.ready_event)
+            staged.synchronize()
+            job.to_write, job.layout, handle.stats.bytes = staged.tensors, staged.layout, staged.nbytes
+        else:
+            job.to_write, handle.stats.bytes = job.tensors, self._stager.required_bytes(job.tensors)
+        job.tensors = {}
+        handle.stats.staging_s = time.monotonic() - t
+        handle.staged.set_result(None)
+
+    def _run_job(self, job: _SaveJob, handle: SaveHandle) -> None:
         try:
-            final = persist_checkpoint(req, self._ctx)
-            handle.stats.persist_s = time.monotonic() - t_start
-            handle.stats.total_s = time.monotonic() - t0
-            handle.stats.files_bytes = sum(f["bytes"] for f in read_manifest(final).files.values())
-            self.last_stats = handle.stats
+            if not handle.staged.done():
+                try:
+                    self._stage(job, handle)
+                except BaseException as exc:
+                    handle.staged.set_exception(exc)
+                    raise
+            t_start = time.monotonic()
+            timings = {"staging_s": handle.stats.staging_s}
+            if self._process_writer is not None and job.fits:
+                fields = dict(root=self.root, step=job.step, tree=job.tree, tensor_bytes=handle.stats.bytes,
+                              thread_count=self.thread_count, timings=timings)
+                final = self._process_writer.persist(arena=self._stager.arena, layout=job.layout, fields=fields)
+            else:
+                req = PersistRequest(root=self.root, step=job.step, tensors=job.to_write, tree=job.tree,
+                                     tensor_bytes=handle.stats.bytes, thread_count=self.thread_count,
+                                     timings=timings)
+                final = persist_checkpoint(req, self._ctx)
+            stats = handle.stats
+            stats.persist_s = time.monotonic() - t_start
+            stats.total_s = time.monotonic() - job.t0
+            stats.files_bytes = sum(f["bytes"] for f in read_manifest(final).files.values())
+            self.last_stats = stats
             log.info("[rank %d] committed step %d: %d bytes, blocking %.3f s, staging %.3f s, persist %.3f s",
-                     self._ctx.rank, req.step, handle.stats.bytes, handle.stats.blocking_s,
-                     handle.stats.staging_s, handle.stats.persist_s)
+                     self._ctx.rank, job.step, stats.bytes, stats.blocking_s, stats.staging_s, stats.persist_s)
             self._apply_retention()
             handle.committed.set_result(str(final))
         except BaseException as exc:  # noqa: BLE001 - surfaced on the caller's thread
-            log.error("[rank %d] checkpoint step %d failed: %s", self._ctx.rank, req.step, exc)
+            log.error("[rank %d] checkpoint step %d failed: %s", self._ctx.rank, job.step, exc)
             with self._lock:
                 if self._pending_error is None:
                     self._pending_error = exc
             handle.committed.set_exception(exc)
+        finally:
+            job.to_write = {}
 
     def _apply_retention(self) -> None:
         if not self._ctx.is_coordinator or self.retention is None:
@@ -318,6 +416,11 @@ class CheckpointManager:
             self._closed = True
             if self._executor is not None:
                 self._executor.shutdown(wait=True)
+            if self._process_writer is not None:
+                self._process_writer.close()
+            for hook in self._hooked.values():
+                hook.remove()
+            self._hooked.clear()
             self._stager.release()
             self._ctx.destroy()
         self._raise_pending()

@@ -1,0 +1,153 @@
+"""A persistent writer process per rank: persisting without competing for the trainer's GIL.
+
+The staging arena lives in shared memory; the writer process maps it once and, for each save,
+receives only the layout and the JSON tree, then runs :func:`~torch_ckpt.persist.persist_checkpoint`
+with its own gloo process group among the writer processes of all ranks. The process is started
+(and its process group formed) when the manager is built, so the first save does not pay for it.
+A writer that dies is detected within a second and reported as :class:`CheckpointWriteError`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import queue
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+from torch_ckpt.dist import DistContext
+from torch_ckpt.errors import CheckpointError, CheckpointWriteError
+
+__all__ = ["ProcessWriter"]
+
+log = logging.getLogger(__name__)
+
+_START_TIMEOUT_S = 120.0
+
+
+def _free_port(addr: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((addr, 0))
+        return s.getsockname()[1]
+
+
+def _writer_main(requests, replies, rank: int, world_size: int, init: tuple[str, int] | None,
+                 timeout_s: float, niceness: int) -> None:
+    """Entry point of the writer process (spawned; imports torch afresh)."""
+    import torch.distributed as dist
+
+    from torch_ckpt.persist import PersistRequest, persist_checkpoint
+    from torch_ckpt.staging import arena_views
+
+    try:
+        if niceness:
+            os.nice(niceness)
+        torch.set_num_threads(1)
+        if init is not None:
+            dist.init_process_group("gloo", init_method=f"tcp://{init[0]}:{init[1]}", rank=rank,
+                                    world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s))
+        ctx = DistContext(timeout_seconds=timeout_s)
+        replies.put(("ready", None))
+    except BaseException as exc:  # noqa: BLE001
+        replies.put(("error", (type(exc).__name__, str(exc), getattr(exc, "errno", None))))
+        return
+    arena = None
+    while True:
+        msg = requests.get()
+        if msg is None:
+            break
+        kind, payload = msg
+        if kind == "arena":
+            arena = payload
+            continue
+        try:
+            fields, layout = payload
+            tensors = arena_views(arena, layout) if layout else {}
+            req = PersistRequest(tensors=tensors, **fields)
+            final = persist_checkpoint(req, ctx)
+            replies.put(("ok", str(final)))
+        except BaseException as exc:  # noqa: BLE001 - reported to the parent
+            replies.put(("error", (type(exc).__name__, str(exc), getattr(exc, "errno", None))))
+    ctx.destroy()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+class ProcessWriter:
+    """Owns the writer process of this rank.
+
+    Args:
+        ctx: the manager's distributed context (used once, to agree on a rendezvous port).
+        timeout_seconds: limit for the writer's collectives and for its start (seconds).
+        niceness: added to the writer process's nice value (0 keeps the trainer's priority).
+
+    Raises:
+        CheckpointError: the writer process could not start or form its process group.
+    """
+
+    def __init__(self, ctx: DistContext, *, timeout_seconds: float, niceness: int = 0) -> None:
+        init = None
+        if ctx.enabled:
+            addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
+            init = ctx.broadcast((addr, _free_port(addr) if ctx.is_coordinator else None), what="writer rendezvous")
+        spawn = mp.get_context("spawn")
+        self._requests = spawn.Queue()
+        self._replies = spawn.Queue()
+        self._proc = spawn.Process(target=_writer_main, name=f"torch_ckpt_writer_rank{ctx.rank}", daemon=True,
+                                   args=(self._requests, self._replies, ctx.rank, ctx.world_size, init,
+                                         timeout_seconds, niceness))
+        self._proc.start()
+        self._arena_ptr: int | None = None
+        self._timeout_s = float(timeout_seconds)
+        kind, payload = self._reply(deadline_s=max(_START_TIMEOUT_S, self._timeout_s))
+        if kind != "ready":
+            self.close()
+            raise CheckpointError(f"the checkpoint writer process failed to start: {payload[0]}: {payload[1]}")
+
+    def _reply(self, deadline_s: float | None = None) -> tuple[str, Any]:
+        start = time.monotonic()
+        while True:
+            try:
+                return self._replies.get(timeout=1.0)
+            except queue.Empty:
+                if not self._proc.is_alive():
+                    raise CheckpointWriteError(
+                        f"the checkpoint writer process died (exit code {self._proc.exitcode}); the save was not "
+                        "committed. Check host memory (it may have been OOM-killed).") from None
+                if deadline_s is not None and time.monotonic() - start > deadline_s:
+                    raise CheckpointError(f"the checkpoint writer process did not answer within {deadline_s:.0f} s")
+
+    def persist(self, *, arena: torch.Tensor | None, layout: tuple, fields: dict[str, Any]) -> Path:
+        """Persist one staged checkpoint through the writer process; returns the committed directory.
+
+        Raises:
+            CheckpointWriteError: the write or commit failed (this or another rank), or the writer died.
+        """
+        if arena is not None and arena.data_ptr() != self._arena_ptr:
+            self._requests.put(("arena", arena))
+            self._arena_ptr = arena.data_ptr()
+        self._requests.put(("save", (fields, layout)))
+        kind, payload = self._reply()
+        if kind == "ok":
+            return Path(payload)
+        name, message, errno = payload
+        if errno is not None:
+            raise CheckpointWriteError(errno, message)
+        raise CheckpointWriteError(f"{name}: {message}")
+
+    def close(self) -> None:
+        """Stop the writer process (after the request in flight, if any)."""
+        if self._proc.is_alive():
+            try:
+                self._requests.put(None)
+                self._proc.join(timeout=30)
+            finally:
+                if self._proc.is_alive():
+                    self._proc.terminate()
+                    self._proc.join(timeout=5)
