@@ -153,7 +153,8 @@ class HostStager:
         log.debug("allocated a %d-byte staging arena for %d tensors", offset, len(layout))
         return True
 
-    def stage(self, tensors: dict[str, torch.Tensor], *, ready_event: Any = None) -> StagedState:
+    def stage(self, tensors: dict[str, torch.Tensor], *, ready_event: Any = None,
+              only: set[str] | None = None) -> StagedState:
         """Copy ``tensors`` into the arena.
 
         Device copies are asynchronous (call :meth:`StagedState.synchronize` before reading the
@@ -164,6 +165,8 @@ class HostStager:
                 shard-locally.
             ready_event: CUDA event after which the device tensors hold the values to save
                 (default: the current stream's position at this call).
+            only: copy just these keys (the arena still covers all of ``tensors``); used to stage
+                in two phases.
 
         Returns:
             The staged host tensors; valid until the next call to :meth:`stage`.
@@ -177,7 +180,9 @@ class HostStager:
             device_pairs = []
             for key, t in tensors.items():
                 src, buf = _local(t).detach(), views[key]
-                if src.device.type == "cuda":
+                if only is not None and key not in only:
+                    pass
+                elif src.device.type == "cuda":
                     device_pairs.append((buf, src))
                 else:
                     buf.copy_(src)

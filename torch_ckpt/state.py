@@ -187,6 +187,23 @@ class TrainState:
         self.epoch = int(state_dict.get("epoch", self.epoch))
         self.extras = dict(state_dict.get("extras", {}))
 
+    def optimizer_owned_keys(self, tensors: Mapping[str, torch.Tensor]) -> set[str]:
+        """Keys of ``tensors`` (flat, from this state's :meth:`state_dict`) that only ``optimizer.step()`` mutates.
+
+        These are the parameters and the optimizer state; buffers (e.g. BatchNorm running stats),
+        RNG and dataloader state also change in forward passes and are not included.
+        """
+        param_ptrs = {p.data_ptr() for m in self._models.values() for p in m.parameters()}
+        owned = set()
+        for key, t in tensors.items():
+            if key.startswith("optimizer."):
+                owned.add(key)
+            elif key.startswith("model."):
+                local = getattr(t, "_local_tensor", t)
+                if local.data_ptr() in param_ptrs:
+                    owned.add(key)
+        return owned
+
     def optimizers(self) -> list[torch.optim.Optimizer]:
         """All optimizers of this state (used to wait for staging before their next ``step()``)."""
         return [o for opts in self._optims.values() for o in opts]

@@ -1,0 +1,104 @@
+"""Tests of the persistence modes: writer process, overlapped staging, writer failure."""
+
+import os
+import signal
+
+import pytest
+import torch
+
+from torch_ckpt import CheckpointManager, CheckpointWriteError, ConfigError, TrainState
+from tests.conftest import train_steps
+
+
+def _params(model):
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.timeout(180)
+def test_process_writer_roundtrip(tmp_path, make_state):
+    """persist='process' commits checkpoints that restore exactly."""
+    state, model, opt, sched = make_state()
+    with CheckpointManager(tmp_path, persist="process") as mgr:
+        for step in (1, 2):
+            train_steps(model, opt, sched, 1)
+            mgr.save(step, state)
+        mgr.wait()
+        assert mgr.all_steps() == [1, 2]
+    ref = _params(model)
+    state2, model2, *_ = make_state(seed=4)
+    with CheckpointManager(tmp_path) as mgr:
+        assert mgr.restore(state2) == 2
+    assert all(torch.equal(v, ref[k]) for k, v in model2.state_dict().items())
+
+
+@pytest.mark.timeout(180)
+def test_dead_writer_process_is_reported(tmp_path, make_state):
+    """A writer process killed mid-run turns into a CheckpointWriteError, not a hang."""
+    state, *_ = make_state()
+    with pytest.raises(CheckpointWriteError, match="writer process died"):
+        with CheckpointManager(tmp_path, persist="process") as mgr:
+            os.kill(mgr._process_writer._proc.pid, signal.SIGKILL)
+            mgr._process_writer._proc.join(10)
+            mgr.save(1, state)
+            mgr.wait()
+    assert not (tmp_path / "step_000000001").exists()
+
+
+def test_overlap_waits_for_staging_before_optimizer_step(tmp_path, make_state):
+    """With overlap_staging the next optimizer.step() waits, so the checkpoint holds the pre-step values."""
+    state, model, opt, sched = make_state()
+    train_steps(model, opt, sched, 1)
+    expected = _params(model)
+    with CheckpointManager(tmp_path, overlap_staging=True) as mgr:
+        handle = mgr.save(1, state)
+        train_steps(model, opt, sched, 1)  # mutates parameters through opt.step()
+        assert handle.staged.done()
+        handle.wait()
+    assert any(not torch.equal(v, expected[k]) for k, v in model.state_dict().items())
+    state2, model2, *_ = make_state(seed=4)
+    with CheckpointManager(tmp_path) as mgr:
+        mgr.restore(state2)
+    for k, v in model2.state_dict().items():
+        assert torch.equal(v, expected[k]), k
+
+
+def test_wait_staged_returns_after_copy(tmp_path, make_state):
+    """wait_staged() is the explicit barrier for mutations outside optimizer.step()."""
+    state, *_ = make_state()
+    with CheckpointManager(tmp_path, overlap_staging=True) as mgr:
+        handle = mgr.save(1, state)
+        mgr.wait_staged()
+        assert handle.staged.done()
+
+
+def test_optimizer_hooks_removed_on_close(tmp_path, make_state):
+    """Closing the manager removes its optimizer step pre-hooks."""
+    state, model, opt, sched = make_state()
+    with CheckpointManager(tmp_path, overlap_staging=True) as mgr:
+        mgr.save(1, state)
+        assert len(opt._optimizer_step_pre_hooks) == 1
+    assert len(opt._optimizer_step_pre_hooks) == 0
+
+
+@pytest.mark.parametrize("kwargs, field", [({"persist": "fork"}, "persist"), ({"writer_niceness": 40}, "niceness"),
+                                            ({"thread_count": 0}, "thread_count"), ({"keep_last": 0}, "count")])
+def test_invalid_options_rejected(tmp_path, kwargs, field):
+    """Invalid constructor options raise ConfigError naming the option."""
+    with pytest.raises(ConfigError, match=field):
+        CheckpointManager(tmp_path, **kwargs)
+
+
+@pytest.mark.cuda
+def test_cuda_state_roundtrip_with_overlap(tmp_path):
+    """A CUDA model is staged through pinned memory and restores exactly."""
+    model = torch.nn.Linear(64, 64).cuda()
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 64, device="cuda")).sum().backward()
+    opt.step()
+    ref = _params(model)
+    with CheckpointManager(tmp_path, overlap_staging=True) as mgr:
+        mgr.save(1, TrainState(model=model, optimizer=opt)).wait()
+    model2 = torch.nn.Linear(64, 64).cuda()
+    with CheckpointManager(tmp_path) as mgr:
+        mgr.restore(TrainState(model=model2, optimizer=torch.optim.AdamW(model2.parameters())))
+    assert all(torch.equal(v, ref[k]) for k, v in model2.state_dict().items())
