@@ -1,0 +1,65 @@
+"""Run a test body on N CPU ranks (gloo) with a watchdog, failing with the first rank's traceback."""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world_size: int, port: int, fn, args, errors) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        fn(rank, world_size, *args)
+    except BaseException:  # noqa: BLE001 - forwarded to the parent
+        errors.put((rank, traceback.format_exc()))
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_distributed(fn, world_size: int, *args, timeout_s: float = 120.0) -> None:
+    """Spawn ``world_size`` ranks running ``fn(rank, world_size, *args)``; raise on any failure or hang.
+
+    ``fn`` must be a module-level function (it is pickled for spawn).
+    """
+    ctx = mp.get_context("spawn")
+    errors = ctx.SimpleQueue()
+    port = _free_port()
+    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, errors), daemon=True)
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    hung = [r for r, p in enumerate(procs) if p.is_alive()]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join(5)
+    failures = []
+    while not errors.empty():
+        failures.append(errors.get())
+    if failures:
+        rank, tb = sorted(failures)[0]
+        raise AssertionError(f"rank {rank} failed:\n{tb}")
+    if hung:
+        raise AssertionError(f"ranks {hung} did not finish within {timeout_s:.0f} s (hang)")
+    bad = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode != 0]
+    if bad:
+        raise AssertionError(f"ranks exited with non-zero codes: {bad}")

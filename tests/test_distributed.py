@@ -1,0 +1,210 @@
+"""Multi-process tests: 2 and 4 CPU ranks with gloo (DDP, FSDP2 resharding, failures, timeouts)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests._dist import run_distributed
+from torch_ckpt import CheckpointError, CheckpointManager, TrainState
+
+pytestmark = pytest.mark.timeout(300)
+
+WIDTH = 32
+
+
+def _model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(WIDTH, WIDTH), torch.nn.ReLU(), torch.nn.Linear(WIDTH, WIDTH),
+                               torch.nn.ReLU(), torch.nn.Linear(WIDTH, 4))
+
+
+def _train(model, opt, steps: int = 2) -> None:
+    g = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        x = torch.randn(8, WIDTH, generator=g)
+        model(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _full_state(model, opt) -> dict[str, torch.Tensor]:
+    """Full (unsharded) model and optimizer tensors, on every rank."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    from torch_ckpt.codec import split_state
+
+    msd, osd = get_state_dict(model, [opt], options=StateDictOptions(full_state_dict=True))
+    tensors, _ = split_state({"model": msd, "optimizer": osd})
+    return {k: v.clone() for k, v in tensors.items()}
+
+
+def _fsdp(model):
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer)
+    fully_shard(model)
+    return model
+
+
+def _save_sharded(rank, world, root, kind):
+    model = _model()
+    if kind == "fsdp":
+        model = _fsdp(model)
+    elif kind == "ddp":
+        model = torch.nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _train(model, opt)
+    state = TrainState(model=model, optimizer=opt)
+    with CheckpointManager(root) as mgr:
+        mgr.save(2, state).wait()
+    full = _full_state(model, opt)
+    if rank == 0:
+        torch.save(full, Path(root) / "reference.pt")
+
+
+def _load_and_compare(rank, world, root, kind):
+    model = _model(seed=99)
+    if kind == "fsdp":
+        model = _fsdp(model)
+    elif kind == "ddp":
+        model = torch.nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    state = TrainState(model=model, optimizer=opt)
+    with CheckpointManager(root, on_world_size_change="keep_live") as mgr:
+        assert mgr.restore(state) == 2
+    got = _full_state(model, opt)
+    ref = torch.load(Path(root) / "reference.pt", weights_only=True)
+    assert set(got) == set(ref)
+    for k in ref:
+        assert torch.equal(got[k], ref[k]), k
+
+
+def _load_single(root):
+    """Load on one process without a process group and compare to the reference."""
+    model = _model(seed=99)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with CheckpointManager(root, on_world_size_change="keep_live") as mgr:
+        assert mgr.restore(TrainState(model=model, optimizer=opt)) == 2
+    got = _full_state(model, opt)
+    ref = torch.load(Path(root) / "reference.pt", weights_only=True)
+    for k in ref:
+        assert torch.equal(got[k], ref[k]), k
+
+
+def test_fsdp2_two_ranks_reshards_to_one_and_four(tmp_path):
+    """FSDP2 on 2 ranks loads bit-exactly on 1 rank and into FSDP2 on 4 ranks."""
+    run_distributed(_save_sharded, 2, str(tmp_path), "fsdp")
+    _load_single(str(tmp_path))
+    run_distributed(_load_and_compare, 4, str(tmp_path), "fsdp")
+
+
+def test_ddp_two_ranks_spreads_writes_and_loads_on_one(tmp_path):
+    """DDP on 2 ranks: replicated tensors are written once, spread over both ranks; loads on 1 rank."""
+    run_distributed(_save_sharded, 2, str(tmp_path), "ddp")
+    step_dir = tmp_path / "step_000000002"
+    files = json.loads((step_dir / "manifest.json").read_text())["files"]
+    shard_bytes = {name: info["bytes"] for name, info in files.items() if name.endswith(".distcp")}
+    assert set(shard_bytes) == {"__0_0.distcp", "__1_0.distcp"}
+    assert all(b > 0 for b in shard_bytes.values())
+    model = _model()  # the same state saved by one process: the bytes a single copy takes
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _train(model, opt)
+    with CheckpointManager(tmp_path / "single") as mgr:
+        mgr.save(2, TrainState(model=model, optimizer=opt)).wait()
+    single = json.loads((tmp_path / "single" / "step_000000002" / "manifest.json").read_text())["files"]
+    one_copy = single["__0_0.distcp"]["bytes"]
+    assert abs(sum(shard_bytes.values()) - one_copy) < 0.1 * one_copy  # written once in total, not per rank
+    _load_single(str(tmp_path))
+    run_distributed(_load_and_compare, 2, str(tmp_path), "ddp")
+
+
+def test_single_process_checkpoint_loads_into_fsdp2(tmp_path):
+    """A checkpoint saved by one process loads into FSDP2 on 2 ranks."""
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _train(model, opt)
+    with CheckpointManager(tmp_path) as mgr:
+        mgr.save(2, TrainState(model=model, optimizer=opt)).wait()
+    torch.save(_full_state(model, opt), tmp_path / "reference.pt")
+    run_distributed(_load_and_compare, 2, str(tmp_path), "fsdp")
+
+
+def _one_rank_fails(rank, world, root):
+    import torch_ckpt.persist as persist_mod
+
+    if rank == 1:
+        real = persist_mod.write_json_durable
+
+        def broken(path, obj):
+            if "rank_" in str(path):
+                raise OSError(28, "No space left on device")
+            return real(path, obj)
+
+        persist_mod.write_json_durable = broken
+    model = torch.nn.parallel.DistributedDataParallel(_model())
+    with CheckpointManager(root) as mgr:
+        mgr.save(1, TrainState(model=model))
+        try:
+            mgr.wait()
+        except CheckpointError as exc:
+            assert "rank 1" in str(exc) or exc.errno == 28, str(exc)
+        else:
+            raise AssertionError(f"rank {rank}: the failed save did not raise")
+        assert mgr.all_steps() == []
+        assert not list(Path(root).glob(".step_*"))
+
+
+def test_one_failing_rank_fails_the_save_everywhere(tmp_path):
+    """A write error on rank 1 means no commit and an error on every rank, not a hang."""
+    run_distributed(_one_rank_fails, 2, str(tmp_path))
+
+
+def _lonely_save(rank, world, root):
+    model = _model()
+    with CheckpointManager(root, timeout_seconds=5) as mgr:
+        if rank == 0:
+            try:
+                mgr.save(1, TrainState(model=model))
+                mgr.wait()
+            except CheckpointError as exc:
+                assert "timed out" in str(exc) or "failed across ranks" in str(exc) or "not committed" in str(exc), str(exc)
+            else:
+                raise AssertionError("a save on one rank only did not fail")
+        dist.barrier()
+
+
+def test_save_on_one_rank_only_times_out(tmp_path):
+    """A rank calling save() alone fails within the configured timeout with a clear error."""
+    run_distributed(_lonely_save, 2, str(tmp_path), timeout_s=90)
+
+
+def _rank_local_state(rank, world, root):
+    torch.manual_seed(1000 + rank)
+    model = torch.nn.parallel.DistributedDataParallel(_model())
+    with CheckpointManager(root) as mgr:
+        mgr.save(1, TrainState(model=model)).wait()
+    expected = torch.rand(3)
+    torch.manual_seed(0)
+    with CheckpointManager(root) as mgr:
+        mgr.restore(TrainState(model=model))
+    assert torch.equal(torch.rand(3), expected), f"rank {rank} RNG not restored per rank"
+
+
+def test_rng_is_restored_per_rank(tmp_path):
+    """Each rank gets its own RNG stream back, not rank 0's."""
+    run_distributed(_rank_local_state, 2, str(tmp_path))
+
+
+def test_world_size_change_with_rank_local_state_is_an_error(tmp_path):
+    """Loading a 2-rank TrainState on 1 rank names the on_world_size_change option."""
+    run_distributed(_save_sharded, 2, str(tmp_path), "ddp")
+    model = _model()
+    with CheckpointManager(tmp_path) as mgr, pytest.raises(CheckpointError, match="on_world_size_change"):
+        mgr.restore(TrainState(model=model, optimizer=torch.optim.AdamW(model.parameters())))
