@@ -208,3 +208,21 @@ def test_world_size_change_with_rank_local_state_is_an_error(tmp_path):
     model = _model()
     with CheckpointManager(tmp_path) as mgr, pytest.raises(CheckpointError, match="on_world_size_change"):
         mgr.restore(TrainState(model=model, optimizer=torch.optim.AdamW(model.parameters())))
+
+
+def _back_to_back(rank, world, root):
+    model = torch.nn.parallel.DistributedDataParallel(_model())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    state = TrainState(model=model, optimizer=opt)
+    with CheckpointManager(root, keep_last=3) as mgr:
+        for step in range(1, 11):
+            _train(model, opt, steps=1)
+            mgr.save(step, state)
+            dist.barrier()  # a collective on the training group while the save is in flight
+        mgr.wait()
+        assert mgr.all_steps() == [8, 9, 10]
+
+
+def test_ten_back_to_back_async_saves_with_training_barriers(tmp_path):
+    """Ten async saves on 2 ranks interleaved with training-group barriers all commit without a hang."""
+    run_distributed(_back_to_back, 2, str(tmp_path))
