@@ -1,37 +1,59 @@
-"""torch-ckpt: asynchronous, atomic, sharded (DCP) checkpoints for PyTorch training."""
+"""torch-ckpt: asynchronous, atomic, sharded (DCP) checkpoints for PyTorch training.
 
-from torch_ckpt.errors import (
-    CheckpointCorruptError,
-    CheckpointError,
-    CheckpointNotFoundError,
-    CheckpointTimeoutError,
-    CheckpointWriteError,
-    ConfigError,
-    StateMismatchError,
-    UnsafeCheckpointError,
-)
-from torch_ckpt.handle import SaveHandle, SaveStats
-from torch_ckpt.manager import CheckpointManager
-from torch_ckpt.retention import KeepAny, KeepEveryNSteps, KeepLatest, RetentionPolicy
-from torch_ckpt.state import TrainState
+Names are imported lazily on first use, so ``import torch_ckpt`` (and the ``torch-ckpt`` command
+line) stays fast and has no side effects.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "CheckpointManager",
-    "TrainState",
-    "SaveHandle",
-    "SaveStats",
-    "RetentionPolicy",
-    "KeepLatest",
-    "KeepEveryNSteps",
-    "KeepAny",
-    "CheckpointError",
-    "CheckpointNotFoundError",
-    "CheckpointCorruptError",
-    "UnsafeCheckpointError",
-    "StateMismatchError",
-    "CheckpointWriteError",
-    "CheckpointTimeoutError",
-    "ConfigError",
-]
+_EXPORTS = {
+    "CheckpointManager": "torch_ckpt.manager",
+    "TrainState": "torch_ckpt.state",
+    "SaveHandle": "torch_ckpt.handle",
+    "SaveStats": "torch_ckpt.handle",
+    "RetentionPolicy": "torch_ckpt.retention",
+    "KeepLatest": "torch_ckpt.retention",
+    "KeepEveryNSteps": "torch_ckpt.retention",
+    "KeepAny": "torch_ckpt.retention",
+    "SavePolicy": "torch_ckpt.schedule",
+    "EveryNSteps": "torch_ckpt.schedule",
+    "EveryNSeconds": "torch_ckpt.schedule",
+    "YoungDaly": "torch_ckpt.schedule",
+    "AnyOf": "torch_ckpt.schedule",
+    "young_interval": "torch_ckpt.interval",
+    "daly_interval": "torch_ckpt.interval",
+    "expected_overhead": "torch_ckpt.interval",
+    "expected_lost_work": "torch_ckpt.interval",
+    "parse_duration": "torch_ckpt.durations",
+    "format_duration": "torch_ckpt.durations",
+    "export_torch": "torch_ckpt.convert",
+    "export_safetensors": "torch_ckpt.convert",
+    "CheckpointError": "torch_ckpt.errors",
+    "CheckpointNotFoundError": "torch_ckpt.errors",
+    "CheckpointCorruptError": "torch_ckpt.errors",
+    "UnsafeCheckpointError": "torch_ckpt.errors",
+    "StateMismatchError": "torch_ckpt.errors",
+    "CheckpointWriteError": "torch_ckpt.errors",
+    "CheckpointTimeoutError": "torch_ckpt.errors",
+    "ConfigError": "torch_ckpt.errors",
+}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'torch_ckpt' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

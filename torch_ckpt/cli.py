@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from torch_ckpt import cli_tools
 from torch_ckpt.durations import DURATION_FORMS, format_duration, parse_duration
 from torch_ckpt.sizing import DTYPE_BYTES, OPTIMIZER_MOMENTS, checkpoint_size, interval_plan, parse_count
 
@@ -138,13 +139,14 @@ def _add_plan_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds per training step, to express the interval in steps")
     s = p.add_argument_group("sizing mode", "Checkpoint bytes and save times for a model (GB = 1e9 bytes).")
     s.add_argument("--params", type=_count, metavar="COUNT", help="number of parameters, e.g. 70e9 or 70B")
-    s.add_argument("--tp", type=_positive_int, help="tensor-parallel degree (default 1)")
-    s.add_argument("--pp", type=_positive_int, help="pipeline-parallel degree (default 1)")
-    s.add_argument("--dp", type=_positive_int, help="data-parallel degree; the optimizer is sharded over it (default 1)")
+    s.add_argument("--tp", type=_positive_int, metavar="N", help="tensor-parallel degree (default 1)")
+    s.add_argument("--pp", type=_positive_int, metavar="N", help="pipeline-parallel degree (default 1)")
+    s.add_argument("--dp", type=_positive_int, metavar="N",
+                   help="data-parallel degree; the optimizer is sharded over it (default 1)")
     s.add_argument("--param-dtype", choices=sorted(DTYPE_BYTES), help="dtype of the weights (default bf16)")
     s.add_argument("--optimizer", choices=sorted(OPTIMIZER_MOMENTS),
                    help="fp32 moments: adam/adamw 2, sgd (momentum) 1 (default adam)")
-    s.add_argument("--gpus-per-node", type=_positive_int, help="ranks per node (default 8)")
+    s.add_argument("--gpus-per-node", type=_positive_int, metavar="N", help="ranks per node (default 8)")
     s.add_argument("--d2h-gbps", type=_positive_float, metavar="GB/s",
                    help="device-to-host copy bandwidth per GPU in GB/s (default 25)")
     s.add_argument("--storage-gbps", type=_positive_float, metavar="GB/s",
@@ -248,7 +250,8 @@ def _sizing_text(z: dict[str, Any], plan: dict[str, Any] | None) -> str:
         *("  ".join([c[0].ljust(widths[0]), c[1].rjust(widths[1]), c[2].rjust(widths[2]), c[3]]).rstrip()
           for c in cells),
         "",
-        f"host RAM per node to stage {min(z['gpus_per_node'], world)} ranks: {_fmt_bytes(z['host_ram_per_node_bytes'])}",
+        f"host RAM per node to stage {min(z['gpus_per_node'], world)} ranks: "
+        f"{_fmt_bytes(z['host_ram_per_node_bytes'])}",
         f"blocking (device to host at {z['d2h_gbps']:g} GB/s per GPU): {format_duration(z['blocking_s'])}",
         f"write ({_fmt_bytes(z['total_bytes'])} at {z['storage_gbps']:g} GB/s): {format_duration(z['write_s'])}",
     ]
@@ -265,7 +268,7 @@ def _sizing_text(z: dict[str, Any], plan: dict[str, Any] | None) -> str:
 
 def _add_simulate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mtbf", type=_positive_duration, required=True, metavar="DURATION",
-                   help="mean time between failures of the job")
+                   help=f"mean time between failures of the job (durations: {DURATION_FORMS})")
     p.add_argument("--save-cost", type=_positive_duration, required=True, metavar="DURATION",
                    help="training stall per save")
     p.add_argument("--durability-lag", type=_non_negative_duration, default=0.0, metavar="DURATION",
@@ -278,7 +281,8 @@ def _add_simulate_arguments(p: argparse.ArgumentParser) -> None:
                    help="largest interval simulated (default Daly x 4)")
     p.add_argument("--points", type=_positive_int, default=81, help="intervals simulated, log-spaced (default 81)")
     p.add_argument("--failures", type=_positive_int, default=200_000,
-                   help="failures simulated per interval (default 200000; runtime grows linearly)")
+                   help="failures simulated, the same failure times for every interval "
+                        "(default 200000; runtime grows linearly)")
     p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     p.add_argument("--plot", metavar="FILE.png", help="draw overhead versus interval (needs matplotlib)")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
@@ -318,6 +322,8 @@ _COMMANDS: dict[str, _Command] = {
                      _add_plan_arguments, _cmd_plan),
     "simulate": _Command("Monte Carlo overhead versus save interval, with Young and Daly marked",
                          _add_simulate_arguments, _cmd_simulate),
+    "convert": _Command("export a checkpoint to one torch.save file or the model weights to safetensors",
+                        cli_tools.add_convert_arguments, cli_tools.run_convert),
 }
 
 
@@ -354,6 +360,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as exc:
         print(f"{_PROG} {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except Exception as exc:  # noqa: BLE001 - a checkpoint problem: one clear line, exit 1
+        from torch_ckpt.errors import CheckpointError
+
+        if not isinstance(exc, (CheckpointError, OSError)):
+            raise
+        print(f"{_PROG} {args.command}: error: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

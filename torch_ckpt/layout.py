@@ -56,6 +56,11 @@ _STEP_RE = re.compile(r"^step_(\d+)$")
 _TMP_RE = re.compile(r"^\.step_(\d+)\.tmp$")
 
 
+def _is_plain_file_name(name: str) -> bool:
+    """True for a bare file name (no directory part, no '..', no NUL): manifests may not point elsewhere."""
+    return bool(name) and name not in (".", "..") and "/" not in name and "\\" not in name and "\0" not in name
+
+
 def step_dir_name(step: int) -> str:
     """Final directory name of ``step`` (zero-padded; ordering still uses the manifest step)."""
     return f"step_{step:09d}"
@@ -111,6 +116,9 @@ class Manifest:
                 raise ValueError(f"format_version {data['format_version']} is newer than this torch-ckpt supports "
                                  f"({FORMAT_VERSION}); upgrade torch-ckpt")
             files = {str(k): {"bytes": int(v["bytes"]), "crc32": int(v["crc32"])} for k, v in data["files"].items()}
+            for name in files:
+                if not _is_plain_file_name(name):
+                    raise ValueError(f"file name {name!r} is not a plain file name inside the checkpoint")
             return cls(step=int(data["step"]), world_size=int(data["world_size"]), files=files,
                        wall_time=float(data["wall_time"]), torch_version=str(data["torch_version"]),
                        tensor_bytes=int(data.get("tensor_bytes", 0)), timings=dict(data.get("timings", {})),
@@ -233,6 +241,14 @@ def clean_stale_temporaries(root: str | os.PathLike) -> list[Path]:
     if removed:
         log.info("removed %d stale temporary checkpoint dir(s) under %s", len(removed), root)
     return removed
+
+
+def quarantine_step_dir(path: Path) -> Path:
+    """Move a damaged checkpoint directory aside (never listed, never auto-deleted) and return its new path."""
+    target = path.with_name(f".corrupt_{path.name}.{int(time.time())}")
+    os.rename(path, target)
+    log.warning("moved damaged checkpoint %s aside to %s", path, target)
+    return target
 
 
 def remove_step_dir(path: Path) -> None:

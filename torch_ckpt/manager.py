@@ -19,11 +19,20 @@ from typing import Any
 
 import torch
 
+from torch_ckpt.cadence import Cadence
 from torch_ckpt.codec import split_state
 from torch_ckpt.dist import DistContext
-from torch_ckpt.errors import CheckpointError, CheckpointNotFoundError, ConfigError
+from torch_ckpt.errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError, ConfigError
 from torch_ckpt.handle import SaveHandle, SaveStats
-from torch_ckpt.layout import check_root, clean_stale_temporaries, read_manifest, remove_step_dir, scan_committed
+from torch_ckpt.layout import (
+    check_root,
+    clean_stale_temporaries,
+    quarantine_step_dir,
+    read_manifest,
+    remove_step_dir,
+    scan_committed,
+    step_dir_name,
+)
 from torch_ckpt.persist import PersistRequest, persist_checkpoint
 from torch_ckpt.restore import RANK_LOCAL_POLICIES, load_into
 from torch_ckpt.retention import KeepAny, KeepEveryNSteps, KeepLatest, RetentionPolicy, apply_retention
@@ -104,6 +113,9 @@ class CheckpointManager:
         timeout_seconds: limit for checkpoint collectives between ranks (seconds).
         process_group: ranks taking part (default: all); checkpoint traffic always uses private
             gloo groups created from it.
+        save_policy: when :meth:`should_save` says yes: a :class:`~torch_ckpt.schedule.SavePolicy`
+            such as ``YoungDaly(mtbf_seconds="8h")`` (MTBF-optimal), ``EveryNSteps(100)``,
+            ``EveryNSeconds("15m")`` or ``AnyOf(...)``. Rank 0 decides; every rank gets its answer.
 
     Raises:
         ConfigError: invalid arguments.
@@ -127,6 +139,7 @@ class CheckpointManager:
         on_world_size_change: str = "error",
         timeout_seconds: float = 600.0,
         process_group: Any = None,
+        save_policy: Any = None,
     ) -> None:
         if not isinstance(directory, (str, os.PathLike)) or str(directory) == "":
             raise ConfigError(f"directory must be a non-empty path, got {directory!r}")
@@ -163,6 +176,7 @@ class CheckpointManager:
         self._process_writer: ProcessWriter | None = None
         self._hooked: dict[int, Any] = {}
         self._staged_future: Future | None = None
+        self._cadence = Cadence(save_policy) if save_policy is not None else None
         self._executor: ThreadPoolExecutor | None = None
         self._inflight: SaveHandle | None = None
         self._pending_error: BaseException | None = None
@@ -246,6 +260,7 @@ class CheckpointManager:
         t0 = time.monotonic()
         wait_prev = self._wait_inflight()
         self._raise_pending()
+        self._check_new_step(step)
         stats = SaveStats(step=step, wait_for_previous_s=wait_prev)
         sd = state.state_dict() if hasattr(state, "state_dict") else state
         tensors, tree = split_state(sd, rank_local_keys=tuple(getattr(state, "rank_local_keys", ())))
@@ -275,6 +290,9 @@ class CheckpointManager:
             self._staged_future = handle.staged
         else:
             self._stage(job, handle)
+        if self._cadence is not None:
+            stats.blocking_s = time.monotonic() - t0
+            self._cadence.record_save_started(handle, time.monotonic())
         if background:
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torch_ckpt_writer",
@@ -287,6 +305,41 @@ class CheckpointManager:
             stats.blocking_s = time.monotonic() - t0
             self._raise_pending()
         return handle
+
+    def _check_new_step(self, step: int) -> None:
+        """Refuse a step that is already committed; move a damaged directory of that step aside."""
+        problem = None
+        if self._ctx.is_coordinator:
+            final = self.root / step_dir_name(step)
+            if final.exists():
+                try:
+                    read_manifest(final)
+                    problem = f"step {step} is already committed at {final}; save under a new step"
+                except CheckpointError:
+                    quarantine_step_dir(final)
+        problem = self._ctx.broadcast(problem, what="step check")
+        if problem:
+            raise ConfigError(problem)
+
+    def should_save(self, step: int) -> bool:
+        """Record that training step ``step`` finished and ask the save policy; same answer on every rank.
+
+        Call once per step, on every rank. Without a ``save_policy`` this raises ConfigError.
+        """
+        if self._cadence is None:
+            raise ConfigError("should_save() needs CheckpointManager(save_policy=...), e.g. YoungDaly(mtbf_seconds='8h')")
+        now = time.monotonic()
+        self._cadence.record_step(step, now)
+        decision = self._cadence.decide(step, now) if self._ctx.is_coordinator else None
+        return bool(self._ctx.broadcast(decision, what="save decision"))
+
+    def save_if_due(self, step: int, state: Any) -> SaveHandle | None:
+        """:meth:`save` when :meth:`should_save` says so; returns the handle or None."""
+        return self.save(step, state) if self.should_save(step) else None
+
+    def schedule_info(self) -> dict[str, Any]:
+        """The save policy's last decision inputs and outputs (``describe()``), or {} without a policy."""
+        return self._cadence.policy.describe() if self._cadence is not None else {}
 
     def wait_staged(self) -> None:
         """Block until the in-flight save no longer reads the live tensors (see ``overlap_staging``)."""
@@ -399,6 +452,10 @@ class CheckpointManager:
                 return None
             step = steps[-1]
         elif step not in steps:
+            candidate = self.root / step_dir_name(step)
+            if candidate.is_dir():  # present but not listed: say what is wrong with it
+                manifest = read_manifest(candidate)
+                raise CheckpointCorruptError(f"{candidate}: manifest says step {manifest.step}, not {step}")
             raise CheckpointNotFoundError(
                 f"step {step} is not a committed checkpoint under {self.root}; committed steps: {steps[-10:]}")
         step_dir = scan_committed(self.root).get(step) if self._ctx.is_coordinator else None

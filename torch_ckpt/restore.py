@@ -41,6 +41,8 @@ def verify_files(step_dir: Path, manifest: Manifest, *, checksums: bool, part: i
         if i % parts != part:
             continue
         path = step_dir / name
+        if path.resolve().parent != step_dir.resolve():
+            raise CheckpointCorruptError(f"{step_dir}: manifest lists {name!r}, which is outside the checkpoint")
         if not path.is_file():
             raise CheckpointCorruptError(f"{path}: file listed in the manifest is missing")
         size = path.stat().st_size
@@ -68,6 +70,41 @@ def _tensor_keys(tree: Any) -> set[str]:
                 walk(v)
 
     walk(tree)
+    return keys
+
+
+_OPAQUE = ("extras", "rng", "dataloader")
+
+
+def _is_tagged(node: Any) -> bool:
+    """True for a codec node (tensor placeholder, tuple, numpy value...) rather than a user dict."""
+    return isinstance(node, dict) and len(node) == 1 and next(iter(node)).startswith("__")
+
+
+def _structure_keys(tree: Any, *, deep: bool) -> set[str]:
+    """Dotted paths of the non-tensor structure: top-level keys only (``deep=False``), or every dict path.
+
+    Tensor placeholders are left out (tensor keys are compared on their own), and subtrees that are
+    replaced as a whole on load (extras, RNG, dataloader) are not descended into.
+    """
+    keys: set[str] = set()
+    if not isinstance(tree, dict) or _is_tagged(tree):
+        return keys
+
+    def walk(node: dict, prefix: str, depth: int) -> None:
+        for k, v in node.items():
+            if isinstance(v, dict) and len(v) == 1 and TENSOR_TAG in v:
+                continue
+            path = f"{prefix}{k}"
+            if deep and isinstance(v, dict) and not _is_tagged(v) and not (depth == 0 and k in _OPAQUE):
+                walk(v, f"{path}.", depth + 1)
+            else:
+                keys.add(path)
+
+    if deep:
+        walk(tree, "", 0)
+    else:
+        keys.update(k for k, v in tree.items() if not (isinstance(v, dict) and len(v) == 1 and TENSOR_TAG in v))
     return keys
 
 
@@ -130,9 +167,10 @@ def load_into(state: Any, step_dir: Path, manifest: Manifest, ctx: DistContext, 
             if isinstance(live_tree, dict) and key in live_tree:
                 tree[key] = live_tree[key]
 
-    saved_keys = _tensor_keys(tree)
-    missing = sorted(set(live_tensors) - saved_keys)
-    unexpected = sorted(saved_keys - set(live_tensors))
+    saved_keys = _tensor_keys(tree) | _structure_keys(tree, deep=not hasattr(state, "state_dict"))
+    live_keys = set(live_tensors) | _structure_keys(live_tree, deep=not hasattr(state, "state_dict"))
+    missing = sorted(live_keys - saved_keys)
+    unexpected = sorted(saved_keys - live_keys)
     if missing or unexpected:
         raise StateMismatchError(
             f"{step_dir}: state does not match the checkpoint. Missing from checkpoint: {missing[:20]}"

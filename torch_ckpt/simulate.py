@@ -208,25 +208,31 @@ def plot_sweep(result: SimulationResult, path: str) -> None:
     """
     try:
         from matplotlib.figure import Figure
+        from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
     except ImportError as exc:
         raise ImportError("plotting needs matplotlib: pip install matplotlib") from exc
+    units = (("h", 3600.0), ("min", 60.0), ("s", 1.0))
+    unit, scale = next((u, k) for u, k in units if result.daly_interval_s >= 2 * k or k == 1.0)
     fig = Figure(figsize=(7, 4.5))
     ax = fig.add_subplot()
-    minutes = [t / 60.0 for t in result.intervals_s]
-    ax.plot(minutes, [100 * o for o in result.overhead], label="measured (Monte Carlo)")
-    ax.plot(minutes, [100 * o for o in result.predicted_overhead], "--", label="first-order model")
+    x = [t / scale for t in result.intervals_s]
+    ax.plot(x, [100 * o for o in result.overhead], label="measured (Monte Carlo)")
+    ax.plot(x, [100 * o for o in result.predicted_overhead], "--", label="first-order model")
     for label, t, style in (
         ("measured optimum", result.optimum_interval_s, "k:"),
         ("Young", result.young_interval_s, "g-."),
         ("Daly", result.daly_interval_s, "r--"),
     ):
-        ax.axvline(t / 60.0, color=style[0], linestyle=style[1:], label=f"{label}: {format_duration(t)}")
+        ax.axvline(t / scale, color=style[0], linestyle=style[1:], label=f"{label}: {format_duration(t)}")
     ax.set_xscale("log")
-    ax.set_xlabel("interval between saves (min)")
+    ax.xaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    ax.set_xlabel(f"compute time between saves ({unit})")
     ax.set_ylabel("overhead (% of wall time)")
     ax.set_title(
         f"MTBF {format_duration(result.mtbf_s)}, save cost {format_duration(result.cost_s)}, "
         f"lag {format_duration(result.durability_lag_s)}, restart {format_duration(result.restart_s)}"
     )
-    ax.legend()
+    ax.legend(fontsize="small")
     fig.savefig(path)

@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from torch_ckpt.errors import CheckpointCorruptError, ConfigError
+from torch_ckpt.errors import CheckpointCorruptError, ConfigError, StateMismatchError
 from torch_ckpt.rng import capture_rng_state, restore_rng_state
 
 __all__ = ["TrainState"]
@@ -158,7 +158,8 @@ class TrainState:
         """
         def need(key: str) -> Any:
             if key not in state_dict:
-                raise CheckpointCorruptError(f"checkpoint has no {key!r} entry but this TrainState needs one")
+                raise StateMismatchError(f"checkpoint has no {key!r} entry but this TrainState needs one",
+                                         missing=[key])
             return state_dict[key]
 
         single = set(self._models) == {""}

@@ -1,0 +1,438 @@
+"""Bad input: missing or wrong paths, mismatched states, unsupported values, tampered or corrupt files.
+
+Every failure must be a clear, typed exception: a subclass of ``CheckpointError`` that also
+inherits the builtin a caller would catch (``FileNotFoundError``, ``OSError``, ``ValueError``,
+``KeyError``), and whose message names the path, step, key or file at fault.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pickle
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+
+from torch_ckpt import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointManager,
+    CheckpointNotFoundError,
+    ConfigError,
+    StateMismatchError,
+    TrainState,
+    UnsafeCheckpointError,
+)
+
+STEP_DIR = "step_{:09d}"
+
+
+# -- helpers ---------------------------------------------------------------------------------------
+def _dict_state(fill: float = 1.0) -> dict:
+    return {"model": {"w": torch.full((4, 3), fill), "b": torch.full((3,), fill)}, "meta": {"epoch": 2}}
+
+
+def _save(root: Path, step: int, state, **kwargs) -> Path:
+    with CheckpointManager(root, **kwargs) as mgr:
+        mgr.save(step, state).wait()
+    return root / STEP_DIR.format(step)
+
+
+def _sizes_and_crc(path: Path) -> dict[str, int]:
+    data = path.read_bytes()
+    return {"bytes": len(data), "crc32": zlib.crc32(data)}
+
+
+def _edit_manifest(step_dir: Path, edit) -> None:
+    """Apply ``edit(manifest_dict)`` and write the manifest back (as a tamperer would)."""
+    path = step_dir / "manifest.json"
+    doc = json.loads(path.read_bytes())
+    edit(doc)
+    path.write_text(json.dumps(doc))
+
+
+def _shard(step_dir: Path) -> Path:
+    shards = sorted(step_dir.glob("*.distcp"))
+    assert shards, f"no shard file in {sorted(os.listdir(step_dir))}"
+    return max(shards, key=lambda p: p.stat().st_size)
+
+
+class _RunsShell:
+    """A pickle payload: unpickling it runs ``os.system(command)``."""
+
+    def __init__(self, command: str) -> None:
+        self.command = command
+
+    def __reduce__(self):
+        return (os.system, (self.command,))
+
+
+# -- missing, misplaced and wrong roots -------------------------------------------------------------
+@pytest.mark.timeout(60)
+def test_manager_creates_a_root_whose_parents_are_missing(tmp_path):
+    """CheckpointManager(path) creates the root and its missing parents, ready to save."""
+    root = tmp_path / "no" / "such" / "parents" / "ckpt"
+    with CheckpointManager(root) as mgr:
+        assert root.is_dir()
+        assert mgr.all_steps() == [] and mgr.latest_step() is None
+
+
+@pytest.mark.timeout(60)
+def test_restore_from_a_fresh_root_returns_none_and_logs_the_location(tmp_path, make_state, caplog):
+    """restore() with nothing saved returns None and logs, at INFO, the directory it searched."""
+    root = tmp_path / "missing_parent" / "ckpt"
+    state, *_ = make_state()
+    caplog.set_level(logging.INFO, logger="torch_ckpt")
+    with CheckpointManager(root) as mgr:
+        assert mgr.restore(state) is None
+    infos = [r for r in caplog.records if r.levelno == logging.INFO and str(root) in r.getMessage()]
+    assert infos, f"no INFO record names {root}: {[r.getMessage() for r in caplog.records]}"
+
+
+@pytest.mark.timeout(60)
+def test_restore_after_the_root_was_deleted_returns_none_and_logs_the_location(tmp_path, make_state, caplog):
+    """A root removed after the manager started is searched, found empty, reported at INFO; None returned."""
+    root = tmp_path / "ckpt"
+    state, *_ = make_state()
+    caplog.set_level(logging.INFO, logger="torch_ckpt")
+    with CheckpointManager(root) as mgr:
+        root.rmdir()
+        assert mgr.restore(state) is None
+    assert any(r.levelno == logging.INFO and str(root) in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.timeout(60)
+def test_explicit_step_in_a_deleted_root_raises_not_found(tmp_path, make_state):
+    """restore(step=...) on a root that no longer exists raises CheckpointNotFoundError naming the root."""
+    root = tmp_path / "ckpt"
+    state, *_ = make_state()
+    with CheckpointManager(root) as mgr:
+        root.rmdir()
+        with pytest.raises(CheckpointNotFoundError) as info:
+            mgr.restore(state, step=3)
+    assert isinstance(info.value, FileNotFoundError)
+    assert str(root) in str(info.value) and "3" in str(info.value)
+
+
+@pytest.mark.timeout(60)
+def test_root_that_is_a_file_is_refused_with_its_path(tmp_path):
+    """CheckpointManager(path-of-a-file) raises a CheckpointError/OSError naming the path; the file is untouched."""
+    root = tmp_path / "ckpt"
+    root.write_bytes(b"not a directory")
+    with pytest.raises(CheckpointError) as info:
+        CheckpointManager(root)
+    assert isinstance(info.value, OSError)
+    assert str(root) in str(info.value)
+    assert root.read_bytes() == b"not a directory"
+
+
+@pytest.mark.timeout(60)
+def test_root_below_a_file_is_refused_with_its_path(tmp_path):
+    """A root whose parent is a file raises a CheckpointError/OSError naming the root."""
+    parent = tmp_path / "a_file"
+    parent.write_bytes(b"x")
+    root = parent / "ckpt"
+    with pytest.raises(CheckpointError) as info:
+        CheckpointManager(root)
+    assert isinstance(info.value, OSError)
+    assert str(root) in str(info.value)
+
+
+@pytest.mark.timeout(60)
+def test_root_replaced_by_a_file_is_refused_on_restore(tmp_path, make_state):
+    """restore() when the root has become a file raises a CheckpointError/OSError naming the path."""
+    root = tmp_path / "ckpt"
+    state, *_ = make_state()
+    with CheckpointManager(root) as mgr:
+        root.rmdir()
+        root.write_bytes(b"x")
+        with pytest.raises(CheckpointError) as info:
+            mgr.restore(state)
+    assert isinstance(info.value, OSError)
+    assert str(root) in str(info.value)
+
+
+# -- steps -----------------------------------------------------------------------------------------
+@pytest.mark.timeout(60)
+def test_explicit_missing_step_raises_not_found_naming_step_and_path(tmp_path, make_state):
+    """restore(step=7) when only step 1 exists raises CheckpointNotFoundError naming 7 and the root; state untouched."""
+    state, model, *_ = make_state(seed=0)
+    _save(tmp_path, 1, state)
+    live, live_model, *_ = make_state(seed=1)
+    before = {k: v.clone() for k, v in live_model.state_dict().items()}
+    with CheckpointManager(tmp_path) as mgr:
+        with pytest.raises(CheckpointNotFoundError) as info:
+            mgr.restore(live, step=7)
+    assert isinstance(info.value, FileNotFoundError)
+    assert "7" in str(info.value) and str(tmp_path) in str(info.value)
+    assert all(torch.equal(v, before[k]) for k, v in live_model.state_dict().items())
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("step", [-1, 1.5, 2.0, "3", None, True])
+def test_save_refuses_a_step_that_is_not_a_non_negative_int(tmp_path, step):
+    """save() with a negative, float, str, None or bool step raises ConfigError (ValueError) naming it; nothing written."""
+    with CheckpointManager(tmp_path) as mgr:
+        with pytest.raises(ConfigError) as info:
+            mgr.save(step, _dict_state())
+        assert mgr.all_steps() == []
+    assert isinstance(info.value, ValueError)
+    assert repr(step) in str(info.value)
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.timeout(60)
+def test_saving_the_same_step_twice_fails_and_keeps_the_first(tmp_path):
+    """A second save of a committed step raises a CheckpointError naming the step; the first checkpoint stays intact."""
+    with CheckpointManager(tmp_path) as mgr:
+        mgr.save(3, _dict_state(1.0)).wait()
+        with pytest.raises(CheckpointError) as info:
+            mgr.save(3, _dict_state(2.0))
+            mgr.wait()  # an asynchronous save reports its failure here at the latest
+        assert isinstance(info.value, (ValueError, OSError))
+        assert "3" in str(info.value)
+        assert mgr.all_steps() == [3]
+        live = _dict_state(0.0)
+        assert mgr.restore(live) == 3
+    assert torch.equal(live["model"]["w"], torch.full((4, 3), 1.0))
+    assert sorted(os.listdir(tmp_path)) == [STEP_DIR.format(3)]
+
+
+# -- state mismatches ------------------------------------------------------------------------------
+@pytest.mark.timeout(60)
+def test_mismatched_keys_list_missing_and_unexpected(tmp_path):
+    """Restoring into a state with other keys raises StateMismatchError listing both sides, in message and attributes."""
+    _save(tmp_path, 1, _dict_state())
+    live = {"model": {"w": torch.zeros(4, 3), "extra": torch.zeros(2)}, "meta": {"epoch": 0}}
+    with CheckpointManager(tmp_path) as mgr:
+        with pytest.raises(StateMismatchError) as info:
+            mgr.restore(live)
+    exc = info.value
+    assert isinstance(exc, KeyError) and isinstance(exc, CheckpointError)
+    assert exc.missing == ["model.extra"] and exc.unexpected == ["model.b"]
+    assert "model.extra" in str(exc) and "model.b" in str(exc)
+    assert str(tmp_path) in str(exc)
+    assert torch.equal(live["model"]["w"], torch.zeros(4, 3)), "a refused restore must not load anything"
+
+
+@pytest.mark.timeout(60)
+def test_train_state_of_another_model_lists_its_missing_keys(tmp_path):
+    """A TrainState whose model has an extra layer raises StateMismatchError naming that layer's keys."""
+    def build(layers: int) -> TrainState:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(layers)])
+        return TrainState(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+
+    _save(tmp_path, 1, build(2))
+    with CheckpointManager(tmp_path) as mgr:
+        with pytest.raises(StateMismatchError) as info:
+            mgr.restore(build(3))
+    assert {"model.2.weight", "model.2.bias"} <= set(info.value.missing)
+    assert info.value.unexpected == []
+    assert "model.2.weight" in str(info.value)
+
+
+@pytest.mark.timeout(60)
+def test_mismatched_plain_value_keys_are_listed_too(tmp_path):
+    """Keys of non-tensor values count: {'w','a'} saved vs {'w','b'} live raises StateMismatchError listing 'b' and 'a'."""
+    _save(tmp_path, 1, {"w": torch.ones(2), "a": 1})
+    live = {"w": torch.zeros(2), "b": 2}
+    with CheckpointManager(tmp_path) as mgr:
+        with pytest.raises(StateMismatchError) as info:
+            mgr.restore(live)
+    assert info.value.missing == ["b"] and info.value.unexpected == ["a"]
+    assert live == {"w": live["w"], "b": 2} and torch.equal(live["w"], torch.zeros(2))
+
+
+@pytest.mark.timeout(60)
+def test_train_state_component_missing_from_the_checkpoint_is_refused_before_loading(tmp_path):
+    """A TrainState with a scheduler restored from a checkpoint without one raises StateMismatchError; the model is untouched."""
+    def build(seed: int, with_scheduler: bool) -> tuple[TrainState, torch.nn.Module]:
+        torch.manual_seed(seed)
+        model = torch.nn.Linear(4, 4)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2) if with_scheduler else None
+        return TrainState(model=model, optimizer=opt, scheduler=sched), model
+
+    saved, _ = build(0, with_scheduler=False)
+    _save(tmp_path, 1, saved)
+    live, live_model = build(1, with_scheduler=True)
+    before = {k: v.clone() for k, v in live_model.state_dict().items()}
+    with CheckpointManager(tmp_path) as mgr:
+        with pytest.raises(StateMismatchError) as info:
+            mgr.restore(live)
+    assert "scheduler" in info.value.missing and "scheduler" in str(info.value)
+    changed = [k for k, v in live_model.state_dict().items() if not torch.equal(v, before[k])]
+    assert changed == [], f"a refused restore already overwrote {changed}"
+
+
+@pytest.mark.timeout(60)
+def test_shape_mismatch_names_the_tensor_and_both_shapes(tmp_path, make_state):
+    """A model of another width raises StateMismatchError (KeyError) naming the tensor and both shapes."""
+    state, *_ = make_state(width=16)
+    _save(tmp_path, 1, state)
+    live, *_ = make_state(width=32)
+    with CheckpointManager(tmp_path) as mgr:
+        with pytest.raises(StateMismatchError) as info:
+            mgr.restore(live)
+    msg = str(info.value)
+    assert isinstance(info.value, KeyError)
+    assert "model.fc1.weight" in msg and "(16, 8)" in msg and "(32, 8)" in msg
+
+
+# -- unsupported values ----------------------------------------------------------------------------
+@pytest.mark.timeout(60)
+def test_unsupported_value_raises_config_error_naming_the_key(tmp_path):
+    """A value that would need pickling raises ConfigError (ValueError) naming its key; nothing is written."""
+    state = {"model": {"w": torch.ones(2)}, "cfg": {"callback": object()}}
+    with CheckpointManager(tmp_path) as mgr:
+        with pytest.raises(ConfigError) as info:
+            mgr.save(1, state)
+        assert mgr.all_steps() == []
+    assert isinstance(info.value, ValueError)
+    assert "cfg.callback" in str(info.value)
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.timeout(60)
+def test_unsupported_train_state_extra_raises_config_error_naming_the_key(tmp_path, make_state):
+    """A lambda in TrainState.extras raises ConfigError naming 'extras.hook'."""
+    state, *_ = make_state(extras={"hook": lambda x: x})
+    with CheckpointManager(tmp_path) as mgr:
+        with pytest.raises(ConfigError, match=r"extras\.hook"):
+            mgr.save(1, state)
+
+
+# -- hostile and corrupt files ---------------------------------------------------------------------
+@pytest.mark.timeout(60)
+def test_metadata_with_a_code_executing_pickle_is_refused_without_running_it(tmp_path):
+    """A .metadata pickle calling os.system (manifest fixed up to match) raises UnsafeCheckpointError; nothing runs."""
+    step_dir = _save(tmp_path / "ckpt", 1, _dict_state())
+    control = tmp_path / "control_marker"
+    pickle.loads(pickle.dumps(_RunsShell(f"touch {control}")))  # the payload is live when unpickled plainly
+    assert control.exists()
+
+    marker = tmp_path / "pwned_marker"
+    (step_dir / ".metadata").write_bytes(pickle.dumps(_RunsShell(f"touch {marker}")))
+    _edit_manifest(step_dir, lambda m: m["files"].__setitem__(".metadata", _sizes_and_crc(step_dir / ".metadata")))
+
+    with CheckpointManager(tmp_path / "ckpt") as mgr:
+        assert mgr.latest_step() == 1  # sizes and checksums match: only the unpickler can catch it
+        with pytest.raises(UnsafeCheckpointError) as info:
+            mgr.restore(_dict_state(0.0))
+    assert isinstance(info.value, ValueError)
+    assert ".metadata" in str(info.value) and "system" in str(info.value)
+    assert not marker.exists(), "the checkpoint executed code"
+
+
+@pytest.mark.timeout(60)
+def test_truncated_shard_is_reported_with_its_file(tmp_path):
+    """A shard cut short raises CheckpointCorruptError (ValueError) naming the shard file."""
+    step_dir = _save(tmp_path, 1, _dict_state())
+    shard = _shard(step_dir)
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) // 2])
+    with CheckpointManager(tmp_path) as mgr:
+        with pytest.raises(CheckpointCorruptError) as info:
+            mgr.restore(_dict_state(0.0))
+    assert isinstance(info.value, ValueError)
+    assert str(shard) in str(info.value)
+
+
+@pytest.mark.timeout(60)
+def test_flipped_byte_in_a_shard_is_reported_with_its_file(tmp_path):
+    """One flipped bit inside a shard (same size) raises CheckpointCorruptError naming the shard file."""
+    step_dir = _save(tmp_path, 1, _dict_state())
+    shard = _shard(step_dir)
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    shard.write_bytes(bytes(data))
+    with CheckpointManager(tmp_path) as mgr:
+        with pytest.raises(CheckpointCorruptError) as info:
+            mgr.restore(_dict_state(0.0))
+    assert isinstance(info.value, ValueError)
+    assert str(shard) in str(info.value)
+
+
+@pytest.mark.timeout(60)
+def test_missing_shard_is_reported_with_its_file(tmp_path):
+    """A deleted shard raises CheckpointCorruptError naming the missing file."""
+    step_dir = _save(tmp_path, 1, _dict_state())
+    shard = _shard(step_dir)
+    shard.unlink()
+    with CheckpointManager(tmp_path) as mgr:
+        with pytest.raises(CheckpointCorruptError) as info:
+            mgr.restore(_dict_state(0.0))
+    assert str(shard) in str(info.value)
+
+
+@pytest.mark.timeout(60)
+def test_checkpoint_with_an_invalid_json_manifest_is_not_listed(tmp_path):
+    """A checkpoint whose manifest is not valid JSON is skipped: latest_step() names the previous one."""
+    _save(tmp_path, 1, _dict_state(1.0))
+    step_dir = _save(tmp_path, 2, _dict_state(2.0))
+    (step_dir / "manifest.json").write_text('{"format": "torch-ckpt", "step": 2,')
+    with CheckpointManager(tmp_path) as mgr:
+        assert mgr.all_steps() == [1]
+        assert mgr.latest_step() == 1
+        live = _dict_state(0.0)
+        assert mgr.restore(live) == 1
+    assert torch.equal(live["model"]["w"], torch.full((4, 3), 1.0))
+
+
+@pytest.mark.timeout(60)
+def test_explicit_restore_of_a_step_with_an_invalid_json_manifest_names_the_manifest(tmp_path):
+    """restore(step=2) when step 2's manifest is invalid JSON raises a CheckpointError naming that manifest file."""
+    _save(tmp_path, 1, _dict_state(1.0))
+    step_dir = _save(tmp_path, 2, _dict_state(2.0))
+    manifest = step_dir / "manifest.json"
+    manifest.write_text('{"format": "torch-ckpt", "step": 2,')
+    with CheckpointManager(tmp_path) as mgr:
+        with pytest.raises(CheckpointError) as info:
+            mgr.restore(_dict_state(0.0), step=2)
+    # The checkpoint exists but is damaged: the error must say so and point at the file, not
+    # claim the step was never saved.
+    assert str(manifest) in str(info.value), str(info.value)
+    assert isinstance(info.value, CheckpointCorruptError), type(info.value)
+
+
+@pytest.mark.timeout(60)
+def test_resaving_a_step_whose_checkpoint_is_damaged_is_not_called_already_committed(tmp_path):
+    """After step 2's manifest is damaged (so latest is 1), saving step 2 again commits it or blames the manifest."""
+    _save(tmp_path, 1, _dict_state(1.0))
+    step_dir = _save(tmp_path, 2, _dict_state(2.0))
+    manifest = step_dir / "manifest.json"
+    manifest.write_text("{")
+    with CheckpointManager(tmp_path) as mgr:
+        assert mgr.latest_step() == 1  # a resumed run continues from step 1 and reaches step 2 again
+        try:
+            mgr.save(2, _dict_state(3.0))
+            mgr.wait()
+        except CheckpointError as exc:
+            # Refusing is acceptable only if the message says what is wrong; step 2 is not committed.
+            assert "manifest.json" in str(exc), f"misleading error: {exc}"
+        else:
+            assert mgr.all_steps() == [1, 2]
+            live = _dict_state(0.0)
+            assert mgr.restore(live, step=2) == 2 and torch.equal(live["model"]["w"], torch.full((4, 3), 3.0))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("where", ["relative", "absolute"])
+def test_manifest_naming_a_file_outside_the_checkpoint_is_refused(tmp_path, where):
+    """A manifest listing '../x' or an absolute path is refused on restore (with the name), even with matching checksums."""
+    root = tmp_path / "ckpt"
+    step_dir = _save(root, 1, _dict_state())
+    outside = root / "outside.bin"
+    outside.write_bytes(b"secret" * 100)
+    name = "../outside.bin" if where == "relative" else str(outside)
+    _edit_manifest(step_dir, lambda m: m["files"].__setitem__(name, _sizes_and_crc(outside)))
+    with CheckpointManager(root) as mgr:
+        with pytest.raises(CheckpointError) as info:
+            mgr.restore(_dict_state(0.0), step=1)
+    assert isinstance(info.value, ValueError)
+    assert "outside.bin" in str(info.value)
