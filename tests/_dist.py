@@ -22,12 +22,13 @@ def _entry(rank: int, world_size: int, port: int, fn, args, errors) -> None:
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         fn(rank, world_size, *args)
+        dist.destroy_process_group()
     except BaseException:  # noqa: BLE001 - forwarded to the parent
         errors.put((rank, traceback.format_exc()))
         raise
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    # The body passed: leave without interpreter teardown, where torch's C++ helper threads can
+    # occasionally abort ("terminate called without an active exception") after the work is done.
+    os._exit(0)
 
 
 def run_distributed(fn, world_size: int, *args, timeout_s: float = 120.0) -> None:
