@@ -37,8 +37,8 @@ def test_dead_writer_process_is_reported(tmp_path, make_state):
     state, *_ = make_state()
     with pytest.raises(CheckpointWriteError, match="writer process died"):
         with CheckpointManager(tmp_path, persist="process") as mgr:
-            os.kill(mgr._process_writer._proc.pid, signal.SIGKILL)
-            mgr._process_writer._proc.join(10)
+            os.kill(mgr.checkpointer._process_writer._proc.pid, signal.SIGKILL)
+            mgr.checkpointer._process_writer._proc.join(10)
             mgr.save(1, state)
             mgr.wait()
     assert not (tmp_path / "step_000000001").exists()

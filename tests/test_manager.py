@@ -105,7 +105,7 @@ def test_snapshot_is_taken_at_save_time(tmp_path, make_state, monkeypatch):
         assert release.wait(30)
         return real(req, ctx)
 
-    monkeypatch.setattr("torch_ckpt.manager.persist_checkpoint", held_back)
+    monkeypatch.setattr("torch_ckpt.checkpointer.persist_checkpoint", held_back)
     state, model, opt, sched = make_state()
     train_steps(model, opt, sched, 1)
     expected = {k: v.clone() for k, v in model.state_dict().items()}

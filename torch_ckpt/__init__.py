@@ -13,6 +13,7 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "CheckpointManager": "torch_ckpt.manager",
+    "AsyncCheckpointer": "torch_ckpt.checkpointer",
     "TrainState": "torch_ckpt.state",
     "SaveHandle": "torch_ckpt.handle",
     "SaveStats": "torch_ckpt.handle",

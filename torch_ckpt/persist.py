@@ -25,8 +25,6 @@ from torch_ckpt.layout import (
     Manifest,
     commit_dir,
     rank_file_name,
-    step_dir_name,
-    tmp_dir_name,
     write_json_durable,
 )
 
@@ -37,7 +35,7 @@ __all__ = ["PersistRequest", "persist_checkpoint"]
 class PersistRequest:
     """Everything the writer needs for one step (tensors already staged off the live state)."""
 
-    root: Path
+    final: Path
     step: int
     tensors: dict[str, torch.Tensor]
     tree: Any
@@ -69,13 +67,13 @@ def persist_checkpoint(req: PersistRequest, ctx: DistContext) -> Path:
     Raises:
         CheckpointWriteError: this or another rank failed; nothing was committed.
     """
-    tmp = req.root / tmp_dir_name(req.step)
-    final = req.root / step_dir_name(req.step)
+    final = Path(req.final)
+    tmp = final.with_name(f".{final.name}.tmp")
     error: BaseException | None = None
     if ctx.is_coordinator:
         try:
             if final.exists():
-                raise CheckpointWriteError(f"{final} already exists; step {req.step} is already committed")
+                raise CheckpointWriteError(f"{final} already exists; refusing to overwrite a checkpoint")
             if tmp.exists():
                 shutil.rmtree(tmp)
             tmp.mkdir(parents=True)

@@ -1,0 +1,355 @@
+"""``AsyncCheckpointer``: asynchronous, atomic DCP saves of a state to a given directory.
+
+This is the engine under :class:`~torch_ckpt.CheckpointManager` and the framework adapters: it
+stages the state into a reusable host arena (:mod:`torch_ckpt.staging`), persists it in a writer
+thread or process (:mod:`torch_ckpt.persist`, :mod:`torch_ckpt.writer_process`) with an atomic
+commit, keeps at most one save in flight, and raises background errors on the caller's thread
+exactly once. It knows nothing about steps, naming or retention.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from torch_ckpt.codec import split_state
+from torch_ckpt.dist import DistContext
+from torch_ckpt.errors import CheckpointError, ConfigError
+from torch_ckpt.handle import SaveHandle, SaveStats
+from torch_ckpt.layout import read_manifest
+from torch_ckpt.persist import PersistRequest, persist_checkpoint
+from torch_ckpt.restore import RANK_LOCAL_POLICIES, load_into
+from torch_ckpt.staging import HostStager
+from torch_ckpt.writer_process import ProcessWriter
+
+__all__ = ["AsyncCheckpointer"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class _SaveJob:
+    """One save on its way from the live state to a committed directory."""
+
+    step: int
+    final: Path
+    tensors: dict[str, torch.Tensor]
+    tree: Any
+    fits: bool
+    t0: float
+    ready_event: Any = None
+    to_write: dict[str, torch.Tensor] = field(default_factory=dict)
+    layout: tuple = ()
+    deferred_keys: set[str] | None = None
+    early_s: float = 0.0
+    on_committed: Callable[[Path], None] | None = None
+
+
+def _cuda_ready_event(tensors: dict[str, torch.Tensor]) -> Any:
+    """Event on the caller's CUDA stream marking the values to save (None without CUDA tensors)."""
+    if not any(t.device.type == "cuda" for t in tensors.values()):
+        return None
+    event = torch.cuda.Event()
+    event.record()
+    return event
+
+
+def _lower_thread_priority(niceness: int) -> None:
+    """Raise the nice value of the calling (writer) thread on Linux."""
+    if niceness and hasattr(os, "setpriority"):
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), niceness)
+        except OSError as exc:
+            log.warning("could not lower the checkpoint writer's priority: %s", exc)
+
+
+class AsyncCheckpointer:
+    """Asynchronous, atomic DCP saves to explicit directories; collective over all ranks.
+
+    Args:
+        async_save: persist in the background (default) or inside :meth:`save`.
+        persist: "thread" (default; lowest latency to durable) or "process" (a writer process per
+            rank reading a shared-memory arena; keeps the write's Python work off the trainer's
+            GIL; plain tensors only, not DTensor/FSDP2 states).
+        overlap_staging: copy parameters and optimizer state in the background, overlapping the
+            next forward/backward; the checkpointer waits for the copy before any optimizer of the
+            state takes its next ``step()``. Everything else (buffers such as BatchNorm statistics,
+            RNG, dataloader) is still copied inside :meth:`save`. Code that mutates parameters or
+            optimizer state outside ``optimizer.step()`` must call :meth:`wait_staged` first. For
+            states without ``optimizer_owned_keys`` (plain dicts) everything is copied in ``save()``.
+        writer_niceness: nice increment of the writer thread/process (Linux; 0 = unchanged). On a
+            2-core machine 19 cuts the writer's slowdown of training from about 2x to about 1.2x at
+            the price of a slower write.
+        staging_budget_bytes: host bytes for the staging arena; default half of the available RAM
+            (psutil). A state that does not fit is saved synchronously straight from the live
+            tensors (bounded memory, logged), never by over-allocating.
+        thread_count: DCP writer threads per rank.
+        timeout_seconds: limit for checkpoint collectives between ranks (seconds).
+        process_group: ranks taking part (default: all); checkpoint traffic always uses private
+            gloo groups created from it.
+
+    Raises:
+        ConfigError: invalid arguments.
+    """
+
+    def __init__(
+        self,
+        *,
+        async_save: bool = True,
+        persist: str = "thread",
+        overlap_staging: bool = False,
+        writer_niceness: int = 0,
+        staging_budget_bytes: int | None = None,
+        thread_count: int = 1,
+        timeout_seconds: float = 600.0,
+        process_group: Any = None,
+    ) -> None:
+        if not isinstance(thread_count, int) or thread_count < 1:
+            raise ConfigError(f"thread_count must be an int >= 1, got {thread_count!r}")
+        if persist not in ("thread", "process"):
+            raise ConfigError(f"persist must be 'thread' or 'process', got {persist!r}")
+        if not isinstance(writer_niceness, int) or not 0 <= writer_niceness <= 19:
+            raise ConfigError(f"writer_niceness must be an int in [0, 19], got {writer_niceness!r}")
+        if timeout_seconds <= 0:
+            raise ConfigError(f"timeout_seconds must be > 0, got {timeout_seconds!r}")
+        self.async_save = bool(async_save)
+        self.thread_count = thread_count
+        self.persist_mode = persist
+        self.overlap_staging = bool(overlap_staging)
+        self.writer_niceness = writer_niceness
+        self._ctx = DistContext(timeout_seconds=timeout_seconds, process_group=process_group)
+        self._stager = HostStager(budget_bytes=staging_budget_bytes, share_memory=persist == "process")
+        self._process_writer: ProcessWriter | None = None
+        self._hooked: dict[int, Any] = {}
+        self._staged_future: Future | None = None
+        self._executor: ThreadPoolExecutor | None = None
+        self._inflight: SaveHandle | None = None
+        self._pending_error: BaseException | None = None
+        self._lock = threading.Lock()
+        self._closed = False
+        self.last_stats: SaveStats | None = None
+        if persist == "process" and self.async_save:
+            self._process_writer = ProcessWriter(self._ctx, timeout_seconds=timeout_seconds, niceness=writer_niceness)
+
+    @property
+    def ctx(self) -> DistContext:
+        """Rank, world size and the checkpoint process groups."""
+        return self._ctx
+
+    def __enter__(self) -> AsyncCheckpointer:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:  # do not mask the caller's exception; still flush and log any save error
+            try:
+                self.close()
+            except Exception:  # noqa: BLE001
+                log.exception("checkpoint error while closing after another exception")
+
+    # -- errors ----------------------------------------------------------------------------------
+    def _raise_pending(self) -> None:
+        with self._lock:
+            err, self._pending_error = self._pending_error, None
+        if err is not None:
+            raise err
+
+    def _ensure_open(self) -> None:
+        if self._closed:
+            raise CheckpointError("this checkpointer is closed; create a new one")
+
+    def _wait_inflight(self) -> float:
+        handle = self._inflight
+        if handle is None:
+            return 0.0
+        t0 = time.monotonic()
+        try:
+            handle.committed.result()
+        except BaseException:  # noqa: BLE001 - already recorded as the pending error
+            pass
+        self._inflight = None
+        return time.monotonic() - t0
+
+    # -- saving ----------------------------------------------------------------------------------
+    def save(self, final: str | os.PathLike, state: Any, *, step: int = 0,
+             on_committed: Callable[[Path], None] | None = None) -> SaveHandle:
+        """Checkpoint ``state`` into directory ``final``; returns once staged (async) or committed (sync).
+
+        Collective: every rank calls it with the same ``final``. Waits first for the previous save
+        (at most one in flight) and raises, once, any error of an earlier background save.
+
+        Args:
+            final: the directory to create (must not exist); written as a hidden ``.NAME.tmp``
+                sibling and renamed when complete.
+            state: a :class:`~torch_ckpt.TrainState`, any ``Stateful`` or a nested dict of tensors
+                and JSON values.
+            step: recorded in the manifest.
+            on_committed: called on every rank with the committed directory, in the writer thread,
+                after the commit and before ``committed`` resolves (used for retention).
+
+        Returns:
+            A :class:`SaveHandle` whose ``committed`` future completes when the checkpoint is durable.
+
+        Raises:
+            ConfigError: a state value that cannot be stored without pickling.
+            CheckpointError: a previous background save failed (raised once).
+        """
+        self._ensure_open()
+        t0 = time.monotonic()
+        wait_prev = self._wait_inflight()
+        self._raise_pending()
+        stats = SaveStats(step=step, wait_for_previous_s=wait_prev)
+        sd = state.state_dict() if hasattr(state, "state_dict") else state
+        tensors, tree = split_state(sd, rank_local_keys=tuple(getattr(state, "rank_local_keys", ())))
+        if self._process_writer is not None and any(type(t) is not torch.Tensor for t in tensors.values()):
+            raise ConfigError("persist='process' supports plain tensors only; this state holds DTensor/sharded "
+                              "tensors (FSDP2/TP). Use persist='thread'.")
+        fits = self._stager.fits(tensors)
+        background = self.async_save and fits
+        stats.mode = "async" if background else ("sync" if fits else "sync-over-budget")
+        if not fits:
+            log.warning("state of %d bytes exceeds the staging budget of %d bytes: saving step %d synchronously "
+                        "from the live tensors (raise staging_budget_bytes to save asynchronously)",
+                        self._stager.required_bytes(tensors), self._stager.budget_bytes, step)
+        job = _SaveJob(step=step, final=Path(final), tensors=tensors, tree=tree, fits=fits, t0=t0,
+                       ready_event=_cuda_ready_event(tensors) if self.overlap_staging else None,
+                       on_committed=on_committed)
+        handle = SaveHandle(step, Future(), Future(), stats)
+        self._inflight = handle
+        if background and self.overlap_staging:
+            owned = state.optimizer_owned_keys(tensors) if callable(getattr(state, "optimizer_owned_keys", None)) \
+                else set()
+            # what forward passes may change (buffers, plain dict values) is copied now; parameters and
+            # optimizer state are copied in the background, before the next optimizer.step()
+            t = time.monotonic()
+            self._stager.stage(tensors, only=set(tensors) - owned)
+            job.deferred_keys, job.early_s = owned, time.monotonic() - t
+            self._install_step_hooks(state)
+            self._staged_future = handle.staged
+        else:
+            self._stage(job, handle)
+        if background:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torch_ckpt_writer",
+                                                    initializer=_lower_thread_priority,
+                                                    initargs=(self.writer_niceness,))
+            stats.blocking_s = time.monotonic() - t0  # the submit below is the only remaining work
+            self._executor.submit(self._run_job, job, handle)
+        else:
+            self._run_job(job, handle)
+            stats.blocking_s = time.monotonic() - t0
+            self._raise_pending()
+        return handle
+
+    def wait_staged(self) -> None:
+        """Block until the in-flight save no longer reads the live tensors (see ``overlap_staging``)."""
+        fut = self._staged_future
+        if fut is not None:
+            futures_wait([fut])
+
+    def _install_step_hooks(self, state: Any) -> None:
+        optimizers = state.optimizers() if callable(getattr(state, "optimizers", None)) else []
+        for opt in optimizers:
+            if id(opt) not in self._hooked:
+                self._hooked[id(opt)] = opt.register_step_pre_hook(lambda *_: self.wait_staged())
+
+    def _stage(self, job: _SaveJob, handle: SaveHandle) -> None:
+        t = time.monotonic()
+        if job.fits:
+            staged = self._stager.stage(job.tensors, ready_event=job.ready_event, only=job.deferred_keys)
+            staged.synchronize()
+            job.to_write, job.layout, handle.stats.bytes = staged.tensors, staged.layout, staged.nbytes
+        else:
+            job.to_write, handle.stats.bytes = job.tensors, self._stager.required_bytes(job.tensors)
+        job.tensors = {}
+        handle.stats.staging_s = time.monotonic() - t + job.early_s
+        handle.staged.set_result(None)
+
+    def _run_job(self, job: _SaveJob, handle: SaveHandle) -> None:
+        try:
+            if not handle.staged.done():
+                try:
+                    self._stage(job, handle)
+                except BaseException as exc:
+                    handle.staged.set_exception(exc)
+                    raise
+            t_start = time.monotonic()
+            timings = {"staging_s": handle.stats.staging_s}
+            if self._process_writer is not None and job.fits:
+                fields = dict(final=job.final, step=job.step, tree=job.tree, tensor_bytes=handle.stats.bytes,
+                              thread_count=self.thread_count, timings=timings)
+                final = self._process_writer.persist(arena=self._stager.arena, layout=job.layout, fields=fields)
+            else:
+                req = PersistRequest(final=job.final, step=job.step, tensors=job.to_write, tree=job.tree,
+                                     tensor_bytes=handle.stats.bytes, thread_count=self.thread_count,
+                                     timings=timings)
+                final = persist_checkpoint(req, self._ctx)
+            stats = handle.stats
+            stats.persist_s = time.monotonic() - t_start
+            stats.total_s = time.monotonic() - job.t0
+            stats.files_bytes = sum(f["bytes"] for f in read_manifest(final).files.values())
+            self.last_stats = stats
+            log.info("[rank %d] committed step %d: %d bytes, blocking %.3f s, staging %.3f s, persist %.3f s",
+                     self._ctx.rank, job.step, stats.bytes, stats.blocking_s, stats.staging_s, stats.persist_s)
+            if job.on_committed is not None:
+                job.on_committed(final)
+            handle.committed.set_result(str(final))
+        except BaseException as exc:  # noqa: BLE001 - surfaced on the caller's thread
+            log.error("[rank %d] checkpoint step %d failed: %s", self._ctx.rank, job.step, exc)
+            with self._lock:
+                if self._pending_error is None:
+                    self._pending_error = exc
+            handle.committed.set_exception(exc)
+        finally:
+            job.to_write = {}
+
+    # -- loading ---------------------------------------------------------------------------------
+    def load(self, path: str | os.PathLike, state: Any, *, verify: bool = True,
+             on_world_size_change: str = "error") -> None:
+        """Load the committed checkpoint directory ``path`` into ``state`` in place (collective).
+
+        See :func:`torch_ckpt.restore.load_into` for the checks and errors.
+        """
+        self._ensure_open()
+        self._wait_inflight()
+        self._raise_pending()
+        if on_world_size_change not in RANK_LOCAL_POLICIES:
+            raise ConfigError(f"on_world_size_change must be one of {RANK_LOCAL_POLICIES}, got {on_world_size_change!r}")
+        path = Path(path)
+        load_into(state, path, read_manifest(path), self._ctx, verify=verify, on_world_size_change=on_world_size_change)
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def wait(self) -> None:
+        """Block until the in-flight save is committed; raise any background error (once)."""
+        self._wait_inflight()
+        self._raise_pending()
+
+    def close(self) -> None:
+        """Wait for the in-flight save, release buffers, hooks, writer and groups; raise a pending error once."""
+        if self._closed:
+            return
+        try:
+            self._wait_inflight()
+        finally:
+            self._closed = True
+            if self._executor is not None:
+                self._executor.shutdown(wait=True)
+            if self._process_writer is not None:
+                self._process_writer.close()
+            for hook in self._hooked.values():
+                hook.remove()
+            self._hooked.clear()
+            self._stager.release()
+            self._ctx.destroy()
+        self._raise_pending()
