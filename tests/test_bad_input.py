@@ -7,6 +7,7 @@ inherits the builtin a caller would catch (``FileNotFoundError``, ``OSError``, `
 
 from __future__ import annotations
 
+import shutil
 import json
 import logging
 import os
@@ -100,7 +101,7 @@ def test_restore_after_the_root_was_deleted_returns_none_and_logs_the_location(t
     state, *_ = make_state()
     caplog.set_level(logging.INFO, logger="torch_ckpt")
     with CheckpointManager(root) as mgr:
-        root.rmdir()
+        shutil.rmtree(root)  # the lock file goes too
         assert mgr.restore(state) is None
     assert any(r.levelno == logging.INFO and str(root) in r.getMessage() for r in caplog.records)
 
@@ -111,7 +112,7 @@ def test_explicit_step_in_a_deleted_root_raises_not_found(tmp_path, make_state):
     root = tmp_path / "ckpt"
     state, *_ = make_state()
     with CheckpointManager(root) as mgr:
-        root.rmdir()
+        shutil.rmtree(root)  # the lock file goes too
         with pytest.raises(CheckpointNotFoundError) as info:
             mgr.restore(state, step=3)
     assert isinstance(info.value, FileNotFoundError)
@@ -148,7 +149,7 @@ def test_root_replaced_by_a_file_is_refused_on_restore(tmp_path, make_state):
     root = tmp_path / "ckpt"
     state, *_ = make_state()
     with CheckpointManager(root) as mgr:
-        root.rmdir()
+        shutil.rmtree(root)  # the lock file goes too
         root.write_bytes(b"x")
         with pytest.raises(CheckpointError) as info:
             mgr.restore(state)

@@ -45,6 +45,8 @@ __all__ = [
     "commit_dir",
     "clean_stale_temporaries",
     "check_root",
+    "update_manifest_tiers",
+    "RootLock",
 ]
 
 log = logging.getLogger(__name__)
@@ -53,7 +55,7 @@ FORMAT_NAME = "torch-ckpt"
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 _STEP_RE = re.compile(r"^step_(\d+)$")
-_TMP_RE = re.compile(r"^\.step_(\d+)\.tmp$")
+_TMP_RE = re.compile(r"^\.step_(\d+)(\.download)?\.tmp$")
 
 
 def _is_plain_file_name(name: str) -> bool:
@@ -89,6 +91,8 @@ class Manifest:
         tensor_bytes: bytes of tensor payload saved (all ranks, after deduplication).
         timings: seconds spent per phase (``staging_s``, ``persist_s``, ...).
         format_version: on-disk format version.
+        tiers: tiers holding a complete, verified copy besides this one, e.g.
+            ``{"durable": {"url": "s3://b/run", "committed_at": 1.7e9}}``.
     """
 
     step: int
@@ -99,12 +103,13 @@ class Manifest:
     tensor_bytes: int = 0
     timings: dict[str, float] = field(default_factory=dict)
     format_version: int = FORMAT_VERSION
+    tiers: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         """Return the JSON object written to disk."""
         return {"format": FORMAT_NAME, "format_version": self.format_version, "step": self.step,
                 "wall_time": self.wall_time, "world_size": self.world_size, "torch_version": self.torch_version,
-                "tensor_bytes": self.tensor_bytes, "timings": self.timings, "files": self.files}
+                "tensor_bytes": self.tensor_bytes, "timings": self.timings, "tiers": self.tiers, "files": self.files}
 
     @classmethod
     def from_json(cls, data: Any, source: str) -> Manifest:
@@ -122,7 +127,7 @@ class Manifest:
             return cls(step=int(data["step"]), world_size=int(data["world_size"]), files=files,
                        wall_time=float(data["wall_time"]), torch_version=str(data["torch_version"]),
                        tensor_bytes=int(data.get("tensor_bytes", 0)), timings=dict(data.get("timings", {})),
-                       format_version=int(data["format_version"]))
+                       format_version=int(data["format_version"]), tiers=dict(data.get("tiers", {})))
         except (AttributeError, KeyError, TypeError, ValueError) as exc:
             raise CheckpointCorruptError(f"{source}: invalid manifest ({exc})") from exc
 
@@ -146,6 +151,17 @@ def write_json_durable(path: str | os.PathLike, obj: Any) -> tuple[int, int]:
         f.flush()
         os.fsync(f.fileno())
     return len(data), zlib.crc32(data)
+
+
+def update_manifest_tiers(step_dir: Path, tiers: dict[str, Any]) -> None:
+    """Atomically rewrite ``step_dir/manifest.json`` with ``tiers`` merged in (write, fsync, rename)."""
+    manifest = read_manifest(step_dir)
+    data = manifest.to_json()
+    data["tiers"] = {**manifest.tiers, **tiers}
+    tmp = Path(step_dir) / (MANIFEST_NAME + ".tmp")
+    write_json_durable(tmp, data)
+    os.rename(tmp, Path(step_dir) / MANIFEST_NAME)
+    fsync_dir(step_dir)
 
 
 def read_manifest(step_dir: str | os.PathLike) -> Manifest:
@@ -259,3 +275,66 @@ def remove_step_dir(path: Path) -> None:
     trash = path.with_name(f".trash_{path.name}")
     os.rename(path, trash)
     shutil.rmtree(trash, ignore_errors=True)
+
+
+class RootLock:
+    """An exclusive lock on a checkpoint root, so two runs never write (or prune) the same root.
+
+    The lock file ``ROOT/.lock`` holds the owner's host, pid and start time. A lock left by a
+    process that no longer exists on this host is stale and taken over (with a warning); a lock held
+    by a live process, or by another host, makes :meth:`acquire` fail with a message naming the owner.
+    """
+
+    def __init__(self, root: Path) -> None:
+        self.path = Path(root) / ".lock"
+        self._held = False
+
+    @staticmethod
+    def _alive(pid: int) -> bool:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+
+    def acquire(self) -> None:
+        """Take the lock.
+
+        Raises:
+            CheckpointWriteError: another live run owns the root (the owner is named).
+        """
+        import socket
+
+        me = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.time()}
+        for _ in range(2):
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                try:
+                    owner = json.loads(self.path.read_text())
+                except (OSError, ValueError):
+                    owner = {}
+                same_host = owner.get("host") == me["host"]
+                if same_host and isinstance(owner.get("pid"), int) and not self._alive(owner["pid"]):
+                    log.warning("taking over stale lock %s of dead process %s", self.path, owner.get("pid"))
+                    self.path.unlink(missing_ok=True)
+                    continue
+                raise CheckpointWriteError(
+                    f"checkpoint root {self.path.parent} is in use by another run (host {owner.get('host')!r}, pid "
+                    f"{owner.get('pid')}); use a different directory, or delete {self.path} if that run is gone")
+            with os.fdopen(fd, "w") as f:
+                json.dump(me, f)
+            self._held = True
+            return
+        raise CheckpointWriteError(f"could not take the lock {self.path}")
+
+    def release(self) -> None:
+        """Drop the lock if this process holds it."""
+        if self._held:
+            self._held = False
+            try:
+                self.path.unlink(missing_ok=True)
+            except OSError as exc:  # the root itself was removed or replaced
+                log.debug("could not remove lock %s: %s", self.path, exc)

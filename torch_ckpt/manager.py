@@ -19,6 +19,7 @@ from torch_ckpt.checkpointer import AsyncCheckpointer
 from torch_ckpt.errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError, ConfigError
 from torch_ckpt.handle import SaveHandle, SaveStats
 from torch_ckpt.layout import (
+    RootLock,
     check_root,
     clean_stale_temporaries,
     quarantine_step_dir,
@@ -26,7 +27,10 @@ from torch_ckpt.layout import (
     remove_step_dir,
     scan_committed,
     step_dir_name,
+    update_manifest_tiers,
 )
+from torch_ckpt.replicator import Replicator
+from torch_ckpt.tiers import DurableTier, DurableUnavailableError
 from torch_ckpt.restore import RANK_LOCAL_POLICIES
 from torch_ckpt.retention import KeepAny, KeepEveryNSteps, KeepLatest, RetentionPolicy, apply_retention
 
@@ -97,6 +101,13 @@ class CheckpointManager:
         timeout_seconds: float = 600.0,
         process_group: Any = None,
         save_policy: Any = None,
+        durable_url: str | None = None,
+        storage_options: dict[str, Any] | None = None,
+        replicate_every_n_saves: int = 1,
+        durable_keep_last: int | None = None,
+        durable_keep_every_n_steps: int | None = None,
+        durable_verify: str = "checksum",
+        durable_flush_timeout_seconds: float = 300.0,
     ) -> None:
         if not isinstance(directory, (str, os.PathLike)) or str(directory) == "":
             raise ConfigError(f"directory must be a non-empty path, got {directory!r}")
@@ -104,6 +115,10 @@ class CheckpointManager:
             raise ConfigError(f"directory {directory!r} must be a local path; remote URLs go to a durable tier")
         if on_world_size_change not in RANK_LOCAL_POLICIES:
             raise ConfigError(f"on_world_size_change must be one of {RANK_LOCAL_POLICIES}, got {on_world_size_change!r}")
+        if not isinstance(replicate_every_n_saves, int) or replicate_every_n_saves < 1:
+            raise ConfigError(f"replicate_every_n_saves must be an int >= 1, got {replicate_every_n_saves!r}")
+        if durable_url is None and (durable_keep_last is not None or durable_keep_every_n_steps is not None):
+            raise ConfigError("durable_keep_last/durable_keep_every_n_steps need durable_url")
         if retention is None and keep_last is not None:
             parts: list[RetentionPolicy] = [KeepLatest(count=keep_last)]
             if keep_every_n_steps is not None:
@@ -119,15 +134,33 @@ class CheckpointManager:
                                        thread_count=thread_count, timeout_seconds=timeout_seconds,
                                        process_group=process_group)
         self._ctx = self._ckpt.ctx
+        self._lock = RootLock(self.root)
+        self._tier = DurableTier(durable_url, storage_options=storage_options, verify=durable_verify) \
+            if durable_url is not None else None
+        self._replicator: Replicator | None = None
+        self._replicate_every = replicate_every_n_saves
+        self._durable_flush_timeout = float(durable_flush_timeout_seconds)
+        self._saves = 0
         error = None
         if self._ctx.is_coordinator:
             try:
                 check_root(self.root, create=True)
+                self._lock.acquire()
                 clean_stale_temporaries(self.root)
+                if self._tier is not None:
+                    durable_retention = None
+                    if durable_keep_last is not None:
+                        parts: list[RetentionPolicy] = [KeepLatest(count=durable_keep_last)]
+                        if durable_keep_every_n_steps is not None:
+                            parts.append(KeepEveryNSteps(every_steps=durable_keep_every_n_steps))
+                        durable_retention = parts[0] if len(parts) == 1 else KeepAny(tuple(parts))
+                    self._replicator = Replicator(self._tier, retention=durable_retention,
+                                                  on_durable=self._record_durable)
             except CheckpointError as exc:
                 error = exc
         status = self._ctx.broadcast(None if error is None else str(error), what="init")
         if error is not None or status is not None:
+            self._lock.release()
             self._ckpt.close()
             raise error or CheckpointError(f"rank 0 could not prepare {self.root}: {status}")
 
@@ -136,7 +169,13 @@ class CheckpointManager:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        self._ckpt.__exit__(exc_type, exc, tb)
+        if exc_type is None:
+            self.close()
+        else:  # do not mask the caller's exception; still flush and log any save error
+            try:
+                self.close()
+            except Exception:  # noqa: BLE001
+                log.exception("checkpoint error while closing after another exception")
 
     @property
     def checkpointer(self) -> AsyncCheckpointer:
@@ -173,8 +212,10 @@ class CheckpointManager:
             raise ConfigError(f"step must be an int >= 0, got {step!r}")
         self._ckpt.wait()
         self._check_new_step(step)
+        self._saves += 1
+        replicate = self._replicator is not None and self._saves % self._replicate_every == 0
         handle = self._ckpt.save(self.root / step_dir_name(step), state, step=step,
-                                 on_committed=lambda _: self._apply_retention())
+                                 on_committed=lambda final: self._after_commit(step, final, replicate))
         if self._cadence is not None:
             self._cadence.record_save_started(handle, time.monotonic())
         return handle
@@ -218,11 +259,23 @@ class CheckpointManager:
         """Block until the in-flight save no longer reads the live tensors (see ``overlap_staging``)."""
         self._ckpt.wait_staged()
 
+    def _after_commit(self, step: int, final: Path, replicate: bool) -> None:
+        if replicate and self._replicator is not None:
+            self._replicator.submit(step, final)
+        self._apply_retention()
+
+    def _record_durable(self, step: int, local_dir: Path) -> None:
+        try:
+            update_manifest_tiers(local_dir, {"durable": {"url": self._tier.url, "committed_at": time.time()}})
+        except OSError as exc:  # the local copy may have been pruned meanwhile
+            log.debug("could not record the durable copy of step %d in %s: %s", step, local_dir, exc)
+
     def _apply_retention(self) -> None:
         if not self._ctx.is_coordinator or self.retention is None:
             return
         committed = scan_committed(self.root)
-        for step in apply_retention(self.retention, list(committed)):
+        busy = self._replicator.busy_steps() if self._replicator is not None else set()
+        for step in apply_retention(self.retention, list(committed), protected=sorted(busy)):
             try:
                 remove_step_dir(committed[step])
                 log.info("retention removed step %d (%s)", step, committed[step])
@@ -247,45 +300,113 @@ class CheckpointManager:
             state: the live :class:`~torch_ckpt.TrainState`, ``Stateful`` or dict to load into.
             step: the step to load; None loads the newest committed checkpoint.
 
+        With a durable tier, the newest checkpoint complete in either tier is used; one that exists
+        only in the durable tier is downloaded (verified) first. When ``step`` is None, a candidate
+        that fails verification is skipped with a warning in favour of the next older one.
+
         Returns:
-            The restored step, or None when ``step`` is None and the root holds no checkpoint.
+            The restored step, or None when ``step`` is None and no tier holds a checkpoint.
 
         Raises:
             CheckpointNotFoundError: ``step`` was given but is not a committed checkpoint, or the
                 root is not a directory.
+            DurableUnavailableError: the durable tier is unreachable and there is no local checkpoint.
             StateMismatchError: keys or shapes differ (missing and unexpected keys are listed).
             CheckpointCorruptError: a file fails its size or checksum check.
         """
         self._ckpt.wait()
         if self.root.exists() and not self.root.is_dir():
             raise CheckpointNotFoundError(f"checkpoint root {self.root} is not a directory")
-        steps = self.all_steps()
-        if step is None:
-            if not steps:
-                log.info("no committed checkpoint under %s; starting from scratch", self.root)
-                return None
-            step = steps[-1]
-        elif step not in steps:
-            candidate = self.root / step_dir_name(step)
-            if candidate.is_dir():  # present but not listed: say what is wrong with it
-                manifest = read_manifest(candidate)
-                raise CheckpointCorruptError(f"{candidate}: manifest says step {manifest.step}, not {step}")
-            raise CheckpointNotFoundError(
-                f"step {step} is not a committed checkpoint under {self.root}; committed steps: {steps[-10:]}")
-        step_dir = scan_committed(self.root).get(step) if self._ctx.is_coordinator else None
-        step_dir = Path(self._ctx.broadcast(None if step_dir is None else str(step_dir), what="restore path"))
-        t0 = time.monotonic()
-        self._ckpt.load(step_dir, state, verify=self.verify_on_load, on_world_size_change=self.on_world_size_change)
-        log.info("[rank %d] restored step %d from %s in %.3f s", self._ctx.rank, step, step_dir,
-                 time.monotonic() - t0)
-        return step
+        plan = self._ctx.broadcast(self._restore_plan(step) if self._ctx.is_coordinator else None,
+                                   what="restore plan")
+        if isinstance(plan, BaseException):
+            raise plan
+        if not plan:
+            log.info("no committed checkpoint under %s%s; starting from scratch", self.root,
+                     f" or {self._tier.url}" if self._tier is not None else "")
+            return None
+        for i, (cand, where) in enumerate(plan):
+            try:
+                local = self._fetch(cand, where)
+                t0 = time.monotonic()
+                self._ckpt.load(local, state, verify=self.verify_on_load,
+                                on_world_size_change=self.on_world_size_change)
+            except CheckpointCorruptError as exc:
+                if step is not None or i == len(plan) - 1:
+                    raise
+                log.warning("step %d is not usable (%s); falling back to step %d", cand, exc, plan[i + 1][0])
+                continue
+            log.info("[rank %d] restored step %d from %s in %.3f s", self._ctx.rank, cand, local,
+                     time.monotonic() - t0)
+            return cand
+        return None  # unreachable: the loop returns or raises
 
-    # -- lifecycle -------------------------------------------------------------------------------
+    def _restore_plan(self, step: int | None) -> list[tuple[int, str]] | BaseException:
+        """Coordinator: candidate ``(step, "local"|"durable")`` pairs, newest first (an exception to raise)."""
+        try:
+            local = list(scan_committed(self.root))
+            durable: list[int] = []
+            if self._tier is not None:
+                try:
+                    durable = list(self._tier.list_steps())
+                except DurableUnavailableError as exc:
+                    if not local:
+                        return DurableUnavailableError(
+                            f"{exc}. No local checkpoint under {self.root} either: refusing to start from scratch "
+                            "during an outage. Retry when the store is reachable, or remove durable_url.")
+                    log.warning("%s; resuming from the local tier only", exc)
+            if step is not None:
+                if step in local:
+                    return [(step, "local")]
+                if step in durable:
+                    return [(step, "durable")]
+                candidate = self.root / step_dir_name(step)
+                if candidate.is_dir():  # present but not listed: say what is wrong with it
+                    manifest = read_manifest(candidate)
+                    return CheckpointCorruptError(f"{candidate}: manifest says step {manifest.step}, not {step}")
+                where = f"{self.root}" + (f" or {self._tier.url}" if self._tier is not None else "")
+                return CheckpointNotFoundError(f"step {step} is not a committed checkpoint under {where}; committed "
+                                               f"steps: {sorted(set(local) | set(durable))[-10:]}")
+            return [(s, "local" if s in local else "durable") for s in sorted(set(local) | set(durable), reverse=True)]
+        except CheckpointError as exc:
+            return exc
+
+    def _fetch(self, step: int, where: str) -> Path:
+        """Make ``step`` available locally (downloading it on the coordinator when needed); agreed by all ranks."""
+        result: str | BaseException | None = None
+        if self._ctx.is_coordinator:
+            try:
+                result = str(self._tier.download(step, self.root) if where == "durable"
+                             else scan_committed(self.root)[step])
+                if where == "durable":
+                    log.info("downloaded step %d from %s", step, self._tier.describe(step))
+            except CheckpointError as exc:
+                result = exc
+        result = self._ctx.broadcast(result, what="fetch checkpoint")
+        if isinstance(result, BaseException):
+            raise result
+        return Path(result)
+
     # -- lifecycle -------------------------------------------------------------------------------
     def wait(self) -> None:
         """Block until the in-flight save is committed; raise any background error (once)."""
         self._ckpt.wait()
 
+    def replication_stats(self) -> dict[str, Any]:
+        """State of the durable replication (see :meth:`Replicator.stats`); {} without a durable tier."""
+        return self._replicator.stats() if self._replicator is not None else {}
+
+    def wait_durable(self, timeout_seconds: float | None = None) -> bool:
+        """Block until every queued replication is done; False on timeout (or on non-coordinator ranks: True)."""
+        self._ckpt.wait()
+        return self._replicator.wait(timeout_seconds) if self._replicator is not None else True
+
     def close(self) -> None:
-        """Wait for the in-flight save and release everything; raise any pending error once."""
-        self._ckpt.close()
+        """Wait for the in-flight save (and, up to ``durable_flush_timeout_seconds``, its replication),
+        release everything; raise any pending error once."""
+        try:
+            self._ckpt.close()
+        finally:
+            if self._replicator is not None:
+                self._replicator.close(self._durable_flush_timeout)
+            self._lock.release()

@@ -1,0 +1,169 @@
+"""Background replication of committed local checkpoints to the durable tier.
+
+One thread on the coordinating rank. The queue holds at most one pending step: a newer commit
+replaces an older one that has not started uploading (coalescing), so an outage never builds an
+unbounded backlog. Transient errors are retried with exponential backoff (capped); during an
+outage training and local saves go on, a warning is logged once, and :meth:`Replicator.stats`
+reports the lag. After each durable commit the durable retention policy runs.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from torch_ckpt.errors import CheckpointCorruptError
+from torch_ckpt.layout import read_manifest
+from torch_ckpt.retention import RetentionPolicy, apply_retention
+from torch_ckpt.tiers import DurableTier
+
+__all__ = ["Replicator"]
+
+log = logging.getLogger(__name__)
+
+
+class Replicator:
+    """Uploads committed local checkpoints, newest first, one at a time.
+
+    Args:
+        tier: the durable tier.
+        retention: durable retention policy (None keeps everything).
+        backoff_initial_seconds: first retry delay (seconds); doubles up to ``backoff_max_seconds``.
+        backoff_max_seconds: longest retry delay (seconds).
+        on_durable: called with ``(step, local_dir)`` after a durable commit.
+    """
+
+    def __init__(self, tier: DurableTier, *, retention: RetentionPolicy | None = None,
+                 backoff_initial_seconds: float = 0.5, backoff_max_seconds: float = 30.0,
+                 on_durable: Callable[[int, Path], None] | None = None) -> None:
+        self.tier = tier
+        self.retention = retention
+        self._backoff0 = backoff_initial_seconds
+        self._backoff_max = backoff_max_seconds
+        self._on_durable = on_durable
+        self._cond = threading.Condition()
+        self._pending: tuple[int, Path] | None = None
+        self._active: int | None = None
+        self._stop = False
+        self._durable_step: int | None = None
+        self._durable_time: float | None = None
+        self._last_error: str | None = None
+        self._outage_since: float | None = None
+        self._skipped = 0
+        self._uploaded_bytes = 0
+        self._thread = threading.Thread(target=self._loop, name="torch_ckpt_replicator", daemon=True)
+        self._thread.start()
+
+    def submit(self, step: int, local_dir: Path) -> None:
+        """Queue a committed local checkpoint (replaces a queued older one)."""
+        with self._cond:
+            if self._pending is not None and self._pending[0] < step:
+                self._skipped += 1
+                log.info("replication of step %d superseded by step %d", self._pending[0], step)
+            if self._pending is None or self._pending[0] < step:
+                self._pending = (step, local_dir)
+            self._cond.notify_all()
+
+    def busy_steps(self) -> set[int]:
+        """Steps queued or uploading (their local copies must not be deleted)."""
+        with self._cond:
+            return {s for s in (self._active, self._pending[0] if self._pending else None) if s is not None}
+
+    def stats(self) -> dict[str, Any]:
+        """Replication state: ``durable_step``, ``pending_step``, ``lag_s`` (age of the newest durable copy,
+        seconds), ``outage_s``, ``last_error``, ``skipped`` (coalesced steps), ``uploaded_bytes``."""
+        with self._cond:
+            now = time.time()
+            return {
+                "durable_url": self.tier.url,
+                "durable_step": self._durable_step,
+                "pending_step": self._pending[0] if self._pending else self._active,
+                "lag_s": None if self._durable_time is None else now - self._durable_time,
+                "outage_s": None if self._outage_since is None else time.monotonic() - self._outage_since,
+                "last_error": self._last_error,
+                "skipped": self._skipped,
+                "uploaded_bytes": self._uploaded_bytes,
+            }
+
+    def wait(self, timeout_seconds: float | None = None) -> bool:
+        """Block until nothing is queued or uploading; False if ``timeout_seconds`` ran out."""
+        deadline = None if timeout_seconds is None else time.monotonic() + timeout_seconds
+        with self._cond:
+            while self._pending is not None or self._active is not None:
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return False
+                self._cond.wait(remaining if remaining is not None else 1.0)
+        return True
+
+    def close(self, timeout_seconds: float | None = None) -> None:
+        """Finish the queued replication (up to ``timeout_seconds``), then stop the thread."""
+        finished = self.wait(timeout_seconds)
+        if not finished:
+            log.warning("durable replication to %s did not finish before close (%s)", self.tier.url, self.stats())
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        self._thread.join(timeout=5)
+
+    def _loop(self) -> None:
+        delay = self._backoff0
+        while True:
+            with self._cond:
+                while self._pending is None and not self._stop:
+                    self._cond.wait()
+                if self._stop:  # close() gave up waiting: leave the rest for the next run
+                    return
+                step, local_dir = self._pending
+                self._pending, self._active = None, step
+            try:
+                manifest = read_manifest(local_dir)
+                self.tier.upload(local_dir, manifest)
+                with self._cond:
+                    self._durable_step, self._durable_time = step, time.time()
+                    self._uploaded_bytes += sum(f["bytes"] for f in manifest.files.values())
+                    if self._outage_since is not None:
+                        log.warning("durable tier %s reachable again; step %d replicated", self.tier.url, step)
+                    self._outage_since, self._last_error = None, None
+                delay = self._backoff0
+                log.info("replicated step %d to %s", step, self.tier.describe(step))
+                if self._on_durable is not None:
+                    self._on_durable(step, local_dir)
+                self._apply_retention()
+            except Exception as exc:  # noqa: BLE001 - retried; surfaced through stats and warnings
+                with self._cond:
+                    first = self._outage_since is None
+                    if first:
+                        self._outage_since = time.monotonic()
+                    self._last_error = f"{type(exc).__name__}: {exc}"
+                    if self._pending is None and local_dir.exists():  # retry unless superseded
+                        self._pending = (step, local_dir)
+                if first:
+                    log.warning("replicating step %d to %s failed (%s); retrying with backoff, training goes on",
+                                step, self.tier.url, exc)
+                if isinstance(exc, CheckpointCorruptError):
+                    log.warning("%s", exc)
+                with self._cond:
+                    self._active = None
+                    self._cond.notify_all()
+                    self._cond.wait(timeout=delay)
+                delay = min(delay * 2, self._backoff_max)
+                continue
+            with self._cond:
+                self._active = None
+                self._cond.notify_all()
+
+    def _apply_retention(self) -> None:
+        if self.retention is None:
+            return
+        try:
+            steps = list(self.tier.list_steps())
+            for step in apply_retention(self.retention, steps, protected=list(self.busy_steps())):
+                self.tier.delete(step)
+                log.info("durable retention removed step %d from %s", step, self.tier.url)
+        except Exception as exc:  # noqa: BLE001 - retention is retried after the next upload
+            log.warning("durable retention on %s failed: %s", self.tier.url, exc)

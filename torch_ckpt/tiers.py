@@ -1,0 +1,222 @@
+"""The durable tier: a checkpoint root on any fsspec store (``s3://``, ``gs://``, ``file://``, ``memory://``).
+
+Layout mirrors the local root (``URL/step_000000100/<files>``). Object stores have no atomic
+rename, so a durable checkpoint is committed by writing its ``manifest.json`` *last*, after every
+other file has been uploaded and verified (size, and CRC-32 read back from the store unless
+``verify="size"``); a step directory without a manifest is invisible. Deleting removes the manifest
+first. Locations stay URL strings end to end; no URL ever goes through ``pathlib``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import zlib
+from pathlib import Path
+from typing import Any
+
+import fsspec
+
+from torch_ckpt.errors import CheckpointCorruptError, CheckpointError, ConfigError
+from torch_ckpt.layout import MANIFEST_NAME, Manifest, commit_dir, step_dir_name
+
+__all__ = ["DurableTier", "DurableUnavailableError"]
+
+log = logging.getLogger(__name__)
+
+_CHUNK_BYTES = 8 << 20
+
+
+class DurableUnavailableError(CheckpointError, ConnectionError):
+    """The durable store could not be reached (an outage, not an empty store)."""
+
+
+def _progress(total: int, desc: str):
+    """A tqdm progress bar on a terminal, a no-op elsewhere."""
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:  # pragma: no cover - tqdm is a dependency
+        tqdm = None
+    if tqdm is None or not sys.stderr.isatty():
+        class _Null:
+            def update(self, n: int) -> None: ...
+            def close(self) -> None: ...
+        return _Null()
+    return tqdm(total=total, unit="B", unit_scale=True, desc=desc, leave=False)
+
+
+class DurableTier:
+    """A checkpoint root on an fsspec store.
+
+    Args:
+        url: fsspec URL of the durable run root, e.g. ``s3://bucket/runs/exp1``.
+        storage_options: passed to ``fsspec.url_to_fs`` (credentials, ``client_kwargs``...).
+        verify: "checksum" (read each uploaded file back and compare CRC-32) or "size".
+
+    Raises:
+        ConfigError: the URL's protocol is unknown or its backend is not installed (the message
+            names the package to install), or ``verify`` is invalid.
+    """
+
+    def __init__(self, url: str, *, storage_options: dict[str, Any] | None = None, verify: str = "checksum") -> None:
+        if not isinstance(url, str) or not url:
+            raise ConfigError(f"durable_url must be a non-empty fsspec URL string, got {url!r}")
+        if verify not in ("checksum", "size"):
+            raise ConfigError(f"verify must be 'checksum' or 'size', got {verify!r}")
+        try:
+            self.fs, self.root = fsspec.core.url_to_fs(url, **(storage_options or {}))
+        except (ImportError, ValueError) as exc:
+            raise ConfigError(f"cannot use durable_url {url!r}: {exc}") from exc
+        self.url = url.rstrip("/")
+        self.root = self.root.rstrip("/")
+        self.verify = verify
+
+    def _path(self, *parts: str) -> str:
+        return "/".join([self.root, *parts])
+
+    def describe(self, step: int) -> str:
+        """URL of a step directory (for messages)."""
+        return f"{self.url}/{step_dir_name(step)}"
+
+    def _refresh(self) -> None:
+        if hasattr(self.fs, "invalidate_cache"):
+            self.fs.invalidate_cache()
+
+    # -- listing -------------------------------------------------------------------------------
+    def list_steps(self) -> dict[int, Manifest]:
+        """``{step: manifest}`` of committed durable checkpoints.
+
+        Raises:
+            DurableUnavailableError: the store cannot be listed (distinct from an empty root).
+        """
+        self._refresh()
+        try:
+            if not self.fs.exists(self.root):
+                return {}
+            entries = self.fs.ls(self.root, detail=False)
+        except FileNotFoundError:
+            return {}
+        except Exception as exc:  # noqa: BLE001 - any backend error here means "unreachable"
+            raise DurableUnavailableError(f"cannot list durable tier {self.url}: {exc}") from exc
+        found: dict[int, Manifest] = {}
+        for entry in entries:
+            name = entry.rstrip("/").rsplit("/", 1)[-1]
+            if not name.startswith("step_") or not name[5:].isdigit():
+                continue
+            try:
+                manifest = self.read_manifest(int(name[5:]))
+            except FileNotFoundError:
+                continue  # an upload in progress or abandoned: not committed
+            except CheckpointCorruptError as exc:
+                log.warning("durable tier: ignoring %s/%s: %s", self.url, name, exc)
+                continue
+            except Exception as exc:  # noqa: BLE001
+                raise DurableUnavailableError(f"cannot read {self.url}/{name}: {exc}") from exc
+            if manifest.step == int(name[5:]):
+                found[manifest.step] = manifest
+        return dict(sorted(found.items()))
+
+    def read_manifest(self, step: int) -> Manifest:
+        """Read the durable manifest of ``step`` (FileNotFoundError when absent)."""
+        path = self._path(step_dir_name(step), MANIFEST_NAME)
+        with self.fs.open(path, "rb") as f:
+            raw = f.read()
+        try:
+            return Manifest.from_json(json.loads(raw), f"{self.url}/{step_dir_name(step)}/{MANIFEST_NAME}")
+        except json.JSONDecodeError as exc:
+            raise CheckpointCorruptError(f"{self.url}/{step_dir_name(step)}/{MANIFEST_NAME}: invalid JSON") from exc
+
+    # -- upload --------------------------------------------------------------------------------
+    def _remote_crc(self, path: str) -> tuple[int, int]:
+        crc, size = 0, 0
+        with self.fs.open(path, "rb", block_size=_CHUNK_BYTES) as f:
+            while chunk := f.read(_CHUNK_BYTES):
+                crc = zlib.crc32(chunk, crc)
+                size += len(chunk)
+        return size, crc
+
+    def upload(self, local_dir: Path, manifest: Manifest) -> None:
+        """Upload a committed local checkpoint, verify every file, then write the manifest (commit).
+
+        Raises:
+            CheckpointCorruptError: an uploaded file does not match the manifest (named, with the tier).
+            Exception: backend errors propagate (the replicator retries them).
+        """
+        step_dir = self._path(step_dir_name(manifest.step))
+        self.fs.makedirs(step_dir, exist_ok=True)
+        for name, info in sorted(manifest.files.items()):
+            remote = f"{step_dir}/{name}"
+            self.fs.put_file(str(local_dir / name), remote)
+            if self.verify == "checksum":
+                size, crc = self._remote_crc(remote)
+            else:
+                size, crc = int(self.fs.info(remote)["size"]), info["crc32"]
+            if size != info["bytes"] or crc != info["crc32"]:
+                raise CheckpointCorruptError(
+                    f"durable tier {self.url}: uploaded {name} of step {manifest.step} does not match the manifest "
+                    f"({size} bytes, crc32 {crc:#010x}; expected {info['bytes']} bytes, {info['crc32']:#010x})")
+        data = json.dumps(manifest.to_json(), separators=(",", ":")).encode()
+        self.fs.pipe_file(f"{step_dir}/{MANIFEST_NAME}", data)
+        self._refresh()
+
+    def delete(self, step: int) -> None:
+        """Delete a durable checkpoint: manifest first (un-commit), then the files."""
+        step_dir = self._path(step_dir_name(step))
+        try:
+            self.fs.rm_file(f"{step_dir}/{MANIFEST_NAME}")
+        except FileNotFoundError:
+            pass
+        self.fs.rm(step_dir, recursive=True)
+        self._refresh()
+
+    # -- download ------------------------------------------------------------------------------
+    def download(self, step: int, local_root: Path) -> Path:
+        """Download a durable checkpoint into ``local_root`` (verified, then committed atomically).
+
+        Returns:
+            The local committed directory.
+
+        Raises:
+            CheckpointCorruptError: a downloaded file fails its size or CRC-32 check (file and tier named).
+        """
+        manifest = self.read_manifest(step)
+        final = local_root / step_dir_name(step)
+        tmp = local_root / f".{final.name}.download.tmp"
+        if tmp.exists():
+            import shutil
+
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+        bar = _progress(sum(i["bytes"] for i in manifest.files.values()), f"download step {step}")
+        try:
+            for name, info in sorted(manifest.files.items()):
+                crc, size = 0, 0
+                with self.fs.open(self._path(step_dir_name(step), name), "rb", block_size=_CHUNK_BYTES) as src, \
+                        open(tmp / name, "wb") as dst:
+                    while chunk := src.read(_CHUNK_BYTES):
+                        dst.write(chunk)
+                        crc = zlib.crc32(chunk, crc)
+                        size += len(chunk)
+                        bar.update(len(chunk))
+                    dst.flush()
+                    os.fsync(dst.fileno())
+                if size != info["bytes"] or crc != info["crc32"]:
+                    raise CheckpointCorruptError(
+                        f"durable tier {self.url}: {name} of step {step} is corrupt ({size} bytes, crc32 {crc:#010x}; "
+                        f"manifest says {info['bytes']} bytes, {info['crc32']:#010x})")
+            data = json.dumps(manifest.to_json(), separators=(",", ":")).encode()
+            with open(tmp / MANIFEST_NAME, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            commit_dir(tmp, final)
+        except BaseException:
+            import shutil
+
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        finally:
+            bar.close()
+        return final
