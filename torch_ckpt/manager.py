@@ -129,14 +129,14 @@ class CheckpointManager:
         self.verify_on_load = bool(verify_on_load)
         self.on_world_size_change = on_world_size_change
         self._cadence = Cadence(save_policy) if save_policy is not None else None
+        self._tier = DurableTier(durable_url, storage_options=storage_options, verify=durable_verify) \
+            if durable_url is not None else None
         self._ckpt = AsyncCheckpointer(async_save=async_save, persist=persist, overlap_staging=overlap_staging,
                                        writer_niceness=writer_niceness, staging_budget_bytes=staging_budget_bytes,
                                        thread_count=thread_count, timeout_seconds=timeout_seconds,
                                        process_group=process_group)
         self._ctx = self._ckpt.ctx
         self._lock = RootLock(self.root)
-        self._tier = DurableTier(durable_url, storage_options=storage_options, verify=durable_verify) \
-            if durable_url is not None else None
         self._replicator: Replicator | None = None
         self._replicate_every = replicate_every_n_saves
         self._durable_flush_timeout = float(durable_flush_timeout_seconds)
