@@ -6,8 +6,8 @@ import signal
 import pytest
 import torch
 
-from torch_ckpt import CheckpointManager, CheckpointWriteError, ConfigError, TrainState
 from tests.conftest import train_steps
+from torch_ckpt import CheckpointManager, CheckpointWriteError, ConfigError, TrainState
 
 
 def _params(model):

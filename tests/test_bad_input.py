@@ -7,11 +7,11 @@ inherits the builtin a caller would catch (``FileNotFoundError``, ``OSError``, `
 
 from __future__ import annotations
 
-import shutil
 import json
 import logging
 import os
 import pickle
+import shutil
 import zlib
 from pathlib import Path
 

@@ -2,7 +2,8 @@
 
 The dataset is cut to 48 windows at batch 8, so one epoch is 6 steps and a 20-step run crosses three
 epoch boundaries. Every resumed run must log exactly the uninterrupted run's losses, learning rates,
-epochs and batch order (compared bit for bit: float ``==`` and ``repr``).
+epochs and batch order (compared bit for bit: float ``==`` and ``repr``). The ``--mtbf`` runs (60
+steps, a tiny MTBF so that the Young/Daly interval is a few steps) save where the policy decides.
 """
 
 from __future__ import annotations
@@ -137,3 +138,54 @@ def test_finished_run_resumes_and_trains_nothing(tmp_path, reference):
     summary, records = run(tmp_path, "noop", "--save-every", "5")
     assert summary["resumed_from"] == STEPS and summary["steps"] == STEPS
     assert records == []
+
+
+MTBF_STEPS = 60
+MTBF = ["--steps", str(MTBF_STEPS), "--mtbf", "50ms", "--initial-save-cost", "10ms"]  # --steps overrides SMALL's
+
+
+@pytest.fixture(scope="module")
+def mtbf_reference(tmp_path_factory) -> list[dict]:
+    """The uninterrupted run of the --mtbf tests' length, without any checkpointing."""
+    summary, records = run(tmp_path_factory.mktemp("mtbf_reference"), "ref", "--save-every", "0", "--steps",
+                           str(MTBF_STEPS))
+    assert summary["steps"] == MTBF_STEPS and summary["saves"] == 0 and "schedule" not in summary
+    return records
+
+
+@pytest.mark.timeout(120)
+def test_mtbf_saves_where_the_reported_interval_says(tmp_path, mtbf_reference, capsys):
+    """With --mtbf each save comes at least the policy's interval after the previous one, as reported."""
+    summary, records = run(tmp_path, "mtbf", *MTBF)
+    assert_bitwise_equal(records, mtbf_reference)  # choosing when to save changes nothing in training
+    saves, sched = summary["save_steps"], summary["schedule"]
+    assert len(saves) >= 3 and sched["saves"] == summary["saves"] == len(saves)
+    decisions = sched["decisions"]
+    assert [d["step"] for d in decisions] == saves
+    for d in decisions:
+        assert 1 <= d["interval_steps"] <= d["steps_since_save"], d
+    assert [b - a for a, b in zip(saves, saves[1:])] == [d["steps_since_save"] for d in decisions[1:]]
+    # the final report is the decision at the last step: consistent with the last save it counts from
+    assert sched["step"] == MTBF_STEPS and sched["policy"] == "YoungDaly" and sched["mtbf_s"] == 0.05
+    if sched["decision"]:  # the last step was itself a save
+        assert saves[-1] == MTBF_STEPS
+    else:
+        assert sched["steps_since_save"] == MTBF_STEPS - saves[-1] < sched["interval_steps"]
+    for key in ("cost_s", "step_time_s", "expected_overhead", "expected_lost_work_s"):
+        assert sched[key] > 0, key
+    out = capsys.readouterr().out
+    assert f"train_gpt: save policy YoungDaly (daly), MTBF 50 ms: every {sched['interval_steps']} steps" in out
+    assert f"{len(saves)} saves at steps {saves}" in out
+
+
+@pytest.mark.timeout(120)
+def test_mtbf_run_resumes_from_its_last_save_bitwise(tmp_path, mtbf_reference):
+    """A --mtbf run stopped mid-way resumes from the last step its policy saved and continues bit for bit."""
+    first, before = run(tmp_path, "first", *MTBF, "--stop-after-step", "40")
+    assert first["steps"] == 40 and first["save_steps"], first
+    assert_bitwise_equal(before, mtbf_reference[:40])
+
+    second, after = run(tmp_path, "second", *MTBF)
+    assert second["resumed_from"] == first["save_steps"][-1]
+    assert second["steps"] == MTBF_STEPS
+    assert_bitwise_equal(after, mtbf_reference[second["resumed_from"]:])

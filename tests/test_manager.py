@@ -13,8 +13,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import torch_ckpt.persist as persist_mod
-from torch_ckpt import CheckpointManager, CheckpointWriteError, TrainState
 from tests.conftest import train_steps
+from torch_ckpt import CheckpointManager, CheckpointWriteError, TrainState
 
 
 def test_roundtrip_restores_everything_exactly(tmp_path, make_state):

@@ -8,7 +8,12 @@ import time
 import pytest
 
 from torch_ckpt.errors import ConfigError
-from torch_ckpt.interval import daly_interval, expected_lost_work, expected_overhead, young_interval
+from torch_ckpt.interval import (
+    daly_interval,
+    expected_lost_work,
+    expected_overhead,
+    young_interval,
+)
 from torch_ckpt.schedule import AnyOf, EveryNSeconds, EveryNSteps, SavePolicy, YoungDaly
 
 HOUR = 3600.0

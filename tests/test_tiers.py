@@ -20,7 +20,6 @@ import torch
 
 from torch_ckpt import CheckpointCorruptError, CheckpointManager, TrainState
 from torch_ckpt.tiers import DurableTier, DurableUnavailableError
-from tests.conftest import train_steps
 
 s3fs = pytest.importorskip("s3fs", reason="the s3 extra (s3fs, moto[server]) is not installed")
 moto_server = pytest.importorskip("moto.server", reason="moto[server] is not installed")

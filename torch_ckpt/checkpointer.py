@@ -97,6 +97,9 @@ class AsyncCheckpointer:
         timeout_seconds: limit for checkpoint collectives between ranks (seconds).
         process_group: ranks taking part (default: all); checkpoint traffic always uses private
             gloo groups created from it.
+        on_write_error: "raise" (default): a failed background save is raised on the caller's
+            thread at the next call; "warn": it is logged as a warning and counted in
+            :attr:`failed_saves` so training continues (the step is never committed either way).
 
     Raises:
         ConfigError: invalid arguments.
@@ -113,7 +116,10 @@ class AsyncCheckpointer:
         thread_count: int = 1,
         timeout_seconds: float = 600.0,
         process_group: Any = None,
+        on_write_error: str = "raise",
     ) -> None:
+        if on_write_error not in ("raise", "warn"):
+            raise ConfigError(f"on_write_error must be 'raise' or 'warn', got {on_write_error!r}")
         if not isinstance(thread_count, int) or thread_count < 1:
             raise ConfigError(f"thread_count must be an int >= 1, got {thread_count!r}")
         if persist not in ("thread", "process"):
@@ -123,6 +129,8 @@ class AsyncCheckpointer:
         if timeout_seconds <= 0:
             raise ConfigError(f"timeout_seconds must be > 0, got {timeout_seconds!r}")
         self.async_save = bool(async_save)
+        self.on_write_error = on_write_error
+        self.failed_saves: list[dict[str, Any]] = []
         self.thread_count = thread_count
         self.persist_mode = persist
         self.overlap_staging = bool(overlap_staging)
@@ -306,10 +314,15 @@ class AsyncCheckpointer:
                 job.on_committed(final)
             handle.committed.set_result(str(final))
         except BaseException as exc:  # noqa: BLE001 - surfaced on the caller's thread
-            log.error("[rank %d] checkpoint step %d failed: %s", self._ctx.rank, job.step, exc)
             with self._lock:
-                if self._pending_error is None:
-                    self._pending_error = exc
+                if self.on_write_error == "warn" and isinstance(exc, CheckpointError):
+                    log.warning("[rank %d] checkpoint step %d failed, training continues (on_write_error='warn'): %s",
+                                self._ctx.rank, job.step, exc)
+                    self.failed_saves.append({"step": job.step, "error": str(exc), "time": time.time()})
+                else:
+                    log.error("[rank %d] checkpoint step %d failed: %s", self._ctx.rank, job.step, exc)
+                    if self._pending_error is None:
+                        self._pending_error = exc
             handle.committed.set_exception(exc)
         finally:
             job.to_write = {}

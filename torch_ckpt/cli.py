@@ -26,7 +26,13 @@ from typing import Any
 
 from torch_ckpt import cli_tools
 from torch_ckpt.durations import DURATION_FORMS, format_duration, parse_duration
-from torch_ckpt.sizing import DTYPE_BYTES, OPTIMIZER_MOMENTS, checkpoint_size, interval_plan, parse_count
+from torch_ckpt.sizing import (
+    DTYPE_BYTES,
+    OPTIMIZER_MOMENTS,
+    checkpoint_size,
+    interval_plan,
+    parse_count,
+)
 
 __all__ = ["main", "UsageError"]
 

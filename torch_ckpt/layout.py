@@ -31,7 +31,11 @@ from typing import Any
 
 import torch
 
-from torch_ckpt.errors import CheckpointCorruptError, CheckpointNotFoundError, CheckpointWriteError
+from torch_ckpt.errors import (
+    CheckpointCorruptError,
+    CheckpointNotFoundError,
+    CheckpointWriteError,
+)
 
 __all__ = [
     "FORMAT_VERSION",

@@ -16,7 +16,12 @@ from typing import Any
 
 from torch_ckpt.cadence import Cadence
 from torch_ckpt.checkpointer import AsyncCheckpointer
-from torch_ckpt.errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError, ConfigError
+from torch_ckpt.errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointNotFoundError,
+    ConfigError,
+)
 from torch_ckpt.handle import SaveHandle, SaveStats
 from torch_ckpt.layout import (
     RootLock,
@@ -29,10 +34,18 @@ from torch_ckpt.layout import (
     step_dir_name,
     update_manifest_tiers,
 )
+from torch_ckpt.preemption import PreemptionFlag
 from torch_ckpt.replicator import Replicator
-from torch_ckpt.tiers import DurableTier, DurableUnavailableError
 from torch_ckpt.restore import RANK_LOCAL_POLICIES
-from torch_ckpt.retention import KeepAny, KeepEveryNSteps, KeepLatest, RetentionPolicy, apply_retention
+from torch_ckpt.resume import restore_candidates
+from torch_ckpt.retention import (
+    KeepAny,
+    KeepEveryNSteps,
+    KeepLatest,
+    RetentionPolicy,
+    apply_retention,
+)
+from torch_ckpt.tiers import DurableTier
 
 __all__ = ["CheckpointManager"]
 
@@ -77,6 +90,19 @@ class CheckpointManager:
         save_policy: when :meth:`should_save` says yes: a :class:`~torch_ckpt.schedule.SavePolicy`
             such as ``YoungDaly(mtbf_seconds="8h")`` (MTBF-optimal), ``EveryNSteps(100)``,
             ``EveryNSeconds("15m")`` or ``AnyOf(...)``. Rank 0 decides; every rank gets its answer.
+        durable_url: fsspec URL of the durable tier (``s3://bucket/run``, ``gs://``, ``file://``,
+            ``memory://``); every committed local checkpoint (or every ``replicate_every_n_saves``-th)
+            is replicated there in the background.
+        storage_options: fsspec options for ``durable_url`` (credentials, endpoint...).
+        replicate_every_n_saves: replicate every n-th save (>= 1).
+        durable_keep_last: durable retention: keep this many newest durable checkpoints (None: all).
+        durable_keep_every_n_steps: durable retention: also keep multiples of this step.
+        durable_verify: "checksum" (read uploads back, compare CRC-32) or "size".
+        durable_flush_timeout_seconds: how long :meth:`close` waits for pending replication.
+        preemption_signals: signals that request an emergency save, e.g. ``("SIGTERM", "SIGUSR1")``;
+            handled at the next :meth:`should_save`/:meth:`save_if_due` (see :meth:`save_if_due`).
+        preemption_timeout_seconds: how long the emergency save may take to commit before exiting.
+        on_write_error: "raise" (default) or "warn" (log failed saves and continue training).
 
     Raises:
         ConfigError: invalid arguments.
@@ -108,6 +134,9 @@ class CheckpointManager:
         durable_keep_every_n_steps: int | None = None,
         durable_verify: str = "checksum",
         durable_flush_timeout_seconds: float = 300.0,
+        preemption_signals: tuple[str, ...] = (),
+        preemption_timeout_seconds: float = 120.0,
+        on_write_error: str = "raise",
     ) -> None:
         if not isinstance(directory, (str, os.PathLike)) or str(directory) == "":
             raise ConfigError(f"directory must be a non-empty path, got {directory!r}")
@@ -129,12 +158,14 @@ class CheckpointManager:
         self.verify_on_load = bool(verify_on_load)
         self.on_world_size_change = on_world_size_change
         self._cadence = Cadence(save_policy) if save_policy is not None else None
+        self._preemption = PreemptionFlag(preemption_signals)
+        self._preemption_timeout = float(preemption_timeout_seconds)
         self._tier = DurableTier(durable_url, storage_options=storage_options, verify=durable_verify) \
             if durable_url is not None else None
         self._ckpt = AsyncCheckpointer(async_save=async_save, persist=persist, overlap_staging=overlap_staging,
                                        writer_niceness=writer_niceness, staging_budget_bytes=staging_budget_bytes,
                                        thread_count=thread_count, timeout_seconds=timeout_seconds,
-                                       process_group=process_group)
+                                       process_group=process_group, on_write_error=on_write_error)
         self._ctx = self._ckpt.ctx
         self._lock = RootLock(self.root)
         self._replicator: Replicator | None = None
@@ -160,6 +191,7 @@ class CheckpointManager:
                 error = exc
         status = self._ctx.broadcast(None if error is None else str(error), what="init")
         if error is not None or status is not None:
+            self._preemption.restore()
             self._lock.release()
             self._ckpt.close()
             raise error or CheckpointError(f"rank 0 could not prepare {self.root}: {status}")
@@ -238,18 +270,59 @@ class CheckpointManager:
     def should_save(self, step: int) -> bool:
         """Record that training step ``step`` finished and ask the save policy; same answer on every rank.
 
-        Call once per step, on every rank. Without a ``save_policy`` this raises ConfigError.
+        Call once per step, on every rank. True also when a preemption signal arrived on any rank.
+
+        Raises:
+            ConfigError: neither a ``save_policy`` nor ``preemption_signals`` was configured.
         """
-        if self._cadence is None:
-            raise ConfigError("should_save() needs CheckpointManager(save_policy=...), e.g. YoungDaly(mtbf_seconds='8h')")
+        if self._cadence is None and not self._preemption.signals:
+            raise ConfigError("should_save() needs CheckpointManager(save_policy=...), e.g. YoungDaly(mtbf_seconds='8h'), "
+                              "or preemption_signals=('SIGTERM',)")
         now = time.monotonic()
-        self._cadence.record_step(step, now)
-        decision = self._cadence.decide(step, now) if self._ctx.is_coordinator else None
-        return bool(self._ctx.broadcast(decision, what="save decision"))
+        decision = False
+        if self._cadence is not None:
+            self._cadence.record_step(step, now)
+            decision = self._cadence.decide(step, now) if self._ctx.is_coordinator else False
+        votes = self._ctx.all_gather((decision, self._preemption.received), what="save decision")
+        if self._preemption.received is None:
+            self._preemption.received = next((sig for _, sig in votes if sig is not None), None)
+        return bool(votes[0][0]) or self._preemption.requested
 
     def save_if_due(self, step: int, state: Any) -> SaveHandle | None:
-        """:meth:`save` when :meth:`should_save` says so; returns the handle or None."""
-        return self.save(step, state) if self.should_save(step) else None
+        """:meth:`save` when :meth:`should_save` says so; returns the handle or None.
+
+        After a preemption signal this is the emergency save: it waits until the checkpoint is
+        committed locally (up to ``preemption_timeout_seconds``), logs one line and raises
+        ``SystemExit(128 + signum)``.
+        """
+        if not self.should_save(step):
+            return None
+        handle = None
+        if not self._step_committed_or_pending(step):
+            handle = self.save(step, state)
+        if self._preemption.requested:
+            self._exit_for_preemption(step, handle)
+        return handle
+
+    @property
+    def preemption_requested(self) -> bool:
+        """True once a preemption signal arrived on this rank (agreed across ranks at ``should_save``)."""
+        return self._preemption.requested
+
+    def _step_committed_or_pending(self, step: int) -> bool:
+        handle = self._ckpt._inflight  # noqa: SLF001 - the manager owns its checkpointer
+        return (handle is not None and handle.step == step) or (self.root / step_dir_name(step)).is_dir()
+
+    def _exit_for_preemption(self, step: int, handle: SaveHandle | None) -> None:
+        sig = self._preemption.received
+        try:
+            if handle is not None:
+                path = handle.committed.result(timeout=self._preemption_timeout)
+                log.warning("preempted by %s: checkpoint of step %d committed at %s; exiting", sig.name, step, path)
+        except TimeoutError:
+            log.error("preempted by %s: checkpoint of step %d not committed within %.0f s; exiting without it "
+                      "(it stays an invisible temporary)", sig.name, step, self._preemption_timeout)
+        raise SystemExit(128 + int(sig))
 
     def schedule_info(self) -> dict[str, Any]:
         """The save policy's last decision inputs and outputs (``describe()``), or {} without a policy."""
@@ -317,7 +390,7 @@ class CheckpointManager:
         self._ckpt.wait()
         if self.root.exists() and not self.root.is_dir():
             raise CheckpointNotFoundError(f"checkpoint root {self.root} is not a directory")
-        plan = self._ctx.broadcast(self._restore_plan(step) if self._ctx.is_coordinator else None,
+        plan = self._ctx.broadcast(restore_candidates(self.root, self._tier, step) if self._ctx.is_coordinator else None,
                                    what="restore plan")
         if isinstance(plan, BaseException):
             raise plan
@@ -340,36 +413,6 @@ class CheckpointManager:
                      time.monotonic() - t0)
             return cand
         return None  # unreachable: the loop returns or raises
-
-    def _restore_plan(self, step: int | None) -> list[tuple[int, str]] | BaseException:
-        """Coordinator: candidate ``(step, "local"|"durable")`` pairs, newest first (an exception to raise)."""
-        try:
-            local = list(scan_committed(self.root))
-            durable: list[int] = []
-            if self._tier is not None:
-                try:
-                    durable = list(self._tier.list_steps())
-                except DurableUnavailableError as exc:
-                    if not local:
-                        return DurableUnavailableError(
-                            f"{exc}. No local checkpoint under {self.root} either: refusing to start from scratch "
-                            "during an outage. Retry when the store is reachable, or remove durable_url.")
-                    log.warning("%s; resuming from the local tier only", exc)
-            if step is not None:
-                if step in local:
-                    return [(step, "local")]
-                if step in durable:
-                    return [(step, "durable")]
-                candidate = self.root / step_dir_name(step)
-                if candidate.is_dir():  # present but not listed: say what is wrong with it
-                    manifest = read_manifest(candidate)
-                    return CheckpointCorruptError(f"{candidate}: manifest says step {manifest.step}, not {step}")
-                where = f"{self.root}" + (f" or {self._tier.url}" if self._tier is not None else "")
-                return CheckpointNotFoundError(f"step {step} is not a committed checkpoint under {where}; committed "
-                                               f"steps: {sorted(set(local) | set(durable))[-10:]}")
-            return [(s, "local" if s in local else "durable") for s in sorted(set(local) | set(durable), reverse=True)]
-        except CheckpointError as exc:
-            return exc
 
     def _fetch(self, step: int, where: str) -> Path:
         """Make ``step`` available locally (downloading it on the coordinator when needed); agreed by all ranks."""
@@ -409,4 +452,5 @@ class CheckpointManager:
         finally:
             if self._replicator is not None:
                 self._replicator.close(self._durable_flush_timeout)
+            self._preemption.restore()
             self._lock.release()

@@ -18,9 +18,19 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from torch_ckpt.codec import TENSOR_TAG, join_state, split_state
-from torch_ckpt.dcp_io import SafeFileSystemReader, SafeLoadPlanner, file_crc32, read_dcp_metadata
+from torch_ckpt.dcp_io import (
+    SafeFileSystemReader,
+    SafeLoadPlanner,
+    file_crc32,
+    read_dcp_metadata,
+)
 from torch_ckpt.dist import DistContext, single_process_quiet
-from torch_ckpt.errors import CheckpointCorruptError, CheckpointError, ConfigError, StateMismatchError
+from torch_ckpt.errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    ConfigError,
+    StateMismatchError,
+)
 from torch_ckpt.layout import Manifest, rank_file_name
 
 __all__ = ["verify_files", "load_into", "RANK_LOCAL_POLICIES"]

@@ -24,7 +24,12 @@ import math
 import re
 from typing import Any
 
-from torch_ckpt.interval import daly_interval, expected_lost_work, expected_overhead, young_interval
+from torch_ckpt.interval import (
+    daly_interval,
+    expected_lost_work,
+    expected_overhead,
+    young_interval,
+)
 
 __all__ = ["DTYPE_BYTES", "OPTIMIZER_MOMENTS", "parse_count", "checkpoint_size", "interval_plan"]
 

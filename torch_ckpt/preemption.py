@@ -1,0 +1,81 @@
+"""Preemption signals (SIGTERM, or SIGUSR1 on SLURM) turned into one emergency save at a step boundary.
+
+A signal handler must do almost nothing: :class:`PreemptionFlag` only records which signal arrived.
+The manager polls the flag at the next step boundary (``should_save`` / ``save_if_due``), agrees
+across ranks (a signal that reached any rank counts for all), takes one save, waits until it is
+committed locally (up to a timeout), logs one line and exits with ``128 + signum``. A save that
+does not commit in time stays an invisible temporary, never a half-marked checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from collections.abc import Iterable
+
+from torch_ckpt.errors import ConfigError
+
+__all__ = ["PreemptionFlag", "parse_signals"]
+
+log = logging.getLogger(__name__)
+
+
+def parse_signals(signals: Iterable[str | int | signal.Signals]) -> list[signal.Signals]:
+    """Turn ``["SIGTERM", "SIGUSR1", 15]`` into ``signal.Signals`` values.
+
+    Raises:
+        ConfigError: an unknown signal name or number.
+    """
+    out = []
+    for s in signals:
+        try:
+            out.append(signal.Signals[s.upper() if s.upper().startswith("SIG") else "SIG" + s.upper()]
+                       if isinstance(s, str) else signal.Signals(s))
+        except (KeyError, ValueError) as exc:
+            raise ConfigError(f"unknown preemption signal {s!r}; use names such as 'SIGTERM' or 'SIGUSR1'") from exc
+    return out
+
+
+class PreemptionFlag:
+    """Installs handlers for ``signals`` that record the first one received.
+
+    Handlers can only be installed from the main thread; elsewhere a warning is logged and the flag
+    can still be set with :meth:`trigger`. :meth:`restore` puts the previous handlers back.
+    """
+
+    def __init__(self, signals: Iterable[str | int | signal.Signals]) -> None:
+        self.signals = parse_signals(signals)
+        self.received: signal.Signals | None = None
+        self._previous: dict[signal.Signals, object] = {}
+        if not self.signals:
+            return
+        if threading.current_thread() is not threading.main_thread():
+            log.warning("preemption handlers for %s not installed: not on the main thread",
+                        [s.name for s in self.signals])
+            return
+        for sig in self.signals:
+            self._previous[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame) -> None:  # noqa: ARG002 - signal handler signature
+        if self.received is None:
+            self.received = signal.Signals(signum)
+
+    def trigger(self, sig: signal.Signals = signal.SIGTERM) -> None:
+        """Set the flag as if ``sig`` had arrived."""
+        if self.received is None:
+            self.received = sig
+
+    @property
+    def requested(self) -> bool:
+        """True once a preemption signal arrived."""
+        return self.received is not None
+
+    def restore(self) -> None:
+        """Reinstate the handlers that were active before."""
+        for sig, handler in self._previous.items():
+            try:
+                signal.signal(sig, handler)
+            except (ValueError, TypeError):  # not on the main thread any more
+                pass
+        self._previous.clear()

@@ -1,0 +1,53 @@
+"""Choosing what to resume from: the newest checkpoint complete in any reachable tier."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from torch_ckpt.errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointNotFoundError,
+)
+from torch_ckpt.layout import read_manifest, scan_committed, step_dir_name
+from torch_ckpt.tiers import DurableTier, DurableUnavailableError
+
+__all__ = ["restore_candidates"]
+
+log = logging.getLogger(__name__)
+
+
+def restore_candidates(root: Path, tier: DurableTier | None,
+                       step: int | None) -> list[tuple[int, str]] | BaseException:
+    """Candidate ``(step, "local"|"durable")`` pairs to restore, newest first; run on the coordinator.
+
+    Returns an exception instead of raising it, so the coordinator can broadcast it to every rank.
+    """
+    try:
+        local = list(scan_committed(root))
+        durable: list[int] = []
+        if tier is not None:
+            try:
+                durable = list(tier.list_steps())
+            except DurableUnavailableError as exc:
+                if not local:
+                    return DurableUnavailableError(
+                        f"{exc}. No local checkpoint under {root} either: refusing to start from scratch "
+                        "during an outage. Retry when the store is reachable, or remove durable_url.")
+                log.warning("%s; resuming from the local tier only", exc)
+        if step is not None:
+            if step in local:
+                return [(step, "local")]
+            if step in durable:
+                return [(step, "durable")]
+            candidate = root / step_dir_name(step)
+            if candidate.is_dir():  # present but not listed: say what is wrong with it
+                manifest = read_manifest(candidate)
+                return CheckpointCorruptError(f"{candidate}: manifest says step {manifest.step}, not {step}")
+            where = f"{root}" + (f" or {tier.url}" if tier is not None else "")
+            return CheckpointNotFoundError(f"step {step} is not a committed checkpoint under {where}; committed "
+                                           f"steps: {sorted(set(local) | set(durable))[-10:]}")
+        return [(s, "local" if s in local else "durable") for s in sorted(set(local) | set(durable), reverse=True)]
+    except CheckpointError as exc:
+        return exc
