@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from torch_ckpt.errors import ConfigError
+from torch_ckpt.errors import CheckpointCorruptError, ConfigError
 
 __all__ = ["split_state", "join_state", "TENSOR_TAG"]
 
@@ -128,7 +128,7 @@ def join_state(tree: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
     """Rebuild the nested state from a JSON tree and loaded tensors (inverse of :func:`split_state`).
 
     Raises:
-        KeyError: a placeholder names a tensor that ``tensors`` lacks.
+        CheckpointCorruptError: a placeholder names a tensor that ``tensors`` lacks.
     """
 
     def dec(node: Any) -> Any:
@@ -138,7 +138,11 @@ def join_state(tree: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
             return node
         if len(node) >= 1:
             if TENSOR_TAG in node and len(node) == 1:
-                return tensors[node[TENSOR_TAG]]
+                key = node[TENSOR_TAG]
+                if key not in tensors:
+                    raise CheckpointCorruptError(f"state refers to tensor {key!r}, which the checkpoint does not hold "
+                                                 "as a tensor")
+                return tensors[key]
             if _INLINE_TENSOR in node:
                 return _decode_inline_tensor(node)
             if _NDARRAY in node:

@@ -43,10 +43,11 @@ _CRC_CHUNK_BYTES = 16 << 20
 class _HashingStream(io.RawIOBase):
     """Write-through file wrapper that keeps a running CRC-32 and byte count."""
 
-    def __init__(self, raw: io.BufferedWriter, on_close) -> None:
+    def __init__(self, raw: io.BufferedWriter, on_close, on_error) -> None:
         super().__init__()
         self._raw = raw
         self._on_close = on_close
+        self._on_error = on_error
         self.crc = 0
         self.nbytes = 0
 
@@ -55,7 +56,11 @@ class _HashingStream(io.RawIOBase):
 
     def write(self, b) -> int:  # type: ignore[override]
         view = memoryview(b)
-        n = self._raw.write(view)
+        try:
+            n = self._raw.write(view)
+        except OSError as exc:  # torch.save turns this into an opaque RuntimeError: remember it
+            self._on_error(exc)
+            raise
         self.crc = zlib.crc32(view[:n] if n is not None and n < len(view) else view, self.crc)
         self.nbytes += n if n is not None else len(view)
         return n if n is not None else len(view)
@@ -85,7 +90,13 @@ class _ChecksumFileSystem(FileSystem):
     def __init__(self) -> None:
         super().__init__()
         self.files: dict[str, tuple[int, int]] = {}
+        self.os_error: OSError | None = None
         self._lock = threading.Lock()
+
+    def _record_error(self, exc: OSError) -> None:
+        with self._lock:
+            if self.os_error is None:
+                self.os_error = exc
 
     @contextmanager
     def create_stream(self, path: str | os.PathLike, mode: str) -> Generator[io.IOBase, None, None]:
@@ -99,7 +110,12 @@ class _ChecksumFileSystem(FileSystem):
             with self._lock:
                 self.files[name] = (s.nbytes, s.crc)
 
-        stream = _HashingStream(Path(path).open(mode), record)
+        try:
+            raw = Path(path).open(mode)
+        except OSError as exc:
+            self._record_error(exc)
+            raise
+        stream = _HashingStream(raw, record, self._record_error)
         try:
             yield stream  # type: ignore[misc]
         finally:
@@ -127,6 +143,11 @@ class ChecksumFileSystemWriter(FileSystemWriter):
                          overwrite=True)
         self.fs = _ChecksumFileSystem()
         self.path = self.fs.init_path(path)
+
+    @property
+    def os_error(self) -> OSError | None:
+        """The first OS error (disk full, permission...) met while writing, if any."""
+        return self.fs.os_error
 
     @property
     def written_files(self) -> dict[str, tuple[int, int]]:

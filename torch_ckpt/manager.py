@@ -321,7 +321,10 @@ class CheckpointManager:
                 log.warning("preempted by %s: checkpoint of step %d committed at %s; exiting", sig.name, step, path)
         except TimeoutError:
             log.error("preempted by %s: checkpoint of step %d not committed within %.0f s; exiting without it "
-                      "(it stays an invisible temporary)", sig.name, step, self._preemption_timeout)
+                      "(it stays an invisible temporary, removed on the next start)", sig.name, step,
+                      self._preemption_timeout)
+            logging.shutdown()  # flush log handlers: the hard exit below skips interpreter teardown
+            os._exit(128 + int(sig))  # do not wait for the writer thread at interpreter exit
         raise SystemExit(128 + int(sig))
 
     def schedule_info(self) -> dict[str, Any]:

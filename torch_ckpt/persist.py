@@ -86,6 +86,7 @@ def persist_checkpoint(req: PersistRequest, ctx: DistContext) -> Path:
 
     t0 = time.monotonic()
     files: dict[str, dict[str, int]] = {}
+    writer = None
     try:
         writer = ChecksumFileSystemWriter(tmp, thread_count=req.thread_count, sync_files=True)
         with single_process_quiet(not ctx.enabled):
@@ -98,7 +99,8 @@ def persist_checkpoint(req: PersistRequest, ctx: DistContext) -> Path:
     except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException derives from BaseException
         if isinstance(exc, (KeyboardInterrupt, SystemExit)):
             raise
-        error = exc
+        # DCP reports a failed write as an opaque CheckpointException; prefer the OS error behind it
+        error = writer.os_error if writer is not None and writer.os_error is not None else exc
     gathered = ctx.all_gather((None if error is None else _describe(error), files), background=True,
                               what="shard write agreement")
     failures = [f"rank {r}: {msg}" for r, (msg, _) in enumerate(gathered) if msg]

@@ -1,0 +1,222 @@
+"""Injected faults: disk full, read-only file system, permission denied, preemption, concurrent runs, hostile files."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+
+from torch_ckpt import CheckpointError, CheckpointManager, CheckpointWriteError, TrainState
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _model(width=64):
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Linear(width, width))
+
+
+@pytest.fixture
+def tmpfs(tmp_path):
+    """A tiny tmpfs mounted for the test (needs root); skipped where mounting is not allowed."""
+    mnt = tmp_path / "tmpfs"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+def test_disk_full_is_a_typed_error_and_earlier_checkpoints_survive(tmpfs):
+    """ENOSPC surfaces as CheckpointWriteError(errno 28) naming the path; step 1 stays loadable."""
+    small = TrainState(model=_model(16))
+    with CheckpointManager(tmpfs / "run", keep_last=5) as mgr:
+        mgr.save(1, small).wait()
+        big = TrainState(model=_model(512))  # ~2 MB: does not fit next to step 1
+        with pytest.raises(CheckpointWriteError) as info:
+            mgr.save(2, big)
+            mgr.wait()
+        assert info.value.errno == 28 and "disk is full" in str(info.value) and str(tmpfs) in str(info.value)
+        assert mgr.all_steps() == [1]
+        assert not list((tmpfs / "run").glob(".step_*"))
+        assert mgr.restore(TrainState(model=_model(16))) == 1
+
+
+def test_read_only_file_system_is_a_typed_error(tmpfs):
+    """EROFS surfaces as CheckpointWriteError(errno 30) telling to choose a writable directory."""
+    state = TrainState(model=_model(16))
+    with CheckpointManager(tmpfs / "run") as mgr:
+        mgr.save(1, state).wait()
+        subprocess.run(["mount", "-o", "remount,ro", str(tmpfs)], check=True)
+        try:
+            with pytest.raises(CheckpointWriteError, match="read-only") as info:
+                mgr.save(2, state)
+                mgr.wait()
+            assert info.value.errno == 30
+            assert mgr.all_steps() == [1]
+        finally:
+            subprocess.run(["mount", "-o", "remount,rw", str(tmpfs)], check=True)
+
+
+def test_permission_denied_is_a_typed_error(tmp_path, monkeypatch):
+    """EACCES while writing a shard surfaces as CheckpointWriteError(errno 13) with advice."""
+    real_open = Path.open
+
+    def denied(self, mode="r", *args, **kwargs):  # as root, real permission bits are not enforced
+        if self.name.endswith(".distcp") and "w" in mode:
+            raise PermissionError(13, "Permission denied", str(self))
+        return real_open(self, mode, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "open", denied)
+    with CheckpointManager(tmp_path) as mgr:
+        with pytest.raises(CheckpointWriteError, match="permission") as info:
+            mgr.save(1, TrainState(model=_model(16)))
+            mgr.wait()
+        assert info.value.errno == 13 and mgr.all_steps() == []
+
+
+def test_warn_policy_keeps_training_going(tmp_path, monkeypatch, caplog):
+    """on_write_error='warn' logs the failure, records it and lets the next save succeed."""
+    import torch_ckpt.persist as persist_mod
+
+    real, calls = persist_mod.write_json_durable, {"n": 0}
+
+    def flaky(path, obj):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise OSError(28, "No space left on device")
+        return real(path, obj)
+
+    monkeypatch.setattr(persist_mod, "write_json_durable", flaky)
+    state = TrainState(model=_model(16))
+    with CheckpointManager(tmp_path, on_write_error="warn") as mgr:
+        mgr.save(1, state)
+        mgr.save(2, state).wait()
+        assert mgr.all_steps() == [2]
+        assert [f["step"] for f in mgr.checkpointer.failed_saves] == [1]
+    assert any("training continues" in r.getMessage() for r in caplog.records)
+
+
+def test_second_run_on_the_same_root_is_refused(tmp_path):
+    """A root in use by a live run is locked: the second manager fails naming host and pid."""
+    with CheckpointManager(tmp_path):
+        with pytest.raises(CheckpointWriteError, match=f"pid {os.getpid()}"):
+            CheckpointManager(tmp_path)
+
+
+def test_stale_lock_of_a_dead_process_is_taken_over(tmp_path):
+    """A lock left by a process that no longer exists does not block a new run."""
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    import socket
+
+    (tmp_path / ".lock").write_text(json.dumps({"host": socket.gethostname(), "pid": dead.pid, "since": 0}))
+    with CheckpointManager(tmp_path) as mgr:
+        assert mgr.latest_step() is None
+
+
+_PREEMPT = textwrap.dedent("""
+    import sys, time, torch
+    from torch_ckpt import CheckpointManager, TrainState, EveryNSteps
+    import torch_ckpt.persist as persist_mod
+    root, sig, slow = sys.argv[1], sys.argv[2], float(sys.argv[3])
+    if slow:
+        real = persist_mod.persist_checkpoint
+        def slow_persist(req, ctx):
+            time.sleep(slow)
+            return real(req, ctx)
+        persist_mod.persist_checkpoint = slow_persist
+        import torch_ckpt.checkpointer as ck
+        ck.persist_checkpoint = slow_persist
+    model = torch.nn.Linear(8, 8)
+    state = TrainState(model=model)
+    with CheckpointManager(root, save_policy=EveryNSteps(10_000), preemption_signals=(sig,),
+                           preemption_timeout_seconds=1.0) as mgr:
+        print("READY", flush=True)
+        for step in range(1, 100_000):
+            time.sleep(0.01)
+            state.step = step
+            mgr.save_if_due(step, state)
+""")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGUSR1"])
+def test_preemption_signal_saves_at_next_step_and_exits(tmp_path, sig):
+    """A preemption signal triggers one committed save at the next step boundary, then exit 128+signum."""
+    proc = subprocess.Popen([sys.executable, "-c", _PREEMPT, str(tmp_path), sig, "0"], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "READY"
+    time.sleep(0.5)
+    proc.send_signal(getattr(signal, sig))
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + getattr(signal, sig), err[-2000:]
+    assert f"preempted by {sig}" in err and "committed" in err
+    with CheckpointManager(tmp_path) as mgr:
+        step = mgr.latest_step()
+        assert step is not None and step > 1
+        assert mgr.restore(TrainState(model=torch.nn.Linear(8, 8))) == step
+
+
+@pytest.mark.timeout(120)
+def test_preemption_timeout_leaves_no_half_marked_checkpoint(tmp_path):
+    """When the emergency save cannot commit in time the process still exits and nothing partial is listed."""
+    proc = subprocess.Popen([sys.executable, "-c", _PREEMPT, str(tmp_path), "SIGTERM", "30"], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "READY"
+    time.sleep(0.3)
+    proc.send_signal(signal.SIGTERM)
+    t0 = time.monotonic()
+    try:
+        _, err = proc.communicate(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+    assert time.monotonic() - t0 < 20
+    assert "not committed within" in err
+    with CheckpointManager(tmp_path) as mgr:
+        assert mgr.latest_step() is None
+
+
+class _Evil:
+    def __reduce__(self):
+        return (os.system, (f"touch {_Evil.marker}",))
+
+
+def test_pickled_item_in_a_crafted_checkpoint_is_never_unpickled(tmp_path):
+    """A DCP checkpoint whose non-tensor item is a malicious pickle is refused without running it."""
+    import torch.distributed.checkpoint as dcp
+
+    from torch_ckpt.layout import FORMAT_NAME
+
+    marker = tmp_path / "pwned"
+    _Evil.marker = marker
+    step_dir = tmp_path / "run" / "step_000000001"
+    dcp.save({"model.weight": torch.zeros(2), "evil": _Evil()}, checkpoint_id=str(step_dir), no_dist=True)
+    assert not marker.exists()
+    tree = {"model": {"weight": {"__tensor__": "model.weight"}}, "evil": {"__tensor__": "evil"}}
+    (step_dir / "rank_00000.json").write_text(json.dumps({"tree": tree}))
+    files = {}
+    for p in step_dir.iterdir():
+        data = p.read_bytes()
+        files[p.name] = {"bytes": len(data), "crc32": zlib.crc32(data)}
+    (step_dir / "manifest.json").write_text(json.dumps({
+        "format": FORMAT_NAME, "format_version": 1, "step": 1, "wall_time": 0, "world_size": 1,
+        "torch_version": torch.__version__, "files": files}))
+    target = {"model": {"weight": torch.ones(2)}, "evil": torch.ones(2)}
+    with CheckpointManager(tmp_path / "run") as mgr, pytest.raises(CheckpointError):
+        mgr.restore(target)
+    from torch_ckpt.convert import load_full_state
+
+    with pytest.raises(CheckpointError, match="evil"):
+        load_full_state(step_dir)
+    assert not marker.exists()
