@@ -1,0 +1,28 @@
+"""The short chaos run: about 20 SIGKILLs of the real training at random instants, each resumed."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.timeout(600)
+def test_short_chaos_run_never_exposes_partial_and_resumes_exactly(tmp_path):
+    """20 random SIGKILLs: no partial checkpoint listed, every kill resumable, every resumed loss exact."""
+    out = tmp_path / "chaos.json"
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "chaos.py"), "--trials", "20",
+                           "--work-dir", str(tmp_path / "run"), "--json", str(out)],
+                          capture_output=True, text=True, timeout=580)
+    assert out.exists(), proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["trials"] == 20
+    assert result["partial_exposed"] == 0
+    assert result["resumable"] == 20
+    assert result["exact_resume"] == 20 and result["mismatched_steps"] == 0
+    assert result["final_mismatched_steps"] == 0 and result["finished"]
+    assert result["instants"]["during_save"] > 0  # the kills really hit saves in progress
+    assert proc.returncode == 0
