@@ -8,14 +8,14 @@ is persisting (the background interference that, added to the blocking time, mak
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
+from torch_ckpt._logging import get_logger
 from torch_ckpt.handle import SaveHandle
 
 __all__ = ["Cadence"]
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 
 class Cadence:

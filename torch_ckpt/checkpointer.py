@@ -9,7 +9,6 @@ exactly once. It knows nothing about steps, naming or retention.
 
 from __future__ import annotations
 
-import logging
 import os
 import threading
 import time
@@ -22,6 +21,7 @@ from typing import Any
 
 import torch
 
+from torch_ckpt._logging import get_logger
 from torch_ckpt.codec import split_state
 from torch_ckpt.dist import DistContext
 from torch_ckpt.errors import CheckpointError, ConfigError
@@ -34,7 +34,7 @@ from torch_ckpt.writer_process import ProcessWriter
 
 __all__ = ["AsyncCheckpointer"]
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 
 @dataclass(eq=False)

@@ -20,7 +20,6 @@ step, never string order.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import re
 import shutil
@@ -31,6 +30,7 @@ from typing import Any
 
 import torch
 
+from torch_ckpt._logging import get_logger
 from torch_ckpt.errors import (
     CheckpointCorruptError,
     CheckpointNotFoundError,
@@ -53,7 +53,7 @@ __all__ = [
     "RootLock",
 ]
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 FORMAT_NAME = "torch-ckpt"
 FORMAT_VERSION = 1

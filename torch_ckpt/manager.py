@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from torch_ckpt._logging import get_logger
 from torch_ckpt.cadence import Cadence
 from torch_ckpt.checkpointer import AsyncCheckpointer
 from torch_ckpt.errors import (
@@ -49,7 +50,7 @@ from torch_ckpt.tiers import DurableTier
 
 __all__ = ["CheckpointManager"]
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 
 class CheckpointManager:
@@ -172,6 +173,7 @@ class CheckpointManager:
         self._replicate_every = replicate_every_n_saves
         self._durable_flush_timeout = float(durable_flush_timeout_seconds)
         self._saves = 0
+        self._captured_at: dict[int, float] = {}
         error = None
         if self._ctx.is_coordinator:
             try:
@@ -245,6 +247,9 @@ class CheckpointManager:
         self._ckpt.wait()
         self._check_new_step(step)
         self._saves += 1
+        self._captured_at[step] = time.time()
+        while len(self._captured_at) > 256:
+            self._captured_at.pop(next(iter(self._captured_at)))
         replicate = self._replicator is not None and self._saves % self._replicate_every == 0
         handle = self._ckpt.save(self.root / step_dir_name(step), state, step=step,
                                  on_committed=lambda final: self._after_commit(step, final, replicate))
@@ -437,6 +442,42 @@ class CheckpointManager:
     def wait(self) -> None:
         """Block until the in-flight save is committed; raise any background error (once)."""
         self._ckpt.wait()
+
+    def health(self) -> dict[str, Any]:
+        """Checkpoint health on this rank, for dashboards and periodic logs.
+
+        Returns:
+            ``latest_step`` / ``latest_age_s``: newest local committed checkpoint and the age (seconds)
+            of the state it holds; ``durable_step`` / ``durable_age_s``: the same for the durable tier
+            (the local tier stands in when there is none); ``lost_work_if_failure_now_s``: training
+            time that a failure right now would lose (back to the newest durable checkpoint; None
+            before the first one); ``in_flight_step``; ``failed_saves``; ``replication`` (see
+            :meth:`replication_stats`); ``schedule`` (the save policy's last decision, if any).
+        """
+        now = time.time()
+        local = scan_committed(self.root) if self.root.is_dir() else {}
+        latest = max(local) if local else None
+
+        def age(step: int | None) -> float | None:
+            if step is None:
+                return None
+            captured = self._captured_at.get(step)
+            if captured is None and step in local:
+                captured = read_manifest(local[step]).wall_time  # saved by an earlier run: commit time
+            return None if captured is None else now - captured
+
+        replication = self.replication_stats()
+        durable = replication.get("durable_step") if self._tier is not None else latest
+        inflight = self._ckpt._inflight  # noqa: SLF001
+        return {
+            "latest_step": latest, "latest_age_s": age(latest),
+            "durable_step": durable, "durable_age_s": age(durable),
+            "lost_work_if_failure_now_s": age(durable),
+            "in_flight_step": None if inflight is None or inflight.done() else inflight.step,
+            "failed_saves": len(self._ckpt.failed_saves),
+            "replication": replication,
+            "schedule": self.schedule_info(),
+        }
 
     def replication_stats(self) -> dict[str, Any]:
         """State of the durable replication (see :meth:`Replicator.stats`); {} without a durable tier."""

@@ -9,16 +9,16 @@ does not commit in time stays an invisible temporary, never a half-marked checkp
 
 from __future__ import annotations
 
-import logging
 import signal
 import threading
 from collections.abc import Iterable
 
+from torch_ckpt._logging import get_logger
 from torch_ckpt.errors import ConfigError
 
 __all__ = ["PreemptionFlag", "parse_signals"]
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 
 def parse_signals(signals: Iterable[str | int | signal.Signals]) -> list[signal.Signals]:

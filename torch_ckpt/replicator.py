@@ -9,13 +9,13 @@ reports the lag. After each durable commit the durable retention policy runs.
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from torch_ckpt._logging import get_logger
 from torch_ckpt.errors import CheckpointCorruptError
 from torch_ckpt.layout import read_manifest
 from torch_ckpt.retention import RetentionPolicy, apply_retention
@@ -23,7 +23,7 @@ from torch_ckpt.tiers import DurableTier
 
 __all__ = ["Replicator"]
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 
 class Replicator:

@@ -9,7 +9,6 @@ state and the checkpoint have the same tensor keys and shapes, let DCP load the 
 from __future__ import annotations
 
 import json
-import logging
 from collections.abc import Mapping, MutableMapping
 from pathlib import Path
 from typing import Any
@@ -17,6 +16,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 
+from torch_ckpt._logging import get_logger
 from torch_ckpt.codec import TENSOR_TAG, join_state, split_state
 from torch_ckpt.dcp_io import (
     SafeFileSystemReader,
@@ -35,7 +35,7 @@ from torch_ckpt.layout import Manifest, rank_file_name
 
 __all__ = ["verify_files", "load_into", "RANK_LOCAL_POLICIES"]
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 RANK_LOCAL_POLICIES = ("error", "keep_live")
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
+from torch_ckpt._logging import get_logger
 from torch_ckpt.errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -15,7 +15,7 @@ from torch_ckpt.tiers import DurableTier, DurableUnavailableError
 
 __all__ = ["restore_candidates"]
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 
 def restore_candidates(root: Path, tier: DurableTier | None,

@@ -16,7 +16,6 @@ handed to the writer shares storage with a live tensor.
 
 from __future__ import annotations
 
-import logging
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -24,11 +23,12 @@ from typing import Any
 import psutil
 import torch
 
+from torch_ckpt._logging import get_logger
 from torch_ckpt.errors import ConfigError
 
 __all__ = ["HostStager", "StagedState", "default_budget_bytes", "ArenaLayout"]
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 _ALIGN_BYTES = 64
 

@@ -10,7 +10,6 @@ first. Locations stay URL strings end to end; no URL ever goes through ``pathlib
 from __future__ import annotations
 
 import json
-import logging
 import os
 import sys
 import zlib
@@ -19,12 +18,13 @@ from typing import Any
 
 import fsspec
 
+from torch_ckpt._logging import get_logger
 from torch_ckpt.errors import CheckpointCorruptError, CheckpointError, ConfigError
 from torch_ckpt.layout import MANIFEST_NAME, Manifest, commit_dir, step_dir_name
 
 __all__ = ["DurableTier", "DurableUnavailableError"]
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 _CHUNK_BYTES = 8 << 20
 

@@ -10,7 +10,6 @@ A writer that dies is detected within a second and reported as :class:`Checkpoin
 from __future__ import annotations
 
 import datetime
-import logging
 import os
 import queue
 import socket
@@ -21,12 +20,13 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
+from torch_ckpt._logging import get_logger
 from torch_ckpt.dist import DistContext
 from torch_ckpt.errors import CheckpointError, CheckpointWriteError
 
 __all__ = ["ProcessWriter"]
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 _START_TIMEOUT_S = 120.0
 

@@ -1,0 +1,59 @@
+"""Health telemetry of the manager and rank-aware logging."""
+
+import logging
+import time
+import uuid
+
+import torch
+
+from torch_ckpt import CheckpointManager, TrainState
+from torch_ckpt._logging import _RankFilter, get_logger, log_all_ranks
+
+
+def test_health_reports_ages_and_lost_work(tmp_path):
+    """health() gives the newest local/durable steps and the work a failure now would lose."""
+    state = TrainState(model=torch.nn.Linear(4, 4))
+    with CheckpointManager(tmp_path, durable_url=f"memory://h-{uuid.uuid4().hex[:6]}/r") as mgr:
+        assert mgr.health()["lost_work_if_failure_now_s"] is None
+        mgr.save(1, state).wait()
+        assert mgr.wait_durable(30)
+        time.sleep(0.2)
+        h = mgr.health()
+    assert h["latest_step"] == 1 and h["durable_step"] == 1
+    assert 0.2 <= h["lost_work_if_failure_now_s"] < 30
+    assert h["replication"]["durable_step"] == 1 and h["failed_saves"] == 0
+
+
+def test_health_without_durable_tier_uses_local(tmp_path):
+    """Without a durable tier the local tier is the reference for lost work."""
+    state = TrainState(model=torch.nn.Linear(4, 4))
+    with CheckpointManager(tmp_path) as mgr:
+        mgr.save(3, state).wait()
+        h = mgr.health()
+    assert h["durable_step"] == 3 and h["lost_work_if_failure_now_s"] >= 0
+
+
+def test_non_zero_rank_records_are_filtered_unless_requested(monkeypatch):
+    """Only rank 0's info records pass by default; errors and log_all_ranks() let others through."""
+    import torch_ckpt._logging as lg
+
+    monkeypatch.setattr(lg, "_rank", lambda: 1)
+    f = _RankFilter()
+    info = logging.LogRecord("torch_ckpt.x", logging.INFO, __file__, 1, "m", None, None)
+    error = logging.LogRecord("torch_ckpt.x", logging.ERROR, __file__, 1, "m", None, None)
+    assert not f.filter(info) and f.filter(error) and error.rank == 1
+    log_all_ranks(True)
+    try:
+        assert f.filter(info)
+    finally:
+        log_all_ranks(False)
+
+
+def test_importing_configures_no_handlers():
+    """Importing torch_ckpt adds no handler to the root logger or its own logger."""
+    import importlib
+
+    before = list(logging.getLogger().handlers)
+    importlib.import_module("torch_ckpt.manager")
+    assert logging.getLogger().handlers == before
+    assert get_logger("torch_ckpt.manager").handlers == []
