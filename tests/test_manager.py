@@ -236,3 +236,22 @@ def test_exit_with_save_in_flight_commits_it(tmp_path):
         model = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(8)])
         assert mgr.restore(TrainState(model=model)) == 7
     assert not list(tmp_path.glob(".step_*"))
+
+
+def test_save_if_due_follows_the_policy(tmp_path, make_state):
+    """With EveryNSteps(3) the manager saves at steps 3, 6 and 9 only."""
+    from torch_ckpt import EveryNSteps
+
+    state, *_ = make_state()
+    with CheckpointManager(tmp_path, save_policy=EveryNSteps(3), keep_last=None) as mgr:
+        saved = [s for s in range(1, 11) if mgr.save_if_due(s, state) is not None]
+        mgr.wait()
+        assert saved == [3, 6, 9] and mgr.all_steps() == [3, 6, 9]
+
+
+def test_should_save_without_policy_is_a_config_error(tmp_path):
+    """should_save() with neither a policy nor preemption signals explains what to configure."""
+    from torch_ckpt import ConfigError
+
+    with CheckpointManager(tmp_path) as mgr, pytest.raises(ConfigError, match="save_policy"):
+        mgr.should_save(1)
