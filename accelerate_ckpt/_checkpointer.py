@@ -1,0 +1,430 @@
+"""``attach()``: route an ``Accelerator``'s ``save_state``/``load_state`` through torch-ckpt.
+
+Mechanism (see ``docs/accelerate.md``): Accelerate's pre-hooks only see the weights of plain
+models; optimizers, schedulers, scaler, samplers and RNG are written synchronously after the hook
+returns, and FSDP models before it runs. So :func:`attach` replaces ``save_state`` and
+``load_state`` *on that one Accelerator instance* (instance attributes that shadow the class
+methods; :meth:`AccelerateCheckpointer.close` removes them again). The replacements keep
+Accelerate's contract: automatic naming, ``total_limit``, and every registered save/load pre-hook
+runs with ``(models, weights, output_dir)`` / ``(models, input_dir)`` as before. The adapter's
+own part is itself a registered pre-hook (a ``RemovableHandle`` each), run last: it ``pop()``s
+the remaining ``weights``/``models``, which then go, with everything else, into one asynchronous,
+sharded, atomic torch-ckpt save.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from accelerate_ckpt._config import CkptSettings, load_settings
+from accelerate_ckpt._durable import DurableCopy
+from accelerate_ckpt._layout import (
+    PAYLOAD,
+    checkpoint_dir,
+    checkpoint_root,
+    committed_checkpoints,
+    is_committed,
+    prune,
+)
+from accelerate_ckpt._state import AcceleratorTrainState, check_supported
+from torch_ckpt import AsyncCheckpointer, CheckpointNotFoundError, ConfigError, SaveHandle
+from torch_ckpt.cadence import Cadence
+
+__all__ = ["AccelerateCheckpointer", "attach"]
+
+log = logging.getLogger(__name__)
+
+_STAT_KEYS = ("blocking_s", "wait_for_previous_s", "staging_s", "persist_s", "total_s", "bytes", "files_bytes",
+              "gb_per_s")
+
+
+def attach(accelerator: Any, config: str | os.PathLike | None = None, *, save_policy: Any = None,
+           **settings: Any) -> AccelerateCheckpointer:
+    """Make ``accelerator.save_state()`` asynchronous and ``load_state()`` exact, through torch-ckpt.
+
+    Call it on every process, after creating the ``Accelerator`` (before or after ``prepare``),
+    at the same point of the program (it creates the checkpoint process groups collectively).
+
+    Args:
+        accelerator: the ``accelerate.Accelerator``.
+        config: YAML settings file (keys: :class:`~accelerate_ckpt.CkptSettings`); the file named
+            by the environment variable ``ACCELERATE_CKPT_CONFIG`` wins over it.
+        save_policy: a :mod:`torch_ckpt.schedule` policy for :meth:`AccelerateCheckpointer.should_save`
+            (wins over the ``save_every_n_steps``/``save_every``/``mtbf`` settings).
+        settings: any setting of :class:`~accelerate_ckpt.CkptSettings`; wins over the file.
+
+    Returns:
+        The :class:`AccelerateCheckpointer` (call :meth:`~AccelerateCheckpointer.close` at the end).
+
+    Raises:
+        ConfigError: invalid settings, or an unsupported setup (DeepSpeed, Megatron-LM, XLA).
+    """
+    return AccelerateCheckpointer(accelerator, load_settings(config, **settings), save_policy=save_policy)
+
+
+class AccelerateCheckpointer:
+    """Asynchronous, atomic, sharded ``save_state``/``load_state`` for one ``Accelerator``.
+
+    Use :func:`attach` to build it. Not thread-safe: call it from the training thread.
+
+    Attributes:
+        accelerator: the ``Accelerator``.
+        settings: the merged :class:`~accelerate_ckpt.CkptSettings`.
+        step: the training step. ``save_state()`` names automatic checkpoints ``checkpoint_<step>``
+            when it is known (set by :meth:`should_save`, :meth:`save_if_due`, ``save_state(step=)``,
+            ``load_state()`` or by you); while it is None, Accelerate's save iteration is used.
+        hooks: the ``RemovableHandle``s of the adapter's save and load pre-hooks.
+        last_handle: the :class:`~torch_ckpt.SaveHandle` of the latest save.
+    """
+
+    def __init__(self, accelerator: Any, settings: CkptSettings, *, save_policy: Any = None) -> None:
+        self.accelerator = accelerator
+        self.settings = settings
+        self.step: int | None = None
+        self.hooks: list[Any] = []
+        self.last_handle: SaveHandle | None = None
+        self._unlogged: list[SaveHandle] = []
+        self._active = False  # True while our own save_state/load_state runs the hooks
+        self._taken: list[Any] = []
+        self._ckpt: AsyncCheckpointer | None = None
+        self._durable: DurableCopy | None = None
+        policy = save_policy if save_policy is not None else settings.save_policy()
+        self._cadence = Cadence(policy) if policy is not None else None
+        if not settings.enabled:
+            log.info("accelerate_ckpt disabled by its settings: Accelerate's own save_state/load_state stay in use")
+            return
+        check_supported(accelerator)
+        self._ckpt = AsyncCheckpointer(
+            async_save=settings.async_save, persist=settings.persist, overlap_staging=settings.overlap_staging,
+            writer_niceness=settings.writer_niceness, staging_budget_bytes=settings.staging_budget_bytes,
+            thread_count=settings.thread_count, timeout_seconds=settings.timeout)
+        if settings.durable_url is not None:
+            self._start_durable()
+        self.hooks = [accelerator.register_save_state_pre_hook(self._save_hook),
+                      accelerator.register_load_state_pre_hook(self._load_hook)]
+        accelerator.save_state = self.save_state
+        accelerator.load_state = self.load_state
+
+    def _start_durable(self) -> None:
+        """The main process starts the replication; every process raises if that failed."""
+        s, error = self.settings, None
+        if self.accelerator.is_main_process:
+            try:
+                self._durable = DurableCopy(s.durable_url, storage_options=s.durable_storage_options,
+                                            keep=s.durable_total_limit, verify=s.durable_verify)
+            except Exception as exc:  # noqa: BLE001 - reported on every process below
+                error = str(exc) if isinstance(exc, ConfigError) else f"cannot use durable_url {s.durable_url!r}: {exc}"
+        error = self._ckpt.ctx.broadcast(error, what="durable tier")
+        if error is not None:
+            self._ckpt.close()
+            self._ckpt = None
+            raise ConfigError(error)
+
+    # -- context manager -------------------------------------------------------------------------
+    def __enter__(self) -> AccelerateCheckpointer:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            try:
+                self.close()
+            except Exception:  # keep the original exception; log this one
+                log.exception("checkpoint error while closing after another exception")
+
+    @property
+    def enabled(self) -> bool:
+        """False when the settings disabled the adapter (Accelerate's own methods are in use)."""
+        return self._ckpt is not None
+
+    # -- hooks -----------------------------------------------------------------------------------
+    def _save_hook(self, models: list, weights: list, output_dir: str) -> None:
+        """Take over every weight no earlier hook took: ``pop()`` them all (saved by torch-ckpt)."""
+        if not self._active:  # Accelerate's own save_state is running (adapter bypassed): leave it alone
+            return
+        while weights:
+            self._taken.append(weights.pop())
+
+    def _load_hook(self, models: list, input_dir: str) -> None:
+        """Take over every model no earlier hook loaded: ``pop()`` them all (loaded by torch-ckpt)."""
+        if not self._active:
+            return
+        while models:
+            self._taken.append(models.pop())
+
+    def _run_hooks(self, table: dict, own: Callable, args: tuple) -> None:
+        own_ids = {h.id for h in self.hooks}
+        for key, hook in list(table.items()):
+            if key not in own_ids:
+                hook(*args)
+        self._taken = []
+        self._active = True
+        try:
+            own(*args)
+        finally:
+            self._active = False
+
+    def _plain_model_indices(self) -> list[int]:
+        """Indices of the models Accelerate hands to the hooks (all but FSDP models)."""
+        fsdp = str(self.accelerator.distributed_type).endswith("FSDP")
+        return [] if fsdp else list(range(len(self.accelerator._models)))
+
+    def _skipped_models(self, candidates: list[int], originals: list[Any]) -> list[int]:
+        """Candidates whose hook item (weights dict or model) an earlier, user-registered hook popped."""
+        taken = {id(x) for x in self._taken}
+        return [i for i, item in zip(candidates, originals) if id(item) not in taken]
+
+    # -- saving ----------------------------------------------------------------------------------
+    def _output_dir(self, output_dir: Any, number: int) -> tuple[Path, Path | None]:
+        acc = self.accelerator
+        if acc.project_configuration.automatic_checkpoint_naming:
+            if acc.project_dir is None:
+                raise ConfigError("automatic_checkpoint_naming needs ProjectConfiguration(project_dir=...)")
+            root = checkpoint_root(acc.project_dir)
+            return checkpoint_dir(root, number), root
+        if output_dir is None:
+            raise ValueError("save_state() needs output_dir unless automatic_checkpoint_naming is enabled")
+        return Path(output_dir).expanduser(), None
+
+    def save_state(self, output_dir: str | os.PathLike | None = None, safe_serialization: bool = True, *,
+                   step: int | None = None, **save_model_func_kwargs: Any) -> Path:
+        """Replacement of ``Accelerator.save_state``: returns once the state is staged.
+
+        Args:
+            output_dir: the folder (ignored with automatic checkpoint naming, as in Accelerate).
+            safe_serialization: ignored; torch-ckpt never pickles.
+            step: the training step (sets :attr:`step`); names automatic checkpoints.
+            save_model_func_kwargs: ignored (DeepSpeed-only in Accelerate).
+
+        Returns:
+            The checkpoint folder; its ``torch_ckpt`` payload appears when the save is committed.
+
+        Raises:
+            ValueError: the folder already holds a committed checkpoint.
+            CheckpointError: an earlier background save failed (raised once).
+        """
+        acc = self.accelerator
+        if self._ckpt is None:
+            raise ConfigError("this AccelerateCheckpointer is closed or disabled")
+        t0 = time.monotonic()
+        self.wait()  # at most one save in flight (the core would wait here too); raises a background error once
+        waited = time.monotonic() - t0
+        if step is not None:
+            self.step = int(step)
+        number = self.step if self.step is not None else acc.save_iteration
+        folder, root = self._output_dir(output_dir, number)
+        if is_committed(folder):
+            raise ValueError(f"Checkpoint directory {folder} ({number}) already holds a committed checkpoint; "
+                             "save under a new step")
+        os.makedirs(folder, exist_ok=True)  # every process, so hooks may write into it at once
+        log.info("Saving current state to %s", folder)
+        candidates = self._plain_model_indices()
+        own_ids = {h.id for h in self.hooks}
+        if any(key not in own_ids for key in acc._save_model_state_pre_hook):  # user hooks see real state dicts
+            weights = [acc.get_state_dict(acc._models[i], unwrap=False) for i in candidates]
+        else:
+            weights = [object() for _ in candidates]
+        originals = list(weights)
+        self._run_hooks(acc._save_model_state_pre_hook, self._save_hook, ([*acc._models], weights, str(folder)))
+        state = AcceleratorTrainState(acc, step=number, save_iteration=acc.save_iteration + 1,
+                                      skip_models=self._skipped_models(candidates, originals))
+        limit = self.settings.total_limit or acc.project_configuration.total_limit
+        on_committed = self._after_commit(root if limit else None, limit, number)
+        handle = self._ckpt.save(folder / PAYLOAD, state, step=state.step, on_committed=on_committed)
+        acc.project_configuration.iteration += 1
+        handle.stats.wait_for_previous_s += waited
+        handle.stats.blocking_s = time.monotonic() - t0  # the whole call: wait, hooks, staging
+        self.last_handle = handle
+        self._unlogged.append(handle)
+        if self._cadence is not None:
+            self._cadence.record_save_started(handle, time.monotonic())
+        return folder
+
+    def _after_commit(self, root: Path | None, limit: int | None, number: int) -> Callable[[Path], None] | None:
+        """Replication and retention, run after the commit (writer thread, every rank; acts on the main one)."""
+        durable = self._durable
+        if not self.accelerator.is_main_process or (durable is None and root is None):
+            return None
+
+        def run(payload: Path) -> None:
+            if durable is not None:
+                durable.submit(number, Path(payload))
+            if root is not None:
+                prune(root, limit, newest=number, protect=durable.busy() if durable is not None else frozenset())
+
+        return run
+
+    # -- loading ---------------------------------------------------------------------------------
+    def _newest_local_or_durable(self, root: Path) -> str | None:
+        found = committed_checkpoints(root)
+        local = max(found) if found else None
+        remote = self._durable.newest() if self._durable is not None else None
+        if remote is not None and (local is None or remote > local):
+            try:
+                return str(self._durable.fetch(remote, root))
+            except Exception as exc:  # noqa: BLE001 - fall back to what is on local disk
+                log.warning("could not download checkpoint %d from %s (%s); using local checkpoints", remote,
+                            self._durable.tier.url, exc)
+        return None if local is None else str(found[local])
+
+    def latest_checkpoint(self) -> Path | None:
+        """The newest committed automatic checkpoint folder, or None (collective: same answer on every rank).
+
+        With ``durable_url``, a newer durable checkpoint (or the only one, after losing the local
+        disk) is downloaded first, so the returned folder is always a local, committed checkpoint.
+        """
+        acc = self.accelerator
+        if acc.project_dir is None or self._ckpt is None:  # disabled: there are no torch-ckpt checkpoints
+            return None
+        root = checkpoint_root(acc.project_dir)
+        newest = self._newest_local_or_durable(root) if acc.is_main_process else None
+        newest = self._ckpt.ctx.broadcast(newest, what="latest checkpoint")
+        return None if newest is None else Path(newest)
+
+    def load_state(self, input_dir: str | os.PathLike | None = None, load_kwargs: dict | None = None,
+                   **load_model_func_kwargs: Any) -> None:
+        """Replacement of ``Accelerator.load_state``: restores everything in place, exactly.
+
+        Waits for an in-flight save first. A folder written by Accelerate itself (no ``torch_ckpt``
+        payload) is handed to Accelerate's own ``load_state``.
+
+        Args:
+            input_dir: the checkpoint folder; None picks the newest *committed* automatic checkpoint.
+            load_kwargs: passed on only for folders Accelerate wrote itself.
+            load_model_func_kwargs: passed on only for folders Accelerate wrote itself.
+
+        Raises:
+            ValueError: ``input_dir`` is not a folder, or None without automatic naming (as Accelerate).
+            CheckpointNotFoundError: no committed checkpoint under the project's ``checkpoints``.
+            StateMismatchError / CheckpointCorruptError: see :meth:`torch_ckpt.AsyncCheckpointer.load`.
+        """
+        acc = self.accelerator
+        if self._ckpt is None:
+            raise ConfigError("this AccelerateCheckpointer is closed or disabled")
+        self.wait()
+        if input_dir is not None:
+            folder = Path(input_dir).expanduser()
+            if not folder.is_dir():
+                raise ValueError(f"Tried to find {folder} but folder does not exist")
+            if (folder / f".{PAYLOAD}.tmp").exists() and not (folder / PAYLOAD).exists():
+                raise CheckpointNotFoundError(f"{folder}: its save never committed (interrupted); load another one")
+            if not (folder / PAYLOAD).exists():
+                log.info("%s has no %s payload: loading it with Accelerate's own load_state", folder, PAYLOAD)
+                type(acc).load_state(acc, str(folder), load_kwargs, **load_model_func_kwargs)
+                return
+        elif acc.project_configuration.automatic_checkpoint_naming:
+            folder = self.latest_checkpoint()
+            if folder is None:
+                raise CheckpointNotFoundError(
+                    f"no committed checkpoint under {checkpoint_root(acc.project_dir)} (use latest_checkpoint() to "
+                    "check before resuming)")
+        else:
+            raise ValueError("No input_dir provided and automatic checkpoint naming is disabled.")
+        log.info("Loading states from %s", folder)
+        candidates = self._plain_model_indices()
+        models = [acc._models[i] for i in candidates]
+        originals = list(models)
+        self._run_hooks(acc._load_model_state_pre_hook, self._load_hook, (models, str(folder)))
+        state = AcceleratorTrainState(acc, skip_models=self._skipped_models(candidates, originals))
+        self._ckpt.load(folder / PAYLOAD, state, verify=self.settings.verify_on_load)
+        self.step = state.step
+
+    # -- scheduling ------------------------------------------------------------------------------
+    def should_save(self, step: int) -> bool:
+        """Record that training step ``step`` finished; True when the save policy says to save now.
+
+        Call once per step on every process (rank 0 decides, every rank gets its answer). Sets
+        :attr:`step`, so a following ``accelerator.save_state()`` is named ``checkpoint_<step>``.
+
+        Raises:
+            ConfigError: no save policy (``save_policy=`` or the ``save_every_n_steps``,
+                ``save_every`` or ``mtbf`` settings).
+        """
+        if self._cadence is None:
+            raise ConfigError("should_save() needs a save policy: attach(..., save_policy=...) or one of the settings "
+                              "save_every_n_steps, save_every, mtbf")
+        self._log_finished()
+        self.step = int(step)
+        now = time.monotonic()
+        self._cadence.record_step(self.step, now)
+        acc = self.accelerator
+        decision = [self._cadence.decide(self.step, now) if acc.is_main_process else None]
+        if self._ckpt is not None:
+            return bool(self._ckpt.ctx.broadcast(decision[0], what="save decision"))
+        if acc.num_processes > 1:  # disabled adapter: Accelerate's own collective
+            from accelerate.utils import broadcast_object_list
+
+            broadcast_object_list(decision)
+        return bool(decision[0])
+
+    def save_if_due(self, step: int) -> SaveHandle | None:
+        """``accelerator.save_state()`` when :meth:`should_save` says so.
+
+        Returns:
+            The save's :class:`~torch_ckpt.SaveHandle`; None when no save was due, or when the
+            adapter is disabled (Accelerate's own ``save_state`` then saved synchronously).
+        """
+        if not self.should_save(step):
+            return None
+        self.accelerator.save_state()
+        return self.last_handle if self.enabled else None
+
+    # -- statistics ------------------------------------------------------------------------------
+    def _log_finished(self) -> None:
+        """Send the statistics of committed saves to the trackers (main process; training thread)."""
+        done = [h for h in self._unlogged if h.done()]
+        self._unlogged = [h for h in self._unlogged if not h.done()]
+        acc = self.accelerator
+        if not (self.settings.log_stats and getattr(acc, "trackers", None)):
+            return
+        for handle in done:
+            if handle.committed.exception() is None:
+                stats = handle.stats.as_dict()
+                acc.log({f"checkpoint/{k}": stats[k] for k in _STAT_KEYS}, step=handle.step)
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def replication_stats(self) -> dict[str, Any]:
+        """The durable replication state on the main process (``durable_step``, ``lag_s``...); {} otherwise."""
+        return self._durable.stats() if self._durable is not None else {}
+
+    def wait_replicated(self, timeout_seconds: float | None = None) -> bool:
+        """Block until no upload to ``durable_url`` is queued or running; False if the timeout ran out."""
+        return self._durable.replicator.wait(timeout_seconds) if self._durable is not None else True
+
+    def wait(self) -> None:
+        """Block until the in-flight save is committed; raise a background error (once); log its stats."""
+        if self._ckpt is not None:
+            try:
+                self._ckpt.wait()
+            finally:
+                self._log_finished()
+
+    def close(self) -> None:
+        """Wait for the in-flight save, then give the ``Accelerator`` its own methods back.
+
+        Removes the instance attributes ``save_state``/``load_state`` and the two hooks, and
+        releases the checkpointer; raises a pending background error once. Idempotent.
+        """
+        if self._ckpt is None:
+            return
+        ckpt, self._ckpt = self._ckpt, None
+        try:
+            ckpt.wait()
+            self._log_finished()
+        finally:
+            for name in ("save_state", "load_state"):
+                if vars(self.accelerator).get(name) == getattr(self, name):
+                    delattr(self.accelerator, name)
+            for handle in self.hooks:
+                handle.remove()
+            self.hooks = []
+            if self._durable is not None:
+                self._durable.close(self.settings.durable_flush_timeout)
+                self._durable = None
+            ckpt.close()

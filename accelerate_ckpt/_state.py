@@ -1,0 +1,180 @@
+"""``AcceleratorTrainState``: everything ``Accelerator.save_state`` covers, as one torch-ckpt ``Stateful``.
+
+Built fresh for every save and load from the objects the ``Accelerator`` holds:
+
+==============================  ============================================================
+key                             contents
+==============================  ============================================================
+``model.<i>``                   model ``i`` (``accelerator._models``) through DCP's
+                                ``get_state_dict``: plain, DDP, FSDP1 and FSDP2 models give
+                                the same, reshardable keys
+``optimizer.<i>``               the optimizers whose parameters all belong to model ``i``
+                                (DCP, keyed by parameter name)
+``optimizers_plain.<j>``        any other optimizer ``j`` (its own ``state_dict()``)
+``scheduler``                   every prepared LR scheduler
+``scaler``                      the ``GradScaler`` (when enabled)
+``dataloader`` (per rank)       per prepared dataloader: its epoch (``iteration``) and, for
+                                stateful loaders, their ``state_dict()``
+``rng`` (per rank)              Python, NumPy, torch CPU and every CUDA/XPU/MPS generator
+``custom.<k>``                  objects given to ``register_for_checkpointing``
+``step`` / ``accelerate``       the training step, ``accelerator.step`` and the save iteration
+==============================  ============================================================
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from torch_ckpt import ConfigError, StateMismatchError, TrainState
+
+__all__ = ["AcceleratorTrainState", "check_supported"]
+
+
+def _inner_optimizer(opt: Any) -> torch.optim.Optimizer:
+    """The torch optimizer inside Accelerate's ``AcceleratedOptimizer`` (or ``opt`` itself)."""
+    return getattr(opt, "optimizer", opt)
+
+
+class _DataLoaders:
+    """The position of every prepared dataloader: epoch and, for stateful loaders, the loader state."""
+
+    def __init__(self, loaders: Sequence[Any]) -> None:
+        self.loaders = list(loaders)
+
+    def state_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for i, dl in enumerate(self.loaders):
+            entry: dict[str, Any] = {}
+            if isinstance(getattr(dl, "iteration", None), int):
+                entry["epoch"] = dl.iteration
+            if getattr(dl, "use_stateful_dataloader", False):
+                entry["state"] = dl.state_dict()
+            out[str(i)] = entry
+        return out
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if len(state) != len(self.loaders):
+            raise StateMismatchError(f"checkpoint holds {len(state)} dataloader positions, this run prepared "
+                                     f"{len(self.loaders)} dataloaders")
+        for i, dl in enumerate(self.loaders):
+            entry = state[str(i)]
+            if "epoch" in entry:
+                if callable(getattr(dl, "set_epoch", None)):
+                    dl.set_epoch(int(entry["epoch"]))  # also sets a seedable sampler's epoch
+                else:
+                    dl.iteration = int(entry["epoch"])
+            if "state" in entry:
+                dl.load_state_dict(entry["state"])
+                if hasattr(dl, "dl_state_dict"):  # what dl.state_dict() returns until the next batch
+                    dl.dl_state_dict = entry["state"]
+
+
+class AcceleratorTrainState:
+    """The complete state of an ``Accelerator`` run (a DCP ``Stateful``; see the module docstring).
+
+    Args:
+        accelerator: the ``Accelerator`` whose prepared objects are saved or loaded.
+        step: the training step to record.
+        save_iteration: the value ``accelerator.save_iteration`` should have after restoring.
+        skip_models: indices of ``accelerator._models`` a user save/load hook handles itself.
+
+    Raises:
+        ConfigError: an object cannot be checkpointed (no ``state_dict``), or a prepared object is
+            of a kind this adapter does not support.
+    """
+
+    rank_local_keys: tuple[str, ...] = ("rng", "dataloader")
+
+    def __init__(self, accelerator: Any, *, step: int = 0, save_iteration: int = 0,
+                 skip_models: Sequence[int] = ()) -> None:
+        self._acc = accelerator
+        models = {str(i): m for i, m in enumerate(accelerator._models) if i not in set(skip_models)}
+        owner_of = {id(p): name for name, m in models.items() for p in m.parameters()}
+        by_model: dict[str, list[torch.optim.Optimizer]] = {name: [] for name in models}
+        self._plain: list[torch.optim.Optimizer] = []
+        for opt in accelerator._optimizers:
+            inner = _inner_optimizer(opt)
+            owners = {owner_of.get(id(p)) for g in inner.param_groups for p in g["params"]}
+            if len(owners) == 1 and None not in owners:
+                by_model[owners.pop()].append(inner)
+            else:  # spans several models, or a model a user hook saves: keep its own state_dict()
+                self._plain.append(inner)
+        scaler = accelerator.scaler
+        self._train = TrainState(
+            model=models or None,
+            optimizer=by_model if models else None,
+            scheduler=list(accelerator._schedulers),
+            scaler=scaler if scaler is not None and scaler.is_enabled() else None,
+            dataloader=_DataLoaders(accelerator._dataloaders),
+            step=step,
+        )
+        self._custom = list(accelerator._custom_objects)
+        self._save_iteration = int(save_iteration)
+        self.accelerate_step = int(accelerator.step)
+
+    @property
+    def step(self) -> int:
+        """The training step (saved, or restored by :meth:`load_state_dict`)."""
+        return self._train.step
+
+    @property
+    def save_iteration(self) -> int:
+        """The save iteration recorded (or restored)."""
+        return self._save_iteration
+
+    def state_dict(self) -> dict[str, Any]:
+        """The nested state (live tensors, not copies)."""
+        sd = self._train.state_dict()
+        sd["optimizers_plain"] = {str(j): opt.state_dict() for j, opt in enumerate(self._plain)}
+        sd["custom"] = {str(k): obj.state_dict() for k, obj in enumerate(self._custom)}
+        sd["accelerate"] = {"step": int(self._acc.step), "save_iteration": self._save_iteration}
+        return sd
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Load in place and set ``accelerator.step`` and ``accelerator.project_configuration.iteration``.
+
+        Raises:
+            StateMismatchError: the checkpoint has a different number of optimizers, registered
+                objects or dataloaders.
+        """
+        plain, custom = state.get("optimizers_plain", {}), state.get("custom", {})
+        if len(plain) != len(self._plain):
+            raise StateMismatchError(f"checkpoint holds {len(plain)} optimizers outside the models' DCP state, this "
+                                     f"run has {len(self._plain)}; prepare the same optimizers as the saved run")
+        if len(custom) != len(self._custom):
+            raise StateMismatchError(f"checkpoint holds {len(custom)} objects registered with "
+                                     f"register_for_checkpointing, this run registered {len(self._custom)}")
+        self._train.load_state_dict(state)
+        for j, opt in enumerate(self._plain):
+            opt.load_state_dict(plain[str(j)])
+        for k, obj in enumerate(self._custom):
+            obj.load_state_dict(custom[str(k)])
+        acc_state = state.get("accelerate", {})
+        self.accelerate_step = int(acc_state.get("step", 0))
+        self._save_iteration = int(acc_state.get("save_iteration", 0))
+        self._acc.step = self.accelerate_step
+        self._acc.project_configuration.iteration = self._save_iteration
+
+    def optimizer_owned_keys(self, tensors: Mapping[str, torch.Tensor]) -> set[str]:
+        """Keys only ``optimizer.step()`` mutates (parameters and optimizer state); see ``overlap_staging``."""
+        return self._train.optimizer_owned_keys(tensors) | {k for k in tensors if k.startswith("optimizers_plain.")}
+
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        """Every optimizer of the state (the checkpointer waits for staging before their next step)."""
+        return self._train.optimizers() + self._plain
+
+
+def check_supported(accelerator: Any) -> None:
+    """Raise ConfigError for setups whose models Accelerate saves through their own engines."""
+    kind = str(getattr(accelerator, "distributed_type", ""))
+    for name in ("DEEPSPEED", "MEGATRON_LM", "XLA"):
+        if kind.endswith(name):
+            raise ConfigError(f"accelerate_ckpt does not support distributed_type {name}: its engine saves the model "
+                              "and optimizer itself. Use Accelerate's own save_state for it.")
+    for attr in ("_models", "_optimizers", "_schedulers", "_dataloaders", "_custom_objects",
+                 "_save_model_state_pre_hook", "_load_model_state_pre_hook"):
+        if not hasattr(accelerator, attr):
+            raise ConfigError(f"this Accelerate version has no Accelerator.{attr}; accelerate_ckpt needs accelerate>=1.0")

@@ -1,0 +1,80 @@
+"""durable_url: committed checkpoints are replicated in the background and fetched back on resume."""
+
+from __future__ import annotations
+
+import shutil
+import uuid
+
+import pytest
+
+pytest.importorskip("accelerate")
+from acc_helpers import bitwise, make_run, train
+
+import accelerate_ckpt
+from torch_ckpt import ConfigError
+from torch_ckpt.tiers import DurableTier
+
+pytestmark = [pytest.mark.timeout(60), pytest.mark.filterwarnings("ignore::UserWarning")]
+
+
+@pytest.fixture
+def url():
+    """A fresh in-memory durable root, removed afterwards (fsspec's memory store is process-wide)."""
+    import fsspec
+
+    root = f"memory://accelerate-ckpt-{uuid.uuid4().hex}"
+    yield root
+    fs = fsspec.filesystem("memory")
+    if fs.exists(root):
+        fs.rm(root, recursive=True)
+
+
+def test_committed_checkpoints_are_replicated(tmp_path, url):
+    """Every committed checkpoint reaches the durable root; durable_total_limit keeps the newest there."""
+    run = make_run(tmp_path, durable_url=url, durable_total_limit=2)
+    for step in (3, 6, 9):
+        train(run, step - 3, step)
+        run.accelerator.save_state(step=step)
+        run.ckpt.wait()
+        assert run.ckpt.wait_replicated(30)
+    assert run.ckpt.replication_stats()["durable_step"] == 9
+    run.ckpt.close()
+    assert list(DurableTier(url).list_steps()) == [6, 9]
+
+
+def test_resume_after_losing_the_local_disk_is_exact(tmp_path, url):
+    """With the local checkpoints gone, load_state() fetches the newest durable one and resumes bit for bit."""
+    ref_run = make_run(tmp_path / "a", durable_url=url)
+    reference = train(ref_run, 0, 14, save_at=(8,))
+    ref_run.ckpt.close()  # flushes the upload
+    shutil.rmtree(tmp_path / "a")
+    run = make_run(tmp_path / "a", durable_url=url)
+    assert run.ckpt.latest_checkpoint().name == "checkpoint_8"
+    run.accelerator.load_state()
+    resumed = train(run, run.ckpt.step, 14)
+    run.ckpt.close()
+    assert bitwise(resumed) == bitwise(reference[8:])
+
+
+def test_unreachable_store_falls_back_to_local_checkpoints(tmp_path, url, monkeypatch):
+    """If the durable root cannot be listed, resume uses the newest local checkpoint."""
+    from torch_ckpt.tiers import DurableUnavailableError
+
+    run = make_run(tmp_path, durable_url=url)
+    run.accelerator.save_state(step=4)
+    run.ckpt.wait()
+
+    def outage(self):
+        raise DurableUnavailableError("store down")
+
+    monkeypatch.setattr(DurableTier, "list_steps", outage)
+    assert run.ckpt.latest_checkpoint().name == "checkpoint_4"
+    run.ckpt.close()
+
+
+def test_unusable_durable_url_raises_config_error(tmp_path):
+    """A URL whose protocol fsspec does not know makes attach() raise ConfigError naming it."""
+    from accelerate import Accelerator
+
+    with pytest.raises(ConfigError, match="nosuchproto"):
+        accelerate_ckpt.attach(Accelerator(cpu=True), durable_url="nosuchproto://bucket/run")
