@@ -328,8 +328,16 @@ _COMMANDS: dict[str, _Command] = {
                      _add_plan_arguments, _cmd_plan),
     "simulate": _Command("Monte Carlo overhead versus save interval, with Young and Daly marked",
                          _add_simulate_arguments, _cmd_simulate),
+    "ls": _Command("list the checkpoints of a run root: step, time, size, tiers, status",
+                   cli_tools.add_ls_arguments, cli_tools.run_ls),
+    "inspect": _Command("what a checkpoint holds per component: bytes, tensors, dtypes (--keys: every key)",
+                        cli_tools.add_inspect_arguments, cli_tools.run_inspect),
+    "verify": _Command("check a checkpoint (or every checkpoint of a root): checksums and structure",
+                       cli_tools.add_verify_arguments, cli_tools.run_verify),
     "convert": _Command("export a checkpoint to one torch.save file or the model weights to safetensors",
                         cli_tools.add_convert_arguments, cli_tools.run_convert),
+    "bench": _Command("measure this machine's copy, write and read floors; the save cost and interval they imply",
+                      cli_tools.add_bench_arguments, cli_tools.run_bench),
 }
 
 

@@ -1,0 +1,478 @@
+"""``torch-ckpt ls / inspect / verify / convert / bench`` on real checkpoints (local and ``memory://``).
+
+One run root with steps 10 and 20 is saved once per module by ``CheckpointManager`` with a
+``memory://`` durable tier; tests that damage a checkpoint work on copies. Commands run in-process
+through ``torch_ckpt.cli.main`` with stdout captured.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+import sys
+import time
+import uuid
+import zlib
+from pathlib import Path
+
+import fsspec
+import numpy as np
+import pytest
+import torch
+
+from torch_ckpt import CheckpointManager, TrainState
+from torch_ckpt.cli import main
+from torch_ckpt.inspection import inspect_checkpoint, verify_checkpoint
+from torch_ckpt.sizing import interval_plan
+
+STEP10, STEP20 = "step_000000010", "step_000000020"
+SHARD = "__0_0.distcp"
+
+
+class Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = torch.nn.Linear(8, 16)
+        self.bn = torch.nn.BatchNorm1d(16)
+        self.fc2 = torch.nn.Linear(16, 2, dtype=torch.float64)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.bn(self.fc1(x))).double())
+
+
+def _payload(node) -> tuple[int, int, int]:
+    """(tensor bytes, tensor count, numpy bytes) of a nested state."""
+    if isinstance(node, torch.Tensor):
+        return node.numel() * node.element_size(), 1, 0
+    if isinstance(node, np.ndarray):
+        return 0, 0, node.nbytes
+    values = node.values() if isinstance(node, dict) else node if isinstance(node, (list, tuple)) else []
+    sums = [_payload(v) for v in values]
+    return tuple(sum(s[i] for s in sums) for i in range(3)) if sums else (0, 0, 0)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A local root with steps 10 and 20, replicated to a fresh memory:// root; expected sizes of step 20."""
+    root = tmp_path_factory.mktemp("cli") / "run"
+    url = f"memory://cli-{uuid.uuid4().hex[:8]}/run"
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 2)
+    state = TrainState(model=model, optimizer=opt, scheduler=sched,
+                       extras={"tokens": 123, "ema": torch.arange(6, dtype=torch.bfloat16).reshape(2, 3)})
+    before = time.time()
+    mgr = CheckpointManager(root, durable_url=url, async_save=False)
+    for step in (10, 20):
+        model(torch.randn(4, 8)).pow(2).mean().backward()
+        opt.step()
+        sched.step()
+        mgr.save(step, state)
+        assert mgr.wait_durable(30)
+    expected = {k: _payload(v) for k, v in state.state_dict().items()}
+    mgr.close()
+    return {"root": root, "url": url, "expected": expected, "before": before, "after": time.time()}
+
+
+def run(capsys, *argv) -> tuple[int, str, str]:
+    """Run the command line in-process; returns (exit code, stdout, stderr)."""
+    code = main([str(a) for a in argv])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def run_json(capsys, *argv, code: int = 0):
+    """Run a command with --json, check its exit code and parse its output."""
+    got, out, err = run(capsys, *argv, "--json")
+    assert got == code, err
+    return json.loads(out)
+
+
+@pytest.fixture
+def copy(saved, tmp_path) -> Path:
+    """A private copy of the saved local root (to damage)."""
+    dst = tmp_path / "run"
+    shutil.copytree(saved["root"], dst)
+    return dst
+
+
+def rewrite(step_dir: Path, name: str, data: bytes) -> None:
+    """Replace a file and make the manifest agree with it (a consistent, deliberate tampering)."""
+    (step_dir / name).write_bytes(data)
+    manifest = json.loads((step_dir / "manifest.json").read_text())
+    manifest["files"][name] = {"bytes": len(data), "crc32": zlib.crc32(data)}
+    (step_dir / "manifest.json").write_text(json.dumps(manifest))
+
+
+def flip_byte(path: Path, offset: int | None = None) -> None:
+    """Invert one byte of a file in place (same size)."""
+    data = bytearray(path.read_bytes())
+    i = len(data) // 2 if offset is None else offset
+    data[i] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+# --- ls ----------------------------------------------------------------------------------------
+
+
+def test_ls_json_lists_committed_steps_with_time_size_and_tiers(saved, capsys):
+    """`ls ROOT --json` lists steps 10 and 20 committed, with commit time, on-disk bytes and both tiers."""
+    out = run_json(capsys, "ls", saved["root"])
+    assert [(r["step"], r["status"]) for r in out["steps"]] == [(10, "committed"), (20, "committed")]
+    for r in out["steps"]:
+        step_dir = saved["root"] / r["name"]
+        assert r["bytes"] == sum(f.stat().st_size for f in step_dir.iterdir())
+        assert saved["before"] <= r["wall_time"] <= saved["after"]
+        assert set(r["tiers"]) == {"local", "durable"} and r["tiers"]["durable"]["url"] == saved["url"]
+    assert out["counts"] == {"committed": 2, "partial": 0, "corrupt": 0}
+
+
+def test_ls_memory_url_lists_the_durable_copies(saved, capsys):
+    """`ls memory://...` lists the replicated steps as committed in the durable tier."""
+    out = run_json(capsys, "ls", saved["url"])
+    assert [(r["step"], r["status"], list(r["tiers"])) for r in out["steps"]] == \
+        [(10, "committed", ["durable"]), (20, "committed", ["durable"])]
+
+
+def test_ls_reports_temporary_and_manifestless_directories_as_partial(copy, capsys):
+    """A `.step_N.tmp` and a step directory without a manifest are partial; the exit code stays 0."""
+    (copy / ".step_000000030.tmp").mkdir()
+    (copy / ".step_000000030.tmp" / SHARD).write_bytes(b"x" * 10)
+    shutil.copytree(copy / STEP20, copy / "step_000000040")
+    (copy / "step_000000040" / "manifest.json").unlink()
+    out = run_json(capsys, "ls", copy)
+    partial = {r["step"]: r for r in out["steps"] if r["status"] == "partial"}
+    assert set(partial) == {30, 40} and partial[30]["bytes"] == 10
+    assert "temporary" in partial[30]["reason"] and "no manifest" in partial[40]["reason"]
+
+
+def test_ls_truncated_file_is_corrupt_and_exits_1(copy, capsys):
+    """Without --verify a truncated shard already makes the step corrupt (size check); exit code 1."""
+    shard = copy / STEP20 / SHARD
+    shard.write_bytes(shard.read_bytes()[:-100])
+    out = run_json(capsys, "ls", copy, code=1)
+    row = out["steps"][1]
+    assert row["status"] == "corrupt" and row["problems"][0]["file"] == SHARD
+
+
+def test_ls_verify_catches_a_flipped_byte_that_sizes_miss(copy, capsys):
+    """A same-size flipped byte passes the plain listing but `ls --verify` marks the step corrupt."""
+    flip_byte(copy / STEP10 / SHARD)
+    assert run_json(capsys, "ls", copy)["counts"]["corrupt"] == 0
+    out = run_json(capsys, "ls", copy, "--verify", code=1)
+    assert [r["status"] for r in out["steps"]] == ["corrupt", "committed"]
+    assert "CRC-32" in out["steps"][0]["problems"][0]["problem"]
+
+
+def test_ls_check_tiers_drops_durable_copies_that_are_gone(saved, copy, capsys):
+    """With --check-tiers a durable copy recorded in the manifest but since removed is not listed as a tier."""
+    fs = fsspec.filesystem("memory")
+    durable = f"/cli-tier-{uuid.uuid4().hex[:8]}/run"
+    fs.copy(f"{saved['url'].removeprefix('memory:/')}/{STEP20}", f"{durable}/{STEP20}", recursive=True)
+    for name in (STEP10, STEP20):  # point the copy's records at a durable root holding step 20 only
+        manifest = json.loads((copy / name / "manifest.json").read_text())
+        manifest["tiers"]["durable"]["url"] = f"memory:/{durable}"
+        (copy / name / "manifest.json").write_text(json.dumps(manifest))
+    assert [list(r["tiers"]) for r in run_json(capsys, "ls", copy)["steps"]] == [["local", "durable"]] * 2
+    rows = run_json(capsys, "ls", copy, "--check-tiers")["steps"]
+    assert [(list(r["tiers"]), r.get("stale_tiers")) for r in rows] == \
+        [(["local"], ["durable"]), (["local", "durable"], None)]
+
+
+def test_ls_text_shows_a_row_per_step(saved, capsys):
+    """The human listing has one row per step with its tiers and status."""
+    code, out, _ = run(capsys, "ls", saved["root"])
+    assert code == 0
+    rows = [line.split() for line in out.splitlines() if line.strip().startswith(("10 ", "20 "))]
+    assert len(rows) == 2 and all("local,durable" in r and r[-1] == "committed" for r in rows)
+
+
+def test_ls_empty_root_lists_nothing(tmp_path, capsys):
+    """An existing directory without checkpoints lists nothing and exits 0."""
+    assert run_json(capsys, "ls", tmp_path)["steps"] == []
+
+
+# --- inspect -----------------------------------------------------------------------------------
+
+
+def test_inspect_component_sizes_equal_the_saved_tensor_bytes(saved, capsys):
+    """Per component, bytes and tensor counts equal those of the state saved at step 20 (RNG inline included)."""
+    out = run_json(capsys, "inspect", saved["root"] / STEP20)
+    comps = {c["name"]: c for c in out["components"]}
+    for name, (tensor_bytes, tensors, array_bytes) in saved["expected"].items():
+        assert (comps[name]["tensor_bytes"], comps[name]["tensors"], comps[name]["array_bytes"]) == \
+            (tensor_bytes, tensors, array_bytes), name
+    assert comps["rng"]["rank_local_tensors"] == 1 and comps["model"]["dtypes"] == \
+        {"float32": 6, "float64": 2, "int64": 1}
+    assert out["totals"]["dcp_tensor_bytes"] == out["manifest_tensor_bytes"]
+
+
+def test_inspect_counts_rank_local_tensors_on_every_rank_and_shared_ones_once(saved, copy, capsys):
+    """In a 2-rank checkpoint the inline RNG tensor counts twice, DCP tensors named by both ranks once."""
+    step_dir = copy / STEP20
+    doc = json.loads((step_dir / "rank_00000.json").read_text())
+    rewrite(step_dir, "rank_00001.json", json.dumps({**doc, "rank": 1, "world_size": 2}).encode())
+    rewrite(step_dir, "rank_00000.json", json.dumps({**doc, "world_size": 2}).encode())
+    manifest = json.loads((step_dir / "manifest.json").read_text())
+    (step_dir / "manifest.json").write_text(json.dumps({**manifest, "world_size": 2}))
+    assert run_json(capsys, "verify", step_dir)["ok"]
+    comps = {c["name"]: c for c in run_json(capsys, "inspect", step_dir)["components"]}
+    rng_bytes, _, _ = saved["expected"]["rng"]
+    assert (comps["rng"]["tensor_bytes"], comps["rng"]["rank_local_tensors"]) == (2 * rng_bytes, 2)
+    assert comps["model"]["tensor_bytes"] == saved["expected"]["model"][0]
+
+
+def test_inspect_keys_lists_shapes_dtypes_and_storage(saved, capsys):
+    """`--keys` lists DCP tensors and per-rank JSON tensors with shape, dtype and bytes."""
+    keys = {k["key"]: k for k in run_json(capsys, "inspect", saved["root"] / STEP20, "--keys")["keys"]}
+    assert keys["model.fc1.weight"] == {"key": "model.fc1.weight", "component": "model", "kind": "tensor",
+                                        "storage": "dcp", "shape": [16, 8], "dtype": "float32", "bytes": 512,
+                                        "chunks": 1}
+    assert (keys["extras.ema"]["shape"], keys["extras.ema"]["dtype"]) == ([2, 3], "bfloat16")
+    assert keys["rng.torch_cpu"]["storage"] == "json" and keys["rng.torch_cpu"]["rank"] == 0
+    assert keys["rng.numpy.keys"]["kind"] == "ndarray"
+
+
+def test_inspect_memory_url_matches_the_local_copy(saved, capsys):
+    """Inspecting the durable copy over memory:// gives the same components as the local one."""
+    local = run_json(capsys, "inspect", saved["root"] / STEP20)
+    remote = run_json(capsys, "inspect", f"{saved['url']}/{STEP20}")
+    assert remote["components"] == local["components"] and remote["step"] == 20
+
+
+def test_inspect_root_uses_the_newest_step_or_the_one_given(saved, capsys):
+    """A root resolves to its newest committed checkpoint, or to --step."""
+    assert run_json(capsys, "inspect", saved["root"])["step"] == 20
+    assert run_json(capsys, "inspect", saved["root"], "--step", "10")["step"] == 10
+
+
+def test_inspect_text_shows_the_component_table(saved, capsys):
+    """The human output has a row per component and a total."""
+    code, out, _ = run(capsys, "inspect", saved["root"] / STEP20)
+    assert code == 0
+    names = [line.split()[0] for line in out.splitlines() if line[:1].isalpha()]
+    assert {"model", "optimizer", "scheduler", "rng", "extras", "total"} <= set(names)
+
+
+def test_inspect_tampered_metadata_exits_1_without_executing_it(copy, tmp_path, capsys):
+    """A .metadata pickle calling os.system is refused by inspect (exit 1) and never runs."""
+    marker = tmp_path / "pwned"
+    rewrite(copy / STEP20, ".metadata", pickle.dumps(_Evil(marker)))
+    code, _, err = run(capsys, "inspect", copy / STEP20)
+    assert code == 1 and "refusing to unpickle" in err and not marker.exists()
+
+
+# --- verify ------------------------------------------------------------------------------------
+
+
+class _Evil:
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_verify_intact_root_passes(saved, capsys):
+    """`verify ROOT` checks both checkpoints (CRC-32 and structure) and exits 0."""
+    out = run_json(capsys, "verify", saved["root"])
+    assert out["ok"] and out["kind"] == "root" and out["problems"] == 0
+    assert [(c["step"], c["ok"], c["checksums"], c["files"]) for c in out["checkpoints"]] == \
+        [(10, True, True, 3), (20, True, True, 3)]
+    dcp_tensors = sum(count for _, count, _ in saved["expected"].values()) - 1  # the RNG tensor is inline
+    assert out["checkpoints"][1]["tensors"] == dcp_tensors
+
+
+def test_verify_memory_url_passes(saved, capsys):
+    """`verify memory://...` verifies the durable copies and exits 0."""
+    out = run_json(capsys, "verify", saved["url"])
+    assert out["ok"] and [c["step"] for c in out["checkpoints"]] == [10, 20]
+
+
+def test_verify_flipped_byte_fails_naming_the_file(copy, capsys):
+    """A flipped byte in a shard gives exit 1 and a CRC-32 problem on that file."""
+    flip_byte(copy / STEP20 / SHARD)
+    out = run_json(capsys, "verify", copy / STEP20, code=1)
+    problems = out["checkpoints"][0]["problems"]
+    assert [p["file"] for p in problems] == [SHARD] and "CRC-32" in problems[0]["problem"]
+
+
+def test_verify_truncated_file_fails(copy, capsys):
+    """A truncated per-rank file gives exit 1 and a size problem on that file."""
+    rank = copy / STEP10 / "rank_00000.json"
+    rank.write_bytes(rank.read_bytes()[:50])
+    out = run_json(capsys, "verify", copy, code=1)
+    bad = [c for c in out["checkpoints"] if not c["ok"]]
+    assert [c["step"] for c in bad] == [10]
+    assert any(p["file"] == "rank_00000.json" and "size" in p["problem"] for p in bad[0]["problems"])
+
+
+def test_verify_missing_shard_fails(copy, capsys):
+    """A deleted shard fails verify; the text output names its path as missing."""
+    (copy / STEP20 / SHARD).unlink()
+    code, out, _ = run(capsys, "verify", copy / STEP20)
+    assert code == 1
+    assert f"{copy / STEP20 / SHARD}: listed in the manifest but missing" in out and "FAIL" in out
+
+
+def test_verify_tampered_metadata_is_refused_and_not_executed(copy, tmp_path, capsys):
+    """A .metadata pickle calling os.system (manifest updated to match) fails verify and never runs."""
+    marker = tmp_path / "pwned"
+    rewrite(copy / STEP20, ".metadata", pickle.dumps(_Evil(marker)))
+    out = run_json(capsys, "verify", copy / STEP20, code=1)
+    problems = out["checkpoints"][0]["problems"]
+    assert problems[0]["file"] == ".metadata" and "refusing to unpickle" in problems[0]["problem"]
+    assert "system" in problems[0]["problem"] and not marker.exists()
+
+
+def test_verify_placeholder_absent_from_metadata_fails(copy, capsys):
+    """A tensor placeholder in a rank's tree that DCP metadata lacks is a structure problem of that file."""
+    step_dir = copy / STEP20
+    doc = json.loads((step_dir / "rank_00000.json").read_text())
+    doc["tree"]["model"]["ghost"] = {"__tensor__": "model.ghost"}
+    rewrite(step_dir, "rank_00000.json", json.dumps(doc).encode())
+    out = run_json(capsys, "verify", step_dir, code=1)
+    problems = out["checkpoints"][0]["problems"]
+    assert [p["file"] for p in problems] == ["rank_00000.json"] and "'model.ghost'" in problems[0]["problem"]
+
+
+def test_verify_corrupt_durable_copy_fails(saved, capsys):
+    """A flipped byte in a memory:// copy fails `verify URL` with the file's URL named."""
+    fs = fsspec.filesystem("memory")
+    src = saved["url"].removeprefix("memory:/")
+    dst = f"/cli-bad-{uuid.uuid4().hex[:8]}/run"
+    fs.copy(src, dst, recursive=True)
+    data = bytearray(fs.cat_file(f"{dst}/{STEP10}/{SHARD}"))
+    data[100] ^= 0xFF
+    fs.pipe_file(f"{dst}/{STEP10}/{SHARD}", bytes(data))
+    out = run_json(capsys, "verify", f"memory:/{dst}", code=1)
+    bad = [p for c in out["checkpoints"] for p in c["problems"]]
+    assert [p["path"] for p in bad] == [f"memory:/{dst}/{STEP10}/{SHARD}"]
+
+
+def test_verify_no_checksums_misses_a_flipped_byte(copy, capsys):
+    """`--no-checksums` checks sizes and structure only, so a same-size flipped shard byte passes."""
+    flip_byte(copy / STEP20 / SHARD)
+    out = run_json(capsys, "verify", copy / STEP20, "--no-checksums")
+    assert out["ok"] and out["checkpoints"][0]["checksums"] is False
+
+
+def test_verify_root_without_checkpoints_fails(tmp_path, capsys):
+    """Verifying a root that holds no checkpoint is a problem (exit 1), not a silent pass."""
+    out = run_json(capsys, "verify", tmp_path, code=1)
+    assert out["checkpoints"] == [] and out["general_problems"]
+
+
+def test_python_api_matches_the_command(saved):
+    """The functions behind the commands are usable from Python with the same results."""
+    assert verify_checkpoint(saved["root"] / STEP10)["ok"]
+    assert inspect_checkpoint(saved["url"])["step"] == 20
+
+
+# --- progress, errors --------------------------------------------------------------------------
+
+
+def test_progress_bar_only_on_a_terminal_and_not_with_quiet(saved, capsys, monkeypatch):
+    """Verification draws a bar on stderr when it is a terminal, and nothing with --quiet."""
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)
+    assert run(capsys, "verify", saved["root"] / STEP20)[2] != ""
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)
+    assert run(capsys, "verify", saved["root"] / STEP20, "--quiet")[2] == ""
+
+
+@pytest.mark.parametrize("command", ["ls", "inspect", "verify"])
+def test_missing_path_exits_2_with_one_line(command, tmp_path, capsys):
+    """A path that does not exist is a usage error: exit 2, one line on stderr naming it."""
+    code, out, err = run(capsys, command, tmp_path / "nope")
+    assert code == 2 and out == "" and err.strip() == f"torch-ckpt {command}: error: {tmp_path / 'nope'} does not exist"
+
+
+def test_bad_storage_options_and_unknown_protocol_exit_2(capsys):
+    """Invalid --storage-options JSON and an unknown URL protocol are usage errors (exit 2)."""
+    code, _, err = run(capsys, "ls", "memory://x", "--storage-options", "{nope")
+    assert code == 2 and "not valid JSON" in err
+    code, _, err = run(capsys, "ls", "nosuchproto://bucket/run")
+    assert code == 2 and "Protocol not known" in err and "Traceback" not in err
+
+
+class _Unreachable(fsspec.AbstractFileSystem):
+    """An fsspec store whose every call fails like a dropped connection."""
+
+    protocol = "unreachable"
+
+    def _fail(self, *args, **kwargs):
+        raise RuntimeError("connection reset by peer")
+
+    exists = ls = info = cat_file = _open = _fail
+
+
+def test_unreachable_store_exits_1_with_one_line(capsys):
+    """A backend error from the store (not a missing path) is a checkpoint problem: exit 1, no traceback."""
+    fsspec.register_implementation("unreachable", _Unreachable, clobber=True)
+    code, out, err = run(capsys, "verify", "unreachable://bucket/run")
+    assert code == 1 and out == ""
+    assert err.strip() == "torch-ckpt verify: error: cannot read unreachable://bucket/run: connection reset by peer"
+
+
+# --- convert, bench ----------------------------------------------------------------------------
+
+
+def test_convert_from_a_memory_url(saved, tmp_path, capsys):
+    """`convert URL --to torch` downloads, verifies and exports a file loadable with weights_only=True."""
+    out = run_json(capsys, "convert", f"{saved['url']}/{STEP20}", "--to", "torch", tmp_path / "full.pt", "--quiet")
+    state = torch.load(out["out"], weights_only=True)
+    assert out["step"] == 20 and state["model"]["fc1.weight"].shape == (16, 8)
+
+
+def test_bench_reports_floors_and_the_plan_they_imply(tmp_path, capsys):
+    """`bench` measures positive floors and derives save cost, lag and the Daly plan from them."""
+    out = run_json(capsys, "bench", tmp_path, "--size-mib", "4", "--state-gib", "2", "--mtbf", "8h",
+                   "--step-time", "1s")
+    assert all(out[k] > 0 for k in ("copy_gbps", "write_gbps", "read_gbps")) and out["write_bytes"] == 4 << 20
+    rec, state = out["recommendation"], 2 * 2**30
+    floor = "d2h_gbps" if out["d2h_gbps"] else "copy_gbps"  # staging is device-to-host when CUDA is present
+    assert rec["save_cost_s"] == pytest.approx(state / (out[floor] * 1e9))
+    assert rec["write_s"] == pytest.approx(state / (out["write_gbps"] * 1e9))
+    plan = interval_plan(28800, rec["save_cost_s"], durability_lag_s=rec["write_s"], step_time_s=1.0)
+    assert rec["interval"]["daly_interval_s"] == pytest.approx(plan["daly_interval_s"])
+    assert rec["interval"]["recommended_interval_s"] == pytest.approx(plan["recommended_interval_s"])
+    assert rec["interval"]["interval_steps"] == plan["interval_steps"]
+    assert list(tmp_path.iterdir()) == []
+
+
+# --- s3 ----------------------------------------------------------------------------------------
+
+
+def test_ls_and_verify_an_s3_root_with_storage_options(saved, capsys):
+    """With --storage-options JSON (endpoint, keys), `ls` and `verify` work on an s3:// root (moto server)."""
+    pytest.importorskip("s3fs", reason="the s3 extra is not installed")
+    moto_server = pytest.importorskip("moto.server", reason="moto[server] is not installed")
+    import socket
+
+    import boto3
+
+    from torch_ckpt.layout import read_manifest
+    from torch_ckpt.tiers import DurableTier
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    try:
+        endpoint = f"http://127.0.0.1:{port}"
+        boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="testing", aws_secret_access_key="testing",
+                     region_name="us-east-1").create_bucket(Bucket="ckpts")
+        options = {"key": "testing", "secret": "testing", "skip_instance_cache": True,
+                   "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"}}
+        step_dir = saved["root"] / STEP20
+        DurableTier("s3://ckpts/run", storage_options=options).upload(step_dir, read_manifest(step_dir))
+        opts = ["--storage-options", json.dumps(options)]
+        listed = run_json(capsys, "ls", "s3://ckpts/run", *opts)
+        assert [(r["step"], r["status"]) for r in listed["steps"]] == [(20, "committed")]
+        assert run_json(capsys, "verify", "s3://ckpts/run", *opts)["ok"]
+    finally:
+        server.stop()
