@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -371,6 +372,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         return args.run(args)
+    except BrokenPipeError:  # e.g. `torch-ckpt ls ROOT | head`: the reader left, nothing is wrong
+        try:
+            sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - silence the flush at exit
+        except OSError:
+            pass
+        return 0
     except UsageError as exc:
         print(f"{_PROG} {args.command}: error: {exc}", file=sys.stderr)
         return 2
@@ -383,5 +390,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # run through the package so exception classes are the importable ones
+    from torch_ckpt.cli import main as _main
+
+    sys.exit(_main())

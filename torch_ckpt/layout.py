@@ -124,6 +124,8 @@ class Manifest:
             if int(data["format_version"]) > FORMAT_VERSION:
                 raise ValueError(f"format_version {data['format_version']} is newer than this torch-ckpt supports "
                                  f"({FORMAT_VERSION}); upgrade torch-ckpt")
+            if int(data["world_size"]) < 1 or int(data["step"]) < 0:
+                raise ValueError(f"world_size {data['world_size']!r} / step {data['step']!r} out of range")
             files = {str(k): {"bytes": int(v["bytes"]), "crc32": int(v["crc32"])} for k, v in data["files"].items()}
             for name in files:
                 if not _is_plain_file_name(name):

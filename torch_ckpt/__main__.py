@@ -1,0 +1,7 @@
+"""``python -m torch_ckpt``: the same as the ``torch-ckpt`` command."""
+
+import sys
+
+from torch_ckpt.cli import main
+
+sys.exit(main())
