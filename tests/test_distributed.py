@@ -111,15 +111,15 @@ def test_ddp_two_ranks_spreads_writes_and_loads_on_one(tmp_path):
     step_dir = tmp_path / "step_000000002"
     files = json.loads((step_dir / "manifest.json").read_text())["files"]
     shard_bytes = {name: info["bytes"] for name, info in files.items() if name.endswith(".distcp")}
-    assert set(shard_bytes) == {"__0_0.distcp", "__1_0.distcp"}
-    assert all(b > 0 for b in shard_bytes.values())
+    per_rank = {r: sum(b for n, b in shard_bytes.items() if n.startswith(f"__{r}_")) for r in (0, 1)}
+    assert all(b > 0 for b in per_rank.values())  # both ranks wrote part of the data
     model = _model()  # the same state saved by one process: the bytes a single copy takes
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     _train(model, opt)
     with CheckpointManager(tmp_path / "single") as mgr:
         mgr.save(2, TrainState(model=model, optimizer=opt)).wait()
     single = json.loads((tmp_path / "single" / "step_000000002" / "manifest.json").read_text())["files"]
-    one_copy = single["__0_0.distcp"]["bytes"]
+    one_copy = sum(f["bytes"] for n, f in single.items() if n.endswith(".distcp"))
     assert abs(sum(shard_bytes.values()) - one_copy) < 0.1 * one_copy  # written once in total, not per rank
     _load_single(str(tmp_path))
     run_distributed(_load_and_compare, 2, str(tmp_path), "ddp")

@@ -255,3 +255,22 @@ def test_should_save_without_policy_is_a_config_error(tmp_path):
 
     with CheckpointManager(tmp_path) as mgr, pytest.raises(ConfigError, match="save_policy"):
         mgr.should_save(1)
+
+
+def test_wait_for_previous_is_reported(tmp_path, make_state, monkeypatch):
+    """A save that had to wait for the previous one reports that wait inside its blocking time."""
+    import time as _time
+
+    real = persist_mod.persist_checkpoint
+
+    def slow(req, ctx):
+        _time.sleep(0.3)
+        return real(req, ctx)
+
+    monkeypatch.setattr("torch_ckpt.checkpointer.persist_checkpoint", slow)
+    state, *_ = make_state()
+    with CheckpointManager(tmp_path) as mgr:
+        mgr.save(1, state)
+        handle = mgr.save(2, state)
+        assert handle.stats.wait_for_previous_s >= 0.2
+        assert handle.stats.blocking_s >= handle.stats.wait_for_previous_s

@@ -93,7 +93,9 @@ class AsyncCheckpointer:
         staging_budget_bytes: host bytes for the staging arena; default half of the available RAM
             (psutil). A state that does not fit is saved synchronously straight from the live
             tensors (bounded memory, logged), never by over-allocating.
-        thread_count: DCP writer threads per rank.
+        thread_count: DCP writer threads (and files) per rank. The default 2 overlaps one thread's
+            CRC-32 and fsync with the other's writes; with 1 the checksum costs about 40% on the time
+            to durable on the reference 2-core machine.
         timeout_seconds: limit for checkpoint collectives between ranks (seconds).
         process_group: ranks taking part (default: all); checkpoint traffic always uses private
             gloo groups created from it.
@@ -113,7 +115,7 @@ class AsyncCheckpointer:
         overlap_staging: bool = False,
         writer_niceness: int = 0,
         staging_budget_bytes: int | None = None,
-        thread_count: int = 1,
+        thread_count: int = 2,
         timeout_seconds: float = 600.0,
         process_group: Any = None,
         on_write_error: str = "raise",
@@ -191,7 +193,8 @@ class AsyncCheckpointer:
 
     # -- saving ----------------------------------------------------------------------------------
     def save(self, final: str | os.PathLike, state: Any, *, step: int = 0,
-             on_committed: Callable[[Path], None] | None = None) -> SaveHandle:
+             on_committed: Callable[[Path], None] | None = None, started_at: float | None = None,
+             waited_s: float = 0.0) -> SaveHandle:
         """Checkpoint ``state`` into directory ``final``; returns once staged (async) or committed (sync).
 
         Collective: every rank calls it with the same ``final``. Waits first for the previous save
@@ -205,6 +208,9 @@ class AsyncCheckpointer:
             step: recorded in the manifest.
             on_committed: called on every rank with the committed directory, in the writer thread,
                 after the commit and before ``committed`` resolves (used for retention).
+            started_at: ``time.monotonic()`` when the caller's save began (for ``blocking_s``), if
+                the caller did work before this call (e.g. waited for the previous save).
+            waited_s: seconds the caller already waited for the previous save.
 
         Returns:
             A :class:`SaveHandle` whose ``committed`` future completes when the checkpoint is durable.
@@ -214,8 +220,8 @@ class AsyncCheckpointer:
             CheckpointError: a previous background save failed (raised once).
         """
         self._ensure_open()
-        t0 = time.monotonic()
-        wait_prev = self._wait_inflight()
+        t0 = time.monotonic() if started_at is None else started_at
+        wait_prev = self._wait_inflight() + waited_s
         self._raise_pending()
         stats = SaveStats(step=step, wait_for_previous_s=wait_prev)
         sd = state.state_dict() if hasattr(state, "state_dict") else state

@@ -80,7 +80,7 @@ class CheckpointManager:
         staging_budget_bytes: host bytes for the reusable staging buffers; default half of the
             available RAM (psutil). A state that does not fit is saved synchronously straight from
             the live tensors (bounded memory, logged), never by over-allocating.
-        thread_count: DCP writer threads per rank.
+        thread_count: DCP writer threads (and files) per rank; 2 overlaps checksumming with writing.
         verify_on_load: check CRC-32 of every file before loading (sizes are always checked).
         on_world_size_change: what :meth:`restore` does with rank-local state (RNG, dataloader
             position) when the world size differs from the saved one: "error" (default) or
@@ -122,7 +122,7 @@ class CheckpointManager:
         overlap_staging: bool = False,
         writer_niceness: int = 0,
         staging_budget_bytes: int | None = None,
-        thread_count: int = 1,
+        thread_count: int = 2,
         verify_on_load: bool = True,
         on_world_size_change: str = "error",
         timeout_seconds: float = 600.0,
@@ -244,7 +244,9 @@ class CheckpointManager:
         """
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ConfigError(f"step must be an int >= 0, got {step!r}")
+        t0 = time.monotonic()
         self._ckpt.wait()
+        waited = time.monotonic() - t0
         self._check_new_step(step)
         self._saves += 1
         self._captured_at[step] = time.time()
@@ -252,7 +254,8 @@ class CheckpointManager:
             self._captured_at.pop(next(iter(self._captured_at)))
         replicate = self._replicator is not None and self._saves % self._replicate_every == 0
         handle = self._ckpt.save(self.root / step_dir_name(step), state, step=step,
-                                 on_committed=lambda final: self._after_commit(step, final, replicate))
+                                 on_committed=lambda final: self._after_commit(step, final, replicate),
+                                 started_at=t0, waited_s=waited)
         if self._cadence is not None:
             self._cadence.record_save_started(handle, time.monotonic())
         return handle

@@ -1,0 +1,10 @@
+"""lightning-ckpt: torch-ckpt's asynchronous, atomic DCP checkpoints for PyTorch Lightning.
+
+``Trainer(plugins=[AsyncDCPCheckpointIO()], callbacks=[MTBFCheckpoint("ckpts")])``; see
+``docs/lightning.md``. A thin adapter: all checkpoint logic lives in :mod:`torch_ckpt`.
+"""
+
+from lightning_ckpt._callback import MTBFCheckpoint
+from lightning_ckpt._checkpoint_io import AsyncDCPCheckpointIO
+
+__all__ = ["AsyncDCPCheckpointIO", "MTBFCheckpoint"]

@@ -1,0 +1,213 @@
+"""Attaching :class:`~lightning_ckpt.AsyncDCPCheckpointIO` to a trainer: the per-strategy mechanism.
+
+Lightning calls a ``CheckpointIO`` on rank 0 only, and its FSDP and ModelParallel strategies do not
+call it at all (they write DCP themselves, synchronously). :func:`attach` therefore replaces, on
+this trainer's strategy *instance* only (no class is patched), the methods that save, remove, load
+and tear down, so that every rank takes part in every save through the core:
+
+* single device and DDP (``ddp``, ``ddp_spawn``, ``ddp_fork``): ``save_checkpoint`` and
+  ``remove_checkpoint`` call the plugin on every rank. Replicated tensors are written once (DCP
+  deduplication); each rank's loop progress and callback states (RNG) are stored per rank.
+* ModelParallel (FSDP2, tensor parallel) and FSDP (FSDP1, CUDA only; ``state_dict_type="sharded"``):
+  additionally the model and optimizer state come from ``get_model_state_dict`` /
+  ``get_optimizer_state_dict`` as DTensor shards (no CPU-offload copy), every rank writes its own
+  shards, and loading one of our directories while fitting is an in-place, resharding DCP load
+  (full tensors then sharded, for validate/test). ``teardown`` also tears the plugin down (the
+  ModelParallel strategy's own teardown skips it).
+
+It also defers two things Lightning does right after a save returns, until the checkpoint is
+committed: ``ModelCheckpoint(save_last="link")`` links, and loggers' ``after_save_checkpoint``
+(checkpoint uploads), so neither ever sees a checkpoint that is still being written.
+Plain ``.ckpt`` files and Lightning's own sharded directories still load through the strategy's
+original method. These wrappers use Lightning 2.6 internals (``ModelCheckpoint._link_checkpoint``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+
+from torch_ckpt import ConfigError
+from torch_ckpt.layout import rank_file_name
+
+__all__ = ["attach", "sharded_kind"]
+
+log = logging.getLogger(__name__)
+_MARK = "_lightning_ckpt_io"
+
+
+def sharded_kind(strategy: Any) -> str | None:
+    """``"fsdp"``, ``"model_parallel"`` or None (the strategy saves through ``CheckpointIO``).
+
+    Raises:
+        ConfigError: a sharded strategy configured to gather a full state dict on rank 0.
+    """
+    if isinstance(strategy, ModelParallelStrategy):
+        if not strategy._save_distributed_checkpoint:
+            raise ConfigError("AsyncDCPCheckpointIO writes sharded checkpoints (every rank its shards): use "
+                              "ModelParallelStrategy(save_distributed_checkpoint=True)")
+        return "model_parallel"
+    if isinstance(strategy, FSDPStrategy):
+        if strategy._state_dict_type != "sharded":
+            raise ConfigError("AsyncDCPCheckpointIO writes sharded checkpoints (every rank its shards): use "
+                              "FSDPStrategy(state_dict_type='sharded')")
+        return "fsdp"
+    return None
+
+
+def attach(io: Any, trainer: Any) -> None:
+    """Install the wrappers described in the module docstring on ``trainer`` (idempotent; every rank).
+
+    Raises:
+        ConfigError: ``io`` is not the trainer's checkpoint IO, or the strategy is misconfigured.
+    """
+    strategy = trainer.strategy
+    if strategy.checkpoint_io is not io:
+        raise ConfigError("this AsyncDCPCheckpointIO is not the trainer's checkpoint IO: pass it as "
+                          "Trainer(plugins=[AsyncDCPCheckpointIO(...)])")
+    if getattr(strategy, _MARK, None) is io:
+        io._set_collective()  # a new fit on the same trainer
+        return
+    kind = sharded_kind(strategy)
+    original_load, original_teardown = strategy.load_checkpoint, strategy.teardown
+
+    def save_checkpoint(checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        io.save_checkpoint(checkpoint, strategy.broadcast(filepath), storage_options)
+
+    def remove_checkpoint(filepath: Any) -> None:
+        io.remove_checkpoint(filepath)
+
+    def teardown() -> None:
+        try:
+            original_teardown()
+        finally:
+            io.teardown()  # idempotent; the sharded strategies' teardown does not call it
+
+    strategy.save_checkpoint = save_checkpoint
+    strategy.remove_checkpoint = remove_checkpoint
+    strategy.teardown = teardown
+    if kind is not None:
+        _attach_sharded(io, trainer, original_load)
+    for callback in trainer.checkpoint_callbacks:
+        if isinstance(callback, ModelCheckpoint):
+            _defer_links(io, callback)
+    for logger in trainer.loggers:
+        _defer_after_save(io, logger)
+    io._set_collective()
+    setattr(strategy, _MARK, io)
+
+
+def _defer_links(io: Any, callback: ModelCheckpoint) -> None:
+    if not hasattr(callback, "_link_checkpoint"):
+        log.warning("ModelCheckpoint has no _link_checkpoint (Lightning changed): save_last='link' links are not "
+                    "deferred until the checkpoint is committed")
+        return
+
+    def link(trainer: Any, filepath: str, linkpath: str) -> None:
+        if trainer.is_global_zero and Path(filepath).absolute() != Path(linkpath).absolute():
+            io._link_when_committed(filepath, linkpath)
+        trainer.strategy.barrier()
+
+    callback._link_checkpoint = link  # instance attribute: replaces the staticmethod for this callback only
+
+
+def _defer_after_save(io: Any, logger: Any) -> None:
+    original = logger.after_save_checkpoint
+    if getattr(original, _MARK, False):
+        return
+
+    def after_save_checkpoint(checkpoint_callback: Any) -> None:
+        io._call_when_committed(lambda: original(checkpoint_callback))
+
+    setattr(after_save_checkpoint, _MARK, True)
+    logger.after_save_checkpoint = after_save_checkpoint
+
+
+def _unwrap(optimizer: Any) -> Any:
+    return getattr(optimizer, "_optimizer", optimizer)
+
+
+def _attach_sharded(io: Any, trainer: Any, original_load: Any) -> None:
+    """Sharded state for saving, and in-place resharding loads of our directories."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+    )
+
+    strategy = trainer.strategy
+
+    def lightning_module_state_dict() -> dict[str, Any]:
+        return get_model_state_dict(strategy.model)
+
+    def optimizer_state(optimizer: Any) -> dict[str, Any]:
+        return get_optimizer_state_dict(strategy.model, _unwrap(optimizer))
+
+    def load_checkpoint(checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        path = Path(strategy.broadcast(checkpoint_path))
+        if not io.is_checkpoint_dir(path):
+            return original_load(checkpoint_path, weights_only=weights_only)
+        strict = strategy.lightning_module.strict_loading
+        optimizers = [_unwrap(o) for o in strategy.optimizers]
+        if trainer.state.fn == TrainerFn.FITTING and optimizers:
+            return _load_sharded_in_place(io, path, strategy.model, optimizers, strict=strict,
+                                          weights_only=weights_only)
+        # evaluation: full tensors on every rank, then sharded into the model
+        checkpoint = io.load_checkpoint(path, weights_only=weights_only)
+        set_model_state_dict(strategy.model, checkpoint["state_dict"],
+                             options=StateDictOptions(full_state_dict=True, strict=strict))
+        return checkpoint
+
+    strategy.lightning_module_state_dict = lightning_module_state_dict
+    strategy.optimizer_state = optimizer_state
+    strategy.load_checkpoint = load_checkpoint
+
+
+class _ShardedTarget:
+    """The live sharded model/optimizers as the core's load target (DCP loads into them in place)."""
+
+    rank_local_keys: tuple[str, ...] = ()  # a different world size loads rank 0's loop/callback states
+
+    def __init__(self, model: Any, optimizers: list, top_keys: list[str], *, strict: bool) -> None:
+        self._model, self._optimizers, self._top_keys, self._strict = model, optimizers, top_keys, strict
+        self.loaded: dict[str, Any] = {}
+
+    def state_dict(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+        state: dict[str, Any] = {k: None for k in self._top_keys}
+        state["state_dict"] = get_model_state_dict(self._model)
+        state["optimizer_states"] = [get_optimizer_state_dict(self._model, o) for o in self._optimizers]
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        set_model_state_dict(self._model, state["state_dict"], options=StateDictOptions(strict=self._strict))
+        for optimizer, optim_state in zip(self._optimizers, state["optimizer_states"], strict=True):
+            set_optimizer_state_dict(self._model, optimizer, optim_state)
+        self.loaded = dict(state)
+
+
+def _load_sharded_in_place(io: Any, path: Path, model: Any, optimizers: list, *, strict: bool,
+                           weights_only: bool | None) -> dict[str, Any]:
+    from torch.distributed import get_rank
+
+    from lightning_ckpt._values import decode_values
+
+    tree = json.loads((path / rank_file_name(0)).read_bytes())["tree"]
+    target = _ShardedTarget(model, optimizers, list(tree), strict=strict)
+    io.checkpointer().load(path, target, verify=io.verify_on_load)
+    log.info("[rank %d] loaded %s in place (sharded)", get_rank(), path)
+    return decode_values(target.loaded, allow_pickle=weights_only is False)

@@ -1,0 +1,291 @@
+"""``MTBFCheckpoint``: save when the failure rate says so, resume exactly, and save on preemption.
+
+At every optimizer step boundary (``on_train_batch_end`` of a batch whose optimizer stepped, so
+never inside a gradient-accumulation window), on every rank:
+
+1. record the step time; rank 0 asks the save policy (Young/Daly from the MTBF and the measured
+   save cost by default; every n steps / seconds also) whether to save now;
+2. agree across ranks on rank 0's answer and on whether any rank received SIGTERM (one gather on
+   the checkpointer's private gloo group, never the training process group);
+3. if so, ``trainer.save_checkpoint(DIRPATH/step_NNNNNNNNN)`` through
+   :class:`~lightning_ckpt.AsyncDCPCheckpointIO`; it returns once the live state is staged;
+4. on SIGTERM, wait until that checkpoint is committed, then let Lightning stop. During ``fit`` the
+   callback's own SIGTERM handler only records the signal (see ``_install_sigterm_handler``).
+
+Parameters and optimizer state are copied in the background while the next forward/backward runs;
+``on_before_optimizer_step`` waits for that copy. Resume with ``trainer.fit(model, ckpt_path="last")``:
+this callback offers its newest committed checkpoint to Lightning's ``"last"`` lookup (it is an
+:class:`~lightning.pytorch.callbacks.OnExceptionCheckpoint` for that reason; like that callback,
+``fit(model)`` without ``ckpt_path`` then resumes too, with a Lightning warning). Lightning
+restores loops (with a stateful dataloader's position), optimizers and schedulers; this callback
+adds every RNG of every rank, restored right before the first resumed batch.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any, Literal
+
+from lightning.pytorch.callbacks import OnExceptionCheckpoint
+from typing_extensions import override
+
+from lightning_ckpt._checkpoint_io import AsyncDCPCheckpointIO
+from torch_ckpt import AnyOf, ConfigError, EveryNSeconds, EveryNSteps, YoungDaly
+from torch_ckpt.cadence import Cadence
+from torch_ckpt.layout import clean_stale_temporaries, scan_committed, step_dir_name
+from torch_ckpt.rng import capture_rng_state, restore_rng_state
+
+__all__ = ["MTBFCheckpoint"]
+
+log = logging.getLogger(__name__)
+
+_STAT_KEYS = ("blocking_s", "staging_s", "persist_s", "total_s", "gb_per_s")
+_PLAN_KEYS = ("interval_steps", "interval_s", "cost_s", "step_time_s", "expected_overhead", "mtbf_s")
+
+
+class MTBFCheckpoint(OnExceptionCheckpoint):
+    """Checkpoint at the interval that minimises expected lost work, through ``AsyncDCPCheckpointIO``.
+
+    Needs ``Trainer(plugins=[AsyncDCPCheckpointIO()])``; it attaches the plugin to the trainer so
+    every rank takes part in every save (DDP, FSDP, ModelParallel). Checkpoints are the directories
+    ``DIRPATH/step_NNNNNNNNN`` (one per optimizer step saved).
+
+    Args:
+        dirpath: Directory of this callback's checkpoints (created if missing).
+        mtbf_seconds: Mean time between failures of the whole job, in seconds or as a duration
+            string (``"8h"``); saves follow the Young/Daly optimal interval from it and the measured
+            save cost. None disables the MTBF policy.
+        every_n_steps: Also save every this many optimizer steps (None: off).
+        every_n_seconds: Also save when this many seconds (or a duration string) have passed since
+            the last save (None: off).
+        initial_cost_seconds: Save cost assumed by the MTBF policy until a save is measured, in
+            seconds.
+        formula: ``"daly"`` (default) or ``"young"``.
+        min_interval_steps: Never save more often than every this many steps (MTBF policy).
+        keep_last: Keep this many newest committed checkpoints of this callback (None: keep all).
+            Older ones are deleted only after a newer one is committed.
+        save_on_sigterm: On SIGTERM (preemption), save at the next step boundary, wait until the
+            checkpoint is committed, then stop training.
+        save_on_train_end: Save the final step when training ends normally.
+        log_stats: Log each save's statistics (``ckpt/blocking_s``, ``ckpt/persist_s``,
+            ``ckpt/gb_per_s``...) and the schedule (``ckpt/interval_steps``,
+            ``ckpt/expected_overhead``...) through the trainer's loggers.
+        prog_bar: Show checkpoint activity in the progress bar (``ckpt``: last committed step,
+            ``ckpt_saving``: 1 while a save is in flight).
+
+    Raises:
+        ConfigError: An argument is out of range.
+    """
+
+    def __init__(
+        self,
+        dirpath: str,
+        *,
+        mtbf_seconds: float | str | None = "24h",
+        every_n_steps: int | None = None,
+        every_n_seconds: float | str | None = None,
+        initial_cost_seconds: float | str = 5.0,
+        formula: Literal["daly", "young"] = "daly",
+        min_interval_steps: int = 1,
+        keep_last: int | None = 3,
+        save_on_sigterm: bool = True,
+        save_on_train_end: bool = True,
+        log_stats: bool = True,
+        prog_bar: bool = True,
+    ) -> None:
+        super().__init__(dirpath=str(dirpath), filename="mtbf")
+        if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
+            raise ConfigError(f"keep_last must be an int >= 1 or None, got {keep_last!r}")
+        self._young_daly = None if mtbf_seconds is None else YoungDaly(
+            mtbf_seconds, initial_cost_seconds=initial_cost_seconds, formula=formula,
+            min_interval_steps=min_interval_steps)
+        policies = [p for p in (self._young_daly,
+                                None if every_n_steps is None else EveryNSteps(every_n_steps),
+                                None if every_n_seconds is None else EveryNSeconds(every_n_seconds)) if p is not None]
+        self._policy = None if not policies else policies[0] if len(policies) == 1 else AnyOf(*policies)
+        self.keep_last = keep_last
+        self.save_on_sigterm = save_on_sigterm
+        self.save_on_train_end = save_on_train_end
+        self.log_stats = log_stats
+        self.prog_bar = prog_bar
+        self._io: AsyncDCPCheckpointIO | None = None
+        self._cadence: Cadence | None = None
+        self._pending_rng: dict[str, Any] | None = None
+        self._unreported: list = []
+        self._sigterm = False
+        self._stepped = False
+        self._last_saved_step: int | None = None
+
+    @property
+    @override
+    def ckpt_path(self) -> str | None:  # type: ignore[override]
+        """This callback's newest committed checkpoint (what ``ckpt_path="last"`` resumes from), or None."""
+        committed = scan_committed(self.dirpath)
+        return str(committed[max(committed)]) if committed else None
+
+    @property
+    def policy(self) -> Any:
+        """The save policy (``YoungDaly``, ``EveryNSteps``, ``EveryNSeconds``, ``AnyOf`` of them, or None)."""
+        return self._policy
+
+    # -- setup -----------------------------------------------------------------------------------
+    @override
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        io = trainer.strategy.checkpoint_io
+        if not isinstance(io, AsyncDCPCheckpointIO):
+            raise ConfigError("MTBFCheckpoint needs Trainer(plugins=[lightning_ckpt.AsyncDCPCheckpointIO()]); the "
+                              f"trainer's checkpoint IO is {type(io).__name__}")
+        io.attach(trainer)
+        self._io = io
+        if stage != "fit":
+            return
+        io.checkpointer()  # collective on every rank now, so per-step agreement can use its process group
+        io.enable_overlap(lambda: {getattr(p, "_local_tensor", p).data_ptr() for p in pl_module.parameters()})
+        if trainer.is_global_zero:
+            Path(self.dirpath).mkdir(parents=True, exist_ok=True)
+            clean_stale_temporaries(self.dirpath)
+        self._cadence = None if self._policy is None else Cadence(self._policy)
+        self._unreported = []
+        self._stepped, self._last_saved_step = False, None
+
+    @override
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        if self.save_on_sigterm:
+            self._install_sigterm_handler(trainer)
+
+    def _install_sigterm_handler(self, trainer: Any) -> None:
+        """Replace Lightning's SIGTERM handler for this fit with one that only records the signal.
+
+        Lightning's handler sets the trainer's flag, and Lightning then stops at the end of the current
+        batch, even in the middle of gradient accumulation, before this callback could save; with
+        several ranks it also broadcasts on the training process group from inside the signal
+        handler, which can pair with an unrelated collective and deadlock. This callback raises
+        Lightning's flag itself once the checkpoint is committed. Handlers installed before ``fit``
+        still run; Lightning restores them after ``fit``.
+        """
+        connector = getattr(trainer, "_signal_connector", None)
+        if connector is None or threading.current_thread() is not threading.main_thread():
+            return
+        previous = getattr(connector, "_original_handlers", {}).get(signal.SIGTERM)
+
+        def handler(signum: int, frame: Any) -> None:
+            self._sigterm = True  # acted upon (and logged) at the next optimizer step boundary
+            if callable(previous):
+                previous(signum, frame)
+
+        self._sigterm = False
+        signal.signal(signal.SIGTERM, handler)
+
+    # -- per step --------------------------------------------------------------------------------
+    @override
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if self._pending_rng is not None:  # after the dataloader iterator was created, before the forward
+            restore_rng_state(self._pending_rng)
+            self._pending_rng = None
+
+    @override
+    def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+        self._io.wait_staged()
+        self._stepped = True
+
+    @override
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if not self._stepped:  # no optimizer step in this batch (gradient accumulation): not a step boundary
+            return
+        self._stepped = False
+        step = trainer.global_step
+        now = time.monotonic()
+        self._io.poll()
+        want = False
+        if self._cadence is not None:
+            self._cadence.record_step(step, now)
+            want = trainer.is_global_zero and self._cadence.decide(step, now)
+        sigterm = self.save_on_sigterm and (self._sigterm or bool(trainer.received_sigterm))
+        votes = self._io.checkpointer().ctx.all_gather((bool(want), sigterm), what="MTBFCheckpoint decision")
+        want, sigterm = votes[0][0], any(v[1] for v in votes)
+        if want or sigterm:
+            self._save(trainer, step)
+        if sigterm:
+            self._stop_after_commit(trainer, step)
+        self._report(pl_module)
+        if self.prog_bar:
+            pl_module.log("ckpt_saving", float(self._io.saving), prog_bar=True, logger=False, on_step=True,
+                          on_epoch=False)
+
+    def _save(self, trainer: Any, step: int) -> None:
+        if step == self._last_saved_step:
+            return
+        self._last_saved_step = step
+        trainer.save_checkpoint(str(Path(self.dirpath) / step_dir_name(step)), weights_only=False)
+        handle = self._io.last_handle
+        if handle is not None:
+            self._unreported.append(handle)
+            if self._cadence is not None:
+                self._cadence.record_save_started(handle, time.monotonic())
+        if self.keep_last is not None and trainer.is_global_zero:
+            older = [path for s, path in sorted(scan_committed(self.dirpath).items()) if s != step]
+            for path in older[: max(0, len(older) - (self.keep_last - 1))]:
+                self._io.remove_checkpoint(path)  # carried out once this save is committed
+
+    def _stop_after_commit(self, trainer: Any, step: int) -> None:
+        self._io.wait()
+        log.warning("[rank %d] SIGTERM: checkpoint of step %d is committed; stopping", trainer.global_rank, step)
+        connector = getattr(trainer, "_signal_connector", None)
+        if connector is not None:
+            connector.received_sigterm = True  # Lightning raises SIGTERMException at the end of this batch
+        trainer.should_stop = True
+
+    def _report(self, pl_module: Any) -> None:
+        """Log the statistics of every save that has committed since the last report (once each)."""
+        while self._unreported and self._unreported[0].done():
+            handle = self._unreported.pop(0)
+            if handle.committed.exception() is not None:
+                continue
+            stats = handle.stats.as_dict()
+            metrics = {f"ckpt/{k}": float(stats[k]) for k in _STAT_KEYS}
+            plan = self._young_daly.plan() if self._young_daly is not None else {}
+            metrics.update({f"ckpt/{k}": float(plan[k]) for k in _PLAN_KEYS if isinstance(plan.get(k), (int, float))})
+            if self.log_stats:
+                if pl_module.trainer.loggers:
+                    pl_module.log_dict(metrics, on_step=True, on_epoch=False, logger=True)
+                log.info("checkpoint step %d committed: blocking %.3f s, persist %.3f s, %.3f GB/s; schedule %s",
+                         handle.step, stats["blocking_s"], stats["persist_s"], stats["gb_per_s"],
+                         {k: plan.get(k) for k in ("interval_steps", "expected_overhead", "limited_by")})
+            if self.prog_bar:
+                pl_module.log("ckpt", float(handle.step), prog_bar=True, logger=False, on_step=True, on_epoch=False)
+
+    # -- end of training -------------------------------------------------------------------------
+    @override
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        if self.save_on_train_end and trainer.global_step > 0:
+            self._save(trainer, trainer.global_step)
+
+    @override
+    def on_exception(self, trainer: Any, *_: Any, **__: Any) -> None:
+        """Wait for the in-flight save (loggers are finalized next); never save a half-finished step."""
+        if self._io is None:
+            return
+        try:
+            self._io.wait()
+        except Exception:
+            log.exception("checkpoint error while handling another exception")
+
+    @override
+    def teardown(self, trainer: Any, *_: Any, **__: Any) -> None:
+        """Nothing to remove (unlike ``OnExceptionCheckpoint``); the plugin's teardown waits for saves."""
+
+    # -- resume ----------------------------------------------------------------------------------
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"rng": capture_rng_state(),
+                "young_daly": None if self._young_daly is None else self._young_daly.state_dict()}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._pending_rng = state_dict.get("rng")
+        if self._young_daly is not None and state_dict.get("young_daly"):
+            self._young_daly.load_state_dict(state_dict["young_daly"])

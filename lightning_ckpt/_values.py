@@ -1,0 +1,111 @@
+"""Which Lightning checkpoint values torch-ckpt stores as they are, and what happens to the others.
+
+A Lightning checkpoint dict mixes tensors (``state_dict``, optimizer moments) with plain values (loop
+progress, scheduler counters) and, in ``hyper_parameters`` or anything a ``LightningModule`` adds in
+``on_save_checkpoint``, arbitrary Python objects (``pathlib.Path``, enums, namedtuples, modules).
+torch-ckpt stores tensors through DCP and plain values as typed JSON, and never pickles by default.
+
+Stored as they are: tensors, ``None``/``bool``/``int``/``float``/``str`` (exact types), numpy arrays
+and scalars, ``bytes``, plain ``list``/``tuple`` and mappings with str/int/float/bool/None keys.
+Mappings come back as plain ``dict`` (``OrderedDict`` and Lightning's ``AttributeDict`` included).
+
+Every other value (subclasses of the scalar and sequence types included, since storing an ``IntEnum``
+as an ``int`` would silently change its type) is, depending on ``unsafe_values``:
+
+* ``"error"`` (default): :class:`~torch_ckpt.ConfigError` naming the key; nothing is written.
+* ``"pickle"``: stored pickled under a marker; loading it then needs ``weights_only=False``
+  (``trainer.fit(..., weights_only=False)``), otherwise loading raises
+  :class:`~torch_ckpt.UnsafeCheckpointError` naming the keys. Nothing is ever dropped.
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from torch_ckpt import ConfigError, UnsafeCheckpointError
+
+__all__ = ["RANK_LOCAL_KEYS", "UNSAFE_VALUE_MODES", "decode_values", "encode_values"]
+
+#: Top-level checkpoint keys stored once per rank: loop progress (with the dataloader position) and
+#: callback states (MTBFCheckpoint keeps each rank's RNG there). Every other tensor is written once.
+RANK_LOCAL_KEYS = ("loops", "callbacks")
+
+UNSAFE_VALUE_MODES = ("error", "pickle")
+PICKLED_TAG = "__lightning_ckpt_pickled__"
+_SCALARS = (type(None), bool, int, float, str, bytes)
+_KEY_TYPES = (type(None), bool, int, float, str)
+
+
+def _is_safe_leaf(obj: Any) -> bool:
+    return type(obj) in _SCALARS or isinstance(obj, (torch.Tensor, np.ndarray, np.generic))
+
+
+def encode_values(checkpoint: Mapping[str, Any], mode: str) -> dict[str, Any]:
+    """Return a copy of ``checkpoint`` (containers copied, leaves shared) that torch-ckpt can store.
+
+    Args:
+        checkpoint: the dict Lightning passes to ``CheckpointIO.save_checkpoint``.
+        mode: ``"error"`` or ``"pickle"`` (see the module docstring).
+
+    Raises:
+        ConfigError: a value would need pickling and ``mode`` is ``"error"``; the message names its key.
+    """
+    if mode not in UNSAFE_VALUE_MODES:
+        raise ConfigError(f"unsafe_values must be one of {UNSAFE_VALUE_MODES}, got {mode!r}")
+
+    def enc(obj: Any, path: str) -> Any:
+        if _is_safe_leaf(obj):
+            return obj
+        if isinstance(obj, Mapping) and all(type(k) in _KEY_TYPES for k in obj):
+            return {k: enc(v, f"{path}.{k}" if path else str(k)) for k, v in obj.items()}
+        if type(obj) in (list, tuple):
+            return type(obj)(enc(v, f"{path}.{i}") for i, v in enumerate(obj))
+        if mode == "pickle":
+            return {PICKLED_TAG: pickle.dumps(obj)}
+        what = f"{type(obj).__module__}.{type(obj).__qualname__}"
+        raise ConfigError(
+            f"checkpoint key {path!r} holds a {what}, which cannot be stored without pickling. Store a tensor or "
+            "a JSON value instead (for hyper-parameters: save_hyperparameters(ignore=[...]) or convert the value), "
+            "or pass AsyncDCPCheckpointIO(unsafe_values='pickle') to store it pickled (loading it then needs "
+            "weights_only=False).")
+
+    return enc(dict(checkpoint), "")
+
+
+def decode_values(checkpoint: dict[str, Any], *, allow_pickle: bool) -> dict[str, Any]:
+    """Undo :func:`encode_values` in place: unpickle marked values if ``allow_pickle``.
+
+    Raises:
+        UnsafeCheckpointError: pickled values are present and ``allow_pickle`` is False; the message
+            lists their keys.
+    """
+    refused: list[str] = []
+
+    def dec(obj: Any, path: str) -> Any:
+        if isinstance(obj, dict):
+            if len(obj) == 1 and PICKLED_TAG in obj:
+                if not allow_pickle:
+                    refused.append(path)
+                    return obj
+                return pickle.loads(obj[PICKLED_TAG])
+            for k, v in obj.items():
+                obj[k] = dec(v, f"{path}.{k}" if path else str(k))
+            return obj
+        if isinstance(obj, list):
+            return [dec(v, f"{path}.{i}") for i, v in enumerate(obj)]
+        if isinstance(obj, tuple):
+            return tuple(dec(v, f"{path}.{i}") for i, v in enumerate(obj))
+        return obj
+
+    out = dec(checkpoint, "")
+    if refused:
+        raise UnsafeCheckpointError(
+            f"checkpoint values {refused[:10]}{' ...' if len(refused) > 10 else ''} were stored pickled "
+            "(unsafe_values='pickle'). Loading them runs code from the checkpoint: pass weights_only=False "
+            "(e.g. trainer.fit(..., weights_only=False)) only if you trust it.")
+    return out

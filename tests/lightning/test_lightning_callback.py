@@ -1,0 +1,177 @@
+"""lightning_ckpt._callback: MTBFCheckpoint decides, saves, retains, resumes, logs and handles SIGTERM."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+from lightning_helpers import TinyModule
+
+import torch_ckpt.checkpointer as checkpointer
+from lightning_ckpt import AsyncDCPCheckpointIO, MTBFCheckpoint
+from torch_ckpt import CheckpointWriteError, ConfigError
+from torch_ckpt.convert import load_full_state
+
+
+def committed_steps(directory) -> list[str]:
+    return sorted(p for p in os.listdir(directory) if not p.startswith("."))
+
+
+def test_saves_at_the_policy_steps_and_at_the_end(make_trainer, tmp_path):
+    """every_n_steps=3 over 7 steps saves steps 3 and 6, and the final step 7."""
+    cb = MTBFCheckpoint(tmp_path / "ckpt", mtbf_seconds=None, every_n_steps=3, keep_last=None)
+    make_trainer(max_steps=7, plugins=[AsyncDCPCheckpointIO()], callbacks=[cb]).fit(TinyModule())
+    assert committed_steps(tmp_path / "ckpt") == ["step_000000003", "step_000000006", "step_000000007"]
+
+
+def test_keeps_only_the_newest_committed_checkpoints(make_trainer, tmp_path):
+    """keep_last=2 leaves the two newest checkpoints."""
+    cb = MTBFCheckpoint(tmp_path / "ckpt", mtbf_seconds=None, every_n_steps=2, keep_last=2)
+    make_trainer(max_steps=8, plugins=[AsyncDCPCheckpointIO()], callbacks=[cb]).fit(TinyModule())
+    assert committed_steps(tmp_path / "ckpt") == ["step_000000006", "step_000000008"]
+
+
+def test_last_is_the_newest_committed_checkpoint(tmp_path):
+    """ckpt_path (what ckpt_path="last" resolves to) skips temporaries and directories without a manifest."""
+    io = AsyncDCPCheckpointIO()
+    io.save_checkpoint({"global_step": 4, "state_dict": {}}, tmp_path / "step_000000004")
+    io.teardown()
+    (tmp_path / ".step_000000009.tmp").mkdir()
+    (tmp_path / "step_000000008").mkdir()
+    assert MTBFCheckpoint(tmp_path).ckpt_path == str(tmp_path / "step_000000004")
+
+
+def test_fit_with_ckpt_path_last_resumes_from_the_newest_checkpoint(make_trainer, tmp_path):
+    """A second fit with ckpt_path="last" starts from the first fit's final checkpoint."""
+    def run(max_steps, **fit_kwargs):
+        trainer = make_trainer(max_steps=max_steps, plugins=[AsyncDCPCheckpointIO()],
+                               callbacks=[MTBFCheckpoint(tmp_path / "ckpt", mtbf_seconds=None, every_n_steps=2)])
+        trainer.fit(TinyModule(), **fit_kwargs)
+        return trainer
+
+    run(5)
+    resumed = run(8, ckpt_path="last")
+    assert resumed.ckpt_path == str(tmp_path / "ckpt" / "step_000000005") and resumed.global_step == 8
+
+
+def test_resumed_run_draws_the_same_random_numbers(make_trainer, tmp_path):
+    """RNG state is restored per rank before the first resumed batch: draws match the uninterrupted run."""
+    def run(name, max_steps, ckpt_path=None):
+        module = TinyModule()
+        torch.manual_seed(123)
+        cb = MTBFCheckpoint(tmp_path / name, mtbf_seconds=None, every_n_steps=3, keep_last=None)
+        make_trainer(max_steps=max_steps, plugins=[AsyncDCPCheckpointIO()], callbacks=[cb]).fit(
+            module, ckpt_path=ckpt_path)
+        return module.draws
+
+    uninterrupted = run("a", 6)
+    torch.manual_seed(999)  # the resumed process starts from another RNG state
+    resumed = run("b", 6, ckpt_path=str(tmp_path / "a" / "step_000000003"))
+    assert resumed == uninterrupted[3:]
+
+
+def test_sigterm_saves_at_the_next_step_boundary_then_stops(make_trainer, tmp_path):
+    """SIGTERM during step 3 commits a checkpoint of step 3, then Lightning stops training."""
+    cb = MTBFCheckpoint(tmp_path / "ckpt", mtbf_seconds=None)
+    trainer = make_trainer(max_steps=10, plugins=[AsyncDCPCheckpointIO()], callbacks=[cb])
+    with pytest.raises(SIGTERMException):
+        trainer.fit(TinyModule(sigterm_at_step=3))
+    assert trainer.global_step == 3 and committed_steps(tmp_path / "ckpt") == ["step_000000003"]
+    assert AsyncDCPCheckpointIO.is_checkpoint_dir(tmp_path / "ckpt" / "step_000000003")
+
+
+def test_with_gradient_accumulation_a_save_waits_for_the_optimizer_step(make_trainer, tmp_path):
+    """SIGTERM in the first of two accumulated micro-batches saves after optimizer step 1, not mid-accumulation."""
+    cb = MTBFCheckpoint(tmp_path / "ckpt", mtbf_seconds=None)
+    trainer = make_trainer(max_steps=10, accumulate_grad_batches=2, plugins=[AsyncDCPCheckpointIO()], callbacks=[cb])
+    with pytest.raises(SIGTERMException):
+        trainer.fit(TinyModule(sigterm_at_step=1))
+    assert committed_steps(tmp_path / "ckpt") == ["step_000000001"]
+
+
+def test_a_background_write_error_surfaces_when_training_ends(make_trainer, tmp_path, write_gate):
+    """A failed background write of the final checkpoint makes fit() raise it at teardown."""
+    write_gate.fail_with = CheckpointWriteError("disk full (injected)")
+    cb = MTBFCheckpoint(tmp_path / "ckpt", mtbf_seconds=None)
+    trainer = make_trainer(max_steps=3, plugins=[AsyncDCPCheckpointIO()], callbacks=[cb])
+    with pytest.raises(CheckpointWriteError, match="injected"):
+        trainer.fit(TinyModule())
+    assert not (tmp_path / "ckpt" / "step_000000003").exists()
+
+
+class WeightsAt(Callback):
+    """Records the weights at the end of one step (runs before the checkpoint callback)."""
+
+    def __init__(self, step: int) -> None:
+        self.step, self.weights = step, None
+
+    def on_train_batch_end(self, trainer, pl_module, *_):
+        if trainer.global_step == self.step:
+            self.weights = pl_module.layer.weight.detach().clone()
+
+
+def test_a_checkpoint_holds_the_weights_of_its_step_despite_overlapped_staging(make_trainer, tmp_path, monkeypatch):
+    """Weights are copied in the background, yet the next optimizer step waits: the checkpoint has step 2's."""
+    real_stage = checkpointer.AsyncCheckpointer._stage
+
+    def slow_stage(self, job, handle):
+        if threading.current_thread() is not threading.main_thread():
+            time.sleep(0.3)  # the background copy starts late: the next step must wait for it
+        return real_stage(self, job, handle)
+
+    monkeypatch.setattr(checkpointer.AsyncCheckpointer, "_stage", slow_stage)
+    record = WeightsAt(2)
+    cb = MTBFCheckpoint(tmp_path / "ckpt", mtbf_seconds=None, every_n_steps=2, keep_last=None)
+    make_trainer(max_steps=3, plugins=[AsyncDCPCheckpointIO(overlap_staging=True)], callbacks=[record, cb]).fit(
+        TinyModule())
+    saved, _ = load_full_state(tmp_path / "ckpt" / "step_000000002")
+    assert torch.equal(saved["state_dict"]["layer.weight"], record.weights)
+
+
+def test_logs_save_statistics_and_the_schedule(make_trainer, tmp_path):
+    """Committed saves log ckpt/* statistics and the MTBF schedule through the trainer's loggers."""
+    cb = MTBFCheckpoint(tmp_path / "ckpt", mtbf_seconds="1h", every_n_steps=2)
+    logger = CSVLogger(tmp_path / "logs")
+    make_trainer(max_steps=6, plugins=[AsyncDCPCheckpointIO()], callbacks=[cb], logger=logger,
+                 log_every_n_steps=1).fit(TinyModule())
+    header = (Path(logger.log_dir) / "metrics.csv").read_text().splitlines()[0].split(",")
+    assert {"ckpt/blocking_s", "ckpt/persist_s", "ckpt/gb_per_s", "ckpt/expected_overhead",
+            "ckpt/mtbf_s"} <= set(header)
+
+
+class ProgressBarAtEnd(Callback):
+    """Keeps a copy of the progress bar metrics when training ends."""
+
+    def __init__(self) -> None:
+        self.metrics: dict = {}
+
+    def on_train_end(self, trainer, pl_module):
+        self.metrics = dict(trainer.progress_bar_metrics)
+
+
+def test_shows_checkpoint_activity_in_the_progress_bar(make_trainer, tmp_path):
+    """The progress bar metrics carry the last committed step and whether a save is in flight."""
+    cb, bar = MTBFCheckpoint(tmp_path / "ckpt", mtbf_seconds=None, every_n_steps=2), ProgressBarAtEnd()
+    make_trainer(max_steps=6, plugins=[AsyncDCPCheckpointIO()], callbacks=[bar, cb]).fit(TinyModule())
+    assert bar.metrics["ckpt"] in (2.0, 4.0) and "ckpt_saving" in bar.metrics
+
+
+def test_requires_the_async_dcp_plugin(make_trainer, tmp_path):
+    """Without AsyncDCPCheckpointIO in the trainer's plugins, fit raises ConfigError."""
+    with pytest.raises(ConfigError, match="AsyncDCPCheckpointIO"):
+        make_trainer(callbacks=[MTBFCheckpoint(tmp_path)]).fit(TinyModule())
+
+
+@pytest.mark.parametrize("kwargs", [{"keep_last": 0}, {"mtbf_seconds": "-1h"}, {"every_n_steps": 0}],
+                         ids=["keep_last", "mtbf", "every_n_steps"])
+def test_invalid_arguments_are_rejected_at_construction(kwargs, tmp_path):
+    """Out-of-range arguments raise ConfigError when the callback is built (before any training)."""
+    with pytest.raises(ConfigError):
+        MTBFCheckpoint(tmp_path, **kwargs)

@@ -1,0 +1,161 @@
+"""lightning_ckpt._checkpoint_io: AsyncDCPCheckpointIO saves, removes, overwrites, loads and tears down."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+from pathlib import Path
+
+import pytest
+import torch
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+from lightning_helpers import lightning_dict
+
+from lightning_ckpt import AsyncDCPCheckpointIO
+from torch_ckpt import CheckpointWriteError, ConfigError, UnsafeCheckpointError
+
+
+def test_save_then_load_returns_the_lightning_dict(tmp_path):
+    """A saved checkpoint loads back with equal tensors and the same Python types (int keys, tuples)."""
+    io = AsyncDCPCheckpointIO()
+    io.save_checkpoint(lightning_dict(3), tmp_path / "a.ckpt")
+    io.wait()
+    loaded = io.load_checkpoint(tmp_path / "a.ckpt")
+    assert torch.equal(loaded["state_dict"]["layer.weight"], torch.full((2, 3), 3.0))
+    assert loaded["optimizer_states"][0]["param_groups"][0]["betas"] == (0.9, 0.95)
+    assert torch.equal(loaded["optimizer_states"][0]["state"][0]["momentum_buffer"], torch.ones(2, 3))
+    assert loaded["loops"] == lightning_dict()["loops"] and loaded["global_step"] == 3
+    io.teardown()
+
+
+def test_save_returns_before_the_write_is_committed(tmp_path, write_gate):
+    """While the background write is held, save_checkpoint has returned and the path does not exist yet."""
+    io = AsyncDCPCheckpointIO()
+    write_gate.hold()
+    io.save_checkpoint(lightning_dict(), tmp_path / "a.ckpt")
+    assert io.saving and not (tmp_path / "a.ckpt").exists()
+    write_gate.release()
+    io.wait()
+    assert io.is_checkpoint_dir(tmp_path / "a.ckpt") and not io.saving
+    io.teardown()
+
+
+def test_removing_the_in_flight_checkpoint_deletes_it_after_its_commit(tmp_path, write_gate):
+    """Top-k removal of a checkpoint still being written returns at once and leaves no partial files."""
+    io = AsyncDCPCheckpointIO()
+    write_gate.hold()
+    io.save_checkpoint(lightning_dict(), tmp_path / "a.ckpt")
+    io.remove_checkpoint(tmp_path / "a.ckpt")
+    write_gate.release()
+    io.wait()
+    assert os.listdir(tmp_path) == []
+    io.teardown()
+
+
+def test_an_older_checkpoint_is_removed_only_once_the_newer_one_is_committed(tmp_path, write_gate):
+    """Removing the previous checkpoint while the next one is in flight keeps it until the commit."""
+    io = AsyncDCPCheckpointIO()
+    io.save_checkpoint(lightning_dict(1), tmp_path / "a.ckpt")
+    io.wait()
+    write_gate.hold()
+    io.save_checkpoint(lightning_dict(2), tmp_path / "b.ckpt")
+    io.remove_checkpoint(tmp_path / "a.ckpt")
+    assert io.is_checkpoint_dir(tmp_path / "a.ckpt")
+    write_gate.release()
+    io.wait()
+    assert sorted(os.listdir(tmp_path)) == ["b.ckpt"]
+    io.teardown()
+
+
+def test_a_failed_save_keeps_the_checkpoint_it_was_to_replace(tmp_path, write_gate):
+    """If the newer save fails, the removal queued behind it is dropped and the older checkpoint stays."""
+    io = AsyncDCPCheckpointIO()
+    io.save_checkpoint(lightning_dict(1), tmp_path / "a.ckpt")
+    io.wait()
+    write_gate.hold()
+    write_gate.fail_with = CheckpointWriteError("disk full (injected)")
+    io.save_checkpoint(lightning_dict(2), tmp_path / "b.ckpt")
+    io.remove_checkpoint(tmp_path / "a.ckpt")
+    write_gate.release()
+    with pytest.raises(CheckpointWriteError, match="injected"):
+        io.wait()
+    assert sorted(os.listdir(tmp_path)) == ["a.ckpt"]
+    io.teardown()
+
+
+def test_overwriting_swaps_the_new_checkpoint_in_only_when_committed(tmp_path, write_gate):
+    """Saving to an existing path (save_last=True) keeps the old checkpoint loadable until the new one commits."""
+    io = AsyncDCPCheckpointIO()
+    io.save_checkpoint(lightning_dict(1), tmp_path / "last.ckpt")
+    io.wait()
+    write_gate.hold()
+    io.save_checkpoint(lightning_dict(2), tmp_path / "last.ckpt")
+    assert io.load_checkpoint(tmp_path / "last.ckpt")["global_step"] == 1
+    write_gate.release()
+    io.wait()
+    assert io.load_checkpoint(tmp_path / "last.ckpt")["global_step"] == 2
+    assert os.listdir(tmp_path) == ["last.ckpt"]
+    io.teardown()
+
+
+def test_loads_a_plain_ckpt_file(tmp_path):
+    """A checkpoint file written by Lightning's TorchCheckpointIO still loads (switching mid-project)."""
+    TorchCheckpointIO().save_checkpoint(lightning_dict(5), tmp_path / "old.ckpt")
+    loaded = AsyncDCPCheckpointIO().load_checkpoint(tmp_path / "old.ckpt", weights_only=True)
+    assert loaded["global_step"] == 5 and torch.equal(loaded["state_dict"]["layer.bias"], torch.zeros(2))
+
+
+def test_a_value_that_needs_pickling_is_refused_naming_its_key(tmp_path):
+    """A pathlib.Path hyper-parameter raises ConfigError naming the key, and nothing is written."""
+    io = AsyncDCPCheckpointIO()
+    with pytest.raises(ConfigError, match=r"hyper_parameters\.data_dir"):
+        io.save_checkpoint(lightning_dict(hyper_parameters={"data_dir": pathlib.Path("/data")}), tmp_path / "a")
+    assert os.listdir(tmp_path) == []
+    io.teardown()
+
+
+def test_pickled_values_load_only_with_weights_only_false(tmp_path):
+    """With unsafe_values='pickle', loading needs weights_only=False; otherwise it names the key."""
+    io = AsyncDCPCheckpointIO(unsafe_values="pickle")
+    io.save_checkpoint(lightning_dict(hyper_parameters={"data_dir": pathlib.Path("/data")}), tmp_path / "a")
+    io.wait()
+    with pytest.raises(UnsafeCheckpointError, match=r"hyper_parameters\.data_dir"):
+        io.load_checkpoint(tmp_path / "a")
+    assert io.load_checkpoint(tmp_path / "a", weights_only=False)["hyper_parameters"]["data_dir"] == Path("/data")
+    io.teardown()
+
+
+def test_teardown_raises_a_background_write_error_once(tmp_path, write_gate):
+    """A failed background write surfaces at teardown, and only once."""
+    io = AsyncDCPCheckpointIO()
+    write_gate.fail_with = CheckpointWriteError("disk full (injected)")
+    io.save_checkpoint(lightning_dict(), tmp_path / "a.ckpt")
+    with pytest.raises(CheckpointWriteError, match="injected"):
+        io.teardown()
+    io.teardown()
+
+
+def test_storage_options_are_rejected(tmp_path):
+    """storage_options raise TypeError, like Lightning's TorchCheckpointIO for unsupported options."""
+    with pytest.raises(TypeError, match="storage_options"):
+        AsyncDCPCheckpointIO().save_checkpoint(lightning_dict(), tmp_path / "a", storage_options={"x": 1})
+
+
+def test_remote_paths_are_rejected():
+    """Object-store URLs raise ConfigError (the plugin writes to local paths)."""
+    with pytest.raises(ConfigError, match="local paths"):
+        AsyncDCPCheckpointIO().save_checkpoint(lightning_dict(), "s3://bucket/a.ckpt")
+
+
+
+def test_the_plugin_pickles_without_its_runtime_state(tmp_path):
+    """After a save (writer thread, locks) the plugin still pickles, as ddp_spawn needs, and the copy saves."""
+    import pickle
+
+    io = AsyncDCPCheckpointIO(unsafe_values="pickle")
+    io.save_checkpoint(lightning_dict(), tmp_path / "a.ckpt")
+    clone = pickle.loads(pickle.dumps(io))
+    io.teardown()
+    clone.save_checkpoint(lightning_dict(2), tmp_path / "b.ckpt")
+    clone.teardown()
+    assert clone.unsafe_values == "pickle" and AsyncDCPCheckpointIO.is_checkpoint_dir(tmp_path / "b.ckpt")

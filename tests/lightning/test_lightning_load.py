@@ -1,0 +1,51 @@
+"""lightning_ckpt._load: reading a checkpoint directory back as Lightning's dict."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from lightning_helpers import lightning_dict
+
+from lightning_ckpt import AsyncDCPCheckpointIO
+from lightning_ckpt._load import load_checkpoint_dir
+from tests._dist import run_distributed
+from torch_ckpt import CheckpointNotFoundError
+
+
+def test_a_directory_without_a_manifest_is_not_a_checkpoint(tmp_path):
+    """A directory that was never committed (no manifest.json) raises CheckpointNotFoundError."""
+    (tmp_path / "partial.ckpt").mkdir()
+    with pytest.raises(CheckpointNotFoundError, match="manifest"):
+        load_checkpoint_dir(tmp_path / "partial.ckpt", verify=True, allow_pickle=False)
+
+
+def test_map_location_moves_every_tensor(tmp_path):
+    """map_location="meta" puts the model and optimizer tensors on the meta device."""
+    io = AsyncDCPCheckpointIO()
+    io.save_checkpoint(lightning_dict(), tmp_path / "a.ckpt")
+    io.teardown()
+    loaded = load_checkpoint_dir(tmp_path / "a.ckpt", verify=True, allow_pickle=False, map_location="meta")
+    assert loaded["state_dict"]["layer.weight"].is_meta
+    assert loaded["optimizer_states"][0]["state"][0]["momentum_buffer"].is_meta
+
+
+def _per_rank_body(rank: int, world: int, root: str) -> None:
+    io = AsyncDCPCheckpointIO()
+    io._set_collective()  # what attach() does: every rank calls the plugin
+    ckpt = lightning_dict(7)
+    ckpt["callbacks"] = {"MTBFCheckpoint": {"rng": {"torch_cpu": torch.full((3,), rank, dtype=torch.uint8)}}}
+    ckpt["loops"]["fit_loop"]["state_dict"] = {"combined_loader": [{"yielded": 10 + rank}]}
+    path = Path(root) / "step.ckpt"
+    io.save_checkpoint(ckpt, path)
+    io.wait()
+    loaded = io.load_checkpoint(path)
+    assert loaded["loops"]["fit_loop"]["state_dict"]["combined_loader"][0]["yielded"] == 10 + rank
+    assert loaded["callbacks"]["MTBFCheckpoint"]["rng"]["torch_cpu"].tolist() == [rank] * 3
+    io.teardown()
+
+
+def test_each_rank_loads_its_own_loop_and_callback_state(tmp_path):
+    """With two ranks, loop progress and callback states (RNG) are stored and loaded per rank."""
+    run_distributed(_per_rank_body, 2, str(tmp_path))

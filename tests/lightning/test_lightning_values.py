@@ -1,0 +1,49 @@
+"""lightning_ckpt._values: which checkpoint values are stored as they are, and the pickle opt-in."""
+
+from __future__ import annotations
+
+import enum
+import pathlib
+from collections import OrderedDict, namedtuple
+
+import numpy as np
+import pytest
+import torch
+
+from lightning_ckpt._values import decode_values, encode_values
+from torch_ckpt import ConfigError, UnsafeCheckpointError
+
+
+class Color(enum.IntEnum):
+    RED = 1
+
+
+def test_plain_values_are_kept_and_containers_copied():
+    """Tensors, JSON scalars, numpy values, bytes, tuples and int-keyed dicts are kept, in copied containers."""
+    t = torch.ones(2)
+    ckpt = {"state_dict": OrderedDict(w=t), "opt": {0: {"betas": (0.9, 0.95)}}, "np": np.int64(3), "b": b"x",
+            "none": None}
+    out = encode_values(ckpt, "error")
+    assert out["state_dict"]["w"] is t and out["opt"][0]["betas"] == (0.9, 0.95) and out["np"] == 3
+    assert out["state_dict"] is not ckpt["state_dict"] and type(out["state_dict"]) is dict
+
+
+@pytest.mark.parametrize("value", [pathlib.Path("/data"), Color.RED, namedtuple("P", "a")(1)],
+                         ids=["path", "int-enum", "namedtuple"])
+def test_values_that_need_pickling_are_refused_naming_their_key(value):
+    """A Path, an IntEnum (an int subclass) or a namedtuple raises ConfigError naming the dotted key."""
+    with pytest.raises(ConfigError, match=r"hyper_parameters\.extra"):
+        encode_values({"hyper_parameters": {"extra": value}}, "error")
+
+
+def test_pickle_mode_round_trips_when_unpickling_is_allowed():
+    """With unsafe_values='pickle' the value comes back as the same object type when allowed."""
+    out = decode_values(encode_values({"hp": {"root": pathlib.Path("/data")}}, "pickle"), allow_pickle=True)
+    assert out["hp"]["root"] == pathlib.Path("/data")
+
+
+def test_pickled_values_are_refused_without_opt_in():
+    """Decoding pickled values without allow_pickle raises UnsafeCheckpointError naming the key."""
+    encoded = encode_values({"hp": {"root": pathlib.Path("/data")}}, "pickle")
+    with pytest.raises(UnsafeCheckpointError, match=r"hp\.root"):
+        decode_values(encoded, allow_pickle=False)
