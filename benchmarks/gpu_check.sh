@@ -1,0 +1,102 @@
+#!/usr/bin/env bash
+# GPU check (< 5 minutes on one CUDA GPU): CUDA-marked tests, pinned vs pageable device-to-host
+# bandwidth, and the save benchmark at 4 GiB with the state on the GPU.
+#
+#   bash benchmarks/gpu_check.sh                 # results under $OUT (default: a fresh temp dir)
+#   PYTHON=python3 OUT=/tmp/gpu bash benchmarks/gpu_check.sh
+#
+# Environment: PYTHON (default python3; on the device machine python3 is the one holding PyTorch),
+# OUT (where gpu.json, d2h.json and the logs go), GPU_CHECK_SIZE_GIB (default 4),
+# GPU_CHECK_ALLOW_CPU=1 (dry run of the script's flow on a machine without CUDA, at 0.25 GiB).
+# Exits non-zero when any step fails (no GPU, a failing test, a benchmark error).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+OUT=${OUT:-$(mktemp -d -t gpu_check.XXXXXX)}
+SIZE=${GPU_CHECK_SIZE_GIB:-4}
+ALLOW_CPU=${GPU_CHECK_ALLOW_CPU:-0}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+fail=0
+t_start=$(date +%s)
+section() { echo; echo "=== [$(( $(date +%s) - t_start ))s] $*"; }
+bad() { echo "FAIL: $*"; fail=1; }
+
+section "devices"
+if command -v nvidia-smi >/dev/null 2>&1; then
+  nvidia-smi -L || bad "nvidia-smi -L"
+else
+  echo "nvidia-smi not found"
+  [ "$ALLOW_CPU" = 1 ] || bad "nvidia-smi not found"
+fi
+if ! "$PY" -c 'import sys, torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available()); sys.exit(0 if torch.cuda.is_available() else 3)'; then
+  if [ "$ALLOW_CPU" = 1 ]; then
+    echo "no CUDA device: dry run on the CPU (GPU_CHECK_ALLOW_CPU=1)"; SIZE=0.25
+  else
+    bad "torch sees no CUDA device"; exit 1
+  fi
+fi
+
+section "CUDA tests: pytest -m cuda"
+ignore=()
+"$PY" -c 'import torchdata' 2>/dev/null || { echo "torchdata missing: ignoring tests/test_example_resume.py (no CUDA tests in it)"; ignore=(--ignore=tests/test_example_resume.py); }
+timeout 150 "$PY" -m pytest -m cuda -q -p no:cacheprovider "${ignore[@]}" tests/ 2>&1 | tee "$OUT/pytest_cuda.log"
+rc=${PIPESTATUS[0]}
+[ "$rc" = 0 ] || bad "pytest -m cuda exited $rc"
+
+section "device-to-host bandwidth: 1 GiB, pinned vs pageable"
+timeout 90 "$PY" - "$OUT/d2h.json" <<'EOF' || bad "D2H bandwidth probe"
+import json, statistics, sys, time
+import torch
+if not torch.cuda.is_available():
+    print("skipped: no CUDA device"); sys.exit(0)
+n = 1 << 30
+src = torch.empty(n, dtype=torch.uint8, device="cuda").fill_(7)
+res = {"bytes": n, "gpu": torch.cuda.get_device_name()}
+for kind in ("pinned", "pageable"):
+    dst = torch.empty(n, dtype=torch.uint8, pin_memory=(kind == "pinned")).fill_(0)  # pre-faulted
+    times = []
+    for _ in range(6):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    times = times[1:]  # first copy is a warm-up
+    assert bool((dst[:: 1 << 20] == 7).all()), "copy did not land"
+    res[kind] = {"median_gb_s": n / statistics.median(times) / 1e9, "best_gb_s": n / min(times) / 1e9,
+                 "median_s": statistics.median(times)}
+    print(f"{kind:9s} D2H: {res[kind]['median_gb_s']:.1f} GB/s median, {res[kind]['best_gb_s']:.1f} best "
+          f"({res[kind]['median_s'] * 1e3:.1f} ms per GiB)")
+    del dst
+json.dump(res, open(sys.argv[1], "w"), indent=2)
+EOF
+
+section "save benchmark: ${SIZE} GiB, 3 reps"
+timeout 240 "$PY" benchmarks/save_blocking.py --size-gib "$SIZE" --reps 3 \
+  --methods memcpy,ours_thread,ours_thread_overlap,dcp_async_default \
+  --json "$OUT/gpu.json" >"$OUT/gpu_stdout.json" 2> >(tee "$OUT/save_blocking.log" >&2)
+rc=$?
+[ "$rc" = 0 ] || bad "save_blocking.py exited $rc"
+if [ -s "$OUT/gpu.json" ]; then
+  "$PY" - "$OUT/gpu.json" <<'EOF' || bad "benchmark summary"
+import json, sys
+d = json.load(open(sys.argv[1]))
+f = d["floors"]
+print(f"state {d['state_bytes'] / 2**30:.2f} GiB in {d['n_tensors']} tensors on {d['machine']['device']} "
+      f"({d['machine'].get('gpu', '')}); floors: memcpy {f['memcpy_s']:.3f} s, disk {f['disk_s']:.2f} s")
+print(f"{'method':22s} {'blocking s':>10s} {'safe s':>8s} {'durable s':>9s} {'blk/memcpy':>10s} {'dur/disk':>8s} {'RSS/state':>9s}")
+errors = 0
+for name, m in d["methods"].items():
+    if "blocking_s" not in m:
+        print(f"{name:22s} ERROR {m.get('error')}"); errors += 1; continue
+    print(f"{name:22s} {m['blocking_s']:10.3f} {m['safe_s']:8.3f} {m['durable_s']:9.2f} "
+          f"{m['blocking_over_memcpy']:10.2f} {m['durable_over_disk']:8.2f} {m['extra_rss_over_state']:9.2f}")
+sys.exit(1 if errors else 0)
+EOF
+fi
+
+section "done: results in $OUT"
+ls -l "$OUT"
+[ "$fail" = 0 ] && echo "GPU CHECK PASSED" || echo "GPU CHECK FAILED"
+exit "$fail"

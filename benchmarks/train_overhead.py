@@ -1,0 +1,484 @@
+#!/usr/bin/env python
+"""How much does checkpointing every K steps slow the example's training loop?
+
+Runs the training loop of ``examples/train_gpt.py`` (its GPT, its stdlib-text data through
+``StatefulDataLoader``, AdamW, gradient clipping, warmup-cosine LR), with the model scaled up so one
+checkpoint is about 150 MB (n_embd 512, 4 layers: 12.7M parameters, 152 MB with AdamW state), with
+no checkpointing and with each checkpointing method, saving every ``--save-every`` (K) steps:
+
+* torch-ckpt: ``ours_thread``, ``ours_thread_nice19``, ``ours_process``, ``ours_overlap``
+  (thread + overlap_staging);
+* peers: ``dcp_async`` (``dcp.async_save`` defaults; waits for the previous future before the next
+  save, as DCP's docs do), ``lightning_async`` (``AsyncCheckpointIO(TorchCheckpointIO())``),
+  ``torch_save`` (synchronous ``torch.save`` to one file, no fsync, as most loops do).
+
+Design (for a noisy, shared 2-core machine): after one discarded warm-up cycle per method, each
+method runs ``--rounds`` segments of ``--steps`` steps, each segment right after its own
+no-checkpoint segment of the same length (a pair); the method order rotates every round. A segment
+saves after every K-th step except in its last K steps, so each save's background write overlaps
+timed steps; the wait for a last straggling write and a ``sync`` follow the segment, untimed.
+Per method: mean, median and p90 step time (a step includes the save call on save steps), slowdown
+of the mean against the paired no-checkpoint segment (median over pairs, and pooled), and the total
+time the save calls blocked the loop (including any wait for the previous save).
+
+    python benchmarks/train_overhead.py --json /tmp/train_overhead.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import logging
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+METHODS = (
+    "none",
+    "ours_thread",
+    "ours_thread_nice19",
+    "ours_process",
+    "ours_overlap",
+    "dcp_async",
+    "lightning_async",
+    "torch_save",
+)
+
+
+def git_info() -> dict[str, Any]:
+    """Commit of the checkout and whether the library has uncommitted changes (results depend on it)."""
+    import subprocess
+
+    def git(*a):
+        try:
+            return subprocess.run(
+                ["git", *a], cwd=REPO, capture_output=True, text=True, timeout=10, check=False
+            ).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return None
+
+    status = git("status", "--porcelain", "--", "torch_ckpt")
+    return {
+        "commit": git("rev-parse", "--short", "HEAD"),
+        "library_dirty": bool(status) if status is not None else None,
+    }
+
+
+def log(msg: str) -> None:
+    print(f"[train_overhead {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def load_example():
+    spec = importlib.util.spec_from_file_location("train_gpt_example", REPO / "examples" / "train_gpt.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+class Env:
+    """The example's model, data, optimizer and scheduler, with one endless batch stream."""
+
+    def __init__(self, args: argparse.Namespace, directory: Path) -> None:
+        from torchdata.stateful_dataloader import StatefulDataLoader
+        from torchdata.stateful_dataloader.sampler import RandomSampler
+
+        from torch_ckpt import TrainState
+
+        tg = load_example()
+        torch.manual_seed(args.seed)
+        data, vocab = tg.encode(tg.load_corpus(args.corpus_chars))
+        dataset = tg.CharWindows(data, args.block_size)
+        sampler = RandomSampler(dataset, generator=torch.Generator().manual_seed(args.seed))
+        self.loader = StatefulDataLoader(
+            dataset, batch_size=args.batch_size, sampler=sampler, drop_last=True, num_workers=0
+        )
+        self.model = tg.GPT(len(vocab), args.block_size, args.n_layer, args.n_head, args.n_embd, 0.1)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1)
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, tg.warmup_cosine(20, 100_000, 0.1))
+        self.state = TrainState(model=self.model, optimizer=self.opt, scheduler=self.sched, dataloader=self.loader)
+        self.dir = directory
+        self.step = 0
+        self._it = iter(self.loader)
+        self.model.train()
+
+    def batch(self):
+        try:
+            return next(self._it)
+        except StopIteration:
+            self._it = iter(self.loader)
+            return next(self._it)
+
+    def train_step(self) -> float:
+        x, y, _ = self.batch()
+        loss = self.model(x, y)
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.opt.step()
+        self.sched.step()
+        self.step += 1
+        return float(loss.item())
+
+    def state_bytes(self) -> int:
+        n = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        n += sum(
+            v.numel() * v.element_size()
+            for st in self.opt.state.values()
+            for v in st.values()
+            if isinstance(v, torch.Tensor)
+        )
+        return n
+
+
+# --------------------------------------------------------------------------------------- savers
+
+
+class Saver:
+    name = "none"
+
+    def __init__(self, env: Env) -> None:
+        self.env = env
+        self.out = env.dir / self.name
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.lib_wait_prev = 0.0
+
+    def setup(self) -> None:
+        pass
+
+    def save(self, step: int) -> None:
+        pass
+
+    def drain(self) -> None:
+        pass
+
+    def clean(self) -> None:
+        for p in self.out.iterdir():
+            shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink()
+
+    def close(self) -> None:
+        pass
+
+
+class Ours(Saver):
+    CONFIG: ClassVar[dict[str, tuple[str, bool, int]]] = {
+        "ours_thread": ("thread", False, 0),
+        "ours_thread_nice19": ("thread", False, 19),
+        "ours_process": ("process", False, 0),
+        "ours_overlap": ("thread", True, 0),
+    }
+
+    def __init__(self, env, name):
+        self.name = name
+        super().__init__(env)
+
+    def setup(self):
+        from torch_ckpt import CheckpointManager
+
+        persist, overlap, nice = self.CONFIG[self.name]
+        self.mgr = CheckpointManager(
+            self.out, keep_last=1, persist=persist, overlap_staging=overlap, writer_niceness=nice
+        )
+
+    def save(self, step):
+        t = time.perf_counter()
+        self.mgr.wait()  # save() waits for the previous save anyway; timed here to report it
+        self.lib_wait_prev += time.perf_counter() - t
+        self.mgr.save(step, self.env.state)
+
+    def drain(self):
+        self.mgr.wait()
+
+    def clean(self):
+        for p in self.out.iterdir():
+            if p.name.startswith("step_"):
+                shutil.rmtree(p, ignore_errors=True)
+
+    def close(self):
+        self.mgr.close()
+
+
+class DcpAsync(Saver):
+    name = "dcp_async"
+
+    def setup(self):
+        self.fut = None
+        self.done_dirs: list[Path] = []
+
+    def save(self, step):
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        if self.fut is not None:  # one save in flight, as DCP's examples do
+            t = time.perf_counter()
+            self.fut.result()
+            self.lib_wait_prev += time.perf_counter() - t
+            for p in self.done_dirs[:-1]:
+                shutil.rmtree(p, ignore_errors=True)
+            self.done_dirs = self.done_dirs[-1:]
+        msd, osd = get_state_dict(self.env.model, self.env.opt)
+        path = self.out / f"step_{step}"
+        self.fut = dcp.async_save(
+            {"model": msd, "optim": osd, "sched": self.env.sched.state_dict()}, checkpoint_id=str(path), no_dist=True
+        )
+        self.done_dirs.append(path)
+
+    def drain(self):
+        if self.fut is not None:
+            self.fut.result()
+            self.fut = None
+
+
+class LightningAsync(Saver):
+    name = "lightning_async"
+
+    def setup(self):
+        from lightning.pytorch.plugins.io import AsyncCheckpointIO, TorchCheckpointIO
+
+        self.io = AsyncCheckpointIO(TorchCheckpointIO())
+
+    def save(self, step):
+        e = self.env
+        ckpt = {
+            "state_dict": e.model.state_dict(),
+            "optimizer_states": [e.opt.state_dict()],
+            "lr_schedulers": [e.sched.state_dict()],
+            "global_step": step,
+        }
+        self.io.save_checkpoint(ckpt, self.out / f"step_{step}.ckpt")
+
+    def drain(self):
+        self.io.teardown()
+
+    def close(self):
+        self.io.teardown()
+
+
+class TorchSave(Saver):
+    name = "torch_save"
+
+    def save(self, step):
+        e = self.env
+        torch.save(
+            {
+                "model": e.model.state_dict(),
+                "optimizer": e.opt.state_dict(),
+                "scheduler": e.sched.state_dict(),
+                "step": step,
+            },
+            self.out / "last.pt",
+        )
+
+
+def make_saver(name: str, env: Env) -> Saver:
+    if name in Ours.CONFIG:
+        return Ours(env, name)
+    return {"none": Saver, "dcp_async": DcpAsync, "lightning_async": LightningAsync, "torch_save": TorchSave}[name](env)
+
+
+# ------------------------------------------------------------------------------------------ run
+
+
+def run_segment(env: Env, saver: Saver, steps: int, every: int, checkpoint: bool) -> dict[str, Any]:
+    """``steps`` training steps, saving after every ``every``-th step except in the last ``every`` steps
+    (so each save's background write overlaps timed steps); returns step and save-call times."""
+    step_times, save_times = [], []
+    for i in range(1, steps + 1):
+        t0 = time.perf_counter()
+        env.train_step()
+        if checkpoint and i % every == 0 and i <= steps - every:
+            ts = time.perf_counter()
+            saver.save(env.step)
+            save_times.append(time.perf_counter() - ts)
+        step_times.append(time.perf_counter() - t0)
+    t = time.perf_counter()
+    saver.drain()
+    drain_s = time.perf_counter() - t
+    os.sync()
+    saver.clean()
+    return {"step_times": step_times, "save_times": save_times, "drain_s": drain_s}
+
+
+def pct(vals: list[float], q: float) -> float:
+    s = sorted(vals)
+    k = max(0, min(len(s) - 1, round(q * (len(s) - 1))))
+    return s[k]
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--json", type=Path, default=None, help="write the summary here (also printed to stdout)")
+    p.add_argument("--dir", type=Path, default=None, help="parent directory for checkpoints (default: $TMPDIR)")
+    p.add_argument("--methods", nargs="+", default=None, help=f"comma/space separated subset of {', '.join(METHODS)}")
+    p.add_argument("--rounds", type=int, default=3, help="pairs per method")
+    p.add_argument("--steps", type=int, default=20, help="training steps per segment")
+    p.add_argument("--save-every", type=int, default=5, help="K: checkpoint every K steps")
+    p.add_argument("--threads", type=int, default=2, help="torch intra-op threads of the training loop")
+    p.add_argument("--n-embd", type=int, default=512)
+    p.add_argument("--n-layer", type=int, default=4)
+    p.add_argument("--n-head", type=int, default=8)
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--block-size", type=int, default=32)
+    p.add_argument("--corpus-chars", type=int, default=400_000)
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--quick", action="store_true", help="smoke test: 1 pair of 10-step segments, save every 5")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.rounds, args.steps, args.save_every = 1, 10, 5
+    if args.methods is None:
+        args.methods = list(METHODS)
+    else:
+        names = [n for item in args.methods for n in item.split(",") if n]
+        unknown = [n for n in names if n not in METHODS]
+        if unknown:
+            p.error(f"unknown methods {unknown}; choose from {METHODS}")
+        args.methods = ["none"] + [n for n in METHODS if n in names and n != "none"]
+    return args
+
+
+def main(argv=None) -> dict[str, Any]:
+    args = parse_args(argv)
+    warnings.filterwarnings("ignore")
+    logging.basicConfig(level=logging.WARNING)
+    torch.set_num_threads(args.threads)
+    t_start = time.perf_counter()
+    directory = Path(tempfile.mkdtemp(prefix="train_overhead_", dir=str(args.dir) if args.dir else None))
+    savers: dict[str, Saver] = {}
+    try:
+        env = Env(args, directory)
+        env.train_step()  # creates the AdamW state, so the state has its full size
+        state_bytes = env.state_bytes()
+        log(
+            f"model {sum(p.numel() for p in env.model.parameters()) / 1e6:.1f}M params, state "
+            f"{state_bytes / 1e6:.0f} MB, threads {args.threads}, dir {directory}"
+        )
+        for name in args.methods:
+            t = time.perf_counter()
+            s = make_saver(name, env)
+            s.setup()
+            savers[name] = s
+            log(f"{name}: set up in {time.perf_counter() - t:.1f} s")
+        warm: dict[str, Any] = {}
+        for name, s in savers.items():  # warm-up cycle: first-save allocations, thread/process start
+            seg = run_segment(env, s, 2 * args.save_every, args.save_every, name != "none")
+            warm[name] = {"step_s": sum(seg["step_times"]), "save_s": seg["save_times"]}
+        log("warm-up done: " + " ".join(f"{k}={v['step_s']:.2f}s" for k, v in warm.items()))
+        # Paired design: every method segment runs right after its own no-checkpoint segment, so the
+        # slowdown compares windows seconds apart (the load of a shared machine drifts over minutes).
+        pairs: dict[str, list[dict[str, Any]]] = {n: [] for n in savers if n != "none"}
+        names = list(pairs)
+        for r in range(args.rounds):
+            order = names[r % len(names) :] + names[: r % len(names)]
+            t_round = time.perf_counter()
+            line = []
+            for name in order:
+                base = run_segment(env, savers["none"], args.steps, args.save_every, False)
+                seg = run_segment(env, savers[name], args.steps, args.save_every, True)
+                seg["none_step_times"] = base["step_times"]
+                pairs[name].append(seg)
+                line.append(
+                    f"{name}={statistics.mean(seg['step_times']) * 1e3:.0f}/"
+                    f"{statistics.mean(base['step_times']) * 1e3:.0f}ms"
+                )
+            log(f"round {r} in {time.perf_counter() - t_round:.1f} s (method/none): " + " ".join(line))
+        out: dict[str, Any] = {}
+        none_all = [t for segs in pairs.values() for sg in segs for t in sg["none_step_times"]]
+        out["none"] = {
+            "mean_step_s": statistics.mean(none_all),
+            "median_step_s": statistics.median(none_all),
+            "p90_step_s": pct(none_all, 0.9),
+            "max_step_s": max(none_all),
+            "slowdown_pct": 0.0,
+            "n_steps": len(none_all),
+            "n_saves": 0,
+            "total_blocking_s": 0.0,
+        }
+        for name, segs in pairs.items():
+            steps = [t for sg in segs for t in sg["step_times"]]
+            base = [t for sg in segs for t in sg["none_step_times"]]
+            saves = [t for sg in segs for t in sg["save_times"]]
+            per_pair = [
+                (statistics.mean(sg["step_times"]) / statistics.mean(sg["none_step_times"]) - 1) * 100 for sg in segs
+            ]
+            mean = statistics.mean(steps)
+            out[name] = {
+                "mean_step_s": mean,
+                "median_step_s": statistics.median(steps),
+                "p90_step_s": pct(steps, 0.9),
+                "max_step_s": max(steps),
+                "slowdown_pct": statistics.median(per_pair),
+                "slowdown_pct_pooled": (mean / statistics.mean(base) - 1) * 100,
+                "slowdown_pct_per_pair": per_pair,
+                "paired_none_mean_step_s": statistics.mean(base),
+                "paired_none_p90_step_s": pct(base, 0.9),
+                "n_steps": len(steps),
+                "n_saves": len(saves),
+                "total_blocking_s": sum(saves),
+                "mean_blocking_s": statistics.mean(saves) if saves else 0.0,
+                "max_blocking_s": max(saves) if saves else 0.0,
+                "blocking_share_pct": sum(saves) / sum(steps) * 100,
+                "waited_for_previous_s": savers[name].lib_wait_prev,
+                "mean_drain_s": statistics.mean(sg["drain_s"] for sg in segs),
+            }
+        result = {
+            "methods": out,
+            "state_bytes": state_bytes,
+            "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+            "warmup": warm,
+            "machine": {
+                "platform": platform.platform(),
+                "cpu_count": os.cpu_count(),
+                "torch": torch.__version__,
+                "loadavg_end": os.getloadavg(),
+                "git": git_info(),
+            },
+            "pairs": {
+                k: [
+                    {
+                        "step_times": sg["step_times"],
+                        "none_step_times": sg["none_step_times"],
+                        "save_times": sg["save_times"],
+                    }
+                    for sg in segs
+                ]
+                for k, segs in pairs.items()
+            },
+        }
+    finally:
+        for s in savers.values():
+            try:
+                s.close()
+            except Exception as exc:  # noqa: BLE001
+                log(f"{s.name}: close failed: {exc}")
+        shutil.rmtree(directory, ignore_errors=True)
+    result["runtime_s"] = time.perf_counter() - t_start
+    text = json.dumps(result, indent=2)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(text + "\n")
+    print(text)
+    for name, e in result["methods"].items():
+        log(
+            f"{name:20s} mean {e['mean_step_s'] * 1e3:7.1f} ms  p90 {e['p90_step_s'] * 1e3:7.1f} ms  "
+            f"slowdown {e['slowdown_pct']:+6.1f}% (pooled {e.get('slowdown_pct_pooled', 0.0):+6.1f}%)  "
+            f"blocking {e['total_blocking_s']:.2f} s over {e['n_saves']} saves"
+        )
+    log(f"done in {result['runtime_s']:.0f} s")
+    return result
+
+
+if __name__ == "__main__":
+    main()
