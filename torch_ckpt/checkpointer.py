@@ -102,6 +102,9 @@ class AsyncCheckpointer:
         on_write_error: "raise" (default): a failed background save is raised on the caller's
             thread at the next call; "warn": it is logged as a warning and counted in
             :attr:`failed_saves` so training continues (the step is never committed either way).
+        distributed: True (default): saves and loads are collective over all ranks of
+            ``process_group``; False: this process saves and loads alone (non-collective), even in a
+            distributed job.
 
     Raises:
         ConfigError: invalid arguments.
@@ -119,6 +122,7 @@ class AsyncCheckpointer:
         timeout_seconds: float = 600.0,
         process_group: Any = None,
         on_write_error: str = "raise",
+        distributed: bool = True,
     ) -> None:
         if on_write_error not in ("raise", "warn"):
             raise ConfigError(f"on_write_error must be 'raise' or 'warn', got {on_write_error!r}")
@@ -137,7 +141,8 @@ class AsyncCheckpointer:
         self.persist_mode = persist
         self.overlap_staging = bool(overlap_staging)
         self.writer_niceness = writer_niceness
-        self._ctx = DistContext(timeout_seconds=timeout_seconds, process_group=process_group)
+        self._ctx = DistContext(timeout_seconds=timeout_seconds, process_group=process_group,
+                                distributed=distributed)
         self._stager = HostStager(budget_bytes=staging_budget_bytes, share_memory=persist == "process")
         self._process_writer: ProcessWriter | None = None
         self._hooked: dict[int, Any] = {}

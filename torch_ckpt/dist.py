@@ -44,10 +44,13 @@ class DistContext:
         timeout_seconds: how long a checkpoint collective may wait for the other ranks before
             failing with :class:`CheckpointTimeoutError` (seconds).
         process_group: the group whose ranks take part (default: the world).
+        distributed: False makes this process act alone even when a process group exists (for
+            saves that only one rank performs, e.g. Lightning's rank-0-only ``CheckpointIO`` calls).
     """
 
-    def __init__(self, *, timeout_seconds: float = 600.0, process_group: Any = None) -> None:
-        self.enabled = dist.is_available() and dist.is_initialized()
+    def __init__(self, *, timeout_seconds: float = 600.0, process_group: Any = None,
+                 distributed: bool = True) -> None:
+        self.enabled = distributed and dist.is_available() and dist.is_initialized()
         self.timeout_seconds = float(timeout_seconds)
         self.fg = self.bg = None
         if self.enabled:

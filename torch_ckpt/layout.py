@@ -51,6 +51,8 @@ __all__ = [
     "check_root",
     "update_manifest_tiers",
     "RootLock",
+    "rank_file_name",
+    "MANIFEST_NAME",
 ]
 
 log = get_logger(__name__)
