@@ -89,6 +89,8 @@ class AccelerateCheckpointer:
         self.hooks: list[Any] = []
         self.last_handle: SaveHandle | None = None
         self._unlogged: list[SaveHandle] = []
+        self._newest_committed_wall: float | None = None
+        self._last_health = float("-inf")
         self._active = False  # True while our own save_state/load_state runs the hooks
         self._taken: list[Any] = []
         self._ckpt: AsyncCheckpointer | None = None
@@ -386,7 +388,12 @@ class AccelerateCheckpointer:
         for handle in done:
             if handle.committed.exception() is None:
                 stats = handle.stats.as_dict()
+                self._newest_committed_wall = max(self._newest_committed_wall or 0.0, stats["wall_time"])
                 acc.log({f"checkpoint/{k}": stats[k] for k in _STAT_KEYS}, step=handle.step)
+        now = time.monotonic()
+        if self._newest_committed_wall is not None and (done or now - self._last_health >= 60.0):
+            self._last_health = now  # health: the training time a failure right now would lose
+            acc.log({"checkpoint/lost_work_s": time.time() - self._newest_committed_wall})
 
     # -- lifecycle -------------------------------------------------------------------------------
     def replication_stats(self) -> dict[str, Any]:

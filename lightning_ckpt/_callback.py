@@ -44,6 +44,7 @@ __all__ = ["MTBFCheckpoint"]
 log = logging.getLogger(__name__)
 
 _STAT_KEYS = ("blocking_s", "staging_s", "persist_s", "total_s", "gb_per_s")
+_HEALTH_EVERY_S = 60.0  # how often the lost-work health figure is logged
 _PLAN_KEYS = ("interval_steps", "interval_s", "cost_s", "step_time_s", "expected_overhead", "mtbf_s")
 
 
@@ -116,6 +117,8 @@ class MTBFCheckpoint(OnExceptionCheckpoint):
         self._cadence: Cadence | None = None
         self._pending_rng: dict[str, Any] | None = None
         self._unreported: list = []
+        self._newest_committed_wall: float | None = None
+        self._last_health = float("-inf")
         self._sigterm = False
         self._stepped = False
         self._last_saved_step: int | None = None
@@ -212,6 +215,7 @@ class MTBFCheckpoint(OnExceptionCheckpoint):
         if sigterm:
             self._stop_after_commit(trainer, step)
         self._report(pl_module)
+        self._report_health(pl_module)
         if self.prog_bar:
             pl_module.log("ckpt_saving", float(self._io.saving), prog_bar=True, logger=False, on_step=True,
                           on_epoch=False)
@@ -239,6 +243,17 @@ class MTBFCheckpoint(OnExceptionCheckpoint):
             connector.received_sigterm = True  # Lightning raises SIGTERMException at the end of this batch
         trainer.should_stop = True
 
+    def _report_health(self, pl_module: Any) -> None:
+        """Every ``_HEALTH_EVERY_S``: the training time a failure right now would lose (``ckpt/lost_work_s``)."""
+        now = time.monotonic()
+        if not self.log_stats or self._newest_committed_wall is None or now - self._last_health < _HEALTH_EVERY_S:
+            return
+        self._last_health = now
+        lost = time.time() - self._newest_committed_wall
+        if pl_module.trainer.loggers:
+            pl_module.log("ckpt/lost_work_s", lost, on_step=True, on_epoch=False, logger=True)
+        log.info("checkpoint health: a failure now would lose %.1f s of training", lost)
+
     def _report(self, pl_module: Any) -> None:
         """Log the statistics of every save that has committed since the last report (once each)."""
         while self._unreported and self._unreported[0].done():
@@ -249,6 +264,7 @@ class MTBFCheckpoint(OnExceptionCheckpoint):
             metrics = {f"ckpt/{k}": float(stats[k]) for k in _STAT_KEYS}
             plan = self._young_daly.plan() if self._young_daly is not None else {}
             metrics.update({f"ckpt/{k}": float(plan[k]) for k in _PLAN_KEYS if isinstance(plan.get(k), (int, float))})
+            self._newest_committed_wall = max(self._newest_committed_wall or 0.0, stats["wall_time"])
             if self.log_stats:
                 if pl_module.trainer.loggers:
                     pl_module.log_dict(metrics, on_step=True, on_epoch=False, logger=True)

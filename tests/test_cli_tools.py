@@ -281,7 +281,7 @@ def test_verify_intact_root_passes(saved, capsys):
     out = run_json(capsys, "verify", saved["root"])
     assert out["ok"] and out["kind"] == "root" and out["problems"] == 0
     assert [(c["step"], c["ok"], c["checksums"], c["files"]) for c in out["checkpoints"]] == \
-        [(10, True, True, 3), (20, True, True, 3)]
+        [(10, True, True, 4), (20, True, True, 4)]  # .metadata, 2 shard files (2 writer threads), rank json
     dcp_tensors = sum(count for _, count, _ in saved["expected"].values()) - 1  # the RNG tensor is inline
     assert out["checkpoints"][1]["tensors"] == dcp_tensors
 

@@ -226,3 +226,20 @@ def _back_to_back(rank, world, root):
 def test_ten_back_to_back_async_saves_with_training_barriers(tmp_path):
     """Ten async saves on 2 ranks interleaved with training-group barriers all commit without a hang."""
     run_distributed(_back_to_back, 2, str(tmp_path))
+
+
+def _rank0_alone(rank, world, root):
+    from torch_ckpt import AsyncCheckpointer
+
+    if rank == 0:
+        with AsyncCheckpointer(distributed=False) as ck:
+            ck.save(Path(root) / "solo", {"w": torch.arange(4.0)}, step=1).wait()
+            target = {"w": torch.zeros(4)}
+            ck.load(Path(root) / "solo", target)
+            assert torch.equal(target["w"], torch.arange(4.0))
+    dist.barrier()
+
+
+def test_non_collective_checkpointer_saves_on_one_rank(tmp_path):
+    """AsyncCheckpointer(distributed=False) lets one rank of a job save and load alone, without a hang."""
+    run_distributed(_rank0_alone, 2, str(tmp_path), timeout_s=90)

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import Future
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 __all__ = ["SaveHandle", "SaveStats"]
 
@@ -22,6 +23,7 @@ class SaveStats:
         total_s: from the ``save()`` call until committed.
         files_bytes: bytes of all files of the committed checkpoint (all ranks).
         mode: "async", "sync" or "sync-over-budget".
+        wall_time: Unix time (seconds) of the ``save()`` call: when the saved state was captured.
     """
 
     step: int
@@ -33,6 +35,7 @@ class SaveStats:
     total_s: float = 0.0
     files_bytes: int = 0
     mode: str = "async"
+    wall_time: float = field(default_factory=time.time)
 
     @property
     def gb_per_s(self) -> float:

@@ -1,0 +1,296 @@
+"""Verification of checkpoints (``torch-ckpt verify``): sizes, CRC-32 and structure, naming each bad file.
+
+Nothing executes code from a checkpoint: DCP's ``.metadata`` is read with the restricted unpickler
+and tensor payloads are never loaded.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from typing import Any
+
+from torch_ckpt.codec import (  # the on-disk tags of the per-rank JSON trees
+    _INLINE_TENSOR,
+    _NDARRAY,
+    TENSOR_TAG,
+)
+from torch_ckpt.errors import (
+    CheckpointCorruptError,
+    CheckpointNotFoundError,
+    UnsafeCheckpointError,
+)
+from torch_ckpt.layout import MANIFEST_NAME, Manifest, rank_file_name
+from torch_ckpt.location import (  # private helpers shared by the read-only tools
+    _METADATA,
+    PARTIAL,
+    Location,
+    _as_location,
+    _b64_len,
+    _inline_info,
+    _ndarray_info,
+    _require_dir,
+    _step_of,
+    _walk,
+    progress_bar,
+)
+
+__all__ = ["verify_checkpoint", "verify_path", "verify_root"]
+
+# ---------------------------------------------------------------------------------------------
+# verification of one checkpoint directory
+
+
+class _Report:
+    def __init__(self, loc: Location) -> None:
+        self.loc = loc
+        self.problems: list[dict[str, str]] = []
+        self.warnings: list[dict[str, str]] = []
+
+    def problem(self, file: str, text: str) -> None:
+        self.problems.append({"file": file, "path": self.loc.describe(file), "problem": text})
+
+    def warning(self, file: str, text: str) -> None:
+        self.warnings.append({"file": file, "path": self.loc.describe(file), "problem": text})
+
+
+def _check_files(loc: Location, manifest: Manifest, listing: dict[str, dict[str, Any]], rep: _Report, *,
+                 checksums: bool, bar: Any) -> None:
+    for name, info in sorted(manifest.files.items()):
+        entry = listing.get(name)
+        if entry is None or entry["type"] != "file":
+            rep.problem(name, "listed in the manifest but missing" if entry is None else
+                        "listed in the manifest as a file but is a directory")
+            bar.update(info["bytes"])
+            continue
+        if entry["size"] != info["bytes"]:
+            rep.problem(name, f"size {entry['size']} bytes, manifest says {info['bytes']} (truncated or "
+                              "overwritten)")
+            bar.update(info["bytes"])
+            continue
+        if checksums:
+            try:
+                size, crc = loc.checksum(name, bar)
+            except OSError as exc:
+                rep.problem(name, f"cannot be read ({exc})")
+                continue
+            if size != info["bytes"]:
+                rep.problem(name, f"read {size} bytes, manifest says {info['bytes']}")
+            elif crc != info["crc32"]:
+                rep.problem(name, f"CRC-32 {crc:#010x} does not match the manifest ({info['crc32']:#010x}); "
+                                  "the file is corrupt")
+    for name, entry in sorted(listing.items()):
+        if name != MANIFEST_NAME and name not in manifest.files:
+            rep.warning(name, f"{entry['type']} not listed in the manifest (ignored on restore)")
+
+
+def _check_structure(loc: Location, manifest: Manifest, listing: dict[str, dict[str, Any]], rep: _Report) -> int:
+    """DCP metadata and per-rank trees; returns the number of DCP tensors."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    md = None
+    if _METADATA not in manifest.files:
+        rep.problem(_METADATA, "DCP metadata is not listed in the manifest")
+    if _METADATA in listing:
+        try:
+            md = loc.read_metadata(_METADATA)
+        except (UnsafeCheckpointError, CheckpointCorruptError) as exc:
+            rep.problem(_METADATA, str(exc).replace(loc.describe(_METADATA) + ": ", ""))
+        except OSError as exc:
+            rep.problem(_METADATA, f"cannot be read ({exc})")
+    tensors: dict[str, Any] = {}
+    if md is not None:
+        for key, item in md.state_dict_metadata.items():
+            if isinstance(item, TensorStorageMetadata):
+                tensors[key] = item
+            else:
+                rep.warning(_METADATA, f"item {key!r} is a pickled object; torch-ckpt never writes those and refuses "
+                                       "to load them")
+        stored: set[tuple[str, tuple[int, ...]]] = set()
+        for index, info in md.storage_data.items():
+            rel = str(getattr(info, "relative_path", ""))
+            if index.offset is not None:
+                stored.add((index.fqn, tuple(index.offset)))
+            if rel not in manifest.files:
+                rep.problem(_METADATA, f"item {index.fqn!r} is stored in {rel!r}, which the manifest does not list")
+                continue
+            end = int(info.offset) + int(info.length)
+            if end > manifest.files[rel]["bytes"]:
+                rep.problem(rel, f"item {index.fqn!r} is stored at bytes {info.offset}..{end}, past the end of the "
+                                 f"file ({manifest.files[rel]['bytes']} bytes)")
+        for key, item in tensors.items():
+            covered = 0
+            for chunk in item.chunks:
+                if (key, tuple(chunk.offsets)) not in stored:
+                    rep.problem(_METADATA, f"tensor {key!r}: the chunk at offset {list(chunk.offsets)} has no "
+                                           "storage entry")
+                covered += math.prod(chunk.sizes)
+            if covered != math.prod(item.size):
+                rep.problem(_METADATA, f"tensor {key!r}: chunks hold {covered} of {math.prod(item.size)} elements")
+
+    referenced: set[str] = set()
+    trees_read = 0
+    if manifest.world_size < 1:
+        rep.problem(MANIFEST_NAME, f"world size {manifest.world_size} is not positive")
+    for rank in range(manifest.world_size):
+        name = rank_file_name(rank)
+        if name not in manifest.files:
+            rep.problem(name, f"per-rank state file of rank {rank} is not listed in the manifest (world size "
+                              f"{manifest.world_size})")
+            continue
+        if name not in listing or any(p["file"] == name for p in rep.problems):
+            continue  # already reported as missing, truncated or corrupt
+        try:
+            doc = loc.read_rank_doc(rank)
+        except (CheckpointCorruptError, OSError) as exc:
+            rep.problem(name, str(exc).replace(loc.describe(name) + ": ", ""))
+            continue
+        for field, want in (("rank", rank), ("step", manifest.step), ("world_size", manifest.world_size)):
+            if doc.get(field) != want:
+                rep.problem(name, f"{field} is {doc.get(field)!r}, expected {want!r}")
+        try:
+            for path, kind, node in _walk(doc["tree"], ()):
+                where = ".".join(path) or "<root>"
+                if kind == "tensor":
+                    key = node[TENSOR_TAG]
+                    referenced.add(key)
+                    if md is not None and key not in tensors:
+                        rep.problem(name, f"state key {where!r} refers to tensor {key!r}, which the DCP metadata "
+                                          "does not hold")
+                elif kind in ("inline", "ndarray"):
+                    try:
+                        _, _, nbytes = (_inline_info if kind == "inline" else _ndarray_info)(node)
+                    except (ValueError, TypeError) as exc:
+                        rep.problem(name, f"state key {where!r}: {exc}")
+                        continue
+                    got = _b64_len(node.get(_INLINE_TENSOR if kind == "inline" else _NDARRAY))
+                    if got != nbytes:
+                        rep.problem(name, f"state key {where!r}: embedded data holds {got} bytes, its shape and "
+                                          f"dtype need {nbytes}")
+        except (ValueError, TypeError, KeyError, AttributeError, RecursionError) as exc:
+            rep.problem(name, f"malformed state tree ({exc})")
+            continue
+        trees_read += 1
+    for name in sorted(manifest.files):
+        m = re.match(r"^rank_(\d+)\.json$", name)
+        if m and int(m.group(1)) >= manifest.world_size:
+            rep.warning(name, f"per-rank file beyond the world size {manifest.world_size}")
+    unreferenced = sorted(set(tensors) - referenced)
+    if unreferenced and trees_read == manifest.world_size:  # otherwise the unread trees may refer to them
+        rep.warning(_METADATA, f"{len(unreferenced)} tensor(s) are not referenced by any rank's state, e.g. "
+                               f"{unreferenced[:3]}")
+    return len(tensors)
+
+
+def _check_dir(loc: Location, *, checksums: bool, structure: bool, progress: bool) -> dict[str, Any]:
+    """Verify one checkpoint directory; never raises for a damaged checkpoint (problems are listed)."""
+    return _check_dir_manifest(loc, checksums=checksums, structure=structure, progress=progress)[0]
+
+
+def _check_dir_manifest(loc: Location, *, checksums: bool, structure: bool,
+                        progress: bool) -> tuple[dict[str, Any], Manifest | None]:
+    rep = _Report(loc)
+    step, _ = _step_of(loc.name)
+    out: dict[str, Any] = {"checkpoint": loc.describe(), "name": loc.name, "step": step, "ok": False,
+                           "checksums": checksums, "structure": structure, "world_size": None, "files": 0,
+                           "bytes": 0, "tensors": None, "problems": rep.problems, "warnings": rep.warnings}
+    try:
+        listing = loc.entries()
+    except FileNotFoundError:
+        rep.problem("", "the checkpoint directory does not exist")
+        return out
+    manifest = None
+    if MANIFEST_NAME not in listing:
+        rep.problem(MANIFEST_NAME, "missing: not a committed checkpoint")
+    else:
+        try:
+            manifest = loc.read_manifest()
+        except (CheckpointCorruptError, CheckpointNotFoundError, OSError) as exc:
+            rep.problem(MANIFEST_NAME, str(exc).replace(loc.describe(MANIFEST_NAME) + ": ", ""))
+    if manifest is not None:
+        if step is not None and manifest.step != step:
+            rep.problem(MANIFEST_NAME, f"says step {manifest.step} but the directory is {loc.name}")
+        out.update(step=manifest.step, world_size=manifest.world_size, files=len(manifest.files),
+                   bytes=sum(i["bytes"] for i in manifest.files.values()))
+        with progress_bar(out["bytes"] if checksums else 0, f"verify {loc.name}",
+                          enabled=progress and checksums) as bar:
+            _check_files(loc, manifest, listing, rep, checksums=checksums, bar=bar)
+        if structure:
+            out["tensors"] = _check_structure(loc, manifest, listing, rep)
+    out["ok"] = not rep.problems
+    return out, manifest
+
+
+# ---------------------------------------------------------------------------------------------
+# verify
+
+
+def verify_checkpoint(where: str | os.PathLike | Location, *, storage_options: dict[str, Any] | None = None,
+                      checksums: bool = True, progress: bool = False) -> dict[str, Any]:
+    """Check one checkpoint directory: files and structure.
+
+    Every file of the manifest must be present with its size and (``checksums``) CRC-32; the DCP
+    metadata must be readable with the restricted unpickler, its storage entries must lie inside
+    listed files and cover each tensor; every rank's JSON file must be listed, readable and consistent
+    with the manifest, and every tensor placeholder of its tree must be a tensor of the metadata.
+
+    Returns:
+        ``{"checkpoint", "name", "step", "ok", "checksums", "structure", "world_size", "files",
+        "bytes", "tensors", "problems": [{"file", "path", "problem"}], "warnings": [...]}``.
+
+    Raises:
+        PathNotFoundError: ``where`` does not exist.
+    """
+    loc = _as_location(where, storage_options)
+    _require_dir(loc)
+    return _check_dir(loc, checksums=checksums, structure=True, progress=progress)
+
+
+def verify_root(where: str | os.PathLike | Location, *, storage_options: dict[str, Any] | None = None,
+                checksums: bool = True, progress: bool = False) -> dict[str, Any]:
+    """Verify every checkpoint of a run root (partial entries are skipped and listed).
+
+    Returns:
+        ``{"target", "kind": "root", "ok", "checkpoints": [verify_checkpoint results], "skipped":
+        [{"name", "step", "reason"}], "problems": total count, "general_problems": [str]}``. A root
+        without any checkpoint to verify is not ok (one general problem).
+
+    Raises:
+        PathNotFoundError: ``where`` does not exist.
+    """
+    from torch_ckpt.inspection import list_root  # listing and verification use each other
+
+    loc = _as_location(where, storage_options)
+    listing = list_root(loc)
+    results, skipped = [], []
+    for row in listing["steps"]:
+        if row["status"] == PARTIAL:
+            skipped.append({"name": row["name"], "step": row["step"], "reason": row["reason"]})
+            continue
+        results.append(_check_dir(loc.child(row["name"]), checksums=checksums, structure=True, progress=progress))
+    return _summary(loc, "root", results, skipped)
+
+
+def _summary(loc: Location, kind: str, results: list[dict[str, Any]], skipped: list[dict[str, Any]]) -> dict[str, Any]:
+    general = [] if results else [f"{loc.describe()} holds no checkpoint to verify"]
+    problems = sum(len(r["problems"]) for r in results) + len(general)
+    return {"target": loc.describe(), "kind": kind, "ok": problems == 0, "checkpoints": results, "skipped": skipped,
+            "problems": problems, "general_problems": general}
+
+
+def verify_path(where: str | os.PathLike | Location, *, storage_options: dict[str, Any] | None = None,
+                checksums: bool = True, progress: bool = False) -> dict[str, Any]:
+    """Verify a checkpoint directory or every checkpoint of a root (see :func:`verify_root`).
+
+    Returns:
+        The :func:`verify_root` shape in both cases (``kind`` is "checkpoint" or "root").
+    """
+    from torch_ckpt.inspection import _looks_like_checkpoint  # listing and verification use each other
+
+    loc = _as_location(where, storage_options)
+    _require_dir(loc)
+    if _looks_like_checkpoint(loc):
+        return _summary(loc, "checkpoint", [_check_dir(loc, checksums=checksums, structure=True, progress=progress)],
+                        [])
+    return verify_root(loc, checksums=checksums, progress=progress)
