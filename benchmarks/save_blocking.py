@@ -493,7 +493,7 @@ class Ours(Method):
     def setup(self):
         from torch_ckpt import CheckpointManager, TrainState
 
-        self.mgr = CheckpointManager(self.out, keep_last=1, async_save=True, thread_count=1, **self.kw)
+        self.mgr = CheckpointManager(self.out, keep_last=1, async_save=True, **self.kw)  # library defaults
         self.state = TrainState(model=self.ctx.model, optimizer=self.ctx.opt)
 
     def run(self, step):
