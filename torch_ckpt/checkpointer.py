@@ -32,7 +32,7 @@ from torch_ckpt.restore import RANK_LOCAL_POLICIES, load_into
 from torch_ckpt.staging import HostStager
 from torch_ckpt.writer_process import ProcessWriter
 
-__all__ = ["AsyncCheckpointer"]
+__all__ = ["AsyncCheckpointer", "close_on_exit"]
 
 log = get_logger(__name__)
 
@@ -71,6 +71,17 @@ def _lower_thread_priority(niceness: int) -> None:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), niceness)
         except OSError as exc:
             log.warning("could not lower the checkpoint writer's priority: %s", exc)
+
+
+def close_on_exit(close: Callable[[], None], exc_type: type | None) -> None:
+    """``__exit__`` helper: close; when another exception is propagating, log a close error instead of masking it."""
+    if exc_type is None:
+        close()
+        return
+    try:
+        close()
+    except Exception:  # noqa: BLE001
+        log.exception("checkpoint error while closing after another exception")
 
 
 class AsyncCheckpointer:
@@ -165,13 +176,7 @@ class AsyncCheckpointer:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
-            self.close()
-        else:  # do not mask the caller's exception; still flush and log any save error
-            try:
-                self.close()
-            except Exception:  # noqa: BLE001
-                log.exception("checkpoint error while closing after another exception")
+        close_on_exit(self.close, exc_type)
 
     # -- errors ----------------------------------------------------------------------------------
     def _raise_pending(self) -> None:

@@ -16,7 +16,7 @@ from typing import Any
 
 from torch_ckpt._logging import get_logger
 from torch_ckpt.cadence import Cadence
-from torch_ckpt.checkpointer import AsyncCheckpointer
+from torch_ckpt.checkpointer import AsyncCheckpointer, close_on_exit
 from torch_ckpt.errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -203,13 +203,7 @@ class CheckpointManager:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
-            self.close()
-        else:  # do not mask the caller's exception; still flush and log any save error
-            try:
-                self.close()
-            except Exception:  # noqa: BLE001
-                log.exception("checkpoint error while closing after another exception")
+        close_on_exit(self.close, exc_type)
 
     @property
     def checkpointer(self) -> AsyncCheckpointer:
