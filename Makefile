@@ -23,7 +23,8 @@ DEMO_DIR ?= demo_run
 .PHONY: demo test setup clean
 
 setup: $(STAMP)
-	@$(PY) -m pip install --quiet --no-deps --no-build-isolation -e . >/dev/null
+	@$(PY) -m pip install --quiet --no-deps --no-build-isolation -e . >/dev/null 2>&1 || \
+		$(PY) -m pip install --no-deps --no-build-isolation -e .
 
 $(STAMP): pyproject.toml Makefile
 	@echo ">> creating $(VENV)"

@@ -274,3 +274,17 @@ def test_wait_for_previous_is_reported(tmp_path, make_state, monkeypatch):
         handle = mgr.save(2, state)
         assert handle.stats.wait_for_previous_s >= 0.2
         assert handle.stats.blocking_s >= handle.stats.wait_for_previous_s
+
+
+def test_training_on_after_restoring_an_older_step(tmp_path, make_state):
+    """After restoring step 2 of 1..4, saving step 3 works and newer steps are moved aside, not deleted."""
+    state, *_ = make_state()
+    with CheckpointManager(tmp_path, keep_last=None) as mgr:
+        for step in (1, 2, 3, 4):
+            mgr.save(step, state)
+        mgr.wait()
+    with CheckpointManager(tmp_path, keep_last=None) as mgr:
+        assert mgr.restore(make_state(seed=2)[0], step=2) == 2
+        mgr.save(3, state).wait()
+        assert mgr.all_steps() == [1, 2, 3] and mgr.latest_step() == 3
+    assert len(list(tmp_path.glob(".superseded_step_*"))) == 2

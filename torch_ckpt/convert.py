@@ -91,7 +91,10 @@ def export_torch(checkpoint: str | Path, out: str | Path) -> dict[str, Any]:
 
 
 def export_safetensors(checkpoint: str | Path, out: str | Path) -> dict[str, Any]:
-    """Write the model weights of ``checkpoint`` (keys without the ``model.`` prefix) as safetensors.
+    """Write the model weights of ``checkpoint`` as safetensors.
+
+    The weights are the ``model`` entry of a :class:`~torch_ckpt.TrainState` checkpoint, or the
+    ``state_dict`` entry of a Lightning one, under their usual names (no prefix).
 
     Raises:
         ConfigError: the checkpoint has no model tensors, or ``safetensors`` is not installed.
@@ -101,9 +104,9 @@ def export_safetensors(checkpoint: str | Path, out: str | Path) -> dict[str, Any
     except ImportError as exc:
         raise ConfigError("exporting to safetensors needs the 'safetensors' package: pip install safetensors") from exc
     state, manifest = load_full_state(checkpoint)
-    model = state.get("model")
+    model = state.get("model") or state.get("state_dict")  # TrainState / Lightning checkpoints
     if not isinstance(model, dict) or not model:
-        raise ConfigError(f"{checkpoint}: no 'model' entry to export (was it saved with TrainState(model=...)?)")
+        raise ConfigError(f"{checkpoint}: no 'model' (TrainState) or 'state_dict' (Lightning) entry to export")
     weights: dict[str, torch.Tensor] = {}
 
     def collect(prefix: str, node: Any) -> None:

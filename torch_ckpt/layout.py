@@ -267,11 +267,16 @@ def clean_stale_temporaries(root: str | os.PathLike) -> list[Path]:
     return removed
 
 
-def quarantine_step_dir(path: Path) -> Path:
-    """Move a damaged checkpoint directory aside (never listed, never auto-deleted) and return its new path."""
-    target = path.with_name(f".corrupt_{path.name}.{int(time.time())}")
+def quarantine_step_dir(path: Path, *, reason: str = "corrupt") -> Path:
+    """Move a checkpoint directory aside (never listed, never auto-deleted) and return its new path.
+
+    ``reason`` names the hidden directory: ``.corrupt_step_N.<time>`` for a damaged checkpoint,
+    ``.superseded_step_N.<time>`` for one from a run segment abandoned by restoring an older step.
+    """
+    target = path.with_name(f".{reason}_{path.name}.{int(time.time())}")
     os.rename(path, target)
-    log.warning("moved damaged checkpoint %s aside to %s", path, target)
+    fsync_dir(path.parent)
+    log.warning("moved %s checkpoint %s aside to %s", reason, path, target)
     return target
 
 

@@ -174,6 +174,7 @@ class CheckpointManager:
         self._durable_flush_timeout = float(durable_flush_timeout_seconds)
         self._saves = 0
         self._captured_at: dict[int, float] = {}
+        self._restored_step: int | None = None
         error = None
         if self._ctx.is_coordinator:
             try:
@@ -255,8 +256,18 @@ class CheckpointManager:
         return handle
 
     def _check_new_step(self, step: int) -> None:
-        """Refuse a step that is already committed; move a damaged directory of that step aside."""
+        """Refuse a step that is already committed; move a damaged directory of that step aside.
+
+        After :meth:`restore` loaded a step older than the newest committed one, the newer
+        checkpoints belong to an abandoned run segment: the first save moves them aside
+        (``.superseded_step_N.<time>``, kept, never listed) so that "latest" follows the run again.
+        """
         problem = None
+        if self._ctx.is_coordinator and self._restored_step is not None:
+            for newer, path in scan_committed(self.root).items():
+                if newer > self._restored_step:
+                    quarantine_step_dir(path, reason="superseded")
+        self._restored_step = None
         if self._ctx.is_coordinator:
             final = self.root / step_dir_name(step)
             if final.exists():
@@ -264,7 +275,7 @@ class CheckpointManager:
                     read_manifest(final)
                     problem = f"step {step} is already committed at {final}; save under a new step"
                 except CheckpointError:
-                    quarantine_step_dir(final)
+                    quarantine_step_dir(final, reason="corrupt")
         problem = self._ctx.broadcast(problem, what="step check")
         if problem:
             raise ConfigError(problem)
@@ -382,6 +393,10 @@ class CheckpointManager:
         only in the durable tier is downloaded (verified) first. When ``step`` is None, a candidate
         that fails verification is skipped with a warning in favour of the next older one.
 
+        When the restored step is older than the newest committed one (an explicit older ``step``, or
+        a fallback), the newer checkpoints are moved aside at the next :meth:`save` (kept as hidden
+        ``.superseded_step_N.<time>`` directories), so training can continue from the restored step.
+
         Returns:
             The restored step, or None when ``step`` is None and no tier holds a checkpoint.
 
@@ -416,6 +431,7 @@ class CheckpointManager:
                 continue
             log.info("[rank %d] restored step %d from %s in %.3f s", self._ctx.rank, cand, local,
                      time.monotonic() - t0)
+            self._restored_step = cand
             return cand
         return None  # unreachable: the loop returns or raises
 

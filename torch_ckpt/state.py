@@ -10,6 +10,7 @@ and the RNG of every kind on this rank.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -40,6 +41,20 @@ def _as_list(value: Any) -> list:
 def _require_stateful(obj: Any, what: str) -> None:
     if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
         raise ConfigError(f"{what} ({type(obj).__name__}) has no state_dict()/load_state_dict(); it cannot be checkpointed")
+
+
+def _warn_if_not_resumable(loader: Any) -> None:
+    """Warn when a stateful loader's sampler cannot record its shuffle, which makes resume inexact."""
+    sampler = getattr(loader, "sampler", None)
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    sampler = getattr(batch_sampler, "sampler", sampler)
+    # torchdata's samplers keep their state in their iterators; torch's own RandomSampler keeps none
+    if type(sampler) is torch.utils.data.RandomSampler:
+        warnings.warn(
+            "the dataloader shuffles with torch.utils.data.RandomSampler, whose shuffle order is not part of the "
+            "loader's state_dict(): a resumed run will see different batches. "
+            "Use torchdata.stateful_dataloader.sampler.RandomSampler(dataset, generator=...) (or "
+            "StatefulDataLoader(shuffle=True)).", stacklevel=3)
 
 
 class TrainState:
@@ -107,7 +122,13 @@ class TrainState:
         if scaler is not None:
             _require_stateful(scaler, "scaler")
         if dataloader is not None:
+            if not callable(getattr(dataloader, "state_dict", None)):
+                raise ConfigError(
+                    f"dataloader ({type(dataloader).__name__}) has no state_dict(), so its position cannot be "
+                    "checkpointed: use torchdata's StatefulDataLoader (torchdata.stateful_dataloader), or leave "
+                    "dataloader= out and restore the position yourself")
             _require_stateful(dataloader, "dataloader")
+            _warn_if_not_resumable(dataloader)
         self._scaler = scaler
         self._dataloader = dataloader
         self._rng = rng
