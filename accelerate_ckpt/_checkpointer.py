@@ -32,7 +32,13 @@ from accelerate_ckpt._layout import (
     prune,
 )
 from accelerate_ckpt._state import AcceleratorTrainState, check_supported
-from torch_ckpt import AsyncCheckpointer, CheckpointNotFoundError, ConfigError, SaveHandle
+from torch_ckpt import (
+    AsyncCheckpointer,
+    CheckpointNotFoundError,
+    ConfigError,
+    SaveHandle,
+    UnsafeCheckpointError,
+)
 from torch_ckpt.cadence import Cadence
 
 __all__ = ["AccelerateCheckpointer", "attach"]
@@ -289,15 +295,18 @@ class AccelerateCheckpointer:
         newest = self._ckpt.ctx.broadcast(newest, what="latest checkpoint")
         return None if newest is None else Path(newest)
 
-    def load_state(self, input_dir: str | os.PathLike | None = None, load_kwargs: dict | None = None,
-                   **load_model_func_kwargs: Any) -> None:
+    def load_state(self, input_dir: str | os.PathLike | None = None, load_kwargs: dict | None = None, *,
+                   allow_unsafe_accelerate_folder: bool = False, **load_model_func_kwargs: Any) -> None:
         """Replacement of ``Accelerator.load_state``: restores everything in place, exactly.
 
         Waits for an in-flight save first. A folder written by Accelerate itself (no ``torch_ckpt``
-        payload) is handed to Accelerate's own ``load_state``.
+        payload) is refused unless ``allow_unsafe_accelerate_folder=True``: Accelerate's own
+        ``load_state`` unpickles parts of it (``weights_only=False``), which can run code from the folder.
 
         Args:
             input_dir: the checkpoint folder; None picks the newest *committed* automatic checkpoint.
+            allow_unsafe_accelerate_folder: hand a folder without a torch-ckpt payload to Accelerate's
+                own ``load_state`` (only for folders you trust).
             load_kwargs: passed on only for folders Accelerate wrote itself.
             load_model_func_kwargs: passed on only for folders Accelerate wrote itself.
 
@@ -317,6 +326,11 @@ class AccelerateCheckpointer:
             if (folder / f".{PAYLOAD}.tmp").exists() and not (folder / PAYLOAD).exists():
                 raise CheckpointNotFoundError(f"{folder}: its save never committed (interrupted); load another one")
             if not (folder / PAYLOAD).exists():
+                if not allow_unsafe_accelerate_folder:
+                    raise UnsafeCheckpointError(
+                        f"{folder} has no {PAYLOAD}/ payload (it was not written through torch-ckpt). Accelerate's own "
+                        "load_state would unpickle parts of it, which can run code from the folder; if you trust it, "
+                        "call accelerator.load_state(folder, allow_unsafe_accelerate_folder=True)")
                 log.info("%s has no %s payload: loading it with Accelerate's own load_state", folder, PAYLOAD)
                 type(acc).load_state(acc, str(folder), load_kwargs, **load_model_func_kwargs)
                 return

@@ -20,7 +20,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from torch_ckpt import AnyOf, ConfigError, EveryNSeconds, EveryNSteps, YoungDaly, parse_duration
+from torch_ckpt import (
+    AnyOf,
+    ConfigError,
+    EveryNSeconds,
+    EveryNSteps,
+    YoungDaly,
+    parse_duration,
+)
 
 __all__ = ["ENV_VAR", "CkptSettings", "load_settings", "read_config_file"]
 

@@ -437,3 +437,18 @@ def test_manifest_naming_a_file_outside_the_checkpoint_is_refused(tmp_path, wher
             mgr.restore(_dict_state(0.0), step=1)
     assert isinstance(info.value, ValueError)
     assert "outside.bin" in str(info.value)
+
+
+def test_manifest_with_overflowing_numbers_is_skipped(tmp_path):
+    """A manifest with 1e400 as step is reported corrupt and skipped, never a bare OverflowError."""
+    import json as _json
+
+    with CheckpointManager(tmp_path) as mgr:
+        for step in (1, 2):
+            mgr.save(step, {"w": torch.full((2,), float(step))}).wait()
+    manifest = tmp_path / "step_000000002" / "manifest.json"
+    manifest.write_text(manifest.read_text().replace('"step":2', '"step":1e400'))
+    assert "1e400" in manifest.read_text()
+    with CheckpointManager(tmp_path) as mgr:
+        assert mgr.latest_step() == 1
+    _json.loads(manifest.read_text().replace("1e400", "2"))  # the rest of the file is intact

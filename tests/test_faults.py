@@ -220,3 +220,34 @@ def test_pickled_item_in_a_crafted_checkpoint_is_never_unpickled(tmp_path):
     with pytest.raises(CheckpointError, match="evil"):
         load_full_state(step_dir)
     assert not marker.exists()
+
+
+def test_lock_naming_this_process_but_not_held_is_stale(tmp_path):
+    """A lock with this very pid that this process does not hold (pid reuse after a restart) is taken over."""
+    import socket
+
+    (tmp_path / ".lock").write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "since": 0}))
+    with CheckpointManager(tmp_path) as mgr:
+        assert mgr.latest_step() is None
+
+
+def test_empty_old_lock_is_stale_and_unwritable_lock_is_typed(tmp_path, tmpfs):
+    """An empty lock left by a crash is taken over; a lock that cannot be written is a CheckpointWriteError."""
+    lock = tmp_path / ".lock"
+    lock.write_text("")
+    os.utime(lock, (time.time() - 60, time.time() - 60))
+    with CheckpointManager(tmp_path):
+        pass
+    (tmpfs / "run").mkdir()
+    subprocess.run(["dd", "if=/dev/zero", f"of={tmpfs / 'fill'}", "bs=4k"], capture_output=True)  # fill it up
+    with pytest.raises(CheckpointWriteError, match="lock"):
+        CheckpointManager(tmpfs / "run")
+    assert not (tmpfs / "run" / ".lock").exists()
+
+
+def test_durable_url_inside_the_local_root_is_refused(tmp_path):
+    """A durable tier that is the local root itself is a ConfigError, not an endless retry."""
+    from torch_ckpt import ConfigError
+
+    with pytest.raises(ConfigError, match="durable_url"):
+        CheckpointManager(tmp_path, durable_url=f"file://{tmp_path}")

@@ -288,3 +288,46 @@ def test_training_on_after_restoring_an_older_step(tmp_path, make_state):
         mgr.save(3, state).wait()
         assert mgr.all_steps() == [1, 2, 3] and mgr.latest_step() == 3
     assert len(list(tmp_path.glob(".superseded_step_*"))) == 2
+
+
+def test_ctrl_c_while_waiting_propagates_and_the_save_still_commits(tmp_path, monkeypatch):
+    """SIGINT during wait() raises KeyboardInterrupt at once; the in-flight save still commits its own data."""
+    import os as _os
+    import signal as _signal
+    import time as _time
+
+    real = persist_mod.persist_checkpoint
+
+    def slow(req, ctx):
+        _time.sleep(0.8)
+        return real(req, ctx)
+
+    monkeypatch.setattr("torch_ckpt.checkpointer.persist_checkpoint", slow)
+    mgr = CheckpointManager(tmp_path)
+    mgr.save(1, {"w": torch.ones(4)})
+    threading.Timer(0.2, lambda: _os.kill(_os.getpid(), _signal.SIGINT)).start()
+    with pytest.raises(KeyboardInterrupt):
+        mgr.wait()
+    mgr.save(2, {"w": torch.full((4,), 2.0)})  # must wait for step 1, not overwrite its staged copy
+    mgr.close()
+    for step, value in ((1, 1.0), (2, 2.0)):
+        target = {"w": torch.zeros(4)}
+        with CheckpointManager(tmp_path) as check:
+            check.restore(target, step=step)
+        assert torch.equal(target["w"], torch.full((4,), value))
+
+
+def test_exception_during_staging_does_not_hang_close(tmp_path, monkeypatch):
+    """An error raised while staging propagates and leaves nothing in flight."""
+    import torch_ckpt.staging as staging_mod
+
+    def broken(self, tensors, **kwargs):
+        raise RuntimeError("copy failed")
+
+    with CheckpointManager(tmp_path) as mgr:
+        monkeypatch.setattr(staging_mod.HostStager, "stage", broken)
+        with pytest.raises(RuntimeError, match="copy failed"):
+            mgr.save(1, {"w": torch.ones(2)})
+        monkeypatch.undo()
+        mgr.save(2, {"w": torch.ones(2)}).wait()
+        assert mgr.all_steps() == [2]

@@ -143,8 +143,8 @@ class AsyncCheckpointer:
             raise ConfigError(f"persist must be 'thread' or 'process', got {persist!r}")
         if not isinstance(writer_niceness, int) or not 0 <= writer_niceness <= 19:
             raise ConfigError(f"writer_niceness must be an int in [0, 19], got {writer_niceness!r}")
-        if timeout_seconds <= 0:
-            raise ConfigError(f"timeout_seconds must be > 0, got {timeout_seconds!r}")
+        if not (isinstance(timeout_seconds, (int, float)) and 0 < timeout_seconds < float("inf")):
+            raise ConfigError(f"timeout_seconds must be a positive, finite number of seconds, got {timeout_seconds!r}")
         self.async_save = bool(async_save)
         self.on_write_error = on_write_error
         self.failed_saves: list[dict[str, Any]] = []
@@ -196,8 +196,10 @@ class AsyncCheckpointer:
         t0 = time.monotonic()
         try:
             handle.committed.result()
-        except BaseException:  # noqa: BLE001 - already recorded as the pending error
-            pass
+        except BaseException:  # noqa: BLE001
+            if not handle.committed.done():  # interrupted while waiting (Ctrl-C): the save still runs
+                raise
+            # otherwise: the save's own error, already recorded as the pending error
         self._inflight = None
         return time.monotonic() - t0
 
@@ -251,18 +253,25 @@ class AsyncCheckpointer:
                        on_committed=on_committed)
         handle = SaveHandle(step, Future(), Future(), stats)
         self._inflight = handle
-        if background and self.overlap_staging:
-            owned = state.optimizer_owned_keys(tensors) if callable(getattr(state, "optimizer_owned_keys", None)) \
-                else set()
-            # what forward passes may change (buffers, plain dict values) is copied now; parameters and
-            # optimizer state are copied in the background, before the next optimizer.step()
-            t = time.monotonic()
-            self._stager.stage(tensors, only=set(tensors) - owned)
-            job.deferred_keys, job.early_s = owned, time.monotonic() - t
-            self._install_step_hooks(state)
-            self._staged_future = handle.staged
-        else:
-            self._stage(job, handle)
+        try:
+            if background and self.overlap_staging:
+                owned = state.optimizer_owned_keys(tensors) \
+                    if callable(getattr(state, "optimizer_owned_keys", None)) else set()
+                # what forward passes may change (buffers, plain dict values) is copied now; parameters and
+                # optimizer state are copied in the background, before the next optimizer.step()
+                t = time.monotonic()
+                self._stager.stage(tensors, only=set(tensors) - owned)
+                job.deferred_keys, job.early_s = owned, time.monotonic() - t
+                self._install_step_hooks(state)
+                self._staged_future = handle.staged
+            else:
+                self._stage(job, handle)
+        except BaseException as exc:  # staging failed or was interrupted: nothing is in flight
+            self._inflight = None
+            for fut in (handle.staged, handle.committed):
+                if not fut.done():
+                    fut.set_exception(exc)
+            raise
         if background:
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torch_ckpt_writer",

@@ -126,9 +126,14 @@ class Manifest:
             if int(data["format_version"]) > FORMAT_VERSION:
                 raise ValueError(f"format_version {data['format_version']} is newer than this torch-ckpt supports "
                                  f"({FORMAT_VERSION}); upgrade torch-ckpt")
-            if int(data["world_size"]) < 1 or int(data["step"]) < 0:
+            for key in ("step", "world_size", "format_version"):
+                if type(data[key]) is not int:
+                    raise ValueError(f"{key} must be an integer, got {data[key]!r}")
+            if data["world_size"] < 1 or data["step"] < 0:
                 raise ValueError(f"world_size {data['world_size']!r} / step {data['step']!r} out of range")
             files = {str(k): {"bytes": int(v["bytes"]), "crc32": int(v["crc32"])} for k, v in data["files"].items()}
+            if any(type(v["bytes"]) is not int or type(v["crc32"]) is not int for v in data["files"].values()):
+                raise ValueError("file sizes and checksums must be integers")
             for name in files:
                 if not _is_plain_file_name(name):
                     raise ValueError(f"file name {name!r} is not a plain file name inside the checkpoint")
@@ -136,7 +141,7 @@ class Manifest:
                        wall_time=float(data["wall_time"]), torch_version=str(data["torch_version"]),
                        tensor_bytes=int(data.get("tensor_bytes", 0)), timings=dict(data.get("timings", {})),
                        format_version=int(data["format_version"]), tiers=dict(data.get("tiers", {})))
-        except (AttributeError, KeyError, TypeError, ValueError) as exc:
+        except (AttributeError, KeyError, TypeError, ValueError, OverflowError) as exc:
             raise CheckpointCorruptError(f"{source}: invalid manifest ({exc})") from exc
 
 
@@ -290,56 +295,91 @@ def remove_step_dir(path: Path) -> None:
     shutil.rmtree(trash, ignore_errors=True)
 
 
+_LOCKS_HELD: set[str] = set()  # lock files held by this process (to tell our own lock from a stale one)
+_EMPTY_LOCK_GRACE_S = 10.0
+
+
+def _process_start_time(pid: int) -> float | None:
+    try:
+        import psutil
+
+        return psutil.Process(pid).create_time()
+    except Exception:  # noqa: BLE001 - no such process, or no permission
+        return None
+
+
 class RootLock:
     """An exclusive lock on a checkpoint root, so two runs never write (or prune) the same root.
 
-    The lock file ``ROOT/.lock`` holds the owner's host, pid and start time. A lock left by a
-    process that no longer exists on this host is stale and taken over (with a warning); a lock held
-    by a live process, or by another host, makes :meth:`acquire` fail with a message naming the owner.
+    The lock file ``ROOT/.lock`` holds the owner's host, pid and process start time. On the same
+    host, a lock is stale (and taken over, with a warning) when its pid is gone, when that pid now
+    belongs to a process started later (pid reuse, e.g. a restarted container), when it names this
+    very process without being held by it, or when the file is empty or unreadable and older than
+    a few seconds (a crash between creating and writing it). A lock of a live process, or of another
+    host, makes :meth:`acquire` fail with a message naming the owner.
     """
 
     def __init__(self, root: Path) -> None:
         self.path = Path(root) / ".lock"
         self._held = False
 
-    @staticmethod
-    def _alive(pid: int) -> bool:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
+    def _stale(self, owner: dict[str, Any], host: str) -> bool:
+        if not owner:  # empty or unreadable
+            try:
+                return time.time() - self.path.stat().st_mtime > _EMPTY_LOCK_GRACE_S
+            except OSError:
+                return True
+        pid = owner.get("pid")
+        if owner.get("host") != host or not isinstance(pid, int):
             return False
-        except PermissionError:
+        if pid == os.getpid():
+            return str(self.path) not in _LOCKS_HELD
+        started = _process_start_time(pid)
+        if started is None:
             return True
-        return True
+        recorded = owner.get("started")
+        return isinstance(recorded, (int, float)) and started > recorded + 1.0
 
     def acquire(self) -> None:
         """Take the lock.
 
         Raises:
-            CheckpointWriteError: another live run owns the root (the owner is named).
+            CheckpointWriteError: another live run owns the root (the owner is named), or the lock
+                file cannot be written (the path is named).
         """
         import socket
 
-        me = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.time()}
+        me = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.time(),
+              "started": _process_start_time(os.getpid())}
         for _ in range(2):
             try:
                 fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
             except FileExistsError:
                 try:
-                    owner = json.loads(self.path.read_text())
+                    owner = json.loads(self.path.read_text() or "{}")
                 except (OSError, ValueError):
                     owner = {}
-                same_host = owner.get("host") == me["host"]
-                if same_host and isinstance(owner.get("pid"), int) and not self._alive(owner["pid"]):
-                    log.warning("taking over stale lock %s of dead process %s", self.path, owner.get("pid"))
+                if self._stale(owner if isinstance(owner, dict) else {}, me["host"]):
+                    log.warning("taking over stale lock %s (owner %s)", self.path, owner or "unreadable")
                     self.path.unlink(missing_ok=True)
                     continue
                 raise CheckpointWriteError(
                     f"checkpoint root {self.path.parent} is in use by another run (host {owner.get('host')!r}, pid "
                     f"{owner.get('pid')}); use a different directory, or delete {self.path} if that run is gone")
-            with os.fdopen(fd, "w") as f:
-                json.dump(me, f)
+            except OSError as exc:
+                raise CheckpointWriteError(exc.errno, f"cannot create the lock {self.path}: {exc.strerror}; check "
+                                           "that the checkpoint root is writable and has free space") from exc
+            try:
+                with os.fdopen(fd, "w") as f:
+                    json.dump(me, f)
+                    f.flush()
+                    os.fsync(f.fileno())
+            except OSError as exc:
+                self.path.unlink(missing_ok=True)
+                raise CheckpointWriteError(exc.errno, f"cannot write the lock {self.path}: {exc.strerror}; check "
+                                           "that the checkpoint root is writable and has free space") from exc
             self._held = True
+            _LOCKS_HELD.add(str(self.path))
             return
         raise CheckpointWriteError(f"could not take the lock {self.path}")
 
@@ -347,6 +387,7 @@ class RootLock:
         """Drop the lock if this process holds it."""
         if self._held:
             self._held = False
+            _LOCKS_HELD.discard(str(self.path))
             try:
                 self.path.unlink(missing_ok=True)
             except OSError as exc:  # the root itself was removed or replaced

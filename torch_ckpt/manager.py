@@ -163,6 +163,9 @@ class CheckpointManager:
         self._preemption_timeout = float(preemption_timeout_seconds)
         self._tier = DurableTier(durable_url, storage_options=storage_options, verify=durable_verify) \
             if durable_url is not None else None
+        if self._tier is not None and self._tier.is_inside(self.root):
+            raise ConfigError(f"durable_url {durable_url!r} points into the local root {self.root}; the durable tier "
+                              "must be another location (another disk, a file server, an object store)")
         self._ckpt = AsyncCheckpointer(async_save=async_save, persist=persist, overlap_staging=overlap_staging,
                                        writer_niceness=writer_niceness, staging_budget_bytes=staging_budget_bytes,
                                        thread_count=thread_count, timeout_seconds=timeout_seconds,

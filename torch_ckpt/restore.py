@@ -188,6 +188,11 @@ def load_into(state: Any, step_dir: Path, manifest: Manifest, ctx: DistContext, 
             f"{' ...' if len(unexpected) > 20 else ''}. Build the same model/optimizer as the saved run.",
             missing=missing, unexpected=unexpected)
     md = read_dcp_metadata(step_dir / ".metadata")
+    for info in (md.storage_data or {}).values():
+        name = getattr(info, "relative_path", None)
+        if name not in manifest.files:  # a tampered .metadata pointing at unverified (or outside) files
+            raise CheckpointCorruptError(f"{step_dir}/.metadata: tensor data stored in {name!r}, which the manifest "
+                                         "does not list; refusing unverified data")
     bad = []
     for key, t in live_tensors.items():
         smd = md.state_dict_metadata.get(key)

@@ -73,6 +73,14 @@ class DurableTier:
         self.root = self.root.rstrip("/")
         self.verify = verify
 
+    def is_inside(self, local_root: Path) -> bool:
+        """True when this tier is a local path equal to, inside or containing ``local_root``."""
+        protocol = self.fs.protocol if isinstance(self.fs.protocol, str) else self.fs.protocol[0]
+        if protocol not in ("file", "local"):
+            return False
+        mine, theirs = Path(self.root).resolve(), Path(local_root).resolve()
+        return mine == theirs or theirs in mine.parents or mine in theirs.parents
+
     def _path(self, *parts: str) -> str:
         return "/".join([self.root, *parts])
 

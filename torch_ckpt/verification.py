@@ -259,7 +259,9 @@ def verify_root(where: str | os.PathLike | Location, *, storage_options: dict[st
     Raises:
         PathNotFoundError: ``where`` does not exist.
     """
-    from torch_ckpt.inspection import list_root  # listing and verification use each other
+    from torch_ckpt.inspection import (
+        list_root,  # listing and verification use each other
+    )
 
     loc = _as_location(where, storage_options)
     listing = list_root(loc)
@@ -286,7 +288,9 @@ def verify_path(where: str | os.PathLike | Location, *, storage_options: dict[st
     Returns:
         The :func:`verify_root` shape in both cases (``kind`` is "checkpoint" or "root").
     """
-    from torch_ckpt.inspection import _looks_like_checkpoint  # listing and verification use each other
+    from torch_ckpt.inspection import (
+        _looks_like_checkpoint,  # listing and verification use each other
+    )
 
     loc = _as_location(where, storage_options)
     _require_dir(loc)

@@ -105,7 +105,15 @@ class ProcessWriter:
         self._proc.start()
         self._arena_ptr: int | None = None
         self._timeout_s = float(timeout_seconds)
-        kind, payload = self._reply(deadline_s=max(_START_TIMEOUT_S, self._timeout_s))
+        try:
+            kind, payload = self._reply(deadline_s=max(_START_TIMEOUT_S, self._timeout_s))
+        except CheckpointWriteError as exc:
+            self.close()
+            raise CheckpointError(
+                f"the checkpoint writer process died while starting (exit code {self._proc.exitcode}). With "
+                "persist='process' the script that creates the manager is re-imported by the writer (spawn): "
+                "guard its training code with `if __name__ == \"__main__\":`. Otherwise the host may be out of "
+                "memory.") from exc
         if kind != "ready":
             self.close()
             raise CheckpointError(f"the checkpoint writer process failed to start: {payload[0]}: {payload[1]}")

@@ -310,8 +310,10 @@ def test_close_gives_the_accelerator_its_own_methods_and_removes_the_hooks(tmp_p
     assert not acc._save_model_state_pre_hook and not acc._load_model_state_pre_hook
 
 
-def test_folder_written_by_accelerate_itself_is_loaded_by_accelerate(tmp_path):
-    """A checkpoint from before the adapter (Accelerate's own files) still loads through load_state()."""
+def test_folder_written_by_accelerate_itself_is_loaded_only_when_allowed(tmp_path):
+    """A folder of Accelerate's own (pickled) files is refused by default and loads with the explicit opt-in."""
+    from torch_ckpt import UnsafeCheckpointError
+
     run = make_run(None, attach=False)
     train(run, 0, 3)
     run.accelerator.save_state(str(tmp_path / "native"))
@@ -319,7 +321,9 @@ def test_folder_written_by_accelerate_itself_is_loaded_by_accelerate(tmp_path):
     ckpt = accelerate_ckpt.attach(run.accelerator)
     with torch.no_grad():
         run.model.fc1.weight.zero_()
-    run.accelerator.load_state(str(tmp_path / "native"))
+    with pytest.raises(UnsafeCheckpointError, match="allow_unsafe_accelerate_folder"):
+        run.accelerator.load_state(str(tmp_path / "native"))
+    run.accelerator.load_state(str(tmp_path / "native"), allow_unsafe_accelerate_folder=True)
     assert torch.equal(run.model.fc1.weight, weight)
     ckpt.close()
 
