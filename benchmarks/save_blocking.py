@@ -47,6 +47,9 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import git_info  # noqa: E402
+
 import psutil
 import torch
 
@@ -60,25 +63,6 @@ OURS_NAMES = ("ours_thread", "ours_thread_overlap", "ours_process", "ours_proces
 ALL_METHODS = PEER_NAMES + OURS_NAMES
 CHUNK = 16 << 20
 D_MODEL, VOCAB, BLOCK, N_HEAD = 768, 8192, 1024, 12
-
-
-def git_info() -> dict[str, Any]:
-    """Commit of the checkout and whether the library has uncommitted changes (results depend on it)."""
-    import subprocess
-
-    def git(*a):
-        try:
-            return subprocess.run(
-                ["git", *a], cwd=REPO, capture_output=True, text=True, timeout=10, check=False
-            ).stdout.strip()
-        except (OSError, subprocess.SubprocessError):
-            return None
-
-    status = git("status", "--porcelain", "--", "torch_ckpt")
-    return {
-        "commit": git("rev-parse", "--short", "HEAD"),
-        "library_dirty": bool(status) if status is not None else None,
-    }
 
 
 def log(msg: str) -> None:

@@ -46,6 +46,8 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import git_info  # noqa: E402
 
 METHODS = (
     "none",
@@ -57,25 +59,6 @@ METHODS = (
     "lightning_async",
     "torch_save",
 )
-
-
-def git_info() -> dict[str, Any]:
-    """Commit of the checkout and whether the library has uncommitted changes (results depend on it)."""
-    import subprocess
-
-    def git(*a):
-        try:
-            return subprocess.run(
-                ["git", *a], cwd=REPO, capture_output=True, text=True, timeout=10, check=False
-            ).stdout.strip()
-        except (OSError, subprocess.SubprocessError):
-            return None
-
-    status = git("status", "--porcelain", "--", "torch_ckpt")
-    return {
-        "commit": git("rev-parse", "--short", "HEAD"),
-        "library_dirty": bool(status) if status is not None else None,
-    }
 
 
 def log(msg: str) -> None:
