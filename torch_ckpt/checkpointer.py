@@ -196,10 +196,10 @@ class AsyncCheckpointer:
         t0 = time.monotonic()
         try:
             handle.committed.result()
-        except BaseException:  # noqa: BLE001
-            if not handle.committed.done():  # interrupted while waiting (Ctrl-C): the save still runs
-                raise
-            # otherwise: the save's own error, already recorded as the pending error
+        except BaseException as exc:  # noqa: BLE001
+            if not (handle.committed.done() and handle.committed.exception() is exc):
+                raise  # interrupted while waiting (Ctrl-C), not the save's own error: propagate
+            # the save's own error, already recorded as the pending error
         self._inflight = None
         return time.monotonic() - t0
 
