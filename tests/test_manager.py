@@ -303,11 +303,16 @@ def test_ctrl_c_while_waiting_propagates_and_the_save_still_commits(tmp_path, mo
         return real(req, ctx)
 
     monkeypatch.setattr("torch_ckpt.checkpointer.persist_checkpoint", slow)
+    # Python's own Ctrl-C behaviour, whatever handler an earlier test (e.g. a framework) left installed
+    previous = _signal.signal(_signal.SIGINT, _signal.default_int_handler)
     mgr = CheckpointManager(tmp_path)
     mgr.save(1, {"w": torch.ones(4)})
     threading.Timer(0.2, lambda: _os.kill(_os.getpid(), _signal.SIGINT)).start()
-    with pytest.raises(KeyboardInterrupt):
-        mgr.wait()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            mgr.wait()
+    finally:
+        _signal.signal(_signal.SIGINT, previous)
     mgr.save(2, {"w": torch.full((4,), 2.0)})  # must wait for step 1, not overwrite its staged copy
     mgr.close()
     for step, value in ((1, 1.0), (2, 2.0)):
