@@ -168,6 +168,12 @@ class AsyncCheckpointer:
             self._process_writer = ProcessWriter(self._ctx, timeout_seconds=timeout_seconds, niceness=writer_niceness)
 
     @property
+    def in_flight(self) -> SaveHandle | None:
+        """The handle of the save not yet committed (or failed), if any."""
+        handle = self._inflight
+        return None if handle is None or handle.done() else handle
+
+    @property
     def ctx(self) -> DistContext:
         """Rank, world size and the checkpoint process groups."""
         return self._ctx

@@ -326,7 +326,7 @@ class CheckpointManager:
         return self._preemption.requested
 
     def _step_committed_or_pending(self, step: int) -> bool:
-        handle = self._ckpt._inflight  # noqa: SLF001 - the manager owns its checkpointer
+        handle = self._ckpt.in_flight
         return (handle is not None and handle.step == step) or (self.root / step_dir_name(step)).is_dir()
 
     def _exit_for_preemption(self, step: int, handle: SaveHandle | None) -> None:
@@ -484,12 +484,12 @@ class CheckpointManager:
 
         replication = self.replication_stats()
         durable = replication.get("durable_step") if self._tier is not None else latest
-        inflight = self._ckpt._inflight  # noqa: SLF001
+        inflight = self._ckpt.in_flight
         return {
             "latest_step": latest, "latest_age_s": age(latest),
             "durable_step": durable, "durable_age_s": age(durable),
             "lost_work_if_failure_now_s": age(durable),
-            "in_flight_step": None if inflight is None or inflight.done() else inflight.step,
+            "in_flight_step": None if inflight is None else inflight.step,
             "failed_saves": len(self._ckpt.failed_saves),
             "replication": replication,
             "schedule": self.schedule_info(),

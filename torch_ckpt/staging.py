@@ -22,6 +22,7 @@ from typing import Any
 
 import psutil
 import torch
+from torch.distributed.tensor import DTensor
 
 from torch_ckpt._logging import get_logger
 from torch_ckpt.errors import ConfigError
@@ -42,8 +43,6 @@ def default_budget_bytes(local_world_size: int = 1) -> int:
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
     return t._local_tensor if isinstance(t, DTensor) else t
 
 
@@ -171,8 +170,6 @@ class HostStager:
         Returns:
             The staged host tensors; valid until the next call to :meth:`stage`.
         """
-        from torch.distributed.tensor import DTensor
-
         with self._lock:
             self._ensure_arena(tensors)
             views = self._views
