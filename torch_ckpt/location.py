@@ -11,12 +11,12 @@ import json
 import math
 import os
 import re
-import sys
 import tempfile
 import zlib
 from collections.abc import Iterator
 from typing import Any
 
+from torch_ckpt._progress import progress_bar
 from torch_ckpt.codec import (  # the on-disk tags of the per-rank JSON trees
     _BYTES,
     _DICT,
@@ -51,32 +51,6 @@ class PathNotFoundError(CheckpointNotFoundError):
 
 # ---------------------------------------------------------------------------------------------
 # progress
-
-
-class _NullBar:
-    def update(self, n: int = 1) -> None: ...
-
-    def close(self) -> None: ...
-
-    def __enter__(self) -> _NullBar:
-        return self
-
-    def __exit__(self, *exc: object) -> None: ...
-
-
-def progress_bar(total: int, desc: str, *, enabled: bool = True, unit: str = "B") -> Any:
-    """A tqdm bar on stderr when ``enabled`` and stderr is a terminal; otherwise a silent stand-in.
-
-    Both have ``update(n)``, ``close()`` and work as context managers.
-    """
-    if not enabled or not sys.stderr.isatty():
-        return _NullBar()
-    try:
-        from tqdm import tqdm
-    except ImportError:  # pragma: no cover - tqdm is optional
-        return _NullBar()
-    return tqdm(total=total, desc=desc, unit=unit, unit_scale=unit == "B", unit_divisor=1024, leave=False,
-                file=sys.stderr, dynamic_ncols=True)
 
 
 # ---------------------------------------------------------------------------------------------

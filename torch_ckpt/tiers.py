@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import zlib
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ from typing import Any
 import fsspec
 
 from torch_ckpt._logging import get_logger
+from torch_ckpt._progress import progress_bar
 from torch_ckpt.errors import CheckpointCorruptError, CheckpointError, ConfigError
 from torch_ckpt.layout import MANIFEST_NAME, Manifest, commit_dir, step_dir_name
 
@@ -31,20 +31,6 @@ _CHUNK_BYTES = 8 << 20
 
 class DurableUnavailableError(CheckpointError, ConnectionError):
     """The durable store could not be reached (an outage, not an empty store)."""
-
-
-def _progress(total: int, desc: str):
-    """A tqdm progress bar on a terminal, a no-op elsewhere."""
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:  # pragma: no cover - tqdm is a dependency
-        tqdm = None
-    if tqdm is None or not sys.stderr.isatty():
-        class _Null:
-            def update(self, n: int) -> None: ...
-            def close(self) -> None: ...
-        return _Null()
-    return tqdm(total=total, unit="B", unit_scale=True, desc=desc, leave=False)
 
 
 class DurableTier:
@@ -197,7 +183,7 @@ class DurableTier:
 
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
-        bar = _progress(sum(i["bytes"] for i in manifest.files.values()), f"download step {step}")
+        bar = progress_bar(sum(i["bytes"] for i in manifest.files.values()), f"download step {step}")
         try:
             for name, info in sorted(manifest.files.items()):
                 crc, size = 0, 0
