@@ -8,6 +8,8 @@ makes the save fail on all ranks instead of hanging them.
 
 from __future__ import annotations
 
+import errno
+import os
 import shutil
 import time
 from dataclasses import dataclass
@@ -53,9 +55,29 @@ def _as_write_error(exc: BaseException, where: Path) -> CheckpointError:
         return exc
     if isinstance(exc, OSError) and exc.errno is not None:
         hint = {28: "the disk is full; free space or lower keep_last", 13: "permission denied; fix permissions",
-                30: "the file system is read-only; choose a writable directory"}.get(exc.errno, "check the location")
-        return CheckpointWriteError(exc.errno, f"writing checkpoint into {where} failed: {exc.strerror} ({hint})")
+                30: "the file system is read-only; choose a writable directory",
+                27: "a file exceeds the file-size limit (ulimit -f) or the file system's maximum; raise the limit"
+                }.get(exc.errno, "check the location")
+        name = f" ({Path(exc.filename).name})" if exc.filename else ""
+        return CheckpointWriteError(exc.errno, f"writing checkpoint into {where} failed{name}: {exc.strerror} ({hint})")
     return CheckpointWriteError(f"writing checkpoint into {where} failed: {_describe(exc)}")
+
+
+def _check_on_disk(directory: Path, files: dict[str, dict[str, int]]) -> None:
+    """Compare every written file's size on disk with the bytes written (before anything is committed).
+
+    Raises:
+        CheckpointWriteError: a file is missing or has another size (errno EIO).
+    """
+    for name, info in files.items():
+        path = directory / name
+        try:
+            size = os.stat(path).st_size
+        except FileNotFoundError:
+            raise CheckpointWriteError(errno.EIO, f"{path} vanished after it was written; not committing") from None
+        if size != info["bytes"]:
+            raise CheckpointWriteError(errno.EIO, f"{path} has {size} bytes on disk but {info['bytes']} were "
+                                                  "written; not committing")
 
 
 def persist_checkpoint(req: PersistRequest, ctx: DistContext) -> Path:
@@ -96,11 +118,12 @@ def persist_checkpoint(req: PersistRequest, ctx: DistContext) -> Path:
         size, crc = write_json_durable(tmp / rank_file_name(ctx.rank), rank_doc)
         files = {name: {"bytes": b, "crc32": c} for name, (b, c) in writer.written_files.items()}
         files[rank_file_name(ctx.rank)] = {"bytes": size, "crc32": crc}
+        _check_on_disk(tmp, files)
     except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException derives from BaseException
         if isinstance(exc, (KeyboardInterrupt, SystemExit)):
             raise
-        # DCP reports a failed write as an opaque CheckpointException; prefer the OS error behind it
-        error = writer.os_error if writer is not None and writer.os_error is not None else exc
+        # DCP reports a failed write as an opaque CheckpointException; prefer the error behind it
+        error = writer.error if writer is not None and writer.error is not None else exc
     gathered = ctx.all_gather((None if error is None else _describe(error), files), background=True,
                               what="shard write agreement")
     failures = [f"rank {r}: {msg}" for r, (msg, _) in enumerate(gathered) if msg]

@@ -146,7 +146,8 @@ class ProcessWriter:
             return Path(payload)
         name, message, errno = payload
         if errno is not None:
-            raise CheckpointWriteError(errno, message)
+            prefix = f"[Errno {errno}] "  # str() of an OSError already carries it; CheckpointWriteError adds it again
+            raise CheckpointWriteError(errno, message[len(prefix):] if message.startswith(prefix) else message)
         raise CheckpointWriteError(f"{name}: {message}")
 
     def close(self) -> None:
