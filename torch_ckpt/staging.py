@@ -10,7 +10,7 @@ handles.
 
 CUDA tensors are copied on a side stream with ``non_blocking=True`` after an event recorded on the
 caller's stream; a CUDA event marks the end of the copy. CPU tensors are copied with
-``Tensor.copy_`` (which releases the GIL). Every tensor is copied, whatever its device, so nothing
+one ``torch._foreach_copy_`` call (which releases the GIL). Every tensor is copied, whatever its device, so nothing
 handed to the writer shares storage with a live tensor.
 """
 
@@ -116,6 +116,7 @@ class HostStager:
         self._signature: tuple | None = None
         self._layout: ArenaLayout = ()
         self._views: dict[str, torch.Tensor] = {}
+        self._nbytes = 0
         self._stream = None
         self._lock = threading.Lock()
         self.allocations = 0
@@ -148,6 +149,7 @@ class HostStager:
             arena.share_memory_()
         self.arena, self._signature, self._layout = arena, signature, tuple(layout)
         self._views = arena_views(arena, self._layout)
+        self._nbytes = sum(v.numel() * v.element_size() for v in self._views.values())
         self.allocations += 1
         log.debug("allocated a %d-byte staging arena for %d tensors", offset, len(layout))
         return True
@@ -175,6 +177,7 @@ class HostStager:
             views = self._views
             out: dict[str, torch.Tensor] = {}
             device_pairs = []
+            host_dst, host_src = [], []
             for key, t in tensors.items():
                 src, buf = _local(t).detach(), views[key]
                 if only is not None and key not in only:
@@ -182,8 +185,12 @@ class HostStager:
                 elif src.device.type == "cuda":
                     device_pairs.append((buf, src))
                 else:
-                    buf.copy_(src)
+                    host_dst.append(buf)
+                    host_src.append(src)
                 out[key] = DTensor(buf, t._spec, requires_grad=False) if isinstance(t, DTensor) else buf
+            if host_dst:
+                # one call for all host copies: per-tensor Python overhead matters for many small tensors
+                torch._foreach_copy_(host_dst, host_src)
             event = None
             if device_pairs:
                 if self._stream is None:
@@ -198,8 +205,7 @@ class HostStager:
                         src.record_stream(self._stream)
                     event = torch.cuda.Event()
                     event.record(self._stream)
-            nbytes = sum(v.numel() * v.element_size() for v in views.values())
-            return StagedState(tensors=out, nbytes=nbytes, layout=self._layout, event=event)
+            return StagedState(tensors=out, nbytes=self._nbytes, layout=self._layout, event=event)
 
     def release(self) -> None:
         """Free the arena."""
