@@ -9,7 +9,7 @@ no checkpointing and with each checkpointing method, saving every ``--save-every
 * torch-ckpt: ``ours_thread``, ``ours_thread_nice19``, ``ours_process``, ``ours_overlap``
   (thread + overlap_staging);
 * peers: ``dcp_async`` (``dcp.async_save`` defaults; waits for the previous future before the next
-  save, as DCP's docs do), ``lightning_async`` (``AsyncCheckpointIO(TorchCheckpointIO())``),
+  save, as DCP's docs do), ``dcp_async_stager`` (the same with one reused ``DefaultStager``), ``lightning_async`` (``AsyncCheckpointIO(TorchCheckpointIO())``),
   ``torch_save`` (synchronous ``torch.save`` to one file, no fsync, as most loops do).
 
 Design (for a noisy, shared 2-core machine): after one discarded warm-up cycle per method, each
@@ -18,8 +18,15 @@ no-checkpoint segment of the same length (a pair); the method order rotates ever
 saves after every K-th step except in its last K steps, so each save's background write overlaps
 timed steps; the wait for a last straggling write and a ``sync`` follow the segment, untimed.
 Per method: mean, median and p90 step time (a step includes the save call on save steps), slowdown
-of the mean against the paired no-checkpoint segment (median over pairs, and pooled), and the total
-time the save calls blocked the loop (including any wait for the previous save).
+of the mean against the paired no-checkpoint segment (median over pairs, and pooled), the total
+time the save calls blocked the loop (including any wait for the previous save), the extra wall
+time per save (``extra_per_save_s``: segment time minus the paired segment's, over its saves) and
+its ratio to the disk floor for the checkpoint's bytes (``extra_per_save_over_disk``; the floor,
+``disk_floor_s``, is measured every round: ``os.write`` in 16 MiB chunks + ``fsync``), and a GIL
+probe (``gil_probe``): a thread sleeping 1 ms in a loop records how late it wakes; its extra delay
+per save over the paired segment is the time the persist path kept another Python thread waiting.
+``--threads 1`` leaves one core to the writer (the proxy for a GPU node, where the scarce resource
+is the Python thread launching kernels).
 
     python benchmarks/train_overhead.py --json /tmp/train_overhead.json
 """
@@ -36,6 +43,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -56,6 +64,7 @@ METHODS = (
     "ours_process",
     "ours_overlap",
     "dcp_async",
+    "dcp_async_stager",
     "lightning_async",
     "torch_save",
 )
@@ -225,6 +234,36 @@ class DcpAsync(Saver):
             self.fut = None
 
 
+class DcpAsyncStager(DcpAsync):
+    """``dcp.async_save`` with one reused ``DefaultStager`` (its staging buffers cached across saves)."""
+
+    name = "dcp_async_stager"
+
+    def setup(self):
+        super().setup()
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        cuda = torch.cuda.is_available()
+        self.stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
+                                                   use_async_staging=cuda, use_non_blocking_copy=cuda))
+
+    def save(self, step):
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        if self.fut is not None:
+            t = time.perf_counter()
+            self.fut.result()
+            self.lib_wait_prev += time.perf_counter() - t
+        msd, osd = get_state_dict(self.env.model, self.env.opt)
+        resp = dcp.async_save({"model": msd, "optim": osd, "sched": self.env.sched.state_dict()},
+                              checkpoint_id=str(self.out / f"step_{step}"), async_stager=self.stager, no_dist=True)
+        self.fut = getattr(resp, "upload_completion", resp)
+
+    def close(self):
+        self.stager.close()
+
+
 class LightningAsync(Saver):
     name = "lightning_async"
 
@@ -269,16 +308,81 @@ class TorchSave(Saver):
 def make_saver(name: str, env: Env) -> Saver:
     if name in Ours.CONFIG:
         return Ours(env, name)
-    return {"none": Saver, "dcp_async": DcpAsync, "lightning_async": LightningAsync, "torch_save": TorchSave}[name](env)
+    return {"none": Saver, "dcp_async": DcpAsync, "dcp_async_stager": DcpAsyncStager, "lightning_async": LightningAsync,
+            "torch_save": TorchSave}[name](env)
 
 
 # ------------------------------------------------------------------------------------------ run
+
+
+class GilProbe:
+    """A thread that sleeps 1 ms in a loop and records how late it wakes up.
+
+    A Python thread that wants the GIL waits until the holder releases it (at the latest every
+    ``sys.getswitchinterval()``, 5 ms, for Python code; C code that keeps the GIL can hold it
+    longer). The probe's extra wake-up delay during a segment, compared with the paired segment
+    without checkpointing, is the time the persist path kept a Python thread (the one launching
+    kernels on a GPU node) from running.
+    """
+
+    def __init__(self, period_s: float = 0.001) -> None:
+        self.period_s = period_s
+        self._active = threading.Event()
+        self._stop = threading.Event()
+        self.delays: list[float] = []
+        self._thread = threading.Thread(target=self._loop, name="gil_probe", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            if not self._active.wait(0.05):
+                continue
+            t0 = time.perf_counter()
+            time.sleep(self.period_s)
+            self.delays.append(max(0.0, time.perf_counter() - t0 - self.period_s))
+
+    def begin(self) -> None:
+        self.delays = []
+        self._active.set()
+
+    def end(self) -> list[float]:
+        self._active.clear()
+        return self.delays
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._active.set()
+        self._thread.join(timeout=2)
+
+
+def disk_floor_s(directory: Path, nbytes: int) -> float:
+    """``os.write`` of ``nbytes`` in 16 MiB chunks + ``fsync`` into ``directory``: the disk floor."""
+    chunk = 16 << 20
+    buf = memoryview(bytearray(chunk))
+    path = directory / "_disk_floor.bin"
+    t0 = time.perf_counter()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        left = nbytes
+        while left > 0:
+            left -= os.write(fd, buf[: min(chunk, left)])
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    dt = time.perf_counter() - t0
+    path.unlink()
+    return dt
+
+
+PROBE: GilProbe | None = None
 
 
 def run_segment(env: Env, saver: Saver, steps: int, every: int, checkpoint: bool) -> dict[str, Any]:
     """``steps`` training steps, saving after every ``every``-th step except in the last ``every`` steps
     (so each save's background write overlaps timed steps); returns step and save-call times."""
     step_times, save_times = [], []
+    if PROBE is not None:
+        PROBE.begin()
     for i in range(1, steps + 1):
         t0 = time.perf_counter()
         env.train_step()
@@ -287,12 +391,14 @@ def run_segment(env: Env, saver: Saver, steps: int, every: int, checkpoint: bool
             saver.save(env.step)
             save_times.append(time.perf_counter() - ts)
         step_times.append(time.perf_counter() - t0)
+    probe = PROBE.end() if PROBE is not None else []
     t = time.perf_counter()
     saver.drain()
     drain_s = time.perf_counter() - t
     os.sync()
     saver.clean()
-    return {"step_times": step_times, "save_times": save_times, "drain_s": drain_s}
+    return {"step_times": step_times, "save_times": save_times, "drain_s": drain_s, "probe": probe,
+            "loadavg": os.getloadavg()[0]}
 
 
 def pct(vals: list[float], q: float) -> float:
@@ -318,6 +424,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--corpus-chars", type=int, default=400_000)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--quick", action="store_true", help="smoke test: 1 pair of 10-step segments, save every 5")
+    p.add_argument("--no-gil-probe", action="store_true", help="do not run the GIL probe thread")
     args = p.parse_args(argv)
     if args.quick:
         args.rounds, args.steps, args.save_every = 1, 10, 5
@@ -340,6 +447,8 @@ def main(argv=None) -> dict[str, Any]:
     t_start = time.perf_counter()
     directory = Path(tempfile.mkdtemp(prefix="train_overhead_", dir=str(args.dir) if args.dir else None))
     savers: dict[str, Saver] = {}
+    global PROBE
+    disk_floors: list[float] = []
     try:
         env = Env(args, directory)
         env.train_step()  # creates the AdamW state, so the state has its full size
@@ -359,6 +468,8 @@ def main(argv=None) -> dict[str, Any]:
             seg = run_segment(env, s, 2 * args.save_every, args.save_every, name != "none")
             warm[name] = {"step_s": sum(seg["step_times"]), "save_s": seg["save_times"]}
         log("warm-up done: " + " ".join(f"{k}={v['step_s']:.2f}s" for k, v in warm.items()))
+        if not args.no_gil_probe:
+            PROBE = GilProbe()
         # Paired design: every method segment runs right after its own no-checkpoint segment, so the
         # slowdown compares windows seconds apart (the load of a shared machine drifts over minutes).
         pairs: dict[str, list[dict[str, Any]]] = {n: [] for n in savers if n != "none"}
@@ -366,17 +477,23 @@ def main(argv=None) -> dict[str, Any]:
         for r in range(args.rounds):
             order = names[r % len(names) :] + names[: r % len(names)]
             t_round = time.perf_counter()
+            os.sync()
+            disk_floors.append(disk_floor_s(directory, state_bytes))
             line = []
             for name in order:
                 base = run_segment(env, savers["none"], args.steps, args.save_every, False)
                 seg = run_segment(env, savers[name], args.steps, args.save_every, True)
                 seg["none_step_times"] = base["step_times"]
+                seg["none_probe"] = base["probe"]
                 pairs[name].append(seg)
                 line.append(
                     f"{name}={statistics.mean(seg['step_times']) * 1e3:.0f}/"
                     f"{statistics.mean(base['step_times']) * 1e3:.0f}ms"
                 )
             log(f"round {r} in {time.perf_counter() - t_round:.1f} s (method/none): " + " ".join(line))
+        if PROBE is not None:
+            PROBE.stop()
+        disk_floor = statistics.median(disk_floors)
         out: dict[str, Any] = {}
         none_all = [t for segs in pairs.values() for sg in segs for t in sg["none_step_times"]]
         out["none"] = {
@@ -397,7 +514,29 @@ def main(argv=None) -> dict[str, Any]:
                 (statistics.mean(sg["step_times"]) / statistics.mean(sg["none_step_times"]) - 1) * 100 for sg in segs
             ]
             mean = statistics.mean(steps)
+            # extra wall time of the segment over its paired no-checkpoint segment, per save
+            extra = [
+                (sum(sg["step_times"]) - statistics.mean(sg["none_step_times"]) * len(sg["step_times"]))
+                / max(1, len(sg["save_times"]))
+                for sg in segs
+            ]
+            probe_extra = [
+                (sum(sg["probe"]) - sum(sg["none_probe"]) * sum(sg["step_times"]) / max(1e-9, sum(sg["none_step_times"])))
+                / max(1, len(sg["save_times"]))
+                for sg in segs
+            ] if PROBE is not None else []
+            delays = [d for sg in segs for d in sg["probe"]]
             out[name] = {
+                "extra_per_save_s": statistics.median(extra),
+                "extra_per_save_s_per_pair": extra,
+                "extra_per_save_over_disk": statistics.median(extra) / disk_floor,
+                "gil_probe": {
+                    "extra_delay_per_save_s": statistics.median(probe_extra) if probe_extra else None,
+                    "mean_delay_ms": statistics.mean(delays) * 1e3 if delays else None,
+                    "p99_delay_ms": pct(delays, 0.99) * 1e3 if delays else None,
+                    "max_delay_ms": max(delays) * 1e3 if delays else None,
+                },
+                "loadavg": [sg["loadavg"] for sg in segs],
                 "mean_step_s": mean,
                 "median_step_s": statistics.median(steps),
                 "p90_step_s": pct(steps, 0.9),
@@ -419,6 +558,8 @@ def main(argv=None) -> dict[str, Any]:
         result = {
             "methods": out,
             "state_bytes": state_bytes,
+            "disk_floor_s": disk_floor,
+            "disk_floor_s_per_round": disk_floors,
             "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
             "warmup": warm,
             "machine": {
@@ -426,6 +567,7 @@ def main(argv=None) -> dict[str, Any]:
                 "cpu_count": os.cpu_count(),
                 "torch": torch.__version__,
                 "loadavg_end": os.getloadavg(),
+                "threads": args.threads,
                 "git": git_info(),
             },
             "pairs": {
@@ -441,6 +583,8 @@ def main(argv=None) -> dict[str, Any]:
             },
         }
     finally:
+        if PROBE is not None:
+            PROBE.stop()
         for s in savers.values():
             try:
                 s.close()
@@ -457,7 +601,8 @@ def main(argv=None) -> dict[str, Any]:
         log(
             f"{name:20s} mean {e['mean_step_s'] * 1e3:7.1f} ms  p90 {e['p90_step_s'] * 1e3:7.1f} ms  "
             f"slowdown {e['slowdown_pct']:+6.1f}% (pooled {e.get('slowdown_pct_pooled', 0.0):+6.1f}%)  "
-            f"blocking {e['total_blocking_s']:.2f} s over {e['n_saves']} saves"
+            f"blocking {e['total_blocking_s']:.2f} s over {e['n_saves']} saves  extra/save "
+            f"{e.get('extra_per_save_s', 0.0):.3f} s = {e.get('extra_per_save_over_disk', 0.0):.2f}x disk"
         )
     log(f"done in {result['runtime_s']:.0f} s")
     return result
