@@ -164,11 +164,12 @@ class AccelerateLoad(Method):
         from accelerate import Accelerator
 
         logging.getLogger("accelerate").setLevel(logging.ERROR)
-        acc = Accelerator(cpu=True)
+        cpu = next(self.src[0].parameters()).device.type == "cpu"
+        acc = Accelerator(cpu=cpu)
         acc.prepare(*self.src)
         acc.save_state(str(self.out / "ckpt"))
         acc.free_memory()
-        self.acc = Accelerator(cpu=True)
+        self.acc = Accelerator(cpu=cpu)
         self.model, self.opt = self.acc.prepare(*self.target)
 
     def restore(self):
@@ -186,6 +187,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dir", type=Path, default=None, help="parent directory (default: $TMPDIR)")
     p.add_argument("--methods", nargs="+", default=None, help=f"subset of {', '.join(ALL_METHODS)}")
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
+    p.add_argument("--device", default="cpu", help="where the live model lives (cpu or cuda)")
     p.add_argument("--small-tensors", type=int, default=0, metavar="N",
                    help="instead of the GPT, N tensors of --small-bytes each (e.g. 20000)")
     p.add_argument("--small-bytes", type=int, default=1024)
@@ -210,17 +212,17 @@ def main(argv=None) -> dict[str, Any]:
     methods: list[Method] = []
     try:
         if args.small_tensors:
-            src = sb.build_small_state(args.small_tensors, args.small_bytes, "cpu", seed=0)[:2]
-            target = sb.build_small_state(args.small_tensors, args.small_bytes, "cpu", seed=1)[:2]
+            src = sb.build_small_state(args.small_tensors, args.small_bytes, args.device, seed=0)[:2]
+            target = sb.build_small_state(args.small_tensors, args.small_bytes, args.device, seed=1)[:2]
         else:
-            src = sb.build_state(args.size_gib, "cpu", seed=0)[:2]
-            target = sb.build_state(args.size_gib, "cpu", seed=1)[:2]
+            src = sb.build_state(args.size_gib, args.device, seed=0)[:2]
+            target = sb.build_state(args.size_gib, args.device, seed=1)[:2]
         tensors = sb.unique_tensors(*src)
         state_bytes = sum(t.numel() * t.element_size() for t in tensors)
         floor_file = directory / "_read_floor.bin"
         with open(floor_file, "wb") as f:
             for t in tensors:
-                f.write(memoryview(t.contiguous().view(-1).view(torch.uint8).numpy()))
+                f.write(memoryview(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy()))
             os.fsync(f.fileno())
         log(f"state {state_bytes / 2**30:.3f} GiB in {len(tensors)} tensors; dir {directory}")
         for name in args.methods:
@@ -241,10 +243,12 @@ def main(argv=None) -> dict[str, Any]:
                 sampler.begin()
                 t0 = time.perf_counter()
                 m.restore()
+                sb.device_sync(args.device)
                 cold = time.perf_counter() - t0
                 peak = sampler.end()
                 t0 = time.perf_counter()
                 m.restore()
+                sb.device_sync(args.device)
                 warm = time.perf_counter() - t0
                 rec["methods"][m.name] = {"cold_s": cold, "warm_s": warm, "peak_rss_bytes": peak,
                                           "cold_over_read": cold / rec["cold_read_s"]}
@@ -270,7 +274,7 @@ def main(argv=None) -> dict[str, Any]:
             "state_bytes": state_bytes,
             "n_tensors": len(tensors),
             "reps": args.reps,
-            "machine": {**sb.machine_info("cpu", directory, dropper), "loadavg_end": os.getloadavg(),
+            "machine": {**sb.machine_info(args.device, directory, dropper), "loadavg_end": os.getloadavg(),
                         "git": git_info()},
             "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
             "rounds": rounds,

@@ -267,18 +267,17 @@ class _ChecksumFileSystem(FileSystem):
 def _item_bytes(item: WriteItem) -> int:
     if item.type == WriteItemType.BYTE_IO or item.tensor_data is None:
         return 0
-    return torch.Size(item.tensor_data.size).numel() * torch.empty((), dtype=item.tensor_data.properties.dtype
-                                                                   ).element_size()
+    return torch.Size(item.tensor_data.size).numel() * item.tensor_data.properties.dtype.itemsize
 
 
 def _balance(items: list[WriteItem], bins: int) -> list[list[WriteItem]]:
     """Split write items into ``bins`` lists of about equal bytes (largest first, to the lightest list)."""
     out: list[list[WriteItem]] = [[] for _ in range(bins)]
     load = [0] * bins
-    for item in sorted(items, key=_item_bytes, reverse=True):
+    for size, item in sorted(((_item_bytes(it), it) for it in items), key=lambda p: p[0], reverse=True):
         i = load.index(min(load))
         out[i].append(item)
-        load[i] += max(_item_bytes(item), 1)
+        load[i] += max(size, 1)
     return [b for b in out if b]
 
 
@@ -520,10 +519,35 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 
 
 def file_crc32(path: str | os.PathLike) -> tuple[int, int]:
-    """Return ``(size in bytes, crc32)`` of a file, reading it in 16 MiB chunks."""
+    """Return ``(size in bytes, crc32)`` of a file, read in 16 MiB chunks.
+
+    Reading and checksumming overlap: a helper thread reads the next chunk into a second buffer
+    while this one computes the CRC of the current chunk (both release the GIL), so a cold file
+    costs about its read time rather than read + CRC.
+    """
     crc, size = 0, 0
-    with open(path, "rb") as f:
-        while chunk := f.read(_CRC_CHUNK_BYTES):
-            crc = zlib.crc32(chunk, crc)
-            size += len(chunk)
+    bufs = [bytearray(_CRC_CHUNK_BYTES), bytearray(_CRC_CHUNK_BYTES)]
+    with open(path, "rb", buffering=0) as f:
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        n = f.readinto(bufs[0])
+        i = 0
+        while n:
+            result: list[Any] = []
+            reader = threading.Thread(target=lambda b=bufs[1 - i]: result.append(_readinto(f, b)), daemon=True)
+            reader.start()
+            with memoryview(bufs[i]) as view:
+                crc = zlib.crc32(view[:n], crc)
+            size += n
+            reader.join()
+            if isinstance(result[0], BaseException):
+                raise result[0]
+            n, i = result[0], 1 - i
     return size, crc
+
+
+def _readinto(f: Any, buf: bytearray) -> int | BaseException:
+    try:
+        return f.readinto(buf) or 0
+    except BaseException as exc:  # noqa: BLE001 - re-raised by the caller's thread
+        return exc
