@@ -105,8 +105,7 @@ class AsyncCheckpointer:
             (psutil). A state that does not fit is saved synchronously straight from the live
             tensors (bounded memory, logged), never by over-allocating.
         thread_count: DCP writer threads (and files) per rank. The default 2 overlaps one thread's
-            CRC-32 and fsync with the other's writes; with 1 the checksum costs about 40% on the time
-            to durable on the reference 2-core machine.
+            CRC-32 and fsync with the other's writes. An error in any writer thread fails the save.
         timeout_seconds: limit for checkpoint collectives between ranks (seconds).
         process_group: ranks taking part (default: all); checkpoint traffic always uses private
             gloo groups created from it.
