@@ -323,7 +323,7 @@ class AccelerateCheckpointer:
             folder = Path(input_dir).expanduser()
             if not folder.is_dir():
                 raise ValueError(f"Tried to find {folder} but folder does not exist")
-            if (folder / f".{PAYLOAD}.tmp").exists() and not (folder / PAYLOAD).exists():
+            if any(folder.glob(f".{PAYLOAD}.tmp*")) and not (folder / PAYLOAD).exists():
                 raise CheckpointNotFoundError(f"{folder}: its save never committed (interrupted); load another one")
             if not (folder / PAYLOAD).exists():
                 if not allow_unsafe_accelerate_folder:

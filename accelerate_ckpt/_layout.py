@@ -6,7 +6,7 @@ Layout (``ProjectConfiguration(automatic_checkpoint_naming=True)``)::
       checkpoint_9/                Accelerate's folder; files of user save hooks go here
         torch_ckpt/                the committed payload (DCP shards, per-rank JSON, manifest.json)
       checkpoint_10/
-        .torch_ckpt.tmp/           a save in flight: not a checkpoint yet
+        .torch_ckpt.tmp.<id>/      a save in flight: not a checkpoint yet
 
 A folder is a checkpoint if and only if ``torch_ckpt/manifest.json`` exists (the core renames the
 payload into place only when every rank's files are written and fsynced). Folders are ordered by

@@ -16,6 +16,23 @@ Reported (JSON): ``trials``, ``partial_exposed`` (must be 0), ``resumable`` (mus
 ``instants`` (where kills landed: ``during_save`` when a temporary directory existed, else
 ``between_saves``; plus ``no_checkpoint_yet``), ``kill_delays_s`` (min/median/max) and ``wall_s``.
 
+With ``--persist process`` the training saves through a writer process per rank, and every kill
+also checks that the killed trainer's writer exits and commits nothing afterwards:
+``writers_seen`` (writer processes alive at the kill), ``writers_survived`` (still running
+``--orphan-bound`` seconds later; must be 0; they are then killed), ``writer_exit_s``
+(min/median/max seconds from the kill until they were gone) and ``committed_after_death`` (steps
+that appeared after the trainer was reaped; must be 0).
+
+``--restart-while-orphan`` (with ``--persist process``) stands in for an immediate restart while
+the old writer is slow: the writer is SIGSTOPped before its trainer is SIGKILLed, the next run
+starts at once, and the old writer is SIGCONTed at a random instant of that restarted run.
+``--no-death-signal`` starts writers without Linux's parent-death signal (standing in for other
+platforms), so that such an orphan really lives on and only its own liveness check and the
+incarnation-id temporaries protect the root. Reported: ``orphans_stopped`` (writers that were
+still alive when the restart began), ``orphans_survived`` (alive ``--orphan-bound`` seconds after
+being resumed; must be 0), ``orphan_exit_after_resume_s`` and ``run_errors`` (runs whose stderr
+holds a traceback, e.g. a restarted run's failed save; must be 0).
+
 Children are forked from this pre-imported process (importing torch costs seconds per trial
 otherwise); the parent never runs a torch op, so forking is safe.
 """
@@ -37,15 +54,63 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "examples"))
 
+import psutil  # noqa: E402
 import train_gpt  # noqa: E402  (imports torch and torch_ckpt once, before any fork)
 
+from torch_ckpt import writer_process  # noqa: E402
 from torch_ckpt.layout import read_manifest, scan_committed  # noqa: E402
 from torch_ckpt.restore import verify_files  # noqa: E402
 
 
-def _run_child(argv: list[str], *, kill_after_s: float | None, after_first_step: bool = False) -> tuple[bool, float]:
+def _writers(pid: int) -> list[psutil.Process]:
+    """The checkpoint writer processes (spawned children) of process ``pid``."""
+    try:
+        children = psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+    found = []
+    for child in children:
+        try:
+            if "spawn_main" in " ".join(child.cmdline()):
+                found.append(child)
+        except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
+            continue
+    return found
+
+
+def _gone(proc: psutil.Process) -> bool:
+    """True once ``proc`` exited (an unreaped zombie counts as exited)."""
+    try:
+        return not proc.is_running() or proc.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def _wait_gone(procs: list[psutil.Process], bound_s: float) -> tuple[float, list[psutil.Process]]:
+    """Wait up to ``bound_s`` for ``procs`` to exit; returns (seconds waited, survivors)."""
+    t0 = time.monotonic()
+    while True:
+        alive = [p for p in procs if not _gone(p)]
+        if not alive or time.monotonic() - t0 > bound_s:
+            return time.monotonic() - t0, alive
+        time.sleep(0.005)
+
+
+def _kill_all(procs: list[psutil.Process]) -> None:
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+
+
+def _run_child(argv: list[str], *, kill_after_s: float | None, after_first_step: bool = False,
+               stop_writers: bool = False, event: tuple[float, object] | None = None
+               ) -> tuple[bool, float, list[psutil.Process]]:
     """Fork a child running ``train_gpt.main(argv)``; SIGKILL it ``kill_after_s`` after it starts (or, with
-    ``after_first_step``, after it logged its first step). Returns (killed, alive_s)."""
+    ``after_first_step``, after it logged its first step). ``stop_writers``: SIGSTOP its writer processes just
+    before the kill. ``event``: ``(seconds, callable)`` called once that long after the start (or the first
+    step), or when the child ends if earlier. Returns (killed, alive_s, the child's writers at the kill)."""
     t0 = time.monotonic()
     pid = os.fork()
     if pid == 0:  # child
@@ -63,31 +128,58 @@ def _run_child(argv: list[str], *, kill_after_s: float | None, after_first_step:
             traceback.print_exc()
             code = 1
         os._exit(code)
-    if kill_after_s is None:
-        _, status = os.waitpid(pid, 0)
-        if os.waitstatus_to_exitcode(status) != 0:
-            raise SystemExit(f"training child failed with status {os.waitstatus_to_exitcode(status)}")
-        return False, time.monotonic() - t0
     log = Path(argv[argv.index("--log-jsonl") + 1])
+    pending = [event] if event is not None else []
+
+    def fire(now_from: float | None) -> None:
+        if pending and (now_from is None or time.monotonic() - now_from >= pending[0][0]):
+            pending.pop()[1]()
+
+    def finished_early() -> tuple[bool, float, list]:
+        fire(None)
+        return False, time.monotonic() - t0, []
+
     start = t0
-    if after_first_step:
+    if after_first_step or kill_after_s is None:
         while True:
             done, status = os.waitpid(pid, os.WNOHANG)
             if done:
-                return False, time.monotonic() - t0
+                if kill_after_s is None and os.waitstatus_to_exitcode(status) != 0:
+                    fire(None)
+                    raise SystemExit(f"training child failed with status {os.waitstatus_to_exitcode(status)}")
+                return finished_early()
             if log.exists() and log.stat().st_size > 0:
                 start = time.monotonic()
                 break
+            time.sleep(0.002)
+    if kill_after_s is None:
+        while True:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                fire(None)
+                if os.waitstatus_to_exitcode(status) != 0:
+                    raise SystemExit(f"training child failed with status {os.waitstatus_to_exitcode(status)}")
+                return False, time.monotonic() - t0, []
+            fire(start)
             time.sleep(0.002)
     deadline = start + kill_after_s
     while time.monotonic() < deadline:
         done, status = os.waitpid(pid, os.WNOHANG)
         if done:
-            return False, time.monotonic() - t0
+            return finished_early()
+        fire(start)
         time.sleep(0.002)
+    writers = _writers(pid)
+    if stop_writers:
+        for w in writers:
+            try:
+                w.suspend()
+            except psutil.NoSuchProcess:
+                pass
     os.kill(pid, signal.SIGKILL)
     _, status = os.waitpid(pid, 0)
-    return os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, time.monotonic() - t0
+    fire(None)
+    return os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, time.monotonic() - t0, writers
 
 
 def _read_log(path: Path) -> dict[int, dict]:
@@ -103,6 +195,12 @@ def _read_log(path: Path) -> dict[int, dict]:
     return out
 
 
+def _spread(values: list[float]) -> dict[str, float] | None:
+    if not values:
+        return None
+    return {"min": min(values), "median": statistics.median(values), "max": max(values)}
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--trials", type=int, default=200)
@@ -113,7 +211,19 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--work-dir", type=Path, default=Path("chaos_run"))
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--persist", choices=("thread", "process"), default="thread",
+                   help="the training's writer: a thread (default) or a writer process")
+    p.add_argument("--restart-while-orphan", action="store_true",
+                   help="SIGSTOP the writer before each kill, restart at once, SIGCONT it during the restarted run")
+    p.add_argument("--no-death-signal", action="store_true",
+                   help="start writer processes without the parent-death signal (stands in for non-Linux)")
+    p.add_argument("--orphan-bound", type=float, default=30.0,
+                   help="seconds an orphaned writer may take to exit before it counts as survived")
     args = p.parse_args(argv)
+    if args.restart_while_orphan and args.persist != "process":
+        p.error("--restart-while-orphan needs --persist process")
+    if args.no_death_signal:
+        writer_process._PARENT_DEATH_SIGNAL = None  # inherited by the forked trainers
     t_start = time.monotonic()
     rng = random.Random(args.seed)
     work = args.work_dir
@@ -121,26 +231,82 @@ def main(argv: list[str] | None = None) -> dict:
     work.mkdir(parents=True)
     steps = args.steps or max(300, args.trials * 40)
     common = ["--steps", str(steps), "--save-every", str(args.save_every), "--seed", "7", "--keep-last", "2",
-              "--max-windows", "640", "--n-layer", "1", "--n-embd", "32", "--quiet"]
+              "--max-windows", "640", "--n-layer", "1", "--n-embd", "32", "--quiet", "--persist", args.persist]
 
     _run_child(common + ["--ckpt-dir", str(work / "ref_ckpt"), "--log-jsonl", str(work / "ref.jsonl")],
                kill_after_s=None)
     reference = _read_log(work / "ref.jsonl")
 
     ckpt = work / "ckpt"
-    result = {"trials": 0, "partial_exposed": 0, "resumable": 0, "exact_resume": 0, "mismatched_steps": 0,
-              "instants": {"during_save": 0, "between_saves": 0, "no_checkpoint_yet": 0}, "killed": 0}
-    delays = []
+    result = {"persist": args.persist, "restart_while_orphan": args.restart_while_orphan,
+              "death_signal": not args.no_death_signal, "trials": 0, "partial_exposed": 0, "resumable": 0,
+              "exact_resume": 0, "mismatched_steps": 0,
+              "instants": {"during_save": 0, "between_saves": 0, "no_checkpoint_yet": 0}, "killed": 0,
+              "writers_seen": 0, "writers_survived": 0, "committed_after_death": 0, "orphans_stopped": 0,
+              "orphans_survived": 0, "run_errors": 0}
+    delays: list[float] = []
+    exit_times: list[float] = []
+    resume_exit_times: list[float] = []
+    orphans: list[psutil.Process] = []  # stopped writers of the previous trial (--restart-while-orphan)
+
+    def resume_orphans_event(stopped: list[psutil.Process]) -> tuple[float, object] | None:
+        """An event for the restarted run: SIGCONT the stopped orphans at a random instant of it."""
+        if not stopped:
+            return None
+        resumed_at: list[float] = []
+
+        def resume() -> None:
+            resumed_at.append(time.monotonic())
+            for o in stopped:
+                try:
+                    o.resume()
+                except psutil.NoSuchProcess:
+                    pass
+
+        resume.resumed_at = resumed_at  # type: ignore[attr-defined]
+        return rng.uniform(0.0, args.max_delay), resume
+
+    def settle_orphans(stopped: list[psutil.Process], event) -> None:
+        """After the restarted run: every resumed orphan must have exited (counted, then killed if not)."""
+        if not stopped:
+            return
+        waited, survivors = _wait_gone(stopped, args.orphan_bound)
+        t_resumed = event[1].resumed_at[0] if event[1].resumed_at else time.monotonic()
+        resume_exit_times.append(time.monotonic() - t_resumed)
+        result["orphans_survived"] += len(survivors)
+        _kill_all(survivors)
+
+    def count_errors(log: Path) -> None:
+        err = Path(str(log) + ".stderr")
+        if err.exists() and "Traceback" in err.read_text(errors="replace"):
+            result["run_errors"] += 1
+            print(f"{log.name}: traceback in {err}", file=sys.stderr)
+
     for trial in range(args.trials):
         log = work / f"run_{trial:04d}.jsonl"
         early = trial % 10 == 0  # every tenth kill lands during start-up / restore
         delay = rng.uniform(0.0, 0.3) if early else rng.uniform(0.0, args.max_delay)
-        killed, _ = _run_child(common + ["--ckpt-dir", str(ckpt), "--log-jsonl", str(log)], kill_after_s=delay,
-                               after_first_step=not early)
+        event = resume_orphans_event(orphans)
+        killed, _, writers = _run_child(common + ["--ckpt-dir", str(ckpt), "--log-jsonl", str(log)],
+                                        kill_after_s=delay, after_first_step=not early,
+                                        stop_writers=args.restart_while_orphan, event=event)
+        settle_orphans(orphans, event)
+        count_errors(log)
         delays.append(delay)
         result["trials"] += 1
         result["killed"] += int(killed)
-        if any(ckpt.glob(".step_*.tmp")):
+        result["writers_seen"] += len(writers)
+        if args.restart_while_orphan:
+            orphans = [w for w in writers if not _gone(w)]
+            result["orphans_stopped"] += len(orphans)
+        elif writers:
+            at_death = set(scan_committed(ckpt))
+            waited, survivors = _wait_gone(writers, args.orphan_bound)
+            exit_times.append(waited)
+            result["writers_survived"] += len(survivors)
+            _kill_all(survivors)
+            result["committed_after_death"] += len(set(scan_committed(ckpt)) - at_death)
+        if any(ckpt.glob(".step_*.tmp*")):
             result["instants"]["during_save"] += 1
         elif not scan_committed(ckpt):
             result["instants"]["no_checkpoint_yet"] += 1
@@ -164,18 +330,26 @@ def main(argv: list[str] | None = None) -> dict:
         if os.environ.get("CHAOS_VERBOSE"):
             print(f"trial {trial}: delay {delay:.3f}s killed={killed} logged={len(got)} bad={len(bad)}")
 
-    _run_child(common + ["--ckpt-dir", str(ckpt), "--log-jsonl", str(work / "final.jsonl")], kill_after_s=None)
+    event = resume_orphans_event(orphans)
+    _run_child(common + ["--ckpt-dir", str(ckpt), "--log-jsonl", str(work / "final.jsonl")], kill_after_s=None,
+               event=event)
+    settle_orphans(orphans, event)
+    count_errors(work / "final.jsonl")
     final = _read_log(work / "final.jsonl")
     result["final_steps_checked"] = len(final)
     result["final_mismatched_steps"] = sum(1 for s, r in final.items()
                                            if r["loss"] != reference[s]["loss"] or r["lr"] != reference[s]["lr"])
     logged = max([max(_read_log(f), default=0) for f in work.glob("run_*.jsonl")] + [max(final, default=0)])
     result["finished"] = logged == steps
-    result["kill_delays_s"] = {"min": min(delays), "median": statistics.median(delays), "max": max(delays)}
+    result["kill_delays_s"] = _spread(delays)
+    result["writer_exit_s"] = _spread(exit_times)
+    result["orphan_exit_after_resume_s"] = _spread(resume_exit_times)
     result["wall_s"] = time.monotonic() - t_start
     result["ok"] = (result["partial_exposed"] == 0 and result["resumable"] == result["trials"]
                     and result["mismatched_steps"] == 0 and result["final_mismatched_steps"] == 0
-                    and result["finished"])
+                    and result["finished"] and result["writers_survived"] == 0
+                    and result["committed_after_death"] == 0 and result["orphans_survived"] == 0
+                    and result["run_errors"] == 0)
     print(json.dumps(result, indent=2))
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))

@@ -225,6 +225,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    metavar="DURATION", help="with --mtbf: the save cost assumed until a save is measured "
                    "(default 50ms)")
     p.add_argument("--keep-last", type=int, default=3, help="how many newest checkpoints to keep")
+    p.add_argument("--persist", choices=("thread", "process"), default="thread", help="where checkpoint writes "
+                   "run: a writer thread (default) or a writer process per rank")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--log-jsonl", type=Path, default=None, help="append one JSON object per optimizer step "
                    "(rank 0 only; the loss is the mean over ranks and the batch lists every rank's windows)")
@@ -361,7 +363,8 @@ def train(args: argparse.Namespace, rank: int = 0, world: int = 1) -> dict:
     loss_value = float("nan")
     try:
         # ckpt: one manager per run root; every rank builds it and calls restore/save collectively
-        with CheckpointManager(args.ckpt_dir, keep_last=args.keep_last, save_policy=policy) as mgr:
+        with CheckpointManager(args.ckpt_dir, keep_last=args.keep_last, save_policy=policy,
+                               persist=args.persist) as mgr:
             resumed = mgr.restore(state)  # ckpt: newest committed checkpoint, loaded in place; None: fresh start
             if lead and not args.quiet:
                 where = f"resumed from step {resumed}" if resumed is not None else "starting fresh"

@@ -150,7 +150,7 @@ class MTBFCheckpoint(OnExceptionCheckpoint):
         io.enable_overlap(lambda: {getattr(p, "_local_tensor", p).data_ptr() for p in pl_module.parameters()})
         if trainer.is_global_zero:
             Path(self.dirpath).mkdir(parents=True, exist_ok=True)
-            clean_stale_temporaries(self.dirpath)
+            clean_stale_temporaries(self.dirpath, keep_incarnation=io.checkpointer().incarnation)
         self._cadence = None if self._policy is None else Cadence(self._policy)
         self._unreported = []
         self._stepped, self._last_saved_step = False, None

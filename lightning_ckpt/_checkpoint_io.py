@@ -3,7 +3,7 @@
 Each ``save_checkpoint`` stages the checkpoint dict into host memory through
 :class:`torch_ckpt.AsyncCheckpointer` and returns; a writer thread persists it as a torch-ckpt
 directory (DCP shards, per-rank JSON, manifest with CRC-32 per file) written as a hidden
-``.NAME.tmp`` sibling and renamed to ``NAME`` when complete. At most one save is in flight; the next
+``.NAME.tmp.<id>`` sibling and renamed to ``NAME`` when complete. At most one save is in flight; the next
 save, :meth:`~AsyncDCPCheckpointIO.wait` and ``teardown`` wait for it and raise its error, once.
 
 Operations on names that Lightning issues while a save is in flight are ordered after its commit:

@@ -26,3 +26,19 @@ def test_short_chaos_run_never_exposes_partial_and_resumes_exactly(tmp_path):
     assert result["final_mismatched_steps"] == 0 and result["finished"]
     assert result["instants"]["during_save"] > 0  # the kills really hit saves in progress
     assert proc.returncode == 0
+
+
+@pytest.mark.timeout(600)
+def test_short_chaos_run_with_process_writer_and_restart_while_orphan(tmp_path):
+    """3 kills with persist='process', each restart begun while the stopped orphan lives on: orphans exit, no errors."""
+    out = tmp_path / "chaos.json"
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "chaos.py"), "--trials", "3", "--persist",
+                           "process", "--restart-while-orphan", "--no-death-signal", "--work-dir",
+                           str(tmp_path / "run"), "--json", str(out)],
+                          capture_output=True, text=True, timeout=580)
+    assert out.exists(), proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["trials"] == 3 and result["orphans_stopped"] > 0  # orphans really outlived their trainers
+    assert result["orphans_survived"] == 0 and result["run_errors"] == 0
+    assert result["exact_resume"] == 3 and result["final_mismatched_steps"] == 0
+    assert proc.returncode == 0

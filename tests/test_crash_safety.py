@@ -38,7 +38,7 @@ _spec.loader.exec_module(saver)
 KILLS = 30
 FIRST_SAVE_KILLS = 8
 SEED = 20240607
-_TMP_RE = re.compile(r"^\.step_\d+\.tmp$")
+_TMP_RE = re.compile(r"^\.step_\d+\.tmp(\.[0-9a-f]+)?$")
 _FINAL_RE = re.compile(r"^step_(\d+)$")
 
 

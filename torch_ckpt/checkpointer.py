@@ -26,7 +26,7 @@ from torch_ckpt.codec import split_state
 from torch_ckpt.dist import DistContext
 from torch_ckpt.errors import CheckpointError, ConfigError
 from torch_ckpt.handle import SaveHandle, SaveStats
-from torch_ckpt.layout import read_manifest
+from torch_ckpt.layout import new_incarnation, read_manifest
 from torch_ckpt.persist import PersistRequest, persist_checkpoint
 from torch_ckpt.restore import RANK_LOCAL_POLICIES, load_into
 from torch_ckpt.staging import HostStager
@@ -163,6 +163,7 @@ class AsyncCheckpointer:
         self._lock = threading.Lock()
         self._closed = False
         self.last_stats: SaveStats | None = None
+        self._incarnation = new_incarnation()
         if persist == "process" and self.async_save:
             self._process_writer = ProcessWriter(self._ctx, timeout_seconds=timeout_seconds, niceness=writer_niceness)
 
@@ -171,6 +172,14 @@ class AsyncCheckpointer:
         """The handle of the save not yet committed (or failed), if any."""
         handle = self._inflight
         return None if handle is None or handle.done() else handle
+
+    @property
+    def incarnation(self) -> str:
+        """Random hex id of this checkpointer; its temporaries are named ``.NAME.tmp.<incarnation>``.
+
+        Rank 0's id names the temporaries of a collective save; other ranks' ids are not used.
+        """
+        return self._incarnation
 
     @property
     def ctx(self) -> DistContext:
@@ -218,8 +227,8 @@ class AsyncCheckpointer:
         (at most one in flight) and raises, once, any error of an earlier background save.
 
         Args:
-            final: the directory to create (must not exist); written as a hidden ``.NAME.tmp``
-                sibling and renamed when complete.
+            final: the directory to create (must not exist); written as a hidden
+                ``.NAME.tmp.<incarnation>`` sibling and renamed when complete.
             state: a :class:`~torch_ckpt.TrainState`, any ``Stateful`` or a nested dict of tensors
                 and JSON values.
             step: recorded in the manifest.
@@ -326,12 +335,12 @@ class AsyncCheckpointer:
             timings = {"staging_s": handle.stats.staging_s}
             if self._process_writer is not None and job.fits:
                 fields = dict(final=job.final, step=job.step, tree=job.tree, tensor_bytes=handle.stats.bytes,
-                              thread_count=self.thread_count, timings=timings)
+                              thread_count=self.thread_count, timings=timings, incarnation=self._incarnation)
                 final = self._process_writer.persist(arena=self._stager.arena, layout=job.layout, fields=fields)
             else:
                 req = PersistRequest(final=job.final, step=job.step, tensors=job.to_write, tree=job.tree,
                                      tensor_bytes=handle.stats.bytes, thread_count=self.thread_count,
-                                     timings=timings)
+                                     timings=timings, incarnation=self._incarnation)
                 final = persist_checkpoint(req, self._ctx)
             stats = handle.stats
             stats.persist_s = time.monotonic() - t_start

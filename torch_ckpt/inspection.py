@@ -13,7 +13,7 @@ Status of an entry of a root (:func:`list_root`):
 
 * ``committed``: ``manifest.json`` is readable and every file it lists is present with its size
   (and, with ``verify=True``, its CRC-32 and the structure checks of :func:`verify_checkpoint`);
-* ``partial``: a temporary ``.step_N.tmp`` (a save or download in progress, or left by a crash), or
+* ``partial``: a temporary ``.step_N.tmp[.<id>]`` (a save or download in progress, or left by a crash), or
   a ``step_N`` directory without a manifest (on an object store: an upload in progress or abandoned);
 * ``corrupt``: the manifest is unreadable or names another step, or files are missing or have the
   wrong size (or fail verification).

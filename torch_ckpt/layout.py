@@ -8,7 +8,11 @@ Layout of a run root::
         __0_0.distcp ...         tensor shards, one file per rank and writer thread
         rank_00000.json ...      non-tensor state of each rank (types preserved, no pickle)
         manifest.json            written last: step, world size, files with sizes and CRC-32
-      .step_000000110.tmp/       a save in progress; never listed, removed on the next start
+      .step_000000110.tmp.9f2c.../  a save in progress; never listed, removed on the next start
+
+Every temporary name carries the incarnation id of the checkpointer writing it (a random hex id
+drawn when the checkpointer is built), so a restarted run never writes into, and never commits, a
+temporary directory left or still being written by a previous incarnation of the same run.
 
 Commit protocol (crash-safe at every instant): all files are written and fsynced inside the
 temporary sibling, ``manifest.json`` is written and fsynced, the temporary directory is fsynced,
@@ -22,6 +26,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import secrets
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -42,6 +47,9 @@ __all__ = [
     "Manifest",
     "step_dir_name",
     "tmp_dir_name",
+    "temporary_name",
+    "new_incarnation",
+    "is_temporary_name",
     "scan_committed",
     "read_manifest",
     "write_json_durable",
@@ -61,7 +69,10 @@ FORMAT_NAME = "torch-ckpt"
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 _STEP_RE = re.compile(r"^step_(\d+)$")
-_TMP_RE = re.compile(r"^\.step_(\d+)(\.download)?\.tmp$")
+# a temporary step directory: ``.step_N.tmp`` (before incarnation ids), ``.step_N.tmp.<id>``, and the
+# durable tier's ``.step_N.download.tmp`` in both forms; group 1 is the step, group 3 the incarnation id
+_TMP_RE = re.compile(r"^\.step_(\d+)(\.download)?\.tmp(?:\.([0-9a-f]+))?$")
+_INCARNATION_RE = re.compile(r"^[0-9a-f]{1,64}$")
 
 
 def _is_plain_file_name(name: str) -> bool:
@@ -74,9 +85,30 @@ def step_dir_name(step: int) -> str:
     return f"step_{step:09d}"
 
 
-def tmp_dir_name(step: int) -> str:
-    """Temporary sibling directory name used while ``step`` is being written."""
-    return f".step_{step:09d}.tmp"
+def new_incarnation() -> str:
+    """A fresh incarnation id (16 hex digits, random) for one checkpointer instance."""
+    return secrets.token_hex(8)
+
+
+def temporary_name(final_name: str, incarnation: str) -> str:
+    """Hidden sibling name under which ``final_name`` is written by checkpointer ``incarnation``.
+
+    Raises:
+        ValueError: ``incarnation`` is not 1 to 64 lowercase hex digits.
+    """
+    if not isinstance(incarnation, str) or not _INCARNATION_RE.match(incarnation):
+        raise ValueError(f"incarnation id must be 1 to 64 lowercase hex digits, got {incarnation!r}")
+    return f".{final_name}.tmp.{incarnation}"
+
+
+def tmp_dir_name(step: int, incarnation: str) -> str:
+    """Temporary sibling directory name used while ``step`` is being written by ``incarnation``."""
+    return temporary_name(step_dir_name(step), incarnation)
+
+
+def is_temporary_name(name: str) -> bool:
+    """True for the name of a temporary step directory (any form, with or without an incarnation id)."""
+    return bool(_TMP_RE.match(name))
 
 
 def rank_file_name(rank: int) -> str:
@@ -257,14 +289,30 @@ def commit_dir(tmp: Path, final: Path) -> None:
     fsync_dir(final.parent)
 
 
-def clean_stale_temporaries(root: str | os.PathLike) -> list[Path]:
-    """Remove temporary step directories left by a crashed save. Returns what was removed."""
-    removed = []
+def clean_stale_temporaries(root: str | os.PathLike, *, keep_incarnation: str | None = None) -> list[Path]:
+    """Remove temporary step directories left by a crashed save or by a previous incarnation.
+
+    Call it only while holding the root's lock: every temporary of another incarnation is then
+    stale (its owner is gone; a writer it left behind can no longer commit, see
+    :mod:`torch_ckpt.writer_process`). Both naming forms (``.step_N.tmp`` and ``.step_N.tmp.<id>``,
+    also ``.download``) and ``.trash_step_*`` leftovers are removed.
+
+    Args:
+        root: the checkpoint root.
+        keep_incarnation: the caller's own incarnation id; its temporaries (a save in flight) are kept.
+
+    Returns:
+        The removed paths.
+    """
+    removed: list[Path] = []
     root = Path(root)
     if not root.is_dir():
         return removed
     for entry in root.iterdir():
-        if _TMP_RE.match(entry.name) or entry.name.startswith(".trash_step_"):
+        m = _TMP_RE.match(entry.name)
+        if m and keep_incarnation is not None and m.group(3) == keep_incarnation:
+            continue
+        if m or entry.name.startswith(".trash_step_"):
             shutil.rmtree(entry, ignore_errors=True)
             removed.append(entry)
     if removed:

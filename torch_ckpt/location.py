@@ -40,7 +40,7 @@ __all__ = ["Location", "PathNotFoundError", "is_url", "progress_bar", "COMMITTED
 COMMITTED, PARTIAL, CORRUPT = "committed", "partial", "corrupt"
 
 _STEP_RE = re.compile(r"^step_(\d+)$")
-_TMP_RE = re.compile(r"^\.step_(\d+)(\.download)?\.tmp$")
+_TMP_RE = re.compile(r"^\.step_(\d+)(\.download)?\.tmp(\.[0-9a-f]+)?$")  # old and incarnation-id forms
 _METADATA = ".metadata"
 _CHUNK_BYTES = 8 << 20
 

@@ -183,7 +183,7 @@ class CheckpointManager:
             try:
                 check_root(self.root, create=True)
                 self._lock.acquire()
-                clean_stale_temporaries(self.root)
+                clean_stale_temporaries(self.root, keep_incarnation=self._ckpt.incarnation)
                 if self._tier is not None:
                     durable_retention = None
                     if durable_keep_last is not None:

@@ -12,6 +12,7 @@ import errno
 import os
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,9 @@ from torch_ckpt.errors import CheckpointError, CheckpointWriteError
 from torch_ckpt.layout import (
     Manifest,
     commit_dir,
+    new_incarnation,
     rank_file_name,
+    temporary_name,
     write_json_durable,
 )
 
@@ -35,7 +38,13 @@ __all__ = ["PersistRequest", "persist_checkpoint"]
 
 @dataclass
 class PersistRequest:
-    """Everything the writer needs for one step (tensors already staged off the live state)."""
+    """Everything the writer needs for one step (tensors already staged off the live state).
+
+    ``incarnation`` names the temporary directory (``.NAME.tmp.<incarnation>``; only rank 0's
+    value is used; None draws a fresh id for this save). ``owner_alive``, when given, is asked
+    before the write starts, before the ranks agree on it and right before the commit; once it
+    returns False the save fails and nothing is committed (a writer process whose trainer died).
+    """
 
     final: Path
     step: int
@@ -44,6 +53,8 @@ class PersistRequest:
     tensor_bytes: int
     thread_count: int = 1
     timings: dict[str, float] | None = None
+    incarnation: str | None = None
+    owner_alive: Callable[[], bool] | None = None
 
 
 def _describe(exc: BaseException) -> str:
@@ -78,33 +89,46 @@ def _check_on_disk(directory: Path, files: dict[str, dict[str, int]]) -> None:
         if size != info["bytes"]:
             raise CheckpointWriteError(errno.EIO, f"{path} has {size} bytes on disk but {info['bytes']} were "
                                                   "written; not committing")
+def _check_owner(req: PersistRequest, final: Path) -> None:
+    """Raise when the process that requested this save is gone (see ``PersistRequest.owner_alive``)."""
+    if req.owner_alive is not None and not req.owner_alive():
+        raise CheckpointWriteError(f"the training process that requested step {req.step} is gone; its checkpoint "
+                                   f"writer does not commit {final} (the run's next start cleans up)")
 
 
 def persist_checkpoint(req: PersistRequest, ctx: DistContext) -> Path:
     """Write, verify agreement and commit one checkpoint; collective over ``ctx``'s background group.
 
+    The files are written into rank 0's temporary ``.NAME.tmp.<incarnation>`` and only that
+    directory is renamed to ``final``; a temporary of another incarnation is never touched.
+
     Returns:
         The committed directory (same on every rank).
 
     Raises:
-        CheckpointWriteError: this or another rank failed; nothing was committed.
+        CheckpointWriteError: this or another rank failed, or the requesting process is gone;
+            nothing was committed.
     """
     final = Path(req.final)
-    tmp = final.with_name(f".{final.name}.tmp")
+    tmp = final.with_name(temporary_name(final.name, req.incarnation or new_incarnation()))
     error: BaseException | None = None
     if ctx.is_coordinator:
         try:
+            _check_owner(req, final)
             if final.exists():
                 raise CheckpointWriteError(f"{final} already exists; refusing to overwrite a checkpoint")
-            if tmp.exists():
+            if tmp.exists():  # this incarnation's own leftover of an earlier failed attempt
                 shutil.rmtree(tmp)
             tmp.mkdir(parents=True)
         except BaseException as exc:  # noqa: BLE001 - reported to every rank below
             error = exc
-    ok = ctx.broadcast(error is None and "ok" or _describe(error), background=True, what="prepare")
-    if ok != "ok":
+    # every rank writes into rank 0's temporary directory (its name carries rank 0's incarnation id)
+    prepared = ctx.broadcast(("ok", tmp.name) if error is None else ("error", _describe(error)), background=True,
+                             what="prepare")
+    if prepared[0] != "ok":
         raise _as_write_error(error, tmp) if error is not None else CheckpointWriteError(
-            f"rank 0 could not prepare {tmp}: {ok}")
+            f"rank 0 could not prepare {tmp}: {prepared[1]}")
+    tmp = final.with_name(prepared[1])
 
     t0 = time.monotonic()
     files: dict[str, dict[str, int]] = {}
@@ -119,6 +143,7 @@ def persist_checkpoint(req: PersistRequest, ctx: DistContext) -> Path:
         files = {name: {"bytes": b, "crc32": c} for name, (b, c) in writer.written_files.items()}
         files[rank_file_name(ctx.rank)] = {"bytes": size, "crc32": crc}
         _check_on_disk(tmp, files)
+        _check_owner(req, final)
     except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException derives from BaseException
         if isinstance(exc, (KeyboardInterrupt, SystemExit)):
             raise
@@ -143,6 +168,7 @@ def persist_checkpoint(req: PersistRequest, ctx: DistContext) -> Path:
                 manifest = Manifest(step=req.step, world_size=ctx.world_size, files=dict(sorted(all_files.items())),
                                     tensor_bytes=req.tensor_bytes, timings=timings)
                 write_json_durable(tmp / "manifest.json", manifest.to_json())
+                _check_owner(req, final)  # last look before the rename: never commit for a dead trainer
                 commit_dir(tmp, final)
             except BaseException as exc:  # noqa: BLE001
                 commit_error = _describe(exc)

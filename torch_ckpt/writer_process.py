@@ -5,14 +5,27 @@ receives only the layout and the JSON tree, then runs :func:`~torch_ckpt.persist
 with its own gloo process group among the writer processes of all ranks. The process is started
 (and its process group formed) when the manager is built, so the first save does not pay for it.
 A writer that dies is detected within a second and reported as :class:`CheckpointWriteError`.
+
+The writer never outlives its trainer. On Linux it asks the kernel for SIGKILL when the thread
+that started it exits (``PR_SET_PDEATHSIG``, set first thing in the child, then ``getppid()`` is
+compared with the trainer's pid to close the race with a trainer that died before the call); the
+writer is therefore started only from the main thread, and from another thread the signal is not
+requested. On every platform it also checks that its parent is alive and unchanged (same pid,
+same start time) while idle (every second) and before a save starts, before the ranks agree on it
+and right before the commit rename, so a writer whose trainer died never commits; it then exits.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import datetime
 import os
 import queue
+import signal
 import socket
+import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -29,6 +42,46 @@ __all__ = ["ProcessWriter"]
 log = get_logger(__name__)
 
 _START_TIMEOUT_S = 120.0
+_IDLE_POLL_S = 1.0  # how often an idle writer checks that its trainer is still alive
+_PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+# Signal the kernel sends the writer when its trainer dies (Linux). SIGKILL also ends a stopped or
+# busy writer at once. None: do not request one (tests use it to stand in for other platforms).
+_PARENT_DEATH_SIGNAL: int | None = signal.SIGKILL
+
+
+def _process_start_time(pid: int) -> float | None:
+    """Start time of process ``pid`` (seconds since the epoch, psutil), None when it does not exist."""
+    import psutil
+
+    try:
+        return psutil.Process(pid).create_time()
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return None
+
+
+def _parent_alive(parent_pid: int, parent_started: float | None) -> bool:
+    """True while this process's parent is still the trainer ``parent_pid`` that started it.
+
+    A dead parent shows as a changed ``getppid()`` (POSIX re-parents orphans); where that does
+    not change (Windows), the parent's pid is gone or belongs to a process started later.
+    """
+    if os.getppid() != parent_pid:
+        return False
+    if parent_started is None:
+        return True
+    started = _process_start_time(parent_pid)
+    return started is not None and abs(started - parent_started) < 1.0
+
+
+def _die_with_parent(sig: int, parent_pid: int) -> None:
+    """Ask Linux to send ``sig`` to this process when its parent dies; exit now if it already did."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"prctl(PR_SET_PDEATHSIG) failed: {os.strerror(err)}")
+    if os.getppid() != parent_pid:  # the trainer died before the request took effect
+        os._exit(1)
 
 
 def _free_port(addr: str) -> int:
@@ -38,8 +91,26 @@ def _free_port(addr: str) -> int:
 
 
 def _writer_main(requests, replies, rank: int, world_size: int, init: tuple[str, int] | None,
-                 timeout_s: float, niceness: int) -> None:
-    """Entry point of the writer process (spawned; imports torch afresh)."""
+                 timeout_s: float, niceness: int, parent: tuple[int, float | None], death_signal: int | None) -> None:
+    """Entry point of the writer process (spawned; imports torch afresh).
+
+    ``parent`` is the trainer's ``(pid, start time)``; ``death_signal`` the signal requested for its
+    death (Linux; None: none).
+    """
+    parent_pid, parent_started = parent
+
+    def trainer_alive() -> bool:
+        return _parent_alive(parent_pid, parent_started)
+
+    try:
+        if death_signal is not None:
+            _die_with_parent(death_signal, parent_pid)
+        elif os.getppid() != parent_pid:
+            os._exit(1)
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent as a failed start
+        replies.put(("error", (type(exc).__name__, str(exc), getattr(exc, "errno", None))))
+        return
+
     import torch.distributed as dist
 
     from torch_ckpt.persist import PersistRequest, persist_checkpoint
@@ -59,7 +130,12 @@ def _writer_main(requests, replies, rank: int, world_size: int, init: tuple[str,
         return
     arena = None
     while True:
-        msg = requests.get()
+        try:
+            msg = requests.get(timeout=_IDLE_POLL_S)
+        except queue.Empty:
+            if trainer_alive():
+                continue
+            os._exit(1)  # orphaned while idle: nothing to finish, nothing to report to
         if msg is None:
             break
         kind, payload = msg
@@ -69,11 +145,13 @@ def _writer_main(requests, replies, rank: int, world_size: int, init: tuple[str,
         try:
             fields, layout = payload
             tensors = arena_views(arena, layout) if layout else {}
-            req = PersistRequest(tensors=tensors, **fields)
+            req = PersistRequest(tensors=tensors, owner_alive=trainer_alive, **fields)
             final = persist_checkpoint(req, ctx)
             replies.put(("ok", str(final)))
         except BaseException as exc:  # noqa: BLE001 - reported to the parent
             replies.put(("error", (type(exc).__name__, str(exc), getattr(exc, "errno", None))))
+        if not trainer_alive():
+            os._exit(1)  # the save above was not committed (owner_alive); nobody waits for more
     ctx.destroy()
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -99,9 +177,16 @@ class ProcessWriter:
         spawn = mp.get_context("spawn")
         self._requests = spawn.Queue()
         self._replies = spawn.Queue()
+        # Linux delivers the parent-death signal when the *thread* that started the child exits: only
+        # request it when that thread is the main thread (lives as long as the process)
+        death_signal = _PARENT_DEATH_SIGNAL if threading.current_thread() is threading.main_thread() else None
+        if _PARENT_DEATH_SIGNAL is not None and death_signal is None:
+            log.info("checkpoint writer process started from a non-main thread: it stops through its liveness "
+                     "check (within %.0f s), not through a parent-death signal, if the trainer dies", _IDLE_POLL_S)
+        parent = (os.getpid(), _process_start_time(os.getpid()))
         self._proc = spawn.Process(target=_writer_main, name=f"torch_ckpt_writer_rank{ctx.rank}", daemon=True,
                                    args=(self._requests, self._replies, ctx.rank, ctx.world_size, init,
-                                         timeout_seconds, niceness))
+                                         timeout_seconds, niceness, parent, death_signal))
         self._proc.start()
         self._arena_ptr: int | None = None
         self._timeout_s = float(timeout_seconds)
@@ -130,6 +215,11 @@ class ProcessWriter:
                         "committed. Check host memory (it may have been OOM-killed).") from None
                 if deadline_s is not None and time.monotonic() - start > deadline_s:
                     raise CheckpointError(f"the checkpoint writer process did not answer within {deadline_s:.0f} s")
+
+    @property
+    def pid(self) -> int | None:
+        """Process id of the writer process (None before it started)."""
+        return self._proc.pid
 
     def persist(self, *, arena: torch.Tensor | None, layout: tuple, fields: dict[str, Any]) -> Path:
         """Persist one staged checkpoint through the writer process; returns the committed directory.

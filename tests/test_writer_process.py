@@ -1,0 +1,206 @@
+"""The writer process (persist="process") never outlives its trainer and never commits for a dead one.
+
+Each test runs real trainers (``tests/_helpers/orphan_trainer.py``) as subprocesses and SIGKILLs them.
+To pin "a save is being written", the trainer's writer process stops itself (SIGSTOP) right
+before it writes the manifest of step 2: shards and per-rank JSON are on disk, nothing is committed.
+``--no-death-signal`` stands in for platforms without a parent-death signal, where only the
+writer's own liveness check protects the root.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from torch_ckpt import CheckpointManager
+
+_HELPER = Path(__file__).parent / "_helpers" / "orphan_trainer.py"
+_spec = importlib.util.spec_from_file_location("_orphan_trainer_helper", _HELPER)
+trainer_helper = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(trainer_helper)
+
+_REPO = Path(__file__).resolve().parents[1]
+_EXIT_BOUND_S = 30.0  # a hang guard, not a performance limit: an orphan that survives never exits
+
+
+def _wait_for(predicate, what: str, bound_s: float = 60.0) -> None:
+    deadline = time.monotonic() + bound_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            pytest.fail(f"gave up after {bound_s:.0f} s waiting for {what}")
+        time.sleep(0.02)
+
+
+def _stopped(proc: psutil.Process) -> bool:
+    try:
+        return proc.status() == psutil.STATUS_STOPPED
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _gone(proc: psutil.Process) -> bool:
+    """True once ``proc`` exited (a zombie nobody reaped counts as exited)."""
+    try:
+        return not proc.is_running() or proc.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+class _Trainer:
+    """One orphan_trainer.py subprocess and its writer process."""
+
+    def __init__(self, root: Path, log: Path, *, steps: str, value: float = 0.0, death_signal: bool = True,
+                 stop_at: int | None = None, thread_count: int = 2, hold: bool = False) -> None:
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(_REPO), PYTHONUNBUFFERED="1")
+        env.pop(trainer_helper.STOP_ENV, None)
+        if stop_at is not None:
+            env[trainer_helper.STOP_ENV] = str(stop_at)
+        cmd = [sys.executable, str(_HELPER), str(root), "--steps", steps, "--value", str(value),
+               "--thread-count", str(thread_count)]
+        cmd += ["--no-death-signal"] if not death_signal else []
+        cmd += ["--hold"] if hold else []
+        self.log = log
+        self._err = open(log, "wb")
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._err, text=True,
+                                     env=env)
+        info = self.expect("writer_pid")
+        self.incarnation = info["incarnation"]
+        self.writer = psutil.Process(info["writer_pid"])
+
+    def stderr(self) -> str:
+        self._err.flush()
+        return self.log.read_text(errors="replace")[-4000:]
+
+    def expect(self, key: str) -> dict:
+        """Read progress lines until one has ``key``."""
+        while True:
+            line = self.proc.stdout.readline()
+            assert line, f"trainer exited (code {self.proc.poll()}) before reporting {key!r}:\n{self.stderr()}"
+            msg = json.loads(line)
+            if key in msg:
+                return msg
+
+    def kill(self) -> None:
+        """SIGKILL the trainer and reap it."""
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait()
+
+    def cleanup(self) -> None:
+        """Kill whatever of this trainer and its writer still runs (after a failed assertion)."""
+        for p in (self.writer,):
+            if not _gone(p):
+                try:
+                    p.kill()
+                except psutil.NoSuchProcess:
+                    pass
+        if self.proc.poll() is None:
+            self.kill()
+        self.proc.stdout.close()
+        self.proc.stdin.close()
+        self._err.close()
+
+
+@pytest.fixture
+def trainers(tmp_path):
+    """Start trainers with ``trainers(root, ...)``; all of them and their writers are gone after the test."""
+    started: list[_Trainer] = []
+
+    def start(root: Path, **kwargs) -> _Trainer:
+        t = _Trainer(root, tmp_path / f"trainer_{len(started)}.log", **kwargs)
+        started.append(t)
+        return t
+
+    yield start
+    for t in started:
+        t.cleanup()
+
+
+def _temporaries(root: Path) -> list[str]:
+    return sorted(n for n in os.listdir(root) if n.startswith(".step_"))
+
+
+def _stopped_mid_save(start, root: Path, **kwargs) -> _Trainer:
+    """A trainer that committed step 1 and whose writer is stopped inside the save of step 2."""
+    t = start(root, steps="1,2", stop_at=2, **kwargs)
+    t.expect("saving")
+    t.expect("saving")
+    _wait_for(lambda: _stopped(t.writer), "the writer to stop inside the save of step 2")
+    assert (root / "step_000000001").is_dir() and not (root / "step_000000002").exists()
+    return t
+
+
+@pytest.mark.timeout(240)
+def test_sigkilled_trainer_takes_its_writer_down_mid_save(tmp_path, trainers):
+    """SIGKILL of the trainer mid-save ends its (even stopped) writer through the parent-death signal."""
+    root = tmp_path / "root"
+    a = _stopped_mid_save(trainers, root)
+    a.kill()
+    _wait_for(lambda: _gone(a.writer), "the writer to die with its trainer (it is never resumed)", _EXIT_BOUND_S)
+    assert not (root / "step_000000002").exists()
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("thread_count", [1, 4])
+def test_orphaned_writer_resumed_after_the_trainer_died_commits_nothing(tmp_path, trainers, thread_count):
+    """Without a parent-death signal, an orphaned writer resumed mid-save exits and never commits."""
+    root = tmp_path / "root"
+    a = _stopped_mid_save(trainers, root, death_signal=False, thread_count=thread_count)
+    a.kill()
+    assert not _gone(a.writer), "the writer died with its trainer: the liveness check is not what is tested"
+    a.writer.send_signal(signal.SIGCONT)
+    _wait_for(lambda: _gone(a.writer), "the orphaned writer to exit", _EXIT_BOUND_S)
+    assert not (root / "step_000000002").exists()
+    assert _temporaries(root) == []  # it removed its own temporary
+
+
+@pytest.mark.timeout(240)
+def test_idle_orphaned_writer_exits(tmp_path, trainers):
+    """Without a parent-death signal, a writer whose trainer died between saves exits by itself."""
+    root = tmp_path / "root"
+    a = trainers(root, steps="1", death_signal=False, hold=True)
+    assert a.expect("committed")["committed"] == 1
+    a.kill()
+    _wait_for(lambda: _gone(a.writer), "the idle orphaned writer to exit", _EXIT_BOUND_S)
+    assert sorted(n for n in os.listdir(root) if "step_" in n) == ["step_000000001"]
+
+
+@pytest.mark.timeout(300)
+def test_restart_while_the_orphan_is_stopped_never_shares_its_temporary(tmp_path, trainers):
+    """SIGSTOP the orphan, restart, SIGCONT: the orphan never touches the restart's temporary; its save commits."""
+    root = tmp_path / "root"
+    a = _stopped_mid_save(trainers, root, death_signal=False, value=0.25)
+    orphan_tmp = f".step_000000002.tmp.{a.incarnation}"
+    assert _temporaries(root) == [orphan_tmp]
+    a.kill()
+    assert not _gone(a.writer)
+
+    b = trainers(root, steps="2", value=0.75, stop_at=2)
+    assert b.expect("restored")["restored"] == 1
+    _wait_for(lambda: _stopped(b.writer), "the restarted run's writer to stop inside its save of step 2")
+    own_tmp = root / f".step_000000002.tmp.{b.incarnation}"
+    assert _temporaries(root) == [own_tmp.name]  # the orphan's temporary was removed on the restart
+    before = {f.name: f.read_bytes() for f in own_tmp.iterdir()}
+
+    a.writer.send_signal(signal.SIGCONT)
+    _wait_for(lambda: _gone(a.writer), "the orphaned writer to exit", _EXIT_BOUND_S)
+    assert {f.name: f.read_bytes() for f in own_tmp.iterdir()} == before
+    assert not (root / "step_000000002").exists()
+
+    b.writer.send_signal(signal.SIGCONT)
+    b.expect("done")
+    assert b.proc.wait() == 0, b.stderr()
+    state = trainer_helper.new_state()
+    with CheckpointManager(root) as mgr:
+        assert mgr.restore(state) == 2
+    assert state["value"] == 0.75
+    assert torch.equal(state["w"], torch.full_like(state["w"], trainer_helper.expected_value(2, 0.75)))
