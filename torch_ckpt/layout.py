@@ -363,7 +363,9 @@ class RootLock:
             return
         for _ in range(100):  # only repeats when a releasing owner unlinked the file we opened
             try:
-                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+                # read-only descriptor: the lock needs none other, and an open writable file would
+                # keep the file system from being remounted read-only
+                fd = os.open(self.path, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
             except OSError as exc:
                 hint = " (or open it with read_only=True to restore and list only)" \
                     if exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM) else ""
@@ -390,10 +392,12 @@ class RootLock:
                 continue
             me = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.time()}
             try:
-                data = json.dumps(me).encode()
-                os.ftruncate(fd, 0)
-                os.pwrite(fd, data, 0)
-                os.fsync(fd)
+                wfd = os.open(self.path, os.O_WRONLY | os.O_TRUNC | os.O_CLOEXEC)
+                try:
+                    os.write(wfd, json.dumps(me).encode())
+                    os.fsync(wfd)
+                finally:
+                    os.close(wfd)
             except OSError as exc:
                 self.path.unlink(missing_ok=True)  # still ours: nobody can hold it meanwhile
                 os.close(fd)
