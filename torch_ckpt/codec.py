@@ -35,6 +35,7 @@ from __future__ import annotations
 import base64
 import dataclasses
 import enum
+import functools
 import json
 import re
 from collections import OrderedDict
@@ -87,8 +88,10 @@ def _type_name(obj: Any) -> str:
     return f"{type(obj).__module__}.{type(obj).__qualname__}".removeprefix("builtins.")
 
 
-def _checkpointable_tensor_types() -> tuple[type, ...]:
-    types: list[type] = [torch.nn.Parameter]
+@functools.lru_cache(maxsize=1)
+def _distributed_tensor_types() -> tuple[type, ...]:
+    """Tensor subclasses DCP stores as shards (imported lazily: torch.distributed is heavy)."""
+    types: list[type] = []
     try:
         from torch.distributed.tensor import DTensor
 
@@ -119,13 +122,12 @@ def _check_tensor(t: torch.Tensor, path: str, *, inline: bool) -> None:
         if inline:
             raise _refuse(path, f"a {_type_name(t)} in a rank-local part of the state", "only plain tensors can be "
                           "stored per rank; move it out of the rank-local part of the state")
-        if kind is not torch.nn.Parameter and not isinstance(t, _checkpointable_tensor_types()) or \
-                kind.__name__.startswith("Uninitialized"):
+        if kind is not torch.nn.Parameter:
+            if isinstance(t, _distributed_tensor_types()):
+                return  # DTensor / ShardedTensor: DCP saves and loads their local shards
             raise _refuse(path, f"a tensor subclass {_type_name(t)}", "store a plain tensor (e.g. t.detach().clone() "
                           "or its plain components) instead; supported are torch.Tensor, nn.Parameter, DTensor and "
                           "ShardedTensor")
-        if kind is not torch.nn.Parameter:
-            return  # DTensor / ShardedTensor: DCP handles their local shards
     if t.layout is not torch.strided:
         raise _refuse(path, f"a sparse tensor (layout {t.layout})", "store t.to_dense(), or its indices()/values() "
                       "and its shape as separate entries")
