@@ -11,7 +11,7 @@ Tensors inside *rank-local* subtrees (RNG states, dataloader positions: small an
 every rank) are embedded in the JSON tree as base64 instead of going through DCP, where
 same-named tensors on different ranks would be deduplicated as replicas.
 
-Supported values (each comes back with its exact type and value; see ``docs/values.md``):
+Supported values (each comes back with its exact type and value; also listed in ``docs/values.md``):
 
 * ``None``, ``bool``, ``int`` (any size), ``float`` (nan and +-inf included), ``complex``, ``str``,
   ``bytes``, ``bytearray``;
@@ -24,10 +24,11 @@ Supported values (each comes back with its exact type and value; see ``docs/valu
 * dense (strided) tensors, ``nn.Parameter``, ``DTensor`` and ``ShardedTensor``.
 
 Everything else is refused by :func:`split_state` with a :class:`ConfigError` naming the key
-path and what to store instead: subclasses of the types above (``IntEnum``, ``np.str_`` dict keys
-are fine, but a namedtuple or a ``defaultdict`` is not), ``Enum``, ``pathlib.Path``, dataclasses,
-``datetime`` objects, numpy object or structured arrays, sparse, quantized, nested and meta
-tensors and other tensor subclasses, and containers that contain themselves.
+path and what to store instead, before anything is written: subclasses of the types above (an
+``IntEnum``, a namedtuple, a ``defaultdict``), ``Enum`` members, ``pathlib.Path``, dataclasses,
+``datetime`` objects, numpy object or structured arrays and array subclasses, sparse, quantized,
+nested and meta tensors, raw-bit and sub-byte dtypes, other tensor subclasses, containers that
+contain themselves and nesting deeper than :data:`MAX_DEPTH`.
 """
 
 from __future__ import annotations

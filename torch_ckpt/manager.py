@@ -276,15 +276,11 @@ class CheckpointManager:
         t0 = time.monotonic()
         valid = not isinstance(step, bool) and isinstance(step, int) and step >= 0
         replicate = self._replicator is not None and (self._saves + 1) % self._replicate_every == 0
-        captured = time.time()
         final = self.root / (step_dir_name(step) if valid else ".invalid_step")
         handle = self._ckpt.save(final, state, step=step,
                                  on_committed=lambda final: self._after_commit(step, final, replicate),
                                  started_at=t0, prepare=lambda: self._prepare_step(step))
         self._saves += 1
-        self._captured_at[step] = captured
-        while len(self._captured_at) > 256:
-            self._captured_at.pop(next(iter(self._captured_at)))
         if self._cadence is not None:
             self._cadence.record_save_started(handle, time.monotonic())
         return handle
@@ -308,6 +304,9 @@ class CheckpointManager:
                               "to save")
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ConfigError(f"step must be an int >= 0, got {step!r}")
+        self._captured_at[step] = time.time()  # the state is captured right after this call
+        while len(self._captured_at) > 256:
+            self._captured_at.pop(next(iter(self._captured_at)))
         restored, self._restored_step = self._restored_step, None
         if not self._ctx.is_coordinator:
             return
