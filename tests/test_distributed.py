@@ -246,13 +246,13 @@ def test_non_collective_checkpointer_saves_on_one_rank(tmp_path):
 
 
 # -- agreement before a save is submitted (issue 13 item 5) -------------------------------------------
-def _one_rank_refuses_a_value(rank, world, root, async_save):
+def _one_rank_refuses_a_value(rank, world, root, async_save, persist="thread"):
     import numpy as np
 
     from torch_ckpt import ConfigError
 
     model = torch.nn.parallel.DistributedDataParallel(_model())
-    with CheckpointManager(root, timeout_seconds=20, async_save=async_save) as mgr:
+    with CheckpointManager(root, timeout_seconds=20, async_save=async_save, persist=persist) as mgr:
         state = {"model": model.state_dict(), "extra": {"v": np.array([None, 0.5]) if rank == 1 else 1}}
         try:
             mgr.save(1, state)
@@ -267,10 +267,10 @@ def _one_rank_refuses_a_value(rank, world, root, async_save):
         assert not list(Path(root).glob(".step_*"))
 
 
-@pytest.mark.parametrize("async_save", [True, False], ids=["async", "sync"])
-def test_a_rank_failing_inside_save_makes_every_rank_raise_and_later_saves_work(tmp_path, async_save):
+@pytest.mark.parametrize("async_save,persist", [(True, "thread"), (False, "thread")], ids=["async", "sync"])
+def test_a_rank_failing_inside_save_makes_every_rank_raise_and_later_saves_work(tmp_path, async_save, persist):
     """Rank 1 refuses a value in save(1): both ranks raise for step 1 at once; save(2) then commits normally."""
-    run_distributed(_one_rank_refuses_a_value, 2, str(tmp_path), async_save, timeout_s=120)
+    run_distributed(_one_rank_refuses_a_value, 2, str(tmp_path), async_save, persist, timeout_s=120)
 
 
 def _ranks_pass_different_steps(rank, world, root):
@@ -309,3 +309,26 @@ def _ranks_pass_different_directories(rank, world, root):
 def test_ranks_saving_into_different_directories_are_refused_on_every_rank(tmp_path):
     """AsyncCheckpointer.save into a per-rank directory (the Accelerate case) raises on every rank; nothing is written."""
     run_distributed(_ranks_pass_different_directories, 2, str(tmp_path), timeout_s=120)
+
+
+def _new_run_below_earlier_steps(rank, world, root):
+    from torch_ckpt import ConfigError
+
+    with CheckpointManager(root) as mgr:
+        mgr.save(5, {"w": torch.ones(2)}).wait()
+    with CheckpointManager(root) as mgr:
+        try:
+            mgr.save(1, {"w": torch.ones(2)})
+        except ConfigError as exc:
+            assert "[5]" in str(exc) and "on_existing_newer" in str(exc), str(exc)
+        else:
+            raise AssertionError(f"rank {rank}: saving below an earlier run's step 5 was not refused")
+        assert mgr.all_steps() == [5]
+    with CheckpointManager(root, on_existing_newer="supersede") as mgr:
+        mgr.save(1, {"w": torch.ones(2)}).wait()
+        assert mgr.all_steps() == [1]
+
+
+def test_new_run_below_an_earlier_runs_step_is_refused_on_every_rank(tmp_path):
+    """Rank 0 finds the earlier run's step 5: both ranks raise ConfigError; on_existing_newer='supersede' saves."""
+    run_distributed(_new_run_below_earlier_steps, 2, str(tmp_path), timeout_s=120)
