@@ -82,7 +82,7 @@ def _b64(data: bytes) -> str:
 
 def _refuse(path: str, what: str, advice: str) -> ConfigError:
     return ConfigError(f"state key {path or '<root>'!r} holds {what}, which cannot be checkpointed exactly without "
-                       f"pickling; {advice}. Nothing was written.")
+                       f"pickling; {advice}")
 
 
 def _type_name(obj: Any) -> str:
