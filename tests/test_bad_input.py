@@ -308,6 +308,39 @@ def test_unsupported_train_state_extra_raises_config_error_naming_the_key(tmp_pa
             mgr.save(1, state)
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("value", ["object-array", "sparse-tensor"])
+def test_value_that_cannot_round_trip_is_refused_in_save_before_any_io(tmp_path, value):
+    """A numpy object array or a sparse tensor raises ConfigError in save() naming the key; no directory is created."""
+    import numpy as np
+
+    bad = np.array([None, 0.5]) if value == "object-array" else torch.eye(3).to_sparse()
+    with CheckpointManager(tmp_path) as mgr:
+        with pytest.raises(ConfigError, match=r"'extra\.v'"):
+            mgr.save(1, {"model": {"w": torch.ones(2)}, "extra": {"v": bad}})
+        assert sorted(os.listdir(tmp_path)) == [".lock"]
+        mgr.save(2, {"model": {"w": torch.ones(2)}, "extra": {"v": 1}}).wait()
+        assert mgr.all_steps() == [2]
+
+
+@pytest.mark.timeout(60)
+def test_numpy_datetime_and_str_scalars_restore_with_their_exact_type(tmp_path):
+    """np.datetime64, np.timedelta64, np.str_ and a 0-d array saved through the manager come back exactly."""
+    import numpy as np
+
+    extra = {"when": np.datetime64("2024-05-01T12:00:00.5", "ms"), "gap": np.timedelta64(3, "h"),
+             "name": np.str_("run-7"), "scalar_array": np.array(2.5), "raw": bytearray(b"x")}
+    _save(tmp_path, 1, {"w": torch.ones(2), "extra": extra})
+    target = {"w": torch.zeros(2), "extra": {"when": np.datetime64("NaT", "ms"), "gap": np.timedelta64(0, "h"),
+                                             "name": np.str_(""), "scalar_array": np.array(0.0), "raw": bytearray()}}
+    with CheckpointManager(tmp_path) as mgr:
+        mgr.restore(target)
+    for key, value in extra.items():
+        got = target["extra"][key]
+        assert type(got) is type(value) and np.array_equal(got, value), key
+    assert target["extra"]["scalar_array"].shape == ()
+
+
 # -- hostile and corrupt files ---------------------------------------------------------------------
 @pytest.mark.timeout(60)
 def test_metadata_with_a_code_executing_pickle_is_refused_without_running_it(tmp_path):

@@ -243,3 +243,92 @@ def _rank0_alone(rank, world, root):
 def test_non_collective_checkpointer_saves_on_one_rank(tmp_path):
     """AsyncCheckpointer(distributed=False) lets one rank of a job save and load alone, without a hang."""
     run_distributed(_rank0_alone, 2, str(tmp_path), timeout_s=90)
+
+
+# -- agreement before a save is submitted (issue 13 item 5) -------------------------------------------
+def _one_rank_refuses_a_value(rank, world, root, async_save, persist="thread"):
+    import numpy as np
+
+    from torch_ckpt import ConfigError
+
+    model = torch.nn.parallel.DistributedDataParallel(_model())
+    with CheckpointManager(root, timeout_seconds=20, async_save=async_save, persist=persist) as mgr:
+        state = {"model": model.state_dict(), "extra": {"v": np.array([None, 0.5]) if rank == 1 else 1}}
+        try:
+            mgr.save(1, state)
+        except ConfigError as exc:
+            assert ("extra.v" in str(exc)) if rank == 1 else ("rank 1" in str(exc) and "extra.v" in str(exc)), str(exc)
+        else:
+            raise AssertionError(f"rank {rank}: save(1) did not raise although rank 1 could not prepare it")
+        dist.barrier()  # a training-group collective in between, as a training step would do
+        mgr.save(2, {"model": model.state_dict(), "extra": {"v": 2}})
+        mgr.wait()
+        assert mgr.all_steps() == [2] and mgr.latest_step() == 2
+        assert not list(Path(root).glob(".step_*"))
+
+
+@pytest.mark.parametrize("async_save,persist", [(True, "thread"), (False, "thread")], ids=["async", "sync"])
+def test_a_rank_failing_inside_save_makes_every_rank_raise_and_later_saves_work(tmp_path, async_save, persist):
+    """Rank 1 refuses a value in save(1): both ranks raise for step 1 at once; save(2) then commits normally."""
+    run_distributed(_one_rank_refuses_a_value, 2, str(tmp_path), async_save, persist, timeout_s=120)
+
+
+def _ranks_pass_different_steps(rank, world, root):
+    from torch_ckpt import ConfigError
+
+    with CheckpointManager(root, timeout_seconds=20) as mgr:
+        try:
+            mgr.save(1 + rank, {"w": torch.ones(2)})
+        except ConfigError as exc:
+            assert "disagree" in str(exc) and "rank 1: step 2" in str(exc), str(exc)
+        else:
+            raise AssertionError(f"rank {rank}: different steps were not refused")
+        mgr.save(3, {"w": torch.ones(2)}).wait()
+        assert mgr.all_steps() == [3]
+
+
+def test_ranks_saving_different_steps_are_refused_on_every_rank(tmp_path):
+    """save(1) on rank 0 and save(2) on rank 1 raise ConfigError on both ranks; nothing is committed."""
+    run_distributed(_ranks_pass_different_steps, 2, str(tmp_path), timeout_s=120)
+
+
+def _ranks_pass_different_directories(rank, world, root):
+    from torch_ckpt import AsyncCheckpointer, ConfigError
+
+    with AsyncCheckpointer(timeout_seconds=20) as ck:
+        try:
+            ck.save(Path(root) / f"rank{rank}" / "payload", {"w": torch.ones(2)}, step=1)
+        except ConfigError as exc:
+            assert "disagree" in str(exc) and "rank1" in str(exc), str(exc)
+        else:
+            raise AssertionError(f"rank {rank}: different directories were not refused")
+        ck.save(Path(root) / "shared", {"w": torch.ones(2)}, step=1).wait()
+    assert not (Path(root) / "rank0" / "payload").exists() and (Path(root) / "shared" / "manifest.json").exists()
+
+
+def test_ranks_saving_into_different_directories_are_refused_on_every_rank(tmp_path):
+    """AsyncCheckpointer.save into a per-rank directory (the Accelerate case) raises on every rank; nothing is written."""
+    run_distributed(_ranks_pass_different_directories, 2, str(tmp_path), timeout_s=120)
+
+
+def _new_run_below_earlier_steps(rank, world, root):
+    from torch_ckpt import ConfigError
+
+    with CheckpointManager(root) as mgr:
+        mgr.save(5, {"w": torch.ones(2)}).wait()
+    with CheckpointManager(root) as mgr:
+        try:
+            mgr.save(1, {"w": torch.ones(2)})
+        except ConfigError as exc:
+            assert "[5]" in str(exc) and "on_existing_newer" in str(exc), str(exc)
+        else:
+            raise AssertionError(f"rank {rank}: saving below an earlier run's step 5 was not refused")
+        assert mgr.all_steps() == [5]
+    with CheckpointManager(root, on_existing_newer="supersede") as mgr:
+        mgr.save(1, {"w": torch.ones(2)}).wait()
+        assert mgr.all_steps() == [1]
+
+
+def test_new_run_below_an_earlier_runs_step_is_refused_on_every_rank(tmp_path):
+    """Rank 0 finds the earlier run's step 5: both ranks raise ConfigError; on_existing_newer='supersede' saves."""
+    run_distributed(_new_run_below_earlier_steps, 2, str(tmp_path), timeout_s=120)

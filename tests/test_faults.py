@@ -67,6 +67,24 @@ def test_read_only_file_system_is_a_typed_error(tmpfs):
             subprocess.run(["mount", "-o", "remount,rw", str(tmpfs)], check=True)
 
 
+def test_read_only_root_is_restored_with_read_only_true(tmpfs):
+    """On a read-only file system the lock cannot be created (the error names read_only=True); read_only=True restores."""
+    with CheckpointManager(tmpfs / "run") as mgr:
+        mgr.save(1, TrainState(model=_model(16))).wait()
+    subprocess.run(["mount", "-o", "remount,ro", str(tmpfs)], check=True)
+    try:
+        with pytest.raises(CheckpointWriteError, match="read_only=True"):
+            CheckpointManager(tmpfs / "run")
+        model = _model(16)
+        with torch.no_grad():
+            model[0].weight.zero_()
+        with CheckpointManager(tmpfs / "run", read_only=True) as mgr:
+            assert mgr.all_steps() == [1] and mgr.restore(TrainState(model=model)) == 1
+        assert torch.equal(model[0].weight, _model(16)[0].weight)
+    finally:
+        subprocess.run(["mount", "-o", "remount,rw", str(tmpfs)], check=True)
+
+
 def test_permission_denied_is_a_typed_error(tmp_path, monkeypatch):
     """EACCES while writing a shard surfaces as CheckpointWriteError(errno 13) with advice."""
     real_open = Path.open

@@ -14,7 +14,7 @@ import torch.distributed.checkpoint as dcp
 
 import torch_ckpt.persist as persist_mod
 from tests.conftest import train_steps
-from torch_ckpt import CheckpointManager, CheckpointWriteError, TrainState
+from torch_ckpt import CheckpointManager, CheckpointNotFoundError, CheckpointWriteError, ConfigError, TrainState
 
 
 def test_roundtrip_restores_everything_exactly(tmp_path, make_state):
@@ -336,3 +336,118 @@ def test_exception_during_staging_does_not_hang_close(tmp_path, monkeypatch):
         monkeypatch.undo()
         mgr.save(2, {"w": torch.ones(2)}).wait()
         assert mgr.all_steps() == [2]
+
+
+# -- a new run below an earlier run's steps (issue 13 item 6) ---------------------------------------
+def _tiny(fill: float = 1.0) -> dict:
+    return {"w": torch.full((4,), fill), "meta": {"epoch": 1}}
+
+
+def _earlier_run(root, steps=(500, 600, 700)) -> None:
+    with CheckpointManager(root, keep_last=None) as mgr:
+        for step in steps:
+            mgr.save(step, _tiny())
+        mgr.wait()
+
+
+def test_first_save_below_an_earlier_runs_steps_is_refused_naming_them(tmp_path):
+    """A new run saving step 100 next to committed 500/600/700 it did not restore raises ConfigError; nothing deleted."""
+    _earlier_run(tmp_path)
+    with CheckpointManager(tmp_path, keep_last=3) as mgr:
+        with pytest.raises(ConfigError, match=r"\[500, 600, 700\]") as info:
+            mgr.save(100, _tiny())
+        assert "restore()" in str(info.value) and "on_existing_newer='supersede'" in str(info.value)
+        assert mgr.all_steps() == [500, 600, 700]
+        mgr.save(800, _tiny()).wait()  # the refusal leaves the manager usable
+        assert mgr.all_steps() == [600, 700, 800]
+    assert not list(tmp_path.glob(".step_*"))
+
+
+def test_on_existing_newer_supersede_moves_the_earlier_runs_steps_aside(tmp_path):
+    """on_existing_newer='supersede': the newer steps are kept as hidden .superseded_* dirs and step 100 stays listed."""
+    _earlier_run(tmp_path)
+    with CheckpointManager(tmp_path, keep_last=3, on_existing_newer="supersede") as mgr:
+        mgr.save(100, _tiny()).wait()
+        mgr.save(200, _tiny()).wait()
+        assert mgr.all_steps() == [100, 200] and mgr.latest_step() == 200
+    assert sorted(p.name.split(".")[1] for p in tmp_path.glob(".superseded_step_*")) == \
+        ["superseded_step_000000500", "superseded_step_000000600", "superseded_step_000000700"]
+
+
+def test_saving_below_the_run_own_newer_step_is_refused_too(tmp_path):
+    """Within one run, saving step 5 after step 10 is refused the same way (retention would delete it)."""
+    with CheckpointManager(tmp_path) as mgr:
+        mgr.save(10, _tiny()).wait()
+        with pytest.raises(ConfigError, match=r"newer than step 5"):
+            mgr.save(5, _tiny())
+
+
+def test_on_existing_newer_must_be_a_known_choice(tmp_path):
+    """An unknown on_existing_newer value is a ConfigError naming the choices."""
+    with pytest.raises(ConfigError, match="supersede"):
+        CheckpointManager(tmp_path, on_existing_newer="delete")
+
+
+def test_superseding_the_same_step_twice_within_one_second_keeps_both(tmp_path, monkeypatch):
+    """Two supersessions of step 2 in the same second get distinct hidden names instead of an OSError."""
+    import types
+
+    import torch_ckpt.layout as layout
+
+    monkeypatch.setattr(layout, "time", types.SimpleNamespace(time=lambda: 1_000_000_000.0))
+    with CheckpointManager(tmp_path, keep_last=None) as mgr:
+        for step in (1, 2):
+            mgr.save(step, _tiny())
+        mgr.wait()
+    for _ in range(2):
+        with CheckpointManager(tmp_path, keep_last=None) as mgr:
+            mgr.restore(_tiny(0.0), step=1)
+            mgr.save(2, _tiny()).wait()
+    assert len(list(tmp_path.glob(".superseded_step_000000002.*"))) == 2
+    assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_000000001", "step_000000002"]
+
+
+def test_os_error_while_moving_a_damaged_step_aside_is_typed(tmp_path, monkeypatch):
+    """An OSError from moving a damaged step directory aside surfaces as CheckpointWriteError; later saves work."""
+    import errno
+
+    import torch_ckpt.layout as layout
+
+    (tmp_path / "step_000000005").mkdir()  # a damaged (manifest-less) directory of the step to save
+    real = layout.os.rename
+
+    def refuse(src, dst):
+        if ".corrupt_" in str(dst):
+            raise PermissionError(errno.EACCES, "Permission denied", str(src))
+        return real(src, dst)
+
+    with CheckpointManager(tmp_path) as mgr:
+        monkeypatch.setattr(layout.os, "rename", refuse)
+        with pytest.raises(CheckpointWriteError, match="step_000000005") as info:
+            mgr.save(5, _tiny())
+        assert info.value.errno == errno.EACCES
+        monkeypatch.setattr(layout.os, "rename", real)
+        mgr.save(6, _tiny()).wait()
+        assert mgr.all_steps() == [6]
+
+
+# -- read-only use (issue 14 item 5) ------------------------------------------------------------------
+def test_read_only_manager_restores_and_lists_while_a_writer_holds_the_lock(tmp_path):
+    """read_only=True needs no lock: it lists and restores a root that a live run has locked, and refuses save()."""
+    with CheckpointManager(tmp_path) as writer:
+        writer.save(1, _tiny(3.0)).wait()
+        with CheckpointManager(tmp_path, read_only=True) as reader:
+            target = _tiny(0.0)
+            assert reader.all_steps() == [1] and reader.restore(target) == 1
+            assert torch.equal(target["w"], torch.full((4,), 3.0))
+            with pytest.raises(ConfigError, match="read_only=True"):
+                reader.save(2, target)
+        writer.save(2, _tiny()).wait()  # the reader left the writer's lock alone
+        assert writer.all_steps() == [1, 2]
+
+
+def test_read_only_manager_of_a_missing_root_is_not_found(tmp_path):
+    """read_only=True never creates the root: a missing one raises CheckpointNotFoundError naming it."""
+    with pytest.raises(CheckpointNotFoundError, match="nowhere"):
+        CheckpointManager(tmp_path / "nowhere", read_only=True)
+    assert not (tmp_path / "nowhere").exists()

@@ -21,10 +21,11 @@ from typing import Any
 
 import torch
 
+from torch_ckpt import errors as errors_module
 from torch_ckpt._logging import get_logger
 from torch_ckpt.codec import split_state
 from torch_ckpt.dist import DistContext
-from torch_ckpt.errors import CheckpointError, ConfigError
+from torch_ckpt.errors import CheckpointError, CheckpointWriteError, ConfigError
 from torch_ckpt.handle import SaveHandle, SaveStats
 from torch_ckpt.layout import new_incarnation, read_manifest
 from torch_ckpt.persist import PersistRequest, persist_checkpoint
@@ -220,35 +221,79 @@ class AsyncCheckpointer:
     # -- saving ----------------------------------------------------------------------------------
     def save(self, final: str | os.PathLike, state: Any, *, step: int = 0,
              on_committed: Callable[[Path], None] | None = None, started_at: float | None = None,
-             waited_s: float = 0.0) -> SaveHandle:
+             waited_s: float = 0.0, prepare: Callable[[], None] | None = None) -> SaveHandle:
         """Checkpoint ``state`` into directory ``final``; returns once staged (async) or committed (sync).
 
-        Collective: every rank calls it with the same ``final``. Waits first for the previous save
-        (at most one in flight) and raises, once, any error of an earlier background save.
+        Collective: every rank calls it with the same ``final`` and ``step``. Waits first for the
+        previous save (at most one in flight) and raises, once, any error of an earlier background
+        save. Before anything is submitted the ranks agree (one small all-gather on the checkpoint
+        group): when any rank failed to prepare its part (an unsupported value, a staging error, a
+        previous error) or the ranks name different steps or directories, every rank raises for
+        this step at once and nothing is written; later saves work normally.
 
         Args:
             final: the directory to create (must not exist); written as a hidden
                 ``.NAME.tmp.<incarnation>`` sibling and renamed when complete.
             state: a :class:`~torch_ckpt.TrainState`, any ``Stateful`` or a nested dict of tensors
-                and JSON values.
+                and plain values (see :mod:`torch_ckpt.codec` for the supported values).
             step: recorded in the manifest.
             on_committed: called on every rank with the committed directory, in the writer thread,
                 after the commit and before ``committed`` resolves (used for retention).
             started_at: ``time.monotonic()`` when the caller's save began (for ``blocking_s``), if
                 the caller did work before this call (e.g. waited for the previous save).
             waited_s: seconds the caller already waited for the previous save.
+            prepare: called on every rank after the previous save finished and before the state
+                is captured; an exception it raises is part of the agreement (used by the manager
+                for its step checks).
 
         Returns:
             A :class:`SaveHandle` whose ``committed`` future completes when the checkpoint is durable.
 
         Raises:
-            ConfigError: a state value that cannot be stored without pickling.
-            CheckpointError: a previous background save failed (raised once).
+            ConfigError: a state value that cannot be stored exactly (on this or another rank), or
+                ranks that name different steps or directories.
+            CheckpointWriteError: an OS error while preparing the save (on this rank).
+            CheckpointError: another rank could not prepare the save (the rank and its error are
+                named; the class follows that rank's error), or a previous background save failed
+                (raised once).
         """
         self._ensure_open()
         t0 = time.monotonic() if started_at is None else started_at
+        error: Exception | None = None
+        prepared = None
+        try:
+            prepared = self._prepare_save(final, state, step, on_committed, t0, waited_s, prepare)
+        except Exception as exc:  # noqa: BLE001 - reported to every rank by the agreement below
+            error = exc
+        try:
+            self._agree(step, final, error)
+        except BaseException as exc:
+            if prepared is not None:
+                self._abandon(prepared[1], exc)
+            raise
+        job, handle, background = prepared
+        stats = handle.stats
+        if background:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torch_ckpt_writer",
+                                                    initializer=_lower_thread_priority,
+                                                    initargs=(self.writer_niceness,))
+            stats.blocking_s = time.monotonic() - t0  # the submit below is the only remaining work
+            self._executor.submit(self._run_job, job, handle)
+        else:
+            self._run_job(job, handle)
+            stats.blocking_s = time.monotonic() - t0
+            self._raise_pending()
+        return handle
+
+    def _prepare_save(self, final: str | os.PathLike, state: Any, step: int,
+                      on_committed: Callable[[Path], None] | None, t0: float, waited_s: float,
+                      prepare: Callable[[], None] | None) -> tuple[_SaveJob, SaveHandle, bool]:
+        """This rank's part of a save up to the submit: wait, checks, capture and staging."""
         wait_prev = self._wait_inflight() + waited_s
         self._raise_pending()
+        if prepare is not None:
+            prepare()
         stats = SaveStats(step=step, wait_for_previous_s=wait_prev)
         sd = state.state_dict() if hasattr(state, "state_dict") else state
         tensors, tree = split_state(sd, rank_local_keys=tuple(getattr(state, "rank_local_keys", ())))
@@ -281,23 +326,52 @@ class AsyncCheckpointer:
             else:
                 self._stage(job, handle)
         except BaseException as exc:  # staging failed or was interrupted: nothing is in flight
-            self._inflight = None
-            for fut in (handle.staged, handle.committed):
-                if not fut.done():
-                    fut.set_exception(exc)
+            self._abandon(handle, exc)
             raise
-        if background:
-            if self._executor is None:
-                self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torch_ckpt_writer",
-                                                    initializer=_lower_thread_priority,
-                                                    initargs=(self.writer_niceness,))
-            stats.blocking_s = time.monotonic() - t0  # the submit below is the only remaining work
-            self._executor.submit(self._run_job, job, handle)
-        else:
-            self._run_job(job, handle)
-            stats.blocking_s = time.monotonic() - t0
-            self._raise_pending()
-        return handle
+        return job, handle, background
+
+    def _abandon(self, handle: SaveHandle, exc: BaseException) -> None:
+        """Fail a save that will not be submitted: nothing is in flight afterwards."""
+        if self._inflight is handle:
+            self._inflight = None
+        for fut in (handle.staged, handle.committed):
+            if not fut.done():
+                fut.set_exception(exc)
+
+    def _agree(self, step: Any, final: str | os.PathLike, error: Exception | None) -> None:
+        """The ranks' agreement before a submit: every rank raises when any failed or when they disagree.
+
+        One all-gather on the caller-thread checkpoint group (the group of every other decision
+        taken on this thread, in the same order on every rank), so a failed step leaves no
+        collective half-done behind.
+        """
+        if isinstance(error, OSError) and not isinstance(error, CheckpointError):
+            where = f" ({error.filename})" if error.filename else ""
+            typed = CheckpointWriteError(error.errno, f"checkpoint step {step} was not saved: "
+                                         f"{error.strerror or error}{where}")
+            typed.__cause__ = error
+            error = typed
+        mine = None if error is None else (type(error).__name__, str(error))
+        target = os.path.abspath(os.fspath(final))
+        try:
+            votes = self._ctx.all_gather((mine, step, target), what="save agreement")
+        except CheckpointError:
+            if error is not None:
+                raise error  # this rank's own failure says more than the failed agreement
+            raise
+        if error is not None:
+            raise error
+        failed = [(rank, vote[0]) for rank, vote in enumerate(votes) if vote[0] is not None]
+        if failed:
+            rank, (kind, msg) = failed[0]
+            cls = getattr(errors_module, kind, None) if kind in errors_module.__all__ else None
+            cls = cls if cls is not None and kind != "StateMismatchError" else CheckpointError
+            others = f" (and ranks {[r for r, _ in failed[1:]]})" if len(failed) > 1 else ""
+            raise cls(f"checkpoint step {step} was not saved: rank {rank}{others} could not prepare it: {msg}")
+        if len({(vote[1], vote[2]) for vote in votes}) > 1:
+            listing = "; ".join(f"rank {r}: step {vote[1]} into {vote[2]}" for r, vote in enumerate(votes))
+            raise ConfigError(f"ranks disagree on the checkpoint to save ({listing}); every rank must save the "
+                              "same step into the same directory")
 
     def wait_staged(self) -> None:
         """Block until the in-flight save no longer reads the live tensors (see ``overlap_staging``)."""

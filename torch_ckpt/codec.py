@@ -5,17 +5,41 @@ A training state dict mixes tensors (model, optimizer moments) with plain Python
 ``torch.distributed.checkpoint`` (DCP) under flat, dot-joined keys (the same keys DCP's own
 flattening produces, so a plain ``dcp.load({"model": sd}, ...)`` finds them). Everything else is
 kept in a JSON tree that records the exact Python type (``int`` stays ``int``, ``tuple`` stays
-``tuple``), so loading never needs to unpickle anything.
+``tuple``, ``np.float32`` stays ``np.float32``), so loading never needs to unpickle anything.
 
 Tensors inside *rank-local* subtrees (RNG states, dataloader positions: small and different on
 every rank) are embedded in the JSON tree as base64 instead of going through DCP, where
 same-named tensors on different ranks would be deduplicated as replicas.
+
+Supported values (each comes back with its exact type and value; also listed in ``docs/values.md``):
+
+* ``None``, ``bool``, ``int`` (any size), ``float`` (nan and +-inf included), ``complex``, ``str``,
+  ``bytes``, ``bytearray``;
+* ``list``, ``tuple``, ``set`` and ``frozenset`` (set elements: hashable values of this list);
+* ``dict`` with keys of any hashable type of this list; ``collections.OrderedDict`` is stored as a
+  mapping and comes back as a plain ``dict`` (same keys, same order);
+* numpy scalars of every boolean, integer, float, complex, ``str_``, ``bytes_``, ``datetime64``
+  and ``timedelta64`` dtype; numpy arrays of those dtypes (exactly ``np.ndarray``; they come back
+  C-contiguous);
+* dense (strided) tensors, ``nn.Parameter``, ``DTensor`` and ``ShardedTensor``.
+
+Everything else is refused by :func:`split_state` with a :class:`ConfigError` naming the key
+path and what to store instead, before anything is written: subclasses of the types above (an
+``IntEnum``, a namedtuple, a ``defaultdict``), ``Enum`` members, ``pathlib.Path``, dataclasses,
+``datetime`` objects, numpy object or structured arrays and array subclasses, sparse, quantized,
+nested and meta tensors, raw-bit and sub-byte dtypes, other tensor subclasses, containers that
+contain themselves and nesting deeper than :data:`MAX_DEPTH`.
 """
 
 from __future__ import annotations
 
 import base64
-from collections.abc import Mapping
+import dataclasses
+import enum
+import functools
+import json
+import re
+from collections import OrderedDict
 from typing import Any
 
 import numpy as np
@@ -23,30 +47,104 @@ import torch
 
 from torch_ckpt.errors import CheckpointCorruptError, ConfigError
 
-__all__ = ["split_state", "join_state", "TENSOR_TAG"]
+__all__ = ["split_state", "join_state", "TENSOR_TAG", "MAX_DEPTH"]
 
 TENSOR_TAG = "__tensor__"
 _INLINE_TENSOR = "__tensor_b64__"
 _NDARRAY = "__ndarray_b64__"
 _NPSCALAR = "__np_scalar__"
+_NPSCALAR_RAW = "__np_scalar_b64__"
 _TUPLE = "__tuple__"
 _DICT = "__dict__"
 _BYTES = "__bytes_b64__"
+_BYTEARRAY = "__bytearray_b64__"
 _FLOAT = "__float__"
-_TAGS = {TENSOR_TAG, _INLINE_TENSOR, _NDARRAY, _NPSCALAR, _TUPLE, _DICT, _BYTES, _FLOAT}
+_COMPLEX = "__complex__"
+_BIGINT = "__int_hex__"
+_SET = "__set__"
+_FROZENSET = "__frozenset__"
+_TAGS = {TENSOR_TAG, _INLINE_TENSOR, _NDARRAY, _NPSCALAR, _NPSCALAR_RAW, _TUPLE, _DICT, _BYTES, _BYTEARRAY, _FLOAT,
+         _COMPLEX, _BIGINT, _SET, _FROZENSET}
+
+#: Deepest nesting of containers (dicts, lists, tuples, sets) a state may have.
+MAX_DEPTH = 100
+# ints beyond this many bits are stored as hex text: Python refuses decimal conversions of more
+# than 4300 digits (sys.int_info.default_max_str_digits), which JSON writing and reading use
+_JSON_INT_BITS = 4096
+# numpy scalar kinds stored as a JSON value (exact for these item sizes) rather than raw bytes
+_NP_VALUE_KINDS = {"b", "i", "u", "U"}
+_NP_RAW_KINDS = {"f", "c", "M", "m", "S"}
 
 
 def _b64(data: bytes) -> str:
     return base64.b64encode(data).decode("ascii")
 
 
+def _refuse(path: str, what: str, advice: str) -> ConfigError:
+    return ConfigError(f"state key {path or '<root>'!r} holds {what}, which cannot be checkpointed exactly without "
+                       f"pickling; {advice}")
+
+
+def _type_name(obj: Any) -> str:
+    return f"{type(obj).__module__}.{type(obj).__qualname__}".removeprefix("builtins.")
+
+
+@functools.lru_cache(maxsize=1)
+def _distributed_tensor_types() -> tuple[type, ...]:
+    """Tensor subclasses DCP stores as shards (imported lazily: torch.distributed is heavy)."""
+    types: list[type] = []
+    try:
+        from torch.distributed.tensor import DTensor
+
+        types.append(DTensor)
+    except ImportError:  # pragma: no cover - torch without distributed
+        pass
+    try:
+        from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+        types.append(ShardedTensor)
+    except ImportError:  # pragma: no cover
+        pass
+    return tuple(types)
+
+
+# raw-bit and sub-byte dtypes: DCP's planner or the staging copy fail on them (in the background)
+_UNSUPPORTED_DTYPES = frozenset(d for d in vars(torch).values() if isinstance(d, torch.dtype) and (
+    str(d).startswith("torch.bits") or re.fullmatch(r"torch\.u?int[1-7]", str(d))))
+
+
+def _check_tensor(t: torch.Tensor, path: str, *, inline: bool) -> None:
+    """Refuse tensors that DCP (or the inline encoding) cannot store and restore exactly."""
+    kind = type(t)
+    if t.dtype in _UNSUPPORTED_DTYPES:
+        raise _refuse(path, f"a tensor of dtype {t.dtype}", "store it as a tensor of a byte-sized dtype (e.g. "
+                      "t.view(torch.uint8) or a packed uint8 tensor)")
+    if kind is not torch.Tensor:
+        if inline:
+            raise _refuse(path, f"a {_type_name(t)} in a rank-local part of the state", "only plain tensors can be "
+                          "stored per rank; move it out of the rank-local part of the state")
+        if kind is not torch.nn.Parameter:
+            if isinstance(t, _distributed_tensor_types()):
+                return  # DTensor / ShardedTensor: DCP saves and loads their local shards
+            raise _refuse(path, f"a tensor subclass {_type_name(t)}", "store a plain tensor (e.g. t.detach().clone() "
+                          "or its plain components) instead; supported are torch.Tensor, nn.Parameter, DTensor and "
+                          "ShardedTensor")
+    if t.layout is not torch.strided:
+        raise _refuse(path, f"a sparse tensor (layout {t.layout})", "store t.to_dense(), or its indices()/values() "
+                      "and its shape as separate entries")
+    if t.is_quantized:
+        raise _refuse(path, f"a quantized tensor ({t.dtype})", "store t.dequantize(), or t.int_repr() with its scale "
+                      "and zero point as separate entries")
+    if t.is_nested:
+        raise _refuse(path, "a nested tensor", "store its components (t.unbind()) as a list of tensors")
+    if t.device.type == "meta":
+        raise _refuse(path, "a meta tensor (no data)", "materialise it (e.g. module.to_empty(device=...) and "
+                      "initialise it) before saving")
+
+
 def _encode_inline_tensor(t: torch.Tensor, path: str) -> dict:
-    if type(t) is not torch.Tensor:
-        raise ConfigError(
-            f"state key {path!r}: a rank-local value holds a {type(t).__name__}; only plain tensors can be "
-            "stored per rank. Move it out of the rank-local part of the state."
-        )
-    cpu = t.detach().to("cpu").contiguous()
+    _check_tensor(t, path, inline=True)
+    cpu = t.detach().to("cpu").resolve_conj().resolve_neg().contiguous()
     raw = cpu.reshape(-1).view(torch.uint8).numpy().tobytes() if cpu.numel() else b""
     return {_INLINE_TENSOR: _b64(raw), "dtype": str(cpu.dtype).removeprefix("torch."), "shape": list(cpu.shape),
             "device": str(t.device)}
@@ -55,18 +153,82 @@ def _encode_inline_tensor(t: torch.Tensor, path: str) -> dict:
 def _decode_inline_tensor(node: dict) -> torch.Tensor:
     dtype = getattr(torch, node["dtype"], None)
     if not isinstance(dtype, torch.dtype):
-        raise ConfigError(f"unknown tensor dtype {node['dtype']!r} in checkpoint JSON")
+        raise CheckpointCorruptError(f"unknown tensor dtype {node['dtype']!r} in checkpoint JSON")
     raw = bytearray(base64.b64decode(node[_INLINE_TENSOR]))
     flat = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
     return flat.view(dtype).reshape(node["shape"]).clone()
 
 
+def _np_dtype_name(obj: np.generic) -> str | None:
+    """A dtype string that maps back to ``type(obj)`` exactly (``np.longlong`` is not ``np.int64``), or None."""
+    for name in (obj.dtype.str, obj.dtype.char):
+        try:
+            if np.dtype(name).type is type(obj):
+                return name
+        except TypeError:
+            continue
+    return None
+
+
+def _encode_np_scalar(obj: np.generic, path: str) -> dict:
+    kind = obj.dtype.kind
+    name = _np_dtype_name(obj)
+    if name is None or kind not in _NP_VALUE_KINDS | _NP_RAW_KINDS:
+        raise _refuse(path, f"a numpy scalar of type {_type_name(obj)} (dtype {obj.dtype})",
+                      "store a numpy scalar of a boolean, integer, float, complex, str, bytes, datetime64 or "
+                      "timedelta64 dtype, or its .item()")
+    if kind in _NP_VALUE_KINDS:
+        value = str(obj) if kind == "U" else obj.item()
+        if kind in "iu" and abs(value).bit_length() > _JSON_INT_BITS:  # pragma: no cover - numpy ints are <= 64 bits
+            raise _refuse(path, "an oversized numpy integer", "store a Python int")
+        return {_NPSCALAR: value, "dtype": name}
+    raw = bytes(obj) if kind == "S" else np.array(obj).tobytes()
+    return {_NPSCALAR_RAW: _b64(raw), "dtype": name}
+
+
+def _decode_np_scalar_raw(node: dict) -> np.generic:
+    dtype = np.dtype(node["dtype"])
+    raw = base64.b64decode(node[_NPSCALAR_RAW])
+    if dtype.kind == "S":
+        return dtype.type(raw)
+    return np.frombuffer(raw, dtype=dtype)[0]
+
+
+def _encode_ndarray(arr: np.ndarray, path: str) -> dict:
+    if type(arr) is not np.ndarray:
+        raise _refuse(path, f"a numpy array subclass {_type_name(arr)}", "store np.asarray(value) (a plain ndarray)")
+    if arr.dtype.kind in ("O", "V") or arr.dtype.hasobject or arr.dtype.names is not None:
+        what = "an object array" if arr.dtype.kind == "O" else f"a structured or void array (dtype {arr.dtype})"
+        raise _refuse(path, f"a numpy {what}", "store an array of a numeric, bool, str, bytes, datetime64 or "
+                      "timedelta64 dtype (for structured arrays: one array per field), or a list of plain values")
+    if np.dtype(arr.dtype.str) != arr.dtype:
+        raise _refuse(path, f"a numpy array of dtype {arr.dtype}", "store an array of a standard dtype")
+    raw = np.ascontiguousarray(arr).tobytes()
+    return {_NDARRAY: _b64(raw), "dtype": arr.dtype.str, "shape": list(arr.shape)}
+
+
+def _advice_for(obj: Any) -> str:
+    if isinstance(obj, enum.Enum):
+        return "store its .value or .name and rebuild the enum member after loading"
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return "store it as a dict (obj._asdict()) or a plain tuple"
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return "store dataclasses.asdict(obj) and rebuild it after loading"
+    if hasattr(obj, "__fspath__"):
+        return "store str(path)"
+    if isinstance(obj, (int, float, complex, str, bytes, list, tuple, dict, set, frozenset)):
+        return "convert it to the plain builtin type (int, float, str, bytes, list, tuple, dict, set)"
+    if hasattr(obj, "state_dict"):
+        return "store obj.state_dict() instead"
+    return ("store tensors, numpy arrays or scalars, or plain Python values (None, bool, int, float, complex, str, "
+            "bytes, list, tuple, dict, set)")
+
+
 def split_state(state: Any, *, rank_local_keys: tuple[str, ...] = ()) -> tuple[dict[str, torch.Tensor], Any]:
-    """Separate the tensors of a nested state dict from its plain values.
+    """Separate the tensors of a nested state dict from its plain values, refusing what cannot round-trip.
 
     Args:
-        state: nested dicts/lists/tuples whose leaves are tensors (incl. DTensor), numpy arrays or
-            scalars, bytes, or JSON scalars (None, bool, int, float, str).
+        state: nested containers whose leaves are values of the supported set (module docstring).
         rank_local_keys: top-level keys whose tensors are embedded per rank in the JSON tree.
 
     Returns:
@@ -74,61 +236,93 @@ def split_state(state: Any, *, rank_local_keys: tuple[str, ...] = ()) -> tuple[d
         copies) and a JSON-serialisable tree with ``{"__tensor__": key}`` placeholders.
 
     Raises:
-        ConfigError: a leaf has an unsupported type, or two paths flatten to the same key; the
-            message names the key.
+        ConfigError: a value is outside the supported set, a container contains itself or is
+            nested deeper than :data:`MAX_DEPTH`, or two paths flatten to the same key; the message
+            names the key path and what to store instead. Raised before anything is written.
     """
     tensors: dict[str, torch.Tensor] = {}
+    active: set[int] = set()  # ids of the containers on the current path (cycle detection)
 
-    def enc(obj: Any, path: tuple[str, ...], local: bool) -> Any:
-        key = ".".join(path)
+    def enter(obj: Any, key: str, depth: int) -> None:
+        if id(obj) in active:
+            raise _refuse(key, f"a {_type_name(obj)} that contains itself", "break the reference cycle")
+        if depth > MAX_DEPTH:
+            raise ConfigError(f"state key {key!r} is nested deeper than {MAX_DEPTH} containers; flatten the state")
+        active.add(id(obj))
+
+    def enc_hashable(obj: Any, key: str, depth: int) -> Any:
+        """A dict key or set element: a hashable value of the supported set, never a tensor or array."""
+        if isinstance(obj, (torch.Tensor, np.ndarray)):
+            raise _refuse(key, f"a {_type_name(obj)} as a dict key or set element", "use plain values as keys")
+        return enc(obj, key, False, depth)
+
+    def enc(obj: Any, key: str, local: bool, depth: int, path: tuple[str, ...] = ()) -> Any:
+        kind = type(obj)
         if isinstance(obj, torch.Tensor):
             if local:
                 return _encode_inline_tensor(obj, key)
+            _check_tensor(obj, key, inline=False)
             if key in tensors:
                 raise ConfigError(f"state key {key!r} occurs twice after flattening nested keys with '.'; rename one")
             tensors[key] = obj
             return {TENSOR_TAG: key}
-        if obj is None or isinstance(obj, (bool, str)):
+        if obj is None or kind is bool or kind is str:
             return obj
-        if isinstance(obj, int):
-            return int(obj)
-        if isinstance(obj, float):
+        if kind is int:
+            return obj if obj.bit_length() <= _JSON_INT_BITS else {_BIGINT: hex(obj)}
+        if kind is float:
             return obj if obj == obj and obj not in (float("inf"), float("-inf")) else {_FLOAT: repr(obj)}
+        if kind is complex:
+            return {_COMPLEX: [enc(obj.real, key, local, depth), enc(obj.imag, key, local, depth)]}
+        if kind is bytes:
+            return {_BYTES: _b64(obj)}
+        if kind is bytearray:
+            return {_BYTEARRAY: _b64(bytes(obj))}
         if isinstance(obj, np.ndarray):
-            arr = np.ascontiguousarray(obj)
-            return {_NDARRAY: _b64(arr.tobytes()), "dtype": arr.dtype.str, "shape": list(arr.shape)}
+            return _encode_ndarray(obj, key)
         if isinstance(obj, np.generic):
-            return {_NPSCALAR: obj.item(), "dtype": obj.dtype.str}
-        if isinstance(obj, (bytes, bytearray)):
-            return {_BYTES: _b64(bytes(obj))}
-        if isinstance(obj, Mapping):
+            return _encode_np_scalar(obj, key)
+        if kind is dict or kind is OrderedDict:
+            enter(obj, key, depth)
             sub_local = lambda k: local or (not path and k in rank_local_keys)  # noqa: E731
-            if all(isinstance(k, str) for k in obj) and not (len(obj) == 1 and next(iter(obj)) in _TAGS):
-                return {k: enc(v, path + (k,), sub_local(k)) for k, v in obj.items()}
-            items = []
-            for k, v in obj.items():
-                if not isinstance(k, (str, int, bool, float)) and k is not None:
-                    raise ConfigError(f"state key {key!r}: dict key {k!r} of type {type(k).__name__} is not supported")
-                items.append([k, enc(v, path + (str(k),), sub_local(str(k)))])
-            return {_DICT: items}
-        if isinstance(obj, (list, tuple)):
-            out = [enc(v, path + (str(i),), local) for i, v in enumerate(obj)]
-            return {_TUPLE: out} if isinstance(obj, tuple) else out
-        raise ConfigError(
-            f"state key {key or '<root>'!r} holds a {type(obj).__module__}.{type(obj).__qualname__}, which cannot be "
-            "checkpointed without pickling. Store tensors, numpy arrays, or JSON values (int, float, str, bool, None, "
-            "list, tuple, dict) instead."
-        )
+            if all(type(k) is str for k in obj) and not any(k in _TAGS for k in obj):
+                out = {k: enc(v, _join(key, k), sub_local(k), depth + 1, path + (k,)) for k, v in obj.items()}
+            else:
+                items = []
+                for k, v in obj.items():
+                    name = k if type(k) is str else str(k)
+                    items.append([enc_hashable(k, _join(key, name), depth + 1),
+                                  enc(v, _join(key, name), sub_local(name), depth + 1, path + (name,))])
+                out = {_DICT: items}
+            active.discard(id(obj))
+            return out
+        if kind is list or kind is tuple:
+            enter(obj, key, depth)
+            out = [enc(v, _join(key, str(i)), local, depth + 1, path + (str(i),)) for i, v in enumerate(obj)]
+            active.discard(id(obj))
+            return {_TUPLE: out} if kind is tuple else out
+        if kind is set or kind is frozenset:
+            enter(obj, key, depth)
+            elems = [enc_hashable(v, key, depth + 1) for v in obj]
+            active.discard(id(obj))
+            elems.sort(key=lambda e: json.dumps(e, sort_keys=True))  # deterministic on every rank
+            return {_SET if kind is set else _FROZENSET: elems}
+        raise _refuse(key, f"a value of type {_type_name(obj)}", _advice_for(obj))
 
-    tree = enc(state, (), False)
+    tree = enc(state, "", False, 0)
     return tensors, tree
 
 
-def join_state(tree: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
+def _join(key: str, part: str) -> str:
+    return f"{key}.{part}" if key else part
+
+
+def join_state(tree: Any, tensors: dict[str, torch.Tensor] | Any) -> Any:
     """Rebuild the nested state from a JSON tree and loaded tensors (inverse of :func:`split_state`).
 
     Raises:
-        CheckpointCorruptError: a placeholder names a tensor that ``tensors`` lacks.
+        CheckpointCorruptError: a placeholder names a tensor that ``tensors`` lacks, or a tagged node
+            is malformed.
     """
 
     def dec(node: Any) -> Any:
@@ -150,14 +344,34 @@ def join_state(tree: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
                     node["shape"]).copy()
             if _NPSCALAR in node:
                 return np.dtype(node["dtype"]).type(node[_NPSCALAR])
-            if _BYTES in node and len(node) == 1:
-                return base64.b64decode(node[_BYTES])
-            if _FLOAT in node and len(node) == 1:
-                return float(node[_FLOAT])
-            if _TUPLE in node and len(node) == 1:
-                return tuple(dec(v) for v in node[_TUPLE])
-            if _DICT in node and len(node) == 1:
-                return {k: dec(v) for k, v in node[_DICT]}
+            if _NPSCALAR_RAW in node:
+                return _decode_np_scalar_raw(node)
+            if len(node) == 1:
+                tag, value = next(iter(node.items()))
+                if tag == _BYTES:
+                    return base64.b64decode(value)
+                if tag == _BYTEARRAY:
+                    return bytearray(base64.b64decode(value))
+                if tag == _FLOAT:
+                    return float(value)
+                if tag == _BIGINT:
+                    return int(value, 16)
+                if tag == _COMPLEX:
+                    return complex(dec(value[0]), dec(value[1]))
+                if tag == _TUPLE:
+                    return tuple(dec(v) for v in value)
+                if tag == _SET:
+                    return {dec(v) for v in value}
+                if tag == _FROZENSET:
+                    return frozenset(dec(v) for v in value)
+                if tag == _DICT:
+                    return {dec(k): dec(v) for k, v in value}
         return {k: dec(v) for k, v in node.items()}
 
-    return dec(tree)
+    try:
+        return dec(tree)
+    except CheckpointCorruptError:
+        raise
+    except (TypeError, ValueError, KeyError, IndexError, OverflowError) as exc:
+        raise CheckpointCorruptError(f"malformed value in the checkpoint's state tree ({type(exc).__name__}: {exc})") \
+            from exc

@@ -23,6 +23,7 @@ step, never string order.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -325,12 +326,32 @@ def quarantine_step_dir(path: Path, *, reason: str = "corrupt") -> Path:
 
     ``reason`` names the hidden directory: ``.corrupt_step_N.<time>`` for a damaged checkpoint,
     ``.superseded_step_N.<time>`` for one from a run segment abandoned by restoring an older step.
+    When that name is taken (twice within one second), ``.1``, ``.2``... is appended.
+
+    Raises:
+        CheckpointWriteError: the directory cannot be moved (the message names both paths).
     """
-    target = path.with_name(f".{reason}_{path.name}.{int(time.time())}")
-    os.rename(path, target)
-    fsync_dir(path.parent)
-    log.warning("moved %s checkpoint %s aside to %s", reason, path, target)
-    return target
+    base = f".{reason}_{path.name}.{int(time.time())}"
+    for n in range(1000):
+        target = path.with_name(base if n == 0 else f"{base}.{n}")
+        if os.path.lexists(target):
+            continue
+        try:
+            os.rename(path, target)
+        except OSError as exc:
+            if exc.errno in (errno.EEXIST, errno.ENOTEMPTY):  # created meanwhile: try the next name
+                continue
+            raise CheckpointWriteError(exc.errno, f"cannot move {reason} checkpoint {path} aside to {target}: "
+                                       f"{exc.strerror}; check the permissions of {path.parent}") from exc
+        try:
+            fsync_dir(path.parent)
+        except OSError as exc:
+            raise CheckpointWriteError(exc.errno, f"moved {path} aside to {target}, but cannot sync "
+                                       f"{path.parent}: {exc.strerror}") from exc
+        log.warning("moved %s checkpoint %s aside to %s", reason, path, target)
+        return target
+    raise CheckpointWriteError(f"cannot move {reason} checkpoint {path} aside: names {base}.* are all taken; "
+                               f"remove old ones from {path.parent}")
 
 
 def remove_step_dir(path: Path) -> None:
@@ -343,100 +364,111 @@ def remove_step_dir(path: Path) -> None:
     shutil.rmtree(trash, ignore_errors=True)
 
 
-_LOCKS_HELD: set[str] = set()  # lock files held by this process (to tell our own lock from a stale one)
-_EMPTY_LOCK_GRACE_S = 10.0
-
-
-def _process_start_time(pid: int) -> float | None:
-    try:
-        import psutil
-
-        return psutil.Process(pid).create_time()
-    except Exception:  # noqa: BLE001 - no such process, or no permission
-        return None
-
-
 class RootLock:
     """An exclusive lock on a checkpoint root, so two runs never write (or prune) the same root.
 
-    The lock file ``ROOT/.lock`` holds the owner's host, pid and process start time. On the same
-    host, a lock is stale (and taken over, with a warning) when its pid is gone, when that pid now
-    belongs to a process started later (pid reuse, e.g. a restarted container), when it names this
-    very process without being held by it, or when the file is empty or unreadable and older than
-    a few seconds (a crash between creating and writing it). A lock of a live process, or of another
-    host, makes :meth:`acquire` fail with a message naming the owner.
+    The lock is a kernel ``flock`` on ``ROOT/.lock``: the kernel drops it when the owning process
+    exits or dies, so there is no staleness to guess and a lock file left by a dead run is simply
+    taken. The file also holds the owner's host, pid and start time, only for the messages of runs
+    that find the root locked. Local file systems are exact; on NFS the lock relies on the server's
+    lock manager (NLM / NFSv4 locks) and on Lustre the clients must be mounted with ``-o flock``
+    (``localflock`` only excludes processes of the same node). A file system without lock support
+    makes :meth:`acquire` fail with a message saying so.
     """
 
     def __init__(self, root: Path) -> None:
         self.path = Path(root) / ".lock"
-        self._held = False
+        self._fd: int | None = None
 
-    def _stale(self, owner: dict[str, Any], host: str) -> bool:
-        if not owner:  # empty or unreadable
-            try:
-                return time.time() - self.path.stat().st_mtime > _EMPTY_LOCK_GRACE_S
-            except OSError:
-                return True
-        pid = owner.get("pid")
-        if owner.get("host") != host or not isinstance(pid, int):
-            return False
-        if pid == os.getpid():
-            return str(self.path) not in _LOCKS_HELD
-        started = _process_start_time(pid)
-        if started is None:
-            return True
-        recorded = owner.get("started")
-        return isinstance(recorded, (int, float)) and started > recorded + 1.0
+    @property
+    def held(self) -> bool:
+        """True while this object holds the lock."""
+        return self._fd is not None
+
+    def _owner(self, fd: int) -> str:
+        try:
+            owner = json.loads(os.pread(fd, 4096, 0) or b"{}")
+        except (OSError, ValueError):
+            owner = {}
+        if not isinstance(owner, dict) or "pid" not in owner:
+            return "owner not recorded yet"
+        since = owner.get("since")
+        when = time.strftime(" since %Y-%m-%d %H:%M:%S", time.localtime(since)) \
+            if isinstance(since, (int, float)) else ""
+        return f"host {owner.get('host')!r}, pid {owner.get('pid')}{when}"
 
     def acquire(self) -> None:
-        """Take the lock.
+        """Take the lock without waiting.
 
         Raises:
-            CheckpointWriteError: another live run owns the root (the owner is named), or the lock
-                file cannot be written (the path is named).
+            CheckpointWriteError: another live process holds it (its host and pid are named), the
+                lock file cannot be created or written, or the file system does not support locks.
         """
+        import fcntl
         import socket
 
-        me = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.time(),
-              "started": _process_start_time(os.getpid())}
-        for _ in range(2):
+        if self._fd is not None:
+            return
+        for _ in range(100):  # only repeats when a releasing owner unlinked the file we opened
             try:
-                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-            except FileExistsError:
-                try:
-                    owner = json.loads(self.path.read_text() or "{}")
-                except (OSError, ValueError):
-                    owner = {}
-                if self._stale(owner if isinstance(owner, dict) else {}, me["host"]):
-                    log.warning("taking over stale lock %s (owner %s)", self.path, owner or "unreadable")
-                    self.path.unlink(missing_ok=True)
-                    continue
-                raise CheckpointWriteError(
-                    f"checkpoint root {self.path.parent} is in use by another run (host {owner.get('host')!r}, pid "
-                    f"{owner.get('pid')}); use a different directory, or delete {self.path} if that run is gone")
+                # read-only descriptor: the lock needs none other, and an open writable file would
+                # keep the file system from being remounted read-only
+                fd = os.open(self.path, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
             except OSError as exc:
+                hint = " (or open it with read_only=True to restore and list only)" \
+                    if exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM) else ""
                 raise CheckpointWriteError(exc.errno, f"cannot create the lock {self.path}: {exc.strerror}; check "
-                                           "that the checkpoint root is writable and has free space") from exc
+                                           f"that the checkpoint root is writable and has free space{hint}") from exc
             try:
-                with os.fdopen(fd, "w") as f:
-                    json.dump(me, f)
-                    f.flush()
-                    os.fsync(f.fileno())
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as exc:
-                self.path.unlink(missing_ok=True)
+                owner = self._owner(fd)
+                os.close(fd)
+                if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                    raise CheckpointWriteError(
+                        exc.errno, f"checkpoint root {self.path.parent} is in use by another run ({owner}); use a "
+                        "different directory, or stop that run first") from exc
+                raise CheckpointWriteError(
+                    exc.errno, f"cannot lock {self.path}: {exc.strerror}; the file system does not support file "
+                    "locks (on Lustre mount with -o flock; on NFS enable the lock manager)") from exc
+            try:
+                same = os.path.samestat(os.fstat(fd), os.stat(self.path))
+            except FileNotFoundError:
+                same = False
+            if not same:  # the previous owner unlinked this file between our open and our lock
+                os.close(fd)
+                continue
+            me = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.time()}
+            try:
+                wfd = os.open(self.path, os.O_WRONLY | os.O_TRUNC | os.O_CLOEXEC)
+                try:
+                    os.write(wfd, json.dumps(me).encode())
+                    os.fsync(wfd)
+                finally:
+                    os.close(wfd)
+            except OSError as exc:
+                self.path.unlink(missing_ok=True)  # still ours: nobody can hold it meanwhile
+                os.close(fd)
                 raise CheckpointWriteError(exc.errno, f"cannot write the lock {self.path}: {exc.strerror}; check "
                                            "that the checkpoint root is writable and has free space") from exc
-            self._held = True
-            _LOCKS_HELD.add(str(self.path))
+            self._fd = fd
             return
-        raise CheckpointWriteError(f"could not take the lock {self.path}")
+        raise CheckpointWriteError(f"could not take the lock {self.path}: it was replaced 100 times in a row")
 
     def release(self) -> None:
-        """Drop the lock if this process holds it."""
-        if self._held:
-            self._held = False
-            _LOCKS_HELD.discard(str(self.path))
+        """Drop the lock if this object holds it (the lock file is removed first, while still held)."""
+        fd, self._fd = self._fd, None
+        if fd is None:
+            return
+        try:
+            if os.path.samestat(os.fstat(fd), os.stat(self.path)):
+                self.path.unlink()
+        except OSError as exc:  # the root itself was removed or replaced
+            log.debug("could not remove lock %s: %s", self.path, exc)
+        finally:
+            import fcntl
+
             try:
-                self.path.unlink(missing_ok=True)
-            except OSError as exc:  # the root itself was removed or replaced
-                log.debug("could not remove lock %s: %s", self.path, exc)
+                fcntl.flock(fd, fcntl.LOCK_UN)  # explicit: a forked child may still share this descriptor
+            finally:
+                os.close(fd)

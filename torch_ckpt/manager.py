@@ -21,6 +21,7 @@ from torch_ckpt.errors import (
     CheckpointCorruptError,
     CheckpointError,
     CheckpointNotFoundError,
+    CheckpointWriteError,
     ConfigError,
 )
 from torch_ckpt.handle import SaveHandle, SaveStats
@@ -48,9 +49,16 @@ from torch_ckpt.retention import (
 )
 from torch_ckpt.tiers import DurableTier
 
-__all__ = ["CheckpointManager"]
+__all__ = ["CheckpointManager", "ON_EXISTING_NEWER"]
 
 log = get_logger(__name__)
+
+ON_EXISTING_NEWER = ("error", "supersede")
+
+
+def _list_steps(steps: list[int]) -> str:
+    """``[500, 600, 700]``, or the first and last few of a long list."""
+    return str(steps) if len(steps) <= 8 else f"[{', '.join(map(str, steps[:3]))}, ..., {', '.join(map(str, steps[-3:]))}]"
 
 
 class CheckpointManager:
@@ -104,10 +112,19 @@ class CheckpointManager:
             handled at the next :meth:`should_save`/:meth:`save_if_due` (see :meth:`save_if_due`).
         preemption_timeout_seconds: how long the emergency save may take to commit before exiting.
         on_write_error: "raise" (default) or "warn" (log failed saves and continue training).
+        on_existing_newer: what :meth:`save` does when the root already holds committed steps newer
+            than the step being saved that this manager did not restore (an earlier run's): "error"
+            (default; a :class:`ConfigError` naming them and the options) or "supersede" (move them
+            aside as hidden ``.superseded_step_N.<time>`` directories, kept, never listed, exactly
+            as after restoring an older step), so that "latest" and retention follow this run.
+        read_only: open the root for :meth:`restore`, :meth:`all_steps`, :meth:`latest_step` and
+            :meth:`health` only: no root lock, nothing created or cleaned, :meth:`save` refused.
+            For roots on read-only media or shared with a run that writes them.
 
     Raises:
         ConfigError: invalid arguments.
-        CheckpointWriteError: ``directory`` is a file or cannot be created.
+        CheckpointWriteError: ``directory`` is a file or cannot be created, or another run holds its lock.
+        CheckpointNotFoundError: ``read_only`` and ``directory`` does not exist.
     """
 
     def __init__(
@@ -138,6 +155,8 @@ class CheckpointManager:
         preemption_signals: tuple[str, ...] = (),
         preemption_timeout_seconds: float = 120.0,
         on_write_error: str = "raise",
+        on_existing_newer: str = "error",
+        read_only: bool = False,
     ) -> None:
         if not isinstance(directory, (str, os.PathLike)) or str(directory) == "":
             raise ConfigError(f"directory must be a non-empty path, got {directory!r}")
@@ -149,6 +168,11 @@ class CheckpointManager:
             raise ConfigError(f"replicate_every_n_saves must be an int >= 1, got {replicate_every_n_saves!r}")
         if durable_url is None and (durable_keep_last is not None or durable_keep_every_n_steps is not None):
             raise ConfigError("durable_keep_last/durable_keep_every_n_steps need durable_url")
+        if on_existing_newer not in ON_EXISTING_NEWER:
+            raise ConfigError(f"on_existing_newer must be one of {ON_EXISTING_NEWER}, got {on_existing_newer!r}")
+        if read_only and durable_url is not None:
+            raise ConfigError("read_only=True cannot be combined with durable_url: a durable checkpoint is "
+                              "downloaded into the local root; open the durable copy's directory instead")
         if retention is None and keep_last is not None:
             parts: list[RetentionPolicy] = [KeepLatest(count=keep_last)]
             if keep_every_n_steps is not None:
@@ -158,6 +182,9 @@ class CheckpointManager:
         self.retention = retention
         self.verify_on_load = bool(verify_on_load)
         self.on_world_size_change = on_world_size_change
+        self.on_existing_newer = on_existing_newer
+        self.read_only = bool(read_only)
+        self._newest_known: int | None = None  # rank 0: newest step known to be under the root (None: scan)
         self._cadence = Cadence(save_policy) if save_policy is not None else None
         self._preemption = PreemptionFlag(preemption_signals)
         self._preemption_timeout = float(preemption_timeout_seconds)
@@ -181,9 +208,10 @@ class CheckpointManager:
         error = None
         if self._ctx.is_coordinator:
             try:
-                check_root(self.root, create=True)
-                self._lock.acquire()
-                clean_stale_temporaries(self.root, keep_incarnation=self._ckpt.incarnation)
+                check_root(self.root, create=not self.read_only)
+                if not self.read_only:
+                    self._lock.acquire()
+                    clean_stale_temporaries(self.root, keep_incarnation=self._ckpt.incarnation)
                 if self._tier is not None:
                     durable_retention = None
                     if durable_keep_last is not None:
@@ -224,64 +252,105 @@ class CheckpointManager:
         """Checkpoint ``state`` as ``step``; returns once the state is staged (async) or committed (sync).
 
         Waits first for the previous save (at most one in flight) and raises, once, any error of an
-        earlier background save.
+        earlier background save. The ranks agree before anything is submitted: when any rank fails
+        here (or they pass different steps), every rank raises for this step and nothing is written.
 
         Args:
             step: training step (int >= 0), not yet committed under this root.
             state: a :class:`~torch_ckpt.TrainState`, any ``Stateful`` or a nested dict of tensors
-                and JSON values.
+                and plain values (the supported values are listed in :mod:`torch_ckpt.codec`).
 
         Returns:
             A :class:`SaveHandle` whose ``staged`` future completes when the live tensors may change
             and whose ``committed`` future completes when the checkpoint is durable and listed.
 
         Raises:
-            ConfigError: bad or already committed step, or a state value that cannot be stored
-                without pickling.
-            CheckpointError: a previous background save failed (raised once).
+            ConfigError: bad or already committed step; committed steps newer than ``step`` from a
+                run this manager did not restore (see ``on_existing_newer``); a state value that
+                cannot be stored exactly without pickling; a ``read_only`` manager; any of these on
+                another rank.
+            CheckpointWriteError: an OS error while preparing the save (e.g. moving a directory aside).
+            CheckpointError: a previous background save failed (raised once), or another rank
+                failed to prepare this save.
         """
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise ConfigError(f"step must be an int >= 0, got {step!r}")
         t0 = time.monotonic()
-        self._ckpt.wait()
-        waited = time.monotonic() - t0
-        self._check_new_step(step)
-        self._saves += 1
-        self._captured_at[step] = time.time()
-        while len(self._captured_at) > 256:
-            self._captured_at.pop(next(iter(self._captured_at)))
-        replicate = self._replicator is not None and self._saves % self._replicate_every == 0
-        handle = self._ckpt.save(self.root / step_dir_name(step), state, step=step,
+        valid = not isinstance(step, bool) and isinstance(step, int) and step >= 0
+        replicate = self._replicator is not None and (self._saves + 1) % self._replicate_every == 0
+        final = self.root / (step_dir_name(step) if valid else ".invalid_step")
+        handle = self._ckpt.save(final, state, step=step,
                                  on_committed=lambda final: self._after_commit(step, final, replicate),
-                                 started_at=t0, waited_s=waited)
+                                 started_at=t0, prepare=lambda: self._prepare_step(step))
+        self._saves += 1
         if self._cadence is not None:
             self._cadence.record_save_started(handle, time.monotonic())
         return handle
 
-    def _check_new_step(self, step: int) -> None:
-        """Refuse a step that is already committed; move a damaged directory of that step aside.
+    def _prepare_step(self, step: Any) -> None:
+        """Every rank, before the save agreement: validate ``step``; on rank 0 also check the root for it.
 
         After :meth:`restore` loaded a step older than the newest committed one, the newer
         checkpoints belong to an abandoned run segment: the first save moves them aside
         (``.superseded_step_N.<time>``, kept, never listed) so that "latest" follows the run again.
+        A damaged directory of ``step`` is moved aside too (``.corrupt_step_N.<time>``).
+
+        Raises:
+            ConfigError: read-only manager, invalid or already committed step, or newer steps of
+                another run (``on_existing_newer="error"``).
+            CheckpointWriteError: a directory could not be moved aside.
         """
-        problem = None
-        if self._ctx.is_coordinator and self._restored_step is not None:
-            for newer, path in scan_committed(self.root).items():
-                if newer > self._restored_step:
-                    quarantine_step_dir(path, reason="superseded")
-        self._restored_step = None
-        if self._ctx.is_coordinator:
+        if self.read_only:
+            raise ConfigError(f"this CheckpointManager was opened with read_only=True on {self.root}: it restores "
+                              "and lists checkpoints but does not save; open a writable root without read_only "
+                              "to save")
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ConfigError(f"step must be an int >= 0, got {step!r}")
+        self._captured_at[step] = time.time()  # the state is captured right after this call
+        while len(self._captured_at) > 256:
+            self._captured_at.pop(next(iter(self._captured_at)))
+        restored, self._restored_step = self._restored_step, None
+        if not self._ctx.is_coordinator:
+            return
+        try:
+            if restored is not None:
+                for newer, path in scan_committed(self.root).items():
+                    if newer > restored:
+                        quarantine_step_dir(path, reason="superseded")
             final = self.root / step_dir_name(step)
             if final.exists():
                 try:
                     read_manifest(final)
-                    problem = f"step {step} is already committed at {final}; save under a new step"
                 except CheckpointError:
                     quarantine_step_dir(final, reason="corrupt")
-        problem = self._ctx.broadcast(problem, what="step check")
-        if problem:
-            raise ConfigError(problem)
+                else:
+                    raise ConfigError(f"step {step} is already committed at {final}; save under a new step")
+            self._check_no_newer_steps(step)
+        except OSError as exc:
+            if isinstance(exc, CheckpointError):
+                raise
+            raise CheckpointWriteError(exc.errno, f"cannot prepare step {step} under {self.root}: {exc.strerror} "
+                                       f"({exc.filename})") from exc
+
+    def _check_no_newer_steps(self, step: int) -> None:
+        """Rank 0: refuse (or move aside) committed steps newer than ``step`` that this run did not write."""
+        if self._newest_known is not None and step > self._newest_known:
+            self._newest_known = step
+            return
+        committed = scan_committed(self.root)
+        newer = [s for s in committed if s > step]
+        if newer and self.on_existing_newer == "supersede":
+            log.warning("step %d: moving the newer committed steps %s of an earlier run aside "
+                        "(on_existing_newer='supersede')", step, _list_steps(newer))
+            for s in newer:
+                quarantine_step_dir(committed[s], reason="superseded")
+        elif newer:
+            raise ConfigError(
+                f"{self.root} already holds committed step(s) {_list_steps(newer)} newer than step {step}, which this "
+                f"manager did not restore (an earlier run's?). Saving step {step} there would leave 'latest' at step "
+                f"{newer[-1]} (a restart would resume it) and retention would delete this run's checkpoints first. "
+                f"Call restore() to continue from step {newer[-1]}, save steps above {newer[-1]}, use a new directory, "
+                "or pass CheckpointManager(..., on_existing_newer='supersede') to move the newer steps aside (kept as "
+                "hidden .superseded_step_N.* directories, never listed)")
+        self._newest_known = step  # every other committed step is older now
 
     def should_save(self, step: int) -> bool:
         """Record that training step ``step`` finished and ask the save policy; same answer on every rank.
@@ -435,6 +504,7 @@ class CheckpointManager:
             log.info("[rank %d] restored step %d from %s in %.3f s", self._ctx.rank, cand, local,
                      time.monotonic() - t0)
             self._restored_step = cand
+            self._newest_known = None
             return cand
         return None  # unreachable: the loop returns or raises
 

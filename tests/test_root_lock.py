@@ -1,0 +1,133 @@
+"""The root lock (torch_ckpt.layout.RootLock): a kernel flock, at most one owner, freed when its owner dies."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from torch_ckpt import CheckpointManager, CheckpointWriteError
+from torch_ckpt.layout import RootLock
+
+TRIALS = 200
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def _racer(index: int, roots: list[str], barrier, wins, racers: int) -> None:
+    """Worker: for every trial, start together with the other worker and try to take that trial's lock."""
+    for trial, root in enumerate(roots):
+        barrier.wait(timeout=60)
+        lock = RootLock(Path(root))
+        try:
+            lock.acquire()
+            wins[trial * racers + index] = 1
+        except CheckpointWriteError:
+            wins[trial * racers + index] = 0
+        barrier.wait(timeout=60)  # both tried before either releases
+        lock.release()
+    os._exit(0)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("racers", [2, 4])
+def test_processes_racing_for_a_stale_lock_never_both_own_it(tmp_path, racers):
+    """200 trials: 2 (4) processes start at the same instant on a root whose lock a dead pid left; exactly one wins."""
+    stale = json.dumps({"host": socket.gethostname(), "pid": _dead_pid(), "since": 0})
+    roots = []
+    for trial in range(TRIALS):
+        root = tmp_path / f"root{trial}"
+        root.mkdir()
+        (root / ".lock").write_text(stale)
+        roots.append(str(root))
+    ctx = mp.get_context("fork")
+    barrier = ctx.Barrier(racers)
+    wins = ctx.Array("i", [-1] * (racers * TRIALS))
+    procs = [ctx.Process(target=_racer, args=(i, roots, barrier, wins, racers)) for i in range(racers)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(100)
+    assert [p.exitcode for p in procs] == [0] * racers
+    owners = [sum(wins[racers * t:racers * (t + 1)]) for t in range(TRIALS)]
+    assert owners == [1] * TRIALS, f"trials without exactly one owner: {[t for t, n in enumerate(owners) if n != 1]}"
+
+
+_HOLDER = textwrap.dedent("""
+    import sys, time
+    from pathlib import Path
+    from torch_ckpt.layout import RootLock
+    lock = RootLock(Path(sys.argv[1]))
+    lock.acquire()
+    print("held", flush=True)
+    time.sleep(120)
+""")
+
+
+def _start_holder(root: Path) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-c", _HOLDER, str(root)], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    assert proc.stdout.readline().strip() == "held"
+    return proc
+
+
+@pytest.mark.timeout(60)
+def test_root_held_by_another_process_names_its_host_and_pid(tmp_path):
+    """A root locked by a live process is refused with that process's host and pid."""
+    holder = _start_holder(tmp_path)
+    try:
+        with pytest.raises(CheckpointWriteError, match=f"host '{socket.gethostname()}', pid {holder.pid}"):
+            CheckpointManager(tmp_path)
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+@pytest.mark.timeout(60)
+def test_lock_of_a_killed_process_is_free_at_once(tmp_path):
+    """SIGKILL of the owner frees the lock (the kernel drops it); a new manager opens the root at once."""
+    holder = _start_holder(tmp_path)
+    holder.kill()
+    holder.wait()
+    assert (tmp_path / ".lock").exists()
+    with CheckpointManager(tmp_path) as mgr:
+        assert mgr.latest_step() is None
+
+
+def test_second_lock_object_in_the_same_process_is_refused(tmp_path):
+    """Two managers of one process on one root: the second is refused (the lock is per open file, not per pid)."""
+    first = RootLock(tmp_path)
+    first.acquire()
+    try:
+        with pytest.raises(CheckpointWriteError, match=f"pid {os.getpid()}"):
+            RootLock(tmp_path).acquire()
+    finally:
+        first.release()
+    assert not (tmp_path / ".lock").exists()
+    second = RootLock(tmp_path)
+    second.acquire()
+    second.release()
+
+
+@pytest.mark.timeout(60)
+def test_lock_file_naming_a_dead_pid_does_not_free_a_held_lock(tmp_path):
+    """Ownership is the kernel lock, not the file text: a held lock whose file names a dead pid is still refused."""
+    holder = _start_holder(tmp_path)
+    try:
+        (tmp_path / ".lock").write_text(json.dumps({"host": socket.gethostname(), "pid": _dead_pid(), "since": 0}))
+        with pytest.raises(CheckpointWriteError, match="in use by another run"):
+            RootLock(tmp_path).acquire()
+    finally:
+        holder.kill()
+        holder.wait()
