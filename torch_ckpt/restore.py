@@ -284,8 +284,12 @@ def load_into(state: Any, step_dir: Path, manifest: Manifest, ctx: DistContext, 
                 raise StateMismatchError(f"{step_dir}: unexpected in checkpoint: [{key!r}]", unexpected=[key])
             target = _staging_like(live_tensors[key], meta.dtype)
         targets[key] = target
-    for line in casts:
-        log.warning("%s: casting %s (allow_cast=True)", step_dir, line)
+    logged: set[str] = set()
+    for line in casts:  # a key may be reported by the tensor check and by the state's own check: log it once
+        key = line.split(":", 1)[0]
+        if key not in logged:
+            logged.add(key)
+            log.warning("%s: casting %s (allow_cast=True)", step_dir, line)
 
     if targets:
         with single_process_quiet(not ctx.enabled):
