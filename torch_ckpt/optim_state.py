@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor
 from torch_ckpt.errors import ConfigError, StateMismatchError
 
 __all__ = ["param_names", "optimizer_state", "check_optimizer_state", "apply_optimizer_state",
-           "state_target", "split_state_key"]
+           "state_target", "split_state_key", "plain_state_target", "check_plain_optimizer_state"]
 
 _STATE, _GROUPS, _PARAMS = "state", "param_groups", "params"
 
@@ -248,3 +248,60 @@ def apply_optimizer_state(model: nn.Module, optimizers: Sequence[torch.optim.Opt
             packed_groups.append(packed)
         packed_state = {index[n]: dict(entries) for n, entries in state.items() if n in index}
         opt.load_state_dict({_STATE: packed_state, _GROUPS: packed_groups})
+
+
+# -- an optimizer's own state_dict() (integer ids), e.g. one spanning several models -----------------
+def _flat_params(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p for g in opt.param_groups for p in g[_PARAMS]]
+
+
+def plain_state_target(opt: torch.optim.Optimizer, index: int, entry: str, shape: Sequence[int],
+                       dtype: torch.dtype) -> torch.Tensor | None:
+    """Like :func:`state_target` for ``optimizer.state_dict()``'s integer parameter ids; None if out of range."""
+    params = _flat_params(opt)
+    if not 0 <= index < len(params):
+        return None
+    param = params[index]
+    group = _group_of([opt], param)
+    device = torch.device("cpu") if entry == "step" and not _step_on_param_device(group) else param.device
+    return torch.empty(tuple(shape), dtype=dtype, device=device)
+
+
+def check_plain_optimizer_state(opt: torch.optim.Optimizer, saved: Any, *, prefix: str,
+                                allow_cast: bool = False) -> list[str]:
+    """Check that ``saved`` (an ``optimizer.state_dict()``; tensors may be meta) loads into ``opt`` without a cast.
+
+    Returns:
+        The keys that will be cast (only when ``allow_cast``).
+
+    Raises:
+        StateMismatchError: other parameter groups (count or sizes), state for ids the optimizer
+            does not have, or dtypes that ``load_state_dict`` would cast (without ``allow_cast``).
+        CheckpointCorruptError: ``saved`` is not an optimizer state dict.
+    """
+    from torch_ckpt.errors import CheckpointCorruptError
+
+    if not isinstance(saved, Mapping) or not isinstance(saved.get(_GROUPS), list) \
+            or not isinstance(saved.get(_STATE), Mapping):
+        raise CheckpointCorruptError(f"{prefix.rstrip('.')}: not an optimizer state_dict in the checkpoint")
+    sizes = [len(g.get(_PARAMS, [])) if isinstance(g, Mapping) else -1 for g in saved[_GROUPS]]
+    live_sizes = [len(g[_PARAMS]) for g in opt.param_groups]
+    if sizes != live_sizes:
+        raise StateMismatchError(f"{prefix.rstrip('.')}: parameter groups of sizes {sizes} in the checkpoint, "
+                                 f"{live_sizes} here; build the same optimizer as the saved run")
+    params = _flat_params(opt)
+    bad, cast = [], []
+    for index, entries in saved[_STATE].items():
+        if not isinstance(index, int) or not 0 <= index < len(params) or not isinstance(entries, Mapping):
+            raise StateMismatchError(f"{prefix}state.{index}: state for a parameter this optimizer does not have",
+                                     unexpected=[f"{prefix}state.{index}"])
+        param = params[index]
+        for entry, value in entries.items():
+            if isinstance(value, torch.Tensor) and entry != "step" and param.is_floating_point() \
+                    and value.dtype != param.dtype:
+                (cast if allow_cast else bad).append(f"{prefix}state.{index}.{entry}: checkpoint {value.dtype}, "
+                                                     f"parameter {param.dtype}")
+    if bad:
+        raise StateMismatchError(f"{prefix.rstrip('.')}: optimizer state dtypes differ from their parameters' "
+                                 f"(loading would cast): {bad[:20]}. Restore with allow_cast=True to cast them.")
+    return cast

@@ -294,8 +294,8 @@ class TrainState:
             CheckpointCorruptError: see :meth:`check_load`.
         """
         sections = self._sections(state_dict)
-        allow_cast, self._allow_cast = self._allow_cast, False
-        self.check_load(state_dict, allow_cast=allow_cast)
+        self.check_load(state_dict, allow_cast=self._allow_cast)  # cheap; load_into checked with meta tensors
+        self._allow_cast = False
         undo: list = []
         try:
             for name, _msd, osd in sections:
