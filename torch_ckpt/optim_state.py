@@ -42,10 +42,16 @@ def param_names(model: nn.Module) -> dict[int, str]:
     ``module.`` and ``torch.compile``'s ``_orig_mod.`` removed).
 
     Raises:
-        ConfigError: a parameter maps to several names (an FSDP1 flat parameter).
+        ConfigError: an FSDP1 model (flat parameters: several names per parameter, optimizer
+            state flattened per rank).
     """
     from torch.distributed.checkpoint.state_dict import _get_fqns  # DCP's canonical naming
+    from torch.distributed.fsdp import FullyShardedDataParallel
 
+    if any(isinstance(m, FullyShardedDataParallel) for m in model.modules()):
+        raise ConfigError("the model is wrapped in FSDP1 (FullyShardedDataParallel), whose optimizer state is "
+                          "flattened per rank; torch-ckpt checkpoints optimizers of plain, DDP, compiled and FSDP2 "
+                          "(torch.distributed.fsdp.fully_shard) models. Use fully_shard.")
     out: dict[int, str] = {}
     for name, p in model.named_parameters():
         fqns = _get_fqns(model, name)
