@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from torch_ckpt import ConfigError, StateMismatchError, TrainState
-from torch_ckpt.optim_state import check_plain_optimizer_state, plain_state_target
+from torch_ckpt.optim_state import check_plain_optimizer_state, keep_live_tensors, plain_state_target
 
 __all__ = ["AcceleratorTrainState", "check_supported"]
 
@@ -198,6 +198,7 @@ class AcceleratorTrainState:
         self.check_load(state, allow_cast=self._train._allow_cast)  # cheap; load_into checked with meta tensors
         plain, custom = state["optimizers_plain"], state["custom"]
         undo: list = []
+        old_plain_states = [opt.state for opt in self._plain]
         try:
             for j, opt in enumerate(self._plain):
                 old_state, old_groups = opt.state, opt.param_groups
@@ -212,6 +213,8 @@ class AcceleratorTrainState:
             for fn in reversed(undo):
                 fn()
             raise
+        for opt, old_state in zip(self._plain, old_plain_states):
+            keep_live_tensors(opt, old_state)
         acc_state = state.get("accelerate", {})
         self.accelerate_step = int(acc_state.get("step", 0))
         self._save_iteration = int(acc_state.get("save_iteration", 0))

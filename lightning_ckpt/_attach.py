@@ -292,7 +292,7 @@ class _Fsdp2Target(_ShardedTarget):
         """Install the optimizer states, then copy the (checked, fully read) parameters in place."""
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-        from torch_ckpt.optim_state import apply_optimizer_state
+        from torch_ckpt.optim_state import apply_optimizer_state, keep_live_tensors
         from torch_ckpt.restore import copy_into_live
 
         self.check_load(state, allow_cast=getattr(self, "_allow_cast", False))
@@ -305,6 +305,8 @@ class _Fsdp2Target(_ShardedTarget):
             for optimizer, old_state, old_groups in reversed(undo):
                 optimizer.state, optimizer.param_groups = old_state, old_groups
             raise
+        for optimizer, old_state, _groups in undo:
+            keep_live_tensors(optimizer, old_state)
         copy_into_live(get_model_state_dict(self._model), state["state_dict"])
         self.loaded = dict(state)
 

@@ -276,3 +276,18 @@ def test_optimizer_over_a_foreign_parameter_is_refused_at_save(tmp_path):
     with CheckpointManager(tmp_path) as mgr, pytest.raises(ConfigError, match=r"\(5,\)"):
         mgr.save(0, TrainState(model=model, optimizer=opt))
     assert not any(tmp_path.iterdir())
+
+
+def test_existing_optimizer_state_tensors_are_loaded_in_place(tmp_path):
+    """A restore into an optimizer that has state writes into its existing tensors (references stay valid)."""
+    model = _linear()
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    _steps(model, opt, 2)
+    _save(tmp_path, 2, model, opt)
+    live = _linear(seed=4)
+    live_opt = torch.optim.Adam(live.parameters(), lr=0.1)
+    _steps(live, live_opt, 1, seed=6)
+    held = live_opt.state[live.weight]["exp_avg"]
+    _restore(tmp_path, live, live_opt)
+    assert live_opt.state[live.weight]["exp_avg"] is held
+    assert torch.equal(held, opt.state[model.weight]["exp_avg"])

@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor
 from torch_ckpt.errors import ConfigError, StateMismatchError
 
 __all__ = ["param_names", "optimizer_state", "check_optimizer_state", "apply_optimizer_state",
-           "state_target", "split_state_key", "plain_state_target", "check_plain_optimizer_state"]
+           "state_target", "split_state_key", "plain_state_target", "check_plain_optimizer_state", "keep_live_tensors"]
 
 _STATE, _GROUPS, _PARAMS = "state", "param_groups", "params"
 
@@ -311,3 +311,30 @@ def check_plain_optimizer_state(opt: torch.optim.Optimizer, saved: Any, *, prefi
         raise StateMismatchError(f"{prefix.rstrip('.')}: optimizer state dtypes differ from their parameters' "
                                  f"(loading would cast): {bad[:20]}. Restore with allow_cast=True to cast them.")
     return cast
+
+
+@torch.no_grad()
+def keep_live_tensors(opt: torch.optim.Optimizer, old_state: Mapping[Any, Any]) -> None:
+    """After a successful load, copy each new state tensor into the tensor it replaced and keep that one.
+
+    ``old_state`` is the optimizer's ``state`` before the load. Where a parameter had a tensor of
+    the same kind, shape, dtype and device under the same name, the loaded value is copied into it
+    and it is put back, so references to optimizer state taken before a restore stay valid (the
+    load is in place, as for parameters).
+    """
+    for param, entries in opt.state.items():
+        before = old_state.get(param) if isinstance(old_state, Mapping) else None
+        if not isinstance(before, Mapping):
+            continue
+        for key, new in list(entries.items()):
+            old = before.get(key)
+            if (isinstance(old, torch.Tensor) and isinstance(new, torch.Tensor) and type(old) is type(new)
+                    and old.shape == new.shape and old.dtype == new.dtype and old.device == new.device
+                    and old is not new):
+                if isinstance(old, DTensor):
+                    if old.placements != new.placements:
+                        continue
+                    old._local_tensor.copy_(new._local_tensor)
+                else:
+                    old.copy_(new)
+                entries[key] = old

@@ -29,6 +29,7 @@ from torch_ckpt.errors import CheckpointCorruptError, ConfigError, StateMismatch
 from torch_ckpt.optim_state import (
     apply_optimizer_state,
     check_optimizer_state,
+    keep_live_tensors,
     optimizer_state,
     split_state_key,
     state_target,
@@ -285,8 +286,8 @@ class TrainState:
 
         The components are checked first (:meth:`check_load`); they are then loaded one by one and,
         should one fail, the ones already loaded are put back, so a failed load changes nothing.
-        Parameters and buffers are written last, by copying (the tensors of ``state_dict`` are not
-        kept); optimizer-state tensors become the optimizer's state.
+        Parameters, buffers and the optimizer-state tensors the optimizer already had are written
+        last, in place, by copying; optimizer-state tensors it did not have yet are the loaded ones.
 
         Raises:
             StateMismatchError: see :meth:`check_load` (also casting, which needs
@@ -297,12 +298,14 @@ class TrainState:
         self.check_load(state_dict, allow_cast=self._allow_cast)  # cheap; load_into checked with meta tensors
         self._allow_cast = False
         undo: list = []
+        live_optim_state = []
         try:
             for name, _msd, osd in sections:
                 if osd is None:
                     continue
                 for opt in self._optims[name]:
                     undo.append(_optimizer_undo(opt))
+                    live_optim_state.append((opt, opt.state))
                 apply_optimizer_state(self._models[name], self._optims[name], osd)
             if self._schedulers:
                 for s, ssd in zip(self._schedulers, state_dict["scheduler"]):
@@ -324,7 +327,10 @@ class TrainState:
                 except Exception:  # noqa: BLE001 - keep undoing; the original error propagates
                     log.exception("could not undo part of a failed restore")
             raise
-        for name, msd, _osd in sections:  # same keys, shapes (and dtypes unless a cast was allowed): cannot fail
+        # from here on nothing can fail: same keys, shapes (and dtypes unless a cast was allowed)
+        for opt, old_state in live_optim_state:
+            keep_live_tensors(opt, old_state)
+        for name, msd, _osd in sections:
             self._write_model(name, msd)
         self.step = int(state_dict.get("step", self.step))
         self.epoch = int(state_dict.get("epoch", self.epoch))
