@@ -6,10 +6,11 @@ Built fresh for every save and load from the objects the ``Accelerator`` holds:
 key                             contents
 ==============================  ============================================================
 ``model.<i>``                   model ``i`` (``accelerator._models``) through DCP's
-                                ``get_state_dict``: plain, DDP, FSDP1 and FSDP2 models give
-                                the same, reshardable keys
+                                ``get_model_state_dict``: plain, DDP and FSDP2 models give
+                                the same, reshardable keys (FSDP1 is refused)
 ``optimizer.<i>``               the optimizers whose parameters all belong to model ``i``
-                                (DCP, keyed by parameter name)
+                                (DCP's layout, keyed by parameter name; read from
+                                ``optimizer.state_dict()``, never by a zero-gradient step)
 ``optimizers_plain.<j>``        any other optimizer ``j`` (its own ``state_dict()``)
 ``scheduler``                   every prepared LR scheduler
 ``scaler``                      the ``GradScaler`` (when enabled)
@@ -139,7 +140,7 @@ class AcceleratorTrainState:
     # -- loading (the protocol of torch_ckpt.restore.load_into) -------------------------------------
     def _plain_key(self, key: str) -> tuple[int, int, str] | None:
         """``(optimizer j, parameter id, state name)`` for ``optimizers_plain.<j>.state.<id>.<name>``."""
-        parts = key.split(".")
+        parts = key.split(".", 4)
         if len(parts) != 5 or parts[0] != "optimizers_plain" or parts[2] != "state":
             return None
         if not (parts[1].isdigit() and parts[3].isdigit()) or int(parts[1]) >= len(self._plain):

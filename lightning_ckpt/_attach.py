@@ -250,10 +250,14 @@ class _Fsdp2Target(_ShardedTarget):
         return state
 
     def _optim_key(self, key: str) -> tuple[int, str, str] | None:
-        from torch_ckpt.optim_state import split_state_key
+        from torch_ckpt.optim_state import param_names, split_state_key
 
+        if not key.startswith("optimizer_states."):
+            return None
+        if getattr(self, "_names", None) is None:
+            self._names = set(param_names(self._model).values())
         for i in range(len(self._optimizers)):
-            parts = split_state_key(key, f"optimizer_states.{i}.")
+            parts = split_state_key(key, f"optimizer_states.{i}.", self._names)
             if parts is not None:
                 return i, *parts
         return None

@@ -291,3 +291,31 @@ def test_existing_optimizer_state_tensors_are_loaded_in_place(tmp_path):
     _restore(tmp_path, live, live_opt)
     assert live_opt.state[live.weight]["exp_avg"] is held
     assert torch.equal(held, opt.state[model.weight]["exp_avg"])
+
+
+def test_nested_lbfgs_state_round_trips(tmp_path):
+    """LBFGS's nested state (lists of tensors, ints) round-trips into a fresh optimizer and continues bitwise."""
+    def run_steps(model, opt, n, seed):
+        g = torch.Generator().manual_seed(seed)
+        for _ in range(n):
+            x = torch.randn(2, 4, generator=g)
+
+            def closure():
+                opt.zero_grad()
+                loss = model(x).pow(2).mean()
+                loss.backward()
+                return loss
+            opt.step(closure)
+
+    model = _linear()
+    opt = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=3, history_size=4)
+    run_steps(model, opt, 2, 1)
+    assert opt.state_dict()["state"][0]["old_dirs"]  # nested tensors exist
+    _save(tmp_path, 2, model, opt)
+    fresh = _linear(seed=3)
+    fresh_opt = torch.optim.LBFGS(fresh.parameters(), lr=0.5, max_iter=3, history_size=4)
+    _restore(tmp_path, fresh, fresh_opt)
+    assert_same(fresh_opt.state_dict(), opt.state_dict())
+    run_steps(model, opt, 2, 5)
+    run_steps(fresh, fresh_opt, 2, 5)
+    assert_same(fresh.state_dict(), model.state_dict())

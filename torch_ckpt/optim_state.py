@@ -20,7 +20,7 @@ names per parameter) are refused; FSDP2 (``fully_shard``) parameters are DTensor
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -103,16 +103,38 @@ def optimizer_state(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer
     return {_STATE: state, _GROUPS: groups}
 
 
-def split_state_key(key: str, prefix: str) -> tuple[str, str] | None:
-    """``(parameter name, state name)`` of a flat key ``<prefix>state.<param name>.<state name>``, or None."""
+def split_state_key(key: str, prefix: str, names: Collection[str]) -> tuple[str, str] | None:
+    """``(parameter name, state path)`` of a flat key ``<prefix>state.<parameter name>.<state path>``, or None.
+
+    ``names`` are the parameter names that may occur; the state path may itself be dotted (nested
+    state such as LBFGS's ``old_dirs.0``).
+    """
     head = f"{prefix}state."
     if not key.startswith(head):
         return None
     rest = key[len(head):]
-    if "." not in rest:
-        return None
-    name, _, entry = rest.rpartition(".")
-    return name, entry
+    pos = len(rest)
+    while (pos := rest.rfind(".", 0, pos)) > 0:
+        if rest[:pos] in names:
+            return rest[:pos], rest[pos + 1:]
+    return None
+
+
+def _policy_key(path: str) -> str:
+    """The key ``Optimizer.load_state_dict`` decides a value's placement by (innermost non-index name)."""
+    parts = [p for p in path.split(".") if not p.isdigit()]
+    return parts[-1] if parts else path
+
+
+def _tensors_in(value: Any, path: str):
+    if isinstance(value, torch.Tensor):
+        yield path, value
+    elif isinstance(value, Mapping):
+        for k, v in value.items():
+            yield from _tensors_in(v, f"{path}.{k}")
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            yield from _tensors_in(v, f"{path}.{i}")
 
 
 def _params_by_name(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -147,8 +169,9 @@ def state_target(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer], 
     group = _group_of(optimizers, param)
     if not group:
         return None
-    device = torch.device("cpu") if entry == "step" and not _step_on_param_device(group) else param.device
-    if isinstance(param, DTensor) and tuple(shape) == tuple(param.shape) and entry != "step":
+    step = _policy_key(entry) == "step"
+    device = torch.device("cpu") if step and not _step_on_param_device(group) else param.device
+    if isinstance(param, DTensor) and tuple(shape) == tuple(param.shape) and not step:
         local = torch.empty(param._local_tensor.shape, dtype=dtype, device=param._local_tensor.device)
         return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False,
                                   shape=param.shape, stride=param.stride())
@@ -218,8 +241,9 @@ def check_optimizer_state(model: nn.Module, optimizers: Sequence[torch.optim.Opt
         if not isinstance(entries, Mapping):
             raise CheckpointCorruptError(f"{prefix}state.{name}: not a mapping in the checkpoint")
         param = params[name]
-        for entry, value in entries.items():
-            if not isinstance(value, torch.Tensor) or entry == "step" or not param.is_floating_point():
+        for entry, value in _tensors_in(dict(entries), ""):
+            entry = entry[1:]
+            if _policy_key(entry) == "step" or not param.is_floating_point():
                 continue
             if value.dtype != param.dtype:
                 (cast if allow_cast else bad).append(f"{prefix}state.{name}.{entry}: checkpoint {value.dtype}, "
@@ -269,7 +293,8 @@ def plain_state_target(opt: torch.optim.Optimizer, index: int, entry: str, shape
         return None
     param = params[index]
     group = _group_of([opt], param)
-    device = torch.device("cpu") if entry == "step" and not _step_on_param_device(group) else param.device
+    step = _policy_key(entry) == "step"
+    device = torch.device("cpu") if step and not _step_on_param_device(group) else param.device
     return torch.empty(tuple(shape), dtype=dtype, device=device)
 
 
@@ -302,9 +327,9 @@ def check_plain_optimizer_state(opt: torch.optim.Optimizer, saved: Any, *, prefi
             raise StateMismatchError(f"{prefix}state.{index}: state for a parameter this optimizer does not have",
                                      unexpected=[f"{prefix}state.{index}"])
         param = params[index]
-        for entry, value in entries.items():
-            if isinstance(value, torch.Tensor) and entry != "step" and param.is_floating_point() \
-                    and value.dtype != param.dtype:
+        for entry, value in _tensors_in(dict(entries), ""):
+            entry = entry[1:]
+            if _policy_key(entry) != "step" and param.is_floating_point() and value.dtype != param.dtype:
                 (cast if allow_cast else bad).append(f"{prefix}state.{index}.{entry}: checkpoint {value.dtype}, "
                                                      f"parameter {param.dtype}")
     if bad:

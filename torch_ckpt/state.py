@@ -31,6 +31,7 @@ from torch_ckpt.optim_state import (
     check_optimizer_state,
     keep_live_tensors,
     optimizer_state,
+    param_names,
     split_state_key,
     state_target,
 )
@@ -169,6 +170,7 @@ class TrainState:
                               "are supported for models without optimizers only; leave options out (sharded "
                               "state, resharded on load)")
         self._allow_cast = False
+        self._name_cache: dict[str, set[str]] = {}
         self.step = int(step)
         self.epoch = int(epoch)
         self.extras: dict[str, Any] = dict(extras or {})
@@ -195,6 +197,7 @@ class TrainState:
 
         Reading it changes nothing: no optimizer step, no RNG draw, no dataloader advance.
         """
+        self._name_cache = {}  # parameter names, for load_into's calls that follow (a module may have changed)
         model_sd, optim_sd = self._model_optim_state()
         sd: dict[str, Any] = {"step": self.step, "epoch": self.epoch, "extras": dict(self.extras)}
         if self._models:
@@ -215,8 +218,11 @@ class TrainState:
     def _optim_key(self, key: str) -> tuple[str, str, str] | None:
         """``(model name, parameter name, state name)`` for a flat optimizer-state key, else None."""
         for name, opts in self._optims.items():
-            if opts:
-                parts = split_state_key(key, self._optim_prefix(name))
+            if opts and key.startswith(self._optim_prefix(name) + "state."):
+                names = self._name_cache.get(name)
+                if names is None:
+                    names = self._name_cache[name] = set(param_names(self._models[name]).values())
+                parts = split_state_key(key, self._optim_prefix(name), names)
                 if parts is not None:
                     return (name, *parts)
         return None

@@ -495,3 +495,22 @@ def test_failed_load_state_leaves_model_optimizer_and_objects_untouched(tmp_path
     assert run.scheduler.state_dict() == sched_before and torch.equal(torch.get_rng_state(), rng_before)
     assert run.accelerator.step == 0
     run.ckpt.close()
+
+
+def test_load_state_refuses_a_dtype_difference_unless_allow_cast(tmp_path):
+    """A float64 model refuses the float32 checkpoint naming key and dtypes; allow_cast=True casts it."""
+    from torch_ckpt import StateMismatchError
+
+    run = make_run(tmp_path)
+    train(run, 0, 2, save_at=(2,))
+    saved = {k: v.clone() for k, v in run.model.state_dict().items()}
+    run.ckpt.close()
+    run = make_run(tmp_path, seed=4)
+    run.model.double()
+    before = {k: v.clone() for k, v in run.model.state_dict().items()}
+    with pytest.raises(StateMismatchError, match=r"model.0.fc1.weight: checkpoint torch.float32, live torch.float64"):
+        run.accelerator.load_state()
+    assert all(torch.equal(v, before[k]) for k, v in run.model.state_dict().items())
+    run.accelerator.load_state(allow_cast=True)
+    assert all(torch.equal(v, saved[k].double()) for k, v in run.model.state_dict().items())
+    run.ckpt.close()
