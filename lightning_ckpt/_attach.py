@@ -17,8 +17,8 @@ and tear down, so that every rank takes part in every save through the core:
   (full tensors then sharded, for validate/test). For ModelParallel the optimizer state comes from
   ``optimizer.state_dict()`` (no zero-gradient initialising step) and the load is the core's checked,
   staged restore (nothing is written unless every check and read succeeded; no silent casts).
-  FSDP1 keeps DCP's optimizer functions, which initialise an optimizer that has no state yet. ``teardown`` also tears the plugin down (the
-  ModelParallel strategy's own teardown skips it).
+  FSDP1 keeps DCP's optimizer functions, which initialise an optimizer that has no state yet.
+  ``teardown`` also tears the plugin down (the ModelParallel strategy's own teardown skips it).
 
 It also defers two things Lightning does right after a save returns, until the checkpoint is
 committed: ``ModelCheckpoint(save_last="link")`` links, and loggers' ``after_save_checkpoint``

@@ -270,5 +270,5 @@ def _fsdp2_initial_save_and_fresh_restore(rank, world, root):
 
 
 def test_fsdp2_initial_save_changes_nothing_and_fresh_optimizer_restores(tmp_path):
-    """FSDP2 on 2 ranks: a save before the first step leaves training bitwise unchanged; a fresh optimizer restores it."""
+    """FSDP2, 2 ranks: a save before the first step changes nothing later; a fresh optimizer restores the state."""
     run_distributed(_fsdp2_initial_save_and_fresh_restore, 2, str(tmp_path))

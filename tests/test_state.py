@@ -62,7 +62,8 @@ def test_state_dict_does_not_advance_the_dataloader(consumed):
 
     def batches(capture: bool) -> list:
         data = list(range(12))
-        loader = StatefulDataLoader(data, batch_size=2, sampler=RandomSampler(data, generator=torch.Generator().manual_seed(3)))
+        sampler = RandomSampler(data, generator=torch.Generator().manual_seed(3))
+        loader = StatefulDataLoader(data, batch_size=2, sampler=sampler)
         state = TrainState(dataloader=loader, rng=False)
         it = iter(loader)
         out = [next(it).tolist() for _ in range(consumed)]

@@ -63,7 +63,8 @@ def test_a_dtype_difference_is_refused_before_lightning_loads_anything(make_trai
     before = {k: v.clone() for k, v in module.state_dict().items()}
     trainer = make_trainer(max_steps=6, plugins=[AsyncDCPCheckpointIO()],
                            callbacks=[MTBFCheckpoint(tmp_path / "ckpt2", mtbf_seconds=None)])
-    with pytest.raises(StateMismatchError, match=r"state_dict.layer.weight: checkpoint torch.float32, live torch.float64"):
+    expected = r"state_dict.layer.weight: checkpoint torch.float32, live torch.float64"
+    with pytest.raises(StateMismatchError, match=expected):
         trainer.fit(module, ckpt_path=str(tmp_path / "ckpt" / "step_000000003"))
     assert all(torch.equal(v, before[k]) for k, v in module.state_dict().items())
 
