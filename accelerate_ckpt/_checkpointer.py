@@ -296,7 +296,8 @@ class AccelerateCheckpointer:
         return None if newest is None else Path(newest)
 
     def load_state(self, input_dir: str | os.PathLike | None = None, load_kwargs: dict | None = None, *,
-                   allow_unsafe_accelerate_folder: bool = False, **load_model_func_kwargs: Any) -> None:
+                   allow_unsafe_accelerate_folder: bool = False, allow_cast: bool = False,
+                   **load_model_func_kwargs: Any) -> None:
         """Replacement of ``Accelerator.load_state``: restores everything in place, exactly.
 
         Waits for an in-flight save first. A folder written by Accelerate itself (no ``torch_ckpt``
@@ -307,6 +308,9 @@ class AccelerateCheckpointer:
             input_dir: the checkpoint folder; None picks the newest *committed* automatic checkpoint.
             allow_unsafe_accelerate_folder: hand a folder without a torch-ckpt payload to Accelerate's
                 own ``load_state`` (only for folders you trust).
+            allow_cast: cast tensors whose dtype differs from the live one (each cast key is logged
+                once); by default a dtype difference is a ``StateMismatchError``. A failed load
+                leaves the run as it was.
             load_kwargs: passed on only for folders Accelerate wrote itself.
             load_model_func_kwargs: passed on only for folders Accelerate wrote itself.
 
@@ -348,7 +352,7 @@ class AccelerateCheckpointer:
         originals = list(models)
         self._run_hooks(acc._load_model_state_pre_hook, self._load_hook, (models, str(folder)))
         state = AcceleratorTrainState(acc, skip_models=self._skipped_models(candidates, originals))
-        self._ckpt.load(folder / PAYLOAD, state, verify=self.settings.verify_on_load)
+        self._ckpt.load(folder / PAYLOAD, state, verify=self.settings.verify_on_load, allow_cast=allow_cast)
         self.step = state.step
 
     # -- scheduling ------------------------------------------------------------------------------

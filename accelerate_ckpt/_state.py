@@ -6,10 +6,11 @@ Built fresh for every save and load from the objects the ``Accelerator`` holds:
 key                             contents
 ==============================  ============================================================
 ``model.<i>``                   model ``i`` (``accelerator._models``) through DCP's
-                                ``get_state_dict``: plain, DDP, FSDP1 and FSDP2 models give
-                                the same, reshardable keys
+                                ``get_model_state_dict``: plain, DDP and FSDP2 models give
+                                the same, reshardable keys (FSDP1 is refused)
 ``optimizer.<i>``               the optimizers whose parameters all belong to model ``i``
-                                (DCP, keyed by parameter name)
+                                (DCP's layout, keyed by parameter name; read from
+                                ``optimizer.state_dict()``, never by a zero-gradient step)
 ``optimizers_plain.<j>``        any other optimizer ``j`` (its own ``state_dict()``)
 ``scheduler``                   every prepared LR scheduler
 ``scaler``                      the ``GradScaler`` (when enabled)
@@ -23,12 +24,15 @@ key                             contents
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping, Sequence
+from functools import partial
 from typing import Any
 
 import torch
 
 from torch_ckpt import ConfigError, StateMismatchError, TrainState
+from torch_ckpt.optim_state import check_plain_optimizer_state, keep_live_tensors, plain_state_target
 
 __all__ = ["AcceleratorTrainState", "check_supported"]
 
@@ -133,12 +137,37 @@ class AcceleratorTrainState:
         sd["accelerate"] = {"step": int(self._acc.step), "save_iteration": self._save_iteration}
         return sd
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Load in place and set ``accelerator.step`` and ``accelerator.project_configuration.iteration``.
+    # -- loading (the protocol of torch_ckpt.restore.load_into) -------------------------------------
+    def _plain_key(self, key: str) -> tuple[int, int, str] | None:
+        """``(optimizer j, parameter id, state name)`` for ``optimizers_plain.<j>.state.<id>.<name>``."""
+        parts = key.split(".", 4)
+        if len(parts) != 5 or parts[0] != "optimizers_plain" or parts[2] != "state":
+            return None
+        if not (parts[1].isdigit() and parts[3].isdigit()) or int(parts[1]) >= len(self._plain):
+            return None
+        return int(parts[1]), int(parts[3]), parts[4]
+
+    def load_optional_key(self, key: str) -> bool:
+        """True for optimizer-state tensors, which a fresh optimizer does not have yet."""
+        return self._train.load_optional_key(key) or self._plain_key(key) is not None
+
+    def load_target(self, key: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+        """A new tensor, placed where its optimizer keeps it, for an optimizer-state key; None otherwise."""
+        plain = self._plain_key(key)
+        if plain is not None:
+            j, index, entry = plain
+            return plain_state_target(self._plain[j], index, entry, shape, dtype)
+        return self._train.load_target(key, shape, dtype)
+
+    def check_load(self, state: Mapping[str, Any], *, allow_cast: bool = False) -> list[str]:
+        """Check everything :meth:`load_state_dict` will load (tensors may be meta tensors); change nothing.
+
+        Returns:
+            The optimizer-state keys that will be cast (only with ``allow_cast``).
 
         Raises:
-            StateMismatchError: the checkpoint has a different number of optimizers, registered
-                objects or dataloaders.
+            StateMismatchError: other optimizers, registered objects, dataloaders, parameter groups or
+                dtypes than the checkpoint's.
         """
         plain, custom = state.get("optimizers_plain", {}), state.get("custom", {})
         if len(plain) != len(self._plain):
@@ -147,11 +176,46 @@ class AcceleratorTrainState:
         if len(custom) != len(self._custom):
             raise StateMismatchError(f"checkpoint holds {len(custom)} objects registered with "
                                      f"register_for_checkpointing, this run registered {len(self._custom)}")
-        self._train.load_state_dict(state)
+        loaders = state.get("dataloader", {})
+        if len(loaders) != len(self._train._dataloader.loaders):
+            raise StateMismatchError(f"checkpoint holds {len(loaders)} dataloader positions, this run prepared "
+                                     f"{len(self._train._dataloader.loaders)} dataloaders")
+        casts = self._train.check_load(state, allow_cast=allow_cast)
         for j, opt in enumerate(self._plain):
-            opt.load_state_dict(plain[str(j)])
-        for k, obj in enumerate(self._custom):
-            obj.load_state_dict(custom[str(k)])
+            casts += check_plain_optimizer_state(opt, plain[str(j)], prefix=f"optimizers_plain.{j}.",
+                                                 allow_cast=allow_cast)
+        return casts
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Load in place and set ``accelerator.step`` and ``accelerator.project_configuration.iteration``.
+
+        Everything is checked first; should a component fail to load, the ones already loaded are
+        put back, so a failed load leaves the run as it was.
+
+        Raises:
+            StateMismatchError: the checkpoint has a different number of optimizers, registered
+                objects or dataloaders.
+        """
+        self.check_load(state, allow_cast=self._train._allow_cast)  # cheap; load_into checked with meta tensors
+        plain, custom = state["optimizers_plain"], state["custom"]
+        undo: list = []
+        old_plain_states = [opt.state for opt in self._plain]
+        try:
+            for j, opt in enumerate(self._plain):
+                old_state, old_groups = opt.state, opt.param_groups
+                undo.append(lambda o=opt, s=old_state, g=old_groups: (setattr(o, "state", s),
+                                                                      setattr(o, "param_groups", g)))
+                opt.load_state_dict(plain[str(j)])
+            for k, obj in enumerate(self._custom):
+                undo.append(partial(obj.load_state_dict, copy.deepcopy(obj.state_dict())))
+                obj.load_state_dict(custom[str(k)])
+            self._train.load_state_dict(state)  # undoes its own components when one of them fails
+        except BaseException:
+            for fn in reversed(undo):
+                fn()
+            raise
+        for opt, old_state in zip(self._plain, old_plain_states):
+            keep_live_tensors(opt, old_state)
         acc_state = state.get("accelerate", {})
         self.accelerate_step = int(acc_state.get("step", 0))
         self._save_iteration = int(acc_state.get("save_iteration", 0))

@@ -7,13 +7,18 @@ and tear down, so that every rank takes part in every save through the core:
 
 * single device and DDP (``ddp``, ``ddp_spawn``, ``ddp_fork``): ``save_checkpoint`` and
   ``remove_checkpoint`` call the plugin on every rank. Replicated tensors are written once (DCP
-  deduplication); each rank's loop progress and callback states (RNG) are stored per rank.
+  deduplication); each rank's loop progress and callback states (RNG) are stored per rank. Loading
+  one of our directories checks the model's and optimizers' keys, shapes and dtypes against the
+  checkpoint before Lightning writes anything (no partial load, no silent cast).
 * ModelParallel (FSDP2, tensor parallel) and FSDP (FSDP1, CUDA only; ``state_dict_type="sharded"``):
   additionally the model and optimizer state come from ``get_model_state_dict`` /
   ``get_optimizer_state_dict`` as DTensor shards (no CPU-offload copy), every rank writes its own
   shards, and loading one of our directories while fitting is an in-place, resharding DCP load
-  (full tensors then sharded, for validate/test). ``teardown`` also tears the plugin down (the
-  ModelParallel strategy's own teardown skips it).
+  (full tensors then sharded, for validate/test). For ModelParallel the optimizer state comes from
+  ``optimizer.state_dict()`` (no zero-gradient initialising step) and the load is the core's checked,
+  staged restore (nothing is written unless every check and read succeeded; no silent casts).
+  FSDP1 keeps DCP's optimizer functions, which initialise an optimizer that has no state yet.
+  ``teardown`` also tears the plugin down (the ModelParallel strategy's own teardown skips it).
 
 It also defers two things Lightning does right after a save returns, until the checkpoint is
 committed: ``ModelCheckpoint(save_last="link")`` links, and loggers' ``after_save_checkpoint``
@@ -94,6 +99,8 @@ def attach(io: Any, trainer: Any) -> None:
     strategy.teardown = teardown
     if kind is not None:
         _attach_sharded(io, trainer, original_load)
+    else:
+        _attach_checked_load(io, trainer, original_load)
     for callback in trainer.checkpoint_callbacks:
         if isinstance(callback, ModelCheckpoint):
             _defer_links(io, callback)
@@ -133,6 +140,25 @@ def _unwrap(optimizer: Any) -> Any:
     return getattr(optimizer, "_optimizer", optimizer)
 
 
+def _attach_checked_load(io: Any, trainer: Any, original_load: Any) -> None:
+    """Check a loaded directory against the live module and optimizers before Lightning writes into them."""
+    from lightning_ckpt._load import check_against_live
+
+    strategy = trainer.strategy
+
+    def load_checkpoint(checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        checkpoint = original_load(checkpoint_path, weights_only=weights_only)
+        if io.is_checkpoint_dir(checkpoint_path):
+            fitting = trainer.state.fn == TrainerFn.FITTING
+            check_against_live(checkpoint, strategy.lightning_module,
+                               [_unwrap(o) for o in strategy.optimizers] if fitting else [],
+                               strict=strategy.lightning_module.strict_loading,
+                               allow_cast=getattr(io, "allow_cast", False), where=str(checkpoint_path))
+        return checkpoint
+
+    strategy.load_checkpoint = load_checkpoint
+
+
 def _attach_sharded(io: Any, trainer: Any, original_load: Any) -> None:
     """Sharded state for saving, and in-place resharding loads of our directories."""
     from torch.distributed.checkpoint.state_dict import (
@@ -142,13 +168,18 @@ def _attach_sharded(io: Any, trainer: Any, original_load: Any) -> None:
         set_model_state_dict,
     )
 
+    from torch_ckpt.optim_state import optimizer_state as core_optimizer_state
+
     strategy = trainer.strategy
+    kind = sharded_kind(strategy)
 
     def lightning_module_state_dict() -> dict[str, Any]:
         return get_model_state_dict(strategy.model)
 
     def optimizer_state(optimizer: Any) -> dict[str, Any]:
-        return get_optimizer_state_dict(strategy.model, _unwrap(optimizer))
+        if kind == "model_parallel":  # from optimizer.state_dict(): never steps an optimizer without state
+            return core_optimizer_state(strategy.model, [_unwrap(optimizer)])
+        return get_optimizer_state_dict(strategy.model, _unwrap(optimizer))  # FSDP1: flat state needs DCP
 
     def load_checkpoint(checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         path = Path(strategy.broadcast(checkpoint_path))
@@ -158,7 +189,7 @@ def _attach_sharded(io: Any, trainer: Any, original_load: Any) -> None:
         optimizers = [_unwrap(o) for o in strategy.optimizers]
         if trainer.state.fn == TrainerFn.FITTING and optimizers:
             return _load_sharded_in_place(io, path, strategy.model, optimizers, strict=strict,
-                                          weights_only=weights_only)
+                                          weights_only=weights_only, fsdp1=kind == "fsdp")
         # evaluation: full tensors on every rank, then sharded into the model
         checkpoint = io.load_checkpoint(path, weights_only=weights_only)
         set_model_state_dict(strategy.model, checkpoint["state_dict"],
@@ -200,14 +231,98 @@ class _ShardedTarget:
         self.loaded = dict(state)
 
 
+class _Fsdp2Target(_ShardedTarget):
+    """The ModelParallel (FSDP2/TP) load target: the core's checked, staged restore (see ``load_into``).
+
+    Optimizer state is read from ``optimizer.state_dict()`` (never a zero-gradient step) and may be
+    absent on either side; nothing is written before every check and every read succeeded, and a
+    dtype difference is refused unless the plugin allows casts.
+    """
+
+    def state_dict(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        from torch_ckpt.optim_state import optimizer_state
+
+        state: dict[str, Any] = {k: None for k in self._top_keys}
+        state["state_dict"] = get_model_state_dict(self._model)
+        state["optimizer_states"] = [optimizer_state(self._model, [o]) for o in self._optimizers]
+        return state
+
+    def _optim_key(self, key: str) -> tuple[int, str, str] | None:
+        from torch_ckpt.optim_state import param_names, split_state_key
+
+        if not key.startswith("optimizer_states."):
+            return None
+        if getattr(self, "_names", None) is None:
+            self._names = set(param_names(self._model).values())
+        for i in range(len(self._optimizers)):
+            parts = split_state_key(key, f"optimizer_states.{i}.", self._names)
+            if parts is not None:
+                return i, *parts
+        return None
+
+    def load_optional_key(self, key: str) -> bool:
+        """Optimizer-state tensors may exist on one side only (a fresh optimizer has none)."""
+        return self._optim_key(key) is not None
+
+    def load_target(self, key: str, shape: tuple[int, ...], dtype: Any) -> Any:
+        """A new tensor, sharded and placed like the optimizer keeps it, for an optimizer-state key."""
+        from torch_ckpt.optim_state import state_target
+
+        parts = self._optim_key(key)
+        if parts is None:
+            return None
+        i, name, entry = parts
+        return state_target(self._model, [self._optimizers[i]], name, entry, shape, dtype)
+
+    def check_load(self, state: dict[str, Any], *, allow_cast: bool = False) -> list[str]:
+        """Check the optimizer parameter groups, state and dtypes against the live optimizers; change nothing."""
+        from torch_ckpt import StateMismatchError
+        from torch_ckpt.optim_state import check_optimizer_state
+
+        saved = state.get("optimizer_states")
+        if not isinstance(saved, list) or len(saved) != len(self._optimizers):
+            raise StateMismatchError(f"checkpoint holds {len(saved) if isinstance(saved, list) else 'no'} optimizer "
+                                     f"states, this run has {len(self._optimizers)} optimizers")
+        casts: list[str] = []
+        for i, (optimizer, osd) in enumerate(zip(self._optimizers, saved)):
+            casts += check_optimizer_state(self._model, [optimizer], osd, prefix=f"optimizer_states.{i}.",
+                                           allow_cast=allow_cast)
+        self._allow_cast = allow_cast
+        return casts
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Install the optimizer states, then copy the (checked, fully read) parameters in place."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        from torch_ckpt.optim_state import apply_optimizer_state, keep_live_tensors
+        from torch_ckpt.restore import copy_into_live
+
+        self.check_load(state, allow_cast=getattr(self, "_allow_cast", False))
+        undo = []
+        try:
+            for optimizer, osd in zip(self._optimizers, state["optimizer_states"]):
+                undo.append((optimizer, optimizer.state, optimizer.param_groups))
+                apply_optimizer_state(self._model, [optimizer], osd)
+        except BaseException:
+            for optimizer, old_state, old_groups in reversed(undo):
+                optimizer.state, optimizer.param_groups = old_state, old_groups
+            raise
+        for optimizer, old_state, _groups in undo:
+            keep_live_tensors(optimizer, old_state)
+        copy_into_live(get_model_state_dict(self._model), state["state_dict"])
+        self.loaded = dict(state)
+
+
 def _load_sharded_in_place(io: Any, path: Path, model: Any, optimizers: list, *, strict: bool,
-                           weights_only: bool | None) -> dict[str, Any]:
+                           weights_only: bool | None, fsdp1: bool = False) -> dict[str, Any]:
     from torch.distributed import get_rank
 
     from lightning_ckpt._values import decode_values
 
     tree = json.loads((path / rank_file_name(0)).read_bytes())["tree"]
-    target = _ShardedTarget(model, optimizers, list(tree), strict=strict)
-    io.checkpointer().load(path, target, verify=io.verify_on_load)
+    target = (_ShardedTarget if fsdp1 else _Fsdp2Target)(model, optimizers, list(tree), strict=strict)
+    io.checkpointer().load(path, target, verify=io.verify_on_load, allow_cast=getattr(io, "allow_cast", False))
     log.info("[rank %d] loaded %s in place (sharded)", get_rank(), path)
     return decode_values(target.loaded, allow_pickle=weights_only is False)

@@ -98,6 +98,9 @@ class AsyncDCPCheckpointIO(CheckpointIO):
         unsafe_values: What to do with checkpoint values that only pickling could store (for example
             a ``pathlib.Path`` hyper-parameter): ``"error"`` (default) raises naming the key;
             ``"pickle"`` stores them pickled, and loading them then needs ``weights_only=False``.
+        allow_cast: Once attached to the trainer, loading one of our directories checks the model's
+            and optimizers' tensors against the checkpoint before Lightning writes anything; a dtype
+            difference is an error unless this is True (each cast key is then logged once).
 
     Raises:
         ConfigError: An argument is out of range.
@@ -115,6 +118,7 @@ class AsyncDCPCheckpointIO(CheckpointIO):
         timeout_seconds: float = 600.0,
         verify_on_load: bool = True,
         unsafe_values: Literal["error", "pickle"] = "error",
+        allow_cast: bool = False,
     ) -> None:
         if unsafe_values not in UNSAFE_VALUE_MODES:
             raise ConfigError(f"unsafe_values must be one of {UNSAFE_VALUE_MODES}, got {unsafe_values!r}")
@@ -134,6 +138,7 @@ class AsyncDCPCheckpointIO(CheckpointIO):
                                  thread_count=thread_count, timeout_seconds=timeout_seconds)
         self.verify_on_load = bool(verify_on_load)
         self.unsafe_values = unsafe_values
+        self.allow_cast = bool(allow_cast)
         self._reset_runtime()
 
     def _reset_runtime(self) -> None:
@@ -152,7 +157,7 @@ class AsyncDCPCheckpointIO(CheckpointIO):
     def __getstate__(self) -> dict[str, Any]:
         # ddp_spawn pickles the strategy and its plugins; runtime state stays behind.
         return {"_core_kwargs": self._core_kwargs, "verify_on_load": self.verify_on_load,
-                "unsafe_values": self.unsafe_values}
+                "unsafe_values": self.unsafe_values, "allow_cast": self.allow_cast}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)

@@ -332,3 +332,30 @@ def _new_run_below_earlier_steps(rank, world, root):
 def test_new_run_below_an_earlier_runs_step_is_refused_on_every_rank(tmp_path):
     """Rank 0 finds the earlier run's step 5: both ranks raise ConfigError; on_existing_newer='supersede' saves."""
     run_distributed(_new_run_below_earlier_steps, 2, str(tmp_path), timeout_s=120)
+def _fsdp2_initial_save_and_fresh_restore(rank, world, root):
+    ref_model = _fsdp(_model())
+    ref_opt = torch.optim.AdamW(ref_model.parameters(), lr=1e-2)
+    _train(ref_model, ref_opt)
+    model = _fsdp(_model())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with CheckpointManager(root) as mgr:
+        mgr.save(0, TrainState(model=model, optimizer=opt)).wait()  # before the first step
+        assert not opt.state
+        _train(model, opt)
+        mgr.save(2, TrainState(model=model, optimizer=opt)).wait()
+    ref, got = _full_state(ref_model, ref_opt), _full_state(model, opt)
+    assert set(got) == set(ref) and all(torch.equal(got[k], ref[k]) for k in ref)
+    fresh = _fsdp(_model(seed=99))
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)  # no state: restored state is placed as DTensors
+    with CheckpointManager(root) as mgr:
+        assert mgr.restore(TrainState(model=fresh, optimizer=fresh_opt)) == 2
+    assert fresh_opt.state_dict()["param_groups"] == opt.state_dict()["param_groups"]
+    _train(model, opt, steps=1)
+    _train(fresh, fresh_opt, steps=1)
+    ref, got = _full_state(model, opt), _full_state(fresh, fresh_opt)
+    assert all(torch.equal(got[k], ref[k]) for k in ref)
+
+
+def test_fsdp2_initial_save_changes_nothing_and_fresh_optimizer_restores(tmp_path):
+    """FSDP2, 2 ranks: a save before the first step changes nothing later; a fresh optimizer restores the state."""
+    run_distributed(_fsdp2_initial_save_and_fresh_restore, 2, str(tmp_path))

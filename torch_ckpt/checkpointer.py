@@ -442,10 +442,12 @@ class AsyncCheckpointer:
 
     # -- loading ---------------------------------------------------------------------------------
     def load(self, path: str | os.PathLike, state: Any, *, verify: bool = True,
-             on_world_size_change: str = "error") -> None:
+             on_world_size_change: str = "error", allow_cast: bool = False) -> None:
         """Load the committed checkpoint directory ``path`` into ``state`` in place (collective).
 
-        See :func:`torch_ckpt.restore.load_into` for the checks and errors.
+        ``allow_cast=True`` casts tensors whose dtype differs from the live one (logged per key);
+        by default that is a ``StateMismatchError``. A failed load leaves ``state`` unchanged. See
+        :func:`torch_ckpt.restore.load_into` for the checks and errors.
         """
         self._ensure_open()
         self._wait_inflight()
@@ -453,7 +455,8 @@ class AsyncCheckpointer:
         if on_world_size_change not in RANK_LOCAL_POLICIES:
             raise ConfigError(f"on_world_size_change must be one of {RANK_LOCAL_POLICIES}, got {on_world_size_change!r}")
         path = Path(path)
-        load_into(state, path, read_manifest(path), self._ctx, verify=verify, on_world_size_change=on_world_size_change)
+        load_into(state, path, read_manifest(path), self._ctx, verify=verify, on_world_size_change=on_world_size_change,
+                  allow_cast=allow_cast)
 
     # -- lifecycle -------------------------------------------------------------------------------
     def wait(self) -> None:

@@ -454,12 +454,14 @@ class CheckpointManager:
         steps = self.all_steps()
         return steps[-1] if steps else None
 
-    def restore(self, state: Any, step: int | None = None) -> int | None:
+    def restore(self, state: Any, step: int | None = None, *, allow_cast: bool = False) -> int | None:
         """Load a committed checkpoint into ``state`` in place.
 
         Args:
             state: the live :class:`~torch_ckpt.TrainState`, ``Stateful`` or dict to load into.
             step: the step to load; None loads the newest committed checkpoint.
+            allow_cast: cast tensors whose dtype differs from the live tensor's (each cast key is
+                logged once); by default a dtype difference is a ``StateMismatchError``.
 
         With a durable tier, the newest checkpoint complete in either tier is used; one that exists
         only in the durable tier is downloaded (verified) first. When ``step`` is None, a candidate
@@ -476,7 +478,8 @@ class CheckpointManager:
             CheckpointNotFoundError: ``step`` was given but is not a committed checkpoint, or the
                 root is not a directory.
             DurableUnavailableError: the durable tier is unreachable and there is no local checkpoint.
-            StateMismatchError: keys or shapes differ (missing and unexpected keys are listed).
+            StateMismatchError: keys, shapes or dtypes differ (missing and unexpected keys are listed).
+                A failed restore leaves ``state`` as it was.
             CheckpointCorruptError: a file fails its size or checksum check.
         """
         self._ckpt.wait()
@@ -495,7 +498,7 @@ class CheckpointManager:
                 local = self._fetch(cand, where)
                 t0 = time.monotonic()
                 self._ckpt.load(local, state, verify=self.verify_on_load,
-                                on_world_size_change=self.on_world_size_change)
+                                on_world_size_change=self.on_world_size_change, allow_cast=allow_cast)
             except CheckpointCorruptError as exc:
                 if step is not None or i == len(plan) - 1:
                     raise

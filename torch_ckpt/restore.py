@@ -2,12 +2,14 @@
 
 Steps (every rank): verify the files of the checkpoint against the manifest (sizes always, CRC-32
 when ``verify``; the work is split over ranks), read this rank's JSON tree, check that the live
-state and the checkpoint have the same tensor keys and shapes, let DCP load the tensors in place
-(resharding to the live layout), rebuild the nested state and hand it to ``load_state_dict``.
+state and the checkpoint have the same tensor keys, shapes and dtypes (and let the state check its
+own structure), let DCP read the tensors into new buffers (resharding to the live layout), and only
+then write the live state. A restore that fails therefore leaves the live state as it was.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 from collections.abc import Mapping, MutableMapping
 from pathlib import Path
@@ -15,6 +17,7 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.tensor import DTensor
 
 from torch_ckpt._logging import get_logger
 from torch_ckpt.codec import TENSOR_TAG, join_state, split_state
@@ -33,7 +36,7 @@ from torch_ckpt.errors import (
 )
 from torch_ckpt.layout import Manifest, rank_file_name
 
-__all__ = ["verify_files", "load_into", "RANK_LOCAL_POLICIES"]
+__all__ = ["verify_files", "load_into", "copy_into_live", "RANK_LOCAL_POLICIES"]
 
 log = get_logger(__name__)
 
@@ -139,13 +142,61 @@ def _assign(target: MutableMapping, loaded: Mapping) -> None:
             target[k] = v
 
 
+def _staging_like(live: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A new CPU tensor (DTensor: local shard, same sharding) to load a checkpoint tensor into."""
+    if isinstance(live, DTensor):
+        local = torch.empty(live._local_tensor.shape, dtype=dtype, device="cpu")
+        spec = live._spec
+        if spec.tensor_meta is not None and spec.tensor_meta.dtype != dtype:
+            spec = copy.copy(spec)
+            spec.tensor_meta = spec.tensor_meta._replace(dtype=dtype)
+        return DTensor(local, spec, requires_grad=False)
+    return torch.empty(live.shape, dtype=dtype, device="cpu")
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+@torch.no_grad()
+def copy_into_live(live: Mapping[str, torch.Tensor], staged: Mapping[str, torch.Tensor]) -> None:
+    """Copy each staged tensor into the live tensor of the same key, in place (shard-locally for DTensors)."""
+    for key, dst in live.items():
+        if key in staged:
+            _local(dst).copy_(_local(staged[key]))
+
+
 def load_into(state: Any, step_dir: Path, manifest: Manifest, ctx: DistContext, *, verify: bool,
-              on_world_size_change: str = "error") -> None:
+              on_world_size_change: str = "error", allow_cast: bool = False) -> None:
     """Load ``step_dir`` into ``state`` (a ``Stateful`` or a mutable dict) in place.
+
+    Everything is checked before the first write to the live state: files, keys, shapes, dtypes
+    and (for states with ``check_load``, such as :class:`~torch_ckpt.TrainState`) the structure of
+    every component. Tensors are then read into new buffers (host memory for tensors the state
+    already has, about the size of this rank's state); only when every read succeeded are they
+    copied into the live state. A failure at any point before that leaves the state as it was.
+
+    A state may take part in the checks and in placing tensors it does not hold yet (optimizer
+    state of a fresh optimizer) through three optional methods: ``load_optional_key(key) -> bool``
+    (a tensor either side may lack), ``load_target(key, shape, dtype) -> Tensor | None`` (a buffer
+    for a checkpoint tensor, placed where it will live) and ``check_load(saved, allow_cast=...)``
+    (structural checks on the nested checkpoint state, whose tensors are meta tensors). A state
+    with ``check_load`` receives the new buffers in ``load_state_dict`` and copies them itself;
+    for any other state the buffers are copied into its live tensors before ``load_state_dict``.
+
+    Args:
+        state: the live state.
+        step_dir: the committed checkpoint directory.
+        manifest: its manifest.
+        ctx: ranks taking part.
+        verify: check CRC-32 of every file (sizes are always checked).
+        on_world_size_change: "error" or "keep_live" (rank-local state when the world size changed).
+        allow_cast: load tensors whose dtype differs from the live tensor's by casting them (each
+            such key is logged once); otherwise a dtype difference is a StateMismatchError.
 
     Raises:
         CheckpointCorruptError: files fail verification or the structure is inconsistent.
-        StateMismatchError: tensor keys or shapes differ (lists missing and unexpected keys).
+        StateMismatchError: tensor keys, shapes or dtypes differ (lists missing and unexpected keys).
         ConfigError: the world size changed and ``on_world_size_change`` is "error".
     """
     if on_world_size_change not in RANK_LOCAL_POLICIES:
@@ -177,10 +228,13 @@ def load_into(state: Any, step_dir: Path, manifest: Manifest, ctx: DistContext, 
             if isinstance(live_tree, dict) and key in live_tree:
                 tree[key] = live_tree[key]
 
-    saved_keys = _tensor_keys(tree) | _structure_keys(tree, deep=not hasattr(state, "state_dict"))
+    optional = getattr(state, "load_optional_key", None)
+    is_optional = optional if callable(optional) else (lambda key: False)
+    saved_tensor_keys = _tensor_keys(tree)
+    saved_keys = saved_tensor_keys | _structure_keys(tree, deep=not hasattr(state, "state_dict"))
     live_keys = set(live_tensors) | _structure_keys(live_tree, deep=not hasattr(state, "state_dict"))
-    missing = sorted(live_keys - saved_keys)
-    unexpected = sorted(saved_keys - live_keys)
+    missing = sorted(k for k in live_keys - saved_keys if not is_optional(k))
+    unexpected = sorted(k for k in saved_keys - live_keys if not is_optional(k))
     if missing or unexpected:
         raise StateMismatchError(
             f"{step_dir}: state does not match the checkpoint. Missing from checkpoint: {missing[:20]}"
@@ -193,20 +247,59 @@ def load_into(state: Any, step_dir: Path, manifest: Manifest, ctx: DistContext, 
         if name not in manifest.files:  # a tampered .metadata pointing at unverified (or outside) files
             raise CheckpointCorruptError(f"{step_dir}/.metadata: tensor data stored in {name!r}, which the manifest "
                                          "does not list; refusing unverified data")
-    bad = []
-    for key, t in live_tensors.items():
+    saved_meta: dict[str, torch.Tensor] = {}
+    for key in sorted(saved_tensor_keys):
         smd = md.state_dict_metadata.get(key)
-        if smd is None or not hasattr(smd, "size"):
+        if smd is None or not hasattr(smd, "size") or not isinstance(getattr(smd.properties, "dtype", None),
+                                                                     torch.dtype):
             raise CheckpointCorruptError(f"{step_dir}: tensor {key!r} is listed in the state but not in DCP metadata")
-        if tuple(smd.size) != tuple(t.shape):
-            bad.append(f"{key}: checkpoint {tuple(smd.size)} vs live {tuple(t.shape)}")
-    if bad:
-        raise StateMismatchError(f"{step_dir}: tensor shapes differ: {bad[:20]}", missing=[], unexpected=[])
+        saved_meta[key] = torch.empty(tuple(smd.size), dtype=smd.properties.dtype, device="meta")
+    bad_shape, bad_dtype, casts = [], [], []
+    for key, t in live_tensors.items():
+        meta = saved_meta.get(key)
+        if meta is None:
+            continue
+        if tuple(meta.shape) != tuple(t.shape):
+            bad_shape.append(f"{key}: checkpoint {tuple(meta.shape)} vs live {tuple(t.shape)}")
+        elif meta.dtype != t.dtype:
+            (casts if allow_cast else bad_dtype).append(f"{key}: checkpoint {meta.dtype}, live {t.dtype}")
+    if bad_shape:
+        raise StateMismatchError(f"{step_dir}: tensor shapes differ: {bad_shape[:20]}", missing=[], unexpected=[])
+    if bad_dtype:
+        raise StateMismatchError(
+            f"{step_dir}: tensor dtypes differ (restore never casts silently): {bad_dtype[:20]}"
+            f"{' ...' if len(bad_dtype) > 20 else ''}. Build the state with the saved dtypes, or pass "
+            "allow_cast=True to cast them.", missing=[], unexpected=[])
+    check = getattr(state, "check_load", None)
+    staged_aware = callable(check)
+    if staged_aware:
+        casts += check(join_state(tree, saved_meta), allow_cast=allow_cast)
 
-    if live_tensors:
+    make_target = getattr(state, "load_target", None)
+    targets: dict[str, torch.Tensor] = {}
+    for key, meta in saved_meta.items():
+        target = make_target(key, tuple(meta.shape), meta.dtype) if callable(make_target) else None
+        if target is None:
+            if key not in live_tensors:  # an optional key the state cannot place: not loadable here
+                raise StateMismatchError(f"{step_dir}: unexpected in checkpoint: [{key!r}]", unexpected=[key])
+            target = _staging_like(live_tensors[key], meta.dtype)
+        targets[key] = target
+    logged: set[str] = set()
+    for line in casts:  # a key may be reported by the tensor check and by the state's own check: log it once
+        key = line.split(":", 1)[0]
+        if key not in logged:
+            logged.add(key)
+            log.warning("%s: casting %s (allow_cast=True)", step_dir, line)
+
+    if targets:
         with single_process_quiet(not ctx.enabled):
-            dcp.load(live_tensors, storage_reader=SafeFileSystemReader(step_dir), planner=SafeLoadPlanner(),
+            dcp.load(targets, storage_reader=SafeFileSystemReader(step_dir), planner=SafeLoadPlanner(),
                      process_group=ctx.fg if ctx.enabled else None, no_dist=not ctx.enabled)
+    # every read succeeded: from here on the live state is written
+    if staged_aware:
+        state.load_state_dict(join_state(tree, targets))
+        return
+    copy_into_live(live_tensors, targets)
     full = join_state(tree, live_tensors)
     if hasattr(state, "load_state_dict"):
         state.load_state_dict(full)

@@ -15,7 +15,7 @@ import torch
 
 from torch_ckpt.errors import CheckpointCorruptError
 
-__all__ = ["capture_rng_state", "restore_rng_state"]
+__all__ = ["capture_rng_state", "check_rng_state", "restore_rng_state"]
 
 
 def capture_rng_state() -> dict[str, Any]:
@@ -47,6 +47,37 @@ def capture_rng_state() -> dict[str, Any]:
     return state
 
 
+def _host_states(state: Any) -> tuple[tuple, tuple, torch.Tensor]:
+    py = state["python"]
+    npst = state["numpy"]
+    py_state = (int(py["version"]), tuple(int(x) for x in py["mt"]), py["gauss"])
+    np_state = (npst["kind"], np.asarray(npst["keys"], dtype=np.uint32), int(npst["pos"]), int(npst["has_gauss"]),
+                float(npst["cached_gaussian"]))
+    cpu = state["torch_cpu"]
+    if not isinstance(cpu, torch.Tensor):
+        raise TypeError(f"torch_cpu is a {type(cpu).__name__}, not a tensor")
+    return py_state, np_state, cpu.to(torch.uint8).cpu()
+
+
+def check_rng_state(state: Any) -> None:
+    """Check that :func:`restore_rng_state` would accept ``state``, on scratch generators (nothing live changes).
+
+    Raises:
+        CheckpointCorruptError: a required entry is missing or malformed.
+    """
+    try:
+        py_state, np_state, cpu = _host_states(state)
+        random.Random().setstate(py_state)
+        np.random.RandomState().set_state(np_state)
+        torch.Generator().set_state(cpu)
+        for kind in ("cuda", "xpu"):
+            devices = state.get(kind)
+            if devices is not None and not all(isinstance(s, torch.Tensor) for s in devices):
+                raise TypeError(f"{kind} generator states are not tensors")
+    except (KeyError, TypeError, ValueError, RuntimeError, AttributeError) as exc:
+        raise CheckpointCorruptError(f"RNG state in checkpoint is malformed ({exc!r})") from exc
+
+
 def restore_rng_state(state: dict[str, Any]) -> None:
     """Restore RNG states captured by :func:`capture_rng_state`.
 
@@ -56,17 +87,11 @@ def restore_rng_state(state: dict[str, Any]) -> None:
     Raises:
         CheckpointCorruptError: a required entry is missing or malformed.
     """
-    try:
-        py = state["python"]
-        random.setstate((int(py["version"]), tuple(int(x) for x in py["mt"]), py["gauss"]))
-        npst = state["numpy"]
-        np.random.set_state(
-            (npst["kind"], np.asarray(npst["keys"], dtype=np.uint32), int(npst["pos"]),
-             int(npst["has_gauss"]), float(npst["cached_gaussian"]))
-        )
-        torch.set_rng_state(state["torch_cpu"].to(torch.uint8).cpu())
-    except (KeyError, TypeError, ValueError) as exc:
-        raise CheckpointCorruptError(f"RNG state in checkpoint is malformed ({exc!r})") from exc
+    check_rng_state(state)  # nothing is set unless every host generator accepts its state
+    py_state, np_state, cpu = _host_states(state)
+    random.setstate(py_state)
+    np.random.set_state(np_state)
+    torch.set_rng_state(cpu)
     cuda = state.get("cuda")
     if cuda and torch.cuda.is_available():
         for device, s in enumerate(cuda[: torch.cuda.device_count()]):

@@ -1,17 +1,19 @@
 """``TrainState``: one ``Stateful`` bundle holding the complete state of a training run.
 
-What it captures (the "what to save" table): model(s) and optimizer(s) through
-``torch.distributed.checkpoint.state_dict.get_state_dict`` (so DDP, FSDP2 and compiled models
-produce the same keys as a plain module), LR scheduler(s), a ``GradScaler``, the dataloader
-position (anything with ``state_dict``/``load_state_dict``, e.g. torchdata's
-``StatefulDataLoader``), the step and epoch counters, user extras (JSON values keep their type),
-and the RNG of every kind on this rank.
+What it captures (the "what to save" table): model(s) through DCP's ``get_model_state_dict`` and
+optimizer(s) from ``optimizer.state_dict()`` keyed by the same parameter names (so DDP, FSDP2 and
+compiled models produce the same keys as a plain module, in DCP's own layout), LR scheduler(s), a
+``GradScaler``, the dataloader position (anything with ``state_dict``/``load_state_dict``, e.g.
+torchdata's ``StatefulDataLoader``), the step and epoch counters, user extras (JSON values keep
+their type), and the RNG of every kind on this rank. Capturing changes none of them.
 """
 
 from __future__ import annotations
 
+import copy
 import warnings
 from collections.abc import Mapping, Sequence
+from functools import partial
 from typing import Any
 
 import torch
@@ -19,15 +21,42 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
-    get_state_dict,
     set_model_state_dict,
-    set_state_dict,
 )
 
+from torch_ckpt._logging import get_logger
 from torch_ckpt.errors import CheckpointCorruptError, ConfigError, StateMismatchError
-from torch_ckpt.rng import capture_rng_state, restore_rng_state
+from torch_ckpt.optim_state import (
+    apply_optimizer_state,
+    check_optimizer_state,
+    keep_live_tensors,
+    optimizer_state,
+    param_names,
+    split_state_key,
+    state_target,
+)
+from torch_ckpt.restore import copy_into_live
+from torch_ckpt.rng import capture_rng_state, check_rng_state, restore_rng_state
 
 __all__ = ["TrainState"]
+
+log = get_logger(__name__)
+
+
+def _need(mapping: Any, key: str, prefix: str = "") -> Any:
+    if not isinstance(mapping, Mapping) or key not in mapping:
+        raise StateMismatchError(f"checkpoint has no {prefix + key!r} entry but this TrainState needs one",
+                                 missing=[prefix + key])
+    return mapping[key]
+
+
+def _optimizer_undo(opt: torch.optim.Optimizer) -> Any:
+    """Put back an optimizer's state and groups (``load_state_dict`` replaces both objects, never edits them)."""
+    state, groups = opt.state, opt.param_groups
+
+    def undo() -> None:
+        opt.state, opt.param_groups = state, groups
+    return undo
 
 
 def _as_list(value: Any) -> list:
@@ -72,11 +101,13 @@ class TrainState:
         epoch: epochs started so far (int).
         extras: user values (JSON types, tensors, numpy arrays); restored with their Python type.
         rng: capture and restore every RNG of this rank (default True).
-        options: ``StateDictOptions`` passed to ``get_state_dict``/``set_state_dict`` (default: sharded,
-            no CPU offload).
+        options: ``StateDictOptions`` for the models' ``get_model_state_dict`` (default: sharded, no
+            CPU offload). Optimizer state is always sharded like the parameters; with optimizers,
+            ``full_state_dict``, ``cpu_offload`` and ``flatten_optimizer_state_dict`` are refused.
 
     Raises:
-        ConfigError: an object cannot be checkpointed, or optimizer names do not match model names.
+        ConfigError: an object cannot be checkpointed, optimizer names do not match model names, or
+            ``options`` asks for full/offloaded optimizer state.
 
     Attributes:
         rank_local_keys: top-level keys whose values differ per rank (stored once per rank).
@@ -133,28 +164,40 @@ class TrainState:
         self._dataloader = dataloader
         self._rng = rng
         self._options = options or StateDictOptions()
+        if any(self._optims.values()) and (self._options.full_state_dict or self._options.cpu_offload
+                                           or self._options.flatten_optimizer_state_dict):
+            raise ConfigError("TrainState: options with full_state_dict, cpu_offload or flatten_optimizer_state_dict "
+                              "are supported for models without optimizers only; leave options out (sharded "
+                              "state, resharded on load)")
+        self._allow_cast = False
+        self._name_cache: dict[str, set[str]] = {}
         self.step = int(step)
         self.epoch = int(epoch)
         self.extras: dict[str, Any] = dict(extras or {})
 
     # -- model/optimizer -------------------------------------------------------------------------
+    def _optim_prefix(self, name: str) -> str:
+        single = set(self._models) == {""}
+        return "optimizer." if single else f"optimizer.{name}."
+
     def _model_optim_state(self) -> tuple[dict, dict]:
         models: dict[str, Any] = {}
         optims: dict[str, Any] = {}
         for name, module in self._models.items():
+            models[name] = get_model_state_dict(module, options=self._options)
             opts = self._optims.get(name, [])
-            if opts:
-                msd, osd = get_state_dict(module, opts, options=self._options)
-                optims[name] = osd
-            else:
-                msd = get_model_state_dict(module, options=self._options)
-            models[name] = msd
+            if opts:  # from optimizer.state_dict(): never initialises (steps) an optimizer without state
+                optims[name] = optimizer_state(module, opts, where=f"optimizer {name!r}" if name else "optimizer")
         if set(models) == {""}:
             return models[""], optims.get("", {})
         return models, optims
 
     def state_dict(self) -> dict[str, Any]:
-        """Return the nested state (live tensors, not copies); keys are stable across runs."""
+        """Return the nested state (live tensors, not copies); keys are stable across runs.
+
+        Reading it changes nothing: no optimizer step, no RNG draw, no dataloader advance.
+        """
+        self._name_cache = {}  # parameter names, for load_into's calls that follow (a module may have changed)
         model_sd, optim_sd = self._model_optim_state()
         sd: dict[str, Any] = {"step": self.step, "epoch": self.epoch, "extras": dict(self.extras)}
         if self._models:
@@ -171,43 +214,141 @@ class TrainState:
             sd["rng"] = capture_rng_state()
         return sd
 
+    # -- loading (see torch_ckpt.restore.load_into) -------------------------------------------------
+    def _optim_key(self, key: str) -> tuple[str, str, str] | None:
+        """``(model name, parameter name, state name)`` for a flat optimizer-state key, else None."""
+        for name, opts in self._optims.items():
+            if opts and key.startswith(self._optim_prefix(name) + "state."):
+                names = self._name_cache.get(name)
+                if names is None:
+                    names = self._name_cache[name] = set(param_names(self._models[name]).values())
+                parts = split_state_key(key, self._optim_prefix(name), names)
+                if parts is not None:
+                    return (name, *parts)
+        return None
+
+    def load_optional_key(self, key: str) -> bool:
+        """True for optimizer-state tensors: a parameter may have state on one side only (no step yet)."""
+        return self._optim_key(key) is not None
+
+    def load_target(self, key: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+        """A new tensor, placed where the optimizer keeps it, for optimizer-state ``key``; None for other keys."""
+        parts = self._optim_key(key)
+        if parts is None:
+            return None
+        name, param, entry = parts
+        return state_target(self._models[name], self._optims[name], param, entry, shape, dtype)
+
+    def _sections(self, state_dict: Mapping[str, Any]) -> list[tuple[str, Any, Any]]:
+        """``(model name, model state, optimizer state or None)`` for every model; raises if absent."""
+        single = set(self._models) == {""}
+        out = []
+        for name in self._models:
+            msd = _need(state_dict, "model") if single else _need(_need(state_dict, "model"), name, "model.")
+            osd = None
+            if self._optims.get(name):
+                osd = _need(state_dict, "optimizer") if single else _need(_need(state_dict, "optimizer"), name,
+                                                                           "optimizer.")
+            out.append((name, msd, osd))
+        return out
+
+    def check_load(self, state_dict: Mapping[str, Any], *, allow_cast: bool = False) -> list[str]:
+        """Check that ``state_dict`` (tensors may be meta tensors) can be loaded; change nothing.
+
+        Returns:
+            Descriptions of the optimizer-state tensors that will be cast (only with ``allow_cast``).
+
+        Raises:
+            StateMismatchError: a component is absent, or the optimizer parameter groups, state or
+                dtypes do not match this state's optimizers.
+            CheckpointCorruptError: a component has the wrong structure.
+        """
+        self._allow_cast = bool(allow_cast)  # the load_state_dict() that follows applies these casts
+        casts: list[str] = []
+        for name, _msd, osd in self._sections(state_dict):
+            if osd is not None:
+                casts += check_optimizer_state(self._models[name], self._optims[name], osd,
+                                               prefix=self._optim_prefix(name), allow_cast=allow_cast)
+        if self._schedulers:
+            scheds = _need(state_dict, "scheduler")
+            if not isinstance(scheds, list) or len(scheds) != len(self._schedulers) \
+                    or not all(isinstance(x, Mapping) for x in scheds):
+                count = len(scheds) if isinstance(scheds, list) else "malformed"
+                raise StateMismatchError(f"checkpoint holds {count} scheduler states but this TrainState has "
+                                         f"{len(self._schedulers)}; build the same schedulers as the saved run")
+        if self._scaler is not None and not isinstance(_need(state_dict, "scaler"), Mapping):
+            raise CheckpointCorruptError("checkpoint's 'scaler' entry is not a mapping")
+        if self._dataloader is not None:
+            _need(state_dict, "dataloader")
+        if self._rng:
+            check_rng_state(_need(state_dict, "rng"))
+        for key in ("step", "epoch"):
+            if key in state_dict and (isinstance(state_dict[key], bool) or not isinstance(state_dict[key], int)):
+                raise CheckpointCorruptError(f"checkpoint's {key!r} is not an int: {state_dict[key]!r}")
+        return casts
+
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Load a state produced by :meth:`state_dict` (in place).
 
-        Raises:
-            CheckpointCorruptError: a component this state needs is absent from ``state_dict``.
-        """
-        def need(key: str) -> Any:
-            if key not in state_dict:
-                raise StateMismatchError(f"checkpoint has no {key!r} entry but this TrainState needs one",
-                                         missing=[key])
-            return state_dict[key]
+        The components are checked first (:meth:`check_load`); they are then loaded one by one and,
+        should one fail, the ones already loaded are put back, so a failed load changes nothing.
+        Parameters, buffers and the optimizer-state tensors the optimizer already had are written
+        last, in place, by copying; optimizer-state tensors it did not have yet are the loaded ones.
 
-        single = set(self._models) == {""}
-        for name, module in self._models.items():
-            msd = need("model") if single else need("model")[name]
-            opts = self._optims.get(name, [])
-            if opts:
-                osd = need("optimizer") if single else need("optimizer")[name]
-                set_state_dict(module, opts, model_state_dict=msd, optim_state_dict=osd, options=self._options)
-            else:
-                set_model_state_dict(module, msd, options=self._options)
-        if self._schedulers:
-            scheds = need("scheduler")
-            if len(scheds) != len(self._schedulers):
-                raise CheckpointCorruptError(
-                    f"checkpoint holds {len(scheds)} scheduler states but this TrainState has {len(self._schedulers)}")
-            for s, ssd in zip(self._schedulers, scheds):
-                s.load_state_dict(ssd)
-        if self._scaler is not None:
-            self._scaler.load_state_dict(need("scaler"))
-        if self._dataloader is not None:
-            self._dataloader.load_state_dict(need("dataloader"))
-        if self._rng:
-            restore_rng_state(need("rng"))
+        Raises:
+            StateMismatchError: see :meth:`check_load` (also casting, which needs
+                ``load_into(..., allow_cast=True)``).
+            CheckpointCorruptError: see :meth:`check_load`.
+        """
+        sections = self._sections(state_dict)
+        self.check_load(state_dict, allow_cast=self._allow_cast)  # cheap; load_into checked with meta tensors
+        self._allow_cast = False
+        undo: list = []
+        live_optim_state = []
+        try:
+            for name, _msd, osd in sections:
+                if osd is None:
+                    continue
+                for opt in self._optims[name]:
+                    undo.append(_optimizer_undo(opt))
+                    live_optim_state.append((opt, opt.state))
+                apply_optimizer_state(self._models[name], self._optims[name], osd)
+            if self._schedulers:
+                for s, ssd in zip(self._schedulers, state_dict["scheduler"]):
+                    undo.append(partial(s.load_state_dict, copy.deepcopy(s.state_dict())))
+                    s.load_state_dict(ssd)
+            if self._scaler is not None:
+                undo.append(partial(self._scaler.load_state_dict, copy.deepcopy(self._scaler.state_dict())))
+                self._scaler.load_state_dict(state_dict["scaler"])
+            if self._rng:
+                undo.append(partial(restore_rng_state, capture_rng_state()))
+                restore_rng_state(state_dict["rng"])
+            if self._dataloader is not None:
+                undo.append(partial(self._dataloader.load_state_dict, copy.deepcopy(self._dataloader.state_dict())))
+                self._dataloader.load_state_dict(state_dict["dataloader"])
+        except BaseException:
+            for fn in reversed(undo):
+                try:
+                    fn()
+                except Exception:  # noqa: BLE001 - keep undoing; the original error propagates
+                    log.exception("could not undo part of a failed restore")
+            raise
+        # from here on nothing can fail: same keys, shapes (and dtypes unless a cast was allowed)
+        for opt, old_state in live_optim_state:
+            keep_live_tensors(opt, old_state)
+        for name, msd, _osd in sections:
+            self._write_model(name, msd)
         self.step = int(state_dict.get("step", self.step))
         self.epoch = int(state_dict.get("epoch", self.epoch))
         self.extras = dict(state_dict.get("extras", {}))
+
+    def _write_model(self, name: str, msd: Mapping[str, Any]) -> None:
+        module = self._models[name]
+        if self._options.full_state_dict or self._options.cpu_offload:  # live values are copies: let DCP place them
+            set_model_state_dict(module, dict(msd), options=self._options)
+            return
+        live = get_model_state_dict(module, options=self._options)
+        copy_into_live(live, {k: v for k, v in msd.items() if isinstance(v, torch.Tensor)})
 
     def optimizer_owned_keys(self, tensors: Mapping[str, torch.Tensor]) -> set[str]:
         """Keys of ``tensors`` (flat, from this state's :meth:`state_dict`) that only ``optimizer.step()`` mutates.

@@ -453,3 +453,64 @@ def test_loading_an_interrupted_save_by_name_is_refused(tmp_path):
     with pytest.raises(CheckpointNotFoundError, match="never committed"):
         run.accelerator.load_state(crashed)
     run.ckpt.close()
+
+
+@pytest.mark.parametrize("settings", [{}, {"overlap_staging": True}], ids=["thread", "overlap_staging"])
+def test_initial_checkpoint_before_training_changes_no_later_loss(tmp_path, settings):
+    """save_state() before the first optimizer step leaves every later loss, lr and batch bitwise unchanged."""
+    ref_run = make_run(tmp_path / "ref", **settings)
+    reference = train(ref_run, 0, 8)
+    ref_run.ckpt.close()
+    run = make_run(tmp_path / "run", **settings)
+    run.accelerator.save_state(step=0)
+    got = train(run, 0, 8)
+    run.ckpt.close()
+    assert bitwise(got) == bitwise(reference)
+
+
+class _Refusing(Counter):
+    """A registered object whose load_state_dict fails."""
+
+    def load_state_dict(self, sd):
+        raise ValueError("refusing to load")
+
+
+def test_failed_load_state_leaves_model_optimizer_and_objects_untouched(tmp_path):
+    """A registered object failing to load undoes everything already loaded: model, optimizer, scheduler, RNG."""
+    import copy
+
+    run = make_run(tmp_path)
+    run.accelerator.register_for_checkpointing(Counter())
+    train(run, 0, 3, save_at=(3,))
+    run.ckpt.close()
+    run = make_run(tmp_path, seed=4)
+    run.accelerator.register_for_checkpointing(_Refusing())
+    model_before = copy.deepcopy(run.model.state_dict())
+    sched_before = copy.deepcopy(run.scheduler.state_dict())
+    rng_before = torch.get_rng_state()
+    with pytest.raises(ValueError, match="refusing"):
+        run.accelerator.load_state()
+    assert not run.optimizer.optimizer.state
+    assert all(torch.equal(v, model_before[k]) for k, v in run.model.state_dict().items())
+    assert run.scheduler.state_dict() == sched_before and torch.equal(torch.get_rng_state(), rng_before)
+    assert run.accelerator.step == 0
+    run.ckpt.close()
+
+
+def test_load_state_refuses_a_dtype_difference_unless_allow_cast(tmp_path):
+    """A float64 model refuses the float32 checkpoint naming key and dtypes; allow_cast=True casts it."""
+    from torch_ckpt import StateMismatchError
+
+    run = make_run(tmp_path)
+    train(run, 0, 2, save_at=(2,))
+    saved = {k: v.clone() for k, v in run.model.state_dict().items()}
+    run.ckpt.close()
+    run = make_run(tmp_path, seed=4)
+    run.model.double()
+    before = {k: v.clone() for k, v in run.model.state_dict().items()}
+    with pytest.raises(StateMismatchError, match=r"model.0.fc1.weight: checkpoint torch.float32, live torch.float64"):
+        run.accelerator.load_state()
+    assert all(torch.equal(v, before[k]) for k, v in run.model.state_dict().items())
+    run.accelerator.load_state(allow_cast=True)
+    assert all(torch.equal(v, saved[k].double()) for k, v in run.model.state_dict().items())
+    run.ckpt.close()

@@ -6,12 +6,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from lightning_helpers import lightning_dict
+from lightning_helpers import TinyModule, lightning_dict
 
-from lightning_ckpt import AsyncDCPCheckpointIO
+from lightning_ckpt import AsyncDCPCheckpointIO, MTBFCheckpoint
 from lightning_ckpt._load import load_checkpoint_dir
 from tests._dist import run_distributed
-from torch_ckpt import CheckpointNotFoundError
+from torch_ckpt import CheckpointNotFoundError, StateMismatchError
 
 
 def test_a_directory_without_a_manifest_is_not_a_checkpoint(tmp_path):
@@ -49,3 +49,33 @@ def _per_rank_body(rank: int, world: int, root: str) -> None:
 def test_each_rank_loads_its_own_loop_and_callback_state(tmp_path):
     """With two ranks, loop progress and callback states (RNG) are stored and loaded per rank."""
     run_distributed(_per_rank_body, 2, str(tmp_path))
+
+
+def _fit_three_steps(make_trainer, root) -> None:
+    make_trainer(max_steps=3, plugins=[AsyncDCPCheckpointIO()],
+                 callbacks=[MTBFCheckpoint(root, mtbf_seconds=None, every_n_steps=3)]).fit(TinyModule())
+
+
+def test_a_dtype_difference_is_refused_before_lightning_loads_anything(make_trainer, tmp_path):
+    """Resuming a float32 checkpoint into a float64 module raises StateMismatchError naming key and dtypes; no write."""
+    _fit_three_steps(make_trainer, tmp_path / "ckpt")
+    module = TinyModule().double()
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    trainer = make_trainer(max_steps=6, plugins=[AsyncDCPCheckpointIO()],
+                           callbacks=[MTBFCheckpoint(tmp_path / "ckpt2", mtbf_seconds=None)])
+    expected = r"state_dict.layer.weight: checkpoint torch.float32, live torch.float64"
+    with pytest.raises(StateMismatchError, match=expected):
+        trainer.fit(module, ckpt_path=str(tmp_path / "ckpt" / "step_000000003"))
+    assert all(torch.equal(v, before[k]) for k, v in module.state_dict().items())
+
+
+def test_allow_cast_lets_lightning_cast_the_checkpoint(make_trainer, tmp_path):
+    """With AsyncDCPCheckpointIO(allow_cast=True) the float32 checkpoint loads into a float64 module."""
+    _fit_three_steps(make_trainer, tmp_path / "ckpt")
+    saved = load_checkpoint_dir(tmp_path / "ckpt" / "step_000000003", verify=True, allow_pickle=False)
+    module = TinyModule().double()
+    trainer = make_trainer(max_steps=3, plugins=[AsyncDCPCheckpointIO(allow_cast=True)],
+                           callbacks=[MTBFCheckpoint(tmp_path / "ckpt2", mtbf_seconds=None)])
+    trainer.fit(module, ckpt_path=str(tmp_path / "ckpt" / "step_000000003"))
+    assert module.layer.weight.dtype == torch.float64
+    assert torch.equal(module.layer.weight, saved["state_dict"]["layer.weight"].double())

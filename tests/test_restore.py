@@ -1,0 +1,185 @@
+"""Restore: a failed restore changes nothing, and tensors are never cast silently."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import random
+
+import numpy as np
+import pytest
+import torch
+
+import torch_ckpt.restore as restore_mod
+from tests.test_optim_state import assert_same
+from torch_ckpt import CheckpointManager, StateMismatchError, TrainState
+
+
+def _trained(seed: int = 0, dtype=torch.float32):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)).to(dtype)
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    for _ in range(2):
+        model(torch.randn(3, 4, dtype=dtype)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+    return model, opt, sched
+
+
+class _Loader:
+    """A stateful 'dataloader' whose load_state_dict can be told to fail."""
+
+    def __init__(self, position: int = 0, fail: bool = False) -> None:
+        self.position, self.fail = position, fail
+
+    def state_dict(self):
+        return {"position": self.position}
+
+    def load_state_dict(self, sd):
+        if self.fail:
+            raise ValueError("loader refuses this state")
+        self.position = sd["position"]
+
+
+def _snapshot(model, opt, sched, loader=None):
+    return {"model": copy.deepcopy(model.state_dict()), "opt": copy.deepcopy(opt.state_dict()),
+            "sched": copy.deepcopy(sched.state_dict()), "loader": None if loader is None else loader.state_dict(),
+            "torch_rng": torch.get_rng_state(), "py_rng": random.getstate(), "np_rng": np.random.get_state()[1].copy()}
+
+
+def _assert_unchanged(before, model, opt, sched, loader=None):
+    after = _snapshot(model, opt, sched, loader)
+    assert_same(after["model"], before["model"])
+    assert_same(after["opt"], before["opt"])
+    assert_same(after["sched"], before["sched"])
+    assert after["loader"] == before["loader"]
+    assert torch.equal(after["torch_rng"], before["torch_rng"])
+    assert after["py_rng"] == before["py_rng"]
+    assert np.array_equal(after["np_rng"], before["np_rng"])
+
+
+@pytest.fixture
+def saved(tmp_path):
+    """A committed step 2 of a trained model, optimizer, scheduler and loader (position 5)."""
+    model, opt, sched = _trained()
+    with CheckpointManager(tmp_path) as mgr:
+        mgr.save(2, TrainState(model=model, optimizer=opt, scheduler=sched, dataloader=_Loader(5))).wait()
+    return tmp_path
+
+
+def test_mismatch_leaves_a_fresh_optimizer_without_state(tmp_path):
+    """A restore refused for a shape mismatch leaves a fresh optimizer without state (not initialised)."""
+    model, opt, _ = _trained()
+    with CheckpointManager(tmp_path) as mgr:
+        mgr.save(1, TrainState(model=model, optimizer=opt)).wait()
+    other = torch.nn.Sequential(torch.nn.Linear(4, 5), torch.nn.Linear(5, 2))
+    other_opt = torch.optim.Adam(other.parameters(), lr=0.1)
+    with CheckpointManager(tmp_path) as mgr, pytest.raises(StateMismatchError, match="shapes differ"):
+        mgr.restore(TrainState(model=other, optimizer=other_opt))
+    assert not other_opt.state and all(p.grad is None for p in other.parameters())
+
+
+def test_read_failure_after_data_arrived_leaves_everything_untouched(saved, monkeypatch):
+    """DCP failing after it wrote some tensors leaves model, optimizer, scheduler, RNG and loader as they were."""
+    real_load = restore_mod.dcp.load
+
+    def load_then_fail(state_dict, **kwargs):
+        real_load(state_dict, **kwargs)
+        raise OSError("disk went away mid-read")
+
+    monkeypatch.setattr(restore_mod.dcp, "load", load_then_fail)
+    model, opt, sched = _trained(seed=3)
+    loader = _Loader(1)
+    before = _snapshot(model, opt, sched, loader)
+    with CheckpointManager(saved) as mgr, pytest.raises(OSError, match="mid-read"):
+        mgr.restore(TrainState(model=model, optimizer=opt, scheduler=sched, dataloader=loader))
+    _assert_unchanged(before, model, opt, sched, loader)
+
+
+def test_failing_component_load_rolls_back_the_others(saved):
+    """A dataloader that refuses its state undoes the optimizer, scheduler and RNG already loaded."""
+    model, opt, sched = _trained(seed=3)
+    loader = _Loader(1, fail=True)
+    before = _snapshot(model, opt, sched, loader)
+    with CheckpointManager(saved) as mgr, pytest.raises(ValueError, match="refuses"):
+        mgr.restore(TrainState(model=model, optimizer=opt, scheduler=sched, dataloader=loader))
+    _assert_unchanged(before, model, opt, sched, loader)
+
+
+def test_fresh_optimizer_stays_fresh_when_a_component_fails(saved):
+    """A fresh optimizer is left without state when a later component of the restore fails."""
+    torch.manual_seed(3)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    before = _snapshot(model, opt, sched)
+    with CheckpointManager(saved) as mgr, pytest.raises(ValueError):
+        mgr.restore(TrainState(model=model, optimizer=opt, scheduler=sched, dataloader=_Loader(fail=True)))
+    assert not opt.state
+    _assert_unchanged(before, model, opt, sched)
+
+
+def test_scheduler_count_mismatch_is_refused_before_any_write(saved):
+    """A checkpoint with another number of schedulers is refused and nothing is loaded."""
+    model, opt, sched = _trained(seed=3)
+    extra = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
+    before = _snapshot(model, opt, sched)
+    with CheckpointManager(saved) as mgr, pytest.raises(StateMismatchError, match="scheduler"):
+        mgr.restore(TrainState(model=model, optimizer=opt, scheduler=[sched, extra], dataloader=_Loader()))
+    _assert_unchanged(before, model, opt, sched)
+
+
+def test_dtype_mismatch_names_each_key_and_both_dtypes(saved):
+    """A bfloat16 model restoring a float32 checkpoint is refused, naming keys and dtypes; nothing changes."""
+    model, opt, sched = _trained(seed=3, dtype=torch.bfloat16)
+    before = _snapshot(model, opt, sched)
+    with CheckpointManager(saved) as mgr, pytest.raises(StateMismatchError) as info:
+        mgr.restore(TrainState(model=model, optimizer=opt, scheduler=sched, dataloader=_Loader()))
+    for key in ("model.0.weight", "model.0.bias", "model.1.weight", "model.1.bias"):
+        assert f"{key}: checkpoint torch.float32, live torch.bfloat16" in str(info.value)
+    assert "allow_cast=True" in str(info.value)
+    _assert_unchanged(before, model, opt, sched)
+
+
+def test_allow_cast_casts_and_logs_each_key_once(saved, caplog):
+    """With allow_cast=True the values are cast to the live dtypes and each cast key is logged exactly once."""
+    ref, ref_opt, _ = _trained()
+    model, opt, sched = _trained(seed=3, dtype=torch.bfloat16)
+    with caplog.at_level(logging.WARNING, logger="torch_ckpt"), CheckpointManager(saved) as mgr:
+        mgr.restore(TrainState(model=model, optimizer=opt, scheduler=sched, dataloader=_Loader()), allow_cast=True)
+    assert model[0].weight.dtype == torch.bfloat16
+    assert torch.equal(model[0].weight, ref[0].weight.to(torch.bfloat16))
+    assert opt.state_dict()["state"][0]["exp_avg"].dtype == torch.bfloat16
+    lines = [r.getMessage() for r in caplog.records if "casting" in r.getMessage()]
+    for key in ("model.0.weight", "optimizer.state.0.weight.exp_avg", "optimizer.state.1.bias.exp_avg_sq"):
+        assert sum(f"{key}:" in line for line in lines) == 1, (key, lines)
+
+
+def test_plain_dict_state_is_untouched_when_the_read_fails(tmp_path, monkeypatch):
+    """A dict state keeps its tensors when DCP fails after writing into its buffers."""
+    with CheckpointManager(tmp_path) as mgr:
+        mgr.save(1, {"w": torch.ones(3), "n": 1}).wait()
+    real_load = restore_mod.dcp.load
+
+    def load_then_fail(state_dict, **kwargs):
+        real_load(state_dict, **kwargs)
+        raise OSError("read failed")
+
+    monkeypatch.setattr(restore_mod.dcp, "load", load_then_fail)
+    live = {"w": torch.zeros(3), "n": 0}
+    with CheckpointManager(tmp_path) as mgr, pytest.raises(OSError):
+        mgr.restore(live)
+    assert torch.equal(live["w"], torch.zeros(3)) and live["n"] == 0
+
+
+def test_plain_dict_dtype_mismatch_is_refused(tmp_path):
+    """A dict state with a float64 tensor restoring a float32 one is refused naming the key."""
+    with CheckpointManager(tmp_path) as mgr:
+        mgr.save(1, {"w": torch.ones(3)}).wait()
+    live = {"w": torch.zeros(3, dtype=torch.float64)}
+    with CheckpointManager(tmp_path) as mgr, pytest.raises(StateMismatchError, match="w: checkpoint torch.float32, "
+                                                                                     "live torch.float64"):
+        mgr.restore(live)
+    assert torch.equal(live["w"], torch.zeros(3, dtype=torch.float64))
