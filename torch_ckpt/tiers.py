@@ -169,39 +169,46 @@ class DurableTier:
         found: dict[int, float] = {}
         for entry in entries:
             name = entry.rstrip("/").rsplit("/", 1)[-1]
-            if not name.startswith("step_") or not name[5:].isdigit() or int(name[5:]) in exclude:
+            if not name.startswith("step_") or not name[5:].isdigit() or int(name[5:]) in exclude \
+                    or name != step_dir_name(int(name[5:])):
                 continue
-            prefix = self._path(name)
-            try:
-                objects = self.fs.find(prefix, detail=True)
-            except FileNotFoundError:
-                continue
-            except Exception as exc:  # noqa: BLE001
-                raise DurableUnavailableError(f"cannot list {self.url}/{name}: {exc}") from exc
-            if any(str(o).rstrip("/").endswith("/" + MANIFEST_NAME) for o in objects):
-                continue  # committed (or being deleted manifest-first by retention)
-            times = [object_mtime(info) for info in objects.values()]
-            if not times or any(t is None for t in times):
-                continue  # age unknown: it may still be uploading
-            age = now - max(times)
-            if age > older_than_seconds:
+            age = self._idle_seconds(int(name[5:]), now)
+            if age is not None and age > older_than_seconds:
                 found[int(name[5:])] = age
         return found
 
-    def remove_abandoned(self, *, older_than_seconds: float,
-                         exclude: set[int] | frozenset[int] = frozenset()) -> list[int]:
+    def _idle_seconds(self, step: int, now: float) -> float | None:
+        """Seconds since the newest object of an uncommitted step prefix was written; None when the
+        step is committed, empty, or an object's time is unknown (it may still be uploading)."""
+        prefix = self._path(step_dir_name(step))
+        try:
+            objects = self.fs.find(prefix, detail=True)
+        except FileNotFoundError:
+            return None
+        except Exception as exc:  # noqa: BLE001
+            raise DurableUnavailableError(f"cannot list {self.describe(step)}: {exc}") from exc
+        if any(str(path).rstrip("/").endswith("/" + MANIFEST_NAME) for path in objects):
+            return None  # committed (or being deleted manifest-first by retention)
+        times = [object_mtime(info) for info in objects.values()]
+        if not times or any(t is None for t in times):
+            return None
+        return now - max(times)
+
+    def remove_abandoned(self, *, older_than_seconds: float, exclude: set[int] | frozenset[int] = frozenset(),
+                         now: float | None = None) -> list[int]:
         """Delete the step prefixes :meth:`abandoned_uploads` returns; returns their steps.
 
         Each prefix is listed again right before its deletion and kept if a manifest or a new
-        object appeared meanwhile.
+        object appeared meanwhile. ``now`` (Unix seconds) defaults to the current time.
 
         Raises:
             DurableUnavailableError: the store cannot be listed.
         """
         removed = []
-        for step, age in sorted(self.abandoned_uploads(older_than_seconds=older_than_seconds,
-                                                       exclude=exclude).items()):
-            if step not in self.abandoned_uploads(older_than_seconds=older_than_seconds, exclude=exclude):
+        for step in sorted(self.abandoned_uploads(older_than_seconds=older_than_seconds, exclude=exclude, now=now)):
+            self._refresh()
+            age = self._idle_seconds(step, time.time() if now is None else now)
+            if age is None or age <= older_than_seconds:
                 continue
             self.fs.rm(self._path(step_dir_name(step)), recursive=True)
             removed.append(step)
