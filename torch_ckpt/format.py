@@ -280,9 +280,16 @@ def _open_regular(path: Path, *, allow_symlinks: bool, what: str) -> int:
     return fd
 
 
-def _read_fd(fd: int, limit: int) -> bytes:
+def _read_fd(fd: int, limit: int, source: str) -> bytes:
+    """All bytes of an open regular file, refusing more than ``limit`` (never allocates beyond its size)."""
     with os.fdopen(fd, "rb") as f:
-        return f.read(limit + 1)
+        size = os.fstat(f.fileno()).st_size
+        if size > limit:
+            raise _corrupt(source, f"is {size} bytes, more than the {limit} accepted")
+        data = f.read(size + 1)
+    if len(data) > limit:
+        raise _corrupt(source, f"grew past the {limit} bytes accepted while being read")
+    return data
 
 
 def read_manifest(step_dir: str | os.PathLike, *, allow_symlinks: bool = False) -> Any:
@@ -303,7 +310,7 @@ def read_manifest(step_dir: str | os.PathLike, *, allow_symlinks: bool = False) 
                                       "checkpoint") from exc
     except PermissionError:
         raise
-    raw = _read_fd(fd, MAX_MANIFEST_BYTES)
+    raw = _read_fd(fd, MAX_MANIFEST_BYTES, str(path))
     return parse_manifest(raw, str(path))
 
 
@@ -360,7 +367,7 @@ def _read_listed(step_dir: Path, manifest: Any, name: str, limit: int, *, allow_
     if manifest.files.get(name, {}).get("bytes", 0) > limit:
         raise _corrupt(str(path), f"is {manifest.files[name]['bytes']} bytes, more than the {limit} accepted")
     fd = open_listed(step_dir, manifest, name, allow_symlinks=allow_symlinks)
-    data = _read_fd(fd, limit)
+    data = _read_fd(fd, limit, str(path))
     if len(data) != manifest.files[name]["bytes"]:
         raise _corrupt(str(path), f"size {len(data)} bytes, manifest says {manifest.files[name]['bytes']}")
     return data

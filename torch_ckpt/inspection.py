@@ -54,6 +54,8 @@ from torch_ckpt.location import (  # private helpers shared by the read-only too
 )
 from torch_ckpt.verification import (
     _check_dir_manifest,
+    _check_files,
+    _Report,
     verify_checkpoint,
     verify_path,
     verify_root,
@@ -252,6 +254,10 @@ def inspect_checkpoint(where: str | os.PathLike | Location, *, step: int | None 
         raise CheckpointCorruptError(f"{loc.describe(_METADATA)}: DCP metadata is not listed in the manifest")
     problems, tensors = metadata_problems(md, manifest)
     problems += rank_file_problems(manifest)
+    listed = _Report(loc)  # the listed files must be what a restore reads: regular files of the listed sizes
+    with progress_bar(0, "", enabled=False) as bar:
+        _check_files(loc, manifest, loc.entries(), listed, checksums=False, bar=bar)
+    problems = [(p["file"], p["problem"]) for p in listed.problems] + problems
     if problems:
         file, text = problems[0]
         more = f" (and {len(problems) - 1} more problem(s); run torch-ckpt verify)" if len(problems) > 1 else ""

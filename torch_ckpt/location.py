@@ -25,6 +25,7 @@ from torch_ckpt.format import (
     MAX_METADATA_BYTES,
     MAX_RANK_JSON_BYTES,
     _open_regular,
+    _read_fd,
     parse_manifest,
     parse_rank_doc,
     unpickle_metadata,
@@ -185,8 +186,10 @@ class Location:
         """
         if not self.remote:
             fd = _open_regular(Path(self._p(name)), allow_symlinks=self.allow_symlinks, what="file")
+            if max_bytes is not None:
+                return _read_fd(fd, max_bytes, self.describe(name))
             with os.fdopen(fd, "rb") as f:
-                data = f.read(-1 if max_bytes is None else max_bytes + 1)
+                data = f.read()
         else:
             if max_bytes is not None:
                 size = int(self._call(self.fs.info, self._p(name)).get("size") or 0)

@@ -141,7 +141,11 @@ class DurableTier:
         path = self._path(step_dir_name(step), MANIFEST_NAME)
         source = f"{self.url}/{step_dir_name(step)}/{MANIFEST_NAME}"
         with self.fs.open(path, "rb") as f:
-            raw = f.read(MAX_MANIFEST_BYTES + 1)
+            size = getattr(f, "size", None)
+            if isinstance(size, int) and size > MAX_MANIFEST_BYTES:
+                raise CheckpointCorruptError(f"{source}: manifest is {size} bytes, more than the "
+                                             f"{MAX_MANIFEST_BYTES} accepted")
+            raw = f.read(MAX_MANIFEST_BYTES + 1 if not isinstance(size, int) else size + 1)
         return parse_manifest(raw, source)
 
     # -- abandoned uploads ---------------------------------------------------------------------
