@@ -5,7 +5,9 @@ local directories and on any fsspec URL (``s3://``, ``gs://``, ``memory://``...;
 endpoints in ``storage_options``), and return JSON-serialisable dicts (the commands' ``--json``
 output).
 
-Nothing here writes to a checkpoint, and nothing executes code from one: DCP's ``.metadata`` is read
+Every check goes through :mod:`torch_ckpt.format`, the validation path restore uses too, so these
+views accept exactly what a restore would load. Nothing here writes to a checkpoint, and nothing
+executes code from one: DCP's ``.metadata`` is read
 with torch-ckpt's restricted unpickler (:func:`torch_ckpt.dcp_io.read_dcp_metadata`), the per-rank
 trees are JSON, and tensor payloads are never loaded (sizes come from the metadata).
 
@@ -243,7 +245,8 @@ def inspect_checkpoint(where: str | os.PathLike | Location, *, step: int | None 
     Raises:
         PathNotFoundError: ``where`` does not exist.
         CheckpointNotFoundError: not a committed checkpoint.
-        CheckpointCorruptError: the manifest, metadata or a per-rank file is unreadable, or the state
+        CheckpointCorruptError: the manifest, metadata, a listed file (missing, a symlink, wrong
+            size) or a per-rank file fails the checks of :mod:`torch_ckpt.format`, or the state
             refers to a tensor the metadata lacks.
         UnsafeCheckpointError: the DCP metadata references code (refused, not executed).
     """
