@@ -661,3 +661,14 @@ def test_verify_of_a_huge_declared_world_size_stays_small(copy, capsys, world_si
     problems = out["checkpoints"][0]["problems"]
     assert len(problems) == 1 and str(world_size) in problems[0]["problem"], problems
     assert peak < 20 * 2**20, f"verify allocated {peak / 2**20:.1f} MB"
+
+
+def test_ls_lists_a_symlinked_step_directory_as_restore_does(copy, tmp_path, capsys):
+    """A step directory that is a symlink (to a complete checkpoint) is listed committed by ls, as restore lists it."""
+    root = tmp_path / "linked"
+    root.mkdir()
+    (root / STEP20).symlink_to(copy / STEP20)
+    listing = run_json(capsys, "ls", root)
+    assert [(r["step"], r["status"]) for r in listing["steps"]] == [(20, "committed")]
+    with CheckpointManager(root) as mgr:
+        assert mgr.all_steps() == [20]

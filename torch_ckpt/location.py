@@ -146,8 +146,9 @@ class Location:
     def entries(self) -> dict[str, dict[str, Any]]:
         """``{name: {"type", "size": int, "mtime": float|None}}`` of the directory.
 
-        ``type`` is "file" or "directory"; locally also "symlink" (not followed unless
-        ``allow_symlinks``) and "other" (FIFO, socket, device).
+        ``type`` is "file" or "directory"; locally also "symlink" (a link to anything but a
+        directory, not followed unless ``allow_symlinks``) and "other" (FIFO, socket, device).
+        A link to a directory is listed as the directory (restore follows step-directory links).
         """
         if not self.remote:
             return self._local_entries()
@@ -170,6 +171,8 @@ class Location:
                     st = entry.stat(follow_symlinks=False) if entry.is_symlink() else None
                 if st is None:
                     continue
+                if stat.S_ISLNK(st.st_mode) and entry.is_dir():  # a linked step directory: listed as restore lists it
+                    st = entry.stat()
                 kind = "symlink" if stat.S_ISLNK(st.st_mode) else "directory" if stat.S_ISDIR(st.st_mode) else \
                     "file" if stat.S_ISREG(st.st_mode) else "other"
                 out[entry.name] = {"type": kind, "size": int(st.st_size) if kind == "file" else 0,
