@@ -313,15 +313,23 @@ def load_tensors(tensors: dict[str, torch.Tensor], step_dir: str | os.PathLike, 
         first = next((c for c in causes if c is not None), exc)
         where = reader.failed_file or str(step_dir)
         raise CheckpointCorruptError(
-            f"{where}: tensor data cannot be read ({type(first).__name__}: {str(first).splitlines()[0] if str(first) else ''}); "
-            "the file is damaged. Run torch-ckpt verify, or restore with verify_on_load=True to catch this by "
-            "checksum before loading") from None
+            f"{where}: tensor data cannot be read ({_first_line(first)}); the file is damaged. Run torch-ckpt "
+            "verify, or restore with verify_on_load=True to catch this by checksum before loading") from None
     except (RuntimeError, ValueError, EOFError, OSError) as exc:
         if isinstance(exc, CheckpointError):
             raise
         where = reader.failed_file or str(step_dir)
-        raise CheckpointCorruptError(f"{where}: tensor data cannot be read ({type(exc).__name__}: "
-                                     f"{str(exc).splitlines()[0] if str(exc) else ''}); the file is damaged") from None
+        raise CheckpointCorruptError(f"{where}: tensor data cannot be read ({_first_line(exc)}); the file is "
+                                     "damaged") from None
+
+
+def _first_line(exc: BaseException) -> str:
+    """``Type: first line of the message`` (DCP and torch.load messages carry tracebacks and advice)."""
+    text = str(exc).strip()
+    if isinstance(exc, pickle.UnpicklingError):  # torch.load's text advises weights_only=False: never repeat it
+        detail = text.split("WeightsUnpickler error:", 1)[1].strip() if "WeightsUnpickler error:" in text else ""
+        return f"not a valid tensor record: {detail.splitlines()[0] if detail else type(exc).__name__}"
+    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):

@@ -62,6 +62,8 @@ __all__ = [
     "metadata_problems",
     "read_metadata",
     "walk_tree",
+    "embedded_info",
+    "unpickle_metadata",
 ]
 
 MAX_MANIFEST_BYTES = 64 << 20
@@ -358,8 +360,8 @@ def check_files(step_dir: str | os.PathLike, manifest: Any, *, checksums: bool, 
                 while chunk := f.read(_CHUNK_BYTES):
                     crc = zlib.crc32(chunk, crc)
                 if crc != info["crc32"]:
-                    raise _corrupt(str(path), f"CRC-32 {crc:#010x} does not match the manifest ({info['crc32']:#010x}); "
-                                              "the file is corrupt")
+                    raise _corrupt(str(path), f"CRC-32 {crc:#010x} does not match the manifest "
+                                              f"({info['crc32']:#010x}); the file is corrupt")
 
 
 def _read_listed(step_dir: Path, manifest: Any, name: str, limit: int, *, allow_symlinks: bool) -> bytes:
@@ -733,7 +735,8 @@ def metadata_problems(md: Any, manifest: Any) -> tuple[list[tuple[str, str]], di
                 ok = False
         total = math.prod(item.size)
         if covered != total:
-            bad(f"tensor {key!r}: chunks hold {covered} of the {total} elements of its declared shape {list(item.size)}")
+            bad(f"tensor {key!r}: chunks hold {covered} of the {total} elements of its declared shape "
+                f"{list(item.size)}")
             ok = False
         elif (pair := _overlapping([tuple(c.offsets) for c in item.chunks], [tuple(c.sizes) for c in item.chunks])):
             bad(f"tensor {key!r}: chunks at offsets {list(item.chunks[pair[0]].offsets)} and "
