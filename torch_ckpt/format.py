@@ -35,6 +35,7 @@ import re
 import stat
 import zlib
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path, PurePath
 from typing import Any
@@ -282,6 +283,17 @@ def _open_regular(path: Path, *, allow_symlinks: bool, what: str) -> int:
     return fd
 
 
+@contextmanager
+def _reading(source: str, what: str) -> Iterator[None]:
+    """Turn an I/O error while reading a checkpoint file into CheckpointCorruptError naming it."""
+    try:
+        yield
+    except CheckpointCorruptError:
+        raise
+    except OSError as exc:
+        raise _corrupt(source, f"{what} cannot be read ({exc.strerror or exc})") from exc
+
+
 def _read_fd(fd: int, limit: int, source: str) -> bytes:
     """All bytes of an open regular file, refusing more than ``limit`` (never allocates beyond its size)."""
     with os.fdopen(fd, "rb") as f:
@@ -299,8 +311,9 @@ def read_manifest(step_dir: str | os.PathLike, *, allow_symlinks: bool = False) 
 
     Raises:
         CheckpointNotFoundError: there is no manifest.
-        CheckpointCorruptError: it is a symlink (unless ``allow_symlinks``), not a regular file, too
-            large, or not a valid manifest; the message names the file.
+        CheckpointCorruptError: it is a symlink (unless ``allow_symlinks``), not a regular file,
+            unreadable (permissions, I/O error), too large, or not a valid manifest; the message
+            names the file.
     """
     from torch_ckpt.layout import MANIFEST_NAME
 
@@ -310,9 +323,10 @@ def read_manifest(step_dir: str | os.PathLike, *, allow_symlinks: bool = False) 
     except (FileNotFoundError, NotADirectoryError) as exc:
         raise CheckpointNotFoundError(f"{path} does not exist: {step_dir} is not a committed torch-ckpt "
                                       "checkpoint") from exc
-    except PermissionError:
-        raise
-    raw = _read_fd(fd, MAX_MANIFEST_BYTES, str(path))
+    except OSError as exc:
+        raise _corrupt(str(path), f"the manifest cannot be read ({exc.strerror or exc})") from exc
+    with _reading(str(path), "the manifest"):
+        raw = _read_fd(fd, MAX_MANIFEST_BYTES, str(path))
     return parse_manifest(raw, str(path))
 
 
@@ -351,7 +365,7 @@ def check_files(step_dir: str | os.PathLike, manifest: Any, *, checksums: bool, 
             continue
         path = step_dir / name
         fd = open_listed(step_dir, manifest, name, allow_symlinks=allow_symlinks)
-        with os.fdopen(fd, "rb") as f:
+        with _reading(str(path), "file listed in the manifest"), os.fdopen(fd, "rb") as f:
             size = os.fstat(f.fileno()).st_size
             if size != info["bytes"]:
                 raise _corrupt(str(path), f"size {size} bytes, manifest says {info['bytes']} (truncated?)")
@@ -369,7 +383,8 @@ def _read_listed(step_dir: Path, manifest: Any, name: str, limit: int, *, allow_
     if manifest.files.get(name, {}).get("bytes", 0) > limit:
         raise _corrupt(str(path), f"is {manifest.files[name]['bytes']} bytes, more than the {limit} accepted")
     fd = open_listed(step_dir, manifest, name, allow_symlinks=allow_symlinks)
-    data = _read_fd(fd, limit, str(path))
+    with _reading(str(path), "file listed in the manifest"):
+        data = _read_fd(fd, limit, str(path))
     if len(data) != manifest.files[name]["bytes"]:
         raise _corrupt(str(path), f"size {len(data)} bytes, manifest says {manifest.files[name]['bytes']}")
     return data
