@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import Metadata
 
-from torch_ckpt.errors import CheckpointCorruptError, CheckpointError, UnsafeCheckpointError
+from torch_ckpt.errors import CheckpointCorruptError, UnsafeCheckpointError
 
 __all__ = [
     "ChecksumFileSystemWriter",
@@ -300,6 +300,8 @@ def load_tensors(tensors: dict[str, torch.Tensor], step_dir: str | os.PathLike, 
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
+
+    from torch_ckpt.errors import CheckpointError
 
     reader = SafeFileSystemReader(step_dir, metadata=metadata, allowed=allowed, allow_symlinks=allow_symlinks)
     try:
