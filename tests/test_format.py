@@ -284,6 +284,24 @@ def test_overlapping_chunks_are_corrupt(ckpt):
         read_metadata(ckpt, read_manifest(ckpt))
 
 
+@pytest.mark.parametrize("grid", [(2, 2), (1, 4), (4, 1)])
+def test_exact_tiling_by_several_chunks_is_accepted(ckpt, grid):
+    """Chunks tiling the (16, 16) weight exactly (2x2 blocks, column or row strips) raise no problem."""
+    def tile(md):
+        key, item = _weight(md)
+        old = next(i for i in md.storage_data if i.fqn == key)
+        info = md.storage_data.pop(old)
+        rows, cols = 16 // grid[0], 16 // grid[1]
+        item.chunks = [ChunkStorageMetadata(offsets=torch.Size([r * rows, c * cols]), sizes=torch.Size([rows, cols]))
+                       for r in range(grid[0]) for c in range(grid[1])]
+        for chunk in item.chunks:
+            md.storage_data[MetadataIndex(key, chunk.offsets)] = info
+
+    _tampered_metadata(ckpt, tile)
+    md = read_dcp_metadata(ckpt / ".metadata")
+    assert metadata_problems(md, read_manifest(ckpt))[0] == []
+
+
 def test_declared_2_40_element_tensor_is_bounded_by_its_storage(ckpt):
     """A tensor and chunk declaring 2^40 elements is refused: its storage entry holds far fewer bytes."""
     def huge(md):
@@ -347,3 +365,20 @@ def test_manifest_built_in_code_passes_its_own_validation(saved):
     manifest = read_manifest(saved)
     again = parse_manifest(json.dumps(manifest.to_json()).encode(), "m.json")
     assert isinstance(again, Manifest) and again == manifest
+
+
+def test_dcp_reader_opens_only_listed_files_even_with_unchecked_metadata(ckpt, tmp_path):
+    """load_tensors refuses to open a file outside the allowed names, even if metadata validation was skipped."""
+    from torch_ckpt.dcp_io import load_tensors
+    from torch_ckpt.dist import single_process_quiet
+
+    outside = tmp_path / "elsewhere.distcp"
+    outside.write_bytes(next(ckpt.glob("*.distcp")).read_bytes())
+    md = read_dcp_metadata(ckpt / ".metadata")
+    for info in md.storage_data.values():
+        info.relative_path = str(outside)
+    key, item = _weight(md)
+    target = {key: torch.zeros(tuple(item.size))}
+    with pytest.raises(CheckpointCorruptError, match="does not list"), single_process_quiet(True):
+        load_tensors(target, ckpt, md, set(read_manifest(ckpt).files))
+    assert torch.count_nonzero(target[key]) == 0
