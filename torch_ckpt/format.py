@@ -271,7 +271,8 @@ def _open_regular(path: Path, *, allow_symlinks: bool, what: str) -> int:
     except OSError as exc:
         if exc.errno == errno.ELOOP:
             raise _corrupt(str(path), f"{what} is a symbolic link; torch-ckpt reads only regular files inside the "
-                                      "checkpoint (copy the file in, or allow symlinks explicitly)") from None
+                                      "checkpoint (copy the file in, or follow links explicitly: allow_symlinks=True, "
+                                      "torch-ckpt --follow-symlinks)") from None
         if exc.errno in (errno.EISDIR,):
             raise _corrupt(str(path), f"{what} is a directory, not a regular file") from None
         raise
