@@ -485,3 +485,225 @@ def test_manifest_with_overflowing_numbers_is_skipped(tmp_path):
     with CheckpointManager(tmp_path) as mgr:
         assert mgr.latest_step() == 1
     _json.loads(manifest.read_text().replace("1e400", "2"))  # the rest of the file is intact
+
+
+# -- malformed content is corruption, never a crash, and never breaks other steps (issue 14) -------
+def _restamp(step_dir: Path, name: str, data: bytes) -> None:
+    """Replace ``name`` with ``data`` and re-checksum it in the manifest (a consistent tampering)."""
+    (step_dir / name).write_bytes(data)
+    _edit_manifest(step_dir, lambda m: m["files"].__setitem__(name, _sizes_and_crc(step_dir / name)))
+
+
+def _two_steps(root: Path, make_state) -> tuple[TrainState, torch.nn.Module, Path]:
+    """Steps 1 and 2 of a TrainState (step 2 with other weights); returns (fresh live state, its model, step 2's dir)."""
+    state, model, *_ = make_state(seed=0)
+    with CheckpointManager(root) as mgr:
+        mgr.save(1, state).wait()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)
+        mgr.save(2, state).wait()
+    live, live_model, *_ = make_state(seed=5)
+    return live, live_model, root / STEP_DIR.format(2)
+
+
+def _first_inline(node):
+    if isinstance(node, dict):
+        if "__tensor_b64__" in node:
+            return node
+        node = list(node.values())
+    if isinstance(node, list):
+        for v in node:
+            found = _first_inline(v)
+            if found is not None:
+                return found
+    return None
+
+
+def _huge_int_manifest(step_dir: Path) -> str:
+    path = step_dir / "manifest.json"
+    path.write_text(path.read_text().replace('"tensor_bytes":', '"tensor_bytes":' + "7" * 5000 + ',"x":', 1))
+    return "manifest.json"
+
+
+def _deep_manifest(step_dir: Path) -> str:
+    path = step_dir / "manifest.json"
+    path.write_text(path.read_text().replace('"tiers":{}', '"tiers":{"x":' + "[" * 200_000 + "]" * 200_000 + "}", 1))
+    return "manifest.json"
+
+
+def _storage_data_5(step_dir: Path) -> str:
+    from torch_ckpt.dcp_io import read_dcp_metadata
+
+    md = read_dcp_metadata(step_dir / ".metadata")
+    md.storage_data = 5
+    _restamp(step_dir, ".metadata", pickle.dumps(md))
+    return ".metadata"
+
+
+def _inline_shape_2_40(step_dir: Path) -> str:
+    doc = json.loads((step_dir / "rank_00000.json").read_text())
+    _first_inline(doc["tree"])["shape"] = [2**40]
+    _restamp(step_dir, "rank_00000.json", json.dumps(doc).encode())
+    return "rank_00000.json"
+
+
+def _deep_rank_json(step_dir: Path) -> str:
+    raw = (step_dir / "rank_00000.json").read_text()
+    raw = raw.replace('"tree":{', '"tree":{"deep":' + "[" * 200_000 + "]" * 200_000 + ",", 1)
+    assert "[" * 200_000 in raw
+    _restamp(step_dir, "rank_00000.json", raw.encode())
+    return "rank_00000.json"
+
+
+def _symlinked_shard(step_dir: Path) -> str:
+    shard = _shard(step_dir)
+    outside = step_dir.parent / "outside.distcp"
+    outside.write_bytes(shard.read_bytes())
+    shard.unlink()
+    shard.symlink_to(outside)
+    return shard.name
+
+
+def _symlinked_manifest(step_dir: Path) -> str:
+    real = step_dir.parent / "manifest_copy.json"
+    (step_dir / "manifest.json").rename(real)
+    (step_dir / "manifest.json").symlink_to(real)
+    return "manifest.json"
+
+
+def _shape_beyond_chunks(step_dir: Path) -> str:
+    from torch_ckpt.dcp_io import read_dcp_metadata
+
+    md = read_dcp_metadata(step_dir / ".metadata")
+    item = md.state_dict_metadata["model.fc1.weight"]
+    item.size = torch.Size([item.size[0] + 4, *item.size[1:]])
+    _restamp(step_dir, ".metadata", pickle.dumps(md))
+    return ".metadata"
+
+
+def _storage_rewritten(step_dir: Path) -> str:
+    from torch_ckpt.dcp_io import read_dcp_metadata
+
+    elsewhere = step_dir.parent / "elsewhere.distcp"
+    elsewhere.write_bytes(_shard(step_dir).read_bytes())
+    md = read_dcp_metadata(step_dir / ".metadata")
+    for info in md.storage_data.values():
+        info.relative_path = str(elsewhere)
+    _restamp(step_dir, ".metadata", pickle.dumps(md))
+    return ".metadata"
+
+
+_MALFORMED = {"5000-digit-int": _huge_int_manifest, "200k-deep-manifest": _deep_manifest,
+              "storage_data=5": _storage_data_5, "inline-shape-2^40": _inline_shape_2_40,
+              "200k-deep-rank-json": _deep_rank_json, "symlinked-shard": _symlinked_shard,
+              "symlinked-manifest": _symlinked_manifest, "shape-beyond-chunks": _shape_beyond_chunks,
+              "storage-paths-rewritten": _storage_rewritten}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("damage", list(_MALFORMED), ids=list(_MALFORMED))
+def test_malformed_newest_step_falls_back_to_the_previous_one(tmp_path, make_state, damage):
+    """restore() skips a newest step with malformed content (listed or not) and loads step 1, with a warning."""
+    live, live_model, step2 = _two_steps(tmp_path, make_state)
+    _MALFORMED[damage](step2)
+    with CheckpointManager(tmp_path) as mgr:
+        assert mgr.restore(live) == 1
+    _, model, *_ = make_state(seed=0)
+    assert all(torch.equal(a, b) for a, b in zip(live_model.state_dict().values(), model.state_dict().values()))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("damage", list(_MALFORMED), ids=list(_MALFORMED))
+def test_explicit_restore_of_an_intact_step_works_beside_a_malformed_one(tmp_path, make_state, damage):
+    """restore(step=1) succeeds however step 2 is malformed."""
+    live, _, step2 = _two_steps(tmp_path, make_state)
+    _MALFORMED[damage](step2)
+    with CheckpointManager(tmp_path) as mgr:
+        assert mgr.restore(live, step=1) == 1
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("damage", list(_MALFORMED), ids=list(_MALFORMED))
+def test_explicit_restore_of_a_malformed_step_names_the_file(tmp_path, make_state, damage):
+    """restore(step=2) of a malformed step raises CheckpointCorruptError naming the bad file; live state untouched."""
+    live, live_model, step2 = _two_steps(tmp_path, make_state)
+    bad = _MALFORMED[damage](step2)
+    before = {k: v.clone() for k, v in live_model.state_dict().items()}
+    with CheckpointManager(tmp_path) as mgr:
+        with pytest.raises(CheckpointCorruptError) as info:
+            mgr.restore(live, step=2)
+    assert str(step2 / bad) in str(info.value), str(info.value)
+    assert all(torch.equal(v, before[k]) for k, v in live_model.state_dict().items())
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("thread_count", [1, 2, 4])
+def test_damaged_shard_header_without_verify_on_load_is_corrupt_naming_the_shard(tmp_path, make_state, thread_count):
+    """With verify_on_load=False, a shard whose first byte is flipped raises CheckpointCorruptError naming it, no traceback."""
+    state, *_ = make_state(seed=0)
+    with CheckpointManager(tmp_path, thread_count=thread_count) as mgr:
+        mgr.save(1, state).wait()
+    shards = sorted((tmp_path / STEP_DIR.format(1)).glob("*.distcp"))
+    for shard in shards:
+        data = bytearray(shard.read_bytes())
+        data[0] ^= 0xFF  # the zip header of the first tensor record
+        shard.write_bytes(bytes(data))
+    live, *_ = make_state(seed=1)
+    with CheckpointManager(tmp_path, verify_on_load=False) as mgr:
+        with pytest.raises(CheckpointCorruptError) as info:
+            mgr.restore(live, step=1)
+    message = str(info.value)
+    assert any(str(s) in message for s in shards), message
+    assert "Traceback" not in message and "CheckpointException" not in message
+    assert "weights_only" not in message  # torch.load's advice to unpickle freely is never passed on
+
+
+@pytest.mark.timeout(60)
+def test_retention_error_after_commit_is_reported_as_retention_and_the_save_succeeds(tmp_path, monkeypatch, caplog):
+    """A failing retention pass after the rename logs a retention error; the save is committed and not failed."""
+    import torch_ckpt.manager as manager_mod
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("retention exploded")
+
+    monkeypatch.setattr(manager_mod, "apply_retention", broken)
+    caplog.set_level(logging.ERROR, logger="torch_ckpt")
+    with CheckpointManager(tmp_path, keep_last=1) as mgr:
+        handle = mgr.save(1, _dict_state())
+        assert handle.committed.result(timeout=30) == str(tmp_path / STEP_DIR.format(1))
+        mgr.save(2, _dict_state(2.0)).wait()
+        assert mgr.all_steps() == [1, 2]
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert errors and all("retention" in m and "retention exploded" in m for m in errors), errors
+    assert not any("checkpoint step" in m and "failed" in m for m in errors)
+
+
+def _restore_with_bad_rank_file(rank: int, world: int, root: str) -> None:
+    from torch_ckpt import CheckpointCorruptError as Corrupt
+
+    state = {"w": torch.full((4,), float(rank)), "meta": {"rank": rank}}
+    with CheckpointManager(root, async_save=False) as mgr:
+        mgr.save(1, state)
+        mgr.wait()
+        torch.distributed.barrier()
+        if rank == 0:
+            step_dir = Path(root) / STEP_DIR.format(1)
+            raw = (step_dir / "rank_00001.json").read_text()
+            _restamp(step_dir, "rank_00001.json",
+                     raw.replace('"tree":{', '"tree":{"deep":' + "[" * 200_000 + "]" * 200_000 + ",", 1).encode())
+        torch.distributed.barrier()
+        try:
+            mgr.restore(state, step=1)
+        except Corrupt as exc:
+            assert "rank_00001.json" in str(exc), str(exc)
+        else:
+            raise AssertionError(f"rank {rank}: restore of a malformed rank file succeeded")
+
+
+@pytest.mark.timeout(180)
+def test_malformed_rank_file_of_one_rank_fails_every_rank_without_a_hang(tmp_path):
+    """2 ranks (gloo): rank 1's JSON nested 200k deep makes restore raise CheckpointCorruptError on both ranks."""
+    from tests._dist import run_distributed
+
+    run_distributed(_restore_with_bad_rank_file, 2, str(tmp_path), timeout_s=150)

@@ -476,3 +476,199 @@ def test_ls_and_verify_an_s3_root_with_storage_options(saved, capsys):
         assert run_json(capsys, "verify", "s3://ckpts/run", *opts)["ok"]
     finally:
         server.stop()
+
+
+# --- read-only tools are as strict as restore (issue 14, items 3 and 4) --------------------------
+
+
+def _live_state() -> TrainState:
+    """A state of the same structure as the saved one (to restore into)."""
+    model = Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return TrainState(model=model, optimizer=opt, scheduler=torch.optim.lr_scheduler.StepLR(opt, 2),
+                      extras={"tokens": 0, "ema": torch.zeros(2, 3, dtype=torch.bfloat16)})
+
+
+def _metadata(step_dir: Path):
+    from torch_ckpt.dcp_io import read_dcp_metadata
+
+    return read_dcp_metadata(step_dir / ".metadata")
+
+
+def _storage_elsewhere(step_dir: Path) -> str:
+    """.metadata storage paths rewritten to a copy of another step's shard outside this checkpoint."""
+    other = step_dir.parent / STEP10 / SHARD
+    md = _metadata(step_dir)
+    for info in md.storage_data.values():
+        info.relative_path = str(other)
+    rewrite(step_dir, ".metadata", pickle.dumps(md))
+    return ".metadata"
+
+
+def _shape_beyond_chunks(step_dir: Path) -> str:
+    """model.fc1.weight declared (20, 8) while its chunks cover (16, 8)."""
+    md = _metadata(step_dir)
+    md.state_dict_metadata["model.fc1.weight"].size = torch.Size([20, 8])
+    rewrite(step_dir, ".metadata", pickle.dumps(md))
+    return ".metadata"
+
+
+def _declared_2_40(step_dir: Path) -> str:
+    """model.fc1.weight and its one chunk declared with 2^40 elements (storage unchanged)."""
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+
+    md = _metadata(step_dir)
+    item = md.state_dict_metadata["model.fc1.weight"]
+    old = next(i for i in md.storage_data if i.fqn == "model.fc1.weight")
+    info = md.storage_data.pop(old)
+    item.size = torch.Size([2**40])
+    item.chunks = [ChunkStorageMetadata(offsets=torch.Size([0]), sizes=torch.Size([2**40]))]
+    md.storage_data[MetadataIndex("model.fc1.weight", torch.Size([0]))] = info
+    rewrite(step_dir, ".metadata", pickle.dumps(md))
+    return ".metadata"
+
+
+def _storage_data_5(step_dir: Path) -> str:
+    md = _metadata(step_dir)
+    md.storage_data = 5
+    rewrite(step_dir, ".metadata", pickle.dumps(md))
+    return ".metadata"
+
+
+def _first_inline(node):
+    """The first embedded (base64) tensor node of a per-rank tree."""
+    if isinstance(node, dict):
+        if "__tensor_b64__" in node:
+            return node
+        node = list(node.values())
+    for v in node if isinstance(node, list) else []:
+        if (found := _first_inline(v)) is not None:
+            return found
+    return None
+
+
+def _inline_2_40(step_dir: Path) -> str:
+    doc = json.loads((step_dir / "rank_00000.json").read_text())
+    _first_inline(doc["tree"])["shape"] = [2**40]
+    rewrite(step_dir, "rank_00000.json", json.dumps(doc).encode())
+    return "rank_00000.json"
+
+
+def _rank_json_deep(step_dir: Path) -> str:
+    raw = (step_dir / "rank_00000.json").read_text()
+    rewrite(step_dir, "rank_00000.json",
+            raw.replace('"tree":{', '"tree":{"deep":' + "[" * 200_000 + "]" * 200_000 + ",", 1).encode())
+    return "rank_00000.json"
+
+
+def _symlinked_copy(step_dir: Path) -> str:
+    """The shard replaced by a symlink to an identical copy outside the checkpoint."""
+    outside = step_dir.parent / "outside.distcp"
+    shutil.copyfile(step_dir / SHARD, outside)
+    (step_dir / SHARD).unlink()
+    (step_dir / SHARD).symlink_to(outside)
+    return SHARD
+
+
+_DAMAGES = {"storage-elsewhere": _storage_elsewhere, "shape-beyond-chunks": _shape_beyond_chunks,
+            "declared-2^40": _declared_2_40, "storage_data=5": _storage_data_5, "inline-2^40": _inline_2_40,
+            "rank-json-200k-deep": _rank_json_deep, "symlinked-copy": _symlinked_copy}
+
+
+@pytest.mark.parametrize("damage", list(_DAMAGES), ids=list(_DAMAGES))
+def test_verify_fails_exactly_where_restore_refuses(copy, capsys, damage):
+    """For each tampering, restore raises CheckpointCorruptError and verify exits 1 naming the same file."""
+    from torch_ckpt import CheckpointCorruptError
+
+    bad = _DAMAGES[damage](copy / STEP20)
+    with CheckpointManager(copy) as mgr:
+        with pytest.raises(CheckpointCorruptError) as info:
+            mgr.restore(_live_state(), step=20)
+    assert str(copy / STEP20 / bad) in str(info.value)
+    out = run_json(capsys, "verify", copy / STEP20, code=1)
+    assert bad in [p["file"] for p in out["checkpoints"][0]["problems"]], out["checkpoints"][0]["problems"]
+
+
+@pytest.mark.parametrize("damage", list(_DAMAGES), ids=list(_DAMAGES))
+def test_convert_refuses_what_restore_refuses_and_writes_nothing(copy, tmp_path, capsys, damage):
+    """convert exits 1 with one line naming the file for each tampering; no output file is written."""
+    bad = _DAMAGES[damage](copy / STEP20)
+    code, out, err = run(capsys, "convert", copy / STEP20, "--to", "torch", tmp_path / "full.pt")
+    assert code == 1 and out == "" and len(err.strip().splitlines()) == 1, err
+    assert str(copy / STEP20 / bad) in err and "Traceback" not in err
+    assert not (tmp_path / "full.pt").exists()
+
+
+@pytest.mark.parametrize("command", ["verify", "inspect"])
+def test_symlinked_shard_pointing_outside_is_never_opened(copy, tmp_path, capsys, command):
+    """A shard symlinked to a file outside the checkpoint is reported as a symlink; verify fails, inspect refuses."""
+    outside = tmp_path / "fifo_outside"
+    os.mkfifo(outside)  # opening it for reading would block: the test hangs if the link is followed
+    (copy / STEP20 / SHARD).unlink()
+    (copy / STEP20 / SHARD).symlink_to(outside)
+    if command == "verify":
+        out = run_json(capsys, "verify", copy / STEP20, code=1)
+        problems = out["checkpoints"][0]["problems"]
+        assert [(p["file"], "symbolic link" in p["problem"]) for p in problems] == [(SHARD, True)], problems
+    else:
+        code, out, err = run(capsys, "inspect", copy / STEP20)
+        assert code == 1 and out == "" and f"{SHARD}: is a symbolic link" in err, err
+
+
+def test_symlinked_manifest_is_corrupt_for_every_tool_unless_followed(copy, tmp_path, capsys):
+    """manifest.json as a symlink: ls lists the step corrupt, verify and inspect exit 1; --follow-symlinks accepts it."""
+    real = tmp_path / "manifest.json"
+    (copy / STEP20 / "manifest.json").rename(real)
+    (copy / STEP20 / "manifest.json").symlink_to(real)
+    listing = run_json(capsys, "ls", copy, code=1)
+    assert [(r["step"], r["status"]) for r in listing["steps"]] == [(10, "committed"), (20, "corrupt")]
+    assert "symbolic link" in listing["steps"][1]["problems"][0]["problem"]
+    assert run_json(capsys, "verify", copy / STEP20, code=1)["ok"] is False
+    code, _, err = run(capsys, "inspect", copy / STEP20)
+    assert code == 1 and "symbolic link" in err
+    assert run_json(capsys, "verify", copy / STEP20, "--follow-symlinks")["ok"] is True
+
+
+@pytest.mark.parametrize("damage", ["digits", "depth"])
+def test_ls_and_verify_report_a_malformed_manifest_without_a_traceback(copy, capsys, damage):
+    """A manifest with a 5000-digit integer or 200k-deep nesting: ls/verify exit 1 naming it, the other step is fine."""
+    path = copy / STEP20 / "manifest.json"
+    text = path.read_text()
+    path.write_text(text.replace('"tensor_bytes":', '"tensor_bytes":' + "7" * 5000 + ',"x":', 1) if damage == "digits"
+                    else text.replace('"timings":{', '"timings":{"deep":' + "[" * 200_000 + "]" * 200_000 + ",", 1))
+    assert path.read_text() != text
+    code, out, err = run(capsys, "ls", copy)
+    assert code == 1 and "Traceback" not in out + err
+    assert "20" in out and "corrupt" in out and "manifest.json" in out
+    result = run_json(capsys, "verify", copy, code=1)
+    assert [(c["step"], c["ok"]) for c in result["checkpoints"]] == [(10, True), (20, False)]
+    assert result["checkpoints"][1]["problems"][0]["file"] == "manifest.json"
+
+
+@pytest.mark.parametrize("world_size", [2**40, 2**31 - 1])
+def test_verify_of_a_huge_declared_world_size_stays_small(copy, capsys, world_size):
+    """A manifest declaring world_size 2^40 (or 2^31-1) is one problem; verify allocates under 20 MB."""
+    import tracemalloc
+
+    path = copy / STEP20 / "manifest.json"
+    path.write_text(path.read_text().replace('"world_size":1,', f'"world_size":{world_size},', 1))
+    tracemalloc.start()
+    try:
+        out = run_json(capsys, "verify", copy / STEP20, "--no-checksums", code=1)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    problems = out["checkpoints"][0]["problems"]
+    assert len(problems) == 1 and str(world_size) in problems[0]["problem"], problems
+    assert peak < 20 * 2**20, f"verify allocated {peak / 2**20:.1f} MB"
+
+
+def test_ls_lists_a_symlinked_step_directory_as_restore_does(copy, tmp_path, capsys):
+    """A step directory that is a symlink (to a complete checkpoint) is listed committed by ls, as restore lists it."""
+    root = tmp_path / "linked"
+    root.mkdir()
+    (root / STEP20).symlink_to(copy / STEP20)
+    listing = run_json(capsys, "ls", root)
+    assert [(r["step"], r["status"]) for r in listing["steps"]] == [(20, "committed")]
+    with CheckpointManager(root) as mgr:
+        assert mgr.all_steps() == [20]

@@ -222,7 +222,7 @@ def test_pickled_item_in_a_crafted_checkpoint_is_never_unpickled(tmp_path):
     dcp.save({"model.weight": torch.zeros(2), "evil": _Evil()}, checkpoint_id=str(step_dir), no_dist=True)
     assert not marker.exists()
     tree = {"model": {"weight": {"__tensor__": "model.weight"}}, "evil": {"__tensor__": "evil"}}
-    (step_dir / "rank_00000.json").write_text(json.dumps({"tree": tree}))
+    (step_dir / "rank_00000.json").write_text(json.dumps({"step": 1, "rank": 0, "world_size": 1, "tree": tree}))
     files = {}
     for p in step_dir.iterdir():
         data = p.read_bytes()

@@ -75,6 +75,9 @@ def _add_common(p: argparse.ArgumentParser, *, remote: bool = True) -> None:
         p.add_argument("--storage-options", type=_storage_options, metavar="JSON",
                        help="fsspec options for URLs as a JSON object (credentials, endpoint...), e.g. "
                             "'{\"client_kwargs\": {\"endpoint_url\": \"http://127.0.0.1:9000\"}}'")
+        p.add_argument("--follow-symlinks", action="store_true",
+                       help="follow symbolic links inside checkpoints (local paths); by default a symlinked file, "
+                            "manifest.json included, is refused as a restore refuses it")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bars (they only show on a terminal)")
 
@@ -88,7 +91,7 @@ def _open(text: str, args: argparse.Namespace) -> Any:
     if options and not is_url(text) and not getattr(args, "check_tiers", False):
         raise _usage_error("--storage-options only applies to URLs (s3://, gs://, memory://...)")
     try:
-        return Location(text, storage_options=options)
+        return Location(text, storage_options=options, allow_symlinks=getattr(args, "follow_symlinks", False))
     except ConfigError as exc:
         raise _usage_error(f"cannot open {text!r}: {exc.__cause__ or exc}") from None
 
@@ -359,7 +362,8 @@ def run_convert(args: argparse.Namespace) -> int:
     from torch_ckpt.convert import export_safetensors, export_torch
 
     with _local_copy(args) as path:
-        result = export_torch(path, args.out) if args.to == "torch" else export_safetensors(path, args.out)
+        export = export_torch if args.to == "torch" else export_safetensors
+        result = export(path, args.out, allow_symlinks=args.follow_symlinks)
     result["checkpoint"] = args.checkpoint
     if args.json:
         _print_json(result)

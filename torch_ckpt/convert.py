@@ -8,37 +8,41 @@ assemble full, unsharded tensors whatever world size wrote them. DCP's own
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from torch_ckpt.codec import join_state
-from torch_ckpt.dcp_io import SafeFileSystemReader, SafeLoadPlanner, read_dcp_metadata
+from torch_ckpt.dcp_io import load_tensors
 from torch_ckpt.dist import single_process_quiet
 from torch_ckpt.errors import CheckpointNotFoundError, ConfigError
-from torch_ckpt.layout import Manifest, rank_file_name, read_manifest
-from torch_ckpt.restore import verify_files
+from torch_ckpt.format import check_files, read_metadata, read_rank_tree
+from torch_ckpt.layout import Manifest, read_manifest
 
 __all__ = ["load_full_state", "export_torch", "export_safetensors"]
 
 
-def _resolve(checkpoint: str | Path) -> tuple[Path, Manifest]:
+def _resolve(checkpoint: str | Path, allow_symlinks: bool) -> tuple[Path, Manifest]:
     path = Path(checkpoint)
     if not path.is_dir():
         raise CheckpointNotFoundError(f"{path} is not a checkpoint directory (expected ROOT/step_NNNNNNNNN)")
-    return path, read_manifest(path)
+    return path, read_manifest(path, allow_symlinks=allow_symlinks)
 
 
-def load_full_state(checkpoint: str | Path, *, verify: bool = True) -> tuple[dict[str, Any], Manifest]:
+def load_full_state(checkpoint: str | Path, *, verify: bool = True,
+                    allow_symlinks: bool = False) -> tuple[dict[str, Any], Manifest]:
     """Load a committed checkpoint as one nested dict of full tensors and Python values (one process).
+
+    Goes through the same validation as a restore (:mod:`torch_ckpt.format`): only the manifest's
+    files, as regular files inside the checkpoint; metadata whose chunks cover every tensor exactly
+    and fit in the files (checked before any tensor is allocated); bounded, well-formed rank files.
 
     Args:
         checkpoint: a committed step directory.
-        verify: check every file's size and CRC-32 first.
+        verify: check every file's CRC-32 first (sizes are always checked).
+        allow_symlinks: follow symlinked files (refused by default, like restore).
 
     Returns:
         ``(state, manifest)``. ``state`` is rank 0's nested state with full tensors; when the
@@ -47,17 +51,21 @@ def load_full_state(checkpoint: str | Path, *, verify: bool = True) -> tuple[dic
 
     Raises:
         CheckpointNotFoundError: not a committed checkpoint directory.
-        CheckpointCorruptError: a file fails verification.
+        CheckpointCorruptError: a file fails verification or its content is malformed (named).
+        UnsafeCheckpointError: the metadata references code, or an item is pickled.
     """
-    path, manifest = _resolve(checkpoint)
-    verify_files(path, manifest, checksums=verify)
-    md = read_dcp_metadata(path / ".metadata")
-    tensors = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype)
-               for k, m in md.state_dict_metadata.items() if isinstance(m, TensorStorageMetadata)}
+    path, manifest = _resolve(checkpoint, allow_symlinks)
+    check_files(path, manifest, checksums=verify, allow_symlinks=allow_symlinks)
+    md = read_metadata(path, manifest, allow_symlinks=allow_symlinks)
+    specs = {k: m for k, m in md.state_dict_metadata.items() if isinstance(m, TensorStorageMetadata)}
+    trees = [read_rank_tree(path, manifest, r, allow_symlinks=allow_symlinks, tensor_keys=specs.__contains__)
+             for r in range(manifest.world_size)]
+    # sizes are bounded by the files (read_metadata) and every element is covered by a chunk, so
+    # every element of these buffers is overwritten by the load
+    tensors = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype) for k, m in specs.items()}
     if tensors:
         with single_process_quiet(True):
-            dcp.load(tensors, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner(), no_dist=True)
-    trees = [json.loads((path / rank_file_name(r)).read_bytes())["tree"] for r in range(manifest.world_size)]
+            load_tensors(tensors, path, md, set(manifest.files), no_dist=True, allow_symlinks=allow_symlinks)
     state = join_state(trees[0], tensors)
     if manifest.world_size > 1:
         state["per_rank"] = [join_state({k: v for k, v in t.items() if k in ("rng", "dataloader")}, tensors)
@@ -80,17 +88,20 @@ def _weights_only_safe(node: Any) -> Any:
     return node
 
 
-def export_torch(checkpoint: str | Path, out: str | Path) -> dict[str, Any]:
+def export_torch(checkpoint: str | Path, out: str | Path, *, allow_symlinks: bool = False) -> dict[str, Any]:
     """Write the full state of ``checkpoint`` as one ``torch.save`` file; returns a summary dict.
 
     The file loads with ``torch.load(out, weights_only=True)`` (numpy arrays become tensors).
+
+    Raises:
+        CheckpointNotFoundError, CheckpointCorruptError, UnsafeCheckpointError: see :func:`load_full_state`.
     """
-    state, manifest = load_full_state(checkpoint)
+    state, manifest = load_full_state(checkpoint, allow_symlinks=allow_symlinks)
     torch.save(_weights_only_safe(state), out)
     return {"step": manifest.step, "out": str(out), "bytes": Path(out).stat().st_size}
 
 
-def export_safetensors(checkpoint: str | Path, out: str | Path) -> dict[str, Any]:
+def export_safetensors(checkpoint: str | Path, out: str | Path, *, allow_symlinks: bool = False) -> dict[str, Any]:
     """Write the model weights of ``checkpoint`` as safetensors.
 
     The weights are the ``model`` entry of a :class:`~torch_ckpt.TrainState` checkpoint, or the
@@ -98,12 +109,13 @@ def export_safetensors(checkpoint: str | Path, out: str | Path) -> dict[str, Any
 
     Raises:
         ConfigError: the checkpoint has no model tensors, or ``safetensors`` is not installed.
+        CheckpointNotFoundError, CheckpointCorruptError, UnsafeCheckpointError: see :func:`load_full_state`.
     """
     try:
         from safetensors.torch import save_file
     except ImportError as exc:
         raise ConfigError("exporting to safetensors needs the 'safetensors' package: pip install safetensors") from exc
-    state, manifest = load_full_state(checkpoint)
+    state, manifest = load_full_state(checkpoint, allow_symlinks=allow_symlinks)
     model = state.get("model") or state.get("state_dict")  # TrainState / Lightning checkpoints
     if not isinstance(model, dict) or not model:
         raise ConfigError(f"{checkpoint}: no 'model' (TrainState) or 'state_dict' (Lightning) entry to export")

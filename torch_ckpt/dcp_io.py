@@ -42,6 +42,8 @@ __all__ = [
     "SafeFileSystemReader",
     "SafeLoadPlanner",
     "read_dcp_metadata",
+    "load_dcp_metadata_bytes",
+    "load_tensors",
     "file_crc32",
 ]
 
@@ -475,37 +477,148 @@ class _MetadataUnpickler(pickle.Unpickler):
         )
 
 
+def load_dcp_metadata_bytes(data: bytes, source: str) -> Metadata:
+    """Unpickle DCP ``.metadata`` bytes with the restricted unpickler (never executes code from them).
+
+    Only the type of the result is checked here; :func:`torch_ckpt.format.metadata_problems`
+    validates its fields.
+
+    Raises:
+        UnsafeCheckpointError: the pickle references anything but DCP metadata classes.
+        CheckpointCorruptError: the bytes are truncated or not a DCP metadata pickle (named ``source``).
+    """
+    try:
+        md = _MetadataUnpickler(io.BytesIO(data), source).load()
+    except UnsafeCheckpointError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - any failure to parse untrusted bytes means "corrupt"
+        raise CheckpointCorruptError(f"{source}: DCP metadata is unreadable ({type(exc).__name__}: {exc})") from None
+    if not isinstance(md, Metadata):
+        raise CheckpointCorruptError(f"{source}: not a DCP metadata file (got {type(md).__name__})")
+    return md
+
+
 def read_dcp_metadata(path: str | os.PathLike) -> Metadata:
-    """Read a DCP ``.metadata`` file without executing arbitrary code.
+    """Read a DCP ``.metadata`` file without executing arbitrary code (types unchecked; see
+    :func:`torch_ckpt.format.read_metadata` for the validated read of a checkpoint's metadata).
 
     Raises:
         UnsafeCheckpointError: the pickle references anything but DCP metadata classes.
         CheckpointCorruptError: the file is truncated or not a DCP metadata pickle.
     """
-    try:
-        with open(path, "rb") as f:
-            md = _MetadataUnpickler(f, str(path)).load()
-    except UnsafeCheckpointError:
-        raise
-    except (pickle.UnpicklingError, EOFError, AttributeError, ValueError, TypeError, IndexError) as exc:
-        raise CheckpointCorruptError(f"{path}: DCP metadata is unreadable ({exc!r})") from exc
-    if not isinstance(md, Metadata):
-        raise CheckpointCorruptError(f"{path}: not a DCP metadata file (got {type(md).__name__})")
-    return md
+    with open(path, "rb") as f:
+        data = f.read()
+    return load_dcp_metadata_bytes(data, str(path))
+
+
+class _ListedFileSystem(FileSystem):
+    """DCP ``FileSystem`` that opens for reading only the given file names, as regular files (no symlinks).
+
+    Remembers the file being read when a read fails, so the error can name it.
+    """
+
+    def __init__(self, allowed: set[str], *, allow_symlinks: bool = False) -> None:
+        super().__init__()
+        self.allowed = set(allowed)
+        self.allow_symlinks = allow_symlinks
+        self.failed_file: str | None = None
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Generator[io.IOBase, None, None]:
+        from torch_ckpt.format import _open_regular
+
+        name = Path(path).name
+        if "r" not in mode or "+" in mode or name not in self.allowed:
+            raise CheckpointCorruptError(f"{path}: DCP asked to open a file the manifest does not list "
+                                         f"(mode {mode!r}); refusing")
+        fd = _open_regular(Path(path), allow_symlinks=self.allow_symlinks, what="file listed in the manifest")
+        with os.fdopen(fd, "rb") as stream:
+            try:
+                yield stream
+            except BaseException:
+                self.failed_file = self.failed_file or str(path)
+                raise
 
 
 class SafeFileSystemReader(FileSystemReader):
-    """``FileSystemReader`` whose metadata is read with :func:`read_dcp_metadata`."""
+    """``FileSystemReader`` confined to a checkpoint's verified files, with pickle-free metadata.
+
+    Args:
+        path: the checkpoint directory.
+        metadata: the already validated DCP metadata (see :func:`torch_ckpt.format.read_metadata`);
+            None reads it with :func:`read_dcp_metadata` (unvalidated: tests and plain-DCP use).
+        allowed: file names DCP may open (the manifest's); None allows any name.
+        allow_symlinks: follow symlinks when opening them.
+    """
+
+    def __init__(self, path: str | os.PathLike, *, metadata: Metadata | None = None,
+                 allowed: set[str] | None = None, allow_symlinks: bool = False) -> None:
+        super().__init__(path)
+        self._metadata = metadata
+        if allowed is not None:
+            self.fs = _ListedFileSystem(allowed, allow_symlinks=allow_symlinks)
+
+    @property
+    def failed_file(self) -> str | None:
+        """The file whose read failed, when known."""
+        return getattr(self.fs, "failed_file", None)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         from torch.distributed.checkpoint.metadata import StorageMeta
 
         rank = kwargs.get("rank")
-        md = read_dcp_metadata(self._get_metadata_path(rank))
+        md = self._metadata if self._metadata is not None else read_dcp_metadata(self._get_metadata_path(rank))
         if getattr(md, "storage_meta", None) is None:
             md.storage_meta = StorageMeta()
         md.storage_meta.load_id = self.load_id
         return md
+
+
+def load_tensors(tensors: dict[str, torch.Tensor], step_dir: str | os.PathLike, metadata: Metadata,
+                 allowed: set[str], *, process_group: Any = None, no_dist: bool = True,
+                 allow_symlinks: bool = False) -> None:
+    """``dcp.load`` of ``tensors`` from a validated checkpoint, reading only ``allowed`` regular files.
+
+    Raises:
+        CheckpointCorruptError: DCP could not read or decode the data (a damaged file: with
+            ``verify_on_load=False`` no CRC caught it first); the message names the file when this
+            rank knows it, and the first underlying error, without DCP's embedded tracebacks.
+        UnsafeCheckpointError: an item would need unpickling.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from torch_ckpt.errors import CheckpointError
+
+    reader = SafeFileSystemReader(step_dir, metadata=metadata, allowed=allowed, allow_symlinks=allow_symlinks)
+    try:
+        dcp.load(tensors, storage_reader=reader, planner=SafeLoadPlanner(), process_group=process_group,
+                 no_dist=no_dist)
+    except CheckpointException as exc:
+        causes = [pair[0] if isinstance(pair, tuple) else pair for pair in exc.failures.values()]
+        for cause in causes:
+            if isinstance(cause, CheckpointError):
+                raise cause from None
+        first = next((c for c in causes if c is not None), exc)
+        where = reader.failed_file or str(step_dir)
+        raise CheckpointCorruptError(
+            f"{where}: tensor data cannot be read ({_first_line(first)}); the file is damaged. Run torch-ckpt "
+            "verify, or restore with verify_on_load=True to catch this by checksum before loading") from None
+    except (RuntimeError, ValueError, EOFError, OSError) as exc:
+        if isinstance(exc, CheckpointError):
+            raise
+        where = reader.failed_file or str(step_dir)
+        raise CheckpointCorruptError(f"{where}: tensor data cannot be read ({_first_line(exc)}); the file is "
+                                     "damaged") from None
+
+
+def _first_line(exc: BaseException) -> str:
+    """``Type: first line of the message`` (DCP and torch.load messages carry tracebacks and advice)."""
+    text = str(exc).strip()
+    if isinstance(exc, pickle.UnpicklingError):  # torch.load's text advises weights_only=False: never repeat it
+        detail = text.split("WeightsUnpickler error:", 1)[1].strip() if "WeightsUnpickler error:" in text else ""
+        return f"not a valid tensor record: {detail.splitlines()[0] if detail else type(exc).__name__}"
+    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):

@@ -5,7 +5,9 @@ local directories and on any fsspec URL (``s3://``, ``gs://``, ``memory://``...;
 endpoints in ``storage_options``), and return JSON-serialisable dicts (the commands' ``--json``
 output).
 
-Nothing here writes to a checkpoint, and nothing executes code from one: DCP's ``.metadata`` is read
+Every check goes through :mod:`torch_ckpt.format`, the validation path restore uses too, so these
+views accept exactly what a restore would load. Nothing here writes to a checkpoint, and nothing
+executes code from one: DCP's ``.metadata`` is read
 with torch-ckpt's restricted unpickler (:func:`torch_ckpt.dcp_io.read_dcp_metadata`), the per-rank
 trees are JSON, and tensor payloads are never loaded (sizes come from the metadata).
 
@@ -35,6 +37,7 @@ from torch_ckpt.errors import (
     CheckpointNotFoundError,
     ConfigError,
 )
+from torch_ckpt.format import embedded_info, metadata_problems, rank_file_problems, walk_tree
 from torch_ckpt.layout import MANIFEST_NAME, rank_file_name
 from torch_ckpt.location import (  # private helpers shared by the read-only tools
     _METADATA,
@@ -45,17 +48,16 @@ from torch_ckpt.location import (  # private helpers shared by the read-only too
     PathNotFoundError,
     _as_location,
     _dtype_name,
-    _inline_info,
     _iso,
-    _ndarray_info,
     _require_dir,
     _step_of,
-    _walk,
     is_url,
     progress_bar,
 )
 from torch_ckpt.verification import (
     _check_dir_manifest,
+    _check_files,
+    _Report,
     verify_checkpoint,
     verify_path,
     verify_root,
@@ -243,18 +245,26 @@ def inspect_checkpoint(where: str | os.PathLike | Location, *, step: int | None 
     Raises:
         PathNotFoundError: ``where`` does not exist.
         CheckpointNotFoundError: not a committed checkpoint.
-        CheckpointCorruptError: the manifest, metadata or a per-rank file is unreadable, or the state
+        CheckpointCorruptError: the manifest, metadata, a listed file (missing, a symlink, wrong
+            size) or a per-rank file fails the checks of :mod:`torch_ckpt.format`, or the state
             refers to a tensor the metadata lacks.
         UnsafeCheckpointError: the DCP metadata references code (refused, not executed).
     """
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
     loc = resolve_checkpoint(where, step=step, storage_options=storage_options)
     manifest = loc.read_manifest()
-    if manifest.world_size < 1:
-        raise CheckpointCorruptError(f"{loc.describe(MANIFEST_NAME)}: world size {manifest.world_size} is not positive")
-    md = loc.read_metadata(_METADATA)
-    tensors = {k: v for k, v in md.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
+    md = loc.read_metadata(_METADATA) if _METADATA in manifest.files else None
+    if md is None:
+        raise CheckpointCorruptError(f"{loc.describe(_METADATA)}: DCP metadata is not listed in the manifest")
+    problems, tensors = metadata_problems(md, manifest)
+    problems += rank_file_problems(manifest)
+    listed = _Report(loc)  # the listed files must be what a restore reads: regular files of the listed sizes
+    with progress_bar(0, "", enabled=False) as bar:
+        _check_files(loc, manifest, loc.entries(), listed, checksums=False, bar=bar)
+    problems = [(p["file"], p["problem"]) for p in listed.problems] + problems
+    if problems:
+        file, text = problems[0]
+        more = f" (and {len(problems) - 1} more problem(s); run torch-ckpt verify)" if len(problems) > 1 else ""
+        raise CheckpointCorruptError(f"{loc.describe(file)}: {text}{more}")
     comps: dict[str, dict[str, Any]] = {}
     key_rows: list[dict[str, Any]] = []
     seen: set[str] = set()
@@ -268,15 +278,12 @@ def inspect_checkpoint(where: str | os.PathLike | Location, *, step: int | None 
     with progress_bar(manifest.world_size, f"inspect {loc.name}", enabled=progress and manifest.world_size > 8,
                       unit="rank") as bar:
         for rank in range(manifest.world_size):
-            tree = loc.read_rank_doc(rank)["tree"]
+            tree = loc.read_rank_doc(rank, manifest)["tree"]
             source = loc.describe(rank_file_name(rank))
             tops = tree.items() if isinstance(tree, dict) else [("<root>", tree)]
             for top, sub in tops:
                 comp = comps.setdefault(top, _component())
-                try:
-                    leaves = list(_walk(sub, (top,)))
-                except (ValueError, TypeError) as exc:
-                    raise CheckpointCorruptError(f"{source}: malformed state tree ({exc})") from exc
+                leaves = list(walk_tree(sub, (top,)))  # validated by read_rank_doc
                 for path, kind, node in leaves:
                     name = ".".join(path)
                     if kind == "tensor":
@@ -296,10 +303,7 @@ def inspect_checkpoint(where: str | os.PathLike | Location, *, step: int | None 
                                              "shape": list(tmd.size), "dtype": dtype, "bytes": nbytes,
                                              "chunks": len(tmd.chunks)})
                     elif kind in ("inline", "ndarray"):
-                        try:
-                            shape, dtype, nbytes = (_inline_info if kind == "inline" else _ndarray_info)(node)
-                        except (ValueError, TypeError) as exc:
-                            raise CheckpointCorruptError(f"{source}: state key {name!r}: {exc}") from exc
+                        shape, dtype, nbytes = embedded_info(kind, node)
                         if kind == "inline":
                             add(comp, nbytes, dtype, local=True)
                         else:

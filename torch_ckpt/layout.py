@@ -76,11 +76,6 @@ _TMP_RE = re.compile(r"^\.step_(\d+)(\.download)?\.tmp(?:\.([0-9a-f]+))?$")
 _INCARNATION_RE = re.compile(r"^[0-9a-f]{1,64}$")
 
 
-def _is_plain_file_name(name: str) -> bool:
-    """True for a bare file name (no directory part, no '..', no NUL): manifests may not point elsewhere."""
-    return bool(name) and name not in (".", "..") and "/" not in name and "\\" not in name and "\0" not in name
-
-
 def step_dir_name(step: int) -> str:
     """Final directory name of ``step`` (zero-padded; ordering still uses the manifest step)."""
     return f"step_{step:09d}"
@@ -152,30 +147,14 @@ class Manifest:
 
     @classmethod
     def from_json(cls, data: Any, source: str) -> Manifest:
-        """Parse a manifest object; raises :class:`CheckpointCorruptError` naming ``source``."""
-        try:
-            if data.get("format") != FORMAT_NAME:
-                raise ValueError(f"format is {data.get('format')!r}, expected {FORMAT_NAME!r}")
-            if int(data["format_version"]) > FORMAT_VERSION:
-                raise ValueError(f"format_version {data['format_version']} is newer than this torch-ckpt supports "
-                                 f"({FORMAT_VERSION}); upgrade torch-ckpt")
-            for key in ("step", "world_size", "format_version"):
-                if type(data[key]) is not int:
-                    raise ValueError(f"{key} must be an integer, got {data[key]!r}")
-            if data["world_size"] < 1 or data["step"] < 0:
-                raise ValueError(f"world_size {data['world_size']!r} / step {data['step']!r} out of range")
-            files = {str(k): {"bytes": int(v["bytes"]), "crc32": int(v["crc32"])} for k, v in data["files"].items()}
-            if any(type(v["bytes"]) is not int or type(v["crc32"]) is not int for v in data["files"].values()):
-                raise ValueError("file sizes and checksums must be integers")
-            for name in files:
-                if not _is_plain_file_name(name):
-                    raise ValueError(f"file name {name!r} is not a plain file name inside the checkpoint")
-            return cls(step=int(data["step"]), world_size=int(data["world_size"]), files=files,
-                       wall_time=float(data["wall_time"]), torch_version=str(data["torch_version"]),
-                       tensor_bytes=int(data.get("tensor_bytes", 0)), timings=dict(data.get("timings", {})),
-                       format_version=int(data["format_version"]), tiers=dict(data.get("tiers", {})))
-        except (AttributeError, KeyError, TypeError, ValueError, OverflowError) as exc:
-            raise CheckpointCorruptError(f"{source}: invalid manifest ({exc})") from exc
+        """Validate a parsed manifest object (every field's type and range, plain file names).
+
+        Raises:
+            CheckpointCorruptError: naming ``source`` and the offending field.
+        """
+        from torch_ckpt.format import manifest_from_doc
+
+        return manifest_from_doc(data, source)
 
 
 def fsync_dir(path: str | os.PathLike) -> None:
@@ -210,23 +189,17 @@ def update_manifest_tiers(step_dir: Path, tiers: dict[str, Any]) -> None:
     fsync_dir(step_dir)
 
 
-def read_manifest(step_dir: str | os.PathLike) -> Manifest:
-    """Read and validate ``step_dir/manifest.json``.
+def read_manifest(step_dir: str | os.PathLike, *, allow_symlinks: bool = False) -> Manifest:
+    """Read and validate ``step_dir/manifest.json`` (see :func:`torch_ckpt.format.read_manifest`).
 
     Raises:
         CheckpointNotFoundError: the manifest does not exist.
-        CheckpointCorruptError: it is not valid JSON or not a torch-ckpt manifest.
+        CheckpointCorruptError: it is a symlink (unless ``allow_symlinks``) or not a regular file, too
+            large, not bounded JSON, or not a valid torch-ckpt manifest; the message names the file.
     """
-    path = Path(step_dir) / MANIFEST_NAME
-    try:
-        raw = path.read_bytes()
-    except FileNotFoundError as exc:
-        raise CheckpointNotFoundError(f"{path} does not exist: {step_dir} is not a committed torch-ckpt checkpoint") from exc
-    try:
-        data = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointCorruptError(f"{path}: manifest is not valid JSON ({exc})") from exc
-    return Manifest.from_json(data, str(path))
+    from torch_ckpt.format import read_manifest as _read
+
+    return _read(step_dir, allow_symlinks=allow_symlinks)
 
 
 def check_root(root: Path, *, create: bool) -> None:
@@ -266,6 +239,9 @@ def scan_committed(root: str | os.PathLike) -> dict[int, Path]:
             manifest = read_manifest(entry)
         except (CheckpointNotFoundError, CheckpointCorruptError) as exc:
             log.warning("ignoring %s: %s", entry, exc)
+            continue
+        except OSError as exc:  # unreadable (permissions, I/O error): not a usable checkpoint either
+            log.warning("ignoring %s: cannot read its manifest (%s)", entry, exc)
             continue
         if manifest.step != int(m.group(1)):
             log.warning("ignoring %s: manifest says step %d", entry, manifest.step)

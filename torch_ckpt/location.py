@@ -7,31 +7,28 @@ that stays silent off a terminal.
 from __future__ import annotations
 
 import datetime as _dt
-import json
-import math
 import os
 import re
-import tempfile
+import stat
 import zlib
-from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 from torch_ckpt._progress import progress_bar
-from torch_ckpt.codec import (  # the on-disk tags of the per-rank JSON trees
-    _BYTES,
-    _DICT,
-    _FLOAT,
-    _INLINE_TENSOR,
-    _NDARRAY,
-    _NPSCALAR,
-    _TUPLE,
-    TENSOR_TAG,
-)
 from torch_ckpt.errors import (
     CheckpointCorruptError,
     CheckpointError,
     CheckpointNotFoundError,
-    UnsafeCheckpointError,
+)
+from torch_ckpt.format import (
+    MAX_MANIFEST_BYTES,
+    MAX_METADATA_BYTES,
+    MAX_RANK_JSON_BYTES,
+    _open_regular,
+    _read_fd,
+    parse_manifest,
+    parse_rank_doc,
+    unpickle_metadata,
 )
 from torch_ckpt.layout import MANIFEST_NAME, Manifest, rank_file_name
 
@@ -64,28 +61,30 @@ def is_url(text: str | os.PathLike) -> bool:
 
 
 def _mtime(info: dict[str, Any]) -> float | None:
-    for key in ("mtime", "LastModified", "last_modified", "updated", "created"):
-        value = info.get(key)
-        if isinstance(value, (int, float)) and value > 0:
-            return float(value)
-        if isinstance(value, _dt.datetime):
-            return value.timestamp()
-    return None
+    from torch_ckpt.tiers import object_mtime
+
+    return object_mtime(info)
 
 
 class Location:
     """A directory on the local file system or on an fsspec store; files are addressed by name.
 
+    Local files are read as regular files only: a symlink is reported as such by :meth:`entries`
+    and refused by every read, unless ``allow_symlinks`` (object stores have no symlinks).
+
     Args:
         text: a local path (``file://`` allowed) or an fsspec URL.
         storage_options: fsspec options for URLs (credentials, ``client_kwargs``...).
+        allow_symlinks: follow symlinks inside checkpoints (local paths only).
 
     Raises:
         ConfigError: the URL's protocol is unknown or its backend is not installed.
     """
 
-    def __init__(self, text: str | os.PathLike, *, storage_options: dict[str, Any] | None = None) -> None:
+    def __init__(self, text: str | os.PathLike, *, storage_options: dict[str, Any] | None = None,
+                 allow_symlinks: bool = False) -> None:
         text = os.fspath(text)
+        self.allow_symlinks = bool(allow_symlinks)
         self.storage_options = dict(storage_options or {})
         if is_url(text):
             from torch_ckpt.tiers import DurableTier
@@ -104,6 +103,7 @@ class Location:
         """The location of the entry ``name`` of this directory."""
         new = object.__new__(Location)
         new.storage_options, new.fs, new.remote = self.storage_options, self.fs, self.remote
+        new.allow_symlinks = self.allow_symlinks
         new.path = f"{self.path.rstrip('/')}/{name}"
         new.url = f"{self.url.rstrip('/')}/{name}" if self.remote else os.path.join(self.url, name)
         return new
@@ -144,7 +144,14 @@ class Location:
         return bool(self._call(self.fs.isdir, self.path))
 
     def entries(self) -> dict[str, dict[str, Any]]:
-        """``{name: {"type": "file"|"directory", "size": int, "mtime": float|None}}`` of the directory."""
+        """``{name: {"type", "size": int, "mtime": float|None}}`` of the directory.
+
+        ``type`` is "file" or "directory"; locally also "symlink" (a link to anything but a
+        directory, not followed unless ``allow_symlinks``) and "other" (FIFO, socket, device).
+        A link to a directory is listed as the directory (restore follows step-directory links).
+        """
+        if not self.remote:
+            return self._local_entries()
         out: dict[str, dict[str, Any]] = {}
         for info in self._call(self.fs.ls, self.path, detail=True):
             name = str(info["name"]).rstrip("/").rsplit("/", 1)[-1]
@@ -154,16 +161,60 @@ class Location:
             out[name] = {"type": kind, "size": int(info.get("size") or 0), "mtime": _mtime(info)}
         return out
 
-    def read_bytes(self, name: str) -> bytes:
-        """Contents of the file ``name``."""
-        return self._call(self.fs.cat_file, self._p(name))
+    def _local_entries(self) -> dict[str, dict[str, Any]]:
+        out: dict[str, dict[str, Any]] = {}
+        with os.scandir(self.path) as it:
+            for entry in it:
+                try:
+                    st = entry.stat(follow_symlinks=self.allow_symlinks)
+                except OSError:  # a dangling symlink, or removed while listing
+                    st = entry.stat(follow_symlinks=False) if entry.is_symlink() else None
+                if st is None:
+                    continue
+                if stat.S_ISLNK(st.st_mode) and entry.is_dir():  # a linked step directory: listed as restore lists it
+                    st = entry.stat()
+                kind = "symlink" if stat.S_ISLNK(st.st_mode) else "directory" if stat.S_ISDIR(st.st_mode) else \
+                    "file" if stat.S_ISREG(st.st_mode) else "other"
+                out[entry.name] = {"type": kind, "size": int(st.st_size) if kind == "file" else 0,
+                                   "mtime": float(st.st_mtime)}
+        return out
+
+    def read_bytes(self, name: str, max_bytes: int | None = None) -> bytes:
+        """Contents of the file ``name`` (a regular file; at most ``max_bytes``).
+
+        Raises:
+            FileNotFoundError: it does not exist.
+            CheckpointCorruptError: it is a symlink (unless ``allow_symlinks``), not a regular file,
+                or larger than ``max_bytes``.
+        """
+        if not self.remote:
+            fd = _open_regular(Path(self._p(name)), allow_symlinks=self.allow_symlinks, what="file")
+            if max_bytes is not None:
+                return _read_fd(fd, max_bytes, self.describe(name))
+            with os.fdopen(fd, "rb") as f:
+                data = f.read()
+        else:
+            if max_bytes is not None:
+                size = int(self._call(self.fs.info, self._p(name)).get("size") or 0)
+                if size > max_bytes:
+                    raise CheckpointCorruptError(f"{self.describe(name)}: {size} bytes, more than the {max_bytes} "
+                                                 "accepted")
+            data = self._call(self.fs.cat_file, self._p(name))
+        if max_bytes is not None and len(data) > max_bytes:
+            raise CheckpointCorruptError(f"{self.describe(name)}: more than the {max_bytes} bytes accepted")
+        return data
 
     def checksum(self, name: str, bar: Any = None) -> tuple[int, int]:
-        """``(bytes, crc32)`` of the file ``name``, read in chunks (advancing ``bar``)."""
+        """``(bytes, crc32)`` of the file ``name`` (a regular file), read in chunks (advancing ``bar``)."""
 
         def read() -> tuple[int, int]:
             crc, size = 0, 0
-            with self.fs.open(self._p(name), "rb", **({"block_size": _CHUNK_BYTES} if self.remote else {})) as f:
+            if self.remote:
+                f = self.fs.open(self._p(name), "rb", block_size=_CHUNK_BYTES)
+            else:
+                f = os.fdopen(_open_regular(Path(self._p(name)), allow_symlinks=self.allow_symlinks, what="file"),
+                              "rb")
+            with f:
                 while chunk := f.read(_CHUNK_BYTES):
                     crc = zlib.crc32(chunk, crc)
                     size += len(chunk)
@@ -176,60 +227,42 @@ class Location:
     def read_metadata(self, name: str = _METADATA) -> Any:
         """DCP metadata read with the restricted unpickler (never executes code from the file).
 
+        The result's fields are not checked here: see :func:`torch_ckpt.format.metadata_problems`.
+
         Raises:
             UnsafeCheckpointError: the pickle references anything but DCP's metadata classes.
-            CheckpointCorruptError: the file is truncated or not DCP metadata.
+            CheckpointCorruptError: the file is truncated, not DCP metadata, or not a regular file.
         """
-        from torch_ckpt.dcp_io import read_dcp_metadata
-
-        if not self.remote:
-            return read_dcp_metadata(self._p(name))
-        data = self.read_bytes(name)
-        with tempfile.TemporaryDirectory(prefix="torch-ckpt-md-") as tmp:
-            path = os.path.join(tmp, "metadata")
-            with open(path, "wb") as f:
-                f.write(data)
-            try:
-                return read_dcp_metadata(path)
-            except (UnsafeCheckpointError, CheckpointCorruptError) as exc:
-                raise type(exc)(str(exc).replace(path, self.describe(name))) from None
+        return unpickle_metadata(self.read_bytes(name, MAX_METADATA_BYTES), self.describe(name))
 
     def read_manifest(self) -> Manifest:
-        """The manifest of this checkpoint directory.
+        """The validated manifest of this checkpoint directory (bounded; see :mod:`torch_ckpt.format`).
 
         Raises:
             CheckpointNotFoundError: there is no ``manifest.json`` (not a committed checkpoint).
-            CheckpointCorruptError: it is not valid JSON or not a torch-ckpt manifest.
+            CheckpointCorruptError: it is not a regular file, too large, or not a valid manifest.
         """
         source = self.describe(MANIFEST_NAME)
         try:
-            raw = self.read_bytes(MANIFEST_NAME)
+            raw = self.read_bytes(MANIFEST_NAME, MAX_MANIFEST_BYTES)
         except FileNotFoundError as exc:
             raise CheckpointNotFoundError(f"{source} does not exist: {self.describe()} is not a committed "
                                           "torch-ckpt checkpoint") from exc
-        try:
-            data = json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise CheckpointCorruptError(f"{source}: manifest is not valid JSON ({exc})") from exc
-        return Manifest.from_json(data, source)
+        return parse_manifest(raw, source)
 
-    def read_rank_doc(self, rank: int) -> dict[str, Any]:
-        """The per-rank JSON document (``{"step", "rank", "world_size", "tree"}``) of ``rank``.
+    def read_rank_doc(self, rank: int, manifest: Manifest) -> dict[str, Any]:
+        """The validated per-rank JSON document (``{"step", "rank", "world_size", "tree"}``) of ``rank``.
 
         Raises:
-            CheckpointCorruptError: the file is missing, not JSON, or has no ``tree``.
+            CheckpointCorruptError: the file is missing, not a regular file, too large, or malformed
+                (see :func:`torch_ckpt.format.parse_rank_doc`).
         """
         name = rank_file_name(rank)
         try:
-            doc = json.loads(self.read_bytes(name))
+            raw = self.read_bytes(name, MAX_RANK_JSON_BYTES)
         except FileNotFoundError as exc:
             raise CheckpointCorruptError(f"{self.describe(name)}: per-rank state file is missing") from exc
-        except (UnicodeDecodeError, ValueError) as exc:
-            raise CheckpointCorruptError(f"{self.describe(name)}: per-rank state file is not valid JSON "
-                                         f"({exc})") from exc
-        if not isinstance(doc, dict) or "tree" not in doc:
-            raise CheckpointCorruptError(f"{self.describe(name)}: per-rank state file has no 'tree'")
-        return doc
+        return parse_rank_doc(raw, self.describe(name), manifest, rank)
 
 
 def _as_location(where: str | os.PathLike | Location, storage_options: dict[str, Any] | None) -> Location:
@@ -241,6 +274,10 @@ def _require_dir(loc: Location) -> None:
         raise PathNotFoundError(f"{loc.describe()} does not exist")
     if not loc.is_dir():
         raise PathNotFoundError(f"{loc.describe()} is not a directory")
+
+
+def _dtype_name(dtype: Any) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def _iso(ts: float | None) -> str | None:
@@ -258,88 +295,3 @@ def _step_of(name: str) -> tuple[int | None, bool]:
     if t:
         return int(t.group(1)), True
     return None, False
-
-
-# ---------------------------------------------------------------------------------------------
-# walking the per-rank JSON trees
-
-
-def _walk(node: Any, path: tuple[str, ...]) -> Iterator[tuple[tuple[str, ...], str, Any]]:
-    """Yield ``(path, kind, node)`` for every leaf of a codec tree.
-
-    ``kind`` is "tensor" (a DCP placeholder), "inline" (a base64 rank-local tensor), "ndarray"
-    (a base64 numpy array) or "value" (anything else).
-    """
-    if isinstance(node, list):
-        for i, v in enumerate(node):
-            yield from _walk(v, path + (str(i),))
-        return
-    if not isinstance(node, dict):
-        yield path, "value", node
-        return
-    if len(node) == 1 and TENSOR_TAG in node:
-        if not isinstance(node[TENSOR_TAG], str):
-            raise ValueError(f"{'.'.join(path) or '<root>'}: tensor placeholder {node[TENSOR_TAG]!r} is not a key")
-        yield path, "tensor", node
-    elif _INLINE_TENSOR in node:
-        yield path, "inline", node
-    elif _NDARRAY in node:
-        yield path, "ndarray", node
-    elif _NPSCALAR in node or (len(node) == 1 and (_BYTES in node or _FLOAT in node)):
-        yield path, "value", node
-    elif len(node) == 1 and _TUPLE in node:
-        yield from _walk(node[_TUPLE], path)
-    elif len(node) == 1 and _DICT in node:
-        items = node[_DICT]
-        if not isinstance(items, list):
-            raise ValueError(f"{'.'.join(path) or '<root>'}: malformed {_DICT} node")
-        for item in items:
-            if not (isinstance(item, list) and len(item) == 2):
-                raise ValueError(f"{'.'.join(path) or '<root>'}: malformed {_DICT} item")
-            yield from _walk(item[1], path + (str(item[0]),))
-    else:
-        for k, v in node.items():
-            yield from _walk(v, path + (str(k),))
-
-
-def _numel(shape: Any) -> int:
-    if not isinstance(shape, (list, tuple)) or not all(isinstance(d, int) and d >= 0 for d in shape):
-        raise ValueError(f"invalid shape {shape!r}")
-    return math.prod(shape)
-
-
-def _torch_dtype(name: Any) -> Any:
-    import torch
-
-    dtype = getattr(torch, name, None) if isinstance(name, str) else None
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"unknown tensor dtype {name!r}")
-    return dtype
-
-
-def _dtype_name(dtype: Any) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def _inline_info(node: dict) -> tuple[list[int], str, int]:
-    """``(shape, dtype name, bytes)`` of an inline tensor node (validated)."""
-    dtype = _torch_dtype(node.get("dtype"))
-    shape = list(node.get("shape", []))
-    return shape, _dtype_name(dtype), _numel(shape) * dtype.itemsize
-
-
-def _ndarray_info(node: dict) -> tuple[list[int], str, int]:
-    import numpy as np
-
-    dtype = np.dtype(node.get("dtype"))
-    shape = list(node.get("shape", []))
-    return shape, dtype.name, _numel(shape) * dtype.itemsize
-
-
-def _b64_len(text: Any) -> int:
-    if not isinstance(text, str):
-        return -1
-    pad = len(text) - len(text.rstrip("="))
-    return len(text) * 3 // 4 - pad
-
-

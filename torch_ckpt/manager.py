@@ -423,7 +423,11 @@ class CheckpointManager:
     def _after_commit(self, step: int, final: Path, replicate: bool) -> None:
         if replicate and self._replicator is not None:
             self._replicator.submit(step, final)
-        self._apply_retention()
+        try:  # step is committed: a retention failure is reported as such and never fails the save
+            self._apply_retention()
+        except Exception as exc:  # noqa: BLE001
+            log.error("retention after committing step %d failed (the checkpoint at %s is committed; older "
+                      "checkpoints may remain): %s: %s", step, final, type(exc).__name__, exc)
 
     def _record_durable(self, step: int, local_dir: Path) -> None:
         try:

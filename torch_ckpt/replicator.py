@@ -35,16 +35,23 @@ class Replicator:
         backoff_initial_seconds: first retry delay (seconds); doubles up to ``backoff_max_seconds``.
         backoff_max_seconds: longest retry delay (seconds).
         on_durable: called with ``(step, local_dir)`` after a durable commit.
+        abandoned_after_seconds: after a durable commit (at most once per
+            ``min(abandoned_after_seconds, 1 h)``), delete step prefixes that have no manifest and
+            whose newest object is older than this (uploads abandoned by a crash); None never deletes
+            them. Steps this replicator has queued or is uploading are never touched.
     """
 
     def __init__(self, tier: DurableTier, *, retention: RetentionPolicy | None = None,
                  backoff_initial_seconds: float = 0.5, backoff_max_seconds: float = 30.0,
-                 on_durable: Callable[[int, Path], None] | None = None) -> None:
+                 on_durable: Callable[[int, Path], None] | None = None,
+                 abandoned_after_seconds: float | None = 24 * 3600.0) -> None:
         self.tier = tier
         self.retention = retention
         self._backoff0 = backoff_initial_seconds
         self._backoff_max = backoff_max_seconds
         self._on_durable = on_durable
+        self._abandoned_after = abandoned_after_seconds
+        self._last_abandoned_check: float | None = None
         self._cond = threading.Condition()
         self._pending: tuple[int, Path] | None = None
         self._active: int | None = None
@@ -134,6 +141,7 @@ class Replicator:
                 if self._on_durable is not None:
                     self._on_durable(step, local_dir)
                 self._apply_retention()
+                self._remove_abandoned()
             except Exception as exc:  # noqa: BLE001 - retried; surfaced through stats and warnings
                 with self._cond:
                     first = self._outage_since is None
@@ -167,3 +175,16 @@ class Replicator:
                 log.info("durable retention removed step %d from %s", step, self.tier.url)
         except Exception as exc:  # noqa: BLE001 - retention is retried after the next upload
             log.warning("durable retention on %s failed: %s", self.tier.url, exc)
+
+    def _remove_abandoned(self) -> None:
+        if self._abandoned_after is None:
+            return
+        now = time.monotonic()
+        if self._last_abandoned_check is not None and \
+                now - self._last_abandoned_check < min(self._abandoned_after, 3600.0):
+            return
+        self._last_abandoned_check = now
+        try:
+            self.tier.remove_abandoned(older_than_seconds=self._abandoned_after, exclude=self.busy_steps())
+        except Exception as exc:  # noqa: BLE001 - retried after a later upload
+            log.warning("removing abandoned uploads from %s failed: %s", self.tier.url, exc)

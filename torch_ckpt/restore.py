@@ -10,23 +10,16 @@ then write the live state. A restore that fails therefore leaves the live state 
 from __future__ import annotations
 
 import copy
-import json
 from collections.abc import Mapping, MutableMapping
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor
 
 from torch_ckpt._logging import get_logger
 from torch_ckpt.codec import TENSOR_TAG, join_state, split_state
-from torch_ckpt.dcp_io import (
-    SafeFileSystemReader,
-    SafeLoadPlanner,
-    file_crc32,
-    read_dcp_metadata,
-)
+from torch_ckpt.dcp_io import load_tensors
 from torch_ckpt.dist import DistContext, single_process_quiet
 from torch_ckpt.errors import (
     CheckpointCorruptError,
@@ -34,7 +27,8 @@ from torch_ckpt.errors import (
     ConfigError,
     StateMismatchError,
 )
-from torch_ckpt.layout import Manifest, rank_file_name
+from torch_ckpt.format import check_files, read_metadata, read_rank_tree
+from torch_ckpt.layout import Manifest
 
 __all__ = ["verify_files", "load_into", "copy_into_live", "RANK_LOCAL_POLICIES"]
 
@@ -46,26 +40,14 @@ RANK_LOCAL_POLICIES = ("error", "keep_live")
 def verify_files(step_dir: Path, manifest: Manifest, *, checksums: bool, part: int = 0, parts: int = 1) -> None:
     """Check every file listed in the manifest (this rank's share when ``parts`` > 1).
 
+    See :func:`torch_ckpt.format.check_files`: regular files inside the checkpoint, listed sizes,
+    and CRC-32 when ``checksums``.
+
     Raises:
-        CheckpointCorruptError: a file is missing, has the wrong size or the wrong CRC-32; the
-            message names the file.
+        CheckpointCorruptError: a file is missing, a symlink, has the wrong size or the wrong
+            CRC-32; the message names the file.
     """
-    for i, (name, info) in enumerate(sorted(manifest.files.items())):
-        if i % parts != part:
-            continue
-        path = step_dir / name
-        if path.resolve().parent != step_dir.resolve():
-            raise CheckpointCorruptError(f"{step_dir}: manifest lists {name!r}, which is outside the checkpoint")
-        if not path.is_file():
-            raise CheckpointCorruptError(f"{path}: file listed in the manifest is missing")
-        size = path.stat().st_size
-        if size != info["bytes"]:
-            raise CheckpointCorruptError(f"{path}: size {size} bytes, manifest says {info['bytes']} (truncated?)")
-        if checksums:
-            _, crc = file_crc32(path)
-            if crc != info["crc32"]:
-                raise CheckpointCorruptError(f"{path}: CRC-32 {crc:#010x} does not match the manifest "
-                                             f"({info['crc32']:#010x}); the file is corrupt")
+    check_files(step_dir, manifest, checksums=checksums, part=part, parts=parts)
 
 
 def _tensor_keys(tree: Any) -> set[str]:
@@ -121,15 +103,8 @@ def _structure_keys(tree: Any, *, deep: bool) -> set[str]:
     return keys
 
 
-def _read_rank_tree(step_dir: Path, rank: int) -> Any:
-    path = step_dir / rank_file_name(rank)
-    try:
-        doc = json.loads(path.read_bytes())
-        return doc["tree"]
-    except FileNotFoundError as exc:
-        raise CheckpointCorruptError(f"{path}: per-rank state file is missing") from exc
-    except (ValueError, KeyError, TypeError) as exc:
-        raise CheckpointCorruptError(f"{path}: per-rank state file is unreadable ({exc})") from exc
+def _read_rank_tree(step_dir: Path, manifest: Manifest, rank: int) -> Any:
+    return read_rank_tree(step_dir, manifest, rank)
 
 
 def _assign(target: MutableMapping, loaded: Mapping) -> None:
@@ -201,9 +176,12 @@ def load_into(state: Any, step_dir: Path, manifest: Manifest, ctx: DistContext, 
     """
     if on_world_size_change not in RANK_LOCAL_POLICIES:
         raise ConfigError(f"on_world_size_change must be one of {RANK_LOCAL_POLICIES}, got {on_world_size_change!r}")
+    same_world = manifest.world_size == ctx.world_size
     err = None
-    try:
+    try:  # every rank's reads and checks are agreed on before any rank loads anything
         verify_files(step_dir, manifest, checksums=verify, part=ctx.rank, parts=ctx.world_size)
+        md = read_metadata(step_dir, manifest)
+        tree = _read_rank_tree(step_dir, manifest, ctx.rank if same_world else 0)
     except CheckpointError as exc:
         err = exc
     errors = [e for e in ctx.all_gather(None if err is None else str(err), what="verify") if e]
@@ -216,13 +194,11 @@ def load_into(state: Any, step_dir: Path, manifest: Manifest, ctx: DistContext, 
     rank_local = tuple(getattr(state, "rank_local_keys", ()))
     live_tensors, live_tree = split_state(live_sd, rank_local_keys=rank_local)
 
-    same_world = manifest.world_size == ctx.world_size
     if not same_world and rank_local and on_world_size_change == "error":
         raise ConfigError(
             f"{step_dir} was saved with world size {manifest.world_size}, this run has {ctx.world_size}: the "
             f"rank-local state {list(rank_local)} (RNG, dataloader position) cannot be mapped to the new ranks. "
             "Pass on_world_size_change='keep_live' to CheckpointManager to keep this run's own rank-local state.")
-    tree = _read_rank_tree(step_dir, ctx.rank if same_world else 0)
     if not same_world:
         for key in rank_local:
             if isinstance(live_tree, dict) and key in live_tree:
@@ -241,12 +217,6 @@ def load_into(state: Any, step_dir: Path, manifest: Manifest, ctx: DistContext, 
             f"{' ...' if len(missing) > 20 else ''}; unexpected in checkpoint: {unexpected[:20]}"
             f"{' ...' if len(unexpected) > 20 else ''}. Build the same model/optimizer as the saved run.",
             missing=missing, unexpected=unexpected)
-    md = read_dcp_metadata(step_dir / ".metadata")
-    for info in (md.storage_data or {}).values():
-        name = getattr(info, "relative_path", None)
-        if name not in manifest.files:  # a tampered .metadata pointing at unverified (or outside) files
-            raise CheckpointCorruptError(f"{step_dir}/.metadata: tensor data stored in {name!r}, which the manifest "
-                                         "does not list; refusing unverified data")
     saved_meta: dict[str, torch.Tensor] = {}
     for key in sorted(saved_tensor_keys):
         smd = md.state_dict_metadata.get(key)
@@ -293,8 +263,8 @@ def load_into(state: Any, step_dir: Path, manifest: Manifest, ctx: DistContext, 
 
     if targets:
         with single_process_quiet(not ctx.enabled):
-            dcp.load(targets, storage_reader=SafeFileSystemReader(step_dir), planner=SafeLoadPlanner(),
-                     process_group=ctx.fg if ctx.enabled else None, no_dist=not ctx.enabled)
+            load_tensors(targets, step_dir, md, set(manifest.files), process_group=ctx.fg if ctx.enabled else None,
+                         no_dist=not ctx.enabled)
     # every read succeeded: from here on the live state is written
     if staged_aware:
         state.load_state_dict(join_state(tree, targets))

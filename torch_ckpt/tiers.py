@@ -9,8 +9,10 @@ first. Locations stay URL strings end to end; no URL ever goes through ``pathlib
 
 from __future__ import annotations
 
+import datetime as _dt
 import json
 import os
+import time
 import zlib
 from pathlib import Path
 from typing import Any
@@ -20,13 +22,30 @@ import fsspec
 from torch_ckpt._logging import get_logger
 from torch_ckpt._progress import progress_bar
 from torch_ckpt.errors import CheckpointCorruptError, CheckpointError, ConfigError
+from torch_ckpt.format import MAX_MANIFEST_BYTES, parse_manifest
 from torch_ckpt.layout import MANIFEST_NAME, Manifest, commit_dir, step_dir_name
 
-__all__ = ["DurableTier", "DurableUnavailableError"]
+__all__ = ["DurableTier", "DurableUnavailableError", "object_mtime"]
 
 log = get_logger(__name__)
 
 _CHUNK_BYTES = 8 << 20
+
+
+def object_mtime(info: dict[str, Any]) -> float | None:
+    """Modification time (Unix seconds) of an fsspec ``info``/``ls`` entry, whatever the backend names it."""
+    for key in ("mtime", "LastModified", "last_modified", "updated", "created"):
+        value = info.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+            return float(value)
+        if isinstance(value, _dt.datetime):
+            return value.timestamp() if value.tzinfo else value.replace(tzinfo=_dt.timezone.utc).timestamp()
+        if isinstance(value, str) and value:
+            try:
+                return _dt.datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
+            except ValueError:
+                continue
+    return None
 
 
 class DurableUnavailableError(CheckpointError, ConnectionError):
@@ -113,14 +132,94 @@ class DurableTier:
         return dict(sorted(found.items()))
 
     def read_manifest(self, step: int) -> Manifest:
-        """Read the durable manifest of ``step`` (FileNotFoundError when absent)."""
+        """Read and validate the durable manifest of ``step`` (bounded; see :mod:`torch_ckpt.format`).
+
+        Raises:
+            FileNotFoundError: there is none (the step is not committed in this tier).
+            CheckpointCorruptError: it is too large or not a valid manifest (the URL is named).
+        """
         path = self._path(step_dir_name(step), MANIFEST_NAME)
+        source = f"{self.url}/{step_dir_name(step)}/{MANIFEST_NAME}"
         with self.fs.open(path, "rb") as f:
-            raw = f.read()
+            size = getattr(f, "size", None)
+            if isinstance(size, int) and size > MAX_MANIFEST_BYTES:
+                raise CheckpointCorruptError(f"{source}: manifest is {size} bytes, more than the "
+                                             f"{MAX_MANIFEST_BYTES} accepted")
+            raw = f.read(MAX_MANIFEST_BYTES + 1 if not isinstance(size, int) else size + 1)
+        return parse_manifest(raw, source)
+
+    # -- abandoned uploads ---------------------------------------------------------------------
+    def abandoned_uploads(self, *, older_than_seconds: float, exclude: set[int] | frozenset[int] = frozenset(),
+                          now: float | None = None) -> dict[int, float]:
+        """``{step: age in seconds}`` of step prefixes without a manifest whose newest object is older
+        than ``older_than_seconds``.
+
+        A prefix whose objects carry no modification time, or any object younger than the limit, may
+        still be uploading and is never returned; nor is any step in ``exclude``.
+
+        Raises:
+            DurableUnavailableError: the store cannot be listed.
+        """
+        self._refresh()
+        now = time.time() if now is None else now
         try:
-            return Manifest.from_json(json.loads(raw), f"{self.url}/{step_dir_name(step)}/{MANIFEST_NAME}")
-        except json.JSONDecodeError as exc:
-            raise CheckpointCorruptError(f"{self.url}/{step_dir_name(step)}/{MANIFEST_NAME}: invalid JSON") from exc
+            if not self.fs.exists(self.root):
+                return {}
+            entries = self.fs.ls(self.root, detail=False)
+        except FileNotFoundError:
+            return {}
+        except Exception as exc:  # noqa: BLE001 - any backend error here means "unreachable"
+            raise DurableUnavailableError(f"cannot list durable tier {self.url}: {exc}") from exc
+        found: dict[int, float] = {}
+        for entry in entries:
+            name = entry.rstrip("/").rsplit("/", 1)[-1]
+            if not name.startswith("step_") or not name[5:].isdigit() or int(name[5:]) in exclude \
+                    or name != step_dir_name(int(name[5:])):
+                continue
+            age = self._idle_seconds(int(name[5:]), now)
+            if age is not None and age > older_than_seconds:
+                found[int(name[5:])] = age
+        return found
+
+    def _idle_seconds(self, step: int, now: float) -> float | None:
+        """Seconds since the newest object of an uncommitted step prefix was written; None when the
+        step is committed, empty, or an object's time is unknown (it may still be uploading)."""
+        prefix = self._path(step_dir_name(step))
+        try:
+            objects = self.fs.find(prefix, detail=True)
+        except FileNotFoundError:
+            return None
+        except Exception as exc:  # noqa: BLE001
+            raise DurableUnavailableError(f"cannot list {self.describe(step)}: {exc}") from exc
+        if any(str(path).rstrip("/").endswith("/" + MANIFEST_NAME) for path in objects):
+            return None  # committed (or being deleted manifest-first by retention)
+        times = [object_mtime(info) for info in objects.values()]
+        if not times or any(t is None for t in times):
+            return None
+        return now - max(times)
+
+    def remove_abandoned(self, *, older_than_seconds: float, exclude: set[int] | frozenset[int] = frozenset(),
+                         now: float | None = None) -> list[int]:
+        """Delete the step prefixes :meth:`abandoned_uploads` returns; returns their steps.
+
+        Each prefix is listed again right before its deletion and kept if a manifest or a new
+        object appeared meanwhile. ``now`` (Unix seconds) defaults to the current time.
+
+        Raises:
+            DurableUnavailableError: the store cannot be listed.
+        """
+        removed = []
+        for step in sorted(self.abandoned_uploads(older_than_seconds=older_than_seconds, exclude=exclude, now=now)):
+            self._refresh()
+            age = self._idle_seconds(step, time.time() if now is None else now)
+            if age is None or age <= older_than_seconds:
+                continue
+            self.fs.rm(self._path(step_dir_name(step)), recursive=True)
+            removed.append(step)
+            log.warning("durable tier %s: removed abandoned upload of step %d (no manifest, untouched for %.0f s)",
+                        self.url, step, age)
+        self._refresh()
+        return removed
 
     # -- upload --------------------------------------------------------------------------------
     def _remote_crc(self, path: str) -> tuple[int, int]:

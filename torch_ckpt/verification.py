@@ -6,33 +6,25 @@ and tensor payloads are never loaded.
 
 from __future__ import annotations
 
-import math
 import os
 import re
 from typing import Any
 
-from torch_ckpt.codec import (  # the on-disk tags of the per-rank JSON trees
-    _INLINE_TENSOR,
-    _NDARRAY,
-    TENSOR_TAG,
-)
+from torch_ckpt.codec import TENSOR_TAG
 from torch_ckpt.errors import (
     CheckpointCorruptError,
     CheckpointNotFoundError,
     UnsafeCheckpointError,
 )
+from torch_ckpt.format import metadata_problems, rank_file_problems, walk_tree
 from torch_ckpt.layout import MANIFEST_NAME, Manifest, rank_file_name
 from torch_ckpt.location import (  # private helpers shared by the read-only tools
     _METADATA,
     PARTIAL,
     Location,
     _as_location,
-    _b64_len,
-    _inline_info,
-    _ndarray_info,
     _require_dir,
     _step_of,
-    _walk,
     progress_bar,
 )
 
@@ -59,9 +51,12 @@ def _check_files(loc: Location, manifest: Manifest, listing: dict[str, dict[str,
                  checksums: bool, bar: Any) -> None:
     for name, info in sorted(manifest.files.items()):
         entry = listing.get(name)
-        if entry is None or entry["type"] != "file":
-            rep.problem(name, "listed in the manifest but missing" if entry is None else
-                        "listed in the manifest as a file but is a directory")
+        kind = None if entry is None else entry["type"]
+        if kind != "file":
+            rep.problem(name, {None: "listed in the manifest but missing",
+                               "directory": "listed in the manifest as a file but is a directory",
+                               "symlink": "is a symbolic link; restore reads only regular files inside the checkpoint",
+                               }.get(kind, "listed in the manifest but is not a regular file"))
             bar.update(info["bytes"])
             continue
         if entry["size"] != info["bytes"]:
@@ -72,8 +67,8 @@ def _check_files(loc: Location, manifest: Manifest, listing: dict[str, dict[str,
         if checksums:
             try:
                 size, crc = loc.checksum(name, bar)
-            except OSError as exc:
-                rep.problem(name, f"cannot be read ({exc})")
+            except (OSError, CheckpointCorruptError) as exc:
+                rep.problem(name, f"cannot be read ({_strip(loc, name, exc)})")
                 continue
             if size != info["bytes"]:
                 rep.problem(name, f"read {size} bytes, manifest says {info['bytes']}")
@@ -85,92 +80,58 @@ def _check_files(loc: Location, manifest: Manifest, listing: dict[str, dict[str,
             rep.warning(name, f"{entry['type']} not listed in the manifest (ignored on restore)")
 
 
+def _strip(loc: Location, name: str, exc: BaseException) -> str:
+    """The message of ``exc`` without its leading file name (the report names the file)."""
+    return str(exc).replace(loc.describe(name) + ": ", "")
+
+
 def _check_structure(loc: Location, manifest: Manifest, listing: dict[str, dict[str, Any]], rep: _Report) -> int:
-    """DCP metadata and per-rank trees; returns the number of DCP tensors."""
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    """DCP metadata and per-rank trees, with the checks a restore makes; returns the number of DCP tensors."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
     md = None
     if _METADATA not in manifest.files:
         rep.problem(_METADATA, "DCP metadata is not listed in the manifest")
-    if _METADATA in listing:
+    elif not any(p["file"] == _METADATA for p in rep.problems):  # else: already missing, truncated or corrupt
         try:
             md = loc.read_metadata(_METADATA)
         except (UnsafeCheckpointError, CheckpointCorruptError) as exc:
-            rep.problem(_METADATA, str(exc).replace(loc.describe(_METADATA) + ": ", ""))
+            rep.problem(_METADATA, _strip(loc, _METADATA, exc))
         except OSError as exc:
             rep.problem(_METADATA, f"cannot be read ({exc})")
     tensors: dict[str, Any] = {}
     if md is not None:
-        for key, item in md.state_dict_metadata.items():
-            if isinstance(item, TensorStorageMetadata):
-                tensors[key] = item
-            else:
-                rep.warning(_METADATA, f"item {key!r} is a pickled object; torch-ckpt never writes those and refuses "
-                                       "to load them")
-        stored: set[tuple[str, tuple[int, ...]]] = set()
-        for index, info in md.storage_data.items():
-            rel = str(getattr(info, "relative_path", ""))
-            if index.offset is not None:
-                stored.add((index.fqn, tuple(index.offset)))
-            if rel not in manifest.files:
-                rep.problem(_METADATA, f"item {index.fqn!r} is stored in {rel!r}, which the manifest does not list")
-                continue
-            end = int(info.offset) + int(info.length)
-            if end > manifest.files[rel]["bytes"]:
-                rep.problem(rel, f"item {index.fqn!r} is stored at bytes {info.offset}..{end}, past the end of the "
-                                 f"file ({manifest.files[rel]['bytes']} bytes)")
-        for key, item in tensors.items():
-            covered = 0
-            for chunk in item.chunks:
-                if (key, tuple(chunk.offsets)) not in stored:
-                    rep.problem(_METADATA, f"tensor {key!r}: the chunk at offset {list(chunk.offsets)} has no "
-                                           "storage entry")
-                covered += math.prod(chunk.sizes)
-            if covered != math.prod(item.size):
-                rep.problem(_METADATA, f"tensor {key!r}: chunks hold {covered} of {math.prod(item.size)} elements")
+        problems, tensors = metadata_problems(md, manifest)
+        for file, text in problems:
+            rep.problem(file, text)
+        if not problems:
+            for key, item in md.state_dict_metadata.items():
+                if isinstance(item, BytesStorageMetadata):
+                    rep.warning(_METADATA, f"item {key!r} is a pickled object; torch-ckpt never writes those and "
+                                           "refuses to load them")
 
     referenced: set[str] = set()
     trees_read = 0
-    if manifest.world_size < 1:
-        rep.problem(MANIFEST_NAME, f"world size {manifest.world_size} is not positive")
-    for rank in range(manifest.world_size):
+    rank_problems = rank_file_problems(manifest)
+    for file, text in rank_problems:
+        rep.problem(file, text)
+    ranks = range(manifest.world_size) if not rank_problems or rank_problems[0][0] != MANIFEST_NAME else range(0)
+    for rank in ranks:
         name = rank_file_name(rank)
-        if name not in manifest.files:
-            rep.problem(name, f"per-rank state file of rank {rank} is not listed in the manifest (world size "
-                              f"{manifest.world_size})")
-            continue
-        if name not in listing or any(p["file"] == name for p in rep.problems):
-            continue  # already reported as missing, truncated or corrupt
+        if name not in manifest.files or name not in listing or any(p["file"] == name for p in rep.problems):
+            continue  # already reported as unlisted, missing, truncated or corrupt
         try:
-            doc = loc.read_rank_doc(rank)
+            doc = loc.read_rank_doc(rank, manifest)
         except (CheckpointCorruptError, OSError) as exc:
-            rep.problem(name, str(exc).replace(loc.describe(name) + ": ", ""))
+            rep.problem(name, _strip(loc, name, exc))
             continue
-        for field, want in (("rank", rank), ("step", manifest.step), ("world_size", manifest.world_size)):
-            if doc.get(field) != want:
-                rep.problem(name, f"{field} is {doc.get(field)!r}, expected {want!r}")
-        try:
-            for path, kind, node in _walk(doc["tree"], ()):
-                where = ".".join(path) or "<root>"
-                if kind == "tensor":
-                    key = node[TENSOR_TAG]
-                    referenced.add(key)
-                    if md is not None and key not in tensors:
-                        rep.problem(name, f"state key {where!r} refers to tensor {key!r}, which the DCP metadata "
-                                          "does not hold")
-                elif kind in ("inline", "ndarray"):
-                    try:
-                        _, _, nbytes = (_inline_info if kind == "inline" else _ndarray_info)(node)
-                    except (ValueError, TypeError) as exc:
-                        rep.problem(name, f"state key {where!r}: {exc}")
-                        continue
-                    got = _b64_len(node.get(_INLINE_TENSOR if kind == "inline" else _NDARRAY))
-                    if got != nbytes:
-                        rep.problem(name, f"state key {where!r}: embedded data holds {got} bytes, its shape and "
-                                          f"dtype need {nbytes}")
-        except (ValueError, TypeError, KeyError, AttributeError, RecursionError) as exc:
-            rep.problem(name, f"malformed state tree ({exc})")
-            continue
+        for path, kind, node in walk_tree(doc["tree"]):
+            if kind == "tensor":
+                key = node[TENSOR_TAG]
+                referenced.add(key)
+                if md is not None and key not in tensors:
+                    rep.problem(name, f"state key {'.'.join(path) or '<root>'!r} refers to tensor {key!r}, which the "
+                                      "DCP metadata does not hold (as a valid tensor)")
         trees_read += 1
     for name in sorted(manifest.files):
         m = re.match(r"^rank_(\d+)\.json$", name)
