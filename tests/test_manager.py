@@ -451,3 +451,25 @@ def test_read_only_manager_of_a_missing_root_is_not_found(tmp_path):
     with pytest.raises(CheckpointNotFoundError, match="nowhere"):
         CheckpointManager(tmp_path / "nowhere", read_only=True)
     assert not (tmp_path / "nowhere").exists()
+
+
+@pytest.mark.parametrize("kind", ["dict", "list", "tuple", "int_keyed_dict", "int_keyed_tuple"])
+def test_state_nested_to_the_codec_limit_restores(tmp_path, kind):
+    """Every container kind nested MAX_DEPTH deep (the most save() accepts) passes restore's bounded parsing."""
+    from torch_ckpt.codec import MAX_DEPTH
+
+    wrap = {"dict": lambda v: {"k": v}, "list": lambda v: [v], "tuple": lambda v: (v,),
+            "int_keyed_dict": lambda v: {1: v}, "int_keyed_tuple": lambda v: {2: (v,)}}[kind]
+
+    def nest(leaf):
+        for _ in range((MAX_DEPTH - 2) // (2 if kind == "int_keyed_tuple" else 1)):
+            leaf = wrap(leaf)
+        return leaf
+
+    value = nest(1)
+    with CheckpointManager(tmp_path) as mgr:
+        mgr.save(1, {"w": torch.ones(2), "x": value}).wait()
+    live = {"w": torch.zeros(2), "x": nest(0)}
+    with CheckpointManager(tmp_path, read_only=True) as mgr:
+        assert mgr.restore(live) == 1
+    assert live["x"] == value and torch.equal(live["w"], torch.ones(2))

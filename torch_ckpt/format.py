@@ -75,8 +75,12 @@ MAX_MANIFEST_INT_DIGITS = 20
 """Longest integer in a manifest (digits); sizes, steps and CRCs fit in 64 bits."""
 MAX_RANK_JSON_BYTES = 4 << 30
 """Largest per-rank JSON file read (bytes)."""
-MAX_STATE_DEPTH = 200
-"""Deepest nesting of containers in a per-rank JSON file (the saved state's nesting plus tags)."""
+MAX_STATE_DEPTH = 400
+"""Deepest nesting of containers in a per-rank JSON file (the saved state's nesting plus tags).
+
+``codec.split_state`` refuses states nested deeper than ``codec.MAX_DEPTH`` (100) containers; one
+container encodes to at most 3 JSON levels (tag object, item list, key/value pair), plus the document's
+own wrapper, so everything ``save()`` accepts stays below this bound and restores."""
 MAX_STATE_INT_DIGITS = 4300
 """Longest integer in a per-rank JSON file (digits): Python's default int/str conversion limit."""
 MAX_METADATA_BYTES = 1 << 30
