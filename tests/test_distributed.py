@@ -359,3 +359,32 @@ def _fsdp2_initial_save_and_fresh_restore(rank, world, root):
 def test_fsdp2_initial_save_changes_nothing_and_fresh_optimizer_restores(tmp_path):
     """FSDP2, 2 ranks: a save before the first step changes nothing later; a fresh optimizer restores the state."""
     run_distributed(_fsdp2_initial_save_and_fresh_restore, 2, str(tmp_path))
+
+
+def _background_staging_fails_on_rank1(rank, world, root):
+    import time
+
+    model = torch.nn.parallel.DistributedDataParallel(_model())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    _train(model, opt)
+    with CheckpointManager(root, timeout_seconds=60, overlap_staging=True) as mgr:
+        ck = mgr.checkpointer
+        if rank == 1:
+            def broken(job, handle):
+                raise RuntimeError("simulated copy failure on rank 1")
+            ck._stage = broken
+        t0 = time.monotonic()
+        handle = mgr.save(1, TrainState(model=model, optimizer=opt))
+        with pytest.raises(CheckpointError, match="rank 1"):
+            mgr.wait()
+        assert time.monotonic() - t0 < 30, "the healthy rank waited for the collective timeout"
+        assert handle.committed.exception() is not None
+        if rank == 1:
+            del ck._stage
+        mgr.save(2, TrainState(model=model, optimizer=opt)).wait()
+        assert mgr.all_steps() == [2]
+
+
+def test_background_staging_failure_on_one_rank_fails_every_rank_at_once(tmp_path):
+    """overlap_staging: rank 1's background copy fails; both ranks fail step 1 within seconds; step 2 commits."""
+    run_distributed(_background_staging_fails_on_rank1, 2, str(tmp_path), timeout_s=120)

@@ -83,13 +83,13 @@ def test_mismatch_leaves_a_fresh_optimizer_without_state(tmp_path):
 
 def test_read_failure_after_data_arrived_leaves_everything_untouched(saved, monkeypatch):
     """DCP failing after it wrote some tensors leaves model, optimizer, scheduler, RNG and loader as they were."""
-    real_load = restore_mod.dcp.load
+    real_load = restore_mod.load_tensors
 
-    def load_then_fail(state_dict, **kwargs):
-        real_load(state_dict, **kwargs)
+    def load_then_fail(*args, **kwargs):
+        real_load(*args, **kwargs)
         raise OSError("disk went away mid-read")
 
-    monkeypatch.setattr(restore_mod.dcp, "load", load_then_fail)
+    monkeypatch.setattr(restore_mod, "load_tensors", load_then_fail)
     model, opt, sched = _trained(seed=3)
     loader = _Loader(1)
     before = _snapshot(model, opt, sched, loader)
@@ -161,13 +161,13 @@ def test_plain_dict_state_is_untouched_when_the_read_fails(tmp_path, monkeypatch
     """A dict state keeps its tensors when DCP fails after writing into its buffers."""
     with CheckpointManager(tmp_path) as mgr:
         mgr.save(1, {"w": torch.ones(3), "n": 1}).wait()
-    real_load = restore_mod.dcp.load
+    real_load = restore_mod.load_tensors
 
-    def load_then_fail(state_dict, **kwargs):
-        real_load(state_dict, **kwargs)
+    def load_then_fail(*args, **kwargs):
+        real_load(*args, **kwargs)
         raise OSError("read failed")
 
-    monkeypatch.setattr(restore_mod.dcp, "load", load_then_fail)
+    monkeypatch.setattr(restore_mod, "load_tensors", load_then_fail)
     live = {"w": torch.zeros(3), "n": 0}
     with CheckpointManager(tmp_path) as mgr, pytest.raises(OSError):
         mgr.restore(live)

@@ -399,22 +399,28 @@ class AsyncCheckpointer:
 
     def _run_job(self, job: _SaveJob, handle: SaveHandle) -> None:
         try:
+            failed = None
             if not handle.staged.done():
                 try:
                     self._stage(job, handle)
                 except BaseException as exc:
                     handle.staged.set_exception(exc)
-                    raise
+                    if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                        raise
+                    # still join the persist collectives, so every rank fails this step at once
+                    failed, job.to_write, job.layout = f"{type(exc).__name__}: {exc}", {}, ()
             t_start = time.monotonic()
             timings = {"staging_s": handle.stats.staging_s}
-            if self._process_writer is not None and job.fits:
+            if self._process_writer is not None and (job.fits or failed is not None):
                 fields = dict(final=job.final, step=job.step, tree=job.tree, tensor_bytes=handle.stats.bytes,
-                              thread_count=self.thread_count, timings=timings, incarnation=self._incarnation)
-                final = self._process_writer.persist(arena=self._stager.arena, layout=job.layout, fields=fields)
+                              thread_count=self.thread_count, timings=timings, incarnation=self._incarnation,
+                              failed=failed)
+                final = self._process_writer.persist(arena=None if failed else self._stager.arena,
+                                                     layout=job.layout, fields=fields)
             else:
                 req = PersistRequest(final=job.final, step=job.step, tensors=job.to_write, tree=job.tree,
                                      tensor_bytes=handle.stats.bytes, thread_count=self.thread_count,
-                                     timings=timings, incarnation=self._incarnation)
+                                     timings=timings, incarnation=self._incarnation, failed=failed)
                 final = persist_checkpoint(req, self._ctx)
             stats = handle.stats
             stats.persist_s = time.monotonic() - t_start

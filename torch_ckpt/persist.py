@@ -44,6 +44,9 @@ class PersistRequest:
     value is used; None draws a fresh id for this save). ``owner_alive``, when given, is asked
     before the write starts, before the ranks agree on it and right before the commit; once it
     returns False the save fails and nothing is committed (a writer process whose trainer died).
+    ``failed`` marks a save whose staging already failed on this rank: the rank still joins every
+    collective (so the other ranks learn of it at once instead of waiting for the timeout), writes
+    nothing, and the save fails on every rank with this message.
     """
 
     final: Path
@@ -55,6 +58,7 @@ class PersistRequest:
     timings: dict[str, float] | None = None
     incarnation: str | None = None
     owner_alive: Callable[[], bool] | None = None
+    failed: str | None = None
 
 
 def _describe(exc: BaseException) -> str:
@@ -136,8 +140,11 @@ def persist_checkpoint(req: PersistRequest, ctx: DistContext) -> Path:
     try:
         writer = ChecksumFileSystemWriter(tmp, thread_count=req.thread_count, sync_files=True)
         with single_process_quiet(not ctx.enabled):
-            dcp.save(req.tensors, storage_writer=writer, planner=DefaultSavePlanner(),
+            # a rank whose staging failed still takes part in DCP's collectives, with nothing to write
+            dcp.save(req.tensors if req.failed is None else {}, storage_writer=writer, planner=DefaultSavePlanner(),
                      process_group=ctx.bg if ctx.enabled else None, no_dist=not ctx.enabled)
+        if req.failed is not None:
+            raise CheckpointWriteError(f"staging step {req.step} failed on rank {ctx.rank}: {req.failed}")
         rank_doc = {"step": req.step, "rank": ctx.rank, "world_size": ctx.world_size, "tree": req.tree}
         size, crc = write_json_durable(tmp / rank_file_name(ctx.rank), rank_doc)
         files = {name: {"bytes": b, "crc32": c} for name, (b, c) in writer.written_files.items()}
