@@ -98,21 +98,27 @@ class DurableTier:
             self.fs.invalidate_cache()
 
     # -- listing -------------------------------------------------------------------------------
-    def list_steps(self) -> dict[int, Manifest]:
-        """``{step: manifest}`` of committed durable checkpoints.
+    def _list_root(self) -> list[str]:
+        """Entries directly under the durable root ([] when it does not exist yet).
 
         Raises:
             DurableUnavailableError: the store cannot be listed (distinct from an empty root).
         """
         self._refresh()
         try:
-            if not self.fs.exists(self.root):
-                return {}
-            entries = self.fs.ls(self.root, detail=False)
+            return self.fs.ls(self.root, detail=False) if self.fs.exists(self.root) else []
         except FileNotFoundError:
-            return {}
+            return []
         except Exception as exc:  # noqa: BLE001 - any backend error here means "unreachable"
             raise DurableUnavailableError(f"cannot list durable tier {self.url}: {exc}") from exc
+
+    def list_steps(self) -> dict[int, Manifest]:
+        """``{step: manifest}`` of committed durable checkpoints.
+
+        Raises:
+            DurableUnavailableError: the store cannot be listed (distinct from an empty root).
+        """
+        entries = self._list_root()
         found: dict[int, Manifest] = {}
         for entry in entries:
             name = entry.rstrip("/").rsplit("/", 1)[-1]
@@ -160,16 +166,8 @@ class DurableTier:
         Raises:
             DurableUnavailableError: the store cannot be listed.
         """
-        self._refresh()
         now = time.time() if now is None else now
-        try:
-            if not self.fs.exists(self.root):
-                return {}
-            entries = self.fs.ls(self.root, detail=False)
-        except FileNotFoundError:
-            return {}
-        except Exception as exc:  # noqa: BLE001 - any backend error here means "unreachable"
-            raise DurableUnavailableError(f"cannot list durable tier {self.url}: {exc}") from exc
+        entries = self._list_root()
         found: dict[int, float] = {}
         for entry in entries:
             name = entry.rstrip("/").rsplit("/", 1)[-1]
