@@ -7,6 +7,7 @@ import sys
 import textwrap
 import threading
 
+import numpy as np
 import psutil
 import pytest
 import torch
@@ -473,3 +474,16 @@ def test_state_nested_to_the_codec_limit_restores(tmp_path, kind):
     with CheckpointManager(tmp_path, read_only=True) as mgr:
         assert mgr.restore(live) == 1
     assert live["x"] == value and torch.equal(live["w"], torch.ones(2))
+
+
+@pytest.mark.parametrize("key", [1, None, (1, "a"), 1.5, b"k", np.str_("s"), np.int64(3), False, frozenset({2, 3}),
+                                 complex(1, 2), ((1, 2), (b"x",))], ids=repr)
+def test_dict_with_any_supported_key_type_restores_through_the_manager(tmp_path, key):
+    """A dict keyed by any key type save() accepts passes restore's validation and comes back exactly."""
+    with CheckpointManager(tmp_path, keep_last=1) as mgr:
+        mgr.save(1, TrainState(model=torch.nn.Linear(2, 2), extras={"counts": {key: 5, "plain": 1}})).wait()
+    live = TrainState(model=torch.nn.Linear(2, 2), extras={})
+    with CheckpointManager(tmp_path, read_only=True) as mgr:
+        assert mgr.restore(live) == 1
+    (got,) = [k for k in live.extras["counts"] if k != "plain"]
+    assert got == key and type(got) is type(key)

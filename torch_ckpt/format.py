@@ -543,9 +543,13 @@ def walk_tree(tree: Any, path: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str
             elif len(node) == 1 and _DICT in node:
                 items = node[_DICT]
                 if not isinstance(items, list) or not all(isinstance(it, list) and len(it) == 2 and
-                                                          not isinstance(it[0], (dict, list)) for it in items):
+                                                          not isinstance(it[0], list) for it in items):
                     raise _Malformed(f"malformed {_DICT} node")
-                stack.extend((it[1], where + (str(it[0]),)) for it in reversed(items))
+                for key, value in reversed(items):  # a key is an encoded value too (tuple, bytes, numpy...)
+                    label = str(key) if not isinstance(key, dict) else f"<key {_short(key)}>"
+                    stack.append((value, where + (label,)))
+                    if isinstance(key, dict):
+                        stack.append((key, where + (label,)))
             else:
                 stack.extend((v, where + (str(k),)) for k, v in reversed(list(node.items())))
         except _Malformed as exc:
