@@ -183,3 +183,41 @@ def test_plain_dict_dtype_mismatch_is_refused(tmp_path):
                                                                                      "live torch.float64"):
         mgr.restore(live)
     assert torch.equal(live["w"], torch.zeros(3, dtype=torch.float64))
+
+
+def _rewrite_rank_tree(step_dir, edit):
+    """Apply ``edit`` to rank 0's state tree and re-checksum the file in the manifest (a consistent forgery)."""
+    import json
+    import zlib
+
+    path = step_dir / "rank_00000.json"
+    doc = json.loads(path.read_text())
+    edit(doc["tree"])
+    raw = json.dumps(doc).encode()
+    path.write_bytes(raw)
+    manifest = json.loads((step_dir / "manifest.json").read_text())
+    manifest["files"]["rank_00000.json"] = {"bytes": len(raw), "crc32": zlib.crc32(raw)}
+    (step_dir / "manifest.json").write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize("edit", [lambda t: t.__setitem__("extras", [1]), lambda t: t.__setitem__("step", "x"),
+                                  lambda t: t.__setitem__("epoch", True)], ids=["extras_list", "step_str", "epoch_bool"])
+def test_malformed_trainstate_fields_are_corrupt_and_change_nothing(tmp_path, edit):
+    """A rank tree whose step/epoch/extras has the wrong type is corrupt: nothing changes and resume falls back."""
+    from torch_ckpt import CheckpointCorruptError
+    from torch_ckpt.layout import step_dir_name
+
+    model, opt, sched = _trained()
+    with CheckpointManager(tmp_path) as mgr:
+        mgr.save(1, TrainState(model=model, optimizer=opt, scheduler=sched, extras={"a": 1})).wait()
+        mgr.save(2, TrainState(model=model, optimizer=opt, scheduler=sched, extras={"a": 2})).wait()
+    _rewrite_rank_tree(tmp_path / step_dir_name(2), edit)
+    live_model, live_opt, live_sched = _trained(seed=7)
+    live = TrainState(model=live_model, optimizer=live_opt, scheduler=live_sched, extras={"mine": 0})
+    before = _snapshot(live_model, live_opt, live_sched)
+    with CheckpointManager(tmp_path, read_only=True) as mgr:
+        with pytest.raises(CheckpointCorruptError):
+            mgr.restore(live, step=2)
+        _assert_unchanged(before, live_model, live_opt, live_sched)
+        assert live.extras == {"mine": 0}
+        assert mgr.restore(live) == 1 and live.extras == {"a": 1}

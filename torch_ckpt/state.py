@@ -285,6 +285,8 @@ class TrainState:
         for key in ("step", "epoch"):
             if key in state_dict and (isinstance(state_dict[key], bool) or not isinstance(state_dict[key], int)):
                 raise CheckpointCorruptError(f"checkpoint's {key!r} is not an int: {state_dict[key]!r}")
+        if "extras" in state_dict and not isinstance(state_dict["extras"], Mapping):
+            raise CheckpointCorruptError(f"checkpoint's 'extras' is not a mapping: {type(state_dict['extras']).__name__}")
         return casts
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
