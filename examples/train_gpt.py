@@ -332,7 +332,7 @@ def train(args: argparse.Namespace, rank: int = 0, world: int = 1) -> dict:
         sampler=sampler,
         drop_last=True,
         num_workers=0,
-        generator=torch.Generator().manual_seed(args.seed + 1),  # base seeds only (unused with 0 workers)
+        generator=torch.Generator().manual_seed(args.seed + 1),  # own generator: iterators never draw from the global RNG
     )
     if len(loader) == 0:
         raise ValueError(f"{len(sampler)} windows per rank do not make one batch of {args.batch_size}")

@@ -84,6 +84,16 @@ def _warn_if_not_resumable(loader: Any) -> None:
             "loader's state_dict(): a resumed run will see different batches. "
             "Use torchdata.stateful_dataloader.sampler.RandomSampler(dataset, generator=...) (or "
             "StatefulDataLoader(shuffle=True)).", stacklevel=3)
+    if getattr(loader, "generator", False) is None:
+        # without its own generator, every new iterator draws its base seed from the global torch RNG: a
+        # resumed run restores the RNG after that draw and then draws again, shifting dropout and every
+        # other global-RNG consumer by one draw
+        warnings.warn(
+            "the dataloader has no generator=: each new iterator draws a seed from the global torch RNG, so after "
+            "a resume the RNG stream (dropout, random augmentation) departs from the uninterrupted run by one "
+            "draw. Give the loader its own generator, e.g. StatefulDataLoader(..., "
+            "generator=torch.Generator().manual_seed(1)), and shuffle with "
+            "torchdata.stateful_dataloader.sampler.RandomSampler(dataset, generator=...).", stacklevel=3)
 
 
 class TrainState:
