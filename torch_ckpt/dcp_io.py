@@ -141,6 +141,21 @@ def _serialize_tensor(tensor: torch.Tensor) -> list[Any]:
     return pieces
 
 
+def record_framing(tensor: torch.Tensor) -> tuple[bytes, bytes] | None:
+    """The bytes this writer puts before and after ``tensor``'s data in its ``torch.save`` record.
+
+    They depend only on the tensor's dtype, shape and strides (not its values), so a reader can
+    compare a record's framing with them and, on an exact match, read the data straight into a
+    tensor of that signature. None when this torch or tensor gives no fixed framing.
+    """
+    key = _record_key(tensor)
+    if key is None:
+        return None
+    if key not in _RECORD_CACHE:
+        _serialize_tensor(tensor)
+    return _RECORD_CACHE.get(key)
+
+
 def _data_view(tensor: torch.Tensor) -> memoryview:
     """The bytes of ``tensor``'s whole storage, without a copy (the view keeps the storage alive)."""
     return memoryview(torch.empty(0, dtype=torch.uint8).set_(tensor.untyped_storage()).numpy())
