@@ -319,3 +319,16 @@ def test_nested_lbfgs_state_round_trips(tmp_path):
     run_steps(model, opt, 2, 5)
     run_steps(fresh, fresh_opt, 2, 5)
     assert_same(fresh.state_dict(), model.state_dict())
+
+
+def test_param_names_follow_a_replaced_parameter():
+    """param_names answers for the parameters a module holds now, not those of an earlier call."""
+    from torch_ckpt.optim_state import param_names
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    first = param_names(model)
+    old = model[0].weight
+    model[0].weight = torch.nn.Parameter(torch.zeros(2, 2))
+    again = param_names(model)
+    assert again[id(model[0].weight)] == "0.weight"
+    assert id(old) in first and id(old) not in again
