@@ -20,7 +20,6 @@ import io
 import os
 import pickle
 import threading
-import zlib
 from collections.abc import Generator
 from contextlib import contextmanager
 from pathlib import Path
@@ -35,6 +34,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
+from torch_ckpt.crc import crc32
 from torch_ckpt.errors import CheckpointCorruptError, CheckpointWriteError, UnsafeCheckpointError
 
 __all__ = [
@@ -221,7 +221,7 @@ class _FileSink(io.RawIOBase):
                 raise OSError(exc.errno, exc.strerror, str(self.path)) from None
             if k <= 0:
                 raise OSError(errno_mod.EIO, f"write returned {k}", str(self.path))
-            self.crc = zlib.crc32(view[done:done + k], self.crc)
+            self.crc = crc32(view[done:done + k], self.crc)
             done += k
         self.nbytes += n
 
@@ -665,7 +665,7 @@ def file_crc32(path: str | os.PathLike) -> tuple[int, int]:
             reader = threading.Thread(target=lambda b=bufs[1 - i]: result.append(_readinto(f, b)), daemon=True)
             reader.start()
             with memoryview(bufs[i]) as view:
-                crc = zlib.crc32(view[:n], crc)
+                crc = crc32(view[:n], crc)
             size += n
             reader.join()
             if isinstance(result[0], BaseException):

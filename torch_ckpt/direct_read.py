@@ -12,7 +12,7 @@ exactly once:
   dtype, shape and strides; only an exact match places the data (the record then is exactly what
   ``torch.load`` would decode into those bytes), anything else is left to DCP's reader;
 * a second thread computes the file's CRC-32 over every byte, in file order, while the next bytes
-  are being read (``zlib.crc32`` and ``readinto`` both release the GIL), and the file's size and
+  are being read (:func:`torch_ckpt.crc.crc32` and ``readinto`` both release the GIL), and the file's size and
   CRC-32 are compared with the manifest before the function returns.
 
 The targets are new buffers (see :func:`torch_ckpt.restore.load_into`), so a file that fails its
@@ -24,13 +24,13 @@ from __future__ import annotations
 import os
 import queue
 import threading
-import zlib
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
+from torch_ckpt.crc import crc32
 from torch_ckpt.dcp_io import record_framing
 from torch_ckpt.errors import CheckpointCorruptError
 from torch_ckpt.format import open_listed
@@ -81,7 +81,7 @@ class _Crc:
     def _run(self) -> None:
         while (view := self._q.get()) is not None:
             try:
-                self.crc = zlib.crc32(view, self.crc)
+                self.crc = crc32(view, self.crc)
             except BaseException as exc:  # noqa: BLE001 - re-raised by the reading thread in finish()
                 self.error = exc
 
