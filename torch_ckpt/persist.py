@@ -46,7 +46,9 @@ class PersistRequest:
     returns False the save fails and nothing is committed (a writer process whose trainer died).
     ``failed`` marks a save whose staging already failed on this rank: the rank still joins every
     collective (so the other ranks learn of it at once instead of waiting for the timeout), writes
-    nothing, and the save fails on every rank with this message.
+    nothing, and the save fails on every rank with this message. ``progress`` (a
+    :class:`~torch_ckpt.staging.StagingProgress`), when given, means the tensors are still being
+    staged: each is written once the copy has marked it, and a failed copy fails the save.
     """
 
     final: Path
@@ -59,6 +61,7 @@ class PersistRequest:
     incarnation: str | None = None
     owner_alive: Callable[[], bool] | None = None
     failed: str | None = None
+    progress: Any = None
 
 
 def _describe(exc: BaseException) -> str:
@@ -138,7 +141,8 @@ def persist_checkpoint(req: PersistRequest, ctx: DistContext) -> Path:
     files: dict[str, dict[str, int]] = {}
     writer = None
     try:
-        writer = ChecksumFileSystemWriter(tmp, thread_count=req.thread_count, sync_files=True)
+        writer = ChecksumFileSystemWriter(tmp, thread_count=req.thread_count, sync_files=True,
+                                          wait_for=req.progress.wait if req.progress is not None else None)
         with single_process_quiet(not ctx.enabled):
             # a rank whose staging failed still takes part in DCP's collectives, with nothing to write
             dcp.save(req.tensors if req.failed is None else {}, storage_writer=writer, planner=DefaultSavePlanner(),
