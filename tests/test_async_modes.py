@@ -105,10 +105,40 @@ def test_cuda_state_roundtrip_with_overlap(tmp_path):
 
 
 def _chunked(monkeypatch, chunk_bytes=4096):
+    from torch_ckpt import checkpointer as checkpointer_mod
     from torch_ckpt import staging as staging_mod
 
+    monkeypatch.setattr(checkpointer_mod, "PIPELINE_STAGING", True)  # whatever the cores of this machine
     monkeypatch.setattr(staging_mod, "_CHUNK_BYTES", chunk_bytes)
     return {f"t{i}": torch.full((1024,), float(i)) for i in range(6)}  # 4 KiB each: one per chunk
+
+
+def test_without_pipelining_the_copy_ends_before_the_writer_starts(tmp_path, monkeypatch):
+    """With pipelining off, save() has copied every tensor before the writer writes any."""
+    from torch_ckpt import checkpointer as checkpointer_mod
+    from torch_ckpt import dcp_io
+
+    state = _chunked(monkeypatch)
+    monkeypatch.setattr(checkpointer_mod, "PIPELINE_STAGING", False)
+    copied, seen = [0], []
+    real_write, real_copy = dcp_io._FileSink.write, torch._foreach_copy_
+
+    def copy(dst, src):
+        real_copy(dst, src)
+        copied[0] += len(dst)
+
+    def write(self, b):
+        if memoryview(b).nbytes >= 4096:
+            seen.append(copied[0])
+        return real_write(self, b)
+
+    monkeypatch.setattr(dcp_io._FileSink, "write", write)
+    with CheckpointManager(tmp_path, thread_count=1) as mgr:
+        monkeypatch.setattr(torch, "_foreach_copy_", copy)
+        mgr.save(1, state).wait()
+        monkeypatch.setattr(torch, "_foreach_copy_", real_copy)
+        assert mgr.all_steps() == [1]
+    assert seen and all(n == len(state) for n in seen)
 
 
 def test_pipelined_writer_writes_before_the_copy_ends(tmp_path, monkeypatch):
