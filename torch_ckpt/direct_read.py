@@ -35,7 +35,7 @@ from torch_ckpt.dcp_io import record_framing
 from torch_ckpt.errors import CheckpointCorruptError
 from torch_ckpt.format import open_listed
 
-__all__ = ["load_direct", "DATA_SUFFIX"]
+__all__ = ["DATA_SUFFIX", "load_direct"]
 
 DATA_SUFFIX = ".distcp"
 #: bytes per ``readinto`` call and per CRC-32 work item
