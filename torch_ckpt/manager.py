@@ -259,7 +259,8 @@ class CheckpointManager:
         return self._ckpt.last_stats
 
     # -- saving ----------------------------------------------------------------------------------
-    def save(self, step: int, state: Any, *, path: str | os.PathLike | None = None) -> SaveHandle:
+    def save(self, step: int, state: Any, *, path: str | os.PathLike | None = None,
+             extra_dir: str | os.PathLike | None = None) -> SaveHandle:
         """Checkpoint ``state`` as ``step``; returns once the state is staged (async) or committed (sync).
 
         Waits first for the previous save (at most one in flight) and raises, once, any error of an
@@ -276,6 +277,10 @@ class CheckpointManager:
                 may lie outside the root, e.g. a framework's own file name). When it already holds
                 a committed torch-ckpt checkpoint, that one is replaced atomically at commit and
                 stays loadable until then (a rolling ``latest`` folder). ``step`` is only recorded.
+            extra_dir: a directory (read on rank 0) whose files and folders, e.g. written by a
+                framework's save hooks, are moved into the checkpoint before its manifest, so they
+                are committed, replaced and removed atomically with it. Not listed in the manifest
+                (not checksummed; restore never reads them). Names of checkpoint files are refused.
 
         Returns:
             A :class:`SaveHandle` whose ``staged`` future completes when the live tensors may change
@@ -305,7 +310,7 @@ class CheckpointManager:
 
         handle = self._ckpt.save(final, state, step=step,
                                  on_committed=lambda final: self._after_commit(step, final, replicate),
-                                 started_at=t0, prepare=prepare, replace=lambda: replace[0])
+                                 started_at=t0, prepare=prepare, replace=lambda: replace[0], extra_dir=extra_dir)
         self._saves += 1
         if self._cadence is not None:
             self._cadence.record_save_started(handle, time.monotonic())

@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor
 from torch_ckpt.errors import ConfigError, StateMismatchError
 
 __all__ = ["param_names", "optimizer_state", "check_optimizer_state", "apply_optimizer_state",
-           "state_target", "split_state_key", "plain_state_target", "check_plain_optimizer_state", "keep_live_tensors"]
+           "state_target", "split_state_key", "plain_state_target", "check_plain_optimizer_state", "keep_live_tensors", "OptimizerState"]
 
 _STATE, _GROUPS, _PARAMS = "state", "param_groups", "params"
 
@@ -363,3 +363,73 @@ def keep_live_tensors(opt: torch.optim.Optimizer, old_state: Mapping[Any, Any]) 
                 else:
                     old.copy_(new)
                 entries[key] = old
+
+
+class OptimizerState:
+    """One optimizer saved as its own ``optimizer.state_dict()`` (integer parameter ids), as a ``Stateful``.
+
+    Use it for an optimizer that cannot be keyed by one model's parameter names (it spans several
+    models, or its model is saved by other means): pass it as the state to save and restore, or let
+    a composite ``Stateful`` delegate its ``<prefix>``-keyed entries to it (keys here are relative:
+    ``state.<id>.<entry>``, ``param_groups``).
+    It follows the load protocol of :func:`torch_ckpt.restore.load_into`: a fresh optimizer without
+    state still loads (its state tensors are created where ``load_state_dict`` would place them),
+    nothing is cast silently, and after a load the live state tensors are updated in place.
+
+    Args:
+        optimizer: a ``torch.optim.Optimizer``.
+
+    Raises:
+        ConfigError: ``optimizer`` is not a ``torch.optim.Optimizer``.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        from torch_ckpt.errors import ConfigError
+
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise ConfigError(f"OptimizerState needs a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        self.optimizer = optimizer
+        self._allow_cast = False
+
+    def state_dict(self) -> dict[str, Any]:
+        """``optimizer.state_dict()`` (tensors are not copied here; the checkpointer stages them)."""
+        return self.optimizer.state_dict()
+
+    def _entry(self, key: str) -> tuple[int, str] | None:
+        parts = key.split(".", 2)
+        if len(parts) != 3 or parts[0] != _STATE or not parts[1].isdigit():
+            return None
+        return int(parts[1]), parts[2]
+
+    def load_optional_key(self, key: str) -> bool:
+        """True for ``state.<id>.<entry>`` tensors (a fresh optimizer has none yet)."""
+        return self._entry(key) is not None
+
+    def load_target(self, key: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+        """A new tensor for ``state.<id>.<entry>``, on the device ``load_state_dict`` would use; else None."""
+        entry = self._entry(key)
+        return None if entry is None else plain_state_target(self.optimizer, entry[0], entry[1], shape, dtype)
+
+    def check_load(self, state: Mapping[str, Any], *, allow_cast: bool = False) -> list[str]:
+        """Check that ``state`` loads without a cast (see :func:`check_plain_optimizer_state`); change nothing."""
+        self._allow_cast = allow_cast
+        return check_plain_optimizer_state(self.optimizer, state, prefix="", allow_cast=allow_cast)
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Load ``state``, then copy values into the state tensors that existed before (kept in place).
+
+        Raises:
+            StateMismatchError: see :meth:`check_load`.
+        """
+        self.check_load(state, allow_cast=self._allow_cast)
+        old_state = {p: dict(entries) for p, entries in self.optimizer.state.items()}
+        self.optimizer.load_state_dict(dict(state))
+        keep_live_tensors(self.optimizer, old_state)
+
+    def optimizer_owned_keys(self, tensors: Mapping[str, torch.Tensor]) -> set[str]:
+        """Every tensor of this state is changed only by ``optimizer.step()`` (see ``overlap_staging``)."""
+        return set(tensors)
+
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        """The optimizer (for the manager's wait before its next ``step()``)."""
+        return [self.optimizer]
