@@ -30,6 +30,7 @@ _EXPORTS = {
     "daly_interval": "torch_ckpt.interval",
     "expected_overhead": "torch_ckpt.interval",
     "expected_lost_work": "torch_ckpt.interval",
+    "checkpoint_interval": "torch_ckpt.interval",
     "parse_duration": "torch_ckpt.durations",
     "format_duration": "torch_ckpt.durations",
     "export_torch": "torch_ckpt.convert",
