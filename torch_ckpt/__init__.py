@@ -13,6 +13,7 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "CheckpointManager": "torch_ckpt.manager",
+    "CheckpointConfig": "torch_ckpt.config",
     "AsyncCheckpointer": "torch_ckpt.checkpointer",
     "TrainState": "torch_ckpt.state",
     "Naming": "torch_ckpt.naming",
