@@ -20,6 +20,7 @@ import io
 import os
 import pickle
 import threading
+import warnings
 import zlib
 from collections.abc import Generator
 from contextlib import contextmanager
@@ -36,6 +37,21 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import WriteResult
 
 from torch_ckpt.errors import CheckpointCorruptError, CheckpointWriteError, UnsafeCheckpointError
+
+# dcp.save/dcp.load warn "torch.distributed is disabled, unavailable or uninitialized, assuming the intent is
+# to save (load) in a single process" on every call with no_dist=True, which torch-ckpt passes on purpose
+# when there is no process group; no argument avoids it. One filter, installed once when this module (every
+# path to DCP goes through it) is imported, matches that message only, attributed to DCP (or to torch-ckpt
+# should DCP stop wrapping the call). Unlike warnings.catch_warnings around each call, it never changes the
+# process-wide filters from the writer thread. It also quiets the same message for the process's other
+# single-process DCP calls, which carry the same non-information.
+warnings.filterwarnings(
+    "ignore",
+    message=r"torch\.distributed is (disabled, )?unavailable or uninitialized, assuming the intent is to "
+            r"(save|load) in a single process",
+    category=UserWarning,
+    module=r"(torch\.distributed\.checkpoint|torch_ckpt)\.",
+)
 
 __all__ = [
     "ChecksumFileSystemWriter",

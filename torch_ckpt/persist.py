@@ -23,7 +23,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from torch_ckpt.dcp_io import ChecksumFileSystemWriter
-from torch_ckpt.dist import DistContext, single_process_quiet
+from torch_ckpt.dist import DistContext
 from torch_ckpt.errors import CheckpointError, CheckpointWriteError
 from torch_ckpt.layout import (
     Manifest,
@@ -175,10 +175,9 @@ def persist_checkpoint(req: PersistRequest, ctx: DistContext) -> Path:
     writer = None
     try:
         writer = ChecksumFileSystemWriter(tmp, thread_count=req.thread_count, sync_files=True)
-        with single_process_quiet(not ctx.enabled):
-            # a rank whose staging failed still takes part in DCP's collectives, with nothing to write
-            dcp.save(req.tensors if req.failed is None else {}, storage_writer=writer, planner=DefaultSavePlanner(),
-                     process_group=ctx.bg if ctx.enabled else None, no_dist=not ctx.enabled)
+        # a rank whose staging failed still takes part in DCP's collectives, with nothing to write
+        dcp.save(req.tensors if req.failed is None else {}, storage_writer=writer, planner=DefaultSavePlanner(),
+                 process_group=ctx.bg if ctx.enabled else None, no_dist=not ctx.enabled)
         if req.failed is not None:
             raise CheckpointWriteError(f"staging step {req.step} failed on rank {ctx.rank}: {req.failed}")
         rank_doc = {"step": req.step, "rank": ctx.rank, "world_size": ctx.world_size, "tree": req.tree}

@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor
 from torch_ckpt._logging import get_logger
 from torch_ckpt.codec import TENSOR_TAG, join_state, split_state
 from torch_ckpt.dcp_io import load_tensors
-from torch_ckpt.dist import DistContext, single_process_quiet
+from torch_ckpt.dist import DistContext
 from torch_ckpt.errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -262,9 +262,8 @@ def load_into(state: Any, step_dir: Path, manifest: Manifest, ctx: DistContext, 
             log.warning("%s: casting %s (allow_cast=True)", step_dir, line)
 
     if targets:
-        with single_process_quiet(not ctx.enabled):
-            load_tensors(targets, step_dir, md, set(manifest.files), process_group=ctx.fg if ctx.enabled else None,
-                         no_dist=not ctx.enabled)
+        load_tensors(targets, step_dir, md, set(manifest.files), process_group=ctx.fg if ctx.enabled else None,
+                     no_dist=not ctx.enabled)
     # every read succeeded: from here on the live state is written
     if staged_aware:
         state.load_state_dict(join_state(tree, targets))

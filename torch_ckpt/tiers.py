@@ -18,9 +18,9 @@ from pathlib import Path
 from typing import Any
 
 import fsspec
+from tqdm import tqdm
 
 from torch_ckpt._logging import get_logger
-from torch_ckpt._progress import progress_bar
 from torch_ckpt.errors import CheckpointCorruptError, CheckpointError, ConfigError
 from torch_ckpt.format import MAX_MANIFEST_BYTES, parse_manifest
 from torch_ckpt.layout import MANIFEST_NAME, Manifest, commit_dir
@@ -285,7 +285,8 @@ class DurableTier:
 
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
-        bar = progress_bar(sum(i["bytes"] for i in manifest.files.values()), f"download step {step}")
+        bar = tqdm(total=sum(i["bytes"] for i in manifest.files.values()), desc=f"download step {step}", unit="B",
+                   unit_scale=True, unit_divisor=1024, leave=False, dynamic_ncols=True, disable=None)  # None: TTY only
         try:
             for name, info in sorted(manifest.files.items()):
                 crc, size = 0, 0
