@@ -359,3 +359,14 @@ def test_optimizer_state_refuses_other_parameter_groups(tmp_path):
     with CheckpointManager(tmp_path) as mgr, pytest.raises(StateMismatchError):
         mgr.restore(OptimizerState(other), step=1)
     assert other.state_dict()["state"] == {}
+def test_param_names_follow_a_replaced_parameter():
+    """param_names answers for the parameters a module holds now, not those of an earlier call."""
+    from torch_ckpt.optim_state import param_names
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    first = param_names(model)
+    old = model[0].weight
+    model[0].weight = torch.nn.Parameter(torch.zeros(2, 2))
+    again = param_names(model)
+    assert again[id(model[0].weight)] == "0.weight"
+    assert id(old) in first and id(old) not in again
