@@ -10,6 +10,8 @@ import os
 import re
 from typing import Any
 
+from tqdm import tqdm
+
 from torch_ckpt.codec import TENSOR_TAG
 from torch_ckpt.errors import (
     CheckpointCorruptError,
@@ -26,7 +28,6 @@ from torch_ckpt.location import (  # private helpers shared by the read-only too
     _as_location,
     _require_dir,
     _step_of,
-    progress_bar,
 )
 
 __all__ = ["verify_checkpoint", "verify_path", "verify_root"]
@@ -198,8 +199,9 @@ def _check_dir_manifest(loc: Location, *, checksums: bool, structure: bool,
             rep.problem(MANIFEST_NAME, f"says step {manifest.step} but the directory is {loc.name}")
         out.update(step=manifest.step, world_size=manifest.world_size, files=len(manifest.files),
                    bytes=sum(i["bytes"] for i in manifest.files.values()))
-        with progress_bar(out["bytes"] if checksums else 0, f"verify {loc.name}",
-                          enabled=progress and checksums) as bar:
+        with tqdm(total=out["bytes"] if checksums else 0, desc=f"verify {loc.name}", unit="B", unit_scale=True,
+                  unit_divisor=1024, leave=False, dynamic_ncols=True,
+                  disable=None if progress and checksums else True) as bar:  # None: only on a terminal
             _check_files(loc, manifest, listing, rep, checksums=checksums, bar=bar)
         if structure:
             out["tensors"] = _check_structure(loc, manifest, listing, rep)
