@@ -2,7 +2,7 @@
 
 One run root with steps 10 and 20 is saved once per module by ``CheckpointManager`` with a
 ``memory://`` durable tier; tests that damage a checkpoint work on copies. Commands run in-process
-through ``torch_ckpt.cli.main`` with stdout captured.
+through ``torch_ckpt.tools.cli.main`` with stdout captured.
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ import pytest
 import torch
 
 from torch_ckpt import CheckpointManager, TrainState
-from torch_ckpt.cli import main
-from torch_ckpt.inspection import inspect_checkpoint, verify_checkpoint
-from torch_ckpt.sizing import interval_plan
+from torch_ckpt.tools.cli import main
+from torch_ckpt.tools.inspection import inspect_checkpoint, verify_checkpoint
+from torch_ckpt.tools.sizing import interval_plan
 
 STEP10, STEP20 = "step_000000010", "step_000000020"
 SHARD = "__0_0.distcp"
@@ -355,7 +355,7 @@ def test_verify_corrupt_durable_copy_fails(saved, capsys):
 
 def test_verify_no_checksums_misses_a_flipped_byte(copy, capsys):
     """`--no-checksums` checks sizes, structure and record headers only, so a flipped tensor data byte passes."""
-    from torch_ckpt.convert import load_full_state
+    from torch_ckpt.tools.convert import load_full_state
 
     weight = load_full_state(copy / STEP20)[0]["model"]["fc1.weight"]
     data = (copy / STEP20 / SHARD).read_bytes()

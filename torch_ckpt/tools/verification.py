@@ -21,7 +21,7 @@ from torch_ckpt.errors import (
 from torch_ckpt.format import metadata_problems, rank_file_problems, walk_tree
 from torch_ckpt.layout import MANIFEST_NAME, Manifest, rank_file_name
 from torch_ckpt.records import storage_record_problems
-from torch_ckpt.location import (  # private helpers shared by the read-only tools
+from torch_ckpt.tools.location import (  # private helpers shared by the read-only tools
     _METADATA,
     PARTIAL,
     Location,
@@ -250,7 +250,7 @@ def verify_root(where: str | os.PathLike | Location, *, storage_options: dict[st
     Raises:
         PathNotFoundError: ``where`` does not exist.
     """
-    from torch_ckpt.inspection import (
+    from torch_ckpt.tools.inspection import (
         list_root,  # listing and verification use each other
     )
 
@@ -279,7 +279,7 @@ def verify_path(where: str | os.PathLike | Location, *, storage_options: dict[st
     Returns:
         The :func:`verify_root` shape in both cases (``kind`` is "checkpoint" or "root").
     """
-    from torch_ckpt.inspection import (
+    from torch_ckpt.tools.inspection import (
         _looks_like_checkpoint,  # listing and verification use each other
     )
 

@@ -42,7 +42,7 @@ from torch_ckpt.errors import (
 from torch_ckpt.format import embedded_info, metadata_problems, rank_file_problems, walk_tree
 from torch_ckpt.layout import MANIFEST_NAME, rank_file_name
 from torch_ckpt.records import storage_record_problems
-from torch_ckpt.location import (  # private helpers shared by the read-only tools
+from torch_ckpt.tools.location import (  # private helpers shared by the read-only tools
     _METADATA,
     COMMITTED,
     CORRUPT,
@@ -56,7 +56,7 @@ from torch_ckpt.location import (  # private helpers shared by the read-only too
     _step_of,
     is_url,
 )
-from torch_ckpt.verification import (
+from torch_ckpt.tools.verification import (
     _check_dir_manifest,
     _check_files,
     _Report,
