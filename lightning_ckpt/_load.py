@@ -13,9 +13,8 @@ import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_ckpt._values import RANK_LOCAL_KEYS, decode_values
-from torch_ckpt import CheckpointNotFoundError, StateMismatchError
+from torch_ckpt import CheckpointNotFoundError, StateMismatchError, load_full_state
 from torch_ckpt.codec import join_state
-from torch_ckpt.convert import load_full_state
 from torch_ckpt.layout import rank_file_name
 
 __all__ = ["is_checkpoint_dir", "load_checkpoint_dir", "world", "check_against_live"]
