@@ -47,8 +47,9 @@ class CkptSettings:
         overlap_staging: copy parameters and optimizer state while the next forward/backward runs;
             the next ``optimizer.step()`` waits for the copy.
         writer_niceness: nice increment (0-19) of the writer thread/process on Linux.
-        staging_budget_bytes: host bytes for staging (default: half the available RAM); a larger
-            state is saved synchronously.
+        staging_budget_bytes: host bytes for staging, an int or a size such as ``"4GB"`` (10**9
+            bytes) or ``"512MiB"`` (2**20 bytes); default half the available RAM. A larger state is
+            saved synchronously.
         thread_count: DCP writer threads per rank.
         timeout: limit for checkpoint agreement between ranks (duration).
         verify_on_load: check every file's CRC-32 before loading (sizes are always checked).
@@ -75,7 +76,7 @@ class CkptSettings:
     persist: str = "thread"
     overlap_staging: bool = False
     writer_niceness: int = 0
-    staging_budget_bytes: int | None = None
+    staging_budget_bytes: int | str | None = None
     thread_count: int = 1
     timeout: float = 600.0
     verify_on_load: bool = True
@@ -99,6 +100,8 @@ class CkptSettings:
         _check_int("writer_niceness", self.writer_niceness, 0, maximum=19)
         _check_int("thread_count", self.thread_count, 1)
         _check_int("min_interval_steps", self.min_interval_steps, 1)
+        if isinstance(self.staging_budget_bytes, str):
+            object.__setattr__(self, "staging_budget_bytes", _bytes("staging_budget_bytes", self.staging_budget_bytes))
         for name in ("staging_budget_bytes", "total_limit", "save_every_n_steps", "durable_total_limit"):
             if getattr(self, name) is not None:
                 _check_int(name, getattr(self, name), 1)
@@ -143,6 +146,21 @@ def _check_int(name: str, value: Any, minimum: int, maximum: int | None = None) 
             maximum is not None and value > maximum):
         bound = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
         raise ConfigError(f"{name} must be an integer {bound}, got {value!r}")
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20,
+          "gib": 2**30, "tib": 2**40}
+
+
+def _bytes(name: str, value: str) -> int:
+    """``"4GB"`` (10**9), ``"512MiB"`` (2**20), ``"1.5 GB"`` or ``"1000"`` as a byte count."""
+    number = value.strip().rstrip("BbIiKkMmGgTt ")
+    unit = value.strip()[len(number):].strip().lower()
+    try:
+        count = float(number) * _UNITS[unit]
+    except (KeyError, ValueError):
+        raise ConfigError(f"{name} must be a byte count such as 4000000000, '4GB' or '512MiB', got {value!r}") from None
+    return int(count)
 
 
 def _seconds(name: str, value: Any) -> float:

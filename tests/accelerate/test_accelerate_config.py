@@ -106,3 +106,17 @@ def test_shipped_example_config_is_valid():
     path = Path(__file__).resolve().parents[2] / "examples" / "accelerate" / "ckpt.yaml"
     settings = load_settings(path)
     assert isinstance(settings.save_policy(), YoungDaly) and settings.total_limit == 3
+
+
+@pytest.mark.parametrize(("text", "expected"), [("4GB", 4 * 10**9), ("512MiB", 512 * 2**20), ("1.5 GB", 1_500_000_000),
+                                                ("1000", 1000)])
+def test_staging_budget_accepts_sizes_with_units(text, expected):
+    """staging_budget_bytes takes "4GB" (powers of 10) and "512MiB" (powers of 2) like the other sizes."""
+    assert CkptSettings(staging_budget_bytes=text).staging_budget_bytes == expected
+
+
+@pytest.mark.parametrize("text", ["4 parsecs", "GB", "-1GB", ""])
+def test_staging_budget_rejects_a_malformed_size_naming_the_setting(text):
+    """A size that is not a positive byte count raises ConfigError naming staging_budget_bytes."""
+    with pytest.raises(ConfigError, match="staging_budget_bytes"):
+        CkptSettings(staging_budget_bytes=text)
