@@ -14,9 +14,14 @@ sharded, atomic torch-ckpt save.
 
 from __future__ import annotations
 
+import ast
+import functools
+import linecache
 import logging
 import os
+import sys
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -45,6 +50,13 @@ __all__ = ["AccelerateCheckpointer", "attach"]
 
 log = logging.getLogger(__name__)
 
+#: ``if`` tests and decorators that run a ``save_state`` call on some processes only
+_ONE_PROCESS_FLAGS = frozenset({"is_main_process", "is_local_main_process", "is_last_process"})
+_ONE_PROCESS_INDEX = frozenset({"process_index", "local_process_index"})
+_ONE_PROCESS_DECORATORS = frozenset({"on_main_process", "on_local_main_process", "on_last_process", "on_process",
+                                     "on_local_process"})
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+
 _STAT_KEYS = ("blocking_s", "wait_for_previous_s", "staging_s", "persist_s", "total_s", "bytes", "files_bytes",
               "gb_per_s")
 
@@ -71,6 +83,55 @@ def attach(accelerator: Any, config: str | os.PathLike | None = None, *, save_po
         ConfigError: invalid settings, or an unsupported setup (DeepSpeed, Megatron-LM, XLA).
     """
     return AccelerateCheckpointer(accelerator, load_settings(config, **settings), save_policy=save_policy)
+
+
+@functools.lru_cache(maxsize=64)
+def _module_tree(filename: str) -> ast.Module | None:
+    try:
+        return ast.parse("".join(linecache.getlines(filename)))
+    except (SyntaxError, ValueError):
+        return None
+
+
+def _limits_to_some_processes(test: ast.expr) -> bool:
+    """True for ``acc.is_main_process``, ``acc.process_index == 0`` and ``and`` chains holding one."""
+    if isinstance(test, ast.BoolOp) and isinstance(test.op, ast.And):
+        return any(_limits_to_some_processes(v) for v in test.values)
+    if isinstance(test, ast.Compare):
+        test = test.left
+    return isinstance(test, ast.Attribute) and test.attr in _ONE_PROCESS_FLAGS | _ONE_PROCESS_INDEX
+
+
+def _one_process_guard() -> str | None:
+    """The ``if``/decorator of the user code calling ``save_state`` that runs it on some processes only, or None.
+
+    Read from the caller's source (the first frame outside this package), so a save that only some
+    processes call is refused before any collective instead of stalling until the timeout.
+    """
+    frame = sys._getframe(1)
+    while frame is not None and os.path.dirname(os.path.abspath(frame.f_code.co_filename)) == _PACKAGE_DIR:
+        frame = frame.f_back
+    tree = None if frame is None else _module_tree(frame.f_code.co_filename)
+    if tree is None:
+        return None
+    line, node, guard = frame.f_lineno, tree, None
+    while node is not None:
+        inner = None
+        for child in ast.iter_child_nodes(node):
+            if getattr(child, "lineno", line + 1) <= line <= (getattr(child, "end_lineno", None) or -1):
+                inner = child
+                break
+        if isinstance(inner, ast.If) and _limits_to_some_processes(inner.test) and any(
+                b.lineno <= line <= b.end_lineno for b in inner.body):
+            guard = f"if {ast.unparse(inner.test)}:"
+        if isinstance(inner, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            guard = None  # a guard outside the function does not guard its body...
+            for deco in inner.decorator_list:  # ...but a decorator on it does
+                target = deco.func if isinstance(deco, ast.Call) else deco
+                if isinstance(target, ast.Attribute) and target.attr in _ONE_PROCESS_DECORATORS:
+                    guard = f"@{ast.unparse(deco)}"
+        node = inner
+    return guard
 
 
 class AccelerateCheckpointer:
@@ -111,6 +172,13 @@ class AccelerateCheckpointer:
             async_save=settings.async_save, persist=settings.persist, overlap_staging=settings.overlap_staging,
             writer_niceness=settings.writer_niceness, staging_budget_bytes=settings.staging_budget_bytes,
             thread_count=settings.thread_count, timeout_seconds=settings.timeout)
+        world = self._ckpt.ctx.world_size
+        if world != accelerator.num_processes:
+            warnings.warn(
+                f"torch.distributed has world size {world} but Accelerate runs {accelerator.num_processes} "
+                "process(es) (on a CPU machine, torchrun needs ACCELERATE_USE_CPU=1 or Accelerator(cpu=True)); "
+                f"checkpoints are written as world size {world}, while Accelerate trains each process alone",
+                stacklevel=3)
         if settings.durable_url is not None:
             self._start_durable()
         self.hooks = [accelerator.register_save_state_pre_hook(self._save_hook),
@@ -220,6 +288,12 @@ class AccelerateCheckpointer:
         acc = self.accelerator
         if self._ckpt is None:
             raise ConfigError("this AccelerateCheckpointer is closed or disabled")
+        guard = _one_process_guard() if self._ckpt.ctx.world_size > 1 else None
+        if guard is not None:
+            raise ConfigError(
+                f"accelerator.save_state() is called under `{guard}`, but with accelerate_ckpt every process must "
+                "call it (each writes its own shard; the main process commits): remove the guard. Called on one "
+                f"process it would wait {self._ckpt.ctx.timeout_seconds:.0f} s for the others and fail")
         t0 = time.monotonic()
         self.wait()  # at most one save in flight (the core would wait here too); raises a background error once
         waited = time.monotonic() - t0
@@ -327,8 +401,11 @@ class AccelerateCheckpointer:
             folder = Path(input_dir).expanduser()
             if not folder.is_dir():
                 raise ValueError(f"Tried to find {folder} but folder does not exist")
-            if any(folder.glob(f".{PAYLOAD}.tmp*")) and not (folder / PAYLOAD).exists():
-                raise CheckpointNotFoundError(f"{folder}: its save never committed (interrupted); load another one")
+            if not (folder / PAYLOAD).exists() and (any(folder.glob(f".{PAYLOAD}.tmp*")) or not any(folder.iterdir())):
+                newest = self.latest_checkpoint() if acc.project_dir is not None else None
+                raise CheckpointNotFoundError(
+                    f"{folder} is an incomplete save (interrupted before it committed), not a checkpoint; "
+                    + (f"the newest intact checkpoint is {newest}" if newest is not None else "load another one"))
             if not (folder / PAYLOAD).exists():
                 if not allow_unsafe_accelerate_folder:
                     raise UnsafeCheckpointError(
@@ -346,6 +423,11 @@ class AccelerateCheckpointer:
                     "check before resuming)")
         else:
             raise ValueError("No input_dir provided and automatic checkpoint naming is disabled.")
+        if load_model_func_kwargs.get("strict", True) is False:
+            raise ConfigError(
+                "load_state(strict=False) is not supported by accelerate_ckpt: it restores the complete state or "
+                f"nothing. To load only the matching weights of model i: state, _ = torch_ckpt.load_full_state"
+                f"('{folder / PAYLOAD}'); model.load_state_dict(state['model'][str(i)], strict=False)")
         log.info("Loading states from %s", folder)
         candidates = self._plain_model_indices()
         models = [acc._models[i] for i in candidates]
