@@ -31,10 +31,11 @@ from typing import Any
 
 import torch
 
-from torch_ckpt import ConfigError, StateMismatchError, TrainState
+from accelerate_ckpt import _compat as compat
+from torch_ckpt import StateMismatchError, TrainState
 from torch_ckpt.optim_state import check_plain_optimizer_state, keep_live_tensors, plain_state_target
 
-__all__ = ["AcceleratorTrainState", "check_supported"]
+__all__ = ["AcceleratorTrainState"]
 
 
 def _inner_optimizer(opt: Any) -> torch.optim.Optimizer:
@@ -52,28 +53,20 @@ class _DataLoaders:
         out: dict[str, Any] = {}
         for i, dl in enumerate(self.loaders):
             entry: dict[str, Any] = {}
-            if isinstance(getattr(dl, "iteration", None), int):
-                entry["epoch"] = dl.iteration
+            if compat.loader_epoch(dl) is not None:
+                entry["epoch"] = compat.loader_epoch(dl)
             if getattr(dl, "use_stateful_dataloader", False):
                 entry["state"] = dl.state_dict()
             out[str(i)] = entry
         return out
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        if len(state) != len(self.loaders):
-            raise StateMismatchError(f"checkpoint holds {len(state)} dataloader positions, this run prepared "
-                                     f"{len(self.loaders)} dataloaders")
         for i, dl in enumerate(self.loaders):
             entry = state[str(i)]
             if "epoch" in entry:
-                if callable(getattr(dl, "set_epoch", None)):
-                    dl.set_epoch(int(entry["epoch"]))  # also sets a seedable sampler's epoch
-                else:
-                    dl.iteration = int(entry["epoch"])
+                compat.set_loader_epoch(dl, int(entry["epoch"]))
             if "state" in entry:
-                dl.load_state_dict(entry["state"])
-                if hasattr(dl, "dl_state_dict"):  # what dl.state_dict() returns until the next batch
-                    dl.dl_state_dict = entry["state"]
+                compat.set_loader_state(dl, entry["state"])
 
 
 class AcceleratorTrainState:
@@ -81,7 +74,7 @@ class AcceleratorTrainState:
 
     Args:
         accelerator: the ``Accelerator`` whose prepared objects are saved or loaded.
-        step: the training step to record.
+        step: the training step to record (None: not known; kept apart from the save iteration).
         save_iteration: the value ``accelerator.save_iteration`` should have after restoring.
         skip_models: indices of ``accelerator._models`` a user save/load hook handles itself.
 
@@ -92,14 +85,14 @@ class AcceleratorTrainState:
 
     rank_local_keys: tuple[str, ...] = ("rng", "dataloader")
 
-    def __init__(self, accelerator: Any, *, step: int = 0, save_iteration: int = 0,
+    def __init__(self, accelerator: Any, *, step: int | None = None, save_iteration: int = 0,
                  skip_models: Sequence[int] = ()) -> None:
         self._acc = accelerator
-        models = {str(i): m for i, m in enumerate(accelerator._models) if i not in set(skip_models)}
+        models = {str(i): m for i, m in enumerate(compat.models(accelerator)) if i not in set(skip_models)}
         owner_of = {id(p): name for name, m in models.items() for p in m.parameters()}
         by_model: dict[str, list[torch.optim.Optimizer]] = {name: [] for name in models}
         self._plain: list[torch.optim.Optimizer] = []
-        for opt in accelerator._optimizers:
+        for opt in compat.optimizers(accelerator):
             inner = _inner_optimizer(opt)
             owners = {owner_of.get(id(p)) for g in inner.param_groups for p in g["params"]}
             if len(owners) == 1 and None not in owners:
@@ -110,19 +103,15 @@ class AcceleratorTrainState:
         self._train = TrainState(
             model=models or None,
             optimizer=by_model if models else None,
-            scheduler=list(accelerator._schedulers),
+            scheduler=compat.schedulers(accelerator),
             scaler=scaler if scaler is not None and scaler.is_enabled() else None,
-            dataloader=_DataLoaders(accelerator._dataloaders),
-            step=step,
+            dataloader=_DataLoaders(compat.dataloaders(accelerator)),
+            step=0 if step is None else step,
         )
-        self._custom = list(accelerator._custom_objects)
+        self._custom = compat.custom_objects(accelerator)
+        self.training_step = step
         self._save_iteration = int(save_iteration)
         self.accelerate_step = int(accelerator.step)
-
-    @property
-    def step(self) -> int:
-        """The training step (saved, or restored by :meth:`load_state_dict`)."""
-        return self._train.step
 
     @property
     def save_iteration(self) -> int:
@@ -134,7 +123,8 @@ class AcceleratorTrainState:
         sd = self._train.state_dict()
         sd["optimizers_plain"] = {str(j): opt.state_dict() for j, opt in enumerate(self._plain)}
         sd["custom"] = {str(k): obj.state_dict() for k, obj in enumerate(self._custom)}
-        sd["accelerate"] = {"step": int(self._acc.step), "save_iteration": self._save_iteration}
+        sd["accelerate"] = {"step": int(self._acc.step), "save_iteration": self._save_iteration,
+                            "training_step": self.training_step}
         return sd
 
     # -- loading (the protocol of torch_ckpt.restore.load_into) -------------------------------------
@@ -219,8 +209,9 @@ class AcceleratorTrainState:
         acc_state = state.get("accelerate", {})
         self.accelerate_step = int(acc_state.get("step", 0))
         self._save_iteration = int(acc_state.get("save_iteration", 0))
+        self.training_step = acc_state.get("training_step", self._train.step)
         self._acc.step = self.accelerate_step
-        self._acc.project_configuration.iteration = self._save_iteration
+        compat.set_save_iteration(self._acc, self._save_iteration)
 
     def optimizer_owned_keys(self, tensors: Mapping[str, torch.Tensor]) -> set[str]:
         """Keys only ``optimizer.step()`` mutates (parameters and optimizer state); see ``overlap_staging``."""
@@ -229,16 +220,3 @@ class AcceleratorTrainState:
     def optimizers(self) -> list[torch.optim.Optimizer]:
         """Every optimizer of the state (the checkpointer waits for staging before their next step)."""
         return self._train.optimizers() + self._plain
-
-
-def check_supported(accelerator: Any) -> None:
-    """Raise ConfigError for setups whose models Accelerate saves through their own engines."""
-    kind = str(getattr(accelerator, "distributed_type", ""))
-    for name in ("DEEPSPEED", "MEGATRON_LM", "XLA"):
-        if kind.endswith(name):
-            raise ConfigError(f"accelerate_ckpt does not support distributed_type {name}: its engine saves the model "
-                              "and optimizer itself. Use Accelerate's own save_state for it.")
-    for attr in ("_models", "_optimizers", "_schedulers", "_dataloaders", "_custom_objects",
-                 "_save_model_state_pre_hook", "_load_model_state_pre_hook"):
-        if not hasattr(accelerator, attr):
-            raise ConfigError(f"this Accelerate version has no Accelerator.{attr}; accelerate_ckpt needs accelerate>=1.0")

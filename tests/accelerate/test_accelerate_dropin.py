@@ -173,7 +173,7 @@ def test_attached_interrupted_save_is_reported_as_incomplete_naming_the_newest_i
     run.ckpt.wait()
     empty = tmp_path / "checkpoints" / "checkpoint_5"
     empty.mkdir()
-    with pytest.raises(CheckpointNotFoundError, match=r"incomplete save.*checkpoint_2"):
+    with pytest.raises(CheckpointNotFoundError, match=r"incomplete save.*checkpoint_0"):
         run.accelerator.load_state(empty)
     run.ckpt.close()
 
