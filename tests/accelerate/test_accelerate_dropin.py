@@ -205,3 +205,239 @@ def test_attached_world_size_mismatch_warns_with_the_fix(tmp_path):
     for rank in (0, 1):
         text = (tmp_path / f"rank{rank}.txt").read_text()
         assert "world size 2" in text and "ACCELERATE_USE_CPU=1" in text and "cpu=True" in text
+
+
+# -- item 1: default naming after resume ------------------------------------------------------------------------
+def _twelve_saves(tmp_path: Path, attach: bool):
+    run = make_run(tmp_path, total_limit=2, attach=attach)
+    for step in range(1, 13):
+        train(run, step - 1, step)
+        run.accelerator.save_state()
+    if run.ckpt is not None:
+        run.ckpt.close()
+
+
+def test_plain_accelerate_forgets_its_save_iteration_after_load(tmp_path):
+    """Plain Accelerate: after 12 saves, a new process's load_state() leaves save_iteration at 0."""
+    _twelve_saves(tmp_path, attach=False)
+    run = make_run(tmp_path, total_limit=2, attach=False)
+    run.accelerator.load_state()
+    assert run.accelerator.save_iteration == 0
+
+
+def test_attached_save_after_resume_is_checkpoint_12(tmp_path):
+    """Attached: after 12 saves, a new process's load_state() then save_state() writes checkpoint_12."""
+    _twelve_saves(tmp_path, attach=True)
+    run = make_run(tmp_path, total_limit=2)
+    run.accelerator.load_state()
+    assert run.accelerator.save_iteration == 12
+    assert run.accelerator.save_state().name == "checkpoint_12"
+    run.ckpt.close()
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["checkpoint_11", "checkpoint_12"]
+
+
+def test_attached_log_line_names_save_iteration_and_training_step_apart(tmp_path, caplog):
+    """Attached: a folder save at training step 6 logs 'save iteration 0, training step 6', never 'step 0'."""
+    run = make_run(None)
+    with caplog.at_level("INFO", logger="accelerate_ckpt"):
+        run.accelerator.save_state(tmp_path / "ck", step=6)
+    run.ckpt.close()
+    assert "save iteration 0, training step 6" in caplog.text
+
+
+def test_attached_load_restores_the_training_step_not_the_save_iteration(tmp_path):
+    """Attached: after saves at training steps 3 and 5, load_state() sets ckpt.step 5 and save_iteration 2."""
+    run = make_run(tmp_path)
+    train(run, 0, 5, save_at=(3, 5))
+    run.ckpt.close()
+    run = make_run(tmp_path)
+    run.accelerator.load_state()
+    assert (run.ckpt.step, run.accelerator.save_iteration) == (5, 2)
+    run.ckpt.close()
+
+
+# -- item 2: the same explicit folder saved repeatedly ---------------------------------------------------------
+def _rolling(tmp_path: Path, attach: bool) -> tuple[dict, dict]:
+    run = make_run(None, attach=attach)
+    for step in (2, 4):
+        train(run, step - 2, step)
+        run.accelerator.save_state(tmp_path / "latest")
+    saved = params(run.model)
+    if run.ckpt is not None:
+        run.ckpt.close()
+    run = make_run(None, attach=attach, seed=3)
+    run.accelerator.load_state(tmp_path / "latest")
+    loaded = params(run.model)
+    if run.ckpt is not None:
+        run.ckpt.close()
+    return saved, loaded
+
+
+def test_plain_accelerate_overwrites_a_reused_folder(tmp_path):
+    """Plain Accelerate: save_state('latest') twice overwrites; loading gives the second save."""
+    saved, loaded = _rolling(tmp_path, attach=False)
+    assert same(saved, loaded)
+
+
+def test_attached_reused_folder_is_replaced_and_loads_the_newest_save(tmp_path):
+    """Attached: save_state('latest') twice commits twice; loading gives the second save."""
+    saved, loaded = _rolling(tmp_path, attach=True)
+    assert same(saved, loaded)
+
+
+def test_attached_reused_folder_keeps_the_previous_save_loadable_until_the_new_one_commits(tmp_path, monkeypatch):
+    """Attached: while the second save of 'latest' is in flight, 'latest' still holds the first, complete save."""
+    import threading
+
+    import torch_ckpt
+
+    import torch_ckpt.checkpointer as engine
+
+    release, real = threading.Event(), engine.persist_checkpoint
+    monkeypatch.setattr(engine, "persist_checkpoint", lambda req, ctx: (release.wait(30), real(req, ctx))[1])
+    release.set()
+    run = make_run(None)
+    train(run, 0, 2)
+    run.accelerator.save_state(tmp_path / "latest", step=2)
+    run.ckpt.wait()
+    first = params(run.model)
+    train(run, 2, 4)
+    release.clear()
+    run.accelerator.save_state(tmp_path / "latest", step=4)
+    state, manifest = torch_ckpt.load_full_state(tmp_path / "latest")  # what another process would load now
+    assert manifest.step == 2 and same({k: v for k, v in state["model"]["0"].items()}, first)
+    release.set()
+    run.ckpt.close()
+
+
+def _rolling_two_processes(rank: int, world: int, folder: str, out: str) -> None:
+    from accelerate import Accelerator
+
+    import accelerate_ckpt
+
+    torch.manual_seed(0)
+    acc = Accelerator(cpu=True)
+    ckpt = accelerate_ckpt.attach(acc)
+    model = acc.prepare(torch.nn.Linear(3, 3))
+    weight = acc.unwrap_model(model).weight
+    for step in (1, 2):
+        with torch.no_grad():
+            weight.fill_(float(step))
+        acc.save_state(folder, step=step)
+    with torch.no_grad():
+        weight.zero_()
+    acc.load_state(folder)
+    Path(out, f"rank{rank}.txt").write_text(f"{weight[0, 0].item()} {ckpt.step}", encoding="utf-8")
+    ckpt.close()
+
+
+def test_attached_reused_folder_on_two_processes_loads_the_newest_save(tmp_path):
+    """Attached, 2 gloo processes: a folder saved twice is replaced and both processes load the second save."""
+    run_distributed(_rolling_two_processes, 2, str(tmp_path / "latest"), str(tmp_path))
+    assert [(tmp_path / f"rank{r}.txt").read_text() for r in (0, 1)] == ["2.0 2", "2.0 2"]
+
+
+# -- item 3: rollback and a corrupt newest checkpoint ----------------------------------------------------------
+def _three_saves(tmp_path: Path, attach: bool) -> None:
+    run = make_run(tmp_path, attach=attach)
+    train(run, 0, 6, save_at=(2, 4, 6) if attach else ())
+    if not attach:
+        for _ in range(3):
+            run.accelerator.save_state()
+    if run.ckpt is not None:
+        run.ckpt.close()
+
+
+def test_plain_accelerate_cannot_save_after_rolling_back_in_a_new_process(tmp_path):
+    """Plain Accelerate: a new process loading checkpoint_0 (of 0-2) fails its next save_state()."""
+    _three_saves(tmp_path, attach=False)
+    run = make_run(tmp_path, attach=False)
+    run.accelerator.load_state(tmp_path / "checkpoints" / "checkpoint_0")
+    with pytest.raises(ValueError, match="already exists"):
+        run.accelerator.save_state()
+
+
+def test_attached_rollback_supersedes_newer_checkpoints_at_the_next_save(tmp_path):
+    """Attached: after load_state(checkpoint_0) of 0-2, the next save is checkpoint_1 and becomes the latest."""
+    _three_saves(tmp_path, attach=True)
+    run = make_run(tmp_path)
+    run.accelerator.load_state(tmp_path / "checkpoints" / "checkpoint_0")
+    assert run.ckpt.step == 2
+    train(run, 2, 3)
+    assert run.accelerator.save_state(step=3).name == "checkpoint_1"
+    run.ckpt.close()
+    run = make_run(tmp_path)
+    assert run.ckpt.latest_checkpoint().name == "checkpoint_1"
+    run.accelerator.load_state()
+    assert run.ckpt.step == 3
+    run.ckpt.close()
+
+
+def _flip_a_bit(folder: Path, suffix: str) -> None:
+    victim = max((p for p in folder.iterdir() if p.name.endswith(suffix)), key=lambda p: p.stat().st_size)
+    data = bytearray(victim.read_bytes())
+    data[-1] ^= 0x01
+    victim.write_bytes(bytes(data))
+
+
+def test_plain_accelerate_loads_a_corrupt_newest_checkpoint_silently(tmp_path):
+    """Plain Accelerate: one flipped bit in the newest checkpoint's weights loads without an error."""
+    _three_saves(tmp_path, attach=False)
+    _flip_a_bit(tmp_path / "checkpoints" / "checkpoint_2", ".safetensors")
+    run = make_run(tmp_path, attach=False)
+    run.accelerator.load_state()  # no error: the damaged value is loaded
+
+
+def test_attached_corrupt_newest_checkpoint_falls_back_with_a_warning_naming_it(tmp_path, caplog):
+    """Attached: a flipped bit in checkpoint_2 makes load_state() warn naming it and resume checkpoint_1."""
+    _three_saves(tmp_path, attach=True)
+    _flip_a_bit(tmp_path / "checkpoints" / "checkpoint_2", ".distcp")
+    run = make_run(tmp_path)
+    with caplog.at_level("WARNING"):
+        run.accelerator.load_state()
+    assert run.ckpt.step == 4 and "checkpoint_2" in caplog.text
+    assert run.accelerator.save_state().name == "checkpoint_2"  # the damaged one is moved aside, not reused
+    run.ckpt.close()
+
+
+# -- item 4: existing plain-Accelerate checkpoints -------------------------------------------------------------
+def _plain_checkpoints(tmp_path: Path) -> list[str]:
+    run = make_run(tmp_path, total_limit=3, attach=False)
+    for step in range(1, 4):
+        train(run, step - 1, step)
+        run.accelerator.save_state()
+    return sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+
+
+def test_plain_accelerate_new_process_deletes_checkpoint_0_and_reuses_its_name(tmp_path):
+    """Plain Accelerate: a new process's save_state() deletes checkpoint_0 and writes its state under that name."""
+    before = _plain_checkpoints(tmp_path)
+    marker = tmp_path / "checkpoints" / "checkpoint_0" / "marker.txt"
+    marker.write_text("the first run's checkpoint_0", encoding="utf-8")
+    run = make_run(tmp_path, total_limit=3, attach=False)
+    assert str(run.accelerator.save_state()).endswith("checkpoint_0")
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == before and not marker.exists()
+
+
+def test_attached_save_never_writes_into_or_deletes_plain_accelerate_folders(tmp_path):
+    """Attached: checkpoint_0-2 of plain Accelerate are refused (ConfigError), never written into or deleted."""
+    before = _plain_checkpoints(tmp_path)
+    snapshot = {p: p.stat().st_mtime_ns for p in (tmp_path / "checkpoints").rglob("*")}
+    run = make_run(tmp_path, total_limit=3)
+    with pytest.raises(ConfigError, match="checkpoint_0 exists but is not a torch-ckpt checkpoint"):
+        run.accelerator.save_state()
+    run.ckpt.close()
+    assert {p: p.stat().st_mtime_ns for p in (tmp_path / "checkpoints").rglob("*")} == snapshot
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == before
+
+
+def test_attached_loading_a_plain_checkpoint_keeps_its_save_iteration_and_retention_spares_it(tmp_path):
+    """Attached: loading plain checkpoint_2 continues at checkpoint_3; keep_last=3 counts only torch-ckpt ones."""
+    _plain_checkpoints(tmp_path)
+    run = make_run(tmp_path, total_limit=3)
+    run.accelerator.load_state(tmp_path / "checkpoints" / "checkpoint_2", allow_unsafe_accelerate_folder=True)
+    names = [run.accelerator.save_state().name for _ in range(4)]
+    run.ckpt.close()
+    assert names == ["checkpoint_3", "checkpoint_4", "checkpoint_5", "checkpoint_6"]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [
+        "checkpoint_0", "checkpoint_1", "checkpoint_2", "checkpoint_4", "checkpoint_5", "checkpoint_6"]
