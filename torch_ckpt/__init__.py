@@ -15,6 +15,7 @@ _EXPORTS = {
     "CheckpointManager": "torch_ckpt.manager",
     "AsyncCheckpointer": "torch_ckpt.checkpointer",
     "TrainState": "torch_ckpt.state",
+    "OptimizerState": "torch_ckpt.optim_state",
     "Naming": "torch_ckpt.naming",
     "StepNaming": "torch_ckpt.naming",
     "PatternNaming": "torch_ckpt.naming",
