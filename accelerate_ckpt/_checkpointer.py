@@ -34,6 +34,7 @@ from torch_ckpt import (
     CheckpointManager,
     CheckpointNotFoundError,
     ConfigError,
+    DurableTier,
     PatternNaming,
     SaveHandle,
     UnsafeCheckpointError,
@@ -182,25 +183,32 @@ class AccelerateCheckpointer:
                 "process(es) (on a CPU machine, torchrun needs ACCELERATE_USE_CPU=1 or Accelerator(cpu=True)); "
                 f"checkpoints are written as world size {world}, while Accelerate trains each process alone",
                 stacklevel=3)
-        if settings.durable_url is not None and not accelerator.project_configuration.automatic_checkpoint_naming:
-            raise ConfigError("durable_url needs ProjectConfiguration(automatic_checkpoint_naming=True): only "
-                              "automatic checkpoints are replicated")
-        if accelerator.project_configuration.automatic_checkpoint_naming:
-            if accelerator.project_dir is None:
-                raise ConfigError("automatic_checkpoint_naming needs ProjectConfiguration(project_dir=...)")
-            self._open(Path(accelerator.project_dir).expanduser() / "checkpoints")
+        self._auto = bool(accelerator.project_configuration.automatic_checkpoint_naming)
+        if settings.durable_url is not None:
+            if not self._auto:
+                raise ConfigError("durable_url needs ProjectConfiguration(automatic_checkpoint_naming=True): only "
+                                  "automatic checkpoints are replicated")
+            DurableTier(settings.durable_url, storage_options=settings.storage_options)  # fail now on a bad URL
+        if self._auto and accelerator.project_dir is None:
+            raise ConfigError("automatic_checkpoint_naming needs ProjectConfiguration(project_dir=...)")
         self.hooks = [accelerator.register_save_state_pre_hook(self._save_hook),
                       accelerator.register_load_state_pre_hook(self._load_hook)]
         accelerator.save_state = self.save_state
         accelerator.load_state = self.load_state
 
-    def _open(self, root: Path) -> CheckpointManager:
-        """Create the manager on ``root`` (collective; every process reaches it at the same call)."""
+    def _open(self, root: Path | None = None) -> CheckpointManager:
+        """The manager; created on first use (collective: every process reaches it at the same call).
+
+        Its root is ``project_dir/checkpoints`` with automatic naming, else ``root``. Not created at
+        ``attach()``, so that a fresh run's ``checkpoints`` folder appears only with its first save.
+        """
         if self.manager is None:
+            if self._auto:
+                root = Path(self.accelerator.project_dir).expanduser() / "checkpoints"
             s, pc = self.settings, self.accelerator.project_configuration
             keep = s.keep_last if s.keep_last is not None else pc.total_limit
             self.manager = CheckpointManager(
-                root, naming=NAMING, keep_last=keep if pc.automatic_checkpoint_naming else None,
+                root, naming=NAMING, keep_last=keep if self._auto else None,
                 async_save=s.async_save, persist=s.persist, overlap_staging=s.overlap_staging,
                 writer_niceness=s.writer_niceness, staging_budget_bytes=s.staging_budget_bytes,
                 thread_count=s.thread_count, verify_on_load=s.verify_on_load, timeout_seconds=s.timeout_seconds,
@@ -298,14 +306,13 @@ class AccelerateCheckpointer:
                 "call it (each writes its own shard; the main process commits): remove the guard. Called on one "
                 f"process it would wait {self.settings.timeout_seconds:.0f} s for the others and fail")
         t0 = time.monotonic()
-        if self.manager is not None:
-            self.wait()  # one save in flight; its hook files are in place before new hooks run
+        self.wait()  # one save in flight; its hook files are in place before new hooks run
         waited = time.monotonic() - t0
         if step is not None:
             self.step = int(step)
         iteration = compat.save_iteration(acc)
-        if acc.project_configuration.automatic_checkpoint_naming:
-            manager, path, number = self.manager, None, iteration
+        if self._auto:
+            manager, path, number = self._open(), None, iteration
             folder = manager.root / NAMING.name(iteration)
         elif output_dir is None:
             raise ValueError("save_state() needs output_dir unless automatic_checkpoint_naming is enabled")
@@ -339,9 +346,9 @@ class AccelerateCheckpointer:
 
         ``load_state()`` also looks at ``durable_url`` and falls back past a damaged newest checkpoint.
         """
-        if self._closed or self.manager is None or not self.accelerator.project_configuration.automatic_checkpoint_naming:
+        if self._closed or not self._auto:
             return None
-        found = self.manager.checkpoints()
+        found = self._open().checkpoints()
         return found[max(found)] if found else None
 
     def _load_foreign(self, folder: Path, allow_unsafe: bool, load_kwargs: Any, kwargs: dict) -> None:
@@ -393,8 +400,7 @@ class AccelerateCheckpointer:
         """
         self._check_open()
         acc = self.accelerator
-        if self.manager is not None:
-            self.wait()
+        self.wait()
         if input_dir is not None:
             folder = Path(input_dir).expanduser().absolute()
             if not folder.is_dir():
@@ -403,8 +409,8 @@ class AccelerateCheckpointer:
                 self._load_foreign(folder, allow_unsafe_accelerate_folder, load_kwargs, load_model_func_kwargs)
                 return
             manager, candidates = self._open(folder.parent), [folder]
-        elif acc.project_configuration.automatic_checkpoint_naming:
-            manager = self.manager
+        elif self._auto:
+            manager = self._open()
             candidates = [p for _, p in sorted(manager.checkpoints().items(), reverse=True)]
         else:
             raise ValueError("No input_dir provided and automatic checkpoint naming is disabled.")
@@ -445,12 +451,12 @@ class AccelerateCheckpointer:
         if self._policy is None:
             raise ConfigError("should_save() needs a save policy: attach(..., save_policy=...) or one of the settings "
                               "save_every_n_steps, save_every_seconds, mtbf_seconds")
-        if self.manager is None:
+        if self.manager is None and not self._auto:
             raise ConfigError("should_save() needs ProjectConfiguration(project_dir=..., automatic_checkpoint_naming="
                               "True), or a first save_state(folder)/load_state(folder) to set the checkpoint root")
         self._log_finished()
         self.step = int(step)
-        return self.manager.should_save(self.step)
+        return self._open().should_save(self.step)
 
     def save_if_due(self, step: int) -> SaveHandle | None:
         """``accelerator.save_state()`` when :meth:`should_save` says so; returns its handle or None."""
