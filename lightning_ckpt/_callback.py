@@ -33,11 +33,10 @@ from typing import Any, Literal
 from lightning.pytorch.callbacks import OnExceptionCheckpoint
 from typing_extensions import override
 
+from lightning_ckpt import _compat
 from lightning_ckpt._checkpoint_io import AsyncDCPCheckpointIO
-from torch_ckpt import AnyOf, ConfigError, EveryNSeconds, EveryNSteps, YoungDaly
-from torch_ckpt.cadence import Cadence
+from torch_ckpt import AnyOf, Cadence, ConfigError, EveryNSeconds, EveryNSteps, TrainState, YoungDaly
 from torch_ckpt.layout import clean_stale_temporaries, scan_committed, step_dir_name
-from torch_ckpt.rng import capture_rng_state, restore_rng_state
 
 __all__ = ["MTBFCheckpoint"]
 
@@ -114,8 +113,12 @@ class MTBFCheckpoint(OnExceptionCheckpoint):
         self.log_stats = log_stats
         self.prog_bar = prog_bar
         self._io: AsyncDCPCheckpointIO | None = None
+        self._deferred: tuple[int, str, dict[str, Any]] | None = None
         self._cadence: Cadence | None = None
+        self._rng = TrainState()  # captures and restores this rank's RNG (Python, NumPy, torch CPU/CUDA) only
         self._pending_rng: dict[str, Any] | None = None
+        self._rng_at_epoch_start = False
+        self._trainer: Any = None
         self._unreported: list = []
         self._newest_committed_wall: float | None = None
         self._last_health = float("-inf")
@@ -143,9 +146,10 @@ class MTBFCheckpoint(OnExceptionCheckpoint):
             raise ConfigError("MTBFCheckpoint needs Trainer(plugins=[lightning_ckpt.AsyncDCPCheckpointIO()]); the "
                               f"trainer's checkpoint IO is {type(io).__name__}")
         io.attach(trainer)
-        self._io = io
+        self._io, self._trainer = io, trainer
         if stage != "fit":
             return
+        _compat.isolate_validation_rng(trainer)
         io.checkpointer()  # collective on every rank now, so per-step agreement can use its process group
         io.enable_overlap(lambda: {getattr(p, "_local_tensor", p).data_ptr() for p in pl_module.parameters()})
         if trainer.is_global_zero:
@@ -153,7 +157,7 @@ class MTBFCheckpoint(OnExceptionCheckpoint):
             clean_stale_temporaries(self.dirpath, keep_incarnation=io.checkpointer().incarnation)
         self._cadence = None if self._policy is None else Cadence(self._policy)
         self._unreported = []
-        self._stepped, self._last_saved_step = False, None
+        self._stepped, self._last_saved_step, self._deferred = False, None, None
 
     @override
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
@@ -170,7 +174,7 @@ class MTBFCheckpoint(OnExceptionCheckpoint):
         Lightning's flag itself once the checkpoint is committed. Handlers installed before ``fit``
         still run; Lightning restores them after ``fit``.
         """
-        connector = getattr(trainer, "_signal_connector", None)
+        connector = _compat.signal_connector(trainer)
         if connector is None or threading.current_thread() is not threading.main_thread():
             return
         previous = getattr(connector, "_original_handlers", {}).get(signal.SIGTERM)
@@ -185,10 +189,17 @@ class MTBFCheckpoint(OnExceptionCheckpoint):
 
     # -- per step --------------------------------------------------------------------------------
     @override
-    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
-        if self._pending_rng is not None:  # after the dataloader iterator was created, before the forward
-            restore_rng_state(self._pending_rng)
+    def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
+        if self._pending_rng is not None and self._rng_at_epoch_start:
+            self._rng.load_state_dict({"rng": self._pending_rng})
             self._pending_rng = None
+
+    @override
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if self._pending_rng is not None:  # after the resumed epoch's iterator was created, before the forward
+            self._rng.load_state_dict({"rng": self._pending_rng})
+            self._pending_rng = None
+        self._flush_deferred(trainer)
 
     @override
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
@@ -210,21 +221,49 @@ class MTBFCheckpoint(OnExceptionCheckpoint):
         sigterm = self.save_on_sigterm and (self._sigterm or bool(trainer.received_sigterm))
         votes = self._io.checkpointer().ctx.all_gather((bool(want), sigterm), what="MTBFCheckpoint decision")
         want, sigterm = votes[0][0], any(v[1] for v in votes)
-        if want or sigterm:
-            self._save(trainer, step)
+        # the final step is saved here, at its step boundary: at on_train_end Lightning has already counted
+        # the (possibly unfinished) epoch as completed, so a resume from there would start the next epoch
+        final = self.save_on_train_end and 0 < trainer.max_steps <= step
+        if want or sigterm or final:
+            self._save(trainer, step, at_step_boundary=not (sigterm or final))
         if sigterm:
             self._stop_after_commit(trainer, step)
-        self._report(pl_module)
-        self._report_health(pl_module)
+        self._report(trainer, pl_module)
+        self._report_health(trainer)
         if self.prog_bar:
             pl_module.log("ckpt_saving", float(self._io.saving), prog_bar=True, logger=False, on_step=True,
                           on_epoch=False)
 
-    def _save(self, trainer: Any, step: int) -> None:
+    def _save(self, trainer: Any, step: int, *, at_step_boundary: bool = True) -> None:
+        """Save ``step``; a save at the end of an epoch is completed at the next epoch's first batch.
+
+        At the last batch of an epoch the uninterrupted run goes on to create the next epoch's train
+        iterator, which draws from the global RNG (loaders without ``generator=``) before the next
+        batch. The checkpoint then holds Lightning's state of this step boundary, captured now, and the
+        RNG as it is right before the next batch, which is where the resumed run restores it.
+        """
         if step == self._last_saved_step:
             return
         self._last_saved_step = step
-        trainer.save_checkpoint(str(Path(self.dirpath) / step_dir_name(step)), weights_only=False)
+        path = str(Path(self.dirpath) / step_dir_name(step))
+        if at_step_boundary and _compat.is_last_batch(trainer):
+            self._deferred = (step, path, _compat.dump_checkpoint(trainer))
+            return
+        trainer.save_checkpoint(path, weights_only=False)
+        self._after_save(trainer, step)
+
+    def _flush_deferred(self, trainer: Any) -> None:
+        """Write the checkpoint deferred by :meth:`_save`, with this moment's RNG."""
+        if self._deferred is None:
+            return
+        step, path, checkpoint = self._deferred
+        self._deferred = None
+        checkpoint["callbacks"][self.state_key].update(rng=self._rng.state_dict()["rng"], restore_rng_at="batch")
+        trainer.strategy.save_checkpoint(checkpoint, path)
+        trainer.strategy.barrier("MTBFCheckpoint.save")
+        self._after_save(trainer, step)
+
+    def _after_save(self, trainer: Any, step: int) -> None:
         handle = self._io.last_handle
         if handle is not None:
             self._unreported.append(handle)
@@ -238,23 +277,29 @@ class MTBFCheckpoint(OnExceptionCheckpoint):
     def _stop_after_commit(self, trainer: Any, step: int) -> None:
         self._io.wait()
         log.warning("[rank %d] SIGTERM: checkpoint of step %d is committed; stopping", trainer.global_rank, step)
-        connector = getattr(trainer, "_signal_connector", None)
+        connector = _compat.signal_connector(trainer)
         if connector is not None:
             connector.received_sigterm = True  # Lightning raises SIGTERMException at the end of this batch
         trainer.should_stop = True
 
-    def _report_health(self, pl_module: Any) -> None:
+    @staticmethod
+    def _log_metrics(trainer: Any, metrics: dict[str, float]) -> None:
+        """Write ``metrics`` once, straight to the loggers (``LightningModule.log`` would repeat them on every row)."""
+        if trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=trainer.global_step)
+
+    def _report_health(self, trainer: Any) -> None:
         """Every ``_HEALTH_EVERY_S``: the training time a failure right now would lose (``ckpt/lost_work_s``)."""
         now = time.monotonic()
         if not self.log_stats or self._newest_committed_wall is None or now - self._last_health < _HEALTH_EVERY_S:
             return
         self._last_health = now
         lost = time.time() - self._newest_committed_wall
-        if pl_module.trainer.loggers:
-            pl_module.log("ckpt/lost_work_s", lost, on_step=True, on_epoch=False, logger=True)
+        self._log_metrics(trainer, {"ckpt/lost_work_s": lost})
         log.info("checkpoint health: a failure now would lose %.1f s of training", lost)
 
-    def _report(self, pl_module: Any) -> None:
+    def _report(self, trainer: Any, pl_module: Any | None) -> None:
         """Log the statistics of every save that has committed since the last report (once each)."""
         while self._unreported and self._unreported[0].done():
             handle = self._unreported.pop(0)
@@ -266,19 +311,32 @@ class MTBFCheckpoint(OnExceptionCheckpoint):
             metrics.update({f"ckpt/{k}": float(plan[k]) for k in _PLAN_KEYS if isinstance(plan.get(k), (int, float))})
             self._newest_committed_wall = max(self._newest_committed_wall or 0.0, stats["wall_time"])
             if self.log_stats:
-                if pl_module.trainer.loggers:
-                    pl_module.log_dict(metrics, on_step=True, on_epoch=False, logger=True)
+                self._log_metrics(trainer, metrics)
                 log.info("checkpoint step %d committed: blocking %.3f s, persist %.3f s, %.3f GB/s; schedule %s",
                          handle.step, stats["blocking_s"], stats["persist_s"], stats["gb_per_s"],
                          {k: plan.get(k) for k in ("interval_steps", "expected_overhead", "limited_by")})
-            if self.prog_bar:
+            if self.prog_bar and pl_module is not None:
                 pl_module.log("ckpt", float(handle.step), prog_bar=True, logger=False, on_step=True, on_epoch=False)
 
     # -- end of training -------------------------------------------------------------------------
     @override
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
-        if self.save_on_train_end and trainer.global_step > 0:
-            self._save(trainer, trainer.global_step)
+        """Save the final step unless it is saved already (``max_steps``), wait for it, log its statistics.
+
+        A run that stopped in the middle of an epoch for another reason (``should_stop``, ``max_time``)
+        is not saved here: Lightning has counted that epoch as completed, so a checkpoint written now
+        would resume at the next epoch; the newest step-boundary checkpoint stays the latest.
+        """
+        self._flush_deferred(trainer)
+        step = trainer.global_step
+        if self.save_on_train_end and step > 0 and step != self._last_saved_step:
+            if _compat.is_last_batch(trainer):
+                self._save(trainer, step, at_step_boundary=False)
+            else:
+                log.info("training stopped inside an epoch at step %d: not saving it at train end (it would resume "
+                         "at the next epoch); the newest checkpoint is step %s", step, self._last_saved_step)
+        self._io.wait()
+        self._report(trainer, None)
 
     @override
     def on_exception(self, trainer: Any, *_: Any, **__: Any) -> None:
@@ -297,11 +355,17 @@ class MTBFCheckpoint(OnExceptionCheckpoint):
     # -- resume ----------------------------------------------------------------------------------
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {"rng": capture_rng_state(),
+        # The RNG is restored right before the first resumed batch, after the resumed run built and iterated
+        # its loaders (a periodic save at an epoch end captures it right before the next epoch's first batch,
+        # see _save). A save that ends training at an epoch end cannot wait for that batch: the resumed run
+        # restores it at the start of its first epoch instead, before that epoch's train iterator is created.
+        at_epoch_end = self._trainer is not None and _compat.is_last_batch(self._trainer)
+        return {"rng": self._rng.state_dict()["rng"], "restore_rng_at": "epoch_start" if at_epoch_end else "batch",
                 "young_daly": None if self._young_daly is None else self._young_daly.state_dict()}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._pending_rng = state_dict.get("rng")
+        self._rng_at_epoch_start = state_dict.get("restore_rng_at") == "epoch_start"
         if self._young_daly is not None and state_dict.get("young_daly"):
             self._young_daly.load_state_dict(state_dict["young_daly"])
