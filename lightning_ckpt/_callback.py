@@ -223,7 +223,7 @@ class MTBFCheckpoint(OnExceptionCheckpoint):
         want, sigterm = votes[0][0], any(v[1] for v in votes)
         # the final step is saved here, at its step boundary: at on_train_end Lightning has already counted
         # the (possibly unfinished) epoch as completed, so a resume from there would start the next epoch
-        final = self.save_on_train_end and 0 < trainer.max_steps <= step
+        final = self.save_on_train_end and _compat.is_final_batch(trainer)
         if want or sigterm or final:
             self._save(trainer, step, at_step_boundary=not (sigterm or final))
         if sigterm:

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 __all__ = [
-    "defer_link_checkpoint", "dump_checkpoint", "is_last_batch", "isolate_validation_rng", "load_module_state",
+    "defer_link_checkpoint", "dump_checkpoint", "is_final_batch", "is_last_batch", "isolate_validation_rng", "load_module_state",
     "sharded_flags", "signal_connector",
 ]
 
@@ -114,3 +114,16 @@ def dump_checkpoint(trainer: Any) -> dict[str, Any]:
     snapshot.
     """
     return trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+
+
+def is_final_batch(trainer: Any) -> bool:
+    """Whether training stops after the batch that just finished: ``max_steps`` reached, or the last batch
+    of the last epoch (``max_epochs``).
+
+    Uses :func:`is_last_batch`; checked against lightning 2.4-2.6.6.
+    """
+    if 0 < trainer.max_steps <= trainer.global_step:
+        return True
+    max_epochs = trainer.max_epochs
+    return max_epochs is not None and max_epochs > 0 and trainer.current_epoch + 1 >= max_epochs \
+        and is_last_batch(trainer)
