@@ -35,6 +35,7 @@ from typing_extensions import override
 
 from lightning_ckpt import _compat
 from lightning_ckpt._checkpoint_io import AsyncDCPCheckpointIO
+from lightning_ckpt._values import encode_values
 from torch_ckpt import AnyOf, Cadence, ConfigError, EveryNSeconds, EveryNSteps, TrainState, YoungDaly
 from torch_ckpt.layout import clean_stale_temporaries, scan_committed, step_dir_name
 
@@ -149,6 +150,10 @@ class MTBFCheckpoint(OnExceptionCheckpoint):
         self._io, self._trainer = io, trainer
         if stage != "fit":
             return
+        # hyper-parameters go into every checkpoint: refuse what cannot be stored now, not at the first save
+        encode_values({"hyper_parameters": dict(pl_module.hparams)}, io.unsafe_values)
+        if trainer.datamodule is not None:
+            encode_values({"datamodule_hyper_parameters": dict(trainer.datamodule.hparams)}, io.unsafe_values)
         _compat.isolate_validation_rng(trainer)
         io.checkpointer()  # collective on every rank now, so per-step agreement can use its process group
         io.enable_overlap(lambda: {getattr(p, "_local_tensor", p).data_ptr() for p in pl_module.parameters()})

@@ -130,8 +130,13 @@ class AsyncDCPCheckpointIO(CheckpointIO):
             raise ConfigError(f"thread_count must be an int >= 1, got {thread_count!r}")
         if isinstance(writer_niceness, bool) or not isinstance(writer_niceness, int) or not 0 <= writer_niceness <= 19:
             raise ConfigError(f"writer_niceness must be an int in [0, 19], got {writer_niceness!r}")
-        if not timeout_seconds > 0:
-            raise ConfigError(f"timeout_seconds must be > 0, got {timeout_seconds!r}")
+        if isinstance(timeout_seconds, bool) or not isinstance(timeout_seconds, (int, float)) \
+                or not 0 < timeout_seconds < float("inf"):
+            raise ConfigError(f"timeout_seconds must be a finite number of seconds > 0, got {timeout_seconds!r}")
+        for name, value in (("async_save", async_save), ("overlap_staging", overlap_staging),
+                            ("verify_on_load", verify_on_load), ("allow_cast", allow_cast)):
+            if not isinstance(value, bool):
+                raise ConfigError(f"{name} must be True or False, got {value!r}")
         # the checkpointer itself is created on first use: creating it is collective once torch.distributed runs
         self._core_kwargs = dict(async_save=async_save, persist=persist, overlap_staging=overlap_staging,
                                  writer_niceness=writer_niceness, staging_budget_bytes=staging_budget_bytes,
