@@ -414,7 +414,8 @@ def test_os_error_while_moving_a_damaged_step_aside_is_typed(tmp_path, monkeypat
 
     import torch_ckpt.layout as layout
 
-    (tmp_path / "step_000000005").mkdir()  # a damaged (manifest-less) directory of the step to save
+    (tmp_path / "step_000000005").mkdir()  # a damaged directory of the step to save: unreadable manifest
+    (tmp_path / "step_000000005" / "manifest.json").write_text("{not json")
     real = layout.os.rename
 
     def refuse(src, dst):

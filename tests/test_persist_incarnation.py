@@ -72,7 +72,7 @@ def test_checkpointer_commits_the_temporary_named_with_its_incarnation(tmp_path,
 
     renamed: list[str] = []
     original = persist_mod.commit_dir
-    monkeypatch.setattr(persist_mod, "commit_dir", lambda tmp, final: (renamed.append(Path(tmp).name),
+    monkeypatch.setattr(persist_mod, "commit_dir", lambda tmp, final, **kw: (renamed.append(Path(tmp).name),
                                                                          original(tmp, final)))
     with AsyncCheckpointer(thread_count=1) as ckpt:
         ckpt.save(tmp_path / "step_000000001", {"w": torch.ones(10)}, step=1).wait()

@@ -54,6 +54,7 @@ class _SaveJob:
     deferred_keys: set[str] | None = None
     early_s: float = 0.0
     on_committed: Callable[[Path], None] | None = None
+    replace: bool = False
 
 
 def _cuda_ready_event(tensors: dict[str, torch.Tensor]) -> Any:
@@ -221,7 +222,8 @@ class AsyncCheckpointer:
     # -- saving ----------------------------------------------------------------------------------
     def save(self, final: str | os.PathLike, state: Any, *, step: int = 0,
              on_committed: Callable[[Path], None] | None = None, started_at: float | None = None,
-             waited_s: float = 0.0, prepare: Callable[[], None] | None = None) -> SaveHandle:
+             waited_s: float = 0.0, prepare: Callable[[], None] | None = None,
+             replace: bool | Callable[[], bool] = False) -> SaveHandle:
         """Checkpoint ``state`` into directory ``final``; returns once staged (async) or committed (sync).
 
         Collective: every rank calls it with the same ``final`` and ``step``. Waits first for the
@@ -245,6 +247,8 @@ class AsyncCheckpointer:
             prepare: called on every rank after the previous save finished and before the state
                 is captured; an exception it raises is part of the agreement (used by the manager
                 for its step checks).
+            replace: ``final`` may hold a committed checkpoint, replaced atomically at commit (the
+                old one stays loadable until then); a callable is asked after ``prepare``.
 
         Returns:
             A :class:`SaveHandle` whose ``committed`` future completes when the checkpoint is durable.
@@ -263,6 +267,7 @@ class AsyncCheckpointer:
         prepared = None
         try:
             prepared = self._prepare_save(final, state, step, on_committed, t0, waited_s, prepare)
+            prepared[0].replace = bool(replace() if callable(replace) else replace)
         except Exception as exc:  # noqa: BLE001 - reported to every rank by the agreement below
             error = exc
         try:
@@ -413,19 +418,22 @@ class AsyncCheckpointer:
             timings = {"staging_s": handle.stats.staging_s}
             if self._process_writer is not None and (job.fits or failed is not None):
                 fields = dict(final=job.final, step=job.step, tree=job.tree, tensor_bytes=handle.stats.bytes,
+                              replace=job.replace,
                               thread_count=self.thread_count, timings=timings, incarnation=self._incarnation,
                               failed=failed)
-                final = self._process_writer.persist(arena=None if failed else self._stager.arena,
-                                                     layout=job.layout, fields=fields)
+                final, files_bytes = self._process_writer.persist(arena=None if failed else self._stager.arena,
+                                                                  layout=job.layout, fields=fields)
             else:
                 req = PersistRequest(final=job.final, step=job.step, tensors=job.to_write, tree=job.tree,
                                      tensor_bytes=handle.stats.bytes, thread_count=self.thread_count,
-                                     timings=timings, incarnation=self._incarnation, failed=failed)
+                                     timings=timings, incarnation=self._incarnation, failed=failed,
+                                     replace=job.replace)
                 final = persist_checkpoint(req, self._ctx)
+                files_bytes = req.committed_bytes
             stats = handle.stats
             stats.persist_s = time.monotonic() - t_start
             stats.total_s = time.monotonic() - job.t0
-            stats.files_bytes = sum(f["bytes"] for f in read_manifest(final).files.values())
+            stats.files_bytes = files_bytes  # no rank reads the committed directory again
             self.last_stats = stats
             log.info("[rank %d] committed step %d: %d bytes, blocking %.3f s, staging %.3f s, persist %.3f s",
                      self._ctx.rank, job.step, stats.bytes, stats.blocking_s, stats.staging_s, stats.persist_s)

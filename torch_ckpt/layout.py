@@ -29,6 +29,7 @@ import os
 import re
 import secrets
 import shutil
+import stat
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,6 +38,7 @@ from typing import Any
 import torch
 
 from torch_ckpt._logging import get_logger
+from torch_ckpt.naming import Naming, StepNaming
 from torch_ckpt.errors import (
     CheckpointCorruptError,
     CheckpointNotFoundError,
@@ -62,6 +64,8 @@ __all__ = [
     "RootLock",
     "rank_file_name",
     "MANIFEST_NAME",
+    "is_committed",
+    "replace_dir",
 ]
 
 log = get_logger(__name__)
@@ -69,16 +73,18 @@ log = get_logger(__name__)
 FORMAT_NAME = "torch-ckpt"
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
-_STEP_RE = re.compile(r"^step_(\d+)$")
-# a temporary step directory: ``.step_N.tmp`` (before incarnation ids), ``.step_N.tmp.<id>``, and the
-# durable tier's ``.step_N.download.tmp`` in both forms; group 1 is the step, group 3 the incarnation id
-_TMP_RE = re.compile(r"^\.step_(\d+)(\.download)?\.tmp(?:\.([0-9a-f]+))?$")
+# a temporary checkpoint directory: ``.NAME.tmp`` (before incarnation ids), ``.NAME.tmp.<id>``, and the
+# durable tier's ``.NAME.download.tmp`` in both forms; group 1 is NAME, group 3 the incarnation id
+_TMP_RE = re.compile(r"^\.(.+?)(\.download)?\.tmp(?:\.([0-9a-f]+))?$")
+# the previous checkpoint of a replaced directory, between the two renames of a non-atomic replace
+_REPLACED_RE = re.compile(r"^\.(.+)\.replaced\.([0-9a-f]{1,64})$")
 _INCARNATION_RE = re.compile(r"^[0-9a-f]{1,64}$")
+_DEFAULT_NAMING = StepNaming()
 
 
 def step_dir_name(step: int) -> str:
-    """Final directory name of ``step`` (zero-padded; ordering still uses the manifest step)."""
-    return f"step_{step:09d}"
+    """Final directory name of ``step`` under the default :class:`~torch_ckpt.naming.StepNaming`."""
+    return _DEFAULT_NAMING.name(step)
 
 
 def new_incarnation() -> str:
@@ -102,9 +108,19 @@ def tmp_dir_name(step: int, incarnation: str) -> str:
     return temporary_name(step_dir_name(step), incarnation)
 
 
-def is_temporary_name(name: str) -> bool:
-    """True for the name of a temporary step directory (any form, with or without an incarnation id)."""
-    return bool(_TMP_RE.match(name))
+def is_temporary_name(name: str, naming: Naming | None = None) -> bool:
+    """True for the name of one of our temporary checkpoint directories.
+
+    That is ``.NAME.tmp``, ``.NAME.tmp.<id>`` or their ``.download`` forms where NAME is a name of
+    ``naming`` (default :class:`StepNaming`), or any ``.NAME.tmp.<16 hex digits>`` (an incarnation
+    id: only torch-ckpt writes those, also for explicitly named checkpoints).
+    """
+    m = _TMP_RE.match(name)
+    if m is None:
+        return False
+    if m.group(3) is not None and len(m.group(3)) == 16:
+        return True
+    return (naming or _DEFAULT_NAMING).step_of(m.group(1)) is not None
 
 
 def rank_file_name(rank: int) -> str:
@@ -221,19 +237,22 @@ def check_root(root: Path, *, create: bool) -> None:
                                        "choose a writable location") from exc
 
 
-def scan_committed(root: str | os.PathLike) -> dict[int, Path]:
-    """Return ``{step: directory}`` of committed checkpoints under ``root`` (manifest step wins).
+def scan_committed(root: str | os.PathLike, naming: Naming | None = None) -> dict[int, Path]:
+    """Return ``{step: directory}`` of committed checkpoints under ``root``, ascending.
 
-    Directories with a final name but an unreadable manifest are skipped with a warning; temporary
+    Only names that ``naming`` (default :class:`StepNaming`) parses are considered, and the
+    manifest's step must equal the step of the name. Directories with such a name but no readable
+    manifest (a folder of another tool, or damage) are skipped with a warning; temporary
     directories are never returned.
     """
     root = Path(root)
+    naming = naming or _DEFAULT_NAMING
     found: dict[int, Path] = {}
     if not root.is_dir():
         return found
     for entry in root.iterdir():
-        m = _STEP_RE.match(entry.name)
-        if not m or not entry.is_dir():
+        named_step = naming.step_of(entry.name)
+        if named_step is None or not entry.is_dir():
             continue
         try:
             manifest = read_manifest(entry)
@@ -243,20 +262,29 @@ def scan_committed(root: str | os.PathLike) -> dict[int, Path]:
         except OSError as exc:  # unreadable (permissions, I/O error): not a usable checkpoint either
             log.warning("ignoring %s: cannot read its manifest (%s)", entry, exc)
             continue
-        if manifest.step != int(m.group(1)):
+        if manifest.step != named_step:
             log.warning("ignoring %s: manifest says step %d", entry, manifest.step)
             continue
         found[manifest.step] = entry
     return dict(sorted(found.items()))
 
 
-def commit_dir(tmp: Path, final: Path) -> None:
+def commit_dir(tmp: Path, final: Path, *, replace: bool = False) -> None:
     """Atomically publish ``tmp`` as ``final`` (fsync tmp, rename, fsync parent).
 
+    Args:
+        tmp: the complete temporary directory.
+        final: the final name.
+        replace: ``final`` may already hold a committed checkpoint, which is replaced (see
+            :func:`replace_dir`); otherwise an existing ``final`` is an error.
+
     Raises:
-        CheckpointWriteError: ``final`` already exists or the rename fails.
+        CheckpointWriteError: ``final`` already exists (without ``replace``) or the rename fails.
     """
     fsync_dir(tmp)
+    if replace and final.exists():
+        replace_dir(tmp, final)
+        return
     if final.exists():
         raise CheckpointWriteError(f"{final} already exists; a checkpoint for this step is already committed")
     try:
@@ -266,30 +294,115 @@ def commit_dir(tmp: Path, final: Path) -> None:
     fsync_dir(final.parent)
 
 
-def clean_stale_temporaries(root: str | os.PathLike, *, keep_incarnation: str | None = None) -> list[Path]:
-    """Remove temporary step directories left by a crashed save or by a previous incarnation.
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two directory entries atomically with Linux ``renameat2(RENAME_EXCHANGE)``; False if unsupported."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    rc = renameat2(_AT_FDCWD, os.fsencode(str(a)), _AT_FDCWD, os.fsencode(str(b)), _RENAME_EXCHANGE)
+    if rc == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
+        return False  # kernel or file system without RENAME_EXCHANGE: fall back to two renames
+    raise OSError(err, os.strerror(err), str(b))
+
+
+def replace_dir(tmp: Path, final: Path) -> None:
+    """Replace the committed checkpoint ``final`` by the complete directory ``tmp``, crash-safely.
+
+    On Linux the two entries are swapped atomically (``renameat2(RENAME_EXCHANGE)``): at every
+    instant ``final`` is either the old or the new complete checkpoint. The old one then lies under
+    the temporary name and is deleted (a crash leaves it as a stale temporary, removed on the next
+    start). Where the exchange is not supported, the old directory is first renamed to
+    ``.NAME.replaced.<id>`` and the new one renamed in; a crash between the two renames leaves no
+    ``final``, and :func:`clean_stale_temporaries` renames the old one back on the next start.
+
+    Raises:
+        CheckpointWriteError: a rename fails (the old checkpoint is left in place or restorable).
+    """
+    try:
+        if _exchange(tmp, final):
+            fsync_dir(final.parent)
+            shutil.rmtree(tmp, ignore_errors=True)
+            return
+        aside = final.with_name(f".{final.name}.replaced.{new_incarnation()}")
+        os.rename(final, aside)
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            os.rename(aside, final)  # put the old checkpoint back; a crash here is undone at the next start
+            raise
+        fsync_dir(final.parent)
+        shutil.rmtree(aside, ignore_errors=True)
+    except OSError as exc:
+        raise CheckpointWriteError(exc.errno, f"cannot replace {final} by {tmp}: {exc.strerror}") from exc
+
+
+def is_committed(path: str | os.PathLike) -> bool:
+    """True when ``path`` is a committed torch-ckpt checkpoint: a valid manifest, and every file it
+    lists present as a regular file of the listed size (cheap: no checksums are read)."""
+    path = Path(path)
+    try:
+        manifest = read_manifest(path)
+        for name, info in manifest.files.items():
+            st = os.lstat(path / name)
+            if not stat.S_ISREG(st.st_mode) or st.st_size != info["bytes"]:
+                return False
+    except (CheckpointNotFoundError, CheckpointCorruptError, OSError):
+        return False
+    return True
+
+
+def clean_stale_temporaries(root: str | os.PathLike, *, keep_incarnation: str | None = None,
+                            naming: Naming | None = None) -> list[Path]:
+    """Remove temporary checkpoint directories left by a crashed save or by a previous incarnation.
 
     Call it only while holding the root's lock: every temporary of another incarnation is then
     stale (its owner is gone; a writer it left behind can no longer commit, see
-    :mod:`torch_ckpt.writer_process`). Both naming forms (``.step_N.tmp`` and ``.step_N.tmp.<id>``,
-    also ``.download``) and ``.trash_step_*`` leftovers are removed.
+    :mod:`torch_ckpt.writer_process`). Temporaries are recognised by :func:`is_temporary_name`
+    (``.NAME.tmp``, ``.NAME.tmp.<id>``, ``.download`` forms); ``.trash_NAME`` leftovers of an
+    interrupted delete are removed; the old checkpoint of an interrupted non-atomic replace
+    (``.NAME.replaced.<id>``) is renamed back to NAME when NAME is missing, and removed otherwise.
 
     Args:
         root: the checkpoint root.
         keep_incarnation: the caller's own incarnation id; its temporaries (a save in flight) are kept.
+        naming: the root's naming (default :class:`StepNaming`).
 
     Returns:
         The removed paths.
     """
     removed: list[Path] = []
     root = Path(root)
+    naming = naming or _DEFAULT_NAMING
     if not root.is_dir():
         return removed
     for entry in root.iterdir():
         m = _TMP_RE.match(entry.name)
         if m and keep_incarnation is not None and m.group(3) == keep_incarnation:
             continue
-        if m or entry.name.startswith(".trash_step_"):
+        replaced = _REPLACED_RE.match(entry.name)
+        if replaced is not None:
+            final = root / replaced.group(1)
+            if not os.path.lexists(final):
+                os.rename(entry, final)
+                log.warning("restored %s from %s (a replace was interrupted)", final, entry)
+                continue
+            shutil.rmtree(entry, ignore_errors=True)
+            removed.append(entry)
+            continue
+        trash = entry.name.startswith(".trash_") and (
+            naming.step_of(entry.name[len(".trash_"):]) is not None or entry.name.startswith(".trash_step_"))
+        if is_temporary_name(entry.name, naming) or trash:
             shutil.rmtree(entry, ignore_errors=True)
             removed.append(entry)
     if removed:

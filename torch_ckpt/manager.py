@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,9 +34,9 @@ from torch_ckpt.layout import (
     read_manifest,
     remove_step_dir,
     scan_committed,
-    step_dir_name,
     update_manifest_tiers,
 )
+from torch_ckpt.naming import Naming, StepNaming
 from torch_ckpt.preemption import PreemptionFlag
 from torch_ckpt.replicator import Replicator
 from torch_ckpt.restore import RANK_LOCAL_POLICIES
@@ -120,6 +121,10 @@ class CheckpointManager:
         read_only: open the root for :meth:`restore`, :meth:`all_steps`, :meth:`latest_step` and
             :meth:`health` only: no root lock, nothing created or cleaned, :meth:`save` refused.
             For roots on read-only media or shared with a run that writes them.
+        naming: how step directories are named under the root (and in the durable tier): a
+            :class:`~torch_ckpt.naming.Naming`; default :class:`~torch_ckpt.naming.StepNaming`
+            (``step_000000042``), e.g. ``PatternNaming("checkpoint_{step}")``. Listing, resume and
+            retention only consider names it parses.
 
     Raises:
         ConfigError: invalid arguments.
@@ -157,6 +162,7 @@ class CheckpointManager:
         on_write_error: str = "raise",
         on_existing_newer: str = "error",
         read_only: bool = False,
+        naming: Naming | None = None,
     ) -> None:
         if not isinstance(directory, (str, os.PathLike)) or str(directory) == "":
             raise ConfigError(f"directory must be a non-empty path, got {directory!r}")
@@ -173,12 +179,17 @@ class CheckpointManager:
         if read_only and durable_url is not None:
             raise ConfigError("read_only=True cannot be combined with durable_url: a durable checkpoint is "
                               "downloaded into the local root; open the durable copy's directory instead")
+        naming = StepNaming() if naming is None else naming
+        if not isinstance(naming, Naming):
+            raise ConfigError(f"naming must provide name(step) and step_of(name) (torch_ckpt.Naming), got {naming!r}")
         if retention is None and keep_last is not None:
             parts: list[RetentionPolicy] = [KeepLatest(count=keep_last)]
             if keep_every_n_steps is not None:
                 parts.append(KeepEveryNSteps(every_steps=keep_every_n_steps))
             retention = parts[0] if len(parts) == 1 else KeepAny(tuple(parts))
         self.root = Path(str(directory).removeprefix("file://")).expanduser().absolute()
+        self.naming = naming
+        self._commit_callbacks: list[Callable[[int, Path], None]] = []
         self.retention = retention
         self.verify_on_load = bool(verify_on_load)
         self.on_world_size_change = on_world_size_change
@@ -188,7 +199,7 @@ class CheckpointManager:
         self._cadence = Cadence(save_policy) if save_policy is not None else None
         self._preemption = PreemptionFlag(preemption_signals)
         self._preemption_timeout = float(preemption_timeout_seconds)
-        self._tier = DurableTier(durable_url, storage_options=storage_options, verify=durable_verify) \
+        self._tier = DurableTier(durable_url, storage_options=storage_options, verify=durable_verify, naming=naming) \
             if durable_url is not None else None
         if self._tier is not None and self._tier.is_inside(self.root):
             raise ConfigError(f"durable_url {durable_url!r} points into the local root {self.root}; the durable tier "
@@ -211,7 +222,7 @@ class CheckpointManager:
                 check_root(self.root, create=not self.read_only)
                 if not self.read_only:
                     self._lock.acquire()
-                    clean_stale_temporaries(self.root, keep_incarnation=self._ckpt.incarnation)
+                    clean_stale_temporaries(self.root, keep_incarnation=self._ckpt.incarnation, naming=self.naming)
                 if self._tier is not None:
                     durable_retention = None
                     if durable_keep_last is not None:
@@ -248,17 +259,23 @@ class CheckpointManager:
         return self._ckpt.last_stats
 
     # -- saving ----------------------------------------------------------------------------------
-    def save(self, step: int, state: Any) -> SaveHandle:
+    def save(self, step: int, state: Any, *, path: str | os.PathLike | None = None) -> SaveHandle:
         """Checkpoint ``state`` as ``step``; returns once the state is staged (async) or committed (sync).
 
         Waits first for the previous save (at most one in flight) and raises, once, any error of an
         earlier background save. The ranks agree before anything is submitted: when any rank fails
-        here (or they pass different steps), every rank raises for this step and nothing is written.
+        here (or they pass different steps or paths), every rank raises for this step and nothing
+        is written.
 
         Args:
-            step: training step (int >= 0), not yet committed under this root.
+            step: training step (int >= 0). Without ``path`` it names the directory
+                (``naming.name(step)`` under the root) and must not be committed yet.
             state: a :class:`~torch_ckpt.TrainState`, any ``Stateful`` or a nested dict of tensors
                 and plain values (the supported values are listed in :mod:`torch_ckpt.codec`).
+            path: an explicit checkpoint directory instead (absolute, or relative to the root; it
+                may lie outside the root, e.g. a framework's own file name). When it already holds
+                a committed torch-ckpt checkpoint, that one is replaced atomically at commit and
+                stays loadable until then (a rolling ``latest`` folder). ``step`` is only recorded.
 
         Returns:
             A :class:`SaveHandle` whose ``staged`` future completes when the live tensors may change
@@ -266,36 +283,61 @@ class CheckpointManager:
 
         Raises:
             ConfigError: bad or already committed step; committed steps newer than ``step`` from a
-                run this manager did not restore (see ``on_existing_newer``); a state value that
-                cannot be stored exactly without pickling; a ``read_only`` manager; any of these on
-                another rank.
+                run this manager did not restore (see ``on_existing_newer``); ``path`` exists and is
+                not a torch-ckpt checkpoint (it is never written into or deleted); a state value
+                that cannot be stored exactly without pickling; a ``read_only`` manager; any of
+                these on another rank.
             CheckpointWriteError: an OS error while preparing the save (e.g. moving a directory aside).
             CheckpointError: a previous background save failed (raised once), or another rank
                 failed to prepare this save.
         """
         t0 = time.monotonic()
         valid = not isinstance(step, bool) and isinstance(step, int) and step >= 0
-        replicate = self._replicator is not None and (self._saves + 1) % self._replicate_every == 0
-        final = self.root / (step_dir_name(step) if valid else ".invalid_step")
+        replicate = path is None and self._replicator is not None and (self._saves + 1) % self._replicate_every == 0
+        if path is not None:
+            final = self._explicit_path(path)
+        else:
+            final = self.root / (self.naming.name(step) if valid else ".invalid_step")
+        replace = [False]
+
+        def prepare() -> None:
+            replace[0] = self._prepare_step(step, final, explicit=path is not None)
+
         handle = self._ckpt.save(final, state, step=step,
                                  on_committed=lambda final: self._after_commit(step, final, replicate),
-                                 started_at=t0, prepare=lambda: self._prepare_step(step))
+                                 started_at=t0, prepare=prepare, replace=lambda: replace[0])
         self._saves += 1
         if self._cadence is not None:
             self._cadence.record_save_started(handle, time.monotonic())
         return handle
 
-    def _prepare_step(self, step: Any) -> None:
-        """Every rank, before the save agreement: validate ``step``; on rank 0 also check the root for it.
+    def _explicit_path(self, path: str | os.PathLike) -> Path:
+        if not isinstance(path, (str, os.PathLike)) or str(path) == "":
+            raise ConfigError(f"path must be a non-empty directory path, got {path!r}")
+        final = Path(path).expanduser()
+        final = (final if final.is_absolute() else self.root / final).absolute()
+        if final == self.root or final in self.root.parents:
+            raise ConfigError(f"path {final} is the checkpoint root or contains it; name a directory inside or "
+                              "beside the root")
+        if final.name.startswith("."):
+            raise ConfigError(f"path {final}: hidden names (starting with '.') are reserved for temporaries")
+        return final
+
+    def _prepare_step(self, step: Any, final: Path, *, explicit: bool = False) -> bool:
+        """Every rank, before the save agreement: validate ``step``; on rank 0 also check its directory.
 
         After :meth:`restore` loaded a step older than the newest committed one, the newer
         checkpoints belong to an abandoned run segment: the first save moves them aside
-        (``.superseded_step_N.<time>``, kept, never listed) so that "latest" follows the run again.
-        A damaged directory of ``step`` is moved aside too (``.corrupt_step_N.<time>``).
+        (``.superseded_<name>.<time>``, kept, never listed) so that "latest" follows the run again.
+        A damaged directory of ``step`` is moved aside too (``.corrupt_<name>.<time>``).
+
+        Returns:
+            True (on rank 0) when ``final`` holds a committed checkpoint that the commit replaces.
 
         Raises:
-            ConfigError: read-only manager, invalid or already committed step, or newer steps of
-                another run (``on_existing_newer="error"``).
+            ConfigError: read-only manager, invalid or already committed step, newer steps of
+                another run (``on_existing_newer="error"``), or ``final`` is not a torch-ckpt
+                checkpoint.
             CheckpointWriteError: a directory could not be moved aside.
         """
         if self.read_only:
@@ -309,33 +351,55 @@ class CheckpointManager:
             self._captured_at.pop(next(iter(self._captured_at)))
         restored, self._restored_step = self._restored_step, None
         if not self._ctx.is_coordinator:
-            return
+            return False
         try:
             if restored is not None:
-                for newer, path in scan_committed(self.root).items():
+                for newer, newer_path in scan_committed(self.root, self.naming).items():
                     if newer > restored:
-                        quarantine_step_dir(path, reason="superseded")
-            final = self.root / step_dir_name(step)
-            if final.exists():
+                        quarantine_step_dir(newer_path, reason="superseded")
+            if explicit:
+                return self._check_explicit(final)
+            if os.path.lexists(final):
                 try:
                     read_manifest(final)
+                except CheckpointNotFoundError:
+                    raise ConfigError(f"{final} exists but is not a torch-ckpt checkpoint (no manifest.json): it is "
+                                      "never written into or deleted; move it away or use another directory") from None
                 except CheckpointError:
                     quarantine_step_dir(final, reason="corrupt")
                 else:
                     raise ConfigError(f"step {step} is already committed at {final}; save under a new step")
             self._check_no_newer_steps(step)
+            return False
         except OSError as exc:
             if isinstance(exc, CheckpointError):
                 raise
             raise CheckpointWriteError(exc.errno, f"cannot prepare step {step} under {self.root}: {exc.strerror} "
                                        f"({exc.filename})") from exc
 
+    def _check_explicit(self, final: Path) -> bool:
+        """Rank 0: may ``final`` be written? True when it holds a committed checkpoint to replace."""
+        if not os.path.lexists(final):
+            return False
+        if final.is_symlink() or not final.is_dir():
+            raise ConfigError(f"{final} exists and is not a directory written by torch-ckpt (a file or symlink): "
+                              "it is never overwritten; remove it or save elsewhere")
+        try:
+            read_manifest(final)
+        except CheckpointNotFoundError:
+            raise ConfigError(f"{final} exists but is not a torch-ckpt checkpoint (no manifest.json): it is never "
+                              "written into or deleted; move it away or save elsewhere") from None
+        except CheckpointError:
+            quarantine_step_dir(final, reason="corrupt")  # ours but damaged: kept aside, never listed
+            return False
+        return True
+
     def _check_no_newer_steps(self, step: int) -> None:
         """Rank 0: refuse (or move aside) committed steps newer than ``step`` that this run did not write."""
         if self._newest_known is not None and step > self._newest_known:
             self._newest_known = step
             return
-        committed = scan_committed(self.root)
+        committed = scan_committed(self.root, self.naming)
         newer = [s for s in committed if s > step]
         if newer and self.on_existing_newer == "supersede":
             log.warning("step %d: moving the newer committed steps %s of an earlier run aside "
@@ -396,7 +460,7 @@ class CheckpointManager:
 
     def _step_committed_or_pending(self, step: int) -> bool:
         handle = self._ckpt.in_flight
-        return (handle is not None and handle.step == step) or (self.root / step_dir_name(step)).is_dir()
+        return (handle is not None and handle.step == step) or (self.root / self.naming.name(step)).is_dir()
 
     def _exit_for_preemption(self, step: int, handle: SaveHandle | None) -> None:
         sig = self._preemption.received
@@ -420,10 +484,29 @@ class CheckpointManager:
         """Block until the in-flight save no longer reads the live tensors (see ``overlap_staging``)."""
         self._ckpt.wait_staged()
 
+    def add_commit_callback(self, callback: Callable[[int, Path], None]) -> None:
+        """Call ``callback(step, directory)`` after each commit, on rank 0 only.
+
+        It runs in the writer thread once every rank has finished with the committed directory
+        (no rank reads it again), before replication and retention of that save. An exception it
+        raises is logged and never changes the save's outcome. Use it for links and notifications.
+        """
+        if not callable(callback):
+            raise ConfigError(f"commit callback must be callable, got {callback!r}")
+        self._commit_callbacks.append(callback)
+
     def _after_commit(self, step: int, final: Path, replicate: bool) -> None:
+        if not self._ctx.is_coordinator:
+            return
+        for callback in self._commit_callbacks:  # committed: a failure is reported and never fails the save
+            try:
+                callback(step, final)
+            except Exception as exc:  # noqa: BLE001
+                log.error("commit callback %r for step %d (%s) failed: %s: %s", callback, step, final,
+                          type(exc).__name__, exc)
         if replicate and self._replicator is not None:
             self._replicator.submit(step, final)
-        try:  # step is committed: a retention failure is reported as such and never fails the save
+        try:
             self._apply_retention()
         except Exception as exc:  # noqa: BLE001
             log.error("retention after committing step %d failed (the checkpoint at %s is committed; older "
@@ -438,7 +521,7 @@ class CheckpointManager:
     def _apply_retention(self) -> None:
         if not self._ctx.is_coordinator or self.retention is None:
             return
-        committed = scan_committed(self.root)
+        committed = scan_committed(self.root, self.naming)
         busy = self._replicator.busy_steps() if self._replicator is not None else set()
         for step in apply_retention(self.retention, list(committed), protected=sorted(busy)):
             try:
@@ -448,17 +531,72 @@ class CheckpointManager:
                 log.warning("retention could not remove %s: %s", committed[step], exc)
 
     # -- listing and restoring -------------------------------------------------------------------
+    def checkpoints(self) -> dict[int, Path]:
+        """Committed checkpoints under the root, ``{step: directory}`` ascending (rank 0's view, agreed).
+
+        Only directories the naming parses and whose manifest names the same step are listed;
+        temporaries, hidden and foreign directories never are.
+        """
+        found = {s: str(p) for s, p in scan_committed(self.root, self.naming).items()} \
+            if self._ctx.is_coordinator else None
+        return {s: Path(p) for s, p in self._ctx.broadcast(found, what="list checkpoints").items()}
+
     def all_steps(self) -> list[int]:
         """Committed steps in ascending numeric order (rank 0's view, agreed by every rank)."""
-        steps = list(scan_committed(self.root)) if self._ctx.is_coordinator else None
-        return self._ctx.broadcast(steps, what="list steps")
+        return list(self.checkpoints())
 
     def latest_step(self) -> int | None:
         """The newest committed step, or None when there is none."""
         steps = self.all_steps()
         return steps[-1] if steps else None
 
-    def restore(self, state: Any, step: int | None = None, *, allow_cast: bool = False) -> int | None:
+    @property
+    def restored_step(self) -> int | None:
+        """The step of the last successful :meth:`restore` until the next save, else None."""
+        return self._restored_step
+
+    def remove(self, target: int | str | os.PathLike) -> None:
+        """Delete one committed checkpoint crash-safely (renamed aside, then deleted); rank 0 acts.
+
+        Call on every rank or on rank 0 only (it is not collective). An in-flight save of that
+        checkpoint is waited for first. A missing target is a no-op.
+
+        Args:
+            target: a step (its ``naming`` directory under the root) or a checkpoint directory.
+
+        Raises:
+            ConfigError: a read-only manager, or ``target`` exists but is not a torch-ckpt checkpoint
+                (never deleted).
+            CheckpointWriteError: the directory could not be removed.
+        """
+        if self.read_only:
+            raise ConfigError(f"this CheckpointManager was opened with read_only=True on {self.root}: remove() "
+                              "is refused")
+        if isinstance(target, int) and not isinstance(target, bool):
+            path = self.root / self.naming.name(target)
+        else:
+            path = self._explicit_path(target)
+        if not self._ctx.is_coordinator:
+            return
+        inflight = self._ckpt.in_flight
+        if inflight is not None and not inflight.committed.done():
+            self._ckpt.wait()
+        if not os.path.lexists(path):
+            return
+        try:
+            read_manifest(path)
+        except CheckpointNotFoundError:
+            raise ConfigError(f"{path} is not a torch-ckpt checkpoint (no manifest.json); not deleting it") from None
+        except CheckpointCorruptError:
+            pass  # ours but damaged: still ours to delete
+        try:
+            remove_step_dir(path)
+        except OSError as exc:
+            raise CheckpointWriteError(exc.errno, f"cannot remove checkpoint {path}: {exc.strerror}") from exc
+        log.info("removed checkpoint %s", path)
+
+    def restore(self, state: Any, step: int | None = None, *, allow_cast: bool = False,
+                path: str | os.PathLike | Sequence[str | os.PathLike] | None = None) -> int | None:
         """Load a committed checkpoint into ``state`` in place.
 
         Args:
@@ -466,6 +604,10 @@ class CheckpointManager:
             step: the step to load; None loads the newest committed checkpoint.
             allow_cast: cast tensors whose dtype differs from the live tensor's (each cast key is
                 logged once); by default a dtype difference is a ``StateMismatchError``.
+            path: load this checkpoint directory instead (absolute or relative to the root; it may
+                lie outside the root); a damaged one raises. A sequence of directories, newest
+                first, is tried in order: one that fails verification is skipped with a warning
+                naming it (the last one's error is raised). Not together with ``step``.
 
         With a durable tier, the newest checkpoint complete in either tier is used; one that exists
         only in the durable tier is downloaded (verified) first. When ``step`` is None, a candidate
@@ -476,7 +618,8 @@ class CheckpointManager:
         ``.superseded_step_N.<time>`` directories), so training can continue from the restored step.
 
         Returns:
-            The restored step, or None when ``step`` is None and no tier holds a checkpoint.
+            The restored step (the manifest's), or None when neither ``step`` nor ``path`` is given
+            and no tier holds a checkpoint.
 
         Raises:
             CheckpointNotFoundError: ``step`` was given but is not a committed checkpoint, or the
@@ -486,10 +629,13 @@ class CheckpointManager:
                 A failed restore leaves ``state`` as it was.
             CheckpointCorruptError: a file fails its size or checksum check.
         """
+        if path is not None:
+            return self._restore_paths(state, path, step, allow_cast)
         self._ckpt.wait()
         if self.root.exists() and not self.root.is_dir():
             raise CheckpointNotFoundError(f"checkpoint root {self.root} is not a directory")
-        plan = self._ctx.broadcast(restore_candidates(self.root, self._tier, step) if self._ctx.is_coordinator else None,
+        plan = self._ctx.broadcast(restore_candidates(self.root, self._tier, step, self.naming)
+                                   if self._ctx.is_coordinator else None,
                                    what="restore plan")
         if isinstance(plan, BaseException):
             raise plan
@@ -515,13 +661,37 @@ class CheckpointManager:
             return cand
         return None  # unreachable: the loop returns or raises
 
+    def _restore_paths(self, state: Any, path: Any, step: int | None, allow_cast: bool) -> int:
+        if step is not None:
+            raise ConfigError("restore(): pass either step or path, not both")
+        paths = [path] if isinstance(path, (str, os.PathLike)) else list(path)
+        if not paths or not all(isinstance(p, (str, os.PathLike)) and str(p) for p in paths):
+            raise ConfigError(f"restore(path=...) needs a directory or a non-empty sequence of them, got {path!r}")
+        self._ckpt.wait()
+        resolved = [Path(p).expanduser() if Path(p).expanduser().is_absolute() else self.root / p for p in paths]
+        for i, candidate in enumerate(resolved):
+            try:
+                manifest = read_manifest(candidate)
+                self._ckpt.load(candidate, state, verify=self.verify_on_load,
+                                on_world_size_change=self.on_world_size_change, allow_cast=allow_cast)
+            except (CheckpointCorruptError, CheckpointNotFoundError) as exc:
+                if i == len(resolved) - 1:
+                    raise
+                log.warning("checkpoint %s is not usable (%s); falling back to %s", candidate, exc, resolved[i + 1])
+                continue
+            log.info("[rank %d] restored step %d from %s", self._ctx.rank, manifest.step, candidate)
+            self._restored_step = manifest.step
+            self._newest_known = None
+            return manifest.step
+        raise AssertionError("unreachable")  # the loop returns or raises
+
     def _fetch(self, step: int, where: str) -> Path:
         """Make ``step`` available locally (downloading it on the coordinator when needed); agreed by all ranks."""
         result: str | BaseException | None = None
         if self._ctx.is_coordinator:
             try:
                 result = str(self._tier.download(step, self.root) if where == "durable"
-                             else scan_committed(self.root)[step])
+                             else scan_committed(self.root, self.naming)[step])
                 if where == "durable":
                     log.info("downloaded step %d from %s", step, self._tier.describe(step))
             except CheckpointError as exc:
@@ -548,7 +718,7 @@ class CheckpointManager:
             :meth:`replication_stats`); ``schedule`` (the save policy's last decision, if any).
         """
         now = time.time()
-        local = scan_committed(self.root) if self.root.is_dir() else {}
+        local = scan_committed(self.root, self.naming) if self.root.is_dir() else {}
         latest = max(local) if local else None
 
         def age(step: int | None) -> float | None:

@@ -46,7 +46,10 @@ class PersistRequest:
     returns False the save fails and nothing is committed (a writer process whose trainer died).
     ``failed`` marks a save whose staging already failed on this rank: the rank still joins every
     collective (so the other ranks learn of it at once instead of waiting for the timeout), writes
-    nothing, and the save fails on every rank with this message.
+    nothing, and the save fails on every rank with this message. ``replace`` lets the commit
+    replace an existing committed checkpoint at ``final`` atomically (see
+    :func:`torch_ckpt.layout.replace_dir`). On success ``committed_bytes`` holds the bytes of every
+    committed file, so no rank needs to read the committed directory again.
     """
 
     final: Path
@@ -59,6 +62,8 @@ class PersistRequest:
     incarnation: str | None = None
     owner_alive: Callable[[], bool] | None = None
     failed: str | None = None
+    replace: bool = False
+    committed_bytes: int | None = None  # output: bytes of all committed files (every rank), set on success
 
 
 def _describe(exc: BaseException) -> str:
@@ -119,7 +124,7 @@ def persist_checkpoint(req: PersistRequest, ctx: DistContext) -> Path:
     if ctx.is_coordinator:
         try:
             _check_owner(req, final)
-            if final.exists():
+            if final.exists() and not req.replace:
                 raise CheckpointWriteError(f"{final} already exists; refusing to overwrite a checkpoint")
             if tmp.exists():  # this incarnation's own leftover of an earlier failed attempt
                 shutil.rmtree(tmp)
@@ -176,7 +181,7 @@ def persist_checkpoint(req: PersistRequest, ctx: DistContext) -> Path:
                                     tensor_bytes=req.tensor_bytes, timings=timings)
                 write_json_durable(tmp / "manifest.json", manifest.to_json())
                 _check_owner(req, final)  # last look before the rename: never commit for a dead trainer
-                commit_dir(tmp, final)
+                commit_dir(tmp, final, replace=req.replace)
             except BaseException as exc:  # noqa: BLE001
                 commit_error = _describe(exc)
                 error = error or exc
@@ -185,6 +190,7 @@ def persist_checkpoint(req: PersistRequest, ctx: DistContext) -> Path:
                                                                     else ("ok", None)),
                             background=True, what="commit")
     if outcome[0] == "ok":
+        req.committed_bytes = sum(f["bytes"] for _, files_of_rank in gathered for f in files_of_rank.values())
         return final
     if error is not None:
         raise _as_write_error(error, tmp)

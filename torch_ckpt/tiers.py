@@ -23,7 +23,8 @@ from torch_ckpt._logging import get_logger
 from torch_ckpt._progress import progress_bar
 from torch_ckpt.errors import CheckpointCorruptError, CheckpointError, ConfigError
 from torch_ckpt.format import MAX_MANIFEST_BYTES, parse_manifest
-from torch_ckpt.layout import MANIFEST_NAME, Manifest, commit_dir, step_dir_name
+from torch_ckpt.layout import MANIFEST_NAME, Manifest, commit_dir
+from torch_ckpt.naming import Naming, StepNaming
 
 __all__ = ["DurableTier", "DurableUnavailableError", "object_mtime"]
 
@@ -59,13 +60,15 @@ class DurableTier:
         url: fsspec URL of the durable run root, e.g. ``s3://bucket/runs/exp1``.
         storage_options: passed to ``fsspec.url_to_fs`` (credentials, ``client_kwargs``...).
         verify: "checksum" (read each uploaded file back and compare CRC-32) or "size".
+        naming: directory names of steps (the local root's naming; default ``step_000000042``).
 
     Raises:
         ConfigError: the URL's protocol is unknown or its backend is not installed (the message
             names the package to install), or ``verify`` is invalid.
     """
 
-    def __init__(self, url: str, *, storage_options: dict[str, Any] | None = None, verify: str = "checksum") -> None:
+    def __init__(self, url: str, *, storage_options: dict[str, Any] | None = None, verify: str = "checksum",
+                 naming: Naming | None = None) -> None:
         if not isinstance(url, str) or not url:
             raise ConfigError(f"durable_url must be a non-empty fsspec URL string, got {url!r}")
         if verify not in ("checksum", "size"):
@@ -77,6 +80,7 @@ class DurableTier:
         self.url = url.rstrip("/")
         self.root = self.root.rstrip("/")
         self.verify = verify
+        self.naming = naming or StepNaming()
 
     def is_inside(self, local_root: Path) -> bool:
         """True when this tier is a local path equal to, inside or containing ``local_root``."""
@@ -91,7 +95,7 @@ class DurableTier:
 
     def describe(self, step: int) -> str:
         """URL of a step directory (for messages)."""
-        return f"{self.url}/{step_dir_name(step)}"
+        return f"{self.url}/{self.naming.name(step)}"
 
     def _refresh(self) -> None:
         if hasattr(self.fs, "invalidate_cache"):
@@ -122,10 +126,11 @@ class DurableTier:
         found: dict[int, Manifest] = {}
         for entry in entries:
             name = entry.rstrip("/").rsplit("/", 1)[-1]
-            if not name.startswith("step_") or not name[5:].isdigit():
+            named_step = self.naming.step_of(name)
+            if named_step is None:
                 continue
             try:
-                manifest = self.read_manifest(int(name[5:]))
+                manifest = self.read_manifest(named_step)
             except FileNotFoundError:
                 continue  # an upload in progress or abandoned: not committed
             except CheckpointCorruptError as exc:
@@ -133,7 +138,7 @@ class DurableTier:
                 continue
             except Exception as exc:  # noqa: BLE001
                 raise DurableUnavailableError(f"cannot read {self.url}/{name}: {exc}") from exc
-            if manifest.step == int(name[5:]):
+            if manifest.step == named_step:
                 found[manifest.step] = manifest
         return dict(sorted(found.items()))
 
@@ -144,8 +149,8 @@ class DurableTier:
             FileNotFoundError: there is none (the step is not committed in this tier).
             CheckpointCorruptError: it is too large or not a valid manifest (the URL is named).
         """
-        path = self._path(step_dir_name(step), MANIFEST_NAME)
-        source = f"{self.url}/{step_dir_name(step)}/{MANIFEST_NAME}"
+        path = self._path(self.naming.name(step), MANIFEST_NAME)
+        source = f"{self.url}/{self.naming.name(step)}/{MANIFEST_NAME}"
         with self.fs.open(path, "rb") as f:
             size = getattr(f, "size", None)
             if isinstance(size, int) and size > MAX_MANIFEST_BYTES:
@@ -171,18 +176,18 @@ class DurableTier:
         found: dict[int, float] = {}
         for entry in entries:
             name = entry.rstrip("/").rsplit("/", 1)[-1]
-            if not name.startswith("step_") or not name[5:].isdigit() or int(name[5:]) in exclude \
-                    or name != step_dir_name(int(name[5:])):
+            named_step = self.naming.step_of(name)
+            if named_step is None or named_step in exclude:
                 continue
-            age = self._idle_seconds(int(name[5:]), now)
+            age = self._idle_seconds(named_step, now)
             if age is not None and age > older_than_seconds:
-                found[int(name[5:])] = age
+                found[named_step] = age
         return found
 
     def _idle_seconds(self, step: int, now: float) -> float | None:
         """Seconds since the newest object of an uncommitted step prefix was written; None when the
         step is committed, empty, or an object's time is unknown (it may still be uploading)."""
-        prefix = self._path(step_dir_name(step))
+        prefix = self._path(self.naming.name(step))
         try:
             objects = self.fs.find(prefix, detail=True)
         except FileNotFoundError:
@@ -212,7 +217,7 @@ class DurableTier:
             age = self._idle_seconds(step, time.time() if now is None else now)
             if age is None or age <= older_than_seconds:
                 continue
-            self.fs.rm(self._path(step_dir_name(step)), recursive=True)
+            self.fs.rm(self._path(self.naming.name(step)), recursive=True)
             removed.append(step)
             log.warning("durable tier %s: removed abandoned upload of step %d (no manifest, untouched for %.0f s)",
                         self.url, step, age)
@@ -235,7 +240,7 @@ class DurableTier:
             CheckpointCorruptError: an uploaded file does not match the manifest (named, with the tier).
             Exception: backend errors propagate (the replicator retries them).
         """
-        step_dir = self._path(step_dir_name(manifest.step))
+        step_dir = self._path(self.naming.name(manifest.step))
         self.fs.makedirs(step_dir, exist_ok=True)
         for name, info in sorted(manifest.files.items()):
             remote = f"{step_dir}/{name}"
@@ -254,7 +259,7 @@ class DurableTier:
 
     def delete(self, step: int) -> None:
         """Delete a durable checkpoint: manifest first (un-commit), then the files."""
-        step_dir = self._path(step_dir_name(step))
+        step_dir = self._path(self.naming.name(step))
         try:
             self.fs.rm_file(f"{step_dir}/{MANIFEST_NAME}")
         except FileNotFoundError:
@@ -273,7 +278,7 @@ class DurableTier:
             CheckpointCorruptError: a downloaded file fails its size or CRC-32 check (file and tier named).
         """
         manifest = self.read_manifest(step)
-        final = local_root / step_dir_name(step)
+        final = local_root / self.naming.name(step)
         tmp = local_root / f".{final.name}.download.tmp"
         if tmp.exists():
             import shutil
@@ -284,7 +289,7 @@ class DurableTier:
         try:
             for name, info in sorted(manifest.files.items()):
                 crc, size = 0, 0
-                with self.fs.open(self._path(step_dir_name(step), name), "rb", block_size=_CHUNK_BYTES) as src, \
+                with self.fs.open(self._path(self.naming.name(step), name), "rb", block_size=_CHUNK_BYTES) as src, \
                         open(tmp / name, "wb") as dst:
                     while chunk := src.read(_CHUNK_BYTES):
                         dst.write(chunk)
