@@ -36,8 +36,7 @@ from typing_extensions import override
 from lightning_ckpt import _compat
 from lightning_ckpt._checkpoint_io import AsyncDCPCheckpointIO
 from lightning_ckpt._values import encode_values
-from torch_ckpt import AnyOf, Cadence, ConfigError, EveryNSeconds, EveryNSteps, TrainState, YoungDaly
-from torch_ckpt.layout import clean_stale_temporaries, scan_committed, step_dir_name
+from torch_ckpt import AnyOf, ConfigError, EveryNSeconds, EveryNSteps, StepNaming, TrainState, YoungDaly, is_committed
 
 __all__ = ["MTBFCheckpoint"]
 
@@ -115,24 +114,30 @@ class MTBFCheckpoint(OnExceptionCheckpoint):
         self.prog_bar = prog_bar
         self._io: AsyncDCPCheckpointIO | None = None
         self._deferred: tuple[int, str, dict[str, Any]] | None = None
-        self._cadence: Cadence | None = None
+        self._manager: Any = None
+        self._handlers: tuple[Any, Any] | None = None  # SIGTERM handler before the manager's, and the manager's
+        self._candidates: list[Path] = []
         self._rng = TrainState()  # captures and restores this rank's RNG (Python, NumPy, torch CPU/CUDA) only
         self._pending_rng: dict[str, Any] | None = None
         self._rng_at_epoch_start = False
         self._trainer: Any = None
         self._unreported: list = []
-        self._newest_committed_wall: float | None = None
         self._last_health = float("-inf")
-        self._sigterm = False
         self._stepped = False
         self._last_saved_step: int | None = None
 
     @property
     @override
     def ckpt_path(self) -> str | None:  # type: ignore[override]
-        """This callback's newest committed checkpoint (what ``ckpt_path="last"`` resumes from), or None."""
-        committed = scan_committed(self.dirpath)
-        return str(committed[max(committed)]) if committed else None
+        """This callback's newest committed checkpoint (what ``ckpt_path="last"`` resumes from), or None.
+
+        When it then fails verification, the plugin falls back to the next older one with a warning.
+        """
+        naming, root = StepNaming(), Path(self.dirpath)
+        steps = {naming.step_of(p.name): p for p in root.iterdir()} if root.is_dir() else {}
+        self._candidates = [steps[s].absolute() for s in sorted((s for s in steps if s is not None), reverse=True)
+                            if is_committed(steps[s])]
+        return str(self._candidates[0]) if self._candidates else None
 
     @property
     def policy(self) -> Any:
@@ -155,12 +160,16 @@ class MTBFCheckpoint(OnExceptionCheckpoint):
         if trainer.datamodule is not None:
             encode_values({"datamodule_hyper_parameters": dict(trainer.datamodule.hparams)}, io.unsafe_values)
         _compat.isolate_validation_rng(trainer)
-        io.checkpointer()  # collective on every rank now, so per-step agreement can use its process group
+        before = signal.getsignal(signal.SIGTERM) if threading.current_thread() is threading.main_thread() else None
+        # collective on every rank: the manager owns the root (stale temporaries, retention of keep_last
+        # newest, superseding after a rollback), the save decision and its agreement, SIGTERM, health
+        self._manager = io.manager(self.dirpath, keep_last=self.keep_last, save_policy=self._policy,
+                                   preemption_signals=("SIGTERM",) if self.save_on_sigterm else ())
+        self._handlers = (before, signal.getsignal(signal.SIGTERM)) if before is not None else None
+        if self._candidates:
+            io.fallbacks[str(self._candidates[0])] = self._candidates
+        io.rng_restored_by_callback = True
         io.enable_overlap(lambda: {getattr(p, "_local_tensor", p).data_ptr() for p in pl_module.parameters()})
-        if trainer.is_global_zero:
-            Path(self.dirpath).mkdir(parents=True, exist_ok=True)
-            clean_stale_temporaries(self.dirpath, keep_incarnation=io.checkpointer().incarnation)
-        self._cadence = None if self._policy is None else Cadence(self._policy)
         self._unreported = []
         self._stepped, self._last_saved_step, self._deferred = False, None, None
 
@@ -170,32 +179,31 @@ class MTBFCheckpoint(OnExceptionCheckpoint):
             self._install_sigterm_handler(trainer)
 
     def _install_sigterm_handler(self, trainer: Any) -> None:
-        """Replace Lightning's SIGTERM handler for this fit with one that only records the signal.
+        """Replace Lightning's SIGTERM handler for this fit by the manager's (which only records the signal).
 
-        Lightning's handler sets the trainer's flag, and Lightning then stops at the end of the current
-        batch, even in the middle of gradient accumulation, before this callback could save; with
-        several ranks it also broadcasts on the training process group from inside the signal
-        handler, which can pair with an unrelated collective and deadlock. This callback raises
-        Lightning's flag itself once the checkpoint is committed. Handlers installed before ``fit``
-        still run; Lightning restores them after ``fit``.
+        Lightning's handler makes training stop at the end of the current batch, even inside gradient
+        accumulation, before this callback could save; with several ranks it also broadcasts on the
+        training process group. The manager's flag is agreed across ranks at the next step boundary
+        (``should_save``); this callback then saves, waits for the commit and raises Lightning's flag.
+        Handlers installed before ``fit`` still run, and are what Lightning restores after ``fit``.
         """
         connector = _compat.signal_connector(trainer)
-        if connector is None or threading.current_thread() is not threading.main_thread():
+        if connector is None or self._handlers is None:
             return
-        previous = getattr(connector, "_original_handlers", {}).get(signal.SIGTERM)
+        before, record = self._handlers
+        _compat.set_original_sigterm_handler(connector, before)
 
         def handler(signum: int, frame: Any) -> None:
-            self._sigterm = True  # acted upon (and logged) at the next optimizer step boundary
-            if callable(previous):
-                previous(signum, frame)
+            record(signum, frame)
+            if callable(before):
+                before(signum, frame)
 
-        self._sigterm = False
         signal.signal(signal.SIGTERM, handler)
 
     # -- per step --------------------------------------------------------------------------------
     @override
     def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
-        if self._pending_rng is not None and self._rng_at_epoch_start:
+        if self._pending_rng is not None and self._rng_at_epoch_start:  # before this epoch's train iterator
             self._rng.load_state_dict({"rng": self._pending_rng})
             self._pending_rng = None
 
@@ -217,15 +225,9 @@ class MTBFCheckpoint(OnExceptionCheckpoint):
             return
         self._stepped = False
         step = trainer.global_step
-        now = time.monotonic()
         self._io.poll()
-        want = False
-        if self._cadence is not None:
-            self._cadence.record_step(step, now)
-            want = trainer.is_global_zero and self._cadence.decide(step, now)
-        sigterm = self.save_on_sigterm and (self._sigterm or bool(trainer.received_sigterm))
-        votes = self._io.checkpointer().ctx.all_gather((bool(want), sigterm), what="MTBFCheckpoint decision")
-        want, sigterm = votes[0][0], any(v[1] for v in votes)
+        want = self._manager.should_save(step) if self._policy is not None or self.save_on_sigterm else False
+        sigterm = self._manager.preemption_requested
         # the final step is saved here, at its step boundary: at on_train_end Lightning has already counted
         # the (possibly unfinished) epoch as completed, so a resume from there would start the next epoch
         final = self.save_on_train_end and _compat.is_final_batch(trainer)
@@ -250,7 +252,7 @@ class MTBFCheckpoint(OnExceptionCheckpoint):
         if step == self._last_saved_step:
             return
         self._last_saved_step = step
-        path = str(Path(self.dirpath) / step_dir_name(step))
+        path = str(Path(self.dirpath) / StepNaming().name(step))
         if at_step_boundary and _compat.is_last_batch(trainer):
             self._deferred = (step, path, _compat.dump_checkpoint(trainer))
             return
@@ -269,15 +271,8 @@ class MTBFCheckpoint(OnExceptionCheckpoint):
         self._after_save(trainer, step)
 
     def _after_save(self, trainer: Any, step: int) -> None:
-        handle = self._io.last_handle
-        if handle is not None:
-            self._unreported.append(handle)
-            if self._cadence is not None:
-                self._cadence.record_save_started(handle, time.monotonic())
-        if self.keep_last is not None and trainer.is_global_zero:
-            older = [path for s, path in sorted(scan_committed(self.dirpath).items()) if s != step]
-            for path in older[: max(0, len(older) - (self.keep_last - 1))]:
-                self._io.remove_checkpoint(path)  # carried out once this save is committed
+        if self._io.last_handle is not None:
+            self._unreported.append(self._io.last_handle)
 
     def _stop_after_commit(self, trainer: Any, step: int) -> None:
         self._io.wait()
@@ -297,10 +292,12 @@ class MTBFCheckpoint(OnExceptionCheckpoint):
     def _report_health(self, trainer: Any) -> None:
         """Every ``_HEALTH_EVERY_S``: the training time a failure right now would lose (``ckpt/lost_work_s``)."""
         now = time.monotonic()
-        if not self.log_stats or self._newest_committed_wall is None or now - self._last_health < _HEALTH_EVERY_S:
+        if not self.log_stats or now - self._last_health < _HEALTH_EVERY_S:
+            return
+        lost = self._manager.health()["lost_work_if_failure_now_s"]
+        if lost is None:
             return
         self._last_health = now
-        lost = time.time() - self._newest_committed_wall
         self._log_metrics(trainer, {"ckpt/lost_work_s": lost})
         log.info("checkpoint health: a failure now would lose %.1f s of training", lost)
 
@@ -312,9 +309,9 @@ class MTBFCheckpoint(OnExceptionCheckpoint):
                 continue
             stats = handle.stats.as_dict()
             metrics = {f"ckpt/{k}": float(stats[k]) for k in _STAT_KEYS}
-            plan = self._young_daly.plan() if self._young_daly is not None else {}
+            info = self._manager.schedule_info() if self._manager is not None else {}
+            plan = next((p for p in info.get("policies", [info]) if "interval_steps" in p), {})  # the MTBF policy's
             metrics.update({f"ckpt/{k}": float(plan[k]) for k in _PLAN_KEYS if isinstance(plan.get(k), (int, float))})
-            self._newest_committed_wall = max(self._newest_committed_wall or 0.0, stats["wall_time"])
             if self.log_stats:
                 self._log_metrics(trainer, metrics)
                 log.info("checkpoint step %d committed: blocking %.3f s, persist %.3f s, %.3f GB/s; schedule %s",

@@ -13,7 +13,7 @@ from typing import Any
 
 __all__ = [
     "defer_link_checkpoint", "dump_checkpoint", "is_final_batch", "is_last_batch", "isolate_validation_rng", "load_module_state",
-    "sharded_flags", "signal_connector",
+    "set_original_sigterm_handler", "sharded_flags", "signal_connector",
 ]
 
 log = logging.getLogger(__name__)
@@ -127,3 +127,15 @@ def is_final_batch(trainer: Any) -> bool:
     max_epochs = trainer.max_epochs
     return max_epochs is not None and max_epochs > 0 and trainer.current_epoch + 1 >= max_epochs \
         and is_last_batch(trainer)
+
+
+def set_original_sigterm_handler(connector: Any, handler: Any) -> None:
+    """Make Lightning restore ``handler`` for SIGTERM after ``fit`` (``_SignalConnector._original_handlers``).
+
+    Checked against lightning 2.4-2.6.6.
+    """
+    import signal
+
+    originals = getattr(connector, "_original_handlers", None)
+    if isinstance(originals, dict) and signal.SIGTERM in originals:
+        originals[signal.SIGTERM] = handler
