@@ -37,6 +37,8 @@ from torch_ckpt.layout import (
     update_manifest_tiers,
 )
 from torch_ckpt.naming import Naming, StepNaming
+from torch_ckpt.nodes import NodeLayout
+from torch_ckpt.resume_nodes import check_private_roots, node_layout, restore_node_local
 from torch_ckpt.preemption import PreemptionFlag
 from torch_ckpt.replicator import Replicator
 from torch_ckpt.restore import RANK_LOCAL_POLICIES
@@ -121,6 +123,13 @@ class CheckpointManager:
         read_only: open the root for :meth:`restore`, :meth:`all_steps`, :meth:`latest_step` and
             :meth:`health` only: no root lock, nothing created or cleaned, :meth:`save` refused.
             For roots on read-only media or shared with a run that writes them.
+        local_root_shared: whether ``directory`` is one directory seen by every rank (True) or a
+            directory private to each node, on its own disk (False: each node commits its own copy
+            of every checkpoint after all ranks agreed, uploads its own shards, and a replaced node
+            fetches only its shards from the durable tier; see :mod:`torch_ckpt.nodes`). Default:
+            private when the ranks run on more than one node (``LOCAL_WORLD_SIZE < WORLD_SIZE``).
+            A shared file system used with False is detected at start (ConfigError).
+        durable_upload_threads: files uploaded (and downloaded) at once per node (>= 1).
         naming: how step directories are named under the root (and in the durable tier): a
             :class:`~torch_ckpt.naming.Naming`; default :class:`~torch_ckpt.naming.StepNaming`
             (``step_000000042``), e.g. ``PatternNaming("checkpoint_{step}")``. Listing, resume and
@@ -163,6 +172,8 @@ class CheckpointManager:
         on_existing_newer: str = "error",
         read_only: bool = False,
         naming: Naming | None = None,
+        local_root_shared: bool | None = None,
+        durable_upload_threads: int = 1,
     ) -> None:
         if not isinstance(directory, (str, os.PathLike)) or str(directory) == "":
             raise ConfigError(f"directory must be a non-empty path, got {directory!r}")
@@ -199,8 +210,8 @@ class CheckpointManager:
         self._cadence = Cadence(save_policy) if save_policy is not None else None
         self._preemption = PreemptionFlag(preemption_signals)
         self._preemption_timeout = float(preemption_timeout_seconds)
-        self._tier = DurableTier(durable_url, storage_options=storage_options, verify=durable_verify, naming=naming) \
-            if durable_url is not None else None
+        self._tier = DurableTier(durable_url, storage_options=storage_options, verify=durable_verify, naming=naming,
+                                 upload_threads=durable_upload_threads) if durable_url is not None else None
         if self._tier is not None and self._tier.is_inside(self.root):
             raise ConfigError(f"durable_url {durable_url!r} points into the local root {self.root}; the durable tier "
                               "must be another location (another disk, a file server, an object store)")
@@ -209,6 +220,13 @@ class CheckpointManager:
                                        thread_count=thread_count, timeout_seconds=timeout_seconds,
                                        process_group=process_group, on_write_error=on_write_error)
         self._ctx = self._ckpt.ctx
+        self._nodes: NodeLayout | None = None
+        try:
+            self._nodes = node_layout(self._ctx, local_root_shared)
+        except CheckpointError:
+            self._ckpt.close()
+            raise
+        self._ckpt.node_layout = self._nodes
         self._lock = RootLock(self.root)
         self._replicator: Replicator | None = None
         self._replicate_every = replicate_every_n_saves
@@ -216,8 +234,9 @@ class CheckpointManager:
         self._saves = 0
         self._captured_at: dict[int, float] = {}
         self._restored_step: int | None = None
+        self.restore_source: str | None = None  # node-local roots: where this rank's last restore read from
         error = None
-        if self._ctx.is_coordinator:
+        if self._acts_on_root:
             try:
                 check_root(self.root, create=not self.read_only)
                 if not self.read_only:
@@ -230,16 +249,38 @@ class CheckpointManager:
                         if durable_keep_every_n_steps is not None:
                             parts.append(KeepEveryNSteps(every_steps=durable_keep_every_n_steps))
                         durable_retention = parts[0] if len(parts) == 1 else KeepAny(tuple(parts))
-                    self._replicator = Replicator(self._tier, retention=durable_retention,
-                                                  on_durable=self._record_durable)
+                    self._replicator = self._make_replicator(durable_retention)
             except CheckpointError as exc:
                 error = exc
-        status = self._ctx.broadcast(None if error is None else str(error), what="init")
+        if self._nodes is not None and not self.read_only:
+            shared = check_private_roots(self.root, self._nodes, self._ctx, ok=error is None)
+            error = error or (ConfigError(shared) if shared else None)
+        status = next((e for e in self._ctx.all_gather(None if error is None else str(error), what="init") if e), None)
         if error is not None or status is not None:
             self._preemption.restore()
             self._lock.release()
             self._ckpt.close()
             raise error or CheckpointError(f"rank 0 could not prepare {self.root}: {status}")
+
+    @property
+    def _acts_on_root(self) -> bool:
+        """True on the rank that creates, commits, prunes and replicates this process's root: rank 0
+        for a shared root, each node's lowest rank for node-local roots."""
+        return self._nodes.is_leader if self._nodes is not None else self._ctx.is_coordinator
+
+    def _make_replicator(self, retention: RetentionPolicy | None) -> Replicator:
+        if self._nodes is None:
+            return Replicator(self._tier, retention=retention, on_durable=self._record_durable)
+        commit = self._nodes.node == 0
+
+        def upload(local_dir: Path, manifest: Any, abandon: Callable[[], bool]) -> None:
+            self._tier.upload_node(local_dir, manifest, commit=commit, abandon=abandon,
+                                   wait_seconds=self._durable_flush_timeout)
+
+        # every node uploads its own shards; node 0 commits and runs durable retention and cleanup
+        return Replicator(self._tier, retention=retention if commit else None, upload=upload,
+                          on_durable=self._record_durable if commit else None,
+                          abandoned_after_seconds=24 * 3600.0 if commit else None)
 
     # -- context manager -------------------------------------------------------------------------
     def __enter__(self) -> CheckpointManager:
@@ -350,7 +391,7 @@ class CheckpointManager:
         while len(self._captured_at) > 256:
             self._captured_at.pop(next(iter(self._captured_at)))
         restored, self._restored_step = self._restored_step, None
-        if not self._ctx.is_coordinator:
+        if not self._acts_on_root:
             return False
         try:
             if restored is not None:
@@ -496,9 +537,9 @@ class CheckpointManager:
         self._commit_callbacks.append(callback)
 
     def _after_commit(self, step: int, final: Path, replicate: bool) -> None:
-        if not self._ctx.is_coordinator:
+        if not self._acts_on_root:
             return
-        for callback in self._commit_callbacks:  # committed: a failure is reported and never fails the save
+        for callback in self._commit_callbacks if self._ctx.is_coordinator else ():  # committed: a failure is reported and never fails the save
             try:
                 callback(step, final)
             except Exception as exc:  # noqa: BLE001
@@ -519,7 +560,7 @@ class CheckpointManager:
             log.debug("could not record the durable copy of step %d in %s: %s", step, local_dir, exc)
 
     def _apply_retention(self) -> None:
-        if not self._ctx.is_coordinator or self.retention is None:
+        if not self._acts_on_root or self.retention is None:
             return
         committed = scan_committed(self.root, self.naming)
         busy = self._replicator.busy_steps() if self._replicator is not None else set()
@@ -576,7 +617,7 @@ class CheckpointManager:
             path = self.root / self.naming.name(target)
         else:
             path = self._explicit_path(target)
-        if not self._ctx.is_coordinator:
+        if not self._acts_on_root:
             return
         inflight = self._ckpt.in_flight
         if inflight is not None and not inflight.committed.done():
@@ -632,6 +673,8 @@ class CheckpointManager:
         if path is not None:
             return self._restore_paths(state, path, step, allow_cast)
         self._ckpt.wait()
+        if self._nodes is not None:
+            return restore_node_local(self, state, step, allow_cast)
         if self.root.exists() and not self.root.is_dir():
             raise CheckpointNotFoundError(f"checkpoint root {self.root} is not a directory")
         plan = self._ctx.broadcast(restore_candidates(self.root, self._tier, step, self.naming)

@@ -179,7 +179,11 @@ def load_into(state: Any, step_dir: Path, manifest: Manifest, ctx: DistContext, 
     same_world = manifest.world_size == ctx.world_size
     err = None
     try:  # every rank's reads and checks are agreed on before any rank loads anything
-        verify_files(step_dir, manifest, checksums=verify, part=ctx.rank, parts=ctx.world_size)
+        part, parts = ctx.rank, ctx.world_size
+        if manifest.node is not None and same_world:  # one node's copy: checked by that node's ranks
+            mates = [r for r, n in enumerate(manifest.nodes["rank_node"]) if n == manifest.node]
+            part, parts = (mates.index(ctx.rank), len(mates)) if ctx.rank in mates else (0, 1)
+        verify_files(step_dir, manifest, checksums=verify, part=part, parts=parts)
         md = read_metadata(step_dir, manifest)
         tree = _read_rank_tree(step_dir, manifest, ctx.rank if same_world else 0)
     except CheckpointError as exc:
