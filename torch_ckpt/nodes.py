@@ -99,8 +99,8 @@ class NodeDedupPlanner(DefaultSavePlanner):
 
     DCP would write a tensor that several ranks hold once, on one rank anywhere in the job; here
     it is written once on every node holding it (balanced over that node's ranks), so each node's
-    files hold everything its ranks load back. The resulting metadata lists such a tensor's chunk
-    once per node; :func:`node_views` turns it into one valid metadata per node.
+    files hold everything its ranks load back. The global metadata lists every chunk once;
+    :func:`node_views` points each node's copy of it at the data that node holds.
     """
 
     def __init__(self, rank_node: tuple[int, ...]) -> None:
@@ -113,12 +113,14 @@ class NodeDedupPlanner(DefaultSavePlanner):
             ranks = [r for r, n in enumerate(self._rank_node) if n == node]
             for r, plan in zip(ranks, dedup_save_plans([all_plans[r] for r in ranks], False)):
                 deduped[r] = plan
-        global_plan, metadata = create_default_global_save_plan(deduped)
+        # the metadata lists every chunk once (as a job-wide dedup would); where each node's copy
+        # lies is known from the write results (see node_views), every node's view is validated
+        # when it is read back (torch_ckpt.format.metadata_problems)
+        _, metadata = create_default_global_save_plan(dedup_save_plans(list(deduped), False))
+        global_plan = list(deduped)
         if self.flatten_state_dict:
             merged = dict(ChainMap(*[p.planner_data for p in global_plan]))
             metadata = dataclasses.replace(metadata, planner_data=merged)
-        # DCP's overlap validation would reject the per-node duplicates; every node's view is
-        # validated instead when it is read back (torch_ckpt.format.metadata_problems)
         return global_plan, metadata
 
 
