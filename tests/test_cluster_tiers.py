@@ -93,11 +93,19 @@ def _node_files(manifest, node):
     return {name for name, n in manifest.nodes["file_node"].items() if n == node}
 
 
+@pytest.fixture(scope="module")
+def two_nodes(tmp_path_factory, s3):
+    """Steps 1 and 2 saved by 2 nodes of 2 ranks; returns the base directory."""
+    base = tmp_path_factory.mktemp("cluster")
+    run_distributed(_as_nodes, 4, 2, _save_steps, str(base), f"s3://{s3.new_bucket()}/run", s3.options, 2,
+                    timeout_s=240)
+    return base
+
+
 @pytest.mark.slow
-def test_each_node_commits_only_its_own_shards(tmp_path, s3):
+def test_each_node_commits_only_its_own_shards(two_nodes):
     """Each node's root holds its ranks' shards, per-rank state and metadata, with a manifest naming its node."""
-    url = f"s3://{s3.new_bucket()}/run"
-    run_distributed(_as_nodes, 4, 2, _save_steps, str(tmp_path), url, s3.options, 2, timeout_s=240)
+    tmp_path = two_nodes
     for node in (0, 1):
         step_dir = tmp_path / f"node{node}" / "step_000000002"
         manifest = read_manifest(step_dir)
@@ -105,6 +113,20 @@ def test_each_node_commits_only_its_own_shards(tmp_path, s3):
         on_disk = {p.name for p in step_dir.iterdir()} - {"manifest.json"}
         assert on_disk == _node_files(manifest, node)
         assert {f"rank_{r:05d}.json" for r in (2 * node, 2 * node + 1)} <= on_disk
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command", ["ls", "verify"])
+def test_cli_says_a_node_copy_is_partial(two_nodes, command):
+    """ls and verify report one node's copy as this node's shards (OK), not as corrupt."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "torch_ckpt", command, str(two_nodes / "node1")],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "partial: this node's shards (node 1 of 2)" in out.stdout
+    assert "corrupt" not in out.stdout.replace("0 corrupt", "")
 
 
 @pytest.mark.slow

@@ -30,6 +30,7 @@ from torch_ckpt.layout import (
     RootLock,
     check_root,
     clean_stale_temporaries,
+    is_committed,
     quarantine_step_dir,
     read_manifest,
     remove_step_dir,
@@ -50,7 +51,7 @@ from torch_ckpt.retention import (
     RetentionPolicy,
     apply_retention,
 )
-from torch_ckpt.tiers import DurableTier
+from torch_ckpt.tiers import DurableTier, DurableUnavailableError
 
 __all__ = ["CheckpointManager", "ON_EXISTING_NEWER"]
 
@@ -758,7 +759,12 @@ class CheckpointManager:
             (the local tier stands in when there is none); ``lost_work_if_failure_now_s``: training
             time that a failure right now would lose (back to the newest durable checkpoint; None
             before the first one); ``in_flight_step``; ``failed_saves``; ``replication`` (see
-            :meth:`replication_stats`); ``schedule`` (the save policy's last decision, if any).
+            :meth:`replication_stats`); ``schedule`` (the save policy's last decision, if any);
+            ``tiers``: per step, which tiers hold a copy, ``{step: {"local": "complete" | "partial" |
+            None, "durable": bool | None}}`` ("partial": this node's copy of a node-local checkpoint;
+            durable None: the store could not be listed); ``durable_newest_step`` /
+            ``durable_newest_age_s``: the newest step committed in the durable tier (listed there, so
+            also after a restart) and the age of its state in seconds (the exposure window).
         """
         now = time.time()
         local = scan_committed(self.root, self.naming) if self.root.is_dir() else {}
@@ -775,7 +781,9 @@ class CheckpointManager:
         replication = self.replication_stats()
         durable = replication.get("durable_step") if self._tier is not None else latest
         inflight = self._ckpt.in_flight
+        tiers, newest_durable = self._tier_report(local, now)
         return {
+            "tiers": tiers, "durable_newest_step": newest_durable[0], "durable_newest_age_s": newest_durable[1],
             "latest_step": latest, "latest_age_s": age(latest),
             "durable_step": durable, "durable_age_s": age(durable),
             "lost_work_if_failure_now_s": age(durable),
@@ -784,6 +792,33 @@ class CheckpointManager:
             "replication": replication,
             "schedule": self.schedule_info(),
         }
+
+    def _tier_report(self, local: dict[int, Path], now: float) -> tuple[dict[int, dict[str, Any]],
+                                                                          tuple[int | None, float | None]]:
+        """Per step, the tiers holding a copy; and the newest durable step with its age (seconds)."""
+        report: dict[int, dict[str, Any]] = {}
+        for step, path in local.items():
+            try:
+                partial = read_manifest(path).partial
+            except CheckpointError:
+                continue
+            if is_committed(path):
+                report[step] = {"local": "partial" if partial else "complete", "durable": None}
+        if self._tier is None:
+            return report, (None, None)
+        try:
+            durable = self._tier.list_steps()
+        except DurableUnavailableError as exc:
+            log.debug("health: %s", exc)
+            return report, (None, None)
+        for step in durable:
+            report.setdefault(step, {"local": None, "durable": None})
+        for step, entry in report.items():
+            entry["durable"] = step in durable
+        if not durable:
+            return dict(sorted(report.items())), (None, None)
+        newest = max(durable)
+        return dict(sorted(report.items())), (newest, now - durable[newest].wall_time)
 
     def replication_stats(self) -> dict[str, Any]:
         """State of the durable replication (see :meth:`Replicator.stats`); {} without a durable tier."""
