@@ -13,8 +13,10 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "CheckpointManager": "torch_ckpt.manager",
+    "CheckpointConfig": "torch_ckpt.config",
     "AsyncCheckpointer": "torch_ckpt.checkpointer",
     "TrainState": "torch_ckpt.state",
+    "OptimizerState": "torch_ckpt.optim_state",
     "Naming": "torch_ckpt.naming",
     "StepNaming": "torch_ckpt.naming",
     "PatternNaming": "torch_ckpt.naming",
@@ -34,6 +36,7 @@ _EXPORTS = {
     "daly_interval": "torch_ckpt.interval",
     "expected_overhead": "torch_ckpt.interval",
     "expected_lost_work": "torch_ckpt.interval",
+    "checkpoint_interval": "torch_ckpt.interval",
     "parse_duration": "torch_ckpt.durations",
     "format_duration": "torch_ckpt.durations",
     "export_torch": "torch_ckpt.convert",

@@ -194,7 +194,8 @@ def _interval_rows(plans: list[dict[str, Any]]) -> str:
         rows.append(row + ([str(pl["interval_steps"])] if steps else []))
     widths = [max(len(r[i]) for r in rows) for i in range(len(head) + steps)]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
-    lines.append("recommended = Daly's interval; overhead = C/T + (T/2 + lag)/MTBF at it; "
+    lines.append("recommended = Daly's interval" + (" in whole steps" if steps else "")
+                 + "; overhead = C/T + (T/2 + lag)/MTBF at it; "
                  "lost work/failure = T/2 + lag.")
     if any(pl["limited_by"] == "durability" for pl in plans):
         lines.append("* raised to the time a save needs to become durable (save cost + lag), so saves do not pile up.")

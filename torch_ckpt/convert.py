@@ -16,7 +16,6 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from torch_ckpt.codec import join_state
 from torch_ckpt.dcp_io import load_tensors
-from torch_ckpt.dist import single_process_quiet
 from torch_ckpt.errors import CheckpointNotFoundError, ConfigError
 from torch_ckpt.format import check_files, read_metadata, read_rank_tree
 from torch_ckpt.layout import Manifest, read_manifest
@@ -64,8 +63,7 @@ def load_full_state(checkpoint: str | Path, *, verify: bool = True,
     # every element of these buffers is overwritten by the load
     tensors = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype) for k, m in specs.items()}
     if tensors:
-        with single_process_quiet(True):
-            load_tensors(tensors, path, md, set(manifest.files), no_dist=True, allow_symlinks=allow_symlinks)
+        load_tensors(tensors, path, md, set(manifest.files), no_dist=True, allow_symlinks=allow_symlinks)
     state = join_state(trees[0], tensors)
     if manifest.world_size > 1:
         state["per_rank"] = [join_state({k: v for k, v in t.items() if k in ("rng", "dataloader")}, tensors)

@@ -28,6 +28,8 @@ import os
 import time
 from typing import Any
 
+from tqdm import tqdm
+
 from torch_ckpt.codec import (  # the on-disk tags of the per-rank JSON trees
     TENSOR_TAG,
 )
@@ -52,7 +54,6 @@ from torch_ckpt.location import (  # private helpers shared by the read-only too
     _require_dir,
     _step_of,
     is_url,
-    progress_bar,
 )
 from torch_ckpt.verification import (
     _check_dir_manifest,
@@ -72,7 +73,6 @@ __all__ = [
     "inspect_checkpoint",
     "is_url",
     "list_root",
-    "progress_bar",
     "resolve_checkpoint",
     "verify_checkpoint",
     "verify_path",
@@ -260,7 +260,7 @@ def inspect_checkpoint(where: str | os.PathLike | Location, *, step: int | None 
     problems, tensors = metadata_problems(md, manifest)
     problems += rank_file_problems(manifest)
     listed = _Report(loc)  # the listed files must be what a restore reads: regular files of the listed sizes
-    with progress_bar(0, "", enabled=False) as bar:
+    with tqdm(disable=True) as bar:
         _check_files(loc, manifest, loc.entries(), listed, checksums=False, bar=bar)
     problems = [(p["file"], p["problem"]) for p in listed.problems] + problems
     if problems:
@@ -277,8 +277,8 @@ def inspect_checkpoint(where: str | os.PathLike | Location, *, step: int | None 
         comp["dtypes"][dtype] = comp["dtypes"].get(dtype, 0) + 1
         comp["rank_local_tensors"] += int(local)
 
-    with progress_bar(manifest.world_size, f"inspect {loc.name}", enabled=progress and manifest.world_size > 8,
-                      unit="rank") as bar:
+    with tqdm(total=manifest.world_size, desc=f"inspect {loc.name}", unit="rank", leave=False, dynamic_ncols=True,
+              disable=None if progress and manifest.world_size > 8 else True) as bar:  # None: only on a terminal
         for rank in range(manifest.world_size):
             tree = loc.read_rank_doc(rank, manifest)["tree"]
             source = loc.describe(rank_file_name(rank))

@@ -14,7 +14,6 @@ import zlib
 from pathlib import Path
 from typing import Any
 
-from torch_ckpt._progress import progress_bar
 from torch_ckpt.errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -32,7 +31,7 @@ from torch_ckpt.format import (
 )
 from torch_ckpt.layout import MANIFEST_NAME, Manifest, rank_file_name
 
-__all__ = ["Location", "PathNotFoundError", "is_url", "progress_bar", "COMMITTED", "PARTIAL", "CORRUPT"]
+__all__ = ["Location", "PathNotFoundError", "is_url", "COMMITTED", "PARTIAL", "CORRUPT"]
 
 COMMITTED, PARTIAL, CORRUPT = "committed", "partial", "corrupt"
 

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch.distributed.checkpoint as dcp
 
-from torch_ckpt.dist import DistContext, single_process_quiet
+from torch_ckpt.dist import DistContext
 from torch_ckpt.errors import CheckpointWriteError
 from torch_ckpt.format import metadata_name
 from torch_ckpt.layout import (
@@ -38,7 +38,14 @@ from torch_ckpt.layout import (
     write_json_durable,
 )
 from torch_ckpt.nodes import NodeDedupPlanner, NodeLayout, RecordingWriter, node_views
-from torch_ckpt.persist import PersistRequest, _as_write_error, _check_on_disk, _check_owner, _describe
+from torch_ckpt.persist import (
+    PersistRequest,
+    _as_write_error,
+    _check_on_disk,
+    _check_owner,
+    _describe,
+    move_extra_entries,
+)
 
 __all__ = ["persist_node_local"]
 
@@ -97,10 +104,9 @@ def persist_node_local(req: PersistRequest, ctx: DistContext) -> Path:
     writer = None
     try:
         writer = RecordingWriter(tmp, thread_count=req.thread_count, sync_files=True)
-        with single_process_quiet(not ctx.enabled):
-            dcp.save(req.tensors if req.failed is None else {}, storage_writer=writer,
-                     planner=NodeDedupPlanner(layout.rank_node), process_group=ctx.bg if ctx.enabled else None,
-                     no_dist=not ctx.enabled)
+        dcp.save(req.tensors if req.failed is None else {}, storage_writer=writer,
+                 planner=NodeDedupPlanner(layout.rank_node), process_group=ctx.bg if ctx.enabled else None,
+                 no_dist=not ctx.enabled)
         if req.failed is not None:
             raise CheckpointWriteError(f"staging step {req.step} failed on rank {ctx.rank}: {req.failed}")
         rank_doc = {"step": req.step, "rank": ctx.rank, "world_size": ctx.world_size, "tree": req.tree}
@@ -149,6 +155,8 @@ def persist_node_local(req: PersistRequest, ctx: DistContext) -> Path:
             _write_bytes(tmp / metadata_name(layout.node), views[layout.node])
             manifest = Manifest.from_json({**doc, "node": layout.node}, str(tmp / MANIFEST_NAME))
             _check_on_disk(tmp, manifest.local_files())
+            if ctx.is_coordinator and req.extra_dir is not None:  # framework files: node 0's copy, as rank 0 reads them
+                move_extra_entries(Path(req.extra_dir), tmp)
             write_json_durable(tmp / MANIFEST_NAME, manifest.to_json())
             _check_owner(req, final)
         except BaseException as exc:  # noqa: BLE001

@@ -5,11 +5,16 @@ when ``verify``; the work is split over ranks), read this rank's JSON tree, chec
 state and the checkpoint have the same tensor keys, shapes and dtypes (and let the state check its
 own structure), let DCP read the tensors into new buffers (resharding to the live layout), and only
 then write the live state. A restore that fails therefore leaves the live state as it was.
+
+In a single process, the data files are not checksummed up front: :func:`~torch_ckpt.direct_read.load_direct`
+reads each of them once, placing the tensors into the new buffers and computing the CRC-32 in the
+same pass; only tensors it cannot place go through DCP's reader afterwards.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Mapping, MutableMapping
 from pathlib import Path
 from typing import Any
@@ -20,7 +25,8 @@ from torch.distributed.tensor import DTensor
 from torch_ckpt._logging import get_logger
 from torch_ckpt.codec import TENSOR_TAG, join_state, split_state
 from torch_ckpt.dcp_io import load_tensors
-from torch_ckpt.dist import DistContext, single_process_quiet
+from torch_ckpt.direct_read import DATA_SUFFIX, load_direct
+from torch_ckpt.dist import DistContext
 from torch_ckpt.errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -177,13 +183,19 @@ def load_into(state: Any, step_dir: Path, manifest: Manifest, ctx: DistContext, 
     if on_world_size_change not in RANK_LOCAL_POLICIES:
         raise ConfigError(f"on_world_size_change must be one of {RANK_LOCAL_POLICIES}, got {on_world_size_change!r}")
     same_world = manifest.world_size == ctx.world_size
+    direct = not ctx.enabled  # one process reads every file itself: checksum while placing the tensors
     err = None
     try:  # every rank's reads and checks are agreed on before any rank loads anything
-        part, parts = ctx.rank, ctx.world_size
-        if manifest.node is not None and same_world:  # one node's copy: checked by that node's ranks
-            mates = [r for r, n in enumerate(manifest.nodes["rank_node"]) if n == manifest.node]
-            part, parts = (mates.index(ctx.rank), len(mates)) if ctx.rank in mates else (0, 1)
-        verify_files(step_dir, manifest, checksums=verify, part=part, parts=parts)
+        if direct:  # data files: sizes now, CRC-32 while load_direct reads them (one read per byte)
+            verify_files(step_dir, manifest, checksums=False)
+            small = {n: i for n, i in manifest.local_files().items() if not n.endswith(DATA_SUFFIX)}
+            verify_files(step_dir, dataclasses.replace(manifest, files=small), checksums=verify)
+        else:
+            part, parts = ctx.rank, ctx.world_size
+            if manifest.node is not None and same_world:  # one node's copy: checked by that node's ranks
+                mates = [r for r, n in enumerate(manifest.nodes["rank_node"]) if n == manifest.node]
+                part, parts = (mates.index(ctx.rank), len(mates)) if ctx.rank in mates else (0, 1)
+            verify_files(step_dir, manifest, checksums=verify, part=part, parts=parts)
         md = read_metadata(step_dir, manifest)
         tree = _read_rank_tree(step_dir, manifest, ctx.rank if same_world else 0)
     except CheckpointError as exc:
@@ -265,10 +277,12 @@ def load_into(state: Any, step_dir: Path, manifest: Manifest, ctx: DistContext, 
             logged.add(key)
             log.warning("%s: casting %s (allow_cast=True)", step_dir, line)
 
-    if targets:
-        with single_process_quiet(not ctx.enabled):
-            load_tensors(targets, step_dir, md, set(manifest.files), process_group=ctx.fg if ctx.enabled else None,
-                         no_dist=not ctx.enabled)
+    rest = set(targets)
+    if rest and direct:
+        rest = load_direct(targets, step_dir, md, manifest, verify=verify)
+    if rest:
+        load_tensors({k: targets[k] for k in rest}, step_dir, md, set(manifest.files),
+                     process_group=ctx.fg if ctx.enabled else None, no_dist=not ctx.enabled)
     # every read succeeded: from here on the live state is written
     if staged_aware:
         state.load_state_dict(join_state(tree, targets))

@@ -22,9 +22,9 @@ from pathlib import Path
 from typing import Any
 
 import fsspec
+from tqdm import tqdm
 
 from torch_ckpt._logging import get_logger
-from torch_ckpt._progress import progress_bar
 from torch_ckpt.errors import CheckpointCorruptError, CheckpointError, ConfigError
 from torch_ckpt.format import MAX_MANIFEST_BYTES, parse_manifest
 from torch_ckpt.layout import MANIFEST_NAME, Manifest, commit_dir
@@ -448,7 +448,8 @@ class DurableTier:
         if tmp.exists():
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
-        bar = progress_bar(sum(i["bytes"] for i in files.values()), f"download step {step}")
+        bar = tqdm(total=sum(i["bytes"] for i in files.values()), desc=f"download step {step}", unit="B",
+                   unit_scale=True, unit_divisor=1024, leave=False, dynamic_ncols=True, disable=None)  # None: TTY only
         try:
             with ThreadPoolExecutor(max_workers=max(1, self.upload_threads),
                                     thread_name_prefix="torch_ckpt_download") as pool:

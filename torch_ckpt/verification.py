@@ -12,6 +12,8 @@ import os
 import re
 from typing import Any
 
+from tqdm import tqdm
+
 from torch_ckpt.codec import TENSOR_TAG
 from torch_ckpt.errors import (
     CheckpointCorruptError,
@@ -27,7 +29,6 @@ from torch_ckpt.location import (  # private helpers shared by the read-only too
     _as_location,
     _require_dir,
     _step_of,
-    progress_bar,
 )
 
 __all__ = ["verify_checkpoint", "verify_path", "verify_root"]
@@ -182,8 +183,9 @@ def _check_dir_manifest(loc: Location, *, checksums: bool, structure: bool,
                               "the other nodes and the durable tier hold the rest")
             manifest = dataclasses.replace(manifest, files=manifest.local_files())
             out.update(files=len(manifest.files), bytes=sum(i["bytes"] for i in manifest.files.values()))
-        with progress_bar(out["bytes"] if checksums else 0, f"verify {loc.name}",
-                          enabled=progress and checksums) as bar:
+        with tqdm(total=out["bytes"] if checksums else 0, desc=f"verify {loc.name}", unit="B", unit_scale=True,
+                  unit_divisor=1024, leave=False, dynamic_ncols=True,
+                  disable=None if progress and checksums else True) as bar:  # None: only on a terminal
             _check_files(loc, manifest, listing, rep, checksums=checksums, bar=bar)
         if structure and not full.partial:
             out["tensors"] = _check_structure(loc, manifest, listing, rep)
