@@ -97,6 +97,7 @@ MAX_METADATA_BYTES = 1 << 30
 _MAX_NDIM = 64
 
 METADATA_NAME = ".metadata"
+_NODE_METADATA_RE = re.compile(r"^node_\d{5,}\.metadata$")
 _RANK_FILE_RE = re.compile(r"^rank_(\d+)\.json$")
 _B64_RE = re.compile(r"[A-Za-z0-9+/]*={0,2}")
 _CHUNK_BYTES = 16 << 20
@@ -243,11 +244,35 @@ def manifest_from_doc(data: Any, source: str) -> Any:
         tiers = data.get("tiers", {})
         if not isinstance(tiers, dict) or not all(isinstance(k, str) and isinstance(v, dict) for k, v in tiers.items()):
             raise _Malformed("tiers must map tier names to objects")
+        nodes, node = _nodes_fields(data, files, world_size)
     except _Malformed as exc:
         raise _corrupt(source, f"invalid manifest ({exc})") from None
     return Manifest(step=step, world_size=world_size, files=files, wall_time=float(wall_time),
                     torch_version=torch_version, tensor_bytes=tensor_bytes, timings=dict(timings),
-                    format_version=version, tiers=dict(tiers))
+                    format_version=version, tiers=dict(tiers), nodes=nodes, node=node)
+
+
+def _nodes_fields(data: dict, files: dict[str, Any], world_size: int) -> tuple[dict[str, Any], int | None]:
+    """The optional node-local fields of a manifest: ``nodes`` (which node holds which file) and ``node``."""
+    nodes = data.get("nodes", {})
+    if not isinstance(nodes, dict):
+        raise _Malformed(f"nodes must be an object, got {type(nodes).__name__}")
+    node = data.get("node")
+    if not nodes:
+        if node is not None:
+            raise _Malformed("node is set but nodes (which node holds which file) is missing")
+        return {}, None
+    rank_node, file_node = nodes.get("rank_node"), nodes.get("file_node")
+    if not isinstance(rank_node, list) or len(rank_node) != world_size or \
+            not all(type(n) is int and 0 <= n < world_size for n in rank_node):
+        raise _Malformed(f"nodes.rank_node must list the node (0..{world_size - 1}) of each of the {world_size} ranks")
+    count = max(rank_node) + 1
+    if not isinstance(file_node, dict) or set(file_node) != set(files) or \
+            not all(type(n) is int and 0 <= n < count for n in file_node.values()):
+        raise _Malformed("nodes.file_node must give the node (an int below the node count) of every listed file")
+    if node is not None and (type(node) is not int or not 0 <= node < count):
+        raise _Malformed(f"node must be an int in 0..{count - 1}, got {_short(node)}")
+    return {"rank_node": list(rank_node), "file_node": dict(file_node)}, node
 
 
 def parse_manifest(raw: bytes, source: str) -> Any:
@@ -367,14 +392,15 @@ def check_files(step_dir: str | os.PathLike, manifest: Any, *, checksums: bool, 
     """Check every file the manifest lists (this reader's share when ``parts`` > 1).
 
     Each must be a regular file inside ``step_dir`` with the listed size, and with ``checksums``
-    the listed CRC-32.
+    the listed CRC-32. One node's copy of a node-local checkpoint is checked for that node's files.
 
     Raises:
         CheckpointCorruptError: a file is missing, a symlink, not a regular file, or has the wrong
             size or CRC-32; the message names it.
     """
     step_dir = Path(step_dir)
-    for i, (name, info) in enumerate(sorted(manifest.files.items())):
+    local = manifest.local_files() if hasattr(manifest, "local_files") else manifest.files
+    for i, (name, info) in enumerate(sorted(local.items())):
         if i % parts != part:
             continue
         path = step_dir / name
@@ -748,7 +774,8 @@ def metadata_problems(md: Any, manifest: Any) -> tuple[list[tuple[str, str]], di
                 "torch-ckpt never writes")
             continue
         rel = str(info.relative_path)
-        if rel not in manifest.files or rel in (METADATA_NAME, MANIFEST_NAME) or _RANK_FILE_RE.match(rel):
+        if rel not in manifest.files or rel in (METADATA_NAME, MANIFEST_NAME) or _RANK_FILE_RE.match(rel) or \
+                _NODE_METADATA_RE.match(rel):
             bad(f"item {index.fqn!r} is stored in {rel!r}, which is not a data file the manifest lists")
             continue
         end = info.offset + info.length
@@ -802,8 +829,18 @@ def unpickle_metadata(data: bytes, source: str) -> Any:
     return load_dcp_metadata_bytes(data, source)
 
 
+def metadata_name(node: int) -> str:
+    """File holding the DCP metadata that ``node``'s ranks load with (node 0: the complete ``.metadata``).
+
+    A node-local checkpoint stores replicated tensors once per node; each node's metadata points
+    every tensor at the copy its node holds. Node 0's is the complete one used by every other reader.
+    """
+    return METADATA_NAME if node == 0 else f"node_{node:05d}.metadata"
+
+
 def read_metadata(step_dir: str | os.PathLike, manifest: Any, *, allow_symlinks: bool = False) -> Any:
-    """The validated DCP metadata of a local checkpoint (see :func:`metadata_problems`).
+    """The validated DCP metadata of a local checkpoint (see :func:`metadata_problems`); for one
+    node's copy of a node-local checkpoint, that node's metadata (:func:`metadata_name`).
 
     Raises:
         CheckpointCorruptError: ``.metadata`` is not listed, not a regular file, unreadable, or
@@ -811,10 +848,11 @@ def read_metadata(step_dir: str | os.PathLike, manifest: Any, *, allow_symlinks:
         UnsafeCheckpointError: the pickle references code.
     """
     step_dir = Path(step_dir)
-    source = str(step_dir / METADATA_NAME)
-    if METADATA_NAME not in manifest.files:
+    name = metadata_name(getattr(manifest, "node", None) or 0)
+    source = str(step_dir / name)
+    if name not in manifest.files:
         raise _corrupt(source, "DCP metadata is not listed in the manifest")
-    raw = _read_listed(step_dir, manifest, METADATA_NAME, MAX_METADATA_BYTES, allow_symlinks=allow_symlinks)
+    raw = _read_listed(step_dir, manifest, name, MAX_METADATA_BYTES, allow_symlinks=allow_symlinks)
     md = unpickle_metadata(raw, source)
     problems, _ = metadata_problems(md, manifest)
     if problems:

@@ -193,10 +193,14 @@ def load_into(state: Any, step_dir: Path, manifest: Manifest, ctx: DistContext, 
     try:  # every rank's reads and checks are agreed on before any rank loads anything
         if direct:  # data files: sizes now, CRC-32 while load_direct reads them (one read per byte)
             verify_files(step_dir, manifest, checksums=False)
-            small = {n: i for n, i in manifest.files.items() if not n.endswith(DATA_SUFFIX)}
+            small = {n: i for n, i in manifest.local_files().items() if not n.endswith(DATA_SUFFIX)}
             verify_files(step_dir, dataclasses.replace(manifest, files=small), checksums=verify)
         else:
-            verify_files(step_dir, manifest, checksums=verify, part=ctx.rank, parts=ctx.world_size)
+            part, parts = ctx.rank, ctx.world_size
+            if manifest.node is not None and same_world:  # one node's copy: checked by that node's ranks
+                mates = [r for r, n in enumerate(manifest.nodes["rank_node"]) if n == manifest.node]
+                part, parts = (mates.index(ctx.rank), len(mates)) if ctx.rank in mates else (0, 1)
+            verify_files(step_dir, manifest, checksums=verify, part=part, parts=parts)
         md = read_metadata(step_dir, manifest)
         check_records(step_dir, manifest, md, part=ctx.rank, parts=ctx.world_size)
         tree = read_rank_tree(step_dir, manifest, ctx.rank if same_world else 0,
