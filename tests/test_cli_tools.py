@@ -616,7 +616,7 @@ def test_symlinked_shard_pointing_outside_is_never_opened(copy, tmp_path, capsys
 
 
 def test_symlinked_manifest_is_corrupt_for_every_tool_unless_followed(copy, tmp_path, capsys):
-    """manifest.json as a symlink: ls lists the step corrupt, verify and inspect exit 1; --follow-symlinks accepts it."""
+    """manifest.json as a symlink: ls lists the step corrupt, verify/inspect exit 1; --follow-symlinks accepts it."""
     real = tmp_path / "manifest.json"
     (copy / STEP20 / "manifest.json").rename(real)
     (copy / STEP20 / "manifest.json").symlink_to(real)

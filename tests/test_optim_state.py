@@ -300,7 +300,7 @@ def test_nested_lbfgs_state_round_trips(tmp_path):
         for _ in range(n):
             x = torch.randn(2, 4, generator=g)
 
-            def closure():
+            def closure(x=x):
                 opt.zero_grad()
                 loss = model(x).pow(2).mean()
                 loss.backward()

@@ -36,7 +36,7 @@ import stat
 import zlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from functools import lru_cache
+from functools import cache, lru_cache
 from pathlib import Path, PurePath
 from typing import Any
 
@@ -420,7 +420,7 @@ def rank_file_problems(manifest: Any) -> list[tuple[str, str]]:
     return problems
 
 
-@lru_cache(maxsize=None)
+@cache
 def _torch_dtype(name: str) -> Any:
     """The torch dtype ``name`` if an embedded tensor may use it (raw bytes viewable as it), else None."""
     import torch

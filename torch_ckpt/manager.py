@@ -53,7 +53,9 @@ _SETTINGS = frozenset(CheckpointConfig.field_names())
 
 def _list_steps(steps: list[int]) -> str:
     """``[500, 600, 700]``, or the first and last few of a long list."""
-    return str(steps) if len(steps) <= 8 else f"[{', '.join(map(str, steps[:3]))}, ..., {', '.join(map(str, steps[-3:]))}]"
+    if len(steps) <= 8:
+        return str(steps)
+    return f"[{', '.join(map(str, steps[:3]))}, ..., {', '.join(map(str, steps[-3:]))}]"
 
 
 class CheckpointManager:
@@ -370,8 +372,9 @@ class CheckpointManager:
             ConfigError: neither a ``save_policy`` nor ``preemption_signals`` was configured.
         """
         if self._cadence is None and not self._preemption.signals:
-            raise ConfigError("should_save() needs CheckpointManager(save_policy=...), e.g. YoungDaly(mtbf_seconds='8h'), "
-                              "or preemption_signals=('SIGTERM',)")
+            raise ConfigError("should_save() needs CheckpointManager(save_policy=...) (or mtbf_seconds=, "
+                              "save_every_n_steps=...), e.g. YoungDaly(mtbf_seconds='8h'), or "
+                              "preemption_signals=('SIGTERM',)")
         now = time.monotonic()
         decision = False
         if self._cadence is not None:
