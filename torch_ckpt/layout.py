@@ -145,6 +145,10 @@ class Manifest:
         format_version: on-disk format version.
         tiers: tiers holding a complete, verified copy besides this one, e.g.
             ``{"durable": {"url": "s3://b/run", "committed_at": 1.7e9}}``.
+        nodes: for a checkpoint written to node-local roots, ``{"rank_node": [node of each rank],
+            "file_node": {file name: node holding it}}``; empty for a shared root.
+        node: the node whose copy this directory is (it holds only the files ``file_node`` gives
+            that node); None for a complete copy (shared root, durable tier).
     """
 
     step: int
@@ -156,12 +160,31 @@ class Manifest:
     timings: dict[str, float] = field(default_factory=dict)
     format_version: int = FORMAT_VERSION
     tiers: dict[str, Any] = field(default_factory=dict)
+    nodes: dict[str, Any] = field(default_factory=dict)
+    node: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         """Return the JSON object written to disk."""
-        return {"format": FORMAT_NAME, "format_version": self.format_version, "step": self.step,
-                "wall_time": self.wall_time, "world_size": self.world_size, "torch_version": self.torch_version,
-                "tensor_bytes": self.tensor_bytes, "timings": self.timings, "tiers": self.tiers, "files": self.files}
+        doc = {"format": FORMAT_NAME, "format_version": self.format_version, "step": self.step,
+               "wall_time": self.wall_time, "world_size": self.world_size, "torch_version": self.torch_version,
+               "tensor_bytes": self.tensor_bytes, "timings": self.timings, "tiers": self.tiers, "files": self.files}
+        if self.nodes:
+            doc["nodes"] = self.nodes
+        if self.node is not None:
+            doc["node"] = self.node
+        return doc
+
+    @property
+    def partial(self) -> bool:
+        """True for one node's copy of a node-local checkpoint (it holds only that node's files)."""
+        return self.node is not None
+
+    def local_files(self) -> dict[str, dict[str, int]]:
+        """The listed files this copy holds: all of them, or those of :attr:`node` for a node's copy."""
+        if self.node is None:
+            return self.files
+        held = self.nodes.get("file_node", {})
+        return {name: info for name, info in self.files.items() if held.get(name) == self.node}
 
     @classmethod
     def from_json(cls, data: Any, source: str) -> Manifest:
@@ -351,11 +374,12 @@ def replace_dir(tmp: Path, final: Path) -> None:
 
 def is_committed(path: str | os.PathLike) -> bool:
     """True when ``path`` is a committed torch-ckpt checkpoint: a valid manifest, and every file it
-    lists present as a regular file of the listed size (cheap: no checksums are read)."""
+    lists present as a regular file of the listed size (cheap: no checksums are read). For one
+    node's copy of a node-local checkpoint, the files that node holds."""
     path = Path(path)
     try:
         manifest = read_manifest(path)
-        for name, info in manifest.files.items():
+        for name, info in manifest.local_files().items():
             st = os.lstat(path / name)
             if not stat.S_ISREG(st.st_mode) or st.st_size != info["bytes"]:
                 return False
