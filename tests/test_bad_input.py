@@ -775,7 +775,7 @@ def _restore_with_bad_record_of_rank_1(rank: int, world: int, root: str) -> None
 
 @pytest.mark.timeout(180)
 def test_bad_record_in_one_ranks_share_fails_every_rank(tmp_path):
-    """2 ranks (gloo): a record of rank 1's data file declared float64 makes restore raise CheckpointCorruptError on both."""
+    """2 ranks (gloo): rank 1's data file record declared float64: restore raises CheckpointCorruptError on both."""
     from tests._dist import run_distributed
 
     run_distributed(_restore_with_bad_record_of_rank_1, 2, str(tmp_path), timeout_s=150)

@@ -40,10 +40,10 @@ from torch_ckpt.layout import (
 )
 from torch_ckpt.naming import Naming, StepNaming
 from torch_ckpt.nodes import NodeLayout
-from torch_ckpt.resume_nodes import check_private_roots, node_layout, restore_node_local
 from torch_ckpt.preemption import PreemptionFlag
 from torch_ckpt.replicator import Replicator
 from torch_ckpt.resume import restore_candidates
+from torch_ckpt.resume_nodes import check_private_roots, node_layout, restore_node_local
 from torch_ckpt.retention import RetentionPolicy, apply_retention
 from torch_ckpt.tiers import DurableTier, DurableUnavailableError
 
@@ -488,7 +488,8 @@ class CheckpointManager:
     def _after_commit(self, step: int, final: Path, replicate: bool) -> None:
         if not self._acts_on_root:
             return
-        for callback in self._commit_callbacks if self._ctx.is_coordinator else ():  # committed: a failure is reported and never fails the save
+        # committed: a failing callback is reported and never fails the save
+        for callback in self._commit_callbacks if self._ctx.is_coordinator else ():
             try:
                 callback(step, final)
             except Exception as exc:  # noqa: BLE001

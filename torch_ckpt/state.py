@@ -27,13 +27,13 @@ from torch.distributed.checkpoint.state_dict import (
 from torch_ckpt._logging import get_logger
 from torch_ckpt.errors import CheckpointCorruptError, ConfigError, StateMismatchError
 from torch_ckpt.optim_state import (
+    TargetLookup,
     apply_optimizer_state,
     check_optimizer_state,
     keep_live_tensors,
     optimizer_state,
     param_names,
     split_state_key,
-    TargetLookup,
     state_target,
 )
 from torch_ckpt.restore import copy_into_live
