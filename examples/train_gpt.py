@@ -59,7 +59,6 @@ except ImportError:  # running from a source checkout without `pip install -e .`
     from torch_ckpt import CheckpointManager, TrainState, YoungDaly  # ckpt:
 from torch_ckpt.durations import DURATION_FORMS, format_duration, parse_duration
 
-
 # --------------------------------------------------------------------------------------------- data
 
 
@@ -332,7 +331,8 @@ def train(args: argparse.Namespace, rank: int = 0, world: int = 1) -> dict:
         sampler=sampler,
         drop_last=True,
         num_workers=0,
-        generator=torch.Generator().manual_seed(args.seed + 1),  # own generator: iterators never draw from the global RNG
+        # own generator: the loader's iterators never draw from the global RNG
+        generator=torch.Generator().manual_seed(args.seed + 1),
     )
     if len(loader) == 0:
         raise ValueError(f"{len(sampler)} windows per rank do not make one batch of {args.batch_size}")

@@ -181,7 +181,7 @@ def test_explicit_missing_step_raises_not_found_naming_step_and_path(tmp_path, m
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("step", [-1, 1.5, 2.0, "3", None, True])
 def test_save_refuses_a_step_that_is_not_a_non_negative_int(tmp_path, step):
-    """save() with a negative, float, str, None or bool step raises ConfigError (ValueError) naming it; nothing written."""
+    """save() with a negative, float, str, None or bool step raises ConfigError naming it; nothing is written."""
     with CheckpointManager(tmp_path) as mgr:
         with pytest.raises(ConfigError) as info:
             mgr.save(step, _dict_state())
@@ -211,7 +211,7 @@ def test_saving_the_same_step_twice_fails_and_keeps_the_first(tmp_path):
 # -- state mismatches ------------------------------------------------------------------------------
 @pytest.mark.timeout(60)
 def test_mismatched_keys_list_missing_and_unexpected(tmp_path):
-    """Restoring into a state with other keys raises StateMismatchError listing both sides, in message and attributes."""
+    """Restoring into a state with other keys raises StateMismatchError listing both sides (message, attributes)."""
     _save(tmp_path, 1, _dict_state())
     live = {"model": {"w": torch.zeros(4, 3), "extra": torch.zeros(2)}, "meta": {"epoch": 0}}
     with CheckpointManager(tmp_path) as mgr:
@@ -244,7 +244,7 @@ def test_train_state_of_another_model_lists_its_missing_keys(tmp_path):
 
 @pytest.mark.timeout(60)
 def test_mismatched_plain_value_keys_are_listed_too(tmp_path):
-    """Keys of non-tensor values count: {'w','a'} saved vs {'w','b'} live raises StateMismatchError listing 'b' and 'a'."""
+    """Non-tensor keys count: {'w','a'} saved vs {'w','b'} live raises StateMismatchError listing 'b' and 'a'."""
     _save(tmp_path, 1, {"w": torch.ones(2), "a": 1})
     live = {"w": torch.zeros(2), "b": 2}
     with CheckpointManager(tmp_path) as mgr:
@@ -256,7 +256,7 @@ def test_mismatched_plain_value_keys_are_listed_too(tmp_path):
 
 @pytest.mark.timeout(60)
 def test_train_state_component_missing_from_the_checkpoint_is_refused_before_loading(tmp_path):
-    """A TrainState with a scheduler restored from a checkpoint without one raises StateMismatchError; the model is untouched."""
+    """A TrainState with a scheduler, restored from a checkpoint without one: StateMismatchError, model untouched."""
     def build(seed: int, with_scheduler: bool) -> tuple[TrainState, torch.nn.Module]:
         torch.manual_seed(seed)
         model = torch.nn.Linear(4, 4)
@@ -463,7 +463,7 @@ def test_resaving_a_step_whose_checkpoint_is_damaged_is_not_called_already_commi
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("where", ["relative", "absolute"])
 def test_manifest_naming_a_file_outside_the_checkpoint_is_refused(tmp_path, where):
-    """A manifest listing '../x' or an absolute path is refused on restore (with the name), even with matching checksums."""
+    """A manifest listing '../x' or an absolute path is refused on restore (named), even with matching checksums."""
     root = tmp_path / "ckpt"
     step_dir = _save(root, 1, _dict_state())
     outside = root / "outside.bin"
@@ -500,7 +500,7 @@ def _restamp(step_dir: Path, name: str, data: bytes) -> None:
 
 
 def _two_steps(root: Path, make_state) -> tuple[TrainState, torch.nn.Module, Path]:
-    """Steps 1 and 2 of a TrainState (step 2 with other weights); returns (fresh live state, its model, step 2's dir)."""
+    """Steps 1 and 2 of a TrainState (2 with other weights); returns (fresh live state, its model, step 2's dir)."""
     state, model, *_ = make_state(seed=0)
     with CheckpointManager(root) as mgr:
         mgr.save(1, state).wait()
@@ -686,7 +686,7 @@ def test_explicit_restore_of_a_malformed_step_names_the_file(tmp_path, make_stat
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("thread_count", [1, 2, 4])
 def test_damaged_shard_header_without_verify_on_load_is_corrupt_naming_the_shard(tmp_path, make_state, thread_count):
-    """With verify_on_load=False, a shard whose first byte is flipped raises CheckpointCorruptError naming it, no traceback."""
+    """verify_on_load=False: a shard with a flipped first byte raises CheckpointCorruptError naming it, no traceback."""
     state, *_ = make_state(seed=0)
     with CheckpointManager(tmp_path, thread_count=thread_count) as mgr:
         mgr.save(1, state).wait()
@@ -780,7 +780,7 @@ def _restore_with_bad_record_of_rank_1(rank: int, world: int, root: str) -> None
 
 @pytest.mark.timeout(180)
 def test_bad_record_in_one_ranks_share_fails_every_rank(tmp_path):
-    """2 ranks (gloo): a record of rank 1's data file declared float64 makes restore raise CheckpointCorruptError on both."""
+    """2 ranks (gloo): rank 1's data file record declared float64: restore raises CheckpointCorruptError on both."""
     from tests._dist import run_distributed
 
     run_distributed(_restore_with_bad_record_of_rank_1, 2, str(tmp_path), timeout_s=150)

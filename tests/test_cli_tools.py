@@ -616,7 +616,8 @@ def _rank_key_not_in_metadata(step_dir: Path) -> str:
 
 _DAMAGES = {"storage-8-bytes-short": _storage_8_short, "declared-float64": _declared_dtype(torch.float64),
             "declared-int32": _declared_dtype(torch.int32), "chunk-reshaped": _chunk_reshaped,
-            "rank-key-not-in-metadata": _rank_key_not_in_metadata, "storage-elsewhere": _storage_elsewhere, "shape-beyond-chunks": _shape_beyond_chunks,
+            "rank-key-not-in-metadata": _rank_key_not_in_metadata, "storage-elsewhere": _storage_elsewhere,
+            "shape-beyond-chunks": _shape_beyond_chunks,
             "declared-2^40": _declared_2_40, "storage_data=5": _storage_data_5, "inline-2^40": _inline_2_40,
             "rank-json-200k-deep": _rank_json_deep, "symlinked-copy": _symlinked_copy}
 
@@ -662,7 +663,7 @@ def test_symlinked_shard_pointing_outside_is_never_opened(copy, tmp_path, capsys
 
 
 def test_symlinked_manifest_is_corrupt_for_every_tool_unless_followed(copy, tmp_path, capsys):
-    """manifest.json as a symlink: ls lists the step corrupt, verify and inspect exit 1; --follow-symlinks accepts it."""
+    """manifest.json as a symlink: ls lists the step corrupt, verify/inspect exit 1; --follow-symlinks accepts it."""
     real = tmp_path / "manifest.json"
     (copy / STEP20 / "manifest.json").rename(real)
     (copy / STEP20 / "manifest.json").symlink_to(real)
@@ -743,7 +744,7 @@ _LS_DAMAGES = {"world-size-2-one-rank-file": (_world_size_2, "manifest.json"),
 
 @pytest.mark.parametrize("damage", list(_LS_DAMAGES), ids=list(_LS_DAMAGES))
 def test_ls_without_verify_marks_what_restore_skips(copy, capsys, damage):
-    """ls (no --verify) lists a step with manifest-only inconsistencies or missing files as corrupt; restore skips it."""
+    """ls (no --verify) lists a step with manifest-only inconsistencies or missing files corrupt; restore skips it."""
     edit, bad = _LS_DAMAGES[damage]
     edit(copy / STEP20)
     listing = run_json(capsys, "ls", copy, code=1)

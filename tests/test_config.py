@@ -184,8 +184,8 @@ def test_from_dict_refuses_a_non_mapping():
 def test_from_yaml_reads_durations_sizes_and_lists(tmp_path):
     """A YAML file with 8h, 8GB and a signal list gives the normalised config."""
     path = tmp_path / "ckpt.yaml"
-    path.write_text("keep_last: 5\nmtbf_seconds: 8h\nstaging_budget_bytes: 8GB\npreemption_signals: [SIGTERM, SIGUSR1]\n"
-                    "durable_url: memory://bucket/run\n")
+    path.write_text("keep_last: 5\nmtbf_seconds: 8h\nstaging_budget_bytes: 8GB\n"
+                    "preemption_signals: [SIGTERM, SIGUSR1]\ndurable_url: memory://bucket/run\n")
     cfg = CheckpointConfig.from_yaml(path)
     assert cfg == CheckpointConfig(keep_last=5, mtbf_seconds=28800.0, staging_budget_bytes=8 * 10**9,
                                    preemption_signals=("SIGTERM", "SIGUSR1"), durable_url="memory://bucket/run")

@@ -208,7 +208,8 @@ def _describe(rec: dict) -> str:
 def test_saver_was_running_at_every_kill(campaign):
     """Every kill hit a live saver (it had not died on its own), so each record is a real crash."""
     for rec in campaign["records"]:
-        assert rec["harness"]["harness_threads"] in (1, -1), f"the harness forked while multi-threaded: {rec['harness']}"
+        assert rec["harness"]["harness_threads"] in (1, -1), \
+            f"the harness forked while multi-threaded: {rec['harness']}"
         assert rec["harness"]["killed"], (
             f"saver was not SIGKILLed while running:\n{_describe(rec)}\n{campaign['zygote'].stderr()}")
 

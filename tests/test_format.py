@@ -84,7 +84,7 @@ def _weight(md) -> tuple[str, TensorStorageMetadata]:
 
 # -- manifest --------------------------------------------------------------------------------------
 def test_manifest_with_a_5000_digit_integer_is_corrupt_naming_the_file(ckpt):
-    """A valid-JSON manifest holding a 5000-digit integer raises CheckpointCorruptError naming it (no raw ValueError)."""
+    """A valid-JSON manifest with a 5000-digit integer raises CheckpointCorruptError naming it (no raw ValueError)."""
     raw = (ckpt / "manifest.json").read_text().replace('"step":1,', '"step":' + "9" * 5000 + ",", 1)
     assert "9" * 5000 in raw
     with pytest.raises(CheckpointCorruptError, match="manifest.json.*5000 digits"):
@@ -386,7 +386,7 @@ def test_dcp_reader_opens_only_listed_files_even_with_unchecked_metadata(ckpt, t
 
 @pytest.mark.parametrize("persist,thread_count", [("thread", 1), ("thread", 2), ("thread", 4), ("process", 2)])
 def test_records_of_every_dtype_written_by_the_manager_pass_and_restore(tmp_path, persist, thread_count):
-    """Tensors of typed and untyped-storage dtypes (float8, uint16, bool, complex...) pass the record check and restore."""
+    """Tensors of typed and untyped-storage dtypes (float8, uint16, bool, complex...) pass the record check, restore."""
     from torch_ckpt.format import record_problems
 
     dtypes = [torch.float32, torch.bfloat16, torch.float8_e4m3fn, torch.uint16, torch.bool, torch.complex64, torch.int8]

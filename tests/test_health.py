@@ -10,17 +10,34 @@ from torch_ckpt import CheckpointManager, TrainState
 from torch_ckpt._logging import _RankFilter, get_logger, log_all_ranks
 
 
-def test_health_reports_ages_and_lost_work(tmp_path):
-    """health() gives the newest local/durable steps and the work a failure now would lose."""
+class _WallClock:
+    """The manager's ``time`` module with a wall clock (``time.time()``) the test sets."""
+
+    def __init__(self, now: float) -> None:
+        self.now = now
+
+    def time(self) -> float:
+        return self.now
+
+    def __getattr__(self, name: str):
+        return getattr(time, name)
+
+
+def test_health_reports_ages_and_lost_work(tmp_path, monkeypatch):
+    """health() gives the newest local/durable steps and the work a failure now would lose (42.5 s after the save)."""
+    import torch_ckpt.manager as manager_mod
+
+    clock = _WallClock(1_000_000.0)
+    monkeypatch.setattr(manager_mod, "time", clock)
     state = TrainState(model=torch.nn.Linear(4, 4))
     with CheckpointManager(tmp_path, durable_url=f"memory://h-{uuid.uuid4().hex[:6]}/r") as mgr:
         assert mgr.health()["lost_work_if_failure_now_s"] is None
-        mgr.save(1, state).wait()
+        mgr.save(1, state).wait()  # captured at the clock's 1_000_000.0
         assert mgr.wait_durable(30)
-        time.sleep(0.2)
+        clock.now += 42.5
         h = mgr.health()
     assert h["latest_step"] == 1 and h["durable_step"] == 1
-    assert 0.2 <= h["lost_work_if_failure_now_s"] < 30
+    assert h["lost_work_if_failure_now_s"] == 42.5 and h["latest_age_s"] == 42.5
     assert h["replication"]["durable_step"] == 1 and h["failed_saves"] == 0
 
 

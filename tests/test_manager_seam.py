@@ -157,7 +157,8 @@ def test_commit_callbacks_run_before_retention_and_never_fail_the_save(tmp_path)
     """Callbacks see each committed directory (still present) and a raising one is only logged."""
     seen = []
     with CheckpointManager(tmp_path, keep_last=1) as mgr:
-        mgr.add_commit_callback(lambda step, path: seen.append((step, path.name, (tmp_path / "step_000000000").exists())))
+        mgr.add_commit_callback(
+            lambda step, path: seen.append((step, path.name, (tmp_path / "step_000000000").exists())))
         mgr.add_commit_callback(lambda step, path: 1 / 0)
         mgr.save(0, _state()).wait()
         mgr.save(1, _state()).wait()

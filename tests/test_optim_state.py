@@ -300,7 +300,7 @@ def test_nested_lbfgs_state_round_trips(tmp_path):
         for _ in range(n):
             x = torch.randn(2, 4, generator=g)
 
-            def closure():
+            def closure(x=x):
                 opt.zero_grad()
                 loss = model(x).pow(2).mean()
                 loss.backward()
@@ -321,7 +321,8 @@ def test_nested_lbfgs_state_round_trips(tmp_path):
     assert_same(fresh.state_dict(), model.state_dict())
 
 
-@pytest.mark.parametrize("make_opt", [lambda p: torch.optim.Adam(p, lr=0.1), lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+@pytest.mark.parametrize("make_opt", [lambda p: torch.optim.Adam(p, lr=0.1),
+                                      lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
                                       lambda p: torch.optim.AdamW(p, lr=0.1)])
 def test_optimizer_state_round_trips_into_a_fresh_optimizer(tmp_path, make_opt):
     """OptimizerState saves optimizer.state_dict() and restores it into an optimizer without state, bitwise."""

@@ -92,7 +92,7 @@ def test_several_records_in_one_file_are_each_checked():
 
 @pytest.mark.parametrize("delta", [-8, -1, 8])
 def test_byte_range_not_ending_at_the_record_end_is_reported(delta):
-    """A storage length a few bytes short of (or past) the record is reported: the archive must end at the range's end."""
+    """A storage length a few bytes short of (or past) the record is reported: the archive must end at the range end."""
     records = [_record(torch.ones(16)), _record(torch.zeros(16))]
     problems = _problems(records, [(torch.float32, (16,))] * 2, lengths=[len(records[0]) + delta, len(records[1])])
     assert [f for f, _ in problems] == [FILE] and "'t0'" in problems[0][1], problems

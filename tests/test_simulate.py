@@ -10,8 +10,8 @@ import time
 import numpy as np
 import pytest
 
-from torch_ckpt.tools.cli import main
 from torch_ckpt.interval import daly_interval
+from torch_ckpt.tools.cli import main
 from torch_ckpt.tools.simulate import plot_sweep, simulate_overhead, sweep
 
 HOUR = 3600.0

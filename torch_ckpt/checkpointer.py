@@ -369,7 +369,7 @@ class AsyncCheckpointer:
             votes = self._ctx.all_gather((mine, step, target), what="save agreement")
         except CheckpointError:
             if error is not None:
-                raise error  # this rank's own failure says more than the failed agreement
+                raise error  # noqa: B904 - this rank's own failure says more than the failed agreement (its context)
             raise
         if error is not None:
             raise error
@@ -474,7 +474,8 @@ class AsyncCheckpointer:
         self._wait_inflight()
         self._raise_pending()
         if on_world_size_change not in RANK_LOCAL_POLICIES:
-            raise ConfigError(f"on_world_size_change must be one of {RANK_LOCAL_POLICIES}, got {on_world_size_change!r}")
+            raise ConfigError(f"on_world_size_change must be one of {RANK_LOCAL_POLICIES}, "
+                              f"got {on_world_size_change!r}")
         path = Path(path)
         load_into(state, path, read_manifest(path), self._ctx, verify=verify, on_world_size_change=on_world_size_change,
                   allow_cast=allow_cast)

@@ -279,7 +279,7 @@ class CheckpointConfig:
         if self.storage_options is not None and not isinstance(self.storage_options, Mapping):
             raise ConfigError(f"storage_options must be a mapping of fsspec options, got {self.storage_options!r}")
         if self.storage_options is not None:
-            self._set("storage_options", dict(self.storage_options))  # a copy: later edits of the caller's dict don't leak in
+            self._set("storage_options", dict(self.storage_options))  # a copy: the caller's later edits stay out
         if self.durable_url is None and (self.durable_keep_last is not None
                                          or self.durable_keep_every_n_steps is not None):
             raise ConfigError("durable_keep_last/durable_keep_every_n_steps need durable_url")

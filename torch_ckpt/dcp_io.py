@@ -678,7 +678,7 @@ def file_crc32(path: str | os.PathLike) -> tuple[int, int]:
         i = 0
         while n:
             result: list[Any] = []
-            reader = threading.Thread(target=lambda b=bufs[1 - i]: result.append(_readinto(f, b)), daemon=True)
+            reader = threading.Thread(target=lambda b=bufs[1 - i], out=result: out.append(_readinto(f, b)), daemon=True)
             reader.start()
             with memoryview(bufs[i]) as view:
                 crc = crc32(view[:n], crc)

@@ -40,7 +40,7 @@ import stat
 import zlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from functools import lru_cache
+from functools import cache, lru_cache
 from pathlib import Path, PurePath
 from typing import Any
 
@@ -455,7 +455,7 @@ def rank_file_problems(manifest: Any) -> list[tuple[str, str]]:
     return problems
 
 
-@lru_cache(maxsize=None)
+@cache
 def _torch_dtype(name: str) -> Any:
     """The torch dtype ``name`` if an embedded tensor may use it (raw bytes viewable as it), else None."""
     import torch
@@ -626,9 +626,9 @@ def parse_rank_doc(raw: bytes, source: str, manifest: Any, rank: int, *,
     for field, want in (("step", manifest.step), ("world_size", manifest.world_size)):
         got = doc.get(field)
         if type(got) is not int or got != want:
-            raise _corrupt(source, f"{field} {_short(got)} in this per-rank state file disagrees with {field} {want} in "
-                                   f"{manifest_source}: one of the two files was altered, or they come from different "
-                                   "checkpoints")
+            raise _corrupt(source, f"{field} {_short(got)} in this per-rank state file disagrees with {field} {want} "
+                                   f"in {manifest_source}: one of the two files was altered, or they come from "
+                                   "different checkpoints")
     from torch_ckpt.codec import TENSOR_TAG
 
     try:

@@ -40,12 +40,12 @@ import filelock
 import torch
 
 from torch_ckpt._logging import get_logger
-from torch_ckpt.naming import Naming, StepNaming
 from torch_ckpt.errors import (
     CheckpointCorruptError,
     CheckpointNotFoundError,
     CheckpointWriteError,
 )
+from torch_ckpt.naming import Naming, StepNaming
 
 __all__ = [
     "FORMAT_VERSION",

@@ -40,10 +40,10 @@ from torch_ckpt.layout import (
 )
 from torch_ckpt.naming import Naming, StepNaming
 from torch_ckpt.nodes import NodeLayout
-from torch_ckpt.resume_nodes import check_private_roots, node_layout, restore_node_local
 from torch_ckpt.preemption import PreemptionFlag
 from torch_ckpt.replicator import Replicator
 from torch_ckpt.resume import restore_candidates
+from torch_ckpt.resume_nodes import check_private_roots, node_layout, restore_node_local
 from torch_ckpt.retention import RetentionPolicy, apply_retention
 from torch_ckpt.tiers import DurableTier, DurableUnavailableError
 
@@ -56,7 +56,9 @@ _SETTINGS = frozenset(CheckpointConfig.field_names())
 
 def _list_steps(steps: list[int]) -> str:
     """``[500, 600, 700]``, or the first and last few of a long list."""
-    return str(steps) if len(steps) <= 8 else f"[{', '.join(map(str, steps[:3]))}, ..., {', '.join(map(str, steps[-3:]))}]"
+    if len(steps) <= 8:
+        return str(steps)
+    return f"[{', '.join(map(str, steps[:3]))}, ..., {', '.join(map(str, steps[-3:]))}]"
 
 
 class CheckpointManager:
@@ -412,8 +414,9 @@ class CheckpointManager:
             ConfigError: neither a ``save_policy`` nor ``preemption_signals`` was configured.
         """
         if self._cadence is None and not self._preemption.signals:
-            raise ConfigError("should_save() needs CheckpointManager(save_policy=...), e.g. YoungDaly(mtbf_seconds='8h'), "
-                              "or preemption_signals=('SIGTERM',)")
+            raise ConfigError("should_save() needs CheckpointManager(save_policy=...) (or mtbf_seconds=, "
+                              "save_every_n_steps=...), e.g. YoungDaly(mtbf_seconds='8h'), or "
+                              "preemption_signals=('SIGTERM',)")
         now = time.monotonic()
         decision = False
         if self._cadence is not None:
@@ -485,7 +488,8 @@ class CheckpointManager:
     def _after_commit(self, step: int, final: Path, replicate: bool) -> None:
         if not self._acts_on_root:
             return
-        for callback in self._commit_callbacks if self._ctx.is_coordinator else ():  # committed: a failure is reported and never fails the save
+        # committed: a failing callback is reported and never fails the save
+        for callback in self._commit_callbacks if self._ctx.is_coordinator else ():
             try:
                 callback(step, final)
             except Exception as exc:  # noqa: BLE001

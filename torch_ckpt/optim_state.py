@@ -446,7 +446,7 @@ class OptimizerState:
         return check_plain_optimizer_state(self.optimizer, state, prefix=f"{self.name}.", allow_cast=allow_cast)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """``optimizer.load_state_dict(state)``; then call :meth:`undo` (a later component failed) or :meth:`keep_live`."""
+        """``optimizer.load_state_dict(state)``; then :meth:`undo` (a later component failed) or :meth:`keep_live`."""
         self._before = (self.optimizer.state, self.optimizer.param_groups)
         self.optimizer.load_state_dict(state)
 

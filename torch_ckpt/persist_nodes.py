@@ -141,7 +141,8 @@ def persist_node_local(req: PersistRequest, ctx: DistContext) -> Path:
             timings["write_s"] = write_s
             manifest = Manifest(step=req.step, world_size=ctx.world_size, files=dict(sorted(all_files.items())),
                                 tensor_bytes=req.tensor_bytes, timings=timings,
-                                nodes={"rank_node": list(layout.rank_node), "file_node": dict(sorted(file_node.items()))})
+                                nodes={"rank_node": list(layout.rank_node),
+                                       "file_node": dict(sorted(file_node.items()))})
             plan = ("ok", manifest.to_json(), views)
         except BaseException as exc:  # noqa: BLE001
             error = exc

@@ -26,7 +26,7 @@ import pickletools
 import struct
 from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
-from functools import lru_cache
+from functools import cache, lru_cache
 from typing import Any, Protocol
 
 import torch
@@ -69,7 +69,8 @@ class _Blocks:
     def get(self, offset: int, length: int) -> bytes:
         if length > _BLOCK_BYTES:
             return self._reader.read_at(offset, length)
-        first, last = offset // _BLOCK_BYTES, (offset + length - 1) // _BLOCK_BYTES if length else offset // _BLOCK_BYTES
+        first = offset // _BLOCK_BYTES
+        last = (offset + length - 1) // _BLOCK_BYTES if length else first
         parts = []
         for block in range(first, last + 1):
             data = self._cache.get(block)
@@ -104,7 +105,7 @@ class _Record:
 
 
 def _central_directory(rec: _Record) -> tuple[int, int, int]:
-    """``(entries, offset, size)`` of the record's central directory; its archive must end exactly at the range's end."""
+    """``(entries, offset, size)`` of the record's central directory; its archive must end exactly at the range end."""
     if rec.length < _EOCD_SIZE:
         raise _Bad(f"is {rec.length} bytes, too short for a torch.save record")
     eocd = rec.read(rec.length - _EOCD_SIZE, _EOCD_SIZE, "end of central directory")
@@ -300,9 +301,9 @@ def _pickled_tensor(data: bytes) -> tuple[tuple[str, str], str, int, int, tuple[
     return identity, key, numel, offset, size, stride
 
 
-@lru_cache(maxsize=None)
+@cache
 def _storage_type(dtype: torch.dtype) -> tuple[str, str]:
-    """The identity (see :func:`_pickled_tensor`) ``torch.save`` pickles for a tensor of ``dtype`` (from a real record)."""
+    """The identity (see :func:`_pickled_tensor`) ``torch.save`` pickles for a ``dtype`` tensor (from a real record)."""
     buf = io.BytesIO()
     torch.save(torch.empty(0, dtype=dtype), buf)
     data = buf.getvalue()

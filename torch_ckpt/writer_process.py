@@ -214,7 +214,8 @@ class ProcessWriter:
                         f"the checkpoint writer process died (exit code {self._proc.exitcode}); the save was not "
                         "committed. Check host memory (it may have been OOM-killed).") from None
                 if deadline_s is not None and time.monotonic() - start > deadline_s:
-                    raise CheckpointError(f"the checkpoint writer process did not answer within {deadline_s:.0f} s")
+                    raise CheckpointError(
+                        f"the checkpoint writer process did not answer within {deadline_s:.0f} s") from None
 
     @property
     def pid(self) -> int | None:

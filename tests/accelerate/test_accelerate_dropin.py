@@ -6,7 +6,6 @@ checks that the script keeps working (or fails at once with the fix in the messa
 
 from __future__ import annotations
 
-import copy
 import sys
 import warnings
 from pathlib import Path
@@ -290,7 +289,6 @@ def test_attached_reused_folder_keeps_the_previous_save_loadable_until_the_new_o
     import threading
 
     import torch_ckpt
-
     import torch_ckpt.checkpointer as engine
 
     release, real = threading.Event(), engine.persist_checkpoint

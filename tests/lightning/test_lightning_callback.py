@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import os
-from collections import namedtuple
 import threading
 import time
+from collections import namedtuple
 from pathlib import Path
 
 import pytest

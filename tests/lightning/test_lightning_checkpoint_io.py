@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 from collections import namedtuple
-from pathlib import Path
 
 import pytest
 import torch

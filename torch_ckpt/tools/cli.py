@@ -25,8 +25,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from torch_ckpt.tools import cli_tools
 from torch_ckpt.durations import DURATION_FORMS, format_duration, parse_duration
+from torch_ckpt.tools import cli_tools
 from torch_ckpt.tools.sizing import (
     DTYPE_BYTES,
     OPTIMIZER_MOMENTS,

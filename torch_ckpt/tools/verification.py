@@ -7,7 +7,6 @@ and tensor payloads are never loaded.
 from __future__ import annotations
 
 import dataclasses
-
 import os
 import re
 from typing import Any
