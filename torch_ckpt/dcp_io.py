@@ -21,7 +21,7 @@ import os
 import pickle
 import threading
 import warnings
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -338,9 +338,13 @@ class ChecksumFileSystemWriter(FileSystemWriter):
         path: local directory to write the DCP checkpoint into.
         thread_count: writer threads (and files) per rank.
         sync_files: fsync every file (True for a local durable commit).
+        wait_for: called with a tensor's key right before its bytes are written; blocks until they
+            are staged (pipelined staging; see :class:`torch_ckpt.staging.StagingProgress`). An
+            exception it raises fails the write like any other error.
     """
 
-    def __init__(self, path: str | os.PathLike, *, thread_count: int = 1, sync_files: bool = True) -> None:
+    def __init__(self, path: str | os.PathLike, *, thread_count: int = 1, sync_files: bool = True,
+                 wait_for: Callable[[str], None] | None = None) -> None:
         super().__init__(path, single_file_per_rank=True, sync_files=sync_files, thread_count=thread_count,
                          overwrite=True)
         self.fs = _ChecksumFileSystem(self)
@@ -348,6 +352,7 @@ class ChecksumFileSystemWriter(FileSystemWriter):
         self._files: dict[str, tuple[int, int]] = {}
         self._errors: list[BaseException] = []
         self._lock = threading.Lock()
+        self._wait_for = wait_for
 
     # -- bookkeeping -------------------------------------------------------------------------------
     def _open(self, path: str | os.PathLike) -> _FileSink:
@@ -407,6 +412,8 @@ class ChecksumFileSystemWriter(FileSystemWriter):
             for item in items:
                 if abort.is_set():
                     raise _Aborted(file_name)
+                if self._wait_for is not None and item.type != WriteItemType.BYTE_IO:
+                    self._wait_for(item.index.fqn)
                 data = planner.resolve_data(item)
                 offset = sink.tell()
                 if item.type == WriteItemType.BYTE_IO:
