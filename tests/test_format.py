@@ -19,19 +19,10 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 
 from torch_ckpt import CheckpointCorruptError, CheckpointManager, TrainState
 from torch_ckpt.dcp_io import read_dcp_metadata
-from torch_ckpt.format import (
-    MAX_STATE_DEPTH,
-    check_files,
-    metadata_problems,
-    parse_manifest,
-    parse_rank_doc,
-    rank_file_problems,
-    read_manifest,
-    read_metadata,
-    read_rank_tree,
-    walk_tree,
-)
-from torch_ckpt.layout import Manifest
+from torch_ckpt.dcp_metadata import metadata_problems, read_metadata
+from torch_ckpt.format import MAX_STATE_DEPTH, parse_rank_doc, rank_file_problems, read_rank_doc, verify_files
+from torch_ckpt.manifest import Manifest, parse_manifest, read_manifest
+from torch_ckpt.state_tree import walk_tree
 
 STEP = "step_000000001"
 
@@ -139,8 +130,8 @@ def test_symlinked_shard_to_a_file_outside_is_refused(ckpt, tmp_path):
     shard.symlink_to(outside)
     manifest = read_manifest(ckpt)
     with pytest.raises(CheckpointCorruptError, match=f"{shard.name}.*symbolic link"):
-        check_files(ckpt, manifest, checksums=True)
-    check_files(ckpt, manifest, checksums=True, allow_symlinks=True)  # the explicit option follows it
+        verify_files(ckpt, manifest, checksums=True)
+    verify_files(ckpt, manifest, checksums=True, allow_symlinks=True)  # the explicit option follows it
 
 
 def test_listed_file_that_is_a_fifo_is_refused_without_blocking(ckpt):
@@ -149,7 +140,7 @@ def test_listed_file_that_is_a_fifo_is_refused_without_blocking(ckpt):
     shard.unlink()
     os.mkfifo(shard)
     with pytest.raises(CheckpointCorruptError, match=f"{shard.name}.*not a regular file"):
-        check_files(ckpt, read_manifest(ckpt), checksums=False)
+        verify_files(ckpt, read_manifest(ckpt), checksums=False)
 
 
 # -- per-rank JSON ---------------------------------------------------------------------------------
@@ -247,7 +238,7 @@ def test_huge_world_size_is_reported_once_without_iterating_ranks(ckpt):
     problems = rank_file_problems(manifest)
     assert len(problems) == 1 and "world size 2147483647" in problems[0][1] and "rank_00001.json" in problems[0][1]
     with pytest.raises(CheckpointCorruptError, match="world size 2147483647"):
-        read_rank_tree(ckpt, manifest, 0)
+        read_rank_doc(ckpt, manifest, 0)
 
 
 # -- DCP metadata ----------------------------------------------------------------------------------
@@ -387,7 +378,7 @@ def test_dcp_reader_opens_only_listed_files_even_with_unchecked_metadata(ckpt, t
 @pytest.mark.parametrize("persist,thread_count", [("thread", 1), ("thread", 2), ("thread", 4), ("process", 2)])
 def test_records_of_every_dtype_written_by_the_manager_pass_and_restore(tmp_path, persist, thread_count):
     """Tensors of typed and untyped-storage dtypes (float8, uint16, bool, complex...) pass the record check and restore."""
-    from torch_ckpt.format import record_problems
+    from torch_ckpt.dcp_metadata import record_problems
 
     dtypes = [torch.float32, torch.bfloat16, torch.float8_e4m3fn, torch.uint16, torch.bool, torch.complex64, torch.int8]
     state = {f"t{i}": torch.arange(12).reshape(3, 4).to(d) for i, d in enumerate(dtypes)}

@@ -1,46 +1,45 @@
-"""Where checkpoints live for the read-only tools: a local directory or an fsspec URL.
+"""The storage seam: checkpoint directories on the local file system or on an fsspec store.
 
-:class:`Location` gives ``ls``/``inspect``/``verify`` one interface over both, plus a progress bar
-that stays silent off a terminal.
+Every reader of a checkpoint reaches its bytes through this module. :class:`Location` gives one
+interface over a local directory (``file://`` allowed) and an fsspec URL (``s3://``, ``gs://``,
+``memory://``...): listing, bounded reads of whole files, range reads and CRC-32 (:mod:`torch_ckpt.crc`).
+Local files are opened only as regular files (:func:`open_regular`: ``O_NOFOLLOW``, no FIFO, no
+directory) unless symlinks are explicitly allowed; a backend error on a store is a
+:class:`DurableUnavailableError` (an outage, not a damaged checkpoint).
 """
 
 from __future__ import annotations
 
 import datetime as _dt
+import errno
 import os
-import re
 import stat
-import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from torch_ckpt.errors import (
-    CheckpointCorruptError,
-    CheckpointError,
-    CheckpointNotFoundError,
-)
-from torch_ckpt.format import (
-    MAX_MANIFEST_BYTES,
-    MAX_METADATA_BYTES,
-    MAX_RANK_JSON_BYTES,
-    _open_regular,
-    _read_fd,
-    open_range,
-    parse_manifest,
-    parse_rank_doc,
-    unpickle_metadata,
-)
-from torch_ckpt.layout import MANIFEST_NAME, Manifest, rank_file_name
+import fsspec
 
-__all__ = ["Location", "PathNotFoundError", "is_url", "COMMITTED", "PARTIAL", "CORRUPT"]
+from torch_ckpt.bounded import corrupt
+from torch_ckpt.crc import crc32
+from torch_ckpt.errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError, ConfigError
 
-COMMITTED, PARTIAL, CORRUPT = "committed", "partial", "corrupt"
+__all__ = [
+    "DurableUnavailableError",
+    "Location",
+    "LocalFile",
+    "PathNotFoundError",
+    "as_location",
+    "is_url",
+    "object_mtime",
+    "open_range",
+    "open_regular",
+    "read_fd",
+    "reading",
+    "url_to_fs",
+]
 
-_STEP_RE = re.compile(r"^step_(\d+)$")
-_TMP_RE = re.compile(r"^\.step_(\d+)(\.download)?\.tmp(\.[0-9a-f]+)?$")  # old and incarnation-id forms
-_METADATA = ".metadata"
 _CHUNK_BYTES = 8 << 20
 
 
@@ -48,12 +47,22 @@ class PathNotFoundError(CheckpointNotFoundError):
     """The path or URL given does not exist (a bad argument rather than a damaged checkpoint)."""
 
 
-# ---------------------------------------------------------------------------------------------
-# progress
+class DurableUnavailableError(CheckpointError, ConnectionError):
+    """The durable store could not be reached (an outage, not an empty store)."""
 
 
-# ---------------------------------------------------------------------------------------------
-# locations
+def url_to_fs(url: str, storage_options: dict[str, Any] | None = None, *, what: str = "durable_url") -> tuple[Any, str]:
+    """``(fsspec file system, root path without a trailing slash)`` of an fsspec URL.
+
+    Raises:
+        ConfigError: the URL's protocol is unknown or its backend is not installed (the message
+            names the package to install).
+    """
+    try:
+        fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
+    except (ImportError, ValueError) as exc:
+        raise ConfigError(f"cannot use {what} {url!r}: {exc}") from exc
+    return fs, root.rstrip("/")
 
 
 def is_url(text: str | os.PathLike) -> bool:
@@ -62,10 +71,101 @@ def is_url(text: str | os.PathLike) -> bool:
     return "://" in text and not text.startswith("file://")
 
 
-def _mtime(info: dict[str, Any]) -> float | None:
-    from torch_ckpt.tiers import object_mtime
+def object_mtime(info: dict[str, Any]) -> float | None:
+    """Modification time (Unix seconds) of an fsspec ``info``/``ls`` entry, whatever the backend names it."""
+    for key in ("mtime", "LastModified", "last_modified", "updated", "created"):
+        value = info.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+            return float(value)
+        if isinstance(value, _dt.datetime):
+            return value.timestamp() if value.tzinfo else value.replace(tzinfo=_dt.timezone.utc).timestamp()
+        if isinstance(value, str) and value:
+            try:
+                return _dt.datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
+            except ValueError:
+                continue
+    return None
 
-    return object_mtime(info)
+
+
+def open_regular(path: Path, *, allow_symlinks: bool, what: str) -> int:
+    """Open ``path`` read-only as a regular file (no symlink unless allowed); returns the descriptor.
+
+    Raises:
+        FileNotFoundError: it does not exist.
+        CheckpointCorruptError: it is a symlink (and symlinks are not allowed), a directory, a FIFO
+            or anything else but a regular file.
+    """
+    flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)  # NONBLOCK: a FIFO must not hang us
+    if not allow_symlinks:
+        flags |= os.O_NOFOLLOW
+    try:
+        fd = os.open(path, flags)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise corrupt(str(path), f"{what} is a symbolic link; torch-ckpt reads only regular files inside the "
+                                      "checkpoint (copy the file in, or follow links explicitly: allow_symlinks=True, "
+                                      "torch-ckpt --follow-symlinks)") from None
+        if exc.errno in (errno.EISDIR,):
+            raise corrupt(str(path), f"{what} is a directory, not a regular file") from None
+        raise
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise corrupt(str(path), f"{what} is not a regular file")
+    os.set_blocking(fd, True)
+    return fd
+
+
+@contextmanager
+def reading(source: str, what: str) -> Iterator[None]:
+    """Turn an I/O error while reading a checkpoint file into CheckpointCorruptError naming it."""
+    try:
+        yield
+    except CheckpointCorruptError:
+        raise
+    except OSError as exc:
+        raise corrupt(source, f"{what} cannot be read ({exc.strerror or exc})") from exc
+
+
+def read_fd(fd: int, limit: int, source: str) -> bytes:
+    """All bytes of an open regular file, refusing more than ``limit`` (never allocates beyond its size)."""
+    with os.fdopen(fd, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size > limit:
+            raise corrupt(source, f"is {size} bytes, more than the {limit} accepted")
+        data = f.read(size + 1)
+    if len(data) > limit:
+        raise corrupt(source, f"grew past the {limit} bytes accepted while being read")
+    return data
+
+
+class LocalFile:
+    """A :class:`~torch_ckpt.records.RangeReader` over an open descriptor (``pread``)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.size = os.fstat(fd).st_size
+
+    def read_at(self, offset: int, length: int) -> bytes:
+        return os.pread(self.fd, length, offset)
+
+
+@contextmanager
+def open_range(path: Path, *, allow_symlinks: bool = False) -> Iterator[LocalFile]:
+    """The local regular file ``path`` open for range reads (I/O errors become corruption naming it).
+
+    Raises:
+        FileNotFoundError: it does not exist.
+        CheckpointCorruptError: it is a symlink (unless ``allow_symlinks``), not a regular file, or
+            unreadable.
+    """
+    fd = open_regular(path, allow_symlinks=allow_symlinks, what="file listed in the manifest")
+    try:
+        with reading(str(path), "file listed in the manifest"):
+            yield LocalFile(fd)
+    finally:
+        os.close(fd)
 
 
 class Location:
@@ -89,15 +189,11 @@ class Location:
         self.allow_symlinks = bool(allow_symlinks)
         self.storage_options = dict(storage_options or {})
         if is_url(text):
-            from torch_ckpt.tiers import DurableTier
-
-            tier = DurableTier(text, storage_options=self.storage_options)
-            self.fs, self.path, self.url, self.remote = tier.fs, tier.root, tier.url, True
+            self.fs, self.path = url_to_fs(text, self.storage_options, what="URL")
+            self.url, self.remote = text.rstrip("/"), True
             if hasattr(self.fs, "invalidate_cache"):
                 self.fs.invalidate_cache()
         else:
-            import fsspec
-
             local = os.path.abspath(os.path.expanduser(text.removeprefix("file://")))
             self.fs, self.path, self.url, self.remote = fsspec.filesystem("file"), local, local, False
 
@@ -133,8 +229,6 @@ class Location:
         except (FileNotFoundError, CheckpointError):
             raise
         except Exception as exc:  # noqa: BLE001 - any backend error (botocore, aiohttp...) means unreachable
-            from torch_ckpt.tiers import DurableUnavailableError
-
             raise DurableUnavailableError(f"cannot read {self.describe()}: {exc}") from exc
 
     def exists(self, name: str | None = None) -> bool:
@@ -160,7 +254,7 @@ class Location:
             if not name or self._p(name).rstrip("/") == self.path.rstrip("/"):
                 continue
             kind = "directory" if info.get("type") == "directory" else "file"
-            out[name] = {"type": kind, "size": int(info.get("size") or 0), "mtime": _mtime(info)}
+            out[name] = {"type": kind, "size": int(info.get("size") or 0), "mtime": object_mtime(info)}
         return out
 
     def _local_entries(self) -> dict[str, dict[str, Any]]:
@@ -181,8 +275,29 @@ class Location:
                                    "mtime": float(st.st_mtime)}
         return out
 
-    def read_bytes(self, name: str, max_bytes: int | None = None) -> bytes:
-        """Contents of the file ``name`` (a regular file; at most ``max_bytes``).
+    def size(self, name: str) -> int:
+        """Size in bytes of the file ``name`` (a regular file).
+
+        Raises:
+            FileNotFoundError: it does not exist.
+            CheckpointCorruptError: it is a symlink (unless ``allow_symlinks``) or not a regular file.
+            DurableUnavailableError: the store cannot be reached.
+        """
+        if not self.remote:
+            fd = open_regular(Path(self._p(name)), allow_symlinks=self.allow_symlinks,
+                              what="file listed in the manifest")
+            try:
+                return os.fstat(fd).st_size
+            finally:
+                os.close(fd)
+        info = self._call(self.fs.info, self._p(name))
+        if info.get("type") == "directory":
+            raise corrupt(self.describe(name), "file listed in the manifest is a directory, not a regular file")
+        return int(info.get("size") or 0)
+
+    def read_bytes(self, name: str, max_bytes: int | None = None, *,
+                   what: str = "file listed in the manifest") -> bytes:
+        """Contents of the file ``name`` (a regular file; at most ``max_bytes``; ``what`` it is, for messages).
 
         Raises:
             FileNotFoundError: it does not exist.
@@ -190,9 +305,9 @@ class Location:
                 or larger than ``max_bytes``.
         """
         if not self.remote:
-            fd = _open_regular(Path(self._p(name)), allow_symlinks=self.allow_symlinks, what="file")
+            fd = open_regular(Path(self._p(name)), allow_symlinks=self.allow_symlinks, what=what)
             if max_bytes is not None:
-                return _read_fd(fd, max_bytes, self.describe(name))
+                return read_fd(fd, max_bytes, self.describe(name))
             with os.fdopen(fd, "rb") as f:
                 data = f.read()
         else:
@@ -207,18 +322,24 @@ class Location:
         return data
 
     def checksum(self, name: str, bar: Any = None) -> tuple[int, int]:
-        """``(bytes, crc32)`` of the file ``name`` (a regular file), read in chunks (advancing ``bar``)."""
+        """``(bytes, crc32)`` of the file ``name`` (a regular file), read in chunks (advancing ``bar``).
+
+        Raises:
+            FileNotFoundError: it does not exist.
+            CheckpointCorruptError: it is a symlink (unless ``allow_symlinks``) or not a regular file.
+            DurableUnavailableError: the store cannot be reached.
+        """
 
         def read() -> tuple[int, int]:
             crc, size = 0, 0
             if self.remote:
                 f = self.fs.open(self._p(name), "rb", block_size=_CHUNK_BYTES)
             else:
-                f = os.fdopen(_open_regular(Path(self._p(name)), allow_symlinks=self.allow_symlinks, what="file"),
-                              "rb")
+                f = os.fdopen(open_regular(Path(self._p(name)), allow_symlinks=self.allow_symlinks,
+                                           what="file listed in the manifest"), "rb")
             with f:
                 while chunk := f.read(_CHUNK_BYTES):
-                    crc = zlib.crc32(chunk, crc)
+                    crc = crc32(chunk, crc)
                     size += len(chunk)
                     if bar is not None:
                         bar.update(len(chunk))
@@ -244,46 +365,6 @@ class Location:
         finally:
             f.close()
 
-    def read_metadata(self, name: str = _METADATA) -> Any:
-        """DCP metadata read with the restricted unpickler (never executes code from the file).
-
-        The result's fields are not checked here: see :func:`torch_ckpt.format.metadata_problems`.
-
-        Raises:
-            UnsafeCheckpointError: the pickle references anything but DCP's metadata classes.
-            CheckpointCorruptError: the file is truncated, not DCP metadata, or not a regular file.
-        """
-        return unpickle_metadata(self.read_bytes(name, MAX_METADATA_BYTES), self.describe(name))
-
-    def read_manifest(self) -> Manifest:
-        """The validated manifest of this checkpoint directory (bounded; see :mod:`torch_ckpt.format`).
-
-        Raises:
-            CheckpointNotFoundError: there is no ``manifest.json`` (not a committed checkpoint).
-            CheckpointCorruptError: it is not a regular file, too large, or not a valid manifest.
-        """
-        source = self.describe(MANIFEST_NAME)
-        try:
-            raw = self.read_bytes(MANIFEST_NAME, MAX_MANIFEST_BYTES)
-        except FileNotFoundError as exc:
-            raise CheckpointNotFoundError(f"{source} does not exist: {self.describe()} is not a committed "
-                                          "torch-ckpt checkpoint") from exc
-        return parse_manifest(raw, source)
-
-    def read_rank_doc(self, rank: int, manifest: Manifest) -> dict[str, Any]:
-        """The validated per-rank JSON document (``{"step", "rank", "world_size", "tree"}``) of ``rank``.
-
-        Raises:
-            CheckpointCorruptError: the file is missing, not a regular file, too large, or malformed
-                (see :func:`torch_ckpt.format.parse_rank_doc`).
-        """
-        name = rank_file_name(rank)
-        try:
-            raw = self.read_bytes(name, MAX_RANK_JSON_BYTES)
-        except FileNotFoundError as exc:
-            raise CheckpointCorruptError(f"{self.describe(name)}: per-rank state file is missing") from exc
-        return parse_rank_doc(raw, self.describe(name), manifest, rank)
-
 
 class _RemoteRange:
     """A :class:`~torch_ckpt.records.RangeReader` over an open fsspec file (backend errors: unreachable)."""
@@ -300,33 +381,9 @@ class _RemoteRange:
         return self._loc._call(read)
 
 
-def _as_location(where: str | os.PathLike | Location, storage_options: dict[str, Any] | None) -> Location:
-    return where if isinstance(where, Location) else Location(where, storage_options=storage_options)
-
-
-def _require_dir(loc: Location) -> None:
-    if not loc.exists():
-        raise PathNotFoundError(f"{loc.describe()} does not exist")
-    if not loc.is_dir():
-        raise PathNotFoundError(f"{loc.describe()} is not a directory")
-
-
-def _dtype_name(dtype: Any) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def _iso(ts: float | None) -> str | None:
-    if ts is None:
-        return None
-    return _dt.datetime.fromtimestamp(ts, tz=_dt.timezone.utc).isoformat(timespec="seconds")
-
-
-def _step_of(name: str) -> tuple[int | None, bool]:
-    """``(step, temporary)`` parsed from a directory name; step None for other names."""
-    m = _STEP_RE.match(name)
-    if m:
-        return int(m.group(1)), False
-    t = _TMP_RE.match(name)
-    if t:
-        return int(t.group(1)), True
-    return None, False
+def as_location(where: str | os.PathLike | Location, *, storage_options: dict[str, Any] | None = None,
+                allow_symlinks: bool = False) -> Location:
+    """``where`` as a :class:`Location` (returned as is when it already is one)."""
+    if isinstance(where, Location):
+        return where
+    return Location(where, storage_options=storage_options, allow_symlinks=allow_symlinks)
