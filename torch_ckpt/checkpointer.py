@@ -167,6 +167,8 @@ class AsyncCheckpointer:
         self._closed = False
         self.last_stats: SaveStats | None = None
         self._incarnation = new_incarnation()
+        # set by the manager for node-local roots (torch_ckpt.nodes.NodeLayout): each node commits its own copy
+        self.node_layout: Any = None
         if persist == "process" and self.async_save:
             self._process_writer = ProcessWriter(self._ctx, timeout_seconds=timeout_seconds, niceness=writer_niceness)
 
@@ -361,7 +363,8 @@ class AsyncCheckpointer:
             typed.__cause__ = error
             error = typed
         mine = None if error is None else (type(error).__name__, str(error))
-        target = os.path.abspath(os.fspath(final))
+        # node-local roots are different directories on each node: the ranks agree on the name
+        target = os.path.abspath(os.fspath(final)) if self.node_layout is None else Path(final).name
         try:
             votes = self._ctx.all_gather((mine, step, target), what="save agreement")
         except CheckpointError:
@@ -424,14 +427,14 @@ class AsyncCheckpointer:
                 fields = dict(final=job.final, step=job.step, tree=job.tree, tensor_bytes=handle.stats.bytes,
                               replace=job.replace, extra_dir=job.extra_dir,
                               thread_count=self.thread_count, timings=timings, incarnation=self._incarnation,
-                              failed=failed)
+                              failed=failed, nodes=self.node_layout)
                 final, files_bytes = self._process_writer.persist(arena=None if failed else self._stager.arena,
                                                                   layout=job.layout, fields=fields)
             else:
                 req = PersistRequest(final=job.final, step=job.step, tensors=job.to_write, tree=job.tree,
                                      tensor_bytes=handle.stats.bytes, thread_count=self.thread_count,
                                      timings=timings, incarnation=self._incarnation, failed=failed,
-                                     replace=job.replace, extra_dir=job.extra_dir)
+                                     replace=job.replace, extra_dir=job.extra_dir, nodes=self.node_layout)
                 final = persist_checkpoint(req, self._ctx)
                 files_bytes = req.committed_bytes
             stats = handle.stats

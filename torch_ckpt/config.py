@@ -179,6 +179,13 @@ class CheckpointConfig:
             :class:`~torch_ckpt.naming.Naming`; ``None`` means ``StepNaming()``
             (``step_000000042``); e.g. ``PatternNaming("checkpoint_{step}")``. Listing, resume and
             retention only consider names it parses.
+        local_root_shared: Whether the root is one directory seen by every rank (``True``) or a
+            directory private to each node (``False``: each node commits its own copy after every
+            rank agreed, uploads its own shards, and a replaced node fetches only its shards from
+            the durable tier). ``None`` (default): private when the ranks span more than one node
+            (``LOCAL_WORLD_SIZE < WORLD_SIZE``). A shared directory used with ``False`` is refused.
+        durable_upload_threads: Files each node uploads to (and downloads from) the durable tier
+            at once (int >= 1).
 
     Raises:
         ConfigError: A value is out of range or of the wrong type, or two fields conflict; the
@@ -218,6 +225,8 @@ class CheckpointConfig:
     on_existing_newer: str = "error"
     read_only: bool = False
     naming: Naming | None = None
+    local_root_shared: bool | None = None
+    durable_upload_threads: int = 1
 
     def __post_init__(self) -> None:
         for name in ("async_save", "overlap_staging", "verify_on_load", "read_only"):
@@ -227,7 +236,9 @@ class CheckpointConfig:
                      "durable_keep_every_n_steps"):
             if getattr(self, name) is not None:
                 _check_int(name, getattr(self, name), 1)
-        for name in ("thread_count", "min_interval_steps", "replicate_every_n_saves"):
+        if self.local_root_shared is not None and not isinstance(self.local_root_shared, bool):
+            raise ConfigError(f"local_root_shared must be true, false or None, got {self.local_root_shared!r}")
+        for name in ("thread_count", "min_interval_steps", "replicate_every_n_saves", "durable_upload_threads"):
             _check_int(name, getattr(self, name), 1)
         _check_int("writer_niceness", self.writer_niceness, 0, maximum=19)
         for name, choices in (("persist", PERSIST_MODES), ("on_world_size_change", RANK_LOCAL_POLICIES),

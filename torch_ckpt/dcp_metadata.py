@@ -30,14 +30,14 @@ from torch.distributed.checkpoint.metadata import (
 
 from torch_ckpt.bounded import corrupt, short_repr
 from torch_ckpt.dcp_io import load_dcp_metadata_bytes
-from torch_ckpt.format import METADATA_NAME, RANK_FILE_RE, read_listed
+from torch_ckpt.format import METADATA_NAME, NODE_METADATA_RE, RANK_FILE_RE, read_listed
 from torch_ckpt.manifest import MANIFEST_NAME, Manifest
 from torch_ckpt.records import storage_record_problems
 from torch_ckpt.state_tree import MAX_NDIM
 from torch_ckpt.storage import Location, as_location
 
-__all__ = ["MAX_METADATA_BYTES", "check_records", "metadata_problems", "read_metadata", "record_problems",
-           "tensor_items"]
+__all__ = ["MAX_METADATA_BYTES", "check_records", "metadata_name", "metadata_problems", "read_metadata",
+           "record_problems", "tensor_items"]
 
 MAX_METADATA_BYTES = 1 << 30
 """Largest DCP ``.metadata`` unpickled (bytes)."""
@@ -139,7 +139,8 @@ def metadata_problems(md: Any, manifest: Any) -> tuple[list[tuple[str, str]], di
                 "torch-ckpt never writes")
             continue
         rel = str(info.relative_path)
-        if rel not in manifest.files or rel in (METADATA_NAME, MANIFEST_NAME) or RANK_FILE_RE.match(rel):
+        if rel not in manifest.files or rel in (METADATA_NAME, MANIFEST_NAME) or RANK_FILE_RE.match(rel) or \
+                NODE_METADATA_RE.match(rel):
             bad(f"item {index.fqn!r} is stored in {rel!r}, which is not a data file the manifest lists")
             continue
         end = info.offset + info.length
@@ -181,8 +182,18 @@ def metadata_problems(md: Any, manifest: Any) -> tuple[list[tuple[str, str]], di
     return problems, tensors
 
 
+def metadata_name(node: int) -> str:
+    """File holding the DCP metadata that ``node``'s ranks load with (node 0: the complete ``.metadata``).
+
+    A node-local checkpoint stores replicated tensors once per node; each node's metadata points
+    every tensor at the copy its node holds. Node 0's is the complete one used by every other reader.
+    """
+    return METADATA_NAME if node == 0 else f"node_{node:05d}.metadata"
+
+
 def read_metadata(where: str | os.PathLike | Location, manifest: Manifest, *, allow_symlinks: bool = False) -> Metadata:
-    """The validated DCP metadata of a checkpoint (see :func:`metadata_problems`).
+    """The validated DCP metadata of a checkpoint (see :func:`metadata_problems`); for one node's copy
+    of a node-local checkpoint, that node's metadata (:func:`metadata_name`).
 
     Raises:
         CheckpointCorruptError: ``.metadata`` is not listed, not a regular file, unreadable, or
@@ -191,10 +202,11 @@ def read_metadata(where: str | os.PathLike | Location, manifest: Manifest, *, al
         DurableUnavailableError: the store cannot be reached.
     """
     loc = as_location(where, allow_symlinks=allow_symlinks)
-    source = loc.describe(METADATA_NAME)
-    if METADATA_NAME not in manifest.files:
+    name = metadata_name(manifest.node or 0)
+    source = loc.describe(name)
+    if name not in manifest.files:
         raise corrupt(source, "DCP metadata is not listed in the manifest")
-    md = load_dcp_metadata_bytes(read_listed(loc, manifest, METADATA_NAME, MAX_METADATA_BYTES), source)
+    md = load_dcp_metadata_bytes(read_listed(loc, manifest, name, MAX_METADATA_BYTES), source)
     problems, _ = metadata_problems(md, manifest)
     if problems:
         file, text = problems[0]

@@ -37,6 +37,7 @@ __all__ = [
     "MAX_STATE_DEPTH",
     "MAX_STATE_INT_DIGITS",
     "METADATA_NAME",
+    "NODE_METADATA_RE",
     "RANK_FILE_RE",
     "open_listed",
     "parse_rank_doc",
@@ -58,6 +59,7 @@ MAX_STATE_INT_DIGITS = 4300
 """Longest integer in a per-rank JSON file (digits): Python's default int/str conversion limit."""
 METADATA_NAME = ".metadata"
 RANK_FILE_RE = re.compile(r"^rank_(\d+)\.json$")
+NODE_METADATA_RE = re.compile(r"^node_\d{5,}\.metadata$")
 
 
 def open_listed(step_dir: str | os.PathLike, manifest: Manifest, name: str, *, allow_symlinks: bool = False) -> int:
@@ -112,7 +114,8 @@ def verify_files(where: str | os.PathLike | Location, manifest: Manifest, *, che
     """Check every file the manifest lists (this reader's share when ``parts`` > 1).
 
     Each must be a regular file inside the checkpoint with the listed size, and with ``checksums``
-    the listed CRC-32 (read in chunks through :func:`torch_ckpt.crc.crc32`).
+    the listed CRC-32 (read in chunks through :func:`torch_ckpt.crc.crc32`). One node's copy of a
+    node-local checkpoint is checked for that node's files.
 
     Args:
         where: the checkpoint directory (local path or :class:`~torch_ckpt.storage.Location`).
@@ -136,7 +139,7 @@ def verify_files(where: str | os.PathLike | Location, manifest: Manifest, *, che
             raise corrupt(loc.describe(name), text)
         collect.append((name, text))
 
-    for i, (name, info) in enumerate(sorted(manifest.files.items())):
+    for i, (name, info) in enumerate(sorted(manifest.local_files().items())):
         if i % parts != part:
             continue
         try:

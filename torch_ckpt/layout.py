@@ -288,11 +288,12 @@ def replace_dir(tmp: Path, final: Path) -> None:
 
 def is_committed(path: str | os.PathLike) -> bool:
     """True when ``path`` is a committed torch-ckpt checkpoint: a valid manifest, and every file it
-    lists present as a regular file of the listed size (cheap: no checksums are read)."""
+    lists present as a regular file of the listed size (cheap: no checksums are read). For one
+    node's copy of a node-local checkpoint, the files that node holds."""
     path = Path(path)
     try:
         manifest = read_manifest(path)
-        for name, info in manifest.files.items():
+        for name, info in manifest.local_files().items():
             st = os.lstat(path / name)
             if not stat.S_ISREG(st.st_mode) or st.st_size != info["bytes"]:
                 return False

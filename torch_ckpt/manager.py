@@ -31,6 +31,7 @@ from torch_ckpt.layout import (
     RootLock,
     check_root,
     clean_stale_temporaries,
+    is_committed,
     quarantine_step_dir,
     read_manifest,
     remove_step_dir,
@@ -38,11 +39,13 @@ from torch_ckpt.layout import (
     update_manifest_tiers,
 )
 from torch_ckpt.naming import Naming, StepNaming
+from torch_ckpt.nodes import NodeLayout
+from torch_ckpt.resume_nodes import check_private_roots, node_layout, restore_node_local
 from torch_ckpt.preemption import PreemptionFlag
 from torch_ckpt.replicator import Replicator
 from torch_ckpt.resume import restore_candidates
 from torch_ckpt.retention import RetentionPolicy, apply_retention
-from torch_ckpt.tiers import DurableTier
+from torch_ckpt.tiers import DurableTier, DurableUnavailableError
 
 __all__ = ["CheckpointManager", "ON_EXISTING_NEWER"]
 
@@ -75,7 +78,8 @@ class CheckpointManager:
             ``min_interval_steps``, ``durable_url``, ``storage_options``, ``replicate_every_n_saves``,
             ``durable_keep_last``, ``durable_keep_every_n_steps``, ``durable_verify``,
             ``durable_flush_timeout_seconds``, ``preemption_signals``, ``preemption_timeout_seconds``,
-            ``on_write_error``, ``on_existing_newer``, ``read_only``, ``naming``. README.md
+            ``on_write_error``, ``on_existing_newer``, ``read_only``, ``naming``,
+            ``local_root_shared``, ``durable_upload_threads``. README.md
             ("Configuration") lists each with its default and unit.
 
     Raises:
@@ -123,6 +127,8 @@ class CheckpointManager:
         on_existing_newer: str | DefaultType = DEFAULT,
         read_only: bool | DefaultType = DEFAULT,
         naming: Naming | None | DefaultType = DEFAULT,
+        local_root_shared: bool | None | DefaultType = DEFAULT,
+        durable_upload_threads: int | DefaultType = DEFAULT,
     ) -> None:
         settings = {k: v for k, v in locals().items() if k in _SETTINGS and v is not DEFAULT}  # what was passed
         if not isinstance(directory, (str, os.PathLike)) or str(directory) == "":
@@ -149,7 +155,8 @@ class CheckpointManager:
         self._preemption = PreemptionFlag(cfg.preemption_signals)
         self._preemption_timeout = cfg.preemption_timeout_seconds
         self._tier = DurableTier(cfg.durable_url, storage_options=cfg.storage_options, verify=cfg.durable_verify,
-                                 naming=naming) if cfg.durable_url is not None else None
+                                 naming=naming, upload_threads=cfg.durable_upload_threads) \
+            if cfg.durable_url is not None else None
         if self._tier is not None and self._tier.is_inside(self.root):
             raise ConfigError(f"durable_url {cfg.durable_url!r} points into the local root {self.root}; the durable "
                               "tier must be another location (another disk, a file server, an object store)")
@@ -159,6 +166,13 @@ class CheckpointManager:
                                        timeout_seconds=cfg.timeout_seconds, process_group=cfg.process_group,
                                        on_write_error=cfg.on_write_error)
         self._ctx = self._ckpt.ctx
+        self._nodes: NodeLayout | None = None
+        try:
+            self._nodes = node_layout(self._ctx, cfg.local_root_shared)
+        except CheckpointError:
+            self._ckpt.close()
+            raise
+        self._ckpt.node_layout = self._nodes
         self._lock = RootLock(self.root)
         self._replicator: Replicator | None = None
         self._replicate_every = cfg.replicate_every_n_saves
@@ -166,8 +180,9 @@ class CheckpointManager:
         self._saves = 0
         self._captured_at: dict[int, float] = {}
         self._restored_step: int | None = None
+        self.restore_source: str | None = None  # node-local roots: where this rank's last restore read from
         error = None
-        if self._ctx.is_coordinator:
+        if self._acts_on_root:
             try:
                 check_root(self.root, create=not self.read_only)
                 if not self.read_only:
@@ -175,16 +190,38 @@ class CheckpointManager:
                     clean_stale_temporaries(self.root, keep_incarnation=self._ckpt.incarnation, naming=self.naming)
                 if self._tier is not None:
                     durable_retention = cfg.build_durable_retention()
-                    self._replicator = Replicator(self._tier, retention=durable_retention,
-                                                  on_durable=self._record_durable)
+                    self._replicator = self._make_replicator(durable_retention)
             except CheckpointError as exc:
                 error = exc
-        status = self._ctx.broadcast(None if error is None else str(error), what="init")
+        if self._nodes is not None and not self.read_only:
+            shared = check_private_roots(self.root, self._nodes, self._ctx, ok=error is None)
+            error = error or (ConfigError(shared) if shared else None)
+        status = next((e for e in self._ctx.all_gather(None if error is None else str(error), what="init") if e), None)
         if error is not None or status is not None:
             self._preemption.restore()
             self._lock.release()
             self._ckpt.close()
             raise error or CheckpointError(f"rank 0 could not prepare {self.root}: {status}")
+
+    @property
+    def _acts_on_root(self) -> bool:
+        """True on the rank that creates, commits, prunes and replicates this process's root: rank 0
+        for a shared root, each node's lowest rank for node-local roots."""
+        return self._nodes.is_leader if self._nodes is not None else self._ctx.is_coordinator
+
+    def _make_replicator(self, retention: RetentionPolicy | None) -> Replicator:
+        if self._nodes is None:
+            return Replicator(self._tier, retention=retention, on_durable=self._record_durable)
+        commit = self._nodes.node == 0
+
+        def upload(local_dir: Path, manifest: Any, abandon: Callable[[], bool]) -> None:
+            self._tier.upload_node(local_dir, manifest, commit=commit, abandon=abandon,
+                                   wait_seconds=self._durable_flush_timeout)
+
+        # every node uploads its own shards; node 0 commits and runs durable retention and cleanup
+        return Replicator(self._tier, retention=retention if commit else None, upload=upload,
+                          on_durable=self._record_durable if commit else None,
+                          abandoned_after_seconds=24 * 3600.0 if commit else None)
 
     # -- context manager -------------------------------------------------------------------------
     def __enter__(self) -> CheckpointManager:
@@ -300,7 +337,7 @@ class CheckpointManager:
         while len(self._captured_at) > 256:
             self._captured_at.pop(next(iter(self._captured_at)))
         restored, self._restored_step = self._restored_step, None
-        if not self._ctx.is_coordinator:
+        if not self._acts_on_root:
             return False
         try:
             if restored is not None:
@@ -446,9 +483,9 @@ class CheckpointManager:
         self._commit_callbacks.append(callback)
 
     def _after_commit(self, step: int, final: Path, replicate: bool) -> None:
-        if not self._ctx.is_coordinator:
+        if not self._acts_on_root:
             return
-        for callback in self._commit_callbacks:  # committed: a failure is reported and never fails the save
+        for callback in self._commit_callbacks if self._ctx.is_coordinator else ():  # committed: a failure is reported and never fails the save
             try:
                 callback(step, final)
             except Exception as exc:  # noqa: BLE001
@@ -469,7 +506,7 @@ class CheckpointManager:
             log.debug("could not record the durable copy of step %d in %s: %s", step, local_dir, exc)
 
     def _apply_retention(self) -> None:
-        if not self._ctx.is_coordinator or self.retention is None:
+        if not self._acts_on_root or self.retention is None:
             return
         committed = scan_committed(self.root, self.naming)
         busy = self._replicator.busy_steps() if self._replicator is not None else set()
@@ -526,7 +563,7 @@ class CheckpointManager:
             path = self.root / self.naming.name(target)
         else:
             path = self._explicit_path(target)
-        if not self._ctx.is_coordinator:
+        if not self._acts_on_root:
             return
         inflight = self._ckpt.in_flight
         if inflight is not None and not inflight.committed.done():
@@ -582,6 +619,8 @@ class CheckpointManager:
         if path is not None:
             return self._restore_paths(state, path, step, allow_cast)
         self._ckpt.wait()
+        if self._nodes is not None:
+            return restore_node_local(self, state, step, allow_cast)
         if self.root.exists() and not self.root.is_dir():
             raise CheckpointNotFoundError(f"checkpoint root {self.root} is not a directory")
         plan = self._ctx.broadcast(restore_candidates(self.root, self._tier, step, self.naming)
@@ -665,7 +704,12 @@ class CheckpointManager:
             (the local tier stands in when there is none); ``lost_work_if_failure_now_s``: training
             time that a failure right now would lose (back to the newest durable checkpoint; None
             before the first one); ``in_flight_step``; ``failed_saves``; ``replication`` (see
-            :meth:`replication_stats`); ``schedule`` (the save policy's last decision, if any).
+            :meth:`replication_stats`); ``schedule`` (the save policy's last decision, if any);
+            ``tiers``: per step, which tiers hold a copy, ``{step: {"local": "complete" | "partial" |
+            None, "durable": bool | None}}`` ("partial": this node's copy of a node-local checkpoint;
+            durable None: the store could not be listed); ``durable_newest_step`` /
+            ``durable_newest_age_s``: the newest step committed in the durable tier (listed there, so
+            also after a restart) and the age of its state in seconds (the exposure window).
         """
         now = time.time()
         local = scan_committed(self.root, self.naming) if self.root.is_dir() else {}
@@ -682,7 +726,9 @@ class CheckpointManager:
         replication = self.replication_stats()
         durable = replication.get("durable_step") if self._tier is not None else latest
         inflight = self._ckpt.in_flight
+        tiers, newest_durable = self._tier_report(local, now)
         return {
+            "tiers": tiers, "durable_newest_step": newest_durable[0], "durable_newest_age_s": newest_durable[1],
             "latest_step": latest, "latest_age_s": age(latest),
             "durable_step": durable, "durable_age_s": age(durable),
             "lost_work_if_failure_now_s": age(durable),
@@ -691,6 +737,33 @@ class CheckpointManager:
             "replication": replication,
             "schedule": self.schedule_info(),
         }
+
+    def _tier_report(self, local: dict[int, Path], now: float) -> tuple[dict[int, dict[str, Any]],
+                                                                          tuple[int | None, float | None]]:
+        """Per step, the tiers holding a copy; and the newest durable step with its age (seconds)."""
+        report: dict[int, dict[str, Any]] = {}
+        for step, path in local.items():
+            try:
+                partial = read_manifest(path).partial
+            except CheckpointError:
+                continue
+            if is_committed(path):
+                report[step] = {"local": "partial" if partial else "complete", "durable": None}
+        if self._tier is None:
+            return report, (None, None)
+        try:
+            durable = self._tier.list_steps()
+        except DurableUnavailableError as exc:
+            log.debug("health: %s", exc)
+            return report, (None, None)
+        for step in durable:
+            report.setdefault(step, {"local": None, "durable": None})
+        for step, entry in report.items():
+            entry["durable"] = step in durable
+        if not durable:
+            return dict(sorted(report.items())), (None, None)
+        newest = max(durable)
+        return dict(sorted(report.items())), (newest, now - durable[newest].wall_time)
 
     def replication_stats(self) -> dict[str, Any]:
         """State of the durable replication (see :meth:`Replicator.stats`); {} without a durable tier."""

@@ -68,6 +68,10 @@ class Manifest:
         format_version: on-disk format version.
         tiers: tiers holding a complete, verified copy besides this one, e.g.
             ``{"durable": {"url": "s3://b/run", "committed_at": 1.7e9}}``.
+        nodes: for a checkpoint written to node-local roots, ``{"rank_node": [node of each rank],
+            "file_node": {file name: node holding it}}``; empty for a shared root.
+        node: the node whose copy this directory is (it holds only the files ``file_node`` gives
+            that node); None for a complete copy (shared root, durable tier).
     """
 
     step: int
@@ -79,12 +83,31 @@ class Manifest:
     timings: dict[str, float] = field(default_factory=dict)
     format_version: int = FORMAT_VERSION
     tiers: dict[str, Any] = field(default_factory=dict)
+    nodes: dict[str, Any] = field(default_factory=dict)
+    node: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         """Return the JSON object written to disk."""
-        return {"format": FORMAT_NAME, "format_version": self.format_version, "step": self.step,
-                "wall_time": self.wall_time, "world_size": self.world_size, "torch_version": self.torch_version,
-                "tensor_bytes": self.tensor_bytes, "timings": self.timings, "tiers": self.tiers, "files": self.files}
+        doc = {"format": FORMAT_NAME, "format_version": self.format_version, "step": self.step,
+               "wall_time": self.wall_time, "world_size": self.world_size, "torch_version": self.torch_version,
+               "tensor_bytes": self.tensor_bytes, "timings": self.timings, "tiers": self.tiers, "files": self.files}
+        if self.nodes:
+            doc["nodes"] = self.nodes
+        if self.node is not None:
+            doc["node"] = self.node
+        return doc
+
+    @property
+    def partial(self) -> bool:
+        """True for one node's copy of a node-local checkpoint (it holds only that node's files)."""
+        return self.node is not None
+
+    def local_files(self) -> dict[str, dict[str, int]]:
+        """The listed files this copy holds: all of them, or those of :attr:`node` for a node's copy."""
+        if self.node is None:
+            return self.files
+        held = self.nodes.get("file_node", {})
+        return {name: info for name, info in self.files.items() if held.get(name) == self.node}
 
     @classmethod
     def from_json(cls, data: Any, source: str) -> Manifest:
@@ -164,11 +187,35 @@ def manifest_from_doc(data: Any, source: str) -> Manifest:
         tiers = data.get("tiers", {})
         if not isinstance(tiers, dict) or not all(isinstance(k, str) and isinstance(v, dict) for k, v in tiers.items()):
             raise Malformed("tiers must map tier names to objects")
+        nodes, node = _nodes_fields(data, files, world_size)
     except Malformed as exc:
         raise corrupt(source, f"invalid manifest ({exc})") from None
     return Manifest(step=step, world_size=world_size, files=files, wall_time=float(wall_time),
                     torch_version=torch_version, tensor_bytes=tensor_bytes, timings=dict(timings),
-                    format_version=version, tiers=dict(tiers))
+                    format_version=version, tiers=dict(tiers), nodes=nodes, node=node)
+
+
+def _nodes_fields(data: dict, files: dict[str, Any], world_size: int) -> tuple[dict[str, Any], int | None]:
+    """The optional node-local fields of a manifest: ``nodes`` (which node holds which file) and ``node``."""
+    nodes = data.get("nodes", {})
+    if not isinstance(nodes, dict):
+        raise Malformed(f"nodes must be an object, got {type(nodes).__name__}")
+    node = data.get("node")
+    if not nodes:
+        if node is not None:
+            raise Malformed("node is set but nodes (which node holds which file) is missing")
+        return {}, None
+    rank_node, file_node = nodes.get("rank_node"), nodes.get("file_node")
+    if not isinstance(rank_node, list) or len(rank_node) != world_size or \
+            not all(type(n) is int and 0 <= n < world_size for n in rank_node):
+        raise Malformed(f"nodes.rank_node must list the node (0..{world_size - 1}) of each of the {world_size} ranks")
+    count = max(rank_node) + 1
+    if not isinstance(file_node, dict) or set(file_node) != set(files) or \
+            not all(type(n) is int and 0 <= n < count for n in file_node.values()):
+        raise Malformed("nodes.file_node must give the node (an int below the node count) of every listed file")
+    if node is not None and (type(node) is not int or not 0 <= node < count):
+        raise Malformed(f"node must be an int in 0..{count - 1}, got {short_repr(node)}")
+    return {"rank_node": list(rank_node), "file_node": dict(file_node)}, node
 
 
 def parse_manifest(raw: bytes, source: str) -> Manifest:

@@ -67,6 +67,7 @@ class PersistRequest:
     failed: str | None = None
     replace: bool = False
     extra_dir: Path | None = None
+    nodes: Any = None  # a torch_ckpt.nodes.NodeLayout: every node commits its own copy (node-local roots)
     committed_bytes: int | None = None  # output: bytes of all committed files (every rank), set on success
 
 
@@ -140,7 +141,8 @@ def persist_checkpoint(req: PersistRequest, ctx: DistContext) -> Path:
     """Write, verify agreement and commit one checkpoint; collective over ``ctx``'s background group.
 
     The files are written into rank 0's temporary ``.NAME.tmp.<incarnation>`` and only that
-    directory is renamed to ``final``; a temporary of another incarnation is never touched.
+    directory is renamed to ``final``; a temporary of another incarnation is never touched. With
+    ``req.nodes`` (node-local roots) see :func:`torch_ckpt.persist_nodes.persist_node_local`.
 
     Returns:
         The committed directory (same on every rank).
@@ -149,6 +151,10 @@ def persist_checkpoint(req: PersistRequest, ctx: DistContext) -> Path:
         CheckpointWriteError: this or another rank failed, or the requesting process is gone;
             nothing was committed.
     """
+    if req.nodes is not None:
+        from torch_ckpt.persist_nodes import persist_node_local
+
+        return persist_node_local(req, ctx)
     final = Path(req.final)
     tmp = final.with_name(temporary_name(final.name, req.incarnation or new_incarnation()))
     error: BaseException | None = None

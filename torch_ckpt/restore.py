@@ -156,14 +156,18 @@ def load_into(state: Any, step_dir: Path, manifest: Manifest, ctx: DistContext, 
     direct = not ctx.enabled  # one process reads every file itself: checksum while placing the tensors
     err = None
     try:  # every rank's reads and checks are agreed on before any rank loads anything
+        part, parts = (0, 1) if direct else (ctx.rank, ctx.world_size)
+        if manifest.node is not None and same_world and not direct:  # one node's copy: checked by its ranks
+            mates = [r for r, n in enumerate(manifest.nodes["rank_node"]) if n == manifest.node]
+            part, parts = (mates.index(ctx.rank), len(mates)) if ctx.rank in mates else (0, 1)
         if direct:  # data files: sizes now, CRC-32 while load_direct reads them (one read per byte)
             verify_files(step_dir, manifest, checksums=False)
-            small = {n: i for n, i in manifest.files.items() if not n.endswith(DATA_SUFFIX)}
+            small = {n: i for n, i in manifest.local_files().items() if not n.endswith(DATA_SUFFIX)}
             verify_files(step_dir, dataclasses.replace(manifest, files=small), checksums=verify)
         else:
-            verify_files(step_dir, manifest, checksums=verify, part=ctx.rank, parts=ctx.world_size)
+            verify_files(step_dir, manifest, checksums=verify, part=part, parts=parts)
         md = read_metadata(step_dir, manifest)
-        check_records(step_dir, manifest, md, part=ctx.rank, parts=ctx.world_size)
+        check_records(step_dir, manifest, md, part=part, parts=parts)
         tree = read_rank_doc(step_dir, manifest, ctx.rank if same_world else 0,
                              tensor_keys=tensor_items(md).__contains__)["tree"]
     except CheckpointError as exc:

@@ -9,6 +9,7 @@ every listed file present as a regular file of its size.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as _dt
 import re
 from typing import Any
@@ -226,14 +227,21 @@ def check_dir(loc: Location, *, checksums: bool, structure: bool,
             rep.problem(MANIFEST_NAME, f"says step {manifest.step} but the directory is {loc.name}")
         out.update(step=manifest.step, world_size=manifest.world_size, files=len(manifest.files),
                    bytes=sum(i["bytes"] for i in manifest.files.values()))
+        full = manifest
+        if manifest.partial:  # one node's copy of a node-local checkpoint: that node's files only
+            out["partial"] = (f"this node's shards (node {manifest.node} of {max(manifest.nodes['rank_node']) + 1}); "
+                              "the other nodes and the durable tier hold the rest")
+            manifest = dataclasses.replace(manifest, files=manifest.local_files())
+            out.update(files=len(manifest.files), bytes=sum(i["bytes"] for i in manifest.files.values()))
         with tqdm(total=out["bytes"] if checksums else 0, desc=f"verify {loc.name}", unit="B", unit_scale=True,
                   unit_divisor=1024, leave=False, dynamic_ncols=True,
                   disable=None if progress and checksums else True) as bar:  # None: only on a terminal
             _check_files(loc, manifest, listing, rep, checksums=checksums, bar=bar)
-        if structure:
+        if structure and not full.partial:
             out["tensors"] = _check_structure(loc, manifest, listing, rep)
-        else:
+        elif not full.partial:
             _check_manifest_consistency(manifest, rep)
+        manifest = full
     out["ok"] = not rep.problems
     return out, manifest
 

@@ -8,7 +8,14 @@ import sys
 from typing import Any
 
 from torch_ckpt.durations import format_duration
-from torch_ckpt.tools.cli_common import UsageError, fmt_bytes, interval_rows, positive_duration, positive_float, print_json
+from torch_ckpt.tools.cli_common import (
+    UsageError,
+    fmt_bytes,
+    interval_rows,
+    positive_duration,
+    positive_float,
+    print_json,
+)
 from torch_ckpt.tools.cli_tools import add_common
 
 __all__ = ["add_bench_arguments", "run_bench"]

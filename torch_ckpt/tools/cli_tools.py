@@ -262,6 +262,8 @@ def _verify_text(r: dict[str, Any]) -> str:
         detail = f"{c['files']} files, {fmt_bytes(c['bytes'])}, {c['tensors'] if c['tensors'] is not None else '?'} " \
                  f"tensors; {what}"
         lines.append(f"{'OK  ' if c['ok'] else 'FAIL'}  step {c['step']}  {c['checkpoint']}  ({detail})")
+        if c.get("partial"):
+            lines.append(f"      partial: {c['partial']}")
         lines += [f"      {p['path']}: {p['problem']}" for p in c["problems"]]
         lines += [f"      warning: {w['path']}: {w['problem']}" for w in c["warnings"]]
     lines += [f"skip  {s['name']}: partial ({s['reason']})" for s in r["skipped"]]

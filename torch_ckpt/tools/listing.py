@@ -100,6 +100,8 @@ def list_root(root: str | os.PathLike | Location, *, storage_options: dict[str, 
             continue  # deleted while listing (retention renames it away first)
         row["problems"] = result["problems"]
         row["status"] = COMMITTED if result["ok"] else CORRUPT
+        if result.get("partial"):
+            row["reason"] = f"partial: {result['partial']}"
         row["bytes"] = present
         if manifest is not None:
             row.update(wall_time=manifest.wall_time, time=iso_time(manifest.wall_time), age_s=now - manifest.wall_time,
