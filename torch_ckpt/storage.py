@@ -197,6 +197,20 @@ class Location:
             local = os.path.abspath(os.path.expanduser(text.removeprefix("file://")))
             self.fs, self.path, self.url, self.remote = fsspec.filesystem("file"), local, local, False
 
+    @classmethod
+    def on(cls, fs: Any, path: str, url: str) -> Location:
+        """A directory of an already open fsspec file system (``path`` in its terms, ``url`` for messages).
+
+        On a local file system (``file://``) the result reads regular files only, like a local path.
+        """
+        new = object.__new__(cls)
+        protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
+        new.storage_options, new.allow_symlinks, new.fs = {}, False, fs
+        new.remote = protocol not in ("file", "local")
+        new.path = path.rstrip("/") if new.remote else os.path.abspath(path)
+        new.url = url.rstrip("/") if new.remote else new.path
+        return new
+
     def child(self, name: str) -> Location:
         """The location of the entry ``name`` of this directory."""
         new = object.__new__(Location)

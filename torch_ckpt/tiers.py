@@ -25,9 +25,9 @@ from torch_ckpt._logging import get_logger
 from torch_ckpt.crc import crc32
 from torch_ckpt.errors import CheckpointCorruptError, ConfigError
 from torch_ckpt.layout import commit_dir
-from torch_ckpt.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, parse_manifest
+from torch_ckpt.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, read_manifest
 from torch_ckpt.naming import Naming, StepNaming
-from torch_ckpt.storage import DurableUnavailableError, object_mtime, url_to_fs
+from torch_ckpt.storage import DurableUnavailableError, Location, object_mtime, url_to_fs
 
 __all__ = ["DurableTier", "DurableUnavailableError", "object_mtime"]
 
@@ -140,21 +140,15 @@ class DurableTier:
         return dict(sorted(found.items()))
 
     def read_manifest(self, step: int) -> Manifest:
-        """Read and validate the durable manifest of ``step`` (bounded; see :mod:`torch_ckpt.format`).
+        """Read and validate the durable manifest of ``step`` (:func:`torch_ckpt.manifest.read_manifest`).
 
         Raises:
             FileNotFoundError: there is none (the step is not committed in this tier).
             CheckpointCorruptError: it is too large or not a valid manifest (the URL is named).
+            DurableUnavailableError: the store cannot be reached.
         """
-        path = self._path(self.naming.name(step), MANIFEST_NAME)
-        source = f"{self.url}/{self.naming.name(step)}/{MANIFEST_NAME}"
-        with self.fs.open(path, "rb") as f:
-            size = getattr(f, "size", None)
-            if isinstance(size, int) and size > MAX_MANIFEST_BYTES:
-                raise CheckpointCorruptError(f"{source}: manifest is {size} bytes, more than the "
-                                             f"{MAX_MANIFEST_BYTES} accepted")
-            raw = f.read(MAX_MANIFEST_BYTES + 1 if not isinstance(size, int) else size + 1)
-        return parse_manifest(raw, source)
+        name = self.naming.name(step)
+        return read_manifest(Location.on(self.fs, self._path(name), f"{self.url}/{name}"))
 
     # -- abandoned uploads ---------------------------------------------------------------------
     def abandoned_uploads(self, *, older_than_seconds: float, exclude: set[int] | frozenset[int] = frozenset(),
