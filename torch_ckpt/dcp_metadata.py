@@ -221,7 +221,8 @@ def tensor_items(md: Metadata) -> dict[str, TensorStorageMetadata]:
 
 
 def record_problems(where: str | os.PathLike | Location, manifest: Manifest, md: Metadata, *, part: int = 0,
-                    parts: int = 1, allow_symlinks: bool = False, tensors: dict[str, TensorStorageMetadata] | None = None,
+                    parts: int = 1, allow_symlinks: bool = False,
+                    tensors: dict[str, TensorStorageMetadata] | None = None,
                     files: list[str] | None = None) -> list[tuple[str, str]]:
     """``[(file, problem)]`` for tensor records that do not match the metadata (this reader's share of the files).
 

@@ -220,9 +220,9 @@ def parse_rank_doc(raw: bytes, source: str, manifest: Manifest, rank: int, *,
     for field, want in (("step", manifest.step), ("world_size", manifest.world_size)):
         got = doc.get(field)
         if type(got) is not int or got != want:
-            raise corrupt(source, f"{field} {short_repr(got)} in this per-rank state file disagrees with {field} {want} in "
-                                   f"{manifest_source}: one of the two files was altered, or they come from different "
-                                   "checkpoints")
+            raise corrupt(source, f"{field} {short_repr(got)} in this per-rank state file disagrees with {field} "
+                                  f"{want} in {manifest_source}: one of the two files was altered, or they come from "
+                                  "different checkpoints")
     try:
         for where, kind, node in walk_tree(doc["tree"]):
             if kind == "tensor" and tensor_keys is not None and not tensor_keys(node[TENSOR_TAG]):
@@ -235,7 +235,9 @@ def parse_rank_doc(raw: bytes, source: str, manifest: Manifest, rank: int, *,
 
 def read_rank_doc(where: str | os.PathLike | Location, manifest: Manifest, rank: int, *, allow_symlinks: bool = False,
                   tensor_keys: Callable[[str], bool] | None = None) -> dict[str, Any]:
-    """The validated per-rank document ``{"step", "rank", "world_size", "tree"}`` of ``rank`` (see :func:`parse_rank_doc`).
+    """The validated per-rank document ``{"step", "rank", "world_size", "tree"}`` of ``rank``.
+
+    The one reader of per-rank files, local or on a store; see :func:`parse_rank_doc` for the checks.
 
     Raises:
         CheckpointCorruptError: the rank files are not one per rank, or this one is missing, not a
