@@ -26,8 +26,8 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, Tenso
 from torch.distributed.checkpoint.planner import SavePlan
 
 from torch_ckpt.dcp_io import ChecksumFileSystemWriter
+from torch_ckpt.dcp_metadata import metadata_name
 from torch_ckpt.errors import ConfigError
-from torch_ckpt.format import metadata_name
 
 __all__ = ["NodeLayout", "NodeDedupPlanner", "RecordingWriter", "node_views", "metadata_name", "env_node"]
 

@@ -10,51 +10,30 @@ first. Locations stay URL strings end to end; no URL ever goes through ``pathlib
 from __future__ import annotations
 
 import dataclasses
-import datetime as _dt
 import hashlib
 import json
 import os
 import time
-import zlib
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import fsspec
 from tqdm import tqdm
 
 from torch_ckpt._logging import get_logger
-from torch_ckpt.errors import CheckpointCorruptError, CheckpointError, ConfigError
-from torch_ckpt.format import MAX_MANIFEST_BYTES, parse_manifest
-from torch_ckpt.layout import MANIFEST_NAME, Manifest, commit_dir
+from torch_ckpt.crc import crc32
+from torch_ckpt.errors import CheckpointCorruptError, ConfigError
+from torch_ckpt.layout import commit_dir
+from torch_ckpt.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, read_manifest
 from torch_ckpt.naming import Naming, StepNaming
+from torch_ckpt.storage import DurableUnavailableError, Location, object_mtime, url_to_fs
 
 __all__ = ["DurableTier", "DurableUnavailableError", "object_mtime"]
 
 log = get_logger(__name__)
 
 _CHUNK_BYTES = 8 << 20
-
-
-def object_mtime(info: dict[str, Any]) -> float | None:
-    """Modification time (Unix seconds) of an fsspec ``info``/``ls`` entry, whatever the backend names it."""
-    for key in ("mtime", "LastModified", "last_modified", "updated", "created"):
-        value = info.get(key)
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
-            return float(value)
-        if isinstance(value, _dt.datetime):
-            return value.timestamp() if value.tzinfo else value.replace(tzinfo=_dt.timezone.utc).timestamp()
-        if isinstance(value, str) and value:
-            try:
-                return _dt.datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
-            except ValueError:
-                continue
-    return None
-
-
-class DurableUnavailableError(CheckpointError, ConnectionError):
-    """The durable store could not be reached (an outage, not an empty store)."""
 
 
 class DurableTier:
@@ -85,10 +64,7 @@ class DurableTier:
             raise ConfigError(f"durable_url must be a non-empty fsspec URL string, got {url!r}")
         if verify not in ("checksum", "size"):
             raise ConfigError(f"verify must be 'checksum' or 'size', got {verify!r}")
-        try:
-            self.fs, self.root = fsspec.core.url_to_fs(url, **(storage_options or {}))
-        except (ImportError, ValueError) as exc:
-            raise ConfigError(f"cannot use durable_url {url!r}: {exc}") from exc
+        self.fs, self.root = url_to_fs(url, storage_options)
         self.url = url.rstrip("/")
         self.root = self.root.rstrip("/")
         if not isinstance(part_bytes, int) or part_bytes < 5 << 20:
@@ -164,21 +140,15 @@ class DurableTier:
         return dict(sorted(found.items()))
 
     def read_manifest(self, step: int) -> Manifest:
-        """Read and validate the durable manifest of ``step`` (bounded; see :mod:`torch_ckpt.format`).
+        """Read and validate the durable manifest of ``step`` (:func:`torch_ckpt.manifest.read_manifest`).
 
         Raises:
             FileNotFoundError: there is none (the step is not committed in this tier).
             CheckpointCorruptError: it is too large or not a valid manifest (the URL is named).
+            DurableUnavailableError: the store cannot be reached.
         """
-        path = self._path(self.naming.name(step), MANIFEST_NAME)
-        source = f"{self.url}/{self.naming.name(step)}/{MANIFEST_NAME}"
-        with self.fs.open(path, "rb") as f:
-            size = getattr(f, "size", None)
-            if isinstance(size, int) and size > MAX_MANIFEST_BYTES:
-                raise CheckpointCorruptError(f"{source}: manifest is {size} bytes, more than the "
-                                             f"{MAX_MANIFEST_BYTES} accepted")
-            raw = f.read(MAX_MANIFEST_BYTES + 1 if not isinstance(size, int) else size + 1)
-        return parse_manifest(raw, source)
+        name = self.naming.name(step)
+        return read_manifest(Location.on(self.fs, self._path(name), f"{self.url}/{name}"))
 
     # -- abandoned uploads ---------------------------------------------------------------------
     def abandoned_uploads(self, *, older_than_seconds: float, exclude: set[int] | frozenset[int] = frozenset(),
@@ -250,7 +220,7 @@ class DurableTier:
         crc, size = 0, 0
         with self.fs.open(path, "rb", block_size=_CHUNK_BYTES) as f:
             while chunk := f.read(_CHUNK_BYTES):
-                crc = zlib.crc32(chunk, crc)
+                crc = crc32(chunk, crc)
                 size += len(chunk)
         self.bytes_read_back += size
         return size, crc
@@ -408,7 +378,7 @@ class DurableTier:
                 open(dst_path, "wb") as dst:
             while chunk := src.read(_CHUNK_BYTES):
                 dst.write(chunk)
-                crc = zlib.crc32(chunk, crc)
+                crc = crc32(chunk, crc)
                 size += len(chunk)
                 bar.update(len(chunk))
             dst.flush()
