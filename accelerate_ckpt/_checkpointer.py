@@ -366,7 +366,7 @@ class AccelerateCheckpointer:
                 "load_state would unpickle parts of it, which can run code from the folder; if you trust it, "
                 "call accelerator.load_state(folder, allow_unsafe_accelerate_folder=True)")
         log.info("%s has no torch-ckpt manifest: loading it with Accelerate's own load_state", folder)
-        type(acc).load_state(acc, str(folder), load_kwargs, **kwargs)
+        compat.plain_load_state(acc, str(folder), load_kwargs, kwargs)
         number = NAMING.step_of(folder.name)
         if number is not None:  # Accelerate does not restore its save iteration; the folder name holds it
             compat.set_save_iteration(acc, number + 1)

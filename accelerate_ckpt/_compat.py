@@ -14,13 +14,14 @@ from torch_ckpt import ConfigError
 
 __all__ = [
     "check_supported", "custom_objects", "dataloaders", "is_fsdp", "load_hooks", "loader_epoch", "models",
-    "optimizers", "save_hooks", "save_iteration", "schedulers", "set_loader_epoch", "set_loader_state",
+    "optimizers", "plain_load_state", "save_hooks", "save_iteration", "schedulers", "set_loader_epoch", "set_loader_state",
     "set_save_iteration",
 ]
 
 # Accelerator._models/_optimizers/_schedulers/_dataloaders/_custom_objects: the prepared objects in
 # preparation order; _save_model_state_pre_hook/_load_model_state_pre_hook: OrderedDicts {handle id: hook}
-# that register_save_state_pre_hook/register_load_state_pre_hook fill. Checked: accelerate 1.0.1, 1.15.0.
+# that register_save_state_pre_hook/register_load_state_pre_hook fill. Checked: accelerate 1.0.1, 1.15.0 (the
+# tests/accelerate suite passes on both).
 _ATTRS = ("_models", "_optimizers", "_schedulers", "_dataloaders", "_custom_objects",
           "_save_model_state_pre_hook", "_load_model_state_pre_hook")
 
@@ -74,6 +75,12 @@ def is_fsdp(acc: Any) -> bool:
 def save_iteration(acc: Any) -> int:
     """``accelerator.save_iteration`` is a read-only property over ``project_configuration.iteration`` (1.0.1-1.15.0)."""
     return int(acc.project_configuration.iteration)
+
+
+def plain_load_state(acc: Any, folder: str, load_kwargs: Any, kwargs: dict) -> None:
+    """Accelerate's own ``load_state`` (the class method); ``load_kwargs`` exists since 1.1 (1.0.1 lacks it)."""
+    extra = {} if load_kwargs is None else {"load_kwargs": load_kwargs}
+    type(acc).load_state(acc, folder, **extra, **kwargs)
 
 
 def set_save_iteration(acc: Any, value: int) -> None:
