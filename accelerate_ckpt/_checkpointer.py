@@ -254,13 +254,13 @@ class AccelerateCheckpointer:
                 self._taken.append(models.pop())
 
     def _run_hooks(self, table: dict, own: Callable, items: list, folder: Path) -> list[int]:
-        """Run the user hooks, then ours; return the model indices a user hook took (saves/loads itself)."""
-        candidates = [] if compat.is_fsdp(self.accelerator) else list(range(len(compat.models(self.accelerator))))
-        originals = [items[i] for i in candidates] if items else []
-        args = ([*compat.models(self.accelerator)], items, str(folder)) if own == self._save_hook else (items, str(folder))
-        own_ids = {h.id for h in self.hooks}
+        """Run the user hooks, then ours, on ``items`` (one per plain model; none for FSDP, whose models
+        Accelerate never hands to hooks); return the model indices a user hook took (saves/loads itself)."""
+        originals = list(items)
+        args = (compat.prepared(self.accelerator, "models"), items, str(folder)) if own == self._save_hook \
+            else (items, str(folder))
         for key, hook in list(table.items()):
-            if key not in own_ids:
+            if key not in {h.id for h in self.hooks}:
                 hook(*args)
         self._taken, self._active = [], True
         try:
@@ -268,7 +268,7 @@ class AccelerateCheckpointer:
         finally:
             self._active = False
         taken = {id(x) for x in self._taken}
-        return [i for i, item in zip(candidates, originals) if id(item) not in taken]
+        return [i for i, item in enumerate(originals) if id(item) not in taken]
 
     def _user_hooks(self, table: dict) -> bool:
         return any(key not in {h.id for h in self.hooks} for key in table)
@@ -322,14 +322,13 @@ class AccelerateCheckpointer:
             number = self.step if self.step is not None else iteration
         log.info("Saving current state to %s (save iteration %d, training step %s)", folder, iteration,
                  "unknown" if self.step is None else self.step)
-        weights: list[Any] = []
-        if not compat.is_fsdp(acc):
-            user = self._user_hooks(compat.save_hooks(acc))  # user hooks see real state dicts
-            weights = [acc.get_state_dict(m, unwrap=False) if user else object() for m in compat.models(acc)]
+        user = self._user_hooks(compat.save_hooks(acc))
+        models = [] if compat.is_fsdp(acc) else compat.prepared(acc, "models")
+        weights = [acc.get_state_dict(m, unwrap=False) if user else object() for m in models]  # user hooks: real ones
         hook_dir = folder.parent / _HOOK_FILES.format(folder.name)
-        if self._user_hooks(compat.save_hooks(acc)):
+        if user:
             shutil.rmtree(hook_dir, ignore_errors=True)
-            os.makedirs(hook_dir, exist_ok=True)
+            os.makedirs(hook_dir)
         skipped = self._run_hooks(compat.save_hooks(acc), self._save_hook, weights, hook_dir)
         state = AcceleratorTrainState(acc, step=self.step, save_iteration=iteration + 1, skip_models=skipped)
         handle = manager.save(number, state, path=path)
@@ -424,7 +423,7 @@ class AccelerateCheckpointer:
         hooked = self._user_hooks(table)
         folder = candidates[0] if candidates else manager.root
         log.info("Loading states from %s", folder)
-        skipped = self._run_hooks(table, self._load_hook, [] if compat.is_fsdp(acc) else compat.models(acc), folder)
+        skipped = self._run_hooks(table, self._load_hook, [] if compat.is_fsdp(acc) else compat.prepared(acc, "models"), folder)
         state = AcceleratorTrainState(acc, skip_models=skipped)
         if hooked or input_dir is not None:  # explicit folders, newest first: the user hooks read the first one
             restored = manager.restore(state, path=candidates, allow_cast=allow_cast) if candidates else None
