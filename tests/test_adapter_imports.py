@@ -29,11 +29,7 @@ def private_imports(package: str) -> list[str]:
     return bad
 
 
-@pytest.mark.parametrize("package", [
-    "accelerate_ckpt",
-    pytest.param("lightning_ckpt", marks=pytest.mark.xfail(
-        strict=True, reason="issue 15 item 1: the Lightning helper rebuilds lightning_ckpt; drop this mark then")),
-])
+@pytest.mark.parametrize("package", ["accelerate_ckpt", "lightning_ckpt"])
 def test_adapter_imports_only_public_core_names(package):
     """No ``from torch_ckpt.<module> import`` and no name outside ``torch_ckpt.__all__`` in the adapter."""
     assert private_imports(package) == []

@@ -20,6 +20,7 @@ names per parameter) are refused; FSDP2 (``fully_shard``) parameters are DTensor
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
@@ -30,8 +31,8 @@ from torch.distributed.tensor import DTensor
 from torch_ckpt.errors import ConfigError, StateMismatchError
 
 __all__ = ["param_names", "optimizer_state", "check_optimizer_state", "apply_optimizer_state",
-           "state_target", "split_state_key", "plain_state_target", "check_plain_optimizer_state", "keep_live_tensors",
-           "OptimizerState"]
+           "state_target", "TargetLookup", "split_state_key", "plain_state_target", "check_plain_optimizer_state",
+           "keep_live_tensors", "OptimizerState"]
 
 _STATE, _GROUPS, _PARAMS = "state", "param_groups", "params"
 
@@ -46,6 +47,23 @@ def param_names(model: nn.Module) -> dict[int, str]:
         ConfigError: an FSDP1 model (flat parameters: several names per parameter, optimizer
             state flattened per rank).
     """
+    # DCP's names depend only on the parameter names and the module types along them: reuse the
+    # last answer for this model while both are unchanged (a per-name _get_fqns costs ~15 us)
+    signature = (tuple((n, id(p)) for n, p in model.named_parameters()),
+                 tuple((n, type(m)) for n, m in model.named_modules()))
+    cached = _NAMES_CACHE.get(model)
+    if cached is not None and cached[0] == signature:
+        return dict(cached[1])
+    out = _param_names_uncached(model)
+    _NAMES_CACHE[model] = (signature, out)
+    return dict(out)
+
+
+#: ``{model: (signature, {id(parameter): name})}``; see param_names
+_NAMES_CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _param_names_uncached(model: nn.Module) -> dict[int, str]:
     from torch.distributed.checkpoint.state_dict import _get_fqns  # DCP's canonical naming
     from torch.distributed.fsdp import FullyShardedDataParallel
 
@@ -155,19 +173,36 @@ def _step_on_param_device(group: Mapping[str, Any]) -> bool:
     return bool(group.get("capturable", False) or group.get("fused", False))
 
 
+class TargetLookup:
+    """Parameters by name and their optimizer groups, computed once for many :func:`state_target` calls.
+
+    Valid while the model's parameters and the optimizers' groups stay as they were (one restore).
+    """
+
+    def __init__(self, model: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+        self.params = _params_by_name(model)
+        self.groups: dict[int, dict[str, Any]] = {}
+        for opt in reversed(list(optimizers)):  # the first group holding a parameter wins, as in _group_of
+            for g in reversed(opt.param_groups):
+                for p in g[_PARAMS]:
+                    self.groups[id(p)] = g
+
+
 def state_target(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer], param_name: str, entry: str,
-                 shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor | None:
+                 shape: Sequence[int], dtype: torch.dtype, *, lookup: TargetLookup | None = None
+                 ) -> torch.Tensor | None:
     """A new, uninitialised tensor to load optimizer state ``entry`` of ``param_name`` into.
 
     It is placed where ``Optimizer.load_state_dict`` would put the value (the parameter's device,
     except a ``step`` of a non-capturable, non-fused group, which stays on the CPU) and, for a
     DTensor parameter whose global shape it shares, sharded like the parameter. None when
-    ``param_name`` is not a parameter of these optimizers.
+    ``param_name`` is not a parameter of these optimizers. ``lookup`` (built from the same model
+    and optimizers) saves recomputing the parameter names and groups on every call.
     """
-    param = _params_by_name(model).get(param_name)
+    param = (lookup.params if lookup is not None else _params_by_name(model)).get(param_name)
     if param is None:
         return None
-    group = _group_of(optimizers, param)
+    group = lookup.groups.get(id(param), {}) if lookup is not None else _group_of(optimizers, param)
     if not group:
         return None
     step = _policy_key(entry) == "step"
