@@ -47,7 +47,7 @@ log = logging.getLogger(__name__)
 
 #: Accelerate's automatic checkpoint names, ``checkpoint_<save iteration>``.
 NAMING = PatternNaming("checkpoint_{step}")
-_HOOK_FILES = ".{}.hooks"  # where user save hooks write next to a checkpoint until it commits
+_HOOK_FILES = ".{}.hooks.tmp.{}"  # user save hooks write here; the files commit with the checkpoint (extra_dir)
 
 #: ``if`` tests and decorators that run a ``save_state`` call on some processes only
 _ONE_PROCESS_FLAGS = frozenset({"is_main_process", "is_local_main_process", "is_last_process"})
@@ -121,7 +121,7 @@ def attach(accelerator: Any, config: str | os.PathLike | None = None, *, save_po
         config: YAML settings file (keys: :class:`~accelerate_ckpt.CkptSettings`); the file named by
             the environment variable ``ACCELERATE_CKPT_CONFIG`` wins over it.
         save_policy: a :mod:`torch_ckpt.schedule` policy for :meth:`AccelerateCheckpointer.should_save`
-            (wins over the ``save_every_n_steps``/``save_every_seconds``/``mtbf_seconds`` settings).
+            (instead of the ``save_every_n_steps``/``save_every_seconds``/``mtbf_seconds`` settings).
         settings: any setting of :class:`~accelerate_ckpt.CkptSettings`; wins over the file.
 
     Returns:
@@ -131,15 +131,6 @@ def attach(accelerator: Any, config: str | os.PathLike | None = None, *, save_po
         ConfigError: invalid settings, or an unsupported setup (DeepSpeed, Megatron-LM, XLA).
     """
     return AccelerateCheckpointer(accelerator, load_settings(config, **settings), save_policy=save_policy)
-
-
-def _move_hook_files(step: int, folder: Path) -> None:
-    """Commit callback (main process): files user hooks wrote for ``folder`` join it once it is committed."""
-    staged = folder.parent / _HOOK_FILES.format(folder.name)
-    if staged.is_dir():
-        for entry in staged.iterdir():
-            os.replace(entry, folder / entry.name)
-        shutil.rmtree(staged, ignore_errors=True)
 
 
 class AccelerateCheckpointer:
@@ -166,7 +157,7 @@ class AccelerateCheckpointer:
         self.manager: CheckpointManager | None = None
         self.hooks: list[Any] = []
         self.last_handle: SaveHandle | None = None
-        self._policy = save_policy if save_policy is not None else settings.save_policy()
+        self._policy = {} if save_policy is None else {"save_policy": save_policy}
         self._unlogged: list[tuple[SaveHandle, int | None]] = []  # (handle, training step)
         self._last_health = float("-inf")
         self._active = False  # True while our own save_state/load_state runs the hooks
@@ -184,11 +175,12 @@ class AccelerateCheckpointer:
                 f"checkpoints are written as world size {world}, while Accelerate trains each process alone",
                 stacklevel=3)
         self._auto = bool(accelerator.project_configuration.automatic_checkpoint_naming)
-        if settings.durable_url is not None:
+        cfg = settings.config
+        if cfg.durable_url is not None:
             if not self._auto:
                 raise ConfigError("durable_url needs ProjectConfiguration(automatic_checkpoint_naming=True): only "
                                   "automatic checkpoints are replicated")
-            DurableTier(settings.durable_url, storage_options=settings.storage_options)  # fail now on a bad URL
+            DurableTier(cfg.durable_url, storage_options=cfg.storage_options)  # fail now on a bad URL
         if self._auto and accelerator.project_dir is None:
             raise ConfigError("automatic_checkpoint_naming needs ProjectConfiguration(project_dir=...)")
         self.hooks = [accelerator.register_save_state_pre_hook(self._save_hook),
@@ -205,17 +197,10 @@ class AccelerateCheckpointer:
         if self.manager is None:
             if self._auto:
                 root = Path(self.accelerator.project_dir).expanduser() / "checkpoints"
-            s, pc = self.settings, self.accelerator.project_configuration
-            keep = s.keep_last if s.keep_last is not None else pc.total_limit
-            self.manager = CheckpointManager(
-                root, naming=NAMING, keep_last=keep if self._auto else None,
-                async_save=s.async_save, persist=s.persist, overlap_staging=s.overlap_staging,
-                writer_niceness=s.writer_niceness, staging_budget_bytes=s.staging_budget_bytes,
-                thread_count=s.thread_count, verify_on_load=s.verify_on_load, timeout_seconds=s.timeout_seconds,
-                save_policy=self._policy, durable_url=s.durable_url, storage_options=s.storage_options,
-                durable_keep_last=s.durable_keep_last, durable_verify=s.durable_verify,
-                durable_flush_timeout_seconds=s.durable_flush_timeout_seconds, on_existing_newer=s.on_existing_newer)
-            self.manager.add_commit_callback(_move_hook_files)
+            s = self.settings
+            keep = s.config.keep_last if s.keep_last_given else self.accelerator.project_configuration.total_limit
+            self.manager = CheckpointManager(root, config=s.config, naming=NAMING, keep_last=keep if self._auto else None,
+                                             **self._policy)
         return self.manager
 
     def _check_open(self) -> None:
@@ -304,7 +289,7 @@ class AccelerateCheckpointer:
             raise ConfigError(
                 f"accelerator.save_state() is called under `{guard}`, but with accelerate_ckpt every process must "
                 "call it (each writes its own shard; the main process commits): remove the guard. Called on one "
-                f"process it would wait {self.settings.timeout_seconds:.0f} s for the others and fail")
+                f"process it would wait {self.settings.config.timeout_seconds:.0f} s for the others and fail")
         t0 = time.monotonic()
         self.wait()  # one save in flight; its hook files are in place before new hooks run
         waited = time.monotonic() - t0
@@ -325,13 +310,13 @@ class AccelerateCheckpointer:
         user = self._user_hooks(compat.save_hooks(acc))
         models = [] if compat.is_fsdp(acc) else compat.prepared(acc, "models")
         weights = [acc.get_state_dict(m, unwrap=False) if user else object() for m in models]  # user hooks: real ones
-        hook_dir = folder.parent / _HOOK_FILES.format(folder.name)
+        hook_dir = folder.parent / _HOOK_FILES.format(folder.name, manager.checkpointer.incarnation)
         if user:
             shutil.rmtree(hook_dir, ignore_errors=True)
             os.makedirs(hook_dir)
         skipped = self._run_hooks(compat.save_hooks(acc), self._save_hook, weights, hook_dir)
         state = AcceleratorTrainState(acc, step=self.step, save_iteration=iteration + 1, skip_models=skipped)
-        handle = manager.save(number, state, path=path)
+        handle = manager.save(number, state, path=path, extra_dir=hook_dir if user else None)
         compat.set_save_iteration(acc, iteration + 1)
         handle.stats.wait_for_previous_s += waited
         handle.stats.blocking_s = time.monotonic() - t0  # the whole call: wait, hooks, staging
@@ -447,9 +432,6 @@ class AccelerateCheckpointer:
                 naming off and nothing saved or loaded).
         """
         self._check_open()
-        if self._policy is None:
-            raise ConfigError("should_save() needs a save policy: attach(..., save_policy=...) or one of the settings "
-                              "save_every_n_steps, save_every_seconds, mtbf_seconds")
         if self.manager is None and not self._auto:
             raise ConfigError("should_save() needs ProjectConfiguration(project_dir=..., automatic_checkpoint_naming="
                               "True), or a first save_state(folder)/load_state(folder) to set the checkpoint root")

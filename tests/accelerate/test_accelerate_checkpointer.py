@@ -357,14 +357,14 @@ def test_should_save_follows_the_policy_and_names_checkpoints_by_save_iteration(
 def test_should_save_without_a_policy_raises_config_error(tmp_path):
     """should_save() needs a save policy; without one it raises ConfigError."""
     run = make_run(tmp_path)
-    with pytest.raises(ConfigError, match="save policy"):
+    with pytest.raises(ConfigError, match="save_policy"):
         run.ckpt.should_save(1)
     run.ckpt.close()
 
 
 def test_mtbf_setting_drives_should_save(tmp_path):
     """With an MTBF (Young/Daly) the adapter decides by the measured step time and save cost."""
-    run = make_run(tmp_path, mtbf_seconds="1s", initial_save_cost_seconds=0.0)
+    run = make_run(tmp_path, mtbf_seconds="1s", initial_cost_seconds=0.0)
     decisions = [run.ckpt.save_if_due(step) is not None for step in range(1, 6)]
     run.ckpt.wait()
     assert decisions[0] is False and any(decisions[1:])  # no step time after one step, then saves
