@@ -3,10 +3,9 @@
 Accelerate's pre-hooks only see the weights of plain models; optimizers, schedulers, scaler,
 samplers and RNG are written synchronously after the hooks return, and FSDP models before they run.
 So :func:`attach` replaces ``save_state`` and ``load_state`` *on that one Accelerator instance*
-(instance attributes; :meth:`AccelerateCheckpointer.close` removes them). User pre-hooks still run
-in order with ``(models, weights, output_dir)`` / ``(models, input_dir)``; the adapter's own hook,
-registered last, ``pop()``s what remains, which the manager saves with everything else in one
-asynchronous, sharded, atomic checkpoint. Naming, retention, resume with fallback, rollback,
+(instance attributes; :meth:`AccelerateCheckpointer.close` removes them). Registered pre-hooks still
+run in order with ``(models, weights, output_dir)`` / ``(models, input_dir)``; what they do not
+``pop()`` the manager saves with everything else in one asynchronous, sharded, atomic checkpoint. Naming, retention, resume with fallback, rollback,
 atomic replacement of a reused folder, scheduling and the durable copy are the manager's.
 """
 
@@ -21,7 +20,6 @@ import shutil
 import sys
 import time
 import warnings
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -146,7 +144,6 @@ class AccelerateCheckpointer:
             unknown). Automatic names follow Accelerate's save iteration, never this step.
         manager: the :class:`~torch_ckpt.CheckpointManager` (root ``project_dir/checkpoints`` with
             automatic naming, else the parent of the first folder saved or loaded; None until then).
-        hooks: the ``RemovableHandle``s of the adapter's save and load pre-hooks.
         last_handle: the :class:`~torch_ckpt.SaveHandle` of the latest save.
     """
 
@@ -155,13 +152,10 @@ class AccelerateCheckpointer:
         self.settings = settings
         self.step: int | None = None
         self.manager: CheckpointManager | None = None
-        self.hooks: list[Any] = []
         self.last_handle: SaveHandle | None = None
         self._policy = {} if save_policy is None else {"save_policy": save_policy}
         self._unlogged: list[tuple[SaveHandle, int | None]] = []  # (handle, training step)
         self._last_health = float("-inf")
-        self._active = False  # True while our own save_state/load_state runs the hooks
-        self._taken: list[Any] = []
         self._closed = not settings.enabled
         if not settings.enabled:
             log.info("accelerate_ckpt disabled by its settings: Accelerate's own save_state/load_state stay in use")
@@ -183,8 +177,6 @@ class AccelerateCheckpointer:
             DurableTier(cfg.durable_url, storage_options=cfg.storage_options)  # fail now on a bad URL
         if self._auto and accelerator.project_dir is None:
             raise ConfigError("automatic_checkpoint_naming needs ProjectConfiguration(project_dir=...)")
-        self.hooks = [accelerator.register_save_state_pre_hook(self._save_hook),
-                      accelerator.register_load_state_pre_hook(self._load_hook)]
         accelerator.save_state = self.save_state
         accelerator.load_state = self.load_state
 
@@ -226,37 +218,16 @@ class AccelerateCheckpointer:
         return not self._closed
 
     # -- hooks -----------------------------------------------------------------------------------
-    def _save_hook(self, models: list, weights: list, output_dir: str) -> None:
-        """Take over every weight no earlier hook took: ``pop()`` them all (saved by torch-ckpt)."""
-        if self._active:  # else Accelerate's own save_state runs (adapter bypassed): leave it alone
-            while weights:
-                self._taken.append(weights.pop())
-
-    def _load_hook(self, models: list, input_dir: str) -> None:
-        """Take over every model no earlier hook loaded: ``pop()`` them all (loaded by torch-ckpt)."""
-        if self._active:
-            while models:
-                self._taken.append(models.pop())
-
-    def _run_hooks(self, table: dict, own: Callable, items: list, folder: Path) -> list[int]:
-        """Run the user hooks, then ours, on ``items`` (one per plain model; none for FSDP, whose models
-        Accelerate never hands to hooks); return the model indices a user hook took (saves/loads itself)."""
+    def _run_hooks(self, table: dict, items: list, folder: Path, *, save: bool) -> list[int]:
+        """Run the registered pre-hooks on ``items`` (one per plain model; none for FSDP, whose models
+        Accelerate never hands to hooks); what they leave is torch-ckpt's. Returns the model indices a
+        hook ``pop()``ed (it saves or loads that model itself)."""
         originals = list(items)
-        args = (compat.prepared(self.accelerator, "models"), items, str(folder)) if own == self._save_hook \
-            else (items, str(folder))
-        for key, hook in list(table.items()):
-            if key not in {h.id for h in self.hooks}:
-                hook(*args)
-        self._taken, self._active = [], True
-        try:
-            own(*args)
-        finally:
-            self._active = False
-        taken = {id(x) for x in self._taken}
-        return [i for i, item in enumerate(originals) if id(item) not in taken]
-
-    def _user_hooks(self, table: dict) -> bool:
-        return any(key not in {h.id for h in self.hooks} for key in table)
+        args = (compat.prepared(self.accelerator, "models"), items, str(folder)) if save else (items, str(folder))
+        for hook in list(table.values()):
+            hook(*args)
+        left = {id(x) for x in items}
+        return [i for i, item in enumerate(originals) if id(item) not in left]
 
     # -- saving ----------------------------------------------------------------------------------
     def save_state(self, output_dir: str | os.PathLike | None = None, safe_serialization: bool = True, *,
@@ -307,14 +278,14 @@ class AccelerateCheckpointer:
             number = self.step if self.step is not None else iteration
         log.info("Saving current state to %s (save iteration %d, training step %s)", folder, iteration,
                  "unknown" if self.step is None else self.step)
-        user = self._user_hooks(compat.save_hooks(acc))
+        user = bool(compat.save_hooks(acc))
         models = [] if compat.is_fsdp(acc) else compat.prepared(acc, "models")
         weights = [acc.get_state_dict(m, unwrap=False) if user else object() for m in models]  # user hooks: real ones
         hook_dir = folder.parent / _HOOK_FILES.format(folder.name, manager.checkpointer.incarnation)
         if user:
             shutil.rmtree(hook_dir, ignore_errors=True)
             os.makedirs(hook_dir)
-        skipped = self._run_hooks(compat.save_hooks(acc), self._save_hook, weights, hook_dir)
+        skipped = self._run_hooks(compat.save_hooks(acc), weights, hook_dir, save=True)
         state = AcceleratorTrainState(acc, step=self.step, save_iteration=iteration + 1, skip_models=skipped)
         handle = manager.save(number, state, path=path, extra_dir=hook_dir if user else None)
         compat.set_save_iteration(acc, iteration + 1)
@@ -404,11 +375,11 @@ class AccelerateCheckpointer:
                 "nothing. To load only the matching weights of model i: state, _ = torch_ckpt.load_full_state"
                 f"('{candidates[0] if candidates else manager.root}'); "
                 "model.load_state_dict(state['model'][str(i)], strict=False)")
-        table = compat.load_hooks(acc)
-        hooked = self._user_hooks(table)
+        hooked = bool(compat.load_hooks(acc))
         folder = candidates[0] if candidates else manager.root
         log.info("Loading states from %s", folder)
-        skipped = self._run_hooks(table, self._load_hook, [] if compat.is_fsdp(acc) else compat.prepared(acc, "models"), folder)
+        models = [] if compat.is_fsdp(acc) else compat.prepared(acc, "models")
+        skipped = self._run_hooks(compat.load_hooks(acc), models, folder, save=False)
         state = AcceleratorTrainState(acc, skip_models=skipped)
         if hooked or input_dir is not None:  # explicit folders, newest first: the user hooks read the first one
             restored = manager.restore(state, path=candidates, allow_cast=allow_cast) if candidates else None
@@ -482,10 +453,10 @@ class AccelerateCheckpointer:
                 self._log_finished()
 
     def close(self) -> None:
-        """Wait for the in-flight save, then give the ``Accelerator`` its own methods back.
+        """Wait for the in-flight save, give the ``Accelerator`` its own methods back, close the manager.
 
-        Removes the instance attributes ``save_state``/``load_state`` and the two hooks, and
-        closes the manager; raises a pending background error once. Idempotent.
+        Removes the instance attributes ``save_state``/``load_state``; raises a pending background
+        error once. Idempotent.
         """
         if self._closed:
             return
@@ -496,8 +467,5 @@ class AccelerateCheckpointer:
             for name in ("save_state", "load_state"):
                 if vars(self.accelerator).get(name) == getattr(self, name):
                     delattr(self.accelerator, name)
-            for handle in self.hooks:
-                handle.remove()
-            self.hooks = []
             if self.manager is not None:
                 self.manager.close()
