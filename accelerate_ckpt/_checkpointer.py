@@ -11,13 +11,9 @@ atomic replacement of a reused folder, scheduling and the durable copy are the m
 
 from __future__ import annotations
 
-import ast
-import functools
-import linecache
 import logging
 import os
 import shutil
-import sys
 import time
 import warnings
 from pathlib import Path
@@ -27,6 +23,7 @@ import torch.distributed as dist
 
 from accelerate_ckpt import _compat as compat
 from accelerate_ckpt._config import CkptSettings, load_settings
+from accelerate_ckpt._guard import one_process_guard
 from accelerate_ckpt._state import AcceleratorTrainState
 from torch_ckpt import (
     CheckpointManager,
@@ -46,62 +43,6 @@ log = logging.getLogger(__name__)
 #: Accelerate's automatic checkpoint names, ``checkpoint_<save iteration>``.
 NAMING = PatternNaming("checkpoint_{step}")
 _HOOK_FILES = ".{}.hooks.tmp.{}"  # user save hooks write here; the files commit with the checkpoint (extra_dir)
-
-#: ``if`` tests and decorators that run a ``save_state`` call on some processes only
-_ONE_PROCESS_FLAGS = frozenset({"is_main_process", "is_local_main_process", "is_last_process"})
-_ONE_PROCESS_INDEX = frozenset({"process_index", "local_process_index"})
-_ONE_PROCESS_DECORATORS = frozenset({"on_main_process", "on_local_main_process", "on_last_process", "on_process",
-                                     "on_local_process"})
-_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
-
-@functools.lru_cache(maxsize=64)
-def _module_tree(filename: str) -> ast.Module | None:
-    try:
-        return ast.parse("".join(linecache.getlines(filename)))
-    except (SyntaxError, ValueError):
-        return None
-
-
-def _limits_to_some_processes(test: ast.expr) -> bool:
-    """True for ``acc.is_main_process``, ``acc.process_index == 0`` and ``and`` chains holding one."""
-    if isinstance(test, ast.BoolOp) and isinstance(test.op, ast.And):
-        return any(_limits_to_some_processes(v) for v in test.values)
-    if isinstance(test, ast.Compare):
-        test = test.left
-    return isinstance(test, ast.Attribute) and test.attr in _ONE_PROCESS_FLAGS | _ONE_PROCESS_INDEX
-
-
-def _one_process_guard() -> str | None:
-    """The ``if``/decorator of the user code calling ``save_state`` that runs it on some processes only, or None.
-
-    Read from the caller's source (the first frame outside this package), so a save that only some
-    processes call is refused before any collective instead of stalling until the timeout.
-    """
-    frame = sys._getframe(1)
-    while frame is not None and os.path.dirname(os.path.abspath(frame.f_code.co_filename)) == _PACKAGE_DIR:
-        frame = frame.f_back
-    tree = None if frame is None else _module_tree(frame.f_code.co_filename)
-    if tree is None:
-        return None
-    line, node, guard = frame.f_lineno, tree, None
-    while node is not None:
-        inner = None
-        for child in ast.iter_child_nodes(node):
-            if getattr(child, "lineno", line + 1) <= line <= (getattr(child, "end_lineno", None) or -1):
-                inner = child
-                break
-        if isinstance(inner, ast.If) and _limits_to_some_processes(inner.test) and any(
-                b.lineno <= line <= b.end_lineno for b in inner.body):
-            guard = f"if {ast.unparse(inner.test)}:"
-        if isinstance(inner, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            guard = None  # a guard outside the function does not guard its body...
-            for deco in inner.decorator_list:  # ...but a decorator on it does
-                target = deco.func if isinstance(deco, ast.Call) else deco
-                if isinstance(target, ast.Attribute) and target.attr in _ONE_PROCESS_DECORATORS:
-                    guard = f"@{ast.unparse(deco)}"
-        node = inner
-    return guard
-
 
 _STAT_KEYS = ("blocking_s", "wait_for_previous_s", "staging_s", "persist_s", "total_s", "bytes", "files_bytes",
               "gb_per_s")
@@ -255,7 +196,7 @@ class AccelerateCheckpointer:
         """
         self._check_open()
         acc = self.accelerator
-        guard = _one_process_guard() if acc.num_processes > 1 else None
+        guard = one_process_guard() if acc.num_processes > 1 else None
         if guard is not None:
             raise ConfigError(
                 f"accelerator.save_state() is called under `{guard}`, but with accelerate_ckpt every process must "
