@@ -177,3 +177,26 @@ def test_fsdp_sharded_resume_continues_bitwise(tmp_path):
     uninterrupted = fit("a")
     resumed = fit("b", ckpt_path=str(tmp_path / "a" / "step_000000006"))
     assert all(torch.equal(uninterrupted[k], resumed[k]) for k in uninterrupted)
+
+
+def test_the_link_is_re_pointed_before_the_old_checkpoint_is_deleted(make_trainer, tmp_path, monkeypatch):
+    """save_top_k=1 with save_last="link": at every deletion, last.ckpt already names a committed checkpoint."""
+    from torch_ckpt import CheckpointManager
+
+    last = tmp_path / "mc" / "last.ckpt"
+    seen = []
+    real_remove = CheckpointManager.remove
+
+    def remove(self, target):
+        seen.append(AsyncDCPCheckpointIO.is_checkpoint_dir(last) and last.resolve() != Path(target).resolve())
+        return real_remove(self, target)
+
+    monkeypatch.setattr(CheckpointManager, "remove", remove)
+    io = AsyncDCPCheckpointIO()
+    mc = ModelCheckpoint(dirpath=tmp_path / "mc", every_n_train_steps=1, save_top_k=1, save_last="link")
+    trainer = make_trainer(plugins=[io], callbacks=[mc])
+    io.attach(trainer)
+    trainer.fit(TinyModule())
+    assert seen and all(seen)
+    assert os.readlink(last) == "epoch=0-step=4.ckpt"
+

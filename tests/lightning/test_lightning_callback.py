@@ -161,7 +161,7 @@ def test_shows_checkpoint_activity_in_the_progress_bar(make_trainer, tmp_path):
     """The progress bar metrics carry the last committed step and whether a save is in flight."""
     cb, bar = MTBFCheckpoint(tmp_path / "ckpt", mtbf_seconds=None, every_n_steps=2), ProgressBarAtEnd()
     make_trainer(max_steps=6, plugins=[AsyncDCPCheckpointIO()], callbacks=[bar, cb]).fit(TinyModule())
-    assert bar.metrics["ckpt"] in (2.0, 4.0) and "ckpt_saving" in bar.metrics
+    assert bar.metrics["ckpt"] in (2.0, 4.0, 6.0) and "ckpt_saving" in bar.metrics
 
 
 def test_requires_the_async_dcp_plugin(make_trainer, tmp_path):
@@ -214,3 +214,55 @@ def test_plugin_arguments_are_validated_at_construction(kwargs):
     """An infinite/NaN timeout or a non-bool flag raises ConfigError when the plugin is built."""
     with pytest.raises(ConfigError):
         AsyncDCPCheckpointIO(**kwargs)
+
+
+def _fit(make_trainer, root, max_steps, ckpt_path=None, **kwargs):
+    cb = MTBFCheckpoint(root, mtbf_seconds=None, every_n_steps=2, keep_last=None, **kwargs)
+    trainer = make_trainer(max_steps=max_steps, plugins=[AsyncDCPCheckpointIO()], callbacks=[cb])
+    trainer.fit(TinyModule(), ckpt_path=ckpt_path)
+    return trainer, cb
+
+
+def test_resuming_an_older_checkpoint_supersedes_the_abandoned_newer_ones(make_trainer, tmp_path):
+    """After a resume from step 2 of a run that reached step 6, "last" follows the new branch (step 4), not 6."""
+    _fit(make_trainer, tmp_path / "ckpt", 6)
+    _fit(make_trainer, tmp_path / "ckpt", 4, ckpt_path=str(tmp_path / "ckpt" / "step_000000002"))
+    assert committed_steps(tmp_path / "ckpt") == ["step_000000002", "step_000000004"]
+    assert MTBFCheckpoint(tmp_path / "ckpt").ckpt_path == str(tmp_path / "ckpt" / "step_000000004")
+
+
+def _corrupt(step_dir: Path) -> None:
+    shard = next(p for p in step_dir.iterdir() if p.suffix == ".distcp")
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # same size, wrong CRC
+    shard.write_bytes(bytes(data))
+
+
+def test_last_falls_back_from_a_corrupt_newest_checkpoint_with_a_warning(make_trainer, tmp_path, caplog):
+    """ckpt_path="last" with a corrupt newest checkpoint resumes the previous one and names the bad one."""
+    _fit(make_trainer, tmp_path / "ckpt", 4)
+    _corrupt(tmp_path / "ckpt" / "step_000000004")
+    trainer, _ = _fit(make_trainer, tmp_path / "ckpt", 6, ckpt_path="last")
+    assert trainer.global_step == 6 and "step_000000004" in caplog.text
+
+
+def test_an_explicit_corrupt_checkpoint_raises(make_trainer, tmp_path):
+    """An explicit ckpt_path that fails verification raises CheckpointCorruptError (no fallback)."""
+    from torch_ckpt import CheckpointCorruptError
+
+    _fit(make_trainer, tmp_path / "ckpt", 4)
+    _corrupt(tmp_path / "ckpt" / "step_000000004")
+    with pytest.raises(CheckpointCorruptError):
+        _fit(make_trainer, tmp_path / "ckpt", 6, ckpt_path=str(tmp_path / "ckpt" / "step_000000004"))
+
+
+def test_each_committed_save_is_logged_once_including_the_final_one(make_trainer, tmp_path):
+    """ckpt/blocking_s appears in exactly one metrics row per committed save, the final save's included."""
+    import csv
+
+    logger = CSVLogger(tmp_path / "logs")
+    cb = MTBFCheckpoint(tmp_path / "ckpt", mtbf_seconds=None, every_n_steps=3)
+    make_trainer(max_steps=7, plugins=[AsyncDCPCheckpointIO()], callbacks=[cb], logger=logger,
+                 log_every_n_steps=1).fit(TinyModule())
+    rows = list(csv.DictReader((Path(logger.log_dir) / "metrics.csv").open()))
+    assert len([r for r in rows if r.get("ckpt/blocking_s")]) == 3  # steps 3, 6 and the final 7
