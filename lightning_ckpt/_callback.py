@@ -1,24 +1,9 @@
 """``MTBFCheckpoint``: save when the failure rate says so, resume exactly, and save on preemption.
 
-At every optimizer step boundary (``on_train_batch_end`` of a batch whose optimizer stepped, so
-never inside a gradient-accumulation window), on every rank:
-
-1. record the step time; rank 0 asks the save policy (Young/Daly from the MTBF and the measured
-   save cost by default; every n steps / seconds also) whether to save now;
-2. agree across ranks on rank 0's answer and on whether any rank received SIGTERM (one gather on
-   the checkpointer's private gloo group, never the training process group);
-3. if so, ``trainer.save_checkpoint(DIRPATH/step_NNNNNNNNN)`` through
-   :class:`~lightning_ckpt.AsyncDCPCheckpointIO`; it returns once the live state is staged;
-4. on SIGTERM, wait until that checkpoint is committed, then let Lightning stop. During ``fit`` the
-   callback's own SIGTERM handler only records the signal (see ``_install_sigterm_handler``).
-
-Parameters and optimizer state are copied in the background while the next forward/backward runs;
-``on_before_optimizer_step`` waits for that copy. Resume with ``trainer.fit(model, ckpt_path="last")``:
-this callback offers its newest committed checkpoint to Lightning's ``"last"`` lookup (it is an
-:class:`~lightning.pytorch.callbacks.OnExceptionCheckpoint` for that reason; like that callback,
-``fit(model)`` without ``ckpt_path`` then resumes too, with a Lightning warning). Lightning
-restores loops (with a stateful dataloader's position), optimizers and schedulers; this callback
-adds every RNG of every rank, restored right before the first resumed batch.
+At every optimizer step boundary the manager records the step, rank 0's save policy decides and
+every rank gets its answer together with whether any rank received SIGTERM; a save goes through
+``trainer.save_checkpoint``. The RNG of every rank is stored and restored right before the first
+resumed batch (see :meth:`MTBFCheckpoint.state_dict` and :meth:`MTBFCheckpoint._save` for where).
 """
 
 from __future__ import annotations
