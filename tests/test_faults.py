@@ -233,7 +233,7 @@ def test_pickled_item_in_a_crafted_checkpoint_is_never_unpickled(tmp_path):
     target = {"model": {"weight": torch.ones(2)}, "evil": torch.ones(2)}
     with CheckpointManager(tmp_path / "run") as mgr, pytest.raises(CheckpointError):
         mgr.restore(target)
-    from torch_ckpt.convert import load_full_state
+    from torch_ckpt.tools.convert import load_full_state
 
     with pytest.raises(CheckpointError, match="evil"):
         load_full_state(step_dir)
@@ -260,7 +260,7 @@ def test_empty_old_lock_is_stale_and_unwritable_lock_is_typed(tmp_path, tmpfs):
     subprocess.run(["dd", "if=/dev/zero", f"of={tmpfs / 'fill'}", "bs=4k"], capture_output=True)  # fill it up
     with pytest.raises(CheckpointWriteError, match="lock"):
         CheckpointManager(tmpfs / "run")
-    assert not (tmpfs / "run" / ".lock").exists()
+    assert not (tmpfs / "run" / ".lock.owner").exists() and not (tmpfs / "run" / ".lock.owner.tmp").exists()
 
 
 def test_durable_url_inside_the_local_root_is_refused(tmp_path):

@@ -24,6 +24,25 @@ def test_health_reports_ages_and_lost_work(tmp_path):
     assert h["replication"]["durable_step"] == 1 and h["failed_saves"] == 0
 
 
+def test_health_lists_the_tiers_holding_each_step(tmp_path):
+    """health() reports per step which tiers hold a complete copy, and the newest durable step's age."""
+    import shutil
+
+    url = f"memory://h-{uuid.uuid4().hex[:6]}/r"
+    state = TrainState(model=torch.nn.Linear(4, 4))
+    with CheckpointManager(tmp_path / "a", durable_url=url, keep_last=1) as mgr:
+        mgr.save(1, state)
+        mgr.save(2, state).wait()
+        assert mgr.wait_durable(30)
+    shutil.rmtree(tmp_path / "a")
+    with CheckpointManager(tmp_path / "a", durable_url=url, keep_last=5, replicate_every_n_saves=2) as mgr:
+        mgr.save(3, state).wait()  # the first save is not replicated (every second one is)
+        h = mgr.health()
+    assert h["tiers"] == {1: {"local": None, "durable": True}, 2: {"local": None, "durable": True},
+                          3: {"local": "complete", "durable": False}}
+    assert h["durable_newest_step"] == 2 and h["durable_newest_age_s"] >= 0
+
+
 def test_health_without_durable_tier_uses_local(tmp_path):
     """Without a durable tier the local tier is the reference for lost work."""
     state = TrainState(model=torch.nn.Linear(4, 4))

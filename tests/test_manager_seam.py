@@ -188,3 +188,29 @@ def _replace_on_two_ranks(rank, world_size, root):
 def test_explicit_path_replace_on_two_ranks(tmp_path):
     """Two gloo ranks overwrite the same explicit folder three times and load the newest one back."""
     run_distributed(_replace_on_two_ranks, 2, str(tmp_path))
+
+
+@pytest.mark.parametrize("persist", ["thread", "process"])
+def test_extra_dir_is_committed_and_replaced_with_the_checkpoint(tmp_path, persist):
+    """Hook files in extra_dir (nested too) land in the committed folder; a replace swaps them with it."""
+    for n in (1, 2):
+        extra = tmp_path / f"hooks{n}"
+        (extra / "unet").mkdir(parents=True)
+        (extra / "unet" / "config.json").write_text(f"v{n}")
+    with CheckpointManager(tmp_path / "root", persist=persist) as mgr:
+        mgr.save(1, _state(), path="latest", extra_dir=tmp_path / "hooks1").wait()
+        assert (tmp_path / "root" / "latest" / "unet" / "config.json").read_text() == "v1"
+        mgr.save(2, _state(), path="latest", extra_dir=tmp_path / "hooks2").wait()
+    assert (tmp_path / "root" / "latest" / "unet" / "config.json").read_text() == "v2"
+    assert not (tmp_path / "hooks1").exists() and not (tmp_path / "hooks2").exists()
+    assert is_committed(tmp_path / "root" / "latest")
+
+
+def test_extra_dir_with_a_reserved_name_fails_the_save(tmp_path):
+    """An extra file named like a checkpoint file (manifest.json) fails the save; nothing is committed."""
+    (tmp_path / "hooks").mkdir()
+    (tmp_path / "hooks" / "manifest.json").write_text("{}")
+    with CheckpointManager(tmp_path / "root", async_save=False) as mgr:
+        with pytest.raises(CheckpointWriteError, match="reserved"):
+            mgr.save(1, _state(), path="x", extra_dir=tmp_path / "hooks")
+    assert not (tmp_path / "root" / "x").exists()

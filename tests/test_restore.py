@@ -81,15 +81,18 @@ def test_mismatch_leaves_a_fresh_optimizer_without_state(tmp_path):
     assert not other_opt.state and all(p.grad is None for p in other.parameters())
 
 
-def test_read_failure_after_data_arrived_leaves_everything_untouched(saved, monkeypatch):
-    """DCP failing after it wrote some tensors leaves model, optimizer, scheduler, RNG and loader as they were."""
-    real_load = restore_mod.load_tensors
+@pytest.mark.parametrize("reader", ["load_direct", "load_tensors"])
+def test_read_failure_after_data_arrived_leaves_everything_untouched(saved, monkeypatch, reader):
+    """A reader (single-pass or DCP's) failing after it wrote tensors leaves the whole state as it was."""
+    if reader == "load_tensors":  # the single-pass reader places nothing: DCP's reader loads every tensor
+        monkeypatch.setattr(restore_mod, "load_direct", lambda targets, *a, **k: set(targets))
+    real_load = getattr(restore_mod, reader)
 
     def load_then_fail(*args, **kwargs):
         real_load(*args, **kwargs)
         raise OSError("disk went away mid-read")
 
-    monkeypatch.setattr(restore_mod, "load_tensors", load_then_fail)
+    monkeypatch.setattr(restore_mod, reader, load_then_fail)
     model, opt, sched = _trained(seed=3)
     loader = _Loader(1)
     before = _snapshot(model, opt, sched, loader)
@@ -157,17 +160,20 @@ def test_allow_cast_casts_and_logs_each_key_once(saved, caplog):
         assert sum(f"{key}:" in line for line in lines) == 1, (key, lines)
 
 
-def test_plain_dict_state_is_untouched_when_the_read_fails(tmp_path, monkeypatch):
-    """A dict state keeps its tensors when DCP fails after writing into its buffers."""
+@pytest.mark.parametrize("reader", ["load_direct", "load_tensors"])
+def test_plain_dict_state_is_untouched_when_the_read_fails(tmp_path, monkeypatch, reader):
+    """A dict state keeps its tensors when a reader fails after writing into its buffers."""
     with CheckpointManager(tmp_path) as mgr:
         mgr.save(1, {"w": torch.ones(3), "n": 1}).wait()
-    real_load = restore_mod.load_tensors
+    if reader == "load_tensors":
+        monkeypatch.setattr(restore_mod, "load_direct", lambda targets, *a, **k: set(targets))
+    real_load = getattr(restore_mod, reader)
 
     def load_then_fail(*args, **kwargs):
         real_load(*args, **kwargs)
         raise OSError("read failed")
 
-    monkeypatch.setattr(restore_mod, "load_tensors", load_then_fail)
+    monkeypatch.setattr(restore_mod, reader, load_then_fail)
     live = {"w": torch.zeros(3), "n": 0}
     with CheckpointManager(tmp_path) as mgr, pytest.raises(OSError):
         mgr.restore(live)

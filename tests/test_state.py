@@ -132,3 +132,52 @@ def test_readme_loader_setup_resumes_dropout_bitwise(tmp_path):
     _dropout_run(tmp_path / "run", total=30, stop=14)  # "killed" after step 14; step 12 is the newest save
     resumed = _dropout_run(tmp_path / "run", total=30, resume=True)
     assert min(resumed) == 13 and all(resumed[s] == reference[s] for s in resumed)
+
+
+def _net() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 2))
+
+
+def _assert_same_capture(a: dict, b: dict) -> None:
+    assert list(a) == list(b)
+    for key in a:
+        if isinstance(a[key], torch.Tensor):
+            assert a[key].data_ptr() == b[key].data_ptr() and a[key].shape == b[key].shape, key
+        else:
+            assert a[key] == b[key], key
+
+
+def test_repeated_capture_of_a_plain_module_equals_dcps():
+    """The second and later captures of a plain module (its own state_dict) equal DCP's get_model_state_dict."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    model = _net()
+    state = TrainState(model=model, rng=False)
+    for _ in range(3):
+        _assert_same_capture(state.state_dict()["model"], get_model_state_dict(model))
+
+
+def test_capture_of_a_compiled_module_keeps_dcps_names():
+    """A torch.compile wrapper's '_orig_mod.' prefix is removed on every capture, as DCP does."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    compiled = torch.compile(_net())
+    state = TrainState(model=compiled, rng=False)
+    for _ in range(2):
+        sd = state.state_dict()["model"]
+        assert not any(k.startswith("_orig_mod.") for k in sd)
+        _assert_same_capture(sd, get_model_state_dict(compiled))
+
+
+def test_capture_follows_a_replaced_submodule():
+    """A submodule replaced after the first capture shows up with its own keys in the next one."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    model = _net()
+    state = TrainState(model=model, rng=False)
+    state.state_dict()
+    model[1] = torch.nn.LayerNorm(4)
+    sd = state.state_dict()["model"]
+    assert "1.running_mean" not in sd and "1.weight" in sd
+    _assert_same_capture(sd, get_model_state_dict(model))

@@ -55,6 +55,7 @@ class _SaveJob:
     early_s: float = 0.0
     on_committed: Callable[[Path], None] | None = None
     replace: bool = False
+    extra_dir: Path | None = None
 
 
 def _cuda_ready_event(tensors: dict[str, torch.Tensor]) -> Any:
@@ -166,6 +167,8 @@ class AsyncCheckpointer:
         self._closed = False
         self.last_stats: SaveStats | None = None
         self._incarnation = new_incarnation()
+        # set by the manager for node-local roots (torch_ckpt.nodes.NodeLayout): each node commits its own copy
+        self.node_layout: Any = None
         if persist == "process" and self.async_save:
             self._process_writer = ProcessWriter(self._ctx, timeout_seconds=timeout_seconds, niceness=writer_niceness)
 
@@ -223,7 +226,7 @@ class AsyncCheckpointer:
     def save(self, final: str | os.PathLike, state: Any, *, step: int = 0,
              on_committed: Callable[[Path], None] | None = None, started_at: float | None = None,
              waited_s: float = 0.0, prepare: Callable[[], None] | None = None,
-             replace: bool | Callable[[], bool] = False) -> SaveHandle:
+             replace: bool | Callable[[], bool] = False, extra_dir: str | os.PathLike | None = None) -> SaveHandle:
         """Checkpoint ``state`` into directory ``final``; returns once staged (async) or committed (sync).
 
         Collective: every rank calls it with the same ``final`` and ``step``. Waits first for the
@@ -249,6 +252,8 @@ class AsyncCheckpointer:
                 for its step checks).
             replace: ``final`` may hold a committed checkpoint, replaced atomically at commit (the
                 old one stays loadable until then); a callable is asked after ``prepare``.
+            extra_dir: rank 0's directory of framework files (e.g. written by save hooks) moved
+                into the checkpoint before its manifest, so they commit atomically with it.
 
         Returns:
             A :class:`SaveHandle` whose ``committed`` future completes when the checkpoint is durable.
@@ -268,6 +273,7 @@ class AsyncCheckpointer:
         try:
             prepared = self._prepare_save(final, state, step, on_committed, t0, waited_s, prepare)
             prepared[0].replace = bool(replace() if callable(replace) else replace)
+            prepared[0].extra_dir = None if extra_dir is None else Path(extra_dir)
         except Exception as exc:  # noqa: BLE001 - reported to every rank by the agreement below
             error = exc
         try:
@@ -357,7 +363,8 @@ class AsyncCheckpointer:
             typed.__cause__ = error
             error = typed
         mine = None if error is None else (type(error).__name__, str(error))
-        target = os.path.abspath(os.fspath(final))
+        # node-local roots are different directories on each node: the ranks agree on the name
+        target = os.path.abspath(os.fspath(final)) if self.node_layout is None else Path(final).name
         try:
             votes = self._ctx.all_gather((mine, step, target), what="save agreement")
         except CheckpointError:
@@ -418,16 +425,16 @@ class AsyncCheckpointer:
             timings = {"staging_s": handle.stats.staging_s}
             if self._process_writer is not None and (job.fits or failed is not None):
                 fields = dict(final=job.final, step=job.step, tree=job.tree, tensor_bytes=handle.stats.bytes,
-                              replace=job.replace,
+                              replace=job.replace, extra_dir=job.extra_dir,
                               thread_count=self.thread_count, timings=timings, incarnation=self._incarnation,
-                              failed=failed)
+                              failed=failed, nodes=self.node_layout)
                 final, files_bytes = self._process_writer.persist(arena=None if failed else self._stager.arena,
                                                                   layout=job.layout, fields=fields)
             else:
                 req = PersistRequest(final=job.final, step=job.step, tensors=job.to_write, tree=job.tree,
                                      tensor_bytes=handle.stats.bytes, thread_count=self.thread_count,
                                      timings=timings, incarnation=self._incarnation, failed=failed,
-                                     replace=job.replace)
+                                     replace=job.replace, extra_dir=job.extra_dir, nodes=self.node_layout)
                 final = persist_checkpoint(req, self._ctx)
                 files_bytes = req.committed_bytes
             stats = handle.stats

@@ -20,7 +20,7 @@ import io
 import os
 import pickle
 import threading
-import zlib
+import warnings
 from collections.abc import Generator
 from contextlib import contextmanager
 from pathlib import Path
@@ -35,7 +35,23 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
+from torch_ckpt.crc import crc32
 from torch_ckpt.errors import CheckpointCorruptError, CheckpointWriteError, UnsafeCheckpointError
+
+# dcp.save/dcp.load warn "torch.distributed is disabled, unavailable or uninitialized, assuming the intent is
+# to save (load) in a single process" on every call with no_dist=True, which torch-ckpt passes on purpose
+# when there is no process group; no argument avoids it. One filter, installed once when this module (every
+# path to DCP goes through it) is imported, matches that message only, attributed to DCP (or to torch-ckpt
+# should DCP stop wrapping the call). Unlike warnings.catch_warnings around each call, it never changes the
+# process-wide filters from the writer thread. It also quiets the same message for the process's other
+# single-process DCP calls, which carry the same non-information.
+warnings.filterwarnings(
+    "ignore",
+    message=r"torch\.distributed is (disabled, )?unavailable or uninitialized, assuming the intent is to "
+            r"(save|load) in a single process",
+    category=UserWarning,
+    module=r"(torch\.distributed\.checkpoint|torch_ckpt)\.",
+)
 
 __all__ = [
     "ChecksumFileSystemWriter",
@@ -141,6 +157,21 @@ def _serialize_tensor(tensor: torch.Tensor) -> list[Any]:
     return pieces
 
 
+def record_framing(tensor: torch.Tensor) -> tuple[bytes, bytes] | None:
+    """The bytes this writer puts before and after ``tensor``'s data in its ``torch.save`` record.
+
+    They depend only on the tensor's dtype, shape and strides (not its values), so a reader can
+    compare a record's framing with them and, on an exact match, read the data straight into a
+    tensor of that signature. None when this torch or tensor gives no fixed framing.
+    """
+    key = _record_key(tensor)
+    if key is None:
+        return None
+    if key not in _RECORD_CACHE:
+        _serialize_tensor(tensor)
+    return _RECORD_CACHE.get(key)
+
+
 def _data_view(tensor: torch.Tensor) -> memoryview:
     """The bytes of ``tensor``'s whole storage, without a copy (the view keeps the storage alive)."""
     return memoryview(torch.empty(0, dtype=torch.uint8).set_(tensor.untyped_storage()).numpy())
@@ -206,7 +237,7 @@ class _FileSink(io.RawIOBase):
                 raise OSError(exc.errno, exc.strerror, str(self.path)) from None
             if k <= 0:
                 raise OSError(errno_mod.EIO, f"write returned {k}", str(self.path))
-            self.crc = zlib.crc32(view[done:done + k], self.crc)
+            self.crc = crc32(view[done:done + k], self.crc)
             done += k
         self.nbytes += n
 
@@ -650,7 +681,7 @@ def file_crc32(path: str | os.PathLike) -> tuple[int, int]:
             reader = threading.Thread(target=lambda b=bufs[1 - i]: result.append(_readinto(f, b)), daemon=True)
             reader.start()
             with memoryview(bufs[i]) as view:
-                crc = zlib.crc32(view[:n], crc)
+                crc = crc32(view[:n], crc)
             size += n
             reader.join()
             if isinstance(result[0], BaseException):

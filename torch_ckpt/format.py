@@ -20,6 +20,10 @@ same inputs. What a reader may rely on once a check here passed:
   checked; storage entries lie inside manifest-listed data files; every tensor's chunks lie inside
   its declared shape, do not overlap and cover it exactly; each chunk's bytes fit in its storage
   entry, so declared sizes are bounded by the files' real sizes before anything is allocated.
+* **Tensor records** (:mod:`torch_ckpt.records`): every chunk's byte range in its data file holds
+  exactly one ``torch.save`` record of a plain tensor of the declared dtype and chunk shape, ending
+  at the end of the range and lying inside the real file (zip headers and pickle opcodes are
+  parsed, nothing is unpickled).
 
 Any violation raises :class:`~torch_ckpt.errors.CheckpointCorruptError` naming the file (the
 ``*_problems`` functions return every problem instead, for ``verify``).
@@ -41,6 +45,7 @@ from pathlib import Path, PurePath
 from typing import Any
 
 from torch_ckpt.errors import CheckpointCorruptError, CheckpointNotFoundError
+from torch_ckpt.records import storage_record_problems
 
 __all__ = [
     "MAX_MANIFEST_BYTES",
@@ -62,6 +67,10 @@ __all__ = [
     "read_rank_tree",
     "metadata_problems",
     "read_metadata",
+    "open_range",
+    "local_data_file",
+    "record_problems",
+    "check_records",
     "walk_tree",
     "embedded_info",
     "unpickle_metadata",
@@ -88,6 +97,7 @@ MAX_METADATA_BYTES = 1 << 30
 _MAX_NDIM = 64
 
 METADATA_NAME = ".metadata"
+_NODE_METADATA_RE = re.compile(r"^node_\d{5,}\.metadata$")
 _RANK_FILE_RE = re.compile(r"^rank_(\d+)\.json$")
 _B64_RE = re.compile(r"[A-Za-z0-9+/]*={0,2}")
 _CHUNK_BYTES = 16 << 20
@@ -234,11 +244,35 @@ def manifest_from_doc(data: Any, source: str) -> Any:
         tiers = data.get("tiers", {})
         if not isinstance(tiers, dict) or not all(isinstance(k, str) and isinstance(v, dict) for k, v in tiers.items()):
             raise _Malformed("tiers must map tier names to objects")
+        nodes, node = _nodes_fields(data, files, world_size)
     except _Malformed as exc:
         raise _corrupt(source, f"invalid manifest ({exc})") from None
     return Manifest(step=step, world_size=world_size, files=files, wall_time=float(wall_time),
                     torch_version=torch_version, tensor_bytes=tensor_bytes, timings=dict(timings),
-                    format_version=version, tiers=dict(tiers))
+                    format_version=version, tiers=dict(tiers), nodes=nodes, node=node)
+
+
+def _nodes_fields(data: dict, files: dict[str, Any], world_size: int) -> tuple[dict[str, Any], int | None]:
+    """The optional node-local fields of a manifest: ``nodes`` (which node holds which file) and ``node``."""
+    nodes = data.get("nodes", {})
+    if not isinstance(nodes, dict):
+        raise _Malformed(f"nodes must be an object, got {type(nodes).__name__}")
+    node = data.get("node")
+    if not nodes:
+        if node is not None:
+            raise _Malformed("node is set but nodes (which node holds which file) is missing")
+        return {}, None
+    rank_node, file_node = nodes.get("rank_node"), nodes.get("file_node")
+    if not isinstance(rank_node, list) or len(rank_node) != world_size or \
+            not all(type(n) is int and 0 <= n < world_size for n in rank_node):
+        raise _Malformed(f"nodes.rank_node must list the node (0..{world_size - 1}) of each of the {world_size} ranks")
+    count = max(rank_node) + 1
+    if not isinstance(file_node, dict) or set(file_node) != set(files) or \
+            not all(type(n) is int and 0 <= n < count for n in file_node.values()):
+        raise _Malformed("nodes.file_node must give the node (an int below the node count) of every listed file")
+    if node is not None and (type(node) is not int or not 0 <= node < count):
+        raise _Malformed(f"node must be an int in 0..{count - 1}, got {_short(node)}")
+    return {"rank_node": list(rank_node), "file_node": dict(file_node)}, node
 
 
 def parse_manifest(raw: bytes, source: str) -> Any:
@@ -358,14 +392,15 @@ def check_files(step_dir: str | os.PathLike, manifest: Any, *, checksums: bool, 
     """Check every file the manifest lists (this reader's share when ``parts`` > 1).
 
     Each must be a regular file inside ``step_dir`` with the listed size, and with ``checksums``
-    the listed CRC-32.
+    the listed CRC-32. One node's copy of a node-local checkpoint is checked for that node's files.
 
     Raises:
         CheckpointCorruptError: a file is missing, a symlink, not a regular file, or has the wrong
             size or CRC-32; the message names it.
     """
     step_dir = Path(step_dir)
-    for i, (name, info) in enumerate(sorted(manifest.files.items())):
+    local = manifest.local_files() if hasattr(manifest, "local_files") else manifest.files
+    for i, (name, info) in enumerate(sorted(local.items())):
         if i % parts != part:
             continue
         path = step_dir / name
@@ -581,9 +616,19 @@ def parse_rank_doc(raw: bytes, source: str, manifest: Any, rank: int, *,
                         max_int_digits=MAX_STATE_INT_DIGITS)
     if not isinstance(doc, dict) or "tree" not in doc:
         raise _corrupt(source, "per-rank state file has no 'tree'")
-    for field, want in (("rank", rank), ("step", manifest.step), ("world_size", manifest.world_size)):
-        if type(doc.get(field)) is not int or doc.get(field) != want:
-            raise _corrupt(source, f"per-rank state file: {field} is {_short(doc.get(field))}, expected {want!r}")
+    got = doc.get("rank")
+    if type(got) is not int or got != rank:
+        raise _corrupt(source, f"per-rank state file of rank {rank} says rank {_short(got)} (renamed or copied from "
+                               "another rank)")
+    from torch_ckpt.layout import MANIFEST_NAME
+
+    manifest_source = source[: len(source) - len(PurePath(source).name)] + MANIFEST_NAME
+    for field, want in (("step", manifest.step), ("world_size", manifest.world_size)):
+        got = doc.get(field)
+        if type(got) is not int or got != want:
+            raise _corrupt(source, f"{field} {_short(got)} in this per-rank state file disagrees with {field} {want} in "
+                                   f"{manifest_source}: one of the two files was altered, or they come from different "
+                                   "checkpoints")
     from torch_ckpt.codec import TENSOR_TAG
 
     try:
@@ -729,7 +774,8 @@ def metadata_problems(md: Any, manifest: Any) -> tuple[list[tuple[str, str]], di
                 "torch-ckpt never writes")
             continue
         rel = str(info.relative_path)
-        if rel not in manifest.files or rel in (METADATA_NAME, MANIFEST_NAME) or _RANK_FILE_RE.match(rel):
+        if rel not in manifest.files or rel in (METADATA_NAME, MANIFEST_NAME) or _RANK_FILE_RE.match(rel) or \
+                _NODE_METADATA_RE.match(rel):
             bad(f"item {index.fqn!r} is stored in {rel!r}, which is not a data file the manifest lists")
             continue
         end = info.offset + info.length
@@ -783,8 +829,18 @@ def unpickle_metadata(data: bytes, source: str) -> Any:
     return load_dcp_metadata_bytes(data, source)
 
 
+def metadata_name(node: int) -> str:
+    """File holding the DCP metadata that ``node``'s ranks load with (node 0: the complete ``.metadata``).
+
+    A node-local checkpoint stores replicated tensors once per node; each node's metadata points
+    every tensor at the copy its node holds. Node 0's is the complete one used by every other reader.
+    """
+    return METADATA_NAME if node == 0 else f"node_{node:05d}.metadata"
+
+
 def read_metadata(step_dir: str | os.PathLike, manifest: Any, *, allow_symlinks: bool = False) -> Any:
-    """The validated DCP metadata of a local checkpoint (see :func:`metadata_problems`).
+    """The validated DCP metadata of a local checkpoint (see :func:`metadata_problems`); for one
+    node's copy of a node-local checkpoint, that node's metadata (:func:`metadata_name`).
 
     Raises:
         CheckpointCorruptError: ``.metadata`` is not listed, not a regular file, unreadable, or
@@ -792,10 +848,11 @@ def read_metadata(step_dir: str | os.PathLike, manifest: Any, *, allow_symlinks:
         UnsafeCheckpointError: the pickle references code.
     """
     step_dir = Path(step_dir)
-    source = str(step_dir / METADATA_NAME)
-    if METADATA_NAME not in manifest.files:
+    name = metadata_name(getattr(manifest, "node", None) or 0)
+    source = str(step_dir / name)
+    if name not in manifest.files:
         raise _corrupt(source, "DCP metadata is not listed in the manifest")
-    raw = _read_listed(step_dir, manifest, METADATA_NAME, MAX_METADATA_BYTES, allow_symlinks=allow_symlinks)
+    raw = _read_listed(step_dir, manifest, name, MAX_METADATA_BYTES, allow_symlinks=allow_symlinks)
     md = unpickle_metadata(raw, source)
     problems, _ = metadata_problems(md, manifest)
     if problems:
@@ -803,3 +860,97 @@ def read_metadata(step_dir: str | os.PathLike, manifest: Any, *, allow_symlinks:
         more = f" (and {len(problems) - 1} more problem(s); run torch-ckpt verify)" if len(problems) > 1 else ""
         raise _corrupt(str(step_dir / file), f"{text}{more}")
     return md
+
+
+# ---------------------------------------------------------------------------------------------
+# tensor records in the data files
+
+
+class _LocalFile:
+    """A :class:`~torch_ckpt.records.RangeReader` over an open descriptor (``pread``)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.size = os.fstat(fd).st_size
+
+    def read_at(self, offset: int, length: int) -> bytes:
+        return os.pread(self.fd, length, offset)
+
+
+@contextmanager
+def open_range(path: Path, *, allow_symlinks: bool = False) -> Iterator[_LocalFile]:
+    """The local regular file ``path`` open for range reads (I/O errors become corruption naming it).
+
+    Raises:
+        FileNotFoundError: it does not exist.
+        CheckpointCorruptError: it is a symlink (unless ``allow_symlinks``), not a regular file, or
+            unreadable.
+    """
+    fd = _open_regular(path, allow_symlinks=allow_symlinks, what="file listed in the manifest")
+    try:
+        with _reading(str(path), "file listed in the manifest"):
+            yield _LocalFile(fd)
+    finally:
+        os.close(fd)
+
+
+@contextmanager
+def local_data_file(step_dir: str | os.PathLike, manifest: Any, name: str, *,
+                    allow_symlinks: bool = False) -> Iterator[_LocalFile]:
+    """The manifest-listed file ``name`` of a local checkpoint, open for range reads.
+
+    Raises:
+        CheckpointCorruptError: it is not listed, missing, not a regular file, or unreadable.
+    """
+    path = Path(step_dir) / name
+    fd = open_listed(Path(step_dir), manifest, name, allow_symlinks=allow_symlinks)
+    try:
+        with _reading(str(path), "file listed in the manifest"):
+            yield _LocalFile(fd)
+    finally:
+        os.close(fd)
+
+
+def _data_files(md: Any) -> list[str]:
+    return sorted({str(info.relative_path) for info in md.storage_data.values()})
+
+
+def record_problems(step_dir: str | os.PathLike, manifest: Any, md: Any, *, part: int = 0, parts: int = 1,
+                    allow_symlinks: bool = False) -> list[tuple[str, str]]:
+    """``[(file, problem)]`` for tensor records that do not match validated metadata (this reader's share).
+
+    Args:
+        step_dir: the local checkpoint directory.
+        manifest: its manifest.
+        md: its DCP metadata, already validated (:func:`read_metadata`).
+        part: this reader's index when ``parts`` readers split the data files.
+        parts: how many readers split the data files.
+        allow_symlinks: follow symlinked data files.
+
+    Raises:
+        CheckpointCorruptError: a data file is missing, not a regular file, or unreadable.
+    """
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    tensors = {k: v for k, v in md.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
+    mine = [name for i, name in enumerate(_data_files(md)) if i % parts == part]
+
+    def open_file(name: str) -> Any:
+        return local_data_file(step_dir, manifest, name, allow_symlinks=allow_symlinks)
+
+    return storage_record_problems(md, tensors, open_file, mine)
+
+
+def check_records(step_dir: str | os.PathLike, manifest: Any, md: Any, *, part: int = 0, parts: int = 1,
+                  allow_symlinks: bool = False) -> None:
+    """Raise for the first tensor record that does not match validated metadata (see :func:`record_problems`).
+
+    Raises:
+        CheckpointCorruptError: a record's byte range, dtype, size or shape disagrees with
+            ``.metadata``; the message names the data file, the tensor key and the byte range.
+    """
+    problems = record_problems(step_dir, manifest, md, part=part, parts=parts, allow_symlinks=allow_symlinks)
+    if problems:
+        file, text = problems[0]
+        more = f" (and {len(problems) - 1} more problem(s); run torch-ckpt verify)" if len(problems) > 1 else ""
+        raise _corrupt(str(Path(step_dir) / file), f"{text}{more}")

@@ -29,12 +29,14 @@ import os
 import re
 import secrets
 import shutil
+import socket
 import stat
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import filelock
 import torch
 
 from torch_ckpt._logging import get_logger
@@ -143,6 +145,10 @@ class Manifest:
         format_version: on-disk format version.
         tiers: tiers holding a complete, verified copy besides this one, e.g.
             ``{"durable": {"url": "s3://b/run", "committed_at": 1.7e9}}``.
+        nodes: for a checkpoint written to node-local roots, ``{"rank_node": [node of each rank],
+            "file_node": {file name: node holding it}}``; empty for a shared root.
+        node: the node whose copy this directory is (it holds only the files ``file_node`` gives
+            that node); None for a complete copy (shared root, durable tier).
     """
 
     step: int
@@ -154,12 +160,31 @@ class Manifest:
     timings: dict[str, float] = field(default_factory=dict)
     format_version: int = FORMAT_VERSION
     tiers: dict[str, Any] = field(default_factory=dict)
+    nodes: dict[str, Any] = field(default_factory=dict)
+    node: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         """Return the JSON object written to disk."""
-        return {"format": FORMAT_NAME, "format_version": self.format_version, "step": self.step,
-                "wall_time": self.wall_time, "world_size": self.world_size, "torch_version": self.torch_version,
-                "tensor_bytes": self.tensor_bytes, "timings": self.timings, "tiers": self.tiers, "files": self.files}
+        doc = {"format": FORMAT_NAME, "format_version": self.format_version, "step": self.step,
+               "wall_time": self.wall_time, "world_size": self.world_size, "torch_version": self.torch_version,
+               "tensor_bytes": self.tensor_bytes, "timings": self.timings, "tiers": self.tiers, "files": self.files}
+        if self.nodes:
+            doc["nodes"] = self.nodes
+        if self.node is not None:
+            doc["node"] = self.node
+        return doc
+
+    @property
+    def partial(self) -> bool:
+        """True for one node's copy of a node-local checkpoint (it holds only that node's files)."""
+        return self.node is not None
+
+    def local_files(self) -> dict[str, dict[str, int]]:
+        """The listed files this copy holds: all of them, or those of :attr:`node` for a node's copy."""
+        if self.node is None:
+            return self.files
+        held = self.nodes.get("file_node", {})
+        return {name: info for name, info in self.files.items() if held.get(name) == self.node}
 
     @classmethod
     def from_json(cls, data: Any, source: str) -> Manifest:
@@ -349,11 +374,12 @@ def replace_dir(tmp: Path, final: Path) -> None:
 
 def is_committed(path: str | os.PathLike) -> bool:
     """True when ``path`` is a committed torch-ckpt checkpoint: a valid manifest, and every file it
-    lists present as a regular file of the listed size (cheap: no checksums are read)."""
+    lists present as a regular file of the listed size (cheap: no checksums are read). For one
+    node's copy of a node-local checkpoint, the files that node holds."""
     path = Path(path)
     try:
         manifest = read_manifest(path)
-        for name, info in manifest.files.items():
+        for name, info in manifest.local_files().items():
             st = os.lstat(path / name)
             if not stat.S_ISREG(st.st_mode) or st.st_size != info["bytes"]:
                 return False
@@ -456,27 +482,33 @@ def remove_step_dir(path: Path) -> None:
 class RootLock:
     """An exclusive lock on a checkpoint root, so two runs never write (or prune) the same root.
 
-    The lock is a kernel ``flock`` on ``ROOT/.lock``: the kernel drops it when the owning process
-    exits or dies, so there is no staleness to guess and a lock file left by a dead run is simply
-    taken. The file also holds the owner's host, pid and start time, only for the messages of runs
-    that find the root locked. Local file systems are exact; on NFS the lock relies on the server's
-    lock manager (NLM / NFSv4 locks) and on Lustre the clients must be mounted with ``-o flock``
+    The lock is :class:`filelock.UnixFileLock` (a kernel ``flock``) on ``ROOT/.lock``: the kernel
+    drops it when the owning process exits or dies, so there is no staleness to guess and a lock
+    left by a dead run is simply taken. The lock file stays in place after release (as filelock
+    keeps it, so that every contender locks the same inode). The holder's host, pid and start time
+    are kept in the sidecar ``ROOT/.lock.owner``, only for the message of a run that finds the root
+    locked (filelock's own lock file may be truncated by any contender that opens it).
+
+    Local file systems are exact. On NFS, ``flock`` relies on the server's lock manager (NLM /
+    NFSv4 locks); a client mounted with ``local_lock=flock`` (or ``local_lock=all``) keeps flock
+    locks local to one node. On Lustre the clients must be mounted with ``-o flock``
     (``localflock`` only excludes processes of the same node). A file system without lock support
-    makes :meth:`acquire` fail with a message saying so.
+    makes :meth:`acquire` fail with a message saying so (never a silent fallback to a pid file).
     """
 
     def __init__(self, root: Path) -> None:
         self.path = Path(root) / ".lock"
-        self._fd: int | None = None
+        self.owner_path = Path(root) / ".lock.owner"
+        self._lock: filelock.UnixFileLock | None = None
 
     @property
     def held(self) -> bool:
         """True while this object holds the lock."""
-        return self._fd is not None
+        return self._lock is not None
 
-    def _owner(self, fd: int) -> str:
+    def _owner(self) -> str:
         try:
-            owner = json.loads(os.pread(fd, 4096, 0) or b"{}")
+            owner = json.loads(self.owner_path.read_bytes() or b"{}")
         except (OSError, ValueError):
             owner = {}
         if not isinstance(owner, dict) or "pid" not in owner:
@@ -487,77 +519,73 @@ class RootLock:
         return f"host {owner.get('host')!r}, pid {owner.get('pid')}{when}"
 
     def acquire(self) -> None:
-        """Take the lock without waiting.
+        """Take the lock without waiting, then record this process as its owner.
 
         Raises:
             CheckpointWriteError: another live process holds it (its host and pid are named), the
-                lock file cannot be created or written, or the file system does not support locks.
+                lock or owner file cannot be created or written, or the file system does not
+                support locks.
         """
-        import fcntl
-        import socket
-
-        if self._fd is not None:
+        if self._lock is not None:
             return
-        for _ in range(100):  # only repeats when a releasing owner unlinked the file we opened
-            try:
-                # read-only descriptor: the lock needs none other, and an open writable file would
-                # keep the file system from being remounted read-only
-                fd = os.open(self.path, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
-            except OSError as exc:
-                hint = " (or open it with read_only=True to restore and list only)" \
-                    if exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM) else ""
-                raise CheckpointWriteError(exc.errno, f"cannot create the lock {self.path}: {exc.strerror}; check "
-                                           f"that the checkpoint root is writable and has free space{hint}") from exc
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError as exc:
-                owner = self._owner(fd)
-                os.close(fd)
-                if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                    raise CheckpointWriteError(
-                        exc.errno, f"checkpoint root {self.path.parent} is in use by another run ({owner}); use a "
-                        "different directory, or stop that run first") from exc
+        lock = _unix_file_lock(self.path)
+        try:
+            lock.acquire()
+        except filelock.Timeout as exc:
+            raise CheckpointWriteError(
+                errno.EWOULDBLOCK, f"checkpoint root {self.path.parent} is in use by another run ({self._owner()}); "
+                "use a different directory, or stop that run first") from exc
+        except (NotImplementedError, OSError) as exc:  # filelock < 4 raises NotImplementedError without flock
+            code = getattr(exc, "errno", None)
+            if isinstance(exc, NotImplementedError) or code in (errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP):
                 raise CheckpointWriteError(
-                    exc.errno, f"cannot lock {self.path}: {exc.strerror}; the file system does not support file "
-                    "locks (on Lustre mount with -o flock; on NFS enable the lock manager)") from exc
-            try:
-                same = os.path.samestat(os.fstat(fd), os.stat(self.path))
-            except FileNotFoundError:
-                same = False
-            if not same:  # the previous owner unlinked this file between our open and our lock
-                os.close(fd)
-                continue
-            me = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.time()}
-            try:
-                wfd = os.open(self.path, os.O_WRONLY | os.O_TRUNC | os.O_CLOEXEC)
-                try:
-                    os.write(wfd, json.dumps(me).encode())
-                    os.fsync(wfd)
-                finally:
-                    os.close(wfd)
-            except OSError as exc:
-                self.path.unlink(missing_ok=True)  # still ours: nobody can hold it meanwhile
-                os.close(fd)
-                raise CheckpointWriteError(exc.errno, f"cannot write the lock {self.path}: {exc.strerror}; check "
-                                           "that the checkpoint root is writable and has free space") from exc
-            self._fd = fd
-            return
-        raise CheckpointWriteError(f"could not take the lock {self.path}: it was replaced 100 times in a row")
+                    code or errno.ENOSYS, f"cannot lock {self.path}: the file system does not support file locks "
+                    "(on Lustre mount with -o flock; on NFS enable the lock manager)") from exc
+            hint = " (or open it with read_only=True to restore and list only)" \
+                if code in (errno.EROFS, errno.EACCES, errno.EPERM) else ""
+            raise CheckpointWriteError(code, f"cannot create the lock {self.path}: {exc.strerror or exc}; check that "
+                                       f"the checkpoint root is writable and has free space{hint}") from exc
+        try:
+            _write_owner(self.owner_path)
+        except OSError as exc:
+            lock.release()
+            raise CheckpointWriteError(exc.errno, f"cannot write the lock owner {self.owner_path}: {exc.strerror}; "
+                                       "check that the checkpoint root is writable and has free space") from exc
+        self._lock = lock
 
     def release(self) -> None:
-        """Drop the lock if this object holds it (the lock file is removed first, while still held)."""
-        fd, self._fd = self._fd, None
-        if fd is None:
+        """Drop the lock if this object holds it (the owner file is removed first, while still held)."""
+        lock, self._lock = self._lock, None
+        if lock is None:
             return
         try:
-            if os.path.samestat(os.fstat(fd), os.stat(self.path)):
-                self.path.unlink()
+            self.owner_path.unlink(missing_ok=True)
         except OSError as exc:  # the root itself was removed or replaced
-            log.debug("could not remove lock %s: %s", self.path, exc)
+            log.debug("could not remove lock owner %s: %s", self.owner_path, exc)
         finally:
-            import fcntl
+            lock.release()
 
-            try:
-                fcntl.flock(fd, fcntl.LOCK_UN)  # explicit: a forked child may still share this descriptor
-            finally:
-                os.close(fd)
+
+def _unix_file_lock(path: Path) -> filelock.UnixFileLock:
+    """A non-blocking, thread-independent ``UnixFileLock`` that never falls back to a soft lock."""
+    try:
+        return filelock.UnixFileLock(path, timeout=0, thread_local=False, fallback_to_soft=False)
+    except TypeError:  # filelock < 4: no `fallback_to_soft` (it has no soft fallback either)
+        return filelock.UnixFileLock(path, timeout=0, thread_local=False)
+
+
+def _write_owner(path: Path) -> None:
+    """Write this process's host, pid and time to ``path`` atomically (temporary file + rename)."""
+    tmp = path.with_name(path.name + ".tmp")
+    me = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.time()}
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+        try:
+            os.write(fd, json.dumps(me).encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        raise

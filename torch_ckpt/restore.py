@@ -1,33 +1,42 @@
 """Loading a committed checkpoint into a live state, in place, without unpickling.
 
 Steps (every rank): verify the files of the checkpoint against the manifest (sizes always, CRC-32
-when ``verify``; the work is split over ranks), read this rank's JSON tree, check that the live
+when ``verify``; the work is split over ranks), check the DCP metadata and that every tensor record
+in the data files matches it (dtype, size, shape, byte range), read this rank's JSON tree (every
+tensor it refers to must be in the metadata), check that the live
 state and the checkpoint have the same tensor keys, shapes and dtypes (and let the state check its
 own structure), let DCP read the tensors into new buffers (resharding to the live layout), and only
 then write the live state. A restore that fails therefore leaves the live state as it was.
+
+In a single process, the data files are not checksummed up front: :func:`~torch_ckpt.direct_read.load_direct`
+reads each of them once, placing the tensors into the new buffers and computing the CRC-32 in the
+same pass; only tensors it cannot place go through DCP's reader afterwards.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Mapping, MutableMapping
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
 from torch_ckpt._logging import get_logger
 from torch_ckpt.codec import TENSOR_TAG, join_state, split_state
 from torch_ckpt.dcp_io import load_tensors
-from torch_ckpt.dist import DistContext, single_process_quiet
+from torch_ckpt.direct_read import DATA_SUFFIX, load_direct
+from torch_ckpt.dist import DistContext
 from torch_ckpt.errors import (
     CheckpointCorruptError,
     CheckpointError,
     ConfigError,
     StateMismatchError,
 )
-from torch_ckpt.format import check_files, read_metadata, read_rank_tree
+from torch_ckpt.format import check_files, check_records, read_metadata, read_rank_tree
 from torch_ckpt.layout import Manifest
 
 __all__ = ["verify_files", "load_into", "copy_into_live", "RANK_LOCAL_POLICIES"]
@@ -48,6 +57,11 @@ def verify_files(step_dir: Path, manifest: Manifest, *, checksums: bool, part: i
             CRC-32; the message names the file.
     """
     check_files(step_dir, manifest, checksums=checksums, part=part, parts=parts)
+
+
+def _dcp_tensor_keys(md: Any) -> set[str]:
+    """Keys of the tensors that validated DCP metadata holds."""
+    return {k for k, v in md.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
 
 
 def _tensor_keys(tree: Any) -> set[str]:
@@ -101,10 +115,6 @@ def _structure_keys(tree: Any, *, deep: bool) -> set[str]:
     else:
         keys.update(k for k, v in tree.items() if not (isinstance(v, dict) and len(v) == 1 and TENSOR_TAG in v))
     return keys
-
-
-def _read_rank_tree(step_dir: Path, manifest: Manifest, rank: int) -> Any:
-    return read_rank_tree(step_dir, manifest, rank)
 
 
 def _assign(target: MutableMapping, loaded: Mapping) -> None:
@@ -170,18 +180,31 @@ def load_into(state: Any, step_dir: Path, manifest: Manifest, ctx: DistContext, 
             such key is logged once); otherwise a dtype difference is a StateMismatchError.
 
     Raises:
-        CheckpointCorruptError: files fail verification or the structure is inconsistent.
+        CheckpointCorruptError: files fail verification or the structure is inconsistent (a tensor
+            record that disagrees with the metadata, a tree referring to a tensor it lacks).
         StateMismatchError: tensor keys, shapes or dtypes differ (lists missing and unexpected keys).
         ConfigError: the world size changed and ``on_world_size_change`` is "error".
     """
     if on_world_size_change not in RANK_LOCAL_POLICIES:
         raise ConfigError(f"on_world_size_change must be one of {RANK_LOCAL_POLICIES}, got {on_world_size_change!r}")
     same_world = manifest.world_size == ctx.world_size
+    direct = not ctx.enabled  # one process reads every file itself: checksum while placing the tensors
     err = None
     try:  # every rank's reads and checks are agreed on before any rank loads anything
-        verify_files(step_dir, manifest, checksums=verify, part=ctx.rank, parts=ctx.world_size)
+        if direct:  # data files: sizes now, CRC-32 while load_direct reads them (one read per byte)
+            verify_files(step_dir, manifest, checksums=False)
+            small = {n: i for n, i in manifest.local_files().items() if not n.endswith(DATA_SUFFIX)}
+            verify_files(step_dir, dataclasses.replace(manifest, files=small), checksums=verify)
+        else:
+            part, parts = ctx.rank, ctx.world_size
+            if manifest.node is not None and same_world:  # one node's copy: checked by that node's ranks
+                mates = [r for r, n in enumerate(manifest.nodes["rank_node"]) if n == manifest.node]
+                part, parts = (mates.index(ctx.rank), len(mates)) if ctx.rank in mates else (0, 1)
+            verify_files(step_dir, manifest, checksums=verify, part=part, parts=parts)
         md = read_metadata(step_dir, manifest)
-        tree = _read_rank_tree(step_dir, manifest, ctx.rank if same_world else 0)
+        check_records(step_dir, manifest, md, part=ctx.rank, parts=ctx.world_size)
+        tree = read_rank_tree(step_dir, manifest, ctx.rank if same_world else 0,
+                              tensor_keys=_dcp_tensor_keys(md).__contains__)
     except CheckpointError as exc:
         err = exc
     errors = [e for e in ctx.all_gather(None if err is None else str(err), what="verify") if e]
@@ -261,10 +284,12 @@ def load_into(state: Any, step_dir: Path, manifest: Manifest, ctx: DistContext, 
             logged.add(key)
             log.warning("%s: casting %s (allow_cast=True)", step_dir, line)
 
-    if targets:
-        with single_process_quiet(not ctx.enabled):
-            load_tensors(targets, step_dir, md, set(manifest.files), process_group=ctx.fg if ctx.enabled else None,
-                         no_dist=not ctx.enabled)
+    rest = set(targets)
+    if rest and direct:
+        rest = load_direct(targets, step_dir, md, manifest, verify=verify)
+    if rest:
+        load_tensors({k: targets[k] for k in rest}, step_dir, md, set(manifest.files),
+                     process_group=ctx.fg if ctx.enabled else None, no_dist=not ctx.enabled)
     # every read succeeded: from here on the live state is written
     if staged_aware:
         state.load_state_dict(join_state(tree, targets))

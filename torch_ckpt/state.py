@@ -33,6 +33,7 @@ from torch_ckpt.optim_state import (
     optimizer_state,
     param_names,
     split_state_key,
+    TargetLookup,
     state_target,
 )
 from torch_ckpt.restore import copy_into_live
@@ -181,6 +182,8 @@ class TrainState:
                               "state, resharded on load)")
         self._allow_cast = False
         self._name_cache: dict[str, set[str]] = {}
+        self._plain_models: dict[str, tuple[tuple, tuple[str, ...]]] = {}
+        self._lookups: dict[str, TargetLookup] = {}
         self.step = int(step)
         self.epoch = int(epoch)
         self.extras: dict[str, Any] = dict(extras or {})
@@ -194,7 +197,7 @@ class TrainState:
         models: dict[str, Any] = {}
         optims: dict[str, Any] = {}
         for name, module in self._models.items():
-            models[name] = get_model_state_dict(module, options=self._options)
+            models[name] = self._model_state_dict(name, module)
             opts = self._optims.get(name, [])
             if opts:  # from optimizer.state_dict(): never initialises (steps) an optimizer without state
                 optims[name] = optimizer_state(module, opts, where=f"optimizer {name!r}" if name else "optimizer")
@@ -202,12 +205,42 @@ class TrainState:
             return models[""], optims.get("", {})
         return models, optims
 
+    def _model_state_dict(self, name: str, module: nn.Module) -> dict[str, Any]:
+        """DCP's ``get_model_state_dict`` of ``module``, or the module's own when that is known to be equal.
+
+        DCP's function renames every key through its wrapper-aware naming (about 30 us per tensor:
+        0.6 s for 20,000 tensors). For a module whose ``state_dict()`` DCP returned unchanged (same
+        keys in the same order, the same tensors), the module's own ``state_dict()`` is used again
+        while its keys and the types of its submodules stay the same.
+        """
+        if self._options != StateDictOptions():
+            return get_model_state_dict(module, options=self._options)
+        structure = tuple((n, type(m)) for n, m in module.named_modules())
+        known = self._plain_models.get(name)
+        if known is not None and known[0] == structure:
+            own = module.state_dict()
+            if tuple(own) == known[1]:
+                return own
+        sd = get_model_state_dict(module, options=self._options)
+        own = module.state_dict()
+        same = list(own) == list(sd) and all(
+            type(a) is type(b) and a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.dtype == b.dtype
+            and a.stride() == b.stride() and a.device == b.device
+            if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) else a is b
+            for a, b in zip(own.values(), sd.values()))
+        if same:
+            self._plain_models[name] = (structure, tuple(own))
+        else:
+            self._plain_models.pop(name, None)
+        return sd
+
     def state_dict(self) -> dict[str, Any]:
         """Return the nested state (live tensors, not copies); keys are stable across runs.
 
         Reading it changes nothing: no optimizer step, no RNG draw, no dataloader advance.
         """
         self._name_cache = {}  # parameter names, for load_into's calls that follow (a module may have changed)
+        self._lookups = {}
         model_sd, optim_sd = self._model_optim_state()
         sd: dict[str, Any] = {"step": self.step, "epoch": self.epoch, "extras": dict(self.extras)}
         if self._models:
@@ -247,7 +280,10 @@ class TrainState:
         if parts is None:
             return None
         name, param, entry = parts
-        return state_target(self._models[name], self._optims[name], param, entry, shape, dtype)
+        lookup = self._lookups.get(name)
+        if lookup is None:
+            lookup = self._lookups[name] = TargetLookup(self._models[name], self._optims[name])
+        return state_target(self._models[name], self._optims[name], param, entry, shape, dtype, lookup=lookup)
 
     def _sections(self, state_dict: Mapping[str, Any]) -> list[tuple[str, Any, Any]]:
         """``(model name, model state, optimizer state or None)`` for every model; raises if absent."""

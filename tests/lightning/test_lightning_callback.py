@@ -18,7 +18,7 @@ from lightning_helpers import TinyModule
 import torch_ckpt.checkpointer as checkpointer
 from lightning_ckpt import AsyncDCPCheckpointIO, MTBFCheckpoint
 from torch_ckpt import CheckpointWriteError, ConfigError
-from torch_ckpt.convert import load_full_state
+from torch_ckpt.tools.convert import load_full_state
 
 
 def committed_steps(directory) -> list[str]:

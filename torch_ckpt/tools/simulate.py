@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from torch_ckpt.durations import format_duration
-from torch_ckpt.interval import daly_interval, expected_overhead, young_interval
+from torch_ckpt.interval import checkpoint_interval, expected_overhead, young_interval
 
 __all__ = ["SimulationResult", "simulate_overhead", "sweep", "plot_sweep"]
 
@@ -93,7 +93,9 @@ def simulate_overhead(
 class SimulationResult:
     """One sweep: the measured overhead per interval next to the Young and Daly intervals.
 
-    All times in seconds; overheads are fractions of wall time.
+    ``recommended_interval_s`` is what ``torch-ckpt plan`` and the runtime policy use
+    (:func:`torch_ckpt.interval.checkpoint_interval`: Daly's, raised to the save cost plus the
+    durability lag). All times in seconds; overheads are fractions of wall time.
     """
 
     mtbf_s: float
@@ -111,6 +113,8 @@ class SimulationResult:
     young_overhead: float
     daly_interval_s: float
     daly_overhead: float
+    recommended_interval_s: float
+    recommended_overhead: float
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-serialisable form (tuples become lists)."""
@@ -128,6 +132,7 @@ class SimulationResult:
             ("measured optimum", self.optimum_interval_s, self.optimum_overhead),
             ("Young (1974)", self.young_interval_s, self.young_overhead),
             ("Daly (2006)", self.daly_interval_s, self.daly_overhead),
+            ("recommended", self.recommended_interval_s, self.recommended_overhead),
         ):
             lines.append(f"{name:<17} {format_duration(t):>10} ({t:.1f} s)  overhead {100 * o:.3f}%")
         return "\n".join(lines)
@@ -163,14 +168,15 @@ def sweep(
 
     Returns:
         A :class:`SimulationResult`; ``optimum_interval_s`` is the simulated interval with the
-        lowest measured overhead.
+        lowest measured overhead, ``recommended_interval_s`` the one ``torch-ckpt plan`` recommends.
 
     Raises:
         ValueError: If an argument is out of range (including ``min_interval_s >= max_interval_s``).
     """
     cost = _check("cost_s", cost_s, positive=True)
     young = young_interval(mtbf_s, cost)
-    daly = daly_interval(mtbf_s, cost)
+    recommended = checkpoint_interval(mtbf_s, cost, durability_lag_s)
+    daly = recommended.optimal_interval_s
     if intervals_s is None:
         if isinstance(points, bool) or not isinstance(points, int) or points < 2:
             raise ValueError(f"points must be an integer >= 2, got {points!r}")
@@ -182,8 +188,9 @@ def sweep(
     else:
         intervals = np.atleast_1d(np.asarray(intervals_s, dtype=float))
     common = dict(mtbf_s=mtbf_s, cost_s=cost, durability_lag_s=durability_lag_s, restart_s=restart_s)
-    measured = simulate_overhead(np.append(intervals, [young, daly]), failures=failures, seed=seed, **common)
-    overhead, (young_o, daly_o) = measured[:-2], measured[-2:]
+    extra = [young, daly, recommended.interval_s]
+    measured = simulate_overhead(np.append(intervals, extra), failures=failures, seed=seed, **common)
+    overhead, (young_o, daly_o, recommended_o) = measured[:-3], measured[-3:]
     best = int(np.argmin(overhead))
     predicted = [expected_overhead(t, cost, mtbf_s, durability_lag_s, restart_s=restart_s) for t in intervals]
     return SimulationResult(
@@ -195,6 +202,7 @@ def sweep(
         optimum_interval_s=float(intervals[best]), optimum_overhead=float(overhead[best]),
         young_interval_s=young, young_overhead=float(young_o),
         daly_interval_s=daly, daly_overhead=float(daly_o),
+        recommended_interval_s=recommended.interval_s, recommended_overhead=float(recommended_o),
     )
 
 

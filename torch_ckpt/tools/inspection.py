@@ -13,12 +13,12 @@ trees are JSON, and tensor payloads are never loaded (sizes come from the metada
 
 Status of an entry of a root (:func:`list_root`):
 
-* ``committed``: ``manifest.json`` is readable and every file it lists is present with its size
-  (and, with ``verify=True``, its CRC-32 and the structure checks of :func:`verify_checkpoint`);
+* ``committed``: ``manifest.json`` is valid, names this step and lists ``.metadata`` and one rank
+  file per rank, and every file it lists is a regular file present with its size (and, with
+  ``verify=True``, its CRC-32 and all the checks of :func:`verify_checkpoint`);
 * ``partial``: a temporary ``.step_N.tmp[.<id>]`` (a save or download in progress, or left by a crash), or
   a ``step_N`` directory without a manifest (on an object store: an upload in progress or abandoned);
-* ``corrupt``: the manifest is unreadable or names another step, or files are missing or have the
-  wrong size (or fail verification).
+* ``corrupt``: one of those checks failed (what a restore would refuse too).
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ import math
 import os
 import time
 from typing import Any
+
+from tqdm import tqdm
 
 from torch_ckpt.codec import (  # the on-disk tags of the per-rank JSON trees
     TENSOR_TAG,
@@ -39,7 +41,8 @@ from torch_ckpt.errors import (
 )
 from torch_ckpt.format import embedded_info, metadata_problems, rank_file_problems, walk_tree
 from torch_ckpt.layout import MANIFEST_NAME, rank_file_name
-from torch_ckpt.location import (  # private helpers shared by the read-only tools
+from torch_ckpt.records import storage_record_problems
+from torch_ckpt.tools.location import (  # private helpers shared by the read-only tools
     _METADATA,
     COMMITTED,
     CORRUPT,
@@ -52,9 +55,8 @@ from torch_ckpt.location import (  # private helpers shared by the read-only too
     _require_dir,
     _step_of,
     is_url,
-    progress_bar,
 )
-from torch_ckpt.verification import (
+from torch_ckpt.tools.verification import (
     _check_dir_manifest,
     _check_files,
     _Report,
@@ -72,7 +74,6 @@ __all__ = [
     "inspect_checkpoint",
     "is_url",
     "list_root",
-    "progress_bar",
     "resolve_checkpoint",
     "verify_checkpoint",
     "verify_path",
@@ -149,6 +150,8 @@ def list_root(root: str | os.PathLike | Location, *, storage_options: dict[str, 
             continue  # deleted while listing (retention renames it away first)
         row["problems"] = result["problems"]
         row["status"] = COMMITTED if result["ok"] else CORRUPT
+        if result.get("partial"):
+            row["reason"] = f"partial: {result['partial']}"
         row["bytes"] = present
         if manifest is not None:
             row.update(wall_time=manifest.wall_time, time=_iso(manifest.wall_time), age_s=now - manifest.wall_time,
@@ -224,7 +227,8 @@ def inspect_checkpoint(where: str | os.PathLike | Location, *, step: int | None 
 
     Sizes come from the DCP metadata (global shapes and dtypes, so a sharded tensor counts once at
     its full size) and from the per-rank JSON trees (rank-local tensors, embedded per rank, count on
-    every rank). No tensor payload is read and no checksum is checked (see :func:`verify_checkpoint`).
+    every rank). The checks of a restore are made, except checksums (see :func:`verify_checkpoint`):
+    the tensor records' headers are read, never their payload.
 
     Args:
         where: a checkpoint directory, or a run root (its newest committed checkpoint, or ``step``).
@@ -258,9 +262,11 @@ def inspect_checkpoint(where: str | os.PathLike | Location, *, step: int | None 
     problems, tensors = metadata_problems(md, manifest)
     problems += rank_file_problems(manifest)
     listed = _Report(loc)  # the listed files must be what a restore reads: regular files of the listed sizes
-    with progress_bar(0, "", enabled=False) as bar:
+    with tqdm(disable=True) as bar:
         _check_files(loc, manifest, loc.entries(), listed, checksums=False, bar=bar)
     problems = [(p["file"], p["problem"]) for p in listed.problems] + problems
+    if not problems:  # the tensor records must match the metadata (headers only: no payload is read)
+        problems = storage_record_problems(md, tensors, loc.open_range)
     if problems:
         file, text = problems[0]
         more = f" (and {len(problems) - 1} more problem(s); run torch-ckpt verify)" if len(problems) > 1 else ""
@@ -275,8 +281,8 @@ def inspect_checkpoint(where: str | os.PathLike | Location, *, step: int | None 
         comp["dtypes"][dtype] = comp["dtypes"].get(dtype, 0) + 1
         comp["rank_local_tensors"] += int(local)
 
-    with progress_bar(manifest.world_size, f"inspect {loc.name}", enabled=progress and manifest.world_size > 8,
-                      unit="rank") as bar:
+    with tqdm(total=manifest.world_size, desc=f"inspect {loc.name}", unit="rank", leave=False, dynamic_ncols=True,
+              disable=None if progress and manifest.world_size > 8 else True) as bar:  # None: only on a terminal
         for rank in range(manifest.world_size):
             tree = loc.read_rank_doc(rank, manifest)["tree"]
             source = loc.describe(rank_file_name(rank))

@@ -24,12 +24,7 @@ import math
 import re
 from typing import Any
 
-from torch_ckpt.interval import (
-    daly_interval,
-    expected_lost_work,
-    expected_overhead,
-    young_interval,
-)
+from torch_ckpt.interval import checkpoint_interval, expected_overhead, young_interval
 
 __all__ = ["DTYPE_BYTES", "OPTIMIZER_MOMENTS", "parse_count", "checkpoint_size", "interval_plan"]
 
@@ -169,8 +164,10 @@ def interval_plan(
 ) -> dict[str, Any]:
     """Young and Daly intervals and the expected cost of saving at the recommended one.
 
-    The recommended interval is Daly's, raised to the time a save needs to become durable
-    (``cost_s + durability_lag_s``) so that saves never pile up.
+    The recommended interval is :func:`torch_ckpt.interval.checkpoint_interval`'s, the rule the
+    runtime ``YoungDaly`` policy uses too: Daly's (2006) interval, raised to the time a save needs
+    to become durable (``cost_s + durability_lag_s``) so that saves never pile up; in steps, the
+    nearest whole step of Daly's interval, raised to the durability time rounded up.
 
     Args:
         mtbf_s: Mean time between failures of the job, in seconds (> 0).
@@ -180,9 +177,10 @@ def interval_plan(
 
     Returns:
         ``mtbf_s``, ``save_cost_s``, ``durability_lag_s``, ``young_interval_s``,
-        ``daly_interval_s``, ``recommended_interval_s``, ``limited_by`` (``"daly"`` or
-        ``"durability"``), ``expected_overhead`` and ``expected_lost_work_s`` (at the recommended
-        interval), ``young_expected_overhead``, and with ``step_time_s`` also ``step_time_s`` and
+        ``daly_interval_s``, ``recommended_interval_s`` (in whole steps when ``step_time_s`` is
+        given), ``limited_by`` (``"daly"`` or ``"durability"``), ``expected_overhead`` and
+        ``expected_lost_work_s`` (at the recommended interval),
+        ``young_expected_overhead``, and with ``step_time_s`` also ``step_time_s`` and
         ``interval_steps``.
 
     Raises:
@@ -190,24 +188,23 @@ def interval_plan(
     """
     if not math.isfinite(cost_s) or cost_s <= 0:
         raise ValueError(f"save cost must be a positive number of seconds, got {cost_s!r}")
+    if step_time_s is not None:
+        step_time_s = _positive("step_time_s", step_time_s)
+    chosen = checkpoint_interval(mtbf_s, cost_s, durability_lag_s, step_time_s)
     young = young_interval(mtbf_s, cost_s)
-    daly = daly_interval(mtbf_s, cost_s)
-    durable = cost_s + durability_lag_s
-    recommended, limited_by = (durable, "durability") if durable > daly else (daly, "daly")
     plan: dict[str, Any] = {
         "mtbf_s": float(mtbf_s),
         "save_cost_s": float(cost_s),
         "durability_lag_s": float(durability_lag_s),
         "young_interval_s": young,
-        "daly_interval_s": daly,
-        "recommended_interval_s": recommended,
-        "limited_by": limited_by,
-        "expected_overhead": expected_overhead(recommended, cost_s, mtbf_s, durability_lag_s),
-        "expected_lost_work_s": expected_lost_work(recommended, durability_lag_s),
+        "daly_interval_s": chosen.optimal_interval_s,
+        "recommended_interval_s": chosen.interval_s,
+        "limited_by": "daly" if chosen.limited_by == "formula" else chosen.limited_by,
+        "expected_overhead": chosen.expected_overhead,
+        "expected_lost_work_s": chosen.expected_lost_work_s,
         "young_expected_overhead": expected_overhead(young, cost_s, mtbf_s, durability_lag_s),
     }
     if step_time_s is not None:
-        step_time_s = _positive("step_time_s", step_time_s)
         plan["step_time_s"] = step_time_s
-        plan["interval_steps"] = max(1, math.floor(recommended / step_time_s + 0.5))
+        plan["interval_steps"] = chosen.interval_steps
     return plan

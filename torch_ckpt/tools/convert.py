@@ -16,9 +16,8 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from torch_ckpt.codec import join_state
 from torch_ckpt.dcp_io import load_tensors
-from torch_ckpt.dist import single_process_quiet
 from torch_ckpt.errors import CheckpointNotFoundError, ConfigError
-from torch_ckpt.format import check_files, read_metadata, read_rank_tree
+from torch_ckpt.format import check_files, check_records, read_metadata, read_rank_tree
 from torch_ckpt.layout import Manifest, read_manifest
 
 __all__ = ["load_full_state", "export_torch", "export_safetensors"]
@@ -37,7 +36,8 @@ def load_full_state(checkpoint: str | Path, *, verify: bool = True,
 
     Goes through the same validation as a restore (:mod:`torch_ckpt.format`): only the manifest's
     files, as regular files inside the checkpoint; metadata whose chunks cover every tensor exactly
-    and fit in the files (checked before any tensor is allocated); bounded, well-formed rank files.
+    and fit in the files (checked before any tensor is allocated); tensor records that match the
+    metadata's dtypes, sizes and shapes; bounded, well-formed rank files.
 
     Args:
         checkpoint: a committed step directory.
@@ -57,6 +57,7 @@ def load_full_state(checkpoint: str | Path, *, verify: bool = True,
     path, manifest = _resolve(checkpoint, allow_symlinks)
     check_files(path, manifest, checksums=verify, allow_symlinks=allow_symlinks)
     md = read_metadata(path, manifest, allow_symlinks=allow_symlinks)
+    check_records(path, manifest, md, allow_symlinks=allow_symlinks)
     specs = {k: m for k, m in md.state_dict_metadata.items() if isinstance(m, TensorStorageMetadata)}
     trees = [read_rank_tree(path, manifest, r, allow_symlinks=allow_symlinks, tensor_keys=specs.__contains__)
              for r in range(manifest.world_size)]
@@ -64,8 +65,7 @@ def load_full_state(checkpoint: str | Path, *, verify: bool = True,
     # every element of these buffers is overwritten by the load
     tensors = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype) for k, m in specs.items()}
     if tensors:
-        with single_process_quiet(True):
-            load_tensors(tensors, path, md, set(manifest.files), no_dist=True, allow_symlinks=allow_symlinks)
+        load_tensors(tensors, path, md, set(manifest.files), no_dist=True, allow_symlinks=allow_symlinks)
     state = join_state(trees[0], tensors)
     if manifest.world_size > 1:
         state["per_rank"] = [join_state({k: v for k, v in t.items() if k in ("rng", "dataloader")}, tensors)

@@ -25,9 +25,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from torch_ckpt import cli_tools
+from torch_ckpt.tools import cli_tools
 from torch_ckpt.durations import DURATION_FORMS, format_duration, parse_duration
-from torch_ckpt.sizing import (
+from torch_ckpt.tools.sizing import (
     DTYPE_BYTES,
     OPTIMIZER_MOMENTS,
     checkpoint_size,
@@ -194,7 +194,8 @@ def _interval_rows(plans: list[dict[str, Any]]) -> str:
         rows.append(row + ([str(pl["interval_steps"])] if steps else []))
     widths = [max(len(r[i]) for r in rows) for i in range(len(head) + steps)]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
-    lines.append("recommended = Daly's interval; overhead = C/T + (T/2 + lag)/MTBF at it; "
+    lines.append("recommended = Daly's interval" + (" in whole steps" if steps else "")
+                 + "; overhead = C/T + (T/2 + lag)/MTBF at it; "
                  "lost work/failure = T/2 + lag.")
     if any(pl["limited_by"] == "durability" for pl in plans):
         lines.append("* raised to the time a save needs to become durable (save cost + lag), so saves do not pile up.")
@@ -297,7 +298,7 @@ def _add_simulate_arguments(p: argparse.ArgumentParser) -> None:
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
     """``torch-ckpt simulate``: Monte Carlo overhead versus interval, next to Young and Daly."""
-    from torch_ckpt.simulate import plot_sweep, sweep  # numpy only when simulating
+    from torch_ckpt.tools.simulate import plot_sweep, sweep  # numpy only when simulating
 
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         raise UsageError("--plot needs matplotlib, which is not installed: pip install matplotlib")
@@ -391,6 +392,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":  # run through the package so exception classes are the importable ones
-    from torch_ckpt.cli import main as _main
+    from torch_ckpt.tools.cli import main as _main
 
     sys.exit(_main())

@@ -1,0 +1,111 @@
+"""Single-pass restore (torch_ckpt.direct_read): one read per byte, CRC-32 checked in the same pass."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from torch_ckpt import CheckpointManager
+from torch_ckpt.dcp_io import record_framing
+from torch_ckpt.direct_read import load_direct
+from torch_ckpt.errors import CheckpointCorruptError
+from torch_ckpt.format import read_manifest, read_metadata
+
+
+def _state() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {"w": torch.randn(64, 32, generator=g), "b": torch.randn(32, generator=g),
+            "h": torch.randn(16, generator=g).to(torch.bfloat16), "i": torch.arange(7)}
+
+
+@pytest.fixture()
+def ckpt(tmp_path):
+    with CheckpointManager(tmp_path) as mgr:
+        mgr.save(1, _state()).wait()
+    return next(tmp_path.glob("step_*"))
+
+
+def _targets() -> dict[str, torch.Tensor]:
+    return {k: torch.zeros_like(v) for k, v in _state().items()}
+
+
+def _data_pos(info, key) -> int:
+    """File offset of the first data byte of ``key``'s record."""
+    head, _ = record_framing(_state()[key])
+    return info.offset + len(head)
+
+
+def _data_file(ckpt, key):
+    md = read_metadata(ckpt, read_manifest(ckpt))
+    (info,) = [i for idx, i in md.storage_data.items() if idx.fqn == key]
+    return ckpt / info.relative_path, info
+
+
+def test_every_tensor_is_placed_from_one_pass(ckpt):
+    """All tensors of a checkpoint written by torch-ckpt are placed directly, with the saved values."""
+    targets = _targets()
+    manifest = read_manifest(ckpt)
+    rest = load_direct(targets, ckpt, read_metadata(ckpt, manifest), manifest, verify=True)
+    assert rest == set()
+    for key, value in _state().items():
+        assert torch.equal(targets[key], value), key
+
+
+@pytest.mark.parametrize("where", ["data", "framing"])
+def test_flipped_byte_is_a_corrupt_file(ckpt, where):
+    """A byte flipped in a tensor's data or in its record framing fails the CRC-32 check naming the file."""
+    path, info = _data_file(ckpt, "w")
+    pos = _data_pos(info, "w") + 1000 if where == "data" else info.offset + 10
+    raw = bytearray(path.read_bytes())
+    raw[pos] ^= 0x01
+    path.write_bytes(bytes(raw))
+    manifest = read_manifest(ckpt)
+    with pytest.raises(CheckpointCorruptError, match=f"{path.name}.*CRC-32"):
+        load_direct(_targets(), ckpt, read_metadata(ckpt, manifest), manifest, verify=True)
+
+
+def test_truncated_file_is_corrupt(ckpt):
+    """A data file shorter than the manifest says is refused before any tensor is placed."""
+    path, _ = _data_file(ckpt, "w")
+    os.truncate(path, path.stat().st_size - 1)
+    manifest = read_manifest(ckpt)
+    targets = _targets()
+    with pytest.raises(CheckpointCorruptError, match=f"{path.name}.*size"):
+        load_direct(targets, ckpt, read_metadata(ckpt, manifest), manifest, verify=True)
+    assert all(torch.count_nonzero(t) == 0 for t in targets.values())
+
+
+def test_unexpected_framing_is_left_to_dcp(ckpt):
+    """Without verification, a record whose framing differs from torch.save's is not placed but returned."""
+    path, info = _data_file(ckpt, "w")
+    raw = bytearray(path.read_bytes())
+    raw[info.offset + 10] ^= 0x01
+    path.write_bytes(bytes(raw))
+    manifest = read_manifest(ckpt)
+    targets = _targets()
+    rest = load_direct(targets, ckpt, read_metadata(ckpt, manifest), manifest, verify=False)
+    assert rest == {"w"}
+    assert torch.equal(targets["b"], _state()["b"])
+
+
+def test_non_contiguous_target_is_left_to_dcp(ckpt):
+    """A target the reader cannot fill byte for byte (a transposed view) is returned for DCP's reader."""
+    targets = _targets()
+    targets["w"] = torch.zeros(32, 64).t()
+    manifest = read_manifest(ckpt)
+    rest = load_direct(targets, ckpt, read_metadata(ckpt, manifest), manifest, verify=True)
+    assert rest == {"w"}
+
+
+def test_manager_restore_detects_a_flipped_data_byte(ckpt):
+    """CheckpointManager.restore of a checkpoint with one flipped data byte raises and leaves the state as it was."""
+    path, info = _data_file(ckpt, "b")
+    raw = bytearray(path.read_bytes())
+    raw[_data_pos(info, "b") + 5] ^= 0x40
+    path.write_bytes(bytes(raw))
+    live = _targets()
+    with CheckpointManager(ckpt.parent) as mgr, pytest.raises(CheckpointCorruptError, match="CRC-32"):
+        mgr.restore(live, step=1)
+    assert all(torch.count_nonzero(t) == 0 for t in live.values())

@@ -1,0 +1,251 @@
+"""Single-pass restore: read each data file once, checksum it while reading, place tensors directly.
+
+DCP's own reader costs two reads per byte when the checksums are verified first (one pass for the
+CRC-32, one through a ``torch.load`` per tensor) plus a copy out of each record. For a checkpoint
+written by :class:`~torch_ckpt.dcp_io.ChecksumFileSystemWriter` and loaded into plain, contiguous
+CPU tensors on a single process, :func:`load_direct` reads every ``.distcp`` file front to back
+exactly once:
+
+* the bytes of each tensor's data go straight into its target tensor (``readinto`` its memory);
+* the record framing around them (the ``torch.save`` zip headers) is read into a small buffer and
+  compared byte for byte with the framing ``torch.save`` produces for a tensor of the target's
+  dtype, shape and strides; only an exact match places the data (the record then is exactly what
+  ``torch.load`` would decode into those bytes), anything else is left to DCP's reader;
+* a second thread computes the file's CRC-32 over every byte, in file order, while the next bytes
+  are being read (:func:`torch_ckpt.crc.crc32` and ``readinto`` both release the GIL), and the file's size and
+  CRC-32 are compared with the manifest before the function returns.
+
+The targets are new buffers (see :func:`torch_ckpt.restore.load_into`), so a file that fails its
+check leaves the live state untouched.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+from torch_ckpt.crc import crc32
+from torch_ckpt.dcp_io import record_framing
+from torch_ckpt.errors import CheckpointCorruptError
+from torch_ckpt.format import open_listed
+
+__all__ = ["load_direct", "DATA_SUFFIX"]
+
+DATA_SUFFIX = ".distcp"
+#: bytes per ``readinto`` call and per CRC-32 work item
+_CHUNK_BYTES = 8 << 20
+#: chunks read ahead of the CRC-32 thread (bounds the transient memory for skipped regions)
+_QUEUE_DEPTH = 8
+
+
+def _byte_view(t: torch.Tensor) -> memoryview:
+    """Writable bytes of the contiguous CPU tensor ``t`` (no copy)."""
+    flat = torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage(), t.storage_offset() * t.element_size(),
+                                                   (t.numel() * t.element_size(),))
+    return memoryview(flat.numpy())
+
+
+def _placeable(key: str, target: Any, md: Metadata) -> bool:
+    """True when ``target`` can receive checkpoint tensor ``key`` straight from its record."""
+    if type(target) is not torch.Tensor or target.device.type != "cpu" or not target.is_contiguous():
+        return False
+    if target.is_quantized or target.is_conj() or target.is_neg() or target.numel() == 0:
+        return False
+    smd = md.state_dict_metadata.get(key)
+    if not isinstance(smd, TensorStorageMetadata) or len(smd.chunks) != 1:
+        return False
+    chunk = smd.chunks[0]
+    return (tuple(smd.size) == tuple(target.shape) and tuple(chunk.sizes) == tuple(target.shape)
+            and not any(chunk.offsets) and smd.properties.dtype == target.dtype)
+
+
+class _Crc:
+    """CRC-32 and byte count of one file, computed by a helper thread over views queued in file order."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.crc = 0
+        self.nbytes = 0
+        self.error: BaseException | None = None
+        self._q: queue.Queue = queue.Queue(maxsize=_QUEUE_DEPTH)
+        self._thread = threading.Thread(target=self._run, name="torch_ckpt_restore_crc", daemon=True)
+        if enabled:
+            self._thread.start()
+
+    def _run(self) -> None:
+        while (view := self._q.get()) is not None:
+            try:
+                self.crc = crc32(view, self.crc)
+            except BaseException as exc:  # noqa: BLE001 - re-raised by the reading thread in finish()
+                self.error = exc
+
+    def add(self, view: Any) -> None:
+        self.nbytes += memoryview(view).nbytes
+        if self.enabled:
+            self._q.put(view)
+
+    def finish(self) -> int:
+        if self.enabled:
+            self._q.put(None)
+            self._thread.join()
+            if self.error is not None:
+                raise self.error
+        return self.crc
+
+    def abandon(self) -> None:
+        if self.enabled and self._thread.is_alive():
+            self._q.put(None)
+            self._thread.join()
+
+
+class _FileReader:
+    """Sequential reads of one open data file, every byte handed to a :class:`_Crc` in order."""
+
+    def __init__(self, fd: int, path: Path, crc: _Crc) -> None:
+        self._f = os.fdopen(fd, "rb", buffering=0)
+        self.path = path
+        self.crc = crc
+        self.pos = 0
+
+    def into(self, view: memoryview) -> None:
+        """Fill ``view`` from the current position (raises on a file shorter than that)."""
+        done, n = 0, view.nbytes
+        while done < n:
+            k = min(_CHUNK_BYTES, n - done)
+            part = view[done:done + k]
+            got = 0
+            while got < k:
+                r = self._f.readinto(part[got:])
+                if not r:
+                    raise CheckpointCorruptError(f"{self.path}: ends at byte {self.pos + done + got}, before the "
+                                                 "data DCP's metadata places there (truncated?)")
+                got += r
+            self.crc.add(part)
+            done += k
+        self.pos += n
+
+    def bytes(self, n: int) -> bytes:
+        """The next ``n`` bytes, read into a new buffer."""
+        buf = bytearray(n)
+        self.into(memoryview(buf))
+        return bytes(buf)
+
+    def skip(self, n: int) -> None:
+        """Read (and checksum) the next ``n`` bytes without keeping them."""
+        while n > 0:
+            k = min(_CHUNK_BYTES, n)
+            self.into(memoryview(bytearray(k)))
+            n -= k
+
+    def rest(self) -> None:
+        """Read to the end of the file."""
+        while chunk := self._f.read(_CHUNK_BYTES):
+            self.crc.add(chunk)
+            self.pos += len(chunk)
+
+    def close(self) -> None:
+        self._f.close()
+
+
+def load_direct(targets: dict[str, torch.Tensor], step_dir: str | os.PathLike, md: Metadata, manifest: Any, *,
+                verify: bool, allow_symlinks: bool = False) -> set[str]:
+    """Read the data files of a single-rank checkpoint once, placing tensors and checking CRC-32s.
+
+    Every ``.distcp`` file the manifest lists is read front to back (with ``verify``; without it,
+    only files holding a placeable tensor). Its size and, with ``verify``, its CRC-32 are compared
+    with the manifest.
+
+    Args:
+        targets: ``{key: new tensor}`` to fill (not the live state: a failure leaves them half written).
+        step_dir: the committed checkpoint directory.
+        md: its validated DCP metadata.
+        manifest: its manifest (``files``: ``{name: {"bytes", "crc32"}}``).
+        verify: check the CRC-32 of every data file.
+        allow_symlinks: follow symlinks when opening the files.
+
+    Returns:
+        The keys of ``targets`` not placed here (another layout, dtype or framing); load them with
+        DCP's reader (:func:`torch_ckpt.dcp_io.load_tensors`) after this returns.
+
+    Raises:
+        CheckpointCorruptError: a data file is missing, not a regular file, truncated, or has the
+            wrong size or CRC-32; the message names it.
+    """
+    step_dir = Path(step_dir)
+    by_file: dict[str, list[tuple[int, int, str | None]]] = {}
+    for index, info in md.storage_data.items():
+        name = getattr(info, "relative_path", None)
+        if name not in manifest.files:
+            continue  # DCP's reader refuses it with a clear error
+        key = index.fqn if index.fqn in targets and not getattr(info, "transform_descriptors", None) else None
+        by_file.setdefault(name, []).append((int(info.offset), int(info.length), key))
+    seen: dict[str, int] = {}
+    for entries in by_file.values():
+        for _, _, key in entries:
+            if key is not None:
+                seen[key] = seen.get(key, 0) + 1
+    placeable = {k for k, n in seen.items() if n == 1 and _placeable(k, targets[k], md)}
+    placed: set[str] = set()
+    names = sorted(n for n in manifest.files if n.endswith(DATA_SUFFIX))
+    for name in names:
+        entries = sorted(by_file.get(name, []))
+        if not verify and not any(k in placeable for _, _, k in entries):
+            continue
+        placed |= _read_file(step_dir / name, name, entries, targets, placeable, manifest, verify=verify,
+                             allow_symlinks=allow_symlinks, step_dir=step_dir)
+    return set(targets) - placed
+
+
+def _read_file(path: Path, name: str, entries: list[tuple[int, int, str | None]], targets: dict[str, torch.Tensor],
+               placeable: set[str], manifest: Any, *, verify: bool, allow_symlinks: bool, step_dir: Path) -> set[str]:
+    """Read one data file (see :func:`load_direct`); returns the keys placed from it."""
+    expected = manifest.files[name]
+    fd = open_listed(step_dir, manifest, name, allow_symlinks=allow_symlinks)
+    crc = _Crc(verify)
+    reader = _FileReader(fd, path, crc)
+    placed: set[str] = set()
+    try:
+        size = os.fstat(fd).st_size
+        if size != expected["bytes"]:
+            raise CheckpointCorruptError(f"{path}: size {size} bytes, manifest says {expected['bytes']} (truncated?)")
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        for offset, length, key in entries:
+            if key not in placeable or offset < reader.pos or offset + length > size:
+                continue  # bytes read (and checksummed) as part of the gaps
+            target = targets[key]
+            framing = record_framing(target)
+            if framing is None:
+                continue
+            head, tail = framing
+            nbytes = target.numel() * target.element_size()
+            if len(head) + nbytes + len(tail) != length:
+                continue
+            reader.skip(offset - reader.pos)
+            if reader.bytes(len(head)) != head:
+                reader.skip(nbytes + len(tail))
+                continue
+            reader.into(_byte_view(target))
+            if reader.bytes(len(tail)) == tail:
+                placed.add(key)
+        if verify:
+            reader.rest()
+        got = crc.finish()
+        if verify and crc.nbytes != expected["bytes"]:
+            raise CheckpointCorruptError(f"{path}: read {crc.nbytes} bytes, manifest says {expected['bytes']} "
+                                         "(the file changed while it was read?)")
+        if verify and got != expected["crc32"]:
+            raise CheckpointCorruptError(f"{path}: CRC-32 {got:#010x} does not match the manifest "
+                                         f"({expected['crc32']:#010x}); the file is corrupt")
+    except OSError as exc:
+        raise CheckpointCorruptError(f"{path}: data file cannot be read ({exc.strerror or exc})") from exc
+    finally:
+        crc.abandon()
+        reader.close()
+    return placed
