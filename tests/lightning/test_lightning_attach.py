@@ -135,7 +135,7 @@ def _fit_sharded(root: Path, name: str, max_steps: int, ckpt_path: str | None = 
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=max_steps,
                         logger=False, enable_progress_bar=False, enable_model_summary=False, default_root_dir=root,
                         plugins=[AsyncDCPCheckpointIO()],
-                        callbacks=[MTBFCheckpoint(root / name, mtbf_seconds=None, every_n_steps=3, keep_last=None)])
+                        callbacks=[MTBFCheckpoint(root / name, mtbf_seconds=None, save_every_n_steps=3, keep_last=None)])
     model = ShardedModule()
     trainer.fit(model, ckpt_path=ckpt_path)
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
@@ -168,7 +168,7 @@ def test_fsdp_sharded_resume_continues_bitwise(tmp_path):
         trainer = L.Trainer(accelerator="cuda", devices=1, strategy=FSDPStrategy(state_dict_type="sharded"),
                             max_steps=8, logger=False, enable_progress_bar=False, enable_model_summary=False,
                             default_root_dir=tmp_path, plugins=[AsyncDCPCheckpointIO()],
-                            callbacks=[MTBFCheckpoint(tmp_path / name, mtbf_seconds=None, every_n_steps=3)])
+                            callbacks=[MTBFCheckpoint(tmp_path / name, mtbf_seconds=None, save_every_n_steps=3)])
         model = TinyModule()
         trainer.fit(model, ckpt_path=ckpt_path)
         full = get_model_state_dict(trainer.strategy.model, options=StateDictOptions(full_state_dict=True))

@@ -53,7 +53,7 @@ def test_each_rank_loads_its_own_loop_and_callback_state(tmp_path):
 
 def _fit_three_steps(make_trainer, root) -> None:
     make_trainer(max_steps=3, plugins=[AsyncDCPCheckpointIO()],
-                 callbacks=[MTBFCheckpoint(root, mtbf_seconds=None, every_n_steps=3)]).fit(TinyModule())
+                 callbacks=[MTBFCheckpoint(root, mtbf_seconds=None, save_every_n_steps=3)]).fit(TinyModule())
 
 
 def test_a_dtype_difference_is_refused_before_lightning_loads_anything(make_trainer, tmp_path):

@@ -20,7 +20,7 @@ def _save_last_body(rank: int, world: int, root: str, strategy: str, mtbf: bool)
 
     io = AsyncDCPCheckpointIO()
     mc = ModelCheckpoint(dirpath=Path(root) / "mc", every_n_train_steps=1, save_last=True)
-    callbacks = [mc] + ([MTBFCheckpoint(Path(root) / "mtbf", mtbf_seconds=None, every_n_steps=2)] if mtbf else [])
+    callbacks = [mc] + ([MTBFCheckpoint(Path(root) / "mtbf", mtbf_seconds=None, save_every_n_steps=2)] if mtbf else [])
     trainer = L.Trainer(accelerator="cpu", devices=2, max_steps=6, logger=False, enable_progress_bar=False,
                         enable_model_summary=False, default_root_dir=root, plugins=[io], callbacks=callbacks,
                         strategy=DDPStrategy() if strategy == "ddp" else ModelParallelStrategy(

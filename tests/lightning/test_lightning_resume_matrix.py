@@ -80,7 +80,7 @@ def fit(root: Path, max_steps: int, *, ckpt_path: str | None = None, every: int 
 
     sharded = isinstance(trainer_kwargs.get("strategy"), ModelParallelStrategy)
     module = (ShardedDropoutModule if sharded else DropoutModule)(generators)
-    callback = MTBFCheckpoint(root, mtbf_seconds=None, every_n_steps=every, keep_last=None, log_stats=False,
+    callback = MTBFCheckpoint(root, mtbf_seconds=None, save_every_n_steps=every, keep_last=None, log_stats=False,
                               prog_bar=False)
     options = dict(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
                    default_root_dir=root, val_check_interval=5, accumulate_grad_batches=accumulate)
