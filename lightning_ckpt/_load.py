@@ -123,6 +123,14 @@ def load_from_checkpoint(cls: type, checkpoint_path: str | Path, *, map_location
     Builds ``cls`` from the saved hyper-parameters (``kwargs`` override them), runs its
     ``on_load_checkpoint`` and loads the weights, as Lightning's own method does for a file.
 
+    Args:
+        cls: the ``LightningModule`` class.
+        checkpoint_path: a torch-ckpt checkpoint directory or a plain ``.ckpt`` file.
+        map_location: device (or device string) for the tensors; default CPU.
+        strict: as in ``load_state_dict``; default the module's ``strict_loading``.
+        weights_only: False allows values stored pickled (``unsafe_values="pickle"``).
+        kwargs: hyper-parameters overriding the saved ones.
+
     Raises:
         CheckpointNotFoundError: ``checkpoint_path`` is neither a file nor a committed checkpoint.
         CheckpointCorruptError: a file fails verification.
