@@ -263,7 +263,18 @@ def _nodes_fields(data: dict, files: dict[str, Any], world_size: int) -> tuple[d
         raise _Malformed("nodes.file_node must give the node (an int below the node count) of every listed file")
     if node is not None and (type(node) is not int or not 0 <= node < count):
         raise _Malformed(f"node must be an int in 0..{count - 1}, got {_short(node)}")
-    return {"rank_node": list(rank_node), "file_node": dict(file_node)}, node
+    out: dict[str, Any] = {"rank_node": list(rank_node), "file_node": dict(file_node)}
+    for key in ("shared", "held"):
+        if key in nodes:
+            names = nodes[key]
+            if not isinstance(names, list) or not all(isinstance(n, str) and n in files for n in names):
+                raise _Malformed(f"nodes.{key} must list files of the manifest")
+            out[key] = list(names)
+    if "metadata" in nodes:
+        if nodes["metadata"] not in files:
+            raise _Malformed("nodes.metadata must name a file of the manifest")
+        out["metadata"] = nodes["metadata"]
+    return out, node
 
 
 def parse_manifest(raw: bytes, source: str) -> Any:
@@ -829,7 +840,7 @@ def read_metadata(step_dir: str | os.PathLike, manifest: Any, *, allow_symlinks:
         UnsafeCheckpointError: the pickle references code.
     """
     step_dir = Path(step_dir)
-    name = metadata_name(getattr(manifest, "node", None) or 0)
+    name = (getattr(manifest, "nodes", None) or {}).get("metadata") or metadata_name(getattr(manifest, "node", None) or 0)
     source = str(step_dir / name)
     if name not in manifest.files:
         raise _corrupt(source, "DCP metadata is not listed in the manifest")

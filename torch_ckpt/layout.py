@@ -146,7 +146,10 @@ class Manifest:
         tiers: tiers holding a complete, verified copy besides this one, e.g.
             ``{"durable": {"url": "s3://b/run", "committed_at": 1.7e9}}``.
         nodes: for a checkpoint written to node-local roots, ``{"rank_node": [node of each rank],
-            "file_node": {file name: node holding it}}``; empty for a shared root.
+            "file_node": {file name: node holding it}, "shared": [uploaded files holding tensors
+            several nodes hold]}``, plus for a node's copy fetched from the durable tier ``"held"``
+            (its files) and ``"metadata"`` (the DCP metadata file it loads with); empty for a
+            shared root.
         node: the node whose copy this directory is (it holds only the files ``file_node`` gives
             that node); None for a complete copy (shared root, durable tier).
     """
@@ -183,6 +186,8 @@ class Manifest:
         """The listed files this copy holds: all of them, or those of :attr:`node` for a node's copy."""
         if self.node is None:
             return self.files
+        if "held" in self.nodes:  # a copy fetched from the durable tier
+            return {name: self.files[name] for name in self.nodes["held"]}
         held = self.nodes.get("file_node", {})
         return {name: info for name, info in self.files.items() if held.get(name) == self.node}
 

@@ -37,7 +37,7 @@ from torch_ckpt.layout import (
     temporary_name,
     write_json_durable,
 )
-from torch_ckpt.nodes import NodeDedupPlanner, NodeLayout, RecordingWriter, node_views
+from torch_ckpt.nodes import NodeDedupPlanner, NodeLayout, RecordingWriter, node_views, shared_files
 from torch_ckpt.persist import (
     PersistRequest,
     _as_write_error,
@@ -103,7 +103,7 @@ def persist_node_local(req: PersistRequest, ctx: DistContext) -> Path:
     files: dict[str, dict[str, int]] = {}
     writer = None
     try:
-        writer = RecordingWriter(tmp, thread_count=req.thread_count, sync_files=True)
+        writer = RecordingWriter(tmp, thread_count=req.thread_count, sync_files=True, rank_node=layout.rank_node)
         dcp.save(req.tensors if req.failed is None else {}, storage_writer=writer,
                  planner=NodeDedupPlanner(layout.rank_node), process_group=ctx.bg if ctx.enabled else None,
                  no_dist=not ctx.enabled)
@@ -141,7 +141,8 @@ def persist_node_local(req: PersistRequest, ctx: DistContext) -> Path:
             timings["write_s"] = write_s
             manifest = Manifest(step=req.step, world_size=ctx.world_size, files=dict(sorted(all_files.items())),
                                 tensor_bytes=req.tensor_bytes, timings=timings,
-                                nodes={"rank_node": list(layout.rank_node), "file_node": dict(sorted(file_node.items()))})
+                                nodes={"rank_node": list(layout.rank_node), "file_node": dict(sorted(file_node.items())),
+                                       "shared": shared_files(writer.results, layout.rank_node)})
             plan = ("ok", manifest.to_json(), views)
         except BaseException as exc:  # noqa: BLE001
             error = exc
