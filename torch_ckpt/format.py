@@ -822,12 +822,13 @@ def unpickle_metadata(data: bytes, source: str) -> Any:
 
 
 def metadata_name(node: int) -> str:
-    """File holding the DCP metadata that ``node``'s ranks load with (node 0: the complete ``.metadata``).
+    """File holding the DCP metadata that ``node``'s ranks load their node's copy with.
 
     A node-local checkpoint stores replicated tensors once per node; each node's metadata points
-    every tensor at the copy its node holds. Node 0's is the complete one used by every other reader.
+    every tensor at the copy its node holds. ``.metadata`` (on node 0 and in the durable tier)
+    points every tensor at the one uploaded copy: the complete checkpoint every other reader uses.
     """
-    return METADATA_NAME if node == 0 else f"node_{node:05d}.metadata"
+    return f"node_{node:05d}.metadata"
 
 
 def read_metadata(step_dir: str | os.PathLike, manifest: Any, *, allow_symlinks: bool = False) -> Any:
@@ -840,7 +841,9 @@ def read_metadata(step_dir: str | os.PathLike, manifest: Any, *, allow_symlinks:
         UnsafeCheckpointError: the pickle references code.
     """
     step_dir = Path(step_dir)
-    name = (getattr(manifest, "nodes", None) or {}).get("metadata") or metadata_name(getattr(manifest, "node", None) or 0)
+    node = getattr(manifest, "node", None)
+    name = (getattr(manifest, "nodes", None) or {}).get("metadata") or \
+        (METADATA_NAME if node is None else metadata_name(node))
     source = str(step_dir / name)
     if name not in manifest.files:
         raise _corrupt(source, "DCP metadata is not listed in the manifest")

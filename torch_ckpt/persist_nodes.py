@@ -27,7 +27,7 @@ import torch.distributed.checkpoint as dcp
 
 from torch_ckpt.dist import DistContext
 from torch_ckpt.errors import CheckpointWriteError
-from torch_ckpt.format import metadata_name
+from torch_ckpt.format import METADATA_NAME, metadata_name
 from torch_ckpt.layout import (
     MANIFEST_NAME,
     Manifest,
@@ -113,7 +113,7 @@ def persist_node_local(req: PersistRequest, ctx: DistContext) -> Path:
         size, crc = write_json_durable(tmp / rank_file_name(ctx.rank), rank_doc)
         files = {n: {"bytes": b, "crc32": c} for n, (b, c) in writer.written_files.items()}
         files[rank_file_name(ctx.rank)] = {"bytes": size, "crc32": crc}
-        files.pop(".metadata", None)  # rewritten below as node 0's view
+        files.pop(METADATA_NAME, None)  # rewritten below (see node_views)
         _check_on_disk(tmp, files)
         _check_owner(req, final)
     except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException derives from BaseException
@@ -135,8 +135,9 @@ def persist_node_local(req: PersistRequest, ctx: DistContext) -> Path:
                 all_files.update(f)
                 file_node.update({n: layout.rank_node[r] for n in f})
             for node, data in views.items():
-                all_files[metadata_name(node)] = {"bytes": len(data), "crc32": zlib.crc32(data)}
-                file_node[metadata_name(node)] = node
+                name = METADATA_NAME if node is None else metadata_name(node)
+                all_files[name] = {"bytes": len(data), "crc32": zlib.crc32(data)}
+                file_node[name] = 0 if node is None else node  # the complete metadata lies on node 0
             timings = dict(req.timings or {})
             timings["write_s"] = write_s
             manifest = Manifest(step=req.step, world_size=ctx.world_size, files=dict(sorted(all_files.items())),
@@ -154,6 +155,8 @@ def persist_node_local(req: PersistRequest, ctx: DistContext) -> Path:
         try:
             doc, views = plan[1], plan[2]
             _write_bytes(tmp / metadata_name(layout.node), views[layout.node])
+            if layout.node == 0:
+                _write_bytes(tmp / METADATA_NAME, views[None])  # replaces DCP's own (every copy listed)
             manifest = Manifest.from_json({**doc, "node": layout.node}, str(tmp / MANIFEST_NAME))
             _check_on_disk(tmp, manifest.local_files())
             if ctx.is_coordinator and req.extra_dir is not None:  # framework files: node 0's copy, as rank 0 reads them
