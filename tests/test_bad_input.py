@@ -594,7 +594,48 @@ def _storage_rewritten(step_dir: Path) -> str:
     return ".metadata"
 
 
-_MALFORMED = {"5000-digit-int": _huge_int_manifest, "200k-deep-manifest": _deep_manifest,
+def _fc1_weight_metadata(step_dir: Path, edit) -> str:
+    """Apply ``edit(item, storage_info)`` to model.fc1.weight in .metadata; returns the data file holding it."""
+    from torch_ckpt.dcp_io import read_dcp_metadata
+
+    md = read_dcp_metadata(step_dir / ".metadata")
+    info = next(v for k, v in md.storage_data.items() if k.fqn == "model.fc1.weight")
+    edit(md.state_dict_metadata["model.fc1.weight"], info)
+    _restamp(step_dir, ".metadata", pickle.dumps(md))
+    return str(info.relative_path)
+
+
+def _storage_8_short(step_dir: Path) -> str:
+    return _fc1_weight_metadata(step_dir, lambda item, info: setattr(info, "length", info.length - 8))
+
+
+def _declared_float64(step_dir: Path) -> str:
+    return _fc1_weight_metadata(step_dir, lambda item, info: setattr(item.properties, "dtype", torch.float64))
+
+
+def _declared_int32(step_dir: Path) -> str:
+    return _fc1_weight_metadata(step_dir, lambda item, info: setattr(item.properties, "dtype", torch.int32))
+
+
+def _chunk_reshaped(step_dir: Path) -> str:
+    def edit(item, info):
+        item.size = torch.Size(reversed(item.size))
+        item.chunks[0].sizes = item.size
+
+    return _fc1_weight_metadata(step_dir, edit)
+
+
+def _rank_key_not_in_metadata(step_dir: Path) -> str:
+    doc = json.loads((step_dir / "rank_00000.json").read_text())
+    doc["tree"]["model"]["fc1.weight"] = {"__tensor__": "model.ghost"}
+    _restamp(step_dir, "rank_00000.json", json.dumps(doc).encode())
+    return "rank_00000.json"
+
+
+_MALFORMED = {"storage-8-bytes-short": _storage_8_short, "declared-float64": _declared_float64,
+              "declared-int32": _declared_int32, "chunk-reshaped": _chunk_reshaped,
+              "rank-key-not-in-metadata": _rank_key_not_in_metadata,
+              "5000-digit-int": _huge_int_manifest, "200k-deep-manifest": _deep_manifest,
               "storage_data=5": _storage_data_5, "inline-shape-2^40": _inline_shape_2_40,
               "200k-deep-rank-json": _deep_rank_json, "symlinked-shard": _symlinked_shard,
               "symlinked-manifest": _symlinked_manifest, "shape-beyond-chunks": _shape_beyond_chunks,
@@ -707,3 +748,34 @@ def test_malformed_rank_file_of_one_rank_fails_every_rank_without_a_hang(tmp_pat
     from tests._dist import run_distributed
 
     run_distributed(_restore_with_bad_rank_file, 2, str(tmp_path), timeout_s=150)
+
+
+def _restore_with_bad_record_of_rank_1(rank: int, world: int, root: str) -> None:
+    from torch_ckpt import CheckpointCorruptError as Corrupt
+    from torch_ckpt.dcp_io import read_dcp_metadata
+
+    state = {f"w{rank}": torch.full((4,), float(rank))}  # rank 1's tensor lies in rank 1's data file
+    with CheckpointManager(root, async_save=False) as mgr:
+        mgr.save(1, state)
+        mgr.wait()
+        torch.distributed.barrier()
+        if rank == 0:
+            step_dir = Path(root) / STEP_DIR.format(1)
+            md = read_dcp_metadata(step_dir / ".metadata")
+            md.state_dict_metadata["w1"].properties.dtype = torch.float64
+            _restamp(step_dir, ".metadata", pickle.dumps(md))
+        torch.distributed.barrier()
+        try:
+            mgr.restore(state, step=1)
+        except Corrupt as exc:
+            assert "'w1'" in str(exc) and "float64" in str(exc), str(exc)
+        else:
+            raise AssertionError(f"rank {rank}: restore of a record declared with the wrong dtype succeeded")
+
+
+@pytest.mark.timeout(180)
+def test_bad_record_in_one_ranks_share_fails_every_rank(tmp_path):
+    """2 ranks (gloo): a record of rank 1's data file declared float64 makes restore raise CheckpointCorruptError on both."""
+    from tests._dist import run_distributed
+
+    run_distributed(_restore_with_bad_record_of_rank_1, 2, str(tmp_path), timeout_s=150)

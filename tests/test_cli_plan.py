@@ -1,4 +1,4 @@
-"""Tests for ``torch-ckpt plan`` (torch_ckpt.cli) and the sizing model behind it (torch_ckpt.sizing)."""
+"""Tests for ``torch-ckpt plan`` (torch_ckpt.tools.cli) and the sizing model behind it (torch_ckpt.tools.sizing)."""
 
 from __future__ import annotations
 
@@ -6,14 +6,14 @@ import json
 
 import pytest
 
-from torch_ckpt.cli import main
+from torch_ckpt.tools.cli import main
 from torch_ckpt.interval import (
     daly_interval,
     expected_lost_work,
     expected_overhead,
     young_interval,
 )
-from torch_ckpt.sizing import checkpoint_size, interval_plan, parse_count
+from torch_ckpt.tools.sizing import checkpoint_size, interval_plan, parse_count
 
 SIZING_70B = ["--params", "70e9", "--tp", "8", "--dp", "32", "--param-dtype", "bf16", "--optimizer", "adam"]
 

@@ -2,7 +2,7 @@
 
 One run root with steps 10 and 20 is saved once per module by ``CheckpointManager`` with a
 ``memory://`` durable tier; tests that damage a checkpoint work on copies. Commands run in-process
-through ``torch_ckpt.cli.main`` with stdout captured.
+through ``torch_ckpt.tools.cli.main`` with stdout captured.
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ import pytest
 import torch
 
 from torch_ckpt import CheckpointManager, TrainState
-from torch_ckpt.cli import main
-from torch_ckpt.inspection import inspect_checkpoint, verify_checkpoint
-from torch_ckpt.sizing import interval_plan
+from torch_ckpt.tools.cli import main
+from torch_ckpt.tools.inspection import inspect_checkpoint, verify_checkpoint
+from torch_ckpt.tools.sizing import interval_plan
 
 STEP10, STEP20 = "step_000000010", "step_000000020"
 SHARD = "__0_0.distcp"
@@ -354,8 +354,14 @@ def test_verify_corrupt_durable_copy_fails(saved, capsys):
 
 
 def test_verify_no_checksums_misses_a_flipped_byte(copy, capsys):
-    """`--no-checksums` checks sizes and structure only, so a same-size flipped shard byte passes."""
-    flip_byte(copy / STEP20 / SHARD)
+    """`--no-checksums` checks sizes, structure and record headers only, so a flipped tensor data byte passes."""
+    from torch_ckpt.tools.convert import load_full_state
+
+    weight = load_full_state(copy / STEP20)[0]["model"]["fc1.weight"]
+    data = (copy / STEP20 / SHARD).read_bytes()
+    at = data.find(weight.numpy().tobytes())
+    assert at > 0
+    flip_byte(copy / STEP20 / SHARD, at + 5)
     out = run_json(capsys, "verify", copy / STEP20, "--no-checksums")
     assert out["ok"] and out["checkpoints"][0]["checksums"] is False
 
@@ -570,7 +576,47 @@ def _symlinked_copy(step_dir: Path) -> str:
     return SHARD
 
 
-_DAMAGES = {"storage-elsewhere": _storage_elsewhere, "shape-beyond-chunks": _shape_beyond_chunks,
+def _storage_8_short(step_dir: Path) -> str:
+    """model.fc1.weight's storage entry declared 8 bytes shorter than its record (issue 14, gap 1)."""
+    md = _metadata(step_dir)
+    info = next(v for k, v in md.storage_data.items() if k.fqn == "model.fc1.weight")
+    info.length -= 8
+    rewrite(step_dir, ".metadata", pickle.dumps(md))
+    return str(info.relative_path)
+
+
+def _declared_dtype(dtype: torch.dtype):
+    def damage(step_dir: Path) -> str:
+        """model.fc1.weight (stored float32) declared as another dtype in .metadata (issue 14, gap 2)."""
+        md = _metadata(step_dir)
+        md.state_dict_metadata["model.fc1.weight"].properties.dtype = dtype
+        rewrite(step_dir, ".metadata", pickle.dumps(md))
+        return str(next(v for k, v in md.storage_data.items() if k.fqn == "model.fc1.weight").relative_path)
+
+    return damage
+
+
+def _chunk_reshaped(step_dir: Path) -> str:
+    """model.fc1.weight (16, 8) and its chunk declared (8, 16): same element count, other shape."""
+    md = _metadata(step_dir)
+    item = md.state_dict_metadata["model.fc1.weight"]
+    item.size = torch.Size([8, 16])
+    item.chunks[0].sizes = torch.Size([8, 16])
+    rewrite(step_dir, ".metadata", pickle.dumps(md))
+    return str(next(v for k, v in md.storage_data.items() if k.fqn == "model.fc1.weight").relative_path)
+
+
+def _rank_key_not_in_metadata(step_dir: Path) -> str:
+    """rank_00000.json refers to a tensor key that .metadata does not hold (issue 14, gap 3)."""
+    doc = json.loads((step_dir / "rank_00000.json").read_text())
+    doc["tree"]["model"]["fc1.weight"] = {"__tensor__": "model.ghost"}
+    rewrite(step_dir, "rank_00000.json", json.dumps(doc).encode())
+    return "rank_00000.json"
+
+
+_DAMAGES = {"storage-8-bytes-short": _storage_8_short, "declared-float64": _declared_dtype(torch.float64),
+            "declared-int32": _declared_dtype(torch.int32), "chunk-reshaped": _chunk_reshaped,
+            "rank-key-not-in-metadata": _rank_key_not_in_metadata, "storage-elsewhere": _storage_elsewhere, "shape-beyond-chunks": _shape_beyond_chunks,
             "declared-2^40": _declared_2_40, "storage_data=5": _storage_data_5, "inline-2^40": _inline_2_40,
             "rank-json-200k-deep": _rank_json_deep, "symlinked-copy": _symlinked_copy}
 
@@ -672,3 +718,60 @@ def test_ls_lists_a_symlinked_step_directory_as_restore_does(copy, tmp_path, cap
     assert [(r["step"], r["status"]) for r in listing["steps"]] == [(20, "committed")]
     with CheckpointManager(root) as mgr:
         assert mgr.all_steps() == [20]
+
+
+# --- ls marks what restore would skip, by cheap checks only (issue 14, gap 4) --------------------
+
+
+def _world_size_2(step_dir: Path) -> None:
+    doc = json.loads((step_dir / "manifest.json").read_text())
+    doc["world_size"] = 2
+    (step_dir / "manifest.json").write_text(json.dumps(doc))
+
+
+def _metadata_unlisted(step_dir: Path) -> None:
+    doc = json.loads((step_dir / "manifest.json").read_text())
+    del doc["files"][".metadata"]
+    (step_dir / "manifest.json").write_text(json.dumps(doc))
+
+
+_LS_DAMAGES = {"world-size-2-one-rank-file": (_world_size_2, "manifest.json"),
+               "metadata-unlisted": (_metadata_unlisted, ".metadata"),
+               "shard-missing": (lambda d: (d / SHARD).unlink(), SHARD),
+               "rank-file-missing": (lambda d: (d / "rank_00000.json").unlink(), "rank_00000.json")}
+
+
+@pytest.mark.parametrize("damage", list(_LS_DAMAGES), ids=list(_LS_DAMAGES))
+def test_ls_without_verify_marks_what_restore_skips(copy, capsys, damage):
+    """ls (no --verify) lists a step with manifest-only inconsistencies or missing files as corrupt; restore skips it."""
+    edit, bad = _LS_DAMAGES[damage]
+    edit(copy / STEP20)
+    listing = run_json(capsys, "ls", copy, code=1)
+    assert [(r["step"], r["status"]) for r in listing["steps"]] == [(10, "committed"), (20, "corrupt")]
+    assert [p["file"] for p in listing["steps"][1]["problems"]] == [bad], listing["steps"][1]["problems"]
+    with CheckpointManager(copy) as mgr:
+        assert mgr.restore(_live_state()) == 10
+
+
+# --- a forged manifest step is named as a disagreement of two files (issue 14, gap 5) ------------
+
+
+def _forged_step(root: Path) -> Path:
+    """step 20 moved to step_000000030 with its manifest saying step 30 (the rank file still says 20)."""
+    forged = root / "step_000000030"
+    (root / STEP20).rename(forged)
+    doc = json.loads((forged / "manifest.json").read_text())
+    doc["step"] = 30
+    (forged / "manifest.json").write_text(json.dumps(doc))
+    return forged
+
+
+@pytest.mark.parametrize("command", ["inspect", "convert"])
+def test_forged_manifest_step_names_both_files_and_both_values(copy, tmp_path, capsys, command):
+    """inspect/convert of a step whose manifest says 30 but whose rank file says 20 name both files and both steps."""
+    forged = _forged_step(copy)
+    extra = ["--to", "torch", str(tmp_path / "out.pt")] if command == "convert" else []
+    code, out, err = run(capsys, command, forged, *extra)
+    assert code == 1 and out == "" and len(err.strip().splitlines()) == 1, err
+    assert f"{forged / 'rank_00000.json'}: step 20 in this per-rank state file disagrees with step 30 in " \
+           f"{forged / 'manifest.json'}" in err, err

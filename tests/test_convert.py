@@ -5,8 +5,8 @@ import torch
 
 from tests._dist import run_distributed
 from torch_ckpt import CheckpointManager, CheckpointNotFoundError, TrainState
-from torch_ckpt.cli import main
-from torch_ckpt.convert import export_safetensors, export_torch
+from torch_ckpt.tools.cli import main
+from torch_ckpt.tools.convert import export_safetensors, export_torch
 
 
 def _saved(tmp_path):

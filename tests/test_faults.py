@@ -233,7 +233,7 @@ def test_pickled_item_in_a_crafted_checkpoint_is_never_unpickled(tmp_path):
     target = {"model": {"weight": torch.ones(2)}, "evil": torch.ones(2)}
     with CheckpointManager(tmp_path / "run") as mgr, pytest.raises(CheckpointError):
         mgr.restore(target)
-    from torch_ckpt.convert import load_full_state
+    from torch_ckpt.tools.convert import load_full_state
 
     with pytest.raises(CheckpointError, match="evil"):
         load_full_state(step_dir)

@@ -223,10 +223,11 @@ def test_malformed_tree_node_is_refused_naming_its_key(node):
 
 
 def test_rank_doc_of_another_step_is_corrupt(ckpt):
-    """A rank JSON whose 'step' differs from the manifest raises CheckpointCorruptError naming the field."""
+    """A rank JSON whose 'step' differs from the manifest raises CheckpointCorruptError naming both files and values."""
     doc = _rank_doc(ckpt)
     doc["step"] = 2
-    with pytest.raises(CheckpointCorruptError, match="step is 2, expected 1"):
+    with pytest.raises(CheckpointCorruptError,
+                       match=r"step 2 in this per-rank state file disagrees with step 1 in .*manifest.json"):
         parse_rank_doc(json.dumps(doc).encode(), "r.json", read_manifest(ckpt), 0)
 
 
@@ -381,3 +382,22 @@ def test_dcp_reader_opens_only_listed_files_even_with_unchecked_metadata(ckpt, t
     with pytest.raises(CheckpointCorruptError, match="does not list"):
         load_tensors(target, ckpt, md, set(read_manifest(ckpt).files))
     assert torch.count_nonzero(target[key]) == 0
+
+
+@pytest.mark.parametrize("persist,thread_count", [("thread", 1), ("thread", 2), ("thread", 4), ("process", 2)])
+def test_records_of_every_dtype_written_by_the_manager_pass_and_restore(tmp_path, persist, thread_count):
+    """Tensors of typed and untyped-storage dtypes (float8, uint16, bool, complex...) pass the record check and restore."""
+    from torch_ckpt.format import record_problems
+
+    dtypes = [torch.float32, torch.bfloat16, torch.float8_e4m3fn, torch.uint16, torch.bool, torch.complex64, torch.int8]
+    state = {f"t{i}": torch.arange(12).reshape(3, 4).to(d) for i, d in enumerate(dtypes)}
+    state["transposed"] = torch.arange(12.0).reshape(3, 4).t()
+    with CheckpointManager(tmp_path, persist=persist, thread_count=thread_count) as mgr:
+        mgr.save(1, state).wait()
+    step_dir = tmp_path / STEP
+    manifest = read_manifest(step_dir)
+    assert record_problems(step_dir, manifest, read_metadata(step_dir, manifest)) == []
+    live = {k: torch.zeros_like(v) for k, v in state.items()}
+    with CheckpointManager(tmp_path) as mgr:
+        assert mgr.restore(live) == 1
+    assert all(torch.equal(live[k], v) for k, v in state.items())

@@ -14,8 +14,8 @@ from torch_ckpt.cadence import Cadence
 from torch_ckpt.handle import SaveHandle, SaveStats
 from torch_ckpt.interval import checkpoint_interval, daly_interval, young_interval
 from torch_ckpt.schedule import YoungDaly
-from torch_ckpt.simulate import sweep
-from torch_ckpt.sizing import interval_plan
+from torch_ckpt.tools.simulate import sweep
+from torch_ckpt.tools.sizing import interval_plan
 
 HOUR = 3600.0
 # The case in issue 15: plan said 57 steps (399 s < the 402 s to durability), the runtime 58.

@@ -370,3 +370,40 @@ def test_param_names_follow_a_replaced_parameter():
     again = param_names(model)
     assert again[id(model[0].weight)] == "0.weight"
     assert id(old) in first and id(old) not in again
+def _adam_with_state(seed: int) -> tuple[torch.nn.Linear, torch.optim.Adam]:
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    model(torch.randn(4, 3)).sum().backward()
+    opt.step()
+    return model, opt
+
+
+def test_optimizer_state_keep_live_copies_loaded_values_into_the_live_tensors():
+    """OptimizerState: after load + keep_live, the optimizer holds its old tensor objects with the loaded values."""
+    from torch_ckpt import OptimizerState
+
+    _, source = _adam_with_state(0)
+    _, target = _adam_with_state(1)
+    live = target.state[target.param_groups[0]["params"][0]]["exp_avg"]
+    wrapped = OptimizerState(target)
+    assert wrapped.check_load(source.state_dict()) == []
+    wrapped.load_state_dict(source.state_dict())
+    wrapped.keep_live()
+    now = target.state[target.param_groups[0]["params"][0]]["exp_avg"]
+    assert now is live and torch.equal(now, source.state[source.param_groups[0]["params"][0]]["exp_avg"])
+
+
+def test_optimizer_state_undo_puts_the_previous_state_back():
+    """OptimizerState: undo() after a load leaves the optimizer's state exactly as before the load."""
+    from torch_ckpt import OptimizerState
+
+    _, source = _adam_with_state(0)
+    _, target = _adam_with_state(1)
+    before = copy.deepcopy(target.state_dict())
+    wrapped = OptimizerState(target)
+    wrapped.load_state_dict(source.state_dict())
+    wrapped.undo()
+    after = target.state_dict()
+    assert after["param_groups"] == before["param_groups"]
+    assert all(torch.equal(after["state"][i][k], v) for i, entry in before["state"].items() for k, v in entry.items())

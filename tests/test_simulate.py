@@ -1,4 +1,4 @@
-"""Tests for the Monte Carlo interval check (torch_ckpt.simulate) and ``torch-ckpt simulate``."""
+"""Tests for the Monte Carlo interval check (torch_ckpt.tools.simulate) and ``torch-ckpt simulate``."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import time
 import numpy as np
 import pytest
 
-from torch_ckpt.cli import main
+from torch_ckpt.tools.cli import main
 from torch_ckpt.interval import daly_interval
-from torch_ckpt.simulate import plot_sweep, simulate_overhead, sweep
+from torch_ckpt.tools.simulate import plot_sweep, simulate_overhead, sweep
 
 HOUR = 3600.0
 MIN = 60.0

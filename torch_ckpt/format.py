@@ -20,6 +20,10 @@ same inputs. What a reader may rely on once a check here passed:
   checked; storage entries lie inside manifest-listed data files; every tensor's chunks lie inside
   its declared shape, do not overlap and cover it exactly; each chunk's bytes fit in its storage
   entry, so declared sizes are bounded by the files' real sizes before anything is allocated.
+* **Tensor records** (:mod:`torch_ckpt.records`): every chunk's byte range in its data file holds
+  exactly one ``torch.save`` record of a plain tensor of the declared dtype and chunk shape, ending
+  at the end of the range and lying inside the real file (zip headers and pickle opcodes are
+  parsed, nothing is unpickled).
 
 Any violation raises :class:`~torch_ckpt.errors.CheckpointCorruptError` naming the file (the
 ``*_problems`` functions return every problem instead, for ``verify``).
@@ -41,6 +45,7 @@ from pathlib import Path, PurePath
 from typing import Any
 
 from torch_ckpt.errors import CheckpointCorruptError, CheckpointNotFoundError
+from torch_ckpt.records import storage_record_problems
 
 __all__ = [
     "MAX_MANIFEST_BYTES",
@@ -62,6 +67,10 @@ __all__ = [
     "read_rank_tree",
     "metadata_problems",
     "read_metadata",
+    "open_range",
+    "local_data_file",
+    "record_problems",
+    "check_records",
     "walk_tree",
     "embedded_info",
     "unpickle_metadata",
@@ -618,9 +627,19 @@ def parse_rank_doc(raw: bytes, source: str, manifest: Any, rank: int, *,
                         max_int_digits=MAX_STATE_INT_DIGITS)
     if not isinstance(doc, dict) or "tree" not in doc:
         raise _corrupt(source, "per-rank state file has no 'tree'")
-    for field, want in (("rank", rank), ("step", manifest.step), ("world_size", manifest.world_size)):
-        if type(doc.get(field)) is not int or doc.get(field) != want:
-            raise _corrupt(source, f"per-rank state file: {field} is {_short(doc.get(field))}, expected {want!r}")
+    got = doc.get("rank")
+    if type(got) is not int or got != rank:
+        raise _corrupt(source, f"per-rank state file of rank {rank} says rank {_short(got)} (renamed or copied from "
+                               "another rank)")
+    from torch_ckpt.layout import MANIFEST_NAME
+
+    manifest_source = source[: len(source) - len(PurePath(source).name)] + MANIFEST_NAME
+    for field, want in (("step", manifest.step), ("world_size", manifest.world_size)):
+        got = doc.get(field)
+        if type(got) is not int or got != want:
+            raise _corrupt(source, f"{field} {_short(got)} in this per-rank state file disagrees with {field} {want} in "
+                                   f"{manifest_source}: one of the two files was altered, or they come from different "
+                                   "checkpoints")
     from torch_ckpt.codec import TENSOR_TAG
 
     try:
@@ -855,3 +874,97 @@ def read_metadata(step_dir: str | os.PathLike, manifest: Any, *, allow_symlinks:
         more = f" (and {len(problems) - 1} more problem(s); run torch-ckpt verify)" if len(problems) > 1 else ""
         raise _corrupt(str(step_dir / file), f"{text}{more}")
     return md
+
+
+# ---------------------------------------------------------------------------------------------
+# tensor records in the data files
+
+
+class _LocalFile:
+    """A :class:`~torch_ckpt.records.RangeReader` over an open descriptor (``pread``)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.size = os.fstat(fd).st_size
+
+    def read_at(self, offset: int, length: int) -> bytes:
+        return os.pread(self.fd, length, offset)
+
+
+@contextmanager
+def open_range(path: Path, *, allow_symlinks: bool = False) -> Iterator[_LocalFile]:
+    """The local regular file ``path`` open for range reads (I/O errors become corruption naming it).
+
+    Raises:
+        FileNotFoundError: it does not exist.
+        CheckpointCorruptError: it is a symlink (unless ``allow_symlinks``), not a regular file, or
+            unreadable.
+    """
+    fd = _open_regular(path, allow_symlinks=allow_symlinks, what="file listed in the manifest")
+    try:
+        with _reading(str(path), "file listed in the manifest"):
+            yield _LocalFile(fd)
+    finally:
+        os.close(fd)
+
+
+@contextmanager
+def local_data_file(step_dir: str | os.PathLike, manifest: Any, name: str, *,
+                    allow_symlinks: bool = False) -> Iterator[_LocalFile]:
+    """The manifest-listed file ``name`` of a local checkpoint, open for range reads.
+
+    Raises:
+        CheckpointCorruptError: it is not listed, missing, not a regular file, or unreadable.
+    """
+    path = Path(step_dir) / name
+    fd = open_listed(Path(step_dir), manifest, name, allow_symlinks=allow_symlinks)
+    try:
+        with _reading(str(path), "file listed in the manifest"):
+            yield _LocalFile(fd)
+    finally:
+        os.close(fd)
+
+
+def _data_files(md: Any) -> list[str]:
+    return sorted({str(info.relative_path) for info in md.storage_data.values()})
+
+
+def record_problems(step_dir: str | os.PathLike, manifest: Any, md: Any, *, part: int = 0, parts: int = 1,
+                    allow_symlinks: bool = False) -> list[tuple[str, str]]:
+    """``[(file, problem)]`` for tensor records that do not match validated metadata (this reader's share).
+
+    Args:
+        step_dir: the local checkpoint directory.
+        manifest: its manifest.
+        md: its DCP metadata, already validated (:func:`read_metadata`).
+        part: this reader's index when ``parts`` readers split the data files.
+        parts: how many readers split the data files.
+        allow_symlinks: follow symlinked data files.
+
+    Raises:
+        CheckpointCorruptError: a data file is missing, not a regular file, or unreadable.
+    """
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    tensors = {k: v for k, v in md.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
+    mine = [name for i, name in enumerate(_data_files(md)) if i % parts == part]
+
+    def open_file(name: str) -> Any:
+        return local_data_file(step_dir, manifest, name, allow_symlinks=allow_symlinks)
+
+    return storage_record_problems(md, tensors, open_file, mine)
+
+
+def check_records(step_dir: str | os.PathLike, manifest: Any, md: Any, *, part: int = 0, parts: int = 1,
+                  allow_symlinks: bool = False) -> None:
+    """Raise for the first tensor record that does not match validated metadata (see :func:`record_problems`).
+
+    Raises:
+        CheckpointCorruptError: a record's byte range, dtype, size or shape disagrees with
+            ``.metadata``; the message names the data file, the tensor key and the byte range.
+    """
+    problems = record_problems(step_dir, manifest, md, part=part, parts=parts, allow_symlinks=allow_symlinks)
+    if problems:
+        file, text = problems[0]
+        more = f" (and {len(problems) - 1} more problem(s); run torch-ckpt verify)" if len(problems) > 1 else ""
+        raise _corrupt(str(Path(step_dir) / file), f"{text}{more}")

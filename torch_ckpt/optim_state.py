@@ -402,70 +402,58 @@ def keep_live_tensors(opt: torch.optim.Optimizer, old_state: Mapping[Any, Any]) 
 
 
 class OptimizerState:
-    """One optimizer saved as its own ``optimizer.state_dict()`` (integer parameter ids), as a ``Stateful``.
+    """One optimizer kept by its own ``optimizer.state_dict()`` (integer parameter ids), as a restorable ``Stateful``.
 
-    Use it for an optimizer that cannot be keyed by one model's parameter names (it spans several
-    models, or its model is saved by other means): pass it as the state to save and restore, or let
-    a composite ``Stateful`` delegate its ``<prefix>``-keyed entries to it (keys here are relative:
-    ``state.<id>.<entry>``, ``param_groups``).
-    It follows the load protocol of :func:`torch_ckpt.restore.load_into`: a fresh optimizer without
-    state still loads (its state tensors are created where ``load_state_dict`` would place them),
-    nothing is cast silently, and after a load the live state tensors are updated in place.
+    For optimizers that cannot be keyed by one model's parameter names (e.g. one spanning several
+    models); :class:`~torch_ckpt.TrainState` keys the others by name. Implements the load protocol
+    of :func:`torch_ckpt.restore.load_into` (keys relative to this object): state tensors a fresh
+    optimizer does not have yet are allocated where the optimizer keeps them, everything is checked
+    before anything is written, a load can be undone (:meth:`undo`) until the whole restore has
+    succeeded, and then (:meth:`keep_live`) the optimizer keeps its live state tensors, the loaded
+    values copied into them.
 
     Args:
-        optimizer: a ``torch.optim.Optimizer``.
-
-    Raises:
-        ConfigError: ``optimizer`` is not a ``torch.optim.Optimizer``.
+        optimizer: the torch optimizer.
+        name: the key prefix used in error messages (e.g. ``"optimizers_plain.0"``).
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
-        from torch_ckpt.errors import ConfigError
-
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise ConfigError(f"OptimizerState needs a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    def __init__(self, optimizer: torch.optim.Optimizer, *, name: str = "optimizer") -> None:
         self.optimizer = optimizer
-        self._allow_cast = False
+        self.name = name
+        self._before: tuple[Any, Any] = (optimizer.state, optimizer.param_groups)
 
     def state_dict(self) -> dict[str, Any]:
-        """``optimizer.state_dict()`` (tensors are not copied here; the checkpointer stages them)."""
+        """``optimizer.state_dict()`` (live tensors)."""
         return self.optimizer.state_dict()
 
-    def _entry(self, key: str) -> tuple[int, str] | None:
+    def _state_key(self, key: str) -> tuple[int, str] | None:
         parts = key.split(".", 2)
         if len(parts) != 3 or parts[0] != _STATE or not parts[1].isdigit():
             return None
         return int(parts[1]), parts[2]
 
     def load_optional_key(self, key: str) -> bool:
-        """True for ``state.<id>.<entry>`` tensors (a fresh optimizer has none yet)."""
-        return self._entry(key) is not None
+        """True for ``state.<id>.<entry>`` tensors (a parameter may have state on one side only)."""
+        return self._state_key(key) is not None
 
-    def load_target(self, key: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
-        """A new tensor for ``state.<id>.<entry>``, on the device ``load_state_dict`` would use; else None."""
-        entry = self._entry(key)
-        return None if entry is None else plain_state_target(self.optimizer, entry[0], entry[1], shape, dtype)
+    def load_target(self, key: str, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor | None:
+        """A new tensor on the device where the optimizer keeps ``key``; None for other keys."""
+        parts = self._state_key(key)
+        return None if parts is None else plain_state_target(self.optimizer, parts[0], parts[1], shape, dtype)
 
-    def check_load(self, state: Mapping[str, Any], *, allow_cast: bool = False) -> list[str]:
-        """Check that ``state`` loads without a cast (see :func:`check_plain_optimizer_state`); change nothing."""
-        self._allow_cast = allow_cast
-        return check_plain_optimizer_state(self.optimizer, state, prefix="", allow_cast=allow_cast)
+    def check_load(self, state: Any, *, allow_cast: bool = False) -> list[str]:
+        """See :func:`check_plain_optimizer_state`; returns the keys that will be cast."""
+        return check_plain_optimizer_state(self.optimizer, state, prefix=f"{self.name}.", allow_cast=allow_cast)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Load ``state``, then copy values into the state tensors that existed before (kept in place).
+        """``optimizer.load_state_dict(state)``; then call :meth:`undo` (a later component failed) or :meth:`keep_live`."""
+        self._before = (self.optimizer.state, self.optimizer.param_groups)
+        self.optimizer.load_state_dict(state)
 
-        Raises:
-            StateMismatchError: see :meth:`check_load`.
-        """
-        self.check_load(state, allow_cast=self._allow_cast)
-        old_state = {p: dict(entries) for p, entries in self.optimizer.state.items()}
-        self.optimizer.load_state_dict(dict(state))
-        keep_live_tensors(self.optimizer, old_state)
+    def undo(self) -> None:
+        """Put back the state and parameter groups the last :meth:`load_state_dict` replaced."""
+        self.optimizer.state, self.optimizer.param_groups = self._before
 
-    def optimizer_owned_keys(self, tensors: Mapping[str, torch.Tensor]) -> set[str]:
-        """Every tensor of this state is changed only by ``optimizer.step()`` (see ``overlap_staging``)."""
-        return set(tensors)
-
-    def optimizers(self) -> list[torch.optim.Optimizer]:
-        """The optimizer (for the manager's wait before its next ``step()``)."""
-        return [self.optimizer]
+    def keep_live(self) -> None:
+        """After the whole restore succeeded: copy the loaded values into the tensors they replaced and keep those."""
+        keep_live_tensors(self.optimizer, self._before[0])

@@ -1,7 +1,9 @@
 """Loading a committed checkpoint into a live state, in place, without unpickling.
 
 Steps (every rank): verify the files of the checkpoint against the manifest (sizes always, CRC-32
-when ``verify``; the work is split over ranks), read this rank's JSON tree, check that the live
+when ``verify``; the work is split over ranks), check the DCP metadata and that every tensor record
+in the data files matches it (dtype, size, shape, byte range), read this rank's JSON tree (every
+tensor it refers to must be in the metadata), check that the live
 state and the checkpoint have the same tensor keys, shapes and dtypes (and let the state check its
 own structure), let DCP read the tensors into new buffers (resharding to the live layout), and only
 then write the live state. A restore that fails therefore leaves the live state as it was.
@@ -20,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
 from torch_ckpt._logging import get_logger
@@ -33,7 +36,7 @@ from torch_ckpt.errors import (
     ConfigError,
     StateMismatchError,
 )
-from torch_ckpt.format import check_files, read_metadata, read_rank_tree
+from torch_ckpt.format import check_files, check_records, read_metadata, read_rank_tree
 from torch_ckpt.layout import Manifest
 
 __all__ = ["verify_files", "load_into", "copy_into_live", "RANK_LOCAL_POLICIES"]
@@ -54,6 +57,11 @@ def verify_files(step_dir: Path, manifest: Manifest, *, checksums: bool, part: i
             CRC-32; the message names the file.
     """
     check_files(step_dir, manifest, checksums=checksums, part=part, parts=parts)
+
+
+def _dcp_tensor_keys(md: Any) -> set[str]:
+    """Keys of the tensors that validated DCP metadata holds."""
+    return {k for k, v in md.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
 
 
 def _tensor_keys(tree: Any) -> set[str]:
@@ -107,10 +115,6 @@ def _structure_keys(tree: Any, *, deep: bool) -> set[str]:
     else:
         keys.update(k for k, v in tree.items() if not (isinstance(v, dict) and len(v) == 1 and TENSOR_TAG in v))
     return keys
-
-
-def _read_rank_tree(step_dir: Path, manifest: Manifest, rank: int) -> Any:
-    return read_rank_tree(step_dir, manifest, rank)
 
 
 def _assign(target: MutableMapping, loaded: Mapping) -> None:
@@ -176,7 +180,8 @@ def load_into(state: Any, step_dir: Path, manifest: Manifest, ctx: DistContext, 
             such key is logged once); otherwise a dtype difference is a StateMismatchError.
 
     Raises:
-        CheckpointCorruptError: files fail verification or the structure is inconsistent.
+        CheckpointCorruptError: files fail verification or the structure is inconsistent (a tensor
+            record that disagrees with the metadata, a tree referring to a tensor it lacks).
         StateMismatchError: tensor keys, shapes or dtypes differ (lists missing and unexpected keys).
         ConfigError: the world size changed and ``on_world_size_change`` is "error".
     """
@@ -197,7 +202,9 @@ def load_into(state: Any, step_dir: Path, manifest: Manifest, ctx: DistContext, 
                 part, parts = (mates.index(ctx.rank), len(mates)) if ctx.rank in mates else (0, 1)
             verify_files(step_dir, manifest, checksums=verify, part=part, parts=parts)
         md = read_metadata(step_dir, manifest)
-        tree = _read_rank_tree(step_dir, manifest, ctx.rank if same_world else 0)
+        check_records(step_dir, manifest, md, part=ctx.rank, parts=ctx.world_size)
+        tree = read_rank_tree(step_dir, manifest, ctx.rank if same_world else 0,
+                              tensor_keys=_dcp_tensor_keys(md).__contains__)
     except CheckpointError as exc:
         err = exc
     errors = [e for e in ctx.all_gather(None if err is None else str(err), what="verify") if e]

@@ -22,16 +22,16 @@ def test_defaults_without_file_or_environment():
 
 def test_file_values_replace_defaults(tmp_path):
     """Keys in the config file replace the defaults; durations become seconds."""
-    path = write(tmp_path, "async_save: false\ntotal_limit: 2\ntimeout: 2m\nthread_count: 2\n")
+    path = write(tmp_path, "async_save: false\nkeep_last: 2\ntimeout_seconds: 2m\nthread_count: 2\n")
     s = load_settings(path)
-    assert (s.async_save, s.total_limit, s.timeout, s.thread_count) == (False, 2, 120.0, 2)
+    assert (s.async_save, s.keep_last, s.timeout_seconds, s.thread_count) == (False, 2, 120.0, 2)
 
 
 def test_environment_variable_file_wins_over_config_argument(tmp_path, monkeypatch):
     """The file named by ACCELERATE_CKPT_CONFIG is read instead of the config= argument."""
-    code_file = write(tmp_path, "total_limit: 5\n", "code.yaml")
-    monkeypatch.setenv(ENV_VAR, str(write(tmp_path, "total_limit: 7\n", "ops.yaml")))
-    assert load_settings(code_file).total_limit == 7
+    code_file = write(tmp_path, "keep_last: 5\n", "code.yaml")
+    monkeypatch.setenv(ENV_VAR, str(write(tmp_path, "keep_last: 7\n", "ops.yaml")))
+    assert load_settings(code_file).keep_last == 7
 
 
 def test_keyword_settings_win_over_the_file(tmp_path):
@@ -59,11 +59,11 @@ def test_unknown_keyword_is_rejected():
 
 @pytest.mark.parametrize("text, key", [
     ("persist: disk\n", "persist"),
-    ("mtbf: -1h\n", "mtbf"),
-    ("total_limit: 0\n", "total_limit"),
+    ("mtbf_seconds: -1h\n", "mtbf_seconds"),
+    ("keep_last: 0\n", "keep_last"),
     ("async_save: maybe\n", "async_save"),
     ("writer_niceness: 25\n", "writer_niceness"),
-    ("save_every: soon\n", "save_every"),
+    ("save_every_seconds: soon\n", "save_every_seconds"),
 ])
 def test_invalid_value_names_the_key(tmp_path, text, key):
     """An invalid value raises ConfigError (a ValueError) whose message names the key."""
@@ -87,14 +87,14 @@ def test_missing_file_is_reported(tmp_path):
 def test_save_policy_follows_the_schedule_keys(tmp_path):
     """save_every_n_steps, mtbf and both together give EveryNSteps, YoungDaly and AnyOf."""
     assert isinstance(load_settings(save_every_n_steps=10).save_policy(), EveryNSteps)
-    assert isinstance(load_settings(mtbf="8h").save_policy(), YoungDaly)
-    assert isinstance(load_settings(write(tmp_path, "mtbf: 8h\nsave_every_n_steps: 100\n")).save_policy(), AnyOf)
+    assert isinstance(load_settings(mtbf_seconds="8h").save_policy(), YoungDaly)
+    assert isinstance(load_settings(write(tmp_path, "mtbf_seconds: 8h\nsave_every_n_steps: 100\n")).save_policy(), AnyOf)
 
 
 def test_durable_settings_are_validated():
-    """durable_total_limit without durable_url, or an unknown durable_verify, raises ConfigError."""
-    with pytest.raises(ConfigError, match="durable_total_limit needs durable_url"):
-        load_settings(durable_total_limit=2)
+    """durable_keep_last without durable_url, or an unknown durable_verify, raises ConfigError."""
+    with pytest.raises(ConfigError, match="durable_keep_last needs durable_url"):
+        load_settings(durable_keep_last=2)
     with pytest.raises(ConfigError, match="durable_verify"):
         load_settings(durable_url="memory://x", durable_verify="md5")
 
@@ -105,4 +105,18 @@ def test_shipped_example_config_is_valid():
 
     path = Path(__file__).resolve().parents[2] / "examples" / "accelerate" / "ckpt.yaml"
     settings = load_settings(path)
-    assert isinstance(settings.save_policy(), YoungDaly) and settings.total_limit == 3
+    assert isinstance(settings.save_policy(), YoungDaly) and settings.keep_last == 3
+
+
+@pytest.mark.parametrize(("text", "expected"), [("4GB", 4 * 10**9), ("512MiB", 512 * 2**20), ("1.5 GB", 1_500_000_000),
+                                                ("1000", 1000)])
+def test_staging_budget_accepts_sizes_with_units(text, expected):
+    """staging_budget_bytes takes "4GB" (powers of 10) and "512MiB" (powers of 2) like the other sizes."""
+    assert CkptSettings(staging_budget_bytes=text).staging_budget_bytes == expected
+
+
+@pytest.mark.parametrize("text", ["4 parsecs", "GB", "-1GB", ""])
+def test_staging_budget_rejects_a_malformed_size_naming_the_setting(text):
+    """A size that is not a positive byte count raises ConfigError naming staging_budget_bytes."""
+    with pytest.raises(ConfigError, match="staging_budget_bytes"):
+        CkptSettings(staging_budget_bytes=text)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections import namedtuple
 import threading
 import time
 from pathlib import Path
@@ -17,7 +18,7 @@ from lightning_helpers import TinyModule
 import torch_ckpt.checkpointer as checkpointer
 from lightning_ckpt import AsyncDCPCheckpointIO, MTBFCheckpoint
 from torch_ckpt import CheckpointWriteError, ConfigError
-from torch_ckpt.convert import load_full_state
+from torch_ckpt.tools.convert import load_full_state
 
 
 def committed_steps(directory) -> list[str]:
@@ -175,3 +176,41 @@ def test_invalid_arguments_are_rejected_at_construction(kwargs, tmp_path):
     """Out-of-range arguments raise ConfigError when the callback is built (before any training)."""
     with pytest.raises(ConfigError):
         MTBFCheckpoint(tmp_path, **kwargs)
+
+
+Odd = namedtuple("Odd", "a")
+
+
+class OddHyperParameters(TinyModule):
+    """Saves a hyper-parameter that only pickling could store (a namedtuple), and records steps."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hparams["odd"] = Odd(1)
+
+
+def test_unstorable_hyper_parameters_are_refused_at_setup(make_trainer, tmp_path):
+    """A hyper-parameter that needs pickling raises ConfigError naming it before the first step."""
+    module = OddHyperParameters()
+    trainer = make_trainer(plugins=[AsyncDCPCheckpointIO()], callbacks=[MTBFCheckpoint(tmp_path, mtbf_seconds=None)])
+    with pytest.raises(ConfigError, match=r"hyper_parameters\.odd"):
+        trainer.fit(module)
+    assert module.draws == [] and not list(tmp_path.glob("step_*"))
+
+
+def test_path_hyper_parameters_are_saved_and_loaded_back_as_paths(make_trainer, tmp_path):
+    """save_hyperparameters() with a pathlib.Path trains, saves, and loads it back as a Path."""
+    module = TinyModule(lr=0.1)
+    module.hparams["data_dir"] = Path("/data/set")
+    make_trainer(max_steps=2, plugins=[AsyncDCPCheckpointIO()],
+                 callbacks=[MTBFCheckpoint(tmp_path / "ckpt", mtbf_seconds=None)]).fit(module)
+    loaded = AsyncDCPCheckpointIO().load_checkpoint(tmp_path / "ckpt" / "step_000000002")
+    assert loaded["hyper_parameters"]["data_dir"] == Path("/data/set")
+
+
+@pytest.mark.parametrize("kwargs", [{"timeout_seconds": float("inf")}, {"async_save": "no"},
+                                    {"timeout_seconds": float("nan")}], ids=["inf-timeout", "str-async", "nan-timeout"])
+def test_plugin_arguments_are_validated_at_construction(kwargs):
+    """An infinite/NaN timeout or a non-bool flag raises ConfigError when the plugin is built."""
+    with pytest.raises(ConfigError):
+        AsyncDCPCheckpointIO(**kwargs)

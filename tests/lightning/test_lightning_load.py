@@ -18,7 +18,7 @@ def test_a_directory_without_a_manifest_is_not_a_checkpoint(tmp_path):
     """A directory that was never committed (no manifest.json) raises CheckpointNotFoundError."""
     (tmp_path / "partial.ckpt").mkdir()
     with pytest.raises(CheckpointNotFoundError, match="manifest"):
-        load_checkpoint_dir(tmp_path / "partial.ckpt", verify=True, allow_pickle=False)
+        load_checkpoint_dir([tmp_path / "partial.ckpt"], manager=None, verify=True, allow_pickle=False)
 
 
 def test_map_location_moves_every_tensor(tmp_path):
@@ -26,14 +26,14 @@ def test_map_location_moves_every_tensor(tmp_path):
     io = AsyncDCPCheckpointIO()
     io.save_checkpoint(lightning_dict(), tmp_path / "a.ckpt")
     io.teardown()
-    loaded = load_checkpoint_dir(tmp_path / "a.ckpt", verify=True, allow_pickle=False, map_location="meta")
+    loaded = load_checkpoint_dir([tmp_path / "a.ckpt"], manager=None, verify=True, allow_pickle=False, map_location="meta")
     assert loaded["state_dict"]["layer.weight"].is_meta
     assert loaded["optimizer_states"][0]["state"][0]["momentum_buffer"].is_meta
 
 
 def _per_rank_body(rank: int, world: int, root: str) -> None:
     io = AsyncDCPCheckpointIO()
-    io._set_collective()  # what attach() does: every rank calls the plugin
+    io.start_fit()  # what attach() does: every rank calls the plugin
     ckpt = lightning_dict(7)
     ckpt["callbacks"] = {"MTBFCheckpoint": {"rng": {"torch_cpu": torch.full((3,), rank, dtype=torch.uint8)}}}
     ckpt["loops"]["fit_loop"]["state_dict"] = {"combined_loader": [{"yielded": 10 + rank}]}
@@ -72,7 +72,7 @@ def test_a_dtype_difference_is_refused_before_lightning_loads_anything(make_trai
 def test_allow_cast_lets_lightning_cast_the_checkpoint(make_trainer, tmp_path):
     """With AsyncDCPCheckpointIO(allow_cast=True) the float32 checkpoint loads into a float64 module."""
     _fit_three_steps(make_trainer, tmp_path / "ckpt")
-    saved = load_checkpoint_dir(tmp_path / "ckpt" / "step_000000003", verify=True, allow_pickle=False)
+    saved = load_checkpoint_dir([tmp_path / "ckpt" / "step_000000003"], manager=None, verify=True, allow_pickle=False)
     module = TinyModule().double()
     trainer = make_trainer(max_steps=3, plugins=[AsyncDCPCheckpointIO(allow_cast=True)],
                            callbacks=[MTBFCheckpoint(tmp_path / "ckpt2", mtbf_seconds=None)])

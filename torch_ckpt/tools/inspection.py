@@ -13,12 +13,12 @@ trees are JSON, and tensor payloads are never loaded (sizes come from the metada
 
 Status of an entry of a root (:func:`list_root`):
 
-* ``committed``: ``manifest.json`` is readable and every file it lists is present with its size
-  (and, with ``verify=True``, its CRC-32 and the structure checks of :func:`verify_checkpoint`);
+* ``committed``: ``manifest.json`` is valid, names this step and lists ``.metadata`` and one rank
+  file per rank, and every file it lists is a regular file present with its size (and, with
+  ``verify=True``, its CRC-32 and all the checks of :func:`verify_checkpoint`);
 * ``partial``: a temporary ``.step_N.tmp[.<id>]`` (a save or download in progress, or left by a crash), or
   a ``step_N`` directory without a manifest (on an object store: an upload in progress or abandoned);
-* ``corrupt``: the manifest is unreadable or names another step, or files are missing or have the
-  wrong size (or fail verification).
+* ``corrupt``: one of those checks failed (what a restore would refuse too).
 """
 
 from __future__ import annotations
@@ -41,7 +41,8 @@ from torch_ckpt.errors import (
 )
 from torch_ckpt.format import embedded_info, metadata_problems, rank_file_problems, walk_tree
 from torch_ckpt.layout import MANIFEST_NAME, rank_file_name
-from torch_ckpt.location import (  # private helpers shared by the read-only tools
+from torch_ckpt.records import storage_record_problems
+from torch_ckpt.tools.location import (  # private helpers shared by the read-only tools
     _METADATA,
     COMMITTED,
     CORRUPT,
@@ -55,7 +56,7 @@ from torch_ckpt.location import (  # private helpers shared by the read-only too
     _step_of,
     is_url,
 )
-from torch_ckpt.verification import (
+from torch_ckpt.tools.verification import (
     _check_dir_manifest,
     _check_files,
     _Report,
@@ -226,7 +227,8 @@ def inspect_checkpoint(where: str | os.PathLike | Location, *, step: int | None 
 
     Sizes come from the DCP metadata (global shapes and dtypes, so a sharded tensor counts once at
     its full size) and from the per-rank JSON trees (rank-local tensors, embedded per rank, count on
-    every rank). No tensor payload is read and no checksum is checked (see :func:`verify_checkpoint`).
+    every rank). The checks of a restore are made, except checksums (see :func:`verify_checkpoint`):
+    the tensor records' headers are read, never their payload.
 
     Args:
         where: a checkpoint directory, or a run root (its newest committed checkpoint, or ``step``).
@@ -263,6 +265,8 @@ def inspect_checkpoint(where: str | os.PathLike | Location, *, step: int | None 
     with tqdm(disable=True) as bar:
         _check_files(loc, manifest, loc.entries(), listed, checksums=False, bar=bar)
     problems = [(p["file"], p["problem"]) for p in listed.problems] + problems
+    if not problems:  # the tensor records must match the metadata (headers only: no payload is read)
+        problems = storage_record_problems(md, tensors, loc.open_range)
     if problems:
         file, text = problems[0]
         more = f" (and {len(problems) - 1} more problem(s); run torch-ckpt verify)" if len(problems) > 1 else ""

@@ -1,12 +1,12 @@
 """``torch-ckpt`` subcommands that operate on checkpoints and on this machine: ``ls``, ``inspect``,
 ``verify``, ``convert`` and ``bench``.
 
-Kept apart from the pure calculators in :mod:`torch_ckpt.cli` so that ``plan``/``simulate`` start
+Kept apart from the pure calculators in :mod:`torch_ckpt.tools.cli` so that ``plan``/``simulate`` start
 without importing ``torch.distributed.checkpoint``: everything heavy is imported inside the
-``run_*`` functions. The work itself lives in :mod:`torch_ckpt.inspection`,
-:mod:`torch_ckpt.convert` and :mod:`torch_ckpt.floors`; this module parses arguments and prints.
+``run_*`` functions. The work itself lives in :mod:`torch_ckpt.tools.inspection`,
+:mod:`torch_ckpt.tools.convert` and :mod:`torch_ckpt.tools.floors`; this module parses arguments and prints.
 
-Exit codes (as in :mod:`torch_ckpt.cli`): 0 success; 2 bad arguments, including a path or URL that
+Exit codes (as in :mod:`torch_ckpt.tools.cli`): 0 success; 2 bad arguments, including a path or URL that
 does not exist; 1 a checkpoint problem (``verify`` found one, ``ls`` lists a corrupt checkpoint, a
 checkpoint cannot be read), with one line per problem.
 """
@@ -42,7 +42,7 @@ __all__ = [
 
 
 def _usage_error(message: str) -> Exception:
-    from torch_ckpt.cli import UsageError  # cli imports this module: import late
+    from torch_ckpt.tools.cli import UsageError  # cli imports this module: import late
 
     return UsageError(message)
 
@@ -83,9 +83,9 @@ def _add_common(p: argparse.ArgumentParser, *, remote: bool = True) -> None:
 
 
 def _open(text: str, args: argparse.Namespace) -> Any:
-    """A :class:`~torch_ckpt.inspection.Location` for a path or URL; bad ones are usage errors (exit 2)."""
+    """A :class:`~torch_ckpt.tools.inspection.Location` for a path or URL; bad ones are usage errors (exit 2)."""
     from torch_ckpt.errors import ConfigError
-    from torch_ckpt.inspection import Location, is_url
+    from torch_ckpt.tools.inspection import Location, is_url
 
     options = getattr(args, "storage_options", None)
     if options and not is_url(text) and not getattr(args, "check_tiers", False):
@@ -100,7 +100,7 @@ def _open(text: str, args: argparse.Namespace) -> Any:
 def _argument_paths() -> Iterator[None]:
     """Turn 'this path does not exist' into a usage error (exit 2) and bad argument combinations too."""
     from torch_ckpt.errors import ConfigError
-    from torch_ckpt.inspection import PathNotFoundError
+    from torch_ckpt.tools.inspection import PathNotFoundError
 
     try:
         yield
@@ -159,7 +159,7 @@ def add_ls_arguments(p: argparse.ArgumentParser) -> None:
 
 def run_ls(args: argparse.Namespace) -> int:
     """List a root; exit 1 when a checkpoint is corrupt."""
-    from torch_ckpt.inspection import CORRUPT, list_root
+    from torch_ckpt.tools.inspection import CORRUPT, list_root
 
     with _argument_paths():
         result = list_root(_open(args.root, args), verify=args.verify, check_tiers=args.check_tiers,
@@ -208,7 +208,7 @@ def add_inspect_arguments(p: argparse.ArgumentParser) -> None:
 
 def run_inspect(args: argparse.Namespace) -> int:
     """Print the per-component table (and keys) of a checkpoint."""
-    from torch_ckpt.inspection import inspect_checkpoint
+    from torch_ckpt.tools.inspection import inspect_checkpoint
 
     with _argument_paths():
         result = inspect_checkpoint(_open(args.checkpoint, args), step=args.step, keys=args.keys,
@@ -267,7 +267,7 @@ def add_verify_arguments(p: argparse.ArgumentParser) -> None:
 
 def run_verify(args: argparse.Namespace) -> int:
     """Verify; exit 1 on any problem, each listed with its file."""
-    from torch_ckpt.inspection import verify_path
+    from torch_ckpt.tools.inspection import verify_path
 
     with _argument_paths():
         result = verify_path(_open(args.target, args), checksums=not args.no_checksums, progress=not args.quiet)
@@ -317,7 +317,7 @@ def add_convert_arguments(p: argparse.ArgumentParser) -> None:
 @contextmanager
 def _local_copy(args: argparse.Namespace) -> Iterator[str]:
     """The checkpoint as a local directory: itself, or a verified download of a URL (removed after)."""
-    from torch_ckpt.inspection import _step_of, is_url
+    from torch_ckpt.tools.inspection import _step_of, is_url
 
     if not is_url(args.checkpoint):
         if getattr(args, "storage_options", None):
@@ -361,7 +361,7 @@ def _local_copy(args: argparse.Namespace) -> Iterator[str]:
 
 def run_convert(args: argparse.Namespace) -> int:
     """Export a checkpoint; prints what was written."""
-    from torch_ckpt.convert import export_safetensors, export_torch
+    from torch_ckpt.tools.convert import export_safetensors, export_torch
 
     with _local_copy(args) as path:
         export = export_torch if args.to == "torch" else export_safetensors
@@ -422,7 +422,7 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
 
 def run_bench(args: argparse.Namespace) -> int:
     """Measure the floors; with --state-gib (and --mtbf) print what they imply."""
-    from torch_ckpt.floors import measure_floors, recommend
+    from torch_ckpt.tools.floors import measure_floors, recommend
 
     if (args.mtbf is not None or args.step_time is not None) and args.state_gib is None:
         raise _usage_error("--mtbf and --step-time need --state-gib (the checkpoint size)")
@@ -475,7 +475,7 @@ def _bench_text(f: dict[str, Any], rec: dict[str, Any] | None, state_gib: float 
     if rec["interval"] is None:
         lines.append("(add --mtbf for the recommended save interval)")
     else:
-        from torch_ckpt.cli import _interval_rows
+        from torch_ckpt.tools.cli import _interval_rows
 
         lines += ["", _interval_rows([rec["interval"]])]
     return "\n".join(lines)

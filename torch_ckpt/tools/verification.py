@@ -22,7 +22,8 @@ from torch_ckpt.errors import (
 )
 from torch_ckpt.format import metadata_problems, rank_file_problems, walk_tree
 from torch_ckpt.layout import MANIFEST_NAME, Manifest, rank_file_name
-from torch_ckpt.location import (  # private helpers shared by the read-only tools
+from torch_ckpt.records import storage_record_problems
+from torch_ckpt.tools.location import (  # private helpers shared by the read-only tools
     _METADATA,
     PARTIAL,
     Location,
@@ -107,6 +108,8 @@ def _check_structure(loc: Location, manifest: Manifest, listing: dict[str, dict[
         problems, tensors = metadata_problems(md, manifest)
         for file, text in problems:
             rep.problem(file, text)
+        if tensors:  # empty when the metadata is malformed as a whole
+            _check_records(loc, md, tensors, rep)
         if not problems:
             for key, item in md.state_dict_metadata.items():
                 if isinstance(item, BytesStorageMetadata):
@@ -145,6 +148,27 @@ def _check_structure(loc: Location, manifest: Manifest, listing: dict[str, dict[
         rep.warning(_METADATA, f"{len(unreferenced)} tensor(s) are not referenced by any rank's state, e.g. "
                                f"{unreferenced[:3]}")
     return len(tensors)
+
+
+def _check_manifest_consistency(manifest: Manifest, rep: _Report) -> None:
+    """What the manifest alone shows a restore would refuse: DCP metadata unlisted, not one rank file per rank."""
+    if _METADATA not in manifest.files:
+        rep.problem(_METADATA, "DCP metadata is not listed in the manifest")
+    for file, text in rank_file_problems(manifest):
+        rep.problem(file, text)
+
+
+def _check_records(loc: Location, md: Any, tensors: dict[str, Any], rep: _Report) -> None:
+    """Every chunk's record in the data files that passed the file checks matches the metadata."""
+    reported = {p["file"] for p in rep.problems}
+    files = sorted({str(info.relative_path) for index, info in md.storage_data.items()
+                    if index.fqn in tensors} - reported)
+    for name in files:
+        try:
+            for file, text in storage_record_problems(md, tensors, loc.open_range, [name]):
+                rep.problem(file, text)
+        except (OSError, CheckpointCorruptError) as exc:
+            rep.problem(name, f"cannot be read ({_strip(loc, name, exc)})")
 
 
 def _check_dir(loc: Location, *, checksums: bool, structure: bool, progress: bool) -> dict[str, Any]:
@@ -189,6 +213,8 @@ def _check_dir_manifest(loc: Location, *, checksums: bool, structure: bool,
             _check_files(loc, manifest, listing, rep, checksums=checksums, bar=bar)
         if structure and not full.partial:
             out["tensors"] = _check_structure(loc, manifest, listing, rep)
+        elif not full.partial:
+            _check_manifest_consistency(manifest, rep)
         manifest = full
     out["ok"] = not rep.problems
     return out, manifest
@@ -204,8 +230,10 @@ def verify_checkpoint(where: str | os.PathLike | Location, *, storage_options: d
 
     Every file of the manifest must be present with its size and (``checksums``) CRC-32; the DCP
     metadata must be readable with the restricted unpickler, its storage entries must lie inside
-    listed files and cover each tensor; every rank's JSON file must be listed, readable and consistent
-    with the manifest, and every tensor placeholder of its tree must be a tensor of the metadata.
+    listed files and cover each tensor, and every chunk's record in the data files must match its
+    declared byte range, dtype, size and shape (headers only); every rank's JSON file must be listed,
+    readable and consistent with the manifest, and every tensor placeholder of its tree must be a
+    tensor of the metadata.
 
     Returns:
         ``{"checkpoint", "name", "step", "ok", "checksums", "structure", "world_size", "files",
@@ -231,7 +259,7 @@ def verify_root(where: str | os.PathLike | Location, *, storage_options: dict[st
     Raises:
         PathNotFoundError: ``where`` does not exist.
     """
-    from torch_ckpt.inspection import (
+    from torch_ckpt.tools.inspection import (
         list_root,  # listing and verification use each other
     )
 
@@ -260,7 +288,7 @@ def verify_path(where: str | os.PathLike | Location, *, storage_options: dict[st
     Returns:
         The :func:`verify_root` shape in both cases (``kind`` is "checkpoint" or "root").
     """
-    from torch_ckpt.inspection import (
+    from torch_ckpt.tools.inspection import (
         _looks_like_checkpoint,  # listing and verification use each other
     )
 

@@ -162,14 +162,14 @@ def recommend(floors: dict[str, Any], state_bytes: float, *, mtbf_s: float | Non
     The save cost (training stall) of an asynchronous save is the copy of the state into the
     preallocated staging arena: device-to-host when CUDA was measured, host memory copy otherwise.
     It becomes durable after the write (``state_bytes`` at the write+fsync bandwidth), which is the
-    durability lag in the Young/Daly plan (see :func:`torch_ckpt.sizing.interval_plan`).
+    durability lag in the Young/Daly plan (see :func:`torch_ckpt.tools.sizing.interval_plan`).
 
     Returns:
         ``{"state_bytes", "staging_floor"`` ("d2h" or "copy") ``, "save_cost_s", "write_s",
         "sync_save_cost_s"`` (stall of a synchronous save: copy + write) ``, "restore_read_s",
         "interval"`` (the plan dict, or None without ``mtbf_s``) ``}``.
     """
-    from torch_ckpt.sizing import interval_plan
+    from torch_ckpt.tools.sizing import interval_plan
 
     floor = "d2h" if floors.get("d2h_gbps") else "copy"
     cost = state_bytes / (floors[f"{floor}_gbps"] * 1e9)

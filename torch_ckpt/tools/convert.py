@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch_ckpt.codec import join_state
 from torch_ckpt.dcp_io import load_tensors
 from torch_ckpt.errors import CheckpointNotFoundError, ConfigError
-from torch_ckpt.format import check_files, read_metadata, read_rank_tree
+from torch_ckpt.format import check_files, check_records, read_metadata, read_rank_tree
 from torch_ckpt.layout import Manifest, read_manifest
 
 __all__ = ["load_full_state", "export_torch", "export_safetensors"]
@@ -36,7 +36,8 @@ def load_full_state(checkpoint: str | Path, *, verify: bool = True,
 
     Goes through the same validation as a restore (:mod:`torch_ckpt.format`): only the manifest's
     files, as regular files inside the checkpoint; metadata whose chunks cover every tensor exactly
-    and fit in the files (checked before any tensor is allocated); bounded, well-formed rank files.
+    and fit in the files (checked before any tensor is allocated); tensor records that match the
+    metadata's dtypes, sizes and shapes; bounded, well-formed rank files.
 
     Args:
         checkpoint: a committed step directory.
@@ -56,6 +57,7 @@ def load_full_state(checkpoint: str | Path, *, verify: bool = True,
     path, manifest = _resolve(checkpoint, allow_symlinks)
     check_files(path, manifest, checksums=verify, allow_symlinks=allow_symlinks)
     md = read_metadata(path, manifest, allow_symlinks=allow_symlinks)
+    check_records(path, manifest, md, allow_symlinks=allow_symlinks)
     specs = {k: m for k, m in md.state_dict_metadata.items() if isinstance(m, TensorStorageMetadata)}
     trees = [read_rank_tree(path, manifest, r, allow_symlinks=allow_symlinks, tensor_keys=specs.__contains__)
              for r in range(manifest.world_size)]

@@ -25,9 +25,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from torch_ckpt import cli_tools
+from torch_ckpt.tools import cli_tools
 from torch_ckpt.durations import DURATION_FORMS, format_duration, parse_duration
-from torch_ckpt.sizing import (
+from torch_ckpt.tools.sizing import (
     DTYPE_BYTES,
     OPTIMIZER_MOMENTS,
     checkpoint_size,
@@ -298,7 +298,7 @@ def _add_simulate_arguments(p: argparse.ArgumentParser) -> None:
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
     """``torch-ckpt simulate``: Monte Carlo overhead versus interval, next to Young and Daly."""
-    from torch_ckpt.simulate import plot_sweep, sweep  # numpy only when simulating
+    from torch_ckpt.tools.simulate import plot_sweep, sweep  # numpy only when simulating
 
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         raise UsageError("--plot needs matplotlib, which is not installed: pip install matplotlib")
@@ -392,6 +392,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":  # run through the package so exception classes are the importable ones
-    from torch_ckpt.cli import main as _main
+    from torch_ckpt.tools.cli import main as _main
 
     sys.exit(_main())
