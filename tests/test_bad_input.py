@@ -183,7 +183,7 @@ def test_save_refuses_a_step_that_is_not_a_non_negative_int(tmp_path, step):
         assert mgr.all_steps() == []
     assert isinstance(info.value, ValueError)
     assert repr(step) in str(info.value)
-    assert os.listdir(tmp_path) == []
+    assert [n for n in os.listdir(tmp_path) if n not in (".lock", ".lock.owner")] == []  # only the root lock
 
 
 @pytest.mark.timeout(60)
@@ -200,7 +200,7 @@ def test_saving_the_same_step_twice_fails_and_keeps_the_first(tmp_path):
         live = _dict_state(0.0)
         assert mgr.restore(live) == 3
     assert torch.equal(live["model"]["w"], torch.full((4, 3), 1.0))
-    assert sorted(os.listdir(tmp_path)) == [STEP_DIR.format(3)]
+    assert sorted(os.listdir(tmp_path)) == [".lock", STEP_DIR.format(3)]  # filelock leaves its lock file
 
 
 # -- state mismatches ------------------------------------------------------------------------------
@@ -296,7 +296,7 @@ def test_unsupported_value_raises_config_error_naming_the_key(tmp_path):
         assert mgr.all_steps() == []
     assert isinstance(info.value, ValueError)
     assert "cfg.callback" in str(info.value)
-    assert os.listdir(tmp_path) == []
+    assert [n for n in os.listdir(tmp_path) if n not in (".lock", ".lock.owner")] == []  # only the root lock
 
 
 @pytest.mark.timeout(60)
@@ -742,6 +742,7 @@ def _restore_with_bad_rank_file(rank: int, world: int, root: str) -> None:
             raise AssertionError(f"rank {rank}: restore of a malformed rank file succeeded")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_malformed_rank_file_of_one_rank_fails_every_rank_without_a_hang(tmp_path):
     """2 ranks (gloo): rank 1's JSON nested 200k deep makes restore raise CheckpointCorruptError on both ranks."""
@@ -773,6 +774,7 @@ def _restore_with_bad_record_of_rank_1(rank: int, world: int, root: str) -> None
             raise AssertionError(f"rank {rank}: restore of a record declared with the wrong dtype succeeded")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_bad_record_in_one_ranks_share_fails_every_rank(tmp_path):
     """2 ranks (gloo): rank 1's data file record declared float64: restore raises CheckpointCorruptError on both."""

@@ -56,6 +56,7 @@ def _main_only_body(rank: int, world: int, folder: str, attach: bool, out: str) 
     del model
 
 
+@pytest.mark.slow
 def test_plain_accelerate_saves_from_the_main_process_alone(tmp_path):
     """Plain Accelerate: ``if accelerator.is_main_process: save_state(dir)`` writes the folder on 2 processes."""
     run_distributed(_main_only_body, 2, str(tmp_path / "ck"), False, str(tmp_path))
@@ -63,6 +64,7 @@ def test_plain_accelerate_saves_from_the_main_process_alone(tmp_path):
     assert any((tmp_path / "ck").iterdir())
 
 
+@pytest.mark.slow
 def test_attached_main_process_only_save_raises_at_once_with_the_fix(tmp_path):
     """Attached: the guarded save raises ConfigError at once (no collective wait) naming the guard and the fix."""
     run_distributed(_main_only_body, 2, str(tmp_path / "ck"), True, str(tmp_path), timeout_s=60)
@@ -192,12 +194,14 @@ def _mismatch_body(rank: int, world: int, out: str, attach: bool) -> None:
         f"{acc.num_processes}\n" + "\n".join(str(w.message) for w in seen), encoding="utf-8")
 
 
+@pytest.mark.slow
 def test_plain_accelerate_without_cpu_true_runs_each_process_alone(tmp_path):
     """Under 2 initialised ranks on CPU, ``Accelerator()`` reports one process (independent processes)."""
     run_distributed(_mismatch_body, 2, str(tmp_path), False)
     assert (tmp_path / "rank0.txt").read_text().splitlines()[0] == "1"
 
 
+@pytest.mark.slow
 def test_attached_world_size_mismatch_warns_with_the_fix(tmp_path):
     """Attached: torch.distributed world size 2 vs Accelerate's 1 process warns, naming ACCELERATE_USE_CPU=1."""
     run_distributed(_mismatch_body, 2, str(tmp_path), True)
@@ -232,7 +236,7 @@ def test_attached_save_after_resume_is_checkpoint_12(tmp_path):
     assert run.accelerator.save_iteration == 12
     assert run.accelerator.save_state().name == "checkpoint_12"
     run.ckpt.close()
-    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["checkpoint_11", "checkpoint_12"]
+    assert _names(tmp_path / "checkpoints") == ["checkpoint_11", "checkpoint_12"]
 
 
 def test_attached_log_line_names_save_iteration_and_training_step_apart(tmp_path, caplog):
@@ -329,6 +333,7 @@ def _rolling_two_processes(rank: int, world: int, folder: str, out: str) -> None
     ckpt.close()
 
 
+@pytest.mark.slow
 def test_attached_reused_folder_on_two_processes_loads_the_newest_save(tmp_path):
     """Attached, 2 gloo processes: a folder saved twice is replaced and both processes load the second save."""
     run_distributed(_rolling_two_processes, 2, str(tmp_path / "latest"), str(tmp_path))
@@ -399,6 +404,16 @@ def test_attached_corrupt_newest_checkpoint_falls_back_with_a_warning_naming_it(
 
 
 # -- item 4: existing plain-Accelerate checkpoints -------------------------------------------------------------
+def _root_lock(path: Path) -> bool:
+    """The manager's root lock files (``.lock``, which filelock leaves in place, and ``.lock.owner``)."""
+    return path.name in (".lock", ".lock.owner")
+
+
+def _names(folder: Path) -> list[str]:
+    """Sorted names in ``folder`` besides the root lock files."""
+    return sorted(p.name for p in folder.iterdir() if not _root_lock(p))
+
+
 def _plain_checkpoints(tmp_path: Path) -> list[str]:
     run = make_run(tmp_path, total_limit=3, attach=False)
     for step in range(1, 4):
@@ -425,8 +440,8 @@ def test_attached_save_never_writes_into_or_deletes_plain_accelerate_folders(tmp
     with pytest.raises(ConfigError, match="checkpoint_0 exists but is not a torch-ckpt checkpoint"):
         run.accelerator.save_state()
     run.ckpt.close()
-    assert {p: p.stat().st_mtime_ns for p in (tmp_path / "checkpoints").rglob("*")} == snapshot
-    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == before
+    assert {p: p.stat().st_mtime_ns for p in (tmp_path / "checkpoints").rglob("*") if not _root_lock(p)} == snapshot
+    assert _names(tmp_path / "checkpoints") == before
 
 
 def test_attached_loading_a_plain_checkpoint_keeps_its_save_iteration_and_retention_spares_it(tmp_path):
@@ -437,5 +452,5 @@ def test_attached_loading_a_plain_checkpoint_keeps_its_save_iteration_and_retent
     names = [run.accelerator.save_state().name for _ in range(4)]
     run.ckpt.close()
     assert names == ["checkpoint_3", "checkpoint_4", "checkpoint_5", "checkpoint_6"]
-    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [
+    assert _names(tmp_path / "checkpoints") == [
         "checkpoint_0", "checkpoint_1", "checkpoint_2", "checkpoint_4", "checkpoint_5", "checkpoint_6"]
