@@ -747,6 +747,7 @@ def _restore_with_bad_rank_file(rank: int, world: int, root: str) -> None:
             raise AssertionError(f"rank {rank}: restore of a malformed rank file succeeded")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_malformed_rank_file_of_one_rank_fails_every_rank_without_a_hang(tmp_path):
     """2 ranks (gloo): rank 1's JSON nested 200k deep makes restore raise CheckpointCorruptError on both ranks."""
@@ -778,6 +779,7 @@ def _restore_with_bad_record_of_rank_1(rank: int, world: int, root: str) -> None
             raise AssertionError(f"rank {rank}: restore of a record declared with the wrong dtype succeeded")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_bad_record_in_one_ranks_share_fails_every_rank(tmp_path):
     """2 ranks (gloo): rank 1's data file record declared float64: restore raises CheckpointCorruptError on both."""

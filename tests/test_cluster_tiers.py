@@ -202,6 +202,7 @@ def test_uploader_killed_midway_never_shows_the_step(tmp_path, s3):
     assert "manifest.json" not in objects
 
 
+@pytest.mark.slow
 def test_durable_upload_to_s3_reads_nothing_back(tmp_path, s3):
     """On S3 each upload is verified by the store's MD5 ETag (single and multipart): zero bytes read back."""
     from torch_ckpt.tiers import DurableTier
@@ -223,6 +224,7 @@ def test_durable_upload_to_s3_reads_nothing_back(tmp_path, s3):
     assert etag.endswith("-3")  # multipart: 5 + 5 + 1 MiB
 
 
+@pytest.mark.slow
 def test_store_mismatch_fails_the_upload(tmp_path, s3, monkeypatch):
     """A stored object whose bytes differ from the local file (same size) fails the upload as corrupt."""
     import zlib

@@ -28,6 +28,7 @@ _SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("persist", ["thread", "process"])
 def test_single_process_save_restore_and_convert_raise_no_dcp_warning(tmp_path, persist):

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from tests._dist import run_distributed
 from torch_ckpt import CheckpointError, CheckpointManager, TrainState
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 WIDTH = 32
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-pytestmark = pytest.mark.filterwarnings("ignore:.*set_vital.*:UserWarning")  # torchdata 0.11 noise
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:.*set_vital.*:UserWarning")]  # torchdata 0.11 noise
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_gpt.py"
 STEPS = 20

@@ -169,6 +169,7 @@ _PREEMPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("sig", ["SIGTERM", "SIGUSR1"])
 def test_preemption_signal_saves_at_next_step_and_exits(tmp_path, sig):
@@ -187,6 +188,7 @@ def test_preemption_signal_saves_at_next_step_and_exits(tmp_path, sig):
         assert mgr.restore(TrainState(model=torch.nn.Linear(8, 8))) == step
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_preemption_timeout_leaves_no_half_marked_checkpoint(tmp_path):
     """When the emergency save cannot commit in time the process still exits and nothing partial is listed."""

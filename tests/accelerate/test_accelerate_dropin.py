@@ -61,6 +61,7 @@ def _main_only_body(rank: int, world: int, folder: str, attach: bool, out: str) 
     del model
 
 
+@pytest.mark.slow
 def test_plain_accelerate_saves_from_the_main_process_alone(tmp_path):
     """Plain Accelerate: ``if accelerator.is_main_process: save_state(dir)`` writes the folder on 2 processes."""
     run_distributed(_main_only_body, 2, str(tmp_path / "ck"), False, str(tmp_path))
@@ -68,6 +69,7 @@ def test_plain_accelerate_saves_from_the_main_process_alone(tmp_path):
     assert any((tmp_path / "ck").iterdir())
 
 
+@pytest.mark.slow
 def test_attached_main_process_only_save_raises_at_once_with_the_fix(tmp_path):
     """Attached: the guarded save raises ConfigError at once (no collective wait) naming the guard and the fix."""
     run_distributed(_main_only_body, 2, str(tmp_path / "ck"), True, str(tmp_path), timeout_s=60)
@@ -197,6 +199,7 @@ def _mismatch_body(rank: int, world: int, out: str, attach: bool) -> None:
         f"{acc.num_processes}\n" + "\n".join(str(w.message) for w in seen), encoding="utf-8")
 
 
+@pytest.mark.slow
 def test_plain_accelerate_without_cpu_true_runs_each_process_alone(tmp_path):
     """Under 2 initialised ranks on CPU, ``Accelerator()`` reports one process (independent processes)."""
     run_distributed(_mismatch_body, 2, str(tmp_path), False)
@@ -205,6 +208,7 @@ def test_plain_accelerate_without_cpu_true_runs_each_process_alone(tmp_path):
     assert (tmp_path / "rank0.txt").read_text().splitlines()[0] == "1"
 
 
+@pytest.mark.slow
 def test_attached_world_size_mismatch_warns_with_the_fix(tmp_path):
     """Attached: torch.distributed world size 2 vs Accelerate's 1 process warns, naming ACCELERATE_USE_CPU=1."""
     run_distributed(_mismatch_body, 2, str(tmp_path), True)
@@ -340,6 +344,7 @@ def _rolling_two_processes(rank: int, world: int, folder: str, out: str) -> None
     ckpt.close()
 
 
+@pytest.mark.slow
 def test_attached_reused_folder_on_two_processes_loads_the_newest_save(tmp_path):
     """Attached, 2 gloo processes: a folder saved twice is replaced and both processes load the second save."""
     run_distributed(_rolling_two_processes, 2, str(tmp_path / "latest"), str(tmp_path))
@@ -410,6 +415,16 @@ def test_attached_corrupt_newest_checkpoint_falls_back_with_a_warning_naming_it(
 
 
 # -- item 4: existing plain-Accelerate checkpoints -------------------------------------------------------------
+def _root_lock(path: Path) -> bool:
+    """The manager's root lock files (``.lock``, which filelock leaves in place, and ``.lock.owner``)."""
+    return path.name in (".lock", ".lock.owner")
+
+
+def _names(folder: Path) -> list[str]:
+    """Sorted names in ``folder`` besides the root lock files."""
+    return sorted(p.name for p in folder.iterdir() if not _root_lock(p))
+
+
 def _plain_checkpoints(tmp_path: Path) -> list[str]:
     run = make_run(tmp_path, total_limit=3, attach=False)
     for step in range(1, 4):

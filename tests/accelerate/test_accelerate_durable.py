@@ -112,6 +112,7 @@ def s3():
     server.stop()
 
 
+@pytest.mark.slow
 def test_s3_durable_copy_resumes_exactly_after_losing_the_local_disk(tmp_path, s3):
     """durable_url=s3://... through Accelerate: checkpoint_N objects in the bucket; a lost disk resumes bit for bit."""
     import s3fs

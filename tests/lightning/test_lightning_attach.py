@@ -153,6 +153,7 @@ def _model_parallel_body(rank: int, world: int, root: str) -> None:
         assert torch.equal(uninterrupted[key], resumed[key]), key
 
 
+@pytest.mark.slow
 def test_model_parallel_resume_continues_bitwise(tmp_path):
     """FSDP2 (ModelParallelStrategy) on 2 CPU ranks: sharded saves, resumed training matches uninterrupted."""
     run_distributed(_model_parallel_body, 2, str(tmp_path), timeout_s=150)

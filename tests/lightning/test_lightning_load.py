@@ -46,6 +46,7 @@ def _per_rank_body(rank: int, world: int, root: str) -> None:
     io.teardown()
 
 
+@pytest.mark.slow
 def test_each_rank_loads_its_own_loop_and_callback_state(tmp_path):
     """With two ranks, loop progress and callback states (RNG) are stored and loaded per rank."""
     run_distributed(_per_rank_body, 2, str(tmp_path))

@@ -67,6 +67,7 @@ def _fsdp_save(rank, world, root):
         torch.save(full, f"{root}/ref.pt")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_export_of_a_sharded_checkpoint_has_full_tensors(tmp_path):
     """A checkpoint written by 2 FSDP2 ranks exports full, unsharded tensors and every rank's RNG."""
