@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from torch_ckpt.durations import DURATION_FORMS, format_duration
+from torch_ckpt.errors import CheckpointError
 from torch_ckpt.tools import cli_bench, cli_tools
 from torch_ckpt.tools.cli_common import (
     UsageError,
@@ -333,8 +334,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{_PROG} {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except Exception as exc:  # noqa: BLE001 - a checkpoint problem: one clear line, exit 1
-        from torch_ckpt.errors import CheckpointError
-
         if not isinstance(exc, (CheckpointError, OSError)):
             raise
         print(f"{_PROG} {args.command}: error: {exc}", file=sys.stderr)
