@@ -183,12 +183,13 @@ def metadata_problems(md: Any, manifest: Any) -> tuple[list[tuple[str, str]], di
 
 
 def metadata_name(node: int) -> str:
-    """File holding the DCP metadata that ``node``'s ranks load with (node 0: the complete ``.metadata``).
+    """File holding the DCP metadata that ``node``'s ranks load their node's copy with.
 
     A node-local checkpoint stores replicated tensors once per node; each node's metadata points
-    every tensor at the copy its node holds. Node 0's is the complete one used by every other reader.
+    every tensor at the copy its node holds. ``.metadata`` (on node 0 and in the durable tier)
+    points every tensor at the one uploaded copy: the complete checkpoint every other reader uses.
     """
-    return METADATA_NAME if node == 0 else f"node_{node:05d}.metadata"
+    return f"node_{node:05d}.metadata"
 
 
 def read_metadata(where: str | os.PathLike | Location, manifest: Manifest, *, allow_symlinks: bool = False) -> Metadata:
@@ -202,7 +203,8 @@ def read_metadata(where: str | os.PathLike | Location, manifest: Manifest, *, al
         DurableUnavailableError: the store cannot be reached.
     """
     loc = as_location(where, allow_symlinks=allow_symlinks)
-    name = metadata_name(manifest.node or 0)
+    node = manifest.node
+    name = (manifest.nodes or {}).get("metadata") or (METADATA_NAME if node is None else metadata_name(node))
     source = loc.describe(name)
     if name not in manifest.files:
         raise corrupt(source, "DCP metadata is not listed in the manifest")

@@ -549,7 +549,8 @@ class CheckpointManager:
     def remove(self, target: int | str | os.PathLike) -> None:
         """Delete one committed checkpoint crash-safely (renamed aside, then deleted); rank 0 acts.
 
-        Call on every rank or on rank 0 only (it is not collective). An in-flight save of that
+        Call on every rank or on rank 0 only (it is not collective); with node-local roots
+        (``local_root_shared=False``) call it on every rank: each node's lowest rank removes its copy. An in-flight save of that
         checkpoint is waited for first. A missing target is a no-op.
 
         Args:

@@ -69,7 +69,10 @@ class Manifest:
         tiers: tiers holding a complete, verified copy besides this one, e.g.
             ``{"durable": {"url": "s3://b/run", "committed_at": 1.7e9}}``.
         nodes: for a checkpoint written to node-local roots, ``{"rank_node": [node of each rank],
-            "file_node": {file name: node holding it}}``; empty for a shared root.
+            "file_node": {file name: node holding it}, "shared": [uploaded files holding tensors
+            several nodes hold]}``, plus for a node's copy fetched from the durable tier ``"held"``
+            (its files) and ``"metadata"`` (the DCP metadata file it loads with); empty for a
+            shared root.
         node: the node whose copy this directory is (it holds only the files ``file_node`` gives
             that node); None for a complete copy (shared root, durable tier).
     """
@@ -106,6 +109,8 @@ class Manifest:
         """The listed files this copy holds: all of them, or those of :attr:`node` for a node's copy."""
         if self.node is None:
             return self.files
+        if "held" in self.nodes:  # a copy fetched from the durable tier
+            return {name: self.files[name] for name in self.nodes["held"]}
         held = self.nodes.get("file_node", {})
         return {name: info for name, info in self.files.items() if held.get(name) == self.node}
 
@@ -215,7 +220,18 @@ def _nodes_fields(data: dict, files: dict[str, Any], world_size: int) -> tuple[d
         raise Malformed("nodes.file_node must give the node (an int below the node count) of every listed file")
     if node is not None and (type(node) is not int or not 0 <= node < count):
         raise Malformed(f"node must be an int in 0..{count - 1}, got {short_repr(node)}")
-    return {"rank_node": list(rank_node), "file_node": dict(file_node)}, node
+    out: dict[str, Any] = {"rank_node": list(rank_node), "file_node": dict(file_node)}
+    for key in ("shared", "held"):
+        if key in nodes:
+            names = nodes[key]
+            if not isinstance(names, list) or not all(isinstance(n, str) and n in files for n in names):
+                raise Malformed(f"nodes.{key} must list files of the manifest")
+            out[key] = list(names)
+    if "metadata" in nodes:
+        if nodes["metadata"] not in files:
+            raise Malformed("nodes.metadata must name a file of the manifest")
+        out["metadata"] = nodes["metadata"]
+    return out, node
 
 
 def parse_manifest(raw: bytes, source: str) -> Manifest:

@@ -24,6 +24,7 @@ from tqdm import tqdm
 from torch_ckpt._logging import get_logger
 from torch_ckpt.crc import crc32
 from torch_ckpt.errors import CheckpointCorruptError, ConfigError
+from torch_ckpt.format import METADATA_NAME
 from torch_ckpt.layout import commit_dir
 from torch_ckpt.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, read_manifest
 from torch_ckpt.naming import Naming, StepNaming
@@ -328,9 +329,12 @@ class DurableTier:
         """
         if manifest.node is None:
             raise ValueError("upload_node() needs one node's copy (manifest.node is set)")
+        from torch_ckpt.nodes import durable_manifest
+
         step, node = manifest.step, manifest.node
         self.fs.makedirs(self._path(self.naming.name(step)), exist_ok=True)
-        mine = manifest.local_files()
+        durable = durable_manifest(manifest)  # without the nodes' extra copies: each tensor is uploaded once
+        mine = {name: info for name, info in durable.files.items() if durable.nodes["file_node"][name] == node}
         self._put_all(local_dir, step, mine)
         self.fs.pipe_file(self._marker(step, node), json.dumps({"node": node, "files": mine}).encode())
         self._refresh()
@@ -348,15 +352,14 @@ class DurableTier:
                                    f"not finished uploading their shards")
             time.sleep(delay)
             delay = min(delay * 2, 5.0)
-        file_node = manifest.nodes["file_node"]
+        file_node = durable.nodes["file_node"]
         for n in range(nodes):
             raw = self.fs.cat_file(self._marker(step, n))
             listed = json.loads(raw).get("files") if len(raw) < MAX_MANIFEST_BYTES else None
-            expected = {k: v for k, v in manifest.files.items() if file_node[k] == n}
+            expected = {k: v for k, v in durable.files.items() if file_node[k] == n}
             if listed != expected:
                 raise CheckpointCorruptError(f"durable tier {self.url}: node {n}'s upload record of step {step} does "
                                              "not match the manifest")
-        durable = dataclasses.replace(manifest, node=None, tiers={})
         data = json.dumps(durable.to_json(), separators=(",", ":")).encode()
         self.fs.pipe_file(self._path(self.naming.name(step), MANIFEST_NAME), data)
         self._refresh()
@@ -394,9 +397,9 @@ class DurableTier:
         Args:
             step: the step.
             local_root: the local run root.
-            node: for a node-local checkpoint, fetch only the files this node holds (its ranks'
-                shards, per-rank state and metadata) and commit them as that node's copy; None
-                fetches every file.
+            node: for a node-local checkpoint, fetch only what this node's ranks load at the same
+                rank layout (their own files, the files holding replicated tensors, and the
+                metadata) and commit it as that node's copy; None fetches every file.
 
         Returns:
             The local committed directory.
@@ -407,11 +410,14 @@ class DurableTier:
         """
         import shutil
 
+        from torch_ckpt.nodes import fetch_set
+
         manifest = self.read_manifest(step)
         if node is not None:
             if not manifest.nodes:
                 raise ValueError(f"{self.describe(step)} was written to a shared root: it has no node copies")
-            manifest = dataclasses.replace(manifest, node=node)
+            manifest = dataclasses.replace(manifest, node=node, nodes={
+                **manifest.nodes, "held": fetch_set(manifest, node), "metadata": METADATA_NAME})
         files = manifest.local_files()
         final = local_root / self.naming.name(step)
         tmp = local_root / f".{final.name}.download.tmp"
