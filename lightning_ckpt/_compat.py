@@ -12,7 +12,8 @@ from collections.abc import Callable
 from typing import Any
 
 __all__ = [
-    "defer_link_checkpoint", "dump_checkpoint", "is_final_batch", "is_last_batch", "isolate_validation_rng", "load_module_state",
+    "defer_link_checkpoint", "dump_checkpoint", "is_final_batch", "is_last_batch", "isolate_validation_rng",
+    "load_module_state",
     "set_original_sigterm_handler", "sharded_flags", "signal_connector",
 ]
 

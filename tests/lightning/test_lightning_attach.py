@@ -135,7 +135,8 @@ def _fit_sharded(root: Path, name: str, max_steps: int, ckpt_path: str | None = 
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=max_steps,
                         logger=False, enable_progress_bar=False, enable_model_summary=False, default_root_dir=root,
                         plugins=[AsyncDCPCheckpointIO()],
-                        callbacks=[MTBFCheckpoint(root / name, mtbf_seconds=None, save_every_n_steps=3, keep_last=None)])
+                        callbacks=[MTBFCheckpoint(root / name, mtbf_seconds=None, save_every_n_steps=3,
+                                                  keep_last=None)])
     model = ShardedModule()
     trainer.fit(model, ckpt_path=ckpt_path)
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))

@@ -26,7 +26,8 @@ def test_map_location_moves_every_tensor(tmp_path):
     io = AsyncDCPCheckpointIO()
     io.save_checkpoint(lightning_dict(), tmp_path / "a.ckpt")
     io.teardown()
-    loaded = load_checkpoint_dir([tmp_path / "a.ckpt"], manager=None, verify=True, allow_pickle=False, map_location="meta")
+    loaded = load_checkpoint_dir([tmp_path / "a.ckpt"], manager=None, verify=True, allow_pickle=False,
+                                 map_location="meta")
     assert loaded["state_dict"]["layer.weight"].is_meta
     assert loaded["optimizer_states"][0]["state"][0]["momentum_buffer"].is_meta
 

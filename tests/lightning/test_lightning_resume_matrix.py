@@ -130,9 +130,9 @@ def test_resume_with_gradient_accumulation_is_bitwise(tmp_path, stop):
     assert resumed == {s: full[s] for s in range(stop + 1, 13)}
 
 
-@pytest.mark.xfail(strict=True, reason="known gap (issue 17 item 4): a run ended by max_epochs and resumed with a larger "
-                   "max_epochs starts the next epoch from a fresh loader (Lightning loads no loader state at an epoch "
-                   "end in epoch-based training), so its shuffle order restarts")
+@pytest.mark.xfail(strict=True, reason="known gap (issue 17 item 4): a run ended by max_epochs and resumed with "
+                   "a larger max_epochs starts the next epoch from a fresh loader (Lightning loads no loader state "
+                   "at an epoch end in epoch-based training), so its shuffle order restarts")
 def test_resume_after_max_epochs_continues_the_next_epoch_bitwise(tmp_path):
     """Ended by max_epochs=1, resumed with max_epochs=3: exact with a seeded train loader (see docs/lightning.md)."""
     full = fit(tmp_path / "full", -1, max_epochs=3, generators=True)
