@@ -1,6 +1,8 @@
 # torch-ckpt: two commands on a fresh machine.
-#   make demo   set up, then train a small GPT on real text with async checkpoints, crash it, resume exactly
-#   make test   set up, then run the test suite
+#   make demo        set up, then train a small GPT on real text with async checkpoints, crash it, resume exactly
+#   make test        set up, then run the whole test suite (what CI runs)
+#   make test-fast   the edit loop: every test not marked slow (pytest -m "not slow"; about a minute)
+#   make lint        ruff check . (configuration in pyproject.toml)
 #
 # The virtual environment lives outside the clone, keyed on a hash of the dependency files, so CI and
 # repeated runs reuse it. Override VENV to put it elsewhere.
@@ -20,7 +22,7 @@ STAMP := $(VENV)/.deps-installed
 PYTEST_ARGS ?=
 DEMO_DIR ?= demo_run
 
-.PHONY: demo test setup clean
+.PHONY: demo test test-fast lint setup clean
 
 setup: $(STAMP)
 	@$(PY) -m pip install --quiet --no-deps --no-build-isolation -e . >/dev/null 2>&1 || \
@@ -41,5 +43,17 @@ demo: setup
 test: setup
 	$(PY) -m pytest $(PYTEST_ARGS)
 
+test-fast: setup
+	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+
+lint: setup
+	$(PY) -m ruff check .
+
 clean:
 	rm -rf $(DEMO_DIR) .pytest_cache build *.egg-info
+
+# Two simulated nodes of 2 ranks with node-local roots and a local S3 server (moto): node 1's disk is
+# deleted mid-run, node 0 resumes from its disk and node 1 fetches only its shards from S3.
+.PHONY: demo-cluster
+demo-cluster: setup
+	$(PY) examples/demo_cluster.py --work-dir $(DEMO_DIR)_cluster

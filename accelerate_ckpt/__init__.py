@@ -8,17 +8,9 @@ From then on ``accelerator.save_state()`` returns once the state is staged and w
 background, and ``accelerator.load_state()`` restores everything exactly. See ``docs/accelerate.md``.
 """
 
-from accelerate_ckpt._checkpointer import AccelerateCheckpointer, attach
+from accelerate_ckpt._checkpointer import NAMING, AccelerateCheckpointer, attach
 from accelerate_ckpt._config import ENV_VAR, CkptSettings, load_settings
-from accelerate_ckpt._layout import PAYLOAD
 from accelerate_ckpt._state import AcceleratorTrainState
 
-__all__ = [
-           "ENV_VAR",
-           "PAYLOAD",
-           "AccelerateCheckpointer",
-           "AcceleratorTrainState",
-           "CkptSettings",
-           "attach",
-           "load_settings",
-]
+__all__ = ["ENV_VAR", "NAMING", "AccelerateCheckpointer", "AcceleratorTrainState", "CkptSettings", "attach",
+           "load_settings"]

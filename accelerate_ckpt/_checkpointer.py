@@ -1,49 +1,48 @@
-"""``attach()``: route an ``Accelerator``'s ``save_state``/``load_state`` through torch-ckpt.
+"""``attach()``: route an ``Accelerator``'s ``save_state``/``load_state`` through a torch-ckpt ``CheckpointManager``.
 
-Mechanism (see ``docs/accelerate.md``): Accelerate's pre-hooks only see the weights of plain
-models; optimizers, schedulers, scaler, samplers and RNG are written synchronously after the hook
-returns, and FSDP models before it runs. So :func:`attach` replaces ``save_state`` and
-``load_state`` *on that one Accelerator instance* (instance attributes that shadow the class
-methods; :meth:`AccelerateCheckpointer.close` removes them again). The replacements keep
-Accelerate's contract: automatic naming, ``total_limit``, and every registered save/load pre-hook
-runs with ``(models, weights, output_dir)`` / ``(models, input_dir)`` as before. The adapter's
-own part is itself a registered pre-hook (a ``RemovableHandle`` each), run last: it ``pop()``s
-the remaining ``weights``/``models``, which then go, with everything else, into one asynchronous,
-sharded, atomic torch-ckpt save.
+Accelerate's pre-hooks only see the weights of plain models; optimizers, schedulers, scaler,
+samplers and RNG are written synchronously after the hooks return, and FSDP models before they run.
+So :func:`attach` replaces ``save_state`` and ``load_state`` *on that one Accelerator instance*
+(instance attributes; :meth:`AccelerateCheckpointer.close` removes them). Registered pre-hooks still
+run in order with ``(models, weights, output_dir)`` / ``(models, input_dir)``; what they do not
+``pop()`` the manager saves with everything else in one asynchronous, sharded, atomic checkpoint. Naming, retention, resume with fallback, rollback,
+atomic replacement of a reused folder, scheduling and the durable copy are the manager's.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import shutil
 import time
-from collections.abc import Callable
+import warnings
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
+
+from accelerate_ckpt import _compat as compat
 from accelerate_ckpt._config import CkptSettings, load_settings
-from accelerate_ckpt._durable import DurableCopy
-from accelerate_ckpt._layout import (
-    PAYLOAD,
-    checkpoint_dir,
-    checkpoint_root,
-    committed_checkpoints,
-    is_committed,
-    prune,
-)
-from accelerate_ckpt._state import AcceleratorTrainState, check_supported
+from accelerate_ckpt._guard import one_process_guard
+from accelerate_ckpt._state import AcceleratorTrainState
 from torch_ckpt import (
-    AsyncCheckpointer,
+    CheckpointManager,
     CheckpointNotFoundError,
     ConfigError,
+    DurableTier,
+    PatternNaming,
     SaveHandle,
     UnsafeCheckpointError,
+    is_committed,
 )
-from torch_ckpt.cadence import Cadence
 
-__all__ = ["AccelerateCheckpointer", "attach"]
+__all__ = ["NAMING", "AccelerateCheckpointer", "attach"]
 
 log = logging.getLogger(__name__)
+
+#: Accelerate's automatic checkpoint names, ``checkpoint_<save iteration>``.
+NAMING = PatternNaming("checkpoint_{step}")
+_HOOK_FILES = ".{}.hooks.tmp.{}"  # user save hooks write here; the files commit with the checkpoint (extra_dir)
 
 _STAT_KEYS = ("blocking_s", "wait_for_previous_s", "staging_s", "persist_s", "total_s", "bytes", "files_bytes",
               "gb_per_s")
@@ -54,14 +53,14 @@ def attach(accelerator: Any, config: str | os.PathLike | None = None, *, save_po
     """Make ``accelerator.save_state()`` asynchronous and ``load_state()`` exact, through torch-ckpt.
 
     Call it on every process, after creating the ``Accelerator`` (before or after ``prepare``),
-    at the same point of the program (it creates the checkpoint process groups collectively).
+    at the same point of the program.
 
     Args:
         accelerator: the ``accelerate.Accelerator``.
-        config: YAML settings file (keys: :class:`~accelerate_ckpt.CkptSettings`); the file named
-            by the environment variable ``ACCELERATE_CKPT_CONFIG`` wins over it.
+        config: YAML settings file (keys: :class:`~accelerate_ckpt.CkptSettings`); the file named by
+            the environment variable ``ACCELERATE_CKPT_CONFIG`` wins over it.
         save_policy: a :mod:`torch_ckpt.schedule` policy for :meth:`AccelerateCheckpointer.should_save`
-            (wins over the ``save_every_n_steps``/``save_every``/``mtbf`` settings).
+            (instead of the ``save_every_n_steps``/``save_every_seconds``/``mtbf_seconds`` settings).
         settings: any setting of :class:`~accelerate_ckpt.CkptSettings`; wins over the file.
 
     Returns:
@@ -81,10 +80,11 @@ class AccelerateCheckpointer:
     Attributes:
         accelerator: the ``Accelerator``.
         settings: the merged :class:`~accelerate_ckpt.CkptSettings`.
-        step: the training step. ``save_state()`` names automatic checkpoints ``checkpoint_<step>``
-            when it is known (set by :meth:`should_save`, :meth:`save_if_due`, ``save_state(step=)``,
-            ``load_state()`` or by you); while it is None, Accelerate's save iteration is used.
-        hooks: the ``RemovableHandle``s of the adapter's save and load pre-hooks.
+        step: the training step, recorded in each checkpoint and restored by ``load_state()``; set
+            by :meth:`should_save`, :meth:`save_if_due`, ``save_state(step=)`` or by you (None:
+            unknown). Automatic names follow Accelerate's save iteration, never this step.
+        manager: the :class:`~torch_ckpt.CheckpointManager` (root ``project_dir/checkpoints`` with
+            automatic naming, else the parent of the first folder saved or loaded; None until then).
         last_handle: the :class:`~torch_ckpt.SaveHandle` of the latest save.
     """
 
@@ -92,46 +92,53 @@ class AccelerateCheckpointer:
         self.accelerator = accelerator
         self.settings = settings
         self.step: int | None = None
-        self.hooks: list[Any] = []
+        self.manager: CheckpointManager | None = None
         self.last_handle: SaveHandle | None = None
-        self._unlogged: list[SaveHandle] = []
-        self._newest_committed_wall: float | None = None
+        self._policy = {} if save_policy is None else {"save_policy": save_policy}
+        self._unlogged: list[tuple[SaveHandle, int | None]] = []  # (handle, training step)
         self._last_health = float("-inf")
-        self._active = False  # True while our own save_state/load_state runs the hooks
-        self._taken: list[Any] = []
-        self._ckpt: AsyncCheckpointer | None = None
-        self._durable: DurableCopy | None = None
-        policy = save_policy if save_policy is not None else settings.save_policy()
-        self._cadence = Cadence(policy) if policy is not None else None
+        self._closed = not settings.enabled
         if not settings.enabled:
             log.info("accelerate_ckpt disabled by its settings: Accelerate's own save_state/load_state stay in use")
             return
-        check_supported(accelerator)
-        self._ckpt = AsyncCheckpointer(
-            async_save=settings.async_save, persist=settings.persist, overlap_staging=settings.overlap_staging,
-            writer_niceness=settings.writer_niceness, staging_budget_bytes=settings.staging_budget_bytes,
-            thread_count=settings.thread_count, timeout_seconds=settings.timeout)
-        if settings.durable_url is not None:
-            self._start_durable()
-        self.hooks = [accelerator.register_save_state_pre_hook(self._save_hook),
-                      accelerator.register_load_state_pre_hook(self._load_hook)]
+        compat.check_supported(accelerator)
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        if world != accelerator.num_processes:
+            warnings.warn(
+                f"torch.distributed has world size {world} but Accelerate runs {accelerator.num_processes} "
+                "process(es) (on a CPU machine, torchrun needs ACCELERATE_USE_CPU=1 or Accelerator(cpu=True)); "
+                f"checkpoints are written as world size {world}, while Accelerate trains each process alone",
+                stacklevel=3)
+        self._auto = bool(accelerator.project_configuration.automatic_checkpoint_naming)
+        cfg = settings.config
+        if cfg.durable_url is not None:
+            if not self._auto:
+                raise ConfigError("durable_url needs ProjectConfiguration(automatic_checkpoint_naming=True): only "
+                                  "automatic checkpoints are replicated")
+            DurableTier(cfg.durable_url, storage_options=cfg.storage_options)  # fail now on a bad URL
+        if self._auto and accelerator.project_dir is None:
+            raise ConfigError("automatic_checkpoint_naming needs ProjectConfiguration(project_dir=...)")
         accelerator.save_state = self.save_state
         accelerator.load_state = self.load_state
 
-    def _start_durable(self) -> None:
-        """The main process starts the replication; every process raises if that failed."""
-        s, error = self.settings, None
-        if self.accelerator.is_main_process:
-            try:
-                self._durable = DurableCopy(s.durable_url, storage_options=s.durable_storage_options,
-                                            keep=s.durable_total_limit, verify=s.durable_verify)
-            except Exception as exc:  # noqa: BLE001 - reported on every process below
-                error = str(exc) if isinstance(exc, ConfigError) else f"cannot use durable_url {s.durable_url!r}: {exc}"
-        error = self._ckpt.ctx.broadcast(error, what="durable tier")
-        if error is not None:
-            self._ckpt.close()
-            self._ckpt = None
-            raise ConfigError(error)
+    def _open(self, root: Path | None = None) -> CheckpointManager:
+        """The manager; created on first use (collective: every process reaches it at the same call).
+
+        Its root is ``project_dir/checkpoints`` with automatic naming, else ``root``. Not created at
+        ``attach()``, so that a fresh run's ``checkpoints`` folder appears only with its first save.
+        """
+        if self.manager is None:
+            if self._auto:
+                root = Path(self.accelerator.project_dir).expanduser() / "checkpoints"
+            s = self.settings
+            keep = s.config.keep_last if s.keep_last_given else self.accelerator.project_configuration.total_limit
+            self.manager = CheckpointManager(root, config=s.config, naming=NAMING, keep_last=keep if self._auto else None,
+                                             **self._policy)
+        return self.manager
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ConfigError("this AccelerateCheckpointer is closed or disabled")
 
     # -- context manager -------------------------------------------------------------------------
     def __enter__(self) -> AccelerateCheckpointer:
@@ -148,308 +155,258 @@ class AccelerateCheckpointer:
 
     @property
     def enabled(self) -> bool:
-        """False when the settings disabled the adapter (Accelerate's own methods are in use)."""
-        return self._ckpt is not None
+        """False when the settings disabled the adapter or it was closed (Accelerate's own methods are in use)."""
+        return not self._closed
 
     # -- hooks -----------------------------------------------------------------------------------
-    def _save_hook(self, models: list, weights: list, output_dir: str) -> None:
-        """Take over every weight no earlier hook took: ``pop()`` them all (saved by torch-ckpt)."""
-        if not self._active:  # Accelerate's own save_state is running (adapter bypassed): leave it alone
-            return
-        while weights:
-            self._taken.append(weights.pop())
-
-    def _load_hook(self, models: list, input_dir: str) -> None:
-        """Take over every model no earlier hook loaded: ``pop()`` them all (loaded by torch-ckpt)."""
-        if not self._active:
-            return
-        while models:
-            self._taken.append(models.pop())
-
-    def _run_hooks(self, table: dict, own: Callable, args: tuple) -> None:
-        own_ids = {h.id for h in self.hooks}
-        for key, hook in list(table.items()):
-            if key not in own_ids:
-                hook(*args)
-        self._taken = []
-        self._active = True
-        try:
-            own(*args)
-        finally:
-            self._active = False
-
-    def _plain_model_indices(self) -> list[int]:
-        """Indices of the models Accelerate hands to the hooks (all but FSDP models)."""
-        fsdp = str(self.accelerator.distributed_type).endswith("FSDP")
-        return [] if fsdp else list(range(len(self.accelerator._models)))
-
-    def _skipped_models(self, candidates: list[int], originals: list[Any]) -> list[int]:
-        """Candidates whose hook item (weights dict or model) an earlier, user-registered hook popped."""
-        taken = {id(x) for x in self._taken}
-        return [i for i, item in zip(candidates, originals) if id(item) not in taken]
+    def _run_hooks(self, table: dict, items: list, folder: Path, *, save: bool) -> list[int]:
+        """Run the registered pre-hooks on ``items`` (one per plain model; none for FSDP, whose models
+        Accelerate never hands to hooks); what they leave is torch-ckpt's. Returns the model indices a
+        hook ``pop()``ed (it saves or loads that model itself)."""
+        originals = list(items)
+        args = (compat.prepared(self.accelerator, "models"), items, str(folder)) if save else (items, str(folder))
+        for hook in list(table.values()):
+            hook(*args)
+        left = {id(x) for x in items}
+        return [i for i, item in enumerate(originals) if id(item) not in left]
 
     # -- saving ----------------------------------------------------------------------------------
-    def _output_dir(self, output_dir: Any, number: int) -> tuple[Path, Path | None]:
-        acc = self.accelerator
-        if acc.project_configuration.automatic_checkpoint_naming:
-            if acc.project_dir is None:
-                raise ConfigError("automatic_checkpoint_naming needs ProjectConfiguration(project_dir=...)")
-            root = checkpoint_root(acc.project_dir)
-            return checkpoint_dir(root, number), root
-        if output_dir is None:
-            raise ValueError("save_state() needs output_dir unless automatic_checkpoint_naming is enabled")
-        return Path(output_dir).expanduser(), None
-
     def save_state(self, output_dir: str | os.PathLike | None = None, safe_serialization: bool = True, *,
                    step: int | None = None, **save_model_func_kwargs: Any) -> Path:
         """Replacement of ``Accelerator.save_state``: returns once the state is staged.
 
+        With automatic naming the folder is ``checkpoint_<save iteration>`` (as in Accelerate);
+        otherwise ``output_dir``, which may be saved again: the new checkpoint replaces the old
+        one atomically when it commits (the old one stays loadable until then).
+
         Args:
             output_dir: the folder (ignored with automatic checkpoint naming, as in Accelerate).
             safe_serialization: ignored; torch-ckpt never pickles.
-            step: the training step (sets :attr:`step`); names automatic checkpoints.
+            step: the training step (sets :attr:`step`), recorded in the checkpoint.
             save_model_func_kwargs: ignored (DeepSpeed-only in Accelerate).
 
         Returns:
-            The checkpoint folder; its ``torch_ckpt`` payload appears when the save is committed.
+            The checkpoint folder; it appears, complete, when the save commits.
 
         Raises:
-            ValueError: the folder already holds a committed checkpoint.
+            ConfigError: called under an ``if accelerator.is_main_process:``-style guard with several
+                processes (every process must call it); ``output_dir`` exists and is not a torch-ckpt
+                checkpoint (it is never written into); ``checkpoint_<n>`` exists (as in Accelerate).
             CheckpointError: an earlier background save failed (raised once).
         """
+        self._check_open()
         acc = self.accelerator
-        if self._ckpt is None:
-            raise ConfigError("this AccelerateCheckpointer is closed or disabled")
+        guard = one_process_guard() if acc.num_processes > 1 else None
+        if guard is not None:
+            raise ConfigError(
+                f"accelerator.save_state() is called under `{guard}`, but with accelerate_ckpt every process must "
+                "call it (each writes its own shard; the main process commits): remove the guard. Called on one "
+                f"process it would wait {self.settings.config.timeout_seconds:.0f} s for the others and fail")
         t0 = time.monotonic()
-        self.wait()  # at most one save in flight (the core would wait here too); raises a background error once
+        self.wait()  # one save in flight; its hook files are in place before new hooks run
         waited = time.monotonic() - t0
         if step is not None:
             self.step = int(step)
-        number = self.step if self.step is not None else acc.save_iteration
-        folder, root = self._output_dir(output_dir, number)
-        if is_committed(folder):
-            raise ValueError(f"Checkpoint directory {folder} ({number}) already holds a committed checkpoint; "
-                             "save under a new step")
-        os.makedirs(folder, exist_ok=True)  # every process, so hooks may write into it at once
-        log.info("Saving current state to %s", folder)
-        candidates = self._plain_model_indices()
-        own_ids = {h.id for h in self.hooks}
-        if any(key not in own_ids for key in acc._save_model_state_pre_hook):  # user hooks see real state dicts
-            weights = [acc.get_state_dict(acc._models[i], unwrap=False) for i in candidates]
+        iteration = compat.save_iteration(acc)
+        if self._auto:
+            manager, path, number = self._open(), None, iteration
+            folder = manager.root / NAMING.name(iteration)
+        elif output_dir is None:
+            raise ValueError("save_state() needs output_dir unless automatic_checkpoint_naming is enabled")
         else:
-            weights = [object() for _ in candidates]
-        originals = list(weights)
-        self._run_hooks(acc._save_model_state_pre_hook, self._save_hook, ([*acc._models], weights, str(folder)))
-        state = AcceleratorTrainState(acc, step=number, save_iteration=acc.save_iteration + 1,
-                                      skip_models=self._skipped_models(candidates, originals))
-        limit = self.settings.total_limit or acc.project_configuration.total_limit
-        on_committed = self._after_commit(root if limit else None, limit, number)
-        handle = self._ckpt.save(folder / PAYLOAD, state, step=state.step, on_committed=on_committed)
-        acc.project_configuration.iteration += 1
+            folder = Path(output_dir).expanduser().absolute()
+            manager, path = self._open(folder.parent), folder
+            number = self.step if self.step is not None else iteration
+        log.info("Saving current state to %s (save iteration %d, training step %s)", folder, iteration,
+                 "unknown" if self.step is None else self.step)
+        user = bool(compat.save_hooks(acc))
+        models = [] if compat.is_fsdp(acc) else compat.prepared(acc, "models")
+        weights = [acc.get_state_dict(m, unwrap=False) if user else object() for m in models]  # user hooks: real ones
+        hook_dir = folder.parent / _HOOK_FILES.format(folder.name, manager.checkpointer.incarnation)
+        if user:
+            shutil.rmtree(hook_dir, ignore_errors=True)
+            os.makedirs(hook_dir)
+        skipped = self._run_hooks(compat.save_hooks(acc), weights, hook_dir, save=True)
+        state = AcceleratorTrainState(acc, step=self.step, save_iteration=iteration + 1, skip_models=skipped)
+        handle = manager.save(number, state, path=path, extra_dir=hook_dir if user else None)
+        compat.set_save_iteration(acc, iteration + 1)
         handle.stats.wait_for_previous_s += waited
         handle.stats.blocking_s = time.monotonic() - t0  # the whole call: wait, hooks, staging
         self.last_handle = handle
-        self._unlogged.append(handle)
-        if self._cadence is not None:
-            self._cadence.record_save_started(handle, time.monotonic())
+        self._unlogged.append((handle, self.step))
         return folder
 
-    def _after_commit(self, root: Path | None, limit: int | None, number: int) -> Callable[[Path], None] | None:
-        """Replication and retention, run after the commit (writer thread, every rank; acts on the main one)."""
-        durable = self._durable
-        if not self.accelerator.is_main_process or (durable is None and root is None):
-            return None
-
-        def run(payload: Path) -> None:
-            if durable is not None:
-                durable.submit(number, Path(payload))
-            if root is not None:
-                prune(root, limit, newest=number, protect=durable.busy() if durable is not None else frozenset())
-
-        return run
-
     # -- loading ---------------------------------------------------------------------------------
-    def _newest_local_or_durable(self, root: Path) -> str | None:
-        found = committed_checkpoints(root)
-        local = max(found) if found else None
-        remote = self._durable.newest() if self._durable is not None else None
-        if remote is not None and (local is None or remote > local):
-            try:
-                return str(self._durable.fetch(remote, root))
-            except Exception as exc:  # noqa: BLE001 - fall back to what is on local disk
-                log.warning("could not download checkpoint %d from %s (%s); using local checkpoints", remote,
-                            self._durable.tier.url, exc)
-        return None if local is None else str(found[local])
-
     def latest_checkpoint(self) -> Path | None:
-        """The newest committed automatic checkpoint folder, or None (collective: same answer on every rank).
+        """The newest committed automatic checkpoint folder on local disk, or None (collective).
 
-        With ``durable_url``, a newer durable checkpoint (or the only one, after losing the local
-        disk) is downloaded first, so the returned folder is always a local, committed checkpoint.
+        ``load_state()`` also looks at ``durable_url`` and falls back past a damaged newest checkpoint.
         """
-        acc = self.accelerator
-        if acc.project_dir is None or self._ckpt is None:  # disabled: there are no torch-ckpt checkpoints
+        if self._closed or not self._auto:
             return None
-        root = checkpoint_root(acc.project_dir)
-        newest = self._newest_local_or_durable(root) if acc.is_main_process else None
-        newest = self._ckpt.ctx.broadcast(newest, what="latest checkpoint")
-        return None if newest is None else Path(newest)
+        found = self._open().checkpoints()
+        return found[max(found)] if found else None
+
+    def _load_foreign(self, folder: Path, allow_unsafe: bool, load_kwargs: Any, kwargs: dict) -> None:
+        """A folder without a torch-ckpt manifest: an incomplete save, or one plain Accelerate wrote."""
+        acc = self.accelerator
+        accelerate_files = [p for p in folder.iterdir() if not p.name.startswith(".")]
+        if not accelerate_files:
+            newest = self.latest_checkpoint()
+            raise CheckpointNotFoundError(
+                f"{folder} is an incomplete save (interrupted before it committed), not a checkpoint; "
+                + (f"the newest intact checkpoint is {newest}" if newest is not None else "load another one"))
+        if not allow_unsafe:
+            raise UnsafeCheckpointError(
+                f"{folder} has no torch-ckpt manifest (it was not written through torch-ckpt). Accelerate's own "
+                "load_state would unpickle parts of it, which can run code from the folder; if you trust it, "
+                "call accelerator.load_state(folder, allow_unsafe_accelerate_folder=True)")
+        log.info("%s has no torch-ckpt manifest: loading it with Accelerate's own load_state", folder)
+        compat.plain_load_state(acc, str(folder), load_kwargs, kwargs)
+        number = NAMING.step_of(folder.name)
+        if number is not None:  # Accelerate does not restore its save iteration; the folder name holds it
+            compat.set_save_iteration(acc, number + 1)
 
     def load_state(self, input_dir: str | os.PathLike | None = None, load_kwargs: dict | None = None, *,
                    allow_unsafe_accelerate_folder: bool = False, allow_cast: bool = False,
                    **load_model_func_kwargs: Any) -> None:
-        """Replacement of ``Accelerator.load_state``: restores everything in place, exactly.
+        """Replacement of ``Accelerator.load_state``: restores everything in place, exactly, or nothing.
 
-        Waits for an in-flight save first. A folder written by Accelerate itself (no ``torch_ckpt``
-        payload) is refused unless ``allow_unsafe_accelerate_folder=True``: Accelerate's own
-        ``load_state`` unpickles parts of it (``weights_only=False``), which can run code from the folder.
+        Without ``input_dir`` (automatic naming) the newest checkpoint intact in either tier is
+        loaded; a damaged one is skipped with a warning naming it. Loading an older checkpoint than
+        the newest rolls back: the newer ones are moved aside (kept, hidden) at the next save.
 
         Args:
-            input_dir: the checkpoint folder; None picks the newest *committed* automatic checkpoint.
-            allow_unsafe_accelerate_folder: hand a folder without a torch-ckpt payload to Accelerate's
-                own ``load_state`` (only for folders you trust).
+            input_dir: the checkpoint folder; None picks the newest intact automatic checkpoint.
+            allow_unsafe_accelerate_folder: hand a folder without a torch-ckpt manifest to
+                Accelerate's own ``load_state`` (only for folders you trust: it unpickles).
             allow_cast: cast tensors whose dtype differs from the live one (each cast key is logged
-                once); by default a dtype difference is a ``StateMismatchError``. A failed load
-                leaves the run as it was.
+                once); by default a dtype difference is a ``StateMismatchError``.
             load_kwargs: passed on only for folders Accelerate wrote itself.
-            load_model_func_kwargs: passed on only for folders Accelerate wrote itself.
+            load_model_func_kwargs: passed on only for folders Accelerate wrote itself;
+                ``strict=False`` is refused for torch-ckpt checkpoints.
 
         Raises:
             ValueError: ``input_dir`` is not a folder, or None without automatic naming (as Accelerate).
-            CheckpointNotFoundError: no committed checkpoint under the project's ``checkpoints``.
-            StateMismatchError / CheckpointCorruptError: see :meth:`torch_ckpt.AsyncCheckpointer.load`.
+            CheckpointNotFoundError: no checkpoint to load, or ``input_dir`` is an incomplete save.
+            UnsafeCheckpointError: ``input_dir`` was written by Accelerate itself (see above).
+            ConfigError: ``strict=False``.
+            StateMismatchError / CheckpointCorruptError: see :meth:`torch_ckpt.CheckpointManager.restore`;
+                a failed load leaves the run as it was.
         """
+        self._check_open()
         acc = self.accelerator
-        if self._ckpt is None:
-            raise ConfigError("this AccelerateCheckpointer is closed or disabled")
         self.wait()
         if input_dir is not None:
-            folder = Path(input_dir).expanduser()
+            folder = Path(input_dir).expanduser().absolute()
             if not folder.is_dir():
                 raise ValueError(f"Tried to find {folder} but folder does not exist")
-            if any(folder.glob(f".{PAYLOAD}.tmp*")) and not (folder / PAYLOAD).exists():
-                raise CheckpointNotFoundError(f"{folder}: its save never committed (interrupted); load another one")
-            if not (folder / PAYLOAD).exists():
-                if not allow_unsafe_accelerate_folder:
-                    raise UnsafeCheckpointError(
-                        f"{folder} has no {PAYLOAD}/ payload (it was not written through torch-ckpt). Accelerate's own "
-                        "load_state would unpickle parts of it, which can run code from the folder; if you trust it, "
-                        "call accelerator.load_state(folder, allow_unsafe_accelerate_folder=True)")
-                log.info("%s has no %s payload: loading it with Accelerate's own load_state", folder, PAYLOAD)
-                type(acc).load_state(acc, str(folder), load_kwargs, **load_model_func_kwargs)
+            if not is_committed(folder):
+                self._load_foreign(folder, allow_unsafe_accelerate_folder, load_kwargs, load_model_func_kwargs)
                 return
-        elif acc.project_configuration.automatic_checkpoint_naming:
-            folder = self.latest_checkpoint()
-            if folder is None:
-                raise CheckpointNotFoundError(
-                    f"no committed checkpoint under {checkpoint_root(acc.project_dir)} (use latest_checkpoint() to "
-                    "check before resuming)")
+            manager, candidates = self._open(folder.parent), [folder]
+        elif self._auto:
+            manager = self._open()
+            candidates = [p for _, p in sorted(manager.checkpoints().items(), reverse=True)]
         else:
             raise ValueError("No input_dir provided and automatic checkpoint naming is disabled.")
+        if load_model_func_kwargs.get("strict", True) is False:
+            raise ConfigError(
+                "load_state(strict=False) is not supported by accelerate_ckpt: it restores the complete state or "
+                "nothing. To load only the matching weights of model i: state, _ = torch_ckpt.load_full_state"
+                f"('{candidates[0] if candidates else manager.root}'); "
+                "model.load_state_dict(state['model'][str(i)], strict=False)")
+        hooked = bool(compat.load_hooks(acc))
+        folder = candidates[0] if candidates else manager.root
         log.info("Loading states from %s", folder)
-        candidates = self._plain_model_indices()
-        models = [acc._models[i] for i in candidates]
-        originals = list(models)
-        self._run_hooks(acc._load_model_state_pre_hook, self._load_hook, (models, str(folder)))
-        state = AcceleratorTrainState(acc, skip_models=self._skipped_models(candidates, originals))
-        self._ckpt.load(folder / PAYLOAD, state, verify=self.settings.verify_on_load, allow_cast=allow_cast)
-        self.step = state.step
+        models = [] if compat.is_fsdp(acc) else compat.prepared(acc, "models")
+        skipped = self._run_hooks(compat.load_hooks(acc), models, folder, save=False)
+        state = AcceleratorTrainState(acc, skip_models=skipped)
+        if hooked or input_dir is not None:  # explicit folders, newest first: the user hooks read the first one
+            restored = manager.restore(state, path=candidates, allow_cast=allow_cast) if candidates else None
+        else:
+            restored = manager.restore(state, allow_cast=allow_cast)  # newest intact in either tier
+        if restored is None:
+            raise CheckpointNotFoundError(f"no committed checkpoint under {manager.root} to load (check "
+                                          "ckpt.latest_checkpoint() before resuming)")
+        self.step = state.training_step
 
     # -- scheduling ------------------------------------------------------------------------------
     def should_save(self, step: int) -> bool:
         """Record that training step ``step`` finished; True when the save policy says to save now.
 
-        Call once per step on every process (rank 0 decides, every rank gets its answer). Sets
-        :attr:`step`, so a following ``accelerator.save_state()`` is named ``checkpoint_<step>``.
+        Call once per step on every process (the main process decides, every process gets its
+        answer). Sets :attr:`step`, recorded by the next ``accelerator.save_state()``.
 
         Raises:
             ConfigError: no save policy (``save_policy=`` or the ``save_every_n_steps``,
-                ``save_every`` or ``mtbf`` settings).
+                ``save_every_seconds`` or ``mtbf_seconds`` settings), or no manager yet (automatic
+                naming off and nothing saved or loaded).
         """
-        if self._cadence is None:
-            raise ConfigError("should_save() needs a save policy: attach(..., save_policy=...) or one of the settings "
-                              "save_every_n_steps, save_every, mtbf")
+        self._check_open()
+        if self.manager is None and not self._auto:
+            raise ConfigError("should_save() needs ProjectConfiguration(project_dir=..., automatic_checkpoint_naming="
+                              "True), or a first save_state(folder)/load_state(folder) to set the checkpoint root")
         self._log_finished()
         self.step = int(step)
-        now = time.monotonic()
-        self._cadence.record_step(self.step, now)
-        acc = self.accelerator
-        decision = [self._cadence.decide(self.step, now) if acc.is_main_process else None]
-        if self._ckpt is not None:
-            return bool(self._ckpt.ctx.broadcast(decision[0], what="save decision"))
-        if acc.num_processes > 1:  # disabled adapter: Accelerate's own collective
-            from accelerate.utils import broadcast_object_list
-
-            broadcast_object_list(decision)
-        return bool(decision[0])
+        return self._open().should_save(self.step)
 
     def save_if_due(self, step: int) -> SaveHandle | None:
-        """``accelerator.save_state()`` when :meth:`should_save` says so.
-
-        Returns:
-            The save's :class:`~torch_ckpt.SaveHandle`; None when no save was due, or when the
-            adapter is disabled (Accelerate's own ``save_state`` then saved synchronously).
-        """
+        """``accelerator.save_state()`` when :meth:`should_save` says so; returns its handle or None."""
         if not self.should_save(step):
             return None
         self.accelerator.save_state()
-        return self.last_handle if self.enabled else None
+        return self.last_handle
 
     # -- statistics ------------------------------------------------------------------------------
     def _log_finished(self) -> None:
-        """Send the statistics of committed saves to the trackers (main process; training thread)."""
-        done = [h for h in self._unlogged if h.done()]
-        self._unlogged = [h for h in self._unlogged if not h.done()]
+        """Send the statistics of committed saves to the trackers (training thread)."""
+        done = [(h, step) for h, step in self._unlogged if h.done()]
+        self._unlogged = [(h, step) for h, step in self._unlogged if not h.done()]
         acc = self.accelerator
-        if not (self.settings.log_stats and getattr(acc, "trackers", None)):
+        if not (self.settings.log_stats and getattr(acc, "trackers", None)) or self.manager is None:
             return
-        for handle in done:
+        for handle, step in done:  # at the training step (the handle's step is the checkpoint number)
             if handle.committed.exception() is None:
                 stats = handle.stats.as_dict()
-                self._newest_committed_wall = max(self._newest_committed_wall or 0.0, stats["wall_time"])
-                acc.log({f"checkpoint/{k}": stats[k] for k in _STAT_KEYS}, step=handle.step)
+                acc.log({f"checkpoint/{k}": stats[k] for k in _STAT_KEYS}, step=step)
         now = time.monotonic()
-        if self._newest_committed_wall is not None and (done or now - self._last_health >= 60.0):
+        lost = self.manager.health()["lost_work_if_failure_now_s"]
+        if lost is not None and (done or now - self._last_health >= 60.0):
             self._last_health = now  # health: the training time a failure right now would lose
-            acc.log({"checkpoint/lost_work_s": time.time() - self._newest_committed_wall})
+            acc.log({"checkpoint/lost_work_s": lost})
 
     # -- lifecycle -------------------------------------------------------------------------------
     def replication_stats(self) -> dict[str, Any]:
         """The durable replication state on the main process (``durable_step``, ``lag_s``...); {} otherwise."""
-        return self._durable.stats() if self._durable is not None else {}
+        return self.manager.replication_stats() if self.manager is not None else {}
 
     def wait_replicated(self, timeout_seconds: float | None = None) -> bool:
         """Block until no upload to ``durable_url`` is queued or running; False if the timeout ran out."""
-        return self._durable.replicator.wait(timeout_seconds) if self._durable is not None else True
+        return self.manager.wait_durable(timeout_seconds) if self.manager is not None else True
 
     def wait(self) -> None:
         """Block until the in-flight save is committed; raise a background error (once); log its stats."""
-        if self._ckpt is not None:
+        if self.manager is not None:
             try:
-                self._ckpt.wait()
+                self.manager.wait()
             finally:
                 self._log_finished()
 
     def close(self) -> None:
-        """Wait for the in-flight save, then give the ``Accelerator`` its own methods back.
+        """Wait for the in-flight save, give the ``Accelerator`` its own methods back, close the manager.
 
-        Removes the instance attributes ``save_state``/``load_state`` and the two hooks, and
-        releases the checkpointer; raises a pending background error once. Idempotent.
+        Removes the instance attributes ``save_state``/``load_state``; raises a pending background
+        error once. Idempotent.
         """
-        if self._ckpt is None:
+        if self._closed:
             return
-        ckpt, self._ckpt = self._ckpt, None
+        self._closed = True
         try:
-            ckpt.wait()
-            self._log_finished()
+            self.wait()
         finally:
             for name in ("save_state", "load_state"):
                 if vars(self.accelerator).get(name) == getattr(self, name):
                     delattr(self.accelerator, name)
-            for handle in self.hooks:
-                handle.remove()
-            self.hooks = []
-            if self._durable is not None:
-                self._durable.close(self.settings.durable_flush_timeout)
-                self._durable = None
-            ckpt.close()
+            if self.manager is not None:
+                self.manager.close()

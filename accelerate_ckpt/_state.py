@@ -31,10 +31,10 @@ from typing import Any
 
 import torch
 
-from torch_ckpt import ConfigError, StateMismatchError, TrainState
-from torch_ckpt.optim_state import check_plain_optimizer_state, keep_live_tensors, plain_state_target
+from accelerate_ckpt import _compat as compat
+from torch_ckpt import OptimizerState, StateMismatchError, TrainState
 
-__all__ = ["AcceleratorTrainState", "check_supported"]
+__all__ = ["AcceleratorTrainState"]
 
 
 def _inner_optimizer(opt: Any) -> torch.optim.Optimizer:
@@ -52,28 +52,20 @@ class _DataLoaders:
         out: dict[str, Any] = {}
         for i, dl in enumerate(self.loaders):
             entry: dict[str, Any] = {}
-            if isinstance(getattr(dl, "iteration", None), int):
-                entry["epoch"] = dl.iteration
+            if compat.loader_epoch(dl) is not None:
+                entry["epoch"] = compat.loader_epoch(dl)
             if getattr(dl, "use_stateful_dataloader", False):
                 entry["state"] = dl.state_dict()
             out[str(i)] = entry
         return out
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        if len(state) != len(self.loaders):
-            raise StateMismatchError(f"checkpoint holds {len(state)} dataloader positions, this run prepared "
-                                     f"{len(self.loaders)} dataloaders")
         for i, dl in enumerate(self.loaders):
             entry = state[str(i)]
             if "epoch" in entry:
-                if callable(getattr(dl, "set_epoch", None)):
-                    dl.set_epoch(int(entry["epoch"]))  # also sets a seedable sampler's epoch
-                else:
-                    dl.iteration = int(entry["epoch"])
+                compat.set_loader_epoch(dl, int(entry["epoch"]))
             if "state" in entry:
-                dl.load_state_dict(entry["state"])
-                if hasattr(dl, "dl_state_dict"):  # what dl.state_dict() returns until the next batch
-                    dl.dl_state_dict = entry["state"]
+                compat.set_loader_state(dl, entry["state"])
 
 
 class AcceleratorTrainState:
@@ -81,7 +73,7 @@ class AcceleratorTrainState:
 
     Args:
         accelerator: the ``Accelerator`` whose prepared objects are saved or loaded.
-        step: the training step to record.
+        step: the training step to record (None: not known; kept apart from the save iteration).
         save_iteration: the value ``accelerator.save_iteration`` should have after restoring.
         skip_models: indices of ``accelerator._models`` a user save/load hook handles itself.
 
@@ -92,37 +84,36 @@ class AcceleratorTrainState:
 
     rank_local_keys: tuple[str, ...] = ("rng", "dataloader")
 
-    def __init__(self, accelerator: Any, *, step: int = 0, save_iteration: int = 0,
+    def __init__(self, accelerator: Any, *, step: int | None = None, save_iteration: int = 0,
                  skip_models: Sequence[int] = ()) -> None:
         self._acc = accelerator
-        models = {str(i): m for i, m in enumerate(accelerator._models) if i not in set(skip_models)}
+        models = {str(i): m for i, m in enumerate(compat.prepared(accelerator, "models")) if i not in set(skip_models)}
         owner_of = {id(p): name for name, m in models.items() for p in m.parameters()}
         by_model: dict[str, list[torch.optim.Optimizer]] = {name: [] for name in models}
-        self._plain: list[torch.optim.Optimizer] = []
-        for opt in accelerator._optimizers:
+        plain: list[torch.optim.Optimizer] = []
+        for opt in compat.prepared(accelerator, "optimizers"):
             inner = _inner_optimizer(opt)
             owners = {owner_of.get(id(p)) for g in inner.param_groups for p in g["params"]}
             if len(owners) == 1 and None not in owners:
                 by_model[owners.pop()].append(inner)
             else:  # spans several models, or a model a user hook saves: keep its own state_dict()
-                self._plain.append(inner)
+                plain.append(inner)
+        self._plain = [OptimizerState(opt, name=f"optimizers_plain.{j}") for j, opt in enumerate(plain)]
+        self._loaders = compat.prepared(accelerator, "dataloaders")
+        self._allow_cast = False
         scaler = accelerator.scaler
         self._train = TrainState(
             model=models or None,
             optimizer=by_model if models else None,
-            scheduler=list(accelerator._schedulers),
+            scheduler=compat.prepared(accelerator, "schedulers"),
             scaler=scaler if scaler is not None and scaler.is_enabled() else None,
-            dataloader=_DataLoaders(accelerator._dataloaders),
-            step=step,
+            dataloader=_DataLoaders(self._loaders),
+            step=0 if step is None else step,
         )
-        self._custom = list(accelerator._custom_objects)
+        self._custom = compat.prepared(accelerator, "custom_objects")
+        self.training_step = step
         self._save_iteration = int(save_iteration)
         self.accelerate_step = int(accelerator.step)
-
-    @property
-    def step(self) -> int:
-        """The training step (saved, or restored by :meth:`load_state_dict`)."""
-        return self._train.step
 
     @property
     def save_iteration(self) -> int:
@@ -134,30 +125,28 @@ class AcceleratorTrainState:
         sd = self._train.state_dict()
         sd["optimizers_plain"] = {str(j): opt.state_dict() for j, opt in enumerate(self._plain)}
         sd["custom"] = {str(k): obj.state_dict() for k, obj in enumerate(self._custom)}
-        sd["accelerate"] = {"step": int(self._acc.step), "save_iteration": self._save_iteration}
+        sd["accelerate"] = {"step": int(self._acc.step), "save_iteration": self._save_iteration,
+                            "training_step": self.training_step}
         return sd
 
     # -- loading (the protocol of torch_ckpt.restore.load_into) -------------------------------------
-    def _plain_key(self, key: str) -> tuple[int, int, str] | None:
-        """``(optimizer j, parameter id, state name)`` for ``optimizers_plain.<j>.state.<id>.<name>``."""
-        parts = key.split(".", 4)
-        if len(parts) != 5 or parts[0] != "optimizers_plain" or parts[2] != "state":
+    def _plain_key(self, key: str) -> tuple[OptimizerState, str] | None:
+        """``(optimizer j, rest of the key)`` for ``optimizers_plain.<j>.<rest>``."""
+        parts = key.split(".", 2)
+        if len(parts) != 3 or parts[0] != "optimizers_plain" or not parts[1].isdigit() or int(parts[1]) >= len(
+                self._plain):
             return None
-        if not (parts[1].isdigit() and parts[3].isdigit()) or int(parts[1]) >= len(self._plain):
-            return None
-        return int(parts[1]), int(parts[3]), parts[4]
+        return self._plain[int(parts[1])], parts[2]
 
     def load_optional_key(self, key: str) -> bool:
         """True for optimizer-state tensors, which a fresh optimizer does not have yet."""
-        return self._train.load_optional_key(key) or self._plain_key(key) is not None
+        plain = self._plain_key(key)
+        return plain[0].load_optional_key(plain[1]) if plain else self._train.load_optional_key(key)
 
     def load_target(self, key: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
         """A new tensor, placed where its optimizer keeps it, for an optimizer-state key; None otherwise."""
         plain = self._plain_key(key)
-        if plain is not None:
-            j, index, entry = plain
-            return plain_state_target(self._plain[j], index, entry, shape, dtype)
-        return self._train.load_target(key, shape, dtype)
+        return plain[0].load_target(plain[1], shape, dtype) if plain else self._train.load_target(key, shape, dtype)
 
     def check_load(self, state: Mapping[str, Any], *, allow_cast: bool = False) -> list[str]:
         """Check everything :meth:`load_state_dict` will load (tensors may be meta tensors); change nothing.
@@ -177,13 +166,13 @@ class AcceleratorTrainState:
             raise StateMismatchError(f"checkpoint holds {len(custom)} objects registered with "
                                      f"register_for_checkpointing, this run registered {len(self._custom)}")
         loaders = state.get("dataloader", {})
-        if len(loaders) != len(self._train._dataloader.loaders):
+        if len(loaders) != len(self._loaders):
             raise StateMismatchError(f"checkpoint holds {len(loaders)} dataloader positions, this run prepared "
-                                     f"{len(self._train._dataloader.loaders)} dataloaders")
+                                     f"{len(self._loaders)} dataloaders")
+        self._allow_cast = bool(allow_cast)  # the load_state_dict() that follows applies these casts
         casts = self._train.check_load(state, allow_cast=allow_cast)
         for j, opt in enumerate(self._plain):
-            casts += check_plain_optimizer_state(opt, plain[str(j)], prefix=f"optimizers_plain.{j}.",
-                                                 allow_cast=allow_cast)
+            casts += opt.check_load(plain[str(j)], allow_cast=allow_cast)
         return casts
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -196,16 +185,13 @@ class AcceleratorTrainState:
             StateMismatchError: the checkpoint has a different number of optimizers, registered
                 objects or dataloaders.
         """
-        self.check_load(state, allow_cast=self._train._allow_cast)  # cheap; load_into checked with meta tensors
+        self.check_load(state, allow_cast=self._allow_cast)  # cheap; load_into checked with meta tensors
         plain, custom = state["optimizers_plain"], state["custom"]
         undo: list = []
-        old_plain_states = [opt.state for opt in self._plain]
         try:
             for j, opt in enumerate(self._plain):
-                old_state, old_groups = opt.state, opt.param_groups
-                undo.append(lambda o=opt, s=old_state, g=old_groups: (setattr(o, "state", s),
-                                                                      setattr(o, "param_groups", g)))
                 opt.load_state_dict(plain[str(j)])
+                undo.append(opt.undo)
             for k, obj in enumerate(self._custom):
                 undo.append(partial(obj.load_state_dict, copy.deepcopy(obj.state_dict())))
                 obj.load_state_dict(custom[str(k)])
@@ -214,13 +200,14 @@ class AcceleratorTrainState:
             for fn in reversed(undo):
                 fn()
             raise
-        for opt, old_state in zip(self._plain, old_plain_states):
-            keep_live_tensors(opt, old_state)
+        for opt in self._plain:
+            opt.keep_live()
         acc_state = state.get("accelerate", {})
         self.accelerate_step = int(acc_state.get("step", 0))
         self._save_iteration = int(acc_state.get("save_iteration", 0))
+        self.training_step = acc_state.get("training_step", self._train.step)
         self._acc.step = self.accelerate_step
-        self._acc.project_configuration.iteration = self._save_iteration
+        compat.set_save_iteration(self._acc, self._save_iteration)
 
     def optimizer_owned_keys(self, tensors: Mapping[str, torch.Tensor]) -> set[str]:
         """Keys only ``optimizer.step()`` mutates (parameters and optimizer state); see ``overlap_staging``."""
@@ -228,17 +215,4 @@ class AcceleratorTrainState:
 
     def optimizers(self) -> list[torch.optim.Optimizer]:
         """Every optimizer of the state (the checkpointer waits for staging before their next step)."""
-        return self._train.optimizers() + self._plain
-
-
-def check_supported(accelerator: Any) -> None:
-    """Raise ConfigError for setups whose models Accelerate saves through their own engines."""
-    kind = str(getattr(accelerator, "distributed_type", ""))
-    for name in ("DEEPSPEED", "MEGATRON_LM", "XLA"):
-        if kind.endswith(name):
-            raise ConfigError(f"accelerate_ckpt does not support distributed_type {name}: its engine saves the model "
-                              "and optimizer itself. Use Accelerate's own save_state for it.")
-    for attr in ("_models", "_optimizers", "_schedulers", "_dataloaders", "_custom_objects",
-                 "_save_model_state_pre_hook", "_load_model_state_pre_hook"):
-        if not hasattr(accelerator, attr):
-            raise ConfigError(f"this Accelerate version has no Accelerator.{attr}; accelerate_ckpt needs accelerate>=1.0")
+        return self._train.optimizers() + [opt.optimizer for opt in self._plain]

@@ -18,7 +18,8 @@ ratio depends on the machine and on its load (2 busy cores slow the copy most).
 Exits non-zero unless the adapter's blocking time is below ``--max-ratio`` (default 0.5) times
 Accelerate's. Writes the numbers as JSON with ``--json``.
 
-    python benchmarks/accelerate_blocking.py --size-mib 352 --reps 5 --json benchmarks/results/accelerate_blocking_cpu.json
+    python benchmarks/accelerate_blocking.py --size-mib 352 --reps 5 \
+        --json benchmarks/results/accelerate_blocking_cpu.json
 """
 
 from __future__ import annotations
@@ -94,14 +95,14 @@ def main(argv: list[str] | None = None) -> int:
             os.sync()
             for name, ckpt in (("adapter", plain), ("adapter_overlap", overlap)):
                 t0 = time.monotonic()
-                ckpt.save_state(work / f"{name}_{rnd}", step=rnd)
+                ckpt.save_state(work / name / f"round_{rnd}", step=rnd)  # one root (parent) per checkpointer
                 row[f"{name}_blocking_s"] = time.monotonic() - t0
                 ckpt.last_handle.staged.result()
                 row[f"{name}_safe_s"] = time.monotonic() - t0
                 ckpt.wait()
                 row[f"{name}_durable_s"] = time.monotonic() - t0
                 row[f"{name}_staging_s"] = ckpt.last_handle.stats.staging_s
-                shutil.rmtree(work / f"{name}_{rnd}")
+                shutil.rmtree(work / name / f"round_{rnd}")
                 os.sync()
             if rnd:
                 rows.append(row)
@@ -118,7 +119,8 @@ def main(argv: list[str] | None = None) -> int:
               "cpus": os.cpu_count(), "platform": platform.platform()}
     print(f"state {state_bytes / 2**20:.0f} MiB, medians: accelerate blocking {med['accelerate_blocking_s']:.3f} s; "
           f"adapter blocking {med['adapter_blocking_s']:.3f} s (staging {med['adapter_staging_s']:.3f} s, durable "
-          f"{med['adapter_durable_s']:.3f} s); with overlap_staging blocking {med['adapter_overlap_blocking_s']:.3f} s, "
+          f"{med['adapter_durable_s']:.3f} s); with overlap_staging blocking "
+          f"{med['adapter_overlap_blocking_s']:.3f} s, "
           f"safe {med['adapter_overlap_safe_s']:.3f} s; ratio {ratio:.3f}")
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")

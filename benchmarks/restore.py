@@ -42,9 +42,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import save_blocking as sb  # noqa: E402
-from _common import git_info  # noqa: E402
-
 import torch  # noqa: E402
+from _common import git_info  # noqa: E402
 
 ALL_METHODS = ("ours", "ours_noverify", "torch_load", "dcp_load", "lightning_load", "accelerate_load")
 

@@ -48,10 +48,9 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import git_info  # noqa: E402
-
 import psutil
 import torch
+from _common import git_info  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:

@@ -9,7 +9,8 @@ no checkpointing and with each checkpointing method, saving every ``--save-every
 * torch-ckpt: ``ours_thread``, ``ours_thread_nice19``, ``ours_process``, ``ours_overlap``
   (thread + overlap_staging);
 * peers: ``dcp_async`` (``dcp.async_save`` defaults; waits for the previous future before the next
-  save, as DCP's docs do), ``dcp_async_stager`` (the same with one reused ``DefaultStager``), ``lightning_async`` (``AsyncCheckpointIO(TorchCheckpointIO())``),
+  save, as DCP's docs do), ``dcp_async_stager`` (the same with one reused ``DefaultStager``),
+  ``lightning_async`` (``AsyncCheckpointIO(TorchCheckpointIO())``),
   ``torch_save`` (synchronous ``torch.save`` to one file, no fsync, as most loops do).
 
 Design (for a noisy, shared 2-core machine): after one discarded warm-up cycle per method, each
@@ -521,7 +522,8 @@ def main(argv=None) -> dict[str, Any]:
                 for sg in segs
             ]
             probe_extra = [
-                (sum(sg["probe"]) - sum(sg["none_probe"]) * sum(sg["step_times"]) / max(1e-9, sum(sg["none_step_times"])))
+                (sum(sg["probe"])
+                 - sum(sg["none_probe"]) * sum(sg["step_times"]) / max(1e-9, sum(sg["none_step_times"])))
                 / max(1, len(sg["save_times"]))
                 for sg in segs
             ] if PROBE is not None else []

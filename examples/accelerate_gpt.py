@@ -111,7 +111,7 @@ def train(args: argparse.Namespace) -> dict:
     if args.sync:
         settings["async_save"] = False
     if args.mtbf is not None:
-        settings["mtbf"] = args.mtbf
+        settings["mtbf_seconds"] = args.mtbf
     if args.save_every is None and args.mtbf is None and args.config is None \
             and not os.environ.get(accelerate_ckpt.ENV_VAR):
         args.save_every = 25

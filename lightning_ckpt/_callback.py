@@ -1,24 +1,9 @@
 """``MTBFCheckpoint``: save when the failure rate says so, resume exactly, and save on preemption.
 
-At every optimizer step boundary (``on_train_batch_end`` of a batch whose optimizer stepped, so
-never inside a gradient-accumulation window), on every rank:
-
-1. record the step time; rank 0 asks the save policy (Young/Daly from the MTBF and the measured
-   save cost by default; every n steps / seconds also) whether to save now;
-2. agree across ranks on rank 0's answer and on whether any rank received SIGTERM (one gather on
-   the checkpointer's private gloo group, never the training process group);
-3. if so, ``trainer.save_checkpoint(DIRPATH/step_NNNNNNNNN)`` through
-   :class:`~lightning_ckpt.AsyncDCPCheckpointIO`; it returns once the live state is staged;
-4. on SIGTERM, wait until that checkpoint is committed, then let Lightning stop. During ``fit`` the
-   callback's own SIGTERM handler only records the signal (see ``_install_sigterm_handler``).
-
-Parameters and optimizer state are copied in the background while the next forward/backward runs;
-``on_before_optimizer_step`` waits for that copy. Resume with ``trainer.fit(model, ckpt_path="last")``:
-this callback offers its newest committed checkpoint to Lightning's ``"last"`` lookup (it is an
-:class:`~lightning.pytorch.callbacks.OnExceptionCheckpoint` for that reason; like that callback,
-``fit(model)`` without ``ckpt_path`` then resumes too, with a Lightning warning). Lightning
-restores loops (with a stateful dataloader's position), optimizers and schedulers; this callback
-adds every RNG of every rank, restored right before the first resumed batch.
+At every optimizer step boundary the manager records the step, rank 0's save policy decides and
+every rank gets its answer together with whether any rank received SIGTERM; a save goes through
+``trainer.save_checkpoint``. The RNG of every rank is stored and restored right before the first
+resumed batch (see :meth:`MTBFCheckpoint.state_dict` and :meth:`MTBFCheckpoint._save` for where).
 """
 
 from __future__ import annotations
@@ -33,11 +18,10 @@ from typing import Any, Literal
 from lightning.pytorch.callbacks import OnExceptionCheckpoint
 from typing_extensions import override
 
+from lightning_ckpt import _compat
 from lightning_ckpt._checkpoint_io import AsyncDCPCheckpointIO
-from torch_ckpt import AnyOf, ConfigError, EveryNSeconds, EveryNSteps, YoungDaly
-from torch_ckpt.cadence import Cadence
-from torch_ckpt.layout import clean_stale_temporaries, scan_committed, step_dir_name
-from torch_ckpt.rng import capture_rng_state, restore_rng_state
+from lightning_ckpt._values import encode_values
+from torch_ckpt import CheckpointConfig, ConfigError, StepNaming, TrainState, YoungDaly, is_committed
 
 __all__ = ["MTBFCheckpoint"]
 
@@ -60,8 +44,8 @@ class MTBFCheckpoint(OnExceptionCheckpoint):
         mtbf_seconds: Mean time between failures of the whole job, in seconds or as a duration
             string (``"8h"``); saves follow the Young/Daly optimal interval from it and the measured
             save cost. None disables the MTBF policy.
-        every_n_steps: Also save every this many optimizer steps (None: off).
-        every_n_seconds: Also save when this many seconds (or a duration string) have passed since
+        save_every_n_steps: Also save every this many optimizer steps (None: off).
+        save_every_seconds: Also save when this many seconds (or a duration string) have passed since
             the last save (None: off).
         initial_cost_seconds: Save cost assumed by the MTBF policy until a save is measured, in
             seconds.
@@ -87,8 +71,8 @@ class MTBFCheckpoint(OnExceptionCheckpoint):
         dirpath: str,
         *,
         mtbf_seconds: float | str | None = "24h",
-        every_n_steps: int | None = None,
-        every_n_seconds: float | str | None = None,
+        save_every_n_steps: int | None = None,
+        save_every_seconds: float | str | None = None,
         initial_cost_seconds: float | str = 5.0,
         formula: Literal["daly", "young"] = "daly",
         min_interval_steps: int = 1,
@@ -99,36 +83,44 @@ class MTBFCheckpoint(OnExceptionCheckpoint):
         prog_bar: bool = True,
     ) -> None:
         super().__init__(dirpath=str(dirpath), filename="mtbf")
-        if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
-            raise ConfigError(f"keep_last must be an int >= 1 or None, got {keep_last!r}")
-        self._young_daly = None if mtbf_seconds is None else YoungDaly(
-            mtbf_seconds, initial_cost_seconds=initial_cost_seconds, formula=formula,
-            min_interval_steps=min_interval_steps)
-        policies = [p for p in (self._young_daly,
-                                None if every_n_steps is None else EveryNSteps(every_n_steps),
-                                None if every_n_seconds is None else EveryNSeconds(every_n_seconds)) if p is not None]
-        self._policy = None if not policies else policies[0] if len(policies) == 1 else AnyOf(*policies)
+        # the core's one typed configuration validates these (same names as CheckpointManager's)
+        config = CheckpointConfig(mtbf_seconds=mtbf_seconds, save_every_n_steps=save_every_n_steps,
+                                  save_every_seconds=save_every_seconds, initial_cost_seconds=initial_cost_seconds,
+                                  formula=formula, min_interval_steps=min_interval_steps, keep_last=keep_last)
+        self._policy = config.build_save_policy()
+        policies = getattr(self._policy, "policies", None) or [self._policy]
+        self._young_daly = next((p for p in policies if isinstance(p, YoungDaly)), None)
         self.keep_last = keep_last
         self.save_on_sigterm = save_on_sigterm
         self.save_on_train_end = save_on_train_end
         self.log_stats = log_stats
         self.prog_bar = prog_bar
         self._io: AsyncDCPCheckpointIO | None = None
-        self._cadence: Cadence | None = None
+        self._deferred: tuple[int, str, dict[str, Any]] | None = None
+        self._manager: Any = None
+        self._handlers: tuple[Any, Any] | None = None  # SIGTERM handler before the manager's, and the manager's
+        self._candidates: list[Path] = []
+        self._rng = TrainState()  # captures and restores this rank's RNG (Python, NumPy, torch CPU/CUDA) only
         self._pending_rng: dict[str, Any] | None = None
+        self._rng_at_epoch_start = False
+        self._trainer: Any = None
         self._unreported: list = []
-        self._newest_committed_wall: float | None = None
         self._last_health = float("-inf")
-        self._sigterm = False
         self._stepped = False
         self._last_saved_step: int | None = None
 
     @property
     @override
     def ckpt_path(self) -> str | None:  # type: ignore[override]
-        """This callback's newest committed checkpoint (what ``ckpt_path="last"`` resumes from), or None."""
-        committed = scan_committed(self.dirpath)
-        return str(committed[max(committed)]) if committed else None
+        """This callback's newest committed checkpoint (what ``ckpt_path="last"`` resumes from), or None.
+
+        When it then fails verification, the plugin falls back to the next older one with a warning.
+        """
+        naming, root = StepNaming(), Path(self.dirpath)
+        steps = {naming.step_of(p.name): p for p in root.iterdir()} if root.is_dir() else {}
+        self._candidates = [steps[s].absolute() for s in sorted((s for s in steps if s is not None), reverse=True)
+                            if is_committed(steps[s])]
+        return str(self._candidates[0]) if self._candidates else None
 
     @property
     def policy(self) -> Any:
@@ -143,17 +135,26 @@ class MTBFCheckpoint(OnExceptionCheckpoint):
             raise ConfigError("MTBFCheckpoint needs Trainer(plugins=[lightning_ckpt.AsyncDCPCheckpointIO()]); the "
                               f"trainer's checkpoint IO is {type(io).__name__}")
         io.attach(trainer)
-        self._io = io
+        self._io, self._trainer = io, trainer
         if stage != "fit":
             return
-        io.checkpointer()  # collective on every rank now, so per-step agreement can use its process group
+        # hyper-parameters go into every checkpoint: refuse what cannot be stored now, not at the first save
+        encode_values({"hyper_parameters": dict(pl_module.hparams)}, io.unsafe_values)
+        if trainer.datamodule is not None:
+            encode_values({"datamodule_hyper_parameters": dict(trainer.datamodule.hparams)}, io.unsafe_values)
+        _compat.isolate_validation_rng(trainer)
+        before = signal.getsignal(signal.SIGTERM) if threading.current_thread() is threading.main_thread() else None
+        # collective on every rank: the manager owns the root (stale temporaries, retention of keep_last
+        # newest, superseding after a rollback), the save decision and its agreement, SIGTERM, health
+        self._manager = io.manager(self.dirpath, keep_last=self.keep_last, save_policy=self._policy,
+                                   preemption_signals=("SIGTERM",) if self.save_on_sigterm else ())
+        self._handlers = (before, signal.getsignal(signal.SIGTERM)) if before is not None else None
+        if self._candidates:
+            io.fallbacks[str(self._candidates[0])] = self._candidates
+        io.rng_restored_by_callback = True
         io.enable_overlap(lambda: {getattr(p, "_local_tensor", p).data_ptr() for p in pl_module.parameters()})
-        if trainer.is_global_zero:
-            Path(self.dirpath).mkdir(parents=True, exist_ok=True)
-            clean_stale_temporaries(self.dirpath, keep_incarnation=io.checkpointer().incarnation)
-        self._cadence = None if self._policy is None else Cadence(self._policy)
         self._unreported = []
-        self._stepped, self._last_saved_step = False, None
+        self._stepped, self._last_saved_step, self._deferred = False, None, None
 
     @override
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
@@ -161,34 +162,40 @@ class MTBFCheckpoint(OnExceptionCheckpoint):
             self._install_sigterm_handler(trainer)
 
     def _install_sigterm_handler(self, trainer: Any) -> None:
-        """Replace Lightning's SIGTERM handler for this fit with one that only records the signal.
+        """Replace Lightning's SIGTERM handler for this fit by the manager's (which only records the signal).
 
-        Lightning's handler sets the trainer's flag, and Lightning then stops at the end of the current
-        batch, even in the middle of gradient accumulation, before this callback could save; with
-        several ranks it also broadcasts on the training process group from inside the signal
-        handler, which can pair with an unrelated collective and deadlock. This callback raises
-        Lightning's flag itself once the checkpoint is committed. Handlers installed before ``fit``
-        still run; Lightning restores them after ``fit``.
+        Lightning's handler makes training stop at the end of the current batch, even inside gradient
+        accumulation, before this callback could save; with several ranks it also broadcasts on the
+        training process group. The manager's flag is agreed across ranks at the next step boundary
+        (``should_save``); this callback then saves, waits for the commit and raises Lightning's flag.
+        Handlers installed before ``fit`` still run, and are what Lightning restores after ``fit``.
         """
-        connector = getattr(trainer, "_signal_connector", None)
-        if connector is None or threading.current_thread() is not threading.main_thread():
+        connector = _compat.signal_connector(trainer)
+        if connector is None or self._handlers is None:
             return
-        previous = getattr(connector, "_original_handlers", {}).get(signal.SIGTERM)
+        before, record = self._handlers
+        _compat.set_original_sigterm_handler(connector, before)
 
         def handler(signum: int, frame: Any) -> None:
-            self._sigterm = True  # acted upon (and logged) at the next optimizer step boundary
-            if callable(previous):
-                previous(signum, frame)
+            record(signum, frame)
+            if callable(before):
+                before(signum, frame)
 
-        self._sigterm = False
         signal.signal(signal.SIGTERM, handler)
 
     # -- per step --------------------------------------------------------------------------------
     @override
-    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
-        if self._pending_rng is not None:  # after the dataloader iterator was created, before the forward
-            restore_rng_state(self._pending_rng)
+    def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
+        if self._pending_rng is not None and self._rng_at_epoch_start:  # before this epoch's train iterator
+            self._rng.load_state_dict({"rng": self._pending_rng})
             self._pending_rng = None
+
+    @override
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if self._pending_rng is not None:  # after the resumed epoch's iterator was created, before the forward
+            self._rng.load_state_dict({"rng": self._pending_rng})
+            self._pending_rng = None
+        self._flush_deferred(trainer)
 
     @override
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
@@ -201,60 +208,83 @@ class MTBFCheckpoint(OnExceptionCheckpoint):
             return
         self._stepped = False
         step = trainer.global_step
-        now = time.monotonic()
         self._io.poll()
-        want = False
-        if self._cadence is not None:
-            self._cadence.record_step(step, now)
-            want = trainer.is_global_zero and self._cadence.decide(step, now)
-        sigterm = self.save_on_sigterm and (self._sigterm or bool(trainer.received_sigterm))
-        votes = self._io.checkpointer().ctx.all_gather((bool(want), sigterm), what="MTBFCheckpoint decision")
-        want, sigterm = votes[0][0], any(v[1] for v in votes)
-        if want or sigterm:
-            self._save(trainer, step)
+        want = self._manager.should_save(step) if self._policy is not None or self.save_on_sigterm else False
+        sigterm = self._manager.preemption_requested
+        # the final step is saved here, at its step boundary: at on_train_end Lightning has already counted
+        # the (possibly unfinished) epoch as completed, so a resume from there would start the next epoch
+        final = self.save_on_train_end and _compat.is_final_batch(trainer)
+        if want or sigterm or final:
+            self._save(trainer, step, at_step_boundary=not (sigterm or final))
         if sigterm:
             self._stop_after_commit(trainer, step)
-        self._report(pl_module)
-        self._report_health(pl_module)
+        self._report(trainer, pl_module)
+        self._report_health(trainer)
         if self.prog_bar:
             pl_module.log("ckpt_saving", float(self._io.saving), prog_bar=True, logger=False, on_step=True,
                           on_epoch=False)
 
-    def _save(self, trainer: Any, step: int) -> None:
+    def _save(self, trainer: Any, step: int, *, at_step_boundary: bool = True) -> None:
+        """Save ``step``; a save at the end of an epoch is completed at the next epoch's first batch.
+
+        At the last batch of an epoch the uninterrupted run goes on to create the next epoch's train
+        iterator, which draws from the global RNG (loaders without ``generator=``) before the next
+        batch. The checkpoint then holds Lightning's state of this step boundary, captured now, and the
+        RNG as it is right before the next batch, which is where the resumed run restores it.
+        """
         if step == self._last_saved_step:
             return
         self._last_saved_step = step
-        trainer.save_checkpoint(str(Path(self.dirpath) / step_dir_name(step)), weights_only=False)
-        handle = self._io.last_handle
-        if handle is not None:
-            self._unreported.append(handle)
-            if self._cadence is not None:
-                self._cadence.record_save_started(handle, time.monotonic())
-        if self.keep_last is not None and trainer.is_global_zero:
-            older = [path for s, path in sorted(scan_committed(self.dirpath).items()) if s != step]
-            for path in older[: max(0, len(older) - (self.keep_last - 1))]:
-                self._io.remove_checkpoint(path)  # carried out once this save is committed
+        path = str(Path(self.dirpath) / StepNaming().name(step))
+        if at_step_boundary and _compat.is_last_batch(trainer):
+            self._deferred = (step, path, _compat.dump_checkpoint(trainer))
+            return
+        trainer.save_checkpoint(path, weights_only=False)
+        self._after_save(trainer, step)
+
+    def _flush_deferred(self, trainer: Any) -> None:
+        """Write the checkpoint deferred by :meth:`_save`, with this moment's RNG."""
+        if self._deferred is None:
+            return
+        step, path, checkpoint = self._deferred
+        self._deferred = None
+        checkpoint["callbacks"][self.state_key].update(rng=self._rng.state_dict()["rng"], restore_rng_at="batch")
+        trainer.strategy.save_checkpoint(checkpoint, path)
+        trainer.strategy.barrier("MTBFCheckpoint.save")
+        self._after_save(trainer, step)
+
+    def _after_save(self, trainer: Any, step: int) -> None:
+        if self._io.last_handle is not None:
+            self._unreported.append(self._io.last_handle)
 
     def _stop_after_commit(self, trainer: Any, step: int) -> None:
         self._io.wait()
         log.warning("[rank %d] SIGTERM: checkpoint of step %d is committed; stopping", trainer.global_rank, step)
-        connector = getattr(trainer, "_signal_connector", None)
+        connector = _compat.signal_connector(trainer)
         if connector is not None:
             connector.received_sigterm = True  # Lightning raises SIGTERMException at the end of this batch
         trainer.should_stop = True
 
-    def _report_health(self, pl_module: Any) -> None:
+    @staticmethod
+    def _log_metrics(trainer: Any, metrics: dict[str, float]) -> None:
+        """Write ``metrics`` once, straight to the loggers (``LightningModule.log`` would repeat them on every row)."""
+        if trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=trainer.global_step)
+
+    def _report_health(self, trainer: Any) -> None:
         """Every ``_HEALTH_EVERY_S``: the training time a failure right now would lose (``ckpt/lost_work_s``)."""
         now = time.monotonic()
-        if not self.log_stats or self._newest_committed_wall is None or now - self._last_health < _HEALTH_EVERY_S:
+        if not self.log_stats or now - self._last_health < _HEALTH_EVERY_S:
+            return
+        lost = self._manager.health()["lost_work_if_failure_now_s"]
+        if lost is None:
             return
         self._last_health = now
-        lost = time.time() - self._newest_committed_wall
-        if pl_module.trainer.loggers:
-            pl_module.log("ckpt/lost_work_s", lost, on_step=True, on_epoch=False, logger=True)
+        self._log_metrics(trainer, {"ckpt/lost_work_s": lost})
         log.info("checkpoint health: a failure now would lose %.1f s of training", lost)
 
-    def _report(self, pl_module: Any) -> None:
+    def _report(self, trainer: Any, pl_module: Any | None) -> None:
         """Log the statistics of every save that has committed since the last report (once each)."""
         while self._unreported and self._unreported[0].done():
             handle = self._unreported.pop(0)
@@ -262,23 +292,36 @@ class MTBFCheckpoint(OnExceptionCheckpoint):
                 continue
             stats = handle.stats.as_dict()
             metrics = {f"ckpt/{k}": float(stats[k]) for k in _STAT_KEYS}
-            plan = self._young_daly.plan() if self._young_daly is not None else {}
+            info = self._manager.schedule_info() if self._manager is not None else {}
+            plan = next((p for p in info.get("policies", [info]) if "interval_steps" in p), {})  # the MTBF policy's
             metrics.update({f"ckpt/{k}": float(plan[k]) for k in _PLAN_KEYS if isinstance(plan.get(k), (int, float))})
-            self._newest_committed_wall = max(self._newest_committed_wall or 0.0, stats["wall_time"])
             if self.log_stats:
-                if pl_module.trainer.loggers:
-                    pl_module.log_dict(metrics, on_step=True, on_epoch=False, logger=True)
+                self._log_metrics(trainer, metrics)
                 log.info("checkpoint step %d committed: blocking %.3f s, persist %.3f s, %.3f GB/s; schedule %s",
                          handle.step, stats["blocking_s"], stats["persist_s"], stats["gb_per_s"],
                          {k: plan.get(k) for k in ("interval_steps", "expected_overhead", "limited_by")})
-            if self.prog_bar:
+            if self.prog_bar and pl_module is not None:
                 pl_module.log("ckpt", float(handle.step), prog_bar=True, logger=False, on_step=True, on_epoch=False)
 
     # -- end of training -------------------------------------------------------------------------
     @override
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
-        if self.save_on_train_end and trainer.global_step > 0:
-            self._save(trainer, trainer.global_step)
+        """Save the final step unless it is saved already (``max_steps``), wait for it, log its statistics.
+
+        A run that stopped in the middle of an epoch for another reason (``should_stop``, ``max_time``)
+        is not saved here: Lightning has counted that epoch as completed, so a checkpoint written now
+        would resume at the next epoch; the newest step-boundary checkpoint stays the latest.
+        """
+        self._flush_deferred(trainer)
+        step = trainer.global_step
+        if self.save_on_train_end and step > 0 and step != self._last_saved_step:
+            if _compat.is_last_batch(trainer):
+                self._save(trainer, step, at_step_boundary=False)
+            else:
+                log.info("training stopped inside an epoch at step %d: not saving it at train end (it would resume "
+                         "at the next epoch); the newest checkpoint is step %s", step, self._last_saved_step)
+        self._io.wait()
+        self._report(trainer, None)
 
     @override
     def on_exception(self, trainer: Any, *_: Any, **__: Any) -> None:
@@ -297,11 +340,17 @@ class MTBFCheckpoint(OnExceptionCheckpoint):
     # -- resume ----------------------------------------------------------------------------------
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {"rng": capture_rng_state(),
+        # The RNG is restored right before the first resumed batch, after the resumed run built and iterated
+        # its loaders (a periodic save at an epoch end captures it right before the next epoch's first batch,
+        # see _save). A save that ends training at an epoch end cannot wait for that batch: the resumed run
+        # restores it at the start of its first epoch instead, before that epoch's train iterator is created.
+        at_epoch_end = self._trainer is not None and _compat.is_last_batch(self._trainer)
+        return {"rng": self._rng.state_dict()["rng"], "restore_rng_at": "epoch_start" if at_epoch_end else "batch",
                 "young_daly": None if self._young_daly is None else self._young_daly.state_dict()}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._pending_rng = state_dict.get("rng")
+        self._rng_at_epoch_start = state_dict.get("restore_rng_at") == "epoch_start"
         if self._young_daly is not None and state_dict.get("young_daly"):
             self._young_daly.load_state_dict(state_dict["young_daly"])

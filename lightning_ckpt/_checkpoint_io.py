@@ -1,21 +1,11 @@
 """``AsyncDCPCheckpointIO``: a Lightning ``CheckpointIO`` whose saves are asynchronous, atomic DCP checkpoints.
 
-Each ``save_checkpoint`` stages the checkpoint dict into host memory through
-:class:`torch_ckpt.AsyncCheckpointer` and returns; a writer thread persists it as a torch-ckpt
-directory (DCP shards, per-rank JSON, manifest with CRC-32 per file) written as a hidden
-``.NAME.tmp.<id>`` sibling and renamed to ``NAME`` when complete. At most one save is in flight; the next
-save, :meth:`~AsyncDCPCheckpointIO.wait` and ``teardown`` wait for it and raise its error, once.
-
-Operations on names that Lightning issues while a save is in flight are ordered after its commit:
-
-* ``remove_checkpoint`` (``ModelCheckpoint(save_top_k=...)``) of the in-flight checkpoint or of any
-  other one is carried out right after the commit, by the writer thread. If the save fails, those
-  removals are dropped (and logged), so the older checkpoints survive.
-* saving to an existing path (``save_last=True``) writes a hidden sibling and swaps it in after the
-  commit (see :mod:`lightning_ckpt._paths`).
-* once attached to the trainer (:meth:`AsyncDCPCheckpointIO.attach`, done by
-  :class:`~lightning_ckpt.MTBFCheckpoint`), ``save_last="link"`` links and loggers'
-  ``after_save_checkpoint`` calls are deferred until the checkpoint they refer to is committed.
+Every operation goes through one :class:`torch_ckpt.CheckpointManager` (created on first use, on
+every rank once attached): ``save_checkpoint`` stages and returns, the manager commits in the
+background; a path that already holds a committed checkpoint (``save_last=True``) is replaced
+atomically at commit, after every rank is done with it. Links (``save_last="link"``), removals
+(``save_top_k``) and loggers' ``after_save_checkpoint`` that Lightning issues while a save is in
+flight wait until it is committed, links first, so a link always names a committed checkpoint.
 """
 
 from __future__ import annotations
@@ -23,9 +13,8 @@ from __future__ import annotations
 import logging
 import os
 import sys
-import threading
-from collections.abc import Callable
-from functools import partial
+import uuid
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -35,16 +24,13 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
-from lightning_ckpt._load import is_checkpoint_dir, load_checkpoint_dir, world
-from lightning_ckpt._paths import TRASH_PREFIX, link_path, remove_path, replace_path
+from lightning_ckpt._load import load_checkpoint_dir, world
 from lightning_ckpt._values import RANK_LOCAL_KEYS, UNSAFE_VALUE_MODES, encode_values
-from torch_ckpt import AsyncCheckpointer, ConfigError, SaveHandle
+from torch_ckpt import CheckpointConfig, CheckpointManager, ConfigError, SaveHandle, StepNaming, is_committed
 
 __all__ = ["AsyncDCPCheckpointIO"]
 
 log = logging.getLogger(__name__)
-
-_NEXT_SUFFIX = ".next"
 
 
 class _LightningState:
@@ -53,8 +39,7 @@ class _LightningState:
     rank_local_keys = RANK_LOCAL_KEYS
 
     def __init__(self, state: dict[str, Any], param_ptrs: set[int] | None) -> None:
-        self._state = state
-        self._param_ptrs = param_ptrs
+        self._state, self._param_ptrs = state, param_ptrs
 
     def state_dict(self) -> dict[str, Any]:
         return self._state
@@ -67,40 +52,36 @@ class _LightningState:
             k.startswith("state_dict.") and getattr(t, "_local_tensor", t).data_ptr() in self._param_ptrs)}
 
     def optimizers(self) -> list:
-        # No optimizer step pre-hooks: Lightning runs forward/backward inside optimizer.step(closure), so
-        # MTBFCheckpoint waits in on_before_optimizer_step instead (after backward, before the update).
+        # Lightning runs forward/backward inside optimizer.step(closure): MTBFCheckpoint waits in
+        # on_before_optimizer_step instead of an optimizer step pre-hook
         return []
 
 
 class AsyncDCPCheckpointIO(CheckpointIO):
     """Asynchronous, atomic, pickle-free DCP checkpoints for Lightning: ``Trainer(plugins=[AsyncDCPCheckpointIO()])``.
 
-    Checkpoints are directories (at the path Lightning asks for, e.g. ``epoch=0-step=100.ckpt/``).
-    ``load_checkpoint`` reads them, and still reads plain ``.ckpt`` files, so a project can switch
-    mid-way. Single-device training works with the plugin alone. Multi-process strategies (DDP,
-    FSDP, ModelParallel) need the plugin attached to the trainer so that every rank takes part in
-    each save; :class:`~lightning_ckpt.MTBFCheckpoint` attaches it, or call :meth:`attach`.
+    Checkpoints are directories at the paths Lightning asks for (``epoch=0-step=100.ckpt/``).
+    ``load_checkpoint`` reads them and still reads plain ``.ckpt`` files. Multi-process strategies
+    need the plugin attached so every rank takes part in each save (:class:`~lightning_ckpt.MTBFCheckpoint`
+    attaches it, or call :meth:`attach`). With the plugin alone, the RNG is not restored on resume
+    (see ``docs/lightning.md``).
 
     Args:
         async_save: Persist in a background thread (default) or inside ``save_checkpoint``.
-        persist: Where background writes run: ``"thread"`` (default) or ``"process"`` (a writer process
-            per rank; plain tensors only, not FSDP/ModelParallel states).
+        persist: Where background writes run: ``"thread"`` (default) or ``"process"``.
         overlap_staging: With :class:`~lightning_ckpt.MTBFCheckpoint`, copy parameters and optimizer
-            state in the background while the next forward/backward runs; the callback waits for the
-            copy before the next optimizer step. Without the callback everything is copied in
-            ``save_checkpoint``.
-        writer_niceness: Nice increment (0-19) of the writer thread on Linux; 0 leaves it unchanged.
-        staging_budget_bytes: Host bytes for the reusable staging buffer; default half of the
-            available RAM. A checkpoint that does not fit is written synchronously.
+            state in the background while the next forward/backward runs.
+        writer_niceness: Nice increment (0-19) of the writer on Linux; 0 leaves it unchanged.
+        staging_budget_bytes: Host bytes for the reusable staging buffer; default half of the RAM.
         thread_count: DCP writer threads per rank.
         timeout_seconds: Limit for checkpoint collectives between ranks, in seconds.
         verify_on_load: Check the CRC-32 of every file before loading (sizes are always checked).
-        unsafe_values: What to do with checkpoint values that only pickling could store (for example
-            a ``pathlib.Path`` hyper-parameter): ``"error"`` (default) raises naming the key;
-            ``"pickle"`` stores them pickled, and loading them then needs ``weights_only=False``.
-        allow_cast: Once attached to the trainer, loading one of our directories checks the model's
-            and optimizers' tensors against the checkpoint before Lightning writes anything; a dtype
-            difference is an error unless this is True (each cast key is then logged once).
+        unsafe_values: Values only pickling could store: ``"error"`` (default) raises naming the key;
+            ``"pickle"`` stores them pickled (loading them then needs ``weights_only=False``).
+        allow_cast: Accept dtype differences between the checkpoint and the live model/optimizers
+            when loading into an attached trainer (each cast key is logged once).
+        wait_outside_fit: A save outside a running ``fit`` (``trainer.save_checkpoint`` by hand after
+            training) returns only once the checkpoint is committed.
 
     Raises:
         ConfigError: An argument is out of range.
@@ -111,53 +92,43 @@ class AsyncDCPCheckpointIO(CheckpointIO):
         *,
         async_save: bool = True,
         persist: Literal["thread", "process"] = "thread",
-        overlap_staging: bool = True,
+        overlap_staging: bool = False,
         writer_niceness: int = 0,
         staging_budget_bytes: int | None = None,
-        thread_count: int = 1,
+        thread_count: int = 2,
         timeout_seconds: float = 600.0,
         verify_on_load: bool = True,
         unsafe_values: Literal["error", "pickle"] = "error",
         allow_cast: bool = False,
+        wait_outside_fit: bool = True,
     ) -> None:
         if unsafe_values not in UNSAFE_VALUE_MODES:
             raise ConfigError(f"unsafe_values must be one of {UNSAFE_VALUE_MODES}, got {unsafe_values!r}")
-        if staging_budget_bytes is not None and staging_budget_bytes <= 0:
-            raise ConfigError(f"staging_budget_bytes must be > 0 or None, got {staging_budget_bytes!r}")
-        if persist not in ("thread", "process"):
-            raise ConfigError(f"persist must be 'thread' or 'process', got {persist!r}")
-        if isinstance(thread_count, bool) or not isinstance(thread_count, int) or thread_count < 1:
-            raise ConfigError(f"thread_count must be an int >= 1, got {thread_count!r}")
-        if isinstance(writer_niceness, bool) or not isinstance(writer_niceness, int) or not 0 <= writer_niceness <= 19:
-            raise ConfigError(f"writer_niceness must be an int in [0, 19], got {writer_niceness!r}")
-        if not timeout_seconds > 0:
-            raise ConfigError(f"timeout_seconds must be > 0, got {timeout_seconds!r}")
-        # the checkpointer itself is created on first use: creating it is collective once torch.distributed runs
-        self._core_kwargs = dict(async_save=async_save, persist=persist, overlap_staging=overlap_staging,
-                                 writer_niceness=writer_niceness, staging_budget_bytes=staging_budget_bytes,
-                                 thread_count=thread_count, timeout_seconds=timeout_seconds)
-        self.verify_on_load = bool(verify_on_load)
-        self.unsafe_values = unsafe_values
-        self.allow_cast = bool(allow_cast)
+        for name, value in (("allow_cast", allow_cast), ("wait_outside_fit", wait_outside_fit)):
+            if not isinstance(value, bool):
+                raise ConfigError(f"{name} must be True or False, got {value!r}")
+        # the core's one typed configuration validates the manager's settings (same names and defaults)
+        self._config = CheckpointConfig(async_save=async_save, persist=persist, overlap_staging=overlap_staging,
+                                        writer_niceness=writer_niceness, staging_budget_bytes=staging_budget_bytes,
+                                        thread_count=thread_count, timeout_seconds=timeout_seconds,
+                                        verify_on_load=verify_on_load)
+        self.verify_on_load, self.unsafe_values = verify_on_load, unsafe_values
+        self.allow_cast, self.wait_outside_fit = allow_cast, wait_outside_fit
         self._reset_runtime()
 
     def _reset_runtime(self) -> None:
-        self._checkpointer: AsyncCheckpointer | None = None
-        self._lock = threading.Lock()
-        self._inflight: Path | None = None
-        self._after_commit: list[tuple[str, Callable[[], None]]] = []
-        self._main_thread_calls: list[Callable[[], None]] = []
+        self._manager: CheckpointManager | None = None
+        self._pending: list[tuple[int, str, Callable[[], None]]] = []  # (order, what, action) after the commit
         self._param_ptrs: Callable[[], set[int]] | None = None
-        self._collective = False
-        self._was_attached = False
-        self._cleaned_dirs: set[Path] = set()
-        self._warned_fallback = False
+        self._collective = self._in_fit = self._after_fit = self._warned_fallback = self._warned_rng = False
+        self.rng_restored_by_callback = False
+        self.fallbacks: dict[str, list[Path]] = {}  # "last" -> newest-first candidates (MTBFCheckpoint)
         self.last_handle: SaveHandle | None = None
 
     def __getstate__(self) -> dict[str, Any]:
-        # ddp_spawn pickles the strategy and its plugins; runtime state stays behind.
-        return {"_core_kwargs": self._core_kwargs, "verify_on_load": self.verify_on_load,
-                "unsafe_values": self.unsafe_values, "allow_cast": self.allow_cast}
+        # ddp_spawn pickles the strategy and its plugins; runtime state stays behind
+        return {k: v for k, v in self.__dict__.items() if k in (
+            "_config", "verify_on_load", "unsafe_values", "allow_cast", "wait_outside_fit")}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
@@ -167,31 +138,40 @@ class AsyncDCPCheckpointIO(CheckpointIO):
     def attach(self, trainer: Any) -> None:
         """Route every checkpoint operation of ``trainer`` through this plugin on every rank.
 
-        Call on every rank before ``fit`` (``MTBFCheckpoint`` does it in ``setup``). See
-        :func:`lightning_ckpt._attach.attach` for what is installed per strategy.
+        Call before ``fit`` (safe with ``ddp_spawn``: the wrappers are installed inside each worker at
+        ``setup``); :class:`~lightning_ckpt.MTBFCheckpoint` does it for you.
+
+        Raises:
+            ConfigError: this plugin is not the trainer's checkpoint IO, or a sharded strategy gathers
+                full state dicts.
         """
         from lightning_ckpt._attach import attach
 
         attach(self, trainer)
 
-    def _set_collective(self) -> None:
-        """Called by the attachment: every rank now calls save/remove/load (collective mode)."""
-        self._collective = self._was_attached = True
+    def start_fit(self) -> None:
+        """Called by the attachment inside ``fit``: every rank now calls save/remove/load (collective)."""
+        self._collective = self._in_fit = True
+        self._after_fit = False
 
     def enable_overlap(self, param_ptrs: Callable[[], set[int]]) -> None:
         """Let saves copy parameters/optimizer state in the background (the caller waits before steps)."""
         self._param_ptrs = param_ptrs
 
-    def checkpointer(self) -> AsyncCheckpointer:
-        """The core checkpointer (created on first use; collective over ranks when distributed)."""
-        if self._checkpointer is None:
-            self._checkpointer = AsyncCheckpointer(**self._core_kwargs)
-        return self._checkpointer
+    def manager(self, directory: str | os.PathLike | None = None, **kwargs: Any) -> CheckpointManager:
+        """The core manager (created on first use, collectively once attached; ``directory`` is its root).
 
-    def _is_coordinator(self) -> bool:
-        if self._checkpointer is not None:
-            return self._checkpointer.ctx.is_coordinator
-        return world()[0] == 0
+        Args:
+            directory: root of the manager (default: the directory of the first checkpoint saved).
+            kwargs: further :class:`~torch_ckpt.CheckpointManager` arguments (``keep_last``,
+                ``save_policy``, ``preemption_signals``...) for a manager created now.
+        """
+        if self._manager is None:
+            if directory is None:
+                raise ConfigError("AsyncDCPCheckpointIO has no checkpoint directory yet")
+            config = self._config.replace(naming=StepNaming(), **{"keep_last": None, **kwargs})
+            self._manager = CheckpointManager(directory, config=config)
+        return self._manager
 
     # -- saving ----------------------------------------------------------------------------------
     @override
@@ -200,152 +180,126 @@ class AsyncDCPCheckpointIO(CheckpointIO):
 
         Raises:
             TypeError: ``storage_options`` is given (not supported).
-            ConfigError: a value cannot be stored without pickling (see ``unsafe_values``).
+            ConfigError: a value cannot be stored without pickling (see ``unsafe_values``), or ``path``
+                exists and is not a torch-ckpt checkpoint.
             CheckpointError: an earlier background save failed (raised once).
         """
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint does not support storage_options")
-        path = _local_path(path)
+        path = _local_path(path).absolute()
         if world()[1] > 1 and not self._collective:
             self._save_rank_zero_fallback(checkpoint, path)
             return
-        ckpt = self.checkpointer()
-        self.wait()
         state = _LightningState(encode_values(checkpoint, self.unsafe_values),
                                 self._param_ptrs() if self._param_ptrs is not None else None)
-        self._clean_dir_once(path.parent)
-        overwrite = bool(ckpt.ctx.broadcast(os.path.lexists(path), what="checkpoint path check"))
-        final = path.with_name(f".{path.name}{_NEXT_SUFFIX}") if overwrite else path
-        if overwrite and ckpt.ctx.is_coordinator:
-            remove_path(final)  # a leftover of a crash between commit and swap
-        with self._lock:
-            self._inflight = path  # before save(): the commit may complete before save() returns
-        try:
-            handle = ckpt.save(final, state, step=int(checkpoint.get("global_step", 0)),
-                               on_committed=partial(self._on_committed, target=path, overwrite=overwrite))
-        except BaseException:
-            with self._lock:
-                self._inflight, self._after_commit = None, []
-            raise
-        self.last_handle = handle
-        handle.committed.add_done_callback(partial(self._on_done, target=path))
+        manager = self.manager(path.parent)
+        self.wait()  # the previous save and its deferred actions come first
+        step = int(checkpoint.get("global_step", 0))
+        named = path.parent == manager.root and manager.naming.step_of(path.name) == step
+        self.last_handle = manager.save(step, state, path=None if named else path)
+        if self.wait_outside_fit and self._after_fit:
+            self.wait()
 
     def _save_rank_zero_fallback(self, checkpoint: dict[str, Any], path: Path) -> None:
         if world()[0] != 0:
             return
-        if not self._warned_fallback and not self._was_attached:  # after a fit: e.g. ddp_spawn returning weights
+        if not self._warned_fallback:
             self._warned_fallback = True
-            rank_zero_warn(
-                "AsyncDCPCheckpointIO was called on rank 0 only (it is not attached to a running fit), so this "
-                "checkpoint is written synchronously as a plain .ckpt file. For asynchronous DCP saves with several "
-                "ranks add lightning_ckpt.MTBFCheckpoint to the callbacks, or call plugin.attach(trainer) on every "
-                "rank.")
+            rank_zero_warn("AsyncDCPCheckpointIO is called on rank 0 only (not attached to a running fit), so this "
+                           "checkpoint is written synchronously as a plain .ckpt file. Add "
+                           "lightning_ckpt.MTBFCheckpoint to the callbacks or call plugin.attach(trainer) before fit.")
         TorchCheckpointIO().save_checkpoint(checkpoint, path)
 
-    def _clean_dir_once(self, directory: Path) -> None:
-        if directory in self._cleaned_dirs or not self._is_coordinator() or not directory.is_dir():
-            return
-        self._cleaned_dirs.add(directory)
-        for entry in directory.iterdir():
-            if entry.name.startswith(TRASH_PREFIX) or (entry.name.startswith(".") and (
-                    entry.name.endswith(_NEXT_SUFFIX) or ".link-" in entry.name)):
-                remove_path(entry)
+    def _in_flight(self) -> bool:
+        handle = self.last_handle
+        return handle is not None and not handle.committed.done()
 
-    def _on_committed(self, committed: Path, *, target: Path, overwrite: bool) -> None:
-        """Writer thread, every rank, after the commit: swap in an overwrite, then run deferred actions."""
-        if self._is_coordinator() and overwrite:
-            replace_path(Path(committed), target)
-        with self._lock:
-            actions, self._after_commit, self._inflight = self._after_commit, [], None
-        for what, action in actions:
+    def _after_commit(self, order: int, what: str, action: Callable[[], None]) -> None:
+        """Run ``action`` now, or once the in-flight save is committed (links 0, removals 1, loggers 2)."""
+        if not self._in_flight():
+            action()
+            return
+        self._pending.append((order, what, action))
+
+    def _run_pending(self) -> None:
+        failed = self.last_handle is not None and self.last_handle.committed.done() \
+            and self.last_handle.committed.exception() is not None
+        pending, self._pending = sorted(self._pending, key=lambda item: item[0]), []
+        if failed and pending:
+            log.warning("the last save failed: not carrying out %s, so older checkpoints stay in place",
+                        [what for _, what, _ in pending])
+            return
+        for _, what, action in pending:
             try:
                 action()
             except OSError as exc:
-                log.warning("after committing %s: could not %s: %s", target, what, exc)
+                log.warning("after a commit: could not %s: %s", what, exc)
 
-    def _on_done(self, future: Any, *, target: Path) -> None:
-        if future.exception() is None:
-            return
-        with self._lock:
-            dropped, self._after_commit, self._inflight = self._after_commit, [], None
-            calls, self._main_thread_calls = self._main_thread_calls, []
-        if dropped or calls:
-            log.warning("saving %s failed: not carrying out %s and %d deferred logger call(s), so older checkpoints "
-                        "stay in place", target, [what for what, _ in dropped], len(calls))
+    def link_when_committed(self, target: str, link: str) -> None:
+        """Point ``link`` at ``target`` atomically (rank 0), once ``target``'s save is committed."""
+        if world()[0] == 0:
+            self._after_commit(0, f"link {link} -> {target}", lambda: self._link(Path(target), Path(link)))
 
-    def _when_committed(self, what: str, action: Callable[[], None]) -> None:
-        """Run ``action`` on the coordinator now, or right after the in-flight save commits."""
-        if not self._is_coordinator():
-            return
-        with self._lock:
-            if self._inflight is not None:
-                self._after_commit.append((what, action))
-                return
-        action()
+    def _link(self, target: Path, link: Path) -> None:
+        if link.is_dir() and not link.is_symlink():
+            self._manager.remove(link)  # a checkpoint saved there earlier (save_last=True)
+        tmp = link.with_name(f".{link.name}.link-{uuid.uuid4().hex[:8]}")
+        os.symlink(os.path.relpath(target, link.parent), tmp)
+        os.replace(tmp, link)
 
-    def _call_when_committed(self, call: Callable[[], None]) -> None:
-        """Run ``call`` on this thread now, or at the next wait point after the in-flight save commits."""
-        with self._lock:
-            if self._inflight is not None:
-                self._main_thread_calls.append(call)
-                return
-        call()
-
-    def _link_when_committed(self, target: str, link: str) -> None:
-        self._when_committed(f"link {link} -> {target}", partial(link_path, Path(target), Path(link)))
+    def call_when_committed(self, call: Callable[[], None]) -> None:
+        """Run ``call`` on this thread once the in-flight save is committed (logger notifications)."""
+        self._after_commit(2, "notify loggers", call)
 
     @property
     def saving(self) -> bool:
         """True while a save is in flight (staged, not yet committed)."""
-        return self._inflight is not None
+        return self._in_flight()
 
     def poll(self) -> None:
-        """Run deferred calls if the in-flight save has committed; never blocks."""
-        if self._inflight is None:
-            self._run_main_thread_calls()
-
-    def _run_main_thread_calls(self) -> None:
-        with self._lock:
-            calls, self._main_thread_calls = self._main_thread_calls, []
-        for call in calls:
-            call()
+        """Carry out deferred links, removals and logger calls if the in-flight save has committed."""
+        if self._pending and not self._in_flight():
+            self._run_pending()
 
     def wait_staged(self) -> None:
         """Block until the in-flight save no longer reads the live tensors."""
-        if self._checkpointer is not None:
-            self._checkpointer.wait_staged()
+        if self._manager is not None:
+            self._manager.wait_staged()
 
     def wait(self) -> None:
-        """Block until the in-flight save is committed; raise a background error once; run deferred calls."""
-        if self._checkpointer is not None:
-            self._checkpointer.wait()
-        self._run_main_thread_calls()
+        """Block until the in-flight save is committed; raise a background error once; run deferred actions."""
+        try:
+            if self._manager is not None:
+                self._manager.wait()
+        finally:
+            self._run_pending()
 
     # -- removing --------------------------------------------------------------------------------
     @override
     def remove_checkpoint(self, path: Any) -> None:
-        """Delete the checkpoint at ``path`` (directory, file or link), after the in-flight save commits."""
-        target = _local_path(path)
-        if world()[1] > 1 and not self._collective:
-            if world()[0] == 0:
-                remove_path(target)  # nothing in flight: fallback saves are synchronous
+        """Delete the checkpoint at ``path`` (directory, file or link) once the in-flight save is committed."""
+        target = _local_path(path).absolute()
+        if world()[0] != 0:
             return
-        self._when_committed(f"remove {target}", partial(remove_path, target))
+        if target.is_symlink() or target.is_file():
+            self._after_commit(1, f"remove {target}", lambda: target.unlink(missing_ok=True))
+        elif self._manager is not None:
+            self._after_commit(1, f"remove {target}", lambda: self._manager.remove(target))
 
     # -- loading ---------------------------------------------------------------------------------
     @staticmethod
     def is_checkpoint_dir(path: Any) -> bool:
         """True if ``path`` is a committed torch-ckpt checkpoint directory."""
-        return is_checkpoint_dir(path)
+        return is_committed(path)
 
     @override
     def load_checkpoint(self, path: Any, map_location: Any | None = None,
                         weights_only: bool | None = None) -> dict[str, Any]:
         """Return the checkpoint dict Lightning expects, from a torch-ckpt directory or a plain ``.ckpt`` file.
 
-        Tensors are full (unsharded) CPU tensors, moved to ``map_location`` when it is a device or
-        device string. Rank-local entries (loop progress, callback states) are this rank's own when
-        the world size is the one that saved.
+        When ``path`` is what :class:`~lightning_ckpt.MTBFCheckpoint` offered for ``ckpt_path="last"``
+        and it fails verification, the next older checkpoint is loaded with a warning naming it;
+        an explicit path raises.
 
         Raises:
             CheckpointNotFoundError: ``path`` is a directory but not a committed checkpoint.
@@ -354,32 +308,43 @@ class AsyncDCPCheckpointIO(CheckpointIO):
         """
         if not Path(path).is_dir():
             return TorchCheckpointIO().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
-        return load_checkpoint_dir(Path(path), verify=self.verify_on_load, allow_pickle=weights_only is False,
+        candidates = self.fallbacks.pop(str(Path(path).absolute()), [Path(path)])
+        if self._in_fit and not self.rng_restored_by_callback and not self._warned_rng:
+            self._warned_rng = True
+            rank_zero_warn("AsyncDCPCheckpointIO alone does not restore the RNG: after this resume, dropout and random "
+                           "augmentation differ from an uninterrupted run. Add lightning_ckpt.MTBFCheckpoint for a "
+                           "bitwise exact resume.")
+        return load_checkpoint_dir(candidates, manager=self._manager if self._collective else None,
+                                   verify=self.verify_on_load, allow_pickle=weights_only is False,
                                    map_location=map_location)
+
+    def load_sharded(self, candidates: Sequence[Path], target: Any) -> Any:
+        """Load the first intact candidate into ``target`` in place through the manager (every rank)."""
+        self.manager(Path(candidates[0]).parent).restore(target, path=list(candidates), allow_cast=self.allow_cast)
+        return target
 
     # -- lifecycle -------------------------------------------------------------------------------
     @override
     def teardown(self) -> None:
-        """Wait for the in-flight save and release the writer; raise a background error (once).
+        """Wait for the in-flight save and release the manager; raise a background error (once).
 
         While another exception is propagating the error is logged instead, so it does not mask it.
         """
         propagating = sys.exc_info()[1]  # Lightning tears down inside `except` when training failed
-        self._collective = False  # until attached again: later rank-0-only calls (ddp_spawn) must not block
-        ckpt, self._checkpointer = self._checkpointer, None
-        if ckpt is None:
-            self._run_main_thread_calls()
-            return
+        self._collective = self._in_fit = False  # until attached again: later rank-0-only calls must not block
+        self._after_fit = True
         try:
-            ckpt.close()
+            try:
+                self.wait()
+            finally:
+                manager, self._manager = self._manager, None
+                if manager is not None:
+                    manager.close()
         except Exception:
-            with self._lock:
-                self._main_thread_calls = []
-            if propagating is not None:
-                log.exception("checkpoint error during teardown while %r propagates", propagating)
-                return
-            raise
-        self._run_main_thread_calls()
+            self._pending = []
+            if propagating is None:
+                raise
+            log.exception("checkpoint error during teardown while %r propagates", propagating)
 
 
 def _local_path(path: Any) -> Path:
@@ -387,4 +352,3 @@ def _local_path(path: Any) -> Path:
     if "://" in text and not text.startswith("file://"):
         raise ConfigError(f"AsyncDCPCheckpointIO writes to local paths only, got {text!r}")
     return Path(text.removeprefix("file://"))
-

@@ -9,6 +9,11 @@ Stored as they are: tensors, ``None``/``bool``/``int``/``float``/``str`` (exact 
 and scalars, ``bytes``, plain ``list``/``tuple`` and mappings with str/int/float/bool/None keys.
 Mappings come back as plain ``dict`` (``OrderedDict`` and Lightning's ``AttributeDict`` included).
 
+Stored safely under a marker, without pickling: ``pathlib`` paths (come back as the same path class),
+enum members (come back as the member when their class is already imported, else as their value;
+nothing is imported from a checkpoint) and dataclass instances (stored through their fields, come
+back as a plain ``dict`` of them).
+
 Every other value (subclasses of the scalar and sequence types included, since storing an ``IntEnum``
 as an ``int`` would silently change its type) is, depending on ``unsafe_values``:
 
@@ -20,7 +25,11 @@ as an ``int`` would silently change its type) is, depending on ``unsafe_values``
 
 from __future__ import annotations
 
+import dataclasses
+import enum
+import pathlib
 import pickle
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -37,6 +46,8 @@ RANK_LOCAL_KEYS = ("loops", "callbacks")
 
 UNSAFE_VALUE_MODES = ("error", "pickle")
 PICKLED_TAG = "__lightning_ckpt_pickled__"
+PATH_TAG = "__lightning_ckpt_path__"
+ENUM_TAG = "__lightning_ckpt_enum__"
 _SCALARS = (type(None), bool, int, float, str, bytes)
 _KEY_TYPES = (type(None), bool, int, float, str)
 
@@ -65,6 +76,13 @@ def encode_values(checkpoint: Mapping[str, Any], mode: str) -> dict[str, Any]:
             return {k: enc(v, f"{path}.{k}" if path else str(k)) for k, v in obj.items()}
         if type(obj) in (list, tuple):
             return type(obj)(enc(v, f"{path}.{i}") for i, v in enumerate(obj))
+        if isinstance(obj, pathlib.PurePath):
+            return {PATH_TAG: [type(obj).__name__, str(obj)]}
+        if isinstance(obj, enum.Enum):
+            cls = type(obj)
+            return {ENUM_TAG: [cls.__module__, cls.__qualname__, obj.name, enc(obj.value, f"{path}.value")]}
+        if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+            return {f.name: enc(getattr(obj, f.name), f"{path}.{f.name}") for f in dataclasses.fields(obj)}
         if mode == "pickle":
             return {PICKLED_TAG: pickle.dumps(obj)}
         what = f"{type(obj).__module__}.{type(obj).__qualname__}"
@@ -75,6 +93,19 @@ def encode_values(checkpoint: Mapping[str, Any], mode: str) -> dict[str, Any]:
             "weights_only=False).")
 
     return enc(dict(checkpoint), "")
+
+
+_PATH_KINDS = ("Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath", "PureWindowsPath")
+
+
+def _decode_enum(module: str, qualname: str, name: str, value: Any) -> Any:
+    """The enum member if its class is already imported (nothing is imported), else its stored value."""
+    cls: Any = sys.modules.get(module)
+    for part in qualname.split("."):
+        cls = getattr(cls, part, None)
+    if isinstance(cls, enum.EnumMeta) and name in cls.__members__:
+        return cls.__members__[name]
+    return value
 
 
 def decode_values(checkpoint: dict[str, Any], *, allow_pickle: bool) -> dict[str, Any]:
@@ -88,6 +119,11 @@ def decode_values(checkpoint: dict[str, Any], *, allow_pickle: bool) -> dict[str
 
     def dec(obj: Any, path: str) -> Any:
         if isinstance(obj, dict):
+            if len(obj) == 1 and PATH_TAG in obj:
+                kind, text = obj[PATH_TAG]
+                return getattr(pathlib, kind, pathlib.PurePath)(text) if kind in _PATH_KINDS else pathlib.Path(text)
+            if len(obj) == 1 and ENUM_TAG in obj:
+                return _decode_enum(*obj[ENUM_TAG])
             if len(obj) == 1 and PICKLED_TAG in obj:
                 if not allow_pickle:
                     refused.append(path)

@@ -14,6 +14,7 @@ def _params(model):
     return {k: v.clone() for k, v in model.state_dict().items()}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_process_writer_roundtrip(tmp_path, make_state):
     """persist='process' commits checkpoints that restore exactly."""
@@ -31,6 +32,7 @@ def test_process_writer_roundtrip(tmp_path, make_state):
     assert all(torch.equal(v, ref[k]) for k, v in model2.state_dict().items())
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_dead_writer_process_is_reported(tmp_path, make_state):
     """A writer process killed mid-run turns into a CheckpointWriteError, not a hang."""
@@ -81,7 +83,7 @@ def test_optimizer_hooks_removed_on_close(tmp_path, make_state):
 
 
 @pytest.mark.parametrize("kwargs, field", [({"persist": "fork"}, "persist"), ({"writer_niceness": 40}, "niceness"),
-                                            ({"thread_count": 0}, "thread_count"), ({"keep_last": 0}, "count")])
+                                            ({"thread_count": 0}, "thread_count"), ({"keep_last": 0}, "keep_last")])
 def test_invalid_options_rejected(tmp_path, kwargs, field):
     """Invalid constructor options raise ConfigError naming the option."""
     with pytest.raises(ConfigError, match=field):

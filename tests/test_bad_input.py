@@ -37,6 +37,11 @@ def _dict_state(fill: float = 1.0) -> dict:
     return {"model": {"w": torch.full((4, 3), fill), "b": torch.full((3,), fill)}, "meta": {"epoch": 2}}
 
 
+def _entries(root) -> list[str]:
+    """Entries of a checkpoint root other than the root lock's files (.lock, .lock.owner)."""
+    return sorted(n for n in os.listdir(root) if not n.startswith(".lock"))
+
+
 def _save(root: Path, step: int, state, **kwargs) -> Path:
     with CheckpointManager(root, **kwargs) as mgr:
         mgr.save(step, state).wait()
@@ -176,14 +181,14 @@ def test_explicit_missing_step_raises_not_found_naming_step_and_path(tmp_path, m
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("step", [-1, 1.5, 2.0, "3", None, True])
 def test_save_refuses_a_step_that_is_not_a_non_negative_int(tmp_path, step):
-    """save() with a negative, float, str, None or bool step raises ConfigError (ValueError) naming it; nothing written."""
+    """save() with a negative, float, str, None or bool step raises ConfigError naming it; nothing is written."""
     with CheckpointManager(tmp_path) as mgr:
         with pytest.raises(ConfigError) as info:
             mgr.save(step, _dict_state())
         assert mgr.all_steps() == []
     assert isinstance(info.value, ValueError)
     assert repr(step) in str(info.value)
-    assert os.listdir(tmp_path) == []
+    assert _entries(tmp_path) == []  # only the root lock
 
 
 @pytest.mark.timeout(60)
@@ -200,13 +205,13 @@ def test_saving_the_same_step_twice_fails_and_keeps_the_first(tmp_path):
         live = _dict_state(0.0)
         assert mgr.restore(live) == 3
     assert torch.equal(live["model"]["w"], torch.full((4, 3), 1.0))
-    assert sorted(os.listdir(tmp_path)) == [STEP_DIR.format(3)]
+    assert _entries(tmp_path) == [STEP_DIR.format(3)]
 
 
 # -- state mismatches ------------------------------------------------------------------------------
 @pytest.mark.timeout(60)
 def test_mismatched_keys_list_missing_and_unexpected(tmp_path):
-    """Restoring into a state with other keys raises StateMismatchError listing both sides, in message and attributes."""
+    """Restoring into a state with other keys raises StateMismatchError listing both sides (message, attributes)."""
     _save(tmp_path, 1, _dict_state())
     live = {"model": {"w": torch.zeros(4, 3), "extra": torch.zeros(2)}, "meta": {"epoch": 0}}
     with CheckpointManager(tmp_path) as mgr:
@@ -239,7 +244,7 @@ def test_train_state_of_another_model_lists_its_missing_keys(tmp_path):
 
 @pytest.mark.timeout(60)
 def test_mismatched_plain_value_keys_are_listed_too(tmp_path):
-    """Keys of non-tensor values count: {'w','a'} saved vs {'w','b'} live raises StateMismatchError listing 'b' and 'a'."""
+    """Non-tensor keys count: {'w','a'} saved vs {'w','b'} live raises StateMismatchError listing 'b' and 'a'."""
     _save(tmp_path, 1, {"w": torch.ones(2), "a": 1})
     live = {"w": torch.zeros(2), "b": 2}
     with CheckpointManager(tmp_path) as mgr:
@@ -251,7 +256,7 @@ def test_mismatched_plain_value_keys_are_listed_too(tmp_path):
 
 @pytest.mark.timeout(60)
 def test_train_state_component_missing_from_the_checkpoint_is_refused_before_loading(tmp_path):
-    """A TrainState with a scheduler restored from a checkpoint without one raises StateMismatchError; the model is untouched."""
+    """A TrainState with a scheduler, restored from a checkpoint without one: StateMismatchError, model untouched."""
     def build(seed: int, with_scheduler: bool) -> tuple[TrainState, torch.nn.Module]:
         torch.manual_seed(seed)
         model = torch.nn.Linear(4, 4)
@@ -296,7 +301,7 @@ def test_unsupported_value_raises_config_error_naming_the_key(tmp_path):
         assert mgr.all_steps() == []
     assert isinstance(info.value, ValueError)
     assert "cfg.callback" in str(info.value)
-    assert os.listdir(tmp_path) == []
+    assert _entries(tmp_path) == []  # only the root lock
 
 
 @pytest.mark.timeout(60)
@@ -318,7 +323,7 @@ def test_value_that_cannot_round_trip_is_refused_in_save_before_any_io(tmp_path,
     with CheckpointManager(tmp_path) as mgr:
         with pytest.raises(ConfigError, match=r"'extra\.v'"):
             mgr.save(1, {"model": {"w": torch.ones(2)}, "extra": {"v": bad}})
-        assert sorted(os.listdir(tmp_path)) == [".lock"]
+        assert sorted(os.listdir(tmp_path)) == [".lock", ".lock.owner"]
         mgr.save(2, {"model": {"w": torch.ones(2)}, "extra": {"v": 1}}).wait()
         assert mgr.all_steps() == [2]
 
@@ -458,7 +463,7 @@ def test_resaving_a_step_whose_checkpoint_is_damaged_is_not_called_already_commi
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("where", ["relative", "absolute"])
 def test_manifest_naming_a_file_outside_the_checkpoint_is_refused(tmp_path, where):
-    """A manifest listing '../x' or an absolute path is refused on restore (with the name), even with matching checksums."""
+    """A manifest listing '../x' or an absolute path is refused on restore (named), even with matching checksums."""
     root = tmp_path / "ckpt"
     step_dir = _save(root, 1, _dict_state())
     outside = root / "outside.bin"
@@ -495,7 +500,7 @@ def _restamp(step_dir: Path, name: str, data: bytes) -> None:
 
 
 def _two_steps(root: Path, make_state) -> tuple[TrainState, torch.nn.Module, Path]:
-    """Steps 1 and 2 of a TrainState (step 2 with other weights); returns (fresh live state, its model, step 2's dir)."""
+    """Steps 1 and 2 of a TrainState (2 with other weights); returns (fresh live state, its model, step 2's dir)."""
     state, model, *_ = make_state(seed=0)
     with CheckpointManager(root) as mgr:
         mgr.save(1, state).wait()
@@ -594,7 +599,48 @@ def _storage_rewritten(step_dir: Path) -> str:
     return ".metadata"
 
 
-_MALFORMED = {"5000-digit-int": _huge_int_manifest, "200k-deep-manifest": _deep_manifest,
+def _fc1_weight_metadata(step_dir: Path, edit) -> str:
+    """Apply ``edit(item, storage_info)`` to model.fc1.weight in .metadata; returns the data file holding it."""
+    from torch_ckpt.dcp_io import read_dcp_metadata
+
+    md = read_dcp_metadata(step_dir / ".metadata")
+    info = next(v for k, v in md.storage_data.items() if k.fqn == "model.fc1.weight")
+    edit(md.state_dict_metadata["model.fc1.weight"], info)
+    _restamp(step_dir, ".metadata", pickle.dumps(md))
+    return str(info.relative_path)
+
+
+def _storage_8_short(step_dir: Path) -> str:
+    return _fc1_weight_metadata(step_dir, lambda item, info: setattr(info, "length", info.length - 8))
+
+
+def _declared_float64(step_dir: Path) -> str:
+    return _fc1_weight_metadata(step_dir, lambda item, info: setattr(item.properties, "dtype", torch.float64))
+
+
+def _declared_int32(step_dir: Path) -> str:
+    return _fc1_weight_metadata(step_dir, lambda item, info: setattr(item.properties, "dtype", torch.int32))
+
+
+def _chunk_reshaped(step_dir: Path) -> str:
+    def edit(item, info):
+        item.size = torch.Size(reversed(item.size))
+        item.chunks[0].sizes = item.size
+
+    return _fc1_weight_metadata(step_dir, edit)
+
+
+def _rank_key_not_in_metadata(step_dir: Path) -> str:
+    doc = json.loads((step_dir / "rank_00000.json").read_text())
+    doc["tree"]["model"]["fc1.weight"] = {"__tensor__": "model.ghost"}
+    _restamp(step_dir, "rank_00000.json", json.dumps(doc).encode())
+    return "rank_00000.json"
+
+
+_MALFORMED = {"storage-8-bytes-short": _storage_8_short, "declared-float64": _declared_float64,
+              "declared-int32": _declared_int32, "chunk-reshaped": _chunk_reshaped,
+              "rank-key-not-in-metadata": _rank_key_not_in_metadata,
+              "5000-digit-int": _huge_int_manifest, "200k-deep-manifest": _deep_manifest,
               "storage_data=5": _storage_data_5, "inline-shape-2^40": _inline_shape_2_40,
               "200k-deep-rank-json": _deep_rank_json, "symlinked-shard": _symlinked_shard,
               "symlinked-manifest": _symlinked_manifest, "shape-beyond-chunks": _shape_beyond_chunks,
@@ -640,7 +686,7 @@ def test_explicit_restore_of_a_malformed_step_names_the_file(tmp_path, make_stat
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("thread_count", [1, 2, 4])
 def test_damaged_shard_header_without_verify_on_load_is_corrupt_naming_the_shard(tmp_path, make_state, thread_count):
-    """With verify_on_load=False, a shard whose first byte is flipped raises CheckpointCorruptError naming it, no traceback."""
+    """verify_on_load=False: a shard with a flipped first byte raises CheckpointCorruptError naming it, no traceback."""
     state, *_ = make_state(seed=0)
     with CheckpointManager(tmp_path, thread_count=thread_count) as mgr:
         mgr.save(1, state).wait()
@@ -701,9 +747,42 @@ def _restore_with_bad_rank_file(rank: int, world: int, root: str) -> None:
             raise AssertionError(f"rank {rank}: restore of a malformed rank file succeeded")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_malformed_rank_file_of_one_rank_fails_every_rank_without_a_hang(tmp_path):
     """2 ranks (gloo): rank 1's JSON nested 200k deep makes restore raise CheckpointCorruptError on both ranks."""
     from tests._dist import run_distributed
 
     run_distributed(_restore_with_bad_rank_file, 2, str(tmp_path), timeout_s=150)
+
+
+def _restore_with_bad_record_of_rank_1(rank: int, world: int, root: str) -> None:
+    from torch_ckpt import CheckpointCorruptError as Corrupt
+    from torch_ckpt.dcp_io import read_dcp_metadata
+
+    state = {f"w{rank}": torch.full((4,), float(rank))}  # rank 1's tensor lies in rank 1's data file
+    with CheckpointManager(root, async_save=False) as mgr:
+        mgr.save(1, state)
+        mgr.wait()
+        torch.distributed.barrier()
+        if rank == 0:
+            step_dir = Path(root) / STEP_DIR.format(1)
+            md = read_dcp_metadata(step_dir / ".metadata")
+            md.state_dict_metadata["w1"].properties.dtype = torch.float64
+            _restamp(step_dir, ".metadata", pickle.dumps(md))
+        torch.distributed.barrier()
+        try:
+            mgr.restore(state, step=1)
+        except Corrupt as exc:
+            assert "'w1'" in str(exc) and "float64" in str(exc), str(exc)
+        else:
+            raise AssertionError(f"rank {rank}: restore of a record declared with the wrong dtype succeeded")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_bad_record_in_one_ranks_share_fails_every_rank(tmp_path):
+    """2 ranks (gloo): rank 1's data file record declared float64: restore raises CheckpointCorruptError on both."""
+    from tests._dist import run_distributed
+
+    run_distributed(_restore_with_bad_record_of_rank_1, 2, str(tmp_path), timeout_s=150)

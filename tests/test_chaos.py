@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # see pyproject's markers: left out by make test-fast
+
 REPO = Path(__file__).resolve().parents[1]
 
 

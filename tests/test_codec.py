@@ -190,7 +190,7 @@ def _refused_values():
 
 @pytest.mark.parametrize("name", list(_refused_values()))
 def test_values_without_an_exact_encoding_are_refused_naming_key_and_remedy(name):
-    """Enums, paths, dataclasses, namedtuples, subclasses, object/structured arrays... raise ConfigError naming the key."""
+    """Enums, paths, dataclasses, namedtuples, subclasses, object/structured arrays... raise ConfigError naming keys."""
     value, remedy = _refused_values()[name]
     with pytest.raises(ConfigError, match="state key 'cfg.v") as info:
         split_state({"cfg": {"v": value}})

@@ -204,11 +204,13 @@ def _describe(rec: dict) -> str:
                       default=str, indent=1)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_saver_was_running_at_every_kill(campaign):
     """Every kill hit a live saver (it had not died on its own), so each record is a real crash."""
     for rec in campaign["records"]:
-        assert rec["harness"]["harness_threads"] in (1, -1), f"the harness forked while multi-threaded: {rec['harness']}"
+        assert rec["harness"]["harness_threads"] in (1, -1), \
+            f"the harness forked while multi-threaded: {rec['harness']}"
         assert rec["harness"]["killed"], (
             f"saver was not SIGKILLed while running:\n{_describe(rec)}\n{campaign['zygote'].stderr()}")
 
@@ -283,6 +285,7 @@ def test_kills_interrupt_different_phases_of_a_save(campaign):
     assert len(phases) >= 2, f"kills covered only {dict(phases)}"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_kill_during_the_first_save_leaves_nothing_or_a_complete_checkpoint(zygote, timings, tmp_path):
     """A kill during the very first save leaves latest_step() None (restore returns None) or a complete step 1."""

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from tests._dist import run_distributed
 from torch_ckpt import CheckpointError, CheckpointManager, TrainState
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 WIDTH = 32
 
@@ -174,7 +174,7 @@ def _lonely_save(rank, world, root):
                 mgr.save(1, TrainState(model=model))
                 mgr.wait()
             except CheckpointError as exc:
-                assert "timed out" in str(exc) or "failed across ranks" in str(exc) or "not committed" in str(exc), str(exc)
+                assert any(s in str(exc) for s in ("timed out", "failed across ranks", "not committed")), str(exc)
             else:
                 raise AssertionError("a save on one rank only did not fail")
         dist.barrier()
@@ -307,7 +307,7 @@ def _ranks_pass_different_directories(rank, world, root):
 
 
 def test_ranks_saving_into_different_directories_are_refused_on_every_rank(tmp_path):
-    """AsyncCheckpointer.save into a per-rank directory (the Accelerate case) raises on every rank; nothing is written."""
+    """AsyncCheckpointer.save into a per-rank directory (the Accelerate case) raises on every rank; nothing written."""
     run_distributed(_ranks_pass_different_directories, 2, str(tmp_path), timeout_s=120)
 
 
@@ -362,22 +362,19 @@ def test_fsdp2_initial_save_changes_nothing_and_fresh_optimizer_restores(tmp_pat
 
 
 def _background_staging_fails_on_rank1(rank, world, root):
-    import time
-
     model = torch.nn.parallel.DistributedDataParallel(_model())
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     _train(model, opt)
-    with CheckpointManager(root, timeout_seconds=60, overlap_staging=True) as mgr:
+    # a collective timeout far beyond the run's own (120 s below): a rank that waited for it fails as hung
+    with CheckpointManager(root, timeout_seconds=3600, overlap_staging=True) as mgr:
         ck = mgr.checkpointer
         if rank == 1:
             def broken(job, handle):
                 raise RuntimeError("simulated copy failure on rank 1")
             ck._stage = broken
-        t0 = time.monotonic()
         handle = mgr.save(1, TrainState(model=model, optimizer=opt))
         with pytest.raises(CheckpointError, match="rank 1"):
             mgr.wait()
-        assert time.monotonic() - t0 < 30, "the healthy rank waited for the collective timeout"
         assert handle.committed.exception() is not None
         if rank == 1:
             del ck._stage
@@ -386,5 +383,5 @@ def _background_staging_fails_on_rank1(rank, world, root):
 
 
 def test_background_staging_failure_on_one_rank_fails_every_rank_at_once(tmp_path):
-    """overlap_staging: rank 1's background copy fails; both ranks fail step 1 within seconds; step 2 commits."""
+    """overlap_staging: rank 1's background copy fails; both ranks fail step 1, not at the timeout; step 2 commits."""
     run_distributed(_background_staging_fails_on_rank1, 2, str(tmp_path), timeout_s=120)

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # see pyproject's markers: left out by make test-fast
+
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_gpt.py"
 STEPS = 12
 WORLD = 2

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-pytestmark = pytest.mark.filterwarnings("ignore:.*set_vital.*:UserWarning")  # torchdata 0.11 noise
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:.*set_vital.*:UserWarning")]  # torchdata 0.11 noise
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_gpt.py"
 STEPS = 20
@@ -64,7 +64,8 @@ def assert_bitwise_equal(got: list[dict], want: list[dict]) -> None:
     assert [r["step"] for r in got] == [r["step"] for r in want]
     for g, w in zip(got, want):
         for key in ("loss", "lr"):
-            assert g[key] == w[key] and repr(g[key]) == repr(w[key]), f"step {g['step']} {key}: {g[key]!r} != {w[key]!r}"
+            assert g[key] == w[key] and repr(g[key]) == repr(w[key]), \
+                f"step {g['step']} {key}: {g[key]!r} != {w[key]!r}"
         assert g["epoch"] == w["epoch"], f"step {g['step']}: epoch {g['epoch']} != {w['epoch']}"
         assert g["batch"] == w["batch"], f"step {g['step']}: batch {g['batch']} != {w['batch']}"
 

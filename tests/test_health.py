@@ -10,18 +10,54 @@ from torch_ckpt import CheckpointManager, TrainState
 from torch_ckpt._logging import _RankFilter, get_logger, log_all_ranks
 
 
-def test_health_reports_ages_and_lost_work(tmp_path):
-    """health() gives the newest local/durable steps and the work a failure now would lose."""
+class _WallClock:
+    """The manager's ``time`` module with a wall clock (``time.time()``) the test sets."""
+
+    def __init__(self, now: float) -> None:
+        self.now = now
+
+    def time(self) -> float:
+        return self.now
+
+    def __getattr__(self, name: str):
+        return getattr(time, name)
+
+
+def test_health_reports_ages_and_lost_work(tmp_path, monkeypatch):
+    """health() gives the newest local/durable steps and the work a failure now would lose (42.5 s after the save)."""
+    import torch_ckpt.manager as manager_mod
+
+    clock = _WallClock(1_000_000.0)
+    monkeypatch.setattr(manager_mod, "time", clock)
     state = TrainState(model=torch.nn.Linear(4, 4))
     with CheckpointManager(tmp_path, durable_url=f"memory://h-{uuid.uuid4().hex[:6]}/r") as mgr:
         assert mgr.health()["lost_work_if_failure_now_s"] is None
-        mgr.save(1, state).wait()
+        mgr.save(1, state).wait()  # captured at the clock's 1_000_000.0
         assert mgr.wait_durable(30)
-        time.sleep(0.2)
+        clock.now += 42.5
         h = mgr.health()
     assert h["latest_step"] == 1 and h["durable_step"] == 1
-    assert 0.2 <= h["lost_work_if_failure_now_s"] < 30
+    assert h["lost_work_if_failure_now_s"] == 42.5 and h["latest_age_s"] == 42.5
     assert h["replication"]["durable_step"] == 1 and h["failed_saves"] == 0
+
+
+def test_health_lists_the_tiers_holding_each_step(tmp_path):
+    """health() reports per step which tiers hold a complete copy, and the newest durable step's age."""
+    import shutil
+
+    url = f"memory://h-{uuid.uuid4().hex[:6]}/r"
+    state = TrainState(model=torch.nn.Linear(4, 4))
+    with CheckpointManager(tmp_path / "a", durable_url=url, keep_last=1) as mgr:
+        mgr.save(1, state)
+        mgr.save(2, state).wait()
+        assert mgr.wait_durable(30)
+    shutil.rmtree(tmp_path / "a")
+    with CheckpointManager(tmp_path / "a", durable_url=url, keep_last=5, replicate_every_n_saves=2) as mgr:
+        mgr.save(3, state).wait()  # the first save is not replicated (every second one is)
+        h = mgr.health()
+    assert h["tiers"] == {1: {"local": None, "durable": True}, 2: {"local": None, "durable": True},
+                          3: {"local": "complete", "durable": False}}
+    assert h["durable_newest_step"] == 2 and h["durable_newest_age_s"] >= 0
 
 
 def test_health_without_durable_tier_uses_local(tmp_path):

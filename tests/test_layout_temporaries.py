@@ -7,7 +7,7 @@ import os
 import pytest
 
 from torch_ckpt import CheckpointManager
-from torch_ckpt.inspection import list_root
+from torch_ckpt.tools.listing import list_root
 from torch_ckpt.layout import (
     clean_stale_temporaries,
     is_temporary_name,

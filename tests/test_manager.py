@@ -259,21 +259,33 @@ def test_should_save_without_policy_is_a_config_error(tmp_path):
 
 
 def test_wait_for_previous_is_reported(tmp_path, make_state, monkeypatch):
-    """A save that had to wait for the previous one reports that wait inside its blocking time."""
+    """A save that waited for the previous one reports that wait (5 s on a shifted clock) inside its blocking time."""
     import time as _time
 
+    real_monotonic, offset = _time.monotonic, [0.0]
+    monkeypatch.setattr(_time, "monotonic", lambda: real_monotonic() + offset[0])
+    waiting = threading.Event()  # set once the second save blocks on the first one's commit
     real = persist_mod.persist_checkpoint
 
-    def slow(req, ctx):
-        _time.sleep(0.3)
+    def held_until_waited_for(req, ctx):
+        if req.step == 1:
+            assert waiting.wait(60), "save(2) never waited for step 1"
+            offset[0] += 5.0  # the clock moves 5 s while save(2) is blocked
         return real(req, ctx)
 
-    monkeypatch.setattr("torch_ckpt.checkpointer.persist_checkpoint", slow)
+    monkeypatch.setattr("torch_ckpt.checkpointer.persist_checkpoint", held_until_waited_for)
     state, *_ = make_state()
     with CheckpointManager(tmp_path) as mgr:
-        mgr.save(1, state)
+        first = mgr.save(1, state)
+        result = first.committed.result
+
+        def result_after_signalling(*args, **kwargs):
+            waiting.set()
+            return result(*args, **kwargs)
+
+        first.committed.result = result_after_signalling  # what waiting for the previous save blocks on
         handle = mgr.save(2, state)
-        assert handle.stats.wait_for_previous_s >= 0.2
+        assert handle.stats.wait_for_previous_s >= 5.0
         assert handle.stats.blocking_s >= handle.stats.wait_for_previous_s
 
 
@@ -293,26 +305,51 @@ def test_training_on_after_restoring_an_older_step(tmp_path, make_state):
 
 def test_ctrl_c_while_waiting_propagates_and_the_save_still_commits(tmp_path, monkeypatch):
     """SIGINT during wait() raises KeyboardInterrupt at once; the in-flight save still commits its own data."""
-    import os as _os
     import signal as _signal
-    import time as _time
 
     real = persist_mod.persist_checkpoint
+    release = threading.Event()  # the persist of step 1 is held until after the interrupt
 
-    def slow(req, ctx):
-        _time.sleep(0.8)
+    def held(req, ctx):
+        assert release.wait(60), "the test never released the persist"
         return real(req, ctx)
 
-    monkeypatch.setattr("torch_ckpt.checkpointer.persist_checkpoint", slow)
-    # Python's own Ctrl-C behaviour, whatever handler an earlier test (e.g. a framework) left installed
-    previous = _signal.signal(_signal.SIGINT, _signal.default_int_handler)
+    monkeypatch.setattr("torch_ckpt.checkpointer.persist_checkpoint", held)
+    interrupted = threading.Event()
+
+    def ctrl_c_once(signum, frame):  # Python's own Ctrl-C behaviour, for the first SIGINT only
+        if not interrupted.is_set():
+            interrupted.set()
+            raise KeyboardInterrupt
+
+    previous = _signal.signal(_signal.SIGINT, ctrl_c_once)
     mgr = CheckpointManager(tmp_path)
-    mgr.save(1, {"w": torch.ones(4)})
-    threading.Timer(0.2, lambda: _os.kill(_os.getpid(), _signal.SIGINT)).start()
+    first = mgr.save(1, {"w": torch.ones(4)})
+    waiting = threading.Event()
+    result = first.committed.result
+
+    def result_after_signalling(*args, **kwargs):
+        waiting.set()
+        return result(*args, **kwargs)
+
+    first.committed.result = result_after_signalling  # what wait() blocks on
+
+    def interrupt() -> None:
+        # to the main thread itself (a process-directed kill() may land on another thread), and again until it
+        # is handled: a signal that lands just before the main thread blocks only runs after the wait returns
+        assert waiting.wait(60)
+        while not interrupted.wait(0.01):
+            _signal.pthread_kill(threading.main_thread().ident, _signal.SIGINT)
+
+    interrupter = threading.Thread(target=interrupt)
+    interrupter.start()
     try:
         with pytest.raises(KeyboardInterrupt):
-            mgr.wait()
+            mgr.wait()  # blocked on step 1's commit, which cannot happen before release
+        assert not first.done()
     finally:
+        release.set()
+        interrupter.join()
         _signal.signal(_signal.SIGINT, previous)
     mgr.save(2, {"w": torch.full((4,), 2.0)})  # must wait for step 1, not overwrite its staged copy
     mgr.close()
@@ -352,7 +389,7 @@ def _earlier_run(root, steps=(500, 600, 700)) -> None:
 
 
 def test_first_save_below_an_earlier_runs_steps_is_refused_naming_them(tmp_path):
-    """A new run saving step 100 next to committed 500/600/700 it did not restore raises ConfigError; nothing deleted."""
+    """A new run saving step 100 next to committed 500/600/700 it did not restore: ConfigError, nothing deleted."""
     _earlier_run(tmp_path)
     with CheckpointManager(tmp_path, keep_last=3) as mgr:
         with pytest.raises(ConfigError, match=r"\[500, 600, 700\]") as info:
@@ -365,7 +402,7 @@ def test_first_save_below_an_earlier_runs_steps_is_refused_naming_them(tmp_path)
 
 
 def test_on_existing_newer_supersede_moves_the_earlier_runs_steps_aside(tmp_path):
-    """on_existing_newer='supersede': the newer steps are kept as hidden .superseded_* dirs and step 100 stays listed."""
+    """on_existing_newer='supersede': newer steps are kept as hidden .superseded_* dirs; step 100 stays listed."""
     _earlier_run(tmp_path)
     with CheckpointManager(tmp_path, keep_last=3, on_existing_newer="supersede") as mgr:
         mgr.save(100, _tiny()).wait()
@@ -414,7 +451,8 @@ def test_os_error_while_moving_a_damaged_step_aside_is_typed(tmp_path, monkeypat
 
     import torch_ckpt.layout as layout
 
-    (tmp_path / "step_000000005").mkdir()  # a damaged (manifest-less) directory of the step to save
+    (tmp_path / "step_000000005").mkdir()  # a damaged directory of the step to save: unreadable manifest
+    (tmp_path / "step_000000005" / "manifest.json").write_text("{not json")
     real = layout.os.rename
 
     def refuse(src, dst):

@@ -275,7 +275,7 @@ def test_optimizer_over_a_foreign_parameter_is_refused_at_save(tmp_path):
     opt = torch.optim.SGD([*model.parameters(), stray], lr=0.1)
     with CheckpointManager(tmp_path) as mgr, pytest.raises(ConfigError, match=r"\(5,\)"):
         mgr.save(0, TrainState(model=model, optimizer=opt))
-    assert not any(tmp_path.iterdir())
+    assert [p.name for p in tmp_path.iterdir() if not p.name.startswith(".lock")] == []  # only the root lock
 
 
 def test_existing_optimizer_state_tensors_are_loaded_in_place(tmp_path):
@@ -300,7 +300,7 @@ def test_nested_lbfgs_state_round_trips(tmp_path):
         for _ in range(n):
             x = torch.randn(2, 4, generator=g)
 
-            def closure():
+            def closure(x=x):
                 opt.zero_grad()
                 loss = model(x).pow(2).mean()
                 loss.backward()
@@ -321,6 +321,45 @@ def test_nested_lbfgs_state_round_trips(tmp_path):
     assert_same(fresh.state_dict(), model.state_dict())
 
 
+@pytest.mark.parametrize("make_opt", [lambda p: torch.optim.Adam(p, lr=0.1),
+                                      lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+                                      lambda p: torch.optim.AdamW(p, lr=0.1)])
+def test_optimizer_state_round_trips_into_a_fresh_optimizer(tmp_path, make_opt):
+    """OptimizerState saves optimizer.state_dict() and restores it into an optimizer without state, bitwise."""
+    from torch_ckpt import CheckpointManager, OptimizerState
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    opt = make_opt(model.parameters())
+    for _ in range(2):
+        model(torch.randn(5, 4)).pow(2).mean().backward()
+        opt.step()
+    with CheckpointManager(tmp_path) as mgr:
+        mgr.save(2, OptimizerState(opt)).wait()
+    fresh = make_opt(torch.nn.Linear(4, 3).parameters())
+    with CheckpointManager(tmp_path) as mgr:
+        assert mgr.restore(OptimizerState(fresh)) == 2
+    a, b = opt.state_dict(), fresh.state_dict()
+    assert a["param_groups"] == b["param_groups"]
+    for pid, entries in a["state"].items():
+        for name, value in entries.items():
+            assert torch.equal(torch.as_tensor(value), torch.as_tensor(b["state"][pid][name])), (pid, name)
+
+
+def test_optimizer_state_refuses_other_parameter_groups(tmp_path):
+    """Restoring into an optimizer with other group sizes raises StateMismatchError and changes nothing."""
+    from torch_ckpt import CheckpointManager, OptimizerState, StateMismatchError
+
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    with CheckpointManager(tmp_path) as mgr:
+        mgr.save(1, OptimizerState(opt)).wait()
+    other = torch.optim.Adam([torch.nn.Parameter(torch.zeros(3))])
+    with CheckpointManager(tmp_path) as mgr, pytest.raises(StateMismatchError):
+        mgr.restore(OptimizerState(other), step=1)
+    assert other.state_dict()["state"] == {}
 def test_param_names_follow_a_replaced_parameter():
     """param_names answers for the parameters a module holds now, not those of an earlier call."""
     from torch_ckpt.optim_state import param_names
@@ -332,3 +371,40 @@ def test_param_names_follow_a_replaced_parameter():
     again = param_names(model)
     assert again[id(model[0].weight)] == "0.weight"
     assert id(old) in first and id(old) not in again
+def _adam_with_state(seed: int) -> tuple[torch.nn.Linear, torch.optim.Adam]:
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    model(torch.randn(4, 3)).sum().backward()
+    opt.step()
+    return model, opt
+
+
+def test_optimizer_state_keep_live_copies_loaded_values_into_the_live_tensors():
+    """OptimizerState: after load + keep_live, the optimizer holds its old tensor objects with the loaded values."""
+    from torch_ckpt import OptimizerState
+
+    _, source = _adam_with_state(0)
+    _, target = _adam_with_state(1)
+    live = target.state[target.param_groups[0]["params"][0]]["exp_avg"]
+    wrapped = OptimizerState(target)
+    assert wrapped.check_load(source.state_dict()) == []
+    wrapped.load_state_dict(source.state_dict())
+    wrapped.keep_live()
+    now = target.state[target.param_groups[0]["params"][0]]["exp_avg"]
+    assert now is live and torch.equal(now, source.state[source.param_groups[0]["params"][0]]["exp_avg"])
+
+
+def test_optimizer_state_undo_puts_the_previous_state_back():
+    """OptimizerState: undo() after a load leaves the optimizer's state exactly as before the load."""
+    from torch_ckpt import OptimizerState
+
+    _, source = _adam_with_state(0)
+    _, target = _adam_with_state(1)
+    before = copy.deepcopy(target.state_dict())
+    wrapped = OptimizerState(target)
+    wrapped.load_state_dict(source.state_dict())
+    wrapped.undo()
+    after = target.state_dict()
+    assert after["param_groups"] == before["param_groups"]
+    assert all(torch.equal(after["state"][i][k], v) for i, entry in before["state"].items() for k, v in entry.items())

@@ -56,7 +56,8 @@ def test_commit_never_touches_another_incarnations_temporary(tmp_path):
     other.mkdir()
     (other / "manifest.json").write_bytes(b"the other incarnation's")
     persist_checkpoint(_request(tmp_path, incarnation="abcd"), DistContext())
-    assert (other / "manifest.json").read_bytes() == b"the other incarnation's" and os.listdir(other) == ["manifest.json"]
+    assert (other / "manifest.json").read_bytes() == b"the other incarnation's"
+    assert os.listdir(other) == ["manifest.json"]
     assert read_manifest(tmp_path / "step_000000001").step == 1
 
 
@@ -67,12 +68,12 @@ def test_each_checkpointer_has_its_own_incarnation(tmp_path):
 
 
 def test_checkpointer_commits_the_temporary_named_with_its_incarnation(tmp_path, monkeypatch):
-    """AsyncCheckpointer.save renames `.NAME.tmp.<its incarnation>` into place (the process writer: test_writer_process)."""
+    """AsyncCheckpointer.save renames `.NAME.tmp.<its incarnation>` into place (process writer: test_writer_process)."""
     import torch_ckpt.persist as persist_mod
 
     renamed: list[str] = []
     original = persist_mod.commit_dir
-    monkeypatch.setattr(persist_mod, "commit_dir", lambda tmp, final: (renamed.append(Path(tmp).name),
+    monkeypatch.setattr(persist_mod, "commit_dir", lambda tmp, final, **kw: (renamed.append(Path(tmp).name),
                                                                          original(tmp, final)))
     with AsyncCheckpointer(thread_count=1) as ckpt:
         ckpt.save(tmp_path / "step_000000001", {"w": torch.ones(10)}, step=1).wait()

@@ -28,6 +28,6 @@ def test_core_imports_neither_lightning_nor_accelerate():
 
 def test_import_is_lazy_and_fast_for_the_cli():
     """Importing torch_ckpt does not import torch (the plan/simulate CLI starts instantly)."""
-    code = "import sys, torch_ckpt, torch_ckpt.cli; print('torch' in sys.modules)"
+    code = "import sys, torch_ckpt, torch_ckpt.tools.cli; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "False", out.stderr[-2000:]

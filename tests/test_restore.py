@@ -207,7 +207,8 @@ def _rewrite_rank_tree(step_dir, edit):
 
 
 @pytest.mark.parametrize("edit", [lambda t: t.__setitem__("extras", [1]), lambda t: t.__setitem__("step", "x"),
-                                  lambda t: t.__setitem__("epoch", True)], ids=["extras_list", "step_str", "epoch_bool"])
+                                  lambda t: t.__setitem__("epoch", True)],
+                         ids=["extras_list", "step_str", "epoch_bool"])
 def test_malformed_trainstate_fields_are_corrupt_and_change_nothing(tmp_path, edit):
     """A rank tree whose step/epoch/extras has the wrong type is corrupt: nothing changes and resume falls back."""
     from torch_ckpt import CheckpointCorruptError

@@ -1,4 +1,4 @@
-"""The root lock (torch_ckpt.layout.RootLock): a kernel flock, at most one owner, freed when its owner dies."""
+"""The root lock (torch_ckpt.layout.RootLock): filelock's kernel flock, at most one owner, freed when its owner dies."""
 
 from __future__ import annotations
 
@@ -114,7 +114,7 @@ def test_second_lock_object_in_the_same_process_is_refused(tmp_path):
             RootLock(tmp_path).acquire()
     finally:
         first.release()
-    assert not (tmp_path / ".lock").exists()
+    assert not (tmp_path / ".lock.owner").exists()
     second = RootLock(tmp_path)
     second.acquire()
     second.release()
@@ -122,12 +122,53 @@ def test_second_lock_object_in_the_same_process_is_refused(tmp_path):
 
 @pytest.mark.timeout(60)
 def test_lock_file_naming_a_dead_pid_does_not_free_a_held_lock(tmp_path):
-    """Ownership is the kernel lock, not the file text: a held lock whose file names a dead pid is still refused."""
+    """Ownership is the kernel lock, not the file text: a held lock whose owner file names a dead pid is refused."""
     holder = _start_holder(tmp_path)
     try:
-        (tmp_path / ".lock").write_text(json.dumps({"host": socket.gethostname(), "pid": _dead_pid(), "since": 0}))
+        (tmp_path / ".lock.owner").write_text(json.dumps({"host": socket.gethostname(), "pid": _dead_pid(),
+                                                         "since": 0}))
         with pytest.raises(CheckpointWriteError, match="in use by another run"):
             RootLock(tmp_path).acquire()
     finally:
         holder.kill()
         holder.wait()
+
+
+def test_release_from_another_thread_frees_the_lock(tmp_path):
+    """The lock is not thread-local: a manager closed from another thread really releases the root."""
+    import threading
+
+    first = RootLock(tmp_path)
+    first.acquire()
+    releaser = threading.Thread(target=first.release)
+    releaser.start()
+    releaser.join()
+    second = RootLock(tmp_path)
+    second.acquire()
+    second.release()
+
+
+def test_contender_does_not_erase_the_owner_record(tmp_path):
+    """A refused contender leaves the holder's host and pid readable for the next one (the sidecar survives)."""
+    first = RootLock(tmp_path)
+    first.acquire()
+    try:
+        for _ in range(2):
+            with pytest.raises(CheckpointWriteError, match=f"pid {os.getpid()}"):
+                RootLock(tmp_path).acquire()
+    finally:
+        first.release()
+
+
+def test_file_system_without_locks_is_refused_not_soft_locked(tmp_path, monkeypatch):
+    """flock failing with ENOSYS (Lustre without -o flock) is a CheckpointWriteError naming the mount option."""
+    import errno
+
+    import filelock
+
+    def no_flock(self, *args, **kwargs):
+        raise OSError(errno.ENOSYS, "Function not implemented")
+
+    monkeypatch.setattr(filelock.UnixFileLock, "acquire", no_flock)
+    with pytest.raises(CheckpointWriteError, match="-o flock"):
+        RootLock(tmp_path).acquire()

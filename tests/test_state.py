@@ -100,7 +100,8 @@ def _dropout_run(root, total, stop=None, resume=False):
     data = torch.utils.data.TensorDataset(torch.randn(40, 6), torch.randn(40, 1))
     model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Dropout(0.3), torch.nn.Linear(8, 1))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    loader = StatefulDataLoader(data, batch_size=4, sampler=RandomSampler(data, generator=torch.Generator().manual_seed(0)),
+    loader = StatefulDataLoader(data, batch_size=4,
+                                sampler=RandomSampler(data, generator=torch.Generator().manual_seed(0)),
                                 generator=torch.Generator().manual_seed(1))
     state = TrainState(model=model, optimizer=opt, dataloader=loader)
     losses = {}

@@ -2,6 +2,6 @@
 
 import sys
 
-from torch_ckpt.cli import main
+from torch_ckpt.tools.cli import main
 
 sys.exit(main())

@@ -54,6 +54,8 @@ class _SaveJob:
     deferred_keys: set[str] | None = None
     early_s: float = 0.0
     on_committed: Callable[[Path], None] | None = None
+    replace: bool = False
+    extra_dir: Path | None = None
     progress: StagingProgress | None = None  # pipelined staging: the copy runs while the writer starts
     timings: dict[str, float] = field(default_factory=dict)
     copy_failed: bool = False
@@ -176,6 +178,8 @@ class AsyncCheckpointer:
         self._closed = False
         self.last_stats: SaveStats | None = None
         self._incarnation = new_incarnation()
+        # set by the manager for node-local roots (torch_ckpt.nodes.NodeLayout): each node commits its own copy
+        self.node_layout: Any = None
         if persist == "process" and self.async_save:
             self._process_writer = ProcessWriter(self._ctx, timeout_seconds=timeout_seconds, niceness=writer_niceness)
 
@@ -232,7 +236,8 @@ class AsyncCheckpointer:
     # -- saving ----------------------------------------------------------------------------------
     def save(self, final: str | os.PathLike, state: Any, *, step: int = 0,
              on_committed: Callable[[Path], None] | None = None, started_at: float | None = None,
-             waited_s: float = 0.0, prepare: Callable[[], None] | None = None) -> SaveHandle:
+             waited_s: float = 0.0, prepare: Callable[[], None] | None = None,
+             replace: bool | Callable[[], bool] = False, extra_dir: str | os.PathLike | None = None) -> SaveHandle:
         """Checkpoint ``state`` into directory ``final``; returns once staged (async) or committed (sync).
 
         Collective: every rank calls it with the same ``final`` and ``step``. Waits first for the
@@ -256,6 +261,10 @@ class AsyncCheckpointer:
             prepare: called on every rank after the previous save finished and before the state
                 is captured; an exception it raises is part of the agreement (used by the manager
                 for its step checks).
+            replace: ``final`` may hold a committed checkpoint, replaced atomically at commit (the
+                old one stays loadable until then); a callable is asked after ``prepare``.
+            extra_dir: rank 0's directory of framework files (e.g. written by save hooks) moved
+                into the checkpoint before its manifest, so they commit atomically with it.
 
         Returns:
             A :class:`SaveHandle` whose ``committed`` future completes when the checkpoint is durable.
@@ -274,6 +283,8 @@ class AsyncCheckpointer:
         prepared = None
         try:
             prepared = self._prepare_save(final, state, step, on_committed, t0, waited_s, prepare)
+            prepared[0].replace = bool(replace() if callable(replace) else replace)
+            prepared[0].extra_dir = None if extra_dir is None else Path(extra_dir)
         except Exception as exc:  # noqa: BLE001 - reported to every rank by the agreement below
             error = exc
         try:
@@ -377,12 +388,13 @@ class AsyncCheckpointer:
             typed.__cause__ = error
             error = typed
         mine = None if error is None else (type(error).__name__, str(error))
-        target = os.path.abspath(os.fspath(final))
+        # node-local roots are different directories on each node: the ranks agree on the name
+        target = os.path.abspath(os.fspath(final)) if self.node_layout is None else Path(final).name
         try:
             votes = self._ctx.all_gather((mine, step, target), what="save agreement")
         except CheckpointError:
             if error is not None:
-                raise error  # this rank's own failure says more than the failed agreement
+                raise error  # noqa: B904 - this rank's own failure says more than the failed agreement (its context)
             raise
         if error is not None:
             raise error
@@ -464,20 +476,23 @@ class AsyncCheckpointer:
             timings = job.timings if job.progress is not None else {"staging_s": handle.stats.staging_s}
             if self._process_writer is not None and (job.fits or failed is not None):
                 fields = dict(final=job.final, step=job.step, tree=job.tree, tensor_bytes=handle.stats.bytes,
+                              replace=job.replace, extra_dir=job.extra_dir,
                               thread_count=self.thread_count, timings=timings, incarnation=self._incarnation,
-                              failed=failed)
-                final = self._process_writer.persist(arena=None if failed else self._stager.arena,
-                                                     layout=job.layout, fields=fields)
+                              failed=failed, nodes=self.node_layout)
+                final, files_bytes = self._process_writer.persist(arena=None if failed else self._stager.arena,
+                                                                  layout=job.layout, fields=fields)
             else:
                 req = PersistRequest(final=job.final, step=job.step, tensors=job.to_write, tree=job.tree,
                                      tensor_bytes=handle.stats.bytes, thread_count=self.thread_count,
                                      timings=timings, incarnation=self._incarnation, failed=failed,
+                                     replace=job.replace, extra_dir=job.extra_dir, nodes=self.node_layout,
                                      progress=job.progress)
                 final = persist_checkpoint(req, self._ctx)
+                files_bytes = req.committed_bytes
             stats = handle.stats
             stats.persist_s = time.monotonic() - t_start
             stats.total_s = time.monotonic() - job.t0
-            stats.files_bytes = sum(f["bytes"] for f in read_manifest(final).files.values())
+            stats.files_bytes = files_bytes  # no rank reads the committed directory again
             self.last_stats = stats
             log.info("[rank %d] committed step %d: %d bytes, blocking %.3f s, staging %.3f s, persist %.3f s",
                      self._ctx.rank, job.step, stats.bytes, stats.blocking_s, stats.staging_s, stats.persist_s)
@@ -513,7 +528,8 @@ class AsyncCheckpointer:
         self._wait_inflight()
         self._raise_pending()
         if on_world_size_change not in RANK_LOCAL_POLICIES:
-            raise ConfigError(f"on_world_size_change must be one of {RANK_LOCAL_POLICIES}, got {on_world_size_change!r}")
+            raise ConfigError(f"on_world_size_change must be one of {RANK_LOCAL_POLICIES}, "
+                              f"got {on_world_size_change!r}")
         path = Path(path)
         load_into(state, path, read_manifest(path), self._ctx, verify=verify, on_world_size_change=on_world_size_change,
                   allow_cast=allow_cast)

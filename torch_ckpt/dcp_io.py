@@ -20,6 +20,7 @@ import io
 import os
 import pickle
 import threading
+import warnings
 from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from pathlib import Path
@@ -35,7 +36,23 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import WriteResult
 
 from torch_ckpt.crc import crc32
-from torch_ckpt.errors import CheckpointCorruptError, CheckpointWriteError, UnsafeCheckpointError
+from torch_ckpt.errors import CheckpointCorruptError, CheckpointError, CheckpointWriteError, UnsafeCheckpointError
+from torch_ckpt.storage import open_regular
+
+# dcp.save/dcp.load warn "torch.distributed is disabled, unavailable or uninitialized, assuming the intent is
+# to save (load) in a single process" on every call with no_dist=True, which torch-ckpt passes on purpose
+# when there is no process group; no argument avoids it. One filter, installed once when this module (every
+# path to DCP goes through it) is imported, matches that message only, attributed to DCP (or to torch-ckpt
+# should DCP stop wrapping the call). Unlike warnings.catch_warnings around each call, it never changes the
+# process-wide filters from the writer thread. It also quiets the same message for the process's other
+# single-process DCP calls, which carry the same non-information.
+warnings.filterwarnings(
+    "ignore",
+    message=r"torch\.distributed is (disabled, )?unavailable or uninitialized, assuming the intent is to "
+            r"(save|load) in a single process",
+    category=UserWarning,
+    module=r"(torch\.distributed\.checkpoint|torch_ckpt)\.",
+)
 
 __all__ = [
     "ChecksumFileSystemWriter",
@@ -502,7 +519,7 @@ class _MetadataUnpickler(pickle.Unpickler):
 def load_dcp_metadata_bytes(data: bytes, source: str) -> Metadata:
     """Unpickle DCP ``.metadata`` bytes with the restricted unpickler (never executes code from them).
 
-    Only the type of the result is checked here; :func:`torch_ckpt.format.metadata_problems`
+    Only the type of the result is checked here; :func:`torch_ckpt.dcp_metadata.metadata_problems`
     validates its fields.
 
     Raises:
@@ -522,7 +539,7 @@ def load_dcp_metadata_bytes(data: bytes, source: str) -> Metadata:
 
 def read_dcp_metadata(path: str | os.PathLike) -> Metadata:
     """Read a DCP ``.metadata`` file without executing arbitrary code (types unchecked; see
-    :func:`torch_ckpt.format.read_metadata` for the validated read of a checkpoint's metadata).
+    :func:`torch_ckpt.dcp_metadata.read_metadata` for the validated read of a checkpoint's metadata).
 
     Raises:
         UnsafeCheckpointError: the pickle references anything but DCP metadata classes.
@@ -547,13 +564,11 @@ class _ListedFileSystem(FileSystem):
 
     @contextmanager
     def create_stream(self, path: str | os.PathLike, mode: str) -> Generator[io.IOBase, None, None]:
-        from torch_ckpt.format import _open_regular
-
         name = Path(path).name
         if "r" not in mode or "+" in mode or name not in self.allowed:
             raise CheckpointCorruptError(f"{path}: DCP asked to open a file the manifest does not list "
                                          f"(mode {mode!r}); refusing")
-        fd = _open_regular(Path(path), allow_symlinks=self.allow_symlinks, what="file listed in the manifest")
+        fd = open_regular(Path(path), allow_symlinks=self.allow_symlinks, what="file listed in the manifest")
         with os.fdopen(fd, "rb") as stream:
             try:
                 yield stream
@@ -567,7 +582,7 @@ class SafeFileSystemReader(FileSystemReader):
 
     Args:
         path: the checkpoint directory.
-        metadata: the already validated DCP metadata (see :func:`torch_ckpt.format.read_metadata`);
+        metadata: the already validated DCP metadata (see :func:`torch_ckpt.dcp_metadata.read_metadata`);
             None reads it with :func:`read_dcp_metadata` (unvalidated: tests and plain-DCP use).
         allowed: file names DCP may open (the manifest's); None allows any name.
         allow_symlinks: follow symlinks when opening them.
@@ -609,8 +624,6 @@ def load_tensors(tensors: dict[str, torch.Tensor], step_dir: str | os.PathLike, 
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
-
-    from torch_ckpt.errors import CheckpointError
 
     reader = SafeFileSystemReader(step_dir, metadata=metadata, allowed=allowed, allow_symlinks=allow_symlinks)
     try:
@@ -669,7 +682,7 @@ def file_crc32(path: str | os.PathLike) -> tuple[int, int]:
         i = 0
         while n:
             result: list[Any] = []
-            reader = threading.Thread(target=lambda b=bufs[1 - i]: result.append(_readinto(f, b)), daemon=True)
+            reader = threading.Thread(target=lambda b=bufs[1 - i], out=result: out.append(_readinto(f, b)), daemon=True)
             reader.start()
             with memoryview(bufs[i]) as view:
                 crc = crc32(view[:n], crc)

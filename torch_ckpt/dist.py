@@ -10,31 +10,14 @@ an initialised process group every operation is a local no-op.
 
 from __future__ import annotations
 
-import contextlib
 import datetime
-import warnings
 from typing import Any
 
 import torch.distributed as dist
 
 from torch_ckpt.errors import CheckpointError, CheckpointTimeoutError
 
-__all__ = ["DistContext", "single_process_quiet"]
-
-
-@contextlib.contextmanager
-def single_process_quiet(active: bool):
-    """Silence DCP's "assuming the intent is to save/load in a single process" warning.
-
-    torch-ckpt passes ``no_dist=True`` on purpose when no process group exists, so the warning
-    carries no information. Only that message is filtered, only around the call.
-    """
-    if not active:
-        yield
-        return
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=r"torch\.distributed is (disabled, )?unavailable or uninitialized")
-        yield
+__all__ = ["DistContext"]
 
 
 class DistContext:

@@ -17,14 +17,19 @@ failure time this adds ``L`` to the expected loss (for ``L <= T``), which is wha
 :func:`expected_lost_work` and :func:`expected_overhead` include. ``L`` does not move the optimum
 to first order (it adds a constant per failure), so Young and Daly still give the interval.
 
-:class:`IntervalEstimator` turns measurements (save stalls, step times, time to durability) into
-an interval in steps; :class:`torch_ckpt.schedule.YoungDaly` decides with it.
+The one rule that turns these seconds into a number of steps is :func:`checkpoint_interval`;
+``torch-ckpt plan``, ``torch-ckpt simulate`` and the runtime policy
+(:class:`torch_ckpt.schedule.YoungDaly`, through :class:`IntervalEstimator`) all use it, so they
+agree on every input.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import asdict, dataclass
 from typing import Any
+
+from torch_ckpt.cadence import StepTimeEstimator
 
 __all__ = [
     "young_interval",
@@ -32,6 +37,8 @@ __all__ = [
     "expected_overhead",
     "expected_lost_work",
     "FORMULAS",
+    "Interval",
+    "checkpoint_interval",
     "IntervalEstimator",
 ]
 
@@ -164,6 +171,125 @@ def expected_overhead(
     return cost / interval + (expected_lost_work(interval, durability_lag_s) + restart) / mtbf
 
 
+@dataclass(frozen=True)
+class Interval:
+    """The checkpoint interval for one set of inputs, from :func:`checkpoint_interval`.
+
+    All times in seconds.
+
+    Attributes:
+        formula: ``"daly"`` or ``"young"``.
+        mtbf_s: Mean time between failures of the job ``M``.
+        save_cost_s: Training stall per save ``C``.
+        durability_lag_s: From the end of a save's stall until it is durable ``L``.
+        step_time_s: Seconds per training step, or ``None`` if not known.
+        optimal_interval_s: The formula's ``T``.
+        durable_after_s: ``C + L``: the time a save needs to become durable; the interval is never
+            shorter, so saves do not pile up.
+        interval_s: The interval used: ``interval_steps * step_time_s`` with a step time, else
+            ``max(optimal_interval_s, durable_after_s)``.
+        interval_steps: Whole steps between saves, or ``None`` without a step time.
+        limited_by: ``"formula"``, ``"durability"`` or ``"min_interval_steps"``: what set the interval.
+        expected_overhead: :func:`expected_overhead` at ``interval_s`` (a fraction).
+        expected_lost_work_s: :func:`expected_lost_work` at ``interval_s``.
+    """
+
+    formula: str
+    mtbf_s: float
+    save_cost_s: float
+    durability_lag_s: float
+    step_time_s: float | None
+    optimal_interval_s: float
+    durable_after_s: float
+    interval_s: float
+    interval_steps: int | None
+    limited_by: str
+    expected_overhead: float
+    expected_lost_work_s: float
+
+    def as_dict(self) -> dict[str, Any]:
+        """The fields as a JSON-serialisable dict."""
+        return asdict(self)
+
+
+def checkpoint_interval(
+    mtbf_seconds: float,
+    save_cost_seconds: float,
+    durability_lag_seconds: float = 0.0,
+    step_time_seconds: float | None = None,
+    *,
+    formula: str = "daly",
+    min_interval_steps: int = 1,
+) -> Interval:
+    """The interval between saves: the formula's optimum, never shorter than a save takes to be durable.
+
+    ``T`` is Daly's (2006) higher-order optimum (default) or Young's (1974) ``sqrt(2 C M)``; see
+    :func:`daly_interval` and :func:`young_interval` for the references. With a step time the
+    interval in steps is the largest of
+
+    * ``T / step`` rounded to the nearest whole step (halves round up),
+    * ``(C + L) / step`` rounded **up**, so that a save is durable before the next one starts
+      (an interval never shorter than what a save needs to become durable), and
+    * ``min_interval_steps``.
+
+    This is the only place where seconds become steps: ``torch-ckpt plan``, ``torch-ckpt simulate``
+    and the runtime :class:`~torch_ckpt.schedule.YoungDaly` policy call it. Example: MTBF 8 h,
+    ``C`` = 2 s, ``L`` = 400 s and 7 s steps give 58 steps (406 s >= the 402 s to durability).
+
+    Args:
+        mtbf_seconds: Mean time between failures of the job ``M``, in seconds (> 0).
+        save_cost_seconds: Training stall per save ``C`` (blocking time plus any slowdown of
+            training while the save persists), in seconds (>= 0).
+        durability_lag_seconds: Seconds from the end of a save's stall until it is durable ``L``
+            (>= 0; 0 for synchronous saves).
+        step_time_seconds: Seconds per training step (> 0), or ``None`` for an interval in
+            seconds only.
+        formula: ``"daly"`` or ``"young"`` (keys of :data:`FORMULAS`).
+        min_interval_steps: Smallest interval in steps (integer >= 1); applies with a step time.
+
+    Returns:
+        An :class:`Interval`.
+
+    Raises:
+        ValueError: If an argument is out of range (the message names it), or ``formula`` is unknown.
+    """
+    if formula not in FORMULAS:
+        raise ValueError(f"formula must be one of {sorted(FORMULAS)}, got {formula!r}")
+    if isinstance(min_interval_steps, bool) or not isinstance(min_interval_steps, int) or min_interval_steps < 1:
+        raise ValueError(f"min_interval_steps must be an integer >= 1, got {min_interval_steps!r}")
+    mtbf = _check_positive("mtbf_seconds", mtbf_seconds)
+    cost = _check_non_negative("save_cost_seconds", save_cost_seconds)
+    lag = _check_non_negative("durability_lag_seconds", durability_lag_seconds)
+    optimal = FORMULAS[formula](mtbf, cost)
+    durable = cost + lag
+    steps: int | None = None
+    if step_time_seconds is None:
+        step_time = None
+        interval, limited_by = (durable, "durability") if durable > optimal else (optimal, "formula")
+    else:
+        step_time = _check_positive("step_time_seconds", step_time_seconds)
+        by_formula = max(1, math.floor(optimal / step_time + 0.5))
+        by_durability = math.ceil(durable / step_time - 1e-9)  # the tolerance absorbs float noise in C + L
+        steps, limited_by = (by_durability, "durability") if by_durability > by_formula else (by_formula, "formula")
+        if steps < min_interval_steps:
+            steps, limited_by = min_interval_steps, "min_interval_steps"
+        interval = steps * step_time
+    return Interval(
+        formula=formula,
+        mtbf_s=mtbf,
+        save_cost_s=cost,
+        durability_lag_s=lag,
+        step_time_s=step_time,
+        optimal_interval_s=optimal,
+        durable_after_s=durable,
+        interval_s=interval,
+        interval_steps=steps,
+        limited_by=limited_by,
+        expected_overhead=expected_overhead(interval, cost, mtbf, lag) if interval > 0 else math.inf,
+        expected_lost_work_s=expected_lost_work(interval, lag) if interval > 0 else lag,
+    )
+
+
 class _Ewma:
     """Exponentially weighted moving average whose last sample can be replaced."""
 
@@ -184,21 +310,21 @@ class _Ewma:
 
 
 class IntervalEstimator:
-    """Online estimates of the save cost, step time and durability, and the interval they give.
+    """Online estimates of the save cost and durability lag, and the interval they give.
 
-    Each estimate is an exponentially weighted moving average (EWMA). The cost ``C`` of a save is
-    its ``blocking_s + slowdown_s``, seeded by ``initial_cost_s``. The step time averages the time
-    between :meth:`record_step` calls, leaving out the step that contained a save's stall. The
-    interval is the formula's ``T`` raised to the measured time until a save is durable (so saves
-    never pile up), converted to whole steps (nearest; up when set by the durability floor) and
-    raised to ``min_interval_steps``.
+    The cost ``C`` of a save is an exponentially weighted moving average (EWMA, weight
+    ``ewma_alpha``) of its ``blocking_s + slowdown_s``, seeded by ``initial_cost_s``; the durability
+    lag ``L`` an EWMA of ``durable_after_s - blocking_s``. The step time comes from a
+    :class:`~torch_ckpt.cadence.StepTimeEstimator`: its own, fed by :meth:`record_step`, until
+    :meth:`use_step_time` hands it the one a :class:`~torch_ckpt.cadence.Cadence` feeds. The
+    interval is :func:`checkpoint_interval` of these estimates.
 
     Args:
         mtbf_s: Mean time between failures of the job, in seconds (> 0).
         initial_cost_s: ``C`` before the first save is measured, in seconds (>= 0).
         formula: ``"daly"`` or ``"young"`` (keys of :data:`FORMULAS`).
         min_interval_steps: Smallest interval in steps (>= 1).
-        ewma_alpha: Weight of a new sample, in ``(0, 1]``.
+        ewma_alpha: Weight of a new save measurement, in ``(0, 1]``.
 
     Raises:
         ValueError: If an argument is out of range.
@@ -224,17 +350,23 @@ class IntervalEstimator:
         self.formula = formula
         self.min_interval_steps = min_interval_steps
         self._alpha = float(ewma_alpha)
+        self._step_time = StepTimeEstimator()
+        self._owns_step_time = True
         self.load_state_dict({})
 
+    def use_step_time(self, estimator: StepTimeEstimator) -> None:
+        """Read the step time from ``estimator`` (fed by its owner) instead of :meth:`record_step`.
+
+        An estimate this object already has seeds ``estimator`` if that one has none yet.
+        """
+        if estimator.seconds is None:
+            estimator.seconds = self._step_time.seconds
+        self._step_time, self._owns_step_time = estimator, False
+
     def record_step(self, step: int, now_s: float) -> None:
-        """Measure the step time from consecutive calls (step, monotonic seconds)."""
-        prev = self._prev_step
-        if prev is not None and step > prev[0] and not self._skip_next_delta:
-            delta = (now_s - prev[1]) / (step - prev[0])
-            if delta >= 0:
-                self._step_time.update(delta)
-        self._skip_next_delta = False
-        self._prev_step = (step, now_s)
+        """Measure the step time from consecutive calls (step, monotonic seconds), unless shared."""
+        if self._owns_step_time:
+            self._step_time.record_step(step, now_s)
 
     def record_save(self, step: int, *, blocking_s: float, durable_after_s: float | None, slowdown_s: float) -> None:
         """Add one save's measurements, in seconds; a repeated ``step`` replaces its earlier sample.
@@ -248,73 +380,47 @@ class IntervalEstimator:
         else:
             self._cost.update(cost)
             self._cost_step = step
-            if self._prev_step is None or step >= self._prev_step[0]:
-                self._skip_next_delta = True  # the next step's duration includes this stall
+            if self._owns_step_time:
+                self._step_time.skip_next()  # the next step's duration includes this stall
         if durable_after_s is not None:
-            durable = _check_non_negative("durable_after_s", durable_after_s)
-            lag = max(0.0, durable - blocking_s)
-            if step == self._durable_step:
-                self._durable.replace_last(durable)
+            lag = max(0.0, _check_non_negative("durable_after_s", durable_after_s) - blocking_s)
+            if step == self._lag_step:
                 self._lag.replace_last(lag)
             else:
-                self._durable.update(durable)
                 self._lag.update(lag)
-                self._durable_step = step
+                self._lag_step = step
+
+    def interval(self) -> Interval:
+        """:func:`checkpoint_interval` of the current estimates (``interval_steps`` is ``None``
+        until a step time has been measured)."""
+        return checkpoint_interval(
+            self.mtbf_s,
+            float(self._cost.value),  # type: ignore[arg-type]  # seeded, never None
+            self._lag.value or 0.0,
+            self._step_time.seconds or None,
+            formula=self.formula,
+            min_interval_steps=self.min_interval_steps,
+        )
 
     def plan(self) -> dict[str, Any]:
-        """The interval the current estimates give.
+        """The interval the current estimates give, as a dict.
 
         Returns:
             ``formula``, ``mtbf_s``, ``cost_s``, ``step_time_s`` (``None`` until measured),
-            ``durable_after_s``, ``durability_lag_s``, ``optimal_interval_s`` (the formula's ``T``),
-            ``interval_s`` (after the durability floor), ``interval_steps`` (``None`` without a step
-            time), ``limited_by`` (``"formula"``, ``"durability"`` or ``"min_interval_steps"``),
-            ``expected_overhead`` and ``expected_lost_work_s`` (at the interval in whole steps).
+            ``durable_after_s`` (``C + L``), ``durability_lag_s``, ``optimal_interval_s`` (the
+            formula's ``T``), ``interval_s``, ``interval_steps`` (``None`` without a step time),
+            ``limited_by`` (``"formula"``, ``"durability"`` or ``"min_interval_steps"``),
+            ``expected_overhead`` and ``expected_lost_work_s`` (at ``interval_s``).
         """
-        cost = float(self._cost.value)  # type: ignore[arg-type]  # seeded, never None
-        optimal = FORMULAS[self.formula](self.mtbf_s, cost)
-        durable = self._durable.value or 0.0
-        lag = self._lag.value or 0.0
-        interval_s, limited_by = (durable, "durability") if durable > optimal else (optimal, "formula")
-        step_time = self._step_time.value
-        steps: int | None = None
-        effective_s = interval_s
-        if step_time is not None:
-            if step_time <= 0:
-                steps = 1
-            elif limited_by == "durability":
-                steps = max(1, math.ceil(durable / step_time - 1e-9))
-            else:
-                steps = max(1, math.floor(optimal / step_time + 0.5))
-            if steps < self.min_interval_steps:
-                steps, limited_by = self.min_interval_steps, "min_interval_steps"
-            effective_s = steps * step_time
-        if effective_s > 0:
-            overhead = expected_overhead(effective_s, cost, self.mtbf_s, lag)
-            lost = expected_lost_work(effective_s, lag)
-        else:
-            overhead, lost = math.inf, lag
-        return {
-            "formula": self.formula,
-            "mtbf_s": self.mtbf_s,
-            "cost_s": cost,
-            "step_time_s": step_time,
-            "durable_after_s": durable,
-            "durability_lag_s": lag,
-            "optimal_interval_s": optimal,
-            "interval_s": interval_s,
-            "interval_steps": steps,
-            "limited_by": limited_by,
-            "expected_overhead": overhead,
-            "expected_lost_work_s": lost,
-        }
+        d = self.interval().as_dict()
+        d["cost_s"] = d.pop("save_cost_s")
+        return d
 
     def state_dict(self) -> dict[str, Any]:
-        """The estimates (``cost_s``, ``step_time_s``, ``durable_after_s``, ``durability_lag_s``)."""
+        """The estimates (``cost_s``, ``step_time_s``, ``durability_lag_s``)."""
         return {
             "cost_s": self._cost.value,
-            "step_time_s": self._step_time.value,
-            "durable_after_s": self._durable.value,
+            "step_time_s": self._step_time.seconds,
             "durability_lag_s": self._lag.value,
         }
 
@@ -322,10 +428,11 @@ class IntervalEstimator:
         """Restore :meth:`state_dict` output (missing keys start fresh; clock state is reset)."""
         cost = state.get("cost_s")
         self._cost = _Ewma(self._alpha, self.initial_cost_s if cost is None else float(cost))
-        self._step_time = _Ewma(self._alpha, state.get("step_time_s"))
-        self._durable = _Ewma(self._alpha, state.get("durable_after_s"))
         self._lag = _Ewma(self._alpha, state.get("durability_lag_s"))
+        step_time = state.get("step_time_s")
+        if self._owns_step_time:
+            self._step_time = StepTimeEstimator(step_time)
+        elif step_time is not None:
+            self._step_time.seconds = float(step_time)
         self._cost_step: int | None = None
-        self._durable_step: int | None = None
-        self._prev_step: tuple[int, float] | None = None
-        self._skip_next_delta = False
+        self._lag_step: int | None = None

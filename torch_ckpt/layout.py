@@ -1,4 +1,7 @@
-"""On-disk layout, manifest and atomic commit of a checkpoint root (a local directory).
+"""On-disk layout and atomic commit of a checkpoint root (a local directory).
+
+The manifest itself (:class:`Manifest`, :func:`read_manifest`) is defined in
+:mod:`torch_ckpt.manifest` and re-exported here.
 
 Layout of a run root::
 
@@ -29,12 +32,13 @@ import os
 import re
 import secrets
 import shutil
+import socket
+import stat
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
+import filelock
 
 from torch_ckpt._logging import get_logger
 from torch_ckpt.errors import (
@@ -42,8 +46,11 @@ from torch_ckpt.errors import (
     CheckpointNotFoundError,
     CheckpointWriteError,
 )
+from torch_ckpt.manifest import FORMAT_NAME, FORMAT_VERSION, MANIFEST_NAME, Manifest, rank_file_name, read_manifest
+from torch_ckpt.naming import Naming, StepNaming
 
 __all__ = [
+    "FORMAT_NAME",
     "FORMAT_VERSION",
     "Manifest",
     "step_dir_name",
@@ -62,23 +69,24 @@ __all__ = [
     "RootLock",
     "rank_file_name",
     "MANIFEST_NAME",
+    "is_committed",
+    "replace_dir",
 ]
 
 log = get_logger(__name__)
 
-FORMAT_NAME = "torch-ckpt"
-FORMAT_VERSION = 1
-MANIFEST_NAME = "manifest.json"
-_STEP_RE = re.compile(r"^step_(\d+)$")
-# a temporary step directory: ``.step_N.tmp`` (before incarnation ids), ``.step_N.tmp.<id>``, and the
-# durable tier's ``.step_N.download.tmp`` in both forms; group 1 is the step, group 3 the incarnation id
-_TMP_RE = re.compile(r"^\.step_(\d+)(\.download)?\.tmp(?:\.([0-9a-f]+))?$")
+# a temporary checkpoint directory: ``.NAME.tmp`` (before incarnation ids), ``.NAME.tmp.<id>``, and the
+# durable tier's ``.NAME.download.tmp`` in both forms; group 1 is NAME, group 3 the incarnation id
+_TMP_RE = re.compile(r"^\.(.+?)(\.download)?\.tmp(?:\.([0-9a-f]+))?$")
+# the previous checkpoint of a replaced directory, between the two renames of a non-atomic replace
+_REPLACED_RE = re.compile(r"^\.(.+)\.replaced\.([0-9a-f]{1,64})$")
 _INCARNATION_RE = re.compile(r"^[0-9a-f]{1,64}$")
+_DEFAULT_NAMING = StepNaming()
 
 
 def step_dir_name(step: int) -> str:
-    """Final directory name of ``step`` (zero-padded; ordering still uses the manifest step)."""
-    return f"step_{step:09d}"
+    """Final directory name of ``step`` under the default :class:`~torch_ckpt.naming.StepNaming`."""
+    return _DEFAULT_NAMING.name(step)
 
 
 def new_incarnation() -> str:
@@ -102,59 +110,19 @@ def tmp_dir_name(step: int, incarnation: str) -> str:
     return temporary_name(step_dir_name(step), incarnation)
 
 
-def is_temporary_name(name: str) -> bool:
-    """True for the name of a temporary step directory (any form, with or without an incarnation id)."""
-    return bool(_TMP_RE.match(name))
+def is_temporary_name(name: str, naming: Naming | None = None) -> bool:
+    """True for the name of one of our temporary checkpoint directories.
 
-
-def rank_file_name(rank: int) -> str:
-    """Per-rank JSON file holding that rank's non-tensor state."""
-    return f"rank_{rank:05d}.json"
-
-
-@dataclass(frozen=True, kw_only=True)
-class Manifest:
-    """What ``manifest.json`` records about one committed checkpoint.
-
-    Attributes:
-        step: training step (int).
-        world_size: number of ranks that wrote it.
-        files: ``{file name: {"bytes": int, "crc32": int}}`` for every file except the manifest.
-        wall_time: Unix time (seconds) of the commit.
-        torch_version: ``torch.__version__`` of the writer.
-        tensor_bytes: bytes of tensor payload saved (all ranks, after deduplication).
-        timings: seconds spent per phase (``staging_s``, ``persist_s``, ...).
-        format_version: on-disk format version.
-        tiers: tiers holding a complete, verified copy besides this one, e.g.
-            ``{"durable": {"url": "s3://b/run", "committed_at": 1.7e9}}``.
+    That is ``.NAME.tmp``, ``.NAME.tmp.<id>`` or their ``.download`` forms where NAME is a name of
+    ``naming`` (default :class:`StepNaming`), or any ``.NAME.tmp.<16 hex digits>`` (an incarnation
+    id: only torch-ckpt writes those, also for explicitly named checkpoints).
     """
-
-    step: int
-    world_size: int
-    files: dict[str, dict[str, int]]
-    wall_time: float = field(default_factory=time.time)
-    torch_version: str = field(default_factory=lambda: torch.__version__)
-    tensor_bytes: int = 0
-    timings: dict[str, float] = field(default_factory=dict)
-    format_version: int = FORMAT_VERSION
-    tiers: dict[str, Any] = field(default_factory=dict)
-
-    def to_json(self) -> dict[str, Any]:
-        """Return the JSON object written to disk."""
-        return {"format": FORMAT_NAME, "format_version": self.format_version, "step": self.step,
-                "wall_time": self.wall_time, "world_size": self.world_size, "torch_version": self.torch_version,
-                "tensor_bytes": self.tensor_bytes, "timings": self.timings, "tiers": self.tiers, "files": self.files}
-
-    @classmethod
-    def from_json(cls, data: Any, source: str) -> Manifest:
-        """Validate a parsed manifest object (every field's type and range, plain file names).
-
-        Raises:
-            CheckpointCorruptError: naming ``source`` and the offending field.
-        """
-        from torch_ckpt.format import manifest_from_doc
-
-        return manifest_from_doc(data, source)
+    m = _TMP_RE.match(name)
+    if m is None:
+        return False
+    if m.group(3) is not None and len(m.group(3)) == 16:
+        return True
+    return (naming or _DEFAULT_NAMING).step_of(m.group(1)) is not None
 
 
 def fsync_dir(path: str | os.PathLike) -> None:
@@ -189,19 +157,6 @@ def update_manifest_tiers(step_dir: Path, tiers: dict[str, Any]) -> None:
     fsync_dir(step_dir)
 
 
-def read_manifest(step_dir: str | os.PathLike, *, allow_symlinks: bool = False) -> Manifest:
-    """Read and validate ``step_dir/manifest.json`` (see :func:`torch_ckpt.format.read_manifest`).
-
-    Raises:
-        CheckpointNotFoundError: the manifest does not exist.
-        CheckpointCorruptError: it is a symlink (unless ``allow_symlinks``) or not a regular file, too
-            large, not bounded JSON, or not a valid torch-ckpt manifest; the message names the file.
-    """
-    from torch_ckpt.format import read_manifest as _read
-
-    return _read(step_dir, allow_symlinks=allow_symlinks)
-
-
 def check_root(root: Path, *, create: bool) -> None:
     """Validate a checkpoint root; optionally create it.
 
@@ -221,19 +176,22 @@ def check_root(root: Path, *, create: bool) -> None:
                                        "choose a writable location") from exc
 
 
-def scan_committed(root: str | os.PathLike) -> dict[int, Path]:
-    """Return ``{step: directory}`` of committed checkpoints under ``root`` (manifest step wins).
+def scan_committed(root: str | os.PathLike, naming: Naming | None = None) -> dict[int, Path]:
+    """Return ``{step: directory}`` of committed checkpoints under ``root``, ascending.
 
-    Directories with a final name but an unreadable manifest are skipped with a warning; temporary
+    Only names that ``naming`` (default :class:`StepNaming`) parses are considered, and the
+    manifest's step must equal the step of the name. Directories with such a name but no readable
+    manifest (a folder of another tool, or damage) are skipped with a warning; temporary
     directories are never returned.
     """
     root = Path(root)
+    naming = naming or _DEFAULT_NAMING
     found: dict[int, Path] = {}
     if not root.is_dir():
         return found
     for entry in root.iterdir():
-        m = _STEP_RE.match(entry.name)
-        if not m or not entry.is_dir():
+        named_step = naming.step_of(entry.name)
+        if named_step is None or not entry.is_dir():
             continue
         try:
             manifest = read_manifest(entry)
@@ -243,20 +201,29 @@ def scan_committed(root: str | os.PathLike) -> dict[int, Path]:
         except OSError as exc:  # unreadable (permissions, I/O error): not a usable checkpoint either
             log.warning("ignoring %s: cannot read its manifest (%s)", entry, exc)
             continue
-        if manifest.step != int(m.group(1)):
+        if manifest.step != named_step:
             log.warning("ignoring %s: manifest says step %d", entry, manifest.step)
             continue
         found[manifest.step] = entry
     return dict(sorted(found.items()))
 
 
-def commit_dir(tmp: Path, final: Path) -> None:
+def commit_dir(tmp: Path, final: Path, *, replace: bool = False) -> None:
     """Atomically publish ``tmp`` as ``final`` (fsync tmp, rename, fsync parent).
 
+    Args:
+        tmp: the complete temporary directory.
+        final: the final name.
+        replace: ``final`` may already hold a committed checkpoint, which is replaced (see
+            :func:`replace_dir`); otherwise an existing ``final`` is an error.
+
     Raises:
-        CheckpointWriteError: ``final`` already exists or the rename fails.
+        CheckpointWriteError: ``final`` already exists (without ``replace``) or the rename fails.
     """
     fsync_dir(tmp)
+    if replace and final.exists():
+        replace_dir(tmp, final)
+        return
     if final.exists():
         raise CheckpointWriteError(f"{final} already exists; a checkpoint for this step is already committed")
     try:
@@ -266,30 +233,116 @@ def commit_dir(tmp: Path, final: Path) -> None:
     fsync_dir(final.parent)
 
 
-def clean_stale_temporaries(root: str | os.PathLike, *, keep_incarnation: str | None = None) -> list[Path]:
-    """Remove temporary step directories left by a crashed save or by a previous incarnation.
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two directory entries atomically with Linux ``renameat2(RENAME_EXCHANGE)``; False if unsupported."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    rc = renameat2(_AT_FDCWD, os.fsencode(str(a)), _AT_FDCWD, os.fsencode(str(b)), _RENAME_EXCHANGE)
+    if rc == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
+        return False  # kernel or file system without RENAME_EXCHANGE: fall back to two renames
+    raise OSError(err, os.strerror(err), str(b))
+
+
+def replace_dir(tmp: Path, final: Path) -> None:
+    """Replace the committed checkpoint ``final`` by the complete directory ``tmp``, crash-safely.
+
+    On Linux the two entries are swapped atomically (``renameat2(RENAME_EXCHANGE)``): at every
+    instant ``final`` is either the old or the new complete checkpoint. The old one then lies under
+    the temporary name and is deleted (a crash leaves it as a stale temporary, removed on the next
+    start). Where the exchange is not supported, the old directory is first renamed to
+    ``.NAME.replaced.<id>`` and the new one renamed in; a crash between the two renames leaves no
+    ``final``, and :func:`clean_stale_temporaries` renames the old one back on the next start.
+
+    Raises:
+        CheckpointWriteError: a rename fails (the old checkpoint is left in place or restorable).
+    """
+    try:
+        if _exchange(tmp, final):
+            fsync_dir(final.parent)
+            shutil.rmtree(tmp, ignore_errors=True)
+            return
+        aside = final.with_name(f".{final.name}.replaced.{new_incarnation()}")
+        os.rename(final, aside)
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            os.rename(aside, final)  # put the old checkpoint back; a crash here is undone at the next start
+            raise
+        fsync_dir(final.parent)
+        shutil.rmtree(aside, ignore_errors=True)
+    except OSError as exc:
+        raise CheckpointWriteError(exc.errno, f"cannot replace {final} by {tmp}: {exc.strerror}") from exc
+
+
+def is_committed(path: str | os.PathLike) -> bool:
+    """True when ``path`` is a committed torch-ckpt checkpoint: a valid manifest, and every file it
+    lists present as a regular file of the listed size (cheap: no checksums are read). For one
+    node's copy of a node-local checkpoint, the files that node holds."""
+    path = Path(path)
+    try:
+        manifest = read_manifest(path)
+        for name, info in manifest.local_files().items():
+            st = os.lstat(path / name)
+            if not stat.S_ISREG(st.st_mode) or st.st_size != info["bytes"]:
+                return False
+    except (CheckpointNotFoundError, CheckpointCorruptError, OSError):
+        return False
+    return True
+
+
+def clean_stale_temporaries(root: str | os.PathLike, *, keep_incarnation: str | None = None,
+                            naming: Naming | None = None) -> list[Path]:
+    """Remove temporary checkpoint directories left by a crashed save or by a previous incarnation.
 
     Call it only while holding the root's lock: every temporary of another incarnation is then
     stale (its owner is gone; a writer it left behind can no longer commit, see
-    :mod:`torch_ckpt.writer_process`). Both naming forms (``.step_N.tmp`` and ``.step_N.tmp.<id>``,
-    also ``.download``) and ``.trash_step_*`` leftovers are removed.
+    :mod:`torch_ckpt.writer_process`). Temporaries are recognised by :func:`is_temporary_name`
+    (``.NAME.tmp``, ``.NAME.tmp.<id>``, ``.download`` forms); ``.trash_NAME`` leftovers of an
+    interrupted delete are removed; the old checkpoint of an interrupted non-atomic replace
+    (``.NAME.replaced.<id>``) is renamed back to NAME when NAME is missing, and removed otherwise.
 
     Args:
         root: the checkpoint root.
         keep_incarnation: the caller's own incarnation id; its temporaries (a save in flight) are kept.
+        naming: the root's naming (default :class:`StepNaming`).
 
     Returns:
         The removed paths.
     """
     removed: list[Path] = []
     root = Path(root)
+    naming = naming or _DEFAULT_NAMING
     if not root.is_dir():
         return removed
     for entry in root.iterdir():
         m = _TMP_RE.match(entry.name)
         if m and keep_incarnation is not None and m.group(3) == keep_incarnation:
             continue
-        if m or entry.name.startswith(".trash_step_"):
+        replaced = _REPLACED_RE.match(entry.name)
+        if replaced is not None:
+            final = root / replaced.group(1)
+            if not os.path.lexists(final):
+                os.rename(entry, final)
+                log.warning("restored %s from %s (a replace was interrupted)", final, entry)
+                continue
+            shutil.rmtree(entry, ignore_errors=True)
+            removed.append(entry)
+            continue
+        trash = entry.name.startswith(".trash_") and (
+            naming.step_of(entry.name[len(".trash_"):]) is not None or entry.name.startswith(".trash_step_"))
+        if is_temporary_name(entry.name, naming) or trash:
             shutil.rmtree(entry, ignore_errors=True)
             removed.append(entry)
     if removed:
@@ -343,27 +396,33 @@ def remove_step_dir(path: Path) -> None:
 class RootLock:
     """An exclusive lock on a checkpoint root, so two runs never write (or prune) the same root.
 
-    The lock is a kernel ``flock`` on ``ROOT/.lock``: the kernel drops it when the owning process
-    exits or dies, so there is no staleness to guess and a lock file left by a dead run is simply
-    taken. The file also holds the owner's host, pid and start time, only for the messages of runs
-    that find the root locked. Local file systems are exact; on NFS the lock relies on the server's
-    lock manager (NLM / NFSv4 locks) and on Lustre the clients must be mounted with ``-o flock``
+    The lock is :class:`filelock.UnixFileLock` (a kernel ``flock``) on ``ROOT/.lock``: the kernel
+    drops it when the owning process exits or dies, so there is no staleness to guess and a lock
+    left by a dead run is simply taken. The lock file stays in place after release (as filelock
+    keeps it, so that every contender locks the same inode). The holder's host, pid and start time
+    are kept in the sidecar ``ROOT/.lock.owner``, only for the message of a run that finds the root
+    locked (filelock's own lock file may be truncated by any contender that opens it).
+
+    Local file systems are exact. On NFS, ``flock`` relies on the server's lock manager (NLM /
+    NFSv4 locks); a client mounted with ``local_lock=flock`` (or ``local_lock=all``) keeps flock
+    locks local to one node. On Lustre the clients must be mounted with ``-o flock``
     (``localflock`` only excludes processes of the same node). A file system without lock support
-    makes :meth:`acquire` fail with a message saying so.
+    makes :meth:`acquire` fail with a message saying so (never a silent fallback to a pid file).
     """
 
     def __init__(self, root: Path) -> None:
         self.path = Path(root) / ".lock"
-        self._fd: int | None = None
+        self.owner_path = Path(root) / ".lock.owner"
+        self._lock: filelock.UnixFileLock | None = None
 
     @property
     def held(self) -> bool:
         """True while this object holds the lock."""
-        return self._fd is not None
+        return self._lock is not None
 
-    def _owner(self, fd: int) -> str:
+    def _owner(self) -> str:
         try:
-            owner = json.loads(os.pread(fd, 4096, 0) or b"{}")
+            owner = json.loads(self.owner_path.read_bytes() or b"{}")
         except (OSError, ValueError):
             owner = {}
         if not isinstance(owner, dict) or "pid" not in owner:
@@ -374,77 +433,73 @@ class RootLock:
         return f"host {owner.get('host')!r}, pid {owner.get('pid')}{when}"
 
     def acquire(self) -> None:
-        """Take the lock without waiting.
+        """Take the lock without waiting, then record this process as its owner.
 
         Raises:
             CheckpointWriteError: another live process holds it (its host and pid are named), the
-                lock file cannot be created or written, or the file system does not support locks.
+                lock or owner file cannot be created or written, or the file system does not
+                support locks.
         """
-        import fcntl
-        import socket
-
-        if self._fd is not None:
+        if self._lock is not None:
             return
-        for _ in range(100):  # only repeats when a releasing owner unlinked the file we opened
-            try:
-                # read-only descriptor: the lock needs none other, and an open writable file would
-                # keep the file system from being remounted read-only
-                fd = os.open(self.path, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
-            except OSError as exc:
-                hint = " (or open it with read_only=True to restore and list only)" \
-                    if exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM) else ""
-                raise CheckpointWriteError(exc.errno, f"cannot create the lock {self.path}: {exc.strerror}; check "
-                                           f"that the checkpoint root is writable and has free space{hint}") from exc
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError as exc:
-                owner = self._owner(fd)
-                os.close(fd)
-                if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                    raise CheckpointWriteError(
-                        exc.errno, f"checkpoint root {self.path.parent} is in use by another run ({owner}); use a "
-                        "different directory, or stop that run first") from exc
+        lock = _unix_file_lock(self.path)
+        try:
+            lock.acquire()
+        except filelock.Timeout as exc:
+            raise CheckpointWriteError(
+                errno.EWOULDBLOCK, f"checkpoint root {self.path.parent} is in use by another run ({self._owner()}); "
+                "use a different directory, or stop that run first") from exc
+        except (NotImplementedError, OSError) as exc:  # filelock < 4 raises NotImplementedError without flock
+            code = getattr(exc, "errno", None)
+            if isinstance(exc, NotImplementedError) or code in (errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP):
                 raise CheckpointWriteError(
-                    exc.errno, f"cannot lock {self.path}: {exc.strerror}; the file system does not support file "
-                    "locks (on Lustre mount with -o flock; on NFS enable the lock manager)") from exc
-            try:
-                same = os.path.samestat(os.fstat(fd), os.stat(self.path))
-            except FileNotFoundError:
-                same = False
-            if not same:  # the previous owner unlinked this file between our open and our lock
-                os.close(fd)
-                continue
-            me = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.time()}
-            try:
-                wfd = os.open(self.path, os.O_WRONLY | os.O_TRUNC | os.O_CLOEXEC)
-                try:
-                    os.write(wfd, json.dumps(me).encode())
-                    os.fsync(wfd)
-                finally:
-                    os.close(wfd)
-            except OSError as exc:
-                self.path.unlink(missing_ok=True)  # still ours: nobody can hold it meanwhile
-                os.close(fd)
-                raise CheckpointWriteError(exc.errno, f"cannot write the lock {self.path}: {exc.strerror}; check "
-                                           "that the checkpoint root is writable and has free space") from exc
-            self._fd = fd
-            return
-        raise CheckpointWriteError(f"could not take the lock {self.path}: it was replaced 100 times in a row")
+                    code or errno.ENOSYS, f"cannot lock {self.path}: the file system does not support file locks "
+                    "(on Lustre mount with -o flock; on NFS enable the lock manager)") from exc
+            hint = " (or open it with read_only=True to restore and list only)" \
+                if code in (errno.EROFS, errno.EACCES, errno.EPERM) else ""
+            raise CheckpointWriteError(code, f"cannot create the lock {self.path}: {exc.strerror or exc}; check that "
+                                       f"the checkpoint root is writable and has free space{hint}") from exc
+        try:
+            _write_owner(self.owner_path)
+        except OSError as exc:
+            lock.release()
+            raise CheckpointWriteError(exc.errno, f"cannot write the lock owner {self.owner_path}: {exc.strerror}; "
+                                       "check that the checkpoint root is writable and has free space") from exc
+        self._lock = lock
 
     def release(self) -> None:
-        """Drop the lock if this object holds it (the lock file is removed first, while still held)."""
-        fd, self._fd = self._fd, None
-        if fd is None:
+        """Drop the lock if this object holds it (the owner file is removed first, while still held)."""
+        lock, self._lock = self._lock, None
+        if lock is None:
             return
         try:
-            if os.path.samestat(os.fstat(fd), os.stat(self.path)):
-                self.path.unlink()
+            self.owner_path.unlink(missing_ok=True)
         except OSError as exc:  # the root itself was removed or replaced
-            log.debug("could not remove lock %s: %s", self.path, exc)
+            log.debug("could not remove lock owner %s: %s", self.owner_path, exc)
         finally:
-            import fcntl
+            lock.release()
 
-            try:
-                fcntl.flock(fd, fcntl.LOCK_UN)  # explicit: a forked child may still share this descriptor
-            finally:
-                os.close(fd)
+
+def _unix_file_lock(path: Path) -> filelock.UnixFileLock:
+    """A non-blocking, thread-independent ``UnixFileLock`` that never falls back to a soft lock."""
+    try:
+        return filelock.UnixFileLock(path, timeout=0, thread_local=False, fallback_to_soft=False)
+    except TypeError:  # filelock < 4: no `fallback_to_soft` (it has no soft fallback either)
+        return filelock.UnixFileLock(path, timeout=0, thread_local=False)
+
+
+def _write_owner(path: Path) -> None:
+    """Write this process's host, pid and time to ``path`` atomically (temporary file + rename)."""
+    tmp = path.with_name(path.name + ".tmp")
+    me = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.time()}
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+        try:
+            os.write(fd, json.dumps(me).encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        raise

@@ -31,7 +31,8 @@ from torch.distributed.tensor import DTensor
 from torch_ckpt.errors import ConfigError, StateMismatchError
 
 __all__ = ["param_names", "optimizer_state", "check_optimizer_state", "apply_optimizer_state",
-           "state_target", "TargetLookup", "split_state_key", "plain_state_target", "check_plain_optimizer_state", "keep_live_tensors"]
+           "state_target", "TargetLookup", "split_state_key", "plain_state_target", "check_plain_optimizer_state",
+           "keep_live_tensors", "OptimizerState"]
 
 _STATE, _GROUPS, _PARAMS = "state", "param_groups", "params"
 
@@ -398,3 +399,61 @@ def keep_live_tensors(opt: torch.optim.Optimizer, old_state: Mapping[Any, Any]) 
                 else:
                     old.copy_(new)
                 entries[key] = old
+
+
+class OptimizerState:
+    """One optimizer kept by its own ``optimizer.state_dict()`` (integer parameter ids), as a restorable ``Stateful``.
+
+    For optimizers that cannot be keyed by one model's parameter names (e.g. one spanning several
+    models); :class:`~torch_ckpt.TrainState` keys the others by name. Implements the load protocol
+    of :func:`torch_ckpt.restore.load_into` (keys relative to this object): state tensors a fresh
+    optimizer does not have yet are allocated where the optimizer keeps them, everything is checked
+    before anything is written, a load can be undone (:meth:`undo`) until the whole restore has
+    succeeded, and then (:meth:`keep_live`) the optimizer keeps its live state tensors, the loaded
+    values copied into them.
+
+    Args:
+        optimizer: the torch optimizer.
+        name: the key prefix used in error messages (e.g. ``"optimizers_plain.0"``).
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, *, name: str = "optimizer") -> None:
+        self.optimizer = optimizer
+        self.name = name
+        self._before: tuple[Any, Any] = (optimizer.state, optimizer.param_groups)
+
+    def state_dict(self) -> dict[str, Any]:
+        """``optimizer.state_dict()`` (live tensors)."""
+        return self.optimizer.state_dict()
+
+    def _state_key(self, key: str) -> tuple[int, str] | None:
+        parts = key.split(".", 2)
+        if len(parts) != 3 or parts[0] != _STATE or not parts[1].isdigit():
+            return None
+        return int(parts[1]), parts[2]
+
+    def load_optional_key(self, key: str) -> bool:
+        """True for ``state.<id>.<entry>`` tensors (a parameter may have state on one side only)."""
+        return self._state_key(key) is not None
+
+    def load_target(self, key: str, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor | None:
+        """A new tensor on the device where the optimizer keeps ``key``; None for other keys."""
+        parts = self._state_key(key)
+        return None if parts is None else plain_state_target(self.optimizer, parts[0], parts[1], shape, dtype)
+
+    def check_load(self, state: Any, *, allow_cast: bool = False) -> list[str]:
+        """See :func:`check_plain_optimizer_state`; returns the keys that will be cast."""
+        return check_plain_optimizer_state(self.optimizer, state, prefix=f"{self.name}.", allow_cast=allow_cast)
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """``optimizer.load_state_dict(state)``; then :meth:`undo` (a later component failed) or :meth:`keep_live`."""
+        self._before = (self.optimizer.state, self.optimizer.param_groups)
+        self.optimizer.load_state_dict(state)
+
+    def undo(self) -> None:
+        """Put back the state and parameter groups the last :meth:`load_state_dict` replaced."""
+        self.optimizer.state, self.optimizer.param_groups = self._before
+
+    def keep_live(self) -> None:
+        """After the whole restore succeeded: copy the loaded values into the tensors they replaced and keep those."""
+        keep_live_tensors(self.optimizer, self._before[0])

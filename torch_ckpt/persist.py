@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import shutil
 import time
 from collections.abc import Callable
@@ -22,7 +23,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from torch_ckpt.dcp_io import ChecksumFileSystemWriter
-from torch_ckpt.dist import DistContext, single_process_quiet
+from torch_ckpt.dist import DistContext
 from torch_ckpt.errors import CheckpointError, CheckpointWriteError
 from torch_ckpt.layout import (
     Manifest,
@@ -46,7 +47,12 @@ class PersistRequest:
     returns False the save fails and nothing is committed (a writer process whose trainer died).
     ``failed`` marks a save whose staging already failed on this rank: the rank still joins every
     collective (so the other ranks learn of it at once instead of waiting for the timeout), writes
-    nothing, and the save fails on every rank with this message. ``progress`` (a
+    nothing, and the save fails on every rank with this message. ``replace`` lets the commit
+    replace an existing committed checkpoint at ``final`` atomically (see
+    :func:`torch_ckpt.layout.replace_dir`). ``extra_dir`` (rank 0's): a directory whose entries are
+    moved into the checkpoint before its manifest is written, so they are committed, replaced and
+    removed with it (see :func:`move_extra_entries`). On success ``committed_bytes`` holds the bytes of every
+    committed file, so no rank needs to read the committed directory again. ``progress`` (a
     :class:`~torch_ckpt.staging.StagingProgress`), when given, means the tensors are still being
     staged: each is written once the copy has marked it, and a failed copy fails the save.
     """
@@ -61,6 +67,10 @@ class PersistRequest:
     incarnation: str | None = None
     owner_alive: Callable[[], bool] | None = None
     failed: str | None = None
+    replace: bool = False
+    extra_dir: Path | None = None
+    nodes: Any = None  # a torch_ckpt.nodes.NodeLayout: every node commits its own copy (node-local roots)
+    committed_bytes: int | None = None  # output: bytes of all committed files (every rank), set on success
     progress: Any = None
 
 
@@ -103,11 +113,39 @@ def _check_owner(req: PersistRequest, final: Path) -> None:
                                    f"writer does not commit {final} (the run's next start cleans up)")
 
 
+_RESERVED = re.compile(r"^(manifest\.json(\.tmp)?|\.metadata|.*\.distcp|rank_\d+\.json)$")
+
+
+def move_extra_entries(extra_dir: Path, tmp: Path) -> None:
+    """Move every entry of ``extra_dir`` (files and folders a framework hook wrote) into ``tmp``.
+
+    They become part of the checkpoint directory and are committed atomically with it; they are
+    not listed in the manifest (verify reports them as unlisted; restore never reads them). A
+    missing ``extra_dir`` moves nothing; the emptied ``extra_dir`` is removed.
+
+    Raises:
+        CheckpointWriteError: an entry's name collides with a checkpoint file name (``manifest.json``,
+            ``.metadata``, ``*.distcp``, ``rank_N.json``) or cannot be moved.
+    """
+    if not extra_dir.is_dir():
+        return
+    for entry in sorted(extra_dir.iterdir()):
+        if _RESERVED.match(entry.name):
+            raise CheckpointWriteError(f"{entry}: the name {entry.name!r} is reserved for checkpoint files; "
+                                       "write framework files under other names")
+        try:
+            shutil.move(str(entry), str(tmp / entry.name))
+        except OSError as exc:
+            raise CheckpointWriteError(exc.errno, f"cannot move {entry} into {tmp}: {exc.strerror}") from exc
+    shutil.rmtree(extra_dir, ignore_errors=True)
+
+
 def persist_checkpoint(req: PersistRequest, ctx: DistContext) -> Path:
     """Write, verify agreement and commit one checkpoint; collective over ``ctx``'s background group.
 
     The files are written into rank 0's temporary ``.NAME.tmp.<incarnation>`` and only that
-    directory is renamed to ``final``; a temporary of another incarnation is never touched.
+    directory is renamed to ``final``; a temporary of another incarnation is never touched. With
+    ``req.nodes`` (node-local roots) see :func:`torch_ckpt.persist_nodes.persist_node_local`.
 
     Returns:
         The committed directory (same on every rank).
@@ -116,13 +154,17 @@ def persist_checkpoint(req: PersistRequest, ctx: DistContext) -> Path:
         CheckpointWriteError: this or another rank failed, or the requesting process is gone;
             nothing was committed.
     """
+    if req.nodes is not None:
+        from torch_ckpt.persist_nodes import persist_node_local
+
+        return persist_node_local(req, ctx)
     final = Path(req.final)
     tmp = final.with_name(temporary_name(final.name, req.incarnation or new_incarnation()))
     error: BaseException | None = None
     if ctx.is_coordinator:
         try:
             _check_owner(req, final)
-            if final.exists():
+            if final.exists() and not req.replace:
                 raise CheckpointWriteError(f"{final} already exists; refusing to overwrite a checkpoint")
             if tmp.exists():  # this incarnation's own leftover of an earlier failed attempt
                 shutil.rmtree(tmp)
@@ -143,10 +185,9 @@ def persist_checkpoint(req: PersistRequest, ctx: DistContext) -> Path:
     try:
         writer = ChecksumFileSystemWriter(tmp, thread_count=req.thread_count, sync_files=True,
                                           wait_for=req.progress.wait if req.progress is not None else None)
-        with single_process_quiet(not ctx.enabled):
-            # a rank whose staging failed still takes part in DCP's collectives, with nothing to write
-            dcp.save(req.tensors if req.failed is None else {}, storage_writer=writer, planner=DefaultSavePlanner(),
-                     process_group=ctx.bg if ctx.enabled else None, no_dist=not ctx.enabled)
+        # a rank whose staging failed still takes part in DCP's collectives, with nothing to write
+        dcp.save(req.tensors if req.failed is None else {}, storage_writer=writer, planner=DefaultSavePlanner(),
+                 process_group=ctx.bg if ctx.enabled else None, no_dist=not ctx.enabled)
         if req.failed is not None:
             raise CheckpointWriteError(f"staging step {req.step} failed on rank {ctx.rank}: {req.failed}")
         rank_doc = {"step": req.step, "rank": ctx.rank, "world_size": ctx.world_size, "tree": req.tree}
@@ -176,11 +217,13 @@ def persist_checkpoint(req: PersistRequest, ctx: DistContext) -> Path:
                     all_files.update(f)
                 timings = dict(req.timings or {})
                 timings["write_s"] = write_s
+                if req.extra_dir is not None:
+                    move_extra_entries(Path(req.extra_dir), tmp)
                 manifest = Manifest(step=req.step, world_size=ctx.world_size, files=dict(sorted(all_files.items())),
                                     tensor_bytes=req.tensor_bytes, timings=timings)
                 write_json_durable(tmp / "manifest.json", manifest.to_json())
                 _check_owner(req, final)  # last look before the rename: never commit for a dead trainer
-                commit_dir(tmp, final)
+                commit_dir(tmp, final, replace=req.replace)
             except BaseException as exc:  # noqa: BLE001
                 commit_error = _describe(exc)
                 error = error or exc
@@ -189,6 +232,7 @@ def persist_checkpoint(req: PersistRequest, ctx: DistContext) -> Path:
                                                                     else ("ok", None)),
                             background=True, what="commit")
     if outcome[0] == "ok":
+        req.committed_bytes = sum(f["bytes"] for _, files_of_rank in gathered for f in files_of_rank.values())
         return final
     if error is not None:
         raise _as_write_error(error, tmp)

@@ -35,6 +35,8 @@ class Replicator:
         backoff_initial_seconds: first retry delay (seconds); doubles up to ``backoff_max_seconds``.
         backoff_max_seconds: longest retry delay (seconds).
         on_durable: called with ``(step, local_dir)`` after a durable commit.
+        upload: ``upload(local_dir, manifest, abandon)`` replacing ``tier.upload`` (e.g. one node's
+            part of a node-local checkpoint); ``abandon()`` is True once a newer step is queued.
         abandoned_after_seconds: after a durable commit (at most once per
             ``min(abandoned_after_seconds, 1 h)``), delete step prefixes that have no manifest and
             whose newest object is older than this (uploads abandoned by a crash); None never deletes
@@ -44,8 +46,11 @@ class Replicator:
     def __init__(self, tier: DurableTier, *, retention: RetentionPolicy | None = None,
                  backoff_initial_seconds: float = 0.5, backoff_max_seconds: float = 30.0,
                  on_durable: Callable[[int, Path], None] | None = None,
-                 abandoned_after_seconds: float | None = 24 * 3600.0) -> None:
+                 abandoned_after_seconds: float | None = 24 * 3600.0,
+                 upload: Callable[[Path, Any, Callable[[], bool]], None] | None = None) -> None:
         self.tier = tier
+        self._upload = upload if upload is not None else (lambda local_dir, manifest, abandon:
+                                                          tier.upload(local_dir, manifest))
         self.retention = retention
         self._backoff0 = backoff_initial_seconds
         self._backoff_max = backoff_max_seconds
@@ -74,6 +79,10 @@ class Replicator:
             if self._pending is None or self._pending[0] < step:
                 self._pending = (step, local_dir)
             self._cond.notify_all()
+
+    def _newer_queued(self) -> bool:
+        with self._cond:
+            return self._pending is not None or self._stop
 
     def busy_steps(self) -> set[int]:
         """Steps queued or uploading (their local copies must not be deleted)."""
@@ -129,7 +138,7 @@ class Replicator:
                 self._pending, self._active = None, step
             try:
                 manifest = read_manifest(local_dir)
-                self.tier.upload(local_dir, manifest)
+                self._upload(local_dir, manifest, self._newer_queued)
                 with self._cond:
                     self._durable_step, self._durable_time = step, time.time()
                     self._uploaded_bytes += sum(f["bytes"] for f in manifest.files.values())

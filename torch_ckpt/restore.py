@@ -1,7 +1,9 @@
 """Loading a committed checkpoint into a live state, in place, without unpickling.
 
 Steps (every rank): verify the files of the checkpoint against the manifest (sizes always, CRC-32
-when ``verify``; the work is split over ranks), read this rank's JSON tree, check that the live
+when ``verify``; the work is split over ranks), check the DCP metadata and that every tensor record
+in the data files matches it (dtype, size, shape, byte range), read this rank's JSON tree (every
+tensor it refers to must be in the metadata), check that the live
 state and the checkpoint have the same tensor keys, shapes and dtypes (and let the state check its
 own structure), let DCP read the tensors into new buffers (resharding to the live layout), and only
 then write the live state. A restore that fails therefore leaves the live state as it was.
@@ -25,53 +27,24 @@ from torch.distributed.tensor import DTensor
 from torch_ckpt._logging import get_logger
 from torch_ckpt.codec import TENSOR_TAG, join_state, split_state
 from torch_ckpt.dcp_io import load_tensors
+from torch_ckpt.dcp_metadata import check_records, read_metadata, tensor_items
 from torch_ckpt.direct_read import DATA_SUFFIX, load_direct
-from torch_ckpt.dist import DistContext, single_process_quiet
+from torch_ckpt.dist import DistContext
 from torch_ckpt.errors import (
     CheckpointCorruptError,
     CheckpointError,
     ConfigError,
     StateMismatchError,
 )
-from torch_ckpt.format import check_files, read_metadata, read_rank_tree
+from torch_ckpt.format import read_rank_doc, verify_files
 from torch_ckpt.layout import Manifest
+from torch_ckpt.state_tree import tensor_keys
 
-__all__ = ["verify_files", "load_into", "copy_into_live", "RANK_LOCAL_POLICIES"]
+__all__ = ["load_into", "copy_into_live", "RANK_LOCAL_POLICIES"]
 
 log = get_logger(__name__)
 
 RANK_LOCAL_POLICIES = ("error", "keep_live")
-
-
-def verify_files(step_dir: Path, manifest: Manifest, *, checksums: bool, part: int = 0, parts: int = 1) -> None:
-    """Check every file listed in the manifest (this rank's share when ``parts`` > 1).
-
-    See :func:`torch_ckpt.format.check_files`: regular files inside the checkpoint, listed sizes,
-    and CRC-32 when ``checksums``.
-
-    Raises:
-        CheckpointCorruptError: a file is missing, a symlink, has the wrong size or the wrong
-            CRC-32; the message names the file.
-    """
-    check_files(step_dir, manifest, checksums=checksums, part=part, parts=parts)
-
-
-def _tensor_keys(tree: Any) -> set[str]:
-    keys: set[str] = set()
-
-    def walk(node: Any) -> None:
-        if isinstance(node, dict):
-            if len(node) == 1 and TENSOR_TAG in node:
-                keys.add(node[TENSOR_TAG])
-                return
-            for v in node.values():
-                walk(v)
-        elif isinstance(node, list):
-            for v in node:
-                walk(v)
-
-    walk(tree)
-    return keys
 
 
 _OPAQUE = ("extras", "rng", "dataloader")
@@ -107,10 +80,6 @@ def _structure_keys(tree: Any, *, deep: bool) -> set[str]:
     else:
         keys.update(k for k, v in tree.items() if not (isinstance(v, dict) and len(v) == 1 and TENSOR_TAG in v))
     return keys
-
-
-def _read_rank_tree(step_dir: Path, manifest: Manifest, rank: int) -> Any:
-    return read_rank_tree(step_dir, manifest, rank)
 
 
 def _assign(target: MutableMapping, loaded: Mapping) -> None:
@@ -176,7 +145,8 @@ def load_into(state: Any, step_dir: Path, manifest: Manifest, ctx: DistContext, 
             such key is logged once); otherwise a dtype difference is a StateMismatchError.
 
     Raises:
-        CheckpointCorruptError: files fail verification or the structure is inconsistent.
+        CheckpointCorruptError: files fail verification or the structure is inconsistent (a tensor
+            record that disagrees with the metadata, a tree referring to a tensor it lacks).
         StateMismatchError: tensor keys, shapes or dtypes differ (lists missing and unexpected keys).
         ConfigError: the world size changed and ``on_world_size_change`` is "error".
     """
@@ -186,14 +156,20 @@ def load_into(state: Any, step_dir: Path, manifest: Manifest, ctx: DistContext, 
     direct = not ctx.enabled  # one process reads every file itself: checksum while placing the tensors
     err = None
     try:  # every rank's reads and checks are agreed on before any rank loads anything
+        part, parts = (0, 1) if direct else (ctx.rank, ctx.world_size)
+        if manifest.node is not None and same_world and not direct:  # one node's copy: checked by its ranks
+            mates = [r for r, n in enumerate(manifest.nodes["rank_node"]) if n == manifest.node]
+            part, parts = (mates.index(ctx.rank), len(mates)) if ctx.rank in mates else (0, 1)
         if direct:  # data files: sizes now, CRC-32 while load_direct reads them (one read per byte)
             verify_files(step_dir, manifest, checksums=False)
-            small = {n: i for n, i in manifest.files.items() if not n.endswith(DATA_SUFFIX)}
+            small = {n: i for n, i in manifest.local_files().items() if not n.endswith(DATA_SUFFIX)}
             verify_files(step_dir, dataclasses.replace(manifest, files=small), checksums=verify)
         else:
-            verify_files(step_dir, manifest, checksums=verify, part=ctx.rank, parts=ctx.world_size)
+            verify_files(step_dir, manifest, checksums=verify, part=part, parts=parts)
         md = read_metadata(step_dir, manifest)
-        tree = _read_rank_tree(step_dir, manifest, ctx.rank if same_world else 0)
+        check_records(step_dir, manifest, md, part=part, parts=parts)
+        tree = read_rank_doc(step_dir, manifest, ctx.rank if same_world else 0,
+                             tensor_keys=tensor_items(md).__contains__)["tree"]
     except CheckpointError as exc:
         err = exc
     errors = [e for e in ctx.all_gather(None if err is None else str(err), what="verify") if e]
@@ -218,7 +194,7 @@ def load_into(state: Any, step_dir: Path, manifest: Manifest, ctx: DistContext, 
 
     optional = getattr(state, "load_optional_key", None)
     is_optional = optional if callable(optional) else (lambda key: False)
-    saved_tensor_keys = _tensor_keys(tree)
+    saved_tensor_keys = tensor_keys(tree)
     saved_keys = saved_tensor_keys | _structure_keys(tree, deep=not hasattr(state, "state_dict"))
     live_keys = set(live_tensors) | _structure_keys(live_tree, deep=not hasattr(state, "state_dict"))
     missing = sorted(k for k in live_keys - saved_keys if not is_optional(k))
@@ -277,9 +253,8 @@ def load_into(state: Any, step_dir: Path, manifest: Manifest, ctx: DistContext, 
     if rest and direct:
         rest = load_direct(targets, step_dir, md, manifest, verify=verify)
     if rest:
-        with single_process_quiet(not ctx.enabled):
-            load_tensors({k: targets[k] for k in rest}, step_dir, md, set(manifest.files),
-                         process_group=ctx.fg if ctx.enabled else None, no_dist=not ctx.enabled)
+        load_tensors({k: targets[k] for k in rest}, step_dir, md, set(manifest.files),
+                     process_group=ctx.fg if ctx.enabled else None, no_dist=not ctx.enabled)
     # every read succeeded: from here on the live state is written
     if staged_aware:
         state.load_state_dict(join_state(tree, targets))

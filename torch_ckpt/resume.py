@@ -10,7 +10,8 @@ from torch_ckpt.errors import (
     CheckpointError,
     CheckpointNotFoundError,
 )
-from torch_ckpt.layout import read_manifest, scan_committed, step_dir_name
+from torch_ckpt.layout import read_manifest, scan_committed
+from torch_ckpt.naming import Naming, StepNaming
 from torch_ckpt.tiers import DurableTier, DurableUnavailableError
 
 __all__ = ["restore_candidates"]
@@ -18,14 +19,15 @@ __all__ = ["restore_candidates"]
 log = get_logger(__name__)
 
 
-def restore_candidates(root: Path, tier: DurableTier | None,
-                       step: int | None) -> list[tuple[int, str]] | BaseException:
+def restore_candidates(root: Path, tier: DurableTier | None, step: int | None,
+                       naming: Naming | None = None) -> list[tuple[int, str]] | BaseException:
     """Candidate ``(step, "local"|"durable")`` pairs to restore, newest first; run on the coordinator.
 
     Returns an exception instead of raising it, so the coordinator can broadcast it to every rank.
     """
+    naming = naming or StepNaming()
     try:
-        local = list(scan_committed(root))
+        local = list(scan_committed(root, naming))
         durable: list[int] = []
         if tier is not None:
             try:
@@ -41,7 +43,7 @@ def restore_candidates(root: Path, tier: DurableTier | None,
                 return [(step, "local")]
             if step in durable:
                 return [(step, "durable")]
-            candidate = root / step_dir_name(step)
+            candidate = root / naming.name(step)
             if candidate.is_dir():  # present but not listed: say what is wrong with it
                 manifest = read_manifest(candidate)
                 return CheckpointCorruptError(f"{candidate}: manifest says step {manifest.step}, not {step}")

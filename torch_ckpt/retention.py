@@ -74,7 +74,8 @@ class KeepAny:
         return kept
 
 
-def apply_retention(policy: RetentionPolicy | None, steps: Sequence[int], *, protected: Sequence[int] = ()) -> list[int]:
+def apply_retention(policy: RetentionPolicy | None, steps: Sequence[int], *,
+                    protected: Sequence[int] = ()) -> list[int]:
     """Return the steps to delete (ascending).
 
     The newest step and every step in ``protected`` (e.g. a step being restored or replicated) are

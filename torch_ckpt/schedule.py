@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol, runtime_checkable
 
+from torch_ckpt.cadence import StepTimeEstimator
 from torch_ckpt.durations import parse_duration
 from torch_ckpt.errors import ConfigError
 from torch_ckpt.interval import FORMULAS, IntervalEstimator
@@ -188,13 +189,16 @@ class YoungDaly:
 
     The interval ``T`` comes from Daly (2006, the default) or Young (1974); see
     :mod:`torch_ckpt.interval`. ``C`` is measured online: an exponentially weighted moving
-    average (EWMA) of each save's ``blocking_s + slowdown_s``, seeded by ``initial_cost_seconds``.
-    The step time is an EWMA of the time between :meth:`record_step` calls, leaving out the step
-    that contained a save's stall. ``T`` is raised to the measured time until a save is durable
-    (so saves never pile up), converted to steps (nearest whole step; up when set by the
-    durability floor) and raised to ``min_interval_steps``. Until a step time has been measured
-    (two ``record_step`` calls) the policy does not save. Steps are counted from the first step
-    observed (or the last save).
+    average (EWMA) of each save's ``blocking_s + slowdown_s``, seeded by ``initial_cost_seconds``;
+    the durability lag ``L`` likewise. The step time is the
+    :class:`~torch_ckpt.cadence.StepTimeEstimator`'s (the time between :meth:`record_step` calls,
+    leaving out the step that contained a save's stall); driven by a
+    :class:`~torch_ckpt.cadence.Cadence` (as the manager does), the policy reads the cadence's
+    estimator through :meth:`use_step_time`. Seconds become steps by
+    :func:`torch_ckpt.interval.checkpoint_interval`, the same rule ``torch-ckpt plan`` uses: the
+    nearest whole step of ``T``, raised to the steps a save needs to become durable (``C + L``,
+    rounded up) and to ``min_interval_steps``. Until a (positive) step time has been measured
+    the policy does not save. Steps are counted from the first step observed (or the last save).
 
     Args:
         mtbf_seconds: Mean time between failures of the whole job, in seconds or a duration string.
@@ -204,7 +208,8 @@ class YoungDaly:
         initial_cost_seconds: Guess for ``C`` before the first save is measured, in seconds.
         formula: ``"daly"`` (default) or ``"young"``.
         min_interval_steps: Never save more often than every this many steps.
-        ewma_alpha: Weight of a new sample in the moving averages, in ``(0, 1]``.
+        ewma_alpha: Weight of a new save measurement in the averages of ``C`` and ``L``, in
+            ``(0, 1]`` (the step time uses :data:`torch_ckpt.cadence.STEP_TIME_ALPHA`).
 
     Raises:
         ConfigError: A ``ValueError``: the MTBF is not given exactly one way, or an argument is
@@ -262,6 +267,10 @@ class YoungDaly:
     def plan(self) -> dict[str, Any]:
         """The interval the current estimates give, deciding nothing (see ``IntervalEstimator.plan``)."""
         return {"policy": "YoungDaly", **self._estimator.plan()}
+
+    def use_step_time(self, estimator: StepTimeEstimator) -> None:
+        """Read the step time from ``estimator`` (a :class:`~torch_ckpt.cadence.Cadence` lends its own)."""
+        self._estimator.use_step_time(estimator)
 
     def should_save(self, step: int, now_s: float) -> bool:
         """``True`` when ``interval_steps`` steps have passed since the last save."""
@@ -365,6 +374,13 @@ class AnyOf:
         """Forward to every policy."""
         for policy in self._policies:
             policy.record_step(step, now_s)
+
+    def use_step_time(self, estimator: StepTimeEstimator) -> None:
+        """Lend ``estimator`` to every policy that reads a step time (see :class:`YoungDaly`)."""
+        for policy in self._policies:
+            share = getattr(policy, "use_step_time", None)
+            if callable(share):
+                share(estimator)
 
     def record_save(
         self, step: int, *, blocking_s: float, durable_after_s: float | None, slowdown_s: float = 0.0, now_s: float

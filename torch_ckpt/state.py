@@ -27,13 +27,13 @@ from torch.distributed.checkpoint.state_dict import (
 from torch_ckpt._logging import get_logger
 from torch_ckpt.errors import CheckpointCorruptError, ConfigError, StateMismatchError
 from torch_ckpt.optim_state import (
+    TargetLookup,
     apply_optimizer_state,
     check_optimizer_state,
     keep_live_tensors,
     optimizer_state,
     param_names,
     split_state_key,
-    TargetLookup,
     state_target,
 )
 from torch_ckpt.restore import copy_into_live
@@ -70,7 +70,8 @@ def _as_list(value: Any) -> list:
 
 def _require_stateful(obj: Any, what: str) -> None:
     if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
-        raise ConfigError(f"{what} ({type(obj).__name__}) has no state_dict()/load_state_dict(); it cannot be checkpointed")
+        raise ConfigError(f"{what} ({type(obj).__name__}) has no state_dict()/load_state_dict(); "
+                          "it cannot be checkpointed")
 
 
 def _warn_if_not_resumable(loader: Any) -> None:
@@ -151,13 +152,15 @@ class TrainState:
             self._models = dict(model)
             opt_map = optimizer if isinstance(optimizer, Mapping) else ({} if optimizer is None else None)
             if opt_map is None:
-                raise ConfigError("TrainState: with several models, pass optimizer as a mapping model-name -> optimizer(s)")
+                raise ConfigError("TrainState: with several models, pass optimizer as a mapping "
+                                  "model-name -> optimizer(s)")
             unknown = sorted(set(opt_map) - set(self._models))
             if unknown:
                 raise ConfigError(f"TrainState: optimizer names {unknown} are not model names {sorted(self._models)}")
             self._optims = {name: _as_list(opt_map.get(name)) for name in self._models}
         else:
-            raise ConfigError(f"TrainState: model must be an nn.Module or a mapping of them, got {type(model).__name__}")
+            raise ConfigError(f"TrainState: model must be an nn.Module or a mapping of them, "
+                              f"got {type(model).__name__}")
         self._schedulers = _as_list(scheduler)
         for i, s in enumerate(self._schedulers):
             _require_stateful(s, f"scheduler[{i}]")
@@ -332,7 +335,8 @@ class TrainState:
             if key in state_dict and (isinstance(state_dict[key], bool) or not isinstance(state_dict[key], int)):
                 raise CheckpointCorruptError(f"checkpoint's {key!r} is not an int: {state_dict[key]!r}")
         if "extras" in state_dict and not isinstance(state_dict["extras"], Mapping):
-            raise CheckpointCorruptError(f"checkpoint's 'extras' is not a mapping: {type(state_dict['extras']).__name__}")
+            raise CheckpointCorruptError(f"checkpoint's 'extras' is not a mapping: "
+                                         f"{type(state_dict['extras']).__name__}")
         return casts
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:

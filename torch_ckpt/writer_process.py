@@ -147,7 +147,7 @@ def _writer_main(requests, replies, rank: int, world_size: int, init: tuple[str,
             tensors = arena_views(arena, layout) if layout else {}
             req = PersistRequest(tensors=tensors, owner_alive=trainer_alive, **fields)
             final = persist_checkpoint(req, ctx)
-            replies.put(("ok", str(final)))
+            replies.put(("ok", (str(final), req.committed_bytes)))
         except BaseException as exc:  # noqa: BLE001 - reported to the parent
             replies.put(("error", (type(exc).__name__, str(exc), getattr(exc, "errno", None))))
         if not trainer_alive():
@@ -214,15 +214,19 @@ class ProcessWriter:
                         f"the checkpoint writer process died (exit code {self._proc.exitcode}); the save was not "
                         "committed. Check host memory (it may have been OOM-killed).") from None
                 if deadline_s is not None and time.monotonic() - start > deadline_s:
-                    raise CheckpointError(f"the checkpoint writer process did not answer within {deadline_s:.0f} s")
+                    raise CheckpointError(
+                        f"the checkpoint writer process did not answer within {deadline_s:.0f} s") from None
 
     @property
     def pid(self) -> int | None:
         """Process id of the writer process (None before it started)."""
         return self._proc.pid
 
-    def persist(self, *, arena: torch.Tensor | None, layout: tuple, fields: dict[str, Any]) -> Path:
-        """Persist one staged checkpoint through the writer process; returns the committed directory.
+    def persist(self, *, arena: torch.Tensor | None, layout: tuple, fields: dict[str, Any]) -> tuple[Path, int]:
+        """Persist one staged checkpoint through the writer process.
+
+        Returns:
+            The committed directory and the bytes of all its committed files.
 
         Raises:
             CheckpointWriteError: the write or commit failed (this or another rank), or the writer died.
@@ -233,7 +237,7 @@ class ProcessWriter:
         self._requests.put(("save", (fields, layout)))
         kind, payload = self._reply()
         if kind == "ok":
-            return Path(payload)
+            return Path(payload[0]), int(payload[1])
         name, message, errno = payload
         if errno is not None:
             prefix = f"[Errno {errno}] "  # str() of an OSError already carries it; CheckpointWriteError adds it again

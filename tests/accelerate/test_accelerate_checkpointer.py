@@ -14,7 +14,6 @@ from acc_helpers import Counter, bitwise, make_run, train
 from accelerate.tracking import GeneralTracker
 
 import accelerate_ckpt
-from accelerate_ckpt import PAYLOAD
 from torch_ckpt import CheckpointNotFoundError, CheckpointWriteError, ConfigError, EveryNSteps
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.filterwarnings("ignore::UserWarning")]
@@ -39,7 +38,7 @@ def gate(monkeypatch):
 
 def committed(project: Path) -> list[str]:
     root = project / "checkpoints"
-    return sorted((p.name for p in root.iterdir() if (p / PAYLOAD / "manifest.json").exists()),
+    return sorted((p.name for p in root.iterdir() if (p / "manifest.json").exists()),
                   key=lambda n: int(n.split("_")[1]))
 
 
@@ -50,10 +49,10 @@ def test_save_state_returns_after_staging_and_commits_in_background(tmp_path, ga
     folder = run.accelerator.save_state()
     handle = run.ckpt.last_handle
     assert handle.staged.done() and not handle.committed.done()
-    assert not (folder / PAYLOAD).exists()
+    assert not folder.exists()
     gate.set()
     run.ckpt.wait()
-    assert (folder / PAYLOAD / "manifest.json").exists() and handle.stats.mode == "async"
+    assert (folder / "manifest.json").exists() and handle.stats.mode == "async"
     run.ckpt.close()
 
 
@@ -163,12 +162,11 @@ def test_grad_scaler_of_fp16_accelerator_round_trips_exactly(tmp_path):
     ckpt.close()
 
 
-def test_total_limit_with_steps_9_10_11_keeps_the_newest(tmp_path):
-    """Retention orders by number (not string): steps 9, 10, 11 with total_limit=2 keep 10 and 11."""
+def test_total_limit_after_12_saves_keeps_checkpoint_10_and_11(tmp_path):
+    """Retention orders by number (not string): 12 saves with total_limit=2 keep checkpoint_10 and _11."""
     run = make_run(tmp_path, total_limit=2)
-    for step in (9, 10, 11):
-        train(run, step - 1, step)
-        run.accelerator.save_state(step=step)
+    for _ in range(12):
+        run.accelerator.save_state()
     run.ckpt.wait()
     assert committed(tmp_path) == ["checkpoint_10", "checkpoint_11"]
     assert run.ckpt.latest_checkpoint().name == "checkpoint_11"
@@ -176,18 +174,18 @@ def test_total_limit_with_steps_9_10_11_keeps_the_newest(tmp_path):
 
 
 def test_checkpoint_in_flight_is_never_deleted_and_the_last_good_one_survives_until_commit(tmp_path, gate):
-    """total_limit=1: while step 10 is in flight step 9 stays; once 10 commits, 9 goes and 10 stays."""
+    """total_limit=1: while checkpoint_1 is in flight checkpoint_0 stays; once 1 commits, 0 goes."""
     gate.set()
     run = make_run(tmp_path, total_limit=1)
     run.accelerator.save_state(step=9)
     run.ckpt.wait()
     gate.clear()
     run.accelerator.save_state(step=10)
-    assert committed(tmp_path) == ["checkpoint_9"]
-    assert (tmp_path / "checkpoints" / "checkpoint_10").is_dir()  # in flight, untouched
+    assert committed(tmp_path) == ["checkpoint_0"]
+    assert not (tmp_path / "checkpoints" / "checkpoint_1").exists()  # in flight, in a hidden temporary
     gate.set()
     run.ckpt.wait()
-    assert committed(tmp_path) == ["checkpoint_10"]
+    assert committed(tmp_path) == ["checkpoint_1"]
     run.ckpt.close()
 
 
@@ -196,7 +194,7 @@ def test_load_state_picks_the_newest_committed_checkpoint_not_a_crashed_one(tmp_
     run = make_run(tmp_path)
     train(run, 0, 3, save_at=(3,))
     run.ckpt.wait()
-    crashed = tmp_path / "checkpoints" / "checkpoint_12" / f".{PAYLOAD}.tmp"
+    crashed = tmp_path / "checkpoints" / "checkpoint_12"
     crashed.mkdir(parents=True)
     (crashed / "__0_0.distcp").write_bytes(b"partial")
     run.accelerator.load_state()
@@ -213,13 +211,14 @@ def test_load_state_without_any_checkpoint_raises_not_found(tmp_path):
     run.ckpt.close()
 
 
-def test_saving_a_committed_step_again_is_refused(tmp_path):
-    """save_state() of a step that is already committed raises ValueError (as Accelerate does)."""
+def test_saving_a_committed_number_again_is_refused(tmp_path):
+    """save_state() onto a committed checkpoint_<n> (save iteration reset by hand) raises ValueError, as Accelerate."""
     run = make_run(tmp_path)
     run.accelerator.save_state(step=4)
     run.ckpt.wait()
-    with pytest.raises(ValueError, match="already holds a committed checkpoint"):
-        run.accelerator.save_state(step=4)
+    run.accelerator.project_configuration.iteration = 0
+    with pytest.raises(ValueError, match="already committed"):
+        run.accelerator.save_state(step=5)
     run.ckpt.close()
 
 
@@ -292,7 +291,8 @@ def test_user_hook_that_pops_weights_keeps_saving_its_model_itself(tmp_path):
     weight = run.model.fc1.weight.detach().clone()
     folder = run.accelerator.save_state(step=2)
     run.ckpt.wait()
-    assert seen["dir"] == str(folder) and (folder / "user_model.pt").exists()
+    assert Path(seen["dir"]).parent == folder.parent and (folder / "user_model.pt").exists()
+    assert not Path(seen["dir"]).exists()  # the hook's staging folder joined the committed checkpoint
     with torch.no_grad():
         run.model.fc1.weight.zero_()
     run.accelerator.load_state()
@@ -300,11 +300,11 @@ def test_user_hook_that_pops_weights_keeps_saving_its_model_itself(tmp_path):
     run.ckpt.close()
 
 
-def test_close_gives_the_accelerator_its_own_methods_and_removes_the_hooks(tmp_path):
-    """After close() save_state/load_state are Accelerate's again and the two hook handles are gone."""
+def test_close_gives_the_accelerator_its_own_methods_and_registers_no_hooks(tmp_path):
+    """attach() registers no hooks of its own; after close() save_state/load_state are Accelerate's again."""
     run = make_run(tmp_path)
     acc = run.accelerator
-    assert len(run.ckpt.hooks) == 2 and "save_state" in vars(acc)
+    assert "save_state" in vars(acc) and "load_state" in vars(acc)
     run.ckpt.close()
     assert "save_state" not in vars(acc) and "load_state" not in vars(acc)
     assert not acc._save_model_state_pre_hook and not acc._load_model_state_pre_hook
@@ -345,30 +345,30 @@ def test_background_error_is_raised_once_at_the_next_call(tmp_path, monkeypatch)
     run.ckpt.close()
 
 
-def test_should_save_follows_the_policy_and_names_checkpoints_by_step(tmp_path):
-    """save_if_due(step) saves when the policy says so, under checkpoint_<step>."""
+def test_should_save_follows_the_policy_and_names_checkpoints_by_save_iteration(tmp_path):
+    """save_if_due(step) saves when the policy says so, named checkpoint_<save iteration> as Accelerate names it."""
     run = make_run(tmp_path, save_policy=EveryNSteps(3))
     saved = [step for step in range(1, 8) if run.ckpt.save_if_due(step) is not None]
     run.ckpt.wait()
-    assert saved == [3, 6] and committed(tmp_path) == ["checkpoint_3", "checkpoint_6"]
+    assert saved == [3, 6] and committed(tmp_path) == ["checkpoint_0", "checkpoint_1"]
     run.ckpt.close()
 
 
 def test_should_save_without_a_policy_raises_config_error(tmp_path):
     """should_save() needs a save policy; without one it raises ConfigError."""
     run = make_run(tmp_path)
-    with pytest.raises(ConfigError, match="save policy"):
+    with pytest.raises(ConfigError, match="save_policy"):
         run.ckpt.should_save(1)
     run.ckpt.close()
 
 
 def test_mtbf_setting_drives_should_save(tmp_path):
     """With an MTBF (Young/Daly) the adapter decides by the measured step time and save cost."""
-    run = make_run(tmp_path, mtbf="1s", initial_save_cost=0.0)
+    run = make_run(tmp_path, mtbf_seconds="1s", initial_cost_seconds=0.0)
     decisions = [run.ckpt.save_if_due(step) is not None for step in range(1, 6)]
     run.ckpt.wait()
     assert decisions[0] is False and any(decisions[1:])  # no step time after one step, then saves
-    assert run.ckpt._cadence.policy.describe()["policy"] == "YoungDaly"
+    assert run.ckpt.manager.schedule_info()["policy"] == "YoungDaly"
     run.ckpt.close()
 
 
@@ -420,7 +420,7 @@ def test_config_file_alone_turns_async_saving_off(tmp_path, monkeypatch):
     run = make_run(tmp_path / "proj")
     folder = run.accelerator.save_state(step=1)
     assert run.ckpt.last_handle.committed.done() and run.ckpt.last_handle.stats.mode == "sync"
-    assert (folder / PAYLOAD / "manifest.json").exists()
+    assert (folder / "manifest.json").exists()
     run.ckpt.close()
 
 
@@ -430,18 +430,18 @@ def test_config_file_alone_can_disable_the_adapter(tmp_path, monkeypatch):
     monkeypatch.setenv(accelerate_ckpt.ENV_VAR, str(tmp_path / "ckpt.yaml"))
     run = make_run(tmp_path / "proj")
     folder = Path(run.accelerator.save_state())
-    assert not run.ckpt.enabled and (folder / "model.safetensors").exists() and not (folder / PAYLOAD).exists()
+    assert not run.ckpt.enabled and (folder / "model.safetensors").exists() and not (folder / "manifest.json").exists()
     run.ckpt.close()
 
 
 def test_config_file_alone_sets_policy_and_retention(tmp_path, monkeypatch):
     """save_every_n_steps and total_limit from the file decide when to save and what to keep."""
-    (tmp_path / "ckpt.yaml").write_text("save_every_n_steps: 2\ntotal_limit: 1\n", encoding="utf-8")
+    (tmp_path / "ckpt.yaml").write_text("save_every_n_steps: 2\nkeep_last: 1\n", encoding="utf-8")
     monkeypatch.setenv(accelerate_ckpt.ENV_VAR, str(tmp_path / "ckpt.yaml"))
     run = make_run(tmp_path / "proj")
     saved = [step for step in range(1, 7) if run.ckpt.save_if_due(step) is not None]
     run.ckpt.wait()
-    assert saved == [2, 4, 6] and committed(tmp_path / "proj") == ["checkpoint_6"]
+    assert saved == [2, 4, 6] and committed(tmp_path / "proj") == ["checkpoint_2"]
     run.ckpt.close()
 
 
@@ -449,8 +449,8 @@ def test_loading_an_interrupted_save_by_name_is_refused(tmp_path):
     """load_state(folder) of a save that never committed raises CheckpointNotFoundError."""
     run = make_run(tmp_path)
     crashed = tmp_path / "checkpoints" / "checkpoint_7"
-    (crashed / f".{PAYLOAD}.tmp").mkdir(parents=True)
-    with pytest.raises(CheckpointNotFoundError, match="never committed"):
+    crashed.mkdir(parents=True)
+    with pytest.raises(CheckpointNotFoundError, match="incomplete save"):
         run.accelerator.load_state(crashed)
     run.ckpt.close()
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 import accelerate_ckpt
 
 
@@ -14,6 +16,7 @@ def test_every_name_in_all_is_importable():
     assert not missing
 
 
+@pytest.mark.slow
 def test_core_does_not_import_accelerate():
     """Importing every torch_ckpt module leaves accelerate unimported (the core never depends on it)."""
     code = ("import pkgutil, importlib, sys, torch_ckpt\n"

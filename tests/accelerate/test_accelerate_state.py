@@ -11,7 +11,7 @@ pytest.importorskip("accelerate")
 from acc_helpers import Counter, TinyNet, make_run
 
 from accelerate_ckpt import AcceleratorTrainState
-from accelerate_ckpt._state import check_supported
+from accelerate_ckpt._compat import check_supported
 from torch_ckpt import ConfigError, StateMismatchError
 from torch_ckpt.codec import split_state
 

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import os
-import pathlib
-from pathlib import Path
+from collections import namedtuple
 
 import pytest
 import torch
@@ -48,7 +47,7 @@ def test_removing_the_in_flight_checkpoint_deletes_it_after_its_commit(tmp_path,
     io.remove_checkpoint(tmp_path / "a.ckpt")
     write_gate.release()
     io.wait()
-    assert os.listdir(tmp_path) == []
+    assert visible(tmp_path) == []
     io.teardown()
 
 
@@ -63,7 +62,7 @@ def test_an_older_checkpoint_is_removed_only_once_the_newer_one_is_committed(tmp
     assert io.is_checkpoint_dir(tmp_path / "a.ckpt")
     write_gate.release()
     io.wait()
-    assert sorted(os.listdir(tmp_path)) == ["b.ckpt"]
+    assert sorted(visible(tmp_path)) == ["b.ckpt"]
     io.teardown()
 
 
@@ -79,7 +78,7 @@ def test_a_failed_save_keeps_the_checkpoint_it_was_to_replace(tmp_path, write_ga
     write_gate.release()
     with pytest.raises(CheckpointWriteError, match="injected"):
         io.wait()
-    assert sorted(os.listdir(tmp_path)) == ["a.ckpt"]
+    assert sorted(visible(tmp_path)) == ["a.ckpt"]
     io.teardown()
 
 
@@ -94,8 +93,16 @@ def test_overwriting_swaps_the_new_checkpoint_in_only_when_committed(tmp_path, w
     write_gate.release()
     io.wait()
     assert io.load_checkpoint(tmp_path / "last.ckpt")["global_step"] == 2
-    assert os.listdir(tmp_path) == ["last.ckpt"]
+    assert visible(tmp_path) == ["last.ckpt"]
     io.teardown()
+
+
+def visible(directory) -> list[str]:
+    """Entries of ``directory`` without hidden ones (the manager's root lock, temporaries)."""
+    return sorted(p for p in os.listdir(directory) if not p.startswith("."))
+
+
+Point = namedtuple("Point", "a")
 
 
 def test_loads_a_plain_ckpt_file(tmp_path):
@@ -106,22 +113,22 @@ def test_loads_a_plain_ckpt_file(tmp_path):
 
 
 def test_a_value_that_needs_pickling_is_refused_naming_its_key(tmp_path):
-    """A pathlib.Path hyper-parameter raises ConfigError naming the key, and nothing is written."""
+    """A namedtuple hyper-parameter raises ConfigError naming the key, and nothing is written."""
     io = AsyncDCPCheckpointIO()
     with pytest.raises(ConfigError, match=r"hyper_parameters\.data_dir"):
-        io.save_checkpoint(lightning_dict(hyper_parameters={"data_dir": pathlib.Path("/data")}), tmp_path / "a")
-    assert os.listdir(tmp_path) == []
+        io.save_checkpoint(lightning_dict(hyper_parameters={"data_dir": Point(1)}), tmp_path / "a")
+    assert visible(tmp_path) == []
     io.teardown()
 
 
 def test_pickled_values_load_only_with_weights_only_false(tmp_path):
     """With unsafe_values='pickle', loading needs weights_only=False; otherwise it names the key."""
     io = AsyncDCPCheckpointIO(unsafe_values="pickle")
-    io.save_checkpoint(lightning_dict(hyper_parameters={"data_dir": pathlib.Path("/data")}), tmp_path / "a")
+    io.save_checkpoint(lightning_dict(hyper_parameters={"data_dir": Point(1)}), tmp_path / "a")
     io.wait()
     with pytest.raises(UnsafeCheckpointError, match=r"hyper_parameters\.data_dir"):
         io.load_checkpoint(tmp_path / "a")
-    assert io.load_checkpoint(tmp_path / "a", weights_only=False)["hyper_parameters"]["data_dir"] == Path("/data")
+    assert io.load_checkpoint(tmp_path / "a", weights_only=False)["hyper_parameters"]["data_dir"] == Point(1)
     io.teardown()
 
 
@@ -159,3 +166,26 @@ def test_the_plugin_pickles_without_its_runtime_state(tmp_path):
     clone.save_checkpoint(lightning_dict(2), tmp_path / "b.ckpt")
     clone.teardown()
     assert clone.unsafe_values == "pickle" and AsyncDCPCheckpointIO.is_checkpoint_dir(tmp_path / "b.ckpt")
+
+
+def test_a_save_after_fit_returns_once_committed(make_trainer, tmp_path):
+    """trainer.save_checkpoint by hand after fit returns with the directory committed (wait_outside_fit)."""
+    from lightning_helpers import TinyModule
+
+    trainer = make_trainer(max_steps=1, plugins=[AsyncDCPCheckpointIO()], enable_checkpointing=False)
+    trainer.fit(TinyModule())
+    trainer.save_checkpoint(tmp_path / "manual.ckpt")
+    assert AsyncDCPCheckpointIO.is_checkpoint_dir(tmp_path / "manual.ckpt")
+
+
+def test_the_plugin_alone_warns_that_a_resume_does_not_restore_the_rng(make_trainer, tmp_path):
+    """Resuming with the plugin but without MTBFCheckpoint warns that the RNG is not restored."""
+    from lightning_helpers import TinyModule
+
+    io = AsyncDCPCheckpointIO()
+    trainer = make_trainer(max_steps=1, plugins=[io], enable_checkpointing=False)
+    trainer.fit(TinyModule())
+    trainer.save_checkpoint(tmp_path / "a.ckpt")
+    io.attach(trainer2 := make_trainer(max_steps=2, plugins=[io], enable_checkpointing=False))
+    with pytest.warns(UserWarning, match="does not restore the RNG"):
+        trainer2.fit(TinyModule(), ckpt_path=tmp_path / "a.ckpt")

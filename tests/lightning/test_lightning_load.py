@@ -18,7 +18,7 @@ def test_a_directory_without_a_manifest_is_not_a_checkpoint(tmp_path):
     """A directory that was never committed (no manifest.json) raises CheckpointNotFoundError."""
     (tmp_path / "partial.ckpt").mkdir()
     with pytest.raises(CheckpointNotFoundError, match="manifest"):
-        load_checkpoint_dir(tmp_path / "partial.ckpt", verify=True, allow_pickle=False)
+        load_checkpoint_dir([tmp_path / "partial.ckpt"], manager=None, verify=True, allow_pickle=False)
 
 
 def test_map_location_moves_every_tensor(tmp_path):
@@ -26,14 +26,15 @@ def test_map_location_moves_every_tensor(tmp_path):
     io = AsyncDCPCheckpointIO()
     io.save_checkpoint(lightning_dict(), tmp_path / "a.ckpt")
     io.teardown()
-    loaded = load_checkpoint_dir(tmp_path / "a.ckpt", verify=True, allow_pickle=False, map_location="meta")
+    loaded = load_checkpoint_dir([tmp_path / "a.ckpt"], manager=None, verify=True, allow_pickle=False,
+                                 map_location="meta")
     assert loaded["state_dict"]["layer.weight"].is_meta
     assert loaded["optimizer_states"][0]["state"][0]["momentum_buffer"].is_meta
 
 
 def _per_rank_body(rank: int, world: int, root: str) -> None:
     io = AsyncDCPCheckpointIO()
-    io._set_collective()  # what attach() does: every rank calls the plugin
+    io.start_fit()  # what attach() does: every rank calls the plugin
     ckpt = lightning_dict(7)
     ckpt["callbacks"] = {"MTBFCheckpoint": {"rng": {"torch_cpu": torch.full((3,), rank, dtype=torch.uint8)}}}
     ckpt["loops"]["fit_loop"]["state_dict"] = {"combined_loader": [{"yielded": 10 + rank}]}
@@ -46,6 +47,7 @@ def _per_rank_body(rank: int, world: int, root: str) -> None:
     io.teardown()
 
 
+@pytest.mark.slow
 def test_each_rank_loads_its_own_loop_and_callback_state(tmp_path):
     """With two ranks, loop progress and callback states (RNG) are stored and loaded per rank."""
     run_distributed(_per_rank_body, 2, str(tmp_path))
@@ -53,7 +55,7 @@ def test_each_rank_loads_its_own_loop_and_callback_state(tmp_path):
 
 def _fit_three_steps(make_trainer, root) -> None:
     make_trainer(max_steps=3, plugins=[AsyncDCPCheckpointIO()],
-                 callbacks=[MTBFCheckpoint(root, mtbf_seconds=None, every_n_steps=3)]).fit(TinyModule())
+                 callbacks=[MTBFCheckpoint(root, mtbf_seconds=None, save_every_n_steps=3)]).fit(TinyModule())
 
 
 def test_a_dtype_difference_is_refused_before_lightning_loads_anything(make_trainer, tmp_path):
@@ -72,10 +74,29 @@ def test_a_dtype_difference_is_refused_before_lightning_loads_anything(make_trai
 def test_allow_cast_lets_lightning_cast_the_checkpoint(make_trainer, tmp_path):
     """With AsyncDCPCheckpointIO(allow_cast=True) the float32 checkpoint loads into a float64 module."""
     _fit_three_steps(make_trainer, tmp_path / "ckpt")
-    saved = load_checkpoint_dir(tmp_path / "ckpt" / "step_000000003", verify=True, allow_pickle=False)
+    saved = load_checkpoint_dir([tmp_path / "ckpt" / "step_000000003"], manager=None, verify=True, allow_pickle=False)
     module = TinyModule().double()
     trainer = make_trainer(max_steps=3, plugins=[AsyncDCPCheckpointIO(allow_cast=True)],
                            callbacks=[MTBFCheckpoint(tmp_path / "ckpt2", mtbf_seconds=None)])
     trainer.fit(module, ckpt_path=str(tmp_path / "ckpt" / "step_000000003"))
     assert module.layer.weight.dtype == torch.float64
     assert torch.equal(module.layer.weight, saved["state_dict"]["layer.weight"].double())
+
+
+def test_load_from_checkpoint_builds_the_module_from_a_directory(make_trainer, tmp_path):
+    """lightning_ckpt.load_from_checkpoint(Model, dir) rebuilds the module with its hyper-parameters and weights."""
+    from lightning_ckpt import load_from_checkpoint
+
+    module = TinyModule(lr=0.25)
+    make_trainer(max_steps=2, plugins=[AsyncDCPCheckpointIO()],
+                 callbacks=[MTBFCheckpoint(tmp_path / "ckpt", mtbf_seconds=None)]).fit(module)
+    loaded = load_from_checkpoint(TinyModule, tmp_path / "ckpt" / "step_000000002")
+    assert loaded.hparams.lr == 0.25 and torch.equal(loaded.layer.weight, module.layer.weight)
+
+
+def test_load_from_checkpoint_of_a_missing_path_names_it(tmp_path):
+    """A path that does not exist raises CheckpointNotFoundError naming it."""
+    from lightning_ckpt import load_from_checkpoint
+
+    with pytest.raises(CheckpointNotFoundError, match="nope"):
+        load_from_checkpoint(TinyModule, tmp_path / "nope")

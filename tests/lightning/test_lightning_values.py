@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import pathlib
 from collections import OrderedDict, namedtuple
@@ -28,22 +29,44 @@ def test_plain_values_are_kept_and_containers_copied():
     assert out["state_dict"] is not ckpt["state_dict"] and type(out["state_dict"]) is dict
 
 
-@pytest.mark.parametrize("value", [pathlib.Path("/data"), Color.RED, namedtuple("P", "a")(1)],
-                         ids=["path", "int-enum", "namedtuple"])
-def test_values_that_need_pickling_are_refused_naming_their_key(value):
-    """A Path, an IntEnum (an int subclass) or a namedtuple raises ConfigError naming the dotted key."""
+def test_values_that_need_pickling_are_refused_naming_their_key():
+    """A namedtuple (a tuple subclass) raises ConfigError naming the dotted key."""
     with pytest.raises(ConfigError, match=r"hyper_parameters\.extra"):
-        encode_values({"hyper_parameters": {"extra": value}}, "error")
+        encode_values({"hyper_parameters": {"extra": namedtuple("P", "a")(1)}}, "error")
+
+
+Point = namedtuple("Point", "a")
+
+
+@dataclasses.dataclass
+class Opts:
+    root: pathlib.Path
+    color: Color
+
+
+@pytest.mark.parametrize("value", [pathlib.Path("/data"), pathlib.PurePosixPath("a/b"), Color.RED],
+                         ids=["path", "pure-path", "int-enum"])
+def test_paths_and_enums_round_trip_without_pickling(value):
+    """Paths and enum members are stored under a marker (no pickle) and come back as equal, same-typed values."""
+    out = decode_values(encode_values({"hyper_parameters": {"extra": value}}, "error"), allow_pickle=False)
+    assert out["hyper_parameters"]["extra"] == value and type(out["hyper_parameters"]["extra"]) is type(value)
+
+
+def test_dataclasses_are_stored_through_their_fields():
+    """A dataclass hyper-parameter comes back as a dict of its (decoded) fields."""
+    out = decode_values(encode_values({"hp": {"opts": Opts(pathlib.Path("/d"), Color.RED)}}, "error"),
+                        allow_pickle=False)
+    assert out["hp"]["opts"] == {"root": pathlib.Path("/d"), "color": Color.RED}
 
 
 def test_pickle_mode_round_trips_when_unpickling_is_allowed():
     """With unsafe_values='pickle' the value comes back as the same object type when allowed."""
-    out = decode_values(encode_values({"hp": {"root": pathlib.Path("/data")}}, "pickle"), allow_pickle=True)
-    assert out["hp"]["root"] == pathlib.Path("/data")
+    out = decode_values(encode_values({"hp": {"root": Point(1)}}, "pickle"), allow_pickle=True)
+    assert out["hp"]["root"] == Point(1) and type(out["hp"]["root"]) is Point
 
 
 def test_pickled_values_are_refused_without_opt_in():
     """Decoding pickled values without allow_pickle raises UnsafeCheckpointError naming the key."""
-    encoded = encode_values({"hp": {"root": pathlib.Path("/data")}}, "pickle")
+    encoded = encode_values({"hp": {"root": Point(1)}}, "pickle")
     with pytest.raises(UnsafeCheckpointError, match=r"hp\.root"):
         decode_values(encoded, allow_pickle=False)

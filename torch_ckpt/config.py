@@ -1,0 +1,423 @@
+"""``CheckpointConfig``: every setting of a :class:`~torch_ckpt.CheckpointManager`, typed and validated once.
+
+One frozen, keyword-only dataclass holds all the knobs, with units in the names of fields that
+have one (``timeout_seconds``, ``staging_budget_bytes``). It is validated once, in
+``__post_init__``: durations are stored as float seconds (``"8h"`` and ``"250ms"`` are accepted
+through :func:`~torch_ckpt.durations.parse_duration`), byte sizes as int bytes (``"4GB"``,
+``"512MiB"`` through :func:`parse_size`), lists of signals as tuples. The manager, and the
+Lightning and Accelerate adapters, build from it, so every integration shares one set of names and
+defaults.
+
+Sources:
+
+* code: ``CheckpointConfig(keep_last=5, mtbf_seconds="8h")`` or ``CheckpointManager(dir, keep_last=5)``;
+* a mapping: :meth:`CheckpointConfig.from_dict` (unknown keys are refused, naming the valid ones);
+* a YAML file: :meth:`CheckpointConfig.from_yaml` (PyYAML's ``safe_load``; a mapping of field
+  names to values, e.g. ``staging_budget_bytes: 8GB`` and ``mtbf_seconds: 8h``).
+
+Fields that take Python objects (``retention``, ``save_policy``, ``process_group``, ``naming``)
+can only be given in code; files use the flat fields (``keep_last``, ``mtbf_seconds``...).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from torch_ckpt.durations import parse_duration
+from torch_ckpt.errors import ConfigError
+from torch_ckpt.interval import FORMULAS
+from torch_ckpt.naming import Naming
+from torch_ckpt.preemption import parse_signals
+from torch_ckpt.restore import RANK_LOCAL_POLICIES
+from torch_ckpt.retention import KeepAny, KeepEveryNSteps, KeepLatest, RetentionPolicy
+from torch_ckpt.schedule import AnyOf, EveryNSeconds, EveryNSteps, SavePolicy, YoungDaly
+
+__all__ = ["CheckpointConfig", "parse_size", "DEFAULT", "DefaultType", "ON_EXISTING_NEWER", "PERSIST_MODES",
+           "DURABLE_VERIFY", "ON_WRITE_ERROR"]
+
+#: Values of ``persist``.
+PERSIST_MODES = ("thread", "process")
+#: Values of ``on_existing_newer``.
+ON_EXISTING_NEWER = ("error", "supersede")
+#: Values of ``durable_verify``.
+DURABLE_VERIFY = ("checksum", "size")
+#: Values of ``on_write_error``.
+ON_WRITE_ERROR = ("raise", "warn")
+
+
+
+class DefaultType:
+    """Type of :data:`DEFAULT`: "not given, use the configuration's value" in keyword arguments."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "<default>"
+
+
+#: Default of keyword arguments that mirror a :class:`CheckpointConfig` field (e.g. the manager's):
+#: distinguishes "not given" from any value, so a ``config=`` is overridden only by what was passed.
+DEFAULT = DefaultType()
+
+_SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_SIZE = re.compile(r"\s*((?:\d+(?:\.\d*)?|\.\d+)(?:e[+-]?\d+)?)\s*([a-z]*)\s*")
+
+
+def parse_size(value: str | int) -> int:
+    """Convert a byte size to an int: ``4GB`` (10^9), ``512MiB`` (2^20), ``1.5TB`` or plain bytes.
+
+    Args:
+        value: An ``int`` (bytes) or a string: a number with an optional unit B, KB, MB, GB, TB
+            (decimal) or KiB, MiB, GiB, TiB (binary), case-insensitive.
+
+    Returns:
+        The size in bytes, rounded down to a whole byte.
+
+    Raises:
+        ValueError: The string is not a size (the message repeats it and lists the units), or it
+            is negative or not finite.
+        TypeError: ``value`` is neither ``str`` nor ``int`` (``bool`` and ``float`` are rejected:
+            a size is a whole number of bytes or a string with a unit).
+    """
+    if isinstance(value, bool) or not isinstance(value, (str, int)):
+        raise TypeError(f"size must be an int of bytes or a string such as '4GB', got {type(value).__name__}: "
+                        f"{value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"size must not be negative, got {value!r}")
+        return value
+    match = _SIZE.fullmatch(value.lower())
+    if match is None or match.group(2) not in _SIZE_UNITS:
+        raise ValueError(f"invalid size {value!r}: expected bytes or a number with a unit "
+                         "B, KB, MB, GB, TB (powers of 10) or KiB, MiB, GiB, TiB (powers of 2), e.g. '4GB'")
+    size = float(match.group(1)) * _SIZE_UNITS[match.group(2)]
+    if not math.isfinite(size):
+        raise ValueError(f"size must be finite, got {value!r}")
+    return int(size)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+    """Every setting of a :class:`~torch_ckpt.CheckpointManager` (all keyword-only, all optional).
+
+    Attributes:
+        keep_last: Keep this many newest committed checkpoints (int >= 1; ``None`` keeps all).
+        keep_every_n_steps: Also keep every step that is a multiple of this (int >= 1 or ``None``).
+        retention: A custom :class:`~torch_ckpt.retention.RetentionPolicy`; replaces the two above.
+        async_save: Persist in the background (``save()`` returns once staged) or inside ``save()``.
+        persist: Where background writes run: ``"thread"`` (lowest latency to durable) or
+            ``"process"`` (a writer process per rank reading a shared-memory arena; keeps the
+            write's Python work off the trainer's GIL; not for DTensor/FSDP2 states).
+        overlap_staging: Copy parameters and optimizer state in the background, overlapping the
+            next forward/backward; the manager waits for the copy before any optimizer of the state
+            takes its next ``step()``. Everything else (buffers such as BatchNorm statistics, RNG,
+            dataloader) is still copied inside ``save()``. Code that mutates parameters or
+            optimizer state outside ``optimizer.step()`` must call ``wait_staged()`` first. For
+            states without ``optimizer_owned_keys`` (plain dicts) everything is copied in ``save()``.
+        writer_niceness: Nice increment of the writer thread/process on Linux (int 0-19; 0 =
+            unchanged). On a 2-core machine 19 cuts the writer's slowdown of training from about 2x
+            to about 1.2x at the price of a slower write.
+        staging_budget_bytes: Host bytes for the reusable staging buffers (int or ``"4GB"``-style
+            string); ``None``: half the available RAM (psutil). A state that does not fit is saved
+            synchronously straight from the live tensors (bounded memory, logged), never by
+            over-allocating.
+        thread_count: DCP writer threads (and files) per rank (int >= 1); 2 overlaps checksumming
+            with writing.
+        verify_on_load: Check every file's CRC-32 before loading (sizes are always checked).
+        on_world_size_change: What ``restore()`` does with rank-local state (RNG, dataloader
+            position) when the world size differs: ``"error"`` or ``"keep_live"``.
+        timeout_seconds: Limit for checkpoint collectives between ranks (seconds or a duration
+            string, > 0).
+        process_group: Ranks taking part (default: all); checkpoint traffic uses private gloo
+            groups created from it.
+        save_policy: When ``should_save()`` says yes: a :class:`~torch_ckpt.schedule.SavePolicy`
+            such as ``YoungDaly(mtbf_seconds="8h")``, ``EveryNSteps(100)``, ``EveryNSeconds("15m")``
+            or ``AnyOf(...)``; rank 0 decides, every rank gets its answer. Exclusive with the flat
+            fields below, which build one (several of them: ``AnyOf``).
+        mtbf_seconds: Mean time between failures of the job (seconds or duration, > 0): save at
+            the Young/Daly interval (``YoungDaly``).
+        save_every_n_steps: Save every this many steps (int >= 1).
+        save_every_seconds: Save once this much time has passed since the last save (seconds or
+            duration, > 0).
+        initial_cost_seconds: With ``mtbf_seconds``: the save cost assumed until one is measured
+            (seconds or duration, >= 0).
+        formula: With ``mtbf_seconds``: ``"daly"`` or ``"young"``.
+        min_interval_steps: With ``mtbf_seconds``: never save more often than every this many steps.
+        durable_url: fsspec URL of the durable tier (``s3://bucket/run``, ``gs://``, ``file://``,
+            ``memory://``); every committed local checkpoint (or every
+            ``replicate_every_n_saves``-th) is replicated there in the background. Must not point
+            into the local root.
+        storage_options: fsspec options for ``durable_url`` (credentials, endpoint...).
+        replicate_every_n_saves: Replicate every n-th save (int >= 1).
+        durable_keep_last: Durable retention: keep this many newest durable checkpoints (``None``: all).
+        durable_keep_every_n_steps: Durable retention: also keep multiples of this step.
+        durable_verify: ``"checksum"`` (read uploads back, compare CRC-32) or ``"size"``.
+        durable_flush_timeout_seconds: How long ``close()`` waits for pending replication
+            (seconds or duration, >= 0).
+        preemption_signals: Signals that request an emergency save, e.g. ``("SIGTERM", "SIGUSR1")``;
+            handled at the next ``should_save()``/``save_if_due()``.
+        preemption_timeout_seconds: How long the emergency save may take to commit before exiting
+            (seconds or duration, > 0).
+        on_write_error: ``"raise"`` or ``"warn"`` (log failed background saves and continue).
+        on_existing_newer: What ``save()`` does when the root already holds committed steps newer
+            than the step being saved that this manager did not restore (an earlier run's):
+            ``"error"`` (a ``ConfigError`` naming them and the options) or ``"supersede"`` (move
+            them aside as hidden ``.superseded_step_N.<time>`` directories, kept, never listed, as
+            after restoring an older step), so that "latest" and retention follow this run.
+        read_only: Open the root for ``restore()``, ``all_steps()``, ``latest_step()`` and
+            ``health()`` only: no root lock, nothing created or cleaned, ``save()`` refused. For
+            roots on read-only media or shared with a run that writes them.
+        naming: How step directories are named under the root (and in the durable tier): a
+            :class:`~torch_ckpt.naming.Naming`; ``None`` means ``StepNaming()``
+            (``step_000000042``); e.g. ``PatternNaming("checkpoint_{step}")``. Listing, resume and
+            retention only consider names it parses.
+        local_root_shared: Whether the root is one directory seen by every rank (``True``) or a
+            directory private to each node (``False``: each node commits its own copy after every
+            rank agreed, uploads its own shards, and a replaced node fetches only its shards from
+            the durable tier). ``None`` (default): private when the ranks span more than one node
+            (``LOCAL_WORLD_SIZE < WORLD_SIZE``). A shared directory used with ``False`` is refused.
+        durable_upload_threads: Files each node uploads to (and downloads from) the durable tier
+            at once (int >= 1).
+
+    Raises:
+        ConfigError: A value is out of range or of the wrong type, or two fields conflict; the
+            message names the field, the value and what is accepted.
+    """
+
+    keep_last: int | None = 3
+    keep_every_n_steps: int | None = None
+    retention: RetentionPolicy | None = None
+    async_save: bool = True
+    persist: str = "thread"
+    overlap_staging: bool = False
+    writer_niceness: int = 0
+    staging_budget_bytes: int | str | None = None
+    thread_count: int = 2
+    verify_on_load: bool = True
+    on_world_size_change: str = "error"
+    timeout_seconds: float | str = 600.0
+    process_group: Any = None
+    save_policy: SavePolicy | None = None
+    mtbf_seconds: float | str | None = None
+    save_every_n_steps: int | None = None
+    save_every_seconds: float | str | None = None
+    initial_cost_seconds: float | str = 5.0
+    formula: str = "daly"
+    min_interval_steps: int = 1
+    durable_url: str | None = None
+    storage_options: Mapping[str, Any] | None = None
+    replicate_every_n_saves: int = 1
+    durable_keep_last: int | None = None
+    durable_keep_every_n_steps: int | None = None
+    durable_verify: str = "checksum"
+    durable_flush_timeout_seconds: float | str = 300.0
+    preemption_signals: tuple[str | int, ...] = ()
+    preemption_timeout_seconds: float | str = 120.0
+    on_write_error: str = "raise"
+    on_existing_newer: str = "error"
+    read_only: bool = False
+    naming: Naming | None = None
+    local_root_shared: bool | None = None
+    durable_upload_threads: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("async_save", "overlap_staging", "verify_on_load", "read_only"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        for name in ("keep_last", "keep_every_n_steps", "save_every_n_steps", "durable_keep_last",
+                     "durable_keep_every_n_steps"):
+            if getattr(self, name) is not None:
+                _check_int(name, getattr(self, name), 1)
+        if self.local_root_shared is not None and not isinstance(self.local_root_shared, bool):
+            raise ConfigError(f"local_root_shared must be true, false or None, got {self.local_root_shared!r}")
+        for name in ("thread_count", "min_interval_steps", "replicate_every_n_saves", "durable_upload_threads"):
+            _check_int(name, getattr(self, name), 1)
+        _check_int("writer_niceness", self.writer_niceness, 0, maximum=19)
+        for name, choices in (("persist", PERSIST_MODES), ("on_world_size_change", RANK_LOCAL_POLICIES),
+                              ("formula", tuple(FORMULAS)), ("durable_verify", DURABLE_VERIFY),
+                              ("on_write_error", ON_WRITE_ERROR), ("on_existing_newer", ON_EXISTING_NEWER)):
+            if getattr(self, name) not in choices:
+                raise ConfigError(f"{name} must be one of {list(choices)}, got {getattr(self, name)!r}")
+        for name, positive in (("timeout_seconds", True), ("initial_cost_seconds", False),
+                               ("durable_flush_timeout_seconds", False), ("preemption_timeout_seconds", True),
+                               ("mtbf_seconds", True), ("save_every_seconds", True)):
+            if getattr(self, name) is not None:
+                self._set(name, _seconds(name, getattr(self, name), positive=positive))
+        if self.staging_budget_bytes is not None:
+            self._set("staging_budget_bytes", _bytes("staging_budget_bytes", self.staging_budget_bytes))
+        if self.retention is not None and not isinstance(self.retention, RetentionPolicy):
+            raise ConfigError(f"retention must be a RetentionPolicy (keep(steps) -> set), got {self.retention!r}")
+        if self.save_policy is not None:
+            if not isinstance(self.save_policy, SavePolicy):
+                raise ConfigError(f"save_policy must be a SavePolicy (YoungDaly, EveryNSteps, ...), "
+                                  f"got {self.save_policy!r}")
+            flat = [n for n in ("mtbf_seconds", "save_every_n_steps", "save_every_seconds")
+                    if getattr(self, n) is not None]
+            if flat:
+                raise ConfigError(f"give either save_policy or {flat[0]}, not both (the flat fields build a policy)")
+        if self.naming is not None and not isinstance(self.naming, Naming):
+            raise ConfigError(f"naming must provide name(step) and step_of(name) (torch_ckpt.Naming), "
+                              f"got {self.naming!r}")
+        self._check_durable()
+        if isinstance(self.preemption_signals, (str, int)) or not _is_sequence(self.preemption_signals):
+            raise ConfigError(f"preemption_signals must be a list of signal names or numbers, e.g. ['SIGTERM'], "
+                              f"got {self.preemption_signals!r}")
+        parse_signals(self.preemption_signals)  # raises ConfigError naming an unknown signal
+        self._set("preemption_signals", tuple(self.preemption_signals))
+
+    def _check_durable(self) -> None:
+        if self.durable_url is not None and (not isinstance(self.durable_url, str) or not self.durable_url):
+            raise ConfigError(f"durable_url must be a non-empty URL string, got {self.durable_url!r}")
+        if self.storage_options is not None and not isinstance(self.storage_options, Mapping):
+            raise ConfigError(f"storage_options must be a mapping of fsspec options, got {self.storage_options!r}")
+        if self.storage_options is not None:
+            self._set("storage_options", dict(self.storage_options))  # a copy: the caller's later edits stay out
+        if self.durable_url is None and (self.durable_keep_last is not None
+                                         or self.durable_keep_every_n_steps is not None):
+            raise ConfigError("durable_keep_last/durable_keep_every_n_steps need durable_url")
+        if self.read_only and self.durable_url is not None:
+            raise ConfigError("read_only=True cannot be combined with durable_url: a durable checkpoint is "
+                              "downloaded into the local root; open the durable copy's directory instead")
+
+    def _set(self, name: str, value: Any) -> None:
+        object.__setattr__(self, name, value)  # normalising in __post_init__ of a frozen dataclass
+
+    # -- what the settings describe --------------------------------------------------------------
+    def build_retention(self) -> RetentionPolicy | None:
+        """The local retention policy: ``retention``, or one from ``keep_last``/``keep_every_n_steps``."""
+        if self.retention is not None:
+            return self.retention
+        return _keep(self.keep_last, self.keep_every_n_steps)
+
+    def build_durable_retention(self) -> RetentionPolicy | None:
+        """The durable tier's retention (``durable_keep_last``/``durable_keep_every_n_steps``), or None."""
+        return _keep(self.durable_keep_last, self.durable_keep_every_n_steps)
+
+    def build_save_policy(self) -> SavePolicy | None:
+        """``save_policy``, or a new policy the flat fields describe (``AnyOf`` when several), or None."""
+        if self.save_policy is not None:
+            return self.save_policy
+        policies: list[SavePolicy] = []
+        if self.mtbf_seconds is not None:
+            policies.append(YoungDaly(self.mtbf_seconds, initial_cost_seconds=self.initial_cost_seconds,
+                                      formula=self.formula, min_interval_steps=self.min_interval_steps))
+        if self.save_every_n_steps is not None:
+            policies.append(EveryNSteps(self.save_every_n_steps))
+        if self.save_every_seconds is not None:
+            policies.append(EveryNSeconds(self.save_every_seconds))
+        if not policies:
+            return None
+        return policies[0] if len(policies) == 1 else AnyOf(*policies)
+
+    # -- sources ---------------------------------------------------------------------------------
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        """The names of every setting, in declaration order."""
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any], *, source: str | None = None) -> CheckpointConfig:
+        """Build from a mapping of field names to values (missing fields keep their defaults).
+
+        Args:
+            values: Field name -> value; values are validated as in the constructor.
+            source: Where the mapping came from (a file path...), prefixed to error messages.
+
+        Raises:
+            ConfigError: ``values`` is not a mapping, has an unknown key (the message names it and
+                lists the valid ones), or has an invalid value.
+        """
+        prefix = f"{source}: " if source else ""
+        if not isinstance(values, Mapping):
+            raise ConfigError(f"{prefix}expected a mapping of settings, got {type(values).__name__}")
+        names = cls.field_names()
+        unknown = sorted(str(k) for k in values if k not in names)
+        if unknown:
+            raise ConfigError(f"{prefix}unknown setting(s) {unknown}; valid settings: {list(names)}")
+        try:
+            return cls(**values)
+        except ConfigError as exc:
+            if not prefix:
+                raise
+            raise ConfigError(f"{prefix}{exc}") from None
+
+    @classmethod
+    def from_yaml(cls, path: str | os.PathLike) -> CheckpointConfig:
+        """Read a YAML file holding a mapping of field names to values (an empty file gives the defaults).
+
+        Parsed with PyYAML's ``safe_load`` (plain data only, never Python objects).
+
+        Raises:
+            ConfigError: The file cannot be read, is not valid YAML, is not a mapping, or has an
+                unknown key or invalid value (the message names the file and the key).
+        """
+        import yaml  # PyYAML is a dependency; imported here so `import torch_ckpt` stays fast
+
+        path = Path(path).expanduser()
+        try:
+            text = path.read_text(encoding="utf-8")
+        except OSError as exc:
+            raise ConfigError(f"cannot read the configuration file {path}: {exc.strerror or exc}") from exc
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{path}: not valid YAML ({exc})") from exc
+        return cls.from_dict({} if data is None else data, source=str(path))
+
+    def replace(self, **changes: Any) -> CheckpointConfig:
+        """A copy with ``changes`` applied and validated.
+
+        Raises:
+            ConfigError: An unknown field or an invalid value.
+        """
+        return self.from_dict({**self.as_dict(), **changes})
+
+    def as_dict(self) -> dict[str, Any]:
+        """Field name -> value (normalised: seconds as float, bytes as int; objects as given)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
+def _keep(count: int | None, every: int | None) -> RetentionPolicy | None:
+    if count is None:
+        return None
+    latest = KeepLatest(count=count)
+    return latest if every is None else KeepAny((latest, KeepEveryNSteps(every_steps=every)))
+
+
+def _is_sequence(value: Any) -> bool:
+    return isinstance(value, (list, tuple))
+
+
+def _check_int(name: str, value: Any, minimum: int, maximum: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum or (
+            maximum is not None and value > maximum):
+        bound = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
+        raise ConfigError(f"{name} must be an integer {bound}, got {value!r}")
+
+
+def _seconds(name: str, value: Any, *, positive: bool) -> float:
+    try:
+        seconds = float(parse_duration(value))
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{name}: {exc}") from None
+    if seconds < 0 or (positive and seconds == 0):
+        raise ConfigError(f"{name} must be a {'positive' if positive else 'non-negative'} duration, got {value!r}")
+    return seconds
+
+
+def _bytes(name: str, value: Any) -> int:
+    try:
+        size = parse_size(value)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{name}: {exc}") from None
+    if size < 1:
+        raise ConfigError(f"{name} must be at least 1 byte, got {value!r}")
+    return size

@@ -1,0 +1,133 @@
+"""Naming of checkpoint directories under a run root: the seam adapters plug their conventions into.
+
+A :class:`Naming` maps a step to one directory name and back. The manager, the durable tier and
+retention only ever list names the naming parses, so folders of other tools that share the root
+(for instance an older plain-Accelerate ``checkpoint_3`` without a torch-ckpt manifest) are never
+listed, written into or deleted.
+
+- :class:`StepNaming` (the default): ``step_000000042``.
+- :class:`PatternNaming`: any pattern with one ``{step}`` field, e.g. ``"checkpoint_{step}"``
+  (Accelerate's automatic naming) or ``"ckpt-{step:06d}"``.
+"""
+
+from __future__ import annotations
+
+import re
+import string
+from typing import Protocol, runtime_checkable
+
+from torch_ckpt.errors import ConfigError
+
+__all__ = ["Naming", "StepNaming", "PatternNaming", "check_name"]
+
+
+@runtime_checkable
+class Naming(Protocol):
+    """How the checkpoint of a step is named under a run root (one path component).
+
+    Implementations must be pure (no I/O) and exact inverses on their own names:
+    ``step_of(name(step)) == step`` for every step >= 0, and ``step_of`` returns None for any name
+    that ``name`` cannot produce.
+    """
+
+    def name(self, step: int) -> str:
+        """Directory name of ``step`` (one path component, not hidden)."""
+        ...
+
+    def step_of(self, name: str) -> int | None:
+        """The step a directory name stands for, or None when it is not one of this naming's names."""
+        ...
+
+
+def check_name(name: str, what: str = "checkpoint name") -> str:
+    """Validate one directory name produced by a naming.
+
+    Raises:
+        ConfigError: the name is empty, hidden (starts with '.'), contains a path separator or NUL,
+            or is '.'/'..'.
+    """
+    if not isinstance(name, str) or not name or name.startswith(".") or "/" in name or "\0" in name:
+        raise ConfigError(f"{what} {name!r} must be one non-empty path component that does not start with '.'")
+    return name
+
+
+class StepNaming:
+    """``step_000000042``: zero-padded to 9 digits (ordering always uses the manifest's integer step)."""
+
+    _RE = re.compile(r"^step_(\d+)$")
+
+    def name(self, step: int) -> str:
+        return f"step_{step:09d}"
+
+    def step_of(self, name: str) -> int | None:
+        m = self._RE.match(name)
+        if m is None:
+            return None
+        step = int(m.group(1))
+        return step if self.name(step) == name else None
+
+    def __repr__(self) -> str:
+        return "StepNaming()"
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is StepNaming
+
+    def __hash__(self) -> int:
+        return hash(StepNaming)
+
+
+class PatternNaming:
+    """Names from a pattern with exactly one ``{step}`` field, e.g. ``"checkpoint_{step}"``.
+
+    Args:
+        pattern: a :meth:`str.format` pattern with one ``{step}`` field, optionally with an integer
+            format spec (``{step:06d}``); the rest is literal text. The result must be one path
+            component that does not start with '.'.
+
+    Raises:
+        ConfigError: the pattern has no, or more than one, field, another field name, a non-integer
+            format spec, a conversion, or produces an invalid name.
+    """
+
+    def __init__(self, pattern: str) -> None:
+        if not isinstance(pattern, str):
+            raise ConfigError(f"naming pattern must be a str such as 'checkpoint_{{step}}', got {pattern!r}")
+        try:
+            parts = list(string.Formatter().parse(pattern))
+        except ValueError as exc:
+            raise ConfigError(f"naming pattern {pattern!r} is not a valid format string: {exc}") from exc
+        fields = [(field, spec, conv) for _, field, spec, conv in parts if field is not None]
+        if len(fields) != 1 or fields[0][0] != "step" or fields[0][2]:
+            raise ConfigError(f"naming pattern {pattern!r} must contain exactly one '{{step}}' field "
+                              "(optionally '{step:06d}'), e.g. 'checkpoint_{step}'")
+        spec = fields[0][1] or ""
+        if spec and not re.fullmatch(r"0?\d*d", spec):
+            raise ConfigError(f"naming pattern {pattern!r}: the step's format spec must be an integer one "
+                              f"such as '06d', got {spec!r}")
+        regex = ""
+        for literal, field, _, _ in parts:
+            regex += re.escape(literal)
+            if field is not None:
+                regex += r"(\d+)"
+        self.pattern = pattern
+        self._re = re.compile(f"^{regex}$")
+        check_name(self.name(0), f"naming pattern {pattern!r} produces")
+
+    def name(self, step: int) -> str:
+        return self.pattern.format(step=step)
+
+    def step_of(self, name: str) -> int | None:
+        m = self._re.match(name)
+        if m is None:
+            return None
+        step = int(m.group(1))
+        return step if self.name(step) == name else None  # canonical form only ('checkpoint_007' is not 7)
+
+    def __repr__(self) -> str:
+        return f"PatternNaming({self.pattern!r})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, PatternNaming) and other.pattern == self.pattern
+
+    def __hash__(self) -> int:
+        return hash(self.pattern)

@@ -1,0 +1,134 @@
+"""Export a committed checkpoint to a single ``torch.save`` file or to safetensors.
+
+Both exports read the checkpoint with the same pickle-free path as :meth:`CheckpointManager.restore`
+(restricted metadata unpickler, tensors with ``weights_only=True``, non-tensor values from JSON) and
+assemble full, unsharded tensors whatever world size wrote them. DCP's own
+``format_utils.dcp_to_torch_save`` is not used because it unpickles every non-tensor item.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from torch_ckpt.codec import join_state
+from torch_ckpt.dcp_io import load_tensors
+from torch_ckpt.dcp_metadata import check_records, read_metadata, tensor_items
+from torch_ckpt.errors import CheckpointNotFoundError, ConfigError
+from torch_ckpt.format import read_rank_doc, verify_files
+from torch_ckpt.manifest import Manifest, read_manifest
+
+__all__ = ["load_full_state", "export_torch", "export_safetensors"]
+
+
+def _resolve(checkpoint: str | Path, allow_symlinks: bool) -> tuple[Path, Manifest]:
+    path = Path(checkpoint)
+    if not path.is_dir():
+        raise CheckpointNotFoundError(f"{path} is not a checkpoint directory (expected ROOT/step_NNNNNNNNN)")
+    return path, read_manifest(path, allow_symlinks=allow_symlinks)
+
+
+def load_full_state(checkpoint: str | Path, *, verify: bool = True,
+                    allow_symlinks: bool = False) -> tuple[dict[str, Any], Manifest]:
+    """Load a committed checkpoint as one nested dict of full tensors and Python values (one process).
+
+    Goes through the same validation as a restore (:mod:`torch_ckpt.format`): only the manifest's
+    files, as regular files inside the checkpoint; metadata whose chunks cover every tensor exactly
+    and fit in the files (checked before any tensor is allocated); tensor records that match the
+    metadata's dtypes, sizes and shapes; bounded, well-formed rank files.
+
+    Args:
+        checkpoint: a committed step directory.
+        verify: check every file's CRC-32 first (sizes are always checked).
+        allow_symlinks: follow symlinked files (refused by default, like restore).
+
+    Returns:
+        ``(state, manifest)``. ``state`` is rank 0's nested state with full tensors; when the
+        checkpoint was written by several ranks, ``state["per_rank"]`` lists each rank's rank-local
+        values (RNG, dataloader position).
+
+    Raises:
+        CheckpointNotFoundError: not a committed checkpoint directory.
+        CheckpointCorruptError: a file fails verification or its content is malformed (named).
+        UnsafeCheckpointError: the metadata references code, or an item is pickled.
+    """
+    path, manifest = _resolve(checkpoint, allow_symlinks)
+    verify_files(path, manifest, checksums=verify, allow_symlinks=allow_symlinks)
+    md = read_metadata(path, manifest, allow_symlinks=allow_symlinks)
+    check_records(path, manifest, md, allow_symlinks=allow_symlinks)
+    specs = tensor_items(md)
+    trees = [read_rank_doc(path, manifest, r, allow_symlinks=allow_symlinks, tensor_keys=specs.__contains__)["tree"]
+             for r in range(manifest.world_size)]
+    # sizes are bounded by the files (read_metadata) and every element is covered by a chunk, so
+    # every element of these buffers is overwritten by the load
+    tensors = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype) for k, m in specs.items()}
+    if tensors:
+        load_tensors(tensors, path, md, set(manifest.files), no_dist=True, allow_symlinks=allow_symlinks)
+    state = join_state(trees[0], tensors)
+    if manifest.world_size > 1:
+        state["per_rank"] = [join_state({k: v for k, v in t.items() if k in ("rng", "dataloader")}, tensors)
+                             for t in trees]
+    return state, manifest
+
+
+def _weights_only_safe(node: Any) -> Any:
+    """Replace numpy values by tensors / Python scalars so ``torch.load(weights_only=True)`` can read them."""
+    import numpy as np
+
+    if isinstance(node, dict):
+        return {k: _weights_only_safe(v) for k, v in node.items()}
+    if isinstance(node, (list, tuple)):
+        return type(node)(_weights_only_safe(v) for v in node)
+    if isinstance(node, np.ndarray):
+        return torch.from_numpy(node.copy())
+    if isinstance(node, np.generic):
+        return node.item()
+    return node
+
+
+def export_torch(checkpoint: str | Path, out: str | Path, *, allow_symlinks: bool = False) -> dict[str, Any]:
+    """Write the full state of ``checkpoint`` as one ``torch.save`` file; returns a summary dict.
+
+    The file loads with ``torch.load(out, weights_only=True)`` (numpy arrays become tensors).
+
+    Raises:
+        CheckpointNotFoundError, CheckpointCorruptError, UnsafeCheckpointError: see :func:`load_full_state`.
+    """
+    state, manifest = load_full_state(checkpoint, allow_symlinks=allow_symlinks)
+    torch.save(_weights_only_safe(state), out)
+    return {"step": manifest.step, "out": str(out), "bytes": Path(out).stat().st_size}
+
+
+def export_safetensors(checkpoint: str | Path, out: str | Path, *, allow_symlinks: bool = False) -> dict[str, Any]:
+    """Write the model weights of ``checkpoint`` as safetensors.
+
+    The weights are the ``model`` entry of a :class:`~torch_ckpt.TrainState` checkpoint, or the
+    ``state_dict`` entry of a Lightning one, under their usual names (no prefix).
+
+    Raises:
+        ConfigError: the checkpoint has no model tensors, or ``safetensors`` is not installed.
+        CheckpointNotFoundError, CheckpointCorruptError, UnsafeCheckpointError: see :func:`load_full_state`.
+    """
+    try:
+        from safetensors.torch import save_file
+    except ImportError as exc:
+        raise ConfigError("exporting to safetensors needs the 'safetensors' package: pip install safetensors") from exc
+    state, manifest = load_full_state(checkpoint, allow_symlinks=allow_symlinks)
+    model = state.get("model") or state.get("state_dict")  # TrainState / Lightning checkpoints
+    if not isinstance(model, dict) or not model:
+        raise ConfigError(f"{checkpoint}: no 'model' (TrainState) or 'state_dict' (Lightning) entry to export")
+    weights: dict[str, torch.Tensor] = {}
+
+    def collect(prefix: str, node: Any) -> None:
+        for k, v in node.items():
+            key = f"{prefix}{k}"
+            if isinstance(v, torch.Tensor):
+                weights[key] = v.contiguous()
+            elif isinstance(v, dict):
+                collect(f"{key}.", v)
+
+    collect("", model)
+    save_file(weights, str(out), metadata={"step": str(manifest.step), "format": "torch-ckpt export"})
+    return {"step": manifest.step, "out": str(out), "tensors": len(weights), "bytes": Path(out).stat().st_size}

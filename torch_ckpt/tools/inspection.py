@@ -1,0 +1,169 @@
+"""What a checkpoint holds (``torch-ckpt inspect``): per component, from the metadata and the rank trees.
+
+Every check goes through the storage/format layer (:mod:`torch_ckpt.format`), the validation path
+restore uses too (all but the CRC-32), so ``inspect`` accepts exactly what a restore would load.
+Nothing here writes to a checkpoint or executes code from one: DCP's ``.metadata`` is read with the
+restricted unpickler, the per-rank trees are JSON, and tensor payloads are never loaded (sizes come
+from the metadata; only the records' headers are read).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+from tqdm import tqdm
+
+from torch_ckpt.codec import TENSOR_TAG
+from torch_ckpt.dcp_io import load_dcp_metadata_bytes
+from torch_ckpt.dcp_metadata import MAX_METADATA_BYTES, metadata_problems, record_problems
+from torch_ckpt.errors import CheckpointCorruptError
+from torch_ckpt.format import METADATA_NAME, rank_file_problems, read_listed, read_rank_doc, verify_files
+from torch_ckpt.manifest import rank_file_name, read_manifest
+from torch_ckpt.state_tree import embedded_info, walk_tree
+from torch_ckpt.storage import Location
+from torch_ckpt.tools.checks import dtype_name, iso_time
+from torch_ckpt.tools.listing import resolve_checkpoint
+
+__all__ = ["inspect_checkpoint"]
+
+
+def _component() -> dict[str, Any]:
+    return {"bytes": 0, "tensor_bytes": 0, "tensors": 0, "dtypes": {}, "rank_local_tensors": 0, "arrays": 0,
+            "array_bytes": 0, "values": 0}
+
+
+def inspect_checkpoint(where: str | os.PathLike | Location, *, step: int | None = None,
+                       storage_options: dict[str, Any] | None = None, keys: bool = False,
+                       progress: bool = False) -> dict[str, Any]:
+    """What a checkpoint holds, per component (top-level key of the saved state).
+
+    Sizes come from the DCP metadata (global shapes and dtypes, so a sharded tensor counts once at
+    its full size) and from the per-rank JSON trees (rank-local tensors, embedded per rank, count on
+    every rank). The checks of a restore are made, except checksums (see :func:`verify_checkpoint`):
+    the tensor records' headers are read, never their payload.
+
+    Args:
+        where: a checkpoint directory, or a run root (its newest committed checkpoint, or ``step``).
+        step: with a root, the step to inspect.
+        storage_options: fsspec options for URLs.
+        keys: also list every tensor and array with its shape and dtype.
+        progress: show a progress bar over the ranks' files on a terminal.
+
+    Returns:
+        ``{"checkpoint", "step", "world_size", "wall_time", "time", "torch_version", "format_version",
+        "files", "file_bytes", "manifest_tensor_bytes", "components": [...], "totals": {...}}`` and,
+        with ``keys``, ``"keys": [...]``. A component is ``{"name", "bytes"`` (tensor + array bytes),
+        ``"tensor_bytes", "tensors", "dtypes"`` (``{dtype: count}``), ``"rank_local_tensors",
+        "arrays", "array_bytes", "values"`` (other leaves of rank 0's state)``}``; a key is ``{"key",
+        "component", "kind"`` ("tensor" or "ndarray"), ``"storage"`` ("dcp" or "json"), ``"rank"``
+        (json only), ``"shape", "dtype", "bytes", "chunks"`` (dcp only)``}``.
+
+    Raises:
+        PathNotFoundError: ``where`` does not exist.
+        CheckpointNotFoundError: not a committed checkpoint.
+        CheckpointCorruptError: the manifest, metadata, a listed file (missing, a symlink, wrong
+            size) or a per-rank file fails the checks of :mod:`torch_ckpt.format`, or the state
+            refers to a tensor the metadata lacks.
+        UnsafeCheckpointError: the DCP metadata references code (refused, not executed).
+    """
+    loc = resolve_checkpoint(where, step=step, storage_options=storage_options)
+    manifest = read_manifest(loc)
+    if METADATA_NAME not in manifest.files:
+        raise CheckpointCorruptError(f"{loc.describe(METADATA_NAME)}: DCP metadata is not listed in the manifest")
+    problems: list[tuple[str, str]] = []  # the listed files must be what a restore reads: regular files, listed sizes
+    verify_files(loc, manifest, checksums=False, collect=problems)
+    tensors: dict[str, Any] = {}
+    if not problems:
+        md = load_dcp_metadata_bytes(read_listed(loc, manifest, METADATA_NAME, MAX_METADATA_BYTES),
+                                     loc.describe(METADATA_NAME))
+        problems, tensors = metadata_problems(md, manifest)
+        problems += rank_file_problems(manifest)
+    if not problems:  # the tensor records must match the metadata (headers only: no payload is read)
+        problems = record_problems(loc, manifest, md, tensors=tensors)
+    if problems:
+        file, text = problems[0]
+        more = f" (and {len(problems) - 1} more problem(s); run torch-ckpt verify)" if len(problems) > 1 else ""
+        raise CheckpointCorruptError(f"{loc.describe(file)}: {text}{more}")
+    comps: dict[str, dict[str, Any]] = {}
+    key_rows: list[dict[str, Any]] = []
+    seen: set[str] = set()
+
+    def add(comp: dict[str, Any], nbytes: int, dtype: str, *, local: bool) -> None:
+        comp["tensors"] += 1
+        comp["tensor_bytes"] += nbytes
+        comp["dtypes"][dtype] = comp["dtypes"].get(dtype, 0) + 1
+        comp["rank_local_tensors"] += int(local)
+
+    with tqdm(total=manifest.world_size, desc=f"inspect {loc.name}", unit="rank", leave=False, dynamic_ncols=True,
+              disable=None if progress and manifest.world_size > 8 else True) as bar:  # None: only on a terminal
+        for rank in range(manifest.world_size):
+            tree = read_rank_doc(loc, manifest, rank)["tree"]
+            source = loc.describe(rank_file_name(rank))
+            tops = tree.items() if isinstance(tree, dict) else [("<root>", tree)]
+            for top, sub in tops:
+                comp = comps.setdefault(top, _component())
+                leaves = list(walk_tree(sub, (top,)))  # validated by read_rank_doc
+                for path, kind, node in leaves:
+                    name = ".".join(path)
+                    if kind == "tensor":
+                        key = node[TENSOR_TAG]
+                        if key in seen:
+                            continue
+                        seen.add(key)
+                        tmd = tensors.get(key)
+                        if tmd is None:
+                            raise CheckpointCorruptError(f"{source}: state key {name!r} refers to tensor {key!r}, "
+                                                         "which the DCP metadata does not hold")
+                        dtype = dtype_name(tmd.properties.dtype)
+                        nbytes = math.prod(tmd.size) * tmd.properties.dtype.itemsize
+                        add(comp, nbytes, dtype, local=False)
+                        if keys:
+                            key_rows.append({"key": key, "component": top, "kind": "tensor", "storage": "dcp",
+                                             "shape": list(tmd.size), "dtype": dtype, "bytes": nbytes,
+                                             "chunks": len(tmd.chunks)})
+                    elif kind in ("inline", "ndarray"):
+                        shape, dtype, nbytes = embedded_info(kind, node)
+                        if kind == "inline":
+                            add(comp, nbytes, dtype, local=True)
+                        else:
+                            comp["arrays"] += 1
+                            comp["array_bytes"] += nbytes
+                        if keys:
+                            key_rows.append({"key": name, "component": top,
+                                             "kind": "tensor" if kind == "inline" else "ndarray",
+                                             "storage": "json", "rank": rank, "shape": shape, "dtype": dtype,
+                                             "bytes": nbytes})
+                    elif rank == 0:
+                        comp["values"] += 1
+            bar.update(1)
+    stray = [k for k in tensors if k not in seen]
+    if stray:
+        comp = comps.setdefault("(not in state)", _component())
+        for key in stray:
+            tmd = tensors[key]
+            nbytes = math.prod(tmd.size) * tmd.properties.dtype.itemsize
+            add(comp, nbytes, dtype_name(tmd.properties.dtype), local=False)
+            if keys:
+                key_rows.append({"key": key, "component": "(not in state)", "kind": "tensor", "storage": "dcp",
+                                 "shape": list(tmd.size), "dtype": dtype_name(tmd.properties.dtype),
+                                 "bytes": nbytes, "chunks": len(tmd.chunks)})
+    components = []
+    for name, comp in comps.items():
+        comp["bytes"] = comp["tensor_bytes"] + comp["array_bytes"]
+        comp["dtypes"] = dict(sorted(comp["dtypes"].items()))
+        components.append({"name": name, **comp})
+    totals = {k: sum(c[k] for c in components)
+              for k in ("bytes", "tensor_bytes", "tensors", "rank_local_tensors", "arrays", "array_bytes", "values")}
+    totals["dcp_tensor_bytes"] = sum(math.prod(t.size) * t.properties.dtype.itemsize for t in tensors.values())
+    out: dict[str, Any] = {
+        "checkpoint": loc.describe(), "step": manifest.step, "world_size": manifest.world_size,
+        "wall_time": manifest.wall_time, "time": iso_time(manifest.wall_time), "torch_version": manifest.torch_version,
+        "format_version": manifest.format_version, "files": len(manifest.files),
+        "file_bytes": sum(i["bytes"] for i in manifest.files.values()),
+        "manifest_tensor_bytes": manifest.tensor_bytes, "components": components, "totals": totals,
+    }
+    if keys:
+        out["keys"] = key_rows
+    return out

@@ -1,0 +1,210 @@
+"""Checkpoint sizing and interval plans behind ``torch-ckpt plan``. Pure arithmetic, no I/O.
+
+Sizes are in bytes, reported in decimal units (1 GB = 10^9 bytes); bandwidths in GB/s
+(10^9 bytes per second); times in seconds.
+
+The sizing model (mixed-precision training with a data-parallel sharded optimizer, as in ZeRO-1,
+Megatron's distributed optimizer or FSDP):
+
+* model weights: ``params x bytes(param_dtype)``, split over the ``tp x pp`` model-parallel ranks
+  and replicated across the ``dp`` data-parallel ranks;
+* optimizer state in fp32: a master copy of the weights (only when they are not fp32 already)
+  plus the optimizer's moments (Adam: 2, SGD with momentum: 1), covering each model-parallel
+  slice and split over the data-parallel ranks, so ``tp x pp x dp`` ways in all;
+* a checkpoint stores each byte once (replicas deduplicated): ``model + optimizer``;
+* a rank stages (copies device to host) its whole local state, so blocking time is that size
+  over the per-GPU device-to-host bandwidth, and a node needs host RAM for its ranks' copies;
+* the write time is the deduplicated total over the aggregate storage bandwidth, and a save is
+  durable once written.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any
+
+from torch_ckpt.interval import checkpoint_interval, expected_overhead, young_interval
+
+__all__ = ["DTYPE_BYTES", "OPTIMIZER_MOMENTS", "parse_count", "checkpoint_size", "interval_plan"]
+
+#: Bytes per element of the supported parameter dtypes.
+DTYPE_BYTES: dict[str, int] = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
+
+#: fp32 moment tensors per parameter kept by each optimizer (``sgd`` means SGD with momentum).
+OPTIMIZER_MOMENTS: dict[str, int] = {"adam": 2, "adamw": 2, "sgd": 1, "none": 0}
+
+_COUNT_SUFFIX = {"": 1.0, "k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
+
+
+def parse_count(value: str | float | int) -> float:
+    """Parse a parameter count: ``70e9``, ``70000000000``, ``70B``, ``7.5b``, ``1.2T``, ``350M``.
+
+    Args:
+        value: A number, or a string with an optional suffix K, M, B (or G) or T (case-insensitive).
+
+    Returns:
+        The count as a float.
+
+    Raises:
+        ValueError: If the value is not a positive, finite count (the message repeats it).
+    """
+    if isinstance(value, str):
+        match = re.fullmatch(r"\s*([0-9.]+(?:e[+-]?\d+)?)\s*([kmbgt]?)\s*", value.lower())
+        try:
+            count = float(match.group(1)) * _COUNT_SUFFIX[match.group(2)] if match else math.nan
+        except ValueError:
+            count = math.nan
+    else:
+        count = float(value)
+    if not math.isfinite(count) or count <= 0:
+        raise ValueError(f"invalid parameter count {value!r}: expected a positive number such as 70e9 or 70B")
+    return count
+
+
+def _positive_int(name: str, value: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    return value
+
+
+def _positive(name: str, value: float) -> float:
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be a positive number, got {value!r}")
+    return float(value)
+
+
+def checkpoint_size(
+    params: float,
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    dp: int = 1,
+    param_dtype: str = "bf16",
+    optimizer: str = "adam",
+    gpus_per_node: int = 8,
+    d2h_gbps: float = 25.0,
+    storage_gbps: float = 100.0,
+) -> dict[str, Any]:
+    """Bytes per component and per rank, staging RAM, blocking and write time of one checkpoint.
+
+    For 70e9 bf16 parameters with Adam on tp=8, dp=32: model 140 GB, optimizer 840 GB (fp32
+    master 280 GB + two moments 560 GB), total 980 GB; 17.5 GB of weights and 3.28 GB of
+    optimizer state per rank; about 9.8 s to write at 100 GB/s.
+
+    Args:
+        params: Number of model parameters.
+        tp: Tensor-parallel degree.
+        pp: Pipeline-parallel degree.
+        dp: Data-parallel degree (the optimizer is sharded over it).
+        param_dtype: Dtype of the trained weights, a key of :data:`DTYPE_BYTES`.
+        optimizer: A key of :data:`OPTIMIZER_MOMENTS`.
+        gpus_per_node: Ranks (GPUs) per node, for the host RAM per node.
+        d2h_gbps: Device-to-host copy bandwidth of one GPU, in GB/s.
+        storage_gbps: Aggregate write bandwidth of the checkpoint storage, in GB/s.
+
+    Returns:
+        A JSON-serialisable dict; byte counts end in ``_bytes``, times in ``_s``.
+
+    Raises:
+        ValueError: If an argument is out of range or an unknown dtype/optimizer is named.
+    """
+    params = _positive("params", params)
+    tp, pp, dp = (_positive_int(n, v) for n, v in (("tp", tp), ("pp", pp), ("dp", dp)))
+    gpus_per_node = _positive_int("gpus_per_node", gpus_per_node)
+    d2h_gbps, storage_gbps = _positive("d2h_gbps", d2h_gbps), _positive("storage_gbps", storage_gbps)
+    if param_dtype not in DTYPE_BYTES:
+        raise ValueError(f"param_dtype must be one of {sorted(DTYPE_BYTES)}, got {param_dtype!r}")
+    if optimizer not in OPTIMIZER_MOMENTS:
+        raise ValueError(f"optimizer must be one of {sorted(OPTIMIZER_MOMENTS)}, got {optimizer!r}")
+    model_parallel = tp * pp
+    world = model_parallel * dp
+    model = params * DTYPE_BYTES[param_dtype]
+    moments = params * 4 * OPTIMIZER_MOMENTS[optimizer]
+    master = params * 4 if optimizer != "none" and param_dtype != "fp32" else 0.0
+    optim = master + moments
+    total = model + optim
+    model_rank = model / model_parallel
+    optim_rank = optim / world
+    staged_rank = model_rank + optim_rank
+    ranks_per_node = min(gpus_per_node, world)
+    return {
+        "params": params,
+        "tp": tp,
+        "pp": pp,
+        "dp": dp,
+        "world_size": world,
+        "nodes": math.ceil(world / gpus_per_node),
+        "param_dtype": param_dtype,
+        "optimizer": optimizer,
+        "model_bytes": model,
+        "optimizer_master_bytes": master,
+        "optimizer_moments_bytes": moments,
+        "optimizer_bytes": optim,
+        "total_bytes": total,
+        "model_bytes_per_rank": model_rank,
+        "optimizer_bytes_per_rank": optim_rank,
+        "staged_bytes_per_rank": staged_rank,
+        "written_bytes_per_rank": total / world,
+        "gpus_per_node": gpus_per_node,
+        "host_ram_per_node_bytes": staged_rank * ranks_per_node,
+        "d2h_gbps": d2h_gbps,
+        "blocking_s": staged_rank / (d2h_gbps * 1e9),
+        "storage_gbps": storage_gbps,
+        "write_s": total / (storage_gbps * 1e9),
+    }
+
+
+def interval_plan(
+    mtbf_s: float,
+    cost_s: float,
+    *,
+    durability_lag_s: float = 0.0,
+    step_time_s: float | None = None,
+) -> dict[str, Any]:
+    """Young and Daly intervals and the expected cost of saving at the recommended one.
+
+    The recommended interval is :func:`torch_ckpt.interval.checkpoint_interval`'s, the rule the
+    runtime ``YoungDaly`` policy uses too: Daly's (2006) interval, raised to the time a save needs
+    to become durable (``cost_s + durability_lag_s``) so that saves never pile up; in steps, the
+    nearest whole step of Daly's interval, raised to the durability time rounded up.
+
+    Args:
+        mtbf_s: Mean time between failures of the job, in seconds (> 0).
+        cost_s: Training stall per save, in seconds (> 0).
+        durability_lag_s: Seconds from the end of the stall until the save is durable (>= 0).
+        step_time_s: Optional seconds per training step, to express the interval in steps.
+
+    Returns:
+        ``mtbf_s``, ``save_cost_s``, ``durability_lag_s``, ``young_interval_s``,
+        ``daly_interval_s``, ``recommended_interval_s`` (in whole steps when ``step_time_s`` is
+        given), ``limited_by`` (``"daly"`` or ``"durability"``), ``expected_overhead`` and
+        ``expected_lost_work_s`` (at the recommended interval),
+        ``young_expected_overhead``, and with ``step_time_s`` also ``step_time_s`` and
+        ``interval_steps``.
+
+    Raises:
+        ValueError: If an argument is out of range (zero or negative MTBF, cost or step time).
+    """
+    if not math.isfinite(cost_s) or cost_s <= 0:
+        raise ValueError(f"save cost must be a positive number of seconds, got {cost_s!r}")
+    if step_time_s is not None:
+        step_time_s = _positive("step_time_s", step_time_s)
+    chosen = checkpoint_interval(mtbf_s, cost_s, durability_lag_s, step_time_s)
+    young = young_interval(mtbf_s, cost_s)
+    plan: dict[str, Any] = {
+        "mtbf_s": float(mtbf_s),
+        "save_cost_s": float(cost_s),
+        "durability_lag_s": float(durability_lag_s),
+        "young_interval_s": young,
+        "daly_interval_s": chosen.optimal_interval_s,
+        "recommended_interval_s": chosen.interval_s,
+        "limited_by": "daly" if chosen.limited_by == "formula" else chosen.limited_by,
+        "expected_overhead": chosen.expected_overhead,
+        "expected_lost_work_s": chosen.expected_lost_work_s,
+        "young_expected_overhead": expected_overhead(young, cost_s, mtbf_s, durability_lag_s),
+    }
+    if step_time_s is not None:
+        plan["step_time_s"] = step_time_s
+        plan["interval_steps"] = chosen.interval_steps
+    return plan
