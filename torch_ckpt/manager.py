@@ -557,8 +557,8 @@ class CheckpointManager:
         """Delete one committed checkpoint crash-safely (renamed aside, then deleted); rank 0 acts.
 
         Call on every rank or on rank 0 only (it is not collective); with node-local roots
-        (``local_root_shared=False``) call it on every rank: each node's lowest rank removes its copy. An in-flight save of that
-        checkpoint is waited for first. A missing target is a no-op.
+        (``local_root_shared=False``) call it on every rank: each node's lowest rank removes its
+        copy. An in-flight save of that checkpoint is waited for first. A missing target is a no-op.
 
         Args:
             target: a step (its ``naming`` directory under the root) or a checkpoint directory.
