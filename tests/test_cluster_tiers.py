@@ -260,3 +260,16 @@ def test_manifest_node_fields_are_validated(tmp_path):
            "nodes": {"rank_node": [0, 1], "file_node": {"a": 0}}, "node": 0}
     with pytest.raises(CheckpointCorruptError, match="file_node"):
         parse_manifest(json.dumps(doc).encode(), "m")
+
+
+def _same_root_on_two_nodes(rank, world, base):
+    from torch_ckpt import ConfigError
+
+    with pytest.raises(ConfigError, match="local_root_shared=True"):
+        CheckpointManager(Path(base) / "shared")
+
+
+@pytest.mark.slow
+def test_shared_directory_taken_for_node_local_is_refused(tmp_path):
+    """Two nodes given one directory (a shared file system) are refused at start, naming the option."""
+    run_distributed(_as_nodes, 2, 1, _same_root_on_two_nodes, str(tmp_path), timeout_s=120)

@@ -23,17 +23,16 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-
 from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner, create_default_global_save_plan
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.filesystem import _StoragePrefix
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import SavePlan
 
 from torch_ckpt.dcp_io import ChecksumFileSystemWriter
 from torch_ckpt.dcp_metadata import metadata_name
-from torch_ckpt.format import METADATA_NAME
 from torch_ckpt.errors import ConfigError
+from torch_ckpt.format import METADATA_NAME
 
 __all__ = ["NodeLayout", "NodeDedupPlanner", "RecordingWriter", "node_views", "metadata_name", "env_node",
            "is_replica_file", "shared_files", "durable_manifest", "fetch_set"]

@@ -26,9 +26,9 @@ from pathlib import Path
 import torch.distributed.checkpoint as dcp
 
 from torch_ckpt.dcp_metadata import metadata_name
-from torch_ckpt.format import METADATA_NAME
 from torch_ckpt.dist import DistContext
 from torch_ckpt.errors import CheckpointWriteError
+from torch_ckpt.format import METADATA_NAME
 from torch_ckpt.layout import (
     MANIFEST_NAME,
     Manifest,
