@@ -126,7 +126,8 @@ def test_durable_tier_holds_each_tensor_once(two_nodes, s3):
 
     url = next(iter(json.loads((two_nodes / "url.json").read_text()).values()))
     durable = DurableTier(url, storage_options=s3.options)
-    assert set(durable.list_steps()) == {1, 2}
+    steps = set(durable.list_steps())
+    assert 2 in steps and steps <= {1, 2}  # step 1 may be coalesced away when step 2 commits during its upload
     uploaded = {p.rsplit("/", 1)[-1] for p in durable.fs.find(f"{durable.root}/step_000000002")}
     assert not uploaded & replicas and "node_00001.metadata" not in uploaded
     assert durable.read_manifest(2).tensor_bytes == manifest.tensor_bytes
