@@ -54,20 +54,22 @@ def test_disk_full_is_a_typed_error_and_earlier_checkpoints_survive(tmpfs):
 def test_read_only_file_system_is_a_typed_error(tmpfs):
     """EROFS surfaces as CheckpointWriteError(errno 30) telling to choose a writable directory."""
     state = TrainState(model=_model(16))
-    with CheckpointManager(tmpfs / "run") as mgr:
+    run = tmpfs / "run"
+    with CheckpointManager(run) as mgr:
         mgr.save(1, state).wait()
-        # the kernel remounts a failing disk read-only even with files open for writing; mount(8) refuses
-        # (EBUSY) while the root lock's file is open read-write, so drop the lock for this simulation
-        mgr._lock.release()
-        subprocess.run(["mount", "-o", "remount,ro", str(tmpfs)], check=True)
+        # The root lock keeps ROOT/.lock open for writing (filelock opens it read-write), so the file system itself
+        # cannot be remounted read-only under a live run; a read-only bind mount over the root has the same effect
+        # on every later write.
+        subprocess.run(["mount", "--bind", str(run), str(run)], check=True)
         try:
+            subprocess.run(["mount", "-o", "remount,bind,ro", str(run)], check=True)
             with pytest.raises(CheckpointWriteError, match="read-only") as info:
                 mgr.save(2, state)
                 mgr.wait()
             assert info.value.errno == 30
             assert mgr.all_steps() == [1]
         finally:
-            subprocess.run(["mount", "-o", "remount,rw", str(tmpfs)], check=True)
+            subprocess.run(["umount", str(run)], check=True)
 
 
 def test_read_only_root_is_restored_with_read_only_true(tmpfs):

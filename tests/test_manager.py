@@ -201,6 +201,7 @@ def test_keep_every_n_steps_keeps_history(tmp_path, make_state):
         assert mgr.all_steps() == [4, 8, 9]
 
 
+@pytest.mark.slow
 def test_resident_memory_stays_flat_over_20_saves(tmp_path):
     """Twenty saves of a 64 MB state grow RSS by far less than one extra copy of it."""
     model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(16)])  # ~67 MB fp32
@@ -221,6 +222,7 @@ def test_resident_memory_stays_flat_over_20_saves(tmp_path):
     assert growth < 0.25 * state_bytes, f"RSS grew by {growth} bytes over 20 saves"
 
 
+@pytest.mark.slow
 def test_exit_with_save_in_flight_commits_it(tmp_path):
     """A process that exits right after save() leaves a complete checkpoint, not a partial one."""
     script = textwrap.dedent(f"""

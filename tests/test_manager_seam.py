@@ -186,12 +186,13 @@ def _replace_on_two_ranks(rank, world_size, root):
         assert torch.equal(target["w"], torch.full((8,), 2.0))
 
 
+@pytest.mark.slow
 def test_explicit_path_replace_on_two_ranks(tmp_path):
     """Two gloo ranks overwrite the same explicit folder three times and load the newest one back."""
     run_distributed(_replace_on_two_ranks, 2, str(tmp_path))
 
 
-@pytest.mark.parametrize("persist", ["thread", "process"])
+@pytest.mark.parametrize("persist", ["thread", pytest.param("process", marks=pytest.mark.slow)])
 def test_extra_dir_is_committed_and_replaced_with_the_checkpoint(tmp_path, persist):
     """Hook files in extra_dir (nested too) land in the committed folder; a replace swaps them with it."""
     for n in (1, 2):

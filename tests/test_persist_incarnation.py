@@ -98,6 +98,7 @@ def _two_ranks(rank: int, world_size: int, root: str, dead_rank: int | None) -> 
     ctx.destroy()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_two_ranks_write_into_rank0s_temporary(tmp_path):
     """With two ranks (gloo), each with its own incarnation id, both write into rank 0's temporary and it commits."""
@@ -105,6 +106,7 @@ def test_two_ranks_write_into_rank0s_temporary(tmp_path):
     assert os.listdir(tmp_path) == ["step_000000001"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_two_ranks_commit_nothing_when_one_owner_is_gone(tmp_path):
     """With two ranks, rank 1's dead owner fails the save on both ranks; nothing is committed or left."""

@@ -3,6 +3,8 @@
 import subprocess
 import sys
 
+import pytest
+
 import torch_ckpt
 
 
@@ -12,6 +14,7 @@ def test_every_name_in_all_imports():
         assert getattr(torch_ckpt, name) is not None, name
 
 
+@pytest.mark.slow
 def test_core_imports_neither_lightning_nor_accelerate():
     """Importing every core module works with lightning and accelerate blocked."""
     code = ("import sys, pkgutil, importlib\n"

@@ -82,6 +82,7 @@ def _start_holder(root: Path) -> subprocess.Popen:
     return proc
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_root_held_by_another_process_names_its_host_and_pid(tmp_path):
     """A root locked by a live process is refused with that process's host and pid."""
@@ -94,6 +95,7 @@ def test_root_held_by_another_process_names_its_host_and_pid(tmp_path):
         holder.wait()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_lock_of_a_killed_process_is_free_at_once(tmp_path):
     """SIGKILL of the owner frees the lock (the kernel drops it); a new manager opens the root at once."""
@@ -120,6 +122,7 @@ def test_second_lock_object_in_the_same_process_is_refused(tmp_path):
     second.release()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_lock_file_naming_a_dead_pid_does_not_free_a_held_lock(tmp_path):
     """Ownership is the kernel lock, not the file text: a held lock whose owner file names a dead pid is refused."""

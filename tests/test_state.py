@@ -159,6 +159,7 @@ def test_repeated_capture_of_a_plain_module_equals_dcps():
         _assert_same_capture(state.state_dict()["model"], get_model_state_dict(model))
 
 
+@pytest.mark.slow
 def test_capture_of_a_compiled_module_keeps_dcps_names():
     """A torch.compile wrapper's '_orig_mod.' prefix is removed on every capture, as DCP does."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict

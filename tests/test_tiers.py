@@ -114,6 +114,7 @@ def test_local_manifest_records_the_durable_copy(tmp_path):
     assert tiers["durable"]["url"] == url
 
 
+@pytest.mark.slow
 def test_s3_resume_in_fresh_process_after_local_loss(tmp_path, s3):
     """Steps replicated to S3 restore exactly in a new process after the local directory is deleted."""
     url = f"s3://{s3.new_bucket()}/runs/exp1"
@@ -274,6 +275,7 @@ def _sharded_replicate(rank, world, root, url, options):
         torch.save(full, f"{root}/ref.pt")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_two_rank_sharded_save_replicates(tmp_path, s3):
     """A checkpoint written by 2 gloo ranks is replicated completely and restores on one process."""

@@ -75,6 +75,7 @@ def _run(tmp_path: Path, persist: str, threads: int, case: str) -> tuple[dict, s
     return json.loads(line[len("RESULT "):]), proc.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("threads", [1, 2, 4])
 @pytest.mark.parametrize("persist", ["thread", "process"])
 def test_file_size_limit_fails_the_save_and_keeps_the_last_good_step(tmp_path, persist, threads):
@@ -87,6 +88,7 @@ def test_file_size_limit_fails_the_save_and_keeps_the_last_good_step(tmp_path, p
     assert sum("checkpoint step 2 failed" in ln for ln in stderr.splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_warn_policy_counts_the_file_size_failure(tmp_path):
     """With on_write_error='warn' the EFBIG save is counted in failed_saves and step 1 stays restorable."""
     out, _ = _run(tmp_path, "thread", 2, "warn")
@@ -94,6 +96,7 @@ def test_warn_policy_counts_the_file_size_failure(tmp_path):
     assert out["steps"] == [1] and out["restored"] == 1 and out["value"] == 1.0
 
 
+@pytest.mark.slow
 def test_failed_save_is_never_replicated_to_the_durable_tier(tmp_path):
     """A save that failed locally is not uploaded; the durable tier keeps step 1 only."""
     out, _ = _run(tmp_path, "thread", 2, "durable")

@@ -24,6 +24,8 @@ import torch
 
 from torch_ckpt import CheckpointManager
 
+pytestmark = pytest.mark.slow  # see pyproject's markers: left out by make test-fast
+
 _HELPER = Path(__file__).parent / "_helpers" / "orphan_trainer.py"
 _spec = importlib.util.spec_from_file_location("_orphan_trainer_helper", _HELPER)
 trainer_helper = importlib.util.module_from_spec(_spec)
