@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +20,6 @@ from torch_ckpt.cadence import Cadence
 from torch_ckpt.checkpointer import AsyncCheckpointer, close_on_exit
 from torch_ckpt.config import DEFAULT, ON_EXISTING_NEWER, CheckpointConfig, DefaultType
 from torch_ckpt.errors import (
-    CheckpointCorruptError,
     CheckpointError,
     CheckpointNotFoundError,
     CheckpointWriteError,
@@ -31,21 +30,21 @@ from torch_ckpt.layout import (
     RootLock,
     check_root,
     clean_stale_temporaries,
-    is_committed,
     quarantine_step_dir,
     read_manifest,
     remove_step_dir,
     scan_committed,
     update_manifest_tiers,
 )
+from torch_ckpt.manager_health import ManagerHealthMixin
+from torch_ckpt.manager_read import ManagerReadMixin
 from torch_ckpt.naming import Naming, StepNaming
 from torch_ckpt.nodes import NodeLayout
 from torch_ckpt.preemption import PreemptionFlag
 from torch_ckpt.replicator import Replicator
-from torch_ckpt.resume import restore_candidates
-from torch_ckpt.resume_nodes import check_private_roots, node_layout, restore_node_local
+from torch_ckpt.resume_nodes import check_private_roots, node_layout
 from torch_ckpt.retention import RetentionPolicy, apply_retention
-from torch_ckpt.tiers import DurableTier, DurableUnavailableError
+from torch_ckpt.tiers import DurableTier
 
 __all__ = ["CheckpointManager", "ON_EXISTING_NEWER"]
 
@@ -61,7 +60,7 @@ def _list_steps(steps: list[int]) -> str:
     return f"[{', '.join(map(str, steps[:3]))}, ..., {', '.join(map(str, steps[-3:]))}]"
 
 
-class CheckpointManager:
+class CheckpointManager(ManagerReadMixin, ManagerHealthMixin):
     """Asynchronous, atomic DCP checkpoints of one run root, with retention and resume.
 
     Every rank constructs the manager and calls :meth:`save`, :meth:`restore`,
@@ -528,258 +527,10 @@ class CheckpointManager:
             except OSError as exc:
                 log.warning("retention could not remove %s: %s", committed[step], exc)
 
-    # -- listing and restoring -------------------------------------------------------------------
-    def checkpoints(self) -> dict[int, Path]:
-        """Committed checkpoints under the root, ``{step: directory}`` ascending (rank 0's view, agreed).
-
-        Only directories the naming parses and whose manifest names the same step are listed;
-        temporaries, hidden and foreign directories never are.
-        """
-        found = {s: str(p) for s, p in scan_committed(self.root, self.naming).items()} \
-            if self._ctx.is_coordinator else None
-        return {s: Path(p) for s, p in self._ctx.broadcast(found, what="list checkpoints").items()}
-
-    def all_steps(self) -> list[int]:
-        """Committed steps in ascending numeric order (rank 0's view, agreed by every rank)."""
-        return list(self.checkpoints())
-
-    def latest_step(self) -> int | None:
-        """The newest committed step, or None when there is none."""
-        steps = self.all_steps()
-        return steps[-1] if steps else None
-
-    @property
-    def restored_step(self) -> int | None:
-        """The step of the last successful :meth:`restore` until the next save, else None."""
-        return self._restored_step
-
-    def remove(self, target: int | str | os.PathLike) -> None:
-        """Delete one committed checkpoint crash-safely (renamed aside, then deleted); rank 0 acts.
-
-        Call on every rank or on rank 0 only (it is not collective); with node-local roots
-        (``local_root_shared=False``) call it on every rank: each node's lowest rank removes its
-        copy. An in-flight save of that checkpoint is waited for first. A missing target is a no-op.
-
-        Args:
-            target: a step (its ``naming`` directory under the root) or a checkpoint directory.
-
-        Raises:
-            ConfigError: a read-only manager, or ``target`` exists but is not a torch-ckpt checkpoint
-                (never deleted).
-            CheckpointWriteError: the directory could not be removed.
-        """
-        if self.read_only:
-            raise ConfigError(f"this CheckpointManager was opened with read_only=True on {self.root}: remove() "
-                              "is refused")
-        if isinstance(target, int) and not isinstance(target, bool):
-            path = self.root / self.naming.name(target)
-        else:
-            path = self._explicit_path(target)
-        if not self._acts_on_root:
-            return
-        inflight = self._ckpt.in_flight
-        if inflight is not None and not inflight.committed.done():
-            self._ckpt.wait()
-        if not os.path.lexists(path):
-            return
-        try:
-            read_manifest(path)
-        except CheckpointNotFoundError:
-            raise ConfigError(f"{path} is not a torch-ckpt checkpoint (no manifest.json); not deleting it") from None
-        except CheckpointCorruptError:
-            pass  # ours but damaged: still ours to delete
-        try:
-            remove_step_dir(path)
-        except OSError as exc:
-            raise CheckpointWriteError(exc.errno, f"cannot remove checkpoint {path}: {exc.strerror}") from exc
-        log.info("removed checkpoint %s", path)
-
-    def restore(self, state: Any, step: int | None = None, *, allow_cast: bool = False,
-                path: str | os.PathLike | Sequence[str | os.PathLike] | None = None) -> int | None:
-        """Load a committed checkpoint into ``state`` in place.
-
-        Args:
-            state: the live :class:`~torch_ckpt.TrainState`, ``Stateful`` or dict to load into.
-            step: the step to load; None loads the newest committed checkpoint.
-            allow_cast: cast tensors whose dtype differs from the live tensor's (each cast key is
-                logged once); by default a dtype difference is a ``StateMismatchError``.
-            path: load this checkpoint directory instead (absolute or relative to the root; it may
-                lie outside the root); a damaged one raises. A sequence of directories, newest
-                first, is tried in order: one that fails verification is skipped with a warning
-                naming it (the last one's error is raised). Not together with ``step``.
-
-        With a durable tier, the newest checkpoint complete in either tier is used; one that exists
-        only in the durable tier is downloaded (verified) first. When ``step`` is None, a candidate
-        that fails verification is skipped with a warning in favour of the next older one.
-
-        When the restored step is older than the newest committed one (an explicit older ``step``, or
-        a fallback), the newer checkpoints are moved aside at the next :meth:`save` (kept as hidden
-        ``.superseded_step_N.<time>`` directories), so training can continue from the restored step.
-
-        Returns:
-            The restored step (the manifest's), or None when neither ``step`` nor ``path`` is given
-            and no tier holds a checkpoint.
-
-        Raises:
-            CheckpointNotFoundError: ``step`` was given but is not a committed checkpoint, or the
-                root is not a directory.
-            DurableUnavailableError: the durable tier is unreachable and there is no local checkpoint.
-            StateMismatchError: keys, shapes or dtypes differ (missing and unexpected keys are listed).
-                A failed restore leaves ``state`` as it was.
-            CheckpointCorruptError: a file fails its size or checksum check.
-        """
-        if path is not None:
-            return self._restore_paths(state, path, step, allow_cast)
-        self._ckpt.wait()
-        if self._nodes is not None:
-            return restore_node_local(self, state, step, allow_cast)
-        if self.root.exists() and not self.root.is_dir():
-            raise CheckpointNotFoundError(f"checkpoint root {self.root} is not a directory")
-        plan = self._ctx.broadcast(restore_candidates(self.root, self._tier, step, self.naming)
-                                   if self._ctx.is_coordinator else None,
-                                   what="restore plan")
-        if isinstance(plan, BaseException):
-            raise plan
-        if not plan:
-            log.info("no committed checkpoint under %s%s; starting from scratch", self.root,
-                     f" or {self._tier.url}" if self._tier is not None else "")
-            return None
-        for i, (cand, where) in enumerate(plan):
-            try:
-                local = self._fetch(cand, where)
-                t0 = time.monotonic()
-                self._ckpt.load(local, state, verify=self.verify_on_load,
-                                on_world_size_change=self.on_world_size_change, allow_cast=allow_cast)
-            except CheckpointCorruptError as exc:
-                if step is not None or i == len(plan) - 1:
-                    raise
-                log.warning("step %d is not usable (%s); falling back to step %d", cand, exc, plan[i + 1][0])
-                continue
-            log.info("[rank %d] restored step %d from %s in %.3f s", self._ctx.rank, cand, local,
-                     time.monotonic() - t0)
-            self._restored_step = cand
-            self._newest_known = None
-            return cand
-        return None  # unreachable: the loop returns or raises
-
-    def _restore_paths(self, state: Any, path: Any, step: int | None, allow_cast: bool) -> int:
-        if step is not None:
-            raise ConfigError("restore(): pass either step or path, not both")
-        paths = [path] if isinstance(path, (str, os.PathLike)) else list(path)
-        if not paths or not all(isinstance(p, (str, os.PathLike)) and str(p) for p in paths):
-            raise ConfigError(f"restore(path=...) needs a directory or a non-empty sequence of them, got {path!r}")
-        self._ckpt.wait()
-        resolved = [Path(p).expanduser() if Path(p).expanduser().is_absolute() else self.root / p for p in paths]
-        for i, candidate in enumerate(resolved):
-            try:
-                manifest = read_manifest(candidate)
-                self._ckpt.load(candidate, state, verify=self.verify_on_load,
-                                on_world_size_change=self.on_world_size_change, allow_cast=allow_cast)
-            except (CheckpointCorruptError, CheckpointNotFoundError) as exc:
-                if i == len(resolved) - 1:
-                    raise
-                log.warning("checkpoint %s is not usable (%s); falling back to %s", candidate, exc, resolved[i + 1])
-                continue
-            log.info("[rank %d] restored step %d from %s", self._ctx.rank, manifest.step, candidate)
-            self._restored_step = manifest.step
-            self._newest_known = None
-            return manifest.step
-        raise AssertionError("unreachable")  # the loop returns or raises
-
-    def _fetch(self, step: int, where: str) -> Path:
-        """Make ``step`` available locally (downloading it on the coordinator when needed); agreed by all ranks."""
-        result: str | BaseException | None = None
-        if self._ctx.is_coordinator:
-            try:
-                result = str(self._tier.download(step, self.root) if where == "durable"
-                             else scan_committed(self.root, self.naming)[step])
-                if where == "durable":
-                    log.info("downloaded step %d from %s", step, self._tier.describe(step))
-            except CheckpointError as exc:
-                result = exc
-        result = self._ctx.broadcast(result, what="fetch checkpoint")
-        if isinstance(result, BaseException):
-            raise result
-        return Path(result)
-
     # -- lifecycle -------------------------------------------------------------------------------
     def wait(self) -> None:
         """Block until the in-flight save is committed; raise any background error (once)."""
         self._ckpt.wait()
-
-    def health(self) -> dict[str, Any]:
-        """Checkpoint health on this rank, for dashboards and periodic logs.
-
-        Returns:
-            ``latest_step`` / ``latest_age_s``: newest local committed checkpoint and the age (seconds)
-            of the state it holds; ``durable_step`` / ``durable_age_s``: the same for the durable tier
-            (the local tier stands in when there is none); ``lost_work_if_failure_now_s``: training
-            time that a failure right now would lose (back to the newest durable checkpoint; None
-            before the first one); ``in_flight_step``; ``failed_saves``; ``replication`` (see
-            :meth:`replication_stats`); ``schedule`` (the save policy's last decision, if any);
-            ``tiers``: per step, which tiers hold a copy, ``{step: {"local": "complete" | "partial" |
-            None, "durable": bool | None}}`` ("partial": this node's copy of a node-local checkpoint;
-            durable None: the store could not be listed); ``durable_newest_step`` /
-            ``durable_newest_age_s``: the newest step committed in the durable tier (listed there, so
-            also after a restart) and the age of its state in seconds (the exposure window).
-        """
-        now = time.time()
-        local = scan_committed(self.root, self.naming) if self.root.is_dir() else {}
-        latest = max(local) if local else None
-
-        def age(step: int | None) -> float | None:
-            if step is None:
-                return None
-            captured = self._captured_at.get(step)
-            if captured is None and step in local:
-                captured = read_manifest(local[step]).wall_time  # saved by an earlier run: commit time
-            return None if captured is None else now - captured
-
-        replication = self.replication_stats()
-        durable = replication.get("durable_step") if self._tier is not None else latest
-        inflight = self._ckpt.in_flight
-        tiers, newest_durable = self._tier_report(local, now)
-        return {
-            "tiers": tiers, "durable_newest_step": newest_durable[0], "durable_newest_age_s": newest_durable[1],
-            "latest_step": latest, "latest_age_s": age(latest),
-            "durable_step": durable, "durable_age_s": age(durable),
-            "lost_work_if_failure_now_s": age(durable),
-            "in_flight_step": None if inflight is None else inflight.step,
-            "failed_saves": len(self._ckpt.failed_saves),
-            "replication": replication,
-            "schedule": self.schedule_info(),
-        }
-
-    def _tier_report(self, local: dict[int, Path], now: float) -> tuple[dict[int, dict[str, Any]],
-                                                                          tuple[int | None, float | None]]:
-        """Per step, the tiers holding a copy; and the newest durable step with its age (seconds)."""
-        report: dict[int, dict[str, Any]] = {}
-        for step, path in local.items():
-            try:
-                partial = read_manifest(path).partial
-            except CheckpointError:
-                continue
-            if is_committed(path):
-                report[step] = {"local": "partial" if partial else "complete", "durable": None}
-        if self._tier is None:
-            return report, (None, None)
-        try:
-            durable = self._tier.list_steps()
-        except DurableUnavailableError as exc:
-            log.debug("health: %s", exc)
-            return report, (None, None)
-        for step in durable:
-            report.setdefault(step, {"local": None, "durable": None})
-        for step, entry in report.items():
-            entry["durable"] = step in durable
-        if not durable:
-            return dict(sorted(report.items())), (None, None)
-        newest = max(durable)
-        return dict(sorted(report.items())), (newest, now - durable[newest].wall_time)
-
-    def replication_stats(self) -> dict[str, Any]:
-        """State of the durable replication (see :meth:`Replicator.stats`); {} without a durable tier."""
-        return self._replicator.stats() if self._replicator is not None else {}
 
     def wait_durable(self, timeout_seconds: float | None = None) -> bool:
         """Block until every queued replication is done; False on timeout (or on non-coordinator ranks: True)."""
