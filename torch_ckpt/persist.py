@@ -34,7 +34,8 @@ from torch_ckpt.layout import (
     write_json_durable,
 )
 
-__all__ = ["PersistRequest", "persist_checkpoint"]
+__all__ = ["PersistRequest", "persist_checkpoint", "write_shards", "move_extra_entries", "as_write_error",
+           "check_on_disk", "check_owner", "describe_error"]
 
 
 @dataclass
@@ -74,11 +75,11 @@ class PersistRequest:
     progress: Any = None
 
 
-def _describe(exc: BaseException) -> str:
+def describe_error(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-def _as_write_error(exc: BaseException, where: Path) -> CheckpointError:
+def as_write_error(exc: BaseException, where: Path) -> CheckpointError:
     if isinstance(exc, CheckpointError):
         return exc
     if isinstance(exc, OSError) and exc.errno is not None:
@@ -88,10 +89,10 @@ def _as_write_error(exc: BaseException, where: Path) -> CheckpointError:
                 }.get(exc.errno, "check the location")
         name = f" ({Path(exc.filename).name})" if exc.filename else ""
         return CheckpointWriteError(exc.errno, f"writing checkpoint into {where} failed{name}: {exc.strerror} ({hint})")
-    return CheckpointWriteError(f"writing checkpoint into {where} failed: {_describe(exc)}")
+    return CheckpointWriteError(f"writing checkpoint into {where} failed: {describe_error(exc)}")
 
 
-def _check_on_disk(directory: Path, files: dict[str, dict[str, int]]) -> None:
+def check_on_disk(directory: Path, files: dict[str, dict[str, int]]) -> None:
     """Compare every written file's size on disk with the bytes written (before anything is committed).
 
     Raises:
@@ -106,7 +107,7 @@ def _check_on_disk(directory: Path, files: dict[str, dict[str, int]]) -> None:
         if size != info["bytes"]:
             raise CheckpointWriteError(errno.EIO, f"{path} has {size} bytes on disk but {info['bytes']} were "
                                                   "written; not committing")
-def _check_owner(req: PersistRequest, final: Path) -> None:
+def check_owner(req: PersistRequest, final: Path) -> None:
     """Raise when the process that requested this save is gone (see ``PersistRequest.owner_alive``)."""
     if req.owner_alive is not None and not req.owner_alive():
         raise CheckpointWriteError(f"the training process that requested step {req.step} is gone; its checkpoint "
@@ -140,6 +141,58 @@ def move_extra_entries(extra_dir: Path, tmp: Path) -> None:
     shutil.rmtree(extra_dir, ignore_errors=True)
 
 
+def write_shards(req: PersistRequest, ctx: DistContext, final: Path, tmp: Path, make_writer: Callable[[], Any],
+                 planner: Any, *, exclude: tuple[str, ...] = ()) -> tuple[Any, BaseException | None, list, list[str],
+                                                                          float]:
+    """Every rank: write its shards (DCP) and per-rank state into ``tmp``, check them, and agree.
+
+    A rank whose staging failed (``req.failed``) still joins DCP's collectives with nothing to
+    write. Each rank checks its files on disk and that its trainer is alive; then one all-gather
+    tells every rank every other rank's files and errors.
+
+    Args:
+        req: the request (tensors, tree, step).
+        ctx: the distributed context (its background group carries the collectives).
+        final: the final directory (for the owner check).
+        tmp: the temporary directory every rank writes into.
+        make_writer: builds this rank's DCP storage writer (called inside the error handling).
+        planner: the DCP save planner.
+        exclude: file names this rank wrote that are not listed as written (rewritten later).
+
+    Returns:
+        ``(writer, error, gathered, failures, write_s)``: the writer (None if it could not be
+        built), this rank's error (None on success), every rank's all-gathered ``(error message or
+        None, {file: {"bytes", "crc32"}})``, the failure lines ("rank R: message"), and the seconds
+        the write took.
+    """
+    t0 = time.monotonic()
+    files: dict[str, dict[str, int]] = {}
+    writer = None
+    error: BaseException | None = None
+    try:
+        writer = make_writer()
+        dcp.save(req.tensors if req.failed is None else {}, storage_writer=writer, planner=planner,
+                 process_group=ctx.bg if ctx.enabled else None, no_dist=not ctx.enabled)
+        if req.failed is not None:
+            raise CheckpointWriteError(f"staging step {req.step} failed on rank {ctx.rank}: {req.failed}")
+        rank_doc = {"step": req.step, "rank": ctx.rank, "world_size": ctx.world_size, "tree": req.tree}
+        size, crc = write_json_durable(tmp / rank_file_name(ctx.rank), rank_doc)
+        files = {name: {"bytes": b, "crc32": c} for name, (b, c) in writer.written_files.items()
+                 if name not in exclude}
+        files[rank_file_name(ctx.rank)] = {"bytes": size, "crc32": crc}
+        check_on_disk(tmp, files)
+        check_owner(req, final)
+    except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException derives from BaseException
+        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            raise
+        # DCP reports a failed write as an opaque CheckpointException; prefer the error behind it
+        error = writer.error if writer is not None and writer.error is not None else exc
+    gathered = ctx.all_gather((None if error is None else describe_error(error), files), background=True,
+                              what="shard write agreement")
+    failures = [f"rank {r}: {msg}" for r, (msg, _) in enumerate(gathered) if msg]
+    return writer, error, gathered, failures, time.monotonic() - t0
+
+
 def persist_checkpoint(req: PersistRequest, ctx: DistContext) -> Path:
     """Write, verify agreement and commit one checkpoint; collective over ``ctx``'s background group.
 
@@ -163,7 +216,7 @@ def persist_checkpoint(req: PersistRequest, ctx: DistContext) -> Path:
     error: BaseException | None = None
     if ctx.is_coordinator:
         try:
-            _check_owner(req, final)
+            check_owner(req, final)
             if final.exists() and not req.replace:
                 raise CheckpointWriteError(f"{final} already exists; refusing to overwrite a checkpoint")
             if tmp.exists():  # this incarnation's own leftover of an earlier failed attempt
@@ -172,39 +225,18 @@ def persist_checkpoint(req: PersistRequest, ctx: DistContext) -> Path:
         except BaseException as exc:  # noqa: BLE001 - reported to every rank below
             error = exc
     # every rank writes into rank 0's temporary directory (its name carries rank 0's incarnation id)
-    prepared = ctx.broadcast(("ok", tmp.name) if error is None else ("error", _describe(error)), background=True,
+    prepared = ctx.broadcast(("ok", tmp.name) if error is None else ("error", describe_error(error)), background=True,
                              what="prepare")
     if prepared[0] != "ok":
-        raise _as_write_error(error, tmp) if error is not None else CheckpointWriteError(
+        raise as_write_error(error, tmp) if error is not None else CheckpointWriteError(
             f"rank 0 could not prepare {tmp}: {prepared[1]}")
     tmp = final.with_name(prepared[1])
 
-    t0 = time.monotonic()
-    files: dict[str, dict[str, int]] = {}
-    writer = None
-    try:
-        writer = ChecksumFileSystemWriter(tmp, thread_count=req.thread_count, sync_files=True,
-                                          wait_for=req.progress.wait if req.progress is not None else None)
-        # a rank whose staging failed still takes part in DCP's collectives, with nothing to write
-        dcp.save(req.tensors if req.failed is None else {}, storage_writer=writer, planner=DefaultSavePlanner(),
-                 process_group=ctx.bg if ctx.enabled else None, no_dist=not ctx.enabled)
-        if req.failed is not None:
-            raise CheckpointWriteError(f"staging step {req.step} failed on rank {ctx.rank}: {req.failed}")
-        rank_doc = {"step": req.step, "rank": ctx.rank, "world_size": ctx.world_size, "tree": req.tree}
-        size, crc = write_json_durable(tmp / rank_file_name(ctx.rank), rank_doc)
-        files = {name: {"bytes": b, "crc32": c} for name, (b, c) in writer.written_files.items()}
-        files[rank_file_name(ctx.rank)] = {"bytes": size, "crc32": crc}
-        _check_on_disk(tmp, files)
-        _check_owner(req, final)
-    except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException derives from BaseException
-        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
-            raise
-        # DCP reports a failed write as an opaque CheckpointException; prefer the error behind it
-        error = writer.error if writer is not None and writer.error is not None else exc
-    gathered = ctx.all_gather((None if error is None else _describe(error), files), background=True,
-                              what="shard write agreement")
-    failures = [f"rank {r}: {msg}" for r, (msg, _) in enumerate(gathered) if msg]
-    write_s = time.monotonic() - t0
+    def make_writer() -> ChecksumFileSystemWriter:
+        return ChecksumFileSystemWriter(tmp, thread_count=req.thread_count, sync_files=True,
+                                        wait_for=req.progress.wait if req.progress is not None else None)
+
+    writer, error, gathered, failures, write_s = write_shards(req, ctx, final, tmp, make_writer, DefaultSavePlanner())
 
     commit_error: str | None = None
     if ctx.is_coordinator:
@@ -222,10 +254,10 @@ def persist_checkpoint(req: PersistRequest, ctx: DistContext) -> Path:
                 manifest = Manifest(step=req.step, world_size=ctx.world_size, files=dict(sorted(all_files.items())),
                                     tensor_bytes=req.tensor_bytes, timings=timings)
                 write_json_durable(tmp / "manifest.json", manifest.to_json())
-                _check_owner(req, final)  # last look before the rename: never commit for a dead trainer
+                check_owner(req, final)  # last look before the rename: never commit for a dead trainer
                 commit_dir(tmp, final, replace=req.replace)
             except BaseException as exc:  # noqa: BLE001
-                commit_error = _describe(exc)
+                commit_error = describe_error(exc)
                 error = error or exc
                 shutil.rmtree(tmp, ignore_errors=True)
     outcome = ctx.broadcast(("failed", failures) if failures else (("commit-failed", commit_error) if commit_error
@@ -235,6 +267,6 @@ def persist_checkpoint(req: PersistRequest, ctx: DistContext) -> Path:
         req.committed_bytes = sum(f["bytes"] for _, files_of_rank in gathered for f in files_of_rank.values())
         return final
     if error is not None:
-        raise _as_write_error(error, tmp)
+        raise as_write_error(error, tmp)
     detail = "; ".join(outcome[1]) if isinstance(outcome[1], list) else str(outcome[1])
     raise CheckpointWriteError(f"checkpoint step {req.step} was not committed: {detail}")

@@ -19,11 +19,8 @@ failure, so a failing rank fails the step everywhere instead of hanging the othe
 from __future__ import annotations
 
 import shutil
-import time
 import zlib
 from pathlib import Path
-
-import torch.distributed.checkpoint as dcp
 
 from torch_ckpt.dcp_metadata import metadata_name
 from torch_ckpt.dist import DistContext
@@ -34,18 +31,18 @@ from torch_ckpt.layout import (
     Manifest,
     commit_dir,
     new_incarnation,
-    rank_file_name,
     temporary_name,
     write_json_durable,
 )
 from torch_ckpt.nodes import NodeDedupPlanner, NodeLayout, RecordingWriter, node_views, shared_files
 from torch_ckpt.persist import (
     PersistRequest,
-    _as_write_error,
-    _check_on_disk,
-    _check_owner,
-    _describe,
+    as_write_error,
+    check_on_disk,
+    check_owner,
+    describe_error,
     move_extra_entries,
+    write_shards,
 )
 
 __all__ = ["persist_node_local"]
@@ -63,7 +60,7 @@ def _write_bytes(path: Path, data: bytes) -> tuple[int, int]:
 
 def _fail_all(ctx: DistContext, mine: BaseException | None, what: str) -> list[str]:
     """All-gather this rank's error; return every rank's, as ``rank N: message``."""
-    gathered = ctx.all_gather(None if mine is None else _describe(mine), background=True, what=what)
+    gathered = ctx.all_gather(None if mine is None else describe_error(mine), background=True, what=what)
     return [f"rank {r}: {msg}" for r, msg in enumerate(gathered) if msg]
 
 
@@ -86,7 +83,7 @@ def persist_node_local(req: PersistRequest, ctx: DistContext) -> Path:
     error: BaseException | None = None
     if layout.is_leader:
         try:
-            _check_owner(req, final)
+            check_owner(req, final)
             if final.exists() and not req.replace:
                 raise CheckpointWriteError(f"{final} already exists; refusing to overwrite a checkpoint")
             if tmp.exists():
@@ -97,34 +94,13 @@ def persist_node_local(req: PersistRequest, ctx: DistContext) -> Path:
     failures = _fail_all(ctx, error, "prepare")
     if failures:
         if error is not None:
-            raise _as_write_error(error, tmp)
+            raise as_write_error(error, tmp)
         raise CheckpointWriteError(f"a node could not prepare step {req.step}: {'; '.join(failures)}")
 
-    t0 = time.monotonic()
-    files: dict[str, dict[str, int]] = {}
-    writer = None
-    try:
-        writer = RecordingWriter(tmp, thread_count=req.thread_count, sync_files=True, rank_node=layout.rank_node)
-        dcp.save(req.tensors if req.failed is None else {}, storage_writer=writer,
-                 planner=NodeDedupPlanner(layout.rank_node), process_group=ctx.bg if ctx.enabled else None,
-                 no_dist=not ctx.enabled)
-        if req.failed is not None:
-            raise CheckpointWriteError(f"staging step {req.step} failed on rank {ctx.rank}: {req.failed}")
-        rank_doc = {"step": req.step, "rank": ctx.rank, "world_size": ctx.world_size, "tree": req.tree}
-        size, crc = write_json_durable(tmp / rank_file_name(ctx.rank), rank_doc)
-        files = {n: {"bytes": b, "crc32": c} for n, (b, c) in writer.written_files.items()}
-        files[rank_file_name(ctx.rank)] = {"bytes": size, "crc32": crc}
-        files.pop(METADATA_NAME, None)  # rewritten below (see node_views)
-        _check_on_disk(tmp, files)
-        _check_owner(req, final)
-    except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException derives from BaseException
-        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
-            raise
-        error = writer.error if writer is not None and writer.error is not None else exc
-    gathered = ctx.all_gather((None if error is None else _describe(error), files), background=True,
-                              what="shard write agreement")
-    failures = [f"rank {r}: {msg}" for r, (msg, _) in enumerate(gathered) if msg]
-    write_s = time.monotonic() - t0
+    writer, error, gathered, failures, write_s = write_shards(
+        req, ctx, final, tmp,
+        lambda: RecordingWriter(tmp, thread_count=req.thread_count, sync_files=True, rank_node=layout.rank_node),
+        NodeDedupPlanner(layout.rank_node), exclude=(METADATA_NAME,))  # .metadata is rewritten below (node_views)
 
     plan = None
     if ctx.is_coordinator and not failures:
@@ -149,7 +125,7 @@ def persist_node_local(req: PersistRequest, ctx: DistContext) -> Path:
             plan = ("ok", manifest.to_json(), views)
         except BaseException as exc:  # noqa: BLE001
             error = exc
-            plan = ("error", _describe(exc), None)
+            plan = ("error", describe_error(exc), None)
     plan = ctx.broadcast(plan if ctx.is_coordinator else None, background=True, what="manifest")
 
     ready_error: BaseException | None = None
@@ -160,11 +136,11 @@ def persist_node_local(req: PersistRequest, ctx: DistContext) -> Path:
             if layout.node == 0:
                 _write_bytes(tmp / METADATA_NAME, views[None])  # replaces DCP's own (every copy listed)
             manifest = Manifest.from_json({**doc, "node": layout.node}, str(tmp / MANIFEST_NAME))
-            _check_on_disk(tmp, manifest.local_files())
+            check_on_disk(tmp, manifest.local_files())
             if ctx.is_coordinator and req.extra_dir is not None:  # framework files: node 0's copy, as rank 0 reads them
                 move_extra_entries(Path(req.extra_dir), tmp)
             write_json_durable(tmp / MANIFEST_NAME, manifest.to_json())
-            _check_owner(req, final)
+            check_owner(req, final)
         except BaseException as exc:  # noqa: BLE001
             ready_error = exc
     ready = _fail_all(ctx, ready_error, "commit agreement")
@@ -187,6 +163,6 @@ def persist_node_local(req: PersistRequest, ctx: DistContext) -> Path:
         return final
     own = error or ready_error
     if own is not None:
-        raise _as_write_error(own, tmp)
+        raise as_write_error(own, tmp)
     detail = "; ".join(failures or ready or [str(plan[1])])
     raise CheckpointWriteError(f"checkpoint step {req.step} was not committed: {detail}")
