@@ -104,17 +104,14 @@ def attach(io: Any, trainer: Any) -> None:
             target = io.load_sharded(candidates, _ShardedTarget(strategy.model, optimizers(),
                                                                 strict=module.strict_loading))
             return decode_values(target.loaded, allow_pickle=weights_only is False)
-        checkpoint = io.load_checkpoint(path, weights_only=weights_only)
+        # DDP/single device restore before the optimizers exist: only the model is checked (by the core)
+        live = None if is_sharded else {"state_dict": module.state_dict()}
+        checkpoint = io.load_dir(path, weights_only=weights_only, live=live, strict=module.strict_loading)
         if is_sharded:  # evaluation: full tensors on every rank, then sharded into the model
             from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
             set_model_state_dict(strategy.model, checkpoint["state_dict"],
                                  options=StateDictOptions(full_state_dict=True, strict=module.strict_loading))
-        else:
-            from lightning_ckpt._load import check_against_live
-
-            check_against_live(checkpoint, module, optimizers() if fitting else [], strict=module.strict_loading,
-                               allow_cast=io.allow_cast, where=str(path))
         return checkpoint
 
     strategy.save_checkpoint = save_checkpoint

@@ -300,15 +300,39 @@ class AsyncDCPCheckpointIO(CheckpointIO):
         """
         if not Path(path).is_dir():
             return TorchCheckpointIO().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+        return self.load_dir(path, weights_only=weights_only, map_location=map_location)
+
+    def load_dir(self, path: Any, *, weights_only: bool | None = None, map_location: Any = None,
+                 live: dict[str, Any] | None = None, strict: bool = True) -> dict[str, Any]:
+        """:meth:`load_checkpoint` of a directory; once attached, checked against ``live`` state first.
+
+        Args:
+            path: the checkpoint directory.
+            weights_only: False allows values stored pickled.
+            map_location: device (or device string) for the tensors.
+            live: ``{"state_dict": <the live model's state>}`` to check against (attached only).
+            strict: require the model's keys to match.
+
+        Raises:
+            StateMismatchError: the checkpoint does not match ``live``; nothing was loaded.
+        """
         candidates = self.fallbacks.pop(str(Path(path).absolute()), [Path(path)])
         if self._in_fit and not self.rng_restored_by_callback and not self._warned_rng:
             self._warned_rng = True
             rank_zero_warn("AsyncDCPCheckpointIO alone does not restore the RNG: after this resume, dropout and random "
                            "augmentation differ from an uninterrupted run. Add lightning_ckpt.MTBFCheckpoint for a "
                            "bitwise exact resume.")
-        return load_checkpoint_dir(candidates, manager=self._manager if self._collective else None,
-                                   verify=self.verify_on_load, allow_pickle=weights_only is False,
-                                   map_location=map_location)
+        manager = self._manager if self._collective else None
+        if manager is None and self._collective:  # attached, nothing saved yet: read through a read-only manager
+            manager = CheckpointManager(Path(candidates[0]).absolute().parent, config=self._config.replace(
+                read_only=True, persist="thread", naming=StepNaming(), keep_last=None))
+        try:
+            return load_checkpoint_dir(candidates, manager=manager, verify=self.verify_on_load,
+                                       allow_pickle=weights_only is False, map_location=map_location, live=live,
+                                       strict=strict, allow_cast=self.allow_cast)
+        finally:
+            if manager is not None and manager is not self._manager:
+                manager.close()
 
     def load_sharded(self, candidates: Sequence[Path], target: Any) -> Any:
         """Load the first intact candidate into ``target`` in place through the manager (every rank)."""
