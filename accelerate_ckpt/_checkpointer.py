@@ -1,12 +1,10 @@
 """``attach()``: route an ``Accelerator``'s ``save_state``/``load_state`` through a torch-ckpt ``CheckpointManager``.
 
-Accelerate's pre-hooks only see the weights of plain models; optimizers, schedulers, scaler,
-samplers and RNG are written synchronously after the hooks return, and FSDP models before they run.
-So :func:`attach` replaces ``save_state`` and ``load_state`` *on that one Accelerator instance*
-(instance attributes; :meth:`AccelerateCheckpointer.close` removes them). Registered pre-hooks still
-run in order with ``(models, weights, output_dir)`` / ``(models, input_dir)``; what they do not
-``pop()`` the manager saves with everything else in one asynchronous, sharded, atomic checkpoint. Naming, retention, resume with fallback, rollback,
-atomic replacement of a reused folder, scheduling and the durable copy are the manager's.
+Accelerate's pre-hooks see only plain models' weights (optimizers, RNG... are written after them), so
+:func:`attach` replaces ``save_state``/``load_state`` on that one Accelerator *instance*. Registered
+pre-hooks still run in order; what they do not ``pop()`` is saved by the manager in one asynchronous,
+sharded, atomic checkpoint. Naming, retention, resume with fallback, rollback, atomic replacement,
+scheduling and the durable copy are the manager's.
 """
 
 from __future__ import annotations
@@ -122,18 +120,15 @@ class AccelerateCheckpointer:
         accelerator.load_state = self.load_state
 
     def _open(self, root: Path | None = None) -> CheckpointManager:
-        """The manager; created on first use (collective: every process reaches it at the same call).
-
-        Its root is ``project_dir/checkpoints`` with automatic naming, else ``root``. Not created at
-        ``attach()``, so that a fresh run's ``checkpoints`` folder appears only with its first save.
-        """
+        """The manager, created on first use (collective) at ``project_dir/checkpoints`` with automatic
+        naming, else at ``root``; not at ``attach()``, so a fresh run's folder appears with its first save."""
         if self.manager is None:
             if self._auto:
                 root = Path(self.accelerator.project_dir).expanduser() / "checkpoints"
             s = self.settings
             keep = s.config.keep_last if s.keep_last_given else self.accelerator.project_configuration.total_limit
-            self.manager = CheckpointManager(root, config=s.config, naming=NAMING, keep_last=keep if self._auto else None,
-                                             **self._policy)
+            self.manager = CheckpointManager(root, config=s.config, naming=NAMING,
+                                             keep_last=keep if self._auto else None, **self._policy)
         return self.manager
 
     def _check_open(self) -> None:
@@ -145,13 +140,12 @@ class AccelerateCheckpointer:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
+        try:
             self.close()
-        else:
-            try:
-                self.close()
-            except Exception:  # keep the original exception; log this one
-                log.exception("checkpoint error while closing after another exception")
+        except Exception:
+            if exc_type is None:
+                raise
+            log.exception("checkpoint error while closing after another exception")  # keep the original
 
     @property
     def enabled(self) -> bool:
@@ -160,9 +154,8 @@ class AccelerateCheckpointer:
 
     # -- hooks -----------------------------------------------------------------------------------
     def _run_hooks(self, table: dict, items: list, folder: Path, *, save: bool) -> list[int]:
-        """Run the registered pre-hooks on ``items`` (one per plain model; none for FSDP, whose models
-        Accelerate never hands to hooks); what they leave is torch-ckpt's. Returns the model indices a
-        hook ``pop()``ed (it saves or loads that model itself)."""
+        """Run the registered pre-hooks on ``items`` (one per plain model; none for FSDP); return the model
+        indices a hook ``pop()``ed (it saves or loads that model itself)."""
         originals = list(items)
         args = (compat.prepared(self.accelerator, "models"), items, str(folder)) if save else (items, str(folder))
         for hook in list(table.values()):
@@ -238,10 +231,7 @@ class AccelerateCheckpointer:
 
     # -- loading ---------------------------------------------------------------------------------
     def latest_checkpoint(self) -> Path | None:
-        """The newest committed automatic checkpoint folder on local disk, or None (collective).
-
-        ``load_state()`` also looks at ``durable_url`` and falls back past a damaged newest checkpoint.
-        """
+        """The newest committed automatic checkpoint folder on local disk, or None (collective)."""
         if self._closed or not self._auto:
             return None
         found = self._open().checkpoints()

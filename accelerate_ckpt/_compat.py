@@ -55,7 +55,7 @@ def is_fsdp(acc: Any) -> bool:
 
 
 def save_iteration(acc: Any) -> int:
-    """``accelerator.save_iteration`` is a read-only property over ``project_configuration.iteration`` (1.0.1-1.15.0)."""
+    """``accelerator.save_iteration``, a read-only property over ``project_configuration.iteration`` (1.0.1-1.15.0)."""
     return int(acc.project_configuration.iteration)
 
 

@@ -139,7 +139,7 @@ class AcceleratorTrainState:
         return self._plain[int(parts[1])], parts[2]
 
     def load_optional_key(self, key: str) -> bool:
-        """True for optimizer-state tensors, which a fresh optimizer does not have yet."""
+        """True for optimizer-state tensors (a fresh optimizer has none yet)."""
         plain = self._plain_key(key)
         return plain[0].load_optional_key(plain[1]) if plain else self._train.load_optional_key(key)
 
@@ -176,10 +176,8 @@ class AcceleratorTrainState:
         return casts
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Load in place and set ``accelerator.step`` and ``accelerator.project_configuration.iteration``.
-
-        Everything is checked first; should a component fail to load, the ones already loaded are
-        put back, so a failed load leaves the run as it was.
+        """Load in place (all or nothing: loaded components are put back on a failure) and set
+        ``accelerator.step`` and the save iteration.
 
         Raises:
             StateMismatchError: the checkpoint has a different number of optimizers, registered

@@ -1,23 +1,17 @@
-"""Attaching :class:`~lightning_ckpt.AsyncDCPCheckpointIO` to a trainer: the per-strategy mechanism.
+"""Attaching :class:`~lightning_ckpt.AsyncDCPCheckpointIO` to a trainer so every rank takes part in every save.
 
-Lightning calls a ``CheckpointIO`` on rank 0 only, and its FSDP and ModelParallel strategies do not
-call it at all. :func:`attach` therefore replaces, on this trainer's strategy *instance* only (no
-class is patched), the methods that save, remove, load and tear down, so every rank takes part in
-every save through the core:
+Lightning calls a ``CheckpointIO`` on rank 0 only (FSDP/ModelParallel not at all), so :func:`attach`
+replaces save, remove, load and teardown on this trainer's strategy *instance* (no class is patched):
 
-* single device and DDP (``ddp``, ``ddp_spawn``, ``ddp_fork``): every rank saves; replicated tensors
-  are written once; loop progress and callback states (RNG) are stored per rank. Loading one of
-  our directories checks the model's and optimizers' keys, shapes and dtypes first (no partial
-  load, no silent cast).
-* ModelParallel (FSDP2, TP) and FSDP (``state_dict_type="sharded"``): model and optimizer state are
-  :class:`torch_ckpt.TrainState`'s (DTensor shards by parameter name, no initialising optimizer
-  step), every rank writes its shards, and loading while fitting is the core's checked,
-  all-or-nothing load in place with resharding (validate/test: full tensors, then sharded).
+* single device and DDP: every rank saves; replicated tensors are written once, loop progress and
+  callback states (RNG) per rank; a load is checked against the live model first (no partial load).
+* ModelParallel (FSDP2, TP) and FSDP (``state_dict_type="sharded"``): model and optimizer state go
+  through :class:`torch_ckpt.TrainState` (DTensor shards by parameter name); loading while fitting is
+  the core's checked, all-or-nothing load in place with resharding (evaluation: full tensors).
 
-Attaching before ``fit`` only registers a small callback; the wrappers are installed at ``setup``,
-inside the worker processes (``ddp_spawn`` pickles the trainer). It also defers
-``ModelCheckpoint(save_last="link")`` links and loggers' ``after_save_checkpoint`` until the
-checkpoint they refer to is committed.
+Before ``fit`` it only registers a callback that installs the wrappers at ``setup`` in every worker
+(``ddp_spawn`` pickles the trainer). ``save_last="link"`` links and loggers' ``after_save_checkpoint``
+wait until the checkpoint they refer to is committed.
 """
 
 from __future__ import annotations
@@ -95,7 +89,7 @@ def attach(io: Any, trainer: Any) -> None:
 
     def load_checkpoint(checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         path = Path(strategy.broadcast(checkpoint_path))
-        if not io.is_checkpoint_dir(path) and not path.is_dir():
+        if not path.is_dir():  # a committed checkpoint is a directory
             return original_load(checkpoint_path, weights_only=weights_only)
         fitting = trainer.state.fn == TrainerFn.FITTING
         module = strategy.lightning_module
@@ -104,17 +98,14 @@ def attach(io: Any, trainer: Any) -> None:
             target = io.load_sharded(candidates, _ShardedTarget(strategy.model, optimizers(),
                                                                 strict=module.strict_loading))
             return decode_values(target.loaded, allow_pickle=weights_only is False)
-        checkpoint = io.load_checkpoint(path, weights_only=weights_only)
+        # DDP/single device restore before the optimizers exist: only the model is checked (by the core)
+        live = None if is_sharded else {"state_dict": module.state_dict()}
+        checkpoint = io.load_dir(path, weights_only=weights_only, live=live, strict=module.strict_loading)
         if is_sharded:  # evaluation: full tensors on every rank, then sharded into the model
             from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
             set_model_state_dict(strategy.model, checkpoint["state_dict"],
                                  options=StateDictOptions(full_state_dict=True, strict=module.strict_loading))
-        else:
-            from lightning_ckpt._load import check_against_live
-
-            check_against_live(checkpoint, module, optimizers() if fitting else [], strict=module.strict_loading,
-                               allow_cast=io.allow_cast, where=str(path))
         return checkpoint
 
     strategy.save_checkpoint = save_checkpoint
@@ -158,12 +149,8 @@ def _defer_after_save(io: Any, logger: Any) -> None:
 
 
 class _ShardedTarget:
-    """The live sharded model and optimizers as the core's load target (checked, staged, in place).
-
-    Model and optimizer sections go through one :class:`torch_ckpt.TrainState` per optimizer
-    (optimizer state may be absent on either side; nothing is written before every check and every
-    read succeeded); every other value is read as it is.
-    """
+    """The live sharded model and optimizers as the core's load target (one :class:`torch_ckpt.TrainState`
+    per optimizer; nothing is written before every check and read succeeded); other values are read as is."""
 
     rank_local_keys: tuple[str, ...] = ()  # loops and callbacks of rank 0 (the same on every rank here)
 

@@ -1,10 +1,4 @@
-"""``MTBFCheckpoint``: save when the failure rate says so, resume exactly, and save on preemption.
-
-At every optimizer step boundary the manager records the step, rank 0's save policy decides and
-every rank gets its answer together with whether any rank received SIGTERM; a save goes through
-``trainer.save_checkpoint``. The RNG of every rank is stored and restored right before the first
-resumed batch (see :meth:`MTBFCheckpoint.state_dict` and :meth:`MTBFCheckpoint._save` for where).
-"""
+"""``MTBFCheckpoint``: save when the failure rate says so, resume exactly, and save on preemption."""
 
 from __future__ import annotations
 
@@ -162,13 +156,10 @@ class MTBFCheckpoint(OnExceptionCheckpoint):
             self._install_sigterm_handler(trainer)
 
     def _install_sigterm_handler(self, trainer: Any) -> None:
-        """Replace Lightning's SIGTERM handler for this fit by the manager's (which only records the signal).
+        """Replace Lightning's SIGTERM handler (it stops mid-accumulation, before a save) by the manager's.
 
-        Lightning's handler makes training stop at the end of the current batch, even inside gradient
-        accumulation, before this callback could save; with several ranks it also broadcasts on the
-        training process group. The manager's flag is agreed across ranks at the next step boundary
-        (``should_save``); this callback then saves, waits for the commit and raises Lightning's flag.
-        Handlers installed before ``fit`` still run, and are what Lightning restores after ``fit``.
+        The manager's flag is agreed at the next step boundary; the callback then saves, waits for the
+        commit and raises Lightning's flag. Handlers installed before ``fit`` still run and are restored.
         """
         connector = _compat.signal_connector(trainer)
         if connector is None or self._handlers is None:
@@ -186,16 +177,18 @@ class MTBFCheckpoint(OnExceptionCheckpoint):
     # -- per step --------------------------------------------------------------------------------
     @override
     def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
-        if self._pending_rng is not None and self._rng_at_epoch_start:  # before this epoch's train iterator
-            self._rng.load_state_dict({"rng": self._pending_rng})
-            self._pending_rng = None
+        if self._rng_at_epoch_start:  # before this epoch's train iterator
+            self._restore_rng()
 
     @override
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
-        if self._pending_rng is not None:  # after the resumed epoch's iterator was created, before the forward
+        self._restore_rng()  # after the resumed epoch's iterator was created, before the forward
+        self._flush_deferred(trainer)
+
+    def _restore_rng(self) -> None:
+        if self._pending_rng is not None:
             self._rng.load_state_dict({"rng": self._pending_rng})
             self._pending_rng = None
-        self._flush_deferred(trainer)
 
     @override
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
@@ -225,13 +218,8 @@ class MTBFCheckpoint(OnExceptionCheckpoint):
                           on_epoch=False)
 
     def _save(self, trainer: Any, step: int, *, at_step_boundary: bool = True) -> None:
-        """Save ``step``; a save at the end of an epoch is completed at the next epoch's first batch.
-
-        At the last batch of an epoch the uninterrupted run goes on to create the next epoch's train
-        iterator, which draws from the global RNG (loaders without ``generator=``) before the next
-        batch. The checkpoint then holds Lightning's state of this step boundary, captured now, and the
-        RNG as it is right before the next batch, which is where the resumed run restores it.
-        """
+        """Save ``step``; at an epoch end, Lightning's state is captured now and written at the next batch
+        with the RNG as it is then (the next epoch's iterator draws from it), where a resume restores it."""
         if step == self._last_saved_step:
             return
         self._last_saved_step = step
@@ -240,7 +228,7 @@ class MTBFCheckpoint(OnExceptionCheckpoint):
             self._deferred = (step, path, _compat.dump_checkpoint(trainer))
             return
         trainer.save_checkpoint(path, weights_only=False)
-        self._after_save(trainer, step)
+        self._track_last_save()
 
     def _flush_deferred(self, trainer: Any) -> None:
         """Write the checkpoint deferred by :meth:`_save`, with this moment's RNG."""
@@ -251,9 +239,9 @@ class MTBFCheckpoint(OnExceptionCheckpoint):
         checkpoint["callbacks"][self.state_key].update(rng=self._rng.state_dict()["rng"], restore_rng_at="batch")
         trainer.strategy.save_checkpoint(checkpoint, path)
         trainer.strategy.barrier("MTBFCheckpoint.save")
-        self._after_save(trainer, step)
+        self._track_last_save()
 
-    def _after_save(self, trainer: Any, step: int) -> None:
+    def _track_last_save(self) -> None:
         if self._io.last_handle is not None:
             self._unreported.append(self._io.last_handle)
 
@@ -267,7 +255,7 @@ class MTBFCheckpoint(OnExceptionCheckpoint):
 
     @staticmethod
     def _log_metrics(trainer: Any, metrics: dict[str, float]) -> None:
-        """Write ``metrics`` once, straight to the loggers (``LightningModule.log`` would repeat them on every row)."""
+        """Write ``metrics`` once, straight to the loggers (``pl_module.log`` would repeat them per row)."""
         if trainer.is_global_zero:
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=trainer.global_step)
@@ -306,11 +294,10 @@ class MTBFCheckpoint(OnExceptionCheckpoint):
     # -- end of training -------------------------------------------------------------------------
     @override
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
-        """Save the final step unless it is saved already (``max_steps``), wait for it, log its statistics.
+        """Save the final step unless already saved, wait for it, log its statistics.
 
-        A run that stopped in the middle of an epoch for another reason (``should_stop``, ``max_time``)
-        is not saved here: Lightning has counted that epoch as completed, so a checkpoint written now
-        would resume at the next epoch; the newest step-boundary checkpoint stays the latest.
+        A stop inside an epoch (``should_stop``, ``max_time``) is not saved: Lightning counts that epoch
+        as completed, so such a checkpoint would resume at the next epoch.
         """
         self._flush_deferred(trainer)
         step = trainer.global_step
@@ -340,10 +327,8 @@ class MTBFCheckpoint(OnExceptionCheckpoint):
     # -- resume ----------------------------------------------------------------------------------
     @override
     def state_dict(self) -> dict[str, Any]:
-        # The RNG is restored right before the first resumed batch, after the resumed run built and iterated
-        # its loaders (a periodic save at an epoch end captures it right before the next epoch's first batch,
-        # see _save). A save that ends training at an epoch end cannot wait for that batch: the resumed run
-        # restores it at the start of its first epoch instead, before that epoch's train iterator is created.
+        # RNG is restored before the first resumed batch; a final save at an epoch end cannot wait for the
+        # next batch (see _save), so that resume restores it at epoch start, before the train iterator.
         at_epoch_end = self._trainer is not None and _compat.is_last_batch(self._trainer)
         return {"rng": self._rng.state_dict()["rng"], "restore_rng_at": "epoch_start" if at_epoch_end else "batch",
                 "young_daly": None if self._young_daly is None else self._young_daly.state_dict()}

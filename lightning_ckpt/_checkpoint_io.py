@@ -1,11 +1,7 @@
 """``AsyncDCPCheckpointIO``: a Lightning ``CheckpointIO`` whose saves are asynchronous, atomic DCP checkpoints.
 
-Every operation goes through one :class:`torch_ckpt.CheckpointManager` (created on first use, on
-every rank once attached): ``save_checkpoint`` stages and returns, the manager commits in the
-background; a path that already holds a committed checkpoint (``save_last=True``) is replaced
-atomically at commit, after every rank is done with it. Links (``save_last="link"``), removals
-(``save_top_k``) and loggers' ``after_save_checkpoint`` that Lightning issues while a save is in
-flight wait until it is committed, links first, so a link always names a committed checkpoint.
+Every operation goes through one :class:`torch_ckpt.CheckpointManager`. Links, removals and loggers'
+``after_save_checkpoint`` issued while a save is in flight run once it is committed, links first.
 """
 
 from __future__ import annotations
@@ -138,8 +134,7 @@ class AsyncDCPCheckpointIO(CheckpointIO):
     def attach(self, trainer: Any) -> None:
         """Route every checkpoint operation of ``trainer`` through this plugin on every rank.
 
-        Call before ``fit`` (safe with ``ddp_spawn``: the wrappers are installed inside each worker at
-        ``setup``); :class:`~lightning_ckpt.MTBFCheckpoint` does it for you.
+        Call before ``fit``; :class:`~lightning_ckpt.MTBFCheckpoint` does it for you.
 
         Raises:
             ConfigError: this plugin is not the trainer's checkpoint IO, or a sharded strategy gathers
@@ -159,12 +154,14 @@ class AsyncDCPCheckpointIO(CheckpointIO):
         self._param_ptrs = param_ptrs
 
     def manager(self, directory: str | os.PathLike | None = None, **kwargs: Any) -> CheckpointManager:
-        """The core manager (created on first use, collectively once attached; ``directory`` is its root).
+        """The core manager, created on first use (collectively once attached) with root ``directory``.
 
         Args:
             directory: root of the manager (default: the directory of the first checkpoint saved).
-            kwargs: further :class:`~torch_ckpt.CheckpointManager` arguments (``keep_last``,
-                ``save_policy``, ``preemption_signals``...) for a manager created now.
+            kwargs: further :class:`~torch_ckpt.CheckpointManager` arguments for a manager created now.
+
+        Raises:
+            ConfigError: no manager yet and no ``directory``.
         """
         if self._manager is None:
             if directory is None:
@@ -210,13 +207,9 @@ class AsyncDCPCheckpointIO(CheckpointIO):
                            "lightning_ckpt.MTBFCheckpoint to the callbacks or call plugin.attach(trainer) before fit.")
         TorchCheckpointIO().save_checkpoint(checkpoint, path)
 
-    def _in_flight(self) -> bool:
-        handle = self.last_handle
-        return handle is not None and not handle.committed.done()
-
     def _after_commit(self, order: int, what: str, action: Callable[[], None]) -> None:
         """Run ``action`` now, or once the in-flight save is committed (links 0, removals 1, loggers 2)."""
-        if not self._in_flight():
+        if not self.saving:
             action()
             return
         self._pending.append((order, what, action))
@@ -254,11 +247,11 @@ class AsyncDCPCheckpointIO(CheckpointIO):
     @property
     def saving(self) -> bool:
         """True while a save is in flight (staged, not yet committed)."""
-        return self._in_flight()
+        return self.last_handle is not None and not self.last_handle.committed.done()
 
     def poll(self) -> None:
         """Carry out deferred links, removals and logger calls if the in-flight save has committed."""
-        if self._pending and not self._in_flight():
+        if self._pending and not self.saving:
             self._run_pending()
 
     def wait_staged(self) -> None:
@@ -297,9 +290,8 @@ class AsyncDCPCheckpointIO(CheckpointIO):
                         weights_only: bool | None = None) -> dict[str, Any]:
         """Return the checkpoint dict Lightning expects, from a torch-ckpt directory or a plain ``.ckpt`` file.
 
-        When ``path`` is what :class:`~lightning_ckpt.MTBFCheckpoint` offered for ``ckpt_path="last"``
-        and it fails verification, the next older checkpoint is loaded with a warning naming it;
-        an explicit path raises.
+        For ``ckpt_path="last"`` offered by :class:`~lightning_ckpt.MTBFCheckpoint`, a checkpoint that
+        fails verification falls back to the next older one with a warning; an explicit path raises.
 
         Raises:
             CheckpointNotFoundError: ``path`` is a directory but not a committed checkpoint.
@@ -308,15 +300,39 @@ class AsyncDCPCheckpointIO(CheckpointIO):
         """
         if not Path(path).is_dir():
             return TorchCheckpointIO().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+        return self.load_dir(path, weights_only=weights_only, map_location=map_location)
+
+    def load_dir(self, path: Any, *, weights_only: bool | None = None, map_location: Any = None,
+                 live: dict[str, Any] | None = None, strict: bool = True) -> dict[str, Any]:
+        """:meth:`load_checkpoint` of a directory; once attached, checked against ``live`` state first.
+
+        Args:
+            path: the checkpoint directory.
+            weights_only: False allows values stored pickled.
+            map_location: device (or device string) for the tensors.
+            live: ``{"state_dict": <the live model's state>}`` to check against (attached only).
+            strict: require the model's keys to match.
+
+        Raises:
+            StateMismatchError: the checkpoint does not match ``live``; nothing was loaded.
+        """
         candidates = self.fallbacks.pop(str(Path(path).absolute()), [Path(path)])
         if self._in_fit and not self.rng_restored_by_callback and not self._warned_rng:
             self._warned_rng = True
             rank_zero_warn("AsyncDCPCheckpointIO alone does not restore the RNG: after this resume, dropout and random "
                            "augmentation differ from an uninterrupted run. Add lightning_ckpt.MTBFCheckpoint for a "
                            "bitwise exact resume.")
-        return load_checkpoint_dir(candidates, manager=self._manager if self._collective else None,
-                                   verify=self.verify_on_load, allow_pickle=weights_only is False,
-                                   map_location=map_location)
+        manager = self._manager if self._collective else None
+        if manager is None and self._collective:  # attached, nothing saved yet: read through a read-only manager
+            manager = CheckpointManager(Path(candidates[0]).absolute().parent, config=self._config.replace(
+                read_only=True, persist="thread", naming=StepNaming(), keep_last=None))
+        try:
+            return load_checkpoint_dir(candidates, manager=manager, verify=self.verify_on_load,
+                                       allow_pickle=weights_only is False, map_location=map_location, live=live,
+                                       strict=strict, allow_cast=self.allow_cast)
+        finally:
+            if manager is not None and manager is not self._manager:
+                manager.close()
 
     def load_sharded(self, candidates: Sequence[Path], target: Any) -> Any:
         """Load the first intact candidate into ``target`` in place through the manager (every rank)."""
@@ -326,10 +342,8 @@ class AsyncDCPCheckpointIO(CheckpointIO):
     # -- lifecycle -------------------------------------------------------------------------------
     @override
     def teardown(self) -> None:
-        """Wait for the in-flight save and release the manager; raise a background error (once).
-
-        While another exception is propagating the error is logged instead, so it does not mask it.
-        """
+        """Wait for the in-flight save and release the manager; raise a background error (once), or log
+        it while another exception propagates."""
         propagating = sys.exc_info()[1]  # Lightning tears down inside `except` when training failed
         self._collective = self._in_fit = False  # until attached again: later rank-0-only calls must not block
         self._after_fit = True

@@ -16,13 +16,12 @@ from lightning_ckpt._values import RANK_LOCAL_KEYS, decode_values
 from torch_ckpt import (
     CheckpointCorruptError,
     CheckpointNotFoundError,
-    StateMismatchError,
     is_committed,
     load_full_state,
     read_manifest,
 )
 
-__all__ = ["check_against_live", "load_checkpoint_dir", "load_from_checkpoint", "world"]
+__all__ = ["load_checkpoint_dir", "load_from_checkpoint", "world"]
 
 log = logging.getLogger(__name__)
 
@@ -35,16 +34,21 @@ def world() -> tuple[int, int]:
 
 
 class _AllValues:
-    """A load target that takes every value of a checkpoint: full tensors, this rank's rank-local values."""
+    """A load target reading every value of a checkpoint (this rank's rank-local ones) into new tensors.
 
-    def __init__(self, rank_local: tuple[str, ...]) -> None:
+    The core's restore first checks the checkpoint against ``live`` (``{"state_dict": ...}``, the
+    live model): keys when ``strict``, shapes and dtypes; nothing is loaded on a mismatch.
+    """
+
+    def __init__(self, rank_local: tuple[str, ...], live: dict[str, Any] | None = None, *, strict: bool = True) -> None:
         self.rank_local_keys, self.loaded = rank_local, {}
+        self._live, self._strict = live or {}, strict
 
     def state_dict(self) -> dict[str, Any]:
-        return {}
+        return self._live
 
     def load_optional_key(self, key: str) -> bool:
-        return True
+        return not (self._strict and self._live and key.split(".", 1)[0] == "state_dict")
 
     def load_target(self, key: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype)
@@ -66,12 +70,14 @@ def _rank_local(path: Path) -> tuple[str, ...]:
 
 
 def load_checkpoint_dir(candidates: Sequence[Path], *, manager: Any, verify: bool, allow_pickle: bool,
-                        map_location: Any = None) -> dict[str, Any]:
+                        map_location: Any = None, live: dict[str, Any] | None = None, strict: bool = True,
+                        allow_cast: bool = False) -> dict[str, Any]:
     """Load the first intact checkpoint of ``candidates`` (newest first) as Lightning's checkpoint dict.
 
     A candidate that fails verification is skipped with a warning naming it when another follows.
     With ``manager`` (attached: every rank calls this) each rank gets its own loop progress and
-    callback states; without, rank 0's.
+    callback states, after the checkpoint was checked against ``live`` (see ``_AllValues``); without,
+    rank 0's.
 
     Raises:
         CheckpointNotFoundError: the last candidate is not a committed checkpoint.
@@ -89,8 +95,8 @@ def load_checkpoint_dir(candidates: Sequence[Path], *, manager: Any, verify: boo
         raise CheckpointNotFoundError(f"{candidates[0]} is a directory but not a committed torch-ckpt checkpoint (no "
                                       "manifest.json); was it written by another CheckpointIO?")
     if manager is not None:
-        target = _AllValues(_rank_local(Path(candidates[0])))
-        manager.restore(target, path=list(candidates))
+        target = _AllValues(_rank_local(Path(candidates[0])), live, strict=strict)
+        manager.restore(target, path=list(candidates), allow_cast=allow_cast)
         state = target.loaded
     else:
         for i, path in enumerate(candidates):
@@ -146,70 +152,3 @@ def load_from_checkpoint(cls: type, checkpoint_path: str | Path, *, map_location
                                      map_location=map_location)
     checkpoint.setdefault(cls.CHECKPOINT_HYPER_PARAMS_KEY, {}).update(kwargs)
     return _compat.load_module_state(cls, checkpoint, strict=strict, **kwargs)
-
-
-def _check_optimizer(index: int, optimizer: Any, saved: Any, *, allow_cast: bool, where: str) -> list[str]:
-    """Groups, parameter counts and state tensors (shape, dtype) of one plain optimizer state."""
-    live = optimizer.state_dict()
-    sizes = [len(g.get("params", ())) for g in saved.get("param_groups", ())] if isinstance(saved, dict) else None
-    if not isinstance(saved, dict) or not isinstance(saved.get("param_groups"), list) \
-            or [len(g["params"]) for g in live["param_groups"]] != sizes:
-        raise StateMismatchError(f"{where}: optimizer {index}'s parameter groups do not match the checkpoint's")
-    casts = []
-    for pid, entries in saved.get("state", {}).items():
-        for name, value in entries.items():
-            now = live["state"].get(pid, {}).get(name)
-            if not isinstance(value, torch.Tensor) or not isinstance(now, torch.Tensor):
-                continue
-            key = f"optimizer_states.{index}.state.{pid}.{name}"
-            if value.shape != now.shape:
-                raise StateMismatchError(f"{where}: {key}: checkpoint {tuple(value.shape)} vs live {tuple(now.shape)}")
-            if value.dtype != now.dtype:
-                if not allow_cast:
-                    raise StateMismatchError(f"{where}: {key}: checkpoint {value.dtype}, live {now.dtype} (restore "
-                                             "never casts silently; AsyncDCPCheckpointIO(allow_cast=True) casts)")
-                casts.append(f"{key}: checkpoint {value.dtype}, live {now.dtype}")
-    return casts
-
-
-def check_against_live(checkpoint: dict[str, Any], module: torch.nn.Module, optimizers: Sequence[Any], *,
-                       strict: bool, allow_cast: bool, where: str) -> None:
-    """Check that Lightning can load ``checkpoint`` into ``module`` and ``optimizers`` without a partial write or cast.
-
-    ``nn.Module.load_state_dict`` copies every matching tensor before it reports a mismatch, and it
-    and ``Optimizer.load_state_dict`` cast to the live dtype silently; this runs first.
-
-    Raises:
-        StateMismatchError: missing/unexpected keys (strict), shape differences, dtype differences
-            (without ``allow_cast``), or optimizers that do not match their saved state.
-    """
-    saved, live = checkpoint.get("state_dict", {}), module.state_dict()
-    missing = sorted(k for k in live if k not in saved) if strict else []
-    unexpected = sorted(k for k in saved if k not in live) if strict else []
-    if missing or unexpected:
-        raise StateMismatchError(f"{where}: the model does not match the checkpoint. Missing from checkpoint: "
-                                 f"{missing[:20]}; unexpected in checkpoint: {unexpected[:20]}",
-                                 missing=missing, unexpected=unexpected)
-    shapes, dtypes, casts = [], [], []
-    for key, t in live.items():
-        s = saved.get(key)
-        if not isinstance(t, torch.Tensor) or not isinstance(s, torch.Tensor):
-            continue
-        if s.shape != t.shape:
-            shapes.append(f"state_dict.{key}: checkpoint {tuple(s.shape)} vs live {tuple(t.shape)}")
-        elif s.dtype != t.dtype:
-            (casts if allow_cast else dtypes).append(f"state_dict.{key}: checkpoint {s.dtype}, live {t.dtype}")
-    if shapes:
-        raise StateMismatchError(f"{where}: tensor shapes differ: {shapes[:20]}")
-    if dtypes:
-        raise StateMismatchError(f"{where}: tensor dtypes differ (restore never casts silently): {dtypes[:20]}. "
-                                 "Build the model with the saved dtypes, or use AsyncDCPCheckpointIO(allow_cast=True).")
-    if optimizers:
-        states = checkpoint.get("optimizer_states")
-        if not isinstance(states, list) or len(states) != len(optimizers):
-            raise StateMismatchError(f"{where}: checkpoint holds {len(states) if isinstance(states, list) else 'no'} "
-                                     f"optimizer states, this run has {len(optimizers)} optimizers")
-        for i, (opt, osd) in enumerate(zip(optimizers, states)):
-            casts += _check_optimizer(i, opt, osd, allow_cast=allow_cast, where=where)
-    for line in casts:
-        log.warning("%s: casting %s (allow_cast=True)", where, line)

@@ -1,26 +1,12 @@
-"""Which Lightning checkpoint values torch-ckpt stores as they are, and what happens to the others.
+"""Which Lightning checkpoint values are stored as they are; the rest is refused or pickled on request.
 
-A Lightning checkpoint dict mixes tensors (``state_dict``, optimizer moments) with plain values (loop
-progress, scheduler counters) and, in ``hyper_parameters`` or anything a ``LightningModule`` adds in
-``on_save_checkpoint``, arbitrary Python objects (``pathlib.Path``, enums, namedtuples, modules).
-torch-ckpt stores tensors through DCP and plain values as typed JSON, and never pickles by default.
-
-Stored as they are: tensors, ``None``/``bool``/``int``/``float``/``str`` (exact types), numpy arrays
-and scalars, ``bytes``, plain ``list``/``tuple`` and mappings with str/int/float/bool/None keys.
-Mappings come back as plain ``dict`` (``OrderedDict`` and Lightning's ``AttributeDict`` included).
-
-Stored safely under a marker, without pickling: ``pathlib`` paths (come back as the same path class),
-enum members (come back as the member when their class is already imported, else as their value;
-nothing is imported from a checkpoint) and dataclass instances (stored through their fields, come
-back as a plain ``dict`` of them).
-
-Every other value (subclasses of the scalar and sequence types included, since storing an ``IntEnum``
-as an ``int`` would silently change its type) is, depending on ``unsafe_values``:
-
-* ``"error"`` (default): :class:`~torch_ckpt.ConfigError` naming the key; nothing is written.
-* ``"pickle"``: stored pickled under a marker; loading it then needs ``weights_only=False``
-  (``trainer.fit(..., weights_only=False)``), otherwise loading raises
-  :class:`~torch_ckpt.UnsafeCheckpointError` naming the keys. Nothing is ever dropped.
+Stored as they are: tensors, exact ``None``/``bool``/``int``/``float``/``str``/``bytes``, numpy values,
+plain ``list``/``tuple`` and mappings with scalar keys (mappings come back as ``dict``). Stored under
+a marker without pickling: ``pathlib`` paths, enum members (the member if its class is already
+imported, else its value) and dataclass instances (their fields, as a ``dict``). Anything else,
+subclasses included, raises :class:`~torch_ckpt.ConfigError` naming the key with
+``unsafe_values="error"``, or is stored pickled with ``"pickle"`` (loading then needs
+``weights_only=False``, else :class:`~torch_ckpt.UnsafeCheckpointError`).
 """
 
 from __future__ import annotations
@@ -61,13 +47,11 @@ def encode_values(checkpoint: Mapping[str, Any], mode: str) -> dict[str, Any]:
 
     Args:
         checkpoint: the dict Lightning passes to ``CheckpointIO.save_checkpoint``.
-        mode: ``"error"`` or ``"pickle"`` (see the module docstring).
+        mode: ``"error"`` or ``"pickle"`` (``AsyncDCPCheckpointIO`` validates it).
 
     Raises:
         ConfigError: a value would need pickling and ``mode`` is ``"error"``; the message names its key.
     """
-    if mode not in UNSAFE_VALUE_MODES:
-        raise ConfigError(f"unsafe_values must be one of {UNSAFE_VALUE_MODES}, got {mode!r}")
 
     def enc(obj: Any, path: str) -> Any:
         if _is_safe_leaf(obj):

@@ -100,3 +100,30 @@ def test_load_from_checkpoint_of_a_missing_path_names_it(tmp_path):
 
     with pytest.raises(CheckpointNotFoundError, match="nope"):
         load_from_checkpoint(TinyModule, tmp_path / "nope")
+
+
+class _Wider(TinyModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.extra = torch.nn.Linear(2, 2)
+
+
+def test_a_model_with_other_keys_is_refused_before_lightning_loads_anything(make_trainer, tmp_path):
+    """Resuming into a module with an extra layer raises StateMismatchError naming the missing keys; no write."""
+    _fit_three_steps(make_trainer, tmp_path / "ckpt")
+    module = _Wider()
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    trainer = make_trainer(max_steps=6, plugins=[AsyncDCPCheckpointIO()],
+                           callbacks=[MTBFCheckpoint(tmp_path / "ckpt2", mtbf_seconds=None)])
+    with pytest.raises(StateMismatchError, match=r"Missing from checkpoint: \['state_dict.extra.bias'"):
+        trainer.fit(module, ckpt_path=str(tmp_path / "ckpt" / "step_000000003"))
+    assert all(torch.equal(v, before[k]) for k, v in module.state_dict().items())
+
+
+def test_a_dtype_difference_is_refused_when_attached_by_hand(make_trainer, tmp_path):
+    """With plugin.attach(trainer) and no MTBFCheckpoint (no save yet), a dtype difference is refused too."""
+    _fit_three_steps(make_trainer, tmp_path / "ckpt")
+    io = AsyncDCPCheckpointIO()
+    io.attach(trainer := make_trainer(max_steps=6, plugins=[io], enable_checkpointing=False))
+    with pytest.raises(StateMismatchError, match="checkpoint torch.float32, live torch.float64"):
+        trainer.fit(TinyModule().double(), ckpt_path=str(tmp_path / "ckpt" / "step_000000003"))
