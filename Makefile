@@ -51,3 +51,9 @@ lint: setup
 
 clean:
 	rm -rf $(DEMO_DIR) .pytest_cache build *.egg-info
+
+# Two simulated nodes of 2 ranks with node-local roots and a local S3 server (moto): node 1's disk is
+# deleted mid-run, node 0 resumes from its disk and node 1 fetches only its shards from S3.
+.PHONY: demo-cluster
+demo-cluster: setup
+	$(PY) examples/demo_cluster.py --work-dir $(DEMO_DIR)_cluster

@@ -3,25 +3,19 @@
 Accelerate's pre-hooks only see the weights of plain models; optimizers, schedulers, scaler,
 samplers and RNG are written synchronously after the hooks return, and FSDP models before they run.
 So :func:`attach` replaces ``save_state`` and ``load_state`` *on that one Accelerator instance*
-(instance attributes; :meth:`AccelerateCheckpointer.close` removes them). User pre-hooks still run
-in order with ``(models, weights, output_dir)`` / ``(models, input_dir)``; the adapter's own hook,
-registered last, ``pop()``s what remains, which the manager saves with everything else in one
-asynchronous, sharded, atomic checkpoint. Naming, retention, resume with fallback, rollback,
+(instance attributes; :meth:`AccelerateCheckpointer.close` removes them). Registered pre-hooks still
+run in order with ``(models, weights, output_dir)`` / ``(models, input_dir)``; what they do not
+``pop()`` the manager saves with everything else in one asynchronous, sharded, atomic checkpoint. Naming, retention, resume with fallback, rollback,
 atomic replacement of a reused folder, scheduling and the durable copy are the manager's.
 """
 
 from __future__ import annotations
 
-import ast
-import functools
-import linecache
 import logging
 import os
 import shutil
-import sys
 import time
 import warnings
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +23,7 @@ import torch.distributed as dist
 
 from accelerate_ckpt import _compat as compat
 from accelerate_ckpt._config import CkptSettings, load_settings
+from accelerate_ckpt._guard import one_process_guard
 from accelerate_ckpt._state import AcceleratorTrainState
 from torch_ckpt import (
     CheckpointManager,
@@ -47,63 +42,7 @@ log = logging.getLogger(__name__)
 
 #: Accelerate's automatic checkpoint names, ``checkpoint_<save iteration>``.
 NAMING = PatternNaming("checkpoint_{step}")
-_HOOK_FILES = ".{}.hooks"  # where user save hooks write next to a checkpoint until it commits
-
-#: ``if`` tests and decorators that run a ``save_state`` call on some processes only
-_ONE_PROCESS_FLAGS = frozenset({"is_main_process", "is_local_main_process", "is_last_process"})
-_ONE_PROCESS_INDEX = frozenset({"process_index", "local_process_index"})
-_ONE_PROCESS_DECORATORS = frozenset({"on_main_process", "on_local_main_process", "on_last_process", "on_process",
-                                     "on_local_process"})
-_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
-
-@functools.lru_cache(maxsize=64)
-def _module_tree(filename: str) -> ast.Module | None:
-    try:
-        return ast.parse("".join(linecache.getlines(filename)))
-    except (SyntaxError, ValueError):
-        return None
-
-
-def _limits_to_some_processes(test: ast.expr) -> bool:
-    """True for ``acc.is_main_process``, ``acc.process_index == 0`` and ``and`` chains holding one."""
-    if isinstance(test, ast.BoolOp) and isinstance(test.op, ast.And):
-        return any(_limits_to_some_processes(v) for v in test.values)
-    if isinstance(test, ast.Compare):
-        test = test.left
-    return isinstance(test, ast.Attribute) and test.attr in _ONE_PROCESS_FLAGS | _ONE_PROCESS_INDEX
-
-
-def _one_process_guard() -> str | None:
-    """The ``if``/decorator of the user code calling ``save_state`` that runs it on some processes only, or None.
-
-    Read from the caller's source (the first frame outside this package), so a save that only some
-    processes call is refused before any collective instead of stalling until the timeout.
-    """
-    frame = sys._getframe(1)
-    while frame is not None and os.path.dirname(os.path.abspath(frame.f_code.co_filename)) == _PACKAGE_DIR:
-        frame = frame.f_back
-    tree = None if frame is None else _module_tree(frame.f_code.co_filename)
-    if tree is None:
-        return None
-    line, node, guard = frame.f_lineno, tree, None
-    while node is not None:
-        inner = None
-        for child in ast.iter_child_nodes(node):
-            if getattr(child, "lineno", line + 1) <= line <= (getattr(child, "end_lineno", None) or -1):
-                inner = child
-                break
-        if isinstance(inner, ast.If) and _limits_to_some_processes(inner.test) and any(
-                b.lineno <= line <= b.end_lineno for b in inner.body):
-            guard = f"if {ast.unparse(inner.test)}:"
-        if isinstance(inner, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            guard = None  # a guard outside the function does not guard its body...
-            for deco in inner.decorator_list:  # ...but a decorator on it does
-                target = deco.func if isinstance(deco, ast.Call) else deco
-                if isinstance(target, ast.Attribute) and target.attr in _ONE_PROCESS_DECORATORS:
-                    guard = f"@{ast.unparse(deco)}"
-        node = inner
-    return guard
-
+_HOOK_FILES = ".{}.hooks.tmp.{}"  # user save hooks write here; the files commit with the checkpoint (extra_dir)
 
 _STAT_KEYS = ("blocking_s", "wait_for_previous_s", "staging_s", "persist_s", "total_s", "bytes", "files_bytes",
               "gb_per_s")
@@ -121,7 +60,7 @@ def attach(accelerator: Any, config: str | os.PathLike | None = None, *, save_po
         config: YAML settings file (keys: :class:`~accelerate_ckpt.CkptSettings`); the file named by
             the environment variable ``ACCELERATE_CKPT_CONFIG`` wins over it.
         save_policy: a :mod:`torch_ckpt.schedule` policy for :meth:`AccelerateCheckpointer.should_save`
-            (wins over the ``save_every_n_steps``/``save_every_seconds``/``mtbf_seconds`` settings).
+            (instead of the ``save_every_n_steps``/``save_every_seconds``/``mtbf_seconds`` settings).
         settings: any setting of :class:`~accelerate_ckpt.CkptSettings`; wins over the file.
 
     Returns:
@@ -131,15 +70,6 @@ def attach(accelerator: Any, config: str | os.PathLike | None = None, *, save_po
         ConfigError: invalid settings, or an unsupported setup (DeepSpeed, Megatron-LM, XLA).
     """
     return AccelerateCheckpointer(accelerator, load_settings(config, **settings), save_policy=save_policy)
-
-
-def _move_hook_files(step: int, folder: Path) -> None:
-    """Commit callback (main process): files user hooks wrote for ``folder`` join it once it is committed."""
-    staged = folder.parent / _HOOK_FILES.format(folder.name)
-    if staged.is_dir():
-        for entry in staged.iterdir():
-            os.replace(entry, folder / entry.name)
-        shutil.rmtree(staged, ignore_errors=True)
 
 
 class AccelerateCheckpointer:
@@ -155,7 +85,6 @@ class AccelerateCheckpointer:
             unknown). Automatic names follow Accelerate's save iteration, never this step.
         manager: the :class:`~torch_ckpt.CheckpointManager` (root ``project_dir/checkpoints`` with
             automatic naming, else the parent of the first folder saved or loaded; None until then).
-        hooks: the ``RemovableHandle``s of the adapter's save and load pre-hooks.
         last_handle: the :class:`~torch_ckpt.SaveHandle` of the latest save.
     """
 
@@ -164,13 +93,10 @@ class AccelerateCheckpointer:
         self.settings = settings
         self.step: int | None = None
         self.manager: CheckpointManager | None = None
-        self.hooks: list[Any] = []
         self.last_handle: SaveHandle | None = None
-        self._policy = save_policy if save_policy is not None else settings.save_policy()
+        self._policy = {} if save_policy is None else {"save_policy": save_policy}
         self._unlogged: list[tuple[SaveHandle, int | None]] = []  # (handle, training step)
         self._last_health = float("-inf")
-        self._active = False  # True while our own save_state/load_state runs the hooks
-        self._taken: list[Any] = []
         self._closed = not settings.enabled
         if not settings.enabled:
             log.info("accelerate_ckpt disabled by its settings: Accelerate's own save_state/load_state stay in use")
@@ -184,15 +110,14 @@ class AccelerateCheckpointer:
                 f"checkpoints are written as world size {world}, while Accelerate trains each process alone",
                 stacklevel=3)
         self._auto = bool(accelerator.project_configuration.automatic_checkpoint_naming)
-        if settings.durable_url is not None:
+        cfg = settings.config
+        if cfg.durable_url is not None:
             if not self._auto:
                 raise ConfigError("durable_url needs ProjectConfiguration(automatic_checkpoint_naming=True): only "
                                   "automatic checkpoints are replicated")
-            DurableTier(settings.durable_url, storage_options=settings.storage_options)  # fail now on a bad URL
+            DurableTier(cfg.durable_url, storage_options=cfg.storage_options)  # fail now on a bad URL
         if self._auto and accelerator.project_dir is None:
             raise ConfigError("automatic_checkpoint_naming needs ProjectConfiguration(project_dir=...)")
-        self.hooks = [accelerator.register_save_state_pre_hook(self._save_hook),
-                      accelerator.register_load_state_pre_hook(self._load_hook)]
         accelerator.save_state = self.save_state
         accelerator.load_state = self.load_state
 
@@ -205,17 +130,10 @@ class AccelerateCheckpointer:
         if self.manager is None:
             if self._auto:
                 root = Path(self.accelerator.project_dir).expanduser() / "checkpoints"
-            s, pc = self.settings, self.accelerator.project_configuration
-            keep = s.keep_last if s.keep_last is not None else pc.total_limit
-            self.manager = CheckpointManager(
-                root, naming=NAMING, keep_last=keep if self._auto else None,
-                async_save=s.async_save, persist=s.persist, overlap_staging=s.overlap_staging,
-                writer_niceness=s.writer_niceness, staging_budget_bytes=s.staging_budget_bytes,
-                thread_count=s.thread_count, verify_on_load=s.verify_on_load, timeout_seconds=s.timeout_seconds,
-                save_policy=self._policy, durable_url=s.durable_url, storage_options=s.storage_options,
-                durable_keep_last=s.durable_keep_last, durable_verify=s.durable_verify,
-                durable_flush_timeout_seconds=s.durable_flush_timeout_seconds, on_existing_newer=s.on_existing_newer)
-            self.manager.add_commit_callback(_move_hook_files)
+            s = self.settings
+            keep = s.config.keep_last if s.keep_last_given else self.accelerator.project_configuration.total_limit
+            self.manager = CheckpointManager(root, config=s.config, naming=NAMING, keep_last=keep if self._auto else None,
+                                             **self._policy)
         return self.manager
 
     def _check_open(self) -> None:
@@ -241,37 +159,16 @@ class AccelerateCheckpointer:
         return not self._closed
 
     # -- hooks -----------------------------------------------------------------------------------
-    def _save_hook(self, models: list, weights: list, output_dir: str) -> None:
-        """Take over every weight no earlier hook took: ``pop()`` them all (saved by torch-ckpt)."""
-        if self._active:  # else Accelerate's own save_state runs (adapter bypassed): leave it alone
-            while weights:
-                self._taken.append(weights.pop())
-
-    def _load_hook(self, models: list, input_dir: str) -> None:
-        """Take over every model no earlier hook loaded: ``pop()`` them all (loaded by torch-ckpt)."""
-        if self._active:
-            while models:
-                self._taken.append(models.pop())
-
-    def _run_hooks(self, table: dict, own: Callable, items: list, folder: Path) -> list[int]:
-        """Run the user hooks, then ours; return the model indices a user hook took (saves/loads itself)."""
-        candidates = [] if compat.is_fsdp(self.accelerator) else list(range(len(compat.models(self.accelerator))))
-        originals = [items[i] for i in candidates] if items else []
-        args = ([*compat.models(self.accelerator)], items, str(folder)) if own == self._save_hook else (items, str(folder))
-        own_ids = {h.id for h in self.hooks}
-        for key, hook in list(table.items()):
-            if key not in own_ids:
-                hook(*args)
-        self._taken, self._active = [], True
-        try:
-            own(*args)
-        finally:
-            self._active = False
-        taken = {id(x) for x in self._taken}
-        return [i for i, item in zip(candidates, originals) if id(item) not in taken]
-
-    def _user_hooks(self, table: dict) -> bool:
-        return any(key not in {h.id for h in self.hooks} for key in table)
+    def _run_hooks(self, table: dict, items: list, folder: Path, *, save: bool) -> list[int]:
+        """Run the registered pre-hooks on ``items`` (one per plain model; none for FSDP, whose models
+        Accelerate never hands to hooks); what they leave is torch-ckpt's. Returns the model indices a
+        hook ``pop()``ed (it saves or loads that model itself)."""
+        originals = list(items)
+        args = (compat.prepared(self.accelerator, "models"), items, str(folder)) if save else (items, str(folder))
+        for hook in list(table.values()):
+            hook(*args)
+        left = {id(x) for x in items}
+        return [i for i, item in enumerate(originals) if id(item) not in left]
 
     # -- saving ----------------------------------------------------------------------------------
     def save_state(self, output_dir: str | os.PathLike | None = None, safe_serialization: bool = True, *,
@@ -299,12 +196,12 @@ class AccelerateCheckpointer:
         """
         self._check_open()
         acc = self.accelerator
-        guard = _one_process_guard() if acc.num_processes > 1 else None
+        guard = one_process_guard() if acc.num_processes > 1 else None
         if guard is not None:
             raise ConfigError(
                 f"accelerator.save_state() is called under `{guard}`, but with accelerate_ckpt every process must "
                 "call it (each writes its own shard; the main process commits): remove the guard. Called on one "
-                f"process it would wait {self.settings.timeout_seconds:.0f} s for the others and fail")
+                f"process it would wait {self.settings.config.timeout_seconds:.0f} s for the others and fail")
         t0 = time.monotonic()
         self.wait()  # one save in flight; its hook files are in place before new hooks run
         waited = time.monotonic() - t0
@@ -322,17 +219,16 @@ class AccelerateCheckpointer:
             number = self.step if self.step is not None else iteration
         log.info("Saving current state to %s (save iteration %d, training step %s)", folder, iteration,
                  "unknown" if self.step is None else self.step)
-        weights: list[Any] = []
-        if not compat.is_fsdp(acc):
-            user = self._user_hooks(compat.save_hooks(acc))  # user hooks see real state dicts
-            weights = [acc.get_state_dict(m, unwrap=False) if user else object() for m in compat.models(acc)]
-        hook_dir = folder.parent / _HOOK_FILES.format(folder.name)
-        if self._user_hooks(compat.save_hooks(acc)):
+        user = bool(compat.save_hooks(acc))
+        models = [] if compat.is_fsdp(acc) else compat.prepared(acc, "models")
+        weights = [acc.get_state_dict(m, unwrap=False) if user else object() for m in models]  # user hooks: real ones
+        hook_dir = folder.parent / _HOOK_FILES.format(folder.name, manager.checkpointer.incarnation)
+        if user:
             shutil.rmtree(hook_dir, ignore_errors=True)
-            os.makedirs(hook_dir, exist_ok=True)
-        skipped = self._run_hooks(compat.save_hooks(acc), self._save_hook, weights, hook_dir)
+            os.makedirs(hook_dir)
+        skipped = self._run_hooks(compat.save_hooks(acc), weights, hook_dir, save=True)
         state = AcceleratorTrainState(acc, step=self.step, save_iteration=iteration + 1, skip_models=skipped)
-        handle = manager.save(number, state, path=path)
+        handle = manager.save(number, state, path=path, extra_dir=hook_dir if user else None)
         compat.set_save_iteration(acc, iteration + 1)
         handle.stats.wait_for_previous_s += waited
         handle.stats.blocking_s = time.monotonic() - t0  # the whole call: wait, hooks, staging
@@ -366,7 +262,7 @@ class AccelerateCheckpointer:
                 "load_state would unpickle parts of it, which can run code from the folder; if you trust it, "
                 "call accelerator.load_state(folder, allow_unsafe_accelerate_folder=True)")
         log.info("%s has no torch-ckpt manifest: loading it with Accelerate's own load_state", folder)
-        type(acc).load_state(acc, str(folder), load_kwargs, **kwargs)
+        compat.plain_load_state(acc, str(folder), load_kwargs, kwargs)
         number = NAMING.step_of(folder.name)
         if number is not None:  # Accelerate does not restore its save iteration; the folder name holds it
             compat.set_save_iteration(acc, number + 1)
@@ -420,11 +316,11 @@ class AccelerateCheckpointer:
                 "nothing. To load only the matching weights of model i: state, _ = torch_ckpt.load_full_state"
                 f"('{candidates[0] if candidates else manager.root}'); "
                 "model.load_state_dict(state['model'][str(i)], strict=False)")
-        table = compat.load_hooks(acc)
-        hooked = self._user_hooks(table)
+        hooked = bool(compat.load_hooks(acc))
         folder = candidates[0] if candidates else manager.root
         log.info("Loading states from %s", folder)
-        skipped = self._run_hooks(table, self._load_hook, [] if compat.is_fsdp(acc) else compat.models(acc), folder)
+        models = [] if compat.is_fsdp(acc) else compat.prepared(acc, "models")
+        skipped = self._run_hooks(compat.load_hooks(acc), models, folder, save=False)
         state = AcceleratorTrainState(acc, skip_models=skipped)
         if hooked or input_dir is not None:  # explicit folders, newest first: the user hooks read the first one
             restored = manager.restore(state, path=candidates, allow_cast=allow_cast) if candidates else None
@@ -448,9 +344,6 @@ class AccelerateCheckpointer:
                 naming off and nothing saved or loaded).
         """
         self._check_open()
-        if self._policy is None:
-            raise ConfigError("should_save() needs a save policy: attach(..., save_policy=...) or one of the settings "
-                              "save_every_n_steps, save_every_seconds, mtbf_seconds")
         if self.manager is None and not self._auto:
             raise ConfigError("should_save() needs ProjectConfiguration(project_dir=..., automatic_checkpoint_naming="
                               "True), or a first save_state(folder)/load_state(folder) to set the checkpoint root")
@@ -501,10 +394,10 @@ class AccelerateCheckpointer:
                 self._log_finished()
 
     def close(self) -> None:
-        """Wait for the in-flight save, then give the ``Accelerator`` its own methods back.
+        """Wait for the in-flight save, give the ``Accelerator`` its own methods back, close the manager.
 
-        Removes the instance attributes ``save_state``/``load_state`` and the two hooks, and
-        closes the manager; raises a pending background error once. Idempotent.
+        Removes the instance attributes ``save_state``/``load_state``; raises a pending background
+        error once. Idempotent.
         """
         if self._closed:
             return
@@ -515,8 +408,5 @@ class AccelerateCheckpointer:
             for name in ("save_state", "load_state"):
                 if vars(self.accelerator).get(name) == getattr(self, name):
                     delattr(self.accelerator, name)
-            for handle in self.hooks:
-                handle.remove()
-            self.hooks = []
             if self.manager is not None:
                 self.manager.close()

@@ -12,15 +12,13 @@ from typing import Any
 
 from torch_ckpt import ConfigError
 
-__all__ = [
-    "check_supported", "custom_objects", "dataloaders", "is_fsdp", "load_hooks", "loader_epoch", "models",
-    "optimizers", "save_hooks", "save_iteration", "schedulers", "set_loader_epoch", "set_loader_state",
-    "set_save_iteration",
-]
+__all__ = ["check_supported", "is_fsdp", "load_hooks", "loader_epoch", "plain_load_state", "prepared", "save_hooks",
+           "save_iteration", "set_loader_epoch", "set_loader_state", "set_save_iteration"]
 
 # Accelerator._models/_optimizers/_schedulers/_dataloaders/_custom_objects: the prepared objects in
 # preparation order; _save_model_state_pre_hook/_load_model_state_pre_hook: OrderedDicts {handle id: hook}
-# that register_save_state_pre_hook/register_load_state_pre_hook fill. Checked: accelerate 1.0.1, 1.15.0.
+# that register_save_state_pre_hook/register_load_state_pre_hook fill. Checked: accelerate 1.0.1, 1.15.0 (the
+# adapter's tests pass on both).
 _ATTRS = ("_models", "_optimizers", "_schedulers", "_dataloaders", "_custom_objects",
           "_save_model_state_pre_hook", "_load_model_state_pre_hook")
 
@@ -38,24 +36,9 @@ def check_supported(acc: Any) -> None:
                           "accelerate_ckpt supports the accelerate versions in its pyproject extra (>=1.0,<2)")
 
 
-def models(acc: Any) -> list[Any]:
-    return list(acc._models)
-
-
-def optimizers(acc: Any) -> list[Any]:
-    return list(acc._optimizers)
-
-
-def schedulers(acc: Any) -> list[Any]:
-    return list(acc._schedulers)
-
-
-def dataloaders(acc: Any) -> list[Any]:
-    return list(acc._dataloaders)
-
-
-def custom_objects(acc: Any) -> list[Any]:
-    return list(acc._custom_objects)
+def prepared(acc: Any, kind: str) -> list[Any]:
+    """The prepared ``models``, ``optimizers``, ``schedulers``, ``dataloaders`` or ``custom_objects`` (in order)."""
+    return list(getattr(acc, f"_{kind}"))
 
 
 def save_hooks(acc: Any) -> dict[int, Any]:
@@ -74,6 +57,12 @@ def is_fsdp(acc: Any) -> bool:
 def save_iteration(acc: Any) -> int:
     """``accelerator.save_iteration`` is a read-only property over ``project_configuration.iteration`` (1.0.1-1.15.0)."""
     return int(acc.project_configuration.iteration)
+
+
+def plain_load_state(acc: Any, folder: str, load_kwargs: Any, kwargs: dict) -> None:
+    """Accelerate's own ``load_state`` (the class method); ``load_kwargs`` exists since 1.1 (1.0.1 lacks it)."""
+    extra = {} if load_kwargs is None else {"load_kwargs": load_kwargs}
+    type(acc).load_state(acc, folder, **extra, **kwargs)
 
 
 def set_save_iteration(acc: Any, value: int) -> None:

@@ -87,11 +87,11 @@ class AcceleratorTrainState:
     def __init__(self, accelerator: Any, *, step: int | None = None, save_iteration: int = 0,
                  skip_models: Sequence[int] = ()) -> None:
         self._acc = accelerator
-        models = {str(i): m for i, m in enumerate(compat.models(accelerator)) if i not in set(skip_models)}
+        models = {str(i): m for i, m in enumerate(compat.prepared(accelerator, "models")) if i not in set(skip_models)}
         owner_of = {id(p): name for name, m in models.items() for p in m.parameters()}
         by_model: dict[str, list[torch.optim.Optimizer]] = {name: [] for name in models}
         plain: list[torch.optim.Optimizer] = []
-        for opt in compat.optimizers(accelerator):
+        for opt in compat.prepared(accelerator, "optimizers"):
             inner = _inner_optimizer(opt)
             owners = {owner_of.get(id(p)) for g in inner.param_groups for p in g["params"]}
             if len(owners) == 1 and None not in owners:
@@ -99,18 +99,18 @@ class AcceleratorTrainState:
             else:  # spans several models, or a model a user hook saves: keep its own state_dict()
                 plain.append(inner)
         self._plain = [OptimizerState(opt, name=f"optimizers_plain.{j}") for j, opt in enumerate(plain)]
-        self._loaders = compat.dataloaders(accelerator)
+        self._loaders = compat.prepared(accelerator, "dataloaders")
         self._allow_cast = False
         scaler = accelerator.scaler
         self._train = TrainState(
             model=models or None,
             optimizer=by_model if models else None,
-            scheduler=compat.schedulers(accelerator),
+            scheduler=compat.prepared(accelerator, "schedulers"),
             scaler=scaler if scaler is not None and scaler.is_enabled() else None,
             dataloader=_DataLoaders(self._loaders),
             step=0 if step is None else step,
         )
-        self._custom = compat.custom_objects(accelerator)
+        self._custom = compat.prepared(accelerator, "custom_objects")
         self.training_step = step
         self._save_iteration = int(save_iteration)
         self.accelerate_step = int(accelerator.step)

@@ -95,14 +95,14 @@ def main(argv: list[str] | None = None) -> int:
             os.sync()
             for name, ckpt in (("adapter", plain), ("adapter_overlap", overlap)):
                 t0 = time.monotonic()
-                ckpt.save_state(work / f"{name}_{rnd}", step=rnd)
+                ckpt.save_state(work / name / f"round_{rnd}", step=rnd)  # one root (parent) per checkpointer
                 row[f"{name}_blocking_s"] = time.monotonic() - t0
                 ckpt.last_handle.staged.result()
                 row[f"{name}_safe_s"] = time.monotonic() - t0
                 ckpt.wait()
                 row[f"{name}_durable_s"] = time.monotonic() - t0
                 row[f"{name}_staging_s"] = ckpt.last_handle.stats.staging_s
-                shutil.rmtree(work / f"{name}_{rnd}")
+                shutil.rmtree(work / name / f"round_{rnd}")
                 os.sync()
             if rnd:
                 rows.append(row)

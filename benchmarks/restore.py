@@ -13,7 +13,8 @@ round discarded:
 Floor, every round: ``cold_read_s``, ``os.read`` of a file of the same number of bytes in 16 MiB
 chunks after dropping the page cache. ``cold_over_read`` is a method's cold time over the same
 round's floor (median over rounds). Methods: ``ours`` (``CheckpointManager.restore``, CRC-32 of
-every file verified), ``ours_noverify`` (sizes only), ``torch_load`` (``torch.load`` +
+every file verified; in one process each data file is read once, checksummed in the same pass),
+``ours_noverify`` (sizes only), ``torch_load`` (``torch.load`` +
 ``load_state_dict``), ``dcp_load`` (``dcp.load`` + ``set_state_dict``), ``lightning_load``
 (``TorchCheckpointIO.load_checkpoint`` + ``load_state_dict``) and ``accelerate_load``
 (``Accelerator.load_state``).

@@ -234,6 +234,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--nproc", type=int, default=1, help="start N data-parallel CPU ranks (DDP over gloo) with "
                    "torch.multiprocessing; under torchrun leave it out (the world size comes from the launcher)")
     # data
+    p.add_argument("--simulate-nodes", type=int, default=1, metavar="N",
+                   help="with --nproc: run the ranks as N simulated nodes (LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK as "
+                        "torchrun sets them), each with its own private checkpoint root CKPT_DIR/nodeK")
+    p.add_argument("--durable-url", default=None, help="durable tier (fsspec URL, e.g. s3://bucket/run)")
+    p.add_argument("--storage-options", type=json.loads, default=None, metavar="JSON",
+                   help="fsspec options of --durable-url as a JSON object (endpoint, credentials)")
     p.add_argument("--corpus-chars", type=int, default=1_000_000, help="characters of stdlib source to use")
     p.add_argument("--max-windows", type=int, default=None, help="cap the dataset at this many windows (short epochs)")
     p.add_argument("--batch-size", type=int, default=16, help="batch size per rank")
@@ -256,6 +262,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.nproc < 1:
         p.error(f"--nproc must be >= 1, got {args.nproc}")
+    if args.simulate_nodes < 1 or args.nproc % args.simulate_nodes:
+        p.error(f"--simulate-nodes must divide --nproc ({args.nproc}), got {args.simulate_nodes}")
     return args
 
 
@@ -363,9 +371,14 @@ def train(args: argparse.Namespace, rank: int = 0, world: int = 1) -> dict:
     loss_value = float("nan")
     try:
         # ckpt: one manager per run root; every rank builds it and calls restore/save collectively
-        with CheckpointManager(args.ckpt_dir, keep_last=args.keep_last, save_policy=policy,
-                               persist=args.persist) as mgr:
+        # ckpt: simulated nodes each get a private root (on a real cluster: the same path on each node's disk)
+        root = args.ckpt_dir / f"node{os.environ.get('GROUP_RANK', '0')}" if args.simulate_nodes > 1 else args.ckpt_dir
+        with CheckpointManager(root, keep_last=args.keep_last, save_policy=policy, persist=args.persist,
+                               durable_url=args.durable_url, storage_options=args.storage_options) as mgr:
             resumed = mgr.restore(state)  # ckpt: newest committed checkpoint, loaded in place; None: fresh start
+            if args.simulate_nodes > 1 and resumed is not None and os.environ.get("LOCAL_RANK") == "0":
+                print(f"train_gpt: node {os.environ['GROUP_RANK']} (rank {rank}) restored step {resumed} from "
+                      f"{mgr.restore_source}", flush=True)
             if lead and not args.quiet:
                 where = f"resumed from step {resumed}" if resumed is not None else "starting fresh"
                 print(
@@ -475,8 +488,9 @@ def _free_port() -> int:
 
 def _rank_entry(rank: int, nproc: int, port: int, argv: list[str], results) -> None:
     """One rank started by ``--nproc``: the environment torchrun would give it, then :func:`main`."""
+    per_node = nproc // parse_args(argv).simulate_nodes
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(nproc),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(nproc))
+                      LOCAL_RANK=str(rank % per_node), LOCAL_WORLD_SIZE=str(per_node), GROUP_RANK=str(rank // per_node))
     summary = main(argv)
     if rank == 0:
         results.put(summary)

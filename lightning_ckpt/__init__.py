@@ -6,5 +6,6 @@
 
 from lightning_ckpt._callback import MTBFCheckpoint
 from lightning_ckpt._checkpoint_io import AsyncDCPCheckpointIO
+from lightning_ckpt._load import load_from_checkpoint
 
-__all__ = ["AsyncDCPCheckpointIO", "MTBFCheckpoint"]
+__all__ = ["AsyncDCPCheckpointIO", "MTBFCheckpoint", "load_from_checkpoint"]

@@ -1,24 +1,9 @@
 """``MTBFCheckpoint``: save when the failure rate says so, resume exactly, and save on preemption.
 
-At every optimizer step boundary (``on_train_batch_end`` of a batch whose optimizer stepped, so
-never inside a gradient-accumulation window), on every rank:
-
-1. record the step time; rank 0 asks the save policy (Young/Daly from the MTBF and the measured
-   save cost by default; every n steps / seconds also) whether to save now;
-2. agree across ranks on rank 0's answer and on whether any rank received SIGTERM (one gather on
-   the checkpointer's private gloo group, never the training process group);
-3. if so, ``trainer.save_checkpoint(DIRPATH/step_NNNNNNNNN)`` through
-   :class:`~lightning_ckpt.AsyncDCPCheckpointIO`; it returns once the live state is staged;
-4. on SIGTERM, wait until that checkpoint is committed, then let Lightning stop. During ``fit`` the
-   callback's own SIGTERM handler only records the signal (see ``_install_sigterm_handler``).
-
-Parameters and optimizer state are copied in the background while the next forward/backward runs;
-``on_before_optimizer_step`` waits for that copy. Resume with ``trainer.fit(model, ckpt_path="last")``:
-this callback offers its newest committed checkpoint to Lightning's ``"last"`` lookup (it is an
-:class:`~lightning.pytorch.callbacks.OnExceptionCheckpoint` for that reason; like that callback,
-``fit(model)`` without ``ckpt_path`` then resumes too, with a Lightning warning). Lightning
-restores loops (with a stateful dataloader's position), optimizers and schedulers; this callback
-adds every RNG of every rank, restored right before the first resumed batch.
+At every optimizer step boundary the manager records the step, rank 0's save policy decides and
+every rank gets its answer together with whether any rank received SIGTERM; a save goes through
+``trainer.save_checkpoint``. The RNG of every rank is stored and restored right before the first
+resumed batch (see :meth:`MTBFCheckpoint.state_dict` and :meth:`MTBFCheckpoint._save` for where).
 """
 
 from __future__ import annotations
@@ -36,7 +21,7 @@ from typing_extensions import override
 from lightning_ckpt import _compat
 from lightning_ckpt._checkpoint_io import AsyncDCPCheckpointIO
 from lightning_ckpt._values import encode_values
-from torch_ckpt import AnyOf, ConfigError, EveryNSeconds, EveryNSteps, StepNaming, TrainState, YoungDaly, is_committed
+from torch_ckpt import CheckpointConfig, ConfigError, StepNaming, TrainState, YoungDaly, is_committed
 
 __all__ = ["MTBFCheckpoint"]
 
@@ -59,8 +44,8 @@ class MTBFCheckpoint(OnExceptionCheckpoint):
         mtbf_seconds: Mean time between failures of the whole job, in seconds or as a duration
             string (``"8h"``); saves follow the Young/Daly optimal interval from it and the measured
             save cost. None disables the MTBF policy.
-        every_n_steps: Also save every this many optimizer steps (None: off).
-        every_n_seconds: Also save when this many seconds (or a duration string) have passed since
+        save_every_n_steps: Also save every this many optimizer steps (None: off).
+        save_every_seconds: Also save when this many seconds (or a duration string) have passed since
             the last save (None: off).
         initial_cost_seconds: Save cost assumed by the MTBF policy until a save is measured, in
             seconds.
@@ -86,8 +71,8 @@ class MTBFCheckpoint(OnExceptionCheckpoint):
         dirpath: str,
         *,
         mtbf_seconds: float | str | None = "24h",
-        every_n_steps: int | None = None,
-        every_n_seconds: float | str | None = None,
+        save_every_n_steps: int | None = None,
+        save_every_seconds: float | str | None = None,
         initial_cost_seconds: float | str = 5.0,
         formula: Literal["daly", "young"] = "daly",
         min_interval_steps: int = 1,
@@ -98,15 +83,13 @@ class MTBFCheckpoint(OnExceptionCheckpoint):
         prog_bar: bool = True,
     ) -> None:
         super().__init__(dirpath=str(dirpath), filename="mtbf")
-        if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
-            raise ConfigError(f"keep_last must be an int >= 1 or None, got {keep_last!r}")
-        self._young_daly = None if mtbf_seconds is None else YoungDaly(
-            mtbf_seconds, initial_cost_seconds=initial_cost_seconds, formula=formula,
-            min_interval_steps=min_interval_steps)
-        policies = [p for p in (self._young_daly,
-                                None if every_n_steps is None else EveryNSteps(every_n_steps),
-                                None if every_n_seconds is None else EveryNSeconds(every_n_seconds)) if p is not None]
-        self._policy = None if not policies else policies[0] if len(policies) == 1 else AnyOf(*policies)
+        # the core's one typed configuration validates these (same names as CheckpointManager's)
+        config = CheckpointConfig(mtbf_seconds=mtbf_seconds, save_every_n_steps=save_every_n_steps,
+                                  save_every_seconds=save_every_seconds, initial_cost_seconds=initial_cost_seconds,
+                                  formula=formula, min_interval_steps=min_interval_steps, keep_last=keep_last)
+        self._policy = config.build_save_policy()
+        policies = getattr(self._policy, "policies", None) or [self._policy]
+        self._young_daly = next((p for p in policies if isinstance(p, YoungDaly)), None)
         self.keep_last = keep_last
         self.save_on_sigterm = save_on_sigterm
         self.save_on_train_end = save_on_train_end

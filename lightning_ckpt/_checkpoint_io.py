@@ -26,7 +26,7 @@ from typing_extensions import override
 
 from lightning_ckpt._load import load_checkpoint_dir, world
 from lightning_ckpt._values import RANK_LOCAL_KEYS, UNSAFE_VALUE_MODES, encode_values
-from torch_ckpt import CheckpointManager, ConfigError, SaveHandle, StepNaming, is_committed
+from torch_ckpt import CheckpointConfig, CheckpointManager, ConfigError, SaveHandle, StepNaming, is_committed
 
 __all__ = ["AsyncDCPCheckpointIO"]
 
@@ -92,10 +92,10 @@ class AsyncDCPCheckpointIO(CheckpointIO):
         *,
         async_save: bool = True,
         persist: Literal["thread", "process"] = "thread",
-        overlap_staging: bool = True,
+        overlap_staging: bool = False,
         writer_niceness: int = 0,
         staging_budget_bytes: int | None = None,
-        thread_count: int = 1,
+        thread_count: int = 2,
         timeout_seconds: float = 600.0,
         verify_on_load: bool = True,
         unsafe_values: Literal["error", "pickle"] = "error",
@@ -104,25 +104,14 @@ class AsyncDCPCheckpointIO(CheckpointIO):
     ) -> None:
         if unsafe_values not in UNSAFE_VALUE_MODES:
             raise ConfigError(f"unsafe_values must be one of {UNSAFE_VALUE_MODES}, got {unsafe_values!r}")
-        if persist not in ("thread", "process"):
-            raise ConfigError(f"persist must be 'thread' or 'process', got {persist!r}")
-        for name, value, low, high in (("thread_count", thread_count, 1, 64), ("writer_niceness", writer_niceness, 0, 19)):
-            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-                raise ConfigError(f"{name} must be an int in [{low}, {high}], got {value!r}")
-        if staging_budget_bytes is not None and not staging_budget_bytes > 0:
-            raise ConfigError(f"staging_budget_bytes must be > 0 or None, got {staging_budget_bytes!r}")
-        if isinstance(timeout_seconds, bool) or not isinstance(timeout_seconds, (int, float)) \
-                or not 0 < timeout_seconds < float("inf"):
-            raise ConfigError(f"timeout_seconds must be a finite number of seconds > 0, got {timeout_seconds!r}")
-        for name, value in (("async_save", async_save), ("overlap_staging", overlap_staging),
-                            ("verify_on_load", verify_on_load), ("allow_cast", allow_cast),
-                            ("wait_outside_fit", wait_outside_fit)):
+        for name, value in (("allow_cast", allow_cast), ("wait_outside_fit", wait_outside_fit)):
             if not isinstance(value, bool):
                 raise ConfigError(f"{name} must be True or False, got {value!r}")
-        self._manager_kwargs = dict(async_save=async_save, persist=persist, overlap_staging=overlap_staging,
-                                    writer_niceness=writer_niceness, staging_budget_bytes=staging_budget_bytes,
-                                    thread_count=thread_count, timeout_seconds=timeout_seconds,
-                                    verify_on_load=verify_on_load)
+        # the core's one typed configuration validates the manager's settings (same names and defaults)
+        self._config = CheckpointConfig(async_save=async_save, persist=persist, overlap_staging=overlap_staging,
+                                        writer_niceness=writer_niceness, staging_budget_bytes=staging_budget_bytes,
+                                        thread_count=thread_count, timeout_seconds=timeout_seconds,
+                                        verify_on_load=verify_on_load)
         self.verify_on_load, self.unsafe_values = verify_on_load, unsafe_values
         self.allow_cast, self.wait_outside_fit = allow_cast, wait_outside_fit
         self._reset_runtime()
@@ -139,7 +128,7 @@ class AsyncDCPCheckpointIO(CheckpointIO):
     def __getstate__(self) -> dict[str, Any]:
         # ddp_spawn pickles the strategy and its plugins; runtime state stays behind
         return {k: v for k, v in self.__dict__.items() if k in (
-            "_manager_kwargs", "verify_on_load", "unsafe_values", "allow_cast", "wait_outside_fit")}
+            "_config", "verify_on_load", "unsafe_values", "allow_cast", "wait_outside_fit")}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
@@ -180,8 +169,8 @@ class AsyncDCPCheckpointIO(CheckpointIO):
         if self._manager is None:
             if directory is None:
                 raise ConfigError("AsyncDCPCheckpointIO has no checkpoint directory yet")
-            kwargs.setdefault("keep_last", None)
-            self._manager = CheckpointManager(directory, naming=StepNaming(), **self._manager_kwargs, **kwargs)
+            config = self._config.replace(naming=StepNaming(), **{"keep_last": None, **kwargs})
+            self._manager = CheckpointManager(directory, config=config)
         return self._manager
 
     # -- saving ----------------------------------------------------------------------------------

@@ -12,7 +12,8 @@ from collections.abc import Callable
 from typing import Any
 
 __all__ = [
-    "defer_link_checkpoint", "dump_checkpoint", "is_final_batch", "is_last_batch", "isolate_validation_rng", "load_module_state",
+    "defer_link_checkpoint", "dump_checkpoint", "is_final_batch", "is_last_batch", "isolate_validation_rng",
+    "load_module_state",
     "set_original_sigterm_handler", "sharded_flags", "signal_connector",
 ]
 
@@ -23,7 +24,7 @@ _MARK = "_lightning_ckpt_wrapped"
 def defer_link_checkpoint(callback: Any, link: Callable[[Any, str, str], None]) -> bool:
     """Replace ``ModelCheckpoint._link_checkpoint`` (a staticmethod) on this instance only.
 
-    Checked against lightning 2.4-2.6.6 (``ModelCheckpoint._link_checkpoint(trainer, filepath, linkpath)``).
+    Checked against lightning 2.6.6 (``ModelCheckpoint._link_checkpoint(trainer, filepath, linkpath)``).
 
     Returns:
         False when the attribute does not exist (links are then not deferred).
@@ -37,7 +38,7 @@ def defer_link_checkpoint(callback: Any, link: Callable[[Any, str, str], None]) 
 def signal_connector(trainer: Any) -> Any:
     """``trainer._signal_connector`` (``_original_handlers``, ``received_sigterm``), or None.
 
-    Checked against lightning 2.4-2.6.6.
+    Checked against lightning 2.6.6.
     """
     return getattr(trainer, "_signal_connector", None)
 
@@ -45,7 +46,7 @@ def signal_connector(trainer: Any) -> Any:
 def sharded_flags(strategy: Any) -> dict[str, Any]:
     """``ModelParallelStrategy._save_distributed_checkpoint`` and ``FSDPStrategy._state_dict_type``.
 
-    Checked against lightning 2.4-2.6.6.
+    Checked against lightning 2.6.6.
     """
     return {"save_distributed_checkpoint": getattr(strategy, "_save_distributed_checkpoint", True),
             "state_dict_type": getattr(strategy, "_state_dict_type", "sharded")}
@@ -54,7 +55,7 @@ def sharded_flags(strategy: Any) -> dict[str, Any]:
 def is_last_batch(trainer: Any) -> bool:
     """Whether the batch that just finished was the last of its training epoch.
 
-    ``trainer.fit_loop.epoch_loop.batch_progress.is_last_batch``; checked against lightning 2.4-2.6.6.
+    ``trainer.fit_loop.epoch_loop.batch_progress.is_last_batch``; checked against lightning 2.6.6.
     """
     try:
         return bool(trainer.fit_loop.epoch_loop.batch_progress.is_last_batch)
@@ -69,7 +70,7 @@ def isolate_validation_rng(trainer: Any) -> bool:
     loader has no ``generator=``; validation steps may draw too). A resumed run skips the
     validation that followed the saved step, so without this its training draws would shift.
     Wraps ``trainer.fit_loop.epoch_loop.val_loop.run`` on the instance (idempotent); checked against
-    lightning 2.4-2.6.6.
+    lightning 2.6.6.
 
     Returns:
         False when the loop attribute does not exist (validation then shares the training stream).
@@ -99,7 +100,7 @@ def load_module_state(cls: type, checkpoint: dict[str, Any], *, strict: bool | N
     """Build ``cls`` from a checkpoint dict as ``cls.load_from_checkpoint`` does after reading the file.
 
     ``lightning.pytorch.core.saving._load_state`` (hyper-parameters, ``on_load_checkpoint``, strict
-    ``load_state_dict``); checked against lightning 2.4-2.6.6.
+    ``load_state_dict``); checked against lightning 2.6.6.
     """
     from lightning.pytorch.core.saving import _load_state
 
@@ -110,7 +111,7 @@ def dump_checkpoint(trainer: Any) -> dict[str, Any]:
     """The checkpoint dict ``trainer.save_checkpoint`` would write now (hooks included), without writing it.
 
     ``trainer._checkpoint_connector.dump_checkpoint(weights_only=False)``; checked against lightning
-    2.4-2.6.6. Tensors are the live ones (valid until the next optimizer step); everything else is a
+    2.6.6. Tensors are the live ones (valid until the next optimizer step); everything else is a
     snapshot.
     """
     return trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
@@ -120,7 +121,7 @@ def is_final_batch(trainer: Any) -> bool:
     """Whether training stops after the batch that just finished: ``max_steps`` reached, or the last batch
     of the last epoch (``max_epochs``).
 
-    Uses :func:`is_last_batch`; checked against lightning 2.4-2.6.6.
+    Uses :func:`is_last_batch`; checked against lightning 2.6.6.
     """
     if 0 < trainer.max_steps <= trainer.global_step:
         return True
@@ -132,7 +133,7 @@ def is_final_batch(trainer: Any) -> bool:
 def set_original_sigterm_handler(connector: Any, handler: Any) -> None:
     """Make Lightning restore ``handler`` for SIGTERM after ``fit`` (``_SignalConnector._original_handlers``).
 
-    Checked against lightning 2.4-2.6.6.
+    Checked against lightning 2.6.6.
     """
     import signal
 

@@ -123,6 +123,14 @@ def load_from_checkpoint(cls: type, checkpoint_path: str | Path, *, map_location
     Builds ``cls`` from the saved hyper-parameters (``kwargs`` override them), runs its
     ``on_load_checkpoint`` and loads the weights, as Lightning's own method does for a file.
 
+    Args:
+        cls: the ``LightningModule`` class.
+        checkpoint_path: a torch-ckpt checkpoint directory or a plain ``.ckpt`` file.
+        map_location: device (or device string) for the tensors; default CPU.
+        strict: as in ``load_state_dict``; default the module's ``strict_loading``.
+        weights_only: False allows values stored pickled (``unsafe_values="pickle"``).
+        kwargs: hyper-parameters overriding the saved ones.
+
     Raises:
         CheckpointNotFoundError: ``checkpoint_path`` is neither a file nor a committed checkpoint.
         CheckpointCorruptError: a file fails verification.
@@ -143,8 +151,9 @@ def load_from_checkpoint(cls: type, checkpoint_path: str | Path, *, map_location
 def _check_optimizer(index: int, optimizer: Any, saved: Any, *, allow_cast: bool, where: str) -> list[str]:
     """Groups, parameter counts and state tensors (shape, dtype) of one plain optimizer state."""
     live = optimizer.state_dict()
+    sizes = [len(g.get("params", ())) for g in saved.get("param_groups", ())] if isinstance(saved, dict) else None
     if not isinstance(saved, dict) or not isinstance(saved.get("param_groups"), list) \
-            or [len(g["params"]) for g in live["param_groups"]] != [len(g.get("params", ())) for g in saved["param_groups"]]:
+            or [len(g["params"]) for g in live["param_groups"]] != sizes:
         raise StateMismatchError(f"{where}: optimizer {index}'s parameter groups do not match the checkpoint's")
     casts = []
     for pid, entries in saved.get("state", {}).items():

@@ -97,8 +97,9 @@ def _node_files(manifest, node):
 def two_nodes(tmp_path_factory, s3):
     """Steps 1 and 2 saved by 2 nodes of 2 ranks; returns the base directory."""
     base = tmp_path_factory.mktemp("cluster")
-    run_distributed(_as_nodes, 4, 2, _save_steps, str(base), f"s3://{s3.new_bucket()}/run", s3.options, 2,
-                    timeout_s=240)
+    url = f"s3://{s3.new_bucket()}/run"
+    run_distributed(_as_nodes, 4, 2, _save_steps, str(base), url, s3.options, 2, timeout_s=240)
+    (base / "url.json").write_text(json.dumps({"url": url}))
     return base
 
 
@@ -113,6 +114,22 @@ def test_each_node_commits_only_its_own_shards(two_nodes):
         on_disk = {p.name for p in step_dir.iterdir()} - {"manifest.json"}
         assert on_disk == _node_files(manifest, node)
         assert {f"rank_{r:05d}.json" for r in (2 * node, 2 * node + 1)} <= on_disk
+
+
+@pytest.mark.slow
+def test_durable_tier_holds_each_tensor_once(two_nodes, s3):
+    """Each node keeps its own copy of replicated tensors, but only the lowest node's copy is uploaded."""
+    manifest = read_manifest(two_nodes / "node1" / "step_000000002")
+    replicas = {n for n in manifest.local_files() if "_replica_" in n}
+    assert replicas  # the model is replicated on every rank: node 1 holds its own copy
+    from torch_ckpt.tiers import DurableTier
+
+    url = next(iter(json.loads((two_nodes / "url.json").read_text()).values()))
+    durable = DurableTier(url, storage_options=s3.options)
+    assert set(durable.list_steps()) == {1, 2}
+    uploaded = {p.rsplit("/", 1)[-1] for p in durable.fs.find(f"{durable.root}/step_000000002")}
+    assert not uploaded & replicas and "node_00001.metadata" not in uploaded
+    assert durable.read_manifest(2).tensor_bytes == manifest.tensor_bytes
 
 
 @pytest.mark.slow
@@ -134,12 +151,16 @@ def test_replaced_node_fetches_only_its_shards_and_resume_is_exact(tmp_path, s3)
     """Node 1's disk is lost: node 0 reads locally, node 1 fetches only its files from S3; then a
     restart at world size 2 reshards from the durable tier."""
     url = f"s3://{s3.new_bucket()}/run"
+    from torch_ckpt.tiers import DurableTier
+
     run_distributed(_as_nodes, 4, 2, _save_steps, str(tmp_path), url, s3.options, 3, timeout_s=240)
-    durable = read_manifest(tmp_path / "node0" / "step_000000003")
     shutil.rmtree(tmp_path / "node1")
     run_distributed(_as_nodes, 4, 2, _restore_after_replacement, str(tmp_path), url, s3.options, 3, timeout_s=240)
+    durable = DurableTier(url, storage_options=s3.options).read_manifest(3)
     fetched = {p.name for p in (tmp_path / "node1" / "step_000000003").iterdir()} - {"manifest.json"}
-    assert fetched == _node_files(durable, 1)
+    # node 1's ranks' files, the files holding the replicated tensors, the metadata; nothing else
+    wanted = _node_files(durable, 1) | set(durable.nodes["shared"]) | {".metadata"}
+    assert fetched == wanted and fetched < set(durable.files)
     assert not (tmp_path / "node1" / "step_000000002").exists()  # only the restored step was fetched
     run_distributed(_as_nodes, 2, 1, _restore_resharded, str(tmp_path), url, s3.options, 3, timeout_s=240)
 
@@ -232,10 +253,23 @@ def test_store_mismatch_fails_the_upload(tmp_path, s3, monkeypatch):
 def test_manifest_node_fields_are_validated(tmp_path):
     """A manifest whose node fields do not cover every file is corrupt, naming the field."""
     from torch_ckpt import CheckpointCorruptError
-    from torch_ckpt.format import parse_manifest
+    from torch_ckpt.manifest import parse_manifest
 
     doc = {"format": "torch-ckpt", "format_version": 1, "step": 1, "world_size": 2, "wall_time": 1.0,
            "torch_version": "x", "files": {"a": {"bytes": 1, "crc32": 0}, "b": {"bytes": 1, "crc32": 0}},
            "nodes": {"rank_node": [0, 1], "file_node": {"a": 0}}, "node": 0}
     with pytest.raises(CheckpointCorruptError, match="file_node"):
         parse_manifest(json.dumps(doc).encode(), "m")
+
+
+def _same_root_on_two_nodes(rank, world, base):
+    from torch_ckpt import ConfigError
+
+    with pytest.raises(ConfigError, match="local_root_shared=True"):
+        CheckpointManager(Path(base) / "shared")
+
+
+@pytest.mark.slow
+def test_shared_directory_taken_for_node_local_is_refused(tmp_path):
+    """Two nodes given one directory (a shared file system) are refused at start, naming the option."""
+    run_distributed(_as_nodes, 2, 1, _same_root_on_two_nodes, str(tmp_path), timeout_s=120)

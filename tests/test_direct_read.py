@@ -9,9 +9,10 @@ import torch
 
 from torch_ckpt import CheckpointManager
 from torch_ckpt.dcp_io import record_framing
+from torch_ckpt.dcp_metadata import read_metadata
 from torch_ckpt.direct_read import load_direct
 from torch_ckpt.errors import CheckpointCorruptError
-from torch_ckpt.format import read_manifest, read_metadata
+from torch_ckpt.manifest import read_manifest
 
 
 def _state() -> dict[str, torch.Tensor]:
@@ -109,3 +110,20 @@ def test_manager_restore_detects_a_flipped_data_byte(ckpt):
     with CheckpointManager(ckpt.parent) as mgr, pytest.raises(CheckpointCorruptError, match="CRC-32"):
         mgr.restore(live, step=1)
     assert all(torch.count_nonzero(t) == 0 for t in live.values())
+
+
+@pytest.mark.parametrize("buffer_bytes", [64, 4096, 1 << 20])
+def test_records_straddling_the_read_ahead_buffer_are_placed_exactly(tmp_path, monkeypatch, buffer_bytes):
+    """Small and large records, whatever their position against the read-ahead buffer, load bit for bit."""
+    from torch_ckpt import direct_read
+
+    monkeypatch.setattr(direct_read, "_BUFFER_BYTES", buffer_bytes)
+    g = torch.Generator().manual_seed(1)
+    state = {f"s{i}": torch.randn(n, generator=g) for i, n in enumerate([1, 7, 300, 5000, 300_000, 3, 262_144, 17])}
+    with CheckpointManager(tmp_path) as mgr:
+        mgr.save(1, state).wait()
+    ckpt = next(tmp_path.glob("step_*"))
+    manifest = read_manifest(ckpt)
+    targets = {k: torch.zeros_like(v) for k, v in state.items()}
+    assert load_direct(targets, ckpt, read_metadata(ckpt, manifest), manifest, verify=True) == set()
+    assert all(torch.equal(targets[k], v) for k, v in state.items())

@@ -75,3 +75,52 @@ def test_cuda_tensors_staged_via_pinned_side_stream():
     staged.synchronize()
     assert stager.arena.is_pinned() and staged.event is not None
     assert torch.equal(staged.tensors["w"], src["w"].cpu())
+
+
+def test_progress_wait_blocks_until_the_key_is_marked():
+    """StagingProgress.wait returns only after the copy marks that key."""
+    import threading
+
+    from torch_ckpt.staging import StagingProgress
+
+    progress = StagingProgress()
+    done = threading.Event()
+    waiter = threading.Thread(target=lambda: (progress.wait("b"), done.set()))
+    waiter.start()
+    progress.mark(["a"])
+    assert not done.wait(0.05)
+    progress.mark(["b"])
+    waiter.join(5)
+    assert done.is_set()
+
+
+def test_progress_failure_raises_for_keys_not_yet_staged():
+    """After a failed copy, waiting for an unstaged key raises while a staged key still returns."""
+    from torch_ckpt.errors import CheckpointWriteError
+    from torch_ckpt.staging import StagingProgress
+
+    progress = StagingProgress()
+    progress.mark(["a"])
+    progress.fail(RuntimeError("copy broke"))
+    progress.wait("a")
+    with pytest.raises(CheckpointWriteError, match="'b'.*copy broke"):
+        progress.wait("b")
+
+
+def test_staging_with_progress_marks_every_chunk_but_the_last():
+    """A reporting copy stages every value and leaves only the last chunk to the caller's finish()."""
+    from torch_ckpt import staging as staging_mod
+    from torch_ckpt.staging import StagingProgress
+
+    tensors = {f"t{i}": torch.full((1024,), float(i)) for i in range(5)}
+    marked: list[list[str]] = []
+    progress = StagingProgress()
+    progress.mark = marked.append
+    old = staging_mod._CHUNK_BYTES
+    staging_mod._CHUNK_BYTES = 4096  # one tensor per chunk
+    try:
+        staged = HostStager(budget_bytes=1 << 20).stage(tensors, progress=progress)
+    finally:
+        staging_mod._CHUNK_BYTES = old
+    assert all(torch.equal(staged.tensors[k], v) for k, v in tensors.items())
+    assert len(marked) == 4 and len({k for chunk in marked for k in chunk}) == 4

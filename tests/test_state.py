@@ -142,11 +142,11 @@ def _net() -> torch.nn.Module:
 
 def _assert_same_capture(a: dict, b: dict) -> None:
     assert list(a) == list(b)
-    for key in a:
-        if isinstance(a[key], torch.Tensor):
-            assert a[key].data_ptr() == b[key].data_ptr() and a[key].shape == b[key].shape, key
+    for key, value in a.items():
+        if isinstance(value, torch.Tensor):
+            assert value.data_ptr() == b[key].data_ptr() and value.shape == b[key].shape, key
         else:
-            assert a[key] == b[key], key
+            assert value == b[key], key
 
 
 def test_repeated_capture_of_a_plain_module_equals_dcps():

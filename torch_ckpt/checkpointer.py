@@ -30,7 +30,7 @@ from torch_ckpt.handle import SaveHandle, SaveStats
 from torch_ckpt.layout import new_incarnation, read_manifest
 from torch_ckpt.persist import PersistRequest, persist_checkpoint
 from torch_ckpt.restore import RANK_LOCAL_POLICIES, load_into
-from torch_ckpt.staging import HostStager
+from torch_ckpt.staging import HostStager, StagingProgress
 from torch_ckpt.writer_process import ProcessWriter
 
 __all__ = ["AsyncCheckpointer", "close_on_exit"]
@@ -56,6 +56,17 @@ class _SaveJob:
     on_committed: Callable[[Path], None] | None = None
     replace: bool = False
     extra_dir: Path | None = None
+    progress: StagingProgress | None = None  # pipelined staging: the copy runs while the writer starts
+    timings: dict[str, float] = field(default_factory=dict)
+    copy_failed: bool = False
+
+
+#: Pipelined staging of host tensors (the writer starts while ``save()`` still copies): None decides
+#: by the cores available, True/False forces it. On a machine with fewer cores than the copy's
+#: torch threads plus the writer threads plus one, the writer would take CPU from the copy (on the
+#: reference 2-core VM the blocking time of a 1 GiB save grew from 0.13 s to 0.9-1.5 s), so the copy
+#: then finishes before the writer starts.
+PIPELINE_STAGING: bool | None = None
 
 
 def _cuda_ready_event(tensors: dict[str, torch.Tensor]) -> Any:
@@ -289,6 +300,14 @@ class AsyncCheckpointer:
                 self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torch_ckpt_writer",
                                                     initializer=_lower_thread_priority,
                                                     initargs=(self.writer_niceness,))
+            if job.progress is not None:
+                # pipelined staging: the writer starts now and writes each tensor as soon as it is copied
+                self._executor.submit(self._run_job, job, handle)
+                self._copy_pipelined(job, handle)
+                stats.blocking_s = time.monotonic() - t0
+                job.progress.finish()
+                handle.staged.set_result(None)
+                return handle
             stats.blocking_s = time.monotonic() - t0  # the submit below is the only remaining work
             self._executor.submit(self._run_job, job, handle)
         else:
@@ -334,6 +353,12 @@ class AsyncCheckpointer:
                 job.deferred_keys, job.early_s = owned, time.monotonic() - t
                 self._install_step_hooks(state)
                 self._staged_future = handle.staged
+            elif background and self._process_writer is None and job.fits and self._pipelining_pays() and \
+                    not any(t.device.type == "cuda" for t in tensors.values()):
+                # the copy itself runs in save() after the agreement, overlapping the writer (_copy_pipelined)
+                staged = self._stager.prepare(tensors)
+                job.to_write, job.layout, stats.bytes = staged.tensors, staged.layout, staged.nbytes
+                job.progress = StagingProgress()
             else:
                 self._stage(job, handle)
         except BaseException as exc:  # staging failed or was interrupted: nothing is in flight
@@ -409,10 +434,35 @@ class AsyncCheckpointer:
         handle.stats.staging_s = time.monotonic() - t + job.early_s
         handle.staged.set_result(None)
 
+    def _pipelining_pays(self) -> bool:
+        """Whether the writer threads can run beside the copy without slowing it (``PIPELINE_STAGING``)."""
+        if PIPELINE_STAGING is not None:
+            return PIPELINE_STAGING
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        return cores >= torch.get_num_threads() + self.thread_count + 1
+
+    def _copy_pipelined(self, job: _SaveJob, handle: SaveHandle) -> None:
+        """The copy of a pipelined save, on the caller's thread, while the writer writes what is copied.
+
+        A failed copy fails the save in the writer too (nothing is committed) and is raised here,
+        once: the writer does not record it as a pending error.
+        """
+        t = time.monotonic()
+        try:
+            self._stager.stage(job.tensors, progress=job.progress)
+        except BaseException as exc:
+            job.copy_failed = True
+            job.progress.fail(exc)
+            handle.staged.set_exception(exc)
+            raise
+        finally:
+            job.tensors = {}  # no reference to the live tensors outlives the copy
+        handle.stats.staging_s = job.timings["staging_s"] = time.monotonic() - t
+
     def _run_job(self, job: _SaveJob, handle: SaveHandle) -> None:
         try:
             failed = None
-            if not handle.staged.done():
+            if job.progress is None and not handle.staged.done():
                 try:
                     self._stage(job, handle)
                 except BaseException as exc:
@@ -422,7 +472,8 @@ class AsyncCheckpointer:
                     # still join the persist collectives, so every rank fails this step at once
                     failed, job.to_write, job.layout = f"{type(exc).__name__}: {exc}", {}, ()
             t_start = time.monotonic()
-            timings = {"staging_s": handle.stats.staging_s}
+            # a pipelined copy fills job.timings before it marks the last tensors staged
+            timings = job.timings if job.progress is not None else {"staging_s": handle.stats.staging_s}
             if self._process_writer is not None and (job.fits or failed is not None):
                 fields = dict(final=job.final, step=job.step, tree=job.tree, tensor_bytes=handle.stats.bytes,
                               replace=job.replace, extra_dir=job.extra_dir,
@@ -434,7 +485,8 @@ class AsyncCheckpointer:
                 req = PersistRequest(final=job.final, step=job.step, tensors=job.to_write, tree=job.tree,
                                      tensor_bytes=handle.stats.bytes, thread_count=self.thread_count,
                                      timings=timings, incarnation=self._incarnation, failed=failed,
-                                     replace=job.replace, extra_dir=job.extra_dir, nodes=self.node_layout)
+                                     replace=job.replace, extra_dir=job.extra_dir, nodes=self.node_layout,
+                                     progress=job.progress)
                 final = persist_checkpoint(req, self._ctx)
                 files_bytes = req.committed_bytes
             stats = handle.stats
@@ -449,7 +501,9 @@ class AsyncCheckpointer:
             handle.committed.set_result(str(final))
         except BaseException as exc:  # noqa: BLE001 - surfaced on the caller's thread
             with self._lock:
-                if self.on_write_error == "warn" and isinstance(exc, CheckpointError):
+                if job.copy_failed:
+                    pass  # save() already raised the copy's error on the caller's thread
+                elif self.on_write_error == "warn" and isinstance(exc, CheckpointError):
                     log.warning("[rank %d] checkpoint step %d failed, training continues (on_write_error='warn'): %s",
                                 self._ctx.rank, job.step, exc)
                     self.failed_saves.append({"step": job.step, "error": str(exc), "time": time.time()})

@@ -50,21 +50,21 @@ from torch_ckpt.errors import CheckpointCorruptError, ConfigError
 __all__ = ["split_state", "join_state", "TENSOR_TAG", "MAX_DEPTH"]
 
 TENSOR_TAG = "__tensor__"
-_INLINE_TENSOR = "__tensor_b64__"
-_NDARRAY = "__ndarray_b64__"
-_NPSCALAR = "__np_scalar__"
+INLINE_TENSOR_TAG = "__tensor_b64__"
+NDARRAY_TAG = "__ndarray_b64__"
+NPSCALAR_TAG = "__np_scalar__"
 _NPSCALAR_RAW = "__np_scalar_b64__"
-_TUPLE = "__tuple__"
-_DICT = "__dict__"
-_BYTES = "__bytes_b64__"
+TUPLE_TAG = "__tuple__"
+DICT_TAG = "__dict__"
+BYTES_TAG = "__bytes_b64__"
 _BYTEARRAY = "__bytearray_b64__"
-_FLOAT = "__float__"
+FLOAT_TAG = "__float__"
 _COMPLEX = "__complex__"
 _BIGINT = "__int_hex__"
 _SET = "__set__"
 _FROZENSET = "__frozenset__"
-_TAGS = {TENSOR_TAG, _INLINE_TENSOR, _NDARRAY, _NPSCALAR, _NPSCALAR_RAW, _TUPLE, _DICT, _BYTES, _BYTEARRAY, _FLOAT,
-         _COMPLEX, _BIGINT, _SET, _FROZENSET}
+_TAGS = {TENSOR_TAG, INLINE_TENSOR_TAG, NDARRAY_TAG, NPSCALAR_TAG, _NPSCALAR_RAW, TUPLE_TAG, DICT_TAG, BYTES_TAG,
+         _BYTEARRAY, FLOAT_TAG, _COMPLEX, _BIGINT, _SET, _FROZENSET}
 
 #: Deepest nesting of containers (dicts, lists, tuples, sets) a state may have.
 MAX_DEPTH = 100
@@ -146,7 +146,7 @@ def _encode_inline_tensor(t: torch.Tensor, path: str) -> dict:
     _check_tensor(t, path, inline=True)
     cpu = t.detach().to("cpu").resolve_conj().resolve_neg().contiguous()
     raw = cpu.reshape(-1).view(torch.uint8).numpy().tobytes() if cpu.numel() else b""
-    return {_INLINE_TENSOR: _b64(raw), "dtype": str(cpu.dtype).removeprefix("torch."), "shape": list(cpu.shape),
+    return {INLINE_TENSOR_TAG: _b64(raw), "dtype": str(cpu.dtype).removeprefix("torch."), "shape": list(cpu.shape),
             "device": str(t.device)}
 
 
@@ -154,7 +154,7 @@ def _decode_inline_tensor(node: dict) -> torch.Tensor:
     dtype = getattr(torch, node["dtype"], None)
     if not isinstance(dtype, torch.dtype):
         raise CheckpointCorruptError(f"unknown tensor dtype {node['dtype']!r} in checkpoint JSON")
-    raw = bytearray(base64.b64decode(node[_INLINE_TENSOR]))
+    raw = bytearray(base64.b64decode(node[INLINE_TENSOR_TAG]))
     flat = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
     return flat.view(dtype).reshape(node["shape"]).clone()
 
@@ -181,7 +181,7 @@ def _encode_np_scalar(obj: np.generic, path: str) -> dict:
         value = str(obj) if kind == "U" else obj.item()
         if kind in "iu" and abs(value).bit_length() > _JSON_INT_BITS:  # pragma: no cover - numpy ints are <= 64 bits
             raise _refuse(path, "an oversized numpy integer", "store a Python int")
-        return {_NPSCALAR: value, "dtype": name}
+        return {NPSCALAR_TAG: value, "dtype": name}
     raw = bytes(obj) if kind == "S" else np.array(obj).tobytes()
     return {_NPSCALAR_RAW: _b64(raw), "dtype": name}
 
@@ -204,7 +204,7 @@ def _encode_ndarray(arr: np.ndarray, path: str) -> dict:
     if np.dtype(arr.dtype.str) != arr.dtype:
         raise _refuse(path, f"a numpy array of dtype {arr.dtype}", "store an array of a standard dtype")
     raw = np.ascontiguousarray(arr).tobytes()
-    return {_NDARRAY: _b64(raw), "dtype": arr.dtype.str, "shape": list(arr.shape)}
+    return {NDARRAY_TAG: _b64(raw), "dtype": arr.dtype.str, "shape": list(arr.shape)}
 
 
 def _advice_for(obj: Any) -> str:
@@ -271,11 +271,11 @@ def split_state(state: Any, *, rank_local_keys: tuple[str, ...] = ()) -> tuple[d
         if kind is int:
             return obj if obj.bit_length() <= _JSON_INT_BITS else {_BIGINT: hex(obj)}
         if kind is float:
-            return obj if obj == obj and obj not in (float("inf"), float("-inf")) else {_FLOAT: repr(obj)}
+            return obj if obj == obj and obj not in (float("inf"), float("-inf")) else {FLOAT_TAG: repr(obj)}
         if kind is complex:
             return {_COMPLEX: [enc(obj.real, key, local, depth), enc(obj.imag, key, local, depth)]}
         if kind is bytes:
-            return {_BYTES: _b64(obj)}
+            return {BYTES_TAG: _b64(obj)}
         if kind is bytearray:
             return {_BYTEARRAY: _b64(bytes(obj))}
         if isinstance(obj, np.ndarray):
@@ -293,14 +293,14 @@ def split_state(state: Any, *, rank_local_keys: tuple[str, ...] = ()) -> tuple[d
                     name = k if type(k) is str else str(k)
                     items.append([enc_hashable(k, _join(key, name), depth + 1),
                                   enc(v, _join(key, name), sub_local(name), depth + 1, path + (name,))])
-                out = {_DICT: items}
+                out = {DICT_TAG: items}
             active.discard(id(obj))
             return out
         if kind is list or kind is tuple:
             enter(obj, key, depth)
             out = [enc(v, _join(key, str(i)), local, depth + 1, path + (str(i),)) for i, v in enumerate(obj)]
             active.discard(id(obj))
-            return {_TUPLE: out} if kind is tuple else out
+            return {TUPLE_TAG: out} if kind is tuple else out
         if kind is set or kind is frozenset:
             enter(obj, key, depth)
             elems = [enc_hashable(v, key, depth + 1) for v in obj]
@@ -337,34 +337,34 @@ def join_state(tree: Any, tensors: dict[str, torch.Tensor] | Any) -> Any:
                     raise CheckpointCorruptError(f"state refers to tensor {key!r}, which the checkpoint does not hold "
                                                  "as a tensor")
                 return tensors[key]
-            if _INLINE_TENSOR in node:
+            if INLINE_TENSOR_TAG in node:
                 return _decode_inline_tensor(node)
-            if _NDARRAY in node:
-                return np.frombuffer(base64.b64decode(node[_NDARRAY]), dtype=np.dtype(node["dtype"])).reshape(
+            if NDARRAY_TAG in node:
+                return np.frombuffer(base64.b64decode(node[NDARRAY_TAG]), dtype=np.dtype(node["dtype"])).reshape(
                     node["shape"]).copy()
-            if _NPSCALAR in node:
-                return np.dtype(node["dtype"]).type(node[_NPSCALAR])
+            if NPSCALAR_TAG in node:
+                return np.dtype(node["dtype"]).type(node[NPSCALAR_TAG])
             if _NPSCALAR_RAW in node:
                 return _decode_np_scalar_raw(node)
             if len(node) == 1:
                 tag, value = next(iter(node.items()))
-                if tag == _BYTES:
+                if tag == BYTES_TAG:
                     return base64.b64decode(value)
                 if tag == _BYTEARRAY:
                     return bytearray(base64.b64decode(value))
-                if tag == _FLOAT:
+                if tag == FLOAT_TAG:
                     return float(value)
                 if tag == _BIGINT:
                     return int(value, 16)
                 if tag == _COMPLEX:
                     return complex(dec(value[0]), dec(value[1]))
-                if tag == _TUPLE:
+                if tag == TUPLE_TAG:
                     return tuple(dec(v) for v in value)
                 if tag == _SET:
                     return {dec(v) for v in value}
                 if tag == _FROZENSET:
                     return frozenset(dec(v) for v in value)
-                if tag == _DICT:
+                if tag == DICT_TAG:
                     return {dec(k): dec(v) for k, v in value}
         return {k: dec(v) for k, v in node.items()}
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import zlib
 from collections.abc import Callable
 
-__all__ = ["crc32", "CRC32_IMPLEMENTATION"]
+__all__ = ["CRC32_IMPLEMENTATION", "crc32"]
 
 try:
     from isal.isal_zlib import crc32 as _isal_crc32

@@ -21,7 +21,7 @@ import os
 import pickle
 import threading
 import warnings
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -36,7 +36,8 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import WriteResult
 
 from torch_ckpt.crc import crc32
-from torch_ckpt.errors import CheckpointCorruptError, CheckpointWriteError, UnsafeCheckpointError
+from torch_ckpt.errors import CheckpointCorruptError, CheckpointError, CheckpointWriteError, UnsafeCheckpointError
+from torch_ckpt.storage import open_regular
 
 # dcp.save/dcp.load warn "torch.distributed is disabled, unavailable or uninitialized, assuming the intent is
 # to save (load) in a single process" on every call with no_dist=True, which torch-ckpt passes on purpose
@@ -338,9 +339,13 @@ class ChecksumFileSystemWriter(FileSystemWriter):
         path: local directory to write the DCP checkpoint into.
         thread_count: writer threads (and files) per rank.
         sync_files: fsync every file (True for a local durable commit).
+        wait_for: called with a tensor's key right before its bytes are written; blocks until they
+            are staged (pipelined staging; see :class:`torch_ckpt.staging.StagingProgress`). An
+            exception it raises fails the write like any other error.
     """
 
-    def __init__(self, path: str | os.PathLike, *, thread_count: int = 1, sync_files: bool = True) -> None:
+    def __init__(self, path: str | os.PathLike, *, thread_count: int = 1, sync_files: bool = True,
+                 wait_for: Callable[[str], None] | None = None) -> None:
         super().__init__(path, single_file_per_rank=True, sync_files=sync_files, thread_count=thread_count,
                          overwrite=True)
         self.fs = _ChecksumFileSystem(self)
@@ -348,6 +353,7 @@ class ChecksumFileSystemWriter(FileSystemWriter):
         self._files: dict[str, tuple[int, int]] = {}
         self._errors: list[BaseException] = []
         self._lock = threading.Lock()
+        self._wait_for = wait_for
 
     # -- bookkeeping -------------------------------------------------------------------------------
     def _open(self, path: str | os.PathLike) -> _FileSink:
@@ -407,6 +413,8 @@ class ChecksumFileSystemWriter(FileSystemWriter):
             for item in items:
                 if abort.is_set():
                     raise _Aborted(file_name)
+                if self._wait_for is not None and item.type != WriteItemType.BYTE_IO:
+                    self._wait_for(item.index.fqn)
                 data = planner.resolve_data(item)
                 offset = sink.tell()
                 if item.type == WriteItemType.BYTE_IO:
@@ -511,7 +519,7 @@ class _MetadataUnpickler(pickle.Unpickler):
 def load_dcp_metadata_bytes(data: bytes, source: str) -> Metadata:
     """Unpickle DCP ``.metadata`` bytes with the restricted unpickler (never executes code from them).
 
-    Only the type of the result is checked here; :func:`torch_ckpt.format.metadata_problems`
+    Only the type of the result is checked here; :func:`torch_ckpt.dcp_metadata.metadata_problems`
     validates its fields.
 
     Raises:
@@ -531,7 +539,7 @@ def load_dcp_metadata_bytes(data: bytes, source: str) -> Metadata:
 
 def read_dcp_metadata(path: str | os.PathLike) -> Metadata:
     """Read a DCP ``.metadata`` file without executing arbitrary code (types unchecked; see
-    :func:`torch_ckpt.format.read_metadata` for the validated read of a checkpoint's metadata).
+    :func:`torch_ckpt.dcp_metadata.read_metadata` for the validated read of a checkpoint's metadata).
 
     Raises:
         UnsafeCheckpointError: the pickle references anything but DCP metadata classes.
@@ -556,13 +564,11 @@ class _ListedFileSystem(FileSystem):
 
     @contextmanager
     def create_stream(self, path: str | os.PathLike, mode: str) -> Generator[io.IOBase, None, None]:
-        from torch_ckpt.format import _open_regular
-
         name = Path(path).name
         if "r" not in mode or "+" in mode or name not in self.allowed:
             raise CheckpointCorruptError(f"{path}: DCP asked to open a file the manifest does not list "
                                          f"(mode {mode!r}); refusing")
-        fd = _open_regular(Path(path), allow_symlinks=self.allow_symlinks, what="file listed in the manifest")
+        fd = open_regular(Path(path), allow_symlinks=self.allow_symlinks, what="file listed in the manifest")
         with os.fdopen(fd, "rb") as stream:
             try:
                 yield stream
@@ -576,7 +582,7 @@ class SafeFileSystemReader(FileSystemReader):
 
     Args:
         path: the checkpoint directory.
-        metadata: the already validated DCP metadata (see :func:`torch_ckpt.format.read_metadata`);
+        metadata: the already validated DCP metadata (see :func:`torch_ckpt.dcp_metadata.read_metadata`);
             None reads it with :func:`read_dcp_metadata` (unvalidated: tests and plain-DCP use).
         allowed: file names DCP may open (the manifest's); None allows any name.
         allow_symlinks: follow symlinks when opening them.
@@ -618,8 +624,6 @@ def load_tensors(tensors: dict[str, torch.Tensor], step_dir: str | os.PathLike, 
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
-
-    from torch_ckpt.errors import CheckpointError
 
     reader = SafeFileSystemReader(step_dir, metadata=metadata, allowed=allowed, allow_symlinks=allow_symlinks)
     try:

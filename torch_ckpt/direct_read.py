@@ -35,11 +35,13 @@ from torch_ckpt.dcp_io import record_framing
 from torch_ckpt.errors import CheckpointCorruptError
 from torch_ckpt.format import open_listed
 
-__all__ = ["load_direct", "DATA_SUFFIX"]
+__all__ = ["DATA_SUFFIX", "load_direct"]
 
 DATA_SUFFIX = ".distcp"
 #: bytes per ``readinto`` call and per CRC-32 work item
 _CHUNK_BYTES = 8 << 20
+#: read-ahead buffer for small pieces; pieces at least this large are read straight into place
+_BUFFER_BYTES = 1 << 20
 #: chunks read ahead of the CRC-32 thread (bounds the transient memory for skipped regions)
 _QUEUE_DEPTH = 8
 
@@ -105,33 +107,66 @@ class _Crc:
 
 
 class _FileReader:
-    """Sequential reads of one open data file, every byte handed to a :class:`_Crc` in order."""
+    """Sequential reads of one open data file, every byte handed to a :class:`_Crc` once, in order.
+
+    Large pieces (a tensor's data) are read straight into their destination; small ones (record
+    framing, small tensors) are served from a 1 MiB read-ahead buffer, so a file of many small
+    records costs a few large reads rather than three system calls per record.
+    """
 
     def __init__(self, fd: int, path: Path, crc: _Crc) -> None:
         self._f = os.fdopen(fd, "rb", buffering=0)
         self.path = path
         self.crc = crc
-        self.pos = 0
+        self.pos = 0  # bytes consumed by the caller
+        self._buf = memoryview(b"")
+        self._off = 0
+
+    def _truncated(self, at: int) -> CheckpointCorruptError:
+        return CheckpointCorruptError(f"{self.path}: ends at byte {at}, before the data DCP's metadata places "
+                                      "there (truncated?)")
+
+    def _fill(self) -> None:
+        """Read the next buffer's worth (a new buffer: the CRC-32 thread may still hold the last one)."""
+        buf = bytearray(_BUFFER_BYTES)
+        n = self._f.readinto(buf)
+        if not n:
+            raise self._truncated(self.pos)
+        self._buf, self._off = memoryview(buf)[:n], 0
+        self.crc.add(self._buf)
 
     def into(self, view: memoryview) -> None:
         """Fill ``view`` from the current position (raises on a file shorter than that)."""
         done, n = 0, view.nbytes
         while done < n:
-            k = min(_CHUNK_BYTES, n - done)
-            part = view[done:done + k]
-            got = 0
-            while got < k:
-                r = self._f.readinto(part[got:])
-                if not r:
-                    raise CheckpointCorruptError(f"{self.path}: ends at byte {self.pos + done + got}, before the "
-                                                 "data DCP's metadata places there (truncated?)")
-                got += r
-            self.crc.add(part)
-            done += k
+            avail = self._buf.nbytes - self._off
+            if avail:
+                k = min(avail, n - done)
+                view[done:done + k] = self._buf[self._off:self._off + k]
+                self._off += k
+                done += k
+            elif n - done >= _BUFFER_BYTES:
+                k = min(_CHUNK_BYTES, n - done)
+                part = view[done:done + k]
+                got = 0
+                while got < k:
+                    r = self._f.readinto(part[got:])
+                    if not r:
+                        raise self._truncated(self.pos + done + got)
+                    got += r
+                self.crc.add(part)
+                done += k
+            else:
+                self._fill()
         self.pos += n
 
     def bytes(self, n: int) -> bytes:
-        """The next ``n`` bytes, read into a new buffer."""
+        """The next ``n`` bytes."""
+        if self._buf.nbytes - self._off >= n:  # the common case: framing inside the read-ahead buffer
+            out = self._buf[self._off:self._off + n].tobytes()
+            self._off += n
+            self.pos += n
+            return out
         buf = bytearray(n)
         self.into(memoryview(buf))
         return bytes(buf)
@@ -145,6 +180,8 @@ class _FileReader:
 
     def rest(self) -> None:
         """Read to the end of the file."""
+        self.pos += self._buf.nbytes - self._off
+        self._off = self._buf.nbytes
         while chunk := self._f.read(_CHUNK_BYTES):
             self.crc.add(chunk)
             self.pos += len(chunk)

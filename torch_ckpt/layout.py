@@ -1,4 +1,7 @@
-"""On-disk layout, manifest and atomic commit of a checkpoint root (a local directory).
+"""On-disk layout and atomic commit of a checkpoint root (a local directory).
+
+The manifest itself (:class:`Manifest`, :func:`read_manifest`) is defined in
+:mod:`torch_ckpt.manifest` and re-exported here.
 
 Layout of a run root::
 
@@ -32,12 +35,10 @@ import shutil
 import socket
 import stat
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import filelock
-import torch
 
 from torch_ckpt._logging import get_logger
 from torch_ckpt.errors import (
@@ -45,9 +46,11 @@ from torch_ckpt.errors import (
     CheckpointNotFoundError,
     CheckpointWriteError,
 )
+from torch_ckpt.manifest import FORMAT_NAME, FORMAT_VERSION, MANIFEST_NAME, Manifest, rank_file_name, read_manifest
 from torch_ckpt.naming import Naming, StepNaming
 
 __all__ = [
+    "FORMAT_NAME",
     "FORMAT_VERSION",
     "Manifest",
     "step_dir_name",
@@ -72,9 +75,6 @@ __all__ = [
 
 log = get_logger(__name__)
 
-FORMAT_NAME = "torch-ckpt"
-FORMAT_VERSION = 1
-MANIFEST_NAME = "manifest.json"
 # a temporary checkpoint directory: ``.NAME.tmp`` (before incarnation ids), ``.NAME.tmp.<id>``, and the
 # durable tier's ``.NAME.download.tmp`` in both forms; group 1 is NAME, group 3 the incarnation id
 _TMP_RE = re.compile(r"^\.(.+?)(\.download)?\.tmp(?:\.([0-9a-f]+))?$")
@@ -125,79 +125,6 @@ def is_temporary_name(name: str, naming: Naming | None = None) -> bool:
     return (naming or _DEFAULT_NAMING).step_of(m.group(1)) is not None
 
 
-def rank_file_name(rank: int) -> str:
-    """Per-rank JSON file holding that rank's non-tensor state."""
-    return f"rank_{rank:05d}.json"
-
-
-@dataclass(frozen=True, kw_only=True)
-class Manifest:
-    """What ``manifest.json`` records about one committed checkpoint.
-
-    Attributes:
-        step: training step (int).
-        world_size: number of ranks that wrote it.
-        files: ``{file name: {"bytes": int, "crc32": int}}`` for every file except the manifest.
-        wall_time: Unix time (seconds) of the commit.
-        torch_version: ``torch.__version__`` of the writer.
-        tensor_bytes: bytes of tensor payload saved (all ranks, after deduplication).
-        timings: seconds spent per phase (``staging_s``, ``persist_s``, ...).
-        format_version: on-disk format version.
-        tiers: tiers holding a complete, verified copy besides this one, e.g.
-            ``{"durable": {"url": "s3://b/run", "committed_at": 1.7e9}}``.
-        nodes: for a checkpoint written to node-local roots, ``{"rank_node": [node of each rank],
-            "file_node": {file name: node holding it}}``; empty for a shared root.
-        node: the node whose copy this directory is (it holds only the files ``file_node`` gives
-            that node); None for a complete copy (shared root, durable tier).
-    """
-
-    step: int
-    world_size: int
-    files: dict[str, dict[str, int]]
-    wall_time: float = field(default_factory=time.time)
-    torch_version: str = field(default_factory=lambda: torch.__version__)
-    tensor_bytes: int = 0
-    timings: dict[str, float] = field(default_factory=dict)
-    format_version: int = FORMAT_VERSION
-    tiers: dict[str, Any] = field(default_factory=dict)
-    nodes: dict[str, Any] = field(default_factory=dict)
-    node: int | None = None
-
-    def to_json(self) -> dict[str, Any]:
-        """Return the JSON object written to disk."""
-        doc = {"format": FORMAT_NAME, "format_version": self.format_version, "step": self.step,
-               "wall_time": self.wall_time, "world_size": self.world_size, "torch_version": self.torch_version,
-               "tensor_bytes": self.tensor_bytes, "timings": self.timings, "tiers": self.tiers, "files": self.files}
-        if self.nodes:
-            doc["nodes"] = self.nodes
-        if self.node is not None:
-            doc["node"] = self.node
-        return doc
-
-    @property
-    def partial(self) -> bool:
-        """True for one node's copy of a node-local checkpoint (it holds only that node's files)."""
-        return self.node is not None
-
-    def local_files(self) -> dict[str, dict[str, int]]:
-        """The listed files this copy holds: all of them, or those of :attr:`node` for a node's copy."""
-        if self.node is None:
-            return self.files
-        held = self.nodes.get("file_node", {})
-        return {name: info for name, info in self.files.items() if held.get(name) == self.node}
-
-    @classmethod
-    def from_json(cls, data: Any, source: str) -> Manifest:
-        """Validate a parsed manifest object (every field's type and range, plain file names).
-
-        Raises:
-            CheckpointCorruptError: naming ``source`` and the offending field.
-        """
-        from torch_ckpt.format import manifest_from_doc
-
-        return manifest_from_doc(data, source)
-
-
 def fsync_dir(path: str | os.PathLike) -> None:
     """fsync a directory so renames and new entries in it are durable."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
@@ -228,19 +155,6 @@ def update_manifest_tiers(step_dir: Path, tiers: dict[str, Any]) -> None:
     write_json_durable(tmp, data)
     os.rename(tmp, Path(step_dir) / MANIFEST_NAME)
     fsync_dir(step_dir)
-
-
-def read_manifest(step_dir: str | os.PathLike, *, allow_symlinks: bool = False) -> Manifest:
-    """Read and validate ``step_dir/manifest.json`` (see :func:`torch_ckpt.format.read_manifest`).
-
-    Raises:
-        CheckpointNotFoundError: the manifest does not exist.
-        CheckpointCorruptError: it is a symlink (unless ``allow_symlinks``) or not a regular file, too
-            large, not bounded JSON, or not a valid torch-ckpt manifest; the message names the file.
-    """
-    from torch_ckpt.format import read_manifest as _read
-
-    return _read(step_dir, allow_symlinks=allow_symlinks)
 
 
 def check_root(root: Path, *, create: bool) -> None:

@@ -187,6 +187,13 @@ class CheckpointManager:
         if self._acts_on_root:
             try:
                 check_root(self.root, create=not self.read_only)
+            except CheckpointError as exc:
+                error = exc
+        if self._nodes is not None and not self.read_only:  # before the lock, whose message would mislead
+            shared = check_private_roots(self.root, self._nodes, self._ctx, ok=error is None)
+            error = error or (ConfigError(shared) if shared else None)
+        if self._acts_on_root and error is None:
+            try:
                 if not self.read_only:
                     self._lock.acquire()
                     clean_stale_temporaries(self.root, keep_incarnation=self._ckpt.incarnation, naming=self.naming)
@@ -195,15 +202,15 @@ class CheckpointManager:
                     self._replicator = self._make_replicator(durable_retention)
             except CheckpointError as exc:
                 error = exc
-        if self._nodes is not None and not self.read_only:
-            shared = check_private_roots(self.root, self._nodes, self._ctx, ok=error is None)
-            error = error or (ConfigError(shared) if shared else None)
         status = next((e for e in self._ctx.all_gather(None if error is None else str(error), what="init") if e), None)
         if error is not None or status is not None:
+            if self._replicator is not None:
+                self._replicator.close(0)
             self._preemption.restore()
             self._lock.release()
             self._ckpt.close()
-            raise error or CheckpointError(f"rank 0 could not prepare {self.root}: {status}")
+            raise error or CheckpointError(f"rank 0 could not prepare {self.root}: {status}" if self._nodes is None
+                                           else f"a node could not prepare its checkpoint root: {status}")
 
     @property
     def _acts_on_root(self) -> bool:
@@ -549,8 +556,9 @@ class CheckpointManager:
     def remove(self, target: int | str | os.PathLike) -> None:
         """Delete one committed checkpoint crash-safely (renamed aside, then deleted); rank 0 acts.
 
-        Call on every rank or on rank 0 only (it is not collective). An in-flight save of that
-        checkpoint is waited for first. A missing target is a no-op.
+        Call on every rank or on rank 0 only (it is not collective); with node-local roots
+        (``local_root_shared=False``) call it on every rank: each node's lowest rank removes its
+        copy. An in-flight save of that checkpoint is waited for first. A missing target is a no-op.
 
         Args:
             target: a step (its ``naming`` directory under the root) or a checkpoint directory.

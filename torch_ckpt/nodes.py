@@ -4,8 +4,10 @@ On a cluster every node usually has its own local disk that the other nodes cann
 node-local root each node keeps its own copy of a checkpoint: the shards its ranks wrote, their
 per-rank JSON, and DCP metadata that points every tensor at data the node holds. Replicated
 (non-sharded) tensors, which DCP would store once for the whole job, are stored once per node, so
-that a node's ranks restore at the same world size from their own disk alone. Node 0's metadata is
-the complete one (every chunk exactly once), uploaded to the durable tier and used to reshard.
+that a node's ranks restore at the same world size from their own disk alone. Only one copy of each
+is uploaded (the copies are spread over the nodes holding them, by bytes); the others lie in
+*replica* files that never leave their node. ``.metadata`` points every tensor at its uploaded copy:
+it is the complete checkpoint of the durable tier, used to reshard and by replaced nodes.
 
 The node of a rank comes from torchrun's environment (``GROUP_RANK``, else ``NODE_RANK``, else
 ``RANK // LOCAL_WORLD_SIZE``); the ranks agree on the layout once, when the manager is built.
@@ -20,16 +22,20 @@ from collections import ChainMap
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner, create_default_global_save_plan
+from torch.distributed.checkpoint.filesystem import _StoragePrefix
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import SavePlan
 
 from torch_ckpt.dcp_io import ChecksumFileSystemWriter
+from torch_ckpt.dcp_metadata import metadata_name
 from torch_ckpt.errors import ConfigError
-from torch_ckpt.format import metadata_name
+from torch_ckpt.format import METADATA_NAME
 
-__all__ = ["NodeLayout", "NodeDedupPlanner", "RecordingWriter", "node_views", "metadata_name", "env_node"]
+__all__ = ["NodeLayout", "NodeDedupPlanner", "RecordingWriter", "node_views", "metadata_name", "env_node",
+           "is_replica_file", "shared_files", "durable_manifest", "fetch_set"]
 
 
 def env_node(rank: int) -> int:
@@ -124,20 +130,109 @@ class NodeDedupPlanner(DefaultSavePlanner):
         return global_plan, metadata
 
 
+@dataclass
+class _NodePrefix(_StoragePrefix):
+    """A rank's file prefix, and the items it writes only as its node's extra copy (``replicas``)."""
+
+    replicas: frozenset = frozenset()
+
+
+REPLICA_TAG = "replica_"
+
+
 class RecordingWriter(ChecksumFileSystemWriter):
-    """The checksumming writer, also keeping (on the coordinator) every rank's write results."""
+    """The checksumming writer for node-local saves.
+
+    An item several nodes write is a *replica* on every node but the lowest one holding it: a
+    rank writes its replicas into files of their own (``__R_replica_I.distcp``), which stay on the
+    node's disk and are never uploaded, so the durable tier holds each tensor once. The
+    coordinator also keeps every rank's write results (to build each node's metadata).
+    """
 
     results: list[list[Any]] | None = None
     metadata: Metadata | None = None
+
+    def __init__(self, *args: Any, rank_node: tuple[int, ...] = (), **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._rank_node = rank_node
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:  # noqa: D102
+        # the uploaded copy of a tensor several nodes hold is spread over those nodes by bytes, so
+        # that replicated weights do not all go up through one node
+        holders: dict[MetadataIndex, set[int]] = {}
+        size: dict[MetadataIndex, int] = {}
+        for r, plan in enumerate(plans):
+            for item in plan.items:
+                key = MetadataIndex(item.index.fqn, item.index.offset)
+                holders.setdefault(key, set()).add(self._rank_node[r])
+                size[key] = item.tensor_storage_size() or 1
+        load = dict.fromkeys(self._rank_node, 0)
+        owner: dict[MetadataIndex, int] = {}
+        for key in sorted(holders, key=lambda k: (-size[k], k.fqn, tuple(k.offset or ()))):
+            owner[key] = min(holders[key], key=lambda n: (load[n], n))
+            load[owner[key]] += size[key]
+        return [dataclasses.replace(plan, storage_data=_NodePrefix(f"__{r}_", frozenset(
+            MetadataIndex(i.index.fqn, i.index.offset) for i in plan.items
+            if owner[MetadataIndex(i.index.fqn, i.index.offset)] != self._rank_node[r])))
+            for r, plan in enumerate(plans)]
+
+    def write_data(self, plan: SavePlan, planner: Any) -> Any:  # noqa: D102
+        replicas = getattr(plan.storage_data, "replicas", frozenset())
+        own = [i for i in plan.items if MetadataIndex(i.index.fqn, i.index.offset) not in replicas]
+        extra = [i for i in plan.items if MetadataIndex(i.index.fqn, i.index.offset) in replicas]
+        prefix = plan.storage_data.prefix
+        results: list[Any] = []
+        for items, pre in ((own, prefix), (extra, prefix + REPLICA_TAG)):
+            if items:
+                part = dataclasses.replace(plan, items=items, storage_data=_StoragePrefix(pre))
+                results += super().write_data(part, planner).wait()
+        done: Any = torch.futures.Future()
+        done.set_result(results)
+        return done
 
     def finish(self, metadata: Metadata, results: list[list[Any]]) -> None:  # noqa: D102
         self.results, self.metadata = results, metadata
         super().finish(metadata, results)
 
 
-def node_views(metadata: Metadata, results: list[list[Any]], rank_node: tuple[int, ...]) -> dict[int, bytes]:
+def is_replica_file(name: str) -> bool:
+    """True for a data file holding only a node's extra copies of replicated tensors (never uploaded)."""
+    return name.startswith("__") and f"_{REPLICA_TAG}" in name
+
+
+def shared_files(results: list[list[Any]], rank_node: tuple[int, ...]) -> list[str]:
+    """Uploaded data files holding a tensor that more than one node holds (a replaced node fetches them)."""
+    nodes_of: dict[MetadataIndex, set[int]] = {}
+    for r, res in enumerate(results):
+        for wr in res:
+            nodes_of.setdefault(MetadataIndex(wr.index.fqn, wr.index.offset), set()).add(rank_node[r])
+    return sorted({str(wr.storage_data.relative_path) for res in results for wr in res
+                   if len(nodes_of[MetadataIndex(wr.index.fqn, wr.index.offset)]) > 1
+                   and not is_replica_file(str(wr.storage_data.relative_path))})
+
+
+def durable_manifest(manifest: Any) -> Any:
+    """The manifest of the durable copy of a node-local checkpoint: every file except the nodes'
+    replica files and per-node metadata (node 0's ``.metadata`` is the complete one); ``node`` None."""
+    keep = {n: i for n, i in manifest.files.items()
+            if not is_replica_file(n) and not (n.startswith("node_") and n.endswith(".metadata"))}
+    nodes = {"rank_node": manifest.nodes["rank_node"],
+             "file_node": {n: v for n, v in manifest.nodes["file_node"].items() if n in keep},
+             "shared": list(manifest.nodes.get("shared", []))}
+    return dataclasses.replace(manifest, files=keep, nodes=nodes, node=None, tiers={})
+
+
+def fetch_set(manifest: Any, node: int) -> list[str]:
+    """Files a node fetches from the durable copy to restore its ranks at the same layout: its
+    ranks' uploaded files, the files holding replicated tensors, and the complete ``.metadata``."""
+    own = {n for n, v in manifest.nodes["file_node"].items() if v == node}
+    return sorted(own | set(manifest.nodes.get("shared", [])) | {METADATA_NAME})
+
+
+def node_views(metadata: Metadata, results: list[list[Any]], rank_node: tuple[int, ...]) -> dict[int | None, bytes]:
     """One pickled DCP metadata per node, each listing every chunk once and pointing it at that
-    node's copy when the node holds one (else at the lowest node's).
+    node's copy when the node holds one (else at the uploaded copy); under key None the complete
+    metadata pointing every chunk at its uploaded copy (never at a replica file).
 
     Args:
         metadata: the global metadata of a :class:`NodeDedupPlanner` save.
@@ -159,14 +254,17 @@ def node_views(metadata: Metadata, results: list[list[Any]], rank_node: tuple[in
                     chunks.append(chunk)
             item = dataclasses.replace(item, chunks=chunks)
         sdm[fqn] = item
-    for node in sorted(set(rank_node)):
-        # later entries win (MetadataIndex ignores its index hint): other nodes first, highest node
-        # first, then this node's own ranks last
-        order = sorted(range(len(results)), key=lambda r: (rank_node[r] == node, -rank_node[r], r))
-        storage: dict[MetadataIndex, Any] = {}
-        for r in order:
-            for wr in results[r]:
-                storage[MetadataIndex(wr.index.fqn, wr.index.offset)] = wr.storage_data
+    uploaded: dict[MetadataIndex, Any] = {}
+    for res in results:
+        for wr in res:
+            if not is_replica_file(str(wr.storage_data.relative_path)):
+                uploaded[MetadataIndex(wr.index.fqn, wr.index.offset)] = wr.storage_data
+    for node in [None, *sorted(set(rank_node))]:
+        storage = dict(uploaded)
+        for r in range(len(results)):  # this node's own copies win (MetadataIndex ignores its index hint)
+            if rank_node[r] == node:
+                for wr in results[r]:
+                    storage[MetadataIndex(wr.index.fqn, wr.index.offset)] = wr.storage_data
         view = Metadata(state_dict_metadata=sdm, planner_data=metadata.planner_data, storage_data=storage,
                         storage_meta=metadata.storage_meta, version=getattr(metadata, "version", None))
         views[node] = pickle.dumps(view)

@@ -52,7 +52,9 @@ class PersistRequest:
     :func:`torch_ckpt.layout.replace_dir`). ``extra_dir`` (rank 0's): a directory whose entries are
     moved into the checkpoint before its manifest is written, so they are committed, replaced and
     removed with it (see :func:`move_extra_entries`). On success ``committed_bytes`` holds the bytes of every
-    committed file, so no rank needs to read the committed directory again.
+    committed file, so no rank needs to read the committed directory again. ``progress`` (a
+    :class:`~torch_ckpt.staging.StagingProgress`), when given, means the tensors are still being
+    staged: each is written once the copy has marked it, and a failed copy fails the save.
     """
 
     final: Path
@@ -69,6 +71,7 @@ class PersistRequest:
     extra_dir: Path | None = None
     nodes: Any = None  # a torch_ckpt.nodes.NodeLayout: every node commits its own copy (node-local roots)
     committed_bytes: int | None = None  # output: bytes of all committed files (every rank), set on success
+    progress: Any = None
 
 
 def _describe(exc: BaseException) -> str:
@@ -180,7 +183,8 @@ def persist_checkpoint(req: PersistRequest, ctx: DistContext) -> Path:
     files: dict[str, dict[str, int]] = {}
     writer = None
     try:
-        writer = ChecksumFileSystemWriter(tmp, thread_count=req.thread_count, sync_files=True)
+        writer = ChecksumFileSystemWriter(tmp, thread_count=req.thread_count, sync_files=True,
+                                          wait_for=req.progress.wait if req.progress is not None else None)
         # a rank whose staging failed still takes part in DCP's collectives, with nothing to write
         dcp.save(req.tensors if req.failed is None else {}, storage_writer=writer, planner=DefaultSavePlanner(),
                  process_group=ctx.bg if ctx.enabled else None, no_dist=not ctx.enabled)

@@ -25,9 +25,10 @@ from pathlib import Path
 
 import torch.distributed.checkpoint as dcp
 
+from torch_ckpt.dcp_metadata import metadata_name
 from torch_ckpt.dist import DistContext
 from torch_ckpt.errors import CheckpointWriteError
-from torch_ckpt.format import metadata_name
+from torch_ckpt.format import METADATA_NAME
 from torch_ckpt.layout import (
     MANIFEST_NAME,
     Manifest,
@@ -37,7 +38,7 @@ from torch_ckpt.layout import (
     temporary_name,
     write_json_durable,
 )
-from torch_ckpt.nodes import NodeDedupPlanner, NodeLayout, RecordingWriter, node_views
+from torch_ckpt.nodes import NodeDedupPlanner, NodeLayout, RecordingWriter, node_views, shared_files
 from torch_ckpt.persist import (
     PersistRequest,
     _as_write_error,
@@ -103,7 +104,7 @@ def persist_node_local(req: PersistRequest, ctx: DistContext) -> Path:
     files: dict[str, dict[str, int]] = {}
     writer = None
     try:
-        writer = RecordingWriter(tmp, thread_count=req.thread_count, sync_files=True)
+        writer = RecordingWriter(tmp, thread_count=req.thread_count, sync_files=True, rank_node=layout.rank_node)
         dcp.save(req.tensors if req.failed is None else {}, storage_writer=writer,
                  planner=NodeDedupPlanner(layout.rank_node), process_group=ctx.bg if ctx.enabled else None,
                  no_dist=not ctx.enabled)
@@ -113,7 +114,7 @@ def persist_node_local(req: PersistRequest, ctx: DistContext) -> Path:
         size, crc = write_json_durable(tmp / rank_file_name(ctx.rank), rank_doc)
         files = {n: {"bytes": b, "crc32": c} for n, (b, c) in writer.written_files.items()}
         files[rank_file_name(ctx.rank)] = {"bytes": size, "crc32": crc}
-        files.pop(".metadata", None)  # rewritten below as node 0's view
+        files.pop(METADATA_NAME, None)  # rewritten below (see node_views)
         _check_on_disk(tmp, files)
         _check_owner(req, final)
     except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException derives from BaseException
@@ -135,14 +136,16 @@ def persist_node_local(req: PersistRequest, ctx: DistContext) -> Path:
                 all_files.update(f)
                 file_node.update({n: layout.rank_node[r] for n in f})
             for node, data in views.items():
-                all_files[metadata_name(node)] = {"bytes": len(data), "crc32": zlib.crc32(data)}
-                file_node[metadata_name(node)] = node
+                name = METADATA_NAME if node is None else metadata_name(node)
+                all_files[name] = {"bytes": len(data), "crc32": zlib.crc32(data)}
+                file_node[name] = 0 if node is None else node  # the complete metadata lies on node 0
             timings = dict(req.timings or {})
             timings["write_s"] = write_s
             manifest = Manifest(step=req.step, world_size=ctx.world_size, files=dict(sorted(all_files.items())),
                                 tensor_bytes=req.tensor_bytes, timings=timings,
                                 nodes={"rank_node": list(layout.rank_node),
-                                       "file_node": dict(sorted(file_node.items()))})
+                                       "file_node": dict(sorted(file_node.items())),
+                                       "shared": shared_files(writer.results, layout.rank_node)})
             plan = ("ok", manifest.to_json(), views)
         except BaseException as exc:  # noqa: BLE001
             error = exc
@@ -154,6 +157,8 @@ def persist_node_local(req: PersistRequest, ctx: DistContext) -> Path:
         try:
             doc, views = plan[1], plan[2]
             _write_bytes(tmp / metadata_name(layout.node), views[layout.node])
+            if layout.node == 0:
+                _write_bytes(tmp / METADATA_NAME, views[None])  # replaces DCP's own (every copy listed)
             manifest = Manifest.from_json({**doc, "node": layout.node}, str(tmp / MANIFEST_NAME))
             _check_on_disk(tmp, manifest.local_files())
             if ctx.is_coordinator and req.extra_dir is not None:  # framework files: node 0's copy, as rank 0 reads them

@@ -1,21 +1,15 @@
-"""Checks of the tensor records inside DCP data files, without unpickling anything.
+"""Checks of the tensor records inside DCP data files against ``.metadata``, without unpickling anything.
 
-A DCP data file (``__R_I.distcp``) is a sequence of ``torch.save`` records, one per stored tensor
-chunk, each a small uncompressed zip archive at the byte range that ``.metadata`` records. DCP
-reads a chunk by ``torch.load``-ing that range and copying the result into the target tensor,
-casting silently when the dtypes differ. So ``.metadata`` that disagrees with the records (a
-range a few bytes short, a declared dtype other than the stored one, another shape) either fails
-deep inside the load or loads wrong values.
-
-:func:`storage_record_problems` parses each record's zip structure (end of central directory, ZIP64
-records, central directory, local headers) with ``struct`` and its ``data.pkl`` with
-:func:`pickletools.genops`, which decodes opcodes without executing them, and checks it against
-what ``.metadata`` declares: the archive ends exactly at the end of the range, its entries lie
-inside the range and are stored uncompressed, the pickle is exactly a plain tensor rebuilt from one
-storage (no other callable), whose type matches the declared dtype, whose data entry holds exactly
-its declared element count, and whose view has the declared chunk shape and lies inside the
-storage. Only the few hundred bytes of headers of each record are read (records of small tensors
-share block reads).
+A data file (``__R_I.distcp``) is a sequence of ``torch.save`` records (small uncompressed zip
+archives), one per tensor chunk, at the byte ranges ``.metadata`` records. DCP ``torch.load``-s a
+range and copies the result into its target, casting silently, so metadata that disagrees with the
+records (a range a few bytes short, another dtype or shape) fails deep inside the load or loads
+wrong values. :func:`storage_record_problems` parses each record's zip structure with ``struct``
+and its ``data.pkl`` with :func:`pickletools.genops` (opcodes decoded, never executed) and checks:
+the archive ends exactly at the end of the range, its entries lie inside it uncompressed, the
+pickle is exactly a plain tensor rebuilt from one storage of the declared dtype, whose data entry
+holds exactly that storage and whose view has the declared chunk shape inside it. Only the few
+hundred header bytes of each record are read (records of small tensors share block reads).
 """
 
 from __future__ import annotations
@@ -24,6 +18,7 @@ import io
 import math
 import pickletools
 import struct
+import zipfile
 from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
 from functools import cache, lru_cache
@@ -69,8 +64,7 @@ class _Blocks:
     def get(self, offset: int, length: int) -> bytes:
         if length > _BLOCK_BYTES:
             return self._reader.read_at(offset, length)
-        first = offset // _BLOCK_BYTES
-        last = (offset + length - 1) // _BLOCK_BYTES if length else first
+        first, last = offset // _BLOCK_BYTES, (offset + max(length, 1) - 1) // _BLOCK_BYTES
         parts = []
         for block in range(first, last + 1):
             data = self._cache.get(block)
@@ -105,7 +99,7 @@ class _Record:
 
 
 def _central_directory(rec: _Record) -> tuple[int, int, int]:
-    """``(entries, offset, size)`` of the record's central directory; its archive must end exactly at the range end."""
+    """``(entries, offset, size)`` of the record's central directory; the archive must end where the range does."""
     if rec.length < _EOCD_SIZE:
         raise _Bad(f"is {rec.length} bytes, too short for a torch.save record")
     eocd = rec.read(rec.length - _EOCD_SIZE, _EOCD_SIZE, "end of central directory")
@@ -303,24 +297,11 @@ def _pickled_tensor(data: bytes) -> tuple[tuple[str, str], str, int, int, tuple[
 
 @cache
 def _storage_type(dtype: torch.dtype) -> tuple[str, str]:
-    """The identity (see :func:`_pickled_tensor`) ``torch.save`` pickles for a ``dtype`` tensor (from a real record)."""
+    """The identity (see :func:`_pickled_tensor`) of ``torch.save`` records of ``dtype`` (from a real record)."""
     buf = io.BytesIO()
-    torch.save(torch.empty(0, dtype=dtype), buf)
-    data = buf.getvalue()
-    blocks = _Blocks(_BytesReader(data))
-    rec = _Record(blocks, 0, len(data))
-    entries, cd_offset = _entries(rec)
-    name = next(n for n in entries if n.endswith("/data.pkl"))
-    start, size = _entry_data(rec, name, entries[name], cd_offset)
-    return _pickled_tensor(rec.read(start, size, "data.pkl"))[0]
-
-
-class _BytesReader:
-    def __init__(self, data: bytes) -> None:
-        self._data, self.size = data, len(data)
-
-    def read_at(self, offset: int, length: int) -> bytes:
-        return self._data[offset:offset + length]
+    torch.save(torch.empty(0, dtype=dtype), buf)  # our own bytes: the standard zip reader is fine here
+    with zipfile.ZipFile(buf) as archive:
+        return _pickled_tensor(archive.read(next(n for n in archive.namelist() if n.endswith("/data.pkl"))))[0]
 
 
 _KNOWN_DTYPES = ("float32", "float64", "float16", "bfloat16", "complex64", "complex128", "complex32", "int8", "int16",

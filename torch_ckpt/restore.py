@@ -22,12 +22,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
 from torch_ckpt._logging import get_logger
 from torch_ckpt.codec import TENSOR_TAG, join_state, split_state
 from torch_ckpt.dcp_io import load_tensors
+from torch_ckpt.dcp_metadata import check_records, read_metadata, tensor_items
 from torch_ckpt.direct_read import DATA_SUFFIX, load_direct
 from torch_ckpt.dist import DistContext
 from torch_ckpt.errors import (
@@ -36,50 +36,15 @@ from torch_ckpt.errors import (
     ConfigError,
     StateMismatchError,
 )
-from torch_ckpt.format import check_files, check_records, read_metadata, read_rank_tree
+from torch_ckpt.format import read_rank_doc, verify_files
 from torch_ckpt.layout import Manifest
+from torch_ckpt.state_tree import tensor_keys
 
-__all__ = ["verify_files", "load_into", "copy_into_live", "RANK_LOCAL_POLICIES"]
+__all__ = ["load_into", "copy_into_live", "RANK_LOCAL_POLICIES"]
 
 log = get_logger(__name__)
 
 RANK_LOCAL_POLICIES = ("error", "keep_live")
-
-
-def verify_files(step_dir: Path, manifest: Manifest, *, checksums: bool, part: int = 0, parts: int = 1) -> None:
-    """Check every file listed in the manifest (this rank's share when ``parts`` > 1).
-
-    See :func:`torch_ckpt.format.check_files`: regular files inside the checkpoint, listed sizes,
-    and CRC-32 when ``checksums``.
-
-    Raises:
-        CheckpointCorruptError: a file is missing, a symlink, has the wrong size or the wrong
-            CRC-32; the message names the file.
-    """
-    check_files(step_dir, manifest, checksums=checksums, part=part, parts=parts)
-
-
-def _dcp_tensor_keys(md: Any) -> set[str]:
-    """Keys of the tensors that validated DCP metadata holds."""
-    return {k for k, v in md.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
-
-
-def _tensor_keys(tree: Any) -> set[str]:
-    keys: set[str] = set()
-
-    def walk(node: Any) -> None:
-        if isinstance(node, dict):
-            if len(node) == 1 and TENSOR_TAG in node:
-                keys.add(node[TENSOR_TAG])
-                return
-            for v in node.values():
-                walk(v)
-        elif isinstance(node, list):
-            for v in node:
-                walk(v)
-
-    walk(tree)
-    return keys
 
 
 _OPAQUE = ("extras", "rng", "dataloader")
@@ -191,20 +156,20 @@ def load_into(state: Any, step_dir: Path, manifest: Manifest, ctx: DistContext, 
     direct = not ctx.enabled  # one process reads every file itself: checksum while placing the tensors
     err = None
     try:  # every rank's reads and checks are agreed on before any rank loads anything
+        part, parts = (0, 1) if direct else (ctx.rank, ctx.world_size)
+        if manifest.node is not None and same_world and not direct:  # one node's copy: checked by its ranks
+            mates = [r for r, n in enumerate(manifest.nodes["rank_node"]) if n == manifest.node]
+            part, parts = (mates.index(ctx.rank), len(mates)) if ctx.rank in mates else (0, 1)
         if direct:  # data files: sizes now, CRC-32 while load_direct reads them (one read per byte)
             verify_files(step_dir, manifest, checksums=False)
             small = {n: i for n, i in manifest.local_files().items() if not n.endswith(DATA_SUFFIX)}
             verify_files(step_dir, dataclasses.replace(manifest, files=small), checksums=verify)
         else:
-            part, parts = ctx.rank, ctx.world_size
-            if manifest.node is not None and same_world:  # one node's copy: checked by that node's ranks
-                mates = [r for r, n in enumerate(manifest.nodes["rank_node"]) if n == manifest.node]
-                part, parts = (mates.index(ctx.rank), len(mates)) if ctx.rank in mates else (0, 1)
             verify_files(step_dir, manifest, checksums=verify, part=part, parts=parts)
         md = read_metadata(step_dir, manifest)
-        check_records(step_dir, manifest, md, part=ctx.rank, parts=ctx.world_size)
-        tree = read_rank_tree(step_dir, manifest, ctx.rank if same_world else 0,
-                              tensor_keys=_dcp_tensor_keys(md).__contains__)
+        check_records(step_dir, manifest, md, part=part, parts=parts)
+        tree = read_rank_doc(step_dir, manifest, ctx.rank if same_world else 0,
+                             tensor_keys=tensor_items(md).__contains__)["tree"]
     except CheckpointError as exc:
         err = exc
     errors = [e for e in ctx.all_gather(None if err is None else str(err), what="verify") if e]
@@ -229,7 +194,7 @@ def load_into(state: Any, step_dir: Path, manifest: Manifest, ctx: DistContext, 
 
     optional = getattr(state, "load_optional_key", None)
     is_optional = optional if callable(optional) else (lambda key: False)
-    saved_tensor_keys = _tensor_keys(tree)
+    saved_tensor_keys = tensor_keys(tree)
     saved_keys = saved_tensor_keys | _structure_keys(tree, deep=not hasattr(state, "state_dict"))
     live_keys = set(live_tensors) | _structure_keys(live_tree, deep=not hasattr(state, "state_dict"))
     missing = sorted(k for k in live_keys - saved_keys if not is_optional(k))

@@ -399,7 +399,7 @@ class TrainState:
         if self._options.full_state_dict or self._options.cpu_offload:  # live values are copies: let DCP place them
             set_model_state_dict(module, dict(msd), options=self._options)
             return
-        live = get_model_state_dict(module, options=self._options)
+        live = self._model_state_dict(name, module)
         copy_into_live(live, {k: v for k, v in msd.items() if isinstance(v, torch.Tensor)})
 
     def optimizer_owned_keys(self, tensors: Mapping[str, torch.Tensor]) -> set[str]:

@@ -10,51 +10,31 @@ first. Locations stay URL strings end to end; no URL ever goes through ``pathlib
 from __future__ import annotations
 
 import dataclasses
-import datetime as _dt
 import hashlib
 import json
 import os
 import time
-import zlib
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import fsspec
 from tqdm import tqdm
 
 from torch_ckpt._logging import get_logger
-from torch_ckpt.errors import CheckpointCorruptError, CheckpointError, ConfigError
-from torch_ckpt.format import MAX_MANIFEST_BYTES, parse_manifest
-from torch_ckpt.layout import MANIFEST_NAME, Manifest, commit_dir
+from torch_ckpt.crc import crc32
+from torch_ckpt.errors import CheckpointCorruptError, ConfigError
+from torch_ckpt.format import METADATA_NAME
+from torch_ckpt.layout import commit_dir
+from torch_ckpt.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, read_manifest
 from torch_ckpt.naming import Naming, StepNaming
+from torch_ckpt.storage import DurableUnavailableError, Location, object_mtime, url_to_fs
 
 __all__ = ["DurableTier", "DurableUnavailableError", "object_mtime"]
 
 log = get_logger(__name__)
 
 _CHUNK_BYTES = 8 << 20
-
-
-def object_mtime(info: dict[str, Any]) -> float | None:
-    """Modification time (Unix seconds) of an fsspec ``info``/``ls`` entry, whatever the backend names it."""
-    for key in ("mtime", "LastModified", "last_modified", "updated", "created"):
-        value = info.get(key)
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
-            return float(value)
-        if isinstance(value, _dt.datetime):
-            return value.timestamp() if value.tzinfo else value.replace(tzinfo=_dt.timezone.utc).timestamp()
-        if isinstance(value, str) and value:
-            try:
-                return _dt.datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
-            except ValueError:
-                continue
-    return None
-
-
-class DurableUnavailableError(CheckpointError, ConnectionError):
-    """The durable store could not be reached (an outage, not an empty store)."""
 
 
 class DurableTier:
@@ -85,10 +65,7 @@ class DurableTier:
             raise ConfigError(f"durable_url must be a non-empty fsspec URL string, got {url!r}")
         if verify not in ("checksum", "size"):
             raise ConfigError(f"verify must be 'checksum' or 'size', got {verify!r}")
-        try:
-            self.fs, self.root = fsspec.core.url_to_fs(url, **(storage_options or {}))
-        except (ImportError, ValueError) as exc:
-            raise ConfigError(f"cannot use durable_url {url!r}: {exc}") from exc
+        self.fs, self.root = url_to_fs(url, storage_options)
         self.url = url.rstrip("/")
         self.root = self.root.rstrip("/")
         if not isinstance(part_bytes, int) or part_bytes < 5 << 20:
@@ -164,21 +141,15 @@ class DurableTier:
         return dict(sorted(found.items()))
 
     def read_manifest(self, step: int) -> Manifest:
-        """Read and validate the durable manifest of ``step`` (bounded; see :mod:`torch_ckpt.format`).
+        """Read and validate the durable manifest of ``step`` (:func:`torch_ckpt.manifest.read_manifest`).
 
         Raises:
             FileNotFoundError: there is none (the step is not committed in this tier).
             CheckpointCorruptError: it is too large or not a valid manifest (the URL is named).
+            DurableUnavailableError: the store cannot be reached.
         """
-        path = self._path(self.naming.name(step), MANIFEST_NAME)
-        source = f"{self.url}/{self.naming.name(step)}/{MANIFEST_NAME}"
-        with self.fs.open(path, "rb") as f:
-            size = getattr(f, "size", None)
-            if isinstance(size, int) and size > MAX_MANIFEST_BYTES:
-                raise CheckpointCorruptError(f"{source}: manifest is {size} bytes, more than the "
-                                             f"{MAX_MANIFEST_BYTES} accepted")
-            raw = f.read(MAX_MANIFEST_BYTES + 1 if not isinstance(size, int) else size + 1)
-        return parse_manifest(raw, source)
+        name = self.naming.name(step)
+        return read_manifest(Location.on(self.fs, self._path(name), f"{self.url}/{name}"))
 
     # -- abandoned uploads ---------------------------------------------------------------------
     def abandoned_uploads(self, *, older_than_seconds: float, exclude: set[int] | frozenset[int] = frozenset(),
@@ -250,7 +221,7 @@ class DurableTier:
         crc, size = 0, 0
         with self.fs.open(path, "rb", block_size=_CHUNK_BYTES) as f:
             while chunk := f.read(_CHUNK_BYTES):
-                crc = zlib.crc32(chunk, crc)
+                crc = crc32(chunk, crc)
                 size += len(chunk)
         self.bytes_read_back += size
         return size, crc
@@ -358,9 +329,12 @@ class DurableTier:
         """
         if manifest.node is None:
             raise ValueError("upload_node() needs one node's copy (manifest.node is set)")
+        from torch_ckpt.nodes import durable_manifest
+
         step, node = manifest.step, manifest.node
         self.fs.makedirs(self._path(self.naming.name(step)), exist_ok=True)
-        mine = manifest.local_files()
+        durable = durable_manifest(manifest)  # without the nodes' extra copies: each tensor is uploaded once
+        mine = {name: info for name, info in durable.files.items() if durable.nodes["file_node"][name] == node}
         self._put_all(local_dir, step, mine)
         self.fs.pipe_file(self._marker(step, node), json.dumps({"node": node, "files": mine}).encode())
         self._refresh()
@@ -378,15 +352,14 @@ class DurableTier:
                                    f"not finished uploading their shards")
             time.sleep(delay)
             delay = min(delay * 2, 5.0)
-        file_node = manifest.nodes["file_node"]
+        file_node = durable.nodes["file_node"]
         for n in range(nodes):
             raw = self.fs.cat_file(self._marker(step, n))
             listed = json.loads(raw).get("files") if len(raw) < MAX_MANIFEST_BYTES else None
-            expected = {k: v for k, v in manifest.files.items() if file_node[k] == n}
+            expected = {k: v for k, v in durable.files.items() if file_node[k] == n}
             if listed != expected:
                 raise CheckpointCorruptError(f"durable tier {self.url}: node {n}'s upload record of step {step} does "
                                              "not match the manifest")
-        durable = dataclasses.replace(manifest, node=None, tiers={})
         data = json.dumps(durable.to_json(), separators=(",", ":")).encode()
         self.fs.pipe_file(self._path(self.naming.name(step), MANIFEST_NAME), data)
         self._refresh()
@@ -408,7 +381,7 @@ class DurableTier:
                 open(dst_path, "wb") as dst:
             while chunk := src.read(_CHUNK_BYTES):
                 dst.write(chunk)
-                crc = zlib.crc32(chunk, crc)
+                crc = crc32(chunk, crc)
                 size += len(chunk)
                 bar.update(len(chunk))
             dst.flush()
@@ -424,9 +397,9 @@ class DurableTier:
         Args:
             step: the step.
             local_root: the local run root.
-            node: for a node-local checkpoint, fetch only the files this node holds (its ranks'
-                shards, per-rank state and metadata) and commit them as that node's copy; None
-                fetches every file.
+            node: for a node-local checkpoint, fetch only what this node's ranks load at the same
+                rank layout (their own files, the files holding replicated tensors, and the
+                metadata) and commit it as that node's copy; None fetches every file.
 
         Returns:
             The local committed directory.
@@ -437,11 +410,14 @@ class DurableTier:
         """
         import shutil
 
+        from torch_ckpt.nodes import fetch_set
+
         manifest = self.read_manifest(step)
         if node is not None:
             if not manifest.nodes:
                 raise ValueError(f"{self.describe(step)} was written to a shared root: it has no node copies")
-            manifest = dataclasses.replace(manifest, node=node)
+            manifest = dataclasses.replace(manifest, node=node, nodes={
+                **manifest.nodes, "held": fetch_set(manifest, node), "metadata": METADATA_NAME})
         files = manifest.local_files()
         final = local_root / self.naming.name(step)
         tmp = local_root / f".{final.name}.download.tmp"

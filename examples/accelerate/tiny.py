@@ -48,7 +48,7 @@ def setup(args: argparse.Namespace, project: ProjectConfiguration | None = None)
     """Accelerator (seedable sampler), model with dropout, AdamW, StepLR and a shuffled loader, prepared."""
     torch.manual_seed(0)
     acc = Accelerator(cpu=True, project_config=project or ProjectConfiguration(),
-                      dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=0))
+                      dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True))
     ckpt = None
     if args.attach:
         import accelerate_ckpt

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -63,8 +64,9 @@ def make_run(project_dir: os.PathLike | None, *, total_limit: int | None = None,
     torch.manual_seed(seed)
     project = ProjectConfiguration(project_dir=None if project_dir is None else str(project_dir),
                                    automatic_checkpoint_naming=project_dir is not None, total_limit=total_limit)
-    acc = Accelerator(cpu=True, project_config=project,
-                      dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=seed,
+    seeded = {"data_seed": seed} if "data_seed" in inspect.signature(DataLoaderConfiguration).parameters else {}
+    acc = Accelerator(cpu=True, project_config=project,  # data_seed: accelerate >= 1.1
+                      dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, **seeded,
                                                                 use_stateful_dataloader=stateful))
     ckpt = accelerate_ckpt.attach(acc, **attach_kwargs) if attach else None
     model = TinyNet()

@@ -135,7 +135,8 @@ def _fit_sharded(root: Path, name: str, max_steps: int, ckpt_path: str | None = 
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=max_steps,
                         logger=False, enable_progress_bar=False, enable_model_summary=False, default_root_dir=root,
                         plugins=[AsyncDCPCheckpointIO()],
-                        callbacks=[MTBFCheckpoint(root / name, mtbf_seconds=None, every_n_steps=3, keep_last=None)])
+                        callbacks=[MTBFCheckpoint(root / name, mtbf_seconds=None, save_every_n_steps=3,
+                                                  keep_last=None)])
     model = ShardedModule()
     trainer.fit(model, ckpt_path=ckpt_path)
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
@@ -169,7 +170,7 @@ def test_fsdp_sharded_resume_continues_bitwise(tmp_path):
         trainer = L.Trainer(accelerator="cuda", devices=1, strategy=FSDPStrategy(state_dict_type="sharded"),
                             max_steps=8, logger=False, enable_progress_bar=False, enable_model_summary=False,
                             default_root_dir=tmp_path, plugins=[AsyncDCPCheckpointIO()],
-                            callbacks=[MTBFCheckpoint(tmp_path / name, mtbf_seconds=None, every_n_steps=3)])
+                            callbacks=[MTBFCheckpoint(tmp_path / name, mtbf_seconds=None, save_every_n_steps=3)])
         model = TinyModule()
         trainer.fit(model, ckpt_path=ckpt_path)
         full = get_model_state_dict(trainer.strategy.model, options=StateDictOptions(full_state_dict=True))
@@ -178,3 +179,26 @@ def test_fsdp_sharded_resume_continues_bitwise(tmp_path):
     uninterrupted = fit("a")
     resumed = fit("b", ckpt_path=str(tmp_path / "a" / "step_000000006"))
     assert all(torch.equal(uninterrupted[k], resumed[k]) for k in uninterrupted)
+
+
+def test_the_link_is_re_pointed_before_the_old_checkpoint_is_deleted(make_trainer, tmp_path, monkeypatch):
+    """save_top_k=1 with save_last="link": at every deletion, last.ckpt already names a committed checkpoint."""
+    from torch_ckpt import CheckpointManager
+
+    last = tmp_path / "mc" / "last.ckpt"
+    seen = []
+    real_remove = CheckpointManager.remove
+
+    def remove(self, target):
+        seen.append(AsyncDCPCheckpointIO.is_checkpoint_dir(last) and last.resolve() != Path(target).resolve())
+        return real_remove(self, target)
+
+    monkeypatch.setattr(CheckpointManager, "remove", remove)
+    io = AsyncDCPCheckpointIO()
+    mc = ModelCheckpoint(dirpath=tmp_path / "mc", every_n_train_steps=1, save_top_k=1, save_last="link")
+    trainer = make_trainer(plugins=[io], callbacks=[mc])
+    io.attach(trainer)
+    trainer.fit(TinyModule())
+    assert seen and all(seen)
+    assert os.readlink(last) == "epoch=0-step=4.ckpt"
+

@@ -26,15 +26,15 @@ def committed_steps(directory) -> list[str]:
 
 
 def test_saves_at_the_policy_steps_and_at_the_end(make_trainer, tmp_path):
-    """every_n_steps=3 over 7 steps saves steps 3 and 6, and the final step 7."""
-    cb = MTBFCheckpoint(tmp_path / "ckpt", mtbf_seconds=None, every_n_steps=3, keep_last=None)
+    """save_every_n_steps=3 over 7 steps saves steps 3 and 6, and the final step 7."""
+    cb = MTBFCheckpoint(tmp_path / "ckpt", mtbf_seconds=None, save_every_n_steps=3, keep_last=None)
     make_trainer(max_steps=7, plugins=[AsyncDCPCheckpointIO()], callbacks=[cb]).fit(TinyModule())
     assert committed_steps(tmp_path / "ckpt") == ["step_000000003", "step_000000006", "step_000000007"]
 
 
 def test_keeps_only_the_newest_committed_checkpoints(make_trainer, tmp_path):
     """keep_last=2 leaves the two newest checkpoints."""
-    cb = MTBFCheckpoint(tmp_path / "ckpt", mtbf_seconds=None, every_n_steps=2, keep_last=2)
+    cb = MTBFCheckpoint(tmp_path / "ckpt", mtbf_seconds=None, save_every_n_steps=2, keep_last=2)
     make_trainer(max_steps=8, plugins=[AsyncDCPCheckpointIO()], callbacks=[cb]).fit(TinyModule())
     assert committed_steps(tmp_path / "ckpt") == ["step_000000006", "step_000000008"]
 
@@ -53,7 +53,7 @@ def test_fit_with_ckpt_path_last_resumes_from_the_newest_checkpoint(make_trainer
     """A second fit with ckpt_path="last" starts from the first fit's final checkpoint."""
     def run(max_steps, **fit_kwargs):
         trainer = make_trainer(max_steps=max_steps, plugins=[AsyncDCPCheckpointIO()],
-                               callbacks=[MTBFCheckpoint(tmp_path / "ckpt", mtbf_seconds=None, every_n_steps=2)])
+                               callbacks=[MTBFCheckpoint(tmp_path / "ckpt", mtbf_seconds=None, save_every_n_steps=2)])
         trainer.fit(TinyModule(), **fit_kwargs)
         return trainer
 
@@ -67,7 +67,7 @@ def test_resumed_run_draws_the_same_random_numbers(make_trainer, tmp_path):
     def run(name, max_steps, ckpt_path=None):
         module = TinyModule()
         torch.manual_seed(123)
-        cb = MTBFCheckpoint(tmp_path / name, mtbf_seconds=None, every_n_steps=3, keep_last=None)
+        cb = MTBFCheckpoint(tmp_path / name, mtbf_seconds=None, save_every_n_steps=3, keep_last=None)
         make_trainer(max_steps=max_steps, plugins=[AsyncDCPCheckpointIO()], callbacks=[cb]).fit(
             module, ckpt_path=ckpt_path)
         return module.draws
@@ -129,7 +129,7 @@ def test_a_checkpoint_holds_the_weights_of_its_step_despite_overlapped_staging(m
 
     monkeypatch.setattr(checkpointer.AsyncCheckpointer, "_stage", slow_stage)
     record = WeightsAt(2)
-    cb = MTBFCheckpoint(tmp_path / "ckpt", mtbf_seconds=None, every_n_steps=2, keep_last=None)
+    cb = MTBFCheckpoint(tmp_path / "ckpt", mtbf_seconds=None, save_every_n_steps=2, keep_last=None)
     make_trainer(max_steps=3, plugins=[AsyncDCPCheckpointIO(overlap_staging=True)], callbacks=[record, cb]).fit(
         TinyModule())
     saved, _ = load_full_state(tmp_path / "ckpt" / "step_000000002")
@@ -138,7 +138,7 @@ def test_a_checkpoint_holds_the_weights_of_its_step_despite_overlapped_staging(m
 
 def test_logs_save_statistics_and_the_schedule(make_trainer, tmp_path):
     """Committed saves log ckpt/* statistics and the MTBF schedule through the trainer's loggers."""
-    cb = MTBFCheckpoint(tmp_path / "ckpt", mtbf_seconds="1h", every_n_steps=2)
+    cb = MTBFCheckpoint(tmp_path / "ckpt", mtbf_seconds="1h", save_every_n_steps=2)
     logger = CSVLogger(tmp_path / "logs")
     make_trainer(max_steps=6, plugins=[AsyncDCPCheckpointIO()], callbacks=[cb], logger=logger,
                  log_every_n_steps=1).fit(TinyModule())
@@ -159,9 +159,9 @@ class ProgressBarAtEnd(Callback):
 
 def test_shows_checkpoint_activity_in_the_progress_bar(make_trainer, tmp_path):
     """The progress bar metrics carry the last committed step and whether a save is in flight."""
-    cb, bar = MTBFCheckpoint(tmp_path / "ckpt", mtbf_seconds=None, every_n_steps=2), ProgressBarAtEnd()
+    cb, bar = MTBFCheckpoint(tmp_path / "ckpt", mtbf_seconds=None, save_every_n_steps=2), ProgressBarAtEnd()
     make_trainer(max_steps=6, plugins=[AsyncDCPCheckpointIO()], callbacks=[bar, cb]).fit(TinyModule())
-    assert bar.metrics["ckpt"] in (2.0, 4.0) and "ckpt_saving" in bar.metrics
+    assert bar.metrics["ckpt"] in (2.0, 4.0, 6.0) and "ckpt_saving" in bar.metrics
 
 
 def test_requires_the_async_dcp_plugin(make_trainer, tmp_path):
@@ -170,8 +170,8 @@ def test_requires_the_async_dcp_plugin(make_trainer, tmp_path):
         make_trainer(callbacks=[MTBFCheckpoint(tmp_path)]).fit(TinyModule())
 
 
-@pytest.mark.parametrize("kwargs", [{"keep_last": 0}, {"mtbf_seconds": "-1h"}, {"every_n_steps": 0}],
-                         ids=["keep_last", "mtbf", "every_n_steps"])
+@pytest.mark.parametrize("kwargs", [{"keep_last": 0}, {"mtbf_seconds": "-1h"}, {"save_every_n_steps": 0}],
+                         ids=["keep_last", "mtbf", "save_every_n_steps"])
 def test_invalid_arguments_are_rejected_at_construction(kwargs, tmp_path):
     """Out-of-range arguments raise ConfigError when the callback is built (before any training)."""
     with pytest.raises(ConfigError):
@@ -214,3 +214,55 @@ def test_plugin_arguments_are_validated_at_construction(kwargs):
     """An infinite/NaN timeout or a non-bool flag raises ConfigError when the plugin is built."""
     with pytest.raises(ConfigError):
         AsyncDCPCheckpointIO(**kwargs)
+
+
+def _fit(make_trainer, root, max_steps, ckpt_path=None, **kwargs):
+    cb = MTBFCheckpoint(root, mtbf_seconds=None, save_every_n_steps=2, keep_last=None, **kwargs)
+    trainer = make_trainer(max_steps=max_steps, plugins=[AsyncDCPCheckpointIO()], callbacks=[cb])
+    trainer.fit(TinyModule(), ckpt_path=ckpt_path)
+    return trainer, cb
+
+
+def test_resuming_an_older_checkpoint_supersedes_the_abandoned_newer_ones(make_trainer, tmp_path):
+    """After a resume from step 2 of a run that reached step 6, "last" follows the new branch (step 4), not 6."""
+    _fit(make_trainer, tmp_path / "ckpt", 6)
+    _fit(make_trainer, tmp_path / "ckpt", 4, ckpt_path=str(tmp_path / "ckpt" / "step_000000002"))
+    assert committed_steps(tmp_path / "ckpt") == ["step_000000002", "step_000000004"]
+    assert MTBFCheckpoint(tmp_path / "ckpt").ckpt_path == str(tmp_path / "ckpt" / "step_000000004")
+
+
+def _corrupt(step_dir: Path) -> None:
+    shard = next(p for p in step_dir.iterdir() if p.suffix == ".distcp")
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # same size, wrong CRC
+    shard.write_bytes(bytes(data))
+
+
+def test_last_falls_back_from_a_corrupt_newest_checkpoint_with_a_warning(make_trainer, tmp_path, caplog):
+    """ckpt_path="last" with a corrupt newest checkpoint resumes the previous one and names the bad one."""
+    _fit(make_trainer, tmp_path / "ckpt", 4)
+    _corrupt(tmp_path / "ckpt" / "step_000000004")
+    trainer, _ = _fit(make_trainer, tmp_path / "ckpt", 6, ckpt_path="last")
+    assert trainer.global_step == 6 and "step_000000004" in caplog.text
+
+
+def test_an_explicit_corrupt_checkpoint_raises(make_trainer, tmp_path):
+    """An explicit ckpt_path that fails verification raises CheckpointCorruptError (no fallback)."""
+    from torch_ckpt import CheckpointCorruptError
+
+    _fit(make_trainer, tmp_path / "ckpt", 4)
+    _corrupt(tmp_path / "ckpt" / "step_000000004")
+    with pytest.raises(CheckpointCorruptError):
+        _fit(make_trainer, tmp_path / "ckpt", 6, ckpt_path=str(tmp_path / "ckpt" / "step_000000004"))
+
+
+def test_each_committed_save_is_logged_once_including_the_final_one(make_trainer, tmp_path):
+    """ckpt/blocking_s appears in exactly one metrics row per committed save, the final save's included."""
+    import csv
+
+    logger = CSVLogger(tmp_path / "logs")
+    cb = MTBFCheckpoint(tmp_path / "ckpt", mtbf_seconds=None, save_every_n_steps=3)
+    make_trainer(max_steps=7, plugins=[AsyncDCPCheckpointIO()], callbacks=[cb], logger=logger,
+                 log_every_n_steps=1).fit(TinyModule())
+    rows = list(csv.DictReader((Path(logger.log_dir) / "metrics.csv").open()))
+    assert len([r for r in rows if r.get("ckpt/blocking_s")]) == 3  # steps 3, 6 and the final 7

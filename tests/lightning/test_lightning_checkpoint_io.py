@@ -166,3 +166,26 @@ def test_the_plugin_pickles_without_its_runtime_state(tmp_path):
     clone.save_checkpoint(lightning_dict(2), tmp_path / "b.ckpt")
     clone.teardown()
     assert clone.unsafe_values == "pickle" and AsyncDCPCheckpointIO.is_checkpoint_dir(tmp_path / "b.ckpt")
+
+
+def test_a_save_after_fit_returns_once_committed(make_trainer, tmp_path):
+    """trainer.save_checkpoint by hand after fit returns with the directory committed (wait_outside_fit)."""
+    from lightning_helpers import TinyModule
+
+    trainer = make_trainer(max_steps=1, plugins=[AsyncDCPCheckpointIO()], enable_checkpointing=False)
+    trainer.fit(TinyModule())
+    trainer.save_checkpoint(tmp_path / "manual.ckpt")
+    assert AsyncDCPCheckpointIO.is_checkpoint_dir(tmp_path / "manual.ckpt")
+
+
+def test_the_plugin_alone_warns_that_a_resume_does_not_restore_the_rng(make_trainer, tmp_path):
+    """Resuming with the plugin but without MTBFCheckpoint warns that the RNG is not restored."""
+    from lightning_helpers import TinyModule
+
+    io = AsyncDCPCheckpointIO()
+    trainer = make_trainer(max_steps=1, plugins=[io], enable_checkpointing=False)
+    trainer.fit(TinyModule())
+    trainer.save_checkpoint(tmp_path / "a.ckpt")
+    io.attach(trainer2 := make_trainer(max_steps=2, plugins=[io], enable_checkpointing=False))
+    with pytest.warns(UserWarning, match="does not restore the RNG"):
+        trainer2.fit(TinyModule(), ckpt_path=tmp_path / "a.ckpt")

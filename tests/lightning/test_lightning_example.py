@@ -21,7 +21,7 @@ trainer:
   logger: false
   callbacks:
     - class_path: lightning_ckpt.MTBFCheckpoint
-      init_args: {dirpath: ckpts, mtbf_seconds: null, every_n_steps: 4}
+      init_args: {dirpath: ckpts, mtbf_seconds: null, save_every_n_steps: 4}
 model: {block_size: 32, n_layer: 1, n_embd: 32, total_steps: 24, warmup: 4}
 data: {corpus_chars: 20000, block_size: 32, batch_size: 8, max_windows: 80}
 """

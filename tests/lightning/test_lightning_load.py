@@ -26,7 +26,8 @@ def test_map_location_moves_every_tensor(tmp_path):
     io = AsyncDCPCheckpointIO()
     io.save_checkpoint(lightning_dict(), tmp_path / "a.ckpt")
     io.teardown()
-    loaded = load_checkpoint_dir([tmp_path / "a.ckpt"], manager=None, verify=True, allow_pickle=False, map_location="meta")
+    loaded = load_checkpoint_dir([tmp_path / "a.ckpt"], manager=None, verify=True, allow_pickle=False,
+                                 map_location="meta")
     assert loaded["state_dict"]["layer.weight"].is_meta
     assert loaded["optimizer_states"][0]["state"][0]["momentum_buffer"].is_meta
 
@@ -54,7 +55,7 @@ def test_each_rank_loads_its_own_loop_and_callback_state(tmp_path):
 
 def _fit_three_steps(make_trainer, root) -> None:
     make_trainer(max_steps=3, plugins=[AsyncDCPCheckpointIO()],
-                 callbacks=[MTBFCheckpoint(root, mtbf_seconds=None, every_n_steps=3)]).fit(TinyModule())
+                 callbacks=[MTBFCheckpoint(root, mtbf_seconds=None, save_every_n_steps=3)]).fit(TinyModule())
 
 
 def test_a_dtype_difference_is_refused_before_lightning_loads_anything(make_trainer, tmp_path):
@@ -80,3 +81,22 @@ def test_allow_cast_lets_lightning_cast_the_checkpoint(make_trainer, tmp_path):
     trainer.fit(module, ckpt_path=str(tmp_path / "ckpt" / "step_000000003"))
     assert module.layer.weight.dtype == torch.float64
     assert torch.equal(module.layer.weight, saved["state_dict"]["layer.weight"].double())
+
+
+def test_load_from_checkpoint_builds_the_module_from_a_directory(make_trainer, tmp_path):
+    """lightning_ckpt.load_from_checkpoint(Model, dir) rebuilds the module with its hyper-parameters and weights."""
+    from lightning_ckpt import load_from_checkpoint
+
+    module = TinyModule(lr=0.25)
+    make_trainer(max_steps=2, plugins=[AsyncDCPCheckpointIO()],
+                 callbacks=[MTBFCheckpoint(tmp_path / "ckpt", mtbf_seconds=None)]).fit(module)
+    loaded = load_from_checkpoint(TinyModule, tmp_path / "ckpt" / "step_000000002")
+    assert loaded.hparams.lr == 0.25 and torch.equal(loaded.layer.weight, module.layer.weight)
+
+
+def test_load_from_checkpoint_of_a_missing_path_names_it(tmp_path):
+    """A path that does not exist raises CheckpointNotFoundError naming it."""
+    from lightning_ckpt import load_from_checkpoint
+
+    with pytest.raises(CheckpointNotFoundError, match="nope"):
+        load_from_checkpoint(TinyModule, tmp_path / "nope")

@@ -14,7 +14,7 @@ def test_every_public_name_imports():
     assert all(getattr(lightning_ckpt, name) is not None for name in lightning_ckpt.__all__)
 
 
-@pytest.mark.parametrize("name", lightning_ckpt.__all__)
+@pytest.mark.parametrize("name", [n for n in lightning_ckpt.__all__ if isinstance(getattr(lightning_ckpt, n), type)])
 def test_every_constructor_argument_is_typed_and_documented(name):
     """LightningCLI reads types and Args: help from the signature and docstring: none may be missing."""
     docstring_parser = pytest.importorskip("docstring_parser")

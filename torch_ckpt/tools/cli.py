@@ -25,8 +25,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from torch_ckpt.durations import DURATION_FORMS, format_duration, parse_duration
-from torch_ckpt.tools import cli_tools
+from torch_ckpt.durations import DURATION_FORMS, format_duration
+from torch_ckpt.errors import CheckpointError
+from torch_ckpt.tools import cli_bench, cli_tools
+from torch_ckpt.tools.cli_common import (
+    UsageError,
+    interval_rows,
+    non_negative_duration,
+    positive_duration,
+    positive_float,
+)
 from torch_ckpt.tools.sizing import (
     DTYPE_BYTES,
     OPTIMIZER_MOMENTS,
@@ -41,10 +49,6 @@ _PROG = "torch-ckpt"
 _MAX_FAILURES = 10_000_000  # bounds simulate's memory (8 bytes per failure, a few arrays)
 
 
-class UsageError(ValueError):
-    """A bad combination of arguments; ``main`` prints it and returns exit code 2."""
-
-
 @dataclass(frozen=True)
 class _Command:
     help: str
@@ -54,24 +58,6 @@ class _Command:
 
 # ---------------------------------------------------------------------------------------------
 # argument types
-
-
-def _duration(minimum: str) -> Callable[[str], float]:
-    def parse(text: str) -> float:
-        try:
-            seconds = parse_duration(text)
-        except ValueError as exc:
-            raise argparse.ArgumentTypeError(str(exc)) from None
-        if seconds < 0 or (minimum == "positive" and seconds == 0):
-            raise argparse.ArgumentTypeError(f"duration must be {minimum}, got {text!r}")
-        return seconds
-
-    parse.__name__ = "duration"  # argparse names the type in its messages
-    return parse
-
-
-_positive_duration = _duration("positive")
-_non_negative_duration = _duration("non-negative")
 
 
 def _count(text: str) -> float:
@@ -91,16 +77,6 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
-    return value
-
-
 def _fmt_bytes(n: float) -> str:
     for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
         if n >= scale:
@@ -115,10 +91,6 @@ def _fmt_count(n: float) -> str:
     return f"{n:.4g}"
 
 
-def _fmt_time(seconds: float) -> str:
-    return f"{format_duration(seconds)} ({seconds:.1f} s)" if seconds >= 60 else format_duration(seconds)
-
-
 def _emit(args: argparse.Namespace, payload: dict[str, Any], text: str) -> int:
     print(json.dumps(payload, indent=2) if args.json else text)
     return 0
@@ -131,18 +103,18 @@ def _emit(args: argparse.Namespace, payload: dict[str, Any], text: str) -> int:
 def _add_plan_arguments(p: argparse.ArgumentParser) -> None:
     d = f"Durations accept {DURATION_FORMS}."
     g = p.add_argument_group("interval mode", f"Optimal save interval (Young 1974, Daly 2006). {d}")
-    g.add_argument("--mtbf", type=_positive_duration, action="append", metavar="DURATION",
+    g.add_argument("--mtbf", type=positive_duration, action="append", metavar="DURATION",
                    help="mean time between failures of the whole job; repeat for a table of several")
     g.add_argument("--gpus", type=_positive_int, metavar="N",
                    help="GPUs of the job, with --gpu-mtbf (default with --params: tp x pp x dp)")
-    g.add_argument("--gpu-mtbf", type=_positive_duration, metavar="DURATION",
+    g.add_argument("--gpu-mtbf", type=positive_duration, metavar="DURATION",
                    help="MTBF of one GPU; the job's MTBF is this divided by --gpus")
-    g.add_argument("--save-cost", type=_positive_duration, metavar="DURATION",
+    g.add_argument("--save-cost", type=positive_duration, metavar="DURATION",
                    help="training stall per save (with --params: default is the computed blocking time)")
-    g.add_argument("--durability-lag", type=_non_negative_duration, metavar="DURATION",
+    g.add_argument("--durability-lag", type=non_negative_duration, metavar="DURATION",
                    help="time from the end of the stall until the save is durable (default 0; "
                         "with --params: the computed write time)")
-    g.add_argument("--step-time", type=_positive_duration, metavar="DURATION",
+    g.add_argument("--step-time", type=positive_duration, metavar="DURATION",
                    help="seconds per training step, to express the interval in steps")
     s = p.add_argument_group("sizing mode", "Checkpoint bytes and save times for a model (GB = 1e9 bytes).")
     s.add_argument("--params", type=_count, metavar="COUNT", help="number of parameters, e.g. 70e9 or 70B")
@@ -154,9 +126,9 @@ def _add_plan_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--optimizer", choices=sorted(OPTIMIZER_MOMENTS),
                    help="fp32 moments: adam/adamw 2, sgd (momentum) 1 (default adam)")
     s.add_argument("--gpus-per-node", type=_positive_int, metavar="N", help="ranks per node (default 8)")
-    s.add_argument("--d2h-gbps", type=_positive_float, metavar="GB/s",
+    s.add_argument("--d2h-gbps", type=positive_float, metavar="GB/s",
                    help="device-to-host copy bandwidth per GPU in GB/s (default 25)")
-    s.add_argument("--storage-gbps", type=_positive_float, metavar="GB/s",
+    s.add_argument("--storage-gbps", type=positive_float, metavar="GB/s",
                    help="aggregate checkpoint-storage write bandwidth in GB/s (default 100)")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
 
@@ -181,27 +153,6 @@ def _job_mtbfs(args: argparse.Namespace, default_gpus: int | None) -> list[float
     return [args.gpu_mtbf / gpus]
 
 
-def _interval_rows(plans: list[dict[str, Any]]) -> str:
-    steps = "step_time_s" in plans[0]
-    head = ["MTBF", "save cost", "lag", "Young", "Daly", "recommended", "lost work/failure", "overhead"]
-    rows = [head + (["steps"] if steps else [])]
-    for pl in plans:
-        row = [format_duration(pl["mtbf_s"]), format_duration(pl["save_cost_s"]),
-               format_duration(pl["durability_lag_s"]), _fmt_time(pl["young_interval_s"]),
-               _fmt_time(pl["daly_interval_s"]),
-               _fmt_time(pl["recommended_interval_s"]) + (" *" if pl["limited_by"] == "durability" else ""),
-               format_duration(pl["expected_lost_work_s"]), f"{100 * pl['expected_overhead']:.2f} %"]
-        rows.append(row + ([str(pl["interval_steps"])] if steps else []))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(head) + steps)]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
-    lines.append("recommended = Daly's interval" + (" in whole steps" if steps else "")
-                 + "; overhead = C/T + (T/2 + lag)/MTBF at it; "
-                 "lost work/failure = T/2 + lag.")
-    if any(pl["limited_by"] == "durability" for pl in plans):
-        lines.append("* raised to the time a save needs to become durable (save cost + lag), so saves do not pile up.")
-    return "\n".join(lines)
-
-
 def _cmd_plan(args: argparse.Namespace) -> int:
     """``torch-ckpt plan``: interval mode (``--mtbf``, ``--save-cost``) and sizing mode (``--params``)."""
     sizing_given = [k for k in _SIZING_DEFAULTS if getattr(args, k) is not None]
@@ -218,7 +169,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             if args.gpu_mtbf is not None:
                 pl.update(gpus=args.gpus, gpu_mtbf_s=args.gpu_mtbf)
         payload = plans[0] if len(plans) == 1 else {"plans": plans}
-        return _emit(args, payload, _interval_rows(plans))
+        return _emit(args, payload, interval_rows(plans))
     opts = {k: (getattr(args, k) if getattr(args, k) is not None else v) for k, v in _SIZING_DEFAULTS.items()}
     size = checkpoint_size(args.params, **opts)
     mtbfs = _job_mtbfs(args, size["world_size"])
@@ -266,7 +217,7 @@ def _sizing_text(z: dict[str, Any], plan: dict[str, Any] | None) -> str:
     if plan is None:
         lines.append("(add --mtbf, or --gpu-mtbf with --gpus, for the save interval)")
     else:
-        lines += ["", _interval_rows([plan])]
+        lines += ["", interval_rows([plan])]
     return "\n".join(lines)
 
 
@@ -275,17 +226,17 @@ def _sizing_text(z: dict[str, Any], plan: dict[str, Any] | None) -> str:
 
 
 def _add_simulate_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--mtbf", type=_positive_duration, required=True, metavar="DURATION",
+    p.add_argument("--mtbf", type=positive_duration, required=True, metavar="DURATION",
                    help=f"mean time between failures of the job (durations: {DURATION_FORMS})")
-    p.add_argument("--save-cost", type=_positive_duration, required=True, metavar="DURATION",
+    p.add_argument("--save-cost", type=positive_duration, required=True, metavar="DURATION",
                    help="training stall per save")
-    p.add_argument("--durability-lag", type=_non_negative_duration, default=0.0, metavar="DURATION",
+    p.add_argument("--durability-lag", type=non_negative_duration, default=0.0, metavar="DURATION",
                    help="time from the end of the stall until the save is durable (default 0)")
-    p.add_argument("--restart-cost", type=_non_negative_duration, default=0.0, metavar="DURATION",
+    p.add_argument("--restart-cost", type=non_negative_duration, default=0.0, metavar="DURATION",
                    help="time to restart after a failure (default 0)")
-    p.add_argument("--min-interval", type=_positive_duration, metavar="DURATION",
+    p.add_argument("--min-interval", type=positive_duration, metavar="DURATION",
                    help="smallest interval simulated (default Daly / 4)")
-    p.add_argument("--max-interval", type=_positive_duration, metavar="DURATION",
+    p.add_argument("--max-interval", type=positive_duration, metavar="DURATION",
                    help="largest interval simulated (default Daly x 4)")
     p.add_argument("--points", type=_positive_int, default=81, help="intervals simulated, log-spaced (default 81)")
     p.add_argument("--failures", type=_positive_int, default=200_000,
@@ -339,7 +290,7 @@ _COMMANDS: dict[str, _Command] = {
     "convert": _Command("export a checkpoint to one torch.save file or the model weights to safetensors",
                         cli_tools.add_convert_arguments, cli_tools.run_convert),
     "bench": _Command("measure this machine's copy, write and read floors; the save cost and interval they imply",
-                      cli_tools.add_bench_arguments, cli_tools.run_bench),
+                      cli_bench.add_bench_arguments, cli_bench.run_bench),
 }
 
 
@@ -383,8 +334,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{_PROG} {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except Exception as exc:  # noqa: BLE001 - a checkpoint problem: one clear line, exit 1
-        from torch_ckpt.errors import CheckpointError
-
         if not isinstance(exc, (CheckpointError, OSError)):
             raise
         print(f"{_PROG} {args.command}: error: {exc}", file=sys.stderr)

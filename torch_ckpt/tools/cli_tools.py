@@ -14,22 +14,27 @@ checkpoint cannot be read), with one line per problem.
 from __future__ import annotations
 
 import argparse
+import datetime as dt
 import json
 import os
 import shutil
-import sys
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
+from torch_ckpt.durations import format_duration
+from torch_ckpt.errors import CheckpointError, ConfigError
+from torch_ckpt.storage import DurableUnavailableError, Location, PathNotFoundError, is_url
+from torch_ckpt.tools.cli_common import UsageError, fmt_bytes, print_json
+
 __all__ = [
-    "add_bench_arguments",
+    "add_common",
     "add_convert_arguments",
     "add_inspect_arguments",
     "add_ls_arguments",
     "add_verify_arguments",
-    "run_bench",
     "run_convert",
     "run_inspect",
     "run_ls",
@@ -39,12 +44,6 @@ __all__ = [
 
 # ---------------------------------------------------------------------------------------------
 # shared helpers
-
-
-def _usage_error(message: str) -> Exception:
-    from torch_ckpt.tools.cli import UsageError  # cli imports this module: import late
-
-    return UsageError(message)
 
 
 def _storage_options(text: str) -> dict[str, Any]:
@@ -70,7 +69,7 @@ def _non_negative_int(text: str) -> int:
     return value
 
 
-def _add_common(p: argparse.ArgumentParser, *, remote: bool = True) -> None:
+def add_common(p: argparse.ArgumentParser, *, remote: bool = True) -> None:
     if remote:
         p.add_argument("--storage-options", type=_storage_options, metavar="JSON",
                        help="fsspec options for URLs as a JSON object (credentials, endpoint...), e.g. "
@@ -84,54 +83,31 @@ def _add_common(p: argparse.ArgumentParser, *, remote: bool = True) -> None:
 
 def _open(text: str, args: argparse.Namespace) -> Any:
     """A :class:`~torch_ckpt.tools.inspection.Location` for a path or URL; bad ones are usage errors (exit 2)."""
-    from torch_ckpt.errors import ConfigError
-    from torch_ckpt.tools.inspection import Location, is_url
-
     options = getattr(args, "storage_options", None)
     if options and not is_url(text) and not getattr(args, "check_tiers", False):
-        raise _usage_error("--storage-options only applies to URLs (s3://, gs://, memory://...)")
+        raise UsageError("--storage-options only applies to URLs (s3://, gs://, memory://...)")
     try:
         return Location(text, storage_options=options, allow_symlinks=getattr(args, "follow_symlinks", False))
     except ConfigError as exc:
-        raise _usage_error(f"cannot open {text!r}: {exc.__cause__ or exc}") from None
+        raise UsageError(f"cannot open {text!r}: {exc.__cause__ or exc}") from None
 
 
 @contextmanager
 def _argument_paths() -> Iterator[None]:
     """Turn 'this path does not exist' into a usage error (exit 2) and bad argument combinations too."""
-    from torch_ckpt.errors import ConfigError
-    from torch_ckpt.tools.inspection import PathNotFoundError
-
     try:
         yield
     except (PathNotFoundError, ConfigError) as exc:
-        raise _usage_error(str(exc)) from None
-
-
-def _print_json(payload: Any) -> None:
-    print(json.dumps(payload, indent=2))
-
-
-def _fmt_bytes(n: float | None) -> str:
-    if n is None:
-        return "-"
-    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if n >= scale:
-            return f"{n / scale:.3g} {unit}"
-    return f"{n:.0f} B"
+        raise UsageError(str(exc)) from None
 
 
 def _fmt_age(seconds: float | None) -> str:
-    from torch_ckpt.durations import format_duration
-
     if seconds is None:
         return "-"
     return f"{format_duration(max(0.0, seconds))} ago" if seconds >= 0 else "in the future"
 
 
 def _fmt_local_time(ts: float | None) -> str:
-    import datetime as dt
-
     return "-" if ts is None else dt.datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M:%S")
 
 
@@ -154,18 +130,19 @@ def add_ls_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--check-tiers", action="store_true",
                    help="confirm the durable copies recorded in the manifests by listing those tiers "
                         "(--storage-options applies to them)")
-    _add_common(p)
+    add_common(p)
 
 
 def run_ls(args: argparse.Namespace) -> int:
     """List a root; exit 1 when a checkpoint is corrupt."""
-    from torch_ckpt.tools.inspection import CORRUPT, list_root
+    from torch_ckpt.tools.checks import CORRUPT  # torch: imported when the command runs
+    from torch_ckpt.tools.listing import list_root
 
     with _argument_paths():
         result = list_root(_open(args.root, args), verify=args.verify, check_tiers=args.check_tiers,
                            progress=not args.quiet)
     if args.json:
-        _print_json(result)
+        print_json(result)
     else:
         print(_ls_text(result))
     return 1 if result["counts"][CORRUPT] else 0
@@ -178,7 +155,7 @@ def _ls_text(result: dict[str, Any]) -> str:
     rows = [["STEP", "TIME", "AGE", "SIZE", "TIERS", "STATUS"]]
     notes: list[str] = []
     for r in steps:
-        rows.append([str(r["step"]), _fmt_local_time(r["wall_time"]), _fmt_age(r["age_s"]), _fmt_bytes(r["bytes"]),
+        rows.append([str(r["step"]), _fmt_local_time(r["wall_time"]), _fmt_age(r["age_s"]), fmt_bytes(r["bytes"]),
                      ",".join(r["tiers"]) or "-", r["status"]])
         if r["reason"]:
             notes.append(f"  step {r['step']}: {r['name']}: {r['reason']}")
@@ -203,18 +180,18 @@ def add_inspect_arguments(p: argparse.ArgumentParser) -> None:
                         "checkpoint; local path or fsspec URL")
     p.add_argument("--step", type=_non_negative_int, metavar="N", help="with a run root: inspect this step")
     p.add_argument("--keys", action="store_true", help="also list every tensor and array with shape and dtype")
-    _add_common(p)
+    add_common(p)
 
 
 def run_inspect(args: argparse.Namespace) -> int:
     """Print the per-component table (and keys) of a checkpoint."""
-    from torch_ckpt.tools.inspection import inspect_checkpoint
+    from torch_ckpt.tools.inspection import inspect_checkpoint  # torch: imported when the command runs
 
     with _argument_paths():
         result = inspect_checkpoint(_open(args.checkpoint, args), step=args.step, keys=args.keys,
                                     progress=not args.quiet)
     if args.json:
-        _print_json(result)
+        print_json(result)
     else:
         print(_inspect_text(result))
     return 0
@@ -227,16 +204,16 @@ def _dtypes(d: dict[str, int]) -> str:
 def _inspect_text(r: dict[str, Any]) -> str:
     saved = f"saved {_fmt_local_time(r['wall_time'])} with torch {r['torch_version']}"
     lines = [f"step {r['step']}  {r['checkpoint']}",
-             f"world size {r['world_size']}, {saved}; {r['files']} files, {_fmt_bytes(r['file_bytes'])} on disk", ""]
+             f"world size {r['world_size']}, {saved}; {r['files']} files, {fmt_bytes(r['file_bytes'])} on disk", ""]
     rows = [["COMPONENT", "BYTES", "TENSORS", "DTYPES", "OTHER"]]
     for c in [*r["components"], {"name": "total", **r["totals"], "dtypes": {}}]:
         other = []
         if c["arrays"]:
-            other.append(f"{c['arrays']} numpy array{'s' * (c['arrays'] > 1)} ({_fmt_bytes(c['array_bytes'])})")
+            other.append(f"{c['arrays']} numpy array{'s' * (c['arrays'] > 1)} ({fmt_bytes(c['array_bytes'])})")
         if c["values"]:
             other.append(f"{c['values']} value{'s' * (c['values'] > 1)}")
         tensors = str(c["tensors"]) + (f" ({c['rank_local_tensors']} per rank)" if c["rank_local_tensors"] else "")
-        rows.append([c["name"], _fmt_bytes(c["bytes"]), tensors, _dtypes(c["dtypes"]), ", ".join(other)])
+        rows.append([c["name"], fmt_bytes(c["bytes"]), tensors, _dtypes(c["dtypes"]), ", ".join(other)])
     lines += _table(rows, right=(1,))
     lines.append("bytes: tensor and array payload (sharded tensors at full size, per-rank tensors on every rank); "
                  "values: other entries of rank 0's state")
@@ -246,7 +223,7 @@ def _inspect_text(r: dict[str, Any]) -> str:
         for k in r["keys"]:
             where = f"dcp ({k['chunks']} chunk{'s' * (k['chunks'] > 1)})" if k["storage"] == "dcp" else \
                 f"rank {k['rank']} json" + (" (numpy)" if k["kind"] == "ndarray" else "")
-            krows.append([k["key"], "x".join(map(str, k["shape"])) or "scalar", k["dtype"], _fmt_bytes(k["bytes"]),
+            krows.append([k["key"], "x".join(map(str, k["shape"])) or "scalar", k["dtype"], fmt_bytes(k["bytes"]),
                           where])
         lines += _table(krows, right=(3,))
     return "\n".join(lines)
@@ -262,17 +239,17 @@ def add_verify_arguments(p: argparse.ArgumentParser) -> None:
                    help="a checkpoint directory, or a run root to verify all its checkpoints; local path or URL")
     p.add_argument("--no-checksums", action="store_true",
                    help="check sizes and structure only, not every file's CRC-32 (does not read the tensor data)")
-    _add_common(p)
+    add_common(p)
 
 
 def run_verify(args: argparse.Namespace) -> int:
     """Verify; exit 1 on any problem, each listed with its file."""
-    from torch_ckpt.tools.inspection import verify_path
+    from torch_ckpt.tools.verification import verify_path  # torch: imported when the command runs
 
     with _argument_paths():
         result = verify_path(_open(args.target, args), checksums=not args.no_checksums, progress=not args.quiet)
     if args.json:
-        _print_json(result)
+        print_json(result)
     else:
         print(_verify_text(result))
     return 0 if result["ok"] else 1
@@ -282,7 +259,7 @@ def _verify_text(r: dict[str, Any]) -> str:
     lines = []
     for c in r["checkpoints"]:
         what = "sizes, structure" if not c["checksums"] else "CRC-32, structure"
-        detail = f"{c['files']} files, {_fmt_bytes(c['bytes'])}, {c['tensors'] if c['tensors'] is not None else '?'} " \
+        detail = f"{c['files']} files, {fmt_bytes(c['bytes'])}, {c['tensors'] if c['tensors'] is not None else '?'} " \
                  f"tensors; {what}"
         lines.append(f"{'OK  ' if c['ok'] else 'FAIL'}  step {c['step']}  {c['checkpoint']}  ({detail})")
         if c.get("partial"):
@@ -311,44 +288,39 @@ def add_convert_arguments(p: argparse.ArgumentParser) -> None:
                    help="torch: one torch.save file of the full state (loads with weights_only=True); "
                         "safetensors: the model weights only")
     p.add_argument("out", metavar="OUT", help="output file (.pt or .safetensors)")
-    _add_common(p)
+    add_common(p)
 
 
 @contextmanager
 def _local_copy(args: argparse.Namespace) -> Iterator[str]:
     """The checkpoint as a local directory: itself, or a verified download of a URL (removed after)."""
-    from torch_ckpt.tools.inspection import _step_of, is_url
+    from torch_ckpt.tools.checks import step_of  # torch: imported when the command runs
 
     if not is_url(args.checkpoint):
         if getattr(args, "storage_options", None):
-            raise _usage_error("--storage-options only applies to URLs (s3://, gs://, memory://...)")
+            raise UsageError("--storage-options only applies to URLs (s3://, gs://, memory://...)")
         path = os.path.expanduser(args.checkpoint.removeprefix("file://"))
         if not os.path.exists(path):
-            raise _usage_error(f"{path} does not exist")
+            raise UsageError(f"{path} does not exist")
         yield path
         return
-    from pathlib import Path
-
-    from torch_ckpt.errors import ConfigError
     from torch_ckpt.tiers import DurableTier
 
     url = args.checkpoint.rstrip("/")
     parent, _, name = url.rpartition("/")
-    step, temporary = _step_of(name)
+    step, temporary = step_of(name)
     if step is None or temporary or "://" not in parent:
-        raise _usage_error(f"{url} is not a checkpoint URL (expected ROOT_URL/step_NNNNNNNNN)")
+        raise UsageError(f"{url} is not a checkpoint URL (expected ROOT_URL/step_NNNNNNNNN)")
     try:
         tier = DurableTier(parent, storage_options=args.storage_options)
     except ConfigError as exc:
-        raise _usage_error(f"cannot open {url!r}: {exc.__cause__ or exc}") from None
-    from torch_ckpt.errors import CheckpointError
-    from torch_ckpt.tiers import DurableUnavailableError
+        raise UsageError(f"cannot open {url!r}: {exc.__cause__ or exc}") from None
 
     tmp = tempfile.mkdtemp(prefix="torch-ckpt-convert-")
     try:
         try:
             if not tier.fs.exists(f"{tier.root}/{name}"):
-                raise _usage_error(f"{url} does not exist")
+                raise UsageError(f"{url} does not exist")
             local = str(tier.download(step, Path(tmp)))
         except (CheckpointError, OSError, ValueError):  # ValueError includes UsageError
             raise
@@ -368,114 +340,10 @@ def run_convert(args: argparse.Namespace) -> int:
         result = export(path, args.out, allow_symlinks=args.follow_symlinks)
     result["checkpoint"] = args.checkpoint
     if args.json:
-        _print_json(result)
+        print_json(result)
     else:
         extra = f", {result['tensors']} tensors" if "tensors" in result else ""
         print(f"step {result['step']} -> {result['out']} ({result['bytes']} bytes{extra})")
     return 0
 
 
-# ---------------------------------------------------------------------------------------------
-# bench
-
-
-def _positive_number(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
-    return value
-
-
-def _duration(text: str) -> float:
-    from torch_ckpt.durations import parse_duration
-
-    try:
-        value = parse_duration(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"duration must be positive, got {text!r}")
-    return value
-
-
-_duration.__name__ = "duration"
-
-
-def add_bench_arguments(p: argparse.ArgumentParser) -> None:
-    """Arguments of ``torch-ckpt bench``."""
-    p.add_argument("directory", metavar="DIR", nargs="?", default=".",
-                   help="where checkpoints would be written; a temporary file is written, read and removed "
-                        "(default: the current directory)")
-    p.add_argument("--size-mib", type=_positive_number, default=256.0, metavar="MIB",
-                   help="bytes per measurement in MiB (default 256; each disk phase also stops after ~4 s)")
-    p.add_argument("--state-gib", type=_positive_number, metavar="GIB",
-                   help="checkpoint size in GiB, for the save cost and write time it implies")
-    p.add_argument("--mtbf", type=_duration, metavar="DURATION",
-                   help="mean time between failures of the job (e.g. 8h), for the recommended interval")
-    p.add_argument("--step-time", type=_duration, metavar="DURATION",
-                   help="seconds per training step, to express the interval in steps")
-    _add_common(p, remote=False)
-
-
-def run_bench(args: argparse.Namespace) -> int:
-    """Measure the floors; with --state-gib (and --mtbf) print what they imply."""
-    from torch_ckpt.tools.floors import measure_floors, recommend
-
-    if (args.mtbf is not None or args.step_time is not None) and args.state_gib is None:
-        raise _usage_error("--mtbf and --step-time need --state-gib (the checkpoint size)")
-    if args.step_time is not None and args.mtbf is None:
-        raise _usage_error("--step-time needs --mtbf")
-    directory = os.path.expanduser(args.directory)
-    if not os.path.exists(directory):
-        raise _usage_error(f"{directory} does not exist")
-    if not os.path.isdir(directory):
-        raise _usage_error(f"{directory} is not a directory")
-    size = max(1, int(args.size_mib * (1 << 20)))
-    if not args.quiet and not args.json and sys.stderr.isatty():
-        print(f"measuring in {os.path.abspath(directory)} ({args.size_mib:g} MiB per phase)...", file=sys.stderr)
-    floors = measure_floors(directory, size_bytes=size)
-    rec = recommend(floors, args.state_gib * (1 << 30), mtbf_s=args.mtbf, step_time_s=args.step_time) \
-        if args.state_gib is not None else None
-    if args.json:
-        _print_json({**floors, "recommendation": rec})
-    else:
-        print(_bench_text(floors, rec, args.state_gib))
-    return 0
-
-
-def _bench_text(f: dict[str, Any], rec: dict[str, Any] | None, state_gib: float | None) -> str:
-    from torch_ckpt.durations import format_duration
-
-    def row(label: str, gbps: float, note: str = "") -> str:
-        return f"  {label:<32}{gbps:8.2f} GB/s" + (f"  ({note})" if note else "")
-
-    size = f"{f['size_bytes'] / 2**20:g} MiB per phase"
-    lines = [f"floors measured in {f['directory']} ({size}, {f['elapsed_s']:.1f} s):",
-             row("copy into preallocated memory", f["copy_gbps"])]
-    if f["d2h_gbps"]:
-        lines.append(row("device to pinned host memory", f["d2h_gbps"], f["d2h_device"]))
-    lines += [row("write + fsync", f["write_gbps"], f"{_fmt_bytes(f['write_bytes'])} in {f['write_s']:.2f} s"),
-              row("read (page cache dropped)" if f["read_cold"] else "read (page cache not dropped)", f["read_gbps"])]
-    if rec is None:
-        lines.append("(add --state-gib, and --mtbf, for the save cost and interval these imply)")
-        return "\n".join(lines)
-
-    def line(label: str, seconds: float) -> str:
-        return f"  {label:<40}{format_duration(seconds)}"
-
-    lines += ["", f"for a {state_gib:g} GiB state ({_fmt_bytes(rec['state_bytes'])}):",
-              line("save cost: device-to-host copy" if rec["staging_floor"] == "d2h" else
-                   "save cost: copy into staging memory", rec["save_cost_s"]),
-              line("write until durable (lag)", rec["write_s"]),
-              line("synchronous save would stall", rec["sync_save_cost_s"]),
-              line("restore read, at least", rec["restore_read_s"])]
-    if rec["interval"] is None:
-        lines.append("(add --mtbf for the recommended save interval)")
-    else:
-        from torch_ckpt.tools.cli import _interval_rows
-
-        lines += ["", _interval_rows([rec["interval"]])]
-    return "\n".join(lines)

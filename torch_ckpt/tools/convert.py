@@ -12,13 +12,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from torch_ckpt.codec import join_state
 from torch_ckpt.dcp_io import load_tensors
+from torch_ckpt.dcp_metadata import check_records, read_metadata, tensor_items
 from torch_ckpt.errors import CheckpointNotFoundError, ConfigError
-from torch_ckpt.format import check_files, check_records, read_metadata, read_rank_tree
-from torch_ckpt.layout import Manifest, read_manifest
+from torch_ckpt.format import read_rank_doc, verify_files
+from torch_ckpt.manifest import Manifest, read_manifest
 
 __all__ = ["load_full_state", "export_torch", "export_safetensors"]
 
@@ -55,11 +55,11 @@ def load_full_state(checkpoint: str | Path, *, verify: bool = True,
         UnsafeCheckpointError: the metadata references code, or an item is pickled.
     """
     path, manifest = _resolve(checkpoint, allow_symlinks)
-    check_files(path, manifest, checksums=verify, allow_symlinks=allow_symlinks)
+    verify_files(path, manifest, checksums=verify, allow_symlinks=allow_symlinks)
     md = read_metadata(path, manifest, allow_symlinks=allow_symlinks)
     check_records(path, manifest, md, allow_symlinks=allow_symlinks)
-    specs = {k: m for k, m in md.state_dict_metadata.items() if isinstance(m, TensorStorageMetadata)}
-    trees = [read_rank_tree(path, manifest, r, allow_symlinks=allow_symlinks, tensor_keys=specs.__contains__)
+    specs = tensor_items(md)
+    trees = [read_rank_doc(path, manifest, r, allow_symlinks=allow_symlinks, tensor_keys=specs.__contains__)["tree"]
              for r in range(manifest.world_size)]
     # sizes are bounded by the files (read_metadata) and every element is covered by a chunk, so
     # every element of these buffers is overwritten by the load

@@ -19,6 +19,8 @@ import os
 import time
 from typing import Any
 
+from torch_ckpt.tools.sizing import interval_plan
+
 __all__ = ["measure_copy", "measure_d2h", "measure_floors", "measure_write_read", "recommend"]
 
 _IO_CHUNK = 16 << 20
@@ -169,8 +171,6 @@ def recommend(floors: dict[str, Any], state_bytes: float, *, mtbf_s: float | Non
         "sync_save_cost_s"`` (stall of a synchronous save: copy + write) ``, "restore_read_s",
         "interval"`` (the plan dict, or None without ``mtbf_s``) ``}``.
     """
-    from torch_ckpt.tools.sizing import interval_plan
-
     floor = "d2h" if floors.get("d2h_gbps") else "copy"
     cost = state_bytes / (floors[f"{floor}_gbps"] * 1e9)
     write = state_bytes / (floors["write_gbps"] * 1e9)

@@ -1,7 +1,7 @@
 """Tensor records inside DCP data files (torch_ckpt.records): checked against .metadata without unpickling.
 
 Records are built with ``torch.save`` (zip CRC included, as plain DCP writes them) and with
-torch-ckpt's own writer (tests/test_format.py, test_cli_tools.py and test_bad_input.py cover the
+torch-ckpt's own writer (tests/storage/, tests/tools/test_cli_tools.py and test_bad_input.py cover the
 whole-checkpoint paths); here each record is declared by hand to test one check at a time.
 """
 
