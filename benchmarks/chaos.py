@@ -58,8 +58,8 @@ import psutil  # noqa: E402
 import train_gpt  # noqa: E402  (imports torch and torch_ckpt once, before any fork)
 
 from torch_ckpt import writer_process  # noqa: E402
-from torch_ckpt.layout import read_manifest, scan_committed  # noqa: E402
 from torch_ckpt.format import verify_files  # noqa: E402
+from torch_ckpt.layout import read_manifest, scan_committed  # noqa: E402
 
 
 def _writers(pid: int) -> list[psutil.Process]:

@@ -57,9 +57,9 @@ def test_read_only_file_system_is_a_typed_error(tmpfs):
     run = tmpfs / "run"
     with CheckpointManager(run) as mgr:
         mgr.save(1, state).wait()
-        # The root lock keeps ROOT/.lock open for writing (filelock opens it read-write), so the file system itself
-        # cannot be remounted read-only under a live run; a read-only bind mount over the root has the same effect
-        # on every later write.
+        # A failing disk is remounted read-only by the kernel even with files open for writing, but mount(8) refuses
+        # (EBUSY) while the root lock's file is open read-write (filelock opens it so); a read-only bind mount over
+        # the root has the same effect on every later write, with the lock still held.
         subprocess.run(["mount", "--bind", str(run), str(run)], check=True)
         try:
             subprocess.run(["mount", "-o", "remount,bind,ro", str(run)], check=True)

@@ -7,7 +7,6 @@ import os
 import pytest
 
 from torch_ckpt import CheckpointManager
-from torch_ckpt.tools.listing import list_root
 from torch_ckpt.layout import (
     clean_stale_temporaries,
     is_temporary_name,
@@ -15,6 +14,7 @@ from torch_ckpt.layout import (
     temporary_name,
     tmp_dir_name,
 )
+from torch_ckpt.tools.listing import list_root
 
 _STALE = [".step_000000001.tmp", ".step_000000002.tmp.0a1b2c3d4e5f6789", ".step_000000003.download.tmp",
           ".step_000000004.download.tmp.ffee", ".trash_step_000000005"]

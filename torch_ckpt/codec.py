@@ -63,8 +63,8 @@ _COMPLEX = "__complex__"
 _BIGINT = "__int_hex__"
 _SET = "__set__"
 _FROZENSET = "__frozenset__"
-_TAGS = {TENSOR_TAG, INLINE_TENSOR_TAG, NDARRAY_TAG, NPSCALAR_TAG, _NPSCALAR_RAW, TUPLE_TAG, DICT_TAG, BYTES_TAG, _BYTEARRAY, FLOAT_TAG,
-         _COMPLEX, _BIGINT, _SET, _FROZENSET}
+_TAGS = {TENSOR_TAG, INLINE_TENSOR_TAG, NDARRAY_TAG, NPSCALAR_TAG, _NPSCALAR_RAW, TUPLE_TAG, DICT_TAG, BYTES_TAG,
+         _BYTEARRAY, FLOAT_TAG, _COMPLEX, _BIGINT, _SET, _FROZENSET}
 
 #: Deepest nesting of containers (dicts, lists, tuples, sets) a state may have.
 MAX_DEPTH = 100

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Iterator
-from functools import lru_cache
+from functools import cache, lru_cache
 from typing import Any
 
 import numpy as np
@@ -37,7 +37,7 @@ MAX_NDIM = 64
 _B64_RE = re.compile(r"[A-Za-z0-9+/]*={0,2}")
 
 
-@lru_cache(maxsize=None)
+@cache
 def _torch_dtype(name: str) -> Any:
     """The torch dtype ``name`` if an embedded tensor may use it (raw bytes viewable as it), else None."""
     dtype = getattr(torch, name, None) if name.isidentifier() else None

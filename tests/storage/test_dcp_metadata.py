@@ -145,7 +145,7 @@ def test_dcp_reader_opens_only_listed_files_even_with_unchecked_metadata(ckpt, t
 @pytest.mark.parametrize("persist,thread_count", [("thread", 1), ("thread", 2), ("thread", 4),
                                                   pytest.param("process", 2, marks=pytest.mark.slow)])
 def test_records_of_every_dtype_written_by_the_manager_pass_and_restore(tmp_path, persist, thread_count):
-    """Tensors of typed and untyped-storage dtypes (float8, uint16, bool, complex...) pass the record check and restore."""
+    """Tensors of typed and untyped-storage dtypes (float8, uint16, bool, complex...) pass the record check, restore."""
     from torch_ckpt.dcp_metadata import record_problems
 
     dtypes = [torch.float32, torch.bfloat16, torch.float8_e4m3fn, torch.uint16, torch.bool, torch.complex64, torch.int8]

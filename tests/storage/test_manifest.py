@@ -16,7 +16,7 @@ from torch_ckpt.manifest import Manifest, parse_manifest, read_manifest
 
 
 def test_manifest_with_a_5000_digit_integer_is_corrupt_naming_the_file(ckpt):
-    """A valid-JSON manifest holding a 5000-digit integer raises CheckpointCorruptError naming it (no raw ValueError)."""
+    """A valid-JSON manifest with a 5000-digit integer raises CheckpointCorruptError naming it (no raw ValueError)."""
     raw = (ckpt / "manifest.json").read_text().replace('"step":1,', '"step":' + "9" * 5000 + ",", 1)
     assert "9" * 5000 in raw
     with pytest.raises(CheckpointCorruptError, match="manifest.json.*5000 digits"):

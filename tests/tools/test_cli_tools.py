@@ -25,8 +25,8 @@ import torch
 from torch_ckpt import CheckpointManager, TrainState
 from torch_ckpt.tools.cli import main
 from torch_ckpt.tools.inspection import inspect_checkpoint
-from torch_ckpt.tools.verification import verify_checkpoint
 from torch_ckpt.tools.sizing import interval_plan
+from torch_ckpt.tools.verification import verify_checkpoint
 
 STEP10, STEP20 = "step_000000010", "step_000000020"
 SHARD = "__0_0.distcp"

@@ -64,7 +64,7 @@ def run_bench(args: argparse.Namespace) -> int:
 
 
 def _bench_text(f: dict[str, Any], rec: dict[str, Any] | None, state_gib: float | None) -> str:
-    
+
     def row(label: str, gbps: float, note: str = "") -> str:
         return f"  {label:<32}{gbps:8.2f} GB/s" + (f"  ({note})" if note else "")
 
