@@ -57,8 +57,8 @@ def setup(args: argparse.Namespace, project: ProjectConfiguration | None = None)
     model = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.ReLU(), torch.nn.Dropout(0.2), torch.nn.Linear(16, 1))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.5)
-    data = torch.utils.data.TensorDataset(torch.randn(4 * BATCHES_PER_EPOCH, 4, generator=torch.Generator().manual_seed(1)),
-                                          torch.arange(4 * BATCHES_PER_EPOCH))
+    inputs = torch.randn(4 * BATCHES_PER_EPOCH, 4, generator=torch.Generator().manual_seed(1))
+    data = torch.utils.data.TensorDataset(inputs, torch.arange(4 * BATCHES_PER_EPOCH))
     loader = torch.utils.data.DataLoader(data, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(2))
     return (acc, ckpt, *acc.prepare(model, opt, sched, loader))
 
@@ -68,8 +68,7 @@ def batches(acc: Accelerator, loader, step: int):
     epoch, skip = divmod(step, len(loader))
     while True:
         loader.set_epoch(epoch)
-        for batch in acc.skip_first_batches(loader, skip) if skip else loader:
-            yield batch
+        yield from acc.skip_first_batches(loader, skip) if skip else loader
         epoch, skip = epoch + 1, 0
 
 

@@ -134,7 +134,7 @@ def test_attached_strict_false_is_refused_before_loading_anything(tmp_path):
     run.ckpt.close()
     run = make_run(None, seed=3)
     before = params(run.model)
-    with pytest.raises(ConfigError, match="strict=False.*load_full_state") as info:
+    with pytest.raises(ConfigError, match="strict=False.*load_full_state"):
         run.accelerator.load_state(tmp_path / "ck", strict=False)
     assert same(before, params(run.model))
     run.ckpt.close()
