@@ -14,7 +14,8 @@
 PYTHON ?= python3
 TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX_URL ?=
-DEPS_HASH := $(shell cat pyproject.toml Makefile | sha256sum | cut -c1-16)
+# the torch choice is part of the key: another TORCH_SPEC / TORCH_INDEX_URL gets its own environment
+DEPS_HASH := $(shell (cat pyproject.toml Makefile; echo "$(TORCH_SPEC) $(TORCH_INDEX_URL)") | sha256sum | cut -c1-16)
 CACHE_DIR ?= $(HOME)/.cache/torch-ckpt
 VENV ?= $(CACHE_DIR)/venv-$(DEPS_HASH)
 PY := $(VENV)/bin/python
