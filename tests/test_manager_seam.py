@@ -216,3 +216,53 @@ def test_extra_dir_with_a_reserved_name_fails_the_save(tmp_path):
         with pytest.raises(CheckpointWriteError, match="reserved"):
             mgr.save(1, _state(), path="x", extra_dir=tmp_path / "hooks")
     assert not (tmp_path / "root" / "x").exists()
+
+
+def test_extra_dir_is_taken_inside_save_so_it_can_be_refilled(tmp_path):
+    """Files written into extra_dir after an async save() returned belong to the next save, not this one."""
+    extra = tmp_path / "hooks"
+    extra.mkdir()
+    (extra / "a.txt").write_text("1")
+    with CheckpointManager(tmp_path / "root") as mgr:
+        handle = mgr.save(1, _state(), path="ck1", extra_dir=extra)
+        extra.mkdir()
+        (extra / "b.txt").write_text("2")
+        handle.committed.result()
+        mgr.save(2, _state(), path="ck2", extra_dir=extra).wait()
+    assert sorted(p.name for p in (tmp_path / "root" / "ck1").iterdir() if p.suffix == ".txt") == ["a.txt"]
+    assert sorted(p.name for p in (tmp_path / "root" / "ck2").iterdir() if p.suffix == ".txt") == ["b.txt"]
+
+
+@pytest.mark.parametrize("which", ["root", "parent_of_root", "target", "missing"])
+def test_extra_dir_that_is_or_holds_the_root_is_refused_and_nothing_moves(tmp_path, which):
+    """An extra_dir equal to or containing the root (or the target, or missing) is a ConfigError; nothing is moved."""
+    root = tmp_path / "root"
+    (tmp_path / "keep").mkdir()
+    with CheckpointManager(root, keep_last=None) as mgr:
+        mgr.save(1, _state(), path="zz").wait()
+        extra = {"root": root, "parent_of_root": tmp_path, "target": root / "zz", "missing": tmp_path / "nope"}[which]
+        with pytest.raises(ConfigError, match="extra_dir"):
+            mgr.save(2, _state(), path="zz", extra_dir=extra)
+        assert (root / ".lock").exists() and (tmp_path / "keep").is_dir() and is_committed(root / "zz")
+        mgr.save(3, _state()).wait()  # the lock and the run are intact
+
+
+def test_reserved_name_in_extra_dir_moves_nothing(tmp_path):
+    """A reserved name anywhere in extra_dir fails the save before any entry is moved."""
+    extra = tmp_path / "hooks"
+    extra.mkdir()
+    (extra / "a.txt").write_text("keep me")
+    (extra / "rank_00000.json").write_text("{}")
+    with CheckpointManager(tmp_path / "root") as mgr:
+        with pytest.raises(CheckpointWriteError, match="reserved"):
+            mgr.save(1, _state(), path="x", extra_dir=extra)
+    assert (extra / "a.txt").read_text() == "keep me"
+
+
+def test_explicit_path_named_as_another_step_is_refused(tmp_path):
+    """save(5, path='step_000000001') would replace step 1 with data listed nowhere: ConfigError, step 1 kept."""
+    with CheckpointManager(tmp_path, keep_last=None) as mgr:
+        mgr.save(1, _state()).wait()
+        with pytest.raises(ConfigError, match="step 1"):
+            mgr.save(5, _state(), path="step_000000001")
+        assert mgr.all_steps() == [1]

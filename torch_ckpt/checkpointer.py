@@ -237,7 +237,8 @@ class AsyncCheckpointer:
     def save(self, final: str | os.PathLike, state: Any, *, step: int = 0,
              on_committed: Callable[[Path], None] | None = None, started_at: float | None = None,
              waited_s: float = 0.0, prepare: Callable[[], None] | None = None,
-             replace: bool | Callable[[], bool] = False, extra_dir: str | os.PathLike | None = None) -> SaveHandle:
+             replace: bool | Callable[[], bool] = False,
+             extra_dir: str | os.PathLike | Callable[[], Any] | None = None) -> SaveHandle:
         """Checkpoint ``state`` into directory ``final``; returns once staged (async) or committed (sync).
 
         Collective: every rank calls it with the same ``final`` and ``step``. Waits first for the
@@ -284,7 +285,8 @@ class AsyncCheckpointer:
         try:
             prepared = self._prepare_save(final, state, step, on_committed, t0, waited_s, prepare)
             prepared[0].replace = bool(replace() if callable(replace) else replace)
-            prepared[0].extra_dir = None if extra_dir is None else Path(extra_dir)
+            extra = extra_dir() if callable(extra_dir) else extra_dir
+            prepared[0].extra_dir = None if extra is None else Path(extra)
         except Exception as exc:  # noqa: BLE001 - reported to every rank by the agreement below
             error = exc
         try:

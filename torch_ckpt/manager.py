@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -40,6 +41,7 @@ from torch_ckpt.manager_health import ManagerHealthMixin
 from torch_ckpt.manager_read import ManagerReadMixin
 from torch_ckpt.naming import Naming, StepNaming
 from torch_ckpt.nodes import NodeLayout
+from torch_ckpt.persist import check_extra_name
 from torch_ckpt.preemption import PreemptionFlag
 from torch_ckpt.replicator import Replicator
 from torch_ckpt.resume_nodes import check_private_roots, node_layout
@@ -267,10 +269,11 @@ class CheckpointManager(ManagerReadMixin, ManagerHealthMixin):
                 may lie outside the root, e.g. a framework's own file name). When it already holds
                 a committed torch-ckpt checkpoint, that one is replaced atomically at commit and
                 stays loadable until then (a rolling ``latest`` folder). ``step`` is only recorded.
-            extra_dir: a directory (read on rank 0) whose files and folders, e.g. written by a
-                framework's save hooks, are moved into the checkpoint before its manifest, so they
-                are committed, replaced and removed atomically with it. Not listed in the manifest
-                (not checksummed; restore never reads them). Names of checkpoint files are refused.
+            extra_dir: a directory (rank 0's; relative to the root when relative) whose files and
+                folders, e.g. written by a framework's save hooks, are committed, replaced and
+                removed atomically with the checkpoint. It is taken (moved away) inside ``save()``,
+                so it may be refilled for the next save at once. Not listed in the manifest (not
+                checksummed; restore never reads them). Names of checkpoint files are refused.
 
         Returns:
             A :class:`SaveHandle` whose ``staged`` future completes when the live tensors may change
@@ -291,20 +294,63 @@ class CheckpointManager(ManagerReadMixin, ManagerHealthMixin):
         replicate = path is None and self._replicator is not None and (self._saves + 1) % self._replicate_every == 0
         if path is not None:
             final = self._explicit_path(path)
+            named = self.naming.step_of(final.name) if final.parent == self.root else None
+            if named is not None and named != step:
+                raise ConfigError(f"path {final} is the directory of step {named} under this root's naming; "
+                                  f"saving step {step} there would hide it from listing and resume. Save step "
+                                  f"{named} there, or use a name the naming does not parse")
         else:
             final = self.root / (self.naming.name(step) if valid else ".invalid_step")
         replace = [False]
+        staged_extra: list[Path | None] = [None]
 
         def prepare() -> None:
             replace[0] = self._prepare_step(step, final, explicit=path is not None)
+            if extra_dir is not None and self._ctx.is_coordinator:
+                staged_extra[0] = self._stage_extra(extra_dir, final)
 
         handle = self._ckpt.save(final, state, step=step,
                                  on_committed=lambda final: self._after_commit(step, final, replicate),
-                                 started_at=t0, prepare=prepare, replace=lambda: replace[0], extra_dir=extra_dir)
+                                 started_at=t0, prepare=prepare, replace=lambda: replace[0],
+                                 extra_dir=lambda: staged_extra[0])
         self._saves += 1
         if self._cadence is not None:
             self._cadence.record_save_started(handle, time.monotonic())
         return handle
+
+    def _stage_extra(self, extra_dir: str | os.PathLike, final: Path) -> Path:
+        """Rank 0, inside :meth:`save`: move ``extra_dir`` aside to a hidden sibling of ``final``.
+
+        The hook files are taken now, so the caller may refill ``extra_dir`` for the next save at
+        once; the background commit moves them into the checkpoint before its manifest.
+
+        Raises:
+            ConfigError: ``extra_dir`` is missing, not a directory, a symlink, the root, ``final``, a
+                directory containing either, or inside ``final``.
+            CheckpointWriteError: an entry uses a checkpoint file's name, or the move fails.
+        """
+        src = Path(extra_dir).expanduser()
+        src = (src if src.is_absolute() else self.root / src).absolute()
+        if src.is_symlink() or not src.is_dir():
+            raise ConfigError(f"extra_dir {src} must be an existing directory (not a symlink) holding the files "
+                              "to commit with the checkpoint")
+        for guarded in (self.root, final):
+            if src == guarded or src in guarded.parents:
+                raise ConfigError(f"extra_dir {src} is or contains {guarded}: name a directory of its own that holds "
+                                  "only the framework's files")
+        if final in src.parents:
+            raise ConfigError(f"extra_dir {src} lies inside the checkpoint {final}; use a separate directory")
+        for entry in src.iterdir():
+            check_extra_name(entry)
+        staged = final.with_name(f".{final.name}.extra.tmp.{self._ckpt.incarnation}")
+        try:
+            if staged.exists():
+                shutil.rmtree(staged)
+            shutil.move(str(src), str(staged))  # a rename on one file system
+        except OSError as exc:
+            raise CheckpointWriteError(exc.errno, f"cannot move extra_dir {src} to {staged}: {exc.strerror or exc}") \
+                from exc
+        return staged
 
     def _explicit_path(self, path: str | os.PathLike) -> Path:
         if not isinstance(path, (str, os.PathLike)) or str(path) == "":

@@ -76,6 +76,8 @@ class ManagerReadMixin:
             raise ConfigError(f"this CheckpointManager was opened with read_only=True on {self.root}: remove() "
                               "is refused")
         if isinstance(target, int) and not isinstance(target, bool):
+            if target < 0:
+                raise ConfigError(f"remove(): a step must be an int >= 0, got {target}")
             path = self.root / self.naming.name(target)
         else:
             path = self._explicit_path(target)
@@ -169,6 +171,8 @@ class ManagerReadMixin:
     def _restore_paths(self, state: Any, path: Any, step: int | None, allow_cast: bool) -> int:
         if step is not None:
             raise ConfigError("restore(): pass either step or path, not both")
+        if not isinstance(path, (str, os.PathLike, list, tuple)):
+            raise ConfigError(f"restore(path=...) needs a directory or a list of them, got {path!r}")
         paths = [path] if isinstance(path, (str, os.PathLike)) else list(path)
         if not paths or not all(isinstance(p, (str, os.PathLike)) and str(p) for p in paths):
             raise ConfigError(f"restore(path=...) needs a directory or a non-empty sequence of them, got {path!r}")

@@ -34,7 +34,8 @@ from torch_ckpt.layout import (
     write_json_durable,
 )
 
-__all__ = ["PersistRequest", "persist_checkpoint", "write_shards", "move_extra_entries", "as_write_error",
+__all__ = ["PersistRequest", "persist_checkpoint", "write_shards", "move_extra_entries", "check_extra_name",
+           "as_write_error",
            "check_on_disk", "check_owner", "describe_error"]
 
 
@@ -117,6 +118,17 @@ def check_owner(req: PersistRequest, final: Path) -> None:
 _RESERVED = re.compile(r"^(manifest\.json(\.tmp)?|\.metadata|.*\.distcp|rank_\d+\.json)$")
 
 
+def check_extra_name(entry: Path) -> None:
+    """Refuse an ``extra_dir`` entry whose name a checkpoint file (or the root lock) uses.
+
+    Raises:
+        CheckpointWriteError: ``manifest.json``, ``.metadata``, ``*.distcp``, ``rank_N.json``, ``.lock*``.
+    """
+    if _RESERVED.match(entry.name) or entry.name.startswith(".lock"):
+        raise CheckpointWriteError(f"{entry}: the name {entry.name!r} is reserved for checkpoint files; "
+                                   "write framework files under other names")
+
+
 def move_extra_entries(extra_dir: Path, tmp: Path) -> None:
     """Move every entry of ``extra_dir`` (files and folders a framework hook wrote) into ``tmp``.
 
@@ -130,14 +142,14 @@ def move_extra_entries(extra_dir: Path, tmp: Path) -> None:
     """
     if not extra_dir.is_dir():
         return
-    for entry in sorted(extra_dir.iterdir()):
-        if _RESERVED.match(entry.name):
-            raise CheckpointWriteError(f"{entry}: the name {entry.name!r} is reserved for checkpoint files; "
-                                       "write framework files under other names")
+    entries = sorted(extra_dir.iterdir())
+    for entry in entries:  # every name is checked before anything is moved
+        check_extra_name(entry)
+    for entry in entries:
         try:
             shutil.move(str(entry), str(tmp / entry.name))
         except OSError as exc:
-            raise CheckpointWriteError(exc.errno, f"cannot move {entry} into {tmp}: {exc.strerror}") from exc
+            raise CheckpointWriteError(exc.errno, f"cannot move {entry} into {tmp}: {exc.strerror or exc}") from exc
     shutil.rmtree(extra_dir, ignore_errors=True)
 
 
