@@ -19,6 +19,7 @@ from torch_ckpt._logging import get_logger
 from torch_ckpt.errors import CheckpointCorruptError
 from torch_ckpt.layout import read_manifest
 from torch_ckpt.retention import RetentionPolicy, apply_retention
+from torch_ckpt.tier_cleanup import remove_abandoned
 from torch_ckpt.tiers import DurableTier
 
 __all__ = ["Replicator"]
@@ -194,6 +195,6 @@ class Replicator:
             return
         self._last_abandoned_check = now
         try:
-            self.tier.remove_abandoned(older_than_seconds=self._abandoned_after, exclude=self.busy_steps())
+            remove_abandoned(self.tier, older_than_seconds=self._abandoned_after, exclude=self.busy_steps())
         except Exception as exc:  # noqa: BLE001 - retried after a later upload
             log.warning("removing abandoned uploads from %s failed: %s", self.tier.url, exc)
