@@ -405,3 +405,15 @@ def test_s3_upload_is_checked_by_the_store_digest_without_reading_back(tmp_path,
     tier = DurableTier(f"s3://{s3.new_bucket()}/run", storage_options=s3.options)
     tier.upload(local, manifest)
     assert tier.bytes_read_back == 0 and list(tier.list_steps()) == [1]
+
+
+def test_history_steps_are_replicated_whatever_replicate_every_n_saves_says(tmp_path):
+    """Multiples of durable_keep_every_n_steps are replicated even between every-n-th saves."""
+    url = f"memory://ckpt-{uuid.uuid4().hex[:8]}/run"
+    state, *_ = _state()
+    with CheckpointManager(tmp_path, durable_url=url, replicate_every_n_saves=3, durable_keep_last=10,
+                           durable_keep_every_n_steps=2, keep_last=10) as mgr:
+        for step in (1, 2, 3, 4, 5):
+            mgr.save(step, state).wait()
+            assert mgr.wait_durable(60)
+    assert sorted(DurableTier(url).list_steps()) == [2, 3, 4]

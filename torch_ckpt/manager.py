@@ -220,8 +220,10 @@ class CheckpointManager(ManagerReadMixin, ManagerHealthMixin):
         return self._nodes.is_leader if self._nodes is not None else self._ctx.is_coordinator
 
     def _make_replicator(self, retention: RetentionPolicy | None) -> Replicator:
+        every = self.config.durable_keep_every_n_steps
+        history = None if every is None else (lambda step: step % every == 0)  # never coalesced away
         if self._nodes is None:
-            return Replicator(self._tier, retention=retention, on_durable=self._record_durable)
+            return Replicator(self._tier, retention=retention, on_durable=self._record_durable, never_skip=history)
         commit = self._nodes.node == 0
 
         def upload(local_dir: Path, manifest: Any, abandon: Callable[[], bool]) -> None:
@@ -231,7 +233,7 @@ class CheckpointManager(ManagerReadMixin, ManagerHealthMixin):
         # every node uploads its own shards; node 0 commits and runs durable retention and cleanup
         return Replicator(self._tier, retention=retention if commit else None, upload=upload,
                           on_durable=self._record_durable if commit else None,
-                          abandoned_after_seconds=24 * 3600.0 if commit else None)
+                          abandoned_after_seconds=24 * 3600.0 if commit else None, never_skip=history)
 
     # -- context manager -------------------------------------------------------------------------
     def __enter__(self) -> CheckpointManager:
@@ -291,7 +293,8 @@ class CheckpointManager(ManagerReadMixin, ManagerHealthMixin):
         """
         t0 = time.monotonic()
         valid = not isinstance(step, bool) and isinstance(step, int) and step >= 0
-        replicate = path is None and self._replicator is not None and (self._saves + 1) % self._replicate_every == 0
+        replicate = path is None and self._replicator is not None and (
+            (self._saves + 1) % self._replicate_every == 0 or (valid and self._replicator.keeps(step)))
         if path is not None:
             final = self._explicit_path(path)
             named = self.naming.step_of(final.name) if final.parent == self.root else None
