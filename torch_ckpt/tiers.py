@@ -36,10 +36,10 @@ from torch_ckpt.format import verify_files
 from torch_ckpt.layout import commit_dir
 from torch_ckpt.manifest import MANIFEST_NAME, Manifest, read_manifest
 from torch_ckpt.naming import Naming, StepNaming
-from torch_ckpt.storage import DurableUnavailableError, Location, object_mtime, url_to_fs
+from torch_ckpt.storage import DurableUnavailableError, Location, url_to_fs
 from torch_ckpt.tier_nodes import node_fetch_manifest, upload_node
 
-__all__ = ["DurableTier", "DurableUnavailableError", "object_mtime"]
+__all__ = ["DurableTier", "DurableUnavailableError"]
 
 log = get_logger(__name__)
 
