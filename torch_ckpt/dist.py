@@ -17,7 +17,14 @@ import torch.distributed as dist
 
 from torch_ckpt.errors import CheckpointError, CheckpointTimeoutError
 
-__all__ = ["DistContext"]
+__all__ = ["DistContext", "rank_and_world"]
+
+
+def rank_and_world() -> tuple[int, int]:
+    """``(rank, world size)`` of this process in the default process group; ``(0, 1)`` without one."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
 
 
 class DistContext:
