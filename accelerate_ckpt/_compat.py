@@ -35,12 +35,12 @@ def check_supported(acc: Any) -> None:
 
 
 def prepared(acc: Any, kind: str) -> list[Any]:
-    """The prepared ``models``, ``optimizers``, ``schedulers``, ``dataloaders`` or ``custom_objects`` (in order)."""
+    """The prepared ``models``, ``optimizers``, ``schedulers``, ``dataloaders`` or ``custom_objects`` (1.0.1-1.15.0)."""
     return list(getattr(acc, f"_{kind}"))
 
 
 def hooks(acc: Any, kind: str) -> dict[int, Any]:
-    """The ``save`` or ``load`` state pre-hooks the user registered, ``{handle id: hook}`` in order."""
+    """The ``save`` or ``load`` state pre-hooks the user registered, ``{handle id: hook}`` (1.0.1-1.15.0)."""
     return getattr(acc, f"_{kind}_model_state_pre_hook")
 
 
