@@ -90,13 +90,12 @@ class MTBFCheckpoint(OnExceptionCheckpoint):
         self.log_stats = log_stats
         self.prog_bar = prog_bar
         self._io: AsyncDCPCheckpointIO | None = None
-        self._deferred: tuple[int, str, dict[str, Any]] | None = None
+        self._deferred: tuple[str, dict[str, Any]] | None = None  # an epoch end's path and Lightning state
         self._manager: Any = None
         self._handlers: tuple[Any, Any] | None = None  # SIGTERM handler before the manager's, and the manager's
         self._candidates: list[Path] = []
         self._rng = TrainState()  # captures and restores this rank's RNG (Python, NumPy, torch CPU/CUDA) only
         self._pending_rng: dict[str, Any] | None = None
-        self._rng_at_epoch_start = False
         self._trainer: Any = None
         self._unreported: list = []
         self._last_health = float("-inf")
@@ -176,19 +175,11 @@ class MTBFCheckpoint(OnExceptionCheckpoint):
 
     # -- per step --------------------------------------------------------------------------------
     @override
-    def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
-        if self._rng_at_epoch_start:  # before this epoch's train iterator
-            self._restore_rng()
-
-    @override
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
-        self._restore_rng()  # after the resumed epoch's iterator was created, before the forward
-        self._flush_deferred(trainer)
-
-    def _restore_rng(self) -> None:
-        if self._pending_rng is not None:
+        if self._pending_rng is not None:  # resumed: after the epoch's iterator was created, before the forward
             self._rng.load_state_dict({"rng": self._pending_rng})
             self._pending_rng = None
+        self._flush_deferred(trainer)
 
     @override
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
@@ -208,7 +199,7 @@ class MTBFCheckpoint(OnExceptionCheckpoint):
         # the (possibly unfinished) epoch as completed, so a resume from there would start the next epoch
         final = self.save_on_train_end and _compat.is_final_batch(trainer)
         if want or sigterm or final:
-            self._save(trainer, step, at_step_boundary=not (sigterm or final))
+            self._save(trainer, step, stopping=sigterm)
         if sigterm:
             self._stop_after_commit(trainer, step)
         self._report(trainer, pl_module)
@@ -217,26 +208,36 @@ class MTBFCheckpoint(OnExceptionCheckpoint):
             pl_module.log("ckpt_saving", float(self._io.saving), prog_bar=True, logger=False, on_step=True,
                           on_epoch=False)
 
-    def _save(self, trainer: Any, step: int, *, at_step_boundary: bool = True) -> None:
-        """Save ``step``; at an epoch end, Lightning's state is captured now and written at the next batch
-        with the RNG as it is then (the next epoch's iterator draws from it), where a resume restores it."""
+    def _save(self, trainer: Any, step: int, *, stopping: bool = False) -> None:
+        """Save ``step``. At an epoch end, Lightning's state of this step is taken now (its loaders marked
+        finished, so a resume starts the next epoch) and written with the RNG of the next epoch's first
+        batch, where a resume restores it: at that batch, or at once when training stops first."""
         if step == self._last_saved_step:
             return
         self._last_saved_step = step
         path = str(Path(self.dirpath) / StepNaming().name(step))
-        if at_step_boundary and _compat.is_last_batch(trainer):
-            self._deferred = (step, path, _compat.dump_checkpoint(trainer))
+        if not _compat.is_last_batch(trainer):
+            trainer.save_checkpoint(path, weights_only=False)
+            self._track_last_save()
             return
-        trainer.save_checkpoint(path, weights_only=False)
-        self._track_last_save()
+        checkpoint = _compat.dump_checkpoint(trainer)
+        _compat.finish_loader_states(checkpoint)
+        self._deferred = (path, checkpoint)
+        if stopping:
+            self._flush_deferred(trainer, stopping=True)
 
-    def _flush_deferred(self, trainer: Any) -> None:
-        """Write the checkpoint deferred by :meth:`_save`, with this moment's RNG."""
+    def _flush_deferred(self, trainer: Any, *, stopping: bool = False) -> None:
+        """Write the checkpoint deferred by :meth:`_save` with this moment's RNG; when training stops before
+        the next epoch, with the RNG after what that epoch's start draws (the live RNG is then put back)."""
         if self._deferred is None:
             return
-        step, path, checkpoint = self._deferred
-        self._deferred = None
-        checkpoint["callbacks"][self.state_key].update(rng=self._rng.state_dict()["rng"], restore_rng_at="batch")
+        (path, checkpoint), self._deferred = self._deferred, None
+        rng = self._rng.state_dict()["rng"]
+        if stopping:
+            _compat.start_next_epoch(trainer)
+            rng, before = self._rng.state_dict()["rng"], rng
+            self._rng.load_state_dict({"rng": before})
+        checkpoint["callbacks"][self.state_key]["rng"] = rng
         trainer.strategy.save_checkpoint(checkpoint, path)
         trainer.strategy.barrier("MTBFCheckpoint.save")
         self._track_last_save()
@@ -299,11 +300,11 @@ class MTBFCheckpoint(OnExceptionCheckpoint):
         A stop inside an epoch (``should_stop``, ``max_time``) is not saved: Lightning counts that epoch
         as completed, so such a checkpoint would resume at the next epoch.
         """
-        self._flush_deferred(trainer)
+        self._flush_deferred(trainer, stopping=True)
         step = trainer.global_step
         if self.save_on_train_end and step > 0 and step != self._last_saved_step:
-            if _compat.is_last_batch(trainer):
-                self._save(trainer, step, at_step_boundary=False)
+            if _compat.is_last_batch(trainer):  # stopped at an epoch end by should_stop: the epoch counts completed
+                self._save(trainer, step, stopping=True)
             else:
                 log.info("training stopped inside an epoch at step %d: not saving it at train end (it would resume "
                          "at the next epoch); the newest checkpoint is step %s", step, self._last_saved_step)
@@ -327,15 +328,12 @@ class MTBFCheckpoint(OnExceptionCheckpoint):
     # -- resume ----------------------------------------------------------------------------------
     @override
     def state_dict(self) -> dict[str, Any]:
-        # RNG is restored before the first resumed batch; a final save at an epoch end cannot wait for the
-        # next batch (see _save), so that resume restores it at epoch start, before the train iterator.
-        at_epoch_end = self._trainer is not None and _compat.is_last_batch(self._trainer)
-        return {"rng": self._rng.state_dict()["rng"], "restore_rng_at": "epoch_start" if at_epoch_end else "batch",
+        # the RNG is restored right before the first resumed batch (at an epoch end, see _save)
+        return {"rng": self._rng.state_dict()["rng"],
                 "young_daly": None if self._young_daly is None else self._young_daly.state_dict()}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._pending_rng = state_dict.get("rng")
-        self._rng_at_epoch_start = state_dict.get("restore_rng_at") == "epoch_start"
         if self._young_daly is not None and state_dict.get("young_daly"):
             self._young_daly.load_state_dict(state_dict["young_daly"])

@@ -11,8 +11,8 @@ from typing import Any
 
 __all__ = [
     "defer_link_checkpoint", "dump_checkpoint", "is_final_batch", "is_last_batch", "isolate_validation_rng",
-    "load_module_state",
-    "set_original_sigterm_handler", "sharded_flags", "signal_connector",
+    "load_module_state", "finish_loader_states",
+    "set_original_sigterm_handler", "sharded_flags", "signal_connector", "start_next_epoch",
 ]
 
 log = logging.getLogger(__name__)
@@ -93,6 +93,51 @@ def dump_checkpoint(trainer: Any) -> dict[str, Any]:
     Tensors are the live ones (valid until the next optimizer step); everything else is a snapshot.
     """
     return trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+
+
+def finish_loader_states(checkpoint: dict[str, Any]) -> None:
+    """Mark the train loaders' states in a checkpoint of an epoch's last batch as finished iterators.
+
+    Lightning's fetcher knows a sized loader's length, so at the last batch the iterator has not raised
+    ``StopIteration`` and torchdata's ``StatefulDataLoader`` state says "not finished": a resume restores
+    the exhausted iterator and Lightning runs an empty epoch (``current_epoch`` and epoch-seeded samplers
+    one too high). Marked finished (``_iterator_finished``, torchdata 0.11), the loader starts the next
+    epoch with a fresh iterator; the sampler's own position (``sampler_state.yielded``, which
+    ``StatefulDistributedSampler`` would carry into that iterator) is reset. The loop state is Lightning's
+    ``loops.fit_loop.state_dict.combined_loader`` (2.6.6).
+    """
+
+    def finish(node: Any) -> None:
+        if isinstance(node, dict):
+            if "_iterator_finished" in node:
+                node["_iterator_finished"] = True
+                sampler = (node.get("_sampler_iter_state") or {}).get("sampler_state")
+                if isinstance(sampler, dict) and "yielded" in sampler:
+                    sampler["yielded"] = 0
+            for value in node.values():
+                finish(value)
+        elif isinstance(node, list):
+            for value in node:
+                finish(value)
+
+    finish(checkpoint.get("loops", {}).get("fit_loop", {}).get("state_dict", {}).get("combined_loader"))
+
+
+def start_next_epoch(trainer: Any) -> None:
+    """Draw what the start of the next epoch draws, as the fit loop would (2.6.6): set the train samplers' epoch
+    (``_set_sampler_epoch``), create every train loader's iterator, fetch its first batch (``_combined_loader``).
+
+    Only for a run that stops at an epoch end: the iterators are left behind, started.
+    """
+    from lightning.fabric.utilities.data import _set_sampler_epoch
+
+    progress = trainer.fit_loop.epoch_progress.current
+    epoch = progress.processed + (1 if progress.ready > progress.processed else 0)
+    loaders = trainer.fit_loop._combined_loader.flattened
+    for loader in loaders:
+        _set_sampler_epoch(loader, epoch)
+    for iterator in [iter(loader) for loader in loaders]:
+        next(iterator, None)
 
 
 def is_final_batch(trainer: Any) -> bool:
