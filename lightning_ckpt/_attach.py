@@ -10,8 +10,8 @@ replaces save, remove, load and teardown on this trainer's strategy *instance* (
   the core's checked, all-or-nothing load in place with resharding (evaluation: full tensors).
 
 Before ``fit`` it only registers a callback that installs the wrappers at ``setup`` in every worker
-(``ddp_spawn`` pickles the trainer). ``save_last="link"`` links and loggers' ``after_save_checkpoint``
-wait until the checkpoint they refer to is committed.
+(``ddp_spawn`` pickles the trainer). Loggers' ``after_save_checkpoint`` waits until the checkpoint it
+refers to is committed (``save_last="link"`` links: ``_compat.install_link_hook``).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 
@@ -119,21 +119,9 @@ def attach(io: Any, trainer: Any) -> None:
         strategy.optimizer_state = lambda optimizer: TrainState(
             model=strategy.model, optimizer=[getattr(optimizer, "_optimizer", optimizer)], rng=False,
         ).state_dict()["optimizer"]
-    for callback in trainer.checkpoint_callbacks:
-        if isinstance(callback, ModelCheckpoint):
-            _compat.defer_link_checkpoint(callback, _deferred_link(io))
     for logger in trainer.loggers:
         _defer_after_save(io, logger)
     setattr(strategy, _MARK, io)
-
-
-def _deferred_link(io: Any) -> Any:
-    def link(trainer: Any, filepath: str, linkpath: str) -> None:
-        if Path(filepath).absolute() != Path(linkpath).absolute():
-            io.link_when_committed(str(Path(filepath).absolute()), str(Path(linkpath).absolute()))
-        trainer.strategy.barrier()
-
-    return link
 
 
 def _defer_after_save(io: Any, logger: Any) -> None:

@@ -6,29 +6,45 @@ Each is checked against ``lightning`` 2.6.6 (the version tested; ``pyproject.tom
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from typing import Any
 
 __all__ = [
-    "defer_link_checkpoint", "dump_checkpoint", "is_final_batch", "is_last_batch", "isolate_validation_rng",
-    "load_module_state", "finish_loader_states",
-    "set_original_sigterm_handler", "sharded_flags", "signal_connector", "start_next_epoch",
+    "dump_checkpoint", "finish_loader_states", "install_fresh_fit_hook", "install_link_hook", "install_load_hook",
+    "is_final_batch", "is_last_batch", "isolate_validation_rng", "set_original_sigterm_handler", "sharded_flags",
+    "signal_connector", "start_next_epoch",
 ]
 
 log = logging.getLogger(__name__)
 _MARK = "_lightning_ckpt_wrapped"
 
 
-def defer_link_checkpoint(callback: Any, link: Callable[[Any, str, str], None]) -> bool:
-    """Replace ``ModelCheckpoint._link_checkpoint(trainer, filepath, linkpath)`` on this instance (2.6.6).
+def install_link_hook() -> None:
+    """Make ``ModelCheckpoint(save_last="link")`` links wait for the commit of what they name (idempotent; 2.6.6).
 
-    Returns:
-        False when the attribute does not exist (links are then not deferred).
+    ``ModelCheckpoint._link_checkpoint(trainer, filepath, linkpath)`` (a static method) removes the link and
+    creates it at once, while our save is still being written. The wrapper hands the link to the trainer's
+    checkpoint IO when it has ``link_when_committed`` (ours, attached or not; every other IO gets
+    Lightning's behaviour): re-pointed atomically once ``filepath`` is committed, before any removal.
     """
-    if not hasattr(callback, "_link_checkpoint"):
-        return False
-    callback._link_checkpoint = link
-    return True
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    original = ModelCheckpoint._link_checkpoint
+    if getattr(original, _MARK, False):
+        return
+
+    def link(trainer: Any, filepath: str, linkpath: str) -> None:
+        defer = getattr(trainer.strategy.checkpoint_io, "link_when_committed", None)
+        if defer is None:
+            return original(trainer, filepath, linkpath)
+        if trainer.is_global_zero and os.path.abspath(filepath) != os.path.abspath(linkpath):
+            defer(os.path.abspath(filepath), os.path.abspath(linkpath))
+        trainer.strategy.barrier()
+        return None
+
+    setattr(link, _MARK, True)
+    ModelCheckpoint._link_checkpoint = staticmethod(link)
 
 
 def signal_connector(trainer: Any) -> Any:
@@ -78,13 +94,6 @@ def isolate_validation_rng(trainer: Any) -> bool:
     setattr(isolated_run, _MARK, True)
     val_loop.run = isolated_run
     return True
-
-
-def load_module_state(cls: type, checkpoint: dict[str, Any], *, strict: bool | None, **kwargs: Any) -> Any:
-    """Build ``cls`` from a checkpoint dict as ``cls.load_from_checkpoint`` does (``saving._load_state``, 2.6.6)."""
-    from lightning.pytorch.core.saving import _load_state
-
-    return _load_state(cls, checkpoint, strict=strict, **kwargs)
 
 
 def dump_checkpoint(trainer: Any) -> dict[str, Any]:
@@ -156,3 +165,71 @@ def set_original_sigterm_handler(connector: Any, handler: Any) -> None:
     originals = getattr(connector, "_original_handlers", None)
     if isinstance(originals, dict) and signal.SIGTERM in originals:
         originals[signal.SIGTERM] = handler
+
+
+def install_load_hook(load_dir: Callable[[str, Any, bool | None], dict[str, Any]]) -> None:
+    """Let Lightning's own checkpoint loader read torch-ckpt directories (idempotent; 2.6.6).
+
+    ``LightningModule.load_from_checkpoint`` and ``TorchCheckpointIO.load_checkpoint`` (a Trainer
+    without our plugin) both read through ``lightning.fabric.utilities.cloud_io._load``, bound at
+    import as ``core.saving.pl_load`` and ``plugins.io.torch_io.pl_load``; the three names get one
+    wrapper. Only a local directory holding ``manifest.json`` is handed to ``load_dir(path,
+    map_location, weights_only)``; anything else goes to Lightning unchanged, and the
+    ``IsADirectoryError`` it raises for another directory gets a message saying what to do.
+    """
+    import errno
+
+    from lightning.fabric.plugins.io import torch_io
+    from lightning.fabric.utilities import cloud_io
+    from lightning.pytorch.core import saving
+
+    original = cloud_io._load
+    if getattr(original, _MARK, False):
+        return
+
+    def _load(path_or_url: Any, map_location: Any = None, weights_only: bool | None = None) -> Any:
+        local = isinstance(path_or_url, (str, os.PathLike)) and "://" not in os.fspath(path_or_url)
+        if local and os.path.isfile(os.path.join(path_or_url, "manifest.json")):
+            return load_dir(os.fspath(path_or_url), map_location, weights_only)
+        try:
+            return original(path_or_url, map_location=map_location, weights_only=weights_only)
+        except IsADirectoryError as exc:
+            raise IsADirectoryError(errno.EISDIR, (
+                f"{path_or_url} is a directory, not a checkpoint file, and not a torch-ckpt checkpoint (no "
+                "manifest.json). For a torch-ckpt checkpoint pass its step directory to "
+                "lightning_ckpt.load_from_checkpoint(Model, path), or convert it to one file with "
+                "`torch-ckpt convert CKPT --to torch OUT`"), os.fspath(path_or_url)) from exc
+
+    setattr(_load, _MARK, True)
+    for module in (cloud_io, saving, torch_io):
+        if module is cloud_io or getattr(module, "pl_load", None) is original:
+            setattr(module, "_load" if module is cloud_io else "pl_load", _load)
+
+
+def install_fresh_fit_hook(is_ours: Callable[[Any], bool]) -> None:
+    """A fresh ``fit(model)`` with only our ``OnExceptionCheckpoint`` callbacks loads nothing, silently (2.6.6).
+
+    ``_CheckpointConnector._parse_ckpt_path`` turns ``ckpt_path=None`` into ``"last"`` when an
+    ``OnExceptionCheckpoint`` is present, warning that "the last model of the previous fit" is used,
+    then warns that no last checkpoint exists ("HINT: Set ModelCheckpoint(save_last=True)"). When
+    every such callback is ours (``is_ours``) and none has a checkpoint yet, the wrapper returns None
+    (what Lightning ends with) without either warning; otherwise Lightning's method runs unchanged.
+    """
+    from lightning.pytorch.callbacks import OnExceptionCheckpoint
+    from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
+    from lightning.pytorch.trainer.states import TrainerFn
+
+    original = _CheckpointConnector._parse_ckpt_path
+    if getattr(original, _MARK, False):
+        return
+
+    def parse(self: Any, state_fn: Any, ckpt_path: Any, model_provided: bool, model_connected: bool) -> Any:
+        ours = [cb for cb in self.trainer.callbacks if isinstance(cb, OnExceptionCheckpoint)]
+        if ckpt_path is None and ours and self.trainer.state.fn == TrainerFn.FITTING and not any(
+                getattr(cb, "save_last", None) for cb in self.trainer.checkpoint_callbacks) and all(
+                is_ours(cb) and cb.ckpt_path is None for cb in ours):
+            return None
+        return original(self, state_fn, ckpt_path, model_provided=model_provided, model_connected=model_connected)
+
+    setattr(parse, _MARK, True)
+    _CheckpointConnector._parse_ckpt_path = parse
