@@ -1,8 +1,5 @@
-"""``AsyncDCPCheckpointIO``: a Lightning ``CheckpointIO`` whose saves are asynchronous, atomic DCP checkpoints.
-
-Every operation goes through one :class:`torch_ckpt.CheckpointManager`. Links, removals and loggers'
-``after_save_checkpoint`` issued while a save is in flight run once it is committed, links first.
-"""
+"""``AsyncDCPCheckpointIO``: a Lightning ``CheckpointIO`` saving asynchronous, atomic DCP checkpoints through one
+:class:`torch_ckpt.CheckpointManager`; links, removals and logger calls made during a save run once it is committed."""
 
 from __future__ import annotations
 
@@ -10,7 +7,7 @@ import logging
 import os
 import sys
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -30,7 +27,7 @@ log = logging.getLogger(__name__)
 
 
 class _LightningState:
-    """The checkpoint dict as the core's ``Stateful``: rank-local keys and overlap staging."""
+    """The checkpoint dict as the core's ``Stateful``, with its rank-local keys and overlap-staged tensors."""
 
     rank_local_keys = RANK_LOCAL_KEYS
 
@@ -41,26 +38,20 @@ class _LightningState:
         return self._state
 
     def optimizer_owned_keys(self, tensors: dict[str, torch.Tensor]) -> set[str]:
-        """Parameters and optimizer state: copied in the background until the next optimizer step."""
-        if self._param_ptrs is None:
-            return set()
-        return {k for k, t in tensors.items() if k.startswith("optimizer_states.") or (
-            k.startswith("state_dict.") and getattr(t, "_local_tensor", t).data_ptr() in self._param_ptrs)}
+        """Parameters and optimizer state, copied in the background until the next optimizer step."""
+        return set() if self._param_ptrs is None else {k for k, t in tensors.items() if k.startswith(
+            "optimizer_states.") or (k.startswith("state_dict.") and _ptr(t) in self._param_ptrs)}
 
     def optimizers(self) -> list:
-        # Lightning runs forward/backward inside optimizer.step(closure): MTBFCheckpoint waits in
-        # on_before_optimizer_step instead of an optimizer step pre-hook
-        return []
+        return []  # Lightning steps inside optimizer.step(closure): MTBFCheckpoint waits in on_before_optimizer_step
 
 
 class AsyncDCPCheckpointIO(CheckpointIO):
     """Asynchronous, atomic, pickle-free DCP checkpoints for Lightning: ``Trainer(plugins=[AsyncDCPCheckpointIO()])``.
 
-    Checkpoints are directories at the paths Lightning asks for (``epoch=0-step=100.ckpt/``).
-    ``load_checkpoint`` reads them and still reads plain ``.ckpt`` files. Multi-process strategies
-    need the plugin attached so every rank takes part in each save (:class:`~lightning_ckpt.MTBFCheckpoint`
-    attaches it, or call :meth:`attach`). With the plugin alone, the RNG is not restored on resume
-    (see ``docs/lightning.md``).
+    Checkpoints are directories at the paths Lightning asks for; plain ``.ckpt`` files still load.
+    Multi-process strategies need it attached (:class:`~lightning_ckpt.MTBFCheckpoint` or :meth:`attach`);
+    alone it does not restore the RNG (see ``docs/lightning.md``).
 
     Args:
         async_save: Persist in a background thread (default) or inside ``save_checkpoint``.
@@ -98,11 +89,10 @@ class AsyncDCPCheckpointIO(CheckpointIO):
         allow_cast: bool = False,
         wait_outside_fit: bool = True,
     ) -> None:
-        if unsafe_values not in UNSAFE_VALUE_MODES:
-            raise ConfigError(f"unsafe_values must be one of {UNSAFE_VALUE_MODES}, got {unsafe_values!r}")
-        for name, value in (("allow_cast", allow_cast), ("wait_outside_fit", wait_outside_fit)):
-            if not isinstance(value, bool):
-                raise ConfigError(f"{name} must be True or False, got {value!r}")
+        if unsafe_values not in UNSAFE_VALUE_MODES or not isinstance(allow_cast, bool) or \
+                not isinstance(wait_outside_fit, bool):
+            raise ConfigError(f"unsafe_values must be one of {UNSAFE_VALUE_MODES} and allow_cast/wait_outside_fit "
+                              f"booleans, got {unsafe_values!r}, {allow_cast!r}, {wait_outside_fit!r}")
         # the core's one typed configuration validates the manager's settings (same names and defaults)
         self._config = CheckpointConfig(async_save=async_save, persist=persist, overlap_staging=overlap_staging,
                                         writer_niceness=writer_niceness, staging_budget_bytes=staging_budget_bytes,
@@ -130,11 +120,8 @@ class AsyncDCPCheckpointIO(CheckpointIO):
         self.__dict__.update(state)
         self._reset_runtime()
 
-    # -- wiring ----------------------------------------------------------------------------------
     def attach(self, trainer: Any) -> None:
-        """Route every checkpoint operation of ``trainer`` through this plugin on every rank.
-
-        Call before ``fit``; :class:`~lightning_ckpt.MTBFCheckpoint` does it for you.
+        """Route every checkpoint operation of ``trainer`` through this plugin on every rank (before ``fit``).
 
         Raises:
             ConfigError: this plugin is not the trainer's checkpoint IO, or a sharded strategy gathers
@@ -145,20 +132,16 @@ class AsyncDCPCheckpointIO(CheckpointIO):
         attach(self, trainer)
 
     def start_fit(self) -> None:
-        """Called by the attachment inside ``fit``: every rank now calls save/remove/load (collective)."""
-        self._collective = self._in_fit = True
-        self._after_fit = False
+        """Called once attached inside ``fit``: every rank now calls save/remove/load (collective)."""
+        self._collective, self._in_fit, self._after_fit = True, True, False
 
-    def enable_overlap(self, param_ptrs: Callable[[], set[int]]) -> None:
-        """Let saves copy parameters/optimizer state in the background (the caller waits before steps)."""
-        self._param_ptrs = param_ptrs
+    def enable_overlap(self, module: Any) -> None:
+        """Let saves copy ``module``'s parameters and optimizer state in the background (the caller waits)."""
+        self._param_ptrs = lambda: {_ptr(p) for p in module.parameters()}
 
     def manager(self, directory: str | os.PathLike | None = None, **kwargs: Any) -> CheckpointManager:
-        """The core manager, created on first use (collectively once attached) with root ``directory``.
-
-        Args:
-            directory: root of the manager (default: the directory of the first checkpoint saved).
-            kwargs: further :class:`~torch_ckpt.CheckpointManager` arguments for a manager created now.
+        """The core manager, created on first use (collectively once attached) with root ``directory``
+        (default: the directory of the first checkpoint) and ``kwargs`` (:class:`~torch_ckpt.CheckpointConfig` fields).
 
         Raises:
             ConfigError: no manager yet and no ``directory``.
@@ -170,15 +153,13 @@ class AsyncDCPCheckpointIO(CheckpointIO):
             self._manager = CheckpointManager(directory, config=config)
         return self._manager
 
-    # -- saving ----------------------------------------------------------------------------------
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
         """Stage ``checkpoint`` and return; it is committed at ``path`` (a directory) in the background.
 
         Raises:
-            TypeError: ``storage_options`` is given (not supported).
-            ConfigError: a value cannot be stored without pickling (see ``unsafe_values``), or ``path``
-                exists and is not a torch-ckpt checkpoint.
+            TypeError: ``storage_options`` is given.
+            ConfigError: a value needs pickling (see ``unsafe_values``), or ``path`` is not a torch-ckpt checkpoint.
             CheckpointError: an earlier background save failed (raised once).
         """
         if storage_options is not None:
@@ -209,10 +190,10 @@ class AsyncDCPCheckpointIO(CheckpointIO):
 
     def _after_commit(self, order: int, what: str, action: Callable[[], None]) -> None:
         """Run ``action`` now, or once the in-flight save is committed (links 0, removals 1, loggers 2)."""
-        if not self.saving:
+        if self.saving:
+            self._pending.append((order, what, action))
+        else:
             action()
-            return
-        self._pending.append((order, what, action))
 
     def _run_pending(self) -> None:
         failed = self.last_handle is not None and self.last_handle.committed.done() \
@@ -229,9 +210,8 @@ class AsyncDCPCheckpointIO(CheckpointIO):
                 log.warning("after a commit: could not %s: %s", what, exc)
 
     def link_when_committed(self, target: str, link: str) -> None:
-        """Point ``link`` at ``target`` atomically (rank 0), once ``target``'s save is committed."""
-        if world()[0] == 0:
-            self._after_commit(0, f"link {link} -> {target}", lambda: self._link(Path(target), Path(link)))
+        """Point ``link`` at ``target`` atomically, once ``target``'s save is committed (rank 0 calls it)."""
+        self._after_commit(0, f"link {link} -> {target}", lambda: self._link(Path(target), Path(link)))
 
     def _link(self, target: Path, link: Path) -> None:
         if link.is_dir() and not link.is_symlink():
@@ -241,7 +221,7 @@ class AsyncDCPCheckpointIO(CheckpointIO):
         os.replace(tmp, link)
 
     def call_when_committed(self, call: Callable[[], None]) -> None:
-        """Run ``call`` on this thread once the in-flight save is committed (logger notifications)."""
+        """Run ``call`` (a logger notification) on this thread once the in-flight save is committed."""
         self._after_commit(2, "notify loggers", call)
 
     @property
@@ -267,19 +247,15 @@ class AsyncDCPCheckpointIO(CheckpointIO):
         finally:
             self._run_pending()
 
-    # -- removing --------------------------------------------------------------------------------
     @override
     def remove_checkpoint(self, path: Any) -> None:
         """Delete the checkpoint at ``path`` (directory, file or link) once the in-flight save is committed."""
         target = _local_path(path).absolute()
-        if world()[0] != 0:
-            return
-        if target.is_symlink() or target.is_file():
+        if world()[0] == 0 and (target.is_symlink() or target.is_file()):
             self._after_commit(1, f"remove {target}", lambda: target.unlink(missing_ok=True))
-        elif self._manager is not None:
+        elif world()[0] == 0 and self._manager is not None:
             self._after_commit(1, f"remove {target}", lambda: self._manager.remove(target))
 
-    # -- loading ---------------------------------------------------------------------------------
     @staticmethod
     def is_checkpoint_dir(path: Any) -> bool:
         """True if ``path`` is a committed torch-ckpt checkpoint directory."""
@@ -288,10 +264,9 @@ class AsyncDCPCheckpointIO(CheckpointIO):
     @override
     def load_checkpoint(self, path: Any, map_location: Any | None = None,
                         weights_only: bool | None = None) -> dict[str, Any]:
-        """Return the checkpoint dict Lightning expects, from a torch-ckpt directory or a plain ``.ckpt`` file.
-
-        For ``ckpt_path="last"`` offered by :class:`~lightning_ckpt.MTBFCheckpoint`, a checkpoint that
-        fails verification falls back to the next older one with a warning; an explicit path raises.
+        """The checkpoint dict Lightning expects, from a torch-ckpt directory or a plain ``.ckpt`` file. For
+        ``ckpt_path="last"`` of :class:`~lightning_ckpt.MTBFCheckpoint`, a checkpoint failing verification
+        falls back to the next older one with a warning; an explicit path raises.
 
         Raises:
             CheckpointNotFoundError: ``path`` is a directory but not a committed checkpoint.
@@ -304,14 +279,8 @@ class AsyncDCPCheckpointIO(CheckpointIO):
 
     def load_dir(self, path: Any, *, weights_only: bool | None = None, map_location: Any = None,
                  live: dict[str, Any] | None = None, strict: bool = True) -> dict[str, Any]:
-        """:meth:`load_checkpoint` of a directory; once attached, checked against ``live`` state first.
-
-        Args:
-            path: the checkpoint directory.
-            weights_only: False allows values stored pickled.
-            map_location: device (or device string) for the tensors.
-            live: ``{"state_dict": <the live model's state>}`` to check against (attached only).
-            strict: require the model's keys to match.
+        """:meth:`load_checkpoint` of a directory; once attached, first checked against ``live``
+        (``{"state_dict": <the live model's state>}``; keys only when ``strict``).
 
         Raises:
             StateMismatchError: the checkpoint does not match ``live``; nothing was loaded.
@@ -334,24 +303,19 @@ class AsyncDCPCheckpointIO(CheckpointIO):
             if manager is not None and manager is not self._manager:
                 manager.close()
 
-    def load_sharded(self, candidates: Sequence[Path], target: Any) -> Any:
-        """Load the first intact candidate into ``target`` in place through the manager (every rank)."""
-        self.manager(Path(candidates[0]).parent).restore(target, path=list(candidates), allow_cast=self.allow_cast)
-        return target
-
-    # -- lifecycle -------------------------------------------------------------------------------
     @override
     def teardown(self) -> None:
-        """Wait for the in-flight save and release the manager; raise a background error (once), or log
-        it while another exception propagates."""
+        """Wait for the in-flight save, release the manager; raise a background error once (log it while
+        another exception propagates)."""
         propagating = sys.exc_info()[1]  # Lightning tears down inside `except` when training failed
         self._collective = self._in_fit = False  # until attached again: later rank-0-only calls must not block
         self._after_fit = True
+        manager = self._manager
         try:
             try:
                 self.wait()
             finally:
-                manager, self._manager = self._manager, None
+                self._manager = None
                 if manager is not None:
                     manager.close()
         except Exception:
@@ -359,6 +323,10 @@ class AsyncDCPCheckpointIO(CheckpointIO):
             if propagating is None:
                 raise
             log.exception("checkpoint error during teardown while %r propagates", propagating)
+
+
+def _ptr(tensor: torch.Tensor) -> int:
+    return getattr(tensor, "_local_tensor", tensor).data_ptr()  # a DTensor's local shard
 
 
 def _local_path(path: Any) -> Path:
