@@ -88,12 +88,12 @@ def attach(io: Any, trainer: Any) -> None:
         module = strategy.lightning_module
         if is_sharded and fitting and optimizers():
             candidates = io.fallbacks.pop(str(path.absolute()), [path])
-            target = _ShardedTarget(strategy.model, optimizers(), strict=module.strict_loading)
+            target = _ShardedTarget(strategy.model, optimizers())
             io.manager(path.parent).restore(target, path=candidates, allow_cast=io.allow_cast)
             return decode_values(target.loaded, allow_pickle=weights_only is False)
         # DDP/single device restore before the optimizers exist: only the model is checked (by the core)
         live = None if is_sharded else {"state_dict": module.state_dict()}
-        checkpoint = io.load_dir(path, weights_only=weights_only, live=live, strict=module.strict_loading)
+        checkpoint = io.load_checkpoint(path, weights_only=weights_only, live=live, strict=module.strict_loading)
         if is_sharded:  # evaluation: full tensors on every rank, then sharded into the model
             from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
@@ -135,9 +135,9 @@ class _ShardedTarget:
 
     rank_local_keys: tuple[str, ...] = ()  # loops and callbacks of rank 0 (the same on every rank here)
 
-    def __init__(self, model: Any, optimizers: list, *, strict: bool) -> None:
+    def __init__(self, model: Any, optimizers: list) -> None:
         self._states = [TrainState(model=model, optimizer=[o], rng=False) for o in optimizers]
-        self._strict, self.loaded = strict, {}
+        self.loaded: dict[str, Any] = {}
 
     def _route(self, key: str) -> tuple[TrainState, str] | None:
         if key.startswith("optimizer_states."):

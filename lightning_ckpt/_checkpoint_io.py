@@ -24,6 +24,7 @@ from torch_ckpt import CheckpointConfig, CheckpointManager, ConfigError, SaveHan
 __all__ = ["AsyncDCPCheckpointIO"]
 
 log = logging.getLogger(__name__)
+_PICKLED_FIELDS = ("_config", "verify_on_load", "unsafe_values", "allow_cast", "wait_outside_fit")
 
 
 class _LightningState:
@@ -56,8 +57,8 @@ class AsyncDCPCheckpointIO(CheckpointIO):
     Args:
         async_save: Persist in a background thread (default) or inside ``save_checkpoint``.
         persist: Where background writes run: ``"thread"`` (default) or ``"process"``.
-        overlap_staging: With :class:`~lightning_ckpt.MTBFCheckpoint`, copy parameters and optimizer
-            state in the background while the next forward/backward runs.
+        overlap_staging: With ``MTBFCheckpoint``, copy parameters and optimizer state in the background
+            while the next forward/backward runs.
         writer_niceness: Nice increment (0-19) of the writer on Linux; 0 leaves it unchanged.
         staging_budget_bytes: Host bytes for the reusable staging buffer; default half of the RAM.
         thread_count: DCP writer threads per rank.
@@ -65,10 +66,9 @@ class AsyncDCPCheckpointIO(CheckpointIO):
         verify_on_load: Check the CRC-32 of every file before loading (sizes are always checked).
         unsafe_values: Values only pickling could store: ``"error"`` (default) raises naming the key;
             ``"pickle"`` stores them pickled (loading them then needs ``weights_only=False``).
-        allow_cast: Accept dtype differences between the checkpoint and the live model/optimizers
-            when loading into an attached trainer (each cast key is logged once).
-        wait_outside_fit: A save outside a running ``fit`` (``trainer.save_checkpoint`` by hand after
-            training) returns only once the checkpoint is committed.
+        allow_cast: Accept dtype differences between the checkpoint and the live model when loading into an
+            attached trainer (each cast key is logged once).
+        wait_outside_fit: A save outside a running ``fit`` returns only once the checkpoint is committed.
 
     Raises:
         ConfigError: An argument is out of range.
@@ -111,10 +111,8 @@ class AsyncDCPCheckpointIO(CheckpointIO):
         self.fallbacks: dict[str, list[Path]] = {}  # "last" -> newest-first candidates (MTBFCheckpoint)
         self.last_handle: SaveHandle | None = None
 
-    def __getstate__(self) -> dict[str, Any]:
-        # ddp_spawn pickles the strategy and its plugins; runtime state stays behind
-        return {k: v for k, v in self.__dict__.items() if k in (
-            "_config", "verify_on_load", "unsafe_values", "allow_cast", "wait_outside_fit")}
+    def __getstate__(self) -> dict[str, Any]:  # ddp_spawn pickles the plugin: runtime state stays behind
+        return {k: v for k, v in self.__dict__.items() if k in _PICKLED_FIELDS}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
@@ -124,8 +122,7 @@ class AsyncDCPCheckpointIO(CheckpointIO):
         """Route every checkpoint operation of ``trainer`` through this plugin on every rank (before ``fit``).
 
         Raises:
-            ConfigError: this plugin is not the trainer's checkpoint IO, or a sharded strategy gathers
-                full state dicts.
+            ConfigError: not the trainer's checkpoint IO, or a sharded strategy gathers full state dicts.
         """
         from lightning_ckpt._attach import attach
 
@@ -141,7 +138,7 @@ class AsyncDCPCheckpointIO(CheckpointIO):
 
     def manager(self, directory: str | os.PathLike | None = None, **kwargs: Any) -> CheckpointManager:
         """The core manager, created on first use (collectively once attached) with root ``directory``
-        (default: the directory of the first checkpoint) and ``kwargs`` (:class:`~torch_ckpt.CheckpointConfig` fields).
+        (default: the first checkpoint's directory) and ``kwargs`` (:class:`~torch_ckpt.CheckpointConfig` fields).
 
         Raises:
             ConfigError: no manager yet and no ``directory``.
@@ -149,8 +146,8 @@ class AsyncDCPCheckpointIO(CheckpointIO):
         if self._manager is None:
             if directory is None:
                 raise ConfigError("AsyncDCPCheckpointIO has no checkpoint directory yet")
-            config = self._config.replace(naming=StepNaming(), **{"keep_last": None, **kwargs})
-            self._manager = CheckpointManager(directory, config=config)
+            self._manager = CheckpointManager(directory, config=self._config.replace(
+                naming=StepNaming(), **{"keep_last": None, **kwargs}))
         return self._manager
 
     @override
@@ -165,8 +162,14 @@ class AsyncDCPCheckpointIO(CheckpointIO):
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint does not support storage_options")
         path = _local_path(path).absolute()
-        if world()[1] > 1 and not self._collective:
-            self._save_rank_zero_fallback(checkpoint, path)
+        if world()[1] > 1 and not self._collective:  # Lightning calls us on rank 0 only
+            if world()[0] == 0:
+                if not self._warned_fallback:
+                    self._warned_fallback = True
+                    rank_zero_warn("AsyncDCPCheckpointIO is called on rank 0 only (not attached to a running fit), so "
+                                   "this checkpoint is written synchronously as a plain .ckpt file. Add lightning_ckpt."
+                                   "MTBFCheckpoint to the callbacks or call plugin.attach(trainer) before fit.")
+                TorchCheckpointIO().save_checkpoint(checkpoint, path)
             return
         state = _LightningState(encode_values(checkpoint, self.unsafe_values),
                                 self._param_ptrs() if self._param_ptrs is not None else None)
@@ -178,15 +181,10 @@ class AsyncDCPCheckpointIO(CheckpointIO):
         if self.wait_outside_fit and self._after_fit:
             self.wait()
 
-    def _save_rank_zero_fallback(self, checkpoint: dict[str, Any], path: Path) -> None:
-        if world()[0] != 0:
-            return
-        if not self._warned_fallback:
-            self._warned_fallback = True
-            rank_zero_warn("AsyncDCPCheckpointIO is called on rank 0 only (not attached to a running fit), so this "
-                           "checkpoint is written synchronously as a plain .ckpt file. Add "
-                           "lightning_ckpt.MTBFCheckpoint to the callbacks or call plugin.attach(trainer) before fit.")
-        TorchCheckpointIO().save_checkpoint(checkpoint, path)
+    @property
+    def saving(self) -> bool:
+        """True while a save is in flight (staged, not yet committed)."""
+        return self.last_handle is not None and not self.last_handle.committed.done()
 
     def _after_commit(self, order: int, what: str, action: Callable[[], None]) -> None:
         """Run ``action`` now, or once the in-flight save is committed (links 0, removals 1, loggers 2)."""
@@ -196,10 +194,8 @@ class AsyncDCPCheckpointIO(CheckpointIO):
             action()
 
     def _run_pending(self) -> None:
-        failed = self.last_handle is not None and self.last_handle.committed.done() \
-            and self.last_handle.committed.exception() is not None
-        pending, self._pending = sorted(self._pending, key=lambda item: item[0]), []
-        if failed and pending:
+        handle, (pending, self._pending) = self.last_handle, (sorted(self._pending, key=lambda p: p[0]), [])
+        if pending and handle is not None and handle.committed.done() and handle.committed.exception() is not None:
             log.warning("the last save failed: not carrying out %s, so older checkpoints stay in place",
                         [what for _, what, _ in pending])
             return
@@ -211,23 +207,19 @@ class AsyncDCPCheckpointIO(CheckpointIO):
 
     def link_when_committed(self, target: str, link: str) -> None:
         """Point ``link`` at ``target`` atomically, once ``target``'s save is committed (rank 0 calls it)."""
-        self._after_commit(0, f"link {link} -> {target}", lambda: self._link(Path(target), Path(link)))
 
-    def _link(self, target: Path, link: Path) -> None:
-        if link.is_dir() and not link.is_symlink():
-            self._manager.remove(link)  # a checkpoint saved there earlier (save_last=True)
-        tmp = link.with_name(f".{link.name}.link-{uuid.uuid4().hex[:8]}")
-        os.symlink(os.path.relpath(target, link.parent), tmp)
-        os.replace(tmp, link)
+        def relink() -> None:
+            if os.path.isdir(link) and not os.path.islink(link):
+                self._manager.remove(link)  # a checkpoint saved there earlier (save_last=True)
+            tmp = os.path.join(os.path.dirname(link), f".{os.path.basename(link)}.link-{uuid.uuid4().hex[:8]}")
+            os.symlink(os.path.relpath(target, os.path.dirname(link)), tmp)
+            os.replace(tmp, link)
+
+        self._after_commit(0, f"link {link} -> {target}", relink)
 
     def call_when_committed(self, call: Callable[[], None]) -> None:
         """Run ``call`` (a logger notification) on this thread once the in-flight save is committed."""
         self._after_commit(2, "notify loggers", call)
-
-    @property
-    def saving(self) -> bool:
-        """True while a save is in flight (staged, not yet committed)."""
-        return self.last_handle is not None and not self.last_handle.committed.done()
 
     def poll(self) -> None:
         """Carry out deferred links, removals and logger calls if the in-flight save has committed."""
@@ -262,29 +254,22 @@ class AsyncDCPCheckpointIO(CheckpointIO):
         return is_committed(path)
 
     @override
-    def load_checkpoint(self, path: Any, map_location: Any | None = None,
-                        weights_only: bool | None = None) -> dict[str, Any]:
-        """The checkpoint dict Lightning expects, from a torch-ckpt directory or a plain ``.ckpt`` file. For
-        ``ckpt_path="last"`` of :class:`~lightning_ckpt.MTBFCheckpoint`, a checkpoint failing verification
-        falls back to the next older one with a warning; an explicit path raises.
+    def load_checkpoint(self, path: Any, map_location: Any | None = None, weights_only: bool | None = None, *,
+                        live: dict[str, Any] | None = None, strict: bool = True) -> dict[str, Any]:
+        """The checkpoint dict Lightning expects, from a torch-ckpt directory or a plain ``.ckpt`` file.
+
+        For ``ckpt_path="last"`` of :class:`~lightning_ckpt.MTBFCheckpoint`, a checkpoint failing verification
+        falls back to the next older one with a warning; an explicit path raises. Once attached, a directory
+        is first checked against ``live`` (``{"state_dict": <the live model's state>}``; keys when ``strict``).
 
         Raises:
             CheckpointNotFoundError: ``path`` is a directory but not a committed checkpoint.
             CheckpointCorruptError: a file fails verification.
+            StateMismatchError: the checkpoint does not match ``live``; nothing was loaded.
             UnsafeCheckpointError: pickled values and ``weights_only`` is not False.
         """
         if not Path(path).is_dir():
             return TorchCheckpointIO().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
-        return self.load_dir(path, weights_only=weights_only, map_location=map_location)
-
-    def load_dir(self, path: Any, *, weights_only: bool | None = None, map_location: Any = None,
-                 live: dict[str, Any] | None = None, strict: bool = True) -> dict[str, Any]:
-        """:meth:`load_checkpoint` of a directory; once attached, first checked against ``live``
-        (``{"state_dict": <the live model's state>}``; keys only when ``strict``).
-
-        Raises:
-            StateMismatchError: the checkpoint does not match ``live``; nothing was loaded.
-        """
         candidates = self.fallbacks.pop(str(Path(path).absolute()), [Path(path)])
         if self._in_fit and not self.rng_restored_by_callback and not self._warned_rng:
             self._warned_rng = True
@@ -309,8 +294,7 @@ class AsyncDCPCheckpointIO(CheckpointIO):
         another exception propagates)."""
         propagating = sys.exc_info()[1]  # Lightning tears down inside `except` when training failed
         self._collective = self._in_fit = False  # until attached again: later rank-0-only calls must not block
-        self._after_fit = True
-        manager = self._manager
+        self._after_fit, manager = True, self._manager
         try:
             try:
                 self.wait()

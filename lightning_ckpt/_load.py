@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch.utilities import move_data_to_device
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_ckpt._values import RANK_LOCAL_KEYS, decode_values
@@ -50,15 +51,6 @@ class _AllValues:
         self.loaded = dict(state)
 
 
-def _rank_local(path: Path) -> tuple[str, ...]:
-    saved = read_manifest(path).world_size
-    if saved != world()[1]:
-        rank_zero_warn(f"{path} was saved by {saved} ranks and is loaded by {world()[1]}: every rank restores rank "
-                       "0's loop progress and callback states (RNG included)")
-        return ()
-    return RANK_LOCAL_KEYS
-
-
 def load_checkpoint_dir(candidates: Sequence[Path], *, manager: Any, verify: bool, allow_pickle: bool,
                         map_location: Any = None, live: dict[str, Any] | None = None, strict: bool = True,
                         allow_cast: bool = False) -> dict[str, Any]:
@@ -74,15 +66,17 @@ def load_checkpoint_dir(candidates: Sequence[Path], *, manager: Any, verify: boo
         UnsafeCheckpointError: pickled values and ``allow_pickle`` is False.
         TypeError: ``map_location`` names no device.
     """
-    for path in candidates[:-1]:
-        if not is_committed(path):
-            log.warning("checkpoint %s is not intact; falling back to an older one", path)
+    if skipped := [str(p) for p in candidates[:-1] if not is_committed(p)]:
+        log.warning("checkpoints %s are not intact; falling back to older ones", skipped)
     candidates = [p for p in candidates[:-1] if is_committed(p)] + [Path(candidates[-1])]
     if not is_committed(candidates[0]) and not (Path(candidates[0]) / "manifest.json").is_file():
         raise CheckpointNotFoundError(f"{candidates[0]} is a directory but not a committed torch-ckpt checkpoint (no "
                                       "manifest.json); was it written by another CheckpointIO?")
     if manager is not None:
-        target = _AllValues(_rank_local(Path(candidates[0])), live, strict=strict)
+        if (saved := read_manifest(candidates[0]).world_size) != world()[1]:
+            rank_zero_warn(f"{candidates[0]} was saved by {saved} ranks and is loaded by {world()[1]}: every rank "
+                           "restores rank 0's loop progress and callback states (RNG included)")
+        target = _AllValues(RANK_LOCAL_KEYS if saved == world()[1] else (), live, strict=strict)
         manager.restore(target, path=list(candidates), allow_cast=allow_cast)
         state = target.loaded
     else:  # one process reading alone (not attached: no fallback candidates); rank 0's rank-local values
@@ -90,7 +84,7 @@ def load_checkpoint_dir(candidates: Sequence[Path], *, manager: Any, verify: boo
         state.pop("per_rank", None)
     state = decode_values(state, allow_pickle=allow_pickle)
     device = _device(map_location, candidates[0])
-    return state if device is None else _to_device(state, device)
+    return state if device is None else move_data_to_device(state, device)
 
 
 def _device(map_location: Any, path: Path) -> torch.device | None:
@@ -108,16 +102,6 @@ def _device(map_location: Any, path: Path) -> torch.device | None:
     except (TypeError, RuntimeError) as exc:
         raise TypeError(f"map_location for {path} names no device: {map_location!r}") from exc
     return None if device.type == "cpu" else device
-
-
-def _to_device(obj: Any, device: torch.device) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device)
-    if isinstance(obj, dict):
-        return {k: _to_device(v, device) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_device(v, device) for v in obj)
-    return obj
 
 
 def read_for_lightning(path: str, map_location: Any, weights_only: bool | None) -> dict[str, Any]:
