@@ -356,6 +356,9 @@ class CheckpointConfig:
             text = path.read_text(encoding="utf-8")
         except OSError as exc:
             raise ConfigError(f"cannot read the configuration file {path}: {exc.strerror or exc}") from exc
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"{path}: not a UTF-8 text file (byte {exc.start}); save the settings as "
+                              "UTF-8 YAML") from exc
         try:
             data = yaml.safe_load(text)
         except yaml.YAMLError as exc:
