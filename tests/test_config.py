@@ -313,3 +313,11 @@ def test_read_yaml_binary_file_is_a_config_error_naming_it(tmp_path):
     path.write_bytes(b"\xff\xfe\x00keep_last: 3")
     with pytest.raises(ConfigError, match=r"ckpt\.yaml: not a UTF-8 text file"):
         CheckpointConfig.read_yaml(path)
+
+
+def test_read_yaml_deeply_nested_file_is_a_config_error_naming_it(tmp_path):
+    """A file nested past Python's recursion limit raises ConfigError naming it, not RecursionError."""
+    path = tmp_path / "deep.yaml"
+    path.write_text("[" * 5000 + "]" * 5000 + "\n")
+    with pytest.raises(ConfigError, match=r"deep\.yaml: nested too deeply"):
+        CheckpointConfig.read_yaml(path)
