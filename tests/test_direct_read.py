@@ -127,3 +127,65 @@ def test_records_straddling_the_read_ahead_buffer_are_placed_exactly(tmp_path, m
     targets = {k: torch.zeros_like(v) for k, v in state.items()}
     assert load_direct(targets, ckpt, read_metadata(ckpt, manifest), manifest, verify=True) == set()
     assert all(torch.equal(targets[k], v) for k, v in state.items())
+
+
+def _big_state() -> dict[str, torch.Tensor]:
+    """Tensors above and below the huge-page size, spread over two data files."""
+    g = torch.Generator().manual_seed(2)
+    return {"big": torch.randn(3 << 18, generator=g), "big2": torch.randn(5 << 17, generator=g),
+            "small": torch.randn(100, generator=g), "ints": torch.arange(1 << 20)}
+
+
+@pytest.fixture(params=["thread", pytest.param("process", marks=pytest.mark.slow)])
+def two_files(tmp_path, request):
+    """A checkpoint of _big_state written in two data files by thread or process persist."""
+    with CheckpointManager(tmp_path, persist=request.param, thread_count=2) as mgr:
+        mgr.save(1, _big_state()).wait()
+    ckpt = next(tmp_path.glob("step_*"))
+    assert len(list(ckpt.glob("*.distcp"))) == 2
+    return ckpt
+
+
+@pytest.mark.parametrize("readers", [1, 2])
+def test_files_read_one_by_one_or_together_place_the_same_values(two_files, monkeypatch, readers):
+    """Two data files, read by one thread or by two at a time, place every tensor with its saved value."""
+    from torch_ckpt import direct_read
+
+    monkeypatch.setattr(direct_read, "_READERS", readers)
+    manifest = read_manifest(two_files)
+    targets = {k: torch.empty_like(v) for k, v in _big_state().items()}
+    assert load_direct(targets, two_files, read_metadata(two_files, manifest), manifest, verify=True) == set()
+    assert all(torch.equal(targets[k], v) for k, v in _big_state().items())
+
+
+@pytest.mark.parametrize("advice", ["huge+populate", "huge", "populate", "none", "no-madvise"])
+def test_buffer_preparation_and_its_fallback_place_the_same_values(two_files, monkeypatch, advice):
+    """With huge pages, bulk faulting, neither, or no madvise at all, the placed tensors are the saved ones."""
+    from torch_ckpt import direct_read, host_memory
+
+    monkeypatch.setattr(direct_read, "_HUGE_PAGES", "huge" in advice)
+    monkeypatch.setattr(direct_read, "_POPULATE", "populate" in advice)
+    if advice == "no-madvise":
+        monkeypatch.setattr(direct_read, "_HUGE_PAGES", True)
+        monkeypatch.setattr(direct_read, "_POPULATE", True)
+        monkeypatch.setattr(host_memory, "_madvise", None)
+    manifest = read_manifest(two_files)
+    targets = {k: torch.empty_like(v) for k, v in _big_state().items()}
+    assert load_direct(targets, two_files, read_metadata(two_files, manifest), manifest, verify=True) == set()
+    assert all(torch.equal(targets[k], v) for k, v in _big_state().items())
+
+
+@pytest.mark.parametrize("readers", [1, 2])
+def test_flipped_byte_in_the_last_file_names_it(two_files, monkeypatch, readers):
+    """A byte flipped in the last data file fails its CRC-32 check, naming that file, however many readers run."""
+    from torch_ckpt import direct_read
+
+    monkeypatch.setattr(direct_read, "_READERS", readers)
+    last = sorted(two_files.glob("*.distcp"))[-1]
+    raw = bytearray(last.read_bytes())
+    raw[len(raw) // 2] ^= 0x10
+    last.write_bytes(bytes(raw))
+    manifest = read_manifest(two_files)
+    with pytest.raises(CheckpointCorruptError, match=f"{last.name}.*CRC-32"):
+        load_direct({k: torch.empty_like(v) for k, v in _big_state().items()}, two_files,
+                    read_metadata(two_files, manifest), manifest, verify=True)

@@ -228,3 +228,74 @@ def test_malformed_trainstate_fields_are_corrupt_and_change_nothing(tmp_path, ed
         _assert_unchanged(before, live_model, live_opt, live_sched)
         assert live.extras == {"mine": 0}
         assert mgr.restore(live) == 1 and live.extras == {"a": 1}
+
+
+def _wide(seed: int):
+    """A model and Adam optimizer (after one step) large enough for tensors above the huge-page size."""
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 768), torch.nn.Linear(768, 8))
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    model(torch.randn(2, 1024)).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+    return model, opt
+
+
+@pytest.mark.parametrize("persist", ["thread", pytest.param("process", marks=pytest.mark.slow)])
+def test_crc_failure_in_the_last_data_file_leaves_the_live_state_unchanged(tmp_path, persist):
+    """A byte flipped in the last of two data files fails the restore; model and optimizer keep their values."""
+    from torch_ckpt import CheckpointCorruptError
+
+    model, opt = _wide(0)
+    with CheckpointManager(tmp_path, persist=persist, thread_count=2) as mgr:
+        mgr.save(1, TrainState(model=model, optimizer=opt)).wait()
+    last = sorted(tmp_path.glob("step_*/*.distcp"))[-1]
+    raw = bytearray(last.read_bytes())
+    raw[-len(raw) // 3] ^= 0x04
+    last.write_bytes(bytes(raw))
+    live_model, live_opt = _wide(1)
+    before = (copy.deepcopy(live_model.state_dict()), copy.deepcopy(live_opt.state_dict()))
+    with CheckpointManager(tmp_path) as mgr, pytest.raises(CheckpointCorruptError, match=f"{last.name}.*CRC-32"):
+        mgr.restore(TrainState(model=live_model, optimizer=live_opt), step=1)
+    assert_same(live_model.state_dict(), before[0])
+    assert_same(live_opt.state_dict(), before[1])
+
+
+@pytest.mark.parametrize("persist", ["thread", pytest.param("process", marks=pytest.mark.slow)])
+def test_single_process_restore_checks_no_record_outside_the_one_pass(tmp_path, monkeypatch, persist):
+    """An intact checkpoint restores with every record matched during the read: no separate header reads."""
+    model, opt = _wide(0)
+    with CheckpointManager(tmp_path, persist=persist, thread_count=2) as mgr:
+        mgr.save(1, TrainState(model=model, optimizer=opt)).wait()
+    calls = []
+    monkeypatch.setattr(restore_mod, "record_problems", lambda *a, **k: calls.append(k) or [])
+    monkeypatch.setattr(restore_mod, "check_records", lambda *a, **k: calls.append(k))
+    live_model, live_opt = _wide(1)
+    with CheckpointManager(tmp_path) as mgr:
+        assert mgr.restore(TrainState(model=live_model, optimizer=live_opt)) == 1
+    assert calls == []
+    assert_same(live_model.state_dict(), model.state_dict())
+    assert_same(live_opt.state_dict(), opt.state_dict())
+
+
+def test_record_the_reader_cannot_place_is_checked_before_dcp_reads_it(tmp_path):
+    """A record whose framing was altered (checksums forged to match) is refused as corrupt, naming its file."""
+    import json
+    import zlib
+
+    from torch_ckpt import CheckpointCorruptError
+
+    with CheckpointManager(tmp_path) as mgr:
+        mgr.save(1, {"w": torch.ones(300), "b": torch.ones(5)}).wait()
+    step_dir = next(tmp_path.glob("step_*"))
+    data = sorted(step_dir.glob("*.distcp"))[0]
+    raw = bytearray(data.read_bytes())
+    raw[0] ^= 0xFF  # the zip header of the first record
+    data.write_bytes(bytes(raw))
+    manifest = json.loads((step_dir / "manifest.json").read_text())
+    manifest["files"][data.name] = {"bytes": len(raw), "crc32": zlib.crc32(raw)}
+    (step_dir / "manifest.json").write_text(json.dumps(manifest))
+    live = {"w": torch.zeros(300), "b": torch.zeros(5)}
+    with CheckpointManager(tmp_path) as mgr, pytest.raises(CheckpointCorruptError, match=data.name):
+        mgr.restore(live, step=1)
+    assert torch.count_nonzero(live["w"]) == 0 and torch.count_nonzero(live["b"]) == 0

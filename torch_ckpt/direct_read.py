@@ -15,6 +15,12 @@ exactly once:
   are being read (:func:`torch_ckpt.crc.crc32` and ``readinto`` both release the GIL), and the file's size and
   CRC-32 are compared with the manifest before the function returns.
 
+Up to two data files (DCP writes two per rank by default) are read at the same time, each by its
+own thread with its own CRC-32 thread, so one file's disk wait overlaps the other's copying and
+checksumming. Before a large tensor's bytes are read, its new buffer is backed with huge pages and
+faulted in with one call (:func:`torch_ckpt.host_memory.prepare_for_write`) rather than one
+4 KiB page at a time during the read.
+
 The targets are new buffers (see :func:`torch_ckpt.restore.load_into`), so a file that fails its
 check leaves the live state untouched.
 """
@@ -24,6 +30,7 @@ from __future__ import annotations
 import os
 import queue
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +41,7 @@ from torch_ckpt.crc import crc32
 from torch_ckpt.dcp_record import record_framing
 from torch_ckpt.errors import CheckpointCorruptError
 from torch_ckpt.format import open_listed
+from torch_ckpt.host_memory import prepare_for_write
 
 __all__ = ["DATA_SUFFIX", "load_direct"]
 
@@ -44,6 +52,13 @@ _CHUNK_BYTES = 8 << 20
 _BUFFER_BYTES = 1 << 20
 #: chunks read ahead of the CRC-32 thread (bounds the transient memory for skipped regions)
 _QUEUE_DEPTH = 8
+#: data files read at the same time (one thread each)
+_READERS = 2
+#: ask the kernel for huge pages / bulk faulting of each new target before reading into it
+_HUGE_PAGES = True
+_POPULATE = True
+#: ask the kernel to read each whole data file ahead (``POSIX_FADV_WILLNEED``) when it is opened
+_WILLNEED = False
 
 
 def _byte_view(t: torch.Tensor) -> memoryview:
@@ -228,31 +243,72 @@ def load_direct(targets: dict[str, torch.Tensor], step_dir: str | os.PathLike, m
             if key is not None:
                 seen[key] = seen.get(key, 0) + 1
     placeable = {k for k, n in seen.items() if n == 1 and _placeable(k, targets[k], md)}
-    placed: set[str] = set()
     names = sorted(n for n in manifest.files if n.endswith(DATA_SUFFIX))
-    for name in names:
-        entries = sorted(by_file.get(name, []))
-        if not verify and not any(k in placeable for _, _, k in entries):
-            continue
-        placed |= _read_file(step_dir / name, name, entries, targets, placeable, manifest, verify=verify,
-                             allow_symlinks=allow_symlinks, step_dir=step_dir)
+    jobs = [(name, sorted(by_file.get(name, []))) for name in names]
+    jobs = [(name, entries) for name, entries in jobs if verify or any(k in placeable for _, _, k in entries)]
+
+    opened: list[tuple[str, list[tuple[int, int, str | None]], int, int]] = []
+    try:  # every file's size is checked before the first byte is placed
+        for name, entries in jobs:
+            fd, size = _open_checked(step_dir, name, manifest, allow_symlinks=allow_symlinks)
+            opened.append((name, entries, fd, size))
+    except BaseException:
+        for _, _, fd, _ in opened:
+            os.close(fd)
+        raise
+
+    def read(job: tuple[str, list[tuple[int, int, str | None]], int, int]) -> set[str]:
+        name, entries, fd, size = job
+        return _read_file(fd, size, step_dir / name, manifest.files[name], entries, targets, placeable, verify=verify)
+
+    placed: set[str] = set()
+    if len(opened) <= 1 or _READERS <= 1:
+        pending = list(opened)
+        try:
+            while pending:
+                placed |= read(pending.pop(0))  # closes that file
+        except BaseException:
+            for _, _, fd, _ in pending:
+                os.close(fd)
+            raise
+    else:
+        workers = min(_READERS, len(opened))
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="torch_ckpt_restore") as pool:
+            futures = [pool.submit(read, job) for job in opened]
+        for future in futures:  # every file has been read (or failed): the first error, in file order, is raised
+            placed |= future.result()
     return set(targets) - placed
 
 
-def _read_file(path: Path, name: str, entries: list[tuple[int, int, str | None]], targets: dict[str, torch.Tensor],
-               placeable: set[str], manifest: Any, *, verify: bool, allow_symlinks: bool, step_dir: Path) -> set[str]:
-    """Read one data file (see :func:`load_direct`); returns the keys placed from it."""
-    expected = manifest.files[name]
+def _open_checked(step_dir: Path, name: str, manifest: Any, *, allow_symlinks: bool) -> tuple[int, int]:
+    """Open the listed data file ``name`` and check its size against the manifest; returns ``(fd, size)``."""
+    path = step_dir / name
+    expected = manifest.files[name]["bytes"]
     fd = open_listed(step_dir, manifest, name, allow_symlinks=allow_symlinks)
+    try:
+        size = os.fstat(fd).st_size
+        if size != expected:
+            raise CheckpointCorruptError(f"{path}: size {size} bytes, manifest says {expected} (truncated?)")
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+            if _WILLNEED:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+    except OSError as exc:
+        os.close(fd)
+        raise CheckpointCorruptError(f"{path}: data file cannot be read ({exc.strerror or exc})") from exc
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, size
+
+
+def _read_file(fd: int, size: int, path: Path, expected: dict[str, int], entries: list[tuple[int, int, str | None]],
+               targets: dict[str, torch.Tensor], placeable: set[str], *, verify: bool) -> set[str]:
+    """Read one opened data file (see :func:`load_direct`) and close it; returns the keys placed from it."""
     crc = _Crc(verify)
     reader = _FileReader(fd, path, crc)
     placed: set[str] = set()
     try:
-        size = os.fstat(fd).st_size
-        if size != expected["bytes"]:
-            raise CheckpointCorruptError(f"{path}: size {size} bytes, manifest says {expected['bytes']} (truncated?)")
-        if hasattr(os, "posix_fadvise"):
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
         for offset, length, key in entries:
             if key not in placeable or offset < reader.pos or offset + length > size:
                 continue  # bytes read (and checksummed) as part of the gaps
@@ -268,6 +324,8 @@ def _read_file(path: Path, name: str, entries: list[tuple[int, int, str | None]]
             if reader.bytes(len(head)) != head:
                 reader.skip(nbytes + len(tail))
                 continue
+            if _HUGE_PAGES or _POPULATE:
+                prepare_for_write(target, huge=_HUGE_PAGES, populate=_POPULATE)
             reader.into(_byte_view(target))
             if reader.bytes(len(tail)) == tail:
                 placed.add(key)

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from torch_ckpt.errors import CheckpointError, CheckpointTimeoutError
 
-__all__ = ["DistContext", "quiet_single_process_warning"]
+__all__ = ["DistContext", "quiet_single_process_warning", "rank_and_world"]
 
 
 def quiet_single_process_warning() -> None:
@@ -39,6 +39,13 @@ def quiet_single_process_warning() -> None:
         category=UserWarning,
         module=r"(torch\.distributed\.checkpoint|torch_ckpt)\.",
     )
+
+
+def rank_and_world() -> tuple[int, int]:
+    """``(rank, world size)`` of this process in the default process group; ``(0, 1)`` without one."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
 
 
 class DistContext:

@@ -262,7 +262,8 @@ class CheckpointManager(ManagerPrepareMixin, ManagerCommitMixin, ManagerReadMixi
         """
         t0 = time.monotonic()
         valid = not isinstance(step, bool) and isinstance(step, int) and step >= 0
-        replicate = path is None and self._replicator is not None and (self._saves + 1) % self._replicate_every == 0
+        replicate = path is None and self._replicator is not None and (
+            (self._saves + 1) % self._replicate_every == 0 or (valid and self._replicator.keeps(step)))
         if path is not None:
             final = self._explicit_path(path)
             named = self.naming.step_of(final.name) if final.parent == self.root else None

@@ -29,8 +29,10 @@ class ManagerCommitMixin:
     """Commit callbacks, durable replication and retention of :class:`~torch_ckpt.CheckpointManager`."""
 
     def _make_replicator(self, retention: RetentionPolicy | None) -> Replicator:
+        every = self.config.durable_keep_every_n_steps
+        history = None if every is None else (lambda step: step % every == 0)  # never coalesced away
         if self._nodes is None:
-            return Replicator(self._tier, retention=retention, on_durable=self._record_durable)
+            return Replicator(self._tier, retention=retention, on_durable=self._record_durable, never_skip=history)
         commit = self._nodes.node == 0
 
         def upload(local_dir: Path, manifest: Any, abandon: Callable[[], bool]) -> None:
@@ -40,7 +42,7 @@ class ManagerCommitMixin:
         # every node uploads its own shards; node 0 commits and runs durable retention and cleanup
         return Replicator(self._tier, retention=retention if commit else None, upload=upload,
                           on_durable=self._record_durable if commit else None,
-                          abandoned_after_seconds=24 * 3600.0 if commit else None)
+                          abandoned_after_seconds=24 * 3600.0 if commit else None, never_skip=history)
 
     def add_commit_callback(self, callback: Callable[[int, Path], None]) -> None:
         """Call ``callback(step, directory)`` after each commit, on rank 0 only.

@@ -31,6 +31,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from torch_ckpt.errors import ConfigError, StateMismatchError
+from torch_ckpt.host_memory import copy_tensors
 
 __all__ = ["param_names", "optimizer_state", "check_optimizer_state", "apply_optimizer_state",
            "state_target", "TargetLookup", "split_state_key", "keep_live_tensors", "policy_key", "tensors_in",
@@ -330,6 +331,7 @@ def keep_live_tensors(opt: torch.optim.Optimizer, old_state: Mapping[Any, Any]) 
     and it is put back, so references to optimizer state taken before a restore stay valid (the
     load is in place, as for parameters).
     """
+    pairs = []
     for param, entries in opt.state.items():
         before = old_state.get(param) if isinstance(old_state, Mapping) else None
         if not isinstance(before, Mapping):
@@ -342,7 +344,8 @@ def keep_live_tensors(opt: torch.optim.Optimizer, old_state: Mapping[Any, Any]) 
                 if isinstance(old, DTensor):
                     if old.placements != new.placements:
                         continue
-                    old._local_tensor.copy_(new._local_tensor)
+                    pairs.append((old._local_tensor, new._local_tensor))
                 else:
-                    old.copy_(new)
+                    pairs.append((old, new))
                 entries[key] = old
+    copy_tensors(pairs)  # host tensors as threaded memmove (torch_ckpt.host_memory)

@@ -25,8 +25,9 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from torch_ckpt._logging import get_logger
+from torch_ckpt.bounded import corrupt
 from torch_ckpt.codec import TENSOR_TAG, join_state, split_state
-from torch_ckpt.dcp_metadata import check_records, read_metadata, tensor_items
+from torch_ckpt.dcp_metadata import check_records, read_metadata, record_problems, tensor_items
 from torch_ckpt.dcp_read import load_tensors
 from torch_ckpt.direct_read import DATA_SUFFIX, load_direct
 from torch_ckpt.dist import DistContext
@@ -37,6 +38,7 @@ from torch_ckpt.errors import (
     StateMismatchError,
 )
 from torch_ckpt.format import read_rank_doc, verify_files
+from torch_ckpt.host_memory import copy_tensors
 from torch_ckpt.layout import Manifest
 from torch_ckpt.state_tree import tensor_keys
 
@@ -45,6 +47,7 @@ __all__ = ["load_into", "copy_into_live", "RANK_LOCAL_POLICIES"]
 log = get_logger(__name__)
 
 RANK_LOCAL_POLICIES = ("error", "keep_live")
+_Targets = dict[str, torch.Tensor]
 
 
 _OPAQUE = ("extras", "rng", "dataloader")
@@ -108,76 +111,37 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if isinstance(t, DTensor) else t
 
 
+def _check_records(step_dir: Path, manifest: Manifest, md: Any, tensors: dict[str, Any]) -> None:
+    """Raise for the first record of ``tensors`` that does not match the metadata (see :func:`check_records`)."""
+    if not tensors:
+        return
+    problems = record_problems(step_dir, manifest, md, tensors=tensors)
+    if problems:
+        file, text = problems[0]
+        more = f" (and {len(problems) - 1} more problem(s); run torch-ckpt verify)" if len(problems) > 1 else ""
+        raise corrupt(str(Path(step_dir) / file), f"{text}{more}")
+
+
 @torch.no_grad()
 def copy_into_live(live: Mapping[str, torch.Tensor], staged: Mapping[str, torch.Tensor]) -> None:
-    """Copy each staged tensor into the live tensor of the same key, in place (shard-locally for DTensors)."""
-    for key, dst in live.items():
-        if key in staged:
-            _local(dst).copy_(_local(staged[key]))
+    """Copy each staged tensor into the live tensor of the same key, in place (shard-locally for DTensors).
+
+    Host tensors are copied by :func:`torch_ckpt.host_memory.copy_tensors` (threaded ``memmove``).
+    """
+    copy_tensors([(_local(dst), _local(staged[key])) for key, dst in live.items() if key in staged])
 
 
-def load_into(state: Any, step_dir: Path, manifest: Manifest, ctx: DistContext, *, verify: bool,
-              on_world_size_change: str = "error", allow_cast: bool = False) -> None:
-    """Load ``step_dir`` into ``state`` (a ``Stateful`` or a mutable dict) in place.
+def _plan(state: Any, step_dir: Path, manifest: Manifest, md: Any, tree: Any, ctx: DistContext, *,
+          on_world_size_change: str, allow_cast: bool) -> tuple[dict[str, torch.Tensor], Any, _Targets, bool]:
+    """Check ``state`` against the checkpoint and allocate the buffers to read into; writes nothing live.
 
-    Everything is checked before the first write to the live state: files, keys, shapes, dtypes
-    and (for states with ``check_load``, such as :class:`~torch_ckpt.TrainState`) the structure of
-    every component. Tensors are then read into new buffers (host memory for tensors the state
-    already has, about the size of this rank's state); only when every read succeeded are they
-    copied into the live state. A failure at any point before that leaves the state as it was.
-
-    A state may take part in the checks and in placing tensors it does not hold yet (optimizer
-    state of a fresh optimizer) through three optional methods: ``load_optional_key(key) -> bool``
-    (a tensor either side may lack), ``load_target(key, shape, dtype) -> Tensor | None`` (a buffer
-    for a checkpoint tensor, placed where it will live) and ``check_load(saved, allow_cast=...)``
-    (structural checks on the nested checkpoint state, whose tensors are meta tensors). A state
-    with ``check_load`` receives the new buffers in ``load_state_dict`` and copies them itself;
-    for any other state the buffers are copied into its live tensors before ``load_state_dict``.
-
-    Args:
-        state: the live state.
-        step_dir: the committed checkpoint directory.
-        manifest: its manifest.
-        ctx: ranks taking part.
-        verify: check CRC-32 of every file (sizes are always checked).
-        on_world_size_change: "error" or "keep_live" (rank-local state when the world size changed).
-        allow_cast: load tensors whose dtype differs from the live tensor's by casting them (each
-            such key is logged once); otherwise a dtype difference is a StateMismatchError.
+    Returns:
+        ``(live tensors, tree, {key: new buffer}, whether the state copies the buffers itself)``.
 
     Raises:
-        CheckpointCorruptError: files fail verification or the structure is inconsistent (a tensor
-            record that disagrees with the metadata, a tree referring to a tensor it lacks).
-        StateMismatchError: tensor keys, shapes or dtypes differ (lists missing and unexpected keys).
-        ConfigError: the world size changed and ``on_world_size_change`` is "error".
+        StateMismatchError, ConfigError, CheckpointCorruptError: see :func:`load_into`.
     """
-    if on_world_size_change not in RANK_LOCAL_POLICIES:
-        raise ConfigError(f"on_world_size_change must be one of {RANK_LOCAL_POLICIES}, got {on_world_size_change!r}")
     same_world = manifest.world_size == ctx.world_size
-    direct = not ctx.enabled  # one process reads every file itself: checksum while placing the tensors
-    err = None
-    try:  # every rank's reads and checks are agreed on before any rank loads anything
-        part, parts = (0, 1) if direct else (ctx.rank, ctx.world_size)
-        if manifest.node is not None and same_world and not direct:  # one node's copy: checked by its ranks
-            mates = [r for r, n in enumerate(manifest.nodes["rank_node"]) if n == manifest.node]
-            part, parts = (mates.index(ctx.rank), len(mates)) if ctx.rank in mates else (0, 1)
-        if direct:  # data files: sizes now, CRC-32 while load_direct reads them (one read per byte)
-            verify_files(step_dir, manifest, checksums=False)
-            small = {n: i for n, i in manifest.local_files().items() if not n.endswith(DATA_SUFFIX)}
-            verify_files(step_dir, dataclasses.replace(manifest, files=small), checksums=verify)
-        else:
-            verify_files(step_dir, manifest, checksums=verify, part=part, parts=parts)
-        md = read_metadata(step_dir, manifest)
-        check_records(step_dir, manifest, md, part=part, parts=parts)
-        tree = read_rank_doc(step_dir, manifest, ctx.rank if same_world else 0,
-                             tensor_keys=tensor_items(md).__contains__)["tree"]
-    except CheckpointError as exc:
-        err = exc
-    errors = [e for e in ctx.all_gather(None if err is None else str(err), what="verify") if e]
-    if err is not None:
-        raise err
-    if errors:
-        raise CheckpointCorruptError(f"{step_dir}: verification failed on another rank: {errors[0]}")
-
     live_sd = state.state_dict() if hasattr(state, "state_dict") else state
     rank_local = tuple(getattr(state, "rank_local_keys", ()))
     live_tensors, live_tree = split_state(live_sd, rank_local_keys=rank_local)
@@ -249,9 +213,89 @@ def load_into(state: Any, step_dir: Path, manifest: Manifest, ctx: DistContext, 
             logged.add(key)
             log.warning("%s: casting %s (allow_cast=True)", step_dir, line)
 
+    return live_tensors, tree, targets, staged_aware
+
+
+def load_into(state: Any, step_dir: Path, manifest: Manifest, ctx: DistContext, *, verify: bool,
+              on_world_size_change: str = "error", allow_cast: bool = False) -> None:
+    """Load ``step_dir`` into ``state`` (a ``Stateful`` or a mutable dict) in place.
+
+    Everything is checked before the first write to the live state: files, keys, shapes, dtypes
+    and (for states with ``check_load``, such as :class:`~torch_ckpt.TrainState`) the structure of
+    every component. Tensors are then read into new buffers (host memory for tensors the state
+    already has, about the size of this rank's state); only when every read succeeded are they
+    copied into the live state. A failure at any point before that leaves the state as it was.
+
+    A state may take part in the checks and in placing tensors it does not hold yet (optimizer
+    state of a fresh optimizer) through three optional methods: ``load_optional_key(key) -> bool``
+    (a tensor either side may lack), ``load_target(key, shape, dtype) -> Tensor | None`` (a buffer
+    for a checkpoint tensor, placed where it will live) and ``check_load(saved, allow_cast=...)``
+    (structural checks on the nested checkpoint state, whose tensors are meta tensors). A state
+    with ``check_load`` receives the new buffers in ``load_state_dict`` and copies them itself;
+    for any other state the buffers are copied into its live tensors before ``load_state_dict``.
+
+    Args:
+        state: the live state.
+        step_dir: the committed checkpoint directory.
+        manifest: its manifest.
+        ctx: ranks taking part.
+        verify: check CRC-32 of every file (sizes are always checked).
+        on_world_size_change: "error" or "keep_live" (rank-local state when the world size changed).
+        allow_cast: load tensors whose dtype differs from the live tensor's by casting them (each
+            such key is logged once); otherwise a dtype difference is a StateMismatchError.
+
+    Raises:
+        CheckpointCorruptError: files fail verification or the structure is inconsistent (a tensor
+            record that disagrees with the metadata, a tree referring to a tensor it lacks).
+        StateMismatchError: tensor keys, shapes or dtypes differ (lists missing and unexpected keys).
+        ConfigError: the world size changed and ``on_world_size_change`` is "error".
+    """
+    if on_world_size_change not in RANK_LOCAL_POLICIES:
+        raise ConfigError(f"on_world_size_change must be one of {RANK_LOCAL_POLICIES}, got {on_world_size_change!r}")
+    same_world = manifest.world_size == ctx.world_size
+    direct = not ctx.enabled  # one process reads every file itself: checksum while placing the tensors
+    err = None
+    try:  # every rank's reads and checks are agreed on before any rank loads anything
+        part, parts = (0, 1) if direct else (ctx.rank, ctx.world_size)
+        if manifest.node is not None and same_world and not direct:  # one node's copy: checked by its ranks
+            mates = [r for r, n in enumerate(manifest.nodes["rank_node"]) if n == manifest.node]
+            part, parts = (mates.index(ctx.rank), len(mates)) if ctx.rank in mates else (0, 1)
+        if direct:  # data files: sizes now, CRC-32 while load_direct reads them (one read per byte)
+            verify_files(step_dir, manifest, checksums=False)
+            small = {n: i for n, i in manifest.local_files().items() if not n.endswith(DATA_SUFFIX)}
+            verify_files(step_dir, dataclasses.replace(manifest, files=small), checksums=verify)
+        else:
+            verify_files(step_dir, manifest, checksums=verify, part=part, parts=parts)
+        md = read_metadata(step_dir, manifest)
+        if not direct:  # direct: records are compared while load_direct reads them (no scattered header reads)
+            check_records(step_dir, manifest, md, part=part, parts=parts)
+        tree = read_rank_doc(step_dir, manifest, ctx.rank if same_world else 0,
+                             tensor_keys=tensor_items(md).__contains__)["tree"]
+    except CheckpointError as exc:
+        err = exc
+    errors = [e for e in ctx.all_gather(None if err is None else str(err), what="verify") if e]
+    if err is not None:
+        raise err
+    if errors:
+        raise CheckpointCorruptError(f"{step_dir}: verification failed on another rank: {errors[0]}")
+
+    try:
+        live_tensors, tree, targets, staged_aware = _plan(state, step_dir, manifest, md, tree, ctx,
+                                                          on_world_size_change=on_world_size_change,
+                                                          allow_cast=allow_cast)
+    except CheckpointError:
+        if direct:  # the records were not checked up front: a record that disagrees with the metadata
+            _check_records(step_dir, manifest, md, tensor_items(md))  # explains a mismatch better
+        raise
+
     rest = set(targets)
-    if rest and direct:
-        rest = load_direct(targets, step_dir, md, manifest, verify=verify)
+    if direct:
+        if rest:
+            rest = load_direct(targets, step_dir, md, manifest, verify=verify)
+        # a placed tensor's record was compared byte for byte with torch.save's framing for its
+        # declared dtype and shape; every other record is checked before DCP's reader opens it
+        _check_records(step_dir, manifest, md, {k: v for k, v in tensor_items(md).items()
+                                                if k in rest or k not in targets})
     if rest:
         load_tensors({k: targets[k] for k in rest}, step_dir, md, set(manifest.files),
                      process_group=ctx.fg if ctx.enabled else None, no_dist=not ctx.enabled)
