@@ -56,7 +56,7 @@ _QUEUE_DEPTH = 8
 _READERS = 2
 #: ask the kernel for huge pages / bulk faulting of each new target before reading into it
 _HUGE_PAGES = True
-_POPULATE = True
+_POPULATE = False
 #: ask the kernel to read each whole data file ahead (``POSIX_FADV_WILLNEED``) when it is opened
 _WILLNEED = False
 

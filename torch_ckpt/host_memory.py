@@ -102,6 +102,8 @@ COPY_THREADS = max(1, min(4, os.cpu_count() or 1))
 _PIECE_BYTES = 32 << 20
 #: below this many bytes in all, one thread copies (starting threads would cost more)
 _THREADED_BYTES = 16 << 20
+#: plain pairs under this size are copied together by one ``torch._foreach_copy_`` call
+_SMALL_BYTES = 64 << 10
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
@@ -131,22 +133,32 @@ def copy_tensors(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
 
     Pairs of contiguous CPU tensors of the same dtype and shape whose memory does not overlap are
     copied byte for byte, in pieces of at most 32 MiB spread over :data:`COPY_THREADS` threads;
-    their autograd version counters are bumped as ``copy_`` would. Any other pair (other devices,
-    strides, dtypes, DTensors, subclasses) is copied with ``copy_``.
+    their autograd version counters are bumped as ``copy_`` would. Those under 64 KiB are copied by
+    one ``torch._foreach_copy_`` call (too small for torch to start its threads; one call saves the
+    per-tensor Python work when there are thousands). Any other pair (other devices, strides,
+    dtypes, DTensors, subclasses) is copied with ``copy_``.
 
     Raises:
         RuntimeError: from ``copy_`` for a pair it cannot copy (e.g. shapes that do not broadcast).
     """
     fast: list[torch.Tensor] = []
     pieces: list[tuple[int, int, int]] = []
+    small_dst: list[torch.Tensor] = []
+    small_src: list[torch.Tensor] = []
     for dst, src in pairs:
         if not _plain(dst, src):
             dst.copy_(src)
+            continue
+        if dst.numel() * dst.element_size() < _SMALL_BYTES:  # one call for all: no per-tensor Python work
+            small_dst.append(dst)
+            small_src.append(src)
             continue
         fast.append(dst)
         fast.append(src)  # kept alive until every piece is copied
         a, b, n = dst.data_ptr(), src.data_ptr(), dst.numel() * dst.element_size()
         pieces.extend((a + i, b + i, min(_PIECE_BYTES, n - i)) for i in range(0, n, _PIECE_BYTES))
+    if small_dst:
+        torch._foreach_copy_(small_dst, small_src)  # below the intra-op grain size: no OpenMP region
     total = sum(n for _, _, n in pieces)
     workers = 1 if total < _THREADED_BYTES else min(COPY_THREADS, len(pieces))
     if workers <= 1:
