@@ -1,10 +1,9 @@
-"""``attach()``: route an ``Accelerator``'s ``save_state``/``load_state`` through a torch-ckpt ``CheckpointManager``.
+"""``attach()``: route one ``Accelerator``'s ``save_state``/``load_state`` through a torch-ckpt ``CheckpointManager``.
 
-Accelerate's pre-hooks see only plain models' weights (optimizers, RNG... are written after them), so
-:func:`attach` replaces ``save_state``/``load_state`` on that one Accelerator *instance*. Registered
-pre-hooks still run in order; what they do not ``pop()`` is saved by the manager in one asynchronous,
-sharded, atomic checkpoint. Naming, retention, resume with fallback, rollback, atomic replacement,
-scheduling and the durable copy are the manager's.
+Accelerate's pre-hooks run before optimizers, RNG... are written, so the adapter replaces both
+methods on that instance. Registered pre-hooks still run in order; what they do not ``pop()`` goes
+into one manager checkpoint, which owns naming, retention, resume with fallback, rollback, atomic
+replacement, scheduling and the durable copy. See ``docs/accelerate.md``.
 """
 
 from __future__ import annotations
@@ -17,8 +16,6 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-import torch.distributed as dist
-
 from accelerate_ckpt import _compat as compat
 from accelerate_ckpt._config import CkptSettings, load_settings
 from accelerate_ckpt._guard import one_process_guard
@@ -30,8 +27,10 @@ from torch_ckpt import (
     DurableTier,
     PatternNaming,
     SaveHandle,
+    SaveReports,
     UnsafeCheckpointError,
     is_committed,
+    rank_and_world,
 )
 
 __all__ = ["NAMING", "AccelerateCheckpointer", "attach"]
@@ -42,27 +41,16 @@ log = logging.getLogger(__name__)
 NAMING = PatternNaming("checkpoint_{step}")
 _HOOK_FILES = ".{}.hooks.tmp.{}"  # user save hooks write here; the files commit with the checkpoint (extra_dir)
 
-_STAT_KEYS = ("blocking_s", "wait_for_previous_s", "staging_s", "persist_s", "total_s", "bytes", "files_bytes",
-              "gb_per_s")
-
 
 def attach(accelerator: Any, config: str | os.PathLike | None = None, *, save_policy: Any = None,
            **settings: Any) -> AccelerateCheckpointer:
-    """Make ``accelerator.save_state()`` asynchronous and ``load_state()`` exact, through torch-ckpt.
-
-    Call it on every process, after creating the ``Accelerator`` (before or after ``prepare``),
-    at the same point of the program.
+    """Make ``accelerator.save_state()`` asynchronous and ``load_state()`` exact; call it on every process.
 
     Args:
         accelerator: the ``accelerate.Accelerator``.
-        config: YAML settings file (keys: :class:`~accelerate_ckpt.CkptSettings`); the file named by
-            the environment variable ``ACCELERATE_CKPT_CONFIG`` wins over it.
-        save_policy: a :mod:`torch_ckpt.schedule` policy for :meth:`AccelerateCheckpointer.should_save`
-            (instead of the ``save_every_n_steps``/``save_every_seconds``/``mtbf_seconds`` settings).
-        settings: any setting of :class:`~accelerate_ckpt.CkptSettings`; wins over the file.
-
-    Returns:
-        The :class:`AccelerateCheckpointer` (call :meth:`~AccelerateCheckpointer.close` at the end).
+        config: YAML settings file; the one named by ``ACCELERATE_CKPT_CONFIG`` wins over it.
+        save_policy: a ``torch_ckpt`` save policy for :meth:`AccelerateCheckpointer.should_save`.
+        settings: settings of :class:`~accelerate_ckpt.CkptSettings` by key; they win over the file.
 
     Raises:
         ConfigError: invalid settings, or an unsupported setup (DeepSpeed, Megatron-LM, XLA).
@@ -71,36 +59,30 @@ def attach(accelerator: Any, config: str | os.PathLike | None = None, *, save_po
 
 
 class AccelerateCheckpointer:
-    """Asynchronous, atomic, sharded ``save_state``/``load_state`` for one ``Accelerator``.
-
-    Use :func:`attach` to build it. Not thread-safe: call it from the training thread.
+    """Asynchronous, atomic, sharded ``save_state``/``load_state`` for one ``Accelerator`` (training thread only).
 
     Attributes:
         accelerator: the ``Accelerator``.
         settings: the merged :class:`~accelerate_ckpt.CkptSettings`.
-        step: the training step, recorded in each checkpoint and restored by ``load_state()``; set
-            by :meth:`should_save`, :meth:`save_if_due`, ``save_state(step=)`` or by you (None:
+        step: the training step, recorded in each checkpoint and restored by ``load_state()`` (None:
             unknown). Automatic names follow Accelerate's save iteration, never this step.
-        manager: the :class:`~torch_ckpt.CheckpointManager` (root ``project_dir/checkpoints`` with
-            automatic naming, else the parent of the first folder saved or loaded; None until then).
+        manager: the :class:`~torch_ckpt.CheckpointManager`, opened at first use (None until then).
         last_handle: the :class:`~torch_ckpt.SaveHandle` of the latest save.
     """
 
     def __init__(self, accelerator: Any, settings: CkptSettings, *, save_policy: Any = None) -> None:
-        self.accelerator = accelerator
-        self.settings = settings
+        self.accelerator, self.settings = accelerator, settings
         self.step: int | None = None
         self.manager: CheckpointManager | None = None
         self.last_handle: SaveHandle | None = None
         self._policy = {} if save_policy is None else {"save_policy": save_policy}
-        self._unlogged: list[tuple[SaveHandle, int | None]] = []  # (handle, training step)
-        self._last_health = float("-inf")
+        self._reports = SaveReports()
         self._closed = not settings.enabled
         if not settings.enabled:
             log.info("accelerate_ckpt disabled by its settings: Accelerate's own save_state/load_state stay in use")
             return
         compat.check_supported(accelerator)
-        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        world = rank_and_world()[1]
         if world != accelerator.num_processes:
             warnings.warn(
                 f"torch.distributed has world size {world} but Accelerate runs {accelerator.num_processes} "
@@ -116,12 +98,10 @@ class AccelerateCheckpointer:
             DurableTier(cfg.durable_url, storage_options=cfg.storage_options)  # fail now on a bad URL
         if self._auto and accelerator.project_dir is None:
             raise ConfigError("automatic_checkpoint_naming needs ProjectConfiguration(project_dir=...)")
-        accelerator.save_state = self.save_state
-        accelerator.load_state = self.load_state
+        accelerator.save_state, accelerator.load_state = self.save_state, self.load_state
 
     def _open(self, root: Path | None = None) -> CheckpointManager:
-        """The manager, created on first use (collective) at ``project_dir/checkpoints`` with automatic
-        naming, else at ``root``; not at ``attach()``, so a fresh run's folder appears with its first save."""
+        """The manager (collective at creation): ``project_dir/checkpoints`` with automatic naming, else ``root``."""
         if self.manager is None:
             if self._auto:
                 root = Path(self.accelerator.project_dir).expanduser() / "checkpoints"
@@ -135,7 +115,6 @@ class AccelerateCheckpointer:
         if self._closed:
             raise ConfigError("this AccelerateCheckpointer is closed or disabled")
 
-    # -- context manager -------------------------------------------------------------------------
     def __enter__(self) -> AccelerateCheckpointer:
         return self
 
@@ -152,10 +131,8 @@ class AccelerateCheckpointer:
         """False when the settings disabled the adapter or it was closed (Accelerate's own methods are in use)."""
         return not self._closed
 
-    # -- hooks -----------------------------------------------------------------------------------
     def _run_hooks(self, table: dict, items: list, folder: Path, *, save: bool) -> list[int]:
-        """Run the registered pre-hooks on ``items`` (one per plain model; none for FSDP); return the model
-        indices a hook ``pop()``ed (it saves or loads that model itself)."""
+        """Run the user's pre-hooks on ``items`` (one per plain model); return the indices a hook ``pop()``ed."""
         originals = list(items)
         args = (compat.prepared(self.accelerator, "models"), items, str(folder)) if save else (items, str(folder))
         for hook in list(table.values()):
@@ -163,28 +140,25 @@ class AccelerateCheckpointer:
         left = {id(x) for x in items}
         return [i for i, item in enumerate(originals) if id(item) not in left]
 
-    # -- saving ----------------------------------------------------------------------------------
     def save_state(self, output_dir: str | os.PathLike | None = None, safe_serialization: bool = True, *,
                    step: int | None = None, **save_model_func_kwargs: Any) -> Path:
         """Replacement of ``Accelerator.save_state``: returns once the state is staged.
 
-        With automatic naming the folder is ``checkpoint_<save iteration>`` (as in Accelerate);
-        otherwise ``output_dir``, which may be saved again: the new checkpoint replaces the old
-        one atomically when it commits (the old one stays loadable until then).
+        The folder is ``checkpoint_<save iteration>`` with automatic naming, else ``output_dir``, which
+        may be saved again (replaced atomically when the new checkpoint commits).
 
         Args:
-            output_dir: the folder (ignored with automatic checkpoint naming, as in Accelerate).
-            safe_serialization: ignored; torch-ckpt never pickles.
-            step: the training step (sets :attr:`step`), recorded in the checkpoint.
-            save_model_func_kwargs: ignored (DeepSpeed-only in Accelerate).
+            output_dir: the folder (ignored with automatic naming, as in Accelerate).
+            safe_serialization: ignored (nothing is pickled).
+            step: the training step (sets :attr:`step`).
+            save_model_func_kwargs: ignored (DeepSpeed only).
 
         Returns:
             The checkpoint folder; it appears, complete, when the save commits.
 
         Raises:
             ConfigError: called under an ``if accelerator.is_main_process:``-style guard with several
-                processes (every process must call it); ``output_dir`` exists and is not a torch-ckpt
-                checkpoint (it is never written into); ``checkpoint_<n>`` exists (as in Accelerate).
+                processes; ``output_dir`` (or ``checkpoint_<n>``) exists and is not a torch-ckpt checkpoint.
             CheckpointError: an earlier background save failed (raised once).
         """
         self._check_open()
@@ -212,24 +186,23 @@ class AccelerateCheckpointer:
             number = self.step if self.step is not None else iteration
         log.info("Saving current state to %s (save iteration %d, training step %s)", folder, iteration,
                  "unknown" if self.step is None else self.step)
-        user = bool(compat.save_hooks(acc))
+        user = bool(compat.hooks(acc, "save"))
         models = [] if compat.is_fsdp(acc) else compat.prepared(acc, "models")
         weights = [acc.get_state_dict(m, unwrap=False) if user else object() for m in models]  # user hooks: real ones
         hook_dir = folder.parent / _HOOK_FILES.format(folder.name, manager.checkpointer.incarnation)
         if user:
             shutil.rmtree(hook_dir, ignore_errors=True)
             os.makedirs(hook_dir)
-        skipped = self._run_hooks(compat.save_hooks(acc), weights, hook_dir, save=True)
+        skipped = self._run_hooks(compat.hooks(acc, "save"), weights, hook_dir, save=True)
         state = AcceleratorTrainState(acc, step=self.step, save_iteration=iteration + 1, skip_models=skipped)
         handle = manager.save(number, state, path=path, extra_dir=hook_dir if user else None)
         compat.set_save_iteration(acc, iteration + 1)
         handle.stats.wait_for_previous_s += waited
         handle.stats.blocking_s = time.monotonic() - t0  # the whole call: wait, hooks, staging
         self.last_handle = handle
-        self._unlogged.append((handle, self.step))
+        self._reports.add(handle, self.step)
         return folder
 
-    # -- loading ---------------------------------------------------------------------------------
     def latest_checkpoint(self) -> Path | None:
         """The newest committed automatic checkpoint folder on local disk, or None (collective)."""
         if self._closed or not self._auto:
@@ -239,9 +212,7 @@ class AccelerateCheckpointer:
 
     def _load_foreign(self, folder: Path, allow_unsafe: bool, load_kwargs: Any, kwargs: dict) -> None:
         """A folder without a torch-ckpt manifest: an incomplete save, or one plain Accelerate wrote."""
-        acc = self.accelerator
-        accelerate_files = [p for p in folder.iterdir() if not p.name.startswith(".")]
-        if not accelerate_files:
+        if not any(not p.name.startswith(".") for p in folder.iterdir()):
             newest = self.latest_checkpoint()
             raise CheckpointNotFoundError(
                 f"{folder} is an incomplete save (interrupted before it committed), not a checkpoint; "
@@ -252,37 +223,32 @@ class AccelerateCheckpointer:
                 "load_state would unpickle parts of it, which can run code from the folder; if you trust it, "
                 "call accelerator.load_state(folder, allow_unsafe_accelerate_folder=True)")
         log.info("%s has no torch-ckpt manifest: loading it with Accelerate's own load_state", folder)
-        compat.plain_load_state(acc, str(folder), load_kwargs, kwargs)
+        compat.plain_load_state(self.accelerator, str(folder), load_kwargs, kwargs)
         number = NAMING.step_of(folder.name)
         if number is not None:  # Accelerate does not restore its save iteration; the folder name holds it
-            compat.set_save_iteration(acc, number + 1)
+            compat.set_save_iteration(self.accelerator, number + 1)
 
     def load_state(self, input_dir: str | os.PathLike | None = None, load_kwargs: dict | None = None, *,
                    allow_unsafe_accelerate_folder: bool = False, allow_cast: bool = False,
                    **load_model_func_kwargs: Any) -> None:
         """Replacement of ``Accelerator.load_state``: restores everything in place, exactly, or nothing.
 
-        Without ``input_dir`` (automatic naming) the newest checkpoint intact in either tier is
-        loaded; a damaged one is skipped with a warning naming it. Loading an older checkpoint than
-        the newest rolls back: the newer ones are moved aside (kept, hidden) at the next save.
+        Without ``input_dir``, the newest checkpoint intact in either tier (a damaged one is skipped
+        with a warning). Loading an older one rolls back: newer ones are moved aside at the next save.
 
         Args:
             input_dir: the checkpoint folder; None picks the newest intact automatic checkpoint.
-            allow_unsafe_accelerate_folder: hand a folder without a torch-ckpt manifest to
-                Accelerate's own ``load_state`` (only for folders you trust: it unpickles).
-            allow_cast: cast tensors whose dtype differs from the live one (each cast key is logged
-                once); by default a dtype difference is a ``StateMismatchError``.
-            load_kwargs: passed on only for folders Accelerate wrote itself.
-            load_model_func_kwargs: passed on only for folders Accelerate wrote itself;
-                ``strict=False`` is refused for torch-ckpt checkpoints.
+            allow_unsafe_accelerate_folder: load a folder plain Accelerate wrote with its own
+                ``load_state`` (it unpickles: only folders you trust).
+            allow_cast: cast tensors whose dtype differs from the live one (else ``StateMismatchError``).
+            load_kwargs, load_model_func_kwargs: used only for folders Accelerate wrote itself.
 
         Raises:
             ValueError: ``input_dir`` is not a folder, or None without automatic naming (as Accelerate).
-            CheckpointNotFoundError: no checkpoint to load, or ``input_dir`` is an incomplete save.
-            UnsafeCheckpointError: ``input_dir`` was written by Accelerate itself (see above).
-            ConfigError: ``strict=False``.
-            StateMismatchError / CheckpointCorruptError: see :meth:`torch_ckpt.CheckpointManager.restore`;
-                a failed load leaves the run as it was.
+            CheckpointNotFoundError: nothing to load, or ``input_dir`` is an incomplete save.
+            UnsafeCheckpointError: ``input_dir`` was written by plain Accelerate (see above).
+            ConfigError: ``strict=False`` (a checkpoint loads completely or not at all).
+            StateMismatchError, CheckpointCorruptError: as ``CheckpointManager.restore``; the run is unchanged.
         """
         self._check_open()
         acc = self.accelerator
@@ -300,18 +266,17 @@ class AccelerateCheckpointer:
             candidates = [p for _, p in sorted(manager.checkpoints().items(), reverse=True)]
         else:
             raise ValueError("No input_dir provided and automatic checkpoint naming is disabled.")
+        folder = candidates[0] if candidates else manager.root
         if load_model_func_kwargs.get("strict", True) is False:
             raise ConfigError(
                 "load_state(strict=False) is not supported by accelerate_ckpt: it restores the complete state or "
-                "nothing. To load only the matching weights of model i: state, _ = torch_ckpt.load_full_state"
-                f"('{candidates[0] if candidates else manager.root}'); "
-                "model.load_state_dict(state['model'][str(i)], strict=False)")
-        hooked = bool(compat.load_hooks(acc))
-        folder = candidates[0] if candidates else manager.root
+                f"nothing. To load only the matching weights of model i: state, _ = torch_ckpt.load_full_state"
+                f"('{folder}'); model.load_state_dict(state['model'][str(i)], strict=False)")
         log.info("Loading states from %s", folder)
+        hooked = bool(compat.hooks(acc, "load"))
         models = [] if compat.is_fsdp(acc) else compat.prepared(acc, "models")
-        skipped = self._run_hooks(compat.load_hooks(acc), models, folder, save=False)
-        state = AcceleratorTrainState(acc, skip_models=skipped)
+        state = AcceleratorTrainState(acc, skip_models=self._run_hooks(compat.hooks(acc, "load"), models, folder,
+                                                                       save=False))
         if hooked or input_dir is not None:  # explicit folders, newest first: the user hooks read the first one
             restored = manager.restore(state, path=candidates, allow_cast=allow_cast) if candidates else None
         else:
@@ -321,17 +286,14 @@ class AccelerateCheckpointer:
                                           "ckpt.latest_checkpoint() before resuming)")
         self.step = state.training_step
 
-    # -- scheduling ------------------------------------------------------------------------------
     def should_save(self, step: int) -> bool:
         """Record that training step ``step`` finished; True when the save policy says to save now.
 
-        Call once per step on every process (the main process decides, every process gets its
-        answer). Sets :attr:`step`, recorded by the next ``accelerator.save_state()``.
+        Call it once per step on every process (the main process decides for all).
 
         Raises:
-            ConfigError: no save policy (``save_policy=`` or the ``save_every_n_steps``,
-                ``save_every_seconds`` or ``mtbf_seconds`` settings), or no manager yet (automatic
-                naming off and nothing saved or loaded).
+            ConfigError: no save policy, or no checkpoint root yet (automatic naming off and nothing
+                saved or loaded).
         """
         self._check_open()
         if self.manager is None and not self._auto:
@@ -348,25 +310,18 @@ class AccelerateCheckpointer:
         self.accelerator.save_state()
         return self.last_handle
 
-    # -- statistics ------------------------------------------------------------------------------
     def _log_finished(self) -> None:
-        """Send the statistics of committed saves to the trackers (training thread)."""
-        done = [(h, step) for h, step in self._unlogged if h.done()]
-        self._unlogged = [(h, step) for h, step in self._unlogged if not h.done()]
+        """Send committed saves' statistics (at their training step) and the lost-work health to the trackers."""
+        done = self._reports.committed()
         acc = self.accelerator
-        if not (self.settings.log_stats and getattr(acc, "trackers", None)) or self.manager is None:
+        if self.manager is None or not (self.settings.log_stats and getattr(acc, "trackers", None)):
             return
-        for handle, step in done:  # at the training step (the handle's step is the checkpoint number)
-            if handle.committed.exception() is None:
-                stats = handle.stats.as_dict()
-                acc.log({f"checkpoint/{k}": stats[k] for k in _STAT_KEYS}, step=step)
-        now = time.monotonic()
-        lost = self.manager.health()["lost_work_if_failure_now_s"]
-        if lost is not None and (done or now - self._last_health >= 60.0):
-            self._last_health = now  # health: the training time a failure right now would lose
+        for handle, step in done:
+            acc.log(SaveReports.metrics(handle), step=step)
+        lost = self._reports.lost_work(self.manager.health)
+        if lost is not None:
             acc.log({"checkpoint/lost_work_s": lost})
 
-    # -- lifecycle -------------------------------------------------------------------------------
     def replication_stats(self) -> dict[str, Any]:
         """The durable replication state on the main process (``durable_step``, ``lag_s``...); {} otherwise."""
         return self.manager.replication_stats() if self.manager is not None else {}
@@ -384,10 +339,10 @@ class AccelerateCheckpointer:
                 self._log_finished()
 
     def close(self) -> None:
-        """Wait for the in-flight save, give the ``Accelerator`` its own methods back, close the manager.
+        """Wait for the last save, give the ``Accelerator`` its own methods back and close the manager (idempotent).
 
-        Removes the instance attributes ``save_state``/``load_state``; raises a pending background
-        error once. Idempotent.
+        Raises:
+            CheckpointError: a background save failed (raised once).
         """
         if self._closed:
             return

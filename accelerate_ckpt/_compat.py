@@ -1,9 +1,8 @@
-"""Every private attribute of Accelerate that the adapter touches, in one place.
+"""Every private attribute of Accelerate that the adapter touches, each use with the versions checked.
 
-Accelerate has no public accessors for the objects it prepared or for its hook tables, so the
-adapter reads these attributes. Each use names the Accelerate versions it was checked against
-(the range tested in CI is the ``accelerate`` extra in ``pyproject.toml``); :func:`check_supported`
-fails at ``attach()`` with a clear message when an attribute is missing.
+Accelerate has no public accessors for the objects it prepared or for its hook tables. Checked
+against accelerate 1.0.1 and 1.15.0, the range of the ``accelerate`` extra in ``pyproject.toml``
+(the adapter's tests pass on both); :func:`check_supported` fails at ``attach()`` when one is missing.
 """
 
 from __future__ import annotations
@@ -12,19 +11,18 @@ from typing import Any
 
 from torch_ckpt import ConfigError
 
-__all__ = ["check_supported", "is_fsdp", "load_hooks", "loader_epoch", "plain_load_state", "prepared", "save_hooks",
-           "save_iteration", "set_loader_epoch", "set_loader_state", "set_save_iteration"]
+__all__ = ["check_supported", "hooks", "is_fsdp", "loader_epoch", "plain_load_state", "prepared", "save_iteration",
+           "set_loader_epoch", "set_loader_state", "set_save_iteration"]
 
 # Accelerator._models/_optimizers/_schedulers/_dataloaders/_custom_objects: the prepared objects in
 # preparation order; _save_model_state_pre_hook/_load_model_state_pre_hook: OrderedDicts {handle id: hook}
-# that register_save_state_pre_hook/register_load_state_pre_hook fill. Checked: accelerate 1.0.1, 1.15.0 (the
-# adapter's tests pass on both).
+# that register_save_state_pre_hook/register_load_state_pre_hook fill (1.0.1-1.15.0).
 _ATTRS = ("_models", "_optimizers", "_schedulers", "_dataloaders", "_custom_objects",
           "_save_model_state_pre_hook", "_load_model_state_pre_hook")
 
 
 def check_supported(acc: Any) -> None:
-    """Raise ConfigError for setups whose engines save models themselves, or an Accelerate without these attributes."""
+    """Raise ConfigError for engines that save models themselves, or an Accelerate without these attributes."""
     kind = str(getattr(acc, "distributed_type", ""))
     for name in ("DEEPSPEED", "MEGATRON_LM", "XLA"):
         if kind.endswith(name):
@@ -33,20 +31,17 @@ def check_supported(acc: Any) -> None:
     missing = [a for a in _ATTRS if not hasattr(acc, a)]
     if missing or not hasattr(acc.project_configuration, "iteration"):
         raise ConfigError(f"this Accelerate version has no Accelerator.{(missing or ['iteration'])[0]}; "
-                          "accelerate_ckpt supports the accelerate versions in its pyproject extra (>=1.0,<2)")
+                          "accelerate_ckpt supports accelerate 1.0.1 to 1.15 (the pyproject extra)")
 
 
 def prepared(acc: Any, kind: str) -> list[Any]:
-    """The prepared ``models``, ``optimizers``, ``schedulers``, ``dataloaders`` or ``custom_objects`` (in order)."""
+    """The prepared ``models``, ``optimizers``, ``schedulers``, ``dataloaders`` or ``custom_objects`` (1.0.1-1.15.0)."""
     return list(getattr(acc, f"_{kind}"))
 
 
-def save_hooks(acc: Any) -> dict[int, Any]:
-    return acc._save_model_state_pre_hook
-
-
-def load_hooks(acc: Any) -> dict[int, Any]:
-    return acc._load_model_state_pre_hook
+def hooks(acc: Any, kind: str) -> dict[int, Any]:
+    """The ``save`` or ``load`` state pre-hooks the user registered, ``{handle id: hook}`` (1.0.1-1.15.0)."""
+    return getattr(acc, f"_{kind}_model_state_pre_hook")
 
 
 def is_fsdp(acc: Any) -> bool:
@@ -59,14 +54,14 @@ def save_iteration(acc: Any) -> int:
     return int(acc.project_configuration.iteration)
 
 
+def set_save_iteration(acc: Any, value: int) -> None:
+    acc.project_configuration.iteration = int(value)  # the attribute behind save_iteration (1.0.1-1.15.0)
+
+
 def plain_load_state(acc: Any, folder: str, load_kwargs: Any, kwargs: dict) -> None:
     """Accelerate's own ``load_state`` (the class method); ``load_kwargs`` exists since 1.1 (1.0.1 lacks it)."""
     extra = {} if load_kwargs is None else {"load_kwargs": load_kwargs}
     type(acc).load_state(acc, folder, **extra, **kwargs)
-
-
-def set_save_iteration(acc: Any, value: int) -> None:
-    acc.project_configuration.iteration = int(value)
 
 
 def loader_epoch(loader: Any) -> int | None:
@@ -79,7 +74,7 @@ def set_loader_epoch(loader: Any, epoch: int) -> None:
     if callable(getattr(loader, "set_epoch", None)):
         loader.set_epoch(epoch)  # public; also sets a seedable sampler's epoch
     else:
-        loader.iteration = epoch
+        loader.iteration = epoch  # the epoch counter above (1.0.1-1.15.0)
 
 
 def set_loader_state(loader: Any, state: Any) -> None:

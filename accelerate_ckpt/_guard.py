@@ -1,10 +1,8 @@
 """Spot a ``save_state()`` call that only some processes make, from the calling source, before any collective.
 
-``if accelerator.is_main_process: accelerator.save_state(dir)`` works in plain Accelerate (no
-collective without automatic naming); with torch-ckpt every process writes its shard, so the main
-process alone would wait ``timeout_seconds`` for the others. Reading the caller's source finds the
-usual guards (``is_main_process``, ``is_local_main_process``, ``process_index == 0``, the
-``on_main_process``-style decorators) at once.
+``if accelerator.is_main_process: accelerator.save_state(dir)`` works in plain Accelerate; with
+torch-ckpt every process writes its shard, so the main process alone would wait ``timeout_seconds``.
+The usual guards (``is_main_process``, ``process_index == 0``, ``@on_main_process``...) are found at once.
 """
 
 from __future__ import annotations
@@ -17,12 +15,12 @@ import sys
 
 __all__ = ["one_process_guard"]
 
-#: ``if`` tests and decorators that run a ``save_state`` call on some processes only
 _ONE_PROCESS_FLAGS = frozenset({"is_main_process", "is_local_main_process", "is_last_process"})
 _ONE_PROCESS_INDEX = frozenset({"process_index", "local_process_index"})
 _ONE_PROCESS_DECORATORS = frozenset({"on_main_process", "on_local_main_process", "on_last_process", "on_process",
                                      "on_local_process"})
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+
 
 @functools.lru_cache(maxsize=64)
 def _module_tree(filename: str) -> ast.Module | None:
@@ -42,11 +40,8 @@ def _limits_to_some_processes(test: ast.expr) -> bool:
 
 
 def one_process_guard() -> str | None:
-    """The ``if``/decorator of the user code calling ``save_state`` that runs it on some processes only, or None.
-
-    Read from the caller's source (the first frame outside this package), so a save that only some
-    processes call is refused before any collective instead of stalling until the timeout.
-    """
+    """The ``if``/decorator of the user code calling ``save_state`` (the first frame outside this package)
+    that runs it on some processes only, or None."""
     frame = sys._getframe(1)
     while frame is not None and os.path.dirname(os.path.abspath(frame.f_code.co_filename)) == _PACKAGE_DIR:
         frame = frame.f_back

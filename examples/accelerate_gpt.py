@@ -100,12 +100,15 @@ def train(args: argparse.Namespace) -> dict:
     random.seed(args.seed)
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
+    # a sampler reseeded per epoch: skip_first_batches then replays the interrupted epoch's order
+    loader_config = {"use_seedable_sampler": True}
+    if "data_seed" in DataLoaderConfiguration.__dataclass_fields__:  # not in accelerate 1.0.x
+        loader_config["data_seed"] = args.seed
     accelerator = Accelerator(
         cpu=True,
         project_config=ProjectConfiguration(project_dir=str(args.project_dir), automatic_checkpoint_naming=True,
                                             total_limit=args.total_limit),
-        # a sampler reseeded per epoch: skip_first_batches then replays the interrupted epoch's order
-        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed),
+        dataloader_config=DataLoaderConfiguration(**loader_config),
     )
     settings = {}
     if args.sync:

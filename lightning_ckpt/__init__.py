@@ -4,8 +4,15 @@
 ``docs/lightning.md``. A thin adapter: all checkpoint logic lives in :mod:`torch_ckpt`.
 """
 
+from lightning_ckpt import _compat
 from lightning_ckpt._callback import MTBFCheckpoint
 from lightning_ckpt._checkpoint_io import AsyncDCPCheckpointIO
-from lightning_ckpt._load import load_from_checkpoint
+from lightning_ckpt._load import load_from_checkpoint, read_for_lightning
+
+# once per process, narrow (see each docstring): Lightning's own loader reads our directories; links wait for the
+# commit with the plugin attached or alone; a fresh fit(model) with MTBFCheckpoint warns nothing misleading
+_compat.install_load_hook(read_for_lightning)
+_compat.install_link_hook()
+_compat.install_fresh_fit_hook(lambda callback: isinstance(callback, MTBFCheckpoint))
 
 __all__ = ["AsyncDCPCheckpointIO", "MTBFCheckpoint", "load_from_checkpoint"]

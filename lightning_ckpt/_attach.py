@@ -1,17 +1,11 @@
-"""Attaching :class:`~lightning_ckpt.AsyncDCPCheckpointIO` to a trainer so every rank takes part in every save.
+"""Attaching :class:`~lightning_ckpt.AsyncDCPCheckpointIO` so every rank takes part in every save.
 
-Lightning calls a ``CheckpointIO`` on rank 0 only (FSDP/ModelParallel not at all), so :func:`attach`
-replaces save, remove, load and teardown on this trainer's strategy *instance* (no class is patched):
-
-* single device and DDP: every rank saves; replicated tensors are written once, loop progress and
-  callback states (RNG) per rank; a load is checked against the live model first (no partial load).
-* ModelParallel (FSDP2, TP) and FSDP (``state_dict_type="sharded"``): model and optimizer state go
-  through :class:`torch_ckpt.TrainState` (DTensor shards by parameter name); loading while fitting is
-  the core's checked, all-or-nothing load in place with resharding (evaluation: full tensors).
-
-Before ``fit`` it only registers a callback that installs the wrappers at ``setup`` in every worker
-(``ddp_spawn`` pickles the trainer). ``save_last="link"`` links and loggers' ``after_save_checkpoint``
-wait until the checkpoint they refer to is committed.
+Lightning calls a ``CheckpointIO`` on rank 0 only (FSDP/ModelParallel not at all): :func:`attach` replaces
+save, remove, load and teardown on this trainer's strategy *instance*. Single device/DDP: every rank saves,
+a load is checked against the live model first. ModelParallel (FSDP2, TP) and sharded FSDP: model and
+optimizer state go through :class:`torch_ckpt.TrainState`; loading while fitting is the core's checked,
+all-or-nothing load in place (evaluation: full tensors). Before ``fit`` it registers a picklable callback
+that attaches at ``setup`` in every worker (``ddp_spawn``); loggers' ``after_save_checkpoint`` waits for commits.
 """
 
 from __future__ import annotations
@@ -19,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 
@@ -39,12 +33,11 @@ def sharded(strategy: Any) -> bool:
         ConfigError: a sharded strategy configured to gather a full state dict on rank 0.
     """
     flags = _compat.sharded_flags(strategy)
-    if isinstance(strategy, ModelParallelStrategy) and not flags["save_distributed_checkpoint"]:
-        raise ConfigError("AsyncDCPCheckpointIO writes sharded checkpoints (every rank its shards): use "
-                          "ModelParallelStrategy(save_distributed_checkpoint=True)")
-    if isinstance(strategy, FSDPStrategy) and flags["state_dict_type"] != "sharded":
-        raise ConfigError("AsyncDCPCheckpointIO writes sharded checkpoints (every rank its shards): use "
-                          "FSDPStrategy(state_dict_type='sharded')")
+    fix = "ModelParallelStrategy(save_distributed_checkpoint=True)" if isinstance(strategy, ModelParallelStrategy) \
+        and not flags["save_distributed_checkpoint"] else "FSDPStrategy(state_dict_type='sharded')" \
+        if isinstance(strategy, FSDPStrategy) and flags["state_dict_type"] != "sharded" else None
+    if fix:
+        raise ConfigError(f"AsyncDCPCheckpointIO writes sharded checkpoints (every rank its shards): use {fix}")
     return isinstance(strategy, (ModelParallelStrategy, FSDPStrategy))
 
 
@@ -95,12 +88,12 @@ def attach(io: Any, trainer: Any) -> None:
         module = strategy.lightning_module
         if is_sharded and fitting and optimizers():
             candidates = io.fallbacks.pop(str(path.absolute()), [path])
-            target = io.load_sharded(candidates, _ShardedTarget(strategy.model, optimizers(),
-                                                                strict=module.strict_loading))
+            target = _ShardedTarget(strategy.model, optimizers())
+            io.manager(path.parent).restore(target, path=candidates, allow_cast=io.allow_cast)
             return decode_values(target.loaded, allow_pickle=weights_only is False)
         # DDP/single device restore before the optimizers exist: only the model is checked (by the core)
         live = None if is_sharded else {"state_dict": module.state_dict()}
-        checkpoint = io.load_dir(path, weights_only=weights_only, live=live, strict=module.strict_loading)
+        checkpoint = io.load_checkpoint(path, weights_only=weights_only, live=live, strict=module.strict_loading)
         if is_sharded:  # evaluation: full tensors on every rank, then sharded into the model
             from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
@@ -119,21 +112,9 @@ def attach(io: Any, trainer: Any) -> None:
         strategy.optimizer_state = lambda optimizer: TrainState(
             model=strategy.model, optimizer=[getattr(optimizer, "_optimizer", optimizer)], rng=False,
         ).state_dict()["optimizer"]
-    for callback in trainer.checkpoint_callbacks:
-        if isinstance(callback, ModelCheckpoint):
-            _compat.defer_link_checkpoint(callback, _deferred_link(io))
     for logger in trainer.loggers:
         _defer_after_save(io, logger)
     setattr(strategy, _MARK, io)
-
-
-def _deferred_link(io: Any) -> Any:
-    def link(trainer: Any, filepath: str, linkpath: str) -> None:
-        if Path(filepath).absolute() != Path(linkpath).absolute():
-            io.link_when_committed(str(Path(filepath).absolute()), str(Path(linkpath).absolute()))
-        trainer.strategy.barrier()
-
-    return link
 
 
 def _defer_after_save(io: Any, logger: Any) -> None:
@@ -154,9 +135,9 @@ class _ShardedTarget:
 
     rank_local_keys: tuple[str, ...] = ()  # loops and callbacks of rank 0 (the same on every rank here)
 
-    def __init__(self, model: Any, optimizers: list, *, strict: bool) -> None:
+    def __init__(self, model: Any, optimizers: list) -> None:
         self._states = [TrainState(model=model, optimizer=[o], rng=False) for o in optimizers]
-        self._strict, self.loaded = strict, {}
+        self.loaded: dict[str, Any] = {}
 
     def _route(self, key: str) -> tuple[TrainState, str] | None:
         if key.startswith("optimizer_states."):

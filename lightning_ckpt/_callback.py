@@ -22,39 +22,31 @@ __all__ = ["MTBFCheckpoint"]
 log = logging.getLogger(__name__)
 
 _STAT_KEYS = ("blocking_s", "staging_s", "persist_s", "total_s", "gb_per_s")
-_HEALTH_EVERY_S = 60.0  # how often the lost-work health figure is logged
 _PLAN_KEYS = ("interval_steps", "interval_s", "cost_s", "step_time_s", "expected_overhead", "mtbf_s")
+_HEALTH_EVERY_S = 60.0  # how often ckpt/lost_work_s is logged
 
 
 class MTBFCheckpoint(OnExceptionCheckpoint):
     """Checkpoint at the interval that minimises expected lost work, through ``AsyncDCPCheckpointIO``.
 
-    Needs ``Trainer(plugins=[AsyncDCPCheckpointIO()])``; it attaches the plugin to the trainer so
-    every rank takes part in every save (DDP, FSDP, ModelParallel). Checkpoints are the directories
-    ``DIRPATH/step_NNNNNNNNN`` (one per optimizer step saved).
+    Needs ``Trainer(plugins=[AsyncDCPCheckpointIO()])``, which it attaches so every rank takes part in
+    every save. Checkpoints are the directories ``DIRPATH/step_NNNNNNNNN``.
 
     Args:
         dirpath: Directory of this callback's checkpoints (created if missing).
-        mtbf_seconds: Mean time between failures of the whole job, in seconds or as a duration
-            string (``"8h"``); saves follow the Young/Daly optimal interval from it and the measured
-            save cost. None disables the MTBF policy.
+        mtbf_seconds: Mean time between failures of the whole job, in seconds or a duration string
+            (``"8h"``): saves follow the Young/Daly interval from it and the measured save cost. None: off.
         save_every_n_steps: Also save every this many optimizer steps (None: off).
-        save_every_seconds: Also save when this many seconds (or a duration string) have passed since
-            the last save (None: off).
-        initial_cost_seconds: Save cost assumed by the MTBF policy until a save is measured, in
-            seconds.
+        save_every_seconds: Also save when this many seconds (or a duration string) passed since the last save.
+        initial_cost_seconds: Save cost assumed by the MTBF policy until a save is measured, in seconds.
         formula: ``"daly"`` (default) or ``"young"``.
         min_interval_steps: Never save more often than every this many steps (MTBF policy).
-        keep_last: Keep this many newest committed checkpoints of this callback (None: keep all).
-            Older ones are deleted only after a newer one is committed.
-        save_on_sigterm: On SIGTERM (preemption), save at the next step boundary, wait until the
-            checkpoint is committed, then stop training.
+        keep_last: Keep this many newest committed checkpoints (None: all); older ones go after a commit.
+        save_on_sigterm: On SIGTERM, save at the next step boundary, wait for the commit, then stop.
         save_on_train_end: Save the final step when training ends normally.
-        log_stats: Log each save's statistics (``ckpt/blocking_s``, ``ckpt/persist_s``,
-            ``ckpt/gb_per_s``...) and the schedule (``ckpt/interval_steps``,
-            ``ckpt/expected_overhead``...) through the trainer's loggers.
-        prog_bar: Show checkpoint activity in the progress bar (``ckpt``: last committed step,
-            ``ckpt_saving``: 1 while a save is in flight).
+        log_stats: Log each save's statistics (``ckpt/blocking_s``, ``ckpt/gb_per_s``...) and the schedule
+            (``ckpt/interval_steps``, ``ckpt/expected_overhead``...) through the trainer's loggers.
+        prog_bar: Show ``ckpt`` (last committed step) and ``ckpt_saving`` (1 while saving) in the progress bar.
 
     Raises:
         ConfigError: An argument is out of range.
@@ -78,26 +70,21 @@ class MTBFCheckpoint(OnExceptionCheckpoint):
     ) -> None:
         super().__init__(dirpath=str(dirpath), filename="mtbf")
         # the core's one typed configuration validates these (same names as CheckpointManager's)
-        config = CheckpointConfig(mtbf_seconds=mtbf_seconds, save_every_n_steps=save_every_n_steps,
-                                  save_every_seconds=save_every_seconds, initial_cost_seconds=initial_cost_seconds,
-                                  formula=formula, min_interval_steps=min_interval_steps, keep_last=keep_last)
-        self._policy = config.build_save_policy()
+        self._policy = CheckpointConfig(
+            mtbf_seconds=mtbf_seconds, save_every_n_steps=save_every_n_steps, save_every_seconds=save_every_seconds,
+            initial_cost_seconds=initial_cost_seconds, formula=formula, min_interval_steps=min_interval_steps,
+            keep_last=keep_last).build_save_policy()
         policies = getattr(self._policy, "policies", None) or [self._policy]
         self._young_daly = next((p for p in policies if isinstance(p, YoungDaly)), None)
-        self.keep_last = keep_last
-        self.save_on_sigterm = save_on_sigterm
-        self.save_on_train_end = save_on_train_end
-        self.log_stats = log_stats
-        self.prog_bar = prog_bar
+        self.keep_last, self.save_on_sigterm, self.save_on_train_end = keep_last, save_on_sigterm, save_on_train_end
+        self.log_stats, self.prog_bar = log_stats, prog_bar
         self._io: AsyncDCPCheckpointIO | None = None
-        self._deferred: tuple[int, str, dict[str, Any]] | None = None
         self._manager: Any = None
         self._handlers: tuple[Any, Any] | None = None  # SIGTERM handler before the manager's, and the manager's
         self._candidates: list[Path] = []
-        self._rng = TrainState()  # captures and restores this rank's RNG (Python, NumPy, torch CPU/CUDA) only
+        self._rng = TrainState()  # this rank's RNG (Python, NumPy, torch CPU/CUDA) only
         self._pending_rng: dict[str, Any] | None = None
-        self._rng_at_epoch_start = False
-        self._trainer: Any = None
+        self._deferred: tuple[str, dict[str, Any]] | None = None  # an epoch end's path and Lightning state
         self._unreported: list = []
         self._last_health = float("-inf")
         self._stepped = False
@@ -106,22 +93,14 @@ class MTBFCheckpoint(OnExceptionCheckpoint):
     @property
     @override
     def ckpt_path(self) -> str | None:  # type: ignore[override]
-        """This callback's newest committed checkpoint (what ``ckpt_path="last"`` resumes from), or None.
-
-        When it then fails verification, the plugin falls back to the next older one with a warning.
-        """
+        """The newest committed checkpoint (``ckpt_path="last"``; if it fails verification, the plugin falls
+        back to the next older one with a warning), or None."""
         naming, root = StepNaming(), Path(self.dirpath)
         steps = {naming.step_of(p.name): p for p in root.iterdir()} if root.is_dir() else {}
         self._candidates = [steps[s].absolute() for s in sorted((s for s in steps if s is not None), reverse=True)
                             if is_committed(steps[s])]
         return str(self._candidates[0]) if self._candidates else None
 
-    @property
-    def policy(self) -> Any:
-        """The save policy (``YoungDaly``, ``EveryNSteps``, ``EveryNSeconds``, ``AnyOf`` of them, or None)."""
-        return self._policy
-
-    # -- setup -----------------------------------------------------------------------------------
     @override
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         io = trainer.strategy.checkpoint_io
@@ -129,7 +108,7 @@ class MTBFCheckpoint(OnExceptionCheckpoint):
             raise ConfigError("MTBFCheckpoint needs Trainer(plugins=[lightning_ckpt.AsyncDCPCheckpointIO()]); the "
                               f"trainer's checkpoint IO is {type(io).__name__}")
         io.attach(trainer)
-        self._io, self._trainer = io, trainer
+        self._io = io
         if stage != "fit":
             return
         # hyper-parameters go into every checkpoint: refuse what cannot be stored now, not at the first save
@@ -138,31 +117,23 @@ class MTBFCheckpoint(OnExceptionCheckpoint):
             encode_values({"datamodule_hyper_parameters": dict(trainer.datamodule.hparams)}, io.unsafe_values)
         _compat.isolate_validation_rng(trainer)
         before = signal.getsignal(signal.SIGTERM) if threading.current_thread() is threading.main_thread() else None
-        # collective on every rank: the manager owns the root (stale temporaries, retention of keep_last
-        # newest, superseding after a rollback), the save decision and its agreement, SIGTERM, health
+        # collective: the manager owns the root (temporaries, retention, superseding after a rollback), the
+        # save decision and its agreement, SIGTERM and health
         self._manager = io.manager(self.dirpath, keep_last=self.keep_last, save_policy=self._policy,
                                    preemption_signals=("SIGTERM",) if self.save_on_sigterm else ())
         self._handlers = (before, signal.getsignal(signal.SIGTERM)) if before is not None else None
         if self._candidates:
             io.fallbacks[str(self._candidates[0])] = self._candidates
         io.rng_restored_by_callback = True
-        io.enable_overlap(lambda: {getattr(p, "_local_tensor", p).data_ptr() for p in pl_module.parameters()})
-        self._unreported = []
-        self._stepped, self._last_saved_step, self._deferred = False, None, None
+        io.enable_overlap(pl_module)
+        self._unreported, self._stepped, self._last_saved_step, self._deferred = [], False, None, None
 
     @override
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-        if self.save_on_sigterm:
-            self._install_sigterm_handler(trainer)
-
-    def _install_sigterm_handler(self, trainer: Any) -> None:
-        """Replace Lightning's SIGTERM handler (it stops mid-accumulation, before a save) by the manager's.
-
-        The manager's flag is agreed at the next step boundary; the callback then saves, waits for the
-        commit and raises Lightning's flag. Handlers installed before ``fit`` still run and are restored.
-        """
+        """Replace Lightning's SIGTERM handler (it stops mid-accumulation, before a save) by the manager's,
+        which is agreed at the next step boundary; handlers installed before ``fit`` still run."""
         connector = _compat.signal_connector(trainer)
-        if connector is None or self._handlers is None:
+        if not self.save_on_sigterm or connector is None or self._handlers is None:
             return
         before, record = self._handlers
         _compat.set_original_sigterm_handler(connector, before)
@@ -174,21 +145,12 @@ class MTBFCheckpoint(OnExceptionCheckpoint):
 
         signal.signal(signal.SIGTERM, handler)
 
-    # -- per step --------------------------------------------------------------------------------
-    @override
-    def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
-        if self._rng_at_epoch_start:  # before this epoch's train iterator
-            self._restore_rng()
-
     @override
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
-        self._restore_rng()  # after the resumed epoch's iterator was created, before the forward
-        self._flush_deferred(trainer)
-
-    def _restore_rng(self) -> None:
-        if self._pending_rng is not None:
+        if self._pending_rng is not None:  # resumed: after the epoch's iterator was created, before the forward
             self._rng.load_state_dict({"rng": self._pending_rng})
             self._pending_rng = None
+        self._flush_deferred(trainer)
 
     @override
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
@@ -204,39 +166,57 @@ class MTBFCheckpoint(OnExceptionCheckpoint):
         self._io.poll()
         want = self._manager.should_save(step) if self._policy is not None or self.save_on_sigterm else False
         sigterm = self._manager.preemption_requested
-        # the final step is saved here, at its step boundary: at on_train_end Lightning has already counted
-        # the (possibly unfinished) epoch as completed, so a resume from there would start the next epoch
-        final = self.save_on_train_end and _compat.is_final_batch(trainer)
-        if want or sigterm or final:
-            self._save(trainer, step, at_step_boundary=not (sigterm or final))
+        # the final step is saved at its step boundary: at on_train_end Lightning counts the epoch completed
+        if want or sigterm or (self.save_on_train_end and _compat.is_final_batch(trainer)):
+            self._save(trainer, step, stopping=sigterm)
         if sigterm:
-            self._stop_after_commit(trainer, step)
+            self._io.wait()
+            log.warning("[rank %d] SIGTERM: checkpoint of step %d is committed; stopping", trainer.global_rank, step)
+            connector = _compat.signal_connector(trainer)
+            if connector is not None:
+                connector.received_sigterm = True  # Lightning raises SIGTERMException at the end of this batch
+            trainer.should_stop = True
         self._report(trainer, pl_module)
-        self._report_health(trainer)
+        if self.log_stats and time.monotonic() - self._last_health >= _HEALTH_EVERY_S:
+            lost = self._manager.health()["lost_work_if_failure_now_s"]  # what a failure now would lose
+            if lost is not None:
+                self._last_health = time.monotonic()
+                self._log_metrics(trainer, {"ckpt/lost_work_s": lost})
+                log.info("checkpoint health: a failure now would lose %.1f s of training", lost)
         if self.prog_bar:
             pl_module.log("ckpt_saving", float(self._io.saving), prog_bar=True, logger=False, on_step=True,
                           on_epoch=False)
 
-    def _save(self, trainer: Any, step: int, *, at_step_boundary: bool = True) -> None:
-        """Save ``step``; at an epoch end, Lightning's state is captured now and written at the next batch
-        with the RNG as it is then (the next epoch's iterator draws from it), where a resume restores it."""
+    def _save(self, trainer: Any, step: int, *, stopping: bool = False) -> None:
+        """Save ``step``. At an epoch end, Lightning's state of this step is taken now (its loaders marked
+        finished, so a resume starts the next epoch) and written with the RNG of the next epoch's first
+        batch, where a resume restores it: at that batch, or at once when training stops first."""
         if step == self._last_saved_step:
             return
         self._last_saved_step = step
         path = str(Path(self.dirpath) / StepNaming().name(step))
-        if at_step_boundary and _compat.is_last_batch(trainer):
-            self._deferred = (step, path, _compat.dump_checkpoint(trainer))
+        if not _compat.is_last_batch(trainer):
+            trainer.save_checkpoint(path, weights_only=False)
+            self._track_last_save()
             return
-        trainer.save_checkpoint(path, weights_only=False)
-        self._track_last_save()
+        checkpoint = _compat.dump_checkpoint(trainer)
+        _compat.finish_loader_states(checkpoint)
+        self._deferred = (path, checkpoint)
+        if stopping:
+            self._flush_deferred(trainer, stopping=True)
 
-    def _flush_deferred(self, trainer: Any) -> None:
-        """Write the checkpoint deferred by :meth:`_save`, with this moment's RNG."""
+    def _flush_deferred(self, trainer: Any, *, stopping: bool = False) -> None:
+        """Write the checkpoint deferred by :meth:`_save` with this moment's RNG; when training stops before
+        the next epoch, with the RNG after what that epoch's start draws (the live RNG is then put back)."""
         if self._deferred is None:
             return
-        step, path, checkpoint = self._deferred
-        self._deferred = None
-        checkpoint["callbacks"][self.state_key].update(rng=self._rng.state_dict()["rng"], restore_rng_at="batch")
+        (path, checkpoint), self._deferred = self._deferred, None
+        rng = self._rng.state_dict()["rng"]
+        if stopping:
+            _compat.start_next_epoch(trainer)
+            rng, before = self._rng.state_dict()["rng"], rng
+            self._rng.load_state_dict({"rng": before})
+        checkpoint["callbacks"][self.state_key]["rng"] = rng
         trainer.strategy.save_checkpoint(checkpoint, path)
         trainer.strategy.barrier("MTBFCheckpoint.save")
         self._track_last_save()
@@ -245,43 +225,21 @@ class MTBFCheckpoint(OnExceptionCheckpoint):
         if self._io.last_handle is not None:
             self._unreported.append(self._io.last_handle)
 
-    def _stop_after_commit(self, trainer: Any, step: int) -> None:
-        self._io.wait()
-        log.warning("[rank %d] SIGTERM: checkpoint of step %d is committed; stopping", trainer.global_rank, step)
-        connector = _compat.signal_connector(trainer)
-        if connector is not None:
-            connector.received_sigterm = True  # Lightning raises SIGTERMException at the end of this batch
-        trainer.should_stop = True
-
     @staticmethod
     def _log_metrics(trainer: Any, metrics: dict[str, float]) -> None:
         """Write ``metrics`` once, straight to the loggers (``pl_module.log`` would repeat them per row)."""
-        if trainer.is_global_zero:
-            for logger in trainer.loggers:
-                logger.log_metrics(metrics, step=trainer.global_step)
-
-    def _report_health(self, trainer: Any) -> None:
-        """Every ``_HEALTH_EVERY_S``: the training time a failure right now would lose (``ckpt/lost_work_s``)."""
-        now = time.monotonic()
-        if not self.log_stats or now - self._last_health < _HEALTH_EVERY_S:
-            return
-        lost = self._manager.health()["lost_work_if_failure_now_s"]
-        if lost is None:
-            return
-        self._last_health = now
-        self._log_metrics(trainer, {"ckpt/lost_work_s": lost})
-        log.info("checkpoint health: a failure now would lose %.1f s of training", lost)
+        for logger in trainer.loggers if trainer.is_global_zero else ():
+            logger.log_metrics(metrics, step=trainer.global_step)
 
     def _report(self, trainer: Any, pl_module: Any | None) -> None:
-        """Log the statistics of every save that has committed since the last report (once each)."""
+        """Log the statistics of every save committed since the last report (once each)."""
         while self._unreported and self._unreported[0].done():
             handle = self._unreported.pop(0)
             if handle.committed.exception() is not None:
                 continue
-            stats = handle.stats.as_dict()
-            metrics = {f"ckpt/{k}": float(stats[k]) for k in _STAT_KEYS}
-            info = self._manager.schedule_info() if self._manager is not None else {}
+            stats, info = handle.stats.as_dict(), self._manager.schedule_info()
             plan = next((p for p in info.get("policies", [info]) if "interval_steps" in p), {})  # the MTBF policy's
+            metrics = {f"ckpt/{k}": float(stats[k]) for k in _STAT_KEYS}
             metrics.update({f"ckpt/{k}": float(plan[k]) for k in _PLAN_KEYS if isinstance(plan.get(k), (int, float))})
             if self.log_stats:
                 self._log_metrics(trainer, metrics)
@@ -291,19 +249,15 @@ class MTBFCheckpoint(OnExceptionCheckpoint):
             if self.prog_bar and pl_module is not None:
                 pl_module.log("ckpt", float(handle.step), prog_bar=True, logger=False, on_step=True, on_epoch=False)
 
-    # -- end of training -------------------------------------------------------------------------
     @override
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
-        """Save the final step unless already saved, wait for it, log its statistics.
-
-        A stop inside an epoch (``should_stop``, ``max_time``) is not saved: Lightning counts that epoch
-        as completed, so such a checkpoint would resume at the next epoch.
-        """
-        self._flush_deferred(trainer)
+        """Save the final step unless already saved, wait for it, log its statistics. A stop inside an
+        epoch (``should_stop``, ``max_time``) is not saved: Lightning counts that epoch as completed."""
+        self._flush_deferred(trainer, stopping=True)
         step = trainer.global_step
         if self.save_on_train_end and step > 0 and step != self._last_saved_step:
-            if _compat.is_last_batch(trainer):
-                self._save(trainer, step, at_step_boundary=False)
+            if _compat.is_last_batch(trainer):  # stopped at an epoch end by should_stop: the epoch counts completed
+                self._save(trainer, step, stopping=True)
             else:
                 log.info("training stopped inside an epoch at step %d: not saving it at train end (it would resume "
                          "at the next epoch); the newest checkpoint is step %s", step, self._last_saved_step)
@@ -313,10 +267,9 @@ class MTBFCheckpoint(OnExceptionCheckpoint):
     @override
     def on_exception(self, trainer: Any, *_: Any, **__: Any) -> None:
         """Wait for the in-flight save (loggers are finalized next); never save a half-finished step."""
-        if self._io is None:
-            return
         try:
-            self._io.wait()
+            if self._io is not None:
+                self._io.wait()
         except Exception:
             log.exception("checkpoint error while handling another exception")
 
@@ -324,18 +277,14 @@ class MTBFCheckpoint(OnExceptionCheckpoint):
     def teardown(self, trainer: Any, *_: Any, **__: Any) -> None:
         """Nothing to remove (unlike ``OnExceptionCheckpoint``); the plugin's teardown waits for saves."""
 
-    # -- resume ----------------------------------------------------------------------------------
     @override
     def state_dict(self) -> dict[str, Any]:
-        # RNG is restored before the first resumed batch; a final save at an epoch end cannot wait for the
-        # next batch (see _save), so that resume restores it at epoch start, before the train iterator.
-        at_epoch_end = self._trainer is not None and _compat.is_last_batch(self._trainer)
-        return {"rng": self._rng.state_dict()["rng"], "restore_rng_at": "epoch_start" if at_epoch_end else "batch",
+        # the RNG is restored right before the first resumed batch (at an epoch end, see _save)
+        return {"rng": self._rng.state_dict()["rng"],
                 "young_daly": None if self._young_daly is None else self._young_daly.state_dict()}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._pending_rng = state_dict.get("rng")
-        self._rng_at_epoch_start = state_dict.get("restore_rng_at") == "epoch_start"
         if self._young_daly is not None and state_dict.get("young_daly"):
             self._young_daly.load_state_dict(state_dict["young_daly"])

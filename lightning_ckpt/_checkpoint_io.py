@@ -1,8 +1,5 @@
-"""``AsyncDCPCheckpointIO``: a Lightning ``CheckpointIO`` whose saves are asynchronous, atomic DCP checkpoints.
-
-Every operation goes through one :class:`torch_ckpt.CheckpointManager`. Links, removals and loggers'
-``after_save_checkpoint`` issued while a save is in flight run once it is committed, links first.
-"""
+"""``AsyncDCPCheckpointIO``: a Lightning ``CheckpointIO`` saving asynchronous, atomic DCP checkpoints through one
+:class:`torch_ckpt.CheckpointManager`; links, removals and logger calls made during a save run once it is committed."""
 
 from __future__ import annotations
 
@@ -10,7 +7,7 @@ import logging
 import os
 import sys
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -27,10 +24,11 @@ from torch_ckpt import CheckpointConfig, CheckpointManager, ConfigError, SaveHan
 __all__ = ["AsyncDCPCheckpointIO"]
 
 log = logging.getLogger(__name__)
+_PICKLED_FIELDS = ("_config", "verify_on_load", "unsafe_values", "allow_cast", "wait_outside_fit")
 
 
 class _LightningState:
-    """The checkpoint dict as the core's ``Stateful``: rank-local keys and overlap staging."""
+    """The checkpoint dict as the core's ``Stateful``, with its rank-local keys and overlap-staged tensors."""
 
     rank_local_keys = RANK_LOCAL_KEYS
 
@@ -41,32 +39,26 @@ class _LightningState:
         return self._state
 
     def optimizer_owned_keys(self, tensors: dict[str, torch.Tensor]) -> set[str]:
-        """Parameters and optimizer state: copied in the background until the next optimizer step."""
-        if self._param_ptrs is None:
-            return set()
-        return {k for k, t in tensors.items() if k.startswith("optimizer_states.") or (
-            k.startswith("state_dict.") and getattr(t, "_local_tensor", t).data_ptr() in self._param_ptrs)}
+        """Parameters and optimizer state, copied in the background until the next optimizer step."""
+        return set() if self._param_ptrs is None else {k for k, t in tensors.items() if k.startswith(
+            "optimizer_states.") or (k.startswith("state_dict.") and _ptr(t) in self._param_ptrs)}
 
     def optimizers(self) -> list:
-        # Lightning runs forward/backward inside optimizer.step(closure): MTBFCheckpoint waits in
-        # on_before_optimizer_step instead of an optimizer step pre-hook
-        return []
+        return []  # Lightning steps inside optimizer.step(closure): MTBFCheckpoint waits in on_before_optimizer_step
 
 
 class AsyncDCPCheckpointIO(CheckpointIO):
     """Asynchronous, atomic, pickle-free DCP checkpoints for Lightning: ``Trainer(plugins=[AsyncDCPCheckpointIO()])``.
 
-    Checkpoints are directories at the paths Lightning asks for (``epoch=0-step=100.ckpt/``).
-    ``load_checkpoint`` reads them and still reads plain ``.ckpt`` files. Multi-process strategies
-    need the plugin attached so every rank takes part in each save (:class:`~lightning_ckpt.MTBFCheckpoint`
-    attaches it, or call :meth:`attach`). With the plugin alone, the RNG is not restored on resume
-    (see ``docs/lightning.md``).
+    Checkpoints are directories at the paths Lightning asks for; plain ``.ckpt`` files still load.
+    Multi-process strategies need it attached (:class:`~lightning_ckpt.MTBFCheckpoint` or :meth:`attach`);
+    alone it does not restore the RNG (see ``docs/lightning.md``).
 
     Args:
         async_save: Persist in a background thread (default) or inside ``save_checkpoint``.
         persist: Where background writes run: ``"thread"`` (default) or ``"process"``.
-        overlap_staging: With :class:`~lightning_ckpt.MTBFCheckpoint`, copy parameters and optimizer
-            state in the background while the next forward/backward runs.
+        overlap_staging: With ``MTBFCheckpoint``, copy parameters and optimizer state in the background
+            while the next forward/backward runs.
         writer_niceness: Nice increment (0-19) of the writer on Linux; 0 leaves it unchanged.
         staging_budget_bytes: Host bytes for the reusable staging buffer; default half of the RAM.
         thread_count: DCP writer threads per rank.
@@ -74,10 +66,9 @@ class AsyncDCPCheckpointIO(CheckpointIO):
         verify_on_load: Check the CRC-32 of every file before loading (sizes are always checked).
         unsafe_values: Values only pickling could store: ``"error"`` (default) raises naming the key;
             ``"pickle"`` stores them pickled (loading them then needs ``weights_only=False``).
-        allow_cast: Accept dtype differences between the checkpoint and the live model/optimizers
-            when loading into an attached trainer (each cast key is logged once).
-        wait_outside_fit: A save outside a running ``fit`` (``trainer.save_checkpoint`` by hand after
-            training) returns only once the checkpoint is committed.
+        allow_cast: Accept dtype differences between the checkpoint and the live model when loading into an
+            attached trainer (each cast key is logged once).
+        wait_outside_fit: A save outside a running ``fit`` returns only once the checkpoint is committed.
 
     Raises:
         ConfigError: An argument is out of range.
@@ -98,11 +89,10 @@ class AsyncDCPCheckpointIO(CheckpointIO):
         allow_cast: bool = False,
         wait_outside_fit: bool = True,
     ) -> None:
-        if unsafe_values not in UNSAFE_VALUE_MODES:
-            raise ConfigError(f"unsafe_values must be one of {UNSAFE_VALUE_MODES}, got {unsafe_values!r}")
-        for name, value in (("allow_cast", allow_cast), ("wait_outside_fit", wait_outside_fit)):
-            if not isinstance(value, bool):
-                raise ConfigError(f"{name} must be True or False, got {value!r}")
+        if unsafe_values not in UNSAFE_VALUE_MODES or not isinstance(allow_cast, bool) or \
+                not isinstance(wait_outside_fit, bool):
+            raise ConfigError(f"unsafe_values must be one of {UNSAFE_VALUE_MODES} and allow_cast/wait_outside_fit "
+                              f"booleans, got {unsafe_values!r}, {allow_cast!r}, {wait_outside_fit!r}")
         # the core's one typed configuration validates the manager's settings (same names and defaults)
         self._config = CheckpointConfig(async_save=async_save, persist=persist, overlap_staging=overlap_staging,
                                         writer_niceness=writer_niceness, staging_budget_bytes=staging_budget_bytes,
@@ -121,44 +111,34 @@ class AsyncDCPCheckpointIO(CheckpointIO):
         self.fallbacks: dict[str, list[Path]] = {}  # "last" -> newest-first candidates (MTBFCheckpoint)
         self.last_handle: SaveHandle | None = None
 
-    def __getstate__(self) -> dict[str, Any]:
-        # ddp_spawn pickles the strategy and its plugins; runtime state stays behind
-        return {k: v for k, v in self.__dict__.items() if k in (
-            "_config", "verify_on_load", "unsafe_values", "allow_cast", "wait_outside_fit")}
+    def __getstate__(self) -> dict[str, Any]:  # ddp_spawn pickles the plugin: runtime state stays behind
+        return {k: v for k, v in self.__dict__.items() if k in _PICKLED_FIELDS}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._reset_runtime()
 
-    # -- wiring ----------------------------------------------------------------------------------
     def attach(self, trainer: Any) -> None:
-        """Route every checkpoint operation of ``trainer`` through this plugin on every rank.
-
-        Call before ``fit``; :class:`~lightning_ckpt.MTBFCheckpoint` does it for you.
+        """Route every checkpoint operation of ``trainer`` through this plugin on every rank (before ``fit``).
 
         Raises:
-            ConfigError: this plugin is not the trainer's checkpoint IO, or a sharded strategy gathers
-                full state dicts.
+            ConfigError: not the trainer's checkpoint IO, or a sharded strategy gathers full state dicts.
         """
         from lightning_ckpt._attach import attach
 
         attach(self, trainer)
 
     def start_fit(self) -> None:
-        """Called by the attachment inside ``fit``: every rank now calls save/remove/load (collective)."""
-        self._collective = self._in_fit = True
-        self._after_fit = False
+        """Called once attached inside ``fit``: every rank now calls save/remove/load (collective)."""
+        self._collective, self._in_fit, self._after_fit = True, True, False
 
-    def enable_overlap(self, param_ptrs: Callable[[], set[int]]) -> None:
-        """Let saves copy parameters/optimizer state in the background (the caller waits before steps)."""
-        self._param_ptrs = param_ptrs
+    def enable_overlap(self, module: Any) -> None:
+        """Let saves copy ``module``'s parameters and optimizer state in the background (the caller waits)."""
+        self._param_ptrs = lambda: {_ptr(p) for p in module.parameters()}
 
     def manager(self, directory: str | os.PathLike | None = None, **kwargs: Any) -> CheckpointManager:
-        """The core manager, created on first use (collectively once attached) with root ``directory``.
-
-        Args:
-            directory: root of the manager (default: the directory of the first checkpoint saved).
-            kwargs: further :class:`~torch_ckpt.CheckpointManager` arguments for a manager created now.
+        """The core manager, created on first use (collectively once attached) with root ``directory``
+        (default: the first checkpoint's directory) and ``kwargs`` (:class:`~torch_ckpt.CheckpointConfig` fields).
 
         Raises:
             ConfigError: no manager yet and no ``directory``.
@@ -166,26 +146,30 @@ class AsyncDCPCheckpointIO(CheckpointIO):
         if self._manager is None:
             if directory is None:
                 raise ConfigError("AsyncDCPCheckpointIO has no checkpoint directory yet")
-            config = self._config.replace(naming=StepNaming(), **{"keep_last": None, **kwargs})
-            self._manager = CheckpointManager(directory, config=config)
+            self._manager = CheckpointManager(directory, config=self._config.replace(
+                naming=StepNaming(), **{"keep_last": None, **kwargs}))
         return self._manager
 
-    # -- saving ----------------------------------------------------------------------------------
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
         """Stage ``checkpoint`` and return; it is committed at ``path`` (a directory) in the background.
 
         Raises:
-            TypeError: ``storage_options`` is given (not supported).
-            ConfigError: a value cannot be stored without pickling (see ``unsafe_values``), or ``path``
-                exists and is not a torch-ckpt checkpoint.
+            TypeError: ``storage_options`` is given.
+            ConfigError: a value needs pickling (see ``unsafe_values``), or ``path`` is not a torch-ckpt checkpoint.
             CheckpointError: an earlier background save failed (raised once).
         """
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint does not support storage_options")
         path = _local_path(path).absolute()
-        if world()[1] > 1 and not self._collective:
-            self._save_rank_zero_fallback(checkpoint, path)
+        if world()[1] > 1 and not self._collective:  # Lightning calls us on rank 0 only
+            if world()[0] == 0:
+                if not self._warned_fallback:
+                    self._warned_fallback = True
+                    rank_zero_warn("AsyncDCPCheckpointIO is called on rank 0 only (not attached to a running fit), so "
+                                   "this checkpoint is written synchronously as a plain .ckpt file. Add lightning_ckpt."
+                                   "MTBFCheckpoint to the callbacks or call plugin.attach(trainer) before fit.")
+                TorchCheckpointIO().save_checkpoint(checkpoint, path)
             return
         state = _LightningState(encode_values(checkpoint, self.unsafe_values),
                                 self._param_ptrs() if self._param_ptrs is not None else None)
@@ -197,28 +181,21 @@ class AsyncDCPCheckpointIO(CheckpointIO):
         if self.wait_outside_fit and self._after_fit:
             self.wait()
 
-    def _save_rank_zero_fallback(self, checkpoint: dict[str, Any], path: Path) -> None:
-        if world()[0] != 0:
-            return
-        if not self._warned_fallback:
-            self._warned_fallback = True
-            rank_zero_warn("AsyncDCPCheckpointIO is called on rank 0 only (not attached to a running fit), so this "
-                           "checkpoint is written synchronously as a plain .ckpt file. Add "
-                           "lightning_ckpt.MTBFCheckpoint to the callbacks or call plugin.attach(trainer) before fit.")
-        TorchCheckpointIO().save_checkpoint(checkpoint, path)
+    @property
+    def saving(self) -> bool:
+        """True while a save is in flight (staged, not yet committed)."""
+        return self.last_handle is not None and not self.last_handle.committed.done()
 
     def _after_commit(self, order: int, what: str, action: Callable[[], None]) -> None:
         """Run ``action`` now, or once the in-flight save is committed (links 0, removals 1, loggers 2)."""
-        if not self.saving:
+        if self.saving:
+            self._pending.append((order, what, action))
+        else:
             action()
-            return
-        self._pending.append((order, what, action))
 
     def _run_pending(self) -> None:
-        failed = self.last_handle is not None and self.last_handle.committed.done() \
-            and self.last_handle.committed.exception() is not None
-        pending, self._pending = sorted(self._pending, key=lambda item: item[0]), []
-        if failed and pending:
+        handle, (pending, self._pending) = self.last_handle, (sorted(self._pending, key=lambda p: p[0]), [])
+        if pending and handle is not None and handle.committed.done() and handle.committed.exception() is not None:
             log.warning("the last save failed: not carrying out %s, so older checkpoints stay in place",
                         [what for _, what, _ in pending])
             return
@@ -229,25 +206,20 @@ class AsyncDCPCheckpointIO(CheckpointIO):
                 log.warning("after a commit: could not %s: %s", what, exc)
 
     def link_when_committed(self, target: str, link: str) -> None:
-        """Point ``link`` at ``target`` atomically (rank 0), once ``target``'s save is committed."""
-        if world()[0] == 0:
-            self._after_commit(0, f"link {link} -> {target}", lambda: self._link(Path(target), Path(link)))
+        """Point ``link`` at ``target`` atomically, once ``target``'s save is committed (rank 0 calls it)."""
 
-    def _link(self, target: Path, link: Path) -> None:
-        if link.is_dir() and not link.is_symlink():
-            self._manager.remove(link)  # a checkpoint saved there earlier (save_last=True)
-        tmp = link.with_name(f".{link.name}.link-{uuid.uuid4().hex[:8]}")
-        os.symlink(os.path.relpath(target, link.parent), tmp)
-        os.replace(tmp, link)
+        def relink() -> None:
+            if os.path.isdir(link) and not os.path.islink(link):
+                self._manager.remove(link)  # a checkpoint saved there earlier (save_last=True)
+            tmp = os.path.join(os.path.dirname(link), f".{os.path.basename(link)}.link-{uuid.uuid4().hex[:8]}")
+            os.symlink(os.path.relpath(target, os.path.dirname(link)), tmp)
+            os.replace(tmp, link)
+
+        self._after_commit(0, f"link {link} -> {target}", relink)
 
     def call_when_committed(self, call: Callable[[], None]) -> None:
-        """Run ``call`` on this thread once the in-flight save is committed (logger notifications)."""
+        """Run ``call`` (a logger notification) on this thread once the in-flight save is committed."""
         self._after_commit(2, "notify loggers", call)
-
-    @property
-    def saving(self) -> bool:
-        """True while a save is in flight (staged, not yet committed)."""
-        return self.last_handle is not None and not self.last_handle.committed.done()
 
     def poll(self) -> None:
         """Carry out deferred links, removals and logger calls if the in-flight save has committed."""
@@ -267,55 +239,37 @@ class AsyncDCPCheckpointIO(CheckpointIO):
         finally:
             self._run_pending()
 
-    # -- removing --------------------------------------------------------------------------------
     @override
     def remove_checkpoint(self, path: Any) -> None:
         """Delete the checkpoint at ``path`` (directory, file or link) once the in-flight save is committed."""
         target = _local_path(path).absolute()
-        if world()[0] != 0:
-            return
-        if target.is_symlink() or target.is_file():
+        if world()[0] == 0 and (target.is_symlink() or target.is_file()):
             self._after_commit(1, f"remove {target}", lambda: target.unlink(missing_ok=True))
-        elif self._manager is not None:
+        elif world()[0] == 0 and self._manager is not None:
             self._after_commit(1, f"remove {target}", lambda: self._manager.remove(target))
 
-    # -- loading ---------------------------------------------------------------------------------
     @staticmethod
     def is_checkpoint_dir(path: Any) -> bool:
         """True if ``path`` is a committed torch-ckpt checkpoint directory."""
         return is_committed(path)
 
     @override
-    def load_checkpoint(self, path: Any, map_location: Any | None = None,
-                        weights_only: bool | None = None) -> dict[str, Any]:
-        """Return the checkpoint dict Lightning expects, from a torch-ckpt directory or a plain ``.ckpt`` file.
+    def load_checkpoint(self, path: Any, map_location: Any | None = None, weights_only: bool | None = None, *,
+                        live: dict[str, Any] | None = None, strict: bool = True) -> dict[str, Any]:
+        """The checkpoint dict Lightning expects, from a torch-ckpt directory or a plain ``.ckpt`` file.
 
-        For ``ckpt_path="last"`` offered by :class:`~lightning_ckpt.MTBFCheckpoint`, a checkpoint that
-        fails verification falls back to the next older one with a warning; an explicit path raises.
+        For ``ckpt_path="last"`` of :class:`~lightning_ckpt.MTBFCheckpoint`, a checkpoint failing verification
+        falls back to the next older one with a warning; an explicit path raises. Once attached, a directory
+        is first checked against ``live`` (``{"state_dict": <the live model's state>}``; keys when ``strict``).
 
         Raises:
             CheckpointNotFoundError: ``path`` is a directory but not a committed checkpoint.
             CheckpointCorruptError: a file fails verification.
+            StateMismatchError: the checkpoint does not match ``live``; nothing was loaded.
             UnsafeCheckpointError: pickled values and ``weights_only`` is not False.
         """
         if not Path(path).is_dir():
             return TorchCheckpointIO().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
-        return self.load_dir(path, weights_only=weights_only, map_location=map_location)
-
-    def load_dir(self, path: Any, *, weights_only: bool | None = None, map_location: Any = None,
-                 live: dict[str, Any] | None = None, strict: bool = True) -> dict[str, Any]:
-        """:meth:`load_checkpoint` of a directory; once attached, checked against ``live`` state first.
-
-        Args:
-            path: the checkpoint directory.
-            weights_only: False allows values stored pickled.
-            map_location: device (or device string) for the tensors.
-            live: ``{"state_dict": <the live model's state>}`` to check against (attached only).
-            strict: require the model's keys to match.
-
-        Raises:
-            StateMismatchError: the checkpoint does not match ``live``; nothing was loaded.
-        """
         candidates = self.fallbacks.pop(str(Path(path).absolute()), [Path(path)])
         if self._in_fit and not self.rng_restored_by_callback and not self._warned_rng:
             self._warned_rng = True
@@ -334,24 +288,18 @@ class AsyncDCPCheckpointIO(CheckpointIO):
             if manager is not None and manager is not self._manager:
                 manager.close()
 
-    def load_sharded(self, candidates: Sequence[Path], target: Any) -> Any:
-        """Load the first intact candidate into ``target`` in place through the manager (every rank)."""
-        self.manager(Path(candidates[0]).parent).restore(target, path=list(candidates), allow_cast=self.allow_cast)
-        return target
-
-    # -- lifecycle -------------------------------------------------------------------------------
     @override
     def teardown(self) -> None:
-        """Wait for the in-flight save and release the manager; raise a background error (once), or log
-        it while another exception propagates."""
+        """Wait for the in-flight save, release the manager; raise a background error once (log it while
+        another exception propagates)."""
         propagating = sys.exc_info()[1]  # Lightning tears down inside `except` when training failed
         self._collective = self._in_fit = False  # until attached again: later rank-0-only calls must not block
-        self._after_fit = True
+        self._after_fit, manager = True, self._manager
         try:
             try:
                 self.wait()
             finally:
-                manager, self._manager = self._manager, None
+                self._manager = None
                 if manager is not None:
                     manager.close()
         except Exception:
@@ -359,6 +307,10 @@ class AsyncDCPCheckpointIO(CheckpointIO):
             if propagating is None:
                 raise
             log.exception("checkpoint error during teardown while %r propagates", propagating)
+
+
+def _ptr(tensor: torch.Tensor) -> int:
+    return getattr(tensor, "_local_tensor", tensor).data_ptr()  # a DTensor's local shard
 
 
 def _local_path(path: Any) -> Path:

@@ -1,113 +1,207 @@
-"""Every use of a Lightning private attribute or loop internal, in one place.
+"""Every use of a Lightning (or torchdata) private attribute or loop internal, in one place.
 
-Each is checked against ``lightning`` 2.6.6 (the version tested; ``pyproject.toml`` pins the range).
+Each is checked against ``lightning`` 2.6.6 and ``torchdata`` 0.11 (the versions tested; ``pyproject.toml``
+pins the ranges). The ``install_*`` hooks wrap a Lightning function once per process (idempotent).
 """
 
 from __future__ import annotations
 
-import logging
+import errno
+import os
+import signal
 from collections.abc import Callable
 from typing import Any
 
 __all__ = [
-    "defer_link_checkpoint", "dump_checkpoint", "is_final_batch", "is_last_batch", "isolate_validation_rng",
-    "load_module_state",
-    "set_original_sigterm_handler", "sharded_flags", "signal_connector",
+    "dump_checkpoint", "finish_loader_states", "install_fresh_fit_hook", "install_link_hook", "install_load_hook",
+    "is_final_batch", "is_last_batch", "isolate_validation_rng", "set_original_sigterm_handler", "sharded_flags",
+    "signal_connector", "start_next_epoch",
 ]
 
-log = logging.getLogger(__name__)
 _MARK = "_lightning_ckpt_wrapped"
 
 
-def defer_link_checkpoint(callback: Any, link: Callable[[Any, str, str], None]) -> bool:
-    """Replace ``ModelCheckpoint._link_checkpoint(trainer, filepath, linkpath)`` on this instance (2.6.6).
-
-    Returns:
-        False when the attribute does not exist (links are then not deferred).
-    """
-    if not hasattr(callback, "_link_checkpoint"):
-        return False
-    callback._link_checkpoint = link
-    return True
-
-
 def signal_connector(trainer: Any) -> Any:
-    """``trainer._signal_connector`` (``_original_handlers``, ``received_sigterm``), or None (2.6.6)."""
+    """``trainer._signal_connector`` (``_original_handlers``, ``received_sigterm``), or None."""
     return getattr(trainer, "_signal_connector", None)
 
 
+def set_original_sigterm_handler(connector: Any, handler: Any) -> None:
+    """Make Lightning restore ``handler`` for SIGTERM after ``fit`` (``_original_handlers``)."""
+    originals = getattr(connector, "_original_handlers", None)
+    if isinstance(originals, dict) and signal.SIGTERM in originals:
+        originals[signal.SIGTERM] = handler
+
+
 def sharded_flags(strategy: Any) -> dict[str, Any]:
-    """``ModelParallelStrategy._save_distributed_checkpoint`` and ``FSDPStrategy._state_dict_type`` (2.6.6)."""
+    """``ModelParallelStrategy._save_distributed_checkpoint`` and ``FSDPStrategy._state_dict_type``."""
     return {"save_distributed_checkpoint": getattr(strategy, "_save_distributed_checkpoint", True),
             "state_dict_type": getattr(strategy, "_state_dict_type", "sharded")}
 
 
 def is_last_batch(trainer: Any) -> bool:
-    """``trainer.fit_loop.epoch_loop.batch_progress.is_last_batch``: the batch ended its epoch (2.6.6)."""
-    try:
-        return bool(trainer.fit_loop.epoch_loop.batch_progress.is_last_batch)
-    except AttributeError:
-        return False
-
-
-def isolate_validation_rng(trainer: Any) -> bool:
-    """Run validation during ``fit`` inside ``isolate_rng()``, as Lightning runs the sanity check.
-
-    A resumed run skips the validation after the saved step, so its RNG draws would otherwise shift.
-    Wraps ``trainer.fit_loop.epoch_loop.val_loop.run`` on the instance (idempotent; 2.6.6).
-
-    Returns:
-        False when the loop attribute does not exist (validation then shares the training stream).
-    """
-    from lightning.pytorch.utilities.seed import isolate_rng
-
-    try:
-        val_loop = trainer.fit_loop.epoch_loop.val_loop
-    except AttributeError:
-        return False
-    run = val_loop.run
-    if getattr(run, _MARK, False):
-        return True
-
-    def isolated_run(*args: Any, **kwargs: Any) -> Any:
-        if trainer.sanity_checking:  # Lightning isolates the sanity check itself
-            return run(*args, **kwargs)
-        with isolate_rng():
-            return run(*args, **kwargs)
-
-    setattr(isolated_run, _MARK, True)
-    val_loop.run = isolated_run
-    return True
-
-
-def load_module_state(cls: type, checkpoint: dict[str, Any], *, strict: bool | None, **kwargs: Any) -> Any:
-    """Build ``cls`` from a checkpoint dict as ``cls.load_from_checkpoint`` does (``saving._load_state``, 2.6.6)."""
-    from lightning.pytorch.core.saving import _load_state
-
-    return _load_state(cls, checkpoint, strict=strict, **kwargs)
-
-
-def dump_checkpoint(trainer: Any) -> dict[str, Any]:
-    """The dict ``trainer.save_checkpoint`` would write now, hooks included (``_checkpoint_connector``, 2.6.6).
-
-    Tensors are the live ones (valid until the next optimizer step); everything else is a snapshot.
-    """
-    return trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+    """``fit_loop.epoch_loop.batch_progress.is_last_batch``: the batch ended its epoch."""
+    return bool(trainer.fit_loop.epoch_loop.batch_progress.is_last_batch)
 
 
 def is_final_batch(trainer: Any) -> bool:
     """Whether training stops after this batch: ``max_steps`` reached, or the last batch of the last epoch."""
     if 0 < trainer.max_steps <= trainer.global_step:
         return True
-    max_epochs = trainer.max_epochs
-    return max_epochs is not None and max_epochs > 0 and trainer.current_epoch + 1 >= max_epochs \
-        and is_last_batch(trainer)
+    return (trainer.max_epochs or 0) > 0 and trainer.current_epoch + 1 >= trainer.max_epochs and is_last_batch(trainer)
 
 
-def set_original_sigterm_handler(connector: Any, handler: Any) -> None:
-    """Make Lightning restore ``handler`` for SIGTERM after ``fit`` (``_original_handlers``, 2.6.6)."""
-    import signal
+def isolate_validation_rng(trainer: Any) -> None:
+    """Run validation during ``fit`` inside ``isolate_rng()`` (Lightning does so for the sanity check only):
+    a resumed run skips the validation after the saved step. Wraps ``fit_loop.epoch_loop.val_loop.run``."""
+    from lightning.pytorch.utilities.seed import isolate_rng
 
-    originals = getattr(connector, "_original_handlers", None)
-    if isinstance(originals, dict) and signal.SIGTERM in originals:
-        originals[signal.SIGTERM] = handler
+    val_loop = trainer.fit_loop.epoch_loop.val_loop
+    run = val_loop.run
+    if getattr(run, _MARK, False):
+        return
+
+    def isolated_run(*args: Any, **kwargs: Any) -> Any:
+        if trainer.sanity_checking:  # already isolated by Lightning
+            return run(*args, **kwargs)
+        with isolate_rng():
+            return run(*args, **kwargs)
+
+    setattr(isolated_run, _MARK, True)
+    val_loop.run = isolated_run
+
+
+def dump_checkpoint(trainer: Any) -> dict[str, Any]:
+    """The dict ``trainer.save_checkpoint`` would write now, hooks included (``_checkpoint_connector``);
+    its tensors are the live ones (valid until the next optimizer step)."""
+    return trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+
+
+def finish_loader_states(checkpoint: dict[str, Any]) -> None:
+    """Mark the train loaders' states of a checkpoint taken at an epoch's last batch as finished iterators.
+
+    Lightning's fetcher knows a sized loader's length, so at the last batch torchdata's
+    ``StatefulDataLoader`` state still says "not finished": a resume restored the exhausted iterator and
+    Lightning ran an empty epoch (``current_epoch`` and epoch-seeded samplers one too high). With
+    ``_iterator_finished`` set, the loader starts the next epoch with a fresh iterator; the sampler's own
+    ``yielded`` (which ``StatefulDistributedSampler`` would carry into it) is reset. The states are
+    Lightning's ``loops.fit_loop.state_dict.combined_loader``.
+    """
+
+    def finish(node: Any) -> None:
+        if isinstance(node, dict) and "_iterator_finished" in node:
+            node["_iterator_finished"] = True
+            sampler = (node.get("_sampler_iter_state") or {}).get("sampler_state")
+            if isinstance(sampler, dict) and "yielded" in sampler:
+                sampler["yielded"] = 0
+        for value in node.values() if isinstance(node, dict) else node if isinstance(node, list) else ():
+            finish(value)
+
+    finish(checkpoint.get("loops", {}).get("fit_loop", {}).get("state_dict", {}).get("combined_loader"))
+
+
+def start_next_epoch(trainer: Any) -> None:
+    """Draw what the next epoch's start draws, as the fit loop would: set the train samplers' epoch
+    (``_set_sampler_epoch``), create each train loader's iterator (``_combined_loader``), fetch a batch.
+    Only for a run stopping at an epoch end (the iterators are left started)."""
+    from lightning.fabric.utilities.data import _set_sampler_epoch
+
+    progress = trainer.fit_loop.epoch_progress.current
+    loaders = trainer.fit_loop._combined_loader.flattened
+    for loader in loaders:
+        _set_sampler_epoch(loader, progress.processed + (progress.ready > progress.processed))
+    for iterator in [iter(loader) for loader in loaders]:
+        next(iterator, None)
+
+
+def install_link_hook() -> None:
+    """``ModelCheckpoint(save_last="link")`` links wait for the commit of what they name.
+
+    ``ModelCheckpoint._link_checkpoint`` (a static method) replaces the link at once, while our save is
+    still written. The wrapper hands it to the trainer's checkpoint IO when that has ``link_when_committed``
+    (ours, attached or alone); every other IO keeps Lightning's behaviour.
+    """
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    original = ModelCheckpoint._link_checkpoint
+    if getattr(original, _MARK, False):
+        return
+
+    def link(trainer: Any, filepath: str, linkpath: str) -> None:
+        defer = getattr(trainer.strategy.checkpoint_io, "link_when_committed", None)
+        if defer is None:
+            return original(trainer, filepath, linkpath)
+        if trainer.is_global_zero and os.path.abspath(filepath) != os.path.abspath(linkpath):
+            defer(os.path.abspath(filepath), os.path.abspath(linkpath))
+        trainer.strategy.barrier()
+        return None
+
+    setattr(link, _MARK, True)
+    ModelCheckpoint._link_checkpoint = staticmethod(link)
+
+
+def install_load_hook(load_dir: Callable[[str, Any, bool | None], dict[str, Any]]) -> None:
+    """Lightning's own loader reads torch-ckpt directories.
+
+    ``LightningModule.load_from_checkpoint`` and ``TorchCheckpointIO.load_checkpoint`` (a Trainer without
+    our plugin) read through ``fabric.utilities.cloud_io._load``, bound at import as ``core.saving.pl_load``
+    and ``plugins.io.torch_io.pl_load``; the three names get one wrapper. Only a local directory holding
+    ``manifest.json`` goes to ``load_dir(path, map_location, weights_only)``; anything else goes to
+    Lightning unchanged, and its ``IsADirectoryError`` for another directory says what to do.
+    """
+    from lightning.fabric.plugins.io import torch_io
+    from lightning.fabric.utilities import cloud_io
+    from lightning.pytorch.core import saving
+
+    original = cloud_io._load
+    if getattr(original, _MARK, False):
+        return
+
+    def _load(path_or_url: Any, map_location: Any = None, weights_only: bool | None = None) -> Any:
+        local = isinstance(path_or_url, (str, os.PathLike)) and "://" not in os.fspath(path_or_url)
+        if local and os.path.isfile(os.path.join(path_or_url, "manifest.json")):
+            return load_dir(os.fspath(path_or_url), map_location, weights_only)
+        try:
+            return original(path_or_url, map_location=map_location, weights_only=weights_only)
+        except IsADirectoryError as exc:
+            raise IsADirectoryError(errno.EISDIR, (
+                f"{path_or_url} is a directory, not a checkpoint file, and not a torch-ckpt checkpoint (no "
+                "manifest.json). For a torch-ckpt checkpoint pass its step directory to "
+                "lightning_ckpt.load_from_checkpoint(Model, path), or convert it to one file with "
+                "`torch-ckpt convert CKPT --to torch OUT`"), os.fspath(path_or_url)) from exc
+
+    setattr(_load, _MARK, True)
+    cloud_io._load = _load
+    for module in (saving, torch_io):
+        if module.pl_load is original:
+            module.pl_load = _load
+
+
+def install_fresh_fit_hook(is_ours: Callable[[Any], bool]) -> None:
+    """A fresh ``fit(model)`` with our ``OnExceptionCheckpoint`` callbacks loads nothing, silently.
+
+    With an ``OnExceptionCheckpoint``, ``_CheckpointConnector._parse_ckpt_path`` turns ``ckpt_path=None``
+    into ``"last"`` warning that "the last model of the previous fit" is used, then warns that there is no
+    last checkpoint ("HINT: Set ModelCheckpoint(save_last=True)"). When all of them are ours (``is_ours``)
+    without a checkpoint and no ``ModelCheckpoint`` keeps a last one, the wrapper returns None (Lightning's
+    result) without either warning; otherwise Lightning's method runs.
+    """
+    from lightning.pytorch.callbacks import OnExceptionCheckpoint
+    from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
+    from lightning.pytorch.trainer.states import TrainerFn
+
+    original = _CheckpointConnector._parse_ckpt_path
+    if getattr(original, _MARK, False):
+        return
+
+    def parse(self: Any, state_fn: Any, ckpt_path: Any, model_provided: bool, model_connected: bool) -> Any:
+        trainer = self.trainer
+        ft = [cb for cb in trainer.callbacks if isinstance(cb, OnExceptionCheckpoint)]
+        if ckpt_path is None and ft and trainer.state.fn == TrainerFn.FITTING and all(
+                is_ours(cb) and cb.ckpt_path is None for cb in ft) and not any(
+                getattr(cb, "save_last", None) for cb in trainer.checkpoint_callbacks):
+            return None
+        return original(self, state_fn, ckpt_path, model_provided=model_provided, model_connected=model_connected)
+
+    setattr(parse, _MARK, True)
+    _CheckpointConnector._parse_ckpt_path = parse

@@ -1,4 +1,4 @@
-"""Reading torch-ckpt directories back as the dict Lightning expects, and building a module from one."""
+"""Reading torch-ckpt directories back as the dict Lightning expects (plugin, ``pl_load``, ``load_from_checkpoint``)."""
 
 from __future__ import annotations
 
@@ -9,19 +9,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch.utilities import move_data_to_device
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from lightning_ckpt import _compat
 from lightning_ckpt._values import RANK_LOCAL_KEYS, decode_values
-from torch_ckpt import (
-    CheckpointCorruptError,
-    CheckpointNotFoundError,
-    is_committed,
-    load_full_state,
-    read_manifest,
-)
+from torch_ckpt import CheckpointNotFoundError, is_committed, load_full_state, read_manifest
 
-__all__ = ["load_checkpoint_dir", "load_from_checkpoint", "world"]
+__all__ = ["load_checkpoint_dir", "load_from_checkpoint", "read_for_lightning", "world"]
 
 log = logging.getLogger(__name__)
 
@@ -34,11 +28,8 @@ def world() -> tuple[int, int]:
 
 
 class _AllValues:
-    """A load target reading every value of a checkpoint (this rank's rank-local ones) into new tensors.
-
-    The core's restore first checks the checkpoint against ``live`` (``{"state_dict": ...}``, the
-    live model): keys when ``strict``, shapes and dtypes; nothing is loaded on a mismatch.
-    """
+    """A load target reading every value (this rank's rank-local ones) into new tensors, after the core
+    checked the checkpoint against ``live`` (the live model: keys when ``strict``, shapes, dtypes)."""
 
     def __init__(self, rank_local: tuple[str, ...], live: dict[str, Any] | None = None, *, strict: bool = True) -> None:
         self.rank_local_keys, self.loaded = rank_local, {}
@@ -60,95 +51,79 @@ class _AllValues:
         self.loaded = dict(state)
 
 
-def _rank_local(path: Path) -> tuple[str, ...]:
-    saved = read_manifest(path).world_size
-    if saved != world()[1]:
-        rank_zero_warn(f"{path} was saved by {saved} ranks and is loaded by {world()[1]}: every rank restores rank "
-                       "0's loop progress and callback states (RNG included)")
-        return ()
-    return RANK_LOCAL_KEYS
-
-
 def load_checkpoint_dir(candidates: Sequence[Path], *, manager: Any, verify: bool, allow_pickle: bool,
                         map_location: Any = None, live: dict[str, Any] | None = None, strict: bool = True,
                         allow_cast: bool = False) -> dict[str, Any]:
     """Load the first intact checkpoint of ``candidates`` (newest first) as Lightning's checkpoint dict.
 
-    A candidate that fails verification is skipped with a warning naming it when another follows.
-    With ``manager`` (attached: every rank calls this) each rank gets its own loop progress and
-    callback states, after the checkpoint was checked against ``live`` (see ``_AllValues``); without,
-    rank 0's.
+    With ``manager`` (attached: every rank calls this), a candidate that fails verification is skipped
+    with a warning when another follows, the checkpoint is checked against ``live`` first (see
+    ``_AllValues``), and each rank gets its own loop progress and callback states; without, rank 0's.
 
     Raises:
         CheckpointNotFoundError: the last candidate is not a committed checkpoint.
         CheckpointCorruptError: the last candidate fails verification.
         UnsafeCheckpointError: pickled values and ``allow_pickle`` is False.
-        TypeError: ``map_location`` is neither None, a device nor a device string.
+        TypeError: ``map_location`` names no device.
     """
-    if map_location is not None and not isinstance(map_location, (str, torch.device)):
-        raise TypeError(f"map_location must be a device or device string for {candidates[0]}, got {map_location!r}")
-    for path in candidates[:-1]:
-        if not is_committed(path):
-            log.warning("checkpoint %s is not intact; falling back to an older one", path)
+    if skipped := [str(p) for p in candidates[:-1] if not is_committed(p)]:
+        log.warning("checkpoints %s are not intact; falling back to older ones", skipped)
     candidates = [p for p in candidates[:-1] if is_committed(p)] + [Path(candidates[-1])]
     if not is_committed(candidates[0]) and not (Path(candidates[0]) / "manifest.json").is_file():
         raise CheckpointNotFoundError(f"{candidates[0]} is a directory but not a committed torch-ckpt checkpoint (no "
                                       "manifest.json); was it written by another CheckpointIO?")
     if manager is not None:
-        target = _AllValues(_rank_local(Path(candidates[0])), live, strict=strict)
+        if (saved := read_manifest(candidates[0]).world_size) != world()[1]:
+            rank_zero_warn(f"{candidates[0]} was saved by {saved} ranks and is loaded by {world()[1]}: every rank "
+                           "restores rank 0's loop progress and callback states (RNG included)")
+        target = _AllValues(RANK_LOCAL_KEYS if saved == world()[1] else (), live, strict=strict)
         manager.restore(target, path=list(candidates), allow_cast=allow_cast)
         state = target.loaded
-    else:
-        for i, path in enumerate(candidates):
-            try:
-                state, _ = load_full_state(path, verify=verify)
-                break
-            except CheckpointCorruptError as exc:
-                if i == len(candidates) - 1:
-                    raise
-                log.warning("checkpoint %s is not usable (%s); falling back to %s", path, exc, candidates[i + 1])
+    else:  # one process reading alone (not attached: no fallback candidates); rank 0's rank-local values
+        state, _ = load_full_state(candidates[0], verify=verify)
         state.pop("per_rank", None)
     state = decode_values(state, allow_pickle=allow_pickle)
-    return state if map_location is None else _to_device(state, torch.device(map_location))
+    device = _device(map_location, candidates[0])
+    return state if device is None else move_data_to_device(state, device)
 
 
-def _to_device(obj: Any, device: torch.device) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device)
-    if isinstance(obj, dict):
-        return {k: _to_device(v, device) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_device(v, device) for v in obj)
-    return obj
+def _device(map_location: Any, path: Path) -> torch.device | None:
+    """The device ``torch.load``'s ``map_location`` (device, string, dict or callable) gives tensors saved on
+    the CPU (location ``"cpu"``: every tensor is read into CPU memory first); None: leave them there."""
+    if callable(map_location):
+        mapped = map_location(torch.empty(0).untyped_storage(), "cpu")
+        map_location = None if mapped is None else mapped.device
+    elif isinstance(map_location, dict):
+        map_location = map_location.get("cpu")
+    if map_location is None:
+        return None
+    try:
+        device = torch.device(map_location)
+    except (TypeError, RuntimeError) as exc:
+        raise TypeError(f"map_location for {path} names no device: {map_location!r}") from exc
+    return None if device.type == "cpu" else device
 
 
-def load_from_checkpoint(cls: type, checkpoint_path: str | Path, *, map_location: Any = None,
-                         strict: bool | None = None, weights_only: bool | None = None, **kwargs: Any) -> Any:
-    """``cls.load_from_checkpoint(checkpoint_path)`` for torch-ckpt directories (and plain ``.ckpt`` files).
+def read_for_lightning(path: str, map_location: Any, weights_only: bool | None) -> dict[str, Any]:
+    """Lightning's own loader (``pl_load``) on a torch-ckpt directory: the dict the plugin's
+    ``load_checkpoint`` returns (verified, nothing unpickled unless ``weights_only=False``)."""
+    return load_checkpoint_dir([Path(path)], manager=None, verify=True, allow_pickle=weights_only is False,
+                               map_location=map_location)
 
-    Builds ``cls`` from the saved hyper-parameters (``kwargs`` override them), runs its
-    ``on_load_checkpoint`` and loads the weights, as Lightning's own method does for a file.
 
-    Args:
-        cls: the ``LightningModule`` class.
-        checkpoint_path: a torch-ckpt checkpoint directory or a plain ``.ckpt`` file.
-        map_location: device (or device string) for the tensors; default CPU.
-        strict: as in ``load_state_dict``; default the module's ``strict_loading``.
-        weights_only: False allows values stored pickled (``unsafe_values="pickle"``).
-        kwargs: hyper-parameters overriding the saved ones.
+def load_from_checkpoint(cls: type, checkpoint_path: str | Path, **kwargs: Any) -> Any:
+    """``cls.load_from_checkpoint(checkpoint_path, **kwargs)`` for a torch-ckpt directory or a ``.ckpt`` file.
+
+    Importing :mod:`lightning_ckpt` already lets Lightning's own method read our directories (see
+    ``docs/lightning.md``); this function adds a clear error for a missing path. ``kwargs`` are those of
+    Lightning's method (``map_location``, ``strict``, ``weights_only``: False allows values stored
+    pickled, hyper-parameters overriding the saved ones).
 
     Raises:
-        CheckpointNotFoundError: ``checkpoint_path`` is neither a file nor a committed checkpoint.
+        CheckpointNotFoundError: ``checkpoint_path`` does not exist.
         CheckpointCorruptError: a file fails verification.
         UnsafeCheckpointError: pickled values and ``weights_only`` is not False.
     """
-    path = Path(checkpoint_path)
-    if path.is_file():
-        return cls.load_from_checkpoint(path, map_location=map_location, strict=strict, weights_only=weights_only,
-                                        **kwargs)
-    if not path.is_dir():
-        raise CheckpointNotFoundError(f"{path} does not exist")
-    checkpoint = load_checkpoint_dir([path], manager=None, verify=True, allow_pickle=weights_only is False,
-                                     map_location=map_location)
-    checkpoint.setdefault(cls.CHECKPOINT_HYPER_PARAMS_KEY, {}).update(kwargs)
-    return _compat.load_module_state(cls, checkpoint, strict=strict, **kwargs)
+    if not Path(checkpoint_path).exists():
+        raise CheckpointNotFoundError(f"{checkpoint_path} does not exist")
+    return cls.load_from_checkpoint(checkpoint_path, **kwargs)

@@ -107,7 +107,7 @@ def test_cuda_state_roundtrip_with_overlap(tmp_path):
 
 
 def _chunked(monkeypatch, chunk_bytes=4096):
-    from torch_ckpt import checkpointer as checkpointer_mod
+    from torch_ckpt import checkpointer_prepare as checkpointer_mod
     from torch_ckpt import staging as staging_mod
 
     monkeypatch.setattr(checkpointer_mod, "PIPELINE_STAGING", True)  # whatever the cores of this machine
@@ -117,7 +117,7 @@ def _chunked(monkeypatch, chunk_bytes=4096):
 
 def test_without_pipelining_the_copy_ends_before_the_writer_starts(tmp_path, monkeypatch):
     """With pipelining off, save() has copied every tensor before the writer writes any."""
-    from torch_ckpt import checkpointer as checkpointer_mod
+    from torch_ckpt import checkpointer_prepare as checkpointer_mod
     from torch_ckpt import dcp_io
 
     state = _chunked(monkeypatch)

@@ -538,7 +538,7 @@ def _deep_manifest(step_dir: Path) -> str:
 
 
 def _storage_data_5(step_dir: Path) -> str:
-    from torch_ckpt.dcp_io import read_dcp_metadata
+    from torch_ckpt.dcp_read import read_dcp_metadata
 
     md = read_dcp_metadata(step_dir / ".metadata")
     md.storage_data = 5
@@ -578,7 +578,7 @@ def _symlinked_manifest(step_dir: Path) -> str:
 
 
 def _shape_beyond_chunks(step_dir: Path) -> str:
-    from torch_ckpt.dcp_io import read_dcp_metadata
+    from torch_ckpt.dcp_read import read_dcp_metadata
 
     md = read_dcp_metadata(step_dir / ".metadata")
     item = md.state_dict_metadata["model.fc1.weight"]
@@ -588,7 +588,7 @@ def _shape_beyond_chunks(step_dir: Path) -> str:
 
 
 def _storage_rewritten(step_dir: Path) -> str:
-    from torch_ckpt.dcp_io import read_dcp_metadata
+    from torch_ckpt.dcp_read import read_dcp_metadata
 
     elsewhere = step_dir.parent / "elsewhere.distcp"
     elsewhere.write_bytes(_shard(step_dir).read_bytes())
@@ -601,7 +601,7 @@ def _storage_rewritten(step_dir: Path) -> str:
 
 def _fc1_weight_metadata(step_dir: Path, edit) -> str:
     """Apply ``edit(item, storage_info)`` to model.fc1.weight in .metadata; returns the data file holding it."""
-    from torch_ckpt.dcp_io import read_dcp_metadata
+    from torch_ckpt.dcp_read import read_dcp_metadata
 
     md = read_dcp_metadata(step_dir / ".metadata")
     info = next(v for k, v in md.storage_data.items() if k.fqn == "model.fc1.weight")
@@ -708,12 +708,12 @@ def test_damaged_shard_header_without_verify_on_load_is_corrupt_naming_the_shard
 @pytest.mark.timeout(60)
 def test_retention_error_after_commit_is_reported_as_retention_and_the_save_succeeds(tmp_path, monkeypatch, caplog):
     """A failing retention pass after the rename logs a retention error; the save is committed and not failed."""
-    import torch_ckpt.manager as manager_mod
+    import torch_ckpt.manager_commit as commit_mod
 
     def broken(*args, **kwargs):
         raise RuntimeError("retention exploded")
 
-    monkeypatch.setattr(manager_mod, "apply_retention", broken)
+    monkeypatch.setattr(commit_mod, "apply_retention", broken)
     caplog.set_level(logging.ERROR, logger="torch_ckpt")
     with CheckpointManager(tmp_path, keep_last=1) as mgr:
         handle = mgr.save(1, _dict_state())
@@ -758,7 +758,7 @@ def test_malformed_rank_file_of_one_rank_fails_every_rank_without_a_hang(tmp_pat
 
 def _restore_with_bad_record_of_rank_1(rank: int, world: int, root: str) -> None:
     from torch_ckpt import CheckpointCorruptError as Corrupt
-    from torch_ckpt.dcp_io import read_dcp_metadata
+    from torch_ckpt.dcp_read import read_dcp_metadata
 
     state = {f"w{rank}": torch.full((4,), float(rank))}  # rank 1's tensor lies in rank 1's data file
     with CheckpointManager(root, async_save=False) as mgr:

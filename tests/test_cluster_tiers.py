@@ -18,7 +18,7 @@ from torch_ckpt.layout import read_manifest
 pytest.importorskip("s3fs", reason="the s3 extra (s3fs, moto[server]) is not installed")
 pytest.importorskip("moto.server", reason="moto[server] is not installed")
 
-from tests.test_tiers import S3  # noqa: E402 - after the skips above
+from tests._s3 import S3  # noqa: E402 - after the skips above
 
 
 @pytest.fixture(scope="module")

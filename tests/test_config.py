@@ -11,39 +11,12 @@ import pytest
 import torch
 
 from torch_ckpt import CheckpointConfig, CheckpointManager, ConfigError
-from torch_ckpt.config import DEFAULT, parse_size
+from torch_ckpt.config import DEFAULT
 from torch_ckpt.naming import PatternNaming
 from torch_ckpt.retention import KeepAny, KeepLatest
 from torch_ckpt.schedule import AnyOf, EveryNSteps, YoungDaly
 
 README = Path(__file__).resolve().parents[1] / "README.md"
-
-
-# --- parse_size ----------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    ("text", "expected"),
-    [("4GB", 4 * 10**9), ("512MiB", 512 * 2**20), ("1.5tb", 1_500_000_000_000), (" 2 gib ", 2 * 2**30),
-     ("1000", 1000), ("10B", 10), (4096, 4096)],
-)
-def test_parse_size_accepts_decimal_and_binary_units(text, expected):
-    """Sizes in B/KB/MB/GB/TB (10^3 steps) and KiB/MiB/GiB/TiB (2^10 steps) become int bytes."""
-    assert parse_size(text) == expected
-
-
-@pytest.mark.parametrize("text", ["", "4 GBs", "four GB", "4G", "-1GB", "1e999GB"])
-def test_parse_size_rejects_what_is_not_a_size(text):
-    """Unknown units, words, negative or infinite sizes raise ValueError repeating the value."""
-    with pytest.raises(ValueError, match="size"):
-        parse_size(text)
-
-
-@pytest.mark.parametrize("value", [True, 1.5, None])
-def test_parse_size_rejects_other_types(value):
-    """A bool, float or None is a TypeError, not a silent conversion."""
-    with pytest.raises(TypeError):
-        parse_size(value)
 
 
 # --- the dataclass -------------------------------------------------------------------------------
@@ -170,9 +143,56 @@ def test_from_dict_builds_a_validated_config():
 
 
 def test_from_dict_unknown_key_names_it_and_the_valid_ones():
-    """A misspelt key is a ConfigError naming the key and listing the valid settings."""
-    with pytest.raises(ConfigError, match=r"unknown setting\(s\) \['keep_lats'\]; valid settings: .*'keep_last'"):
+    """A misspelt key is a ConfigError naming the key, the closest valid one and every valid setting."""
+    with pytest.raises(ConfigError, match=r"unknown setting\(s\) \['keep_lats'\] \(did you mean 'keep_last'\?\); "
+                                          r"rename or remove it. Valid settings: .*'durable_upload_threads'"):
         CheckpointConfig.from_dict({"keep_lats": 2})
+
+
+def test_from_dict_unknown_key_without_a_close_match_has_no_suggestion():
+    """A key like no valid one is named without a guess."""
+    with pytest.raises(ConfigError, match=r"\['zzz'\]; rename or remove it") as info:
+        CheckpointConfig.from_dict({"zzz": 1})
+    assert "did you mean" not in str(info.value)
+
+
+def test_from_dict_with_extras_returns_the_integration_keys_apart():
+    """Declared extra keys are validated against their defaults' types and returned beside the config."""
+    cfg, extra = CheckpointConfig.from_dict_with_extras({"keep_last": 2, "enabled": False},
+                                                        {"enabled": True, "log_stats": True, "ratio": 0.5})
+    assert cfg == CheckpointConfig(keep_last=2)
+    assert extra == {"enabled": False, "log_stats": True, "ratio": 0.5}
+
+
+@pytest.mark.parametrize(("value", "expected"), [("yes", "true or false"), (1, "true or false")])
+def test_from_dict_with_extras_refuses_a_wrong_type_naming_source_and_key(value, expected):
+    """An extra key of another type than its default is a ConfigError naming the source, the key and the type."""
+    with pytest.raises(ConfigError, match=rf"^run.yaml: enabled must be {expected}, got {value!r}"):
+        CheckpointConfig.from_dict_with_extras({"enabled": value}, {"enabled": True}, source="run.yaml")
+
+
+def test_from_dict_with_extras_suggests_extra_keys_too():
+    """A misspelt extra key is unknown, with the extra key as the suggestion."""
+    with pytest.raises(ConfigError, match=r"did you mean 'log_stats'"):
+        CheckpointConfig.from_dict_with_extras({"log_stat": True}, {"log_stats": True})
+
+
+def test_from_dict_with_extras_accepts_an_int_for_a_float_extra():
+    """A number written without a decimal point is a valid float extra."""
+    assert CheckpointConfig.from_dict_with_extras({"ratio": 2}, {"ratio": 0.5})[1] == {"ratio": 2}
+
+
+def test_from_dict_with_extras_refuses_extras_that_are_fields():
+    """An integration cannot redeclare a core field as its own key (a programming error: TypeError)."""
+    with pytest.raises(TypeError, match="keep_last"):
+        CheckpointConfig.from_dict_with_extras({}, {"keep_last": 3})
+
+
+def test_read_yaml_returns_the_unvalidated_mapping(tmp_path):
+    """read_yaml gives the file's mapping as written; validation is from_dict's job."""
+    path = tmp_path / "ckpt.yaml"
+    path.write_text("keep_last: 0\nenabled: false\n")
+    assert CheckpointConfig.read_yaml(path) == {"keep_last": 0, "enabled": False}
 
 
 def test_from_dict_refuses_a_non_mapping():

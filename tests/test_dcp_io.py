@@ -11,7 +11,7 @@ import torch.distributed.checkpoint as dcp
 
 import torch_ckpt.dcp_io as dcp_io
 from torch_ckpt import CheckpointManager, CheckpointWriteError
-from torch_ckpt.dcp_io import file_crc32
+from torch_ckpt.crc import file_crc32
 from torch_ckpt.layout import read_manifest
 
 
@@ -97,14 +97,3 @@ def test_failed_open_of_a_data_file_names_it(tmp_path, monkeypatch):
             mgr.save(1, _mixed_state())
             mgr.wait()
         assert info.value.errno == errno.EACCES and mgr.all_steps() == []
-
-
-@pytest.mark.parametrize("nbytes", [0, 1, 16 << 20, (16 << 20) + 5, (32 << 20) + 1])
-def test_file_crc32_matches_zlib_across_chunk_boundaries(tmp_path, nbytes):
-    """The double-buffered file CRC equals zlib.crc32 of the whole content, at and around 16 MiB chunks."""
-    import zlib
-
-    data = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(1)).numpy()
-    path = tmp_path / "f.bin"
-    path.write_bytes(data.tobytes())
-    assert file_crc32(path) == (nbytes, zlib.crc32(data.tobytes()))

@@ -1,4 +1,4 @@
-"""DCP's single-process warning is filtered once at import (torch_ckpt.dcp_io), never per call from a thread."""
+"""DCP's single-process warning is filtered once at import (dcp_io, dcp_read), never per call from a thread."""
 
 from __future__ import annotations
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from torch_ckpt import CheckpointManager
-from torch_ckpt.dcp_io import record_framing
 from torch_ckpt.dcp_metadata import read_metadata
+from torch_ckpt.dcp_record import record_framing
 from torch_ckpt.direct_read import load_direct
 from torch_ckpt.errors import CheckpointCorruptError
 from torch_ckpt.manifest import read_manifest

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import shutil
-import socket
 import subprocess
 import sys
 import textwrap
@@ -22,41 +21,9 @@ from torch_ckpt import CheckpointCorruptError, CheckpointManager, TrainState
 from torch_ckpt.tiers import DurableTier, DurableUnavailableError
 
 s3fs = pytest.importorskip("s3fs", reason="the s3 extra (s3fs, moto[server]) is not installed")
-moto_server = pytest.importorskip("moto.server", reason="moto[server] is not installed")
+pytest.importorskip("moto.server", reason="moto[server] is not installed")
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class S3:
-    """A moto S3 server on loopback that can be stopped and restarted on the same port."""
-
-    def __init__(self) -> None:
-        self.port = _free_port()
-        self.endpoint = f"http://127.0.0.1:{self.port}"
-        self.server = None
-        self.options = {"key": "testing", "secret": "testing", "skip_instance_cache": True,
-                        "use_listings_cache": False,
-                        "client_kwargs": {"endpoint_url": self.endpoint, "region_name": "us-east-1"},
-                        "config_kwargs": {"connect_timeout": 1, "read_timeout": 10, "retries": {"max_attempts": 1}}}
-
-    def start(self) -> None:
-        self.server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=self.port, verbose=False)
-        self.server.start()
-
-    def stop(self) -> None:
-        self.server.stop()
-
-    def new_bucket(self) -> str:
-        import boto3
-
-        name = f"ckpt-{uuid.uuid4().hex[:8]}"
-        boto3.client("s3", endpoint_url=self.endpoint, aws_access_key_id="testing", aws_secret_access_key="testing",
-                     region_name="us-east-1").create_bucket(Bucket=name)
-        return name
+from tests._s3 import S3  # noqa: E402 - after the skips above (also imported from here by other test modules)
 
 
 @pytest.fixture(scope="module")
@@ -205,7 +172,7 @@ def test_flipped_byte_in_durable_copy_falls_back(tmp_path, s3, caplog):
     caplog.set_level(logging.WARNING, logger="torch_ckpt")
     state2, *_ = _state(seed=3)
     with CheckpointManager(tmp_path / "local", durable_url=url, storage_options=s3.options) as mgr:
-        with pytest.raises(CheckpointCorruptError, match=r"__0_0\.distcp.*step 2|step 2.*__0_0\.distcp"):
+        with pytest.raises(CheckpointCorruptError, match=r"step_000000002/__0_0\.distcp: CRC-32 .* corrupt"):
             mgr.restore(state2, step=2)
         assert mgr.restore(state2) == 1
     assert any("falling back to step 1" in r.getMessage() for r in caplog.records)
@@ -295,90 +262,158 @@ def test_two_rank_sharded_save_replicates(tmp_path, s3):
     assert all(torch.equal(v, ref[k]) for k, v in model2.state_dict().items())
 
 
-# -- abandoned uploads (issue 14 item 5) -----------------------------------------------------------
-def _abandoned_setup(tmp_path, url: str, options: dict | None = None) -> DurableTier:
-    """A durable root with committed step 1 and manifest-less prefixes of steps 2 and 3 (crashed uploads)."""
-    from torch_ckpt.layout import read_manifest
-
+def committed_tier(tmp_path, url: str, options: dict | None = None) -> DurableTier:
+    """A durable root holding step 1 of a small state, committed by a manager under ``tmp_path/local``."""
     state, *_ = _state()
     with CheckpointManager(tmp_path / "local", durable_url=url, storage_options=options) as mgr:
         mgr.save(1, state)
         assert mgr.wait_durable(60)
-    tier = DurableTier(url, storage_options=options)
-    local = tmp_path / "local" / "step_000000001"
-    for step in (2, 3):
-        for name in sorted(read_manifest(local).files)[:2]:  # part of an upload, then a crash
-            tier.fs.put_file(str(local / name), f"{tier.root}/step_{step:09d}/{name}")
-    tier._refresh()
-    return tier
-
-
-def test_s3_abandoned_uploads_older_than_the_limit_are_removed(tmp_path, s3):
-    """Manifest-less step prefixes idle longer than the limit are deleted; the committed step stays listed."""
-    tier = _abandoned_setup(tmp_path, f"s3://{s3.new_bucket()}/run", s3.options)
-    later = time.time() + 7200
-    assert set(tier.abandoned_uploads(older_than_seconds=3600, now=later)) == {2, 3}
-    assert tier.remove_abandoned(older_than_seconds=3600, now=later) == [2, 3]
-    assert not tier.fs.exists(f"{tier.root}/step_000000002") and not tier.fs.exists(f"{tier.root}/step_000000003")
-    assert list(tier.list_steps()) == [1]
-
-
-def test_s3_recent_manifestless_prefix_is_never_removed(tmp_path, s3):
-    """A prefix whose newest object is younger than the limit (maybe still uploading) is kept."""
-    tier = _abandoned_setup(tmp_path, f"s3://{s3.new_bucket()}/run", s3.options)
-    assert tier.abandoned_uploads(older_than_seconds=3600) == {}
-    assert tier.remove_abandoned(older_than_seconds=3600) == []
-    assert tier.fs.find(f"{tier.root}/step_000000002") and tier.fs.find(f"{tier.root}/step_000000003")
-
-
-def _age_memory_objects(tier: DurableTier, *steps: int, seconds: float) -> None:
-    """Backdate every object of the given memory:// step prefixes by ``seconds``."""
-    import datetime as dt
-
-    for step in steps:
-        for path in tier.fs.find(f"{tier.root}/step_{step:09d}"):
-            tier.fs.store[path].created -= dt.timedelta(seconds=seconds)
-
-
-def test_abandoned_upload_with_one_fresh_object_is_kept(tmp_path):
-    """A prefix with old objects and one just written counts as active and is not removed; an idle one is."""
-    tier = _abandoned_setup(tmp_path, f"memory://ckpt-{uuid.uuid4().hex[:8]}/run")
-    _age_memory_objects(tier, 2, 3, seconds=10_000)
-    tier.fs.pipe_file(f"{tier.root}/step_000000002/late.distcp", b"x")
-    assert tier.remove_abandoned(older_than_seconds=3600) == [3]
-    assert tier.fs.exists(f"{tier.root}/step_000000002/late.distcp")
-
-
-def test_excluded_steps_are_never_removed(tmp_path):
-    """Steps passed in exclude (queued or uploading here) stay even when old."""
-    tier = _abandoned_setup(tmp_path, f"memory://ckpt-{uuid.uuid4().hex[:8]}/run")
-    assert tier.remove_abandoned(older_than_seconds=3600, exclude={2}, now=time.time() + 7200) == [3]
-    assert tier.fs.exists(f"{tier.root}/step_000000002")
-
-
-def test_replicator_removes_abandoned_uploads_after_a_commit(tmp_path):
-    """After its next durable commit the replicator deletes prefixes idle past abandoned_after_seconds."""
-    from torch_ckpt.replicator import Replicator
-
-    url = f"memory://ckpt-{uuid.uuid4().hex[:8]}/run"
-    tier = _abandoned_setup(tmp_path, url)
-    _age_memory_objects(tier, 2, 3, seconds=10_000)  # idle for ~3 h
-    rep = Replicator(tier, abandoned_after_seconds=3600)
-    try:
-        rep.submit(1, tmp_path / "local" / "step_000000001")
-        assert rep.wait(60)
-    finally:
-        rep.close(5)
-    assert not tier.fs.exists(f"{tier.root}/step_000000002") and not tier.fs.exists(f"{tier.root}/step_000000003")
-    assert list(tier.list_steps()) == [1]
+    return DurableTier(url, storage_options=options)
 
 
 def test_malformed_durable_manifest_is_skipped_with_a_warning(tmp_path, caplog):
     """A durable manifest with a 5000-digit integer is not listed (warning naming it); the tier lists the rest."""
-    tier = _abandoned_setup(tmp_path, f"memory://ckpt-{uuid.uuid4().hex[:8]}/run")
+    tier = committed_tier(tmp_path, f"memory://ckpt-{uuid.uuid4().hex[:8]}/run")
     raw = tier.fs.cat_file(f"{tier.root}/step_000000001/manifest.json").decode()
     tier.fs.pipe_file(f"{tier.root}/step_000000004/manifest.json",
                       raw.replace('"step":1,', '"step":' + "4" * 5000 + ",", 1).encode())
     caplog.set_level(logging.WARNING, logger="torch_ckpt")
     assert list(tier.list_steps()) == [1]
     assert any("step_000000004" in r.getMessage() and "5000 digits" in r.getMessage() for r in caplog.records)
+
+
+# -- uploads and fetches checked by format.verify_files (issue 15 item 2) ----------------------------
+def _one_file(tmp_path, data: bytes = bytes(range(256)) * 64):
+    """``(directory, manifest)`` of a one-file checkpoint ``f.bin`` of ``data``."""
+    import zlib
+
+    from torch_ckpt.manifest import Manifest
+
+    local = tmp_path / "ckpt"
+    local.mkdir()
+    (local / "f.bin").write_bytes(data)
+    return local, Manifest(step=1, world_size=1, files={"f.bin": {"bytes": len(data), "crc32": zlib.crc32(data)}})
+
+
+def _flip_object(tier: DurableTier, path: str) -> None:
+    data = bytearray(tier.fs.cat_file(path))
+    data[len(data) // 2] ^= 0xFF
+    tier.fs.pipe_file(path, bytes(data))
+
+
+def _local_corruption_text(tmp_path, local, manifest) -> str:
+    """The problem text verify_files gives for ``f.bin`` of a copy of ``local`` with the same byte flipped."""
+    from torch_ckpt.format import verify_files
+
+    damaged = tmp_path / "damaged"
+    shutil.copytree(local, damaged)
+    data = bytearray((damaged / "f.bin").read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (damaged / "f.bin").write_bytes(bytes(data))
+    with pytest.raises(CheckpointCorruptError) as exc:
+        verify_files(damaged, manifest, checksums=True)
+    return str(exc.value).removeprefix(f"{damaged / 'f.bin'}: ")
+
+
+def _corrupting_put(tier: DurableTier, monkeypatch) -> None:
+    """Make every upload of ``tier`` land with one byte flipped (same size)."""
+    real_put = tier.fs.put_file
+
+    def put(lpath, rpath, **kwargs):
+        real_put(lpath, rpath, **kwargs)
+        _flip_object(tier, rpath)
+
+    monkeypatch.setattr(tier.fs, "put_file", put)
+
+
+def test_upload_corrupted_in_the_store_fails_as_a_corrupt_local_file_does(tmp_path, monkeypatch):
+    """An object whose bytes differ from the manifest fails the upload with the local file's error, on its URL."""
+    local, manifest = _one_file(tmp_path)
+    tier = DurableTier(f"memory://ckpt-{uuid.uuid4().hex[:8]}/run")
+    _corrupting_put(tier, monkeypatch)
+    with pytest.raises(CheckpointCorruptError) as exc:
+        tier.upload(local, manifest)
+    assert str(exc.value) == f"{tier.describe(1)}/f.bin: {_local_corruption_text(tmp_path, local, manifest)}"
+    assert tier.list_steps() == {}
+
+
+@pytest.mark.parametrize(("verify", "read_back"), [("checksum", 256 * 64), ("size", 0)])
+def test_uploads_are_read_back_unless_verify_is_size(tmp_path, verify, read_back):
+    """On a store without digests verify="checksum" reads every uploaded byte back; "size" reads none."""
+    local, manifest = _one_file(tmp_path)
+    tier = DurableTier(f"memory://ckpt-{uuid.uuid4().hex[:8]}/run", verify=verify)
+    tier.upload(local, manifest)
+    assert tier.bytes_read_back == read_back
+    assert list(tier.list_steps()) == [1]
+
+
+def test_size_verification_commits_a_same_size_corruption(tmp_path, monkeypatch):
+    """verify="size" compares sizes only: an object changed in place (same size) is committed."""
+    local, manifest = _one_file(tmp_path)
+    tier = DurableTier(f"memory://ckpt-{uuid.uuid4().hex[:8]}/run", verify="size")
+    _corrupting_put(tier, monkeypatch)
+    tier.upload(local, manifest)
+    assert list(tier.list_steps()) == [1]
+
+
+def test_fetch_of_a_corrupted_object_fails_as_a_corrupt_local_file_does(tmp_path):
+    """A flipped byte in the store fails download() with the local file's error, on the object's URL; nothing
+    is committed locally."""
+    local, manifest = _one_file(tmp_path)
+    tier = DurableTier(f"memory://ckpt-{uuid.uuid4().hex[:8]}/run")
+    tier.upload(local, manifest)
+    _flip_object(tier, f"{tier.location(1).path}/f.bin")
+    with pytest.raises(CheckpointCorruptError) as exc:
+        tier.download(1, tmp_path / "restored")
+    assert str(exc.value) == f"{tier.describe(1)}/f.bin: {_local_corruption_text(tmp_path, local, manifest)}"
+    assert list((tmp_path / "restored").iterdir()) == []
+
+
+def test_fetch_checks_every_file_with_verify_files(tmp_path, monkeypatch):
+    """download() checks each fetched file through format.verify_files, with checksums."""
+    import torch_ckpt.tiers
+
+    url = f"memory://ckpt-{uuid.uuid4().hex[:8]}/run"
+    tier = committed_tier(tmp_path, url)
+    checked = []
+    real = torch_ckpt.tiers.verify_files
+
+    def spy(where, manifest, **kwargs):
+        checked.extend((name, kwargs["checksums"]) for name in manifest.files)
+        return real(where, manifest, **kwargs)
+
+    monkeypatch.setattr(torch_ckpt.tiers, "verify_files", spy)
+    tier.download(1, tmp_path / "restored")
+    assert sorted(checked) == [(name, True) for name in sorted(tier.read_manifest(1).files)]
+
+
+def test_s3_upload_of_a_file_changed_since_its_commit_is_refused(tmp_path, s3):
+    """The ETag mode never vouches for a local file that no longer has its manifest CRC-32: it reads back."""
+    local, manifest = _one_file(tmp_path)
+    data = bytearray((local / "f.bin").read_bytes())
+    data[0] ^= 0xFF
+    (local / "f.bin").write_bytes(bytes(data))  # bit rot after the commit: same size
+    tier = DurableTier(f"s3://{s3.new_bucket()}/run", storage_options=s3.options)
+    with pytest.raises(CheckpointCorruptError, match=r"step_000000001/f\.bin: CRC-32 .* does not match the manifest"):
+        tier.upload(local, manifest)
+    assert tier.list_steps() == {}
+
+
+def test_s3_upload_is_checked_by_the_store_digest_without_reading_back(tmp_path, s3):
+    """On an S3 store whose ETags are MD5s an intact upload reads nothing back."""
+    local, manifest = _one_file(tmp_path)
+    tier = DurableTier(f"s3://{s3.new_bucket()}/run", storage_options=s3.options)
+    tier.upload(local, manifest)
+    assert tier.bytes_read_back == 0 and list(tier.list_steps()) == [1]
+
+
+def test_history_steps_are_replicated_whatever_replicate_every_n_saves_says(tmp_path):
+    """Multiples of durable_keep_every_n_steps are replicated even between every-n-th saves."""
+    url = f"memory://ckpt-{uuid.uuid4().hex[:8]}/run"
+    state, *_ = _state()
+    with CheckpointManager(tmp_path, durable_url=url, replicate_every_n_saves=3, durable_keep_last=10,
+                           durable_keep_every_n_steps=2, keep_last=10) as mgr:
+        for step in (1, 2, 3, 4, 5):
+            mgr.save(step, state).wait()
+            assert mgr.wait_durable(60)
+    assert sorted(DurableTier(url).list_steps()) == [2, 3, 4]

@@ -23,6 +23,8 @@ _EXPORTS = {
     "is_committed": "torch_ckpt.layout",
     "SaveHandle": "torch_ckpt.handle",
     "SaveStats": "torch_ckpt.handle",
+    "SaveReports": "torch_ckpt.save_reports",
+    "rank_and_world": "torch_ckpt.dist",
     "RetentionPolicy": "torch_ckpt.retention",
     "KeepLatest": "torch_ckpt.retention",
     "KeepEveryNSteps": "torch_ckpt.retention",

@@ -4,7 +4,9 @@ This is the engine under :class:`~torch_ckpt.CheckpointManager` and the framewor
 stages the state into a reusable host arena (:mod:`torch_ckpt.staging`), persists it in a writer
 thread or process (:mod:`torch_ckpt.persist`, :mod:`torch_ckpt.writer_process`) with an atomic
 commit, keeps at most one save in flight, and raises background errors on the caller's thread
-exactly once. It knows nothing about steps, naming or retention.
+exactly once. It knows nothing about steps, naming or retention. A save's part up to the submit
+(capture, staging, the ranks' agreement) is in :mod:`torch_ckpt.checkpointer_prepare`; this module
+submits it, runs it in the writer, surfaces its outcome, loads, and owns the engine's lifecycle.
 """
 
 from __future__ import annotations
@@ -14,68 +16,23 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import wait as futures_wait
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from torch_ckpt import errors as errors_module
 from torch_ckpt._logging import get_logger
-from torch_ckpt.codec import split_state
+from torch_ckpt.checkpointer_prepare import CheckpointerPrepareMixin, SaveJob
 from torch_ckpt.dist import DistContext
-from torch_ckpt.errors import CheckpointError, CheckpointWriteError, ConfigError
+from torch_ckpt.errors import CheckpointError, ConfigError
 from torch_ckpt.handle import SaveHandle, SaveStats
 from torch_ckpt.layout import new_incarnation, read_manifest
 from torch_ckpt.persist import PersistRequest, persist_checkpoint
 from torch_ckpt.restore import RANK_LOCAL_POLICIES, load_into
-from torch_ckpt.staging import HostStager, StagingProgress
+from torch_ckpt.staging import HostStager
 from torch_ckpt.writer_process import ProcessWriter
 
 __all__ = ["AsyncCheckpointer", "close_on_exit"]
 
 log = get_logger(__name__)
-
-
-@dataclass(eq=False)
-class _SaveJob:
-    """One save on its way from the live state to a committed directory."""
-
-    step: int
-    final: Path
-    tensors: dict[str, torch.Tensor]
-    tree: Any
-    fits: bool
-    t0: float
-    ready_event: Any = None
-    to_write: dict[str, torch.Tensor] = field(default_factory=dict)
-    layout: tuple = ()
-    deferred_keys: set[str] | None = None
-    early_s: float = 0.0
-    on_committed: Callable[[Path], None] | None = None
-    replace: bool = False
-    extra_dir: Path | None = None
-    progress: StagingProgress | None = None  # pipelined staging: the copy runs while the writer starts
-    timings: dict[str, float] = field(default_factory=dict)
-    copy_failed: bool = False
-
-
-#: Pipelined staging of host tensors (the writer starts while ``save()`` still copies): None decides
-#: by the cores available, True/False forces it. On a machine with fewer cores than the copy's
-#: torch threads plus the writer threads plus one, the writer would take CPU from the copy (on the
-#: reference 2-core VM the blocking time of a 1 GiB save grew from 0.13 s to 0.9-1.5 s), so the copy
-#: then finishes before the writer starts.
-PIPELINE_STAGING: bool | None = None
-
-
-def _cuda_ready_event(tensors: dict[str, torch.Tensor]) -> Any:
-    """Event on the caller's CUDA stream marking the values to save (None without CUDA tensors)."""
-    if not any(t.device.type == "cuda" for t in tensors.values()):
-        return None
-    event = torch.cuda.Event()
-    event.record()
-    return event
 
 
 def _lower_thread_priority(niceness: int) -> None:
@@ -98,7 +55,7 @@ def close_on_exit(close: Callable[[], None], exc_type: type | None) -> None:
         log.exception("checkpoint error while closing after another exception")
 
 
-class AsyncCheckpointer:
+class AsyncCheckpointer(CheckpointerPrepareMixin):
     """Asynchronous, atomic DCP saves to explicit directories; collective over all ranks.
 
     Args:
@@ -318,150 +275,7 @@ class AsyncCheckpointer:
             self._raise_pending()
         return handle
 
-    def _prepare_save(self, final: str | os.PathLike, state: Any, step: int,
-                      on_committed: Callable[[Path], None] | None, t0: float, waited_s: float,
-                      prepare: Callable[[], None] | None) -> tuple[_SaveJob, SaveHandle, bool]:
-        """This rank's part of a save up to the submit: wait, checks, capture and staging."""
-        wait_prev = self._wait_inflight() + waited_s
-        self._raise_pending()
-        if prepare is not None:
-            prepare()
-        stats = SaveStats(step=step, wait_for_previous_s=wait_prev)
-        sd = state.state_dict() if hasattr(state, "state_dict") else state
-        tensors, tree = split_state(sd, rank_local_keys=tuple(getattr(state, "rank_local_keys", ())))
-        if self._process_writer is not None and any(type(t) is not torch.Tensor for t in tensors.values()):
-            raise ConfigError("persist='process' supports plain tensors only; this state holds DTensor/sharded "
-                              "tensors (FSDP2/TP). Use persist='thread'.")
-        fits = self._stager.fits(tensors)
-        background = self.async_save and fits
-        stats.mode = "async" if background else ("sync" if fits else "sync-over-budget")
-        if not fits:
-            log.warning("state of %d bytes exceeds the staging budget of %d bytes: saving step %d synchronously "
-                        "from the live tensors (raise staging_budget_bytes to save asynchronously)",
-                        self._stager.required_bytes(tensors), self._stager.budget_bytes, step)
-        job = _SaveJob(step=step, final=Path(final), tensors=tensors, tree=tree, fits=fits, t0=t0,
-                       ready_event=_cuda_ready_event(tensors) if self.overlap_staging else None,
-                       on_committed=on_committed)
-        handle = SaveHandle(step, Future(), Future(), stats)
-        self._inflight = handle
-        try:
-            if background and self.overlap_staging:
-                owned = state.optimizer_owned_keys(tensors) \
-                    if callable(getattr(state, "optimizer_owned_keys", None)) else set()
-                # what forward passes may change (buffers, plain dict values) is copied now; parameters and
-                # optimizer state are copied in the background, before the next optimizer.step()
-                t = time.monotonic()
-                self._stager.stage(tensors, only=set(tensors) - owned)
-                job.deferred_keys, job.early_s = owned, time.monotonic() - t
-                self._install_step_hooks(state)
-                self._staged_future = handle.staged
-            elif background and self._process_writer is None and job.fits and self._pipelining_pays() and \
-                    not any(t.device.type == "cuda" for t in tensors.values()):
-                # the copy itself runs in save() after the agreement, overlapping the writer (_copy_pipelined)
-                staged = self._stager.prepare(tensors)
-                job.to_write, job.layout, stats.bytes = staged.tensors, staged.layout, staged.nbytes
-                job.progress = StagingProgress()
-            else:
-                self._stage(job, handle)
-        except BaseException as exc:  # staging failed or was interrupted: nothing is in flight
-            self._abandon(handle, exc)
-            raise
-        return job, handle, background
-
-    def _abandon(self, handle: SaveHandle, exc: BaseException) -> None:
-        """Fail a save that will not be submitted: nothing is in flight afterwards."""
-        if self._inflight is handle:
-            self._inflight = None
-        for fut in (handle.staged, handle.committed):
-            if not fut.done():
-                fut.set_exception(exc)
-
-    def _agree(self, step: Any, final: str | os.PathLike, error: Exception | None) -> None:
-        """The ranks' agreement before a submit: every rank raises when any failed or when they disagree.
-
-        One all-gather on the caller-thread checkpoint group (the group of every other decision
-        taken on this thread, in the same order on every rank), so a failed step leaves no
-        collective half-done behind.
-        """
-        if isinstance(error, OSError) and not isinstance(error, CheckpointError):
-            where = f" ({error.filename})" if error.filename else ""
-            typed = CheckpointWriteError(error.errno, f"checkpoint step {step} was not saved: "
-                                         f"{error.strerror or error}{where}")
-            typed.__cause__ = error
-            error = typed
-        mine = None if error is None else (type(error).__name__, str(error))
-        # node-local roots are different directories on each node: the ranks agree on the name
-        target = os.path.abspath(os.fspath(final)) if self.node_layout is None else Path(final).name
-        try:
-            votes = self._ctx.all_gather((mine, step, target), what="save agreement")
-        except CheckpointError:
-            if error is not None:
-                raise error  # noqa: B904 - this rank's own failure says more than the failed agreement (its context)
-            raise
-        if error is not None:
-            raise error
-        failed = [(rank, vote[0]) for rank, vote in enumerate(votes) if vote[0] is not None]
-        if failed:
-            rank, (kind, msg) = failed[0]
-            cls = getattr(errors_module, kind, None) if kind in errors_module.__all__ else None
-            cls = cls if cls is not None and kind != "StateMismatchError" else CheckpointError
-            others = f" (and ranks {[r for r, _ in failed[1:]]})" if len(failed) > 1 else ""
-            raise cls(f"checkpoint step {step} was not saved: rank {rank}{others} could not prepare it: {msg}")
-        if len({(vote[1], vote[2]) for vote in votes}) > 1:
-            listing = "; ".join(f"rank {r}: step {vote[1]} into {vote[2]}" for r, vote in enumerate(votes))
-            raise ConfigError(f"ranks disagree on the checkpoint to save ({listing}); every rank must save the "
-                              "same step into the same directory")
-
-    def wait_staged(self) -> None:
-        """Block until the in-flight save no longer reads the live tensors (see ``overlap_staging``)."""
-        fut = self._staged_future
-        if fut is not None:
-            futures_wait([fut])
-
-    def _install_step_hooks(self, state: Any) -> None:
-        optimizers = state.optimizers() if callable(getattr(state, "optimizers", None)) else []
-        for opt in optimizers:
-            if id(opt) not in self._hooked:
-                self._hooked[id(opt)] = opt.register_step_pre_hook(lambda *_: self.wait_staged())
-
-    def _stage(self, job: _SaveJob, handle: SaveHandle) -> None:
-        t = time.monotonic()
-        if job.fits:
-            staged = self._stager.stage(job.tensors, ready_event=job.ready_event, only=job.deferred_keys)
-            staged.synchronize()
-            job.to_write, job.layout, handle.stats.bytes = staged.tensors, staged.layout, staged.nbytes
-        else:
-            job.to_write, handle.stats.bytes = job.tensors, self._stager.required_bytes(job.tensors)
-        job.tensors = {}
-        handle.stats.staging_s = time.monotonic() - t + job.early_s
-        handle.staged.set_result(None)
-
-    def _pipelining_pays(self) -> bool:
-        """Whether the writer threads can run beside the copy without slowing it (``PIPELINE_STAGING``)."""
-        if PIPELINE_STAGING is not None:
-            return PIPELINE_STAGING
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        return cores >= torch.get_num_threads() + self.thread_count + 1
-
-    def _copy_pipelined(self, job: _SaveJob, handle: SaveHandle) -> None:
-        """The copy of a pipelined save, on the caller's thread, while the writer writes what is copied.
-
-        A failed copy fails the save in the writer too (nothing is committed) and is raised here,
-        once: the writer does not record it as a pending error.
-        """
-        t = time.monotonic()
-        try:
-            self._stager.stage(job.tensors, progress=job.progress)
-        except BaseException as exc:
-            job.copy_failed = True
-            job.progress.fail(exc)
-            handle.staged.set_exception(exc)
-            raise
-        finally:
-            job.tensors = {}  # no reference to the live tensors outlives the copy
-        handle.stats.staging_s = job.timings["staging_s"] = time.monotonic() - t
-
-    def _run_job(self, job: _SaveJob, handle: SaveHandle) -> None:
+    def _run_job(self, job: SaveJob, handle: SaveHandle) -> None:
         try:
             failed = None
             if job.progress is None and not handle.staged.done():

@@ -2,18 +2,20 @@
 
 One frozen, keyword-only dataclass holds all the knobs, with units in the names of fields that
 have one (``timeout_seconds``, ``staging_budget_bytes``). It is validated once, in
-``__post_init__``: durations are stored as float seconds (``"8h"`` and ``"250ms"`` are accepted
-through :func:`~torch_ckpt.durations.parse_duration`), byte sizes as int bytes (``"4GB"``,
-``"512MiB"`` through :func:`parse_size`), lists of signals as tuples. The manager, and the
-Lightning and Accelerate adapters, build from it, so every integration shares one set of names and
-defaults.
+``__post_init__`` (the checks are in :mod:`torch_ckpt.config_values`): durations are stored as
+float seconds (``"8h"`` and ``"250ms"`` are accepted), byte sizes as int bytes (``"4GB"``,
+``"512MiB"``), lists of signals as tuples. The manager, and the Lightning and Accelerate adapters,
+build from it, so every integration shares one set of names and defaults.
 
 Sources:
 
 * code: ``CheckpointConfig(keep_last=5, mtbf_seconds="8h")`` or ``CheckpointManager(dir, keep_last=5)``;
-* a mapping: :meth:`CheckpointConfig.from_dict` (unknown keys are refused, naming the valid ones);
-* a YAML file: :meth:`CheckpointConfig.from_yaml` (PyYAML's ``safe_load``; a mapping of field
-  names to values, e.g. ``staging_budget_bytes: 8GB`` and ``mtbf_seconds: 8h``).
+* a mapping: :meth:`CheckpointConfig.from_dict` (an unknown key is refused, naming the closest
+  valid one); an integration whose file also holds its own keys uses
+  :meth:`CheckpointConfig.from_dict_with_extras`, which validates those too and returns them apart;
+* a YAML file: :meth:`CheckpointConfig.from_yaml` (PyYAML's ``safe_load`` through
+  :meth:`CheckpointConfig.read_yaml`; a mapping of field names to values, e.g.
+  ``staging_budget_bytes: 8GB`` and ``mtbf_seconds: 8h``).
 
 Fields that take Python objects (``retention``, ``save_policy``, ``process_group``, ``naming``)
 can only be given in code; files use the flat fields (``keep_last``, ``mtbf_seconds``...).
@@ -22,15 +24,14 @@ can only be given in code; files use the flat fields (``keep_last``, ``mtbf_seco
 from __future__ import annotations
 
 import dataclasses
-import math
+import difflib
 import os
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from torch_ckpt.durations import parse_duration
+from torch_ckpt.config_values import DEFAULT, DefaultType, check_bool, check_int, parse_size, to_bytes, to_seconds
 from torch_ckpt.errors import ConfigError
 from torch_ckpt.interval import FORMULAS
 from torch_ckpt.naming import Naming
@@ -50,58 +51,8 @@ ON_EXISTING_NEWER = ("error", "supersede")
 DURABLE_VERIFY = ("checksum", "size")
 #: Values of ``on_write_error``.
 ON_WRITE_ERROR = ("raise", "warn")
-
-
-
-class DefaultType:
-    """Type of :data:`DEFAULT`: "not given, use the configuration's value" in keyword arguments."""
-
-    __slots__ = ()
-
-    def __repr__(self) -> str:
-        return "<default>"
-
-
-#: Default of keyword arguments that mirror a :class:`CheckpointConfig` field (e.g. the manager's):
-#: distinguishes "not given" from any value, so a ``config=`` is overridden only by what was passed.
-DEFAULT = DefaultType()
-
-_SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-_SIZE = re.compile(r"\s*((?:\d+(?:\.\d*)?|\.\d+)(?:e[+-]?\d+)?)\s*([a-z]*)\s*")
-
-
-def parse_size(value: str | int) -> int:
-    """Convert a byte size to an int: ``4GB`` (10^9), ``512MiB`` (2^20), ``1.5TB`` or plain bytes.
-
-    Args:
-        value: An ``int`` (bytes) or a string: a number with an optional unit B, KB, MB, GB, TB
-            (decimal) or KiB, MiB, GiB, TiB (binary), case-insensitive.
-
-    Returns:
-        The size in bytes, rounded down to a whole byte.
-
-    Raises:
-        ValueError: The string is not a size (the message repeats it and lists the units), or it
-            is negative or not finite.
-        TypeError: ``value`` is neither ``str`` nor ``int`` (``bool`` and ``float`` are rejected:
-            a size is a whole number of bytes or a string with a unit).
-    """
-    if isinstance(value, bool) or not isinstance(value, (str, int)):
-        raise TypeError(f"size must be an int of bytes or a string such as '4GB', got {type(value).__name__}: "
-                        f"{value!r}")
-    if isinstance(value, int):
-        if value < 0:
-            raise ValueError(f"size must not be negative, got {value!r}")
-        return value
-    match = _SIZE.fullmatch(value.lower())
-    if match is None or match.group(2) not in _SIZE_UNITS:
-        raise ValueError(f"invalid size {value!r}: expected bytes or a number with a unit "
-                         "B, KB, MB, GB, TB (powers of 10) or KiB, MiB, GiB, TiB (powers of 2), e.g. '4GB'")
-    size = float(match.group(1)) * _SIZE_UNITS[match.group(2)]
-    if not math.isfinite(size):
-        raise ValueError(f"size must be finite, got {value!r}")
-    return int(size)
+#: Types an integration's own file keys may have (:meth:`CheckpointConfig.from_dict_with_extras`).
+_EXTRA_TYPES = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -230,17 +181,16 @@ class CheckpointConfig:
 
     def __post_init__(self) -> None:
         for name in ("async_save", "overlap_staging", "verify_on_load", "read_only"):
-            if not isinstance(getattr(self, name), bool):
-                raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
+            check_bool(name, getattr(self, name))
         for name in ("keep_last", "keep_every_n_steps", "save_every_n_steps", "durable_keep_last",
                      "durable_keep_every_n_steps"):
             if getattr(self, name) is not None:
-                _check_int(name, getattr(self, name), 1)
+                check_int(name, getattr(self, name), 1)
         if self.local_root_shared is not None and not isinstance(self.local_root_shared, bool):
             raise ConfigError(f"local_root_shared must be true, false or None, got {self.local_root_shared!r}")
         for name in ("thread_count", "min_interval_steps", "replicate_every_n_saves", "durable_upload_threads"):
-            _check_int(name, getattr(self, name), 1)
-        _check_int("writer_niceness", self.writer_niceness, 0, maximum=19)
+            check_int(name, getattr(self, name), 1)
+        check_int("writer_niceness", self.writer_niceness, 0, maximum=19)
         for name, choices in (("persist", PERSIST_MODES), ("on_world_size_change", RANK_LOCAL_POLICIES),
                               ("formula", tuple(FORMULAS)), ("durable_verify", DURABLE_VERIFY),
                               ("on_write_error", ON_WRITE_ERROR), ("on_existing_newer", ON_EXISTING_NEWER)):
@@ -250,9 +200,9 @@ class CheckpointConfig:
                                ("durable_flush_timeout_seconds", False), ("preemption_timeout_seconds", True),
                                ("mtbf_seconds", True), ("save_every_seconds", True)):
             if getattr(self, name) is not None:
-                self._set(name, _seconds(name, getattr(self, name), positive=positive))
+                self._set(name, to_seconds(name, getattr(self, name), positive=positive))
         if self.staging_budget_bytes is not None:
-            self._set("staging_budget_bytes", _bytes("staging_budget_bytes", self.staging_budget_bytes))
+            self._set("staging_budget_bytes", to_bytes("staging_budget_bytes", self.staging_budget_bytes))
         if self.retention is not None and not isinstance(self.retention, RetentionPolicy):
             raise ConfigError(f"retention must be a RetentionPolicy (keep(steps) -> set), got {self.retention!r}")
         if self.save_policy is not None:
@@ -267,7 +217,7 @@ class CheckpointConfig:
             raise ConfigError(f"naming must provide name(step) and step_of(name) (torch_ckpt.Naming), "
                               f"got {self.naming!r}")
         self._check_durable()
-        if isinstance(self.preemption_signals, (str, int)) or not _is_sequence(self.preemption_signals):
+        if not isinstance(self.preemption_signals, (list, tuple)):
             raise ConfigError(f"preemption_signals must be a list of signal names or numbers, e.g. ['SIGTERM'], "
                               f"got {self.preemption_signals!r}")
         parse_signals(self.preemption_signals)  # raises ConfigError naming an unknown signal
@@ -332,32 +282,72 @@ class CheckpointConfig:
             source: Where the mapping came from (a file path...), prefixed to error messages.
 
         Raises:
-            ConfigError: ``values`` is not a mapping, has an unknown key (the message names it and
-                lists the valid ones), or has an invalid value.
+            ConfigError: ``values`` is not a mapping, has an unknown key (the message names it,
+                the closest valid name and the valid ones), or has an invalid value.
+        """
+        return cls.from_dict_with_extras(values, {}, source=source)[0]
+
+    @classmethod
+    def from_dict_with_extras(cls, values: Mapping[str, Any], extras: Mapping[str, bool | int | float | str], *,
+                              source: str | None = None) -> tuple[CheckpointConfig, dict[str, Any]]:
+        """Split ``values`` into this config and an integration's own keys, validating both.
+
+        For a settings file that also holds keys of the integration reading it (e.g.
+        ``accelerate_ckpt``'s ``enabled``): those keys are declared in ``extras`` with their
+        defaults, and a value must have its default's type (``bool``, ``int``, ``float`` or ``str``).
+
+        Args:
+            values: Field name or extra key -> value.
+            extras: The integration's own keys and their defaults (not field names).
+            source: Where ``values`` came from (a file path...), prefixed to error messages.
+
+        Returns:
+            ``(config, extra_values)``: the validated config, and every key of ``extras`` with the
+            given value or its default.
+
+        Raises:
+            ConfigError: ``values`` is not a mapping; a key is neither a field nor an extra (the
+                message names it and suggests the closest valid name); an extra has another type
+                than its default; a field value is invalid. The message starts with ``source``.
+            TypeError: ``extras`` repeats a field or has a default of another type (a programming error).
         """
         prefix = f"{source}: " if source else ""
         if not isinstance(values, Mapping):
             raise ConfigError(f"{prefix}expected a mapping of settings, got {type(values).__name__}")
         names = cls.field_names()
-        unknown = sorted(str(k) for k in values if k not in names)
+        if set(extras) & set(names):
+            raise TypeError(f"extras must not repeat CheckpointConfig fields: {sorted(set(extras) & set(names))}")
+        valid = [*names, *extras]
+        unknown = sorted(str(k) for k in values if k not in valid)
         if unknown:
-            raise ConfigError(f"{prefix}unknown setting(s) {unknown}; valid settings: {list(names)}")
+            close = difflib.get_close_matches(unknown[0], valid, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(f"{prefix}unknown setting(s) {unknown}{hint}; rename or remove "
+                              f"{'it' if len(unknown) == 1 else 'them'}. "
+                              f"Valid settings: {valid}")
+        extra_values = {**extras, **{k: v for k, v in values.items() if k in extras}}
+        for key, value in extra_values.items():
+            kind = type(extras[key])
+            if kind not in _EXTRA_TYPES:
+                raise TypeError(f"extras[{key!r}]: default must be a bool, int, float or str, got {kind.__name__}")
+            if type(value) is not kind and not (kind is float and type(value) is int):
+                raise ConfigError(f"{prefix}{key} must be {_EXTRA_TYPES[kind]}, got {value!r}")
         try:
-            return cls(**values)
+            return cls(**{k: v for k, v in values.items() if k in names}), extra_values
         except ConfigError as exc:
             if not prefix:
                 raise
             raise ConfigError(f"{prefix}{exc}") from None
 
-    @classmethod
-    def from_yaml(cls, path: str | os.PathLike) -> CheckpointConfig:
-        """Read a YAML file holding a mapping of field names to values (an empty file gives the defaults).
+    @staticmethod
+    def read_yaml(path: str | os.PathLike) -> dict[str, Any]:
+        """The mapping in a YAML settings file (``{}`` for an empty file), not yet validated.
 
         Parsed with PyYAML's ``safe_load`` (plain data only, never Python objects).
 
         Raises:
-            ConfigError: The file cannot be read, is not valid YAML, is not a mapping, or has an
-                unknown key or invalid value (the message names the file and the key).
+            ConfigError: The file cannot be read, is not valid YAML or is not a mapping (the
+                message names the file).
         """
         import yaml  # PyYAML is a dependency; imported here so `import torch_ckpt` stays fast
 
@@ -370,7 +360,19 @@ class CheckpointConfig:
             data = yaml.safe_load(text)
         except yaml.YAMLError as exc:
             raise ConfigError(f"{path}: not valid YAML ({exc})") from exc
-        return cls.from_dict({} if data is None else data, source=str(path))
+        if data is not None and not isinstance(data, Mapping):
+            raise ConfigError(f"{path}: expected a mapping of settings, got {type(data).__name__}")
+        return dict(data or {})
+
+    @classmethod
+    def from_yaml(cls, path: str | os.PathLike) -> CheckpointConfig:
+        """Read a YAML file holding a mapping of field names to values (an empty file gives the defaults).
+
+        Raises:
+            ConfigError: The file cannot be read, is not valid YAML, is not a mapping, or has an
+                unknown key or invalid value (the message names the file and the key).
+        """
+        return cls.from_dict(cls.read_yaml(path), source=str(Path(path).expanduser()))
 
     def replace(self, **changes: Any) -> CheckpointConfig:
         """A copy with ``changes`` applied and validated.
@@ -391,33 +393,3 @@ def _keep(count: int | None, every: int | None) -> RetentionPolicy | None:
     latest = KeepLatest(count=count)
     return latest if every is None else KeepAny((latest, KeepEveryNSteps(every_steps=every)))
 
-
-def _is_sequence(value: Any) -> bool:
-    return isinstance(value, (list, tuple))
-
-
-def _check_int(name: str, value: Any, minimum: int, maximum: int | None = None) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum or (
-            maximum is not None and value > maximum):
-        bound = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
-        raise ConfigError(f"{name} must be an integer {bound}, got {value!r}")
-
-
-def _seconds(name: str, value: Any, *, positive: bool) -> float:
-    try:
-        seconds = float(parse_duration(value))
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"{name}: {exc}") from None
-    if seconds < 0 or (positive and seconds == 0):
-        raise ConfigError(f"{name} must be a {'positive' if positive else 'non-negative'} duration, got {value!r}")
-    return seconds
-
-
-def _bytes(name: str, value: Any) -> int:
-    try:
-        size = parse_size(value)
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"{name}: {exc}") from None
-    if size < 1:
-        raise ConfigError(f"{name} must be at least 1 byte, got {value!r}")
-    return size

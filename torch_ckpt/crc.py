@@ -3,15 +3,22 @@
 :func:`crc32` is ISA-L's hardware-accelerated implementation when the ``isal`` package is
 installed (about 8 GB/s on the reference 2-core machine, against 2-4 GB/s for ``zlib.crc32``),
 otherwise ``zlib.crc32``. Both give the same values and release the GIL on large buffers, so the
-choice changes speed only, never the format.
+choice changes speed only, never the format. :func:`file_crc32` checksums a whole file, reading
+the next chunk while the current one is checksummed.
 """
 
 from __future__ import annotations
 
+import os
+import threading
 import zlib
 from collections.abc import Callable
+from typing import Any
 
-__all__ = ["CRC32_IMPLEMENTATION", "crc32"]
+__all__ = ["CRC32_IMPLEMENTATION", "crc32", "file_crc32"]
+
+#: bytes read per chunk by :func:`file_crc32`
+_CRC_CHUNK_BYTES = 16 << 20
 
 try:
     from isal.isal_zlib import crc32 as _isal_crc32
@@ -23,3 +30,38 @@ try:
 except ImportError:  # pragma: no cover - depends on the environment
     crc32 = zlib.crc32
     CRC32_IMPLEMENTATION = "zlib"
+
+
+def file_crc32(path: str | os.PathLike) -> tuple[int, int]:
+    """Return ``(size in bytes, crc32)`` of a file, read in 16 MiB chunks.
+
+    Reading and checksumming overlap: a helper thread reads the next chunk into a second buffer
+    while this one computes the CRC of the current chunk (both release the GIL), so a cold file
+    costs about its read time rather than read + CRC.
+    """
+    crc, size = 0, 0
+    bufs = [bytearray(_CRC_CHUNK_BYTES), bytearray(_CRC_CHUNK_BYTES)]
+    with open(path, "rb", buffering=0) as f:
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        n = f.readinto(bufs[0])
+        i = 0
+        while n:
+            result: list[Any] = []
+            reader = threading.Thread(target=lambda b=bufs[1 - i], out=result: out.append(_readinto(f, b)), daemon=True)
+            reader.start()
+            with memoryview(bufs[i]) as view:
+                crc = crc32(view[:n], crc)
+            size += n
+            reader.join()
+            if isinstance(result[0], BaseException):
+                raise result[0]
+            n, i = result[0], 1 - i
+    return size, crc
+
+
+def _readinto(f: Any, buf: bytearray) -> int | BaseException:
+    try:
+        return f.readinto(buf) or 0
+    except BaseException as exc:  # noqa: BLE001 - re-raised by the caller's thread
+        return exc

@@ -1,7 +1,7 @@
 """DCP's ``.metadata`` of a checkpoint, validated against itself, the manifest and the stored records.
 
 Part of the one validation path every reader uses (see :mod:`torch_ckpt.format`). ``.metadata`` is
-read with the restricted unpickler (:func:`torch_ckpt.dcp_io.load_dcp_metadata_bytes`), then every
+read with the restricted unpickler (:func:`torch_ckpt.dcp_read.load_dcp_metadata_bytes`), then every
 field type is checked; storage entries lie inside manifest-listed data files; every tensor's
 chunks lie inside its declared shape, do not overlap and cover it exactly; each chunk's bytes fit
 in its storage entry, so declared sizes are bounded by the files' real sizes before anything is
@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from torch_ckpt.bounded import corrupt, short_repr
-from torch_ckpt.dcp_io import load_dcp_metadata_bytes
+from torch_ckpt.dcp_read import load_dcp_metadata_bytes
 from torch_ckpt.format import METADATA_NAME, NODE_METADATA_RE, RANK_FILE_RE, read_listed
 from torch_ckpt.manifest import MANIFEST_NAME, Manifest
 from torch_ckpt.records import storage_record_problems

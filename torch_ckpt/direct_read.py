@@ -38,7 +38,7 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from torch_ckpt.crc import crc32
-from torch_ckpt.dcp_io import record_framing
+from torch_ckpt.dcp_record import record_framing
 from torch_ckpt.errors import CheckpointCorruptError
 from torch_ckpt.format import open_listed
 from torch_ckpt.host_memory import prepare_for_write

@@ -11,13 +11,41 @@ an initialised process group every operation is a local no-op.
 from __future__ import annotations
 
 import datetime
+import warnings
 from typing import Any
 
 import torch.distributed as dist
 
 from torch_ckpt.errors import CheckpointError, CheckpointTimeoutError
 
-__all__ = ["DistContext"]
+__all__ = ["DistContext", "quiet_single_process_warning", "rank_and_world"]
+
+
+def quiet_single_process_warning() -> None:
+    """Ignore DCP's "assuming the intent is to save (load) in a single process" warning, process-wide.
+
+    ``dcp.save``/``dcp.load`` emit it on every call with ``no_dist=True``, which torch-ckpt passes on
+    purpose when there is no process group (``not DistContext.enabled``); no argument avoids it. The
+    filter matches that message only, attributed to DCP (or to torch-ckpt should DCP stop wrapping
+    the call), and also quiets the same non-information for the process's other single-process DCP
+    calls. The modules that call DCP (:mod:`torch_ckpt.dcp_io`, :mod:`torch_ckpt.dcp_read`) install
+    it once when imported: unlike ``warnings.catch_warnings`` around each call, it never changes
+    the process-wide filters from the writer thread. Installing it again adds no second filter.
+    """
+    warnings.filterwarnings(
+        "ignore",
+        message=r"torch\.distributed is (disabled, )?unavailable or uninitialized, assuming the intent is to "
+                r"(save|load) in a single process",
+        category=UserWarning,
+        module=r"(torch\.distributed\.checkpoint|torch_ckpt)\.",
+    )
+
+
+def rank_and_world() -> tuple[int, int]:
+    """``(rank, world size)`` of this process in the default process group; ``(0, 1)`` without one."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
 
 
 class DistContext:

@@ -21,16 +21,17 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path, PurePath
 from typing import Any
 
 from torch_ckpt.bounded import Malformed, corrupt, loads_bounded, short_repr
 from torch_ckpt.codec import TENSOR_TAG
 from torch_ckpt.errors import CheckpointCorruptError
+from torch_ckpt.local_files import open_regular
 from torch_ckpt.manifest import MANIFEST_NAME, Manifest, rank_file_name
 from torch_ckpt.state_tree import walk_tree
-from torch_ckpt.storage import DurableUnavailableError, Location, as_location, open_regular
+from torch_ckpt.storage import DurableUnavailableError, Location, as_location
 
 __all__ = [
     "MAX_RANK_JSON_BYTES",
@@ -110,22 +111,36 @@ def read_listed(where: str | os.PathLike | Location, manifest: Manifest, name: s
 
 def verify_files(where: str | os.PathLike | Location, manifest: Manifest, *, checksums: bool, part: int = 0,
                  parts: int = 1, allow_symlinks: bool = False, collect: list[tuple[str, str]] | None = None,
-                 progress: Any = None) -> None:
+                 progress: Any = None, store_digests: Mapping[str, str] | None = None) -> int:
     """Check every file the manifest lists (this reader's share when ``parts`` > 1).
 
     Each must be a regular file inside the checkpoint with the listed size, and with ``checksums``
     the listed CRC-32 (read in chunks through :func:`torch_ckpt.crc.crc32`). One node's copy of a
-    node-local checkpoint is checked for that node's files.
+    node-local checkpoint is checked for that node's files. The same function checks local
+    checkpoints, checkpoints on a store, uploads to the durable tier and files fetched from it, with
+    the same messages.
+
+    Store digests: with ``checksums`` and ``store_digests`` (``{file name: digest}``), a file whose
+    stored object reports exactly that digest (:meth:`~torch_ckpt.storage.Location.stat`, e.g. the
+    MD5 ETag an S3-compatible store computed over the bytes it received) passes without being read.
+    The caller vouches that each digest is of bytes with the listed CRC-32 (the durable tier
+    computes it from the local file in the same pass as that file's CRC-32). Any other file is read
+    and its CRC-32 compared, so a digest that cannot match (SSE-KMS ETags) costs a read, never a
+    false alarm.
 
     Args:
         where: the checkpoint directory (local path or :class:`~torch_ckpt.storage.Location`).
         manifest: its manifest.
-        checksums: also compare every file's CRC-32 (reads every byte).
+        checksums: also compare every file's CRC-32 (reads every byte not vouched for by ``store_digests``).
         part: this reader's index when ``parts`` readers split the files.
         parts: how many readers split the files.
         allow_symlinks: follow symlinked files.
         collect: append ``(file name, problem)`` for every problem instead of raising the first.
-        progress: an object with ``update(bytes)`` (a progress bar), advanced as files are read.
+        progress: an object with ``update(bytes)`` (a progress bar), advanced as files are checked.
+        store_digests: expected store digests of some files (see above).
+
+    Returns:
+        Bytes read to compare CRC-32s (0 without ``checksums``).
 
     Raises:
         CheckpointCorruptError: (without ``collect``) a file is missing, a symlink, not a regular
@@ -133,6 +148,7 @@ def verify_files(where: str | os.PathLike | Location, manifest: Manifest, *, che
         DurableUnavailableError: the store cannot be reached.
     """
     loc = as_location(where, allow_symlinks=allow_symlinks)
+    read = 0
 
     def bad(name: str, text: str) -> None:
         if collect is None:
@@ -143,11 +159,12 @@ def verify_files(where: str | os.PathLike | Location, manifest: Manifest, *, che
         if i % parts != part:
             continue
         try:
-            size = loc.size(name)
+            size, digest = loc.stat(name)
             if size != info["bytes"]:
                 bad(name, f"size {size} bytes, manifest says {info['bytes']} (truncated or overwritten)")
-            elif checksums:
+            elif checksums and not (digest is not None and store_digests and digest == store_digests.get(name)):
                 size, crc = loc.checksum(name, progress)
+                read += size
                 if size != info["bytes"]:
                     bad(name, f"read {size} bytes, manifest says {info['bytes']}")
                 elif crc != info["crc32"]:
@@ -166,6 +183,7 @@ def verify_files(where: str | os.PathLike | Location, manifest: Manifest, *, che
             bad(name, f"cannot be read ({exc.strerror or exc})")
         if checksums and progress is not None:
             progress.update(info["bytes"])
+    return read
 
 
 def rank_file_problems(manifest: Any) -> list[tuple[str, str]]:

@@ -3,14 +3,17 @@
 The manager only orchestrates: saving and loading go through
 :class:`~torch_ckpt.checkpointer.AsyncCheckpointer`; naming and commit live in
 :mod:`torch_ckpt.layout`, retention in :mod:`torch_ckpt.retention`, the save decision in
-:mod:`torch_ckpt.schedule` (fed by :mod:`torch_ckpt.cadence`).
+:mod:`torch_ckpt.schedule` (fed by :mod:`torch_ckpt.cadence`). This module builds the manager,
+submits saves, asks the save policy and handles preemption; its mixins hold the rest: the checks
+before a save (:mod:`torch_ckpt.manager_prepare`), what follows a commit
+(:mod:`torch_ckpt.manager_commit`), listing and restore (:mod:`torch_ckpt.manager_read`) and the
+health report (:mod:`torch_ckpt.manager_health`).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -20,32 +23,19 @@ from torch_ckpt._logging import get_logger
 from torch_ckpt.cadence import Cadence
 from torch_ckpt.checkpointer import AsyncCheckpointer, close_on_exit
 from torch_ckpt.config import DEFAULT, ON_EXISTING_NEWER, CheckpointConfig, DefaultType
-from torch_ckpt.errors import (
-    CheckpointError,
-    CheckpointNotFoundError,
-    CheckpointWriteError,
-    ConfigError,
-)
+from torch_ckpt.errors import CheckpointError, ConfigError
 from torch_ckpt.handle import SaveHandle, SaveStats
-from torch_ckpt.layout import (
-    RootLock,
-    check_root,
-    clean_stale_temporaries,
-    quarantine_step_dir,
-    read_manifest,
-    remove_step_dir,
-    scan_committed,
-    update_manifest_tiers,
-)
+from torch_ckpt.layout import RootLock, check_root, clean_stale_temporaries
+from torch_ckpt.manager_commit import ManagerCommitMixin
 from torch_ckpt.manager_health import ManagerHealthMixin
+from torch_ckpt.manager_prepare import ManagerPrepareMixin
 from torch_ckpt.manager_read import ManagerReadMixin
 from torch_ckpt.naming import Naming, StepNaming
 from torch_ckpt.nodes import NodeLayout
-from torch_ckpt.persist import check_extra_name
 from torch_ckpt.preemption import PreemptionFlag
 from torch_ckpt.replicator import Replicator
 from torch_ckpt.resume_nodes import check_private_roots, node_layout
-from torch_ckpt.retention import RetentionPolicy, apply_retention
+from torch_ckpt.retention import RetentionPolicy
 from torch_ckpt.tiers import DurableTier
 
 __all__ = ["CheckpointManager", "ON_EXISTING_NEWER"]
@@ -55,14 +45,7 @@ log = get_logger(__name__)
 _SETTINGS = frozenset(CheckpointConfig.field_names())
 
 
-def _list_steps(steps: list[int]) -> str:
-    """``[500, 600, 700]``, or the first and last few of a long list."""
-    if len(steps) <= 8:
-        return str(steps)
-    return f"[{', '.join(map(str, steps[:3]))}, ..., {', '.join(map(str, steps[-3:]))}]"
-
-
-class CheckpointManager(ManagerReadMixin, ManagerHealthMixin):
+class CheckpointManager(ManagerPrepareMixin, ManagerCommitMixin, ManagerReadMixin, ManagerHealthMixin):
     """Asynchronous, atomic DCP checkpoints of one run root, with retention and resume.
 
     Every rank constructs the manager and calls :meth:`save`, :meth:`restore`,
@@ -219,20 +202,6 @@ class CheckpointManager(ManagerReadMixin, ManagerHealthMixin):
         for a shared root, each node's lowest rank for node-local roots."""
         return self._nodes.is_leader if self._nodes is not None else self._ctx.is_coordinator
 
-    def _make_replicator(self, retention: RetentionPolicy | None) -> Replicator:
-        if self._nodes is None:
-            return Replicator(self._tier, retention=retention, on_durable=self._record_durable)
-        commit = self._nodes.node == 0
-
-        def upload(local_dir: Path, manifest: Any, abandon: Callable[[], bool]) -> None:
-            self._tier.upload_node(local_dir, manifest, commit=commit, abandon=abandon,
-                                   wait_seconds=self._durable_flush_timeout)
-
-        # every node uploads its own shards; node 0 commits and runs durable retention and cleanup
-        return Replicator(self._tier, retention=retention if commit else None, upload=upload,
-                          on_durable=self._record_durable if commit else None,
-                          abandoned_after_seconds=24 * 3600.0 if commit else None)
-
     # -- context manager -------------------------------------------------------------------------
     def __enter__(self) -> CheckpointManager:
         return self
@@ -291,7 +260,8 @@ class CheckpointManager(ManagerReadMixin, ManagerHealthMixin):
         """
         t0 = time.monotonic()
         valid = not isinstance(step, bool) and isinstance(step, int) and step >= 0
-        replicate = path is None and self._replicator is not None and (self._saves + 1) % self._replicate_every == 0
+        replicate = path is None and self._replicator is not None and (
+            (self._saves + 1) % self._replicate_every == 0 or (valid and self._replicator.keeps(step)))
         if path is not None:
             final = self._explicit_path(path)
             named = self.naming.step_of(final.name) if final.parent == self.root else None
@@ -317,145 +287,6 @@ class CheckpointManager(ManagerReadMixin, ManagerHealthMixin):
         if self._cadence is not None:
             self._cadence.record_save_started(handle, time.monotonic())
         return handle
-
-    def _stage_extra(self, extra_dir: str | os.PathLike, final: Path) -> Path:
-        """Rank 0, inside :meth:`save`: move ``extra_dir`` aside to a hidden sibling of ``final``.
-
-        The hook files are taken now, so the caller may refill ``extra_dir`` for the next save at
-        once; the background commit moves them into the checkpoint before its manifest.
-
-        Raises:
-            ConfigError: ``extra_dir`` is missing, not a directory, a symlink, the root, ``final``, a
-                directory containing either, or inside ``final``.
-            CheckpointWriteError: an entry uses a checkpoint file's name, or the move fails.
-        """
-        src = Path(extra_dir).expanduser()
-        src = (src if src.is_absolute() else self.root / src).absolute()
-        if src.is_symlink() or not src.is_dir():
-            raise ConfigError(f"extra_dir {src} must be an existing directory (not a symlink) holding the files "
-                              "to commit with the checkpoint")
-        for guarded in (self.root, final):
-            if src == guarded or src in guarded.parents:
-                raise ConfigError(f"extra_dir {src} is or contains {guarded}: name a directory of its own that holds "
-                                  "only the framework's files")
-        if final in src.parents:
-            raise ConfigError(f"extra_dir {src} lies inside the checkpoint {final}; use a separate directory")
-        for entry in src.iterdir():
-            check_extra_name(entry)
-        staged = final.with_name(f".{final.name}.extra.tmp.{self._ckpt.incarnation}")
-        try:
-            if staged.exists():
-                shutil.rmtree(staged)
-            shutil.move(str(src), str(staged))  # a rename on one file system
-        except OSError as exc:
-            raise CheckpointWriteError(exc.errno, f"cannot move extra_dir {src} to {staged}: {exc.strerror or exc}") \
-                from exc
-        return staged
-
-    def _explicit_path(self, path: str | os.PathLike) -> Path:
-        if not isinstance(path, (str, os.PathLike)) or str(path) == "":
-            raise ConfigError(f"path must be a non-empty directory path, got {path!r}")
-        final = Path(path).expanduser()
-        final = (final if final.is_absolute() else self.root / final).absolute()
-        if final == self.root or final in self.root.parents:
-            raise ConfigError(f"path {final} is the checkpoint root or contains it; name a directory inside or "
-                              "beside the root")
-        if final.name.startswith("."):
-            raise ConfigError(f"path {final}: hidden names (starting with '.') are reserved for temporaries")
-        return final
-
-    def _prepare_step(self, step: Any, final: Path, *, explicit: bool = False) -> bool:
-        """Every rank, before the save agreement: validate ``step``; on rank 0 also check its directory.
-
-        After :meth:`restore` loaded a step older than the newest committed one, the newer
-        checkpoints belong to an abandoned run segment: the first save moves them aside
-        (``.superseded_<name>.<time>``, kept, never listed) so that "latest" follows the run again.
-        A damaged directory of ``step`` is moved aside too (``.corrupt_<name>.<time>``).
-
-        Returns:
-            True (on rank 0) when ``final`` holds a committed checkpoint that the commit replaces.
-
-        Raises:
-            ConfigError: read-only manager, invalid or already committed step, newer steps of
-                another run (``on_existing_newer="error"``), or ``final`` is not a torch-ckpt
-                checkpoint.
-            CheckpointWriteError: a directory could not be moved aside.
-        """
-        if self.read_only:
-            raise ConfigError(f"this CheckpointManager was opened with read_only=True on {self.root}: it restores "
-                              "and lists checkpoints but does not save; open a writable root without read_only "
-                              "to save")
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise ConfigError(f"step must be an int >= 0, got {step!r}")
-        self._captured_at[step] = time.time()  # the state is captured right after this call
-        while len(self._captured_at) > 256:
-            self._captured_at.pop(next(iter(self._captured_at)))
-        restored, self._restored_step = self._restored_step, None
-        if not self._acts_on_root:
-            return False
-        try:
-            if restored is not None:
-                for newer, newer_path in scan_committed(self.root, self.naming).items():
-                    if newer > restored:
-                        quarantine_step_dir(newer_path, reason="superseded")
-            if explicit:
-                return self._check_explicit(final)
-            if os.path.lexists(final):
-                try:
-                    read_manifest(final)
-                except CheckpointNotFoundError:
-                    raise ConfigError(f"{final} exists but is not a torch-ckpt checkpoint (no manifest.json): it is "
-                                      "never written into or deleted; move it away or use another directory") from None
-                except CheckpointError:
-                    quarantine_step_dir(final, reason="corrupt")
-                else:
-                    raise ConfigError(f"step {step} is already committed at {final}; save under a new step")
-            self._check_no_newer_steps(step)
-            return False
-        except OSError as exc:
-            if isinstance(exc, CheckpointError):
-                raise
-            raise CheckpointWriteError(exc.errno, f"cannot prepare step {step} under {self.root}: {exc.strerror} "
-                                       f"({exc.filename})") from exc
-
-    def _check_explicit(self, final: Path) -> bool:
-        """Rank 0: may ``final`` be written? True when it holds a committed checkpoint to replace."""
-        if not os.path.lexists(final):
-            return False
-        if final.is_symlink() or not final.is_dir():
-            raise ConfigError(f"{final} exists and is not a directory written by torch-ckpt (a file or symlink): "
-                              "it is never overwritten; remove it or save elsewhere")
-        try:
-            read_manifest(final)
-        except CheckpointNotFoundError:
-            raise ConfigError(f"{final} exists but is not a torch-ckpt checkpoint (no manifest.json): it is never "
-                              "written into or deleted; move it away or save elsewhere") from None
-        except CheckpointError:
-            quarantine_step_dir(final, reason="corrupt")  # ours but damaged: kept aside, never listed
-            return False
-        return True
-
-    def _check_no_newer_steps(self, step: int) -> None:
-        """Rank 0: refuse (or move aside) committed steps newer than ``step`` that this run did not write."""
-        if self._newest_known is not None and step > self._newest_known:
-            self._newest_known = step
-            return
-        committed = scan_committed(self.root, self.naming)
-        newer = [s for s in committed if s > step]
-        if newer and self.on_existing_newer == "supersede":
-            log.warning("step %d: moving the newer committed steps %s of an earlier run aside "
-                        "(on_existing_newer='supersede')", step, _list_steps(newer))
-            for s in newer:
-                quarantine_step_dir(committed[s], reason="superseded")
-        elif newer:
-            raise ConfigError(
-                f"{self.root} already holds committed step(s) {_list_steps(newer)} newer than step {step}, which this "
-                f"manager did not restore (an earlier run's?). Saving step {step} there would leave 'latest' at step "
-                f"{newer[-1]} (a restart would resume it) and retention would delete this run's checkpoints first. "
-                f"Call restore() to continue from step {newer[-1]}, save steps above {newer[-1]}, use a new directory, "
-                "or pass CheckpointManager(..., on_existing_newer='supersede') to move the newer steps aside (kept as "
-                "hidden .superseded_step_N.* directories, never listed)")
-        self._newest_known = step  # every other committed step is older now
 
     def should_save(self, step: int) -> bool:
         """Record that training step ``step`` finished and ask the save policy; same answer on every rank.
@@ -525,53 +356,6 @@ class CheckpointManager(ManagerReadMixin, ManagerHealthMixin):
     def wait_staged(self) -> None:
         """Block until the in-flight save no longer reads the live tensors (see ``overlap_staging``)."""
         self._ckpt.wait_staged()
-
-    def add_commit_callback(self, callback: Callable[[int, Path], None]) -> None:
-        """Call ``callback(step, directory)`` after each commit, on rank 0 only.
-
-        It runs in the writer thread once every rank has finished with the committed directory
-        (no rank reads it again), before replication and retention of that save. An exception it
-        raises is logged and never changes the save's outcome. Use it for links and notifications.
-        """
-        if not callable(callback):
-            raise ConfigError(f"commit callback must be callable, got {callback!r}")
-        self._commit_callbacks.append(callback)
-
-    def _after_commit(self, step: int, final: Path, replicate: bool) -> None:
-        if not self._acts_on_root:
-            return
-        # committed: a failing callback is reported and never fails the save
-        for callback in self._commit_callbacks if self._ctx.is_coordinator else ():
-            try:
-                callback(step, final)
-            except Exception as exc:  # noqa: BLE001
-                log.error("commit callback %r for step %d (%s) failed: %s: %s", callback, step, final,
-                          type(exc).__name__, exc)
-        if replicate and self._replicator is not None:
-            self._replicator.submit(step, final)
-        try:
-            self._apply_retention()
-        except Exception as exc:  # noqa: BLE001
-            log.error("retention after committing step %d failed (the checkpoint at %s is committed; older "
-                      "checkpoints may remain): %s: %s", step, final, type(exc).__name__, exc)
-
-    def _record_durable(self, step: int, local_dir: Path) -> None:
-        try:
-            update_manifest_tiers(local_dir, {"durable": {"url": self._tier.url, "committed_at": time.time()}})
-        except OSError as exc:  # the local copy may have been pruned meanwhile
-            log.debug("could not record the durable copy of step %d in %s: %s", step, local_dir, exc)
-
-    def _apply_retention(self) -> None:
-        if not self._acts_on_root or self.retention is None:
-            return
-        committed = scan_committed(self.root, self.naming)
-        busy = self._replicator.busy_steps() if self._replicator is not None else set()
-        for step in apply_retention(self.retention, list(committed), protected=sorted(busy)):
-            try:
-                remove_step_dir(committed[step])
-                log.info("retention removed step %d (%s)", step, committed[step])
-            except OSError as exc:
-                log.warning("retention could not remove %s: %s", committed[step], exc)
 
     # -- lifecycle -------------------------------------------------------------------------------
     def wait(self) -> None:

@@ -32,10 +32,10 @@ from torch.distributed.checkpoint.planner import SavePlan
 from torch_ckpt.dcp_io import ChecksumFileSystemWriter
 from torch_ckpt.dcp_metadata import metadata_name
 from torch_ckpt.errors import ConfigError
-from torch_ckpt.format import METADATA_NAME
+from torch_ckpt.tier_nodes import REPLICA_TAG, is_replica_file
 
 __all__ = ["NodeLayout", "NodeDedupPlanner", "RecordingWriter", "node_views", "metadata_name", "env_node",
-           "is_replica_file", "shared_files", "durable_manifest", "fetch_set"]
+           "shared_files"]
 
 
 def env_node(rank: int) -> int:
@@ -137,9 +137,6 @@ class _NodePrefix(_StoragePrefix):
     replicas: frozenset = frozenset()
 
 
-REPLICA_TAG = "replica_"
-
-
 class RecordingWriter(ChecksumFileSystemWriter):
     """The checksumming writer for node-local saves.
 
@@ -195,11 +192,6 @@ class RecordingWriter(ChecksumFileSystemWriter):
         super().finish(metadata, results)
 
 
-def is_replica_file(name: str) -> bool:
-    """True for a data file holding only a node's extra copies of replicated tensors (never uploaded)."""
-    return name.startswith("__") and f"_{REPLICA_TAG}" in name
-
-
 def shared_files(results: list[list[Any]], rank_node: tuple[int, ...]) -> list[str]:
     """Uploaded data files holding a tensor that more than one node holds (a replaced node fetches them)."""
     nodes_of: dict[MetadataIndex, set[int]] = {}
@@ -209,24 +201,6 @@ def shared_files(results: list[list[Any]], rank_node: tuple[int, ...]) -> list[s
     return sorted({str(wr.storage_data.relative_path) for res in results for wr in res
                    if len(nodes_of[MetadataIndex(wr.index.fqn, wr.index.offset)]) > 1
                    and not is_replica_file(str(wr.storage_data.relative_path))})
-
-
-def durable_manifest(manifest: Any) -> Any:
-    """The manifest of the durable copy of a node-local checkpoint: every file except the nodes'
-    replica files and per-node metadata (node 0's ``.metadata`` is the complete one); ``node`` None."""
-    keep = {n: i for n, i in manifest.files.items()
-            if not is_replica_file(n) and not (n.startswith("node_") and n.endswith(".metadata"))}
-    nodes = {"rank_node": manifest.nodes["rank_node"],
-             "file_node": {n: v for n, v in manifest.nodes["file_node"].items() if n in keep},
-             "shared": list(manifest.nodes.get("shared", []))}
-    return dataclasses.replace(manifest, files=keep, nodes=nodes, node=None, tiers={})
-
-
-def fetch_set(manifest: Any, node: int) -> list[str]:
-    """Files a node fetches from the durable copy to restore its ranks at the same layout: its
-    ranks' uploaded files, the files holding replicated tensors, and the complete ``.metadata``."""
-    own = {n for n, v in manifest.nodes["file_node"].items() if v == node}
-    return sorted(own | set(manifest.nodes.get("shared", [])) | {METADATA_NAME})
 
 
 def node_views(metadata: Metadata, results: list[list[Any]], rank_node: tuple[int, ...]) -> dict[int | None, bytes]:

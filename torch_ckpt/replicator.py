@@ -1,10 +1,14 @@
 """Background replication of committed local checkpoints to the durable tier.
 
-One thread on the coordinating rank. The queue holds at most one pending step: a newer commit
-replaces an older one that has not started uploading (coalescing), so an outage never builds an
-unbounded backlog. Transient errors are retried with exponential backoff (capped); during an
-outage training and local saves go on, a warning is logged once, and :meth:`Replicator.stats`
-reports the lag. After each durable commit the durable retention policy runs.
+One thread on the coordinating rank (on each node's leader with node-local roots). The queue holds
+at most one pending step: a newer commit replaces an older one that has not started uploading
+(coalescing), so an outage never builds an unbounded backlog and the newest checkpoint becomes
+durable first. The one exception is a step the durable retention keeps as history (a multiple of
+``durable_keep_every_n_steps``, see ``never_skip``): it is queued beside the newest and uploaded
+after it, never coalesced away. Transient errors are retried with exponential backoff (capped);
+during an outage training and local saves go on, a warning is logged once, and
+:meth:`Replicator.stats` reports the lag. After each durable commit the durable retention policy
+runs.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from torch_ckpt._logging import get_logger
 from torch_ckpt.errors import CheckpointCorruptError
 from torch_ckpt.layout import read_manifest
 from torch_ckpt.retention import RetentionPolicy, apply_retention
+from torch_ckpt.tier_cleanup import remove_abandoned
 from torch_ckpt.tiers import DurableTier
 
 __all__ = ["Replicator"]
@@ -36,18 +41,23 @@ class Replicator:
         backoff_max_seconds: longest retry delay (seconds).
         on_durable: called with ``(step, local_dir)`` after a durable commit.
         upload: ``upload(local_dir, manifest, abandon)`` replacing ``tier.upload`` (e.g. one node's
-            part of a node-local checkpoint); ``abandon()`` is True once a newer step is queued.
+            part of a node-local checkpoint); ``abandon()`` is True once a newer step is queued
+            (never for a step ``never_skip`` keeps).
         abandoned_after_seconds: after a durable commit (at most once per
             ``min(abandoned_after_seconds, 1 h)``), delete step prefixes that have no manifest and
             whose newest object is older than this (uploads abandoned by a crash); None never deletes
             them. Steps this replicator has queued or is uploading are never touched.
+        never_skip: True for a step that must be uploaded even when newer steps commit before its
+            upload starts (the steps the durable retention keeps as history); None: every queued
+            step may be coalesced away. Every node of a node-local root must get the same function.
     """
 
     def __init__(self, tier: DurableTier, *, retention: RetentionPolicy | None = None,
                  backoff_initial_seconds: float = 0.5, backoff_max_seconds: float = 30.0,
                  on_durable: Callable[[int, Path], None] | None = None,
                  abandoned_after_seconds: float | None = 24 * 3600.0,
-                 upload: Callable[[Path, Any, Callable[[], bool]], None] | None = None) -> None:
+                 upload: Callable[[Path, Any, Callable[[], bool]], None] | None = None,
+                 never_skip: Callable[[int], bool] | None = None) -> None:
         self.tier = tier
         self._upload = upload if upload is not None else (lambda local_dir, manifest, abandon:
                                                           tier.upload(local_dir, manifest))
@@ -59,6 +69,8 @@ class Replicator:
         self._last_abandoned_check: float | None = None
         self._cond = threading.Condition()
         self._pending: tuple[int, Path] | None = None
+        self._never_skip = never_skip
+        self._history: dict[int, Path] = {}  # queued steps kept as history: uploaded after the newest
         self._active: int | None = None
         self._stop = False
         self._durable_step: int | None = None
@@ -71,23 +83,38 @@ class Replicator:
         self._thread.start()
 
     def submit(self, step: int, local_dir: Path) -> None:
-        """Queue a committed local checkpoint (replaces a queued older one)."""
+        """Queue a committed local checkpoint (replaces a queued older one unless :meth:`keeps` it)."""
         with self._cond:
             if self._pending is not None and self._pending[0] < step:
-                self._skipped += 1
-                log.info("replication of step %d superseded by step %d", self._pending[0], step)
+                self._set_aside(*self._pending, superseded_by=step)
             if self._pending is None or self._pending[0] < step:
                 self._pending = (step, local_dir)
             self._cond.notify_all()
 
+    def keeps(self, step: int) -> bool:
+        """True for a step never coalesced away (``never_skip``)."""
+        return self._never_skip is not None and self._never_skip(step)
+
+    def _set_aside(self, step: int, local_dir: Path, *, superseded_by: int) -> None:
+        """A queued step a newer one replaces: kept for later when :meth:`keeps` it, else skipped."""
+        if self.keeps(step):
+            self._history[step] = local_dir
+            log.info("step %d is uploaded after step %d (durable retention keeps it)", step, superseded_by)
+        else:
+            self._skipped += 1
+            log.info("replication of step %d superseded by step %d", step, superseded_by)
+
     def _newer_queued(self) -> bool:
         with self._cond:
-            return self._pending is not None or self._stop
+            if self._stop:
+                return True
+            return self._pending is not None and not (self._active is not None and self.keeps(self._active))
 
     def busy_steps(self) -> set[int]:
         """Steps queued or uploading (their local copies must not be deleted)."""
         with self._cond:
-            return {s for s in (self._active, self._pending[0] if self._pending else None) if s is not None}
+            busy = {s for s in (self._active, self._pending[0] if self._pending else None) if s is not None}
+            return busy | set(self._history)
 
     def stats(self) -> dict[str, Any]:
         """Replication state: ``durable_step``, ``pending_step``, ``lag_s`` (age of the newest durable copy,
@@ -109,7 +136,7 @@ class Replicator:
         """Block until nothing is queued or uploading; False if ``timeout_seconds`` ran out."""
         deadline = None if timeout_seconds is None else time.monotonic() + timeout_seconds
         with self._cond:
-            while self._pending is not None or self._active is not None:
+            while self._pending is not None or self._active is not None or self._history:
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     return False
@@ -130,17 +157,22 @@ class Replicator:
         delay = self._backoff0
         while True:
             with self._cond:
-                while self._pending is None and not self._stop:
+                while self._pending is None and not self._history and not self._stop:
                     self._cond.wait()
                 if self._stop:  # close() gave up waiting: leave the rest for the next run
                     return
-                step, local_dir = self._pending
-                self._pending, self._active = None, step
+                if self._pending is not None:  # the newest first
+                    (step, local_dir), self._pending = self._pending, None
+                else:
+                    step = max(self._history)
+                    local_dir = self._history.pop(step)
+                self._active = step
             try:
                 manifest = read_manifest(local_dir)
                 self._upload(local_dir, manifest, self._newer_queued)
                 with self._cond:
-                    self._durable_step, self._durable_time = step, time.time()
+                    if self._durable_step is None or step > self._durable_step:  # history steps come later
+                        self._durable_step, self._durable_time = step, time.time()
                     self._uploaded_bytes += sum(f["bytes"] for f in manifest.files.values())
                     if self._outage_since is not None:
                         log.warning("durable tier %s reachable again; step %d replicated", self.tier.url, step)
@@ -157,7 +189,9 @@ class Replicator:
                     if first:
                         self._outage_since = time.monotonic()
                     self._last_error = f"{type(exc).__name__}: {exc}"
-                    if self._pending is None and local_dir.exists():  # retry unless superseded
+                    if local_dir.exists() and self.keeps(step) and self._pending is not None:
+                        self._history[step] = local_dir  # retried after the newer step
+                    elif self._pending is None and local_dir.exists():  # retry unless superseded
                         self._pending = (step, local_dir)
                 if first:
                     log.warning("replicating step %d to %s failed (%s); retrying with backoff, training goes on",
@@ -194,6 +228,6 @@ class Replicator:
             return
         self._last_abandoned_check = now
         try:
-            self.tier.remove_abandoned(older_than_seconds=self._abandoned_after, exclude=self.busy_steps())
+            remove_abandoned(self.tier, older_than_seconds=self._abandoned_after, exclude=self.busy_steps())
         except Exception as exc:  # noqa: BLE001 - retried after a later upload
             log.warning("removing abandoned uploads from %s failed: %s", self.tier.url, exc)

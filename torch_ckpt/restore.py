@@ -27,8 +27,8 @@ from torch.distributed.tensor import DTensor
 from torch_ckpt._logging import get_logger
 from torch_ckpt.bounded import corrupt
 from torch_ckpt.codec import TENSOR_TAG, join_state, split_state
-from torch_ckpt.dcp_io import load_tensors
 from torch_ckpt.dcp_metadata import check_records, read_metadata, record_problems, tensor_items
+from torch_ckpt.dcp_read import load_tensors
 from torch_ckpt.direct_read import DATA_SUFFIX, load_direct
 from torch_ckpt.dist import DistContext
 from torch_ckpt.errors import (

@@ -23,7 +23,7 @@ from torch_ckpt.errors import (
 )
 from torch_ckpt.layout import is_committed, read_manifest, scan_committed
 from torch_ckpt.nodes import NodeLayout, env_node
-from torch_ckpt.tiers import DurableUnavailableError
+from torch_ckpt.storage import DurableUnavailableError
 
 __all__ = ["node_layout", "check_private_roots", "restore_node_local", "local_inventory"]
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 from typing import Any, Protocol, runtime_checkable
 
 from torch_ckpt.cadence import StepTimeEstimator
-from torch_ckpt.durations import parse_duration
+from torch_ckpt.config_values import check_int, to_seconds
 from torch_ckpt.errors import ConfigError
 from torch_ckpt.interval import FORMULAS, IntervalEstimator
 
@@ -60,22 +60,6 @@ class SavePolicy(Protocol):
         ...
 
 
-def _check_int(name: str, value: object, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConfigError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    return value
-
-
-def _check_seconds(name: str, value: object, *, positive: bool) -> float:
-    try:
-        seconds = parse_duration(value)  # type: ignore[arg-type]
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"{name}: {exc}") from None
-    if seconds < 0 or (positive and seconds == 0):
-        raise ConfigError(f"{name} must be {'positive' if positive else 'non-negative'}, got {value!r}")
-    return seconds
-
-
 class _NoMeasurements:
     """Measurement hooks for policies whose decision needs no measurements."""
 
@@ -101,7 +85,7 @@ class EveryNSteps(_NoMeasurements):
     """
 
     def __init__(self, n: int) -> None:
-        self._n = _check_int("n", n, 1)
+        self._n = check_int("n", n, 1)
         self._last: dict[str, Any] = {}
 
     @property
@@ -137,7 +121,7 @@ class EveryNSeconds:
     """
 
     def __init__(self, seconds: float | str) -> None:
-        self._seconds = _check_seconds("seconds", seconds, positive=True)
+        self._seconds = to_seconds("seconds", seconds, positive=True)
         self._last_save_s: float | None = None
         self._last_save_step: int | None = None
         self._decided: tuple[int, bool] | None = None
@@ -234,10 +218,10 @@ class YoungDaly:
                 f"mtbf_seconds={mtbf_seconds!r}, per_node_mtbf_seconds={per_node_mtbf_seconds!r}, nodes={nodes!r})"
             )
         if mtbf_seconds is not None:
-            mtbf = _check_seconds("mtbf_seconds", mtbf_seconds, positive=True)
+            mtbf = to_seconds("mtbf_seconds", mtbf_seconds, positive=True)
         elif per_node_mtbf_seconds is not None and nodes is not None:
-            per_node = _check_seconds("per_node_mtbf_seconds", per_node_mtbf_seconds, positive=True)
-            mtbf = per_node / _check_int("nodes", nodes, 1)
+            per_node = to_seconds("per_node_mtbf_seconds", per_node_mtbf_seconds, positive=True)
+            mtbf = per_node / check_int("nodes", nodes, 1)
         else:
             raise ConfigError(
                 "YoungDaly needs mtbf_seconds, or per_node_mtbf_seconds together with nodes "
@@ -250,9 +234,9 @@ class YoungDaly:
             raise ConfigError(f"ewma_alpha must be a number in (0, 1], got {ewma_alpha!r}")
         self._estimator = IntervalEstimator(
             mtbf,
-            initial_cost_s=_check_seconds("initial_cost_seconds", initial_cost_seconds, positive=False),
+            initial_cost_s=to_seconds("initial_cost_seconds", initial_cost_seconds, positive=False),
             formula=formula,
-            min_interval_steps=_check_int("min_interval_steps", min_interval_steps, 1),
+            min_interval_steps=check_int("min_interval_steps", min_interval_steps, 1),
             ewma_alpha=float(alpha),
         )
         self._last_save_step: int | None = None

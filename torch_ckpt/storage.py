@@ -3,15 +3,17 @@
 Every reader of a checkpoint reaches its bytes through this module. :class:`Location` gives one
 interface over a local directory (``file://`` allowed) and an fsspec URL (``s3://``, ``gs://``,
 ``memory://``...): listing, bounded reads of whole files, range reads and CRC-32 (:mod:`torch_ckpt.crc`).
-Local files are opened only as regular files (:func:`open_regular`: ``O_NOFOLLOW``, no FIFO, no
-directory) unless symlinks are explicitly allowed; a backend error on a store is a
-:class:`DurableUnavailableError` (an outage, not a damaged checkpoint).
+Local files are opened only as regular files (:mod:`torch_ckpt.local_files`, whose names this
+module re-exports: ``O_NOFOLLOW``, no FIFO, no directory) unless symlinks are explicitly allowed; a
+backend error on a store is a :class:`DurableUnavailableError` (an outage, not a damaged
+checkpoint). On stores that compute a digest of each object (the ETag of S3-compatible stores),
+:meth:`Location.stat` reports it, so an upload can be verified without reading it back
+(:func:`torch_ckpt.format.verify_files`).
 """
 
 from __future__ import annotations
 
 import datetime as _dt
-import errno
 import os
 import stat
 from collections.abc import Iterator
@@ -24,6 +26,7 @@ import fsspec
 from torch_ckpt.bounded import corrupt
 from torch_ckpt.crc import crc32
 from torch_ckpt.errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError, ConfigError
+from torch_ckpt.local_files import LocalFile, open_range, open_regular, read_fd, reading
 
 __all__ = [
     "DurableUnavailableError",
@@ -86,86 +89,6 @@ def object_mtime(info: dict[str, Any]) -> float | None:
                 continue
     return None
 
-
-
-def open_regular(path: Path, *, allow_symlinks: bool, what: str) -> int:
-    """Open ``path`` read-only as a regular file (no symlink unless allowed); returns the descriptor.
-
-    Raises:
-        FileNotFoundError: it does not exist.
-        CheckpointCorruptError: it is a symlink (and symlinks are not allowed), a directory, a FIFO
-            or anything else but a regular file.
-    """
-    flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)  # NONBLOCK: a FIFO must not hang us
-    if not allow_symlinks:
-        flags |= os.O_NOFOLLOW
-    try:
-        fd = os.open(path, flags)
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise corrupt(str(path), f"{what} is a symbolic link; torch-ckpt reads only regular files inside the "
-                                      "checkpoint (copy the file in, or follow links explicitly: allow_symlinks=True, "
-                                      "torch-ckpt --follow-symlinks)") from None
-        if exc.errno in (errno.EISDIR,):
-            raise corrupt(str(path), f"{what} is a directory, not a regular file") from None
-        raise
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode):
-        os.close(fd)
-        raise corrupt(str(path), f"{what} is not a regular file")
-    os.set_blocking(fd, True)
-    return fd
-
-
-@contextmanager
-def reading(source: str, what: str) -> Iterator[None]:
-    """Turn an I/O error while reading a checkpoint file into CheckpointCorruptError naming it."""
-    try:
-        yield
-    except CheckpointCorruptError:
-        raise
-    except OSError as exc:
-        raise corrupt(source, f"{what} cannot be read ({exc.strerror or exc})") from exc
-
-
-def read_fd(fd: int, limit: int, source: str) -> bytes:
-    """All bytes of an open regular file, refusing more than ``limit`` (never allocates beyond its size)."""
-    with os.fdopen(fd, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        if size > limit:
-            raise corrupt(source, f"is {size} bytes, more than the {limit} accepted")
-        data = f.read(size + 1)
-    if len(data) > limit:
-        raise corrupt(source, f"grew past the {limit} bytes accepted while being read")
-    return data
-
-
-class LocalFile:
-    """A :class:`~torch_ckpt.records.RangeReader` over an open descriptor (``pread``)."""
-
-    def __init__(self, fd: int) -> None:
-        self.fd = fd
-        self.size = os.fstat(fd).st_size
-
-    def read_at(self, offset: int, length: int) -> bytes:
-        return os.pread(self.fd, length, offset)
-
-
-@contextmanager
-def open_range(path: Path, *, allow_symlinks: bool = False) -> Iterator[LocalFile]:
-    """The local regular file ``path`` open for range reads (I/O errors become corruption naming it).
-
-    Raises:
-        FileNotFoundError: it does not exist.
-        CheckpointCorruptError: it is a symlink (unless ``allow_symlinks``), not a regular file, or
-            unreadable.
-    """
-    fd = open_regular(path, allow_symlinks=allow_symlinks, what="file listed in the manifest")
-    try:
-        with reading(str(path), "file listed in the manifest"):
-            yield LocalFile(fd)
-    finally:
-        os.close(fd)
 
 
 class Location:
@@ -290,7 +213,16 @@ class Location:
         return out
 
     def size(self, name: str) -> int:
-        """Size in bytes of the file ``name`` (a regular file).
+        """Size in bytes of the file ``name`` (a regular file); raises as :meth:`stat`."""
+        return self.stat(name)[0]
+
+    def stat(self, name: str) -> tuple[int, str | None]:
+        """``(size in bytes, store digest)`` of the file ``name`` (a regular file).
+
+        The digest is what the store computed over the object's bytes and reports with it: the
+        ETag of S3-compatible stores, without quotes (the MD5 of the object, or of its parts' MD5s
+        followed by ``-<parts>``; other values with server-side KMS encryption). None for local
+        files and stores that report none.
 
         Raises:
             FileNotFoundError: it does not exist.
@@ -301,13 +233,14 @@ class Location:
             fd = open_regular(Path(self._p(name)), allow_symlinks=self.allow_symlinks,
                               what="file listed in the manifest")
             try:
-                return os.fstat(fd).st_size
+                return os.fstat(fd).st_size, None
             finally:
                 os.close(fd)
         info = self._call(self.fs.info, self._p(name))
         if info.get("type") == "directory":
             raise corrupt(self.describe(name), "file listed in the manifest is a directory, not a regular file")
-        return int(info.get("size") or 0)
+        digest = info.get("ETag", info.get("etag"))
+        return int(info.get("size") or 0), str(digest).strip('"') if digest else None
 
     def read_bytes(self, name: str, max_bytes: int | None = None, *,
                    what: str = "file listed in the manifest") -> bytes:

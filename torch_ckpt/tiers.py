@@ -2,18 +2,25 @@
 
 Layout mirrors the local root (``URL/step_000000100/<files>``). Object stores have no atomic
 rename, so a durable checkpoint is committed by writing its ``manifest.json`` *last*, after every
-other file has been uploaded and verified (size, and CRC-32 read back from the store unless
-``verify="size"``); a step directory without a manifest is invisible. Deleting removes the manifest
-first. Locations stay URL strings end to end; no URL ever goes through ``pathlib``.
+other file has been uploaded and verified; a step directory without a manifest is invisible.
+Deleting removes the manifest first. Locations stay URL strings end to end; no URL ever goes
+through ``pathlib``.
+
+The tier reads and checks through the one storage/format layer: a step directory is a
+:class:`~torch_ckpt.storage.Location`, its manifest is read by :func:`torch_ckpt.manifest.read_manifest`,
+and every uploaded object and every fetched file is checked by :func:`torch_ckpt.format.verify_files`
+(the same function, and the same messages, as for a local checkpoint). Node-local checkpoints go
+up and come back through :mod:`torch_ckpt.tier_nodes`; uploads abandoned by a crash are cleaned
+up by :mod:`torch_ckpt.tier_cleanup`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import os
-import time
+import shutil
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -22,15 +29,17 @@ from typing import Any
 from tqdm import tqdm
 
 from torch_ckpt._logging import get_logger
+from torch_ckpt.bounded import corrupt
 from torch_ckpt.crc import crc32
 from torch_ckpt.errors import CheckpointCorruptError, ConfigError
-from torch_ckpt.format import METADATA_NAME
+from torch_ckpt.format import verify_files
 from torch_ckpt.layout import commit_dir
-from torch_ckpt.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, read_manifest
+from torch_ckpt.manifest import MANIFEST_NAME, Manifest, read_manifest
 from torch_ckpt.naming import Naming, StepNaming
-from torch_ckpt.storage import DurableUnavailableError, Location, object_mtime, url_to_fs
+from torch_ckpt.storage import DurableUnavailableError, Location, url_to_fs
+from torch_ckpt.tier_nodes import node_fetch_manifest, upload_node
 
-__all__ = ["DurableTier", "DurableUnavailableError", "object_mtime"]
+__all__ = ["DurableTier", "DurableUnavailableError"]
 
 log = get_logger(__name__)
 
@@ -43,16 +52,19 @@ class DurableTier:
     Args:
         url: fsspec URL of the durable run root, e.g. ``s3://bucket/runs/exp1``.
         storage_options: passed to ``fsspec.url_to_fs`` (credentials, ``client_kwargs``...).
-        verify: "checksum" (read each uploaded file back and compare CRC-32) or "size".
+        verify: "checksum" (check every uploaded object's content, see below) or "size" (sizes only).
         naming: directory names of steps (the local root's naming; default ``step_000000042``).
         part_bytes: multipart part size on S3-compatible stores (bytes); files of at least twice
             this size are uploaded in parts.
         upload_threads: files uploaded at once by this process (>= 1).
 
-    With ``verify="checksum"`` on an S3-compatible store each upload is checked against the
-    store's own MD5 (the object's ETag, single or multipart) computed from the local file: no byte
-    is read back. Other stores, and S3 stores whose ETags are not MD5 digests (SSE-KMS), are
-    checked by reading the object back (``bytes_read_back`` counts those bytes).
+    Every uploaded object is checked by :func:`torch_ckpt.format.verify_files` against the
+    manifest. With ``verify="checksum"`` on an S3-compatible store that check takes the store's own
+    digest: an object whose ETag (single or multipart MD5) equals the one computed from the local
+    file (whose CRC-32 is compared with the manifest in the same pass) is not read back. Other
+    stores, S3 stores whose ETags are not MD5 digests (SSE-KMS), and any object whose digest
+    differs are read back and their CRC-32 compared (``bytes_read_back`` counts those bytes).
+    Downloads are checked by the same function (size and CRC-32) before they are committed.
 
     Raises:
         ConfigError: the URL's protocol is unknown or its backend is not installed (the message
@@ -78,15 +90,19 @@ class DurableTier:
         self.upload_threads = upload_threads
         self.bytes_read_back = 0  # bytes read back from the store to verify uploads (0 when it verifies itself)
         self._store_checked: bool | None = None  # None: not tried yet; False: ETags are not MD5s
+        self._lock = threading.Lock()  # the two fields above, updated by upload threads
         self.last_download: list[str] = []  # files fetched by the last download()
 
     def is_inside(self, local_root: Path) -> bool:
         """True when this tier is a local path equal to, inside or containing ``local_root``."""
-        protocol = self.fs.protocol if isinstance(self.fs.protocol, str) else self.fs.protocol[0]
-        if protocol not in ("file", "local"):
+        if self._protocol not in ("file", "local"):
             return False
         mine, theirs = Path(self.root).resolve(), Path(local_root).resolve()
         return mine == theirs or theirs in mine.parents or mine in theirs.parents
+
+    @property
+    def _protocol(self) -> str:
+        return self.fs.protocol if isinstance(self.fs.protocol, str) else self.fs.protocol[0]
 
     def _path(self, *parts: str) -> str:
         return "/".join([self.root, *parts])
@@ -95,23 +111,32 @@ class DurableTier:
         """URL of a step directory (for messages)."""
         return f"{self.url}/{self.naming.name(step)}"
 
-    def _refresh(self) -> None:
+    def location(self, step: int) -> Location:
+        """The directory of ``step`` in this tier (whether or not it exists or is committed)."""
+        name = self.naming.name(step)
+        return Location.on(self.fs, self._path(name), f"{self.url}/{name}")
+
+    def refresh(self) -> None:
+        """Drop the file system's listing cache (after this process or another one wrote objects)."""
         if hasattr(self.fs, "invalidate_cache"):
             self.fs.invalidate_cache()
 
     # -- listing -------------------------------------------------------------------------------
-    def _list_root(self) -> list[str]:
-        """Entries directly under the durable root ([] when it does not exist yet).
+    def list_names(self) -> list[str]:
+        """Names of the entries directly under the durable root, sorted ([] when it does not exist yet).
 
         Raises:
             DurableUnavailableError: the store cannot be listed (distinct from an empty root).
         """
-        self._refresh()
+        self.refresh()
+        root = Location.on(self.fs, self.root, self.url)
         try:
-            return self.fs.ls(self.root, detail=False) if self.fs.exists(self.root) else []
+            return sorted(root.entries()) if root.exists() else []
         except FileNotFoundError:
             return []
-        except Exception as exc:  # noqa: BLE001 - any backend error here means "unreachable"
+        except DurableUnavailableError:  # the store's error, named by Location
+            raise
+        except Exception as exc:  # noqa: BLE001 - any other error here means "unreachable"
             raise DurableUnavailableError(f"cannot list durable tier {self.url}: {exc}") from exc
 
     def list_steps(self) -> dict[int, Manifest]:
@@ -120,10 +145,8 @@ class DurableTier:
         Raises:
             DurableUnavailableError: the store cannot be listed (distinct from an empty root).
         """
-        entries = self._list_root()
         found: dict[int, Manifest] = {}
-        for entry in entries:
-            name = entry.rstrip("/").rsplit("/", 1)[-1]
+        for name in self.list_names():
             named_step = self.naming.step_of(name)
             if named_step is None:
                 continue
@@ -144,225 +167,102 @@ class DurableTier:
         """Read and validate the durable manifest of ``step`` (:func:`torch_ckpt.manifest.read_manifest`).
 
         Raises:
-            FileNotFoundError: there is none (the step is not committed in this tier).
+            CheckpointNotFoundError: there is none (the step is not committed in this tier); a
+                ``FileNotFoundError``.
             CheckpointCorruptError: it is too large or not a valid manifest (the URL is named).
             DurableUnavailableError: the store cannot be reached.
         """
-        name = self.naming.name(step)
-        return read_manifest(Location.on(self.fs, self._path(name), f"{self.url}/{name}"))
-
-    # -- abandoned uploads ---------------------------------------------------------------------
-    def abandoned_uploads(self, *, older_than_seconds: float, exclude: set[int] | frozenset[int] = frozenset(),
-                          now: float | None = None) -> dict[int, float]:
-        """``{step: age in seconds}`` of step prefixes without a manifest whose newest object is older
-        than ``older_than_seconds``.
-
-        A prefix whose objects carry no modification time, or any object younger than the limit, may
-        still be uploading and is never returned; nor is any step in ``exclude``.
-
-        Raises:
-            DurableUnavailableError: the store cannot be listed.
-        """
-        now = time.time() if now is None else now
-        entries = self._list_root()
-        found: dict[int, float] = {}
-        for entry in entries:
-            name = entry.rstrip("/").rsplit("/", 1)[-1]
-            named_step = self.naming.step_of(name)
-            if named_step is None or named_step in exclude:
-                continue
-            age = self._idle_seconds(named_step, now)
-            if age is not None and age > older_than_seconds:
-                found[named_step] = age
-        return found
-
-    def _idle_seconds(self, step: int, now: float) -> float | None:
-        """Seconds since the newest object of an uncommitted step prefix was written; None when the
-        step is committed, empty, or an object's time is unknown (it may still be uploading)."""
-        prefix = self._path(self.naming.name(step))
-        try:
-            objects = self.fs.find(prefix, detail=True)
-        except FileNotFoundError:
-            return None
-        except Exception as exc:  # noqa: BLE001
-            raise DurableUnavailableError(f"cannot list {self.describe(step)}: {exc}") from exc
-        if any(str(path).rstrip("/").endswith("/" + MANIFEST_NAME) for path in objects):
-            return None  # committed (or being deleted manifest-first by retention)
-        times = [object_mtime(info) for info in objects.values()]
-        if not times or any(t is None for t in times):
-            return None
-        return now - max(times)
-
-    def remove_abandoned(self, *, older_than_seconds: float, exclude: set[int] | frozenset[int] = frozenset(),
-                         now: float | None = None) -> list[int]:
-        """Delete the step prefixes :meth:`abandoned_uploads` returns; returns their steps.
-
-        Each prefix is listed again right before its deletion and kept if a manifest or a new
-        object appeared meanwhile. ``now`` (Unix seconds) defaults to the current time.
-
-        Raises:
-            DurableUnavailableError: the store cannot be listed.
-        """
-        removed = []
-        for step in sorted(self.abandoned_uploads(older_than_seconds=older_than_seconds, exclude=exclude, now=now)):
-            self._refresh()
-            age = self._idle_seconds(step, time.time() if now is None else now)
-            if age is None or age <= older_than_seconds:
-                continue
-            self.fs.rm(self._path(self.naming.name(step)), recursive=True)
-            removed.append(step)
-            log.warning("durable tier %s: removed abandoned upload of step %d (no manifest, untouched for %.0f s)",
-                        self.url, step, age)
-        self._refresh()
-        return removed
+        return read_manifest(self.location(step))
 
     # -- upload --------------------------------------------------------------------------------
-    def _remote_crc(self, path: str) -> tuple[int, int]:
-        crc, size = 0, 0
-        with self.fs.open(path, "rb", block_size=_CHUNK_BYTES) as f:
-            while chunk := f.read(_CHUNK_BYTES):
-                crc = crc32(chunk, crc)
-                size += len(chunk)
-        self.bytes_read_back += size
-        return size, crc
+    def _store_digest(self, local: Path, info: dict[str, int]) -> str | None:
+        """The ETag an S3-compatible store computes for ``local`` as uploaded here (the MD5 of the
+        object, or for a multipart upload the MD5 of its parts' MD5s followed by ``-<parts>``).
 
-    @property
-    def _is_s3(self) -> bool:
-        protocol = self.fs.protocol if isinstance(self.fs.protocol, str) else self.fs.protocol[0]
-        return protocol in ("s3", "s3a")
-
-    def _expected_etag(self, local: Path, size: int) -> str:
-        """The ETag an S3-compatible store computes for ``local`` as uploaded here: the MD5 of the
-        object, or for a multipart upload the MD5 of the parts' MD5s followed by ``-<parts>``."""
-        parts: list[bytes] = []
+        Computed in one pass with the file's CRC-32: None when the local file no longer has the
+        manifest's size and CRC-32 (then the stored object is read back and compared instead).
+        """
+        size, crc, parts = 0, 0, []
         whole = hashlib.md5(usedforsecurity=False)
-        multipart = size >= min(5 << 30, 2 * self.part_bytes)
+        multipart = info["bytes"] >= min(5 << 30, 2 * self.part_bytes)
         with open(local, "rb") as f:
             while chunk := f.read(self.part_bytes if multipart else _CHUNK_BYTES):
+                size, crc = size + len(chunk), crc32(chunk, crc)
                 (parts.append(hashlib.md5(chunk, usedforsecurity=False).digest()) if multipart
                  else whole.update(chunk))
+        if size != info["bytes"] or crc != info["crc32"]:
+            return None
         if not multipart:
             return whole.hexdigest()
         return f"{hashlib.md5(b''.join(parts), usedforsecurity=False).hexdigest()}-{len(parts)}"
 
-    def _put_verified(self, local: Path, remote: str, name: str, step: int, info: dict[str, int]) -> None:
-        """Upload one file and check it: by the store's own MD5/ETag on S3-compatible stores (no
-        bytes read back), else by reading it back (``verify="checksum"``) or by size.
+    def _put_verified(self, local: Path, loc: Location, name: str, info: dict[str, int]) -> None:
+        """Upload one file, then check the stored object with :func:`~torch_ckpt.format.verify_files`.
+
+        With ``verify="checksum"`` on an S3-compatible store the check passes on the store's own
+        digest when it equals the local file's (no byte read back), else the object is read back
+        and its CRC-32 compared; with ``verify="size"`` only sizes are compared.
 
         Raises:
-            CheckpointCorruptError: the stored object does not match the manifest.
+            CheckpointCorruptError: the stored object does not match the manifest (its URL named).
         """
-        if self._is_s3:
-            self.fs.put_file(str(local), remote, chunksize=self.part_bytes)
+        if self._protocol in ("s3", "s3a"):
+            self.fs.put_file(str(local), f"{loc.path}/{name}", chunksize=self.part_bytes)
         else:
-            self.fs.put_file(str(local), remote)
-        self._refresh()
-        if self.verify == "checksum" and self._is_s3 and self._store_checked is not False:
-            stored = self.fs.info(remote)
-            etag = str(stored.get("ETag", stored.get("etag", ""))).strip('"')
-            if int(stored.get("size", -1)) == info["bytes"] and etag == self._expected_etag(local, info["bytes"]):
-                self._store_checked = True
-                return
-            if self._store_checked is None:  # an ETag that is not an MD5 (e.g. SSE-KMS): read back from now on
-                log.warning("durable tier %s: object ETags are not MD5 digests; verifying uploads by reading them "
-                            "back", self.url)
-                self._store_checked = False
-        if self.verify == "checksum":
-            size, crc = self._remote_crc(remote)
-        else:
-            size, crc = int(self.fs.info(remote)["size"]), info["crc32"]
-        if size != info["bytes"] or crc != info["crc32"]:
-            raise CheckpointCorruptError(
-                f"durable tier {self.url}: uploaded {name} of step {step} does not match the manifest "
-                f"({size} bytes, crc32 {crc:#010x}; expected {info['bytes']} bytes, {info['crc32']:#010x})")
+            self.fs.put_file(str(local), f"{loc.path}/{name}")
+        self.refresh()
+        checksums = self.verify == "checksum"
+        digests = None
+        if checksums and self._protocol in ("s3", "s3a") and self._store_checked is not False:
+            digest = self._store_digest(local, info)
+            digests = {name: digest} if digest is not None else None
+        read = verify_files(loc, _only(name, info), checksums=checksums, store_digests=digests)
+        with self._lock:
+            self.bytes_read_back += read
+            if digests and info["bytes"] and self._store_checked is None:
+                self._store_checked = read == 0
+                if read:  # read back (and equal) although its digest was offered: ETags here are not MD5s
+                    log.warning("durable tier %s: object ETags are not MD5 digests; verifying uploads by reading "
+                                "them back", self.url)
 
-    def _put_all(self, local_dir: Path, step: int, files: dict[str, dict[str, int]]) -> None:
-        step_dir = self._path(self.naming.name(step))
-        items = sorted(files.items())
+    def put_all(self, local_dir: Path, step: int, files: dict[str, dict[str, int]]) -> None:
+        """Upload and verify ``files`` (``{name: {"bytes", "crc32"}}``) of ``local_dir`` into the
+        directory of ``step``, ``upload_threads`` at once; writes no manifest.
+
+        Raises:
+            CheckpointCorruptError: an uploaded object does not match its entry (its URL named).
+        """
+        loc, items = self.location(step), sorted(files.items())
         if self.upload_threads <= 1 or len(items) <= 1:
             for name, info in items:
-                self._put_verified(local_dir / name, f"{step_dir}/{name}", name, step, info)
+                self._put_verified(local_dir / name, loc, name, info)
             return
         with ThreadPoolExecutor(max_workers=self.upload_threads, thread_name_prefix="torch_ckpt_upload") as pool:
-            for fut in [pool.submit(self._put_verified, local_dir / name, f"{step_dir}/{name}", name, step, info)
-                        for name, info in items]:
+            for fut in [pool.submit(self._put_verified, local_dir / name, loc, name, info) for name, info in items]:
                 fut.result()
 
     def upload(self, local_dir: Path, manifest: Manifest) -> None:
         """Upload a committed local checkpoint, verify every file, then write the manifest (commit).
 
         Raises:
-            CheckpointCorruptError: an uploaded file does not match the manifest (named, with the tier).
+            CheckpointCorruptError: an uploaded object does not match the manifest (its URL named).
             Exception: backend errors propagate (the replicator retries them).
         """
         step_dir = self._path(self.naming.name(manifest.step))
         self.fs.makedirs(step_dir, exist_ok=True)
-        self._put_all(local_dir, manifest.step, manifest.files)
+        self.put_all(local_dir, manifest.step, manifest.files)
         data = json.dumps(manifest.to_json(), separators=(",", ":")).encode()
         self.fs.pipe_file(f"{step_dir}/{MANIFEST_NAME}", data)
-        self._refresh()
+        self.refresh()
 
-    def _marker(self, step: int, node: int) -> str:
-        return self._path(self.naming.name(step), f"_uploaded_node_{node:05d}.json")
-
-    def upload_node(self, local_dir: Path, manifest: Manifest, *, commit: bool,
-                    wait_seconds: float = 600.0, poll_seconds: float = 0.2,
-                    abandon: Callable[[], bool] = lambda: False) -> None:
+    def upload_node(self, local_dir: Path, manifest: Manifest, *, commit: bool, wait_seconds: float = 600.0,
+                    poll_seconds: float = 0.2, abandon: Callable[[], bool] = lambda: False) -> None:
         """Upload one node's copy of a node-local checkpoint; on the committing node, also commit it.
 
-        Every node uploads and verifies the files it holds, then writes a marker object listing
-        them. The committing node (node 0) then waits for every node's marker, checks each against
-        the manifest, and writes the manifest last: a step whose uploader died midway never gets a
-        manifest, so the durable tier never shows it (its prefix is removed as an abandoned upload).
-
-        Args:
-            local_dir: this node's committed copy.
-            manifest: its manifest (``node`` set).
-            commit: write the durable manifest once every node's marker is there.
-            wait_seconds: how long the committing node waits for the other nodes' markers (seconds).
-            poll_seconds: first delay between looks for markers (doubles up to 5 s).
-            abandon: returns True when waiting is pointless (a newer step is queued).
-
-        Raises:
-            CheckpointCorruptError: an upload or a node's marker does not match the manifest.
-            TimeoutError: a node's marker did not appear within ``wait_seconds`` (or ``abandon``).
+        See :func:`torch_ckpt.tier_nodes.upload_node` (arguments, errors).
         """
-        if manifest.node is None:
-            raise ValueError("upload_node() needs one node's copy (manifest.node is set)")
-        from torch_ckpt.nodes import durable_manifest
-
-        step, node = manifest.step, manifest.node
-        self.fs.makedirs(self._path(self.naming.name(step)), exist_ok=True)
-        durable = durable_manifest(manifest)  # without the nodes' extra copies: each tensor is uploaded once
-        mine = {name: info for name, info in durable.files.items() if durable.nodes["file_node"][name] == node}
-        self._put_all(local_dir, step, mine)
-        self.fs.pipe_file(self._marker(step, node), json.dumps({"node": node, "files": mine}).encode())
-        self._refresh()
-        if not commit:
-            return
-        nodes = max(manifest.nodes["rank_node"]) + 1
-        deadline, delay, missing = time.monotonic() + wait_seconds, poll_seconds, list(range(nodes))
-        while True:
-            self._refresh()
-            missing = [n for n in missing if not self.fs.exists(self._marker(step, n))]
-            if not missing:
-                break
-            if abandon() or time.monotonic() > deadline:
-                raise TimeoutError(f"durable tier {self.url}: step {step} is not committed: node(s) {missing} have "
-                                   f"not finished uploading their shards")
-            time.sleep(delay)
-            delay = min(delay * 2, 5.0)
-        file_node = durable.nodes["file_node"]
-        for n in range(nodes):
-            raw = self.fs.cat_file(self._marker(step, n))
-            listed = json.loads(raw).get("files") if len(raw) < MAX_MANIFEST_BYTES else None
-            expected = {k: v for k, v in durable.files.items() if file_node[k] == n}
-            if listed != expected:
-                raise CheckpointCorruptError(f"durable tier {self.url}: node {n}'s upload record of step {step} does "
-                                             "not match the manifest")
-        data = json.dumps(durable.to_json(), separators=(",", ":")).encode()
-        self.fs.pipe_file(self._path(self.naming.name(step), MANIFEST_NAME), data)
-        self._refresh()
+        upload_node(self, local_dir, manifest, commit=commit, wait_seconds=wait_seconds, poll_seconds=poll_seconds,
+                    abandon=abandon)
 
     def delete(self, step: int) -> None:
         """Delete a durable checkpoint: manifest first (un-commit), then the files."""
@@ -372,24 +272,27 @@ class DurableTier:
         except FileNotFoundError:
             pass
         self.fs.rm(step_dir, recursive=True)
-        self._refresh()
+        self.refresh()
 
     # -- download ------------------------------------------------------------------------------
-    def _fetch_file(self, step: int, name: str, info: dict[str, int], dst_path: Path, bar: Any) -> None:
-        crc, size = 0, 0
-        with self.fs.open(self._path(self.naming.name(step), name), "rb", block_size=_CHUNK_BYTES) as src, \
-                open(dst_path, "wb") as dst:
-            while chunk := src.read(_CHUNK_BYTES):
-                dst.write(chunk)
-                crc = crc32(chunk, crc)
-                size += len(chunk)
+    def _fetch_file(self, src: Location, name: str, info: dict[str, int], tmp: Path, bar: Any) -> None:
+        """Copy one object into ``tmp``, then check the copy with :func:`~torch_ckpt.format.verify_files`
+        (size and CRC-32); a mismatch is reported on the object's URL, with the text a corrupt local
+        file gets.
+
+        Raises:
+            CheckpointCorruptError: the fetched bytes do not match the manifest.
+        """
+        with self.fs.open(f"{src.path}/{name}", "rb", block_size=_CHUNK_BYTES) as fin, open(tmp / name, "wb") as fout:
+            while chunk := fin.read(_CHUNK_BYTES):
+                fout.write(chunk)
                 bar.update(len(chunk))
-            dst.flush()
-            os.fsync(dst.fileno())
-        if size != info["bytes"] or crc != info["crc32"]:
-            raise CheckpointCorruptError(
-                f"durable tier {self.url}: {name} of step {step} is corrupt ({size} bytes, crc32 {crc:#010x}; "
-                f"manifest says {info['bytes']} bytes, {info['crc32']:#010x})")
+            fout.flush()
+            os.fsync(fout.fileno())
+        problems: list[tuple[str, str]] = []
+        verify_files(tmp, _only(name, info), checksums=True, collect=problems)
+        if problems:
+            raise corrupt(src.describe(name), problems[0][1])
 
     def download(self, step: int, local_root: Path, *, node: int | None = None) -> Path:
         """Download a durable checkpoint into ``local_root`` (verified, then committed atomically).
@@ -405,19 +308,13 @@ class DurableTier:
             The local committed directory.
 
         Raises:
-            CheckpointCorruptError: a downloaded file fails its size or CRC-32 check (file and tier named).
+            CheckpointCorruptError: a fetched file does not have the manifest's size or CRC-32
+                (:func:`~torch_ckpt.format.verify_files`); the message names the object's URL.
             ValueError: ``node`` is given but the checkpoint was not written to node-local roots.
         """
-        import shutil
-
-        from torch_ckpt.nodes import fetch_set
-
         manifest = self.read_manifest(step)
         if node is not None:
-            if not manifest.nodes:
-                raise ValueError(f"{self.describe(step)} was written to a shared root: it has no node copies")
-            manifest = dataclasses.replace(manifest, node=node, nodes={
-                **manifest.nodes, "held": fetch_set(manifest, node), "metadata": METADATA_NAME})
+            manifest = node_fetch_manifest(manifest, node, self.describe(step))
         files = manifest.local_files()
         final = local_root / self.naming.name(step)
         tmp = local_root / f".{final.name}.download.tmp"
@@ -429,7 +326,7 @@ class DurableTier:
         try:
             with ThreadPoolExecutor(max_workers=max(1, self.upload_threads),
                                     thread_name_prefix="torch_ckpt_download") as pool:
-                for fut in [pool.submit(self._fetch_file, step, name, info, tmp / name, bar)
+                for fut in [pool.submit(self._fetch_file, self.location(step), name, info, tmp, bar)
                             for name, info in sorted(files.items())]:
                     fut.result()
             data = json.dumps(manifest.to_json(), separators=(",", ":")).encode()
@@ -445,3 +342,8 @@ class DurableTier:
             bar.close()
         self.last_download = sorted(files)
         return final
+
+
+def _only(name: str, info: dict[str, int]) -> Manifest:
+    """A manifest listing the one file ``name`` (:func:`~torch_ckpt.format.verify_files` checks the listed files)."""
+    return Manifest(step=0, world_size=1, files={name: info})

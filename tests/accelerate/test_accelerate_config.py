@@ -45,9 +45,36 @@ def test_keyword_settings_win_over_the_file(tmp_path):
 
 
 def test_unknown_key_is_rejected_by_name(tmp_path):
-    """A misspelt key raises ConfigError naming the file, the key and the valid keys."""
-    with pytest.raises(ConfigError, match=r"ckpt.yaml: unknown setting\(s\) \['async_sav'\].*valid settings"):
+    """A misspelt key raises ConfigError naming the file, the key, the closest valid key and the valid keys."""
+    with pytest.raises(ConfigError, match=r"ckpt.yaml: unknown setting\(s\) \['async_sav'\] \(did you mean "
+                                          r"'async_save'\?\).*Valid settings: .*'log_stats'"):
         load_settings(write(tmp_path, "async_sav: false\n"))
+
+
+def test_misspelt_adapter_key_suggests_it(tmp_path):
+    """A misspelt adapter key (not a core field) is suggested as well."""
+    with pytest.raises(ConfigError, match=r"did you mean 'enabled'"):
+        load_settings(write(tmp_path, "enable: false\n"))
+
+
+def test_bad_value_given_in_code_names_attach_not_the_file(tmp_path):
+    """A bad keyword value is reported as attach()'s, over the file, while a bad file value names the file."""
+    path = write(tmp_path, "keep_last: 2\n")
+    with pytest.raises(ConfigError, match=r"^attach\(\) over .*ckpt.yaml: thread_count must be an integer"):
+        load_settings(path, thread_count=0)
+    with pytest.raises(ConfigError, match=r"^attach\(\): enabled must be true or false"):
+        load_settings(enabled="no")
+
+
+def test_bad_file_value_names_the_file_even_when_code_overrides_others(tmp_path):
+    """The file is checked on its own first, so its error names the file."""
+    with pytest.raises(ConfigError, match=r"^.*ckpt.yaml: log_stats must be true or false"):
+        load_settings(write(tmp_path, "log_stats: sometimes\n"), keep_last=2)
+
+
+def test_keep_last_null_in_the_file_follows_total_limit(tmp_path):
+    """keep_last: null is "not given" (ProjectConfiguration.total_limit decides), as documented."""
+    assert not load_settings(write(tmp_path, "keep_last: null\n")).keep_last_given
 
 
 @pytest.mark.parametrize(("text", "key"), [

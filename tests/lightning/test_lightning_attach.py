@@ -33,21 +33,35 @@ class ReleaseEachStep(Callback):
         self.gate.open()
 
 
-def test_save_last_link_only_ever_points_at_a_committed_checkpoint(make_trainer, tmp_path, write_gate):
-    """With writes held, last.ckpt is absent or resolves to a committed checkpoint at every step."""
+@pytest.mark.parametrize("attached", [True, False], ids=["attached", "plugin-alone"])
+def test_save_last_link_only_ever_points_at_a_committed_checkpoint(make_trainer, tmp_path, write_gate, monkeypatch,
+                                                                  attached):
+    """With writes held, last.ckpt is absent or resolves to a committed checkpoint at every step and every write."""
+    import torch_ckpt.checkpointer as checkpointer
+
     last = tmp_path / "mc" / "last.ckpt"
 
     def state():
         return None if not os.path.lexists(last) else (last / "manifest.json").is_file()
 
+    seen_by_writer = []
+    gated = checkpointer.persist_checkpoint
+
+    def probing_persist(req, ctx):
+        seen_by_writer.append(state())
+        return gated(req, ctx)
+
+    monkeypatch.setattr(checkpointer, "persist_checkpoint", probing_persist)
     io = AsyncDCPCheckpointIO()
     release = ReleaseEachStep(write_gate, state)
     mc = ModelCheckpoint(dirpath=tmp_path / "mc", every_n_train_steps=1, save_top_k=-1, save_last="link")
     trainer = make_trainer(plugins=[io], callbacks=[release, mc])
-    io.attach(trainer)
+    if attached:
+        io.attach(trainer)
     write_gate.hold()
     trainer.fit(TinyModule())
     assert release.seen == [None, None, True, True]
+    assert seen_by_writer == [None, True, True, True]
     assert os.readlink(last) == "epoch=0-step=4.ckpt" and (last / "manifest.json").is_file()
 
 
@@ -181,7 +195,8 @@ def test_fsdp_sharded_resume_continues_bitwise(tmp_path):
     assert all(torch.equal(uninterrupted[k], resumed[k]) for k in uninterrupted)
 
 
-def test_the_link_is_re_pointed_before_the_old_checkpoint_is_deleted(make_trainer, tmp_path, monkeypatch):
+@pytest.mark.parametrize("attached", [True, False], ids=["attached", "plugin-alone"])
+def test_the_link_is_re_pointed_before_the_old_checkpoint_is_deleted(make_trainer, tmp_path, monkeypatch, attached):
     """save_top_k=1 with save_last="link": at every deletion, last.ckpt already names a committed checkpoint."""
     from torch_ckpt import CheckpointManager
 
@@ -197,8 +212,16 @@ def test_the_link_is_re_pointed_before_the_old_checkpoint_is_deleted(make_traine
     io = AsyncDCPCheckpointIO()
     mc = ModelCheckpoint(dirpath=tmp_path / "mc", every_n_train_steps=1, save_top_k=1, save_last="link")
     trainer = make_trainer(plugins=[io], callbacks=[mc])
-    io.attach(trainer)
+    if attached:
+        io.attach(trainer)
     trainer.fit(TinyModule())
-    assert seen and all(seen)
+    assert len(seen) == 3 and all(seen)
     assert os.readlink(last) == "epoch=0-step=4.ckpt"
 
+
+def test_links_of_a_trainer_without_the_plugin_are_lightnings(make_trainer, tmp_path):
+    """The link hook leaves other checkpoint IOs alone: Lightning links its .ckpt file at once."""
+    mc = ModelCheckpoint(dirpath=tmp_path / "mc", every_n_train_steps=1, save_top_k=1, save_last="link")
+    make_trainer(max_steps=2, callbacks=[mc]).fit(TinyModule())
+    assert os.readlink(tmp_path / "mc" / "last.ckpt") == "epoch=0-step=2.ckpt"
+    assert (tmp_path / "mc" / "last.ckpt").is_file()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 from collections import namedtuple
 from pathlib import Path
 
@@ -108,27 +107,33 @@ def test_a_background_write_error_surfaces_when_training_ends(make_trainer, tmp_
 
 
 class WeightsAt(Callback):
-    """Records the weights at the end of one step (runs before the checkpoint callback)."""
+    """Records the weights at the end of one step and signals when the next optimizer step is about to run
+    (both hooks run before the checkpoint callback's)."""
 
     def __init__(self, step: int) -> None:
-        self.step, self.weights = step, None
+        self.step, self.weights, self.next_step = step, None, threading.Event()
 
     def on_train_batch_end(self, trainer, pl_module, *_):
         if trainer.global_step == self.step:
             self.weights = pl_module.layer.weight.detach().clone()
 
+    def on_before_optimizer_step(self, trainer, *_):
+        if trainer.global_step == self.step:
+            self.next_step.set()
+
 
 def test_a_checkpoint_holds_the_weights_of_its_step_despite_overlapped_staging(make_trainer, tmp_path, monkeypatch):
     """Weights are copied in the background, yet the next optimizer step waits: the checkpoint has step 2's."""
     real_stage = checkpointer.AsyncCheckpointer._stage
+    record = WeightsAt(2)
 
-    def slow_stage(self, job, handle):
+    def late_stage(self, job, handle):
         if threading.current_thread() is not threading.main_thread():
-            time.sleep(0.3)  # the background copy starts late: the next step must wait for it
+            # the background copy starts only once the next optimizer step is about to run: it must wait for it
+            assert record.next_step.wait(timeout=60)
         return real_stage(self, job, handle)
 
-    monkeypatch.setattr(checkpointer.AsyncCheckpointer, "_stage", slow_stage)
-    record = WeightsAt(2)
+    monkeypatch.setattr(checkpointer.AsyncCheckpointer, "_stage", late_stage)
     cb = MTBFCheckpoint(tmp_path / "ckpt", mtbf_seconds=None, save_every_n_steps=2, keep_last=None)
     make_trainer(max_steps=3, plugins=[AsyncDCPCheckpointIO(overlap_staging=True)], callbacks=[record, cb]).fit(
         TinyModule())
@@ -266,3 +271,29 @@ def test_each_committed_save_is_logged_once_including_the_final_one(make_trainer
                  log_every_n_steps=1).fit(TinyModule())
     rows = list(csv.DictReader((Path(logger.log_dir) / "metrics.csv").open()))
     assert len([r for r in rows if r.get("ckpt/blocking_s")]) == 3  # steps 3, 6 and the final 7
+
+
+def test_a_fresh_fit_emits_no_misleading_warning(make_trainer, tmp_path):
+    """A fresh fit(model) with the plugin and MTBFCheckpoint warns neither about ckpt_path nor from lightning_ckpt."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        make_trainer(max_steps=2, plugins=[AsyncDCPCheckpointIO()],
+                     callbacks=[MTBFCheckpoint(tmp_path / "ckpt", mtbf_seconds=None)]).fit(TinyModule())
+    ours = [str(w.message) for w in caught if "ckpt_path" in str(w.message) or "lightning_ckpt" in w.filename
+            or "AsyncDCPCheckpointIO" in str(w.message) or "MTBFCheckpoint" in str(w.message)]
+    assert ours == []
+    assert committed_steps(tmp_path / "ckpt") == ["step_000000002"]
+
+
+def test_fit_without_ckpt_path_still_resumes_an_existing_checkpoint(make_trainer, tmp_path):
+    """Once MTBFCheckpoint has a checkpoint, fit(model) without ckpt_path resumes from it (Lightning's rule)."""
+    def trainer(max_steps):
+        return make_trainer(max_steps=max_steps, plugins=[AsyncDCPCheckpointIO()],
+                            callbacks=[MTBFCheckpoint(tmp_path / "c", mtbf_seconds=None, keep_last=None)])
+
+    trainer(2).fit(TinyModule())
+    module, resumed = TinyModule(), trainer(3)
+    resumed.fit(module)
+    assert resumed.global_step == 3 and len(module.draws) == 1

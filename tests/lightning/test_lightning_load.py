@@ -127,3 +127,51 @@ def test_a_dtype_difference_is_refused_when_attached_by_hand(make_trainer, tmp_p
     io.attach(trainer := make_trainer(max_steps=6, plugins=[io], enable_checkpointing=False))
     with pytest.raises(StateMismatchError, match="checkpoint torch.float32, live torch.float64"):
         trainer.fit(TinyModule().double(), ckpt_path=str(tmp_path / "ckpt" / "step_000000003"))
+
+
+def test_lightnings_own_load_from_checkpoint_reads_a_directory(make_trainer, tmp_path):
+    """Lightning's Model.load_from_checkpoint(dir) rebuilds the module with its hyper-parameters and weights."""
+    module = TinyModule(lr=0.25)
+    _fit_three_steps_of(make_trainer, tmp_path / "ckpt", module)
+    loaded = TinyModule.load_from_checkpoint(tmp_path / "ckpt" / "step_000000003")
+    assert loaded.hparams.lr == 0.25 and torch.equal(loaded.layer.weight, module.layer.weight)
+
+
+def _fit_three_steps_of(make_trainer, root, module) -> None:
+    make_trainer(max_steps=3, plugins=[AsyncDCPCheckpointIO()],
+                 callbacks=[MTBFCheckpoint(root, mtbf_seconds=None, save_every_n_steps=3)]).fit(module)
+
+
+def test_a_trainer_without_the_plugin_resumes_from_a_directory(make_trainer, tmp_path):
+    """trainer.fit(ckpt_path=dir) with Lightning's own CheckpointIO resumes at the saved step and state."""
+    _fit_three_steps(make_trainer, tmp_path / "ckpt")
+    module = TinyModule()
+    trainer = make_trainer(max_steps=5, enable_checkpointing=False)
+    trainer.fit(module, ckpt_path=str(tmp_path / "ckpt" / "step_000000003"))
+    assert trainer.global_step == 5 and len(module.draws) == 2  # resumed at step 3
+
+
+def test_lightnings_loader_keeps_weights_only_semantics_on_a_directory(tmp_path):
+    """pl_load(dir) refuses values stored pickled unless weights_only=False, like the plugin's load_checkpoint."""
+    from fractions import Fraction
+
+    from lightning.fabric.utilities.cloud_io import _load as pl_load
+
+    from torch_ckpt import UnsafeCheckpointError
+
+    point = Fraction(1, 3)  # needs pickling
+    io = AsyncDCPCheckpointIO(unsafe_values="pickle")
+    io.save_checkpoint(lightning_dict(hyper_parameters={"p": point}), tmp_path / "a.ckpt")
+    io.teardown()
+    with pytest.raises(UnsafeCheckpointError, match="hyper_parameters.p"):
+        pl_load(tmp_path / "a.ckpt")
+    assert pl_load(tmp_path / "a.ckpt", weights_only=False)["hyper_parameters"]["p"] == point
+    assert pl_load(tmp_path / "a.ckpt", weights_only=False).keys() == io.load_checkpoint(
+        tmp_path / "a.ckpt", weights_only=False).keys()
+
+
+def test_another_directory_still_raises_saying_what_to_do(tmp_path):
+    """Model.load_from_checkpoint on a directory without a manifest raises IsADirectoryError naming it and the fixes."""
+    (tmp_path / "not_ours").mkdir()
+    with pytest.raises(IsADirectoryError, match=r"not_ours.*lightning_ckpt.load_from_checkpoint.*torch-ckpt convert"):
+        TinyModule.load_from_checkpoint(tmp_path / "not_ours")

@@ -10,12 +10,15 @@ resumed with ``ckpt_path``; every loss after the resume must equal the uninterru
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import warnings
 from pathlib import Path
 
 import lightning as L
 import pytest
 import torch
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch.utils.data import DataLoader, TensorDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 from torchdata.stateful_dataloader.sampler import RandomSampler, StatefulDistributedSampler
@@ -29,14 +32,16 @@ TOTAL = 24  # optimizer steps of the uninterrupted run; 10 batches per epoch, va
 class DropoutModule(L.LightningModule):
     """Linear + dropout; records every step's loss; loaders ordinary or with explicit generators."""
 
-    def __init__(self, generators: bool = False, dropout: float = 0.5) -> None:
+    def __init__(self, generators: bool = False, dropout: float = 0.5, sigterm_at: int | None = None) -> None:
         super().__init__()
-        self.generators = generators
+        self.generators, self.sigterm_at = generators, sigterm_at
         self.layer = torch.nn.Linear(4, 4)
         self.drop = torch.nn.Dropout(dropout)
         self.losses: dict[int, float] = {}
 
     def training_step(self, batch, batch_idx):
+        if self.sigterm_at == self.trainer.global_step + 1:
+            os.kill(os.getpid(), signal.SIGTERM)
         loss = self.drop(self.layer(batch[0])).pow(2).mean()
         self.losses[self.trainer.global_step + 1] = loss.item()
         return loss
@@ -73,13 +78,14 @@ class ShardedDropoutModule(DropoutModule):
 
 
 def fit(root: Path, max_steps: int, *, ckpt_path: str | None = None, every: int | None = None,
-        generators: bool = False, accumulate: int = 1, **trainer_kwargs) -> dict[int, float]:
+        generators: bool = False, accumulate: int = 1, sigterm_at: int | None = None,
+        **trainer_kwargs) -> dict[int, float]:
     """One fit from a fixed seed (a resumed one from another seed); returns ``{step: loss}``."""
     torch.manual_seed(999 if ckpt_path else 7)
     from lightning.pytorch.strategies import ModelParallelStrategy
 
     sharded = isinstance(trainer_kwargs.get("strategy"), ModelParallelStrategy)
-    module = (ShardedDropoutModule if sharded else DropoutModule)(generators)
+    module = (ShardedDropoutModule if sharded else DropoutModule)(generators, sigterm_at=sigterm_at)
     callback = MTBFCheckpoint(root, mtbf_seconds=None, save_every_n_steps=every, keep_last=None, log_stats=False,
                               prog_bar=False)
     options = dict(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
@@ -122,6 +128,15 @@ def test_resume_from_the_train_end_checkpoint_is_bitwise(uninterrupted, tmp_path
     assert after == {s: full[s] for s in range(stop + 1, TOTAL + 1)}
 
 
+def test_resume_after_sigterm_at_an_epoch_end_is_bitwise(uninterrupted, tmp_path):
+    """SIGTERM during the last batch of an epoch saves that step; resuming from it continues exactly."""
+    generators, _root, full = uninterrupted
+    with pytest.raises(SIGTERMException):
+        fit(tmp_path, TOTAL, generators=generators, sigterm_at=10)
+    after = fit(tmp_path, TOTAL, ckpt_path="last", generators=generators)
+    assert after == {s: full[s] for s in range(11, TOTAL + 1)}
+
+
 @pytest.mark.parametrize("stop", [2, 5], ids=["mid-epoch", "epoch-end"])
 def test_resume_with_gradient_accumulation_is_bitwise(tmp_path, stop):
     """With accumulate_grad_batches=2 (5 optimizer steps per epoch), resumes continue the losses exactly."""
@@ -130,14 +145,12 @@ def test_resume_with_gradient_accumulation_is_bitwise(tmp_path, stop):
     assert resumed == {s: full[s] for s in range(stop + 1, 13)}
 
 
-@pytest.mark.xfail(strict=True, reason="known gap (issue 17 item 4): a run ended by max_epochs and resumed with "
-                   "a larger max_epochs starts the next epoch from a fresh loader (Lightning loads no loader state "
-                   "at an epoch end in epoch-based training), so its shuffle order restarts")
-def test_resume_after_max_epochs_continues_the_next_epoch_bitwise(tmp_path):
-    """Ended by max_epochs=1, resumed with max_epochs=3: exact with a seeded train loader (see docs/lightning.md)."""
-    full = fit(tmp_path / "full", -1, max_epochs=3, generators=True)
-    fit(tmp_path / "run", -1, max_epochs=1, generators=True)
-    after = fit(tmp_path / "run", -1, ckpt_path="last", max_epochs=3, generators=True)
+@pytest.mark.parametrize("generators", [False, True], ids=["ordinary-loaders", "explicit-generators"])
+def test_resume_after_max_epochs_continues_the_next_epoch_bitwise(tmp_path, generators):
+    """Ended by max_epochs=1, resumed with max_epochs=3: the next two epochs continue the uninterrupted losses."""
+    full = fit(tmp_path / "full", -1, max_epochs=3, generators=generators)
+    fit(tmp_path / "run", -1, max_epochs=1, generators=generators)
+    after = fit(tmp_path / "run", -1, ckpt_path="last", max_epochs=3, generators=generators)
     assert after == {s: full[s] for s in range(11, 31)}
 
 
@@ -152,17 +165,18 @@ def _ddp_body(rank: int, world: int, root: str, strategy: str) -> None:
 
     common = dict(devices=2, num_nodes=1)
     full = fit(root / "full", TOTAL, every=1, strategy=make(), **common)
-    for step in (3, 7):  # mid-epoch (2 ranks: 5 batches per epoch); an epoch end is a known gap (docs/lightning.md)
+    for step in (3, 5, 7, 10):  # 2 ranks: 5 batches per epoch, so 5 and 10 are epoch ends
         resumed = fit(root / f"p{step}", TOTAL, ckpt_path=str(root / "full" / f"step_{step:09d}"), strategy=make(),
                       **common)
         assert resumed == {s: full[s] for s in range(step + 1, TOTAL + 1)}, (strategy, "periodic", step)
-    fit(root / "end", 13, strategy=make(), **common)
-    after = fit(root / "end", TOTAL, ckpt_path="last", strategy=make(), **common)
-    assert after == {s: full[s] for s in range(14, TOTAL + 1)}, (strategy, "train end")
+    for stop in (10, 13):  # the train-end checkpoint at an epoch end and inside one
+        fit(root / f"end{stop}", stop, strategy=make(), **common)
+        after = fit(root / f"end{stop}", TOTAL, ckpt_path="last", strategy=make(), **common)
+        assert after == {s: full[s] for s in range(stop + 1, TOTAL + 1)}, (strategy, "train end", stop)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
 def test_two_rank_resumes_are_bitwise(tmp_path, strategy):
-    """DDP and FSDP2 on 2 CPU processes: mid-epoch periodic and train-end resumes continue every rank's losses."""
+    """DDP and FSDP2 on 2 CPU processes: periodic (mid-epoch, epoch end) and train-end resumes are bitwise."""
     run_distributed(_ddp_body, 2, str(tmp_path), strategy, timeout_s=400)

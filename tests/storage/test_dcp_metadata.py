@@ -10,8 +10,8 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 
 from tests._format_fixtures import STEP, manifest_doc, rewrite, tampered_metadata, weight_item  # noqa: F401
 from torch_ckpt import CheckpointCorruptError, CheckpointManager
-from torch_ckpt.dcp_io import read_dcp_metadata
 from torch_ckpt.dcp_metadata import metadata_problems, read_metadata
+from torch_ckpt.dcp_read import read_dcp_metadata
 from torch_ckpt.manifest import read_manifest
 
 
@@ -128,7 +128,7 @@ def test_metadata_problems_do_not_mutate_the_metadata(saved):
 
 def test_dcp_reader_opens_only_listed_files_even_with_unchecked_metadata(ckpt, tmp_path):
     """load_tensors refuses to open a file outside the allowed names, even if metadata validation was skipped."""
-    from torch_ckpt.dcp_io import load_tensors
+    from torch_ckpt.dcp_read import load_tensors
 
     outside = tmp_path / "elsewhere.distcp"
     outside.write_bytes(next(ckpt.glob("*.distcp")).read_bytes())

@@ -138,3 +138,80 @@ def test_huge_world_size_is_reported_once_without_iterating_ranks(ckpt):
     assert len(problems) == 1 and "world size 2147483647" in problems[0][1] and "rank_00001.json" in problems[0][1]
     with pytest.raises(CheckpointCorruptError, match="world size 2147483647"):
         read_rank_doc(ckpt, manifest, 0)
+
+
+# -- the same check on a store (the durable tier's uploads and fetches, `verify s3://...`) ----------
+def _on_store(s3, step_dir: Path):
+    """``(Location, file system)`` of a copy of ``step_dir`` uploaded to a new bucket of the moto server."""
+    import s3fs
+
+    from torch_ckpt.storage import Location
+
+    bucket = s3.new_bucket()
+    fs = s3fs.S3FileSystem(**s3.options)
+    for path in step_dir.iterdir():
+        fs.put_file(str(path), f"{bucket}/run/{STEP}/{path.name}")
+    return Location(f"s3://{bucket}/run/{STEP}", storage_options=s3.options), fs
+
+
+def _largest(manifest) -> str:
+    return max(manifest.files, key=lambda name: manifest.files[name]["bytes"])
+
+
+def _flip(data: bytes) -> bytes:
+    flipped = bytearray(data)
+    flipped[len(flipped) // 2] ^= 0xFF
+    return bytes(flipped)
+
+
+def test_corrupt_object_on_a_store_is_reported_as_a_corrupt_local_file_is(ckpt, s3):
+    """A flipped byte in an object gives the error type and text a flipped byte in the local file gives."""
+    manifest = read_manifest(ckpt)
+    name = _largest(manifest)
+    loc, fs = _on_store(s3, ckpt)
+    fs.pipe_file(f"{loc.path}/{name}", _flip(fs.cat_file(f"{loc.path}/{name}")))
+    (ckpt / name).write_bytes(_flip((ckpt / name).read_bytes()))
+    with pytest.raises(CheckpointCorruptError) as remote:
+        verify_files(loc, manifest, checksums=True)
+    with pytest.raises(CheckpointCorruptError) as local:
+        verify_files(ckpt, manifest, checksums=True)
+    assert str(remote.value) == f"{loc.describe(name)}: " + str(local.value).removeprefix(f"{ckpt / name}: ")
+    assert "CRC-32" in str(remote.value)
+
+
+def test_store_digest_equal_to_the_objects_passes_without_reading(saved, s3):
+    """With the objects' own ETags as store_digests nothing is read; the check still passes."""
+    manifest = read_manifest(saved)
+    loc, fs = _on_store(s3, saved)
+    digests = {name: fs.info(f"{loc.path}/{name}")["ETag"].strip('"') for name in manifest.files}
+    assert verify_files(loc, manifest, checksums=True, store_digests=digests) == 0
+
+
+def test_store_digest_that_differs_falls_back_to_the_crc32(saved, s3):
+    """A digest the store does not report (e.g. an SSE-KMS ETag) costs a read of every byte, not an error."""
+    manifest = read_manifest(saved)
+    loc, _ = _on_store(s3, saved)
+    other = dict.fromkeys(manifest.files, "0" * 32)
+    assert verify_files(loc, manifest, checksums=True, store_digests=other) == sum(
+        info["bytes"] for info in manifest.files.values())
+
+
+def test_store_digest_never_hides_a_corrupt_object(ckpt, s3):
+    """An object changed after its digest was taken is read back and reported corrupt."""
+    manifest = read_manifest(ckpt)
+    name = _largest(manifest)
+    loc, fs = _on_store(s3, ckpt)
+    digests = {name: fs.info(f"{loc.path}/{name}")["ETag"].strip('"')}
+    fs.pipe_file(f"{loc.path}/{name}", _flip(fs.cat_file(f"{loc.path}/{name}")))
+    with pytest.raises(CheckpointCorruptError, match="CRC-32 .* does not match the manifest"):
+        verify_files(loc, manifest, checksums=True, store_digests=digests)
+
+
+def test_size_only_check_misses_a_same_size_change_that_checksums_catch(ckpt):
+    """checksums=False compares sizes only (reads nothing); checksums=True finds the changed byte."""
+    manifest = read_manifest(ckpt)
+    name = _largest(manifest)
+    (ckpt / name).write_bytes(_flip((ckpt / name).read_bytes()))
+    assert verify_files(ckpt, manifest, checksums=False) == 0
+    with pytest.raises(CheckpointCorruptError, match=f"{name}: CRC-32"):
+        verify_files(ckpt, manifest, checksums=True)

@@ -485,6 +485,34 @@ def test_ls_and_verify_an_s3_root_with_storage_options(saved, capsys):
         server.stop()
 
 
+def test_verify_s3_object_with_a_flipped_byte_reports_the_local_files_problem(copy, capsys):
+    """`verify s3://...` (moto server) reports a flipped object with the problem `verify` gives the local file."""
+    pytest.importorskip("s3fs", reason="the s3 extra is not installed")
+    pytest.importorskip("moto.server", reason="moto[server] is not installed")
+    from tests._s3 import S3
+    from torch_ckpt.layout import read_manifest
+    from torch_ckpt.tiers import DurableTier
+
+    server = S3()
+    server.start()
+    try:
+        step_dir = copy / STEP20
+        tier = DurableTier(f"s3://{server.new_bucket()}/run", storage_options=server.options)
+        tier.upload(step_dir, read_manifest(step_dir))
+        key = f"{tier.location(20).path}/{SHARD}"
+        data = bytearray(tier.fs.cat_file(key))
+        data[len(data) // 2] ^= 0xFF  # the byte flip_byte() flips in the local file
+        tier.fs.pipe_file(key, bytes(data))
+        flip_byte(step_dir / SHARD)
+        remote = run_json(capsys, "verify", tier.describe(20), "--storage-options", json.dumps(server.options), code=1)
+        local = run_json(capsys, "verify", step_dir, code=1)
+    finally:
+        server.stop()
+    problems = [[(p["file"], p["problem"]) for p in out["checkpoints"][0]["problems"]] for out in (remote, local)]
+    assert problems[0] == problems[1] and "CRC-32" in problems[0][0][1]
+    assert remote["checkpoints"][0]["problems"][0]["path"] == f"{tier.describe(20)}/{SHARD}"
+
+
 # --- read-only tools are as strict as restore (issue 14, items 3 and 4) --------------------------
 
 
@@ -497,7 +525,7 @@ def _live_state() -> TrainState:
 
 
 def _metadata(step_dir: Path):
-    from torch_ckpt.dcp_io import read_dcp_metadata
+    from torch_ckpt.dcp_read import read_dcp_metadata
 
     return read_dcp_metadata(step_dir / ".metadata")
 

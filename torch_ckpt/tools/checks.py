@@ -18,8 +18,8 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 from tqdm import tqdm
 
 from torch_ckpt.codec import TENSOR_TAG
-from torch_ckpt.dcp_io import load_dcp_metadata_bytes
 from torch_ckpt.dcp_metadata import MAX_METADATA_BYTES, metadata_problems, record_problems
+from torch_ckpt.dcp_read import load_dcp_metadata_bytes
 from torch_ckpt.errors import CheckpointCorruptError, CheckpointNotFoundError, UnsafeCheckpointError
 from torch_ckpt.format import (
     MAX_RANK_JSON_BYTES,

@@ -14,8 +14,8 @@ from typing import Any
 import torch
 
 from torch_ckpt.codec import join_state
-from torch_ckpt.dcp_io import load_tensors
 from torch_ckpt.dcp_metadata import check_records, read_metadata, tensor_items
+from torch_ckpt.dcp_read import load_tensors
 from torch_ckpt.errors import CheckpointNotFoundError, ConfigError
 from torch_ckpt.format import read_rank_doc, verify_files
 from torch_ckpt.manifest import Manifest, read_manifest

@@ -16,8 +16,8 @@ from typing import Any
 from tqdm import tqdm
 
 from torch_ckpt.codec import TENSOR_TAG
-from torch_ckpt.dcp_io import load_dcp_metadata_bytes
 from torch_ckpt.dcp_metadata import MAX_METADATA_BYTES, metadata_problems, record_problems
+from torch_ckpt.dcp_read import load_dcp_metadata_bytes
 from torch_ckpt.errors import CheckpointCorruptError
 from torch_ckpt.format import METADATA_NAME, rank_file_problems, read_listed, read_rank_doc, verify_files
 from torch_ckpt.manifest import rank_file_name, read_manifest

@@ -8,7 +8,7 @@ output).
 Every check goes through :mod:`torch_ckpt.format`, the validation path restore uses too, so these
 views accept exactly what a restore would load. Nothing here writes to a checkpoint, and nothing
 executes code from one: DCP's ``.metadata`` is read
-with torch-ckpt's restricted unpickler (:func:`torch_ckpt.dcp_io.read_dcp_metadata`), the per-rank
+with torch-ckpt's restricted unpickler (:func:`torch_ckpt.dcp_read.read_dcp_metadata`), the per-rank
 trees are JSON, and tensor payloads are never loaded (sizes come from the metadata).
 
 Status of an entry of a root (:func:`list_root`):

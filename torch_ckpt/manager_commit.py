@@ -1,0 +1,92 @@
+"""What follows a commit of :class:`~torch_ckpt.CheckpointManager` on the root: callbacks, replication, retention.
+
+A mixin of the manager (it uses the manager's root, naming, tiers and engine). In the writer
+thread, once every rank is done with a committed directory, the rank acting on the root runs the
+commit callbacks, hands the checkpoint to the durable tier's :class:`~torch_ckpt.replicator.Replicator`
+and applies local retention; the replicator records each durable copy in the local manifest.
+Failures here are logged and never change the save's outcome.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from torch_ckpt._logging import get_logger
+from torch_ckpt.errors import ConfigError
+from torch_ckpt.layout import remove_step_dir, scan_committed, update_manifest_tiers
+from torch_ckpt.replicator import Replicator
+from torch_ckpt.retention import RetentionPolicy, apply_retention
+
+log = get_logger("torch_ckpt.manager")
+
+__all__ = ["ManagerCommitMixin"]
+
+
+class ManagerCommitMixin:
+    """Commit callbacks, durable replication and retention of :class:`~torch_ckpt.CheckpointManager`."""
+
+    def _make_replicator(self, retention: RetentionPolicy | None) -> Replicator:
+        every = self.config.durable_keep_every_n_steps
+        history = None if every is None else (lambda step: step % every == 0)  # never coalesced away
+        if self._nodes is None:
+            return Replicator(self._tier, retention=retention, on_durable=self._record_durable, never_skip=history)
+        commit = self._nodes.node == 0
+
+        def upload(local_dir: Path, manifest: Any, abandon: Callable[[], bool]) -> None:
+            self._tier.upload_node(local_dir, manifest, commit=commit, abandon=abandon,
+                                   wait_seconds=self._durable_flush_timeout)
+
+        # every node uploads its own shards; node 0 commits and runs durable retention and cleanup
+        return Replicator(self._tier, retention=retention if commit else None, upload=upload,
+                          on_durable=self._record_durable if commit else None,
+                          abandoned_after_seconds=24 * 3600.0 if commit else None, never_skip=history)
+
+    def add_commit_callback(self, callback: Callable[[int, Path], None]) -> None:
+        """Call ``callback(step, directory)`` after each commit, on rank 0 only.
+
+        It runs in the writer thread once every rank has finished with the committed directory
+        (no rank reads it again), before replication and retention of that save. An exception it
+        raises is logged and never changes the save's outcome. Use it for links and notifications.
+        """
+        if not callable(callback):
+            raise ConfigError(f"commit callback must be callable, got {callback!r}")
+        self._commit_callbacks.append(callback)
+
+    def _after_commit(self, step: int, final: Path, replicate: bool) -> None:
+        if not self._acts_on_root:
+            return
+        # committed: a failing callback is reported and never fails the save
+        for callback in self._commit_callbacks if self._ctx.is_coordinator else ():
+            try:
+                callback(step, final)
+            except Exception as exc:  # noqa: BLE001
+                log.error("commit callback %r for step %d (%s) failed: %s: %s", callback, step, final,
+                          type(exc).__name__, exc)
+        if replicate and self._replicator is not None:
+            self._replicator.submit(step, final)
+        try:
+            self._apply_retention()
+        except Exception as exc:  # noqa: BLE001
+            log.error("retention after committing step %d failed (the checkpoint at %s is committed; older "
+                      "checkpoints may remain): %s: %s", step, final, type(exc).__name__, exc)
+
+    def _record_durable(self, step: int, local_dir: Path) -> None:
+        try:
+            update_manifest_tiers(local_dir, {"durable": {"url": self._tier.url, "committed_at": time.time()}})
+        except OSError as exc:  # the local copy may have been pruned meanwhile
+            log.debug("could not record the durable copy of step %d in %s: %s", step, local_dir, exc)
+
+    def _apply_retention(self) -> None:
+        if not self._acts_on_root or self.retention is None:
+            return
+        committed = scan_committed(self.root, self.naming)
+        busy = self._replicator.busy_steps() if self._replicator is not None else set()
+        for step in apply_retention(self.retention, list(committed), protected=sorted(busy)):
+            try:
+                remove_step_dir(committed[step])
+                log.info("retention removed step %d (%s)", step, committed[step])
+            except OSError as exc:
+                log.warning("retention could not remove %s: %s", committed[step], exc)
