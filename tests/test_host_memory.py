@@ -1,66 +1,11 @@
-"""Advice for new host buffers (torch_ckpt.host_memory): never changes values, stays inside the tensor."""
+"""The copy into live tensors (torch_ckpt.host_memory): every route gives copy_'s values and version bump."""
 
 from __future__ import annotations
-
-import sys
 
 import pytest
 import torch
 
 from torch_ckpt import host_memory
-from torch_ckpt.host_memory import HUGE_PAGE_BYTES, prepare_for_write
-
-
-def test_values_are_unchanged_by_the_advice():
-    """A large tensor holding data keeps every value after huge-page and populate advice."""
-    t = torch.arange(3 * HUGE_PAGE_BYTES // 8, dtype=torch.int64)
-    prepare_for_write(t)
-    assert torch.equal(t, torch.arange(3 * HUGE_PAGE_BYTES // 8, dtype=torch.int64))
-
-
-def test_small_and_non_cpu_tensors_are_left_alone(monkeypatch):
-    """Tensors under 2 MiB, meta tensors and non-contiguous views get no advice at all."""
-    calls = []
-    monkeypatch.setattr(host_memory, "_madvise", lambda *a: calls.append(a) or 0)
-    big = torch.empty(2 * HUGE_PAGE_BYTES // 4)
-    assert not prepare_for_write(torch.empty(1000))
-    assert not prepare_for_write(torch.empty(HUGE_PAGE_BYTES, dtype=torch.uint8, device="meta"))
-    assert not prepare_for_write(big.view(2, -1).t())
-    assert calls == []
-
-
-def test_only_whole_pages_inside_the_tensor_are_advised(monkeypatch):
-    """Every advised range lies inside the tensor's bytes; huge-page advice covers only 2 MiB-aligned pages."""
-    calls = []
-    monkeypatch.setattr(host_memory, "_madvise", lambda start, n, advice: calls.append((start, n, advice)) or 0)
-    monkeypatch.setattr(host_memory, "_refused", set())
-    base = torch.empty(5 * HUGE_PAGE_BYTES, dtype=torch.uint8)
-    t = base[12345:12345 + 3 * HUGE_PAGE_BYTES + 777]
-    assert prepare_for_write(t)
-    lo, hi = t.data_ptr(), t.data_ptr() + t.numel()
-    assert {a for _, _, a in calls} == {host_memory._MADV_HUGEPAGE, host_memory._MADV_POPULATE_WRITE}
-    for start, n, advice in calls:
-        assert lo <= start and start + n <= hi
-        if advice == host_memory._MADV_HUGEPAGE:
-            assert start % HUGE_PAGE_BYTES == 0 and n % HUGE_PAGE_BYTES == 0 and n > 0
-
-
-def test_advice_the_kernel_refuses_is_not_asked_for_again(monkeypatch):
-    """After madvise fails for an advice, later buffers skip that call and report no advice taken."""
-    calls = []
-    monkeypatch.setattr(host_memory, "_madvise", lambda start, n, advice: calls.append(advice) or -1)
-    monkeypatch.setattr(host_memory, "_refused", set())
-    t = torch.empty(4 * HUGE_PAGE_BYTES, dtype=torch.uint8)
-    assert not prepare_for_write(t)
-    assert len(calls) == 2
-    assert not prepare_for_write(t)
-    assert len(calls) == 2
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise advice is Linux-only")
-def test_linux_accepts_the_advice_for_a_new_buffer():
-    """On Linux the kernel takes the advice for a fresh 8 MiB buffer (huge pages or populate)."""
-    assert prepare_for_write(torch.empty(4 * HUGE_PAGE_BYTES, dtype=torch.uint8))
 
 
 def _route(monkeypatch, route: str) -> None:

@@ -17,9 +17,7 @@ exactly once:
 
 Up to two data files (DCP writes two per rank by default) are read at the same time, each by its
 own thread with its own CRC-32 thread, so one file's disk wait overlaps the other's copying and
-checksumming. Before a large tensor's bytes are read, its new buffer is backed with huge pages and
-faulted in with one call (:func:`torch_ckpt.host_memory.prepare_for_write`) rather than one
-4 KiB page at a time during the read.
+checksumming. Every file's size is checked before the first byte is placed.
 
 The targets are new buffers (see :func:`torch_ckpt.restore.load_into`), so a file that fails its
 check leaves the live state untouched.
@@ -41,7 +39,6 @@ from torch_ckpt.crc import crc32
 from torch_ckpt.dcp_record import record_framing
 from torch_ckpt.errors import CheckpointCorruptError
 from torch_ckpt.format import open_listed
-from torch_ckpt.host_memory import prepare_for_write
 
 __all__ = ["DATA_SUFFIX", "load_direct"]
 
@@ -54,9 +51,6 @@ _BUFFER_BYTES = 1 << 20
 _QUEUE_DEPTH = 8
 #: data files read at the same time (one thread each)
 _READERS = 2
-#: ask the kernel for huge pages / bulk faulting of each new target before reading into it
-_HUGE_PAGES = True
-_POPULATE = False
 #: ask the kernel to read each whole data file ahead (``POSIX_FADV_WILLNEED``) when it is opened
 _WILLNEED = False
 
@@ -324,8 +318,6 @@ def _read_file(fd: int, size: int, path: Path, expected: dict[str, int], entries
             if reader.bytes(len(head)) != head:
                 reader.skip(nbytes + len(tail))
                 continue
-            if _HUGE_PAGES or _POPULATE:
-                prepare_for_write(target, huge=_HUGE_PAGES, populate=_POPULATE)
             reader.into(_byte_view(target))
             if reader.bytes(len(tail)) == tail:
                 placed.add(key)
