@@ -204,8 +204,11 @@ def load_direct(targets: dict[str, torch.Tensor], step_dir: str | os.PathLike, m
     """Read the data files of a single-rank checkpoint once, placing tensors and checking CRC-32s.
 
     Every ``.distcp`` file the manifest lists is read front to back (with ``verify``; without it,
-    only files holding a placeable tensor). Its size and, with ``verify``, its CRC-32 are compared
-    with the manifest.
+    only files holding a placeable tensor), up to two files at a time. Every file's size is compared
+    with the manifest before the first byte is placed; with ``verify``, so is its CRC-32 after the
+    read. A tensor is placed only when its record's framing equals, byte for byte, what
+    ``torch.save`` writes for its dtype and shape; when several files fail, the error of the first
+    one (in name order) is raised.
 
     Args:
         targets: ``{key: new tensor}`` to fill (not the live state: a failure leaves them half written).
@@ -217,7 +220,7 @@ def load_direct(targets: dict[str, torch.Tensor], step_dir: str | os.PathLike, m
 
     Returns:
         The keys of ``targets`` not placed here (another layout, dtype or framing); load them with
-        DCP's reader (:func:`torch_ckpt.dcp_io.load_tensors`) after this returns.
+        DCP's reader (:func:`torch_ckpt.dcp_read.load_tensors`) after checking their records.
 
     Raises:
         CheckpointCorruptError: a data file is missing, not a regular file, truncated, or has the
