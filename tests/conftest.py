@@ -59,3 +59,16 @@ def make_state():
         return state, model, opt, sched
 
     return factory
+
+
+@pytest.fixture(scope="module")
+def s3():
+    """A moto S3 server on 127.0.0.1 for the module's tests (tests/_s3.py); skips without s3fs/moto."""
+    pytest.importorskip("s3fs", reason="the s3 extra (s3fs, moto[server]) is not installed")
+    pytest.importorskip("moto.server", reason="moto[server] is not installed")
+    from tests._s3 import S3
+
+    server = S3()
+    server.start()
+    yield server
+    server.stop()

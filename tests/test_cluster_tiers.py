@@ -18,16 +18,6 @@ from torch_ckpt.layout import read_manifest
 pytest.importorskip("s3fs", reason="the s3 extra (s3fs, moto[server]) is not installed")
 pytest.importorskip("moto.server", reason="moto[server] is not installed")
 
-from tests._s3 import S3  # noqa: E402 - after the skips above
-
-
-@pytest.fixture(scope="module")
-def s3():
-    server = S3()
-    server.start()
-    yield server
-    server.stop()
-
 
 def _as_nodes(rank: int, world: int, per_node: int, fn, *args) -> None:
     """Set torchrun's multi-node variables for ``rank`` (nodes of ``per_node`` ranks), then run ``fn``."""

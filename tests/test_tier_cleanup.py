@@ -15,16 +15,7 @@ from torch_ckpt.tiers import DurableTier
 pytest.importorskip("s3fs", reason="the s3 extra (s3fs, moto[server]) is not installed")
 pytest.importorskip("moto.server", reason="moto[server] is not installed")
 
-from tests._s3 import S3  # noqa: E402 - after the skips above
 from tests.test_tiers import committed_tier  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def s3():
-    server = S3()
-    server.start()
-    yield server
-    server.stop()
 
 
 def _abandoned_setup(tmp_path, url: str, options: dict | None = None) -> DurableTier:

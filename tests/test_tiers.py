@@ -23,15 +23,7 @@ from torch_ckpt.tiers import DurableTier, DurableUnavailableError
 s3fs = pytest.importorskip("s3fs", reason="the s3 extra (s3fs, moto[server]) is not installed")
 pytest.importorskip("moto.server", reason="moto[server] is not installed")
 
-from tests._s3 import S3  # noqa: E402 - after the skips above (also imported from here by other test modules)
-
-
-@pytest.fixture(scope="module")
-def s3():
-    server = S3()
-    server.start()
-    yield server
-    server.stop()
+from tests._s3 import S3  # noqa: E402, F401 - after the skips; tests/accelerate imports S3 from here
 
 
 def _state(seed=0):

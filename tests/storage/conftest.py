@@ -32,16 +32,3 @@ def ckpt(saved, tmp_path) -> Path:
     dst = tmp_path / STEP
     shutil.copytree(saved, dst)
     return dst
-
-
-@pytest.fixture(scope="module")
-def s3():
-    """A moto S3 server on 127.0.0.1 (tests/_s3.py), for checkpoints read from a store; skips without moto."""
-    pytest.importorskip("s3fs", reason="the s3 extra (s3fs, moto[server]) is not installed")
-    pytest.importorskip("moto.server", reason="moto[server] is not installed")
-    from tests._s3 import S3
-
-    server = S3()
-    server.start()
-    yield server
-    server.stop()
