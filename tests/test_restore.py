@@ -350,3 +350,42 @@ def test_optimizer_passed_directly_with_other_param_groups_keeps_its_state(tmp_p
     with CheckpointManager(tmp_path) as mgr, pytest.raises(ValueError, match="parameter groups"):
         mgr.restore(live)
     assert_same(live.state_dict(), before)
+
+
+def _gloo_model(seed: int):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Linear(256, 64))
+    opt = torch.optim.AdamW(model.parameters(), amsgrad=True)
+    model(torch.randn(2, 64)).sum().backward()
+    opt.step()
+    return model, opt
+
+
+def _gloo_save(rank, world_size, root):
+    model, opt = _gloo_model(0)
+    with CheckpointManager(root, thread_count=2) as mgr:
+        mgr.save(1, TrainState(model=model, optimizer=opt)).wait()
+
+
+def _gloo_restore_corrupt(rank, world_size, root, bad_file):
+    from torch_ckpt import CheckpointCorruptError
+
+    model, opt = _gloo_model(1)
+    before = (copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()))
+    with CheckpointManager(root) as mgr, pytest.raises(CheckpointCorruptError, match=f"{bad_file}.*CRC-32"):
+        mgr.restore(TrainState(model=model, optimizer=opt), step=1)
+    assert_same(model.state_dict(), before[0])
+    assert_same(opt.state_dict(), before[1])
+
+
+@pytest.mark.slow
+def test_two_rank_restore_with_a_flipped_byte_in_the_last_file_changes_nothing(tmp_path):
+    """On 2 gloo ranks a byte flipped in the last data file fails both ranks' restore, naming it; nothing changes."""
+    from tests._dist import run_distributed
+
+    run_distributed(_gloo_save, 2, str(tmp_path))
+    last = sorted(tmp_path.glob("step_*/*.distcp"))[-1]
+    raw = bytearray(last.read_bytes())
+    raw[-len(raw) // 3] ^= 0x04
+    last.write_bytes(bytes(raw))
+    run_distributed(_gloo_restore_corrupt, 2, str(tmp_path), last.name)
