@@ -198,6 +198,7 @@ SHOULD_STOP = {  # fresh callbacks per run (EarlyStopping keeps its best score)
     "module": lambda: dict(module_cls=StopsItselfAfterFirstEpoch),
     "early-stopping": lambda: dict(module_cls=LogsWorseningValidation, callbacks=[early_stopping()]),
     "epoch-scheduler": lambda: dict(module_cls=EpochScheduler, callbacks=[StopAfterFirstEpoch()]),
+    "periodic-save-at-the-stop": lambda: dict(every=10, callbacks=[StopAfterFirstEpoch()]),
 }
 
 
@@ -211,6 +212,14 @@ def test_resume_after_should_stop_at_an_epoch_end_is_bitwise(tmp_path, how, gene
     after = fit(tmp_path / "stopped", -1, ckpt_path="last", max_epochs=3, generators=generators, module_cls=module_cls)
     assert before == {s: full[s] for s in range(1, 11)}
     assert after == {s: full[s] for s in range(11, 31)}
+
+
+def test_should_stop_at_an_epoch_end_with_gradient_accumulation_resumes_bitwise(tmp_path):
+    """With accumulate_grad_batches=3 (4 optimizer steps per 10-batch epoch), a should_stop resume is exact."""
+    full = fit(tmp_path / "full", -1, max_epochs=3, accumulate=3)
+    fit(tmp_path / "stopped", -1, max_epochs=3, accumulate=3, callbacks=[StopAfterFirstEpoch()])
+    after = fit(tmp_path / "stopped", -1, ckpt_path="last", max_epochs=3, accumulate=3)
+    assert after == {s: full[s] for s in range(5, 13)}
 
 
 def test_should_stop_at_an_epoch_end_with_max_steps_resumes_bitwise(tmp_path):
