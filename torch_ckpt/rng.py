@@ -74,7 +74,7 @@ def check_rng_state(state: Any) -> None:
             devices = state.get(kind)
             if devices is not None and not all(isinstance(s, torch.Tensor) for s in devices):
                 raise TypeError(f"{kind} generator states are not tensors")
-    except (KeyError, TypeError, ValueError, RuntimeError, AttributeError) as exc:
+    except (KeyError, IndexError, OverflowError, TypeError, ValueError, RuntimeError, AttributeError) as exc:
         raise CheckpointCorruptError(f"RNG state in checkpoint is malformed ({exc!r})") from exc
 
 
