@@ -1,0 +1,82 @@
+"""torch_ckpt.dcp_record: a tensor's torch.save record in pieces (data by reference) and its fixed framing."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+
+from torch_ckpt import dcp_record
+from torch_ckpt.dcp_record import record_framing, serialize_tensor
+
+CASES = [
+    torch.arange(12, dtype=torch.float32).reshape(3, 4),
+    torch.arange(5, dtype=torch.float64),
+    torch.ones(2, 3, 4, dtype=torch.bfloat16),
+    torch.tensor(7, dtype=torch.int64),
+    torch.zeros(0, 3, dtype=torch.uint8),
+    torch.tensor([True, False]),
+    torch.arange(6, dtype=torch.float32).reshape(2, 3).t(),
+    torch.arange(10, dtype=torch.int32)[3:],
+]
+
+
+def load(pieces) -> torch.Tensor:
+    return torch.load(io.BytesIO(b"".join(bytes(p) for p in pieces)), weights_only=True)
+
+
+def framing_or_skip(tensor):
+    if not dcp_record._SAVE_WITHOUT_ZIP_CRC:
+        pytest.skip("this torch gives no fixed record framing")
+    return record_framing(tensor)
+
+
+@pytest.mark.parametrize("tensor", CASES, ids=lambda t: f"{t.dtype}-{list(t.shape)}-{t.stride()}")
+def test_record_loads_back_equal(tensor):
+    """The joined pieces are a torch.save record that torch.load(weights_only=True) reads back equal."""
+    out = load(serialize_tensor(tensor))
+    assert out.dtype == tensor.dtype and out.stride() == tensor.stride() and torch.equal(out, tensor)
+
+
+@pytest.mark.parametrize("tensor", [t for t in CASES if t.numel()], ids=lambda t: f"{t.dtype}-{list(t.shape)}")
+def test_framing_surrounds_the_data(tensor):
+    """The record is exactly framing-before + the storage's bytes + framing-after."""
+    before, after = framing_or_skip(tensor)
+    record = b"".join(bytes(p) for p in serialize_tensor(tensor))
+    data = bytes(tensor.untyped_storage())
+    assert record == before + data + after
+
+
+def test_data_is_kept_by_reference():
+    """The data piece views the tensor's storage: a later change of the tensor shows in it (no copy)."""
+    tensor = torch.zeros(1024)
+    pieces = serialize_tensor(tensor)
+    tensor.fill_(1.0)
+    assert torch.equal(load(pieces), torch.ones(1024))
+
+
+def test_framing_does_not_depend_on_values():
+    """Two tensors of the same signature and different values share the framing."""
+    a, b = torch.zeros(3, 4), torch.randn(3, 4)
+    assert framing_or_skip(a) == record_framing(b)
+
+
+@pytest.mark.parametrize("other", [torch.zeros(4, 3), torch.zeros(3, 4, dtype=torch.float64),
+                                   torch.zeros(4, 3).t(), torch.zeros(13)[1:].view(3, 4)],
+                         ids=["shape", "dtype", "strides", "offset"])
+def test_framing_differs_with_the_signature(other):
+    """Shape, dtype, strides or storage offset change the framing."""
+    assert framing_or_skip(torch.zeros(3, 4)) != record_framing(other)
+
+
+def test_cached_framing_still_gives_the_current_values():
+    """A second tensor of a cached signature is recorded with its own values, not the first one's."""
+    serialize_tensor(torch.zeros(2, 5))
+    second = torch.arange(10, dtype=torch.float32).reshape(2, 5)
+    assert torch.equal(load(serialize_tensor(second)), second)
+
+
+def test_tensor_subclass_has_no_fixed_framing():
+    """A tensor subclass (nn.Parameter) gets no fixed framing, so the direct reader never assumes one."""
+    assert record_framing(torch.nn.Parameter(torch.zeros(3))) is None
