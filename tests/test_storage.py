@@ -1,0 +1,164 @@
+"""torch_ckpt.storage: Location over a local directory and an fsspec store (memory://, no network)."""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import uuid
+import zlib
+
+import fsspec
+import pytest
+
+from torch_ckpt.errors import CheckpointCorruptError, ConfigError
+from torch_ckpt.storage import DurableUnavailableError, Location, as_location, is_url, object_mtime, url_to_fs
+
+
+@pytest.fixture
+def mem():
+    """A fresh memory:// directory holding a.bin (10 bytes) and sub/b.bin; removed afterwards."""
+    fs = fsspec.filesystem("memory")
+    root = f"/mirror4-{uuid.uuid4().hex}"
+    fs.pipe(f"{root}/a.bin", b"0123456789")
+    fs.pipe(f"{root}/sub/b.bin", b"b")
+    yield fs, f"memory://{root}"
+    fs.rm(root, recursive=True)
+
+
+@pytest.mark.parametrize("text,expected", [("s3://b/run", True), ("memory://x", True), ("file:///tmp/x", False),
+                                           ("/tmp/x", False), ("relative/dir", False)])
+def test_is_url(text, expected):
+    """Only fsspec URLs other than file:// count as URLs."""
+    assert is_url(text) is expected
+
+
+@pytest.mark.parametrize("info,expected", [
+    ({"mtime": 5.5}, 5.5),
+    ({"LastModified": dt.datetime(1970, 1, 1, 0, 1, tzinfo=dt.timezone.utc)}, 60.0),
+    ({"last_modified": dt.datetime(1970, 1, 1, 0, 2)}, 120.0),
+    ({"updated": "1970-01-01T00:03:00Z"}, 180.0),
+    ({"mtime": True, "created": 7}, 7.0),
+    ({"updated": "not a date", "created": 8}, 8.0),
+    ({"mtime": 0}, None),
+    ({}, None),
+], ids=["number", "aware", "naive-is-utc", "iso-z", "bool-skipped", "bad-string-skipped", "zero", "none"])
+def test_object_mtime_reads_every_backend_spelling(info, expected):
+    """Numbers, datetimes (naive read as UTC) and ISO strings under any known key give Unix seconds."""
+    assert object_mtime(info) == expected
+
+
+def test_unknown_protocol_is_a_config_error():
+    """A URL whose protocol fsspec does not know raises ConfigError naming it."""
+    with pytest.raises(ConfigError, match="nosuchproto://x"):
+        url_to_fs("nosuchproto://x")
+
+
+def test_file_url_is_a_local_path(tmp_path):
+    """file:// URLs become local absolute paths, described as such."""
+    loc = Location(f"file://{tmp_path}")
+    assert not loc.remote and loc.path == str(tmp_path) and loc.describe("m.json") == str(tmp_path / "m.json")
+
+
+def test_child_and_name(tmp_path, mem):
+    """child() addresses an entry; name is the last component, locally and on a store."""
+    assert Location(tmp_path).child("step_1").name == "step_1"
+    remote = Location(mem[1]).child("sub")
+    assert remote.name == "sub" and remote.describe("b.bin") == f"{mem[1]}/sub/b.bin"
+
+
+def test_as_location_returns_a_location_unchanged(tmp_path):
+    """as_location passes a Location through and wraps paths."""
+    loc = Location(tmp_path)
+    assert as_location(loc) is loc and as_location(tmp_path).path == str(tmp_path)
+
+
+def test_local_entries_classify_every_kind(tmp_path):
+    """Files, directories, symlinks, links to directories, dangling links and FIFOs are listed by kind."""
+    (tmp_path / "f").write_bytes(b"abc")
+    (tmp_path / "d").mkdir()
+    (tmp_path / "lf").symlink_to(tmp_path / "f")
+    (tmp_path / "ld").symlink_to(tmp_path / "d")
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    os.mkfifo(tmp_path / "p")
+    kinds = {name: e["type"] for name, e in Location(tmp_path).entries().items()}
+    assert kinds == {"f": "file", "d": "directory", "lf": "symlink", "ld": "directory", "dangling": "symlink",
+                     "p": "other"}
+    assert Location(tmp_path).entries()["f"]["size"] == 3
+
+
+def test_local_symlink_listed_as_file_when_allowed(tmp_path):
+    """With allow_symlinks, a link to a file is listed as the file it points to."""
+    (tmp_path / "f").write_bytes(b"abc")
+    (tmp_path / "lf").symlink_to(tmp_path / "f")
+    assert Location(tmp_path, allow_symlinks=True).entries()["lf"] == {"type": "file", "size": 3,
+                                                                        "mtime": pytest.approx(
+                                                                            (tmp_path / "f").stat().st_mtime)}
+
+
+def test_local_read_over_the_limit_is_corrupt(tmp_path):
+    """A local file larger than max_bytes raises CheckpointCorruptError naming it."""
+    (tmp_path / "f").write_bytes(b"x" * 11)
+    with pytest.raises(CheckpointCorruptError, match=r"f: is 11 bytes"):
+        Location(tmp_path).read_bytes("f", 10)
+
+
+def test_local_read_of_a_symlink_is_refused(tmp_path):
+    """Reading a symlinked file is refused unless links are allowed."""
+    (tmp_path / "f").write_bytes(b"abc")
+    (tmp_path / "lf").symlink_to(tmp_path / "f")
+    with pytest.raises(CheckpointCorruptError, match="symbolic link"):
+        Location(tmp_path).read_bytes("lf")
+    assert Location(tmp_path, allow_symlinks=True).read_bytes("lf") == b"abc"
+
+
+def test_local_checksum_and_stat(tmp_path):
+    """checksum gives (bytes, CRC-32) of the file; stat gives its size and no digest."""
+    (tmp_path / "f").write_bytes(b"hello world")
+    loc = Location(tmp_path)
+    assert loc.checksum("f") == (11, zlib.crc32(b"hello world"))
+    assert loc.stat("f") == (11, None)
+
+
+def test_remote_reads_lists_and_checksums(mem):
+    """On a memory:// store, files are listed with kinds and sizes, read whole, checksummed and range-read."""
+    loc = Location(mem[1])
+    assert loc.remote and loc.exists("a.bin") and loc.is_dir()
+    entries = loc.entries()
+    assert entries["a.bin"]["type"] == "file" and entries["a.bin"]["size"] == 10
+    assert entries["sub"]["type"] == "directory"
+    assert loc.read_bytes("a.bin") == b"0123456789"
+    assert loc.checksum("a.bin") == (10, zlib.crc32(b"0123456789"))
+    with loc.open_range("a.bin") as f:
+        assert f.size == 10 and f.read_at(4, 3) == b"456"
+
+
+def test_remote_read_over_the_limit_is_refused_before_reading(mem, monkeypatch):
+    """A remote object larger than max_bytes is refused from its listed size, without downloading it."""
+    fs, url = mem
+    monkeypatch.setattr(fs, "cat_file", lambda *a, **k: pytest.fail("object was downloaded"))
+    with pytest.raises(CheckpointCorruptError, match="10 bytes, more than the 9 accepted"):
+        Location(url).read_bytes("a.bin", 9)
+
+
+def test_remote_stat_of_a_directory_is_corrupt(mem):
+    """A listed file that is a prefix (directory) on the store is refused as not a regular file."""
+    with pytest.raises(CheckpointCorruptError, match="is a directory"):
+        Location(mem[1]).stat("sub")
+
+
+def test_remote_backend_error_is_an_outage(mem, monkeypatch):
+    """Any backend exception on a store becomes DurableUnavailableError naming the URL."""
+    fs, url = mem
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("connection reset")
+
+    monkeypatch.setattr(fs, "cat_file", broken)
+    with pytest.raises(DurableUnavailableError, match=f"{url}.*connection reset"):
+        Location(url).read_bytes("a.bin")
+
+
+def test_remote_missing_file_is_not_an_outage(mem):
+    """A missing object raises FileNotFoundError, not DurableUnavailableError."""
+    with pytest.raises(FileNotFoundError):
+        Location(mem[1]).read_bytes("absent.bin")
