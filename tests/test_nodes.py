@@ -1,0 +1,76 @@
+"""torch_ckpt.nodes: the node of each rank (from torchrun's environment) and the agreed NodeLayout."""
+
+from __future__ import annotations
+
+import pytest
+
+from torch_ckpt.errors import ConfigError
+from torch_ckpt.nodes import NodeLayout, env_node, metadata_name
+
+NODE_VARS = ("GROUP_RANK", "NODE_RANK", "LOCAL_WORLD_SIZE")
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch):
+    """Start every test without torchrun's node variables."""
+    for var in NODE_VARS:
+        monkeypatch.delenv(var, raising=False)
+
+
+def test_group_rank_comes_first(monkeypatch):
+    """GROUP_RANK wins over NODE_RANK and LOCAL_WORLD_SIZE."""
+    monkeypatch.setenv("GROUP_RANK", "3")
+    monkeypatch.setenv("NODE_RANK", "1")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert env_node(0) == 3
+
+
+def test_node_rank_when_no_group_rank(monkeypatch):
+    """Without GROUP_RANK (or with it empty), NODE_RANK gives the node."""
+    monkeypatch.setenv("GROUP_RANK", "")
+    monkeypatch.setenv("NODE_RANK", "2")
+    assert env_node(0) == 2
+
+
+def test_rank_over_local_world_size(monkeypatch):
+    """Without node variables, the node is rank // LOCAL_WORLD_SIZE."""
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert [env_node(r) for r in (0, 3, 4, 9)] == [0, 0, 1, 2]
+
+
+@pytest.mark.parametrize("local", ["", "0", "x"])
+def test_no_usable_variable_means_node_zero(monkeypatch, local):
+    """Without any usable variable every rank is on node 0 (a single machine)."""
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", local)
+    assert env_node(7) == 0
+
+
+@pytest.mark.parametrize("var,value", [("GROUP_RANK", "-1"), ("NODE_RANK", "one"), ("GROUP_RANK", "1.5")])
+def test_malformed_node_variable_is_a_config_error(monkeypatch, var, value):
+    """A node variable that is not a non-negative integer raises ConfigError naming it."""
+    monkeypatch.setenv(var, value)
+    with pytest.raises(ConfigError, match=f"{var}={value!r}"):
+        env_node(0)
+
+
+def test_normalise_numbers_nodes_by_their_lowest_rank():
+    """Arbitrary node ids become 0..N-1 in the order their first rank appears."""
+    assert NodeLayout.normalise([7, 7, 2, 9, 2]) == (0, 0, 1, 2, 1)
+
+
+def test_layout_of_interleaved_ranks():
+    """node, node_count, ranks_of and leader_of follow rank_node even when nodes interleave."""
+    layout = NodeLayout(rank_node=(0, 1, 0, 1), rank=3)
+    assert layout.node == 1 and layout.node_count == 2
+    assert layout.ranks_of(1) == [1, 3] and layout.leader_of(1) == 1
+
+
+def test_leader_is_the_lowest_rank_of_its_node():
+    """Only the lowest rank of a node is its leader."""
+    rank_node = (0, 1, 0, 1)
+    assert [NodeLayout(rank_node, r).is_leader for r in range(4)] == [True, True, False, False]
+
+
+def test_metadata_name_is_per_node_and_sortable():
+    """Each node's metadata file has its own zero-padded name."""
+    assert metadata_name(3) == "node_00003.metadata" and metadata_name(3) != metadata_name(30)
