@@ -27,7 +27,7 @@ from typing import Any
 from torch_ckpt.durations import format_duration
 from torch_ckpt.errors import CheckpointError, ConfigError
 from torch_ckpt.storage import DurableUnavailableError, Location, PathNotFoundError, is_url
-from torch_ckpt.tools.cli_common import UsageError, fmt_bytes, print_json
+from torch_ckpt.tools.cli_common import UsageError, fmt_bytes, int_type, print_json
 
 __all__ = [
     "add_common",
@@ -59,14 +59,7 @@ def _storage_options(text: str) -> dict[str, Any]:
 _storage_options.__name__ = "storage options"
 
 
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a step number, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a step number >= 0, got {text!r}")
-    return value
+_non_negative_int = int_type(0)
 
 
 def add_common(p: argparse.ArgumentParser, *, remote: bool = True) -> None:
