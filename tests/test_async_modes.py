@@ -83,8 +83,8 @@ def test_optimizer_hooks_removed_on_close(tmp_path, make_state):
 
 
 @pytest.mark.parametrize("kwargs, field", [({"persist": "fork"}, "persist"), ({"writer_niceness": 40}, "niceness"),
-                                            ({"thread_count": 0}, "thread_count"), ({"thread_count": True}, "thread_count"),
-                                            ({"keep_last": 0}, "keep_last")])
+                                            ({"thread_count": 0}, "thread_count"),
+                                            ({"thread_count": True}, "thread_count"), ({"keep_last": 0}, "keep_last")])
 def test_invalid_options_rejected(tmp_path, kwargs, field):
     """Invalid constructor options raise ConfigError naming the option."""
     with pytest.raises(ConfigError, match=field):
