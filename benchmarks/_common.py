@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -125,3 +128,16 @@ def emit_json(result: dict[str, Any], path: Path | None) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text + "\n")
     print(text)
+
+
+def start_run(prefix: str, threads: int, parent: Path | None) -> Path:
+    """Quiet warnings and INFO logs, set torch's intra-op ``threads``; return a new temporary directory.
+
+    The directory (named ``prefix...``) is made under ``parent`` or ``$TMPDIR``; the caller removes it.
+    """
+    import torch
+
+    warnings.filterwarnings("ignore")
+    logging.basicConfig(level=logging.WARNING)
+    torch.set_num_threads(threads)
+    return Path(tempfile.mkdtemp(prefix=prefix, dir=str(parent) if parent else None))

@@ -39,10 +39,8 @@ import platform
 import shutil
 import statistics
 import sys
-import tempfile
 import threading
 import time
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +58,7 @@ from _common import (  # noqa: E402
     make_log,
     remove,
     select_methods,
+    start_run,
 )
 
 REPO = Path(__file__).resolve().parents[1]
@@ -688,12 +687,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> dict[str, Any]:
     args = parse_args(argv)
-    warnings.filterwarnings("ignore")
-    logging.basicConfig(level=logging.WARNING)
-    torch.set_num_threads(args.threads)
     t_start = time.perf_counter()
-    base_dir = tempfile.mkdtemp(prefix="save_blocking_", dir=str(args.dir) if args.dir else None)
-    directory = Path(base_dir)
+    directory = start_run("save_blocking_", args.threads, args.dir)
     dropper = CacheDropper(enabled=not args.no_drop_caches)
     methods: list[Method] = []
     sampler = RssSampler()

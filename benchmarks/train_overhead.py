@@ -36,16 +36,13 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import logging
 import os
 import platform
 import shutil
 import statistics
 import sys
-import tempfile
 import threading
 import time
-import warnings
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -65,6 +62,7 @@ from _common import (  # noqa: E402
     make_log,
     remove,
     select_methods,
+    start_run,
 )
 
 METHODS = (
@@ -420,11 +418,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> dict[str, Any]:
     args = parse_args(argv)
-    warnings.filterwarnings("ignore")
-    logging.basicConfig(level=logging.WARNING)
-    torch.set_num_threads(args.threads)
     t_start = time.perf_counter()
-    directory = Path(tempfile.mkdtemp(prefix="train_overhead_", dir=str(args.dir) if args.dir else None))
+    directory = start_run("train_overhead_", args.threads, args.dir)
     savers: dict[str, Saver] = {}
     global PROBE
     disk_floors: list[float] = []
