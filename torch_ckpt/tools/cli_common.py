@@ -12,7 +12,7 @@ from torch_ckpt.durations import format_duration
 from torch_ckpt.errors import ConfigError
 
 __all__ = ["UsageError", "duration_type", "fmt_bytes", "fmt_time", "int_type", "interval_rows",
-           "non_negative_duration", "positive_duration", "positive_float", "print_json"]
+           "non_negative_duration", "positive_duration", "positive_float", "print_json", "print_result"]
 
 
 class UsageError(ValueError):
@@ -22,6 +22,14 @@ class UsageError(ValueError):
 def print_json(payload: Any) -> None:
     """Print ``payload`` as indented JSON (the ``--json`` output)."""
     print(json.dumps(payload, indent=2))
+
+
+def print_result(result: dict[str, Any], as_json: bool, to_text: Callable[[dict[str, Any]], str]) -> None:
+    """Print a command's ``result``: as JSON with ``--json`` (``as_json``), else as ``to_text(result)``."""
+    if as_json:
+        print_json(result)
+    else:
+        print(to_text(result))
 
 
 def duration_type(minimum: str) -> Callable[[str], float]:
