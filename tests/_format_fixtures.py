@@ -34,6 +34,20 @@ def tampered_metadata(step_dir: Path, edit) -> None:
     rewrite(step_dir, ".metadata", pickle.dumps(md))
 
 
+def first_inline(node):
+    """The first tensor stored inline (``__tensor_b64__``) in a rank JSON tree, depth first; ``None`` if none."""
+    if isinstance(node, dict):
+        if "__tensor_b64__" in node:
+            return node
+        node = list(node.values())
+    if isinstance(node, list):
+        for v in node:
+            found = first_inline(v)
+            if found is not None:
+                return found
+    return None
+
+
 def weight_item(md) -> tuple[str, TensorStorageMetadata]:
     """``(key, metadata)`` of the model weight."""
     return next((k, v) for k, v in md.state_dict_metadata.items() if k.endswith("model.weight"))

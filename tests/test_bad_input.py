@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests._format_fixtures import first_inline, rewrite
 from torch_ckpt import (
     CheckpointCorruptError,
     CheckpointError,
@@ -368,44 +369,28 @@ def test_metadata_with_a_code_executing_pickle_is_refused_without_running_it(tmp
     assert not marker.exists(), "the checkpoint executed code"
 
 
-@pytest.mark.timeout(60)
-def test_truncated_shard_is_reported_with_its_file(tmp_path):
-    """A shard cut short raises CheckpointCorruptError (ValueError) naming the shard file."""
-    step_dir = _save(tmp_path, 1, _dict_state())
-    shard = _shard(step_dir)
+def _truncate(shard: Path) -> None:
     data = shard.read_bytes()
     shard.write_bytes(data[: len(data) // 2])
-    with CheckpointManager(tmp_path) as mgr:
-        with pytest.raises(CheckpointCorruptError) as info:
-            mgr.restore(_dict_state(0.0))
-    assert isinstance(info.value, ValueError)
-    assert str(shard) in str(info.value)
 
 
-@pytest.mark.timeout(60)
-def test_flipped_byte_in_a_shard_is_reported_with_its_file(tmp_path):
-    """One flipped bit inside a shard (same size) raises CheckpointCorruptError naming the shard file."""
-    step_dir = _save(tmp_path, 1, _dict_state())
-    shard = _shard(step_dir)
+def _flip_one_bit(shard: Path) -> None:
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0x01
     shard.write_bytes(bytes(data))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("damage", [_truncate, _flip_one_bit, Path.unlink], ids=["truncated", "flipped_bit", "missing"])
+def test_damaged_shard_is_reported_with_its_file(tmp_path, damage):
+    """A shard cut short, with one flipped bit (same size) or deleted raises CheckpointCorruptError naming it."""
+    step_dir = _save(tmp_path, 1, _dict_state())
+    shard = _shard(step_dir)
+    damage(shard)
     with CheckpointManager(tmp_path) as mgr:
         with pytest.raises(CheckpointCorruptError) as info:
             mgr.restore(_dict_state(0.0))
     assert isinstance(info.value, ValueError)
-    assert str(shard) in str(info.value)
-
-
-@pytest.mark.timeout(60)
-def test_missing_shard_is_reported_with_its_file(tmp_path):
-    """A deleted shard raises CheckpointCorruptError naming the missing file."""
-    step_dir = _save(tmp_path, 1, _dict_state())
-    shard = _shard(step_dir)
-    shard.unlink()
-    with CheckpointManager(tmp_path) as mgr:
-        with pytest.raises(CheckpointCorruptError) as info:
-            mgr.restore(_dict_state(0.0))
     assert str(shard) in str(info.value)
 
 
@@ -493,12 +478,6 @@ def test_manifest_with_overflowing_numbers_is_skipped(tmp_path):
 
 
 # -- malformed content is corruption, never a crash, and never breaks other steps (issue 14) -------
-def _restamp(step_dir: Path, name: str, data: bytes) -> None:
-    """Replace ``name`` with ``data`` and re-checksum it in the manifest (a consistent tampering)."""
-    (step_dir / name).write_bytes(data)
-    _edit_manifest(step_dir, lambda m: m["files"].__setitem__(name, _sizes_and_crc(step_dir / name)))
-
-
 def _two_steps(root: Path, make_state) -> tuple[TrainState, torch.nn.Module, Path]:
     """Steps 1 and 2 of a TrainState (2 with other weights); returns (fresh live state, its model, step 2's dir)."""
     state, model, *_ = make_state(seed=0)
@@ -510,19 +489,6 @@ def _two_steps(root: Path, make_state) -> tuple[TrainState, torch.nn.Module, Pat
         mgr.save(2, state).wait()
     live, live_model, *_ = make_state(seed=5)
     return live, live_model, root / STEP_DIR.format(2)
-
-
-def _first_inline(node):
-    if isinstance(node, dict):
-        if "__tensor_b64__" in node:
-            return node
-        node = list(node.values())
-    if isinstance(node, list):
-        for v in node:
-            found = _first_inline(v)
-            if found is not None:
-                return found
-    return None
 
 
 def _huge_int_manifest(step_dir: Path) -> str:
@@ -542,14 +508,14 @@ def _storage_data_5(step_dir: Path) -> str:
 
     md = read_dcp_metadata(step_dir / ".metadata")
     md.storage_data = 5
-    _restamp(step_dir, ".metadata", pickle.dumps(md))
+    rewrite(step_dir, ".metadata", pickle.dumps(md))
     return ".metadata"
 
 
 def _inline_shape_2_40(step_dir: Path) -> str:
     doc = json.loads((step_dir / "rank_00000.json").read_text())
-    _first_inline(doc["tree"])["shape"] = [2**40]
-    _restamp(step_dir, "rank_00000.json", json.dumps(doc).encode())
+    first_inline(doc["tree"])["shape"] = [2**40]
+    rewrite(step_dir, "rank_00000.json", json.dumps(doc).encode())
     return "rank_00000.json"
 
 
@@ -557,7 +523,7 @@ def _deep_rank_json(step_dir: Path) -> str:
     raw = (step_dir / "rank_00000.json").read_text()
     raw = raw.replace('"tree":{', '"tree":{"deep":' + "[" * 200_000 + "]" * 200_000 + ",", 1)
     assert "[" * 200_000 in raw
-    _restamp(step_dir, "rank_00000.json", raw.encode())
+    rewrite(step_dir, "rank_00000.json", raw.encode())
     return "rank_00000.json"
 
 
@@ -583,7 +549,7 @@ def _shape_beyond_chunks(step_dir: Path) -> str:
     md = read_dcp_metadata(step_dir / ".metadata")
     item = md.state_dict_metadata["model.fc1.weight"]
     item.size = torch.Size([item.size[0] + 4, *item.size[1:]])
-    _restamp(step_dir, ".metadata", pickle.dumps(md))
+    rewrite(step_dir, ".metadata", pickle.dumps(md))
     return ".metadata"
 
 
@@ -595,7 +561,7 @@ def _storage_rewritten(step_dir: Path) -> str:
     md = read_dcp_metadata(step_dir / ".metadata")
     for info in md.storage_data.values():
         info.relative_path = str(elsewhere)
-    _restamp(step_dir, ".metadata", pickle.dumps(md))
+    rewrite(step_dir, ".metadata", pickle.dumps(md))
     return ".metadata"
 
 
@@ -606,7 +572,7 @@ def _fc1_weight_metadata(step_dir: Path, edit) -> str:
     md = read_dcp_metadata(step_dir / ".metadata")
     info = next(v for k, v in md.storage_data.items() if k.fqn == "model.fc1.weight")
     edit(md.state_dict_metadata["model.fc1.weight"], info)
-    _restamp(step_dir, ".metadata", pickle.dumps(md))
+    rewrite(step_dir, ".metadata", pickle.dumps(md))
     return str(info.relative_path)
 
 
@@ -633,7 +599,7 @@ def _chunk_reshaped(step_dir: Path) -> str:
 def _rank_key_not_in_metadata(step_dir: Path) -> str:
     doc = json.loads((step_dir / "rank_00000.json").read_text())
     doc["tree"]["model"]["fc1.weight"] = {"__tensor__": "model.ghost"}
-    _restamp(step_dir, "rank_00000.json", json.dumps(doc).encode())
+    rewrite(step_dir, "rank_00000.json", json.dumps(doc).encode())
     return "rank_00000.json"
 
 
@@ -736,8 +702,8 @@ def _restore_with_bad_rank_file(rank: int, world: int, root: str) -> None:
         if rank == 0:
             step_dir = Path(root) / STEP_DIR.format(1)
             raw = (step_dir / "rank_00001.json").read_text()
-            _restamp(step_dir, "rank_00001.json",
-                     raw.replace('"tree":{', '"tree":{"deep":' + "[" * 200_000 + "]" * 200_000 + ",", 1).encode())
+            rewrite(step_dir, "rank_00001.json",
+                    raw.replace('"tree":{', '"tree":{"deep":' + "[" * 200_000 + "]" * 200_000 + ",", 1).encode())
         torch.distributed.barrier()
         try:
             mgr.restore(state, step=1)
@@ -769,7 +735,7 @@ def _restore_with_bad_record_of_rank_1(rank: int, world: int, root: str) -> None
             step_dir = Path(root) / STEP_DIR.format(1)
             md = read_dcp_metadata(step_dir / ".metadata")
             md.state_dict_metadata["w1"].properties.dtype = torch.float64
-            _restamp(step_dir, ".metadata", pickle.dumps(md))
+            rewrite(step_dir, ".metadata", pickle.dumps(md))
         torch.distributed.barrier()
         try:
             mgr.restore(state, step=1)

@@ -68,6 +68,17 @@ def _restore(root, model, opt, **kwargs) -> int | None:
         return mgr.restore(TrainState(model=model, optimizer=opt), **kwargs)
 
 
+def _restore_and_continue(root, model, opt, fresh, fresh_opt, *, seed: int = 3) -> int | None:
+    """Restore into ``fresh``/``fresh_opt``, check the optimizer state equals ``opt``'s, then step both runs
+    twice on the same batches (``seed``) and check the models stay equal; returns the restored step."""
+    step = _restore(root, fresh, fresh_opt)
+    assert_same(fresh_opt.state_dict(), opt.state_dict())
+    _steps(model, opt, 2, seed=seed)
+    _steps(fresh, fresh_opt, 2, seed=seed)
+    assert_same(fresh.state_dict(), model.state_dict())
+    return step
+
+
 @pytest.mark.parametrize("kind", sorted(OPTIMIZERS))
 def test_save_before_first_step_leaves_training_bitwise_unchanged(tmp_path, kind):
     """Saving before the first optimizer.step() changes neither the parameters nor the optimizer of a later run."""
@@ -135,11 +146,7 @@ def test_parameters_without_state_round_trip(tmp_path):
     _save(tmp_path, 3, model, opt)
     fresh = _pair(seed=5)
     fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=0.1)
-    assert _restore(tmp_path, fresh, fresh_opt) == 3
-    assert_same(fresh_opt.state_dict(), opt.state_dict())
-    _steps(model, opt, 2, seed=3)
-    _steps(fresh, fresh_opt, 2, seed=3)
-    assert_same(fresh.state_dict(), model.state_dict())
+    assert _restore_and_continue(tmp_path, model, opt, fresh, fresh_opt) == 3
     assert_same(fresh_opt.state_dict(), opt.state_dict())
 
 
@@ -154,11 +161,7 @@ def test_frozen_parameter_with_state_round_trips(tmp_path):
     fresh = _pair(seed=5)
     fresh["a"].weight.requires_grad_(False)
     fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=0.1)
-    _restore(tmp_path, fresh, fresh_opt)
-    assert_same(fresh_opt.state_dict(), opt.state_dict())
-    _steps(model, opt, 2, seed=3)
-    _steps(fresh, fresh_opt, 2, seed=3)
-    assert_same(fresh.state_dict(), model.state_dict())
+    _restore_and_continue(tmp_path, model, opt, fresh, fresh_opt)
 
 
 def test_restore_replaces_state_a_live_optimizer_has_but_the_checkpoint_lacks(tmp_path):
@@ -213,11 +216,7 @@ def test_every_optimizer_round_trips_and_continues_bitwise(tmp_path, kind):
     _save(tmp_path, 2, model, opt)
     fresh = _linear(seed=7)
     fresh_opt = OPTIMIZERS[kind](fresh.parameters())
-    _restore(tmp_path, fresh, fresh_opt)
-    assert_same(fresh_opt.state_dict(), opt.state_dict())
-    _steps(model, opt, 2, seed=9)
-    _steps(fresh, fresh_opt, 2, seed=9)
-    assert_same(fresh.state_dict(), model.state_dict())
+    _restore_and_continue(tmp_path, model, opt, fresh, fresh_opt, seed=9)
 
 
 def test_two_optimizers_of_one_model_round_trip(tmp_path):
