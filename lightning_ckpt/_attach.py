@@ -33,9 +33,11 @@ def sharded(strategy: Any) -> bool:
         ConfigError: a sharded strategy configured to gather a full state dict on rank 0.
     """
     flags = _compat.sharded_flags(strategy)
-    fix = "ModelParallelStrategy(save_distributed_checkpoint=True)" if isinstance(strategy, ModelParallelStrategy) \
-        and not flags["save_distributed_checkpoint"] else "FSDPStrategy(state_dict_type='sharded')" \
-        if isinstance(strategy, FSDPStrategy) and flags["state_dict_type"] != "sharded" else None
+    fix = None
+    if isinstance(strategy, ModelParallelStrategy) and not flags["save_distributed_checkpoint"]:
+        fix = "ModelParallelStrategy(save_distributed_checkpoint=True)"
+    if isinstance(strategy, FSDPStrategy) and flags["state_dict_type"] != "sharded":
+        fix = "FSDPStrategy(state_dict_type='sharded')"
     if fix:
         raise ConfigError(f"AsyncDCPCheckpointIO writes sharded checkpoints (every rank its shards): use {fix}")
     return isinstance(strategy, (ModelParallelStrategy, FSDPStrategy))

@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import signal
 import threading
-import time
 from pathlib import Path
 from typing import Any, Literal
 
@@ -15,7 +14,7 @@ from typing_extensions import override
 from lightning_ckpt import _compat
 from lightning_ckpt._checkpoint_io import AsyncDCPCheckpointIO
 from lightning_ckpt._values import encode_values
-from torch_ckpt import CheckpointConfig, ConfigError, StepNaming, TrainState, YoungDaly, is_committed
+from torch_ckpt import CheckpointConfig, ConfigError, SaveReports, StepNaming, TrainState, YoungDaly, is_committed
 
 __all__ = ["MTBFCheckpoint"]
 
@@ -23,7 +22,6 @@ log = logging.getLogger(__name__)
 
 _STAT_KEYS = ("blocking_s", "staging_s", "persist_s", "total_s", "gb_per_s")
 _PLAN_KEYS = ("interval_steps", "interval_s", "cost_s", "step_time_s", "expected_overhead", "mtbf_s")
-_HEALTH_EVERY_S = 60.0  # how often ckpt/lost_work_s is logged
 
 
 class MTBFCheckpoint(OnExceptionCheckpoint):
@@ -85,8 +83,7 @@ class MTBFCheckpoint(OnExceptionCheckpoint):
         self._rng = TrainState()  # this rank's RNG (Python, NumPy, torch CPU/CUDA) only
         self._pending_rng: dict[str, Any] | None = None
         self._deferred: tuple[str, dict[str, Any]] | None = None  # an epoch end's path and Lightning state
-        self._unreported: list = []
-        self._last_health = float("-inf")
+        self._reports = SaveReports(health_every_seconds=60.0)  # each commit once; lost work at most once a minute
         self._stepped = False
         self._last_saved_step: int | None = None
 
@@ -126,7 +123,7 @@ class MTBFCheckpoint(OnExceptionCheckpoint):
             io.fallbacks[str(self._candidates[0])] = self._candidates
         io.rng_restored_by_callback = True
         io.enable_overlap(pl_module)
-        self._unreported, self._stepped, self._last_saved_step, self._deferred = [], False, None, None
+        self._reports, self._stepped, self._last_saved_step, self._deferred = SaveReports(), False, None, None
 
     @override
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
@@ -177,12 +174,9 @@ class MTBFCheckpoint(OnExceptionCheckpoint):
                 connector.received_sigterm = True  # Lightning raises SIGTERMException at the end of this batch
             trainer.should_stop = True
         self._report(trainer, pl_module)
-        if self.log_stats and time.monotonic() - self._last_health >= _HEALTH_EVERY_S:
-            lost = self._manager.health()["lost_work_if_failure_now_s"]  # what a failure now would lose
-            if lost is not None:
-                self._last_health = time.monotonic()
-                self._log_metrics(trainer, {"ckpt/lost_work_s": lost})
-                log.info("checkpoint health: a failure now would lose %.1f s of training", lost)
+        if self.log_stats and (lost := self._reports.lost_work(self._manager.health)) is not None:
+            self._log_metrics(trainer, {"ckpt/lost_work_s": lost})  # what a failure now would lose
+            log.info("checkpoint health: a failure now would lose %.1f s of training", lost)
         if self.prog_bar:
             pl_module.log("ckpt_saving", float(self._io.saving), prog_bar=True, logger=False, on_step=True,
                           on_epoch=False)
@@ -223,7 +217,7 @@ class MTBFCheckpoint(OnExceptionCheckpoint):
 
     def _track_last_save(self) -> None:
         if self._io.last_handle is not None:
-            self._unreported.append(self._io.last_handle)
+            self._reports.add(self._io.last_handle)
 
     @staticmethod
     def _log_metrics(trainer: Any, metrics: dict[str, float]) -> None:
@@ -233,13 +227,10 @@ class MTBFCheckpoint(OnExceptionCheckpoint):
 
     def _report(self, trainer: Any, pl_module: Any | None) -> None:
         """Log the statistics of every save committed since the last report (once each)."""
-        while self._unreported and self._unreported[0].done():
-            handle = self._unreported.pop(0)
-            if handle.committed.exception() is not None:
-                continue
+        for handle, _ in self._reports.committed():
             stats, info = handle.stats.as_dict(), self._manager.schedule_info()
             plan = next((p for p in info.get("policies", [info]) if "interval_steps" in p), {})  # the MTBF policy's
-            metrics = {f"ckpt/{k}": float(stats[k]) for k in _STAT_KEYS}
+            metrics = SaveReports.metrics(handle, "ckpt/", _STAT_KEYS)
             metrics.update({f"ckpt/{k}": float(plan[k]) for k in _PLAN_KEYS if isinstance(plan.get(k), (int, float))})
             if self.log_stats:
                 self._log_metrics(trainer, metrics)

@@ -17,9 +17,17 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
-from lightning_ckpt._load import load_checkpoint_dir, world
+from lightning_ckpt._load import load_checkpoint_dir
 from lightning_ckpt._values import RANK_LOCAL_KEYS, UNSAFE_VALUE_MODES, encode_values
-from torch_ckpt import CheckpointConfig, CheckpointManager, ConfigError, SaveHandle, StepNaming, is_committed
+from torch_ckpt import (
+    CheckpointConfig,
+    CheckpointManager,
+    ConfigError,
+    SaveHandle,
+    StepNaming,
+    is_committed,
+    rank_and_world,
+)
 
 __all__ = ["AsyncDCPCheckpointIO"]
 
@@ -162,8 +170,8 @@ class AsyncDCPCheckpointIO(CheckpointIO):
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint does not support storage_options")
         path = _local_path(path).absolute()
-        if world()[1] > 1 and not self._collective:  # Lightning calls us on rank 0 only
-            if world()[0] == 0:
+        if rank_and_world()[1] > 1 and not self._collective:  # Lightning calls us on rank 0 only
+            if rank_and_world()[0] == 0:
                 if not self._warned_fallback:
                     self._warned_fallback = True
                     rank_zero_warn("AsyncDCPCheckpointIO is called on rank 0 only (not attached to a running fit), so "
@@ -243,9 +251,9 @@ class AsyncDCPCheckpointIO(CheckpointIO):
     def remove_checkpoint(self, path: Any) -> None:
         """Delete the checkpoint at ``path`` (directory, file or link) once the in-flight save is committed."""
         target = _local_path(path).absolute()
-        if world()[0] == 0 and (target.is_symlink() or target.is_file()):
+        if rank_and_world()[0] == 0 and (target.is_symlink() or target.is_file()):
             self._after_commit(1, f"remove {target}", lambda: target.unlink(missing_ok=True))
-        elif world()[0] == 0 and self._manager is not None:
+        elif rank_and_world()[0] == 0 and self._manager is not None:
             self._after_commit(1, f"remove {target}", lambda: self._manager.remove(target))
 
     @staticmethod

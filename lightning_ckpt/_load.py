@@ -8,23 +8,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from lightning.pytorch.utilities import move_data_to_device
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_ckpt._values import RANK_LOCAL_KEYS, decode_values
-from torch_ckpt import CheckpointNotFoundError, is_committed, load_full_state, read_manifest
+from torch_ckpt import CheckpointNotFoundError, is_committed, load_full_state, rank_and_world, read_manifest
 
-__all__ = ["load_checkpoint_dir", "load_from_checkpoint", "read_for_lightning", "world"]
+__all__ = ["load_checkpoint_dir", "load_from_checkpoint", "read_for_lightning"]
 
 log = logging.getLogger(__name__)
-
-
-def world() -> tuple[int, int]:
-    """``(rank, world size)`` of this process; ``(0, 1)`` without torch.distributed."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
 
 
 class _AllValues:
@@ -73,10 +65,11 @@ def load_checkpoint_dir(candidates: Sequence[Path], *, manager: Any, verify: boo
         raise CheckpointNotFoundError(f"{candidates[0]} is a directory but not a committed torch-ckpt checkpoint (no "
                                       "manifest.json); was it written by another CheckpointIO?")
     if manager is not None:
-        if (saved := read_manifest(candidates[0]).world_size) != world()[1]:
-            rank_zero_warn(f"{candidates[0]} was saved by {saved} ranks and is loaded by {world()[1]}: every rank "
+        saved, world = read_manifest(candidates[0]).world_size, rank_and_world()[1]
+        if saved != world:
+            rank_zero_warn(f"{candidates[0]} was saved by {saved} ranks and is loaded by {world}: every rank "
                            "restores rank 0's loop progress and callback states (RNG included)")
-        target = _AllValues(RANK_LOCAL_KEYS if saved == world()[1] else (), live, strict=strict)
+        target = _AllValues(RANK_LOCAL_KEYS if saved == world else (), live, strict=strict)
         manager.restore(target, path=list(candidates), allow_cast=allow_cast)
         state = target.loaded
     else:  # one process reading alone (not attached: no fallback candidates); rank 0's rank-local values

@@ -212,7 +212,7 @@ def _rewrite_rank_tree(step_dir, edit):
 def test_malformed_trainstate_fields_are_corrupt_and_change_nothing(tmp_path, edit):
     """A rank tree whose step/epoch/extras has the wrong type is corrupt: nothing changes and resume falls back."""
     from torch_ckpt import CheckpointCorruptError
-    from torch_ckpt.layout import step_dir_name
+    from torch_ckpt.temporaries import step_dir_name
 
     model, opt, sched = _trained()
     with CheckpointManager(tmp_path) as mgr:
@@ -231,7 +231,7 @@ def test_malformed_trainstate_fields_are_corrupt_and_change_nothing(tmp_path, ed
 
 
 def _wide(seed: int):
-    """A model and Adam optimizer (after one step) large enough for tensors above the huge-page size."""
+    """A model and Adam optimizer (after one step) whose state fills two data files with MiB-sized tensors."""
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(1024, 768), torch.nn.Linear(768, 8))
     opt = torch.optim.Adam(model.parameters(), lr=0.1)

@@ -1,4 +1,4 @@
-"""The root lock (torch_ckpt.layout.RootLock): filelock's kernel flock, at most one owner, freed when its owner dies."""
+"""The root lock (torch_ckpt.root_lock): filelock's kernel flock, at most one owner, freed when its owner dies."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from torch_ckpt import CheckpointManager, CheckpointWriteError
-from torch_ckpt.layout import RootLock
+from torch_ckpt.root_lock import RootLock
 
 TRIALS = 200
 
@@ -67,7 +67,7 @@ def test_processes_racing_for_a_stale_lock_never_both_own_it(tmp_path, racers):
 _HOLDER = textwrap.dedent("""
     import sys, time
     from pathlib import Path
-    from torch_ckpt.layout import RootLock
+    from torch_ckpt.root_lock import RootLock
     lock = RootLock(Path(sys.argv[1]))
     lock.acquire()
     print("held", flush=True)

@@ -16,7 +16,7 @@ _EXPORTS = {
     "CheckpointConfig": "torch_ckpt.config",
     "AsyncCheckpointer": "torch_ckpt.checkpointer",
     "TrainState": "torch_ckpt.state",
-    "OptimizerState": "torch_ckpt.optim_state",
+    "OptimizerState": "torch_ckpt.optim_plain",
     "Naming": "torch_ckpt.naming",
     "StepNaming": "torch_ckpt.naming",
     "PatternNaming": "torch_ckpt.naming",

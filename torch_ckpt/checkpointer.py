@@ -25,10 +25,11 @@ from torch_ckpt.config_values import check_int, to_seconds
 from torch_ckpt.dist import DistContext
 from torch_ckpt.errors import CheckpointError, ConfigError
 from torch_ckpt.handle import SaveHandle, SaveStats
-from torch_ckpt.layout import new_incarnation, read_manifest
+from torch_ckpt.layout import read_manifest
 from torch_ckpt.persist import PersistRequest, persist_checkpoint
 from torch_ckpt.restore import RANK_LOCAL_POLICIES, load_into
 from torch_ckpt.staging import HostStager
+from torch_ckpt.temporaries import new_incarnation
 from torch_ckpt.writer_process import ProcessWriter
 
 __all__ = ["AsyncCheckpointer", "close_on_exit"]

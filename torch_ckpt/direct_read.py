@@ -17,9 +17,7 @@ exactly once:
 
 Up to two data files (DCP writes two per rank by default) are read at the same time, each by its
 own thread with its own CRC-32 thread, so one file's disk wait overlaps the other's copying and
-checksumming. Before a large tensor's bytes are read, its new buffer is backed with huge pages and
-faulted in with one call (:func:`torch_ckpt.host_memory.prepare_for_write`) rather than one
-4 KiB page at a time during the read.
+checksumming. Every file's size is checked before the first byte is placed.
 
 The targets are new buffers (see :func:`torch_ckpt.restore.load_into`), so a file that fails its
 check leaves the live state untouched.
@@ -41,7 +39,6 @@ from torch_ckpt.crc import crc32
 from torch_ckpt.dcp_record import record_framing
 from torch_ckpt.errors import CheckpointCorruptError
 from torch_ckpt.format import open_listed
-from torch_ckpt.host_memory import prepare_for_write
 
 __all__ = ["DATA_SUFFIX", "load_direct"]
 
@@ -54,9 +51,6 @@ _BUFFER_BYTES = 1 << 20
 _QUEUE_DEPTH = 8
 #: data files read at the same time (one thread each)
 _READERS = 2
-#: ask the kernel for huge pages / bulk faulting of each new target before reading into it
-_HUGE_PAGES = True
-_POPULATE = True
 #: ask the kernel to read each whole data file ahead (``POSIX_FADV_WILLNEED``) when it is opened
 _WILLNEED = False
 
@@ -210,8 +204,11 @@ def load_direct(targets: dict[str, torch.Tensor], step_dir: str | os.PathLike, m
     """Read the data files of a single-rank checkpoint once, placing tensors and checking CRC-32s.
 
     Every ``.distcp`` file the manifest lists is read front to back (with ``verify``; without it,
-    only files holding a placeable tensor). Its size and, with ``verify``, its CRC-32 are compared
-    with the manifest.
+    only files holding a placeable tensor), up to two files at a time. Every file's size is compared
+    with the manifest before the first byte is placed; with ``verify``, so is its CRC-32 after the
+    read. A tensor is placed only when its record's framing equals, byte for byte, what
+    ``torch.save`` writes for its dtype and shape; when several files fail, the error of the first
+    one (in name order) is raised.
 
     Args:
         targets: ``{key: new tensor}`` to fill (not the live state: a failure leaves them half written).
@@ -223,7 +220,7 @@ def load_direct(targets: dict[str, torch.Tensor], step_dir: str | os.PathLike, m
 
     Returns:
         The keys of ``targets`` not placed here (another layout, dtype or framing); load them with
-        DCP's reader (:func:`torch_ckpt.dcp_io.load_tensors`) after this returns.
+        DCP's reader (:func:`torch_ckpt.dcp_read.load_tensors`) after checking their records.
 
     Raises:
         CheckpointCorruptError: a data file is missing, not a regular file, truncated, or has the
@@ -324,8 +321,6 @@ def _read_file(fd: int, size: int, path: Path, expected: dict[str, int], entries
             if reader.bytes(len(head)) != head:
                 reader.skip(nbytes + len(tail))
                 continue
-            if _HUGE_PAGES or _POPULATE:
-                prepare_for_write(target, huge=_HUGE_PAGES, populate=_POPULATE)
             reader.into(_byte_view(target))
             if reader.bytes(len(tail)) == tail:
                 placed.add(key)

@@ -19,8 +19,9 @@ to first order (it adds a constant per failure), so Young and Daly still give th
 
 The one rule that turns these seconds into a number of steps is :func:`checkpoint_interval`;
 ``torch-ckpt plan``, ``torch-ckpt simulate`` and the runtime policy
-(:class:`torch_ckpt.schedule.YoungDaly`, through :class:`IntervalEstimator`) all use it, so they
-agree on every input.
+(:class:`torch_ckpt.schedule.YoungDaly`, through :class:`torch_ckpt.interval_estimator.IntervalEstimator`)
+all use it, so they agree on every input. The online estimates of ``C`` and ``L`` that feed it at run
+time are in :mod:`torch_ckpt.interval_estimator`.
 """
 
 from __future__ import annotations
@@ -28,8 +29,6 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 from typing import Any
-
-from torch_ckpt.cadence import StepTimeEstimator
 
 __all__ = [
     "young_interval",
@@ -39,18 +38,29 @@ __all__ = [
     "FORMULAS",
     "Interval",
     "checkpoint_interval",
-    "IntervalEstimator",
+    "positive_seconds",
+    "non_negative_seconds",
 ]
 
 
-def _check_positive(name: str, value: float) -> float:
+def positive_seconds(name: str, value: float) -> float:
+    """``value`` as a float number of seconds.
+
+    Raises:
+        ValueError: ``value`` is not positive and finite (the message names ``name``).
+    """
     value = float(value)
     if not math.isfinite(value) or value <= 0:
         raise ValueError(f"{name} must be a positive, finite number of seconds, got {value!r}")
     return value
 
 
-def _check_non_negative(name: str, value: float) -> float:
+def non_negative_seconds(name: str, value: float) -> float:
+    """``value`` as a float number of seconds.
+
+    Raises:
+        ValueError: ``value`` is negative or not finite (the message names ``name``).
+    """
     value = float(value)
     if not math.isfinite(value) or value < 0:
         raise ValueError(f"{name} must be a non-negative, finite number of seconds, got {value!r}")
@@ -73,8 +83,8 @@ def young_interval(mtbf_s: float, cost_s: float) -> float:
     Raises:
         ValueError: If ``mtbf_s`` is not positive and finite, or ``cost_s`` is negative or not finite.
     """
-    mtbf = _check_positive("mtbf_s", mtbf_s)
-    cost = _check_non_negative("cost_s", cost_s)
+    mtbf = positive_seconds("mtbf_s", mtbf_s)
+    cost = non_negative_seconds("cost_s", cost_s)
     return math.sqrt(2.0 * cost * mtbf)
 
 
@@ -99,8 +109,8 @@ def daly_interval(mtbf_s: float, cost_s: float) -> float:
     Raises:
         ValueError: If ``mtbf_s`` is not positive and finite, or ``cost_s`` is negative or not finite.
     """
-    mtbf = _check_positive("mtbf_s", mtbf_s)
-    cost = _check_non_negative("cost_s", cost_s)
+    mtbf = positive_seconds("mtbf_s", mtbf_s)
+    cost = non_negative_seconds("cost_s", cost_s)
     if cost >= 2.0 * mtbf:
         return mtbf
     ratio = cost / (2.0 * mtbf)
@@ -130,8 +140,8 @@ def expected_lost_work(interval_s: float, durability_lag_s: float = 0.0) -> floa
     Raises:
         ValueError: If ``interval_s`` is not positive and finite or ``durability_lag_s`` is negative.
     """
-    interval = _check_positive("interval_s", interval_s)
-    lag = _check_non_negative("durability_lag_s", durability_lag_s)
+    interval = positive_seconds("interval_s", interval_s)
+    lag = non_negative_seconds("durability_lag_s", durability_lag_s)
     return interval / 2.0 + lag
 
 
@@ -164,10 +174,10 @@ def expected_overhead(
     Raises:
         ValueError: If an argument is out of range (see each argument).
     """
-    interval = _check_positive("interval_s", interval_s)
-    cost = _check_non_negative("cost_s", cost_s)
-    mtbf = _check_positive("mtbf_s", mtbf_s)
-    restart = _check_non_negative("restart_s", restart_s)
+    interval = positive_seconds("interval_s", interval_s)
+    cost = non_negative_seconds("cost_s", cost_s)
+    mtbf = positive_seconds("mtbf_s", mtbf_s)
+    restart = non_negative_seconds("restart_s", restart_s)
     return cost / interval + (expected_lost_work(interval, durability_lag_s) + restart) / mtbf
 
 
@@ -257,9 +267,9 @@ def checkpoint_interval(
         raise ValueError(f"formula must be one of {sorted(FORMULAS)}, got {formula!r}")
     if isinstance(min_interval_steps, bool) or not isinstance(min_interval_steps, int) or min_interval_steps < 1:
         raise ValueError(f"min_interval_steps must be an integer >= 1, got {min_interval_steps!r}")
-    mtbf = _check_positive("mtbf_seconds", mtbf_seconds)
-    cost = _check_non_negative("save_cost_seconds", save_cost_seconds)
-    lag = _check_non_negative("durability_lag_seconds", durability_lag_seconds)
+    mtbf = positive_seconds("mtbf_seconds", mtbf_seconds)
+    cost = non_negative_seconds("save_cost_seconds", save_cost_seconds)
+    lag = non_negative_seconds("durability_lag_seconds", durability_lag_seconds)
     optimal = FORMULAS[formula](mtbf, cost)
     durable = cost + lag
     steps: int | None = None
@@ -267,7 +277,7 @@ def checkpoint_interval(
         step_time = None
         interval, limited_by = (durable, "durability") if durable > optimal else (optimal, "formula")
     else:
-        step_time = _check_positive("step_time_seconds", step_time_seconds)
+        step_time = positive_seconds("step_time_seconds", step_time_seconds)
         by_formula = max(1, math.floor(optimal / step_time + 0.5))
         by_durability = math.ceil(durable / step_time - 1e-9)  # the tolerance absorbs float noise in C + L
         steps, limited_by = (by_durability, "durability") if by_durability > by_formula else (by_formula, "formula")
@@ -288,151 +298,3 @@ def checkpoint_interval(
         expected_overhead=expected_overhead(interval, cost, mtbf, lag) if interval > 0 else math.inf,
         expected_lost_work_s=expected_lost_work(interval, lag) if interval > 0 else lag,
     )
-
-
-class _Ewma:
-    """Exponentially weighted moving average whose last sample can be replaced."""
-
-    __slots__ = ("alpha", "value", "_before_last")
-
-    def __init__(self, alpha: float, value: float | None = None) -> None:
-        self.alpha = alpha
-        self.value = value
-        self._before_last = value
-
-    def update(self, sample: float) -> None:
-        self._before_last = self.value
-        self.value = sample if self.value is None else self.value + self.alpha * (sample - self.value)
-
-    def replace_last(self, sample: float) -> None:
-        self.value = self._before_last
-        self.update(sample)
-
-
-class IntervalEstimator:
-    """Online estimates of the save cost and durability lag, and the interval they give.
-
-    The cost ``C`` of a save is an exponentially weighted moving average (EWMA, weight
-    ``ewma_alpha``) of its ``blocking_s + slowdown_s``, seeded by ``initial_cost_s``; the durability
-    lag ``L`` an EWMA of ``durable_after_s - blocking_s``. The step time comes from a
-    :class:`~torch_ckpt.cadence.StepTimeEstimator`: its own, fed by :meth:`record_step`, until
-    :meth:`use_step_time` hands it the one a :class:`~torch_ckpt.cadence.Cadence` feeds. The
-    interval is :func:`checkpoint_interval` of these estimates.
-
-    Args:
-        mtbf_s: Mean time between failures of the job, in seconds (> 0).
-        initial_cost_s: ``C`` before the first save is measured, in seconds (>= 0).
-        formula: ``"daly"`` or ``"young"`` (keys of :data:`FORMULAS`).
-        min_interval_steps: Smallest interval in steps (>= 1).
-        ewma_alpha: Weight of a new save measurement, in ``(0, 1]``.
-
-    Raises:
-        ValueError: If an argument is out of range.
-    """
-
-    def __init__(
-        self,
-        mtbf_s: float,
-        *,
-        initial_cost_s: float,
-        formula: str = "daly",
-        min_interval_steps: int = 1,
-        ewma_alpha: float = 0.3,
-    ) -> None:
-        if formula not in FORMULAS:
-            raise ValueError(f"formula must be one of {sorted(FORMULAS)}, got {formula!r}")
-        if not 0.0 < float(ewma_alpha) <= 1.0:
-            raise ValueError(f"ewma_alpha must be in (0, 1], got {ewma_alpha!r}")
-        if isinstance(min_interval_steps, bool) or not isinstance(min_interval_steps, int) or min_interval_steps < 1:
-            raise ValueError(f"min_interval_steps must be an integer >= 1, got {min_interval_steps!r}")
-        self.mtbf_s = _check_positive("mtbf_s", mtbf_s)
-        self.initial_cost_s = _check_non_negative("initial_cost_s", initial_cost_s)
-        self.formula = formula
-        self.min_interval_steps = min_interval_steps
-        self._alpha = float(ewma_alpha)
-        self._step_time = StepTimeEstimator()
-        self._owns_step_time = True
-        self.load_state_dict({})
-
-    def use_step_time(self, estimator: StepTimeEstimator) -> None:
-        """Read the step time from ``estimator`` (fed by its owner) instead of :meth:`record_step`.
-
-        An estimate this object already has seeds ``estimator`` if that one has none yet.
-        """
-        if estimator.seconds is None:
-            estimator.seconds = self._step_time.seconds
-        self._step_time, self._owns_step_time = estimator, False
-
-    def record_step(self, step: int, now_s: float) -> None:
-        """Measure the step time from consecutive calls (step, monotonic seconds), unless shared."""
-        if self._owns_step_time:
-            self._step_time.record_step(step, now_s)
-
-    def record_save(self, step: int, *, blocking_s: float, durable_after_s: float | None, slowdown_s: float) -> None:
-        """Add one save's measurements, in seconds; a repeated ``step`` replaces its earlier sample.
-
-        Raises:
-            ValueError: If a duration is negative or not finite.
-        """
-        cost = _check_non_negative("blocking_s", blocking_s) + _check_non_negative("slowdown_s", slowdown_s)
-        if step == self._cost_step:
-            self._cost.replace_last(cost)
-        else:
-            self._cost.update(cost)
-            self._cost_step = step
-            if self._owns_step_time:
-                self._step_time.skip_next()  # the next step's duration includes this stall
-        if durable_after_s is not None:
-            lag = max(0.0, _check_non_negative("durable_after_s", durable_after_s) - blocking_s)
-            if step == self._lag_step:
-                self._lag.replace_last(lag)
-            else:
-                self._lag.update(lag)
-                self._lag_step = step
-
-    def interval(self) -> Interval:
-        """:func:`checkpoint_interval` of the current estimates (``interval_steps`` is ``None``
-        until a step time has been measured)."""
-        return checkpoint_interval(
-            self.mtbf_s,
-            float(self._cost.value),  # type: ignore[arg-type]  # seeded, never None
-            self._lag.value or 0.0,
-            self._step_time.seconds or None,
-            formula=self.formula,
-            min_interval_steps=self.min_interval_steps,
-        )
-
-    def plan(self) -> dict[str, Any]:
-        """The interval the current estimates give, as a dict.
-
-        Returns:
-            ``formula``, ``mtbf_s``, ``cost_s``, ``step_time_s`` (``None`` until measured),
-            ``durable_after_s`` (``C + L``), ``durability_lag_s``, ``optimal_interval_s`` (the
-            formula's ``T``), ``interval_s``, ``interval_steps`` (``None`` without a step time),
-            ``limited_by`` (``"formula"``, ``"durability"`` or ``"min_interval_steps"``),
-            ``expected_overhead`` and ``expected_lost_work_s`` (at ``interval_s``).
-        """
-        d = self.interval().as_dict()
-        d["cost_s"] = d.pop("save_cost_s")
-        return d
-
-    def state_dict(self) -> dict[str, Any]:
-        """The estimates (``cost_s``, ``step_time_s``, ``durability_lag_s``)."""
-        return {
-            "cost_s": self._cost.value,
-            "step_time_s": self._step_time.seconds,
-            "durability_lag_s": self._lag.value,
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` output (missing keys start fresh; clock state is reset)."""
-        cost = state.get("cost_s")
-        self._cost = _Ewma(self._alpha, self.initial_cost_s if cost is None else float(cost))
-        self._lag = _Ewma(self._alpha, state.get("durability_lag_s"))
-        step_time = state.get("step_time_s")
-        if self._owns_step_time:
-            self._step_time = StepTimeEstimator(step_time)
-        elif step_time is not None:
-            self._step_time.seconds = float(step_time)
-        self._cost_step: int | None = None
-        self._lag_step: int | None = None

@@ -1,7 +1,8 @@
-"""On-disk layout and atomic commit of a checkpoint root (a local directory).
+"""The committed step directories of a checkpoint root (a local directory): list, commit, replace, remove.
 
 The manifest itself (:class:`Manifest`, :func:`read_manifest`) is defined in
-:mod:`torch_ckpt.manifest` and re-exported here.
+:mod:`torch_ckpt.manifest` and re-exported here; the names of temporaries and their clean-up are in
+:mod:`torch_ckpt.temporaries`, the root's lock in :mod:`torch_ckpt.root_lock`.
 
 Layout of a run root::
 
@@ -12,10 +13,6 @@ Layout of a run root::
         rank_00000.json ...      non-tensor state of each rank (types preserved, no pickle)
         manifest.json            written last: step, world size, files with sizes and CRC-32
       .step_000000110.tmp.9f2c.../  a save in progress; never listed, removed on the next start
-
-Every temporary name carries the incarnation id of the checkpointer writing it (a random hex id
-drawn when the checkpointer is built), so a restarted run never writes into, and never commits, a
-temporary directory left or still being written by a previous incarnation of the same run.
 
 Commit protocol (crash-safe at every instant): all files are written and fsynced inside the
 temporary sibling, ``manifest.json`` is written and fsynced, the temporary directory is fsynced,
@@ -29,16 +26,11 @@ from __future__ import annotations
 import errno
 import json
 import os
-import re
-import secrets
 import shutil
-import socket
 import stat
 import time
 from pathlib import Path
 from typing import Any
-
-import filelock
 
 from torch_ckpt._logging import get_logger
 from torch_ckpt.errors import (
@@ -48,81 +40,30 @@ from torch_ckpt.errors import (
 )
 from torch_ckpt.manifest import FORMAT_NAME, FORMAT_VERSION, MANIFEST_NAME, Manifest, rank_file_name, read_manifest
 from torch_ckpt.naming import Naming, StepNaming
+from torch_ckpt.temporaries import replaced_name
 
 __all__ = [
     "FORMAT_NAME",
     "FORMAT_VERSION",
     "Manifest",
-    "step_dir_name",
-    "tmp_dir_name",
-    "temporary_name",
-    "new_incarnation",
-    "is_temporary_name",
     "scan_committed",
     "read_manifest",
     "write_json_durable",
     "fsync_dir",
     "commit_dir",
-    "clean_stale_temporaries",
     "check_root",
     "update_manifest_tiers",
-    "RootLock",
     "rank_file_name",
     "MANIFEST_NAME",
     "is_committed",
     "replace_dir",
+    "quarantine_step_dir",
+    "remove_step_dir",
 ]
 
 log = get_logger(__name__)
 
-# a temporary checkpoint directory: ``.NAME.tmp`` (before incarnation ids), ``.NAME.tmp.<id>``, and the
-# durable tier's ``.NAME.download.tmp`` in both forms; group 1 is NAME, group 3 the incarnation id
-_TMP_RE = re.compile(r"^\.(.+?)(\.download)?\.tmp(?:\.([0-9a-f]+))?$")
-# the previous checkpoint of a replaced directory, between the two renames of a non-atomic replace
-_REPLACED_RE = re.compile(r"^\.(.+)\.replaced\.([0-9a-f]{1,64})$")
-_INCARNATION_RE = re.compile(r"^[0-9a-f]{1,64}$")
 _DEFAULT_NAMING = StepNaming()
-
-
-def step_dir_name(step: int) -> str:
-    """Final directory name of ``step`` under the default :class:`~torch_ckpt.naming.StepNaming`."""
-    return _DEFAULT_NAMING.name(step)
-
-
-def new_incarnation() -> str:
-    """A fresh incarnation id (16 hex digits, random) for one checkpointer instance."""
-    return secrets.token_hex(8)
-
-
-def temporary_name(final_name: str, incarnation: str) -> str:
-    """Hidden sibling name under which ``final_name`` is written by checkpointer ``incarnation``.
-
-    Raises:
-        ValueError: ``incarnation`` is not 1 to 64 lowercase hex digits.
-    """
-    if not isinstance(incarnation, str) or not _INCARNATION_RE.match(incarnation):
-        raise ValueError(f"incarnation id must be 1 to 64 lowercase hex digits, got {incarnation!r}")
-    return f".{final_name}.tmp.{incarnation}"
-
-
-def tmp_dir_name(step: int, incarnation: str) -> str:
-    """Temporary sibling directory name used while ``step`` is being written by ``incarnation``."""
-    return temporary_name(step_dir_name(step), incarnation)
-
-
-def is_temporary_name(name: str, naming: Naming | None = None) -> bool:
-    """True for the name of one of our temporary checkpoint directories.
-
-    That is ``.NAME.tmp``, ``.NAME.tmp.<id>`` or their ``.download`` forms where NAME is a name of
-    ``naming`` (default :class:`StepNaming`), or any ``.NAME.tmp.<16 hex digits>`` (an incarnation
-    id: only torch-ckpt writes those, also for explicitly named checkpoints).
-    """
-    m = _TMP_RE.match(name)
-    if m is None:
-        return False
-    if m.group(3) is not None and len(m.group(3)) == 16:
-        return True
-    return (naming or _DEFAULT_NAMING).step_of(m.group(1)) is not None
 
 
 def fsync_dir(path: str | os.PathLike) -> None:
@@ -263,7 +204,8 @@ def replace_dir(tmp: Path, final: Path) -> None:
     the temporary name and is deleted (a crash leaves it as a stale temporary, removed on the next
     start). Where the exchange is not supported, the old directory is first renamed to
     ``.NAME.replaced.<id>`` and the new one renamed in; a crash between the two renames leaves no
-    ``final``, and :func:`clean_stale_temporaries` renames the old one back on the next start.
+    ``final``, and :func:`~torch_ckpt.temporaries.clean_stale_temporaries` renames the old one back
+    on the next start.
 
     Raises:
         CheckpointWriteError: a rename fails (the old checkpoint is left in place or restorable).
@@ -273,7 +215,7 @@ def replace_dir(tmp: Path, final: Path) -> None:
             fsync_dir(final.parent)
             shutil.rmtree(tmp, ignore_errors=True)
             return
-        aside = final.with_name(f".{final.name}.replaced.{new_incarnation()}")
+        aside = final.with_name(replaced_name(final.name))
         os.rename(final, aside)
         try:
             os.rename(tmp, final)
@@ -300,54 +242,6 @@ def is_committed(path: str | os.PathLike) -> bool:
     except (CheckpointNotFoundError, CheckpointCorruptError, OSError):
         return False
     return True
-
-
-def clean_stale_temporaries(root: str | os.PathLike, *, keep_incarnation: str | None = None,
-                            naming: Naming | None = None) -> list[Path]:
-    """Remove temporary checkpoint directories left by a crashed save or by a previous incarnation.
-
-    Call it only while holding the root's lock: every temporary of another incarnation is then
-    stale (its owner is gone; a writer it left behind can no longer commit, see
-    :mod:`torch_ckpt.writer_process`). Temporaries are recognised by :func:`is_temporary_name`
-    (``.NAME.tmp``, ``.NAME.tmp.<id>``, ``.download`` forms); ``.trash_NAME`` leftovers of an
-    interrupted delete are removed; the old checkpoint of an interrupted non-atomic replace
-    (``.NAME.replaced.<id>``) is renamed back to NAME when NAME is missing, and removed otherwise.
-
-    Args:
-        root: the checkpoint root.
-        keep_incarnation: the caller's own incarnation id; its temporaries (a save in flight) are kept.
-        naming: the root's naming (default :class:`StepNaming`).
-
-    Returns:
-        The removed paths.
-    """
-    removed: list[Path] = []
-    root = Path(root)
-    naming = naming or _DEFAULT_NAMING
-    if not root.is_dir():
-        return removed
-    for entry in root.iterdir():
-        m = _TMP_RE.match(entry.name)
-        if m and keep_incarnation is not None and m.group(3) == keep_incarnation:
-            continue
-        replaced = _REPLACED_RE.match(entry.name)
-        if replaced is not None:
-            final = root / replaced.group(1)
-            if not os.path.lexists(final):
-                os.rename(entry, final)
-                log.warning("restored %s from %s (a replace was interrupted)", final, entry)
-                continue
-            shutil.rmtree(entry, ignore_errors=True)
-            removed.append(entry)
-            continue
-        trash = entry.name.startswith(".trash_") and (
-            naming.step_of(entry.name[len(".trash_"):]) is not None or entry.name.startswith(".trash_step_"))
-        if is_temporary_name(entry.name, naming) or trash:
-            shutil.rmtree(entry, ignore_errors=True)
-            removed.append(entry)
-    if removed:
-        log.info("removed %d stale temporary checkpoint dir(s) under %s", len(removed), root)
-    return removed
 
 
 def quarantine_step_dir(path: Path, *, reason: str = "corrupt") -> Path:
@@ -392,114 +286,3 @@ def remove_step_dir(path: Path) -> None:
     os.rename(path, trash)
     shutil.rmtree(trash, ignore_errors=True)
 
-
-class RootLock:
-    """An exclusive lock on a checkpoint root, so two runs never write (or prune) the same root.
-
-    The lock is :class:`filelock.UnixFileLock` (a kernel ``flock``) on ``ROOT/.lock``: the kernel
-    drops it when the owning process exits or dies, so there is no staleness to guess and a lock
-    left by a dead run is simply taken. The lock file stays in place after release (as filelock
-    keeps it, so that every contender locks the same inode). The holder's host, pid and start time
-    are kept in the sidecar ``ROOT/.lock.owner``, only for the message of a run that finds the root
-    locked (filelock's own lock file may be truncated by any contender that opens it).
-
-    Local file systems are exact. On NFS, ``flock`` relies on the server's lock manager (NLM /
-    NFSv4 locks); a client mounted with ``local_lock=flock`` (or ``local_lock=all``) keeps flock
-    locks local to one node. On Lustre the clients must be mounted with ``-o flock``
-    (``localflock`` only excludes processes of the same node). A file system without lock support
-    makes :meth:`acquire` fail with a message saying so (never a silent fallback to a pid file).
-    """
-
-    def __init__(self, root: Path) -> None:
-        self.path = Path(root) / ".lock"
-        self.owner_path = Path(root) / ".lock.owner"
-        self._lock: filelock.UnixFileLock | None = None
-
-    @property
-    def held(self) -> bool:
-        """True while this object holds the lock."""
-        return self._lock is not None
-
-    def _owner(self) -> str:
-        try:
-            owner = json.loads(self.owner_path.read_bytes() or b"{}")
-        except (OSError, ValueError):
-            owner = {}
-        if not isinstance(owner, dict) or "pid" not in owner:
-            return "owner not recorded yet"
-        since = owner.get("since")
-        when = time.strftime(" since %Y-%m-%d %H:%M:%S", time.localtime(since)) \
-            if isinstance(since, (int, float)) else ""
-        return f"host {owner.get('host')!r}, pid {owner.get('pid')}{when}"
-
-    def acquire(self) -> None:
-        """Take the lock without waiting, then record this process as its owner.
-
-        Raises:
-            CheckpointWriteError: another live process holds it (its host and pid are named), the
-                lock or owner file cannot be created or written, or the file system does not
-                support locks.
-        """
-        if self._lock is not None:
-            return
-        lock = _unix_file_lock(self.path)
-        try:
-            lock.acquire()
-        except filelock.Timeout as exc:
-            raise CheckpointWriteError(
-                errno.EWOULDBLOCK, f"checkpoint root {self.path.parent} is in use by another run ({self._owner()}); "
-                "use a different directory, or stop that run first") from exc
-        except (NotImplementedError, OSError) as exc:  # filelock < 4 raises NotImplementedError without flock
-            code = getattr(exc, "errno", None)
-            if isinstance(exc, NotImplementedError) or code in (errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP):
-                raise CheckpointWriteError(
-                    code or errno.ENOSYS, f"cannot lock {self.path}: the file system does not support file locks "
-                    "(on Lustre mount with -o flock; on NFS enable the lock manager)") from exc
-            hint = " (or open it with read_only=True to restore and list only)" \
-                if code in (errno.EROFS, errno.EACCES, errno.EPERM) else ""
-            raise CheckpointWriteError(code, f"cannot create the lock {self.path}: {exc.strerror or exc}; check that "
-                                       f"the checkpoint root is writable and has free space{hint}") from exc
-        try:
-            _write_owner(self.owner_path)
-        except OSError as exc:
-            lock.release()
-            raise CheckpointWriteError(exc.errno, f"cannot write the lock owner {self.owner_path}: {exc.strerror}; "
-                                       "check that the checkpoint root is writable and has free space") from exc
-        self._lock = lock
-
-    def release(self) -> None:
-        """Drop the lock if this object holds it (the owner file is removed first, while still held)."""
-        lock, self._lock = self._lock, None
-        if lock is None:
-            return
-        try:
-            self.owner_path.unlink(missing_ok=True)
-        except OSError as exc:  # the root itself was removed or replaced
-            log.debug("could not remove lock owner %s: %s", self.owner_path, exc)
-        finally:
-            lock.release()
-
-
-def _unix_file_lock(path: Path) -> filelock.UnixFileLock:
-    """A non-blocking, thread-independent ``UnixFileLock`` that never falls back to a soft lock."""
-    try:
-        return filelock.UnixFileLock(path, timeout=0, thread_local=False, fallback_to_soft=False)
-    except TypeError:  # filelock < 4: no `fallback_to_soft` (it has no soft fallback either)
-        return filelock.UnixFileLock(path, timeout=0, thread_local=False)
-
-
-def _write_owner(path: Path) -> None:
-    """Write this process's host, pid and time to ``path`` atomically (temporary file + rename)."""
-    tmp = path.with_name(path.name + ".tmp")
-    me = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.time()}
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
-        try:
-            os.write(fd, json.dumps(me).encode())
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-    except OSError:
-        tmp.unlink(missing_ok=True)
-        raise

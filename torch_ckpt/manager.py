@@ -25,7 +25,7 @@ from torch_ckpt.checkpointer import AsyncCheckpointer, close_on_exit
 from torch_ckpt.config import DEFAULT, ON_EXISTING_NEWER, CheckpointConfig, DefaultType
 from torch_ckpt.errors import CheckpointError, ConfigError
 from torch_ckpt.handle import SaveHandle, SaveStats
-from torch_ckpt.layout import RootLock, check_root, clean_stale_temporaries
+from torch_ckpt.layout import check_root
 from torch_ckpt.manager_commit import ManagerCommitMixin
 from torch_ckpt.manager_health import ManagerHealthMixin
 from torch_ckpt.manager_prepare import ManagerPrepareMixin
@@ -36,6 +36,8 @@ from torch_ckpt.preemption import PreemptionFlag
 from torch_ckpt.replicator import Replicator
 from torch_ckpt.resume_nodes import check_private_roots, node_layout
 from torch_ckpt.retention import RetentionPolicy
+from torch_ckpt.root_lock import RootLock
+from torch_ckpt.temporaries import clean_stale_temporaries
 from torch_ckpt.tiers import DurableTier
 
 __all__ = ["CheckpointManager", "ON_EXISTING_NEWER"]

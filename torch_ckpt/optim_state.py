@@ -16,6 +16,8 @@ loads it back with ``optimizer.load_state_dict`` after checking it, so:
 Canonical names come from DCP's own name mapping, so DDP, ``torch.compile`` and activation
 checkpoint wrappers give the same keys as ``get_model_state_dict``. FSDP1 flat parameters (several
 names per parameter) are refused; FSDP2 (``fully_shard``) parameters are DTensors and work as is.
+An optimizer kept by its own integer-id ``state_dict()`` is :class:`torch_ckpt.optim_plain.OptimizerState`;
+it shares the placement rules here (:func:`policy_key`, :func:`group_of`, :func:`step_on_param_device`).
 """
 
 from __future__ import annotations
@@ -32,8 +34,8 @@ from torch_ckpt.errors import ConfigError, StateMismatchError
 from torch_ckpt.host_memory import copy_tensors
 
 __all__ = ["param_names", "optimizer_state", "check_optimizer_state", "apply_optimizer_state",
-           "state_target", "TargetLookup", "split_state_key", "plain_state_target", "check_plain_optimizer_state",
-           "keep_live_tensors", "OptimizerState"]
+           "state_target", "TargetLookup", "split_state_key", "keep_live_tensors", "policy_key", "tensors_in",
+           "group_of", "step_on_param_device"]
 
 _STATE, _GROUPS, _PARAMS = "state", "param_groups", "params"
 
@@ -140,21 +142,22 @@ def split_state_key(key: str, prefix: str, names: Collection[str]) -> tuple[str,
     return None
 
 
-def _policy_key(path: str) -> str:
+def policy_key(path: str) -> str:
     """The key ``Optimizer.load_state_dict`` decides a value's placement by (innermost non-index name)."""
     parts = [p for p in path.split(".") if not p.isdigit()]
     return parts[-1] if parts else path
 
 
-def _tensors_in(value: Any, path: str):
+def tensors_in(value: Any, path: str):
+    """Yield ``(path.key.index..., tensor)`` for every tensor nested in ``value`` (mappings, lists, tuples)."""
     if isinstance(value, torch.Tensor):
         yield path, value
     elif isinstance(value, Mapping):
         for k, v in value.items():
-            yield from _tensors_in(v, f"{path}.{k}")
+            yield from tensors_in(v, f"{path}.{k}")
     elif isinstance(value, (list, tuple)):
         for i, v in enumerate(value):
-            yield from _tensors_in(v, f"{path}.{i}")
+            yield from tensors_in(v, f"{path}.{i}")
 
 
 def _params_by_name(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -162,7 +165,8 @@ def _params_by_name(model: nn.Module) -> dict[str, torch.Tensor]:
     return {names[id(p)]: p for p in model.parameters() if id(p) in names}
 
 
-def _group_of(optimizers: Sequence[torch.optim.Optimizer], param: torch.Tensor) -> dict[str, Any]:
+def group_of(optimizers: Sequence[torch.optim.Optimizer], param: torch.Tensor) -> dict[str, Any]:
+    """The first parameter group of ``optimizers`` holding ``param`` ({} when none does)."""
     for opt in optimizers:
         for g in opt.param_groups:
             if any(p is param for p in g[_PARAMS]):
@@ -170,7 +174,8 @@ def _group_of(optimizers: Sequence[torch.optim.Optimizer], param: torch.Tensor) 
     return {}
 
 
-def _step_on_param_device(group: Mapping[str, Any]) -> bool:
+def step_on_param_device(group: Mapping[str, Any]) -> bool:
+    """Whether ``Optimizer.load_state_dict`` keeps a ``step`` of ``group`` on the parameter's device."""
     return bool(group.get("capturable", False) or group.get("fused", False))
 
 
@@ -183,7 +188,7 @@ class TargetLookup:
     def __init__(self, model: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> None:
         self.params = _params_by_name(model)
         self.groups: dict[int, dict[str, Any]] = {}
-        for opt in reversed(list(optimizers)):  # the first group holding a parameter wins, as in _group_of
+        for opt in reversed(list(optimizers)):  # the first group holding a parameter wins, as in group_of
             for g in reversed(opt.param_groups):
                 for p in g[_PARAMS]:
                     self.groups[id(p)] = g
@@ -203,11 +208,11 @@ def state_target(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer], 
     param = (lookup.params if lookup is not None else _params_by_name(model)).get(param_name)
     if param is None:
         return None
-    group = lookup.groups.get(id(param), {}) if lookup is not None else _group_of(optimizers, param)
+    group = lookup.groups.get(id(param), {}) if lookup is not None else group_of(optimizers, param)
     if not group:
         return None
-    step = _policy_key(entry) == "step"
-    device = torch.device("cpu") if step and not _step_on_param_device(group) else param.device
+    step = policy_key(entry) == "step"
+    device = torch.device("cpu") if step and not step_on_param_device(group) else param.device
     if isinstance(param, DTensor) and tuple(shape) == tuple(param.shape) and not step:
         local = torch.empty(param._local_tensor.shape, dtype=dtype, device=param._local_tensor.device)
         return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False,
@@ -278,9 +283,9 @@ def check_optimizer_state(model: nn.Module, optimizers: Sequence[torch.optim.Opt
         if not isinstance(entries, Mapping):
             raise CheckpointCorruptError(f"{prefix}state.{name}: not a mapping in the checkpoint")
         param = params[name]
-        for entry, value in _tensors_in(dict(entries), ""):
+        for entry, value in tensors_in(dict(entries), ""):
             entry = entry[1:]
-            if _policy_key(entry) == "step" or not param.is_floating_point():
+            if policy_key(entry) == "step" or not param.is_floating_point():
                 continue
             if value.dtype != param.dtype:
                 (cast if allow_cast else bad).append(f"{prefix}state.{name}.{entry}: checkpoint {value.dtype}, "
@@ -317,64 +322,6 @@ def apply_optimizer_state(model: nn.Module, optimizers: Sequence[torch.optim.Opt
         opt.load_state_dict({_STATE: packed_state, _GROUPS: packed_groups})
 
 
-# -- an optimizer's own state_dict() (integer ids), e.g. one spanning several models -----------------
-def _flat_params(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
-    return [p for g in opt.param_groups for p in g[_PARAMS]]
-
-
-def plain_state_target(opt: torch.optim.Optimizer, index: int, entry: str, shape: Sequence[int],
-                       dtype: torch.dtype) -> torch.Tensor | None:
-    """Like :func:`state_target` for ``optimizer.state_dict()``'s integer parameter ids; None if out of range."""
-    params = _flat_params(opt)
-    if not 0 <= index < len(params):
-        return None
-    param = params[index]
-    group = _group_of([opt], param)
-    step = _policy_key(entry) == "step"
-    device = torch.device("cpu") if step and not _step_on_param_device(group) else param.device
-    return torch.empty(tuple(shape), dtype=dtype, device=device)
-
-
-def check_plain_optimizer_state(opt: torch.optim.Optimizer, saved: Any, *, prefix: str,
-                                allow_cast: bool = False) -> list[str]:
-    """Check that ``saved`` (an ``optimizer.state_dict()``; tensors may be meta) loads into ``opt`` without a cast.
-
-    Returns:
-        The keys that will be cast (only when ``allow_cast``).
-
-    Raises:
-        StateMismatchError: other parameter groups (count or sizes), state for ids the optimizer
-            does not have, or dtypes that ``load_state_dict`` would cast (without ``allow_cast``).
-        CheckpointCorruptError: ``saved`` is not an optimizer state dict.
-    """
-    from torch_ckpt.errors import CheckpointCorruptError
-
-    if not isinstance(saved, Mapping) or not isinstance(saved.get(_GROUPS), list) \
-            or not isinstance(saved.get(_STATE), Mapping):
-        raise CheckpointCorruptError(f"{prefix.rstrip('.')}: not an optimizer state_dict in the checkpoint")
-    sizes = [len(g.get(_PARAMS, [])) if isinstance(g, Mapping) else -1 for g in saved[_GROUPS]]
-    live_sizes = [len(g[_PARAMS]) for g in opt.param_groups]
-    if sizes != live_sizes:
-        raise StateMismatchError(f"{prefix.rstrip('.')}: parameter groups of sizes {sizes} in the checkpoint, "
-                                 f"{live_sizes} here; build the same optimizer as the saved run")
-    params = _flat_params(opt)
-    bad, cast = [], []
-    for index, entries in saved[_STATE].items():
-        if not isinstance(index, int) or not 0 <= index < len(params) or not isinstance(entries, Mapping):
-            raise StateMismatchError(f"{prefix}state.{index}: state for a parameter this optimizer does not have",
-                                     unexpected=[f"{prefix}state.{index}"])
-        param = params[index]
-        for entry, value in _tensors_in(dict(entries), ""):
-            entry = entry[1:]
-            if _policy_key(entry) != "step" and param.is_floating_point() and value.dtype != param.dtype:
-                (cast if allow_cast else bad).append(f"{prefix}state.{index}.{entry}: checkpoint {value.dtype}, "
-                                                     f"parameter {param.dtype}")
-    if bad:
-        raise StateMismatchError(f"{prefix.rstrip('.')}: optimizer state dtypes differ from their parameters' "
-                                 f"(loading would cast): {bad[:20]}. Restore with allow_cast=True to cast them.")
-    return cast
-
-
 @torch.no_grad()
 def keep_live_tensors(opt: torch.optim.Optimizer, old_state: Mapping[Any, Any]) -> None:
     """After a successful load, copy each new state tensor into the tensor it replaced and keep that one.
@@ -402,61 +349,3 @@ def keep_live_tensors(opt: torch.optim.Optimizer, old_state: Mapping[Any, Any]) 
                     pairs.append((old, new))
                 entries[key] = old
     copy_tensors(pairs)  # host tensors as threaded memmove (torch_ckpt.host_memory)
-
-
-class OptimizerState:
-    """One optimizer kept by its own ``optimizer.state_dict()`` (integer parameter ids), as a restorable ``Stateful``.
-
-    For optimizers that cannot be keyed by one model's parameter names (e.g. one spanning several
-    models); :class:`~torch_ckpt.TrainState` keys the others by name. Implements the load protocol
-    of :func:`torch_ckpt.restore.load_into` (keys relative to this object): state tensors a fresh
-    optimizer does not have yet are allocated where the optimizer keeps them, everything is checked
-    before anything is written, a load can be undone (:meth:`undo`) until the whole restore has
-    succeeded, and then (:meth:`keep_live`) the optimizer keeps its live state tensors, the loaded
-    values copied into them.
-
-    Args:
-        optimizer: the torch optimizer.
-        name: the key prefix used in error messages (e.g. ``"optimizers_plain.0"``).
-    """
-
-    def __init__(self, optimizer: torch.optim.Optimizer, *, name: str = "optimizer") -> None:
-        self.optimizer = optimizer
-        self.name = name
-        self._before: tuple[Any, Any] = (optimizer.state, optimizer.param_groups)
-
-    def state_dict(self) -> dict[str, Any]:
-        """``optimizer.state_dict()`` (live tensors)."""
-        return self.optimizer.state_dict()
-
-    def _state_key(self, key: str) -> tuple[int, str] | None:
-        parts = key.split(".", 2)
-        if len(parts) != 3 or parts[0] != _STATE or not parts[1].isdigit():
-            return None
-        return int(parts[1]), parts[2]
-
-    def load_optional_key(self, key: str) -> bool:
-        """True for ``state.<id>.<entry>`` tensors (a parameter may have state on one side only)."""
-        return self._state_key(key) is not None
-
-    def load_target(self, key: str, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor | None:
-        """A new tensor on the device where the optimizer keeps ``key``; None for other keys."""
-        parts = self._state_key(key)
-        return None if parts is None else plain_state_target(self.optimizer, parts[0], parts[1], shape, dtype)
-
-    def check_load(self, state: Any, *, allow_cast: bool = False) -> list[str]:
-        """See :func:`check_plain_optimizer_state`; returns the keys that will be cast."""
-        return check_plain_optimizer_state(self.optimizer, state, prefix=f"{self.name}.", allow_cast=allow_cast)
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """``optimizer.load_state_dict(state)``; then :meth:`undo` (a later component failed) or :meth:`keep_live`."""
-        self._before = (self.optimizer.state, self.optimizer.param_groups)
-        self.optimizer.load_state_dict(state)
-
-    def undo(self) -> None:
-        """Put back the state and parameter groups the last :meth:`load_state_dict` replaced."""
-        self.optimizer.state, self.optimizer.param_groups = self._before
-
-    def keep_live(self) -> None:
-        """After the whole restore succeeded: copy the loaded values into the tensors they replaced and keep those."""
-        keep_live_tensors(self.optimizer, self._before[0])

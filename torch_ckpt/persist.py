@@ -25,14 +25,8 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch_ckpt.dcp_io import ChecksumFileSystemWriter
 from torch_ckpt.dist import DistContext
 from torch_ckpt.errors import CheckpointError, CheckpointWriteError
-from torch_ckpt.layout import (
-    Manifest,
-    commit_dir,
-    new_incarnation,
-    rank_file_name,
-    temporary_name,
-    write_json_durable,
-)
+from torch_ckpt.layout import Manifest, commit_dir, rank_file_name, write_json_durable
+from torch_ckpt.temporaries import new_incarnation, temporary_name
 
 __all__ = ["PersistRequest", "persist_checkpoint", "write_shards", "move_extra_entries", "check_extra_name",
            "as_write_error",

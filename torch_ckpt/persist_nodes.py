@@ -26,14 +26,7 @@ from torch_ckpt.dcp_metadata import metadata_name
 from torch_ckpt.dist import DistContext
 from torch_ckpt.errors import CheckpointWriteError
 from torch_ckpt.format import METADATA_NAME
-from torch_ckpt.layout import (
-    MANIFEST_NAME,
-    Manifest,
-    commit_dir,
-    new_incarnation,
-    temporary_name,
-    write_json_durable,
-)
+from torch_ckpt.layout import MANIFEST_NAME, Manifest, commit_dir, write_json_durable
 from torch_ckpt.nodes import NodeDedupPlanner, NodeLayout, RecordingWriter, node_views, shared_files
 from torch_ckpt.persist import (
     PersistRequest,
@@ -44,6 +37,7 @@ from torch_ckpt.persist import (
     move_extra_entries,
     write_shards,
 )
+from torch_ckpt.temporaries import new_incarnation, temporary_name
 
 __all__ = ["persist_node_local"]
 

@@ -5,26 +5,26 @@ archives), one per tensor chunk, at the byte ranges ``.metadata`` records. DCP `
 range and copies the result into its target, casting silently, so metadata that disagrees with the
 records (a range a few bytes short, another dtype or shape) fails deep inside the load or loads
 wrong values. :func:`storage_record_problems` parses each record's zip structure with ``struct``
-and its ``data.pkl`` with :func:`pickletools.genops` (opcodes decoded, never executed) and checks:
-the archive ends exactly at the end of the range, its entries lie inside it uncompressed, the
-pickle is exactly a plain tensor rebuilt from one storage of the declared dtype, whose data entry
-holds exactly that storage and whose view has the declared chunk shape inside it. Only the few
-hundred header bytes of each record are read (records of small tensors share block reads).
+and its ``data.pkl`` with :func:`torch_ckpt.tensor_pickle.pickled_tensor` (opcodes decoded, never
+executed) and checks: the archive ends exactly at the end of the range, its entries lie inside it
+uncompressed, the pickle is exactly a plain tensor rebuilt from one storage of the declared dtype,
+whose data entry holds exactly that storage and whose view has the declared chunk shape inside it.
+Only the few hundred header bytes of each record are read (records of small tensors share block
+reads).
 """
 
 from __future__ import annotations
 
-import io
 import math
-import pickletools
 import struct
-import zipfile
 from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
-from functools import cache, lru_cache
+from functools import lru_cache
 from typing import Any, Protocol
 
 import torch
+
+from torch_ckpt.tensor_pickle import RecordProblem, pickled_tensor, storage_identity, stored_dtype
 
 __all__ = ["RangeReader", "storage_record_problems", "MAX_PICKLE_BYTES"]
 
@@ -48,10 +48,6 @@ class RangeReader(Protocol):
     size: int
 
     def read_at(self, offset: int, length: int) -> bytes: ...
-
-
-class _Bad(ValueError):
-    """Internal: one problem of a record (message without file or key)."""
 
 
 class _Blocks:
@@ -90,46 +86,46 @@ class _Record:
 
     def read(self, offset: int, length: int, what: str) -> bytes:
         if offset < 0 or length < 0 or offset + length > self.length:
-            raise _Bad(f"has its {what} at record bytes {offset}..{offset + length}, outside its "
-                       f"{self.length} bytes")
+            raise RecordProblem(f"has its {what} at record bytes {offset}..{offset + length}, outside its "
+                                f"{self.length} bytes")
         data = self.blocks.get(self.start + offset, length)
         if len(data) != length:
-            raise _Bad(f"lies past the end of the file (its {what} is beyond the file's last byte)")
+            raise RecordProblem(f"lies past the end of the file (its {what} is beyond the file's last byte)")
         return data
 
 
 def _central_directory(rec: _Record) -> tuple[int, int, int]:
     """``(entries, offset, size)`` of the record's central directory; the archive must end where the range does."""
     if rec.length < _EOCD_SIZE:
-        raise _Bad(f"is {rec.length} bytes, too short for a torch.save record")
+        raise RecordProblem(f"is {rec.length} bytes, too short for a torch.save record")
     eocd = rec.read(rec.length - _EOCD_SIZE, _EOCD_SIZE, "end of central directory")
     if eocd[:4] != _EOCD:
-        raise _Bad("does not end with a zip end-of-central-directory record (the declared byte range is "
-                   "truncated or shifted)")
+        raise RecordProblem("does not end with a zip end-of-central-directory record (the declared byte range is "
+                            "truncated or shifted)")
     disk, cd_disk, on_disk, entries, cd_size, cd_offset, comment = _unpack("HHHHIIH", eocd, 4)
     end = rec.length - _EOCD_SIZE
     if comment or disk or cd_disk or on_disk != entries:
-        raise _Bad("has a zip end-of-central-directory record unlike the one torch.save writes")
+        raise RecordProblem("has a zip end-of-central-directory record unlike the one torch.save writes")
     if rec.length >= _EOCD_SIZE + _LOCATOR_SIZE:
         loc = rec.read(end - _LOCATOR_SIZE, _LOCATOR_SIZE, "ZIP64 locator")
         if loc[:4] == _LOCATOR:
             _, eocd64_at, _ = _unpack("IQI", loc, 4)
             if eocd64_at + _EOCD64_SIZE != end - _LOCATOR_SIZE:
-                raise _Bad("has a ZIP64 end-of-central-directory record that is not where its locator says")
+                raise RecordProblem("has a ZIP64 end-of-central-directory record that is not where its locator says")
             rec64 = rec.read(eocd64_at, _EOCD64_SIZE, "ZIP64 end of central directory")
             if rec64[:4] != _EOCD64:
-                raise _Bad("lacks the ZIP64 end-of-central-directory record its locator names")
+                raise RecordProblem("lacks the ZIP64 end-of-central-directory record its locator names")
             _, _, _, _, _, on_disk64, entries64, cd_size64, cd_offset64 = _unpack("QHHIIQQQQ", rec64, 4)
             for small, big, name in ((entries, entries64, "entry count"), (cd_size, cd_size64, "directory size"),
                                      (cd_offset, cd_offset64, "directory offset")):
                 if small not in (big, _SAT16 if name == "entry count" else _SAT32):
-                    raise _Bad(f"has a zip {name} {small} that disagrees with its ZIP64 value {big}")
+                    raise RecordProblem(f"has a zip {name} {small} that disagrees with its ZIP64 value {big}")
             entries, cd_size, cd_offset, end = entries64, cd_size64, cd_offset64, eocd64_at
     if _SAT32 in (cd_size, cd_offset) or entries == _SAT16:
-        raise _Bad("lacks the ZIP64 records its central directory needs")
+        raise RecordProblem("lacks the ZIP64 records its central directory needs")
     if not 1 <= entries <= _MAX_ENTRIES or cd_offset + cd_size != end:
-        raise _Bad(f"has a zip central directory ({entries} entries, bytes {cd_offset}..{cd_offset + cd_size}) "
-                   "that does not end where the archive does")
+        raise RecordProblem(f"has a zip central directory ({entries} entries, bytes {cd_offset}..{cd_offset + cd_size})"
+                            " that does not end where the archive does")
     return entries, cd_offset, cd_size
 
 
@@ -146,12 +142,12 @@ def _parse_directory(cd: bytes, count: int) -> dict[str, tuple[int, int, int, in
     at = 0
     for _ in range(count):
         if cd[at:at + 4] != _CENTRAL or at + _CENTRAL_SIZE > len(cd):
-            raise _Bad("has a malformed zip central directory")
+            raise RecordProblem("has a malformed zip central directory")
         method, comp, size, n_name, n_extra, n_comment, local = (_unpack("H", cd, at + 10)[0],) + \
             _unpack("IIHHH", cd, at + 20) + (_unpack("I", cd, at + 42)[0],)
         name_end = at + _CENTRAL_SIZE + n_name
         if name_end + n_extra + n_comment > len(cd):
-            raise _Bad("has a malformed zip central directory")
+            raise RecordProblem("has a malformed zip central directory")
         name = cd[at + _CENTRAL_SIZE:name_end].decode("utf-8", "replace")
         extra = cd[name_end:name_end + n_extra]
         wide = [v == _SAT32 for v in (size, comp, local)]
@@ -164,16 +160,16 @@ def _parse_directory(cd: bytes, count: int) -> dict[str, tuple[int, int, int, in
                     for i in range(3):
                         if wide[i]:
                             if field + 8 > pos + 4 + n:
-                                raise _Bad(f"has a short ZIP64 field in zip entry {name!r}")
+                                raise RecordProblem(f"has a short ZIP64 field in zip entry {name!r}")
                             values[i] = _unpack("Q", extra, field)[0]
                             field += 8
                     break
                 pos += 4 + n
             else:
-                raise _Bad(f"lacks the ZIP64 field zip entry {name!r} needs")
+                raise RecordProblem(f"lacks the ZIP64 field zip entry {name!r} needs")
             size, comp, local = values
         if name in out:
-            raise _Bad(f"has the zip entry {name!r} twice")
+            raise RecordProblem(f"has the zip entry {name!r} twice")
         out[name] = (method, comp, size, local)
         at = name_end + n_extra + n_comment
     return out
@@ -183,146 +179,18 @@ def _entry_data(rec: _Record, name: str, entry: tuple[int, int, int, int], cd_of
     """``(offset, size)`` of an entry's data inside the record, after checking its local header."""
     method, comp, size, local = entry
     if method != 0 or comp != size:
-        raise _Bad(f"has a compressed zip entry {name!r}; torch.save stores entries uncompressed")
+        raise RecordProblem(f"has a compressed zip entry {name!r}; torch.save stores entries uncompressed")
     header = rec.read(local, _LOCAL_SIZE, f"local header of {name!r}")
     if header[:4] != _LOCAL:
-        raise _Bad(f"lacks the zip local header of {name!r}")
+        raise RecordProblem(f"lacks the zip local header of {name!r}")
     n_name, n_extra = _unpack("HH", header, 26)
     if rec.read(local + _LOCAL_SIZE, n_name, f"name of {name!r}").decode("utf-8", "replace") != name:
-        raise _Bad(f"has a zip local header of {name!r} that names another entry")
+        raise RecordProblem(f"has a zip local header of {name!r} that names another entry")
     start = local + _LOCAL_SIZE + n_name + n_extra
     if start + size > cd_offset:
-        raise _Bad(f"has a zip entry {name!r} ({size} bytes at record byte {start}) overlapping its central directory")
+        raise RecordProblem(f"has a zip entry {name!r} ({size} bytes at record byte {start}) overlapping its central "
+                            "directory")
     return start, size
-
-
-# -- the pickle of a plain tensor ------------------------------------------------------------------
-
-_PUSH_ARG = {"BININT", "BININT1", "BININT2", "LONG1", "BINUNICODE", "SHORT_BINUNICODE", "BINUNICODE8"}
-_CONST = {"NEWFALSE": False, "NEWTRUE": True, "NONE": None, "EMPTY_TUPLE": (), "EMPTY_DICT": {}}
-_TUPLES = {"TUPLE1": 1, "TUPLE2": 2, "TUPLE3": 3}
-_MARK = object()
-
-
-@lru_cache(maxsize=1024)  # records of tensors of one dtype and shape share their pickle bytes
-def _pickled_tensor(data: bytes) -> tuple[tuple[str, str], str, int, int, tuple[int, ...], tuple[int, ...]]:
-    """``(identity, storage key, storage numel, offset, size, stride)`` of a pickled plain tensor.
-
-    ``identity`` is ``("typed", "FloatStorage")`` for a tensor rebuilt from a typed storage (whose
-    numel counts elements) or ``("untyped", "float8_e4m3fn")`` for one rebuilt from an untyped
-    storage and a dtype (whose numel counts bytes).
-
-    Interprets the opcodes of ``data`` into inert values (a global is a ``("global", module,
-    name)`` tuple, a call a ``("call", f, args)`` tuple) without importing or calling anything,
-    then matches the one structure ``torch.save`` writes for a plain tensor.
-    """
-    stack: list[Any] = []
-    memo: dict[int, Any] = {}
-
-    def pop_mark() -> list[Any]:
-        if _MARK not in stack:
-            raise _Bad("has a malformed tensor pickle")
-        at = len(stack) - 1 - stack[::-1].index(_MARK)
-        items = stack[at + 1:]
-        del stack[at:]
-        return items
-
-    result = None
-    try:
-        for op, arg, _ in pickletools.genops(io.BytesIO(data)):
-            name = op.name
-            if name in ("PROTO", "FRAME"):
-                continue
-            if name in _PUSH_ARG:
-                stack.append(arg)
-            elif name in _CONST:
-                stack.append(_CONST[name])
-            elif name == "GLOBAL":
-                module, _, attr = arg.partition(" ")
-                stack.append(("global", module, attr))
-            elif name == "MARK":
-                stack.append(_MARK)
-            elif name == "TUPLE":
-                stack.append(tuple(pop_mark()))
-            elif name in _TUPLES:
-                n = _TUPLES[name]
-                items, stack[-n:] = tuple(stack[-n:]), []
-                stack.append(items)
-            elif name == "BINPERSID":
-                stack.append(("persid", stack.pop()))
-            elif name == "REDUCE":
-                args = stack.pop()
-                stack.append(("call", stack.pop(), args))
-            elif name in ("BINPUT", "LONG_BINPUT"):
-                memo[arg] = stack[-1]
-            elif name == "MEMOIZE":
-                memo[len(memo)] = stack[-1]
-            elif name in ("BINGET", "LONG_BINGET"):
-                stack.append(memo[arg])
-            elif name == "STOP":
-                result = stack.pop()
-                break
-            else:
-                raise _Bad(f"has a tensor pickle using opcode {name}, which a plain tensor's does not")
-    except (ValueError, IndexError, KeyError) as exc:
-        if isinstance(exc, _Bad):
-            raise
-        raise _Bad(f"has a malformed tensor pickle ({exc})") from None
-    if result is None or stack:
-        raise _Bad("has a malformed tensor pickle")
-    try:
-        kind, func, args = result
-        storage, offset, size, stride, requires_grad, hooks, *dtype = args
-        tag, (what, stype, key, location, numel) = storage
-        stype_kind, stype_module, stype_name = stype
-    except (TypeError, ValueError):
-        raise _Bad("has a pickle that is not a plain tensor") from None
-    if func == ("global", "torch._utils", "_rebuild_tensor_v2") and not dtype and stype_module == "torch":
-        identity = ("typed", stype_name)  # a typed storage (FloatStorage...): numel counts elements
-    elif func == ("global", "torch._utils", "_rebuild_tensor_v3") and len(dtype) == 1 and \
-            (stype_module, stype_name) == ("torch.storage", "UntypedStorage") and \
-            isinstance(dtype[0], tuple) and dtype[0][:2] == ("global", "torch"):
-        identity = ("untyped", dtype[0][2])  # dtypes without a typed storage: numel counts bytes
-    else:
-        raise _Bad("has a pickle that is not a plain tensor")
-    ok = (kind == "call" and tag == "persid" and what == "storage" and stype_kind == "global"
-          and isinstance(key, str) and isinstance(location, str) and type(numel) is int and numel >= 0
-          and type(offset) is int and offset >= 0 and isinstance(size, tuple) and isinstance(stride, tuple)
-          and len(size) == len(stride) and all(type(v) is int and v >= 0 for v in size + stride)
-          and isinstance(requires_grad, bool) and hooks == ("call", ("global", "collections", "OrderedDict"), ()))
-    if not ok:
-        raise _Bad("has a pickle that is not a plain tensor")
-    return identity, key, numel, offset, size, stride
-
-
-@cache
-def _storage_type(dtype: torch.dtype) -> tuple[str, str]:
-    """The identity (see :func:`_pickled_tensor`) of ``torch.save`` records of ``dtype`` (from a real record)."""
-    buf = io.BytesIO()
-    torch.save(torch.empty(0, dtype=dtype), buf)  # our own bytes: the standard zip reader is fine here
-    with zipfile.ZipFile(buf) as archive:
-        return _pickled_tensor(archive.read(next(n for n in archive.namelist() if n.endswith("/data.pkl"))))[0]
-
-
-_KNOWN_DTYPES = ("float32", "float64", "float16", "bfloat16", "complex64", "complex128", "complex32", "int8", "int16",
-                 "int32", "int64", "uint8", "uint16", "uint32", "uint64", "bool", "float8_e4m3fn", "float8_e5m2",
-                 "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu")
-
-
-def _stored_dtype(identity: tuple[str, str]) -> str:
-    """The dtype name of records of ``identity`` (for messages), or "unknown"."""
-    if identity[0] == "untyped":
-        return identity[1]
-    for name in _KNOWN_DTYPES:
-        dtype = getattr(torch, name, None)
-        if not isinstance(dtype, torch.dtype):
-            continue
-        try:
-            if _storage_type(dtype) == identity:
-                return name
-        except (RuntimeError, TypeError, ValueError, KeyError, NotImplementedError):  # torch.save cannot write it
-            continue
-    return "unknown"
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -333,28 +201,28 @@ def _check(rec: _Record, dtype: torch.dtype, sizes: tuple[int, ...]) -> None:
     entries, cd_offset = _entries(rec)
     pickles = [n for n in entries if n.endswith("/data.pkl") and n.count("/") == 1]
     if len(pickles) != 1:
-        raise _Bad("is not a torch.save record (no single data.pkl entry)")
+        raise RecordProblem("is not a torch.save record (no single data.pkl entry)")
     prefix = pickles[0][: -len("data.pkl")]
     start, size = _entry_data(rec, pickles[0], entries[pickles[0]], cd_offset)
     if size > MAX_PICKLE_BYTES:
-        raise _Bad(f"has a tensor pickle of {size} bytes, more than the {MAX_PICKLE_BYTES} accepted")
-    identity, key, numel, offset, shape, stride = _pickled_tensor(rec.read(start, size, "data.pkl"))
+        raise RecordProblem(f"has a tensor pickle of {size} bytes, more than the {MAX_PICKLE_BYTES} accepted")
+    identity, key, numel, offset, shape, stride = pickled_tensor(rec.read(start, size, "data.pkl"))
     data_name = f"{prefix}data/{key}"
     if data_name not in entries:
-        raise _Bad(f"lacks its tensor data entry {data_name!r}")
+        raise RecordProblem(f"lacks its tensor data entry {data_name!r}")
     _, data_bytes = _entry_data(rec, data_name, entries[data_name], cd_offset)
-    if identity != _storage_type(dtype):
-        raise _Bad(f"holds {_stored_dtype(identity)} data but .metadata declares {_dtype_name(dtype)}")
+    if identity != storage_identity(dtype):
+        raise RecordProblem(f"holds {stored_dtype(identity)} data but .metadata declares {_dtype_name(dtype)}")
     nbytes = numel * dtype.itemsize if identity[0] == "typed" else numel
     if nbytes != data_bytes or nbytes % dtype.itemsize:
-        raise _Bad(f"holds {data_bytes} bytes of tensor data, but its storage of {_dtype_name(dtype)} declares "
-                   f"{nbytes}")
+        raise RecordProblem(f"holds {data_bytes} bytes of tensor data, but its storage of {_dtype_name(dtype)} "
+                            f"declares {nbytes}")
     numel = nbytes // dtype.itemsize
     if shape != tuple(sizes):
-        raise _Bad(f"holds a tensor of shape {list(shape)}, but .metadata declares the chunk as {list(sizes)}")
+        raise RecordProblem(f"holds a tensor of shape {list(shape)}, but .metadata declares the chunk as {list(sizes)}")
     if math.prod(shape) and offset + sum((s - 1) * st for s, st in zip(shape, stride)) >= numel:
-        raise _Bad(f"has a tensor view (offset {offset}, shape {list(shape)}, stride {list(stride)}) outside its "
-                   f"{numel}-element storage")
+        raise RecordProblem(f"has a tensor view (offset {offset}, shape {list(shape)}, stride {list(stride)}) outside "
+                            f"its {numel}-element storage")
 
 
 def storage_record_problems(md: Any, tensors: dict[str, Any],
@@ -396,7 +264,7 @@ def storage_record_problems(md: Any, tensors: dict[str, Any],
                     continue  # a storage entry without a chunk: reported by metadata_problems
                 try:
                     _check(_Record(blocks, offset, length), tensors[key].properties.dtype, sizes)
-                except _Bad as exc:
+                except RecordProblem as exc:
                     problems.append((rel, f"tensor {key!r}, chunk at offset {list(chunk_offset)} (bytes "
                                           f"{offset}..{offset + length}): the stored record {exc}"))
     return problems

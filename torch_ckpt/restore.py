@@ -8,9 +8,13 @@ state and the checkpoint have the same tensor keys, shapes and dtypes (and let t
 own structure), let DCP read the tensors into new buffers (resharding to the live layout), and only
 then write the live state. A restore that fails therefore leaves the live state as it was.
 
-In a single process, the data files are not checksummed up front: :func:`~torch_ckpt.direct_read.load_direct`
-reads each of them once, placing the tensors into the new buffers and computing the CRC-32 in the
-same pass; only tensors it cannot place go through DCP's reader afterwards.
+In a single process, the data files are not checksummed up front:
+:func:`~torch_ckpt.direct_read.load_direct` reads each of them once, placing the tensors into the
+new buffers and computing the CRC-32 in the same pass. Nor are the record headers read up front:
+``load_direct`` compares each placed record's framing with ``torch.save``'s byte for byte, and
+the records it does not place are checked before DCP's reader opens them (also before a
+state-mismatch error is raised, so a bad record is reported as corruption). The new values are
+copied into the live tensors by :func:`torch_ckpt.host_memory.copy_tensors`.
 """
 
 from __future__ import annotations

@@ -26,7 +26,8 @@ from typing import Any, Protocol, runtime_checkable
 from torch_ckpt.cadence import StepTimeEstimator
 from torch_ckpt.config_values import check_int, to_seconds
 from torch_ckpt.errors import ConfigError
-from torch_ckpt.interval import FORMULAS, IntervalEstimator
+from torch_ckpt.interval import FORMULAS
+from torch_ckpt.interval_estimator import IntervalEstimator
 
 __all__ = ["SavePolicy", "EveryNSteps", "EveryNSeconds", "YoungDaly", "AnyOf"]
 

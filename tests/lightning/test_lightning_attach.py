@@ -36,7 +36,7 @@ class ReleaseEachStep(Callback):
 @pytest.mark.parametrize("attached", [True, False], ids=["attached", "plugin-alone"])
 def test_save_last_link_only_ever_points_at_a_committed_checkpoint(make_trainer, tmp_path, write_gate, monkeypatch,
                                                                   attached):
-    """With writes held, last.ckpt is absent or resolves to a committed checkpoint at every step and every write."""
+    """With writes held, last.ckpt is absent or resolves to a committed checkpoint at every step, write and commit."""
     import torch_ckpt.checkpointer as checkpointer
 
     last = tmp_path / "mc" / "last.ckpt"
@@ -53,7 +53,15 @@ def test_save_last_link_only_ever_points_at_a_committed_checkpoint(make_trainer,
 
     monkeypatch.setattr(checkpointer, "persist_checkpoint", probing_persist)
     io = AsyncDCPCheckpointIO()
-    release = ReleaseEachStep(write_gate, state)
+    seen_at_commit: list = []
+
+    def observe():  # every step; from the first save on, also at every commit (writer thread)
+        if io.last_handle is not None and not seen_at_commit:
+            seen_at_commit.append("registered")
+            io.manager().add_commit_callback(lambda step, directory: seen_at_commit.append(state()))
+        return state()
+
+    release = ReleaseEachStep(write_gate, observe)
     mc = ModelCheckpoint(dirpath=tmp_path / "mc", every_n_train_steps=1, save_top_k=-1, save_last="link")
     trainer = make_trainer(plugins=[io], callbacks=[release, mc])
     if attached:
@@ -62,6 +70,7 @@ def test_save_last_link_only_ever_points_at_a_committed_checkpoint(make_trainer,
     trainer.fit(TinyModule())
     assert release.seen == [None, None, True, True]
     assert seen_by_writer == [None, True, True, True]
+    assert seen_at_commit[0] == "registered" and False not in seen_at_commit and seen_at_commit[-3:] == [True] * 3
     assert os.readlink(last) == "epoch=0-step=4.ckpt" and (last / "manifest.json").is_file()
 
 

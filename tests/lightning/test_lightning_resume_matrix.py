@@ -91,7 +91,8 @@ def fit(root: Path, max_steps: int, *, ckpt_path: str | None = None, every: int 
     options = dict(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
                    default_root_dir=root, val_check_interval=5, accumulate_grad_batches=accumulate)
     options.update(trainer_kwargs)
-    trainer = L.Trainer(max_steps=max_steps, plugins=[AsyncDCPCheckpointIO()], callbacks=[callback], **options)
+    callbacks = [*options.pop("callbacks", []), callback]
+    trainer = L.Trainer(max_steps=max_steps, plugins=[AsyncDCPCheckpointIO()], callbacks=callbacks, **options)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer.fit(module, ckpt_path=ckpt_path)
@@ -151,6 +152,25 @@ def test_resume_after_max_epochs_continues_the_next_epoch_bitwise(tmp_path, gene
     full = fit(tmp_path / "full", -1, max_epochs=3, generators=generators)
     fit(tmp_path / "run", -1, max_epochs=1, generators=generators)
     after = fit(tmp_path / "run", -1, ckpt_path="last", max_epochs=3, generators=generators)
+    assert after == {s: full[s] for s in range(11, 31)}
+
+
+class StopAfterFirstEpoch(L.Callback):
+    """Sets should_stop at the end of the first epoch, as EarlyStopping would."""
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        trainer.should_stop = True
+
+
+@pytest.mark.xfail(strict=True, reason="known gap: a stop at an epoch end by should_stop (EarlyStopping) is saved at "
+                   "on_train_end, where Lightning counts the epoch completed; in epoch-based training Lightning then "
+                   "does not load the train loader's state, so the resumed shuffle is drawn afresh")
+def test_resume_after_should_stop_at_an_epoch_end_is_bitwise(tmp_path):
+    """Stopped by should_stop after epoch 1 of 3, resumed with ckpt_path="last": the next epochs continue exactly."""
+    full = fit(tmp_path / "full", -1, max_epochs=3)
+    before = fit(tmp_path / "stopped", -1, max_epochs=3, callbacks=[StopAfterFirstEpoch()])
+    after = fit(tmp_path / "stopped", -1, ckpt_path="last", max_epochs=3)
+    assert before == {s: full[s] for s in range(1, 11)}
     assert after == {s: full[s] for s in range(11, 31)}
 
 

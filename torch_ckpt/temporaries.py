@@ -1,0 +1,134 @@
+"""Names of temporary checkpoint directories, incarnation ids, and the clean-up of stale temporaries.
+
+A checkpoint is written under a hidden sibling of its final name, ``.NAME.tmp.<incarnation>``,
+where the incarnation is a random hex id drawn when the checkpointer is built; a restarted run
+therefore never writes into, and never commits, a temporary left or still being written by a
+previous incarnation. :func:`clean_stale_temporaries` removes those leftovers (and the other
+hidden directories of an interrupted delete or replace) when a run takes the root's lock. The
+final names, listing and commit are in :mod:`torch_ckpt.layout`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import shutil
+from pathlib import Path
+
+from torch_ckpt._logging import get_logger
+from torch_ckpt.naming import Naming, StepNaming
+
+__all__ = [
+    "step_dir_name",
+    "tmp_dir_name",
+    "temporary_name",
+    "replaced_name",
+    "new_incarnation",
+    "is_temporary_name",
+    "clean_stale_temporaries",
+]
+
+log = get_logger("torch_ckpt.layout")
+
+# a temporary checkpoint directory: ``.NAME.tmp`` (before incarnation ids), ``.NAME.tmp.<id>``, and the
+# durable tier's ``.NAME.download.tmp`` in both forms; group 1 is NAME, group 3 the incarnation id
+_TMP_RE = re.compile(r"^\.(.+?)(\.download)?\.tmp(?:\.([0-9a-f]+))?$")
+# the previous checkpoint of a replaced directory, between the two renames of a non-atomic replace
+_REPLACED_RE = re.compile(r"^\.(.+)\.replaced\.([0-9a-f]{1,64})$")
+_INCARNATION_RE = re.compile(r"^[0-9a-f]{1,64}$")
+_DEFAULT_NAMING = StepNaming()
+
+
+def step_dir_name(step: int) -> str:
+    """Final directory name of ``step`` under the default :class:`~torch_ckpt.naming.StepNaming`."""
+    return _DEFAULT_NAMING.name(step)
+
+
+def new_incarnation() -> str:
+    """A fresh incarnation id (16 hex digits, random) for one checkpointer instance."""
+    return secrets.token_hex(8)
+
+
+def temporary_name(final_name: str, incarnation: str) -> str:
+    """Hidden sibling name under which ``final_name`` is written by checkpointer ``incarnation``.
+
+    Raises:
+        ValueError: ``incarnation`` is not 1 to 64 lowercase hex digits.
+    """
+    if not isinstance(incarnation, str) or not _INCARNATION_RE.match(incarnation):
+        raise ValueError(f"incarnation id must be 1 to 64 lowercase hex digits, got {incarnation!r}")
+    return f".{final_name}.tmp.{incarnation}"
+
+
+def tmp_dir_name(step: int, incarnation: str) -> str:
+    """Temporary sibling directory name used while ``step`` is being written by ``incarnation``."""
+    return temporary_name(step_dir_name(step), incarnation)
+
+
+def replaced_name(final_name: str) -> str:
+    """Hidden name of the old checkpoint ``final_name`` between the two renames of a non-atomic replace."""
+    return f".{final_name}.replaced.{new_incarnation()}"
+
+
+def is_temporary_name(name: str, naming: Naming | None = None) -> bool:
+    """True for the name of one of our temporary checkpoint directories.
+
+    That is ``.NAME.tmp``, ``.NAME.tmp.<id>`` or their ``.download`` forms where NAME is a name of
+    ``naming`` (default :class:`StepNaming`), or any ``.NAME.tmp.<16 hex digits>`` (an incarnation
+    id: only torch-ckpt writes those, also for explicitly named checkpoints).
+    """
+    m = _TMP_RE.match(name)
+    if m is None:
+        return False
+    if m.group(3) is not None and len(m.group(3)) == 16:
+        return True
+    return (naming or _DEFAULT_NAMING).step_of(m.group(1)) is not None
+
+
+def clean_stale_temporaries(root: str | os.PathLike, *, keep_incarnation: str | None = None,
+                            naming: Naming | None = None) -> list[Path]:
+    """Remove temporary checkpoint directories left by a crashed save or by a previous incarnation.
+
+    Call it only while holding the root's lock: every temporary of another incarnation is then
+    stale (its owner is gone; a writer it left behind can no longer commit, see
+    :mod:`torch_ckpt.writer_process`). Temporaries are recognised by :func:`is_temporary_name`
+    (``.NAME.tmp``, ``.NAME.tmp.<id>``, ``.download`` forms); ``.trash_NAME`` leftovers of an
+    interrupted delete are removed; the old checkpoint of an interrupted non-atomic replace
+    (``.NAME.replaced.<id>``) is renamed back to NAME when NAME is missing, and removed otherwise.
+
+    Args:
+        root: the checkpoint root.
+        keep_incarnation: the caller's own incarnation id; its temporaries (a save in flight) are kept.
+        naming: the root's naming (default :class:`StepNaming`).
+
+    Returns:
+        The removed paths.
+    """
+    removed: list[Path] = []
+    root = Path(root)
+    naming = naming or _DEFAULT_NAMING
+    if not root.is_dir():
+        return removed
+    for entry in root.iterdir():
+        m = _TMP_RE.match(entry.name)
+        if m and keep_incarnation is not None and m.group(3) == keep_incarnation:
+            continue
+        replaced = _REPLACED_RE.match(entry.name)
+        if replaced is not None:
+            final = root / replaced.group(1)
+            if not os.path.lexists(final):
+                os.rename(entry, final)
+                log.warning("restored %s from %s (a replace was interrupted)", final, entry)
+                continue
+            shutil.rmtree(entry, ignore_errors=True)
+            removed.append(entry)
+            continue
+        trash = entry.name.startswith(".trash_") and (
+            naming.step_of(entry.name[len(".trash_"):]) is not None or entry.name.startswith(".trash_step_"))
+        if is_temporary_name(entry.name, naming) or trash:
+            shutil.rmtree(entry, ignore_errors=True)
+            removed.append(entry)
+    if removed:
+        log.info("removed %d stale temporary checkpoint dir(s) under %s", len(removed), root)
+    return removed
