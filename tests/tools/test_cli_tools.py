@@ -14,7 +14,6 @@ import shutil
 import sys
 import time
 import uuid
-import zlib
 from pathlib import Path
 
 import fsspec
@@ -22,6 +21,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests._format_fixtures import first_inline, rewrite
 from torch_ckpt import CheckpointManager, TrainState
 from torch_ckpt.tools.cli import main
 from torch_ckpt.tools.inspection import inspect_checkpoint
@@ -98,14 +98,6 @@ def copy(saved, tmp_path) -> Path:
     dst = tmp_path / "run"
     shutil.copytree(saved["root"], dst)
     return dst
-
-
-def rewrite(step_dir: Path, name: str, data: bytes) -> None:
-    """Replace a file and make the manifest agree with it (a consistent, deliberate tampering)."""
-    (step_dir / name).write_bytes(data)
-    manifest = json.loads((step_dir / "manifest.json").read_text())
-    manifest["files"][name] = {"bytes": len(data), "crc32": zlib.crc32(data)}
-    (step_dir / "manifest.json").write_text(json.dumps(manifest))
 
 
 def flip_byte(path: Path, offset: int | None = None) -> None:
@@ -570,21 +562,9 @@ def _storage_data_5(step_dir: Path) -> str:
     return ".metadata"
 
 
-def _first_inline(node):
-    """The first embedded (base64) tensor node of a per-rank tree."""
-    if isinstance(node, dict):
-        if "__tensor_b64__" in node:
-            return node
-        node = list(node.values())
-    for v in node if isinstance(node, list) else []:
-        if (found := _first_inline(v)) is not None:
-            return found
-    return None
-
-
 def _inline_2_40(step_dir: Path) -> str:
     doc = json.loads((step_dir / "rank_00000.json").read_text())
-    _first_inline(doc["tree"])["shape"] = [2**40]
+    first_inline(doc["tree"])["shape"] = [2**40]
     rewrite(step_dir, "rank_00000.json", json.dumps(doc).encode())
     return "rank_00000.json"
 
