@@ -691,64 +691,55 @@ def test_retention_error_after_commit_is_reported_as_retention_and_the_save_succ
     assert not any("checkpoint step" in m and "failed" in m for m in errors)
 
 
-def _restore_with_bad_rank_file(rank: int, world: int, root: str) -> None:
-    from torch_ckpt import CheckpointCorruptError as Corrupt
-
-    state = {"w": torch.full((4,), float(rank)), "meta": {"rank": rank}}
-    with CheckpointManager(root, async_save=False) as mgr:
-        mgr.save(1, state)
-        mgr.wait()
-        torch.distributed.barrier()
-        if rank == 0:
-            step_dir = Path(root) / STEP_DIR.format(1)
-            raw = (step_dir / "rank_00001.json").read_text()
-            rewrite(step_dir, "rank_00001.json",
-                    raw.replace('"tree":{', '"tree":{"deep":' + "[" * 200_000 + "]" * 200_000 + ",", 1).encode())
-        torch.distributed.barrier()
-        try:
-            mgr.restore(state, step=1)
-        except Corrupt as exc:
-            assert "rank_00001.json" in str(exc), str(exc)
-        else:
-            raise AssertionError(f"rank {rank}: restore of a malformed rank file succeeded")
+def _rank_1_json_nested_200k(step_dir: Path) -> None:
+    raw = (step_dir / "rank_00001.json").read_text()
+    rewrite(step_dir, "rank_00001.json",
+            raw.replace('"tree":{', '"tree":{"deep":' + "[" * 200_000 + "]" * 200_000 + ",", 1).encode())
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(180)
-def test_malformed_rank_file_of_one_rank_fails_every_rank_without_a_hang(tmp_path):
-    """2 ranks (gloo): rank 1's JSON nested 200k deep makes restore raise CheckpointCorruptError on both ranks."""
-    from tests._dist import run_distributed
-
-    run_distributed(_restore_with_bad_rank_file, 2, str(tmp_path), timeout_s=150)
-
-
-def _restore_with_bad_record_of_rank_1(rank: int, world: int, root: str) -> None:
-    from torch_ckpt import CheckpointCorruptError as Corrupt
+def _w1_declared_float64(step_dir: Path) -> None:
     from torch_ckpt.dcp_read import read_dcp_metadata
 
-    state = {f"w{rank}": torch.full((4,), float(rank))}  # rank 1's tensor lies in rank 1's data file
+    md = read_dcp_metadata(step_dir / ".metadata")
+    md.state_dict_metadata["w1"].properties.dtype = torch.float64
+    rewrite(step_dir, ".metadata", pickle.dumps(md))
+
+
+# case -> (each rank's state, rank 0's damage after the save, what the error must name)
+_ONE_RANK_DAMAGE = {
+    "rank_json_nested": (lambda rank: {"w": torch.full((4,), float(rank)), "meta": {"rank": rank}},
+                         _rank_1_json_nested_200k, ["rank_00001.json"]),
+    # rank 1's tensor lies in rank 1's data file
+    "record_dtype": (lambda rank: {f"w{rank}": torch.full((4,), float(rank))},
+                     _w1_declared_float64, ["'w1'", "float64"]),
+}
+
+
+def _restore_after_rank_0_damages(rank: int, world: int, root: str, case: str) -> None:
+    from torch_ckpt import CheckpointCorruptError as Corrupt
+
+    make_state, damage, named = _ONE_RANK_DAMAGE[case]
+    state = make_state(rank)
     with CheckpointManager(root, async_save=False) as mgr:
         mgr.save(1, state)
         mgr.wait()
         torch.distributed.barrier()
         if rank == 0:
-            step_dir = Path(root) / STEP_DIR.format(1)
-            md = read_dcp_metadata(step_dir / ".metadata")
-            md.state_dict_metadata["w1"].properties.dtype = torch.float64
-            rewrite(step_dir, ".metadata", pickle.dumps(md))
+            damage(Path(root) / STEP_DIR.format(1))
         torch.distributed.barrier()
         try:
             mgr.restore(state, step=1)
         except Corrupt as exc:
-            assert "'w1'" in str(exc) and "float64" in str(exc), str(exc)
+            assert all(n in str(exc) for n in named), str(exc)
         else:
-            raise AssertionError(f"rank {rank}: restore of a record declared with the wrong dtype succeeded")
+            raise AssertionError(f"rank {rank}: restore after damage {case!r} succeeded")
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-def test_bad_record_in_one_ranks_share_fails_every_rank(tmp_path):
-    """2 ranks (gloo): rank 1's data file record declared float64: restore raises CheckpointCorruptError on both."""
+@pytest.mark.parametrize("case", sorted(_ONE_RANK_DAMAGE))
+def test_damage_to_one_ranks_share_fails_every_rank_without_a_hang(tmp_path, case):
+    """2 ranks (gloo): rank 1's JSON nested 200k deep, or its record declared float64, fails restore on both ranks."""
     from tests._dist import run_distributed
 
-    run_distributed(_restore_with_bad_record_of_rank_1, 2, str(tmp_path), timeout_s=150)
+    run_distributed(_restore_after_rank_0_damages, 2, str(tmp_path), case, timeout_s=150)
