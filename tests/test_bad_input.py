@@ -7,6 +7,7 @@ inherits the builtin a caller would catch (``FileNotFoundError``, ``OSError``, `
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -18,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests._format_fixtures import first_inline, rewrite
+from tests._format_fixtures import inline_shape_2_40, rank_json_nested_200k, rewrite, storage_data_not_a_dict
 from torch_ckpt import (
     CheckpointCorruptError,
     CheckpointError,
@@ -503,30 +504,6 @@ def _deep_manifest(step_dir: Path) -> str:
     return "manifest.json"
 
 
-def _storage_data_5(step_dir: Path) -> str:
-    from torch_ckpt.dcp_read import read_dcp_metadata
-
-    md = read_dcp_metadata(step_dir / ".metadata")
-    md.storage_data = 5
-    rewrite(step_dir, ".metadata", pickle.dumps(md))
-    return ".metadata"
-
-
-def _inline_shape_2_40(step_dir: Path) -> str:
-    doc = json.loads((step_dir / "rank_00000.json").read_text())
-    first_inline(doc["tree"])["shape"] = [2**40]
-    rewrite(step_dir, "rank_00000.json", json.dumps(doc).encode())
-    return "rank_00000.json"
-
-
-def _deep_rank_json(step_dir: Path) -> str:
-    raw = (step_dir / "rank_00000.json").read_text()
-    raw = raw.replace('"tree":{', '"tree":{"deep":' + "[" * 200_000 + "]" * 200_000 + ",", 1)
-    assert "[" * 200_000 in raw
-    rewrite(step_dir, "rank_00000.json", raw.encode())
-    return "rank_00000.json"
-
-
 def _symlinked_shard(step_dir: Path) -> str:
     shard = _shard(step_dir)
     outside = step_dir.parent / "outside.distcp"
@@ -607,8 +584,8 @@ _MALFORMED = {"storage-8-bytes-short": _storage_8_short, "declared-float64": _de
               "declared-int32": _declared_int32, "chunk-reshaped": _chunk_reshaped,
               "rank-key-not-in-metadata": _rank_key_not_in_metadata,
               "5000-digit-int": _huge_int_manifest, "200k-deep-manifest": _deep_manifest,
-              "storage_data=5": _storage_data_5, "inline-shape-2^40": _inline_shape_2_40,
-              "200k-deep-rank-json": _deep_rank_json, "symlinked-shard": _symlinked_shard,
+              "storage_data=5": storage_data_not_a_dict, "inline-shape-2^40": inline_shape_2_40,
+              "200k-deep-rank-json": rank_json_nested_200k, "symlinked-shard": _symlinked_shard,
               "symlinked-manifest": _symlinked_manifest, "shape-beyond-chunks": _shape_beyond_chunks,
               "storage-paths-rewritten": _storage_rewritten}
 
@@ -691,12 +668,6 @@ def test_retention_error_after_commit_is_reported_as_retention_and_the_save_succ
     assert not any("checkpoint step" in m and "failed" in m for m in errors)
 
 
-def _rank_1_json_nested_200k(step_dir: Path) -> None:
-    raw = (step_dir / "rank_00001.json").read_text()
-    rewrite(step_dir, "rank_00001.json",
-            raw.replace('"tree":{', '"tree":{"deep":' + "[" * 200_000 + "]" * 200_000 + ",", 1).encode())
-
-
 def _w1_declared_float64(step_dir: Path) -> None:
     from torch_ckpt.dcp_read import read_dcp_metadata
 
@@ -708,7 +679,7 @@ def _w1_declared_float64(step_dir: Path) -> None:
 # case -> (each rank's state, rank 0's damage after the save, what the error must name)
 _ONE_RANK_DAMAGE = {
     "rank_json_nested": (lambda rank: {"w": torch.full((4,), float(rank)), "meta": {"rank": rank}},
-                         _rank_1_json_nested_200k, ["rank_00001.json"]),
+                         functools.partial(rank_json_nested_200k, rank=1), ["rank_00001.json"]),
     # rank 1's tensor lies in rank 1's data file
     "record_dtype": (lambda rank: {f"w{rank}": torch.full((4,), float(rank))},
                      _w1_declared_float64, ["'w1'", "float64"]),
