@@ -105,37 +105,41 @@ def test_given_input_adam_step_count_is_three_not_four(tmp_path):
     assert opt.state_dict()["state"][0]["step"].item() == 3.0
 
 
-@pytest.mark.parametrize("overlap", [False, True])
-def test_save_with_partial_state_leaves_training_unchanged(tmp_path, overlap):
-    """A save while only some parameters have optimizer state (also with overlap staging) does not change the run."""
-    ref = _pair()
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.1)
-    _steps(ref, ref_opt, 2, only_a=True)
-    _steps(ref, ref_opt, 2, seed=2)
-    model = _pair()
-    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
-    _steps(model, opt, 2, only_a=True)
-    with CheckpointManager(tmp_path, overlap_staging=overlap) as mgr:
-        mgr.save(2, TrainState(model=model, optimizer=opt))
-        _steps(model, opt, 2, seed=2)
+def _assert_save_leaves_run_unchanged(root, build, before, after, *, step: int, overlap: bool) -> None:
+    """Two runs of ``build()``: both run ``before``; one saves (``overlap_staging=overlap``) and runs ``after``
+    while the save is in flight, the other only runs ``after``: parameters and optimizer state must be equal."""
+    ref, ref_opt = build()
+    before(ref, ref_opt)
+    after(ref, ref_opt)
+    model, opt = build()
+    before(model, opt)
+    with CheckpointManager(root, overlap_staging=overlap) as mgr:
+        mgr.save(step, TrainState(model=model, optimizer=opt))
+        after(model, opt)
         mgr.wait()
     assert_same(model.state_dict(), ref.state_dict())
     assert_same(opt.state_dict(), ref_opt.state_dict())
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_save_with_partial_state_leaves_training_unchanged(tmp_path, overlap):
+    """A save while only some parameters have optimizer state (also with overlap staging) does not change the run."""
+    def build():
+        model = _pair()
+        return model, torch.optim.AdamW(model.parameters(), lr=0.1)
+
+    _assert_save_leaves_run_unchanged(tmp_path, build, lambda m, o: _steps(m, o, 2, only_a=True),
+                                      lambda m, o: _steps(m, o, 2, seed=2), step=2, overlap=overlap)
 
 
 def test_overlap_staging_save_before_first_step_leaves_training_unchanged(tmp_path):
     """With overlap_staging the initial save (no optimizer state yet) does not change the run either."""
-    ref = _linear()
-    ref_opt = torch.optim.Adam(ref.parameters(), lr=0.1)
-    _steps(ref, ref_opt, 3)
-    model = _linear()
-    opt = torch.optim.Adam(model.parameters(), lr=0.1)
-    with CheckpointManager(tmp_path, overlap_staging=True) as mgr:
-        mgr.save(0, TrainState(model=model, optimizer=opt))
-        _steps(model, opt, 3)
-        mgr.wait()
-    assert_same(opt.state_dict(), ref_opt.state_dict())
-    assert_same(model.state_dict(), ref.state_dict())
+    def build():
+        model = _linear()
+        return model, torch.optim.Adam(model.parameters(), lr=0.1)
+
+    _assert_save_leaves_run_unchanged(tmp_path, build, lambda m, o: None, lambda m, o: _steps(m, o, 3),
+                                      step=0, overlap=True)
 
 
 def test_parameters_without_state_round_trip(tmp_path):
