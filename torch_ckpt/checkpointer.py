@@ -79,7 +79,7 @@ class AsyncCheckpointer(CheckpointerPrepareMixin):
             tensors (bounded memory, logged), never by over-allocating.
         thread_count: DCP writer threads (and files) per rank. The default 2 overlaps one thread's
             CRC-32 and fsync with the other's writes. An error in any writer thread fails the save.
-        timeout_seconds: limit for checkpoint collectives between ranks (seconds).
+        timeout_seconds: limit for checkpoint collectives between ranks (seconds, or a duration such as "10m").
         process_group: ranks taking part (default: all); checkpoint traffic always uses private
             gloo groups created from it.
         on_write_error: "raise" (default): a failed background save is raised on the caller's
