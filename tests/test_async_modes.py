@@ -200,3 +200,20 @@ def test_pipelined_copy_failure_fails_the_save_once_and_commits_nothing(tmp_path
         mgr.save(3, state).wait()  # the failed step's error is not raised a second time
         assert mgr.all_steps() == [1, 3]
     assert sorted(p.name for p in tmp_path.iterdir() if "step" in p.name) == ["step_000000001", "step_000000003"]
+
+
+@pytest.mark.parametrize("bad", [0, -5, float("inf"), "soon", True])
+def test_checkpointer_timeout_must_be_a_positive_duration(bad):
+    """AsyncCheckpointer refuses a timeout that is not a positive, finite duration, naming timeout_seconds."""
+    from torch_ckpt import AsyncCheckpointer
+
+    with pytest.raises(ConfigError, match="timeout_seconds"):
+        AsyncCheckpointer(timeout_seconds=bad)
+
+
+def test_checkpointer_timeout_accepts_a_duration_string():
+    """AsyncCheckpointer(timeout_seconds="2m") waits 120 s for its collectives."""
+    from torch_ckpt import AsyncCheckpointer
+
+    with AsyncCheckpointer(timeout_seconds="2m") as ck:
+        assert ck._ctx.timeout_seconds == 120.0
