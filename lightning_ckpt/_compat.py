@@ -13,9 +13,9 @@ from collections.abc import Callable
 from typing import Any
 
 __all__ = [
-    "dump_checkpoint", "finish_loader_states", "install_fresh_fit_hook", "install_link_hook", "install_load_hook",
-    "is_final_batch", "is_last_batch", "isolate_validation_rng", "set_original_sigterm_handler", "sharded_flags",
-    "signal_connector", "start_next_epoch",
+    "dump_checkpoint", "finish_loader_states", "fit_loop_state", "install_fresh_fit_hook", "install_link_hook",
+    "install_load_hook", "is_final_batch", "is_last_batch", "isolate_validation_rng", "set_original_sigterm_handler",
+    "sharded_flags", "signal_connector", "start_next_epoch",
 ]
 
 _MARK = "_lightning_ckpt_wrapped"
@@ -75,6 +75,19 @@ def dump_checkpoint(trainer: Any) -> dict[str, Any]:
     """The dict ``trainer.save_checkpoint`` would write now, hooks included (``_checkpoint_connector``);
     its tensors are the live ones (valid until the next optimizer step)."""
     return trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+
+
+def fit_loop_state(trainer: Any) -> dict[str, Any]:
+    """``trainer.fit_loop.state_dict()``: the loop progress and train loaders' states that a checkpoint taken
+    now stores as ``loops.fit_loop`` (fresh dicts, later steps do not change them).
+
+    At an epoch's last batch end, the epoch's progress is ``processed == started - 1`` and the batch's
+    ``completed == processed - 1``; a resume from that state restarts (``FitLoop.restarting``), loads the
+    loaders' states and counts the epoch finished (``FitLoop.reset``, ``RestartStage.RESTARTED_MID_EPOCH``).
+    After ``on_advance_end`` counted the epoch completed, ``restarting`` is False in epoch-based training and
+    ``_load_combined_loader_states`` skips the loaders' states.
+    """
+    return trainer.fit_loop.state_dict()
 
 
 def finish_loader_states(checkpoint: dict[str, Any]) -> None:

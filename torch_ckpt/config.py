@@ -346,8 +346,8 @@ class CheckpointConfig:
         Parsed with PyYAML's ``safe_load`` (plain data only, never Python objects).
 
         Raises:
-            ConfigError: The file cannot be read, is not valid YAML or is not a mapping (the
-                message names the file).
+            ConfigError: The file cannot be read, is not UTF-8 text, is not valid YAML (or is
+                nested too deeply to parse) or is not a mapping (the message names the file).
         """
         import yaml  # PyYAML is a dependency; imported here so `import torch_ckpt` stays fast
 
@@ -356,10 +356,14 @@ class CheckpointConfig:
             text = path.read_text(encoding="utf-8")
         except OSError as exc:
             raise ConfigError(f"cannot read the configuration file {path}: {exc.strerror or exc}") from exc
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"{path}: not a UTF-8 text file (byte {exc.start}); save it as UTF-8 YAML") from exc
         try:
             data = yaml.safe_load(text)
         except yaml.YAMLError as exc:
             raise ConfigError(f"{path}: not valid YAML ({exc})") from exc
+        except RecursionError:  # PyYAML composes nested collections recursively
+            raise ConfigError(f"{path}: nested too deeply to be a settings file (setting: value lines)") from None
         if data is not None and not isinstance(data, Mapping):
             raise ConfigError(f"{path}: expected a mapping of settings, got {type(data).__name__}")
         return dict(data or {})

@@ -280,9 +280,14 @@ class DurableTier:
         file gets.
 
         Raises:
-            CheckpointCorruptError: the fetched bytes do not match the manifest.
+            CheckpointCorruptError: the object is missing from the store (as a missing local file
+                is), or the fetched bytes do not match the manifest.
         """
-        with self.fs.open(f"{src.path}/{name}", "rb", block_size=_CHUNK_BYTES) as fin, open(tmp / name, "wb") as fout:
+        try:
+            fin = self.fs.open(f"{src.path}/{name}", "rb", block_size=_CHUNK_BYTES)
+        except FileNotFoundError:  # deleted from the store after its manifest was written: a damaged copy
+            raise corrupt(src.describe(name), "listed in the manifest but missing") from None
+        with fin, open(tmp / name, "wb") as fout:
             while chunk := fin.read(_CHUNK_BYTES):
                 fout.write(chunk)
                 bar.update(len(chunk))
