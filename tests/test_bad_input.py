@@ -63,6 +63,14 @@ def _edit_manifest(step_dir: Path, edit) -> None:
     path.write_text(json.dumps(doc))
 
 
+def _steps_1_and_2_with_manifest_2(root: Path, text: str) -> Path:
+    """Save steps 1 (all 1.0) and 2 (all 2.0), then overwrite step 2's manifest with ``text``; returns its path."""
+    _save(root, 1, _dict_state(1.0))
+    manifest = _save(root, 2, _dict_state(2.0)) / "manifest.json"
+    manifest.write_text(text)
+    return manifest
+
+
 def _shard(step_dir: Path) -> Path:
     shards = sorted(step_dir.glob("*.distcp"))
     assert shards, f"no shard file in {sorted(os.listdir(step_dir))}"
@@ -398,9 +406,7 @@ def test_damaged_shard_is_reported_with_its_file(tmp_path, damage):
 @pytest.mark.timeout(60)
 def test_checkpoint_with_an_invalid_json_manifest_is_not_listed(tmp_path):
     """A checkpoint whose manifest is not valid JSON is skipped: latest_step() names the previous one."""
-    _save(tmp_path, 1, _dict_state(1.0))
-    step_dir = _save(tmp_path, 2, _dict_state(2.0))
-    (step_dir / "manifest.json").write_text('{"format": "torch-ckpt", "step": 2,')
+    _steps_1_and_2_with_manifest_2(tmp_path, '{"format": "torch-ckpt", "step": 2,')
     with CheckpointManager(tmp_path) as mgr:
         assert mgr.all_steps() == [1]
         assert mgr.latest_step() == 1
@@ -412,10 +418,7 @@ def test_checkpoint_with_an_invalid_json_manifest_is_not_listed(tmp_path):
 @pytest.mark.timeout(60)
 def test_explicit_restore_of_a_step_with_an_invalid_json_manifest_names_the_manifest(tmp_path):
     """restore(step=2) when step 2's manifest is invalid JSON raises a CheckpointError naming that manifest file."""
-    _save(tmp_path, 1, _dict_state(1.0))
-    step_dir = _save(tmp_path, 2, _dict_state(2.0))
-    manifest = step_dir / "manifest.json"
-    manifest.write_text('{"format": "torch-ckpt", "step": 2,')
+    manifest = _steps_1_and_2_with_manifest_2(tmp_path, '{"format": "torch-ckpt", "step": 2,')
     with CheckpointManager(tmp_path) as mgr:
         with pytest.raises(CheckpointError) as info:
             mgr.restore(_dict_state(0.0), step=2)
@@ -428,10 +431,7 @@ def test_explicit_restore_of_a_step_with_an_invalid_json_manifest_names_the_mani
 @pytest.mark.timeout(60)
 def test_resaving_a_step_whose_checkpoint_is_damaged_is_not_called_already_committed(tmp_path):
     """After step 2's manifest is damaged (so latest is 1), saving step 2 again commits it or blames the manifest."""
-    _save(tmp_path, 1, _dict_state(1.0))
-    step_dir = _save(tmp_path, 2, _dict_state(2.0))
-    manifest = step_dir / "manifest.json"
-    manifest.write_text("{")
+    _steps_1_and_2_with_manifest_2(tmp_path, "{")
     with CheckpointManager(tmp_path) as mgr:
         assert mgr.latest_step() == 1  # a resumed run continues from step 1 and reaches step 2 again
         try:
