@@ -177,9 +177,6 @@ def test_another_directory_still_raises_saying_what_to_do(tmp_path):
         TinyModule.load_from_checkpoint(tmp_path / "not_ours")
 
 
-@pytest.mark.xfail(strict=True, reason="break4 finding: the load hook only recognises plain local paths; a file:// "
-                   "URL of a torch-ckpt directory goes to Lightning and fails saying it has no manifest.json "
-                   "(owner: lightning_ckpt/_compat.install_load_hook)")
 def test_lightnings_load_from_checkpoint_reads_a_file_url_of_a_directory(make_trainer, tmp_path):
     """Model.load_from_checkpoint('file://' + dir) loads a torch-ckpt directory as the plain path does."""
     module = TinyModule(lr=0.25)
