@@ -217,3 +217,12 @@ def test_checkpointer_timeout_accepts_a_duration_string():
 
     with AsyncCheckpointer(timeout_seconds="2m") as ck:
         assert ck._ctx.timeout_seconds == 120.0
+
+
+@pytest.mark.parametrize("bad", [0, 257, True])
+def test_checkpointer_thread_count_is_bounded_like_the_config(bad):
+    """AsyncCheckpointer refuses thread_count outside 1-256 (CheckpointConfig's bound), naming thread_count."""
+    from torch_ckpt import AsyncCheckpointer
+
+    with pytest.raises(ConfigError, match="thread_count must be an integer in \\[1, 256\\]"):
+        AsyncCheckpointer(thread_count=bad)

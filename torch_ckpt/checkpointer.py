@@ -109,7 +109,7 @@ class AsyncCheckpointer(CheckpointerPrepareMixin):
     ) -> None:
         if on_write_error not in ("raise", "warn"):
             raise ConfigError(f"on_write_error must be 'raise' or 'warn', got {on_write_error!r}")
-        check_int("thread_count", thread_count, 1)
+        check_int("thread_count", thread_count, 1, 256)  # the bound CheckpointConfig sets
         if persist not in ("thread", "process"):
             raise ConfigError(f"persist must be 'thread' or 'process', got {persist!r}")
         check_int("writer_niceness", writer_niceness, 0, 19)

@@ -82,7 +82,7 @@ class DurableTier:
         self.url = url.rstrip("/")
         self.root = self.root.rstrip("/")
         check_int("part_bytes (S3's smallest part is 5 MiB)", part_bytes, 5 << 20)
-        check_int("upload_threads", upload_threads, 1)
+        check_int("upload_threads", upload_threads, 1, 256)  # the bound CheckpointConfig sets
         self.verify = verify
         self.naming = naming or StepNaming()
         self.part_bytes = part_bytes
