@@ -23,7 +23,7 @@ import copy
 import dataclasses
 import gc
 from collections.abc import Iterator, Mapping, MutableMapping
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -256,7 +256,10 @@ def load_into(state: Any, step_dir: Path, manifest: Manifest, ctx: DistContext, 
     state of a fresh optimizer) through three optional methods: ``load_optional_key(key) -> bool``
     (a tensor either side may lack), ``load_target(key, shape, dtype) -> Tensor | None`` (a buffer
     for a checkpoint tensor, placed where it will live) and ``check_load(saved, allow_cast=...)``
-    (structural checks on the nested checkpoint state, whose tensors are meta tensors). A state
+    (structural checks on the nested checkpoint state, whose tensors are meta tensors), and a
+    fourth, ``load_session()``: a context manager held around the whole restore, from
+    ``state_dict()`` to ``load_state_dict()``, within which the state may reuse work its hooks
+    share (TrainState computes its parameter names once). A state
     with ``check_load`` receives the new buffers in ``load_state_dict`` and copies them itself;
     for any other state the buffers are copied into its live tensors before ``load_state_dict``.
     Python's cyclic garbage collector is paused meanwhile (:func:`collector_paused`).
@@ -279,7 +282,8 @@ def load_into(state: Any, step_dir: Path, manifest: Manifest, ctx: DistContext, 
     """
     if on_world_size_change not in RANK_LOCAL_POLICIES:
         raise ConfigError(f"on_world_size_change must be one of {RANK_LOCAL_POLICIES}, got {on_world_size_change!r}")
-    with collector_paused():
+    session = getattr(state, "load_session", None)  # e.g. TrainState: work shared by its hooks, once per restore
+    with collector_paused(), (session() if callable(session) else nullcontext()):
         _load_into(state, step_dir, manifest, ctx, verify=verify, on_world_size_change=on_world_size_change,
                    allow_cast=allow_cast)
 
