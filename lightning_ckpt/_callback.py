@@ -83,6 +83,7 @@ class MTBFCheckpoint(OnExceptionCheckpoint):
         self._rng = TrainState()  # this rank's RNG (Python, NumPy, torch CPU/CUDA) only
         self._pending_rng: dict[str, Any] | None = None
         self._deferred: tuple[str, dict[str, Any]] | None = None  # an epoch end's path and Lightning state
+        self._epoch_end_loop: tuple[int, dict[str, Any]] | None = None  # last batch's step and fit-loop state
         self._reports = SaveReports(health_every_seconds=60.0)  # each commit once; lost work at most once a minute
         self._stepped = False
         self._last_saved_step: int | None = None
@@ -124,6 +125,7 @@ class MTBFCheckpoint(OnExceptionCheckpoint):
         io.rng_restored_by_callback = True
         io.enable_overlap(pl_module)
         self._reports, self._stepped, self._last_saved_step, self._deferred = SaveReports(), False, None, None
+        self._epoch_end_loop = None
 
     @override
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
@@ -166,6 +168,10 @@ class MTBFCheckpoint(OnExceptionCheckpoint):
         # the final step is saved at its step boundary: at on_train_end Lightning counts the epoch completed
         if want or sigterm or (self.save_on_train_end and _compat.is_final_batch(trainer)):
             self._save(trainer, step, stopping=sigterm)
+        elif self.save_on_train_end and _compat.is_last_batch(trainer):
+            # a stop decided later at this epoch end (should_stop from EarlyStopping, a callback or the module)
+            # saves at on_train_end with the loop state of this moment (see on_train_end)
+            self._epoch_end_loop = (step, _compat.fit_loop_state(trainer))
         if sigterm:
             self._io.wait()
             log.warning("[rank %d] SIGTERM: checkpoint of step %d is committed; stopping", trainer.global_rank, step)
@@ -181,10 +187,13 @@ class MTBFCheckpoint(OnExceptionCheckpoint):
             pl_module.log("ckpt_saving", float(self._io.saving), prog_bar=True, logger=False, on_step=True,
                           on_epoch=False)
 
-    def _save(self, trainer: Any, step: int, *, stopping: bool = False) -> None:
+    def _save(self, trainer: Any, step: int, *, stopping: bool = False, fit_loop: dict[str, Any] | None = None
+              ) -> None:
         """Save ``step``. At an epoch end, Lightning's state of this step is taken now (its loaders marked
         finished, so a resume starts the next epoch) and written with the RNG of the next epoch's first
-        batch, where a resume restores it: at that batch, or at once when training stops first."""
+        batch, where a resume restores it: at that batch, or at once when training stops first.
+        ``fit_loop`` replaces the checkpoint's ``loops.fit_loop`` (the state taken at the epoch's last batch
+        end, for a save at ``on_train_end``)."""
         if step == self._last_saved_step:
             return
         self._last_saved_step = step
@@ -194,6 +203,8 @@ class MTBFCheckpoint(OnExceptionCheckpoint):
             self._track_last_save()
             return
         checkpoint = _compat.dump_checkpoint(trainer)
+        if fit_loop is not None:
+            checkpoint["loops"]["fit_loop"] = fit_loop
         _compat.finish_loader_states(checkpoint)
         self._deferred = (path, checkpoint)
         if stopping:
@@ -242,13 +253,20 @@ class MTBFCheckpoint(OnExceptionCheckpoint):
 
     @override
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
-        """Save the final step unless already saved, wait for it, log its statistics. A stop inside an
-        epoch (``should_stop``, ``max_time``) is not saved: Lightning counts that epoch as completed."""
+        """Save the final step unless already saved, wait for it, log its statistics.
+
+        A stop at an epoch end decided after its last batch (``should_stop`` set by ``EarlyStopping`` on a
+        validation metric, by a callback or by the module, e.g. in ``on_train_epoch_end``) saves the state of
+        now (callbacks, schedulers stepped at the epoch end) with the fit loop's state taken at that last
+        batch end: Lightning has counted the epoch completed now, and a resume from that count would not
+        load the train loaders' states. A stop inside an epoch (``should_stop``, ``max_time``) is not saved:
+        Lightning counts that epoch as completed."""
         self._flush_deferred(trainer, stopping=True)
         step = trainer.global_step
+        loop, self._epoch_end_loop = self._epoch_end_loop, None
         if self.save_on_train_end and step > 0 and step != self._last_saved_step:
-            if _compat.is_last_batch(trainer):  # stopped at an epoch end by should_stop: the epoch counts completed
-                self._save(trainer, step, stopping=True)
+            if _compat.is_last_batch(trainer) and loop is not None and loop[0] == step:
+                self._save(trainer, step, stopping=True, fit_loop=loop[1])
             else:
                 log.info("training stopped inside an epoch at step %d: not saving it at train end (it would resume "
                          "at the next epoch); the newest checkpoint is step %s", step, self._last_saved_step)

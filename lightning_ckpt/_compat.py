@@ -13,9 +13,9 @@ from collections.abc import Callable
 from typing import Any
 
 __all__ = [
-    "dump_checkpoint", "finish_loader_states", "install_fresh_fit_hook", "install_link_hook", "install_load_hook",
-    "is_final_batch", "is_last_batch", "isolate_validation_rng", "set_original_sigterm_handler", "sharded_flags",
-    "signal_connector", "start_next_epoch",
+    "dump_checkpoint", "finish_loader_states", "fit_loop_state", "install_fresh_fit_hook", "install_link_hook",
+    "install_load_hook", "is_final_batch", "is_last_batch", "isolate_validation_rng", "set_original_sigterm_handler",
+    "sharded_flags", "signal_connector", "start_next_epoch",
 ]
 
 _MARK = "_lightning_ckpt_wrapped"
@@ -75,6 +75,19 @@ def dump_checkpoint(trainer: Any) -> dict[str, Any]:
     """The dict ``trainer.save_checkpoint`` would write now, hooks included (``_checkpoint_connector``);
     its tensors are the live ones (valid until the next optimizer step)."""
     return trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+
+
+def fit_loop_state(trainer: Any) -> dict[str, Any]:
+    """``trainer.fit_loop.state_dict()``: the loop progress and train loaders' states that a checkpoint taken
+    now stores as ``loops.fit_loop`` (fresh dicts, later steps do not change them).
+
+    At an epoch's last batch end, the epoch's progress is ``processed == started - 1`` and the batch's
+    ``completed == processed - 1``; a resume from that state restarts (``FitLoop.restarting``), loads the
+    loaders' states and counts the epoch finished (``FitLoop.reset``, ``RestartStage.RESTARTED_MID_EPOCH``).
+    After ``on_advance_end`` counted the epoch completed, ``restarting`` is False in epoch-based training and
+    ``_load_combined_loader_states`` skips the loaders' states.
+    """
+    return trainer.fit_loop.state_dict()
 
 
 def finish_loader_states(checkpoint: dict[str, Any]) -> None:
@@ -145,7 +158,8 @@ def install_load_hook(load_dir: Callable[[str, Any, bool | None], dict[str, Any]
 
     ``LightningModule.load_from_checkpoint`` and ``TorchCheckpointIO.load_checkpoint`` (a Trainer without
     our plugin) read through ``fabric.utilities.cloud_io._load``, bound at import as ``core.saving.pl_load``
-    and ``plugins.io.torch_io.pl_load``; the three names get one wrapper. Only a local directory holding
+    and ``plugins.io.torch_io.pl_load``; the three names get one wrapper. Only a local directory (a path
+    or a ``file://`` URL) holding
     ``manifest.json`` goes to ``load_dir(path, map_location, weights_only)``; anything else goes to
     Lightning unchanged, and its ``IsADirectoryError`` for another directory says what to do.
     """
@@ -158,15 +172,17 @@ def install_load_hook(load_dir: Callable[[str, Any, bool | None], dict[str, Any]
         return
 
     def _load(path_or_url: Any, map_location: Any = None, weights_only: bool | None = None) -> Any:
-        local = isinstance(path_or_url, (str, os.PathLike)) and "://" not in os.fspath(path_or_url)
-        if local and os.path.isfile(os.path.join(path_or_url, "manifest.json")):
-            return load_dir(os.fspath(path_or_url), map_location, weights_only)
+        text = os.fspath(path_or_url) if isinstance(path_or_url, (str, os.PathLike)) else ""
+        local = text[len("file://"):] if text.startswith("file://") else ("" if "://" in text else text)
+        if local and os.path.isfile(os.path.join(local, "manifest.json")):
+            return load_dir(local, map_location, weights_only)
         try:
             return original(path_or_url, map_location=map_location, weights_only=weights_only)
         except IsADirectoryError as exc:
             raise IsADirectoryError(errno.EISDIR, (
-                f"{path_or_url} is a directory, not a checkpoint file, and not a torch-ckpt checkpoint (no "
-                "manifest.json). For a torch-ckpt checkpoint pass its step directory to "
+                f"{path_or_url} is a directory, not a checkpoint file, and not a local torch-ckpt checkpoint (no "
+                "manifest.json; only local paths and file:// URLs are read as torch-ckpt checkpoints). "
+                "For a torch-ckpt checkpoint pass its step directory to "
                 "lightning_ckpt.load_from_checkpoint(Model, path), or convert it to one file with "
                 "`torch-ckpt convert CKPT --to torch OUT`"), os.fspath(path_or_url)) from exc
 

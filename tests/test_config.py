@@ -297,3 +297,27 @@ def test_readme_configuration_lists_every_field_with_its_default():
         assert row is not None, f"README Configuration lacks {field.name}"
         shown = row.split("|")[2].strip()
         assert shown == f"`{field.default!r}`", (field.name, shown)
+
+
+def test_from_yaml_overflowing_duration_string_is_refused(tmp_path):
+    """A duration written as '1e309' (inf once parsed) is refused naming the file and key, like .inf."""
+    path = tmp_path / "huge.yaml"
+    path.write_text("timeout_seconds: '1e309'\n")
+    with pytest.raises(ConfigError, match=r"huge\.yaml.*timeout_seconds"):
+        CheckpointConfig.from_yaml(path)
+
+
+def test_read_yaml_binary_file_is_a_config_error_naming_it(tmp_path):
+    """A file that is not UTF-8 text raises ConfigError naming it, not a UnicodeDecodeError."""
+    path = tmp_path / "ckpt.yaml"
+    path.write_bytes(b"\xff\xfe\x00keep_last: 3")
+    with pytest.raises(ConfigError, match=r"ckpt\.yaml: not a UTF-8 text file"):
+        CheckpointConfig.read_yaml(path)
+
+
+def test_read_yaml_deeply_nested_file_is_a_config_error_naming_it(tmp_path):
+    """A file nested past Python's recursion limit raises ConfigError naming it, not RecursionError."""
+    path = tmp_path / "deep.yaml"
+    path.write_text("[" * 5000 + "]" * 5000 + "\n")
+    with pytest.raises(ConfigError, match=r"deep\.yaml: nested too deeply"):
+        CheckpointConfig.read_yaml(path)

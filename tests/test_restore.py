@@ -339,3 +339,98 @@ def test_collector_left_disabled_when_it_was_disabled(saved):
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+class _Refusing:
+    """A Stateful holding one tensor whose load_state_dict refuses every state (after validating it)."""
+
+    def __init__(self, value: float) -> None:
+        self.t = torch.full((4,), value)
+
+    def state_dict(self):
+        return {"t": self.t, "n": 1}
+
+    def load_state_dict(self, sd):
+        raise ValueError("refused")
+
+
+def test_stateful_refusing_its_state_keeps_its_tensors():
+    """A Stateful (no check_load) whose load_state_dict raises keeps its live tensor values."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as root:
+        with CheckpointManager(root) as mgr:
+            mgr.save(1, _Refusing(1.0)).wait()
+        live = _Refusing(2.0)
+        with CheckpointManager(root) as mgr, pytest.raises(ValueError, match="refused"):
+            mgr.restore(live)
+        assert torch.equal(live.t, torch.full((4,), 2.0))
+
+
+def test_optimizer_passed_directly_with_other_param_groups_keeps_its_state(tmp_path):
+    """Restoring into an optimizer whose param groups differ from the saved one leaves its momentum unchanged."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    with CheckpointManager(tmp_path) as mgr:
+        mgr.save(1, opt).wait()
+    live = torch.optim.SGD([{"params": list(model[0].parameters())}, {"params": list(model[1].parameters())}],
+                           lr=0.1, momentum=0.9)
+    model(torch.randn(3, 4)).pow(2).sum().backward()
+    live.step()
+    before = copy.deepcopy(live.state_dict())
+    with CheckpointManager(tmp_path) as mgr, pytest.raises(ValueError, match="parameter groups"):
+        mgr.restore(live)
+    assert_same(live.state_dict(), before)
+
+
+def _gloo_model(seed: int):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Linear(256, 64))
+    opt = torch.optim.AdamW(model.parameters(), amsgrad=True)
+    model(torch.randn(2, 64)).sum().backward()
+    opt.step()
+    return model, opt
+
+
+def _gloo_save(rank, world_size, root):
+    model, opt = _gloo_model(0)
+    with CheckpointManager(root, thread_count=2) as mgr:
+        mgr.save(1, TrainState(model=model, optimizer=opt)).wait()
+
+
+def _gloo_restore_corrupt(rank, world_size, root, bad_file):
+    from torch_ckpt import CheckpointCorruptError
+
+    model, opt = _gloo_model(1)
+    before = (copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()))
+    with CheckpointManager(root) as mgr, pytest.raises(CheckpointCorruptError, match=f"{bad_file}.*CRC-32"):
+        mgr.restore(TrainState(model=model, optimizer=opt), step=1)
+    assert_same(model.state_dict(), before[0])
+    assert_same(opt.state_dict(), before[1])
+
+
+@pytest.mark.slow
+def test_two_rank_restore_with_a_flipped_byte_in_the_last_file_changes_nothing(tmp_path):
+    """On 2 gloo ranks a byte flipped in the last data file fails both ranks' restore, naming it; nothing changes."""
+    from tests._dist import run_distributed
+
+    run_distributed(_gloo_save, 2, str(tmp_path))
+    last = sorted(tmp_path.glob("step_*/*.distcp"))[-1]
+    raw = bytearray(last.read_bytes())
+    raw[-len(raw) // 3] ^= 0x04
+    last.write_bytes(bytes(raw))
+    run_distributed(_gloo_restore_corrupt, 2, str(tmp_path), last.name)
+
+
+def test_inference_mode_live_tensors_are_refused_before_any_write(tmp_path):
+    """Live tensors made under inference_mode are refused with a StateMismatchError before anything is written."""
+    with CheckpointManager(tmp_path) as mgr:
+        mgr.save(1, {"big": torch.ones(600_000), "small": torch.ones(10)}).wait()
+    with torch.inference_mode():
+        live = {"big": torch.zeros(600_000), "small": torch.zeros(10)}
+    with CheckpointManager(tmp_path) as mgr, pytest.raises(StateMismatchError, match="inference"):
+        mgr.restore(live)
+    assert not live["big"].any() and not live["small"].any()

@@ -409,3 +409,34 @@ def test_history_steps_are_replicated_whatever_replicate_every_n_saves_says(tmp_
             mgr.save(step, state).wait()
             assert mgr.wait_durable(60)
     assert sorted(DurableTier(url).list_steps()) == [2, 3, 4]
+
+
+def test_fetch_of_a_deleted_object_fails_as_a_missing_local_file_does(tmp_path):
+    """An object deleted from the store after its manifest fails download() as corrupt, naming its URL."""
+    local, manifest = _one_file(tmp_path)
+    tier = DurableTier(f"memory://ckpt-{uuid.uuid4().hex[:8]}/run")
+    tier.upload(local, manifest)
+    tier.fs.rm_file(f"{tier.location(1).path}/f.bin")
+    with pytest.raises(CheckpointCorruptError) as exc:
+        tier.download(1, tmp_path / "restored")
+    assert str(exc.value) == f"{tier.describe(1)}/f.bin: listed in the manifest but missing"
+    assert list((tmp_path / "restored").iterdir()) == []
+
+
+@pytest.mark.parametrize("name", [".metadata", "__0_0.distcp"])
+def test_s3_restore_falls_back_when_an_object_of_the_newest_copy_was_deleted(tmp_path, s3, caplog, name):
+    """Local root lost, one object of the newest durable step deleted: restore warns and loads the older step."""
+    bucket = s3.new_bucket()
+    url = f"s3://{bucket}/run"
+    with CheckpointManager(tmp_path / "local", durable_url=url, storage_options=s3.options) as mgr:
+        for step in (1, 2):
+            mgr.save(step, {"w": torch.full((8,), float(step))}).wait()
+        assert mgr.wait_durable(60)
+    s3fs.S3FileSystem(**s3.options).rm_file(f"{bucket}/run/step_000000002/{name}")
+    shutil.rmtree(tmp_path / "local")
+    live = {"w": torch.zeros(8)}
+    with caplog.at_level(logging.WARNING), CheckpointManager(tmp_path / "local", durable_url=url,
+                                                             storage_options=s3.options) as mgr:
+        assert mgr.restore(live) == 1
+    assert torch.equal(live["w"], torch.ones(8))
+    assert f"step_000000002/{name}: listed in the manifest but missing" in caplog.text

@@ -39,6 +39,10 @@ from torch_ckpt.preemption import parse_signals
 from torch_ckpt.restore import RANK_LOCAL_POLICIES
 from torch_ckpt.retention import KeepAny, KeepEveryNSteps, KeepLatest, RetentionPolicy
 from torch_ckpt.schedule import AnyOf, EveryNSeconds, EveryNSteps, SavePolicy, YoungDaly
+from torch_ckpt.settings_file import read_settings_file
+
+#: fields that take Python objects: code only, never from a settings file
+CODE_ONLY_FIELDS = frozenset({"retention", "save_policy", "process_group", "naming"})
 
 __all__ = ["CheckpointConfig", "parse_size", "DEFAULT", "DefaultType", "ON_EXISTING_NEWER", "PERSIST_MODES",
            "DURABLE_VERIFY", "ON_WRITE_ERROR"]
@@ -80,7 +84,7 @@ class CheckpointConfig:
             string); ``None``: half the available RAM (psutil). A state that does not fit is saved
             synchronously straight from the live tensors (bounded memory, logged), never by
             over-allocating.
-        thread_count: DCP writer threads (and files) per rank (int >= 1); 2 overlaps checksumming
+        thread_count: DCP writer threads (and files) per rank (int, 1-256); 2 overlaps checksumming
             with writing.
         verify_on_load: Check every file's CRC-32 before loading (sizes are always checked).
         on_world_size_change: What ``restore()`` does with rank-local state (RNG, dataloader
@@ -136,7 +140,7 @@ class CheckpointConfig:
             the durable tier). ``None`` (default): private when the ranks span more than one node
             (``LOCAL_WORLD_SIZE < WORLD_SIZE``). A shared directory used with ``False`` is refused.
         durable_upload_threads: Files each node uploads to (and downloads from) the durable tier
-            at once (int >= 1).
+            at once (int, 1-256).
 
     Raises:
         ConfigError: A value is out of range or of the wrong type, or two fields conflict; the
@@ -188,8 +192,10 @@ class CheckpointConfig:
                 check_int(name, getattr(self, name), 1)
         if self.local_root_shared is not None and not isinstance(self.local_root_shared, bool):
             raise ConfigError(f"local_root_shared must be true, false or None, got {self.local_root_shared!r}")
-        for name in ("thread_count", "min_interval_steps", "replicate_every_n_saves", "durable_upload_threads"):
+        for name in ("min_interval_steps", "replicate_every_n_saves"):
             check_int(name, getattr(self, name), 1)
+        for name in ("thread_count", "durable_upload_threads"):  # threads (and files) per rank
+            check_int(name, getattr(self, name), 1, maximum=256)
         check_int("writer_niceness", self.writer_niceness, 0, maximum=19)
         for name, choices in (("persist", PERSIST_MODES), ("on_world_size_change", RANK_LOCAL_POLICIES),
                               ("formula", tuple(FORMULAS)), ("durable_verify", DURABLE_VERIFY),
@@ -343,26 +349,14 @@ class CheckpointConfig:
     def read_yaml(path: str | os.PathLike) -> dict[str, Any]:
         """The mapping in a YAML settings file (``{}`` for an empty file), not yet validated.
 
-        Parsed with PyYAML's ``safe_load`` (plain data only, never Python objects).
+        Parsed with PyYAML's safe loader (plain data only, never Python objects).
 
         Raises:
-            ConfigError: The file cannot be read, is not valid YAML or is not a mapping (the
-                message names the file).
+            ConfigError: The file cannot be read, is not UTF-8 text, is not valid YAML (or is
+                nested too deeply to parse), is not a mapping, gives a key twice, or gives a
+                setting that takes a Python object (the message names the file).
         """
-        import yaml  # PyYAML is a dependency; imported here so `import torch_ckpt` stays fast
-
-        path = Path(path).expanduser()
-        try:
-            text = path.read_text(encoding="utf-8")
-        except OSError as exc:
-            raise ConfigError(f"cannot read the configuration file {path}: {exc.strerror or exc}") from exc
-        try:
-            data = yaml.safe_load(text)
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"{path}: not valid YAML ({exc})") from exc
-        if data is not None and not isinstance(data, Mapping):
-            raise ConfigError(f"{path}: expected a mapping of settings, got {type(data).__name__}")
-        return dict(data or {})
+        return read_settings_file(path, code_only=CODE_ONLY_FIELDS)
 
     @classmethod
     def from_yaml(cls, path: str | os.PathLike) -> CheckpointConfig:

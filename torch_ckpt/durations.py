@@ -89,7 +89,8 @@ def _parse_text(text: str) -> float | None:
     if not text:
         return None
     if re.fullmatch(rf"[+-]?{_NUMBER}", text):
-        return float(text)
+        seconds = float(text)  # "1e309" overflows to inf: not a duration
+        return seconds if math.isfinite(seconds) else None
     sign_match = _SIGN.match(text)
     assert sign_match is not None  # the pattern matches any string
     sign, body = sign_match.groups()

@@ -113,6 +113,11 @@ def _staging_like(live: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.empty(live.shape, dtype=dtype, device="cpu")
 
 
+def _on_device_of(live: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
+    """``new`` on ``live``'s device (a new tensor there when the devices differ; ``new`` itself otherwise)."""
+    return new if live is None or live.device == new.device else new.to(live.device)
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if isinstance(t, DTensor) else t
 
@@ -213,6 +218,12 @@ def _plan(state: Any, step_dir: Path, manifest: Manifest, md: Any, tree: Any, ct
             (casts if allow_cast else bad_dtype).append(f"{key}: checkpoint {meta.dtype}, live {t.dtype}")
     if bad_shape:
         raise StateMismatchError(f"{step_dir}: tensor shapes differ: {bad_shape[:20]}", missing=[], unexpected=[])
+    inference = sorted(k for k, t in live_tensors.items() if k in saved_meta and _local(t).is_inference())
+    if inference:  # they cannot be written in place: refuse before the first write
+        raise StateMismatchError(
+            f"{step_dir}: live tensors created under torch.inference_mode() cannot be restored in place: "
+            f"{inference[:20]}{' ...' if len(inference) > 20 else ''}. Build the model/optimizer outside "
+            "inference_mode (torch.no_grad() is fine), restore, then enter inference_mode.", missing=[], unexpected=[])
     if bad_dtype:
         raise StateMismatchError(
             f"{step_dir}: tensor dtypes differ (restore never casts silently): {bad_dtype[:20]}"
@@ -260,9 +271,11 @@ def load_into(state: Any, step_dir: Path, manifest: Manifest, ctx: DistContext, 
     fourth, ``load_session()``: a context manager held around the whole restore, from
     ``state_dict()`` to ``load_state_dict()``, within which the state may reuse work its hooks
     share (TrainState computes its parameter names once). A state
-    with ``check_load`` receives the new buffers in ``load_state_dict`` and copies them itself;
-    for any other state the buffers are copied into its live tensors before ``load_state_dict``.
-    Python's cyclic garbage collector is paused meanwhile (:func:`collector_paused`).
+    with ``load_state_dict`` receives the new buffers (moved to its tensors' devices when those are
+    not CPU) and copies them itself, so a ``load_state_dict`` that refuses them changes nothing it
+    did not change itself; with DTensors and no ``check_load``, and for a plain dict, the buffers
+    are copied into the live tensors (the dict's own entries are then replaced). Python's cyclic
+    garbage collector is paused meanwhile (:func:`collector_paused`).
 
     Args:
         state: the live state.
@@ -341,6 +354,11 @@ def _load_into(state: Any, step_dir: Path, manifest: Manifest, ctx: DistContext,
     # every read succeeded: from here on the live state is written
     if staged_aware:
         state.load_state_dict(join_state(tree, targets))
+        return
+    if hasattr(state, "load_state_dict") and not any(isinstance(t, DTensor) for t in live_tensors.values()):
+        # the state gets the new buffers (on its tensors' devices) and copies them itself, so a
+        # load_state_dict that refuses them (e.g. other optimizer param groups) leaves it unchanged
+        state.load_state_dict(join_state(tree, {k: _on_device_of(live_tensors.get(k), t) for k, t in targets.items()}))
         return
     copy_into_live(live_tensors, targets)
     full = join_state(tree, live_tensors)

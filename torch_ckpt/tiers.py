@@ -30,6 +30,7 @@ from tqdm import tqdm
 
 from torch_ckpt._logging import get_logger
 from torch_ckpt.bounded import corrupt
+from torch_ckpt.config_values import check_int
 from torch_ckpt.crc import crc32
 from torch_ckpt.errors import CheckpointCorruptError, ConfigError
 from torch_ckpt.format import verify_files
@@ -80,10 +81,8 @@ class DurableTier:
         self.fs, self.root = url_to_fs(url, storage_options)
         self.url = url.rstrip("/")
         self.root = self.root.rstrip("/")
-        if not isinstance(part_bytes, int) or part_bytes < 5 << 20:
-            raise ConfigError(f"part_bytes must be an int >= 5 MiB (S3's smallest part), got {part_bytes!r}")
-        if not isinstance(upload_threads, int) or upload_threads < 1:
-            raise ConfigError(f"upload_threads must be an int >= 1, got {upload_threads!r}")
+        check_int("part_bytes (S3's smallest part is 5 MiB)", part_bytes, 5 << 20)
+        check_int("upload_threads", upload_threads, 1, 256)  # the bound CheckpointConfig sets
         self.verify = verify
         self.naming = naming or StepNaming()
         self.part_bytes = part_bytes
@@ -281,9 +280,14 @@ class DurableTier:
         file gets.
 
         Raises:
-            CheckpointCorruptError: the fetched bytes do not match the manifest.
+            CheckpointCorruptError: the object is missing from the store (as a missing local file
+                is), or the fetched bytes do not match the manifest.
         """
-        with self.fs.open(f"{src.path}/{name}", "rb", block_size=_CHUNK_BYTES) as fin, open(tmp / name, "wb") as fout:
+        try:
+            fin = self.fs.open(f"{src.path}/{name}", "rb", block_size=_CHUNK_BYTES)
+        except FileNotFoundError:  # deleted from the store after its manifest was written: a damaged copy
+            raise corrupt(src.describe(name), "listed in the manifest but missing") from None
+        with fin, open(tmp / name, "wb") as fout:
             while chunk := fin.read(_CHUNK_BYTES):
                 fout.write(chunk)
                 bar.update(len(chunk))

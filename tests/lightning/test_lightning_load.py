@@ -175,3 +175,11 @@ def test_another_directory_still_raises_saying_what_to_do(tmp_path):
     (tmp_path / "not_ours").mkdir()
     with pytest.raises(IsADirectoryError, match=r"not_ours.*lightning_ckpt.load_from_checkpoint.*torch-ckpt convert"):
         TinyModule.load_from_checkpoint(tmp_path / "not_ours")
+
+
+def test_lightnings_load_from_checkpoint_reads_a_file_url_of_a_directory(make_trainer, tmp_path):
+    """Model.load_from_checkpoint('file://' + dir) loads a torch-ckpt directory as the plain path does."""
+    module = TinyModule(lr=0.25)
+    _fit_three_steps_of(make_trainer, tmp_path / "ckpt", module)
+    loaded = TinyModule.load_from_checkpoint(f"file://{tmp_path / 'ckpt' / 'step_000000003'}")
+    assert torch.equal(loaded.layer.weight, module.layer.weight)

@@ -79,13 +79,13 @@ class ShardedDropoutModule(DropoutModule):
 
 def fit(root: Path, max_steps: int, *, ckpt_path: str | None = None, every: int | None = None,
         generators: bool = False, accumulate: int = 1, sigterm_at: int | None = None,
-        **trainer_kwargs) -> dict[int, float]:
+        module_cls: type[DropoutModule] | None = None, **trainer_kwargs) -> dict[int, float]:
     """One fit from a fixed seed (a resumed one from another seed); returns ``{step: loss}``."""
     torch.manual_seed(999 if ckpt_path else 7)
     from lightning.pytorch.strategies import ModelParallelStrategy
 
     sharded = isinstance(trainer_kwargs.get("strategy"), ModelParallelStrategy)
-    module = (ShardedDropoutModule if sharded else DropoutModule)(generators, sigterm_at=sigterm_at)
+    module = (module_cls or (ShardedDropoutModule if sharded else DropoutModule))(generators, sigterm_at=sigterm_at)
     callback = MTBFCheckpoint(root, mtbf_seconds=None, save_every_n_steps=every, keep_last=None, log_stats=False,
                               prog_bar=False)
     options = dict(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
@@ -162,16 +162,72 @@ class StopAfterFirstEpoch(L.Callback):
         trainer.should_stop = True
 
 
-@pytest.mark.xfail(strict=True, reason="known gap: a stop at an epoch end by should_stop (EarlyStopping) is saved at "
-                   "on_train_end, where Lightning counts the epoch completed; in epoch-based training Lightning then "
-                   "does not load the train loader's state, so the resumed shuffle is drawn afresh")
-def test_resume_after_should_stop_at_an_epoch_end_is_bitwise(tmp_path):
+class StopsItselfAfterFirstEpoch(DropoutModule):
+    """The module sets should_stop in its own ``on_train_epoch_end`` of the first epoch."""
+
+    def on_train_epoch_end(self):
+        if self.current_epoch == 0:
+            self.trainer.should_stop = True
+
+
+class LogsWorseningValidation(DropoutModule):
+    """Logs ``val`` 0 until step 10, then 1: ``EarlyStopping(patience=0)`` stops at the first epoch end."""
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val", float(self.trainer.global_step >= 10))
+        return super().validation_step(batch, batch_idx)
+
+
+class EpochScheduler(DropoutModule):
+    """Halves the learning rate at every epoch end (a scheduler stepped after the epoch's last batch)."""
+
+    def configure_optimizers(self):
+        optimizer = super().configure_optimizers()
+        return [optimizer], [{"scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 1, 0.5), "interval": "epoch"}]
+
+
+def early_stopping():
+    """Stops at the first validation whose ``val`` does not improve (that of the first epoch end)."""
+    from lightning.pytorch.callbacks import EarlyStopping
+
+    return EarlyStopping(monitor="val", mode="min", patience=0)
+
+
+SHOULD_STOP = {  # fresh callbacks per run (EarlyStopping keeps its best score)
+    "callback": lambda: dict(callbacks=[StopAfterFirstEpoch()]),
+    "module": lambda: dict(module_cls=StopsItselfAfterFirstEpoch),
+    "early-stopping": lambda: dict(module_cls=LogsWorseningValidation, callbacks=[early_stopping()]),
+    "epoch-scheduler": lambda: dict(module_cls=EpochScheduler, callbacks=[StopAfterFirstEpoch()]),
+    "periodic-save-at-the-stop": lambda: dict(every=10, callbacks=[StopAfterFirstEpoch()]),
+}
+
+
+@pytest.mark.parametrize("generators", [False, True], ids=["ordinary-loaders", "explicit-generators"])
+@pytest.mark.parametrize("how", list(SHOULD_STOP))
+def test_resume_after_should_stop_at_an_epoch_end_is_bitwise(tmp_path, how, generators):
     """Stopped by should_stop after epoch 1 of 3, resumed with ckpt_path="last": the next epochs continue exactly."""
-    full = fit(tmp_path / "full", -1, max_epochs=3)
-    before = fit(tmp_path / "stopped", -1, max_epochs=3, callbacks=[StopAfterFirstEpoch()])
-    after = fit(tmp_path / "stopped", -1, ckpt_path="last", max_epochs=3)
+    module_cls = EpochScheduler if how == "epoch-scheduler" else None
+    full = fit(tmp_path / "full", -1, max_epochs=3, generators=generators, module_cls=module_cls)
+    before = fit(tmp_path / "stopped", -1, max_epochs=3, generators=generators, **SHOULD_STOP[how]())
+    after = fit(tmp_path / "stopped", -1, ckpt_path="last", max_epochs=3, generators=generators, module_cls=module_cls)
     assert before == {s: full[s] for s in range(1, 11)}
     assert after == {s: full[s] for s in range(11, 31)}
+
+
+def test_should_stop_at_an_epoch_end_with_gradient_accumulation_resumes_bitwise(tmp_path):
+    """With accumulate_grad_batches=3 (4 optimizer steps per 10-batch epoch), a should_stop resume is exact."""
+    full = fit(tmp_path / "full", -1, max_epochs=3, accumulate=3)
+    fit(tmp_path / "stopped", -1, max_epochs=3, accumulate=3, callbacks=[StopAfterFirstEpoch()])
+    after = fit(tmp_path / "stopped", -1, ckpt_path="last", max_epochs=3, accumulate=3)
+    assert after == {s: full[s] for s in range(5, 13)}
+
+
+def test_should_stop_at_an_epoch_end_with_max_steps_resumes_bitwise(tmp_path):
+    """Stopped by should_stop after epoch 1 with max_steps set, resumed: the losses continue exactly."""
+    full = fit(tmp_path / "full", TOTAL)
+    fit(tmp_path / "stopped", TOTAL, callbacks=[StopAfterFirstEpoch()])
+    after = fit(tmp_path / "stopped", TOTAL, ckpt_path="last")
+    assert after == {s: full[s] for s in range(11, TOTAL + 1)}
 
 
 def _ddp_body(rank: int, world: int, root: str, strategy: str) -> None:
@@ -193,6 +249,34 @@ def _ddp_body(rank: int, world: int, root: str, strategy: str) -> None:
         fit(root / f"end{stop}", stop, strategy=make(), **common)
         after = fit(root / f"end{stop}", TOTAL, ckpt_path="last", strategy=make(), **common)
         assert after == {s: full[s] for s in range(stop + 1, TOTAL + 1)}, (strategy, "train end", stop)
+
+
+class ShuffledRankShard(DropoutModule):
+    """Each rank shuffles its own half of the data in its loader (no distributed sampler, no epoch seed)."""
+
+    def train_dataloader(self):
+        data = torch.randn(40, 4, generator=torch.Generator().manual_seed(0))
+        shard = TensorDataset(data[self.trainer.global_rank::self.trainer.world_size])
+        return StatefulDataLoader(shard, batch_size=4, shuffle=True)
+
+
+def _should_stop_body(rank: int, world: int, root: str) -> None:
+    from lightning.pytorch.strategies import DDPStrategy
+
+    root = Path(root)
+    common = dict(devices=2, num_nodes=1, use_distributed_sampler=False, module_cls=ShuffledRankShard)
+    full = fit(root / "full", -1, max_epochs=3, strategy=DDPStrategy(), **common)
+    before = fit(root / "stopped", -1, max_epochs=3, strategy=DDPStrategy(), callbacks=[StopAfterFirstEpoch()],
+                 **common)
+    after = fit(root / "stopped", -1, ckpt_path="last", max_epochs=3, strategy=DDPStrategy(), **common)
+    assert before == {s: full[s] for s in range(1, 6)}, rank  # 2 ranks: 5 batches per epoch
+    assert after == {s: full[s] for s in range(6, 16)}, rank
+
+
+@pytest.mark.slow
+def test_two_rank_resume_after_should_stop_at_an_epoch_end_is_bitwise(tmp_path):
+    """DDP on 2 CPU processes, each rank shuffling its shard: a should_stop resume continues exactly."""
+    run_distributed(_should_stop_body, 2, str(tmp_path), timeout_s=300)
 
 
 @pytest.mark.slow
