@@ -29,6 +29,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 from typing import Any
+
 from torch_ckpt.config_values import to_seconds
 
 __all__ = [
