@@ -1,12 +1,29 @@
-"""Helpers shared by the benchmark scripts (run them as ``python benchmarks/NAME.py``)."""
+"""Helpers shared by the benchmark scripts (run them as ``python benchmarks/NAME.py``).
+
+What two or more scripts do the same way lives here: the timestamped log line, the ``--methods``
+list, the disk floor (chunked write + fsync), DCP's reused ``DefaultStager``, closing the methods,
+and writing the JSON summary.
+"""
 
 from __future__ import annotations
 
+import argparse
+import json
+import logging
+import os
+import shutil
+import socket
 import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
+CHUNK = 16 << 20  # bytes per os.write of the disk floor
 
 
 def git_info() -> dict[str, Any]:
@@ -25,3 +42,102 @@ def git_info() -> dict[str, Any]:
         "commit": git("rev-parse", "--short", "HEAD"),
         "library_dirty": bool(status) if status is not None else None,
     }
+
+
+def make_log(name: str) -> Callable[[str], None]:
+    """A ``log(msg)`` writing ``[name HH:MM:SS] msg`` to stderr (stdout stays the JSON summary)."""
+
+    def log(msg: str) -> None:
+        print(f"[{name} {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+    return log
+
+
+def select_methods(parser: argparse.ArgumentParser, given: list[str] | None, known: Sequence[str],
+                   also: Sequence[str] = ()) -> list[str]:
+    """The ``--methods`` items (comma or space separated) in ``known`` order; all of ``known`` if none given.
+
+    Names in ``also`` are accepted but not returned (e.g. floors that always run); any other name
+    ends the run through ``parser.error`` with the list of choices.
+    """
+    if given is None:
+        return list(known)
+    names = [n for item in given for n in item.split(",") if n]
+    unknown = [n for n in names if n not in known and n not in also]
+    if unknown:
+        parser.error(f"unknown methods {unknown}; choose from {tuple(also) + tuple(known)}")
+    return [n for n in known if n in names]
+
+
+def disk_floor_s(path: Path, buf: memoryview, nbytes: int) -> float:
+    """Seconds to ``os.write`` ``nbytes`` to ``path`` in :data:`CHUNK` pieces and ``fsync``; ``path`` is removed.
+
+    ``buf`` holds the bytes; when it is shorter than ``nbytes`` it is written again from its start.
+    """
+    t0 = time.perf_counter()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        off = 0
+        while off < nbytes:
+            start = off % len(buf)
+            off += os.write(fd, buf[start : start + min(CHUNK, nbytes - off, len(buf) - start)])
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    dt = time.perf_counter() - t0
+    path.unlink()
+    return dt
+
+
+def dcp_default_stager(cuda: bool, shared: bool):
+    """DCP's ``DefaultStager`` at its best on this machine: pinned, non-blocking, async staging with CUDA."""
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    return DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=shared, use_async_staging=cuda,
+                                        use_non_blocking_copy=cuda))
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for a one-rank gloo group or a local server)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def remove(path: Path) -> None:
+    """Delete a file or a directory tree; a missing path is fine."""
+    if path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
+    elif path.exists():
+        path.unlink()
+
+
+def close_all(methods: Iterable[Any], log: Callable[[str], None]) -> None:
+    """``close()`` every method; a failure is logged with the method's ``name`` and the rest still close."""
+    for m in methods:
+        try:
+            m.close()
+        except Exception as exc:  # noqa: BLE001 - cleaning up after a run: report, never hide the result
+            log(f"{m.name}: close failed: {exc}")
+
+
+def emit_json(result: dict[str, Any], path: Path | None) -> None:
+    """Print ``result`` as indented JSON on stdout and, with ``path``, write it there too."""
+    text = json.dumps(result, indent=2)
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text + "\n")
+    print(text)
+
+
+def start_run(prefix: str, threads: int, parent: Path | None) -> Path:
+    """Quiet warnings and INFO logs, set torch's intra-op ``threads``; return a new temporary directory.
+
+    The directory (named ``prefix...``) is made under ``parent`` or ``$TMPDIR``; the caller removes it.
+    """
+    import torch
+
+    warnings.filterwarnings("ignore")
+    logging.basicConfig(level=logging.WARNING)
+    torch.set_num_threads(threads)
+    return Path(tempfile.mkdtemp(prefix=prefix, dir=str(parent) if parent else None))

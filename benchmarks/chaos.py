@@ -56,6 +56,7 @@ sys.path.insert(0, str(REPO / "examples"))
 
 import psutil  # noqa: E402
 import train_gpt  # noqa: E402  (imports torch and torch_ckpt once, before any fork)
+from _common import emit_json  # noqa: E402
 
 from torch_ckpt import writer_process  # noqa: E402
 from torch_ckpt.format import verify_files  # noqa: E402
@@ -350,9 +351,7 @@ def main(argv: list[str] | None = None) -> dict:
                     and result["finished"] and result["writers_survived"] == 0
                     and result["committed_after_death"] == 0 and result["orphans_survived"] == 0
                     and result["run_errors"] == 0)
-    print(json.dumps(result, indent=2))
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2))
+    emit_json(result, args.json)
     return result
 
 

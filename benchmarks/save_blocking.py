@@ -33,24 +33,33 @@ from __future__ import annotations
 import argparse
 import ctypes
 import gc
-import json
 import logging
 import os
 import platform
 import shutil
 import statistics
 import sys
-import tempfile
 import threading
 import time
-import warnings
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import psutil
 import torch
-from _common import git_info  # noqa: E402
+from _common import (  # noqa: E402
+    CHUNK,  # noqa: F401 - benchmarks/restore.py reads it as sb.CHUNK
+    close_all,
+    dcp_default_stager,
+    disk_floor_s,
+    emit_json,
+    free_port,
+    git_info,
+    make_log,
+    remove,
+    select_methods,
+    start_run,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
@@ -63,12 +72,10 @@ OURS_NAMES = ("ours_thread", "ours_thread_overlap", "ours_process", "ours_proces
 # set up last: it initialises a one-rank gloo process group, which the methods set up before never see
 LAST_NAMES = ("dcp_async_process",)
 ALL_METHODS = PEER_NAMES + OURS_NAMES + LAST_NAMES
-CHUNK = 16 << 20
 D_MODEL, VOCAB, BLOCK, N_HEAD = 768, 8192, 1024, 12
 
 
-def log(msg: str) -> None:
-    print(f"[save_blocking {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+log = make_log("save_blocking")
 
 
 # ------------------------------------------------------------------------------------------ state
@@ -219,13 +226,6 @@ def fsync_tree(path: Path) -> None:
     fsync_path(path.parent)
 
 
-def remove(path: Path) -> None:
-    if path.is_dir():
-        shutil.rmtree(path, ignore_errors=True)
-    elif path.exists():
-        path.unlink()
-
-
 # ---------------------------------------------------------------------------------- RSS sampling
 
 
@@ -330,20 +330,7 @@ class Floors:
         return time.perf_counter() - t0
 
     def disk_s(self) -> float:
-        path = self.dir / "_disk_floor.bin"
-        buf = memoryview(self.arena.numpy())[: self.nbytes]
-        t0 = time.perf_counter()
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            off = 0
-            while off < self.nbytes:
-                off += os.write(fd, buf[off : off + CHUNK])
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        dt = time.perf_counter() - t0
-        path.unlink()
-        return dt
+        return disk_floor_s(self.dir / "_disk_floor.bin", memoryview(self.arena.numpy())[: self.nbytes], self.nbytes)
 
 
 # ------------------------------------------------------------------------------------- methods
@@ -433,15 +420,6 @@ class DcpAsyncDefault(Method):
         return {"blocking_s": t1 - t0, "safe_s": t1 - t0, "durable_s": t2 - t0}
 
 
-def dcp_default_stager(device: str, shared: bool):
-    """DCP's ``DefaultStager`` at its best on this machine: pinned, non-blocking, async staging with CUDA."""
-    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
-    cuda = device.startswith("cuda")
-    return DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=shared, use_async_staging=cuda,
-                                        use_non_blocking_copy=cuda))
-
-
 class DcpAsyncStager(Method):
     """``dcp.async_save`` (thread) with ONE ``DefaultStager`` reused across calls, so its buffers are cached."""
 
@@ -452,7 +430,7 @@ class DcpAsyncStager(Method):
     def setup(self):
         from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
-        self.stager = dcp_default_stager(self.ctx.device, self.shared)
+        self.stager = dcp_default_stager(self.ctx.device.startswith("cuda"), self.shared)
         self.type = getattr(AsyncCheckpointerType, self.kind)
         self._save(self.out / "warmup")  # first call allocates the stager's cache (and starts a process)
         self.clean()
@@ -496,15 +474,10 @@ class DcpAsyncProcess(DcpAsyncStager):
     shared = True
 
     def setup(self):
-        import socket
-
         import torch.distributed as dist
 
         if not dist.is_initialized():  # the process executor needs a process group, even of one rank
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
-            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
         logging.getLogger().setLevel(logging.WARNING)  # its writer process logs every request at INFO
         super().setup()
 
@@ -708,25 +681,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.quick:
         args.size_gib, args.reps = 0.25, 2
-    if args.methods is None:
-        args.methods = list(ALL_METHODS)
-    else:
-        names = [n for item in args.methods for n in item.split(",") if n]
-        unknown = [n for n in names if n not in ALL_METHODS and n not in FLOOR_NAMES]
-        if unknown:
-            p.error(f"unknown methods {unknown}; choose from {FLOOR_NAMES + ALL_METHODS}")
-        args.methods = [n for n in ALL_METHODS if n in names]
+    args.methods = select_methods(p, args.methods, ALL_METHODS, also=FLOOR_NAMES)
     return args
 
 
 def main(argv=None) -> dict[str, Any]:
     args = parse_args(argv)
-    warnings.filterwarnings("ignore")
-    logging.basicConfig(level=logging.WARNING)
-    torch.set_num_threads(args.threads)
     t_start = time.perf_counter()
-    base_dir = tempfile.mkdtemp(prefix="save_blocking_", dir=str(args.dir) if args.dir else None)
-    directory = Path(base_dir)
+    directory = start_run("save_blocking_", args.threads, args.dir)
     dropper = CacheDropper(enabled=not args.no_drop_caches)
     methods: list[Method] = []
     sampler = RssSampler()
@@ -859,18 +821,10 @@ def main(argv=None) -> dict[str, Any]:
         }
     finally:
         sampler.stop()
-        for m in methods:
-            try:
-                m.close()
-            except Exception as exc:  # noqa: BLE001
-                log(f"{m.name}: close failed: {exc}")
+        close_all(methods, log)
         shutil.rmtree(directory, ignore_errors=True)
     result["config"]["runtime_s"] = time.perf_counter() - t_start
-    text = json.dumps(result, indent=2)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(text + "\n")
-    print(text)
+    emit_json(result, args.json)
     log(f"done in {result['config']['runtime_s']:.0f} s")
     return result
 

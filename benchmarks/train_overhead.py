@@ -36,17 +36,13 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
-import logging
 import os
 import platform
 import shutil
 import statistics
 import sys
-import tempfile
 import threading
 import time
-import warnings
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -56,7 +52,18 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import git_info  # noqa: E402
+from _common import (  # noqa: E402
+    CHUNK,
+    close_all,
+    dcp_default_stager,
+    disk_floor_s,
+    emit_json,
+    git_info,
+    make_log,
+    remove,
+    select_methods,
+    start_run,
+)
 
 METHODS = (
     "none",
@@ -71,8 +78,7 @@ METHODS = (
 )
 
 
-def log(msg: str) -> None:
-    print(f"[train_overhead {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+log = make_log("train_overhead")
 
 
 def load_example():
@@ -159,8 +165,8 @@ class Saver:
         pass
 
     def clean(self) -> None:
-        for p in self.out.iterdir():
-            shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink()
+        for p in list(self.out.iterdir()):
+            remove(p)
 
     def close(self) -> None:
         pass
@@ -242,11 +248,7 @@ class DcpAsyncStager(DcpAsync):
 
     def setup(self):
         super().setup()
-        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
-        cuda = torch.cuda.is_available()
-        self.stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
-                                                   use_async_staging=cuda, use_non_blocking_copy=cuda))
+        self.stager = dcp_default_stager(torch.cuda.is_available(), shared=False)
 
     def save(self, step):
         import torch.distributed.checkpoint as dcp
@@ -356,25 +358,6 @@ class GilProbe:
         self._thread.join(timeout=2)
 
 
-def disk_floor_s(directory: Path, nbytes: int) -> float:
-    """``os.write`` of ``nbytes`` in 16 MiB chunks + ``fsync`` into ``directory``: the disk floor."""
-    chunk = 16 << 20
-    buf = memoryview(bytearray(chunk))
-    path = directory / "_disk_floor.bin"
-    t0 = time.perf_counter()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        left = nbytes
-        while left > 0:
-            left -= os.write(fd, buf[: min(chunk, left)])
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    dt = time.perf_counter() - t0
-    path.unlink()
-    return dt
-
-
 PROBE: GilProbe | None = None
 
 
@@ -429,24 +412,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.quick:
         args.rounds, args.steps, args.save_every = 1, 10, 5
-    if args.methods is None:
-        args.methods = list(METHODS)
-    else:
-        names = [n for item in args.methods for n in item.split(",") if n]
-        unknown = [n for n in names if n not in METHODS]
-        if unknown:
-            p.error(f"unknown methods {unknown}; choose from {METHODS}")
-        args.methods = ["none"] + [n for n in METHODS if n in names and n != "none"]
+    args.methods = ["none"] + [n for n in select_methods(p, args.methods, METHODS) if n != "none"]
     return args
 
 
 def main(argv=None) -> dict[str, Any]:
     args = parse_args(argv)
-    warnings.filterwarnings("ignore")
-    logging.basicConfig(level=logging.WARNING)
-    torch.set_num_threads(args.threads)
     t_start = time.perf_counter()
-    directory = Path(tempfile.mkdtemp(prefix="train_overhead_", dir=str(args.dir) if args.dir else None))
+    directory = start_run("train_overhead_", args.threads, args.dir)
     savers: dict[str, Saver] = {}
     global PROBE
     disk_floors: list[float] = []
@@ -479,7 +452,7 @@ def main(argv=None) -> dict[str, Any]:
             order = names[r % len(names) :] + names[: r % len(names)]
             t_round = time.perf_counter()
             os.sync()
-            disk_floors.append(disk_floor_s(directory, state_bytes))
+            disk_floors.append(disk_floor_s(directory / "_disk_floor.bin", memoryview(bytearray(CHUNK)), state_bytes))
             line = []
             for name in order:
                 base = run_segment(env, savers["none"], args.steps, args.save_every, False)
@@ -587,18 +560,10 @@ def main(argv=None) -> dict[str, Any]:
     finally:
         if PROBE is not None:
             PROBE.stop()
-        for s in savers.values():
-            try:
-                s.close()
-            except Exception as exc:  # noqa: BLE001
-                log(f"{s.name}: close failed: {exc}")
+        close_all(savers.values(), log)
         shutil.rmtree(directory, ignore_errors=True)
     result["runtime_s"] = time.perf_counter() - t_start
-    text = json.dumps(result, indent=2)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(text + "\n")
-    print(text)
+    emit_json(result, args.json)
     for name, e in result["methods"].items():
         log(
             f"{name:20s} mean {e['mean_step_s'] * 1e3:7.1f} ms  p90 {e['p90_step_s'] * 1e3:7.1f} ms  "

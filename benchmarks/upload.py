@@ -14,10 +14,8 @@ store's MD5/ETag check; the read-back mode is measured too).
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -26,15 +24,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._common import git_info  # noqa: E402
+from benchmarks._common import emit_json, free_port, git_info  # noqa: E402
 from torch_ckpt.layout import Manifest  # noqa: E402
 from torch_ckpt.tiers import DurableTier  # noqa: E402
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _options(endpoint: str) -> dict:
@@ -128,7 +120,7 @@ def main() -> None:
     shutil.rmtree(args.work_dir, ignore_errors=True)
     manifest = _make_checkpoint(args.work_dir, args.nodes, args.files_per_node, args.file_mib << 20)
     total = sum(i["bytes"] for i in manifest.files.values())
-    port = _free_port()
+    port = free_port()
     endpoint = f"http://127.0.0.1:{port}"
     server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -163,10 +155,7 @@ def main() -> None:
               "files_per_node": args.files_per_node, "file_bytes": args.file_mib << 20, "total_bytes": total,
               "store": "moto S3 server (own process, in memory, loopback)",
               "speedup_per_node_vs_rank0": runs["rank0_only"]["wall_s"] / runs["per_node"]["wall_s"], "runs": runs}
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out is not None:
-        args.out.write_text(text + "\n")
+    emit_json(result, args.out)
 
 
 if __name__ == "__main__":

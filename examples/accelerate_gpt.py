@@ -30,7 +30,6 @@ import json
 import os
 import random
 import signal
-import socket
 import sys
 import time
 import warnings
@@ -43,7 +42,15 @@ from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_gpt import GPT, CharWindows, encode, load_corpus, warmup_cosine  # the same model and real data
+from train_gpt import (  # the same model and real data
+    GPT,
+    CharWindows,
+    add_model_arguments,
+    encode,
+    free_port,
+    load_corpus,
+    warmup_cosine,
+)
 
 try:
     import accelerate_ckpt  # ckpt:
@@ -74,19 +81,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "(main process; per-process losses and the global batch)")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads per process")
     p.add_argument("--nproc", type=int, default=1, help="start N CPU processes (gloo) with torch.multiprocessing")
-    p.add_argument("--corpus-chars", type=int, default=1_000_000)
-    p.add_argument("--max-windows", type=int, default=None, help="cap the dataset at this many windows")
-    p.add_argument("--batch-size", type=int, default=16, help="batch size per process")
-    p.add_argument("--block-size", type=int, default=64)
-    p.add_argument("--n-layer", type=int, default=2)
-    p.add_argument("--n-head", type=int, default=4)
-    p.add_argument("--n-embd", type=int, default=64)
-    p.add_argument("--dropout", type=float, default=0.1)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--min-lr-ratio", type=float, default=0.1)
-    p.add_argument("--warmup", type=int, default=20)
-    p.add_argument("--weight-decay", type=float, default=0.1)
-    p.add_argument("--grad-clip", type=float, default=1.0)
+    add_model_arguments(p)
     p.add_argument("--crash-at-step", type=int, default=None, help="SIGKILL every process right after step N")
     p.add_argument("--quiet", action="store_true")
     return p.parse_args(argv)
@@ -194,12 +189,6 @@ def train(args: argparse.Namespace) -> dict:
     return summary
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _process_entry(rank: int, nproc: int, port: int, argv: list[str]) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(nproc),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(nproc))
@@ -217,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
         # fork (Linux) starts the processes with everything already imported; nothing has touched a
         # device or started a thread yet. Elsewhere spawn re-imports this script in each process.
         method = "fork" if sys.platform == "linux" else "spawn"
-        ctx = mp.start_processes(_process_entry, args=(args.nproc, _free_port(), argv), nprocs=args.nproc,
+        ctx = mp.start_processes(_process_entry, args=(args.nproc, free_port(), argv), nprocs=args.nproc,
                                  join=False, start_method=method)
         try:
             while not ctx.join():

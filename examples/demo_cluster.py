@@ -23,21 +23,15 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import socket
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from demo import read_jsonl, run_to_end  # noqa: E402 - the example next to this one
+from demo import compare, read_jsonl, run_to_end  # noqa: E402 - the example next to this one
+from train_gpt import free_port  # noqa: E402
 
 TRAIN = Path(__file__).resolve().with_name("train_gpt.py")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_s3() -> tuple[object, dict, str]:
@@ -45,7 +39,7 @@ def start_s3() -> tuple[object, dict, str]:
     import boto3
     from moto.server import ThreadedMotoServer
 
-    port = _free_port()
+    port = free_port()
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
     endpoint = f"http://127.0.0.1:{port}"
@@ -65,22 +59,6 @@ def train_cmd(args: argparse.Namespace, ckpt_dir: Path, log: Path, url: str, opt
         "--durable-url", url, "--storage-options", json.dumps(options),
     ]  # fmt: skip
     return cmd + (["--stop-after-step", str(stop_after)] if stop_after is not None else [])
-
-
-def compare(ref: dict[int, dict], records: list[dict]) -> list[str]:
-    """Mismatches against the reference: lr, epoch and batch exactly, the loss to 1e-5 relative."""
-    problems = []
-    for rec in records:
-        want = ref.get(rec["step"])
-        if want is None:
-            problems.append(f"step {rec['step']}: not in the reference log")
-            continue
-        if abs(rec["loss"] - want["loss"]) > 1e-5 * abs(want["loss"]):
-            problems.append(f"step {rec['step']}: loss {rec['loss']!r} != reference {want['loss']!r}")
-        for key in ("lr", "epoch", "batch"):
-            if rec.get(key) != want.get(key):
-                problems.append(f"step {rec['step']}: {key} {rec.get(key)!r} != reference {want.get(key)!r}")
-    return problems
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -127,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"demo: node 1 fetched {len(fetched)} of the checkpoint's {len(manifest.files)} files", flush=True)
     ref = {r["step"]: r for r in read_jsonl(ref_log)}
     resumed = read_jsonl(run_log)[before:]
-    problems += compare(ref, resumed)
+    problems += compare(ref, resumed, loss_rtol=1e-5)
     if not resumed or resumed[0]["step"] != args.stop_after + 1:
         problems.append(f"the resumed run did not continue at step {args.stop_after + 1}")
     if problems:

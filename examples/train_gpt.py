@@ -240,20 +240,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--durable-url", default=None, help="durable tier (fsspec URL, e.g. s3://bucket/run)")
     p.add_argument("--storage-options", type=json.loads, default=None, metavar="JSON",
                    help="fsspec options of --durable-url as a JSON object (endpoint, credentials)")
-    p.add_argument("--corpus-chars", type=int, default=1_000_000, help="characters of stdlib source to use")
-    p.add_argument("--max-windows", type=int, default=None, help="cap the dataset at this many windows (short epochs)")
-    p.add_argument("--batch-size", type=int, default=16, help="batch size per rank")
-    p.add_argument("--block-size", type=int, default=64)
-    # model / optimisation
-    p.add_argument("--n-layer", type=int, default=2)
-    p.add_argument("--n-head", type=int, default=4)
-    p.add_argument("--n-embd", type=int, default=64)
-    p.add_argument("--dropout", type=float, default=0.1)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--min-lr-ratio", type=float, default=0.1)
-    p.add_argument("--warmup", type=int, default=20)
-    p.add_argument("--weight-decay", type=float, default=0.1)
-    p.add_argument("--grad-clip", type=float, default=1.0)
+    add_model_arguments(p)
     # interruptions, for tests and demos
     p.add_argument("--crash-at-step", type=int, default=None, help="SIGKILL this process (every rank) right "
                    "after step N")
@@ -480,7 +467,24 @@ class RankFailed(RuntimeError):
         self.exit_code = exit_code
 
 
-def _free_port() -> int:
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    """The data, model and optimiser options this example shares with ``accelerate_gpt.py``."""
+    p.add_argument("--corpus-chars", type=int, default=1_000_000, help="characters of stdlib source to use")
+    p.add_argument("--max-windows", type=int, default=None, help="cap the dataset at this many windows (short epochs)")
+    p.add_argument("--batch-size", type=int, default=16, help="batch size per rank (process)")
+    p.add_argument("--block-size", type=int, default=64)
+    p.add_argument("--n-layer", type=int, default=2)
+    p.add_argument("--n-head", type=int, default=4)
+    p.add_argument("--n-embd", type=int, default=64)
+    p.add_argument("--dropout", type=float, default=0.1)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--min-lr-ratio", type=float, default=0.1)
+    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--grad-clip", type=float, default=1.0)
+
+
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -511,7 +515,7 @@ def launch(nproc: int, argv: list[str]) -> dict:
     """
     method = "fork" if sys.platform == "linux" else "spawn"
     results = mp.get_context(method).SimpleQueue()
-    procs = mp.start_processes(_rank_entry, args=(nproc, _free_port(), list(argv), results), nprocs=nproc,
+    procs = mp.start_processes(_rank_entry, args=(nproc, free_port(), list(argv), results), nprocs=nproc,
                                join=False, start_method=method)
     summary = None
     try:

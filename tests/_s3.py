@@ -5,23 +5,18 @@ Import it after ``pytest.importorskip("s3fs")`` and ``pytest.importorskip("moto.
 
 from __future__ import annotations
 
-import socket
 import uuid
 
 from moto import server as moto_server
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests._dist import free_port
 
 
 class S3:
     """A moto S3 server on loopback that can be stopped and restarted on the same port."""
 
     def __init__(self) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         self.endpoint = f"http://127.0.0.1:{self.port}"
         self.server = None
         self.options = {"key": "testing", "secret": "testing", "skip_instance_cache": True,

@@ -61,6 +61,23 @@ def make_state():
     return factory
 
 
+@pytest.fixture
+def disk_full_once(monkeypatch):
+    """The first manifest/JSON write of a save fails with ENOSPC (errno 28); later writes work."""
+    import torch_ckpt.persist as persist_mod
+
+    real, calls = persist_mod.write_json_durable, {"n": 0}
+
+    def full_once(path, obj):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise OSError(28, "No space left on device")
+        return real(path, obj)
+
+    monkeypatch.setattr(persist_mod, "write_json_durable", full_once)
+    return calls
+
+
 @pytest.fixture(scope="module")
 def s3():
     """A moto S3 server on 127.0.0.1 for the module's tests (tests/_s3.py); skips without s3fs/moto."""

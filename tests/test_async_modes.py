@@ -83,7 +83,8 @@ def test_optimizer_hooks_removed_on_close(tmp_path, make_state):
 
 
 @pytest.mark.parametrize("kwargs, field", [({"persist": "fork"}, "persist"), ({"writer_niceness": 40}, "niceness"),
-                                            ({"thread_count": 0}, "thread_count"), ({"keep_last": 0}, "keep_last")])
+                                            ({"thread_count": 0}, "thread_count"),
+                                            ({"thread_count": True}, "thread_count"), ({"keep_last": 0}, "keep_last")])
 def test_invalid_options_rejected(tmp_path, kwargs, field):
     """Invalid constructor options raise ConfigError naming the option."""
     with pytest.raises(ConfigError, match=field):
@@ -199,3 +200,29 @@ def test_pipelined_copy_failure_fails_the_save_once_and_commits_nothing(tmp_path
         mgr.save(3, state).wait()  # the failed step's error is not raised a second time
         assert mgr.all_steps() == [1, 3]
     assert sorted(p.name for p in tmp_path.iterdir() if "step" in p.name) == ["step_000000001", "step_000000003"]
+
+
+@pytest.mark.parametrize("bad", [0, -5, float("inf"), "soon", True])
+def test_checkpointer_timeout_must_be_a_positive_duration(bad):
+    """AsyncCheckpointer refuses a timeout that is not a positive, finite duration, naming timeout_seconds."""
+    from torch_ckpt import AsyncCheckpointer
+
+    with pytest.raises(ConfigError, match="timeout_seconds"):
+        AsyncCheckpointer(timeout_seconds=bad)
+
+
+def test_checkpointer_timeout_accepts_a_duration_string():
+    """AsyncCheckpointer(timeout_seconds="2m") waits 120 s for its collectives."""
+    from torch_ckpt import AsyncCheckpointer
+
+    with AsyncCheckpointer(timeout_seconds="2m") as ck:
+        assert ck._ctx.timeout_seconds == 120.0
+
+
+@pytest.mark.parametrize("bad", [0, 257, True])
+def test_checkpointer_thread_count_is_bounded_like_the_config(bad):
+    """AsyncCheckpointer refuses thread_count outside 1-256 (CheckpointConfig's bound), naming thread_count."""
+    from torch_ckpt import AsyncCheckpointer
+
+    with pytest.raises(ConfigError, match="thread_count must be an integer in \\[1, 256\\]"):
+        AsyncCheckpointer(thread_count=bad)

@@ -7,6 +7,7 @@ inherits the builtin a caller would catch (``FileNotFoundError``, ``OSError``, `
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -18,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests._format_fixtures import inline_shape_2_40, rank_json_nested_200k, rewrite, storage_data_not_a_dict
 from torch_ckpt import (
     CheckpointCorruptError,
     CheckpointError,
@@ -59,6 +61,14 @@ def _edit_manifest(step_dir: Path, edit) -> None:
     doc = json.loads(path.read_bytes())
     edit(doc)
     path.write_text(json.dumps(doc))
+
+
+def _steps_1_and_2_with_manifest_2(root: Path, text: str) -> Path:
+    """Save steps 1 (all 1.0) and 2 (all 2.0), then overwrite step 2's manifest with ``text``; returns its path."""
+    _save(root, 1, _dict_state(1.0))
+    manifest = _save(root, 2, _dict_state(2.0)) / "manifest.json"
+    manifest.write_text(text)
+    return manifest
 
 
 def _shard(step_dir: Path) -> Path:
@@ -368,53 +378,35 @@ def test_metadata_with_a_code_executing_pickle_is_refused_without_running_it(tmp
     assert not marker.exists(), "the checkpoint executed code"
 
 
-@pytest.mark.timeout(60)
-def test_truncated_shard_is_reported_with_its_file(tmp_path):
-    """A shard cut short raises CheckpointCorruptError (ValueError) naming the shard file."""
-    step_dir = _save(tmp_path, 1, _dict_state())
-    shard = _shard(step_dir)
+def _truncate(shard: Path) -> None:
     data = shard.read_bytes()
     shard.write_bytes(data[: len(data) // 2])
-    with CheckpointManager(tmp_path) as mgr:
-        with pytest.raises(CheckpointCorruptError) as info:
-            mgr.restore(_dict_state(0.0))
-    assert isinstance(info.value, ValueError)
-    assert str(shard) in str(info.value)
 
 
-@pytest.mark.timeout(60)
-def test_flipped_byte_in_a_shard_is_reported_with_its_file(tmp_path):
-    """One flipped bit inside a shard (same size) raises CheckpointCorruptError naming the shard file."""
-    step_dir = _save(tmp_path, 1, _dict_state())
-    shard = _shard(step_dir)
+def _flip_one_bit(shard: Path) -> None:
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0x01
     shard.write_bytes(bytes(data))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("damage", [_truncate, _flip_one_bit, Path.unlink], ids=["truncated", "flipped_bit", "missing"])
+def test_damaged_shard_is_reported_with_its_file(tmp_path, damage):
+    """A shard cut short, with one flipped bit (same size) or deleted raises CheckpointCorruptError naming it."""
+    step_dir = _save(tmp_path, 1, _dict_state())
+    shard = _shard(step_dir)
+    damage(shard)
     with CheckpointManager(tmp_path) as mgr:
         with pytest.raises(CheckpointCorruptError) as info:
             mgr.restore(_dict_state(0.0))
     assert isinstance(info.value, ValueError)
-    assert str(shard) in str(info.value)
-
-
-@pytest.mark.timeout(60)
-def test_missing_shard_is_reported_with_its_file(tmp_path):
-    """A deleted shard raises CheckpointCorruptError naming the missing file."""
-    step_dir = _save(tmp_path, 1, _dict_state())
-    shard = _shard(step_dir)
-    shard.unlink()
-    with CheckpointManager(tmp_path) as mgr:
-        with pytest.raises(CheckpointCorruptError) as info:
-            mgr.restore(_dict_state(0.0))
     assert str(shard) in str(info.value)
 
 
 @pytest.mark.timeout(60)
 def test_checkpoint_with_an_invalid_json_manifest_is_not_listed(tmp_path):
     """A checkpoint whose manifest is not valid JSON is skipped: latest_step() names the previous one."""
-    _save(tmp_path, 1, _dict_state(1.0))
-    step_dir = _save(tmp_path, 2, _dict_state(2.0))
-    (step_dir / "manifest.json").write_text('{"format": "torch-ckpt", "step": 2,')
+    _steps_1_and_2_with_manifest_2(tmp_path, '{"format": "torch-ckpt", "step": 2,')
     with CheckpointManager(tmp_path) as mgr:
         assert mgr.all_steps() == [1]
         assert mgr.latest_step() == 1
@@ -426,10 +418,7 @@ def test_checkpoint_with_an_invalid_json_manifest_is_not_listed(tmp_path):
 @pytest.mark.timeout(60)
 def test_explicit_restore_of_a_step_with_an_invalid_json_manifest_names_the_manifest(tmp_path):
     """restore(step=2) when step 2's manifest is invalid JSON raises a CheckpointError naming that manifest file."""
-    _save(tmp_path, 1, _dict_state(1.0))
-    step_dir = _save(tmp_path, 2, _dict_state(2.0))
-    manifest = step_dir / "manifest.json"
-    manifest.write_text('{"format": "torch-ckpt", "step": 2,')
+    manifest = _steps_1_and_2_with_manifest_2(tmp_path, '{"format": "torch-ckpt", "step": 2,')
     with CheckpointManager(tmp_path) as mgr:
         with pytest.raises(CheckpointError) as info:
             mgr.restore(_dict_state(0.0), step=2)
@@ -442,10 +431,7 @@ def test_explicit_restore_of_a_step_with_an_invalid_json_manifest_names_the_mani
 @pytest.mark.timeout(60)
 def test_resaving_a_step_whose_checkpoint_is_damaged_is_not_called_already_committed(tmp_path):
     """After step 2's manifest is damaged (so latest is 1), saving step 2 again commits it or blames the manifest."""
-    _save(tmp_path, 1, _dict_state(1.0))
-    step_dir = _save(tmp_path, 2, _dict_state(2.0))
-    manifest = step_dir / "manifest.json"
-    manifest.write_text("{")
+    _steps_1_and_2_with_manifest_2(tmp_path, "{")
     with CheckpointManager(tmp_path) as mgr:
         assert mgr.latest_step() == 1  # a resumed run continues from step 1 and reaches step 2 again
         try:
@@ -493,12 +479,6 @@ def test_manifest_with_overflowing_numbers_is_skipped(tmp_path):
 
 
 # -- malformed content is corruption, never a crash, and never breaks other steps (issue 14) -------
-def _restamp(step_dir: Path, name: str, data: bytes) -> None:
-    """Replace ``name`` with ``data`` and re-checksum it in the manifest (a consistent tampering)."""
-    (step_dir / name).write_bytes(data)
-    _edit_manifest(step_dir, lambda m: m["files"].__setitem__(name, _sizes_and_crc(step_dir / name)))
-
-
 def _two_steps(root: Path, make_state) -> tuple[TrainState, torch.nn.Module, Path]:
     """Steps 1 and 2 of a TrainState (2 with other weights); returns (fresh live state, its model, step 2's dir)."""
     state, model, *_ = make_state(seed=0)
@@ -512,19 +492,6 @@ def _two_steps(root: Path, make_state) -> tuple[TrainState, torch.nn.Module, Pat
     return live, live_model, root / STEP_DIR.format(2)
 
 
-def _first_inline(node):
-    if isinstance(node, dict):
-        if "__tensor_b64__" in node:
-            return node
-        node = list(node.values())
-    if isinstance(node, list):
-        for v in node:
-            found = _first_inline(v)
-            if found is not None:
-                return found
-    return None
-
-
 def _huge_int_manifest(step_dir: Path) -> str:
     path = step_dir / "manifest.json"
     path.write_text(path.read_text().replace('"tensor_bytes":', '"tensor_bytes":' + "7" * 5000 + ',"x":', 1))
@@ -535,30 +502,6 @@ def _deep_manifest(step_dir: Path) -> str:
     path = step_dir / "manifest.json"
     path.write_text(path.read_text().replace('"tiers":{}', '"tiers":{"x":' + "[" * 200_000 + "]" * 200_000 + "}", 1))
     return "manifest.json"
-
-
-def _storage_data_5(step_dir: Path) -> str:
-    from torch_ckpt.dcp_read import read_dcp_metadata
-
-    md = read_dcp_metadata(step_dir / ".metadata")
-    md.storage_data = 5
-    _restamp(step_dir, ".metadata", pickle.dumps(md))
-    return ".metadata"
-
-
-def _inline_shape_2_40(step_dir: Path) -> str:
-    doc = json.loads((step_dir / "rank_00000.json").read_text())
-    _first_inline(doc["tree"])["shape"] = [2**40]
-    _restamp(step_dir, "rank_00000.json", json.dumps(doc).encode())
-    return "rank_00000.json"
-
-
-def _deep_rank_json(step_dir: Path) -> str:
-    raw = (step_dir / "rank_00000.json").read_text()
-    raw = raw.replace('"tree":{', '"tree":{"deep":' + "[" * 200_000 + "]" * 200_000 + ",", 1)
-    assert "[" * 200_000 in raw
-    _restamp(step_dir, "rank_00000.json", raw.encode())
-    return "rank_00000.json"
 
 
 def _symlinked_shard(step_dir: Path) -> str:
@@ -583,7 +526,7 @@ def _shape_beyond_chunks(step_dir: Path) -> str:
     md = read_dcp_metadata(step_dir / ".metadata")
     item = md.state_dict_metadata["model.fc1.weight"]
     item.size = torch.Size([item.size[0] + 4, *item.size[1:]])
-    _restamp(step_dir, ".metadata", pickle.dumps(md))
+    rewrite(step_dir, ".metadata", pickle.dumps(md))
     return ".metadata"
 
 
@@ -595,7 +538,7 @@ def _storage_rewritten(step_dir: Path) -> str:
     md = read_dcp_metadata(step_dir / ".metadata")
     for info in md.storage_data.values():
         info.relative_path = str(elsewhere)
-    _restamp(step_dir, ".metadata", pickle.dumps(md))
+    rewrite(step_dir, ".metadata", pickle.dumps(md))
     return ".metadata"
 
 
@@ -606,7 +549,7 @@ def _fc1_weight_metadata(step_dir: Path, edit) -> str:
     md = read_dcp_metadata(step_dir / ".metadata")
     info = next(v for k, v in md.storage_data.items() if k.fqn == "model.fc1.weight")
     edit(md.state_dict_metadata["model.fc1.weight"], info)
-    _restamp(step_dir, ".metadata", pickle.dumps(md))
+    rewrite(step_dir, ".metadata", pickle.dumps(md))
     return str(info.relative_path)
 
 
@@ -633,7 +576,7 @@ def _chunk_reshaped(step_dir: Path) -> str:
 def _rank_key_not_in_metadata(step_dir: Path) -> str:
     doc = json.loads((step_dir / "rank_00000.json").read_text())
     doc["tree"]["model"]["fc1.weight"] = {"__tensor__": "model.ghost"}
-    _restamp(step_dir, "rank_00000.json", json.dumps(doc).encode())
+    rewrite(step_dir, "rank_00000.json", json.dumps(doc).encode())
     return "rank_00000.json"
 
 
@@ -641,8 +584,8 @@ _MALFORMED = {"storage-8-bytes-short": _storage_8_short, "declared-float64": _de
               "declared-int32": _declared_int32, "chunk-reshaped": _chunk_reshaped,
               "rank-key-not-in-metadata": _rank_key_not_in_metadata,
               "5000-digit-int": _huge_int_manifest, "200k-deep-manifest": _deep_manifest,
-              "storage_data=5": _storage_data_5, "inline-shape-2^40": _inline_shape_2_40,
-              "200k-deep-rank-json": _deep_rank_json, "symlinked-shard": _symlinked_shard,
+              "storage_data=5": storage_data_not_a_dict, "inline-shape-2^40": inline_shape_2_40,
+              "200k-deep-rank-json": rank_json_nested_200k, "symlinked-shard": _symlinked_shard,
               "symlinked-manifest": _symlinked_manifest, "shape-beyond-chunks": _shape_beyond_chunks,
               "storage-paths-rewritten": _storage_rewritten}
 
@@ -725,64 +668,49 @@ def test_retention_error_after_commit_is_reported_as_retention_and_the_save_succ
     assert not any("checkpoint step" in m and "failed" in m for m in errors)
 
 
-def _restore_with_bad_rank_file(rank: int, world: int, root: str) -> None:
-    from torch_ckpt import CheckpointCorruptError as Corrupt
-
-    state = {"w": torch.full((4,), float(rank)), "meta": {"rank": rank}}
-    with CheckpointManager(root, async_save=False) as mgr:
-        mgr.save(1, state)
-        mgr.wait()
-        torch.distributed.barrier()
-        if rank == 0:
-            step_dir = Path(root) / STEP_DIR.format(1)
-            raw = (step_dir / "rank_00001.json").read_text()
-            _restamp(step_dir, "rank_00001.json",
-                     raw.replace('"tree":{', '"tree":{"deep":' + "[" * 200_000 + "]" * 200_000 + ",", 1).encode())
-        torch.distributed.barrier()
-        try:
-            mgr.restore(state, step=1)
-        except Corrupt as exc:
-            assert "rank_00001.json" in str(exc), str(exc)
-        else:
-            raise AssertionError(f"rank {rank}: restore of a malformed rank file succeeded")
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(180)
-def test_malformed_rank_file_of_one_rank_fails_every_rank_without_a_hang(tmp_path):
-    """2 ranks (gloo): rank 1's JSON nested 200k deep makes restore raise CheckpointCorruptError on both ranks."""
-    from tests._dist import run_distributed
-
-    run_distributed(_restore_with_bad_rank_file, 2, str(tmp_path), timeout_s=150)
-
-
-def _restore_with_bad_record_of_rank_1(rank: int, world: int, root: str) -> None:
-    from torch_ckpt import CheckpointCorruptError as Corrupt
+def _w1_declared_float64(step_dir: Path) -> None:
     from torch_ckpt.dcp_read import read_dcp_metadata
 
-    state = {f"w{rank}": torch.full((4,), float(rank))}  # rank 1's tensor lies in rank 1's data file
+    md = read_dcp_metadata(step_dir / ".metadata")
+    md.state_dict_metadata["w1"].properties.dtype = torch.float64
+    rewrite(step_dir, ".metadata", pickle.dumps(md))
+
+
+# case -> (each rank's state, rank 0's damage after the save, what the error must name)
+_ONE_RANK_DAMAGE = {
+    "rank_json_nested": (lambda rank: {"w": torch.full((4,), float(rank)), "meta": {"rank": rank}},
+                         functools.partial(rank_json_nested_200k, rank=1), ["rank_00001.json"]),
+    # rank 1's tensor lies in rank 1's data file
+    "record_dtype": (lambda rank: {f"w{rank}": torch.full((4,), float(rank))},
+                     _w1_declared_float64, ["'w1'", "float64"]),
+}
+
+
+def _restore_after_rank_0_damages(rank: int, world: int, root: str, case: str) -> None:
+    from torch_ckpt import CheckpointCorruptError as Corrupt
+
+    make_state, damage, named = _ONE_RANK_DAMAGE[case]
+    state = make_state(rank)
     with CheckpointManager(root, async_save=False) as mgr:
         mgr.save(1, state)
         mgr.wait()
         torch.distributed.barrier()
         if rank == 0:
-            step_dir = Path(root) / STEP_DIR.format(1)
-            md = read_dcp_metadata(step_dir / ".metadata")
-            md.state_dict_metadata["w1"].properties.dtype = torch.float64
-            _restamp(step_dir, ".metadata", pickle.dumps(md))
+            damage(Path(root) / STEP_DIR.format(1))
         torch.distributed.barrier()
         try:
             mgr.restore(state, step=1)
         except Corrupt as exc:
-            assert "'w1'" in str(exc) and "float64" in str(exc), str(exc)
+            assert all(n in str(exc) for n in named), str(exc)
         else:
-            raise AssertionError(f"rank {rank}: restore of a record declared with the wrong dtype succeeded")
+            raise AssertionError(f"rank {rank}: restore after damage {case!r} succeeded")
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-def test_bad_record_in_one_ranks_share_fails_every_rank(tmp_path):
-    """2 ranks (gloo): rank 1's data file record declared float64: restore raises CheckpointCorruptError on both."""
+@pytest.mark.parametrize("case", sorted(_ONE_RANK_DAMAGE))
+def test_damage_to_one_ranks_share_fails_every_rank_without_a_hang(tmp_path, case):
+    """2 ranks (gloo): rank 1's JSON nested 200k deep, or its record declared float64, fails restore on both ranks."""
     from tests._dist import run_distributed
 
-    run_distributed(_restore_with_bad_record_of_rank_1, 2, str(tmp_path), timeout_s=150)
+    run_distributed(_restore_after_rank_0_damages, 2, str(tmp_path), case, timeout_s=150)

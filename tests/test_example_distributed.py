@@ -8,12 +8,13 @@ over ranks), learning rates, epochs and global batches (compared bit for bit: fl
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests._example_logs import assert_bitwise_equal, read_log
 
 pytestmark = pytest.mark.slow  # see pyproject's markers: left out by make test-fast
 
@@ -29,10 +30,6 @@ SMALL = [
 LAUNCH_TIMEOUT_S = 90  # one launch takes about 10 s on 2 busy cores; a hang fails here, not at the test timeout
 
 
-def read_log(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()] if path.exists() else []
-
-
 def launch(tmp: Path, name: str, *extra: str) -> tuple[subprocess.CompletedProcess, list[dict]]:
     """One 2-rank run of the example (checkpoints under ``tmp/ckpt``); returns the process and its log."""
     log = tmp / f"{name}.jsonl"
@@ -46,16 +43,6 @@ def resumed_from(proc: subprocess.CompletedProcess) -> int | None:
     line = next(ln for ln in proc.stdout.splitlines() if ln.startswith(f"train_gpt: step {STEPS}/"))
     value = line.split("resumed from ")[1].split(",")[0]
     return None if value == "None" else int(value)
-
-
-def assert_bitwise_equal(got: list[dict], want: list[dict]) -> None:
-    assert [r["step"] for r in got] == [r["step"] for r in want]
-    for g, w in zip(got, want):
-        for key in ("loss", "lr"):
-            assert g[key] == w[key] and repr(g[key]) == repr(w[key]), \
-                f"step {g['step']} {key}: {g[key]!r} != {w[key]!r}"
-        assert g["epoch"] == w["epoch"], f"step {g['step']}: epoch {g['epoch']} != {w['epoch']}"
-        assert g["batch"] == w["batch"], f"step {g['step']}: batch {g['batch']} != {w['batch']}"
 
 
 @pytest.fixture(scope="module")

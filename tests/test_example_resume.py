@@ -9,7 +9,6 @@ steps, a tiny MTBF so that the Young/Daly interval is a few steps) save where th
 from __future__ import annotations
 
 import importlib.util
-import json
 import signal
 import subprocess
 import sys
@@ -17,6 +16,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from tests._example_logs import assert_bitwise_equal, read_log
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:.*set_vital.*:UserWarning")]  # torchdata 0.11 noise
 
@@ -49,25 +50,11 @@ def _restore_torch_globals():
     torch.use_deterministic_algorithms(deterministic)
 
 
-def read_log(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
-
-
 def run(tmp: Path, name: str, *extra: str, ckpt: str = "ckpt") -> tuple[dict, list[dict]]:
     """One in-process run of the example; returns its summary and the records it logged."""
     log = tmp / f"{name}.jsonl"
     summary = train_gpt.main([*SMALL, "--ckpt-dir", str(tmp / ckpt), "--log-jsonl", str(log), *extra])
-    return summary, read_log(log) if log.exists() else []
-
-
-def assert_bitwise_equal(got: list[dict], want: list[dict]) -> None:
-    assert [r["step"] for r in got] == [r["step"] for r in want]
-    for g, w in zip(got, want):
-        for key in ("loss", "lr"):
-            assert g[key] == w[key] and repr(g[key]) == repr(w[key]), \
-                f"step {g['step']} {key}: {g[key]!r} != {w[key]!r}"
-        assert g["epoch"] == w["epoch"], f"step {g['step']}: epoch {g['epoch']} != {w['epoch']}"
-        assert g["batch"] == w["batch"], f"step {g['step']}: batch {g['batch']} != {w['batch']}"
+    return summary, read_log(log)
 
 
 @pytest.fixture(scope="module")

@@ -135,18 +135,8 @@ def test_snapshot_is_taken_at_save_time(tmp_path, make_state, monkeypatch):
         assert opt2.state[p]["step"].item() == 1.0
 
 
-def test_background_error_surfaces_once_and_step_not_listed(tmp_path, make_state, monkeypatch):
+def test_background_error_surfaces_once_and_step_not_listed(tmp_path, make_state, disk_full_once):
     """An injected ENOSPC is raised once at the next call; the step is never listed; later saves work."""
-    calls = {"n": 0}
-    real = persist_mod.write_json_durable
-
-    def failing(path, obj):
-        calls["n"] += 1
-        if calls["n"] == 1:
-            raise OSError(28, "No space left on device")
-        return real(path, obj)
-
-    monkeypatch.setattr(persist_mod, "write_json_durable", failing)
     state, *_ = make_state()
     with CheckpointManager(tmp_path) as mgr:
         mgr.save(1, state)

@@ -68,6 +68,17 @@ def _restore(root, model, opt, **kwargs) -> int | None:
         return mgr.restore(TrainState(model=model, optimizer=opt), **kwargs)
 
 
+def _restore_and_continue(root, model, opt, fresh, fresh_opt, *, seed: int = 3) -> int | None:
+    """Restore into ``fresh``/``fresh_opt``, check the optimizer state equals ``opt``'s, then step both runs
+    twice on the same batches (``seed``) and check the models stay equal; returns the restored step."""
+    step = _restore(root, fresh, fresh_opt)
+    assert_same(fresh_opt.state_dict(), opt.state_dict())
+    _steps(model, opt, 2, seed=seed)
+    _steps(fresh, fresh_opt, 2, seed=seed)
+    assert_same(fresh.state_dict(), model.state_dict())
+    return step
+
+
 @pytest.mark.parametrize("kind", sorted(OPTIMIZERS))
 def test_save_before_first_step_leaves_training_bitwise_unchanged(tmp_path, kind):
     """Saving before the first optimizer.step() changes neither the parameters nor the optimizer of a later run."""
@@ -94,37 +105,41 @@ def test_given_input_adam_step_count_is_three_not_four(tmp_path):
     assert opt.state_dict()["state"][0]["step"].item() == 3.0
 
 
-@pytest.mark.parametrize("overlap", [False, True])
-def test_save_with_partial_state_leaves_training_unchanged(tmp_path, overlap):
-    """A save while only some parameters have optimizer state (also with overlap staging) does not change the run."""
-    ref = _pair()
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.1)
-    _steps(ref, ref_opt, 2, only_a=True)
-    _steps(ref, ref_opt, 2, seed=2)
-    model = _pair()
-    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
-    _steps(model, opt, 2, only_a=True)
-    with CheckpointManager(tmp_path, overlap_staging=overlap) as mgr:
-        mgr.save(2, TrainState(model=model, optimizer=opt))
-        _steps(model, opt, 2, seed=2)
+def _assert_save_leaves_run_unchanged(root, build, before, after, *, step: int, overlap: bool) -> None:
+    """Two runs of ``build()``: both run ``before``; one saves (``overlap_staging=overlap``) and runs ``after``
+    while the save is in flight, the other only runs ``after``: parameters and optimizer state must be equal."""
+    ref, ref_opt = build()
+    before(ref, ref_opt)
+    after(ref, ref_opt)
+    model, opt = build()
+    before(model, opt)
+    with CheckpointManager(root, overlap_staging=overlap) as mgr:
+        mgr.save(step, TrainState(model=model, optimizer=opt))
+        after(model, opt)
         mgr.wait()
     assert_same(model.state_dict(), ref.state_dict())
     assert_same(opt.state_dict(), ref_opt.state_dict())
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_save_with_partial_state_leaves_training_unchanged(tmp_path, overlap):
+    """A save while only some parameters have optimizer state (also with overlap staging) does not change the run."""
+    def build():
+        model = _pair()
+        return model, torch.optim.AdamW(model.parameters(), lr=0.1)
+
+    _assert_save_leaves_run_unchanged(tmp_path, build, lambda m, o: _steps(m, o, 2, only_a=True),
+                                      lambda m, o: _steps(m, o, 2, seed=2), step=2, overlap=overlap)
 
 
 def test_overlap_staging_save_before_first_step_leaves_training_unchanged(tmp_path):
     """With overlap_staging the initial save (no optimizer state yet) does not change the run either."""
-    ref = _linear()
-    ref_opt = torch.optim.Adam(ref.parameters(), lr=0.1)
-    _steps(ref, ref_opt, 3)
-    model = _linear()
-    opt = torch.optim.Adam(model.parameters(), lr=0.1)
-    with CheckpointManager(tmp_path, overlap_staging=True) as mgr:
-        mgr.save(0, TrainState(model=model, optimizer=opt))
-        _steps(model, opt, 3)
-        mgr.wait()
-    assert_same(opt.state_dict(), ref_opt.state_dict())
-    assert_same(model.state_dict(), ref.state_dict())
+    def build():
+        model = _linear()
+        return model, torch.optim.Adam(model.parameters(), lr=0.1)
+
+    _assert_save_leaves_run_unchanged(tmp_path, build, lambda m, o: None, lambda m, o: _steps(m, o, 3),
+                                      step=0, overlap=True)
 
 
 def test_parameters_without_state_round_trip(tmp_path):
@@ -135,11 +150,7 @@ def test_parameters_without_state_round_trip(tmp_path):
     _save(tmp_path, 3, model, opt)
     fresh = _pair(seed=5)
     fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=0.1)
-    assert _restore(tmp_path, fresh, fresh_opt) == 3
-    assert_same(fresh_opt.state_dict(), opt.state_dict())
-    _steps(model, opt, 2, seed=3)
-    _steps(fresh, fresh_opt, 2, seed=3)
-    assert_same(fresh.state_dict(), model.state_dict())
+    assert _restore_and_continue(tmp_path, model, opt, fresh, fresh_opt) == 3
     assert_same(fresh_opt.state_dict(), opt.state_dict())
 
 
@@ -154,11 +165,7 @@ def test_frozen_parameter_with_state_round_trips(tmp_path):
     fresh = _pair(seed=5)
     fresh["a"].weight.requires_grad_(False)
     fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=0.1)
-    _restore(tmp_path, fresh, fresh_opt)
-    assert_same(fresh_opt.state_dict(), opt.state_dict())
-    _steps(model, opt, 2, seed=3)
-    _steps(fresh, fresh_opt, 2, seed=3)
-    assert_same(fresh.state_dict(), model.state_dict())
+    _restore_and_continue(tmp_path, model, opt, fresh, fresh_opt)
 
 
 def test_restore_replaces_state_a_live_optimizer_has_but_the_checkpoint_lacks(tmp_path):
@@ -213,11 +220,7 @@ def test_every_optimizer_round_trips_and_continues_bitwise(tmp_path, kind):
     _save(tmp_path, 2, model, opt)
     fresh = _linear(seed=7)
     fresh_opt = OPTIMIZERS[kind](fresh.parameters())
-    _restore(tmp_path, fresh, fresh_opt)
-    assert_same(fresh_opt.state_dict(), opt.state_dict())
-    _steps(model, opt, 2, seed=9)
-    _steps(fresh, fresh_opt, 2, seed=9)
-    assert_same(fresh.state_dict(), model.state_dict())
+    _restore_and_continue(tmp_path, model, opt, fresh, fresh_opt, seed=9)
 
 
 def test_two_optimizers_of_one_model_round_trip(tmp_path):

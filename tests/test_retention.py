@@ -32,8 +32,8 @@ def test_protected_steps_survive():
     assert apply_retention(KeepLatest(count=1), [1, 2, 3], protected=[1]) == [2]
 
 
-@pytest.mark.parametrize("bad", [0, -1, 1.5])
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True])
 def test_invalid_counts_rejected(bad):
-    """Counts below one or non-integers raise ConfigError naming the field."""
+    """Counts below one or non-integers (bools included) raise ConfigError naming the field."""
     with pytest.raises(ConfigError, match="count"):
         KeepLatest(count=bad)

@@ -21,6 +21,7 @@ from typing import Any
 
 from torch_ckpt._logging import get_logger
 from torch_ckpt.checkpointer_prepare import CheckpointerPrepareMixin, SaveJob
+from torch_ckpt.config_values import check_int, to_seconds
 from torch_ckpt.dist import DistContext
 from torch_ckpt.errors import CheckpointError, ConfigError
 from torch_ckpt.handle import SaveHandle, SaveStats
@@ -78,7 +79,7 @@ class AsyncCheckpointer(CheckpointerPrepareMixin):
             tensors (bounded memory, logged), never by over-allocating.
         thread_count: DCP writer threads (and files) per rank. The default 2 overlaps one thread's
             CRC-32 and fsync with the other's writes. An error in any writer thread fails the save.
-        timeout_seconds: limit for checkpoint collectives between ranks (seconds).
+        timeout_seconds: limit for checkpoint collectives between ranks (seconds, or a duration such as "10m").
         process_group: ranks taking part (default: all); checkpoint traffic always uses private
             gloo groups created from it.
         on_write_error: "raise" (default): a failed background save is raised on the caller's
@@ -108,14 +109,11 @@ class AsyncCheckpointer(CheckpointerPrepareMixin):
     ) -> None:
         if on_write_error not in ("raise", "warn"):
             raise ConfigError(f"on_write_error must be 'raise' or 'warn', got {on_write_error!r}")
-        if not isinstance(thread_count, int) or thread_count < 1:
-            raise ConfigError(f"thread_count must be an int >= 1, got {thread_count!r}")
+        check_int("thread_count", thread_count, 1, 256)  # the bound CheckpointConfig sets
         if persist not in ("thread", "process"):
             raise ConfigError(f"persist must be 'thread' or 'process', got {persist!r}")
-        if not isinstance(writer_niceness, int) or not 0 <= writer_niceness <= 19:
-            raise ConfigError(f"writer_niceness must be an int in [0, 19], got {writer_niceness!r}")
-        if not (isinstance(timeout_seconds, (int, float)) and 0 < timeout_seconds < float("inf")):
-            raise ConfigError(f"timeout_seconds must be a positive, finite number of seconds, got {timeout_seconds!r}")
+        check_int("writer_niceness", writer_niceness, 0, 19)
+        timeout_seconds = to_seconds("timeout_seconds", timeout_seconds, positive=True)
         self.async_save = bool(async_save)
         self.on_write_error = on_write_error
         self.failed_saves: list[dict[str, Any]] = []

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from torch_ckpt._logging import get_logger
+from torch_ckpt.config_values import check_int
 from torch_ckpt.errors import CheckpointError, CheckpointNotFoundError, CheckpointWriteError, ConfigError
 from torch_ckpt.layout import quarantine_step_dir, read_manifest, scan_committed
 from torch_ckpt.persist import check_extra_name
@@ -101,8 +102,7 @@ class ManagerPrepareMixin:
             raise ConfigError(f"this CheckpointManager was opened with read_only=True on {self.root}: it restores "
                               "and lists checkpoints but does not save; open a writable root without read_only "
                               "to save")
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise ConfigError(f"step must be an int >= 0, got {step!r}")
+        check_int("step", step, 0)
         self._captured_at[step] = time.time()  # the state is captured right after this call
         while len(self._captured_at) > 256:
             self._captured_at.pop(next(iter(self._captured_at)))

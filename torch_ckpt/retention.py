@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-from torch_ckpt.errors import ConfigError
+from torch_ckpt.config_values import check_int
 
 __all__ = ["RetentionPolicy", "KeepLatest", "KeepEveryNSteps", "KeepAny", "apply_retention"]
 
@@ -36,8 +36,7 @@ class KeepLatest:
     count: int
 
     def __post_init__(self) -> None:
-        if not isinstance(self.count, int) or self.count < 1:
-            raise ConfigError(f"KeepLatest.count must be an int >= 1, got {self.count!r}")
+        check_int("KeepLatest.count", self.count, 1)
 
     def keep(self, steps: Sequence[int]) -> set[int]:  # noqa: D102
         return set(sorted(steps)[-self.count:])
@@ -54,8 +53,7 @@ class KeepEveryNSteps:
     every_steps: int
 
     def __post_init__(self) -> None:
-        if not isinstance(self.every_steps, int) or self.every_steps < 1:
-            raise ConfigError(f"KeepEveryNSteps.every_steps must be an int >= 1, got {self.every_steps!r}")
+        check_int("KeepEveryNSteps.every_steps", self.every_steps, 1)
 
     def keep(self, steps: Sequence[int]) -> set[int]:  # noqa: D102
         return {s for s in steps if s % self.every_steps == 0}

@@ -30,6 +30,7 @@ from tqdm import tqdm
 
 from torch_ckpt._logging import get_logger
 from torch_ckpt.bounded import corrupt
+from torch_ckpt.config_values import check_int
 from torch_ckpt.crc import crc32
 from torch_ckpt.errors import CheckpointCorruptError, ConfigError
 from torch_ckpt.format import verify_files
@@ -80,10 +81,8 @@ class DurableTier:
         self.fs, self.root = url_to_fs(url, storage_options)
         self.url = url.rstrip("/")
         self.root = self.root.rstrip("/")
-        if not isinstance(part_bytes, int) or part_bytes < 5 << 20:
-            raise ConfigError(f"part_bytes must be an int >= 5 MiB (S3's smallest part), got {part_bytes!r}")
-        if not isinstance(upload_threads, int) or upload_threads < 1:
-            raise ConfigError(f"upload_threads must be an int >= 1, got {upload_threads!r}")
+        check_int("part_bytes (S3's smallest part is 5 MiB)", part_bytes, 5 << 20)
+        check_int("upload_threads", upload_threads, 1, 256)  # the bound CheckpointConfig sets
         self.verify = verify
         self.naming = naming or StepNaming()
         self.part_bytes = part_bytes

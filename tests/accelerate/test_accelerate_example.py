@@ -9,7 +9,6 @@ run's, compared bit for bit (float ``==`` and ``repr``).
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -18,16 +17,14 @@ from pathlib import Path
 
 import pytest
 
+from tests._example_logs import read_log
+
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "accelerate_gpt.py"
 SMALL = [
     "--max-windows", "48", "--batch-size", "8", "--block-size", "32", "--n-layer", "1", "--n-embd", "32",
     "--n-head", "2", "--warmup", "4", "--corpus-chars", "100000", "--seed", "7", "--threads", "1", "--quiet",
 ]  # fmt: skip
 LAUNCH_TIMEOUT_S = 90  # a 2-process launch takes 10-20 s on 2 busy cores; a hang fails here
-
-
-def read_log(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()] if path.exists() else []
 
 
 def launch(tmp: Path, name: str, *extra: str) -> tuple[subprocess.CompletedProcess, list[dict]]:

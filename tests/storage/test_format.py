@@ -12,7 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from tests._format_fixtures import STEP, manifest_doc, rewrite, tampered_metadata, weight_item  # noqa: F401
+from tests._format_fixtures import (  # noqa: F401
+    STEP,
+    first_inline,
+    manifest_doc,
+    rewrite,
+    tampered_metadata,
+    weight_item,
+)
 from torch_ckpt import CheckpointCorruptError
 from torch_ckpt.format import MAX_STATE_DEPTH, parse_rank_doc, rank_file_problems, read_rank_doc, verify_files
 from torch_ckpt.manifest import parse_manifest, read_manifest
@@ -47,19 +54,6 @@ def _rank_doc(step_dir: Path) -> dict:
     return json.loads((step_dir / "rank_00000.json").read_text())
 
 
-def _first_inline(node):
-    if isinstance(node, dict):
-        if "__tensor_b64__" in node:
-            return node
-        node = list(node.values())
-    if isinstance(node, list):
-        for v in node:
-            found = _first_inline(v)
-            if found is not None:
-                return found
-    return None
-
-
 def test_rank_json_nested_200k_deep_is_corrupt_naming_the_file(ckpt):
     """A rank JSON with 200k-deep nesting raises CheckpointCorruptError naming the file (no RecursionError)."""
     doc = _rank_doc(ckpt)
@@ -87,7 +81,7 @@ def test_rank_json_just_within_the_depth_limit_parses(ckpt):
 def test_inline_tensor_declaring_2_40_elements_is_refused_before_allocation(ckpt):
     """An embedded tensor declaring shape [2^40] raises CheckpointCorruptError naming the file and key."""
     doc = _rank_doc(ckpt)
-    node = _first_inline(doc["tree"])
+    node = first_inline(doc["tree"])
     assert node is not None, "the TrainState's RNG state should be embedded per rank"
     node["shape"] = [2**40]
     with pytest.raises(CheckpointCorruptError, match=r"rank_00000.json.*rng.*shape \[1099511627776\]"):

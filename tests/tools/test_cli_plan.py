@@ -186,6 +186,8 @@ def test_interval_plan_rejects_zero_cost():
         (["plan", "--gpu-mtbf", "100h", "--save-cost", "1s"], "needs --gpus"),
         (["plan", "--tp", "8", "--mtbf", "8h", "--save-cost", "1s"], "--tp only applies"),
         (["plan", "--params", "lots"], "invalid parameter count"),
+        (["plan", "--params", "70B", "--tp", "0"], "argument --tp: expected an integer >= 1, got '0'"),
+        (["plan", "--params", "70B", "--dp", "2.5"], "argument --dp: expected an integer >= 1, got '2.5'"),
         (["plan", "--params", "70B", "--mtbf", "1h", "--mtbf", "2h"], "single --mtbf"),
         (["plan", "--params", "70B", "--param-dtype", "int3"], "invalid choice"),
         (["frobnicate"], "invalid choice"),

@@ -14,7 +14,6 @@ import shutil
 import sys
 import time
 import uuid
-import zlib
 from pathlib import Path
 
 import fsspec
@@ -22,6 +21,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests._format_fixtures import inline_shape_2_40, rank_json_nested_200k, rewrite, storage_data_not_a_dict
 from torch_ckpt import CheckpointManager, TrainState
 from torch_ckpt.tools.cli import main
 from torch_ckpt.tools.inspection import inspect_checkpoint
@@ -98,14 +98,6 @@ def copy(saved, tmp_path) -> Path:
     dst = tmp_path / "run"
     shutil.copytree(saved["root"], dst)
     return dst
-
-
-def rewrite(step_dir: Path, name: str, data: bytes) -> None:
-    """Replace a file and make the manifest agree with it (a consistent, deliberate tampering)."""
-    (step_dir / name).write_bytes(data)
-    manifest = json.loads((step_dir / "manifest.json").read_text())
-    manifest["files"][name] = {"bytes": len(data), "crc32": zlib.crc32(data)}
-    (step_dir / "manifest.json").write_text(json.dumps(manifest))
 
 
 def flip_byte(path: Path, offset: int | None = None) -> None:
@@ -563,39 +555,6 @@ def _declared_2_40(step_dir: Path) -> str:
     return ".metadata"
 
 
-def _storage_data_5(step_dir: Path) -> str:
-    md = _metadata(step_dir)
-    md.storage_data = 5
-    rewrite(step_dir, ".metadata", pickle.dumps(md))
-    return ".metadata"
-
-
-def _first_inline(node):
-    """The first embedded (base64) tensor node of a per-rank tree."""
-    if isinstance(node, dict):
-        if "__tensor_b64__" in node:
-            return node
-        node = list(node.values())
-    for v in node if isinstance(node, list) else []:
-        if (found := _first_inline(v)) is not None:
-            return found
-    return None
-
-
-def _inline_2_40(step_dir: Path) -> str:
-    doc = json.loads((step_dir / "rank_00000.json").read_text())
-    _first_inline(doc["tree"])["shape"] = [2**40]
-    rewrite(step_dir, "rank_00000.json", json.dumps(doc).encode())
-    return "rank_00000.json"
-
-
-def _rank_json_deep(step_dir: Path) -> str:
-    raw = (step_dir / "rank_00000.json").read_text()
-    rewrite(step_dir, "rank_00000.json",
-            raw.replace('"tree":{', '"tree":{"deep":' + "[" * 200_000 + "]" * 200_000 + ",", 1).encode())
-    return "rank_00000.json"
-
-
 def _symlinked_copy(step_dir: Path) -> str:
     """The shard replaced by a symlink to an identical copy outside the checkpoint."""
     outside = step_dir.parent / "outside.distcp"
@@ -647,8 +606,9 @@ _DAMAGES = {"storage-8-bytes-short": _storage_8_short, "declared-float64": _decl
             "declared-int32": _declared_dtype(torch.int32), "chunk-reshaped": _chunk_reshaped,
             "rank-key-not-in-metadata": _rank_key_not_in_metadata, "storage-elsewhere": _storage_elsewhere,
             "shape-beyond-chunks": _shape_beyond_chunks,
-            "declared-2^40": _declared_2_40, "storage_data=5": _storage_data_5, "inline-2^40": _inline_2_40,
-            "rank-json-200k-deep": _rank_json_deep, "symlinked-copy": _symlinked_copy}
+            "declared-2^40": _declared_2_40, "storage_data=5": storage_data_not_a_dict,
+            "inline-2^40": inline_shape_2_40,
+            "rank-json-200k-deep": rank_json_nested_200k, "symlinked-copy": _symlinked_copy}
 
 
 @pytest.mark.parametrize("damage", list(_DAMAGES), ids=list(_DAMAGES))

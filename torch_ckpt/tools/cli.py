@@ -30,6 +30,7 @@ from torch_ckpt.errors import CheckpointError
 from torch_ckpt.tools import cli_bench, cli_tools
 from torch_ckpt.tools.cli_common import (
     UsageError,
+    int_type,
     interval_rows,
     non_negative_duration,
     positive_duration,
@@ -67,14 +68,7 @@ def _count(text: str) -> float:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
+_positive_int = int_type(1)
 
 
 def _fmt_bytes(n: float) -> str:
@@ -238,7 +232,7 @@ def _add_simulate_arguments(p: argparse.ArgumentParser) -> None:
                    help="smallest interval simulated (default Daly / 4)")
     p.add_argument("--max-interval", type=positive_duration, metavar="DURATION",
                    help="largest interval simulated (default Daly x 4)")
-    p.add_argument("--points", type=_positive_int, default=81, help="intervals simulated, log-spaced (default 81)")
+    p.add_argument("--points", type=int_type(2), default=81, help="intervals simulated, log-spaced (default 81)")
     p.add_argument("--failures", type=_positive_int, default=200_000,
                    help="failures simulated, the same failure times for every interval "
                         "(default 200000; runtime grows linearly)")
@@ -253,8 +247,6 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
 
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         raise UsageError("--plot needs matplotlib, which is not installed: pip install matplotlib")
-    if args.points < 2:
-        raise UsageError(f"--points must be at least 2, got {args.points}")
     if args.failures > _MAX_FAILURES:
         raise UsageError(f"--failures must be at most {_MAX_FAILURES}, got {args.failures}")
     try:

@@ -7,10 +7,12 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from torch_ckpt.durations import format_duration, parse_duration
+from torch_ckpt.config_values import to_seconds
+from torch_ckpt.durations import format_duration
+from torch_ckpt.errors import ConfigError
 
-__all__ = ["UsageError", "duration_type", "fmt_bytes", "fmt_time", "interval_rows", "non_negative_duration",
-           "positive_duration", "positive_float", "print_json"]
+__all__ = ["UsageError", "duration_type", "fmt_bytes", "fmt_time", "int_type", "interval_rows",
+           "non_negative_duration", "positive_duration", "positive_float", "print_json", "print_result"]
 
 
 class UsageError(ValueError):
@@ -22,18 +24,38 @@ def print_json(payload: Any) -> None:
     print(json.dumps(payload, indent=2))
 
 
+def print_result(result: dict[str, Any], as_json: bool, to_text: Callable[[dict[str, Any]], str]) -> None:
+    """Print a command's ``result``: as JSON with ``--json`` (``as_json``), else as ``to_text(result)``."""
+    if as_json:
+        print_json(result)
+    else:
+        print(to_text(result))
+
+
 def duration_type(minimum: str) -> Callable[[str], float]:
     """An argparse type parsing a duration ("8h", "90s", "1.5") that must be ``minimum`` ("positive"/"non-negative")."""
     def parse(text: str) -> float:
         try:
-            seconds = parse_duration(text)
-        except ValueError as exc:
+            return to_seconds("duration", text, positive=minimum == "positive")
+        except ConfigError as exc:
             raise argparse.ArgumentTypeError(str(exc)) from None
-        if seconds < 0 or (minimum == "positive" and seconds == 0):
-            raise argparse.ArgumentTypeError(f"duration must be {minimum}, got {text!r}")
-        return seconds
 
     parse.__name__ = "duration"  # argparse names the type in its messages
+    return parse
+
+
+def int_type(minimum: int) -> Callable[[str], int]:
+    """An argparse type parsing a whole number ``>= minimum`` ("4", not "4.0")."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < minimum:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {text!r}")
+        return value
+
+    parse.__name__ = "integer"  # argparse names the type in its messages
     return parse
 
 

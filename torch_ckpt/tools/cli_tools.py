@@ -27,7 +27,7 @@ from typing import Any
 from torch_ckpt.durations import format_duration
 from torch_ckpt.errors import CheckpointError, ConfigError
 from torch_ckpt.storage import DurableUnavailableError, Location, PathNotFoundError, is_url
-from torch_ckpt.tools.cli_common import UsageError, fmt_bytes, print_json
+from torch_ckpt.tools.cli_common import UsageError, fmt_bytes, int_type, print_json, print_result
 
 __all__ = [
     "add_common",
@@ -59,14 +59,7 @@ def _storage_options(text: str) -> dict[str, Any]:
 _storage_options.__name__ = "storage options"
 
 
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a step number, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a step number >= 0, got {text!r}")
-    return value
+_non_negative_int = int_type(0)
 
 
 def add_common(p: argparse.ArgumentParser, *, remote: bool = True) -> None:
@@ -141,10 +134,7 @@ def run_ls(args: argparse.Namespace) -> int:
     with _argument_paths():
         result = list_root(_open(args.root, args), verify=args.verify, check_tiers=args.check_tiers,
                            progress=not args.quiet)
-    if args.json:
-        print_json(result)
-    else:
-        print(_ls_text(result))
+    print_result(result, args.json, _ls_text)
     return 1 if result["counts"][CORRUPT] else 0
 
 
@@ -190,10 +180,7 @@ def run_inspect(args: argparse.Namespace) -> int:
     with _argument_paths():
         result = inspect_checkpoint(_open(args.checkpoint, args), step=args.step, keys=args.keys,
                                     progress=not args.quiet)
-    if args.json:
-        print_json(result)
-    else:
-        print(_inspect_text(result))
+    print_result(result, args.json, _inspect_text)
     return 0
 
 
@@ -248,10 +235,7 @@ def run_verify(args: argparse.Namespace) -> int:
 
     with _argument_paths():
         result = verify_path(_open(args.target, args), checksums=not args.no_checksums, progress=not args.quiet)
-    if args.json:
-        print_json(result)
-    else:
-        print(_verify_text(result))
+    print_result(result, args.json, _verify_text)
     return 0 if result["ok"] else 1
 
 

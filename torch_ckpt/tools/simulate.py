@@ -17,29 +17,20 @@ and its minimum is well defined; 200,000 failures over 81 intervals take well un
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
 
+from torch_ckpt.config_values import check_int, to_seconds
 from torch_ckpt.durations import format_duration
 from torch_ckpt.interval import checkpoint_interval, expected_overhead, young_interval
 
 __all__ = ["SimulationResult", "simulate_overhead", "sweep", "plot_sweep"]
 
 
-def _check(name: str, value: float, *, positive: bool) -> float:
-    value = float(value)
-    if not math.isfinite(value) or value < 0 or (positive and value == 0):
-        kind = "positive" if positive else "non-negative"
-        raise ValueError(f"{name} must be a {kind}, finite number of seconds, got {value!r}")
-    return value
-
-
 def _failure_gaps(mtbf_s: float, failures: int, seed: int) -> np.ndarray:
-    if isinstance(failures, bool) or not isinstance(failures, int) or failures < 1:
-        raise ValueError(f"failures must be an integer >= 1, got {failures!r}")
+    check_int("failures", failures, 1)
     return np.random.default_rng(seed).exponential(mtbf_s, size=failures)
 
 
@@ -70,10 +61,10 @@ def simulate_overhead(
     Raises:
         ValueError: If an argument is out of range.
     """
-    mtbf = _check("mtbf_s", mtbf_s, positive=True)
-    cost = _check("cost_s", cost_s, positive=False)
-    lag = _check("durability_lag_s", durability_lag_s, positive=False)
-    restart = _check("restart_s", restart_s, positive=False)
+    mtbf = to_seconds("mtbf_s", mtbf_s, positive=True)
+    cost = to_seconds("cost_s", cost_s, positive=False)
+    lag = to_seconds("durability_lag_s", durability_lag_s, positive=False)
+    restart = to_seconds("restart_s", restart_s, positive=False)
     intervals = np.atleast_1d(np.asarray(intervals_s, dtype=float))
     if intervals.size == 0 or not np.all(np.isfinite(intervals)) or np.any(intervals <= 0):
         raise ValueError(f"intervals_s must be positive, finite seconds, got {intervals_s!r}")
@@ -173,15 +164,14 @@ def sweep(
     Raises:
         ValueError: If an argument is out of range (including ``min_interval_s >= max_interval_s``).
     """
-    cost = _check("cost_s", cost_s, positive=True)
+    cost = to_seconds("cost_s", cost_s, positive=True)
     young = young_interval(mtbf_s, cost)
     recommended = checkpoint_interval(mtbf_s, cost, durability_lag_s)
     daly = recommended.optimal_interval_s
     if intervals_s is None:
-        if isinstance(points, bool) or not isinstance(points, int) or points < 2:
-            raise ValueError(f"points must be an integer >= 2, got {points!r}")
-        low = daly / 4.0 if min_interval_s is None else _check("min_interval_s", min_interval_s, positive=True)
-        high = daly * 4.0 if max_interval_s is None else _check("max_interval_s", max_interval_s, positive=True)
+        check_int("points", points, 2)
+        low = daly / 4.0 if min_interval_s is None else to_seconds("min_interval_s", min_interval_s, positive=True)
+        high = daly * 4.0 if max_interval_s is None else to_seconds("max_interval_s", max_interval_s, positive=True)
         if low >= high:
             raise ValueError(f"min_interval_s ({low!r}) must be below max_interval_s ({high!r})")
         intervals = np.geomspace(low, high, points)

@@ -24,6 +24,7 @@ import math
 import re
 from typing import Any
 
+from torch_ckpt.config_values import check_int, to_seconds
 from torch_ckpt.interval import checkpoint_interval, expected_overhead, young_interval
 
 __all__ = ["DTYPE_BYTES", "OPTIMIZER_MOMENTS", "parse_count", "checkpoint_size", "interval_plan"]
@@ -60,12 +61,6 @@ def parse_count(value: str | float | int) -> float:
     if not math.isfinite(count) or count <= 0:
         raise ValueError(f"invalid parameter count {value!r}: expected a positive number such as 70e9 or 70B")
     return count
-
-
-def _positive_int(name: str, value: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-    return value
 
 
 def _positive(name: str, value: float) -> float:
@@ -110,8 +105,8 @@ def checkpoint_size(
         ValueError: If an argument is out of range or an unknown dtype/optimizer is named.
     """
     params = _positive("params", params)
-    tp, pp, dp = (_positive_int(n, v) for n, v in (("tp", tp), ("pp", pp), ("dp", dp)))
-    gpus_per_node = _positive_int("gpus_per_node", gpus_per_node)
+    tp, pp, dp = (check_int(n, v, 1) for n, v in (("tp", tp), ("pp", pp), ("dp", dp)))
+    gpus_per_node = check_int("gpus_per_node", gpus_per_node, 1)
     d2h_gbps, storage_gbps = _positive("d2h_gbps", d2h_gbps), _positive("storage_gbps", storage_gbps)
     if param_dtype not in DTYPE_BYTES:
         raise ValueError(f"param_dtype must be one of {sorted(DTYPE_BYTES)}, got {param_dtype!r}")
@@ -186,10 +181,9 @@ def interval_plan(
     Raises:
         ValueError: If an argument is out of range (zero or negative MTBF, cost or step time).
     """
-    if not math.isfinite(cost_s) or cost_s <= 0:
-        raise ValueError(f"save cost must be a positive number of seconds, got {cost_s!r}")
+    cost_s = to_seconds("cost_s (the save cost)", cost_s, positive=True)
     if step_time_s is not None:
-        step_time_s = _positive("step_time_s", step_time_s)
+        step_time_s = to_seconds("step_time_s", step_time_s, positive=True)
     chosen = checkpoint_interval(mtbf_s, cost_s, durability_lag_s, step_time_s)
     young = young_interval(mtbf_s, cost_s)
     plan: dict[str, Any] = {
