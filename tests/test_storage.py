@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import os
+import time
 import uuid
 import zlib
 
@@ -32,6 +33,16 @@ def test_is_url(text, expected):
     assert is_url(text) is expected
 
 
+@pytest.fixture
+def non_utc_zone(monkeypatch):
+    """Run with a local time zone other than UTC (so a naive time read as local time would be off)."""
+    monkeypatch.setenv("TZ", "EST+05")
+    time.tzset()
+    yield
+    monkeypatch.undo()
+    time.tzset()
+
+
 @pytest.mark.parametrize("info,expected", [
     ({"mtime": 5.5}, 5.5),
     ({"LastModified": dt.datetime(1970, 1, 1, 0, 1, tzinfo=dt.timezone.utc)}, 60.0),
@@ -42,7 +53,7 @@ def test_is_url(text, expected):
     ({"mtime": 0}, None),
     ({}, None),
 ], ids=["number", "aware", "naive-is-utc", "iso-z", "bool-skipped", "bad-string-skipped", "zero", "none"])
-def test_object_mtime_reads_every_backend_spelling(info, expected):
+def test_object_mtime_reads_every_backend_spelling(non_utc_zone, info, expected):
     """Numbers, datetimes (naive read as UTC) and ISO strings under any known key give Unix seconds."""
     assert object_mtime(info) == expected
 

@@ -99,6 +99,15 @@ def test_tensor_rebuilt_by_another_function_is_refused():
         pickled_tensor(forged)
 
 
+def test_requires_grad_that_is_not_a_bool_is_refused():
+    """A tensor pickle whose requires_grad is an int instead of a bool is not a plain tensor's."""
+    raw = data_pkl(torch.zeros(2))
+    forged = raw.replace(b"\x89cc", b"K\x00cc", 1)  # NEWFALSE before the OrderedDict global -> BININT1 0
+    assert forged != raw
+    with pytest.raises(RecordProblem, match="not a plain tensor"):
+        pickled_tensor(forged)
+
+
 @pytest.mark.parametrize("raw", [b"", b"\x80\x02", b"(((", b"\x80\x02K\x01K\x02."], ids=["empty", "truncated",
                                                                                           "marks", "two-ints"])
 def test_malformed_pickle_is_a_record_problem(raw):

@@ -24,7 +24,8 @@ def node_local_manifest() -> Manifest:
 
 
 @pytest.mark.parametrize("name,expected", [("__2_replica_0.distcp", True), ("__0_0.distcp", False),
-                                           ("replica_0.distcp", False), ("rank_00000.json", False)])
+                                           ("replica_0.distcp", False), ("x_replica_0.distcp", False),
+                                           ("rank_00000.json", False)])
 def test_is_replica_file(name, expected):
     """Only DCP data files carrying the replica tag are replica files."""
     assert is_replica_file(name) is expected
