@@ -63,11 +63,20 @@ def test_framing_does_not_depend_on_values():
 
 
 @pytest.mark.parametrize("other", [torch.zeros(4, 3), torch.zeros(3, 4, dtype=torch.float64),
-                                   torch.zeros(4, 3).t(), torch.zeros(13)[1:].view(3, 4)],
-                         ids=["shape", "dtype", "strides", "offset"])
+                                   torch.zeros(4, 3).t(), torch.zeros(13)[:12].view(3, 4)],
+                         ids=["shape", "dtype", "strides", "storage-size"])
 def test_framing_differs_with_the_signature(other):
-    """Shape, dtype, strides or storage offset change the framing."""
+    """Shape, dtype, strides or storage size change the framing."""
     assert framing_or_skip(torch.zeros(3, 4)) != record_framing(other)
+
+
+def test_views_at_different_offsets_of_one_storage_keep_their_own_offset():
+    """Equal-shaped views of one storage at different offsets get their own framing and values."""
+    base = torch.arange(13, dtype=torch.float32)
+    first, second = base[:12].view(3, 4), base[1:].view(3, 4)
+    assert framing_or_skip(first) != record_framing(second)
+    assert torch.equal(load(serialize_tensor(first)), first)
+    assert torch.equal(load(serialize_tensor(second)), second)
 
 
 def test_cached_framing_still_gives_the_current_values():
