@@ -58,10 +58,20 @@ def test_error_set_on_a_writer_thread_is_raised_by_wait_on_the_caller():
     assert repr(h) == "SaveHandle(step=7, failed)"
 
 
+class _PendingFuture(Future):
+    """A future that never resolves and records the timeout it was asked to wait (so a lost timeout cannot hang)."""
+
+    def result(self, timeout=None):
+        self.asked = timeout
+        raise FutureTimeoutError()
+
+
 def test_wait_with_a_timeout_on_a_pending_save_raises_timeout():
-    """wait(timeout=0) on an uncommitted save raises TimeoutError instead of blocking."""
+    """wait(timeout=...) passes the timeout to the committed future and raises its TimeoutError."""
+    h = SaveHandle(1, Future(), _PendingFuture(), SaveStats(step=1))
     with pytest.raises(FutureTimeoutError):
-        make_handle().wait(timeout=0)
+        h.wait(timeout=2.5)
+    assert h.committed.asked == 2.5
 
 
 def test_gb_per_s_is_bytes_over_total_seconds():
