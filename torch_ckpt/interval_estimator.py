@@ -102,7 +102,8 @@ class IntervalEstimator:
         Raises:
             ValueError: If a duration is negative or not finite.
         """
-        cost = to_seconds("blocking_s", blocking_s, positive=False) + to_seconds("slowdown_s", slowdown_s, positive=False)
+        cost = to_seconds("blocking_s", blocking_s, positive=False)
+        cost += to_seconds("slowdown_s", slowdown_s, positive=False)
         if step == self._cost_step:
             self._cost.replace_last(cost)
         else:
