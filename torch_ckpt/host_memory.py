@@ -7,18 +7,26 @@ thread, and copying 1 GiB in ~600 tensors took 1-5 s on the reference machine at
 against 0.2-0.3 s single-threaded. :func:`copy_tensors` copies plain contiguous CPU tensors with
 ``memmove`` (no GIL held) split over a few Python threads, which degrades gracefully under load;
 every other pair goes through ``copy_``.
+
+:func:`swap_in` is the write-to-live step of a restore: where a live tensor is its storage's only
+user, it exchanges the live tensor's contents with the new buffer's (``torch.utils.swap_tensors``,
+O(1), the live Python object is kept) instead of copying; every other pair is copied.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import ctypes
 import os
 import threading
-from collections.abc import Iterable
+import weakref
+from collections.abc import Iterable, Iterator
 
 import torch
+from torch.utils import swap_tensors
 
-__all__ = ["COPY_THREADS", "copy_tensors"]
+__all__ = ["COPY_THREADS", "copy_tensors", "swap_in", "restore_buffers"]
 
 #: threads for :func:`copy_tensors` (memory bandwidth is shared: a few are enough)
 COPY_THREADS = max(1, min(4, os.cpu_count() or 1))
@@ -29,6 +37,9 @@ _THREADED_BYTES = 16 << 20
 #: plain pairs under this size are copied together by one ``torch._foreach_copy_`` call
 _SMALL_BYTES = 64 << 10
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+#: ids of the new buffers the restore in progress owns (only those may be swapped into live tensors)
+_OWNED: contextvars.ContextVar[frozenset[int]] = contextvars.ContextVar("torch_ckpt_restore_buffers",
+                                                                        default=frozenset())
 
 
 def _plain(dst: torch.Tensor, src: torch.Tensor) -> bool:
@@ -114,3 +125,94 @@ def copy_tensors(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
     bump = getattr(torch.autograd.graph, "increment_version", None)
     for dst in fast[::2] if bump is not None else ():
         bump(dst)  # as copy_ would: autograd refuses a backward through the old values
+
+
+@contextlib.contextmanager
+def restore_buffers(buffers: Iterable[torch.Tensor]) -> Iterator[None]:
+    """Within this block, :func:`swap_in` may exchange live tensors with these new buffers.
+
+    A restore allocates its own buffers and drops them after the write to the live state; only
+    those may end up holding the old values. A tensor a caller passed in (e.g. the values of
+    another optimizer's ``state_dict()`` given to ``load_state_dict``) is never swapped, only
+    copied from. The caller must keep ``buffers`` alive for the whole block (ids are compared).
+    """
+    token = _OWNED.set(_OWNED.get() | {id(t) for t in buffers})
+    try:
+        yield
+    finally:
+        _OWNED.reset(token)
+
+
+def _storage_users(t: torch.Tensor) -> int:
+    """How many tensors (and storage objects) share ``t``'s storage, ``t`` included."""
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata) - 1  # less the temporary storage object
+
+
+def _swappable(live: torch.Tensor, new: torch.Tensor) -> bool:
+    """True when exchanging ``live``'s and ``new``'s contents is indistinguishable from ``live.copy_(new)``.
+
+    ``new`` must be one of the buffers of the enclosing :func:`restore_buffers`. Both must be
+    plain tensors (no Parameter, subclass or DTensor) that do not need gradients, alike in device,
+    dtype, shape, strides and layout, each the only tensor on the whole of its own storage (no
+    views, no aliases such as ``state_dict()`` entries), with no other C++ reference (autograd
+    graph, hooks) and no weak reference.
+    """
+    if type(live) is not torch.Tensor or type(new) is not torch.Tensor or live is new or id(new) not in _OWNED.get():
+        return False
+    if live.requires_grad or new.requires_grad or live.grad is not None or new.grad is not None:
+        return False
+    if (live.device != new.device or live.dtype != new.dtype or live.shape != new.shape
+            or live.stride() != new.stride() or live.layout != torch.strided or new.layout != torch.strided):
+        return False
+    for t in (live, new):
+        if (t._is_view() or t.is_inference() or t.is_quantized or t.is_conj() or t.is_neg()
+                or not t.is_contiguous() or t.storage_offset() != 0 or t.device.type == "meta"):
+            return False
+        if t.untyped_storage().nbytes() != t.numel() * t.element_size():  # part of a larger buffer
+            return False
+        if t._use_count() != 1 or _storage_users(t) != 1 or weakref.getweakrefs(t):
+            return False
+    return True
+
+
+@torch.no_grad()
+def swap_in(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> int:
+    """Give each live tensor its new buffer's values: exchanged where possible, else copied.
+
+    For a ``(live, new)`` pair that :func:`_swappable` accepts (``new`` is a buffer of the enclosing
+    :func:`restore_buffers` block, both are plain tensors nothing else refers to), ``torch.utils.swap_tensors``
+    exchanges the two tensors' contents in O(1): ``live`` stays the same Python object (identity,
+    ``__dict__`` kept) and now holds the new values and storage, while ``new`` holds the old ones,
+    so the caller must not use ``new`` afterwards. ``live``'s autograd version is bumped as
+    ``copy_`` would. A live tensor that appears again (tied entries) is copied into, not swapped
+    twice. Every other pair, and any pair ``swap_tensors`` refuses, goes to :func:`copy_tensors`.
+    Checks come before any swap, so a refused pair changes nothing.
+
+    Returns:
+        The number of pairs exchanged (the others were copied).
+
+    Raises:
+        RuntimeError: from ``copy_`` for a pair it cannot copy (e.g. shapes that do not broadcast).
+    """
+    copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+    seen: set[int] = set()
+    swapped = 0
+    bump = getattr(torch.autograd.graph, "increment_version", None)
+    for live, new in pairs:
+        if id(live) in seen or not _swappable(live, new):
+            seen.add(id(live))
+            copies.append((live, new))
+            continue
+        seen.add(id(live))
+        kept, other = live.__dict__, new.__dict__
+        try:
+            swap_tensors(live, new)
+        except RuntimeError:  # refused before changing anything (references found): copy instead
+            copies.append((live, new))
+            continue
+        live.__dict__, new.__dict__ = kept, other  # the live object's own attributes stay with it
+        if bump is not None:
+            bump(live)  # as copy_ would: a newer version than any the old values had
+        swapped += 1
+    copy_tensors(copies)
+    return swapped

@@ -14,7 +14,8 @@ new buffers and computing the CRC-32 in the same pass. Nor are the record header
 ``load_direct`` compares each placed record's framing with ``torch.save``'s byte for byte, and
 the records it does not place are checked before DCP's reader opens them (also before a
 state-mismatch error is raised, so a bad record is reported as corruption). The new values are
-copied into the live tensors by :func:`torch_ckpt.host_memory.copy_tensors`.
+written into the live tensors by :func:`torch_ckpt.host_memory.swap_in` (exchanged where a live
+tensor is its storage's only user, copied otherwise).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from torch_ckpt.errors import (
     StateMismatchError,
 )
 from torch_ckpt.format import read_rank_doc, verify_files
-from torch_ckpt.host_memory import copy_tensors
+from torch_ckpt.host_memory import copy_tensors, restore_buffers, swap_in
 from torch_ckpt.layout import Manifest
 from torch_ckpt.state_tree import tensor_keys
 
@@ -133,11 +134,18 @@ def _check_records(step_dir: Path, manifest: Manifest, md: Any, tensors: dict[st
 
 @torch.no_grad()
 def copy_into_live(live: Mapping[str, torch.Tensor], staged: Mapping[str, torch.Tensor]) -> None:
-    """Copy each staged tensor into the live tensor of the same key, in place (shard-locally for DTensors).
+    """Give each live tensor the staged tensor of the same key, in place (shard-locally for DTensors).
 
-    Host tensors are copied by :func:`torch_ckpt.host_memory.copy_tensors` (threaded ``memmove``).
+    :func:`torch_ckpt.host_memory.swap_in` exchanges a plain live tensor's contents with its staged
+    buffer's when the buffer is the restore's own (:func:`~torch_ckpt.host_memory.restore_buffers`)
+    and nothing else refers to the live tensor or its storage (the live object is kept;
+    the staged buffer then holds the old values and must not be used); the others are copied
+    (threaded ``memmove`` for host tensors). A module's ``state_dict()`` entries share storage
+    with the parameters, so they are always copied into, and so are DTensor shards.
     """
-    copy_tensors([(_local(dst), _local(staged[key])) for key, dst in live.items() if key in staged])
+    pairs = [(dst, staged[key]) for key, dst in live.items() if key in staged]
+    copy_tensors([(_local(d), _local(s)) for d, s in pairs if isinstance(d, DTensor) or isinstance(s, DTensor)])
+    swap_in([(d, s) for d, s in pairs if not (isinstance(d, DTensor) or isinstance(s, DTensor))])
 
 
 def _plan(state: Any, step_dir: Path, manifest: Manifest, md: Any, tree: Any, ctx: DistContext, *,
@@ -316,7 +324,14 @@ def load_into(state: Any, step_dir: Path, manifest: Manifest, ctx: DistContext, 
     if rest:
         load_tensors({k: targets[k] for k in rest}, step_dir, md, set(manifest.files),
                      process_group=ctx.fg if ctx.enabled else None, no_dist=not ctx.enabled)
-    # every read succeeded: from here on the live state is written
+    # every read succeeded: from here on the live state is written; the buffers are ours to swap
+    with restore_buffers(targets.values()):
+        _write_live(state, live_tensors, tree, targets, staged_aware)
+
+
+def _write_live(state: Any, live_tensors: dict[str, torch.Tensor], tree: Any, targets: _Targets,
+                staged_aware: bool) -> None:
+    """Write the loaded ``targets`` into ``state`` (the last step of :func:`load_into`; every check passed)."""
     if staged_aware:
         state.load_state_dict(join_state(tree, targets))
         return
