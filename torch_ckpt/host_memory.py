@@ -21,7 +21,7 @@ import ctypes
 import os
 import threading
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 
 import torch
 from torch.utils import swap_tensors
@@ -148,45 +148,68 @@ def _storage_users(t: torch.Tensor) -> int:
     return torch._C._storage_Use_Count(t.untyped_storage()._cdata) - 1  # less the temporary storage object
 
 
-def _swappable(live: torch.Tensor, new: torch.Tensor) -> bool:
+def _swappable(live: torch.Tensor, new: torch.Tensor, aliases: int) -> bool:
     """True when exchanging ``live``'s and ``new``'s contents is indistinguishable from ``live.copy_(new)``.
 
-    ``new`` must be one of the buffers of the enclosing :func:`restore_buffers`. Both must be
-    plain tensors (no Parameter, subclass or DTensor) that do not need gradients, alike in device,
-    dtype, shape, strides and layout, each the only tensor on the whole of its own storage (no
-    views, no aliases such as ``state_dict()`` entries), with no other C++ reference (autograd
-    graph, hooks) and no weak reference.
+    ``new`` must be a plain tensor, one of the buffers of the enclosing :func:`restore_buffers`;
+    ``live`` a plain tensor or an ``nn.Parameter`` (no other subclass, no DTensor) without hooks;
+    neither a view, alike in device, dtype, shape, strides and layout, each on the whole of its
+    own storage and the only tensor there but for ``aliases`` known aliases of ``live`` (a
+    module's ``state_dict()`` entries), with no other C++ reference (autograd graph, hooks) and
+    no weak reference.
     """
-    if type(live) is not torch.Tensor or type(new) is not torch.Tensor or live is new or id(new) not in _OWNED.get():
+    if type(new) is not torch.Tensor or type(live) not in _PLAIN or live is new or id(new) not in _OWNED.get():
         return False
-    if live.requires_grad or new.requires_grad or live.grad is not None or new.grad is not None:
+    if new.requires_grad or new.grad is not None:
+        return False
+    if type(live) is torch.Tensor and (live.requires_grad or live.grad is not None):
+        return False
+    if live._backward_hooks or getattr(live, "_post_accumulate_grad_hooks", None):
         return False
     if (live.device != new.device or live.dtype != new.dtype or live.shape != new.shape
             or live.stride() != new.stride() or live.layout != torch.strided or new.layout != torch.strided):
         return False
-    for t in (live, new):
+    for t, others in ((live, aliases), (new, 0)):
         if (t._is_view() or t.is_inference() or t.is_quantized or t.is_conj() or t.is_neg()
                 or not t.is_contiguous() or t.storage_offset() != 0 or t.device.type == "meta"):
             return False
         if t.untyped_storage().nbytes() != t.numel() * t.element_size():  # part of a larger buffer
             return False
-        if t._use_count() != 1 or _storage_users(t) != 1 or weakref.getweakrefs(t):
+        if t._use_count() != 1 or _storage_users(t) != 1 + others or weakref.getweakrefs(t):
             return False
     return True
 
 
+def _swap(live: torch.Tensor, new: torch.Tensor) -> None:
+    """Exchange the contents of a :func:`_swappable` pair; ``live`` keeps its ``__dict__``, gradient and class."""
+    grad = live.grad
+    other = torch.nn.Parameter(new, requires_grad=live.requires_grad) if type(live) is not type(new) else new
+    kept, theirs = live.__dict__, other.__dict__
+    swap_tensors(live, other)  # raises before changing anything when it finds other references
+    live.__dict__, other.__dict__ = kept, theirs
+    if grad is not None:
+        live.grad = grad  # the gradient belongs to the parameter, not to its values
+
+
 @torch.no_grad()
-def swap_in(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> int:
+def swap_in(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]], aliases: Mapping[int, int] | None = None) -> int:
     """Give each live tensor its new buffer's values: exchanged where possible, else copied.
 
     For a ``(live, new)`` pair that :func:`_swappable` accepts (``new`` is a buffer of the enclosing
-    :func:`restore_buffers` block, both are plain tensors nothing else refers to), ``torch.utils.swap_tensors``
-    exchanges the two tensors' contents in O(1): ``live`` stays the same Python object (identity,
-    ``__dict__`` kept) and now holds the new values and storage, while ``new`` holds the old ones,
-    so the caller must not use ``new`` afterwards. ``live``'s autograd version is bumped as
-    ``copy_`` would. A live tensor that appears again (tied entries) is copied into, not swapped
-    twice. Every other pair, and any pair ``swap_tensors`` refuses, goes to :func:`copy_tensors`.
-    Checks come before any swap, so a refused pair changes nothing.
+    :func:`restore_buffers` block that appears once in ``pairs``, ``live`` a plain tensor or
+    parameter nothing else refers to), ``torch.utils.swap_tensors`` exchanges the two tensors'
+    contents in O(1): ``live`` stays the same Python object (class, ``__dict__``,
+    ``requires_grad`` and ``.grad`` kept) and now holds the new values and storage, while ``new``
+    holds the old ones (or shares the new storage with ``live``, for a parameter), so the caller
+    must not use ``new`` afterwards. ``live``'s autograd version is bumped as ``copy_`` would. A
+    live tensor that appears again (tied entries) is copied into, not swapped twice. Every other
+    pair, and any pair ``swap_tensors`` refuses, goes to :func:`copy_tensors`. Checks come before
+    any swap, so a refused pair changes nothing.
+
+    Args:
+        pairs: ``(live, new)`` tensors.
+        aliases: ``id(live) -> n`` for a live tensor known to share its storage with ``n`` other
+            tensors the caller drops (a module's ``state_dict()`` entries for its parameters).
 
     Returns:
         The number of pairs exchanged (the others were copied).
@@ -194,23 +217,26 @@ def swap_in(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> int:
     Raises:
         RuntimeError: from ``copy_`` for a pair it cannot copy (e.g. shapes that do not broadcast).
     """
+    pairs = list(pairs)
+    aliases = aliases or {}
+    uses: dict[int, int] = {}
+    for _, new in pairs:
+        uses[id(new)] = uses.get(id(new), 0) + 1
     copies: list[tuple[torch.Tensor, torch.Tensor]] = []
     seen: set[int] = set()
     swapped = 0
     bump = getattr(torch.autograd.graph, "increment_version", None)
     for live, new in pairs:
-        if id(live) in seen or not _swappable(live, new):
-            seen.add(id(live))
+        first = id(live) not in seen
+        seen.add(id(live))
+        if not (first and uses[id(new)] == 1 and _swappable(live, new, aliases.get(id(live), 0))):
             copies.append((live, new))
             continue
-        seen.add(id(live))
-        kept, other = live.__dict__, new.__dict__
         try:
-            swap_tensors(live, new)
+            _swap(live, new)
         except RuntimeError:  # refused before changing anything (references found): copy instead
             copies.append((live, new))
             continue
-        live.__dict__, new.__dict__ = kept, other  # the live object's own attributes stay with it
         if bump is not None:
             bump(live)  # as copy_ would: a newer version than any the old values had
         swapped += 1

@@ -132,21 +132,54 @@ def _check_records(step_dir: Path, manifest: Manifest, md: Any, tensors: dict[st
         raise corrupt(str(Path(step_dir) / file), f"{text}{more}")
 
 
+def _owners(module: torch.nn.Module,
+            live: Mapping[str, torch.Tensor]) -> tuple[dict[int, torch.Tensor], dict[int, int]]:
+    """The parameter or buffer of ``module`` behind each ``state_dict()`` entry of ``live``, and its alias count.
+
+    Returns ``id(entry) -> tensor`` for entries that are the whole of exactly one of the module's
+    parameters/buffers (same storage start, dtype, shape and strides), and ``id(tensor) -> n``, the
+    number of distinct entries of ``live`` (other than the tensor itself) on that storage.
+    """
+    by_ptr: dict[int, list[torch.Tensor]] = {}
+    for _, t in [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]:
+        if isinstance(t, torch.Tensor) and not isinstance(t, DTensor) and t.numel():
+            same = by_ptr.setdefault(t.data_ptr(), [])
+            if all(x is not t for x in same):
+                same.append(t)
+    owner: dict[int, torch.Tensor] = {}
+    entries: dict[int, dict[int, torch.Tensor]] = {}
+    for dst in live.values():
+        found = by_ptr.get(dst.data_ptr()) if type(dst) in (torch.Tensor, torch.nn.Parameter) and dst.numel() else None
+        if found is None or len(found) != 1:
+            continue
+        o = found[0]
+        if (o.device, o.dtype, o.shape, o.stride(), o.storage_offset()) == (
+                dst.device, dst.dtype, dst.shape, dst.stride(), dst.storage_offset()):
+            owner[id(dst)] = o
+            if dst is not o:
+                entries.setdefault(id(o), {})[id(dst)] = dst
+    return owner, {k: len(v) for k, v in entries.items()}
+
+
 @torch.no_grad()
-def copy_into_live(live: Mapping[str, torch.Tensor], staged: Mapping[str, torch.Tensor]) -> None:
+def copy_into_live(live: Mapping[str, torch.Tensor], staged: Mapping[str, torch.Tensor],
+                   module: torch.nn.Module | None = None) -> None:
     """Give each live tensor the staged tensor of the same key, in place (shard-locally for DTensors).
 
     :func:`torch_ckpt.host_memory.swap_in` exchanges a plain live tensor's contents with its staged
     buffer's when the buffer is the restore's own (:func:`~torch_ckpt.host_memory.restore_buffers`)
-    and nothing else refers to the live tensor or its storage (the live object is kept;
-    the staged buffer then holds the old values and must not be used); the others are copied
-    (threaded ``memmove`` for host tensors). A module's ``state_dict()`` entries share storage
-    with the parameters, so they are always copied into, and so are DTensor shards.
+    and nothing else refers to the live tensor or its storage (the live object is kept; the staged
+    buffer must not be used afterwards); the others, and DTensor shards, are copied (threaded
+    ``memmove`` for host tensors). With ``module``, ``live`` is that module's ``state_dict()``
+    (entries share storage with the parameters and buffers): each entry's parameter or buffer
+    itself is then the one exchanged, keeping its identity, ``requires_grad`` and ``.grad``;
+    the entries then still hold the old values and must be dropped.
     """
     pairs = [(dst, staged[key]) for key, dst in live.items() if key in staged]
+    owner, aliases = _owners(module, live) if module is not None else ({}, {})
     copy_tensors([(_local(d), _local(s)) for d, s in pairs if isinstance(d, DTensor) or isinstance(s, DTensor)])
-    swap_in([(d, s) for d, s in pairs if not (isinstance(d, DTensor) or isinstance(s, DTensor))])
-
+    swap_in([(owner.get(id(d), d), s) for d, s in pairs if not (isinstance(d, DTensor) or isinstance(s, DTensor))],
+            aliases)
 
 def _plan(state: Any, step_dir: Path, manifest: Manifest, md: Any, tree: Any, ctx: DistContext, *,
           on_world_size_change: str, allow_cast: bool) -> tuple[dict[str, torch.Tensor], Any, _Targets, bool]:
@@ -333,6 +366,7 @@ def _write_live(state: Any, live_tensors: dict[str, torch.Tensor], tree: Any, ta
                 staged_aware: bool) -> None:
     """Write the loaded ``targets`` into ``state`` (the last step of :func:`load_into`; every check passed)."""
     if staged_aware:
+        live_tensors.clear()  # aliases of the live tensors (state_dict() entries): gone, so those can be exchanged
         state.load_state_dict(join_state(tree, targets))
         return
     if hasattr(state, "load_state_dict") and not any(isinstance(t, DTensor) for t in live_tensors.values()):
