@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import gc
 import logging
 import random
 
@@ -299,6 +300,45 @@ def test_record_the_reader_cannot_place_is_checked_before_dcp_reads_it(tmp_path)
     with CheckpointManager(tmp_path) as mgr, pytest.raises(CheckpointCorruptError, match=data.name):
         mgr.restore(live, step=1)
     assert torch.count_nonzero(live["w"]) == 0 and torch.count_nonzero(live["b"]) == 0
+
+
+class _GcProbe(TrainState):
+    """A TrainState that records whether the cyclic collector was enabled while it was being loaded."""
+
+    def load_state_dict(self, state_dict):
+        self.gc_enabled_during_load = gc.isenabled()
+        super().load_state_dict(state_dict)
+
+
+def test_collector_is_paused_during_restore_and_enabled_after(saved):
+    """The cyclic GC is off while the state is loaded and back on afterwards."""
+    model, opt, sched = _trained(seed=3)
+    state = _GcProbe(model=model, optimizer=opt, scheduler=sched, dataloader=_Loader())
+    assert gc.isenabled()
+    with CheckpointManager(saved) as mgr:
+        assert mgr.restore(state) == 2
+    assert state.gc_enabled_during_load is False
+    assert gc.isenabled()
+
+
+def test_collector_is_enabled_again_after_a_failed_restore(saved):
+    """A restore that fails still leaves the cyclic GC enabled."""
+    model, opt, sched = _trained(seed=3)
+    with CheckpointManager(saved) as mgr, pytest.raises(ValueError, match="refuses"):
+        mgr.restore(TrainState(model=model, optimizer=opt, scheduler=sched, dataloader=_Loader(fail=True)))
+    assert gc.isenabled()
+
+
+def test_collector_left_disabled_when_it_was_disabled(saved):
+    """A restore does not switch on a collector the program had disabled."""
+    model, opt, sched = _trained(seed=3)
+    gc.disable()
+    try:
+        with CheckpointManager(saved) as mgr:
+            assert mgr.restore(TrainState(model=model, optimizer=opt, scheduler=sched, dataloader=_Loader())) == 2
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
 
 
 class _Refusing:

@@ -183,3 +183,65 @@ def test_capture_follows_a_replaced_submodule():
     sd = state.state_dict()["model"]
     assert "1.running_mean" not in sd and "1.weight" in sd
     _assert_same_capture(sd, get_model_state_dict(model))
+
+
+def _count_param_names(monkeypatch):
+    """Count calls of optim_state.param_names wherever torch_ckpt looks it up; return the counter."""
+    import torch_ckpt.optim_state as optim_state
+    import torch_ckpt.state_load as state_load
+
+    calls = []
+    real = optim_state.param_names
+
+    def counting(model):
+        calls.append(model)
+        return real(model)
+
+    monkeypatch.setattr(optim_state, "param_names", counting)
+    monkeypatch.setattr(state_load, "param_names", counting)
+    return calls
+
+
+def test_restore_computes_parameter_names_once(tmp_path, monkeypatch):
+    """One restore of a TrainState with Adam state asks param_names once per model."""
+    from torch_ckpt import CheckpointManager
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 1))
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randn(2, 3)).sum().backward()
+    opt.step()
+    with CheckpointManager(tmp_path) as mgr:
+        mgr.save(1, TrainState(model=model, optimizer=opt)).wait()
+        fresh = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 1))
+        state = TrainState(model=fresh, optimizer=torch.optim.Adam(fresh.parameters()))
+        calls = _count_param_names(monkeypatch)
+        assert mgr.restore(state) == 1
+    assert calls == [fresh]
+    assert torch.equal(fresh[0].weight, model[0].weight)
+
+
+def test_direct_load_state_dict_computes_parameter_names_once(monkeypatch):
+    """A load_state_dict outside a restore checks and loads with one param_names answer."""
+    model = torch.nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(2, 3)).sum().backward()
+    opt.step()
+    sd = TrainState(model=model, optimizer=opt).state_dict()
+    target = torch.nn.Linear(3, 1)
+    state = TrainState(model=target, optimizer=torch.optim.SGD(target.parameters(), lr=0.1, momentum=0.9))
+    calls = _count_param_names(monkeypatch)
+    state.load_state_dict(sd)
+    assert calls == [target]
+    assert state._session_names is None
+
+
+def test_parameter_names_are_recomputed_after_the_model_changes_between_loads(monkeypatch):
+    """Names are not kept from one load_state_dict to the next (the model may change meanwhile)."""
+    model = torch.nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = TrainState(model=model, optimizer=opt)
+    sd = state.state_dict()
+    calls = _count_param_names(monkeypatch)
+    state.load_state_dict(sd)
+    state.load_state_dict(sd)
+    assert calls == [model, model]

@@ -30,6 +30,8 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from torch_ckpt.config_values import to_seconds
+
 __all__ = [
     "young_interval",
     "daly_interval",
@@ -38,33 +40,7 @@ __all__ = [
     "FORMULAS",
     "Interval",
     "checkpoint_interval",
-    "positive_seconds",
-    "non_negative_seconds",
 ]
-
-
-def positive_seconds(name: str, value: float) -> float:
-    """``value`` as a float number of seconds.
-
-    Raises:
-        ValueError: ``value`` is not positive and finite (the message names ``name``).
-    """
-    value = float(value)
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name} must be a positive, finite number of seconds, got {value!r}")
-    return value
-
-
-def non_negative_seconds(name: str, value: float) -> float:
-    """``value`` as a float number of seconds.
-
-    Raises:
-        ValueError: ``value`` is negative or not finite (the message names ``name``).
-    """
-    value = float(value)
-    if not math.isfinite(value) or value < 0:
-        raise ValueError(f"{name} must be a non-negative, finite number of seconds, got {value!r}")
-    return value
 
 
 def young_interval(mtbf_s: float, cost_s: float) -> float:
@@ -83,8 +59,8 @@ def young_interval(mtbf_s: float, cost_s: float) -> float:
     Raises:
         ValueError: If ``mtbf_s`` is not positive and finite, or ``cost_s`` is negative or not finite.
     """
-    mtbf = positive_seconds("mtbf_s", mtbf_s)
-    cost = non_negative_seconds("cost_s", cost_s)
+    mtbf = to_seconds("mtbf_s", mtbf_s, positive=True)
+    cost = to_seconds("cost_s", cost_s, positive=False)
     return math.sqrt(2.0 * cost * mtbf)
 
 
@@ -109,8 +85,8 @@ def daly_interval(mtbf_s: float, cost_s: float) -> float:
     Raises:
         ValueError: If ``mtbf_s`` is not positive and finite, or ``cost_s`` is negative or not finite.
     """
-    mtbf = positive_seconds("mtbf_s", mtbf_s)
-    cost = non_negative_seconds("cost_s", cost_s)
+    mtbf = to_seconds("mtbf_s", mtbf_s, positive=True)
+    cost = to_seconds("cost_s", cost_s, positive=False)
     if cost >= 2.0 * mtbf:
         return mtbf
     ratio = cost / (2.0 * mtbf)
@@ -140,8 +116,8 @@ def expected_lost_work(interval_s: float, durability_lag_s: float = 0.0) -> floa
     Raises:
         ValueError: If ``interval_s`` is not positive and finite or ``durability_lag_s`` is negative.
     """
-    interval = positive_seconds("interval_s", interval_s)
-    lag = non_negative_seconds("durability_lag_s", durability_lag_s)
+    interval = to_seconds("interval_s", interval_s, positive=True)
+    lag = to_seconds("durability_lag_s", durability_lag_s, positive=False)
     return interval / 2.0 + lag
 
 
@@ -174,10 +150,10 @@ def expected_overhead(
     Raises:
         ValueError: If an argument is out of range (see each argument).
     """
-    interval = positive_seconds("interval_s", interval_s)
-    cost = non_negative_seconds("cost_s", cost_s)
-    mtbf = positive_seconds("mtbf_s", mtbf_s)
-    restart = non_negative_seconds("restart_s", restart_s)
+    interval = to_seconds("interval_s", interval_s, positive=True)
+    cost = to_seconds("cost_s", cost_s, positive=False)
+    mtbf = to_seconds("mtbf_s", mtbf_s, positive=True)
+    restart = to_seconds("restart_s", restart_s, positive=False)
     return cost / interval + (expected_lost_work(interval, durability_lag_s) + restart) / mtbf
 
 
@@ -267,9 +243,9 @@ def checkpoint_interval(
         raise ValueError(f"formula must be one of {sorted(FORMULAS)}, got {formula!r}")
     if isinstance(min_interval_steps, bool) or not isinstance(min_interval_steps, int) or min_interval_steps < 1:
         raise ValueError(f"min_interval_steps must be an integer >= 1, got {min_interval_steps!r}")
-    mtbf = positive_seconds("mtbf_seconds", mtbf_seconds)
-    cost = non_negative_seconds("save_cost_seconds", save_cost_seconds)
-    lag = non_negative_seconds("durability_lag_seconds", durability_lag_seconds)
+    mtbf = to_seconds("mtbf_seconds", mtbf_seconds, positive=True)
+    cost = to_seconds("save_cost_seconds", save_cost_seconds, positive=False)
+    lag = to_seconds("durability_lag_seconds", durability_lag_seconds, positive=False)
     optimal = FORMULAS[formula](mtbf, cost)
     durable = cost + lag
     steps: int | None = None
@@ -277,7 +253,7 @@ def checkpoint_interval(
         step_time = None
         interval, limited_by = (durable, "durability") if durable > optimal else (optimal, "formula")
     else:
-        step_time = positive_seconds("step_time_seconds", step_time_seconds)
+        step_time = to_seconds("step_time_seconds", step_time_seconds, positive=True)
         by_formula = max(1, math.floor(optimal / step_time + 0.5))
         by_durability = math.ceil(durable / step_time - 1e-9)  # the tolerance absorbs float noise in C + L
         steps, limited_by = (by_durability, "durability") if by_durability > by_formula else (by_formula, "formula")

@@ -12,7 +12,8 @@ from __future__ import annotations
 from typing import Any
 
 from torch_ckpt.cadence import StepTimeEstimator
-from torch_ckpt.interval import FORMULAS, Interval, checkpoint_interval, non_negative_seconds, positive_seconds
+from torch_ckpt.config_values import to_seconds
+from torch_ckpt.interval import FORMULAS, Interval, checkpoint_interval
 
 __all__ = ["IntervalEstimator"]
 
@@ -72,8 +73,8 @@ class IntervalEstimator:
             raise ValueError(f"ewma_alpha must be in (0, 1], got {ewma_alpha!r}")
         if isinstance(min_interval_steps, bool) or not isinstance(min_interval_steps, int) or min_interval_steps < 1:
             raise ValueError(f"min_interval_steps must be an integer >= 1, got {min_interval_steps!r}")
-        self.mtbf_s = positive_seconds("mtbf_s", mtbf_s)
-        self.initial_cost_s = non_negative_seconds("initial_cost_s", initial_cost_s)
+        self.mtbf_s = to_seconds("mtbf_s", mtbf_s, positive=True)
+        self.initial_cost_s = to_seconds("initial_cost_s", initial_cost_s, positive=False)
         self.formula = formula
         self.min_interval_steps = min_interval_steps
         self._alpha = float(ewma_alpha)
@@ -101,7 +102,7 @@ class IntervalEstimator:
         Raises:
             ValueError: If a duration is negative or not finite.
         """
-        cost = non_negative_seconds("blocking_s", blocking_s) + non_negative_seconds("slowdown_s", slowdown_s)
+        cost = to_seconds("blocking_s", blocking_s, positive=False) + to_seconds("slowdown_s", slowdown_s, positive=False)
         if step == self._cost_step:
             self._cost.replace_last(cost)
         else:
@@ -110,7 +111,7 @@ class IntervalEstimator:
             if self._owns_step_time:
                 self._step_time.skip_next()  # the next step's duration includes this stall
         if durable_after_s is not None:
-            lag = max(0.0, non_negative_seconds("durable_after_s", durable_after_s) - blocking_s)
+            lag = max(0.0, to_seconds("durable_after_s", durable_after_s, positive=False) - blocking_s)
             if step == self._lag_step:
                 self._lag.replace_last(lag)
             else:

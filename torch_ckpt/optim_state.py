@@ -99,8 +99,10 @@ def _optimizer_names(opt: torch.optim.Optimizer, names: Mapping[int, str], where
 
 
 def optimizer_state(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer], *,
-                    where: str = "optimizer") -> dict[str, Any]:
+                    where: str = "optimizer", names: Mapping[int, str] | None = None) -> dict[str, Any]:
     """The state of ``optimizers`` (all of ``model``) in DCP's layout, without touching them.
+
+    ``names`` is :func:`param_names` of ``model`` when the caller has it already (computed if None).
 
     Returns:
         ``{"state": {name: {key: value}}, "param_groups": [{..., "params": [name, ...]}]}``; the
@@ -110,7 +112,7 @@ def optimizer_state(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer
     Raises:
         ConfigError: an optimizer holds a parameter that is not in ``model``, or an FSDP1 model.
     """
-    names = param_names(model)
+    names = param_names(model) if names is None else names
     state: dict[str, Any] = {}
     groups: list[dict[str, Any]] = []
     for opt in optimizers:
@@ -160,8 +162,8 @@ def tensors_in(value: Any, path: str):
             yield from tensors_in(v, f"{path}.{i}")
 
 
-def _params_by_name(model: nn.Module) -> dict[str, torch.Tensor]:
-    names = param_names(model)
+def _params_by_name(model: nn.Module, names: Mapping[int, str] | None = None) -> dict[str, torch.Tensor]:
+    names = param_names(model) if names is None else names
     return {names[id(p)]: p for p in model.parameters() if id(p) in names}
 
 
@@ -183,10 +185,12 @@ class TargetLookup:
     """Parameters by name and their optimizer groups, computed once for many :func:`state_target` calls.
 
     Valid while the model's parameters and the optimizers' groups stay as they were (one restore).
+    ``names`` is :func:`param_names` of ``model`` when the caller has it already (computed if None).
     """
 
-    def __init__(self, model: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> None:
-        self.params = _params_by_name(model)
+    def __init__(self, model: nn.Module, optimizers: Sequence[torch.optim.Optimizer],
+                 names: Mapping[int, str] | None = None) -> None:
+        self.params = _params_by_name(model, names)
         self.groups: dict[int, dict[str, Any]] = {}
         for opt in reversed(list(optimizers)):  # the first group holding a parameter wins, as in group_of
             for g in reversed(opt.param_groups):
@@ -223,7 +227,8 @@ def state_target(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer], 
 
 
 def check_optimizer_state(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer], saved: Mapping[str, Any],
-                          *, prefix: str, allow_cast: bool = False) -> list[str]:
+                          *, prefix: str, allow_cast: bool = False,
+                          names: Mapping[int, str] | None = None) -> list[str]:
     """Check that ``saved`` (layout of :func:`optimizer_state`) can be loaded into ``optimizers``; write nothing.
 
     Tensors in ``saved`` may be meta tensors (only shape and dtype are looked at).
@@ -235,6 +240,7 @@ def check_optimizer_state(model: nn.Module, optimizers: Sequence[torch.optim.Opt
         prefix: flat-key prefix used in error messages (e.g. ``"optimizer."``).
         allow_cast: accept state whose dtype ``Optimizer.load_state_dict`` would cast to the
             parameter's dtype.
+        names: :func:`param_names` of ``model`` when the caller has it already (computed if None).
 
     Returns:
         The flat keys that will be cast (only when ``allow_cast``).
@@ -251,7 +257,7 @@ def check_optimizer_state(model: nn.Module, optimizers: Sequence[torch.optim.Opt
             or not isinstance(saved.get(_STATE, {}), Mapping):
         raise CheckpointCorruptError(f"{prefix.rstrip('.')}: the checkpoint's optimizer state is not a "
                                      "{'state': ..., 'param_groups': [...]} mapping")
-    names = param_names(model)
+    names = param_names(model) if names is None else names
     live_groups = [row for opt in optimizers for row in _optimizer_names(opt, names, prefix.rstrip("."))]
     saved_groups = saved[_GROUPS]
     saved_rows = [list(g.get(_PARAMS, [])) if isinstance(g, Mapping) else None for g in saved_groups]
@@ -272,7 +278,7 @@ def check_optimizer_state(model: nn.Module, optimizers: Sequence[torch.optim.Opt
             "Build the same model and optimizer(s), with the same parameter groups, as the saved run.",
             missing=[f"{prefix}param_groups.{n}" for n in missing],
             unexpected=[f"{prefix}param_groups.{n}" for n in unexpected])
-    params = _params_by_name(model)
+    params = _params_by_name(model, names)
     known = {n for row in live_groups for n in row}
     unexpected = sorted(f"{prefix}state.{n}" for n in saved.get(_STATE, {}) if n not in known)
     if unexpected:
@@ -299,13 +305,14 @@ def check_optimizer_state(model: nn.Module, optimizers: Sequence[torch.optim.Opt
 
 
 def apply_optimizer_state(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer],
-                          saved: Mapping[str, Any]) -> None:
+                          saved: Mapping[str, Any], *, names: Mapping[int, str] | None = None) -> None:
     """Load ``saved`` (checked by :func:`check_optimizer_state`) into ``optimizers``.
 
     The tensors of ``saved`` become the optimizer's state (placed by :func:`state_target`); groups
     and state are replaced as a whole, so afterwards ``optimizer.state_dict()`` equals the saved one.
+    ``names`` is :func:`param_names` of ``model`` when the caller has it already (computed if None).
     """
-    names = param_names(model)
+    names = param_names(model) if names is None else names
     groups = list(saved[_GROUPS])
     state = saved.get(_STATE, {})
     for opt in optimizers:

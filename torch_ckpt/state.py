@@ -166,7 +166,8 @@ class TrainState(TrainStateLoadMixin):
             models[name] = self._model_state_dict(name, module)
             opts = self._optims.get(name, [])
             if opts:  # from optimizer.state_dict(): never initialises (steps) an optimizer without state
-                optims[name] = optimizer_state(module, opts, where=f"optimizer {name!r}" if name else "optimizer")
+                optims[name] = optimizer_state(module, opts, where=f"optimizer {name!r}" if name else "optimizer",
+                                               names=self._param_names(name))
         if set(models) == {""}:
             return models[""], optims.get("", {})
         return models, optims

@@ -11,7 +11,8 @@ the state and captures it.
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from functools import partial
 from typing import Any
 
@@ -56,6 +57,36 @@ def _optimizer_undo(opt: torch.optim.Optimizer) -> Any:
 class TrainStateLoadMixin:
     """:meth:`check_load`, :meth:`load_state_dict` and the load-target hooks of :class:`~torch_ckpt.TrainState`."""
 
+    _session_names: dict[str, dict[int, str]] | None = None
+
+    @contextmanager
+    def load_session(self) -> Iterator[None]:
+        """One restore: within the block, each model's parameter names are computed once.
+
+        :func:`~torch_ckpt.restore.load_into` holds it from :meth:`state_dict` to the end of
+        :meth:`load_state_dict` (nothing else runs meanwhile, so the models cannot change); every
+        hook then shares one :func:`~torch_ckpt.optim_state.param_names` answer per model instead of
+        computing it 6 times. Outside a session each call computes the names itself. Re-entrant.
+        """
+        if self._session_names is not None:
+            yield
+            return
+        self._session_names = {}
+        try:
+            yield
+        finally:
+            self._session_names = None
+
+    def _param_names(self, name: str) -> dict[int, str]:
+        """:func:`~torch_ckpt.optim_state.param_names` of model ``name``, once per :meth:`load_session`."""
+        memo = self._session_names
+        if memo is None:
+            return param_names(self._models[name])
+        names = memo.get(name)
+        if names is None:
+            names = memo[name] = param_names(self._models[name])
+        return names
+
     def _optim_prefix(self, name: str) -> str:
         """Flat-key prefix of the optimizer state of model ``name``."""
         single = set(self._models) == {""}
@@ -67,7 +98,7 @@ class TrainStateLoadMixin:
             if opts and key.startswith(self._optim_prefix(name) + "state."):
                 names = self._name_cache.get(name)
                 if names is None:
-                    names = self._name_cache[name] = set(param_names(self._models[name]).values())
+                    names = self._name_cache[name] = set(self._param_names(name).values())
                 parts = split_state_key(key, self._optim_prefix(name), names)
                 if parts is not None:
                     return (name, *parts)
@@ -85,7 +116,8 @@ class TrainStateLoadMixin:
         name, param, entry = parts
         lookup = self._lookups.get(name)
         if lookup is None:
-            lookup = self._lookups[name] = TargetLookup(self._models[name], self._optims[name])
+            lookup = self._lookups[name] = TargetLookup(self._models[name], self._optims[name],
+                                                        self._param_names(name))
         return state_target(self._models[name], self._optims[name], param, entry, shape, dtype, lookup=lookup)
 
     def _sections(self, state_dict: Mapping[str, Any]) -> list[tuple[str, Any, Any]]:
@@ -117,7 +149,8 @@ class TrainStateLoadMixin:
         for name, _msd, osd in self._sections(state_dict):
             if osd is not None:
                 casts += check_optimizer_state(self._models[name], self._optims[name], osd,
-                                               prefix=self._optim_prefix(name), allow_cast=allow_cast)
+                                               prefix=self._optim_prefix(name), allow_cast=allow_cast,
+                                               names=self._param_names(name))
         if self._schedulers:
             scheds = _need(state_dict, "scheduler")
             if not isinstance(scheds, list) or len(scheds) != len(self._schedulers) \
@@ -152,6 +185,11 @@ class TrainStateLoadMixin:
                 ``load_into(..., allow_cast=True)``).
             CheckpointCorruptError: see :meth:`check_load`.
         """
+        with self.load_session():  # the check and the load share one parameter-name answer per model
+            self._load_state_dict(state_dict)
+
+    def _load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """The body of :meth:`load_state_dict`, inside a :meth:`load_session`."""
         sections = self._sections(state_dict)
         self.check_load(state_dict, allow_cast=self._allow_cast)  # cheap; load_into checked with meta tensors
         self._allow_cast = False
@@ -164,7 +202,7 @@ class TrainStateLoadMixin:
                 for opt in self._optims[name]:
                     undo.append(_optimizer_undo(opt))
                     live_optim_state.append((opt, opt.state))
-                apply_optimizer_state(self._models[name], self._optims[name], osd)
+                apply_optimizer_state(self._models[name], self._optims[name], osd, names=self._param_names(name))
             if self._schedulers:
                 for s, ssd in zip(self._schedulers, state_dict["scheduler"]):
                     undo.append(partial(s.load_state_dict, copy.deepcopy(s.state_dict())))

@@ -160,3 +160,63 @@ def test_records_of_every_dtype_written_by_the_manager_pass_and_restore(tmp_path
     with CheckpointManager(tmp_path) as mgr:
         assert mgr.restore(live) == 1
     assert all(torch.equal(live[k], v) for k, v in state.items())
+
+
+def _problems_after(saved, edit) -> list[str]:
+    """Texts of metadata_problems for a copy of the saved metadata changed by ``edit(md)``."""
+    md = read_dcp_metadata(saved / ".metadata")
+    edit(md)
+    return [text for _file, text in metadata_problems(md, read_manifest(saved))[0]]
+
+
+@pytest.mark.parametrize("size", [(True, 16), (16, -1), (16.0, 16), (16, 16) + (1,) * 63])
+def test_declared_shape_of_bools_floats_negatives_or_too_many_dims_is_refused(saved, size):
+    """A declared shape holding a bool, a float or a negative int, or too many dimensions, is a problem."""
+    problems = _problems_after(saved, lambda md: setattr(weight_item(md)[1], "size", size))
+    assert any("model.weight" in p and "is not a tuple of non-negative integers" in p for p in problems)
+
+
+def test_chunk_offsets_holding_a_bool_are_refused(saved):
+    """A chunk whose offsets hold a bool (equal to 0, but not an int) is a problem."""
+    def edit(md):
+        item = weight_item(md)[1]
+        item.chunks = [ChunkStorageMetadata(offsets=(False, 0), sizes=item.chunks[0].sizes)]
+
+    assert any("'model.weight': chunks are not a list" in p for p in _problems_after(saved, edit))
+
+
+def test_single_chunk_at_the_origin_larger_than_the_shape_lies_outside(saved):
+    """One chunk at offset (0, 0) of size (17, 16) in a (16, 16) tensor is reported outside its shape."""
+    def edit(md):
+        item = weight_item(md)[1]
+        item.chunks = [ChunkStorageMetadata(offsets=torch.Size([0, 0]), sizes=torch.Size([17, 16]))]
+
+    assert any("model.weight" in p and "lies outside" in p for p in _problems_after(saved, edit))
+
+
+def test_single_chunk_at_the_origin_smaller_than_the_shape_is_incomplete(saved):
+    """One chunk at offset (0, 0) of size (8, 16) in a (16, 16) tensor lies inside but covers half of it."""
+    def edit(md):
+        item = weight_item(md)[1]
+        item.chunks = [ChunkStorageMetadata(offsets=torch.Size([0, 0]), sizes=torch.Size([8, 16]))]
+
+    problems = _problems_after(saved, edit)
+    assert any("model.weight" in p and "128 of the 256 elements" in p for p in problems)
+    assert not any("lies outside" in p for p in problems)
+
+
+def test_every_storage_entry_is_checked_against_its_file_not_only_the_first(saved):
+    """The last storage entry pointing past the end of a data file the others fit in is a problem."""
+    def edit(md):
+        last = list(md.storage_data.values())[-1]
+        last.offset = read_manifest(saved).files[str(last.relative_path)]["bytes"]
+
+    assert any("past the end of the file" in p for p in _problems_after(saved, edit))
+
+
+def test_last_storage_entry_pointing_at_a_rank_json_is_refused(saved):
+    """A storage entry into the rank JSON is refused even when earlier entries point at real data files."""
+    def edit(md):
+        list(md.storage_data.values())[-1].relative_path = "rank_00000.json"
+
+    assert any("rank_00000.json" in p and "not a data file" in p for p in _problems_after(saved, edit))
