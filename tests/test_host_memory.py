@@ -126,3 +126,9 @@ def test_swap_in_exchanges_a_live_tensor_given_twice_only_once():
     first, second = torch.ones(32), torch.full((32,), 2.0)
     assert _swap_in([(p, first), (p, second)]) == 1
     assert torch.equal(p.detach(), torch.full((32,), 2.0))  # the last value wins, as with copy_
+
+
+def test_swap_in_copies_into_device_tensors():
+    """Only host tensors are exchanged: a tensor on another device (here meta) goes to copy_, never swapped."""
+    live, new = torch.empty(8, device="meta"), torch.empty(8, device="meta")
+    assert _swap_in([(live, new)]) == 0

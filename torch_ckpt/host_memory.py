@@ -151,6 +151,8 @@ def _storage_users(t: torch.Tensor) -> int:
 def _swappable(live: torch.Tensor, new: torch.Tensor, aliases: int) -> bool:
     """True when exchanging ``live``'s and ``new``'s contents is indistinguishable from ``live.copy_(new)``.
 
+    Host memory only: device memory may be known by address to code that holds no reference (a
+    captured CUDA graph), which would keep using the old, freed memory; device tensors are copied.
     ``new`` must be a plain tensor, one of the buffers of the enclosing :func:`restore_buffers`;
     ``live`` a plain tensor or an ``nn.Parameter`` (no other subclass, no DTensor) without hooks;
     neither a view, alike in device, dtype, shape, strides and layout, each on the whole of its
@@ -171,7 +173,7 @@ def _swappable(live: torch.Tensor, new: torch.Tensor, aliases: int) -> bool:
         return False
     for t, others in ((live, aliases), (new, 0)):
         if (t._is_view() or t.is_inference() or t.is_quantized or t.is_conj() or t.is_neg()
-                or not t.is_contiguous() or t.storage_offset() != 0 or t.device.type == "meta"):
+                or not t.is_contiguous() or t.storage_offset() != 0 or t.device.type != "cpu"):
             return False
         if t.untyped_storage().nbytes() != t.numel() * t.element_size():  # part of a larger buffer
             return False
