@@ -26,7 +26,7 @@ from collections.abc import Iterable, Iterator, Mapping
 import torch
 from torch.utils import swap_tensors
 
-__all__ = ["COPY_THREADS", "copy_tensors", "swap_in", "restore_buffers"]
+__all__ = ["COPY_THREADS", "copy_tensors", "swap_in", "restore_buffers", "owners_in"]
 
 #: threads for :func:`copy_tensors` (memory bandwidth is shared: a few are enough)
 COPY_THREADS = max(1, min(4, os.cpu_count() or 1))
@@ -244,3 +244,33 @@ def swap_in(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]], aliases: Mapping
         swapped += 1
     copy_tensors(copies)
     return swapped
+
+
+def owners_in(module: torch.nn.Module,
+              live: Mapping[str, torch.Tensor]) -> tuple[dict[int, torch.Tensor], dict[int, int]]:
+    """The parameter or buffer of ``module`` behind each ``state_dict()`` entry of ``live``, and its alias count.
+
+    Returns ``id(entry) -> tensor`` for entries that are the whole of exactly one of the module's
+    parameters/buffers (same storage start, dtype, shape and strides), and ``id(tensor) -> n``, the
+    number of distinct entries of ``live`` (other than the tensor itself) on that storage, for
+    :func:`swap_in`'s ``aliases``. DTensors and other subclasses are left out (copied).
+    """
+    by_ptr: dict[int, list[torch.Tensor]] = {}
+    for _, t in [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]:
+        if type(t) in _PLAIN and t.numel():
+            same = by_ptr.setdefault(t.data_ptr(), [])
+            if all(x is not t for x in same):
+                same.append(t)
+    owner: dict[int, torch.Tensor] = {}
+    entries: dict[int, dict[int, torch.Tensor]] = {}
+    for dst in live.values():
+        found = by_ptr.get(dst.data_ptr()) if type(dst) in (torch.Tensor, torch.nn.Parameter) and dst.numel() else None
+        if found is None or len(found) != 1:
+            continue
+        o = found[0]
+        if (o.device, o.dtype, o.shape, o.stride(), o.storage_offset()) == (
+                dst.device, dst.dtype, dst.shape, dst.stride(), dst.storage_offset()):
+            owner[id(dst)] = o
+            if dst is not o:
+                entries.setdefault(id(o), {})[id(dst)] = dst
+    return owner, {k: len(v) for k, v in entries.items()}

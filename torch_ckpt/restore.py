@@ -45,7 +45,7 @@ from torch_ckpt.errors import (
     StateMismatchError,
 )
 from torch_ckpt.format import read_rank_doc, verify_files
-from torch_ckpt.host_memory import copy_tensors, restore_buffers, swap_in
+from torch_ckpt.host_memory import copy_tensors, owners_in, restore_buffers, swap_in
 from torch_ckpt.layout import Manifest
 from torch_ckpt.state_tree import tensor_keys
 
@@ -154,35 +154,6 @@ def collector_paused() -> Iterator[None]:
             gc.enable()
 
 
-def _owners(module: torch.nn.Module,
-            live: Mapping[str, torch.Tensor]) -> tuple[dict[int, torch.Tensor], dict[int, int]]:
-    """The parameter or buffer of ``module`` behind each ``state_dict()`` entry of ``live``, and its alias count.
-
-    Returns ``id(entry) -> tensor`` for entries that are the whole of exactly one of the module's
-    parameters/buffers (same storage start, dtype, shape and strides), and ``id(tensor) -> n``, the
-    number of distinct entries of ``live`` (other than the tensor itself) on that storage.
-    """
-    by_ptr: dict[int, list[torch.Tensor]] = {}
-    for _, t in [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]:
-        if isinstance(t, torch.Tensor) and not isinstance(t, DTensor) and t.numel():
-            same = by_ptr.setdefault(t.data_ptr(), [])
-            if all(x is not t for x in same):
-                same.append(t)
-    owner: dict[int, torch.Tensor] = {}
-    entries: dict[int, dict[int, torch.Tensor]] = {}
-    for dst in live.values():
-        found = by_ptr.get(dst.data_ptr()) if type(dst) in (torch.Tensor, torch.nn.Parameter) and dst.numel() else None
-        if found is None or len(found) != 1:
-            continue
-        o = found[0]
-        if (o.device, o.dtype, o.shape, o.stride(), o.storage_offset()) == (
-                dst.device, dst.dtype, dst.shape, dst.stride(), dst.storage_offset()):
-            owner[id(dst)] = o
-            if dst is not o:
-                entries.setdefault(id(o), {})[id(dst)] = dst
-    return owner, {k: len(v) for k, v in entries.items()}
-
-
 @torch.no_grad()
 def copy_into_live(live: Mapping[str, torch.Tensor], staged: Mapping[str, torch.Tensor],
                    module: torch.nn.Module | None = None) -> None:
@@ -198,7 +169,7 @@ def copy_into_live(live: Mapping[str, torch.Tensor], staged: Mapping[str, torch.
     the entries then still hold the old values and must be dropped.
     """
     pairs = [(dst, staged[key]) for key, dst in live.items() if key in staged]
-    owner, aliases = _owners(module, live) if module is not None else ({}, {})
+    owner, aliases = owners_in(module, live) if module is not None else ({}, {})
     copy_tensors([(_local(d), _local(s)) for d, s in pairs if isinstance(d, DTensor) or isinstance(s, DTensor)])
     swap_in([(owner.get(id(d), d), s) for d, s in pairs if not (isinstance(d, DTensor) or isinstance(s, DTensor))],
             aliases)
