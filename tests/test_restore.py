@@ -434,3 +434,80 @@ def test_inference_mode_live_tensors_are_refused_before_any_write(tmp_path):
     with CheckpointManager(tmp_path) as mgr, pytest.raises(StateMismatchError, match="inference"):
         mgr.restore(live)
     assert not live["big"].any() and not live["small"].any()
+
+
+def _tied(seed: int):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 10, bias=False))
+    model[1].weight = model[0].weight
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    model(torch.tensor([1, 2, 3])).pow(2).mean().backward()
+    opt.step()
+    return model, opt
+
+
+def test_restore_exchanges_parameters_and_optimizer_state_keeping_every_object(saved):
+    """A TrainState restore gives the live parameters/state tensors new storage (exchanged) but keeps the objects."""
+    source, source_opt, _ = _trained()
+    model, opt, sched = _trained(seed=3)
+    params = list(model.parameters())
+    state = {id(p): dict(opt.state[p]) for p in params}
+    ptrs = [p.data_ptr() for p in params] + [t.data_ptr() for p in params for t in opt.state[p].values()]
+    with CheckpointManager(saved) as mgr:
+        mgr.restore(TrainState(model=model, optimizer=opt, scheduler=sched, dataloader=_Loader()))
+    assert all(a is b for a, b in zip(model.parameters(), params))
+    assert all(a is b for a, b in zip(opt.param_groups[0]["params"], params))
+    assert all(opt.state[p][k] is t for p in params for k, t in state[id(p)].items())
+    assert_same(model.state_dict(), source.state_dict())
+    assert_same(opt.state_dict()["state"], source_opt.state_dict()["state"])
+    now = [p.data_ptr() for p in params] + [t.data_ptr() for p in params for t in opt.state[p].values()]
+    assert not set(now) & set(ptrs)  # exchanged, not copied into
+    assert all(type(p) is torch.nn.Parameter and p.requires_grad for p in params)
+
+
+def test_restore_keeps_tied_weights_tied(tmp_path):
+    """A parameter under two names is restored once and stays one parameter, with the saved values."""
+    source, source_opt = _tied(0)
+    with CheckpointManager(tmp_path) as mgr:
+        mgr.save(1, TrainState(model=source, optimizer=source_opt)).wait()
+    model, opt = _tied(1)
+    weight = model[0].weight
+    with CheckpointManager(tmp_path) as mgr:
+        mgr.restore(TrainState(model=model, optimizer=opt))
+    assert model[0].weight is weight and model[1].weight is weight
+    assert torch.equal(weight.detach(), source[0].weight.detach())
+    assert torch.equal(opt.state[weight]["exp_avg"], source_opt.state[source[0].weight]["exp_avg"])
+
+
+def test_restore_copies_into_parameters_whose_storage_a_caller_shares(saved):
+    """A state_dict() the caller keeps shares the parameters' storage: they are copied into, so it sees the values."""
+    source, _, _ = _trained()
+    model, opt, sched = _trained(seed=3)
+    held = model.state_dict()
+    with CheckpointManager(saved) as mgr:
+        mgr.restore(TrainState(model=model, optimizer=opt, scheduler=sched, dataloader=_Loader()))
+    assert_same(held, source.state_dict())
+    assert all(held[k].data_ptr() == t.data_ptr() for k, t in model.state_dict().items())
+
+
+def test_restore_keeps_gradients_of_exchanged_parameters(saved):
+    """Parameters with a .grad are exchanged and keep that gradient tensor."""
+    model, opt, sched = _trained(seed=3)
+    model(torch.randn(3, 4)).sum().backward()
+    grads = {id(p): p.grad for p in model.parameters()}
+    ptrs = {id(p): p.data_ptr() for p in model.parameters()}
+    with CheckpointManager(saved) as mgr:
+        mgr.restore(TrainState(model=model, optimizer=opt, scheduler=sched, dataloader=_Loader()))
+    assert all(p.grad is grads[id(p)] and p.data_ptr() != ptrs[id(p)] for p in model.parameters())
+
+
+def test_plain_dict_state_tensors_keep_their_objects_after_restore(tmp_path):
+    """A plain dict state's tensors stay the same objects and get the saved values."""
+    with CheckpointManager(tmp_path) as mgr:
+        mgr.save(1, {"w": torch.arange(1000.0), "b": torch.ones(3)}).wait()
+    state = {"w": torch.zeros(1000), "b": torch.zeros(3)}
+    w, b = state["w"], state["b"]
+    with CheckpointManager(tmp_path) as mgr:
+        mgr.restore(state)
+    assert state["w"] is w and state["b"] is b
+    assert torch.equal(w, torch.arange(1000.0)) and torch.equal(b, torch.ones(3))

@@ -31,7 +31,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from torch_ckpt.errors import ConfigError, StateMismatchError
-from torch_ckpt.host_memory import copy_tensors
+from torch_ckpt.host_memory import copy_tensors, swap_in
 
 __all__ = ["param_names", "optimizer_state", "check_optimizer_state", "apply_optimizer_state",
            "state_target", "TargetLookup", "split_state_key", "keep_live_tensors", "policy_key", "tensors_in",
@@ -331,14 +331,15 @@ def apply_optimizer_state(model: nn.Module, optimizers: Sequence[torch.optim.Opt
 
 @torch.no_grad()
 def keep_live_tensors(opt: torch.optim.Optimizer, old_state: Mapping[Any, Any]) -> None:
-    """After a successful load, copy each new state tensor into the tensor it replaced and keep that one.
+    """After a successful load, put back each state tensor the load replaced, holding the loaded values.
 
     ``old_state`` is the optimizer's ``state`` before the load. Where a parameter had a tensor of
-    the same kind, shape, dtype and device under the same name, the loaded value is copied into it
-    and it is put back, so references to optimizer state taken before a restore stay valid (the
-    load is in place, as for parameters).
+    the same kind, shape, dtype and device under the same name, it receives the loaded value and
+    is put back, so references to optimizer state taken before a restore stay valid (the load is
+    in place, as for parameters). Plain tensors nothing else refers to exchange contents with the
+    loaded ones (:func:`torch_ckpt.host_memory.swap_in`, O(1)); the others are copied into.
     """
-    pairs = []
+    pairs, shards = [], []
     for param, entries in opt.state.items():
         before = old_state.get(param) if isinstance(old_state, Mapping) else None
         if not isinstance(before, Mapping):
@@ -351,8 +352,9 @@ def keep_live_tensors(opt: torch.optim.Optimizer, old_state: Mapping[Any, Any]) 
                 if isinstance(old, DTensor):
                     if old.placements != new.placements:
                         continue
-                    pairs.append((old._local_tensor, new._local_tensor))
+                    shards.append((old._local_tensor, new._local_tensor))  # copied: never swapped
                 else:
                     pairs.append((old, new))
                 entries[key] = old
-    copy_tensors(pairs)  # host tensors as threaded memmove (torch_ckpt.host_memory)
+    copy_tensors(shards)
+    swap_in(pairs)  # the loaded tensors are dropped: only the kept ones are used after this

@@ -14,7 +14,8 @@ new buffers and computing the CRC-32 in the same pass. Nor are the record header
 ``load_direct`` compares each placed record's framing with ``torch.save``'s byte for byte, and
 the records it does not place are checked before DCP's reader opens them (also before a
 state-mismatch error is raised, so a bad record is reported as corruption). The new values are
-copied into the live tensors by :func:`torch_ckpt.host_memory.copy_tensors`.
+written into the live tensors by :func:`torch_ckpt.host_memory.swap_in` (exchanged where a live
+tensor is its storage's only user, copied otherwise).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from torch_ckpt.errors import (
     StateMismatchError,
 )
 from torch_ckpt.format import read_rank_doc, verify_files
-from torch_ckpt.host_memory import copy_tensors
+from torch_ckpt.host_memory import copy_tensors, owners_in, restore_buffers, swap_in
 from torch_ckpt.layout import Manifest
 from torch_ckpt.state_tree import tensor_keys
 
@@ -154,12 +155,24 @@ def collector_paused() -> Iterator[None]:
 
 
 @torch.no_grad()
-def copy_into_live(live: Mapping[str, torch.Tensor], staged: Mapping[str, torch.Tensor]) -> None:
-    """Copy each staged tensor into the live tensor of the same key, in place (shard-locally for DTensors).
+def copy_into_live(live: Mapping[str, torch.Tensor], staged: Mapping[str, torch.Tensor],
+                   module: torch.nn.Module | None = None) -> None:
+    """Give each live tensor the staged tensor of the same key, in place (shard-locally for DTensors).
 
-    Host tensors are copied by :func:`torch_ckpt.host_memory.copy_tensors` (threaded ``memmove``).
+    :func:`torch_ckpt.host_memory.swap_in` exchanges a plain live tensor's contents with its staged
+    buffer's when the buffer is the restore's own (:func:`~torch_ckpt.host_memory.restore_buffers`)
+    and nothing else refers to the live tensor or its storage (the live object is kept; the staged
+    buffer must not be used afterwards); the others, and DTensor shards, are copied (threaded
+    ``memmove`` for host tensors). With ``module``, ``live`` is that module's ``state_dict()``
+    (entries share storage with the parameters and buffers): each entry's parameter or buffer
+    itself is then the one exchanged, keeping its identity, ``requires_grad`` and ``.grad``;
+    the entries then still hold the old values and must be dropped.
     """
-    copy_tensors([(_local(dst), _local(staged[key])) for key, dst in live.items() if key in staged])
+    pairs = [(dst, staged[key]) for key, dst in live.items() if key in staged]
+    owner, aliases = owners_in(module, live) if module is not None else ({}, {})
+    copy_tensors([(_local(d), _local(s)) for d, s in pairs if isinstance(d, DTensor) or isinstance(s, DTensor)])
+    swap_in([(owner.get(id(d), d), s) for d, s in pairs if not (isinstance(d, DTensor) or isinstance(s, DTensor))],
+            aliases)
 
 
 def _plan(state: Any, step_dir: Path, manifest: Manifest, md: Any, tree: Any, ctx: DistContext, *,
@@ -351,8 +364,16 @@ def _load_into(state: Any, step_dir: Path, manifest: Manifest, ctx: DistContext,
     if rest:
         load_tensors({k: targets[k] for k in rest}, step_dir, md, set(manifest.files),
                      process_group=ctx.fg if ctx.enabled else None, no_dist=not ctx.enabled)
-    # every read succeeded: from here on the live state is written
+    # every read succeeded: from here on the live state is written; the buffers are ours to swap
+    with restore_buffers(targets.values()):
+        _write_live(state, live_tensors, tree, targets, staged_aware)
+
+
+def _write_live(state: Any, live_tensors: dict[str, torch.Tensor], tree: Any, targets: _Targets,
+                staged_aware: bool) -> None:
+    """Write the loaded ``targets`` into ``state`` (the last step of :func:`load_into`; every check passed)."""
     if staged_aware:
+        live_tensors.clear()  # aliases of the live tensors (state_dict() entries): gone, so those can be exchanged
         state.load_state_dict(join_state(tree, targets))
         return
     if hasattr(state, "load_state_dict") and not any(isinstance(t, DTensor) for t in live_tensors.values()):

@@ -238,4 +238,4 @@ class TrainStateLoadMixin:
             set_model_state_dict(module, dict(msd), options=self._options)
             return
         live = self._model_state_dict(name, module)
-        copy_into_live(live, {k: v for k, v in msd.items() if isinstance(v, torch.Tensor)})
+        copy_into_live(live, {k: v for k, v in msd.items() if isinstance(v, torch.Tensor)}, module=module)
