@@ -2,7 +2,8 @@
 #   make demo        set up, then train a small GPT on real text with async checkpoints, crash it, resume exactly
 #   make test        set up, then run the whole test suite (what CI runs)
 #   make test-fast   the edit loop: every test not marked slow (pytest -m "not slow"; about a minute)
-#   make lint        ruff check . (configuration in pyproject.toml)
+#   make lint        ruff check . (configuration in pyproject.toml; `make test` runs it too)
+#   make venv-path   print the environment's path: . "$$(make -s venv-path)/bin/activate"
 #
 # The virtual environment lives outside the clone, keyed on a hash of the dependency files, so CI and
 # repeated runs reuse it. Override VENV to put it elsewhere.
@@ -23,7 +24,7 @@ STAMP := $(VENV)/.deps-installed
 PYTEST_ARGS ?=
 DEMO_DIR ?= demo_run
 
-.PHONY: demo test test-fast lint setup clean
+.PHONY: demo test test-fast lint setup clean venv-path
 
 setup: $(STAMP)
 	@$(PY) -m pip install --quiet --no-deps --no-build-isolation -e . >/dev/null 2>&1 || \
@@ -43,6 +44,7 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m ruff check .
 
 test-fast: setup
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
@@ -51,7 +53,10 @@ lint: setup
 	$(PY) -m ruff check .
 
 clean:
-	rm -rf $(DEMO_DIR) .pytest_cache build *.egg-info
+	rm -rf $(DEMO_DIR) $(DEMO_DIR)_cluster .pytest_cache build *.egg-info
+
+venv-path:
+	@echo $(VENV)
 
 # Two simulated nodes of 2 ranks with node-local roots and a local S3 server (moto): node 1's disk is
 # deleted mid-run, node 0 resumes from its disk and node 1 fetches only its shards from S3.
