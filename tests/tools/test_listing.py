@@ -160,5 +160,6 @@ def test_ls_bytes_match_verify_and_inspect(accelerate_root, capsys):
     inspected = run_json(capsys, "inspect", accelerate_root / "checkpoint_10")
     assert row["bytes"] == checked["bytes"] == inspected["file_bytes"]
     assert row["files"] == checked["files"] == inspected["files"]
-    on_disk = sum(f.stat().st_size for f in (accelerate_root / "checkpoint_10").iterdir())
-    assert row["disk_bytes"] == on_disk == row["bytes"] + (accelerate_root / "checkpoint_10/manifest.json").stat().st_size
+    folder = accelerate_root / "checkpoint_10"
+    on_disk = sum(f.stat().st_size for f in folder.iterdir())
+    assert row["disk_bytes"] == on_disk == row["bytes"] + (folder / "manifest.json").stat().st_size

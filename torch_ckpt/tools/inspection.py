@@ -57,7 +57,8 @@ def inspect_checkpoint(where: str | os.PathLike | Location, *, step: int | None 
         "files", "file_bytes", "manifest_tensor_bytes", "components": [...], "totals": {...}, "note"}``
         and, with ``keys``, ``"keys": [...]``. ``files`` and ``file_bytes`` count the files the
         manifest lists (the manifest itself excluded), as ``ls`` and ``verify`` do; ``note`` says
-        which checkpoint was chosen when several of a root held the step (else None). A component is ``{"name", "bytes"`` (tensor + array bytes),
+        which checkpoint was chosen when several of a root held the step (else None). A component
+        is ``{"name", "bytes"`` (tensor + array bytes),
         ``"tensor_bytes", "tensors", "dtypes"`` (``{dtype: count}``), ``"rank_local_tensors",
         "arrays", "array_bytes", "values"`` (other leaves of rank 0's state)``}``; a key is ``{"key",
         "component", "kind"`` ("tensor" or "ndarray"), ``"storage"`` ("dcp" or "json"), ``"rank"``
