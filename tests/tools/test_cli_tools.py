@@ -112,12 +112,13 @@ def flip_byte(path: Path, offset: int | None = None) -> None:
 
 
 def test_ls_json_lists_committed_steps_with_time_size_and_tiers(saved, capsys):
-    """`ls ROOT --json` lists steps 10 and 20 committed, with commit time, on-disk bytes and both tiers."""
+    """`ls ROOT --json` lists steps 10 and 20 committed, with commit time, listed and on-disk bytes and both tiers."""
     out = run_json(capsys, "ls", saved["root"])
     assert [(r["step"], r["status"]) for r in out["steps"]] == [(10, "committed"), (20, "committed")]
     for r in out["steps"]:
         step_dir = saved["root"] / r["name"]
-        assert r["bytes"] == sum(f.stat().st_size for f in step_dir.iterdir())
+        assert r["disk_bytes"] == sum(f.stat().st_size for f in step_dir.iterdir())
+        assert r["bytes"] == r["disk_bytes"] - (step_dir / "manifest.json").stat().st_size
         assert saved["before"] <= r["wall_time"] <= saved["after"]
         assert set(r["tiers"]) == {"local", "durable"} and r["tiers"]["durable"]["url"] == saved["url"]
     assert out["counts"] == {"committed": 2, "partial": 0, "corrupt": 0}

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from tests._dist import run_distributed
-from torch_ckpt import CheckpointManager, CheckpointNotFoundError, TrainState
+from torch_ckpt import CheckpointManager, CheckpointNotFoundError, ConfigError, TrainState
 from torch_ckpt.tools.cli import main
 from torch_ckpt.tools.convert import export_safetensors, export_torch
 
@@ -83,3 +83,77 @@ def test_export_of_a_missing_checkpoint_is_not_found(tmp_path):
     """Exporting a path that is not a checkpoint raises CheckpointNotFoundError."""
     with pytest.raises(CheckpointNotFoundError):
         export_torch(tmp_path, tmp_path / "x.pt")
+
+
+def _saved_models(tmp_path, names):
+    """A TrainState checkpoint of a mapping of models (what the Accelerate adapter saves: {"0": model})."""
+    torch.manual_seed(0)
+    models = {n: torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)) for n in names}
+    with CheckpointManager(tmp_path / "run") as mgr:
+        path = mgr.save(3, TrainState(model=models, step=3)).wait()
+    return path, models
+
+
+def test_safetensors_of_a_one_model_mapping_has_the_models_own_keys(tmp_path):
+    """One model saved as {"0": model} (Accelerate's layout) exports '0.weight', not '0.0.weight'."""
+    from safetensors.torch import load_file
+
+    path, models = _saved_models(tmp_path, ["0"])
+    result = export_safetensors(path, tmp_path / "w.safetensors")
+    weights = load_file(tmp_path / "w.safetensors")
+    assert set(weights) == set(models["0"].state_dict()) and result["models"] == []
+    models["0"].load_state_dict(weights)
+
+
+def test_safetensors_of_several_models_prefixes_keys_by_model_name(tmp_path):
+    """Several models: keys are '<model name>.<key>' and the file's metadata lists the names."""
+    from safetensors import safe_open
+
+    path, models = _saved_models(tmp_path, ["0", "1"])
+    assert export_safetensors(path, tmp_path / "w.safetensors")["models"] == ["0", "1"]
+    with safe_open(str(tmp_path / "w.safetensors"), "pt") as f:
+        keys, meta = set(f.keys()), f.metadata()
+        assert all(torch.equal(f.get_tensor(f"1.{k}"), v) for k, v in models["1"].state_dict().items())
+    assert keys == {f"{n}.{k}" for n, m in models.items() for k in m.state_dict()} and meta["models"] == "0,1"
+
+
+def test_safetensors_model_option_exports_one_model_without_prefix(tmp_path, capsys):
+    """`convert --to safetensors --model 1` writes model 1 under its own keys; an unknown name exits 2."""
+    from safetensors.torch import load_file
+
+    path, models = _saved_models(tmp_path, ["0", "1"])
+    assert main(["convert", str(path), "--to", "safetensors", str(tmp_path / "one.safetensors"), "--model", "1"]) == 0
+    weights = load_file(tmp_path / "one.safetensors")
+    assert set(weights) == set(models["1"].state_dict())
+    assert all(torch.equal(weights[k], v) for k, v in models["1"].state_dict().items())
+    with pytest.raises(ConfigError, match="no model named '2'"):
+        export_safetensors(path, tmp_path / "two.safetensors", model="2")
+    capsys.readouterr()
+    assert main(["convert", str(path), "--to", "torch", str(tmp_path / "x.pt"), "--model", "1"]) == 2
+    assert "--model applies to --to safetensors only" in capsys.readouterr().err
+
+
+def test_safetensors_of_a_real_accelerate_checkpoint_has_the_models_own_keys(tmp_path):
+    """A checkpoint written by accelerate_ckpt (checkpoint_0) exports the prepared model's own keys."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+    from accelerate.utils import ProjectConfiguration
+    from safetensors.torch import load_file
+
+    import accelerate_ckpt
+
+    try:
+        acc = Accelerator(cpu=True, project_config=ProjectConfiguration(project_dir=str(tmp_path / "project"),
+                                                                          automatic_checkpoint_naming=True))
+        ckpt = accelerate_ckpt.attach(acc)
+        torch.manual_seed(0)
+        model = acc.prepare(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 1)))
+        folder = acc.save_state(step=5)
+        ckpt.close()
+        export_safetensors(folder, tmp_path / "w.safetensors")
+        weights = load_file(tmp_path / "w.safetensors")
+        assert set(weights) == set(model.state_dict()) == {"0.weight", "0.bias", "2.weight", "2.bias"}
+        assert all(torch.equal(weights[k], v) for k, v in model.state_dict().items())
+    finally:
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()

@@ -141,22 +141,32 @@ def run_ls(args: argparse.Namespace) -> int:
 def _ls_text(result: dict[str, Any]) -> str:
     steps = result["steps"]
     if not steps:
-        return f"{result['root']}: no checkpoints"
-    rows = [["STEP", "TIME", "AGE", "SIZE", "TIERS", "STATUS"]]
+        return f"{result['root']}: no checkpoints (a checkpoint is a directory holding a torch-ckpt manifest.json)"
+    rows = [["STEP", "NAME", "TIME", "AGE", "SIZE", "TIERS", "STATUS"]]
     notes: list[str] = []
+    held: dict[int, list[str]] = {}
     for r in steps:
-        rows.append([str(r["step"]), _fmt_local_time(r["wall_time"]), _fmt_age(r["age_s"]), fmt_bytes(r["bytes"]),
+        step = "-" if r["step"] is None else str(r["step"])
+        name = r["name"] + (f" -> {r['link_to']}" if r["link_to"] else "")
+        rows.append([step, name, _fmt_local_time(r["wall_time"]), _fmt_age(r["age_s"]), fmt_bytes(r["bytes"]),
                      ",".join(r["tiers"]) or "-", r["status"]])
+        if r["alias_of"] is not None:
+            continue  # its target's row carries the notes
+        if r["step"] is not None and r["status"] != "partial":
+            held.setdefault(r["step"], []).append(r["name"])
         if r["reason"]:
-            notes.append(f"  step {r['step']}: {r['name']}: {r['reason']}")
+            notes.append(f"  step {step}: {r['name']}: {r['reason']}")
         for prob in r["problems"]:
-            notes.append(f"  step {r['step']}: {prob['path']}: {prob['problem']}")
+            notes.append(f"  step {step}: {prob['path']}: {prob['problem']}")
         if r.get("stale_tiers"):
-            notes.append(f"  step {r['step']}: recorded in {', '.join(r['stale_tiers'])} but no longer there")
+            notes.append(f"  step {step}: recorded in {', '.join(r['stale_tiers'])} but no longer there")
+    notes += [f"  step {s}: held by {len(names)} checkpoints: {', '.join(names)}"
+              for s, names in held.items() if len(names) > 1]
     c = result["counts"]
     head = f"{result['root']}: {c['committed']} committed, {c['partial']} partial, {c['corrupt']} corrupt" + \
         (" (checksums verified)" if result["verified"] else "")
-    return "\n".join([head, *_table(rows, right=(0, 3)), *notes])
+    foot = "SIZE: the files the manifest lists (as verify and inspect count them); for a partial entry, what is present"
+    return "\n".join([head, *_table(rows, right=(0, 4)), *notes, foot])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -190,8 +200,10 @@ def _dtypes(d: dict[str, int]) -> str:
 
 def _inspect_text(r: dict[str, Any]) -> str:
     saved = f"saved {_fmt_local_time(r['wall_time'])} with torch {r['torch_version']}"
-    lines = [f"step {r['step']}  {r['checkpoint']}",
-             f"world size {r['world_size']}, {saved}; {r['files']} files, {fmt_bytes(r['file_bytes'])} on disk", ""]
+    lines = [f"note: {r['note']}"] if r.get("note") else []
+    lines += [f"step {r['step']}  {r['checkpoint']}",
+             f"world size {r['world_size']}, {saved}; {r['files']} files, {fmt_bytes(r['file_bytes'])} "
+             "(the files the manifest lists)", ""]
     rows = [["COMPONENT", "BYTES", "TENSORS", "DTYPES", "OTHER"]]
     for c in [*r["components"], {"name": "total", **r["totals"], "dtypes": {}}]:
         other = []
@@ -250,7 +262,8 @@ def _verify_text(r: dict[str, Any]) -> str:
             lines.append(f"      partial: {c['partial']}")
         lines += [f"      {p['path']}: {p['problem']}" for p in c["problems"]]
         lines += [f"      warning: {w['path']}: {w['problem']}" for w in c["warnings"]]
-    lines += [f"skip  {s['name']}: partial ({s['reason']})" for s in r["skipped"]]
+    lines += [f"skip  {s['name']}: " + (s["reason"] if s.get("link_to") else f"partial ({s['reason']})")
+              for s in r["skipped"]]
     lines += [f"FAIL  {g}" for g in r["general_problems"]]
     bad = sum(not c["ok"] for c in r["checkpoints"])
     lines.append(f"verified {len(r['checkpoints'])} checkpoint(s): " +
@@ -272,6 +285,9 @@ def add_convert_arguments(p: argparse.ArgumentParser) -> None:
                    help="torch: one torch.save file of the full state (loads with weights_only=True); "
                         "safetensors: the model weights only")
     p.add_argument("out", metavar="OUT", help="output file (.pt or .safetensors)")
+    p.add_argument("--model", metavar="NAME",
+                   help="safetensors of a checkpoint of several models: export only this one, under its own keys "
+                        "(without it, each key is prefixed by its model's name and a dot)")
     add_common(p)
 
 
@@ -319,14 +335,20 @@ def run_convert(args: argparse.Namespace) -> int:
     """Export a checkpoint; prints what was written."""
     from torch_ckpt.tools.convert import export_safetensors, export_torch
 
+    if args.model is not None and args.to != "safetensors":
+        raise UsageError("--model applies to --to safetensors only (--to torch exports the full state)")
     with _local_copy(args) as path:
-        export = export_torch if args.to == "torch" else export_safetensors
-        result = export(path, args.out, allow_symlinks=args.follow_symlinks)
+        if args.to == "torch":
+            result = export_torch(path, args.out, allow_symlinks=args.follow_symlinks)
+        else:
+            result = export_safetensors(path, args.out, model=args.model, allow_symlinks=args.follow_symlinks)
     result["checkpoint"] = args.checkpoint
     if args.json:
         print_json(result)
     else:
         extra = f", {result['tensors']} tensors" if "tensors" in result else ""
+        if result.get("models"):
+            extra += f"; keys prefixed by model name: {', '.join(result['models'])}"
         print(f"step {result['step']} -> {result['out']} ({result['bytes']} bytes{extra})")
     return 0
 

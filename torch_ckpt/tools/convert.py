@@ -20,13 +20,14 @@ from torch_ckpt.errors import CheckpointNotFoundError, ConfigError
 from torch_ckpt.format import read_rank_doc, verify_files
 from torch_ckpt.manifest import Manifest, read_manifest
 
-__all__ = ["load_full_state", "export_torch", "export_safetensors"]
+__all__ = ["load_full_state", "export_torch", "export_safetensors", "model_weights"]
 
 
 def _resolve(checkpoint: str | Path, allow_symlinks: bool) -> tuple[Path, Manifest]:
     path = Path(checkpoint)
     if not path.is_dir():
-        raise CheckpointNotFoundError(f"{path} is not a checkpoint directory (expected ROOT/step_NNNNNNNNN)")
+        raise CheckpointNotFoundError(f"{path} is not a checkpoint directory (expected a directory holding a "
+                                      "torch-ckpt manifest.json, e.g. ROOT/step_000001000)")
     return path, read_manifest(path, allow_symlinks=allow_symlinks)
 
 
@@ -101,14 +102,83 @@ def export_torch(checkpoint: str | Path, out: str | Path, *, allow_symlinks: boo
     return {"step": manifest.step, "out": str(out), "bytes": Path(out).stat().st_size}
 
 
-def export_safetensors(checkpoint: str | Path, out: str | Path, *, allow_symlinks: bool = False) -> dict[str, Any]:
-    """Write the model weights of ``checkpoint`` as safetensors.
+def _flat_weights(node: dict[str, Any], prefix: str = "") -> dict[str, torch.Tensor]:
+    """The tensors of a (nested) state dict under dotted names (other values are left out)."""
+    weights: dict[str, torch.Tensor] = {}
+    for k, v in node.items():
+        if isinstance(v, torch.Tensor):
+            weights[f"{prefix}{k}"] = v.contiguous()
+        elif isinstance(v, dict):
+            weights.update(_flat_weights(v, f"{prefix}{k}."))
+    return weights
 
-    The weights are the ``model`` entry of a :class:`~torch_ckpt.TrainState` checkpoint, or the
-    ``state_dict`` entry of a Lightning one, under their usual names (no prefix).
+
+def model_weights(state: dict[str, Any], *, model: str | None = None,
+                  source: str = "checkpoint") -> tuple[dict[str, torch.Tensor], list[str]]:
+    """The model weights of a loaded state (:func:`load_full_state`), keyed as the model's ``state_dict()``.
+
+    A :class:`~torch_ckpt.TrainState` of one model saves its state dict under ``model``; one of
+    several models (a mapping, as the Accelerate adapter always saves: ``{"0": ...}``) saves one
+    state dict per model name; a Lightning checkpoint saves ``state_dict``. With one model the keys
+    are the model's own; with several, each key is prefixed by its model's name and a dot
+    (``"1.fc.weight"``), unless ``model`` picks one of them (its own keys, no prefix).
+
+    Args:
+        state: the nested state.
+        model: with several models, the name of the one to take.
+        source: the checkpoint, for messages.
+
+    Returns:
+        ``(weights, model names)``; the names are empty for a single model's state dict.
 
     Raises:
-        ConfigError: the checkpoint has no model tensors, or ``safetensors`` is not installed.
+        ConfigError: no model tensors, or ``model`` is not one of the saved models (or there is one model).
+    """
+    tree = state.get("model") or state.get("state_dict")  # TrainState / Lightning checkpoints
+    if not isinstance(tree, dict) or not tree:
+        raise ConfigError(f"{source}: no 'model' (TrainState) or 'state_dict' (Lightning) entry to export")
+    # a model's state dict maps flat names to tensors; a mapping of several models maps names to dicts
+    several = "model" in state and all(isinstance(v, dict) for v in tree.values())
+    names = sorted(tree) if several else []
+    if model is not None:
+        if model not in names:
+            raise ConfigError(f"{source}: no model named {model!r} to export; the checkpoint holds "
+                              + (f"models {names}" if names else "one model (leave the model name out)"))
+        weights = _flat_weights(tree[model])
+    elif len(names) == 1:
+        weights = _flat_weights(tree[names[0]])
+    else:
+        weights = _flat_weights(tree)
+    if not weights:
+        raise ConfigError(f"{source}: the model entry holds no tensors to export")
+    return weights, names
+
+
+def export_safetensors(checkpoint: str | Path, out: str | Path, *, model: str | None = None,
+                       allow_symlinks: bool = False) -> dict[str, Any]:
+    """Write the model weights of ``checkpoint`` as safetensors, keyed as the model's ``state_dict()``.
+
+    The weights are the ``model`` entry of a :class:`~torch_ckpt.TrainState` checkpoint (the
+    Accelerate adapter's too), or the ``state_dict`` entry of a Lightning one. With one model (an
+    Accelerate run with one prepared model included) the keys are the model's own, without any
+    prefix, so ``model.load_state_dict(safetensors.torch.load_file(out))`` works. With several
+    models, each key is prefixed by the model's name and a dot (``"0.fc.weight"``, ``"1.fc.weight"``),
+    and the names are listed in the file's metadata (``"models"``); ``model`` exports one of them
+    alone, without the prefix.
+
+    Args:
+        checkpoint: a committed checkpoint directory.
+        out: the file to write.
+        model: with several models, the name of the one to export.
+        allow_symlinks: follow symlinked files (refused by default, like restore).
+
+    Returns:
+        ``{"step", "out", "tensors", "bytes", "models"}``; ``models`` lists the model names whose
+        weights are in the file (prefixed when several), empty for a single model.
+
+    Raises:
+        ConfigError: the checkpoint has no model tensors, ``model`` is not one of its models, or
+            ``safetensors`` is not installed.
         CheckpointNotFoundError, CheckpointCorruptError, UnsafeCheckpointError: see :func:`load_full_state`.
     """
     try:
@@ -116,19 +186,9 @@ def export_safetensors(checkpoint: str | Path, out: str | Path, *, allow_symlink
     except ImportError as exc:
         raise ConfigError("exporting to safetensors needs the 'safetensors' package: pip install safetensors") from exc
     state, manifest = load_full_state(checkpoint, allow_symlinks=allow_symlinks)
-    model = state.get("model") or state.get("state_dict")  # TrainState / Lightning checkpoints
-    if not isinstance(model, dict) or not model:
-        raise ConfigError(f"{checkpoint}: no 'model' (TrainState) or 'state_dict' (Lightning) entry to export")
-    weights: dict[str, torch.Tensor] = {}
-
-    def collect(prefix: str, node: Any) -> None:
-        for k, v in node.items():
-            key = f"{prefix}{k}"
-            if isinstance(v, torch.Tensor):
-                weights[key] = v.contiguous()
-            elif isinstance(v, dict):
-                collect(f"{key}.", v)
-
-    collect("", model)
-    save_file(weights, str(out), metadata={"step": str(manifest.step), "format": "torch-ckpt export"})
-    return {"step": manifest.step, "out": str(out), "tensors": len(weights), "bytes": Path(out).stat().st_size}
+    weights, names = model_weights(state, model=model, source=str(checkpoint))
+    prefixed = names if model is None and len(names) > 1 else []
+    save_file(weights, str(out), metadata={"step": str(manifest.step), "format": "torch-ckpt export",
+                                           "models": ",".join(prefixed)})
+    return {"step": manifest.step, "out": str(out), "tensors": len(weights), "bytes": Path(out).stat().st_size,
+            "models": prefixed}

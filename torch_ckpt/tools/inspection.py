@@ -24,7 +24,7 @@ from torch_ckpt.manifest import rank_file_name, read_manifest
 from torch_ckpt.state_tree import embedded_info, walk_tree
 from torch_ckpt.storage import Location
 from torch_ckpt.tools.checks import dtype_name, iso_time
-from torch_ckpt.tools.listing import resolve_checkpoint
+from torch_ckpt.tools.listing import find_checkpoint
 
 __all__ = ["inspect_checkpoint"]
 
@@ -45,7 +45,8 @@ def inspect_checkpoint(where: str | os.PathLike | Location, *, step: int | None 
     the tensor records' headers are read, never their payload.
 
     Args:
-        where: a checkpoint directory, or a run root (its newest committed checkpoint, or ``step``).
+        where: a checkpoint directory, or a run root (its newest committed checkpoint, or the one
+            whose manifest says ``step``; see :func:`~torch_ckpt.tools.listing.find_checkpoint`).
         step: with a root, the step to inspect.
         storage_options: fsspec options for URLs.
         keys: also list every tensor and array with its shape and dtype.
@@ -53,8 +54,11 @@ def inspect_checkpoint(where: str | os.PathLike | Location, *, step: int | None 
 
     Returns:
         ``{"checkpoint", "step", "world_size", "wall_time", "time", "torch_version", "format_version",
-        "files", "file_bytes", "manifest_tensor_bytes", "components": [...], "totals": {...}}`` and,
-        with ``keys``, ``"keys": [...]``. A component is ``{"name", "bytes"`` (tensor + array bytes),
+        "files", "file_bytes", "manifest_tensor_bytes", "components": [...], "totals": {...}, "note"}``
+        and, with ``keys``, ``"keys": [...]``. ``files`` and ``file_bytes`` count the files the
+        manifest lists (the manifest itself excluded), as ``ls`` and ``verify`` do; ``note`` says
+        which checkpoint was chosen when several of a root held the step (else None). A component
+        is ``{"name", "bytes"`` (tensor + array bytes),
         ``"tensor_bytes", "tensors", "dtypes"`` (``{dtype: count}``), ``"rank_local_tensors",
         "arrays", "array_bytes", "values"`` (other leaves of rank 0's state)``}``; a key is ``{"key",
         "component", "kind"`` ("tensor" or "ndarray"), ``"storage"`` ("dcp" or "json"), ``"rank"``
@@ -68,7 +72,7 @@ def inspect_checkpoint(where: str | os.PathLike | Location, *, step: int | None 
             refers to a tensor the metadata lacks.
         UnsafeCheckpointError: the DCP metadata references code (refused, not executed).
     """
-    loc = resolve_checkpoint(where, step=step, storage_options=storage_options)
+    loc, note = find_checkpoint(where, step=step, storage_options=storage_options)
     manifest = read_manifest(loc)
     if METADATA_NAME not in manifest.files:
         raise CheckpointCorruptError(f"{loc.describe(METADATA_NAME)}: DCP metadata is not listed in the manifest")
@@ -163,6 +167,7 @@ def inspect_checkpoint(where: str | os.PathLike | Location, *, step: int | None 
         "format_version": manifest.format_version, "files": len(manifest.files),
         "file_bytes": sum(i["bytes"] for i in manifest.files.values()),
         "manifest_tensor_bytes": manifest.tensor_bytes, "components": components, "totals": totals,
+        "note": note,
     }
     if keys:
         out["keys"] = key_rows

@@ -11,29 +11,41 @@ executes code from one: DCP's ``.metadata`` is read
 with torch-ckpt's restricted unpickler (:func:`torch_ckpt.dcp_read.read_dcp_metadata`), the per-rank
 trees are JSON, and tensor payloads are never loaded (sizes come from the metadata).
 
+The checkpoints of a root are its subdirectories that hold a torch-ckpt ``manifest.json``, whatever
+their naming (``step_000000010``, Accelerate's ``checkpoint_10``, Lightning's ``epoch=0-step=10.ckpt``);
+the step is the manifest's. A symbolic link to another checkpoint of the same root (Lightning's
+``last.ckpt``) is listed as a link to it and not counted twice.
+
 Status of an entry of a root (:func:`list_root`):
 
-* ``committed``: ``manifest.json`` is valid, names this step and lists ``.metadata`` and one rank
-  file per rank, and every file it lists is a regular file present with its size (and, with
-  ``verify=True``, its CRC-32 and all the checks of :func:`verify_checkpoint`);
-* ``partial``: a temporary ``.step_N.tmp[.<id>]`` (a save or download in progress, or left by a crash), or
-  a ``step_N`` directory without a manifest (on an object store: an upload in progress or abandoned);
+* ``committed``: ``manifest.json`` is valid (and names the step of a ``step_N`` directory), lists
+  ``.metadata`` and one rank file per rank, and every file it lists is a regular file present with
+  its size (and, with ``verify=True``, its CRC-32 and all the checks of :func:`verify_checkpoint`);
+* ``partial``: a temporary ``.NAME.tmp[.<id>]`` or ``.NAME.download.tmp[.<id>]`` (a save or download
+  in progress, or left by a crash), or a ``step_N`` directory without a manifest (on an object store:
+  an upload in progress or abandoned);
 * ``corrupt``: one of those checks failed (what a restore would refuse too).
 """
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import time
 from typing import Any
 
 from torch_ckpt.errors import CheckpointError, CheckpointNotFoundError, ConfigError
-from torch_ckpt.manifest import MANIFEST_NAME
+from torch_ckpt.manifest import FORMAT_NAME, MANIFEST_NAME, MAX_MANIFEST_BYTES
 from torch_ckpt.storage import Location, as_location
 from torch_ckpt.tiers import DurableTier
 from torch_ckpt.tools.checks import COMMITTED, CORRUPT, PARTIAL, check_dir, iso_time, require_dir, step_of
 
-__all__ = ["list_root", "looks_like_checkpoint", "resolve_checkpoint"]
+__all__ = ["find_checkpoint", "list_root", "looks_like_checkpoint", "resolve_checkpoint"]
+
+# a temporary checkpoint directory of any name: ``.NAME.tmp``, ``.NAME.tmp.<id>`` and the durable
+# tier's ``.NAME.download.tmp`` forms; group 1 is NAME
+_TEMP_RE = re.compile(r"^\.(.+?)(?:\.download)?\.tmp(?:\.[0-9a-f]+)?$")
 
 
 def _tier_steps(url: str, storage_options: dict[str, Any], cache: dict[str, set[int] | None]) -> set[int] | None:
@@ -45,9 +57,44 @@ def _tier_steps(url: str, storage_options: dict[str, Any], cache: dict[str, set[
     return cache[url]
 
 
+def _ours(child: Location, listing: dict[str, dict[str, Any]]) -> bool:
+    """Whether a directory of another name than ``step_N`` holds a torch-ckpt manifest.
+
+    A ``manifest.json`` that parses as JSON without torch-ckpt's ``format`` belongs to another tool
+    (not listed); one that cannot be read or parsed is ours, and ``check_dir`` reports it corrupt.
+    """
+    if MANIFEST_NAME not in listing:
+        return False
+    try:
+        doc = json.loads(child.read_bytes(MANIFEST_NAME, MAX_MANIFEST_BYTES, what="manifest"))
+    except (CheckpointError, OSError, ValueError, RecursionError):
+        return True
+    return not isinstance(doc, dict) or doc.get("format") == FORMAT_NAME
+
+
+def _link_target(loc: Location, child: Location) -> str | None:
+    """For a local symlink: the name of its target when that is an entry of ``loc``, else the target's path."""
+    if loc.remote or not os.path.islink(child.path):
+        return None
+    target = os.path.realpath(child.path)
+    if os.path.dirname(target) == os.path.realpath(loc.path):
+        return os.path.basename(target)
+    return target
+
+
+def _row(step: int | None, name: str, mtime: float | None) -> dict[str, Any]:
+    return {"step": step, "name": name, "status": PARTIAL, "wall_time": None, "time": None, "age_s": None,
+            "mtime": mtime, "files": None, "bytes": None, "disk_bytes": None, "tensor_bytes": None,
+            "world_size": None, "tiers": {}, "problems": [], "reason": None, "link_to": None, "alias_of": None}
+
+
 def list_root(root: str | os.PathLike | Location, *, storage_options: dict[str, Any] | None = None,
               verify: bool = False, check_tiers: bool = False, progress: bool = False) -> dict[str, Any]:
     """List the checkpoints of a run root with their status, time, size and tiers.
+
+    The checkpoints are the subdirectories holding a torch-ckpt ``manifest.json`` whatever their
+    names, ``step_N`` directories without one, and temporaries ``.NAME.tmp[.<id>]``; other entries
+    are not listed.
 
     Args:
         root: a local run root or an fsspec URL of one.
@@ -58,12 +105,18 @@ def list_root(root: str | os.PathLike | Location, *, storage_options: dict[str, 
         progress: show a progress bar for verification on a terminal.
 
     Returns:
-        ``{"root", "verified", "steps": [entry...], "counts": {status: n}}``; each entry has ``step``,
-        ``name``, ``status``, ``wall_time`` and ``time`` (ISO 8601, UTC; the commit time, or the
-        directory's modification time for other entries when known), ``age_s``, ``bytes`` (on-disk
-        bytes, manifest included), ``tensor_bytes``, ``world_size``, ``tiers`` (``{name: info}``: this
-        root's own copy as "local" or "durable", plus the copies the manifest records), ``problems``
-        (``[{"file", "path", "problem"}]``) and ``reason`` (why an entry is partial).
+        ``{"root", "verified", "steps": [entry...], "counts": {status: n}}``, entries sorted by step.
+        Each entry has ``step`` (the manifest's; None when unknown), ``name``, ``status``,
+        ``wall_time`` and ``time`` (ISO 8601, UTC; the commit time, or the directory's modification
+        time for other entries when known), ``age_s``, ``mtime`` (the directory's modification time,
+        Unix s), ``files`` and ``bytes`` (the files the manifest lists, the manifest itself excluded:
+        the figures ``verify`` and ``inspect`` print; for a partial entry, what is present),
+        ``disk_bytes`` (every file present now, manifest included), ``tensor_bytes``,
+        ``world_size``, ``tiers`` (``{name: info}``: this root's own copy as "local" or "durable",
+        plus the copies the manifest records), ``problems`` (``[{"file", "path", "problem"}]``),
+        ``reason`` (why an entry is partial), ``link_to`` (a symlink's target: an entry name of this
+        root, or a path) and ``alias_of`` (for a link to another listed entry: that entry's name; such
+        an entry repeats its target's step and status and is not counted).
 
     Raises:
         PathNotFoundError: ``root`` does not exist or is not a directory.
@@ -73,24 +126,31 @@ def list_root(root: str | os.PathLike | Location, *, storage_options: dict[str, 
     own = "durable" if loc.remote else "local"
     now = time.time()
     rows: list[dict[str, Any]] = []
+    links: list[dict[str, Any]] = []
     tier_cache: dict[str, set[int] | None] = {}
-    for name, info in loc.entries().items():
-        step, temporary = step_of(name)
-        if step is None or info["type"] != "directory":
+    entries = loc.entries()
+    for name, info in entries.items():
+        temp = _TEMP_RE.match(name)
+        if info["type"] != "directory" or (name.startswith(".") and temp is None):
             continue
-        row: dict[str, Any] = {"step": step, "name": name, "status": PARTIAL, "wall_time": None, "time": None,
-                               "age_s": None, "bytes": None, "tensor_bytes": None, "world_size": None, "tiers": {},
-                               "problems": [], "reason": None}
+        step = step_of(temp.group(1))[0] if temp else step_of(name)[0]
+        row = _row(step, name, info["mtime"])
         child = loc.child(name)
+        row["link_to"] = _link_target(loc, child)
+        if row["link_to"] in entries and row["link_to"] != name:  # listed under its own name: not twice
+            links.append(row)
+            continue
         try:
             listing = child.entries()
         except FileNotFoundError:  # removed while listing (retention, commit rename)
             continue
+        if temp is None and step is None and not _ours(child, listing):
+            continue  # another tool's folder (logs, a plain-framework checkpoint)
         present = sum(e["size"] for e in listing.values() if e["type"] == "file")
-        if temporary or MANIFEST_NAME not in listing:
-            row["reason"] = ("temporary directory: a save or download in progress, or left by a crash" if temporary
+        row.update(bytes=present, disk_bytes=present)
+        if temp or MANIFEST_NAME not in listing:
+            row["reason"] = ("temporary directory: a save or download in progress, or left by a crash" if temp
                              else "no manifest.json: an upload or copy in progress, or abandoned")
-            row["bytes"] = present
             mtime = info["mtime"] or max((e["mtime"] or 0.0 for e in listing.values()), default=0.0) or None
             row.update(wall_time=mtime, time=iso_time(mtime), age_s=None if mtime is None else now - mtime)
             rows.append(row)
@@ -102,9 +162,9 @@ def list_root(root: str | os.PathLike | Location, *, storage_options: dict[str, 
         row["status"] = COMMITTED if result["ok"] else CORRUPT
         if result.get("partial"):
             row["reason"] = f"partial: {result['partial']}"
-        row["bytes"] = present
         if manifest is not None:
-            row.update(wall_time=manifest.wall_time, time=iso_time(manifest.wall_time), age_s=now - manifest.wall_time,
+            row.update(step=manifest.step, files=result["files"], bytes=result["bytes"], wall_time=manifest.wall_time,
+                       time=iso_time(manifest.wall_time), age_s=now - manifest.wall_time,
                        tensor_bytes=manifest.tensor_bytes, world_size=manifest.world_size)
             # this root's copy counts only when intact; copies recorded elsewhere are listed either way
             tiers: dict[str, Any] = {own: {"location": loc.describe()}} if row["status"] == COMMITTED else {}
@@ -121,8 +181,14 @@ def list_root(root: str | os.PathLike | Location, *, storage_options: dict[str, 
                         row.setdefault("stale_tiers", []).append(tier)
             row["tiers"] = tiers
         rows.append(row)
-    rows.sort(key=lambda r: (r["step"], r["name"]))
-    counts = {s: sum(r["status"] == s for r in rows) for s in (COMMITTED, PARTIAL, CORRUPT)}
+    by_name = {r["name"]: r for r in rows}
+    for link in links:
+        target = by_name.get(link["link_to"])
+        if target is not None:  # a link to a listed checkpoint: shown beside it, not counted
+            rows.append({**target, "name": link["name"], "mtime": link["mtime"], "problems": [],
+                         "link_to": target["name"], "alias_of": target["name"]})
+    rows.sort(key=lambda r: (r["step"] is None, r["step"] or 0, r["alias_of"] is not None, r["name"]))
+    counts = {s: sum(r["status"] == s and r["alias_of"] is None for r in rows) for s in (COMMITTED, PARTIAL, CORRUPT)}
     return {"root": loc.describe(), "verified": verify, "steps": rows, "counts": counts}
 
 
@@ -136,14 +202,21 @@ def looks_like_checkpoint(loc: Location) -> bool:
     return step is not None or loc.exists(MANIFEST_NAME)
 
 
-def resolve_checkpoint(where: str | os.PathLike | Location, *, step: int | None = None,
-                       storage_options: dict[str, Any] | None = None) -> Location:
-    """The checkpoint directory meant by ``where``: a step directory, or a root (its newest committed
-    checkpoint, or ``step``).
+def find_checkpoint(where: str | os.PathLike | Location, *, step: int | None = None,
+                    storage_options: dict[str, Any] | None = None) -> tuple[Location, str | None]:
+    """The checkpoint directory meant by ``where``, and a note when several checkpoints matched.
+
+    ``where`` is a checkpoint directory, or a root: then its newest committed checkpoint, or the
+    one whose manifest says ``step``. When several committed checkpoints of a root hold the chosen
+    step (Lightning's ``epoch=0-step=10.ckpt`` beside a ``last.ckpt`` copy), the one modified last
+    is chosen and the note names them all; links to another checkpoint of the root are not candidates.
+
+    Returns:
+        ``(location, note)``; ``note`` is None unless several checkpoints held the step.
 
     Raises:
         PathNotFoundError: ``where`` does not exist.
-        ConfigError: ``step`` was given with a step directory.
+        ConfigError: ``step`` was given with a checkpoint directory.
         CheckpointNotFoundError: the root has no committed checkpoint (of that step).
     """
     loc = as_location(where, storage_options=storage_options)
@@ -151,12 +224,33 @@ def resolve_checkpoint(where: str | os.PathLike | Location, *, step: int | None 
     if looks_like_checkpoint(loc):
         if step is not None:
             raise ConfigError(f"{loc.describe()} is a checkpoint directory; a step applies to a run root only")
-        return loc
-    listing = [r for r in list_root(loc)["steps"] if r["status"] == COMMITTED]
+        return loc, None
+    listing = [r for r in list_root(loc)["steps"] if r["status"] == COMMITTED and r["alias_of"] is None]
     if step is not None:
         listing = [r for r in listing if r["step"] == step]
         if not listing:
-            raise CheckpointNotFoundError(f"{loc.describe()} has no committed checkpoint of step {step}")
+            raise CheckpointNotFoundError(f"{loc.describe()} has no committed checkpoint of step {step} (a "
+                                          "checkpoint is a directory holding a torch-ckpt manifest.json)")
     if not listing:
-        raise CheckpointNotFoundError(f"{loc.describe()} holds no committed checkpoint")
-    return loc.child(listing[-1]["name"])
+        raise CheckpointNotFoundError(f"{loc.describe()} holds no committed checkpoint (a checkpoint is a "
+                                      "directory holding a torch-ckpt manifest.json)")
+    chosen_step = listing[-1]["step"]
+    same = sorted((r for r in listing if r["step"] == chosen_step),
+                  key=lambda r: (r["mtime"] or 0.0, r["wall_time"] or 0.0, r["name"]))
+    note = None
+    if len(same) > 1:
+        note = (f"step {chosen_step} is held by {len(same)} checkpoints ({', '.join(r['name'] for r in same)}); "
+                f"using the one modified last: {same[-1]['name']}")
+    return loc.child(same[-1]["name"]), note
+
+
+def resolve_checkpoint(where: str | os.PathLike | Location, *, step: int | None = None,
+                       storage_options: dict[str, Any] | None = None) -> Location:
+    """The checkpoint directory meant by ``where`` (see :func:`find_checkpoint`, without its note).
+
+    Raises:
+        PathNotFoundError: ``where`` does not exist.
+        ConfigError: ``step`` was given with a checkpoint directory.
+        CheckpointNotFoundError: the root has no committed checkpoint (of that step).
+    """
+    return find_checkpoint(where, step=step, storage_options=storage_options)[0]

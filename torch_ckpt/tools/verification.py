@@ -42,12 +42,16 @@ def verify_checkpoint(where: str | os.PathLike | Location, *, storage_options: d
 
 def verify_root(where: str | os.PathLike | Location, *, storage_options: dict[str, Any] | None = None,
                 checksums: bool = True, progress: bool = False) -> dict[str, Any]:
-    """Verify every checkpoint of a run root (partial entries are skipped and listed).
+    """Verify every checkpoint of a run root (see :func:`~torch_ckpt.tools.listing.list_root`).
+
+    Partial entries, and links to another checkpoint of the root (verified under its own name),
+    are skipped and listed.
 
     Returns:
         ``{"target", "kind": "root", "ok", "checkpoints": [verify_checkpoint results], "skipped":
-        [{"name", "step", "reason"}], "problems": total count, "general_problems": [str]}``. A root
-        without any checkpoint to verify is not ok (one general problem).
+        [{"name", "step", "reason", "link_to"}], "problems": total count, "general_problems": [str]}``
+        (``link_to``: the target of a skipped link, else None). A root without any checkpoint to
+        verify is not ok (one general problem).
 
     Raises:
         PathNotFoundError: ``where`` does not exist.
@@ -56,15 +60,20 @@ def verify_root(where: str | os.PathLike | Location, *, storage_options: dict[st
     listing = list_root(loc)
     results, skipped = [], []
     for row in listing["steps"]:
+        if row["alias_of"] is not None:
+            skipped.append({"name": row["name"], "step": row["step"], "link_to": row["alias_of"],
+                            "reason": f"link to {row['alias_of']}, verified under that name"})
+            continue
         if row["status"] == PARTIAL:
-            skipped.append({"name": row["name"], "step": row["step"], "reason": row["reason"]})
+            skipped.append({"name": row["name"], "step": row["step"], "reason": row["reason"], "link_to": None})
             continue
         results.append(check_dir(loc.child(row["name"]), checksums=checksums, structure=True, progress=progress)[0])
     return _summary(loc, "root", results, skipped)
 
 
 def _summary(loc: Location, kind: str, results: list[dict[str, Any]], skipped: list[dict[str, Any]]) -> dict[str, Any]:
-    general = [] if results else [f"{loc.describe()} holds no checkpoint to verify"]
+    general = [] if results else [f"{loc.describe()} holds no checkpoint to verify (a checkpoint is a directory "
+                                  "holding a torch-ckpt manifest.json)"]
     problems = sum(len(r["problems"]) for r in results) + len(general)
     return {"target": loc.describe(), "kind": kind, "ok": problems == 0, "checkpoints": results, "skipped": skipped,
             "problems": problems, "general_problems": general}
