@@ -206,3 +206,28 @@ def test_odd_live_tensors_restore_exactly(tmp_path):
         mgr.restore(live)
     assert all(torch.equal(live[k].resolve_conj(), saved[k]) for k in saved)
     assert live["tie2"] is live["tied"]
+
+
+def test_faulting_pages_ahead_never_changes_a_tensors_bytes():
+    """The populate helper maps pages writable without altering what they hold (safe to race the reader)."""
+    from torch_ckpt.direct_read import _Populator
+
+    big = torch.arange(3 << 20, dtype=torch.int32)  # 12 MiB: many whole pages, both edges partial
+    before = big.clone()
+    p = _Populator([big[1:], torch.empty(0)])
+    p.close()
+    assert torch.equal(big, before)
+
+
+@pytest.mark.parametrize("populate", ["on", "off", "madvise_fails"])
+def test_restore_places_the_same_values_with_or_without_faulting_ahead(two_files, monkeypatch, populate):
+    """Faulting target pages ahead (on, off, or refused by the kernel) never changes the restored values."""
+    import torch_ckpt.direct_read as dr
+
+    monkeypatch.setattr(dr, "_POPULATE", populate != "off")
+    if populate == "madvise_fails":
+        monkeypatch.setattr(dr, "_MADVISE", lambda *a: -1)
+    manifest = read_manifest(two_files)
+    targets = {k: torch.zeros_like(v) for k, v in _big_state().items()}
+    assert load_direct(targets, two_files, read_metadata(two_files, manifest), manifest, verify=True) == set()
+    assert all(torch.equal(targets[k], v) for k, v in _big_state().items())

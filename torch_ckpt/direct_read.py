@@ -20,7 +20,10 @@ own thread with its own CRC-32 thread, so one file's disk wait overlaps the othe
 checksumming. Every file's size is checked before the first byte is placed.
 
 The targets are new buffers (see :func:`torch_ckpt.restore.load_into`), so a file that fails its
-check leaves the live state untouched.
+check leaves the live state untouched. New memory costs a page fault per 4 KiB page on its first
+write (about 0.07-0.3 s per GiB on the reference VM); a helper thread per file faults the next
+targets in ahead of the reader (``MADV_POPULATE_WRITE``, which never changes a page's contents),
+so that work overlaps the disk wait instead of following it.
 """
 
 from __future__ import annotations
@@ -53,6 +56,55 @@ _QUEUE_DEPTH = 8
 _READERS = 2
 #: ask the kernel to read each whole data file ahead (``POSIX_FADV_WILLNEED``) when it is opened
 _WILLNEED = False
+#: fault in each file's target buffers on a helper thread, ahead of the reader (``MADV_POPULATE_WRITE``)
+_POPULATE = True
+_MADV_POPULATE_WRITE = 23
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def _madvise() -> Any:
+    try:
+        import ctypes
+
+        fn = ctypes.CDLL(None, use_errno=True).madvise
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        fn.restype = ctypes.c_int
+        return fn
+    except (OSError, AttributeError):  # pragma: no cover - not Linux/glibc
+        return None
+
+
+_MADVISE = _madvise()
+
+
+class _Populator:
+    """Faults in target tensors' pages on a helper thread, in file order, ahead of the reader.
+
+    ``MADV_POPULATE_WRITE`` (Linux 5.14+) maps each page writable without changing its contents, so
+    it may run behind or ahead of the reader: it never races with the bytes being placed. Any error
+    (an older kernel) just stops it.
+    """
+
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        self._tensors = tensors
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="torch_ckpt_restore_fault", daemon=True)
+        if _POPULATE and _MADVISE is not None and tensors:
+            self._thread.start()
+
+    def _run(self) -> None:
+        for t in self._tensors:
+            if self._stop:
+                return
+            a, n = t.data_ptr(), t.numel() * t.element_size()
+            start, end = -(-a // _PAGE) * _PAGE, (a + n) // _PAGE * _PAGE
+            if end - start >= 16 * _PAGE and _MADVISE(start, end - start, _MADV_POPULATE_WRITE) != 0:
+                return
+
+    def close(self) -> None:
+        self._stop = True
+        if self._thread.is_alive():
+            self._thread.join()
 
 
 def _byte_view(t: torch.Tensor) -> memoryview:
@@ -305,6 +357,7 @@ def _read_file(fd: int, size: int, path: Path, expected: dict[str, int], entries
     crc = _Crc(verify)
     reader = _FileReader(fd, path, crc)
     placed: set[str] = set()
+    populator = _Populator([targets[k] for _, _, k in entries if k in placeable])
     try:
         for offset, length, key in entries:
             if key not in placeable or offset < reader.pos or offset + length > size:
@@ -336,6 +389,7 @@ def _read_file(fd: int, size: int, path: Path, expected: dict[str, int], entries
     except OSError as exc:
         raise CheckpointCorruptError(f"{path}: data file cannot be read ({exc.strerror or exc})") from exc
     finally:
+        populator.close()
         crc.abandon()
         reader.close()
     return placed
