@@ -88,7 +88,7 @@ def test_file_shorter_on_disk_than_written_is_not_committed(tmp_path, monkeypatc
 
 def test_failed_open_of_a_data_file_names_it(tmp_path, monkeypatch):
     """An error creating a data file fails the save with that file's name and errno."""
-    def refuse(self, path):
+    def refuse(self, path, **kwargs):
         raise PermissionError(errno.EACCES, "Permission denied", str(path))
 
     monkeypatch.setattr(dcp_io._FileSink, "__init__", refuse)

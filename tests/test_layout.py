@@ -197,6 +197,24 @@ def test_remove_step_dir_leaves_nothing(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_retired_checkpoint_is_hidden_and_no_longer_looks_committed(tmp_path):
+    """retire_step_dir renames to the trash name and drops its manifest at once; the data is left to delete."""
+    from torch_ckpt.layout import retire_step_dir
+
+    trash = retire_step_dir(make_ckpt(tmp_path / NAMING.name(1), 1, files={"a": b"x"}))
+    assert [p.name for p in tmp_path.iterdir()] == [f".trash_{NAMING.name(1)}"]
+    assert sorted(p.name for p in trash.iterdir()) == ["a"]
+
+
+def test_a_leftover_trash_of_the_same_name_never_blocks_removal(tmp_path):
+    """A .trash_NAME left by a crash (non-empty) is replaced, not an ENOTEMPTY failure of remove_step_dir."""
+    leftover = tmp_path / f".trash_{NAMING.name(1)}"
+    (leftover / "sub").mkdir(parents=True)
+    (leftover / "sub" / "old.distcp").write_bytes(b"old")
+    remove_step_dir(make_ckpt(tmp_path / NAMING.name(1), 1, files={"a": b"x"}))
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_update_manifest_tiers_merges_and_keeps_the_rest(tmp_path):
     """Tiers are merged into the manifest; other fields and earlier tiers stay; no temporary is left."""
     d = make_ckpt(tmp_path / "c", 5, files={"a": b"x"})

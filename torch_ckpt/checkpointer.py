@@ -211,7 +211,10 @@ class AsyncCheckpointer(CheckpointerPrepareMixin):
                 and plain values (see :mod:`torch_ckpt.codec` for the supported values).
             step: recorded in the manifest.
             on_committed: called on every rank with the committed directory, in the writer thread,
-                after the commit and before ``committed`` resolves (used for retention).
+                after the commit and before ``committed`` resolves (used for retention). It may
+                return a callable, run in the writer thread right after ``committed`` resolves
+                (work that must not delay durability, e.g. deleting retired checkpoints; an
+                exception it raises is logged).
             started_at: ``time.monotonic()`` when the caller's save began (for ``blocking_s``), if
                 the caller did work before this call (e.g. waited for the previous save).
             waited_s: seconds the caller already waited for the previous save.
@@ -311,9 +314,14 @@ class AsyncCheckpointer(CheckpointerPrepareMixin):
             self.last_stats = stats
             log.info("[rank %d] committed step %d: %d bytes, blocking %.3f s, staging %.3f s, persist %.3f s",
                      self._ctx.rank, job.step, stats.bytes, stats.blocking_s, stats.staging_s, stats.persist_s)
-            if job.on_committed is not None:
-                job.on_committed(final)
+            cleanup = job.on_committed(final) if job.on_committed is not None else None
             handle.committed.set_result(str(final))
+            if callable(cleanup):  # work that need not delay `committed` (deleting retired checkpoints)
+                try:
+                    cleanup()
+                except Exception as exc:  # noqa: BLE001 - the save is committed; never fail it now
+                    log.warning("[rank %d] cleanup after committing step %d failed: %s: %s", self._ctx.rank,
+                                job.step, type(exc).__name__, exc)
         except BaseException as exc:  # noqa: BLE001 - surfaced on the caller's thread
             with self._lock:
                 if job.copy_failed:

@@ -30,6 +30,7 @@ from torch_ckpt.crc import crc32
 from torch_ckpt.dcp_record import serialize_tensor
 from torch_ckpt.dist import quiet_single_process_warning
 from torch_ckpt.errors import CheckpointWriteError
+from torch_ckpt.write_behind import WriteBehind
 
 quiet_single_process_warning()  # dcp.save runs with this writer and no_dist=True when there is no process group
 
@@ -46,14 +47,16 @@ class _FileSink(io.RawIOBase):
 
     Keeps a running CRC-32 and byte count of everything handed to the OS. ``flush`` is a no-op
     (``torch.save`` calls it after every record); :meth:`finish` writes what is left, fsyncs and
-    checks the on-disk size.
+    checks the on-disk size. With ``write_behind`` (files that will be fsynced), writeback starts
+    while the file is being written (:class:`torch_ckpt.write_behind.WriteBehind`).
     """
 
-    def __init__(self, path: str | os.PathLike) -> None:
+    def __init__(self, path: str | os.PathLike, *, write_behind: bool = False) -> None:
         super().__init__()
         self.path = Path(path)
         self._f = self.path.open("wb", buffering=0)  # raw FileIO: every write is one system call
         self._fd = self._f.fileno()
+        self._behind = WriteBehind(self._fd, self.path, enabled=write_behind)
         self._buf = bytearray()
         self.nbytes = 0
         self.crc = 0
@@ -103,6 +106,7 @@ class _FileSink(io.RawIOBase):
                 raise OSError(errno_mod.EIO, f"write returned {k}", str(self.path))
             self.crc = crc32(view[done:done + k], self.crc)
             done += k
+            self._behind.advance(self.nbytes + done)
         self.nbytes += n
 
     def finish(self, *, sync: bool) -> tuple[int, int]:
@@ -221,7 +225,7 @@ class ChecksumFileSystemWriter(FileSystemWriter):
     # -- bookkeeping -------------------------------------------------------------------------------
     def _open(self, path: str | os.PathLike) -> _FileSink:
         try:
-            return _FileSink(path)
+            return _FileSink(path, write_behind=self.sync_files)
         except OSError as exc:
             self._fail(exc)
             raise

@@ -9,6 +9,7 @@ Failures here are logged and never change the save's outcome.
 
 from __future__ import annotations
 
+import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -16,7 +17,7 @@ from typing import Any
 
 from torch_ckpt._logging import get_logger
 from torch_ckpt.errors import ConfigError
-from torch_ckpt.layout import remove_step_dir, scan_committed, update_manifest_tiers
+from torch_ckpt.layout import retire_step_dir, scan_committed, update_manifest_tiers
 from torch_ckpt.replicator import Replicator
 from torch_ckpt.retention import RetentionPolicy, apply_retention
 
@@ -55,9 +56,9 @@ class ManagerCommitMixin:
             raise ConfigError(f"commit callback must be callable, got {callback!r}")
         self._commit_callbacks.append(callback)
 
-    def _after_commit(self, step: int, final: Path, replicate: bool) -> None:
+    def _after_commit(self, step: int, final: Path, replicate: bool) -> Callable[[], None] | None:
         if not self._acts_on_root:
-            return
+            return None
         # committed: a failing callback is reported and never fails the save
         for callback in self._commit_callbacks if self._ctx.is_coordinator else ():
             try:
@@ -68,10 +69,13 @@ class ManagerCommitMixin:
         if replicate and self._replicator is not None:
             self._replicator.submit(step, final)
         try:
-            self._apply_retention()
+            retired = self._apply_retention()
         except Exception as exc:  # noqa: BLE001
             log.error("retention after committing step %d failed (the checkpoint at %s is committed; older "
                       "checkpoints may remain): %s: %s", step, final, type(exc).__name__, exc)
+            return None
+        # retired checkpoints are hidden already; their bytes are deleted once `committed` resolved
+        return (lambda: [shutil.rmtree(p, ignore_errors=True) for p in retired]) if retired else None
 
     def _record_durable(self, step: int, local_dir: Path) -> None:
         try:
@@ -79,14 +83,21 @@ class ManagerCommitMixin:
         except OSError as exc:  # the local copy may have been pruned meanwhile
             log.debug("could not record the durable copy of step %d in %s: %s", step, local_dir, exc)
 
-    def _apply_retention(self) -> None:
+    def _apply_retention(self) -> list[Path]:
+        """Hide the checkpoints the retention policy retires (renamed to their trash names).
+
+        Returns:
+            The hidden trash directories, still to delete (``shutil.rmtree``).
+        """
         if not self._acts_on_root or self.retention is None:
-            return
+            return []
         committed = scan_committed(self.root, self.naming)
         busy = self._replicator.busy_steps() if self._replicator is not None else set()
+        retired: list[Path] = []
         for step in apply_retention(self.retention, list(committed), protected=sorted(busy)):
             try:
-                remove_step_dir(committed[step])
+                retired.append(retire_step_dir(committed[step]))
                 log.info("retention removed step %d (%s)", step, committed[step])
             except OSError as exc:
                 log.warning("retention could not remove %s: %s", committed[step], exc)
+        return retired

@@ -1,0 +1,55 @@
+"""What follows a commit (torch_ckpt.manager_commit): retention hides retired checkpoints first, deletes them after."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+
+import torch
+
+import torch_ckpt.manager_commit as mc
+from torch_ckpt import CheckpointManager
+
+
+def _state() -> dict[str, torch.Tensor]:
+    return {"w": torch.arange(1 << 16, dtype=torch.float32)}
+
+
+def test_committed_resolves_before_the_retired_checkpoint_is_deleted(tmp_path, monkeypatch):
+    """keep_last=1: the old checkpoint is hidden (no manifest) when committed resolves; its bytes go after."""
+    release, started = threading.Event(), threading.Event()
+    real = shutil.rmtree
+
+    def slow_rmtree(path, *args, **kwargs):
+        started.set()
+        assert release.wait(30), "test never released the deletion"
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(mc.shutil, "rmtree", slow_rmtree)
+    with CheckpointManager(tmp_path, keep_last=1) as mgr:
+        mgr.save(1, _state()).wait()
+        handle = mgr.save(2, _state())
+        handle.committed.result(timeout=30)  # resolves while the deletion is held
+        assert started.wait(30)
+        assert mgr.all_steps() == [2]
+        trash = [p for p in tmp_path.iterdir() if p.name.startswith(".trash_")]
+        assert len(trash) == 1 and not (trash[0] / "manifest.json").exists()
+        assert sorted(p.name for p in tmp_path.iterdir() if (p / "manifest.json").exists()) == [
+            mgr.naming.name(2)]
+        release.set()
+        mgr.wait()
+    assert not any(p.name.startswith(".trash_") for p in tmp_path.iterdir())
+
+
+def test_a_failing_deletion_after_commit_is_logged_and_the_save_stays_committed(tmp_path, monkeypatch, caplog):
+    """An error deleting a retired checkpoint never fails the save that retired it."""
+    def broken(path, *args, **kwargs):
+        raise OSError(5, "Input/output error", str(path))
+
+    monkeypatch.setattr(mc.shutil, "rmtree", broken)
+    with CheckpointManager(tmp_path, keep_last=1) as mgr:
+        mgr.save(1, _state()).wait()
+        assert mgr.save(2, _state()).committed.result(timeout=30)
+        mgr.wait()
+        assert mgr.all_steps() == [2]
+    assert "cleanup after committing step 2 failed" in caplog.text
