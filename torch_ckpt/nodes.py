@@ -24,13 +24,14 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner, create_default_global_save_plan
+from torch.distributed.checkpoint.default_planner import create_default_global_save_plan
 from torch.distributed.checkpoint.filesystem import _StoragePrefix
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import SavePlan
 
 from torch_ckpt.dcp_io import ChecksumFileSystemWriter
 from torch_ckpt.dcp_metadata import metadata_name
+from torch_ckpt.dcp_plan import FlatKeysSavePlanner
 from torch_ckpt.errors import ConfigError
 from torch_ckpt.tier_nodes import REPLICA_TAG, is_replica_file
 
@@ -100,7 +101,7 @@ class NodeLayout:
         return self.leader_of(self.node) == self.rank
 
 
-class NodeDedupPlanner(DefaultSavePlanner):
+class NodeDedupPlanner(FlatKeysSavePlanner):
     """DCP save planner that keeps one copy of every replicated tensor per node (not per job).
 
     DCP would write a tensor that several ranks hold once, on one rank anywhere in the job; here

@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from torch_ckpt.dcp_io import ChecksumFileSystemWriter
+from torch_ckpt.dcp_plan import FlatKeysSavePlanner, group_by_first_segment
 from torch_ckpt.dist import DistContext
 from torch_ckpt.errors import CheckpointError, CheckpointWriteError
 from torch_ckpt.layout import Manifest, commit_dir, rank_file_name, write_json_durable
@@ -162,7 +162,8 @@ def write_shards(req: PersistRequest, ctx: DistContext, final: Path, tmp: Path, 
         final: the final directory (for the owner check).
         tmp: the temporary directory every rank writes into.
         make_writer: builds this rank's DCP storage writer (called inside the error handling).
-        planner: the DCP save planner.
+        planner: the DCP save planner (a :class:`~torch_ckpt.dcp_plan.FlatKeysSavePlanner`, so the
+            grouped state writes the same metadata as a flat one).
         exclude: file names this rank wrote that are not listed as written (rewritten later).
 
     Returns:
@@ -177,8 +178,9 @@ def write_shards(req: PersistRequest, ctx: DistContext, final: Path, tmp: Path, 
     error: BaseException | None = None
     try:
         writer = make_writer()
-        dcp.save(req.tensors if req.failed is None else {}, storage_writer=writer, planner=planner,
-                 process_group=ctx.bg if ctx.enabled else None, no_dist=not ctx.enabled)
+        # grouped: DCP's per-top-level-key work (0.34 s for 20,000 flat keys) is done a few times only
+        dcp.save(group_by_first_segment(req.tensors) if req.failed is None else {}, storage_writer=writer,
+                 planner=planner, process_group=ctx.bg if ctx.enabled else None, no_dist=not ctx.enabled)
         if req.failed is not None:
             raise CheckpointWriteError(f"staging step {req.step} failed on rank {ctx.rank}: {req.failed}")
         rank_doc = {"step": req.step, "rank": ctx.rank, "world_size": ctx.world_size, "tree": req.tree}
@@ -242,7 +244,7 @@ def persist_checkpoint(req: PersistRequest, ctx: DistContext) -> Path:
         return ChecksumFileSystemWriter(tmp, thread_count=req.thread_count, sync_files=True,
                                         wait_for=req.progress.wait if req.progress is not None else None)
 
-    writer, error, gathered, failures, write_s = write_shards(req, ctx, final, tmp, make_writer, DefaultSavePlanner())
+    writer, error, gathered, failures, write_s = write_shards(req, ctx, final, tmp, make_writer, FlatKeysSavePlanner())
 
     commit_error: str | None = None
     if ctx.is_coordinator:
