@@ -69,39 +69,21 @@ def select_methods(parser: argparse.ArgumentParser, given: list[str] | None, kno
     return [n for n in known if n in names]
 
 
-def disk_floor_s(path: Path, buf: memoryview, nbytes: int) -> float:
+def disk_floor_s(path: Path, buf: memoryview, nbytes: int, *, write_behind: bool = False) -> float:
     """Seconds to ``os.write`` ``nbytes`` to ``path`` in :data:`CHUNK` pieces and ``fsync``; ``path`` is removed.
 
     ``buf`` holds the bytes; when it is shorter than ``nbytes`` it is written again from its start.
-    """
-    t0 = time.perf_counter()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        off = 0
-        while off < nbytes:
-            start = off % len(buf)
-            off += os.write(fd, buf[start : start + min(CHUNK, nbytes - off, len(buf) - start)])
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    dt = time.perf_counter() - t0
-    path.unlink()
-    return dt
-
-
-def disk_floor_writebehind_s(path: Path, buf: memoryview, nbytes: int) -> float:
-    """As :func:`disk_floor_s`, with torch-ckpt's write-behind (writeback per 64 MiB window, written pages dropped).
-
-    The best plain sequential write this machine does (an informative second floor: on this VM a
-    plain write + ``fsync`` of several GiB hits the kernel's dirty-page throttling and can take
-    longer than writing with write-behind); ``path`` is removed.
+    With ``write_behind``, torch-ckpt's write-behind runs alongside (writeback started per 64 MiB
+    window, written pages dropped): the best plain sequential write this machine does, an
+    informative second floor (a plain write + ``fsync`` of several GiB hits the kernel's dirty-page
+    throttling here and can take longer than writing with write-behind).
     """
     from torch_ckpt.write_behind import WriteBehind
 
     t0 = time.perf_counter()
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        behind, off = WriteBehind(fd, path), 0
+        behind, off = WriteBehind(fd, path, enabled=write_behind), 0
         while off < nbytes:
             start = off % len(buf)
             off += os.write(fd, buf[start : start + min(CHUNK, nbytes - off, len(buf) - start)])

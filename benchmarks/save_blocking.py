@@ -54,7 +54,6 @@ from _common import (  # noqa: E402
     close_all,
     dcp_default_stager,
     disk_floor_s,
-    disk_floor_writebehind_s,
     emit_json,
     free_port,
     git_info,
@@ -336,8 +335,8 @@ class Floors:
         return disk_floor_s(self.dir / "_disk_floor.bin", memoryview(self.arena.numpy())[: self.nbytes], self.nbytes)
 
     def disk_writebehind_s(self) -> float:
-        return disk_floor_writebehind_s(self.dir / "_disk_floor.bin", memoryview(self.arena.numpy())[: self.nbytes],
-                                        self.nbytes)
+        return disk_floor_s(self.dir / "_disk_floor.bin", memoryview(self.arena.numpy())[: self.nbytes], self.nbytes,
+                            write_behind=True)
 
 
 # ------------------------------------------------------------------------------------- methods
