@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import time
@@ -49,9 +50,9 @@ def test_a_missing_stamp_builds_the_environment(tmp_path):
 
 
 def test_other_dependency_files_get_another_environment(tmp_path):
-    """The environment's path changes with the contents of pyproject.toml."""
-    a, b = _clone(tmp_path, "a"), _clone(tmp_path, "b")
-    (b / "pyproject.toml").write_text((b / "pyproject.toml").read_text() + "\n# changed\n")
-    env = {"CACHE_DIR": str(tmp_path / "cache")}
-    assert _make(a, "venv-path", *(f"{k}={v}" for k, v in env.items())) != _make(
-        b, "venv-path", *(f"{k}={v}" for k, v in env.items()))
+    """The environment's name depends on the contents of pyproject.toml, not on where the clone is."""
+    a, b, c = _clone(tmp_path, "a"), _clone(tmp_path, "b"), _clone(tmp_path, "c")
+    (c / "pyproject.toml").write_text((c / "pyproject.toml").read_text() + "\n# changed\n")
+    names = [re.findall(r"venv-[0-9a-f]{16}", _make(d, "venv-path", f"CACHE_DIR={tmp_path / 'cache'}"))
+             for d in (a, b, c)]
+    assert len(names[0]) == 1 and names[0] == names[1] != names[2]
