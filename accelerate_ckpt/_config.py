@@ -55,13 +55,14 @@ def load_settings(config: str | os.PathLike | None = None, **overrides: Any) -> 
     path = os.environ.get(ENV_VAR) or config
     file_values = CheckpointConfig.read_yaml(path) if path else {}
     merged = {**file_values, **overrides}
-    layers = [(os.fspath(path), file_values)] if path else []
+    layers = [(os.fspath(path), file_values, True)] if path else []
     if overrides or not path:  # the file alone is checked first, so its errors name the file
-        layers.append(("attach()" + (f" over {os.fspath(path)}" if path else ""), merged))
-    for source, values in layers:
+        layers.append(("attach()" + (f" over {os.fspath(path)}" if path else ""), merged, False))
+    for source, values, from_file in layers:
         fixed = [k for k in _FIXED if k in values]
         if fixed:
             raise ConfigError(f"{source}: {fixed[0]} is set by accelerate_ckpt itself (Accelerate's checkpoint_N "
                               "folders, a writable root); leave it out")
-        cfg, extra = CheckpointConfig.from_dict_with_extras(values, _EXTRAS, source=source)
+        cfg, extra = CheckpointConfig.from_dict_with_extras(values, _EXTRAS, source=source, from_file=from_file,
+                                                            reserved=_FIXED)
     return CkptSettings(cfg, merged.get("keep_last") is not None, **extra)

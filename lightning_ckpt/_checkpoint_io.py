@@ -278,7 +278,8 @@ class AsyncDCPCheckpointIO(CheckpointIO):
         """
         if not Path(path).is_dir():
             return TorchCheckpointIO().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
-        candidates = self.fallbacks.pop(str(Path(path).absolute()), [Path(path)])
+        # absolute: an attached manager reads a relative path relative to its root, not the working directory
+        candidates = self.fallbacks.pop(str(Path(path).absolute()), [Path(path).absolute()])
         if self._in_fit and not self.rng_restored_by_callback and not self._warned_rng:
             self._warned_rng = True
             rank_zero_warn("AsyncDCPCheckpointIO alone does not restore the RNG: after this resume, dropout and random "

@@ -232,6 +232,30 @@ def test_from_yaml_bad_file_names_the_path_and_problem(tmp_path, text, match):
     assert str(info.value).startswith(str(path))
 
 
+def _listed(message: str) -> list[str]:
+    """The names after "Valid settings:" in an unknown-key error."""
+    return re.findall(r"'(\w+)'", message.split("Valid settings:")[1])
+
+
+def test_from_yaml_unknown_key_lists_only_the_fields_a_file_may_hold(tmp_path):
+    """A file's unknown-key error neither lists nor suggests a code-only field, which the file would refuse."""
+    path = tmp_path / "run.yaml"
+    path.write_text("save_polcy: 3\n")
+    with pytest.raises(ConfigError, match="unknown setting") as info:
+        CheckpointConfig.from_yaml(path)
+    listed = _listed(str(info.value))
+    assert "keep_last" in listed and "durable_upload_threads" in listed
+    assert not {"retention", "save_policy", "process_group", "naming"} & set(listed)
+    assert "did you mean 'save_policy'" not in str(info.value)
+
+
+def test_from_dict_unknown_key_still_lists_the_code_only_fields():
+    """In code every field can be given, so a mapping's unknown-key error lists the code-only fields too."""
+    with pytest.raises(ConfigError, match=r"did you mean 'save_policy'") as info:
+        CheckpointConfig.from_dict({"save_polcy": 3})
+    assert {"retention", "save_policy", "process_group", "naming"} <= set(_listed(str(info.value)))
+
+
 def test_from_yaml_missing_file_is_a_config_error(tmp_path):
     """A missing file raises ConfigError naming it."""
     with pytest.raises(ConfigError, match="missing.yaml"):

@@ -242,6 +242,35 @@ def test_save_if_due_follows_the_policy(tmp_path, make_state):
         assert saved == [3, 6, 9] and mgr.all_steps() == [3, 6, 9]
 
 
+@pytest.fixture
+def _sigusr1_sentinel():
+    """A harmless SIGUSR1 handler under the manager's (the default action would end pytest); restored after."""
+    import signal
+
+    original = signal.signal(signal.SIGUSR1, lambda signum, frame: None)
+    yield
+    signal.signal(signal.SIGUSR1, original)
+
+
+@pytest.mark.parametrize("polled", [False, True])
+def test_a_preemption_signal_no_step_boundary_polls_is_logged_at_save(tmp_path, make_state, caplog, polled,
+                                                                      _sigusr1_sentinel):
+    """A signal a loop calling only save() would swallow is logged once at save(); a polling loop is not warned."""
+    import os
+    import signal
+
+    state, *_ = make_state()
+    with caplog.at_level(logging.WARNING, logger="torch_ckpt"), CheckpointManager(
+            tmp_path, preemption_signals=("SIGUSR1",)) as mgr:
+        if polled:
+            mgr.should_save(1)
+        os.kill(os.getpid(), signal.SIGUSR1)
+        mgr.save(1, state)
+        mgr.save(2, state)
+    warned = caplog.text.count("SIGUSR1 received, but preemption_signals act only at should_save()")
+    assert warned == (0 if polled else 1)
+
+
 def test_should_save_without_policy_is_a_config_error(tmp_path):
     """should_save() with neither a policy nor preemption signals explains what to configure."""
     from torch_ckpt import ConfigError

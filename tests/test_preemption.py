@@ -117,6 +117,22 @@ def test_trigger_does_not_replace_a_received_signal():
         flag.restore()
 
 
+@pytest.mark.parametrize(("signalled", "polled", "warnings"), [(True, False, 1), (True, True, 0), (False, False, 0)])
+def test_an_unpolled_signal_is_logged_once(caplog, signalled, polled, warnings):
+    """warn_if_unheeded logs once for a signal nothing polled, never for a polled flag or without a signal."""
+    flag = PreemptionFlag(["SIGUSR1"])
+    try:
+        flag.polled = polled
+        if signalled:
+            os.kill(os.getpid(), signal.SIGUSR1)
+        with caplog.at_level(logging.WARNING, logger="torch_ckpt"):
+            flag.warn_if_unheeded()
+            flag.warn_if_unheeded()
+    finally:
+        flag.restore()
+    assert caplog.text.count("SIGUSR1 received, but preemption_signals act only at") == warnings
+
+
 def test_off_the_main_thread_no_handler_is_installed(caplog):
     """Built on another thread, the flag installs nothing, logs a warning, and trigger() still works."""
     before = signal.getsignal(signal.SIGUSR1)

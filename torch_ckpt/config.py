@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -280,22 +280,26 @@ class CheckpointConfig:
         return tuple(f.name for f in dataclasses.fields(cls))
 
     @classmethod
-    def from_dict(cls, values: Mapping[str, Any], *, source: str | None = None) -> CheckpointConfig:
+    def from_dict(cls, values: Mapping[str, Any], *, source: str | None = None,
+                  from_file: bool = False) -> CheckpointConfig:
         """Build from a mapping of field names to values (missing fields keep their defaults).
 
         Args:
             values: Field name -> value; values are validated as in the constructor.
             source: Where the mapping came from (a file path...), prefixed to error messages.
+            from_file: ``values`` were read from a settings file: an unknown-key error then lists
+                and suggests only the fields a file may hold (not the code-only ones).
 
         Raises:
             ConfigError: ``values`` is not a mapping, has an unknown key (the message names it,
                 the closest valid name and the valid ones), or has an invalid value.
         """
-        return cls.from_dict_with_extras(values, {}, source=source)[0]
+        return cls.from_dict_with_extras(values, {}, source=source, from_file=from_file)[0]
 
     @classmethod
     def from_dict_with_extras(cls, values: Mapping[str, Any], extras: Mapping[str, bool | int | float | str], *,
-                              source: str | None = None) -> tuple[CheckpointConfig, dict[str, Any]]:
+                              source: str | None = None, from_file: bool = False,
+                              reserved: Iterable[str] = ()) -> tuple[CheckpointConfig, dict[str, Any]]:
         """Split ``values`` into this config and an integration's own keys, validating both.
 
         For a settings file that also holds keys of the integration reading it (e.g.
@@ -306,6 +310,12 @@ class CheckpointConfig:
             values: Field name or extra key -> value.
             extras: The integration's own keys and their defaults (not field names).
             source: Where ``values`` came from (a file path...), prefixed to error messages.
+            from_file: ``values`` were read from a settings file, which cannot hold the code-only
+                fields (``retention``, ``save_policy``, ``process_group``, ``naming``).
+            reserved: Fields the integration sets itself and refuses from ``values``.
+                ``from_file`` and ``reserved`` only narrow the valid names an unknown-key error
+                lists and suggests, so it never offers a name the same source would refuse;
+                refusing such keys stays the caller's job (:meth:`read_yaml` does it for files).
 
         Returns:
             ``(config, extra_values)``: the validated config, and every key of ``extras`` with the
@@ -323,9 +333,10 @@ class CheckpointConfig:
         names = cls.field_names()
         if set(extras) & set(names):
             raise TypeError(f"extras must not repeat CheckpointConfig fields: {sorted(set(extras) & set(names))}")
-        valid = [*names, *extras]
-        unknown = sorted(str(k) for k in values if k not in valid)
+        unknown = sorted(str(k) for k in values if k not in names and k not in extras)
         if unknown:
+            hidden = {*reserved, *(CODE_ONLY_FIELDS if from_file else ())}
+            valid = [n for n in (*names, *extras) if n not in hidden]
             close = difflib.get_close_matches(unknown[0], valid, n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise ConfigError(f"{prefix}unknown setting(s) {unknown}{hint}; rename or remove "
@@ -366,7 +377,7 @@ class CheckpointConfig:
             ConfigError: The file cannot be read, is not valid YAML, is not a mapping, or has an
                 unknown key or invalid value (the message names the file and the key).
         """
-        return cls.from_dict(cls.read_yaml(path), source=str(Path(path).expanduser()))
+        return cls.from_dict(cls.read_yaml(path), source=str(Path(path).expanduser()), from_file=True)
 
     def replace(self, **changes: Any) -> CheckpointConfig:
         """A copy with ``changes`` applied and validated.

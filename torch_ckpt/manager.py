@@ -261,6 +261,7 @@ class CheckpointManager(ManagerPrepareMixin, ManagerCommitMixin, ManagerReadMixi
                 failed to prepare this save.
         """
         t0 = time.monotonic()
+        self._preemption.warn_if_unheeded()
         valid = not isinstance(step, bool) and isinstance(step, int) and step >= 0
         replicate = path is None and self._replicator is not None and (
             (self._saves + 1) % self._replicate_every == 0 or (valid and self._replicator.keeps(step)))
@@ -303,6 +304,7 @@ class CheckpointManager(ManagerPrepareMixin, ManagerCommitMixin, ManagerReadMixi
                               "save_every_n_steps=...), e.g. YoungDaly(mtbf_seconds='8h'), or "
                               "preemption_signals=('SIGTERM',)")
         now = time.monotonic()
+        self._preemption.polled = True
         decision = False
         if self._cadence is not None:
             self._cadence.record_step(step, now)

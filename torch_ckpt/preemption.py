@@ -47,6 +47,9 @@ class PreemptionFlag:
     def __init__(self, signals: Iterable[str | int | signal.Signals]) -> None:
         self.signals = parse_signals(signals)
         self.received: signal.Signals | None = None
+        #: set by the manager's ``should_save``: something polls this flag at step boundaries
+        self.polled = False
+        self._warned = False
         self._previous: dict[signal.Signals, object] = {}
         if not self.signals:
             return
@@ -65,6 +68,20 @@ class PreemptionFlag:
         """Set the flag as if ``sig`` had arrived."""
         if self.received is None:
             self.received = sig
+
+    def warn_if_unheeded(self) -> None:
+        """Log once when a signal arrived but nothing ever polled the flag (see :attr:`polled`).
+
+        The handler replaced the signal's own action (for SIGTERM: terminate), so without a poll
+        the signal would be ignored without a trace; called by ``save()``, which such loops still call.
+        """
+        if self.received is None or self.polled or self._warned:
+            return
+        self._warned = True
+        log.warning("%s received, but preemption_signals act only at should_save()/save_if_due(), which this run "
+                    "never called: no emergency save and no exit, training goes on (the handler replaced the "
+                    "signal's own action). Call mgr.save_if_due(step, state) once per step instead of only save(), "
+                    "or leave preemption_signals out", self.received.name)
 
     @property
     def requested(self) -> bool:

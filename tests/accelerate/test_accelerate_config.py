@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -49,6 +50,23 @@ def test_unknown_key_is_rejected_by_name(tmp_path):
     with pytest.raises(ConfigError, match=r"ckpt.yaml: unknown setting\(s\) \['async_sav'\] \(did you mean "
                                           r"'async_save'\?\).*Valid settings: .*'log_stats'"):
         load_settings(write(tmp_path, "async_sav: false\n"))
+
+
+def test_unknown_file_key_lists_no_setting_the_file_would_refuse(tmp_path):
+    """A file's unknown-key error omits the code-only fields and naming/read_only, which the file may not hold."""
+    with pytest.raises(ConfigError, match="unknown setting") as info:
+        load_settings(write(tmp_path, "keep_lst: 2\n"))
+    listed = re.findall(r"'(\w+)'", str(info.value).split("Valid settings:")[1])
+    assert {"keep_last", "enabled", "log_stats"} <= set(listed)
+    assert not {"retention", "save_policy", "process_group", "naming", "read_only"} & set(listed)
+
+
+def test_unknown_keyword_lists_code_only_fields_but_not_the_adapter_s_own(tmp_path):
+    """An unknown attach() keyword lists the code-only fields (valid there) but not naming/read_only."""
+    with pytest.raises(ConfigError, match=r"attach\(\): unknown setting.*did you mean 'save_policy'") as info:
+        load_settings(save_polcy=3)
+    listed = set(re.findall(r"'(\w+)'", str(info.value).split("Valid settings:")[1]))
+    assert "save_policy" in listed and not {"naming", "read_only"} & listed
 
 
 def test_misspelt_adapter_key_suggests_it(tmp_path):

@@ -236,6 +236,20 @@ def test_resuming_an_older_checkpoint_supersedes_the_abandoned_newer_ones(make_t
     assert MTBFCheckpoint(tmp_path / "ckpt").ckpt_path == str(tmp_path / "ckpt" / "step_000000004")
 
 
+@pytest.mark.parametrize("attached", [True, False])
+def test_a_relative_ckpt_path_is_read_from_the_working_directory(make_trainer, tmp_path, monkeypatch, attached):
+    """fit(ckpt_path="ckpt/step_2"), relative to the working directory, resumes that step, attached or not."""
+    _fit(make_trainer, tmp_path / "ckpt", 2)
+    monkeypatch.chdir(tmp_path)
+    relative = os.path.join("ckpt", "step_000000002")
+    if attached:  # the callback's manager has the root tmp_path/ckpt: the path must not be taken relative to it
+        trainer, _ = _fit(make_trainer, tmp_path / "ckpt", 4, ckpt_path=relative)
+    else:
+        trainer = make_trainer(max_steps=4, plugins=[AsyncDCPCheckpointIO()])
+        trainer.fit(TinyModule(), ckpt_path=relative)
+    assert trainer.global_step == 4 and trainer.ckpt_path == relative
+
+
 def _corrupt(step_dir: Path) -> None:
     shard = next(p for p in step_dir.iterdir() if p.suffix == ".distcp")
     data = bytearray(shard.read_bytes())
