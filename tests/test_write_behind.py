@@ -122,3 +122,14 @@ def test_a_transient_refusal_postpones_the_window_and_never_fails_the_write(tmp_
     chunks = [os.urandom(WINDOW)] * 4
     _write(tmp_path / "f", True, chunks)
     assert len(tries) > 1 and (tmp_path / "f").read_bytes() == b"".join(chunks)
+
+
+def test_a_refused_page_cache_hint_never_fails_the_write(tmp_path, monkeypatch, calls):
+    """posix_fadvise(DONTNEED) raising (e.g. denied by seccomp) is ignored: the bytes are on disk already."""
+    def refuse(*args):
+        raise OSError(errno.EPERM, "Operation not permitted")
+
+    monkeypatch.setattr(os, "posix_fadvise", refuse, raising=False)
+    chunks = [os.urandom(WINDOW)] * 5
+    _write(tmp_path / "f", True, chunks)
+    assert (tmp_path / "f").read_bytes() == b"".join(chunks)

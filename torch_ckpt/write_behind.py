@@ -92,7 +92,10 @@ class WriteBehind:
         oldest = written - LAG_WINDOWS * WINDOW_BYTES
         if oldest - self._settled >= WINDOW_BYTES and self._sync(self._settled, oldest - self._settled, _WAIT):
             if hasattr(os, "posix_fadvise"):
-                os.posix_fadvise(self._fd, self._settled, oldest - self._settled, os.POSIX_FADV_DONTNEED)
+                try:
+                    os.posix_fadvise(self._fd, self._settled, oldest - self._settled, os.POSIX_FADV_DONTNEED)
+                except OSError:
+                    pass  # only a hint (the pages are on disk already): never fails the write
             self._settled = oldest
 
     def _sync(self, offset: int, nbytes: int, flags: int) -> bool:
