@@ -53,3 +53,25 @@ def test_a_failing_deletion_after_commit_is_logged_and_the_save_stays_committed(
         mgr.wait()
         assert mgr.all_steps() == [2]
     assert "cleanup after committing step 2 failed" in caplog.text
+
+
+def test_a_listing_right_after_wait_shows_no_retired_checkpoint(tmp_path, monkeypatch):
+    """mgr.wait() returns only once retired checkpoints are deleted: no .trash_NAME in os.listdir after it."""
+    import os
+    import time
+
+    real = shutil.rmtree
+
+    def slow_rmtree(path, *args, **kwargs):
+        time.sleep(0.3)  # a large checkpoint: the deletion outlasts the commit
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(mc.shutil, "rmtree", slow_rmtree)
+    from torch_ckpt.naming import PatternNaming
+
+    with CheckpointManager(tmp_path, keep_last=1, naming=PatternNaming("checkpoint_{step}")) as mgr:
+        for step in range(1, 4):
+            mgr.save(step, _state())
+            mgr.wait()
+            names = sorted(n for n in os.listdir(tmp_path) if not n.startswith(".lock"))
+            assert names == [f"checkpoint_{step}"], names

@@ -20,6 +20,7 @@ from torch_ckpt.persist import (
     check_owner,
     describe_error,
     move_extra_entries,
+    unwrap_dcp_error,
 )
 
 
@@ -131,3 +132,44 @@ def test_one_reserved_extra_name_moves_nothing(tmp_path):
         move_extra_entries(extra, tmp)
     assert sorted(p.name for p in extra.iterdir()) == ["a.json", "manifest.json"]
     assert list(tmp.iterdir()) == []
+
+
+def test_unwrap_dcp_error_prefers_the_os_error_behind_a_checkpoint_exception():
+    """DCP's CheckpointException of (error, traceback) pairs yields the OSError with its errno."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    cause = OSError(errno.ENOSPC, "No space left on device", "/ckpt/.tmp/.metadata.tmp")
+    wrapped = CheckpointException("finish failed", {0: (RuntimeError("other"), None), 1: (cause, None)})
+    assert unwrap_dcp_error(wrapped) is cause
+    plain = ValueError("x")
+    assert unwrap_dcp_error(plain) is plain
+
+
+def test_disk_full_while_writing_dcp_metadata_is_enospc(tmp_path, monkeypatch):
+    """ENOSPC writing .metadata (inside DCP's finish) raises CheckpointWriteError(ENOSPC); step 1 stays."""
+    import torch
+
+    import torch_ckpt.dcp_io as dcp_io
+    from torch_ckpt import CheckpointManager
+
+    real = dcp_io._FileSink._write_all
+
+    def full_for_metadata(self, view):
+        if self.path.name.startswith(".metadata") and full:
+            raise OSError(errno.ENOSPC, "No space left on device", str(self.path))
+        return real(self, view)
+
+    full = False
+    monkeypatch.setattr(dcp_io._FileSink, "_write_all", full_for_metadata)
+    with CheckpointManager(tmp_path / "ckpt", keep_last=1) as mgr:
+        mgr.save(1, {"w": torch.full((1000,), 1.0)})
+        mgr.wait()
+        full = True
+        mgr.save(2, {"w": torch.full((1000,), 2.0)})
+        with pytest.raises(CheckpointWriteError) as info:
+            mgr.wait()
+        full = False
+        assert info.value.errno == errno.ENOSPC and ".metadata" in str(info.value)
+        assert mgr.all_steps() == [1]
+        target = {"w": torch.zeros(1000)}
+        assert mgr.restore(target) == 1 and float(target["w"][0]) == 1.0

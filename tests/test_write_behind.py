@@ -68,7 +68,7 @@ def test_disabled_write_behind_makes_no_call(tmp_path, calls):
     assert calls == []
 
 
-@pytest.mark.parametrize("code", [errno.ENOSYS, errno.EINVAL, errno.ESPIPE, errno.EOPNOTSUPP])
+@pytest.mark.parametrize("code", [errno.ENOSYS, errno.EINVAL, errno.ESPIPE, errno.EOPNOTSUPP, errno.EPERM])
 def test_unsupported_file_system_switches_write_behind_off(tmp_path, monkeypatch, code):
     """A refusal meaning 'not supported here' turns write-behind off for the file; the write goes on."""
     tries = []
@@ -100,3 +100,36 @@ def test_a_write_error_reported_for_a_window_raises_with_the_path(tmp_path, monk
     with pytest.raises(OSError) as info:
         _write(tmp_path / "f", True, [os.urandom(WINDOW)] * 2)
     assert info.value.errno == errno.EIO and info.value.filename == str(tmp_path / "f")
+
+
+@pytest.mark.parametrize("code", [errno.ENOMEM, errno.EAGAIN, errno.EINTR])
+def test_a_transient_refusal_postpones_the_window_and_never_fails_the_write(tmp_path, monkeypatch, code):
+    """ENOMEM/EAGAIN/EINTR for one call only postpones that window: no error, same bytes, later windows go on."""
+    real = wb._SYNC_FILE_RANGE
+    tries: list[int] = []
+
+    def once(fd, offset, nbytes, flags):
+        tries.append(offset)
+        if len(tries) == 1:
+            import ctypes
+
+            ctypes.set_errno(code)
+            return -1
+        return real(fd, offset, nbytes, flags) if real is not None else 0
+
+    monkeypatch.setattr(wb, "WINDOW_BYTES", WINDOW)
+    monkeypatch.setattr(wb, "_SYNC_FILE_RANGE", once)
+    chunks = [os.urandom(WINDOW)] * 4
+    _write(tmp_path / "f", True, chunks)
+    assert len(tries) > 1 and (tmp_path / "f").read_bytes() == b"".join(chunks)
+
+
+def test_a_refused_page_cache_hint_never_fails_the_write(tmp_path, monkeypatch, calls):
+    """posix_fadvise(DONTNEED) raising (e.g. denied by seccomp) is ignored: the bytes are on disk already."""
+    def refuse(*args):
+        raise OSError(errno.EPERM, "Operation not permitted")
+
+    monkeypatch.setattr(os, "posix_fadvise", refuse, raising=False)
+    chunks = [os.urandom(WINDOW)] * 5
+    _write(tmp_path / "f", True, chunks)
+    assert (tmp_path / "f").read_bytes() == b"".join(chunks)

@@ -129,6 +129,7 @@ class AsyncCheckpointer(CheckpointerPrepareMixin):
         self._staged_future: Future | None = None
         self._executor: ThreadPoolExecutor | None = None
         self._inflight: SaveHandle | None = None
+        self._job: Future | None = None  # the writer's last job, done once its cleanup (deletions) is too
         self._pending_error: BaseException | None = None
         self._lock = threading.Lock()
         self._closed = False
@@ -263,14 +264,14 @@ class AsyncCheckpointer(CheckpointerPrepareMixin):
                                                     initargs=(self.writer_niceness,))
             if job.progress is not None:
                 # pipelined staging: the writer starts now and writes each tensor as soon as it is copied
-                self._executor.submit(self._run_job, job, handle)
+                self._job = self._executor.submit(self._run_job, job, handle)
                 self._copy_pipelined(job, handle)
                 stats.blocking_s = time.monotonic() - t0
                 job.progress.finish()
                 handle.staged.set_result(None)
                 return handle
             stats.blocking_s = time.monotonic() - t0  # the submit below is the only remaining work
-            self._executor.submit(self._run_job, job, handle)
+            self._job = self._executor.submit(self._run_job, job, handle)
         else:
             self._run_job(job, handle)
             stats.blocking_s = time.monotonic() - t0
@@ -359,8 +360,17 @@ class AsyncCheckpointer(CheckpointerPrepareMixin):
 
     # -- lifecycle -------------------------------------------------------------------------------
     def wait(self) -> None:
-        """Block until the in-flight save is committed; raise any background error (once)."""
+        """Block until the in-flight save is committed and its follow-up work (deleting the checkpoints
+        retention retired) is done; raise any background error (once).
+
+        ``save()`` itself only waits for ``committed``; ``wait()`` also waits for the deletions, so a
+        listing of the root right after it shows no hidden ``.trash_NAME`` of a retired checkpoint.
+        """
         self._wait_inflight()
+        job = self._job
+        if job is not None:
+            job.result()  # _run_job reports its own errors; this only waits for the deletions
+            self._job = None
         self._raise_pending()
 
     def close(self) -> None:

@@ -363,7 +363,8 @@ class CheckpointManager(ManagerPrepareMixin, ManagerCommitMixin, ManagerReadMixi
 
     # -- lifecycle -------------------------------------------------------------------------------
     def wait(self) -> None:
-        """Block until the in-flight save is committed; raise any background error (once)."""
+        """Block until the in-flight save is committed and the checkpoints it retired are deleted;
+        raise any background error (once)."""
         self._ckpt.wait()
 
     def wait_durable(self, timeout_seconds: float | None = None) -> bool:

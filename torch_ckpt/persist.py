@@ -87,6 +87,25 @@ def as_write_error(exc: BaseException, where: Path) -> CheckpointError:
     return CheckpointWriteError(f"writing checkpoint into {where} failed: {describe_error(exc)}")
 
 
+def unwrap_dcp_error(exc: BaseException) -> BaseException:
+    """The error behind DCP's ``CheckpointException`` (which holds one ``(error, traceback)`` per rank).
+
+    DCP wraps whatever fails in its collective steps, e.g. writing or fsyncing ``.metadata`` in the
+    storage writer's ``finish``, so an ``ENOSPC`` there would otherwise lose its errno. Prefers a
+    :class:`CheckpointError`, then an ``OSError`` with an errno; returns ``exc`` when it wraps nothing.
+    """
+    failures = getattr(exc, "failures", None)
+    if not isinstance(failures, dict):
+        return exc
+    causes = [c[0] if isinstance(c, tuple) else c for c in failures.values()]
+    causes = [c for c in causes if isinstance(c, BaseException)]
+    for wanted in (CheckpointError, OSError):
+        for cause in causes:
+            if isinstance(cause, wanted) and (wanted is not OSError or cause.errno is not None):
+                return cause
+    return causes[0] if causes else exc
+
+
 def check_on_disk(directory: Path, files: dict[str, dict[str, int]]) -> None:
     """Compare every written file's size on disk with the bytes written (before anything is committed).
 
@@ -194,7 +213,7 @@ def write_shards(req: PersistRequest, ctx: DistContext, final: Path, tmp: Path, 
         if isinstance(exc, (KeyboardInterrupt, SystemExit)):
             raise
         # DCP reports a failed write as an opaque CheckpointException; prefer the error behind it
-        error = writer.error if writer is not None and writer.error is not None else exc
+        error = writer.error if writer is not None and writer.error is not None else unwrap_dcp_error(exc)
     gathered = ctx.all_gather((None if error is None else describe_error(error), files), background=True,
                               what="shard write agreement")
     failures = [f"rank {r}: {msg}" for r, (msg, _) in enumerate(gathered) if msg]

@@ -15,8 +15,10 @@ file is dirty at any time, and the final ``fsync`` finds little left to do.
 
 ``sync_file_range`` is not a durability barrier (no metadata, no device cache flush): the final
 ``fsync`` of every file is still what makes a checkpoint durable, and it reports any write error.
-Where the call does not exist (not Linux, not glibc) or the file system refuses it, write-behind
-switches itself off for that file and the file is written exactly as before.
+Where the call does not exist (not Linux, not glibc), the file system refuses it or a seccomp
+filter denies it (``EPERM``), write-behind switches itself off for that file and the file is
+written exactly as before; a transient refusal (``EINTR``, ``ENOMEM``) only postpones that window.
+Only errors the kernel reports for the data (``EIO``, ``ENOSPC``...) fail the write.
 
 Measured on the reference VM (1 GiB, 16 MiB writes, 6 alternating rounds): write + ``fsync``
 0.43 s; with write-behind 0.32 s (0.75x); write-behind without dropping the pages 0.56 s median
@@ -39,8 +41,12 @@ LAG_WINDOWS = 2
 
 _WRITE = 2  # SYNC_FILE_RANGE_WRITE
 _WAIT = 1 | 2 | 4  # SYNC_FILE_RANGE_WAIT_BEFORE | WRITE | WAIT_AFTER
-#: errno values meaning "not available here": write-behind turns itself off for the file
-_UNSUPPORTED = {errno.ENOSYS, errno.EINVAL, errno.ESPIPE, errno.EOPNOTSUPP, errno.ENOTSUP}
+#: errno values meaning "not available here": write-behind turns itself off for the file (EPERM and
+#: EACCES are not errors of the call itself: a seccomp filter or security module refuses it)
+_UNSUPPORTED = {errno.ENOSYS, errno.EINVAL, errno.ESPIPE, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EPERM, errno.EACCES}
+#: errno values meaning "not now": the window is retried with the next one (the data is still
+#: written, and the final ``fsync`` still makes it durable)
+_TRANSIENT = {errno.EINTR, errno.ENOMEM, errno.EAGAIN}
 
 
 def _load() -> Any:
@@ -86,7 +92,10 @@ class WriteBehind:
         oldest = written - LAG_WINDOWS * WINDOW_BYTES
         if oldest - self._settled >= WINDOW_BYTES and self._sync(self._settled, oldest - self._settled, _WAIT):
             if hasattr(os, "posix_fadvise"):
-                os.posix_fadvise(self._fd, self._settled, oldest - self._settled, os.POSIX_FADV_DONTNEED)
+                try:
+                    os.posix_fadvise(self._fd, self._settled, oldest - self._settled, os.POSIX_FADV_DONTNEED)
+                except OSError:
+                    pass  # only a hint (the pages are on disk already): never fails the write
             self._settled = oldest
 
     def _sync(self, offset: int, nbytes: int, flags: int) -> bool:
@@ -97,6 +106,6 @@ class WriteBehind:
         if err in _UNSUPPORTED:
             self.enabled = False
             return False
-        if err == errno.EINTR:
+        if err in _TRANSIENT:
             return False  # retried with a larger range at the next window
         raise OSError(err, os.strerror(err), self._path)
