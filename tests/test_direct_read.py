@@ -231,3 +231,17 @@ def test_restore_places_the_same_values_with_or_without_faulting_ahead(two_files
     targets = {k: torch.zeros_like(v) for k, v in _big_state().items()}
     assert load_direct(targets, two_files, read_metadata(two_files, manifest), manifest, verify=True) == set()
     assert all(torch.equal(targets[k], v) for k, v in _big_state().items())
+
+
+def test_a_refused_read_ahead_hint_is_not_a_damaged_file(two_files, monkeypatch):
+    """posix_fadvise raising (a seccomp or security-module denial) is ignored: the restore reads as usual."""
+    import torch_ckpt.direct_read as dr
+
+    def refuse(*args):
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(dr.os, "posix_fadvise", refuse)
+    manifest = read_manifest(two_files)
+    targets = {k: torch.zeros_like(v) for k, v in _big_state().items()}
+    assert load_direct(targets, two_files, read_metadata(two_files, manifest), manifest, verify=True) == set()
+    assert all(torch.equal(targets[k], v) for k, v in _big_state().items())

@@ -54,8 +54,6 @@ _BUFFER_BYTES = 1 << 20
 _QUEUE_DEPTH = 8
 #: data files read at the same time (one thread each)
 _READERS = 2
-#: ask the kernel to read each whole data file ahead (``POSIX_FADV_WILLNEED``) when it is opened
-_WILLNEED = False
 #: fault in each file's target buffers on a helper thread, ahead of the reader (``MADV_POPULATE_WRITE``)
 _POPULATE = True
 _MADV_POPULATE_WRITE = 23
@@ -338,10 +336,7 @@ def _open_checked(step_dir: Path, name: str, manifest: Any, *, allow_symlinks: b
         size = os.fstat(fd).st_size
         if size != expected:
             raise CheckpointCorruptError(f"{path}: size {size} bytes, manifest says {expected} (truncated?)")
-        if hasattr(os, "posix_fadvise"):
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-            if _WILLNEED:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+        _advise(fd)
     except OSError as exc:
         os.close(fd)
         raise CheckpointCorruptError(f"{path}: data file cannot be read ({exc.strerror or exc})") from exc
@@ -349,6 +344,16 @@ def _open_checked(step_dir: Path, name: str, manifest: Any, *, allow_symlinks: b
         os.close(fd)
         raise
     return fd, size
+
+
+def _advise(fd: int) -> None:
+    """Read-ahead hints for a data file; a refused hint (a security policy, an odd file system) is ignored."""
+    if not hasattr(os, "posix_fadvise"):
+        return
+    try:  # (POSIX_FADV_WILLNEED on the whole file was measured slower: benchmarks/README.md, session 5)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+    except OSError:
+        pass  # only a hint: the reads that follow report any real error
 
 
 def _read_file(fd: int, size: int, path: Path, expected: dict[str, int], entries: list[tuple[int, int, str | None]],
