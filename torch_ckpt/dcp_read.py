@@ -37,6 +37,7 @@ __all__ = [
     "read_dcp_metadata",
     "load_dcp_metadata_bytes",
     "load_tensors",
+    "unwrap_dcp_error",
 ]
 
 _ALLOWED_GLOBALS = {
@@ -186,11 +187,9 @@ def load_tensors(tensors: dict[str, torch.Tensor], step_dir: str | os.PathLike, 
         dcp.load(tensors, storage_reader=reader, planner=SafeLoadPlanner(), process_group=process_group,
                  no_dist=no_dist)
     except CheckpointException as exc:
-        causes = [pair[0] if isinstance(pair, tuple) else pair for pair in exc.failures.values()]
-        for cause in causes:
-            if isinstance(cause, CheckpointError):
-                raise cause from None
-        first = next((c for c in causes if c is not None), exc)
+        first = unwrap_dcp_error(exc)
+        if isinstance(first, CheckpointError):
+            raise first from None
         where = reader.failed_file or str(step_dir)
         raise CheckpointCorruptError(
             f"{where}: tensor data cannot be read ({_first_line(first)}); the file is damaged. Run torch-ckpt "
@@ -201,6 +200,25 @@ def load_tensors(tensors: dict[str, torch.Tensor], step_dir: str | os.PathLike, 
         where = reader.failed_file or str(step_dir)
         raise CheckpointCorruptError(f"{where}: tensor data cannot be read ({_first_line(exc)}); the file is "
                                      "damaged") from None
+
+
+def unwrap_dcp_error(exc: BaseException) -> BaseException:
+    """The error behind DCP's ``CheckpointException`` (which holds one ``(error, traceback)`` per rank).
+
+    DCP wraps whatever fails in its collective steps, e.g. writing or fsyncing ``.metadata`` in the
+    storage writer's ``finish``, so an ``ENOSPC`` there would otherwise lose its errno. Prefers a
+    :class:`CheckpointError`, then an ``OSError`` with an errno; returns ``exc`` when it wraps nothing.
+    """
+    failures = getattr(exc, "failures", None)
+    if not isinstance(failures, dict):
+        return exc
+    causes = [c[0] if isinstance(c, tuple) else c for c in failures.values()]
+    causes = [c for c in causes if isinstance(c, BaseException)]
+    for wanted in (CheckpointError, OSError):
+        for cause in causes:
+            if isinstance(cause, wanted) and (wanted is not OSError or cause.errno is not None):
+                return cause
+    return causes[0] if causes else exc
 
 
 def _first_line(exc: BaseException) -> str:

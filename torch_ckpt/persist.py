@@ -23,6 +23,7 @@ import torch.distributed.checkpoint as dcp
 
 from torch_ckpt.dcp_io import ChecksumFileSystemWriter
 from torch_ckpt.dcp_plan import FlatKeysSavePlanner, group_by_first_segment
+from torch_ckpt.dcp_read import unwrap_dcp_error
 from torch_ckpt.dist import DistContext
 from torch_ckpt.errors import CheckpointError, CheckpointWriteError
 from torch_ckpt.layout import Manifest, commit_dir, rank_file_name, write_json_durable
@@ -85,25 +86,6 @@ def as_write_error(exc: BaseException, where: Path) -> CheckpointError:
         name = f" ({Path(exc.filename).name})" if exc.filename else ""
         return CheckpointWriteError(exc.errno, f"writing checkpoint into {where} failed{name}: {exc.strerror} ({hint})")
     return CheckpointWriteError(f"writing checkpoint into {where} failed: {describe_error(exc)}")
-
-
-def unwrap_dcp_error(exc: BaseException) -> BaseException:
-    """The error behind DCP's ``CheckpointException`` (which holds one ``(error, traceback)`` per rank).
-
-    DCP wraps whatever fails in its collective steps, e.g. writing or fsyncing ``.metadata`` in the
-    storage writer's ``finish``, so an ``ENOSPC`` there would otherwise lose its errno. Prefers a
-    :class:`CheckpointError`, then an ``OSError`` with an errno; returns ``exc`` when it wraps nothing.
-    """
-    failures = getattr(exc, "failures", None)
-    if not isinstance(failures, dict):
-        return exc
-    causes = [c[0] if isinstance(c, tuple) else c for c in failures.values()]
-    causes = [c for c in causes if isinstance(c, BaseException)]
-    for wanted in (CheckpointError, OSError):
-        for cause in causes:
-            if isinstance(cause, wanted) and (wanted is not OSError or cause.errno is not None):
-                return cause
-    return causes[0] if causes else exc
 
 
 def check_on_disk(directory: Path, files: dict[str, dict[str, int]]) -> None:
