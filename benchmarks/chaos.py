@@ -6,7 +6,9 @@
 One run directory is shared by all trials: each trial resumes the example training
 (``examples/train_gpt.py``) from the newest committed checkpoint and is SIGKILLed after a random
 delay (seeded), so kills land during staging, shard writes, the manifest, the rename, retention and
-plain training steps. After every kill the script checks, with a fresh manager, that no partial
+plain training steps; every fourth kill, after its delay, waits for the next save in flight (a
+temporary directory in the root), since the small model's saves take only milliseconds. After
+every kill the script checks, with a fresh manager, that no partial
 checkpoint is listed and that the newest one verifies (sizes and CRC-32 of every file). At the end
 a final run finishes the training, and every logged step of every run is compared bit for bit with
 an uninterrupted reference run.
@@ -106,12 +108,15 @@ def _kill_all(procs: list[psutil.Process]) -> None:
 
 
 def _run_child(argv: list[str], *, kill_after_s: float | None, after_first_step: bool = False,
-               stop_writers: bool = False, event: tuple[float, object] | None = None
-               ) -> tuple[bool, float, list[psutil.Process]]:
+               stop_writers: bool = False, event: tuple[float, object] | None = None,
+               in_save_of: Path | None = None) -> tuple[bool, float, list[psutil.Process]]:
     """Fork a child running ``train_gpt.main(argv)``; SIGKILL it ``kill_after_s`` after it starts (or, with
     ``after_first_step``, after it logged its first step). ``stop_writers``: SIGSTOP its writer processes just
     before the kill. ``event``: ``(seconds, callable)`` called once that long after the start (or the first
-    step), or when the child ends if earlier. Returns (killed, alive_s, the child's writers at the kill)."""
+    step), or when the child ends if earlier. ``in_save_of``: after the delay, wait (up to 5 s) until a save
+    is in flight in that checkpoint root (a ``.step_*.tmp*`` temporary exists), then kill: saves of the small
+    model take milliseconds, so purely random instants may all miss them. Returns (killed, alive_s, the
+    child's writers at the kill)."""
     t0 = time.monotonic()
     pid = os.fork()
     if pid == 0:  # child
@@ -170,6 +175,14 @@ def _run_child(argv: list[str], *, kill_after_s: float | None, after_first_step:
             return finished_early()
         fire(start)
         time.sleep(0.002)
+    if in_save_of is not None:
+        give_up = time.monotonic() + 5.0
+        while time.monotonic() < give_up and not any(in_save_of.glob(".step_*.tmp*")):
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                return finished_early()
+            fire(start)
+            time.sleep(0.0002)
     writers = _writers(pid)
     if stop_writers:
         for w in writers:
@@ -286,11 +299,13 @@ def main(argv: list[str] | None = None) -> dict:
     for trial in range(args.trials):
         log = work / f"run_{trial:04d}.jsonl"
         early = trial % 10 == 0  # every tenth kill lands during start-up / restore
+        in_save = trial % 4 == 1  # every fourth kill waits for a save in flight after its delay
         delay = rng.uniform(0.0, 0.3) if early else rng.uniform(0.0, args.max_delay)
         event = resume_orphans_event(orphans)
         killed, _, writers = _run_child(common + ["--ckpt-dir", str(ckpt), "--log-jsonl", str(log)],
                                         kill_after_s=delay, after_first_step=not early,
-                                        stop_writers=args.restart_while_orphan, event=event)
+                                        stop_writers=args.restart_while_orphan, event=event,
+                                        in_save_of=ckpt if in_save else None)
         settle_orphans(orphans, event)
         count_errors(log)
         delays.append(delay)
