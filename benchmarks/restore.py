@@ -15,9 +15,11 @@ dropping the page cache, measured at the start of every round and again right be
 method's cold restore (the VM's disk drifts between about 0.27 s and 1.2 s per GiB from one
 second to the next). ``cold_over_read`` is a method's cold time over the floor measured right
 before it, median over rounds; ``cold_over_median_read`` is its median cold time over the median
-of its floors. Methods: ``ours`` (``CheckpointManager.restore``, CRC-32 of
-every file verified; in one process each data file is read once, checksummed in the same pass),
-``ours_noverify`` (sizes only), ``torch_load`` (``torch.load`` +
+of its floors. Methods: ``ours`` (``CheckpointManager.restore`` by the manager that saved the
+checkpoint, CRC-32 of every file verified; in one process each data file is read once,
+checksummed in the same pass; large live tensors are read in place, backed up in the manager's
+idle staging arena), ``ours_noverify`` (sizes only), ``ours_fresh`` (a manager that has not saved
+in this process, as after a restart: no arena, so new buffers), ``torch_load`` (``torch.load`` +
 ``load_state_dict``), ``dcp_load`` (``dcp.load`` + ``set_state_dict``), ``lightning_load``
 (``TorchCheckpointIO.load_checkpoint`` + ``load_state_dict``) and ``accelerate_load``
 (``Accelerator.load_state``).
@@ -49,7 +51,7 @@ import save_blocking as sb  # noqa: E402
 import torch  # noqa: E402
 from _common import git_info  # noqa: E402
 
-ALL_METHODS = ("ours", "ours_noverify", "torch_load", "dcp_load", "lightning_load", "accelerate_load")
+ALL_METHODS = ("ours", "ours_noverify", "ours_fresh", "torch_load", "dcp_load", "lightning_load", "accelerate_load")
 
 
 def log(msg: str) -> None:
@@ -109,6 +111,27 @@ class Ours(Method):
 class OursNoVerify(Ours):
     name = "ours_noverify"
     verify = False
+
+
+class OursFresh(Method):
+    """A manager that has not saved in this process (a resume after a restart): no arena to lend."""
+
+    name = "ours_fresh"
+
+    def setup(self):
+        from torch_ckpt import CheckpointManager, TrainState
+
+        with CheckpointManager(self.out / "saved", keep_last=1) as mgr:
+            mgr.save(1, TrainState(model=self.src[0], optimizer=self.src[1])).wait()
+        self.step_dir = next((self.out / "saved").glob("step_*"))
+        self.mgr = CheckpointManager(self.out / "fresh")
+        self.state = TrainState(model=self.target[0], optimizer=self.target[1])
+
+    def restore(self):
+        assert self.mgr.restore(self.state, path=self.step_dir) == 1
+
+    def close(self):
+        self.mgr.close()
 
 
 class TorchLoad(Method):
@@ -180,7 +203,7 @@ class AccelerateLoad(Method):
         self.acc.load_state(str(self.out / "ckpt"))
 
 
-METHODS = {c.name: c for c in (Ours, OursNoVerify, TorchLoad, DcpLoad, LightningLoad, AccelerateLoad)}
+METHODS = {c.name: c for c in (Ours, OursNoVerify, OursFresh, TorchLoad, DcpLoad, LightningLoad, AccelerateLoad)}
 
 
 def parse_args(argv=None) -> argparse.Namespace:

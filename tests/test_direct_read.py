@@ -210,11 +210,11 @@ def test_odd_live_tensors_restore_exactly(tmp_path):
 
 def test_faulting_pages_ahead_never_changes_a_tensors_bytes():
     """The populate helper maps pages writable without altering what they hold (safe to race the reader)."""
-    from torch_ckpt.direct_read import _Populator
+    from torch_ckpt.restore_targets import Preparer
 
     big = torch.arange(3 << 20, dtype=torch.int32)  # 12 MiB: many whole pages, both edges partial
     before = big.clone()
-    p = _Populator([big[1:], torch.empty(0)])
+    p = Preparer([(big[1:], "a"), (torch.empty(0), "b")], None)
     p.close()
     assert torch.equal(big, before)
 
@@ -222,11 +222,11 @@ def test_faulting_pages_ahead_never_changes_a_tensors_bytes():
 @pytest.mark.parametrize("populate", ["on", "off", "madvise_fails"])
 def test_restore_places_the_same_values_with_or_without_faulting_ahead(two_files, monkeypatch, populate):
     """Faulting target pages ahead (on, off, or refused by the kernel) never changes the restored values."""
-    import torch_ckpt.direct_read as dr
+    import torch_ckpt.restore_targets as rt
 
-    monkeypatch.setattr(dr, "_POPULATE", populate != "off")
+    monkeypatch.setattr(rt, "POPULATE", populate != "off")
     if populate == "madvise_fails":
-        monkeypatch.setattr(dr, "_MADVISE", lambda *a: -1)
+        monkeypatch.setattr(rt, "MADVISE", lambda *a: -1)
     manifest = read_manifest(two_files)
     targets = {k: torch.zeros_like(v) for k, v in _big_state().items()}
     assert load_direct(targets, two_files, read_metadata(two_files, manifest), manifest, verify=True) == set()

@@ -355,8 +355,9 @@ class AsyncCheckpointer(CheckpointerPrepareMixin):
             raise ConfigError(f"on_world_size_change must be one of {RANK_LOCAL_POLICIES}, "
                               f"got {on_world_size_change!r}")
         path = Path(path)
-        load_into(state, path, read_manifest(path), self._ctx, verify=verify, on_world_size_change=on_world_size_change,
-                  allow_cast=allow_cast)
+        with self._stager.lend() as scratch:  # the idle arena: live tensors are read in place, backed up there
+            load_into(state, path, read_manifest(path), self._ctx, verify=verify,
+                      on_world_size_change=on_world_size_change, allow_cast=allow_cast, scratch=scratch)
 
     # -- lifecycle -------------------------------------------------------------------------------
     def wait(self) -> None:

@@ -1,10 +1,8 @@
 """Single-pass restore: read each data file once, checksum it while reading, place tensors directly.
 
-DCP's own reader costs two reads per byte when the checksums are verified first (one pass for the
-CRC-32, one through a ``torch.load`` per tensor) plus a copy out of each record. For a checkpoint
-written by :class:`~torch_ckpt.dcp_io.ChecksumFileSystemWriter` and loaded into plain, contiguous
-CPU tensors on a single process, :func:`load_direct` reads every ``.distcp`` file front to back
-exactly once:
+DCP's own reader costs two reads per byte when the checksums are verified first, plus a copy out
+of each record. For plain, contiguous CPU targets on a single process, :func:`load_direct` reads
+every ``.distcp`` file front to back exactly once:
 
 * the bytes of each tensor's data go straight into its target tensor (``readinto`` its memory);
 * the record framing around them (the ``torch.save`` zip headers) is read into a small buffer and
@@ -12,18 +10,15 @@ exactly once:
   dtype, shape and strides; only an exact match places the data (the record then is exactly what
   ``torch.load`` would decode into those bytes), anything else is left to DCP's reader;
 * a second thread computes the file's CRC-32 over every byte, in file order, while the next bytes
-  are being read (:func:`torch_ckpt.crc.crc32` and ``readinto`` both release the GIL), and the file's size and
-  CRC-32 are compared with the manifest before the function returns.
+  are read (both release the GIL); size and CRC-32 are compared with the manifest at the end.
 
-Up to two data files (DCP writes two per rank by default) are read at the same time, each by its
-own thread with its own CRC-32 thread, so one file's disk wait overlaps the other's copying and
-checksumming. Every file's size is checked before the first byte is placed.
+Up to two data files (DCP writes two per rank) are read at the same time, each by its own thread,
+so one file's disk wait overlaps the other's copying. Every file's size is checked first.
 
-The targets are new buffers (see :func:`torch_ckpt.restore.load_into`), so a file that fails its
-check leaves the live state untouched. New memory costs a page fault per 4 KiB page on its first
-write (about 0.07-0.3 s per GiB on the reference VM); a helper thread per file faults the next
-targets in ahead of the reader (``MADV_POPULATE_WRITE``, which never changes a page's contents),
-so that work overlaps the disk wait instead of following it.
+The targets are new buffers (see :func:`torch_ckpt.restore.load_into`), or live tensors backed up
+first by an :class:`~torch_ckpt.restore_targets.UndoLog`, so a file that fails its check leaves the
+live state as it was. A helper thread per file (:class:`~torch_ckpt.restore_targets.Preparer`)
+makes the backups and faults in new buffers ahead of the reader.
 """
 
 from __future__ import annotations
@@ -31,7 +26,6 @@ from __future__ import annotations
 import os
 import queue
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +36,7 @@ from torch_ckpt.crc import crc32
 from torch_ckpt.dcp_record import record_framing
 from torch_ckpt.errors import CheckpointCorruptError
 from torch_ckpt.format import open_listed
+from torch_ckpt.restore_targets import Preparer, UndoLog
 
 __all__ = ["DATA_SUFFIX", "load_direct"]
 
@@ -54,57 +49,6 @@ _BUFFER_BYTES = 1 << 20
 _QUEUE_DEPTH = 8
 #: data files read at the same time (one thread each)
 _READERS = 2
-#: fault in each file's target buffers on a helper thread, ahead of the reader (``MADV_POPULATE_WRITE``)
-_POPULATE = True
-_MADV_POPULATE_WRITE = 23
-_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-
-
-def _madvise() -> Any:
-    try:
-        import ctypes
-
-        fn = ctypes.CDLL(None, use_errno=True).madvise
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        fn.restype = ctypes.c_int
-        return fn
-    except (OSError, AttributeError):  # pragma: no cover - not Linux/glibc
-        return None
-
-
-_MADVISE = _madvise()
-
-
-class _Populator:
-    """Faults in target tensors' pages on a helper thread, in file order, ahead of the reader.
-
-    ``MADV_POPULATE_WRITE`` (Linux 5.14+) maps each page writable without changing its contents, so
-    it may run behind or ahead of the reader: it never races with the bytes being placed. Any error
-    (an older kernel) just stops it.
-    """
-
-    def __init__(self, tensors: list[torch.Tensor]) -> None:
-        self._tensors = tensors
-        self._stop = False
-        self._thread = threading.Thread(target=self._run, name="torch_ckpt_restore_fault", daemon=True)
-        if _POPULATE and _MADVISE is not None and tensors:
-            self._thread.start()
-
-    def _run(self) -> None:
-        for t in self._tensors:
-            if self._stop:
-                return
-            a, n = t.data_ptr(), t.numel() * t.element_size()
-            start, end = -(-a // _PAGE) * _PAGE, (a + n) // _PAGE * _PAGE
-            if end - start >= 16 * _PAGE and _MADVISE(start, end - start, _MADV_POPULATE_WRITE) != 0:
-                return
-
-    def close(self) -> None:
-        self._stop = True
-        if self._thread.is_alive():
-            self._thread.join()
-
-
 def _byte_view(t: torch.Tensor) -> memoryview:
     """Writable bytes of the contiguous CPU tensor ``t`` (no copy)."""
     flat = torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage(), t.storage_offset() * t.element_size(),
@@ -173,8 +117,9 @@ class _FileReader:
     records costs a few large reads rather than three system calls per record.
     """
 
-    def __init__(self, fd: int, path: Path, crc: _Crc) -> None:
+    def __init__(self, fd: int, path: Path, crc: _Crc, stop: threading.Event | None = None) -> None:
         self._f = os.fdopen(fd, "rb", buffering=0)
+        self._stop = stop
         self.path = path
         self.crc = crc
         self.pos = 0  # bytes consumed by the caller
@@ -198,6 +143,8 @@ class _FileReader:
         """Fill ``view`` from the current position (raises on a file shorter than that)."""
         done, n = 0, view.nbytes
         while done < n:
+            if self._stop is not None and self._stop.is_set():
+                raise _Stopped()
             avail = self._buf.nbytes - self._off
             if avail:
                 k = min(avail, n - done)
@@ -242,6 +189,8 @@ class _FileReader:
         self.pos += self._buf.nbytes - self._off
         self._off = self._buf.nbytes
         while chunk := self._f.read(_CHUNK_BYTES):
+            if self._stop is not None and self._stop.is_set():
+                raise _Stopped()
             self.crc.add(chunk)
             self.pos += len(chunk)
 
@@ -250,7 +199,7 @@ class _FileReader:
 
 
 def load_direct(targets: dict[str, torch.Tensor], step_dir: str | os.PathLike, md: Metadata, manifest: Any, *,
-                verify: bool, allow_symlinks: bool = False) -> set[str]:
+                verify: bool, allow_symlinks: bool = False, undo: UndoLog | None = None) -> set[str]:
     """Read the data files of a single-rank checkpoint once, placing tensors and checking CRC-32s.
 
     Every ``.distcp`` file the manifest lists is read front to back (with ``verify``; without it,
@@ -261,12 +210,15 @@ def load_direct(targets: dict[str, torch.Tensor], step_dir: str | os.PathLike, m
     one (in name order) is raised.
 
     Args:
-        targets: ``{key: new tensor}`` to fill (not the live state: a failure leaves them half written).
+        targets: ``{key: tensor}`` to fill: new buffers (a failure leaves them half written) or,
+            for the keys in ``undo``, live tensors, each backed up there before its first byte is
+            written (the caller puts them back with :meth:`UndoLog.put_back` on failure).
         step_dir: the committed checkpoint directory.
         md: its validated DCP metadata.
         manifest: its manifest (``files``: ``{name: {"bytes", "crc32"}}``).
         verify: check the CRC-32 of every data file.
         allow_symlinks: follow symlinks when opening the files.
+        undo: the undo log of the targets that are live tensors, or None.
 
     Returns:
         The keys of ``targets`` not placed here (another layout, dtype or framing); load them with
@@ -304,9 +256,12 @@ def load_direct(targets: dict[str, torch.Tensor], step_dir: str | os.PathLike, m
             os.close(fd)
         raise
 
+    stop = threading.Event()
+
     def read(job: tuple[str, list[tuple[int, int, str | None]], int, int]) -> set[str]:
         name, entries, fd, size = job
-        return _read_file(fd, size, step_dir / name, manifest.files[name], entries, targets, placeable, verify=verify)
+        return _read_file(fd, size, step_dir / name, manifest.files[name], entries, targets, placeable, verify=verify,
+                          undo=undo, stop=stop)
 
     placed: set[str] = set()
     if len(opened) <= 1 or _READERS <= 1:
@@ -319,12 +274,55 @@ def load_direct(targets: dict[str, torch.Tensor], step_dir: str | os.PathLike, m
                 os.close(fd)
             raise
     else:
-        workers = min(_READERS, len(opened))
-        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="torch_ckpt_restore") as pool:
-            futures = [pool.submit(read, job) for job in opened]
-        for future in futures:  # every file has been read (or failed): the first error, in file order, is raised
-            placed |= future.result()
+        for result in _read_in_threads(read, opened, stop, min(_READERS, len(opened))):
+            if isinstance(result, BaseException):  # the first error, in file order
+                raise result
+            placed |= result
     return set(targets) - placed
+
+
+def _read_in_threads(read: Any, jobs: list[Any], stop: threading.Event, workers: int) -> list[Any]:
+    """Run ``read(job)`` for every job on ``workers`` threads; returns each result or exception, in order.
+
+    Returns only once every thread has finished, even if the caller is interrupted meanwhile (the
+    readers then stop at their next chunk and the interrupt is re-raised): nothing writes afterwards.
+    """
+    results: list[Any] = [None] * len(jobs)
+    todo = list(range(len(jobs)))
+    lock = threading.Lock()
+
+    def worker() -> None:
+        while True:
+            with lock:
+                if not todo:
+                    return
+                i = todo.pop(0)
+            try:
+                if stop.is_set():
+                    os.close(jobs[i][2])
+                    raise _Stopped()
+                results[i] = read(jobs[i])  # closes that file
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                results[i] = exc
+
+    threads = [threading.Thread(target=worker, name="torch_ckpt_restore", daemon=True) for _ in range(workers)]
+    for t in threads:
+        t.start()
+    interrupted: BaseException | None = None
+    for t in threads:
+        while t.is_alive():
+            try:
+                t.join()
+            except BaseException as exc:  # noqa: BLE001 - re-raised once the readers have stopped
+                interrupted = interrupted or exc
+                stop.set()
+    if interrupted is not None:
+        raise interrupted
+    return results
+
+
+class _Stopped(Exception):
+    """A reader gave up because the restore was interrupted."""
 
 
 def _open_checked(step_dir: Path, name: str, manifest: Any, *, allow_symlinks: bool) -> tuple[int, int]:
@@ -357,12 +355,15 @@ def _advise(fd: int) -> None:
 
 
 def _read_file(fd: int, size: int, path: Path, expected: dict[str, int], entries: list[tuple[int, int, str | None]],
-               targets: dict[str, torch.Tensor], placeable: set[str], *, verify: bool) -> set[str]:
+               targets: dict[str, torch.Tensor], placeable: set[str], *, verify: bool, undo: UndoLog | None,
+               stop: threading.Event) -> set[str]:
     """Read one opened data file (see :func:`load_direct`) and close it; returns the keys placed from it."""
     crc = _Crc(verify)
-    reader = _FileReader(fd, path, crc)
+    reader = _FileReader(fd, path, crc, stop)
     placed: set[str] = set()
-    populator = _Populator([targets[k] for _, _, k in entries if k in placeable])
+    items = [(targets[k], k) for _, _, k in entries if k in placeable]
+    order = {k: i for i, (_, k) in enumerate(items)}
+    preparer = Preparer(items, undo)  # backs up in-place targets and faults in new ones, ahead of the reader
     try:
         for offset, length, key in entries:
             if key not in placeable or offset < reader.pos or offset + length > size:
@@ -379,6 +380,8 @@ def _read_file(fd: int, size: int, path: Path, expected: dict[str, int], entries
             if reader.bytes(len(head)) != head:
                 reader.skip(nbytes + len(tail))
                 continue
+            if undo is not None and key in undo:
+                preparer.ready(order[key])  # its live bytes are in the undo log
             reader.into(_byte_view(target))
             if reader.bytes(len(tail)) == tail:
                 placed.add(key)
@@ -394,7 +397,7 @@ def _read_file(fd: int, size: int, path: Path, expected: dict[str, int], entries
     except OSError as exc:
         raise CheckpointCorruptError(f"{path}: data file cannot be read ({exc.strerror or exc})") from exc
     finally:
-        populator.close()
+        preparer.close()
         crc.abandon()
         reader.close()
     return placed

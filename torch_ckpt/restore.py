@@ -16,11 +16,15 @@ the records it does not place are checked before DCP's reader opens them (also b
 state-mismatch error is raised, so a bad record is reported as corruption). The new values are
 written into the live tensors by :func:`torch_ckpt.host_memory.swap_in` (exchanged where a live
 tensor is its storage's only user, copied otherwise).
+
+When the caller lends idle, resident host memory (the checkpointer lends its staging arena), the
+single-process reader writes large live tensors in place instead, each backed up there first and
+put back if anything fails (:mod:`torch_ckpt.restore_targets`): no new memory, and the same
+outcome either way.
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import gc
 from collections.abc import Iterator, Mapping, MutableMapping
@@ -33,7 +37,7 @@ from torch.distributed.tensor import DTensor
 
 from torch_ckpt._logging import get_logger
 from torch_ckpt.bounded import corrupt
-from torch_ckpt.codec import TENSOR_TAG, join_state, split_state
+from torch_ckpt.codec import join_state
 from torch_ckpt.dcp_metadata import check_records, read_metadata, record_problems, tensor_items
 from torch_ckpt.dcp_read import load_tensors
 from torch_ckpt.direct_read import DATA_SUFFIX, load_direct
@@ -42,12 +46,12 @@ from torch_ckpt.errors import (
     CheckpointCorruptError,
     CheckpointError,
     ConfigError,
-    StateMismatchError,
 )
 from torch_ckpt.format import read_rank_doc, verify_files
 from torch_ckpt.host_memory import copy_tensors, owners_in, restore_buffers, swap_in
 from torch_ckpt.layout import Manifest
-from torch_ckpt.state_tree import tensor_keys
+from torch_ckpt.restore_plan import local_tensor, plan_restore, staging_like
+from torch_ckpt.restore_targets import UndoLog, in_place_keys
 
 __all__ = ["load_into", "copy_into_live", "collector_paused", "RANK_LOCAL_POLICIES"]
 
@@ -55,41 +59,6 @@ log = get_logger(__name__)
 
 RANK_LOCAL_POLICIES = ("error", "keep_live")
 _Targets = dict[str, torch.Tensor]
-
-
-_OPAQUE = ("extras", "rng", "dataloader")
-
-
-def _is_tagged(node: Any) -> bool:
-    """True for a codec node (tensor placeholder, tuple, numpy value...) rather than a user dict."""
-    return isinstance(node, dict) and len(node) == 1 and next(iter(node)).startswith("__")
-
-
-def _structure_keys(tree: Any, *, deep: bool) -> set[str]:
-    """Dotted paths of the non-tensor structure: top-level keys only (``deep=False``), or every dict path.
-
-    Tensor placeholders are left out (tensor keys are compared on their own), and subtrees that are
-    replaced as a whole on load (extras, RNG, dataloader) are not descended into.
-    """
-    keys: set[str] = set()
-    if not isinstance(tree, dict) or _is_tagged(tree):
-        return keys
-
-    def walk(node: dict, prefix: str, depth: int) -> None:
-        for k, v in node.items():
-            if isinstance(v, dict) and len(v) == 1 and TENSOR_TAG in v:
-                continue
-            path = f"{prefix}{k}"
-            if deep and isinstance(v, dict) and not _is_tagged(v) and not (depth == 0 and k in _OPAQUE):
-                walk(v, f"{path}.", depth + 1)
-            else:
-                keys.add(path)
-
-    if deep:
-        walk(tree, "", 0)
-    else:
-        keys.update(k for k, v in tree.items() if not (isinstance(v, dict) and len(v) == 1 and TENSOR_TAG in v))
-    return keys
 
 
 def _assign(target: MutableMapping, loaded: Mapping) -> None:
@@ -102,25 +71,9 @@ def _assign(target: MutableMapping, loaded: Mapping) -> None:
             target[k] = v
 
 
-def _staging_like(live: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A new CPU tensor (DTensor: local shard, same sharding) to load a checkpoint tensor into."""
-    if isinstance(live, DTensor):
-        local = torch.empty(live._local_tensor.shape, dtype=dtype, device="cpu")
-        spec = live._spec
-        if spec.tensor_meta is not None and spec.tensor_meta.dtype != dtype:
-            spec = copy.copy(spec)
-            spec.tensor_meta = spec.tensor_meta._replace(dtype=dtype)
-        return DTensor(local, spec, requires_grad=False)
-    return torch.empty(live.shape, dtype=dtype, device="cpu")
-
-
 def _on_device_of(live: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
     """``new`` on ``live``'s device (a new tensor there when the devices differ; ``new`` itself otherwise)."""
     return new if live is None or live.device == new.device else new.to(live.device)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t._local_tensor if isinstance(t, DTensor) else t
 
 
 def _check_records(step_dir: Path, manifest: Manifest, md: Any, tensors: dict[str, Any]) -> None:
@@ -170,104 +123,15 @@ def copy_into_live(live: Mapping[str, torch.Tensor], staged: Mapping[str, torch.
     """
     pairs = [(dst, staged[key]) for key, dst in live.items() if key in staged]
     owner, aliases = owners_in(module, live) if module is not None else ({}, {})
-    copy_tensors([(_local(d), _local(s)) for d, s in pairs if isinstance(d, DTensor) or isinstance(s, DTensor)])
+    copy_tensors([(local_tensor(d), local_tensor(s)) for d, s in pairs
+                  if isinstance(d, DTensor) or isinstance(s, DTensor)])
     swap_in([(owner.get(id(d), d), s) for d, s in pairs if not (isinstance(d, DTensor) or isinstance(s, DTensor))],
             aliases)
 
 
-def _plan(state: Any, step_dir: Path, manifest: Manifest, md: Any, tree: Any, ctx: DistContext, *,
-          on_world_size_change: str, allow_cast: bool) -> tuple[dict[str, torch.Tensor], Any, _Targets, bool]:
-    """Check ``state`` against the checkpoint and allocate the buffers to read into; writes nothing live.
-
-    Returns:
-        ``(live tensors, tree, {key: new buffer}, whether the state copies the buffers itself)``.
-
-    Raises:
-        StateMismatchError, ConfigError, CheckpointCorruptError: see :func:`load_into`.
-    """
-    same_world = manifest.world_size == ctx.world_size
-    live_sd = state.state_dict() if hasattr(state, "state_dict") else state
-    rank_local = tuple(getattr(state, "rank_local_keys", ()))
-    live_tensors, live_tree = split_state(live_sd, rank_local_keys=rank_local)
-
-    if not same_world and rank_local and on_world_size_change == "error":
-        raise ConfigError(
-            f"{step_dir} was saved with world size {manifest.world_size}, this run has {ctx.world_size}: the "
-            f"rank-local state {list(rank_local)} (RNG, dataloader position) cannot be mapped to the new ranks. "
-            "Pass on_world_size_change='keep_live' to CheckpointManager to keep this run's own rank-local state.")
-    if not same_world:
-        for key in rank_local:
-            if isinstance(live_tree, dict) and key in live_tree:
-                tree[key] = live_tree[key]
-
-    optional = getattr(state, "load_optional_key", None)
-    is_optional = optional if callable(optional) else (lambda key: False)
-    saved_tensor_keys = tensor_keys(tree)
-    saved_keys = saved_tensor_keys | _structure_keys(tree, deep=not hasattr(state, "state_dict"))
-    live_keys = set(live_tensors) | _structure_keys(live_tree, deep=not hasattr(state, "state_dict"))
-    missing = sorted(k for k in live_keys - saved_keys if not is_optional(k))
-    unexpected = sorted(k for k in saved_keys - live_keys if not is_optional(k))
-    if missing or unexpected:
-        raise StateMismatchError(
-            f"{step_dir}: state does not match the checkpoint. Missing from checkpoint: {missing[:20]}"
-            f"{' ...' if len(missing) > 20 else ''}; unexpected in checkpoint: {unexpected[:20]}"
-            f"{' ...' if len(unexpected) > 20 else ''}. Build the same model/optimizer as the saved run.",
-            missing=missing, unexpected=unexpected)
-    saved_meta: dict[str, torch.Tensor] = {}
-    for key in sorted(saved_tensor_keys):
-        smd = md.state_dict_metadata.get(key)
-        if smd is None or not hasattr(smd, "size") or not isinstance(getattr(smd.properties, "dtype", None),
-                                                                     torch.dtype):
-            raise CheckpointCorruptError(f"{step_dir}: tensor {key!r} is listed in the state but not in DCP metadata")
-        saved_meta[key] = torch.empty(tuple(smd.size), dtype=smd.properties.dtype, device="meta")
-    bad_shape, bad_dtype, casts = [], [], []
-    for key, t in live_tensors.items():
-        meta = saved_meta.get(key)
-        if meta is None:
-            continue
-        if tuple(meta.shape) != tuple(t.shape):
-            bad_shape.append(f"{key}: checkpoint {tuple(meta.shape)} vs live {tuple(t.shape)}")
-        elif meta.dtype != t.dtype:
-            (casts if allow_cast else bad_dtype).append(f"{key}: checkpoint {meta.dtype}, live {t.dtype}")
-    if bad_shape:
-        raise StateMismatchError(f"{step_dir}: tensor shapes differ: {bad_shape[:20]}", missing=[], unexpected=[])
-    inference = sorted(k for k, t in live_tensors.items() if k in saved_meta and _local(t).is_inference())
-    if inference:  # they cannot be written in place: refuse before the first write
-        raise StateMismatchError(
-            f"{step_dir}: live tensors created under torch.inference_mode() cannot be restored in place: "
-            f"{inference[:20]}{' ...' if len(inference) > 20 else ''}. Build the model/optimizer outside "
-            "inference_mode (torch.no_grad() is fine), restore, then enter inference_mode.", missing=[], unexpected=[])
-    if bad_dtype:
-        raise StateMismatchError(
-            f"{step_dir}: tensor dtypes differ (restore never casts silently): {bad_dtype[:20]}"
-            f"{' ...' if len(bad_dtype) > 20 else ''}. Build the state with the saved dtypes, or pass "
-            "allow_cast=True to cast them.", missing=[], unexpected=[])
-    check = getattr(state, "check_load", None)
-    staged_aware = callable(check)
-    if staged_aware:
-        casts += check(join_state(tree, saved_meta), allow_cast=allow_cast)
-
-    make_target = getattr(state, "load_target", None)
-    targets: dict[str, torch.Tensor] = {}
-    for key, meta in saved_meta.items():
-        target = make_target(key, tuple(meta.shape), meta.dtype) if callable(make_target) else None
-        if target is None:
-            if key not in live_tensors:  # an optional key the state cannot place: not loadable here
-                raise StateMismatchError(f"{step_dir}: unexpected in checkpoint: [{key!r}]", unexpected=[key])
-            target = _staging_like(live_tensors[key], meta.dtype)
-        targets[key] = target
-    logged: set[str] = set()
-    for line in casts:  # a key may be reported by the tensor check and by the state's own check: log it once
-        key = line.split(":", 1)[0]
-        if key not in logged:
-            logged.add(key)
-            log.warning("%s: casting %s (allow_cast=True)", step_dir, line)
-
-    return live_tensors, tree, targets, staged_aware
-
-
 def load_into(state: Any, step_dir: Path, manifest: Manifest, ctx: DistContext, *, verify: bool,
-              on_world_size_change: str = "error", allow_cast: bool = False) -> None:
+              on_world_size_change: str = "error", allow_cast: bool = False,
+              scratch: torch.Tensor | None = None) -> None:
     """Load ``step_dir`` into ``state`` (a ``Stateful`` or a mutable dict) in place.
 
     Everything is checked before the first write to the live state: files, keys, shapes, dtypes
@@ -275,6 +139,9 @@ def load_into(state: Any, step_dir: Path, manifest: Manifest, ctx: DistContext, 
     every component. Tensors are then read into new buffers (host memory for tensors the state
     already has, about the size of this rank's state); only when every read succeeded are they
     copied into the live state. A failure at any point before that leaves the state as it was.
+    With ``scratch``, a single process reads large live tensors in place instead, after copying
+    their bytes into ``scratch``, and copies them back on any failure (the same outcome, without
+    new memory).
 
     A state may take part in the checks and in placing tensors it does not hold yet (optimizer
     state of a fresh optimizer) through three optional methods: ``load_optional_key(key) -> bool``
@@ -299,6 +166,11 @@ def load_into(state: Any, step_dir: Path, manifest: Manifest, ctx: DistContext, 
         on_world_size_change: "error" or "keep_live" (rank-local state when the world size changed).
         allow_cast: load tensors whose dtype differs from the live tensor's by casting them (each
             such key is logged once); otherwise a dtype difference is a StateMismatchError.
+        scratch: resident host memory (a flat ``torch.uint8`` CPU tensor) nobody else uses during
+            the call, e.g. the idle staging arena. In a single process, live tensors that fit are
+            then read in place after their bytes are copied there
+            (:mod:`torch_ckpt.restore_targets`), and copied back if the restore fails: no new
+            memory, no page faults, the same outcome.
 
     Raises:
         CheckpointCorruptError: files fail verification or the structure is inconsistent (a tensor
@@ -311,11 +183,11 @@ def load_into(state: Any, step_dir: Path, manifest: Manifest, ctx: DistContext, 
     session = getattr(state, "load_session", None)  # e.g. TrainState: work shared by its hooks, once per restore
     with collector_paused(), (session() if callable(session) else nullcontext()):
         _load_into(state, step_dir, manifest, ctx, verify=verify, on_world_size_change=on_world_size_change,
-                   allow_cast=allow_cast)
+                   allow_cast=allow_cast, scratch=scratch)
 
 
 def _load_into(state: Any, step_dir: Path, manifest: Manifest, ctx: DistContext, *, verify: bool,
-               on_world_size_change: str, allow_cast: bool) -> None:
+               on_world_size_change: str, allow_cast: bool, scratch: torch.Tensor | None) -> None:
     """The body of :func:`load_into` (same arguments and errors), run with the collector paused."""
     same_world = manifest.world_size == ctx.world_size
     direct = not ctx.enabled  # one process reads every file itself: checksum while placing the tensors
@@ -345,7 +217,7 @@ def _load_into(state: Any, step_dir: Path, manifest: Manifest, ctx: DistContext,
         raise CheckpointCorruptError(f"{step_dir}: verification failed on another rank: {errors[0]}")
 
     try:
-        live_tensors, tree, targets, staged_aware = _plan(state, step_dir, manifest, md, tree, ctx,
+        live_tensors, tree, targets, staged_aware = plan_restore(state, step_dir, manifest, md, tree, ctx,
                                                           on_world_size_change=on_world_size_change,
                                                           allow_cast=allow_cast)
     except CheckpointError:
@@ -353,10 +225,37 @@ def _load_into(state: Any, step_dir: Path, manifest: Manifest, ctx: DistContext,
             _check_records(step_dir, manifest, md, tensor_items(md))  # explains a mismatch better
         raise
 
+    undo = None
+    if direct and scratch is not None:  # live tensors read in place, backed up in the scratch memory first
+        keys = in_place_keys(live_tensors, {k: (t.dtype, tuple(t.shape)) for k, t in targets.items()
+                                            if k in live_tensors}, scratch.numel())
+        if keys:
+            undo = UndoLog(scratch, {k: live_tensors[k] for k in keys})
+            targets.update(undo.tensors)
+    try:
+        _read_and_write(state, step_dir, manifest, md, ctx, live_tensors, tree, targets, staged_aware,
+                        direct=direct, verify=verify, undo=undo)
+    except BaseException:
+        if undo is not None:
+            undo.put_back()  # the live tensors read in place hold their old bytes again
+        raise
+    if undo is not None:
+        undo.bump_versions()
+
+
+def _read_and_write(state: Any, step_dir: Path, manifest: Manifest, md: Any, ctx: DistContext,
+                    live_tensors: dict[str, torch.Tensor], tree: Any, targets: _Targets, staged_aware: bool, *,
+                    direct: bool, verify: bool, undo: UndoLog | None) -> None:
+    """Read every target (checking records and checksums), then write the live state (:func:`_load_into`)."""
     rest = set(targets)
     if direct:
         if rest:
-            rest = load_direct(targets, step_dir, md, manifest, verify=verify)
+            rest = load_direct(targets, step_dir, md, manifest, verify=verify, undo=undo)
+        back = [k for k in rest if undo is not None and k in undo]
+        if back:  # live tensors this reader did not place: their old bytes back, DCP reads into new buffers
+            undo.put_back(back)
+            undo.forget(back)
+            targets.update({k: staging_like(live_tensors[k], targets[k].dtype) for k in back})
         # a placed tensor's record was compared byte for byte with torch.save's framing for its
         # declared dtype and shape; every other record is checked before DCP's reader opens it
         _check_records(step_dir, manifest, md, {k: v for k, v in tensor_items(md).items()
@@ -364,8 +263,8 @@ def _load_into(state: Any, step_dir: Path, manifest: Manifest, ctx: DistContext,
     if rest:
         load_tensors({k: targets[k] for k in rest}, step_dir, md, set(manifest.files),
                      process_group=ctx.fg if ctx.enabled else None, no_dist=not ctx.enabled)
-    # every read succeeded: from here on the live state is written; the buffers are ours to swap
-    with restore_buffers(targets.values()):
+    # every read succeeded: from here on the live state is written; the new buffers are ours to swap
+    with restore_buffers(t for k, t in targets.items() if undo is None or k not in undo):
         _write_live(state, live_tensors, tree, targets, staged_aware)
 
 

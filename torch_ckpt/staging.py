@@ -17,6 +17,8 @@ handed to the writer shares storage with a live tensor.
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -294,6 +296,18 @@ class HostStager:
                 if n < len(order) - 1:
                     progress.mark([keys[j] for j in chunk])
                 chunk, size = [], 0
+
+    @contextmanager
+    def lend(self) -> Iterator[torch.Tensor | None]:
+        """The arena as scratch memory for the block (a flat ``torch.uint8`` host tensor), or None without one.
+
+        Nothing is staged meanwhile (a concurrent :meth:`stage` waits); the arena's contents are
+        undefined afterwards, which is harmless: every save stages all of its tensors again.
+        The caller must not keep a reference after the block.
+        """
+        with self._lock:
+            arena = self.arena
+            yield None if arena is None or arena.numel() <= 1 else arena
 
     def release(self) -> None:
         """Free the arena."""

@@ -1,0 +1,335 @@
+"""In-place restore: live tensors read into directly, backed up in the idle staging arena, put back on failure."""
+
+from __future__ import annotations
+
+import copy
+import threading
+
+import pytest
+import torch
+
+import torch_ckpt.direct_read as direct_mod
+import torch_ckpt.restore as restore_mod
+from tests.test_optim_state import assert_same
+from torch_ckpt import CheckpointCorruptError, CheckpointManager, TrainState
+from torch_ckpt.restore_targets import MIN_IN_PLACE_BYTES, Preparer, UndoLog, in_place_keys
+from torch_ckpt.staging import HostStager
+
+BIG = MIN_IN_PLACE_BYTES // 4  # float32 elements of a tensor just large enough to be restored in place
+OPTIMIZERS = {
+    "adam": lambda p: torch.optim.Adam(p, lr=0.1),
+    "adamw": lambda p: torch.optim.AdamW(p, lr=0.1),
+    "sgd_momentum": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+    "rmsprop": lambda p: torch.optim.RMSprop(p, lr=0.01),
+    "adagrad": lambda p: torch.optim.Adagrad(p, lr=0.1),
+}
+
+
+def _wide(seed: int, optimizer: str = "adam"):
+    """A model (MiB-sized weights, KiB-sized biases) and optimizer after one step."""
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 768), torch.nn.Linear(768, 8))
+    opt = OPTIMIZERS[optimizer](model.parameters())
+    model(torch.randn(2, 1024)).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+    return model, opt
+
+
+class _Loader:
+    def __init__(self, fail: bool = False) -> None:
+        self.fail, self.position = fail, 0
+
+    def state_dict(self):
+        return {"position": self.position}
+
+    def load_state_dict(self, sd):
+        if self.fail:
+            raise ValueError("loader refuses this state")
+        self.position = sd["position"]
+
+
+def _tensors(model, opt) -> list[torch.Tensor]:
+    return [*model.parameters(), *(t for p in model.parameters() for t in opt.state[p].values()
+                                   if isinstance(t, torch.Tensor) and t.dim())]
+
+
+@pytest.fixture(params=list(OPTIMIZERS))
+def saved(tmp_path, request):
+    """``(step directory, source model, source optimizer, optimizer name)`` of a committed checkpoint."""
+    model, opt = _wide(0, request.param)
+    with CheckpointManager(tmp_path / "src", thread_count=2) as mgr:
+        mgr.save(1, TrainState(model=model, optimizer=opt, dataloader=_Loader())).wait()
+    return next((tmp_path / "src").glob("step_*")), model, opt, request.param
+
+
+def _restorer(tmp_path, model, opt) -> CheckpointManager:
+    """A manager that has saved ``model``/``opt`` once, so its staging arena exists and is lent to restore()."""
+    mgr = CheckpointManager(tmp_path / "live")
+    mgr.save(1, TrainState(model=model, optimizer=opt, dataloader=_Loader())).wait()
+    return mgr
+
+
+def test_in_place_keys_leave_out_small_shared_odd_and_over_budget_tensors():
+    """Only plain contiguous CPU tensors of the saved dtype/shape, big enough, alone in their bytes, and fitting."""
+    base, other = torch.zeros(4 * BIG), torch.zeros(4 * BIG)
+    live = {"ok": torch.zeros(BIG), "small": torch.zeros(16), "tied": torch.zeros(BIG), "view0": base[:BIG],
+            "view1": base[BIG:2 * BIG], "over0": other[:BIG], "over1": other[BIG // 2:BIG // 2 + BIG],
+            "nc": torch.zeros(BIG // 2, 2).t(), "grad": torch.zeros(BIG, requires_grad=True),
+            "dtype": torch.zeros(BIG, dtype=torch.float64), "ok2": torch.zeros(BIG)}
+    live["tied2"] = live["tied"]
+    live["strided"] = other[::2]  # reaches over both "over" views
+    saved = {k: (torch.float32, tuple(t.shape)) for k, t in live.items()}
+    nbytes = BIG * 4
+    assert in_place_keys(live, saved, 10 * nbytes) == ["ok", "view0", "view1", "ok2"]
+    assert in_place_keys(live, saved, nbytes) == ["ok"]  # the budget is taken in order
+    assert in_place_keys(live, {**saved, "ok": (torch.float32, (BIG + 1,))}, 10 * nbytes) == ["view0", "view1", "ok2"]
+
+
+def test_undo_log_puts_back_the_exact_bytes():
+    """Backed-up tensors written afterwards get their old bytes back; keys never backed up are not touched."""
+    a, b = torch.randn(1000), torch.randn(300).double()
+    old_a, old_b = a.clone(), b.clone()
+    log = UndoLog(torch.empty(16 << 10, dtype=torch.uint8), {"a": a, "b": b})
+    log.save("a")
+    a.fill_(7.0)
+    b.fill_(9.0)
+    log.put_back()
+    assert torch.equal(a, old_a) and torch.equal(b, torch.full_like(b, 9.0)) and not torch.equal(b, old_b)
+
+
+def test_undo_log_refuses_tensors_that_do_not_fit():
+    """More live bytes than scratch memory is an error, not an overrun."""
+    with pytest.raises(ValueError, match="does not fit"):
+        UndoLog(torch.empty(100, dtype=torch.uint8), {"a": torch.zeros(100)})
+
+
+def test_put_back_finishes_before_a_keyboard_interrupt_is_raised(monkeypatch):
+    """An interrupt during the undo is re-raised only after every tensor has its old bytes again."""
+    import torch_ckpt.restore_targets as rt
+
+    ts = {k: torch.randn(64) for k in "abc"}
+    old = {k: t.clone() for k, t in ts.items()}
+    log = UndoLog(torch.empty(4096, dtype=torch.uint8), ts)
+    for k, t in ts.items():
+        log.save(k)
+        t.zero_()
+    real, calls = rt.ctypes.memmove, []
+
+    def interrupted_once(*args):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*args)
+
+    monkeypatch.setattr(rt.ctypes, "memmove", interrupted_once)
+    with pytest.raises(KeyboardInterrupt):
+        log.put_back()
+    assert all(torch.equal(ts[k], old[k]) for k in ts)
+
+
+def test_preparer_backs_a_tensor_up_before_ready_returns():
+    """ready(i) returns only once item i's live bytes are in the undo log."""
+    ts = {f"t{i}": torch.full((BIG,), float(i)) for i in range(4)}
+    log = UndoLog(torch.empty(5 * BIG * 4, dtype=torch.uint8), ts)
+    prep = Preparer([(t, k) for k, t in ts.items()], log)
+    for i, t in enumerate(ts.values()):
+        prep.ready(i)
+        t.fill_(-1.0)
+    prep.close()
+    log.put_back()
+    assert all(torch.equal(t, torch.full((BIG,), float(i))) for i, t in enumerate(ts.values()))
+
+
+def test_lent_arena_blocks_staging_until_returned():
+    """While the arena is lent to a restore, a save's staging waits instead of overwriting it."""
+    stager = HostStager(budget_bytes=1 << 20)
+    stager.stage({"x": torch.ones(1000)})
+    done = threading.Event()
+    with stager.lend() as scratch:
+        assert scratch is not None and scratch.numel() >= 4000
+        t = threading.Thread(target=lambda: (stager.stage({"x": torch.zeros(1000)}), done.set()))
+        t.start()
+        assert not done.wait(0.2)
+    t.join(5)
+    assert done.is_set()
+
+
+def test_restore_after_a_save_reads_into_the_live_tensors(tmp_path, saved):
+    """With an arena, the large parameters and optimizer state keep their memory and get the saved values."""
+    step_dir, src_model, src_opt, name = saved
+    model, opt = _wide(1, name)
+    ptrs = {id(t): t.data_ptr() for t in _tensors(model, opt) if t.numel() * t.element_size() >= MIN_IN_PLACE_BYTES}
+    versions = {id(p): p._version for p in model.parameters()}
+    with _restorer(tmp_path, model, opt) as mgr:
+        mgr.restore(TrainState(model=model, optimizer=opt, dataloader=_Loader()), path=step_dir)
+    assert ptrs and all(t.data_ptr() == ptrs[id(t)] for t in _tensors(model, opt) if id(t) in ptrs)
+    assert all(p._version > versions[id(p)] for p in model.parameters() if id(p) in ptrs)  # as copy_ would
+    assert_same(model.state_dict(), src_model.state_dict())
+    assert_same(opt.state_dict(), src_opt.state_dict())
+
+
+def _flip_last_file(step_dir):
+    last = sorted(step_dir.glob("*.distcp"))[-1]
+    raw = bytearray(last.read_bytes())
+    raw[-len(raw) // 3] ^= 0x04
+    last.write_bytes(bytes(raw))
+
+
+@pytest.mark.parametrize("readers", [1, 2])
+@pytest.mark.parametrize("fault", ["crc", "after_read", "interrupt", "component"])
+def test_failed_in_place_restore_leaves_the_live_state_exactly_as_it_was(tmp_path, saved, monkeypatch, fault, readers):
+    """Whatever fails after bytes were read into live tensors, every one gets its old bytes back."""
+    step_dir, _, _, name = saved
+    monkeypatch.setattr(direct_mod, "_READERS", readers)
+    model, opt = _wide(1, name)
+    mgr = _restorer(tmp_path, model, opt)
+    error: type[BaseException] = ValueError
+    if fault == "crc":
+        _flip_last_file(step_dir)
+        error = CheckpointCorruptError
+    elif fault == "after_read":
+        real_load = restore_mod.load_direct
+
+        def load_then_fail(*args, **kwargs):
+            real_load(*args, **kwargs)
+            raise OSError("disk went away mid-read")
+
+        monkeypatch.setattr(restore_mod, "load_direct", load_then_fail)
+        error = OSError
+    elif fault == "interrupt":
+        real_into, calls = direct_mod._FileReader.into, []
+
+        def into_then_interrupt(self, view):
+            real_into(self, view)
+            calls.append(view.nbytes)
+            if view.nbytes >= MIN_IN_PLACE_BYTES and len([n for n in calls if n >= MIN_IN_PLACE_BYTES]) == 2:
+                raise KeyboardInterrupt
+
+        monkeypatch.setattr(direct_mod._FileReader, "into", into_then_interrupt)
+        error = KeyboardInterrupt
+    before = (copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()))
+    ptrs = [t.data_ptr() for t in _tensors(model, opt)]
+    versions = [p._version for p in model.parameters()]
+    with mgr, pytest.raises(error):
+        mgr.restore(TrainState(model=model, optimizer=opt, dataloader=_Loader(fail=fault == "component")),
+                    path=step_dir)
+    assert_same(model.state_dict(), before[0])
+    assert_same(opt.state_dict(), before[1])
+    assert [t.data_ptr() for t in _tensors(model, opt)] == ptrs
+    if fault != "component":  # nothing reached the live state's own load_state_dict
+        assert [p._version for p in model.parameters()] == versions
+
+
+def test_record_placed_then_refused_is_put_back_and_loaded_by_dcp(tmp_path, saved, monkeypatch):
+    """A tensor whose bytes went in place but whose record trailer differs is put back, then loaded by DCP."""
+    step_dir, src_model, src_opt, name = saved
+    real = direct_mod.record_framing
+
+    def odd_trailer(target):
+        head, tail = real(target)
+        if target.numel() * target.element_size() >= MIN_IN_PLACE_BYTES:
+            tail = bytes([tail[0] ^ 1]) + tail[1:]
+        return head, tail
+
+    monkeypatch.setattr(direct_mod, "record_framing", odd_trailer)
+    model, opt = _wide(1, name)
+    with _restorer(tmp_path, model, opt) as mgr:
+        mgr.restore(TrainState(model=model, optimizer=opt, dataloader=_Loader()), path=step_dir)
+    assert_same(model.state_dict(), src_model.state_dict())
+    assert_same(opt.state_dict(), src_opt.state_dict())
+
+
+def test_a_save_after_an_in_place_restore_saves_the_restored_values(tmp_path, saved):
+    """The arena lent to the restore is staged afresh by the next save: the checkpoint holds the live values."""
+    step_dir, src_model, src_opt, name = saved
+    model, opt = _wide(1, name)
+    with _restorer(tmp_path, model, opt) as mgr:
+        mgr.restore(TrainState(model=model, optimizer=opt, dataloader=_Loader()), path=step_dir)
+        mgr.save(2, TrainState(model=model, optimizer=opt, dataloader=_Loader())).wait()
+    fresh_model, fresh_opt = _wide(2, name)
+    with CheckpointManager(tmp_path / "live") as mgr:
+        assert mgr.restore(TrainState(model=fresh_model, optimizer=fresh_opt, dataloader=_Loader())) == 2
+    assert_same(fresh_model.state_dict(), src_model.state_dict())
+    assert_same(fresh_opt.state_dict(), src_opt.state_dict())
+
+
+def test_arena_smaller_than_the_state_restores_part_in_place(tmp_path, saved):
+    """An arena holding only the model's bytes: those go in place, optimizer state into new buffers, all exact."""
+    step_dir, src_model, src_opt, name = saved
+    model, opt = _wide(1, name)
+    with CheckpointManager(tmp_path / "live") as mgr:
+        mgr.save(1, {"w": torch.zeros(768, 1024)}).wait()  # an arena the size of one weight matrix
+        ptr = model[0].weight.data_ptr()
+        mgr.restore(TrainState(model=model, optimizer=opt, dataloader=_Loader()), path=step_dir)
+    assert model[0].weight.data_ptr() == ptr
+    assert_same(model.state_dict(), src_model.state_dict())
+    assert_same(opt.state_dict(), src_opt.state_dict())
+
+
+def test_tied_weights_restored_with_an_arena_stay_tied_and_exact(tmp_path):
+    """Two names for one weight are never written in place (their memory overlaps); the values are exact."""
+    def tied(seed):
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(torch.nn.Embedding(512, 256), torch.nn.Linear(256, 512, bias=False))
+        model[1].weight = model[0].weight
+        opt = torch.optim.Adam(model.parameters(), lr=0.1)
+        model(torch.tensor([1, 2, 3])).pow(2).mean().backward()
+        opt.step()
+        return model, opt
+
+    source, source_opt = tied(0)
+    with CheckpointManager(tmp_path / "src") as mgr:
+        mgr.save(1, TrainState(model=source, optimizer=source_opt)).wait()
+    model, opt = tied(1)
+    weight = model[0].weight
+    with CheckpointManager(tmp_path / "live") as mgr:
+        mgr.save(1, TrainState(model=model, optimizer=opt)).wait()
+        mgr.restore(TrainState(model=model, optimizer=opt), path=next((tmp_path / "src").glob("step_*")))
+    assert model[0].weight is weight and model[1].weight is weight
+    assert torch.equal(weight.detach(), source[0].weight.detach())
+    assert_same(opt.state_dict(), source_opt.state_dict())
+
+
+@pytest.mark.slow
+def test_in_place_restore_with_a_process_writer_arena(tmp_path, saved):
+    """The shared-memory arena of persist='process' serves as the undo log; a later save is exact."""
+    step_dir, src_model, src_opt, name = saved
+    model, opt = _wide(1, name)
+    with CheckpointManager(tmp_path / "live", persist="process") as mgr:
+        mgr.save(1, TrainState(model=model, optimizer=opt, dataloader=_Loader())).wait()
+        ptr = model[0].weight.data_ptr()
+        mgr.restore(TrainState(model=model, optimizer=opt, dataloader=_Loader()), path=step_dir)
+        assert model[0].weight.data_ptr() == ptr
+        mgr.save(2, TrainState(model=model, optimizer=opt, dataloader=_Loader())).wait()
+    fresh_model, fresh_opt = _wide(2, name)
+    with CheckpointManager(tmp_path / "live") as mgr:
+        assert mgr.restore(TrainState(model=fresh_model, optimizer=fresh_opt, dataloader=_Loader())) == 2
+    assert_same(fresh_model.state_dict(), src_model.state_dict())
+    assert_same(fresh_opt.state_dict(), src_opt.state_dict())
+
+
+@pytest.mark.parametrize("corrupt", [False, True])
+def test_plain_dict_with_views_of_one_buffer_restores_in_place_or_changes_nothing(tmp_path, corrupt):
+    """Two disjoint views of one buffer in a plain dict: read in place (exact), or untouched when a file is bad."""
+    saved = {"a": torch.randn(BIG), "b": torch.randn(BIG), "c": torch.randn(3 * BIG)}
+    with CheckpointManager(tmp_path / "src", thread_count=2) as mgr:
+        mgr.save(1, saved).wait()
+    step_dir = next((tmp_path / "src").glob("step_*"))
+    if corrupt:
+        _flip_last_file(step_dir)
+    base = torch.zeros(2 * BIG)
+    live = {"a": base[:BIG], "b": base[BIG:], "c": torch.full((3 * BIG,), 5.0)}
+    before = {k: v.clone() for k, v in live.items()}
+    ptrs = {k: v.data_ptr() for k, v in live.items()}
+    with CheckpointManager(tmp_path / "live") as mgr:
+        mgr.save(1, live).wait()
+        if corrupt:
+            with pytest.raises(CheckpointCorruptError):
+                mgr.restore(live, path=step_dir)
+        else:
+            mgr.restore(live, path=step_dir)
+    expected = before if corrupt else saved
+    assert all(torch.equal(live[k], expected[k]) for k in saved)
+    assert {k: v.data_ptr() for k, v in live.items()} == ptrs
+    assert torch.equal(base, torch.cat([expected["a"], expected["b"]]))
