@@ -11,6 +11,7 @@ import torch
 import torch_ckpt.direct_read as direct_mod
 import torch_ckpt.restore as restore_mod
 from tests.test_optim_state import assert_same
+from tests.test_restore import _Loader
 from torch_ckpt import CheckpointCorruptError, CheckpointManager, TrainState
 from torch_ckpt.restore_targets import MIN_IN_PLACE_BYTES, Preparer, UndoLog, in_place_keys
 from torch_ckpt.staging import HostStager
@@ -34,19 +35,6 @@ def _wide(seed: int, optimizer: str = "adam"):
     opt.step()
     opt.zero_grad()
     return model, opt
-
-
-class _Loader:
-    def __init__(self, fail: bool = False) -> None:
-        self.fail, self.position = fail, 0
-
-    def state_dict(self):
-        return {"position": self.position}
-
-    def load_state_dict(self, sd):
-        if self.fail:
-            raise ValueError("loader refuses this state")
-        self.position = sd["position"]
 
 
 def _tensors(model, opt) -> list[torch.Tensor]:
@@ -240,12 +228,16 @@ def test_record_placed_then_refused_is_put_back_and_loaded_by_dcp(tmp_path, save
     assert_same(opt.state_dict(), src_opt.state_dict())
 
 
-def test_a_save_after_an_in_place_restore_saves_the_restored_values(tmp_path, saved):
-    """The arena lent to the restore is staged afresh by the next save: the checkpoint holds the live values."""
+@pytest.mark.parametrize("persist", ["thread", pytest.param("process", marks=pytest.mark.slow)])
+def test_a_save_after_an_in_place_restore_saves_the_restored_values(tmp_path, saved, persist):
+    """The arena (shared memory for persist='process') lent to the restore is staged afresh by the next save."""
     step_dir, src_model, src_opt, name = saved
     model, opt = _wide(1, name)
-    with _restorer(tmp_path, model, opt) as mgr:
+    with CheckpointManager(tmp_path / "live", persist=persist) as mgr:
+        mgr.save(1, TrainState(model=model, optimizer=opt, dataloader=_Loader())).wait()
+        ptr = model[0].weight.data_ptr()
         mgr.restore(TrainState(model=model, optimizer=opt, dataloader=_Loader()), path=step_dir)
+        assert model[0].weight.data_ptr() == ptr  # read in place
         mgr.save(2, TrainState(model=model, optimizer=opt, dataloader=_Loader())).wait()
     fresh_model, fresh_opt = _wide(2, name)
     with CheckpointManager(tmp_path / "live") as mgr:
@@ -289,24 +281,6 @@ def test_tied_weights_restored_with_an_arena_stay_tied_and_exact(tmp_path):
     assert model[0].weight is weight and model[1].weight is weight
     assert torch.equal(weight.detach(), source[0].weight.detach())
     assert_same(opt.state_dict(), source_opt.state_dict())
-
-
-@pytest.mark.slow
-def test_in_place_restore_with_a_process_writer_arena(tmp_path, saved):
-    """The shared-memory arena of persist='process' serves as the undo log; a later save is exact."""
-    step_dir, src_model, src_opt, name = saved
-    model, opt = _wide(1, name)
-    with CheckpointManager(tmp_path / "live", persist="process") as mgr:
-        mgr.save(1, TrainState(model=model, optimizer=opt, dataloader=_Loader())).wait()
-        ptr = model[0].weight.data_ptr()
-        mgr.restore(TrainState(model=model, optimizer=opt, dataloader=_Loader()), path=step_dir)
-        assert model[0].weight.data_ptr() == ptr
-        mgr.save(2, TrainState(model=model, optimizer=opt, dataloader=_Loader())).wait()
-    fresh_model, fresh_opt = _wide(2, name)
-    with CheckpointManager(tmp_path / "live") as mgr:
-        assert mgr.restore(TrainState(model=fresh_model, optimizer=fresh_opt, dataloader=_Loader())) == 2
-    assert_same(fresh_model.state_dict(), src_model.state_dict())
-    assert_same(fresh_opt.state_dict(), src_opt.state_dict())
 
 
 @pytest.mark.parametrize("corrupt", [False, True])
