@@ -436,9 +436,9 @@ def test_inference_mode_live_tensors_are_refused_before_any_write(tmp_path):
     assert not live["big"].any() and not live["small"].any()
 
 
-def _tied(seed: int):
+def _tied(seed: int, vocab: int = 10, dim: int = 4):
     torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 10, bias=False))
+    model = torch.nn.Sequential(torch.nn.Embedding(vocab, dim), torch.nn.Linear(dim, vocab, bias=False))
     model[1].weight = model[0].weight
     opt = torch.optim.Adam(model.parameters(), lr=0.1)
     model(torch.tensor([1, 2, 3])).pow(2).mean().backward()

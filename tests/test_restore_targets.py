@@ -11,7 +11,7 @@ import torch
 import torch_ckpt.direct_read as direct_mod
 import torch_ckpt.restore as restore_mod
 from tests.test_optim_state import assert_same
-from tests.test_restore import _Loader
+from tests.test_restore import _Loader, _tied
 from torch_ckpt import CheckpointCorruptError, CheckpointManager, TrainState
 from torch_ckpt.restore_targets import MIN_IN_PLACE_BYTES, Preparer, UndoLog, in_place_keys
 from torch_ckpt.staging import HostStager
@@ -261,19 +261,10 @@ def test_arena_smaller_than_the_state_restores_part_in_place(tmp_path, saved):
 
 def test_tied_weights_restored_with_an_arena_stay_tied_and_exact(tmp_path):
     """Two names for one weight are never written in place (their memory overlaps); the values are exact."""
-    def tied(seed):
-        torch.manual_seed(seed)
-        model = torch.nn.Sequential(torch.nn.Embedding(512, 256), torch.nn.Linear(256, 512, bias=False))
-        model[1].weight = model[0].weight
-        opt = torch.optim.Adam(model.parameters(), lr=0.1)
-        model(torch.tensor([1, 2, 3])).pow(2).mean().backward()
-        opt.step()
-        return model, opt
-
-    source, source_opt = tied(0)
+    source, source_opt = _tied(0, 512, 256)
     with CheckpointManager(tmp_path / "src") as mgr:
         mgr.save(1, TrainState(model=source, optimizer=source_opt)).wait()
-    model, opt = tied(1)
+    model, opt = _tied(1, 512, 256)
     weight = model[0].weight
     with CheckpointManager(tmp_path / "live") as mgr:
         mgr.save(1, TrainState(model=model, optimizer=opt)).wait()
