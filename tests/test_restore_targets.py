@@ -298,3 +298,42 @@ def test_plain_dict_with_views_of_one_buffer_restores_in_place_or_changes_nothin
     assert all(torch.equal(live[k], expected[k]) for k in saved)
     assert {k: v.data_ptr() for k, v in live.items()} == ptrs
     assert torch.equal(base, torch.cat([expected["a"], expected["b"]]))
+
+
+class _OwnLoad:
+    """A Stateful whose load_state_dict keeps its own "frozen" tensor (a user's choice the restore must respect)."""
+
+    def __init__(self) -> None:
+        self.frozen, self.trained = torch.zeros(BIG), torch.zeros(BIG)
+
+    def state_dict(self):
+        return {"frozen": self.frozen, "trained": self.trained}
+
+    def load_state_dict(self, sd):
+        self.trained.copy_(sd["trained"])
+
+
+def test_a_stateful_without_load_in_place_is_never_written_in_place(tmp_path):
+    """Only states that say so (TrainState, plain dicts) are read into directly: others decide in load_state_dict."""
+    with CheckpointManager(tmp_path / "src") as mgr:
+        mgr.save(1, {"frozen": torch.ones(BIG), "trained": torch.full((BIG,), 2.0)}).wait()
+    state = _OwnLoad()
+    with CheckpointManager(tmp_path / "live") as mgr:
+        mgr.save(1, state).wait()
+        mgr.restore(state, path=next((tmp_path / "src").glob("step_*")))
+    assert not state.frozen.any() and torch.equal(state.trained, torch.full((BIG,), 2.0))
+
+
+def test_train_state_extras_are_replaced_not_written_in_place(tmp_path):
+    """TrainState replaces its extras on load: a tensor the caller holds from the old extras keeps its values."""
+    src_model, src_opt = _wide(0)
+    with CheckpointManager(tmp_path / "src") as mgr:
+        mgr.save(1, TrainState(model=src_model, optimizer=src_opt, extras={"t": torch.ones(BIG)})).wait()
+    model, opt = _wide(1)
+    held = torch.zeros(BIG)
+    state = TrainState(model=model, optimizer=opt, extras={"t": held})
+    with CheckpointManager(tmp_path / "live") as mgr:
+        mgr.save(1, state).wait()
+        mgr.restore(state, path=next((tmp_path / "src").glob("step_*")))
+    assert not held.any() and torch.equal(state.extras["t"], torch.ones(BIG))
+    assert_same(model.state_dict(), src_model.state_dict())

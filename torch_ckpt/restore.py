@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-from collections.abc import Iterator, Mapping, MutableMapping
+from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
@@ -150,7 +150,10 @@ def load_into(state: Any, step_dir: Path, manifest: Manifest, ctx: DistContext, 
     (structural checks on the nested checkpoint state, whose tensors are meta tensors), and a
     fourth, ``load_session()``: a context manager held around the whole restore, from
     ``state_dict()`` to ``load_state_dict()``, within which the state may reuse work its hooks
-    share (TrainState computes its parameter names once). A state
+    share (TrainState computes its parameter names once); and a fifth, ``load_in_place(key) -> bool``:
+    True when writing the checkpoint's value straight into the tensor ``state_dict()`` returned for
+    ``key`` is exactly what its ``load_state_dict`` would end up doing (such keys may be read in
+    place when ``scratch`` is given; plain dicts count as True for every key). A state
     with ``load_state_dict`` receives the new buffers (moved to its tensors' devices when those are
     not CPU) and copies them itself, so a ``load_state_dict`` that refuses them changes nothing it
     did not change itself; with DTensors and no ``check_load``, and for a plain dict, the buffers
@@ -227,8 +230,9 @@ def _load_into(state: Any, step_dir: Path, manifest: Manifest, ctx: DistContext,
 
     undo = None
     if direct and scratch is not None:  # live tensors read in place, backed up in the scratch memory first
+        allowed = _in_place_policy(state)
         keys = in_place_keys(live_tensors, {k: (t.dtype, tuple(t.shape)) for k, t in targets.items()
-                                            if k in live_tensors}, scratch.numel())
+                                            if k in live_tensors and allowed(k)}, scratch.numel())
         if keys:
             undo = UndoLog(scratch, {k: live_tensors[k] for k in keys})
             targets.update(undo.tensors)
@@ -241,6 +245,21 @@ def _load_into(state: Any, step_dir: Path, manifest: Manifest, ctx: DistContext,
         raise
     if undo is not None:
         undo.bump_versions()
+
+
+def _in_place_policy(state: Any) -> Callable[[str], bool]:
+    """Which keys' live tensors may be read into directly: where that is exactly what the load would do.
+
+    A state says so with ``load_in_place(key) -> bool`` (:class:`~torch_ckpt.TrainState`: parameters,
+    buffers and optimizer state); a plain dict's tensors are all written in place anyway; any other
+    state decides in its own ``load_state_dict`` what happens to each value, so none of its keys.
+    """
+    ask = getattr(state, "load_in_place", None)
+    if callable(ask):
+        return ask
+    if not hasattr(state, "load_state_dict") and isinstance(state, MutableMapping):
+        return lambda key: True
+    return lambda key: False
 
 
 def _read_and_write(state: Any, step_dir: Path, manifest: Manifest, md: Any, ctx: DistContext,

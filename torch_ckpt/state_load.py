@@ -108,6 +108,17 @@ class TrainStateLoadMixin:
         """True for optimizer-state tensors: a parameter may have state on one side only (no step yet)."""
         return self._optim_key(key) is not None
 
+    def load_in_place(self, key: str) -> bool:
+        """True for keys whose live tensor (from :meth:`state_dict`) :meth:`load_state_dict` writes in place.
+
+        That is parameters and buffers (copied into, unless DCP options make the live values copies)
+        and optimizer state the optimizer already has (kept, holding the loaded values); not the
+        scheduler, scaler, RNG, dataloader or extras, whose values are replaced.
+        """
+        if self._optim_key(key) is not None:
+            return True
+        return key.startswith("model.") and not (self._options.full_state_dict or self._options.cpu_offload)
+
     def load_target(self, key: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
         """A new tensor, placed where the optimizer keeps it, for optimizer-state ``key``; None for other keys."""
         parts = self._optim_key(key)

@@ -111,6 +111,23 @@ def test_load_state_twice_is_harmless(tmp_path):
     assert bitwise(resumed) == bitwise(reference[5:])
 
 
+def test_load_state_in_the_process_that_saved_reads_in_place_and_resumes_exactly(tmp_path, monkeypatch):
+    """load_state() after save_state() in one process reads into the live tensors (undo log) and resumes exactly."""
+    import torch_ckpt.restore_targets as targets
+
+    monkeypatch.setattr(targets, "MIN_IN_PLACE_BYTES", 1)  # every tensor of the tiny model goes in place
+    run = make_run(tmp_path)
+    reference = train(run, 0, 12, save_at=(5, 8))
+    live = [*run.model.parameters(), *(t for s in run.optimizer.optimizer.state.values() for t in s.values()
+                                       if t.dim())]
+    ptrs = [t.data_ptr() for t in live]
+    run.accelerator.load_state(str(tmp_path / "checkpoints" / "checkpoint_0"))  # step 5
+    assert [t.data_ptr() for t in live] == ptrs
+    resumed = train(run, run.ckpt.step, 12)
+    run.ckpt.close()
+    assert bitwise(resumed) == bitwise(reference[5:])
+
+
 def _scaled_steps(run, scaler, n: int, overflow_at: int) -> None:
     for i in range(n):
         x = torch.randn(4, 4)
