@@ -102,7 +102,7 @@ RSIZE=1; [ "$SIZE" = 0.25 ] && RSIZE=0.25
 RDEV=cuda; "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' || RDEV=cpu
 section "restore benchmark: ${RSIZE} GiB into a model on $RDEV, 2 reps"
 timeout 180 "$PY" benchmarks/restore.py --size-gib "$RSIZE" --reps 2 --device "$RDEV" \
-  --methods ours,ours_noverify,torch_load,dcp_load \
+  --methods ours,ours_fresh,ours_noverify,torch_load,dcp_load \
   --json "$OUT/restore.json" >/dev/null 2> >(tee "$OUT/restore.log" >&2)
 rc=$?
 [ "$rc" = 0 ] || bad "restore.py exited $rc"
