@@ -245,3 +245,61 @@ def test_parameter_names_are_recomputed_after_the_model_changes_between_loads(mo
     state.load_state_dict(sd)
     state.load_state_dict(sd)
     assert calls == [model, model]
+
+
+def _rollback_run(root, caplog, *, restore_inside_loop: bool):
+    """Save after batch 1, take batches 2-3, restore step 1 (inside the loop or after leaving it); the next batches."""
+    import logging
+
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    from torch_ckpt import CheckpointManager
+
+    loader = StatefulDataLoader(torch.arange(16), batch_size=2)
+    state = TrainState(dataloader=loader, rng=False)
+    caplog.set_level(logging.WARNING, logger="torch_ckpt")
+    with CheckpointManager(root) as mgr:
+        it = iter(loader)
+        next(it)
+        mgr.save(1, state)
+        next(it), next(it)
+        if not restore_inside_loop:
+            it = None
+        mgr.restore(state, step=1)
+        running = next(it).tolist() if it is not None else None
+        fresh = next(iter(loader)).tolist()
+    return running, fresh, [r.getMessage() for r in caplog.records if "being iterated" in r.getMessage()]
+
+
+def test_restore_while_the_loader_is_iterated_warns_that_the_running_iterator_keeps_its_position(tmp_path, caplog):
+    """A restore inside a loop over the loader warns; the old iterator goes on, a new iter() starts at the restore."""
+    running, fresh, warned = _rollback_run(tmp_path / "ckpt", caplog, restore_inside_loop=True)
+    assert running == [6, 7] and fresh == [2, 3]
+    assert len(warned) == 1 and "start a new `for batch in loader`" in warned[0]
+
+
+def test_restore_after_leaving_the_loop_does_not_warn(tmp_path, caplog):
+    """A restore once nothing holds the loader's unfinished iterator any more (the loop was left) is silent."""
+    _running, fresh, warned = _rollback_run(tmp_path / "ckpt", caplog, restore_inside_loop=False)
+    assert fresh == [2, 3] and not warned
+
+
+@pytest.mark.parametrize("case", ["never iterated", "epoch finished", "made by state_dict()", "loop left"])
+def test_iteration_in_progress_is_false_without_a_running_iterator(case):
+    """No iterator, a finished one, the one state_dict() makes, or one only the loader refers to: not in progress."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    from torch_ckpt.state_load import iteration_in_progress
+
+    loader = StatefulDataLoader(torch.arange(8), batch_size=2)
+    if case == "epoch finished":
+        list(loader)
+    elif case == "made by state_dict()":
+        loader.state_dict()
+    elif case == "loop left":
+        for _ in loader:
+            break
+    assert not iteration_in_progress(loader)
+    it = iter(loader)
+    next(it)
+    assert iteration_in_progress(loader)

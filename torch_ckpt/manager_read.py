@@ -126,6 +126,9 @@ class ManagerReadMixin:
         When the restored step is older than the newest committed one (an explicit older ``step``, or
         a fallback), the newer checkpoints are moved aside at the next :meth:`save` (kept as hidden
         ``.superseded_step_N.<time>`` directories), so training can continue from the restored step.
+        A ``StatefulDataLoader`` takes its restored position at the next ``iter(loader)``: a loop
+        already iterating it goes on from its old position (a warning says so), so leave that loop
+        and start a new one.
 
         Returns:
             The restored step (the manifest's), or None when neither ``step`` nor ``path`` is given

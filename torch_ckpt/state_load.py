@@ -11,6 +11,7 @@ the state and captures it.
 from __future__ import annotations
 
 import copy
+import sys
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from functools import partial
@@ -33,7 +34,7 @@ from torch_ckpt.optim_state import (
 from torch_ckpt.restore import copy_into_live
 from torch_ckpt.rng import capture_rng_state, check_rng_state, restore_rng_state
 
-__all__ = ["TrainStateLoadMixin"]
+__all__ = ["TrainStateLoadMixin", "iteration_in_progress"]
 
 log = get_logger("torch_ckpt.state")
 
@@ -52,6 +53,23 @@ def _optimizer_undo(opt: torch.optim.Optimizer) -> Any:
     def undo() -> None:
         opt.state, opt.param_groups = state, groups
     return undo
+
+
+def iteration_in_progress(loader: Any) -> bool:
+    """True when an unfinished iterator of ``loader`` (torchdata's ``StatefulDataLoader``) is still held elsewhere.
+
+    ``StatefulDataLoader.load_state_dict`` sets the position of the *next* ``iter(loader)`` and forgets
+    the current iterator, which keeps yielding from its old position to whoever holds it: a ``for``
+    loop still running over the loader, or a variable. An iterator only the loader refers to (the
+    loop was left) is harmless. The attributes are torchdata's own (0.11); a loader without them
+    (another stateful loader, an adapter's wrapper) gives False.
+    """
+    it = getattr(loader, "_iterator", None)
+    if it is None or getattr(it, "_finished", True) is not False \
+            or getattr(loader, "_initial_iter_for_state_dict", True) is not False:  # True: made by state_dict()
+        return False
+    refs = getattr(sys, "getrefcount", None)  # the loader's attribute, ``it`` and the call's argument: 3
+    return refs is None or refs(it) > 3
 
 
 class TrainStateLoadMixin:
@@ -225,8 +243,14 @@ class TrainStateLoadMixin:
                 undo.append(partial(restore_rng_state, capture_rng_state()))
                 restore_rng_state(state_dict["rng"])
             if self._dataloader is not None:
+                running = iteration_in_progress(self._dataloader)  # before state_dict(), which may create one
                 undo.append(partial(self._dataloader.load_state_dict, copy.deepcopy(self._dataloader.state_dict())))
                 self._dataloader.load_state_dict(state_dict["dataloader"])
+                if running:
+                    log.warning("restore: the dataloader was being iterated; its restored position applies to the "
+                                "next iter(loader), but the iterator already running keeps yielding from where it "
+                                "was, and the loader's state_dict() (so the next save) no longer follows it. Leave "
+                                "that loop and start a new `for batch in loader` before training on")
         except BaseException:
             for fn in reversed(undo):
                 try:
