@@ -337,3 +337,21 @@ def test_train_state_extras_are_replaced_not_written_in_place(tmp_path):
         mgr.restore(state, path=next((tmp_path / "src").glob("step_*")))
     assert not held.any() and torch.equal(state.extras["t"], torch.ones(BIG))
     assert_same(model.state_dict(), src_model.state_dict())
+
+
+@pytest.mark.parametrize("after_a_save", [True, False])
+def test_restore_logs_whether_it_read_in_place(tmp_path, saved, caplog, after_a_save):
+    """An INFO line says how many tensors were read in place after a save, and why none were in a fresh manager."""
+    import logging
+
+    step_dir, _src_model, _src_opt, name = saved
+    model, opt = _wide(1, name)
+    caplog.set_level(logging.INFO, logger="torch_ckpt")
+    with _restorer(tmp_path, model, opt) if after_a_save else CheckpointManager(tmp_path / "fresh") as mgr:
+        mgr.restore(TrainState(model=model, optimizer=opt, dataloader=_Loader()), path=step_dir)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("restore: ")]
+    assert len(lines) == 1
+    if after_a_save:
+        assert " read in place, backed up in the staging arena" in lines[0] and not lines[0].startswith("restore: 0 ")
+    else:
+        assert "new buffers (no staging arena" in lines[0]

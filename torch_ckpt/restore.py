@@ -245,6 +245,23 @@ def _load_into(state: Any, step_dir: Path, manifest: Manifest, ctx: DistContext,
         raise
     if undo is not None:
         undo.bump_versions()
+    if direct:
+        _log_memory_used(undo, scratch, len(targets))
+
+
+def _log_memory_used(undo: UndoLog | None, scratch: torch.Tensor | None, count: int) -> None:
+    """Say (INFO) how many of a single-process restore's ``count`` tensors were read in place, and why none were."""
+    if undo is not None and undo.tensors:
+        mib = sum(t.numel() * t.element_size() for t in undo.tensors.values()) / 2**20
+        log.info("restore: %d live tensors (%.1f MiB) read in place, backed up in the staging arena; %d into "
+                 "new buffers", len(undo.tensors), mib, count - len(undo.tensors))
+    elif scratch is None:
+        log.info("restore: %d tensors read into new buffers (no staging arena to read in place with: this "
+                 "manager has not saved in this process, or its saves exceeded staging_budget_bytes)", count)
+    else:
+        log.info("restore: %d tensors read into new buffers (none of the live tensors can be read in place: "
+                 "CPU, at least 256 KiB, alone in its memory, fitting in the staging arena, marked by the state's "
+                 "load_in_place)", count)
 
 
 def _in_place_policy(state: Any) -> Callable[[str], bool]:
