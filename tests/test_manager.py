@@ -546,3 +546,45 @@ def test_dict_with_any_supported_key_type_restores_through_the_manager(tmp_path,
         assert mgr.restore(live) == 1
     (got,) = [k for k in live.extras["counts"] if k != "plain"]
     assert got == key and type(got) is type(key)
+
+
+def test_leaving_the_block_on_ctrl_c_says_it_waits_for_the_save_in_flight(tmp_path, monkeypatch):
+    """A KeyboardInterrupt leaving the block with a save in flight logs that it waits for that step; it commits."""
+    import logging
+
+    real = persist_mod.persist_checkpoint
+    release = threading.Event()  # the persist is held until the warning has been logged
+
+    def held(req, ctx):
+        assert release.wait(30), "no warning was logged while the save was in flight"
+        return real(req, ctx)
+
+    class Release(logging.Handler):
+        def emit(self, record):
+            if "waiting for the save of step 1" in record.getMessage():
+                release.set()
+
+    monkeypatch.setattr("torch_ckpt.checkpointer.persist_checkpoint", held)
+    handler = Release(level=logging.WARNING)
+    logging.getLogger("torch_ckpt.manager").addHandler(handler)
+    try:
+        with pytest.raises(KeyboardInterrupt), CheckpointManager(tmp_path) as mgr:
+            mgr.save(1, {"w": torch.ones(4)})
+            raise KeyboardInterrupt
+    finally:
+        logging.getLogger("torch_ckpt.manager").removeHandler(handler)
+        release.set()
+    assert mgr.all_steps() == [1]
+
+
+def test_leaving_the_block_normally_or_with_nothing_in_flight_does_not_warn(tmp_path, caplog):
+    """No interrupt, or an interrupt once the save has committed: no 'waiting for the save' line."""
+    import logging
+
+    caplog.set_level(logging.WARNING, logger="torch_ckpt")
+    with CheckpointManager(tmp_path / "a") as mgr:
+        mgr.save(1, {"w": torch.ones(4)})
+    with pytest.raises(KeyboardInterrupt), CheckpointManager(tmp_path / "b") as mgr:
+        mgr.save(1, {"w": torch.ones(4)}).wait()
+        raise KeyboardInterrupt
+    assert not [r for r in caplog.records if "waiting for the save" in r.getMessage()]

@@ -209,6 +209,11 @@ class CheckpointManager(ManagerPrepareMixin, ManagerCommitMixin, ManagerReadMixi
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
+        inflight = self._ckpt.in_flight if exc_type is not None and issubclass(exc_type, KeyboardInterrupt) else None
+        if inflight is not None:  # else a Ctrl-C seems to hang for as long as the write takes
+            log.warning("interrupted: waiting for the save of step %d to commit before exiting (another Ctrl-C "
+                        "does not cancel it; kill -9 does, and leaves the committed checkpoints as they are)",
+                        inflight.step)
         close_on_exit(self.close, exc_type)
 
     @property
