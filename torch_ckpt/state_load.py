@@ -68,8 +68,23 @@ def iteration_in_progress(loader: Any) -> bool:
     if it is None or getattr(it, "_finished", True) is not False \
             or getattr(loader, "_initial_iter_for_state_dict", True) is not False:  # True: made by state_dict()
         return False
-    refs = getattr(sys, "getrefcount", None)  # the loader's attribute, ``it`` and the call's argument: 3
-    return refs is None or refs(it) > 3
+    if not hasattr(sys, "getrefcount"):
+        return True
+    del it
+    holder = _Holder()
+    holder._iterator = object()  # referred to by one attribute only: the count of an iterator nobody else holds
+    return _references(loader) > _references(holder)
+
+
+class _Holder:
+    _iterator: object
+
+
+def _references(owner: Any) -> int:
+    """``sys.getrefcount`` of ``owner._iterator``, measured the same way for every owner (so interpreters that
+    borrow references on the stack shift both counts alike)."""
+    it = owner._iterator
+    return sys.getrefcount(it)
 
 
 class TrainStateLoadMixin:
