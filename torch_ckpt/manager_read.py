@@ -118,7 +118,8 @@ class ManagerReadMixin:
         only in the durable tier is downloaded (verified) first. When ``step`` is None, a candidate
         that fails verification is skipped with a warning in favour of the next older one.
 
-        Memory: when this manager has saved in this process, large host tensors (256 KiB or more,
+        Memory: when this manager has saved in this process (a save within ``staging_budget_bytes``:
+        one over it leaves no arena), large host tensors (256 KiB or more,
         alone in their bytes) are read in place, each first copied into the idle staging arena and
         copied back if the restore fails; otherwise, and for the other tensors, the restore reads
         into new host buffers of about the state's size and exchanges or copies them in at the end.
