@@ -119,3 +119,17 @@ def test_pickled_item_is_refused(tmp_path):
     names = {p.name for p in directory.iterdir()}
     with pytest.raises(UnsafeCheckpointError, match="'obj'.*pickled object"):
         load_tensors({"t": torch.ones(2), "obj": None}, directory, read_dcp_metadata(directory / ".metadata"), names)
+
+
+@pytest.mark.parametrize("interrupt", [KeyboardInterrupt, SystemExit])
+def test_interrupt_while_dcp_reads_is_raised_not_called_corruption(saved, monkeypatch, interrupt):
+    """A Ctrl-C inside DCP's reader stays a KeyboardInterrupt (a corrupt error would make restore skip the step)."""
+    import torch_ckpt.dcp_read as dcp_read_mod
+
+    def interrupted(*args, **kwargs):
+        raise interrupt()
+
+    monkeypatch.setattr(dcp_read_mod.SafeFileSystemReader, "read_data", interrupted)
+    directory, tensors, names = saved
+    with pytest.raises(interrupt):
+        load_tensors(empty_like(tensors), directory, read_dcp_metadata(directory / ".metadata"), names)

@@ -188,8 +188,8 @@ def load_tensors(tensors: dict[str, torch.Tensor], step_dir: str | os.PathLike, 
                  no_dist=no_dist)
     except CheckpointException as exc:
         first = unwrap_dcp_error(exc)
-        if isinstance(first, CheckpointError):
-            raise first from None
+        if isinstance(first, CheckpointError) or not isinstance(first, Exception):
+            raise first from None  # ours, or an interrupt (Ctrl-C, SystemExit): not a damaged file
         where = reader.failed_file or str(step_dir)
         raise CheckpointCorruptError(
             f"{where}: tensor data cannot be read ({_first_line(first)}); the file is damaged. Run torch-ckpt "
