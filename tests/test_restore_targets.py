@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import copy
+import signal
 import threading
+import time
 
 import pytest
 import torch
@@ -355,3 +357,62 @@ def test_restore_logs_whether_it_read_in_place(tmp_path, saved, caplog, after_a_
         assert " read in place, backed up in the staging arena" in lines[0] and not lines[0].startswith("restore: 0 ")
     else:
         assert "new buffers (no staging arena" in lines[0]
+
+
+def _wait_for_threads(name: str) -> None:
+    for t in [t for t in threading.enumerate() if t.name == name]:
+        t.join(timeout=10)
+
+
+@pytest.mark.parametrize(("thread", "readers"), [("torch_ckpt_restore", 2), ("torch_ckpt_restore_prepare", 1)])
+def test_interrupt_while_a_helper_thread_starts_changes_nothing(tmp_path, saved, monkeypatch, thread, readers):
+    """A Ctrl-C inside Thread.start() of a reader or backup thread: no thread writes afterwards, nothing changed."""
+    step_dir, _, _, name = saved
+    monkeypatch.setattr(direct_mod, "_READERS", readers)
+    real_start, real_save, fired = threading.Thread.start, UndoLog.save, []
+
+    def start_then_interrupt(self):
+        real_start(self)  # the thread runs: the Ctrl-C lands in start()'s wait for it
+        if self.name == thread and not fired:
+            fired.append(self)
+            raise KeyboardInterrupt
+
+    def slow_save(self, key):
+        time.sleep(0.02)  # a backup still running when restore() has raised
+        real_save(self, key)
+
+    model, opt = _wide(1, name)
+    mgr = _restorer(tmp_path, model, opt)
+    before = (copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()))
+    ptrs = [t.data_ptr() for t in _tensors(model, opt)]
+    monkeypatch.setattr(threading.Thread, "start", start_then_interrupt)
+    monkeypatch.setattr(UndoLog, "save", slow_save)
+    with mgr, pytest.raises(KeyboardInterrupt):
+        mgr.restore(TrainState(model=model, optimizer=opt, dataloader=_Loader()), path=step_dir)
+    assert fired
+    assert not any(t.is_alive() for t in threading.enumerate() if t.name.startswith("torch_ckpt_restore"))
+    _wait_for_threads(thread)  # (were one left running, let it finish before comparing)
+    assert_same(model.state_dict(), before[0])
+    assert_same(opt.state_dict(), before[1])
+    assert [t.data_ptr() for t in _tensors(model, opt)] == ptrs
+
+
+def test_ctrl_c_while_the_live_state_is_written_is_raised_once_it_is_written(tmp_path, monkeypatch):
+    """SIGINT after part of the state is written: the write finishes, then KeyboardInterrupt; never half old."""
+    saved = {"big": torch.randn(4 * BIG), "small": torch.randn(10), "view": torch.randn(2 * BIG)[BIG:]}
+    with CheckpointManager(tmp_path / "src") as mgr:
+        mgr.save(1, saved).wait()
+    live = {"big": torch.zeros(4 * BIG), "small": torch.zeros(10), "view": torch.zeros(2 * BIG)[BIG:]}
+    real = restore_mod.copy_into_live
+
+    def write_then_ctrl_c(*args, **kwargs):
+        real(*args, **kwargs)
+        signal.raise_signal(signal.SIGINT)  # a real Ctrl-C, after the first part of the write
+
+    with CheckpointManager(tmp_path / "live") as mgr:
+        mgr.save(1, live).wait()
+        monkeypatch.setattr(restore_mod, "copy_into_live", write_then_ctrl_c)
+        with pytest.raises(KeyboardInterrupt):
+            mgr.restore(live, path=next((tmp_path / "src").glob("step_*")))
+    assert all(torch.equal(live[k], saved[k]) for k in saved)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

@@ -36,6 +36,7 @@ from torch_ckpt.crc import crc32
 from torch_ckpt.dcp_record import record_framing
 from torch_ckpt.errors import CheckpointCorruptError
 from torch_ckpt.format import open_listed
+from torch_ckpt.interrupts import Launch
 from torch_ckpt.restore_targets import Preparer, UndoLog
 
 __all__ = ["DATA_SUFFIX", "load_direct"]
@@ -286,6 +287,8 @@ def _read_in_threads(read: Any, jobs: list[Any], stop: threading.Event, workers:
 
     Returns only once every thread has finished, even if the caller is interrupted meanwhile (the
     readers then stop at their next chunk and the interrupt is re-raised): nothing writes afterwards.
+    An interrupt while the threads are being started leaves none of them reading
+    (:class:`~torch_ckpt.interrupts.Launch`); the files are then closed here.
     """
     results: list[Any] = [None] * len(jobs)
     todo = list(range(len(jobs)))
@@ -305,11 +308,19 @@ def _read_in_threads(read: Any, jobs: list[Any], stop: threading.Event, workers:
             except BaseException as exc:  # noqa: BLE001 - handed to the caller
                 results[i] = exc
 
-    threads = [threading.Thread(target=worker, name="torch_ckpt_restore", daemon=True) for _ in range(workers)]
-    for t in threads:
-        t.start()
+    launch = Launch([worker] * workers, "torch_ckpt_restore")
     interrupted: BaseException | None = None
-    for t in threads:
+    try:
+        launch.start()
+    except BaseException as exc:  # noqa: BLE001 - re-raised once no reader runs
+        interrupted = exc
+        stop.set()
+    if not launch.working:  # no reader ever ran: the files are still open
+        for job in jobs:
+            os.close(job[2])
+        assert interrupted is not None  # working is False only when start() raised
+        raise interrupted
+    for t in launch.threads:
         while t.is_alive():
             try:
                 t.join()
@@ -358,13 +369,14 @@ def _read_file(fd: int, size: int, path: Path, expected: dict[str, int], entries
                targets: dict[str, torch.Tensor], placeable: set[str], *, verify: bool, undo: UndoLog | None,
                stop: threading.Event) -> set[str]:
     """Read one opened data file (see :func:`load_direct`) and close it; returns the keys placed from it."""
-    crc = _Crc(verify)
-    reader = _FileReader(fd, path, crc, stop)
     placed: set[str] = set()
     items = [(targets[k], k) for _, _, k in entries if k in placeable]
     order = {k: i for i, (_, k) in enumerate(items)}
-    preparer = Preparer(items, undo)  # backs up in-place targets and faults in new ones, ahead of the reader
-    try:
+    crc = reader = preparer = None
+    try:  # (an interrupt while a helper thread starts still closes the file and stops the helpers)
+        crc = _Crc(verify)
+        reader = _FileReader(fd, path, crc, stop)
+        preparer = Preparer(items, undo)  # backs up in-place targets and faults in new ones, ahead of the reader
         for offset, length, key in entries:
             if key not in placeable or offset < reader.pos or offset + length > size:
                 continue  # bytes read (and checksummed) as part of the gaps
@@ -397,7 +409,12 @@ def _read_file(fd: int, size: int, path: Path, expected: dict[str, int], entries
     except OSError as exc:
         raise CheckpointCorruptError(f"{path}: data file cannot be read ({exc.strerror or exc})") from exc
     finally:
-        preparer.close()
-        crc.abandon()
-        reader.close()
+        if preparer is not None:
+            preparer.close()
+        if crc is not None:
+            crc.abandon()
+        if reader is not None:
+            reader.close()
+        else:
+            os.close(fd)
     return placed

@@ -49,6 +49,7 @@ from torch_ckpt.errors import (
 )
 from torch_ckpt.format import read_rank_doc, verify_files
 from torch_ckpt.host_memory import copy_tensors, owners_in, restore_buffers, swap_in
+from torch_ckpt.interrupts import InterruptHold
 from torch_ckpt.layout import Manifest
 from torch_ckpt.restore_plan import local_tensor, plan_restore, staging_like
 from torch_ckpt.restore_targets import UndoLog, in_place_keys
@@ -236,17 +237,20 @@ def _load_into(state: Any, step_dir: Path, manifest: Manifest, ctx: DistContext,
         if keys:
             undo = UndoLog(scratch, {k: live_tensors[k] for k in keys})
             targets.update(undo.tensors)
+    hold = InterruptHold()  # a Ctrl-C while the live state is written is raised once it is written
     try:
         _read_and_write(state, step_dir, manifest, md, ctx, live_tensors, tree, targets, staged_aware,
-                        direct=direct, verify=verify, undo=undo)
+                        direct=direct, verify=verify, undo=undo, hold=hold)
     except BaseException:
         if undo is not None:
             undo.put_back()  # the live tensors read in place hold their old bytes again
+        hold.release()
         raise
     if undo is not None:
         undo.bump_versions()
     if direct:
         _log_memory_used(undo, scratch, len(targets))
+    hold.release()
 
 
 def _log_memory_used(undo: UndoLog | None, scratch: torch.Tensor | None, count: int) -> None:
@@ -281,8 +285,12 @@ def _in_place_policy(state: Any) -> Callable[[str], bool]:
 
 def _read_and_write(state: Any, step_dir: Path, manifest: Manifest, md: Any, ctx: DistContext,
                     live_tensors: dict[str, torch.Tensor], tree: Any, targets: _Targets, staged_aware: bool, *,
-                    direct: bool, verify: bool, undo: UndoLog | None) -> None:
-    """Read every target (checking records and checksums), then write the live state (:func:`_load_into`)."""
+                    direct: bool, verify: bool, undo: UndoLog | None, hold: InterruptHold) -> None:
+    """Read every target (checking records and checksums), then write the live state (:func:`_load_into`).
+
+    ``hold`` is started before the first write to the live state: from there on a Ctrl-C is
+    raised only after the whole state is written (by the caller), never half way.
+    """
     rest = set(targets)
     if direct:
         if rest:
@@ -300,6 +308,7 @@ def _read_and_write(state: Any, step_dir: Path, manifest: Manifest, md: Any, ctx
         load_tensors({k: targets[k] for k in rest}, step_dir, md, set(manifest.files),
                      process_group=ctx.fg if ctx.enabled else None, no_dist=not ctx.enabled)
     # every read succeeded: from here on the live state is written; the new buffers are ours to swap
+    hold.start()
     with restore_buffers(t for k, t in targets.items() if undo is None or k not in undo):
         _write_live(state, live_tensors, tree, targets, staged_aware)
 

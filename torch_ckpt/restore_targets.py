@@ -31,6 +31,8 @@ from typing import Any
 
 import torch
 
+from torch_ckpt.interrupts import Launch
+
 __all__ = ["MIN_IN_PLACE_BYTES", "UndoLog", "Preparer", "in_place_keys"]
 
 #: smaller tensors are read into new buffers (per-tensor bookkeeping would cost more than the faults)
@@ -207,10 +209,14 @@ class Preparer:
         self._error: BaseException | None = None
         self._cond = threading.Condition()
         needed = undo is not None and any(key in undo for _, key in items)
-        self._thread = threading.Thread(target=self._run, name="torch_ckpt_restore_prepare", daemon=True)
+        self._launch = Launch([self._run], "torch_ckpt_restore_prepare")
         self._started = bool(items) and (needed or (POPULATE and MADVISE is not None))
         if self._started:
-            self._thread.start()
+            try:  # interrupted: the helper either never backs anything up or is stopped and joined here
+                self._launch.start()
+            except BaseException:
+                self.close()
+                raise
 
     def _run(self) -> None:
         populate = POPULATE and MADVISE is not None
@@ -249,5 +255,5 @@ class Preparer:
     def close(self) -> None:
         """Stop the helper and wait for it (nothing is written by it afterwards)."""
         self._stop = True
-        if self._started:
-            self._thread.join()
+        if self._started and self._launch.working:
+            self._launch.threads[0].join()
