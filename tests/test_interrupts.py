@@ -62,3 +62,15 @@ def test_hold_leaves_a_custom_sigint_handler_alone():
         assert seen == [1]
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+def test_a_second_ctrl_c_while_one_is_held_is_raised_at_once():
+    """Two SIGINTs while held: the second raises immediately (a hung write can still be stopped)."""
+    hold = InterruptHold()
+    hold.start()
+    signal.raise_signal(signal.SIGINT)
+    with pytest.raises(KeyboardInterrupt):
+        signal.raise_signal(signal.SIGINT)
+    with pytest.raises(KeyboardInterrupt):
+        hold.release()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

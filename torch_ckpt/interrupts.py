@@ -69,7 +69,8 @@ class InterruptHold:
 
     Only on the main thread and only while ``SIGINT`` has Python's default handler (which raises
     ``KeyboardInterrupt``; another handler, e.g. a framework's, is left alone); otherwise both
-    methods do nothing. Other signals are not affected.
+    methods do nothing. Other signals are not affected. A second Ctrl-C while one is held is
+    raised at once, so a write that hangs can still be interrupted.
     """
 
     def __init__(self) -> None:
@@ -77,6 +78,8 @@ class InterruptHold:
         self.held = False
 
     def _handler(self, signum: int, frame: object) -> None:
+        if self.held:  # a second Ctrl-C: the user insists (e.g. a component's load_state_dict hangs)
+            raise KeyboardInterrupt
         self.held = True
 
     def start(self) -> None:
