@@ -511,3 +511,25 @@ def test_plain_dict_state_tensors_keep_their_objects_after_restore(tmp_path):
         mgr.restore(state)
     assert state["w"] is w and state["b"] is b
     assert torch.equal(w, torch.arange(1000.0)) and torch.equal(b, torch.ones(3))
+
+
+@pytest.mark.parametrize("kind", ["dict", "train_state"])
+def test_live_tensor_with_self_overlapping_elements_is_refused_before_any_write(tmp_path, kind):
+    """An expand() view in the live state is a StateMismatchError naming it; no other tensor is written."""
+    def build(value):
+        module = torch.nn.Linear(4, 4)
+        module.register_buffer("grid", torch.full((1, 4), value).expand(8, 4))  # stride 0 over 8 rows
+        torch.nn.init.constant_(module.weight, value)
+        if kind == "dict":
+            return module, {"weight": module.weight.detach(), "grid": module.grid, "x": torch.full((8,), value)}
+        return module, TrainState(model=module)
+
+    _, source = build(1.0)
+    with CheckpointManager(tmp_path / "ck") as mgr:
+        mgr.save(1, {k: v.clone() for k, v in source.items()} if kind == "dict" else source).wait()
+    module, live = build(0.0)
+    before = {k: v.clone() for k, v in (live if kind == "dict" else module.state_dict()).items()}
+    with CheckpointManager(tmp_path / "ck") as mgr, pytest.raises(StateMismatchError, match="grid"):
+        mgr.restore(live)
+    after = live if kind == "dict" else module.state_dict()
+    assert all(torch.equal(after[k], v) for k, v in before.items())

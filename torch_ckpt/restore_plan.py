@@ -77,6 +77,17 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if isinstance(t, DTensor) else t
 
 
+def _overlaps_itself(t: torch.Tensor) -> bool:
+    """True when two elements of ``t`` (a shard, for a DTensor) share memory (a stride 0 over more than one)."""
+    t = local_tensor(t)
+    if t.layout != torch.strided or t.numel() <= 1:
+        return False
+    probe = getattr(torch, "_debug_has_internal_overlap", None)  # 0: no, 1: yes, 2: too hard to tell
+    if probe is not None:
+        return probe(t) == 1
+    return any(st == 0 and n > 1 for n, st in zip(t.shape, t.stride()))
+
+
 def plan_restore(state: Any, step_dir: Path, manifest: Manifest, md: Any, tree: Any, ctx: DistContext, *,
                  on_world_size_change: str, allow_cast: bool
                  ) -> tuple[dict[str, torch.Tensor], Any, dict[str, torch.Tensor], bool]:
@@ -147,6 +158,13 @@ def plan_restore(state: Any, step_dir: Path, manifest: Manifest, md: Any, tree: 
             "allow_cast=True to cast them.", missing=[], unexpected=[])
     check = getattr(state, "check_load", None)
     staged_aware = callable(check)
+    if staged_aware or not hasattr(state, "load_state_dict"):  # the restore itself writes the live tensors
+        overlapping = sorted(k for k, t in live_tensors.items() if k in saved_meta and _overlaps_itself(t))
+        if overlapping:  # copying into them fails half way through the write: refuse before the first write
+            raise StateMismatchError(
+                f"{step_dir}: live tensors whose elements share memory (e.g. expand() views) cannot receive "
+                f"the saved values: {overlapping[:20]}{' ...' if len(overlapping) > 20 else ''}. Put a tensor "
+                "with its own memory (e.g. .clone()) in the state.", missing=[], unexpected=[])
     if staged_aware:
         casts += check(join_state(tree, saved_meta), allow_cast=allow_cast)
 
