@@ -206,3 +206,17 @@ def test_restart_while_the_orphan_is_stopped_never_shares_its_temporary(tmp_path
         assert mgr.restore(state) == 2
     assert state["value"] == 0.75
     assert torch.equal(state["w"], torch.full_like(state["w"], trainer_helper.expected_value(2, 0.75)))
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGUSR1])
+def test_writer_survives_the_signals_a_terminal_or_scheduler_sends_the_whole_group(tmp_path, sig):
+    """Ctrl-C (SIGINT to the process group) or SIGTERM/SIGUSR1 from SLURM: the writer lives, the next save commits."""
+    state = {"w": torch.randn(1 << 16)}
+    with CheckpointManager(tmp_path / "ck", persist="process") as mgr:
+        mgr.save(1, state).wait()
+        writer = mgr._ckpt._process_writer._proc
+        os.kill(writer.pid, sig)
+        time.sleep(0.5)
+        assert writer.is_alive()
+        mgr.save(2, state).wait()
+    assert (tmp_path / "ck" / "step_000000002" / "manifest.json").exists()

@@ -13,6 +13,11 @@ writer is therefore started only from the main thread, and from another thread t
 requested. On every platform it also checks that its parent is alive and unchanged (same pid,
 same start time) while idle (every second) and before a save starts, before the ranks agree on it
 and right before the commit rename, so a writer whose trainer died never commits; it then exits.
+
+Signals meant for the trainer are ignored by the writer (:data:`IGNORED_SIGNALS`): a terminal's
+Ctrl-C reaches the whole foreground process group, and a scheduler (SLURM) signals every process
+of the job step, so without that the writer would die of the very SIGINT/SIGTERM/SIGUSR1 on
+which the trainer saves a last checkpoint through it. The trainer's exit still takes it down.
 """
 
 from __future__ import annotations
@@ -44,6 +49,9 @@ log = get_logger(__name__)
 _START_TIMEOUT_S = 120.0
 _IDLE_POLL_S = 1.0  # how often an idle writer checks that its trainer is still alive
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+#: signals the writer ignores: they ask the trainer to stop or to save (sent to the whole group)
+IGNORED_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGUSR1", "SIGUSR2")
+                        if hasattr(signal, name))
 # Signal the kernel sends the writer when its trainer dies (Linux). SIGKILL also ends a stopped or
 # busy writer at once. None: do not request one (tests use it to stand in for other platforms).
 _PARENT_DEATH_SIGNAL: int | None = signal.SIGKILL
@@ -98,6 +106,8 @@ def _writer_main(requests, replies, rank: int, world_size: int, init: tuple[str,
     death (Linux; None: none).
     """
     parent_pid, parent_started = parent
+    for sig in IGNORED_SIGNALS:  # the trainer's to handle (Ctrl-C, preemption): the writer must survive them
+        signal.signal(sig, signal.SIG_IGN)
 
     def trainer_alive() -> bool:
         return _parent_alive(parent_pid, parent_started)
@@ -252,5 +262,5 @@ class ProcessWriter:
                 self._proc.join(timeout=30)
             finally:
                 if self._proc.is_alive():
-                    self._proc.terminate()
+                    self._proc.kill()  # (it ignores SIGTERM: IGNORED_SIGNALS)
                     self._proc.join(timeout=5)
