@@ -118,6 +118,34 @@ def test_put_back_finishes_before_a_keyboard_interrupt_is_raised(monkeypatch):
     assert all(torch.equal(ts[k], old[k]) for k in ts)
 
 
+
+def test_put_back_interrupted_before_its_first_copy_still_undoes_everything():
+    """A Ctrl-C while put_back() lists the saved tensors: it still copies every one back, then re-raises."""
+    ts = {k: torch.randn(64) for k in "ab"}
+    old = {k: t.clone() for k, t in ts.items()}
+    log = UndoLog(torch.empty(4096, dtype=torch.uint8), ts)
+    for k, t in ts.items():
+        log.save(k)
+        t.zero_()
+
+    class InterruptedOnce:
+        def __init__(self):
+            self.lock, self.fired = threading.Lock(), False
+
+        def __enter__(self):
+            if not self.fired:
+                self.fired = True
+                raise KeyboardInterrupt
+            return self.lock.__enter__()
+
+        def __exit__(self, *exc):
+            return self.lock.__exit__(*exc)
+
+    log._lock = InterruptedOnce()
+    with pytest.raises(KeyboardInterrupt):
+        log.put_back()
+    assert all(torch.equal(ts[k], old[k]) for k in ts)
+
 def test_preparer_backs_a_tensor_up_before_ready_returns():
     """ready(i) returns only once item i's live bytes are in the undo log."""
     ts = {f"t{i}": torch.full((BIG,), float(i)) for i in range(4)}

@@ -159,9 +159,14 @@ class UndoLog:
         Runs to the end even when a ``KeyboardInterrupt`` arrives meanwhile (it is re-raised
         afterwards): a half-undone state would be neither the old nor the new one.
         """
-        with self._lock:
-            todo = sorted(self._saved if keys is None else self._saved & set(keys))
         interrupted: BaseException | None = None
+        while True:  # (an interrupt before the first copy must not skip the undo either)
+            try:
+                with self._lock:
+                    todo = sorted(self._saved if keys is None else self._saved & set(keys))
+                break
+            except KeyboardInterrupt as exc:
+                interrupted = exc
         for key in todo:
             while True:
                 try:
