@@ -36,7 +36,7 @@ from torch_ckpt.crc import crc32
 from torch_ckpt.dcp_record import record_framing
 from torch_ckpt.errors import CheckpointCorruptError
 from torch_ckpt.format import open_listed
-from torch_ckpt.interrupts import Launch
+from torch_ckpt.interrupts import Stopped, run_all
 from torch_ckpt.restore_targets import Preparer, UndoLog
 
 __all__ = ["DATA_SUFFIX", "load_direct"]
@@ -145,7 +145,7 @@ class _FileReader:
         done, n = 0, view.nbytes
         while done < n:
             if self._stop is not None and self._stop.is_set():
-                raise _Stopped()
+                raise Stopped()
             avail = self._buf.nbytes - self._off
             if avail:
                 k = min(avail, n - done)
@@ -191,7 +191,7 @@ class _FileReader:
         self._off = self._buf.nbytes
         while chunk := self._f.read(_CHUNK_BYTES):
             if self._stop is not None and self._stop.is_set():
-                raise _Stopped()
+                raise Stopped()
             self.crc.add(chunk)
             self.pos += len(chunk)
 
@@ -275,65 +275,12 @@ def load_direct(targets: dict[str, torch.Tensor], step_dir: str | os.PathLike, m
                 os.close(fd)
             raise
     else:
-        for result in _read_in_threads(read, opened, stop, min(_READERS, len(opened))):
+        for result in run_all(read, opened, stop, min(_READERS, len(opened)), abandon=lambda job: os.close(job[2]),
+                              name="torch_ckpt_restore"):
             if isinstance(result, BaseException):  # the first error, in file order
                 raise result
             placed |= result
     return set(targets) - placed
-
-
-def _read_in_threads(read: Any, jobs: list[Any], stop: threading.Event, workers: int) -> list[Any]:
-    """Run ``read(job)`` for every job on ``workers`` threads; returns each result or exception, in order.
-
-    Returns only once every thread has finished, even if the caller is interrupted meanwhile (the
-    readers then stop at their next chunk and the interrupt is re-raised): nothing writes afterwards.
-    An interrupt while the threads are being started leaves none of them reading
-    (:class:`~torch_ckpt.interrupts.Launch`); the files are then closed here.
-    """
-    results: list[Any] = [None] * len(jobs)
-    todo = list(range(len(jobs)))
-    lock = threading.Lock()
-
-    def worker() -> None:
-        while True:
-            with lock:
-                if not todo:
-                    return
-                i = todo.pop(0)
-            try:
-                if stop.is_set():
-                    os.close(jobs[i][2])
-                    raise _Stopped()
-                results[i] = read(jobs[i])  # closes that file
-            except BaseException as exc:  # noqa: BLE001 - handed to the caller
-                results[i] = exc
-
-    launch = Launch([worker] * workers, "torch_ckpt_restore")
-    interrupted: BaseException | None = None
-    try:
-        launch.start()
-    except BaseException as exc:  # noqa: BLE001 - re-raised once no reader runs
-        interrupted = exc
-        stop.set()
-    if not launch.working:  # no reader ever ran: the files are still open
-        for job in jobs:
-            os.close(job[2])
-        assert interrupted is not None  # working is False only when start() raised
-        raise interrupted
-    for t in launch.threads:
-        while t.is_alive():
-            try:
-                t.join()
-            except BaseException as exc:  # noqa: BLE001 - re-raised once the readers have stopped
-                interrupted = interrupted or exc
-                stop.set()
-    if interrupted is not None:
-        raise interrupted
-    return results
-
-
-class _Stopped(Exception):
-    """A reader gave up because the restore was interrupted."""
 
 
 def _open_checked(step_dir: Path, name: str, manifest: Any, *, allow_symlinks: bool) -> tuple[int, int]:

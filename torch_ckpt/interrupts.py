@@ -13,6 +13,9 @@ Once every check of a restore has passed, the loaded values are written into the
 middle of that would leave part of the state new and part old. :class:`InterruptHold` holds a
 Ctrl-C (``SIGINT`` with Python's default handler, on the main thread) during that step and
 raises it once the step is done.
+
+:func:`run_all` runs jobs on a few such threads and returns only once none of them works any
+more, even when the caller is interrupted while it waits.
 """
 
 from __future__ import annotations
@@ -20,8 +23,9 @@ from __future__ import annotations
 import signal
 import threading
 from collections.abc import Callable, Sequence
+from typing import Any
 
-__all__ = ["Launch", "InterruptHold"]
+__all__ = ["Launch", "InterruptHold", "Stopped", "run_all"]
 
 
 class Launch:
@@ -96,3 +100,62 @@ class InterruptHold:
         if self.held:
             self.held = False
             raise KeyboardInterrupt
+
+
+class Stopped(Exception):
+    """A worker of :func:`run_all` gave up because the caller was interrupted."""
+
+
+def run_all(work: Callable[[Any], Any], jobs: Sequence[Any], stop: threading.Event, workers: int, *,
+            abandon: Callable[[Any], None], name: str) -> list[Any]:
+    """Run ``work(job)`` for every job on ``workers`` threads; returns each result or exception, in order.
+
+    Returns only once every thread has finished, even if the caller is interrupted meanwhile:
+    ``stop`` is then set (``work`` should raise :class:`Stopped` at its next step when it sees it),
+    and the interrupt is re-raised once no thread works. A job not begun once ``stop`` is set, or
+    when the threads' start was interrupted (:class:`Launch`: then none runs), is handed to
+    ``abandon`` instead (e.g. to close its file).
+
+    Raises:
+        KeyboardInterrupt: (or any exception) raised in the calling thread while it waited.
+    """
+    results: list[Any] = [None] * len(jobs)
+    todo = list(range(len(jobs)))
+    lock = threading.Lock()
+
+    def worker() -> None:
+        while True:
+            with lock:
+                if not todo:
+                    return
+                i = todo.pop(0)
+            try:
+                if stop.is_set():
+                    abandon(jobs[i])
+                    raise Stopped()
+                results[i] = work(jobs[i])
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                results[i] = exc
+
+    launch = Launch([worker] * workers, name)
+    interrupted: BaseException | None = None
+    try:
+        launch.start()
+    except BaseException as exc:  # noqa: BLE001 - re-raised once no worker runs
+        interrupted = exc
+        stop.set()
+    if not launch.working:  # no worker ever ran: every job is abandoned
+        for job in jobs:
+            abandon(job)
+        assert interrupted is not None  # working is False only when start() raised
+        raise interrupted
+    for t in launch.threads:
+        while t.is_alive():
+            try:
+                t.join()
+            except BaseException as exc:  # noqa: BLE001 - re-raised once the workers have stopped
+                interrupted = interrupted or exc
+                stop.set()
+    if interrupted is not None:
+        raise interrupted
+    return results
