@@ -62,7 +62,7 @@ class _Trainer:
     """One orphan_trainer.py subprocess and its writer process."""
 
     def __init__(self, root: Path, log: Path, *, steps: str, value: float = 0.0, death_signal: bool = True,
-                 stop_at: int | None = None, thread_count: int = 2, hold: bool = False) -> None:
+                 stop_at: int | None = None, thread_count: int = 2, hold: bool = False, session: bool = False) -> None:
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(_REPO), PYTHONUNBUFFERED="1")
         env.pop(trainer_helper.STOP_ENV, None)
         if stop_at is not None:
@@ -74,7 +74,7 @@ class _Trainer:
         self.log = log
         self._err = open(log, "wb")
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._err, text=True,
-                                     env=env)
+                                     env=env, start_new_session=session)
         info = self.expect("writer_pid")
         self.incarnation = info["incarnation"]
         self.writer = psutil.Process(info["writer_pid"])
@@ -220,3 +220,28 @@ def test_writer_survives_the_signals_a_terminal_or_scheduler_sends_the_whole_gro
         assert writer.is_alive()
         mgr.save(2, state).wait()
     assert (tmp_path / "ck" / "step_000000002" / "manifest.json").exists()
+
+
+def _shm_files(pid: int) -> set[str]:
+    """The /dev/shm files process ``pid`` has mapped (POSIX semaphores and shared memory by name)."""
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            return {line.split(maxsplit=5)[5].strip() for line in f if " /dev/shm/" in line}
+    except OSError:
+        return set()
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs /proc")
+def test_sigkill_of_the_whole_process_group_leaves_nothing_in_dev_shm(tmp_path, trainers):
+    """killpg(SIGKILL) (SLURM after its grace period) also kills multiprocessing's tracker: no named files may leak."""
+    t = trainers(tmp_path / "ck", steps="1", hold=True, session=True)
+    t.expect("committed")
+    mapped = set()
+    for p in [psutil.Process(t.proc.pid), *psutil.Process(t.proc.pid).children(recursive=True)]:
+        mapped |= _shm_files(p.pid)
+    os.killpg(t.proc.pid, signal.SIGKILL)
+    t.proc.wait()
+    _wait_for(lambda: _gone(t.writer), "the writer to exit", _EXIT_BOUND_S)
+    assert not [f for f in mapped if os.path.exists(f)]
+    with CheckpointManager(tmp_path / "ck", persist="process") as mgr:  # the root lock is free
+        assert mgr.restore(trainer_helper.new_state()) == 1

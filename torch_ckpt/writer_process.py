@@ -26,12 +26,12 @@ import ctypes
 import ctypes.util
 import datetime
 import os
-import queue
 import signal
 import socket
 import sys
 import threading
 import time
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
@@ -98,12 +98,13 @@ def _free_port(addr: str) -> int:
         return s.getsockname()[1]
 
 
-def _writer_main(requests, replies, rank: int, world_size: int, init: tuple[str, int] | None,
+def _writer_main(requests: Connection, replies: Connection, rank: int, world_size: int, init: tuple[str, int] | None,
                  timeout_s: float, niceness: int, parent: tuple[int, float | None], death_signal: int | None) -> None:
     """Entry point of the writer process (spawned; imports torch afresh).
 
-    ``parent`` is the trainer's ``(pid, start time)``; ``death_signal`` the signal requested for its
-    death (Linux; None: none).
+    ``requests`` and ``replies`` are this end of two pipes (no named semaphores, so nothing is
+    left in ``/dev/shm`` when the whole process group is killed). ``parent`` is the trainer's
+    ``(pid, start time)``; ``death_signal`` the signal requested for its death (Linux; None: none).
     """
     parent_pid, parent_started = parent
     for sig in IGNORED_SIGNALS:  # the trainer's to handle (Ctrl-C, preemption): the writer must survive them
@@ -118,7 +119,7 @@ def _writer_main(requests, replies, rank: int, world_size: int, init: tuple[str,
         elif os.getppid() != parent_pid:
             os._exit(1)
     except BaseException as exc:  # noqa: BLE001 - reported to the parent as a failed start
-        replies.put(("error", (type(exc).__name__, str(exc), getattr(exc, "errno", None))))
+        replies.send(("error", (type(exc).__name__, str(exc), getattr(exc, "errno", None))))
         return
 
     import torch.distributed as dist
@@ -134,18 +135,20 @@ def _writer_main(requests, replies, rank: int, world_size: int, init: tuple[str,
             dist.init_process_group("gloo", init_method=f"tcp://{init[0]}:{init[1]}", rank=rank,
                                     world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s))
         ctx = DistContext(timeout_seconds=timeout_s)
-        replies.put(("ready", None))
+        replies.send(("ready", None))
     except BaseException as exc:  # noqa: BLE001
-        replies.put(("error", (type(exc).__name__, str(exc), getattr(exc, "errno", None))))
+        replies.send(("error", (type(exc).__name__, str(exc), getattr(exc, "errno", None))))
         return
     arena = None
     while True:
         try:
-            msg = requests.get(timeout=_IDLE_POLL_S)
-        except queue.Empty:
-            if trainer_alive():
-                continue
-            os._exit(1)  # orphaned while idle: nothing to finish, nothing to report to
+            if not requests.poll(_IDLE_POLL_S):
+                if trainer_alive():
+                    continue
+                os._exit(1)  # orphaned while idle: nothing to finish, nothing to report to
+            msg = requests.recv()
+        except (EOFError, OSError):  # the trainer's end closed: it exited or died
+            os._exit(1)
         if msg is None:
             break
         kind, payload = msg
@@ -157,9 +160,9 @@ def _writer_main(requests, replies, rank: int, world_size: int, init: tuple[str,
             tensors = arena_views(arena, layout) if layout else {}
             req = PersistRequest(tensors=tensors, owner_alive=trainer_alive, **fields)
             final = persist_checkpoint(req, ctx)
-            replies.put(("ok", (str(final), req.committed_bytes)))
+            replies.send(("ok", (str(final), req.committed_bytes)))
         except BaseException as exc:  # noqa: BLE001 - reported to the parent
-            replies.put(("error", (type(exc).__name__, str(exc), getattr(exc, "errno", None))))
+            replies.send(("error", (type(exc).__name__, str(exc), getattr(exc, "errno", None))))
         if not trainer_alive():
             os._exit(1)  # the save above was not committed (owner_alive); nobody waits for more
     ctx.destroy()
@@ -185,8 +188,10 @@ class ProcessWriter:
             addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
             init = ctx.broadcast((addr, _free_port(addr) if ctx.is_coordinator else None), what="writer rendezvous")
         spawn = mp.get_context("spawn")
-        self._requests = spawn.Queue()
-        self._replies = spawn.Queue()
+        # pipes, not queues: a Queue's semaphores are named files in /dev/shm, which leak when a SIGKILL
+        # of the whole process group (SLURM after its grace period) also kills multiprocessing's tracker
+        child_requests, self._requests = spawn.Pipe(duplex=False)
+        self._replies, child_replies = spawn.Pipe(duplex=False)
         # Linux delivers the parent-death signal when the *thread* that started the child exits: only
         # request it when that thread is the main thread (lives as long as the process)
         death_signal = _PARENT_DEATH_SIGNAL if threading.current_thread() is threading.main_thread() else None
@@ -195,9 +200,13 @@ class ProcessWriter:
                      "check (within %.0f s), not through a parent-death signal, if the trainer dies", _IDLE_POLL_S)
         parent = (os.getpid(), _process_start_time(os.getpid()))
         self._proc = spawn.Process(target=_writer_main, name=f"torch_ckpt_writer_rank{ctx.rank}", daemon=True,
-                                   args=(self._requests, self._replies, ctx.rank, ctx.world_size, init,
+                                   args=(child_requests, child_replies, ctx.rank, ctx.world_size, init,
                                          timeout_seconds, niceness, parent, death_signal))
-        self._proc.start()
+        try:
+            self._proc.start()
+        finally:  # the child has its own copies now; ours would hide its death from recv()
+            child_requests.close()
+            child_replies.close()
         self._arena_ptr: int | None = None
         self._timeout_s = float(timeout_seconds)
         try:
@@ -217,15 +226,19 @@ class ProcessWriter:
         start = time.monotonic()
         while True:
             try:
-                return self._replies.get(timeout=1.0)
-            except queue.Empty:
-                if not self._proc.is_alive():
-                    raise CheckpointWriteError(
-                        f"the checkpoint writer process died (exit code {self._proc.exitcode}); the save was not "
-                        "committed. Check host memory (it may have been OOM-killed).") from None
-                if deadline_s is not None and time.monotonic() - start > deadline_s:
-                    raise CheckpointError(
-                        f"the checkpoint writer process did not answer within {deadline_s:.0f} s") from None
+                if self._replies.poll(1.0):
+                    return self._replies.recv()
+                died = not self._proc.is_alive()
+            except (EOFError, OSError):  # the writer's end closed: it died
+                died = True
+            if died:
+                self._proc.join(timeout=5)  # reaped, for its exit code
+                raise CheckpointWriteError(
+                    f"the checkpoint writer process died (exit code {self._proc.exitcode}); the save was not "
+                    "committed. Check host memory (it may have been OOM-killed).") from None
+            if deadline_s is not None and time.monotonic() - start > deadline_s:
+                raise CheckpointError(
+                    f"the checkpoint writer process did not answer within {deadline_s:.0f} s") from None
 
     @property
     def pid(self) -> int | None:
@@ -241,10 +254,13 @@ class ProcessWriter:
         Raises:
             CheckpointWriteError: the write or commit failed (this or another rank), or the writer died.
         """
-        if arena is not None and arena.data_ptr() != self._arena_ptr:
-            self._requests.put(("arena", arena))
-            self._arena_ptr = arena.data_ptr()
-        self._requests.put(("save", (fields, layout)))
+        try:
+            if arena is not None and arena.data_ptr() != self._arena_ptr:
+                self._requests.send(("arena", arena))
+                self._arena_ptr = arena.data_ptr()
+            self._requests.send(("save", (fields, layout)))
+        except OSError:  # the writer's end is closed (BrokenPipeError): _reply reports its death
+            pass
         kind, payload = self._reply()
         if kind == "ok":
             return Path(payload[0]), int(payload[1])
@@ -258,7 +274,10 @@ class ProcessWriter:
         """Stop the writer process (after the request in flight, if any)."""
         if self._proc.is_alive():
             try:
-                self._requests.put(None)
+                try:
+                    self._requests.send(None)
+                except OSError:  # the writer exited meanwhile
+                    pass
                 self._proc.join(timeout=30)
             finally:
                 if self._proc.is_alive():
