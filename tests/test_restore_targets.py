@@ -14,7 +14,7 @@ import torch_ckpt.direct_read as direct_mod
 import torch_ckpt.restore as restore_mod
 from tests.test_optim_state import assert_same
 from tests.test_restore import _Loader, _tied
-from torch_ckpt import CheckpointCorruptError, CheckpointManager, TrainState
+from torch_ckpt import CheckpointCorruptError, CheckpointManager, ConfigError, TrainState
 from torch_ckpt.restore_targets import MIN_IN_PLACE_BYTES, Preparer, UndoLog, in_place_keys
 from torch_ckpt.staging import HostStager
 
@@ -444,3 +444,63 @@ def test_ctrl_c_while_the_live_state_is_written_is_raised_once_it_is_written(tmp
             mgr.restore(live, path=next((tmp_path / "src").glob("step_*")))
     assert all(torch.equal(live[k], saved[k]) for k in saved)
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+class _Restoring:
+    """A Stateful whose load_state_dict calls ``inner()`` (a restore or a save of the same manager)."""
+
+    def __init__(self, inner) -> None:
+        self.t = torch.zeros(MIN_IN_PLACE_BYTES // 4)
+        self.inner = inner
+        self.result = None
+
+    def state_dict(self) -> dict:
+        return {"t": self.t}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.t.copy_(sd["t"])
+        self.result = self.inner()
+
+    def load_in_place(self, key: str) -> bool:
+        return True
+
+
+def _in_thread(fn, bound_s: float = 20.0):
+    """Run ``fn`` on a daemon thread; fail (instead of hanging the suite) if it does not return in time."""
+    out: list = []
+    t = threading.Thread(target=lambda: out.append(_outcome(fn)), daemon=True)
+    t.start()
+    t.join(bound_s)
+    assert out, f"still running after {bound_s:.0f} s (deadlock)"
+    return out[0]
+
+
+def _outcome(fn):
+    try:
+        return fn()
+    except Exception as exc:  # noqa: BLE001 - compared by the test
+        return exc
+
+
+def test_restore_inside_a_restore_of_the_same_manager_does_not_deadlock(tmp_path):
+    """A load_state_dict that restores again (same manager): the inner restore reads into new buffers, both succeed."""
+    plain = {"w": torch.arange(MIN_IN_PLACE_BYTES // 4, dtype=torch.float32)}
+    mgr = CheckpointManager(tmp_path / "ck")  # not closed after a deadlock (close() would wait for it too)
+    mgr.save(1, plain).wait()
+    outer = _Restoring(lambda: mgr.restore(plain, step=1))
+    mgr.save(2, {"t": torch.full_like(outer.t, 7.0)}).wait()
+    plain["w"].zero_()
+    assert _in_thread(lambda: mgr.restore(outer, step=2)) == 2
+    mgr.close()
+    assert outer.result == 1 and torch.equal(plain["w"], torch.arange(plain["w"].numel(), dtype=torch.float32))
+    assert torch.equal(outer.t, torch.full_like(outer.t, 7.0))
+
+
+def test_save_inside_a_restore_of_the_same_manager_is_refused(tmp_path):
+    """A load_state_dict that saves through the restoring manager gets a ConfigError, not a deadlock."""
+    mgr = CheckpointManager(tmp_path / "ck")  # not closed after a deadlock (close() would wait for it too)
+    outer = _Restoring(lambda: mgr.save(3, {"x": torch.ones(4)}))
+    mgr.save(2, outer.state_dict()).wait()
+    err = _in_thread(lambda: mgr.restore(outer, step=2))
+    mgr.close()
+    assert isinstance(err, ConfigError) and "Save after restore() returned" in str(err)

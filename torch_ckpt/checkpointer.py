@@ -239,6 +239,10 @@ class AsyncCheckpointer(CheckpointerPrepareMixin):
                 (raised once).
         """
         self._ensure_open()
+        if self._stager.lent_here():  # a save from a load_state_dict called by this checkpointer's load()
+            raise ConfigError("save() was called while a restore of the same manager writes the state (from a "
+                              "load_state_dict or a hook it calls); its staging memory is the restore's undo log. "
+                              "Save after restore() returned")
         t0 = time.monotonic() if started_at is None else started_at
         error: Exception | None = None
         prepared = None
