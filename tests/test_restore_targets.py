@@ -504,3 +504,24 @@ def test_save_inside_a_restore_of_the_same_manager_is_refused(tmp_path):
     err = _in_thread(lambda: mgr.restore(outer, step=2))
     mgr.close()
     assert isinstance(err, ConfigError) and "Save after restore() returned" in str(err)
+
+
+@pytest.mark.parametrize("where", ["bump_versions", "put_back"])
+def test_a_second_ctrl_c_at_the_end_of_a_restore_leaves_the_default_sigint_handler(tmp_path, monkeypatch, where):
+    """Two Ctrl-C while the undo log is applied or dropped: KeyboardInterrupt, and Python's SIGINT handler is back."""
+    live = {"t": torch.zeros(MIN_IN_PLACE_BYTES // 4)}
+    real = getattr(UndoLog, where)
+
+    def then_two_ctrl_c(self, *args):
+        real(self, *args)
+        signal.raise_signal(signal.SIGINT)  # held
+        signal.raise_signal(signal.SIGINT)  # raised at once
+
+    with CheckpointManager(tmp_path / "ck") as mgr:
+        mgr.save(1, {"t": torch.ones_like(live["t"])}).wait()
+        target = live if where == "bump_versions" else _Restoring(lambda: 1 / 0)  # put_back: a load that fails
+        monkeypatch.setattr(UndoLog, where, then_two_ctrl_c)
+        with pytest.raises(KeyboardInterrupt):
+            mgr.restore(target, step=1)
+    handler = signal.signal(signal.SIGINT, signal.default_int_handler)  # (reset for the next tests either way)
+    assert handler is signal.default_int_handler

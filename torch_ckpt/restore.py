@@ -239,18 +239,19 @@ def _load_into(state: Any, step_dir: Path, manifest: Manifest, ctx: DistContext,
             targets.update(undo.tensors)
     hold = InterruptHold()  # a Ctrl-C while the live state is written is raised once it is written
     try:
-        _read_and_write(state, step_dir, manifest, md, ctx, live_tensors, tree, targets, staged_aware,
-                        direct=direct, verify=verify, undo=undo, hold=hold)
-    except BaseException:
+        try:
+            _read_and_write(state, step_dir, manifest, md, ctx, live_tensors, tree, targets, staged_aware,
+                            direct=direct, verify=verify, undo=undo, hold=hold)
+        except BaseException:
+            if undo is not None:
+                undo.put_back()  # the live tensors read in place hold their old bytes again
+            raise
         if undo is not None:
-            undo.put_back()  # the live tensors read in place hold their old bytes again
+            undo.bump_versions()
+        if direct:
+            _log_memory_used(undo, scratch, len(targets))
+    finally:  # also when a second Ctrl-C (raised at once while one is held) lands in put_back or bump_versions
         hold.release()
-        raise
-    if undo is not None:
-        undo.bump_versions()
-    if direct:
-        _log_memory_used(undo, scratch, len(targets))
-    hold.release()
 
 
 def _log_memory_used(undo: UndoLog | None, scratch: torch.Tensor | None, count: int) -> None:
