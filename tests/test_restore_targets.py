@@ -524,3 +524,13 @@ def test_a_second_ctrl_c_at_the_end_of_a_restore_leaves_the_default_sigint_handl
             mgr.restore(target, step=1)
     handler = signal.signal(signal.SIGINT, signal.default_int_handler)  # (reset for the next tests either way)
     assert handler is signal.default_int_handler
+
+
+def test_a_wrong_load_in_place_leaves_the_loaded_bytes_in_a_key_load_state_dict_ignores(tmp_path):
+    """load_in_place() is the state's promise: a marked key load_state_dict ignores still gets the loaded bytes."""
+    liar = _Restoring(lambda: None)
+    liar.load_state_dict = lambda sd: None  # ignores every key, yet load_in_place says True
+    with CheckpointManager(tmp_path / "ck") as mgr:
+        mgr.save(1, {"t": torch.ones_like(liar.t)}).wait()
+        mgr.restore(liar, step=1)
+    assert torch.equal(liar.t, torch.ones_like(liar.t))  # as documented in load_into and the README

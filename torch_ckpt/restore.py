@@ -154,7 +154,11 @@ def load_into(state: Any, step_dir: Path, manifest: Manifest, ctx: DistContext, 
     share (TrainState computes its parameter names once); and a fifth, ``load_in_place(key) -> bool``:
     True when writing the checkpoint's value straight into the tensor ``state_dict()`` returned for
     ``key`` is exactly what its ``load_state_dict`` would end up doing (such keys may be read in
-    place when ``scratch`` is given; plain dicts count as True for every key). A state
+    place when ``scratch`` is given; plain dicts count as True for every key). That promise is the
+    state's: for such a key the live tensor already holds the checkpoint's values when
+    ``load_state_dict`` runs, and it is handed that very tensor as the loaded value, so a key whose
+    value ``load_state_dict`` ignores, converts or stores elsewhere keeps the loaded bytes in the
+    tensor anyway (nothing can detect it; only a failed restore puts the old bytes back). A state
     with ``load_state_dict`` receives the new buffers (moved to its tensors' devices when those are
     not CPU) and copies them itself, so a ``load_state_dict`` that refuses them changes nothing it
     did not change itself; with DTensors and no ``check_load``, and for a plain dict, the buffers
