@@ -94,16 +94,22 @@ def test_undo_log_refuses_tensors_that_do_not_fit():
         UndoLog(torch.empty(100, dtype=torch.uint8), {"a": torch.zeros(100)})
 
 
-def test_put_back_finishes_before_a_keyboard_interrupt_is_raised(monkeypatch):
-    """An interrupt during the undo is re-raised only after every tensor has its old bytes again."""
-    import torch_ckpt.restore_targets as rt
-
-    ts = {k: torch.randn(64) for k in "abc"}
+def _saved_then_zeroed(keys: str) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], UndoLog]:
+    """Tensors backed up in an undo log and then overwritten: ``(live, their old values, the log)``."""
+    ts = {k: torch.randn(64) for k in keys}
     old = {k: t.clone() for k, t in ts.items()}
     log = UndoLog(torch.empty(4096, dtype=torch.uint8), ts)
     for k, t in ts.items():
         log.save(k)
         t.zero_()
+    return ts, old, log
+
+
+def test_put_back_finishes_before_a_keyboard_interrupt_is_raised(monkeypatch):
+    """An interrupt during the undo is re-raised only after every tensor has its old bytes again."""
+    import torch_ckpt.restore_targets as rt
+
+    ts, old, log = _saved_then_zeroed("abc")
     real, calls = rt.ctypes.memmove, []
 
     def interrupted_once(*args):
@@ -118,15 +124,9 @@ def test_put_back_finishes_before_a_keyboard_interrupt_is_raised(monkeypatch):
     assert all(torch.equal(ts[k], old[k]) for k in ts)
 
 
-
 def test_put_back_interrupted_before_its_first_copy_still_undoes_everything():
     """A Ctrl-C while put_back() lists the saved tensors: it still copies every one back, then re-raises."""
-    ts = {k: torch.randn(64) for k in "ab"}
-    old = {k: t.clone() for k, t in ts.items()}
-    log = UndoLog(torch.empty(4096, dtype=torch.uint8), ts)
-    for k, t in ts.items():
-        log.save(k)
-        t.zero_()
+    ts, old, log = _saved_then_zeroed("ab")
 
     class InterruptedOnce:
         def __init__(self):
