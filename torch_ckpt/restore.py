@@ -225,9 +225,8 @@ def _load_into(state: Any, step_dir: Path, manifest: Manifest, ctx: DistContext,
         raise CheckpointCorruptError(f"{step_dir}: verification failed on another rank: {errors[0]}")
 
     try:
-        live_tensors, tree, targets, staged_aware = plan_restore(state, step_dir, manifest, md, tree, ctx,
-                                                          on_world_size_change=on_world_size_change,
-                                                          allow_cast=allow_cast)
+        live_tensors, tree, targets, staged_aware = plan_restore(
+            state, step_dir, manifest, md, tree, ctx, on_world_size_change=on_world_size_change, allow_cast=allow_cast)
     except CheckpointError:
         if direct:  # the records were not checked up front: a record that disagrees with the metadata
             _check_records(step_dir, manifest, md, tensor_items(md))  # explains a mismatch better
