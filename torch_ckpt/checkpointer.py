@@ -74,9 +74,11 @@ class AsyncCheckpointer(CheckpointerPrepareMixin):
         writer_niceness: nice increment of the writer thread/process (Linux; 0 = unchanged). On a
             2-core machine 19 cuts the writer's slowdown of training from about 2x to about 1.2x at
             the price of a slower write.
-        staging_budget_bytes: host bytes for the staging arena; default half of the available RAM
-            (psutil). A state that does not fit is saved synchronously straight from the live
-            tensors (bounded memory, logged), never by over-allocating.
+        staging_budget_bytes: host bytes for the staging arena; default half of the available memory
+            at each save (psutil, capped by the memory cgroup; see :mod:`torch_ckpt.memory_limits`),
+            split over the local ranks. A state that does not fit, or whose arena cannot be
+            allocated, is saved synchronously straight from the live tensors (bounded memory,
+            logged), never by over-allocating.
         thread_count: DCP writer threads (and files) per rank. The default 2 overlaps one thread's
             CRC-32 and fsync with the other's writes. An error in any writer thread fails the save.
         timeout_seconds: limit for checkpoint collectives between ranks (seconds, or a duration such as "10m").

@@ -25,7 +25,7 @@ from torch_ckpt._logging import get_logger
 from torch_ckpt.codec import split_state
 from torch_ckpt.errors import CheckpointError, CheckpointWriteError, ConfigError
 from torch_ckpt.handle import SaveHandle, SaveStats
-from torch_ckpt.staging import StagingProgress
+from torch_ckpt.staging import StagingMemoryError, StagingProgress
 
 __all__ = ["CheckpointerPrepareMixin", "SaveJob", "PIPELINE_STAGING"]
 
@@ -89,13 +89,20 @@ class CheckpointerPrepareMixin:
         if self._process_writer is not None and any(type(t) is not torch.Tensor for t in tensors.values()):
             raise ConfigError("persist='process' supports plain tensors only; this state holds DTensor/sharded "
                               "tensors (FSDP2/TP). Use persist='thread'.")
-        fits = self._stager.fits(tensors)
-        background = self.async_save and fits
-        stats.mode = "async" if background else ("sync" if fits else "sync-over-budget")
+        need, budget = self._stager.required_bytes(tensors), self._stager.budget_bytes
+        fits = need <= budget
         if not fits:
             log.warning("state of %d bytes exceeds the staging budget of %d bytes: saving step %d synchronously "
                         "from the live tensors (raise staging_budget_bytes to save asynchronously)",
-                        self._stager.required_bytes(tensors), self._stager.budget_bytes, step)
+                        need, budget, step)
+        else:
+            try:
+                self._stager.reserve(tensors)
+            except StagingMemoryError as exc:  # the budget was not really there (ulimit -v, pinned or /dev/shm limits)
+                fits = False
+                log.warning("step %d is saved synchronously from the live tensors: %s", step, exc)
+        background = self.async_save and fits
+        stats.mode = "async" if background else ("sync" if fits else "sync-over-budget")
         job = SaveJob(step=step, final=Path(final), tensors=tensors, tree=tree, fits=fits, t0=t0,
                        ready_event=_cuda_ready_event(tensors) if self.overlap_staging else None,
                        on_committed=on_committed)

@@ -81,7 +81,9 @@ class CheckpointConfig:
             unchanged). On a 2-core machine 19 cuts the writer's slowdown of training from about 2x
             to about 1.2x at the price of a slower write.
         staging_budget_bytes: Host bytes for the reusable staging buffers (int or ``"4GB"``-style
-            string); ``None``: half the available RAM (psutil). A state that does not fit is saved
+            string); ``None``: half the available memory at each save (psutil's available RAM,
+            capped by the memory cgroup's headroom in a container), split over the local ranks. A
+            state that does not fit, or whose staging memory cannot be allocated, is saved
             synchronously straight from the live tensors (bounded memory, logged), never by
             over-allocating.
         thread_count: DCP writer threads (and files) per rank (int, 1-256); 2 overlaps checksumming

@@ -16,20 +16,22 @@ handed to the writer shares storage with a live tensor.
 
 from __future__ import annotations
 
+import errno
+import os
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-import psutil
 import torch
 from torch.distributed.tensor import DTensor
 
 from torch_ckpt._logging import get_logger
 from torch_ckpt.errors import CheckpointWriteError, ConfigError
+from torch_ckpt.memory_limits import available_memory_bytes
 
-__all__ = ["HostStager", "StagedState", "StagingProgress", "default_budget_bytes", "ArenaLayout"]
+__all__ = ["HostStager", "StagedState", "StagingMemoryError", "StagingProgress", "default_budget_bytes", "ArenaLayout"]
 
 log = get_logger(__name__)
 
@@ -41,9 +43,24 @@ _CHUNK_BYTES = 64 << 20
 ArenaLayout = tuple[tuple[str, tuple[int, ...], torch.dtype, int], ...]
 
 
-def default_budget_bytes(local_world_size: int = 1) -> int:
-    """Host bytes this rank may keep for staging: half the available RAM, split over local ranks."""
-    return int(psutil.virtual_memory().available * 0.5 / max(1, local_world_size))
+def default_budget_bytes(local_world_size: int | None = None, *, held_bytes: int = 0) -> int:
+    """Host bytes this rank may keep for staging now: half the available memory, split over local ranks.
+
+    Available memory is psutil's available RAM capped by the headroom of this process's memory
+    cgroup (:func:`torch_ckpt.memory_limits.available_memory_bytes`), so a trainer in a container
+    stays inside the container's limit.
+
+    Args:
+        local_world_size: ranks sharing this host's memory (default: ``$LOCAL_WORLD_SIZE``, else 1).
+        held_bytes: bytes of staging memory this rank already holds (they are freed before a new
+            arena is allocated, so they count as available).
+    """
+    if local_world_size is None:
+        try:
+            local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        except ValueError:
+            local_world_size = 1
+    return int((available_memory_bytes() + held_bytes) * 0.5 / max(1, local_world_size))
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -72,6 +89,10 @@ def arena_views(arena: torch.Tensor, layout: ArenaLayout) -> dict[str, torch.Ten
         flat = torch.frombuffer(memoryview(base[offset:offset + n]), dtype=torch.uint8)
         out[key] = flat.view(dtype).view(shape)
     return out
+
+
+class StagingMemoryError(CheckpointWriteError):
+    """The staging arena could not be allocated (errno ENOMEM); names the size, the budget and the fix."""
 
 
 @dataclass
@@ -146,7 +167,7 @@ class HostStager:
 
     Args:
         budget_bytes: most host bytes the arena may occupy; ``None`` uses
-            :func:`default_budget_bytes`.
+            :func:`default_budget_bytes`, evaluated at each :meth:`fits` (memory in use changes).
         pin_memory: page-lock the arena; ``None`` means "when CUDA is available".
         share_memory: place the arena in shared memory (for a writer process).
 
@@ -158,7 +179,7 @@ class HostStager:
                  share_memory: bool = False) -> None:
         if budget_bytes is not None and budget_bytes <= 0:
             raise ConfigError(f"staging budget_bytes must be > 0, got {budget_bytes!r}")
-        self.budget_bytes = int(budget_bytes) if budget_bytes is not None else default_budget_bytes()
+        self._budget = int(budget_bytes) if budget_bytes is not None else None
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else bool(pin_memory)
         self.share_memory = bool(share_memory)
         self.arena: torch.Tensor | None = None
@@ -170,6 +191,11 @@ class HostStager:
         self._lock = threading.Lock()
         self._lender: int | None = None  # thread id of the lend() block in progress
         self.allocations = 0
+
+    @property
+    def budget_bytes(self) -> int:
+        """The staging budget now (bytes): the one given, else :func:`default_budget_bytes` at this moment."""
+        return self._budget if self._budget is not None else default_budget_bytes(held_bytes=self.allocated_bytes)
 
     @property
     def allocated_bytes(self) -> int:
@@ -193,16 +219,33 @@ class HostStager:
             layout.append((key, shape, dtype, offset))
             n = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
             offset += (n + _ALIGN_BYTES - 1) // _ALIGN_BYTES * _ALIGN_BYTES
-        self.arena = None  # free the old arena before allocating the new one
-        arena = torch.empty(max(offset, 1), dtype=torch.uint8, pin_memory=self.pin_memory)
-        if self.share_memory:
-            arena.share_memory_()
+        # free the old arena before allocating the new one (its views keep its memory alive too)
+        self.arena, self._signature, self._layout, self._views = None, None, (), {}
+        try:
+            arena = torch.empty(max(offset, 1), dtype=torch.uint8, pin_memory=self.pin_memory)
+            if self.share_memory:
+                arena.share_memory_()
+        except (RuntimeError, MemoryError, OSError) as exc:  # out of memory, ulimit -v, pinned or /dev/shm limits
+            raise StagingMemoryError(
+                errno.ENOMEM, f"could not allocate the {offset}-byte staging arena "
+                f"({'shared memory' if self.share_memory else 'pinned' if self.pin_memory else 'host memory'}; "
+                f"staging budget {self.budget_bytes} bytes): {type(exc).__name__}: {exc}. Lower "
+                "staging_budget_bytes below the memory this process may allocate, or free memory") from exc
         self.arena, self._signature, self._layout = arena, signature, tuple(layout)
         self._views = arena_views(arena, self._layout)
         self._nbytes = sum(v.numel() * v.element_size() for v in self._views.values())
         self.allocations += 1
         log.debug("allocated a %d-byte staging arena for %d tensors", offset, len(layout))
         return True
+
+    def reserve(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Allocate (or keep) the arena for ``tensors`` without copying anything.
+
+        Raises:
+            StagingMemoryError: the allocation failed (the arena is released; nothing is staged).
+        """
+        with self._lock:
+            self._ensure_arena(tensors)
 
     def prepare(self, tensors: dict[str, torch.Tensor]) -> StagedState:
         """The arena views ``tensors`` will be staged into, without copying anything yet.
