@@ -312,7 +312,8 @@ class AsyncCheckpointer(CheckpointerPrepareMixin):
                                      timings=timings, incarnation=self._incarnation, failed=failed,
                                      replace=job.replace, extra_dir=job.extra_dir, nodes=self.node_layout,
                                      progress=job.progress)
-                final = persist_checkpoint(req, self._ctx)
+                with self._ctx.background_work():  # no rebuild of the groups under this persist
+                    final = persist_checkpoint(req, self._ctx)
                 files_bytes = req.committed_bytes
             stats = handle.stats
             stats.persist_s = time.monotonic() - t_start

@@ -21,17 +21,20 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 
+from torch_ckpt._logging import get_logger
 from torch_ckpt.dcp_io import ChecksumFileSystemWriter
 from torch_ckpt.dcp_plan import FlatKeysSavePlanner, group_by_first_segment
 from torch_ckpt.dcp_read import unwrap_dcp_error
 from torch_ckpt.dist import DistContext
 from torch_ckpt.errors import CheckpointError, CheckpointWriteError
 from torch_ckpt.layout import Manifest, commit_dir, rank_file_name, write_json_durable
-from torch_ckpt.temporaries import new_incarnation, temporary_name
+from torch_ckpt.temporaries import new_incarnation, remove_failed_temporaries, temporary_name
 
 __all__ = ["PersistRequest", "persist_checkpoint", "write_shards", "move_extra_entries", "check_extra_name",
            "as_write_error",
            "check_on_disk", "check_owner", "describe_error"]
+
+log = get_logger(__name__)
 
 
 @dataclass
@@ -230,9 +233,20 @@ def persist_checkpoint(req: PersistRequest, ctx: DistContext) -> Path:
                 raise CheckpointWriteError(f"{final} already exists; refusing to overwrite a checkpoint")
             if tmp.exists():  # this incarnation's own leftover of an earlier failed attempt
                 shutil.rmtree(tmp)
+            remove_failed_temporaries(final.parent, tmp.name)
             tmp.mkdir(parents=True)
         except BaseException as exc:  # noqa: BLE001 - reported to every rank below
             error = exc
+    try:
+        return _write_and_commit(req, ctx, final, tmp, error)
+    except BaseException:
+        if ctx.is_coordinator:  # e.g. a collective timed out: no partial directory is left behind
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _write_and_commit(req: PersistRequest, ctx: DistContext, final: Path, tmp: Path,
+                      error: BaseException | None) -> Path:
     # every rank writes into rank 0's temporary directory (its name carries rank 0's incarnation id)
     prepared = ctx.broadcast(("ok", tmp.name) if error is None else ("error", describe_error(error)), background=True,
                              what="prepare")
@@ -269,9 +283,17 @@ def persist_checkpoint(req: PersistRequest, ctx: DistContext) -> Path:
                 commit_error = describe_error(exc)
                 error = error or exc
                 shutil.rmtree(tmp, ignore_errors=True)
-    outcome = ctx.broadcast(("failed", failures) if failures else (("commit-failed", commit_error) if commit_error
-                                                                    else ("ok", None)),
-                            background=True, what="commit")
+    committed = ctx.is_coordinator and not failures and commit_error is None
+    try:
+        outcome = ctx.broadcast(("failed", failures) if failures else (("commit-failed", commit_error) if commit_error
+                                                                        else ("ok", None)),
+                                background=True, what="commit")
+    except CheckpointError as exc:
+        if not committed:
+            raise
+        # the rename is done: the step is committed whatever happened to the others since (a rank killed now)
+        log.warning("step %d is committed at %s, but telling the other ranks failed: %s", req.step, final, exc)
+        outcome = ("ok", None)
     if outcome[0] == "ok":
         req.committed_bytes = sum(f["bytes"] for _, files_of_rank in gathered for f in files_of_rank.values())
         return final

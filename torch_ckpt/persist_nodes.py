@@ -22,9 +22,10 @@ import shutil
 import zlib
 from pathlib import Path
 
+from torch_ckpt._logging import get_logger
 from torch_ckpt.dcp_metadata import metadata_name
 from torch_ckpt.dist import DistContext
-from torch_ckpt.errors import CheckpointWriteError
+from torch_ckpt.errors import CheckpointError, CheckpointWriteError
 from torch_ckpt.format import METADATA_NAME
 from torch_ckpt.layout import MANIFEST_NAME, Manifest, commit_dir, write_json_durable
 from torch_ckpt.nodes import NodeDedupPlanner, NodeLayout, RecordingWriter, node_views, shared_files
@@ -37,9 +38,11 @@ from torch_ckpt.persist import (
     move_extra_entries,
     write_shards,
 )
-from torch_ckpt.temporaries import new_incarnation, temporary_name
+from torch_ckpt.temporaries import new_incarnation, remove_failed_temporaries, temporary_name
 
 __all__ = ["persist_node_local"]
+
+log = get_logger("torch_ckpt.persist")
 
 
 def _write_bytes(path: Path, data: bytes) -> tuple[int, int]:
@@ -74,6 +77,15 @@ def persist_node_local(req: PersistRequest, ctx: DistContext) -> Path:
     name = ctx.broadcast(temporary_name(final.name, req.incarnation or new_incarnation()), background=True,
                          what="prepare name")
     tmp = final.with_name(name)
+    try:
+        return _persist(req, ctx, layout, final, tmp)
+    except BaseException:
+        if layout.is_leader:  # e.g. a collective timed out: no partial directory is left in this node's root
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _persist(req: PersistRequest, ctx: DistContext, layout: NodeLayout, final: Path, tmp: Path) -> Path:
     error: BaseException | None = None
     if layout.is_leader:
         try:
@@ -82,6 +94,7 @@ def persist_node_local(req: PersistRequest, ctx: DistContext) -> Path:
                 raise CheckpointWriteError(f"{final} already exists; refusing to overwrite a checkpoint")
             if tmp.exists():
                 shutil.rmtree(tmp)
+            remove_failed_temporaries(final.parent, tmp.name)
             tmp.mkdir(parents=True)
         except BaseException as exc:  # noqa: BLE001 - reported to every rank below
             error = exc
@@ -149,7 +162,14 @@ def persist_node_local(req: PersistRequest, ctx: DistContext) -> Path:
         else:
             shutil.rmtree(tmp, ignore_errors=True)
     if commit:
-        renamed = _fail_all(ctx, rename_error, "commit")
+        try:
+            renamed = _fail_all(ctx, rename_error, "commit")
+        except CheckpointError as exc:
+            if not layout.is_leader or rename_error is not None:
+                raise
+            # this node's rename is done: its copy is committed whatever happened to the others since
+            log.warning("step %d is committed at %s, but hearing from the other nodes failed: %s", req.step, final, exc)
+            renamed = []
         if renamed:
             raise CheckpointWriteError(f"step {req.step} was agreed by every rank but not recorded on every node "
                                        f"({'; '.join(renamed)}); the other nodes hold their copies")

@@ -27,6 +27,7 @@ __all__ = [
     "new_incarnation",
     "is_temporary_name",
     "clean_stale_temporaries",
+    "remove_failed_temporaries",
 ]
 
 log = get_logger("torch_ckpt.layout")
@@ -131,4 +132,34 @@ def clean_stale_temporaries(root: str | os.PathLike, *, keep_incarnation: str | 
             removed.append(entry)
     if removed:
         log.info("removed %d stale temporary checkpoint dir(s) under %s", len(removed), root)
+    return removed
+
+
+def remove_failed_temporaries(root: str | os.PathLike, current: str) -> list[Path]:
+    """Remove the temporaries of earlier, failed saves of the incarnation that writes ``current`` now.
+
+    A save runs only once the previous one finished on every rank (the ranks' agreement), so any
+    other ``.NAME.tmp.<id>`` of the same incarnation id is the leftover of a failed save (for
+    example one whose collective timed out before rank 0 could remove it). Download temporaries
+    are left alone.
+
+    Args:
+        root: the directory holding ``current``.
+        current: the name of the temporary being written now (``.NAME.tmp.<id>``).
+
+    Returns:
+        The removed paths.
+    """
+    m = _TMP_RE.match(current)
+    removed: list[Path] = []
+    root = Path(root)
+    if m is None or m.group(3) is None or not root.is_dir():
+        return removed
+    for entry in root.iterdir():
+        other = _TMP_RE.match(entry.name)
+        if other and other.group(3) == m.group(3) and other.group(2) is None and entry.name != current:
+            shutil.rmtree(entry, ignore_errors=True)
+            removed.append(entry)
+    if removed:
+        log.info("removed %d temporary dir(s) of failed saves under %s", len(removed), root)
     return removed

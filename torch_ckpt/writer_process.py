@@ -159,6 +159,7 @@ def _writer_main(requests: Connection, replies: Connection, rank: int, world_siz
             fields, layout = payload
             tensors = arena_views(arena, layout) if layout else {}
             req = PersistRequest(tensors=tensors, owner_alive=trainer_alive, **fields)
+            ctx.heal()  # the writers' groups, when a collective of an earlier save broke them
             final = persist_checkpoint(req, ctx)
             replies.send(("ok", (str(final), req.committed_bytes)))
         except BaseException as exc:  # noqa: BLE001 - reported to the parent

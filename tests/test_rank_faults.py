@@ -1,0 +1,55 @@
+"""After one rank's fault, checkpointing recovers: groups rebuilt, temporaries cleaned (real gloo ranks)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests._dist import free_port
+
+REPO = Path(__file__).resolve().parents[1]
+HELPER = REPO / "tests" / "_helpers" / "rank_faults.py"
+
+pytestmark = [pytest.mark.timeout(300)]
+
+
+def run_ranks(world: int, scenario: str, root: Path, persist: str, *, timeout_s: float = 150, **env: str) -> list:
+    """Run ``scenario`` of the helper on ``world`` ranks (plain processes); return each rank's RESULT."""
+    port = free_port()
+    procs = []
+    for rank in range(world):
+        e = dict(os.environ, PYTHONPATH=str(REPO), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                 WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), **env)
+        procs.append(subprocess.Popen([sys.executable, str(HELPER), scenario, str(root), persist], env=e,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    results = []
+    try:
+        for rank, p in enumerate(procs):
+            out, err = p.communicate(timeout=timeout_s)
+            lines = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
+            assert p.returncode == 0 and lines, f"rank {rank} exited {p.returncode}:\n{out[-2000:]}\n{err[-4000:]}"
+            results.append(json.loads(lines[-1][len("RESULT "):]))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return results
+
+
+@pytest.mark.parametrize("world,persist", [(2, "thread"), (2, "process"), (4, "thread")])
+def test_saves_commit_again_after_a_rank_timed_out_in_its_shard_write(tmp_path, world, persist):
+    """Rank 1 is slower than the timeout inside step 3's write: step 3 fails everywhere, steps 4-7 commit."""
+    results = run_ranks(world, "slow_shard", tmp_path, persist, FAULT="slow_shard", FAULT_TIMEOUT_S="3",
+                        FAULT_SLOW_S="5")
+    for rank, r in enumerate(results):
+        outcome = {int(k): v for k, v in r["outcome"].items()}
+        assert outcome[3][0] != "ok", f"rank {rank}: step 3 did not fail"
+        assert [s for s, v in outcome.items() if v[0] == "ok"] == [1, 2, 4, 5, 6, 7], (rank, outcome)
+        assert r["steps"] == [1, 2, 4, 5, 6, 7], (rank, r["steps"])
+    assert not [n for n in os.listdir(tmp_path) if ".tmp" in n], os.listdir(tmp_path)
