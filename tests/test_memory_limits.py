@@ -154,6 +154,7 @@ def _run_trainer(root: Path, nbytes: int, *extra: str, prefix: list[str] | None 
                           env=env, capture_output=True, text=True, timeout=240)
 
 
+@pytest.mark.slow
 def test_address_space_limit_falls_back_to_a_synchronous_save(tmp_path):
     """Under ulimit -v (RLIMIT_AS) a 400 MB state's save commits synchronously instead of failing."""
     result = _run_trainer(tmp_path / "ck", 400_000_000, str(300 * MiB))

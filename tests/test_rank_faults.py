@@ -15,7 +15,7 @@ from tests._dist import free_port
 REPO = Path(__file__).resolve().parents[1]
 HELPER = REPO / "tests" / "_helpers" / "rank_faults.py"
 
-pytestmark = [pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 
 def run_ranks(world: int, scenario: str, root: Path, persist: str, *, timeout_s: float = 150, **env: str) -> list:
@@ -53,3 +53,15 @@ def test_saves_commit_again_after_a_rank_timed_out_in_its_shard_write(tmp_path, 
         assert [s for s, v in outcome.items() if v[0] == "ok"] == [1, 2, 4, 5, 6, 7], (rank, outcome)
         assert r["steps"] == [1, 2, 4, 5, 6, 7], (rank, r["steps"])
     assert not [n for n in os.listdir(tmp_path) if ".tmp" in n], os.listdir(tmp_path)
+
+
+@pytest.mark.parametrize("scenario,world", [("efbig_download", 2), ("eio_restore", 2), ("eio_restore", 4)])
+def test_an_os_error_on_one_rank_of_a_restore_raises_promptly_everywhere(tmp_path, scenario, world):
+    """A local OSError on one rank (EFBIG downloading, EIO reading): every rank raises a typed error at once."""
+    results = run_ranks(world, scenario, tmp_path, "thread", FAULT_TIMEOUT_S="60")
+    for rank, r in enumerate(results):
+        assert r["kind"] != "ok" and not r["kind"].startswith("bare"), (rank, r)
+        assert "CheckpointError" in r["mro"] and "OSError" in r["mro"] or rank != (0 if "download" in scenario
+                                                                                   else 1), (rank, r)
+        assert r["elapsed"] < 30, (rank, r)  # not the 60 s collective timeout
+        assert str(tmp_path) in r["message"], (rank, r)  # names the path

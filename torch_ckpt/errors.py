@@ -10,6 +10,7 @@ also inherits the builtin a caller would naturally catch, so ``except OSError`` 
     ├── UnsafeCheckpointError(CheckpointError, ValueError)           would need arbitrary unpickling
     ├── StateMismatchError(CheckpointError, KeyError)                live state and checkpoint keys differ
     ├── CheckpointWriteError(CheckpointError, OSError)               a save failed (disk full, permission...)
+    ├── CheckpointReadError(CheckpointError, OSError)                reading a checkpoint failed (I/O error, permission)
     ├── CheckpointTimeoutError(CheckpointError, TimeoutError)        ranks did not agree in time
     └── ConfigError(CheckpointError, ValueError)                     invalid argument or configuration
 """
@@ -25,6 +26,7 @@ __all__ = [
     "CheckpointWriteError",
     "CheckpointTimeoutError",
     "ConfigError",
+    "CheckpointReadError",
 ]
 
 
@@ -64,6 +66,10 @@ class StateMismatchError(CheckpointError, KeyError):
 
 class CheckpointWriteError(CheckpointError, OSError):
     """Persisting a checkpoint failed; the step was not committed."""
+
+
+class CheckpointReadError(CheckpointError, OSError):
+    """Reading a committed checkpoint failed with an operating-system error (I/O error, permission, limits)."""
 
 
 class CheckpointTimeoutError(CheckpointError, TimeoutError):

@@ -21,6 +21,7 @@ from torch_ckpt.errors import (
     ConfigError,
 )
 from torch_ckpt.layout import read_manifest, remove_step_dir, scan_committed
+from torch_ckpt.persist import as_write_error
 from torch_ckpt.resume import restore_candidates
 from torch_ckpt.resume_nodes import restore_node_local
 
@@ -214,6 +215,9 @@ class ManagerReadMixin:
                     log.info("downloaded step %d from %s", step, self._tier.describe(step))
             except CheckpointError as exc:
                 result = exc
+            except OSError as exc:  # a local limit or disk error (EFBIG, ENOSPC, EIO): every rank raises it now
+                result = as_write_error(exc, self.root / self.naming.name(step))
+                result.__cause__ = exc
         result = self._ctx.broadcast(result, what="fetch checkpoint")
         if isinstance(result, BaseException):
             raise result

@@ -26,6 +26,7 @@ outcome either way.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import gc
 from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from contextlib import contextmanager, nullcontext
@@ -45,6 +46,7 @@ from torch_ckpt.dist import DistContext
 from torch_ckpt.errors import (
     CheckpointCorruptError,
     CheckpointError,
+    CheckpointReadError,
     ConfigError,
 )
 from torch_ckpt.format import read_rank_doc, verify_files
@@ -218,11 +220,19 @@ def _load_into(state: Any, step_dir: Path, manifest: Manifest, ctx: DistContext,
                              tensor_keys=tensor_items(md).__contains__)["tree"]
     except CheckpointError as exc:
         err = exc
-    errors = [e for e in ctx.all_gather(None if err is None else str(err), what="verify") if e]
+    except OSError as exc:  # e.g. EIO or EACCES on this rank: typed, and shared so no rank waits for the timeout
+        where = exc.filename or step_dir
+        err = CheckpointReadError(exc.errno, f"reading checkpoint {step_dir} failed on rank {ctx.rank}: "
+                                             f"{exc.strerror or exc} ({where})")
+        err.__cause__ = exc
+    votes = [e for e in ctx.all_gather(None if err is None else (type(err).__name__, str(err)), what="verify") if e]
+    unreadable = [msg for kind, msg in votes if kind == CheckpointReadError.__name__]
+    if unreadable and not isinstance(err, CheckpointReadError):  # every rank raises the same class (no fallback)
+        raise CheckpointReadError(errno.EIO, f"{step_dir}: reading failed on another rank: {unreadable[0]}")
     if err is not None:
         raise err
-    if errors:
-        raise CheckpointCorruptError(f"{step_dir}: verification failed on another rank: {errors[0]}")
+    if votes:
+        raise CheckpointCorruptError(f"{step_dir}: verification failed on another rank: {votes[0][1]}")
 
     try:
         live_tensors, tree, targets, staged_aware = plan_restore(

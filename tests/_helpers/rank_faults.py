@@ -64,13 +64,87 @@ def slow_shard(root: str, persist: str, timeout_s: float) -> dict:
                 "listing": sorted(p.name for p in Path(root).iterdir())}
 
 
+def _saved_once(local: str, durable: str | None, timeout_s: float) -> dict:
+    """Every rank saves step 1 (and waits for its durable copy); returns the state."""
+    import torch
+    import torch.distributed as dist
+
+    from torch_ckpt import CheckpointManager
+
+    torch.manual_seed(0)
+    state = {"w": torch.randn(64, 64), "b": torch.randn(64)}
+    dist.barrier()
+    with CheckpointManager(local, timeout_seconds=timeout_s, durable_url=durable) as mgr:
+        mgr.save(1, state)
+        mgr.wait()
+        if durable is not None:
+            assert mgr.wait_durable(60)
+    dist.barrier()
+    return state
+
+
+def _timed_restore(local: str, durable: str | None, timeout_s: float) -> dict:
+    import torch
+
+    from torch_ckpt import CheckpointError, CheckpointManager
+
+    out = {"w": torch.zeros(64, 64), "b": torch.zeros(64)}
+    t0 = time.monotonic()
+    try:
+        with CheckpointManager(local, timeout_seconds=timeout_s, durable_url=durable) as mgr:
+            step = mgr.restore(out)
+        return {"kind": "ok", "step": step, "elapsed": time.monotonic() - t0}
+    except CheckpointError as exc:
+        return {"kind": type(exc).__name__, "mro": [c.__name__ for c in type(exc).__mro__], "message": str(exc),
+                "elapsed": time.monotonic() - t0}
+    except OSError as exc:
+        return {"kind": "bare " + type(exc).__name__, "message": str(exc), "elapsed": time.monotonic() - t0}
+
+
+def efbig_download(root: str, persist: str, timeout_s: float) -> dict:
+    """Rank 0 downloads the durable copy into an empty local root with a 1 KiB file-size limit (EFBIG)."""
+    import resource
+    import shutil
+    import signal
+
+    import torch.distributed as dist
+
+    local, durable = os.path.join(root, "local"), "file://" + os.path.join(root, "durable")
+    _saved_once(local, durable, timeout_s)
+    if int(os.environ["RANK"]) == 0:
+        shutil.rmtree(os.path.join(local, "step_000000001"))  # a fresh node: only the durable copy is left
+    dist.barrier()
+    if int(os.environ["RANK"]) == 0:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # then the write fails with EFBIG instead of killing
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1024, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+    return _timed_restore(local, durable, timeout_s)
+
+
+def eio_restore(root: str, persist: str, timeout_s: float) -> dict:
+    """Rank 1 gets an I/O error reading its part of a committed checkpoint."""
+    import torch_ckpt.restore as restore_mod
+
+    local = os.path.join(root, "local")
+    _saved_once(local, None, timeout_s)
+    if int(os.environ["RANK"]) == 1:
+        real = restore_mod.verify_files
+
+        def failing(step_dir, *args, **kwargs):
+            raise OSError(5, "Input/output error", str(Path(step_dir) / "__1_0.distcp"))
+
+        restore_mod.verify_files = failing
+        del real
+    return _timed_restore(local, None, timeout_s)
+
+
 def main() -> None:
     import torch.distributed as dist
 
     scenario, root, persist = sys.argv[1], sys.argv[2], sys.argv[3]
     dist.init_process_group("gloo")
-    result = {"slow_shard": lambda: slow_shard(root, persist, float(os.environ.get("FAULT_TIMEOUT_S", "3")))}[
-        scenario]()
+    timeout_s = float(os.environ.get("FAULT_TIMEOUT_S", "3"))
+    result = {"slow_shard": slow_shard, "efbig_download": efbig_download, "eio_restore": eio_restore}[
+        scenario](root, persist, timeout_s)
     print("RESULT " + json.dumps(result), flush=True)
     dist.destroy_process_group()
     sys.stdout.flush()
