@@ -18,8 +18,12 @@ HELPER = REPO / "tests" / "_helpers" / "rank_faults.py"
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 
-def run_ranks(world: int, scenario: str, root: Path, persist: str, *, timeout_s: float = 150, **env: str) -> list:
-    """Run ``scenario`` of the helper on ``world`` ranks (plain processes); return each rank's RESULT."""
+def run_ranks(world: int, scenario: str, root: Path, persist: str, *, timeout_s: float = 150, dies: tuple = (),
+              **env: str) -> list:
+    """Run ``scenario`` of the helper on ``world`` ranks (plain processes); return each rank's RESULT.
+
+    Ranks in ``dies`` are expected to exit without a result (None in their place).
+    """
     port = free_port()
     procs = []
     for rank in range(world):
@@ -31,6 +35,9 @@ def run_ranks(world: int, scenario: str, root: Path, persist: str, *, timeout_s:
     try:
         for rank, p in enumerate(procs):
             out, err = p.communicate(timeout=timeout_s)
+            if rank in dies:
+                results.append(None)
+                continue
             lines = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
             assert p.returncode == 0 and lines, f"rank {rank} exited {p.returncode}:\n{out[-2000:]}\n{err[-4000:]}"
             results.append(json.loads(lines[-1][len("RESULT "):]))
@@ -65,3 +72,15 @@ def test_an_os_error_on_one_rank_of_a_restore_raises_promptly_everywhere(tmp_pat
                                                                                    else 1), (rank, r)
         assert r["elapsed"] < 30, (rank, r)  # not the 60 s collective timeout
         assert str(tmp_path) in r["message"], (rank, r)  # names the path
+
+
+def test_a_step_committed_when_a_rank_died_after_the_rename_is_replicated_and_retained_at_restart(tmp_path):
+    """Rank 1 dies after rank 0's rename of step 3: rank 0 reports it committed, the restart replicates and prunes."""
+    first = run_ranks(2, "killed_after_rename", tmp_path, "thread", dies=(1,), FAULT_TIMEOUT_S="10",
+                      FAULT_PHASE="run")[0]
+    assert first["outcome"] == "committed", first
+    assert "step_000000003" in first["listing"] and "step_000000001" in first["listing"], first  # not yet pruned
+    again = run_ranks(2, "killed_after_rename", tmp_path, "thread", FAULT_TIMEOUT_S="10", FAULT_PHASE="restart")
+    assert again[0]["steps"] == [2, 3] and again[0]["durable"], again[0]
+    assert [n for n in again[0]["listing"] if n.startswith("step_")] == ["step_000000002", "step_000000003"], again[0]
+    assert "step_000000003" in again[0]["durable_listing"], again[0]

@@ -186,6 +186,8 @@ class CheckpointManager(ManagerPrepareMixin, ManagerCommitMixin, ManagerReadMixi
                 if self._tier is not None:
                     durable_retention = cfg.build_durable_retention()
                     self._replicator = self._make_replicator(durable_retention)
+                if not self.read_only:
+                    self._catch_up_at_start()
             except CheckpointError as exc:
                 error = exc
         status = next((e for e in self._ctx.all_gather(None if error is None else str(error), what="init") if e), None)

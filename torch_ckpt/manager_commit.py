@@ -17,7 +17,7 @@ from typing import Any
 
 from torch_ckpt._logging import get_logger
 from torch_ckpt.errors import ConfigError
-from torch_ckpt.layout import retire_step_dir, scan_committed, update_manifest_tiers
+from torch_ckpt.layout import read_manifest, retire_step_dir, scan_committed, update_manifest_tiers
 from torch_ckpt.replicator import Replicator
 from torch_ckpt.retention import RetentionPolicy, apply_retention
 
@@ -76,6 +76,27 @@ class ManagerCommitMixin:
             return None
         # retired checkpoints are hidden already; their bytes are deleted once `committed` resolved
         return (lambda: [shutil.rmtree(p, ignore_errors=True) for p in retired]) if retired else None
+
+    def _catch_up_at_start(self) -> None:
+        """At start, the work a commit's writer may not have lived to do (a rank killed after rank 0's rename).
+
+        The newest committed step whose manifest records no durable copy in this manager's tier
+        is handed to the replicator (shared roots), and local retention is applied, as right
+        after its commit. Failures are logged: the start goes on.
+        """
+        try:
+            committed = scan_committed(self.root, self.naming)
+            if self._replicator is not None and self._nodes is None and committed:
+                step = max(committed)
+                durable = read_manifest(committed[step]).tiers.get("durable", {})
+                if durable.get("url") != self._tier.url:
+                    log.info("step %d has no durable copy in %s yet: replicating it now", step, self._tier.url)
+                    self._replicator.submit(step, committed[step])
+            for retired in self._apply_retention():
+                shutil.rmtree(retired, ignore_errors=True)
+        except Exception as exc:  # noqa: BLE001 - the checkpoints stay as they are; the next commit tries again
+            log.warning("replication and retention of the checkpoints found at start failed: %s: %s",
+                        type(exc).__name__, exc)
 
     def _record_durable(self, step: int, local_dir: Path) -> None:
         try:

@@ -137,13 +137,74 @@ def eio_restore(root: str, persist: str, timeout_s: float) -> dict:
     return _timed_restore(local, None, timeout_s)
 
 
+def killed_after_rename(root: str, persist: str, timeout_s: float) -> dict:
+    """Rank 1 dies after rank 0's rename of step 3 (inside the commit broadcast); the job is then restarted.
+
+    Phase "run" (FAULT_PHASE=run): steps 1-2 commit and replicate; at step 3 rank 1 exits in the
+    commit broadcast. Rank 0 reports its outcome and the listing, then exits as a launcher would
+    end it, before the replication or retention of step 3 can run. Phase "restart": a new
+    manager on every rank.
+    """
+    import torch
+    import torch.distributed as dist
+
+    import torch_ckpt.manager_commit as commit_mod
+    from torch_ckpt import CheckpointError, CheckpointManager
+    from torch_ckpt.dist import DistContext
+    from torch_ckpt.layout import read_manifest
+
+    local, durable = os.path.join(root, "local"), "file://" + os.path.join(root, "durable")
+    rank = int(os.environ["RANK"])
+    state = {"w": torch.arange(16.0)}
+    dist.barrier()
+    if os.environ["FAULT_PHASE"] == "restart":
+        with CheckpointManager(local, timeout_seconds=timeout_s, durable_url=durable, keep_last=2) as mgr:
+            assert mgr.wait_durable(60)
+            steps = mgr.all_steps()
+        tiers = read_manifest(Path(local) / "step_000000003").tiers if rank == 0 else {}
+        return {"steps": steps, "listing": sorted(os.listdir(local)), "durable": "durable" in tiers,
+                "durable_listing": sorted(os.listdir(os.path.join(root, "durable")))}
+    real_broadcast = DistContext.broadcast
+
+    def dying(self, obj, *, background=False, what="broadcast"):
+        if rank == 1 and what == "commit" and STEP[0] == 3:
+            time.sleep(1.0)  # rank 0 renames meanwhile (it renames before this broadcast)
+            os._exit(9)
+        return real_broadcast(self, obj, background=background, what=what)
+
+    STEP = [0]
+    DistContext.broadcast = dying
+    if rank == 0:  # the launcher ends rank 0 right after: nothing runs after the commit of step 3
+        real_after = commit_mod.ManagerCommitMixin._after_commit
+
+        def after(self, step, final, replicate):
+            return None if step == 3 else real_after(self, step, final, replicate)
+
+        commit_mod.ManagerCommitMixin._after_commit = after
+    mgr = CheckpointManager(local, timeout_seconds=timeout_s, durable_url=durable, keep_last=2)
+    for step in (1, 2):
+        STEP[0] = step
+        mgr.save(step, state)
+        mgr.wait()
+        assert mgr.wait_durable(60)
+    STEP[0] = 3
+    try:
+        mgr.save(3, state)
+        mgr.wait()
+        outcome = "committed"
+    except CheckpointError as exc:
+        outcome = f"{type(exc).__name__}: {exc}"
+    return {"outcome": outcome, "listing": sorted(os.listdir(local))}
+
+
 def main() -> None:
     import torch.distributed as dist
 
     scenario, root, persist = sys.argv[1], sys.argv[2], sys.argv[3]
     dist.init_process_group("gloo")
     timeout_s = float(os.environ.get("FAULT_TIMEOUT_S", "3"))
-    result = {"slow_shard": slow_shard, "efbig_download": efbig_download, "eio_restore": eio_restore}[
+    result = {"slow_shard": slow_shard, "efbig_download": efbig_download, "eio_restore": eio_restore,
+              "killed_after_rename": killed_after_rename}[
         scenario](root, persist, timeout_s)
     print("RESULT " + json.dumps(result), flush=True)
     dist.destroy_process_group()
