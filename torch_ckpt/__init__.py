@@ -59,6 +59,7 @@ _EXPORTS = {
     "CheckpointWriteError": "torch_ckpt.errors",
     "CheckpointTimeoutError": "torch_ckpt.errors",
     "ConfigError": "torch_ckpt.errors",
+    "CheckpointReadError": "torch_ckpt.errors",
 }
 
 __all__ = list(_EXPORTS)
