@@ -28,7 +28,8 @@ def run_ranks(world: int, scenario: str, root: Path, persist: str, *, timeout_s:
     procs = []
     for rank in range(world):
         e = dict(os.environ, PYTHONPATH=str(REPO), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                 WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), **env)
+                 WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+        e.update(env)
         procs.append(subprocess.Popen([sys.executable, str(HELPER), scenario, str(root), persist], env=e,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     results = []
@@ -49,17 +50,21 @@ def run_ranks(world: int, scenario: str, root: Path, persist: str, *, timeout_s:
     return results
 
 
-@pytest.mark.parametrize("world,persist", [(2, "thread"), (2, "process"), (4, "thread")])
-def test_saves_commit_again_after_a_rank_timed_out_in_its_shard_write(tmp_path, world, persist):
+@pytest.mark.parametrize("world,persist,node_local", [(2, "thread", False), (2, "process", False),
+                                                     (4, "thread", False), (2, "thread", True)],
+                         ids=["2-thread", "2-process", "4-thread", "2-node-local"])
+def test_saves_commit_again_after_a_rank_timed_out_in_its_shard_write(tmp_path, world, persist, node_local):
     """Rank 1 is slower than the timeout inside step 3's write: step 3 fails everywhere, steps 4-7 commit."""
+    nodes = {"LOCAL_WORLD_SIZE": "1", "FAULT_NODE_LOCAL": "1"} if node_local else {}  # a node per rank, own roots
     results = run_ranks(world, "slow_shard", tmp_path, persist, FAULT="slow_shard", FAULT_TIMEOUT_S="3",
-                        FAULT_SLOW_S="5")
+                        FAULT_SLOW_S="5", **nodes)
     for rank, r in enumerate(results):
         outcome = {int(k): v for k, v in r["outcome"].items()}
         assert outcome[3][0] != "ok", f"rank {rank}: step 3 did not fail"
         assert [s for s, v in outcome.items() if v[0] == "ok"] == [1, 2, 4, 5, 6, 7], (rank, outcome)
         assert r["steps"] == [1, 2, 4, 5, 6, 7], (rank, r["steps"])
-    assert not [n for n in os.listdir(tmp_path) if ".tmp" in n], os.listdir(tmp_path)
+    left = [str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if ".tmp" in p.name]
+    assert not left, left
 
 
 @pytest.mark.parametrize("scenario,world", [("efbig_download", 2), ("eio_restore", 2), ("eio_restore", 4)])

@@ -47,6 +47,8 @@ def slow_shard(root: str, persist: str, timeout_s: float) -> dict:
 
     model = torch.nn.Linear(16, 16)
     outcome = {}
+    if os.environ.get("FAULT_NODE_LOCAL"):  # node-local roots: each rank (its own node) has its own directory
+        root = os.path.join(root, f"node{os.environ['RANK']}")
     dist.barrier()  # every rank is up: the short timeout then only measures the fault
     with CheckpointManager(root, timeout_seconds=timeout_s, persist=persist, keep_last=10) as mgr:
         for step in range(1, 8):
