@@ -79,6 +79,16 @@ def test_an_os_error_on_one_rank_of_a_restore_raises_promptly_everywhere(tmp_pat
         assert str(tmp_path) in r["message"], (rank, r)  # names the path
 
 
+def test_an_efbig_download_from_s3_raises_promptly_on_every_rank(tmp_path, s3):
+    """Rank 0's download from S3 (moto) fails with EFBIG locally: every rank raises a typed error at once."""
+    url = f"s3://{s3.new_bucket()}/run"
+    results = run_ranks(2, "efbig_download", tmp_path, "thread", FAULT_TIMEOUT_S="60", FAULT_DURABLE_URL=url,
+                        FAULT_S3_OPTIONS=json.dumps(s3.options))
+    for rank, r in enumerate(results):
+        assert r["kind"] == "CheckpointWriteError" and "File too large" in r["message"], (rank, r)
+        assert r["elapsed"] < 30 and str(tmp_path) in r["message"], (rank, r)
+
+
 def test_a_step_committed_when_a_rank_died_after_the_rename_is_replicated_and_retained_at_restart(tmp_path):
     """Rank 1 dies after rank 0's rename of step 3: rank 0 reports it committed, the restart replicates and prunes."""
     first = run_ranks(2, "killed_after_rename", tmp_path, "thread", dies=(1,), FAULT_TIMEOUT_S="10",

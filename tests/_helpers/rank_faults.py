@@ -66,6 +66,13 @@ def slow_shard(root: str, persist: str, timeout_s: float) -> dict:
                 "listing": sorted(p.name for p in Path(root).iterdir())}
 
 
+def _storage_options(durable: str | None) -> dict | None:
+    """The S3 client options of the test's moto server (FAULT_S3_OPTIONS, JSON) for an s3:// URL."""
+    if durable is None or not durable.startswith("s3://"):
+        return None
+    return json.loads(os.environ["FAULT_S3_OPTIONS"])
+
+
 def _saved_once(local: str, durable: str | None, timeout_s: float) -> dict:
     """Every rank saves step 1 (and waits for its durable copy); returns the state."""
     import torch
@@ -76,7 +83,8 @@ def _saved_once(local: str, durable: str | None, timeout_s: float) -> dict:
     torch.manual_seed(0)
     state = {"w": torch.randn(64, 64), "b": torch.randn(64)}
     dist.barrier()
-    with CheckpointManager(local, timeout_seconds=timeout_s, durable_url=durable) as mgr:
+    with CheckpointManager(local, timeout_seconds=timeout_s, durable_url=durable,
+                               storage_options=_storage_options(durable)) as mgr:
         mgr.save(1, state)
         mgr.wait()
         if durable is not None:
@@ -93,7 +101,8 @@ def _timed_restore(local: str, durable: str | None, timeout_s: float) -> dict:
     out = {"w": torch.zeros(64, 64), "b": torch.zeros(64)}
     t0 = time.monotonic()
     try:
-        with CheckpointManager(local, timeout_seconds=timeout_s, durable_url=durable) as mgr:
+        with CheckpointManager(local, timeout_seconds=timeout_s, durable_url=durable,
+                               storage_options=_storage_options(durable)) as mgr:
             step = mgr.restore(out)
         return {"kind": "ok", "step": step, "elapsed": time.monotonic() - t0}
     except CheckpointError as exc:
@@ -111,7 +120,8 @@ def efbig_download(root: str, persist: str, timeout_s: float) -> dict:
 
     import torch.distributed as dist
 
-    local, durable = os.path.join(root, "local"), "file://" + os.path.join(root, "durable")
+    local = os.path.join(root, "local")
+    durable = os.environ.get("FAULT_DURABLE_URL") or "file://" + os.path.join(root, "durable")
     _saved_once(local, durable, timeout_s)
     if int(os.environ["RANK"]) == 0:
         shutil.rmtree(os.path.join(local, "step_000000001"))  # a fresh node: only the durable copy is left
