@@ -140,7 +140,8 @@ class DistContext:
 
         Called before every operation on the caller's thread, and by a writer process before each
         save. Does nothing while the groups are healthy and no other rank announced a failure (one
-        store look-up), or while this process's writer thread persists.
+        store look-up); otherwise waits for this process's writer thread to finish its persist,
+        then every rank joins a store barrier and forms two new groups.
 
         Raises:
             CheckpointTimeoutError: not every rank joined the rebuild within ``timeout_seconds``
@@ -174,34 +175,38 @@ class DistContext:
         try:
             store.set(self._key("want", target), str(self.rank))
             if self._arrived != target:
+                joined = store.add(count, 1)
                 self._arrived = target
-                if store.add(count, 1) == n:
+                if joined == n:
                     store.set(done, "1")
             try:
                 store.wait([done], timeout)
-            except Exception:  # noqa: BLE001 - the others did not join in time
-                if store.check([done]):
-                    pass
-                else:
-                    left = store.add(count, -1)  # leave the barrier, unless the last rank just completed it
+            except Exception:  # noqa: BLE001 - the others did not join in time: leave the barrier again
+                others = store.add(count, -1)
+                if others < n - 1 and not store.check([done]):
                     self._arrived = None
-                    if left < n - 1:
-                        raise CheckpointTimeoutError(
-                            f"the checkpoint process groups broke ({self._broken}) and could not be rebuilt: only "
-                            f"{left + 1} of {n} ranks joined within {self.timeout_seconds:.0f} s; the next "
-                            "checkpoint call tries again") from None
-                    self._arrived = target
-                    store.add(count, 1)
+                    raise CheckpointTimeoutError(
+                        f"the checkpoint process groups broke ({self._broken}) and could not be rebuilt: only "
+                        f"{others + 1} of {n} ranks joined within {self.timeout_seconds:.0f} s; the next "
+                        "checkpoint call tries again") from None
+                # every other rank had joined: the last of them completed the barrier with this rank counted
+                store.add(count, 1)
         except CheckpointError:
             raise
         except Exception as exc:  # noqa: BLE001 - the store is unreachable (rank 0's host is gone)
             raise CheckpointError(f"the checkpoint process groups broke ({self._broken}) and could not be rebuilt: "
                                   f"the job's key-value store failed: {type(exc).__name__}: {exc}") from exc
         old = (self.fg, self.bg)
+        fg = None
         try:
             fg = self._new_group(f"{self._ns}/g{target}/fg")
             bg = self._new_group(f"{self._ns}/g{target}/bg")
         except Exception as exc:  # noqa: BLE001 - not every rank formed the groups: try the next generation
+            if fg is not None:
+                try:
+                    dist.destroy_process_group(fg)
+                except Exception:  # noqa: BLE001
+                    pass
             reason = self._broken
             self.generation = target
             self._mark_broken(f"{reason}; rebuilding generation {target} failed")
