@@ -137,6 +137,7 @@ class AsyncCheckpointer(CheckpointerPrepareMixin):
         self._closed = False
         self.last_stats: SaveStats | None = None
         self._incarnation = new_incarnation()
+        self._failed_names: list[str] = []  # final names of failed saves whose temporaries the next save removes
         # set by the manager for node-local roots (torch_ckpt.nodes.NodeLayout): each node commits its own copy
         self.node_layout: Any = None
         if persist == "process" and self.async_save:
@@ -299,11 +300,12 @@ class AsyncCheckpointer(CheckpointerPrepareMixin):
             t_start = time.monotonic()
             # a pipelined copy fills job.timings before it marks the last tensors staged
             timings = job.timings if job.progress is not None else {"staging_s": handle.stats.staging_s}
+            failed_names, self._failed_names = tuple(self._failed_names), []
             if self._process_writer is not None and (job.fits or failed is not None):
                 fields = dict(final=job.final, step=job.step, tree=job.tree, tensor_bytes=handle.stats.bytes,
                               replace=job.replace, extra_dir=job.extra_dir,
                               thread_count=self.thread_count, timings=timings, incarnation=self._incarnation,
-                              failed=failed, nodes=self.node_layout)
+                              failed=failed, nodes=self.node_layout, failed_names=failed_names)
                 final, files_bytes = self._process_writer.persist(arena=None if failed else self._stager.arena,
                                                                   layout=job.layout, fields=fields)
             else:
@@ -311,7 +313,7 @@ class AsyncCheckpointer(CheckpointerPrepareMixin):
                                      tensor_bytes=handle.stats.bytes, thread_count=self.thread_count,
                                      timings=timings, incarnation=self._incarnation, failed=failed,
                                      replace=job.replace, extra_dir=job.extra_dir, nodes=self.node_layout,
-                                     progress=job.progress)
+                                     progress=job.progress, failed_names=failed_names)
                 with self._ctx.background_work():  # no rebuild of the groups under this persist
                     final = persist_checkpoint(req, self._ctx)
                 files_bytes = req.committed_bytes
@@ -331,6 +333,7 @@ class AsyncCheckpointer(CheckpointerPrepareMixin):
                     log.warning("[rank %d] cleanup after committing step %d failed: %s: %s", self._ctx.rank,
                                 job.step, type(exc).__name__, exc)
         except BaseException as exc:  # noqa: BLE001 - surfaced on the caller's thread
+            self._failed_names.append(job.final.name)  # a temporary may be left (a collective timed out)
             with self._lock:
                 if job.copy_failed:
                     pass  # save() already raised the copy's error on the caller's thread

@@ -55,6 +55,9 @@ class PersistRequest:
     committed file, so no rank needs to read the committed directory again. ``progress`` (a
     :class:`~torch_ckpt.staging.StagingProgress`), when given, means the tensors are still being
     staged: each is written once the copy has marked it, and a failed copy fails the save.
+    ``failed_names``: the final names of this checkpointer's earlier saves that failed; the
+    coordinator (each node's leader) removes their temporaries before writing (see
+    :func:`~torch_ckpt.temporaries.remove_failed_temporaries`).
     """
 
     final: Path
@@ -72,6 +75,7 @@ class PersistRequest:
     nodes: Any = None  # a torch_ckpt.nodes.NodeLayout: every node commits its own copy (node-local roots)
     committed_bytes: int | None = None  # output: bytes of all committed files (every rank), set on success
     progress: Any = None
+    failed_names: tuple[str, ...] = ()  # final names of this checkpointer's earlier failed saves: their temporaries go
 
 
 def describe_error(exc: BaseException) -> str:
@@ -233,7 +237,7 @@ def persist_checkpoint(req: PersistRequest, ctx: DistContext) -> Path:
                 raise CheckpointWriteError(f"{final} already exists; refusing to overwrite a checkpoint")
             if tmp.exists():  # this incarnation's own leftover of an earlier failed attempt
                 shutil.rmtree(tmp)
-            remove_failed_temporaries(final.parent, tmp.name)
+            remove_failed_temporaries(final.parent, tmp.name, req.failed_names)
             tmp.mkdir(parents=True)
         except BaseException as exc:  # noqa: BLE001 - reported to every rank below
             error = exc

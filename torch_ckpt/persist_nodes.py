@@ -94,7 +94,7 @@ def _persist(req: PersistRequest, ctx: DistContext, layout: NodeLayout, final: P
                 raise CheckpointWriteError(f"{final} already exists; refusing to overwrite a checkpoint")
             if tmp.exists():
                 shutil.rmtree(tmp)
-            remove_failed_temporaries(final.parent, tmp.name)
+            remove_failed_temporaries(final.parent, tmp.name, req.failed_names)
             tmp.mkdir(parents=True)
         except BaseException as exc:  # noqa: BLE001 - reported to every rank below
             error = exc

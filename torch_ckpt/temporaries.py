@@ -135,29 +135,31 @@ def clean_stale_temporaries(root: str | os.PathLike, *, keep_incarnation: str | 
     return removed
 
 
-def remove_failed_temporaries(root: str | os.PathLike, current: str) -> list[Path]:
+def remove_failed_temporaries(root: str | os.PathLike, current: str, failed_names: tuple[str, ...] | list[str]
+                              ) -> list[Path]:
     """Remove the temporaries of earlier, failed saves of the incarnation that writes ``current`` now.
 
-    A save runs only once the previous one finished on every rank (the ranks' agreement), so any
-    other ``.NAME.tmp.<id>`` of the same incarnation id is the leftover of a failed save (for
-    example one whose collective timed out before rank 0 could remove it). Download temporaries
-    are left alone.
+    A save runs only once the previous one finished on every rank (the ranks' agreement), so the
+    temporary ``.NAME.tmp.<id>`` of a failed save of the same incarnation id is a leftover (for
+    example of a save whose collective timed out before rank 0 could remove it). Only the names
+    of those saves are given: other hidden directories of the root (a framework's files on their
+    way into the next checkpoint) are never touched.
 
     Args:
         root: the directory holding ``current``.
         current: the name of the temporary being written now (``.NAME.tmp.<id>``).
+        failed_names: the final names of the failed saves (``NAME``).
 
     Returns:
         The removed paths.
     """
     m = _TMP_RE.match(current)
     removed: list[Path] = []
-    root = Path(root)
-    if m is None or m.group(3) is None or not root.is_dir():
+    if m is None or m.group(3) is None:
         return removed
-    for entry in root.iterdir():
-        other = _TMP_RE.match(entry.name)
-        if other and other.group(3) == m.group(3) and other.group(2) is None and entry.name != current:
+    for name in failed_names:
+        entry = Path(root) / temporary_name(name, m.group(3))
+        if entry.name != current and entry.is_dir():
             shutil.rmtree(entry, ignore_errors=True)
             removed.append(entry)
     if removed:
