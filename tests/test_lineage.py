@@ -218,3 +218,53 @@ def test_ls_labels_the_superseded_steps(tmp_path, capsys):
     assert main(["ls", str(tmp_path / "local")]) == 0
     text = capsys.readouterr().out
     assert "committed, superseded" in text and "2 superseded" in text
+
+
+def test_a_restore_abandons_nothing_until_the_next_save(tmp_path):
+    """restore(step=200) then restore(): without a save in between, the newest step 400 is still live."""
+    with CheckpointManager(tmp_path, keep_last=10) as mgr:
+        for step in (100, 200, 300, 400):
+            _save(mgr, step, step)
+        assert mgr.restore(_state()[0], step=200) == 200
+        assert mgr.all_steps() == [100, 200, 300, 400]
+        assert mgr.restore(_state()[0]) == 400
+
+
+def _stale_copy_and_rollback(tmp_path, kw) -> Path:
+    """100-400 replicated from root ``local``; a copy of it as ``stale`` (another machine's disk); then
+    the rollback to 200 with 300 and 350 on ``local``. Returns the stale root."""
+    with CheckpointManager(tmp_path / "local", keep_last=10, **kw) as mgr:
+        for step in (100, 200, 300, 400):
+            _save(mgr, step, step)
+    shutil.copytree(tmp_path / "local", tmp_path / "stale", ignore=shutil.ignore_patterns(".lock*"))
+    with CheckpointManager(tmp_path / "local", keep_last=10, **kw) as mgr:
+        assert mgr.restore(_state()[0], step=200) == 200
+        for step in (300, 350):
+            _save(mgr, step, step + 0.5)
+    return tmp_path / "stale"
+
+
+def test_a_stale_root_resumes_the_durable_new_timeline(tmp_path):
+    """A stale disk (old 300, 400) resumes the durable 350; restore(step=300) downloads the new 300, the old kept aside."""
+    kw = {"durable_url": f"file://{tmp_path / 'durable'}"}
+    stale = _stale_copy_and_rollback(tmp_path, kw)
+    assert _resume(stale, **kw)[:2] == (350, 350.5)
+    with CheckpointManager(stale, keep_last=10, **kw) as mgr:
+        state, model = _state()
+        assert mgr.restore(state, step=300) == 300 and _weight(model) == 300.5
+    assert read_manifest(next(stale.glob(".superseded_step_000000300.*"))).lineage == BASE
+
+
+def test_an_upload_of_the_abandoned_timeline_is_skipped(tmp_path, caplog):
+    """A stale root saving on its old timeline (no restore) never uploads over the durable new timeline."""
+    import logging
+
+    kw = {"durable_url": f"file://{tmp_path / 'durable'}"}
+    stale = _stale_copy_and_rollback(tmp_path, kw)
+    caplog.set_level(logging.WARNING, logger="torch_ckpt")
+    with CheckpointManager(stale, keep_last=10, **kw) as mgr:
+        _save(mgr, 500, 500.0)
+    assert sorted(DurableTier(kw["durable_url"]).list_steps()) == [100, 200, 300, 350]
+    assert any("step 500 is not replicated" in r.getMessage() for r in caplog.records)
+    shutil.rmtree(tmp_path / "local")
+    assert _resume(tmp_path / "local", **kw) == (350, 350.5, 350)

@@ -47,11 +47,8 @@ class ManagerReadMixin:
     def _live_local(self) -> dict[int, Path]:
         """This rank's live committed local checkpoints (superseded ones left out), ``{step: directory}``."""
         found = scan_manifests(self.root, self.naming)
-        head = head_of([*(m.lineage for _, m in found.values()), *self._known_lineage()])
+        head = head_of(m.lineage for _, m in found.values())
         return {s: p for s, (p, m) in found.items() if head.holds(s, m.lineage)}
-
-    def _known_lineage(self) -> tuple[Lineage, ...]:
-        return () if self._lineage is None else (self._lineage,)
 
     def all_steps(self) -> list[int]:
         """Committed steps in ascending numeric order (rank 0's view, agreed by every rank)."""
@@ -160,7 +157,7 @@ class ManagerReadMixin:
             return restore_node_local(self, state, step, allow_cast)
         if self.root.exists() and not self.root.is_dir():
             raise CheckpointNotFoundError(f"checkpoint root {self.root} is not a directory")
-        resume = self._ctx.broadcast(resume_plan(self.root, self._tier, step, self.naming, self._known_lineage())
+        resume = self._ctx.broadcast(resume_plan(self.root, self._tier, step, self.naming)
                                      if self._ctx.is_coordinator else None,
                                      what="restore plan")
         if isinstance(resume, BaseException):
@@ -222,7 +219,7 @@ class ManagerReadMixin:
         """The segment of the saves after restoring the checkpoint directory ``path``: its own when it
         is the newest live step of the local root, else a new one forked from it."""
         found = scan_manifests(self.root, self.naming)
-        seen = [*(m.lineage for _, m in found.values()), *self._known_lineage(), manifest.lineage]
+        seen = [*(m.lineage for _, m in found.values()), manifest.lineage]
         head = head_of(seen)
         live = [s for s, (_, m) in found.items() if head.holds(s, m.lineage)]
         newest = bool(live) and live[-1] == manifest.step and found[live[-1]][0].resolve() == path.resolve() \

@@ -61,8 +61,8 @@ def restore_candidates(root: Path, tier: DurableTier | None, step: int | None,
     return plan if isinstance(plan, BaseException) else plan.candidates
 
 
-def resume_plan(root: Path, tier: DurableTier | None, step: int | None, naming: Naming | None = None,
-                known: tuple[Lineage, ...] = ()) -> ResumePlan | BaseException:
+def resume_plan(root: Path, tier: DurableTier | None, step: int | None,
+                naming: Naming | None = None) -> ResumePlan | BaseException:
     """The live checkpoints to restore from, newest first, and the lineage they belong to; run on the coordinator.
 
     Args:
@@ -70,7 +70,6 @@ def resume_plan(root: Path, tier: DurableTier | None, step: int | None, naming: 
         tier: the durable tier, if any.
         step: the step asked for; None: the newest live one.
         naming: the step naming of both tiers.
-        known: segments the caller knows beyond the tiers' manifests (the manager's own).
 
     Returns an exception instead of raising it, so the coordinator can broadcast it to every rank.
     """
@@ -89,7 +88,7 @@ def resume_plan(root: Path, tier: DurableTier | None, step: int | None, naming: 
                         f"{exc}. No local checkpoint under {root} either: refusing to start from scratch "
                         "during an outage. Retry when the store is reachable, or remove durable_url.")
                 log.warning("%s; resuming from the local tier only", exc)
-        seen = [*local.values(), *durable.values(), *known]
+        seen = [*local.values(), *durable.values()]
         head = head_of(seen)
         live_local = [s for s, lin in local.items() if head.holds(s, lin)]
         live_durable = [s for s, lin in durable.items() if head.holds(s, lin)]

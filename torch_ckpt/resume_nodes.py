@@ -172,10 +172,9 @@ def restore_node_local(mgr: Any, state: Any, step: int | None, allow_cast: bool)
             except DurableUnavailableError as exc:
                 outage = exc
         # the lineage rule (torch_ckpt.lineage): only live copies count, so every node loads the same timeline
-        seen = [*(lin for _, _, lins in gathered for lin in lins.values()), *(m.lineage for m in durable.values()),
-                *mgr._known_lineage()]
+        seen = [*(lin for _, _, lins in gathered for lin in lins.values()), *(m.lineage for m in durable.values())]
         head = head_of(seen)
-        node_lins = {n: lins for n, _, lins in gathered}
+        node_lins = {n: lins for n, i, lins in gathered if isinstance(i, dict)}  # the leaders' (others send none)
         inventories = {n: {s: kind for s, kind in i.items() if head.holds(s, node_lins[n][s])}
                        for n, i in inventories.items()}
         durable = {s: m for s, m in durable.items() if head.holds(s, m.lineage)}
