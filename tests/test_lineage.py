@@ -245,7 +245,7 @@ def _stale_copy_and_rollback(tmp_path, kw) -> Path:
 
 
 def test_a_stale_root_resumes_the_durable_new_timeline(tmp_path):
-    """A stale disk (old 300, 400) resumes the durable 350; restore(step=300) downloads the new 300, the old kept aside."""
+    """A stale disk resumes the durable 350; restore(step=300) downloads the new 300 and keeps the old one aside."""
     kw = {"durable_url": f"file://{tmp_path / 'durable'}"}
     stale = _stale_copy_and_rollback(tmp_path, kw)
     assert _resume(stale, **kw)[:2] == (350, 350.5)
