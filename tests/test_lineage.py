@@ -19,6 +19,7 @@ from torch_ckpt import CheckpointCorruptError, CheckpointManager, CheckpointNotF
 from torch_ckpt.layout import read_manifest
 from torch_ckpt.lineage import BASE, Lineage, head_of, lineage_from_doc, new_segment
 from torch_ckpt.manifest import Manifest, parse_manifest
+from torch_ckpt.storage import Location
 from torch_ckpt.tiers import DurableTier
 
 A, B = "aa" * 8, "bb" * 8
@@ -150,6 +151,10 @@ def test_s3_durable_restart_resumes_the_new_timeline(tmp_path, s3):
     assert sorted(tier.list_steps()) == [200, 300, 350]
     assert sorted(n.split(".")[1] for n in tier.list_names() if n.startswith(".superseded_")) == \
         ["superseded_step_000000300", "superseded_step_000000400"]
+    old400 = next(n for n in tier.list_names() if n.startswith(".superseded_step_000000400."))
+    moved = Location.on(tier.fs, f"{tier.root}/{old400}", f"{tier.url}/{old400}")
+    old = read_manifest(moved)
+    assert old.step == 400 and set(moved.entries()) == {*old.files, "manifest.json"}  # whole, manifest included
     assert _resume(tmp_path / "local", **kw) == (350, 350.5, 350)
     shutil.rmtree(tmp_path / "local")
     assert _resume(tmp_path / "local", **kw) == (350, 350.5, 350)
