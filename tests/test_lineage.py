@@ -223,6 +223,10 @@ def test_ls_labels_the_superseded_steps(tmp_path, capsys):
     assert main(["ls", str(tmp_path / "local")]) == 0
     text = capsys.readouterr().out
     assert "committed, superseded" in text and "2 superseded" in text
+    assert main(["verify", str(tmp_path / "local"), "--json"]) == 0  # verify ROOT skips them, naming why
+    out = json.loads(capsys.readouterr().out)
+    assert sorted(r["step"] for r in out["checkpoints"]) == [100, 200, 300, 350]
+    assert sorted(r["step"] for r in out["skipped"] if r["reason"].startswith("superseded")) == [300, 400]
 
 
 def test_a_restore_abandons_nothing_until_the_next_save(tmp_path):
