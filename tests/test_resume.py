@@ -28,7 +28,7 @@ class FakeTier:
     def list_steps(self):
         if self.outage:
             raise DurableUnavailableError(f"cannot list durable tier {self.url}: connection refused")
-        return {s: object() for s in self.steps}
+        return {s: Manifest(step=s, world_size=1, files={}) for s in self.steps}
 
 
 def commit_local(root, step, *, manifest_step=None, naming=None):

@@ -198,7 +198,8 @@ class AsyncCheckpointer(CheckpointerPrepareMixin):
              on_committed: Callable[[Path], None] | None = None, started_at: float | None = None,
              waited_s: float = 0.0, prepare: Callable[[], None] | None = None,
              replace: bool | Callable[[], bool] = False,
-             extra_dir: str | os.PathLike | Callable[[], Any] | None = None) -> SaveHandle:
+             extra_dir: str | os.PathLike | Callable[[], Any] | None = None,
+             lineage: Any = None) -> SaveHandle:
         """Checkpoint ``state`` into directory ``final``; returns once staged (async) or committed (sync).
 
         Collective: every rank calls it with the same ``final`` and ``step``. Waits first for the
@@ -229,6 +230,8 @@ class AsyncCheckpointer(CheckpointerPrepareMixin):
                 old one stays loadable until then); a callable is asked after ``prepare``.
             extra_dir: rank 0's directory of framework files (e.g. written by save hooks) moved
                 into the checkpoint before its manifest, so they commit atomically with it.
+            lineage: the run segment (:class:`~torch_ckpt.lineage.Lineage`) rank 0 records in the
+                manifest, or a callable asked after ``prepare``; None: the base segment.
 
         Returns:
             A :class:`SaveHandle` whose ``committed`` future completes when the checkpoint is durable.
@@ -254,6 +257,7 @@ class AsyncCheckpointer(CheckpointerPrepareMixin):
             prepared[0].replace = bool(replace() if callable(replace) else replace)
             extra = extra_dir() if callable(extra_dir) else extra_dir
             prepared[0].extra_dir = None if extra is None else Path(extra)
+            prepared[0].lineage = lineage() if callable(lineage) else lineage
         except Exception as exc:  # noqa: BLE001 - reported to every rank by the agreement below
             error = exc
         try:
@@ -303,7 +307,7 @@ class AsyncCheckpointer(CheckpointerPrepareMixin):
             failed_names, self._failed_names = tuple(self._failed_names), []
             if self._process_writer is not None and (job.fits or failed is not None):
                 fields = dict(final=job.final, step=job.step, tree=job.tree, tensor_bytes=handle.stats.bytes,
-                              replace=job.replace, extra_dir=job.extra_dir,
+                              replace=job.replace, extra_dir=job.extra_dir, lineage=job.lineage,
                               thread_count=self.thread_count, timings=timings, incarnation=self._incarnation,
                               failed=failed, nodes=self.node_layout, failed_names=failed_names)
                 final, files_bytes = self._process_writer.persist(arena=None if failed else self._stager.arena,
@@ -313,7 +317,8 @@ class AsyncCheckpointer(CheckpointerPrepareMixin):
                                      tensor_bytes=handle.stats.bytes, thread_count=self.thread_count,
                                      timings=timings, incarnation=self._incarnation, failed=failed,
                                      replace=job.replace, extra_dir=job.extra_dir, nodes=self.node_layout,
-                                     progress=job.progress, failed_names=failed_names)
+                                     progress=job.progress, failed_names=failed_names,
+                                     lineage=job.lineage)
                 with self._ctx.background_work():  # no rebuild of the groups under this persist
                     final = persist_checkpoint(req, self._ctx)
                 files_bytes = req.committed_bytes

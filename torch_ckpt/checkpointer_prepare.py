@@ -50,6 +50,7 @@ class SaveJob:
     on_committed: Callable[[Path], None] | None = None
     replace: bool = False
     extra_dir: Path | None = None
+    lineage: Any = None  # the torch_ckpt.lineage.Lineage its manifest records (None: the base segment)
     progress: StagingProgress | None = None  # pipelined staging: the copy runs while the writer starts
     timings: dict[str, float] = field(default_factory=dict)
     copy_failed: bool = False

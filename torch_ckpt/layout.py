@@ -47,6 +47,7 @@ __all__ = [
     "FORMAT_VERSION",
     "Manifest",
     "scan_committed",
+    "scan_manifests",
     "read_manifest",
     "write_json_durable",
     "fsync_dir",
@@ -125,9 +126,14 @@ def scan_committed(root: str | os.PathLike, naming: Naming | None = None) -> dic
     manifest (a folder of another tool, or damage) are skipped with a warning; temporary
     directories are never returned.
     """
+    return {step: path for step, (path, _) in scan_manifests(root, naming).items()}
+
+
+def scan_manifests(root: str | os.PathLike, naming: Naming | None = None) -> dict[int, tuple[Path, Manifest]]:
+    """:func:`scan_committed` with each directory's manifest: ``{step: (directory, manifest)}``, ascending."""
     root = Path(root)
     naming = naming or _DEFAULT_NAMING
-    found: dict[int, Path] = {}
+    found: dict[int, tuple[Path, Manifest]] = {}
     if not root.is_dir():
         return found
     for entry in root.iterdir():
@@ -145,7 +151,7 @@ def scan_committed(root: str | os.PathLike, naming: Naming | None = None) -> dic
         if manifest.step != named_step:
             log.warning("ignoring %s: manifest says step %d", entry, manifest.step)
             continue
-        found[manifest.step] = entry
+        found[manifest.step] = (entry, manifest)
     return dict(sorted(found.items()))
 
 

@@ -26,6 +26,7 @@ from torch_ckpt.config import DEFAULT, ON_EXISTING_NEWER, CheckpointConfig, Defa
 from torch_ckpt.errors import CheckpointError, ConfigError
 from torch_ckpt.handle import SaveHandle, SaveStats
 from torch_ckpt.layout import check_root
+from torch_ckpt.lineage import Lineage
 from torch_ckpt.manager_commit import ManagerCommitMixin
 from torch_ckpt.manager_health import ManagerHealthMixin
 from torch_ckpt.manager_prepare import ManagerPrepareMixin
@@ -168,6 +169,7 @@ class CheckpointManager(ManagerPrepareMixin, ManagerCommitMixin, ManagerReadMixi
         self._saves = 0
         self._captured_at: dict[int, float] = {}
         self._restored_step: int | None = None
+        self._lineage: Lineage | None = None  # run segment of the next saves (torch_ckpt.lineage); None: not known yet
         self.restore_source: str | None = None  # node-local roots: where this rank's last restore read from
         error = None
         if self._acts_on_root:
@@ -292,7 +294,7 @@ class CheckpointManager(ManagerPrepareMixin, ManagerCommitMixin, ManagerReadMixi
         handle = self._ckpt.save(final, state, step=step,
                                  on_committed=lambda final: self._after_commit(step, final, replicate),
                                  started_at=t0, prepare=prepare, replace=lambda: replace[0],
-                                 extra_dir=lambda: staged_extra[0])
+                                 extra_dir=lambda: staged_extra[0], lineage=lambda: self._lineage)
         self._saves += 1
         if self._cadence is not None:
             self._cadence.record_save_started(handle, time.monotonic())

@@ -17,7 +17,8 @@ from typing import Any
 
 from torch_ckpt._logging import get_logger
 from torch_ckpt.errors import ConfigError
-from torch_ckpt.layout import read_manifest, retire_step_dir, scan_committed, update_manifest_tiers
+from torch_ckpt.layout import read_manifest, retire_step_dir, scan_committed, scan_manifests, update_manifest_tiers
+from torch_ckpt.lineage import BASE
 from torch_ckpt.replicator import Replicator
 from torch_ckpt.retention import RetentionPolicy, apply_retention
 
@@ -43,7 +44,8 @@ class ManagerCommitMixin:
         # every node uploads its own shards; node 0 commits and runs durable retention and cleanup
         return Replicator(self._tier, retention=retention if commit else None, upload=upload,
                           on_durable=self._record_durable if commit else None,
-                          abandoned_after_seconds=24 * 3600.0 if commit else None, never_skip=history)
+                          abandoned_after_seconds=24 * 3600.0 if commit else None, never_skip=history,
+                          arranges=commit)
 
     def add_commit_callback(self, callback: Callable[[int, Path], None]) -> None:
         """Call ``callback(step, directory)`` after each commit, on rank 0 only.
@@ -112,7 +114,9 @@ class ManagerCommitMixin:
         """
         if not self._acts_on_root or self.retention is None:
             return []
-        committed = scan_committed(self.root, self.naming)
+        head = self._lineage if self._lineage is not None else BASE
+        committed = {s: p for s, (p, m) in scan_manifests(self.root, self.naming).items()
+                     if head.holds(s, m.lineage)}  # a superseded step is neither kept nor counted
         busy = self._replicator.busy_steps() if self._replicator is not None else set()
         retired: list[Path] = []
         for step in apply_retention(self.retention, list(committed), protected=sorted(busy)):

@@ -17,7 +17,8 @@ from typing import Any
 from torch_ckpt._logging import get_logger
 from torch_ckpt.config_values import check_int
 from torch_ckpt.errors import CheckpointError, CheckpointNotFoundError, CheckpointWriteError, ConfigError
-from torch_ckpt.layout import quarantine_step_dir, read_manifest, scan_committed
+from torch_ckpt.layout import quarantine_step_dir, read_manifest, scan_manifests
+from torch_ckpt.lineage import BASE, Lineage, head_of
 from torch_ckpt.persist import check_extra_name
 
 log = get_logger("torch_ckpt.manager")
@@ -84,9 +85,10 @@ class ManagerPrepareMixin:
     def _prepare_step(self, step: Any, final: Path, *, explicit: bool = False) -> bool:
         """Every rank, before the save agreement: validate ``step``; on rank 0 also check its directory.
 
-        After :meth:`restore` loaded a step older than the newest committed one, the newer
-        checkpoints belong to an abandoned run segment: the first save moves them aside
-        (``.superseded_<name>.<time>``, kept, never listed) so that "latest" follows the run again.
+        After :meth:`restore` loaded a step older than the newest live one, the newer checkpoints
+        belong to an abandoned timeline (:mod:`torch_ckpt.lineage`): the first save moves every
+        local step the new one supersedes aside (``.superseded_<name>.<time>``, kept, never
+        listed) so that "latest" follows the run again.
         A damaged directory of ``step`` is moved aside too (``.corrupt_<name>.<time>``).
 
         Returns:
@@ -110,10 +112,11 @@ class ManagerPrepareMixin:
         if not self._acts_on_root:
             return False
         try:
-            if restored is not None:
-                for newer, newer_path in scan_committed(self.root, self.naming).items():
-                    if newer > restored:
-                        quarantine_step_dir(newer_path, reason="superseded")
+            head = self._head_lineage()
+            if restored is not None:  # a rollback: the steps of the abandoned timeline go aside
+                for s, (s_path, s_manifest) in scan_manifests(self.root, self.naming).items():
+                    if not head.holds(s, s_manifest.lineage):
+                        quarantine_step_dir(s_path, reason="superseded")
             if explicit:
                 return self._check_explicit(final)
             if os.path.lexists(final):
@@ -133,6 +136,14 @@ class ManagerPrepareMixin:
                 raise
             raise CheckpointWriteError(exc.errno, f"cannot prepare step {step} under {self.root}: {exc.strerror} "
                                        f"({exc.filename})") from exc
+
+    def _head_lineage(self) -> Lineage:
+        """The segment this manager's saves belong to (:mod:`torch_ckpt.lineage`), decided once on the
+        rank acting on the root: the one a restore chose, else the head of the local root's history."""
+        if self._lineage is None:
+            self._lineage = head_of(m.lineage for _, m in scan_manifests(self.root, self.naming).values()) \
+                if self._acts_on_root else BASE
+        return self._lineage
 
     def _check_explicit(self, final: Path) -> bool:
         """Rank 0: may ``final`` be written? True when it holds a committed checkpoint to replace."""
@@ -156,7 +167,8 @@ class ManagerPrepareMixin:
         if self._newest_known is not None and step > self._newest_known:
             self._newest_known = step
             return
-        committed = scan_committed(self.root, self.naming)
+        head = self._head_lineage()
+        committed = {s: p for s, (p, m) in scan_manifests(self.root, self.naming).items() if head.holds(s, m.lineage)}
         newer = [s for s in committed if s > step]
         if newer and self.on_existing_newer == "supersede":
             log.warning("step %d: moving the newer committed steps %s of an earlier run aside "

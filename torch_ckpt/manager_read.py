@@ -20,9 +20,10 @@ from torch_ckpt.errors import (
     CheckpointWriteError,
     ConfigError,
 )
-from torch_ckpt.layout import read_manifest, remove_step_dir, scan_committed
+from torch_ckpt.layout import read_manifest, remove_step_dir, scan_committed, scan_manifests
+from torch_ckpt.lineage import Lineage, head_of, new_segment, successor
 from torch_ckpt.persist import as_write_error
-from torch_ckpt.resume import restore_candidates
+from torch_ckpt.resume import resume_plan, set_aside_superseded
 from torch_ckpt.resume_nodes import restore_node_local
 
 log = get_logger("torch_ckpt.manager")
@@ -38,11 +39,17 @@ class ManagerReadMixin:
         """Committed checkpoints under the root, ``{step: directory}`` ascending (rank 0's view, agreed).
 
         Only directories the naming parses and whose manifest names the same step are listed;
-        temporaries, hidden and foreign directories never are.
+        temporaries, hidden and foreign directories never are, nor steps superseded by a rollback
+        (:mod:`torch_ckpt.lineage`).
         """
-        found = {s: str(p) for s, p in scan_committed(self.root, self.naming).items()} \
-            if self._ctx.is_coordinator else None
+        found = {s: str(p) for s, p in self._live_local().items()} if self._ctx.is_coordinator else None
         return {s: Path(p) for s, p in self._ctx.broadcast(found, what="list checkpoints").items()}
+
+    def _live_local(self) -> dict[int, Path]:
+        """This rank's live committed local checkpoints (superseded ones left out), ``{step: directory}``."""
+        found = scan_manifests(self.root, self.naming)
+        head = head_of(m.lineage for _, m in found.values())
+        return {s: p for s, (p, m) in found.items() if head.holds(s, m.lineage)}
 
     def all_steps(self) -> list[int]:
         """Committed steps in ascending numeric order (rank 0's view, agreed by every rank)."""
@@ -151,11 +158,12 @@ class ManagerReadMixin:
             return restore_node_local(self, state, step, allow_cast)
         if self.root.exists() and not self.root.is_dir():
             raise CheckpointNotFoundError(f"checkpoint root {self.root} is not a directory")
-        plan = self._ctx.broadcast(restore_candidates(self.root, self._tier, step, self.naming)
-                                   if self._ctx.is_coordinator else None,
-                                   what="restore plan")
-        if isinstance(plan, BaseException):
-            raise plan
+        resume = self._ctx.broadcast(resume_plan(self.root, self._tier, step, self.naming)
+                                     if self._ctx.is_coordinator else None,
+                                     what="restore plan")
+        if isinstance(resume, BaseException):
+            raise resume
+        plan = resume.candidates
         if not plan:
             log.info("no committed checkpoint under %s%s; starting from scratch", self.root,
                      f" or {self._tier.url}" if self._tier is not None else "")
@@ -175,6 +183,8 @@ class ManagerReadMixin:
                      time.monotonic() - t0)
             self._restored_step = cand
             self._newest_known = None
+            if self._acts_on_root:
+                self._lineage = resume.successor(cand, read_manifest(local).lineage)
             return cand
         return None  # unreachable: the loop returns or raises
 
@@ -201,14 +211,29 @@ class ManagerReadMixin:
             log.info("[rank %d] restored step %d from %s", self._ctx.rank, manifest.step, candidate)
             self._restored_step = manifest.step
             self._newest_known = None
+            if self._acts_on_root:
+                self._lineage = self._path_successor(candidate, manifest)
             return manifest.step
         raise AssertionError("unreachable")  # the loop returns or raises
+
+    def _path_successor(self, path: Path, manifest: Any) -> Lineage:
+        """The segment of the saves after restoring the checkpoint directory ``path``: its own when it
+        is the newest live step of the local root, else a new one forked from it."""
+        found = scan_manifests(self.root, self.naming)
+        seen = [*(m.lineage for _, m in found.values()), manifest.lineage]
+        head = head_of(seen)
+        live = [s for s, (_, m) in found.items() if head.holds(s, m.lineage)]
+        newest = bool(live) and live[-1] == manifest.step and found[live[-1]][0].resolve() == path.resolve() \
+            and manifest.lineage.run == head.run
+        return successor(manifest.lineage, manifest.step, newest=newest, fork=new_segment(seen))
 
     def _fetch(self, step: int, where: str) -> Path:
         """Make ``step`` available locally (downloading it on the coordinator when needed); agreed by all ranks."""
         result: str | BaseException | None = None
         if self._ctx.is_coordinator:
             try:
+                if where == "durable" and not self.read_only:
+                    set_aside_superseded(self.root / self.naming.name(step))
                 result = str(self._tier.download(step, self.root) if where == "durable"
                              else scan_committed(self.root, self.naming)[step])
                 if where == "durable":

@@ -21,6 +21,7 @@ import torch
 
 from torch_ckpt.bounded import Malformed, corrupt, loads_bounded, short_repr
 from torch_ckpt.errors import CheckpointNotFoundError
+from torch_ckpt.lineage import BASE, Lineage, MalformedLineage, lineage_from_doc
 from torch_ckpt.storage import DurableUnavailableError, Location, as_location
 
 __all__ = [
@@ -75,6 +76,8 @@ class Manifest:
             shared root.
         node: the node whose copy this directory is (it holds only the files ``file_node`` gives
             that node); None for a complete copy (shared root, durable tier).
+        lineage: the run segment the checkpoint belongs to (:mod:`torch_ckpt.lineage`); written as
+            ``"lineage"`` except for the base segment (manifests without it).
     """
 
     step: int
@@ -88,6 +91,7 @@ class Manifest:
     tiers: dict[str, Any] = field(default_factory=dict)
     nodes: dict[str, Any] = field(default_factory=dict)
     node: int | None = None
+    lineage: Lineage = BASE
 
     def to_json(self) -> dict[str, Any]:
         """Return the JSON object written to disk."""
@@ -98,6 +102,8 @@ class Manifest:
             doc["nodes"] = self.nodes
         if self.node is not None:
             doc["node"] = self.node
+        if not self.lineage.is_base:
+            doc["lineage"] = self.lineage.to_json()
         return doc
 
     @property
@@ -193,11 +199,15 @@ def manifest_from_doc(data: Any, source: str) -> Manifest:
         if not isinstance(tiers, dict) or not all(isinstance(k, str) and isinstance(v, dict) for k, v in tiers.items()):
             raise Malformed("tiers must map tier names to objects")
         nodes, node = _nodes_fields(data, files, world_size)
+        try:
+            lineage = lineage_from_doc(data.get("lineage"))
+        except MalformedLineage as exc:
+            raise Malformed(str(exc)) from None
     except Malformed as exc:
         raise corrupt(source, f"invalid manifest ({exc})") from None
     return Manifest(step=step, world_size=world_size, files=files, wall_time=float(wall_time),
                     torch_version=torch_version, tensor_bytes=tensor_bytes, timings=dict(timings),
-                    format_version=version, tiers=dict(tiers), nodes=nodes, node=node)
+                    format_version=version, tiers=dict(tiers), nodes=nodes, node=node, lineage=lineage)
 
 
 def _nodes_fields(data: dict, files: dict[str, Any], world_size: int) -> tuple[dict[str, Any], int | None]:

@@ -28,6 +28,7 @@ from torch_ckpt.dcp_read import unwrap_dcp_error
 from torch_ckpt.dist import DistContext
 from torch_ckpt.errors import CheckpointError, CheckpointWriteError
 from torch_ckpt.layout import Manifest, commit_dir, rank_file_name, write_json_durable
+from torch_ckpt.lineage import BASE
 from torch_ckpt.temporaries import new_incarnation, remove_failed_temporaries, temporary_name
 
 __all__ = ["PersistRequest", "persist_checkpoint", "write_shards", "move_extra_entries", "check_extra_name",
@@ -73,6 +74,7 @@ class PersistRequest:
     replace: bool = False
     extra_dir: Path | None = None
     nodes: Any = None  # a torch_ckpt.nodes.NodeLayout: every node commits its own copy (node-local roots)
+    lineage: Any = None  # a torch_ckpt.lineage.Lineage recorded in the manifest (rank 0's); None: the base segment
     committed_bytes: int | None = None  # output: bytes of all committed files (every rank), set on success
     progress: Any = None
     failed_names: tuple[str, ...] = ()  # final names of this checkpointer's earlier failed saves: their temporaries go
@@ -279,7 +281,7 @@ def _write_and_commit(req: PersistRequest, ctx: DistContext, final: Path, tmp: P
                 if req.extra_dir is not None:
                     move_extra_entries(Path(req.extra_dir), tmp)
                 manifest = Manifest(step=req.step, world_size=ctx.world_size, files=dict(sorted(all_files.items())),
-                                    tensor_bytes=req.tensor_bytes, timings=timings)
+                                    tensor_bytes=req.tensor_bytes, timings=timings, lineage=req.lineage or BASE)
                 write_json_durable(tmp / "manifest.json", manifest.to_json())
                 check_owner(req, final)  # last look before the rename: never commit for a dead trainer
                 commit_dir(tmp, final, replace=req.replace)

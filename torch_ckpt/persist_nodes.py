@@ -28,6 +28,7 @@ from torch_ckpt.dist import DistContext
 from torch_ckpt.errors import CheckpointError, CheckpointWriteError
 from torch_ckpt.format import METADATA_NAME
 from torch_ckpt.layout import MANIFEST_NAME, Manifest, commit_dir, write_json_durable
+from torch_ckpt.lineage import BASE
 from torch_ckpt.nodes import NodeDedupPlanner, NodeLayout, RecordingWriter, node_views, shared_files
 from torch_ckpt.persist import (
     PersistRequest,
@@ -125,7 +126,7 @@ def _persist(req: PersistRequest, ctx: DistContext, layout: NodeLayout, final: P
             timings = dict(req.timings or {})
             timings["write_s"] = write_s
             manifest = Manifest(step=req.step, world_size=ctx.world_size, files=dict(sorted(all_files.items())),
-                                tensor_bytes=req.tensor_bytes, timings=timings,
+                                tensor_bytes=req.tensor_bytes, timings=timings, lineage=req.lineage or BASE,
                                 nodes={"rank_node": list(layout.rank_node),
                                        "file_node": dict(sorted(file_node.items())),
                                        "shared": shared_files(writer.results, layout.rank_node)})

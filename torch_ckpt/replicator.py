@@ -22,6 +22,7 @@ from typing import Any
 from torch_ckpt._logging import get_logger
 from torch_ckpt.errors import CheckpointCorruptError
 from torch_ckpt.layout import read_manifest
+from torch_ckpt.lineage import head_of
 from torch_ckpt.retention import RetentionPolicy, apply_retention
 from torch_ckpt.tier_cleanup import remove_abandoned
 from torch_ckpt.tiers import DurableTier
@@ -50,6 +51,9 @@ class Replicator:
         never_skip: True for a step that must be uploaded even when newer steps commit before its
             upload starts (the steps the durable retention keeps as history); None: every queued
             step may be coalesced away. Every node of a node-local root must get the same function.
+        arranges: this replicator moves durable steps that an upload's lineage supersedes aside
+            (see :meth:`_make_way`); False on the nodes of a node-local root that do not commit,
+            which wait (retrying) until the committing node has done so.
     """
 
     def __init__(self, tier: DurableTier, *, retention: RetentionPolicy | None = None,
@@ -57,7 +61,7 @@ class Replicator:
                  on_durable: Callable[[int, Path], None] | None = None,
                  abandoned_after_seconds: float | None = 24 * 3600.0,
                  upload: Callable[[Path, Any, Callable[[], bool]], None] | None = None,
-                 never_skip: Callable[[int], bool] | None = None) -> None:
+                 never_skip: Callable[[int], bool] | None = None, arranges: bool = True) -> None:
         self.tier = tier
         self._upload = upload if upload is not None else (lambda local_dir, manifest, abandon:
                                                           tier.upload(local_dir, manifest))
@@ -78,6 +82,8 @@ class Replicator:
         self._last_error: str | None = None
         self._outage_since: float | None = None
         self._skipped = 0
+        self._arranges = arranges
+        self._cleared: Any = None  # lineage whose superseded durable steps are already moved aside
         self._uploaded_bytes = 0
         self._thread = threading.Thread(target=self._loop, name="torch_ckpt_replicator", daemon=True)
         self._thread.start()
@@ -169,6 +175,11 @@ class Replicator:
                 self._active = step
             try:
                 manifest = read_manifest(local_dir)
+                if not self._make_way(manifest):
+                    with self._cond:
+                        self._active = None
+                        self._cond.notify_all()
+                    continue
                 self._upload(local_dir, manifest, self._newer_queued)
                 with self._cond:
                     if self._durable_step is None or step > self._durable_step:  # history steps come later
@@ -208,11 +219,47 @@ class Replicator:
                 self._active = None
                 self._cond.notify_all()
 
+    def _make_way(self, manifest: Any) -> bool:
+        """Before ``manifest``'s step is uploaded: apply the lineage rule (:mod:`torch_ckpt.lineage`).
+
+        Returns False (the step is not uploaded, with a warning) when the durable tier holds a newer
+        timeline that supersedes it. Otherwise every durable step it supersedes, and another
+        checkpoint under its own step's name, is moved aside (:meth:`DurableTier.set_aside`), so an
+        upload never writes into a listed checkpoint; done once per lineage.
+
+        Raises:
+            RuntimeError: (``arranges`` False) the step's name still holds another checkpoint: the
+                committing node has not moved it aside yet (retried).
+            Exception: the store's errors (retried).
+        """
+        if manifest.lineage == self._cleared:
+            return True
+        durable = self.tier.list_steps()
+        head = head_of([manifest.lineage, *(m.lineage for m in durable.values())])
+        if not head.holds(manifest.step, manifest.lineage):
+            log.warning("step %d is not replicated: the durable tier %s holds a newer timeline (%s) that supersedes "
+                        "it (see torch_ckpt.lineage)", manifest.step, self.tier.url, head.describe())
+            return False
+        stale = sorted(s for s, m in durable.items() if not head.holds(s, m.lineage) or
+                       (s == manifest.step and (m.wall_time, m.lineage) != (manifest.wall_time, manifest.lineage)))
+        if not self._arranges:
+            if manifest.step in stale:
+                raise RuntimeError(f"durable tier {self.tier.url}: step {manifest.step} still holds a checkpoint of "
+                                   "another timeline; waiting for the committing node to move it aside")
+        else:
+            for s in stale:
+                self.tier.set_aside(s, reason="superseded")
+        if self._arranges or not stale:
+            self._cleared = manifest.lineage
+        return True
+
     def _apply_retention(self) -> None:
         if self.retention is None:
             return
         try:
-            steps = list(self.tier.list_steps())
+            durable = self.tier.list_steps()
+            head = head_of(m.lineage for m in durable.values())  # superseded steps are neither kept nor counted
+            steps = [s for s, m in durable.items() if head.holds(s, m.lineage)]
             for step in apply_retention(self.retention, steps, protected=list(self.busy_steps())):
                 self.tier.delete(step)
                 log.info("durable retention removed step %d from %s", step, self.tier.url)

@@ -1,9 +1,11 @@
 """Node-local roots at start and at resume: the agreed layout, a check that the roots are really
 private, and restoring the newest step that is complete somewhere.
 
-A step can be restored when every node can get its part: from its own copy on its local disk,
-or from the durable tier (only that node's files when the rank layout is unchanged, else the whole
-checkpoint, to reshard). Otherwise the next older step is tried, and the reason is logged.
+Only live copies count (:mod:`torch_ckpt.lineage`: the lineage records of every node's manifests
+and the durable tier's decide together), so a stale node's copies of an abandoned timeline are
+never mixed with the others'. A step can be restored when every node can get its part: from its
+own copy on its local disk, or from the durable tier (only that node's files when the rank layout
+is unchanged, else the whole checkpoint, to reshard). Otherwise the next older step is tried, and the reason is logged.
 """
 
 from __future__ import annotations
@@ -21,8 +23,10 @@ from torch_ckpt.errors import (
     CheckpointNotFoundError,
     ConfigError,
 )
-from torch_ckpt.layout import is_committed, read_manifest, scan_committed
+from torch_ckpt.layout import is_committed, read_manifest, scan_committed, scan_manifests
+from torch_ckpt.lineage import Lineage, head_of, new_segment, successor
 from torch_ckpt.nodes import NodeLayout, env_node
+from torch_ckpt.resume import set_aside_superseded
 from torch_ckpt.storage import DurableUnavailableError
 
 __all__ = ["node_layout", "check_private_roots", "restore_node_local", "local_inventory"]
@@ -147,16 +151,19 @@ def restore_node_local(mgr: Any, state: Any, step: int | None, allow_cast: bool)
     """
     ctx, nodes, tier = mgr._ctx, mgr._nodes, mgr._tier
     inv: dict[int, str] | str | None = None
+    lineages: dict[int, Lineage] = {}
     if nodes.is_leader:
         try:
             inv = local_inventory(mgr.root, mgr.naming, nodes)
+            lineages = {s: m.lineage for s, (_, m) in scan_manifests(mgr.root, mgr.naming).items() if s in inv}
         except (CheckpointError, OSError) as exc:
             inv = f"{type(exc).__name__}: {exc}"
-    gathered = ctx.all_gather((nodes.node, inv), what="restore inventory")
+    gathered = ctx.all_gather((nodes.node, inv, lineages), what="restore inventory")
     plan: Any = None
+    lineage_view: Any = None
     if ctx.is_coordinator:
-        inventories = {n: i for n, i in gathered if isinstance(i, dict)}
-        bad = [f"node {n}: {i}" for n, i in gathered if isinstance(i, str)]
+        inventories = {n: i for n, i, _ in gathered if isinstance(i, dict)}
+        bad = [f"node {n}: {i}" for n, i, _ in gathered if isinstance(i, str)]
         durable: dict[int, Any] = {}
         outage = None
         if tier is not None:
@@ -164,6 +171,15 @@ def restore_node_local(mgr: Any, state: Any, step: int | None, allow_cast: bool)
                 durable = tier.list_steps()
             except DurableUnavailableError as exc:
                 outage = exc
+        # the lineage rule (torch_ckpt.lineage): only live copies count, so every node loads the same timeline
+        seen = [*(lin for _, _, lins in gathered for lin in lins.values()), *(m.lineage for m in durable.values())]
+        head = head_of(seen)
+        node_lins = {n: lins for n, i, lins in gathered if isinstance(i, dict)}  # the leaders' (others send none)
+        inventories = {n: {s: kind for s, kind in i.items() if head.holds(s, node_lins[n][s])}
+                       for n, i in inventories.items()}
+        durable = {s: m for s, m in durable.items() if head.holds(s, m.lineage)}
+        newest = max([*durable, *(s for i in inventories.values() for s in i)], default=None)
+        lineage_view = (head, outage is None, newest, new_segment(seen))
         plan = _plan(inventories, durable, nodes, step) if not bad else \
             CheckpointError(f"cannot list the local roots: {'; '.join(bad)}")
         if outage is not None:
@@ -174,7 +190,7 @@ def restore_node_local(mgr: Any, state: Any, step: int | None, allow_cast: bool)
         if step is not None and plan == []:
             plan = CheckpointNotFoundError(f"step {step} is not complete in any tier (node-local roots"
                                            f"{' or ' + tier.url if tier is not None else ''})")
-    plan = ctx.broadcast(plan, what="restore plan")
+    plan, lineage_view = ctx.broadcast((plan, lineage_view), what="restore plan")
     if isinstance(plan, BaseException):
         raise plan
     if not plan:
@@ -187,6 +203,8 @@ def restore_node_local(mgr: Any, state: Any, step: int | None, allow_cast: bool)
         local = mgr.root / mgr.naming.name(cand)
         if nodes.is_leader and action != "local":
             try:
+                if not mgr.read_only:
+                    set_aside_superseded(local)  # a superseded copy of this step: kept aside, not replaced
                 t0 = time.monotonic()
                 tier.download(cand, mgr.root, node=nodes.node if action == "node" else None)
                 log.info("[node %d] fetched %d file(s) of step %d from %s in %.3f s", nodes.node,
@@ -208,5 +226,10 @@ def restore_node_local(mgr: Any, state: Any, step: int | None, allow_cast: bool)
         log.info("[rank %d] restored step %d from %s (%s)", ctx.rank, cand, local, mgr.restore_source)
         mgr._restored_step = cand
         mgr._newest_known = None
+        if nodes.is_leader:
+            head, complete, newest, fork = lineage_view
+            restored = read_manifest(local).lineage
+            mgr._lineage = successor(restored, cand, newest=complete and cand == newest and restored.run == head.run,
+                                     fork=fork)
         return cand
     return None

@@ -21,6 +21,7 @@ import json
 import os
 import shutil
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -272,6 +273,40 @@ class DurableTier:
             pass
         self.fs.rm(step_dir, recursive=True)
         self.refresh()
+
+    def set_aside(self, step: int, *, reason: str = "superseded") -> str:
+        """Move a durable checkpoint aside to the hidden prefix ``.<reason>_<name>.<time>`` (kept, never listed).
+
+        On a local file system (``file://``) the directory is renamed (atomic). On an object store
+        its objects are copied to the hidden prefix first, then the step's manifest is deleted
+        (un-commit) and then its other objects: a crash in between leaves the step listed (moved
+        again later) or an un-committed prefix (removed as an abandoned upload), never a partial
+        checkpoint under a listed name.
+
+        Returns:
+            The URL of the hidden prefix.
+
+        Raises:
+            Exception: backend errors propagate (the replicator retries them).
+        """
+        name = self.naming.name(step)
+        src, base = self._path(name), f".{reason}_{name}.{int(time.time())}"
+        taken = set(self.list_names())
+        target = next(t for t in (f"{base}.{n}" if n else base for n in range(10_000)) if t not in taken)
+        dst = self._path(target)
+        if self._protocol in ("file", "local"):
+            os.rename(src, dst)
+        else:
+            self.fs.copy(src, dst, recursive=True)
+            self.refresh()
+            try:
+                self.fs.rm_file(f"{src}/{MANIFEST_NAME}")
+            except FileNotFoundError:
+                pass
+            self.fs.rm(src, recursive=True)
+        self.refresh()
+        log.warning("durable tier %s: moved %s checkpoint %s aside to %s", self.url, reason, name, target)
+        return f"{self.url}/{target}"
 
     # -- download ------------------------------------------------------------------------------
     def _fetch_file(self, src: Location, name: str, info: dict[str, int], tmp: Path, bar: Any) -> None:

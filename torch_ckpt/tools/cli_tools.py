@@ -149,10 +149,10 @@ def _ls_text(result: dict[str, Any]) -> str:
         step = "-" if r["step"] is None else str(r["step"])
         name = r["name"] + (f" -> {r['link_to']}" if r["link_to"] else "")
         rows.append([step, name, _fmt_local_time(r["wall_time"]), _fmt_age(r["age_s"]), fmt_bytes(r["bytes"]),
-                     ",".join(r["tiers"]) or "-", r["status"]])
+                     ",".join(r["tiers"]) or "-", r["status"] + (", superseded" if r.get("superseded") else "")])
         if r["alias_of"] is not None:
             continue  # its target's row carries the notes
-        if r["step"] is not None and r["status"] != "partial":
+        if r["step"] is not None and r["status"] != "partial" and not r.get("superseded"):
             held.setdefault(r["step"], []).append(r["name"])
         if r["reason"]:
             notes.append(f"  step {step}: {r['name']}: {r['reason']}")
@@ -164,8 +164,12 @@ def _ls_text(result: dict[str, Any]) -> str:
               for s, names in held.items() if len(names) > 1]
     c = result["counts"]
     head = f"{result['root']}: {c['committed']} committed, {c['partial']} partial, {c['corrupt']} corrupt" + \
+        (f", {result['superseded']} superseded" if result.get("superseded") else "") + \
         (" (checksums verified)" if result["verified"] else "")
     foot = "SIZE: the files the manifest lists (as verify and inspect count them); for a partial entry, what is present"
+    if result.get("superseded"):
+        foot += ("\nsuperseded: a step of a timeline abandoned by a rollback (restore of an older step, then a save); "
+                 "kept, never resumed")
     return "\n".join([head, *_table(rows, right=(0, 4)), *notes, foot])
 
 

@@ -25,6 +25,12 @@ Status of an entry of a root (:func:`list_root`):
   in progress, or left by a crash), or a ``step_N`` directory without a manifest (on an object store:
   an upload in progress or abandoned);
 * ``corrupt``: one of those checks failed (what a restore would refuse too).
+
+Apart from its status, an entry is ``superseded`` when it belongs to a timeline abandoned by a
+rollback (:mod:`torch_ckpt.lineage`, decided from the lineage records of the root's manifests):
+a checkpoint moved aside as ``.superseded_NAME.<time>``, or one still under its name that the
+root's newest timeline supersedes. Superseded entries are listed but never counted in ``counts``
+(``superseded`` counts them) and never chosen as a root's checkpoint.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ import time
 from typing import Any
 
 from torch_ckpt.errors import CheckpointError, CheckpointNotFoundError, ConfigError
+from torch_ckpt.lineage import head_of
 from torch_ckpt.manifest import FORMAT_NAME, MANIFEST_NAME, MAX_MANIFEST_BYTES
 from torch_ckpt.storage import Location, as_location
 from torch_ckpt.tiers import DurableTier
@@ -46,6 +53,8 @@ __all__ = ["find_checkpoint", "list_root", "looks_like_checkpoint", "resolve_che
 # a temporary checkpoint directory of any name: ``.NAME.tmp``, ``.NAME.tmp.<id>`` and the durable
 # tier's ``.NAME.download.tmp`` forms; group 1 is NAME
 _TEMP_RE = re.compile(r"^\.(.+?)(?:\.download)?\.tmp(?:\.[0-9a-f]+)?$")
+# a checkpoint moved aside by a rollback (torch_ckpt.lineage): ``.superseded_NAME.<time>[.<n>]``, local or durable
+_SUPERSEDED_RE = re.compile(r"^\.superseded_(.+?)\.\d+(?:\.\d+)?$")
 
 
 def _tier_steps(url: str, storage_options: dict[str, Any], cache: dict[str, set[int] | None]) -> set[int] | None:
@@ -85,7 +94,8 @@ def _link_target(loc: Location, child: Location) -> str | None:
 def _row(step: int | None, name: str, mtime: float | None) -> dict[str, Any]:
     return {"step": step, "name": name, "status": PARTIAL, "wall_time": None, "time": None, "age_s": None,
             "mtime": mtime, "files": None, "bytes": None, "disk_bytes": None, "tensor_bytes": None,
-            "world_size": None, "tiers": {}, "problems": [], "reason": None, "link_to": None, "alias_of": None}
+            "world_size": None, "tiers": {}, "problems": [], "reason": None, "link_to": None, "alias_of": None,
+            "superseded": False}
 
 
 def list_root(root: str | os.PathLike | Location, *, storage_options: dict[str, Any] | None = None,
@@ -116,7 +126,8 @@ def list_root(root: str | os.PathLike | Location, *, storage_options: dict[str, 
         plus the copies the manifest records), ``problems`` (``[{"file", "path", "problem"}]``),
         ``reason`` (why an entry is partial), ``link_to`` (a symlink's target: an entry name of this
         root, or a path) and ``alias_of`` (for a link to another listed entry: that entry's name; such
-        an entry repeats its target's step and status and is not counted).
+        an entry repeats its target's step and status and is not counted), ``superseded`` (True for a
+        step of an abandoned timeline, see the module doc). ``superseded`` (top level) counts those.
 
     Raises:
         PathNotFoundError: ``root`` does not exist or is not a directory.
@@ -129,9 +140,11 @@ def list_root(root: str | os.PathLike | Location, *, storage_options: dict[str, 
     links: list[dict[str, Any]] = []
     tier_cache: dict[str, set[int] | None] = {}
     entries = loc.entries()
+    lineages: dict[str, Any] = {}  # name: lineage of each committed checkpoint (the lineage rule)
     for name, info in entries.items():
         temp = _TEMP_RE.match(name)
-        if info["type"] != "directory" or (name.startswith(".") and temp is None):
+        aside = _SUPERSEDED_RE.match(name)
+        if info["type"] != "directory" or (name.startswith(".") and temp is None and aside is None):
             continue
         step = step_of(temp.group(1))[0] if temp else step_of(name)[0]
         row = _row(step, name, info["mtime"])
@@ -146,6 +159,7 @@ def list_root(root: str | os.PathLike | Location, *, storage_options: dict[str, 
             continue
         if temp is None and step is None and not _ours(child, listing):
             continue  # another tool's folder (logs, a plain-framework checkpoint)
+        row["superseded"] = aside is not None
         present = sum(e["size"] for e in listing.values() if e["type"] == "file")
         row.update(bytes=present, disk_bytes=present)
         if temp or MANIFEST_NAME not in listing:
@@ -163,6 +177,7 @@ def list_root(root: str | os.PathLike | Location, *, storage_options: dict[str, 
         if result.get("partial"):
             row["reason"] = f"partial: {result['partial']}"
         if manifest is not None:
+            lineages[name] = manifest.lineage
             row.update(step=manifest.step, files=result["files"], bytes=result["bytes"], wall_time=manifest.wall_time,
                        time=iso_time(manifest.wall_time), age_s=now - manifest.wall_time,
                        tensor_bytes=manifest.tensor_bytes, world_size=manifest.world_size)
@@ -181,6 +196,10 @@ def list_root(root: str | os.PathLike | Location, *, storage_options: dict[str, 
                         row.setdefault("stale_tiers", []).append(tier)
             row["tiers"] = tiers
         rows.append(row)
+    head = head_of(lineages.values())
+    for row in rows:
+        if row["name"] in lineages and not head.holds(row["step"], lineages[row["name"]]):
+            row["superseded"] = True
     by_name = {r["name"]: r for r in rows}
     for link in links:
         target = by_name.get(link["link_to"])
@@ -188,8 +207,10 @@ def list_root(root: str | os.PathLike | Location, *, storage_options: dict[str, 
             rows.append({**target, "name": link["name"], "mtime": link["mtime"], "problems": [],
                          "link_to": target["name"], "alias_of": target["name"]})
     rows.sort(key=lambda r: (r["step"] is None, r["step"] or 0, r["alias_of"] is not None, r["name"]))
-    counts = {s: sum(r["status"] == s and r["alias_of"] is None for r in rows) for s in (COMMITTED, PARTIAL, CORRUPT)}
-    return {"root": loc.describe(), "verified": verify, "steps": rows, "counts": counts}
+    counts = {s: sum(r["status"] == s and r["alias_of"] is None and not r["superseded"] for r in rows)
+              for s in (COMMITTED, PARTIAL, CORRUPT)}
+    superseded = sum(r["superseded"] and r["alias_of"] is None for r in rows)
+    return {"root": loc.describe(), "verified": verify, "steps": rows, "counts": counts, "superseded": superseded}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -225,7 +246,8 @@ def find_checkpoint(where: str | os.PathLike | Location, *, step: int | None = N
         if step is not None:
             raise ConfigError(f"{loc.describe()} is a checkpoint directory; a step applies to a run root only")
         return loc, None
-    listing = [r for r in list_root(loc)["steps"] if r["status"] == COMMITTED and r["alias_of"] is None]
+    listing = [r for r in list_root(loc)["steps"]
+               if r["status"] == COMMITTED and r["alias_of"] is None and not r["superseded"]]
     if step is not None:
         listing = [r for r in listing if r["step"] == step]
         if not listing:

@@ -44,8 +44,8 @@ def verify_root(where: str | os.PathLike | Location, *, storage_options: dict[st
                 checksums: bool = True, progress: bool = False) -> dict[str, Any]:
     """Verify every checkpoint of a run root (see :func:`~torch_ckpt.tools.listing.list_root`).
 
-    Partial entries, and links to another checkpoint of the root (verified under its own name),
-    are skipped and listed.
+    Partial entries, superseded ones (see :func:`~torch_ckpt.tools.listing.list_root`), and links
+    to another checkpoint of the root (verified under its own name), are skipped and listed.
 
     Returns:
         ``{"target", "kind": "root", "ok", "checkpoints": [verify_checkpoint results], "skipped":
@@ -63,6 +63,10 @@ def verify_root(where: str | os.PathLike | Location, *, storage_options: dict[st
         if row["alias_of"] is not None:
             skipped.append({"name": row["name"], "step": row["step"], "link_to": row["alias_of"],
                             "reason": f"link to {row['alias_of']}, verified under that name"})
+            continue
+        if row.get("superseded"):
+            skipped.append({"name": row["name"], "step": row["step"], "link_to": None,
+                            "reason": "superseded: a step of a timeline abandoned by a rollback (never resumed)"})
             continue
         if row["status"] == PARTIAL:
             skipped.append({"name": row["name"], "step": row["step"], "reason": row["reason"], "link_to": None})

@@ -1,0 +1,158 @@
+"""Checkpoint lineage: which committed steps belong to the live history after rollbacks.
+
+A rollback (``restore()`` of a step older than the newest live one, then a save) starts a new *run
+segment*; the steps of the old segment beyond the restored one are abandoned. Every manifest
+written in a segment other than the base one records it (``"lineage"`` in ``manifest.json``)::
+
+    {"run": "3f9c...", "since": 1764626400.25, "parents": [["", 200], ["a81e...", 350]]}
+
+``run`` is the segment's random id, ``since`` the Unix time (seconds) it began, ``parents`` the
+chain of segments it descends from, oldest first, each with the step at which it was left.
+Saves that continue from the newest live step keep their segment. Manifests without a record
+(written before lineage existed, or by a run that never rolled back) belong to the *base*
+segment ``""`` (``since`` 0): old roots read as one linear history.
+
+The rule, owned here and asked by every tier (local listing and resume, node-local resume, the
+durable tier's uploads and retention, ``torch-ckpt ls``): of all the segments some tier holds a
+checkpoint of, the one that began last is the *head*; a checkpoint is *live* when its segment is
+the head, or one of the head's parents and its step is at most the step at which that parent was
+left; every other checkpoint is *superseded* and is never resumed, listed as latest, kept by
+retention instead of a live one, or uploaded over. A new segment's ``since`` is later than that of
+every segment its restore saw (:func:`new_segment`), so clock skew between restarts cannot order a
+fork before its parent.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["BASE", "Lineage", "MalformedLineage", "head_of", "lineage_from_doc", "new_segment", "successor"]
+
+_MAX_RUN_CHARS = 64
+
+
+@dataclass(frozen=True)
+class Lineage:
+    """The run segment a checkpoint belongs to (see the module doc).
+
+    Attributes:
+        run: the segment's id (lowercase hex); ``""`` for the base segment.
+        since: Unix time (seconds) at which the segment began; 0.0 for the base segment.
+        parents: ``((run, step), ...)``, oldest first: the segments this one descends from, each
+            with the step at which it was left (the step restored to start the next one).
+    """
+
+    run: str = ""
+    since: float = 0.0
+    parents: tuple[tuple[str, int], ...] = ()
+
+    @property
+    def is_base(self) -> bool:
+        """True for the base segment (manifests without a lineage record)."""
+        return self.run == "" and not self.parents
+
+    def to_json(self) -> dict[str, Any] | None:
+        """The manifest's ``lineage`` object, or None for the base segment (no record is written)."""
+        if self.is_base:
+            return None
+        return {"run": self.run, "since": self.since, "parents": [[r, s] for r, s in self.parents]}
+
+    def holds(self, step: int, other: Lineage) -> bool:
+        """True when checkpoint ``step`` of segment ``other`` is live in the history whose head is ``self``."""
+        if other.run == self.run:
+            return True
+        for run, left_at in self.parents:
+            if run == other.run:
+                return step <= left_at
+        return False
+
+    def fork(self, step: int, run: str, since: float) -> Lineage:
+        """The new segment ``run`` (begun at ``since``) that continues from checkpoint ``step`` of this one."""
+        return Lineage(run=run, since=since, parents=(*self.parents, (self.run, step)))
+
+    def left_at(self, other: Lineage) -> int | None:
+        """The step at which ``other``'s segment was left in this history (None: not one of its parents)."""
+        return next((s for r, s in self.parents if r == other.run), None)
+
+    def describe(self) -> str:
+        """A short name for messages: ``base`` or ``run 3f9c0a1b``."""
+        return "base" if self.run == "" else f"run {self.run[:8]}"
+
+
+BASE = Lineage()
+"""The base segment: every checkpoint whose manifest has no lineage record."""
+
+
+def head_of(lineages: Iterable[Lineage]) -> Lineage:
+    """The head of the history: of the segments given, the one that began last (ties: the larger id).
+
+    Pass the lineage of every checkpoint of every tier that can be seen; with none, :data:`BASE`.
+    """
+    return max(lineages, key=lambda lin: (lin.since, lin.run), default=BASE)
+
+
+def new_segment(seen: Iterable[Lineage], now: float | None = None) -> tuple[str, float]:
+    """A fresh segment id and a start time later than that of every segment in ``seen``.
+
+    Returns:
+        ``(run, since)``: 16 random hex digits, and ``max(now, newest since seen + 1 ms)`` (seconds).
+    """
+    since = time.time() if now is None else now
+    latest = max((lin.since for lin in seen), default=0.0)
+    return secrets.token_hex(8), max(since, latest + 1e-3)
+
+
+def successor(restored: Lineage, step: int, *, newest: bool, fork: tuple[str, float]) -> Lineage:
+    """The segment the saves after restoring checkpoint ``step`` of ``restored`` belong to.
+
+    Args:
+        restored: the restored checkpoint's segment.
+        step: its step.
+        newest: True only when it is the newest live step of a history in which every tier was
+            seen (a plain resume): the saves continue its segment. Otherwise (an older step, a
+            fallback past a damaged one, a tier that could not be listed) they start a new one.
+        fork: ``(run, since)`` of the new segment (:func:`new_segment`).
+    """
+    return restored if newest else restored.fork(step, *fork)
+
+
+class MalformedLineage(ValueError):
+    """A manifest's ``lineage`` object is not valid (the message says which part)."""
+
+
+def lineage_from_doc(doc: Any) -> Lineage:
+    """Validate a manifest's ``lineage`` object (None or missing: the base segment).
+
+    Raises:
+        MalformedLineage: a field is missing, of the wrong type or out of range.
+    """
+    if doc is None:
+        return BASE
+    if not isinstance(doc, dict) or set(doc) != {"run", "since", "parents"}:
+        raise MalformedLineage("lineage must be an object with exactly run, since and parents")
+    run, since, parents = doc["run"], doc["since"], doc["parents"]
+    if not _is_run(run) or run == "":
+        raise MalformedLineage(f"lineage.run must be 1 to {_MAX_RUN_CHARS} lowercase hex digits")
+    if type(since) not in (int, float) or not math.isfinite(since) or since < 0:
+        raise MalformedLineage("lineage.since must be a finite number of seconds >= 0")
+    if not isinstance(parents, list):
+        raise MalformedLineage("lineage.parents must be a list of [run, step] pairs")
+    chain: list[tuple[str, int]] = []
+    for entry in parents:
+        if not (isinstance(entry, list) and len(entry) == 2 and _is_run(entry[0]) and type(entry[1]) is int
+                and 0 <= entry[1] < (1 << 63)):
+            raise MalformedLineage("lineage.parents must be a list of [run, step] pairs (run: hex or '', step >= 0)")
+        chain.append((entry[0], entry[1]))
+    runs = [r for r, _ in chain] + [run]
+    if len(set(runs)) != len(runs):
+        raise MalformedLineage("lineage.parents names a segment twice")
+    return Lineage(run=run, since=float(since), parents=tuple(chain))
+
+
+def _is_run(value: Any) -> bool:
+    return isinstance(value, str) and len(value) <= _MAX_RUN_CHARS and all(c in "0123456789abcdef" for c in value)
