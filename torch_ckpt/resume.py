@@ -117,6 +117,13 @@ def resume_plan(root: Path, tier: DurableTier | None, step: int | None,
                 manifest = read_manifest(candidate)
                 return CheckpointCorruptError(f"{candidate}: manifest says step {manifest.step}, not {step}")
             where = f"{root}" + (f" or {tier.url}" if tier is not None else "")
+            aside = sorted(p.name for p in root.glob(f".superseded_{naming.name(step)}.*")) if root.is_dir() else []
+            if aside:  # moved aside by a rollback's new timeline: say so rather than "not committed"
+                return CheckpointNotFoundError(
+                    f"step {step} is superseded: a rollback started a new timeline ({head.describe()}) and its "
+                    f"copy was moved aside as {root / aside[-1]}. Restore a live step (committed: "
+                    f"{sorted(set(live_local) | set(live_durable))[-10:]}), or pass restore(path=...) to load "
+                    "that directory explicitly")
             return CheckpointNotFoundError(f"step {step} is not a committed checkpoint under {where}; committed "
                                            f"steps: {sorted(set(live_local) | set(live_durable))[-10:]}")
         return replace(plan, candidates=[(s, "local" if s in live_local else "durable")
