@@ -23,6 +23,10 @@ def restore_candidates(root: Path, tier: DurableTier | None, step: int | None,
                        naming: Naming | None = None) -> list[tuple[int, str]] | BaseException:
     """Candidate ``(step, "local"|"durable")`` pairs to restore, newest first; run on the coordinator.
 
+    A step held by both tiers is listed twice, local copy first: when the local copy fails
+    verification, the same step is taken from the durable tier before any older step. The durable
+    tier is listed with its timeout (:meth:`DurableTier.listed`).
+
     Returns an exception instead of raising it, so the coordinator can broadcast it to every rank.
     """
     naming = naming or StepNaming()
@@ -31,7 +35,7 @@ def restore_candidates(root: Path, tier: DurableTier | None, step: int | None,
         durable: list[int] = []
         if tier is not None:
             try:
-                durable = list(tier.list_steps())
+                durable = list(tier.listed())
             except DurableUnavailableError as exc:
                 if not local:
                     return DurableUnavailableError(
@@ -40,7 +44,7 @@ def restore_candidates(root: Path, tier: DurableTier | None, step: int | None,
                 log.warning("%s; resuming from the local tier only", exc)
         if step is not None:
             if step in local:
-                return [(step, "local")]
+                return [(step, "local")] + ([(step, "durable")] if step in durable else [])
             if step in durable:
                 return [(step, "durable")]
             candidate = root / naming.name(step)
@@ -50,6 +54,7 @@ def restore_candidates(root: Path, tier: DurableTier | None, step: int | None,
             where = f"{root}" + (f" or {tier.url}" if tier is not None else "")
             return CheckpointNotFoundError(f"step {step} is not a committed checkpoint under {where}; committed "
                                            f"steps: {sorted(set(local) | set(durable))[-10:]}")
-        return [(s, "local" if s in local else "durable") for s in sorted(set(local) | set(durable), reverse=True)]
+        return [(s, where) for s in sorted(set(local) | set(durable), reverse=True)
+                for where in ("local", "durable") if s in (local if where == "local" else durable)]
     except CheckpointError as exc:
         return exc
