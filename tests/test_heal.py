@@ -115,7 +115,7 @@ def durable(request, tmp_path, s3):
     return f"s3://{s3.new_bucket()}/run", s3.options
 
 
-@pytest.mark.parametrize("persist", ["thread", "process"])
+@pytest.mark.parametrize("persist", ["thread", pytest.param("process", marks=pytest.mark.slow)])
 def test_damaged_local_copy_is_taken_from_the_durable_tier(tmp_path, durable, persist, caplog):
     """A local copy that fails its checksum is replaced by its intact durable copy: the same step is restored."""
     url, options = durable
