@@ -21,7 +21,6 @@ import pytest
 import torch
 
 from torch_ckpt import CheckpointManager, TrainState
-from torch_ckpt.errors import CheckpointNotFoundError
 from torch_ckpt.storage import DurableUnavailableError
 from torch_ckpt.tiers import DurableTier
 
@@ -363,13 +362,13 @@ def test_silent_file_store_restore_is_bounded(tmp_path, monkeypatch):
     assert all(torch.equal(v, saved[1][k]) for k, v in model.state_dict().items())
 
 
-def test_silent_store_explicit_durable_step_is_not_found_promptly(tmp_path, silent):
-    """restore(step=N) for a step absent locally, with a silent store, fails within the bound."""
+def test_silent_store_explicit_step_absent_locally_is_unavailable_promptly(tmp_path, silent):
+    """restore(step=N) for a step absent locally, with a silent store: DurableUnavailableError within the bound."""
     _save(tmp_path, [1])
     with CheckpointManager(tmp_path, durable_url="s3://bucket/run", storage_options=silent.options,
                            durable_timeout_seconds=TIMEOUT_S, durable_flush_timeout_seconds=0) as mgr:
         t0 = time.monotonic()
-        with pytest.raises(CheckpointNotFoundError):
+        with pytest.raises(DurableUnavailableError, match="step 5 is not under"):
             mgr.restore(_state()[0], step=5)
         assert time.monotonic() - t0 < BOUND_S
 

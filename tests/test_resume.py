@@ -118,10 +118,12 @@ def test_durable_outage_with_local_copy_resumes_from_local(tmp_path):
     assert restore_candidates(tmp_path, FakeTier([50], outage=True), None) == [(2, "local")]
 
 
-def test_durable_outage_with_local_copy_and_explicit_durable_step_is_not_found(tmp_path):
-    """During an outage an explicit step held only by the unreachable tier is reported not found."""
+def test_durable_outage_with_local_copy_and_explicit_durable_step_is_unavailable(tmp_path):
+    """During an outage an explicit step absent locally is reported unavailable (naming the outage), not absent."""
     commit_local(tmp_path, 2)
-    assert isinstance(restore_candidates(tmp_path, FakeTier([50], outage=True), 50), CheckpointNotFoundError)
+    result = restore_candidates(tmp_path, FakeTier([50], outage=True), 50)
+    assert isinstance(result, DurableUnavailableError) and "step 50" in str(result)
+    assert "connection refused" in str(result)
 
 
 def test_custom_naming_is_used_for_listing_and_explicit_steps(tmp_path):

@@ -147,7 +147,8 @@ class ManagerReadMixin:
                 root is not a directory.
             DurableUnavailableError: the durable tier is unreachable, does not answer, or its bucket
                 does not exist, and no intact local checkpoint can stand in: nothing is restored, and
-                the run does not silently start from scratch (catch it to start fresh deliberately).
+                the run does not silently start from scratch (catch it to start fresh deliberately);
+                also for an explicit ``step`` absent locally while the store cannot be listed.
             StateMismatchError: keys, shapes or dtypes differ (missing and unexpected keys are listed).
                 A failed restore leaves ``state`` as it was.
             CheckpointCorruptError: a file fails its size or checksum check.

@@ -33,6 +33,7 @@ def restore_candidates(root: Path, tier: DurableTier | None, step: int | None,
     try:
         local = list(scan_committed(root, naming))
         durable: list[int] = []
+        outage: DurableUnavailableError | None = None
         if tier is not None:
             try:
                 durable = list(tier.listed())
@@ -40,13 +41,18 @@ def restore_candidates(root: Path, tier: DurableTier | None, step: int | None,
                 if not local:
                     return DurableUnavailableError(
                         f"{exc}. No local checkpoint under {root} either: refusing to start from scratch "
-                        "during an outage. Retry when the store is reachable, or remove durable_url.")
-                log.warning("%s; resuming from the local tier only", exc)
+                        "while the durable tier cannot be read. Retry when the store is reachable, or remove "
+                        "durable_url (or catch DurableUnavailableError) to start from scratch deliberately.")
+                outage = exc
+                if step is None:
+                    log.warning("%s; resuming from the local tier only", exc)
         if step is not None:
             if step in local:
                 return [(step, "local")] + ([(step, "durable")] if step in durable else [])
             if step in durable:
                 return [(step, "durable")]
+            if outage is not None:  # it may be there: say why it cannot be known
+                return DurableUnavailableError(f"step {step} is not under {root}, and {outage}")
             candidate = root / naming.name(step)
             if candidate.is_dir():  # present but not listed: say what is wrong with it
                 manifest = read_manifest(candidate)

@@ -180,6 +180,8 @@ def restore_node_local(mgr: Any, state: Any, step: int | None, allow_cast: bool)
             if not plan and any(not i for i in inventories.values()):
                 plan = DurableUnavailableError(f"{outage}. Some node has no local checkpoint: refusing to start "
                                                "from scratch during an outage; retry when the store is reachable")
+        if step is not None and plan == [] and outage is not None:  # it may be there: say why it cannot be known
+            plan = DurableUnavailableError(f"step {step} is not on every node's disk, and {outage}")
         if step is not None and plan == []:
             plan = CheckpointNotFoundError(f"step {step} is not complete in any tier (node-local roots"
                                            f"{' or ' + tier.url if tier is not None else ''})")
