@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any, TypeVar
 
 from torch_ckpt.errors import CheckpointTimeoutError
@@ -37,6 +38,7 @@ class Watch:
         self._lock = threading.Lock()
         self._abandoned = False
         self._published = False
+        self._local = 0  # workers now busy with local work (writing, fsync, checksums): not waiting on the store
 
     def tick(self) -> None:
         """Record an answer from the store.
@@ -49,8 +51,21 @@ class Watch:
             raise DurableUnavailableError("abandoned: the caller stopped waiting for the store")
 
     def idle_seconds(self) -> float:
-        """Seconds since the last answer (or since the call started)."""
-        return time.monotonic() - self._last
+        """Seconds since the last answer (or since the call started); 0 during local work."""
+        return 0.0 if self._local else time.monotonic() - self._last
+
+    @contextmanager
+    def local_work(self) -> Iterator[None]:
+        """Mark local work (a disk write, an fsync, a checksum of a fetched file): the store's
+        silence is not counted while it runs, however long it takes."""
+        with self._lock:
+            self._local += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._local -= 1
+            self.tick()
 
     def publish(self, fn: Callable[[], T]) -> T:
         """Run ``fn`` (a local commit) unless the caller gave up; after it, the caller takes the result.

@@ -23,6 +23,7 @@ import shutil
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -408,12 +409,15 @@ class DurableTier:
             while chunk := store(lambda: fin.read(_CHUNK_BYTES)):
                 if watch is not None:
                     watch.tick()
-                fout.write(chunk)
+                with _local_work(watch):
+                    fout.write(chunk)
                 bar.update(len(chunk))
-            fout.flush()
-            os.fsync(fout.fileno())
+            with _local_work(watch):
+                fout.flush()
+                os.fsync(fout.fileno())
         problems: list[tuple[str, str]] = []
-        verify_files(tmp, _only(name, info), checksums=True, collect=problems)
+        with _local_work(watch):
+            verify_files(tmp, _only(name, info), checksums=True, collect=problems)
         if problems:
             raise corrupt(src.describe(name), problems[0][1])
 
@@ -457,7 +461,7 @@ class DurableTier:
                             for name, info in sorted(files.items())]:
                     fut.result()
             data = json.dumps(manifest.to_json(), separators=(",", ":")).encode()
-            with open(tmp / MANIFEST_NAME, "wb") as f:
+            with _local_work(watch), open(tmp / MANIFEST_NAME, "wb") as f:
                 f.write(data)
                 f.flush()
                 os.fsync(f.fileno())
@@ -477,6 +481,11 @@ class DurableTier:
 def _only(name: str, info: dict[str, int]) -> Manifest:
     """A manifest listing the one file ``name`` (:func:`~torch_ckpt.format.verify_files` checks the listed files)."""
     return Manifest(step=0, world_size=1, files={name: info})
+
+
+def _local_work(watch: Watch | None) -> Any:
+    """``watch.local_work()`` (the store's silence is not counted meanwhile), or nothing without a watch."""
+    return nullcontext() if watch is None else watch.local_work()
 
 
 def _with_timeouts(url: str, storage_options: dict[str, Any] | None, timeout_seconds: float) -> dict[str, Any]:
