@@ -386,3 +386,76 @@ def test_durable_timeout_seconds_is_validated():
         CheckpointConfig(durable_timeout_seconds=0)
     with pytest.raises(ConfigError, match="durable_create"):
         CheckpointConfig(durable_create="yes")
+
+
+class RefusingServer:
+    """A loopback HTTP server answering every request with ``status`` (an S3 error document); stops itself."""
+
+    def __init__(self, status: int, life_s: float = 120.0) -> None:
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        code = {403: "AccessDenied", 503: "ServiceUnavailable"}[status]
+
+        class Handler(BaseHTTPRequestHandler):
+            def _answer(self) -> None:
+                body = (f"<?xml version='1.0' encoding='UTF-8'?><Error><Code>{code}</Code>"
+                        f"<Message>refused</Message></Error>").encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/xml")
+                self.send_header("Content-Length", str(len(body) if self.command != "HEAD" else 0))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(body)
+
+            do_GET = do_HEAD = do_PUT = do_POST = do_DELETE = _answer
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.port = self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self._timer = threading.Timer(life_s, self.close)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def close(self) -> None:
+        self._timer.cancel()
+        self.server.shutdown()
+        self.server.server_close()
+
+    @property
+    def options(self) -> dict:
+        return {"key": "testing", "secret": "testing", "skip_instance_cache": True, "use_listings_cache": False,
+                "client_kwargs": {"endpoint_url": f"http://127.0.0.1:{self.port}", "region_name": "us-east-1"}}
+
+
+@pytest.mark.parametrize("status", [403, 503])
+def test_refusing_store_with_an_empty_disk_is_an_error_not_a_fresh_start(tmp_path, status):
+    """A store answering 403 or 503 to everything, and no local step: DurableUnavailableError, promptly."""
+    server = RefusingServer(status)
+    try:
+        with CheckpointManager(tmp_path, durable_url="s3://bucket/run", storage_options=server.options,
+                               durable_timeout_seconds=TIMEOUT_S, durable_flush_timeout_seconds=0) as mgr:
+            t0 = time.monotonic()
+            with pytest.raises(DurableUnavailableError, match="refusing to start from scratch"):
+                mgr.restore(_state()[0])
+            assert time.monotonic() - t0 < BOUND_S * 3  # botocore's standard retries back off on 503
+    finally:
+        server.close()
+
+
+@pytest.mark.parametrize("status", [403, 503])
+def test_refusing_store_with_a_local_step_restores_it(tmp_path, status):
+    """A store answering 403 or 503 to everything: the local step is restored."""
+    saved = _save(tmp_path, [1])
+    server = RefusingServer(status)
+    state, model = _state(seed=1)
+    try:
+        with CheckpointManager(tmp_path, durable_url="s3://bucket/run", storage_options=server.options,
+                               durable_timeout_seconds=TIMEOUT_S, durable_flush_timeout_seconds=0) as mgr:
+            assert mgr.restore(state) == 1
+    finally:
+        server.close()
+    assert all(torch.equal(v, saved[1][k]) for k, v in model.state_dict().items())
