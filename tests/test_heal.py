@@ -166,7 +166,7 @@ def test_store_down_between_listing_and_download_falls_back_to_the_newest_local_
         with caplog.at_level(logging.WARNING, logger="torch_ckpt"), pytest.MonkeyPatch.context() as mp:
             mp.setattr(DurableTier, "listed", listed_then_down)
             with CheckpointManager(root, durable_url=url, storage_options=server.options,
-                                   durable_timeout_seconds=TIMEOUT_S, durable_flush_timeout_seconds=0) as mgr:
+                                   durable_flush_timeout_seconds=0) as mgr:
                 assert mgr.restore(state) == 2
         assert all(torch.equal(v, saved[2][k]) for k, v in model.state_dict().items())
         assert "falling back to step 2 (local copy)" in caplog.text
@@ -218,7 +218,7 @@ def test_store_down_at_download_without_a_local_step_raises(tmp_path):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(DurableTier, "listed", listed_then_down)
         with CheckpointManager(root, durable_url=url, storage_options=server.options,
-                               durable_timeout_seconds=TIMEOUT_S, durable_flush_timeout_seconds=0) as mgr:
+                               durable_flush_timeout_seconds=0) as mgr:
             with pytest.raises(DurableUnavailableError, match="step 1|step_000000001"):
                 mgr.restore(_state(seed=1)[0])
             assert mgr.restored_step is None
