@@ -56,7 +56,9 @@ def test_health_lists_the_tiers_holding_each_step(tmp_path):
     shutil.rmtree(tmp_path / "a")
     with CheckpointManager(tmp_path / "a", durable_url=url, keep_last=5, replicate_every_n_saves=2) as mgr:
         mgr.save(3, state).wait()  # the first save is not replicated (every second one is)
-        h = mgr.health()
+        deadline = time.monotonic() + 30
+        while (h := mgr.health())["durable_newest_step"] is None and time.monotonic() < deadline:
+            time.sleep(0.05)  # the replicator lists the store in the background when the manager starts
     assert h["tiers"] == {1: {"local": None, "durable": True}, 2: {"local": None, "durable": True},
                           3: {"local": "complete", "durable": False}}
     assert h["durable_newest_step"] == 2 and h["durable_newest_age_s"] >= 0

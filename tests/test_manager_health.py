@@ -27,13 +27,22 @@ class FakeTier:
         return {s: Manifest(step=s, world_size=1, files={}, wall_time=t) for s, t in self.steps.items()}
 
 
+def _listing(tier):
+    """What the replicator's last listing of ``tier`` holds (None after a failed one)."""
+    try:
+        return None if tier is None else tier.list_steps()
+    except DurableUnavailableError:
+        return None
+
+
 class Host(ManagerHealthMixin):
     """The manager attributes the mixin reads, and nothing else."""
 
     def __init__(self, root, tier=None, replication=None, captured=None, in_flight=None, failed=0):
         self.root, self.naming, self._tier = root, NAMING, tier
         self._captured_at = dict(captured or {})
-        self._replicator = None if replication is None else types.SimpleNamespace(stats=lambda: replication)
+        self._replicator = None if replication is None else types.SimpleNamespace(
+            stats=lambda: replication, durable_listing=lambda refresh=True: _listing(tier))
         self._ckpt = types.SimpleNamespace(in_flight=in_flight, failed_saves=[object()] * failed)
 
     def schedule_info(self):

@@ -30,6 +30,9 @@ class FakeTier:
             raise DurableUnavailableError(f"cannot list durable tier {self.url}: connection refused")
         return {s: Manifest(step=s, world_size=1, files={}) for s in self.steps}
 
+    def listed(self):
+        return self.list_steps()
+
 
 def commit_local(root, step, *, manifest_step=None, naming=None):
     """Create a committed-looking local checkpoint of ``step`` (its manifest may claim another step)."""
@@ -53,11 +56,11 @@ def test_durable_only_lists_durable_steps_newest_first(tmp_path):
 
 
 def test_both_tiers_merge_and_prefer_the_local_copy(tmp_path):
-    """Steps of both tiers are merged; a step held by both is read from the local copy."""
+    """Steps of both tiers are merged; a step held by both is read from the local copy, then the durable one."""
     commit_local(tmp_path, 10)
     commit_local(tmp_path, 30)
     assert restore_candidates(tmp_path, FakeTier([10, 20]), None) == [(30, "local"), (20, "durable"),
-                                                                      (10, "local")]
+                                                                      (10, "local"), (10, "durable")]
 
 
 def test_nothing_anywhere_gives_an_empty_list(tmp_path):
@@ -66,10 +69,10 @@ def test_nothing_anywhere_gives_an_empty_list(tmp_path):
 
 
 def test_explicit_local_step_is_the_only_candidate(tmp_path):
-    """An explicit step committed locally is the single candidate, even when newer ones exist."""
+    """An explicit step committed locally is the only step planned (its local copy, then its durable one)."""
     commit_local(tmp_path, 4)
     commit_local(tmp_path, 8)
-    assert restore_candidates(tmp_path, FakeTier([4, 12]), 4) == [(4, "local")]
+    assert restore_candidates(tmp_path, FakeTier([4, 12]), 4) == [(4, "local"), (4, "durable")]
 
 
 def test_explicit_durable_step_is_read_from_the_durable_tier(tmp_path):
@@ -115,10 +118,12 @@ def test_durable_outage_with_local_copy_resumes_from_local(tmp_path):
     assert restore_candidates(tmp_path, FakeTier([50], outage=True), None) == [(2, "local")]
 
 
-def test_durable_outage_with_local_copy_and_explicit_durable_step_is_not_found(tmp_path):
-    """During an outage an explicit step held only by the unreachable tier is reported not found."""
+def test_durable_outage_with_local_copy_and_explicit_durable_step_is_unavailable(tmp_path):
+    """During an outage an explicit step absent locally is reported unavailable (naming the outage), not absent."""
     commit_local(tmp_path, 2)
-    assert isinstance(restore_candidates(tmp_path, FakeTier([50], outage=True), 50), CheckpointNotFoundError)
+    result = restore_candidates(tmp_path, FakeTier([50], outage=True), 50)
+    assert isinstance(result, DurableUnavailableError) and "step 50" in str(result)
+    assert "connection refused" in str(result)
 
 
 def test_custom_naming_is_used_for_listing_and_explicit_steps(tmp_path):

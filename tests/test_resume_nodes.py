@@ -68,9 +68,10 @@ def test_plan_prefers_local_copies_newest_first():
 
 
 def test_plan_fills_a_missing_node_from_the_durable_tier_same_layout():
-    """A node without a local copy fetches only its own files when the durable copy has this layout."""
+    """A node without a local copy fetches only its own files when the durable copy has this layout;
+    the whole step from the durable tier follows, should a local copy fail verification."""
     plan = _plan({0: {4: "node"}, 1: {}}, {4: durable()}, TWO_NODES, None)
-    assert plan == [(4, {0: "local", 1: "node"})]
+    assert plan == [(4, {0: "local", 1: "node"}), (4, {0: "node", 1: "node"})]
 
 
 def test_plan_fetches_everything_to_reshard_after_a_layout_change():

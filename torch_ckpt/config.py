@@ -143,6 +143,15 @@ class CheckpointConfig:
             (``LOCAL_WORLD_SIZE < WORLD_SIZE``). A shared directory used with ``False`` is refused.
         durable_upload_threads: Files each node uploads to (and downloads from) the durable tier
             at once (int, 1-256).
+        durable_timeout_seconds: Longest silence of the durable store that a call on the caller's
+            thread waits out (listing and downloading in ``restore()``; seconds or duration, > 0):
+            a store that does not answer for this long counts as unreachable (a download that
+            keeps receiving bytes is never cut short). On S3-compatible stores also the botocore
+            connect and read timeouts (3 attempts), unless ``storage_options["config_kwargs"]``
+            sets them.
+        durable_create: Create the durable tier's bucket (``file://``: the root's parent
+            directory) when it does not exist; by default a missing one is an outage
+            (``DurableUnavailableError`` at restore, a replication error), never created silently.
 
     Raises:
         ConfigError: A value is out of range or of the wrong type, or two fields conflict; the
@@ -184,9 +193,11 @@ class CheckpointConfig:
     naming: Naming | None = None
     local_root_shared: bool | None = None
     durable_upload_threads: int = 1
+    durable_timeout_seconds: float | str = 30.0
+    durable_create: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("async_save", "overlap_staging", "verify_on_load", "read_only"):
+        for name in ("async_save", "overlap_staging", "verify_on_load", "read_only", "durable_create"):
             check_bool(name, getattr(self, name))
         for name in ("keep_last", "keep_every_n_steps", "save_every_n_steps", "durable_keep_last",
                      "durable_keep_every_n_steps"):
@@ -206,7 +217,8 @@ class CheckpointConfig:
                 raise ConfigError(f"{name} must be one of {list(choices)}, got {getattr(self, name)!r}")
         for name, positive in (("timeout_seconds", True), ("initial_cost_seconds", False),
                                ("durable_flush_timeout_seconds", False), ("preemption_timeout_seconds", True),
-                               ("mtbf_seconds", True), ("save_every_seconds", True)):
+                               ("mtbf_seconds", True), ("save_every_seconds", True),
+                               ("durable_timeout_seconds", True)):
             if getattr(self, name) is not None:
                 self._set(name, to_seconds(name, getattr(self, name), positive=positive))
         if self.staging_budget_bytes is not None:

@@ -68,7 +68,8 @@ class CheckpointManager(ManagerPrepareMixin, ManagerCommitMixin, ManagerReadMixi
             ``durable_keep_last``, ``durable_keep_every_n_steps``, ``durable_verify``,
             ``durable_flush_timeout_seconds``, ``preemption_signals``, ``preemption_timeout_seconds``,
             ``on_write_error``, ``on_existing_newer``, ``read_only``, ``naming``,
-            ``local_root_shared``, ``durable_upload_threads``. README.md
+            ``local_root_shared``, ``durable_upload_threads``, ``durable_timeout_seconds``,
+            ``durable_create``. README.md
             ("Configuration") lists each with its default and unit.
 
     Raises:
@@ -118,6 +119,8 @@ class CheckpointManager(ManagerPrepareMixin, ManagerCommitMixin, ManagerReadMixi
         naming: Naming | None | DefaultType = DEFAULT,
         local_root_shared: bool | None | DefaultType = DEFAULT,
         durable_upload_threads: int | DefaultType = DEFAULT,
+        durable_timeout_seconds: float | str | DefaultType = DEFAULT,
+        durable_create: bool | DefaultType = DEFAULT,
     ) -> None:
         settings = {k: v for k, v in locals().items() if k in _SETTINGS and v is not DEFAULT}  # what was passed
         if not isinstance(directory, (str, os.PathLike)) or str(directory) == "":
@@ -144,7 +147,8 @@ class CheckpointManager(ManagerPrepareMixin, ManagerCommitMixin, ManagerReadMixi
         self._preemption = PreemptionFlag(cfg.preemption_signals)
         self._preemption_timeout = cfg.preemption_timeout_seconds
         self._tier = DurableTier(cfg.durable_url, storage_options=cfg.storage_options, verify=cfg.durable_verify,
-                                 naming=naming, upload_threads=cfg.durable_upload_threads) \
+                                 naming=naming, upload_threads=cfg.durable_upload_threads,
+                                 timeout_seconds=cfg.durable_timeout_seconds, create=cfg.durable_create) \
             if cfg.durable_url is not None else None
         if self._tier is not None and self._tier.is_inside(self.root):
             raise ConfigError(f"durable_url {cfg.durable_url!r} points into the local root {self.root}; the durable "

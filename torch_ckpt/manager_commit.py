@@ -45,7 +45,7 @@ class ManagerCommitMixin:
         return Replicator(self._tier, retention=retention if commit else None, upload=upload,
                           on_durable=self._record_durable if commit else None,
                           abandoned_after_seconds=24 * 3600.0 if commit else None, never_skip=history,
-                          arranges=commit)
+                          arranges=commit, commits=commit)
 
     def add_commit_callback(self, callback: Callable[[int, Path], None]) -> None:
         """Call ``callback(step, directory)`` after each commit, on rank 0 only.

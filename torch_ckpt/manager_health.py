@@ -14,7 +14,6 @@ from torch_ckpt.errors import (
     CheckpointError,
 )
 from torch_ckpt.layout import is_committed, read_manifest, scan_committed
-from torch_ckpt.tiers import DurableUnavailableError
 
 log = get_logger("torch_ckpt.manager")
 
@@ -36,9 +35,18 @@ class ManagerHealthMixin:
             :meth:`replication_stats`); ``schedule`` (the save policy's last decision, if any);
             ``tiers``: per step, which tiers hold a copy, ``{step: {"local": "complete" | "partial" |
             None, "durable": bool | None}}`` ("partial": this node's copy of a node-local checkpoint;
-            durable None: the store could not be listed); ``durable_newest_step`` /
+            durable None: not known, see below); ``durable_newest_step`` /
             ``durable_newest_age_s``: the newest step committed in the durable tier (listed there, so
             also after a restart) and the age of its state in seconds (the exposure window).
+
+        Never does network I/O: the durable side is the replicator's last known listing of the
+        store (listed in the background when ``health()`` asks, at most every 10 s, and by the
+        durable retention; updated by the replicator's own commits and deletions), so a store
+        that does not answer never blocks this call: the first call after the manager starts
+        asks for a listing and reports durable entries as None. Durable entries are None (and ``durable_newest_step``
+        None) until a listing has succeeded, while the last one fails (``replication["last_error"]``
+        says why), and on ranks that do not replicate (every rank but rank 0, or but each node's
+        lowest rank with node-local roots).
         """
         now = time.time()
         local = scan_committed(self.root, self.naming) if self.root.is_dir() else {}
@@ -80,10 +88,8 @@ class ManagerHealthMixin:
                 report[step] = {"local": "partial" if partial else "complete", "durable": None}
         if self._tier is None:
             return report, (None, None)
-        try:
-            durable = self._tier.list_steps()
-        except DurableUnavailableError as exc:
-            log.debug("health: %s", exc)
+        durable = self._replicator.durable_listing() if self._replicator is not None else None
+        if durable is None:  # not listed yet, the last listing failed, or a rank that does not replicate
             return report, (None, None)
         for step in durable:
             report.setdefault(step, {"local": None, "durable": None})

@@ -25,6 +25,8 @@ from torch_ckpt.lineage import Lineage, head_of, new_segment, successor
 from torch_ckpt.persist import as_write_error
 from torch_ckpt.resume import resume_plan, set_aside_superseded
 from torch_ckpt.resume_nodes import restore_node_local
+from torch_ckpt.store_deadline import waiting_for_coordinator
+from torch_ckpt.tiers import DurableUnavailableError
 
 log = get_logger("torch_ckpt.manager")
 
@@ -123,8 +125,13 @@ class ManagerReadMixin:
                 naming it (the last one's error is raised). Not together with ``step``.
 
         With a durable tier, the newest checkpoint complete in either tier is used; one that exists
-        only in the durable tier is downloaded (verified) first. When ``step`` is None, a candidate
-        that fails verification is skipped with a warning in favour of the next older one.
+        only in the durable tier is downloaded (verified) first. A local copy that fails
+        verification is replaced by the durable copy of the same step when the durable tier has
+        one (a warning names both). When ``step`` is None, a step no tier can provide intact is
+        skipped with a warning in favour of the next older one; when the durable store cannot be
+        reached (or does not answer for ``durable_timeout_seconds``), the newest intact local step
+        is restored with a warning. Every call to the store gives up after
+        ``durable_timeout_seconds`` without an answer.
 
         Memory: when this manager has saved in this process (a save within ``staging_budget_bytes``:
         one over it leaves no arena), large host tensors (256 KiB or more,
@@ -146,7 +153,10 @@ class ManagerReadMixin:
         Raises:
             CheckpointNotFoundError: ``step`` was given but is not a committed checkpoint, or the
                 root is not a directory.
-            DurableUnavailableError: the durable tier is unreachable and there is no local checkpoint.
+            DurableUnavailableError: the durable tier is unreachable, does not answer, or its bucket
+                does not exist, and no intact local checkpoint can stand in: nothing is restored, and
+                the run does not silently start from scratch (catch it to start fresh deliberately);
+                also for an explicit ``step`` absent locally while the store cannot be listed.
             StateMismatchError: keys, shapes or dtypes differ (missing and unexpected keys are listed).
                 A failed restore leaves ``state`` as it was.
             CheckpointCorruptError: a file fails its size or checksum check.
@@ -158,26 +168,39 @@ class ManagerReadMixin:
             return restore_node_local(self, state, step, allow_cast)
         if self.root.exists() and not self.root.is_dir():
             raise CheckpointNotFoundError(f"checkpoint root {self.root} is not a directory")
-        resume = self._ctx.broadcast(resume_plan(self.root, self._tier, step, self.naming)
-                                     if self._ctx.is_coordinator else None,
-                                     what="restore plan")
+        resume = waiting_for_coordinator(
+            self._ctx, self._tier, "listing the checkpoints of the local root and the durable tier",
+            lambda: self._ctx.broadcast(resume_plan(self.root, self._tier, step, self.naming)
+                                        if self._ctx.is_coordinator else None, what="restore plan"))
         if isinstance(resume, BaseException):
             raise resume
         plan = resume.candidates
         if not plan:
             log.info("no committed checkpoint under %s%s; starting from scratch", self.root,
-                     f" or {self._tier.url}" if self._tier is not None else "")
+                     f" (the durable tier {self._tier.url} answered: no committed step)"
+                     if self._tier is not None else "")
             return None
+        outage: DurableUnavailableError | None = None
         for i, (cand, where) in enumerate(plan):
+            if where == "durable" and outage is not None:
+                continue  # the store is down: only local copies are left to try
             try:
                 local = self._fetch(cand, where)
                 t0 = time.monotonic()
                 self._ckpt.load(local, state, verify=self.verify_on_load,
                                 on_world_size_change=self.on_world_size_change, allow_cast=allow_cast)
-            except CheckpointCorruptError as exc:
-                if step is not None or i == len(plan) - 1:
+            except (CheckpointCorruptError, DurableUnavailableError) as exc:
+                if isinstance(exc, DurableUnavailableError):
+                    outage = exc
+                rest = [c for c in plan[i + 1:] if outage is None or c[1] == "local"]
+                if not rest:
                     raise
-                log.warning("step %d is not usable (%s); falling back to step %d", cand, exc, plan[i + 1][0])
+                if rest[0][0] == cand:
+                    log.warning("the local copy of step %d is not usable (%s); taking step %d from the durable "
+                                "tier %s", cand, exc, cand, self._tier.describe(cand))
+                else:
+                    log.warning("step %d is not usable (%s); falling back to step %d (%s copy)", cand, exc,
+                                rest[0][0], rest[0][1])
                 continue
             log.info("[rank %d] restored step %d from %s in %.3f s", self._ctx.rank, cand, local,
                      time.monotonic() - t0)
@@ -234,7 +257,7 @@ class ManagerReadMixin:
             try:
                 if where == "durable" and not self.read_only:
                     set_aside_superseded(self.root / self.naming.name(step))
-                result = str(self._tier.download(step, self.root) if where == "durable"
+                result = str(self._tier.fetch(step, self.root) if where == "durable"
                              else scan_committed(self.root, self.naming)[step])
                 if where == "durable":
                     log.info("downloaded step %d from %s", step, self._tier.describe(step))
@@ -243,7 +266,10 @@ class ManagerReadMixin:
             except OSError as exc:  # a local limit or disk error (EFBIG, ENOSPC, EIO): every rank raises it now
                 result = as_write_error(exc, self.root / self.naming.name(step))
                 result.__cause__ = exc
-        result = self._ctx.broadcast(result, what="fetch checkpoint")
+        doing = f"downloading step {step} from {self._tier.describe(step)}" if where == "durable" else \
+            f"finding step {step} under {self.root}"
+        result = waiting_for_coordinator(self._ctx, self._tier, doing,
+                                         lambda: self._ctx.broadcast(result, what="fetch checkpoint"))
         if isinstance(result, BaseException):
             raise result
         return Path(result)

@@ -9,6 +9,10 @@ after it, never coalesced away. Transient errors are retried with exponential ba
 during an outage training and local saves go on, a warning is logged once, and
 :meth:`Replicator.stats` reports the lag. After each durable commit the durable retention policy
 runs.
+
+The thread also keeps the last known listing of the durable tier (:meth:`Replicator.durable_listing`):
+listed on request (uploads go first) and by the durable retention, updated by its own commits and
+deletions, so that ``health()`` reports the durable tier without any I/O on the caller's thread.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from torch_ckpt._logging import get_logger
 from torch_ckpt.errors import CheckpointCorruptError
 from torch_ckpt.layout import read_manifest
 from torch_ckpt.lineage import head_of
+from torch_ckpt.manifest import Manifest
 from torch_ckpt.retention import RetentionPolicy, apply_retention
 from torch_ckpt.tier_cleanup import remove_abandoned
 from torch_ckpt.tiers import DurableTier
@@ -30,6 +35,9 @@ from torch_ckpt.tiers import DurableTier
 __all__ = ["Replicator"]
 
 log = get_logger(__name__)
+
+#: A listing asked for by :meth:`Replicator.durable_listing` runs at most this often (seconds).
+RELIST_SECONDS = 10.0
 
 
 class Replicator:
@@ -54,6 +62,9 @@ class Replicator:
         arranges: this replicator moves durable steps that an upload's lineage supersedes aside
             (see :meth:`_make_way`); False on the nodes of a node-local root that do not commit,
             which wait (retrying) until the committing node has done so.
+        commits: whether a successful ``upload`` commits the step in the durable tier (False on
+            the nodes of a node-local root that upload only their part); a committed step joins
+            the known listing at once.
     """
 
     def __init__(self, tier: DurableTier, *, retention: RetentionPolicy | None = None,
@@ -61,7 +72,8 @@ class Replicator:
                  on_durable: Callable[[int, Path], None] | None = None,
                  abandoned_after_seconds: float | None = 24 * 3600.0,
                  upload: Callable[[Path, Any, Callable[[], bool]], None] | None = None,
-                 never_skip: Callable[[int], bool] | None = None, arranges: bool = True) -> None:
+                 never_skip: Callable[[int], bool] | None = None, arranges: bool = True,
+                 commits: bool = True) -> None:
         self.tier = tier
         self._upload = upload if upload is not None else (lambda local_dir, manifest, abandon:
                                                           tier.upload(local_dir, manifest))
@@ -85,6 +97,10 @@ class Replicator:
         self._arranges = arranges
         self._cleared: Any = None  # lineage whose superseded durable steps are already moved aside
         self._uploaded_bytes = 0
+        self._commits = commits
+        self._known: dict[int, Manifest] | None = None  # the last listing of the tier (None: none succeeded)
+        self._listed_at: float | None = None  # monotonic time of the last listing asked for
+        self._list_requested = False  # health() asks for listings (durable_listing)
         self._thread = threading.Thread(target=self._loop, name="torch_ckpt_replicator", daemon=True)
         self._thread.start()
 
@@ -138,6 +154,39 @@ class Replicator:
                 "uploaded_bytes": self._uploaded_bytes,
             }
 
+    def durable_listing(self, *, refresh: bool = True) -> dict[int, Manifest] | None:
+        """The last known ``{step: manifest}`` of the durable tier, without any I/O on this thread.
+
+        Args:
+            refresh: ask this replicator's thread to list the tier again in the background (at
+                most every ``RELIST_SECONDS``; after any upload in progress).
+
+        Returns:
+            A copy of the last listing (updated by this replicator's commits and deletions since),
+            or None when no listing has succeeded yet or the last one failed (``last_error`` in
+            :meth:`stats` says why).
+        """
+        with self._cond:
+            if refresh and not self._list_requested and (
+                    self._listed_at is None or time.monotonic() - self._listed_at >= RELIST_SECONDS):
+                self._list_requested = True
+                self._cond.notify_all()
+            return None if self._known is None else dict(self._known)
+
+    def _list(self) -> None:
+        """List the tier (on this replicator's thread) into the known listing."""
+        with self._cond:
+            self._listed_at = time.monotonic()
+        try:
+            listing = self.tier.list_steps()
+        except Exception as exc:  # noqa: BLE001 - reported through durable_listing() and stats()
+            with self._cond:
+                self._known, self._last_error = None, f"listing: {type(exc).__name__}: {exc}"
+            log.debug("listing durable tier %s failed: %s", self.tier.url, exc)
+            return
+        with self._cond:
+            self._known = listing
+
     def wait(self, timeout_seconds: float | None = None) -> bool:
         """Block until nothing is queued or uploading; False if ``timeout_seconds`` ran out."""
         deadline = None if timeout_seconds is None else time.monotonic() + timeout_seconds
@@ -163,16 +212,23 @@ class Replicator:
         delay = self._backoff0
         while True:
             with self._cond:
-                while self._pending is None and not self._history and not self._stop:
+                while self._pending is None and not self._history and not self._stop and not self._list_requested:
                     self._cond.wait()
                 if self._stop:  # close() gave up waiting: leave the rest for the next run
                     return
-                if self._pending is not None:  # the newest first
+                listing = self._pending is None and not self._history
+                if listing:  # only a listing was asked for
+                    self._list_requested = False
+                elif self._pending is not None:  # the newest first
                     (step, local_dir), self._pending = self._pending, None
                 else:
                     step = max(self._history)
                     local_dir = self._history.pop(step)
-                self._active = step
+                if not listing:
+                    self._active = step
+            if listing:
+                self._list()
+                continue
             try:
                 manifest = read_manifest(local_dir)
                 if not self._make_way(manifest):
@@ -185,6 +241,8 @@ class Replicator:
                     if self._durable_step is None or step > self._durable_step:  # history steps come later
                         self._durable_step, self._durable_time = step, time.time()
                     self._uploaded_bytes += sum(f["bytes"] for f in manifest.files.values())
+                    if self._commits and self._known is not None:
+                        self._known[step] = manifest
                     if self._outage_since is not None:
                         log.warning("durable tier %s reachable again; step %d replicated", self.tier.url, step)
                     self._outage_since, self._last_error = None, None
@@ -258,9 +316,14 @@ class Replicator:
             return
         try:
             durable = self.tier.list_steps()
+            with self._cond:
+                self._known = dict(durable)
             head = head_of(m.lineage for m in durable.values())  # superseded steps are neither kept nor counted
             steps = [s for s, m in durable.items() if head.holds(s, m.lineage)]
             for step in apply_retention(self.retention, steps, protected=list(self.busy_steps())):
+                with self._cond:
+                    if self._known is not None:
+                        self._known.pop(step, None)
                 self.tier.delete(step)
                 log.info("durable retention removed step %d from %s", step, self.tier.url)
         except Exception as exc:  # noqa: BLE001 - retention is retried after the next upload

@@ -54,6 +54,10 @@ def restore_candidates(root: Path, tier: DurableTier | None, step: int | None,
                        naming: Naming | None = None) -> list[tuple[int, str]] | BaseException:
     """Candidate ``(step, "local"|"durable")`` pairs to restore, newest first; run on the coordinator.
 
+    A step held by both tiers is listed twice, local copy first: when the local copy fails
+    verification, the same step is taken from the durable tier before any older step. The durable
+    tier is listed with its timeout (:meth:`DurableTier.listed`).
+
     Returns an exception instead of raising it, so the coordinator can broadcast it to every rank.
     See :func:`resume_plan` (these are its ``candidates``).
     """
@@ -78,16 +82,20 @@ def resume_plan(root: Path, tier: DurableTier | None, step: int | None,
         local = {s: m.lineage for s, (_, m) in scan_manifests(root, naming).items()}
         durable: dict[int, Lineage] = {}
         complete = True
+        outage: DurableUnavailableError | None = None
         if tier is not None:
             try:
-                durable = {s: m.lineage for s, m in tier.list_steps().items()}
+                durable = {s: m.lineage for s, m in tier.listed().items()}
             except DurableUnavailableError as exc:
                 complete = False
                 if not local:
                     return DurableUnavailableError(
                         f"{exc}. No local checkpoint under {root} either: refusing to start from scratch "
-                        "during an outage. Retry when the store is reachable, or remove durable_url.")
-                log.warning("%s; resuming from the local tier only", exc)
+                        "while the durable tier cannot be read. Retry when the store is reachable, or remove "
+                        "durable_url (or catch DurableUnavailableError) to start from scratch deliberately.")
+                outage = exc
+                if step is None:
+                    log.warning("%s; resuming from the local tier only", exc)
         seen = [*local.values(), *durable.values()]
         head = head_of(seen)
         live_local = [s for s, lin in local.items() if head.holds(s, lin)]
@@ -99,8 +107,9 @@ def resume_plan(root: Path, tier: DurableTier | None, step: int | None,
                          where, dropped)
         plan = ResumePlan([], head, complete, max([*live_local, *live_durable], default=None), new_segment(seen))
         if step is not None:
-            if step in live_local:
-                return replace(plan, candidates=[(step, "local")])
+            if step in live_local:  # a damaged local copy is then taken from the durable tier
+                return replace(plan, candidates=[(step, "local")] + ([(step, "durable")] if step in live_durable
+                                                                     else []))
             if step in live_durable:
                 return replace(plan, candidates=[(step, "durable")])
             if step in local or step in durable:
@@ -112,6 +121,8 @@ def resume_plan(root: Path, tier: DurableTier | None, step: int | None,
                     f"step {step} is superseded: {why} by a rollback, and the run continued from there "
                     f"({head.describe()}). Restore a live step (committed: {live}), or pass restore(path=...) "
                     "to load that checkpoint directory explicitly")
+            if outage is not None:  # it may be there: say why it cannot be known
+                return DurableUnavailableError(f"step {step} is not under {root}, and {outage}")
             candidate = root / naming.name(step)
             if candidate.is_dir():  # present but not listed: say what is wrong with it
                 manifest = read_manifest(candidate)
@@ -126,8 +137,10 @@ def resume_plan(root: Path, tier: DurableTier | None, step: int | None,
                     "that directory explicitly")
             return CheckpointNotFoundError(f"step {step} is not a committed checkpoint under {where}; committed "
                                            f"steps: {sorted(set(live_local) | set(live_durable))[-10:]}")
-        return replace(plan, candidates=[(s, "local" if s in live_local else "durable")
-                                         for s in sorted(set(live_local) | set(live_durable), reverse=True)])
+        # a step held by both tiers is listed twice, local copy first (a damaged local copy heals from durable)
+        return replace(plan, candidates=[(s, where) for s in sorted(set(live_local) | set(live_durable), reverse=True)
+                                         for where in ("local", "durable")
+                                         if s in (live_local if where == "local" else live_durable)])
     except CheckpointError as exc:
         return exc
 

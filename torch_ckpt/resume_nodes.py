@@ -28,6 +28,7 @@ from torch_ckpt.lineage import Lineage, head_of, new_segment, successor
 from torch_ckpt.nodes import NodeLayout, env_node
 from torch_ckpt.resume import set_aside_superseded
 from torch_ckpt.storage import DurableUnavailableError
+from torch_ckpt.store_deadline import waiting_for_coordinator
 
 __all__ = ["node_layout", "check_private_roots", "restore_node_local", "local_inventory"]
 
@@ -114,7 +115,12 @@ def local_inventory(root: Path, naming: Any, nodes: NodeLayout) -> dict[int, str
 
 def _plan(inventories: dict[int, dict[int, str]], durable: dict[int, Any], nodes: NodeLayout,
           step: int | None) -> list[tuple[int, dict[int, str]]]:
-    """Rank 0: feasible ``(step, {node: "local"|"node"|"full"})`` newest first, logging why steps are skipped."""
+    """Rank 0: feasible ``(step, {node: "local"|"node"|"full"})`` newest first, logging why steps are skipped.
+
+    A step that some node reads from its own disk and that the durable tier also holds is listed a
+    second time with every node fetching it from the durable tier: when a local copy fails
+    verification, the same step is taken from the durable tier before any older step.
+    """
     candidates = sorted({s for inv in inventories.values() for s in inv} | set(durable), reverse=True)
     if step is not None:
         candidates = [step]
@@ -135,6 +141,8 @@ def _plan(inventories: dict[int, dict[int, str]], durable: dict[int, Any], nodes
                         s, missing, "; trying the next older step" if step is None else "")
             continue
         feasible.append((s, actions))
+        if d is not None and "local" in actions.values():
+            feasible.append((s, {node: "node" if same_layout else "full" for node in range(nodes.node_count)}))
     return feasible
 
 
@@ -146,7 +154,8 @@ def restore_node_local(mgr: Any, state: Any, step: int | None, allow_cast: bool)
 
     Raises:
         CheckpointNotFoundError: ``step`` was given and no tier can provide it.
-        DurableUnavailableError: the durable tier is unreachable and some node has no local copy.
+        DurableUnavailableError: the durable tier is unreachable (or does not answer for
+            ``durable_timeout_seconds``, or its bucket is missing) and no step is on every node's disk.
         CheckpointCorruptError, StateMismatchError: as :meth:`CheckpointManager.restore`.
     """
     ctx, nodes, tier = mgr._ctx, mgr._nodes, mgr._tier
@@ -168,7 +177,7 @@ def restore_node_local(mgr: Any, state: Any, step: int | None, allow_cast: bool)
         outage = None
         if tier is not None:
             try:
-                durable = tier.list_steps()
+                durable = tier.listed()
             except DurableUnavailableError as exc:
                 outage = exc
         # the lineage rule (torch_ckpt.lineage): only live copies count, so every node loads the same timeline
@@ -187,40 +196,60 @@ def restore_node_local(mgr: Any, state: Any, step: int | None, allow_cast: bool)
             if not plan and any(not i for i in inventories.values()):
                 plan = DurableUnavailableError(f"{outage}. Some node has no local checkpoint: refusing to start "
                                                "from scratch during an outage; retry when the store is reachable")
+        if step is not None and plan == [] and outage is not None:  # it may be there: say why it cannot be known
+            plan = DurableUnavailableError(f"step {step} is not on every node's disk, and {outage}")
         if step is not None and plan == []:
             plan = CheckpointNotFoundError(f"step {step} is not complete in any tier (node-local roots"
                                            f"{' or ' + tier.url if tier is not None else ''})")
-    plan, lineage_view = ctx.broadcast((plan, lineage_view), what="restore plan")
+    plan, lineage_view = waiting_for_coordinator(ctx, tier, "listing the node-local roots and the durable tier"
+                                                 + (f" {tier.url}" if tier is not None else ""),
+                                                 lambda: ctx.broadcast((plan, lineage_view), what="restore plan"))
     if isinstance(plan, BaseException):
         raise plan
     if not plan:
         log.info("no committed checkpoint on any node%s; starting from scratch",
-                 f" or in {tier.url}" if tier is not None else "")
+                 f" (the durable tier {tier.url} answered: no committed step)" if tier is not None else "")
         return None
+    store_down = False
     for i, (cand, actions) in enumerate(plan):
+        if store_down and set(actions.values()) != {"local"}:
+            continue  # the store is down: only steps every node has on its disk are left
         action = actions[nodes.node]
-        error: str | None = None
+        error: tuple[bool, str] | None = None  # (an outage?, message)
         local = mgr.root / mgr.naming.name(cand)
         if nodes.is_leader and action != "local":
             try:
                 if not mgr.read_only:
                     set_aside_superseded(local)  # a superseded copy of this step: kept aside, not replaced
                 t0 = time.monotonic()
-                tier.download(cand, mgr.root, node=nodes.node if action == "node" else None)
+                tier.fetch(cand, mgr.root, node=nodes.node if action == "node" else None)
                 log.info("[node %d] fetched %d file(s) of step %d from %s in %.3f s", nodes.node,
                          len(tier.last_download), cand, tier.describe(cand), time.monotonic() - t0)
             except (CheckpointError, OSError, ValueError) as exc:
-                error = f"node {nodes.node}: {type(exc).__name__}: {exc}"
-        errors = [e for e in ctx.all_gather(error, what="fetch checkpoint") if e]
+                error = (isinstance(exc, DurableUnavailableError), f"node {nodes.node}: {type(exc).__name__}: {exc}")
+        fetching = "" if tier is None else f" (fetching step {cand} from {tier.describe(cand)})"
+        errors = [e for e in waiting_for_coordinator(
+            ctx, tier, f"restoring step {cand}{fetching}",
+            lambda error=error: ctx.all_gather(error, what="fetch checkpoint"), whom="the node leaders") if e]
         try:
+            if any(down for down, _ in errors):
+                raise DurableUnavailableError(f"step {cand} could not be fetched: "
+                                              f"{next(m for down, m in errors if down)}")
             if errors:
-                raise CheckpointCorruptError(f"step {cand} could not be fetched: {errors[0]}")
+                raise CheckpointCorruptError(f"step {cand} could not be fetched: {errors[0][1]}")
             mgr._ckpt.load(local, state, verify=mgr.verify_on_load, on_world_size_change=mgr.on_world_size_change,
                            allow_cast=allow_cast)
-        except CheckpointCorruptError as exc:
-            if step is not None or i == len(plan) - 1:
+        except (CheckpointCorruptError, DurableUnavailableError) as exc:
+            if isinstance(exc, DurableUnavailableError):
+                store_down = True
+            rest = [c for c in plan[i + 1:] if not store_down or set(c[1].values()) == {"local"}]
+            if not rest:
                 raise
-            log.warning("step %d is not usable (%s); falling back to step %d", cand, exc, plan[i + 1][0])
+            if rest[0][0] == cand:
+                log.warning("a local copy of step %d is not usable (%s); taking step %d from the durable tier %s",
+                            cand, exc, cand, tier.describe(cand))
+            else:
+                log.warning("step %d is not usable (%s); falling back to step %d", cand, exc, rest[0][0])
             continue
         mgr.restore_source = {"local": "local", "node": "durable-node", "full": "durable-full"}[action]
         log.info("[rank %d] restored step %d from %s (%s)", ctx.rank, cand, local, mgr.restore_source)

@@ -95,7 +95,7 @@ def upload_node(tier: DurableTier, local_dir: Path, manifest: Manifest, *, commi
     if manifest.node is None:
         raise ValueError("upload_node() needs one node's copy (manifest.node is set)")
     step, node, loc = manifest.step, manifest.node, tier.location(manifest.step)
-    tier.fs.makedirs(loc.path, exist_ok=True)
+    tier.make_step_dir(loc.path)
     durable = durable_manifest(manifest)  # without the nodes' extra copies: each tensor is uploaded once
     file_node = durable.nodes["file_node"]
     mine = {name: info for name, info in durable.files.items() if file_node[name] == node}

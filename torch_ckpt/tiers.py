@@ -24,6 +24,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -33,12 +34,13 @@ from torch_ckpt._logging import get_logger
 from torch_ckpt.bounded import corrupt
 from torch_ckpt.config_values import check_int
 from torch_ckpt.crc import crc32
-from torch_ckpt.errors import CheckpointCorruptError, ConfigError
+from torch_ckpt.errors import CheckpointCorruptError, CheckpointError, ConfigError
 from torch_ckpt.format import verify_files
 from torch_ckpt.layout import commit_dir
 from torch_ckpt.manifest import MANIFEST_NAME, Manifest, read_manifest
 from torch_ckpt.naming import Naming, StepNaming
 from torch_ckpt.storage import DurableUnavailableError, Location, url_to_fs
+from torch_ckpt.store_deadline import Watch, bounded
 from torch_ckpt.tier_nodes import node_fetch_manifest, upload_node
 
 __all__ = ["DurableTier", "DurableUnavailableError"]
@@ -46,6 +48,10 @@ __all__ = ["DurableTier", "DurableUnavailableError"]
 log = get_logger(__name__)
 
 _CHUNK_BYTES = 8 << 20
+#: Per thread: the watch of the bounded call (:meth:`DurableTier.listed`) running on this worker thread.
+_calls = threading.local()
+#: Protocols whose root lies in a bucket that must exist (and is never created unless asked).
+_BUCKET_STORES = ("s3", "s3a", "gs", "gcs", "abfs", "az", "adl")
 
 
 class DurableTier:
@@ -59,6 +65,12 @@ class DurableTier:
         part_bytes: multipart part size on S3-compatible stores (bytes); files of at least twice
             this size are uploaded in parts.
         upload_threads: files uploaded at once by this process (>= 1).
+        timeout_seconds: longest silence of the store that a call from the caller's thread
+            (:meth:`listed`, :meth:`fetch`) waits out (seconds, > 0); on S3-compatible stores also
+            the botocore connect and read timeouts (with 3 attempts, "standard" retries) unless
+            ``storage_options["config_kwargs"]`` sets them.
+        create: create a missing bucket (or the missing parent directory of a ``file://`` root)
+            at the first upload; by default a missing one is an error (:meth:`check_container`).
 
     Every uploaded object is checked by :func:`torch_ckpt.format.verify_files` against the
     manifest. With ``verify="checksum"`` on an S3-compatible store that check takes the store's own
@@ -74,12 +86,18 @@ class DurableTier:
     """
 
     def __init__(self, url: str, *, storage_options: dict[str, Any] | None = None, verify: str = "checksum",
-                 naming: Naming | None = None, part_bytes: int = 64 << 20, upload_threads: int = 1) -> None:
+                 naming: Naming | None = None, part_bytes: int = 64 << 20, upload_threads: int = 1,
+                 timeout_seconds: float = 30.0, create: bool = False) -> None:
         if not isinstance(url, str) or not url:
             raise ConfigError(f"durable_url must be a non-empty fsspec URL string, got {url!r}")
         if verify not in ("checksum", "size"):
             raise ConfigError(f"verify must be 'checksum' or 'size', got {verify!r}")
-        self.fs, self.root = url_to_fs(url, storage_options)
+        if isinstance(timeout_seconds, bool) or not isinstance(timeout_seconds, (int, float)) \
+                or not timeout_seconds > 0:
+            raise ConfigError(f"durable_timeout_seconds must be a number of seconds > 0, got {timeout_seconds!r}")
+        self.timeout_seconds = float(timeout_seconds)
+        self.create = bool(create)
+        self.fs, self.root = url_to_fs(url, _with_timeouts(url, storage_options, self.timeout_seconds))
         self.url = url.rstrip("/")
         self.root = self.root.rstrip("/")
         check_int("part_bytes (S3's smallest part is 5 MiB)", part_bytes, 5 << 20)
@@ -121,32 +139,121 @@ class DurableTier:
         if hasattr(self.fs, "invalidate_cache"):
             self.fs.invalidate_cache()
 
+    # -- the container: a bucket, or the parent directory of a file:// root ---------------------
+    def container(self) -> str | None:
+        """What must exist for this tier to be used: the bucket on object stores, the parent
+        directory of a ``file://`` root; None for other stores (``memory://``...)."""
+        if self._protocol in ("file", "local"):
+            return os.path.dirname(self.root.rstrip("/")) or "/"
+        if self._protocol in _BUCKET_STORES:
+            return self.root.lstrip("/").split("/", 1)[0]
+        return None
+
+    def check_container(self) -> None:
+        """Check that the bucket (or the parent directory of a ``file://`` root) exists; with
+        ``create``, create it when it does not.
+
+        A root that does not exist in an existing bucket is an empty tier (a first run); a missing
+        bucket is not: it was deleted, is misspelt, or (``file://``) a file system is not mounted.
+
+        Raises:
+            DurableUnavailableError: it does not exist (and ``create`` is False), or the store
+                cannot be asked.
+        """
+        container = self.container()
+        if container is None:
+            return
+        kind = "parent directory" if self._protocol in ("file", "local") else "bucket"
+        try:
+            self.fs.info(container)
+            return
+        except FileNotFoundError:
+            if not self.create:
+                raise DurableUnavailableError(
+                    f"durable tier {self.url}: its {kind} {container!r} does not exist (deleted, misspelt or not "
+                    f"mounted); create it, or pass durable_create=True to have it created") from None
+        except Exception as exc:  # noqa: BLE001 - any backend error here means "unreachable"
+            raise DurableUnavailableError(f"cannot read durable tier {self.url} ({kind} {container!r}): "
+                                          f"{type(exc).__name__}: {exc}") from exc
+        try:
+            region = (getattr(self.fs, "client_kwargs", None) or {}).get("region_name")
+            if self._protocol in ("s3", "s3a") and region in (None, "us-east-1"):
+                # s3fs would send us-east-1 as a LocationConstraint, which S3 refuses for that region
+                self.fs.call_s3("create_bucket", Bucket=container)
+                self.fs.invalidate_cache()
+            else:
+                self.fs.makedirs(container, exist_ok=True)
+        except Exception as exc:  # noqa: BLE001
+            raise DurableUnavailableError(f"durable tier {self.url}: cannot create its {kind} {container!r}: "
+                                          f"{type(exc).__name__}: {exc}") from exc
+        log.warning("durable tier %s: created its %s %r (durable_create=True)", self.url, kind, container)
+
+    def make_step_dir(self, path: str) -> None:
+        """Before an upload into ``path``: check the container (:meth:`check_container`), and create
+        the directory on stores that have directories (never a bucket, unless ``create``)."""
+        self.check_container()
+        if self._protocol not in _BUCKET_STORES:
+            self.fs.makedirs(path, exist_ok=True)
+
     # -- listing -------------------------------------------------------------------------------
     def list_names(self) -> list[str]:
         """Names of the entries directly under the durable root, sorted ([] when it does not exist yet).
 
         Raises:
-            DurableUnavailableError: the store cannot be listed (distinct from an empty root).
+            DurableUnavailableError: the store cannot be listed (distinct from an empty root), or
+                the root's bucket (``file://``: parent directory) does not exist
+                (:meth:`check_container`).
         """
         self.refresh()
         root = Location.on(self.fs, self.root, self.url)
         try:
-            return sorted(root.entries()) if root.exists() else []
+            if root.exists():
+                return sorted(root.entries())
         except FileNotFoundError:
-            return []
+            pass
         except DurableUnavailableError:  # the store's error, named by Location
             raise
         except Exception as exc:  # noqa: BLE001 - any other error here means "unreachable"
             raise DurableUnavailableError(f"cannot list durable tier {self.url}: {exc}") from exc
+        self.check_container()  # an absent root is empty only when its bucket exists
+        return []
+
+    def listed(self) -> dict[int, Manifest]:
+        """:meth:`list_steps` for the caller's thread: gives up after ``timeout_seconds`` without an
+        answer (:func:`torch_ckpt.store_deadline.bounded`).
+
+        Raises:
+            DurableUnavailableError: as :meth:`list_steps`, or the store did not answer in time.
+        """
+        def run(watch: Watch) -> dict[int, Manifest]:
+            _calls.watch = watch  # list_steps runs on this worker thread: it ticks the watch
+            return self.list_steps()
+
+        return bounded(run, timeout_seconds=self.timeout_seconds, what=f"listing durable tier {self.url}")
+
+    def fetch(self, step: int, local_root: Path, *, node: int | None = None) -> Path:
+        """:meth:`download` for the caller's thread: gives up after ``timeout_seconds`` without an
+        answer (a download that keeps receiving bytes goes on); nothing is committed after that.
+
+        Raises:
+            DurableUnavailableError: the store cannot be reached or did not answer in time.
+            CheckpointCorruptError, ValueError: as :meth:`download`.
+        """
+        return bounded(lambda watch: self.download(step, local_root, node=node, watch=watch),
+                       timeout_seconds=self.timeout_seconds, what=f"downloading {self.describe(step)}")
 
     def list_steps(self) -> dict[int, Manifest]:
-        """``{step: manifest}`` of committed durable checkpoints.
+        """``{step: manifest}`` of committed durable checkpoints (called by :meth:`listed`, it tells
+        the caller's watch of every answer of the store).
 
         Raises:
             DurableUnavailableError: the store cannot be listed (distinct from an empty root).
         """
         found: dict[int, Manifest] = {}
+        watch: Watch | None = getattr(_calls, "watch", None)
         for name in self.list_names():
+            if watch is not None:
+                watch.tick()
             named_step = self.naming.step_of(name)
             if named_step is None:
                 continue
@@ -249,7 +356,7 @@ class DurableTier:
             Exception: backend errors propagate (the replicator retries them).
         """
         step_dir = self._path(self.naming.name(manifest.step))
-        self.fs.makedirs(step_dir, exist_ok=True)
+        self.make_step_dir(step_dir)
         self.put_all(local_dir, manifest.step, manifest.files)
         data = json.dumps(manifest.to_json(), separators=(",", ":")).encode()
         self.fs.pipe_file(f"{step_dir}/{MANIFEST_NAME}", data)
@@ -309,7 +416,8 @@ class DurableTier:
         return f"{self.url}/{target}"
 
     # -- download ------------------------------------------------------------------------------
-    def _fetch_file(self, src: Location, name: str, info: dict[str, int], tmp: Path, bar: Any) -> None:
+    def _fetch_file(self, src: Location, name: str, info: dict[str, int], tmp: Path, bar: Any,
+                    watch: Watch | None = None) -> None:
         """Copy one object into ``tmp``, then check the copy with :func:`~torch_ckpt.format.verify_files`
         (size and CRC-32); a mismatch is reported on the object's URL, with the text a corrupt local
         file gets.
@@ -317,23 +425,38 @@ class DurableTier:
         Raises:
             CheckpointCorruptError: the object is missing from the store (as a missing local file
                 is), or the fetched bytes do not match the manifest.
+            DurableUnavailableError: the store failed while the object was read.
         """
+        def store(call: Callable[[], Any]) -> Any:  # a failure of the store, not of the local disk: an outage
+            try:
+                return call()
+            except (FileNotFoundError, CheckpointError):
+                raise
+            except Exception as exc:  # noqa: BLE001 - any backend error (botocore, aiohttp, EIO on NFS...)
+                raise DurableUnavailableError(f"cannot read {src.describe(name)}: {type(exc).__name__}: "
+                                              f"{exc}") from exc
+
         try:
-            fin = self.fs.open(f"{src.path}/{name}", "rb", block_size=_CHUNK_BYTES)
+            fin = store(lambda: self.fs.open(f"{src.path}/{name}", "rb", block_size=_CHUNK_BYTES))
         except FileNotFoundError:  # deleted from the store after its manifest was written: a damaged copy
             raise corrupt(src.describe(name), "listed in the manifest but missing") from None
         with fin, open(tmp / name, "wb") as fout:
-            while chunk := fin.read(_CHUNK_BYTES):
-                fout.write(chunk)
+            while chunk := store(lambda: fin.read(_CHUNK_BYTES)):
+                if watch is not None:
+                    watch.tick()
+                with _local_work(watch):
+                    fout.write(chunk)
                 bar.update(len(chunk))
-            fout.flush()
-            os.fsync(fout.fileno())
+            with _local_work(watch):
+                fout.flush()
+                os.fsync(fout.fileno())
         problems: list[tuple[str, str]] = []
-        verify_files(tmp, _only(name, info), checksums=True, collect=problems)
+        with _local_work(watch):
+            verify_files(tmp, _only(name, info), checksums=True, collect=problems)
         if problems:
             raise corrupt(src.describe(name), problems[0][1])
 
-    def download(self, step: int, local_root: Path, *, node: int | None = None) -> Path:
+    def download(self, step: int, local_root: Path, *, node: int | None = None, watch: Watch | None = None) -> Path:
         """Download a durable checkpoint into ``local_root`` (verified, then committed atomically).
 
         Args:
@@ -342,6 +465,7 @@ class DurableTier:
             node: for a node-local checkpoint, fetch only what this node's ranks load at the same
                 rank layout (their own files, the files holding replicated tensors, and the
                 metadata) and commit it as that node's copy; None fetches every file.
+            watch: told of every answer of the store; the commit goes through it (see :meth:`fetch`).
 
         Returns:
             The local committed directory.
@@ -350,8 +474,11 @@ class DurableTier:
             CheckpointCorruptError: a fetched file does not have the manifest's size or CRC-32
                 (:func:`~torch_ckpt.format.verify_files`); the message names the object's URL.
             ValueError: ``node`` is given but the checkpoint was not written to node-local roots.
+            DurableUnavailableError: the store cannot be reached or failed during the download.
         """
         manifest = self.read_manifest(step)
+        if watch is not None:
+            watch.tick()
         if node is not None:
             manifest = node_fetch_manifest(manifest, node, self.describe(step))
         files = manifest.local_files()
@@ -365,15 +492,18 @@ class DurableTier:
         try:
             with ThreadPoolExecutor(max_workers=max(1, self.upload_threads),
                                     thread_name_prefix="torch_ckpt_download") as pool:
-                for fut in [pool.submit(self._fetch_file, self.location(step), name, info, tmp, bar)
+                for fut in [pool.submit(self._fetch_file, self.location(step), name, info, tmp, bar, watch)
                             for name, info in sorted(files.items())]:
                     fut.result()
             data = json.dumps(manifest.to_json(), separators=(",", ":")).encode()
-            with open(tmp / MANIFEST_NAME, "wb") as f:
+            with _local_work(watch), open(tmp / MANIFEST_NAME, "wb") as f:
                 f.write(data)
                 f.flush()
                 os.fsync(f.fileno())
-            commit_dir(tmp, final, replace=final.exists())
+            if watch is None:
+                commit_dir(tmp, final, replace=final.exists())
+            else:
+                watch.publish(lambda: commit_dir(tmp, final, replace=final.exists()))
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -386,3 +516,24 @@ class DurableTier:
 def _only(name: str, info: dict[str, int]) -> Manifest:
     """A manifest listing the one file ``name`` (:func:`~torch_ckpt.format.verify_files` checks the listed files)."""
     return Manifest(step=0, world_size=1, files={name: info})
+
+
+def _local_work(watch: Watch | None) -> Any:
+    """``watch.local_work()`` (the store's silence is not counted meanwhile), or nothing without a watch."""
+    return nullcontext() if watch is None else watch.local_work()
+
+
+def _with_timeouts(url: str, storage_options: dict[str, Any] | None, timeout_seconds: float) -> dict[str, Any]:
+    """``storage_options`` with botocore connect/read timeouts of ``timeout_seconds`` and 3 attempts
+    ("standard" retries) on S3-compatible stores, where the caller's options do not set them
+    (botocore's defaults, 60 s and 5 attempts under s3fs's own 5 retries, let a silent store hold a
+    call for minutes)."""
+    options = dict(storage_options or {})
+    if not url.startswith(("s3://", "s3a://")):
+        return options
+    config = dict(options.get("config_kwargs") or {})
+    config.setdefault("connect_timeout", timeout_seconds)
+    config.setdefault("read_timeout", timeout_seconds)
+    config.setdefault("retries", {"max_attempts": 3, "mode": "standard"})
+    options["config_kwargs"] = config
+    return options
