@@ -1,6 +1,8 @@
 """Background replication of committed local checkpoints to the durable tier.
 
-One thread on the coordinating rank (on each node's leader with node-local roots). The queue holds
+One thread on the coordinating rank (on each node's leader with node-local roots), started when a
+checkpoint is queued and ended when nothing is left to upload; at interpreter exit the queued
+uploads get up to ``exit_flush_seconds`` (:mod:`torch_ckpt.lifecycle`). The queue holds
 at most one pending step: a newer commit replaces an older one that has not started uploading
 (coalescing), so an outage never builds an unbounded backlog and the newest checkpoint becomes
 durable first. The one exception is a step the durable retention keeps as history (a multiple of
@@ -22,6 +24,7 @@ from typing import Any
 from torch_ckpt._logging import get_logger
 from torch_ckpt.errors import CheckpointCorruptError
 from torch_ckpt.layout import read_manifest
+from torch_ckpt.lifecycle import finish_at_exit
 from torch_ckpt.retention import RetentionPolicy, apply_retention
 from torch_ckpt.tier_cleanup import remove_abandoned
 from torch_ckpt.tiers import DurableTier
@@ -50,6 +53,8 @@ class Replicator:
         never_skip: True for a step that must be uploaded even when newer steps commit before its
             upload starts (the steps the durable retention keeps as history); None: every queued
             step may be coalesced away. Every node of a node-local root must get the same function.
+        exit_flush_seconds: how long the interpreter's exit waits for queued uploads (seconds; the
+            manager passes ``durable_flush_timeout_seconds``).
     """
 
     def __init__(self, tier: DurableTier, *, retention: RetentionPolicy | None = None,
@@ -57,7 +62,7 @@ class Replicator:
                  on_durable: Callable[[int, Path], None] | None = None,
                  abandoned_after_seconds: float | None = 24 * 3600.0,
                  upload: Callable[[Path, Any, Callable[[], bool]], None] | None = None,
-                 never_skip: Callable[[int], bool] | None = None) -> None:
+                 never_skip: Callable[[int], bool] | None = None, exit_flush_seconds: float = 0.0) -> None:
         self.tier = tier
         self._upload = upload if upload is not None else (lambda local_dir, manifest, abandon:
                                                           tier.upload(local_dir, manifest))
@@ -79,8 +84,9 @@ class Replicator:
         self._outage_since: float | None = None
         self._skipped = 0
         self._uploaded_bytes = 0
-        self._thread = threading.Thread(target=self._loop, name="torch_ckpt_replicator", daemon=True)
-        self._thread.start()
+        self._exit_flush_s = float(exit_flush_seconds)
+        self._thread: threading.Thread | None = None  # started by submit(), ends when nothing is queued
+        finish_at_exit(self, 1)
 
     def submit(self, step: int, local_dir: Path) -> None:
         """Queue a committed local checkpoint (replaces a queued older one unless :meth:`keeps` it)."""
@@ -89,6 +95,9 @@ class Replicator:
                 self._set_aside(*self._pending, superseded_by=step)
             if self._pending is None or self._pending[0] < step:
                 self._pending = (step, local_dir)
+            if self._thread is None and not self._stop:
+                self._thread = threading.Thread(target=self._loop, name="torch_ckpt_replicator", daemon=True)
+                self._thread.start()
             self._cond.notify_all()
 
     def keeps(self, step: int) -> bool:
@@ -151,15 +160,35 @@ class Replicator:
         with self._cond:
             self._stop = True
             self._cond.notify_all()
-        self._thread.join(timeout=5)
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=5)
+
+    def _finish_at_exit(self) -> None:
+        """Interpreter exit (:mod:`torch_ckpt.lifecycle`): finish the queued uploads within ``exit_flush_seconds``."""
+        with self._cond:
+            if self._stop or self._thread is None:
+                return
+            queued = sorted({s for s in (self._active, self._pending[0] if self._pending else None) if s is not None}
+                            | set(self._history))
+        log.warning("waiting up to %.0f s for the upload of step(s) %s to %s before the interpreter exits",
+                    self._exit_flush_s, queued, self.tier.url)
+        if not self.wait(self._exit_flush_s):
+            log.error("the durable copy of step(s) %s on %s was not finished at the interpreter's exit (%s); the "
+                      "local checkpoints are complete, the next run's saves are uploaded as usual", queued,
+                      self.tier.url, self.stats())
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
 
     def _loop(self) -> None:
         delay = self._backoff0
         while True:
             with self._cond:
-                while self._pending is None and not self._history and not self._stop:
-                    self._cond.wait()
-                if self._stop:  # close() gave up waiting: leave the rest for the next run
+                if self._stop or (self._pending is None and not self._history):
+                    # idle (submit() starts a new thread), or close() gave up waiting: the rest is the next run's
+                    self._thread = None
+                    self._cond.notify_all()
                     return
                 if self._pending is not None:  # the newest first
                     (step, local_dir), self._pending = self._pending, None
