@@ -6,7 +6,9 @@ thread or process (:mod:`torch_ckpt.persist`, :mod:`torch_ckpt.writer_process`) 
 commit, keeps at most one save in flight, and raises background errors on the caller's thread
 exactly once. It knows nothing about steps, naming or retention. A save's part up to the submit
 (capture, staging, the ranks' agreement) is in :mod:`torch_ckpt.checkpointer_prepare`; this module
-submits it, runs it in the writer, surfaces its outcome, loads, and owns the engine's lifecycle.
+submits it, runs it in the writer, surfaces its outcome, loads, and owns the engine's lifecycle:
+each background save runs in a writer thread of its own that ends with it (no idle thread), and
+interpreter exit waits for a save still in flight (:mod:`torch_ckpt.lifecycle`).
 """
 
 from __future__ import annotations

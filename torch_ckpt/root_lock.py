@@ -26,7 +26,7 @@ log = get_logger("torch_ckpt.layout")
 # other processes; within this process a second owner of the same root is told apart from another
 # run, and takes over from a previous owner that is closed or no longer reachable.
 _HELD: weakref.WeakValueDictionary[str, RootLock] = weakref.WeakValueDictionary()
-_HELD_GUARD = threading.Lock()
+_HELD_GUARD = threading.RLock()  # a finalizer run by a collection inside the guard releases a lock too
 
 
 class RootLock:

@@ -3,14 +3,15 @@
 instead of BERT on GLUE (no downloads). Used by ``tests/accelerate/test_accelerate_lifecycle.py``.
 
     accelerate launch --cpu --num_processes 2 accelerate_epochs.py --output_dir DIR [--attach]
-        [--resume_from_checkpoint DIR/epoch_N] [--num_epochs 2] [--slow_persist SECONDS]
+        [--resume_from_checkpoint DIR/epoch_N] [--num_epochs 2] [--slow_persist SECONDS] [--no_end_training]
 
 Training: each epoch ends with ``save_state(DIR/epoch_N)``, an evaluation, and (main process)
 ``DIR/state_N.json`` with the evaluation loss, the scheduler's and the optimizer's learning rate and
 the epoch; the script ends with ``accelerator.end_training()``, as every Accelerate example does.
 Resume: ``load_state(DIR/epoch_N)``, evaluate, and assert the values equal ``state_N.json``
 (exit code 1 with the difference otherwise). ``--slow_persist`` makes every background write take
-that much longer, so the last save is still in flight when ``end_training()`` runs.
+that much longer, so the last save is still in flight when ``end_training()`` runs (or, with
+``--no_end_training``, when the script simply ends and the interpreter exits).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ def main() -> int:
     parser.add_argument("--num_epochs", type=int, default=2)
     parser.add_argument("--attach", action="store_true")
     parser.add_argument("--slow_persist", type=float, default=0.0)
+    parser.add_argument("--no_end_training", action="store_true")
     args = parser.parse_args()
     if args.slow_persist:
         import torch_ckpt.checkpointer as checkpointer
@@ -90,7 +92,8 @@ def main() -> int:
         if accelerator.is_main_process:
             with open(os.path.join(args.output_dir, f"state_{epoch}.json"), "w", encoding="utf-8") as f:
                 json.dump(state, f)
-    accelerator.end_training()
+    if not args.no_end_training:
+        accelerator.end_training()
     return 0
 
 

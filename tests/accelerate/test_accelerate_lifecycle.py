@@ -143,3 +143,12 @@ def test_two_process_script_ending_with_end_training_keeps_its_last_checkpoint_a
     assert is_committed(tmp_path / "epoch_1")
     resumed = _torchrun("--output_dir", out, "--attach", "--resume_from_checkpoint", str(tmp_path / "epoch_1"))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_two_process_script_ending_without_end_training_commits_its_last_save_at_exit(tmp_path):
+    """The same script ending without end_training(): interpreter exit commits the save in flight on both ranks."""
+    trained = _torchrun("--output_dir", str(tmp_path), "--attach", "--slow_persist", "1", "--no_end_training")
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    assert is_committed(tmp_path / "epoch_1") and "waiting for the checkpoint of step 1" in trained.stderr
