@@ -165,3 +165,18 @@ def test_interpreter_exit_does_not_wait_for_an_idle_writer_process(tmp_path):
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240, env=env,
                           check=False)
     assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_dropped_process_writer_manager_is_taken_over_and_its_writer_process_stopped(tmp_path):
+    """persist='process', dropped unclosed: a new manager takes the root over and the old writer process ends."""
+    import multiprocessing
+
+    first = CheckpointManager(tmp_path, persist="process")
+    first.save(1, {"w": torch.ones(4)})
+    writer = first.checkpointer._process_writer._proc
+    del first
+    with CheckpointManager(tmp_path) as second:
+        assert second.all_steps() == [1]
+    assert not writer.is_alive() and writer not in multiprocessing.active_children()
