@@ -399,8 +399,9 @@ def _close_unreachable(root: str, ckpt: AsyncCheckpointer, replicator: Replicato
                        lock: RootLock, flush_timeout: float) -> None:
     """Finalizer of a manager that was never closed: close what it owned; log (there is no caller) any error.
 
-    Runs when the manager is garbage collected (after its in-flight save, whose writer thread
-    references it), or at interpreter exit.
+    Runs when the manager is garbage collected: after its in-flight save (whose writer thread
+    references it), or when a new manager of this process on the same root collects garbage. Not at
+    interpreter exit, where :mod:`torch_ckpt.lifecycle` finishes the in-flight work.
     """
     log.info("a CheckpointManager of %s was garbage collected without close(): closing it", root)
     try:

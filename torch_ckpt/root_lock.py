@@ -44,6 +44,18 @@ class RootLock:
     locks local to one node. On Lustre the clients must be mounted with ``-o flock``
     (``localflock`` only excludes processes of the same node). A file system without lock support
     makes :meth:`acquire` fail with a message saying so (never a silent fallback to a pid file).
+
+    Within one process the kernel lock cannot tell owners apart (a second open of the file
+    conflicts like another process), so the held locks are also registered by path: a new lock on
+    a root whose previous holder in this process is closed or no longer referenced (its ``drain``,
+    e.g. the in-flight save, is finished first, then garbage is collected so that its finalizer
+    releases it) takes over; one whose holder is still open and referenced is refused naming this
+    process, never as another run.
+
+    Args:
+        root: the checkpoint root.
+        drain: called before a new lock of this process takes over from this one: finishes the
+            holder's in-flight work; it must not reference the holder (which would keep it alive).
     """
 
     def __init__(self, root: Path, *, drain: Callable[[], None] | None = None) -> None:
