@@ -109,6 +109,21 @@ class AccelerateCheckpointer:
         accelerator.save_state, accelerator.load_state = self.save_state, self.load_state
         accelerator.end_training = self.end_training
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickling an attached ``Accelerator`` (``pickle.dumps(accelerator)``) pickles this object with it:
+        the settings, step and the ``Accelerator`` travel, the manager and save handles (threads, locks) do not;
+        the copy opens its own manager at first use."""
+        state = {k: v for k, v in self.__dict__.items() if k not in ("_accelerator", "manager", "last_handle",
+                                                                      "_reports")}
+        state["accelerator"] = self._accelerator()  # strong only inside the pickle; the cycle is pickle's to resolve
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        acc = state.pop("accelerator")
+        self.__dict__.update(state)
+        self._accelerator = (lambda: None) if acc is None else weakref.ref(acc)
+        self.manager, self.last_handle, self._reports = None, None, SaveReports()
+
     @property
     def accelerator(self) -> Any:
         """The attached ``Accelerator``.

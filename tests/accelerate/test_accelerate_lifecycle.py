@@ -152,3 +152,18 @@ def test_two_process_script_ending_without_end_training_commits_its_last_save_at
     trained = _torchrun("--output_dir", str(tmp_path), "--attach", "--slow_persist", "1", "--no_end_training")
     assert trained.returncode == 0, trained.stderr[-3000:]
     assert is_committed(tmp_path / "epoch_1") and "waiting for the checkpoint of step 1" in trained.stderr
+
+
+def test_attached_accelerator_pickles_and_its_copy_saves_on_its_own(tmp_path):
+    """pickle.dumps(accelerator) works attached, after a save; the copy's save_state writes through its own manager."""
+    import pickle
+
+    run = make_run(tmp_path / "a")
+    run.accelerator.save_state()
+    run.ckpt.wait()
+    copy = pickle.loads(pickle.dumps(run.accelerator))
+    assert copy.save_state.__self__.accelerator is copy and copy.save_state.__self__.manager is None
+    run.ckpt.close()
+    assert copy.save_state().name == "checkpoint_1"
+    copy.end_training()
+    assert is_committed(tmp_path / "a" / "checkpoints" / "checkpoint_1")
