@@ -13,6 +13,7 @@ import os
 import shutil
 import time
 import warnings
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -61,8 +62,14 @@ def attach(accelerator: Any, config: str | os.PathLike | None = None, *, save_po
 class AccelerateCheckpointer:
     """Asynchronous, atomic, sharded ``save_state``/``load_state`` for one ``Accelerator`` (training thread only).
 
+    The ``Accelerator`` holds this checkpointer (its ``save_state``, ``load_state`` and
+    ``end_training`` are this object's methods), and this object holds the ``Accelerator`` only
+    weakly: an attached ``Accelerator`` is freed like a plain one, and so is its manager, which then
+    finishes its in-flight save and releases the checkpoint folder (see ``docs/accelerate.md``,
+    "Lifecycle").
+
     Attributes:
-        accelerator: the ``Accelerator``.
+        accelerator: the ``Accelerator`` (a ``ConfigError`` once it was freed).
         settings: the merged :class:`~accelerate_ckpt.CkptSettings`.
         step: the training step, recorded in each checkpoint and restored by ``load_state()`` (None:
             unknown). Automatic names follow Accelerate's save iteration, never this step.
@@ -71,7 +78,8 @@ class AccelerateCheckpointer:
     """
 
     def __init__(self, accelerator: Any, settings: CkptSettings, *, save_policy: Any = None) -> None:
-        self.accelerator, self.settings = accelerator, settings
+        self._accelerator = weakref.ref(accelerator)  # the Accelerator holds us: no reference cycle
+        self.settings = settings
         self.step: int | None = None
         self.manager: CheckpointManager | None = None
         self.last_handle: SaveHandle | None = None
@@ -99,6 +107,51 @@ class AccelerateCheckpointer:
         if self._auto and accelerator.project_dir is None:
             raise ConfigError("automatic_checkpoint_naming needs ProjectConfiguration(project_dir=...)")
         accelerator.save_state, accelerator.load_state = self.save_state, self.load_state
+        accelerator.end_training = self.end_training
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickling an attached ``Accelerator`` (``pickle.dumps(accelerator)``) pickles this object with it:
+        the settings, step and the ``Accelerator`` travel, the manager and save handles (threads, locks) do not;
+        the copy opens its own manager at first use."""
+        state = {k: v for k, v in self.__dict__.items() if k not in ("_accelerator", "manager", "last_handle",
+                                                                      "_reports")}
+        state["accelerator"] = self._accelerator()  # strong only inside the pickle; the cycle is pickle's to resolve
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        acc = state.pop("accelerator")
+        self.__dict__.update(state)
+        self._accelerator = (lambda: None) if acc is None else weakref.ref(acc)
+        self.manager, self.last_handle, self._reports = None, None, SaveReports()
+
+    @property
+    def accelerator(self) -> Any:
+        """The attached ``Accelerator``.
+
+        Raises:
+            ConfigError: the ``Accelerator`` was freed (this checkpointer holds it only weakly).
+        """
+        acc = self._accelerator()
+        if acc is None:
+            raise ConfigError("the Accelerator of this AccelerateCheckpointer was freed; attach a new one")
+        return acc
+
+    def end_training(self) -> None:
+        """Replacement of ``Accelerator.end_training``: commit the save in flight, close, then Accelerate's own.
+
+        Accelerate's ``end_training`` destroys the process groups the background save needs, so
+        the in-flight save is committed (on every process) and the manager closed first; the
+        ``Accelerator`` then gets its own methods back and its ``end_training`` runs (trackers,
+        process group) even when the save failed.
+
+        Raises:
+            CheckpointError: the in-flight (or an earlier) background save failed; it is not listed.
+        """
+        acc = self.accelerator
+        try:
+            self.close()
+        finally:
+            compat.plain_end_training(acc)
 
     def _open(self, root: Path | None = None) -> CheckpointManager:
         """The manager (collective at creation): ``project_dir/checkpoints`` with automatic naming, else ``root``."""
@@ -313,8 +366,8 @@ class AccelerateCheckpointer:
     def _log_finished(self) -> None:
         """Send committed saves' statistics (at their training step) and the lost-work health to the trackers."""
         done = self._reports.committed()
-        acc = self.accelerator
-        if self.manager is None or not (self.settings.log_stats and getattr(acc, "trackers", None)):
+        acc = self._accelerator()
+        if acc is None or self.manager is None or not (self.settings.log_stats and getattr(acc, "trackers", None)):
             return
         for handle, step in done:
             acc.log(SaveReports.metrics(handle), step=step)
@@ -350,8 +403,9 @@ class AccelerateCheckpointer:
         try:
             self.wait()
         finally:
-            for name in ("save_state", "load_state"):
-                if vars(self.accelerator).get(name) == getattr(self, name):
-                    delattr(self.accelerator, name)
+            acc = self._accelerator()
+            for name in ("save_state", "load_state", "end_training"):
+                if acc is not None and vars(acc).get(name) == getattr(self, name):
+                    delattr(acc, name)
             if self.manager is not None:
                 self.manager.close()

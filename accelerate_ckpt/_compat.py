@@ -11,8 +11,8 @@ from typing import Any
 
 from torch_ckpt import ConfigError
 
-__all__ = ["check_supported", "hooks", "is_fsdp", "loader_epoch", "plain_load_state", "prepared", "save_iteration",
-           "set_loader_epoch", "set_loader_state", "set_save_iteration"]
+__all__ = ["check_supported", "hooks", "is_fsdp", "loader_epoch", "plain_end_training", "plain_load_state", "prepared",
+           "save_iteration", "set_loader_epoch", "set_loader_state", "set_save_iteration"]
 
 # Accelerator._models/_optimizers/_schedulers/_dataloaders/_custom_objects: the prepared objects in
 # preparation order; _save_model_state_pre_hook/_load_model_state_pre_hook: OrderedDicts {handle id: hook}
@@ -62,6 +62,11 @@ def plain_load_state(acc: Any, folder: str, load_kwargs: Any, kwargs: dict) -> N
     """Accelerate's own ``load_state`` (the class method); ``load_kwargs`` exists since 1.1 (1.0.1 lacks it)."""
     extra = {} if load_kwargs is None else {"load_kwargs": load_kwargs}
     type(acc).load_state(acc, folder, **extra, **kwargs)
+
+
+def plain_end_training(acc: Any) -> None:
+    """Accelerate's own ``end_training`` (the class method): finishes the trackers, destroys the process group."""
+    type(acc).end_training(acc)
 
 
 def loader_epoch(loader: Any) -> int | None:

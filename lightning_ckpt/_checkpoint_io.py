@@ -187,7 +187,7 @@ class AsyncDCPCheckpointIO(CheckpointIO):
         named = path.parent == manager.root and manager.naming.step_of(path.name) == step
         self.last_handle = manager.save(step, state, path=None if named else path)
         if self.wait_outside_fit and self._after_fit:
-            self.wait()
+            self.teardown()  # committed; the manager this save opened after the run ends with it (lifecycle)
 
     @property
     def saving(self) -> bool:

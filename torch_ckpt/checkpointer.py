@@ -6,7 +6,9 @@ thread or process (:mod:`torch_ckpt.persist`, :mod:`torch_ckpt.writer_process`) 
 commit, keeps at most one save in flight, and raises background errors on the caller's thread
 exactly once. It knows nothing about steps, naming or retention. A save's part up to the submit
 (capture, staging, the ranks' agreement) is in :mod:`torch_ckpt.checkpointer_prepare`; this module
-submits it, runs it in the writer, surfaces its outcome, loads, and owns the engine's lifecycle.
+submits it, runs it in the writer, surfaces its outcome, loads, and owns the engine's lifecycle:
+each background save runs in a writer thread of its own that ends with it (no idle thread), and
+interpreter exit waits for a save still in flight (:mod:`torch_ckpt.lifecycle`).
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +29,7 @@ from torch_ckpt.dist import DistContext
 from torch_ckpt.errors import CheckpointError, ConfigError
 from torch_ckpt.handle import SaveHandle, SaveStats
 from torch_ckpt.layout import read_manifest
+from torch_ckpt.lifecycle import finish_at_exit
 from torch_ckpt.persist import PersistRequest, persist_checkpoint
 from torch_ckpt.restore import RANK_LOCAL_POLICIES, load_into
 from torch_ckpt.staging import HostStager
@@ -129,7 +133,7 @@ class AsyncCheckpointer(CheckpointerPrepareMixin):
         self._process_writer: ProcessWriter | None = None
         self._hooked: dict[int, Any] = {}
         self._staged_future: Future | None = None
-        self._executor: ThreadPoolExecutor | None = None
+        self._writer: threading.Thread | None = None  # the thread of the save in flight; it ends with the save
         self._inflight: SaveHandle | None = None
         self._job: Future | None = None  # the writer's last job, done once its cleanup (deletions) is too
         self._pending_error: BaseException | None = None
@@ -142,6 +146,7 @@ class AsyncCheckpointer(CheckpointerPrepareMixin):
         self.node_layout: Any = None
         if persist == "process" and self.async_save:
             self._process_writer = ProcessWriter(self._ctx, timeout_seconds=timeout_seconds, niceness=writer_niceness)
+        finish_at_exit(self, 0)
 
     @property
     def in_flight(self) -> SaveHandle | None:
@@ -269,25 +274,51 @@ class AsyncCheckpointer(CheckpointerPrepareMixin):
         job, handle, background = prepared
         stats = handle.stats
         if background:
-            if self._executor is None:
-                self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torch_ckpt_writer",
-                                                    initializer=_lower_thread_priority,
-                                                    initargs=(self.writer_niceness,))
             if job.progress is not None:
                 # pipelined staging: the writer starts now and writes each tensor as soon as it is copied
-                self._job = self._executor.submit(self._run_job, job, handle)
+                self._job = self._start_writer(job, handle)
                 self._copy_pipelined(job, handle)
                 stats.blocking_s = time.monotonic() - t0
                 job.progress.finish()
                 handle.staged.set_result(None)
                 return handle
-            stats.blocking_s = time.monotonic() - t0  # the submit below is the only remaining work
-            self._job = self._executor.submit(self._run_job, job, handle)
+            stats.blocking_s = time.monotonic() - t0  # the start below is the only remaining work
+            self._job = self._start_writer(job, handle)
         else:
             self._run_job(job, handle)
             stats.blocking_s = time.monotonic() - t0
             self._raise_pending()
         return handle
+
+    def _start_writer(self, job: SaveJob, handle: SaveHandle) -> Future:
+        """Run the job in a new writer thread, which ends with it; the future is done once its cleanup is.
+
+        One thread per save (at most one in flight): no idle writer outlives a save, and what the job
+        references (the manager's commit callback) is released with the thread.
+        """
+        done: Future = Future()
+        niceness = self.writer_niceness
+
+        def run() -> None:
+            _lower_thread_priority(niceness)
+            try:
+                self._run_job(job, handle)
+                done.set_result(None)
+            except BaseException as exc:  # noqa: BLE001 - _run_job reports its own errors; this only ends the wait
+                done.set_exception(exc)
+
+        thread = threading.Thread(target=run, name="torch_ckpt_writer", daemon=True)  # exit: lifecycle waits
+        self._writer = thread
+        thread.start()
+        return done
+
+    def _join_writer(self, timeout: float | None = None) -> None:
+        """Wait until the writer thread of the last save has ended (not from that thread itself)."""
+        thread = self._writer
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+            if not thread.is_alive() and self._writer is thread:
+                self._writer = None
 
     def _run_job(self, job: SaveJob, handle: SaveHandle) -> None:
         try:
@@ -387,7 +418,57 @@ class AsyncCheckpointer(CheckpointerPrepareMixin):
         if job is not None:
             job.result()  # _run_job reports its own errors; this only waits for the deletions
             self._job = None
+        self._join_writer()
         self._raise_pending()
+
+    def drain(self) -> None:
+        """Wait for the save in flight, its cleanup and its writer thread to end; raise nothing.
+
+        Its error, if any, stays pending for the next call of this checkpointer's owner (or is logged
+        if the owner is closed by its finalizer). Used before another owner in this process takes
+        over the same root; safe from any thread.
+        """
+        handle, job = self._inflight, self._job
+        for future in (None if handle is None else handle.committed, job):
+            if future is not None:
+                try:
+                    future.result()
+                except BaseException:  # noqa: BLE001 - recorded as the pending error by _run_job
+                    pass
+        self._join_writer()
+
+    def _finish_at_exit(self) -> None:
+        """Interpreter exit (:mod:`torch_ckpt.lifecycle`): commit the save in flight, within a bound; stop the
+        writer process."""
+        handle = self.in_flight
+        if handle is not None:
+            log.warning("[rank %d] waiting for the checkpoint of step %d to commit before the interpreter exits "
+                        "(at most %.0f s)", self._ctx.rank, handle.step, self._ctx.timeout_seconds)
+            try:
+                handle.committed.result(timeout=self._ctx.timeout_seconds)
+            except FutureTimeout:
+                log.error("[rank %d] the checkpoint of step %d did not commit within %.0f s of the interpreter's "
+                          "exit; it is not listed (the previous checkpoint stays the latest)", self._ctx.rank,
+                          handle.step, self._ctx.timeout_seconds)
+            except BaseException:  # noqa: BLE001 - logged by _run_job as the save's failure
+                log.error("[rank %d] the checkpoint of step %d failed at the interpreter's exit and is not listed "
+                          "(the previous checkpoint stays the latest); see the error above", self._ctx.rank,
+                          handle.step)
+        job = self._job
+        if job is not None and handle is not None and handle.committed.done():
+            try:
+                job.result(timeout=60.0)  # the deletions retention asked for
+            except BaseException:  # noqa: BLE001 - logged by the writer
+                pass
+        self._join_writer(timeout=5.0)
+        with self._lock:
+            err, self._pending_error = self._pending_error, None
+        if err is not None and (handle is None or handle.committed.exception() is not err):
+            log.error("[rank %d] a background checkpoint error was never raised to the training code before the "
+                      "interpreter's exit: %s: %s", self._ctx.rank, type(err).__name__, err)
+        if self._process_writer is not None:  # else multiprocessing's exit handler waits for it forever
+            self._process_writer.close()
+            self._process_writer = None
 
     def close(self) -> None:
         """Wait for the in-flight save, release buffers, hooks, writer and groups; raise a pending error once."""
@@ -397,8 +478,13 @@ class AsyncCheckpointer(CheckpointerPrepareMixin):
             self._wait_inflight()
         finally:
             self._closed = True
-            if self._executor is not None:
-                self._executor.shutdown(wait=True)
+            job = self._job
+            if job is not None and self._writer is not threading.current_thread():
+                try:
+                    job.result()  # the deletions of the last save
+                except BaseException:  # noqa: BLE001 - _run_job reported it
+                    pass
+            self._join_writer()
             if self._process_writer is not None:
                 self._process_writer.close()
             for hook in self._hooked.values():

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -166,7 +167,7 @@ class CheckpointManager(ManagerPrepareMixin, ManagerCommitMixin, ManagerReadMixi
             self._ckpt.close()
             raise
         self._ckpt.node_layout = self._nodes
-        self._lock = RootLock(self.root)
+        self._lock = RootLock(self.root, drain=self._ckpt.drain)
         self._replicator: Replicator | None = None
         self._replicate_every = cfg.replicate_every_n_saves
         self._durable_flush_timeout = cfg.durable_flush_timeout_seconds
@@ -205,6 +206,10 @@ class CheckpointManager(ManagerPrepareMixin, ManagerCommitMixin, ManagerReadMixi
             self._ckpt.close()
             raise error or CheckpointError(f"rank 0 could not prepare {self.root}: {status}" if self._nodes is None
                                            else f"a node could not prepare its checkpoint root: {status}")
+        # a manager nobody references any more (never closed) releases its root and threads like close()
+        self._finalizer = weakref.finalize(self, _close_unreachable, str(self.root), self._ckpt, self._replicator,
+                                           self._preemption, self._lock, self._durable_flush_timeout)
+        self._finalizer.atexit = False  # exit: torch_ckpt.lifecycle finishes in-flight work; the kernel drops the lock
 
     @property
     def _acts_on_root(self) -> bool:
@@ -388,6 +393,7 @@ class CheckpointManager(ManagerPrepareMixin, ManagerCommitMixin, ManagerReadMixi
     def close(self) -> None:
         """Wait for the in-flight save (and, up to ``durable_flush_timeout_seconds``, its replication),
         release everything; raise any pending error once."""
+        self._finalizer.detach()
         try:
             self._ckpt.close()
         finally:
@@ -395,3 +401,25 @@ class CheckpointManager(ManagerPrepareMixin, ManagerCommitMixin, ManagerReadMixi
                 self._replicator.close(self._durable_flush_timeout)
             self._preemption.restore()
             self._lock.release()
+
+
+def _close_unreachable(root: str, ckpt: AsyncCheckpointer, replicator: Replicator | None, preemption: PreemptionFlag,
+                       lock: RootLock, flush_timeout: float) -> None:
+    """Finalizer of a manager that was never closed: close what it owned; log (there is no caller) any error.
+
+    Runs when the manager is garbage collected: after its in-flight save (whose writer thread
+    references it), or when a new manager of this process on the same root collects garbage. Not at
+    interpreter exit, where :mod:`torch_ckpt.lifecycle` finishes the in-flight work.
+    """
+    log.info("a CheckpointManager of %s was garbage collected without close(): closing it", root)
+    try:
+        ckpt.close()
+    except BaseException as exc:  # noqa: BLE001 - nobody to raise it to
+        log.error("checkpoint error of the unclosed CheckpointManager of %s: %s: %s", root, type(exc).__name__, exc)
+    finally:
+        try:
+            if replicator is not None:
+                replicator.close(flush_timeout)
+        finally:
+            preemption.restore()
+            lock.release()

@@ -31,21 +31,24 @@ class ManagerCommitMixin:
     """Commit callbacks, durable replication and retention of :class:`~torch_ckpt.CheckpointManager`."""
 
     def _make_replicator(self, retention: RetentionPolicy | None) -> Replicator:
+        # nothing here references the manager: its replicator thread must not keep an unclosed manager alive
         every = self.config.durable_keep_every_n_steps
         history = None if every is None else (lambda step: step % every == 0)  # never coalesced away
+        tier, wait_seconds = self._tier, self._durable_flush_timeout
+        record = _durable_recorder(tier.url)
         if self._nodes is None:
-            return Replicator(self._tier, retention=retention, on_durable=self._record_durable, never_skip=history)
+            return Replicator(tier, retention=retention, on_durable=record, never_skip=history,
+                              exit_flush_seconds=wait_seconds)
         commit = self._nodes.node == 0
 
         def upload(local_dir: Path, manifest: Any, abandon: Callable[[], bool]) -> None:
-            self._tier.upload_node(local_dir, manifest, commit=commit, abandon=abandon,
-                                   wait_seconds=self._durable_flush_timeout)
+            tier.upload_node(local_dir, manifest, commit=commit, abandon=abandon, wait_seconds=wait_seconds)
 
         # every node uploads its own shards; node 0 commits and runs durable retention and cleanup
-        return Replicator(self._tier, retention=retention if commit else None, upload=upload,
-                          on_durable=self._record_durable if commit else None,
+        return Replicator(tier, retention=retention if commit else None, upload=upload,
+                          on_durable=record if commit else None,
                           abandoned_after_seconds=24 * 3600.0 if commit else None, never_skip=history,
-                          arranges=commit, commits=commit)
+                          arranges=commit, commits=commit, exit_flush_seconds=wait_seconds)
 
     def add_commit_callback(self, callback: Callable[[int, Path], None]) -> None:
         """Call ``callback(step, directory)`` after each commit, on rank 0 only.
@@ -100,12 +103,6 @@ class ManagerCommitMixin:
             log.warning("replication and retention of the checkpoints found at start failed: %s: %s",
                         type(exc).__name__, exc)
 
-    def _record_durable(self, step: int, local_dir: Path) -> None:
-        try:
-            update_manifest_tiers(local_dir, {"durable": {"url": self._tier.url, "committed_at": time.time()}})
-        except OSError as exc:  # the local copy may have been pruned meanwhile
-            log.debug("could not record the durable copy of step %d in %s: %s", step, local_dir, exc)
-
     def _apply_retention(self) -> list[Path]:
         """Hide the checkpoints the retention policy retires (renamed to their trash names).
 
@@ -126,3 +123,15 @@ class ManagerCommitMixin:
             except OSError as exc:
                 log.warning("retention could not remove %s: %s", committed[step], exc)
         return retired
+
+
+def _durable_recorder(url: str) -> Callable[[int, Path], None]:
+    """The replicator's ``on_durable``: record the durable copy of a step in its local manifest."""
+
+    def record(step: int, local_dir: Path) -> None:
+        try:
+            update_manifest_tiers(local_dir, {"durable": {"url": url, "committed_at": time.time()}})
+        except OSError as exc:  # the local copy may have been pruned meanwhile
+            log.debug("could not record the durable copy of step %d in %s: %s", step, local_dir, exc)
+
+    return record

@@ -1,6 +1,8 @@
 """Background replication of committed local checkpoints to the durable tier.
 
-One thread on the coordinating rank (on each node's leader with node-local roots). The queue holds
+One thread on the coordinating rank (on each node's leader with node-local roots), started when a
+checkpoint is queued and ended when nothing is left to upload; at interpreter exit the queued
+uploads get up to ``exit_flush_seconds`` (:mod:`torch_ckpt.lifecycle`). The queue holds
 at most one pending step: a newer commit replaces an older one that has not started uploading
 (coalescing), so an outage never builds an unbounded backlog and the newest checkpoint becomes
 durable first. The one exception is a step the durable retention keeps as history (a multiple of
@@ -26,6 +28,7 @@ from typing import Any
 from torch_ckpt._logging import get_logger
 from torch_ckpt.errors import CheckpointCorruptError
 from torch_ckpt.layout import read_manifest
+from torch_ckpt.lifecycle import finish_at_exit
 from torch_ckpt.lineage import head_of
 from torch_ckpt.manifest import Manifest
 from torch_ckpt.retention import RetentionPolicy, apply_retention
@@ -65,6 +68,8 @@ class Replicator:
         commits: whether a successful ``upload`` commits the step in the durable tier (False on
             the nodes of a node-local root that upload only their part); a committed step joins
             the known listing at once.
+        exit_flush_seconds: how long the interpreter's exit waits for queued uploads (seconds; the
+            manager passes ``durable_flush_timeout_seconds``).
     """
 
     def __init__(self, tier: DurableTier, *, retention: RetentionPolicy | None = None,
@@ -73,7 +78,7 @@ class Replicator:
                  abandoned_after_seconds: float | None = 24 * 3600.0,
                  upload: Callable[[Path, Any, Callable[[], bool]], None] | None = None,
                  never_skip: Callable[[int], bool] | None = None, arranges: bool = True,
-                 commits: bool = True) -> None:
+                 commits: bool = True, exit_flush_seconds: float = 0.0) -> None:
         self.tier = tier
         self._upload = upload if upload is not None else (lambda local_dir, manifest, abandon:
                                                           tier.upload(local_dir, manifest))
@@ -101,8 +106,9 @@ class Replicator:
         self._known: dict[int, Manifest] | None = None  # the last listing of the tier (None: none succeeded)
         self._listed_at: float | None = None  # monotonic time of the last listing asked for
         self._list_requested = False  # health() asks for listings (durable_listing)
-        self._thread = threading.Thread(target=self._loop, name="torch_ckpt_replicator", daemon=True)
-        self._thread.start()
+        self._exit_flush_s = float(exit_flush_seconds)
+        self._thread: threading.Thread | None = None  # started on demand, ends when nothing is queued
+        finish_at_exit(self, 1)
 
     def submit(self, step: int, local_dir: Path) -> None:
         """Queue a committed local checkpoint (replaces a queued older one unless :meth:`keeps` it)."""
@@ -111,7 +117,14 @@ class Replicator:
                 self._set_aside(*self._pending, superseded_by=step)
             if self._pending is None or self._pending[0] < step:
                 self._pending = (step, local_dir)
+            self._ensure_thread()
             self._cond.notify_all()
+
+    def _ensure_thread(self) -> None:
+        """Start this replicator's thread if none runs (called with ``_cond`` held)."""
+        if self._thread is None and not self._stop:
+            self._thread = threading.Thread(target=self._loop, name="torch_ckpt_replicator", daemon=True)
+            self._thread.start()
 
     def keeps(self, step: int) -> bool:
         """True for a step never coalesced away (``never_skip``)."""
@@ -170,6 +183,7 @@ class Replicator:
             if refresh and not self._list_requested and (
                     self._listed_at is None or time.monotonic() - self._listed_at >= RELIST_SECONDS):
                 self._list_requested = True
+                self._ensure_thread()
                 self._cond.notify_all()
             return None if self._known is None else dict(self._known)
 
@@ -206,15 +220,35 @@ class Replicator:
         with self._cond:
             self._stop = True
             self._cond.notify_all()
-        self._thread.join(timeout=5)
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=5)
+
+    def _finish_at_exit(self) -> None:
+        """Interpreter exit (:mod:`torch_ckpt.lifecycle`): finish the queued uploads within ``exit_flush_seconds``."""
+        with self._cond:
+            if self._stop or self._thread is None:
+                return
+            queued = sorted({s for s in (self._active, self._pending[0] if self._pending else None) if s is not None}
+                            | set(self._history))
+        log.warning("waiting up to %.0f s for the upload of step(s) %s to %s before the interpreter exits",
+                    self._exit_flush_s, queued, self.tier.url)
+        if not self.wait(self._exit_flush_s):
+            log.error("the durable copy of step(s) %s on %s was not finished at the interpreter's exit (%s); the "
+                      "local checkpoints are complete, the next run's saves are uploaded as usual", queued,
+                      self.tier.url, self.stats())
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
 
     def _loop(self) -> None:
         delay = self._backoff0
         while True:
             with self._cond:
-                while self._pending is None and not self._history and not self._stop and not self._list_requested:
-                    self._cond.wait()
-                if self._stop:  # close() gave up waiting: leave the rest for the next run
+                if self._stop or (self._pending is None and not self._history and not self._list_requested):
+                    # idle (submit() or a listing request starts a new thread), or close() gave up waiting
+                    self._thread = None
+                    self._cond.notify_all()
                     return
                 listing = self._pending is None and not self._history
                 if listing:  # only a listing was asked for
