@@ -84,6 +84,7 @@ def attach(io: Any, trainer: Any) -> None:
 
     def load_checkpoint(checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         path = Path(strategy.broadcast(checkpoint_path))
+        io.wait_for_path(path)
         if not path.is_dir():  # a committed checkpoint is a directory
             return original_load(checkpoint_path, weights_only=weights_only)
         fitting = trainer.state.fn == TrainerFn.FITTING

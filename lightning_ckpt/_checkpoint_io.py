@@ -118,6 +118,7 @@ class AsyncDCPCheckpointIO(CheckpointIO):
         self.rng_restored_by_callback = False
         self.fallbacks: dict[str, list[Path]] = {}  # "last" -> newest-first candidates (MTBFCheckpoint)
         self.last_handle: SaveHandle | None = None
+        self._saving_path: str | None = None  # where last_handle writes
 
     def __getstate__(self) -> dict[str, Any]:  # ddp_spawn pickles the plugin: runtime state stays behind
         return {k: v for k, v in self.__dict__.items() if k in _PICKLED_FIELDS}
@@ -186,6 +187,7 @@ class AsyncDCPCheckpointIO(CheckpointIO):
         step = int(checkpoint.get("global_step", 0))
         named = path.parent == manager.root and manager.naming.step_of(path.name) == step
         self.last_handle = manager.save(step, state, path=None if named else path)
+        self._saving_path = str(path)
         if self.wait_outside_fit and self._after_fit:
             self.wait()
 
@@ -234,6 +236,16 @@ class AsyncDCPCheckpointIO(CheckpointIO):
         if self._pending and not self.saving:
             self._run_pending()
 
+    def wait_for_path(self, path: Any) -> None:
+        """Block until the in-flight save is committed if it writes ``path`` (``Tuner.lr_find`` restores the
+        checkpoint it has just saved; the synchronous IO's file exists once the save returned).
+
+        Raises:
+            CheckpointError: that save failed (raised once).
+        """
+        if self.saving and self._saving_path == os.path.abspath(os.fspath(path)):
+            self.wait()
+
     def wait_staged(self) -> None:
         """Block until the in-flight save no longer reads the live tensors."""
         if self._manager is not None:
@@ -276,6 +288,7 @@ class AsyncDCPCheckpointIO(CheckpointIO):
             StateMismatchError: the checkpoint does not match ``live``; nothing was loaded.
             UnsafeCheckpointError: pickled values and ``weights_only`` is not False.
         """
+        self.wait_for_path(path)
         if not Path(path).is_dir():
             return TorchCheckpointIO().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
         # absolute: an attached manager reads a relative path relative to its root, not the working directory
