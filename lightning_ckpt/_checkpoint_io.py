@@ -72,8 +72,9 @@ class AsyncDCPCheckpointIO(CheckpointIO):
         thread_count: DCP writer threads per rank.
         timeout_seconds: Limit for checkpoint collectives between ranks, in seconds.
         verify_on_load: Check the CRC-32 of every file before loading (sizes are always checked).
-        unsafe_values: Values only pickling could store: ``"error"`` (default) raises naming the key;
-            ``"pickle"`` stores them pickled (loading them then needs ``weights_only=False``).
+        unsafe_values: Values without a typed, pickle-free encoding (``docs/lightning.md``): ``"pickle"``
+            (default, as Lightning stores them) stores them pickled, and loading them then needs
+            ``weights_only=False``; ``"error"`` refuses them with a ``ConfigError`` naming the key.
         allow_cast: Accept dtype differences between the checkpoint and the live model when loading into an
             attached trainer (each cast key is logged once).
         wait_outside_fit: A save outside a running ``fit`` returns only once the checkpoint is committed.
@@ -93,7 +94,7 @@ class AsyncDCPCheckpointIO(CheckpointIO):
         thread_count: int = 2,
         timeout_seconds: float = 600.0,
         verify_on_load: bool = True,
-        unsafe_values: Literal["error", "pickle"] = "error",
+        unsafe_values: Literal["pickle", "error"] = "pickle",
         allow_cast: bool = False,
         wait_outside_fit: bool = True,
     ) -> None:
