@@ -3,10 +3,12 @@
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import sys
 import uuid
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
@@ -32,6 +34,7 @@ from torch_ckpt import (
 __all__ = ["AsyncDCPCheckpointIO"]
 
 log = logging.getLogger(__name__)
+_LIVE: weakref.WeakSet = weakref.WeakSet()  # plugins of this process, finished at interpreter exit
 _PICKLED_FIELDS = ("_config", "verify_on_load", "unsafe_values", "allow_cast", "wait_outside_fit")
 
 
@@ -112,10 +115,12 @@ class AsyncDCPCheckpointIO(CheckpointIO):
         self._reset_runtime()
 
     def _reset_runtime(self) -> None:
+        _LIVE.add(self)
         self._manager: CheckpointManager | None = None
         self._pending: list[tuple[int, str, Callable[[], None]]] = []  # (order, what, action) after the commit
         self._param_ptrs: Callable[[], set[int]] | None = None
         self._collective = self._in_fit = self._after_fit = self._warned_fallback = self._warned_rng = False
+        self._warned_loggers = False
         self.rng_restored_by_callback = False
         self.fallbacks: dict[str, list[Path]] = {}  # "last" -> newest-first candidates (MTBFCheckpoint)
         self.last_handle: SaveHandle | None = None
@@ -191,6 +196,15 @@ class AsyncDCPCheckpointIO(CheckpointIO):
         self._saving_path = str(path)
         if self.wait_outside_fit and self._after_fit:
             self.wait()
+
+    def warn_uploading_loggers(self, names: list[str]) -> None:
+        """Warn once that loggers ``names`` upload no checkpoint of ours (``log_model`` picks files only)."""
+        if not self._warned_loggers:
+            self._warned_loggers = True
+            rank_zero_warn(f"{', '.join(names)} with log_model uploads checkpoint files only (it keeps paths for which "
+                           "Path.is_file()), and AsyncDCPCheckpointIO writes directories: no checkpoint is uploaded. "
+                           "Pass log_model=False and upload the checkpoint directories yourself, or use a durable tier "
+                           "(see docs/lightning.md, 'Loggers that upload checkpoints').")
 
     @property
     def saving(self) -> bool:
@@ -330,6 +344,19 @@ class AsyncDCPCheckpointIO(CheckpointIO):
             if propagating is None:
                 raise
             log.exception("checkpoint error during teardown while %r propagates", propagating)
+
+
+@atexit.register
+def _finish_at_exit() -> None:
+    """A process leaving without ``teardown`` (a ``ddp_spawn`` worker whose ``fit`` raised: Lightning tears down
+    only in the main process) commits its in-flight save and carries out the removals and links waiting for it,
+    as the synchronous IO had done by then; errors are logged."""
+    for io in list(_LIVE):
+        if io._manager is not None and (io._pending or io.saving):
+            try:
+                io.wait()
+            except Exception:  # noqa: BLE001 - at exit: report, never mask the exit status
+                log.exception("checkpoint error while finishing the in-flight save at interpreter exit")
 
 
 def _ptr(tensor: torch.Tensor) -> int:

@@ -7,6 +7,7 @@ pins the ranges). The ``install_*`` hooks wrap a Lightning function once per pro
 from __future__ import annotations
 
 import errno
+import functools
 import os
 import signal
 from collections.abc import Callable
@@ -14,8 +15,8 @@ from typing import Any
 
 __all__ = [
     "dump_checkpoint", "finish_loader_states", "fit_loop_state", "install_fresh_fit_hook", "install_link_hook",
-    "install_load_hook", "is_final_batch", "is_last_batch", "isolate_validation_rng", "set_original_sigterm_handler",
-    "sharded_flags", "signal_connector", "start_next_epoch",
+    "install_load_hook", "install_save_hook", "is_final_batch", "is_last_batch", "isolate_validation_rng",
+    "set_original_sigterm_handler", "sharded_flags", "signal_connector", "start_next_epoch", "uploading_loggers",
 ]
 
 _MARK = "_lightning_ckpt_wrapped"
@@ -54,21 +55,26 @@ def is_final_batch(trainer: Any) -> bool:
 def isolate_validation_rng(trainer: Any) -> None:
     """Run validation during ``fit`` inside ``isolate_rng()`` (Lightning does so for the sanity check only):
     a resumed run skips the validation after the saved step. Wraps ``fit_loop.epoch_loop.val_loop.run``."""
-    from lightning.pytorch.utilities.seed import isolate_rng
 
     val_loop = trainer.fit_loop.epoch_loop.val_loop
     run = val_loop.run
     if getattr(run, _MARK, False):
         return
 
-    def isolated_run(*args: Any, **kwargs: Any) -> Any:
-        if trainer.sanity_checking:  # already isolated by Lightning
-            return run(*args, **kwargs)
-        with isolate_rng():
-            return run(*args, **kwargs)
-
+    # the loop, not a closure or its bound or decorated `run` (neither pickles): the trainer still pickles
+    isolated_run = functools.partial(_isolated_run, trainer, val_loop)
     setattr(isolated_run, _MARK, True)
     val_loop.run = isolated_run
+
+
+def _isolated_run(trainer: Any, loop: Any, *args: Any, **kwargs: Any) -> Any:
+    from lightning.pytorch.utilities.seed import isolate_rng
+
+    run = type(loop).run  # the class's run: the instance attribute is this wrapper
+    if trainer.sanity_checking:  # already isolated by Lightning
+        return run(loop, *args, **kwargs)
+    with isolate_rng():
+        return run(loop, *args, **kwargs)
 
 
 def dump_checkpoint(trainer: Any) -> dict[str, Any]:
@@ -221,3 +227,39 @@ def install_fresh_fit_hook(is_ours: Callable[[Any], bool]) -> None:
 
     setattr(parse, _MARK, True)
     _CheckpointConnector._parse_ckpt_path = parse
+
+
+def uploading_loggers(trainer: Any) -> list[str]:
+    """Names of the trainer's loggers that upload checkpoint files (``WandbLogger``/``MLflowLogger``/
+    ``LitLogger`` ``log_model``: their ``_scan_checkpoints`` keeps only paths for which ``Path.is_file()``)."""
+    return [type(logger).__name__ for logger in trainer.loggers if getattr(logger, "_log_model", False)]
+
+
+def install_save_hook(is_ours: Callable[[Any], bool], warn: Callable[[Any, list[str]], None]) -> None:
+    """``Trainer.save_checkpoint`` with our checkpoint IO (``is_ours``) outside a running ``fit``/``validate``...
+    (``trainer.state.status`` not ``RUNNING``: before ``fit``, after it, in the main process of ``ddp_spawn``)
+    returns once the checkpoint is committed, when the IO's ``wait_outside_fit`` is set; during a run it
+    returns once staged. With loggers that upload checkpoint files (:func:`uploading_loggers`), ``warn(io,
+    names)`` is called at each save (the IO warns once). Every other IO keeps Lightning's behaviour.
+    """
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.trainer.states import TrainerStatus
+
+    original = Trainer.save_checkpoint
+    if getattr(original, _MARK, False):
+        return
+
+    def save_checkpoint(self: Any, filepath: Any, weights_only: bool | None = None,
+                        storage_options: Any | None = None) -> None:
+        io = self.strategy.checkpoint_io
+        if not is_ours(io):
+            return original(self, filepath, weights_only=weights_only, storage_options=storage_options)
+        if names := uploading_loggers(self):
+            warn(io, names)
+        original(self, filepath, weights_only=weights_only, storage_options=storage_options)
+        if self.state.status != TrainerStatus.RUNNING and io.wait_outside_fit:
+            io.wait()
+        return None
+
+    setattr(save_checkpoint, _MARK, True)
+    Trainer.save_checkpoint = save_checkpoint
