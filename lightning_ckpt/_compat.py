@@ -14,9 +14,10 @@ from collections.abc import Callable
 from typing import Any
 
 __all__ = [
-    "dump_checkpoint", "finish_loader_states", "fit_loop_state", "install_fresh_fit_hook", "install_link_hook",
-    "install_load_hook", "install_save_hook", "is_final_batch", "is_last_batch", "isolate_validation_rng",
-    "set_original_sigterm_handler", "sharded_flags", "signal_connector", "start_next_epoch", "uploading_loggers",
+    "dump_checkpoint", "finish_loader_states", "fit_loop_state", "install_cli_hook", "install_fresh_fit_hook",
+    "install_link_hook", "install_load_hook", "install_save_hook", "is_final_batch", "is_last_batch",
+    "isolate_validation_rng", "set_original_sigterm_handler", "sharded_flags", "signal_connector",
+    "start_next_epoch", "uploading_loggers",
 ]
 
 _MARK = "_lightning_ckpt_wrapped"
@@ -263,3 +264,46 @@ def install_save_hook(is_ours: Callable[[Any], bool], warn: Callable[[Any, list[
 
     setattr(save_checkpoint, _MARK, True)
     Trainer.save_checkpoint = save_checkpoint
+
+
+def install_cli_hook(load_dir: Callable[[str, Any, bool | None], dict[str, Any]]) -> None:
+    """``LightningCLI --ckpt_path DIR`` takes the hyper-parameters of a torch-ckpt directory.
+
+    ``LightningCLI._parse_ckpt_path`` reads them only from a file (``Path.is_file()``, then
+    ``torch.load(weights_only=True)``); for a directory it silently built the model from defaults. For a
+    local directory holding ``manifest.json`` the wrapper reads the checkpoint with ``load_dir`` (nothing
+    unpickled), writes its ``hyper_parameters`` alone to a temporary ``torch.save`` file and runs Lightning's
+    method on that file, so Lightning's own parsing applies; ``ckpt_path`` is put back afterwards. Nothing
+    is installed without ``jsonargparse`` (no LightningCLI).
+    """
+    import importlib.util
+
+    if importlib.util.find_spec("jsonargparse") is None:
+        return
+    from lightning.pytorch.cli import LightningCLI
+
+    original = LightningCLI._parse_ckpt_path
+    if getattr(original, _MARK, False):
+        return
+
+    def parse(self: Any) -> None:
+        import tempfile
+
+        import torch
+
+        command = self.config.get("subcommand") if hasattr(self.config, "get") else None
+        path = self.config[command].get("ckpt_path") if command else None
+        if not (isinstance(path, (str, os.PathLike)) and os.path.isfile(os.path.join(path, "manifest.json"))):
+            return original(self)
+        hparams = load_dir(os.fspath(path), "cpu", True).get("hyper_parameters", {})
+        with tempfile.TemporaryDirectory(prefix="lightning_ckpt_cli_") as tmp:
+            shim = os.path.join(tmp, "hparams.ckpt")
+            torch.save({"hyper_parameters": hparams}, shim)
+            self.config[command]["ckpt_path"] = shim
+            try:
+                return original(self)
+            finally:
+                self.config[command]["ckpt_path"] = path
+
+    setattr(parse, _MARK, True)
+    LightningCLI._parse_ckpt_path = parse

@@ -12,9 +12,11 @@ import time
 
 import lightning as L
 import pytest
+import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from lightning_helpers import TinyModule
+from torch.utils.data import DataLoader, TensorDataset
 
 import torch_ckpt.checkpointer as checkpointer
 from lightning_ckpt import AsyncDCPCheckpointIO, MTBFCheckpoint
@@ -113,3 +115,40 @@ def test_save_checkpoint_in_the_main_process_after_ddp_spawn_returns_committed(t
     _slow_persist(monkeypatch)
     trainer.save_checkpoint(tmp_path / "main.ckpt")
     assert AsyncDCPCheckpointIO.is_checkpoint_dir(tmp_path / "main.ckpt")
+
+
+class SizedModule(L.LightningModule):
+    """A module whose layer's shape comes from a hyper-parameter (LightningCLI must read it from the checkpoint)."""
+
+    def __init__(self, out_dim: int = 2) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.layer = torch.nn.Linear(4, out_dim)
+
+    def training_step(self, batch, batch_idx):
+        return self.layer(batch[0]).pow(2).mean()
+
+    def predict_step(self, batch, batch_idx):
+        return self.layer(batch[0])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        return DataLoader(TensorDataset(torch.randn(8, 4)), batch_size=4)
+
+    predict_dataloader = train_dataloader
+
+
+def test_lightning_cli_ckpt_path_reads_the_hyper_parameters_of_a_directory(make_trainer, tmp_path):
+    """LightningCLI predict --ckpt_path DIR builds the model from the directory's hyper-parameters (out_dim=3)."""
+    pytest.importorskip("jsonargparse")
+    from lightning.pytorch.cli import LightningCLI
+
+    trainer = make_trainer(max_steps=1, plugins=[AsyncDCPCheckpointIO()])
+    trainer.fit(SizedModule(out_dim=3))
+    trainer.save_checkpoint(tmp_path / "m.ckpt")
+    cli = LightningCLI(SizedModule, save_config_callback=None, args=[
+        "predict", f"--ckpt_path={tmp_path / 'm.ckpt'}", "--trainer.logger=false", "--trainer.accelerator=cpu",
+        "--trainer.devices=1", "--trainer.enable_progress_bar=false", f"--trainer.default_root_dir={tmp_path}"])
+    assert cli.model.hparams.out_dim == 3 and cli.model.layer.out_features == 3
