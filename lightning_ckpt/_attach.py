@@ -10,6 +10,7 @@ that attaches at ``setup`` in every worker (``ddp_spawn``); loggers' ``after_sav
 
 from __future__ import annotations
 
+import os
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 
 from lightning_ckpt import _compat
+from lightning_ckpt._remote import is_url
 from lightning_ckpt._values import decode_values
 from torch_ckpt import ConfigError, TrainState
 
@@ -118,7 +120,10 @@ def _sharded_optimizer_state(strategy: Any, optimizer: Any) -> dict[str, Any]:
 def _load_checkpoint(io: Any, trainer: Any, original_load: Any, is_sharded: bool, checkpoint_path: Any,
                      weights_only: bool | None = None) -> dict[str, Any]:
     strategy = trainer.strategy
-    path = Path(strategy.broadcast(checkpoint_path))
+    checkpoint_path = strategy.broadcast(checkpoint_path)
+    if is_url(os.fspath(checkpoint_path)):  # fsspec URL: downloaded and read by every rank (never a Path)
+        return io.load_checkpoint(checkpoint_path, weights_only=weights_only)
+    path = Path(checkpoint_path)
     io.wait_for_path(path)
     if not path.is_dir():  # a committed checkpoint is a directory
         return original_load(checkpoint_path, weights_only=weights_only)

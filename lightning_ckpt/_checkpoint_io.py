@@ -6,6 +6,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import shutil
 import sys
 import uuid
 import weakref
@@ -20,10 +21,12 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
 from lightning_ckpt._load import load_checkpoint_dir
+from lightning_ckpt._remote import RemoteCheckpoints, check_options, is_url
 from lightning_ckpt._values import RANK_LOCAL_KEYS, UNSAFE_VALUE_MODES, encode_values
 from torch_ckpt import (
     CheckpointConfig,
     CheckpointManager,
+    CheckpointWriteError,
     ConfigError,
     SaveHandle,
     StepNaming,
@@ -124,7 +127,10 @@ class AsyncDCPCheckpointIO(CheckpointIO):
         self.rng_restored_by_callback = False
         self.fallbacks: dict[str, list[Path]] = {}  # "last" -> newest-first candidates (MTBFCheckpoint)
         self.last_handle: SaveHandle | None = None
-        self._saving_path: str | None = None  # where last_handle writes
+        self._saving_path: str | None = None  # where last_handle writes (a URL: until uploaded)
+        self._remote = RemoteCheckpoints()  # checkpoints at fsspec URLs: committed locally, then uploaded
+        self._remote_options: dict[str, Any] = {}  # URL -> the storage_options it was saved with
+        self._keep_staging = False
 
     def __getstate__(self) -> dict[str, Any]:  # ddp_spawn pickles the plugin: runtime state stays behind
         return {k: v for k, v in self.__dict__.items() if k in _PICKLED_FIELDS}
@@ -169,13 +175,23 @@ class AsyncDCPCheckpointIO(CheckpointIO):
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
         """Stage ``checkpoint`` and return; it is committed at ``path`` (a directory) in the background.
 
+        A ``path`` that is an fsspec URL (``s3://``, ``memory://``...) is committed locally first, then uploaded
+        with the core's durable tier (every file verified, ``manifest.json`` last) once the commit is observed
+        (next save, ``wait()``, ``teardown``); ``storage_options`` (a dict) goes to fsspec for it.
+
         Raises:
-            TypeError: ``storage_options`` is given.
-            ConfigError: a value needs pickling (see ``unsafe_values``), or ``path`` is not a torch-ckpt checkpoint.
-            CheckpointError: an earlier background save failed (raised once).
+            TypeError: ``storage_options`` is given for a local path (as Lightning's ``TorchCheckpointIO``).
+            ConfigError: a value needs pickling (see ``unsafe_values``), ``path`` is not a torch-ckpt checkpoint,
+                or ``storage_options`` is not a dict.
+            CheckpointError: an earlier background save or upload failed (raised once).
         """
-        if storage_options is not None:
-            raise TypeError(f"{type(self).__name__}.save_checkpoint does not support storage_options")
+        url = os.fspath(path) if isinstance(path, (str, os.PathLike)) and is_url(os.fspath(path)) else None
+        if url is None and storage_options is not None:
+            raise TypeError(f"{type(self).__name__}.save_checkpoint(..., storage_options=...) applies to fsspec URLs "
+                            f"only (s3://, memory://...), not to the local path {path}")
+        if url is not None:
+            self._remote_options[url] = check_options(storage_options)
+            path = self._remote.local_path(url)
         path = _local_path(path).absolute()
         if rank_and_world()[1] > 1 and not self._collective:  # Lightning calls us on rank 0 only
             if rank_and_world()[0] == 0:
@@ -193,7 +209,9 @@ class AsyncDCPCheckpointIO(CheckpointIO):
         step = int(checkpoint.get("global_step", 0))
         named = path.parent == manager.root and manager.naming.step_of(path.name) == step
         self.last_handle = manager.save(step, state, path=None if named else path)
-        self._saving_path = str(path)
+        self._saving_path = url or str(path)
+        if url is not None:
+            self._after_commit(-1, f"upload {url}", lambda: self._upload(path, url, storage_options))
         if self.wait_outside_fit and self._after_fit:
             self.wait()
 
@@ -224,10 +242,12 @@ class AsyncDCPCheckpointIO(CheckpointIO):
             log.warning("the last save failed: not carrying out %s, so older checkpoints stay in place",
                         [what for _, what, _ in pending])
             return
-        for _, what, action in pending:
+        for order, what, action in pending:
             try:
                 action()
             except OSError as exc:
+                if order < 0:  # an upload: the checkpoint is not at its URL; what follows (removals) is dropped
+                    raise
                 log.warning("after a commit: could not %s: %s", what, exc)
 
     def link_when_committed(self, target: str, link: str) -> None:
@@ -251,6 +271,15 @@ class AsyncDCPCheckpointIO(CheckpointIO):
         if self._pending and not self.saving:
             self._run_pending()
 
+    def _upload(self, local: Path, url: str, storage_options: Any) -> None:
+        try:
+            self._remote.upload(local, url, storage_options)
+        except Exception as exc:  # noqa: BLE001 - any backend error (botocore, aiohttp...) fails the save
+            self._keep_staging = True  # the only copy of this checkpoint: never deleted by teardown
+            raise CheckpointWriteError(getattr(exc, "errno", None), f"checkpoint {url} was committed locally at "
+                                       f"{local} but its upload failed ({type(exc).__name__}: {exc}); older "
+                                       "checkpoints are kept") from exc
+
     def wait_for_path(self, path: Any) -> None:
         """Block until the in-flight save is committed if it writes ``path`` (``Tuner.lr_find`` restores the
         checkpoint it has just saved; the synchronous IO's file exists once the save returned).
@@ -258,7 +287,8 @@ class AsyncDCPCheckpointIO(CheckpointIO):
         Raises:
             CheckpointError: that save failed (raised once).
         """
-        if self.saving and self._saving_path == os.path.abspath(os.fspath(path)):
+        text = os.fspath(path)
+        if (self.saving or self._pending) and self._saving_path == (text if is_url(text) else os.path.abspath(text)):
             self.wait()
 
     def wait_staged(self) -> None:
@@ -276,7 +306,14 @@ class AsyncDCPCheckpointIO(CheckpointIO):
 
     @override
     def remove_checkpoint(self, path: Any) -> None:
-        """Delete the checkpoint at ``path`` (directory, file or link) once the in-flight save is committed."""
+        """Delete the checkpoint at ``path`` (directory, file or link; at a URL: manifest first) once the in-flight
+        save is committed."""
+        text = os.fspath(path)
+        if is_url(text):
+            if rank_and_world()[0] == 0:
+                options = self._remote_options.get(text)
+                self._after_commit(1, f"remove {text}", lambda: self._remote.remove(text, options))
+            return
         target = _local_path(path).absolute()
         if rank_and_world()[0] == 0 and (target.is_symlink() or target.is_file()):
             self._after_commit(1, f"remove {target}", lambda: target.unlink(missing_ok=True))
@@ -304,7 +341,15 @@ class AsyncDCPCheckpointIO(CheckpointIO):
             UnsafeCheckpointError: pickled values and ``weights_only`` is not False.
         """
         self.wait_for_path(path)
-        if not Path(path).is_dir():
+        text = os.fspath(path) if isinstance(path, (str, os.PathLike)) else ""
+        if is_url(text) and self._remote.is_checkpoint(text, self._remote_options.get(text)):
+            local = self._remote.download(text, self._remote_options.get(text))
+            try:
+                return load_checkpoint_dir([local], manager=None, verify=self.verify_on_load,
+                                           allow_pickle=weights_only is False, map_location=map_location)
+            finally:
+                shutil.rmtree(local.parent, ignore_errors=True)
+        if is_url(text) or not Path(path).is_dir():
             return TorchCheckpointIO().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
         # absolute: an attached manager reads a relative path relative to its root, not the working directory
         candidates = self.fallbacks.pop(str(Path(path).absolute()), [Path(path).absolute()])
@@ -339,6 +384,8 @@ class AsyncDCPCheckpointIO(CheckpointIO):
                 self._manager = None
                 if manager is not None:
                     manager.close()
+                if not self._keep_staging:  # after a failed upload the local copy stays (named in the error)
+                    self._remote.close()
         except Exception:
             self._pending = []
             if propagating is None:
@@ -364,7 +411,4 @@ def _ptr(tensor: torch.Tensor) -> int:
 
 
 def _local_path(path: Any) -> Path:
-    text = os.fspath(path)
-    if "://" in text and not text.startswith("file://"):
-        raise ConfigError(f"AsyncDCPCheckpointIO writes to local paths only, got {text!r}")
-    return Path(text.removeprefix("file://"))
+    return Path(os.fspath(path).removeprefix("file://"))
