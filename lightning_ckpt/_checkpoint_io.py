@@ -62,9 +62,11 @@ class _LightningState:
 
 
 class AsyncDCPCheckpointIO(CheckpointIO):
-    """Asynchronous, atomic, pickle-free DCP checkpoints for Lightning: ``Trainer(plugins=[AsyncDCPCheckpointIO()])``.
+    """Asynchronous, atomic DCP checkpoints for Lightning: ``Trainer(plugins=[AsyncDCPCheckpointIO()])``.
 
-    Checkpoints are directories at the paths Lightning asks for; plain ``.ckpt`` files still load.
+    Checkpoints are directories at the paths Lightning asks for (fsspec URLs: committed locally, then uploaded);
+    plain ``.ckpt`` files still load. Values are stored with their exact types without pickling where a typed
+    encoding exists (``unsafe_values`` governs the rest); loading unpickles only with ``weights_only=False``.
     Multi-process strategies need it attached (:class:`~lightning_ckpt.MTBFCheckpoint` or :meth:`attach`);
     alone it does not restore the RNG (see ``docs/lightning.md``).
 
