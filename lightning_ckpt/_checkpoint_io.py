@@ -11,6 +11,7 @@ import sys
 import uuid
 import weakref
 from collections.abc import Callable
+from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 from typing import Any, Literal
 
@@ -38,6 +39,7 @@ __all__ = ["AsyncDCPCheckpointIO"]
 
 log = logging.getLogger(__name__)
 _LIVE: weakref.WeakSet = weakref.WeakSet()  # plugins of this process, finished at interpreter exit
+_EXIT_WAIT_S = 60.0  # longest wait at interpreter exit for an in-flight save, in seconds
 _PICKLED_FIELDS = ("_config", "verify_on_load", "unsafe_values", "allow_cast", "wait_outside_fit")
 
 
@@ -401,11 +403,20 @@ def _finish_at_exit() -> None:
     only in the main process) commits its in-flight save and carries out the removals and links waiting for it,
     as the synchronous IO had done by then; errors are logged."""
     for io in list(_LIVE):
-        if io._manager is not None and (io._pending or io.saving):
-            try:
-                io.wait()
-            except Exception:  # noqa: BLE001 - at exit: report, never mask the exit status
-                log.exception("checkpoint error while finishing the in-flight save at interpreter exit")
+        if io._manager is None or not (io._pending or io.saving):
+            continue
+        try:  # bounded: a save that needs ranks which are gone must not hold the process at exit
+            io.last_handle.committed.result(timeout=_EXIT_WAIT_S)
+        except FutureTimeout:
+            log.error("the in-flight checkpoint save was not committed within %.0f s of interpreter exit; not "
+                      "carrying out %s", _EXIT_WAIT_S, [what for _, what, _ in io._pending])
+            continue
+        except Exception:  # noqa: BLE001 - the save failed: wait() below reports it and drops the removals
+            pass
+        try:
+            io.wait()
+        except Exception:  # noqa: BLE001 - at exit: report, never mask the exit status
+            log.exception("checkpoint error while finishing the in-flight save at interpreter exit")
 
 
 def _ptr(tensor: torch.Tensor) -> int:

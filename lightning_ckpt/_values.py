@@ -1,16 +1,16 @@
 """Which Lightning checkpoint values are stored as they are, under a typed marker, or pickled.
 
 As they are: tensors, numpy values, exact ``None``/``bool``/``int``/``float``/``str``/``bytes``, plain
-``list``/``tuple`` and mappings with scalar keys (back as ``dict``). Under a typed marker, never pickled,
-each back with its exact type: mappings with other keys (back as ``dict``); ``pathlib`` paths; enum
-members; classes (``hparams_type``), by import path; dataclass instances and namedtuples, by import path
-and fields; OmegaConf ``DictConfig``/``ListConfig`` (``OmegaConf.to_container`` without resolving
-interpolations, re-created by ``OmegaConf.create`` with their read-only/struct flags). Loading never
-imports a module named by a checkpoint (except ``omegaconf`` and Lightning's own packages) and never runs
-a constructor: a class is looked up in the modules already imported (``getattr`` only), a dataclass or
-namedtuple is rebuilt from its fields without calling ``__init__``. Anything else: pickled with
-``unsafe_values="pickle"`` (the default; loading it needs ``weights_only=False``),
-:class:`~torch_ckpt.ConfigError` naming the key with ``"error"``.
+``list``/``tuple`` and mappings with scalar keys (back as ``dict``). Under a typed marker, never
+pickled, each back with its exact type: mappings with other keys (back as ``dict``); ``pathlib``
+paths; torch dtypes and devices; enum members; classes (``hparams_type``), by import path; dataclass
+instances and namedtuples, by import path and fields; OmegaConf ``DictConfig``/``ListConfig``
+(``OmegaConf.to_container`` without resolving interpolations, re-created by ``OmegaConf.create`` with
+their read-only/struct flags). Loading never imports a module named by a checkpoint (except
+``omegaconf`` and Lightning's own packages) and never runs a constructor: a class is looked up in the
+modules already imported (``getattr`` only), a dataclass or namedtuple is rebuilt from its fields
+without calling ``__init__``. Anything else: pickled with ``unsafe_values="pickle"`` (the default;
+loading it needs ``weights_only=False``), :class:`~torch_ckpt.ConfigError` naming the key with ``"error"``.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ UNSAFE_VALUE_MODES = ("pickle", "error")
 PICKLED, PATH, ENUM = "__lightning_ckpt_pickled__", "__lightning_ckpt_path__", "__lightning_ckpt_enum__"
 CLASS, DATACLASS = "__lightning_ckpt_class__", "__lightning_ckpt_dataclass__"
 NAMEDTUPLE, OMEGACONF = "__lightning_ckpt_namedtuple__", "__lightning_ckpt_omegaconf__"
-MAPPING = "__lightning_ckpt_mapping__"
+MAPPING, DTYPE, DEVICE = "__lightning_ckpt_mapping__", "__lightning_ckpt_dtype__", "__lightning_ckpt_device__"
 _KEYS = (type(None), bool, int, float, str)
 _PATH_KINDS = ("Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath", "PureWindowsPath")
 #: Packages a load may import to resolve a class (installed libraries, not modules named by the checkpoint).
@@ -108,6 +108,10 @@ def encode_values(checkpoint: Mapping[str, Any], mode: str) -> dict[str, Any]:
             return type(obj)(enc(v, f"{path}.{i}") for i, v in enumerate(obj))
         if isinstance(obj, pathlib.PurePath):
             return {PATH: [type(obj).__name__, str(obj)]}
+        if isinstance(obj, torch.dtype):
+            return {DTYPE: str(obj).removeprefix("torch.")}
+        if isinstance(obj, torch.device):
+            return {DEVICE: str(obj)}
         if isinstance(obj, enum.Enum):
             return {ENUM: [type(obj).__module__, type(obj).__qualname__, obj.name, enc(obj.value, f"{path}.value")]}
         ref = _reference(obj) if isinstance(obj, type) else _reference(type(obj))
@@ -231,6 +235,13 @@ def decode_values(checkpoint: dict[str, Any], *, allow_pickle: bool) -> dict[str
                 return getattr(pathlib, kind if kind in _PATH_KINDS else "Path")(text)
             if tag == ENUM:
                 return _decode_enum(*payload)
+            if tag == DTYPE:
+                dtype = getattr(torch, payload, None) if isinstance(payload, str) else None
+                if not isinstance(dtype, torch.dtype):
+                    raise CheckpointCorruptError(f"checkpoint key {path!r}: unknown torch dtype {payload!r}")
+                return dtype
+            if tag == DEVICE:
+                return torch.device(payload)
             if tag == CLASS:
                 return _resolve_class(*payload, path)
             if tag == DATACLASS:

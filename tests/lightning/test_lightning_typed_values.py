@@ -97,3 +97,10 @@ def test_a_fit_with_an_unpicklable_free_hyper_parameter_saves_and_loads(make_tra
     trainer.save_checkpoint(tmp_path / "m.ckpt")
     model = LossHyperParameter.load_from_checkpoint(tmp_path / "m.ckpt", weights_only=False)
     assert isinstance(model.hparams.loss, torch.nn.CosineEmbeddingLoss) and model.hparams.loss.margin == 0.5
+
+
+@pytest.mark.parametrize("value", [torch.bfloat16, torch.device("cpu")], ids=["dtype", "device"])
+def test_torch_dtypes_and_devices_round_trip_without_pickling(value):
+    """A torch dtype or device hyper-parameter comes back equal, without pickling (strict mode stores it)."""
+    stored, out = _round_trip(value)
+    assert PICKLED not in stored and out == value and type(out) is type(value)
