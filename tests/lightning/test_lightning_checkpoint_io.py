@@ -149,12 +149,6 @@ def test_storage_options_are_rejected(tmp_path):
         AsyncDCPCheckpointIO().save_checkpoint(lightning_dict(), tmp_path / "a", storage_options={"x": 1})
 
 
-def test_remote_paths_are_rejected():
-    """Object-store URLs raise ConfigError (the plugin writes to local paths)."""
-    with pytest.raises(ConfigError, match="local paths"):
-        AsyncDCPCheckpointIO().save_checkpoint(lightning_dict(), "s3://bucket/a.ckpt")
-
-
 
 def test_the_plugin_pickles_without_its_runtime_state(tmp_path):
     """After a save (writer thread, locks) the plugin still pickles, as ddp_spawn needs, and the copy saves."""
