@@ -15,6 +15,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 from typing import Any, Literal
 
+import fsspec
 import torch
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
@@ -134,7 +135,7 @@ class AsyncDCPCheckpointIO(CheckpointIO):
         self._saving_path: str | None = None  # where last_handle writes (a URL: until uploaded)
         self._remote = RemoteCheckpoints()  # checkpoints at fsspec URLs: committed locally, then uploaded
         self._remote_options: dict[str, Any] = {}  # URL -> the storage_options it was saved with
-        self._keep_staging = False
+        self._keep_staging = self._uploads_here = False
 
     def __getstate__(self) -> dict[str, Any]:  # ddp_spawn pickles the plugin: runtime state stays behind
         return {k: v for k, v in self.__dict__.items() if k in _PICKLED_FIELDS}
@@ -204,7 +205,11 @@ class AsyncDCPCheckpointIO(CheckpointIO):
                     rank_zero_warn("AsyncDCPCheckpointIO is called on rank 0 only (not attached to a running fit), so "
                                    "this checkpoint is written synchronously as a plain .ckpt file. Add lightning_ckpt."
                                    "MTBFCheckpoint to the callbacks or call plugin.attach(trainer) before fit.")
-                TorchCheckpointIO().save_checkpoint(checkpoint, path)
+                if url is None:
+                    TorchCheckpointIO().save_checkpoint(checkpoint, path)
+                else:  # one object PUT: a reader sees the whole file or none
+                    with fsspec.open(url, "wb", **(self._remote_options[url] or {})) as f:
+                        torch.save(checkpoint, f)
             return
         state = _LightningState(encode_values(checkpoint, self.unsafe_values),
                                 self._param_ptrs() if self._param_ptrs is not None else None)
@@ -214,7 +219,8 @@ class AsyncDCPCheckpointIO(CheckpointIO):
         named = path.parent == manager.root and manager.naming.step_of(path.name) == step
         self.last_handle = manager.save(step, state, path=None if named else path)
         self._saving_path = url or str(path)
-        if url is not None:
+        if url is not None and rank_and_world()[0] == 0:  # rank 0 uploads what every rank committed
+            self._uploads_here = True
             self._after_commit(-1, f"upload {url}", lambda: self._upload(path, url, storage_options))
         if self.wait_outside_fit and self._after_fit:
             self.wait()
@@ -388,7 +394,7 @@ class AsyncDCPCheckpointIO(CheckpointIO):
                 self._manager = None
                 if manager is not None:
                     manager.close()
-                if not self._keep_staging:  # after a failed upload the local copy stays (named in the error)
+                if self._uploads_here and not self._keep_staging:  # a failed upload keeps the local copy
                     self._remote.close()
         except Exception:
             self._pending = []

@@ -9,6 +9,8 @@ first (object stores have no atomic rename): until the new manifest is written t
 
 from __future__ import annotations
 
+import hashlib
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -55,21 +57,20 @@ def check_options(storage_options: Any) -> dict[str, Any] | None:
 
 
 class RemoteCheckpoints:
-    """Uploads, downloads and deletes checkpoints at fsspec URLs; ``staging`` is the local commit area."""
+    """Uploads, downloads and deletes checkpoints at fsspec URLs, staged in local directories."""
 
     def __init__(self) -> None:
-        self._staging: Path | None = None
-
-    @property
-    def staging(self) -> Path:
-        """The local directory where checkpoints for URLs are committed before upload (created on first use)."""
-        if self._staging is None:
-            self._staging = Path(tempfile.mkdtemp(prefix="lightning_ckpt_upload_"))
-        return self._staging
+        self._staged: set[Path] = set()
 
     def local_path(self, url: str) -> Path:
-        """Where the checkpoint for ``url`` is committed locally before its upload."""
-        return self.staging / _split(url)[1]
+        """Where the checkpoint for ``url`` is committed locally before its upload: a directory of the system's
+        temporary directory named after the URL's parent, the same on every rank of a node (the manager commits
+        collectively)."""
+        parent, name = _split(url)
+        digest = hashlib.sha1(parent.encode(), usedforsecurity=False).hexdigest()[:16]
+        staging = Path(tempfile.gettempdir()) / f"lightning_ckpt_upload_{os.getuid()}_{digest}"
+        self._staged.add(staging)
+        return staging / name
 
     def _tier(self, url: str, storage_options: Any) -> tuple[DurableTier, str]:
         parent, name = _split(url)
@@ -110,7 +111,7 @@ class RemoteCheckpoints:
             tier.fs.rm_file(path)
 
     def close(self) -> None:
-        """Remove the staging directory."""
-        if self._staging is not None:
-            shutil.rmtree(self._staging, ignore_errors=True)
-            self._staging = None
+        """Remove the staging directories (rank 0, once every upload is done)."""
+        for staging in self._staged:
+            shutil.rmtree(staging, ignore_errors=True)
+        self._staged.clear()

@@ -72,3 +72,33 @@ def test_a_failed_upload_raises_and_keeps_the_older_checkpoint(s3):
     assert io.load_checkpoint(good)["global_step"] == 1
     io.teardown()
     assert AsyncDCPCheckpointIO.is_checkpoint_dir(io._remote.local_path("s3://no-such-bucket-lt/run/b.ckpt"))
+
+
+def _ddp_to_s3_body(rank: int, world: int, root: str, url: str, options: dict) -> None:
+    import lightning as L
+    from lightning.pytorch.callbacks import Callback
+    from lightning.pytorch.strategies import DDPStrategy
+
+    class SaveAtEnd(Callback):
+        def on_train_end(self, trainer, pl_module):
+            trainer.save_checkpoint(url, storage_options=options)  # every rank; rank 0 uploads once committed
+
+    io = AsyncDCPCheckpointIO()
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=DDPStrategy(), max_steps=3, logger=False,
+                        enable_progress_bar=False, enable_model_summary=False, default_root_dir=root, plugins=[io],
+                        callbacks=[SaveAtEnd()])
+    io.attach(trainer)
+    trainer.fit(TinyModule())  # teardown waits for the commit and the upload
+    if rank == 0:
+        fs = fsspec.filesystem("s3", **options)
+        manifest = fs.cat_file(f"{url.removeprefix('s3://')}/manifest.json")
+        assert b'"world_size":2' in manifest.replace(b" ", b"")
+
+
+@pytest.mark.slow
+def test_two_ranks_save_one_checkpoint_to_s3(tmp_path, s3):
+    """Attached on 2 DDP ranks, trainer.save_checkpoint(s3 URL) commits one checkpoint written by both ranks."""
+    from tests._dist import run_distributed
+
+    run_distributed(_ddp_to_s3_body, 2, str(tmp_path), f"s3://{s3.new_bucket()}/run/ddp.ckpt", s3.options,
+                    timeout_s=240)
