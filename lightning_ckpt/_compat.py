@@ -160,14 +160,15 @@ def install_link_hook() -> None:
     ModelCheckpoint._link_checkpoint = staticmethod(link)
 
 
-def install_load_hook(load_dir: Callable[[str, Any, bool | None], dict[str, Any]]) -> None:
+def install_load_hook(load_dir: Callable[[str, Any, bool | None], dict[str, Any]],
+                      is_remote_checkpoint: Callable[[str], bool] = lambda url: False) -> None:
     """Lightning's own loader reads torch-ckpt directories.
 
     ``LightningModule.load_from_checkpoint`` and ``TorchCheckpointIO.load_checkpoint`` (a Trainer without
     our plugin) read through ``fabric.utilities.cloud_io._load``, bound at import as ``core.saving.pl_load``
-    and ``plugins.io.torch_io.pl_load``; the three names get one wrapper. Only a local directory (a path
-    or a ``file://`` URL) holding
-    ``manifest.json`` goes to ``load_dir(path, map_location, weights_only)``; anything else goes to
+    and ``plugins.io.torch_io.pl_load``; the three names get one wrapper. A local directory (a path
+    or a ``file://`` URL) holding ``manifest.json``, or a URL for which ``is_remote_checkpoint`` (its
+    ``manifest.json`` exists), goes to ``load_dir(path, map_location, weights_only)``; anything else goes to
     Lightning unchanged, and its ``IsADirectoryError`` for another directory says what to do.
     """
     from lightning.fabric.plugins.io import torch_io
@@ -183,6 +184,8 @@ def install_load_hook(load_dir: Callable[[str, Any, bool | None], dict[str, Any]
         local = text[len("file://"):] if text.startswith("file://") else ("" if "://" in text else text)
         if local and os.path.isfile(os.path.join(local, "manifest.json")):
             return load_dir(local, map_location, weights_only)
+        if text and not local and is_remote_checkpoint(text):  # an fsspec/http URL holding manifest.json
+            return load_dir(text, map_location, weights_only)
         try:
             return original(path_or_url, map_location=map_location, weights_only=weights_only)
         except IsADirectoryError as exc:

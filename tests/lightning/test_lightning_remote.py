@@ -102,3 +102,14 @@ def test_two_ranks_save_one_checkpoint_to_s3(tmp_path, s3):
 
     run_distributed(_ddp_to_s3_body, 2, str(tmp_path), f"s3://{s3.new_bucket()}/run/ddp.ckpt", s3.options,
                     timeout_s=240)
+
+
+def test_load_from_checkpoint_reads_a_url(make_trainer):
+    """Model.load_from_checkpoint(url) (Lightning's pl_load) reads a torch-ckpt checkpoint at an fsspec URL."""
+    url = f"memory://lt-{uuid.uuid4().hex[:8]}/m.ckpt"
+    model = TinyModule(lr=0.25)
+    trainer = make_trainer(max_steps=1, plugins=[AsyncDCPCheckpointIO()])
+    trainer.fit(model)
+    trainer.save_checkpoint(url)
+    loaded = TinyModule.load_from_checkpoint(url)
+    assert loaded.hparams.lr == 0.25 and torch.equal(loaded.layer.weight, model.layer.weight)
