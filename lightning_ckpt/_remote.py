@@ -16,12 +16,16 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from torch_ckpt import ConfigError
-from torch_ckpt.manifest import MANIFEST_NAME, read_manifest
-from torch_ckpt.storage import is_url
-from torch_ckpt.tiers import DurableTier
+from torch_ckpt import ConfigError, DurableTier, read_manifest
 
 __all__ = ["RemoteCheckpoints", "check_options", "is_url"]
+
+_MANIFEST = "manifest.json"  # a committed checkpoint's manifest (written last on a store)
+
+
+def is_url(text: str) -> bool:
+    """True for an fsspec URL (``s3://``, ``memory://``, ``http://``...); ``file://`` is a local path."""
+    return "://" in text and not text.startswith("file://")
 
 
 class _OneName:
@@ -94,7 +98,7 @@ class RemoteCheckpoints:
         """True when ``url`` holds a committed checkpoint (its ``manifest.json``)."""
         tier, name = self._tier(url, storage_options)
         tier.refresh()
-        return bool(tier.fs.exists(f"{tier.root}/{name}/{MANIFEST_NAME}"))
+        return bool(tier.fs.exists(f"{tier.root}/{name}/{_MANIFEST}"))
 
     def download(self, url: str, storage_options: Any = None) -> Path:
         """Fetch the checkpoint at ``url`` into a new local directory (verified); the caller deletes it."""
