@@ -10,6 +10,8 @@ that attaches at ``setup`` in every worker (``ddp_spawn``); loggers' ``after_sav
 
 from __future__ import annotations
 
+import os
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +20,7 @@ from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 
 from lightning_ckpt import _compat
+from lightning_ckpt._remote import is_url
 from lightning_ckpt._values import decode_values
 from torch_ckpt import ConfigError, TrainState
 
@@ -68,55 +71,78 @@ def attach(io: Any, trainer: Any) -> None:
     io.start_fit()
     if getattr(strategy, _MARK, None) is io:
         return
-    original_load, original_teardown = strategy.load_checkpoint, strategy.teardown
-
-    def save_checkpoint(checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
-        io.save_checkpoint(checkpoint, strategy.broadcast(filepath), storage_options)
-
-    def teardown() -> None:
-        try:
-            original_teardown()
-        finally:
-            io.teardown()  # idempotent; the sharded strategies' teardown does not call it
-
-    def optimizers() -> list:
-        return [getattr(o, "_optimizer", o) for o in strategy.optimizers]
-
-    def load_checkpoint(checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        path = Path(strategy.broadcast(checkpoint_path))
-        if not path.is_dir():  # a committed checkpoint is a directory
-            return original_load(checkpoint_path, weights_only=weights_only)
-        fitting = trainer.state.fn == TrainerFn.FITTING
-        module = strategy.lightning_module
-        if is_sharded and fitting and optimizers():
-            candidates = io.fallbacks.pop(str(path.absolute()), [path])
-            target = _ShardedTarget(strategy.model, optimizers())
-            io.manager(path.parent).restore(target, path=candidates, allow_cast=io.allow_cast)
-            return decode_values(target.loaded, allow_pickle=weights_only is False)
-        # DDP/single device restore before the optimizers exist: only the model is checked (by the core)
-        live = None if is_sharded else {"state_dict": module.state_dict()}
-        checkpoint = io.load_checkpoint(path, weights_only=weights_only, live=live, strict=module.strict_loading)
-        if is_sharded:  # evaluation: full tensors on every rank, then sharded into the model
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-            set_model_state_dict(strategy.model, checkpoint["state_dict"],
-                                 options=StateDictOptions(full_state_dict=True, strict=module.strict_loading))
-        return checkpoint
-
-    strategy.save_checkpoint = save_checkpoint
+    if names := _compat.uploading_loggers(trainer):
+        raise ConfigError(f"{', '.join(names)} with log_model uploads checkpoint files only (Path.is_file()), and "
+                          "AsyncDCPCheckpointIO writes directories: no checkpoint would be uploaded. Pass "
+                          "log_model=False and upload the checkpoint directories yourself (docs/lightning.md)")
+    # module-level functions bound by functools.partial, never closures: an attached trainer still pickles
+    original_load = partial(type(strategy).load_checkpoint, strategy)
+    original_teardown = partial(type(strategy).teardown, strategy)
+    strategy.save_checkpoint = partial(_save_checkpoint, io, strategy)
     strategy.remove_checkpoint = io.remove_checkpoint
-    strategy.teardown = teardown
-    strategy.load_checkpoint = load_checkpoint
+    strategy.teardown = partial(_teardown, io, original_teardown)
+    strategy.load_checkpoint = partial(_load_checkpoint, io, trainer, original_load, is_sharded)
     if is_sharded:
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
-        strategy.lightning_module_state_dict = lambda: get_model_state_dict(strategy.model)
-        strategy.optimizer_state = lambda optimizer: TrainState(
-            model=strategy.model, optimizer=[getattr(optimizer, "_optimizer", optimizer)], rng=False,
-        ).state_dict()["optimizer"]
+        strategy.lightning_module_state_dict = partial(_sharded_module_state, strategy)
+        strategy.optimizer_state = partial(_sharded_optimizer_state, strategy)
     for logger in trainer.loggers:
         _defer_after_save(io, logger)
     setattr(strategy, _MARK, io)
+
+
+def _save_checkpoint(io: Any, strategy: Any, checkpoint: dict[str, Any], filepath: Any,
+                     storage_options: Any = None) -> None:
+    io.save_checkpoint(checkpoint, strategy.broadcast(filepath), storage_options)
+
+
+def _teardown(io: Any, original_teardown: Any) -> None:
+    try:
+        original_teardown()
+    finally:
+        io.teardown()  # idempotent; the sharded strategies' teardown does not call it
+
+
+def _optimizers(strategy: Any) -> list:
+    return [getattr(o, "_optimizer", o) for o in strategy.optimizers]
+
+
+def _sharded_module_state(strategy: Any) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    return get_model_state_dict(strategy.model)
+
+
+def _sharded_optimizer_state(strategy: Any, optimizer: Any) -> dict[str, Any]:
+    return TrainState(model=strategy.model, optimizer=[getattr(optimizer, "_optimizer", optimizer)],
+                      rng=False).state_dict()["optimizer"]
+
+
+def _load_checkpoint(io: Any, trainer: Any, original_load: Any, is_sharded: bool, checkpoint_path: Any,
+                     weights_only: bool | None = None) -> dict[str, Any]:
+    strategy = trainer.strategy
+    checkpoint_path = strategy.broadcast(checkpoint_path)
+    if is_url(os.fspath(checkpoint_path)):  # fsspec URL: downloaded and read by every rank (never a Path)
+        return io.load_checkpoint(checkpoint_path, weights_only=weights_only)
+    path = Path(checkpoint_path)
+    io.wait_for_path(path)
+    if not path.is_dir():  # a committed checkpoint is a directory
+        return original_load(checkpoint_path, weights_only=weights_only)
+    fitting = trainer.state.fn == TrainerFn.FITTING
+    module = strategy.lightning_module
+    if is_sharded and fitting and _optimizers(strategy):
+        candidates = io.fallbacks.pop(str(path.absolute()), [path])
+        target = _ShardedTarget(strategy.model, _optimizers(strategy))
+        io.manager(path.parent).restore(target, path=candidates, allow_cast=io.allow_cast)
+        return decode_values(target.loaded, allow_pickle=weights_only is False)
+    # DDP/single device restore before the optimizers exist: only the model is checked (by the core)
+    live = None if is_sharded else {"state_dict": module.state_dict()}
+    checkpoint = io.load_checkpoint(path, weights_only=weights_only, live=live, strict=module.strict_loading)
+    if is_sharded:  # evaluation: full tensors on every rank, then sharded into the model
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        set_model_state_dict(strategy.model, checkpoint["state_dict"],
+                             options=StateDictOptions(full_state_dict=True, strict=module.strict_loading))
+    return checkpoint
 
 
 def _defer_after_save(io: Any, logger: Any) -> None:
@@ -124,11 +150,13 @@ def _defer_after_save(io: Any, logger: Any) -> None:
     if getattr(original, _MARK, False):
         return
 
-    def after_save_checkpoint(checkpoint_callback: Any) -> None:
-        io.call_when_committed(lambda: original(checkpoint_callback))
-
+    after_save_checkpoint = partial(_after_save_checkpoint, io, original)
     setattr(after_save_checkpoint, _MARK, True)
     logger.after_save_checkpoint = after_save_checkpoint
+
+
+def _after_save_checkpoint(io: Any, original: Any, checkpoint_callback: Any) -> None:
+    io.call_when_committed(partial(original, checkpoint_callback))
 
 
 class _ShardedTarget:

@@ -88,6 +88,11 @@ class MTBFCheckpoint(OnExceptionCheckpoint):
         self._stepped = False
         self._last_saved_step: int | None = None
 
+    def __getstate__(self) -> dict[str, Any]:
+        """The callback without its run's manager, plugin and signal handlers (``setup`` sets them again), so a
+        trainer holding it pickles (``torch.save(trainer)``, ``ddp_spawn``)."""
+        return {**self.__dict__, "_io": None, "_manager": None, "_handlers": None}
+
     @property
     @override
     def ckpt_path(self) -> str | None:  # type: ignore[override]

@@ -3,14 +3,19 @@
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
+import shutil
 import sys
 import uuid
+import weakref
 from collections.abc import Callable
+from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 from typing import Any, Literal
 
+import fsspec
 import torch
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
@@ -18,10 +23,12 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
 from lightning_ckpt._load import load_checkpoint_dir
+from lightning_ckpt._remote import RemoteCheckpoints, check_options, is_url
 from lightning_ckpt._values import RANK_LOCAL_KEYS, UNSAFE_VALUE_MODES, encode_values
 from torch_ckpt import (
     CheckpointConfig,
     CheckpointManager,
+    CheckpointWriteError,
     ConfigError,
     SaveHandle,
     StepNaming,
@@ -32,6 +39,8 @@ from torch_ckpt import (
 __all__ = ["AsyncDCPCheckpointIO"]
 
 log = logging.getLogger(__name__)
+_LIVE: weakref.WeakSet = weakref.WeakSet()  # plugins of this process, finished at interpreter exit
+_EXIT_WAIT_S = 60.0  # longest wait at interpreter exit for an in-flight save, in seconds
 _PICKLED_FIELDS = ("_config", "verify_on_load", "unsafe_values", "allow_cast", "wait_outside_fit")
 
 
@@ -56,9 +65,11 @@ class _LightningState:
 
 
 class AsyncDCPCheckpointIO(CheckpointIO):
-    """Asynchronous, atomic, pickle-free DCP checkpoints for Lightning: ``Trainer(plugins=[AsyncDCPCheckpointIO()])``.
+    """Asynchronous, atomic DCP checkpoints for Lightning: ``Trainer(plugins=[AsyncDCPCheckpointIO()])``.
 
-    Checkpoints are directories at the paths Lightning asks for; plain ``.ckpt`` files still load.
+    Checkpoints are directories at the paths Lightning asks for (fsspec URLs: committed locally, then uploaded);
+    plain ``.ckpt`` files still load. Values are stored with their exact types without pickling where a typed
+    encoding exists (``unsafe_values`` governs the rest); loading unpickles only with ``weights_only=False``.
     Multi-process strategies need it attached (:class:`~lightning_ckpt.MTBFCheckpoint` or :meth:`attach`);
     alone it does not restore the RNG (see ``docs/lightning.md``).
 
@@ -72,8 +83,9 @@ class AsyncDCPCheckpointIO(CheckpointIO):
         thread_count: DCP writer threads per rank.
         timeout_seconds: Limit for checkpoint collectives between ranks, in seconds.
         verify_on_load: Check the CRC-32 of every file before loading (sizes are always checked).
-        unsafe_values: Values only pickling could store: ``"error"`` (default) raises naming the key;
-            ``"pickle"`` stores them pickled (loading them then needs ``weights_only=False``).
+        unsafe_values: Values without a typed, pickle-free encoding (``docs/lightning.md``): ``"pickle"``
+            (default, as Lightning stores them) stores them pickled, and loading them then needs
+            ``weights_only=False``; ``"error"`` refuses them with a ``ConfigError`` naming the key.
         allow_cast: Accept dtype differences between the checkpoint and the live model when loading into an
             attached trainer (each cast key is logged once).
         wait_outside_fit: A save outside a running ``fit`` returns only once the checkpoint is committed.
@@ -93,7 +105,7 @@ class AsyncDCPCheckpointIO(CheckpointIO):
         thread_count: int = 2,
         timeout_seconds: float = 600.0,
         verify_on_load: bool = True,
-        unsafe_values: Literal["error", "pickle"] = "error",
+        unsafe_values: Literal["pickle", "error"] = "pickle",
         allow_cast: bool = False,
         wait_outside_fit: bool = True,
     ) -> None:
@@ -111,13 +123,19 @@ class AsyncDCPCheckpointIO(CheckpointIO):
         self._reset_runtime()
 
     def _reset_runtime(self) -> None:
+        _LIVE.add(self)
         self._manager: CheckpointManager | None = None
         self._pending: list[tuple[int, str, Callable[[], None]]] = []  # (order, what, action) after the commit
         self._param_ptrs: Callable[[], set[int]] | None = None
         self._collective = self._in_fit = self._after_fit = self._warned_fallback = self._warned_rng = False
+        self._warned_loggers = False
         self.rng_restored_by_callback = False
         self.fallbacks: dict[str, list[Path]] = {}  # "last" -> newest-first candidates (MTBFCheckpoint)
         self.last_handle: SaveHandle | None = None
+        self._saving_path: str | None = None  # where last_handle writes (a URL: until uploaded)
+        self._remote = RemoteCheckpoints()  # checkpoints at fsspec URLs: committed locally, then uploaded
+        self._remote_options: dict[str, Any] = {}  # URL -> the storage_options it was saved with
+        self._keep_staging = self._uploads_here = False
 
     def __getstate__(self) -> dict[str, Any]:  # ddp_spawn pickles the plugin: runtime state stays behind
         return {k: v for k, v in self.__dict__.items() if k in _PICKLED_FIELDS}
@@ -162,13 +180,23 @@ class AsyncDCPCheckpointIO(CheckpointIO):
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
         """Stage ``checkpoint`` and return; it is committed at ``path`` (a directory) in the background.
 
+        A ``path`` that is an fsspec URL (``s3://``, ``memory://``...) is committed locally first, then uploaded
+        with the core's durable tier (every file verified, ``manifest.json`` last) once the commit is observed
+        (next save, ``wait()``, ``teardown``); ``storage_options`` (a dict) goes to fsspec for it.
+
         Raises:
-            TypeError: ``storage_options`` is given.
-            ConfigError: a value needs pickling (see ``unsafe_values``), or ``path`` is not a torch-ckpt checkpoint.
-            CheckpointError: an earlier background save failed (raised once).
+            TypeError: ``storage_options`` is given for a local path (as Lightning's ``TorchCheckpointIO``).
+            ConfigError: a value needs pickling (see ``unsafe_values``), ``path`` is not a torch-ckpt checkpoint,
+                or ``storage_options`` is not a dict.
+            CheckpointError: an earlier background save or upload failed (raised once).
         """
-        if storage_options is not None:
-            raise TypeError(f"{type(self).__name__}.save_checkpoint does not support storage_options")
+        url = os.fspath(path) if isinstance(path, (str, os.PathLike)) and is_url(os.fspath(path)) else None
+        if url is None and storage_options is not None:
+            raise TypeError(f"{type(self).__name__}.save_checkpoint(..., storage_options=...) applies to fsspec URLs "
+                            f"only (s3://, memory://...), not to the local path {path}")
+        if url is not None:
+            self._remote_options[url] = check_options(storage_options)
+            path = self._remote.local_path(url)
         path = _local_path(path).absolute()
         if rank_and_world()[1] > 1 and not self._collective:  # Lightning calls us on rank 0 only
             if rank_and_world()[0] == 0:
@@ -177,7 +205,11 @@ class AsyncDCPCheckpointIO(CheckpointIO):
                     rank_zero_warn("AsyncDCPCheckpointIO is called on rank 0 only (not attached to a running fit), so "
                                    "this checkpoint is written synchronously as a plain .ckpt file. Add lightning_ckpt."
                                    "MTBFCheckpoint to the callbacks or call plugin.attach(trainer) before fit.")
-                TorchCheckpointIO().save_checkpoint(checkpoint, path)
+                if url is None:
+                    TorchCheckpointIO().save_checkpoint(checkpoint, path)
+                else:  # one object PUT: a reader sees the whole file or none
+                    with fsspec.open(url, "wb", **(self._remote_options[url] or {})) as f:
+                        torch.save(checkpoint, f)
             return
         state = _LightningState(encode_values(checkpoint, self.unsafe_values),
                                 self._param_ptrs() if self._param_ptrs is not None else None)
@@ -186,8 +218,21 @@ class AsyncDCPCheckpointIO(CheckpointIO):
         step = int(checkpoint.get("global_step", 0))
         named = path.parent == manager.root and manager.naming.step_of(path.name) == step
         self.last_handle = manager.save(step, state, path=None if named else path)
+        self._saving_path = url or str(path)
+        if url is not None and rank_and_world()[0] == 0:  # rank 0 uploads what every rank committed
+            self._uploads_here = True
+            self._after_commit(-1, f"upload {url}", lambda: self._upload(path, url, storage_options))
         if self.wait_outside_fit and self._after_fit:
             self.teardown()  # committed; the manager this save opened after the run ends with it (lifecycle)
+
+    def warn_uploading_loggers(self, names: list[str]) -> None:
+        """Warn once that loggers ``names`` upload no checkpoint of ours (``log_model`` picks files only)."""
+        if not self._warned_loggers:
+            self._warned_loggers = True
+            rank_zero_warn(f"{', '.join(names)} with log_model uploads checkpoint files only (it keeps paths for which "
+                           "Path.is_file()), and AsyncDCPCheckpointIO writes directories: no checkpoint is uploaded. "
+                           "Pass log_model=False and upload the checkpoint directories yourself, or use a durable tier "
+                           "(see docs/lightning.md, 'Loggers that upload checkpoints').")
 
     @property
     def saving(self) -> bool:
@@ -207,10 +252,12 @@ class AsyncDCPCheckpointIO(CheckpointIO):
             log.warning("the last save failed: not carrying out %s, so older checkpoints stay in place",
                         [what for _, what, _ in pending])
             return
-        for _, what, action in pending:
+        for order, what, action in pending:
             try:
                 action()
             except OSError as exc:
+                if order < 0:  # an upload: the checkpoint is not at its URL; what follows (removals) is dropped
+                    raise
                 log.warning("after a commit: could not %s: %s", what, exc)
 
     def link_when_committed(self, target: str, link: str) -> None:
@@ -234,6 +281,26 @@ class AsyncDCPCheckpointIO(CheckpointIO):
         if self._pending and not self.saving:
             self._run_pending()
 
+    def _upload(self, local: Path, url: str, storage_options: Any) -> None:
+        try:
+            self._remote.upload(local, url, storage_options)
+        except Exception as exc:  # noqa: BLE001 - any backend error (botocore, aiohttp...) fails the save
+            self._keep_staging = True  # the only copy of this checkpoint: never deleted by teardown
+            raise CheckpointWriteError(getattr(exc, "errno", None), f"checkpoint {url} was committed locally at "
+                                       f"{local} but its upload failed ({type(exc).__name__}: {exc}); older "
+                                       "checkpoints are kept") from exc
+
+    def wait_for_path(self, path: Any) -> None:
+        """Block until the in-flight save is committed if it writes ``path`` (``Tuner.lr_find`` restores the
+        checkpoint it has just saved; the synchronous IO's file exists once the save returned).
+
+        Raises:
+            CheckpointError: that save failed (raised once).
+        """
+        text = os.fspath(path)
+        if (self.saving or self._pending) and self._saving_path == (text if is_url(text) else os.path.abspath(text)):
+            self.wait()
+
     def wait_staged(self) -> None:
         """Block until the in-flight save no longer reads the live tensors."""
         if self._manager is not None:
@@ -249,7 +316,14 @@ class AsyncDCPCheckpointIO(CheckpointIO):
 
     @override
     def remove_checkpoint(self, path: Any) -> None:
-        """Delete the checkpoint at ``path`` (directory, file or link) once the in-flight save is committed."""
+        """Delete the checkpoint at ``path`` (directory, file or link; at a URL: manifest first) once the in-flight
+        save is committed."""
+        text = os.fspath(path)
+        if is_url(text):
+            if rank_and_world()[0] == 0:
+                options = self._remote_options.get(text)
+                self._after_commit(1, f"remove {text}", lambda: self._remote.remove(text, options))
+            return
         target = _local_path(path).absolute()
         if rank_and_world()[0] == 0 and (target.is_symlink() or target.is_file()):
             self._after_commit(1, f"remove {target}", lambda: target.unlink(missing_ok=True))
@@ -276,7 +350,16 @@ class AsyncDCPCheckpointIO(CheckpointIO):
             StateMismatchError: the checkpoint does not match ``live``; nothing was loaded.
             UnsafeCheckpointError: pickled values and ``weights_only`` is not False.
         """
-        if not Path(path).is_dir():
+        self.wait_for_path(path)
+        text = os.fspath(path) if isinstance(path, (str, os.PathLike)) else ""
+        if is_url(text) and self._remote.is_checkpoint(text, self._remote_options.get(text)):
+            local = self._remote.download(text, self._remote_options.get(text))
+            try:
+                return load_checkpoint_dir([local], manager=None, verify=self.verify_on_load,
+                                           allow_pickle=weights_only is False, map_location=map_location)
+            finally:
+                shutil.rmtree(local.parent, ignore_errors=True)
+        if is_url(text) or not Path(path).is_dir():
             return TorchCheckpointIO().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
         # absolute: an attached manager reads a relative path relative to its root, not the working directory
         candidates = self.fallbacks.pop(str(Path(path).absolute()), [Path(path).absolute()])
@@ -311,6 +394,8 @@ class AsyncDCPCheckpointIO(CheckpointIO):
                 self._manager = None
                 if manager is not None:
                     manager.close()
+                if self._uploads_here and not self._keep_staging:  # a failed upload keeps the local copy
+                    self._remote.close()
         except Exception:
             self._pending = []
             if propagating is None:
@@ -318,12 +403,31 @@ class AsyncDCPCheckpointIO(CheckpointIO):
             log.exception("checkpoint error during teardown while %r propagates", propagating)
 
 
+@atexit.register
+def _finish_at_exit() -> None:
+    """A process leaving without ``teardown`` (a ``ddp_spawn`` worker whose ``fit`` raised: Lightning tears down
+    only in the main process) commits its in-flight save and carries out the removals and links waiting for it,
+    as the synchronous IO had done by then; errors are logged."""
+    for io in list(_LIVE):
+        if io._manager is None or not (io._pending or io.saving):
+            continue
+        try:  # bounded: a save that needs ranks which are gone must not hold the process at exit
+            io.last_handle.committed.result(timeout=_EXIT_WAIT_S)
+        except FutureTimeout:
+            log.error("the in-flight checkpoint save was not committed within %.0f s of interpreter exit; not "
+                      "carrying out %s", _EXIT_WAIT_S, [what for _, what, _ in io._pending])
+            continue
+        except Exception:  # noqa: BLE001 - the save failed: wait() below reports it and drops the removals
+            pass
+        try:
+            io.wait()
+        except Exception:  # noqa: BLE001 - at exit: report, never mask the exit status
+            log.exception("checkpoint error while finishing the in-flight save at interpreter exit")
+
+
 def _ptr(tensor: torch.Tensor) -> int:
     return getattr(tensor, "_local_tensor", tensor).data_ptr()  # a DTensor's local shard
 
 
 def _local_path(path: Any) -> Path:
-    text = os.fspath(path)
-    if "://" in text and not text.startswith("file://"):
-        raise ConfigError(f"AsyncDCPCheckpointIO writes to local paths only, got {text!r}")
-    return Path(text.removeprefix("file://"))
+    return Path(os.fspath(path).removeprefix("file://"))

@@ -7,15 +7,17 @@ pins the ranges). The ``install_*`` hooks wrap a Lightning function once per pro
 from __future__ import annotations
 
 import errno
+import functools
 import os
 import signal
 from collections.abc import Callable
 from typing import Any
 
 __all__ = [
-    "dump_checkpoint", "finish_loader_states", "fit_loop_state", "install_fresh_fit_hook", "install_link_hook",
-    "install_load_hook", "is_final_batch", "is_last_batch", "isolate_validation_rng", "set_original_sigterm_handler",
-    "sharded_flags", "signal_connector", "start_next_epoch",
+    "dump_checkpoint", "finish_loader_states", "fit_loop_state", "install_cli_hook", "install_fresh_fit_hook",
+    "install_link_hook", "install_load_hook", "install_save_hook", "is_final_batch", "is_last_batch",
+    "isolate_validation_rng", "set_original_sigterm_handler", "sharded_flags", "signal_connector",
+    "start_next_epoch", "uploading_loggers",
 ]
 
 _MARK = "_lightning_ckpt_wrapped"
@@ -54,21 +56,26 @@ def is_final_batch(trainer: Any) -> bool:
 def isolate_validation_rng(trainer: Any) -> None:
     """Run validation during ``fit`` inside ``isolate_rng()`` (Lightning does so for the sanity check only):
     a resumed run skips the validation after the saved step. Wraps ``fit_loop.epoch_loop.val_loop.run``."""
-    from lightning.pytorch.utilities.seed import isolate_rng
 
     val_loop = trainer.fit_loop.epoch_loop.val_loop
     run = val_loop.run
     if getattr(run, _MARK, False):
         return
 
-    def isolated_run(*args: Any, **kwargs: Any) -> Any:
-        if trainer.sanity_checking:  # already isolated by Lightning
-            return run(*args, **kwargs)
-        with isolate_rng():
-            return run(*args, **kwargs)
-
+    # the loop, not a closure or its bound or decorated `run` (neither pickles): the trainer still pickles
+    isolated_run = functools.partial(_isolated_run, trainer, val_loop)
     setattr(isolated_run, _MARK, True)
     val_loop.run = isolated_run
+
+
+def _isolated_run(trainer: Any, loop: Any, *args: Any, **kwargs: Any) -> Any:
+    from lightning.pytorch.utilities.seed import isolate_rng
+
+    run = type(loop).run  # the class's run: the instance attribute is this wrapper
+    if trainer.sanity_checking:  # already isolated by Lightning
+        return run(loop, *args, **kwargs)
+    with isolate_rng():
+        return run(loop, *args, **kwargs)
 
 
 def dump_checkpoint(trainer: Any) -> dict[str, Any]:
@@ -153,14 +160,15 @@ def install_link_hook() -> None:
     ModelCheckpoint._link_checkpoint = staticmethod(link)
 
 
-def install_load_hook(load_dir: Callable[[str, Any, bool | None], dict[str, Any]]) -> None:
+def install_load_hook(load_dir: Callable[[str, Any, bool | None], dict[str, Any]],
+                      is_remote_checkpoint: Callable[[str], bool] = lambda url: False) -> None:
     """Lightning's own loader reads torch-ckpt directories.
 
     ``LightningModule.load_from_checkpoint`` and ``TorchCheckpointIO.load_checkpoint`` (a Trainer without
     our plugin) read through ``fabric.utilities.cloud_io._load``, bound at import as ``core.saving.pl_load``
-    and ``plugins.io.torch_io.pl_load``; the three names get one wrapper. Only a local directory (a path
-    or a ``file://`` URL) holding
-    ``manifest.json`` goes to ``load_dir(path, map_location, weights_only)``; anything else goes to
+    and ``plugins.io.torch_io.pl_load``; the three names get one wrapper. A local directory (a path
+    or a ``file://`` URL) holding ``manifest.json``, or a URL for which ``is_remote_checkpoint`` (its
+    ``manifest.json`` exists), goes to ``load_dir(path, map_location, weights_only)``; anything else goes to
     Lightning unchanged, and its ``IsADirectoryError`` for another directory says what to do.
     """
     from lightning.fabric.plugins.io import torch_io
@@ -176,6 +184,8 @@ def install_load_hook(load_dir: Callable[[str, Any, bool | None], dict[str, Any]
         local = text[len("file://"):] if text.startswith("file://") else ("" if "://" in text else text)
         if local and os.path.isfile(os.path.join(local, "manifest.json")):
             return load_dir(local, map_location, weights_only)
+        if text and not local and is_remote_checkpoint(text):  # an fsspec/http URL holding manifest.json
+            return load_dir(text, map_location, weights_only)
         try:
             return original(path_or_url, map_location=map_location, weights_only=weights_only)
         except IsADirectoryError as exc:
@@ -221,3 +231,82 @@ def install_fresh_fit_hook(is_ours: Callable[[Any], bool]) -> None:
 
     setattr(parse, _MARK, True)
     _CheckpointConnector._parse_ckpt_path = parse
+
+
+def uploading_loggers(trainer: Any) -> list[str]:
+    """Names of the trainer's loggers that upload checkpoint files (``WandbLogger``/``MLflowLogger``/
+    ``LitLogger`` ``log_model``: their ``_scan_checkpoints`` keeps only paths for which ``Path.is_file()``)."""
+    return [type(logger).__name__ for logger in trainer.loggers if getattr(logger, "_log_model", False)]
+
+
+def install_save_hook(is_ours: Callable[[Any], bool], warn: Callable[[Any, list[str]], None]) -> None:
+    """``Trainer.save_checkpoint`` with our checkpoint IO (``is_ours``) outside a running ``fit``/``validate``...
+    (``trainer.state.status`` not ``RUNNING``: before ``fit``, after it, in the main process of ``ddp_spawn``)
+    returns once the checkpoint is committed, when the IO's ``wait_outside_fit`` is set; during a run it
+    returns once staged. With loggers that upload checkpoint files (:func:`uploading_loggers`), ``warn(io,
+    names)`` is called at each save (the IO warns once). Every other IO keeps Lightning's behaviour.
+    """
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.trainer.states import TrainerStatus
+
+    original = Trainer.save_checkpoint
+    if getattr(original, _MARK, False):
+        return
+
+    def save_checkpoint(self: Any, filepath: Any, weights_only: bool | None = None,
+                        storage_options: Any | None = None) -> None:
+        io = self.strategy.checkpoint_io
+        if not is_ours(io):
+            return original(self, filepath, weights_only=weights_only, storage_options=storage_options)
+        if names := uploading_loggers(self):
+            warn(io, names)
+        original(self, filepath, weights_only=weights_only, storage_options=storage_options)
+        if self.state.status != TrainerStatus.RUNNING and io.wait_outside_fit:
+            io.wait()
+        return None
+
+    setattr(save_checkpoint, _MARK, True)
+    Trainer.save_checkpoint = save_checkpoint
+
+
+def install_cli_hook(load_dir: Callable[[str, Any, bool | None], dict[str, Any]]) -> None:
+    """``LightningCLI --ckpt_path DIR`` takes the hyper-parameters of a torch-ckpt directory.
+
+    ``LightningCLI._parse_ckpt_path`` reads them only from a file (``Path.is_file()``, then
+    ``torch.load(weights_only=True)``); for a directory it silently built the model from defaults. For a
+    local directory holding ``manifest.json`` the wrapper reads the checkpoint with ``load_dir`` (nothing
+    unpickled), writes its ``hyper_parameters`` alone to a temporary ``torch.save`` file and runs Lightning's
+    method on that file, so Lightning's own parsing applies; ``ckpt_path`` is put back afterwards. Nothing
+    is installed without ``jsonargparse`` (no LightningCLI).
+    """
+    import importlib.util
+
+    if importlib.util.find_spec("jsonargparse") is None:
+        return
+    from lightning.pytorch.cli import LightningCLI
+
+    original = LightningCLI._parse_ckpt_path
+    if getattr(original, _MARK, False):
+        return
+
+    def parse(self: Any) -> None:
+        import tempfile
+
+        import torch
+
+        command = self.config.get("subcommand") if hasattr(self.config, "get") else None
+        path = self.config[command].get("ckpt_path") if command else None
+        if not (isinstance(path, (str, os.PathLike)) and os.path.isfile(os.path.join(path, "manifest.json"))):
+            return original(self)
+        hparams = load_dir(os.fspath(path), "cpu", True).get("hyper_parameters", {})
+        with tempfile.TemporaryDirectory(prefix="lightning_ckpt_cli_") as tmp:
+            shim = os.path.join(tmp, "hparams.ckpt")
+            torch.save({"hyper_parameters": hparams}, shim)
+            self.config[command]["ckpt_path"] = shim
+            try:
+                return original(self)
+            finally:
+                self.config[command]["ckpt_path"] = path
+
+    setattr(parse, _MARK, True)
+    LightningCLI._parse_ckpt_path = parse

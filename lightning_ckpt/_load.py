@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import shutil
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning_ckpt._values import RANK_LOCAL_KEYS, decode_values
 from torch_ckpt import CheckpointNotFoundError, is_committed, load_full_state, rank_and_world, read_manifest
 
-__all__ = ["load_checkpoint_dir", "load_from_checkpoint", "read_for_lightning"]
+__all__ = ["is_remote_checkpoint", "load_checkpoint_dir", "load_from_checkpoint", "read_for_lightning"]
 
 log = logging.getLogger(__name__)
 
@@ -98,10 +99,31 @@ def _device(map_location: Any, path: Path) -> torch.device | None:
 
 
 def read_for_lightning(path: str, map_location: Any, weights_only: bool | None) -> dict[str, Any]:
-    """Lightning's own loader (``pl_load``) on a torch-ckpt directory: the dict the plugin's
-    ``load_checkpoint`` returns (verified, nothing unpickled unless ``weights_only=False``)."""
-    return load_checkpoint_dir([Path(path)], manager=None, verify=True, allow_pickle=weights_only is False,
-                               map_location=map_location)
+    """Lightning's own loader (``pl_load``) on a torch-ckpt directory or URL: the dict the plugin's
+    ``load_checkpoint`` returns (verified, nothing unpickled unless ``weights_only=False``; a URL is
+    downloaded into a temporary directory first)."""
+    from lightning_ckpt._remote import RemoteCheckpoints, is_url
+
+    if not is_url(path):
+        return load_checkpoint_dir([Path(path)], manager=None, verify=True, allow_pickle=weights_only is False,
+                                   map_location=map_location)
+    local = RemoteCheckpoints().download(path)
+    try:
+        return load_checkpoint_dir([local], manager=None, verify=True, allow_pickle=weights_only is False,
+                                   map_location=map_location)
+    finally:
+        shutil.rmtree(local.parent, ignore_errors=True)
+
+
+def is_remote_checkpoint(url: str) -> bool:
+    """True when the fsspec URL ``url`` holds a torch-ckpt checkpoint (its ``manifest.json``); False for an
+    unknown protocol or an unreachable store (Lightning's loader then reports the error)."""
+    from lightning_ckpt._remote import RemoteCheckpoints, is_url
+
+    try:
+        return is_url(url) and RemoteCheckpoints().is_checkpoint(url)
+    except Exception:  # noqa: BLE001 - not ours to report: Lightning's own loader tries the URL next
+        return False
 
 
 def load_from_checkpoint(cls: type, checkpoint_path: str | Path, **kwargs: Any) -> Any:
@@ -117,6 +139,8 @@ def load_from_checkpoint(cls: type, checkpoint_path: str | Path, **kwargs: Any) 
         CheckpointCorruptError: a file fails verification.
         UnsafeCheckpointError: pickled values and ``weights_only`` is not False.
     """
-    if not Path(checkpoint_path).exists():
+    from lightning_ckpt._remote import is_url
+
+    if not is_url(str(checkpoint_path)) and not Path(checkpoint_path).exists():
         raise CheckpointNotFoundError(f"{checkpoint_path} does not exist")
     return cls.load_from_checkpoint(checkpoint_path, **kwargs)

@@ -9,6 +9,7 @@ whether its target may be written.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import time
 from pathlib import Path
@@ -20,10 +21,19 @@ from torch_ckpt.errors import CheckpointError, CheckpointNotFoundError, Checkpoi
 from torch_ckpt.layout import quarantine_step_dir, read_manifest, scan_manifests
 from torch_ckpt.lineage import BASE, Lineage, head_of
 from torch_ckpt.persist import check_extra_name
+from torch_ckpt.temporaries import is_temporary_name
 
 log = get_logger("torch_ckpt.manager")
 
 __all__ = ["ManagerPrepareMixin"]
+
+
+def _reserved_name(name: str) -> bool:
+    """True for a name of the form of the manager's own files: temporaries (:func:`is_temporary_name`), the
+    aside directories of a delete, supersede, quarantine or replace, and the root lock. Other hidden names
+    (Lightning's ``.lr_find_<uuid>.ckpt``) are ordinary checkpoint paths."""
+    return is_temporary_name(name) or name.startswith((".trash_", ".superseded_", ".corrupt_", ".lock")) or \
+        bool(re.match(r"^\..+\.replaced\.[0-9a-f]{1,64}$", name))
 
 
 def _list_steps(steps: list[int]) -> str:
@@ -78,8 +88,10 @@ class ManagerPrepareMixin:
         if final == self.root or final in self.root.parents:
             raise ConfigError(f"path {final} is the checkpoint root or contains it; name a directory inside or "
                               "beside the root")
-        if final.name.startswith("."):
-            raise ConfigError(f"path {final}: hidden names (starting with '.') are reserved for temporaries")
+        if _reserved_name(final.name):
+            raise ConfigError(f"path {final}: this name has the form of torch-ckpt's own temporary or set-aside "
+                              "directories (.NAME.tmp.<id>, .trash_*, .superseded_*, .corrupt_*, .NAME.replaced.<id>, "
+                              ".lock); choose another name")
         return final
 
     def _prepare_step(self, step: Any, final: Path, *, explicit: bool = False) -> bool:

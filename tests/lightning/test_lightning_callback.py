@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import os
 import threading
-from collections import namedtuple
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -183,21 +183,20 @@ def test_invalid_arguments_are_rejected_at_construction(kwargs, tmp_path):
         MTBFCheckpoint(tmp_path, **kwargs)
 
 
-Odd = namedtuple("Odd", "a")
-
-
 class OddHyperParameters(TinyModule):
-    """Saves a hyper-parameter that only pickling could store (a namedtuple), and records steps."""
+    """Saves a hyper-parameter that only pickling could store (a SimpleNamespace), and records steps."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.hparams["odd"] = Odd(1)
+        self.hparams["odd"] = SimpleNamespace(a=1)
 
 
 def test_unstorable_hyper_parameters_are_refused_at_setup(make_trainer, tmp_path):
-    """A hyper-parameter that needs pickling raises ConfigError naming it before the first step."""
+    """With unsafe_values='error', a hyper-parameter that needs pickling raises ConfigError naming it before the first
+    step."""
     module = OddHyperParameters()
-    trainer = make_trainer(plugins=[AsyncDCPCheckpointIO()], callbacks=[MTBFCheckpoint(tmp_path, mtbf_seconds=None)])
+    trainer = make_trainer(plugins=[AsyncDCPCheckpointIO(unsafe_values="error")],
+                           callbacks=[MTBFCheckpoint(tmp_path, mtbf_seconds=None)])
     with pytest.raises(ConfigError, match=r"hyper_parameters\.odd"):
         trainer.fit(module)
     assert module.draws == [] and not list(tmp_path.glob("step_*"))

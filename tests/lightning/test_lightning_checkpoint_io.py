@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections import namedtuple
+from fractions import Fraction
 
 import pytest
 import torch
@@ -83,15 +83,17 @@ def test_a_failed_save_keeps_the_checkpoint_it_was_to_replace(tmp_path, write_ga
 
 
 def test_overwriting_swaps_the_new_checkpoint_in_only_when_committed(tmp_path, write_gate):
-    """Saving to an existing path (save_last=True) keeps the old checkpoint loadable until the new one commits."""
+    """Saving to an existing path (save_last=True) keeps the old checkpoint loadable until the new one commits;
+    the plugin's own load of that path waits for the commit (the synchronous IO's view)."""
+    from torch_ckpt import load_full_state
+
     io = AsyncDCPCheckpointIO()
     io.save_checkpoint(lightning_dict(1), tmp_path / "last.ckpt")
     io.wait()
     write_gate.hold()
     io.save_checkpoint(lightning_dict(2), tmp_path / "last.ckpt")
-    assert io.load_checkpoint(tmp_path / "last.ckpt")["global_step"] == 1
+    assert load_full_state(tmp_path / "last.ckpt")[0]["global_step"] == 1
     write_gate.release()
-    io.wait()
     assert io.load_checkpoint(tmp_path / "last.ckpt")["global_step"] == 2
     assert visible(tmp_path) == ["last.ckpt"]
     io.teardown()
@@ -102,7 +104,6 @@ def visible(directory) -> list[str]:
     return sorted(p for p in os.listdir(directory) if not p.startswith("."))
 
 
-Point = namedtuple("Point", "a")
 
 
 def test_loads_a_plain_ckpt_file(tmp_path):
@@ -113,10 +114,10 @@ def test_loads_a_plain_ckpt_file(tmp_path):
 
 
 def test_a_value_that_needs_pickling_is_refused_naming_its_key(tmp_path):
-    """A namedtuple hyper-parameter raises ConfigError naming the key, and nothing is written."""
-    io = AsyncDCPCheckpointIO()
+    """With unsafe_values='error', a Fraction hyper-parameter raises ConfigError naming the key; nothing is written."""
+    io = AsyncDCPCheckpointIO(unsafe_values="error")
     with pytest.raises(ConfigError, match=r"hyper_parameters\.data_dir"):
-        io.save_checkpoint(lightning_dict(hyper_parameters={"data_dir": Point(1)}), tmp_path / "a")
+        io.save_checkpoint(lightning_dict(hyper_parameters={"data_dir": Fraction(1, 3)}), tmp_path / "a")
     assert visible(tmp_path) == []
     io.teardown()
 
@@ -124,11 +125,11 @@ def test_a_value_that_needs_pickling_is_refused_naming_its_key(tmp_path):
 def test_pickled_values_load_only_with_weights_only_false(tmp_path):
     """With unsafe_values='pickle', loading needs weights_only=False; otherwise it names the key."""
     io = AsyncDCPCheckpointIO(unsafe_values="pickle")
-    io.save_checkpoint(lightning_dict(hyper_parameters={"data_dir": Point(1)}), tmp_path / "a")
+    io.save_checkpoint(lightning_dict(hyper_parameters={"data_dir": Fraction(1, 3)}), tmp_path / "a")
     io.wait()
     with pytest.raises(UnsafeCheckpointError, match=r"hyper_parameters\.data_dir"):
         io.load_checkpoint(tmp_path / "a")
-    assert io.load_checkpoint(tmp_path / "a", weights_only=False)["hyper_parameters"]["data_dir"] == Point(1)
+    assert io.load_checkpoint(tmp_path / "a", weights_only=False)["hyper_parameters"]["data_dir"] == Fraction(1, 3)
     io.teardown()
 
 
@@ -146,12 +147,6 @@ def test_storage_options_are_rejected(tmp_path):
     """storage_options raise TypeError, like Lightning's TorchCheckpointIO for unsupported options."""
     with pytest.raises(TypeError, match="storage_options"):
         AsyncDCPCheckpointIO().save_checkpoint(lightning_dict(), tmp_path / "a", storage_options={"x": 1})
-
-
-def test_remote_paths_are_rejected():
-    """Object-store URLs raise ConfigError (the plugin writes to local paths)."""
-    with pytest.raises(ConfigError, match="local paths"):
-        AsyncDCPCheckpointIO().save_checkpoint(lightning_dict(), "s3://bucket/a.ckpt")
 
 
 
