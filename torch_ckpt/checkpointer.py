@@ -29,7 +29,7 @@ from torch_ckpt.layout import read_manifest
 from torch_ckpt.persist import PersistRequest, persist_checkpoint
 from torch_ckpt.restore import RANK_LOCAL_POLICIES, load_into
 from torch_ckpt.staging import HostStager
-from torch_ckpt.temporaries import new_incarnation
+from torch_ckpt.temporaries import new_incarnation, reserve
 from torch_ckpt.writer_process import ProcessWriter
 
 __all__ = ["AsyncCheckpointer", "close_on_exit"]
@@ -206,8 +206,10 @@ class AsyncCheckpointer(CheckpointerPrepareMixin):
         this step at once and nothing is written; later saves work normally.
 
         Args:
-            final: the directory to create (must not exist); written as a hidden
-                ``.NAME.tmp.<incarnation>`` sibling and renamed when complete.
+            final: the directory to create (missing, or empty: a reservation); created empty by the
+                committing rank before this returns (the name is taken at once), written inside it as
+                a hidden ``.torch-ckpt.partial.<incarnation>`` and committed when complete (see
+                :mod:`torch_ckpt.temporaries`).
             state: a :class:`~torch_ckpt.TrainState`, any ``Stateful`` or a nested dict of tensors
                 and plain values (see :mod:`torch_ckpt.codec` for the supported values).
             step: recorded in the manifest.
@@ -260,6 +262,7 @@ class AsyncCheckpointer(CheckpointerPrepareMixin):
                 self._abandon(prepared[1], exc)
             raise
         job, handle, background = prepared
+        self._reserve(job)
         stats = handle.stats
         if background:
             if self._executor is None:
@@ -282,6 +285,17 @@ class AsyncCheckpointer(CheckpointerPrepareMixin):
             self._raise_pending()
         return handle
 
+    def _reserve(self, job: SaveJob) -> None:
+        """The rank that commits ``job.final`` creates it empty now, so its name is taken once ``save()``
+        returns (a framework checking whether the name exists sees it as with a synchronous save)."""
+        acting = self.node_layout.is_leader if self.node_layout is not None else self._ctx.is_coordinator
+        if not acting:
+            return
+        try:
+            job.reserved = reserve(job.final)
+        except OSError as exc:  # the writer's prepare step fails on it and reports it on every rank
+            log.debug("could not reserve %s: %s", job.final, exc)
+
     def _run_job(self, job: SaveJob, handle: SaveHandle) -> None:
         try:
             failed = None
@@ -301,7 +315,7 @@ class AsyncCheckpointer(CheckpointerPrepareMixin):
                 fields = dict(final=job.final, step=job.step, tree=job.tree, tensor_bytes=handle.stats.bytes,
                               replace=job.replace, extra_dir=job.extra_dir,
                               thread_count=self.thread_count, timings=timings, incarnation=self._incarnation,
-                              failed=failed, nodes=self.node_layout)
+                              failed=failed, nodes=self.node_layout, reserved=job.reserved)
                 final, files_bytes = self._process_writer.persist(arena=None if failed else self._stager.arena,
                                                                   layout=job.layout, fields=fields)
             else:
@@ -309,7 +323,7 @@ class AsyncCheckpointer(CheckpointerPrepareMixin):
                                      tensor_bytes=handle.stats.bytes, thread_count=self.thread_count,
                                      timings=timings, incarnation=self._incarnation, failed=failed,
                                      replace=job.replace, extra_dir=job.extra_dir, nodes=self.node_layout,
-                                     progress=job.progress)
+                                     progress=job.progress, reserved=job.reserved)
                 final = persist_checkpoint(req, self._ctx)
                 files_bytes = req.committed_bytes
             stats = handle.stats

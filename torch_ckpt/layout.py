@@ -40,7 +40,7 @@ from torch_ckpt.errors import (
 )
 from torch_ckpt.manifest import FORMAT_NAME, FORMAT_VERSION, MANIFEST_NAME, Manifest, rank_file_name, read_manifest
 from torch_ckpt.naming import Naming, StepNaming
-from torch_ckpt.temporaries import replaced_name
+from torch_ckpt.temporaries import PARTIAL_PREFIX, is_reservation, replaced_name
 
 __all__ = [
     "FORMAT_NAME",
@@ -137,7 +137,8 @@ def scan_committed(root: str | os.PathLike, naming: Naming | None = None) -> dic
         try:
             manifest = read_manifest(entry)
         except (CheckpointNotFoundError, CheckpointCorruptError) as exc:
-            log.warning("ignoring %s: %s", entry, exc)
+            if not is_reservation(entry):  # a reserved name (a save in flight, or crashed) is silently not one
+                log.warning("ignoring %s: %s", entry, exc)
             continue
         except OSError as exc:  # unreadable (permissions, I/O error): not a usable checkpoint either
             log.warning("ignoring %s: cannot read its manifest (%s)", entry, exc)
@@ -152,6 +153,10 @@ def scan_committed(root: str | os.PathLike, naming: Naming | None = None) -> dic
 def commit_dir(tmp: Path, final: Path, *, replace: bool = False) -> None:
     """Atomically publish ``tmp`` as ``final`` (fsync tmp, rename, fsync parent).
 
+    A ``tmp`` inside ``final`` (its partial, see :mod:`torch_ckpt.temporaries`) is first moved out to
+    its hidden sibling ``.torch-ckpt.tmp.<id>``; it is then renamed over ``final``, which is missing or
+    an empty reservation (rename(2) replaces an empty directory atomically), or exchanged with it.
+
     Args:
         tmp: the complete temporary directory.
         final: the final name.
@@ -162,13 +167,28 @@ def commit_dir(tmp: Path, final: Path, *, replace: bool = False) -> None:
         CheckpointWriteError: ``final`` already exists (without ``replace``) or the rename fails.
     """
     fsync_dir(tmp)
-    if replace and final.exists():
+    if tmp.parent == final:  # written inside its reserved (or replaced) directory: move it out first
+        side = final.with_name(f".torch-ckpt.tmp.{tmp.name[len(PARTIAL_PREFIX):]}")
+        if os.path.lexists(side):
+            shutil.rmtree(side, ignore_errors=True)
+        try:
+            os.rename(tmp, side)
+        except OSError as exc:
+            raise CheckpointWriteError(exc.errno, f"cannot commit {tmp} -> {side}: {exc.strerror}") from exc
+        try:
+            commit_dir(side, final, replace=replace)
+        except BaseException:
+            shutil.rmtree(side, ignore_errors=True)
+            raise
+        return
+    reserved = is_reservation(final)
+    if replace and final.exists() and not reserved:
         replace_dir(tmp, final)
         return
-    if final.exists():
+    if final.exists() and not reserved:
         raise CheckpointWriteError(f"{final} already exists; a checkpoint for this step is already committed")
     try:
-        os.rename(tmp, final)
+        os.rename(tmp, final)  # a missing name, or the empty reservation (replaced atomically)
     except OSError as exc:
         raise CheckpointWriteError(exc.errno, f"cannot commit {tmp} -> {final}: {exc.strerror}") from exc
     fsync_dir(final.parent)

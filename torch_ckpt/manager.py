@@ -25,7 +25,7 @@ from torch_ckpt.checkpointer import AsyncCheckpointer, close_on_exit
 from torch_ckpt.config import DEFAULT, ON_EXISTING_NEWER, CheckpointConfig, DefaultType
 from torch_ckpt.errors import CheckpointError, ConfigError
 from torch_ckpt.handle import SaveHandle, SaveStats
-from torch_ckpt.layout import check_root
+from torch_ckpt.layout import check_root, is_committed
 from torch_ckpt.manager_commit import ManagerCommitMixin
 from torch_ckpt.manager_health import ManagerHealthMixin
 from torch_ckpt.manager_prepare import ManagerPrepareMixin
@@ -342,7 +342,7 @@ class CheckpointManager(ManagerPrepareMixin, ManagerCommitMixin, ManagerReadMixi
 
     def _step_committed_or_pending(self, step: int) -> bool:
         handle = self._ckpt.in_flight
-        return (handle is not None and handle.step == step) or (self.root / self.naming.name(step)).is_dir()
+        return (handle is not None and handle.step == step) or is_committed(self.root / self.naming.name(step))
 
     def _exit_for_preemption(self, step: int, handle: SaveHandle | None) -> None:
         sig = self._preemption.received

@@ -19,6 +19,7 @@ from torch_ckpt.config_values import check_int
 from torch_ckpt.errors import CheckpointError, CheckpointNotFoundError, CheckpointWriteError, ConfigError
 from torch_ckpt.layout import quarantine_step_dir, read_manifest, scan_committed
 from torch_ckpt.persist import check_extra_name
+from torch_ckpt.temporaries import is_reservation
 
 log = get_logger("torch_ckpt.manager")
 
@@ -116,7 +117,7 @@ class ManagerPrepareMixin:
                         quarantine_step_dir(newer_path, reason="superseded")
             if explicit:
                 return self._check_explicit(final)
-            if os.path.lexists(final):
+            if os.path.lexists(final) and not is_reservation(final):  # an empty directory is free to use
                 try:
                     read_manifest(final)
                 except CheckpointNotFoundError:
@@ -141,6 +142,8 @@ class ManagerPrepareMixin:
         if final.is_symlink() or not final.is_dir():
             raise ConfigError(f"{final} exists and is not a directory written by torch-ckpt (a file or symlink): "
                               "it is never overwritten; remove it or save elsewhere")
+        if is_reservation(final):  # an empty folder (or a save that died before committing): written into
+            return False
         try:
             read_manifest(final)
         except CheckpointNotFoundError:

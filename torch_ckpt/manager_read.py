@@ -7,6 +7,7 @@ module has one job: :mod:`torch_ckpt.manager` saves and schedules, this module f
 from __future__ import annotations
 
 import os
+import shutil
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -23,6 +24,7 @@ from torch_ckpt.errors import (
 from torch_ckpt.layout import read_manifest, remove_step_dir, scan_committed
 from torch_ckpt.resume import restore_candidates
 from torch_ckpt.resume_nodes import restore_node_local
+from torch_ckpt.temporaries import is_reservation
 
 log = get_logger("torch_ckpt.manager")
 
@@ -87,6 +89,9 @@ class ManagerReadMixin:
         if inflight is not None and not inflight.committed.done():
             self._ckpt.wait()
         if not os.path.lexists(path):
+            return
+        if is_reservation(path) and os.listdir(path):  # only partials of saves that never committed: ours
+            shutil.rmtree(path, ignore_errors=True)
             return
         try:
             read_manifest(path)
