@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import sys
 import uuid
 from collections.abc import Callable
@@ -189,6 +190,11 @@ class AsyncDCPCheckpointIO(CheckpointIO):
         if self.wait_outside_fit and self._after_fit:
             self.wait()
 
+    def wait_for(self, path: Any) -> None:
+        """Before ``path`` is read: wait until the in-flight save is committed (its name exists from the start)."""
+        if self.saving:
+            self.wait()
+
     @property
     def saving(self) -> bool:
         """True while a save is in flight (staged, not yet committed)."""
@@ -276,8 +282,10 @@ class AsyncDCPCheckpointIO(CheckpointIO):
             StateMismatchError: the checkpoint does not match ``live``; nothing was loaded.
             UnsafeCheckpointError: pickled values and ``weights_only`` is not False.
         """
+        self.wait_for(path)
         if not Path(path).is_dir():
             return TorchCheckpointIO().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+        path = _instead_of_interrupted(Path(path))
         # absolute: an attached manager reads a relative path relative to its root, not the working directory
         candidates = self.fallbacks.pop(str(Path(path).absolute()), [Path(path).absolute()])
         if self._in_fit and not self.rng_restored_by_callback and not self._warned_rng:
@@ -316,6 +324,34 @@ class AsyncDCPCheckpointIO(CheckpointIO):
             if propagating is None:
                 raise
             log.exception("checkpoint error during teardown while %r propagates", propagating)
+
+
+_HPC_NAME = re.compile(r"hpc_ckpt_(\d+)\.ckpt")
+
+
+def _instead_of_interrupted(path: Path) -> Path:
+    """``path``, or for a SLURM ``hpc_ckpt_N.ckpt`` whose save a kill interrupted, the newest older one.
+
+    A save reserves its name when it starts (as Lightning's synchronous save creates the file), so a
+    kill mid-save leaves that name as an empty directory (nothing but hidden partial files). Lightning's
+    ``ckpt_path="hpc"`` takes the highest ``N`` it finds; like a plain save that a kill cut short before
+    the file existed, the interrupted one is skipped (with a warning) for the highest committed one.
+    """
+    if is_committed(path) or any(not name.startswith(".") for name in os.listdir(path)):
+        return path
+    match = _HPC_NAME.fullmatch(path.name)
+    if match is None:
+        return path  # loading it raises CheckpointNotFoundError naming it
+    older = []
+    for other in path.parent.iterdir():
+        found = _HPC_NAME.fullmatch(other.name)
+        if found and int(found.group(1)) < int(match.group(1)) and (other.is_file() or is_committed(other)):
+            older.append((int(found.group(1)), other))
+    if not older:
+        return path
+    chosen = max(older)[1]
+    rank_zero_warn(f"{path} is a save that never committed (interrupted by a kill); resuming from {chosen} instead")
+    return chosen
 
 
 def _ptr(tensor: torch.Tensor) -> int:
