@@ -383,7 +383,7 @@ class AsyncCheckpointer(CheckpointerPrepareMixin):
         retention retired) is done; raise any background error (once).
 
         ``save()`` itself only waits for ``committed``; ``wait()`` also waits for the deletions, so a
-        listing of the root right after it shows no hidden ``.trash_NAME`` of a retired checkpoint.
+        listing of the root right after it shows no hidden trash of a retired checkpoint.
         """
         self._wait_inflight()
         job = self._job

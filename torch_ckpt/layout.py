@@ -40,7 +40,7 @@ from torch_ckpt.errors import (
 )
 from torch_ckpt.manifest import FORMAT_NAME, FORMAT_VERSION, MANIFEST_NAME, Manifest, rank_file_name, read_manifest
 from torch_ckpt.naming import Naming, StepNaming
-from torch_ckpt.temporaries import PARTIAL_PREFIX, is_reservation, replaced_name
+from torch_ckpt.temporaries import PARTIAL_PREFIX, is_reservation, new_incarnation, replaced_name, side_path
 
 __all__ = [
     "FORMAT_NAME",
@@ -168,7 +168,7 @@ def commit_dir(tmp: Path, final: Path, *, replace: bool = False) -> None:
     """
     fsync_dir(tmp)
     if tmp.parent == final:  # written inside its reserved (or replaced) directory: move it out first
-        side = final.with_name(f".torch-ckpt.tmp.{tmp.name[len(PARTIAL_PREFIX):]}")
+        side = side_path(final, tmp.name[len(PARTIAL_PREFIX):])
         if os.path.lexists(side):
             shutil.rmtree(side, ignore_errors=True)
         try:
@@ -309,7 +309,10 @@ def remove_step_dir(path: Path) -> None:
 
 
 def retire_step_dir(path: Path) -> Path:
-    """Rename a committed checkpoint to its hidden trash name (``.trash_NAME``, atomic); returns that path.
+    """Rename a committed checkpoint to a hidden trash name (``.torch-ckpt.tmp.<random id>``, atomic); returns it.
+
+    The trash name carries no copy of NAME, so no framework's scan of the folder (Lightning's
+    ``hpc_ckpt_<N>`` or ``last`` names, Accelerate's numbered folders) mistakes it for a checkpoint.
 
     Its ``manifest.json`` is deleted at once, so the trash never looks like a committed checkpoint
     to anything listing the root; the caller deletes the rest when convenient (``shutil.rmtree``:
@@ -321,7 +324,7 @@ def retire_step_dir(path: Path) -> Path:
     Raises:
         OSError: the rename failed (the checkpoint is still there, complete).
     """
-    trash = path.with_name(f".trash_{path.name}")
+    trash = side_path(path, new_incarnation())
     if os.path.lexists(trash):
         if trash.is_dir() and not trash.is_symlink():
             shutil.rmtree(trash, ignore_errors=True)

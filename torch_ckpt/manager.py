@@ -66,7 +66,7 @@ class CheckpointManager(ManagerPrepareMixin, ManagerCommitMixin, ManagerReadMixi
             ``min_interval_steps``, ``durable_url``, ``storage_options``, ``replicate_every_n_saves``,
             ``durable_keep_last``, ``durable_keep_every_n_steps``, ``durable_verify``,
             ``durable_flush_timeout_seconds``, ``preemption_signals``, ``preemption_timeout_seconds``,
-            ``on_write_error``, ``on_existing_newer``, ``read_only``, ``naming``,
+            ``on_write_error``, ``on_existing_newer``, ``read_only``, ``explicit_paths_only``, ``naming``,
             ``local_root_shared``, ``durable_upload_threads``. README.md
             ("Configuration") lists each with its default and unit.
 
@@ -114,6 +114,7 @@ class CheckpointManager(ManagerPrepareMixin, ManagerCommitMixin, ManagerReadMixi
         on_write_error: str | DefaultType = DEFAULT,
         on_existing_newer: str | DefaultType = DEFAULT,
         read_only: bool | DefaultType = DEFAULT,
+        explicit_paths_only: bool | DefaultType = DEFAULT,
         naming: Naming | None | DefaultType = DEFAULT,
         local_root_shared: bool | None | DefaultType = DEFAULT,
         durable_upload_threads: int | DefaultType = DEFAULT,
@@ -180,7 +181,7 @@ class CheckpointManager(ManagerPrepareMixin, ManagerCommitMixin, ManagerReadMixi
             error = error or (ConfigError(shared) if shared else None)
         if self._acts_on_root and error is None:
             try:
-                if not self.read_only:
+                if not self.read_only and not cfg.explicit_paths_only:  # a root of its own: exclusive, cleaned
                     self._lock.acquire()
                     clean_stale_temporaries(self.root, keep_incarnation=self._ckpt.incarnation, naming=self.naming)
                 if self._tier is not None:

@@ -89,7 +89,7 @@ class ManagerCommitMixin:
         Returns:
             The hidden trash directories, still to delete (``shutil.rmtree``).
         """
-        if not self._acts_on_root or self.retention is None:
+        if not self._acts_on_root or self.retention is None or self.config.explicit_paths_only:
             return []
         committed = scan_committed(self.root, self.naming)
         busy = self._replicator.busy_steps() if self._replicator is not None else set()

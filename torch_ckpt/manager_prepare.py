@@ -104,6 +104,9 @@ class ManagerPrepareMixin:
                               "and lists checkpoints but does not save; open a writable root without read_only "
                               "to save")
         check_int("step", step, 0)
+        if self.config.explicit_paths_only and not explicit:
+            raise ConfigError(f"this CheckpointManager was opened with explicit_paths_only=True on {self.root}: "
+                              "every save names its directory (save(step, state, path=...))")
         self._captured_at[step] = time.time()  # the state is captured right after this call
         while len(self._captured_at) > 256:
             self._captured_at.pop(next(iter(self._captured_at)))
@@ -111,7 +114,7 @@ class ManagerPrepareMixin:
         if not self._acts_on_root:
             return False
         try:
-            if restored is not None:
+            if restored is not None and not self.config.explicit_paths_only:
                 for newer, newer_path in scan_committed(self.root, self.naming).items():
                     if newer > restored:
                         quarantine_step_dir(newer_path, reason="superseded")

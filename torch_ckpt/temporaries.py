@@ -200,19 +200,27 @@ def clean_stale_temporaries(root: str | os.PathLike, *, keep_incarnation: str | 
             shutil.rmtree(entry, ignore_errors=True)
             removed.append(entry)
         elif not entry.name.startswith(".") and entry.is_dir() and not entry.is_symlink():
-            removed.extend(_clean_partials(entry, keep_incarnation))
+            removed.extend(_clean_partials(entry, keep_incarnation, naming.step_of(entry.name) is not None))
     if removed:
         log.info("removed %d stale temporary checkpoint dir(s) under %s", len(removed), root)
     return removed
 
 
-def _clean_partials(directory: Path, keep_incarnation: str | None) -> list[Path]:
+def _clean_partials(directory: Path, keep_incarnation: str | None, named: bool) -> list[Path]:
     """Remove the partial saves of other incarnations inside ``directory``; then the reservation itself
-    when nothing else is left in it (it was reserved by the crashed save)."""
+    when nothing else is left in it (it was reserved by the crashed save). An empty directory with
+    one of the naming's names is a reservation whose save died before it began writing: removed too."""
     removed: list[Path] = []
     try:
         names = os.listdir(directory)
     except OSError:
+        return removed
+    if not names and named:
+        try:
+            os.rmdir(directory)
+            removed.append(directory)
+        except OSError:
+            pass
         return removed
     for name in names:
         if name.startswith(PARTIAL_PREFIX) and name[len(PARTIAL_PREFIX):] != keep_incarnation:
