@@ -29,7 +29,7 @@ from torch_ckpt.layout import read_manifest
 from torch_ckpt.persist import PersistRequest, persist_checkpoint
 from torch_ckpt.restore import RANK_LOCAL_POLICIES, load_into
 from torch_ckpt.staging import HostStager
-from torch_ckpt.temporaries import new_incarnation, reserve
+from torch_ckpt.temporaries import new_incarnation, partial_path, reserve, unreserve
 from torch_ckpt.writer_process import ProcessWriter
 
 __all__ = ["AsyncCheckpointer", "close_on_exit"]
@@ -342,6 +342,8 @@ class AsyncCheckpointer(CheckpointerPrepareMixin):
                     log.warning("[rank %d] cleanup after committing step %d failed: %s: %s", self._ctx.rank,
                                 job.step, type(exc).__name__, exc)
         except BaseException as exc:  # noqa: BLE001 - surfaced on the caller's thread
+            if job.reserved:  # the name this save reserved, unless it was committed after all
+                unreserve(job.final, partial_path(job.final, self._incarnation), created=True)
             with self._lock:
                 if job.copy_failed:
                     pass  # save() already raised the copy's error on the caller's thread
