@@ -68,7 +68,7 @@ def test_each_checkpointer_has_its_own_incarnation(tmp_path):
 
 
 def test_checkpointer_commits_the_temporary_named_with_its_incarnation(tmp_path, monkeypatch):
-    """AsyncCheckpointer.save commits `NAME/.torch-ckpt.partial.<its incarnation>` (process writer: test_writer_process)."""
+    """AsyncCheckpointer.save commits `NAME/.torch-ckpt.partial.<its incarnation>` (process writer: elsewhere)."""
     import torch_ckpt.persist as persist_mod
 
     renamed: list[str] = []

@@ -12,13 +12,15 @@ Layout of a run root::
         __0_0.distcp ...         tensor shards, one file per rank and writer thread
         rank_00000.json ...      non-tensor state of each rank (types preserved, no pickle)
         manifest.json            written last: step, world size, files with sizes and CRC-32
-      .step_000000110.tmp.9f2c.../  a save in progress; never listed, removed on the next start
+      step_000000110/            reserved when save() returned: a save in progress
+        .torch-ckpt.partial.9f2c.../  its files until the commit; never listed, removed on the next start
 
-Commit protocol (crash-safe at every instant): all files are written and fsynced inside the
-temporary sibling, ``manifest.json`` is written and fsynced, the temporary directory is fsynced,
-renamed to its final name (atomic on POSIX), and the root is fsynced. A directory with a final
-name therefore always holds a complete checkpoint; ordering always uses the manifest's integer
-step, never string order.
+Commit protocol (crash-safe at every instant): the final name is reserved (created empty), all
+files are written and fsynced inside its partial, ``manifest.json`` is written and fsynced, the
+partial is fsynced, moved out to ``.torch-ckpt.tmp.<id>`` and renamed over the empty reservation
+(atomic on POSIX), and the root is fsynced. A directory with a final name therefore holds a
+complete checkpoint or nothing but partials (see :mod:`torch_ckpt.temporaries`); ordering always
+uses the manifest's integer step, never string order.
 """
 
 from __future__ import annotations
