@@ -142,3 +142,28 @@ def test_where_directories_cannot_be_locked_the_lock_file_is_removed_at_release(
     finally:
         lock.release()
     assert os.listdir(tmp_path) == []
+
+
+def _reserve_on_two_ranks(rank: int, world_size: int, root: str) -> None:
+    import torch_ckpt.checkpointer as checkpointer
+
+    release = threading.Event()
+    persist = checkpointer.persist_checkpoint
+    checkpointer.persist_checkpoint = lambda req, ctx: (release.wait(60), persist(req, ctx))[1]
+    with CheckpointManager(root) as mgr:
+        mgr.save(1, {"w": torch.ones(8)})
+        if rank == 0:  # the committing rank reserved the name before its save() returned
+            assert os.listdir(root) == ["step_000000001"] and not is_committed(os.path.join(root, "step_000000001"))
+        release.set()
+        mgr.wait()
+        assert mgr.all_steps() == [1]
+    if rank == 0:
+        assert os.listdir(root) == ["step_000000001"]
+
+
+@pytest.mark.timeout(180)
+def test_two_ranks_reserve_the_name_on_the_committing_rank_and_leave_only_the_checkpoint(tmp_path):
+    """2 gloo ranks: rank 0 reserves the name when save() returns; afterwards the root holds only the checkpoint."""
+    from tests._dist import run_distributed
+
+    run_distributed(_reserve_on_two_ranks, 2, str(tmp_path))
