@@ -160,7 +160,8 @@ class AccelerateCheckpointer:
                 root = Path(self.accelerator.project_dir).expanduser() / "checkpoints"
             s = self.settings
             keep = s.config.keep_last if s.keep_last_given else self.accelerator.project_configuration.total_limit
-            self.manager = CheckpointManager(root, config=s.config, naming=NAMING,
+            # explicit folders: the run owns each folder it saves, not the directory they lie in
+            self.manager = CheckpointManager(root, config=s.config, naming=NAMING, explicit_paths_only=not self._auto,
                                              keep_last=keep if self._auto else None, **self._policy)
         return self.manager
 

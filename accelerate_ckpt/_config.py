@@ -19,7 +19,7 @@ __all__ = ["ENV_VAR", "CkptSettings", "load_settings"]
 #: Environment variable holding the path of a YAML settings file; it wins over ``config=``.
 ENV_VAR = "ACCELERATE_CKPT_CONFIG"
 _EXTRAS = {"enabled": True, "log_stats": True}  # the adapter's own keys and their defaults
-_FIXED = ("naming", "read_only")  # set by the adapter itself
+_FIXED = ("naming", "read_only", "explicit_paths_only")  # set by the adapter itself
 
 
 @dataclass(frozen=True)

@@ -63,6 +63,7 @@ from _common import emit_json  # noqa: E402
 from torch_ckpt import writer_process  # noqa: E402
 from torch_ckpt.format import verify_files  # noqa: E402
 from torch_ckpt.layout import read_manifest, scan_committed  # noqa: E402
+from torch_ckpt.temporaries import is_reservation  # noqa: E402
 
 
 def _writers(pid: int) -> list[psutil.Process]:
@@ -322,14 +323,18 @@ def main(argv: list[str] | None = None) -> dict:
             result["writers_survived"] += len(survivors)
             _kill_all(survivors)
             result["committed_after_death"] += len(set(scan_committed(ckpt)) - at_death)
-        if any(ckpt.glob(".step_*.tmp*")):
+        if any(ckpt.glob(".step_*.tmp*")) or any(ckpt.glob(".torch-ckpt.tmp.*")) or \
+                any(ckpt.glob("step_*/.torch-ckpt.partial.*")):
             result["instants"]["during_save"] += 1
         elif not scan_committed(ckpt):
             result["instants"]["no_checkpoint_yet"] += 1
         else:
             result["instants"]["between_saves"] += 1
         committed = scan_committed(ckpt)
-        exposed = [d for d in ckpt.glob("step_*") if d.is_dir() and int(d.name[5:]) not in committed]
+        # a final name holding data that is not a committed checkpoint; a reservation (nothing but hidden
+        # partials, or empty: a save in flight at the kill) is never listed or loaded, so it is not exposed
+        exposed = [d for d in ckpt.glob("step_*") if d.is_dir() and int(d.name[5:]) not in committed
+                   and not is_reservation(d)]
         result["partial_exposed"] += len(exposed)
         try:
             if committed:

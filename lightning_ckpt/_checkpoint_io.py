@@ -6,6 +6,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import re
 import shutil
 import sys
 import uuid
@@ -292,7 +293,8 @@ class AsyncDCPCheckpointIO(CheckpointIO):
 
     def wait_for_path(self, path: Any) -> None:
         """Block until the in-flight save is committed if it writes ``path`` (``Tuner.lr_find`` restores the
-        checkpoint it has just saved; the synchronous IO's file exists once the save returned).
+        checkpoint it has just saved; the synchronous IO's file exists once the save returned). The save
+        reserves its name at once, so without this wait a load would find an uncommitted reservation.
 
         Raises:
             CheckpointError: that save failed (raised once).
@@ -361,6 +363,7 @@ class AsyncDCPCheckpointIO(CheckpointIO):
                 shutil.rmtree(local.parent, ignore_errors=True)
         if is_url(text) or not Path(path).is_dir():
             return TorchCheckpointIO().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+        path = _instead_of_interrupted(Path(path))
         # absolute: an attached manager reads a relative path relative to its root, not the working directory
         candidates = self.fallbacks.pop(str(Path(path).absolute()), [Path(path).absolute()])
         if self._in_fit and not self.rng_restored_by_callback and not self._warned_rng:
@@ -423,6 +426,34 @@ def _finish_at_exit() -> None:
             io.wait()
         except Exception:  # noqa: BLE001 - at exit: report, never mask the exit status
             log.exception("checkpoint error while finishing the in-flight save at interpreter exit")
+
+
+_HPC_NAME = re.compile(r"hpc_ckpt_(\d+)\.ckpt")
+
+
+def _instead_of_interrupted(path: Path) -> Path:
+    """``path``, or for a SLURM ``hpc_ckpt_N.ckpt`` whose save a kill interrupted, the newest older one.
+
+    A save reserves its name when it starts (as Lightning's synchronous save creates the file), so a
+    kill mid-save leaves that name as an empty directory (nothing but hidden partial files). Lightning's
+    ``ckpt_path="hpc"`` takes the highest ``N`` it finds; like a plain save that a kill cut short before
+    the file existed, the interrupted one is skipped (with a warning) for the highest committed one.
+    """
+    if is_committed(path) or any(not name.startswith(".") for name in os.listdir(path)):
+        return path
+    match = _HPC_NAME.fullmatch(path.name)
+    if match is None:
+        return path  # loading it raises CheckpointNotFoundError naming it
+    older = []
+    for other in path.parent.iterdir():
+        found = _HPC_NAME.fullmatch(other.name)
+        if found and int(found.group(1)) < int(match.group(1)) and (other.is_file() or is_committed(other)):
+            older.append((int(found.group(1)), other))
+    if not older:
+        return path
+    chosen = max(older)[1]
+    rank_zero_warn(f"{path} is a save that never committed (interrupted by a kill); resuming from {chosen} instead")
+    return chosen
 
 
 def _ptr(tensor: torch.Tensor) -> int:

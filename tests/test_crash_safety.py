@@ -39,11 +39,13 @@ KILLS = 30
 FIRST_SAVE_KILLS = 8
 SEED = 20240607
 _TMP_RE = re.compile(r"^\.step_\d+\.tmp(\.[0-9a-f]+)?$")
+_SIDE_RE = re.compile(r"^\.torch-ckpt\.tmp\.[0-9a-f]+$")  # a commit between its renames, or retention's trash
+_PARTIAL = ".torch-ckpt.partial."  # a save in progress, inside its reserved final directory
 _FINAL_RE = re.compile(r"^step_(\d+)$")
 
 
 def _is_temporary(name: str) -> bool:
-    return bool(_TMP_RE.match(name)) or name.startswith(".trash_")
+    return bool(_TMP_RE.match(name) or _SIDE_RE.match(name)) or name.startswith(".trash_")
 
 
 class _Zygote:
@@ -94,19 +96,25 @@ class _RestoreLog(logging.Handler):
 
 
 def _snapshot(root: Path) -> dict[str, list[str]]:
-    """``{entry: sorted file names inside}`` of the checkpoint root."""
+    """``{entry: sorted file names inside}`` of the checkpoint root (a partial's files as ``PARTIAL/file``)."""
     out = {}
     for entry in sorted(os.listdir(root)):
         p = root / entry
-        out[entry] = sorted(os.listdir(p)) if p.is_dir() else []
+        names = sorted(os.listdir(p)) if p.is_dir() else []
+        out[entry] = [f"{n}/{f}" for n in names for f in sorted(os.listdir(p / n))] \
+            if names and all(n.startswith(_PARTIAL) for n in names) else names
     return out
 
 
 def _phase(before: dict[str, list[str]]) -> str:
     """Which part of a save the kill interrupted, judged from what it left on disk."""
-    if any(n.startswith(".trash_") for n in before):
+    sides = [files for n, files in before.items() if _SIDE_RE.match(n)]
+    if any(n.startswith(".trash_") for n in before) or any("manifest.json" not in files for files in sides):
         return "retention"
-    tmps = [files for n, files in before.items() if _TMP_RE.match(n)]
+    if sides:
+        return "manifest written, between the commit's renames"
+    tmps = [[f.split("/", 1)[1] for f in files if "/" in f] for n, files in before.items()
+            if _FINAL_RE.match(n) and any(f.startswith(_PARTIAL) for f in files)]
     if not tmps:
         return "staging / between saves / after rename"
     files = tmps[0]
@@ -249,7 +257,8 @@ def test_temporaries_are_never_listed_or_restored(campaign):
 @pytest.mark.timeout(180)
 def test_stale_temporaries_are_removed_when_the_manager_starts(campaign):
     """A fresh CheckpointManager removes the .step_*.tmp / .trash_* directories a killed save left."""
-    left = [rec for rec in campaign["records"] if any(_is_temporary(n) for n in rec["before"])]
+    left = [rec for rec in campaign["records"] if any(_is_temporary(n) or any(f.startswith(_PARTIAL) for f in files)
+                                                      for n, files in rec["before"].items())]
     assert left, "no kill left a temporary directory behind; the kill window misses the writes"
     for rec in campaign["records"]:
         stale = [n for n in rec["after"] if _is_temporary(n)]

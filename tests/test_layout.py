@@ -202,17 +202,19 @@ def test_retired_checkpoint_is_hidden_and_no_longer_looks_committed(tmp_path):
     from torch_ckpt.layout import retire_step_dir
 
     trash = retire_step_dir(make_ckpt(tmp_path / NAMING.name(1), 1, files={"a": b"x"}))
-    assert [p.name for p in tmp_path.iterdir()] == [f".trash_{NAMING.name(1)}"]
+    assert [p.name for p in tmp_path.iterdir()] == [trash.name] and trash.name.startswith(".torch-ckpt.tmp.")
+    assert NAMING.name(1) not in trash.name  # no scan of the folder by name mistakes it for the checkpoint
     assert sorted(p.name for p in trash.iterdir()) == ["a"]
 
 
 def test_a_leftover_trash_of_the_same_name_never_blocks_removal(tmp_path):
-    """A .trash_NAME left by a crash (non-empty) is replaced, not an ENOTEMPTY failure of remove_step_dir."""
+    """A trash left by a crash (non-empty, any name) never makes remove_step_dir fail; each removal has its own."""
     leftover = tmp_path / f".trash_{NAMING.name(1)}"
     (leftover / "sub").mkdir(parents=True)
     (leftover / "sub" / "old.distcp").write_bytes(b"old")
     remove_step_dir(make_ckpt(tmp_path / NAMING.name(1), 1, files={"a": b"x"}))
-    assert list(tmp_path.iterdir()) == []
+    remove_step_dir(make_ckpt(tmp_path / NAMING.name(1), 1, files={"a": b"x"}))
+    assert list(tmp_path.iterdir()) == [leftover]  # removed at the next start (clean_stale_temporaries)
 
 
 def test_update_manifest_tiers_merges_and_keeps_the_rest(tmp_path):

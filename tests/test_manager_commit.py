@@ -32,13 +32,13 @@ def test_committed_resolves_before_the_retired_checkpoint_is_deleted(tmp_path, m
         handle.committed.result(timeout=30)  # resolves while the deletion is held
         assert started.wait(30)
         assert mgr.all_steps() == [2]
-        trash = [p for p in tmp_path.iterdir() if p.name.startswith(".trash_")]
+        trash = [p for p in tmp_path.iterdir() if p.name.startswith(".torch-ckpt.tmp.")]
         assert len(trash) == 1 and not (trash[0] / "manifest.json").exists()
         assert sorted(p.name for p in tmp_path.iterdir() if (p / "manifest.json").exists()) == [
             mgr.naming.name(2)]
         release.set()
         mgr.wait()
-    assert not any(p.name.startswith(".trash_") for p in tmp_path.iterdir())
+    assert not any(p.name.startswith(".torch-ckpt.tmp.") for p in tmp_path.iterdir())
 
 
 def test_a_failing_deletion_after_commit_is_logged_and_the_save_stays_committed(tmp_path, monkeypatch, caplog):
@@ -56,7 +56,7 @@ def test_a_failing_deletion_after_commit_is_logged_and_the_save_stays_committed(
 
 
 def test_a_listing_right_after_wait_shows_no_retired_checkpoint(tmp_path, monkeypatch):
-    """mgr.wait() returns only once retired checkpoints are deleted: no .trash_NAME in os.listdir after it."""
+    """mgr.wait() returns only once retired checkpoints are deleted: no hidden trash in os.listdir after it."""
     import os
     import time
 

@@ -243,7 +243,7 @@ def test_extra_dir_that_is_or_holds_the_root_is_refused_and_nothing_moves(tmp_pa
         extra = {"root": root, "parent_of_root": tmp_path, "target": root / "zz", "missing": tmp_path / "nope"}[which]
         with pytest.raises(ConfigError, match="extra_dir"):
             mgr.save(2, _state(), path="zz", extra_dir=extra)
-        assert (root / ".lock").exists() and (tmp_path / "keep").is_dir() and is_committed(root / "zz")
+        assert (tmp_path / "keep").is_dir() and is_committed(root / "zz")
         mgr.save(3, _state()).wait()  # the lock and the run are intact
 
 

@@ -27,15 +27,15 @@ class _Owner:
         self.root, self.alive_for, self.seen = root, alive_for, []
 
     def __call__(self) -> bool:
-        self.seen.append(sorted(os.listdir(self.root)))
+        self.seen.append(sorted(os.listdir(self.root)) if self.root.exists() else [])
         return len(self.seen) <= self.alive_for
 
 
 def test_save_writes_into_its_own_incarnations_temporary(tmp_path):
-    """While step 1 is being written, its only temporary is `.step_000000001.tmp.<incarnation>`."""
-    owner = _Owner(tmp_path)
+    """While step 1 is being written, the root shows only its reserved name (the partial is inside it)."""
+    owner = _Owner(tmp_path / "step_000000001")
     persist_checkpoint(_request(tmp_path, owner_alive=owner), DistContext())
-    assert owner.seen[-1] == [".step_000000001.tmp.abcd"]  # the look right before the rename
+    assert owner.seen[-1] == [".torch-ckpt.partial.abcd"]  # the look right before the rename
     assert os.listdir(tmp_path) == ["step_000000001"]
 
 
@@ -68,7 +68,7 @@ def test_each_checkpointer_has_its_own_incarnation(tmp_path):
 
 
 def test_checkpointer_commits_the_temporary_named_with_its_incarnation(tmp_path, monkeypatch):
-    """AsyncCheckpointer.save renames `.NAME.tmp.<its incarnation>` into place (process writer: test_writer_process)."""
+    """AsyncCheckpointer.save commits `NAME/.torch-ckpt.partial.<its incarnation>` (process writer: elsewhere)."""
     import torch_ckpt.persist as persist_mod
 
     renamed: list[str] = []
@@ -77,7 +77,7 @@ def test_checkpointer_commits_the_temporary_named_with_its_incarnation(tmp_path,
                                                                          original(tmp, final)))
     with AsyncCheckpointer(thread_count=1) as ckpt:
         ckpt.save(tmp_path / "step_000000001", {"w": torch.ones(10)}, step=1).wait()
-        assert renamed == [f".step_000000001.tmp.{ckpt.incarnation}"]
+        assert renamed == [f".torch-ckpt.partial.{ckpt.incarnation}"]
     assert os.listdir(tmp_path) == ["step_000000001"]
 
 

@@ -22,7 +22,7 @@ import psutil
 import pytest
 import torch
 
-from torch_ckpt import CheckpointManager
+from torch_ckpt import CheckpointManager, is_committed
 
 pytestmark = pytest.mark.slow  # see pyproject's markers: left out by make test-fast
 
@@ -128,7 +128,15 @@ def trainers(tmp_path):
 
 
 def _temporaries(root: Path) -> list[str]:
-    return sorted(n for n in os.listdir(root) if n.startswith(".step_"))
+    """The partials of saves in progress (inside their reserved step directories) and commit sides."""
+    return sorted([n for n in os.listdir(root) if n.startswith((".step_", ".torch-ckpt."))] +
+                  [p.name for p in root.glob("step_*/.torch-ckpt.partial.*")])
+
+
+def _uncommitted(path: Path) -> bool:
+    """Not a checkpoint: missing, or a reserved name holding nothing but partials."""
+    return not path.exists() or (not is_committed(path) and all(n.startswith(".torch-ckpt.partial.")
+                                                                for n in os.listdir(path)))
 
 
 def _stopped_mid_save(start, root: Path, **kwargs) -> _Trainer:
@@ -137,7 +145,7 @@ def _stopped_mid_save(start, root: Path, **kwargs) -> _Trainer:
     t.expect("saving")
     t.expect("saving")
     _wait_for(lambda: _stopped(t.writer), "the writer to stop inside the save of step 2")
-    assert (root / "step_000000001").is_dir() and not (root / "step_000000002").exists()
+    assert (root / "step_000000001").is_dir() and _uncommitted(root / "step_000000002")
     return t
 
 
@@ -148,7 +156,7 @@ def test_sigkilled_trainer_takes_its_writer_down_mid_save(tmp_path, trainers):
     a = _stopped_mid_save(trainers, root)
     a.kill()
     _wait_for(lambda: _gone(a.writer), "the writer to die with its trainer (it is never resumed)", _EXIT_BOUND_S)
-    assert not (root / "step_000000002").exists()
+    assert _uncommitted(root / "step_000000002")
 
 
 @pytest.mark.timeout(240)
@@ -161,8 +169,8 @@ def test_orphaned_writer_resumed_after_the_trainer_died_commits_nothing(tmp_path
     assert not _gone(a.writer), "the writer died with its trainer: the liveness check is not what is tested"
     a.writer.send_signal(signal.SIGCONT)
     _wait_for(lambda: _gone(a.writer), "the orphaned writer to exit", _EXIT_BOUND_S)
-    assert not (root / "step_000000002").exists()
-    assert _temporaries(root) == []  # it removed its own temporary
+    assert not (root / "step_000000002").exists()  # it removed its own partial and the name it reserved
+    assert _temporaries(root) == []
 
 
 @pytest.mark.timeout(240)
@@ -181,7 +189,7 @@ def test_restart_while_the_orphan_is_stopped_never_shares_its_temporary(tmp_path
     """SIGSTOP the orphan, restart, SIGCONT: the orphan never touches the restart's temporary; its save commits."""
     root = tmp_path / "root"
     a = _stopped_mid_save(trainers, root, death_signal=False, value=0.25)
-    orphan_tmp = f".step_000000002.tmp.{a.incarnation}"
+    orphan_tmp = f".torch-ckpt.partial.{a.incarnation}"
     assert _temporaries(root) == [orphan_tmp]
     a.kill()
     assert not _gone(a.writer)
@@ -189,14 +197,14 @@ def test_restart_while_the_orphan_is_stopped_never_shares_its_temporary(tmp_path
     b = trainers(root, steps="2", value=0.75, stop_at=2)
     assert b.expect("restored")["restored"] == 1
     _wait_for(lambda: _stopped(b.writer), "the restarted run's writer to stop inside its save of step 2")
-    own_tmp = root / f".step_000000002.tmp.{b.incarnation}"
+    own_tmp = root / "step_000000002" / f".torch-ckpt.partial.{b.incarnation}"
     assert _temporaries(root) == [own_tmp.name]  # the orphan's temporary was removed on the restart
     before = {f.name: f.read_bytes() for f in own_tmp.iterdir()}
 
     a.writer.send_signal(signal.SIGCONT)
     _wait_for(lambda: _gone(a.writer), "the orphaned writer to exit", _EXIT_BOUND_S)
     assert {f.name: f.read_bytes() for f in own_tmp.iterdir()} == before
-    assert not (root / "step_000000002").exists()
+    assert not is_committed(root / "step_000000002")
 
     b.writer.send_signal(signal.SIGCONT)
     b.expect("done")

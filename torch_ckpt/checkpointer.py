@@ -33,7 +33,7 @@ from torch_ckpt.lifecycle import finish_at_exit
 from torch_ckpt.persist import PersistRequest, persist_checkpoint
 from torch_ckpt.restore import RANK_LOCAL_POLICIES, load_into
 from torch_ckpt.staging import HostStager
-from torch_ckpt.temporaries import new_incarnation
+from torch_ckpt.temporaries import new_incarnation, partial_path, reserve, unreserve
 from torch_ckpt.writer_process import ProcessWriter
 
 __all__ = ["AsyncCheckpointer", "close_on_exit"]
@@ -215,8 +215,10 @@ class AsyncCheckpointer(CheckpointerPrepareMixin):
         this step at once and nothing is written; later saves work normally.
 
         Args:
-            final: the directory to create (must not exist); written as a hidden
-                ``.NAME.tmp.<incarnation>`` sibling and renamed when complete.
+            final: the directory to create (missing, or empty: a reservation); created empty by the
+                committing rank before this returns (the name is taken at once), written inside it as
+                a hidden ``.torch-ckpt.partial.<incarnation>`` and committed when complete (see
+                :mod:`torch_ckpt.temporaries`).
             state: a :class:`~torch_ckpt.TrainState`, any ``Stateful`` or a nested dict of tensors
                 and plain values (see :mod:`torch_ckpt.codec` for the supported values).
             step: recorded in the manifest.
@@ -272,6 +274,7 @@ class AsyncCheckpointer(CheckpointerPrepareMixin):
                 self._abandon(prepared[1], exc)
             raise
         job, handle, background = prepared
+        self._reserve(job)
         stats = handle.stats
         if background:
             if job.progress is not None:
@@ -320,6 +323,17 @@ class AsyncCheckpointer(CheckpointerPrepareMixin):
             if not thread.is_alive() and self._writer is thread:
                 self._writer = None
 
+    def _reserve(self, job: SaveJob) -> None:
+        """The rank that commits ``job.final`` creates it empty now, so its name is taken once ``save()``
+        returns (a framework checking whether the name exists sees it as with a synchronous save)."""
+        acting = self.node_layout.is_leader if self.node_layout is not None else self._ctx.is_coordinator
+        if not acting:
+            return
+        try:
+            job.reserved = reserve(job.final)
+        except OSError as exc:  # the writer's prepare step fails on it and reports it on every rank
+            log.debug("could not reserve %s: %s", job.final, exc)
+
     def _run_job(self, job: SaveJob, handle: SaveHandle) -> None:
         try:
             failed = None
@@ -340,7 +354,8 @@ class AsyncCheckpointer(CheckpointerPrepareMixin):
                 fields = dict(final=job.final, step=job.step, tree=job.tree, tensor_bytes=handle.stats.bytes,
                               replace=job.replace, extra_dir=job.extra_dir, lineage=job.lineage,
                               thread_count=self.thread_count, timings=timings, incarnation=self._incarnation,
-                              failed=failed, nodes=self.node_layout, failed_names=failed_names)
+                              failed=failed, nodes=self.node_layout, failed_names=failed_names,
+                              reserved=job.reserved)
                 final, files_bytes = self._process_writer.persist(arena=None if failed else self._stager.arena,
                                                                   layout=job.layout, fields=fields)
             else:
@@ -349,7 +364,7 @@ class AsyncCheckpointer(CheckpointerPrepareMixin):
                                      timings=timings, incarnation=self._incarnation, failed=failed,
                                      replace=job.replace, extra_dir=job.extra_dir, nodes=self.node_layout,
                                      progress=job.progress, failed_names=failed_names,
-                                     lineage=job.lineage)
+                                     lineage=job.lineage, reserved=job.reserved)
                 with self._ctx.background_work():  # no rebuild of the groups under this persist
                     final = persist_checkpoint(req, self._ctx)
                 files_bytes = req.committed_bytes
@@ -370,6 +385,8 @@ class AsyncCheckpointer(CheckpointerPrepareMixin):
                                 job.step, type(exc).__name__, exc)
         except BaseException as exc:  # noqa: BLE001 - surfaced on the caller's thread
             self._failed_names.append(job.final.name)  # a temporary may be left (a collective timed out)
+            if job.reserved:  # the name this save reserved, unless it was committed after all
+                unreserve(job.final, partial_path(job.final, self._incarnation), created=True)
             with self._lock:
                 if job.copy_failed:
                     pass  # save() already raised the copy's error on the caller's thread
@@ -411,7 +428,7 @@ class AsyncCheckpointer(CheckpointerPrepareMixin):
         retention retired) is done; raise any background error (once).
 
         ``save()`` itself only waits for ``committed``; ``wait()`` also waits for the deletions, so a
-        listing of the root right after it shows no hidden ``.trash_NAME`` of a retired checkpoint.
+        listing of the root right after it shows no hidden trash of a retired checkpoint.
         """
         self._wait_inflight()
         job = self._job

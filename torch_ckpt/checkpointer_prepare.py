@@ -54,6 +54,7 @@ class SaveJob:
     progress: StagingProgress | None = None  # pipelined staging: the copy runs while the writer starts
     timings: dict[str, float] = field(default_factory=dict)
     copy_failed: bool = False
+    reserved: bool = False  # this rank created ``final`` empty when the save was accepted
 
 
 #: Pipelined staging of host tensors (the writer starts while ``save()`` still copies): None decides

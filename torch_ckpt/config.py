@@ -132,6 +132,11 @@ class CheckpointConfig:
         read_only: Open the root for ``restore()``, ``all_steps()``, ``latest_step()`` and
             ``health()`` only: no root lock, nothing created or cleaned, ``save()`` refused. For
             roots on read-only media or shared with a run that writes them.
+        explicit_paths_only: Every save names its directory (``save(path=...)``): the root is only
+            the folder those directories lie in (e.g. a user's folder holding other runs' checkpoints),
+            so it is not locked, not cleaned at start, not pruned and never moved aside from, and a
+            save without ``path`` is refused. Runs saving sibling folders of one directory then do not
+            exclude each other; a crash's leftovers there are not cleaned. Not with ``durable_url``.
         naming: How step directories are named under the root (and in the durable tier): a
             :class:`~torch_ckpt.naming.Naming`; ``None`` means ``StepNaming()``
             (``step_000000042``); e.g. ``PatternNaming("checkpoint_{step}")``. Listing, resume and
@@ -190,6 +195,7 @@ class CheckpointConfig:
     on_write_error: str = "raise"
     on_existing_newer: str = "error"
     read_only: bool = False
+    explicit_paths_only: bool = False
     naming: Naming | None = None
     local_root_shared: bool | None = None
     durable_upload_threads: int = 1
@@ -197,7 +203,8 @@ class CheckpointConfig:
     durable_create: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("async_save", "overlap_staging", "verify_on_load", "read_only", "durable_create"):
+        for name in ("async_save", "overlap_staging", "verify_on_load", "read_only", "durable_create",
+                     "explicit_paths_only"):
             check_bool(name, getattr(self, name))
         for name in ("keep_last", "keep_every_n_steps", "save_every_n_steps", "durable_keep_last",
                      "durable_keep_every_n_steps"):
@@ -253,6 +260,9 @@ class CheckpointConfig:
         if self.durable_url is None and (self.durable_keep_last is not None
                                          or self.durable_keep_every_n_steps is not None):
             raise ConfigError("durable_keep_last/durable_keep_every_n_steps need durable_url")
+        if self.explicit_paths_only and self.durable_url is not None:
+            raise ConfigError("explicit_paths_only=True cannot be combined with durable_url: only checkpoints "
+                              "under the root's own names are replicated")
         if self.read_only and self.durable_url is not None:
             raise ConfigError("read_only=True cannot be combined with durable_url: a durable checkpoint is "
                               "downloaded into the local root; open the durable copy's directory instead")

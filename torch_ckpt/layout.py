@@ -12,13 +12,15 @@ Layout of a run root::
         __0_0.distcp ...         tensor shards, one file per rank and writer thread
         rank_00000.json ...      non-tensor state of each rank (types preserved, no pickle)
         manifest.json            written last: step, world size, files with sizes and CRC-32
-      .step_000000110.tmp.9f2c.../  a save in progress; never listed, removed on the next start
+      step_000000110/            reserved when save() returned: a save in progress
+        .torch-ckpt.partial.9f2c.../  its files until the commit; never listed, removed on the next start
 
-Commit protocol (crash-safe at every instant): all files are written and fsynced inside the
-temporary sibling, ``manifest.json`` is written and fsynced, the temporary directory is fsynced,
-renamed to its final name (atomic on POSIX), and the root is fsynced. A directory with a final
-name therefore always holds a complete checkpoint; ordering always uses the manifest's integer
-step, never string order.
+Commit protocol (crash-safe at every instant): the final name is reserved (created empty), all
+files are written and fsynced inside its partial, ``manifest.json`` is written and fsynced, the
+partial is fsynced, moved out to ``.torch-ckpt.tmp.<id>`` and renamed over the empty reservation
+(atomic on POSIX), and the root is fsynced. A directory with a final name therefore holds a
+complete checkpoint or nothing but partials (see :mod:`torch_ckpt.temporaries`); ordering always
+uses the manifest's integer step, never string order.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from torch_ckpt.errors import (
 )
 from torch_ckpt.manifest import FORMAT_NAME, FORMAT_VERSION, MANIFEST_NAME, Manifest, rank_file_name, read_manifest
 from torch_ckpt.naming import Naming, StepNaming
-from torch_ckpt.temporaries import replaced_name
+from torch_ckpt.temporaries import PARTIAL_PREFIX, is_reservation, new_incarnation, replaced_name, side_path
 
 __all__ = [
     "FORMAT_NAME",
@@ -143,7 +145,8 @@ def scan_manifests(root: str | os.PathLike, naming: Naming | None = None) -> dic
         try:
             manifest = read_manifest(entry)
         except (CheckpointNotFoundError, CheckpointCorruptError) as exc:
-            log.warning("ignoring %s: %s", entry, exc)
+            if not is_reservation(entry):  # a reserved name (a save in flight, or crashed) is silently not one
+                log.warning("ignoring %s: %s", entry, exc)
             continue
         except OSError as exc:  # unreadable (permissions, I/O error): not a usable checkpoint either
             log.warning("ignoring %s: cannot read its manifest (%s)", entry, exc)
@@ -158,6 +161,10 @@ def scan_manifests(root: str | os.PathLike, naming: Naming | None = None) -> dic
 def commit_dir(tmp: Path, final: Path, *, replace: bool = False) -> None:
     """Atomically publish ``tmp`` as ``final`` (fsync tmp, rename, fsync parent).
 
+    A ``tmp`` inside ``final`` (its partial, see :mod:`torch_ckpt.temporaries`) is first moved out to
+    its hidden sibling ``.torch-ckpt.tmp.<id>``; it is then renamed over ``final``, which is missing or
+    an empty reservation (rename(2) replaces an empty directory atomically), or exchanged with it.
+
     Args:
         tmp: the complete temporary directory.
         final: the final name.
@@ -168,13 +175,28 @@ def commit_dir(tmp: Path, final: Path, *, replace: bool = False) -> None:
         CheckpointWriteError: ``final`` already exists (without ``replace``) or the rename fails.
     """
     fsync_dir(tmp)
-    if replace and final.exists():
+    if tmp.parent == final:  # written inside its reserved (or replaced) directory: move it out first
+        side = side_path(final, tmp.name[len(PARTIAL_PREFIX):])
+        if os.path.lexists(side):
+            shutil.rmtree(side, ignore_errors=True)
+        try:
+            os.rename(tmp, side)
+        except OSError as exc:
+            raise CheckpointWriteError(exc.errno, f"cannot commit {tmp} -> {side}: {exc.strerror}") from exc
+        try:
+            commit_dir(side, final, replace=replace)
+        except BaseException:
+            shutil.rmtree(side, ignore_errors=True)
+            raise
+        return
+    reserved = is_reservation(final)
+    if replace and final.exists() and not reserved:
         replace_dir(tmp, final)
         return
-    if final.exists():
+    if final.exists() and not reserved:
         raise CheckpointWriteError(f"{final} already exists; a checkpoint for this step is already committed")
     try:
-        os.rename(tmp, final)
+        os.rename(tmp, final)  # a missing name, or the empty reservation (replaced atomically)
     except OSError as exc:
         raise CheckpointWriteError(exc.errno, f"cannot commit {tmp} -> {final}: {exc.strerror}") from exc
     fsync_dir(final.parent)
@@ -295,7 +317,10 @@ def remove_step_dir(path: Path) -> None:
 
 
 def retire_step_dir(path: Path) -> Path:
-    """Rename a committed checkpoint to its hidden trash name (``.trash_NAME``, atomic); returns that path.
+    """Rename a committed checkpoint to a hidden trash name (``.torch-ckpt.tmp.<random id>``, atomic); returns it.
+
+    The trash name carries no copy of NAME, so no framework's scan of the folder (Lightning's
+    ``hpc_ckpt_<N>`` or ``last`` names, Accelerate's numbered folders) mistakes it for a checkpoint.
 
     Its ``manifest.json`` is deleted at once, so the trash never looks like a committed checkpoint
     to anything listing the root; the caller deletes the rest when convenient (``shutil.rmtree``:
@@ -307,7 +332,7 @@ def retire_step_dir(path: Path) -> Path:
     Raises:
         OSError: the rename failed (the checkpoint is still there, complete).
     """
-    trash = path.with_name(f".trash_{path.name}")
+    trash = side_path(path, new_incarnation())
     if os.path.lexists(trash):
         if trash.is_dir() and not trash.is_symlink():
             shutil.rmtree(trash, ignore_errors=True)

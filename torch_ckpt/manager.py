@@ -26,7 +26,7 @@ from torch_ckpt.checkpointer import AsyncCheckpointer, close_on_exit
 from torch_ckpt.config import DEFAULT, ON_EXISTING_NEWER, CheckpointConfig, DefaultType
 from torch_ckpt.errors import CheckpointError, ConfigError
 from torch_ckpt.handle import SaveHandle, SaveStats
-from torch_ckpt.layout import check_root
+from torch_ckpt.layout import check_root, is_committed
 from torch_ckpt.lineage import Lineage
 from torch_ckpt.manager_commit import ManagerCommitMixin
 from torch_ckpt.manager_health import ManagerHealthMixin
@@ -68,7 +68,7 @@ class CheckpointManager(ManagerPrepareMixin, ManagerCommitMixin, ManagerReadMixi
             ``min_interval_steps``, ``durable_url``, ``storage_options``, ``replicate_every_n_saves``,
             ``durable_keep_last``, ``durable_keep_every_n_steps``, ``durable_verify``,
             ``durable_flush_timeout_seconds``, ``preemption_signals``, ``preemption_timeout_seconds``,
-            ``on_write_error``, ``on_existing_newer``, ``read_only``, ``naming``,
+            ``on_write_error``, ``on_existing_newer``, ``read_only``, ``explicit_paths_only``, ``naming``,
             ``local_root_shared``, ``durable_upload_threads``, ``durable_timeout_seconds``,
             ``durable_create``. README.md
             ("Configuration") lists each with its default and unit.
@@ -117,6 +117,7 @@ class CheckpointManager(ManagerPrepareMixin, ManagerCommitMixin, ManagerReadMixi
         on_write_error: str | DefaultType = DEFAULT,
         on_existing_newer: str | DefaultType = DEFAULT,
         read_only: bool | DefaultType = DEFAULT,
+        explicit_paths_only: bool | DefaultType = DEFAULT,
         naming: Naming | None | DefaultType = DEFAULT,
         local_root_shared: bool | None | DefaultType = DEFAULT,
         durable_upload_threads: int | DefaultType = DEFAULT,
@@ -187,7 +188,7 @@ class CheckpointManager(ManagerPrepareMixin, ManagerCommitMixin, ManagerReadMixi
             error = error or (ConfigError(shared) if shared else None)
         if self._acts_on_root and error is None:
             try:
-                if not self.read_only:
+                if not self.read_only and not cfg.explicit_paths_only:  # a root of its own: exclusive, cleaned
                     self._lock.acquire()
                     clean_stale_temporaries(self.root, keep_incarnation=self._ckpt.incarnation, naming=self.naming)
                 if self._tier is not None:
@@ -355,7 +356,7 @@ class CheckpointManager(ManagerPrepareMixin, ManagerCommitMixin, ManagerReadMixi
 
     def _step_committed_or_pending(self, step: int) -> bool:
         handle = self._ckpt.in_flight
-        return (handle is not None and handle.step == step) or (self.root / self.naming.name(step)).is_dir()
+        return (handle is not None and handle.step == step) or is_committed(self.root / self.naming.name(step))
 
     def _exit_for_preemption(self, step: int, handle: SaveHandle | None) -> None:
         sig = self._preemption.received

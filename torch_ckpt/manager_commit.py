@@ -109,7 +109,7 @@ class ManagerCommitMixin:
         Returns:
             The hidden trash directories, still to delete (``shutil.rmtree``).
         """
-        if not self._acts_on_root or self.retention is None:
+        if not self._acts_on_root or self.retention is None or self.config.explicit_paths_only:
             return []
         head = self._lineage if self._lineage is not None else BASE
         committed = {s: p for s, (p, m) in scan_manifests(self.root, self.naming).items()

@@ -21,7 +21,7 @@ from torch_ckpt.errors import CheckpointError, CheckpointNotFoundError, Checkpoi
 from torch_ckpt.layout import quarantine_step_dir, read_manifest, scan_manifests
 from torch_ckpt.lineage import BASE, Lineage, head_of
 from torch_ckpt.persist import check_extra_name
-from torch_ckpt.temporaries import is_temporary_name
+from torch_ckpt.temporaries import PARTIAL_PREFIX, is_reservation, is_temporary_name
 
 log = get_logger("torch_ckpt.manager")
 
@@ -29,10 +29,12 @@ __all__ = ["ManagerPrepareMixin"]
 
 
 def _reserved_name(name: str) -> bool:
-    """True for a name of the form of the manager's own files: temporaries (:func:`is_temporary_name`), the
-    aside directories of a delete, supersede, quarantine or replace, and the root lock. Other hidden names
+    """True for a name of the form of the manager's own files: temporaries (:func:`is_temporary_name`,
+    ``.torch-ckpt.tmp.<id>``), partials (``.torch-ckpt.partial.<id>``), the aside directories of a
+    delete, supersede, quarantine or replace, and the root lock. Other hidden names
     (Lightning's ``.lr_find_<uuid>.ckpt``) are ordinary checkpoint paths."""
-    return is_temporary_name(name) or name.startswith((".trash_", ".superseded_", ".corrupt_", ".lock")) or \
+    return is_temporary_name(name) or name.startswith(
+        (PARTIAL_PREFIX, ".torch-ckpt.", ".trash_", ".superseded_", ".corrupt_", ".lock")) or \
         bool(re.match(r"^\..+\.replaced\.[0-9a-f]{1,64}$", name))
 
 
@@ -117,6 +119,9 @@ class ManagerPrepareMixin:
                               "and lists checkpoints but does not save; open a writable root without read_only "
                               "to save")
         check_int("step", step, 0)
+        if self.config.explicit_paths_only and not explicit:
+            raise ConfigError(f"this CheckpointManager was opened with explicit_paths_only=True on {self.root}: "
+                              "every save names its directory (save(step, state, path=...))")
         self._captured_at[step] = time.time()  # the state is captured right after this call
         while len(self._captured_at) > 256:
             self._captured_at.pop(next(iter(self._captured_at)))
@@ -125,13 +130,14 @@ class ManagerPrepareMixin:
             return False
         try:
             head = self._head_lineage()
-            if restored is not None:  # a rollback: the steps of the abandoned timeline go aside
+            if restored is not None and not self.config.explicit_paths_only:
+                # a rollback: the steps of the abandoned timeline go aside
                 for s, (s_path, s_manifest) in scan_manifests(self.root, self.naming).items():
                     if not head.holds(s, s_manifest.lineage):
                         quarantine_step_dir(s_path, reason="superseded")
             if explicit:
                 return self._check_explicit(final)
-            if os.path.lexists(final):
+            if os.path.lexists(final) and not is_reservation(final):  # an empty directory is free to use
                 try:
                     read_manifest(final)
                 except CheckpointNotFoundError:
@@ -164,6 +170,8 @@ class ManagerPrepareMixin:
         if final.is_symlink() or not final.is_dir():
             raise ConfigError(f"{final} exists and is not a directory written by torch-ckpt (a file or symlink): "
                               "it is never overwritten; remove it or save elsewhere")
+        if is_reservation(final):  # an empty folder (or a save that died before committing): written into
+            return False
         try:
             read_manifest(final)
         except CheckpointNotFoundError:

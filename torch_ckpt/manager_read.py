@@ -7,6 +7,7 @@ module has one job: :mod:`torch_ckpt.manager` saves and schedules, this module f
 from __future__ import annotations
 
 import os
+import shutil
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -26,6 +27,7 @@ from torch_ckpt.persist import as_write_error
 from torch_ckpt.resume import resume_plan, set_aside_superseded
 from torch_ckpt.resume_nodes import restore_node_local
 from torch_ckpt.store_deadline import waiting_for_coordinator
+from torch_ckpt.temporaries import is_reservation
 from torch_ckpt.tiers import DurableUnavailableError
 
 log = get_logger("torch_ckpt.manager")
@@ -97,6 +99,9 @@ class ManagerReadMixin:
         if inflight is not None and not inflight.committed.done():
             self._ckpt.wait()
         if not os.path.lexists(path):
+            return
+        if is_reservation(path) and os.listdir(path):  # only partials of saves that never committed: ours
+            shutil.rmtree(path, ignore_errors=True)
             return
         try:
             read_manifest(path)

@@ -29,10 +29,17 @@ from torch_ckpt.dist import DistContext
 from torch_ckpt.errors import CheckpointError, CheckpointWriteError
 from torch_ckpt.layout import Manifest, commit_dir, rank_file_name, write_json_durable
 from torch_ckpt.lineage import BASE
-from torch_ckpt.temporaries import new_incarnation, remove_failed_temporaries, temporary_name
+from torch_ckpt.temporaries import (
+    PARTIAL_PREFIX,
+    is_reservation,
+    new_incarnation,
+    partial_path,
+    remove_failed_temporaries,
+    unreserve,
+)
 
-__all__ = ["PersistRequest", "persist_checkpoint", "write_shards", "move_extra_entries", "check_extra_name",
-           "as_write_error",
+__all__ = ["PersistRequest", "persist_checkpoint", "prepare_partial", "write_shards", "move_extra_entries",
+           "check_extra_name", "as_write_error",
            "check_on_disk", "check_owner", "describe_error"]
 
 log = get_logger(__name__)
@@ -78,6 +85,7 @@ class PersistRequest:
     committed_bytes: int | None = None  # output: bytes of all committed files (every rank), set on success
     progress: Any = None
     failed_names: tuple[str, ...] = ()  # final names of this checkpointer's earlier failed saves: their temporaries go
+    reserved: bool = False  # the saver created ``final`` empty (reserved it); a failed save removes it
 
 
 def describe_error(exc: BaseException) -> str:
@@ -211,11 +219,40 @@ def write_shards(req: PersistRequest, ctx: DistContext, final: Path, tmp: Path, 
     return writer, error, gathered, failures, time.monotonic() - t0
 
 
+def prepare_partial(req: PersistRequest, final: Path, tmp: Path) -> None:
+    """The acting rank: check ``final`` may be written, reserve it if needed and create the partial ``tmp``.
+
+    The leftovers of this checkpointer's earlier failed saves (``req.failed_names``) are removed
+    first (:func:`~torch_ckpt.temporaries.remove_failed_temporaries`).
+
+    Raises:
+        CheckpointWriteError: ``final`` holds a committed checkpoint and ``req.replace`` is False, or
+            it is not a directory.
+        OSError: a directory cannot be created.
+    """
+    if os.path.lexists(final) and (final.is_symlink() or not final.is_dir()):
+        raise CheckpointWriteError(f"{final} exists and is not a directory; refusing to overwrite it")
+    if final.exists() and not req.replace and not is_reservation(final):
+        raise CheckpointWriteError(f"{final} already exists; refusing to overwrite a checkpoint")
+    if not final.exists():
+        final.mkdir(parents=True)
+        req.reserved = True
+    for stale in final.iterdir():  # another incarnation's partial (its save died): never committed
+        if stale.name.startswith(PARTIAL_PREFIX) and stale != tmp:
+            shutil.rmtree(stale, ignore_errors=True)
+    if tmp.exists():  # this incarnation's own leftover of an earlier failed attempt
+        shutil.rmtree(tmp)
+    remove_failed_temporaries(final.parent, tmp, req.failed_names)
+    tmp.mkdir()
+
+
 def persist_checkpoint(req: PersistRequest, ctx: DistContext) -> Path:
     """Write, verify agreement and commit one checkpoint; collective over ``ctx``'s background group.
 
-    The files are written into rank 0's temporary ``.NAME.tmp.<incarnation>`` and only that
-    directory is renamed to ``final``; a temporary of another incarnation is never touched. With
+    The files are written into rank 0's partial ``NAME/.torch-ckpt.partial.<incarnation>`` inside
+    the reserved ``final`` (created here when the caller did not) and only that directory is
+    committed as ``final`` (:func:`~torch_ckpt.layout.commit_dir`); a failed save removes it, and
+    ``final`` too when this save reserved it. A partial of another incarnation is never committed. With
     ``req.nodes`` (node-local roots) see :func:`torch_ckpt.persist_nodes.persist_node_local`.
 
     Returns:
@@ -230,36 +267,32 @@ def persist_checkpoint(req: PersistRequest, ctx: DistContext) -> Path:
 
         return persist_node_local(req, ctx)
     final = Path(req.final)
-    tmp = final.with_name(temporary_name(final.name, req.incarnation or new_incarnation()))
+    tmp = partial_path(final, req.incarnation or new_incarnation())
     error: BaseException | None = None
     if ctx.is_coordinator:
         try:
             check_owner(req, final)
-            if final.exists() and not req.replace:
-                raise CheckpointWriteError(f"{final} already exists; refusing to overwrite a checkpoint")
-            if tmp.exists():  # this incarnation's own leftover of an earlier failed attempt
-                shutil.rmtree(tmp)
-            remove_failed_temporaries(final.parent, tmp.name, req.failed_names)
-            tmp.mkdir(parents=True)
+            prepare_partial(req, final, tmp)
         except BaseException as exc:  # noqa: BLE001 - reported to every rank below
             error = exc
+            unreserve(final, tmp, req.reserved)
     try:
         return _write_and_commit(req, ctx, final, tmp, error)
     except BaseException:
-        if ctx.is_coordinator:  # e.g. a collective timed out: no partial directory is left behind
-            shutil.rmtree(tmp, ignore_errors=True)
+        if ctx.is_coordinator:  # e.g. a collective timed out: no partial directory (nor a reservation) is left
+            unreserve(final, tmp, req.reserved)
         raise
 
 
 def _write_and_commit(req: PersistRequest, ctx: DistContext, final: Path, tmp: Path,
                       error: BaseException | None) -> Path:
-    # every rank writes into rank 0's temporary directory (its name carries rank 0's incarnation id)
+    # every rank writes into rank 0's partial directory (its name carries rank 0's incarnation id)
     prepared = ctx.broadcast(("ok", tmp.name) if error is None else ("error", describe_error(error)), background=True,
                              what="prepare")
     if prepared[0] != "ok":
         raise as_write_error(error, tmp) if error is not None else CheckpointWriteError(
             f"rank 0 could not prepare {tmp}: {prepared[1]}")
-    tmp = final.with_name(prepared[1])
+    tmp = final / prepared[1]
 
     def make_writer() -> ChecksumFileSystemWriter:
         return ChecksumFileSystemWriter(tmp, thread_count=req.thread_count, sync_files=True,
@@ -270,7 +303,7 @@ def _write_and_commit(req: PersistRequest, ctx: DistContext, final: Path, tmp: P
     commit_error: str | None = None
     if ctx.is_coordinator:
         if failures:
-            shutil.rmtree(tmp, ignore_errors=True)
+            unreserve(final, tmp, req.reserved)
         else:
             try:
                 all_files: dict[str, dict[str, int]] = {}
@@ -288,7 +321,7 @@ def _write_and_commit(req: PersistRequest, ctx: DistContext, final: Path, tmp: P
             except BaseException as exc:  # noqa: BLE001
                 commit_error = describe_error(exc)
                 error = error or exc
-                shutil.rmtree(tmp, ignore_errors=True)
+                unreserve(final, tmp, req.reserved)
     committed = ctx.is_coordinator and not failures and commit_error is None
     try:
         outcome = ctx.broadcast(("failed", failures) if failures else (("commit-failed", commit_error) if commit_error

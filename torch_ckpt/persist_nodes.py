@@ -3,7 +3,7 @@
 Protocol (collective over the background group; every rank takes part in every step even after a
 failure, so a failing rank fails the step everywhere instead of hanging the others):
 
-1. rank 0 draws the temporary name ``.NAME.tmp.<incarnation>``; each node's leader (its lowest
+1. rank 0 draws the partial's name ``.torch-ckpt.partial.<incarnation>``; each node's leader (its lowest
    rank) creates it in its own root; the ranks agree that every node is prepared;
 2. every rank writes its DCP shards and its per-rank JSON into its node's temporary (replicated
    tensors once per node, see :class:`~torch_ckpt.nodes.NodeDedupPlanner`) and checks them on disk;
@@ -18,7 +18,6 @@ failure, so a failing rank fails the step everywhere instead of hanging the othe
 
 from __future__ import annotations
 
-import shutil
 import zlib
 from pathlib import Path
 
@@ -37,9 +36,10 @@ from torch_ckpt.persist import (
     check_owner,
     describe_error,
     move_extra_entries,
+    prepare_partial,
     write_shards,
 )
-from torch_ckpt.temporaries import new_incarnation, remove_failed_temporaries, temporary_name
+from torch_ckpt.temporaries import new_incarnation, partial_path, unreserve
 
 __all__ = ["persist_node_local"]
 
@@ -75,14 +75,14 @@ def persist_node_local(req: PersistRequest, ctx: DistContext) -> Path:
     """
     layout: NodeLayout = req.nodes
     final = Path(req.final)
-    name = ctx.broadcast(temporary_name(final.name, req.incarnation or new_incarnation()), background=True,
+    name = ctx.broadcast(partial_path(final, req.incarnation or new_incarnation()).name, background=True,
                          what="prepare name")
-    tmp = final.with_name(name)
+    tmp = final / name
     try:
         return _persist(req, ctx, layout, final, tmp)
     except BaseException:
-        if layout.is_leader:  # e.g. a collective timed out: no partial directory is left in this node's root
-            shutil.rmtree(tmp, ignore_errors=True)
+        if layout.is_leader:  # e.g. a collective timed out: no partial (nor a reservation) is left in this node's root
+            unreserve(final, tmp, req.reserved)
         raise
 
 
@@ -91,14 +91,10 @@ def _persist(req: PersistRequest, ctx: DistContext, layout: NodeLayout, final: P
     if layout.is_leader:
         try:
             check_owner(req, final)
-            if final.exists() and not req.replace:
-                raise CheckpointWriteError(f"{final} already exists; refusing to overwrite a checkpoint")
-            if tmp.exists():
-                shutil.rmtree(tmp)
-            remove_failed_temporaries(final.parent, tmp.name, req.failed_names)
-            tmp.mkdir(parents=True)
+            prepare_partial(req, final, tmp)
         except BaseException as exc:  # noqa: BLE001 - reported to every rank below
             error = exc
+            unreserve(final, tmp, req.reserved)
     failures = _fail_all(ctx, error, "prepare")
     if failures:
         if error is not None:
@@ -160,8 +156,9 @@ def _persist(req: PersistRequest, ctx: DistContext, layout: NodeLayout, final: P
                 commit_dir(tmp, final, replace=req.replace)
             except BaseException as exc:  # noqa: BLE001
                 rename_error = exc
+                unreserve(final, tmp, req.reserved)
         else:
-            shutil.rmtree(tmp, ignore_errors=True)
+            unreserve(final, tmp, req.reserved)
     if commit:
         try:
             renamed = _fail_all(ctx, rename_error, "commit")

@@ -49,7 +49,7 @@ def test_save_state_returns_after_staging_and_commits_in_background(tmp_path, ga
     folder = run.accelerator.save_state()
     handle = run.ckpt.last_handle
     assert handle.staged.done() and not handle.committed.done()
-    assert not folder.exists()
+    assert folder.is_dir() and not (folder / "manifest.json").exists()  # the name is reserved, not committed
     gate.set()
     run.ckpt.wait()
     assert (folder / "manifest.json").exists() and handle.stats.mode == "async"
@@ -199,7 +199,7 @@ def test_checkpoint_in_flight_is_never_deleted_and_the_last_good_one_survives_un
     gate.clear()
     run.accelerator.save_state(step=10)
     assert committed(tmp_path) == ["checkpoint_0"]
-    assert not (tmp_path / "checkpoints" / "checkpoint_1").exists()  # in flight, in a hidden temporary
+    assert not (tmp_path / "checkpoints" / "checkpoint_1" / "manifest.json").exists()  # reserved, in flight
     gate.set()
     run.ckpt.wait()
     assert committed(tmp_path) == ["checkpoint_1"]

@@ -28,11 +28,11 @@ def test_save_then_load_returns_the_lightning_dict(tmp_path):
 
 
 def test_save_returns_before_the_write_is_committed(tmp_path, write_gate):
-    """While the background write is held, save_checkpoint has returned and the path does not exist yet."""
+    """While the background write is held, save_checkpoint has returned and the path is reserved, not committed."""
     io = AsyncDCPCheckpointIO()
     write_gate.hold()
     io.save_checkpoint(lightning_dict(), tmp_path / "a.ckpt")
-    assert io.saving and not (tmp_path / "a.ckpt").exists()
+    assert io.saving and (tmp_path / "a.ckpt").is_dir() and not io.is_checkpoint_dir(tmp_path / "a.ckpt")
     write_gate.release()
     io.wait()
     assert io.is_checkpoint_dir(tmp_path / "a.ckpt") and not io.saving
@@ -83,16 +83,16 @@ def test_a_failed_save_keeps_the_checkpoint_it_was_to_replace(tmp_path, write_ga
 
 
 def test_overwriting_swaps_the_new_checkpoint_in_only_when_committed(tmp_path, write_gate):
-    """Saving to an existing path (save_last=True) keeps the old checkpoint loadable until the new one commits;
-    the plugin's own load of that path waits for the commit (the synchronous IO's view)."""
+    """Saving to an existing path (save_last=True) keeps the old checkpoint committed until the new one commits;
+    the plugin's own load of that path waits for the commit (as with a synchronous save)."""
     from torch_ckpt import load_full_state
-
     io = AsyncDCPCheckpointIO()
     io.save_checkpoint(lightning_dict(1), tmp_path / "last.ckpt")
     io.wait()
     write_gate.hold()
     io.save_checkpoint(lightning_dict(2), tmp_path / "last.ckpt")
-    assert load_full_state(tmp_path / "last.ckpt")[0]["global_step"] == 1
+    assert io.is_checkpoint_dir(tmp_path / "last.ckpt")
+    assert load_full_state(tmp_path / "last.ckpt")[0]["global_step"] == 1  # the old one, intact on disk
     write_gate.release()
     assert io.load_checkpoint(tmp_path / "last.ckpt")["global_step"] == 2
     assert visible(tmp_path) == ["last.ckpt"]

@@ -45,6 +45,7 @@ from torch_ckpt.errors import CheckpointError, CheckpointNotFoundError, ConfigEr
 from torch_ckpt.lineage import head_of
 from torch_ckpt.manifest import FORMAT_NAME, MANIFEST_NAME, MAX_MANIFEST_BYTES
 from torch_ckpt.storage import Location, as_location
+from torch_ckpt.temporaries import PARTIAL_PREFIX
 from torch_ckpt.tiers import DurableTier
 from torch_ckpt.tools.checks import COMMITTED, CORRUPT, PARTIAL, check_dir, iso_time, require_dir, step_of
 
@@ -163,7 +164,9 @@ def list_root(root: str | os.PathLike | Location, *, storage_options: dict[str, 
         present = sum(e["size"] for e in listing.values() if e["type"] == "file")
         row.update(bytes=present, disk_bytes=present)
         if temp or MANIFEST_NAME not in listing:
+            reserved = bool(listing) and all(n.startswith(PARTIAL_PREFIX) for n in listing)
             row["reason"] = ("temporary directory: a save or download in progress, or left by a crash" if temp
+                             else "reserved name: a save in progress, or left by a crash" if reserved or not listing
                              else "no manifest.json: an upload or copy in progress, or abandoned")
             mtime = info["mtime"] or max((e["mtime"] or 0.0 for e in listing.values()), default=0.0) or None
             row.update(wall_time=mtime, time=iso_time(mtime), age_s=None if mtime is None else now - mtime)
