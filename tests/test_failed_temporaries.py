@@ -12,7 +12,9 @@ OTHER = "bbbbbbbbbbbbbbbb"
 
 
 def _tree(root):
-    return sorted([p.name for p in root.iterdir()] + [f"{d.name}/{p.name}" for d in root.iterdir() for p in d.iterdir()])
+    """The names of ``root``'s entries and of their entries (two levels)."""
+    top = [p.name for p in root.iterdir()]
+    return sorted(top + [f"{d.name}/{p.name}" for d in root.iterdir() for p in d.iterdir()])
 
 
 def test_the_named_failed_saves_partials_go_and_nothing_else(tmp_path):

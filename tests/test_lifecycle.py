@@ -18,6 +18,7 @@ import torch
 
 import torch_ckpt.checkpointer as checkpointer
 from torch_ckpt import CheckpointManager, CheckpointWriteError
+from torch_ckpt.root_lock import _flock_holder
 
 
 def ckpt_threads(settle_s: float = 10.0) -> list[str]:
@@ -96,7 +97,7 @@ def test_unreferenced_manager_is_freed_and_releases_its_root(tmp_path):
     mgr.wait()
     ref = weakref.ref(mgr)
     del mgr
-    assert ref() is None and not (tmp_path / ".lock.owner").exists()
+    assert ref() is None and _flock_holder(tmp_path) is None and os.listdir(tmp_path) == ["step_000000001"]
 
 
 def test_second_manager_while_the_first_is_open_names_this_process_not_another_run(tmp_path):
