@@ -16,7 +16,8 @@ def test_a_hidden_name_is_an_ordinary_checkpoint_path(tmp_path):
     assert torch.equal(state["w"], torch.ones(2))
 
 
-@pytest.mark.parametrize("name", [".a.ckpt.tmp.0123456789abcdef", ".trash_step_000000001", ".superseded_x",
+@pytest.mark.parametrize("name", [".torch-ckpt.partial.0123456789abcdef", ".torch-ckpt.tmp.0123456789abcdef",
+                                  ".a.ckpt.tmp.0123456789abcdef", ".trash_step_000000001", ".superseded_x",
                                   ".corrupt_x", ".x.replaced.abc123", ".lock"])
 def test_names_of_the_managers_own_files_are_refused(tmp_path, name):
     """A path with the form of a temporary, set-aside directory or the root lock is a ConfigError naming it."""

@@ -92,7 +92,8 @@ class ManagerPrepareMixin:
                               "beside the root")
         if _reserved_name(final.name):
             raise ConfigError(f"path {final}: this name has the form of torch-ckpt's own temporary or set-aside "
-                              "directories (.NAME.tmp.<id>, .trash_*, .superseded_*, .corrupt_*, .NAME.replaced.<id>, "
+                              "directories (.torch-ckpt.*, .NAME.tmp.<id>, .trash_*, .superseded_*, .corrupt_*, "
+                              ".NAME.replaced.<id>, "
                               ".lock); choose another name")
         return final
 

@@ -50,10 +50,14 @@ def check_resume(tmp_path: Path, script: str, where: str, resume_args) -> None:
 
 
 def test_by_feature_checkpointing_loop_resumes_bitwise_and_keeps_every_step_folder(tmp_path):
-    """checkpointing.py: resumed from the newest step_N folder, bit for bit; step_2..step_12 as plain Accelerate."""
+    """checkpointing.py: resumed from the newest committed step_N folder, bit for bit; step_2..step_12 as plain
+    Accelerate. The save the kill interrupted keeps its reserved name (issue 27, Accelerate 5), so the restart
+    skips a folder torch_ckpt.is_committed() rejects, as loading it raises CheckpointNotFoundError."""
+    from torch_ckpt import is_committed
 
     def newest(out: Path) -> list[str]:
-        return ["--resume-from-checkpoint", str(max(out.glob("step_*"), key=lambda p: int(p.name[5:])))]
+        folders = sorted(out.glob("step_*"), key=lambda p: int(p.name[5:]))
+        return ["--resume-from-checkpoint", str([p for p in folders if is_committed(p)][-1])]
 
     check_resume(tmp_path, "checkpointing.py", "--output-dir", newest)
     assert visible(tmp_path / "run") == visible(tmp_path / "plain") == [f"step_{n}" for n in (10, 12, 2, 4, 6, 8)]
