@@ -24,8 +24,8 @@ Supported values (each comes back with its exact type and value; also listed in 
 * ``None``, ``bool``, ``int`` (any size), ``float`` (nan and +-inf included), ``complex``, ``str``,
   ``bytes``, ``bytearray``;
 * ``list``, ``tuple``, ``set`` and ``frozenset`` (set elements: hashable values of this list);
-* ``dict`` with keys of any hashable type of this list; ``collections.OrderedDict`` is stored as a
-  mapping and comes back as a plain ``dict`` (same keys, same order);
+* ``dict`` and ``collections.OrderedDict`` (each comes back as its own type, same keys, same
+  order) with keys of any hashable type of this list;
 * numpy scalars of every boolean, integer, float, complex, ``str_``, ``bytes_``, ``datetime64``
   and ``timedelta64`` dtype; numpy arrays of those dtypes (exactly ``np.ndarray``; they come back
   C-contiguous);
@@ -72,8 +72,9 @@ _COMPLEX = "__complex__"
 _BIGINT = "__int_hex__"
 _SET = "__set__"
 _FROZENSET = "__frozenset__"
+ODICT_TAG = "__odict__"  # wraps the encoding of an OrderedDict's items (a plain dict node or a __dict__ node)
 _TAGS = {TENSOR_TAG, INLINE_TENSOR_TAG, NDARRAY_TAG, NPSCALAR_TAG, _NPSCALAR_RAW, TUPLE_TAG, DICT_TAG, BYTES_TAG,
-         _BYTEARRAY, FLOAT_TAG, _COMPLEX, _BIGINT, _SET, _FROZENSET}
+         _BYTEARRAY, FLOAT_TAG, _COMPLEX, _BIGINT, _SET, _FROZENSET, ODICT_TAG}
 
 #: Deepest nesting of containers (dicts, lists, tuples, sets) a state may have.
 MAX_DEPTH = 100
@@ -356,7 +357,7 @@ def split_state(state: Any, *, rank_local_keys: tuple[str, ...] = (), replicated
                                   enc(v, _join(key, name), sub_local(name), depth + 1, path + (name,))])
                 out = {DICT_TAG: items}
             active.discard(id(obj))
-            return out
+            return {ODICT_TAG: out} if kind is OrderedDict else out
         if kind is list or kind is tuple:
             enter(obj, key, depth)
             out = [enc(v, _join(key, str(i)), local, depth + 1, path + (str(i),)) for i, v in enumerate(obj)]
@@ -427,6 +428,11 @@ def join_state(tree: Any, tensors: dict[str, torch.Tensor] | Any) -> Any:
                     return frozenset(dec(v) for v in value)
                 if tag == DICT_TAG:
                     return {dec(k): dec(v) for k, v in value}
+                if tag == ODICT_TAG:
+                    inner = dec(value)
+                    if not isinstance(inner, dict):
+                        raise TypeError(f"{ODICT_TAG} holds a {type(inner).__name__}, not a mapping")
+                    return OrderedDict(inner)
         return {k: dec(v) for k, v in node.items()}
 
     try:

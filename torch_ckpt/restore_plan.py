@@ -16,7 +16,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from torch_ckpt._logging import get_logger
-from torch_ckpt.codec import TENSOR_TAG, is_per_rank_key, join_state, logical_key, split_state
+from torch_ckpt.codec import ODICT_TAG, TENSOR_TAG, is_per_rank_key, join_state, logical_key, split_state
 from torch_ckpt.dist import DistContext
 from torch_ckpt.errors import CheckpointCorruptError, ConfigError, StateMismatchError
 from torch_ckpt.layout import Manifest
@@ -34,6 +34,13 @@ def _is_tagged(node: Any) -> bool:
     return isinstance(node, dict) and len(node) == 1 and next(iter(node)).startswith("__")
 
 
+def _mapping(node: Any) -> Any:
+    """The items of an encoded OrderedDict (compared as a dict's, as in checkpoints written before its tag)."""
+    while isinstance(node, dict) and len(node) == 1 and ODICT_TAG in node:
+        node = node[ODICT_TAG]
+    return node
+
+
 def _structure_keys(tree: Any, *, deep: bool) -> set[str]:
     """Dotted paths of the non-tensor structure: top-level keys only (``deep=False``), or every dict path.
 
@@ -41,11 +48,13 @@ def _structure_keys(tree: Any, *, deep: bool) -> set[str]:
     replaced as a whole on load (extras, RNG, dataloader) are not descended into.
     """
     keys: set[str] = set()
+    tree = _mapping(tree)
     if not isinstance(tree, dict) or _is_tagged(tree):
         return keys
 
     def walk(node: dict, prefix: str, depth: int) -> None:
         for k, v in node.items():
+            v = _mapping(v)
             if isinstance(v, dict) and len(v) == 1 and TENSOR_TAG in v:
                 continue
             path = f"{prefix}{k}"
