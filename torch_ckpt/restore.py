@@ -35,6 +35,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
+from torch_ckpt import errors as errors_module
 from torch_ckpt._logging import get_logger
 from torch_ckpt.bounded import corrupt
 from torch_ckpt.codec import join_state, logical_key
@@ -42,7 +43,6 @@ from torch_ckpt.dcp_metadata import check_records, read_metadata, record_problem
 from torch_ckpt.dcp_read import load_tensors
 from torch_ckpt.direct_read import DATA_SUFFIX, load_direct
 from torch_ckpt.dist import DistContext
-from torch_ckpt import errors as errors_module
 from torch_ckpt.errors import (
     CheckpointCorruptError,
     CheckpointError,
