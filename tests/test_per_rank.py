@@ -264,3 +264,15 @@ def test_reserved_rank_prefix_in_a_state_key_is_refused():
 
     with pytest.raises(ConfigError, match=r"__rank3__\.x"):
         split_state({"__rank3__": {"x": torch.zeros(1)}}, replicated_keys=(), rank=0)
+
+
+def test_load_full_state_lists_each_ranks_extras(tmp_path):
+    """load_full_state of a 2-rank checkpoint: per_rank[r]['extras'] holds rank r's own tensor and float."""
+    from torch_ckpt import load_full_state
+
+    run_distributed(_save, 2, str(tmp_path))
+    state, _ = load_full_state(tmp_path / "step_000000001")
+    assert torch.equal(state["extras"]["ema_loss"], _ema(0))
+    for rank in (0, 1):
+        assert torch.equal(state["per_rank"][rank]["extras"]["ema_loss"], _ema(rank))
+        assert state["per_rank"][rank]["extras"]["py_loss"] == 10.0 + rank
