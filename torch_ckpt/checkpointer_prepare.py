@@ -72,8 +72,8 @@ def _signature(tensors: dict[str, torch.Tensor], replicated_keys: tuple[str, ...
     sharded tensors, and rank 0's per-rank tensors (which keep their plain key). DCP keeps one
     entry per key for the whole job, so ranks must agree on these (:meth:`CheckpointerPrepareMixin._agree`).
     """
-    return {k: (tensor_kind(k, t, replicated_keys), tuple(t.size()), str(t.dtype).removeprefix("torch."))
-            for k, t in tensors.items() if not is_per_rank_key(k)}
+    return {k: (tensor_kind(k, t, replicated_keys), tuple(t.size()), str(t.dtype)) for k, t in tensors.items()
+            if not is_per_rank_key(k)}
 
 
 def _digest(signature: dict[str, tuple] | None) -> str | None:
@@ -94,7 +94,8 @@ def _conflicts(signatures: list[dict[str, tuple]]) -> list[str]:
         entries = seen[key]
         per_rank = any(entry[0] == "rank" for _, entry in entries)
         if len(entries) > 1 and (per_rank or len({entry for _, entry in entries}) > 1):
-            listing = ", ".join(f"rank {r}: {kind} {list(shape)} {dtype}" for r, (kind, shape, dtype) in entries)
+            listing = ", ".join(f"rank {r}: {kind} {list(shape)} {dtype.removeprefix('torch.')}"
+                                for r, (kind, shape, dtype) in entries)
             lines.append(f"{key!r} ({listing})")
     return lines
 

@@ -109,13 +109,18 @@ def is_per_rank_key(key: str) -> bool:
     return key.startswith(_RANK_PREFIX) and _RANK_KEY_RE.match(key) is not None
 
 
+@functools.lru_cache(maxsize=64)
+def _prefixes(replicated_keys: tuple[str, ...]) -> tuple[str, ...]:
+    return tuple(p + "." for p in replicated_keys)
+
+
 def tensor_kind(key: str, t: torch.Tensor, replicated_keys: tuple[str, ...] | None) -> str:
     """How DCP key ``key`` of :func:`split_state` is stored: "sharded", "replicated" or "rank" (per rank)."""
     if isinstance(t, _distributed_tensor_types()):
         return "sharded"
     if is_per_rank_key(key):
         return "rank"
-    if replicated_keys is None or any(key == p or key.startswith(p + ".") for p in replicated_keys):
+    if replicated_keys is None or key.startswith(_prefixes(tuple(replicated_keys))) or key in replicated_keys:
         return "replicated"
     return "rank"
 
@@ -291,15 +296,16 @@ def split_state(state: Any, *, rank_local_keys: tuple[str, ...] = (), replicated
             store instead. Raised before anything is written.
     """
     tensors: dict[str, torch.Tensor] = {}
-    shared = None if replicated_keys is None else tuple(replicated_keys)
+    shared = None if replicated_keys is None else frozenset(replicated_keys)
+    shared_prefixes = () if shared is None else tuple(p + "." for p in shared)
     sharded = _distributed_tensor_types()
 
     def dcp_key(obj: torch.Tensor, key: str) -> str:
         if key.startswith(_RANK_PREFIX) and _RANK_KEY_RE.match(key):
             raise ConfigError(f"state key {key!r} starts with '__rank<N>__.', which names per-rank tensors in "
                               "checkpoints; rename it")
-        if shared is None or rank == 0 or isinstance(obj, sharded) or \
-                any(key == p or key.startswith(p + ".") for p in shared):
+        if shared is None or rank == 0 or key.startswith(shared_prefixes) or key in shared or \
+                isinstance(obj, sharded):
             return key
         return rank_key(key, rank)
     active: set[int] = set()  # ids of the containers on the current path (cycle detection)
