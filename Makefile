@@ -1,7 +1,7 @@
 # torch-ckpt: two commands on a fresh machine.
 #   make demo        set up, then train a small GPT on real text with async checkpoints, crash it, resume exactly
 #   make test        set up, then run the whole test suite (what CI runs)
-#   make test-fast   the edit loop: every test not marked slow (pytest -m "not slow"; about a minute)
+#   make test-fast   the edit loop: every test not marked slow (pytest -m "not slow"; a few minutes on an idle machine)
 #   make lint        ruff check . (configuration in pyproject.toml; `make test` runs it too)
 #   make venv-path   print the environment's path: . "$$(make -s venv-path)/bin/activate"
 #
