@@ -12,7 +12,8 @@ Loaded with ``-p peer_suites.inject`` into every run, plain or injected, so both
   for leaving one alone), ``zombies`` (names of torch-ckpt threads and writer processes started during the
   test and alive after its teardown), ``lost`` (local paths saved through a Lightning ``CheckpointIO``
   during the test, not removed through it, whose folder still exists but which do not) and
-  ``lock_conflict`` (the test raised torch-ckpt's "in use by another run" error). A ``start`` line is
+  ``lock_conflict`` (the test raised torch-ckpt's "in use by another run" error), ``dirs_at_failure`` (the
+  paths a failed assertion names that were directories when it failed). A ``start`` line is
   written before each test, so a process killed by its time limit still names the test it hung in.
 
 Hangs are caught by pytest-timeout (the runner passes ``--timeout``).
@@ -24,6 +25,7 @@ import functools
 import json
 import multiprocessing
 import os
+import re
 import sys
 import threading
 import time
@@ -47,6 +49,7 @@ class _TestRecord:
         self.saved: list[str] = []
         self.removed: set[str] = set()
         self.lock_conflict = False
+        self.dirs_at_failure: list[str] = []
         self.outcome = "passed"
         self.threads_before: set[int] = set()
         self.procs_before: set[int] = set()
@@ -197,6 +200,10 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     report = yield
     if call.excinfo is not None and LOCK_MESSAGE in str(call.excinfo.value):
         _current.lock_conflict = True
+    if call.excinfo is not None and call.when == "call" and isinstance(call.excinfo.value, AssertionError):
+        # the paths an assertion names that are directories right now (is a failed `isfile` a checkpoint dir?)
+        named = re.findall(r"'(/[^']+)'", str(call.excinfo.value))
+        _current.dirs_at_failure = [p for p in dict.fromkeys(named) if os.path.isdir(p)]
     if report.failed:
         _current.outcome = "failed" if report.when == "call" else "error"
     elif report.skipped and report.when != "teardown" and _current.outcome == "passed":
@@ -211,4 +218,5 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     zombies = sorted(name for ident, name in ckpt_threads().items() if ident not in _current.threads_before)
     _write({"nodeid": report.nodeid, "event": "done", "outcome": _current.outcome,
             "injected": _current.injected, "own_io": _current.own_io, "zombies": zombies,
-            "lost": lost_paths(_current.saved, _current.removed), "lock_conflict": _current.lock_conflict})
+            "lost": lost_paths(_current.saved, _current.removed), "lock_conflict": _current.lock_conflict,
+            "dirs_at_failure": _current.dirs_at_failure})

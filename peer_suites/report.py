@@ -12,7 +12,8 @@ A failure is tagged by the first rule that matches (``tag`` below):
   reads a path (``torch.load``, ``pl_load``, ``open``, fsspec, ``zipfile``, ``getsize``) and the error is what
   reading a directory as a file gives (``IsADirectoryError``, ``UnpicklingError``, a bad zip, ...); or the test
   patches ``torch.save`` / Lightning's file writer / ``TorchCheckpointIO`` and asserts on the calls; or the test's
-  own failing line asserts the path is a file (``isfile``/``is_file``). A read inside Lightning or a logger is
+  own failing line asserts the path is a file (``isfile``/``is_file``) and the plugin saw a directory there when
+  it failed (nothing there is a break: the checkpoint is missing). A read inside Lightning or a logger is
   not FORMAT: Lightning's own code must handle our checkpoints.
 * ``OUR_FILES``: an assertion shows our ``.lock``/``.lock.owner`` or an in-flight ``.NAME.tmp.<id>`` entry.
 * ``BREAK``: anything else, grouped by error type and message (paths, numbers and addresses replaced).
@@ -149,8 +150,8 @@ def normalise(message: str) -> str:
     return line[:140]
 
 
-def tag(case: Case) -> Tag:
-    """Why ``case`` failed (see the module docstring for the rules)."""
+def tag(case: Case, record: dict[str, Any] | None = None) -> Tag:
+    """Why ``case`` failed (see the module docstring for the rules); ``record`` is the plugin's line for it."""
     reason = known_reason(case.nodeid)
     if reason:
         return Tag("KNOWN", reason)
@@ -175,7 +176,9 @@ def tag(case: Case) -> Tag:
                 case.message):
             return Tag("FORMAT", "the test mocks the file writer and counts its calls")
         if case.message.startswith("AssertionError") and _IS_FILE.search(failing) and tests[-1] is entries[-1]:
-            return Tag("FORMAT", "the test asserts the checkpoint path is a file")
+            if record and record.get("dirs_at_failure"):
+                return Tag("FORMAT", "the test asserts the checkpoint path is a file")
+            return Tag("BREAK", "the test asserts a checkpoint file exists: nothing at that path when it failed")
     if _OUR_FILES.search(case.message) or _OUR_FILES.search(" ".join(line for line in case.text.splitlines()
                                                                        if line.startswith("E "))):
         return Tag("OUR_FILES", ".lock / .lock.owner / in-flight .tmp entry seen by the test")
@@ -188,16 +191,16 @@ def compare(file: str, plain: dict[str, Case] | None, injected: dict[str, Case] 
     """One file's result from its two runs (None: the run produced no XML) and the plugin's records."""
     res = FileResult(file, counts(plain or {}), counts(injected or {}))
     plain, injected = plain or {}, injected or {}
+    records, plain_records = records or {}, plain_records or {}
     for nodeid, case in injected.items():
         before = plain.get(nodeid)
         ok_plain = before is not None and before.outcome in ("passed", "skipped")
         if case.outcome in ("failed", "error") and ok_plain:
-            res.plugin_only[nodeid] = str(tag(case))
+            res.plugin_only[nodeid] = str(tag(case, records.get(nodeid)))
         elif case.outcome == "passed" and before is not None and before.outcome in ("failed", "error"):
             res.plain_only.append(nodeid)
     for t in res.plugin_only.values():
         res.hangs += t.startswith("HANG")
-    records, plain_records = records or {}, plain_records or {}
     for nodeid, rec in records.items():
         if rec.get("event") != "done":
             res.hangs += nodeid not in injected  # started, never finished: the process was killed in it

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -170,7 +171,9 @@ def run_pytest(root: Path, files: list[str], mode: str, framework: str, out: Pat
     start = time.monotonic()
     rc = wait(cmd, root, env, log, process_timeout)
     shutil.rmtree(out / f"tmp_{name}", ignore_errors=True)
-    return {"junit": junit, "record": record, "log": log, "rc": rc, "seconds": time.monotonic() - start}
+    meta = {"files": files, "mode": mode, "rc": rc, "seconds": round(time.monotonic() - start, 1)}
+    (out / f"{name}.meta.json").write_text(json.dumps(meta), encoding="utf-8")
+    return meta
 
 
 def chunks(files: list[str], size: int) -> list[list[str]]:
@@ -184,35 +187,45 @@ def split_by_file(cases: dict[str, report.Case]) -> dict[str, dict[str, report.C
     return by
 
 
-def run_suite(suite: Suite, root: Path, out: Path, args: argparse.Namespace) -> list[report.FileResult]:
+def run_suite(suite: Suite, root: Path, out: Path, args: argparse.Namespace) -> None:
     """Every group of the suite's files, plain and injected (``--jobs`` processes at a time)."""
     files = [f for f in suite.files if not args.only or any(s in f for s in args.only)]
     jobs = []
     for i, group in enumerate(chunks(files, args.files_per_process)):
         for mode in ("plain", "injected"):
             jobs.append((group, mode, f"{suite.name}_{i:02d}_{mode}"))
+
+    def one(job):
+        meta = run_pytest(root, job[0], job[1], suite.name, out, job[2], args.test_timeout, args.process_timeout,
+                          args.nice, args.deps)
+        print(f"  {job[2]}: {len(job[0])} files, rc={meta['rc']} in {meta['seconds']:.0f} s", flush=True)
+
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
-        done = list(pool.map(lambda j: (j, run_pytest(root, j[0], j[1], suite.name, out, j[2], args.test_timeout,
-                                                     args.process_timeout, args.nice, args.deps)), jobs))
-    runs = {(tuple(j[0]), j[1]): r for j, r in done}
+        list(pool.map(one, jobs))
+
+
+def collect(suite_name: str, out: Path) -> list[report.FileResult]:
+    """The results of every run of a suite found in ``out`` (written by :func:`run_suite`), per file."""
     results = []
-    for group in chunks(files, args.files_per_process):
+    for meta_path in sorted(out.glob(f"{suite_name}_*_plain.meta.json")):
+        name = meta_path.name.removesuffix("_plain.meta.json")
         per_mode = {}
         for mode in ("plain", "injected"):
-            r = runs[(tuple(group), mode)]
-            cases = report.parse_junit(r["junit"]) if r["junit"].exists() else None
-            per_mode[mode] = (r, None if cases is None else split_by_file(cases), report.read_records(r["record"]))
-            print(f"  {suite.name} {mode:8s} {len(group)} files: rc={r['rc']} in {r['seconds']:.0f} s", flush=True)
-        for file in group:
+            meta_file = out / f"{name}_{mode}.meta.json"
+            meta = json.loads(meta_file.read_text(encoding="utf-8")) if meta_file.exists() else {"rc": "not run"}
+            junit = out / f"{name}_{mode}.xml"
+            cases = split_by_file(report.parse_junit(junit)) if junit.exists() else None
+            per_mode[mode] = (meta, cases, report.read_records(out / f"{name}_{mode}.jsonl"))
+        for file in json.loads(meta_path.read_text(encoding="utf-8"))["files"]:
             (_, plain, prec), (_, inj, irec) = per_mode["plain"], per_mode["injected"]
             keep = {k: v for k, v in irec.items() if k.split("::", 1)[0] == file}
             pkeep = {k: v for k, v in prec.items() if k.split("::", 1)[0] == file}
-            res = report.compare(f"{suite.name}: {file}", None if plain is None else plain.get(file, {}),
+            res = report.compare(f"{suite_name}: {file}", None if plain is None else plain.get(file, {}),
                                  None if inj is None else inj.get(file, {}), keep, pkeep)
-            for mode, (r, cases, _) in per_mode.items():
+            for mode, (meta, cases, _) in per_mode.items():
                 if cases is None:
-                    why = "killed after its time limit" if r["rc"] == "killed" else "wrote no XML"
-                    res.notes.append(f"{mode} run {why} (log {r['log'].relative_to(out.parent)})")
+                    why = "killed after its time limit" if meta["rc"] == "killed" else f"wrote no XML (rc {meta['rc']})"
+                    res.notes.append(f"{mode} run {why} (log runs/{name}_{mode}.log)")
             results.append(res)
     return results
 
@@ -231,9 +244,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--deps", default=os.environ.get("PEER_SUITES_DEPS"),
                    help="folder of the suites' extra packages (peer_suites/requirements.txt), put on their PYTHONPATH")
     p.add_argument("--nice", type=int, default=10, help="nice increment of the test processes (0: none)")
+    p.add_argument("--report-only", action="store_true",
+                   help="run nothing: write the report again from the runs already in OUT/runs")
     args = p.parse_args(argv)
     out = Path(args.out).resolve()
     runs = out / "runs"
+    if args.report_only:
+        return write_report(out, runs)
     shutil.rmtree(runs, ignore_errors=True)
     runs.mkdir(parents=True)
     suites_dir = Path(args.suites_dir).resolve()
@@ -248,23 +265,33 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(args: argparse.Namespace, out: Path, runs: Path, suites_dir: Path) -> int:
     start = time.monotonic()
-    results: list[report.FileResult] = []
-    extra: dict[str, object] = {"suites dir": str(suites_dir)}
+    extra: dict[str, object] = {"suites dir": str(suites_dir), "started": time.strftime("%Y-%m-%d %H:%M:%S UTC",
+                                                                                        time.gmtime())}
     with tempfile.TemporaryDirectory(prefix="peer_suites_") as work:
         for suite in SUITES:
             if suite.name in args.suites:
                 t0 = time.monotonic()
                 print(f"{suite.name}: {suite.source}", flush=True)
-                results += run_suite(suite, prepare(suite, suites_dir, Path(work)), runs, args)
+                run_suite(suite, prepare(suite, suites_dir, Path(work)), runs, args)
                 extra[f"{suite.name} wall time"] = f"{time.monotonic() - t0:.0f} s"
     if "script" in args.suites:
         from peer_suites import script
 
         t0 = time.monotonic()
         print("accelerate: external_deps/test_checkpointing.py on 2 processes", flush=True)
-        results += script.run_both(runs / "script", args.nice, args.deps)
+        script.run_both(runs / "script", args.nice, args.deps)
         extra["script wall time"] = f"{time.monotonic() - t0:.0f} s"
     extra["wall time"] = f"{time.monotonic() - start:.0f} s"
+    (runs / "run.json").write_text(json.dumps(extra), encoding="utf-8")
+    return write_report(out, runs)
+
+
+def write_report(out: Path, runs: Path) -> int:
+    """``OUT/report.md`` and ``OUT/report.json`` from the runs in ``runs``; prints the totals."""
+    from peer_suites import script
+
+    results = [r for suite in SUITES for r in collect(suite.name, runs)] + script.collect(runs / "script")
+    extra = json.loads((runs / "run.json").read_text(encoding="utf-8")) if (runs / "run.json").exists() else {}
     (out / "report.md").write_text(report.markdown(results, extra), encoding="utf-8")
     (out / "report.json").write_text(report.to_json(results, extra), encoding="utf-8")
     t = report.totals(results)

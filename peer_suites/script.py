@@ -15,12 +15,14 @@ a lost checkpoint) and ``resume`` (exit 0).
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import runpy
 import socket
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 from peer_suites import inject, report
@@ -100,15 +102,27 @@ def run_mode(out: Path, mode: str, timeout: float = 600.0, nice: int = 10,
     return cases
 
 
-def run_both(out: Path, nice: int = 10, deps: str | None = None) -> list[report.FileResult]:
-    """The script plain, then injected; one table row."""
+def run_both(out: Path, nice: int = 10, deps: str | None = None) -> None:
+    """The script plain, then injected; the cases go to ``out/cases.json`` (read by :func:`collect`)."""
     out.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
-    plain, injected = run_mode(out, "plain", nice=nice, deps=deps), run_mode(out, "injected", nice=nice, deps=deps)
+    plain = run_mode(out, "plain", nice=nice, deps=deps)
+    injected = run_mode(out, "injected", nice=nice, deps=deps)
+    (out / "cases.json").write_text(json.dumps({
+        "seconds": round(time.monotonic() - start), "plain": {k: asdict(c) for k, c in plain.items()},
+        "injected": {k: asdict(c) for k, c in injected.items()}}), encoding="utf-8")
+
+
+def collect(out: Path) -> list[report.FileResult]:
+    """The script's table row from ``out/cases.json`` (none if it did not run)."""
+    if not (out / "cases.json").exists():
+        return []
+    data = json.loads((out / "cases.json").read_text(encoding="utf-8"))
+    plain, injected = ({k: report.Case(**c) for k, c in data[m].items()} for m in ("plain", "injected"))
     res = report.compare(NAME, plain, injected)
     res.lost = sum(c.message.startswith("LostCheckpoint") for c in injected.values())
     res.hangs = sum("Timeout (>" in c.message for c in injected.values())
-    res.notes.append(f"{time.monotonic() - start:.0f} s; logs in runs/script/")
+    res.notes.append(f"{data['seconds']} s; logs in runs/script/")
     return [res]
 
 

@@ -91,8 +91,8 @@ def test_lost_paths_counts_a_returned_save_whose_path_is_missing(tmp_path):
 def test_plugin_records_zombie_threads_and_lock_conflicts(tmp_path):
     """A pytest run with the plugin writes one record per test with its torch-ckpt threads and lock conflicts."""
     (tmp_path / "test_sample.py").write_text(textwrap.dedent("""
+        import os
         import threading
-        import pytest
         stop = threading.Event()
 
         def test_leaves_a_writer_thread():
@@ -100,6 +100,9 @@ def test_plugin_records_zombie_threads_and_lock_conflicts(tmp_path):
 
         def test_lock_conflict():
             raise OSError("checkpoint root /x is in use by another run (pid 1)")
+
+        def test_isfile_of_a_directory(tmp_path):
+            assert os.path.isfile(str(tmp_path))
 
         def test_clean():
             stop.set()
@@ -113,6 +116,7 @@ def test_plugin_records_zombie_threads_and_lock_conflicts(tmp_path):
     assert done["test_leaves_a_writer_thread"]["zombies"] == ["torch_ckpt_writer_0"]
     assert done["test_lock_conflict"]["lock_conflict"] and done["test_lock_conflict"]["outcome"] == "failed"
     assert done["test_clean"]["zombies"] == [] and not done["test_clean"]["lock_conflict"]
+    assert len(done["test_isfile_of_a_directory"]["dirs_at_failure"]) == 1
 
 
 JUNIT = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest">
@@ -149,8 +153,7 @@ def _tb(test_line: str, error: str, lib_line: str = "    return _open(path)") ->
     ("AssertionError: Expected 'save' to have been called once. Called 0 times.",
      "    @mock.patch('torch.save')\n    def test_it(save):\n>       save.assert_called_once()\n\n"
      "tests_pytorch/a/test_x.py:5: AssertionError\n", "FORMAT"),
-    ("AssertionError: assert False", "    def test_it(p):\n>       assert os.path.isfile(p)\nE   assert False\n\n"
-     "tests_pytorch/a/test_x.py:5: AssertionError\n", "FORMAT"),
+
     ("AssertionError: assert ['a.ckpt', '.lock'] == ['a.ckpt']", "", "OUR_FILES"),
     ("AssertionError: Test left zombie thread: <Thread(torch_ckpt_writer_0, started 1)>",
      "E   AssertionError: Test left zombie thread: <Thread(torch_ckpt_writer_0, started 1)>", "ZOMBIE"),
@@ -162,6 +165,17 @@ def _tb(test_line: str, error: str, lib_line: str = "    return _open(path)") ->
 def test_tag_classifies_sample_failures(message, text, kind):
     """Each sample failure gets the tag its rule gives (reads/mocks/isfile in the test's own frame are FORMAT)."""
     assert report.tag(Case("tests_pytorch/a/test_x.py::test_it", "failed", message, text)).kind == kind
+
+
+ISFILE = Case("tests_pytorch/a/test_x.py::test_it", "failed", "AssertionError: assert False",
+              "    def test_it(p):\n>       assert os.path.isfile(p)\nE   assert False\n\n"
+              "tests_pytorch/a/test_x.py:5: AssertionError\n")
+
+
+def test_a_failed_isfile_is_format_only_where_a_directory_was_there():
+    """`assert isfile(path)` is FORMAT if the plugin saw a directory at the path; nothing there is a break."""
+    assert report.tag(ISFILE, {"dirs_at_failure": ["/tmp/x/epoch=0.ckpt"]}).kind == "FORMAT"
+    assert report.tag(ISFILE, {"dirs_at_failure": []}).kind == "BREAK"
 
 
 def test_known_differences_win_and_do_not_count_as_breaks(monkeypatch):
