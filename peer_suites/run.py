@@ -18,6 +18,7 @@ import argparse
 import contextlib
 import json
 import os
+import resource
 import shutil
 import signal
 import subprocess
@@ -282,6 +283,9 @@ def _main(args: argparse.Namespace, out: Path, runs: Path, suites_dir: Path) -> 
         script.run_both(runs / "script", args.nice, args.deps)
         extra["script wall time"] = f"{time.monotonic() - t0:.0f} s"
     extra["wall time"] = f"{time.monotonic() - start:.0f} s"
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)  # what the machine's load does not stretch
+    extra["CPU time of the test processes"] = f"{usage.ru_utime + usage.ru_stime:.0f} s"
+    extra["load average at the end"] = " ".join(f"{x:.1f}" for x in os.getloadavg())
     (runs / "run.json").write_text(json.dumps(extra), encoding="utf-8")
     return write_report(out, runs)
 
