@@ -231,3 +231,44 @@ def test_make_test_suites_runs_the_harness_and_make_test_does_not(tmp_path):
     suites = plan("test-suites")
     assert "-m peer_suites.run --suites-dir ../shared/peer-suites --out suites_report" in suites
     assert "peer_suites" not in plan("test")
+
+
+def test_standins_give_what_the_accelerate_script_uses():
+    """The hub stand-ins tokenize, pad, classify with a loss, schedule and score as the script calls them."""
+    code = textwrap.dedent("""
+        import torch
+        from datasets import load_dataset
+        import evaluate
+        from transformers import (AutoModelForSequenceClassification, AutoTokenizer,
+                                  get_linear_schedule_with_warmup, set_seed)
+        set_seed(0)
+        tok = AutoTokenizer.from_pretrained("bert-base-cased")
+        ds = load_dataset("nyu-mll/glue", "mrpc").map(
+            lambda ex: tok(ex["sentence1"], ex["sentence2"], truncation=True, max_length=None), batched=True,
+            remove_columns=["idx", "sentence1", "sentence2"], load_from_cache_file=False)
+        ds = ds.rename_column("label", "labels")
+        batch = tok.pad([ds["train"][i] for i in range(4)], padding="longest", return_tensors="pt").to("cpu")
+        out = AutoModelForSequenceClassification.from_pretrained("bert-base-cased", return_dict=True)(**batch)
+        opt = torch.optim.AdamW(torch.nn.Linear(1, 1).parameters(), lr=1.0)
+        sched = get_linear_schedule_with_warmup(opt, num_warmup_steps=0, num_training_steps=4)
+        opt.step(); sched.step()
+        metric = evaluate.load("glue", "mrpc")
+        metric.add_batch(predictions=out.logits.argmax(-1), references=batch["labels"])
+        assert out.loss.ndim == 0 and out.logits.shape == (4, 2) and sched.get_last_lr() == [0.75]
+        print(sorted(batch), 0 <= metric.compute()["accuracy"] <= 1)
+    """)
+    env = {**os.environ, "PYTHONPATH": str(REPO / "peer_suites" / "standins")}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["['attention_mask',", "'input_ids',", "'labels']", "True"]
+
+
+def test_script_counts_a_folder_complete_only_with_its_files(tmp_path):
+    """An Accelerate folder with model and optimizer files is complete; an empty or missing one is not."""
+    from peer_suites import script
+
+    (tmp_path / "a").mkdir()
+    assert not script.complete(tmp_path / "a") and not script.complete(tmp_path / "missing")
+    for name in ("model.safetensors", "optimizer.bin"):
+        (tmp_path / "a" / name).write_bytes(b"x")
+    assert script.complete(tmp_path / "a")
