@@ -15,7 +15,8 @@ A failure is tagged by the first rule that matches (``tag`` below):
   own failing line asserts the path is a file (``isfile``/``is_file``) and the plugin saw a directory there when
   it failed (nothing there is a break: the checkpoint is missing). A read inside Lightning or a logger is
   not FORMAT: Lightning's own code must handle our checkpoints.
-* ``OUR_FILES``: an assertion shows our ``.lock``/``.lock.owner`` or an in-flight ``.NAME.tmp.<id>`` entry.
+* ``OUR_FILES``: an assertion shows our ``.lock``/``.lock.owner`` or an in-flight ``.NAME.tmp.<id>`` entry, or
+  one of them is an argument of a frame outside our packages (picked as "the first file of the folder").
 * ``BREAK``: anything else, grouped by error type and message (paths, numbers and addresses replaced).
 
 Everything but ``FORMAT`` and ``KNOWN`` counts as a drop-in break.
@@ -45,6 +46,7 @@ _MOCKED_SAVE = re.compile(r"(patch|[Mm]ock)[^\n]*(torch\.save|[\"']save[\"']|_at
 _CALL_ASSERT = re.compile(r"call|[Cc]alled|Expected")
 _IS_FILE = re.compile(r"isfile\(|is_file\(")
 _OUR_FILES = re.compile(r"'\.lock(\.owner)?'|\.lock\.owner|'\.[^'/]+\.tmp\.[0-9a-f]+'")
+_OUR_PATH_ARG = re.compile(r"^\w+ = .*(/\.lock(\.owner)?'|/\.[^/']+\.tmp\.[0-9a-f]+')")
 
 
 @dataclass
@@ -182,6 +184,8 @@ def tag(case: Case, record: dict[str, Any] | None = None) -> Tag:
     if _OUR_FILES.search(case.message) or _OUR_FILES.search(" ".join(line for line in case.text.splitlines()
                                                                        if line.startswith("E "))):
         return Tag("OUR_FILES", ".lock / .lock.owner / in-flight .tmp entry seen by the test")
+    if any("_ckpt/" not in path and any(_OUR_PATH_ARG.match(line) for line in chunk) for path, _, chunk in entries):
+        return Tag("OUR_FILES", ".lock / in-flight .tmp entry handed to the test's or Lightning's code as a checkpoint")
     return Tag("BREAK", normalise(case.message))
 
 

@@ -155,6 +155,9 @@ def _tb(test_line: str, error: str, lib_line: str = "    return _open(path)") ->
      "tests_pytorch/a/test_x.py:5: AssertionError\n", "FORMAT"),
 
     ("AssertionError: assert ['a.ckpt', '.lock'] == ['a.ckpt']", "", "OUR_FILES"),
+    ("EOFError", "ckpt_path = '/tmp/a/checkpoints/.lock'\n\n    def test_it(tmp_path):\n>       trainer.validate("
+     "ckpt_path=ckpt_path)\n\ntests_pytorch/a/test_x.py:12: \n\npath = '/tmp/a/checkpoints/.lock'\n\n>   raise "
+     "EOFError\nE   EOFError\n\n/venv/lib/torch/_weights_only_unpickler.py:9: EOFError\n", "OUR_FILES"),
     ("AssertionError: Test left zombie thread: <Thread(torch_ckpt_writer_0, started 1)>",
      "E   AssertionError: Test left zombie thread: <Thread(torch_ckpt_writer_0, started 1)>", "ZOMBIE"),
     ("Failed: Timeout (>180.0s) from pytest-timeout.", "", "HANG"),
