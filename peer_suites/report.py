@@ -134,7 +134,11 @@ def _entries(text: str) -> list[tuple[str, str, list[str]]]:
 
 
 def _is_test_frame(path: str) -> bool:
-    return not path.startswith("/") and not path.startswith("<")
+    """A frame of the suite's own files: relative to the rootdir, or absolute after a test changed directory."""
+    if path.startswith("<"):
+        return False
+    return (not path.startswith("/") or "/tests_pytorch/" in path
+            or re.search(r"/tests/test_[^/]+\.py$", path) is not None)
 
 
 def known_reason(nodeid: str) -> str | None:
