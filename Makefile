@@ -1,8 +1,10 @@
 # torch-ckpt: two commands on a fresh machine.
 #   make demo        set up, then train a small GPT on real text with async checkpoints, crash it, resume exactly
 #   make test        set up, then run the whole test suite (what CI runs)
-#   make test-fast   the edit loop: every test not marked slow (pytest -m "not slow"; about a minute)
+#   make test-fast   the edit loop: every test not marked slow (pytest -m "not slow"; a few minutes on an idle machine)
 #   make lint        ruff check . (configuration in pyproject.toml; `make test` runs it too)
+#   make test-suites Lightning's and Accelerate's own test files, plain and with our plugins injected, compared
+#                    (not part of `make test`; CPU; SUITES_DIR=../shared/peer-suites; docs/test-suites.md)
 #   make venv-path   print the environment's path: . "$$(make -s venv-path)/bin/activate"
 #
 # The virtual environment lives outside the clone, keyed on a hash of the dependency files, so CI and
@@ -66,3 +68,19 @@ venv-path:
 .PHONY: demo-cluster
 demo-cluster: setup
 	$(PY) examples/demo_cluster.py --work-dir $(DEMO_DIR)_cluster
+
+# The frameworks' own test files (unmodified copies under SUITES_DIR, or checkouts at the pinned tags), run plain
+# and with AsyncDCPCheckpointIO / attach() injected; table in $(SUITES_OUT)/report.md. SUITES_ARGS passes options
+# to peer_suites/run.py (e.g. SUITES_ARGS="--only test_model_checkpoint --suites lightning").
+SUITES_DIR ?= ../shared/peer-suites
+SUITES_OUT ?= suites_report
+SUITES_ARGS ?=
+# the suites' extra test packages (peer_suites/requirements.txt), beside the environment and on the suites'
+# PYTHONPATH only, so `make test` never sees them (tensorboard changes Lightning's default logger)
+SUITES_DEPS ?= $(VENV)-suites-$(shell sha256sum peer_suites/requirements.txt | cut -c1-8)
+.PHONY: test-suites
+test-suites: setup
+	@test -f $(SUITES_DEPS)/.installed || { $(PY) -m pip install --quiet --no-deps --target $(SUITES_DEPS) \
+		-r peer_suites/requirements.txt && touch $(SUITES_DEPS)/.installed; }
+	PYTHONPATH=$(CURDIR) $(PY) -m peer_suites.run --suites-dir $(SUITES_DIR) --out $(SUITES_OUT) \
+		--deps $(SUITES_DEPS) $(SUITES_ARGS)

@@ -57,6 +57,8 @@ class AcceleratorTrainState:
     """
 
     rank_local_keys: tuple[str, ...] = ("rng", "dataloader")
+    # models and optimizers: one tensor for the job (DCP); the rest (custom objects...) per rank
+    replicated_keys: tuple[str, ...] = ("model", "optimizer", "optimizers_plain")
 
     def __init__(self, accelerator: Any, *, step: int | None = None, save_iteration: int = 0,
                  skip_models: Sequence[int] = ()) -> None:

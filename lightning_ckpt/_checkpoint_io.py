@@ -49,6 +49,7 @@ class _LightningState:
     """The checkpoint dict as the core's ``Stateful``, with its rank-local keys and overlap-staged tensors."""
 
     rank_local_keys = RANK_LOCAL_KEYS
+    replicated_keys = ("state_dict", "optimizer_states")  # one tensor for the job (DCP); other tensors per rank
 
     def __init__(self, state: dict[str, Any], param_ptrs: set[int] | None) -> None:
         self._state, self._param_ptrs = state, param_ptrs

@@ -32,10 +32,11 @@ def _entry(rank: int, world_size: int, port: int, fn, args, errors) -> None:
     os._exit(0)
 
 
-def run_distributed(fn, world_size: int, *args, timeout_s: float = 120.0) -> None:
+def run_distributed(fn, world_size: int, *args, timeout_s: float = 120.0, daemon: bool = True) -> None:
     """Spawn ``world_size`` ranks running ``fn(rank, world_size, *args)``; raise on any failure or hang.
 
-    ``fn`` must be a module-level function (it is pickled for spawn).
+    ``fn`` must be a module-level function (it is pickled for spawn). ``daemon=False`` lets the
+    ranks start processes of their own (``persist="process"`` writers); the watchdog still kills them.
     """
     ctx = mp.get_context("spawn")
     errors = ctx.SimpleQueue()
@@ -43,6 +44,7 @@ def run_distributed(fn, world_size: int, *args, timeout_s: float = 120.0) -> Non
     procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, errors), daemon=True)
              for r in range(world_size)]
     for p in procs:
+        p.daemon = daemon
         p.start()
     import time
 

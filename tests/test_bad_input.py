@@ -672,7 +672,7 @@ def _w1_declared_float64(step_dir: Path) -> None:
     from torch_ckpt.dcp_read import read_dcp_metadata
 
     md = read_dcp_metadata(step_dir / ".metadata")
-    md.state_dict_metadata["w1"].properties.dtype = torch.float64
+    md.state_dict_metadata["__rank1__.w1"].properties.dtype = torch.float64  # rank 1's own tensor (a per-rank key)
     rewrite(step_dir, ".metadata", pickle.dumps(md))
 
 
@@ -682,7 +682,7 @@ _ONE_RANK_DAMAGE = {
                          functools.partial(rank_json_nested_200k, rank=1), ["rank_00001.json"]),
     # rank 1's tensor lies in rank 1's data file
     "record_dtype": (lambda rank: {f"w{rank}": torch.full((4,), float(rank))},
-                     _w1_declared_float64, ["'w1'", "float64"]),
+                     _w1_declared_float64, ["'__rank1__.w1'", "float64"]),
 }
 
 

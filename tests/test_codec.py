@@ -137,12 +137,15 @@ def test_dict_with_several_tag_like_keys_is_escaped():
     assert _json_roundtrip(value) == value
 
 
-def test_ordered_dict_comes_back_as_a_dict_with_the_same_order():
-    """OrderedDict (a module's state_dict) is stored as a mapping: a plain dict, same keys, same order."""
+def test_ordered_dict_comes_back_as_an_ordered_dict_with_the_same_order():
+    """OrderedDict (a module's state_dict) comes back as an OrderedDict, same keys, same order (issue 26 item 6)."""
     from collections import OrderedDict
 
     out = _json_roundtrip(OrderedDict([("b", 1), ("a", 2)]))
-    assert type(out) is dict and list(out.items()) == [("b", 1), ("a", 2)]
+    assert type(out) is OrderedDict and list(out.items()) == [("b", 1), ("a", 2)]
+    nested = _json_roundtrip({"o": OrderedDict([((1, 2), OrderedDict(z=1))]), "d": {"__odict__": 1}})
+    assert type(nested["o"]) is OrderedDict and type(nested["o"][(1, 2)]) is OrderedDict
+    assert nested["d"] == {"__odict__": 1} and type(nested["d"]) is dict
 
 
 def test_set_encoding_does_not_depend_on_iteration_order():

@@ -67,10 +67,11 @@ def _damage(step_dir: Path) -> None:
 def test_node_local_damaged_copy_is_taken_from_the_durable_tier(tmp_path, s3, persist):
     """Node 1's copy of step 2 is damaged: step 2 is restored on both nodes, fetched from S3, not step 1."""
     url = f"s3://{s3.new_bucket()}/run"
-    run_distributed(_as_nodes, 2, _save, str(tmp_path), url, s3.options, True, persist, timeout_s=180)
+    daemon = persist == "thread"  # a rank with a writer process must not be a daemon process
+    run_distributed(_as_nodes, 2, _save, str(tmp_path), url, s3.options, True, persist, timeout_s=180, daemon=daemon)
     _damage(tmp_path / "node1" / "step_000000002")
     run_distributed(_as_nodes, 2, _restore, str(tmp_path), url, s3.options, True, persist, 2,
-                    {0: "durable-node", 1: "durable-node"}, timeout_s=180)
+                    {0: "durable-node", 1: "durable-node"}, timeout_s=180, daemon=daemon)
 
 
 def test_shared_root_two_ranks_damaged_copy_is_taken_from_the_durable_tier(tmp_path):

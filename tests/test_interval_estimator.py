@@ -15,18 +15,22 @@ def _estimator(**kwargs) -> IntervalEstimator:
     return IntervalEstimator(8 * HOUR, **{"initial_cost_s": 10.0, "ewma_alpha": 0.5, **kwargs})
 
 
-def test_a_save_moves_the_cost_from_its_seed_by_the_ewma_weight():
-    """The first save's blocking + slowdown (2 s + 1 s) moves the 10 s seed halfway (alpha 0.5): 6.5 s."""
+def test_the_first_save_replaces_the_initial_cost_and_later_ones_move_it_by_the_ewma_weight():
+    """The first save (2 s + 1 s) replaces the 10 s guess: 3 s; a 5 s save then moves it halfway (alpha 0.5): 4 s."""
     est = _estimator()
+    assert est.state_dict()["cost_s"] is None and est.plan()["cost_s"] == 10.0
     est.record_save(1, blocking_s=2.0, durable_after_s=None, slowdown_s=1.0)
-    assert est.state_dict()["cost_s"] == 6.5
+    assert est.state_dict()["cost_s"] == 3.0
+    est.record_save(2, blocking_s=5.0, durable_after_s=None, slowdown_s=0.0)
+    assert est.state_dict()["cost_s"] == 4.0
 
 
 def test_a_repeated_step_replaces_its_earlier_sample():
-    """Reporting step 1 again (once durable) replaces its cost sample instead of averaging it in twice."""
+    """Reporting step 2 again (once durable) replaces its cost sample instead of averaging it in twice."""
     est = _estimator()
-    est.record_save(1, blocking_s=2.0, durable_after_s=None, slowdown_s=0.0)
-    est.record_save(1, blocking_s=4.0, durable_after_s=None, slowdown_s=0.0)
+    est.record_save(1, blocking_s=10.0, durable_after_s=None, slowdown_s=0.0)
+    est.record_save(2, blocking_s=2.0, durable_after_s=None, slowdown_s=0.0)
+    est.record_save(2, blocking_s=4.0, durable_after_s=None, slowdown_s=0.0)
     assert est.state_dict()["cost_s"] == 7.0  # 10 + 0.5 * (4 - 10), not 6 + 0.5 * (4 - 6)
 
 

@@ -24,8 +24,13 @@ def _clone(tmp_path: Path, name: str = "clone") -> Path:
     return clone
 
 
+# variables the Makefile reads: an outer `make test VENV=...` exports them to this process (command-line
+# variables reach recipes' environments), and an inherited VENV would override every clone's own path
+_MAKEFILE_VARS = {"VENV", "CACHE_DIR", "PYTHON", "TORCH_SPEC", "TORCH_INDEX_URL", "PYTEST_ARGS", "DEMO_DIR"}
+
+
 def _make(clone: Path, *args: str) -> str:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MAKE")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MAKE") and k not in _MAKEFILE_VARS}
     out = subprocess.run(["make", "-n", "-s", "-C", str(clone), *args], capture_output=True, text=True, env=env,
                          timeout=60, check=True)
     return out.stdout
@@ -56,3 +61,11 @@ def test_other_dependency_files_get_another_environment(tmp_path):
     names = [re.findall(r"venv-[0-9a-f]{16}", _make(d, "venv-path", f"CACHE_DIR={tmp_path / 'cache'}"))
              for d in (a, b, c)]
     assert len(names[0]) == 1 and names[0] == names[1] != names[2]
+
+
+def test_variables_of_an_outer_make_do_not_leak_into_the_plan(tmp_path, monkeypatch):
+    """Under `make test VENV=... CACHE_DIR=...` (exported to pytest) a clone still gets its own hashed environment."""
+    monkeypatch.setenv("VENV", str(tmp_path / "outer-venv"))
+    monkeypatch.setenv("CACHE_DIR", str(tmp_path / "outer-cache"))
+    plan = _make(_clone(tmp_path), "venv-path", f"CACHE_DIR={tmp_path / 'cache'}")  # `make -n`: "echo PATH"
+    assert re.search(re.escape(str(tmp_path / "cache")) + r"/venv-[0-9a-f]{16}$", plan.strip()), plan

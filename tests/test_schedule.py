@@ -174,15 +174,26 @@ def test_young_daly_cost_seeded_by_initial_guess():
 
 
 def test_young_daly_cost_is_ewma_of_blocking_plus_slowdown():
-    """With alpha 0.5 and seed 10 s, a save costing 1 s blocking + 3 s slowdown moves C to 7 s."""
+    """With alpha 0.5, saves costing 1 s + 3 s and then 2 s + 0 s give C = 4 s, then 3 s."""
     policy = YoungDaly(HOUR, initial_cost_seconds=10.0, ewma_alpha=0.5)
     policy.record_save(5, blocking_s=1.0, durable_after_s=None, slowdown_s=3.0, now_s=0.0)
-    assert policy.describe()["cost_s"] == pytest.approx(7.0)
+    assert policy.describe()["cost_s"] == pytest.approx(4.0)
+    policy.record_save(10, blocking_s=2.0, durable_after_s=None, slowdown_s=0.0, now_s=1.0)
+    assert policy.describe()["cost_s"] == pytest.approx(3.0)
+
+
+def test_young_daly_first_measured_cost_replaces_the_initial_guess():
+    """A 5 s guess and a measured 0.005 s save: C is 0.005 s at once, not 30% of the way (issue 26 item 6)."""
+    policy = YoungDaly(HOUR, initial_cost_seconds=5.0)
+    policy.record_save(1, blocking_s=0.005, durable_after_s=None, now_s=0.0)
+    assert policy.describe()["cost_s"] == pytest.approx(0.005)
+    assert policy.describe()["optimal_interval_s"] == pytest.approx(daly_interval(HOUR, 0.005))
 
 
 def test_young_daly_second_report_of_a_save_replaces_not_adds():
     """Reporting the same step again (when durable) replaces its sample instead of averaging twice."""
     policy = YoungDaly(HOUR, initial_cost_seconds=10.0, ewma_alpha=0.5)
+    policy.record_save(4, blocking_s=10.0, durable_after_s=None, now_s=0.0)
     policy.record_save(5, blocking_s=2.0, durable_after_s=None, now_s=0.0)
     policy.record_save(5, blocking_s=2.0, durable_after_s=30.0, slowdown_s=2.0, now_s=30.0)
     assert policy.describe()["cost_s"] == pytest.approx(7.0)  # 10 + 0.5 * (4 - 10), not 6 + 0.5 * (4 - 6)

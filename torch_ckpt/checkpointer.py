@@ -268,7 +268,7 @@ class AsyncCheckpointer(CheckpointerPrepareMixin):
         except Exception as exc:  # noqa: BLE001 - reported to every rank by the agreement below
             error = exc
         try:
-            self._agree(step, final, error)
+            self._agree(step, final, error, None if prepared is None else prepared[0].signature)
         except BaseException as exc:
             if prepared is not None:
                 self._abandon(prepared[1], exc)

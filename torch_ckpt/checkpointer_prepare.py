@@ -9,6 +9,7 @@ submits the agreed save to the writer and surfaces its outcome.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import time
 from collections.abc import Callable
@@ -22,7 +23,7 @@ import torch
 
 from torch_ckpt import errors as errors_module
 from torch_ckpt._logging import get_logger
-from torch_ckpt.codec import split_state
+from torch_ckpt.codec import is_per_rank_key, split_state, tensor_kind
 from torch_ckpt.errors import CheckpointError, CheckpointWriteError, ConfigError
 from torch_ckpt.handle import SaveHandle, SaveStats
 from torch_ckpt.staging import StagingMemoryError, StagingProgress
@@ -55,6 +56,7 @@ class SaveJob:
     timings: dict[str, float] = field(default_factory=dict)
     copy_failed: bool = False
     reserved: bool = False  # this rank created ``final`` empty when the save was accepted
+    signature: dict[str, tuple] | None = None  # the tensors this rank stores under job-wide DCP keys (_signature)
 
 
 #: Pipelined staging of host tensors (the writer starts while ``save()`` still copies): None decides
@@ -63,6 +65,41 @@ class SaveJob:
 #: reference 2-core VM the blocking time of a 1 GiB save grew from 0.13 s to 0.9-1.5 s), so the copy
 #: then finishes before the writer starts.
 PIPELINE_STAGING: bool | None = None
+
+
+def _signature(tensors: dict[str, torch.Tensor], replicated_keys: tuple[str, ...]) -> dict[str, tuple]:
+    """``{DCP key: (kind, global shape, dtype)}`` of the tensors this rank stores under keys other ranks may use too.
+
+    That is every key but the ``__rank<r>__.`` keys of this rank's own tensors: replicated and
+    sharded tensors, and rank 0's per-rank tensors (which keep their plain key). DCP keeps one
+    entry per key for the whole job, so ranks must agree on these (:meth:`CheckpointerPrepareMixin._agree`).
+    """
+    return {k: (tensor_kind(k, t, replicated_keys), tuple(t.size()), str(t.dtype)) for k, t in tensors.items()
+            if not is_per_rank_key(k)}
+
+
+def _digest(signature: dict[str, tuple] | None) -> str | None:
+    if signature is None:
+        return None
+    text = "\n".join(f"{k}|{kind}|{shape}|{dtype}" for k, (kind, shape, dtype) in sorted(signature.items()))
+    return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+
+
+def _conflicts(signatures: list[dict[str, tuple]]) -> list[str]:
+    """One line per DCP key that two ranks store differently (kind, shape or dtype), naming the ranks."""
+    seen: dict[str, list[tuple[int, tuple]]] = {}
+    for rank, sig in enumerate(signatures):
+        for key, entry in sig.items():
+            seen.setdefault(key, []).append((rank, entry))
+    lines = []
+    for key in sorted(seen):
+        entries = seen[key]
+        per_rank = any(entry[0] == "rank" for _, entry in entries)
+        if len(entries) > 1 and (per_rank or len({entry for _, entry in entries}) > 1):
+            listing = ", ".join(f"rank {r}: {kind} {list(shape)} {dtype.removeprefix('torch.')}"
+                                for r, (kind, shape, dtype) in entries)
+            lines.append(f"{key!r} ({listing})")
+    return lines
 
 
 def _cuda_ready_event(tensors: dict[str, torch.Tensor]) -> Any:
@@ -77,6 +114,8 @@ def _cuda_ready_event(tensors: dict[str, torch.Tensor]) -> Any:
 class CheckpointerPrepareMixin:
     """This rank's capture and staging of a save, the ranks' agreement, and :meth:`wait_staged`."""
 
+    _agreed_digests: tuple | None = None  # the ranks' tensor-signature digests last found consistent (_agree)
+
     def _prepare_save(self, final: str | os.PathLike, state: Any, step: int,
                       on_committed: Callable[[Path], None] | None, t0: float, waited_s: float,
                       prepare: Callable[[], None] | None) -> tuple[SaveJob, SaveHandle, bool]:
@@ -87,7 +126,10 @@ class CheckpointerPrepareMixin:
             prepare()
         stats = SaveStats(step=step, wait_for_previous_s=wait_prev)
         sd = state.state_dict() if hasattr(state, "state_dict") else state
-        tensors, tree = split_state(sd, rank_local_keys=tuple(getattr(state, "rank_local_keys", ())))
+        replicated = tuple(getattr(state, "replicated_keys", ()))
+        tensors, tree = split_state(sd, rank_local_keys=tuple(getattr(state, "rank_local_keys", ())),
+                                    replicated_keys=replicated, rank=self._ctx.rank)
+        signature = _signature(tensors, replicated) if self._ctx.enabled and self._ctx.world_size > 1 else None
         if self._process_writer is not None and any(type(t) is not torch.Tensor for t in tensors.values()):
             raise ConfigError("persist='process' supports plain tensors only; this state holds DTensor/sharded "
                               "tensors (FSDP2/TP). Use persist='thread'.")
@@ -107,7 +149,7 @@ class CheckpointerPrepareMixin:
         stats.mode = "async" if background else ("sync" if fits else "sync-over-budget")
         job = SaveJob(step=step, final=Path(final), tensors=tensors, tree=tree, fits=fits, t0=t0,
                        ready_event=_cuda_ready_event(tensors) if self.overlap_staging else None,
-                       on_committed=on_committed)
+                       on_committed=on_committed, signature=signature)
         handle = SaveHandle(step, Future(), Future(), stats)
         self._inflight = handle
         try:
@@ -142,12 +184,18 @@ class CheckpointerPrepareMixin:
             if not fut.done():
                 fut.set_exception(exc)
 
-    def _agree(self, step: Any, final: str | os.PathLike, error: Exception | None) -> None:
+    def _agree(self, step: Any, final: str | os.PathLike, error: Exception | None,
+               signature: dict[str, tuple] | None = None) -> None:
         """The ranks' agreement before a submit: every rank raises when any failed or when they disagree.
 
         One all-gather on the caller-thread checkpoint group (the group of every other decision
         taken on this thread, in the same order on every rank), so a failed step leaves no
-        collective half-done behind.
+        collective half-done behind. It carries a digest of the tensors each rank stores under
+        job-wide DCP keys (:func:`_signature`); when the digests differ from each other (and from
+        the last set agreed on: pipeline stages hold different keys on every save), a second
+        all-gather of the signatures finds the keys two ranks store differently, and every rank
+        raises a ``ConfigError`` naming them and the ranks (DCP would keep one rank's entry and
+        drop the other's).
         """
         if isinstance(error, OSError) and not isinstance(error, CheckpointError):
             where = f" ({error.filename})" if error.filename else ""
@@ -159,7 +207,7 @@ class CheckpointerPrepareMixin:
         # node-local roots are different directories on each node: the ranks agree on the name
         target = os.path.abspath(os.fspath(final)) if self.node_layout is None else Path(final).name
         try:
-            votes = self._ctx.all_gather((mine, step, target), what="save agreement")
+            votes = self._ctx.all_gather((mine, step, target, _digest(signature)), what="save agreement")
         except CheckpointError:
             if error is not None:
                 raise error  # noqa: B904 - this rank's own failure says more than the failed agreement (its context)
@@ -177,6 +225,17 @@ class CheckpointerPrepareMixin:
             listing = "; ".join(f"rank {r}: step {vote[1]} into {vote[2]}" for r, vote in enumerate(votes))
             raise ConfigError(f"ranks disagree on the checkpoint to save ({listing}); every rank must save the "
                               "same step into the same directory")
+        digests = tuple(vote[3] for vote in votes)
+        if len(set(digests)) > 1 and digests != self._agreed_digests:
+            lines = _conflicts(self._ctx.all_gather(signature, what="save structure agreement"))
+            if lines:
+                raise ConfigError(
+                    f"checkpoint step {step} was not saved: ranks disagree on tensors stored once for all ranks: "
+                    f"{'; '.join(lines[:10])}{' ...' if len(lines) > 10 else ''}. A replicated or sharded tensor "
+                    "(model, optimizer, keys the state lists in replicated_keys) needs the same shape and dtype on "
+                    "every rank, and a key stored per rank must not be replicated on another rank; values that "
+                    "differ per rank belong outside replicated_keys")
+            self._agreed_digests = digests
 
     def wait_staged(self) -> None:
         """Block until the in-flight save no longer reads the live tensors (see ``overlap_staging``)."""

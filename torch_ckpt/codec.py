@@ -11,13 +11,21 @@ Tensors inside *rank-local* subtrees (RNG states, dataloader positions: small an
 every rank) are embedded in the JSON tree as base64 instead of going through DCP, where
 same-named tensors on different ranks would be deduplicated as replicas.
 
+Which DCP tensors are one tensor of the job and which are this rank's own: DCP treats same-named
+plain tensors of several ranks as replicas and writes one of them. With ``replicated_keys`` (the
+state's declaration, e.g. TrainState's ``("model", "optimizer")``), only plain tensors under those
+key prefixes, and every ``DTensor``/``ShardedTensor`` (sharded), are such global tensors; any other
+tensor is *per rank*: rank 0 stores it under its own key, rank ``r`` under
+``__rank<r>__.<key>`` (:func:`rank_key`), and the rank's JSON tree names that key, so every rank
+reads back its own value (:func:`logical_key` strips the prefix again).
+
 Supported values (each comes back with its exact type and value; also listed in ``docs/values.md``):
 
 * ``None``, ``bool``, ``int`` (any size), ``float`` (nan and +-inf included), ``complex``, ``str``,
   ``bytes``, ``bytearray``;
 * ``list``, ``tuple``, ``set`` and ``frozenset`` (set elements: hashable values of this list);
-* ``dict`` with keys of any hashable type of this list; ``collections.OrderedDict`` is stored as a
-  mapping and comes back as a plain ``dict`` (same keys, same order);
+* ``dict`` and ``collections.OrderedDict`` (each comes back as its own type, same keys, same
+  order) with keys of any hashable type of this list;
 * numpy scalars of every boolean, integer, float, complex, ``str_``, ``bytes_``, ``datetime64``
   and ``timedelta64`` dtype; numpy arrays of those dtypes (exactly ``np.ndarray``; they come back
   C-contiguous);
@@ -47,7 +55,8 @@ import torch
 
 from torch_ckpt.errors import CheckpointCorruptError, ConfigError
 
-__all__ = ["split_state", "join_state", "TENSOR_TAG", "MAX_DEPTH"]
+__all__ = ["split_state", "join_state", "TENSOR_TAG", "MAX_DEPTH", "rank_key", "logical_key", "is_per_rank_key",
+           "tensor_kind"]
 
 TENSOR_TAG = "__tensor__"
 INLINE_TENSOR_TAG = "__tensor_b64__"
@@ -63,8 +72,9 @@ _COMPLEX = "__complex__"
 _BIGINT = "__int_hex__"
 _SET = "__set__"
 _FROZENSET = "__frozenset__"
+ODICT_TAG = "__odict__"  # wraps the encoding of an OrderedDict's items (a plain dict node or a __dict__ node)
 _TAGS = {TENSOR_TAG, INLINE_TENSOR_TAG, NDARRAY_TAG, NPSCALAR_TAG, _NPSCALAR_RAW, TUPLE_TAG, DICT_TAG, BYTES_TAG,
-         _BYTEARRAY, FLOAT_TAG, _COMPLEX, _BIGINT, _SET, _FROZENSET}
+         _BYTEARRAY, FLOAT_TAG, _COMPLEX, _BIGINT, _SET, _FROZENSET, ODICT_TAG}
 
 #: Deepest nesting of containers (dicts, lists, tuples, sets) a state may have.
 MAX_DEPTH = 100
@@ -74,6 +84,45 @@ _JSON_INT_BITS = 4096
 # numpy scalar kinds stored as a JSON value (exact for these item sizes) rather than raw bytes
 _NP_VALUE_KINDS = {"b", "i", "u", "U"}
 _NP_RAW_KINDS = {"f", "c", "M", "m", "S"}
+
+
+_RANK_PREFIX = "__rank"
+_RANK_KEY_RE = re.compile(r"__rank(\d+)__\.")
+
+
+def rank_key(key: str, rank: int) -> str:
+    """The DCP key of rank ``rank``'s own (per-rank) tensor at state key ``key``: ``key`` itself on rank 0."""
+    return key if rank == 0 else f"{_RANK_PREFIX}{rank}__.{key}"
+
+
+def logical_key(key: str) -> str:
+    """The state key of DCP key ``key`` (``__rank<r>__.`` removed; other keys unchanged)."""
+    if key.startswith(_RANK_PREFIX):
+        m = _RANK_KEY_RE.match(key)
+        if m is not None:
+            return key[m.end():]
+    return key
+
+
+def is_per_rank_key(key: str) -> bool:
+    """True for the DCP key of a per-rank tensor of a rank other than 0 (``__rank<r>__.<key>``)."""
+    return key.startswith(_RANK_PREFIX) and _RANK_KEY_RE.match(key) is not None
+
+
+@functools.lru_cache(maxsize=64)
+def _prefixes(replicated_keys: tuple[str, ...]) -> tuple[str, ...]:
+    return tuple(p + "." for p in replicated_keys)
+
+
+def tensor_kind(key: str, t: torch.Tensor, replicated_keys: tuple[str, ...] | None) -> str:
+    """How DCP key ``key`` of :func:`split_state` is stored: "sharded", "replicated" or "rank" (per rank)."""
+    if isinstance(t, _distributed_tensor_types()):
+        return "sharded"
+    if is_per_rank_key(key):
+        return "rank"
+    if replicated_keys is None or key.startswith(_prefixes(tuple(replicated_keys))) or key in replicated_keys:
+        return "replicated"
+    return "rank"
 
 
 def _b64(data: bytes) -> str:
@@ -224,12 +273,17 @@ def _advice_for(obj: Any) -> str:
             "bytes, list, tuple, dict, set)")
 
 
-def split_state(state: Any, *, rank_local_keys: tuple[str, ...] = ()) -> tuple[dict[str, torch.Tensor], Any]:
+def split_state(state: Any, *, rank_local_keys: tuple[str, ...] = (), replicated_keys: tuple[str, ...] | None = None,
+                rank: int = 0) -> tuple[dict[str, torch.Tensor], Any]:
     """Separate the tensors of a nested state dict from its plain values, refusing what cannot round-trip.
 
     Args:
         state: nested containers whose leaves are values of the supported set (module docstring).
         rank_local_keys: top-level keys whose tensors are embedded per rank in the JSON tree.
+        replicated_keys: key prefixes (``"model"``, ``"extras.ema"``) whose plain tensors are the
+            same on every rank (stored once by DCP); every other plain tensor is stored per rank,
+            under :func:`rank_key` of ``rank``. None: every tensor is global (DCP's own semantics).
+        rank: this rank (names the keys of per-rank tensors).
 
     Returns:
         ``(tensors, tree)``: a flat ``{dotted_key: tensor}`` dict for DCP (the live tensors, not
@@ -237,10 +291,23 @@ def split_state(state: Any, *, rank_local_keys: tuple[str, ...] = ()) -> tuple[d
 
     Raises:
         ConfigError: a value is outside the supported set, a container contains itself or is
-            nested deeper than :data:`MAX_DEPTH`, or two paths flatten to the same key; the message
-            names the key path and what to store instead. Raised before anything is written.
+            nested deeper than :data:`MAX_DEPTH`, two paths flatten to the same key, or a tensor key
+            starts with the reserved ``__rank<N>__.``; the message names the key path and what to
+            store instead. Raised before anything is written.
     """
     tensors: dict[str, torch.Tensor] = {}
+    shared = None if replicated_keys is None else frozenset(replicated_keys)
+    shared_prefixes = () if shared is None else tuple(p + "." for p in shared)
+    sharded = _distributed_tensor_types()
+
+    def dcp_key(obj: torch.Tensor, key: str) -> str:
+        if key.startswith(_RANK_PREFIX) and _RANK_KEY_RE.match(key):
+            raise ConfigError(f"state key {key!r} starts with '__rank<N>__.', which names per-rank tensors in "
+                              "checkpoints; rename it")
+        if shared is None or rank == 0 or key.startswith(shared_prefixes) or key in shared or \
+                isinstance(obj, sharded):
+            return key
+        return rank_key(key, rank)
     active: set[int] = set()  # ids of the containers on the current path (cycle detection)
 
     def enter(obj: Any, key: str, depth: int) -> None:
@@ -262,10 +329,11 @@ def split_state(state: Any, *, rank_local_keys: tuple[str, ...] = ()) -> tuple[d
             if local:
                 return _encode_inline_tensor(obj, key)
             _check_tensor(obj, key, inline=False)
-            if key in tensors:
+            name = dcp_key(obj, key)
+            if name in tensors:
                 raise ConfigError(f"state key {key!r} occurs twice after flattening nested keys with '.'; rename one")
-            tensors[key] = obj
-            return {TENSOR_TAG: key}
+            tensors[name] = obj
+            return {TENSOR_TAG: name}
         if obj is None or kind is bool or kind is str:
             return obj
         if kind is int:
@@ -295,7 +363,7 @@ def split_state(state: Any, *, rank_local_keys: tuple[str, ...] = ()) -> tuple[d
                                   enc(v, _join(key, name), sub_local(name), depth + 1, path + (name,))])
                 out = {DICT_TAG: items}
             active.discard(id(obj))
-            return out
+            return {ODICT_TAG: out} if kind is OrderedDict else out
         if kind is list or kind is tuple:
             enter(obj, key, depth)
             out = [enc(v, _join(key, str(i)), local, depth + 1, path + (str(i),)) for i, v in enumerate(obj)]
@@ -366,6 +434,11 @@ def join_state(tree: Any, tensors: dict[str, torch.Tensor] | Any) -> Any:
                     return frozenset(dec(v) for v in value)
                 if tag == DICT_TAG:
                     return {dec(k): dec(v) for k, v in value}
+                if tag == ODICT_TAG:
+                    inner = dec(value)
+                    if not isinstance(inner, dict):
+                        raise TypeError(f"{ODICT_TAG} holds a {type(inner).__name__}, not a mapping")
+                    return OrderedDict(inner)
         return {k: dec(v) for k, v in node.items()}
 
     try:

@@ -264,8 +264,10 @@ def record_problems(where: str | os.PathLike | Location, manifest: Manifest, md:
     """
     loc = as_location(where, allow_symlinks=allow_symlinks)
     tensors = tensor_items(md) if tensors is None else tensors
-    if files is None:
-        every = sorted({str(info.relative_path) for index, info in md.storage_data.items() if index.fqn in tensors})
+    if files is None:  # one node's copy holds its own files only: records of another node's are checked there
+        held = manifest.local_files()
+        every = sorted({str(info.relative_path) for index, info in md.storage_data.items()
+                        if index.fqn in tensors and str(info.relative_path) in held})
         files = [name for i, name in enumerate(every) if i % parts == part]
     mine = list(files)
     for name in mine:

@@ -41,7 +41,9 @@ class IntervalEstimator:
     """Online estimates of the save cost and durability lag, and the interval they give.
 
     The cost ``C`` of a save is an exponentially weighted moving average (EWMA, weight
-    ``ewma_alpha``) of its ``blocking_s + slowdown_s``, seeded by ``initial_cost_s``; the durability
+    ``ewma_alpha``) of its ``blocking_s + slowdown_s``; ``initial_cost_s`` stands for it only until
+    the first save is measured, whose cost then replaces it (a prior of 5 s against a real 0.005 s
+    would otherwise keep saves 20-30x too rare for the first several saves); the durability
     lag ``L`` an EWMA of ``durable_after_s - blocking_s``. The step time comes from a
     :class:`~torch_ckpt.cadence.StepTimeEstimator`: its own, fed by :meth:`record_step`, until
     :meth:`use_step_time` hands it the one a :class:`~torch_ckpt.cadence.Cadence` feeds. The
@@ -124,7 +126,7 @@ class IntervalEstimator:
         until a step time has been measured)."""
         return checkpoint_interval(
             self.mtbf_s,
-            float(self._cost.value),  # type: ignore[arg-type]  # seeded, never None
+            self.initial_cost_s if self._cost.value is None else float(self._cost.value),
             self._lag.value or 0.0,
             self._step_time.seconds or None,
             formula=self.formula,
@@ -146,7 +148,7 @@ class IntervalEstimator:
         return d
 
     def state_dict(self) -> dict[str, Any]:
-        """The estimates (``cost_s``, ``step_time_s``, ``durability_lag_s``)."""
+        """The estimates (``cost_s``, ``step_time_s``, ``durability_lag_s``; None: not measured yet)."""
         return {
             "cost_s": self._cost.value,
             "step_time_s": self._step_time.seconds,
@@ -156,7 +158,7 @@ class IntervalEstimator:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output (missing keys start fresh; clock state is reset)."""
         cost = state.get("cost_s")
-        self._cost = _Ewma(self._alpha, self.initial_cost_s if cost is None else float(cost))
+        self._cost = _Ewma(self._alpha, None if cost is None else float(cost))  # None: initial_cost_s until measured
         self._lag = _Ewma(self._alpha, state.get("durability_lag_s"))
         step_time = state.get("step_time_s")
         if self._owns_step_time:

@@ -125,7 +125,8 @@ def scan_committed(root: str | os.PathLike, naming: Naming | None = None) -> dic
 
     Only names that ``naming`` (default :class:`StepNaming`) parses are considered, and the
     manifest's step must equal the step of the name. Directories with such a name but no readable
-    manifest (a folder of another tool, or damage) are skipped with a warning; temporary
+    manifest (a folder of another tool, or damage) are skipped with a warning; one removed while the
+    root is listed (the writer's retention, beside a read-only reader) is skipped silently; temporary
     directories are never returned.
     """
     return {step: path for step, (path, _) in scan_manifests(root, naming).items()}
@@ -145,6 +146,9 @@ def scan_manifests(root: str | os.PathLike, naming: Naming | None = None) -> dic
         try:
             manifest = read_manifest(entry)
         except (CheckpointNotFoundError, CheckpointCorruptError) as exc:
+            if not os.path.lexists(entry):  # removed since it was listed (the writer's retention): nothing to say
+                log.debug("ignoring %s: removed while the root was listed", entry)
+                continue
             if not is_reservation(entry):  # a reserved name (a save in flight, or crashed) is silently not one
                 log.warning("ignoring %s: %s", entry, exc)
             continue

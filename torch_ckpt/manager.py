@@ -301,10 +301,15 @@ class CheckpointManager(ManagerPrepareMixin, ManagerCommitMixin, ManagerReadMixi
             if extra_dir is not None and self._ctx.is_coordinator:
                 staged_extra[0] = self._stage_extra(extra_dir, final)
 
-        handle = self._ckpt.save(final, state, step=step,
-                                 on_committed=lambda final: self._after_commit(step, final, replicate),
-                                 started_at=t0, prepare=prepare, replace=lambda: replace[0],
-                                 extra_dir=lambda: staged_extra[0], lineage=lambda: self._lineage)
+        restored = self._restored_step
+        try:
+            handle = self._ckpt.save(final, state, step=step,
+                                     on_committed=lambda final: self._after_commit(step, final, replicate),
+                                     started_at=t0, prepare=prepare, replace=lambda: replace[0],
+                                     extra_dir=lambda: staged_extra[0], lineage=lambda: self._lineage)
+        except BaseException:
+            self._restored_step = restored  # a refused (or failed synchronous) save leaves restored_step as it was
+            raise
         self._saves += 1
         if self._cadence is not None:
             self._cadence.record_save_started(handle, time.monotonic())

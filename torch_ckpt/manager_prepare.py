@@ -148,7 +148,7 @@ class ManagerPrepareMixin:
                     quarantine_step_dir(final, reason="corrupt")
                 else:
                     raise ConfigError(f"step {step} is already committed at {final}; save under a new step")
-            self._check_no_newer_steps(step)
+            self._check_no_newer_steps(step, restored)
             return False
         except OSError as exc:
             if isinstance(exc, CheckpointError):
@@ -183,8 +183,11 @@ class ManagerPrepareMixin:
             return False
         return True
 
-    def _check_no_newer_steps(self, step: int) -> None:
-        """Rank 0: refuse (or move aside) committed steps newer than ``step`` that this run did not write."""
+    def _check_no_newer_steps(self, step: int, restored: int | None = None) -> None:
+        """Rank 0: refuse (or move aside) committed steps newer than ``step`` that this run did not write.
+
+        ``restored``: the step this manager's last restore loaded (the save names a step below it).
+        """
         if self._newest_known is not None and step > self._newest_known:
             self._newest_known = step
             return
@@ -196,6 +199,13 @@ class ManagerPrepareMixin:
                         "(on_existing_newer='supersede')", step, _list_steps(newer))
             for s in newer:
                 quarantine_step_dir(committed[s], reason="superseded")
+        elif newer and restored is not None:
+            raise ConfigError(
+                f"this manager restored step {restored} and is now asked to save step {step}, below it; {self.root} "
+                f"holds committed step(s) {_list_steps(newer)} newer than step {step}, so 'latest' would stay at step "
+                f"{newer[-1]} and retention would delete this save first. Save a step above {restored} (the restored "
+                f"state's step counts on from {restored}), or pass CheckpointManager(..., "
+                "on_existing_newer='supersede') to move the newer steps aside (kept hidden, never listed)")
         elif newer:
             raise ConfigError(
                 f"{self.root} already holds committed step(s) {_list_steps(newer)} newer than step {step}, which this "

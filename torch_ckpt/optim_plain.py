@@ -94,7 +94,13 @@ class OptimizerState:
     Args:
         optimizer: the torch optimizer.
         name: the key prefix used in error messages (e.g. ``"optimizers_plain.0"``).
+
+    Attributes:
+        replicated_keys: its state tensors are the same on every rank (stored once, as by DCP),
+            when it is saved as a state of its own.
     """
+
+    replicated_keys: tuple[str, ...] = ("state",)
 
     def __init__(self, optimizer: torch.optim.Optimizer, *, name: str = "optimizer") -> None:
         self.optimizer = optimizer

@@ -36,9 +36,10 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
+from torch_ckpt import errors as errors_module
 from torch_ckpt._logging import get_logger
 from torch_ckpt.bounded import corrupt
-from torch_ckpt.codec import join_state
+from torch_ckpt.codec import join_state, logical_key
 from torch_ckpt.dcp_metadata import check_records, read_metadata, record_problems, tensor_items
 from torch_ckpt.dcp_read import load_tensors
 from torch_ckpt.direct_read import DATA_SUFFIX, load_direct
@@ -48,6 +49,7 @@ from torch_ckpt.errors import (
     CheckpointError,
     CheckpointReadError,
     ConfigError,
+    StateMismatchError,
 )
 from torch_ckpt.format import read_rank_doc, verify_files
 from torch_ckpt.host_memory import copy_tensors, owners_in, restore_buffers, swap_in
@@ -237,10 +239,12 @@ def _load_into(state: Any, step_dir: Path, manifest: Manifest, ctx: DistContext,
     try:
         live_tensors, tree, targets, staged_aware = plan_restore(
             state, step_dir, manifest, md, tree, ctx, on_world_size_change=on_world_size_change, allow_cast=allow_cast)
-    except CheckpointError:
-        if direct:  # the records were not checked up front: a record that disagrees with the metadata
-            _check_records(step_dir, manifest, md, tensor_items(md))  # explains a mismatch better
+    except Exception as exc:  # noqa: BLE001 - every rank learns of it below, before any rank reads
+        if direct and isinstance(exc, CheckpointError):  # the records were not checked up front: a record that
+            _check_records(step_dir, manifest, md, tensor_items(md))  # disagrees with the metadata explains it better
+        _agree_on_plan(ctx, step_dir, exc)
         raise
+    _agree_on_plan(ctx, step_dir, None)
 
     undo = None
     if direct and scratch is not None:  # live tensors read in place, backed up in the scratch memory first
@@ -267,6 +271,32 @@ def _load_into(state: Any, step_dir: Path, manifest: Manifest, ctx: DistContext,
         hold.release()
 
 
+def _agree_on_plan(ctx: DistContext, step_dir: Path, error: BaseException | None) -> None:
+    """Every rank learns whether every rank's live state fits the checkpoint, before any rank starts reading.
+
+    Without it a rank whose state does not fit raises while the others enter DCP's collective
+    read, which then fails there (or waits for the timeout). A rank raises its own error; the
+    others raise the failing rank's error class (a ``StateMismatchError`` stays one, never a
+    ``CheckpointCorruptError`` for a healthy checkpoint), naming the rank.
+    """
+    if not ctx.enabled:
+        return
+    mine = None if error is None else (type(error).__name__, str(error))
+    votes = ctx.all_gather(mine, what="restore plan agreement")
+    if error is not None:
+        return
+    failed = [(rank, vote) for rank, vote in enumerate(votes) if vote is not None]
+    if not failed:
+        return
+    rank, (kind, text) = failed[0]
+    others = f" (and ranks {[r for r, _ in failed[1:]]})" if len(failed) > 1 else ""
+    message = f"{step_dir}: not restored: rank {rank}{others} cannot load this checkpoint: {kind}: {text}"
+    if kind == "StateMismatchError":
+        raise StateMismatchError(message)
+    cls = getattr(errors_module, kind, None) if kind in errors_module.__all__ else None
+    raise (cls if isinstance(cls, type) and issubclass(cls, CheckpointError) else CheckpointError)(message)
+
+
 def _log_memory_used(undo: UndoLog | None, scratch: torch.Tensor | None, count: int) -> None:
     """Say (INFO) how many of a single-process restore's ``count`` tensors were read in place, and why none were."""
     if undo is not None and undo.tensors:
@@ -291,7 +321,7 @@ def _in_place_policy(state: Any) -> Callable[[str], bool]:
     """
     ask = getattr(state, "load_in_place", None)
     if callable(ask):
-        return ask
+        return lambda key: ask(logical_key(key))  # the state's own key, also for a per-rank __rank<r>__. key
     if not hasattr(state, "load_state_dict") and isinstance(state, MutableMapping):
         return lambda key: True
     return lambda key: False

@@ -16,7 +16,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from torch_ckpt._logging import get_logger
-from torch_ckpt.codec import TENSOR_TAG, join_state, split_state
+from torch_ckpt.codec import ODICT_TAG, TENSOR_TAG, is_per_rank_key, join_state, logical_key, split_state
 from torch_ckpt.dist import DistContext
 from torch_ckpt.errors import CheckpointCorruptError, ConfigError, StateMismatchError
 from torch_ckpt.layout import Manifest
@@ -34,6 +34,13 @@ def _is_tagged(node: Any) -> bool:
     return isinstance(node, dict) and len(node) == 1 and next(iter(node)).startswith("__")
 
 
+def _mapping(node: Any) -> Any:
+    """The items of an encoded OrderedDict (compared as a dict's, as in checkpoints written before its tag)."""
+    while isinstance(node, dict) and len(node) == 1 and ODICT_TAG in node:
+        node = node[ODICT_TAG]
+    return node
+
+
 def _structure_keys(tree: Any, *, deep: bool) -> set[str]:
     """Dotted paths of the non-tensor structure: top-level keys only (``deep=False``), or every dict path.
 
@@ -41,11 +48,13 @@ def _structure_keys(tree: Any, *, deep: bool) -> set[str]:
     replaced as a whole on load (extras, RNG, dataloader) are not descended into.
     """
     keys: set[str] = set()
+    tree = _mapping(tree)
     if not isinstance(tree, dict) or _is_tagged(tree):
         return keys
 
     def walk(node: dict, prefix: str, depth: int) -> None:
         for k, v in node.items():
+            v = _mapping(v)
             if isinstance(v, dict) and len(v) == 1 and TENSOR_TAG in v:
                 continue
             path = f"{prefix}{k}"
@@ -114,9 +123,14 @@ def plan_restore(state: Any, step_dir: Path, manifest: Manifest, md: Any, tree: 
             if isinstance(live_tree, dict) and key in live_tree:
                 tree[key] = live_tree[key]
 
-    optional = getattr(state, "load_optional_key", None)
-    is_optional = optional if callable(optional) else (lambda key: False)
     saved_tensor_keys = tensor_keys(tree)
+    # a per-rank tensor of rank r > 0 is stored as __rank<r>__.<key>: the live tensor of <key> takes that name,
+    # so checks, buffers and the read use the checkpoint's key (the tree that was read names it)
+    own = {logical_key(k): k for k in saved_tensor_keys if is_per_rank_key(k)}
+    if own:
+        live_tensors = {own.get(k, k): t for k, t in live_tensors.items()}
+    optional = getattr(state, "load_optional_key", None)
+    is_optional = (lambda key: optional(logical_key(key))) if callable(optional) else (lambda key: False)
     saved_keys = saved_tensor_keys | _structure_keys(tree, deep=not hasattr(state, "state_dict"))
     live_keys = set(live_tensors) | _structure_keys(live_tree, deep=not hasattr(state, "state_dict"))
     missing = sorted(k for k in live_keys - saved_keys if not is_optional(k))
@@ -171,7 +185,7 @@ def plan_restore(state: Any, step_dir: Path, manifest: Manifest, md: Any, tree: 
     make_target = getattr(state, "load_target", None)
     targets: dict[str, torch.Tensor] = {}
     for key, meta in saved_meta.items():
-        target = make_target(key, tuple(meta.shape), meta.dtype) if callable(make_target) else None
+        target = make_target(logical_key(key), tuple(meta.shape), meta.dtype) if callable(make_target) else None
         if target is None:
             if key not in live_tensors:  # an optional key the state cannot place: not loadable here
                 raise StateMismatchError(f"{step_dir}: unexpected in checkpoint: [{key!r}]", unexpected=[key])

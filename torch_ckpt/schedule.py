@@ -174,8 +174,8 @@ class YoungDaly:
 
     The interval ``T`` comes from Daly (2006, the default) or Young (1974); see
     :mod:`torch_ckpt.interval`. ``C`` is measured online: an exponentially weighted moving
-    average (EWMA) of each save's ``blocking_s + slowdown_s``, seeded by ``initial_cost_seconds``;
-    the durability lag ``L`` likewise. The step time is the
+    average (EWMA) of each save's ``blocking_s + slowdown_s``; ``initial_cost_seconds`` is used
+    until the first save is measured, whose cost replaces it; the durability lag ``L`` likewise. The step time is the
     :class:`~torch_ckpt.cadence.StepTimeEstimator`'s (the time between :meth:`record_step` calls,
     leaving out the step that contained a save's stall); driven by a
     :class:`~torch_ckpt.cadence.Cadence` (as the manager does), the policy reads the cadence's

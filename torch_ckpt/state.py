@@ -91,9 +91,15 @@ class TrainState(TrainStateLoadMixin):
 
     Attributes:
         rank_local_keys: top-level keys whose values differ per rank (stored once per rank).
+        replicated_keys: key prefixes whose plain tensors are the same on every rank (DCP stores
+            them once; sharded tensors always are): the models and optimizers. Every other tensor
+            (extras, scheduler, scaler) is stored per rank and comes back per rank. A subclass or
+            instance may add prefixes (``"extras.ema"``) for large extras that every rank holds
+            alike; ranks must then agree on their shapes and dtypes (``save()`` checks).
     """
 
     rank_local_keys: tuple[str, ...] = ("rng", "dataloader")
+    replicated_keys: tuple[str, ...] = ("model", "optimizer")
 
     def __init__(
         self,

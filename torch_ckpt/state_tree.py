@@ -26,6 +26,7 @@ from torch_ckpt.codec import (
     INLINE_TENSOR_TAG,
     NDARRAY_TAG,
     NPSCALAR_TAG,
+    ODICT_TAG,
     TENSOR_TAG,
     TUPLE_TAG,
 )
@@ -95,6 +96,10 @@ def embedded_info(kind: str, node: dict) -> tuple[list[int], str, int]:
     return shape, dtype_name, nbytes
 
 
+def _is_tag_node(node: dict, tag: str) -> bool:
+    return len(node) == 1 and tag in node
+
+
 def walk_tree(tree: Any, path: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], str, Any]]:
     """Yield ``(path, kind, node)`` for every leaf of a per-rank tree, validating every node on the way.
 
@@ -149,6 +154,11 @@ def walk_tree(tree: Any, path: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str
                 if not isinstance(node[TUPLE_TAG], list):
                     raise Malformed(f"malformed {TUPLE_TAG} node")
                 stack.extend((v, where + (str(i),)) for i, v in reversed(list(enumerate(node[TUPLE_TAG]))))
+            elif len(node) == 1 and ODICT_TAG in node:  # an OrderedDict: its items, encoded as a dict's
+                inner = node[ODICT_TAG]
+                if not isinstance(inner, dict) or _is_tag_node(inner, ODICT_TAG):
+                    raise Malformed(f"malformed {ODICT_TAG} node")
+                stack.append((inner, where))
             elif len(node) == 1 and DICT_TAG in node:
                 items = node[DICT_TAG]
                 if not isinstance(items, list) or not all(isinstance(it, list) and len(it) == 2 and

@@ -13,12 +13,13 @@ from typing import Any
 
 import torch
 
-from torch_ckpt.codec import join_state
+from torch_ckpt.codec import is_per_rank_key, join_state
 from torch_ckpt.dcp_metadata import check_records, read_metadata, tensor_items
 from torch_ckpt.dcp_read import load_tensors
 from torch_ckpt.errors import CheckpointNotFoundError, ConfigError
 from torch_ckpt.format import read_rank_doc, verify_files
 from torch_ckpt.manifest import Manifest, read_manifest
+from torch_ckpt.state_tree import tensor_keys
 
 __all__ = ["load_full_state", "export_torch", "export_safetensors", "model_weights"]
 
@@ -48,7 +49,8 @@ def load_full_state(checkpoint: str | Path, *, verify: bool = True,
     Returns:
         ``(state, manifest)``. ``state`` is rank 0's nested state with full tensors; when the
         checkpoint was written by several ranks, ``state["per_rank"]`` lists each rank's rank-local
-        values (RNG, dataloader position).
+        values (RNG, dataloader position) and every top-level entry that holds per-rank tensors
+        (e.g. ``extras``), as that rank saved it.
 
     Raises:
         CheckpointNotFoundError: not a committed checkpoint directory.
@@ -69,8 +71,11 @@ def load_full_state(checkpoint: str | Path, *, verify: bool = True,
         load_tensors(tensors, path, md, set(manifest.files), no_dist=True, allow_symlinks=allow_symlinks)
     state = join_state(trees[0], tensors)
     if manifest.world_size > 1:
-        state["per_rank"] = [join_state({k: v for k, v in t.items() if k in ("rng", "dataloader")}, tensors)
-                             for t in trees]
+        # rank-local parts, and every top-level entry holding a per-rank tensor (__rank<r>__. keys) on some rank
+        per_rank = {"rng", "dataloader"} | {k for t in trees[1:] if isinstance(t, dict) for k, v in t.items()
+                                            if any(is_per_rank_key(key) for key in tensor_keys(v))}
+        state["per_rank"] = [join_state({k: v for k, v in t.items() if k in per_rank}, tensors)
+                             if isinstance(t, dict) else {} for t in trees]
     return state, manifest
 
 
