@@ -29,8 +29,9 @@ def test_checkpoint_removed_while_listing_is_skipped_without_a_warning(tmp_path,
 
 
 def test_step_directory_without_manifest_is_still_warned_about(tmp_path, caplog):
-    """A step-named directory that stays there without a manifest is skipped with a warning, as before."""
-    (tmp_path / "step_000000003").mkdir()
+    """A step-named directory that stays there with files but no manifest is skipped with a warning, as before."""
+    (tmp_path / "step_000000003").mkdir()  # empty, it would be a reservation (a save in flight): silent
+    (tmp_path / "step_000000003" / "__0_0.distcp").write_bytes(b"x")
     with caplog.at_level(logging.WARNING, logger="torch_ckpt"):
         assert layout.scan_committed(tmp_path) == {}
     assert "step_000000003" in caplog.text and "does not exist" in caplog.text
