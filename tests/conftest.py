@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -89,3 +91,20 @@ def s3():
     server.start()
     yield server
     server.stop()
+
+
+@pytest.fixture
+def held_writes(monkeypatch):
+    """Background writes wait until ``.set()`` (set again at teardown)."""
+    from torch_ckpt import checkpointer
+
+    gate = threading.Event()
+    persist = checkpointer.persist_checkpoint
+
+    def gated(req, ctx):
+        assert gate.wait(30), "held write was never released"
+        return persist(req, ctx)
+
+    monkeypatch.setattr(checkpointer, "persist_checkpoint", gated)
+    yield gate
+    gate.set()

@@ -10,40 +10,14 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 import weakref
 
 import pytest
 import torch
 
-import torch_ckpt.checkpointer as checkpointer
+from tests._threads import ckpt_threads
 from torch_ckpt import CheckpointManager, CheckpointWriteError
 from torch_ckpt.root_lock import _flock_holder
-
-
-def ckpt_threads(settle_s: float = 10.0) -> list[str]:
-    """Names of the torch-ckpt threads of this process still alive after up to ``settle_s`` for them to end."""
-    deadline = time.monotonic() + settle_s
-    while True:
-        alive = [t for t in threading.enumerate() if t.name.startswith("torch_ckpt")]
-        if not alive or time.monotonic() > deadline:
-            return [t.name for t in alive]
-        alive[0].join(0.05)
-
-
-@pytest.fixture
-def held_writes(monkeypatch):
-    """Background writes wait until ``.set()`` (set again at teardown)."""
-    gate = threading.Event()
-    persist = checkpointer.persist_checkpoint
-
-    def gated(req, ctx):
-        assert gate.wait(30), "held write was never released"
-        return persist(req, ctx)
-
-    monkeypatch.setattr(checkpointer, "persist_checkpoint", gated)
-    yield gate
-    gate.set()
 
 
 def test_no_thread_remains_once_a_save_is_committed(tmp_path):

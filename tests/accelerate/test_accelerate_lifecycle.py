@@ -16,34 +16,10 @@ import pytest
 from acc_helpers import make_run, train
 
 import torch_ckpt.checkpointer as checkpointer
+from tests._threads import ckpt_threads
 from torch_ckpt import CheckpointWriteError, ConfigError, is_committed
 
 SCRIPT = Path(__file__).resolve().parents[1] / "_helpers" / "accelerate_epochs.py"
-
-
-def ckpt_threads(settle_s: float = 10.0) -> list[str]:
-    """Names of the torch-ckpt threads still alive after up to ``settle_s`` for them to end."""
-    deadline = time.monotonic() + settle_s
-    while True:
-        alive = [t for t in threading.enumerate() if t.name.startswith("torch_ckpt")]
-        if not alive or time.monotonic() > deadline:
-            return [t.name for t in alive]
-        alive[0].join(0.05)
-
-
-@pytest.fixture
-def held_writes(monkeypatch):
-    """Background writes wait until ``.set()`` (set again at teardown)."""
-    gate = threading.Event()
-    persist = checkpointer.persist_checkpoint
-
-    def gated(req, ctx):
-        assert gate.wait(30), "held write was never released"
-        return persist(req, ctx)
-
-    monkeypatch.setattr(checkpointer, "persist_checkpoint", gated)
-    yield gate
-    gate.set()
 
 
 @pytest.mark.parametrize("attach", [False, True], ids=["plain", "attached"])

@@ -3,23 +3,11 @@ and a second Trainer of the same process saves into the same folders."""
 
 from __future__ import annotations
 
-import threading
-import time
-
 from lightning_helpers import TinyModule
 
 from lightning_ckpt import AsyncDCPCheckpointIO
+from tests._threads import ckpt_threads
 from torch_ckpt import is_committed
-
-
-def ckpt_threads(settle_s: float = 10.0) -> list[str]:
-    """Names of the torch-ckpt threads still alive after up to ``settle_s`` for them to end."""
-    deadline = time.monotonic() + settle_s
-    while True:
-        alive = [t for t in threading.enumerate() if t.name.startswith("torch_ckpt")]
-        if not alive or time.monotonic() > deadline:
-            return [t.name for t in alive]
-        alive[0].join(0.05)
 
 
 def test_fit_then_save_checkpoint_by_hand_leaves_no_thread(make_trainer, tmp_path):
