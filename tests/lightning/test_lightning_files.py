@@ -12,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from unittest.mock import Mock
 
 import pytest
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -138,3 +139,13 @@ def test_slurm_requeue_after_a_kill_mid_save_resumes_from_the_intact_hpc_checkpo
     with pytest.warns(UserWarning, match="never committed"):
         trainer.fit(TinyModule(), ckpt_path="hpc")
     assert trainer.global_step == 1  # resumed at step 1: max_steps=1 leaves nothing to train
+
+
+def test_link_hook_keeps_lightnings_behaviour_for_a_trainer_without_our_io(tmp_path):
+    """ModelCheckpoint._link_checkpoint links at once for a trainer whose IO is not ours (a Mock included)."""
+    AsyncDCPCheckpointIO()  # the hook is installed by then
+    target = tmp_path / "file"
+    target.touch()
+    link = tmp_path / "link"
+    ModelCheckpoint._link_checkpoint(Mock(), filepath=str(target), linkpath=str(link))
+    assert os.path.islink(link) and os.path.realpath(link) == str(target)
