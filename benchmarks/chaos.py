@@ -66,6 +66,12 @@ from torch_ckpt.layout import read_manifest, scan_committed  # noqa: E402
 from torch_ckpt.temporaries import is_reservation  # noqa: E402
 
 
+def _save_in_flight(root: Path) -> bool:
+    """A save is being written under ``root``: its partial inside a reserved name, or a commit-side temporary."""
+    return any(root.glob("step_*/.torch-ckpt.partial.*")) or any(root.glob(".torch-ckpt.tmp.*")) \
+        or any(root.glob(".step_*.tmp*"))
+
+
 def _writers(pid: int) -> list[psutil.Process]:
     """The checkpoint writer processes (spawned children) of process ``pid``."""
     try:
@@ -115,7 +121,7 @@ def _run_child(argv: list[str], *, kill_after_s: float | None, after_first_step:
     ``after_first_step``, after it logged its first step). ``stop_writers``: SIGSTOP its writer processes just
     before the kill. ``event``: ``(seconds, callable)`` called once that long after the start (or the first
     step), or when the child ends if earlier. ``in_save_of``: after the delay, wait (up to 5 s) until a save
-    is in flight in that checkpoint root (a ``.step_*.tmp*`` temporary exists), then kill: saves of the small
+    is in flight in that checkpoint root (:func:`_save_in_flight`), then kill: saves of the small
     model take milliseconds, so purely random instants may all miss them. Returns (killed, alive_s, the
     child's writers at the kill)."""
     t0 = time.monotonic()
@@ -178,7 +184,7 @@ def _run_child(argv: list[str], *, kill_after_s: float | None, after_first_step:
         time.sleep(0.002)
     if in_save_of is not None:
         give_up = time.monotonic() + 5.0
-        while time.monotonic() < give_up and not any(in_save_of.glob(".step_*.tmp*")):
+        while time.monotonic() < give_up and not _save_in_flight(in_save_of):
             done, status = os.waitpid(pid, os.WNOHANG)
             if done:
                 return finished_early()
@@ -323,8 +329,7 @@ def main(argv: list[str] | None = None) -> dict:
             result["writers_survived"] += len(survivors)
             _kill_all(survivors)
             result["committed_after_death"] += len(set(scan_committed(ckpt)) - at_death)
-        if any(ckpt.glob(".step_*.tmp*")) or any(ckpt.glob(".torch-ckpt.tmp.*")) or \
-                any(ckpt.glob("step_*/.torch-ckpt.partial.*")):
+        if _save_in_flight(ckpt):
             result["instants"]["during_save"] += 1
         elif not scan_committed(ckpt):
             result["instants"]["no_checkpoint_yet"] += 1
