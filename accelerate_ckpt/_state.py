@@ -96,7 +96,7 @@ class AcceleratorTrainState:
                             "training_step": self.training_step}
         return sd
 
-    # -- loading (the protocol of torch_ckpt.restore.load_into) -------------------------------------
+    # -- loading (the protocol of torch_ckpt.restore._restore.load_into) -------------------------------------
     def _plain_key(self, key: str) -> tuple[OptimizerState, str] | None:
         """``(optimizer j, rest of the key)`` for ``optimizers_plain.<j>.<rest>``."""
         parts = key.split(".", 2)

@@ -2,7 +2,7 @@
 
 A checkpoint of ``--nodes`` simulated nodes, each holding ``--files-per-node`` shard files of
 ``--file-mib`` MiB, is uploaded to a moto S3 server (its own process) through
-:meth:`torch_ckpt.tiers.DurableTier.upload_node` (every node uploads its own files, one process
+:meth:`torch_ckpt.tiers._durable.DurableTier.upload_node` (every node uploads its own files, one process
 per node, node 0 commits once all markers are there) and through :meth:`DurableTier.upload` from one
 process (rank 0 uploads everything, as with a shared root). For each, the wall time, the
 throughput per uploader, and the bytes read back from the store to verify the upload (0 with the
@@ -25,8 +25,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._common import emit_json, free_port, git_info  # noqa: E402
-from torch_ckpt.layout import Manifest  # noqa: E402
-from torch_ckpt.tiers import DurableTier  # noqa: E402
+from torch_ckpt.root._layout import Manifest  # noqa: E402
+from torch_ckpt.tiers._durable import DurableTier  # noqa: E402
 
 
 def _options(endpoint: str) -> dict:

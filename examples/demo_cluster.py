@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         problems.append("node 0 did not restore from its own disk")
     if f"node 1 (rank 2) restored step {args.stop_after} from durable-node" not in out:
         problems.append("node 1 did not fetch its own shards from the durable tier")
-    from torch_ckpt.layout import read_manifest
+    from torch_ckpt.root._layout import read_manifest
 
     step_dir = run_dir / "node1" / f"step_{args.stop_after:09d}"
     if step_dir.is_dir():

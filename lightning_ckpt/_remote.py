@@ -1,7 +1,7 @@
 """Checkpoints at fsspec URLs (``ModelCheckpoint(dirpath="s3://...")``, ``memory://``) through the core's durable tier.
 
 A checkpoint for a URL is first committed locally, in a staging directory of the plugin, then uploaded by
-:class:`torch_ckpt.tiers.DurableTier` exactly as a durable copy is: every file uploaded and verified (size and
+:class:`torch_ckpt.tiers._durable.DurableTier` exactly as a durable copy is: every file uploaded and verified (size and
 CRC-32, or the store's own MD5), ``manifest.json`` written last, so the URL never shows a partial checkpoint.
 Deleting removes the manifest first. Saving again to a URL that holds a checkpoint un-commits the old one
 first (object stores have no atomic rename): until the new manifest is written that URL holds none.
@@ -29,7 +29,7 @@ def is_url(text: str) -> bool:
 
 
 class _OneName:
-    """The :class:`~torch_ckpt.naming.Naming` of one checkpoint: ``name`` whatever the step."""
+    """The :class:`~torch_ckpt.policy._naming.Naming` of one checkpoint: ``name`` whatever the step."""
 
     def __init__(self, name: str) -> None:
         self._name = name

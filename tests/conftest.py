@@ -66,7 +66,7 @@ def make_state():
 @pytest.fixture
 def disk_full_once(monkeypatch):
     """The first manifest/JSON write of a save fails with ENOSPC (errno 28); later writes work."""
-    import torch_ckpt.persist as persist_mod
+    import torch_ckpt.save._persist as persist_mod
 
     real, calls = persist_mod.write_json_durable, {"n": 0}
 
@@ -96,8 +96,7 @@ def s3():
 @pytest.fixture
 def held_writes(monkeypatch):
     """Background writes wait until ``.set()`` (set again at teardown)."""
-    from torch_ckpt import checkpointer
-
+    from torch_ckpt.save import _checkpointer as checkpointer
     gate = threading.Event()
     persist = checkpointer.persist_checkpoint
 

@@ -36,12 +36,12 @@ def test_adapter_imports_only_public_core_names(package):
 
 
 def test_the_check_catches_a_private_import(tmp_path, monkeypatch):
-    """A module importing ``torch_ckpt.layout`` and a private name is reported on both lines."""
+    """A module importing ``torch_ckpt.root._layout`` and a private name is reported on both lines."""
     pkg = tmp_path / "fake_adapter"
     pkg.mkdir()
-    (pkg / "mod.py").write_text("from torch_ckpt.layout import fsync_dir\nfrom torch_ckpt import _logging\n"
+    (pkg / "mod.py").write_text("from torch_ckpt.root._layout import fsync_dir\nfrom torch_ckpt import _logging\n"
                                 "from torch_ckpt import CheckpointManager\n", encoding="utf-8")
     monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path)
     assert private_imports("fake_adapter") == [
-        "fake_adapter/mod.py:1: from torch_ckpt.layout import ...",
+        "fake_adapter/mod.py:1: from torch_ckpt.root._layout import ...",
         "fake_adapter/mod.py:2: _logging is not in torch_ckpt.__all__"]

@@ -108,9 +108,8 @@ def test_cuda_state_roundtrip_with_overlap(tmp_path):
 
 
 def _chunked(monkeypatch, chunk_bytes=4096):
-    from torch_ckpt import checkpointer_prepare as checkpointer_mod
-    from torch_ckpt import staging as staging_mod
-
+    from torch_ckpt.save import _prepare as checkpointer_mod
+    from torch_ckpt.save import _staging as staging_mod
     monkeypatch.setattr(checkpointer_mod, "PIPELINE_STAGING", True)  # whatever the cores of this machine
     monkeypatch.setattr(staging_mod, "_CHUNK_BYTES", chunk_bytes)
     return {f"t{i}": torch.full((1024,), float(i)) for i in range(6)}  # 4 KiB each: one per chunk
@@ -118,9 +117,8 @@ def _chunked(monkeypatch, chunk_bytes=4096):
 
 def test_without_pipelining_the_copy_ends_before_the_writer_starts(tmp_path, monkeypatch):
     """With pipelining off, save() has copied every tensor before the writer writes any."""
-    from torch_ckpt import checkpointer_prepare as checkpointer_mod
-    from torch_ckpt import dcp_io
-
+    from torch_ckpt.format import _dcp_write as dcp_io
+    from torch_ckpt.save import _prepare as checkpointer_mod
     state = _chunked(monkeypatch)
     monkeypatch.setattr(checkpointer_mod, "PIPELINE_STAGING", False)
     copied, seen = [0], []
@@ -148,8 +146,7 @@ def test_pipelined_writer_writes_before_the_copy_ends(tmp_path, monkeypatch):
     """With thread persist, the writer writes the first copied tensors while save() is still copying."""
     import threading
 
-    from torch_ckpt import dcp_io
-
+    from torch_ckpt.format import _dcp_write as dcp_io
     state = _chunked(monkeypatch)
     wrote = threading.Event()
     real_write, real_copy = dcp_io._FileSink.write, torch._foreach_copy_

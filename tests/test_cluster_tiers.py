@@ -13,7 +13,7 @@ import torch
 
 from tests._dist import run_distributed
 from torch_ckpt import CheckpointManager, TrainState
-from torch_ckpt.layout import read_manifest
+from torch_ckpt.root._layout import read_manifest
 
 pytest.importorskip("s3fs", reason="the s3 extra (s3fs, moto[server]) is not installed")
 pytest.importorskip("moto.server", reason="moto[server] is not installed")
@@ -112,7 +112,7 @@ def test_durable_tier_holds_each_tensor_once(two_nodes, s3):
     manifest = read_manifest(two_nodes / "node1" / "step_000000002")
     replicas = {n for n in manifest.local_files() if "_replica_" in n}
     assert replicas  # the model is replicated on every rank: node 1 holds its own copy
-    from torch_ckpt.tiers import DurableTier
+    from torch_ckpt.tiers._durable import DurableTier
 
     url = next(iter(json.loads((two_nodes / "url.json").read_text()).values()))
     durable = DurableTier(url, storage_options=s3.options)
@@ -142,7 +142,7 @@ def test_replaced_node_fetches_only_its_shards_and_resume_is_exact(tmp_path, s3)
     """Node 1's disk is lost: node 0 reads locally, node 1 fetches only its files from S3; then a
     restart at world size 2 reshards from the durable tier."""
     url = f"s3://{s3.new_bucket()}/run"
-    from torch_ckpt.tiers import DurableTier
+    from torch_ckpt.tiers._durable import DurableTier
 
     run_distributed(_as_nodes, 4, 2, _save_steps, str(tmp_path), url, s3.options, 3, timeout_s=240)
     shutil.rmtree(tmp_path / "node1")
@@ -157,7 +157,7 @@ def test_replaced_node_fetches_only_its_shards_and_resume_is_exact(tmp_path, s3)
 
 
 def _upload_dies_on_node1(rank, world, base, url, options):
-    from torch_ckpt.tiers import DurableTier
+    from torch_ckpt.tiers._durable import DurableTier
 
     if rank // 2 == 1:
         real = DurableTier._put_verified
@@ -182,7 +182,7 @@ def _upload_dies_on_node1(rank, world, base, url, options):
 @pytest.mark.slow
 def test_uploader_killed_midway_never_shows_the_step(tmp_path, s3):
     """Node 1's uploader dies after one file: node 0 never writes the durable manifest, so S3 lists no step."""
-    from torch_ckpt.tiers import DurableTier
+    from torch_ckpt.tiers._durable import DurableTier
 
     url = f"s3://{s3.new_bucket()}/run"
     run_distributed(_as_nodes, 4, 2, _upload_dies_on_node1, str(tmp_path), url, s3.options, timeout_s=240)
@@ -196,14 +196,14 @@ def test_uploader_killed_midway_never_shows_the_step(tmp_path, s3):
 @pytest.mark.slow
 def test_durable_upload_to_s3_reads_nothing_back(tmp_path, s3):
     """On S3 each upload is verified by the store's MD5 ETag (single and multipart): zero bytes read back."""
-    from torch_ckpt.tiers import DurableTier
+    from torch_ckpt.tiers._durable import DurableTier
 
     url = f"s3://{s3.new_bucket()}/run"
     (tmp_path / "big").write_bytes(os.urandom(11 << 20))  # 2+ parts of 5 MiB
     (tmp_path / "small").write_bytes(b"x" * 1000)
     import zlib
 
-    from torch_ckpt.layout import Manifest
+    from torch_ckpt.root._layout import Manifest
 
     files = {n: {"bytes": (tmp_path / n).stat().st_size, "crc32": zlib.crc32((tmp_path / n).read_bytes())}
              for n in ("big", "small")}
@@ -221,8 +221,8 @@ def test_store_mismatch_fails_the_upload(tmp_path, s3, monkeypatch):
     import zlib
 
     from torch_ckpt import CheckpointCorruptError
-    from torch_ckpt.layout import Manifest
-    from torch_ckpt.tiers import DurableTier
+    from torch_ckpt.root._layout import Manifest
+    from torch_ckpt.tiers._durable import DurableTier
 
     url = f"s3://{s3.new_bucket()}/run"
     (tmp_path / "f").write_bytes(b"a" * 100)
@@ -244,7 +244,7 @@ def test_store_mismatch_fails_the_upload(tmp_path, s3, monkeypatch):
 def test_manifest_node_fields_are_validated(tmp_path):
     """A manifest whose node fields do not cover every file is corrupt, naming the field."""
     from torch_ckpt import CheckpointCorruptError
-    from torch_ckpt.manifest import parse_manifest
+    from torch_ckpt.format._manifest import parse_manifest
 
     doc = {"format": "torch-ckpt", "format_version": 1, "step": 1, "world_size": 2, "wall_time": 1.0,
            "torch_version": "x", "files": {"a": {"bytes": 1, "crc32": 0}, "b": {"bytes": 1, "crc32": 0}},

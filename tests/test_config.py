@@ -12,9 +12,9 @@ import torch
 
 from torch_ckpt import CheckpointConfig, CheckpointManager, ConfigError
 from torch_ckpt.config import DEFAULT
-from torch_ckpt.naming import PatternNaming
-from torch_ckpt.retention import KeepAny, KeepLatest
-from torch_ckpt.schedule import AnyOf, EveryNSteps, YoungDaly
+from torch_ckpt.policy._naming import PatternNaming
+from torch_ckpt.policy._retention import KeepAny, KeepLatest
+from torch_ckpt.policy._schedule import AnyOf, EveryNSteps, YoungDaly
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 

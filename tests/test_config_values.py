@@ -1,11 +1,11 @@
-"""Tests of the value checks behind CheckpointConfig (torch_ckpt.config_values)."""
+"""Tests of the value checks behind CheckpointConfig (torch_ckpt._values)."""
 
 from __future__ import annotations
 
 import pytest
 
 from torch_ckpt import ConfigError
-from torch_ckpt.config_values import check_bool, check_int, parse_size, to_bytes, to_seconds
+from torch_ckpt._values import check_bool, check_int, parse_size, to_bytes, to_seconds
 
 
 @pytest.mark.parametrize(

@@ -133,7 +133,7 @@ def _inspect(root: Path) -> dict:
     """What a fresh process sees in ``root`` after a kill (run in this, the parent, process)."""
     before = _snapshot(root)
     handler = _RestoreLog()
-    mlog = logging.getLogger("torch_ckpt.manager")
+    mlog = logging.getLogger("torch_ckpt.manager._manager")
     old_level = mlog.level
     mlog.setLevel(logging.INFO)
     mlog.addHandler(handler)

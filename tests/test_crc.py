@@ -1,4 +1,4 @@
-"""torch_ckpt.crc: the checkpoint CRC-32 (ISA-L when installed) equals zlib's."""
+"""torch_ckpt.storage._crc: the checkpoint CRC-32 (ISA-L when installed) equals zlib's."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import zlib
 import numpy as np
 import pytest
 
-from torch_ckpt.crc import crc32, file_crc32
+from torch_ckpt.storage._crc import crc32, file_crc32
 
 
 @pytest.mark.parametrize("nbytes", [0, 1, 4095, 1 << 20, (1 << 20) + 7])

@@ -1,4 +1,4 @@
-"""Tests of torch_ckpt.dcp_io's writer: every thread's error fails the save, sizes and CRCs match the disk."""
+"""Tests of the DCP writer: every thread's error fails the save, sizes and CRCs match the disk."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-import torch_ckpt.dcp_io as dcp_io
+import torch_ckpt.format._dcp_write as dcp_io
 from torch_ckpt import CheckpointManager, CheckpointWriteError
-from torch_ckpt.crc import file_crc32
-from torch_ckpt.layout import read_manifest
+from torch_ckpt.root._layout import read_manifest
+from torch_ckpt.storage._crc import file_crc32
 
 
 def _mixed_state() -> dict[str, torch.Tensor]:

@@ -1,4 +1,4 @@
-"""What dcp.save is handed (torch_ckpt.dcp_plan): grouped top-level keys, unchanged checkpoint keys and metadata."""
+"""What dcp.save is handed (format._dcp_plan): grouped top-level keys, unchanged checkpoint keys and metadata."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
-from torch_ckpt.dcp_plan import FlatKeysSavePlanner, group_by_first_segment
-from torch_ckpt.dcp_read import read_dcp_metadata
+from torch_ckpt.format._dcp_plan import FlatKeysSavePlanner, group_by_first_segment
+from torch_ckpt.format._dcp_read import read_dcp_metadata
 
 
 def _flat() -> dict:

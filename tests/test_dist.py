@@ -1,4 +1,4 @@
-"""Tests of torch_ckpt.dist's public helpers on one process and on 2 gloo ranks."""
+"""Tests of torch_ckpt.distributed._context's public helpers on one process and on 2 gloo ranks."""
 
 from __future__ import annotations
 

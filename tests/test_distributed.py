@@ -36,7 +36,7 @@ def _full_state(model, opt) -> dict[str, torch.Tensor]:
     """Full (unsharded) model and optimizer tensors, on every rank."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-    from torch_ckpt.codec import split_state
+    from torch_ckpt.format._codec import split_state
 
     msd, osd = get_state_dict(model, [opt], options=StateDictOptions(full_state_dict=True))
     tensors, _ = split_state({"model": msd, "optimizer": osd})
@@ -137,7 +137,7 @@ def test_single_process_checkpoint_loads_into_fsdp2(tmp_path):
 
 
 def _one_rank_fails(rank, world, root):
-    import torch_ckpt.persist as persist_mod
+    import torch_ckpt.save._persist as persist_mod
 
     if rank == 1:
         real = persist_mod.write_json_durable

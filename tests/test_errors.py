@@ -16,7 +16,7 @@ from torch_ckpt.errors import (
     StateMismatchError,
     UnsafeCheckpointError,
 )
-from torch_ckpt.storage import DurableUnavailableError
+from torch_ckpt.storage._locations import DurableUnavailableError
 
 BUILTIN_OF = {
     CheckpointNotFoundError: FileNotFoundError,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from torch_ckpt import AsyncCheckpointer
-from torch_ckpt.temporaries import PARTIAL_PREFIX, remove_failed_temporaries
+from torch_ckpt.root._temporaries import PARTIAL_PREFIX, remove_failed_temporaries
 
 INC = "aaaaaaaaaaaaaaaa"
 OTHER = "bbbbbbbbbbbbbbbb"
@@ -54,7 +54,7 @@ def test_a_current_name_that_is_not_a_partial_removes_nothing(tmp_path):
 def test_the_next_save_removes_the_partial_a_failed_save_left(tmp_path, monkeypatch):
     """A save that failed and left its partial and reservation (as after a timed-out collective) loses both at the
     next save."""
-    import torch_ckpt.persist as persist_mod
+    import torch_ckpt.save._persist as persist_mod
 
     real = persist_mod._write_and_commit
 

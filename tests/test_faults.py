@@ -139,13 +139,13 @@ def test_stale_lock_of_a_dead_process_is_taken_over(tmp_path):
 _PREEMPT = textwrap.dedent("""
     import sys, threading, time, torch
     from torch_ckpt import CheckpointManager, TrainState, EveryNSteps
-    import torch_ckpt.persist as persist_mod
+    import torch_ckpt.save._persist as persist_mod
     root, sig, stuck, timeout = sys.argv[1], sys.argv[2], sys.argv[3] == "stuck", float(sys.argv[4])
     if stuck:  # the emergency save can never commit: only the deadline ends the run
         never = threading.Event()
         def stuck_persist(req, ctx):
             never.wait()
-        import torch_ckpt.checkpointer as ck
+        import torch_ckpt.save._checkpointer as ck
         ck.persist_checkpoint = stuck_persist
     model = torch.nn.Linear(8, 8)
     state = TrainState(model=model)
@@ -207,7 +207,7 @@ def test_pickled_item_in_a_crafted_checkpoint_is_never_unpickled(tmp_path):
     """A DCP checkpoint whose non-tensor item is a malicious pickle is refused without running it."""
     import torch.distributed.checkpoint as dcp
 
-    from torch_ckpt.layout import FORMAT_NAME
+    from torch_ckpt.root._layout import FORMAT_NAME
 
     marker = tmp_path / "pwned"
     _Evil.marker = marker

@@ -21,8 +21,8 @@ import pytest
 import torch
 
 from torch_ckpt import CheckpointManager, TrainState
-from torch_ckpt.storage import DurableUnavailableError
-from torch_ckpt.tiers import DurableTier
+from torch_ckpt.storage._locations import DurableUnavailableError
+from torch_ckpt.tiers._durable import DurableTier
 
 pytest.importorskip("s3fs", reason="the s3 extra (s3fs, moto[server]) is not installed")
 pytest.importorskip("moto.server", reason="moto[server] is not installed")

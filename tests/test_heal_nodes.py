@@ -108,7 +108,7 @@ def test_node_local_store_failing_during_download_falls_back_to_a_step_every_nod
 
 def _restore_while_rank0_lists_slowly(rank, world, base, url):
     from torch_ckpt.errors import CheckpointError, CheckpointTimeoutError
-    from torch_ckpt.tiers import DurableTier
+    from torch_ckpt.tiers._durable import DurableTier
 
     if rank == 0:
         DurableTier.list_names = lambda self: time.sleep(8) or []  # a store that takes its time to answer

@@ -25,8 +25,8 @@ class _WallClock:
 
 def test_health_reports_ages_and_lost_work(tmp_path, monkeypatch):
     """health() gives the newest local/durable steps and the work a failure now would lose (42.5 s after the save)."""
-    import torch_ckpt.manager_health as health_mod
-    import torch_ckpt.manager_prepare as prepare_mod
+    import torch_ckpt.manager._health as health_mod
+    import torch_ckpt.manager._prepare as prepare_mod
 
     clock = _WallClock(1_000_000.0)
     monkeypatch.setattr(prepare_mod, "time", clock)  # the capture time of a save
@@ -94,6 +94,6 @@ def test_importing_configures_no_handlers():
     import importlib
 
     before = list(logging.getLogger().handlers)
-    importlib.import_module("torch_ckpt.manager")
+    importlib.import_module("torch_ckpt.manager._manager")
     assert logging.getLogger().handlers == before
-    assert get_logger("torch_ckpt.manager").handlers == []
+    assert get_logger("torch_ckpt.manager._manager").handlers == []

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from torch_ckpt.interrupts import InterruptHold, Launch
+from torch_ckpt.restore._interrupts import InterruptHold, Launch
 
 
 def test_launch_runs_every_target_once_all_threads_started():

@@ -1,4 +1,4 @@
-"""torch_ckpt.layout: listing, committing, replacing, quarantining and removing step directories of a root."""
+"""torch_ckpt.root._layout: listing, committing, replacing, quarantining and removing step directories of a root."""
 
 from __future__ import annotations
 
@@ -8,9 +8,10 @@ import zlib
 
 import pytest
 
-from torch_ckpt import layout
 from torch_ckpt.errors import CheckpointNotFoundError, CheckpointWriteError
-from torch_ckpt.layout import (
+from torch_ckpt.policy._naming import PatternNaming, StepNaming
+from torch_ckpt.root import _layout as layout
+from torch_ckpt.root._layout import (
     MANIFEST_NAME,
     Manifest,
     check_root,
@@ -24,7 +25,6 @@ from torch_ckpt.layout import (
     update_manifest_tiers,
     write_json_durable,
 )
-from torch_ckpt.naming import PatternNaming, StepNaming
 
 NAMING = StepNaming()
 
@@ -199,7 +199,7 @@ def test_remove_step_dir_leaves_nothing(tmp_path):
 
 def test_retired_checkpoint_is_hidden_and_no_longer_looks_committed(tmp_path):
     """retire_step_dir renames to the trash name and drops its manifest at once; the data is left to delete."""
-    from torch_ckpt.layout import retire_step_dir
+    from torch_ckpt.root._layout import retire_step_dir
 
     trash = retire_step_dir(make_ckpt(tmp_path / NAMING.name(1), 1, files={"a": b"x"}))
     assert [p.name for p in tmp_path.iterdir()] == [trash.name] and trash.name.startswith(".torch-ckpt.tmp.")

@@ -7,7 +7,8 @@ import shutil
 
 import torch
 
-from torch_ckpt import CheckpointManager, layout
+from torch_ckpt import CheckpointManager
+from torch_ckpt.root import _layout as layout
 
 
 def test_checkpoint_removed_while_listing_is_skipped_without_a_warning(tmp_path, monkeypatch, caplog):

@@ -1,4 +1,4 @@
-"""Lifecycle of the core (torch_ckpt.lifecycle, writer threads, in-process root ownership): threads exist
+"""Lifecycle of the core (torch_ckpt._lifecycle, writer threads, in-process root ownership): threads exist
 only while they have work, a second manager of one process takes over a root its previous owner no
 longer uses, and interpreter exit finishes the save in flight."""
 
@@ -17,7 +17,7 @@ import torch
 
 from tests._threads import ckpt_threads
 from torch_ckpt import CheckpointManager, CheckpointWriteError
-from torch_ckpt.root_lock import _flock_holder
+from torch_ckpt.root._lock import _flock_holder
 
 
 def test_no_thread_remains_once_a_save_is_committed(tmp_path):
@@ -92,7 +92,7 @@ def test_interpreter_exit_commits_a_slow_save_in_flight(tmp_path):
     """A script that ends right after save(), while the write still takes a second, exits with it committed."""
     proc = _run(f"""
         import time, torch
-        import torch_ckpt.checkpointer as c
+        import torch_ckpt.save._checkpointer as c
         from torch_ckpt import CheckpointManager
         persist = c.persist_checkpoint
         c.persist_checkpoint = lambda req, ctx: (time.sleep(1.0), persist(req, ctx))[1]
@@ -109,7 +109,7 @@ def test_interpreter_exit_logs_a_save_that_fails_in_flight(tmp_path):
     """A save failing while the interpreter exits is logged as an error naming the step, never dropped silently."""
     proc = _run(f"""
         import time, torch
-        import torch_ckpt.checkpointer as c
+        import torch_ckpt.save._checkpointer as c
         from torch_ckpt import CheckpointManager, CheckpointWriteError
         def fail(req, ctx):
             time.sleep(0.5)

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from tests._dist import free_port, run_distributed
 from torch_ckpt import CheckpointManager, TrainState
-from torch_ckpt.tiers import DurableTier
+from torch_ckpt.tiers._durable import DurableTier
 
 pytest.importorskip("s3fs", reason="the s3 extra (s3fs, moto[server]) is not installed")
 pytest.importorskip("moto.server", reason="moto[server] is not installed")

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-import torch_ckpt.persist as persist_mod
+import torch_ckpt.save._persist as persist_mod
 from tests.conftest import train_steps
 from torch_ckpt import CheckpointManager, CheckpointNotFoundError, CheckpointWriteError, ConfigError, TrainState
 
@@ -106,7 +106,7 @@ def test_snapshot_is_taken_at_save_time(tmp_path, make_state, monkeypatch):
         assert release.wait(30)
         return real(req, ctx)
 
-    monkeypatch.setattr("torch_ckpt.checkpointer.persist_checkpoint", held_back)
+    monkeypatch.setattr("torch_ckpt.save._checkpointer.persist_checkpoint", held_back)
     state, model, opt, sched = make_state()
     train_steps(model, opt, sched, 1)
     expected = {k: v.clone() for k, v in model.state_dict().items()}
@@ -294,7 +294,7 @@ def test_wait_for_previous_is_reported(tmp_path, make_state, monkeypatch):
             offset[0] += 5.0  # the clock moves 5 s while save(2) is blocked
         return real(req, ctx)
 
-    monkeypatch.setattr("torch_ckpt.checkpointer.persist_checkpoint", held_until_waited_for)
+    monkeypatch.setattr("torch_ckpt.save._checkpointer.persist_checkpoint", held_until_waited_for)
     state, *_ = make_state()
     with CheckpointManager(tmp_path) as mgr:
         first = mgr.save(1, state)
@@ -335,7 +335,7 @@ def test_ctrl_c_while_waiting_propagates_and_the_save_still_commits(tmp_path, mo
         assert release.wait(60), "the test never released the persist"
         return real(req, ctx)
 
-    monkeypatch.setattr("torch_ckpt.checkpointer.persist_checkpoint", held)
+    monkeypatch.setattr("torch_ckpt.save._checkpointer.persist_checkpoint", held)
     interrupted = threading.Event()
 
     def ctrl_c_once(signum, frame):  # Python's own Ctrl-C behaviour, for the first SIGINT only
@@ -383,7 +383,7 @@ def test_ctrl_c_while_waiting_propagates_and_the_save_still_commits(tmp_path, mo
 
 def test_exception_during_staging_does_not_hang_close(tmp_path, monkeypatch):
     """An error raised while staging propagates and leaves nothing in flight."""
-    import torch_ckpt.staging as staging_mod
+    import torch_ckpt.save._staging as staging_mod
 
     def broken(self, tensors, **kwargs):
         raise RuntimeError("copy failed")
@@ -451,7 +451,7 @@ def test_superseding_the_same_step_twice_within_one_second_keeps_both(tmp_path, 
     """Two supersessions of step 2 in the same second get distinct hidden names instead of an OSError."""
     import types
 
-    import torch_ckpt.layout as layout
+    import torch_ckpt.root._layout as layout
 
     monkeypatch.setattr(layout, "time", types.SimpleNamespace(time=lambda: 1_000_000_000.0))
     with CheckpointManager(tmp_path, keep_last=None) as mgr:
@@ -470,7 +470,7 @@ def test_os_error_while_moving_a_damaged_step_aside_is_typed(tmp_path, monkeypat
     """An OSError from moving a damaged step directory aside surfaces as CheckpointWriteError; later saves work."""
     import errno
 
-    import torch_ckpt.layout as layout
+    import torch_ckpt.root._layout as layout
 
     (tmp_path / "step_000000005").mkdir()  # a damaged directory of the step to save: unreadable manifest
     (tmp_path / "step_000000005" / "manifest.json").write_text("{not json")
@@ -516,7 +516,7 @@ def test_read_only_manager_of_a_missing_root_is_not_found(tmp_path):
 @pytest.mark.parametrize("kind", ["dict", "list", "tuple", "int_keyed_dict", "int_keyed_tuple"])
 def test_state_nested_to_the_codec_limit_restores(tmp_path, kind):
     """Every container kind nested MAX_DEPTH deep (the most save() accepts) passes restore's bounded parsing."""
-    from torch_ckpt.codec import MAX_DEPTH
+    from torch_ckpt.format._codec import MAX_DEPTH
 
     wrap = {"dict": lambda v: {"k": v}, "list": lambda v: [v], "tuple": lambda v: (v,),
             "int_keyed_dict": lambda v: {1: v}, "int_keyed_tuple": lambda v: {2: (v,)}}[kind]
@@ -564,15 +564,15 @@ def test_leaving_the_block_on_ctrl_c_says_it_waits_for_the_save_in_flight(tmp_pa
             if "waiting for the save of step 1" in record.getMessage():
                 release.set()
 
-    monkeypatch.setattr("torch_ckpt.checkpointer.persist_checkpoint", held)
+    monkeypatch.setattr("torch_ckpt.save._checkpointer.persist_checkpoint", held)
     handler = Release(level=logging.WARNING)
-    logging.getLogger("torch_ckpt.manager").addHandler(handler)
+    logging.getLogger("torch_ckpt.manager._manager").addHandler(handler)
     try:
         with pytest.raises(KeyboardInterrupt), CheckpointManager(tmp_path) as mgr:
             mgr.save(1, {"w": torch.ones(4)})
             raise KeyboardInterrupt
     finally:
-        logging.getLogger("torch_ckpt.manager").removeHandler(handler)
+        logging.getLogger("torch_ckpt.manager._manager").removeHandler(handler)
         release.set()
     assert mgr.all_steps() == [1]
 

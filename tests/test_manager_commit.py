@@ -1,4 +1,4 @@
-"""What follows a commit (torch_ckpt.manager_commit): retention hides retired checkpoints first, deletes them after."""
+"""What follows a commit (torch_ckpt.manager._commit): retention hides retired checkpoints first, deletes them after."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import threading
 
 import torch
 
-import torch_ckpt.manager_commit as mc
+import torch_ckpt.manager._commit as mc
 from torch_ckpt import CheckpointManager
 
 
@@ -67,7 +67,7 @@ def test_a_listing_right_after_wait_shows_no_retired_checkpoint(tmp_path, monkey
         return real(path, *args, **kwargs)
 
     monkeypatch.setattr(mc.shutil, "rmtree", slow_rmtree)
-    from torch_ckpt.naming import PatternNaming
+    from torch_ckpt.policy._naming import PatternNaming
 
     with CheckpointManager(tmp_path, keep_last=1, naming=PatternNaming("checkpoint_{step}")) as mgr:
         for step in range(1, 4):

@@ -1,4 +1,4 @@
-"""torch_ckpt.manager_health: the health report, on a stand-in manager with a fake durable tier and a fixed clock."""
+"""torch_ckpt.manager._health: the health report, on a stand-in manager with a fake durable tier and a fixed clock."""
 
 from __future__ import annotations
 
@@ -6,11 +6,11 @@ import types
 
 import pytest
 
-from torch_ckpt import manager_health
-from torch_ckpt.layout import MANIFEST_NAME, Manifest, write_json_durable
-from torch_ckpt.manager_health import ManagerHealthMixin
-from torch_ckpt.naming import StepNaming
-from torch_ckpt.storage import DurableUnavailableError
+from torch_ckpt.manager import _health as manager_health
+from torch_ckpt.manager._health import ManagerHealthMixin
+from torch_ckpt.policy._naming import StepNaming
+from torch_ckpt.root._layout import MANIFEST_NAME, Manifest, write_json_durable
+from torch_ckpt.storage._locations import DurableUnavailableError
 
 NOW = 10_000.0
 NAMING = StepNaming()

@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-import torch_ckpt.layout as layout
+import torch_ckpt.root._layout as layout
 from tests._dist import run_distributed
 from torch_ckpt import (
     CheckpointCorruptError,

@@ -1,4 +1,4 @@
-"""Tests of torch_ckpt.naming: the directory-name seam (StepNaming, PatternNaming)."""
+"""Tests of torch_ckpt.policy._naming: the directory-name seam (StepNaming, PatternNaming)."""
 
 import pytest
 

@@ -1,11 +1,11 @@
-"""torch_ckpt.nodes: the node of each rank (from torchrun's environment) and the agreed NodeLayout."""
+"""torch_ckpt.root._nodes: the node of each rank (from torchrun's environment) and the agreed NodeLayout."""
 
 from __future__ import annotations
 
 import pytest
 
 from torch_ckpt.errors import ConfigError
-from torch_ckpt.nodes import NodeLayout, env_node, metadata_name
+from torch_ckpt.root._nodes import NodeLayout, env_node, metadata_name
 
 NODE_VARS = ("GROUP_RANK", "NODE_RANK", "LOCAL_WORLD_SIZE")
 

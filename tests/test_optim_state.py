@@ -365,7 +365,7 @@ def test_optimizer_state_refuses_other_parameter_groups(tmp_path):
     assert other.state_dict()["state"] == {}
 def test_param_names_follow_a_replaced_parameter():
     """param_names answers for the parameters a module holds now, not those of an earlier call."""
-    from torch_ckpt.optim_state import param_names
+    from torch_ckpt.state._optim import param_names
 
     model = torch.nn.Sequential(torch.nn.Linear(2, 2))
     first = param_names(model)

@@ -1,4 +1,4 @@
-"""torch_ckpt.persist: the writer's helpers (error wrapping, on-disk checks, owner check, extra entries).
+"""torch_ckpt.save._persist: the writer's helpers (error wrapping, on-disk checks, owner check, extra entries).
 
 The full write path (persist_checkpoint) is exercised through the manager in test_manager.py,
 test_write_failures.py and test_crash_safety.py.
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from torch_ckpt.errors import CheckpointCorruptError, CheckpointWriteError
-from torch_ckpt.persist import (
+from torch_ckpt.save._persist import (
     PersistRequest,
     as_write_error,
     check_extra_name,
@@ -149,7 +149,7 @@ def test_disk_full_while_writing_dcp_metadata_is_enospc(tmp_path, monkeypatch):
     """ENOSPC writing .metadata (inside DCP's finish) raises CheckpointWriteError(ENOSPC); step 1 stays."""
     import torch
 
-    import torch_ckpt.dcp_io as dcp_io
+    import torch_ckpt.format._dcp_write as dcp_io
     from torch_ckpt import CheckpointManager
 
     real = dcp_io._FileSink._write_all

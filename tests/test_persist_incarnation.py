@@ -10,9 +10,9 @@ import torch
 
 from tests._dist import run_distributed
 from torch_ckpt import AsyncCheckpointer, CheckpointWriteError
-from torch_ckpt.dist import DistContext
-from torch_ckpt.layout import read_manifest, scan_committed
-from torch_ckpt.persist import PersistRequest, persist_checkpoint
+from torch_ckpt.distributed._context import DistContext
+from torch_ckpt.root._layout import read_manifest, scan_committed
+from torch_ckpt.save._persist import PersistRequest, persist_checkpoint
 
 
 def _request(root: Path, *, step: int = 1, incarnation: str | None = "abcd", owner_alive=None) -> PersistRequest:
@@ -69,7 +69,7 @@ def test_each_checkpointer_has_its_own_incarnation(tmp_path):
 
 def test_checkpointer_commits_the_temporary_named_with_its_incarnation(tmp_path, monkeypatch):
     """AsyncCheckpointer.save commits `NAME/.torch-ckpt.partial.<its incarnation>` (process writer: elsewhere)."""
-    import torch_ckpt.persist as persist_mod
+    import torch_ckpt.save._persist as persist_mod
 
     renamed: list[str] = []
     original = persist_mod.commit_dir

@@ -1,4 +1,4 @@
-"""torch_ckpt.preemption: signal parsing and a handler that only records the signal.
+"""torch_ckpt.policy._preemption: signal parsing and a handler that only records the signal.
 
 Signals are delivered to this process with ``os.kill`` while a test-installed handler is in place;
 every test puts the previous handlers back.
@@ -14,7 +14,7 @@ import threading
 import pytest
 
 from torch_ckpt.errors import ConfigError
-from torch_ckpt.preemption import PreemptionFlag, parse_signals
+from torch_ckpt.policy._preemption import PreemptionFlag, parse_signals
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
 

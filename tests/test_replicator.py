@@ -1,4 +1,4 @@
-"""The replicator (torch_ckpt.replicator): one upload at a time, newer commits coalesce, history steps
+"""The replicator (torch_ckpt.tiers._replicator): one upload at a time, newer commits coalesce, history steps
 are never coalesced away. Uploads are an injected function that blocks until the test releases it."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import uuid
 
 import pytest
 
-from torch_ckpt.manifest import MANIFEST_NAME, Manifest
-from torch_ckpt.replicator import Replicator
-from torch_ckpt.tiers import DurableTier
+from torch_ckpt.format._manifest import MANIFEST_NAME, Manifest
+from torch_ckpt.tiers._durable import DurableTier
+from torch_ckpt.tiers._replicator import Replicator
 
 
 class _Uploads:

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from torch_ckpt import CheckpointManager, CheckpointWriteError, is_committed
-from torch_ckpt.root_lock import RootLock
-from torch_ckpt.temporaries import PARTIAL_PREFIX, side_path
+from torch_ckpt.root._lock import RootLock
+from torch_ckpt.root._temporaries import PARTIAL_PREFIX, side_path
 
 
 def _state(v: float = 1.0) -> dict:
@@ -21,7 +21,7 @@ def _state(v: float = 1.0) -> dict:
 @pytest.fixture
 def held(monkeypatch):
     """Background writes wait for ``held.set()``; a failing write raises ``held.fail`` instead."""
-    import torch_ckpt.checkpointer as checkpointer
+    import torch_ckpt.save._checkpointer as checkpointer
 
     gate = threading.Event()
     gate.fail = None
@@ -95,7 +95,7 @@ def test_a_crashed_saves_partial_and_reservation_are_removed_at_the_next_start(t
 
 def test_temporary_names_carry_no_copy_of_the_final_name(tmp_path):
     """The commit's side directory and retention's trash never contain NAME (framework scans parse names)."""
-    from torch_ckpt.layout import retire_step_dir
+    from torch_ckpt.root._layout import retire_step_dir
 
     with CheckpointManager(tmp_path) as mgr:
         mgr.save(1, _state(), path="hpc_ckpt_1.ckpt").wait()
@@ -120,7 +120,7 @@ def test_root_lock_writes_nothing_into_the_folder(tmp_path):
 def test_the_directory_flock_of_this_process_is_told_apart_from_another_run(tmp_path, monkeypatch):
     """Past the in-process registry (the root reached another way), the kernel's flock still refuses, naming this
     process from /proc/locks."""
-    import torch_ckpt.root_lock as root_lock
+    import torch_ckpt.root._lock as root_lock
 
     lock = RootLock(tmp_path)
     lock.acquire()
@@ -137,7 +137,7 @@ def test_where_directories_cannot_be_locked_the_lock_file_is_removed_at_release(
     import errno
     import json
 
-    import torch_ckpt.root_lock as root_lock
+    import torch_ckpt.root._lock as root_lock
 
     real = root_lock._flock
 
@@ -160,7 +160,7 @@ def test_where_directories_cannot_be_locked_the_lock_file_is_removed_at_release(
 
 
 def _reserve_on_two_ranks(rank: int, world_size: int, root: str) -> None:
-    import torch_ckpt.checkpointer as checkpointer
+    import torch_ckpt.save._checkpointer as checkpointer
 
     release = threading.Event()
     persist = checkpointer.persist_checkpoint

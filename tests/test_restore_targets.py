@@ -10,13 +10,13 @@ import time
 import pytest
 import torch
 
-import torch_ckpt.direct_read as direct_mod
-import torch_ckpt.restore as restore_mod
+import torch_ckpt.restore._direct_read as direct_mod
+import torch_ckpt.restore._restore as restore_mod
 from tests.test_optim_state import assert_same
 from tests.test_restore import _Loader, _tied
 from torch_ckpt import CheckpointCorruptError, CheckpointManager, ConfigError, TrainState
-from torch_ckpt.restore_targets import MIN_IN_PLACE_BYTES, Preparer, UndoLog, in_place_keys
-from torch_ckpt.staging import HostStager
+from torch_ckpt.restore._targets import MIN_IN_PLACE_BYTES, Preparer, UndoLog, in_place_keys
+from torch_ckpt.save._staging import HostStager
 
 BIG = MIN_IN_PLACE_BYTES // 4  # float32 elements of a tensor just large enough to be restored in place
 OPTIMIZERS = {
@@ -107,7 +107,7 @@ def _saved_then_zeroed(keys: str) -> tuple[dict[str, torch.Tensor], dict[str, to
 
 def test_put_back_finishes_before_a_keyboard_interrupt_is_raised(monkeypatch):
     """An interrupt during the undo is re-raised only after every tensor has its old bytes again."""
-    import torch_ckpt.restore_targets as rt
+    import torch_ckpt.restore._targets as rt
 
     ts, old, log = _saved_then_zeroed("abc")
     real, calls = rt.ctypes.memmove, []

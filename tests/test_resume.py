@@ -1,4 +1,4 @@
-"""torch_ckpt.resume: which checkpoints a resume may start from, local and durable, newest first.
+"""torch_ckpt.restore._resume: which checkpoints a resume may start from, local and durable, newest first.
 
 The durable tier is a fake object (``list_steps`` and ``url``), so no store is involved; local
 checkpoints are directories holding only a manifest, which is all ``scan_committed`` reads.
@@ -9,10 +9,10 @@ from __future__ import annotations
 import pytest
 
 from torch_ckpt.errors import CheckpointCorruptError, CheckpointNotFoundError
-from torch_ckpt.layout import MANIFEST_NAME, Manifest, write_json_durable
-from torch_ckpt.naming import PatternNaming, StepNaming
-from torch_ckpt.resume import restore_candidates
-from torch_ckpt.storage import DurableUnavailableError
+from torch_ckpt.policy._naming import PatternNaming, StepNaming
+from torch_ckpt.restore._resume import restore_candidates
+from torch_ckpt.root._layout import MANIFEST_NAME, Manifest, write_json_durable
+from torch_ckpt.storage._locations import DurableUnavailableError
 
 URL = "s3://bucket/run"
 

@@ -1,4 +1,4 @@
-"""torch_ckpt.resume_nodes: what each node can restore from its own disk, and the plan over nodes and the durable tier.
+"""restore._resume_nodes: what each node can restore from its own disk, and the plan over nodes and the durable tier.
 
 The collective parts (restore_node_local, check_private_roots) run with several ranks in
 test_cluster_tiers.py; here the per-node inventory and the coordinator's plan are checked alone.
@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import zlib
 
-from torch_ckpt.layout import MANIFEST_NAME, Manifest, write_json_durable
-from torch_ckpt.naming import StepNaming
-from torch_ckpt.nodes import NodeLayout
-from torch_ckpt.resume_nodes import _plan, local_inventory
+from torch_ckpt.policy._naming import StepNaming
+from torch_ckpt.restore._resume_nodes import _plan, local_inventory
+from torch_ckpt.root._layout import MANIFEST_NAME, Manifest, write_json_durable
+from torch_ckpt.root._nodes import NodeLayout
 
 NAMING = StepNaming()
 TWO_NODES = NodeLayout(rank_node=(0, 0, 1, 1), rank=0)

@@ -3,7 +3,7 @@
 import pytest
 
 from torch_ckpt.errors import ConfigError
-from torch_ckpt.retention import KeepAny, KeepEveryNSteps, KeepLatest, apply_retention
+from torch_ckpt.policy._retention import KeepAny, KeepEveryNSteps, KeepLatest, apply_retention
 
 
 def test_keep_latest_orders_numerically():

@@ -1,4 +1,4 @@
-"""The root lock (torch_ckpt.root_lock): a kernel flock on the root, at most one owner, freed when its owner dies."""
+"""The root lock (torch_ckpt.root._lock): a kernel flock on the root, at most one owner, freed when its owner dies."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from torch_ckpt import CheckpointManager, CheckpointWriteError
-from torch_ckpt.root_lock import RootLock
+from torch_ckpt.root._lock import RootLock
 
 TRIALS = 200
 
@@ -67,7 +67,7 @@ def test_processes_racing_for_a_stale_lock_never_both_own_it(tmp_path, racers):
 _HOLDER = textwrap.dedent("""
     import sys, time
     from pathlib import Path
-    from torch_ckpt.root_lock import RootLock
+    from torch_ckpt.root._lock import RootLock
     lock = RootLock(Path(sys.argv[1]))
     lock.acquire()
     print("held", flush=True)
@@ -167,7 +167,7 @@ def test_file_system_without_locks_is_refused_not_soft_locked(tmp_path, monkeypa
     """flock failing with ENOSYS (Lustre without -o flock) is a CheckpointWriteError naming the mount option."""
     import errno
 
-    import torch_ckpt.root_lock as root_lock
+    import torch_ckpt.root._lock as root_lock
 
     def no_flock(fd):
         raise OSError(errno.ENOSYS, "Function not implemented")

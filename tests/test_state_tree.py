@@ -1,4 +1,4 @@
-"""torch_ckpt.state_tree: the walker of encoded per-rank trees (leaves found, malformed nodes named by path)."""
+"""torch_ckpt.format._state_tree: the walker of encoded per-rank trees (leaves found, malformed nodes named by path)."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from torch_ckpt.bounded import Malformed
-from torch_ckpt.codec import split_state
-from torch_ckpt.state_tree import MAX_NDIM, embedded_info, tensor_keys, walk_tree
+from torch_ckpt.format._codec import split_state
+from torch_ckpt.format._state_tree import MAX_NDIM, embedded_info, tensor_keys, walk_tree
+from torch_ckpt.storage._bounded import Malformed
 
 
 def encoded():

@@ -1,4 +1,4 @@
-"""torch_ckpt.storage: Location over a local directory and an fsspec store (memory://, no network)."""
+"""torch_ckpt.storage._locations: Location over a local directory and an fsspec store (memory://, no network)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,14 @@ import fsspec
 import pytest
 
 from torch_ckpt.errors import CheckpointCorruptError, ConfigError
-from torch_ckpt.storage import DurableUnavailableError, Location, as_location, is_url, object_mtime, url_to_fs
+from torch_ckpt.storage._locations import (
+    DurableUnavailableError,
+    Location,
+    as_location,
+    is_url,
+    object_mtime,
+    url_to_fs,
+)
 
 
 @pytest.fixture

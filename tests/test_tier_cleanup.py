@@ -1,4 +1,4 @@
-"""Uploads abandoned on the durable tier (torch_ckpt.tier_cleanup): manifest-less step prefixes."""
+"""Uploads abandoned on the durable tier (torch_ckpt.tiers._cleanup): manifest-less step prefixes."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import uuid
 
 import pytest
 
-from torch_ckpt.layout import read_manifest
-from torch_ckpt.replicator import Replicator
-from torch_ckpt.tier_cleanup import abandoned_uploads, remove_abandoned
-from torch_ckpt.tiers import DurableTier
+from torch_ckpt.root._layout import read_manifest
+from torch_ckpt.tiers._cleanup import abandoned_uploads, remove_abandoned
+from torch_ckpt.tiers._durable import DurableTier
+from torch_ckpt.tiers._replicator import Replicator
 
 pytest.importorskip("s3fs", reason="the s3 extra (s3fs, moto[server]) is not installed")
 pytest.importorskip("moto.server", reason="moto[server] is not installed")

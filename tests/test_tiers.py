@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from torch_ckpt import CheckpointCorruptError, CheckpointManager, TrainState
-from torch_ckpt.tiers import DurableTier, DurableUnavailableError
+from torch_ckpt.tiers._durable import DurableTier, DurableUnavailableError
 
 s3fs = pytest.importorskip("s3fs", reason="the s3 extra (s3fs, moto[server]) is not installed")
 pytest.importorskip("moto.server", reason="moto[server] is not installed")
@@ -67,7 +67,7 @@ def test_local_manifest_records_the_durable_copy(tmp_path):
     with CheckpointManager(tmp_path, durable_url=url) as mgr:
         mgr.save(1, state)
         assert mgr.wait_durable(60)
-    from torch_ckpt.layout import read_manifest
+    from torch_ckpt.root._layout import read_manifest
 
     tiers = read_manifest(tmp_path / "step_000000001").tiers
     assert tiers["durable"]["url"] == url
@@ -279,7 +279,7 @@ def _one_file(tmp_path, data: bytes = bytes(range(256)) * 64):
     """``(directory, manifest)`` of a one-file checkpoint ``f.bin`` of ``data``."""
     import zlib
 
-    from torch_ckpt.manifest import Manifest
+    from torch_ckpt.format._manifest import Manifest
 
     local = tmp_path / "ckpt"
     local.mkdir()
@@ -295,7 +295,7 @@ def _flip_object(tier: DurableTier, path: str) -> None:
 
 def _local_corruption_text(tmp_path, local, manifest) -> str:
     """The problem text verify_files gives for ``f.bin`` of a copy of ``local`` with the same byte flipped."""
-    from torch_ckpt.format import verify_files
+    from torch_ckpt.format._files import verify_files
 
     damaged = tmp_path / "damaged"
     shutil.copytree(local, damaged)
@@ -363,18 +363,18 @@ def test_fetch_of_a_corrupted_object_fails_as_a_corrupt_local_file_does(tmp_path
 
 def test_fetch_checks_every_file_with_verify_files(tmp_path, monkeypatch):
     """download() checks each fetched file through format.verify_files, with checksums."""
-    import torch_ckpt.tiers
+    import torch_ckpt.tiers._durable
 
     url = f"memory://ckpt-{uuid.uuid4().hex[:8]}/run"
     tier = committed_tier(tmp_path, url)
     checked = []
-    real = torch_ckpt.tiers.verify_files
+    real = torch_ckpt.tiers._durable.verify_files
 
     def spy(where, manifest, **kwargs):
         checked.extend((name, kwargs["checksums"]) for name in manifest.files)
         return real(where, manifest, **kwargs)
 
-    monkeypatch.setattr(torch_ckpt.tiers, "verify_files", spy)
+    monkeypatch.setattr(torch_ckpt.tiers._durable, "verify_files", spy)
     tier.download(1, tmp_path / "restored")
     assert sorted(checked) == [(name, True) for name in sorted(tier.read_manifest(1).files)]
 

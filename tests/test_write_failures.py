@@ -21,7 +21,7 @@ _SCRIPT = textwrap.dedent("""
     import json, resource, signal, sys, uuid
     import psutil, torch
     from torch_ckpt import CheckpointManager, CheckpointWriteError
-    from torch_ckpt.tiers import DurableTier
+    from torch_ckpt.tiers._durable import DurableTier
 
     def limit(nbytes):
         lim = (nbytes, resource.getrlimit(resource.RLIMIT_FSIZE)[1])

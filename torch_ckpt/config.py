@@ -2,7 +2,7 @@
 
 One frozen, keyword-only dataclass holds all the knobs, with units in the names of fields that
 have one (``timeout_seconds``, ``staging_budget_bytes``). It is validated once, in
-``__post_init__`` (the checks are in :mod:`torch_ckpt.config_values`): durations are stored as
+``__post_init__`` (the checks are in :mod:`torch_ckpt._values`): durations are stored as
 float seconds (``"8h"`` and ``"250ms"`` are accepted), byte sizes as int bytes (``"4GB"``,
 ``"512MiB"``), lists of signals as tuples. The manager, and the Lightning and Accelerate adapters,
 build from it, so every integration shares one set of names and defaults.
@@ -31,14 +31,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from torch_ckpt.config_values import DEFAULT, DefaultType, check_bool, check_int, parse_size, to_bytes, to_seconds
+from torch_ckpt._values import DEFAULT, DefaultType, check_bool, check_int, parse_size, to_bytes, to_seconds
 from torch_ckpt.errors import ConfigError
-from torch_ckpt.interval import FORMULAS
-from torch_ckpt.naming import Naming
-from torch_ckpt.preemption import parse_signals
-from torch_ckpt.restore import RANK_LOCAL_POLICIES
-from torch_ckpt.retention import KeepAny, KeepEveryNSteps, KeepLatest, RetentionPolicy
-from torch_ckpt.schedule import AnyOf, EveryNSeconds, EveryNSteps, SavePolicy, YoungDaly
+from torch_ckpt.policy._interval import FORMULAS
+from torch_ckpt.policy._naming import Naming
+from torch_ckpt.policy._preemption import parse_signals
+from torch_ckpt.policy._retention import KeepAny, KeepEveryNSteps, KeepLatest, RetentionPolicy
+from torch_ckpt.policy._schedule import AnyOf, EveryNSeconds, EveryNSteps, SavePolicy, YoungDaly
+from torch_ckpt.restore._restore import RANK_LOCAL_POLICIES
 from torch_ckpt.settings_file import read_settings_file
 
 #: fields that take Python objects: code only, never from a settings file
@@ -66,7 +66,7 @@ class CheckpointConfig:
     Attributes:
         keep_last: Keep this many newest committed checkpoints (int >= 1; ``None`` keeps all).
         keep_every_n_steps: Also keep every step that is a multiple of this (int >= 1 or ``None``).
-        retention: A custom :class:`~torch_ckpt.retention.RetentionPolicy`; replaces the two above.
+        retention: A custom :class:`~torch_ckpt.policy._retention.RetentionPolicy`; replaces the two above.
         async_save: Persist in the background (``save()`` returns once staged) or inside ``save()``.
         persist: Where background writes run: ``"thread"`` (lowest latency to durable) or
             ``"process"`` (a writer process per rank reading a shared-memory arena; keeps the
@@ -95,7 +95,7 @@ class CheckpointConfig:
             string, > 0).
         process_group: Ranks taking part (default: all); checkpoint traffic uses private gloo
             groups created from it.
-        save_policy: When ``should_save()`` says yes: a :class:`~torch_ckpt.schedule.SavePolicy`
+        save_policy: When ``should_save()`` says yes: a :class:`~torch_ckpt.policy._schedule.SavePolicy`
             such as ``YoungDaly(mtbf_seconds="8h")``, ``EveryNSteps(100)``, ``EveryNSeconds("15m")``
             or ``AnyOf(...)``; rank 0 decides, every rank gets its answer. Exclusive with the flat
             fields below, which build one (several of them: ``AnyOf``).
@@ -138,7 +138,7 @@ class CheckpointConfig:
             save without ``path`` is refused. Runs saving sibling folders of one directory then do not
             exclude each other; a crash's leftovers there are not cleaned. Not with ``durable_url``.
         naming: How step directories are named under the root (and in the durable tier): a
-            :class:`~torch_ckpt.naming.Naming`; ``None`` means ``StepNaming()``
+            :class:`~torch_ckpt.policy._naming.Naming`; ``None`` means ``StepNaming()``
             (``step_000000042``); e.g. ``PatternNaming("checkpoint_{step}")``. Listing, resume and
             retention only consider names it parses.
         local_root_shared: Whether the root is one directory seen by every rank (``True``) or a

@@ -47,7 +47,7 @@ def main() -> int:
     parser.add_argument("--no_end_training", action="store_true")
     args = parser.parse_args()
     if args.slow_persist:
-        import torch_ckpt.checkpointer as checkpointer
+        import torch_ckpt.save._checkpointer as checkpointer
 
         persist = checkpointer.persist_checkpoint
         checkpointer.persist_checkpoint = lambda req, ctx: (time.sleep(args.slow_persist), persist(req, ctx))[1]

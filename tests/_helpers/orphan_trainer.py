@@ -34,7 +34,9 @@ _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__
 if _REPO not in sys.path:
     sys.path.insert(0, _REPO)
 
-from torch_ckpt import CheckpointManager, persist, writer_process  # noqa: E402
+from torch_ckpt import CheckpointManager  # noqa: E402
+from torch_ckpt.save import _persist as persist  # noqa: E402
+from torch_ckpt.save import _writer_process as writer_process  # noqa: E402
 
 STOP_ENV = "ORPHAN_TRAINER_STOP_AT_STEP"
 NUMEL = 1 << 20  # 4 MiB of float32

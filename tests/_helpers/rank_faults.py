@@ -24,7 +24,7 @@ def _install_hooks() -> None:
     """Rank 1 is ``SLOW_S`` seconds slow inside its shard write of step ``SLOW_STEP`` (FAULT=slow_shard)."""
     if os.environ.get("FAULT") != "slow_shard" or os.environ.get("RANK") != "1":
         return
-    import torch_ckpt.persist as persist_mod
+    import torch_ckpt.save._persist as persist_mod
 
     real = persist_mod.write_json_durable
 
@@ -134,7 +134,7 @@ def efbig_download(root: str, persist: str, timeout_s: float) -> dict:
 
 def eio_restore(root: str, persist: str, timeout_s: float) -> dict:
     """Rank 1 gets an I/O error reading its part of a committed checkpoint."""
-    import torch_ckpt.restore as restore_mod
+    import torch_ckpt.restore._restore as restore_mod
 
     local = os.path.join(root, "local")
     _saved_once(local, None, timeout_s)
@@ -160,10 +160,10 @@ def killed_after_rename(root: str, persist: str, timeout_s: float) -> dict:
     import torch
     import torch.distributed as dist
 
-    import torch_ckpt.manager_commit as commit_mod
+    import torch_ckpt.manager._commit as commit_mod
     from torch_ckpt import CheckpointError, CheckpointManager
-    from torch_ckpt.dist import DistContext
-    from torch_ckpt.layout import read_manifest
+    from torch_ckpt.distributed._context import DistContext
+    from torch_ckpt.root._layout import read_manifest
 
     local, durable = os.path.join(root, "local"), "file://" + os.path.join(root, "durable")
     rank = int(os.environ["RANK"])

@@ -22,7 +22,7 @@ pytestmark = [pytest.mark.timeout(60), pytest.mark.filterwarnings("ignore::UserW
 @pytest.fixture
 def gate(monkeypatch):
     """Holds every background write until ``gate.set()`` (saves stay in flight while the test looks)."""
-    import torch_ckpt.checkpointer as engine
+    import torch_ckpt.save._checkpointer as engine
 
     event = threading.Event()
     real = engine.persist_checkpoint
@@ -113,7 +113,7 @@ def test_load_state_twice_is_harmless(tmp_path):
 
 def test_load_state_in_the_process_that_saved_reads_in_place_and_resumes_exactly(tmp_path, monkeypatch):
     """load_state() after save_state() in one process reads into the live tensors (undo log) and resumes exactly."""
-    import torch_ckpt.restore_targets as targets
+    import torch_ckpt.restore._targets as targets
 
     monkeypatch.setattr(targets, "MIN_IN_PLACE_BYTES", 1)  # every tensor of the tiny model goes in place
     run = make_run(tmp_path)
@@ -347,7 +347,7 @@ def test_folder_written_by_accelerate_itself_is_loaded_only_when_allowed(tmp_pat
 
 def test_background_error_is_raised_once_at_the_next_call(tmp_path, monkeypatch):
     """A failed background write surfaces at the next wait() as CheckpointWriteError, exactly once."""
-    import torch_ckpt.checkpointer as engine
+    import torch_ckpt.save._checkpointer as engine
 
     def broken(req, ctx):
         raise CheckpointWriteError("disk on fire")

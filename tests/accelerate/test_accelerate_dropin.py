@@ -304,7 +304,7 @@ def test_attached_reused_folder_keeps_the_previous_save_loadable_until_the_new_o
     import threading
 
     import torch_ckpt
-    import torch_ckpt.checkpointer as engine
+    import torch_ckpt.save._checkpointer as engine
 
     release, real = threading.Event(), engine.persist_checkpoint
     monkeypatch.setattr(engine, "persist_checkpoint", lambda req, ctx: (release.wait(30), real(req, ctx))[1])

@@ -13,7 +13,7 @@ from acc_helpers import bitwise, make_run, train
 
 import accelerate_ckpt
 from torch_ckpt import ConfigError
-from torch_ckpt.tiers import DurableTier
+from torch_ckpt.tiers._durable import DurableTier
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.filterwarnings("ignore::UserWarning")]
 
@@ -60,7 +60,7 @@ def test_resume_after_losing_the_local_disk_is_exact(tmp_path, url):
 
 def test_unreachable_store_falls_back_to_local_checkpoints(tmp_path, url, monkeypatch):
     """If the durable root cannot be listed, resume uses the newest local checkpoint."""
-    from torch_ckpt.tiers import DurableUnavailableError
+    from torch_ckpt.tiers._durable import DurableUnavailableError
 
     run = make_run(tmp_path, durable_url=url)
     train(run, 0, 4)

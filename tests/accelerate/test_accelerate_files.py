@@ -24,7 +24,7 @@ def params(model) -> dict[str, torch.Tensor]:
 @pytest.fixture
 def held_write(monkeypatch):
     """Background writes wait until ``release.set()`` (a slow disk): what save_state() leaves is visible."""
-    import torch_ckpt.checkpointer as checkpointer
+    import torch_ckpt.save._checkpointer as checkpointer
 
     release = threading.Event()
     persist = checkpointer.persist_checkpoint

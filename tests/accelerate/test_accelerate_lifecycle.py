@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from acc_helpers import make_run, train
 
-import torch_ckpt.checkpointer as checkpointer
+import torch_ckpt.save._checkpointer as checkpointer
 from tests._threads import ckpt_threads
 from torch_ckpt import CheckpointWriteError, ConfigError, is_committed
 

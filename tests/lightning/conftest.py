@@ -27,7 +27,7 @@ def make_trainer(tmp_path):
 @pytest.fixture
 def write_gate(monkeypatch):
     """A :class:`WriteGate` installed around ``torch_ckpt``'s persist step (released at teardown)."""
-    import torch_ckpt.checkpointer as checkpointer
+    import torch_ckpt.save._checkpointer as checkpointer
 
     gate = WriteGate()
     monkeypatch.setattr(checkpointer, "persist_checkpoint", gate.wrap(checkpointer.persist_checkpoint))

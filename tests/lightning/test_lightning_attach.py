@@ -37,7 +37,7 @@ class ReleaseEachStep(Callback):
 def test_save_last_link_only_ever_points_at_a_committed_checkpoint(make_trainer, tmp_path, write_gate, monkeypatch,
                                                                   attached):
     """With writes held, last.ckpt is absent or resolves to a committed checkpoint at every step, write and commit."""
-    import torch_ckpt.checkpointer as checkpointer
+    import torch_ckpt.save._checkpointer as checkpointer
 
     last = tmp_path / "mc" / "last.ckpt"
 

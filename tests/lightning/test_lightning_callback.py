@@ -14,7 +14,7 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning_helpers import TinyModule
 
-import torch_ckpt.checkpointer as checkpointer
+import torch_ckpt.save._checkpointer as checkpointer
 from lightning_ckpt import AsyncDCPCheckpointIO, MTBFCheckpoint
 from torch_ckpt import CheckpointWriteError, ConfigError
 from torch_ckpt.tools.convert import load_full_state

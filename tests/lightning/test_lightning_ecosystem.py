@@ -18,7 +18,7 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning_helpers import TinyModule
 from torch.utils.data import DataLoader, TensorDataset
 
-import torch_ckpt.checkpointer as checkpointer
+import torch_ckpt.save._checkpointer as checkpointer
 from lightning_ckpt import AsyncDCPCheckpointIO, MTBFCheckpoint
 from torch_ckpt import ConfigError
 
@@ -78,7 +78,7 @@ def test_an_uploading_logger_is_warned_about_with_the_plugin_alone(make_trainer,
 _EXIT_WITHOUT_TEARDOWN = textwrap.dedent("""
     import sys, time
     sys.path.insert(0, sys.argv[2])
-    import torch_ckpt.checkpointer as checkpointer
+    import torch_ckpt.save._checkpointer as checkpointer
     from lightning_helpers import lightning_dict
     from lightning_ckpt import AsyncDCPCheckpointIO
 

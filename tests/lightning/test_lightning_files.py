@@ -99,7 +99,7 @@ _KILLED_MID_SAVE = textwrap.dedent("""
     import sys, time
     from pathlib import Path
     import lightning as L
-    import torch_ckpt.persist as persist
+    import torch_ckpt.save._persist as persist
     from lightning_ckpt import AsyncDCPCheckpointIO
     from lightning_helpers import TinyModule
 

@@ -1,4 +1,4 @@
-"""Tensor records inside DCP data files (torch_ckpt.records): checked against .metadata without unpickling.
+"""Tensor records inside DCP data files (torch_ckpt.format._records): checked against .metadata without unpickling.
 
 Records are built with ``torch.save`` (zip CRC included, as plain DCP writes them) and with
 torch-ckpt's own writer (tests/storage/, tests/tools/test_cli_tools.py and test_bad_input.py cover the
@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from torch_ckpt.records import storage_record_problems
+from torch_ckpt.format._records import storage_record_problems
 
 FILE = "__0_0.distcp"
 

@@ -454,8 +454,8 @@ def test_ls_and_verify_an_s3_root_with_storage_options(saved, capsys):
 
     import boto3
 
-    from torch_ckpt.layout import read_manifest
-    from torch_ckpt.tiers import DurableTier
+    from torch_ckpt.root._layout import read_manifest
+    from torch_ckpt.tiers._durable import DurableTier
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -483,8 +483,8 @@ def test_verify_s3_object_with_a_flipped_byte_reports_the_local_files_problem(co
     pytest.importorskip("s3fs", reason="the s3 extra is not installed")
     pytest.importorskip("moto.server", reason="moto[server] is not installed")
     from tests._s3 import S3
-    from torch_ckpt.layout import read_manifest
-    from torch_ckpt.tiers import DurableTier
+    from torch_ckpt.root._layout import read_manifest
+    from torch_ckpt.tiers._durable import DurableTier
 
     server = S3()
     server.start()
@@ -518,7 +518,7 @@ def _live_state() -> TrainState:
 
 
 def _metadata(step_dir: Path):
-    from torch_ckpt.dcp_read import read_dcp_metadata
+    from torch_ckpt.format._dcp_read import read_dcp_metadata
 
     return read_dcp_metadata(step_dir / ".metadata")
 

@@ -1,7 +1,8 @@
 """The checks behind ``ls``, ``verify`` and ``inspect``: one checkpoint directory, every problem listed.
 
-:func:`check_dir` runs the checks of the storage/format layer (:mod:`torch_ckpt.format`,
-:mod:`torch_ckpt.manifest`, :mod:`torch_ckpt.dcp_metadata`) on a :class:`~torch_ckpt.storage.Location`
+:func:`check_dir` runs the checks of the storage/format layer (:mod:`torch_ckpt.format._files`,
+:mod:`torch_ckpt.format._manifest`, :mod:`torch_ckpt.format._dcp_metadata`) on a
+ :class:`~torch_ckpt.storage._locations.Location`
 and collects every problem with the file it concerns instead of stopping at the first one. With
 ``structure=False`` (``ls``) only the cheap checks run: the manifest, one rank file per rank, and
 every listed file present as a regular file of its size.
@@ -17,11 +18,11 @@ from typing import Any
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 from tqdm import tqdm
 
-from torch_ckpt.codec import TENSOR_TAG
-from torch_ckpt.dcp_metadata import MAX_METADATA_BYTES, metadata_problems, record_problems
-from torch_ckpt.dcp_read import load_dcp_metadata_bytes
 from torch_ckpt.errors import CheckpointCorruptError, CheckpointNotFoundError, UnsafeCheckpointError
-from torch_ckpt.format import (
+from torch_ckpt.format._codec import TENSOR_TAG
+from torch_ckpt.format._dcp_metadata import MAX_METADATA_BYTES, metadata_problems, record_problems
+from torch_ckpt.format._dcp_read import load_dcp_metadata_bytes
+from torch_ckpt.format._files import (
     MAX_RANK_JSON_BYTES,
     METADATA_NAME,
     RANK_FILE_RE,
@@ -30,9 +31,9 @@ from torch_ckpt.format import (
     read_listed,
     verify_files,
 )
-from torch_ckpt.manifest import MANIFEST_NAME, Manifest, rank_file_name, read_manifest
-from torch_ckpt.state_tree import walk_tree
-from torch_ckpt.storage import Location, PathNotFoundError
+from torch_ckpt.format._manifest import MANIFEST_NAME, Manifest, rank_file_name, read_manifest
+from torch_ckpt.format._state_tree import walk_tree
+from torch_ckpt.storage._locations import Location, PathNotFoundError
 
 __all__ = ["COMMITTED", "CORRUPT", "PARTIAL", "Report", "check_dir", "dtype_name", "iso_time",
            "require_dir", "step_of"]
@@ -96,7 +97,7 @@ def _strip(loc: Location, name: str, exc: BaseException) -> str:
 
 def _check_files(loc: Location, manifest: Manifest, listing: dict[str, dict[str, Any]], rep: Report, *,
                  checksums: bool, bar: Any) -> None:
-    """Every listed file (:func:`torch_ckpt.format.verify_files`); files the manifest does not list are warnings."""
+    """Every listed file (``verify_files``); files the manifest does not list are warnings."""
     found: list[tuple[str, str]] = []
     verify_files(loc, manifest, checksums=checksums, collect=found, progress=bar)
     for name, text in found:

@@ -7,7 +7,7 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from torch_ckpt.config_values import to_seconds
+from torch_ckpt._values import to_seconds
 from torch_ckpt.durations import format_duration
 from torch_ckpt.errors import ConfigError
 

@@ -26,7 +26,7 @@ from typing import Any
 
 from torch_ckpt.durations import format_duration
 from torch_ckpt.errors import CheckpointError, ConfigError
-from torch_ckpt.storage import DurableUnavailableError, Location, PathNotFoundError, is_url
+from torch_ckpt.storage._locations import DurableUnavailableError, Location, PathNotFoundError, is_url
 from torch_ckpt.tools.cli_common import UsageError, fmt_bytes, int_type, print_json, print_result
 
 __all__ = [
@@ -308,7 +308,7 @@ def _local_copy(args: argparse.Namespace) -> Iterator[str]:
             raise UsageError(f"{path} does not exist")
         yield path
         return
-    from torch_ckpt.tiers import DurableTier
+    from torch_ckpt.tiers._durable import DurableTier
 
     url = args.checkpoint.rstrip("/")
     parent, _, name = url.rpartition("/")

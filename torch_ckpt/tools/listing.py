@@ -5,10 +5,10 @@ local directories and on any fsspec URL (``s3://``, ``gs://``, ``memory://``...;
 endpoints in ``storage_options``), and return JSON-serialisable dicts (the commands' ``--json``
 output).
 
-Every check goes through :mod:`torch_ckpt.format`, the validation path restore uses too, so these
+Every check goes through :mod:`torch_ckpt.format._files`, the validation path restore uses too, so these
 views accept exactly what a restore would load. Nothing here writes to a checkpoint, and nothing
 executes code from one: DCP's ``.metadata`` is read
-with torch-ckpt's restricted unpickler (:func:`torch_ckpt.dcp_read.read_dcp_metadata`), the per-rank
+with torch-ckpt's restricted unpickler (:func:`torch_ckpt.format._dcp_read.read_dcp_metadata`), the per-rank
 trees are JSON, and tensor payloads are never loaded (sizes come from the metadata).
 
 The checkpoints of a root are its subdirectories that hold a torch-ckpt ``manifest.json``, whatever
@@ -27,7 +27,7 @@ Status of an entry of a root (:func:`list_root`):
 * ``corrupt``: one of those checks failed (what a restore would refuse too).
 
 Apart from its status, an entry is ``superseded`` when it belongs to a timeline abandoned by a
-rollback (:mod:`torch_ckpt.lineage`, decided from the lineage records of the root's manifests):
+rollback (:mod:`torch_ckpt.policy._lineage`, decided from the lineage records of the root's manifests):
 a checkpoint moved aside as ``.superseded_NAME.<time>``, or one still under its name that the
 root's newest timeline supersedes. Superseded entries are listed but never counted in ``counts``
 (``superseded`` counts them) and never chosen as a root's checkpoint.
@@ -42,11 +42,11 @@ import time
 from typing import Any
 
 from torch_ckpt.errors import CheckpointError, CheckpointNotFoundError, ConfigError
-from torch_ckpt.lineage import head_of
-from torch_ckpt.manifest import FORMAT_NAME, MANIFEST_NAME, MAX_MANIFEST_BYTES
-from torch_ckpt.storage import Location, as_location
-from torch_ckpt.temporaries import PARTIAL_PREFIX
-from torch_ckpt.tiers import DurableTier
+from torch_ckpt.format._manifest import FORMAT_NAME, MANIFEST_NAME, MAX_MANIFEST_BYTES
+from torch_ckpt.policy._lineage import head_of
+from torch_ckpt.root._temporaries import PARTIAL_PREFIX
+from torch_ckpt.storage._locations import Location, as_location
+from torch_ckpt.tiers._durable import DurableTier
 from torch_ckpt.tools.checks import COMMITTED, CORRUPT, PARTIAL, check_dir, iso_time, require_dir, step_of
 
 __all__ = ["find_checkpoint", "list_root", "looks_like_checkpoint", "resolve_checkpoint"]
@@ -54,7 +54,7 @@ __all__ = ["find_checkpoint", "list_root", "looks_like_checkpoint", "resolve_che
 # a temporary checkpoint directory of any name: ``.NAME.tmp``, ``.NAME.tmp.<id>`` and the durable
 # tier's ``.NAME.download.tmp`` forms; group 1 is NAME
 _TEMP_RE = re.compile(r"^\.(.+?)(?:\.download)?\.tmp(?:\.[0-9a-f]+)?$")
-# a checkpoint moved aside by a rollback (torch_ckpt.lineage): ``.superseded_NAME.<time>[.<n>]``, local or durable
+# a checkpoint moved aside by a rollback (policy._lineage): ``.superseded_NAME.<time>[.<n>]``, local or durable
 _SUPERSEDED_RE = re.compile(r"^\.superseded_(.+?)\.\d+(?:\.\d+)?$")
 
 

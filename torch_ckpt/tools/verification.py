@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from torch_ckpt.storage import Location, as_location
+from torch_ckpt.storage._locations import Location, as_location
 from torch_ckpt.tools.checks import PARTIAL, check_dir, require_dir
 from torch_ckpt.tools.listing import list_root, looks_like_checkpoint
 

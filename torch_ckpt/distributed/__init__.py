@@ -1,0 +1,1 @@
+"""The distributed context: rank, world size and the private checkpoint process groups."""

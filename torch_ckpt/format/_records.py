@@ -1,0 +1,270 @@
+"""Checks of the tensor records inside DCP data files against ``.metadata``, without unpickling anything.
+
+A data file (``__R_I.distcp``) is a sequence of ``torch.save`` records (small uncompressed zip
+archives), one per tensor chunk, at the byte ranges ``.metadata`` records. DCP ``torch.load``-s a
+range and copies the result into its target, casting silently, so metadata that disagrees with the
+records (a range a few bytes short, another dtype or shape) fails deep inside the load or loads
+wrong values. :func:`storage_record_problems` parses each record's zip structure with ``struct``
+and its ``data.pkl`` with :func:`torch_ckpt.format._tensor_pickle.pickled_tensor` (opcodes decoded, never
+executed) and checks: the archive ends exactly at the end of the range, its entries lie inside it
+uncompressed, the pickle is exactly a plain tensor rebuilt from one storage of the declared dtype,
+whose data entry holds exactly that storage and whose view has the declared chunk shape inside it.
+Only the few hundred header bytes of each record are read (records of small tensors share block
+reads).
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager
+from functools import lru_cache
+from typing import Any, Protocol
+
+import torch
+
+from torch_ckpt.format._tensor_pickle import RecordProblem, pickled_tensor, storage_identity, stored_dtype
+
+__all__ = ["RangeReader", "storage_record_problems", "MAX_PICKLE_BYTES"]
+
+MAX_PICKLE_BYTES = 64 << 10
+"""Largest ``data.pkl`` entry read from a tensor record (bytes); a plain tensor's is ~200."""
+_MAX_ENTRIES = 64
+"""Most zip entries in one record (``torch.save`` of one tensor writes 7)."""
+_BLOCK_BYTES = 64 << 10
+
+_EOCD, _EOCD_SIZE = b"PK\x05\x06", 22
+_LOCATOR, _LOCATOR_SIZE = b"PK\x06\x07", 20
+_EOCD64, _EOCD64_SIZE = b"PK\x06\x06", 56
+_CENTRAL, _CENTRAL_SIZE = b"PK\x01\x02", 46
+_LOCAL, _LOCAL_SIZE = b"PK\x03\x04", 30
+_SAT16, _SAT32 = 0xFFFF, 0xFFFFFFFF
+
+
+class RangeReader(Protocol):
+    """A readable file: its size in bytes, and ``read_at(offset, length) -> bytes`` (short at its end)."""
+
+    size: int
+
+    def read_at(self, offset: int, length: int) -> bytes: ...
+
+
+class _Blocks:
+    """Byte ranges of a file through a small cache of aligned blocks (records of small tensors share blocks)."""
+
+    def __init__(self, reader: RangeReader) -> None:
+        self._reader = reader
+        self._cache: dict[int, bytes] = {}
+
+    def get(self, offset: int, length: int) -> bytes:
+        if length > _BLOCK_BYTES:
+            return self._reader.read_at(offset, length)
+        first, last = offset // _BLOCK_BYTES, (offset + max(length, 1) - 1) // _BLOCK_BYTES
+        parts = []
+        for block in range(first, last + 1):
+            data = self._cache.get(block)
+            if data is None:
+                if len(self._cache) >= 8:
+                    self._cache.clear()
+                data = self._cache[block] = self._reader.read_at(block * _BLOCK_BYTES, _BLOCK_BYTES)
+            parts.append(data)
+        joined = parts[0] if len(parts) == 1 else b"".join(parts)
+        start = offset - first * _BLOCK_BYTES
+        return joined[start:start + length]
+
+
+def _unpack(fmt: str, data: bytes, at: int = 0) -> tuple:
+    return struct.unpack_from("<" + fmt, data, at)
+
+
+class _Record:
+    """One record: a byte range ``[start, start + length)`` of a file read through ``blocks``."""
+
+    def __init__(self, blocks: _Blocks, start: int, length: int) -> None:
+        self.blocks, self.start, self.length = blocks, start, length
+
+    def read(self, offset: int, length: int, what: str) -> bytes:
+        if offset < 0 or length < 0 or offset + length > self.length:
+            raise RecordProblem(f"has its {what} at record bytes {offset}..{offset + length}, outside its "
+                                f"{self.length} bytes")
+        data = self.blocks.get(self.start + offset, length)
+        if len(data) != length:
+            raise RecordProblem(f"lies past the end of the file (its {what} is beyond the file's last byte)")
+        return data
+
+
+def _central_directory(rec: _Record) -> tuple[int, int, int]:
+    """``(entries, offset, size)`` of the record's central directory; the archive must end where the range does."""
+    if rec.length < _EOCD_SIZE:
+        raise RecordProblem(f"is {rec.length} bytes, too short for a torch.save record")
+    eocd = rec.read(rec.length - _EOCD_SIZE, _EOCD_SIZE, "end of central directory")
+    if eocd[:4] != _EOCD:
+        raise RecordProblem("does not end with a zip end-of-central-directory record (the declared byte range is "
+                            "truncated or shifted)")
+    disk, cd_disk, on_disk, entries, cd_size, cd_offset, comment = _unpack("HHHHIIH", eocd, 4)
+    end = rec.length - _EOCD_SIZE
+    if comment or disk or cd_disk or on_disk != entries:
+        raise RecordProblem("has a zip end-of-central-directory record unlike the one torch.save writes")
+    if rec.length >= _EOCD_SIZE + _LOCATOR_SIZE:
+        loc = rec.read(end - _LOCATOR_SIZE, _LOCATOR_SIZE, "ZIP64 locator")
+        if loc[:4] == _LOCATOR:
+            _, eocd64_at, _ = _unpack("IQI", loc, 4)
+            if eocd64_at + _EOCD64_SIZE != end - _LOCATOR_SIZE:
+                raise RecordProblem("has a ZIP64 end-of-central-directory record that is not where its locator says")
+            rec64 = rec.read(eocd64_at, _EOCD64_SIZE, "ZIP64 end of central directory")
+            if rec64[:4] != _EOCD64:
+                raise RecordProblem("lacks the ZIP64 end-of-central-directory record its locator names")
+            _, _, _, _, _, on_disk64, entries64, cd_size64, cd_offset64 = _unpack("QHHIIQQQQ", rec64, 4)
+            for small, big, name in ((entries, entries64, "entry count"), (cd_size, cd_size64, "directory size"),
+                                     (cd_offset, cd_offset64, "directory offset")):
+                if small not in (big, _SAT16 if name == "entry count" else _SAT32):
+                    raise RecordProblem(f"has a zip {name} {small} that disagrees with its ZIP64 value {big}")
+            entries, cd_size, cd_offset, end = entries64, cd_size64, cd_offset64, eocd64_at
+    if _SAT32 in (cd_size, cd_offset) or entries == _SAT16:
+        raise RecordProblem("lacks the ZIP64 records its central directory needs")
+    if not 1 <= entries <= _MAX_ENTRIES or cd_offset + cd_size != end:
+        raise RecordProblem(f"has a zip central directory ({entries} entries, bytes {cd_offset}..{cd_offset + cd_size})"
+                            " that does not end where the archive does")
+    return entries, cd_offset, cd_size
+
+
+def _entries(rec: _Record) -> tuple[dict[str, tuple[int, int, int, int]], int]:
+    """``({name: (method, compressed, uncompressed, local header offset)}, directory offset)``."""
+    count, cd_offset, cd_size = _central_directory(rec)
+    return _parse_directory(rec.read(cd_offset, cd_size, "zip central directory"), count), cd_offset
+
+
+@lru_cache(maxsize=1024)  # records of tensors of one dtype and shape share their directory bytes
+def _parse_directory(cd: bytes, count: int) -> dict[str, tuple[int, int, int, int]]:
+    """``{name: (method, compressed, uncompressed, local header offset)}`` of a central directory (do not mutate)."""
+    out: dict[str, tuple[int, int, int, int]] = {}
+    at = 0
+    for _ in range(count):
+        if cd[at:at + 4] != _CENTRAL or at + _CENTRAL_SIZE > len(cd):
+            raise RecordProblem("has a malformed zip central directory")
+        method, comp, size, n_name, n_extra, n_comment, local = (_unpack("H", cd, at + 10)[0],) + \
+            _unpack("IIHHH", cd, at + 20) + (_unpack("I", cd, at + 42)[0],)
+        name_end = at + _CENTRAL_SIZE + n_name
+        if name_end + n_extra + n_comment > len(cd):
+            raise RecordProblem("has a malformed zip central directory")
+        name = cd[at + _CENTRAL_SIZE:name_end].decode("utf-8", "replace")
+        extra = cd[name_end:name_end + n_extra]
+        wide = [v == _SAT32 for v in (size, comp, local)]
+        if any(wide):  # ZIP64 extended information: the saturated values, in this order
+            values, pos = [size, comp, local], 0
+            while pos + 4 <= len(extra):
+                tag, n = _unpack("HH", extra, pos)
+                if tag == 1:
+                    field = pos + 4
+                    for i in range(3):
+                        if wide[i]:
+                            if field + 8 > pos + 4 + n:
+                                raise RecordProblem(f"has a short ZIP64 field in zip entry {name!r}")
+                            values[i] = _unpack("Q", extra, field)[0]
+                            field += 8
+                    break
+                pos += 4 + n
+            else:
+                raise RecordProblem(f"lacks the ZIP64 field zip entry {name!r} needs")
+            size, comp, local = values
+        if name in out:
+            raise RecordProblem(f"has the zip entry {name!r} twice")
+        out[name] = (method, comp, size, local)
+        at = name_end + n_extra + n_comment
+    return out
+
+
+def _entry_data(rec: _Record, name: str, entry: tuple[int, int, int, int], cd_offset: int) -> tuple[int, int]:
+    """``(offset, size)`` of an entry's data inside the record, after checking its local header."""
+    method, comp, size, local = entry
+    if method != 0 or comp != size:
+        raise RecordProblem(f"has a compressed zip entry {name!r}; torch.save stores entries uncompressed")
+    header = rec.read(local, _LOCAL_SIZE, f"local header of {name!r}")
+    if header[:4] != _LOCAL:
+        raise RecordProblem(f"lacks the zip local header of {name!r}")
+    n_name, n_extra = _unpack("HH", header, 26)
+    if rec.read(local + _LOCAL_SIZE, n_name, f"name of {name!r}").decode("utf-8", "replace") != name:
+        raise RecordProblem(f"has a zip local header of {name!r} that names another entry")
+    start = local + _LOCAL_SIZE + n_name + n_extra
+    if start + size > cd_offset:
+        raise RecordProblem(f"has a zip entry {name!r} ({size} bytes at record byte {start}) overlapping its central "
+                            "directory")
+    return start, size
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _check(rec: _Record, dtype: torch.dtype, sizes: tuple[int, ...]) -> None:
+    entries, cd_offset = _entries(rec)
+    pickles = [n for n in entries if n.endswith("/data.pkl") and n.count("/") == 1]
+    if len(pickles) != 1:
+        raise RecordProblem("is not a torch.save record (no single data.pkl entry)")
+    prefix = pickles[0][: -len("data.pkl")]
+    start, size = _entry_data(rec, pickles[0], entries[pickles[0]], cd_offset)
+    if size > MAX_PICKLE_BYTES:
+        raise RecordProblem(f"has a tensor pickle of {size} bytes, more than the {MAX_PICKLE_BYTES} accepted")
+    identity, key, numel, offset, shape, stride = pickled_tensor(rec.read(start, size, "data.pkl"))
+    data_name = f"{prefix}data/{key}"
+    if data_name not in entries:
+        raise RecordProblem(f"lacks its tensor data entry {data_name!r}")
+    _, data_bytes = _entry_data(rec, data_name, entries[data_name], cd_offset)
+    if identity != storage_identity(dtype):
+        raise RecordProblem(f"holds {stored_dtype(identity)} data but .metadata declares {_dtype_name(dtype)}")
+    nbytes = numel * dtype.itemsize if identity[0] == "typed" else numel
+    if nbytes != data_bytes or nbytes % dtype.itemsize:
+        raise RecordProblem(f"holds {data_bytes} bytes of tensor data, but its storage of {_dtype_name(dtype)} "
+                            f"declares {nbytes}")
+    numel = nbytes // dtype.itemsize
+    if shape != tuple(sizes):
+        raise RecordProblem(f"holds a tensor of shape {list(shape)}, but .metadata declares the chunk as {list(sizes)}")
+    if math.prod(shape) and offset + sum((s - 1) * st for s, st in zip(shape, stride)) >= numel:
+        raise RecordProblem(f"has a tensor view (offset {offset}, shape {list(shape)}, stride {list(stride)}) outside "
+                            f"its {numel}-element storage")
+
+
+def storage_record_problems(md: Any, tensors: dict[str, Any],
+                            open_file: Callable[[str], AbstractContextManager[RangeReader]],
+                            files: Iterable[str] | None = None) -> list[tuple[str, str]]:
+    """Check the record of every chunk of ``tensors`` against its storage entry and declared chunk.
+
+    Args:
+        md: validated DCP metadata (see :func:`torch_ckpt.format._files.metadata_problems`).
+        tensors: ``{key: TensorStorageMetadata}`` of its well-formed tensors.
+        open_file: opens a data file of the checkpoint by name (a context manager yielding a
+            :class:`RangeReader`); it may raise ``OSError`` or ``CheckpointCorruptError``.
+        files: check only the records stored in these files (a reader's share); None checks all.
+
+    Returns:
+        ``[(file, problem)]``, each naming the tensor key, the chunk and the byte range.
+
+    Raises:
+        OSError, CheckpointCorruptError: from ``open_file`` or a read.
+    """
+    by_file: dict[str, list[tuple[int, int, str, tuple[int, ...]]]] = {}
+    chunk_sizes = {(key, tuple(c.offsets)): tuple(c.sizes) for key, item in tensors.items() for c in item.chunks}
+    wanted = None if files is None else set(files)
+    for index, info in md.storage_data.items():
+        item = tensors.get(index.fqn)
+        if item is None or index.offset is None:
+            continue
+        rel = str(info.relative_path)
+        if wanted is not None and rel not in wanted:
+            continue
+        by_file.setdefault(rel, []).append((info.offset, info.length, index.fqn, tuple(index.offset)))
+    problems: list[tuple[str, str]] = []
+    for rel, items in sorted(by_file.items()):
+        with open_file(rel) as reader:
+            blocks = _Blocks(reader)
+            for offset, length, key, chunk_offset in sorted(items):
+                sizes = chunk_sizes.get((key, chunk_offset))
+                if sizes is None:
+                    continue  # a storage entry without a chunk: reported by metadata_problems
+                try:
+                    _check(_Record(blocks, offset, length), tensors[key].properties.dtype, sizes)
+                except RecordProblem as exc:
+                    problems.append((rel, f"tensor {key!r}, chunk at offset {list(chunk_offset)} (bytes "
+                                          f"{offset}..{offset + length}): the stored record {exc}"))
+    return problems

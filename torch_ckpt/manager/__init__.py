@@ -1,0 +1,1 @@
+"""CheckpointManager: saving, retention, resume and health of one run root, on top of the save, restore and tier packages."""

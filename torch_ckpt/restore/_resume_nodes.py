@@ -1,0 +1,264 @@
+"""Node-local roots at start and at resume: the agreed layout, a check that the roots are really
+private, and restoring the newest step that is complete somewhere.
+
+Only live copies count (:mod:`torch_ckpt.policy._lineage`: the lineage records of every node's manifests
+and the durable tier's decide together), so a stale node's copies of an abandoned timeline are
+never mixed with the others'. A step can be restored when every node can get its part: from its
+own copy on its local disk, or from the durable tier (only that node's files when the rank layout
+is unchanged, else the whole checkpoint, to reshard). Otherwise the next older step is tried, and the reason is logged.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from pathlib import Path
+from typing import Any
+
+from torch_ckpt._logging import get_logger
+from torch_ckpt.distributed._context import DistContext
+from torch_ckpt.errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointNotFoundError,
+    ConfigError,
+)
+from torch_ckpt.policy._lineage import Lineage, head_of, new_segment, successor
+from torch_ckpt.restore._resume import set_aside_superseded
+from torch_ckpt.root._layout import is_committed, read_manifest, scan_committed, scan_manifests
+from torch_ckpt.root._nodes import NodeLayout, env_node
+from torch_ckpt.storage._deadline import waiting_for_coordinator
+from torch_ckpt.storage._locations import DurableUnavailableError
+
+__all__ = ["node_layout", "check_private_roots", "restore_node_local", "local_inventory"]
+
+log = get_logger(__name__)
+
+
+def node_layout(ctx: DistContext, shared: bool | None) -> NodeLayout | None:
+    """Agree on the node of every rank (collective); None when the root is one shared directory.
+
+    Args:
+        ctx: the checkpoint group.
+        shared: the manager's ``local_root_shared``; None: private when there is more than one node.
+
+    Raises:
+        ConfigError: ``shared`` is not a bool or None, or a node variable is malformed on some rank.
+    """
+    if shared is not None and not isinstance(shared, bool):
+        raise ConfigError(f"local_root_shared must be True, False or None, got {shared!r}")
+    try:
+        mine: Any = env_node(ctx.rank)
+    except ConfigError as exc:
+        mine = str(exc)
+    votes = ctx.all_gather(mine, what="node layout")
+    bad = next((v for v in votes if isinstance(v, str)), None)
+    if bad is not None:
+        raise ConfigError(bad)
+    rank_node = NodeLayout.normalise(votes)
+    if shared is True or (shared is None and max(rank_node) == 0):
+        return None
+    return NodeLayout(rank_node=rank_node, rank=ctx.rank)
+
+
+def check_private_roots(root: Path, nodes: NodeLayout, ctx: DistContext, *, ok: bool = True) -> str | None:
+    """Collective: check that no node sees another node's root (a shared file system used with
+    ``local_root_shared=False`` would let nodes overwrite each other's manifests).
+
+    Each node's leader writes a probe file; after a barrier it looks for the other nodes' probes.
+
+    Returns:
+        An error message naming the root, or None.
+    """
+    token = secrets.token_hex(8)
+    probe = root / f".node_probe.{nodes.node}.{token}"
+    error = None
+    if ok and nodes.is_leader:
+        try:
+            probe.write_bytes(b"")
+        except OSError as exc:
+            error = f"cannot write {probe}: {exc.strerror}"
+    ctx.barrier(what="private root check")
+    if ok and nodes.is_leader and error is None:
+        others = [p.name for p in root.glob(".node_probe.*") if not p.name.startswith(f".node_probe.{nodes.node}.")]
+        if others:
+            error = (f"{root} is seen by more than one node (it holds {others[0]}): it is a shared directory. Pass "
+                     "CheckpointManager(..., local_root_shared=True), or give each node a directory of its own")
+    ctx.barrier(what="private root check")
+    if nodes.is_leader:
+        probe.unlink(missing_ok=True)
+    return error
+
+
+def local_inventory(root: Path, naming: Any, nodes: NodeLayout) -> dict[int, str]:
+    """``{step: "node" | "full"}``: steps this node can restore from its own disk.
+
+    "node": this node's copy of a checkpoint written with the same rank layout; "full": a complete
+    copy (downloaded to reshard, or written to a shared root). Copies whose files are missing or
+    of the wrong size, and node copies of another layout, are left out.
+    """
+    found: dict[int, str] = {}
+    for step, path in scan_committed(root, naming).items():
+        try:
+            manifest = read_manifest(path)
+        except CheckpointError:
+            continue
+        if not is_committed(path):
+            log.warning("%s: files are missing or truncated; not used for resume", path)
+            continue
+        if manifest.node is None:
+            found[step] = "full"
+        elif manifest.node == nodes.node and tuple(manifest.nodes["rank_node"]) == nodes.rank_node:
+            found[step] = "node"
+    return found
+
+
+def _plan(inventories: dict[int, dict[int, str]], durable: dict[int, Any], nodes: NodeLayout,
+          step: int | None) -> list[tuple[int, dict[int, str]]]:
+    """Rank 0: feasible ``(step, {node: "local"|"node"|"full"})`` newest first, logging why steps are skipped.
+
+    A step that some node reads from its own disk and that the durable tier also holds is listed a
+    second time with every node fetching it from the durable tier: when a local copy fails
+    verification, the same step is taken from the durable tier before any older step.
+    """
+    candidates = sorted({s for inv in inventories.values() for s in inv} | set(durable), reverse=True)
+    if step is not None:
+        candidates = [step]
+    feasible = []
+    for s in candidates:
+        actions, missing = {}, []
+        d = durable.get(s)
+        same_layout = d is not None and d.nodes and tuple(d.nodes["rank_node"]) == nodes.rank_node
+        for node in range(nodes.node_count):
+            if s in inventories.get(node, {}):
+                actions[node] = "local"
+            elif d is not None:
+                actions[node] = "node" if same_layout else "full"
+            else:
+                missing.append(node)
+        if missing:
+            log.warning("step %d is not complete in any tier: node(s) %s hold no copy and the durable tier has none%s",
+                        s, missing, "; trying the next older step" if step is None else "")
+            continue
+        feasible.append((s, actions))
+        if d is not None and "local" in actions.values():
+            feasible.append((s, {node: "node" if same_layout else "full" for node in range(nodes.node_count)}))
+    return feasible
+
+
+def restore_node_local(mgr: Any, state: Any, step: int | None, allow_cast: bool) -> int | None:
+    """:meth:`CheckpointManager.restore` for node-local roots (collective; see the module doc).
+
+    Sets ``mgr.restore_source`` on every rank to "local" (read from its node's disk), "durable-node"
+    (its node fetched only its own files) or "durable-full" (its node fetched the whole checkpoint).
+
+    Raises:
+        CheckpointNotFoundError: ``step`` was given and no tier can provide it.
+        DurableUnavailableError: the durable tier is unreachable (or does not answer for
+            ``durable_timeout_seconds``, or its bucket is missing) and no step is on every node's disk.
+        CheckpointCorruptError, StateMismatchError: as :meth:`CheckpointManager.restore`.
+    """
+    ctx, nodes, tier = mgr._ctx, mgr._nodes, mgr._tier
+    inv: dict[int, str] | str | None = None
+    lineages: dict[int, Lineage] = {}
+    if nodes.is_leader:
+        try:
+            inv = local_inventory(mgr.root, mgr.naming, nodes)
+            lineages = {s: m.lineage for s, (_, m) in scan_manifests(mgr.root, mgr.naming).items() if s in inv}
+        except (CheckpointError, OSError) as exc:
+            inv = f"{type(exc).__name__}: {exc}"
+    gathered = ctx.all_gather((nodes.node, inv, lineages), what="restore inventory")
+    plan: Any = None
+    lineage_view: Any = None
+    if ctx.is_coordinator:
+        inventories = {n: i for n, i, _ in gathered if isinstance(i, dict)}
+        bad = [f"node {n}: {i}" for n, i, _ in gathered if isinstance(i, str)]
+        durable: dict[int, Any] = {}
+        outage = None
+        if tier is not None:
+            try:
+                durable = tier.listed()
+            except DurableUnavailableError as exc:
+                outage = exc
+        # the lineage rule (torch_ckpt.policy._lineage): only live copies count, so every node loads the same timeline
+        seen = [*(lin for _, _, lins in gathered for lin in lins.values()), *(m.lineage for m in durable.values())]
+        head = head_of(seen)
+        node_lins = {n: lins for n, i, lins in gathered if isinstance(i, dict)}  # the leaders' (others send none)
+        inventories = {n: {s: kind for s, kind in i.items() if head.holds(s, node_lins[n][s])}
+                       for n, i in inventories.items()}
+        durable = {s: m for s, m in durable.items() if head.holds(s, m.lineage)}
+        newest = max([*durable, *(s for i in inventories.values() for s in i)], default=None)
+        lineage_view = (head, outage is None, newest, new_segment(seen))
+        plan = _plan(inventories, durable, nodes, step) if not bad else \
+            CheckpointError(f"cannot list the local roots: {'; '.join(bad)}")
+        if outage is not None:
+            log.warning("%s; resuming from the node-local copies only", outage)
+            if not plan and any(not i for i in inventories.values()):
+                plan = DurableUnavailableError(f"{outage}. Some node has no local checkpoint: refusing to start "
+                                               "from scratch during an outage; retry when the store is reachable")
+        if step is not None and plan == [] and outage is not None:  # it may be there: say why it cannot be known
+            plan = DurableUnavailableError(f"step {step} is not on every node's disk, and {outage}")
+        if step is not None and plan == []:
+            plan = CheckpointNotFoundError(f"step {step} is not complete in any tier (node-local roots"
+                                           f"{' or ' + tier.url if tier is not None else ''})")
+    plan, lineage_view = waiting_for_coordinator(ctx, tier, "listing the node-local roots and the durable tier"
+                                                 + (f" {tier.url}" if tier is not None else ""),
+                                                 lambda: ctx.broadcast((plan, lineage_view), what="restore plan"))
+    if isinstance(plan, BaseException):
+        raise plan
+    if not plan:
+        log.info("no committed checkpoint on any node%s; starting from scratch",
+                 f" (the durable tier {tier.url} answered: no committed step)" if tier is not None else "")
+        return None
+    store_down = False
+    for i, (cand, actions) in enumerate(plan):
+        if store_down and set(actions.values()) != {"local"}:
+            continue  # the store is down: only steps every node has on its disk are left
+        action = actions[nodes.node]
+        error: tuple[bool, str] | None = None  # (an outage?, message)
+        local = mgr.root / mgr.naming.name(cand)
+        if nodes.is_leader and action != "local":
+            try:
+                if not mgr.read_only:
+                    set_aside_superseded(local)  # a superseded copy of this step: kept aside, not replaced
+                t0 = time.monotonic()
+                tier.fetch(cand, mgr.root, node=nodes.node if action == "node" else None)
+                log.info("[node %d] fetched %d file(s) of step %d from %s in %.3f s", nodes.node,
+                         len(tier.last_download), cand, tier.describe(cand), time.monotonic() - t0)
+            except (CheckpointError, OSError, ValueError) as exc:
+                error = (isinstance(exc, DurableUnavailableError), f"node {nodes.node}: {type(exc).__name__}: {exc}")
+        fetching = "" if tier is None else f" (fetching step {cand} from {tier.describe(cand)})"
+        errors = [e for e in waiting_for_coordinator(
+            ctx, tier, f"restoring step {cand}{fetching}",
+            lambda error=error: ctx.all_gather(error, what="fetch checkpoint"), whom="the node leaders") if e]
+        try:
+            if any(down for down, _ in errors):
+                raise DurableUnavailableError(f"step {cand} could not be fetched: "
+                                              f"{next(m for down, m in errors if down)}")
+            if errors:
+                raise CheckpointCorruptError(f"step {cand} could not be fetched: {errors[0][1]}")
+            mgr._ckpt.load(local, state, verify=mgr.verify_on_load, on_world_size_change=mgr.on_world_size_change,
+                           allow_cast=allow_cast)
+        except (CheckpointCorruptError, DurableUnavailableError) as exc:
+            if isinstance(exc, DurableUnavailableError):
+                store_down = True
+            rest = [c for c in plan[i + 1:] if not store_down or set(c[1].values()) == {"local"}]
+            if not rest:
+                raise
+            if rest[0][0] == cand:
+                log.warning("a local copy of step %d is not usable (%s); taking step %d from the durable tier %s",
+                            cand, exc, cand, tier.describe(cand))
+            else:
+                log.warning("step %d is not usable (%s); falling back to step %d", cand, exc, rest[0][0])
+            continue
+        mgr.restore_source = {"local": "local", "node": "durable-node", "full": "durable-full"}[action]
+        log.info("[rank %d] restored step %d from %s (%s)", ctx.rank, cand, local, mgr.restore_source)
+        mgr._restored_step = cand
+        mgr._newest_known = None
+        if nodes.is_leader:
+            head, complete, newest, fork = lineage_view
+            restored = read_manifest(local).lineage
+            mgr._lineage = successor(restored, cand, newest=complete and cand == newest and restored.run == head.run,
+                                     fork=fork)
+        return cand
+    return None

@@ -1,0 +1,358 @@
+"""The committed step directories of a checkpoint root (a local directory): list, commit, replace, remove.
+
+The manifest itself (:class:`Manifest`, :func:`read_manifest`) is defined in
+:mod:`torch_ckpt.format._manifest` and re-exported here; the names of temporaries and their clean-up are in
+:mod:`torch_ckpt.root._temporaries`, the root's lock in :mod:`torch_ckpt.root._lock`.
+
+Layout of a run root::
+
+    ROOT/
+      step_000000100/            committed checkpoint (DCP files + per-rank JSON + manifest.json)
+        .metadata                DCP global metadata (pickle, read with a restricted unpickler)
+        __0_0.distcp ...         tensor shards, one file per rank and writer thread
+        rank_00000.json ...      non-tensor state of each rank (types preserved, no pickle)
+        manifest.json            written last: step, world size, files with sizes and CRC-32
+      step_000000110/            reserved when save() returned: a save in progress
+        .torch-ckpt.partial.9f2c.../  its files until the commit; never listed, removed on the next start
+
+Commit protocol (crash-safe at every instant): the final name is reserved (created empty), all
+files are written and fsynced inside its partial, ``manifest.json`` is written and fsynced, the
+partial is fsynced, moved out to ``.torch-ckpt.tmp.<id>`` and renamed over the empty reservation
+(atomic on POSIX), and the root is fsynced. A directory with a final name therefore holds a
+complete checkpoint or nothing but partials (see :mod:`torch_ckpt.root._temporaries`); ordering always
+uses the manifest's integer step, never string order.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import stat
+import time
+from pathlib import Path
+from typing import Any
+
+from torch_ckpt._logging import get_logger
+from torch_ckpt.errors import (
+    CheckpointCorruptError,
+    CheckpointNotFoundError,
+    CheckpointWriteError,
+)
+from torch_ckpt.format._manifest import (
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    MANIFEST_NAME,
+    Manifest,
+    rank_file_name,
+    read_manifest,
+)
+from torch_ckpt.policy._naming import Naming, StepNaming
+from torch_ckpt.root._temporaries import PARTIAL_PREFIX, is_reservation, new_incarnation, replaced_name, side_path
+
+__all__ = [
+    "FORMAT_NAME",
+    "FORMAT_VERSION",
+    "Manifest",
+    "scan_committed",
+    "scan_manifests",
+    "read_manifest",
+    "write_json_durable",
+    "fsync_dir",
+    "commit_dir",
+    "check_root",
+    "update_manifest_tiers",
+    "rank_file_name",
+    "MANIFEST_NAME",
+    "is_committed",
+    "replace_dir",
+    "quarantine_step_dir",
+    "remove_step_dir",
+]
+
+log = get_logger(__name__)
+
+_DEFAULT_NAMING = StepNaming()
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    """fsync a directory so renames and new entries in it are durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_json_durable(path: str | os.PathLike, obj: Any) -> tuple[int, int]:
+    """Write ``obj`` as JSON and fsync it. Returns ``(bytes, crc32)`` of what was written."""
+    import zlib
+
+    data = json.dumps(obj, separators=(",", ":"), allow_nan=True).encode()
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    return len(data), zlib.crc32(data)
+
+
+def update_manifest_tiers(step_dir: Path, tiers: dict[str, Any]) -> None:
+    """Atomically rewrite ``step_dir/manifest.json`` with ``tiers`` merged in (write, fsync, rename)."""
+    manifest = read_manifest(step_dir)
+    data = manifest.to_json()
+    data["tiers"] = {**manifest.tiers, **tiers}
+    tmp = Path(step_dir) / (MANIFEST_NAME + ".tmp")
+    write_json_durable(tmp, data)
+    os.rename(tmp, Path(step_dir) / MANIFEST_NAME)
+    fsync_dir(step_dir)
+
+
+def check_root(root: Path, *, create: bool) -> None:
+    """Validate a checkpoint root; optionally create it.
+
+    Raises:
+        CheckpointWriteError: the root exists but is not a directory, or cannot be created.
+        CheckpointNotFoundError: ``create`` is False and the root does not exist.
+    """
+    if root.exists() and not root.is_dir():
+        raise CheckpointWriteError(f"checkpoint root {root} exists but is not a directory; pass a directory path")
+    if not root.exists():
+        if not create:
+            raise CheckpointNotFoundError(f"checkpoint root {root} does not exist")
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise CheckpointWriteError(exc.errno, f"cannot create checkpoint root {root}: {exc.strerror}; "
+                                       "choose a writable location") from exc
+
+
+def scan_committed(root: str | os.PathLike, naming: Naming | None = None) -> dict[int, Path]:
+    """Return ``{step: directory}`` of committed checkpoints under ``root``, ascending.
+
+    Only names that ``naming`` (default :class:`StepNaming`) parses are considered, and the
+    manifest's step must equal the step of the name. Directories with such a name but no readable
+    manifest (a folder of another tool, or damage) are skipped with a warning; one removed while the
+    root is listed (the writer's retention, beside a read-only reader) is skipped silently; temporary
+    directories are never returned.
+    """
+    return {step: path for step, (path, _) in scan_manifests(root, naming).items()}
+
+
+def scan_manifests(root: str | os.PathLike, naming: Naming | None = None) -> dict[int, tuple[Path, Manifest]]:
+    """:func:`scan_committed` with each directory's manifest: ``{step: (directory, manifest)}``, ascending."""
+    root = Path(root)
+    naming = naming or _DEFAULT_NAMING
+    found: dict[int, tuple[Path, Manifest]] = {}
+    if not root.is_dir():
+        return found
+    for entry in root.iterdir():
+        named_step = naming.step_of(entry.name)
+        if named_step is None or not entry.is_dir():
+            continue
+        try:
+            manifest = read_manifest(entry)
+        except (CheckpointNotFoundError, CheckpointCorruptError) as exc:
+            if not os.path.lexists(entry):  # removed since it was listed (the writer's retention): nothing to say
+                log.debug("ignoring %s: removed while the root was listed", entry)
+                continue
+            if not is_reservation(entry):  # a reserved name (a save in flight, or crashed) is silently not one
+                log.warning("ignoring %s: %s", entry, exc)
+            continue
+        except OSError as exc:  # unreadable (permissions, I/O error): not a usable checkpoint either
+            log.warning("ignoring %s: cannot read its manifest (%s)", entry, exc)
+            continue
+        if manifest.step != named_step:
+            log.warning("ignoring %s: manifest says step %d", entry, manifest.step)
+            continue
+        found[manifest.step] = (entry, manifest)
+    return dict(sorted(found.items()))
+
+
+def commit_dir(tmp: Path, final: Path, *, replace: bool = False) -> None:
+    """Atomically publish ``tmp`` as ``final`` (fsync tmp, rename, fsync parent).
+
+    A ``tmp`` inside ``final`` (its partial, see :mod:`torch_ckpt.root._temporaries`) is first moved out to
+    its hidden sibling ``.torch-ckpt.tmp.<id>``; it is then renamed over ``final``, which is missing or
+    an empty reservation (rename(2) replaces an empty directory atomically), or exchanged with it.
+
+    Args:
+        tmp: the complete temporary directory.
+        final: the final name.
+        replace: ``final`` may already hold a committed checkpoint, which is replaced (see
+            :func:`replace_dir`); otherwise an existing ``final`` is an error.
+
+    Raises:
+        CheckpointWriteError: ``final`` already exists (without ``replace``) or the rename fails.
+    """
+    fsync_dir(tmp)
+    if tmp.parent == final:  # written inside its reserved (or replaced) directory: move it out first
+        side = side_path(final, tmp.name[len(PARTIAL_PREFIX):])
+        if os.path.lexists(side):
+            shutil.rmtree(side, ignore_errors=True)
+        try:
+            os.rename(tmp, side)
+        except OSError as exc:
+            raise CheckpointWriteError(exc.errno, f"cannot commit {tmp} -> {side}: {exc.strerror}") from exc
+        try:
+            commit_dir(side, final, replace=replace)
+        except BaseException:
+            shutil.rmtree(side, ignore_errors=True)
+            raise
+        return
+    reserved = is_reservation(final)
+    if replace and final.exists() and not reserved:
+        replace_dir(tmp, final)
+        return
+    if final.exists() and not reserved:
+        raise CheckpointWriteError(f"{final} already exists; a checkpoint for this step is already committed")
+    try:
+        os.rename(tmp, final)  # a missing name, or the empty reservation (replaced atomically)
+    except OSError as exc:
+        raise CheckpointWriteError(exc.errno, f"cannot commit {tmp} -> {final}: {exc.strerror}") from exc
+    fsync_dir(final.parent)
+
+
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two directory entries atomically with Linux ``renameat2(RENAME_EXCHANGE)``; False if unsupported."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    rc = renameat2(_AT_FDCWD, os.fsencode(str(a)), _AT_FDCWD, os.fsencode(str(b)), _RENAME_EXCHANGE)
+    if rc == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
+        return False  # kernel or file system without RENAME_EXCHANGE: fall back to two renames
+    raise OSError(err, os.strerror(err), str(b))
+
+
+def replace_dir(tmp: Path, final: Path) -> None:
+    """Replace the committed checkpoint ``final`` by the complete directory ``tmp``, crash-safely.
+
+    On Linux the two entries are swapped atomically (``renameat2(RENAME_EXCHANGE)``): at every
+    instant ``final`` is either the old or the new complete checkpoint. The old one then lies under
+    the temporary name and is deleted (a crash leaves it as a stale temporary, removed on the next
+    start). Where the exchange is not supported, the old directory is first renamed to
+    ``.NAME.replaced.<id>`` and the new one renamed in; a crash between the two renames leaves no
+    ``final``, and :func:`~torch_ckpt.root._temporaries.clean_stale_temporaries` renames the old one back
+    on the next start.
+
+    Raises:
+        CheckpointWriteError: a rename fails (the old checkpoint is left in place or restorable).
+    """
+    try:
+        if _exchange(tmp, final):
+            fsync_dir(final.parent)
+            shutil.rmtree(tmp, ignore_errors=True)
+            return
+        aside = final.with_name(replaced_name(final.name))
+        os.rename(final, aside)
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            os.rename(aside, final)  # put the old checkpoint back; a crash here is undone at the next start
+            raise
+        fsync_dir(final.parent)
+        shutil.rmtree(aside, ignore_errors=True)
+    except OSError as exc:
+        raise CheckpointWriteError(exc.errno, f"cannot replace {final} by {tmp}: {exc.strerror}") from exc
+
+
+def is_committed(path: str | os.PathLike) -> bool:
+    """True when ``path`` is a committed torch-ckpt checkpoint: a valid manifest, and every file it
+    lists present as a regular file of the listed size (cheap: no checksums are read). For one
+    node's copy of a node-local checkpoint, the files that node holds."""
+    path = Path(path)
+    try:
+        manifest = read_manifest(path)
+        for name, info in manifest.local_files().items():
+            st = os.lstat(path / name)
+            if not stat.S_ISREG(st.st_mode) or st.st_size != info["bytes"]:
+                return False
+    except (CheckpointNotFoundError, CheckpointCorruptError, OSError):
+        return False
+    return True
+
+
+def quarantine_step_dir(path: Path, *, reason: str = "corrupt") -> Path:
+    """Move a checkpoint directory aside (never listed, never auto-deleted) and return its new path.
+
+    ``reason`` names the hidden directory: ``.corrupt_step_N.<time>`` for a damaged checkpoint,
+    ``.superseded_step_N.<time>`` for one from a run segment abandoned by restoring an older step.
+    When that name is taken (twice within one second), ``.1``, ``.2``... is appended.
+
+    Raises:
+        CheckpointWriteError: the directory cannot be moved (the message names both paths).
+    """
+    base = f".{reason}_{path.name}.{int(time.time())}"
+    for n in range(1000):
+        target = path.with_name(base if n == 0 else f"{base}.{n}")
+        if os.path.lexists(target):
+            continue
+        try:
+            os.rename(path, target)
+        except OSError as exc:
+            if exc.errno in (errno.EEXIST, errno.ENOTEMPTY):  # created meanwhile: try the next name
+                continue
+            raise CheckpointWriteError(exc.errno, f"cannot move {reason} checkpoint {path} aside to {target}: "
+                                       f"{exc.strerror}; check the permissions of {path.parent}") from exc
+        try:
+            fsync_dir(path.parent)
+        except OSError as exc:
+            raise CheckpointWriteError(exc.errno, f"moved {path} aside to {target}, but cannot sync "
+                                       f"{path.parent}: {exc.strerror}") from exc
+        log.warning("moved %s checkpoint %s aside to %s", reason, path, target)
+        return target
+    raise CheckpointWriteError(f"cannot move {reason} checkpoint {path} aside: names {base}.* are all taken; "
+                               f"remove old ones from {path.parent}")
+
+
+def remove_step_dir(path: Path) -> None:
+    """Delete a committed checkpoint so that no partial one is ever visible under a final name.
+
+    The directory is first renamed to a hidden trash name (atomic), then removed.
+
+    Raises:
+        OSError: the rename failed (the checkpoint is still there, complete).
+    """
+    shutil.rmtree(retire_step_dir(path), ignore_errors=True)
+
+
+def retire_step_dir(path: Path) -> Path:
+    """Rename a committed checkpoint to a hidden trash name (``.torch-ckpt.tmp.<random id>``, atomic); returns it.
+
+    The trash name carries no copy of NAME, so no framework's scan of the folder (Lightning's
+    ``hpc_ckpt_<N>`` or ``last`` names, Accelerate's numbered folders) mistakes it for a checkpoint.
+
+    Its ``manifest.json`` is deleted at once, so the trash never looks like a committed checkpoint
+    to anything listing the root; the caller deletes the rest when convenient (``shutil.rmtree``:
+    about 0.15 s per GiB of data files on the reference VM, which is why retention defers it until
+    the new checkpoint's ``committed`` has resolved). A leftover trash directory is removed at the
+    next start (:mod:`torch_ckpt.root._temporaries`); a leftover of an earlier removal under the same
+    name is deleted first, so it never blocks this one.
+
+    Raises:
+        OSError: the rename failed (the checkpoint is still there, complete).
+    """
+    trash = side_path(path, new_incarnation())
+    if os.path.lexists(trash):
+        if trash.is_dir() and not trash.is_symlink():
+            shutil.rmtree(trash, ignore_errors=True)
+        else:
+            trash.unlink(missing_ok=True)
+    os.rename(path, trash)
+    try:
+        (trash / MANIFEST_NAME).unlink()
+    except OSError:
+        pass  # the rmtree that follows (or the next start's cleanup) removes it
+    return trash
+

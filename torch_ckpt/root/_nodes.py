@@ -1,0 +1,246 @@
+"""Node-local roots: which rank runs on which node, and what each node's copy of a checkpoint holds.
+
+On a cluster every node usually has its own local disk that the other nodes cannot see. With a
+node-local root each node keeps its own copy of a checkpoint: the shards its ranks wrote, their
+per-rank JSON, and DCP metadata that points every tensor at data the node holds. Replicated
+(non-sharded) tensors, which DCP would store once for the whole job, are stored once per node, so
+that a node's ranks restore at the same world size from their own disk alone. Only one copy of each
+is uploaded (the copies are spread over the nodes holding them, by bytes); the others lie in
+*replica* files that never leave their node. ``.metadata`` points every tensor at its uploaded copy:
+it is the complete checkpoint of the durable tier, used to reshard and by replaced nodes.
+
+The node of a rank comes from torchrun's environment (``GROUP_RANK``, else ``NODE_RANK``, else
+``RANK // LOCAL_WORLD_SIZE``); the ranks agree on the layout once, when the manager is built.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pickle
+from collections import ChainMap
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans
+from torch.distributed.checkpoint.default_planner import create_default_global_save_plan
+from torch.distributed.checkpoint.filesystem import _StoragePrefix
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import SavePlan
+
+from torch_ckpt.errors import ConfigError
+from torch_ckpt.format._dcp_metadata import metadata_name
+from torch_ckpt.format._dcp_plan import FlatKeysSavePlanner
+from torch_ckpt.format._dcp_write import ChecksumFileSystemWriter
+from torch_ckpt.tiers._nodes import REPLICA_TAG, is_replica_file
+
+__all__ = ["NodeLayout", "NodeDedupPlanner", "RecordingWriter", "node_views", "metadata_name", "env_node",
+           "shared_files"]
+
+
+def env_node(rank: int) -> int:
+    """This process's node index from torchrun's environment.
+
+    Raises:
+        ConfigError: a node variable is set but is not a non-negative integer (the variable is named).
+    """
+    for var in ("GROUP_RANK", "NODE_RANK"):
+        value = os.environ.get(var)
+        if value is not None and value != "":
+            if not value.isdigit():
+                raise ConfigError(f"environment variable {var}={value!r} must be a non-negative integer node index")
+            return int(value)
+    local = os.environ.get("LOCAL_WORLD_SIZE", "")
+    if local.isdigit() and int(local) > 0:
+        return rank // int(local)
+    return 0
+
+
+@dataclass(frozen=True)
+class NodeLayout:
+    """The agreed node of every rank, and this rank's place in it.
+
+    Attributes:
+        rank_node: node index of each rank (nodes numbered 0..N-1 in order of their lowest rank).
+        rank: this process's rank in the checkpoint group.
+    """
+
+    rank_node: tuple[int, ...]
+    rank: int
+
+    @staticmethod
+    def normalise(raw: list[int]) -> tuple[int, ...]:
+        """Renumber arbitrary node ids to 0..N-1 in order of each node's lowest rank."""
+        order: dict[int, int] = {}
+        for n in raw:
+            order.setdefault(n, len(order))
+        return tuple(order[n] for n in raw)
+
+    @property
+    def node(self) -> int:
+        """This rank's node."""
+        return self.rank_node[self.rank]
+
+    @property
+    def node_count(self) -> int:
+        """Number of nodes."""
+        return max(self.rank_node) + 1
+
+    def ranks_of(self, node: int) -> list[int]:
+        """Ranks on ``node``, ascending."""
+        return [r for r, n in enumerate(self.rank_node) if n == node]
+
+    def leader_of(self, node: int) -> int:
+        """The rank that creates, commits and uploads ``node``'s copy (its lowest rank)."""
+        return self.ranks_of(node)[0]
+
+    @property
+    def is_leader(self) -> bool:
+        """True on the rank that acts for this node (its local rank 0)."""
+        return self.leader_of(self.node) == self.rank
+
+
+class NodeDedupPlanner(FlatKeysSavePlanner):
+    """DCP save planner that keeps one copy of every replicated tensor per node (not per job).
+
+    DCP would write a tensor that several ranks hold once, on one rank anywhere in the job; here
+    it is written once on every node holding it (balanced over that node's ranks), so each node's
+    files hold everything its ranks load back. The global metadata lists every chunk once;
+    :func:`node_views` points each node's copy of it at the data that node holds.
+    """
+
+    def __init__(self, rank_node: tuple[int, ...]) -> None:
+        super().__init__()
+        self._rank_node = rank_node
+
+    def _create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
+        deduped: list[SavePlan | None] = [None] * len(all_plans)
+        for node in sorted(set(self._rank_node)):
+            ranks = [r for r, n in enumerate(self._rank_node) if n == node]
+            for r, plan in zip(ranks, dedup_save_plans([all_plans[r] for r in ranks], False)):
+                deduped[r] = plan
+        # the metadata lists every chunk once (as a job-wide dedup would); where each node's copy
+        # lies is known from the write results (see node_views), every node's view is validated
+        # when it is read back (torch_ckpt.format._files.metadata_problems)
+        _, metadata = create_default_global_save_plan(dedup_save_plans(list(deduped), False))
+        global_plan = list(deduped)
+        if self.flatten_state_dict:
+            merged = dict(ChainMap(*[p.planner_data for p in global_plan]))
+            metadata = dataclasses.replace(metadata, planner_data=merged)
+        return global_plan, metadata
+
+
+@dataclass
+class _NodePrefix(_StoragePrefix):
+    """A rank's file prefix, and the items it writes only as its node's extra copy (``replicas``)."""
+
+    replicas: frozenset = frozenset()
+
+
+class RecordingWriter(ChecksumFileSystemWriter):
+    """The checksumming writer for node-local saves.
+
+    An item several nodes write is a *replica* on every node but the lowest one holding it: a
+    rank writes its replicas into files of their own (``__R_replica_I.distcp``), which stay on the
+    node's disk and are never uploaded, so the durable tier holds each tensor once. The
+    coordinator also keeps every rank's write results (to build each node's metadata).
+    """
+
+    results: list[list[Any]] | None = None
+    metadata: Metadata | None = None
+
+    def __init__(self, *args: Any, rank_node: tuple[int, ...] = (), **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._rank_node = rank_node
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:  # noqa: D102
+        # the uploaded copy of a tensor several nodes hold is spread over those nodes by bytes, so
+        # that replicated weights do not all go up through one node
+        holders: dict[MetadataIndex, set[int]] = {}
+        size: dict[MetadataIndex, int] = {}
+        for r, plan in enumerate(plans):
+            for item in plan.items:
+                key = MetadataIndex(item.index.fqn, item.index.offset)
+                holders.setdefault(key, set()).add(self._rank_node[r])
+                size[key] = item.tensor_storage_size() or 1
+        load = dict.fromkeys(self._rank_node, 0)
+        owner: dict[MetadataIndex, int] = {}
+        for key in sorted(holders, key=lambda k: (-size[k], k.fqn, tuple(k.offset or ()))):
+            owner[key] = min(holders[key], key=lambda n: (load[n], n))
+            load[owner[key]] += size[key]
+        return [dataclasses.replace(plan, storage_data=_NodePrefix(f"__{r}_", frozenset(
+            MetadataIndex(i.index.fqn, i.index.offset) for i in plan.items
+            if owner[MetadataIndex(i.index.fqn, i.index.offset)] != self._rank_node[r])))
+            for r, plan in enumerate(plans)]
+
+    def write_data(self, plan: SavePlan, planner: Any) -> Any:  # noqa: D102
+        replicas = getattr(plan.storage_data, "replicas", frozenset())
+        own = [i for i in plan.items if MetadataIndex(i.index.fqn, i.index.offset) not in replicas]
+        extra = [i for i in plan.items if MetadataIndex(i.index.fqn, i.index.offset) in replicas]
+        prefix = plan.storage_data.prefix
+        results: list[Any] = []
+        for items, pre in ((own, prefix), (extra, prefix + REPLICA_TAG)):
+            if items:
+                part = dataclasses.replace(plan, items=items, storage_data=_StoragePrefix(pre))
+                results += super().write_data(part, planner).wait()
+        done: Any = torch.futures.Future()
+        done.set_result(results)
+        return done
+
+    def finish(self, metadata: Metadata, results: list[list[Any]]) -> None:  # noqa: D102
+        self.results, self.metadata = results, metadata
+        super().finish(metadata, results)
+
+
+def shared_files(results: list[list[Any]], rank_node: tuple[int, ...]) -> list[str]:
+    """Uploaded data files holding a tensor that more than one node holds (a replaced node fetches them)."""
+    nodes_of: dict[MetadataIndex, set[int]] = {}
+    for r, res in enumerate(results):
+        for wr in res:
+            nodes_of.setdefault(MetadataIndex(wr.index.fqn, wr.index.offset), set()).add(rank_node[r])
+    return sorted({str(wr.storage_data.relative_path) for res in results for wr in res
+                   if len(nodes_of[MetadataIndex(wr.index.fqn, wr.index.offset)]) > 1
+                   and not is_replica_file(str(wr.storage_data.relative_path))})
+
+
+def node_views(metadata: Metadata, results: list[list[Any]], rank_node: tuple[int, ...]) -> dict[int | None, bytes]:
+    """One pickled DCP metadata per node, each listing every chunk once and pointing it at that
+    node's copy when the node holds one (else at the uploaded copy); under key None the complete
+    metadata pointing every chunk at its uploaded copy (never at a replica file).
+
+    Args:
+        metadata: the global metadata of a :class:`NodeDedupPlanner` save.
+        results: every rank's DCP write results (rank order).
+        rank_node: node of each rank.
+
+    Returns:
+        ``{node: pickled Metadata}``.
+    """
+    views: dict[int, bytes] = {}
+    sdm: dict[str, Any] = {}
+    for fqn, item in metadata.state_dict_metadata.items():
+        if isinstance(item, TensorStorageMetadata):
+            seen, chunks = set(), []
+            for chunk in item.chunks:
+                key = (tuple(chunk.offsets), tuple(chunk.sizes))
+                if key not in seen:
+                    seen.add(key)
+                    chunks.append(chunk)
+            item = dataclasses.replace(item, chunks=chunks)
+        sdm[fqn] = item
+    uploaded: dict[MetadataIndex, Any] = {}
+    for res in results:
+        for wr in res:
+            if not is_replica_file(str(wr.storage_data.relative_path)):
+                uploaded[MetadataIndex(wr.index.fqn, wr.index.offset)] = wr.storage_data
+    for node in [None, *sorted(set(rank_node))]:
+        storage = dict(uploaded)
+        for r in range(len(results)):  # this node's own copies win (MetadataIndex ignores its index hint)
+            if rank_node[r] == node:
+                for wr in results[r]:
+                    storage[MetadataIndex(wr.index.fqn, wr.index.offset)] = wr.storage_data
+        view = Metadata(state_dict_metadata=sdm, planner_data=metadata.planner_data, storage_data=storage,
+                        storage_meta=metadata.storage_meta, version=getattr(metadata, "version", None))
+        views[node] = pickle.dumps(view)
+    return views

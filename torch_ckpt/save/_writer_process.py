@@ -1,0 +1,286 @@
+"""A persistent writer process per rank: persisting without competing for the trainer's GIL.
+
+The staging arena lives in shared memory; the writer process maps it once and, for each save,
+receives only the layout and the JSON tree, then runs :func:`~torch_ckpt.save._persist.persist_checkpoint`
+with its own gloo process group among the writer processes of all ranks. The process is started
+(and its process group formed) when the manager is built, so the first save does not pay for it.
+A writer that dies is detected within a second and reported as :class:`CheckpointWriteError`.
+
+The writer never outlives its trainer. On Linux it asks the kernel for SIGKILL when the thread
+that started it exits (``PR_SET_PDEATHSIG``, set first thing in the child, then ``getppid()`` is
+compared with the trainer's pid to close the race with a trainer that died before the call); the
+writer is therefore started only from the main thread, and from another thread the signal is not
+requested. On every platform it also checks that its parent is alive and unchanged (same pid,
+same start time) while idle (every second) and before a save starts, before the ranks agree on it
+and right before the commit rename, so a writer whose trainer died never commits; it then exits.
+
+Signals meant for the trainer are ignored by the writer (:data:`IGNORED_SIGNALS`): a terminal's
+Ctrl-C reaches the whole foreground process group, and a scheduler (SLURM) signals every process
+of the job step, so without that the writer would die of the very SIGINT/SIGTERM/SIGUSR1 on
+which the trainer saves a last checkpoint through it. The trainer's exit still takes it down.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import datetime
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+from torch_ckpt._logging import get_logger
+from torch_ckpt.distributed._context import DistContext
+from torch_ckpt.errors import CheckpointError, CheckpointWriteError
+
+__all__ = ["ProcessWriter"]
+
+log = get_logger(__name__)
+
+_START_TIMEOUT_S = 120.0
+_IDLE_POLL_S = 1.0  # how often an idle writer checks that its trainer is still alive
+_PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+#: signals the writer ignores: they ask the trainer to stop or to save (sent to the whole group)
+IGNORED_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGUSR1", "SIGUSR2")
+                        if hasattr(signal, name))
+# Signal the kernel sends the writer when its trainer dies (Linux). SIGKILL also ends a stopped or
+# busy writer at once. None: do not request one (tests use it to stand in for other platforms).
+_PARENT_DEATH_SIGNAL: int | None = signal.SIGKILL
+
+
+def _process_start_time(pid: int) -> float | None:
+    """Start time of process ``pid`` (seconds since the epoch, psutil), None when it does not exist."""
+    import psutil
+
+    try:
+        return psutil.Process(pid).create_time()
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return None
+
+
+def _parent_alive(parent_pid: int, parent_started: float | None) -> bool:
+    """True while this process's parent is still the trainer ``parent_pid`` that started it.
+
+    A dead parent shows as a changed ``getppid()`` (POSIX re-parents orphans); where that does
+    not change (Windows), the parent's pid is gone or belongs to a process started later.
+    """
+    if os.getppid() != parent_pid:
+        return False
+    if parent_started is None:
+        return True
+    started = _process_start_time(parent_pid)
+    return started is not None and abs(started - parent_started) < 1.0
+
+
+def _die_with_parent(sig: int, parent_pid: int) -> None:
+    """Ask Linux to send ``sig`` to this process when its parent dies; exit now if it already did."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"prctl(PR_SET_PDEATHSIG) failed: {os.strerror(err)}")
+    if os.getppid() != parent_pid:  # the trainer died before the request took effect
+        os._exit(1)
+
+
+def _free_port(addr: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((addr, 0))
+        return s.getsockname()[1]
+
+
+def _writer_main(requests: Connection, replies: Connection, rank: int, world_size: int, init: tuple[str, int] | None,
+                 timeout_s: float, niceness: int, parent: tuple[int, float | None], death_signal: int | None) -> None:
+    """Entry point of the writer process (spawned; imports torch afresh).
+
+    ``requests`` and ``replies`` are this end of two pipes (no named semaphores, so nothing is
+    left in ``/dev/shm`` when the whole process group is killed). ``parent`` is the trainer's
+    ``(pid, start time)``; ``death_signal`` the signal requested for its death (Linux; None: none).
+    """
+    parent_pid, parent_started = parent
+    for sig in IGNORED_SIGNALS:  # the trainer's to handle (Ctrl-C, preemption): the writer must survive them
+        signal.signal(sig, signal.SIG_IGN)
+
+    def trainer_alive() -> bool:
+        return _parent_alive(parent_pid, parent_started)
+
+    try:
+        if death_signal is not None:
+            _die_with_parent(death_signal, parent_pid)
+        elif os.getppid() != parent_pid:
+            os._exit(1)
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent as a failed start
+        replies.send(("error", (type(exc).__name__, str(exc), getattr(exc, "errno", None))))
+        return
+
+    import torch.distributed as dist
+
+    from torch_ckpt.save._persist import PersistRequest, persist_checkpoint
+    from torch_ckpt.save._staging import arena_views
+
+    try:
+        if niceness:
+            os.nice(niceness)
+        torch.set_num_threads(1)
+        if init is not None:
+            dist.init_process_group("gloo", init_method=f"tcp://{init[0]}:{init[1]}", rank=rank,
+                                    world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s))
+        ctx = DistContext(timeout_seconds=timeout_s)
+        replies.send(("ready", None))
+    except BaseException as exc:  # noqa: BLE001
+        replies.send(("error", (type(exc).__name__, str(exc), getattr(exc, "errno", None))))
+        return
+    arena = None
+    while True:
+        try:
+            if not requests.poll(_IDLE_POLL_S):
+                if trainer_alive():
+                    continue
+                os._exit(1)  # orphaned while idle: nothing to finish, nothing to report to
+            msg = requests.recv()
+        except (EOFError, OSError):  # the trainer's end closed: it exited or died
+            os._exit(1)
+        if msg is None:
+            break
+        kind, payload = msg
+        if kind == "arena":
+            arena = payload
+            continue
+        try:
+            fields, layout = payload
+            tensors = arena_views(arena, layout) if layout else {}
+            req = PersistRequest(tensors=tensors, owner_alive=trainer_alive, **fields)
+            ctx.heal()  # the writers' groups, when a collective of an earlier save broke them
+            final = persist_checkpoint(req, ctx)
+            replies.send(("ok", (str(final), req.committed_bytes)))
+        except BaseException as exc:  # noqa: BLE001 - reported to the parent
+            replies.send(("error", (type(exc).__name__, str(exc), getattr(exc, "errno", None))))
+        if not trainer_alive():
+            os._exit(1)  # the save above was not committed (owner_alive); nobody waits for more
+    ctx.destroy()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+class ProcessWriter:
+    """Owns the writer process of this rank.
+
+    Args:
+        ctx: the manager's distributed context (used once, to agree on a rendezvous port).
+        timeout_seconds: limit for the writer's collectives and for its start (seconds).
+        niceness: added to the writer process's nice value (0 keeps the trainer's priority).
+
+    Raises:
+        CheckpointError: the writer process could not start or form its process group.
+    """
+
+    def __init__(self, ctx: DistContext, *, timeout_seconds: float, niceness: int = 0) -> None:
+        init = None
+        if ctx.enabled:
+            addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
+            init = ctx.broadcast((addr, _free_port(addr) if ctx.is_coordinator else None), what="writer rendezvous")
+        spawn = mp.get_context("spawn")
+        # pipes, not queues: a Queue's semaphores are named files in /dev/shm, which leak when a SIGKILL
+        # of the whole process group (SLURM after its grace period) also kills multiprocessing's tracker
+        child_requests, self._requests = spawn.Pipe(duplex=False)
+        self._replies, child_replies = spawn.Pipe(duplex=False)
+        # Linux delivers the parent-death signal when the *thread* that started the child exits: only
+        # request it when that thread is the main thread (lives as long as the process)
+        death_signal = _PARENT_DEATH_SIGNAL if threading.current_thread() is threading.main_thread() else None
+        if _PARENT_DEATH_SIGNAL is not None and death_signal is None:
+            log.info("checkpoint writer process started from a non-main thread: it stops through its liveness "
+                     "check (within %.0f s), not through a parent-death signal, if the trainer dies", _IDLE_POLL_S)
+        parent = (os.getpid(), _process_start_time(os.getpid()))
+        self._proc = spawn.Process(target=_writer_main, name=f"torch_ckpt_writer_rank{ctx.rank}", daemon=True,
+                                   args=(child_requests, child_replies, ctx.rank, ctx.world_size, init,
+                                         timeout_seconds, niceness, parent, death_signal))
+        try:
+            self._proc.start()
+        finally:  # the child has its own copies now; ours would hide its death from recv()
+            child_requests.close()
+            child_replies.close()
+        self._arena_ptr: int | None = None
+        self._timeout_s = float(timeout_seconds)
+        try:
+            kind, payload = self._reply(deadline_s=max(_START_TIMEOUT_S, self._timeout_s))
+        except CheckpointWriteError as exc:
+            self.close()
+            raise CheckpointError(
+                f"the checkpoint writer process died while starting (exit code {self._proc.exitcode}). With "
+                "persist='process' the script that creates the manager is re-imported by the writer (spawn): "
+                "guard its training code with `if __name__ == \"__main__\":`. Otherwise the host may be out of "
+                "memory.") from exc
+        if kind != "ready":
+            self.close()
+            raise CheckpointError(f"the checkpoint writer process failed to start: {payload[0]}: {payload[1]}")
+
+    def _reply(self, deadline_s: float | None = None) -> tuple[str, Any]:
+        start = time.monotonic()
+        while True:
+            try:
+                if self._replies.poll(1.0):
+                    return self._replies.recv()
+                died = not self._proc.is_alive()
+            except (EOFError, OSError):  # the writer's end closed: it died
+                died = True
+            if died:
+                self._proc.join(timeout=5)  # reaped, for its exit code
+                raise CheckpointWriteError(
+                    f"the checkpoint writer process died (exit code {self._proc.exitcode}); the save was not "
+                    "committed. Check host memory (it may have been OOM-killed).") from None
+            if deadline_s is not None and time.monotonic() - start > deadline_s:
+                raise CheckpointError(
+                    f"the checkpoint writer process did not answer within {deadline_s:.0f} s") from None
+
+    @property
+    def pid(self) -> int | None:
+        """Process id of the writer process (None before it started)."""
+        return self._proc.pid
+
+    def persist(self, *, arena: torch.Tensor | None, layout: tuple, fields: dict[str, Any]) -> tuple[Path, int]:
+        """Persist one staged checkpoint through the writer process.
+
+        Returns:
+            The committed directory and the bytes of all its committed files.
+
+        Raises:
+            CheckpointWriteError: the write or commit failed (this or another rank), or the writer died.
+        """
+        try:
+            if arena is not None and arena.data_ptr() != self._arena_ptr:
+                self._requests.send(("arena", arena))
+                self._arena_ptr = arena.data_ptr()
+            self._requests.send(("save", (fields, layout)))
+        except OSError:  # the writer's end is closed (BrokenPipeError): _reply reports its death
+            pass
+        kind, payload = self._reply()
+        if kind == "ok":
+            return Path(payload[0]), int(payload[1])
+        name, message, errno = payload
+        if errno is not None:
+            prefix = f"[Errno {errno}] "  # str() of an OSError already carries it; CheckpointWriteError adds it again
+            raise CheckpointWriteError(errno, message[len(prefix):] if message.startswith(prefix) else message)
+        raise CheckpointWriteError(f"{name}: {message}")
+
+    def close(self) -> None:
+        """Stop the writer process (after the request in flight, if any)."""
+        if self._proc.is_alive():
+            try:
+                try:
+                    self._requests.send(None)
+                except OSError:  # the writer exited meanwhile
+                    pass
+                self._proc.join(timeout=30)
+            finally:
+                if self._proc.is_alive():
+                    self._proc.kill()  # (it ignores SIGTERM: IGNORED_SIGNALS)
+                    self._proc.join(timeout=5)

@@ -1,0 +1,1 @@
+"""Where bytes live: local directories and fsspec stores behind one Location interface, bounded reads, CRC-32, store-call deadlines."""

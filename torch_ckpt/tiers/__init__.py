@@ -1,0 +1,1 @@
+"""The durable tier (an fsspec store), the background replicator and the cleanup of tiers."""

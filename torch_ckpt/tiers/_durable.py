@@ -1,0 +1,540 @@
+"""The durable tier: a checkpoint root on any fsspec store (``s3://``, ``gs://``, ``file://``, ``memory://``).
+
+Layout mirrors the local root (``URL/step_000000100/<files>``). Object stores have no atomic
+rename, so a durable checkpoint is committed by writing its ``manifest.json`` *last*, after every
+other file has been uploaded and verified; a step directory without a manifest is invisible.
+Deleting removes the manifest first. Locations stay URL strings end to end; no URL ever goes
+through ``pathlib``.
+
+The tier reads and checks through the one storage/format layer: a step directory is a
+:class:`~torch_ckpt.storage._locations.Location`, its manifest is read by
+:func:`torch_ckpt.format._manifest.read_manifest`,
+and every uploaded object and every fetched file is checked by :func:`torch_ckpt.format._files.verify_files`
+(the same function, and the same messages, as for a local checkpoint). Node-local checkpoints go
+up and come back through :mod:`torch_ckpt.tiers._nodes`; uploads abandoned by a crash are cleaned
+up by :mod:`torch_ckpt.tiers._cleanup`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from torch_ckpt._logging import get_logger
+from torch_ckpt._values import check_int
+from torch_ckpt.errors import CheckpointCorruptError, CheckpointError, ConfigError
+from torch_ckpt.format._files import verify_files
+from torch_ckpt.format._manifest import MANIFEST_NAME, Manifest, read_manifest
+from torch_ckpt.policy._naming import Naming, StepNaming
+from torch_ckpt.root._layout import commit_dir
+from torch_ckpt.storage._bounded import corrupt
+from torch_ckpt.storage._crc import crc32
+from torch_ckpt.storage._deadline import Watch, bounded
+from torch_ckpt.storage._locations import DurableUnavailableError, Location, url_to_fs
+from torch_ckpt.tiers._nodes import node_fetch_manifest, upload_node
+
+__all__ = ["DurableTier", "DurableUnavailableError"]
+
+log = get_logger(__name__)
+
+_CHUNK_BYTES = 8 << 20
+#: Per thread: the watch of the bounded call (:meth:`DurableTier.listed`) running on this worker thread.
+_calls = threading.local()
+#: Protocols whose root lies in a bucket that must exist (and is never created unless asked).
+_BUCKET_STORES = ("s3", "s3a", "gs", "gcs", "abfs", "az", "adl")
+
+
+class DurableTier:
+    """A checkpoint root on an fsspec store.
+
+    Args:
+        url: fsspec URL of the durable run root, e.g. ``s3://bucket/runs/exp1``.
+        storage_options: passed to ``fsspec.url_to_fs`` (credentials, ``client_kwargs``...).
+        verify: "checksum" (check every uploaded object's content, see below) or "size" (sizes only).
+        naming: directory names of steps (the local root's naming; default ``step_000000042``).
+        part_bytes: multipart part size on S3-compatible stores (bytes); files of at least twice
+            this size are uploaded in parts.
+        upload_threads: files uploaded at once by this process (>= 1).
+        timeout_seconds: longest silence of the store that a call from the caller's thread
+            (:meth:`listed`, :meth:`fetch`) waits out (seconds, > 0); on S3-compatible stores also
+            the botocore connect and read timeouts (with 3 attempts, "standard" retries) unless
+            ``storage_options["config_kwargs"]`` sets them.
+        create: create a missing bucket (or the missing parent directory of a ``file://`` root)
+            at the first upload; by default a missing one is an error (:meth:`check_container`).
+
+    Every uploaded object is checked by :func:`torch_ckpt.format._files.verify_files` against the
+    manifest. With ``verify="checksum"`` on an S3-compatible store that check takes the store's own
+    digest: an object whose ETag (single or multipart MD5) equals the one computed from the local
+    file (whose CRC-32 is compared with the manifest in the same pass) is not read back. Other
+    stores, S3 stores whose ETags are not MD5 digests (SSE-KMS), and any object whose digest
+    differs are read back and their CRC-32 compared (``bytes_read_back`` counts those bytes).
+    Downloads are checked by the same function (size and CRC-32) before they are committed.
+
+    Raises:
+        ConfigError: the URL's protocol is unknown or its backend is not installed (the message
+            names the package to install), or ``verify`` is invalid.
+    """
+
+    def __init__(self, url: str, *, storage_options: dict[str, Any] | None = None, verify: str = "checksum",
+                 naming: Naming | None = None, part_bytes: int = 64 << 20, upload_threads: int = 1,
+                 timeout_seconds: float = 30.0, create: bool = False) -> None:
+        if not isinstance(url, str) or not url:
+            raise ConfigError(f"durable_url must be a non-empty fsspec URL string, got {url!r}")
+        if verify not in ("checksum", "size"):
+            raise ConfigError(f"verify must be 'checksum' or 'size', got {verify!r}")
+        if isinstance(timeout_seconds, bool) or not isinstance(timeout_seconds, (int, float)) \
+                or not timeout_seconds > 0:
+            raise ConfigError(f"durable_timeout_seconds must be a number of seconds > 0, got {timeout_seconds!r}")
+        self.timeout_seconds = float(timeout_seconds)
+        self.create = bool(create)
+        self.fs, self.root = url_to_fs(url, _with_timeouts(url, storage_options, self.timeout_seconds))
+        self.url = url.rstrip("/")
+        self.root = self.root.rstrip("/")
+        check_int("part_bytes (S3's smallest part is 5 MiB)", part_bytes, 5 << 20)
+        check_int("upload_threads", upload_threads, 1, 256)  # the bound CheckpointConfig sets
+        self.verify = verify
+        self.naming = naming or StepNaming()
+        self.part_bytes = part_bytes
+        self.upload_threads = upload_threads
+        self.bytes_read_back = 0  # bytes read back from the store to verify uploads (0 when it verifies itself)
+        self._store_checked: bool | None = None  # None: not tried yet; False: ETags are not MD5s
+        self._lock = threading.Lock()  # the two fields above, updated by upload threads
+        self.last_download: list[str] = []  # files fetched by the last download()
+
+    def is_inside(self, local_root: Path) -> bool:
+        """True when this tier is a local path equal to, inside or containing ``local_root``."""
+        if self._protocol not in ("file", "local"):
+            return False
+        mine, theirs = Path(self.root).resolve(), Path(local_root).resolve()
+        return mine == theirs or theirs in mine.parents or mine in theirs.parents
+
+    @property
+    def _protocol(self) -> str:
+        return self.fs.protocol if isinstance(self.fs.protocol, str) else self.fs.protocol[0]
+
+    def _path(self, *parts: str) -> str:
+        return "/".join([self.root, *parts])
+
+    def describe(self, step: int) -> str:
+        """URL of a step directory (for messages)."""
+        return f"{self.url}/{self.naming.name(step)}"
+
+    def location(self, step: int) -> Location:
+        """The directory of ``step`` in this tier (whether or not it exists or is committed)."""
+        name = self.naming.name(step)
+        return Location.on(self.fs, self._path(name), f"{self.url}/{name}")
+
+    def refresh(self) -> None:
+        """Drop the file system's listing cache (after this process or another one wrote objects)."""
+        if hasattr(self.fs, "invalidate_cache"):
+            self.fs.invalidate_cache()
+
+    # -- the container: a bucket, or the parent directory of a file:// root ---------------------
+    def container(self) -> str | None:
+        """What must exist for this tier to be used: the bucket on object stores, the parent
+        directory of a ``file://`` root; None for other stores (``memory://``...)."""
+        if self._protocol in ("file", "local"):
+            return os.path.dirname(self.root.rstrip("/")) or "/"
+        if self._protocol in _BUCKET_STORES:
+            return self.root.lstrip("/").split("/", 1)[0]
+        return None
+
+    def check_container(self) -> None:
+        """Check that the bucket (or the parent directory of a ``file://`` root) exists; with
+        ``create``, create it when it does not.
+
+        A root that does not exist in an existing bucket is an empty tier (a first run); a missing
+        bucket is not: it was deleted, is misspelt, or (``file://``) a file system is not mounted.
+
+        Raises:
+            DurableUnavailableError: it does not exist (and ``create`` is False), or the store
+                cannot be asked.
+        """
+        container = self.container()
+        if container is None:
+            return
+        kind = "parent directory" if self._protocol in ("file", "local") else "bucket"
+        try:
+            self.fs.info(container)
+            return
+        except FileNotFoundError:
+            if not self.create:
+                raise DurableUnavailableError(
+                    f"durable tier {self.url}: its {kind} {container!r} does not exist (deleted, misspelt or not "
+                    f"mounted); create it, or pass durable_create=True to have it created") from None
+        except Exception as exc:  # noqa: BLE001 - any backend error here means "unreachable"
+            raise DurableUnavailableError(f"cannot read durable tier {self.url} ({kind} {container!r}): "
+                                          f"{type(exc).__name__}: {exc}") from exc
+        try:
+            region = (getattr(self.fs, "client_kwargs", None) or {}).get("region_name")
+            if self._protocol in ("s3", "s3a") and region in (None, "us-east-1"):
+                # s3fs would send us-east-1 as a LocationConstraint, which S3 refuses for that region
+                self.fs.call_s3("create_bucket", Bucket=container)
+                self.fs.invalidate_cache()
+            else:
+                self.fs.makedirs(container, exist_ok=True)
+        except Exception as exc:  # noqa: BLE001
+            raise DurableUnavailableError(f"durable tier {self.url}: cannot create its {kind} {container!r}: "
+                                          f"{type(exc).__name__}: {exc}") from exc
+        log.warning("durable tier %s: created its %s %r (durable_create=True)", self.url, kind, container)
+
+    def make_step_dir(self, path: str) -> None:
+        """Before an upload into ``path``: check the container (:meth:`check_container`), and create
+        the directory on stores that have directories (never a bucket, unless ``create``)."""
+        self.check_container()
+        if self._protocol not in _BUCKET_STORES:
+            self.fs.makedirs(path, exist_ok=True)
+
+    # -- listing -------------------------------------------------------------------------------
+    def list_names(self) -> list[str]:
+        """Names of the entries directly under the durable root, sorted ([] when it does not exist yet).
+
+        Raises:
+            DurableUnavailableError: the store cannot be listed (distinct from an empty root), or
+                the root's bucket (``file://``: parent directory) does not exist
+                (:meth:`check_container`).
+        """
+        self.refresh()
+        root = Location.on(self.fs, self.root, self.url)
+        try:
+            if root.exists():
+                return sorted(root.entries())
+        except FileNotFoundError:
+            pass
+        except DurableUnavailableError:  # the store's error, named by Location
+            raise
+        except Exception as exc:  # noqa: BLE001 - any other error here means "unreachable"
+            raise DurableUnavailableError(f"cannot list durable tier {self.url}: {exc}") from exc
+        self.check_container()  # an absent root is empty only when its bucket exists
+        return []
+
+    def listed(self) -> dict[int, Manifest]:
+        """:meth:`list_steps` for the caller's thread: gives up after ``timeout_seconds`` without an
+        answer (:func:`torch_ckpt.storage._deadline.bounded`).
+
+        Raises:
+            DurableUnavailableError: as :meth:`list_steps`, or the store did not answer in time.
+        """
+        def run(watch: Watch) -> dict[int, Manifest]:
+            _calls.watch = watch  # list_steps runs on this worker thread: it ticks the watch
+            return self.list_steps()
+
+        return bounded(run, timeout_seconds=self.timeout_seconds, what=f"listing durable tier {self.url}")
+
+    def fetch(self, step: int, local_root: Path, *, node: int | None = None) -> Path:
+        """:meth:`download` for the caller's thread: gives up after ``timeout_seconds`` without an
+        answer (a download that keeps receiving bytes goes on); nothing is committed after that.
+
+        Raises:
+            DurableUnavailableError: the store cannot be reached or did not answer in time.
+            CheckpointCorruptError, ValueError: as :meth:`download`.
+        """
+        return bounded(lambda watch: self.download(step, local_root, node=node, watch=watch),
+                       timeout_seconds=self.timeout_seconds, what=f"downloading {self.describe(step)}")
+
+    def list_steps(self) -> dict[int, Manifest]:
+        """``{step: manifest}`` of committed durable checkpoints (called by :meth:`listed`, it tells
+        the caller's watch of every answer of the store).
+
+        Raises:
+            DurableUnavailableError: the store cannot be listed (distinct from an empty root).
+        """
+        found: dict[int, Manifest] = {}
+        watch: Watch | None = getattr(_calls, "watch", None)
+        for name in self.list_names():
+            if watch is not None:
+                watch.tick()
+            named_step = self.naming.step_of(name)
+            if named_step is None:
+                continue
+            try:
+                manifest = self.read_manifest(named_step)
+            except FileNotFoundError:
+                continue  # an upload in progress or abandoned: not committed
+            except CheckpointCorruptError as exc:
+                log.warning("durable tier: ignoring %s/%s: %s", self.url, name, exc)
+                continue
+            except Exception as exc:  # noqa: BLE001
+                raise DurableUnavailableError(f"cannot read {self.url}/{name}: {exc}") from exc
+            if manifest.step == named_step:
+                found[manifest.step] = manifest
+        return dict(sorted(found.items()))
+
+    def read_manifest(self, step: int) -> Manifest:
+        """Read and validate the durable manifest of ``step`` (:func:`torch_ckpt.format._manifest.read_manifest`).
+
+        Raises:
+            CheckpointNotFoundError: there is none (the step is not committed in this tier); a
+                ``FileNotFoundError``.
+            CheckpointCorruptError: it is too large or not a valid manifest (the URL is named).
+            DurableUnavailableError: the store cannot be reached.
+        """
+        return read_manifest(self.location(step))
+
+    # -- upload --------------------------------------------------------------------------------
+    def _store_digest(self, local: Path, info: dict[str, int]) -> str | None:
+        """The ETag an S3-compatible store computes for ``local`` as uploaded here (the MD5 of the
+        object, or for a multipart upload the MD5 of its parts' MD5s followed by ``-<parts>``).
+
+        Computed in one pass with the file's CRC-32: None when the local file no longer has the
+        manifest's size and CRC-32 (then the stored object is read back and compared instead).
+        """
+        size, crc, parts = 0, 0, []
+        whole = hashlib.md5(usedforsecurity=False)
+        multipart = info["bytes"] >= min(5 << 30, 2 * self.part_bytes)
+        with open(local, "rb") as f:
+            while chunk := f.read(self.part_bytes if multipart else _CHUNK_BYTES):
+                size, crc = size + len(chunk), crc32(chunk, crc)
+                (parts.append(hashlib.md5(chunk, usedforsecurity=False).digest()) if multipart
+                 else whole.update(chunk))
+        if size != info["bytes"] or crc != info["crc32"]:
+            return None
+        if not multipart:
+            return whole.hexdigest()
+        return f"{hashlib.md5(b''.join(parts), usedforsecurity=False).hexdigest()}-{len(parts)}"
+
+    def _put_verified(self, local: Path, loc: Location, name: str, info: dict[str, int]) -> None:
+        """Upload one file, then check the stored object with :func:`~torch_ckpt.format._files.verify_files`.
+
+        With ``verify="checksum"`` on an S3-compatible store the check passes on the store's own
+        digest when it equals the local file's (no byte read back), else the object is read back
+        and its CRC-32 compared; with ``verify="size"`` only sizes are compared.
+
+        Raises:
+            CheckpointCorruptError: the stored object does not match the manifest (its URL named).
+        """
+        if self._protocol in ("s3", "s3a"):
+            self.fs.put_file(str(local), f"{loc.path}/{name}", chunksize=self.part_bytes)
+        else:
+            self.fs.put_file(str(local), f"{loc.path}/{name}")
+        self.refresh()
+        checksums = self.verify == "checksum"
+        digests = None
+        if checksums and self._protocol in ("s3", "s3a") and self._store_checked is not False:
+            digest = self._store_digest(local, info)
+            digests = {name: digest} if digest is not None else None
+        read = verify_files(loc, _only(name, info), checksums=checksums, store_digests=digests)
+        with self._lock:
+            self.bytes_read_back += read
+            if digests and info["bytes"] and self._store_checked is None:
+                self._store_checked = read == 0
+                if read:  # read back (and equal) although its digest was offered: ETags here are not MD5s
+                    log.warning("durable tier %s: object ETags are not MD5 digests; verifying uploads by reading "
+                                "them back", self.url)
+
+    def put_all(self, local_dir: Path, step: int, files: dict[str, dict[str, int]]) -> None:
+        """Upload and verify ``files`` (``{name: {"bytes", "crc32"}}``) of ``local_dir`` into the
+        directory of ``step``, ``upload_threads`` at once; writes no manifest.
+
+        Raises:
+            CheckpointCorruptError: an uploaded object does not match its entry (its URL named).
+        """
+        loc, items = self.location(step), sorted(files.items())
+        if self.upload_threads <= 1 or len(items) <= 1:
+            for name, info in items:
+                self._put_verified(local_dir / name, loc, name, info)
+            return
+        with ThreadPoolExecutor(max_workers=self.upload_threads, thread_name_prefix="torch_ckpt_upload") as pool:
+            for fut in [pool.submit(self._put_verified, local_dir / name, loc, name, info) for name, info in items]:
+                fut.result()
+
+    def upload(self, local_dir: Path, manifest: Manifest) -> None:
+        """Upload a committed local checkpoint, verify every file, then write the manifest (commit).
+
+        Raises:
+            CheckpointCorruptError: an uploaded object does not match the manifest (its URL named).
+            Exception: backend errors propagate (the replicator retries them).
+        """
+        step_dir = self._path(self.naming.name(manifest.step))
+        self.make_step_dir(step_dir)
+        self.put_all(local_dir, manifest.step, manifest.files)
+        data = json.dumps(manifest.to_json(), separators=(",", ":")).encode()
+        self.fs.pipe_file(f"{step_dir}/{MANIFEST_NAME}", data)
+        self.refresh()
+
+    def upload_node(self, local_dir: Path, manifest: Manifest, *, commit: bool, wait_seconds: float = 600.0,
+                    poll_seconds: float = 0.2, abandon: Callable[[], bool] = lambda: False) -> None:
+        """Upload one node's copy of a node-local checkpoint; on the committing node, also commit it.
+
+        See :func:`torch_ckpt.tiers._nodes.upload_node` (arguments, errors).
+        """
+        upload_node(self, local_dir, manifest, commit=commit, wait_seconds=wait_seconds, poll_seconds=poll_seconds,
+                    abandon=abandon)
+
+    def delete(self, step: int) -> None:
+        """Delete a durable checkpoint: manifest first (un-commit), then the files."""
+        step_dir = self._path(self.naming.name(step))
+        try:
+            self.fs.rm_file(f"{step_dir}/{MANIFEST_NAME}")
+        except FileNotFoundError:
+            pass
+        self.fs.rm(step_dir, recursive=True)
+        self.refresh()
+
+    def set_aside(self, step: int, *, reason: str = "superseded") -> str:
+        """Move a durable checkpoint aside to the hidden prefix ``.<reason>_<name>.<time>`` (kept, never listed).
+
+        On a local file system (``file://``) the directory is renamed (atomic). On an object store
+        its objects are copied to the hidden prefix first, then the step's manifest is deleted
+        (un-commit) and then its other objects: a crash in between leaves the step listed (moved
+        again later) or an un-committed prefix (removed as an abandoned upload), never a partial
+        checkpoint under a listed name.
+
+        Returns:
+            The URL of the hidden prefix.
+
+        Raises:
+            Exception: backend errors propagate (the replicator retries them).
+        """
+        name = self.naming.name(step)
+        src, base = self._path(name), f".{reason}_{name}.{int(time.time())}"
+        taken = set(self.list_names())
+        target = next(t for t in (f"{base}.{n}" if n else base for n in range(10_000)) if t not in taken)
+        dst = self._path(target)
+        if self._protocol in ("file", "local"):
+            os.rename(src, dst)
+        else:
+            self.fs.copy(src, dst, recursive=True)
+            self.refresh()
+            try:
+                self.fs.rm_file(f"{src}/{MANIFEST_NAME}")
+            except FileNotFoundError:
+                pass
+            self.fs.rm(src, recursive=True)
+        self.refresh()
+        log.warning("durable tier %s: moved %s checkpoint %s aside to %s", self.url, reason, name, target)
+        return f"{self.url}/{target}"
+
+    # -- download ------------------------------------------------------------------------------
+    def _fetch_file(self, src: Location, name: str, info: dict[str, int], tmp: Path, bar: Any,
+                    watch: Watch | None = None) -> None:
+        """Copy one object into ``tmp``, then check the copy with :func:`~torch_ckpt.format._files.verify_files`
+        (size and CRC-32); a mismatch is reported on the object's URL, with the text a corrupt local
+        file gets.
+
+        Raises:
+            CheckpointCorruptError: the object is missing from the store (as a missing local file
+                is), or the fetched bytes do not match the manifest.
+            DurableUnavailableError: the store failed while the object was read.
+        """
+        def store(call: Callable[[], Any]) -> Any:  # a failure of the store, not of the local disk: an outage
+            try:
+                return call()
+            except (FileNotFoundError, CheckpointError):
+                raise
+            except Exception as exc:  # noqa: BLE001 - any backend error (botocore, aiohttp, EIO on NFS...)
+                raise DurableUnavailableError(f"cannot read {src.describe(name)}: {type(exc).__name__}: "
+                                              f"{exc}") from exc
+
+        try:
+            fin = store(lambda: self.fs.open(f"{src.path}/{name}", "rb", block_size=_CHUNK_BYTES))
+        except FileNotFoundError:  # deleted from the store after its manifest was written: a damaged copy
+            raise corrupt(src.describe(name), "listed in the manifest but missing") from None
+        with fin, open(tmp / name, "wb") as fout:
+            while chunk := store(lambda: fin.read(_CHUNK_BYTES)):
+                if watch is not None:
+                    watch.tick()
+                with _local_work(watch):
+                    fout.write(chunk)
+                bar.update(len(chunk))
+            with _local_work(watch):
+                fout.flush()
+                os.fsync(fout.fileno())
+        problems: list[tuple[str, str]] = []
+        with _local_work(watch):
+            verify_files(tmp, _only(name, info), checksums=True, collect=problems)
+        if problems:
+            raise corrupt(src.describe(name), problems[0][1])
+
+    def download(self, step: int, local_root: Path, *, node: int | None = None, watch: Watch | None = None) -> Path:
+        """Download a durable checkpoint into ``local_root`` (verified, then committed atomically).
+
+        Args:
+            step: the step.
+            local_root: the local run root.
+            node: for a node-local checkpoint, fetch only what this node's ranks load at the same
+                rank layout (their own files, the files holding replicated tensors, and the
+                metadata) and commit it as that node's copy; None fetches every file.
+            watch: told of every answer of the store; the commit goes through it (see :meth:`fetch`).
+
+        Returns:
+            The local committed directory.
+
+        Raises:
+            CheckpointCorruptError: a fetched file does not have the manifest's size or CRC-32
+                (:func:`~torch_ckpt.format._files.verify_files`); the message names the object's URL.
+            ValueError: ``node`` is given but the checkpoint was not written to node-local roots.
+            DurableUnavailableError: the store cannot be reached or failed during the download.
+        """
+        manifest = self.read_manifest(step)
+        if watch is not None:
+            watch.tick()
+        if node is not None:
+            manifest = node_fetch_manifest(manifest, node, self.describe(step))
+        files = manifest.local_files()
+        final = local_root / self.naming.name(step)
+        tmp = local_root / f".{final.name}.download.tmp"
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+        bar = tqdm(total=sum(i["bytes"] for i in files.values()), desc=f"download step {step}", unit="B",
+                   unit_scale=True, unit_divisor=1024, leave=False, dynamic_ncols=True, disable=None)  # None: TTY only
+        try:
+            with ThreadPoolExecutor(max_workers=max(1, self.upload_threads),
+                                    thread_name_prefix="torch_ckpt_download") as pool:
+                for fut in [pool.submit(self._fetch_file, self.location(step), name, info, tmp, bar, watch)
+                            for name, info in sorted(files.items())]:
+                    fut.result()
+            data = json.dumps(manifest.to_json(), separators=(",", ":")).encode()
+            with _local_work(watch), open(tmp / MANIFEST_NAME, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            if watch is None:
+                commit_dir(tmp, final, replace=final.exists())
+            else:
+                watch.publish(lambda: commit_dir(tmp, final, replace=final.exists()))
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        finally:
+            bar.close()
+        self.last_download = sorted(files)
+        return final
+
+
+def _only(name: str, info: dict[str, int]) -> Manifest:
+    """A manifest listing the one file ``name`` (``verify_files`` checks the listed files)."""
+    return Manifest(step=0, world_size=1, files={name: info})
+
+
+def _local_work(watch: Watch | None) -> Any:
+    """``watch.local_work()`` (the store's silence is not counted meanwhile), or nothing without a watch."""
+    return nullcontext() if watch is None else watch.local_work()
+
+
+def _with_timeouts(url: str, storage_options: dict[str, Any] | None, timeout_seconds: float) -> dict[str, Any]:
+    """``storage_options`` with botocore connect/read timeouts of ``timeout_seconds`` and 3 attempts
+    ("standard" retries) on S3-compatible stores, where the caller's options do not set them
+    (botocore's defaults, 60 s and 5 attempts under s3fs's own 5 retries, let a silent store hold a
+    call for minutes)."""
+    options = dict(storage_options or {})
+    if not url.startswith(("s3://", "s3a://")):
+        return options
+    config = dict(options.get("config_kwargs") or {})
+    config.setdefault("connect_timeout", timeout_seconds)
+    config.setdefault("read_timeout", timeout_seconds)
+    config.setdefault("retries", {"max_attempts": 3, "mode": "standard"})
+    options["config_kwargs"] = config
+    return options
