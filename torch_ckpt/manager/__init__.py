@@ -1,1 +1,3 @@
-"""CheckpointManager: saving, retention, resume and health of one run root, on top of the save, restore and tier packages."""
+"""CheckpointManager: saving, retention, resume and health of one run root, on top of the save, restore and tier
+packages.
+"""

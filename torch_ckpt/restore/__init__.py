@@ -1,1 +1,3 @@
-"""Reading a checkpoint back: planning, the checked read into new buffers, the copy into live tensors and the choice of the step to resume."""
+"""Reading a checkpoint back: planning, the checked read into new buffers, the copy into live tensors and the
+choice of the step to resume.
+"""

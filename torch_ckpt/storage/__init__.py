@@ -1,1 +1,3 @@
-"""Where bytes live: local directories and fsspec stores behind one Location interface, bounded reads, CRC-32, store-call deadlines."""
+"""Where bytes live: local directories and fsspec stores behind one Location interface, bounded reads, CRC-32,
+store-call deadlines.
+"""
