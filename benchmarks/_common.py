@@ -78,7 +78,7 @@ def disk_floor_s(path: Path, buf: memoryview, nbytes: int, *, write_behind: bool
     informative second floor (a plain write + ``fsync`` of several GiB hits the kernel's dirty-page
     throttling here and can take longer than writing with write-behind).
     """
-    from torch_ckpt.format._write_behind import WriteBehind
+    from torch_ckpt.format._dcp_write import WriteBehind
 
     t0 = time.perf_counter()
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)

@@ -109,7 +109,7 @@ def test_cuda_state_roundtrip_with_overlap(tmp_path):
 
 def _chunked(monkeypatch, chunk_bytes=4096):
     from torch_ckpt.save import _prepare as checkpointer_mod
-    from torch_ckpt.save import _staging as staging_mod
+    from torch_ckpt.save import _checkpointer as staging_mod
     monkeypatch.setattr(checkpointer_mod, "PIPELINE_STAGING", True)  # whatever the cores of this machine
     monkeypatch.setattr(staging_mod, "_CHUNK_BYTES", chunk_bytes)
     return {f"t{i}": torch.full((1024,), float(i)) for i in range(6)}  # 4 KiB each: one per chunk

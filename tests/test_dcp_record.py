@@ -1,4 +1,4 @@
-"""torch_ckpt.format._dcp_record: a tensor's torch.save record in pieces (data by reference) and its fixed framing."""
+"""torch_ckpt.format._dcp_write: a tensor's torch.save record in pieces (data by reference) and its fixed framing."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import io
 import pytest
 import torch
 
-from torch_ckpt.format import _dcp_record as dcp_record
-from torch_ckpt.format._dcp_record import record_framing, serialize_tensor
+from torch_ckpt.format import _dcp_write as dcp_record
+from torch_ckpt.format._dcp_write import record_framing, serialize_tensor
 
 CASES = [
     torch.arange(12, dtype=torch.float32).reshape(3, 4),

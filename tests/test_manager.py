@@ -383,7 +383,7 @@ def test_ctrl_c_while_waiting_propagates_and_the_save_still_commits(tmp_path, mo
 
 def test_exception_during_staging_does_not_hang_close(tmp_path, monkeypatch):
     """An error raised while staging propagates and leaves nothing in flight."""
-    import torch_ckpt.save._staging as staging_mod
+    import torch_ckpt.save._checkpointer as staging_mod
 
     def broken(self, tensors, **kwargs):
         raise RuntimeError("copy failed")

@@ -16,7 +16,7 @@ from tests.test_optim_state import assert_same
 from tests.test_restore import _Loader, _tied
 from torch_ckpt import CheckpointCorruptError, CheckpointManager, ConfigError, TrainState
 from torch_ckpt.restore._targets import MIN_IN_PLACE_BYTES, Preparer, UndoLog, in_place_keys
-from torch_ckpt.save._staging import HostStager
+from torch_ckpt.save._checkpointer import HostStager
 
 BIG = MIN_IN_PLACE_BYTES // 4  # float32 elements of a tensor just large enough to be restored in place
 OPTIMIZERS = {

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from torch_ckpt.errors import ConfigError
-from torch_ckpt.save._staging import HostStager
+from torch_ckpt.save._checkpointer import HostStager
 
 
 def _state():
@@ -81,7 +81,7 @@ def test_progress_wait_blocks_until_the_key_is_marked():
     """StagingProgress.wait returns only after the copy marks that key."""
     import threading
 
-    from torch_ckpt.save._staging import StagingProgress
+    from torch_ckpt.save._checkpointer import StagingProgress
 
     progress = StagingProgress()
     done = threading.Event()
@@ -97,7 +97,7 @@ def test_progress_wait_blocks_until_the_key_is_marked():
 def test_progress_failure_raises_for_keys_not_yet_staged():
     """After a failed copy, waiting for an unstaged key raises while a staged key still returns."""
     from torch_ckpt.errors import CheckpointWriteError
-    from torch_ckpt.save._staging import StagingProgress
+    from torch_ckpt.save._checkpointer import StagingProgress
 
     progress = StagingProgress()
     progress.mark(["a"])
@@ -109,8 +109,8 @@ def test_progress_failure_raises_for_keys_not_yet_staged():
 
 def test_staging_with_progress_marks_every_chunk_but_the_last():
     """A reporting copy stages every value and leaves only the last chunk to the caller's finish()."""
-    from torch_ckpt.save import _staging as staging_mod
-    from torch_ckpt.save._staging import StagingProgress
+    from torch_ckpt.save import _checkpointer as staging_mod
+    from torch_ckpt.save._checkpointer import StagingProgress
 
     tensors = {f"t{i}": torch.full((1024,), float(i)) for i in range(5)}
     marked: list[list[str]] = []

@@ -1,4 +1,4 @@
-"""Write-behind (torch_ckpt.format._write_behind): writeback started per window, bounded dirty data, safe fallbacks."""
+"""Write-behind (torch_ckpt.format._dcp_write): writeback started per window, bounded dirty data, safe fallbacks."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import zlib
 
 import pytest
 
-import torch_ckpt.format._write_behind as wb
-from torch_ckpt.format._write_behind import WriteBehind
+import torch_ckpt.format._dcp_write as wb
+from torch_ckpt.format._dcp_write import WriteBehind
 
 WINDOW = 64 << 10
 

@@ -1,40 +1,300 @@
-"""The checksumming DCP storage writer: :class:`ChecksumFileSystemWriter`.
+"""Writing a DCP checkpoint: :class:`ChecksumFileSystemWriter`, its tensor records, write-behind and the plan.
 
 A DCP ``StorageWriter`` keeping DCP's on-disk format (one ``.distcp`` file per writer thread and
-rank, each tensor a ``torch.save`` record at a recorded offset (see :mod:`torch_ckpt.format._dcp_record`),
-plus DCP's ``.metadata``). It writes the staged bytes straight from host memory with large
-``write`` calls that release the GIL, computes a CRC-32 and byte count of every file *while*
-writing it (no re-read), fsyncs, and compares each file's on-disk size with the bytes written. An
-error in any of its writer threads fails the write (DCP's own ``FileSystemWriter`` loses errors
-raised in its extra threads). The read side is :mod:`torch_ckpt.format._dcp_read`.
+rank, each tensor a ``torch.save`` record at a recorded offset, plus DCP's ``.metadata``). It writes
+the staged bytes straight from host memory with large ``write`` calls that release the GIL,
+computes a CRC-32 and byte count of every file *while* writing it (no re-read), fsyncs, and
+compares each file's on-disk size with the bytes written. An error in any of its writer threads
+fails the write (DCP's own ``FileSystemWriter`` loses errors raised in its extra threads). The
+read side is :mod:`torch_ckpt.format._dcp_read`.
+
+**Records.** :func:`serialize_tensor` turns a tensor into the pieces of its ``torch.save`` record
+(data by reference, never copied); :func:`record_framing` gives the bytes around the data, which
+depend only on dtype, shape and strides, so :mod:`torch_ckpt.restore._direct_read` can recognise a
+record and read its data straight into place.
+
+**Write-behind.** A buffered ``write`` only fills the page cache, and the final ``fsync`` then
+waits for the whole file (time to durable = copy + whole disk write, and gigabytes of dirty pages
+push the trainer's memory out). :class:`WriteBehind` hands each complete window of
+:data:`WINDOW_BYTES` to the disk at once (``sync_file_range(SYNC_FILE_RANGE_WRITE)``); once the
+writer is :data:`LAG_WINDOWS` windows further on, the oldest window is waited for and dropped from
+the page cache (``POSIX_FADV_DONTNEED``), so at most ``(LAG_WINDOWS + 1) * WINDOW_BYTES`` are dirty.
+``sync_file_range`` is no durability barrier: the final ``fsync`` still makes the checkpoint durable
+and reports any write error. Where the call is missing, refused by the file system or denied by a
+seccomp filter (``EPERM``), write-behind switches itself off for that file; a transient refusal
+(``EINTR``, ``ENOMEM``) only postpones a window. Measured on the reference VM (1 GiB, 16 MiB
+writes, 6 rounds): write + ``fsync`` 0.43 s; with write-behind 0.32 s; without dropping the pages
+0.56 s median (bimodal).
+
+**Plan.** ``dcp.save`` visits every *top-level* key on its own (a ``Stateful`` check and two
+debug records of DCP's event logger per key): 0.34 s per save for a flat dict of 20,000 tensors,
+holding the GIL. :func:`group_by_first_segment` hands it ``{"model": {"layer.0.weight": ...}}``
+instead (no copies; DCP joins the path with ``"."`` again), and :class:`FlatKeysSavePlanner`
+records each key as the flat dict would, so the ``.metadata`` is unchanged for any reader.
 """
 
 from __future__ import annotations
 
+import ctypes
 import errno as errno_mod
 import io
 import os
+import pickle
 import threading
-from collections.abc import Callable, Generator
+from collections.abc import Generator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import FileSystem, _StorageInfo
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
 from torch_ckpt.distributed._context import quiet_single_process_warning
 from torch_ckpt.errors import CheckpointWriteError
-from torch_ckpt.format._dcp_record import serialize_tensor
-from torch_ckpt.format._write_behind import WriteBehind
 from torch_ckpt.storage._crc import crc32
 
 quiet_single_process_warning()  # dcp.save runs with this writer and no_dist=True when there is no process group
 
-__all__ = ["ChecksumFileSystemWriter"]
+__all__ = ["ChecksumFileSystemWriter", "serialize_tensor", "record_framing", "WriteBehind", "WINDOW_BYTES",
+           "LAG_WINDOWS", "group_by_first_segment", "FlatKeysSavePlanner"]
+
+
+# -- write-behind ----------------------------------------------------------------------------
+
+#: bytes handed to the disk per ``sync_file_range`` call
+WINDOW_BYTES = 64 << 20
+#: windows the writer may run ahead of the oldest window not yet on disk
+LAG_WINDOWS = 2
+
+_WRITE = 2  # SYNC_FILE_RANGE_WRITE
+_WAIT = 1 | 2 | 4  # SYNC_FILE_RANGE_WAIT_BEFORE | WRITE | WAIT_AFTER
+#: errno values meaning "not available here": write-behind turns itself off for the file (EPERM and
+#: EACCES are not errors of the call itself: a seccomp filter or security module refuses it)
+_UNSUPPORTED = {errno_mod.ENOSYS, errno_mod.EINVAL, errno_mod.ESPIPE, errno_mod.EOPNOTSUPP, errno_mod.ENOTSUP,
+                errno_mod.EPERM, errno_mod.EACCES}
+#: errno values meaning "not now": the window is retried with the next one (the data is still
+#: written, and the final ``fsync`` still makes it durable)
+_TRANSIENT = {errno_mod.EINTR, errno_mod.ENOMEM, errno_mod.EAGAIN}
+
+
+def _load() -> Any:
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):  # pragma: no cover - not glibc/Linux
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_SYNC_FILE_RANGE = _load()
+
+
+class WriteBehind:
+    """Write-behind of one file being written front to back through ``fd`` (see the module text).
+
+    Args:
+        fd: the open file (written sequentially from offset 0).
+        path: its path, for error messages.
+        enabled: False makes every call a no-op (files that are not fsynced).
+
+    Raises (from :meth:`advance`):
+        OSError: the kernel reported a write error for a window (errno and path set); the same
+            error would otherwise surface at the final ``fsync``.
+    """
+
+    def __init__(self, fd: int, path: str | os.PathLike, *, enabled: bool = True) -> None:
+        self._fd = fd
+        self._path = str(path)
+        self.enabled = bool(enabled and _SYNC_FILE_RANGE is not None and WINDOW_BYTES > 0)
+        self._started = 0  # bytes handed to the disk
+        self._settled = 0  # bytes on disk and dropped from the page cache
+
+    def advance(self, written: int) -> None:
+        """Note that the first ``written`` bytes of the file have been written (call after each write)."""
+        if not self.enabled or written - self._started < WINDOW_BYTES:
+            return
+        if not self._sync(self._started, written - self._started, _WRITE):
+            return
+        self._started = written
+        oldest = written - LAG_WINDOWS * WINDOW_BYTES
+        if oldest - self._settled >= WINDOW_BYTES and self._sync(self._settled, oldest - self._settled, _WAIT):
+            if hasattr(os, "posix_fadvise"):
+                try:
+                    os.posix_fadvise(self._fd, self._settled, oldest - self._settled, os.POSIX_FADV_DONTNEED)
+                except OSError:
+                    pass  # only a hint (the pages are on disk already): never fails the write
+            self._settled = oldest
+
+    def _sync(self, offset: int, nbytes: int, flags: int) -> bool:
+        """One ``sync_file_range`` call (GIL released); False when unsupported (then disabled)."""
+        if _SYNC_FILE_RANGE(self._fd, offset, nbytes, flags) == 0:
+            return True
+        err = ctypes.get_errno()
+        if err in _UNSUPPORTED:
+            self.enabled = False
+            return False
+        if err in _TRANSIENT:
+            return False  # retried with a larger range at the next window
+        raise OSError(err, os.strerror(err), self._path)
+
+
+# -- tensor records --------------------------------------------------------------------------
+
+def _probe_torch_save_without_zip_crc() -> bool:
+    """True when this torch exposes the pieces of ``torch.save`` needed to skip its zip CRC-32."""
+    try:
+        buf = io.BytesIO()
+        zf = torch._C.PyTorchFileWriter(buf, False, torch.serialization._get_storage_alignment())
+        torch.serialization._save(torch.zeros(2), zf, pickle, torch.serialization.DEFAULT_PROTOCOL, False)
+        zf.write_end_of_file()
+        buf.seek(0)
+        return bool(torch.equal(torch.load(buf, weights_only=True), torch.zeros(2)))
+    except Exception:  # noqa: BLE001 - any incompatibility: use plain torch.save
+        return False
+
+
+_SAVE_WITHOUT_ZIP_CRC = _probe_torch_save_without_zip_crc()
+
+
+class _Capture:
+    """File-like target of ``torch.save`` that only collects the pieces it is given.
+
+    The tensor's data arrives as a view of its own storage and is kept by reference (no copy);
+    every other piece (zip headers, pickle, padding) is small and copied, because its memory
+    belongs to the serializer. Nothing here can fail, so no I/O error ever crosses torch's C++
+    zip writer (which aborts the process when its destructor meets one).
+    """
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self._ptr = tensor.untyped_storage().data_ptr()
+        self._nbytes = tensor.untyped_storage().nbytes()
+        self.pieces: list[Any] = []
+
+    def write(self, b) -> int:
+        view = memoryview(b)
+        n = view.nbytes
+        if n and n == self._nbytes and np.frombuffer(view, dtype=np.uint8).ctypes.data == self._ptr:
+            self.pieces.append(view)
+        else:
+            self.pieces.append(bytes(view))
+        return n
+
+    def flush(self) -> None:
+        pass
+
+
+#: ``{tensor signature: (bytes before the data, bytes after it)}`` of ``torch.save`` records; see serialize_tensor
+_RECORD_CACHE: dict[tuple, tuple[bytes, bytes]] = {}
+_RECORD_CACHE_MAX = 4096
+
+
+def _record_key(tensor: torch.Tensor) -> tuple | None:
+    """What a ``torch.save`` record's non-data bytes depend on (None: do not cache this tensor)."""
+    if type(tensor) is not torch.Tensor or tensor.is_quantized or not _SAVE_WITHOUT_ZIP_CRC:
+        return None
+    return (tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset(),
+            tensor.untyped_storage().nbytes(), tensor.is_conj(), tensor.is_neg())
+
+
+def serialize_tensor(tensor: torch.Tensor) -> list[Any]:
+    """``tensor`` as one ``torch.save`` record (what DCP's reader ``torch.load``\\ s), as a list of pieces.
+
+    The zip container's own per-record CRC-32 is skipped when this torch allows it: it is computed
+    while holding the GIL (about 3 GB/s) and duplicates the file CRC-32 recorded in the manifest;
+    ``torch.load`` does not check it. Without that CRC, the bytes around the tensor's data depend
+    only on its dtype, shape and strides, so they are serialized once per signature and reused
+    (a state of many small tensors then costs a few microseconds per tensor instead of ~150 us).
+    """
+    key = _record_key(tensor)
+    cached = _RECORD_CACHE.get(key) if key is not None else None
+    if cached is not None:
+        return [cached[0], _data_view(tensor), cached[1]]
+    capture = _Capture(tensor)
+    if _SAVE_WITHOUT_ZIP_CRC:
+        zf = torch._C.PyTorchFileWriter(capture, False, torch.serialization._get_storage_alignment())
+        torch.serialization._save(tensor, zf, pickle, torch.serialization.DEFAULT_PROTOCOL, False)
+        zf.write_end_of_file()
+    else:
+        torch.save(tensor, capture)
+    pieces = capture.pieces
+    data_at = [i for i, p in enumerate(pieces) if isinstance(p, memoryview)]
+    if key is not None and len(data_at) == 1:
+        if len(_RECORD_CACHE) >= _RECORD_CACHE_MAX:
+            _RECORD_CACHE.clear()
+        i = data_at[0]
+        _RECORD_CACHE[key] = (b"".join(pieces[:i]), b"".join(pieces[i + 1:]))
+    return pieces
+
+
+def record_framing(tensor: torch.Tensor) -> tuple[bytes, bytes] | None:
+    """The bytes torch-ckpt's DCP writer puts before and after ``tensor``'s data in its ``torch.save`` record.
+
+    They depend only on the tensor's dtype, shape and strides (not its values), so a reader can
+    compare a record's framing with them and, on an exact match, read the data straight into a
+    tensor of that signature. None when this torch or tensor gives no fixed framing.
+    """
+    key = _record_key(tensor)
+    if key is None:
+        return None
+    if key not in _RECORD_CACHE:
+        serialize_tensor(tensor)
+    return _RECORD_CACHE.get(key)
+
+
+def _data_view(tensor: torch.Tensor) -> memoryview:
+    """The bytes of ``tensor``'s whole storage, without a copy (the view keeps the storage alive)."""
+    return memoryview(torch.empty(0, dtype=torch.uint8).set_(tensor.untyped_storage()).numpy())
+
+
+# -- the plan --------------------------------------------------------------------------------
+
+def group_by_first_segment(flat: Mapping[str, Any]) -> dict[str, Any]:
+    """``{"a.b.c": x, "d": y}`` as ``{"a": {"b.c": x}, "d": y}`` (values not copied).
+
+    DCP flattens the result back to exactly the keys of ``flat``. Returns ``dict(flat)`` unchanged
+    when grouping could change a key: a key that is also the first segment of another key (``"a"``
+    and ``"a.b"``), or any key that is not a string.
+    """
+    grouped: dict[str, Any] = {}
+    groups: set[str] = set()  # heads whose value is a dict made here (never a value of the caller's)
+    for key, value in flat.items():
+        if not isinstance(key, str):
+            return dict(flat)
+        head, dot, rest = key.partition(".")
+        if not dot:
+            if head in grouped:
+                return dict(flat)
+            grouped[head] = value
+        elif head in groups:
+            grouped[head][rest] = value
+        elif head in grouped:
+            return dict(flat)
+        else:
+            grouped[head] = {rest: value}
+            groups.add(head)
+    return grouped
+
+
+class FlatKeysSavePlanner(DefaultSavePlanner):
+    """``DefaultSavePlanner`` whose metadata records every key as a flat dict's would be (``(fqn,)``).
+
+    Use it with :func:`group_by_first_segment`: the nested view then changes nothing in the files.
+    """
+
+    def set_up_planner(self, state_dict: Any, storage_meta: Any = None,  # noqa: D102
+                       is_coordinator: bool = False) -> None:
+        super().set_up_planner(state_dict, storage_meta, is_coordinator)
+        if self.flatten_state_dict:
+            self.mappings = {fqn: (fqn,) for fqn in self.mappings}
+
+
+# -- the writer ------------------------------------------------------------------------------
 
 #: pieces smaller than this are gathered into one buffer before they reach the OS (bytes)
 _SMALL_WRITE_BYTES = 256 << 10
@@ -48,7 +308,7 @@ class _FileSink(io.RawIOBase):
     Keeps a running CRC-32 and byte count of everything handed to the OS. ``flush`` is a no-op
     (``torch.save`` calls it after every record); :meth:`finish` writes what is left, fsyncs and
     checks the on-disk size. With ``write_behind`` (files that will be fsynced), writeback starts
-    while the file is being written (:class:`torch_ckpt.format._write_behind.WriteBehind`).
+    while the file is being written (:class:`WriteBehind`).
     """
 
     def __init__(self, path: str | os.PathLike, *, write_behind: bool = False) -> None:
@@ -206,13 +466,9 @@ class ChecksumFileSystemWriter(FileSystemWriter):
         path: local directory to write the DCP checkpoint into.
         thread_count: writer threads (and files) per rank.
         sync_files: fsync every file (True for a local durable commit).
-        wait_for: called with a tensor's key right before its bytes are written; blocks until they
-            are staged (pipelined staging; see :class:`torch_ckpt.save._staging.StagingProgress`). An
-            exception it raises fails the write like any other error.
     """
 
-    def __init__(self, path: str | os.PathLike, *, thread_count: int = 1, sync_files: bool = True,
-                 wait_for: Callable[[str], None] | None = None) -> None:
+    def __init__(self, path: str | os.PathLike, *, thread_count: int = 1, sync_files: bool = True) -> None:
         super().__init__(path, single_file_per_rank=True, sync_files=sync_files, thread_count=thread_count,
                          overwrite=True)
         self.fs = _ChecksumFileSystem(self)
@@ -220,7 +476,6 @@ class ChecksumFileSystemWriter(FileSystemWriter):
         self._files: dict[str, tuple[int, int]] = {}
         self._errors: list[BaseException] = []
         self._lock = threading.Lock()
-        self._wait_for = wait_for
 
     # -- bookkeeping -------------------------------------------------------------------------------
     def _open(self, path: str | os.PathLike) -> _FileSink:
@@ -280,8 +535,6 @@ class ChecksumFileSystemWriter(FileSystemWriter):
             for item in items:
                 if abort.is_set():
                     raise _Aborted(file_name)
-                if self._wait_for is not None and item.type != WriteItemType.BYTE_IO:
-                    self._wait_for(item.index.fqn)
                 data = planner.resolve_data(item)
                 offset = sink.tell()
                 if item.type == WriteItemType.BYTE_IO:

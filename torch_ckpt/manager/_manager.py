@@ -1,55 +1,516 @@
 """``CheckpointManager``: one run root of step-numbered checkpoints, with retention, scheduling and resume.
 
-The manager only orchestrates: saving and loading go through
-:class:`~torch_ckpt.save._checkpointer.AsyncCheckpointer`; naming and commit live in
-:mod:`torch_ckpt.root._layout`, retention in :mod:`torch_ckpt.policy._retention`, the save decision in
-:mod:`torch_ckpt.policy._schedule` (fed by :mod:`torch_ckpt.policy._cadence`). This module builds the manager,
-submits saves, asks the save policy and handles preemption; its mixins hold the rest: the checks
-before a save (:mod:`torch_ckpt.manager._prepare`), what follows a commit
-(:mod:`torch_ckpt.manager._commit`), listing and restore (:mod:`torch_ckpt.manager._read`) and the
-health report (:mod:`torch_ckpt.manager._health`).
+The manager orchestrates; it holds a few objects with declared interfaces, built once:
+
+* :class:`RunLineage`, the one owner of where this manager's saves stand in the run's history
+  (:mod:`torch_ckpt.policy._lineage`): the restored step, the newest step known under the root, the
+  segment of the next saves and the capture time of each save;
+* :class:`SaveGuard`, rank 0's checks and moves before a save may be written;
+* :class:`AfterCommit`, what follows a commit on the root: callbacks, replication, retention;
+* :class:`HealthReport`, ages, tiers and the exposure window;
+* :class:`~torch_ckpt.manager._read.CheckpointReader`, listing, removal and restore.
+
+A save is one frozen :class:`~torch_ckpt.save._persist.SaveRequest`, built here after the guard's
+checks and submitted to :class:`~torch_ckpt.save._checkpointer.AsyncCheckpointer`. Naming and
+commit live in :mod:`torch_ckpt.root._layout`, retention in :mod:`torch_ckpt.policy._retention`,
+the save decision in :mod:`torch_ckpt.policy._schedule` (fed by :mod:`torch_ckpt.policy._cadence`).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
+import re
+import shutil
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from torch_ckpt._logging import get_logger
 from torch_ckpt.config import DEFAULT, ON_EXISTING_NEWER, CheckpointConfig, DefaultType
-from torch_ckpt.errors import CheckpointError, ConfigError
+from torch_ckpt.errors import CheckpointError, CheckpointNotFoundError, CheckpointWriteError, ConfigError
 from torch_ckpt.handle import SaveHandle, SaveStats
-from torch_ckpt.manager._commit import ManagerCommitMixin
-from torch_ckpt.manager._health import ManagerHealthMixin
-from torch_ckpt.manager._prepare import ManagerPrepareMixin
-from torch_ckpt.manager._read import ManagerReadMixin
+from torch_ckpt.manager._read import CheckpointReader
 from torch_ckpt.policy._cadence import Cadence
-from torch_ckpt.policy._lineage import Lineage
+from torch_ckpt.policy._lineage import BASE, Lineage, head_of
 from torch_ckpt.policy._naming import Naming, StepNaming
 from torch_ckpt.policy._preemption import PreemptionFlag
-from torch_ckpt.policy._retention import RetentionPolicy
+from torch_ckpt.policy._retention import RetentionPolicy, apply_retention
 from torch_ckpt.restore._resume_nodes import check_private_roots, node_layout
-from torch_ckpt.root._layout import check_root, is_committed
+from torch_ckpt.root._layout import (
+    check_root,
+    is_committed,
+    quarantine_step_dir,
+    read_manifest,
+    retire_step_dir,
+    scan_committed,
+    scan_manifests,
+    update_manifest_tiers,
+)
 from torch_ckpt.root._lock import RootLock
 from torch_ckpt.root._nodes import NodeLayout
-from torch_ckpt.root._temporaries import clean_stale_temporaries
+from torch_ckpt.root._temporaries import PARTIAL_PREFIX, clean_stale_temporaries, is_reservation, is_temporary_name
 from torch_ckpt.save._checkpointer import AsyncCheckpointer, close_on_exit
+from torch_ckpt.save._persist import SaveRequest, check_extra_name
 from torch_ckpt.tiers._durable import DurableTier
 from torch_ckpt.tiers._replicator import Replicator
 
-__all__ = ["CheckpointManager", "ON_EXISTING_NEWER"]
+__all__ = ["CheckpointManager", "ON_EXISTING_NEWER", "RunLineage", "SaveGuard", "AfterCommit", "HealthReport"]
 
 log = get_logger(__name__)
 
 _SETTINGS = frozenset(CheckpointConfig.field_names())
 
 
-class CheckpointManager(ManagerPrepareMixin, ManagerCommitMixin, ManagerReadMixin, ManagerHealthMixin):
+def _reserved_name(name: str) -> bool:
+    """True for a name of the form of the manager's own files: temporaries (:func:`is_temporary_name`),
+    partials, the aside directories of a delete, supersede, quarantine or replace, and the root lock.
+    Other hidden names (Lightning's ``.lr_find_<uuid>.ckpt``) are ordinary checkpoint paths."""
+    return is_temporary_name(name) or name.startswith(
+        (PARTIAL_PREFIX, ".torch-ckpt.", ".trash_", ".superseded_", ".corrupt_", ".lock")) or \
+        bool(re.match(r"^\..+\.replaced\.[0-9a-f]{1,64}$", name))
+
+
+def _list_steps(steps: list[int]) -> str:
+    """``[500, 600, 700]``, or the first and last few of a long list."""
+    if len(steps) <= 8:
+        return str(steps)
+    return f"[{', '.join(map(str, steps[:3]))}, ..., {', '.join(map(str, steps[-3:]))}]"
+
+
+class RunLineage:
+    """Where this manager's saves stand in the run's history; its one owner (read and written nowhere else).
+
+    Args:
+        root: the local run root. naming: its step naming.
+        acts_on_root: this rank creates, commits and prunes the root (rank 0, or each node's leader).
+    """
+
+    def __init__(self, root: Path, naming: Naming, acts_on_root: bool) -> None:
+        self.root, self.naming, self.acts_on_root = root, naming, acts_on_root
+        self.restored_step: int | None = None  # the last restore's step, until the next save
+        self.newest_known: int | None = None  # newest step known to be under the root (None: scan)
+        self.captured_at: dict[int, float] = {}  # step -> Unix time its state was captured (last 256)
+        self._lineage: Lineage | None = None  # segment of the next saves; None: not known yet
+
+    def head(self) -> Lineage:
+        """The segment of the next saves: the one a restore chose, else the head of the local root's history."""
+        if self._lineage is None:
+            self._lineage = head_of(m.lineage for _, m in scan_manifests(self.root, self.naming).values()) \
+                if self.acts_on_root else BASE
+        return self._lineage
+
+    @property
+    def known(self) -> Lineage | None:
+        """The segment of the next saves when decided (None: not yet; the manifest then records the base)."""
+        return self._lineage
+
+    def live(self, head: Lineage | None = None) -> dict[int, Path]:
+        """Committed local steps of the history whose head is ``head`` (default :meth:`head`), ``{step: dir}``."""
+        head = self.head() if head is None else head
+        return {s: p for s, (p, m) in scan_manifests(self.root, self.naming).items() if head.holds(s, m.lineage)}
+
+    def begin_save(self, step: int) -> int | None:
+        """A save of ``step`` captures its state now; returns (and forgets) the restored step."""
+        self.captured_at[step] = time.time()
+        while len(self.captured_at) > 256:
+            self.captured_at.pop(next(iter(self.captured_at)))
+        restored, self.restored_step = self.restored_step, None
+        return restored
+
+    def refused(self, restored: int | None) -> None:
+        """The save :meth:`begin_save` began was refused: the restored step stands again."""
+        self.restored_step = restored
+
+    def restored(self, step: int, lineage: Lineage | None) -> None:
+        """A restore loaded ``step``; the next saves belong to ``lineage`` (on the rank acting on the root)."""
+        self.restored_step, self.newest_known = step, None
+        if lineage is not None:
+            self._lineage = lineage
+
+
+class SaveGuard:
+    """Rank 0's checks and moves before a save is agreed: may its target be written?
+
+    It validates the step, an explicit ``path`` and ``extra_dir``, moves damaged or superseded
+    directories aside, and refuses newer steps of another run.
+
+    Args:
+        root, naming, config: the manager's. incarnation: the engine's (names staged extra dirs).
+        runs: the manager's :class:`RunLineage`.
+    """
+
+    def __init__(self, root: Path, naming: Naming, config: CheckpointConfig, incarnation: str,
+                 runs: RunLineage) -> None:
+        self.root, self.naming, self.config, self.incarnation, self.runs = root, naming, config, incarnation, runs
+
+    def explicit_path(self, path: str | os.PathLike) -> Path:
+        """``path`` as an absolute checkpoint directory (relative ones under the root).
+
+        Raises:
+            ConfigError: empty, the root or above it, or a name of the form of torch-ckpt's own files.
+        """
+        if not isinstance(path, (str, os.PathLike)) or str(path) == "":
+            raise ConfigError(f"path must be a non-empty directory path, got {path!r}")
+        final = Path(path).expanduser()
+        final = (final if final.is_absolute() else self.root / final).absolute()
+        if final == self.root or final in self.root.parents:
+            raise ConfigError(f"path {final} is the checkpoint root or contains it; name a directory inside or "
+                              "beside the root")
+        if _reserved_name(final.name):
+            raise ConfigError(f"path {final}: this name has the form of torch-ckpt's own temporary or set-aside "
+                              "directories (.torch-ckpt.*, .NAME.tmp.<id>, .trash_*, .superseded_*, .corrupt_*, "
+                              ".NAME.replaced.<id>, .lock); choose another name")
+        return final
+
+    def target(self, step: Any, path: str | os.PathLike | None) -> Path:
+        """The directory a save of ``step`` writes: ``path`` (checked), else the naming's under the root."""
+        if path is None:
+            valid = not isinstance(step, bool) and isinstance(step, int) and step >= 0
+            return self.root / (self.naming.name(step) if valid else ".invalid_step")
+        final = self.explicit_path(path)
+        named = self.naming.step_of(final.name) if final.parent == self.root else None
+        if named is not None and named != step:
+            raise ConfigError(f"path {final} is the directory of step {named} under this root's naming; saving step "
+                              f"{step} there would hide it from listing and resume. Save step {named} there, or use "
+                              "a name the naming does not parse")
+        return final
+
+    def check(self, step: Any, final: Path, *, explicit: bool, read_only: bool) -> bool:
+        """Every rank, before the save agreement: validate ``step``; on rank 0 also check its directory.
+
+        After a restore of a step older than the newest live one, the newer checkpoints belong to
+        an abandoned timeline (:mod:`torch_ckpt.policy._lineage`): the first save moves every local
+        step the new one supersedes aside (``.superseded_<name>.<time>``, kept, never listed), so
+        "latest" follows the run again. A damaged directory of ``step`` goes aside too
+        (``.corrupt_<name>.<time>``).
+
+        Returns:
+            True (on rank 0) when ``final`` holds a committed checkpoint that the commit replaces.
+
+        Raises:
+            ConfigError: read-only manager, invalid or already committed step, newer steps of
+                another run (``on_existing_newer="error"``), or ``final`` is not a torch-ckpt
+                checkpoint.
+            CheckpointWriteError: a directory could not be moved aside.
+        """
+        if read_only:
+            raise ConfigError(f"this CheckpointManager was opened with read_only=True on {self.root}: it restores "
+                              "and lists checkpoints but does not save; open a writable root without read_only "
+                              "to save")
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ConfigError(f"step must be an integer >= 0, got {step!r}")
+        if self.config.explicit_paths_only and not explicit:
+            raise ConfigError(f"this CheckpointManager was opened with explicit_paths_only=True on {self.root}: "
+                              "every save names its directory (save(step, state, path=...))")
+        restored = self.runs.begin_save(step)  # the state is captured right after this call
+        if not self.runs.acts_on_root:
+            return False
+        try:
+            head = self.runs.head()
+            if restored is not None and not self.config.explicit_paths_only:
+                # a rollback: the steps of the abandoned timeline go aside
+                for s, (s_path, s_manifest) in scan_manifests(self.root, self.naming).items():
+                    if not head.holds(s, s_manifest.lineage):
+                        quarantine_step_dir(s_path, reason="superseded")
+            if explicit:
+                return self._check_explicit(final)
+            if os.path.lexists(final) and not is_reservation(final):  # an empty directory is free to use
+                try:
+                    read_manifest(final)
+                except CheckpointNotFoundError:
+                    raise ConfigError(f"{final} exists but is not a torch-ckpt checkpoint (no manifest.json): it is "
+                                      "never written into or deleted; move it away or use another directory") from None
+                except CheckpointError:
+                    quarantine_step_dir(final, reason="corrupt")
+                else:
+                    raise ConfigError(f"step {step} is already committed at {final}; save under a new step")
+            self._check_no_newer_steps(step, restored)
+            return False
+        except OSError as exc:
+            if isinstance(exc, CheckpointError):
+                raise
+            raise CheckpointWriteError(exc.errno, f"cannot prepare step {step} under {self.root}: {exc.strerror} "
+                                       f"({exc.filename})") from exc
+
+    def stage_extra(self, extra_dir: str | os.PathLike, final: Path) -> Path:
+        """Rank 0: move ``extra_dir`` aside to a hidden sibling of ``final`` (the commit moves it in).
+
+        The hook files are taken now, so the caller may refill ``extra_dir`` for the next save at once.
+
+        Raises:
+            ConfigError: ``extra_dir`` is missing, not a directory, a symlink, the root, ``final``, a
+                directory containing either, or inside ``final``.
+            CheckpointWriteError: an entry uses a checkpoint file's name, or the move fails.
+        """
+        src = Path(extra_dir).expanduser()
+        src = (src if src.is_absolute() else self.root / src).absolute()
+        if src.is_symlink() or not src.is_dir():
+            raise ConfigError(f"extra_dir {src} must be an existing directory (not a symlink) holding the files "
+                              "to commit with the checkpoint")
+        for guarded in (self.root, final):
+            if src == guarded or src in guarded.parents:
+                raise ConfigError(f"extra_dir {src} is or contains {guarded}: name a directory of its own that holds "
+                                  "only the framework's files")
+        if final in src.parents:
+            raise ConfigError(f"extra_dir {src} lies inside the checkpoint {final}; use a separate directory")
+        for entry in src.iterdir():
+            check_extra_name(entry)
+        staged = final.with_name(f".{final.name}.extra.tmp.{self.incarnation}")
+        try:
+            if staged.exists():
+                shutil.rmtree(staged)
+            shutil.move(str(src), str(staged))  # a rename on one file system
+        except OSError as exc:
+            raise CheckpointWriteError(exc.errno, f"cannot move extra_dir {src} to {staged}: {exc.strerror or exc}") \
+                from exc
+        return staged
+
+    def _check_explicit(self, final: Path) -> bool:
+        """Rank 0: may ``final`` be written? True when it holds a committed checkpoint to replace."""
+        if not os.path.lexists(final):
+            return False
+        if final.is_symlink() or not final.is_dir():
+            raise ConfigError(f"{final} exists and is not a directory written by torch-ckpt (a file or symlink): "
+                              "it is never overwritten; remove it or save elsewhere")
+        if is_reservation(final):  # an empty folder (or a save that died before committing): written into
+            return False
+        try:
+            read_manifest(final)
+        except CheckpointNotFoundError:
+            raise ConfigError(f"{final} exists but is not a torch-ckpt checkpoint (no manifest.json): it is never "
+                              "written into or deleted; move it away or save elsewhere") from None
+        except CheckpointError:
+            quarantine_step_dir(final, reason="corrupt")  # ours but damaged: kept aside, never listed
+            return False
+        return True
+
+    def _check_no_newer_steps(self, step: int, restored: int | None) -> None:
+        """Rank 0: refuse (or move aside) committed steps newer than ``step`` that this run did not write.
+
+        ``restored``: the step this manager's last restore loaded (the save names a step below it).
+        """
+        runs = self.runs
+        if runs.newest_known is not None and step > runs.newest_known:
+            runs.newest_known = step
+            return
+        committed = runs.live()
+        newer = [s for s in committed if s > step]
+        if newer and self.config.on_existing_newer == "supersede":
+            log.warning("step %d: moving the newer committed steps %s of an earlier run aside "
+                        "(on_existing_newer='supersede')", step, _list_steps(newer))
+            for s in newer:
+                quarantine_step_dir(committed[s], reason="superseded")
+        elif newer and restored is not None:
+            raise ConfigError(
+                f"this manager restored step {restored} and is now asked to save step {step}, below it; {self.root} "
+                f"holds committed step(s) {_list_steps(newer)} newer than step {step}, so 'latest' would stay at step "
+                f"{newer[-1]} and retention would delete this save first. Save a step above {restored} (the restored "
+                f"state's step counts on from {restored}), or pass CheckpointManager(..., "
+                "on_existing_newer='supersede') to move the newer steps aside (kept hidden, never listed)")
+        elif newer:
+            raise ConfigError(
+                f"{self.root} already holds committed step(s) {_list_steps(newer)} newer than step {step}, which this "
+                f"manager did not restore (an earlier run's?). Saving step {step} there would leave 'latest' at step "
+                f"{newer[-1]} (a restart would resume it) and retention would delete this run's checkpoints first. "
+                f"Call restore() to continue from step {newer[-1]}, save steps above {newer[-1]}, use a new directory, "
+                "or pass CheckpointManager(..., on_existing_newer='supersede') to move the newer steps aside (kept as "
+                "hidden .superseded_step_N.* directories, never listed)")
+        runs.newest_known = step  # every other committed step is older now
+
+class AfterCommit:
+    """What follows a commit on the root: commit callbacks, durable replication, local retention.
+
+    Runs in the writer thread once every rank is done with the committed directory, on the rank
+    acting on the root; failures are logged and never change the save's outcome. It references
+    no manager, so an in-flight save does not keep an unclosed manager alive.
+
+    Args:
+        root, naming, config: the manager's. runs: its :class:`RunLineage`.
+        is_coordinator: this rank is rank 0 (it runs the callbacks).
+    """
+
+    def __init__(self, root: Path, naming: Naming, config: CheckpointConfig, runs: RunLineage,
+                 is_coordinator: bool) -> None:
+        self.root, self.naming, self.config, self.runs = root, naming, config, runs
+        self.is_coordinator = is_coordinator
+        self.retention = config.build_retention()
+        self.callbacks: list[Callable[[int, Path], None]] = []
+        self.replicator: Replicator | None = None
+
+    def start_replicator(self, tier: DurableTier, nodes: NodeLayout | None) -> Replicator:
+        """Build the durable tier's replicator (its thread references nothing of the manager)."""
+        cfg = self.config
+        every, wait_seconds = cfg.durable_keep_every_n_steps, cfg.durable_flush_timeout_seconds
+        retention = cfg.build_durable_retention()
+        history = None if every is None else (lambda step: step % every == 0)  # never coalesced away
+        url = tier.url
+
+        def record(step: int, local_dir: Path) -> None:  # the durable copy, in the local manifest
+            try:
+                update_manifest_tiers(local_dir, {"durable": {"url": url, "committed_at": time.time()}})
+            except OSError as exc:  # the local copy may have been pruned meanwhile
+                log.debug("could not record the durable copy of step %d in %s: %s", step, local_dir, exc)
+
+        if nodes is None:
+            self.replicator = Replicator(tier, retention=retention, on_durable=record, never_skip=history,
+                                         exit_flush_seconds=wait_seconds)
+            return self.replicator
+        commit = nodes.node == 0
+
+        def upload(local_dir: Path, manifest: Any, abandon: Callable[[], bool]) -> None:
+            tier.upload_node(local_dir, manifest, commit=commit, abandon=abandon, wait_seconds=wait_seconds)
+
+        # every node uploads its own shards; node 0 commits and runs durable retention and cleanup
+        self.replicator = Replicator(tier, retention=retention if commit else None, upload=upload,
+                                     on_durable=record if commit else None,
+                                     abandoned_after_seconds=24 * 3600.0 if commit else None, never_skip=history,
+                                     arranges=commit, commits=commit, exit_flush_seconds=wait_seconds)
+        return self.replicator
+
+    def run(self, step: int, final: Path, replicate: bool = False) -> Callable[[], None] | None:
+        """After the commit of ``step`` at ``final``: callbacks, replication, retention.
+
+        Returns:
+            The deletion of the retired checkpoints (run once ``committed`` resolved), or None.
+        """
+        if not self.runs.acts_on_root:
+            return None
+        for callback in self.callbacks if self.is_coordinator else ():
+            try:
+                callback(step, final)
+            except Exception as exc:  # noqa: BLE001 - committed: a failing callback never fails the save
+                log.error("commit callback %r for step %d (%s) failed: %s: %s", callback, step, final,
+                          type(exc).__name__, exc)
+        if replicate and self.replicator is not None:
+            self.replicator.submit(step, final)
+        try:
+            retired = self.apply_retention()
+        except Exception as exc:  # noqa: BLE001
+            log.error("retention after committing step %d failed (the checkpoint at %s is committed; older "
+                      "checkpoints may remain): %s: %s", step, final, type(exc).__name__, exc)
+            return None
+        # retired checkpoints are hidden already; their bytes are deleted once `committed` resolved
+        return functools.partial(_delete, retired) if retired else None
+
+    def catch_up(self, tier: DurableTier | None, nodes: NodeLayout | None) -> None:
+        """At start, the work a commit's writer may not have lived to do (a rank killed after rank 0's rename).
+
+        The newest committed step whose manifest records no durable copy in ``tier`` is handed to the
+        replicator (shared roots), and local retention is applied. Failures are logged: the start goes on.
+        """
+        try:
+            committed = scan_committed(self.root, self.naming)
+            if self.replicator is not None and nodes is None and committed:
+                step = max(committed)
+                if read_manifest(committed[step]).tiers.get("durable", {}).get("url") != tier.url:
+                    log.info("step %d has no durable copy in %s yet: replicating it now", step, tier.url)
+                    self.replicator.submit(step, committed[step])
+            _delete(self.apply_retention())
+        except Exception as exc:  # noqa: BLE001 - the checkpoints stay as they are; the next commit tries again
+            log.warning("replication and retention of the checkpoints found at start failed: %s: %s",
+                        type(exc).__name__, exc)
+
+    def apply_retention(self) -> list[Path]:
+        """Hide the checkpoints the retention policy retires (renamed to their trash names).
+
+        Returns:
+            The hidden trash directories, still to delete.
+        """
+        if not self.runs.acts_on_root or self.retention is None or self.config.explicit_paths_only:
+            return []
+        # a superseded step is neither kept nor counted
+        committed = self.runs.live(self.runs.known or BASE)
+        busy = self.replicator.busy_steps() if self.replicator is not None else set()
+        retired: list[Path] = []
+        for step in apply_retention(self.retention, list(committed), protected=sorted(busy)):
+            try:
+                retired.append(retire_step_dir(committed[step]))
+                log.info("retention removed step %d (%s)", step, committed[step])
+            except OSError as exc:
+                log.warning("retention could not remove %s: %s", committed[step], exc)
+        return retired
+
+
+def _delete(paths: list[Path]) -> None:
+    for path in paths:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+class HealthReport:
+    """:meth:`CheckpointManager.health` and :meth:`~CheckpointManager.replication_stats`.
+
+    Args:
+        root, naming: the manager's. tier: its durable tier (None without). runs: its :class:`RunLineage`
+            (capture times). engine: its checkpointer (in-flight and failed saves). after: its
+            :class:`AfterCommit` (the replicator).
+    """
+
+    def __init__(self, root: Path, naming: Naming, tier: DurableTier | None, runs: RunLineage,
+                 engine: AsyncCheckpointer, after: AfterCommit) -> None:
+        self.root, self.naming, self.tier, self.runs, self.engine, self.after = root, naming, tier, runs, engine, after
+
+    def health(self, schedule: dict[str, Any]) -> dict[str, Any]:
+        """See :meth:`CheckpointManager.health`; ``schedule``: the save policy's last decision."""
+        now = time.time()
+        local = scan_committed(self.root, self.naming) if self.root.is_dir() else {}
+        latest = max(local) if local else None
+
+        def age(step: int | None) -> float | None:
+            if step is None:
+                return None
+            captured = self.runs.captured_at.get(step)
+            if captured is None and step in local:
+                captured = read_manifest(local[step]).wall_time  # saved by an earlier run: commit time
+            return None if captured is None else now - captured
+
+        replication = self.replication_stats()
+        durable = replication.get("durable_step") if self.tier is not None else latest
+        inflight = self.engine.in_flight
+        tiers, newest_durable = self._tier_report(local, now)
+        return {
+            "tiers": tiers, "durable_newest_step": newest_durable[0], "durable_newest_age_s": newest_durable[1],
+            "latest_step": latest, "latest_age_s": age(latest),
+            "durable_step": durable, "durable_age_s": age(durable),
+            "lost_work_if_failure_now_s": age(durable),
+            "in_flight_step": None if inflight is None else inflight.step,
+            "failed_saves": len(self.engine.failed_saves),
+            "replication": replication,
+            "schedule": schedule,
+        }
+
+    def _tier_report(self, local: dict[int, Path], now: float) -> tuple[dict[int, dict[str, Any]],
+                                                                          tuple[int | None, float | None]]:
+        """Per step, the tiers holding a copy; and the newest durable step with its age (seconds)."""
+        report: dict[int, dict[str, Any]] = {}
+        for step, path in local.items():
+            try:
+                partial = read_manifest(path).partial
+            except CheckpointError:
+                continue
+            if is_committed(path):
+                report[step] = {"local": "partial" if partial else "complete", "durable": None}
+        replicator = self.after.replicator
+        durable = replicator.durable_listing() if self.tier is not None and replicator is not None else None
+        if durable is None:  # no tier, not listed yet, the last listing failed, or a rank that does not replicate
+            return report, (None, None)
+        for step in durable:
+            report.setdefault(step, {"local": None, "durable": None})
+        for step, entry in report.items():
+            entry["durable"] = step in durable
+        if not durable:
+            return dict(sorted(report.items())), (None, None)
+        newest = max(durable)
+        return dict(sorted(report.items())), (newest, now - durable[newest].wall_time)
+
+    def replication_stats(self) -> dict[str, Any]:
+        """State of the durable replication (see :meth:`Replicator.stats`); {} without a durable tier."""
+        return self.after.replicator.stats() if self.after.replicator is not None else {}
+
+class CheckpointManager:
     """Asynchronous, atomic DCP checkpoints of one run root, with retention and resume.
 
     Every rank constructs the manager and calls :meth:`save`, :meth:`restore`,
@@ -134,16 +595,13 @@ class CheckpointManager(ManagerPrepareMixin, ManagerCommitMixin, ManagerReadMixi
         base = CheckpointConfig() if config is None else config
         cfg = base.replace(**settings) if settings else base
         self.config = cfg
-        naming = StepNaming() if cfg.naming is None else cfg.naming
-        self.root = Path(str(directory).removeprefix("file://")).expanduser().absolute()
-        self.naming = naming
-        self._commit_callbacks: list[Callable[[int, Path], None]] = []
+        self.root = root = Path(str(directory).removeprefix("file://")).expanduser().absolute()
+        self.naming = naming = StepNaming() if cfg.naming is None else cfg.naming
         self.retention = cfg.build_retention()
         self.verify_on_load = cfg.verify_on_load
         self.on_world_size_change = cfg.on_world_size_change
         self.on_existing_newer = cfg.on_existing_newer
         self.read_only = cfg.read_only
-        self._newest_known: int | None = None  # rank 0: newest step known to be under the root (None: scan)
         save_policy = cfg.build_save_policy()
         self._cadence = Cadence(save_policy) if save_policy is not None else None
         self._preemption = PreemptionFlag(cfg.preemption_signals)
@@ -152,71 +610,72 @@ class CheckpointManager(ManagerPrepareMixin, ManagerCommitMixin, ManagerReadMixi
                                  naming=naming, upload_threads=cfg.durable_upload_threads,
                                  timeout_seconds=cfg.durable_timeout_seconds, create=cfg.durable_create) \
             if cfg.durable_url is not None else None
-        if self._tier is not None and self._tier.is_inside(self.root):
-            raise ConfigError(f"durable_url {cfg.durable_url!r} points into the local root {self.root}; the durable "
+        if self._tier is not None and self._tier.is_inside(root):
+            raise ConfigError(f"durable_url {cfg.durable_url!r} points into the local root {root}; the durable "
                               "tier must be another location (another disk, a file server, an object store)")
         self._ckpt = AsyncCheckpointer(async_save=cfg.async_save, persist=cfg.persist,
                                        overlap_staging=cfg.overlap_staging, writer_niceness=cfg.writer_niceness,
                                        staging_budget_bytes=cfg.staging_budget_bytes, thread_count=cfg.thread_count,
                                        timeout_seconds=cfg.timeout_seconds, process_group=cfg.process_group,
                                        on_write_error=cfg.on_write_error)
-        self._ctx = self._ckpt.ctx
+        self._ctx = ctx = self._ckpt.ctx
         self._nodes: NodeLayout | None = None
         try:
-            self._nodes = node_layout(self._ctx, cfg.local_root_shared)
+            self._nodes = node_layout(ctx, cfg.local_root_shared)
         except CheckpointError:
             self._ckpt.close()
             raise
         self._ckpt.node_layout = self._nodes
-        self._lock = RootLock(self.root, drain=self._ckpt.drain)
-        self._replicator: Replicator | None = None
+        # the rank that creates, commits, prunes and replicates this process's root: rank 0 for a shared
+        # root, each node's lowest rank for node-local roots
+        acts_on_root = self._nodes.is_leader if self._nodes is not None else ctx.is_coordinator
+        self._runs = RunLineage(root, naming, acts_on_root)
+        self._guard = SaveGuard(root, naming, cfg, self._ckpt.incarnation, self._runs)
+        self._after = AfterCommit(root, naming, cfg, self._runs, ctx.is_coordinator)
+        self._health = HealthReport(root, naming, self._tier, self._runs, self._ckpt, self._after)
+        self._reader = CheckpointReader(root, naming, ctx, self._ckpt, self._tier, self._nodes, self._runs,
+                                        self._guard, read_only=self.read_only, verify_on_load=self.verify_on_load,
+                                        on_world_size_change=self.on_world_size_change)
+        self._lock = RootLock(root, drain=self._ckpt.drain)
         self._replicate_every = cfg.replicate_every_n_saves
-        self._durable_flush_timeout = cfg.durable_flush_timeout_seconds
         self._saves = 0
-        self._captured_at: dict[int, float] = {}
-        self._restored_step: int | None = None
-        self._lineage: Lineage | None = None  # run segment of the next saves (policy._lineage); None: not known yet
-        self.restore_source: str | None = None  # node-local roots: where this rank's last restore read from
         error = None
-        if self._acts_on_root:
+        if acts_on_root:
             try:
-                check_root(self.root, create=not self.read_only)
+                check_root(root, create=not self.read_only)
             except CheckpointError as exc:
                 error = exc
         if self._nodes is not None and not self.read_only:  # before the lock, whose message would mislead
-            shared = check_private_roots(self.root, self._nodes, self._ctx, ok=error is None)
+            shared = check_private_roots(root, self._nodes, ctx, ok=error is None)
             error = error or (ConfigError(shared) if shared else None)
-        if self._acts_on_root and error is None:
+        if acts_on_root and error is None:
             try:
                 if not self.read_only and not cfg.explicit_paths_only:  # a root of its own: exclusive, cleaned
                     self._lock.acquire()
-                    clean_stale_temporaries(self.root, keep_incarnation=self._ckpt.incarnation, naming=self.naming)
+                    clean_stale_temporaries(root, keep_incarnation=self._ckpt.incarnation, naming=naming)
                 if self._tier is not None:
-                    durable_retention = cfg.build_durable_retention()
-                    self._replicator = self._make_replicator(durable_retention)
+                    self._after.start_replicator(self._tier, self._nodes)
                 if not self.read_only:
-                    self._catch_up_at_start()
+                    self._after.catch_up(self._tier, self._nodes)
             except CheckpointError as exc:
                 error = exc
-        status = next((e for e in self._ctx.all_gather(None if error is None else str(error), what="init") if e), None)
+        status = next((e for e in ctx.all_gather(None if error is None else str(error), what="init") if e), None)
         if error is not None or status is not None:
             if self._replicator is not None:
                 self._replicator.close(0)
             self._preemption.restore()
             self._lock.release()
             self._ckpt.close()
-            raise error or CheckpointError(f"rank 0 could not prepare {self.root}: {status}" if self._nodes is None
+            raise error or CheckpointError(f"rank 0 could not prepare {root}: {status}" if self._nodes is None
                                            else f"a node could not prepare its checkpoint root: {status}")
         # a manager nobody references any more (never closed) releases its root and threads like close()
-        self._finalizer = weakref.finalize(self, _close_unreachable, str(self.root), self._ckpt, self._replicator,
-                                           self._preemption, self._lock, self._durable_flush_timeout)
+        self._finalizer = weakref.finalize(self, _close_unreachable, str(root), self._ckpt, self._replicator,
+                                           self._preemption, self._lock, cfg.durable_flush_timeout_seconds)
         self._finalizer.atexit = False  # exit: torch_ckpt._lifecycle finishes in-flight work; the kernel drops the lock
 
     @property
-    def _acts_on_root(self) -> bool:
-        """True on the rank that creates, commits, prunes and replicates this process's root: rank 0
-        for a shared root, each node's lowest rank for node-local roots."""
-        return self._nodes.is_leader if self._nodes is not None else self._ctx.is_coordinator
+    def _replicator(self) -> Replicator | None:
+        return self._after.replicator
 
     # -- context manager -------------------------------------------------------------------------
     def __enter__(self) -> CheckpointManager:
@@ -239,6 +698,16 @@ class CheckpointManager(ManagerPrepareMixin, ManagerCommitMixin, ManagerReadMixi
     def last_stats(self) -> SaveStats | None:
         """Statistics of the last committed save on this rank."""
         return self._ckpt.last_stats
+
+    @property
+    def restore_source(self) -> str | None:
+        """Node-local roots: where this rank's last restore read from ("local", "durable-node", "durable-full")."""
+        return self._reader.restore_source
+
+    @property
+    def restored_step(self) -> int | None:
+        """The step of the last successful :meth:`restore` until the next save, else None."""
+        return self._runs.restored_step
 
     # -- saving ----------------------------------------------------------------------------------
     def save(self, step: int, state: Any, *, path: str | os.PathLike | None = None,
@@ -280,35 +749,27 @@ class CheckpointManager(ManagerPrepareMixin, ManagerCommitMixin, ManagerReadMixi
                 failed to prepare this save.
         """
         t0 = time.monotonic()
-        self._preemption.warn_if_unheeded()
-        valid = not isinstance(step, bool) and isinstance(step, int) and step >= 0
+        if self._preemption.received is not None:
+            self._preemption.warn_if_unheeded()
         replicate = path is None and self._replicator is not None and (
-            (self._saves + 1) % self._replicate_every == 0 or (valid and self._replicator.keeps(step)))
-        if path is not None:
-            final = self._explicit_path(path)
-            named = self.naming.step_of(final.name) if final.parent == self.root else None
-            if named is not None and named != step:
-                raise ConfigError(f"path {final} is the directory of step {named} under this root's naming; "
-                                  f"saving step {step} there would hide it from listing and resume. Save step "
-                                  f"{named} there, or use a name the naming does not parse")
-        else:
-            final = self.root / (self.naming.name(step) if valid else ".invalid_step")
-        replace = [False]
-        staged_extra: list[Path | None] = [None]
-
-        def prepare() -> None:
-            replace[0] = self._prepare_step(step, final, explicit=path is not None)
-            if extra_dir is not None and self._ctx.is_coordinator:
-                staged_extra[0] = self._stage_extra(extra_dir, final)
-
-        restored = self._restored_step
+            (self._saves + 1) % self._replicate_every == 0 or (isinstance(step, int) and not isinstance(step, bool)
+                                                               and step >= 0 and self._replicator.keeps(step)))
+        final = self._guard.target(step, path)
+        request, refused, waited = SaveRequest(final=final, step=step if isinstance(step, int) else 0), None, 0.0
+        restored = self._runs.restored_step
         try:
-            handle = self._ckpt.save(final, state, step=step,
-                                     on_committed=lambda final: self._after_commit(step, final, replicate),
-                                     started_at=t0, prepare=prepare, replace=lambda: replace[0],
-                                     extra_dir=lambda: staged_extra[0], lineage=lambda: self._lineage)
+            waited = self._ckpt.wait_previous()
+            replace = self._guard.check(step, final, explicit=path is not None, read_only=self.read_only)
+            extra = self._guard.stage_extra(extra_dir, final) \
+                if extra_dir is not None and self._ctx.is_coordinator else None
+            request = SaveRequest(final=final, step=step, replace=replace, extra_dir=extra, lineage=self._runs.known,
+                                  after_commit=functools.partial(self._after.run, step, replicate=replicate))
+        except Exception as exc:  # noqa: BLE001 - every rank raises it at the engine's agreement
+            refused = exc
+        try:
+            handle = self._ckpt.submit(request, state, refused=refused, started_at=t0, waited_s=waited)
         except BaseException:
-            self._restored_step = restored  # a refused (or failed synchronous) save leaves restored_step as it was
+            self._runs.refused(restored)  # a refused (or failed synchronous) save leaves restored_step as it was
             raise
         self._saves += 1
         if self._cadence is not None:
@@ -381,6 +842,66 @@ class CheckpointManager(ManagerPrepareMixin, ManagerCommitMixin, ManagerReadMixi
         """The save policy's last decision inputs and outputs (``describe()``), or {} without a policy."""
         return self._cadence.policy.describe() if self._cadence is not None else {}
 
+    def add_commit_callback(self, callback: Callable[[int, Path], None]) -> None:
+        """Call ``callback(step, directory)`` after each commit, on rank 0 only.
+
+        It runs in the writer thread once every rank has finished with the committed directory
+        (no rank reads it again), before replication and retention of that save. An exception it
+        raises is logged and never changes the save's outcome. Use it for links and notifications.
+        """
+        if not callable(callback):
+            raise ConfigError(f"commit callback must be callable, got {callback!r}")
+        self._after.callbacks.append(callback)
+
+    def health(self) -> dict[str, Any]:
+        """Checkpoint health on this rank, for dashboards and periodic logs.
+
+        Returns:
+            ``latest_step`` / ``latest_age_s``: newest local committed checkpoint and the age (seconds)
+            of the state it holds; ``durable_step`` / ``durable_age_s``: the same for the durable tier
+            (the local tier stands in when there is none); ``lost_work_if_failure_now_s``: training
+            time that a failure right now would lose (back to the newest durable checkpoint; None
+            before the first one); ``in_flight_step``; ``failed_saves``; ``replication`` (see
+            :meth:`replication_stats`); ``schedule`` (the save policy's last decision, if any);
+            ``tiers``: per step, which tiers hold a copy, ``{step: {"local": "complete" | "partial" |
+            None, "durable": bool | None}}`` ("partial": this node's copy of a node-local checkpoint;
+            durable None: not known, see below); ``durable_newest_step`` /
+            ``durable_newest_age_s``: the newest step committed in the durable tier (listed there, so
+            also after a restart) and the age of its state in seconds (the exposure window).
+
+        Never does network I/O: the durable side is the replicator's last known listing of the
+        store (listed in the background when ``health()`` asks, at most every 10 s, and by the
+        durable retention; updated by the replicator's own commits and deletions), so a store
+        that does not answer never blocks this call: the first call after the manager starts
+        asks for a listing and reports durable entries as None. Durable entries are None (and
+        ``durable_newest_step`` None) until a listing has succeeded, while the last one fails
+        (``replication["last_error"]`` says why), and on ranks that do not replicate (every rank but
+        rank 0, or but each node's lowest rank with node-local roots).
+        """
+        return self._health.health(self.schedule_info())
+
+    def replication_stats(self) -> dict[str, Any]:
+        """State of the durable replication (see :meth:`Replicator.stats`); {} without a durable tier."""
+        return self._health.replication_stats()
+
+    # -- listing and restoring (torch_ckpt.manager._read) ----------------------------------------
+    def checkpoints(self) -> dict[int, Path]:
+        return self._reader.checkpoints()
+
+    def all_steps(self) -> list[int]:
+        return self._reader.all_steps()
+
+    def latest_step(self) -> int | None:
+        return self._reader.latest_step()
+
+    def remove(self, target: int | str | os.PathLike) -> None:
+        self._reader.remove(target)
+
+    def restore(self, state: Any, step: int | None = None, *, allow_cast: bool = False,
+                path: str | os.PathLike | Sequence[str | os.PathLike] | None = None) -> int | None:
+        return self._reader.restore(state, step, allow_cast=allow_cast, path=path)
+
+    # -- lifecycle -------------------------------------------------------------------------------
     def wait_staged(self) -> None:
         """Block until the in-flight save no longer reads the live tensors (see ``overlap_staging``)."""
         self._ckpt.wait_staged()
@@ -404,9 +925,11 @@ class CheckpointManager(ManagerPrepareMixin, ManagerCommitMixin, ManagerReadMixi
             self._ckpt.close()
         finally:
             if self._replicator is not None:
-                self._replicator.close(self._durable_flush_timeout)
+                self._replicator.close(self.config.durable_flush_timeout_seconds)
             self._preemption.restore()
             self._lock.release()
+
+
 
 
 def _close_unreachable(root: str, ckpt: AsyncCheckpointer, replicator: Replicator | None, preemption: PreemptionFlag,
@@ -429,3 +952,7 @@ def _close_unreachable(root: str, ckpt: AsyncCheckpointer, replicator: Replicato
         finally:
             preemption.restore()
             lock.release()
+
+
+for _name in ("checkpoints", "all_steps", "latest_step", "remove", "restore"):  # one text for both
+    getattr(CheckpointManager, _name).__doc__ = getattr(CheckpointReader, _name).__doc__

@@ -1,7 +1,8 @@
 """The read side of :class:`~torch_ckpt.CheckpointManager`: listing, removal and restore (with fallback).
 
-A mixin of the manager (it uses the manager's root, naming, tiers and engine); kept apart so each
-module has one job: :mod:`torch_ckpt.manager._manager` saves and schedules, this module finds and loads.
+:class:`CheckpointReader` is one of the manager's composed objects: :mod:`torch_ckpt.manager._manager`
+saves and schedules, this module finds and loads. What a restore decides about the run's history
+goes to the manager's :class:`~torch_ckpt.manager._manager.RunLineage`, its one owner.
 """
 
 from __future__ import annotations
@@ -32,11 +33,27 @@ from torch_ckpt.tiers._durable import DurableUnavailableError
 
 log = get_logger("torch_ckpt.manager._manager")
 
-__all__ = ["ManagerReadMixin"]
+__all__ = ["CheckpointReader"]
 
 
-class ManagerReadMixin:
-    """Listing, :meth:`remove` and :meth:`restore` of :class:`~torch_ckpt.CheckpointManager`."""
+class CheckpointReader:
+    """Listing, :meth:`remove` and :meth:`restore` of :class:`~torch_ckpt.CheckpointManager`.
+
+    Args:
+        root, naming: the manager's root and naming. ctx: its distributed context. engine: its
+            checkpointer (loads). tier: its durable tier (None without). nodes: its node-local
+            layout (None: a shared root). runs: its :class:`~torch_ckpt.manager._manager.RunLineage`
+            (told of every restore). guard: its :class:`~torch_ckpt.manager._manager.SaveGuard`
+            (checks explicit paths). read_only, verify_on_load, on_world_size_change: its settings.
+    """
+
+    def __init__(self, root: Path, naming: Any, ctx: Any, engine: Any, tier: Any, nodes: Any, runs: Any,
+                 guard: Any, *, read_only: bool, verify_on_load: bool, on_world_size_change: str) -> None:
+        self.root, self.naming, self.read_only = root, naming, read_only
+        self.verify_on_load, self.on_world_size_change = verify_on_load, on_world_size_change
+        self._ctx, self._ckpt, self._tier, self._nodes = ctx, engine, tier, nodes
+        self._runs, self._guard = runs, guard
+        self.restore_source: str | None = None  # node-local roots: where this rank's last restore read from
 
     # -- listing and restoring -------------------------------------------------------------------
     def checkpoints(self) -> dict[int, Path]:
@@ -64,11 +81,6 @@ class ManagerReadMixin:
         steps = self.all_steps()
         return steps[-1] if steps else None
 
-    @property
-    def restored_step(self) -> int | None:
-        """The step of the last successful :meth:`restore` until the next save, else None."""
-        return self._restored_step
-
     def remove(self, target: int | str | os.PathLike) -> None:
         """Delete one committed checkpoint crash-safely (renamed aside, then deleted); rank 0 acts.
 
@@ -92,8 +104,8 @@ class ManagerReadMixin:
                 raise ConfigError(f"remove(): a step must be an int >= 0, got {target}")
             path = self.root / self.naming.name(target)
         else:
-            path = self._explicit_path(target)
-        if not self._acts_on_root:
+            path = self._guard.explicit_path(target)
+        if not self._runs.acts_on_root:
             return
         inflight = self._ckpt.in_flight
         if inflight is not None and not inflight.committed.done():
@@ -209,10 +221,8 @@ class ManagerReadMixin:
                 continue
             log.info("[rank %d] restored step %d from %s in %.3f s", self._ctx.rank, cand, local,
                      time.monotonic() - t0)
-            self._restored_step = cand
-            self._newest_known = None
-            if self._acts_on_root:
-                self._lineage = resume.successor(cand, read_manifest(local).lineage)
+            self._runs.restored(cand, resume.successor(cand, read_manifest(local).lineage)
+                                if self._runs.acts_on_root else None)
             return cand
         return None  # unreachable: the loop returns or raises
 
@@ -237,10 +247,8 @@ class ManagerReadMixin:
                 log.warning("checkpoint %s is not usable (%s); falling back to %s", candidate, exc, resolved[i + 1])
                 continue
             log.info("[rank %d] restored step %d from %s", self._ctx.rank, manifest.step, candidate)
-            self._restored_step = manifest.step
-            self._newest_known = None
-            if self._acts_on_root:
-                self._lineage = self._path_successor(candidate, manifest)
+            self._runs.restored(manifest.step, self._path_successor(candidate, manifest)
+                                if self._runs.acts_on_root else None)
             return manifest.step
         raise AssertionError("unreachable")  # the loop returns or raises
 

@@ -33,7 +33,7 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from torch_ckpt.errors import CheckpointCorruptError
-from torch_ckpt.format._dcp_record import record_framing
+from torch_ckpt.format._dcp_write import record_framing
 from torch_ckpt.format._files import open_listed
 from torch_ckpt.restore._interrupts import Stopped, run_all
 from torch_ckpt.restore._targets import Preparer, UndoLog

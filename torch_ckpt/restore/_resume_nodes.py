@@ -253,12 +253,12 @@ def restore_node_local(mgr: Any, state: Any, step: int | None, allow_cast: bool)
             continue
         mgr.restore_source = {"local": "local", "node": "durable-node", "full": "durable-full"}[action]
         log.info("[rank %d] restored step %d from %s (%s)", ctx.rank, cand, local, mgr.restore_source)
-        mgr._restored_step = cand
-        mgr._newest_known = None
+        lineage = None
         if nodes.is_leader:
             head, complete, newest, fork = lineage_view
             restored = read_manifest(local).lineage
-            mgr._lineage = successor(restored, cand, newest=complete and cand == newest and restored.run == head.run,
-                                     fork=fork)
+            lineage = successor(restored, cand, newest=complete and cand == newest and restored.run == head.run,
+                                fork=fork)
+        mgr._runs.restored(cand, lineage)
         return cand
     return None

@@ -31,8 +31,7 @@ from torch.distributed.checkpoint.planner import SavePlan
 
 from torch_ckpt.errors import ConfigError
 from torch_ckpt.format._dcp_metadata import metadata_name
-from torch_ckpt.format._dcp_plan import FlatKeysSavePlanner
-from torch_ckpt.format._dcp_write import ChecksumFileSystemWriter
+from torch_ckpt.format._dcp_write import ChecksumFileSystemWriter, FlatKeysSavePlanner
 from torch_ckpt.tiers._nodes import REPLICA_TAG, is_replica_file
 
 __all__ = ["NodeLayout", "NodeDedupPlanner", "RecordingWriter", "node_views", "metadata_name", "env_node",

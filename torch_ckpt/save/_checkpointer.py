@@ -1,44 +1,482 @@
-"""``AsyncCheckpointer``: asynchronous, atomic DCP saves of a state to a given directory.
+"""``AsyncCheckpointer``: asynchronous, atomic DCP saves of a state to a given directory (the trainer's side).
 
-This is the engine under :class:`~torch_ckpt.CheckpointManager` and the framework adapters: it
-stages the state into a reusable host arena (:mod:`torch_ckpt.save._staging`), persists it in a writer
-thread or process (:mod:`torch_ckpt.save._persist`, :mod:`torch_ckpt.save._writer_process`) with an atomic
-commit, keeps at most one save in flight, and raises background errors on the caller's thread
-exactly once. It knows nothing about steps, naming or retention. A save's part up to the submit
-(capture, staging, the ranks' agreement) is in :mod:`torch_ckpt.save._prepare`; this module
-submits it, runs it in the writer, surfaces its outcome, loads, and owns the engine's lifecycle:
-each background save runs in a writer thread of its own that ends with it (no idle thread), and
-interpreter exit waits for a save still in flight (:mod:`torch_ckpt._lifecycle`).
+The engine under :class:`~torch_ckpt.CheckpointManager` and the framework adapters. For each
+:class:`~torch_ckpt.save._persist.SaveRequest` it waits for the previous save (at most one in
+flight), captures the state, stages it into a reusable host arena (:class:`HostStager`; now, or
+overlapped with the next forward/backward), lets the ranks agree, and hands the staged request to
+a writer thread of its own or to the writer process (:mod:`torch_ckpt.save._persist`,
+:mod:`torch_ckpt.save._writer_process`); background errors are raised on the caller's thread
+exactly once. It knows nothing about steps, naming or retention. Interpreter exit waits for a
+save still in flight (:mod:`torch_ckpt._lifecycle`).
+
+Staging copies every tensor into views of one flat host buffer (the *arena*), allocated once and
+re-allocated only when the keys, shapes or dtypes change; pinned when CUDA is available, in shared
+memory for a writer process. Copying into an existing buffer runs at memory-copy speed (about
+9.5 GB/s on the reference 2-core machine), allocating per save is page-fault bound (1.4-2.7
+GB/s). CUDA tensors are copied on a side stream after an event recorded on the caller's stream;
+CPU tensors with one ``torch._foreach_copy_`` (which releases the GIL). Nothing handed to the
+writer shares storage with a live tensor.
+
+The staging budget defaults to half the memory this process may still allocate: psutil's
+available RAM capped by the headroom of every memory cgroup on its path (:func:`cgroup_memory_headroom`;
+inside a container psutil reports the host's memory, while the kernel kills the process at the
+cgroup's limit). cgroup v2 (``0::/path``) reads ``memory.max``/``memory.high`` against
+``memory.current``, v1 (``N:memory:/path``) ``memory.limit_in_bytes`` against
+``memory.usage_in_bytes``; inactive file pages (``inactive_file``, ``total_inactive_file``) are
+not counted as used (as in ``docker stats``); each ancestor up to the mount root is checked, and
+the mount root itself where the cgroup path is not found under it.
 """
 
 from __future__ import annotations
 
+import errno
+import hashlib
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures import wait as futures_wait
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import psutil
+import torch
+from torch.distributed.tensor import DTensor
+
+from torch_ckpt import errors as errors_module
 from torch_ckpt._lifecycle import finish_at_exit
 from torch_ckpt._logging import get_logger
 from torch_ckpt._values import check_int, to_seconds
 from torch_ckpt.distributed._context import DistContext
-from torch_ckpt.errors import CheckpointError, ConfigError
+from torch_ckpt.errors import CheckpointError, CheckpointWriteError, ConfigError
+from torch_ckpt.format._codec import is_per_rank_key, split_state, tensor_kind
 from torch_ckpt.handle import SaveHandle, SaveStats
 from torch_ckpt.restore._restore import RANK_LOCAL_POLICIES, load_into
 from torch_ckpt.root._layout import read_manifest
 from torch_ckpt.root._temporaries import new_incarnation, partial_path, reserve, unreserve
-from torch_ckpt.save._persist import PersistRequest, persist_checkpoint
-from torch_ckpt.save._prepare import CheckpointerPrepareMixin, SaveJob
-from torch_ckpt.save._staging import HostStager
+from torch_ckpt.save._persist import ArenaLayout, SaveRequest, arena_views, persist_checkpoint
 from torch_ckpt.save._writer_process import ProcessWriter
 
-__all__ = ["AsyncCheckpointer", "close_on_exit"]
+__all__ = ["AsyncCheckpointer", "HostStager", "StagedState", "StagingMemoryError", "close_on_exit",
+           "default_budget_bytes", "available_memory_bytes", "cgroup_memory_headroom", "CGROUP_ROOT",
+           "PROC_SELF_CGROUP"]
 
 log = get_logger(__name__)
+
+_ALIGN_BYTES = 64
+
+# -- memory limits -------------------------------------------------------------------------------
+
+
+#: where the cgroup file systems are mounted
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+#: this process's cgroup membership
+PROC_SELF_CGROUP = Path("/proc/self/cgroup")
+#: limits at or above this many bytes mean "no limit" (v1 writes 2**63 rounded down to a page)
+_UNLIMITED = 1 << 60
+
+
+def _read_int(path: Path) -> int | None:
+    try:
+        text = path.read_text().strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    if text == "max":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        return None
+    return None if value >= _UNLIMITED else value
+
+
+def _stat_value(directory: Path, keys: tuple[str, ...]) -> int:
+    try:
+        lines = (directory / "memory.stat").read_text().splitlines()
+    except (OSError, UnicodeDecodeError):
+        return 0
+    stats = {}
+    for line in lines:
+        parts = line.split()
+        if len(parts) == 2 and parts[1].isdigit():
+            stats[parts[0]] = int(parts[1])
+    return next((stats[k] for k in keys if k in stats), 0)
+
+
+def _levels(mount: Path, path: str) -> list[Path]:
+    """The cgroup directory of ``path`` under ``mount`` and its ancestors up to ``mount``, leaf first."""
+    leaf = mount / path.strip("/") if path.strip("/") else mount
+    if not leaf.is_dir():
+        leaf = mount  # our cgroup is mounted as the root (container without a cgroup namespace)
+    levels = [leaf]
+    while levels[-1] != mount and mount in levels[-1].parents:
+        levels.append(levels[-1].parent)
+    return levels
+
+
+def _headroom(levels: list[Path], limit_files: tuple[str, ...], usage_file: str, inactive_keys: tuple[str, ...]
+              ) -> int | None:
+    best: int | None = None
+    for d in levels:
+        limits = [v for v in (_read_int(d / name) for name in limit_files) if v is not None]
+        if not limits:
+            continue
+        usage = _read_int(d / usage_file) or 0
+        working_set = max(0, usage - _stat_value(d, inactive_keys))
+        room = max(0, min(limits) - working_set)
+        best = room if best is None else min(best, room)
+    return best
+
+
+def cgroup_memory_headroom(cgroup_root: Path | None = None, proc_self_cgroup: str | None = None) -> int | None:
+    """Bytes this process's memory cgroups still allow it to allocate, or None when no limit applies.
+
+    Args:
+        cgroup_root: where the cgroup file systems are mounted (default :data:`CGROUP_ROOT`): v2 at
+            the root itself or at ``unified/``, v1's memory controller at ``memory/``.
+        proc_self_cgroup: the text of ``/proc/self/cgroup`` (default: read :data:`PROC_SELF_CGROUP`).
+
+    Returns:
+        The smallest ``limit - (usage - inactive file pages)`` (never below 0) over every cgroup
+        level with a limit, v1 and v2; None without any limit (or without cgroups).
+    """
+    root = CGROUP_ROOT if cgroup_root is None else Path(cgroup_root)
+    if proc_self_cgroup is None:
+        try:
+            proc_self_cgroup = PROC_SELF_CGROUP.read_text()
+        except OSError:
+            return None
+    found: list[int] = []
+    for line in proc_self_cgroup.splitlines():
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        hierarchy, controllers, path = parts
+        if hierarchy == "0" and controllers == "":
+            for mount in (root, root / "unified"):
+                if (mount / "cgroup.controllers").is_file():
+                    room = _headroom(_levels(mount, path), ("memory.max", "memory.high"), "memory.current",
+                                     ("inactive_file",))
+                    if room is not None:
+                        found.append(room)
+                    break
+        elif "memory" in controllers.split(","):
+            mount = root / "memory"
+            if mount.is_dir():
+                room = _headroom(_levels(mount, path), ("memory.limit_in_bytes",), "memory.usage_in_bytes",
+                                 ("total_inactive_file", "inactive_file"))
+                if room is not None:
+                    found.append(room)
+    return min(found) if found else None
+
+
+def available_memory_bytes() -> int:
+    """Bytes of host memory a new allocation may take now: psutil's available RAM, capped by the cgroup headroom."""
+    available = int(psutil.virtual_memory().available)
+    room = cgroup_memory_headroom()
+    return available if room is None else min(available, room)
+
+
+# -- staging ------------------------------------------------------------------------------------
+
+def default_budget_bytes(local_world_size: int | None = None, *, held_bytes: int = 0) -> int:
+    """Host bytes this rank may keep for staging now: half the available memory, split over local ranks.
+
+    Available memory is psutil's available RAM capped by the headroom of this process's memory
+    cgroup (:func:`available_memory_bytes`), so a trainer in a container
+    stays inside the container's limit.
+
+    Args:
+        local_world_size: ranks sharing this host's memory (default: ``$LOCAL_WORLD_SIZE``, else 1).
+        held_bytes: bytes of staging memory this rank already holds (they are freed before a new
+            arena is allocated, so they count as available).
+    """
+    if local_world_size is None:
+        try:
+            local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        except ValueError:
+            local_world_size = 1
+    return int((available_memory_bytes() + held_bytes) * 0.5 / max(1, local_world_size))
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    loc = _local(t)
+    return loc.numel() * loc.element_size()
+
+
+
+
+class StagingMemoryError(CheckpointWriteError):
+    """The staging arena could not be allocated (errno ENOMEM); names the size, the budget and the fix."""
+
+
+@dataclass
+class StagedState:
+    """Host copies of a flat tensor dict.
+
+    Attributes:
+        tensors: ``{key: host tensor}`` (views of the arena; DTensors keep their sharding spec).
+        nbytes: bytes copied.
+        layout: where each tensor lives in the arena.
+        event: CUDA event that completes when device copies are done (None for CPU-only states).
+    """
+
+    tensors: dict[str, torch.Tensor]
+    nbytes: int
+    layout: ArenaLayout
+    event: Any = None
+
+    def synchronize(self) -> None:
+        """Block until every copy has landed in host memory."""
+        if self.event is not None:
+            self.event.synchronize()
+
+
+
+
+class HostStager:
+    """A reusable host arena with a byte budget.
+
+    Args:
+        budget_bytes: most host bytes the arena may occupy; ``None`` uses
+            :func:`default_budget_bytes`, evaluated at each :meth:`fits` (memory in use changes).
+        pin_memory: page-lock the arena; ``None`` means "when CUDA is available".
+        share_memory: place the arena in shared memory (for a writer process).
+
+    Raises:
+        ConfigError: ``budget_bytes`` is not positive.
+    """
+
+    def __init__(self, *, budget_bytes: int | None = None, pin_memory: bool | None = None,
+                 share_memory: bool = False) -> None:
+        if budget_bytes is not None and budget_bytes <= 0:
+            raise ConfigError(f"staging budget_bytes must be > 0, got {budget_bytes!r}")
+        self._budget = int(budget_bytes) if budget_bytes is not None else None
+        self.pin_memory = torch.cuda.is_available() if pin_memory is None else bool(pin_memory)
+        self.share_memory = bool(share_memory)
+        self.arena: torch.Tensor | None = None
+        self._signature: tuple | None = None
+        self._layout: ArenaLayout = ()
+        self._views: dict[str, torch.Tensor] = {}
+        self._nbytes = 0
+        self._stream = None
+        self._lock = threading.Lock()
+        self._lender: int | None = None  # thread id of the lend() block in progress
+        self.allocations = 0
+
+    @property
+    def budget_bytes(self) -> int:
+        """The staging budget now (bytes): the one given, else :func:`default_budget_bytes` at this moment."""
+        return self._budget if self._budget is not None else default_budget_bytes(held_bytes=self.allocated_bytes)
+
+    @property
+    def allocated_bytes(self) -> int:
+        """Bytes currently held by the arena."""
+        return 0 if self.arena is None else self.arena.numel()
+
+    def required_bytes(self, tensors: dict[str, torch.Tensor]) -> int:
+        """Bytes needed to stage ``tensors`` (local shards only, before alignment)."""
+        return sum(_nbytes(t) for t in tensors.values())
+
+    def fits(self, tensors: dict[str, torch.Tensor]) -> bool:
+        """True when ``tensors`` fit in the staging budget."""
+        return self.required_bytes(tensors) <= self.budget_bytes
+
+    def _ensure_arena(self, tensors: dict[str, torch.Tensor]) -> bool:
+        signature = tuple((k, tuple(_local(t).shape), _local(t).dtype) for k, t in tensors.items())
+        if signature == self._signature and self.arena is not None:
+            return False
+        layout, offset = [], 0
+        for key, shape, dtype in signature:
+            layout.append((key, shape, dtype, offset))
+            n = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+            offset += (n + _ALIGN_BYTES - 1) // _ALIGN_BYTES * _ALIGN_BYTES
+        # free the old arena before allocating the new one (its views keep its memory alive too)
+        self.arena, self._signature, self._layout, self._views = None, None, (), {}
+        try:
+            arena = torch.empty(max(offset, 1), dtype=torch.uint8, pin_memory=self.pin_memory)
+            if self.share_memory:
+                arena.share_memory_()
+        except (RuntimeError, MemoryError, OSError) as exc:  # out of memory, ulimit -v, pinned or /dev/shm limits
+            raise StagingMemoryError(
+                errno.ENOMEM, f"could not allocate the {offset}-byte staging arena "
+                f"({'shared memory' if self.share_memory else 'pinned' if self.pin_memory else 'host memory'}; "
+                f"staging budget {self.budget_bytes} bytes): {type(exc).__name__}: {exc}. Lower "
+                "staging_budget_bytes below the memory this process may allocate, or free memory") from exc
+        self.arena, self._signature, self._layout = arena, signature, tuple(layout)
+        self._views = arena_views(arena, self._layout)
+        self._nbytes = sum(v.numel() * v.element_size() for v in self._views.values())
+        self.allocations += 1
+        log.debug("allocated a %d-byte staging arena for %d tensors", offset, len(layout))
+        return True
+
+    def reserve(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Allocate (or keep) the arena for ``tensors`` without copying anything.
+
+        Raises:
+            StagingMemoryError: the allocation failed (the arena is released; nothing is staged).
+        """
+        with self._lock:
+            self._ensure_arena(tensors)
+
+    def stage(self, tensors: dict[str, torch.Tensor], *, ready_event: Any = None,
+              only: set[str] | None = None) -> StagedState:
+        """Copy ``tensors`` into the arena.
+
+        Device copies are asynchronous (call :meth:`StagedState.synchronize` before reading the
+        buffers); host copies are complete on return.
+
+        Args:
+            tensors: flat ``{key: tensor}``; tensors may live on any device; DTensors are staged
+                shard-locally.
+            ready_event: CUDA event after which the device tensors hold the values to save
+                (default: the current stream's position at this call).
+            only: copy just these keys (the arena still covers all of ``tensors``); used to stage
+                in two phases.
+
+        Returns:
+            The staged host tensors; valid until the next call to :meth:`stage`.
+        """
+        with self._lock:
+            self._ensure_arena(tensors)
+            views = self._views
+            out: dict[str, torch.Tensor] = {}
+            device_pairs = []
+            host_dst, host_src = [], []
+            for key, t in tensors.items():
+                src, buf = _local(t).detach(), views[key]
+                if only is not None and key not in only:
+                    pass
+                elif src.device.type == "cuda":
+                    device_pairs.append((buf, src))
+                else:
+                    host_dst.append(buf)
+                    host_src.append(src)
+                out[key] = DTensor(buf, t._spec, requires_grad=False) if isinstance(t, DTensor) else buf
+            if host_dst:
+                # one call for all host copies: per-tensor Python overhead matters for many small tensors
+                torch._foreach_copy_(host_dst, host_src)
+            event = None
+            if device_pairs:
+                if self._stream is None:
+                    self._stream = torch.cuda.Stream()
+                if ready_event is not None:
+                    self._stream.wait_event(ready_event)
+                else:
+                    self._stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(self._stream):
+                    for buf, src in device_pairs:
+                        buf.copy_(src, non_blocking=self.pin_memory)
+                        src.record_stream(self._stream)
+                    event = torch.cuda.Event()
+                    event.record(self._stream)
+            return StagedState(tensors=out, nbytes=self._nbytes, layout=self._layout, event=event)
+
+    @contextmanager
+    def lend(self) -> Iterator[torch.Tensor | None]:
+        """The arena as scratch memory for the block (a flat ``torch.uint8`` host tensor), or None without one.
+
+        Nothing is staged meanwhile (a concurrent :meth:`stage` waits); the arena's contents are
+        undefined afterwards, which is harmless: every save stages all of its tensors again.
+        The caller must not keep a reference after the block. Within the block the same thread
+        gets None (a restore inside a restore, e.g. from a ``load_state_dict``: the arena is the
+        outer restore's undo log), never a deadlock.
+        """
+        if self.lent_here():
+            yield None
+            return
+        with self._lock:
+            self._lender = threading.get_ident()
+            try:
+                arena = self.arena
+                yield None if arena is None or arena.numel() <= 1 else arena
+            finally:
+                self._lender = None
+
+    def lent_here(self) -> bool:
+        """True inside a :meth:`lend` block of the calling thread (staging now would wait for itself)."""
+        return self._lender == threading.get_ident()
+
+    def release(self) -> None:
+        """Free the arena."""
+        with self._lock:
+            self.arena, self._signature, self._layout, self._views = None, None, (), {}
+
+
+# -- the ranks' agreement --------------------------------------------------------------------
+
+def _signature(tensors: dict[str, torch.Tensor], replicated_keys: tuple[str, ...]) -> dict[str, tuple]:
+    """``{DCP key: (kind, global shape, dtype)}`` of the tensors this rank stores under keys other ranks may use too.
+
+    That is every key but the ``__rank<r>__.`` keys of this rank's own tensors: replicated and
+    sharded tensors, and rank 0's per-rank tensors (which keep their plain key). DCP keeps one
+    entry per key for the whole job, so ranks must agree on these (:meth:`AsyncCheckpointer._agree`).
+    """
+    return {k: (tensor_kind(k, t, replicated_keys), tuple(t.size()), str(t.dtype)) for k, t in tensors.items()
+            if not is_per_rank_key(k)}
+
+
+def _digest(signature: dict[str, tuple] | None) -> str | None:
+    if signature is None:
+        return None
+    text = "\n".join(f"{k}|{kind}|{shape}|{dtype}" for k, (kind, shape, dtype) in sorted(signature.items()))
+    return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+
+
+def _conflicts(signatures: list[dict[str, tuple]]) -> list[str]:
+    """One line per DCP key that two ranks store differently (kind, shape or dtype), naming the ranks."""
+    seen: dict[str, list[tuple[int, tuple]]] = {}
+    for rank, sig in enumerate(signatures):
+        for key, entry in sig.items():
+            seen.setdefault(key, []).append((rank, entry))
+    lines = []
+    for key in sorted(seen):
+        entries = seen[key]
+        per_rank = any(entry[0] == "rank" for _, entry in entries)
+        if len(entries) > 1 and (per_rank or len({entry for _, entry in entries}) > 1):
+            listing = ", ".join(f"rank {r}: {kind} {list(shape)} {dtype.removeprefix('torch.')}"
+                                for r, (kind, shape, dtype) in entries)
+            lines.append(f"{key!r} ({listing})")
+    return lines
+
+
+def _cuda_ready_event(tensors: dict[str, torch.Tensor]) -> Any:
+    """Event on the caller's CUDA stream marking the values to save (None without CUDA tensors)."""
+    if not any(t.device.type == "cuda" for t in tensors.values()):
+        return None
+    event = torch.cuda.Event()
+    event.record()
+    return event
+
+
+
+
+@dataclass(eq=False)
+class _Job:
+    """The engine's side of one save between capture and commit (the save itself is ``request``)."""
+
+    request: SaveRequest
+    handle: SaveHandle
+    tensors: dict[str, torch.Tensor]  # the live tensors, until staged
+    tree: Any
+    fits: bool
+    background: bool
+    t0: float
+    ready_event: Any = None
+    signature: dict[str, tuple] | None = None  # the tensors this rank stores under job-wide DCP keys (_signature)
+    deferred_keys: set[str] | None = None  # overlap_staging: copied in the writer, before the next optimizer step
+    early_s: float = 0.0
+    to_write: dict[str, torch.Tensor] = field(default_factory=dict)
+    layout: ArenaLayout = ()
+    reserved: bool = False  # this rank created ``final`` empty when the save was accepted
 
 
 def _lower_thread_priority(niceness: int) -> None:
@@ -61,7 +499,7 @@ def close_on_exit(close: Callable[[], None], exc_type: type | None) -> None:
         log.exception("checkpoint error while closing after another exception")
 
 
-class AsyncCheckpointer(CheckpointerPrepareMixin):
+class AsyncCheckpointer:
     """Asynchronous, atomic DCP saves to explicit directories; collective over all ranks.
 
     Args:
@@ -79,10 +517,9 @@ class AsyncCheckpointer(CheckpointerPrepareMixin):
             2-core machine 19 cuts the writer's slowdown of training from about 2x to about 1.2x at
             the price of a slower write.
         staging_budget_bytes: host bytes for the staging arena; default half of the available memory
-            at each save (psutil, capped by the memory cgroup; see :mod:`torch_ckpt.save._memory_limits`),
-            split over the local ranks. A state that does not fit, or whose arena cannot be
-            allocated, is saved synchronously straight from the live tensors (bounded memory,
-            logged), never by over-allocating.
+            at each save (capped by the memory cgroup), split over the local ranks. A state that
+            does not fit, or whose arena cannot be allocated, is saved synchronously straight from
+            the live tensors (bounded memory, logged), never by over-allocating.
         thread_count: DCP writer threads (and files) per rank. The default 2 overlaps one thread's
             CRC-32 and fsync with the other's writes. An error in any writer thread fails the save.
         timeout_seconds: limit for checkpoint collectives between ranks (seconds, or a duration such as "10m").
@@ -137,6 +574,7 @@ class AsyncCheckpointer(CheckpointerPrepareMixin):
         self._inflight: SaveHandle | None = None
         self._job: Future | None = None  # the writer's last job, done once its cleanup (deletions) is too
         self._pending_error: BaseException | None = None
+        self._agreed_digests: tuple | None = None  # the ranks' tensor-signature digests last found consistent
         self._lock = threading.Lock()
         self._closed = False
         self.last_stats: SaveStats | None = None
@@ -198,47 +636,53 @@ class AsyncCheckpointer(CheckpointerPrepareMixin):
         self._inflight = None
         return time.monotonic() - t0
 
+    def wait_previous(self) -> float:
+        """Wait for the save in flight (not for its cleanup); raise, once, an earlier background error.
+
+        Returns:
+            The seconds waited.
+        """
+        self._ensure_open()
+        waited = self._wait_inflight()
+        self._raise_pending()
+        return waited
+
     # -- saving ----------------------------------------------------------------------------------
-    def save(self, final: str | os.PathLike, state: Any, *, step: int = 0,
-             on_committed: Callable[[Path], None] | None = None, started_at: float | None = None,
-             waited_s: float = 0.0, prepare: Callable[[], None] | None = None,
-             replace: bool | Callable[[], bool] = False,
-             extra_dir: str | os.PathLike | Callable[[], Any] | None = None,
-             lineage: Any = None) -> SaveHandle:
+    def save(self, final: str | os.PathLike, state: Any, *, step: int = 0, replace: bool = False,
+             extra_dir: str | os.PathLike | None = None, lineage: Any = None,
+             after_commit: Callable[[Path], Callable[[], None] | None] | None = None) -> SaveHandle:
         """Checkpoint ``state`` into directory ``final``; returns once staged (async) or committed (sync).
 
-        Collective: every rank calls it with the same ``final`` and ``step``. Waits first for the
-        previous save (at most one in flight) and raises, once, any error of an earlier background
-        save. Before anything is submitted the ranks agree (one small all-gather on the checkpoint
-        group): when any rank failed to prepare its part (an unsupported value, a staging error, a
-        previous error) or the ranks name different steps or directories, every rank raises for
-        this step at once and nothing is written; later saves work normally.
+        :meth:`submit` of the :class:`~torch_ckpt.save._persist.SaveRequest` these arguments
+        describe (see its attributes): ``final`` is created empty by the committing rank before this
+        returns (the name is taken at once), written inside it as a hidden
+        ``.torch-ckpt.partial.<incarnation>`` and committed when complete
+        (:mod:`torch_ckpt.root._temporaries`). ``state``: a :class:`~torch_ckpt.TrainState`, any
+        ``Stateful`` or a nested dict of tensors and plain values (:mod:`torch_ckpt.format._codec`).
+        """
+        return self.submit(SaveRequest(final=Path(final), step=step, replace=replace, lineage=lineage,
+                                       extra_dir=None if extra_dir is None else Path(extra_dir),
+                                       after_commit=after_commit), state)
+
+    def submit(self, request: SaveRequest, state: Any, *, refused: Exception | None = None,
+               started_at: float | None = None, waited_s: float = 0.0) -> SaveHandle:
+        """Save ``state`` as ``request`` asks; returns once staged (async) or committed (sync).
+
+        Collective: every rank calls it with the same ``request.final`` and ``request.step``. Waits
+        first for the previous save (at most one in flight) and raises, once, any error of an
+        earlier background save. Before anything is submitted the ranks agree (one small all-gather
+        on the checkpoint group): when any rank failed to prepare its part (``refused``, an
+        unsupported value, a staging error, a previous error) or the ranks name different steps or
+        directories, every rank raises for this step at once and nothing is written; later saves
+        work normally.
 
         Args:
-            final: the directory to create (missing, or empty: a reservation); created empty by the
-                committing rank before this returns (the name is taken at once), written inside it as
-                a hidden ``.torch-ckpt.partial.<incarnation>`` and committed when complete (see
-                :mod:`torch_ckpt.root._temporaries`).
-            state: a :class:`~torch_ckpt.TrainState`, any ``Stateful`` or a nested dict of tensors
-                and plain values (see :mod:`torch_ckpt.format._codec` for the supported values).
-            step: recorded in the manifest.
-            on_committed: called on every rank with the committed directory, in the writer thread,
-                after the commit and before ``committed`` resolves (used for retention). It may
-                return a callable, run in the writer thread right after ``committed`` resolves
-                (work that must not delay durability, e.g. deleting retired checkpoints; an
-                exception it raises is logged).
-            started_at: ``time.monotonic()`` when the caller's save began (for ``blocking_s``), if
-                the caller did work before this call (e.g. waited for the previous save).
+            request: the save (the caller's fields; the engine adds what it stages).
+            state: what to save (see :meth:`save`).
+            refused: the caller's own checks of this save failed with this error: nothing is
+                captured, and every rank raises at the agreement.
+            started_at: ``time.monotonic()`` when the caller's save began (for ``blocking_s``).
             waited_s: seconds the caller already waited for the previous save.
-            prepare: called on every rank after the previous save finished and before the state
-                is captured; an exception it raises is part of the agreement (used by the manager
-                for its step checks).
-            replace: ``final`` may hold a committed checkpoint, replaced atomically at commit (the
-                old one stays loadable until then); a callable is asked after ``prepare``.
-            extra_dir: rank 0's directory of framework files (e.g. written by save hooks) moved
-                into the checkpoint before its manifest, so they commit atomically with it.
-            lineage: the run segment (:class:`~torch_ckpt.policy._lineage.Lineage`) rank 0 records in the
-                manifest, or a callable asked after ``prepare``; None: the base segment.
 
         Returns:
             A :class:`SaveHandle` whose ``committed`` future completes when the checkpoint is durable.
@@ -257,43 +701,163 @@ class AsyncCheckpointer(CheckpointerPrepareMixin):
                               "load_state_dict or a hook it calls); its staging memory is the restore's undo log. "
                               "Save after restore() returned")
         t0 = time.monotonic() if started_at is None else started_at
-        error: Exception | None = None
-        prepared = None
+        error, job = refused, None
+        if error is None:
+            try:
+                job = self._capture(request, state, waited_s, t0)
+            except Exception as exc:  # noqa: BLE001 - reported to every rank by the agreement below
+                error = exc
         try:
-            prepared = self._prepare_save(final, state, step, on_committed, t0, waited_s, prepare)
-            prepared[0].replace = bool(replace() if callable(replace) else replace)
-            extra = extra_dir() if callable(extra_dir) else extra_dir
-            prepared[0].extra_dir = None if extra is None else Path(extra)
-            prepared[0].lineage = lineage() if callable(lineage) else lineage
-        except Exception as exc:  # noqa: BLE001 - reported to every rank by the agreement below
-            error = exc
-        try:
-            self._agree(step, final, error, None if prepared is None else prepared[0].signature)
+            self._agree(request.step, request.final, error, None if job is None else job.signature)
         except BaseException as exc:
-            if prepared is not None:
-                self._abandon(prepared[1], exc)
+            if job is not None:
+                self._abandon(job.handle, exc)
             raise
-        job, handle, background = prepared
         self._reserve(job)
-        stats = handle.stats
-        if background:
-            if job.progress is not None:
-                # pipelined staging: the writer starts now and writes each tensor as soon as it is copied
-                self._job = self._start_writer(job, handle)
-                self._copy_pipelined(job, handle)
-                stats.blocking_s = time.monotonic() - t0
-                job.progress.finish()
-                handle.staged.set_result(None)
-                return handle
-            stats.blocking_s = time.monotonic() - t0  # the start below is the only remaining work
-            self._job = self._start_writer(job, handle)
+        if job.background:
+            job.handle.stats.blocking_s = time.monotonic() - t0  # the start below is the only remaining work
+            self._job = self._start_writer(job)
         else:
-            self._run_job(job, handle)
-            stats.blocking_s = time.monotonic() - t0
+            self._run_job(job, job.handle)
+            job.handle.stats.blocking_s = time.monotonic() - t0
             self._raise_pending()
-        return handle
+        return job.handle
 
-    def _start_writer(self, job: SaveJob, handle: SaveHandle) -> Future:
+    def _capture(self, request: SaveRequest, state: Any, waited_s: float, t0: float) -> _Job:
+        """This rank's part of a save up to the agreement: wait, capture and staging (or its start)."""
+        wait_prev = self._wait_inflight() + waited_s
+        self._raise_pending()
+        step = request.step
+        stats = SaveStats(step=step, wait_for_previous_s=wait_prev)
+        sd = state.state_dict() if hasattr(state, "state_dict") else state
+        replicated = tuple(getattr(state, "replicated_keys", ()))
+        tensors, tree = split_state(sd, rank_local_keys=tuple(getattr(state, "rank_local_keys", ())),
+                                    replicated_keys=replicated, rank=self._ctx.rank)
+        signature = _signature(tensors, replicated) if self._ctx.enabled and self._ctx.world_size > 1 else None
+        if self._process_writer is not None and any(type(t) is not torch.Tensor for t in tensors.values()):
+            raise ConfigError("persist='process' supports plain tensors only; this state holds DTensor/sharded "
+                              "tensors (FSDP2/TP). Use persist='thread'.")
+        need, budget = self._stager.required_bytes(tensors), self._stager.budget_bytes
+        fits = need <= budget
+        if not fits:
+            log.warning("state of %d bytes exceeds the staging budget of %d bytes: saving step %d synchronously "
+                        "from the live tensors (raise staging_budget_bytes to save asynchronously)",
+                        need, budget, step)
+        else:
+            try:
+                self._stager.reserve(tensors)
+            except StagingMemoryError as exc:  # the budget was not really there (ulimit -v, pinned or /dev/shm limits)
+                fits = False
+                log.warning("step %d is saved synchronously from the live tensors: %s", step, exc)
+        background = self.async_save and fits
+        stats.mode = "async" if background else ("sync" if fits else "sync-over-budget")
+        handle = SaveHandle(step, Future(), Future(), stats)
+        job = _Job(request=request, handle=handle, tensors=tensors, tree=tree, fits=fits, background=background, t0=t0,
+                   ready_event=_cuda_ready_event(tensors) if self.overlap_staging else None, signature=signature)
+        self._inflight = handle
+        try:
+            if background and self.overlap_staging:
+                owned = state.optimizer_owned_keys(tensors) \
+                    if callable(getattr(state, "optimizer_owned_keys", None)) else set()
+                # what forward passes may change (buffers, plain dict values) is copied now; parameters and
+                # optimizer state are copied in the background, before the next optimizer.step()
+                t = time.monotonic()
+                self._stager.stage(tensors, only=set(tensors) - owned)
+                job.deferred_keys, job.early_s = owned, time.monotonic() - t
+                self._install_step_hooks(state)
+                self._staged_future = handle.staged
+            else:
+                self._stage(job, handle)
+        except BaseException as exc:  # staging failed or was interrupted: nothing is in flight
+            self._abandon(handle, exc)
+            raise
+        return job
+
+    def _abandon(self, handle: SaveHandle, exc: BaseException) -> None:
+        """Fail a save that will not be submitted: nothing is in flight afterwards."""
+        if self._inflight is handle:
+            self._inflight = None
+        for fut in (handle.staged, handle.committed):
+            if not fut.done():
+                fut.set_exception(exc)
+    def _agree(self, step: Any, final: str | os.PathLike, error: Exception | None,
+               signature: dict[str, tuple] | None = None) -> None:
+        """The ranks' agreement before a submit: every rank raises when any failed or when they disagree.
+
+        One all-gather on the caller-thread checkpoint group (the group of every other decision
+        taken on this thread, in the same order on every rank), so a failed step leaves no
+        collective half-done behind. It carries a digest of the tensors each rank stores under
+        job-wide DCP keys (:func:`_signature`); when the digests differ from each other (and from
+        the last set agreed on: pipeline stages hold different keys on every save), a second
+        all-gather of the signatures finds the keys two ranks store differently, and every rank
+        raises a ``ConfigError`` naming them and the ranks (DCP would keep one rank's entry and
+        drop the other's).
+        """
+        if isinstance(error, OSError) and not isinstance(error, CheckpointError):
+            where = f" ({error.filename})" if error.filename else ""
+            typed = CheckpointWriteError(error.errno, f"checkpoint step {step} was not saved: "
+                                         f"{error.strerror or error}{where}")
+            typed.__cause__ = error
+            error = typed
+        mine = None if error is None else (type(error).__name__, str(error))
+        # node-local roots are different directories on each node: the ranks agree on the name
+        target = os.path.abspath(os.fspath(final)) if self.node_layout is None else Path(final).name
+        try:
+            votes = self._ctx.all_gather((mine, step, target, _digest(signature)), what="save agreement")
+        except CheckpointError:
+            if error is not None:
+                raise error  # noqa: B904 - this rank's own failure says more than the failed agreement (its context)
+            raise
+        if error is not None:
+            raise error
+        failed = [(rank, vote[0]) for rank, vote in enumerate(votes) if vote[0] is not None]
+        if failed:
+            rank, (kind, msg) = failed[0]
+            cls = getattr(errors_module, kind, None) if kind in errors_module.__all__ else None
+            cls = cls if cls is not None and kind != "StateMismatchError" else CheckpointError
+            others = f" (and ranks {[r for r, _ in failed[1:]]})" if len(failed) > 1 else ""
+            raise cls(f"checkpoint step {step} was not saved: rank {rank}{others} could not prepare it: {msg}")
+        if len({(vote[1], vote[2]) for vote in votes}) > 1:
+            listing = "; ".join(f"rank {r}: step {vote[1]} into {vote[2]}" for r, vote in enumerate(votes))
+            raise ConfigError(f"ranks disagree on the checkpoint to save ({listing}); every rank must save the "
+                              "same step into the same directory")
+        digests = tuple(vote[3] for vote in votes)
+        if len(set(digests)) > 1 and digests != self._agreed_digests:
+            lines = _conflicts(self._ctx.all_gather(signature, what="save structure agreement"))
+            if lines:
+                raise ConfigError(
+                    f"checkpoint step {step} was not saved: ranks disagree on tensors stored once for all ranks: "
+                    f"{'; '.join(lines[:10])}{' ...' if len(lines) > 10 else ''}. A replicated or sharded tensor "
+                    "(model, optimizer, keys the state lists in replicated_keys) needs the same shape and dtype on "
+                    "every rank, and a key stored per rank must not be replicated on another rank; values that "
+                    "differ per rank belong outside replicated_keys")
+            self._agreed_digests = digests
+
+    def wait_staged(self) -> None:
+        """Block until the in-flight save no longer reads the live tensors (see ``overlap_staging``)."""
+        fut = self._staged_future
+        if fut is not None:
+            futures_wait([fut])
+
+    def _install_step_hooks(self, state: Any) -> None:
+        optimizers = state.optimizers() if callable(getattr(state, "optimizers", None)) else []
+        for opt in optimizers:
+            if id(opt) not in self._hooked:
+                self._hooked[id(opt)] = opt.register_step_pre_hook(lambda *_: self.wait_staged())
+
+    def _stage(self, job: _Job, handle: SaveHandle) -> None:
+        t = time.monotonic()
+        if job.fits:
+            staged = self._stager.stage(job.tensors, ready_event=job.ready_event, only=job.deferred_keys)
+            staged.synchronize()
+            job.to_write, job.layout, handle.stats.bytes = staged.tensors, staged.layout, staged.nbytes
+        else:
+            job.to_write, handle.stats.bytes = job.tensors, self._stager.required_bytes(job.tensors)
+        job.tensors = {}
+        handle.stats.staging_s = time.monotonic() - t + job.early_s
+        handle.staged.set_result(None)
+
+    def _start_writer(self, job: _Job) -> Future:
         """Run the job in a new writer thread, which ends with it; the future is done once its cleanup is.
 
         One thread per save (at most one in flight): no idle writer outlives a save, and what the job
@@ -305,7 +869,7 @@ class AsyncCheckpointer(CheckpointerPrepareMixin):
         def run() -> None:
             _lower_thread_priority(niceness)
             try:
-                self._run_job(job, handle)
+                self._run_job(job, job.handle)
                 done.set_result(None)
             except BaseException as exc:  # noqa: BLE001 - _run_job reports its own errors; this only ends the wait
                 done.set_exception(exc)
@@ -323,21 +887,22 @@ class AsyncCheckpointer(CheckpointerPrepareMixin):
             if not thread.is_alive() and self._writer is thread:
                 self._writer = None
 
-    def _reserve(self, job: SaveJob) -> None:
+    def _reserve(self, job: _Job) -> None:
         """The rank that commits ``job.final`` creates it empty now, so its name is taken once ``save()``
         returns (a framework checking whether the name exists sees it as with a synchronous save)."""
         acting = self.node_layout.is_leader if self.node_layout is not None else self._ctx.is_coordinator
         if not acting:
             return
         try:
-            job.reserved = reserve(job.final)
+            job.reserved = reserve(job.request.final)
         except OSError as exc:  # the writer's prepare step fails on it and reports it on every rank
-            log.debug("could not reserve %s: %s", job.final, exc)
+            log.debug("could not reserve %s: %s", job.request.final, exc)
 
-    def _run_job(self, job: SaveJob, handle: SaveHandle) -> None:
+    def _run_job(self, job: _Job, handle: SaveHandle) -> None:
+        req = job.request
         try:
             failed = None
-            if job.progress is None and not handle.staged.done():
+            if not handle.staged.done():
                 try:
                     self._stage(job, handle)
                 except BaseException as exc:
@@ -347,55 +912,43 @@ class AsyncCheckpointer(CheckpointerPrepareMixin):
                     # still join the persist collectives, so every rank fails this step at once
                     failed, job.to_write, job.layout = f"{type(exc).__name__}: {exc}", {}, ()
             t_start = time.monotonic()
-            # a pipelined copy fills job.timings before it marks the last tensors staged
-            timings = job.timings if job.progress is not None else {"staging_s": handle.stats.staging_s}
             failed_names, self._failed_names = tuple(self._failed_names), []
+            staged = replace(req, after_commit=None, tree=job.tree, tensor_bytes=handle.stats.bytes,
+                             thread_count=self.thread_count, timings={"staging_s": handle.stats.staging_s},
+                             incarnation=self._incarnation, failed=failed, nodes=self.node_layout,
+                             failed_names=failed_names, reserved=job.reserved)
             if self._process_writer is not None and (job.fits or failed is not None):
-                fields = dict(final=job.final, step=job.step, tree=job.tree, tensor_bytes=handle.stats.bytes,
-                              replace=job.replace, extra_dir=job.extra_dir, lineage=job.lineage,
-                              thread_count=self.thread_count, timings=timings, incarnation=self._incarnation,
-                              failed=failed, nodes=self.node_layout, failed_names=failed_names,
-                              reserved=job.reserved)
-                final, files_bytes = self._process_writer.persist(arena=None if failed else self._stager.arena,
-                                                                  layout=job.layout, fields=fields)
+                final, files_bytes = self._process_writer.persist(
+                    arena=None if failed else self._stager.arena, layout=job.layout, request=staged)
             else:
-                req = PersistRequest(final=job.final, step=job.step, tensors=job.to_write, tree=job.tree,
-                                     tensor_bytes=handle.stats.bytes, thread_count=self.thread_count,
-                                     timings=timings, incarnation=self._incarnation, failed=failed,
-                                     replace=job.replace, extra_dir=job.extra_dir, nodes=self.node_layout,
-                                     progress=job.progress, failed_names=failed_names,
-                                     lineage=job.lineage, reserved=job.reserved)
                 with self._ctx.background_work():  # no rebuild of the groups under this persist
-                    final = persist_checkpoint(req, self._ctx)
-                files_bytes = req.committed_bytes
+                    final, files_bytes = persist_checkpoint(replace(staged, tensors=job.to_write), self._ctx)
             stats = handle.stats
             stats.persist_s = time.monotonic() - t_start
             stats.total_s = time.monotonic() - job.t0
             stats.files_bytes = files_bytes  # no rank reads the committed directory again
             self.last_stats = stats
             log.info("[rank %d] committed step %d: %d bytes, blocking %.3f s, staging %.3f s, persist %.3f s",
-                     self._ctx.rank, job.step, stats.bytes, stats.blocking_s, stats.staging_s, stats.persist_s)
-            cleanup = job.on_committed(final) if job.on_committed is not None else None
+                     self._ctx.rank, req.step, stats.bytes, stats.blocking_s, stats.staging_s, stats.persist_s)
+            cleanup = req.after_commit(final) if req.after_commit is not None else None
             handle.committed.set_result(str(final))
             if callable(cleanup):  # work that need not delay `committed` (deleting retired checkpoints)
                 try:
                     cleanup()
                 except Exception as exc:  # noqa: BLE001 - the save is committed; never fail it now
                     log.warning("[rank %d] cleanup after committing step %d failed: %s: %s", self._ctx.rank,
-                                job.step, type(exc).__name__, exc)
+                                req.step, type(exc).__name__, exc)
         except BaseException as exc:  # noqa: BLE001 - surfaced on the caller's thread
-            self._failed_names.append(job.final.name)  # a temporary may be left (a collective timed out)
+            self._failed_names.append(req.final.name)  # a temporary may be left (a collective timed out)
             if job.reserved:  # the name this save reserved, unless it was committed after all
-                unreserve(job.final, partial_path(job.final, self._incarnation), created=True)
+                unreserve(req.final, partial_path(req.final, self._incarnation), created=True)
             with self._lock:
-                if job.copy_failed:
-                    pass  # save() already raised the copy's error on the caller's thread
-                elif self.on_write_error == "warn" and isinstance(exc, CheckpointError):
+                if self.on_write_error == "warn" and isinstance(exc, CheckpointError):
                     log.warning("[rank %d] checkpoint step %d failed, training continues (on_write_error='warn'): %s",
-                                self._ctx.rank, job.step, exc)
-                    self.failed_saves.append({"step": job.step, "error": str(exc), "time": time.time()})
+                                self._ctx.rank, req.step, exc)
+                    self.failed_saves.append({"step": req.step, "error": str(exc), "time": time.time()})
                 else:
-                    log.error("[rank %d] checkpoint step %d failed: %s", self._ctx.rank, job.step, exc)
+                    log.error("[rank %d] checkpoint step %d failed: %s", self._ctx.rank, req.step, exc)
                     if self._pending_error is None:
                         self._pending_error = exc
             handle.committed.set_exception(exc)

@@ -14,7 +14,7 @@ import re
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -24,9 +24,8 @@ import torch.distributed.checkpoint as dcp
 from torch_ckpt._logging import get_logger
 from torch_ckpt.distributed._context import DistContext
 from torch_ckpt.errors import CheckpointError, CheckpointWriteError
-from torch_ckpt.format._dcp_plan import FlatKeysSavePlanner, group_by_first_segment
 from torch_ckpt.format._dcp_read import unwrap_dcp_error
-from torch_ckpt.format._dcp_write import ChecksumFileSystemWriter
+from torch_ckpt.format._dcp_write import ChecksumFileSystemWriter, FlatKeysSavePlanner, group_by_first_segment
 from torch_ckpt.policy._lineage import BASE
 from torch_ckpt.root._layout import Manifest, commit_dir, rank_file_name, write_json_durable
 from torch_ckpt.root._temporaries import (
@@ -38,54 +37,86 @@ from torch_ckpt.root._temporaries import (
     unreserve,
 )
 
-__all__ = ["PersistRequest", "persist_checkpoint", "prepare_partial", "write_shards", "move_extra_entries",
-           "check_extra_name", "as_write_error",
-           "check_on_disk", "check_owner", "describe_error"]
+__all__ = ["SaveRequest", "ArenaLayout", "arena_views", "persist_checkpoint", "prepare_partial", "write_shards",
+           "move_extra_entries", "check_extra_name", "as_write_error", "check_on_disk", "check_owner", "describe_error"]
 
 log = get_logger(__name__)
 
 
-@dataclass
-class PersistRequest:
-    """Everything the writer needs for one step (tensors already staged off the live state).
+@dataclass(frozen=True)
+class SaveRequest:
+    """One save, as the manager asks for it and as the thread or process writer carries it out.
 
-    ``incarnation`` names the temporary directory (``.NAME.tmp.<incarnation>``; only rank 0's
-    value is used; None draws a fresh id for this save). ``owner_alive``, when given, is asked
-    before the write starts, before the ranks agree on it and right before the commit; once it
-    returns False the save fails and nothing is committed (a writer process whose trainer died).
-    ``failed`` marks a save whose staging already failed on this rank: the rank still joins every
-    collective (so the other ranks learn of it at once instead of waiting for the timeout), writes
-    nothing, and the save fails on every rank with this message. ``replace`` lets the commit
-    replace an existing committed checkpoint at ``final`` atomically (see
-    :func:`torch_ckpt.root._layout.replace_dir`). ``extra_dir`` (rank 0's): a directory whose entries are
-    moved into the checkpoint before its manifest is written, so they are committed, replaced and
-    removed with it (see :func:`move_extra_entries`). On success ``committed_bytes`` holds the bytes of every
-    committed file, so no rank needs to read the committed directory again. ``progress`` (a
-    :class:`~torch_ckpt.save._staging.StagingProgress`), when given, means the tensors are still being
-    staged: each is written once the copy has marked it, and a failed copy fails the save.
-    ``failed_names``: the final names of this checkpointer's earlier saves that failed; the
-    coordinator (each node's leader) removes their temporaries before writing (see
-    :func:`~torch_ckpt.root._temporaries.remove_failed_temporaries`).
+    The caller fills ``final`` to ``after_commit``; :class:`~torch_ckpt.save._checkpointer.AsyncCheckpointer`
+    adds what it staged (``dataclasses.replace``) before the writer runs; the writer process gets a
+    copy without ``tensors`` and ``after_commit`` (it maps the arena itself).
+
+    Attributes:
+        final: the checkpoint directory (missing or an empty reservation).
+        step: recorded in the manifest.
+        replace: ``final`` may hold a committed checkpoint, replaced atomically at commit
+            (:func:`torch_ckpt.root._layout.replace_dir`).
+        extra_dir: rank 0's directory of framework files moved into the checkpoint before its
+            manifest (:func:`move_extra_entries`).
+        lineage: the run segment (:class:`~torch_ckpt.policy._lineage.Lineage`) the manifest
+            records; None: the base segment.
+        after_commit: called on every rank, in the writer, with the committed directory before
+            ``committed`` resolves; it may return a callable run right after (deletions).
+        tensors: the staged ``{DCP key: tensor}``; ``tree``: the JSON tree of the other values;
+            ``tensor_bytes``: their bytes.
+        thread_count: DCP writer threads per rank. ``timings``: seconds recorded in the manifest.
+        incarnation: names the partial ``.torch-ckpt.partial.<incarnation>`` (rank 0's is used;
+            None: a fresh id).
+        owner_alive: asked before the write, before the agreement and right before the commit;
+            False fails the save (a writer process whose trainer died).
+        failed: this rank's staging failed: it joins every collective, writes nothing, and the save
+            fails on every rank with this message.
+        nodes: a :class:`~torch_ckpt.root._nodes.NodeLayout`: every node commits its own copy.
+        failed_names: final names of earlier failed saves whose temporaries go first
+            (:func:`~torch_ckpt.root._temporaries.remove_failed_temporaries`).
+        reserved: the engine created ``final`` empty; a failed save removes it.
     """
 
     final: Path
-    step: int
-    tensors: dict[str, torch.Tensor]
-    tree: Any
-    tensor_bytes: int
+    step: int = 0
+    replace: bool = False
+    extra_dir: Path | None = None
+    lineage: Any = None
+    after_commit: Callable[[Path], Callable[[], None] | None] | None = field(default=None, compare=False)
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict, compare=False)
+    tree: Any = None
+    tensor_bytes: int = 0
     thread_count: int = 1
     timings: dict[str, float] | None = None
     incarnation: str | None = None
-    owner_alive: Callable[[], bool] | None = None
+    owner_alive: Callable[[], bool] | None = field(default=None, compare=False)
     failed: str | None = None
-    replace: bool = False
-    extra_dir: Path | None = None
-    nodes: Any = None  # a torch_ckpt.root._nodes.NodeLayout: every node commits its own copy (node-local roots)
-    lineage: Any = None  # a Lineage recorded in the manifest (rank 0's); None: the base segment
-    committed_bytes: int | None = None  # output: bytes of all committed files (every rank), set on success
-    progress: Any = None
-    failed_names: tuple[str, ...] = ()  # final names of this checkpointer's earlier failed saves: their temporaries go
-    reserved: bool = False  # the saver created ``final`` empty (reserved it); a failed save removes it
+    nodes: Any = None
+    failed_names: tuple[str, ...] = ()
+    reserved: bool = False
+
+
+#: ``((key, shape, dtype, offset_bytes), ...)``: where each tensor lives in the staging arena.
+ArenaLayout = tuple[tuple[str, tuple[int, ...], torch.dtype, int], ...]
+
+
+def arena_views(arena: torch.Tensor, layout: ArenaLayout) -> dict[str, torch.Tensor]:
+    """Return ``{key: tensor aliasing its slice of the arena}`` (used by the writer process too).
+
+    Each tensor gets a storage of exactly its own size that aliases the arena's memory (built with
+    ``torch.frombuffer``), so writers that copy "views of larger storages" (DCP does, to avoid
+    serialising the whole storage) see plain tensors and write them without an extra copy.
+    """
+    base = arena.numpy()
+    out = {}
+    for key, shape, dtype, offset in layout:
+        n = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        if n == 0:
+            out[key] = torch.empty(shape, dtype=dtype)
+            continue
+        flat = torch.frombuffer(memoryview(base[offset:offset + n]), dtype=torch.uint8)
+        out[key] = flat.view(dtype).view(shape)
+    return out
 
 
 def describe_error(exc: BaseException) -> str:
@@ -120,8 +151,8 @@ def check_on_disk(directory: Path, files: dict[str, dict[str, int]]) -> None:
         if size != info["bytes"]:
             raise CheckpointWriteError(errno.EIO, f"{path} has {size} bytes on disk but {info['bytes']} were "
                                                   "written; not committing")
-def check_owner(req: PersistRequest, final: Path) -> None:
-    """Raise when the process that requested this save is gone (see ``PersistRequest.owner_alive``)."""
+def check_owner(req: SaveRequest, final: Path) -> None:
+    """Raise when the process that requested this save is gone (see ``SaveRequest.owner_alive``)."""
     if req.owner_alive is not None and not req.owner_alive():
         raise CheckpointWriteError(f"the training process that requested step {req.step} is gone; its checkpoint "
                                    f"writer does not commit {final} (the run's next start cleans up)")
@@ -165,7 +196,7 @@ def move_extra_entries(extra_dir: Path, tmp: Path) -> None:
     shutil.rmtree(extra_dir, ignore_errors=True)
 
 
-def write_shards(req: PersistRequest, ctx: DistContext, final: Path, tmp: Path, make_writer: Callable[[], Any],
+def write_shards(req: SaveRequest, ctx: DistContext, final: Path, tmp: Path, make_writer: Callable[[], Any],
                  planner: Any, *, exclude: tuple[str, ...] = ()) -> tuple[Any, BaseException | None, list, list[str],
                                                                           float]:
     """Every rank: write its shards (DCP) and per-rank state into ``tmp``, check them, and agree.
@@ -180,7 +211,7 @@ def write_shards(req: PersistRequest, ctx: DistContext, final: Path, tmp: Path, 
         final: the final directory (for the owner check).
         tmp: the temporary directory every rank writes into.
         make_writer: builds this rank's DCP storage writer (called inside the error handling).
-        planner: the DCP save planner (a :class:`~torch_ckpt.format._dcp_plan.FlatKeysSavePlanner`, so the
+        planner: the DCP save planner (a :class:`~torch_ckpt.format._dcp_write.FlatKeysSavePlanner`, so the
             grouped state writes the same metadata as a flat one).
         exclude: file names this rank wrote that are not listed as written (rewritten later).
 
@@ -219,8 +250,11 @@ def write_shards(req: PersistRequest, ctx: DistContext, final: Path, tmp: Path, 
     return writer, error, gathered, failures, time.monotonic() - t0
 
 
-def prepare_partial(req: PersistRequest, final: Path, tmp: Path) -> None:
+def prepare_partial(req: SaveRequest, final: Path, tmp: Path) -> bool:
     """The acting rank: check ``final`` may be written, reserve it if needed and create the partial ``tmp``.
+
+    Returns:
+        True when ``final`` is reserved for this save (by the engine, or created here).
 
     The leftovers of this checkpointer's earlier failed saves (``req.failed_names``) are removed
     first (:func:`~torch_ckpt.root._temporaries.remove_failed_temporaries`).
@@ -234,9 +268,10 @@ def prepare_partial(req: PersistRequest, final: Path, tmp: Path) -> None:
         raise CheckpointWriteError(f"{final} exists and is not a directory; refusing to overwrite it")
     if final.exists() and not req.replace and not is_reservation(final):
         raise CheckpointWriteError(f"{final} already exists; refusing to overwrite a checkpoint")
+    reserved = req.reserved
     if not final.exists():
         final.mkdir(parents=True)
-        req.reserved = True
+        reserved = True
     for stale in final.iterdir():  # another incarnation's partial (its save died): never committed
         if stale.name.startswith(PARTIAL_PREFIX) and stale != tmp:
             shutil.rmtree(stale, ignore_errors=True)
@@ -244,9 +279,10 @@ def prepare_partial(req: PersistRequest, final: Path, tmp: Path) -> None:
         shutil.rmtree(tmp)
     remove_failed_temporaries(final.parent, tmp, req.failed_names)
     tmp.mkdir()
+    return reserved
 
 
-def persist_checkpoint(req: PersistRequest, ctx: DistContext) -> Path:
+def persist_checkpoint(req: SaveRequest, ctx: DistContext) -> tuple[Path, int]:
     """Write, verify agreement and commit one checkpoint; collective over ``ctx``'s background group.
 
     The files are written into rank 0's partial ``NAME/.torch-ckpt.partial.<incarnation>`` inside
@@ -256,7 +292,7 @@ def persist_checkpoint(req: PersistRequest, ctx: DistContext) -> Path:
     ``req.nodes`` (node-local roots) see :func:`torch_ckpt.save._persist_nodes.persist_node_local`.
 
     Returns:
-        The committed directory (same on every rank).
+        The committed directory (same on every rank) and the bytes of all its committed files.
 
     Raises:
         CheckpointWriteError: this or another rank failed, or the requesting process is gone;
@@ -269,23 +305,24 @@ def persist_checkpoint(req: PersistRequest, ctx: DistContext) -> Path:
     final = Path(req.final)
     tmp = partial_path(final, req.incarnation or new_incarnation())
     error: BaseException | None = None
+    reserved = req.reserved
     if ctx.is_coordinator:
         try:
             check_owner(req, final)
-            prepare_partial(req, final, tmp)
+            reserved = prepare_partial(req, final, tmp)
         except BaseException as exc:  # noqa: BLE001 - reported to every rank below
             error = exc
-            unreserve(final, tmp, req.reserved)
+            unreserve(final, tmp, reserved)
     try:
-        return _write_and_commit(req, ctx, final, tmp, error)
+        return _write_and_commit(req, ctx, final, tmp, error, reserved)
     except BaseException:
         if ctx.is_coordinator:  # e.g. a collective timed out: no partial directory (nor a reservation) is left
-            unreserve(final, tmp, req.reserved)
+            unreserve(final, tmp, reserved)
         raise
 
 
-def _write_and_commit(req: PersistRequest, ctx: DistContext, final: Path, tmp: Path,
-                      error: BaseException | None) -> Path:
+def _write_and_commit(req: SaveRequest, ctx: DistContext, final: Path, tmp: Path,
+                      error: BaseException | None, reserved: bool) -> tuple[Path, int]:
     # every rank writes into rank 0's partial directory (its name carries rank 0's incarnation id)
     prepared = ctx.broadcast(("ok", tmp.name) if error is None else ("error", describe_error(error)), background=True,
                              what="prepare")
@@ -295,15 +332,14 @@ def _write_and_commit(req: PersistRequest, ctx: DistContext, final: Path, tmp: P
     tmp = final / prepared[1]
 
     def make_writer() -> ChecksumFileSystemWriter:
-        return ChecksumFileSystemWriter(tmp, thread_count=req.thread_count, sync_files=True,
-                                        wait_for=req.progress.wait if req.progress is not None else None)
+        return ChecksumFileSystemWriter(tmp, thread_count=req.thread_count, sync_files=True)
 
     writer, error, gathered, failures, write_s = write_shards(req, ctx, final, tmp, make_writer, FlatKeysSavePlanner())
 
     commit_error: str | None = None
     if ctx.is_coordinator:
         if failures:
-            unreserve(final, tmp, req.reserved)
+            unreserve(final, tmp, reserved)
         else:
             try:
                 all_files: dict[str, dict[str, int]] = {}
@@ -321,7 +357,7 @@ def _write_and_commit(req: PersistRequest, ctx: DistContext, final: Path, tmp: P
             except BaseException as exc:  # noqa: BLE001
                 commit_error = describe_error(exc)
                 error = error or exc
-                unreserve(final, tmp, req.reserved)
+                unreserve(final, tmp, reserved)
     committed = ctx.is_coordinator and not failures and commit_error is None
     try:
         outcome = ctx.broadcast(("failed", failures) if failures else (("commit-failed", commit_error) if commit_error
@@ -334,8 +370,7 @@ def _write_and_commit(req: PersistRequest, ctx: DistContext, final: Path, tmp: P
         log.warning("step %d is committed at %s, but telling the other ranks failed: %s", req.step, final, exc)
         outcome = ("ok", None)
     if outcome[0] == "ok":
-        req.committed_bytes = sum(f["bytes"] for _, files_of_rank in gathered for f in files_of_rank.values())
-        return final
+        return final, sum(f["bytes"] for _, files_of_rank in gathered for f in files_of_rank.values())
     if error is not None:
         raise as_write_error(error, tmp)
     detail = "; ".join(outcome[1]) if isinstance(outcome[1], list) else str(outcome[1])

@@ -31,7 +31,7 @@ from torch_ckpt.root._layout import MANIFEST_NAME, Manifest, commit_dir, write_j
 from torch_ckpt.root._nodes import NodeDedupPlanner, NodeLayout, RecordingWriter, node_views, shared_files
 from torch_ckpt.root._temporaries import new_incarnation, partial_path, unreserve
 from torch_ckpt.save._persist import (
-    PersistRequest,
+    SaveRequest,
     as_write_error,
     check_on_disk,
     check_owner,
@@ -62,11 +62,11 @@ def _fail_all(ctx: DistContext, mine: BaseException | None, what: str) -> list[s
     return [f"rank {r}: {msg}" for r, msg in enumerate(gathered) if msg]
 
 
-def persist_node_local(req: PersistRequest, ctx: DistContext) -> Path:
+def persist_node_local(req: SaveRequest, ctx: DistContext) -> tuple[Path, int]:
     """Write, agree on and commit one checkpoint whose root is private to each node (see module doc).
 
     Returns:
-        The committed directory on this rank's node.
+        The committed directory on this rank's node and the bytes of all committed files.
 
     Raises:
         CheckpointWriteError: this or another rank failed, or the requesting process is gone;
@@ -78,23 +78,25 @@ def persist_node_local(req: PersistRequest, ctx: DistContext) -> Path:
     name = ctx.broadcast(partial_path(final, req.incarnation or new_incarnation()).name, background=True,
                          what="prepare name")
     tmp = final / name
-    try:
-        return _persist(req, ctx, layout, final, tmp)
-    except BaseException:
-        if layout.is_leader:  # e.g. a collective timed out: no partial (nor a reservation) is left in this node's root
-            unreserve(final, tmp, req.reserved)
-        raise
-
-
-def _persist(req: PersistRequest, ctx: DistContext, layout: NodeLayout, final: Path, tmp: Path) -> Path:
     error: BaseException | None = None
+    reserved = req.reserved
     if layout.is_leader:
         try:
             check_owner(req, final)
-            prepare_partial(req, final, tmp)
-        except BaseException as exc:  # noqa: BLE001 - reported to every rank below
+            reserved = prepare_partial(req, final, tmp)
+        except BaseException as exc:  # noqa: BLE001 - reported to every rank in _persist
             error = exc
-            unreserve(final, tmp, req.reserved)
+            unreserve(final, tmp, reserved)
+    try:
+        return _persist(req, ctx, layout, final, tmp, error, reserved)
+    except BaseException:
+        if layout.is_leader:  # e.g. a collective timed out: no partial (nor a reservation) is left in this node's root
+            unreserve(final, tmp, reserved)
+        raise
+
+
+def _persist(req: SaveRequest, ctx: DistContext, layout: NodeLayout, final: Path, tmp: Path,
+             error: BaseException | None, reserved: bool) -> tuple[Path, int]:
     failures = _fail_all(ctx, error, "prepare")
     if failures:
         if error is not None:
@@ -156,9 +158,9 @@ def _persist(req: PersistRequest, ctx: DistContext, layout: NodeLayout, final: P
                 commit_dir(tmp, final, replace=req.replace)
             except BaseException as exc:  # noqa: BLE001
                 rename_error = exc
-                unreserve(final, tmp, req.reserved)
+                unreserve(final, tmp, reserved)
         else:
-            unreserve(final, tmp, req.reserved)
+            unreserve(final, tmp, reserved)
     if commit:
         try:
             renamed = _fail_all(ctx, rename_error, "commit")
@@ -171,8 +173,7 @@ def _persist(req: PersistRequest, ctx: DistContext, layout: NodeLayout, final: P
         if renamed:
             raise CheckpointWriteError(f"step {req.step} was agreed by every rank but not recorded on every node "
                                        f"({'; '.join(renamed)}); the other nodes hold their copies")
-        req.committed_bytes = sum(i["bytes"] for i in plan[1]["files"].values())
-        return final
+        return final, sum(i["bytes"] for i in plan[1]["files"].values())
     own = error or ready_error
     if own is not None:
         raise as_write_error(own, tmp)

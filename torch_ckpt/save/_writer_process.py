@@ -1,8 +1,9 @@
 """A persistent writer process per rank: persisting without competing for the trainer's GIL.
 
 The staging arena lives in shared memory; the writer process maps it once and, for each save,
-receives only the layout and the JSON tree, then runs :func:`~torch_ckpt.save._persist.persist_checkpoint`
-with its own gloo process group among the writer processes of all ranks. The process is started
+receives the save's :class:`~torch_ckpt.save._persist.SaveRequest` (without tensors) and the
+arena's layout, then runs :func:`~torch_ckpt.save._persist.persist_checkpoint` with its own gloo
+process group among the writer processes of all ranks. The process is started
 (and its process group formed) when the manager is built, so the first save does not pay for it.
 A writer that dies is detected within a second and reported as :class:`CheckpointWriteError`.
 
@@ -122,10 +123,11 @@ def _writer_main(requests: Connection, replies: Connection, rank: int, world_siz
         replies.send(("error", (type(exc).__name__, str(exc), getattr(exc, "errno", None))))
         return
 
+    from dataclasses import replace
+
     import torch.distributed as dist
 
-    from torch_ckpt.save._persist import PersistRequest, persist_checkpoint
-    from torch_ckpt.save._staging import arena_views
+    from torch_ckpt.save._persist import arena_views, persist_checkpoint
 
     try:
         if niceness:
@@ -156,12 +158,11 @@ def _writer_main(requests: Connection, replies: Connection, rank: int, world_siz
             arena = payload
             continue
         try:
-            fields, layout = payload
+            request, layout = payload
             tensors = arena_views(arena, layout) if layout else {}
-            req = PersistRequest(tensors=tensors, owner_alive=trainer_alive, **fields)
             ctx.heal()  # the writers' groups, when a collective of an earlier save broke them
-            final = persist_checkpoint(req, ctx)
-            replies.send(("ok", (str(final), req.committed_bytes)))
+            final, files_bytes = persist_checkpoint(replace(request, tensors=tensors, owner_alive=trainer_alive), ctx)
+            replies.send(("ok", (str(final), files_bytes)))
         except BaseException as exc:  # noqa: BLE001 - reported to the parent
             replies.send(("error", (type(exc).__name__, str(exc), getattr(exc, "errno", None))))
         if not trainer_alive():
@@ -246,8 +247,8 @@ class ProcessWriter:
         """Process id of the writer process (None before it started)."""
         return self._proc.pid
 
-    def persist(self, *, arena: torch.Tensor | None, layout: tuple, fields: dict[str, Any]) -> tuple[Path, int]:
-        """Persist one staged checkpoint through the writer process.
+    def persist(self, *, arena: torch.Tensor | None, layout: tuple, request: Any) -> tuple[Path, int]:
+        """Persist one staged :class:`~torch_ckpt.save._persist.SaveRequest` (no tensors) in the writer process.
 
         Returns:
             The committed directory and the bytes of all its committed files.
@@ -259,7 +260,7 @@ class ProcessWriter:
             if arena is not None and arena.data_ptr() != self._arena_ptr:
                 self._requests.send(("arena", arena))
                 self._arena_ptr = arena.data_ptr()
-            self._requests.send(("save", (fields, layout)))
+            self._requests.send(("save", (request, layout)))
         except OSError:  # the writer's end is closed (BrokenPipeError): _reply reports its death
             pass
         kind, payload = self._reply()
