@@ -107,20 +107,10 @@ def test_cuda_state_roundtrip_with_overlap(tmp_path):
     assert all(torch.equal(v, ref[k]) for k, v in model2.state_dict().items())
 
 
-def _chunked(monkeypatch, chunk_bytes=4096):
-    from torch_ckpt.save import _prepare as checkpointer_mod
-    from torch_ckpt.save import _checkpointer as staging_mod
-    monkeypatch.setattr(checkpointer_mod, "PIPELINE_STAGING", True)  # whatever the cores of this machine
-    monkeypatch.setattr(staging_mod, "_CHUNK_BYTES", chunk_bytes)
-    return {f"t{i}": torch.full((1024,), float(i)) for i in range(6)}  # 4 KiB each: one per chunk
-
-
-def test_without_pipelining_the_copy_ends_before_the_writer_starts(tmp_path, monkeypatch):
-    """With pipelining off, save() has copied every tensor before the writer writes any."""
+def test_the_copy_ends_before_the_writer_starts(tmp_path, monkeypatch):
+    """save() has copied every tensor before the writer writes any (no pipelined staging)."""
     from torch_ckpt.format import _dcp_write as dcp_io
-    from torch_ckpt.save import _prepare as checkpointer_mod
-    state = _chunked(monkeypatch)
-    monkeypatch.setattr(checkpointer_mod, "PIPELINE_STAGING", False)
+    state = {f"t{i}": torch.full((1024,), float(i)) for i in range(6)}
     copied, seen = [0], []
     real_write, real_copy = dcp_io._FileSink.write, torch._foreach_copy_
 
@@ -142,51 +132,14 @@ def test_without_pipelining_the_copy_ends_before_the_writer_starts(tmp_path, mon
     assert seen and all(n == len(state) for n in seen)
 
 
-def test_pipelined_writer_writes_before_the_copy_ends(tmp_path, monkeypatch):
-    """With thread persist, the writer writes the first copied tensors while save() is still copying."""
-    import threading
-
-    from torch_ckpt.format import _dcp_write as dcp_io
-    state = _chunked(monkeypatch)
-    wrote = threading.Event()
-    real_write, real_copy = dcp_io._FileSink.write, torch._foreach_copy_
-    calls = []
-
-    def write(self, b):
-        if memoryview(b).nbytes >= 4096:
-            wrote.set()
-        return real_write(self, b)
-
-    def copy(dst, src):
-        calls.append(len(dst))
-        if len(calls) == 2:  # hold the second chunk until the writer has written a tensor
-            wrote.wait(10)
-        return real_copy(dst, src)
-
-    monkeypatch.setattr(dcp_io._FileSink, "write", write)
-    with CheckpointManager(tmp_path, thread_count=1) as mgr:
-        monkeypatch.setattr(torch, "_foreach_copy_", copy)
-        mgr.save(1, state)
-        monkeypatch.setattr(torch, "_foreach_copy_", real_copy)
-        assert wrote.is_set() and len(calls) == 6
-        mgr.wait()
-        target = {k: torch.zeros(1024) for k in state}
-        assert mgr.restore(target) == 1
-    assert all(torch.equal(target[k], v) for k, v in state.items())
-
-
 @pytest.mark.parametrize("threads", [1, 2, 4])
-def test_pipelined_copy_failure_fails_the_save_once_and_commits_nothing(tmp_path, monkeypatch, threads):
+def test_a_copy_failure_fails_the_save_once_and_commits_nothing(tmp_path, monkeypatch, threads):
     """A copy that fails mid-way raises from save(), leaves no checkpoint or temporary, and the next save works."""
-    state = _chunked(monkeypatch)
+    state = {f"t{i}": torch.full((1024,), float(i)) for i in range(6)}
     real_copy = torch._foreach_copy_
-    calls = []
 
     def copy(dst, src):
-        calls.append(1)
-        if len(calls) == 3:
-            raise RuntimeError("copy broke mid-way")
-        return real_copy(dst, src)
+        raise RuntimeError("copy broke mid-way")
 
     with CheckpointManager(tmp_path, thread_count=threads) as mgr:
         mgr.save(1, state).wait()

@@ -651,7 +651,7 @@ def test_damaged_shard_header_without_verify_on_load_is_corrupt_naming_the_shard
 @pytest.mark.timeout(60)
 def test_retention_error_after_commit_is_reported_as_retention_and_the_save_succeeds(tmp_path, monkeypatch, caplog):
     """A failing retention pass after the rename logs a retention error; the save is committed and not failed."""
-    import torch_ckpt.manager._commit as commit_mod
+    import torch_ckpt.manager._manager as commit_mod
 
     def broken(*args, **kwargs):
         raise RuntimeError("retention exploded")

@@ -25,12 +25,10 @@ class _WallClock:
 
 def test_health_reports_ages_and_lost_work(tmp_path, monkeypatch):
     """health() gives the newest local/durable steps and the work a failure now would lose (42.5 s after the save)."""
-    import torch_ckpt.manager._health as health_mod
-    import torch_ckpt.manager._prepare as prepare_mod
+    import torch_ckpt.manager._manager as manager_mod
 
     clock = _WallClock(1_000_000.0)
-    monkeypatch.setattr(prepare_mod, "time", clock)  # the capture time of a save
-    monkeypatch.setattr(health_mod, "time", clock)  # the health report's "now"
+    monkeypatch.setattr(manager_mod, "time", clock)  # the capture time of a save and the health report's "now"
     state = TrainState(model=torch.nn.Linear(4, 4))
     with CheckpointManager(tmp_path, durable_url=f"memory://h-{uuid.uuid4().hex[:6]}/r") as mgr:
         assert mgr.health()["lost_work_if_failure_now_s"] is None

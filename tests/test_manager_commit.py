@@ -7,7 +7,7 @@ import threading
 
 import torch
 
-import torch_ckpt.manager._commit as mc
+import torch_ckpt.manager._manager as mc
 from torch_ckpt import CheckpointManager
 
 

@@ -1,4 +1,4 @@
-"""torch_ckpt.manager._health: the health report, on a stand-in manager with a fake durable tier and a fixed clock."""
+"""manager._manager.HealthReport: the health report on stand-in collaborators, a fake durable tier, a fixed clock."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import types
 
 import pytest
 
-from torch_ckpt.manager import _health as manager_health
-from torch_ckpt.manager._health import ManagerHealthMixin
+from torch_ckpt.manager import _manager as manager_health
+from torch_ckpt.manager._manager import HealthReport
 from torch_ckpt.policy._naming import StepNaming
 from torch_ckpt.root._layout import MANIFEST_NAME, Manifest, write_json_durable
 from torch_ckpt.storage._locations import DurableUnavailableError
@@ -35,18 +35,15 @@ def _listing(tier):
         return None
 
 
-class Host(ManagerHealthMixin):
-    """The manager attributes the mixin reads, and nothing else."""
-
-    def __init__(self, root, tier=None, replication=None, captured=None, in_flight=None, failed=0):
-        self.root, self.naming, self._tier = root, NAMING, tier
-        self._captured_at = dict(captured or {})
-        self._replicator = None if replication is None else types.SimpleNamespace(
-            stats=lambda: replication, durable_listing=lambda refresh=True: _listing(tier))
-        self._ckpt = types.SimpleNamespace(in_flight=in_flight, failed_saves=[object()] * failed)
-
-    def schedule_info(self):
-        return {"policy": "fixed"}
+def Host(root, tier=None, replication=None, captured=None, in_flight=None, failed=0):
+    """A HealthReport over stand-ins for exactly the collaborators it declares."""
+    runs = types.SimpleNamespace(captured_at=dict(captured or {}))
+    after = types.SimpleNamespace(replicator=None if replication is None else types.SimpleNamespace(
+        stats=lambda: replication, durable_listing=lambda refresh=True: _listing(tier)))
+    engine = types.SimpleNamespace(in_flight=in_flight, failed_saves=[object()] * failed)
+    report = HealthReport(root, NAMING, tier, runs, engine, after)
+    return types.SimpleNamespace(health=lambda: report.health({"policy": "fixed"}),
+                                 replication_stats=report.replication_stats)
 
 
 @pytest.fixture(autouse=True)

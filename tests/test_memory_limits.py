@@ -15,8 +15,7 @@ import torch
 from torch_ckpt import CheckpointManager
 from torch_ckpt.save import _checkpointer as memory_limits
 from torch_ckpt.save import _checkpointer as staging
-from torch_ckpt.save._checkpointer import cgroup_memory_headroom
-from torch_ckpt.save._checkpointer import HostStager, StagingMemoryError, default_budget_bytes
+from torch_ckpt.save._checkpointer import HostStager, StagingMemoryError, cgroup_memory_headroom, default_budget_bytes
 
 MiB = 1 << 20
 REPO = Path(__file__).resolve().parents[1]

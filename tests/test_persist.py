@@ -13,7 +13,7 @@ import pytest
 
 from torch_ckpt.errors import CheckpointCorruptError, CheckpointWriteError
 from torch_ckpt.save._persist import (
-    PersistRequest,
+    SaveRequest,
     as_write_error,
     check_extra_name,
     check_on_disk,
@@ -24,8 +24,8 @@ from torch_ckpt.save._persist import (
 )
 
 
-def request(owner_alive=None) -> PersistRequest:
-    return PersistRequest(final=Path("/ckpt/step_000000003"), step=3, tensors={}, tree={}, tensor_bytes=0,
+def request(owner_alive=None) -> SaveRequest:
+    return SaveRequest(final=Path("/ckpt/step_000000003"), step=3, tensors={}, tree={}, tensor_bytes=0,
                           owner_alive=owner_alive)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -12,11 +13,11 @@ from tests._dist import run_distributed
 from torch_ckpt import AsyncCheckpointer, CheckpointWriteError
 from torch_ckpt.distributed._context import DistContext
 from torch_ckpt.root._layout import read_manifest, scan_committed
-from torch_ckpt.save._persist import PersistRequest, persist_checkpoint
+from torch_ckpt.save._persist import SaveRequest, persist_checkpoint
 
 
-def _request(root: Path, *, step: int = 1, incarnation: str | None = "abcd", owner_alive=None) -> PersistRequest:
-    return PersistRequest(final=root / f"step_{step:09d}", step=step, tensors={"w": torch.arange(1000.0)},
+def _request(root: Path, *, step: int = 1, incarnation: str | None = "abcd", owner_alive=None) -> SaveRequest:
+    return SaveRequest(final=root / f"step_{step:09d}", step=step, tensors={"w": torch.arange(1000.0)},
                           tree={"w": None}, tensor_bytes=4000, incarnation=incarnation, owner_alive=owner_alive)
 
 
@@ -85,10 +86,10 @@ def _two_ranks(rank: int, world_size: int, root: str, dead_rank: int | None) -> 
     root_p = Path(root)
     ctx = DistContext(timeout_seconds=60)
     # each rank has its own incarnation; all write into rank 0's temporary
-    req = _request(root_p, incarnation=f"{rank + 10:x}", owner_alive=lambda: rank != dead_rank)
-    req.tensors = {f"w{rank}": torch.full((100,), float(rank))}
+    req = replace(_request(root_p, incarnation=f"{rank + 10:x}", owner_alive=lambda: rank != dead_rank),
+                  tensors={f"w{rank}": torch.full((100,), float(rank))})
     if dead_rank is None:
-        assert persist_checkpoint(req, ctx) == root_p / "step_000000001"
+        assert persist_checkpoint(req, ctx)[0] == root_p / "step_000000001"
         assert set(read_manifest(root_p / "step_000000001").files) >= {"rank_00000.json", "rank_00001.json"}
     else:
         with pytest.raises(CheckpointWriteError):

@@ -160,7 +160,7 @@ def killed_after_rename(root: str, persist: str, timeout_s: float) -> dict:
     import torch
     import torch.distributed as dist
 
-    import torch_ckpt.manager._commit as commit_mod
+    import torch_ckpt.manager._manager as commit_mod
     from torch_ckpt import CheckpointError, CheckpointManager
     from torch_ckpt.distributed._context import DistContext
     from torch_ckpt.root._layout import read_manifest
@@ -187,12 +187,12 @@ def killed_after_rename(root: str, persist: str, timeout_s: float) -> dict:
     STEP = [0]
     DistContext.broadcast = dying
     if rank == 0:  # the launcher ends rank 0 right after: nothing runs after the commit of step 3
-        real_after = commit_mod.ManagerCommitMixin._after_commit
+        real_after = commit_mod.AfterCommit.run
 
-        def after(self, step, final, replicate):
+        def after(self, step, final, replicate=False):
             return None if step == 3 else real_after(self, step, final, replicate)
 
-        commit_mod.ManagerCommitMixin._after_commit = after
+        commit_mod.AfterCommit.run = after
     mgr = CheckpointManager(local, timeout_seconds=timeout_s, durable_url=durable, keep_last=2)
     for step in (1, 2):
         STEP[0] = step

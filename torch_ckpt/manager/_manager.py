@@ -325,8 +325,7 @@ class AfterCommit:
     """What follows a commit on the root: commit callbacks, durable replication, local retention.
 
     Runs in the writer thread once every rank is done with the committed directory, on the rank
-    acting on the root; failures are logged and never change the save's outcome. It references
-    no manager, so an in-flight save does not keep an unclosed manager alive.
+    acting on the root; failures are logged and never change the save's outcome.
 
     Args:
         root, naming, config: the manager's. runs: its :class:`RunLineage`.
@@ -763,7 +762,7 @@ class CheckpointManager:
             extra = self._guard.stage_extra(extra_dir, final) \
                 if extra_dir is not None and self._ctx.is_coordinator else None
             request = SaveRequest(final=final, step=step, replace=replace, extra_dir=extra, lineage=self._runs.known,
-                                  after_commit=functools.partial(self._after.run, step, replicate=replicate))
+                                  after_commit=functools.partial(self._committed, step, replicate=replicate))
         except Exception as exc:  # noqa: BLE001 - every rank raises it at the engine's agreement
             refused = exc
         try:
@@ -775,6 +774,11 @@ class CheckpointManager:
         if self._cadence is not None:
             self._cadence.record_save_started(handle, time.monotonic())
         return handle
+
+    def _committed(self, step: int, final: Path, replicate: bool) -> Callable[[], None] | None:
+        # the writer thread holds this bound method: a manager dropped with a save in flight stays alive
+        # until that save ended, so its finalizer (close) never blocks the code that dropped it
+        return self._after.run(step, final, replicate)
 
     def should_save(self, step: int) -> bool:
         """Record that training step ``step`` finished and ask the save policy; same answer on every rank.
