@@ -1,30 +1,21 @@
 """``AsyncCheckpointer``: asynchronous, atomic DCP saves of a state to a given directory (the trainer's side).
 
-The engine under :class:`~torch_ckpt.CheckpointManager` and the framework adapters. For each
-:class:`~torch_ckpt.save._persist.SaveRequest` it waits for the previous save (at most one in
-flight), captures the state, stages it into a reusable host arena (:class:`HostStager`; now, or
-overlapped with the next forward/backward), lets the ranks agree, and hands the staged request to
-a writer thread of its own or to the writer process (:mod:`torch_ckpt.save._persist`,
-:mod:`torch_ckpt.save._writer_process`); background errors are raised on the caller's thread
-exactly once. It knows nothing about steps, naming or retention. Interpreter exit waits for a
-save still in flight (:mod:`torch_ckpt._lifecycle`).
+The engine under :class:`~torch_ckpt.CheckpointManager` and the adapters. For each
+:class:`~torch_ckpt.save._persist.SaveRequest` it waits for the previous save (one in flight at
+most), captures the state, stages it into a reusable host arena (:class:`HostStager`: now, or
+overlapping the next forward/backward), lets the ranks agree, and hands the request to a writer
+thread of its own or to the writer process (:mod:`torch_ckpt.save._persist`,
+:mod:`torch_ckpt.save._writer_process`); background errors are raised on the caller's thread once.
+It knows nothing of steps, naming or retention; interpreter exit waits for a save in flight
+(:mod:`torch_ckpt._lifecycle`).
 
-Staging copies every tensor into views of one flat host buffer (the *arena*), allocated once and
-re-allocated only when the keys, shapes or dtypes change; pinned when CUDA is available, in shared
-memory for a writer process. Copying into an existing buffer runs at memory-copy speed (about
-9.5 GB/s on the reference 2-core machine), allocating per save is page-fault bound (1.4-2.7
-GB/s). CUDA tensors are copied on a side stream after an event recorded on the caller's stream;
-CPU tensors with one ``torch._foreach_copy_`` (which releases the GIL). Nothing handed to the
-writer shares storage with a live tensor.
-
-The staging budget defaults to half the memory this process may still allocate: psutil's
-available RAM capped by the headroom of every memory cgroup on its path (:func:`cgroup_memory_headroom`;
-inside a container psutil reports the host's memory, while the kernel kills the process at the
-cgroup's limit). cgroup v2 (``0::/path``) reads ``memory.max``/``memory.high`` against
-``memory.current``, v1 (``N:memory:/path``) ``memory.limit_in_bytes`` against
-``memory.usage_in_bytes``; inactive file pages (``inactive_file``, ``total_inactive_file``) are
-not counted as used (as in ``docker stats``); each ancestor up to the mount root is checked, and
-the mount root itself where the cgroup path is not found under it.
+Staging copies every tensor into views of one flat host buffer, re-allocated only when keys, shapes
+or dtypes change (pinned with CUDA, shared memory for a writer process): a copy into an existing
+buffer runs at memory speed (9.5 GB/s on the reference VM), a fresh allocation per save is
+page-fault bound (1.4-2.7 GB/s). CUDA tensors go on a side stream after an event on the caller's
+stream, CPU tensors through one ``torch._foreach_copy_`` (GIL released). The default budget is half
+the memory this process may still allocate: psutil's available RAM capped by the headroom of every
+memory cgroup on its path (:func:`cgroup_memory_headroom`; in a container psutil reports the host).
 """
 
 from __future__ import annotations
@@ -135,6 +126,11 @@ def _headroom(levels: list[Path], limit_files: tuple[str, ...], usage_file: str,
 def cgroup_memory_headroom(cgroup_root: Path | None = None, proc_self_cgroup: str | None = None) -> int | None:
     """Bytes this process's memory cgroups still allow it to allocate, or None when no limit applies.
 
+    cgroup v2 (``0::/path``) compares ``memory.max``/``memory.high`` with ``memory.current``, v1
+    (``N:memory:/path``) ``memory.limit_in_bytes`` with ``memory.usage_in_bytes``; inactive file pages
+    do not count as used (as in ``docker stats``); every ancestor up to the mount root is checked
+    (the mount root itself where the path is not found under it).
+
     Args:
         cgroup_root: where the cgroup file systems are mounted (default :data:`CGROUP_ROOT`): v2 at
             the root itself or at ``unified/``, v1's memory controller at ``memory/``.
@@ -184,11 +180,7 @@ def available_memory_bytes() -> int:
 # -- staging ------------------------------------------------------------------------------------
 
 def default_budget_bytes(local_world_size: int | None = None, *, held_bytes: int = 0) -> int:
-    """Host bytes this rank may keep for staging now: half the available memory, split over local ranks.
-
-    Available memory is psutil's available RAM capped by the headroom of this process's memory
-    cgroup (:func:`available_memory_bytes`), so a trainer in a container
-    stays inside the container's limit.
+    """Host bytes this rank may keep for staging now: half of :func:`available_memory_bytes`, split over local ranks.
 
     Args:
         local_world_size: ranks sharing this host's memory (default: ``$LOCAL_WORLD_SIZE``, else 1).
@@ -210,8 +202,6 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 def _nbytes(t: torch.Tensor) -> int:
     loc = _local(t)
     return loc.numel() * loc.element_size()
-
-
 
 
 class StagingMemoryError(CheckpointWriteError):
@@ -238,8 +228,6 @@ class StagedState:
         """Block until every copy has landed in host memory."""
         if self.event is not None:
             self.event.synchronize()
-
-
 
 
 class HostStager:
@@ -329,18 +317,15 @@ class HostStager:
 
     def stage(self, tensors: dict[str, torch.Tensor], *, ready_event: Any = None,
               only: set[str] | None = None) -> StagedState:
-        """Copy ``tensors`` into the arena.
+        """Copy ``tensors`` (any device; DTensors shard-locally) into the arena.
 
-        Device copies are asynchronous (call :meth:`StagedState.synchronize` before reading the
-        buffers); host copies are complete on return.
+        Device copies are asynchronous (:meth:`StagedState.synchronize`); host copies are done on return.
 
         Args:
-            tensors: flat ``{key: tensor}``; tensors may live on any device; DTensors are staged
-                shard-locally.
+            tensors: flat ``{key: tensor}``.
             ready_event: CUDA event after which the device tensors hold the values to save
-                (default: the current stream's position at this call).
-            only: copy just these keys (the arena still covers all of ``tensors``); used to stage
-                in two phases.
+                (default: the current stream's position).
+            only: copy just these keys (the arena covers all of ``tensors``): staging in two phases.
 
         Returns:
             The staged host tensors; valid until the next call to :meth:`stage`.
@@ -455,8 +440,6 @@ def _cuda_ready_event(tensors: dict[str, torch.Tensor]) -> Any:
     event = torch.cuda.Event()
     event.record()
     return event
-
-
 
 
 @dataclass(eq=False)
@@ -580,8 +563,7 @@ class AsyncCheckpointer:
         self.last_stats: SaveStats | None = None
         self._incarnation = new_incarnation()
         self._failed_names: list[str] = []  # final names of failed saves whose temporaries the next save removes
-        # set by the manager for node-local roots (torch_ckpt.root._nodes.NodeLayout): each node commits its own copy
-        self.node_layout: Any = None
+        self.node_layout: Any = None  # node-local roots (root._nodes.NodeLayout, set by the manager)
         if persist == "process" and self.async_save:
             self._process_writer = ProcessWriter(self._ctx, timeout_seconds=timeout_seconds, niceness=writer_niceness)
         finish_at_exit(self, 0)
