@@ -1,19 +1,12 @@
 """``CheckpointManager``: one run root of step-numbered checkpoints, with retention, scheduling and resume.
 
-The manager orchestrates; it holds a few objects with declared interfaces, built once:
-
-* :class:`RunLineage`, the one owner of where this manager's saves stand in the run's history
-  (:mod:`torch_ckpt.policy._lineage`): the restored step, the newest step known under the root, the
-  segment of the next saves and the capture time of each save;
-* :class:`SaveGuard`, rank 0's checks and moves before a save may be written;
-* :class:`AfterCommit`, what follows a commit on the root: callbacks, replication, retention;
-* :class:`HealthReport`, ages, tiers and the exposure window;
-* :class:`~torch_ckpt.manager._read.CheckpointReader`, listing, removal and restore.
-
-A save is one frozen :class:`~torch_ckpt.save._persist.SaveRequest`, built here after the guard's
-checks and submitted to :class:`~torch_ckpt.save._checkpointer.AsyncCheckpointer`. Naming and
-commit live in :mod:`torch_ckpt.root._layout`, retention in :mod:`torch_ckpt.policy._retention`,
-the save decision in :mod:`torch_ckpt.policy._schedule` (fed by :mod:`torch_ckpt.policy._cadence`).
+The manager orchestrates a few objects with declared interfaces, built once: :class:`RunLineage`
+(the one owner of the restored step, the newest known step, the segment of the next saves
+(:mod:`torch_ckpt.policy._lineage`) and capture times), :class:`SaveGuard` (rank 0's checks before a
+save), :class:`AfterCommit` (callbacks, replication, retention), :class:`HealthReport` and
+:class:`~torch_ckpt.manager._read.CheckpointReader` (listing, removal, restore). A save is one frozen
+:class:`~torch_ckpt.save._persist.SaveRequest`, built after the guard's checks and submitted to
+:class:`~torch_ckpt.save._checkpointer.AsyncCheckpointer`.
 """
 
 from __future__ import annotations
@@ -82,11 +75,11 @@ def _list_steps(steps: list[int]) -> str:
 
 
 class RunLineage:
-    """Where this manager's saves stand in the run's history; its one owner (read and written nowhere else).
+    """Where this manager's saves stand in the run's history; its one owner.
 
     Args:
-        root: the local run root. naming: its step naming.
-        acts_on_root: this rank creates, commits and prunes the root (rank 0, or each node's leader).
+        root, naming: the local run root and its naming. acts_on_root: this rank creates, commits
+            and prunes the root (rank 0, or each node's leader).
     """
 
     def __init__(self, root: Path, naming: Naming, acts_on_root: bool) -> None:
@@ -133,10 +126,7 @@ class RunLineage:
 
 
 class SaveGuard:
-    """Rank 0's checks and moves before a save is agreed: may its target be written?
-
-    It validates the step, an explicit ``path`` and ``extra_dir``, moves damaged or superseded
-    directories aside, and refuses newer steps of another run.
+    """Rank 0's checks before a save is agreed: step, ``path``, ``extra_dir``, newer steps of another run.
 
     Args:
         root, naming, config: the manager's. incarnation: the engine's (names staged extra dirs).
@@ -509,6 +499,7 @@ class HealthReport:
         """State of the durable replication (see :meth:`Replicator.stats`); {} without a durable tier."""
         return self.after.replicator.stats() if self.after.replicator is not None else {}
 
+
 class CheckpointManager:
     """Asynchronous, atomic DCP checkpoints of one run root, with retention and resume.
 
@@ -519,19 +510,9 @@ class CheckpointManager:
         directory: local run root; created if missing. One manager owns one root.
         config: a :class:`~torch_ckpt.config.CheckpointConfig` holding the settings (default: the
             defaults). Keyword arguments given next to it override its fields.
-        **settings: any field of :class:`~torch_ckpt.config.CheckpointConfig`, by name, with the
-            same meaning, units and defaults: ``keep_last``, ``keep_every_n_steps``, ``retention``,
-            ``async_save``, ``persist``, ``overlap_staging``, ``writer_niceness``,
-            ``staging_budget_bytes``, ``thread_count``, ``verify_on_load``, ``on_world_size_change``,
-            ``timeout_seconds``, ``process_group``, ``save_policy``, ``mtbf_seconds``,
-            ``save_every_n_steps``, ``save_every_seconds``, ``initial_cost_seconds``, ``formula``,
-            ``min_interval_steps``, ``durable_url``, ``storage_options``, ``replicate_every_n_saves``,
-            ``durable_keep_last``, ``durable_keep_every_n_steps``, ``durable_verify``,
-            ``durable_flush_timeout_seconds``, ``preemption_signals``, ``preemption_timeout_seconds``,
-            ``on_write_error``, ``on_existing_newer``, ``read_only``, ``explicit_paths_only``, ``naming``,
-            ``local_root_shared``, ``durable_upload_threads``, ``durable_timeout_seconds``,
-            ``durable_create``. README.md
-            ("Configuration") lists each with its default and unit.
+        **settings: any field of :class:`~torch_ckpt.config.CheckpointConfig` (the keywords below),
+            by name, with the same meaning, units and defaults; README.md ("Configuration") lists
+            each with its default and unit.
 
     Raises:
         ConfigError: invalid arguments (an unknown setting, a bad value, a remote ``directory``, a

@@ -48,32 +48,24 @@ class SaveRequest:
     """One save, as the manager asks for it and as the thread or process writer carries it out.
 
     The caller fills ``final`` to ``after_commit``; :class:`~torch_ckpt.save._checkpointer.AsyncCheckpointer`
-    adds what it staged (``dataclasses.replace``) before the writer runs; the writer process gets a
-    copy without ``tensors`` and ``after_commit`` (it maps the arena itself).
+    adds what it staged (``dataclasses.replace``); the writer process gets it without ``tensors`` and
+    ``after_commit`` and maps the arena itself.
 
     Attributes:
-        final: the checkpoint directory (missing or an empty reservation).
-        step: recorded in the manifest.
-        replace: ``final`` may hold a committed checkpoint, replaced atomically at commit
-            (:func:`torch_ckpt.root._layout.replace_dir`).
-        extra_dir: rank 0's directory of framework files moved into the checkpoint before its
-            manifest (:func:`move_extra_entries`).
-        lineage: the run segment (:class:`~torch_ckpt.policy._lineage.Lineage`) the manifest
-            records; None: the base segment.
-        after_commit: called on every rank, in the writer, with the committed directory before
+        final: the checkpoint directory (missing or an empty reservation). step: for the manifest.
+        replace: ``final`` may hold a committed checkpoint, replaced atomically at commit.
+        extra_dir: rank 0's framework files, moved in before the manifest (:func:`move_extra_entries`).
+        lineage: the :class:`~torch_ckpt.policy._lineage.Lineage` recorded (None: the base segment).
+        after_commit: called on every rank in the writer with the committed directory, before
             ``committed`` resolves; it may return a callable run right after (deletions).
-        tensors: the staged ``{DCP key: tensor}``; ``tree``: the JSON tree of the other values;
-            ``tensor_bytes``: their bytes.
-        thread_count: DCP writer threads per rank. ``timings``: seconds recorded in the manifest.
-        incarnation: names the partial ``.torch-ckpt.partial.<incarnation>`` (rank 0's is used;
-            None: a fresh id).
-        owner_alive: asked before the write, before the agreement and right before the commit;
-            False fails the save (a writer process whose trainer died).
+        tensors, tree, tensor_bytes: the staged tensors, the JSON tree of the rest, the tensor bytes.
+        thread_count: DCP writer threads per rank. timings: seconds recorded in the manifest.
+        incarnation: names the partial ``.torch-ckpt.partial.<id>`` (rank 0's; None: a fresh id).
+        owner_alive: asked before the write, the agreement and the commit; False fails the save.
         failed: this rank's staging failed: it joins every collective, writes nothing, and the save
             fails on every rank with this message.
         nodes: a :class:`~torch_ckpt.root._nodes.NodeLayout`: every node commits its own copy.
-        failed_names: final names of earlier failed saves whose temporaries go first
-            (:func:`~torch_ckpt.root._temporaries.remove_failed_temporaries`).
+        failed_names: earlier failed saves whose temporaries go first (``remove_failed_temporaries``).
         reserved: the engine created ``final`` empty; a failed save removes it.
     """
 
