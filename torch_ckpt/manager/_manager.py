@@ -577,7 +577,6 @@ class CheckpointManager:
         self.config = cfg
         self.root = root = Path(str(directory).removeprefix("file://")).expanduser().absolute()
         self.naming = naming = StepNaming() if cfg.naming is None else cfg.naming
-        self.retention = cfg.build_retention()
         self.verify_on_load = cfg.verify_on_load
         self.on_world_size_change = cfg.on_world_size_change
         self.on_existing_newer = cfg.on_existing_newer
@@ -656,6 +655,11 @@ class CheckpointManager:
     @property
     def _replicator(self) -> Replicator | None:
         return self._after.replicator
+
+    @property
+    def retention(self) -> RetentionPolicy | None:
+        """The local retention policy (None: keep every checkpoint)."""
+        return self._after.retention
 
     # -- context manager -------------------------------------------------------------------------
     def __enter__(self) -> CheckpointManager:

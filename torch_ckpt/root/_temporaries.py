@@ -27,22 +27,9 @@ from pathlib import Path
 from torch_ckpt._logging import get_logger
 from torch_ckpt.policy._naming import Naming, StepNaming
 
-__all__ = [
-    "step_dir_name",
-    "tmp_dir_name",
-    "temporary_name",
-    "replaced_name",
-    "new_incarnation",
-    "is_temporary_name",
-    "clean_stale_temporaries",
-    "remove_failed_temporaries",
-    "PARTIAL_PREFIX",
-    "partial_path",
-    "side_path",
-    "is_reservation",
-    "reserve",
-    "unreserve",
-]
+__all__ = ["step_dir_name", "tmp_dir_name", "temporary_name", "replaced_name", "new_incarnation", "is_temporary_name",
+           "clean_stale_temporaries", "remove_failed_temporaries", "PARTIAL_PREFIX", "partial_path", "side_path",
+           "is_reservation", "reserve", "unreserve"]
 
 log = get_logger("torch_ckpt.root._layout")
 
