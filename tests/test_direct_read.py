@@ -9,7 +9,7 @@ import torch
 
 from torch_ckpt import CheckpointManager
 from torch_ckpt.errors import CheckpointCorruptError
-from torch_ckpt.format._dcp_metadata import read_metadata
+from torch_ckpt.format._dcp_read import read_metadata
 from torch_ckpt.format._dcp_record import record_framing
 from torch_ckpt.format._manifest import read_manifest
 from torch_ckpt.restore._direct_read import load_direct

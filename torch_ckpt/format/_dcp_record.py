@@ -3,7 +3,7 @@
 :func:`serialize_tensor` turns a tensor into the pieces of that record (its data kept by reference,
 never copied) for :class:`torch_ckpt.format._dcp_write.ChecksumFileSystemWriter`; :func:`record_framing` gives
 the bytes around the data, which depend only on the tensor's dtype, shape and strides, so
-:mod:`torch_ckpt.restore._direct_read` can recognise a record and read its data straight into place.
+:func:`torch_ckpt.restore._restore.load_direct` can recognise a record and read its data straight into place.
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ from torch_ckpt._values import check_int, to_seconds
 from torch_ckpt.distributed._context import DistContext
 from torch_ckpt.errors import CheckpointError, ConfigError
 from torch_ckpt.handle import SaveHandle, SaveStats
-from torch_ckpt.restore._restore import RANK_LOCAL_POLICIES, load_into
+from torch_ckpt.restore._restore import load_into
 from torch_ckpt.root._layout import read_manifest
 from torch_ckpt.root._temporaries import new_incarnation, partial_path, reserve, unreserve
 from torch_ckpt.save._persist import PersistRequest, persist_checkpoint
@@ -252,10 +252,6 @@ class AsyncCheckpointer(CheckpointerPrepareMixin):
                 (raised once).
         """
         self._ensure_open()
-        if self._stager.lent_here():  # a save from a load_state_dict called by this checkpointer's load()
-            raise ConfigError("save() was called while a restore of the same manager writes the state (from a "
-                              "load_state_dict or a hook it calls); its staging memory is the restore's undo log. "
-                              "Save after restore() returned")
         t0 = time.monotonic() if started_at is None else started_at
         error: Exception | None = None
         prepared = None
@@ -414,13 +410,9 @@ class AsyncCheckpointer(CheckpointerPrepareMixin):
         self._ensure_open()
         self._wait_inflight()
         self._raise_pending()
-        if on_world_size_change not in RANK_LOCAL_POLICIES:
-            raise ConfigError(f"on_world_size_change must be one of {RANK_LOCAL_POLICIES}, "
-                              f"got {on_world_size_change!r}")
         path = Path(path)
-        with self._stager.lend() as scratch:  # the idle arena: live tensors are read in place, backed up there
-            load_into(state, path, read_manifest(path), self._ctx, verify=verify,
-                      on_world_size_change=on_world_size_change, allow_cast=allow_cast, scratch=scratch)
+        load_into(state, path, read_manifest(path), self._ctx, verify=verify,
+                  on_world_size_change=on_world_size_change, allow_cast=allow_cast)
 
     # -- lifecycle -------------------------------------------------------------------------------
     def wait(self) -> None:

@@ -19,8 +19,6 @@ from __future__ import annotations
 import errno
 import os
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -189,7 +187,6 @@ class HostStager:
         self._nbytes = 0
         self._stream = None
         self._lock = threading.Lock()
-        self._lender: int | None = None  # thread id of the lend() block in progress
         self.allocations = 0
 
     @property
@@ -340,31 +337,6 @@ class HostStager:
                 if n < len(order) - 1:
                     progress.mark([keys[j] for j in chunk])
                 chunk, size = [], 0
-
-    @contextmanager
-    def lend(self) -> Iterator[torch.Tensor | None]:
-        """The arena as scratch memory for the block (a flat ``torch.uint8`` host tensor), or None without one.
-
-        Nothing is staged meanwhile (a concurrent :meth:`stage` waits); the arena's contents are
-        undefined afterwards, which is harmless: every save stages all of its tensors again.
-        The caller must not keep a reference after the block. Within the block the same thread
-        gets None (a restore inside a restore, e.g. from a ``load_state_dict``: the arena is the
-        outer restore's undo log), never a deadlock.
-        """
-        if self.lent_here():
-            yield None
-            return
-        with self._lock:
-            self._lender = threading.get_ident()
-            try:
-                arena = self.arena
-                yield None if arena is None or arena.numel() <= 1 else arena
-            finally:
-                self._lender = None
-
-    def lent_here(self) -> bool:
-        """True inside a :meth:`lend` block of the calling thread (staging now would wait for itself)."""
-        return self._lender == threading.get_ident()
 
     def release(self) -> None:
         """Free the arena."""

@@ -5,7 +5,7 @@ local directories and on any fsspec URL (``s3://``, ``gs://``, ``memory://``...;
 endpoints in ``storage_options``), and return JSON-serialisable dicts (the commands' ``--json``
 output).
 
-Every check goes through :mod:`torch_ckpt.format._files`, the validation path restore uses too, so these
+Every check goes through :mod:`torch_ckpt.format._manifest`, the validation path restore uses too, so these
 views accept exactly what a restore would load. Nothing here writes to a checkpoint, and nothing
 executes code from one: DCP's ``.metadata`` is read
 with torch-ckpt's restricted unpickler (:func:`torch_ckpt.format._dcp_read.read_dcp_metadata`), the per-rank
