@@ -1,4 +1,4 @@
-"""state._rng: capture and restore of the Python, NumPy and torch CPU generators; malformed states refused."""
+"""TrainState's RNG capture and restore (Python, NumPy, torch CPU generators); malformed states refused."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from torch_ckpt.errors import CheckpointCorruptError
-from torch_ckpt.state._rng import capture_rng_state, check_rng_state, restore_rng_state
+from torch_ckpt.state._train_state import capture_rng_state, check_rng_state, restore_rng_state
 
 
 def draws() -> tuple:

@@ -580,7 +580,11 @@ class _Crc:
         self._q: queue.Queue = queue.Queue(maxsize=_QUEUE_DEPTH)
         self._thread = threading.Thread(target=self._run, name="torch_ckpt_restore_crc", daemon=True)
         if enabled:
-            self._thread.start()
+            try:
+                self._thread.start()
+            except BaseException:  # e.g. a Ctrl-C in start(): a thread that did start ends at once
+                self._q.put(None)
+                raise
 
     def _run(self) -> None:
         while (view := self._q.get()) is not None:
@@ -830,6 +834,8 @@ def load_direct(targets: _Targets, step_dir: str | os.PathLike, md: Metadata, ma
                                         verify=verify, stop=stop)
             except BaseException as exc:  # noqa: BLE001 - handed to the calling thread
                 results[i] = exc
+                if not isinstance(exc, Exception):  # an interrupt: the other reader stops too
+                    stop.set()
 
     helper = threading.Thread(target=work, name="torch_ckpt_restore", daemon=True) \
         if len(jobs) > 1 and _READERS > 1 else None
@@ -852,10 +858,11 @@ def load_direct(targets: _Targets, step_dir: str | os.PathLike, md: Metadata, ma
             os.close(fds[i])
     if interrupted is not None:
         raise interrupted
+    errors = [r for r in results if isinstance(r, BaseException) and not isinstance(r, Stopped)]
+    if errors:
+        raise errors[0]  # the first error, in file order
     placed: set[str] = set()
     for result in results:
-        if isinstance(result, BaseException):  # the first error, in file order
-            raise result
         placed |= result
     return set(targets) - placed
 
