@@ -9,9 +9,8 @@ import torch
 
 from torch_ckpt import CheckpointManager
 from torch_ckpt.errors import CheckpointCorruptError
-from torch_ckpt.format._dcp_read import read_metadata
 from torch_ckpt.format._dcp_record import record_framing
-from torch_ckpt.format._manifest import read_manifest
+from torch_ckpt.format._read import read_manifest, read_metadata
 from torch_ckpt.restore._restore import load_direct
 
 

@@ -6,7 +6,7 @@ plus DCP's ``.metadata``). It writes the staged bytes straight from host memory 
 ``write`` calls that release the GIL, computes a CRC-32 and byte count of every file *while*
 writing it (no re-read), fsyncs, and compares each file's on-disk size with the bytes written. An
 error in any of its writer threads fails the write (DCP's own ``FileSystemWriter`` loses errors
-raised in its extra threads). The read side is :mod:`torch_ckpt.format._dcp_read`.
+raised in its extra threads). The read side is :mod:`torch_ckpt.format._read`.
 """
 
 from __future__ import annotations

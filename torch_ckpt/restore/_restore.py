@@ -53,9 +53,18 @@ from torch_ckpt.errors import (
     StateMismatchError,
 )
 from torch_ckpt.format._codec import ODICT_TAG, TENSOR_TAG, is_per_rank_key, join_state, logical_key, split_state
-from torch_ckpt.format._dcp_read import load_tensors, read_metadata, record_problems, tensor_items
 from torch_ckpt.format._dcp_record import record_framing
-from torch_ckpt.format._manifest import Manifest, open_listed, read_rank_doc, tensor_keys, verify_files
+from torch_ckpt.format._read import (
+    Manifest,
+    load_tensors,
+    open_listed,
+    read_metadata,
+    read_rank_doc,
+    record_problems,
+    tensor_items,
+    tensor_keys,
+    verify_files,
+)
 from torch_ckpt.storage._bounded import corrupt
 from torch_ckpt.storage._crc import crc32
 
@@ -786,7 +795,7 @@ def load_direct(targets: _Targets, step_dir: str | os.PathLike, md: Metadata, ma
 
     Returns:
         The keys of ``targets`` not placed here (another layout, dtype or framing); load them with
-        DCP's reader (:func:`torch_ckpt.format._dcp_read.load_tensors`) after checking their records.
+        DCP's reader (:func:`torch_ckpt.format._read.load_tensors`) after checking their records.
 
     Raises:
         CheckpointCorruptError: a data file is missing, not a regular file, truncated, or has the

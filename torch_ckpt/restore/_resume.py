@@ -25,7 +25,7 @@ from torch_ckpt.errors import (
     CheckpointWriteError,
     ConfigError,
 )
-from torch_ckpt.format._manifest import Manifest
+from torch_ckpt.format._read import Manifest
 from torch_ckpt.policy._lineage import Lineage, head_of, new_segment, successor
 from torch_ckpt.policy._naming import Naming, StepNaming
 from torch_ckpt.restore._restore import load_into
@@ -208,7 +208,7 @@ def restore_checkpoint(state: Any, *, root: Path, naming: Naming, tier: DurableT
     resume = waiting_for_coordinator(
         ctx, tier, "listing the checkpoints of the local root and the durable tier",
         lambda: ctx.broadcast(resume_plan(root, tier, step, naming) if ctx.is_coordinator else None,
-                              what="restore plan"))
+                              what="restore plan")) if ctx.enabled else resume_plan(root, tier, step, naming)
     if isinstance(resume, BaseException):
         raise resume
     plan = resume.candidates

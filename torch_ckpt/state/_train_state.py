@@ -61,7 +61,7 @@ def capture_rng_state() -> dict[str, Any]:
     version, mt, gauss = random.getstate()
     np_state = np.random.get_state()
     state: dict[str, Any] = {
-        "python": {"version": version, "mt": list(mt), "gauss": gauss},
+        "python": {"version": version, "mt": np.asarray(mt, dtype=np.uint32), "gauss": gauss},  # 625 words
         "numpy": {
             "kind": np_state[0],
             "keys": np.asarray(np_state[1], dtype=np.uint32),

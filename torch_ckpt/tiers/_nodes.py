@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from torch_ckpt.format._manifest import (
+from torch_ckpt.format._read import (
     MANIFEST_NAME,
     MAX_MANIFEST_BYTES,
     MAX_MANIFEST_DEPTH,
