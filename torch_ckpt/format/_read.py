@@ -580,18 +580,13 @@ def verify_files(where: str | os.PathLike | Location, manifest: Manifest, *, che
     """Check every file the manifest lists (this reader's share when ``parts`` > 1).
 
     Each must be a regular file inside the checkpoint with the listed size, and with ``checksums``
-    the listed CRC-32 (read in chunks through :func:`torch_ckpt.storage._crc.crc32`). One node's copy of a
-    node-local checkpoint is checked for that node's files. The same function checks local
-    checkpoints, checkpoints on a store, uploads to the durable tier and files fetched from it, with
-    the same messages.
-
-    Store digests: with ``checksums`` and ``store_digests`` (``{file name: digest}``), a file whose
-    stored object reports exactly that digest (:meth:`~torch_ckpt.storage._locations.Location.stat`, e.g. the
-    MD5 ETag an S3-compatible store computed over the bytes it received) passes without being read.
-    The caller vouches that each digest is of bytes with the listed CRC-32 (the durable tier
-    computes it from the local file in the same pass as that file's CRC-32). Any other file is read
-    and its CRC-32 compared, so a digest that cannot match (SSE-KMS ETags) costs a read, never a
-    false alarm.
+    the listed CRC-32. One node's copy of a node-local checkpoint is checked for that node's files.
+    Local checkpoints, checkpoints on a store, uploads to the durable tier and files fetched from it
+    are checked alike, with the same messages. With ``checksums`` and ``store_digests`` (``{file
+    name: digest}``), a file whose stored object reports exactly that digest
+    (:meth:`~torch_ckpt.storage._locations.Location.stat`, e.g. an S3 MD5 ETag) passes unread: the
+    caller vouches that the digest is of bytes with the listed CRC-32 (the durable tier computes
+    both in one pass); a digest that cannot match (SSE-KMS ETags) costs a read, never a false alarm.
 
     Args:
         where: the checkpoint directory (local path or :class:`~torch_ckpt.storage._locations.Location`).
@@ -674,12 +669,8 @@ def parse_rank_doc(raw: bytes, source: str, manifest: Manifest, rank: int, *,
                    tensor_keys: Callable[[str], bool] | None = None) -> dict[str, Any]:
     """Parse and validate the per-rank JSON document of ``rank`` (bounded; see the module docstring).
 
-    Args:
-        raw: the file's bytes.
-        source: its path or URL, for messages.
-        manifest: the checkpoint's manifest (step and world size must agree).
-        rank: the rank the file belongs to.
-        tensor_keys: when given, every tensor placeholder must satisfy it (be a DCP tensor).
+    ``source`` names the file in messages; ``step``/``world_size`` must agree with ``manifest``;
+    with ``tensor_keys``, every tensor placeholder must satisfy it (be a DCP tensor).
 
     Returns:
         The document ``{"step", "rank", "world_size", "tree"}``.
@@ -773,10 +764,8 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 def load_dcp_metadata_bytes(data: bytes, source: str) -> Metadata:
-    """Unpickle DCP ``.metadata`` bytes with the restricted unpickler (never executes code from them).
-
-    Only the type of the result is checked here; :func:`torch_ckpt.format._read.metadata_problems`
-    validates its fields.
+    """Unpickle DCP ``.metadata`` bytes with the restricted unpickler (never executes code from them);
+    only the result's type is checked here (:func:`metadata_problems` validates its fields).
 
     Raises:
         UnsafeCheckpointError: the pickle references anything but DCP metadata classes.
@@ -794,8 +783,7 @@ def load_dcp_metadata_bytes(data: bytes, source: str) -> Metadata:
 
 
 def read_dcp_metadata(path: str | os.PathLike) -> Metadata:
-    """Read a DCP ``.metadata`` file without executing arbitrary code (types unchecked; see
-    :func:`torch_ckpt.format._read.read_metadata` for the validated read of a checkpoint's metadata).
+    """Read a DCP ``.metadata`` file without executing code from it (unvalidated: see :func:`read_metadata`).
 
     Raises:
         UnsafeCheckpointError: the pickle references anything but DCP metadata classes.
@@ -807,10 +795,7 @@ def read_dcp_metadata(path: str | os.PathLike) -> Metadata:
 
 
 class _ListedFileSystem(FileSystem):
-    """DCP ``FileSystem`` that opens for reading only the given file names, as regular files (no symlinks).
-
-    Remembers the file being read when a read fails, so the error can name it.
-    """
+    """DCP ``FileSystem`` opening only the given names, as regular files; remembers the file whose read failed."""
 
     def __init__(self, allowed: set[str], *, allow_symlinks: bool = False) -> None:
         super().__init__()
@@ -1129,12 +1114,16 @@ def read_metadata(where: str | os.PathLike | Location, manifest: Manifest, *, al
     if name not in manifest.files:
         raise corrupt(source, "DCP metadata is not listed in the manifest")
     md = load_dcp_metadata_bytes(read_listed(loc, manifest, name, MAX_METADATA_BYTES), source)
-    problems, _ = metadata_problems(md, manifest)
+    _raise_first(loc, metadata_problems(md, manifest)[0])
+    return md
+
+
+def _raise_first(loc: Location, problems: list[tuple[str, str]]) -> None:
+    """Raise ``CheckpointCorruptError`` for the first of ``problems`` (``[(file, text)]``), counting the rest."""
     if problems:
         file, text = problems[0]
         more = f" (and {len(problems) - 1} more problem(s); run torch-ckpt verify)" if len(problems) > 1 else ""
         raise corrupt(loc.describe(file), f"{text}{more}")
-    return md
 
 
 def tensor_items(md: Metadata) -> dict[str, TensorStorageMetadata]:
@@ -1177,7 +1166,8 @@ def record_problems(where: str | os.PathLike | Location, manifest: Manifest, md:
 
 
 def check_records(where: str | os.PathLike | Location, manifest: Manifest, md: Metadata, *, part: int = 0,
-                  parts: int = 1, allow_symlinks: bool = False) -> None:
+                  parts: int = 1, allow_symlinks: bool = False,
+                  tensors: dict[str, TensorStorageMetadata] | None = None) -> None:
     """Raise for the first tensor record that does not match the metadata (see :func:`record_problems`).
 
     Raises:
@@ -1185,8 +1175,5 @@ def check_records(where: str | os.PathLike | Location, manifest: Manifest, md: M
             ``.metadata``; the message names the data file, the tensor key and the byte range.
     """
     loc = as_location(where, allow_symlinks=allow_symlinks)
-    problems = record_problems(loc, manifest, md, part=part, parts=parts)
-    if problems:
-        file, text = problems[0]
-        more = f" (and {len(problems) - 1} more problem(s); run torch-ckpt verify)" if len(problems) > 1 else ""
-        raise corrupt(loc.describe(file), f"{text}{more}")
+    if tensors is None or tensors:
+        _raise_first(loc, record_problems(loc, manifest, md, part=part, parts=parts, tensors=tensors))

@@ -56,16 +56,15 @@ from torch_ckpt.format._codec import ODICT_TAG, TENSOR_TAG, is_per_rank_key, joi
 from torch_ckpt.format._dcp_record import record_framing
 from torch_ckpt.format._read import (
     Manifest,
+    check_records,
     load_tensors,
     open_listed,
     read_metadata,
     read_rank_doc,
-    record_problems,
     tensor_items,
     tensor_keys,
     verify_files,
 )
-from torch_ckpt.storage._bounded import corrupt
 from torch_ckpt.storage._crc import crc32
 
 __all__ = ["load_into", "copy_into_live", "copy_tensors", "swap_in", "restore_buffers", "owners_in",
@@ -453,20 +452,15 @@ def _swap(live: torch.Tensor, new: torch.Tensor) -> None:
 def swap_in(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]], aliases: Mapping[int, int] | None = None) -> int:
     """Give each live tensor its new buffer's values: exchanged where possible, else copied.
 
-    A ``(live, new)`` pair that :func:`_swappable` accepts (``new`` appears once in ``pairs``) is
-    exchanged in O(1) by ``torch.utils.swap_tensors``: ``live`` stays the same Python object
-    (class, ``__dict__``, ``requires_grad``, ``.grad`` kept) with the new values and its autograd
-    version bumped; ``new`` must not be used afterwards. A live tensor given again (tied entries)
-    is copied into. Every other pair, and any pair ``swap_tensors`` refuses, goes to
-    :func:`copy_tensors`.
-
-    Args:
-        pairs: ``(live, new)`` tensors.
-        aliases: ``id(live) -> n`` for a live tensor sharing its storage with ``n`` other tensors
-            the caller drops (a module's ``state_dict()`` entries for its parameters).
+    A ``(live, new)`` pair that :func:`_swappable` accepts (``new`` given once) is exchanged in O(1)
+    by ``torch.utils.swap_tensors``: ``live`` stays the same object (class, ``__dict__``,
+    ``requires_grad``, ``.grad`` kept) with the new values and a bumped autograd version; ``new``
+    must not be used afterwards. A live tensor given again (tied entries), every other pair and any
+    pair ``swap_tensors`` refuses go to :func:`copy_tensors`. ``aliases``: ``id(live) -> n`` for a
+    live tensor sharing its storage with ``n`` tensors the caller drops (``state_dict()`` entries).
 
     Returns:
-        The number of pairs exchanged (the others were copied).
+        The number of pairs exchanged.
 
     Raises:
         RuntimeError: from ``copy_`` for a pair it cannot copy (e.g. shapes that do not broadcast).
@@ -773,29 +767,20 @@ def _read_file(fd: int, path: Path, expected: dict[str, int], entries: list[tupl
 
 def load_direct(targets: _Targets, step_dir: str | os.PathLike, md: Metadata, manifest: Manifest, *,
                 verify: bool, allow_symlinks: bool = False) -> set[str]:
-    """Read the data files of a single-rank checkpoint once, placing tensors into new buffers and checking CRC-32s.
+    """Read a single-rank checkpoint's data files once each, placing tensors into ``targets`` and checking CRC-32s.
 
     DCP's reader costs two reads per byte when the checksums are verified first, plus a copy out
-    of each record. Here every ``.distcp`` file the manifest lists (with ``verify``; without it,
-    only files holding a placeable tensor) is read front to back once, up to two files at a time:
-    each tensor's data goes straight into its target (``readinto`` its memory), but only when the
-    record's framing equals, byte for byte, what ``torch.save`` writes for its dtype and shape
-    (the record is then exactly what ``torch.load`` would decode); a second thread per file
-    computes the CRC-32 while the next bytes are read. Every file's size is checked before the
-    first byte is placed, and with ``verify`` its CRC-32 after; when several files fail, the first
-    one's error (in name order) is raised. An interrupt stops every reader before it is raised.
-
-    Args:
-        targets: ``{key: new buffer}`` (a failure leaves them half written: they are not live).
-        step_dir: the committed checkpoint directory.
-        md: its validated DCP metadata.
-        manifest: its manifest.
-        verify: check the CRC-32 of every data file.
-        allow_symlinks: follow symlinks when opening the files.
+    of each record. Here every listed ``.distcp`` file (without ``verify``: only those holding a
+    placeable tensor) is read front to back once, two files at a time: a tensor's data goes straight
+    into its new buffer, but only when the record's framing equals, byte for byte, what
+    ``torch.save`` writes for its dtype and shape (exactly what ``torch.load`` would decode); a
+    second thread per file computes the CRC-32 meanwhile. Sizes are checked before the first byte is
+    placed, CRC-32s (``verify``) after; of several failing files the first (in name order) is raised,
+    and an interrupt stops every reader first.
 
     Returns:
-        The keys of ``targets`` not placed here (another layout, dtype or framing); load them with
-        DCP's reader (:func:`torch_ckpt.format._read.load_tensors`) after checking their records.
+        The keys not placed here (another layout, dtype or framing), for DCP's reader
+        (:func:`torch_ckpt.format._read.load_tensors`) once their records are checked.
 
     Raises:
         CheckpointCorruptError: a data file is missing, not a regular file, truncated, or has the
@@ -887,15 +872,13 @@ def load_into(state: Any, step_dir: Path, manifest: Manifest, ctx: DistContext, 
     state); only when every read succeeded is the live state written (see the module docstring).
 
     A state may take part through optional methods: ``load_optional_key(key) -> bool`` (a tensor
-    either side may lack), ``load_target(key, shape, dtype) -> Tensor | None`` (a buffer for a
-    checkpoint tensor, placed where it will live), ``check_load(saved, allow_cast=...)``
-    (structural checks on the nested checkpoint state, whose tensors are meta tensors) and
-    ``load_session()`` (a context manager held from ``state_dict()`` to ``load_state_dict()``). A
-    state with ``load_state_dict`` receives the new buffers (on its tensors' devices) and copies
-    them itself, so a ``load_state_dict`` that refuses them changes nothing it did not change
-    itself; with DTensors and no ``check_load``, and for a plain dict, the buffers are copied into
-    the live tensors (the dict's other entries are replaced). The cyclic garbage collector is
-    paused meanwhile (:func:`collector_paused`).
+    either side may lack), ``load_target(key, shape, dtype) -> Tensor | None`` (a buffer placed
+    where the tensor will live), ``check_load(saved, allow_cast=...)`` (structural checks on the
+    checkpoint state, tensors as meta tensors) and ``load_session()`` (a context manager held from
+    ``state_dict()`` to ``load_state_dict()``). A state with ``load_state_dict`` receives the new
+    buffers (on its tensors' devices) and copies them itself, so one that refuses them changes
+    nothing it did not change itself; with DTensors and no ``check_load``, and for a plain dict,
+    the buffers are copied into the live tensors. The cyclic garbage collector is paused meanwhile.
 
     Args:
         state: the live state.
@@ -904,8 +887,7 @@ def load_into(state: Any, step_dir: Path, manifest: Manifest, ctx: DistContext, 
         ctx: ranks taking part.
         verify: check CRC-32 of every file (sizes are always checked).
         on_world_size_change: "error" or "keep_live" (rank-local state when the world size changed).
-        allow_cast: load tensors whose dtype differs from the live tensor's by casting them (each
-            such key is logged once); otherwise a dtype difference is a StateMismatchError.
+        allow_cast: cast tensors whose dtype differs from the live one (each key logged once).
 
     Raises:
         CheckpointCorruptError: files fail verification or the structure is inconsistent (a tensor
@@ -920,20 +902,6 @@ def load_into(state: Any, step_dir: Path, manifest: Manifest, ctx: DistContext, 
     with collector_paused(), (session() if callable(session) else contextlib.nullcontext()):
         _load_into(state, Path(step_dir), manifest, ctx, verify=verify, on_world_size_change=on_world_size_change,
                    allow_cast=allow_cast)
-
-
-def _raise_first(step_dir: Path, problems: list[tuple[str, str]]) -> None:
-    """Raise ``CheckpointCorruptError`` for the first of ``problems`` (``[(file, text)]``), if any."""
-    if problems:
-        file, text = problems[0]
-        more = f" (and {len(problems) - 1} more problem(s); run torch-ckpt verify)" if len(problems) > 1 else ""
-        raise corrupt(str(step_dir / file), f"{text}{more}")
-
-
-def _check_records(step_dir: Path, manifest: Manifest, md: Any, tensors: dict[str, Any]) -> None:
-    """Raise for the first record of ``tensors`` that does not match the metadata."""
-    if tensors:
-        _raise_first(step_dir, record_problems(step_dir, manifest, md, tensors=tensors))
 
 
 def _verified(step_dir: Path, manifest: Manifest, ctx: DistContext, *, direct: bool, verify: bool,
@@ -952,7 +920,7 @@ def _verified(step_dir: Path, manifest: Manifest, ctx: DistContext, *, direct: b
     md = read_metadata(step_dir, manifest)
     items = tensor_items(md)
     if not direct:  # direct: records are compared while load_direct reads them (no scattered header reads)
-        _raise_first(step_dir, record_problems(step_dir, manifest, md, part=part, parts=parts))
+        check_records(step_dir, manifest, md, part=part, parts=parts)
     tree = read_rank_doc(step_dir, manifest, ctx.rank if same_world else 0, tensor_keys=items.__contains__)["tree"]
     return md, tree
 
@@ -1004,7 +972,7 @@ def _load_into(state: Any, step_dir: Path, manifest: Manifest, ctx: DistContext,
             state, step_dir, manifest, md, tree, ctx, on_world_size_change=on_world_size_change, allow_cast=allow_cast)
     except Exception as exc:  # noqa: BLE001 - every rank learns of it below, before any rank reads
         if direct and isinstance(exc, CheckpointError):  # records not checked up front: a record that
-            _check_records(step_dir, manifest, md, tensor_items(md))  # disagrees with the metadata explains it better
+            check_records(step_dir, manifest, md, tensors=tensor_items(md))  # disagreeing with the metadata explains it
         _vote(ctx, step_dir, exc, "restore plan agreement")
         raise
     _vote(ctx, step_dir, None, "restore plan agreement")
@@ -1014,8 +982,8 @@ def _load_into(state: Any, step_dir: Path, manifest: Manifest, ctx: DistContext,
         rest = load_direct(targets, step_dir, md, manifest, verify=verify)
         # a placed tensor's record was compared byte for byte with torch.save's framing for its
         # declared dtype and shape; every other record is checked before DCP's reader opens it
-        _check_records(step_dir, manifest, md, {k: v for k, v in tensor_items(md).items()
-                                                if k in rest or k not in targets})
+        check_records(step_dir, manifest, md, tensors={k: v for k, v in tensor_items(md).items()
+                                                       if k in rest or k not in targets})
     if rest:
         load_tensors({k: targets[k] for k in rest}, step_dir, md, set(manifest.files),
                      process_group=ctx.fg if ctx.enabled else None, no_dist=not ctx.enabled)

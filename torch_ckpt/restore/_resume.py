@@ -33,7 +33,7 @@ from torch_ckpt.root._layout import quarantine_step_dir, read_manifest, scan_man
 from torch_ckpt.storage._deadline import waiting_for_coordinator
 from torch_ckpt.tiers._durable import DurableTier, DurableUnavailableError
 
-__all__ = ["Restored", "ResumePlan", "restore_candidates", "restore_checkpoint", "resume_plan", "set_aside_superseded"]
+__all__ = ["Restored", "ResumePlan", "restore_checkpoint", "resume_plan", "set_aside_superseded"]
 
 log = get_logger(__name__)
 
@@ -65,24 +65,13 @@ class ResumePlan:
         return successor(restored, step, newest=newest, fork=self.fork)
 
 
-def restore_candidates(root: Path, tier: DurableTier | None, step: int | None,
-                       naming: Naming | None = None) -> list[tuple[int, str]] | BaseException:
-    """Candidate ``(step, "local"|"durable")`` pairs to restore, newest first; run on the coordinator.
+def resume_plan(root: Path, tier: DurableTier | None, step: int | None,
+                naming: Naming | None = None) -> ResumePlan | BaseException:
+    """The live checkpoints to restore from, newest first, and the lineage they belong to; run on the coordinator.
 
     A step held by both tiers is listed twice, local copy first: when the local copy fails
     verification, the same step is taken from the durable tier before any older step. The durable
     tier is listed with its timeout (:meth:`DurableTier.listed`).
-
-    Returns an exception instead of raising it, so the coordinator can broadcast it to every rank.
-    See :func:`resume_plan` (these are its ``candidates``).
-    """
-    plan = resume_plan(root, tier, step, naming)
-    return plan if isinstance(plan, BaseException) else plan.candidates
-
-
-def resume_plan(root: Path, tier: DurableTier | None, step: int | None,
-                naming: Naming | None = None) -> ResumePlan | BaseException:
-    """The live checkpoints to restore from, newest first, and the lineage they belong to; run on the coordinator.
 
     Args:
         root: the local root.
