@@ -982,8 +982,9 @@ def _load_into(state: Any, step_dir: Path, manifest: Manifest, ctx: DistContext,
         rest = load_direct(targets, step_dir, md, manifest, verify=verify)
         # a placed tensor's record was compared byte for byte with torch.save's framing for its
         # declared dtype and shape; every other record is checked before DCP's reader opens it
-        check_records(step_dir, manifest, md, tensors={k: v for k, v in tensor_items(md).items()
-                                                       if k in rest or k not in targets})
+        unchecked = {k: v for k, v in tensor_items(md).items() if k in rest or k not in targets}
+        if unchecked:
+            check_records(step_dir, manifest, md, tensors=unchecked)
     if rest:
         load_tensors({k: targets[k] for k in rest}, step_dir, md, set(manifest.files),
                      process_group=ctx.fg if ctx.enabled else None, no_dist=not ctx.enabled)
