@@ -36,6 +36,7 @@ from torch_ckpt.tiers._durable import DurableTier, DurableUnavailableError
 __all__ = ["Restored", "ResumePlan", "restore_checkpoint", "resume_plan", "set_aside_superseded"]
 
 log = get_logger(__name__)
+mlog = get_logger("torch_ckpt.manager._manager")  # what CheckpointManager.restore did: its own log lines, as before
 
 
 @dataclass(frozen=True)
@@ -202,7 +203,7 @@ def restore_checkpoint(state: Any, *, root: Path, naming: Naming, tier: DurableT
         raise resume
     plan = resume.candidates
     if not plan:
-        log.info("no committed checkpoint under %s%s; starting from scratch", root,
+        mlog.info("no committed checkpoint under %s%s; starting from scratch", root,
                  f" (the durable tier {tier.url} answered: no committed step)" if tier is not None else "")
         return None
     outage: DurableUnavailableError | None = None
@@ -224,13 +225,13 @@ def restore_checkpoint(state: Any, *, root: Path, naming: Naming, tier: DurableT
             if not rest:
                 raise
             if rest[0][0] == cand:
-                log.warning("the local copy of step %d is not usable (%s); taking step %d from the durable "
+                mlog.warning("the local copy of step %d is not usable (%s); taking step %d from the durable "
                             "tier %s", cand, exc, cand, tier.describe(cand))
             else:
-                log.warning("step %d is not usable (%s); falling back to step %d (%s copy)", cand, exc,
+                mlog.warning("step %d is not usable (%s); falling back to step %d (%s copy)", cand, exc,
                             rest[0][0], rest[0][1])
             continue
-        log.info("[rank %d] restored step %d from %s in %.3f s", ctx.rank, cand, local, time.monotonic() - t0)
+        mlog.info("[rank %d] restored step %d from %s in %.3f s", ctx.rank, cand, local, time.monotonic() - t0)
         return Restored(cand, resume.successor(cand, manifest.lineage) if acts_on_root else None)
     return None  # unreachable: the loop returns or raises
 
@@ -253,9 +254,9 @@ def _restore_paths(state: Any, root: Path, naming: Naming, ctx: DistContext, pat
         except (CheckpointCorruptError, CheckpointNotFoundError) as exc:
             if i == len(resolved) - 1:
                 raise
-            log.warning("checkpoint %s is not usable (%s); falling back to %s", candidate, exc, resolved[i + 1])
+            mlog.warning("checkpoint %s is not usable (%s); falling back to %s", candidate, exc, resolved[i + 1])
             continue
-        log.info("[rank %d] restored step %d from %s", ctx.rank, manifest.step, candidate)
+        mlog.info("[rank %d] restored step %d from %s", ctx.rank, manifest.step, candidate)
         if not acts_on_root:
             return Restored(manifest.step, None)
         # the saves that follow continue its segment when it is the newest live step of the root, else fork
@@ -278,7 +279,7 @@ def _download(root: Path, naming: Naming, tier: DurableTier, ctx: DistContext, s
             if not read_only:
                 set_aside_superseded(root / naming.name(step))
             result = str(tier.fetch(step, root))
-            log.info("downloaded step %d from %s", step, tier.describe(step))
+            mlog.info("downloaded step %d from %s", step, tier.describe(step))
         except CheckpointError as exc:
             result = exc
         except OSError as exc:  # a local limit or disk error (EFBIG, ENOSPC, EIO): every rank raises it now
