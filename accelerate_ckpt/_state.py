@@ -110,11 +110,6 @@ class AcceleratorTrainState:
         plain = self._plain_key(key)
         return plain[0].load_optional_key(plain[1]) if plain else self._train.load_optional_key(key)
 
-    def load_in_place(self, key: str) -> bool:
-        """True for parameters, buffers and optimizer state (the load writes them in place); not custom objects."""
-        plain = self._plain_key(key)
-        return plain[0].load_in_place(plain[1]) if plain else self._train.load_in_place(key)
-
     def load_target(self, key: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
         """A new tensor, placed where its optimizer keeps it, for an optimizer-state key; None otherwise."""
         plain = self._plain_key(key)

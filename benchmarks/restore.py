@@ -17,9 +17,9 @@ second to the next). ``cold_over_read`` is a method's cold time over the floor m
 before it, median over rounds; ``cold_over_median_read`` is its median cold time over the median
 of its floors. Methods: ``ours`` (``CheckpointManager.restore`` by the manager that saved the
 checkpoint, CRC-32 of every file verified; in one process each data file is read once,
-checksummed in the same pass; large live tensors are read in place, backed up in the manager's
-idle staging arena), ``ours_noverify`` (sizes only), ``ours_fresh`` (a manager that has not saved
-in this process, as after a restart: no arena, so new buffers), ``torch_load`` (``torch.load`` +
+checksummed in the same pass, into new buffers exchanged with the live tensors at the end),
+``ours_noverify`` (sizes only), ``ours_fresh`` (a manager that has not saved in this process, as
+after a restart), ``torch_load`` (``torch.load`` +
 ``load_state_dict``), ``dcp_load`` (``dcp.load`` + ``set_state_dict``), ``lightning_load``
 (``TorchCheckpointIO.load_checkpoint`` + ``load_state_dict``) and ``accelerate_load``
 (``Accelerator.load_state``).
@@ -114,7 +114,7 @@ class OursNoVerify(Ours):
 
 
 class OursFresh(Method):
-    """A manager that has not saved in this process (a resume after a restart): no arena to lend."""
+    """A manager that has not saved in this process (a resume after a restart)."""
 
     name = "ours_fresh"
 

@@ -1,4 +1,4 @@
-"""Single-pass restore (torch_ckpt.restore._direct_read): one read per byte, CRC-32 checked in the same pass."""
+"""Single-pass restore (torch_ckpt.restore._restore.load_direct): one read per byte, CRC-32 checked in the same pass."""
 
 from __future__ import annotations
 
@@ -9,10 +9,9 @@ import torch
 
 from torch_ckpt import CheckpointManager
 from torch_ckpt.errors import CheckpointCorruptError
-from torch_ckpt.format._dcp_metadata import read_metadata
 from torch_ckpt.format._dcp_write import record_framing
-from torch_ckpt.format._manifest import read_manifest
-from torch_ckpt.restore._direct_read import load_direct
+from torch_ckpt.format._read import read_manifest, read_metadata
+from torch_ckpt.restore._restore import load_direct
 
 
 def _state() -> dict[str, torch.Tensor]:
@@ -115,7 +114,7 @@ def test_manager_restore_detects_a_flipped_data_byte(ckpt):
 @pytest.mark.parametrize("buffer_bytes", [64, 4096, 1 << 20])
 def test_records_straddling_the_read_ahead_buffer_are_placed_exactly(tmp_path, monkeypatch, buffer_bytes):
     """Small and large records, whatever their position against the read-ahead buffer, load bit for bit."""
-    from torch_ckpt.restore import _direct_read as direct_read
+    from torch_ckpt.restore import _restore as direct_read
     monkeypatch.setattr(direct_read, "_BUFFER_BYTES", buffer_bytes)
     g = torch.Generator().manual_seed(1)
     state = {f"s{i}": torch.randn(n, generator=g) for i, n in enumerate([1, 7, 300, 5000, 300_000, 3, 262_144, 17])}
@@ -148,7 +147,7 @@ def two_files(tmp_path, request):
 @pytest.mark.parametrize("readers", [1, 2])
 def test_files_read_one_by_one_or_together_place_the_same_values(two_files, monkeypatch, readers):
     """Two data files, read by one thread or by two at a time, place every tensor with its saved value."""
-    from torch_ckpt.restore import _direct_read as direct_read
+    from torch_ckpt.restore import _restore as direct_read
     monkeypatch.setattr(direct_read, "_READERS", readers)
     manifest = read_manifest(two_files)
     targets = {k: torch.empty_like(v) for k, v in _big_state().items()}
@@ -159,7 +158,7 @@ def test_files_read_one_by_one_or_together_place_the_same_values(two_files, monk
 @pytest.mark.parametrize("readers", [1, 2])
 def test_flipped_byte_in_the_last_file_names_it(two_files, monkeypatch, readers):
     """A byte flipped in the last data file fails its CRC-32 check, naming that file, however many readers run."""
-    from torch_ckpt.restore import _direct_read as direct_read
+    from torch_ckpt.restore import _restore as direct_read
     monkeypatch.setattr(direct_read, "_READERS", readers)
     last = sorted(two_files.glob("*.distcp"))[-1]
     raw = bytearray(last.read_bytes())
@@ -205,34 +204,9 @@ def test_odd_live_tensors_restore_exactly(tmp_path):
     assert live["tie2"] is live["tied"]
 
 
-def test_faulting_pages_ahead_never_changes_a_tensors_bytes():
-    """The populate helper maps pages writable without altering what they hold (safe to race the reader)."""
-    from torch_ckpt.restore._targets import Preparer
-
-    big = torch.arange(3 << 20, dtype=torch.int32)  # 12 MiB: many whole pages, both edges partial
-    before = big.clone()
-    p = Preparer([(big[1:], "a"), (torch.empty(0), "b")], None)
-    p.close()
-    assert torch.equal(big, before)
-
-
-@pytest.mark.parametrize("populate", ["on", "off", "madvise_fails"])
-def test_restore_places_the_same_values_with_or_without_faulting_ahead(two_files, monkeypatch, populate):
-    """Faulting target pages ahead (on, off, or refused by the kernel) never changes the restored values."""
-    import torch_ckpt.restore._targets as rt
-
-    monkeypatch.setattr(rt, "POPULATE", populate != "off")
-    if populate == "madvise_fails":
-        monkeypatch.setattr(rt, "MADVISE", lambda *a: -1)
-    manifest = read_manifest(two_files)
-    targets = {k: torch.zeros_like(v) for k, v in _big_state().items()}
-    assert load_direct(targets, two_files, read_metadata(two_files, manifest), manifest, verify=True) == set()
-    assert all(torch.equal(targets[k], v) for k, v in _big_state().items())
-
-
 def test_a_refused_read_ahead_hint_is_not_a_damaged_file(two_files, monkeypatch):
     """posix_fadvise raising (a seccomp or security-module denial) is ignored: the restore reads as usual."""
-    import torch_ckpt.restore._direct_read as dr
+    import torch_ckpt.restore._restore as dr
 
     def refuse(*args):
         raise PermissionError(1, "Operation not permitted")

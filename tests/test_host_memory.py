@@ -1,11 +1,11 @@
-"""The copy into live tensors (torch_ckpt.restore._live_copy): every route gives copy_'s values and version bump."""
+"""The copy into live tensors (torch_ckpt.restore._restore): every route gives copy_'s values and version bump."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from torch_ckpt.restore import _live_copy as host_memory
+from torch_ckpt.restore import _restore as host_memory
 
 
 def _route(monkeypatch, route: str) -> None:
@@ -21,7 +21,7 @@ def _route(monkeypatch, route: str) -> None:
 @pytest.mark.parametrize("route", ["foreach", "memmove", "threads"])
 def test_copy_tensors_gives_every_destination_its_source_values(monkeypatch, route):
     """Plain pairs (batched, whole, or split in pieces over threads) and other pairs all get src's values."""
-    from torch_ckpt.restore._live_copy import copy_tensors
+    from torch_ckpt.restore._restore import copy_tensors
 
     _route(monkeypatch, route)
     g = torch.Generator().manual_seed(0)
@@ -37,7 +37,7 @@ def test_copy_tensors_gives_every_destination_its_source_values(monkeypatch, rou
 @pytest.mark.parametrize("route", ["foreach", "memmove"])
 def test_copy_tensors_bumps_the_version_counter_like_copy_(monkeypatch, route):
     """A parameter written by copy_tensors has a new autograd version, so a stale backward is refused."""
-    from torch_ckpt.restore._live_copy import copy_tensors
+    from torch_ckpt.restore._restore import copy_tensors
 
     _route(monkeypatch, route)
     p = torch.nn.Parameter(torch.zeros(1000))
@@ -48,7 +48,7 @@ def test_copy_tensors_bumps_the_version_counter_like_copy_(monkeypatch, route):
 
 def _swap_in(pairs, owned=None, aliases=None) -> int:
     """swap_in inside a restore_buffers block owning ``owned`` (default: every new buffer)."""
-    from torch_ckpt.restore._live_copy import restore_buffers, swap_in
+    from torch_ckpt.restore._restore import restore_buffers, swap_in
 
     pairs = list(pairs)
     with restore_buffers([new for _, new in pairs] if owned is None else owned):

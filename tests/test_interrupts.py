@@ -1,43 +1,12 @@
-"""Ctrl-C safety helpers: threads that all work or none, and a Ctrl-C held while the live state is written."""
+"""Ctrl-C safety: a Ctrl-C held while a restore writes the live state, raised once it is written."""
 
 from __future__ import annotations
 
 import signal
-import threading
 
 import pytest
 
-from torch_ckpt.restore._interrupts import InterruptHold, Launch
-
-
-def test_launch_runs_every_target_once_all_threads_started():
-    """Without an interrupt every target runs once."""
-    ran: list[int] = []
-    launch = Launch([lambda: ran.append(1), lambda: ran.append(2)], "t")
-    launch.start()
-    for t in launch.threads:
-        t.join()
-    assert launch.working and sorted(ran) == [1, 2]
-
-
-def test_launch_interrupted_while_starting_runs_no_target(monkeypatch):
-    """A KeyboardInterrupt in the second Thread.start(): working is False and no target ever runs."""
-    ran: list[int] = []
-    real_start, calls = threading.Thread.start, []
-
-    def start_then_interrupt(self):
-        real_start(self)
-        calls.append(self)
-        if len(calls) == 2:
-            raise KeyboardInterrupt
-
-    monkeypatch.setattr(threading.Thread, "start", start_then_interrupt)
-    launch = Launch([lambda: ran.append(1), lambda: ran.append(2)], "t")
-    with pytest.raises(KeyboardInterrupt):
-        launch.start()
-    for t in launch.threads:
-        t.join(timeout=10)
-    assert not launch.working and ran == []
+from torch_ckpt.restore._restore import InterruptHold
 
 
 def test_hold_raises_a_ctrl_c_only_at_release():

@@ -12,7 +12,7 @@ import torch
 
 from tests._dist import run_distributed
 from torch_ckpt import CheckpointManager, ConfigError, StateMismatchError, TrainState
-from torch_ckpt.format._dcp_metadata import read_metadata, tensor_items
+from torch_ckpt.format._read import read_metadata, tensor_items
 from torch_ckpt.root._layout import read_manifest
 
 pytestmark = [pytest.mark.timeout(300)]

@@ -10,7 +10,7 @@ import pytest
 
 from torch_ckpt.errors import CheckpointCorruptError, CheckpointNotFoundError
 from torch_ckpt.policy._naming import PatternNaming, StepNaming
-from torch_ckpt.restore._resume import restore_candidates
+from torch_ckpt.restore._resume import resume_plan
 from torch_ckpt.root._layout import MANIFEST_NAME, Manifest, write_json_durable
 from torch_ckpt.storage._locations import DurableUnavailableError
 
@@ -32,6 +32,12 @@ class FakeTier:
 
     def listed(self):
         return self.list_steps()
+
+
+def restore_candidates(root, tier, step, naming=None):
+    """The plan's candidates, or the exception the coordinator would broadcast."""
+    plan = resume_plan(root, tier, step, naming)
+    return plan if isinstance(plan, BaseException) else plan.candidates
 
 
 def commit_local(root, step, *, manifest_step=None, naming=None):

@@ -1,4 +1,4 @@
-"""state._rng: capture and restore of the Python, NumPy and torch CPU generators; malformed states refused."""
+"""TrainState's RNG capture and restore (Python, NumPy, torch CPU generators); malformed states refused."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from torch_ckpt.errors import CheckpointCorruptError
-from torch_ckpt.state._rng import capture_rng_state, check_rng_state, restore_rng_state
+from torch_ckpt.state._train_state import capture_rng_state, check_rng_state, restore_rng_state
 
 
 def draws() -> tuple:
@@ -45,11 +45,20 @@ def test_restore_replays_a_cached_gaussian():
 
 
 def test_captured_state_is_plain_data():
-    """The captured state is ints, lists, numpy arrays and uint8 tensors (storable without pickling)."""
+    """The captured state is ints, floats, numpy arrays and uint8 tensors (storable without pickling)."""
     state = capture_rng_state()
-    assert all(type(x) is int for x in state["python"]["mt"])
+    assert state["python"]["mt"].dtype == np.uint32 and type(state["python"]["version"]) is int
     assert state["numpy"]["keys"].dtype == np.uint32 and type(state["numpy"]["pos"]) is int
     assert state["torch_cpu"].dtype == torch.uint8
+
+
+def test_restore_accepts_a_list_for_the_python_state():
+    """Python's state as a list of ints (checkpoints written before it was an array) restores the same stream."""
+    state = capture_rng_state()
+    first = random.random()
+    state["python"]["mt"] = state["python"]["mt"].tolist()
+    restore_rng_state(state)
+    assert random.random() == first
 
 
 def test_restore_accepts_lists_for_numpy_keys():

@@ -187,8 +187,8 @@ def test_capture_follows_a_replaced_submodule():
 
 def _count_param_names(monkeypatch):
     """Count calls of optim_state.param_names wherever torch_ckpt looks it up; return the counter."""
-    import torch_ckpt.state._load as state_load
     import torch_ckpt.state._optim as optim_state
+    import torch_ckpt.state._train_state as state_load
 
     calls = []
     real = optim_state.param_names
@@ -289,7 +289,7 @@ def test_iteration_in_progress_is_false_without_a_running_iterator(case):
     """No iterator, a finished one, the one state_dict() makes, or one only the loader refers to: not in progress."""
     from torchdata.stateful_dataloader import StatefulDataLoader
 
-    from torch_ckpt.state._load import iteration_in_progress
+    from torch_ckpt.state._train_state import iteration_in_progress
 
     loader = StatefulDataLoader(torch.arange(8), batch_size=2)
     if case == "epoch finished":

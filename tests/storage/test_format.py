@@ -1,4 +1,4 @@
-"""Listed files and per-rank state files (torch_ckpt.format._files): only listed regular files, bounded rank trees.
+"""Listed files and per-rank state files (torch_ckpt.format._read): only listed regular files, bounded rank trees.
 
 Each hostile input of issue 14 (items 3 and 4) is fed to the module's functions directly; the
 manager, CLI and convert paths that use them are covered in test_bad_input.py and test_cli_tools.py.
@@ -21,9 +21,16 @@ from tests._format_fixtures import (  # noqa: F401
     weight_item,
 )
 from torch_ckpt import CheckpointCorruptError
-from torch_ckpt.format._files import MAX_STATE_DEPTH, parse_rank_doc, rank_file_problems, read_rank_doc, verify_files
-from torch_ckpt.format._manifest import parse_manifest, read_manifest
-from torch_ckpt.format._state_tree import walk_tree
+from torch_ckpt.format._read import (
+    MAX_STATE_DEPTH,
+    parse_manifest,
+    parse_rank_doc,
+    rank_file_problems,
+    read_manifest,
+    read_rank_doc,
+    verify_files,
+    walk_tree,
+)
 
 
 # -- listed files ----------------------------------------------------------------------------------

@@ -47,7 +47,7 @@ def quiet_single_process_warning() -> None:
     purpose when there is no process group (``not DistContext.enabled``); no argument avoids it. The
     filter matches that message only, attributed to DCP (or to torch-ckpt should DCP stop wrapping
     the call), and also quiets the same non-information for the process's other single-process DCP
-    calls. The modules that call DCP (:mod:`torch_ckpt.format._dcp_write`, :mod:`torch_ckpt.format._dcp_read`) install
+    calls. The modules that call DCP (:mod:`torch_ckpt.format._dcp_write`, :mod:`torch_ckpt.format._read`) install
     it once when imported: unlike ``warnings.catch_warnings`` around each call, it never changes
     the process-wide filters from the writer thread. Installing it again adds no second filter.
     """

@@ -3,8 +3,10 @@
 The manager orchestrates a few objects with declared interfaces, built once: :class:`RunLineage`
 (the one owner of the restored step, the newest known step, the segment of the next saves
 (:mod:`torch_ckpt.policy._lineage`) and capture times), :class:`SaveGuard` (rank 0's checks before a
-save), :class:`AfterCommit` (callbacks, replication, retention), :class:`HealthReport` and
-:class:`~torch_ckpt.manager._read.CheckpointReader` (listing, removal, restore). A save is one frozen
+save), :class:`AfterCommit` (callbacks, replication, retention), and :class:`HealthReport`;
+listing and removal are the functions of :mod:`torch_ckpt.manager._read`, a restore is
+:func:`torch_ckpt.restore._resume.restore_checkpoint` (node-local roots:
+:func:`torch_ckpt.restore._resume_nodes.restore_node_local`). A save is one frozen
 :class:`~torch_ckpt.save._persist.SaveRequest`, built after the guard's checks and submitted to
 :class:`~torch_ckpt.save._checkpointer.AsyncCheckpointer`.
 """
@@ -26,13 +28,14 @@ from torch_ckpt._logging import get_logger
 from torch_ckpt.config import DEFAULT, ON_EXISTING_NEWER, CheckpointConfig, DefaultType
 from torch_ckpt.errors import CheckpointError, CheckpointNotFoundError, CheckpointWriteError, ConfigError
 from torch_ckpt.handle import SaveHandle, SaveStats
-from torch_ckpt.manager._read import CheckpointReader
-from torch_ckpt.policy._cadence import Cadence
+from torch_ckpt.manager._read import agreed_checkpoints, remove_checkpoint
 from torch_ckpt.policy._lineage import BASE, Lineage, head_of
 from torch_ckpt.policy._naming import Naming, StepNaming
 from torch_ckpt.policy._preemption import PreemptionFlag
 from torch_ckpt.policy._retention import RetentionPolicy, apply_retention
-from torch_ckpt.restore._resume_nodes import check_private_roots, node_layout
+from torch_ckpt.policy._cadence import Cadence
+from torch_ckpt.restore._resume import restore_checkpoint
+from torch_ckpt.restore._resume_nodes import check_private_roots, node_layout, restore_node_local
 from torch_ckpt.root._layout import (
     check_root,
     is_committed,
@@ -612,9 +615,7 @@ class CheckpointManager:
         self._guard = SaveGuard(root, naming, cfg, self._ckpt.incarnation, self._runs)
         self._after = AfterCommit(root, naming, cfg, self._runs, ctx.is_coordinator)
         self._health = HealthReport(root, naming, self._tier, self._runs, self._ckpt, self._after)
-        self._reader = CheckpointReader(root, naming, ctx, self._ckpt, self._tier, self._nodes, self._runs,
-                                        self._guard, read_only=self.read_only, verify_on_load=self.verify_on_load,
-                                        on_world_size_change=self.on_world_size_change)
+        self.restore_source: str | None = None  # node-local roots: where this rank's last restore read from
         self._lock = RootLock(root, drain=self._ckpt.drain)
         self._replicate_every = cfg.replicate_every_n_saves
         self._saves = 0
@@ -682,11 +683,6 @@ class CheckpointManager:
     def last_stats(self) -> SaveStats | None:
         """Statistics of the last committed save on this rank."""
         return self._ckpt.last_stats
-
-    @property
-    def restore_source(self) -> str | None:
-        """Node-local roots: where this rank's last restore read from ("local", "durable-node", "durable-full")."""
-        return self._reader.restore_source
 
     @property
     def restored_step(self) -> int | None:
@@ -873,22 +869,116 @@ class CheckpointManager:
         """State of the durable replication (see :meth:`Replicator.stats`); {} without a durable tier."""
         return self._health.replication_stats()
 
-    # -- listing and restoring (torch_ckpt.manager._read) ----------------------------------------
+    # -- listing, removal and restore -----------------------------------------------------------
     def checkpoints(self) -> dict[int, Path]:
-        return self._reader.checkpoints()
+        """Committed checkpoints under the root, ``{step: directory}`` ascending (rank 0's view, agreed).
+
+        Only directories the naming parses and whose manifest names the same step are listed;
+        temporaries, hidden and foreign directories never are, nor steps superseded by a rollback
+        (:mod:`torch_ckpt.policy._lineage`).
+        """
+        return agreed_checkpoints(self.root, self.naming, self._ctx)
 
     def all_steps(self) -> list[int]:
-        return self._reader.all_steps()
+        """Committed steps in ascending numeric order (rank 0's view, agreed by every rank)."""
+        return list(self.checkpoints())
 
     def latest_step(self) -> int | None:
-        return self._reader.latest_step()
+        """The newest committed step, or None when there is none."""
+        steps = self.all_steps()
+        return steps[-1] if steps else None
 
     def remove(self, target: int | str | os.PathLike) -> None:
-        self._reader.remove(target)
+        """Delete one committed checkpoint crash-safely (renamed aside, then deleted); rank 0 acts.
+
+        Call on every rank or on rank 0 only (it is not collective); with node-local roots
+        (``local_root_shared=False``) call it on every rank: each node's lowest rank removes its
+        copy. An in-flight save of that checkpoint is waited for first. A missing target is a no-op.
+
+        Args:
+            target: a step (its ``naming`` directory under the root) or a checkpoint directory.
+
+        Raises:
+            ConfigError: a read-only manager, or ``target`` exists but is not a torch-ckpt checkpoint
+                (never deleted).
+            CheckpointWriteError: the directory could not be removed.
+        """
+        if self.read_only:
+            raise ConfigError(f"this CheckpointManager was opened with read_only=True on {self.root}: remove() "
+                              "is refused")
+        if isinstance(target, int) and not isinstance(target, bool):
+            if target < 0:
+                raise ConfigError(f"remove(): a step must be an int >= 0, got {target}")
+            path = self.root / self.naming.name(target)
+        else:
+            path = self._guard.explicit_path(target)
+        if not self._runs.acts_on_root:
+            return
+        inflight = self._ckpt.in_flight
+        if inflight is not None and not inflight.committed.done():
+            self._ckpt.wait()
+        remove_checkpoint(path)
 
     def restore(self, state: Any, step: int | None = None, *, allow_cast: bool = False,
                 path: str | os.PathLike | Sequence[str | os.PathLike] | None = None) -> int | None:
-        return self._reader.restore(state, step, allow_cast=allow_cast, path=path)
+        """Load a committed checkpoint into ``state`` in place.
+
+        Args:
+            state: the live :class:`~torch_ckpt.TrainState`, ``Stateful`` or dict to load into.
+            step: the step to load; None loads the newest committed checkpoint.
+            allow_cast: cast tensors whose dtype differs from the live tensor's (each cast key is
+                logged once); by default a dtype difference is a ``StateMismatchError``.
+            path: load this checkpoint directory instead (absolute or relative to the root; it may
+                lie outside the root); a damaged one raises. A sequence of directories, newest
+                first, is tried in order: one that fails verification is skipped with a warning
+                naming it (the last one's error is raised). Not together with ``step``.
+
+        With a durable tier, the newest checkpoint complete in either tier is used; one that exists
+        only in the durable tier is downloaded (verified) first. A local copy that fails
+        verification is replaced by the durable copy of the same step when the durable tier has
+        one (a warning names both). When ``step`` is None, a step no tier can provide intact is
+        skipped with a warning in favour of the next older one; when the durable store cannot be
+        reached (or does not answer for ``durable_timeout_seconds``), the newest intact local step
+        is restored with a warning. Every call to the store gives up after
+        ``durable_timeout_seconds`` without an answer.
+
+        Memory: the restore reads into new host buffers of about the state's size and, once every
+        check passed, exchanges or copies them into the live tensors; a Ctrl-C meanwhile is raised
+        once the live state is fully written, so an interrupted restore leaves it fully old or new.
+
+        When the restored step is older than the newest committed one (an explicit older ``step``, or
+        a fallback), the newer checkpoints are moved aside at the next :meth:`save` (kept as hidden
+        ``.superseded_step_N.<time>`` directories), so training can continue from the restored step.
+        A ``StatefulDataLoader`` takes its restored position at the next ``iter(loader)``: a loop
+        already iterating it goes on from its old position (a warning says so), so leave that loop
+        and start a new one.
+
+        Returns:
+            The restored step (the manifest's), or None when neither ``step`` nor ``path`` is given
+            and no tier holds a checkpoint.
+
+        Raises:
+            CheckpointNotFoundError: ``step`` was given but is not a committed checkpoint, or the
+                root is not a directory.
+            DurableUnavailableError: the durable tier is unreachable, does not answer, or its bucket
+                does not exist, and no intact local checkpoint can stand in: nothing is restored, and
+                the run does not silently start from scratch (catch it to start fresh deliberately);
+                also for an explicit ``step`` absent locally while the store cannot be listed.
+            StateMismatchError: keys, shapes or dtypes differ (missing and unexpected keys are listed).
+                A failed restore leaves ``state`` as it was.
+            CheckpointCorruptError: a file fails its size or checksum check.
+        """
+        self._ckpt.wait()
+        if self._nodes is not None and path is None:
+            return restore_node_local(self, state, step, allow_cast)
+        done = restore_checkpoint(state, root=self.root, naming=self.naming, tier=self._tier, ctx=self._ctx, step=step,
+                                  path=path, allow_cast=allow_cast, verify=self.verify_on_load,
+                                  on_world_size_change=self.on_world_size_change, read_only=self.read_only,
+                                  acts_on_root=self._runs.acts_on_root)
+        if done is None:
+            return None
+        self._runs.restored(done.step, done.lineage)
+        return done.step
 
     # -- lifecycle -------------------------------------------------------------------------------
     def wait_staged(self) -> None:
@@ -941,7 +1031,3 @@ def _close_unreachable(root: str, ckpt: AsyncCheckpointer, replicator: Replicato
         finally:
             preemption.restore()
             lock.release()
-
-
-for _name in ("checkpoints", "all_steps", "latest_step", "remove", "restore"):  # one text for both
-    getattr(CheckpointManager, _name).__doc__ = getattr(CheckpointReader, _name).__doc__

@@ -1,40 +1,46 @@
-"""Loading a committed checkpoint into a live state, in place, without unpickling.
+"""The restore engine: load one committed checkpoint directory into a live state, complete or not at all.
 
-Steps (every rank): verify the files of the checkpoint against the manifest (sizes always, CRC-32
-when ``verify``; the work is split over ranks), check the DCP metadata and that every tensor record
-in the data files matches it (dtype, size, shape, byte range), read this rank's JSON tree (every
-tensor it refers to must be in the metadata), check that the live
-state and the checkpoint have the same tensor keys, shapes and dtypes (and let the state check its
-own structure), let DCP read the tensors into new buffers (resharding to the live layout), and only
-then write the live state. A restore that fails therefore leaves the live state as it was.
+:func:`load_into`, on every rank:
 
-In a single process, the data files are not checksummed up front:
-:func:`~torch_ckpt.restore._direct_read.load_direct` reads each of them once, placing the tensors into the
-new buffers and computing the CRC-32 in the same pass. Nor are the record headers read up front:
-``load_direct`` compares each placed record's framing with ``torch.save``'s byte for byte, and
-the records it does not place are checked before DCP's reader opens them (also before a
-state-mismatch error is raised, so a bad record is reported as corruption). The new values are
-written into the live tensors by :func:`torch_ckpt.restore._live_copy.swap_in` (exchanged where a live
-tensor is its storage's only user, copied otherwise).
+1. verify the checkpoint's files against the manifest (sizes always, CRC-32 with ``verify``; the
+   work is split over ranks), the DCP metadata, and that every tensor record in the data files
+   matches it (dtype, size, shape, byte range); read this rank's JSON tree;
+2. plan (:func:`plan_restore`): compare the live state's tensor keys, shapes and dtypes and the
+   structure of its other values with the checkpoint's (the state may check its own structure),
+   and allocate one new buffer per checkpoint tensor; every rank agrees before any rank reads;
+3. read the tensors into the new buffers: in a single process :func:`load_direct` reads each data
+   file once, placing the tensors and computing the CRC-32 in the same pass; otherwise (and for
+   records it cannot place) DCP's reader, resharding to the live layout;
+4. only then write the live state (:func:`swap_in`: exchanged where a live tensor is its
+   storage's only user, copied otherwise; or the state's ``load_state_dict``), with a Ctrl-C held
+   until the write is done (:class:`InterruptHold`).
 
-When the caller lends idle, resident host memory (the checkpointer lends its staging arena), the
-single-process reader writes large live tensors in place instead, each backed up there first and
-put back if anything fails (:mod:`torch_ckpt.restore._targets`): no new memory, and the same
-outcome either way.
+A restore that fails or is interrupted before step 4 leaves the live state exactly as it was; step 4
+runs to its end, so the live state is either fully old or fully new.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import copy
+import ctypes
 import dataclasses
 import errno
 import gc
-from collections.abc import Callable, Iterator, Mapping, MutableMapping
-from contextlib import contextmanager, nullcontext
+import os
+import queue
+import signal
+import threading
+import weakref
+from collections.abc import Iterable, Iterator, Mapping, MutableMapping
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.tensor import DTensor
+from torch.utils import swap_tensors
 
 from torch_ckpt import errors as errors_module
 from torch_ckpt._logging import get_logger
@@ -46,62 +52,40 @@ from torch_ckpt.errors import (
     ConfigError,
     StateMismatchError,
 )
-from torch_ckpt.format._codec import join_state, logical_key
-from torch_ckpt.format._dcp_metadata import check_records, read_metadata, record_problems, tensor_items
-from torch_ckpt.format._dcp_read import load_tensors
-from torch_ckpt.format._files import read_rank_doc, verify_files
-from torch_ckpt.restore._direct_read import DATA_SUFFIX, load_direct
-from torch_ckpt.restore._interrupts import InterruptHold
-from torch_ckpt.restore._live_copy import copy_tensors, owners_in, restore_buffers, swap_in
-from torch_ckpt.restore._plan import local_tensor, plan_restore, staging_like
-from torch_ckpt.restore._targets import UndoLog, in_place_keys
-from torch_ckpt.root._layout import Manifest
-from torch_ckpt.storage._bounded import corrupt
+from torch_ckpt.format._codec import ODICT_TAG, TENSOR_TAG, is_per_rank_key, join_state, logical_key, split_state
+from torch_ckpt.format._dcp_write import record_framing
+from torch_ckpt.format._read import (
+    Manifest,
+    check_records,
+    load_tensors,
+    open_listed,
+    read_metadata,
+    read_rank_doc,
+    tensor_items,
+    tensor_keys,
+    verify_files,
+)
+from torch_ckpt.storage._crc import crc32
 
-__all__ = ["load_into", "copy_into_live", "collector_paused", "RANK_LOCAL_POLICIES"]
+__all__ = ["load_into", "copy_into_live", "copy_tensors", "swap_in", "restore_buffers", "owners_in",
+           "collector_paused", "InterruptHold", "RANK_LOCAL_POLICIES"]
 
 log = get_logger(__name__)
 
 RANK_LOCAL_POLICIES = ("error", "keep_live")
+DATA_SUFFIX = ".distcp"
 _Targets = dict[str, torch.Tensor]
+_OPAQUE = ("extras", "rng", "dataloader")  # replaced as a whole on load: their structure is not compared
 
 
-def _assign(target: MutableMapping, loaded: Mapping) -> None:
-    for k, v in loaded.items():
-        if isinstance(v, Mapping) and isinstance(target.get(k), MutableMapping):
-            _assign(target[k], v)
-        elif isinstance(v, torch.Tensor) and isinstance(target.get(k), torch.Tensor):
-            continue  # loaded in place by DCP
-        else:
-            target[k] = v
-
-
-def _on_device_of(live: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
-    """``new`` on ``live``'s device (a new tensor there when the devices differ; ``new`` itself otherwise)."""
-    return new if live is None or live.device == new.device else new.to(live.device)
-
-
-def _check_records(step_dir: Path, manifest: Manifest, md: Any, tensors: dict[str, Any]) -> None:
-    """Raise for the first record of ``tensors`` that does not match the metadata (see :func:`check_records`)."""
-    if not tensors:
-        return
-    problems = record_problems(step_dir, manifest, md, tensors=tensors)
-    if problems:
-        file, text = problems[0]
-        more = f" (and {len(problems) - 1} more problem(s); run torch-ckpt verify)" if len(problems) > 1 else ""
-        raise corrupt(str(Path(step_dir) / file), f"{text}{more}")
-
-
-@contextmanager
+# -- guards: the collector and Ctrl-C --------------------------------------------------------------
+@contextlib.contextmanager
 def collector_paused() -> Iterator[None]:
     """Pause Python's cyclic garbage collector for the block, then restore its previous setting.
 
-    A restore allocates hundreds of thousands of small objects (metadata entries, keys, tensor
-    handles) and frees almost none of them, so the collector's allocation counter starts a full
-    collection of the whole heap again and again: 4 of them, about half the time of restoring
-    20,000 small tensors. Reference counting still frees everything acyclic at once; cycles
-    created meanwhile are collected by the first collection after the block. The collector is
-    enabled again on the way out, error or not, unless it was already disabled on the way in.
+    A restore allocates hundreds of thousands of small objects and frees almost none, so the
+    collector would run full collections again and again (about half the time of restoring 20,000
+    small tensors). Reference counting still frees everything acyclic; cycles are collected after.
     """
     was_enabled = gc.isenabled()
     gc.disable()
@@ -112,19 +96,441 @@ def collector_paused() -> Iterator[None]:
             gc.enable()
 
 
+class InterruptHold:
+    """Holds a Ctrl-C from :meth:`start` to :meth:`release`, then raises it (``KeyboardInterrupt``).
+
+    Only on the main thread and only while ``SIGINT`` has Python's default handler (another
+    handler, e.g. a framework's, is left alone); otherwise both methods do nothing. A second
+    Ctrl-C while one is held is raised at once, so a write that hangs can still be interrupted.
+    """
+
+    def __init__(self) -> None:
+        self._previous: object = None
+        self.held = False
+
+    def _handler(self, signum: int, frame: object) -> None:
+        if self.held:  # a second Ctrl-C: the user insists (e.g. a component's load_state_dict hangs)
+            raise KeyboardInterrupt
+        self.held = True
+
+    def start(self) -> None:
+        """From now on a Ctrl-C is recorded instead of raised."""
+        if threading.current_thread() is threading.main_thread() and \
+                signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            self._previous = signal.signal(signal.SIGINT, self._handler)
+
+    def release(self) -> None:
+        """Put the default handler back; raise ``KeyboardInterrupt`` if a Ctrl-C came meanwhile."""
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+            self._previous = None
+        if self.held:
+            self.held = False
+            raise KeyboardInterrupt
+
+
+# -- planning: checks against the live state, new buffers -------------------------------------------
+def _is_tagged(node: Any) -> bool:
+    """True for a codec node (tensor placeholder, tuple, numpy value...) rather than a user dict."""
+    return isinstance(node, dict) and len(node) == 1 and next(iter(node)).startswith("__")
+
+
+def _mapping(node: Any) -> Any:
+    """The items of an encoded OrderedDict (compared as a dict's, as in checkpoints written before its tag)."""
+    while isinstance(node, dict) and len(node) == 1 and ODICT_TAG in node:
+        node = node[ODICT_TAG]
+    return node
+
+
+def _structure_keys(tree: Any, *, deep: bool) -> set[str]:
+    """Dotted paths of the non-tensor structure: top-level keys only (``deep=False``), or every dict path.
+
+    Tensor placeholders are left out (tensor keys are compared on their own), and subtrees that are
+    replaced as a whole on load (extras, RNG, dataloader) are not descended into.
+    """
+    keys: set[str] = set()
+    tree = _mapping(tree)
+    if not isinstance(tree, dict) or _is_tagged(tree):
+        return keys
+    stack = [(tree, "", 0)]
+    while stack:
+        node, prefix, depth = stack.pop()
+        for k, v in node.items():
+            v = _mapping(v)
+            if isinstance(v, dict) and len(v) == 1 and TENSOR_TAG in v:
+                continue
+            path = f"{prefix}{k}"
+            if deep and isinstance(v, dict) and not _is_tagged(v) and not (depth == 0 and k in _OPAQUE):
+                stack.append((v, f"{path}.", depth + 1))
+            else:
+                keys.add(path)
+    return keys
+
+
+def staging_like(live: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A new CPU tensor (DTensor: local shard, same sharding) to load a checkpoint tensor into."""
+    if isinstance(live, DTensor):
+        local = torch.empty(live._local_tensor.shape, dtype=dtype, device="cpu")
+        spec = live._spec
+        if spec.tensor_meta is not None and spec.tensor_meta.dtype != dtype:
+            spec = copy.copy(spec)
+            spec.tensor_meta = spec.tensor_meta._replace(dtype=dtype)
+        return DTensor(local, spec, requires_grad=False)
+    return torch.empty(live.shape, dtype=dtype, device="cpu")
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def _overlaps_itself(t: torch.Tensor) -> bool:
+    """True when two elements of ``t`` (a shard, for a DTensor) share memory (a stride 0 over more than one)."""
+    t = local_tensor(t)
+    if t.layout != torch.strided or t.numel() <= 1:
+        return False
+    probe = getattr(torch, "_debug_has_internal_overlap", None)  # 0: no, 1: yes, 2: too hard to tell
+    if probe is not None:
+        return probe(t) == 1
+    return any(st == 0 and n > 1 for n, st in zip(t.shape, t.stride()))
+
+
+def _listed(keys: list[str]) -> str:
+    return f"{keys[:20]}{' ...' if len(keys) > 20 else ''}"
+
+
+def plan_restore(state: Any, step_dir: Path, manifest: Manifest, md: Any, tree: Any, ctx: DistContext, *,
+                 on_world_size_change: str, allow_cast: bool) -> tuple[_Targets, Any, _Targets, bool]:
+    """Check ``state`` against the checkpoint and allocate the buffers to read into; writes nothing live.
+
+    Returns:
+        ``(live tensors, tree, {key: new buffer}, whether the state copies the buffers itself)``.
+
+    Raises:
+        StateMismatchError, ConfigError, CheckpointCorruptError: see :func:`load_into`.
+    """
+    same_world = manifest.world_size == ctx.world_size
+    live_sd = state.state_dict() if hasattr(state, "state_dict") else state
+    rank_local = tuple(getattr(state, "rank_local_keys", ()))
+    live_tensors, live_tree = split_state(live_sd, rank_local_keys=rank_local)
+    if not same_world and rank_local and on_world_size_change == "error":
+        raise ConfigError(
+            f"{step_dir} was saved with world size {manifest.world_size}, this run has {ctx.world_size}: the "
+            f"rank-local state {list(rank_local)} (RNG, dataloader position) cannot be mapped to the new ranks. "
+            "Pass on_world_size_change='keep_live' to CheckpointManager to keep this run's own rank-local state.")
+    if not same_world:
+        for key in rank_local:
+            if isinstance(live_tree, dict) and key in live_tree:
+                tree[key] = live_tree[key]
+
+    saved_tensor_keys = tensor_keys(tree)
+    # a per-rank tensor of rank r > 0 is stored as __rank<r>__.<key>: the live tensor of <key> takes that name
+    own = {logical_key(k): k for k in saved_tensor_keys if is_per_rank_key(k)}
+    if own:
+        live_tensors = {own.get(k, k): t for k, t in live_tensors.items()}
+    optional = getattr(state, "load_optional_key", None)
+    deep = not hasattr(state, "state_dict")
+    saved_keys = saved_tensor_keys | _structure_keys(tree, deep=deep)
+    live_keys = set(live_tensors) | _structure_keys(live_tree, deep=deep)
+    missing = sorted(k for k in live_keys - saved_keys if not (callable(optional) and optional(logical_key(k))))
+    unexpected = sorted(k for k in saved_keys - live_keys if not (callable(optional) and optional(logical_key(k))))
+    if missing or unexpected:
+        raise StateMismatchError(
+            f"{step_dir}: state does not match the checkpoint. Missing from checkpoint: {_listed(missing)}; "
+            f"unexpected in checkpoint: {_listed(unexpected)}. Build the same model/optimizer as the saved run.",
+            missing=missing, unexpected=unexpected)
+    saved_meta: dict[str, torch.Tensor] = {}
+    for key in sorted(saved_tensor_keys):
+        smd = md.state_dict_metadata.get(key)
+        if smd is None or not isinstance(getattr(getattr(smd, "properties", None), "dtype", None), torch.dtype):
+            raise CheckpointCorruptError(f"{step_dir}: tensor {key!r} is listed in the state but not in DCP metadata")
+        saved_meta[key] = torch.empty(tuple(smd.size), dtype=smd.properties.dtype, device="meta")
+    bad_shape, bad_dtype, casts, inference = [], [], [], []
+    for key, t in live_tensors.items():
+        meta = saved_meta.get(key)
+        if meta is None:
+            continue
+        if tuple(meta.shape) != tuple(t.shape):
+            bad_shape.append(f"{key}: checkpoint {tuple(meta.shape)} vs live {tuple(t.shape)}")
+        elif meta.dtype != t.dtype:
+            (casts if allow_cast else bad_dtype).append(f"{key}: checkpoint {meta.dtype}, live {t.dtype}")
+        if local_tensor(t).is_inference():
+            inference.append(key)
+    if bad_shape:
+        raise StateMismatchError(f"{step_dir}: tensor shapes differ: {bad_shape[:20]}", missing=[], unexpected=[])
+    if inference:  # they cannot be written in place: refuse before the first write
+        raise StateMismatchError(
+            f"{step_dir}: live tensors created under torch.inference_mode() cannot be restored in place: "
+            f"{_listed(sorted(inference))}. Build the model/optimizer outside inference_mode (torch.no_grad() is "
+            "fine), restore, then enter inference_mode.", missing=[], unexpected=[])
+    if bad_dtype:
+        raise StateMismatchError(
+            f"{step_dir}: tensor dtypes differ (restore never casts silently): {_listed(bad_dtype)}. Build the "
+            "state with the saved dtypes, or pass allow_cast=True to cast them.", missing=[], unexpected=[])
+    check = getattr(state, "check_load", None)
+    staged_aware = callable(check)
+    if staged_aware or not hasattr(state, "load_state_dict"):  # the restore itself writes the live tensors
+        overlapping = sorted(k for k, t in live_tensors.items() if k in saved_meta and _overlaps_itself(t))
+        if overlapping:  # copying into them fails half way through the write: refuse before the first write
+            raise StateMismatchError(
+                f"{step_dir}: live tensors whose elements share memory (e.g. expand() views) cannot receive "
+                f"the saved values: {_listed(overlapping)}. Put a tensor with its own memory (e.g. .clone()) in "
+                "the state.", missing=[], unexpected=[])
+    if staged_aware:
+        casts += check(join_state(tree, saved_meta), allow_cast=allow_cast)
+
+    make_target = getattr(state, "load_target", None)
+    targets: _Targets = {}
+    for key, meta in saved_meta.items():
+        target = make_target(logical_key(key), tuple(meta.shape), meta.dtype) if callable(make_target) else None
+        if target is None:
+            if key not in live_tensors:  # an optional key the state cannot place: not loadable here
+                raise StateMismatchError(f"{step_dir}: unexpected in checkpoint: [{key!r}]", unexpected=[key])
+            target = staging_like(live_tensors[key], meta.dtype)
+        targets[key] = target
+    logged: set[str] = set()
+    for line in casts:  # a key may be reported by the tensor check and by the state's own check: log it once
+        key = line.split(":", 1)[0]
+        if key not in logged:
+            logged.add(key)
+            log.warning("%s: casting %s (allow_cast=True)", step_dir, line)
+    return live_tensors, tree, targets, staged_aware
+
+
+# -- writing the live tensors: exchanged or copied --------------------------------------------------
+#: threads for :func:`copy_tensors` (memory bandwidth is shared: a few are enough)
+COPY_THREADS = max(1, min(4, os.cpu_count() or 1))
+_PIECE_BYTES = 32 << 20  # largest piece of one copy handed to a thread, so a single large tensor is split too
+_THREADED_BYTES = 16 << 20  # below this many bytes in all, one thread copies
+_SMALL_BYTES = 64 << 10  # plain pairs under this size are copied together by one torch._foreach_copy_
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+#: ids of the new buffers the restore in progress owns (only those may be swapped into live tensors)
+_OWNED: contextvars.ContextVar[frozenset[int]] = contextvars.ContextVar("torch_ckpt_restore_buffers",
+                                                                        default=frozenset())
+
+
+def _plain(dst: torch.Tensor, src: torch.Tensor) -> bool:
+    """True when ``dst.copy_(src)`` is exactly a byte copy of ``src``'s memory into ``dst``'s."""
+    if type(dst) not in _PLAIN or type(src) not in _PLAIN:
+        return False
+    if dst.device.type != "cpu" or src.device.type != "cpu" or dst.dtype != src.dtype or dst.shape != src.shape:
+        return False
+    if not (dst.is_contiguous() and src.is_contiguous()) or dst.layout != torch.strided or src.layout != torch.strided:
+        return False
+    if dst.is_quantized or src.is_quantized or dst.is_conj() or src.is_conj() or dst.is_neg() or src.is_neg():
+        return False
+    nbytes = dst.numel() * dst.element_size()
+    a, b = dst.data_ptr(), src.data_ptr()
+    return nbytes > 0 and (a + nbytes <= b or b + nbytes <= a)
+
+
+def _move(pieces: list[tuple[int, int, int]]) -> None:
+    for dst, src, n in pieces:
+        ctypes.memmove(dst, src, n)  # a foreign call: the GIL is released while it copies
+
+
+@torch.no_grad()
+def copy_tensors(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """``dst.copy_(src)`` for every ``(dst, src)`` pair, the plain CPU ones as threaded ``memmove``.
+
+    ``Tensor.copy_`` runs on torch's intra-op threads, which stall when other processes keep the
+    cores busy (1 GiB in ~600 tensors: 1-5 s at load 8-9, against 0.2-0.3 s single-threaded).
+    Contiguous CPU pairs of the same dtype and shape that do not overlap are therefore copied byte
+    for byte, in pieces of at most 32 MiB over :data:`COPY_THREADS` threads (their autograd
+    versions bumped as ``copy_`` would); those under 64 KiB by one ``torch._foreach_copy_``. Any
+    other pair (other devices, strides, dtypes, DTensors, subclasses) goes through ``copy_``.
+
+    Raises:
+        RuntimeError: from ``copy_`` for a pair it cannot copy (e.g. shapes that do not broadcast).
+    """
+    fast: list[torch.Tensor] = []
+    pieces: list[tuple[int, int, int]] = []
+    small_dst: list[torch.Tensor] = []
+    small_src: list[torch.Tensor] = []
+    for dst, src in pairs:
+        if not _plain(dst, src):
+            dst.copy_(src)
+        elif dst.numel() * dst.element_size() < _SMALL_BYTES:
+            small_dst.append(dst)
+            small_src.append(src)
+        else:
+            fast += (dst, src)  # kept alive until every piece is copied
+            a, b, n = dst.data_ptr(), src.data_ptr(), dst.numel() * dst.element_size()
+            pieces.extend((a + i, b + i, min(_PIECE_BYTES, n - i)) for i in range(0, n, _PIECE_BYTES))
+    if small_dst:
+        torch._foreach_copy_(small_dst, small_src)  # below the intra-op grain size: no OpenMP region
+    workers = 1 if sum(n for _, _, n in pieces) < _THREADED_BYTES else min(COPY_THREADS, len(pieces))
+    shares: list[list[tuple[int, int, int]]] = [[] for _ in range(max(workers, 1))]
+    loads = [0] * len(shares)
+    for piece in sorted(pieces, key=lambda p: -p[2]):  # largest first, each to the least loaded thread
+        i = loads.index(min(loads))
+        shares[i].append(piece)
+        loads[i] += piece[2]
+    errors: list[BaseException] = []
+
+    def run(share: list[tuple[int, int, int]]) -> None:
+        try:
+            _move(share)
+        except BaseException as exc:  # noqa: BLE001 - re-raised by the calling thread
+            errors.append(exc)
+
+    helpers = [threading.Thread(target=run, args=(s,), name="torch_ckpt_copy", daemon=True) for s in shares[1:]]
+    for t in helpers:
+        t.start()
+    run(shares[0])
+    for t in helpers:
+        t.join()
+    if errors:
+        raise errors[0]
+    bump = getattr(torch.autograd.graph, "increment_version", None)
+    for dst in fast[::2] if bump is not None else ():
+        bump(dst)  # as copy_ would: autograd refuses a backward through the old values
+
+
+@contextlib.contextmanager
+def restore_buffers(buffers: Iterable[torch.Tensor]) -> Iterator[None]:
+    """Within this block, :func:`swap_in` may exchange live tensors with these new buffers.
+
+    Only the restore's own buffers may end up holding the old values; a tensor a caller passed in
+    (e.g. another optimizer's ``state_dict()`` values) is only copied from. The caller keeps
+    ``buffers`` alive for the whole block (ids are compared).
+    """
+    token = _OWNED.set(_OWNED.get() | {id(t) for t in buffers})
+    try:
+        yield
+    finally:
+        _OWNED.reset(token)
+
+
+def _storage_users(t: torch.Tensor) -> int:
+    """How many tensors (and storage objects) share ``t``'s storage, ``t`` included."""
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata) - 1  # less the temporary storage object
+
+
+def _swappable(live: torch.Tensor, new: torch.Tensor, aliases: int) -> bool:
+    """True when exchanging ``live``'s and ``new``'s contents is indistinguishable from ``live.copy_(new)``.
+
+    Host memory only (device memory may be known by address to a captured CUDA graph). ``new`` is a
+    plain tensor of the enclosing :func:`restore_buffers`; ``live`` a plain tensor or an
+    ``nn.Parameter`` without hooks; neither a view, alike in device, dtype, shape, strides and
+    layout, each the whole of its own storage and the only tensor there but for ``aliases`` known
+    aliases of ``live``, with no other C++ reference (autograd graph, hooks) and no weak reference.
+    """
+    if type(new) is not torch.Tensor or type(live) not in _PLAIN or live is new or id(new) not in _OWNED.get():
+        return False
+    if new.requires_grad or new.grad is not None:
+        return False
+    if type(live) is torch.Tensor and (live.requires_grad or live.grad is not None):
+        return False
+    if live._backward_hooks or getattr(live, "_post_accumulate_grad_hooks", None):
+        return False
+    if (live.device != new.device or live.dtype != new.dtype or live.shape != new.shape
+            or live.stride() != new.stride() or live.layout != torch.strided or new.layout != torch.strided):
+        return False
+    for t, others in ((live, aliases), (new, 0)):
+        if (t._is_view() or t.is_inference() or t.is_quantized or t.is_conj() or t.is_neg()
+                or not t.is_contiguous() or t.storage_offset() != 0 or t.device.type != "cpu"):
+            return False
+        if t.untyped_storage().nbytes() != t.numel() * t.element_size():  # part of a larger buffer
+            return False
+        if t._use_count() != 1 or _storage_users(t) != 1 + others or weakref.getweakrefs(t):
+            return False
+    return True
+
+
+def _swap(live: torch.Tensor, new: torch.Tensor) -> None:
+    """Exchange the contents of a :func:`_swappable` pair; ``live`` keeps its ``__dict__``, gradient and class."""
+    grad = live.grad
+    other = torch.nn.Parameter(new, requires_grad=live.requires_grad) if type(live) is not type(new) else new
+    kept, theirs = live.__dict__, other.__dict__
+    swap_tensors(live, other)  # raises before changing anything when it finds other references
+    live.__dict__, other.__dict__ = kept, theirs
+    if grad is not None:
+        live.grad = grad  # the gradient belongs to the parameter, not to its values
+
+
+@torch.no_grad()
+def swap_in(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]], aliases: Mapping[int, int] | None = None) -> int:
+    """Give each live tensor its new buffer's values: exchanged where possible, else copied.
+
+    A ``(live, new)`` pair that :func:`_swappable` accepts (``new`` given once) is exchanged in O(1)
+    by ``torch.utils.swap_tensors``: ``live`` stays the same object (class, ``__dict__``,
+    ``requires_grad``, ``.grad`` kept) with the new values and a bumped autograd version; ``new``
+    must not be used afterwards. A live tensor given again (tied entries), every other pair and any
+    pair ``swap_tensors`` refuses go to :func:`copy_tensors`. ``aliases``: ``id(live) -> n`` for a
+    live tensor sharing its storage with ``n`` tensors the caller drops (``state_dict()`` entries).
+
+    Returns:
+        The number of pairs exchanged.
+
+    Raises:
+        RuntimeError: from ``copy_`` for a pair it cannot copy (e.g. shapes that do not broadcast).
+    """
+    pairs = list(pairs)
+    aliases = aliases or {}
+    uses: dict[int, int] = {}
+    for _, new in pairs:
+        uses[id(new)] = uses.get(id(new), 0) + 1
+    copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+    seen: set[int] = set()
+    swapped = 0
+    bump = getattr(torch.autograd.graph, "increment_version", None)
+    for live, new in pairs:
+        first = id(live) not in seen
+        seen.add(id(live))
+        if not (first and uses[id(new)] == 1 and _swappable(live, new, aliases.get(id(live), 0))):
+            copies.append((live, new))
+            continue
+        try:
+            _swap(live, new)
+        except RuntimeError:  # refused before changing anything (references found): copy instead
+            copies.append((live, new))
+            continue
+        if bump is not None:
+            bump(live)
+        swapped += 1
+    copy_tensors(copies)
+    return swapped
+
+
+def owners_in(module: torch.nn.Module, live: Mapping[str, torch.Tensor]) -> tuple[dict[int, torch.Tensor],
+                                                                                    dict[int, int]]:
+    """The parameter or buffer of ``module`` behind each ``state_dict()`` entry of ``live``, and its alias count.
+
+    Returns ``id(entry) -> tensor`` for entries that are the whole of exactly one of the module's
+    parameters/buffers (same storage start, dtype, shape and strides), and ``id(tensor) -> n``, the
+    number of distinct entries of ``live`` (other than the tensor itself) on that storage, for
+    :func:`swap_in`'s ``aliases``. DTensors and other subclasses are left out (copied).
+    """
+    by_ptr: dict[int, list[torch.Tensor]] = {}
+    for _, t in [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]:
+        if type(t) in _PLAIN and t.numel():
+            same = by_ptr.setdefault(t.data_ptr(), [])
+            if all(x is not t for x in same):
+                same.append(t)
+    owner: dict[int, torch.Tensor] = {}
+    entries: dict[int, dict[int, torch.Tensor]] = {}
+    for dst in live.values():
+        found = by_ptr.get(dst.data_ptr()) if type(dst) in _PLAIN and dst.numel() else None
+        if found is None or len(found) != 1:
+            continue
+        o = found[0]
+        if (o.device, o.dtype, o.shape, o.stride(), o.storage_offset()) == (
+                dst.device, dst.dtype, dst.shape, dst.stride(), dst.storage_offset()):
+            owner[id(dst)] = o
+            if dst is not o:
+                entries.setdefault(id(o), {})[id(dst)] = dst
+    return owner, {k: len(v) for k, v in entries.items()}
+
+
 @torch.no_grad()
 def copy_into_live(live: Mapping[str, torch.Tensor], staged: Mapping[str, torch.Tensor],
                    module: torch.nn.Module | None = None) -> None:
     """Give each live tensor the staged tensor of the same key, in place (shard-locally for DTensors).
 
-    :func:`torch_ckpt.restore._live_copy.swap_in` exchanges a plain live tensor's contents with its staged
-    buffer's when the buffer is the restore's own (:func:`~torch_ckpt.restore._live_copy.restore_buffers`)
-    and nothing else refers to the live tensor or its storage (the live object is kept; the staged
-    buffer must not be used afterwards); the others, and DTensor shards, are copied (threaded
-    ``memmove`` for host tensors). With ``module``, ``live`` is that module's ``state_dict()``
-    (entries share storage with the parameters and buffers): each entry's parameter or buffer
-    itself is then the one exchanged, keeping its identity, ``requires_grad`` and ``.grad``;
-    the entries then still hold the old values and must be dropped.
+    Plain tensors go through :func:`swap_in` (the staged buffer must not be used afterwards),
+    DTensor shards through :func:`copy_tensors`. With ``module``, ``live`` is that module's
+    ``state_dict()``: each entry's parameter or buffer itself is exchanged, keeping its identity,
+    ``requires_grad`` and ``.grad``; the entries then still hold the old values and must be dropped.
     """
     pairs = [(dst, staged[key]) for key, dst in live.items() if key in staged]
     owner, aliases = owners_in(module, live) if module is not None else ({}, {})
@@ -134,161 +540,409 @@ def copy_into_live(live: Mapping[str, torch.Tensor], staged: Mapping[str, torch.
             aliases)
 
 
+# -- single-pass read of a single process's data files ----------------------------------------------
+_CHUNK_BYTES = 8 << 20  # bytes per readinto call and per CRC-32 work item
+_BUFFER_BYTES = 1 << 20  # read-ahead buffer for small pieces; larger pieces are read straight into place
+_QUEUE_DEPTH = 8  # chunks read ahead of the CRC-32 thread (bounds the transient memory)
+_READERS = 2  # data files read at the same time (DCP writes two per rank)
+
+
+class Stopped(Exception):
+    """A reader gave up because the caller was interrupted."""
+
+
+def _byte_view(t: torch.Tensor) -> memoryview:
+    """Writable bytes of the contiguous CPU tensor ``t`` (no copy)."""
+    flat = torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage(), t.storage_offset() * t.element_size(),
+                                                   (t.numel() * t.element_size(),))
+    return memoryview(flat.numpy())
+
+
+def _placeable(key: str, target: Any, md: Metadata) -> bool:
+    """True when ``target`` can receive checkpoint tensor ``key`` straight from its record."""
+    if type(target) is not torch.Tensor or target.device.type != "cpu" or not target.is_contiguous():
+        return False
+    if target.is_quantized or target.is_conj() or target.is_neg() or target.numel() == 0:
+        return False
+    smd = md.state_dict_metadata.get(key)
+    if not isinstance(smd, TensorStorageMetadata) or len(smd.chunks) != 1:
+        return False
+    chunk = smd.chunks[0]
+    return (tuple(smd.size) == tuple(target.shape) and tuple(chunk.sizes) == tuple(target.shape)
+            and not any(chunk.offsets) and smd.properties.dtype == target.dtype)
+
+
+class _Crc:
+    """CRC-32 and byte count of one file, computed by a helper thread over views queued in file order."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.crc = 0
+        self.nbytes = 0
+        self.error: BaseException | None = None
+        self._q: queue.Queue = queue.Queue(maxsize=_QUEUE_DEPTH)
+        self._thread = threading.Thread(target=self._run, name="torch_ckpt_restore_crc", daemon=True)
+        if enabled:
+            try:
+                self._thread.start()
+            except BaseException:  # e.g. a Ctrl-C in start(): a thread that did start ends at once
+                self._q.put(None)
+                raise
+
+    def _run(self) -> None:
+        while (view := self._q.get()) is not None:
+            try:
+                self.crc = crc32(view, self.crc)
+            except BaseException as exc:  # noqa: BLE001 - re-raised by the reading thread in finish()
+                self.error = exc
+
+    def add(self, view: Any) -> None:
+        self.nbytes += memoryview(view).nbytes
+        if self.enabled:
+            self._q.put(view)
+
+    def finish(self) -> int:
+        self.close()
+        if self.error is not None:
+            raise self.error
+        return self.crc
+
+    def close(self) -> None:
+        if self.enabled and self._thread.is_alive():
+            self._q.put(None)
+            self._thread.join()
+
+
+class _FileReader:
+    """Sequential reads of one open data file, every byte handed to a :class:`_Crc` once, in order.
+
+    Large pieces (a tensor's data) are read straight into their destination; small ones (record
+    framing, small tensors) come from a 1 MiB read-ahead buffer, so a file of many small records
+    costs a few large reads rather than three system calls per record.
+    """
+
+    def __init__(self, fd: int, path: Path, crc: _Crc, stop: threading.Event) -> None:
+        self._f = os.fdopen(fd, "rb", buffering=0)
+        self._stop = stop
+        self.path = path
+        self.crc = crc
+        self.pos = 0  # bytes consumed by the caller
+        self._buf = memoryview(b"")
+        self._off = 0
+
+    def _truncated(self, at: int) -> CheckpointCorruptError:
+        return CheckpointCorruptError(f"{self.path}: ends at byte {at}, before the data DCP's metadata places "
+                                      "there (truncated?)")
+
+    def into(self, view: memoryview) -> None:
+        """Fill ``view`` from the current position (raises on a file shorter than that)."""
+        done, n = 0, view.nbytes
+        while done < n:
+            if self._stop.is_set():
+                raise Stopped()
+            avail = self._buf.nbytes - self._off
+            if avail:
+                k = min(avail, n - done)
+                view[done:done + k] = self._buf[self._off:self._off + k]
+                self._off += k
+                done += k
+            elif n - done >= _BUFFER_BYTES:
+                k = min(_CHUNK_BYTES, n - done)
+                part = view[done:done + k]
+                got = 0
+                while got < k:
+                    r = self._f.readinto(part[got:])
+                    if not r:
+                        raise self._truncated(self.pos + done + got)
+                    got += r
+                self.crc.add(part)
+                done += k
+            else:  # a new buffer each time: the CRC-32 thread may still hold the last one
+                buf = bytearray(_BUFFER_BYTES)
+                got = self._f.readinto(buf)
+                if not got:
+                    raise self._truncated(self.pos + done)
+                self._buf, self._off = memoryview(buf)[:got], 0
+                self.crc.add(self._buf)
+        self.pos += n
+
+    def bytes(self, n: int) -> bytes:
+        """The next ``n`` bytes."""
+        if self._buf.nbytes - self._off >= n:  # the common case: framing inside the read-ahead buffer
+            out = self._buf[self._off:self._off + n].tobytes()
+            self._off += n
+            self.pos += n
+            return out
+        buf = bytearray(n)
+        self.into(memoryview(buf))
+        return bytes(buf)
+
+    def skip(self, n: int) -> None:
+        """Read (and checksum) the next ``n`` bytes without keeping them."""
+        while n > 0:
+            k = min(_CHUNK_BYTES, n)
+            self.into(memoryview(bytearray(k)))
+            n -= k
+
+    def rest(self) -> None:
+        """Read to the end of the file."""
+        self.pos += self._buf.nbytes - self._off
+        self._off = self._buf.nbytes
+        while chunk := self._f.read(_CHUNK_BYTES):
+            if self._stop.is_set():
+                raise Stopped()
+            self.crc.add(chunk)
+            self.pos += len(chunk)
+
+
+def _open_checked(step_dir: Path, name: str, manifest: Manifest, *, allow_symlinks: bool) -> int:
+    """Open the listed data file ``name``, check its size against the manifest, hint sequential reads."""
+    path = step_dir / name
+    expected = manifest.files[name]["bytes"]
+    fd = open_listed(step_dir, manifest, name, allow_symlinks=allow_symlinks)
+    try:
+        size = os.fstat(fd).st_size
+        if size != expected:
+            raise CheckpointCorruptError(f"{path}: size {size} bytes, manifest says {expected} (truncated?)")
+        if hasattr(os, "posix_fadvise"):
+            try:  # (POSIX_FADV_WILLNEED on the whole file was measured slower: benchmarks/README.md, session 5)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+            except OSError:
+                pass  # only a hint (a security policy, an odd file system): the reads report any real error
+    except OSError as exc:
+        os.close(fd)
+        raise CheckpointCorruptError(f"{path}: data file cannot be read ({exc.strerror or exc})") from exc
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _read_file(fd: int, path: Path, expected: dict[str, int], entries: list[tuple[int, int, str | None]],
+               targets: _Targets, placeable: set[str], *, verify: bool, stop: threading.Event) -> set[str]:
+    """Read one opened data file (see :func:`load_direct`) and close it; returns the keys placed from it."""
+    placed: set[str] = set()
+    crc = reader = None
+    try:
+        crc = _Crc(verify)
+        reader = _FileReader(fd, path, crc, stop)
+        for offset, length, key in entries:
+            if key not in placeable or offset < reader.pos or offset + length > expected["bytes"]:
+                continue  # bytes read (and checksummed) as part of the gaps
+            target = targets[key]
+            framing = record_framing(target)
+            if framing is None:
+                continue
+            head, tail = framing
+            nbytes = target.numel() * target.element_size()
+            if len(head) + nbytes + len(tail) != length:
+                continue
+            reader.skip(offset - reader.pos)
+            if reader.bytes(len(head)) != head:
+                reader.skip(nbytes + len(tail))
+                continue
+            reader.into(_byte_view(target))
+            if reader.bytes(len(tail)) == tail:
+                placed.add(key)
+        if verify:
+            reader.rest()
+        got = crc.finish()
+        if verify and crc.nbytes != expected["bytes"]:
+            raise CheckpointCorruptError(f"{path}: read {crc.nbytes} bytes, manifest says {expected['bytes']} "
+                                         "(the file changed while it was read?)")
+        if verify and got != expected["crc32"]:
+            raise CheckpointCorruptError(f"{path}: CRC-32 {got:#010x} does not match the manifest "
+                                         f"({expected['crc32']:#010x}); the file is corrupt")
+    except OSError as exc:
+        raise CheckpointCorruptError(f"{path}: data file cannot be read ({exc.strerror or exc})") from exc
+    finally:
+        if crc is not None:
+            crc.close()
+        if reader is not None:
+            reader._f.close()
+        else:
+            os.close(fd)
+    return placed
+
+
+def load_direct(targets: _Targets, step_dir: str | os.PathLike, md: Metadata, manifest: Manifest, *,
+                verify: bool, allow_symlinks: bool = False) -> set[str]:
+    """Read a single-rank checkpoint's data files once each, placing tensors into ``targets`` and checking CRC-32s.
+
+    DCP's reader costs two reads per byte when the checksums are verified first, plus a copy out
+    of each record. Here every listed ``.distcp`` file (without ``verify``: only those holding a
+    placeable tensor) is read front to back once, two files at a time: a tensor's data goes straight
+    into its new buffer, but only when the record's framing equals, byte for byte, what
+    ``torch.save`` writes for its dtype and shape (exactly what ``torch.load`` would decode); a
+    second thread per file computes the CRC-32 meanwhile. Sizes are checked before the first byte is
+    placed, CRC-32s (``verify``) after; of several failing files the first (in name order) is raised,
+    and an interrupt stops every reader first.
+
+    Returns:
+        The keys not placed here (another layout, dtype or framing), for DCP's reader
+        (:func:`torch_ckpt.format._read.load_tensors`) once their records are checked.
+
+    Raises:
+        CheckpointCorruptError: a data file is missing, not a regular file, truncated, or has the
+            wrong size or CRC-32; the message names it.
+    """
+    step_dir = Path(step_dir)
+    by_file: dict[str, list[tuple[int, int, str | None]]] = {}
+    seen: dict[str, int] = {}
+    for index, info in md.storage_data.items():
+        name = getattr(info, "relative_path", None)
+        if name not in manifest.files:
+            continue  # DCP's reader refuses it with a clear error
+        key = index.fqn if index.fqn in targets and not getattr(info, "transform_descriptors", None) else None
+        by_file.setdefault(name, []).append((int(info.offset), int(info.length), key))
+        if key is not None:
+            seen[key] = seen.get(key, 0) + 1
+    placeable = {k for k, n in seen.items() if n == 1 and _placeable(k, targets[k], md)}
+    jobs = [(name, sorted(by_file.get(name, []))) for name in sorted(manifest.files) if name.endswith(DATA_SUFFIX)]
+    jobs = [(name, entries) for name, entries in jobs if verify or any(k in placeable for _, _, k in entries)]
+    fds: list[int] = []
+    try:  # every file's size is checked before the first byte is placed
+        for name, _ in jobs:
+            fds.append(_open_checked(step_dir, name, manifest, allow_symlinks=allow_symlinks))
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
+    stop = threading.Event()
+    todo = list(range(len(jobs)))
+    results: list[Any] = [None] * len(jobs)
+    lock = threading.Lock()
+
+    def work() -> None:
+        while True:
+            with lock:
+                if not todo:
+                    return
+                i = todo.pop(0)
+            if stop.is_set():
+                os.close(fds[i])
+                continue
+            name, entries = jobs[i]
+            try:
+                results[i] = _read_file(fds[i], step_dir / name, manifest.files[name], entries, targets, placeable,
+                                        verify=verify, stop=stop)
+            except BaseException as exc:  # noqa: BLE001 - handed to the calling thread
+                results[i] = exc
+                if not isinstance(exc, Exception):  # an interrupt: the other reader stops too
+                    stop.set()
+
+    helper = threading.Thread(target=work, name="torch_ckpt_restore", daemon=True) \
+        if len(jobs) > 1 and _READERS > 1 else None
+    interrupted: BaseException | None = None
+    try:
+        if helper is not None:
+            helper.start()
+        work()
+    except BaseException as exc:  # noqa: BLE001 - re-raised once no reader works any more
+        interrupted = exc
+        stop.set()
+    while helper is not None and helper.is_alive():
+        try:
+            helper.join()
+        except BaseException as exc:  # noqa: BLE001 - re-raised once the helper has stopped
+            interrupted = interrupted or exc
+            stop.set()
+    with lock:
+        for i in todo:  # never begun (the helper did not start, or the caller was interrupted)
+            os.close(fds[i])
+    if interrupted is not None:
+        raise interrupted
+    errors = [r for r in results if isinstance(r, BaseException) and not isinstance(r, Stopped)]
+    if errors:
+        raise errors[0]  # the first error, in file order
+    placed: set[str] = set()
+    for result in results:
+        placed |= result
+    return set(targets) - placed
+
+
+# -- the whole restore ------------------------------------------------------------------------------
 def load_into(state: Any, step_dir: Path, manifest: Manifest, ctx: DistContext, *, verify: bool,
-              on_world_size_change: str = "error", allow_cast: bool = False,
-              scratch: torch.Tensor | None = None) -> None:
-    """Load ``step_dir`` into ``state`` (a ``Stateful`` or a mutable dict) in place.
+              on_world_size_change: str = "error", allow_cast: bool = False) -> None:
+    """Load ``step_dir`` into ``state`` (a ``Stateful`` or a mutable dict) in place, all or nothing.
 
     Everything is checked before the first write to the live state: files, keys, shapes, dtypes
     and (for states with ``check_load``, such as :class:`~torch_ckpt.TrainState`) the structure of
-    every component. Tensors are then read into new buffers (host memory for tensors the state
-    already has, about the size of this rank's state); only when every read succeeded are they
-    copied into the live state. A failure at any point before that leaves the state as it was.
-    With ``scratch``, a single process reads large live tensors in place instead, after copying
-    their bytes into ``scratch``, and copies them back on any failure (the same outcome, without
-    new memory).
+    every component. Tensors are then read into new host buffers (about the size of this rank's
+    state); only when every read succeeded is the live state written (see the module docstring).
 
-    A state may take part in the checks and in placing tensors it does not hold yet (optimizer
-    state of a fresh optimizer) through three optional methods: ``load_optional_key(key) -> bool``
-    (a tensor either side may lack), ``load_target(key, shape, dtype) -> Tensor | None`` (a buffer
-    for a checkpoint tensor, placed where it will live) and ``check_load(saved, allow_cast=...)``
-    (structural checks on the nested checkpoint state, whose tensors are meta tensors), and a
-    fourth, ``load_session()``: a context manager held around the whole restore, from
-    ``state_dict()`` to ``load_state_dict()``, within which the state may reuse work its hooks
-    share (TrainState computes its parameter names once); and a fifth, ``load_in_place(key) -> bool``:
-    True when writing the checkpoint's value straight into the tensor ``state_dict()`` returned for
-    ``key`` is exactly what its ``load_state_dict`` would end up doing (such keys may be read in
-    place when ``scratch`` is given; plain dicts count as True for every key). That promise is the
-    state's: for such a key the live tensor already holds the checkpoint's values when
-    ``load_state_dict`` runs, and it is handed that very tensor as the loaded value, so a key whose
-    value ``load_state_dict`` ignores, converts or stores elsewhere keeps the loaded bytes in the
-    tensor anyway (nothing can detect it; only a failed restore puts the old bytes back). A state
-    with ``load_state_dict`` receives the new buffers (moved to its tensors' devices when those are
-    not CPU) and copies them itself, so a ``load_state_dict`` that refuses them changes nothing it
-    did not change itself; with DTensors and no ``check_load``, and for a plain dict, the buffers
-    are copied into the live tensors (the dict's own entries are then replaced). Python's cyclic
-    garbage collector is paused meanwhile (:func:`collector_paused`).
+    A state may take part through optional methods: ``load_optional_key(key) -> bool`` (a tensor
+    either side may lack), ``load_target(key, shape, dtype) -> Tensor | None`` (a buffer placed
+    where the tensor will live), ``check_load(saved, allow_cast=...)`` (structural checks on the
+    checkpoint state, tensors as meta tensors) and ``load_session()`` (a context manager held from
+    ``state_dict()`` to ``load_state_dict()``). A state with ``load_state_dict`` receives the new
+    buffers (on its tensors' devices) and copies them itself, so one that refuses them changes
+    nothing it did not change itself; with DTensors and no ``check_load``, and for a plain dict,
+    the buffers are copied into the live tensors. The cyclic garbage collector is paused meanwhile.
 
     Args:
         state: the live state.
         step_dir: the committed checkpoint directory.
-        manifest: its manifest.
+        manifest: its manifest (as read once by the caller).
         ctx: ranks taking part.
         verify: check CRC-32 of every file (sizes are always checked).
         on_world_size_change: "error" or "keep_live" (rank-local state when the world size changed).
-        allow_cast: load tensors whose dtype differs from the live tensor's by casting them (each
-            such key is logged once); otherwise a dtype difference is a StateMismatchError.
-        scratch: resident host memory (a flat ``torch.uint8`` CPU tensor) nobody else uses during
-            the call, e.g. the idle staging arena. In a single process, live tensors that fit are
-            then read in place after their bytes are copied there
-            (:mod:`torch_ckpt.restore._targets`), and copied back if the restore fails: no new
-            memory, no page faults, the same outcome.
+        allow_cast: cast tensors whose dtype differs from the live one (each key logged once).
 
     Raises:
         CheckpointCorruptError: files fail verification or the structure is inconsistent (a tensor
             record that disagrees with the metadata, a tree referring to a tensor it lacks).
+        CheckpointReadError: a file could not be read (on this or another rank).
         StateMismatchError: tensor keys, shapes or dtypes differ (lists missing and unexpected keys).
-        ConfigError: the world size changed and ``on_world_size_change`` is "error".
+        ConfigError: the world size changed and ``on_world_size_change`` is "error", or an unknown policy.
     """
     if on_world_size_change not in RANK_LOCAL_POLICIES:
         raise ConfigError(f"on_world_size_change must be one of {RANK_LOCAL_POLICIES}, got {on_world_size_change!r}")
     session = getattr(state, "load_session", None)  # e.g. TrainState: work shared by its hooks, once per restore
-    with collector_paused(), (session() if callable(session) else nullcontext()):
-        _load_into(state, step_dir, manifest, ctx, verify=verify, on_world_size_change=on_world_size_change,
-                   allow_cast=allow_cast, scratch=scratch)
+    with collector_paused(), (session() if callable(session) else contextlib.nullcontext()):
+        _load_into(state, Path(step_dir), manifest, ctx, verify=verify, on_world_size_change=on_world_size_change,
+                   allow_cast=allow_cast)
 
 
-def _load_into(state: Any, step_dir: Path, manifest: Manifest, ctx: DistContext, *, verify: bool,
-               on_world_size_change: str, allow_cast: bool, scratch: torch.Tensor | None) -> None:
-    """The body of :func:`load_into` (same arguments and errors), run with the collector paused."""
-    same_world = manifest.world_size == ctx.world_size
-    direct = not ctx.enabled  # one process reads every file itself: checksum while placing the tensors
-    err = None
-    try:  # every rank's reads and checks are agreed on before any rank loads anything
-        part, parts = (0, 1) if direct else (ctx.rank, ctx.world_size)
-        if manifest.node is not None and same_world and not direct:  # one node's copy: checked by its ranks
-            mates = [r for r, n in enumerate(manifest.nodes["rank_node"]) if n == manifest.node]
-            part, parts = (mates.index(ctx.rank), len(mates)) if ctx.rank in mates else (0, 1)
-        if direct:  # data files: sizes now, CRC-32 while load_direct reads them (one read per byte)
-            verify_files(step_dir, manifest, checksums=False)
-            small = {n: i for n, i in manifest.local_files().items() if not n.endswith(DATA_SUFFIX)}
-            verify_files(step_dir, dataclasses.replace(manifest, files=small), checksums=verify)
-        else:
-            verify_files(step_dir, manifest, checksums=verify, part=part, parts=parts)
-        md = read_metadata(step_dir, manifest)
-        if not direct:  # direct: records are compared while load_direct reads them (no scattered header reads)
-            check_records(step_dir, manifest, md, part=part, parts=parts)
-        tree = read_rank_doc(step_dir, manifest, ctx.rank if same_world else 0,
-                             tensor_keys=tensor_items(md).__contains__)["tree"]
-    except CheckpointError as exc:
-        err = exc
-    except OSError as exc:  # e.g. EIO or EACCES on this rank: typed, and shared so no rank waits for the timeout
-        where = exc.filename or step_dir
-        err = CheckpointReadError(exc.errno, f"reading checkpoint {step_dir} failed on rank {ctx.rank}: "
-                                             f"{exc.strerror or exc} ({where})")
-        err.__cause__ = exc
-    votes = [e for e in ctx.all_gather(None if err is None else (type(err).__name__, str(err)), what="verify") if e]
-    unreadable = [msg for kind, msg in votes if kind == CheckpointReadError.__name__]
-    if unreadable and not isinstance(err, CheckpointReadError):  # every rank raises the same class (no fallback)
-        raise CheckpointReadError(errno.EIO, f"{step_dir}: reading failed on another rank: {unreadable[0]}")
-    if err is not None:
-        raise err
-    if votes:
-        raise CheckpointCorruptError(f"{step_dir}: verification failed on another rank: {votes[0][1]}")
-
-    try:
-        live_tensors, tree, targets, staged_aware = plan_restore(
-            state, step_dir, manifest, md, tree, ctx, on_world_size_change=on_world_size_change, allow_cast=allow_cast)
-    except Exception as exc:  # noqa: BLE001 - every rank learns of it below, before any rank reads
-        if direct and isinstance(exc, CheckpointError):  # the records were not checked up front: a record that
-            _check_records(step_dir, manifest, md, tensor_items(md))  # disagrees with the metadata explains it better
-        _agree_on_plan(ctx, step_dir, exc)
-        raise
-    _agree_on_plan(ctx, step_dir, None)
-
-    undo = None
-    if direct and scratch is not None:  # live tensors read in place, backed up in the scratch memory first
-        allowed = _in_place_policy(state)
-        keys = in_place_keys(live_tensors, {k: (t.dtype, tuple(t.shape)) for k, t in targets.items()
-                                            if k in live_tensors and allowed(k)}, scratch.numel())
-        if keys:
-            undo = UndoLog(scratch, {k: live_tensors[k] for k in keys})
-            targets.update(undo.tensors)
-    hold = InterruptHold()  # a Ctrl-C while the live state is written is raised once it is written
-    try:
-        try:
-            _read_and_write(state, step_dir, manifest, md, ctx, live_tensors, tree, targets, staged_aware,
-                            direct=direct, verify=verify, undo=undo, hold=hold)
-        except BaseException:
-            if undo is not None:
-                undo.put_back()  # the live tensors read in place hold their old bytes again
-            raise
-        if undo is not None:
-            undo.bump_versions()
-        if direct:
-            _log_memory_used(undo, scratch, len(targets))
-    finally:  # also when a second Ctrl-C (raised at once while one is held) lands in put_back or bump_versions
-        hold.release()
+def _verified(step_dir: Path, manifest: Manifest, ctx: DistContext, *, direct: bool, verify: bool,
+              same_world: bool) -> tuple[Any, Any]:
+    """Verify this rank's share of the files and read the metadata and this rank's tree; ``(md, tree)``."""
+    part, parts = (0, 1) if direct else (ctx.rank, ctx.world_size)
+    if manifest.node is not None and same_world and not direct:  # one node's copy: checked by its ranks
+        mates = [r for r, n in enumerate(manifest.nodes["rank_node"]) if n == manifest.node]
+        part, parts = (mates.index(ctx.rank), len(mates)) if ctx.rank in mates else (0, 1)
+    if direct:  # data files: sizes now, CRC-32 while load_direct reads them (one read per byte)
+        verify_files(step_dir, manifest, checksums=False)
+        small = {n: i for n, i in manifest.local_files().items() if not n.endswith(DATA_SUFFIX)}
+        verify_files(step_dir, dataclasses.replace(manifest, files=small), checksums=verify)
+    else:
+        verify_files(step_dir, manifest, checksums=verify, part=part, parts=parts)
+    md = read_metadata(step_dir, manifest)
+    items = tensor_items(md)
+    if not direct:  # direct: records are compared while load_direct reads them (no scattered header reads)
+        check_records(step_dir, manifest, md, part=part, parts=parts)
+    tree = read_rank_doc(step_dir, manifest, ctx.rank if same_world else 0, tensor_keys=items.__contains__)["tree"]
+    return md, tree
 
 
-def _agree_on_plan(ctx: DistContext, step_dir: Path, error: BaseException | None) -> None:
-    """Every rank learns whether every rank's live state fits the checkpoint, before any rank starts reading.
-
-    Without it a rank whose state does not fit raises while the others enter DCP's collective
-    read, which then fails there (or waits for the timeout). A rank raises its own error; the
-    others raise the failing rank's error class (a ``StateMismatchError`` stays one, never a
-    ``CheckpointCorruptError`` for a healthy checkpoint), naming the rank.
-    """
+def _vote(ctx: DistContext, step_dir: Path, error: BaseException | None, what: str) -> None:
+    """Every rank learns whether any rank failed ``what``; a rank raises its own error, the others the
+    failing rank's error class naming that rank (a ``StateMismatchError`` stays one)."""
     if not ctx.enabled:
+        if error is not None:
+            raise error
         return
-    mine = None if error is None else (type(error).__name__, str(error))
-    votes = ctx.all_gather(mine, what="restore plan agreement")
+    votes = ctx.all_gather(None if error is None else (type(error).__name__, str(error)), what=what)
     if error is not None:
-        return
+        raise error
     failed = [(rank, vote) for rank, vote in enumerate(votes) if vote is not None]
     if not failed:
         return
     rank, (kind, text) = failed[0]
+    if what == "verify":
+        if kind == CheckpointReadError.__name__:  # every rank raises the same class (no fallback)
+            raise CheckpointReadError(errno.EIO, f"{step_dir}: reading failed on another rank: {text}")
+        raise CheckpointCorruptError(f"{step_dir}: verification failed on another rank: {text}")
     others = f" (and ranks {[r for r, _ in failed[1:]]})" if len(failed) > 1 else ""
     message = f"{step_dir}: not restored: rank {rank}{others} cannot load this checkpoint: {kind}: {text}"
     if kind == "StateMismatchError":
@@ -297,68 +951,61 @@ def _agree_on_plan(ctx: DistContext, step_dir: Path, error: BaseException | None
     raise (cls if isinstance(cls, type) and issubclass(cls, CheckpointError) else CheckpointError)(message)
 
 
-def _log_memory_used(undo: UndoLog | None, scratch: torch.Tensor | None, count: int) -> None:
-    """Say (INFO) how many of a single-process restore's ``count`` tensors were read in place, and why none were."""
-    if undo is not None and undo.tensors:
-        mib = sum(t.numel() * t.element_size() for t in undo.tensors.values()) / 2**20
-        log.info("restore: %d live tensors (%.1f MiB) read in place, backed up in the staging arena; %d into "
-                 "new buffers", len(undo.tensors), mib, count - len(undo.tensors))
-    elif scratch is None:
-        log.info("restore: %d tensors read into new buffers (no staging arena to read in place with: this "
-                 "manager has not saved in this process, or its saves exceeded staging_budget_bytes)", count)
-    else:
-        log.info("restore: %d tensors read into new buffers (none of the live tensors can be read in place: "
-                 "CPU, at least 256 KiB, alone in its memory, fitting in the staging arena, marked by the state's "
-                 "load_in_place)", count)
+def _load_into(state: Any, step_dir: Path, manifest: Manifest, ctx: DistContext, *, verify: bool,
+               on_world_size_change: str, allow_cast: bool) -> None:
+    """The body of :func:`load_into` (same arguments and errors), run with the collector paused."""
+    same_world = manifest.world_size == ctx.world_size
+    direct = not ctx.enabled  # one process reads every file itself: checksum while placing the tensors
+    err: BaseException | None = None
+    md = tree = None
+    try:  # every rank's reads and checks are agreed on before any rank loads anything
+        md, tree = _verified(step_dir, manifest, ctx, direct=direct, verify=verify, same_world=same_world)
+    except CheckpointError as exc:
+        err = exc
+    except OSError as exc:  # e.g. EIO or EACCES on this rank: typed, and shared so no rank waits for the timeout
+        err = CheckpointReadError(exc.errno, f"reading checkpoint {step_dir} failed on rank {ctx.rank}: "
+                                             f"{exc.strerror or exc} ({exc.filename or step_dir})")
+        err.__cause__ = exc
+    _vote(ctx, step_dir, err, "verify")
+    try:
+        live_tensors, tree, targets, staged_aware = plan_restore(
+            state, step_dir, manifest, md, tree, ctx, on_world_size_change=on_world_size_change, allow_cast=allow_cast)
+    except Exception as exc:  # noqa: BLE001 - every rank learns of it below, before any rank reads
+        if direct and isinstance(exc, CheckpointError):  # records not checked up front: a record that
+            check_records(step_dir, manifest, md, tensors=tensor_items(md))  # disagreeing with the metadata explains it
+        _vote(ctx, step_dir, exc, "restore plan agreement")
+        raise
+    _vote(ctx, step_dir, None, "restore plan agreement")
 
-
-def _in_place_policy(state: Any) -> Callable[[str], bool]:
-    """Which keys' live tensors may be read into directly: where that is exactly what the load would do.
-
-    A state says so with ``load_in_place(key) -> bool`` (:class:`~torch_ckpt.TrainState`: parameters,
-    buffers and optimizer state); a plain dict's tensors are all written in place anyway; any other
-    state decides in its own ``load_state_dict`` what happens to each value, so none of its keys.
-    """
-    ask = getattr(state, "load_in_place", None)
-    if callable(ask):
-        return lambda key: ask(logical_key(key))  # the state's own key, also for a per-rank __rank<r>__. key
-    if not hasattr(state, "load_state_dict") and isinstance(state, MutableMapping):
-        return lambda key: True
-    return lambda key: False
-
-
-def _read_and_write(state: Any, step_dir: Path, manifest: Manifest, md: Any, ctx: DistContext,
-                    live_tensors: dict[str, torch.Tensor], tree: Any, targets: _Targets, staged_aware: bool, *,
-                    direct: bool, verify: bool, undo: UndoLog | None, hold: InterruptHold) -> None:
-    """Read every target (checking records and checksums), then write the live state (:func:`_load_into`).
-
-    ``hold`` is started before the first write to the live state: from there on a Ctrl-C is
-    raised only after the whole state is written (by the caller), never half way.
-    """
     rest = set(targets)
-    if direct:
-        if rest:
-            rest = load_direct(targets, step_dir, md, manifest, verify=verify, undo=undo)
-        back = [k for k in rest if undo is not None and k in undo]
-        if back:  # live tensors this reader did not place: their old bytes back, DCP reads into new buffers
-            undo.put_back(back)
-            undo.forget(back)
-            targets.update({k: staging_like(live_tensors[k], targets[k].dtype) for k in back})
+    if direct and rest:
+        rest = load_direct(targets, step_dir, md, manifest, verify=verify)
         # a placed tensor's record was compared byte for byte with torch.save's framing for its
         # declared dtype and shape; every other record is checked before DCP's reader opens it
-        _check_records(step_dir, manifest, md, {k: v for k, v in tensor_items(md).items()
-                                                if k in rest or k not in targets})
+        unchecked = {k: v for k, v in tensor_items(md).items() if k in rest or k not in targets}
+        if unchecked:
+            check_records(step_dir, manifest, md, tensors=unchecked)
     if rest:
         load_tensors({k: targets[k] for k in rest}, step_dir, md, set(manifest.files),
                      process_group=ctx.fg if ctx.enabled else None, no_dist=not ctx.enabled)
-    # every read succeeded: from here on the live state is written; the new buffers are ours to swap
+    hold = InterruptHold()  # every read succeeded: a Ctrl-C from here on is raised once the live state is written
     hold.start()
-    with restore_buffers(t for k, t in targets.items() if undo is None or k not in undo):
-        _write_live(state, live_tensors, tree, targets, staged_aware)
+    try:
+        with restore_buffers(targets.values()):
+            _write_live(state, live_tensors, tree, targets, staged_aware)
+    finally:  # also when a second Ctrl-C (raised at once while one is held) lands in the write
+        hold.release()
 
 
-def _write_live(state: Any, live_tensors: dict[str, torch.Tensor], tree: Any, targets: _Targets,
-                staged_aware: bool) -> None:
+def _assign(target: MutableMapping, loaded: Mapping) -> None:
+    for k, v in loaded.items():
+        if isinstance(v, Mapping) and isinstance(target.get(k), MutableMapping):
+            _assign(target[k], v)
+        elif not (isinstance(v, torch.Tensor) and isinstance(target.get(k), torch.Tensor)):  # tensors: copied in
+            target[k] = v
+
+
+def _write_live(state: Any, live_tensors: _Targets, tree: Any, targets: _Targets, staged_aware: bool) -> None:
     """Write the loaded ``targets`` into ``state`` (the last step of :func:`load_into`; every check passed)."""
     if staged_aware:
         live_tensors.clear()  # aliases of the live tensors (state_dict() entries): gone, so those can be exchanged
@@ -367,7 +1014,8 @@ def _write_live(state: Any, live_tensors: dict[str, torch.Tensor], tree: Any, ta
     if hasattr(state, "load_state_dict") and not any(isinstance(t, DTensor) for t in live_tensors.values()):
         # the state gets the new buffers (on its tensors' devices) and copies them itself, so a
         # load_state_dict that refuses them (e.g. other optimizer param groups) leaves it unchanged
-        state.load_state_dict(join_state(tree, {k: _on_device_of(live_tensors.get(k), t) for k, t in targets.items()}))
+        state.load_state_dict(join_state(tree, {k: t if (live := live_tensors.get(k)) is None or live.device == t.device
+                                                else t.to(live.device) for k, t in targets.items()}))
         return
     copy_into_live(live_tensors, targets)
     full = join_state(tree, live_tensors)

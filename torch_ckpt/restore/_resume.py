@@ -1,28 +1,42 @@
-"""Choosing what to resume from: the newest live checkpoint complete in any reachable tier.
+"""Resuming: choose the newest live checkpoint complete in any reachable tier, and restore it (with fallback).
 
-Live means not superseded by a rollback (:mod:`torch_ckpt.policy._lineage`): the lineage records of every
-tier's manifests decide it together.
+Live means not superseded by a rollback (:mod:`torch_ckpt.policy._lineage`): the lineage records of
+every tier's manifests decide it together. :func:`restore_checkpoint` is the one entry point of a
+restore for :class:`~torch_ckpt.CheckpointManager`: the coordinator scans the root once
+(:func:`resume_plan`), every rank gets the plan with the manifests it read, and each candidate is
+loaded by :func:`torch_ckpt.restore._restore.load_into` until one succeeds.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 from torch_ckpt._logging import get_logger
+from torch_ckpt.distributed._context import DistContext
 from torch_ckpt.errors import (
     CheckpointCorruptError,
     CheckpointError,
     CheckpointNotFoundError,
+    CheckpointWriteError,
+    ConfigError,
 )
+from torch_ckpt.format._read import Manifest
 from torch_ckpt.policy._lineage import Lineage, head_of, new_segment, successor
 from torch_ckpt.policy._naming import Naming, StepNaming
+from torch_ckpt.restore._restore import load_into
 from torch_ckpt.root._layout import quarantine_step_dir, read_manifest, scan_manifests
+from torch_ckpt.storage._deadline import waiting_for_coordinator
 from torch_ckpt.tiers._durable import DurableTier, DurableUnavailableError
 
-__all__ = ["ResumePlan", "restore_candidates", "resume_plan", "set_aside_superseded"]
+__all__ = ["Restored", "ResumePlan", "restore_checkpoint", "resume_plan", "set_aside_superseded"]
 
 log = get_logger(__name__)
+mlog = get_logger("torch_ckpt.manager._manager")  # what CheckpointManager.restore did: its own log lines, as before
 
 
 @dataclass(frozen=True)
@@ -36,6 +50,7 @@ class ResumePlan:
         complete: every tier could be listed.
         newest: the newest live step of any tier (None: none).
         fork: ``(run, since)`` of the segment the next saves start when the restore is a rollback.
+        local: ``{step: (directory, manifest)}`` of the local root as scanned (each manifest read once).
     """
 
     candidates: list[tuple[int, str]]
@@ -43,6 +58,7 @@ class ResumePlan:
     complete: bool
     newest: int | None
     fork: tuple[str, float]
+    local: dict[int, tuple[Path, Manifest]] = field(default_factory=dict)
 
     def successor(self, step: int, restored: Lineage) -> Lineage:
         """The segment of the saves after restoring ``step`` (of segment ``restored``) under this plan."""
@@ -50,24 +66,13 @@ class ResumePlan:
         return successor(restored, step, newest=newest, fork=self.fork)
 
 
-def restore_candidates(root: Path, tier: DurableTier | None, step: int | None,
-                       naming: Naming | None = None) -> list[tuple[int, str]] | BaseException:
-    """Candidate ``(step, "local"|"durable")`` pairs to restore, newest first; run on the coordinator.
+def resume_plan(root: Path, tier: DurableTier | None, step: int | None,
+                naming: Naming | None = None) -> ResumePlan | BaseException:
+    """The live checkpoints to restore from, newest first, and the lineage they belong to; run on the coordinator.
 
     A step held by both tiers is listed twice, local copy first: when the local copy fails
     verification, the same step is taken from the durable tier before any older step. The durable
     tier is listed with its timeout (:meth:`DurableTier.listed`).
-
-    Returns an exception instead of raising it, so the coordinator can broadcast it to every rank.
-    See :func:`resume_plan` (these are its ``candidates``).
-    """
-    plan = resume_plan(root, tier, step, naming)
-    return plan if isinstance(plan, BaseException) else plan.candidates
-
-
-def resume_plan(root: Path, tier: DurableTier | None, step: int | None,
-                naming: Naming | None = None) -> ResumePlan | BaseException:
-    """The live checkpoints to restore from, newest first, and the lineage they belong to; run on the coordinator.
 
     Args:
         root: the local root.
@@ -79,7 +84,8 @@ def resume_plan(root: Path, tier: DurableTier | None, step: int | None,
     """
     naming = naming or StepNaming()
     try:
-        local = {s: m.lineage for s, (_, m) in scan_manifests(root, naming).items()}
+        found = scan_manifests(root, naming)
+        local = {s: m.lineage for s, (_, m) in found.items()}
         durable: dict[int, Lineage] = {}
         complete = True
         outage: DurableUnavailableError | None = None
@@ -105,7 +111,8 @@ def resume_plan(root: Path, tier: DurableTier | None, step: int | None,
             if dropped:
                 log.info("%s steps %s are superseded (an abandoned timeline, see policy._lineage); not resumed",
                          where, dropped)
-        plan = ResumePlan([], head, complete, max([*live_local, *live_durable], default=None), new_segment(seen))
+        plan = ResumePlan([], head, complete, max([*live_local, *live_durable], default=None), new_segment(seen),
+                          {s: found[s] for s in live_local})
         if step is not None:
             if step in live_local:  # a damaged local copy is then taken from the durable tier
                 return replace(plan, candidates=[(step, "local")] + ([(step, "durable")] if step in live_durable
@@ -162,3 +169,124 @@ def set_aside_superseded(path: Path) -> None:
     except CheckpointError:
         return
     quarantine_step_dir(path, reason="superseded")
+
+
+@dataclass(frozen=True)
+class Restored:
+    """What :func:`restore_checkpoint` restored: the step, and the segment of the saves that follow
+    (None when this rank does not act on the root)."""
+
+    step: int
+    lineage: Lineage | None
+
+
+def restore_checkpoint(state: Any, *, root: Path, naming: Naming, tier: DurableTier | None, ctx: DistContext,
+                       step: int | None, path: str | os.PathLike | Sequence[str | os.PathLike] | None,
+                       allow_cast: bool, verify: bool, on_world_size_change: str, read_only: bool,
+                       acts_on_root: bool) -> Restored | None:
+    """Restore ``state`` from the newest usable checkpoint (or ``step``, or ``path``), falling back as
+    :meth:`torch_ckpt.CheckpointManager.restore` documents; collective. None: nothing to restore.
+
+    Raises:
+        See :meth:`torch_ckpt.CheckpointManager.restore`.
+    """
+    common = dict(verify=verify, on_world_size_change=on_world_size_change, allow_cast=allow_cast)
+    if path is not None:
+        return _restore_paths(state, root, naming, ctx, path, step, acts_on_root, common)
+    if root.exists() and not root.is_dir():
+        raise CheckpointNotFoundError(f"checkpoint root {root} is not a directory")
+    resume = waiting_for_coordinator(
+        ctx, tier, "listing the checkpoints of the local root and the durable tier",
+        lambda: ctx.broadcast(resume_plan(root, tier, step, naming) if ctx.is_coordinator else None,
+                              what="restore plan")) if ctx.enabled else resume_plan(root, tier, step, naming)
+    if isinstance(resume, BaseException):
+        raise resume
+    plan = resume.candidates
+    if not plan:
+        mlog.info("no committed checkpoint under %s%s; starting from scratch", root,
+                 f" (the durable tier {tier.url} answered: no committed step)" if tier is not None else "")
+        return None
+    outage: DurableUnavailableError | None = None
+    for i, (cand, where) in enumerate(plan):
+        if where == "durable" and outage is not None:
+            continue  # the store is down: only local copies are left to try
+        try:
+            if where == "local":
+                local, manifest = resume.local[cand]
+            else:
+                local = _download(root, naming, tier, ctx, cand, read_only)
+                manifest = read_manifest(local)
+            t0 = time.monotonic()
+            load_into(state, local, manifest, ctx, **common)
+        except (CheckpointCorruptError, DurableUnavailableError) as exc:
+            if isinstance(exc, DurableUnavailableError):
+                outage = exc
+            rest = [c for c in plan[i + 1:] if outage is None or c[1] == "local"]
+            if not rest:
+                raise
+            if rest[0][0] == cand:
+                mlog.warning("the local copy of step %d is not usable (%s); taking step %d from the durable "
+                            "tier %s", cand, exc, cand, tier.describe(cand))
+            else:
+                mlog.warning("step %d is not usable (%s); falling back to step %d (%s copy)", cand, exc,
+                            rest[0][0], rest[0][1])
+            continue
+        mlog.info("[rank %d] restored step %d from %s in %.3f s", ctx.rank, cand, local, time.monotonic() - t0)
+        return Restored(cand, resume.successor(cand, manifest.lineage) if acts_on_root else None)
+    return None  # unreachable: the loop returns or raises
+
+
+def _restore_paths(state: Any, root: Path, naming: Naming, ctx: DistContext, path: Any, step: int | None,
+                   acts_on_root: bool, common: dict[str, Any]) -> Restored:
+    """``restore(path=...)``: the directories given, newest first, each tried in turn."""
+    if step is not None:
+        raise ConfigError("restore(): pass either step or path, not both")
+    if not isinstance(path, (str, os.PathLike, list, tuple)):
+        raise ConfigError(f"restore(path=...) needs a directory or a list of them, got {path!r}")
+    paths = [path] if isinstance(path, (str, os.PathLike)) else list(path)
+    if not paths or not all(isinstance(p, (str, os.PathLike)) and str(p) for p in paths):
+        raise ConfigError(f"restore(path=...) needs a directory or a non-empty sequence of them, got {path!r}")
+    resolved = [Path(p).expanduser() if Path(p).expanduser().is_absolute() else root / p for p in paths]
+    for i, candidate in enumerate(resolved):
+        try:
+            manifest = read_manifest(candidate)
+            load_into(state, candidate, manifest, ctx, **common)
+        except (CheckpointCorruptError, CheckpointNotFoundError) as exc:
+            if i == len(resolved) - 1:
+                raise
+            mlog.warning("checkpoint %s is not usable (%s); falling back to %s", candidate, exc, resolved[i + 1])
+            continue
+        mlog.info("[rank %d] restored step %d from %s", ctx.rank, manifest.step, candidate)
+        if not acts_on_root:
+            return Restored(manifest.step, None)
+        # the saves that follow continue its segment when it is the newest live step of the root, else fork
+        found = scan_manifests(root, naming)
+        seen = [*(m.lineage for _, m in found.values()), manifest.lineage]
+        head = head_of(seen)
+        live = [s for s, (_, m) in found.items() if head.holds(s, m.lineage)]
+        newest = bool(live) and live[-1] == manifest.step and found[live[-1]][0].resolve() == candidate.resolve() \
+            and manifest.lineage.run == head.run
+        return Restored(manifest.step, successor(manifest.lineage, manifest.step, newest=newest,
+                                                 fork=new_segment(seen)))
+    raise AssertionError("unreachable")  # the loop returns or raises
+
+
+def _download(root: Path, naming: Naming, tier: DurableTier, ctx: DistContext, step: int, read_only: bool) -> Path:
+    """Download ``step`` from the durable tier on the coordinator (verified); agreed by all ranks."""
+    result: str | BaseException | None = None
+    if ctx.is_coordinator:
+        try:
+            if not read_only:
+                set_aside_superseded(root / naming.name(step))
+            result = str(tier.fetch(step, root))
+            mlog.info("downloaded step %d from %s", step, tier.describe(step))
+        except CheckpointError as exc:
+            result = exc
+        except OSError as exc:  # a local limit or disk error (EFBIG, ENOSPC, EIO): every rank raises it now
+            result = CheckpointWriteError(exc.errno, f"cannot download step {step} to {root}: {exc.strerror or exc}")
+            result.__cause__ = exc
+    result = waiting_for_coordinator(ctx, tier, f"downloading step {step} from {tier.describe(step)}",
+                                     lambda: ctx.broadcast(result, what="fetch checkpoint"))
+    if isinstance(result, BaseException):
+        raise result
+    return Path(result)

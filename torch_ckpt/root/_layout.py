@@ -1,7 +1,7 @@
 """The committed step directories of a checkpoint root (a local directory): list, commit, replace, remove.
 
 The manifest itself (:class:`Manifest`, :func:`read_manifest`) is defined in
-:mod:`torch_ckpt.format._manifest` and re-exported here; the names of temporaries and their clean-up are in
+:mod:`torch_ckpt.format._read` and re-exported here; the names of temporaries and their clean-up are in
 :mod:`torch_ckpt.root._temporaries`, the root's lock in :mod:`torch_ckpt.root._lock`.
 
 Layout of a run root::
@@ -40,7 +40,7 @@ from torch_ckpt.errors import (
     CheckpointNotFoundError,
     CheckpointWriteError,
 )
-from torch_ckpt.format._manifest import (
+from torch_ckpt.format._read import (
     FORMAT_NAME,
     FORMAT_VERSION,
     MANIFEST_NAME,

@@ -30,8 +30,8 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, Tenso
 from torch.distributed.checkpoint.planner import SavePlan
 
 from torch_ckpt.errors import ConfigError
-from torch_ckpt.format._dcp_metadata import metadata_name
 from torch_ckpt.format._dcp_write import ChecksumFileSystemWriter, FlatKeysSavePlanner
+from torch_ckpt.format._read import metadata_name
 from torch_ckpt.tiers._nodes import REPLICA_TAG, is_replica_file
 
 __all__ = ["NodeLayout", "NodeDedupPlanner", "RecordingWriter", "node_views", "metadata_name", "env_node",
@@ -121,7 +121,7 @@ class NodeDedupPlanner(FlatKeysSavePlanner):
                 deduped[r] = plan
         # the metadata lists every chunk once (as a job-wide dedup would); where each node's copy
         # lies is known from the write results (see node_views), every node's view is validated
-        # when it is read back (torch_ckpt.format._files.metadata_problems)
+        # when it is read back (torch_ckpt.format._read.metadata_problems)
         _, metadata = create_default_global_save_plan(dedup_save_plans(list(deduped), False))
         global_plan = list(deduped)
         if self.flatten_state_dict:

@@ -25,11 +25,10 @@ import hashlib
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from concurrent.futures import wait as futures_wait
-from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -46,7 +45,7 @@ from torch_ckpt.distributed._context import DistContext
 from torch_ckpt.errors import CheckpointError, CheckpointWriteError, ConfigError
 from torch_ckpt.format._codec import is_per_rank_key, split_state, tensor_kind
 from torch_ckpt.handle import SaveHandle, SaveStats
-from torch_ckpt.restore._restore import RANK_LOCAL_POLICIES, load_into
+from torch_ckpt.restore._restore import load_into
 from torch_ckpt.root._layout import read_manifest
 from torch_ckpt.root._temporaries import new_incarnation, partial_path, reserve, unreserve
 from torch_ckpt.save._persist import ArenaLayout, SaveRequest, arena_views, persist_checkpoint
@@ -257,7 +256,6 @@ class HostStager:
         self._nbytes = 0
         self._stream = None
         self._lock = threading.Lock()
-        self._lender: int | None = None  # thread id of the lend() block in progress
         self.allocations = 0
 
     @property
@@ -364,31 +362,6 @@ class HostStager:
                     event = torch.cuda.Event()
                     event.record(self._stream)
             return StagedState(tensors=out, nbytes=self._nbytes, layout=self._layout, event=event)
-
-    @contextmanager
-    def lend(self) -> Iterator[torch.Tensor | None]:
-        """The arena as scratch memory for the block (a flat ``torch.uint8`` host tensor), or None without one.
-
-        Nothing is staged meanwhile (a concurrent :meth:`stage` waits); the arena's contents are
-        undefined afterwards, which is harmless: every save stages all of its tensors again.
-        The caller must not keep a reference after the block. Within the block the same thread
-        gets None (a restore inside a restore, e.g. from a ``load_state_dict``: the arena is the
-        outer restore's undo log), never a deadlock.
-        """
-        if self.lent_here():
-            yield None
-            return
-        with self._lock:
-            self._lender = threading.get_ident()
-            try:
-                arena = self.arena
-                yield None if arena is None or arena.numel() <= 1 else arena
-            finally:
-                self._lender = None
-
-    def lent_here(self) -> bool:
-        """True inside a :meth:`lend` block of the calling thread (staging now would wait for itself)."""
-        return self._lender == threading.get_ident()
 
     def release(self) -> None:
         """Free the arena."""
@@ -678,10 +651,6 @@ class AsyncCheckpointer:
                 (raised once).
         """
         self._ensure_open()
-        if self._stager.lent_here():  # a save from a load_state_dict called by this checkpointer's load()
-            raise ConfigError("save() was called while a restore of the same manager writes the state (from a "
-                              "load_state_dict or a hook it calls); its staging memory is the restore's undo log. "
-                              "Save after restore() returned")
         t0 = time.monotonic() if started_at is None else started_at
         error, job = refused, None
         if error is None:
@@ -949,13 +918,9 @@ class AsyncCheckpointer:
         self._ensure_open()
         self._wait_inflight()
         self._raise_pending()
-        if on_world_size_change not in RANK_LOCAL_POLICIES:
-            raise ConfigError(f"on_world_size_change must be one of {RANK_LOCAL_POLICIES}, "
-                              f"got {on_world_size_change!r}")
         path = Path(path)
-        with self._stager.lend() as scratch:  # the idle arena: live tensors are read in place, backed up there
-            load_into(state, path, read_manifest(path), self._ctx, verify=verify,
-                      on_world_size_change=on_world_size_change, allow_cast=allow_cast, scratch=scratch)
+        load_into(state, path, read_manifest(path), self._ctx, verify=verify,
+                  on_world_size_change=on_world_size_change, allow_cast=allow_cast)
 
     # -- lifecycle -------------------------------------------------------------------------------
     def wait(self) -> None:

@@ -24,8 +24,8 @@ import torch.distributed.checkpoint as dcp
 from torch_ckpt._logging import get_logger
 from torch_ckpt.distributed._context import DistContext
 from torch_ckpt.errors import CheckpointError, CheckpointWriteError
-from torch_ckpt.format._dcp_read import unwrap_dcp_error
 from torch_ckpt.format._dcp_write import ChecksumFileSystemWriter, FlatKeysSavePlanner, group_by_first_segment
+from torch_ckpt.format._read import unwrap_dcp_error
 from torch_ckpt.policy._lineage import BASE
 from torch_ckpt.root._layout import Manifest, commit_dir, rank_file_name, write_json_durable
 from torch_ckpt.root._temporaries import (

@@ -31,7 +31,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from torch_ckpt.errors import ConfigError, StateMismatchError
-from torch_ckpt.restore._live_copy import copy_tensors, swap_in
+from torch_ckpt.restore._restore import copy_tensors, swap_in
 
 __all__ = ["param_names", "optimizer_state", "check_optimizer_state", "apply_optimizer_state",
            "state_target", "TargetLookup", "split_state_key", "keep_live_tensors", "policy_key", "tensors_in",
@@ -337,7 +337,7 @@ def keep_live_tensors(opt: torch.optim.Optimizer, old_state: Mapping[Any, Any]) 
     the same kind, shape, dtype and device under the same name, it receives the loaded value and
     is put back, so references to optimizer state taken before a restore stay valid (the load is
     in place, as for parameters). Plain tensors nothing else refers to exchange contents with the
-    loaded ones (:func:`torch_ckpt.restore._live_copy.swap_in`, O(1)); the others are copied into.
+    loaded ones (:func:`torch_ckpt.restore._restore.swap_in`, O(1)); the others are copied into.
     """
     pairs, shards = [], []
     for param, entries in opt.state.items():

@@ -121,10 +121,6 @@ class OptimizerState:
         """True for ``state.<id>.<entry>`` tensors (a parameter may have state on one side only)."""
         return self._state_key(key) is not None
 
-    def load_in_place(self, key: str) -> bool:
-        """True for ``state.<id>.<entry>`` tensors: a restore may write the live ones in place."""
-        return self._state_key(key) is not None
-
     def load_target(self, key: str, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor | None:
         """A new tensor on the device where the optimizer keeps ``key``; None for other keys."""
         parts = self._state_key(key)

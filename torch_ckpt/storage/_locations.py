@@ -8,7 +8,7 @@ module re-exports: ``O_NOFOLLOW``, no FIFO, no directory) unless symlinks are ex
 backend error on a store is a :class:`DurableUnavailableError` (an outage, not a damaged
 checkpoint). On stores that compute a digest of each object (the ETag of S3-compatible stores),
 :meth:`Location.stat` reports it, so an upload can be verified without reading it back
-(:func:`torch_ckpt.format._files.verify_files`).
+(:func:`torch_ckpt.format._read.verify_files`).
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ import time
 from typing import TYPE_CHECKING
 
 from torch_ckpt._logging import get_logger
-from torch_ckpt.format._manifest import MANIFEST_NAME
+from torch_ckpt.format._read import MANIFEST_NAME
 from torch_ckpt.storage._locations import DurableUnavailableError, object_mtime
 
 if TYPE_CHECKING:

@@ -8,8 +8,8 @@ through ``pathlib``.
 
 The tier reads and checks through the one storage/format layer: a step directory is a
 :class:`~torch_ckpt.storage._locations.Location`, its manifest is read by
-:func:`torch_ckpt.format._manifest.read_manifest`,
-and every uploaded object and every fetched file is checked by :func:`torch_ckpt.format._files.verify_files`
+:func:`torch_ckpt.format._read.read_manifest`,
+and every uploaded object and every fetched file is checked by :func:`torch_ckpt.format._read.verify_files`
 (the same function, and the same messages, as for a local checkpoint). Node-local checkpoints go
 up and come back through :mod:`torch_ckpt.tiers._nodes`; uploads abandoned by a crash are cleaned
 up by :mod:`torch_ckpt.tiers._cleanup`.
@@ -34,8 +34,7 @@ from tqdm import tqdm
 from torch_ckpt._logging import get_logger
 from torch_ckpt._values import check_int
 from torch_ckpt.errors import CheckpointCorruptError, CheckpointError, ConfigError
-from torch_ckpt.format._files import verify_files
-from torch_ckpt.format._manifest import MANIFEST_NAME, Manifest, read_manifest
+from torch_ckpt.format._read import MANIFEST_NAME, Manifest, read_manifest, verify_files
 from torch_ckpt.policy._naming import Naming, StepNaming
 from torch_ckpt.root._layout import commit_dir
 from torch_ckpt.storage._bounded import corrupt
@@ -73,7 +72,7 @@ class DurableTier:
         create: create a missing bucket (or the missing parent directory of a ``file://`` root)
             at the first upload; by default a missing one is an error (:meth:`check_container`).
 
-    Every uploaded object is checked by :func:`torch_ckpt.format._files.verify_files` against the
+    Every uploaded object is checked by :func:`torch_ckpt.format._read.verify_files` against the
     manifest. With ``verify="checksum"`` on an S3-compatible store that check takes the store's own
     digest: an object whose ETag (single or multipart MD5) equals the one computed from the local
     file (whose CRC-32 is compared with the manifest in the same pass) is not read back. Other
@@ -272,7 +271,7 @@ class DurableTier:
         return dict(sorted(found.items()))
 
     def read_manifest(self, step: int) -> Manifest:
-        """Read and validate the durable manifest of ``step`` (:func:`torch_ckpt.format._manifest.read_manifest`).
+        """Read and validate the durable manifest of ``step`` (:func:`torch_ckpt.format._read.read_manifest`).
 
         Raises:
             CheckpointNotFoundError: there is none (the step is not committed in this tier); a
@@ -305,7 +304,7 @@ class DurableTier:
         return f"{hashlib.md5(b''.join(parts), usedforsecurity=False).hexdigest()}-{len(parts)}"
 
     def _put_verified(self, local: Path, loc: Location, name: str, info: dict[str, int]) -> None:
-        """Upload one file, then check the stored object with :func:`~torch_ckpt.format._files.verify_files`.
+        """Upload one file, then check the stored object with :func:`~torch_ckpt.format._read.verify_files`.
 
         With ``verify="checksum"`` on an S3-compatible store the check passes on the store's own
         digest when it equals the local file's (no byte read back), else the object is read back
@@ -419,7 +418,7 @@ class DurableTier:
     # -- download ------------------------------------------------------------------------------
     def _fetch_file(self, src: Location, name: str, info: dict[str, int], tmp: Path, bar: Any,
                     watch: Watch | None = None) -> None:
-        """Copy one object into ``tmp``, then check the copy with :func:`~torch_ckpt.format._files.verify_files`
+        """Copy one object into ``tmp``, then check the copy with :func:`~torch_ckpt.format._read.verify_files`
         (size and CRC-32); a mismatch is reported on the object's URL, with the text a corrupt local
         file gets.
 
@@ -473,7 +472,7 @@ class DurableTier:
 
         Raises:
             CheckpointCorruptError: a fetched file does not have the manifest's size or CRC-32
-                (:func:`~torch_ckpt.format._files.verify_files`); the message names the object's URL.
+                (:func:`~torch_ckpt.format._read.verify_files`); the message names the object's URL.
             ValueError: ``node`` is given but the checkpoint was not written to node-local roots.
             DurableUnavailableError: the store cannot be reached or failed during the download.
         """

@@ -18,12 +18,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from torch_ckpt.format._files import METADATA_NAME
-from torch_ckpt.format._manifest import (
+from torch_ckpt.format._read import (
     MANIFEST_NAME,
     MAX_MANIFEST_BYTES,
     MAX_MANIFEST_DEPTH,
     MAX_MANIFEST_INT_DIGITS,
+    METADATA_NAME,
     Manifest,
 )
 from torch_ckpt.storage._bounded import corrupt, loads_bounded

@@ -1,7 +1,7 @@
 """The checks behind ``ls``, ``verify`` and ``inspect``: one checkpoint directory, every problem listed.
 
-:func:`check_dir` runs the checks of the storage/format layer (:mod:`torch_ckpt.format._files`,
-:mod:`torch_ckpt.format._manifest`, :mod:`torch_ckpt.format._dcp_metadata`) on a
+:func:`check_dir` runs the checks of the storage/format layer (:mod:`torch_ckpt.format._read`,
+:mod:`torch_ckpt.format._read`, :mod:`torch_ckpt.format._read`) on a
  :class:`~torch_ckpt.storage._locations.Location`
 and collects every problem with the file it concerns instead of stopping at the first one. With
 ``structure=False`` (``ls``) only the cheap checks run: the manifest, one rank file per rank, and
@@ -20,19 +20,24 @@ from tqdm import tqdm
 
 from torch_ckpt.errors import CheckpointCorruptError, CheckpointNotFoundError, UnsafeCheckpointError
 from torch_ckpt.format._codec import TENSOR_TAG
-from torch_ckpt.format._dcp_metadata import MAX_METADATA_BYTES, metadata_problems, record_problems
-from torch_ckpt.format._dcp_read import load_dcp_metadata_bytes
-from torch_ckpt.format._files import (
+from torch_ckpt.format._read import (
+    MANIFEST_NAME,
+    MAX_METADATA_BYTES,
     MAX_RANK_JSON_BYTES,
     METADATA_NAME,
     RANK_FILE_RE,
+    Manifest,
+    load_dcp_metadata_bytes,
+    metadata_problems,
     parse_rank_doc,
+    rank_file_name,
     rank_file_problems,
     read_listed,
+    read_manifest,
+    record_problems,
     verify_files,
+    walk_tree,
 )
-from torch_ckpt.format._manifest import MANIFEST_NAME, Manifest, rank_file_name, read_manifest
-from torch_ckpt.format._state_tree import walk_tree
 from torch_ckpt.storage._locations import Location, PathNotFoundError
 
 __all__ = ["COMMITTED", "CORRUPT", "PARTIAL", "Report", "check_dir", "dtype_name", "iso_time",

@@ -15,11 +15,17 @@ import torch
 
 from torch_ckpt.errors import CheckpointNotFoundError, ConfigError
 from torch_ckpt.format._codec import is_per_rank_key, join_state
-from torch_ckpt.format._dcp_metadata import check_records, read_metadata, tensor_items
-from torch_ckpt.format._dcp_read import load_tensors
-from torch_ckpt.format._files import read_rank_doc, verify_files
-from torch_ckpt.format._manifest import Manifest, read_manifest
-from torch_ckpt.format._state_tree import tensor_keys
+from torch_ckpt.format._read import (
+    Manifest,
+    check_records,
+    load_tensors,
+    read_manifest,
+    read_metadata,
+    read_rank_doc,
+    tensor_items,
+    tensor_keys,
+    verify_files,
+)
 
 __all__ = ["load_full_state", "export_torch", "export_safetensors", "model_weights"]
 
@@ -36,7 +42,7 @@ def load_full_state(checkpoint: str | Path, *, verify: bool = True,
                     allow_symlinks: bool = False) -> tuple[dict[str, Any], Manifest]:
     """Load a committed checkpoint as one nested dict of full tensors and Python values (one process).
 
-    Goes through the same validation as a restore (:mod:`torch_ckpt.format._files`): only the manifest's
+    Goes through the same validation as a restore (:mod:`torch_ckpt.format._read`): only the manifest's
     files, as regular files inside the checkpoint; metadata whose chunks cover every tensor exactly
     and fit in the files (checked before any tensor is allocated); tensor records that match the
     metadata's dtypes, sizes and shapes; bounded, well-formed rank files.

@@ -1,6 +1,6 @@
 """What a checkpoint holds (``torch-ckpt inspect``): per component, from the metadata and the rank trees.
 
-Every check goes through the storage/format layer (:mod:`torch_ckpt.format._files`), the validation path
+Every check goes through the storage/format layer (:mod:`torch_ckpt.format._read`), the validation path
 restore uses too (all but the CRC-32), so ``inspect`` accepts exactly what a restore would load.
 Nothing here writes to a checkpoint or executes code from one: DCP's ``.metadata`` is read with the
 restricted unpickler, the per-rank trees are JSON, and tensor payloads are never loaded (sizes come
@@ -17,11 +17,21 @@ from tqdm import tqdm
 
 from torch_ckpt.errors import CheckpointCorruptError
 from torch_ckpt.format._codec import TENSOR_TAG
-from torch_ckpt.format._dcp_metadata import MAX_METADATA_BYTES, metadata_problems, record_problems
-from torch_ckpt.format._dcp_read import load_dcp_metadata_bytes
-from torch_ckpt.format._files import METADATA_NAME, rank_file_problems, read_listed, read_rank_doc, verify_files
-from torch_ckpt.format._manifest import rank_file_name, read_manifest
-from torch_ckpt.format._state_tree import embedded_info, walk_tree
+from torch_ckpt.format._read import (
+    MAX_METADATA_BYTES,
+    METADATA_NAME,
+    embedded_info,
+    load_dcp_metadata_bytes,
+    metadata_problems,
+    rank_file_name,
+    rank_file_problems,
+    read_listed,
+    read_manifest,
+    read_rank_doc,
+    record_problems,
+    verify_files,
+    walk_tree,
+)
 from torch_ckpt.storage._locations import Location
 from torch_ckpt.tools.checks import dtype_name, iso_time
 from torch_ckpt.tools.listing import find_checkpoint
@@ -68,7 +78,7 @@ def inspect_checkpoint(where: str | os.PathLike | Location, *, step: int | None 
         PathNotFoundError: ``where`` does not exist.
         CheckpointNotFoundError: not a committed checkpoint.
         CheckpointCorruptError: the manifest, metadata, a listed file (missing, a symlink, wrong
-            size) or a per-rank file fails the checks of :mod:`torch_ckpt.format._files`, or the state
+            size) or a per-rank file fails the checks of :mod:`torch_ckpt.format._read`, or the state
             refers to a tensor the metadata lacks.
         UnsafeCheckpointError: the DCP metadata references code (refused, not executed).
     """

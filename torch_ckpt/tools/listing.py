@@ -5,10 +5,10 @@ local directories and on any fsspec URL (``s3://``, ``gs://``, ``memory://``...;
 endpoints in ``storage_options``), and return JSON-serialisable dicts (the commands' ``--json``
 output).
 
-Every check goes through :mod:`torch_ckpt.format._files`, the validation path restore uses too, so these
+Every check goes through :mod:`torch_ckpt.format._read`, the validation path restore uses too, so these
 views accept exactly what a restore would load. Nothing here writes to a checkpoint, and nothing
 executes code from one: DCP's ``.metadata`` is read
-with torch-ckpt's restricted unpickler (:func:`torch_ckpt.format._dcp_read.read_dcp_metadata`), the per-rank
+with torch-ckpt's restricted unpickler (:func:`torch_ckpt.format._read.read_dcp_metadata`), the per-rank
 trees are JSON, and tensor payloads are never loaded (sizes come from the metadata).
 
 The checkpoints of a root are its subdirectories that hold a torch-ckpt ``manifest.json``, whatever
@@ -42,7 +42,7 @@ import time
 from typing import Any
 
 from torch_ckpt.errors import CheckpointError, CheckpointNotFoundError, ConfigError
-from torch_ckpt.format._manifest import FORMAT_NAME, MANIFEST_NAME, MAX_MANIFEST_BYTES
+from torch_ckpt.format._read import FORMAT_NAME, MANIFEST_NAME, MAX_MANIFEST_BYTES
 from torch_ckpt.policy._lineage import head_of
 from torch_ckpt.root._temporaries import PARTIAL_PREFIX
 from torch_ckpt.storage._locations import Location, as_location

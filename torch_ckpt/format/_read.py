@@ -1,0 +1,1179 @@
+"""Reading a checkpoint: the one validation path every reader goes through, and pickle-free DCP reads.
+
+Restore, ``verify``, ``inspect``, ``convert`` and the durable tier read checkpoints only through
+here. What a reader may rely on once a check passed (any violation raises
+:class:`~torch_ckpt.errors.CheckpointCorruptError` naming the file, or, with ``collect=``, is
+appended to a list: ``verify`` reports every problem):
+
+* **Manifest** (:func:`read_manifest`, the only reader, local directories and fsspec URLs alike):
+  written last (:mod:`torch_ckpt.root._layout`), a regular file (never followed through a symlink
+  unless asked) of at most :data:`MAX_MANIFEST_BYTES`, parsed with bounded nesting and integer
+  length, every field of the right type and range, every listed name a plain file name inside the
+  checkpoint, each with its size and CRC-32.
+* **Files** (:func:`verify_files`): only listed files are ever opened, each a regular file inside
+  the checkpoint (``O_NOFOLLOW``), with the listed size and, when checksums are on, CRC-32.
+* **Per-rank JSON** (``rank_00000.json`` ...; :func:`read_rank_doc`): one per rank of the world
+  size, at most :data:`MAX_RANK_JSON_BYTES`, parsed with bounded nesting (:data:`MAX_STATE_DEPTH`)
+  and integer length; ``rank``, ``step`` and ``world_size`` agree with the manifest; every node is
+  well formed (:func:`walk_tree`, the one walker of encoded trees: it checks each node the way
+  :func:`torch_ckpt.format._codec.join_state` will decode it).
+* **DCP metadata** (:func:`read_metadata`): ``.metadata`` is unpickled by a restricted unpickler
+  that admits only DCP's own metadata classes (:func:`load_dcp_metadata_bytes`), then every field
+  type is checked (:func:`metadata_problems`): storage entries lie inside listed data files; each
+  tensor's chunks lie inside its shape, do not overlap and cover it; each chunk fits in its storage
+  entry, so declared sizes are bounded by the files' real sizes before anything is allocated.
+* **Records** (:func:`record_problems`): every chunk's ``torch.save`` record matches its declared
+  byte range, dtype, size and shape (headers only, nothing unpickled).
+
+:func:`load_tensors` runs ``dcp.load`` with :class:`SafeFileSystemReader` (listed regular files
+only) and :class:`SafeLoadPlanner` (refuses pickled ``BYTE_IO`` items), so loading never executes
+code from a checkpoint, and turns DCP's failures into errors naming the damaged file.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+import pickle
+import re
+import time
+from collections.abc import Callable, Generator, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from functools import cache, lru_cache
+from pathlib import Path, PurePath
+from typing import Any
+
+import numpy as np
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.filesystem import FileSystem, _StorageInfo
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+
+from torch_ckpt.distributed._context import quiet_single_process_warning
+from torch_ckpt.errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError, UnsafeCheckpointError
+from torch_ckpt.format._codec import (
+    BYTES_TAG,
+    DICT_TAG,
+    FLOAT_TAG,
+    INLINE_TENSOR_TAG,
+    NDARRAY_TAG,
+    NPSCALAR_TAG,
+    ODICT_TAG,
+    TENSOR_TAG,
+    TUPLE_TAG,
+)
+from torch_ckpt.format._records import storage_record_problems
+from torch_ckpt.policy._lineage import BASE, Lineage, MalformedLineage, lineage_from_doc
+from torch_ckpt.storage._bounded import Malformed, corrupt, loads_bounded, short_repr
+from torch_ckpt.storage._local_files import open_regular
+from torch_ckpt.storage._locations import DurableUnavailableError, Location, as_location
+
+__all__ = [
+    "FORMAT_NAME",
+    "FORMAT_VERSION",
+    "MANIFEST_NAME",
+    "MAX_MANIFEST_BYTES",
+    "MAX_MANIFEST_DEPTH",
+    "MAX_MANIFEST_INT_DIGITS",
+    "MAX_METADATA_BYTES",
+    "MAX_NDIM",
+    "MAX_RANK_JSON_BYTES",
+    "MAX_STATE_DEPTH",
+    "MAX_STATE_INT_DIGITS",
+    "METADATA_NAME",
+    "Manifest",
+    "NODE_METADATA_RE",
+    "RANK_FILE_RE",
+    "SafeFileSystemReader",
+    "SafeLoadPlanner",
+    "check_records",
+    "embedded_info",
+    "load_dcp_metadata_bytes",
+    "load_tensors",
+    "manifest_from_doc",
+    "metadata_name",
+    "metadata_problems",
+    "open_listed",
+    "parse_manifest",
+    "parse_rank_doc",
+    "rank_file_name",
+    "rank_file_problems",
+    "read_dcp_metadata",
+    "read_listed",
+    "read_manifest",
+    "read_metadata",
+    "read_rank_doc",
+    "record_problems",
+    "tensor_items",
+    "tensor_keys",
+    "unwrap_dcp_error",
+    "verify_files",
+    "walk_tree",
+]
+
+FORMAT_NAME = "torch-ckpt"
+FORMAT_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+MAX_MANIFEST_BYTES = 64 << 20
+"""Largest ``manifest.json`` read (bytes); a real one lists ~100 bytes per file."""
+MAX_MANIFEST_DEPTH = 16
+"""Deepest nesting of containers in a manifest (a real one has 3)."""
+MAX_MANIFEST_INT_DIGITS = 20
+"""Longest integer in a manifest (digits); sizes, steps and CRCs fit in 64 bits."""
+
+
+def rank_file_name(rank: int) -> str:
+    """Per-rank JSON file holding that rank's non-tensor state."""
+    return f"rank_{rank:05d}.json"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Manifest:
+    """What ``manifest.json`` records about one committed checkpoint.
+
+    Attributes:
+        step: training step (int).
+        world_size: number of ranks that wrote it.
+        files: ``{file name: {"bytes": int, "crc32": int}}`` for every file except the manifest.
+        wall_time: Unix time (seconds) of the commit.
+        torch_version: ``torch.__version__`` of the writer.
+        tensor_bytes: bytes of tensor payload saved (all ranks, after deduplication).
+        timings: seconds spent per phase (``staging_s``, ``persist_s``, ...).
+        format_version: on-disk format version.
+        tiers: tiers holding a complete, verified copy besides this one, e.g.
+            ``{"durable": {"url": "s3://b/run", "committed_at": 1.7e9}}``.
+        nodes: for a checkpoint written to node-local roots, ``{"rank_node": [node of each rank],
+            "file_node": {file name: node holding it}, "shared": [uploaded files holding tensors
+            several nodes hold]}``, plus for a node's copy fetched from the durable tier ``"held"``
+            (its files) and ``"metadata"`` (the DCP metadata file it loads with); empty for a
+            shared root.
+        node: the node whose copy this directory is (it holds only the files ``file_node`` gives
+            that node); None for a complete copy (shared root, durable tier).
+        lineage: the run segment the checkpoint belongs to (:mod:`torch_ckpt.policy._lineage`); written as
+            ``"lineage"`` except for the base segment (manifests without it).
+    """
+
+    step: int
+    world_size: int
+    files: dict[str, dict[str, int]]
+    wall_time: float = field(default_factory=time.time)
+    torch_version: str = field(default_factory=lambda: torch.__version__)
+    tensor_bytes: int = 0
+    timings: dict[str, float] = field(default_factory=dict)
+    format_version: int = FORMAT_VERSION
+    tiers: dict[str, Any] = field(default_factory=dict)
+    nodes: dict[str, Any] = field(default_factory=dict)
+    node: int | None = None
+    lineage: Lineage = BASE
+
+    def to_json(self) -> dict[str, Any]:
+        """Return the JSON object written to disk."""
+        doc = {"format": FORMAT_NAME, "format_version": self.format_version, "step": self.step,
+               "wall_time": self.wall_time, "world_size": self.world_size, "torch_version": self.torch_version,
+               "tensor_bytes": self.tensor_bytes, "timings": self.timings, "tiers": self.tiers, "files": self.files}
+        if self.nodes:
+            doc["nodes"] = self.nodes
+        if self.node is not None:
+            doc["node"] = self.node
+        if not self.lineage.is_base:
+            doc["lineage"] = self.lineage.to_json()
+        return doc
+
+    @property
+    def partial(self) -> bool:
+        """True for one node's copy of a node-local checkpoint (it holds only that node's files)."""
+        return self.node is not None
+
+    def local_files(self) -> dict[str, dict[str, int]]:
+        """The listed files this copy holds: all of them, or those of :attr:`node` for a node's copy."""
+        if self.node is None:
+            return self.files
+        if "held" in self.nodes:  # a copy fetched from the durable tier
+            return {name: self.files[name] for name in self.nodes["held"]}
+        held = self.nodes.get("file_node", {})
+        return {name: info for name, info in self.files.items() if held.get(name) == self.node}
+
+    @classmethod
+    def from_json(cls, data: Any, source: str) -> Manifest:
+        """Validate a parsed manifest object (every field's type and range, plain file names).
+
+        Raises:
+            CheckpointCorruptError: naming ``source`` and the offending field.
+        """
+        return manifest_from_doc(data, source)
+
+
+def _is_plain_file_name(name: Any) -> bool:
+    """True for a bare file name (no directory part, no '..', no NUL): manifests may not point elsewhere."""
+    return isinstance(name, str) and bool(name) and name not in (".", "..") and "/" not in name \
+        and "\\" not in name and "\0" not in name
+
+
+def _int_field(doc: dict, key: str, lo: int, hi: int, *, default: int | None = None) -> int:
+    if key not in doc and default is not None:
+        return default
+    if key not in doc:
+        raise Malformed(f"{key} is missing")
+    value = doc[key]
+    if type(value) is not int:
+        raise Malformed(f"{key} must be an integer, got {type(value).__name__} {short_repr(value)}")
+    if not lo <= value <= hi:
+        raise Malformed(f"{key} {value} is out of range [{lo}, {hi}]")
+    return value
+
+
+def _number(value: Any) -> bool:
+    return type(value) in (int, float) and math.isfinite(value)
+
+
+def manifest_from_doc(data: Any, source: str) -> Manifest:
+    """Validate a parsed manifest object and build the :class:`~torch_ckpt.root._layout.Manifest`.
+
+    Raises:
+        CheckpointCorruptError: a field is missing, of the wrong type or out of range; names ``source``.
+    """
+    try:
+        if not isinstance(data, dict):
+            raise Malformed(f"expected a JSON object, got {type(data).__name__}")
+        if data.get("format") != FORMAT_NAME:
+            raise Malformed(f"format is {short_repr(data.get('format'))}, expected {FORMAT_NAME!r}")
+        version = _int_field(data, "format_version", 1, 1 << 31)
+        if version > FORMAT_VERSION:
+            raise Malformed(f"format_version {version} is newer than this torch-ckpt supports ({FORMAT_VERSION}); "
+                             "upgrade torch-ckpt")
+        step = _int_field(data, "step", 0, (1 << 63) - 1)
+        world_size = _int_field(data, "world_size", 1, (1 << 31) - 1)
+        files_doc = data.get("files")
+        if not isinstance(files_doc, dict):
+            raise Malformed(f"files must be an object, got {type(files_doc).__name__}")
+        files: dict[str, dict[str, int]] = {}
+        for name, info in files_doc.items():
+            if not _is_plain_file_name(name) or name == MANIFEST_NAME:
+                raise Malformed(f"file name {short_repr(name)} is not a plain file name inside the checkpoint")
+            if not isinstance(info, dict):
+                raise Malformed(f"entry of {name!r} must be an object, got {type(info).__name__}")
+            try:
+                files[name] = {"bytes": _int_field(info, "bytes", 0, (1 << 63) - 1),
+                               "crc32": _int_field(info, "crc32", 0, (1 << 32) - 1)}
+            except Malformed as exc:
+                raise Malformed(f"entry of {name!r}: {exc}") from None
+        wall_time = data.get("wall_time")
+        if not _number(wall_time):
+            raise Malformed(f"wall_time must be a finite number, got {short_repr(wall_time)}")
+        torch_version = data.get("torch_version")
+        if not isinstance(torch_version, str):
+            raise Malformed(f"torch_version must be a string, got {short_repr(torch_version)}")
+        tensor_bytes = _int_field(data, "tensor_bytes", 0, (1 << 63) - 1, default=0)
+        timings = data.get("timings", {})
+        if not isinstance(timings, dict) or not all(isinstance(k, str) and type(v) in (int, float)
+                                                    for k, v in timings.items()):
+            raise Malformed("timings must map phase names to numbers")
+        tiers = data.get("tiers", {})
+        if not isinstance(tiers, dict) or not all(isinstance(k, str) and isinstance(v, dict) for k, v in tiers.items()):
+            raise Malformed("tiers must map tier names to objects")
+        nodes, node = _nodes_fields(data, files, world_size)
+        try:
+            lineage = lineage_from_doc(data.get("lineage"))
+        except MalformedLineage as exc:
+            raise Malformed(str(exc)) from None
+    except Malformed as exc:
+        raise corrupt(source, f"invalid manifest ({exc})") from None
+    return Manifest(step=step, world_size=world_size, files=files, wall_time=float(wall_time),
+                    torch_version=torch_version, tensor_bytes=tensor_bytes, timings=dict(timings),
+                    format_version=version, tiers=dict(tiers), nodes=nodes, node=node, lineage=lineage)
+
+
+def _nodes_fields(data: dict, files: dict[str, Any], world_size: int) -> tuple[dict[str, Any], int | None]:
+    """The optional node-local fields of a manifest: ``nodes`` (which node holds which file) and ``node``."""
+    nodes = data.get("nodes", {})
+    if not isinstance(nodes, dict):
+        raise Malformed(f"nodes must be an object, got {type(nodes).__name__}")
+    node = data.get("node")
+    if not nodes:
+        if node is not None:
+            raise Malformed("node is set but nodes (which node holds which file) is missing")
+        return {}, None
+    rank_node, file_node = nodes.get("rank_node"), nodes.get("file_node")
+    if not isinstance(rank_node, list) or len(rank_node) != world_size or \
+            not all(type(n) is int and 0 <= n < world_size for n in rank_node):
+        raise Malformed(f"nodes.rank_node must list the node (0..{world_size - 1}) of each of the {world_size} ranks")
+    count = max(rank_node) + 1
+    if not isinstance(file_node, dict) or set(file_node) != set(files) or \
+            not all(type(n) is int and 0 <= n < count for n in file_node.values()):
+        raise Malformed("nodes.file_node must give the node (an int below the node count) of every listed file")
+    if node is not None and (type(node) is not int or not 0 <= node < count):
+        raise Malformed(f"node must be an int in 0..{count - 1}, got {short_repr(node)}")
+    out: dict[str, Any] = {"rank_node": list(rank_node), "file_node": dict(file_node)}
+    for key in ("shared", "held"):
+        if key in nodes:
+            names = nodes[key]
+            if not isinstance(names, list) or not all(isinstance(n, str) and n in files for n in names):
+                raise Malformed(f"nodes.{key} must list files of the manifest")
+            out[key] = list(names)
+    if "metadata" in nodes:
+        if nodes["metadata"] not in files:
+            raise Malformed("nodes.metadata must name a file of the manifest")
+        out["metadata"] = nodes["metadata"]
+    return out, node
+
+
+def parse_manifest(raw: bytes, source: str) -> Manifest:
+    """Parse and validate the bytes of a ``manifest.json`` (see :func:`manifest_from_doc`).
+
+    Raises:
+        CheckpointCorruptError: larger than :data:`MAX_MANIFEST_BYTES`, not bounded JSON, or not a
+            valid torch-ckpt manifest; the message names ``source``.
+    """
+    if len(raw) > MAX_MANIFEST_BYTES:
+        raise corrupt(source, f"manifest is {len(raw)} bytes, more than the {MAX_MANIFEST_BYTES} accepted")
+    data = loads_bounded(raw, source, what="manifest", max_depth=MAX_MANIFEST_DEPTH,
+                         max_int_digits=MAX_MANIFEST_INT_DIGITS)
+    return manifest_from_doc(data, source)
+
+
+def read_manifest(step_dir: str | os.PathLike | Location, *, allow_symlinks: bool = False) -> Manifest:
+    """Read and validate the ``manifest.json`` of a checkpoint directory (local path or :class:`Location`).
+
+    Raises:
+        CheckpointNotFoundError: there is no manifest (not a committed checkpoint).
+        CheckpointCorruptError: it is a symlink (unless ``allow_symlinks``), not a regular file,
+            unreadable (permissions, I/O error), too large, or not a valid manifest; the message
+            names the file.
+        DurableUnavailableError: the store holding it cannot be reached.
+    """
+    loc = as_location(step_dir, allow_symlinks=allow_symlinks)
+    source = loc.describe(MANIFEST_NAME)
+    try:
+        raw = loc.read_bytes(MANIFEST_NAME, MAX_MANIFEST_BYTES, what="the manifest")
+    except (FileNotFoundError, NotADirectoryError) as exc:
+        raise CheckpointNotFoundError(f"{source} does not exist: {loc.describe()} is not a committed torch-ckpt "
+                                      "checkpoint") from exc
+    except DurableUnavailableError:
+        raise
+    except OSError as exc:
+        raise corrupt(source, f"the manifest cannot be read ({exc.strerror or exc})") from exc
+    return parse_manifest(raw, source)
+
+
+MAX_NDIM = 64
+"""Most dimensions of an embedded tensor or array."""
+_B64_RE = re.compile(r"[A-Za-z0-9+/]*={0,2}")
+
+
+@cache
+def _torch_dtype(name: str) -> Any:
+    """The torch dtype ``name`` if an embedded tensor may use it (raw bytes viewable as it), else None."""
+    dtype = getattr(torch, name, None) if name.isidentifier() else None
+    if not isinstance(dtype, torch.dtype):
+        return None
+    try:
+        torch.empty(dtype.itemsize, dtype=torch.uint8).view(dtype)
+    except (RuntimeError, TypeError):
+        return None
+    return dtype
+
+
+@lru_cache(maxsize=256)
+def _numpy_dtype(name: str) -> Any:
+    """The numpy dtype ``name`` if an embedded array may use it (no objects, non-empty items), else None."""
+    try:
+        dtype = np.dtype(name)
+    except (TypeError, ValueError, SyntaxError):
+        return None
+    if dtype.hasobject or dtype.itemsize == 0:
+        return None
+    return dtype
+
+
+def _shape(value: Any) -> list[int]:
+    if not isinstance(value, list) or len(value) > MAX_NDIM or not all(type(d) is int and d >= 0 for d in value):
+        raise Malformed(f"invalid shape {short_repr(value)}")
+    return value
+
+
+def _b64_bytes(text: Any) -> int:
+    """Bytes that base64 ``text`` decodes to; raises for anything but canonical base64."""
+    if not isinstance(text, str) or len(text) % 4 or not _B64_RE.fullmatch(text):
+        raise Malformed("embedded data is not base64")
+    return len(text) // 4 * 3 - (len(text) - len(text.rstrip("=")))
+
+
+def embedded_info(kind: str, node: dict) -> tuple[list[int], str, int]:
+    """``(shape, dtype name, bytes)`` of an embedded tensor (``kind`` "inline") or array ("ndarray").
+
+    Raises:
+        ValueError: unknown or unsafe dtype, invalid shape, data that is not base64, or data whose
+            length differs from what the shape and dtype need (checked before any allocation).
+    """
+    name = node.get("dtype")
+    dtype = (_torch_dtype if kind == "inline" else _numpy_dtype)(name) if isinstance(name, str) else None
+    if dtype is None:
+        raise Malformed(f"unsupported {'tensor' if kind == 'inline' else 'array'} dtype {short_repr(name)}")
+    shape = _shape(node.get("shape"))
+    nbytes = math.prod(shape) * dtype.itemsize
+    got = _b64_bytes(node.get(INLINE_TENSOR_TAG if kind == "inline" else NDARRAY_TAG))
+    if got != nbytes:
+        raise Malformed(f"embedded data holds {got} bytes, its shape {shape} and dtype need {nbytes}")
+    dtype_name = str(dtype).removeprefix("torch.") if kind == "inline" else dtype.name
+    return shape, dtype_name, nbytes
+
+
+def _is_tag_node(node: dict, tag: str) -> bool:
+    return len(node) == 1 and tag in node
+
+
+def walk_tree(tree: Any, path: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], str, Any]]:
+    """Yield ``(path, kind, node)`` for every leaf of a per-rank tree, validating every node on the way.
+
+    ``kind`` is "tensor" (a DCP placeholder), "inline" (an embedded tensor), "ndarray" (an embedded
+    numpy array) or "value". Every node is checked the way :func:`torch_ckpt.format._codec.join_state` will
+    decode it, so a tree this walk accepts decodes without error. Iterative (no recursion).
+
+    Raises:
+        ValueError: a malformed node; the message names its dotted path.
+    """
+    stack: list[tuple[Any, tuple[str, ...]]] = [(tree, path)]
+    while stack:
+        node, where = stack.pop()
+        try:
+            if isinstance(node, list):
+                stack.extend((v, where + (str(i),)) for i, v in reversed(list(enumerate(node))))
+            elif not isinstance(node, dict):
+                yield where, "value", node
+            elif len(node) == 1 and TENSOR_TAG in node:
+                if not isinstance(node[TENSOR_TAG], str):
+                    raise Malformed(f"tensor placeholder {short_repr(node[TENSOR_TAG])} is not a key")
+                yield where, "tensor", node
+            elif INLINE_TENSOR_TAG in node:
+                embedded_info("inline", node)
+                yield where, "inline", node
+            elif NDARRAY_TAG in node:
+                embedded_info("ndarray", node)
+                yield where, "ndarray", node
+            elif NPSCALAR_TAG in node:
+                name = node.get("dtype")
+                dtype = _numpy_dtype(name) if isinstance(name, str) else None
+                value = node[NPSCALAR_TAG]
+                if dtype is None or isinstance(value, (dict, list)):
+                    raise Malformed(f"invalid numpy scalar {short_repr(node)}")
+                try:
+                    dtype.type(value)
+                except (TypeError, ValueError, OverflowError) as exc:
+                    raise Malformed(f"invalid numpy scalar {short_repr(node)} ({exc})") from None
+                yield where, "value", node
+            elif len(node) == 1 and BYTES_TAG in node:
+                _b64_bytes(node[BYTES_TAG])
+                yield where, "value", node
+            elif len(node) == 1 and FLOAT_TAG in node:
+                if not isinstance(node[FLOAT_TAG], str):
+                    raise Malformed(f"invalid float {short_repr(node[FLOAT_TAG])}")
+                try:
+                    float(node[FLOAT_TAG])
+                except ValueError:
+                    raise Malformed(f"invalid float {short_repr(node[FLOAT_TAG])}") from None
+                yield where, "value", node
+            elif len(node) == 1 and TUPLE_TAG in node:
+                if not isinstance(node[TUPLE_TAG], list):
+                    raise Malformed(f"malformed {TUPLE_TAG} node")
+                stack.extend((v, where + (str(i),)) for i, v in reversed(list(enumerate(node[TUPLE_TAG]))))
+            elif len(node) == 1 and ODICT_TAG in node:  # an OrderedDict: its items, encoded as a dict's
+                inner = node[ODICT_TAG]
+                if not isinstance(inner, dict) or _is_tag_node(inner, ODICT_TAG):
+                    raise Malformed(f"malformed {ODICT_TAG} node")
+                stack.append((inner, where))
+            elif len(node) == 1 and DICT_TAG in node:
+                items = node[DICT_TAG]
+                if not isinstance(items, list) or not all(isinstance(it, list) and len(it) == 2 and
+                                                          not isinstance(it[0], list) for it in items):
+                    raise Malformed(f"malformed {DICT_TAG} node")
+                for key, value in reversed(items):  # a key is an encoded value too (tuple, bytes, numpy...)
+                    label = str(key) if not isinstance(key, dict) else f"<key {short_repr(key)}>"
+                    stack.append((value, where + (label,)))
+                    if isinstance(key, dict):
+                        stack.append((key, where + (label,)))
+            else:
+                stack.extend((v, where + (str(k),)) for k, v in reversed(list(node.items())))
+        except Malformed as exc:
+            raise Malformed(f"{'.'.join(where) or '<root>'}: {exc}") from None
+
+
+def tensor_keys(tree: Any) -> set[str]:
+    """Keys of the DCP tensors that a (validated) encoded tree refers to."""
+    return {node[TENSOR_TAG] for _, kind, node in walk_tree(tree) if kind == "tensor"}
+
+
+MAX_RANK_JSON_BYTES = 4 << 30
+"""Largest per-rank JSON file read (bytes)."""
+MAX_STATE_DEPTH = 400
+"""Deepest nesting of containers in a per-rank JSON file (the saved state's nesting plus tags).
+
+``codec.split_state`` refuses states nested deeper than ``codec.MAX_DEPTH`` (100) containers; one
+container encodes to at most 3 JSON levels (tag object, item list, key/value pair), plus the document's
+own wrapper, so everything ``save()`` accepts stays below this bound and restores."""
+MAX_STATE_INT_DIGITS = 4300
+"""Longest integer in a per-rank JSON file (digits): Python's default int/str conversion limit."""
+METADATA_NAME = ".metadata"
+RANK_FILE_RE = re.compile(r"^rank_(\d+)\.json$")
+NODE_METADATA_RE = re.compile(r"^node_\d{5,}\.metadata$")
+
+
+def open_listed(step_dir: str | os.PathLike, manifest: Manifest, name: str, *, allow_symlinks: bool = False) -> int:
+    """Open the manifest-listed file ``name`` of a local checkpoint as a regular file; returns the descriptor.
+
+    Raises:
+        CheckpointCorruptError: ``name`` is not listed, is missing, or is not a regular file inside
+            the checkpoint.
+    """
+    path = Path(step_dir) / name
+    if name not in manifest.files:
+        raise corrupt(str(path), "is not listed in the manifest; refusing unverified data")
+    try:
+        return open_regular(path, allow_symlinks=allow_symlinks, what="file listed in the manifest")
+    except FileNotFoundError:
+        raise corrupt(str(path), "listed in the manifest but missing") from None
+    except OSError as exc:
+        raise corrupt(str(path), f"file listed in the manifest cannot be read ({exc.strerror})") from None
+
+
+def read_listed(where: str | os.PathLike | Location, manifest: Manifest, name: str, limit: int, *,
+                allow_symlinks: bool = False) -> bytes:
+    """All bytes of the manifest-listed file ``name`` (at most ``limit``; its size must be the listed one).
+
+    Raises:
+        CheckpointCorruptError: not listed, larger than ``limit``, missing, not a regular file,
+            unreadable, or not of the listed size; the message names it.
+        DurableUnavailableError: the store cannot be reached.
+    """
+    loc = as_location(where, allow_symlinks=allow_symlinks)
+    source = loc.describe(name)
+    if name not in manifest.files:
+        raise corrupt(source, "is not listed in the manifest; refusing unverified data")
+    if manifest.files[name]["bytes"] > limit:
+        raise corrupt(source, f"is {manifest.files[name]['bytes']} bytes, more than the {limit} accepted")
+    try:
+        data = loc.read_bytes(name, limit)
+    except (FileNotFoundError, NotADirectoryError):
+        raise corrupt(source, "listed in the manifest but missing") from None
+    except (CheckpointCorruptError, DurableUnavailableError):
+        raise
+    except OSError as exc:
+        raise corrupt(source, f"file listed in the manifest cannot be read ({exc.strerror or exc})") from None
+    if len(data) != manifest.files[name]["bytes"]:
+        raise corrupt(source, f"size {len(data)} bytes, manifest says {manifest.files[name]['bytes']}")
+    return data
+
+
+def verify_files(where: str | os.PathLike | Location, manifest: Manifest, *, checksums: bool, part: int = 0,
+                 parts: int = 1, allow_symlinks: bool = False, collect: list[tuple[str, str]] | None = None,
+                 progress: Any = None, store_digests: Mapping[str, str] | None = None) -> int:
+    """Check every file the manifest lists (this reader's share when ``parts`` > 1).
+
+    Each must be a regular file inside the checkpoint with the listed size, and with ``checksums``
+    the listed CRC-32. One node's copy of a node-local checkpoint is checked for that node's files.
+    Local checkpoints, checkpoints on a store, uploads to the durable tier and files fetched from it
+    are checked alike, with the same messages. With ``checksums`` and ``store_digests`` (``{file
+    name: digest}``), a file whose stored object reports exactly that digest
+    (:meth:`~torch_ckpt.storage._locations.Location.stat`, e.g. an S3 MD5 ETag) passes unread: the
+    caller vouches that the digest is of bytes with the listed CRC-32 (the durable tier computes
+    both in one pass); a digest that cannot match (SSE-KMS ETags) costs a read, never a false alarm.
+
+    Args:
+        where: the checkpoint directory (local path or :class:`~torch_ckpt.storage._locations.Location`).
+        manifest: its manifest.
+        checksums: also compare every file's CRC-32 (reads every byte not vouched for by ``store_digests``).
+        part: this reader's index when ``parts`` readers split the files.
+        parts: how many readers split the files.
+        allow_symlinks: follow symlinked files.
+        collect: append ``(file name, problem)`` for every problem instead of raising the first.
+        progress: an object with ``update(bytes)`` (a progress bar), advanced as files are checked.
+        store_digests: expected store digests of some files (see above).
+
+    Returns:
+        Bytes read to compare CRC-32s (0 without ``checksums``).
+
+    Raises:
+        CheckpointCorruptError: (without ``collect``) a file is missing, a symlink, not a regular
+            file, unreadable, or has the wrong size or CRC-32; the message names it.
+        DurableUnavailableError: the store cannot be reached.
+    """
+    loc = as_location(where, allow_symlinks=allow_symlinks)
+    read = 0
+
+    def bad(name: str, text: str) -> None:
+        if collect is None:
+            raise corrupt(loc.describe(name), text)
+        collect.append((name, text))
+
+    for i, (name, info) in enumerate(sorted(manifest.local_files().items())):
+        if i % parts != part:
+            continue
+        try:
+            size, digest = loc.stat(name)
+            if size != info["bytes"]:
+                bad(name, f"size {size} bytes, manifest says {info['bytes']} (truncated or overwritten)")
+            elif checksums and not (digest is not None and store_digests and digest == store_digests.get(name)):
+                size, crc = loc.checksum(name, progress)
+                read += size
+                if size != info["bytes"]:
+                    bad(name, f"read {size} bytes, manifest says {info['bytes']}")
+                elif crc != info["crc32"]:
+                    bad(name, f"CRC-32 {crc:#010x} does not match the manifest ({info['crc32']:#010x}); the "
+                              "file is corrupt")
+                continue
+        except (FileNotFoundError, NotADirectoryError):
+            bad(name, "listed in the manifest but missing")
+        except CheckpointCorruptError as exc:  # a symlink, directory or FIFO
+            if collect is None:
+                raise
+            bad(name, str(exc).removeprefix(loc.describe(name) + ": "))
+        except DurableUnavailableError:
+            raise
+        except OSError as exc:
+            bad(name, f"cannot be read ({exc.strerror or exc})")
+        if checksums and progress is not None:
+            progress.update(info["bytes"])
+    return read
+
+
+def rank_file_problems(manifest: Any) -> list[tuple[str, str]]:
+    """``[(file, problem)]`` when the manifest does not list exactly one JSON file per rank.
+
+    Counts the listed rank files before anything is done per rank, so a manifest declaring a huge
+    world size costs no more than its file list.
+    """
+    listed = sum(1 for name in manifest.files if RANK_FILE_RE.match(name))
+    if manifest.world_size > listed:  # checked first: never loop over a declared (untrusted) world size
+        missing = next(r for r in range(listed + 1) if rank_file_name(r) not in manifest.files)
+        return [(MANIFEST_NAME, f"world size {manifest.world_size} but the manifest lists {listed} per-rank state "
+                                f"file(s); {rank_file_name(missing)} is not listed")]
+    problems = []
+    for r in range(manifest.world_size):
+        if rank_file_name(r) not in manifest.files:
+            problems.append((rank_file_name(r), f"per-rank state file of rank {r} is not listed in the manifest "
+                                                f"(world size {manifest.world_size})"))
+    return problems
+
+
+def parse_rank_doc(raw: bytes, source: str, manifest: Manifest, rank: int, *,
+                   tensor_keys: Callable[[str], bool] | None = None) -> dict[str, Any]:
+    """Parse and validate the per-rank JSON document of ``rank`` (bounded; see the module docstring).
+
+    ``source`` names the file in messages; ``step``/``world_size`` must agree with ``manifest``;
+    with ``tensor_keys``, every tensor placeholder must satisfy it (be a DCP tensor).
+
+    Returns:
+        The document ``{"step", "rank", "world_size", "tree"}``.
+
+    Raises:
+        CheckpointCorruptError: too large, not bounded JSON, fields that disagree with the manifest,
+            or a malformed tree node (named by its dotted path).
+    """
+    if len(raw) > MAX_RANK_JSON_BYTES:
+        raise corrupt(source, f"per-rank state file is {len(raw)} bytes, more than the {MAX_RANK_JSON_BYTES} "
+                               "accepted")
+    doc = loads_bounded(raw, source, what="per-rank state file", max_depth=MAX_STATE_DEPTH,
+                        max_int_digits=MAX_STATE_INT_DIGITS)
+    if not isinstance(doc, dict) or "tree" not in doc:
+        raise corrupt(source, "per-rank state file has no 'tree'")
+    got = doc.get("rank")
+    if type(got) is not int or got != rank:
+        raise corrupt(source, f"per-rank state file of rank {rank} says rank {short_repr(got)} (renamed or copied from "
+                               "another rank)")
+    manifest_source = source[: len(source) - len(PurePath(source).name)] + MANIFEST_NAME
+    for key, want in (("step", manifest.step), ("world_size", manifest.world_size)):
+        got = doc.get(key)
+        if type(got) is not int or got != want:
+            raise corrupt(source, f"{key} {short_repr(got)} in this per-rank state file disagrees with {key} "
+                                  f"{want} in {manifest_source}: one of the two files was altered, or they come from "
+                                  "different checkpoints")
+    try:
+        for where, kind, node in walk_tree(doc["tree"]):
+            if kind == "tensor" and tensor_keys is not None and not tensor_keys(node[TENSOR_TAG]):
+                raise Malformed(f"{'.'.join(where) or '<root>'}: refers to tensor {node[TENSOR_TAG]!r}, which the "
+                                 "DCP metadata does not hold")
+    except Malformed as exc:
+        raise corrupt(source, f"malformed state tree ({exc})") from None
+    return doc
+
+
+def read_rank_doc(where: str | os.PathLike | Location, manifest: Manifest, rank: int, *, allow_symlinks: bool = False,
+                  tensor_keys: Callable[[str], bool] | None = None) -> dict[str, Any]:
+    """The validated per-rank document ``{"step", "rank", "world_size", "tree"}`` of ``rank``.
+
+    The one reader of per-rank files, local or on a store; see :func:`parse_rank_doc` for the checks.
+
+    Raises:
+        CheckpointCorruptError: the rank files are not one per rank, or this one is missing, not a
+            regular file, or malformed; the message names the file.
+        DurableUnavailableError: the store cannot be reached.
+    """
+    loc = as_location(where, allow_symlinks=allow_symlinks)
+    problems = rank_file_problems(manifest)
+    if problems:
+        raise corrupt(loc.describe(problems[0][0]), problems[0][1])
+    name = rank_file_name(rank)
+    raw = read_listed(loc, manifest, name, MAX_RANK_JSON_BYTES)
+    return parse_rank_doc(raw, loc.describe(name), manifest, rank, tensor_keys=tensor_keys)
+
+
+quiet_single_process_warning()  # load_tensors calls dcp.load with no_dist=True when there is no process group
+
+
+_ALLOWED_GLOBALS = {
+    ("torch.distributed.checkpoint.metadata", n)
+    for n in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+              "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")
+} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch.distributed.checkpoint.filesystem", "_StoragePrefix"),
+    ("torch.serialization", "_get_layout"),
+    ("torch", "Size"),
+    ("collections", "OrderedDict"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("pathlib", "PureWindowsPath"),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def __init__(self, file, source: str) -> None:
+        super().__init__(file)
+        self._source = source
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _ALLOWED_GLOBALS:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise UnsafeCheckpointError(
+            f"{self._source}: refusing to unpickle {module}.{name}; DCP metadata may only reference DCP's own "
+            "metadata classes. The file was not written by DCP or has been tampered with."
+        )
+
+
+def load_dcp_metadata_bytes(data: bytes, source: str) -> Metadata:
+    """Unpickle DCP ``.metadata`` bytes with the restricted unpickler (never executes code from them);
+    only the result's type is checked here (:func:`metadata_problems` validates its fields).
+
+    Raises:
+        UnsafeCheckpointError: the pickle references anything but DCP metadata classes.
+        CheckpointCorruptError: the bytes are truncated or not a DCP metadata pickle (named ``source``).
+    """
+    try:
+        md = _MetadataUnpickler(io.BytesIO(data), source).load()
+    except UnsafeCheckpointError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - any failure to parse untrusted bytes means "corrupt"
+        raise CheckpointCorruptError(f"{source}: DCP metadata is unreadable ({type(exc).__name__}: {exc})") from None
+    if not isinstance(md, Metadata):
+        raise CheckpointCorruptError(f"{source}: not a DCP metadata file (got {type(md).__name__})")
+    return md
+
+
+def read_dcp_metadata(path: str | os.PathLike) -> Metadata:
+    """Read a DCP ``.metadata`` file without executing code from it (unvalidated: see :func:`read_metadata`).
+
+    Raises:
+        UnsafeCheckpointError: the pickle references anything but DCP metadata classes.
+        CheckpointCorruptError: the file is truncated or not a DCP metadata pickle.
+    """
+    with open(path, "rb") as f:
+        data = f.read()
+    return load_dcp_metadata_bytes(data, str(path))
+
+
+class _ListedFileSystem(FileSystem):
+    """DCP ``FileSystem`` opening only the given names, as regular files; remembers the file whose read failed."""
+
+    def __init__(self, allowed: set[str], *, allow_symlinks: bool = False) -> None:
+        super().__init__()
+        self.allowed = set(allowed)
+        self.allow_symlinks = allow_symlinks
+        self.failed_file: str | None = None
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Generator[io.IOBase, None, None]:
+        name = Path(path).name
+        if "r" not in mode or "+" in mode or name not in self.allowed:
+            raise CheckpointCorruptError(f"{path}: DCP asked to open a file the manifest does not list "
+                                         f"(mode {mode!r}); refusing")
+        fd = open_regular(Path(path), allow_symlinks=self.allow_symlinks, what="file listed in the manifest")
+        with os.fdopen(fd, "rb") as stream:
+            try:
+                yield stream
+            except BaseException:
+                self.failed_file = self.failed_file or str(path)
+                raise
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """``FileSystemReader`` confined to a checkpoint's verified files, with pickle-free metadata.
+
+    Args:
+        path: the checkpoint directory.
+        metadata: the already validated DCP metadata (see :func:`torch_ckpt.format._read.read_metadata`);
+            None reads it with :func:`read_dcp_metadata` (unvalidated: tests and plain-DCP use).
+        allowed: file names DCP may open (the manifest's); None allows any name.
+        allow_symlinks: follow symlinks when opening them.
+    """
+
+    def __init__(self, path: str | os.PathLike, *, metadata: Metadata | None = None,
+                 allowed: set[str] | None = None, allow_symlinks: bool = False) -> None:
+        super().__init__(path)
+        self._metadata = metadata
+        if allowed is not None:
+            self.fs = _ListedFileSystem(allowed, allow_symlinks=allow_symlinks)
+
+    @property
+    def failed_file(self) -> str | None:
+        """The file whose read failed, when known."""
+        return getattr(self.fs, "failed_file", None)
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        from torch.distributed.checkpoint.metadata import StorageMeta
+
+        rank = kwargs.get("rank")
+        md = self._metadata if self._metadata is not None else read_dcp_metadata(self._get_metadata_path(rank))
+        if getattr(md, "storage_meta", None) is None:
+            md.storage_meta = StorageMeta()
+        md.storage_meta.load_id = self.load_id
+        return md
+
+
+def load_tensors(tensors: dict[str, torch.Tensor], step_dir: str | os.PathLike, metadata: Metadata,
+                 allowed: set[str], *, process_group: Any = None, no_dist: bool = True,
+                 allow_symlinks: bool = False) -> None:
+    """``dcp.load`` of ``tensors`` from a validated checkpoint, reading only ``allowed`` regular files.
+
+    Raises:
+        CheckpointCorruptError: DCP could not read or decode the data (a damaged file: with
+            ``verify_on_load=False`` no CRC caught it first); the message names the file when this
+            rank knows it, and the first underlying error, without DCP's embedded tracebacks.
+        UnsafeCheckpointError: an item would need unpickling.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    reader = SafeFileSystemReader(step_dir, metadata=metadata, allowed=allowed, allow_symlinks=allow_symlinks)
+    try:
+        dcp.load(tensors, storage_reader=reader, planner=SafeLoadPlanner(), process_group=process_group,
+                 no_dist=no_dist)
+    except CheckpointException as exc:
+        first = unwrap_dcp_error(exc)
+        if isinstance(first, CheckpointError) or not isinstance(first, Exception):
+            raise first from None  # ours, or an interrupt (Ctrl-C, SystemExit): not a damaged file
+        where = reader.failed_file or str(step_dir)
+        raise CheckpointCorruptError(
+            f"{where}: tensor data cannot be read ({_first_line(first)}); the file is damaged. Run torch-ckpt "
+            "verify, or restore with verify_on_load=True to catch this by checksum before loading") from None
+    except (RuntimeError, ValueError, EOFError, OSError) as exc:
+        if isinstance(exc, CheckpointError):
+            raise
+        where = reader.failed_file or str(step_dir)
+        raise CheckpointCorruptError(f"{where}: tensor data cannot be read ({_first_line(exc)}); the file is "
+                                     "damaged") from None
+
+
+def unwrap_dcp_error(exc: BaseException) -> BaseException:
+    """The error behind DCP's ``CheckpointException`` (which holds one ``(error, traceback)`` per rank).
+
+    DCP wraps whatever fails in its collective steps, e.g. writing or fsyncing ``.metadata`` in the
+    storage writer's ``finish``, so an ``ENOSPC`` there would otherwise lose its errno. Prefers a
+    :class:`CheckpointError`, then an ``OSError`` with an errno; returns ``exc`` when it wraps nothing.
+    """
+    failures = getattr(exc, "failures", None)
+    if not isinstance(failures, dict):
+        return exc
+    causes = [c[0] if isinstance(c, tuple) else c for c in failures.values()]
+    causes = [c for c in causes if isinstance(c, BaseException)]
+    for wanted in (CheckpointError, OSError):
+        for cause in causes:
+            if isinstance(cause, wanted) and (wanted is not OSError or cause.errno is not None):
+                return cause
+    return causes[0] if causes else exc
+
+
+def _first_line(exc: BaseException) -> str:
+    """``Type: first line of the message`` (DCP and torch.load messages carry tracebacks and advice)."""
+    text = str(exc).strip()
+    if isinstance(exc, pickle.UnpicklingError):  # torch.load's text advises weights_only=False: never repeat it
+        detail = text.split("WeightsUnpickler error:", 1)[1].strip() if "WeightsUnpickler error:" in text else ""
+        return f"not a valid tensor record: {detail.splitlines()[0] if detail else type(exc).__name__}"
+    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """Load planner that refuses pickled (``BYTE_IO``) items instead of ``torch.load(weights_only=False)``."""
+
+    def load_bytes(self, read_item, value) -> None:  # noqa: D102
+        raise UnsafeCheckpointError(
+            f"checkpoint item {read_item.dest_index.fqn!r} is a pickled object; torch-ckpt never writes those and "
+            "refuses to unpickle them. Load it with plain torch.distributed.checkpoint only if you trust the file."
+        )
+
+
+MAX_METADATA_BYTES = 1 << 30
+"""Largest DCP ``.metadata`` unpickled (bytes)."""
+
+
+_INT_ONLY = frozenset((int,))
+
+
+def _int_tuple(value: Any) -> bool:
+    """A tuple (``torch.Size`` included) of at most ``MAX_NDIM`` non-negative ints (bools refused)."""
+    # set/map/min run in C: no Python frame per element (this runs 4 times per tensor)
+    return isinstance(value, tuple) and len(value) <= MAX_NDIM and set(map(type, value)) <= _INT_ONLY \
+        and min(value, default=0) >= 0
+
+
+def _outside(chunk: Any, size: tuple[int, ...]) -> bool:
+    """Whether ``chunk`` (integer offsets and sizes) does not lie inside the shape ``size``."""
+    if len(chunk.offsets) != len(size) or len(chunk.sizes) != len(size):
+        return True
+    if chunk.sizes == size and not any(chunk.offsets):  # the whole tensor in one chunk: the common case
+        return False
+    return any([o + s > d for o, s, d in zip(chunk.offsets, chunk.sizes, size)])
+
+
+def _overlapping(offsets: list[tuple[int, ...]], sizes: list[tuple[int, ...]]) -> tuple[int, int] | None:
+    """Indices of two chunks that overlap, or None (sweep along the dimension with most distinct offsets)."""
+    boxes = [i for i in range(len(offsets)) if all(sizes[i])]
+    if len(boxes) < 2:
+        return None
+    ndim = len(offsets[0])
+    if ndim == 0:
+        return boxes[0], boxes[1]
+    dim = max(range(ndim), key=lambda d: len({offsets[i][d] for i in boxes}))
+    active: list[int] = []
+    for i in sorted(boxes, key=lambda i: offsets[i][dim]):
+        start = offsets[i][dim]
+        active = [j for j in active if offsets[j][dim] + sizes[j][dim] > start]
+        for j in active:
+            if all(offsets[i][d] < offsets[j][d] + sizes[j][d] and offsets[j][d] < offsets[i][d] + sizes[i][d]
+                   for d in range(ndim)):
+                return j, i
+        active.append(i)
+    return None
+
+
+def metadata_problems(md: Any, manifest: Any) -> tuple[list[tuple[str, str]], dict[str, Any]]:
+    """Check unpickled DCP metadata against itself and the manifest.
+
+    Returns:
+        ``(problems, tensors)``: ``[(file, problem)]`` (empty when valid) and ``{key:
+        TensorStorageMetadata}`` of the well-formed tensors.
+    """
+    problems: list[tuple[str, str]] = []
+
+    def bad(text: str, file: str = METADATA_NAME) -> None:
+        problems.append((file, text))
+
+    if not isinstance(md, Metadata):
+        bad(f"not DCP metadata (got {type(md).__name__})")
+        return problems, {}
+    sdm, sd = getattr(md, "state_dict_metadata", None), getattr(md, "storage_data", None)
+    if not isinstance(sdm, dict):
+        bad(f"state_dict_metadata is a {type(sdm).__name__}, expected a dict")
+    if not isinstance(sd, dict):
+        bad(f"storage_data is a {type(sd).__name__}, expected a dict")
+    if not isinstance(getattr(md, "planner_data", None), (dict, type(None))):
+        bad(f"planner_data is a {type(md.planner_data).__name__}, expected a dict")
+    if not isinstance(getattr(md, "storage_meta", None), (StorageMeta, type(None))):
+        bad(f"storage_meta is a {type(md.storage_meta).__name__}, expected StorageMeta")
+    if problems:
+        return problems, {}
+
+    tensors: dict[str, Any] = {}
+    for key, item in sdm.items():
+        if not isinstance(key, str):
+            bad(f"item key {short_repr(key)} is not a string")
+            continue
+        if isinstance(item, BytesStorageMetadata):
+            continue
+        if not isinstance(item, TensorStorageMetadata):
+            bad(f"item {key!r} is a {type(item).__name__}, expected tensor or bytes metadata")
+            continue
+        props, size, chunks = (getattr(item, a, None) for a in ("properties", "size", "chunks"))
+        if not isinstance(props, TensorProperties) or not isinstance(getattr(props, "dtype", None), torch.dtype):
+            bad(f"tensor {key!r}: properties carry no torch dtype")
+            continue
+        if not _int_tuple(size):
+            bad(f"tensor {key!r}: declared shape {short_repr(size)} is not a tuple of non-negative integers")
+            continue
+        if not isinstance(chunks, list) or not all([isinstance(c, ChunkStorageMetadata) and _int_tuple(c.offsets)
+                                                    and _int_tuple(c.sizes) for c in chunks]):
+            bad(f"tensor {key!r}: chunks are not a list of chunk metadata with integer offsets and sizes")
+            continue
+        outside = next((c for c in chunks if _outside(c, size)), None)
+        if outside is not None:
+            bad(f"tensor {key!r}: chunk at offset {list(outside.offsets)} of size {list(outside.sizes)} lies outside "
+                f"its declared shape {list(size)}")
+            continue
+        tensors[key] = item
+
+    stored: dict[tuple[str, tuple[int, ...]], int] = {}
+    data_bytes: dict[str, int | None] = {}  # file name -> its size when it is a listed data file, else None
+    for index, info in sd.items():
+        if not isinstance(index, MetadataIndex) or not isinstance(index.fqn, str) or \
+                not (index.offset is None or _int_tuple(index.offset)):
+            bad(f"storage key {short_repr(index)} is not a valid metadata index")
+            continue
+        if not isinstance(info, _StorageInfo) or not isinstance(info.relative_path, (str, PurePath)) or \
+                type(info.offset) is not int or type(info.length) is not int or info.offset < 0 or info.length < 0:
+            bad(f"storage entry of {index.fqn!r} is malformed ({short_repr(info)})")
+            continue
+        if getattr(info, "transform_descriptors", None):
+            bad(f"item {index.fqn!r} is stored with stream transforms {short_repr(info.transform_descriptors)}, which "
+                "torch-ckpt never writes")
+            continue
+        rel = str(info.relative_path)
+        if rel not in data_bytes:  # a few files hold every item: decide once per file
+            listed = rel in manifest.files and rel not in (METADATA_NAME, MANIFEST_NAME) and \
+                not RANK_FILE_RE.match(rel) and not NODE_METADATA_RE.match(rel)
+            data_bytes[rel] = manifest.files[rel]["bytes"] if listed else None
+        file_bytes = data_bytes[rel]
+        if file_bytes is None:
+            bad(f"item {index.fqn!r} is stored in {rel!r}, which is not a data file the manifest lists")
+            continue
+        end = info.offset + info.length
+        if end > file_bytes:
+            bad(f"item {index.fqn!r} is stored at bytes {info.offset}..{end}, past the end of the file "
+                f"({file_bytes} bytes)", rel)
+            continue
+        if index.fqn not in sdm:
+            bad(f"storage entry for {index.fqn!r}, which the metadata does not declare")
+            continue
+        if index.offset is not None:
+            stored[(index.fqn, tuple(index.offset))] = info.length
+
+    for key, item in list(tensors.items()):
+        itemsize = item.properties.dtype.itemsize
+        covered, ok = 0, True
+        for chunk in item.chunks:
+            length = stored.get((key, tuple(chunk.offsets)))
+            n = math.prod(chunk.sizes)
+            covered += n
+            if length is None:
+                bad(f"tensor {key!r}: the chunk at offset {list(chunk.offsets)} has no storage entry")
+                ok = False
+            elif n * itemsize > length:
+                bad(f"tensor {key!r}: the chunk at offset {list(chunk.offsets)} declares {n * itemsize} bytes but its "
+                    f"storage entry holds only {length}")
+                ok = False
+        total = math.prod(item.size)
+        if covered != total:
+            bad(f"tensor {key!r}: chunks hold {covered} of the {total} elements of its declared shape "
+                f"{list(item.size)}")
+            ok = False
+        elif len(item.chunks) > 1 and (pair := _overlapping([tuple(c.offsets) for c in item.chunks],
+                                                            [tuple(c.sizes) for c in item.chunks])):
+            bad(f"tensor {key!r}: chunks at offsets {list(item.chunks[pair[0]].offsets)} and "
+                f"{list(item.chunks[pair[1]].offsets)} overlap")
+            ok = False
+        if not ok:
+            del tensors[key]
+    return problems, tensors
+
+
+def metadata_name(node: int) -> str:
+    """File holding the DCP metadata that ``node``'s ranks load their node's copy with.
+
+    A node-local checkpoint stores replicated tensors once per node; each node's metadata points
+    every tensor at the copy its node holds. ``.metadata`` (on node 0 and in the durable tier)
+    points every tensor at the one uploaded copy: the complete checkpoint every other reader uses.
+    """
+    return f"node_{node:05d}.metadata"
+
+
+def read_metadata(where: str | os.PathLike | Location, manifest: Manifest, *, allow_symlinks: bool = False) -> Metadata:
+    """The validated DCP metadata of a checkpoint (see :func:`metadata_problems`); for one node's copy
+    of a node-local checkpoint, that node's metadata (:func:`metadata_name`).
+
+    Raises:
+        CheckpointCorruptError: ``.metadata`` is not listed, not a regular file, unreadable, or
+            inconsistent (with itself or with the manifest); the message names the file.
+        UnsafeCheckpointError: the pickle references code.
+        DurableUnavailableError: the store cannot be reached.
+    """
+    loc = as_location(where, allow_symlinks=allow_symlinks)
+    node = manifest.node
+    name = (manifest.nodes or {}).get("metadata") or (METADATA_NAME if node is None else metadata_name(node))
+    source = loc.describe(name)
+    if name not in manifest.files:
+        raise corrupt(source, "DCP metadata is not listed in the manifest")
+    md = load_dcp_metadata_bytes(read_listed(loc, manifest, name, MAX_METADATA_BYTES), source)
+    _raise_first(loc, metadata_problems(md, manifest)[0])
+    return md
+
+
+def _raise_first(loc: Location, problems: list[tuple[str, str]]) -> None:
+    """Raise ``CheckpointCorruptError`` for the first of ``problems`` (``[(file, text)]``), counting the rest."""
+    if problems:
+        file, text = problems[0]
+        more = f" (and {len(problems) - 1} more problem(s); run torch-ckpt verify)" if len(problems) > 1 else ""
+        raise corrupt(loc.describe(file), f"{text}{more}")
+
+
+def tensor_items(md: Metadata) -> dict[str, TensorStorageMetadata]:
+    """``{key: TensorStorageMetadata}`` of the tensors of (validated) metadata."""
+    return {k: v for k, v in md.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
+
+
+def record_problems(where: str | os.PathLike | Location, manifest: Manifest, md: Metadata, *, part: int = 0,
+                    parts: int = 1, allow_symlinks: bool = False,
+                    tensors: dict[str, TensorStorageMetadata] | None = None,
+                    files: list[str] | None = None) -> list[tuple[str, str]]:
+    """``[(file, problem)]`` for tensor records that do not match the metadata (this reader's share of the files).
+
+    Args:
+        where: the checkpoint directory.
+        manifest: its manifest (only the data files it lists are opened).
+        md: its DCP metadata (validated: :func:`read_metadata` or :func:`metadata_problems`).
+        part: this reader's index when ``parts`` readers split the data files.
+        parts: how many readers split the data files.
+        allow_symlinks: follow symlinked data files.
+        tensors: the well-formed tensors to check (default: every tensor of ``md``).
+        files: check the records of these data files only (instead of a ``part`` of all of them).
+
+    Raises:
+        CheckpointCorruptError: a data file is not listed, missing, not a regular file, or unreadable.
+        DurableUnavailableError: the store cannot be reached.
+    """
+    loc = as_location(where, allow_symlinks=allow_symlinks)
+    tensors = tensor_items(md) if tensors is None else tensors
+    if files is None:  # one node's copy holds its own files only: records of another node's are checked there
+        held = manifest.local_files()
+        every = sorted({str(info.relative_path) for index, info in md.storage_data.items()
+                        if index.fqn in tensors and str(info.relative_path) in held})
+        files = [name for i, name in enumerate(every) if i % parts == part]
+    mine = list(files)
+    for name in mine:
+        if name not in manifest.files:
+            raise corrupt(loc.describe(name), "is not listed in the manifest; refusing unverified data")
+    return storage_record_problems(md, tensors, loc.open_range, mine)
+
+
+def check_records(where: str | os.PathLike | Location, manifest: Manifest, md: Metadata, *, part: int = 0,
+                  parts: int = 1, allow_symlinks: bool = False,
+                  tensors: dict[str, TensorStorageMetadata] | None = None) -> None:
+    """Raise for the first tensor record that does not match the metadata (see :func:`record_problems`).
+
+    Raises:
+        CheckpointCorruptError: a record's byte range, dtype, size or shape disagrees with
+            ``.metadata``; the message names the data file, the tensor key and the byte range.
+    """
+    loc = as_location(where, allow_symlinks=allow_symlinks)
+    if tensors is None or tensors:
+        _raise_first(loc, record_problems(loc, manifest, md, part=part, parts=parts, tensors=tensors))
