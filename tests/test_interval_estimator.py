@@ -1,12 +1,10 @@
-"""torch_ckpt.policy._estimator: the online save cost, durability lag and step time, driven by an injected clock."""
+"""torch_ckpt.policy._schedule: the online save cost, durability lag and step time, driven by an injected clock."""
 
 from __future__ import annotations
 
 import pytest
 
-from torch_ckpt.policy._cadence import StepTimeEstimator
-from torch_ckpt.policy._estimator import IntervalEstimator
-from torch_ckpt.policy._interval import checkpoint_interval
+from torch_ckpt.policy._schedule import IntervalEstimator, StepTimeEstimator, checkpoint_interval
 
 HOUR = 3600.0
 

@@ -3,7 +3,7 @@
 The manager only orchestrates: saving and loading go through
 :class:`~torch_ckpt.save._checkpointer.AsyncCheckpointer`; naming and commit live in
 :mod:`torch_ckpt.root._layout`, retention in :mod:`torch_ckpt.policy._retention`, the save decision in
-:mod:`torch_ckpt.policy._schedule` (fed by :mod:`torch_ckpt.policy._cadence`). This module builds the manager,
+:mod:`torch_ckpt.policy._schedule` (fed by its ``Cadence``). This module builds the manager,
 submits saves, asks the save policy and handles preemption; its mixins hold the rest: the checks
 before a save (:mod:`torch_ckpt.manager._prepare`), what follows a commit
 (:mod:`torch_ckpt.manager._commit`), listing and restore (:mod:`torch_ckpt.manager._read`) and the
@@ -28,17 +28,18 @@ from torch_ckpt.manager._commit import ManagerCommitMixin
 from torch_ckpt.manager._health import ManagerHealthMixin
 from torch_ckpt.manager._prepare import ManagerPrepareMixin
 from torch_ckpt.manager._read import ManagerReadMixin
-from torch_ckpt.policy._cadence import Cadence
 from torch_ckpt.policy._lineage import Lineage
 from torch_ckpt.policy._naming import Naming, StepNaming
 from torch_ckpt.policy._preemption import PreemptionFlag
 from torch_ckpt.policy._retention import RetentionPolicy
+from torch_ckpt.policy._schedule import Cadence
 from torch_ckpt.restore._resume_nodes import check_private_roots, node_layout
 from torch_ckpt.root._layout import check_root, is_committed
 from torch_ckpt.root._lock import RootLock
 from torch_ckpt.root._nodes import NodeLayout
 from torch_ckpt.root._temporaries import clean_stale_temporaries
 from torch_ckpt.save._checkpointer import AsyncCheckpointer, close_on_exit
+from torch_ckpt.state._protocol import StateLike
 from torch_ckpt.tiers._durable import DurableTier
 from torch_ckpt.tiers._replicator import Replicator
 
@@ -241,7 +242,7 @@ class CheckpointManager(ManagerPrepareMixin, ManagerCommitMixin, ManagerReadMixi
         return self._ckpt.last_stats
 
     # -- saving ----------------------------------------------------------------------------------
-    def save(self, step: int, state: Any, *, path: str | os.PathLike | None = None,
+    def save(self, step: int, state: StateLike, *, path: str | os.PathLike | None = None,
              extra_dir: str | os.PathLike | None = None) -> SaveHandle:
         """Checkpoint ``state`` as ``step``; returns once the state is staged (async) or committed (sync).
 
@@ -338,7 +339,7 @@ class CheckpointManager(ManagerPrepareMixin, ManagerCommitMixin, ManagerReadMixi
             self._preemption.received = next((sig for _, sig in votes if sig is not None), None)
         return bool(votes[0][0]) or self._preemption.requested
 
-    def save_if_due(self, step: int, state: Any) -> SaveHandle | None:
+    def save_if_due(self, step: int, state: StateLike) -> SaveHandle | None:
         """:meth:`save` when :meth:`should_save` says so; returns the handle or None.
 
         After a preemption signal this is the emergency save: it waits until the checkpoint is

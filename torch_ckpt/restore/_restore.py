@@ -38,6 +38,7 @@ from torch.distributed.tensor import DTensor
 
 from torch_ckpt import errors as errors_module
 from torch_ckpt._logging import get_logger
+from torch_ckpt.config import RANK_LOCAL_POLICIES
 from torch_ckpt.distributed._context import DistContext
 from torch_ckpt.errors import (
     CheckpointCorruptError,
@@ -62,7 +63,6 @@ __all__ = ["load_into", "copy_into_live", "collector_paused", "RANK_LOCAL_POLICI
 
 log = get_logger(__name__)
 
-RANK_LOCAL_POLICIES = ("error", "keep_live")
 _Targets = dict[str, torch.Tensor]
 
 
