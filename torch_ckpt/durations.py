@@ -77,11 +77,10 @@ def parse_duration(value: str | float | int) -> float:
         if not math.isfinite(seconds):
             raise ValueError(f"duration must be finite, got {value!r}")
         return seconds
-    text = value.strip().lower()
-    seconds = _parse_text(text)
-    if seconds is None:
+    parsed = _parse_text(value.strip().lower())
+    if parsed is None:
         raise ValueError(f"invalid duration {value!r}: expected {DURATION_FORMS}")
-    return seconds
+    return parsed
 
 
 def _parse_text(text: str) -> float | None:

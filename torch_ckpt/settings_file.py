@@ -21,7 +21,7 @@ __all__ = ["read_settings_file"]
 def _loader(path: Path) -> type:
     import yaml  # PyYAML is a dependency; imported here so `import torch_ckpt` stays fast
 
-    class _NoDuplicates(yaml.SafeLoader):
+    class _NoDuplicates(yaml.SafeLoader):  # type: ignore[misc]  # PyYAML has no annotations
         def construct_mapping(self, node: Any, deep: bool = False) -> dict[Any, Any]:
             seen: set[Any] = set()
             for key_node, _ in node.value:
@@ -30,12 +30,13 @@ def _loader(path: Path) -> type:
                     raise ConfigError(f"{path}: setting {key!r} is given twice (line {key_node.start_mark.line + 1}); "
                                       "keep one")
                 seen.add(key)
-            return super().construct_mapping(node, deep=deep)
+            mapping: dict[Any, Any] = super().construct_mapping(node, deep=deep)
+            return mapping
 
     return _NoDuplicates
 
 
-def read_settings_file(path: str | os.PathLike, *, code_only: Iterable[str] = ()) -> dict[str, Any]:
+def read_settings_file(path: str | os.PathLike[str], *, code_only: Iterable[str] = ()) -> dict[str, Any]:
     """The mapping in a YAML settings file (``{}`` for an empty file), keys not yet validated.
 
     Args:

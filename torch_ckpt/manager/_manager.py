@@ -39,7 +39,7 @@ from torch_ckpt.root._lock import RootLock
 from torch_ckpt.root._nodes import NodeLayout
 from torch_ckpt.root._temporaries import clean_stale_temporaries
 from torch_ckpt.save._checkpointer import AsyncCheckpointer, close_on_exit
-from torch_ckpt.state._protocol import StateLike
+from torch_ckpt.state._protocol import StateToSave
 from torch_ckpt.tiers._durable import DurableTier
 from torch_ckpt.tiers._replicator import Replicator
 
@@ -242,7 +242,7 @@ class CheckpointManager(ManagerPrepareMixin, ManagerCommitMixin, ManagerReadMixi
         return self._ckpt.last_stats
 
     # -- saving ----------------------------------------------------------------------------------
-    def save(self, step: int, state: StateLike, *, path: str | os.PathLike | None = None,
+    def save(self, step: int, state: StateToSave, *, path: str | os.PathLike | None = None,
              extra_dir: str | os.PathLike | None = None) -> SaveHandle:
         """Checkpoint ``state`` as ``step``; returns once the state is staged (async) or committed (sync).
 
@@ -339,7 +339,7 @@ class CheckpointManager(ManagerPrepareMixin, ManagerCommitMixin, ManagerReadMixi
             self._preemption.received = next((sig for _, sig in votes if sig is not None), None)
         return bool(votes[0][0]) or self._preemption.requested
 
-    def save_if_due(self, step: int, state: StateLike) -> SaveHandle | None:
+    def save_if_due(self, step: int, state: StateToSave) -> SaveHandle | None:
         """:meth:`save` when :meth:`should_save` says so; returns the handle or None.
 
         After a preemption signal this is the emergency save: it waits until the checkpoint is

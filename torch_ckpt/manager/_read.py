@@ -27,7 +27,7 @@ from torch_ckpt.restore._resume_nodes import restore_node_local
 from torch_ckpt.root._layout import read_manifest, remove_step_dir, scan_committed, scan_manifests
 from torch_ckpt.root._temporaries import is_reservation
 from torch_ckpt.save._persist import as_write_error
-from torch_ckpt.state._protocol import StateLike
+from torch_ckpt.state._protocol import StateToRestore
 from torch_ckpt.storage._deadline import waiting_for_coordinator
 from torch_ckpt.tiers._durable import DurableUnavailableError
 
@@ -116,7 +116,7 @@ class ManagerReadMixin:
             raise CheckpointWriteError(exc.errno, f"cannot remove checkpoint {path}: {exc.strerror}") from exc
         log.info("removed checkpoint %s", path)
 
-    def restore(self, state: StateLike, step: int | None = None, *, allow_cast: bool = False,
+    def restore(self, state: StateToRestore, step: int | None = None, *, allow_cast: bool = False,
                 path: str | os.PathLike | Sequence[str | os.PathLike] | None = None) -> int | None:
         """Load a committed checkpoint into ``state`` in place.
 

@@ -341,6 +341,8 @@ class IntervalEstimator:
         self._alpha = float(ewma_alpha)
         self._step_time = StepTimeEstimator()
         self._owns_step_time = True
+        self._cost_step: int | None = None  # the step of the last sample (a repeat replaces it)
+        self._lag_step: int | None = None
         self.load_state_dict({})
 
     def use_step_time(self, estimator: StepTimeEstimator) -> None:
@@ -404,8 +406,7 @@ class IntervalEstimator:
             self._step_time = StepTimeEstimator(step_time)
         elif step_time is not None:
             self._step_time.seconds = float(step_time)
-        self._cost_step: int | None = None
-        self._lag_step: int | None = None
+        self._cost_step = self._lag_step = None
 
 
 # -- policies ------------------------------------------------------------------------------------------------------

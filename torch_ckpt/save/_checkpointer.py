@@ -35,7 +35,7 @@ from torch_ckpt.save._persist import PersistRequest, persist_checkpoint
 from torch_ckpt.save._prepare import CheckpointerPrepareMixin, SaveJob
 from torch_ckpt.save._staging import HostStager
 from torch_ckpt.save._writer_process import ProcessWriter
-from torch_ckpt.state._protocol import StateLike
+from torch_ckpt.state._protocol import StateToRestore, StateToSave
 
 __all__ = ["AsyncCheckpointer", "close_on_exit"]
 
@@ -200,7 +200,7 @@ class AsyncCheckpointer(CheckpointerPrepareMixin):
         return time.monotonic() - t0
 
     # -- saving ----------------------------------------------------------------------------------
-    def save(self, final: str | os.PathLike, state: StateLike, *, step: int = 0,
+    def save(self, final: str | os.PathLike, state: StateToSave, *, step: int = 0,
              on_committed: Callable[[Path], None] | None = None, started_at: float | None = None,
              waited_s: float = 0.0, prepare: Callable[[], None] | None = None,
              replace: bool | Callable[[], bool] = False,
@@ -404,7 +404,7 @@ class AsyncCheckpointer(CheckpointerPrepareMixin):
             job.to_write = {}
 
     # -- loading ---------------------------------------------------------------------------------
-    def load(self, path: str | os.PathLike, state: StateLike, *, verify: bool = True,
+    def load(self, path: str | os.PathLike, state: StateToRestore, *, verify: bool = True,
              on_world_size_change: str = "error", allow_cast: bool = False) -> None:
         """Load the committed checkpoint directory ``path`` into ``state`` in place (collective).
 

@@ -2,7 +2,7 @@
 loading of a state dict into live objects."""
 
 from torch_ckpt.state._optimizer_state import OptimizerState
-from torch_ckpt.state._protocol import Checkpointable, StateLike
+from torch_ckpt.state._protocol import Checkpointable, HasStateDict, StateToRestore, StateToSave
 from torch_ckpt.state._train_state import TrainState
 
-__all__ = ["Checkpointable", "StateLike", "TrainState", "OptimizerState"]
+__all__ = ["Checkpointable", "HasStateDict", "StateToSave", "StateToRestore", "TrainState", "OptimizerState"]

@@ -5,16 +5,26 @@ from __future__ import annotations
 from collections.abc import Mapping, MutableMapping
 from typing import Any, Protocol, TypeAlias, runtime_checkable
 
-__all__ = ["Checkpointable", "StateLike"]
+__all__ = ["HasStateDict", "Checkpointable", "StateToSave", "StateToRestore"]
 
 
 @runtime_checkable
-class Checkpointable(Protocol):
+class HasStateDict(Protocol):
+    """What a save needs of a state object: ``state_dict()`` (see :class:`Checkpointable` for the hooks)."""
+
+    def state_dict(self) -> Mapping[str, Any]:
+        """The state to save: a nested mapping of tensors and plain values (nothing is mutated)."""
+        ...
+
+
+@runtime_checkable
+class Checkpointable(HasStateDict, Protocol):
     """A training state that save and restore take whole: ``state_dict()`` and ``load_state_dict()``.
 
     Structurally DCP's ``Stateful``, so every ``Stateful`` (a :class:`~torch_ckpt.TrainState`, an
-    ``nn.Module``, an optimizer...) is one. A plain mutable mapping is accepted too (see
-    :data:`StateLike`): its tensors and values are saved as they are and restored into it.
+    ``nn.Module``, an optimizer...) is one. A save needs only ``state_dict()`` (:class:`HasStateDict`),
+    and plain mappings are accepted too (:data:`StateToSave`, :data:`StateToRestore`): their tensors and
+    values are saved as they are and restored into them.
 
     Besides the two methods, the engine looks up these optional hooks with ``getattr``; a state
     without one gets the default in brackets. Keys are the flat, dot-joined keys of ``state_dict()``.
@@ -40,14 +50,12 @@ class Checkpointable(Protocol):
       ``state_dict()`` to the end of ``load_state_dict()``, for work its hooks share.
     """
 
-    def state_dict(self) -> Mapping[str, Any]:
-        """The state to save: a nested mapping of tensors and plain values (nothing is mutated)."""
-        ...
-
     def load_state_dict(self, state_dict: dict[str, Any], /) -> object:
         """Take the checked, restored values (the same structure as :meth:`state_dict`); the result is ignored."""
         ...
 
 
-#: What save and restore accept: a :class:`Checkpointable` (any DCP ``Stateful``) or a plain mutable mapping.
-StateLike: TypeAlias = Checkpointable | MutableMapping[str, Any]
+#: What a save accepts: an object with ``state_dict()`` (any :class:`Checkpointable`) or a plain mapping.
+StateToSave: TypeAlias = HasStateDict | Mapping[str, Any]
+#: What a restore accepts: a :class:`Checkpointable` (any DCP ``Stateful``) or a plain mutable mapping.
+StateToRestore: TypeAlias = Checkpointable | MutableMapping[str, Any]
