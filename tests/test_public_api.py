@@ -124,11 +124,11 @@ def test_import_is_lazy_and_fast_for_the_cli():
 
 
 def test_importing_the_config_does_not_load_the_engine():
-    """torch_ckpt.config needs only the values, errors, settings file and policy modules: no torch, no restore."""
+    """torch_ckpt.config needs only the values, errors and policy modules: no torch, no restore engine."""
     code = ("import sys, torch_ckpt.config\n"
             "units = {m.split('.')[1] for m in sys.modules if m.startswith('torch_ckpt.')}\n"
             "print('torch' in sys.modules, sorted(units))")
-    assert _fresh(code) == "False ['_logging', '_values', 'config', 'durations', 'errors', 'policy', 'settings_file']"
+    assert _fresh(code) == "False ['_logging', '_values', 'config', 'durations', 'errors', 'policy']"
 
 
 @pytest.mark.slow

@@ -26,7 +26,6 @@ from torch_ckpt.policy._naming import Naming
 from torch_ckpt.policy._preemption import parse_signals
 from torch_ckpt.policy._retention import KeepAny, KeepEveryNSteps, KeepLatest, RetentionPolicy
 from torch_ckpt.policy._schedule import FORMULAS, AnyOf, EveryNSeconds, EveryNSteps, SavePolicy, YoungDaly
-from torch_ckpt.settings_file import read_settings_file
 
 #: fields that take Python objects: code only, never from a settings file
 CODE_ONLY_FIELDS = frozenset({"retention", "save_policy", "process_group", "naming"})
@@ -341,12 +340,52 @@ class CheckpointConfig:
 
     @staticmethod
     def read_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
-        """The mapping in a YAML settings file (``{}`` for an empty file), not yet validated.
+        """The mapping in a YAML settings file (``{}`` for an empty file), keys not yet validated.
+
+        Plain data only (PyYAML's safe loader, never Python objects); ``~`` is expanded.
 
         Raises:
-            ConfigError: See :func:`~torch_ckpt.settings_file.read_settings_file` (the message names the file).
+            ConfigError: The file cannot be read, is not UTF-8, not YAML, nested too deeply or not a
+                mapping, gives a key twice (YAML would keep the last silently), or gives a setting only
+                code can give (a Python object); every message names the file.
         """
-        return read_settings_file(path, code_only=CODE_ONLY_FIELDS)
+        import yaml  # imported here so that `import torch_ckpt.config` stays fast
+
+        path = Path(path).expanduser()
+
+        class NoDuplicates(yaml.SafeLoader):  # type: ignore[misc]  # PyYAML has no annotations
+            def construct_mapping(self, node: Any, deep: bool = False) -> dict[Any, Any]:
+                seen: set[Any] = set()
+                for key_node, _ in node.value:
+                    key = self.construct_object(key_node, deep=True)
+                    if isinstance(key, (str, int, float, bool)) and key in seen:
+                        raise ConfigError(f"{path}: setting {key!r} is given twice (line "
+                                          f"{key_node.start_mark.line + 1}); keep one")
+                    seen.add(key)
+                mapping: dict[Any, Any] = super().construct_mapping(node, deep=deep)
+                return mapping
+
+        try:
+            text = path.read_text(encoding="utf-8")
+        except OSError as exc:
+            raise ConfigError(f"cannot read the configuration file {path}: {exc.strerror or exc}") from exc
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"{path}: not a UTF-8 text file (byte {exc.start}); save it as UTF-8 YAML") from exc
+        try:
+            data = yaml.load(text, Loader=NoDuplicates)  # noqa: S506 - a SafeLoader subclass
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{path}: not valid YAML ({exc})") from exc
+        except RecursionError:  # PyYAML composes nested collections recursively
+            raise ConfigError(f"{path}: nested too deeply to be a settings file (setting: value lines)") from None
+        if data is not None and not isinstance(data, Mapping):
+            raise ConfigError(f"{path}: expected a mapping of settings, got {type(data).__name__}")
+        data = dict(data or {})
+        objects = sorted(str(k) for k in data if k in CODE_ONLY_FIELDS)
+        if objects:
+            them = "it" if len(objects) == 1 else "them"
+            raise ConfigError(f"{path}: {objects} can only be given in code (they take Python objects); remove "
+                              f"{them} from the file and pass {them} to the constructor")
+        return data
 
     @classmethod
     def from_yaml(cls, path: str | os.PathLike[str]) -> CheckpointConfig:

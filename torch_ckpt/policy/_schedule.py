@@ -1,10 +1,8 @@
 """When to save: the optimal interval (Young 1974, Daly 2006), its online estimates, and the save policies.
 
-Pure: no I/O, no process group; every clock value is passed in (monotonic seconds), all times in seconds.
-
-The model: a job computes for ``T`` seconds, stalls for ``C`` seconds to save, and repeats; failures
-arrive as a Poisson process with mean ``M`` seconds between them; a failure loses the work done
-since the last checkpoint that is *durable*.
+Pure (no I/O, no process group; clocks are passed in as monotonic seconds); all times in seconds.
+A job computes for ``T``, stalls ``C`` to save, and repeats; failures arrive as a Poisson process
+with mean ``M``; a failure loses the work since the last *durable* checkpoint.
 
 * Young (1974), "A first order approximation to the optimum checkpoint interval",
   Communications of the ACM 17(9):530-531: ``T = sqrt(2 C M)``.
@@ -12,26 +10,18 @@ since the last checkpoint that is *durable*.
   Future Generation Computer Systems 22(3):303-312, doi:10.1016/j.future.2004.11.016:
   ``T = sqrt(2 C M) [1 + (1/3) sqrt(C / 2M) + (1/9) (C / 2M)] - C`` for ``C < 2M``, else ``T = M``.
 
-With asynchronous saves ``C`` is the blocking part plus the training slowdown while the save
-persists, and a failure within the *durability lag* ``L`` after a save loses back to the save
-before it: ``L`` adds to the expected loss (for ``L <= T``) but not to the optimum, to first order.
-:func:`checkpoint_interval` is the one rule that turns these seconds into steps; ``torch-ckpt plan``,
-``torch-ckpt simulate`` and :class:`YoungDaly` (through :class:`IntervalEstimator`) all use it.
+With asynchronous saves ``C`` is the blocking part plus the slowdown of training while the save
+persists, and the *durability lag* ``L`` adds to the expected loss (for ``L <= T``) but not, to
+first order, to the optimum. :func:`checkpoint_interval` is the one rule that turns seconds into
+steps (``torch-ckpt plan``, ``simulate`` and :class:`YoungDaly` use it).
 
-Call contract of a :class:`SavePolicy` (the manager's side, through :class:`Cadence`), for every
-training step ``step`` (the optimizer step just completed) at monotonic time ``now_s``:
-
-1. ``record_step(step, now_s)``, once per step;
-2. ``should_save(step, now_s)``: ``True`` means "save at this step" and counts as a save starting
-   now; asking again for the same step returns the same answer;
-3. after each save, whatever triggered it, ``record_save(step, blocking_s=..., durable_after_s=...,
-   slowdown_s=..., now_s=...)`` once its blocking part ended (``durable_after_s=None`` until known),
-   and possibly again for the same step once durable: the second call replaces the first's
-   measurements;
-4. ``describe()``: the inputs and outputs of the last decision, for logging.
-
-Policies are not thread-safe (the manager serialises the calls). Every rank fed the same inputs
-decides the same; in practice rank 0 decides and broadcasts, since clocks and costs differ per rank.
+A :class:`SavePolicy` is driven, per training step (through :class:`Cadence`), by
+``record_step(step, now_s)``, then ``should_save(step, now_s)`` (``True`` counts as a save starting
+now; the same step gets the same answer), then after each save of any trigger
+``record_save(step, blocking_s=, durable_after_s=, slowdown_s=, now_s=)`` (``durable_after_s=None``
+until known; a second call for the step once durable replaces the first's measurements);
+``describe()`` gives the last decision's inputs and outputs. Policies are not thread-safe. Every rank
+fed the same inputs decides the same; rank 0 decides and broadcasts, as clocks differ per rank.
 """
 
 from __future__ import annotations
@@ -49,7 +39,7 @@ if TYPE_CHECKING:
     from torch_ckpt.handle import SaveHandle
 
 __all__ = ["young_interval", "daly_interval", "expected_overhead", "expected_lost_work", "FORMULAS", "Interval",
-           "checkpoint_interval", "STEP_TIME_ALPHA", "StepTimeEstimator", "IntervalEstimator", "SavePolicy",
+           "checkpoint_interval", "STEP_TIME_ALPHA", "StepTimeEstimator", "SavePolicy",
            "EveryNSteps", "EveryNSeconds", "YoungDaly", "AnyOf", "Cadence"]
 
 log = get_logger(__name__)
@@ -57,17 +47,9 @@ log = get_logger(__name__)
 
 # -- the formulas ------------------------------------------------------------------------------------------------
 def young_interval(mtbf_s: float, cost_s: float) -> float:
-    """Young's (1974) first-order optimum compute time between checkpoints, ``sqrt(2 C M)``.
+    """Young's (1974) first-order optimum compute time between checkpoints, ``sqrt(2 C M)``, in seconds.
 
-    Args:
-        mtbf_s: Mean time between failures of the whole job ``M``, in seconds (> 0).
-        cost_s: Training stall per save ``C``, in seconds (>= 0).
-
-    Returns:
-        The interval ``T`` in seconds of compute between the end of one save and the next.
-
-    Raises:
-        ValueError: ``mtbf_s`` is not positive and finite, or ``cost_s`` is negative or not finite.
+    Args and Raises: as :func:`daly_interval`.
     """
     mtbf = to_seconds("mtbf_s", mtbf_s, positive=True)
     cost = to_seconds("cost_s", cost_s, positive=False)
@@ -77,10 +59,9 @@ def young_interval(mtbf_s: float, cost_s: float) -> float:
 def daly_interval(mtbf_s: float, cost_s: float) -> float:
     """Daly's (2006) higher-order optimum compute time between checkpoints.
 
-    ``T = sqrt(2 C M) [1 + (1/3) sqrt(C / 2M) + (1/9) (C / 2M)] - C`` for ``C < 2M``, else the
-    documented fallback ``T = M``. The restart time does not enter the optimum. Daly's worked
-    examples (restart 10 min, C = 5 min) give 116.7 min for M = 24 h, 56.7 min for 6 h and
-    9.14 min for 15 min.
+    ``T = sqrt(2 C M) [1 + (1/3) sqrt(C / 2M) + (1/9) (C / 2M)] - C`` for ``C < 2M``, else ``T = M``
+    (the restart time does not enter the optimum). Daly's worked examples (restart 10 min, C = 5 min):
+    116.7 min for M = 24 h, 56.7 min for 6 h, 9.14 min for 15 min.
 
     Args:
         mtbf_s: Mean time between failures of the whole job ``M``, in seconds (> 0).
@@ -309,106 +290,6 @@ class _Ewma:
         self.update(sample)
 
 
-class IntervalEstimator:
-    """Online estimates of the save cost ``C`` and durability lag ``L``, and the interval they give.
-
-    ``C`` is an EWMA (weight ``ewma_alpha``) of each save's ``blocking_s + slowdown_s``;
-    ``initial_cost_s`` stands for it only until the first save is measured, which then replaces it
-    (a 5 s prior against a real 5 ms would keep saves 20-30x too rare for several saves). ``L`` is
-    an EWMA of ``durable_after_s - blocking_s``. The step time is its own
-    :class:`StepTimeEstimator`, fed by :meth:`record_step`, until :meth:`use_step_time` hands it the
-    one a :class:`Cadence` feeds. The interval is :func:`checkpoint_interval` of the estimates.
-
-    Args:
-        mtbf_s: Mean time between failures of the job, in seconds (> 0).
-        initial_cost_s: ``C`` before the first save is measured, in seconds (>= 0).
-        formula: ``"daly"`` or ``"young"``.
-        min_interval_steps: Smallest interval in steps (>= 1).
-        ewma_alpha: Weight of a new save measurement, in ``(0, 1]``.
-
-    Raises:
-        ConfigError: An argument is out of range (a ``ValueError`` naming it).
-    """
-
-    def __init__(self, mtbf_s: float, *, initial_cost_s: float, formula: str = "daly", min_interval_steps: int = 1,
-                 ewma_alpha: float = 0.3) -> None:
-        if isinstance(ewma_alpha, bool) or not isinstance(ewma_alpha, (int, float)) or not 0.0 < ewma_alpha <= 1.0:
-            raise ConfigError(f"ewma_alpha must be a number in (0, 1], got {ewma_alpha!r}")
-        self.mtbf_s = to_seconds("mtbf_s", mtbf_s, positive=True)
-        self.initial_cost_s = to_seconds("initial_cost_s", initial_cost_s, positive=False)
-        self.formula = _check_formula(formula)
-        self.min_interval_steps = check_int("min_interval_steps", min_interval_steps, 1)
-        self._alpha = float(ewma_alpha)
-        self._step_time = StepTimeEstimator()
-        self._owns_step_time = True
-        self._cost_step: int | None = None  # the step of the last sample (a repeat replaces it)
-        self._lag_step: int | None = None
-        self.load_state_dict({})
-
-    def use_step_time(self, estimator: StepTimeEstimator) -> None:
-        """Read the step time from ``estimator`` (fed by its owner); an estimate of ours seeds an empty one."""
-        if estimator.seconds is None:
-            estimator.seconds = self._step_time.seconds
-        self._step_time, self._owns_step_time = estimator, False
-
-    def record_step(self, step: int, now_s: float) -> None:
-        """Measure the step time from consecutive calls (step, monotonic seconds), unless shared."""
-        if self._owns_step_time:
-            self._step_time.record_step(step, now_s)
-
-    def record_save(self, step: int, *, blocking_s: float, durable_after_s: float | None, slowdown_s: float) -> None:
-        """Add one save's measurements, in seconds; a repeated ``step`` replaces its earlier sample.
-
-        Raises:
-            ValueError: A duration is negative or not finite.
-        """
-        cost = to_seconds("blocking_s", blocking_s, positive=False) + to_seconds("slowdown_s", slowdown_s,
-                                                                                 positive=False)
-        if step == self._cost_step:
-            self._cost.replace_last(cost)
-        else:
-            self._cost.update(cost)
-            self._cost_step = step
-            if self._owns_step_time:
-                self._step_time.skip_next()  # the next step's duration includes this stall
-        if durable_after_s is not None:
-            lag = max(0.0, to_seconds("durable_after_s", durable_after_s, positive=False) - blocking_s)
-            if step == self._lag_step:
-                self._lag.replace_last(lag)
-            else:
-                self._lag.update(lag)
-                self._lag_step = step
-
-    def interval(self) -> Interval:
-        """:func:`checkpoint_interval` of the current estimates (no ``interval_steps`` before a step time)."""
-        cost = self.initial_cost_s if self._cost.value is None else self._cost.value
-        return checkpoint_interval(self.mtbf_s, cost, self._lag.value or 0.0, self._step_time.seconds or None,
-                                   formula=self.formula, min_interval_steps=self.min_interval_steps)
-
-    def plan(self) -> dict[str, Any]:
-        """:meth:`interval` as a dict, with ``save_cost_s`` named ``cost_s``."""
-        d = self.interval().as_dict()
-        d["cost_s"] = d.pop("save_cost_s")
-        return d
-
-    def state_dict(self) -> dict[str, Any]:
-        """The estimates (``cost_s``, ``step_time_s``, ``durability_lag_s``; None: not measured yet)."""
-        return {"cost_s": self._cost.value, "step_time_s": self._step_time.seconds,
-                "durability_lag_s": self._lag.value}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` output (missing keys start fresh; clock state is reset)."""
-        cost = state.get("cost_s")
-        self._cost = _Ewma(self._alpha, None if cost is None else float(cost))
-        self._lag = _Ewma(self._alpha, state.get("durability_lag_s"))
-        step_time = state.get("step_time_s")
-        if self._owns_step_time:
-            self._step_time = StepTimeEstimator(step_time)
-        elif step_time is not None:
-            self._step_time.seconds = float(step_time)
-        self._cost_step = self._lag_step = None
-
-
 # -- policies ------------------------------------------------------------------------------------------------------
 @runtime_checkable
 class SavePolicy(Protocol):
@@ -535,18 +416,20 @@ class EveryNSeconds:
 class YoungDaly:
     """Save at the interval that minimises expected overhead, from the MTBF and the measured cost.
 
-    ``T`` is Daly's (2006, default) or Young's (1974) optimum; ``C``, ``L`` and the step time are
-    measured online by an :class:`IntervalEstimator` (driven by a :class:`Cadence`, as the manager
-    does, the policy reads the cadence's step time through :meth:`use_step_time`); seconds become
-    steps by :func:`checkpoint_interval`. Until a positive step time has been measured the policy
-    does not save. Steps are counted from the first step observed (or the last save).
+    ``T`` is Daly's (2006, default) or Young's (1974) optimum; seconds become steps by
+    :func:`checkpoint_interval`. Measured online: ``C``, an EWMA (weight ``ewma_alpha``) of each
+    save's ``blocking_s + slowdown_s``, where ``initial_cost_seconds`` stands only until the first
+    save is measured (a 5 s prior against a real 5 ms would keep saves 20-30x too rare); ``L``, an
+    EWMA of ``durable_after_s - blocking_s``; the step time, from its own :class:`StepTimeEstimator`
+    or the one a :class:`Cadence` lends (:meth:`use_step_time`). No save before a positive step time
+    is measured; steps are counted from the first step observed (or the last save).
 
     Args:
         mtbf_seconds: Mean time between failures of the whole job, in seconds or a duration string.
         per_node_mtbf_seconds: Instead of ``mtbf_seconds``: the MTBF of one node (or GPU); the job's
             MTBF is this divided by ``nodes``.
         nodes: Number of nodes (or GPUs) the job runs on, with ``per_node_mtbf_seconds``.
-        initial_cost_seconds: Guess for ``C`` before the first save is measured, in seconds (>= 0).
+        initial_cost_seconds: ``C`` before the first save is measured, in seconds (>= 0).
         formula: ``"daly"`` (default) or ``"young"``.
         min_interval_steps: Never save more often than every this many steps.
         ewma_alpha: Weight of a new save measurement in the averages of ``C`` and ``L``, in ``(0, 1]``
@@ -565,32 +448,41 @@ class YoungDaly:
                               f"mtbf_seconds={mtbf_seconds!r}, per_node_mtbf_seconds={per_node_mtbf_seconds!r}, "
                               f"nodes={nodes!r})")
         if mtbf_seconds is not None:
-            mtbf = to_seconds("mtbf_seconds", mtbf_seconds, positive=True)
+            self.mtbf_s = to_seconds("mtbf_seconds", mtbf_seconds, positive=True)
         elif per_node_mtbf_seconds is not None and nodes is not None:
-            mtbf = to_seconds("per_node_mtbf_seconds", per_node_mtbf_seconds, positive=True) / check_int(
+            self.mtbf_s = to_seconds("per_node_mtbf_seconds", per_node_mtbf_seconds, positive=True) / check_int(
                 "nodes", nodes, 1)
         else:
             raise ConfigError("YoungDaly needs mtbf_seconds, or per_node_mtbf_seconds together with nodes "
                               f"(got per_node_mtbf_seconds={per_node_mtbf_seconds!r}, nodes={nodes!r})")
-        self._estimator = IntervalEstimator(
-            mtbf, initial_cost_s=to_seconds("initial_cost_seconds", initial_cost_seconds, positive=False),
-            formula=formula, min_interval_steps=min_interval_steps, ewma_alpha=ewma_alpha)
+        if isinstance(ewma_alpha, bool) or not isinstance(ewma_alpha, (int, float)) or not 0.0 < ewma_alpha <= 1.0:
+            raise ConfigError(f"ewma_alpha must be a number in (0, 1], got {ewma_alpha!r}")
+        self.initial_cost_s = to_seconds("initial_cost_seconds", initial_cost_seconds, positive=False)
+        self.formula = _check_formula(formula)
+        self.min_interval_steps = check_int("min_interval_steps", min_interval_steps, 1)
+        self._alpha = float(ewma_alpha)
+        self._step_time = StepTimeEstimator()
+        self._owns_step_time = True
+        self._cost_step: int | None = None  # the step of the last cost sample (a repeat replaces it)
+        self._lag_step: int | None = None
         self._last_save_step: int | None = None
-        self._decided: tuple[int, bool] | None = None
         self._last: dict[str, Any] | None = None
-
-    @property
-    def mtbf_s(self) -> float:
-        """Mean time between failures of the job, in seconds."""
-        return self._estimator.mtbf_s
+        self.load_state_dict({})
 
     def plan(self) -> dict[str, Any]:
-        """The interval the current estimates give (:meth:`IntervalEstimator.plan`), deciding nothing."""
-        return {"policy": "YoungDaly", **self._estimator.plan()}
+        """The interval the current estimates give, deciding nothing: ``policy`` and the fields of
+        :class:`Interval` (``save_cost_s`` named ``cost_s``; ``interval_steps`` None before a step time)."""
+        cost = self.initial_cost_s if self._cost.value is None else self._cost.value
+        plan = checkpoint_interval(self.mtbf_s, cost, self._lag.value or 0.0, self._step_time.seconds or None,
+                                   formula=self.formula, min_interval_steps=self.min_interval_steps).as_dict()
+        plan["cost_s"] = plan.pop("save_cost_s")
+        return {"policy": "YoungDaly", **plan}
 
     def use_step_time(self, estimator: StepTimeEstimator) -> None:
-        """Read the step time from ``estimator`` (a :class:`Cadence` lends its own)."""
-        self._estimator.use_step_time(estimator)
+        """Read the step time from ``estimator`` (fed by its owner); an estimate of ours seeds an empty one."""
+        if estimator.seconds is None:
+            estimator.seconds = self._step_time.seconds
+        self._step_time, self._owns_step_time = estimator, False
 
     def should_save(self, step: int, now_s: float) -> bool:
         """``True`` when ``interval_steps`` steps have passed since the last save."""
@@ -608,17 +500,18 @@ class YoungDaly:
         return decision
 
     def record_step(self, step: int, now_s: float) -> None:
-        """Measure the step time; the first step observed starts the step count."""
+        """Measure the step time (unless lent one); the first step observed starts the step count."""
         if self._last_save_step is None:
             self._last_save_step = step
-        self._estimator.record_step(step, now_s)
+        if self._owns_step_time:
+            self._step_time.record_step(step, now_s)
 
     def record_save(self, step: int, *, blocking_s: float, durable_after_s: float | None, slowdown_s: float = 0.0,
                     now_s: float) -> None:
-        """Update ``C`` (blocking + slowdown) and ``L`` from one save; a save of any trigger restarts the count.
+        """Update ``C`` and ``L`` from one save; a repeated ``step`` replaces its earlier samples.
 
         Args:
-            step: The step saved.
+            step: The step saved (a save of any trigger restarts the step count).
             blocking_s: Seconds the training loop was blocked by the save.
             durable_after_s: Seconds from the start of the save until it was committed (None: not yet).
             slowdown_s: Extra training time lost while the save persisted in the background.
@@ -627,8 +520,22 @@ class YoungDaly:
         Raises:
             ValueError: A duration is negative or not finite.
         """
-        self._estimator.record_save(step, blocking_s=blocking_s, durable_after_s=durable_after_s,
-                                    slowdown_s=slowdown_s)
+        cost = to_seconds("blocking_s", blocking_s, positive=False) + to_seconds("slowdown_s", slowdown_s,
+                                                                                 positive=False)
+        if step == self._cost_step:
+            self._cost.replace_last(cost)
+        else:
+            self._cost.update(cost)
+            self._cost_step = step
+            if self._owns_step_time:
+                self._step_time.skip_next()  # the next step's duration includes this stall
+        if durable_after_s is not None:
+            lag = max(0.0, to_seconds("durable_after_s", durable_after_s, positive=False) - blocking_s)
+            if step == self._lag_step:
+                self._lag.replace_last(lag)
+            else:
+                self._lag.update(lag)
+                self._lag_step = step
         if self._last_save_step is None or step > self._last_save_step:
             self._last_save_step = step
 
@@ -638,19 +545,28 @@ class YoungDaly:
         return dict(self._last) if self._last is not None else self.plan()
 
     def state_dict(self) -> dict[str, Any]:
-        """The measured estimates and last save step, so a resumed run keeps what it learned."""
-        return {**self._estimator.state_dict(), "last_save_step": self._last_save_step}
+        """What a resumed run keeps: ``cost_s``, ``step_time_s``, ``durability_lag_s`` (None: not measured
+        yet) and ``last_save_step``."""
+        return {"cost_s": self._cost.value, "step_time_s": self._step_time.seconds,
+                "durability_lag_s": self._lag.value, "last_save_step": self._last_save_step}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` output (monotonic-clock state is not restored)."""
-        self._estimator.load_state_dict(state)
+        """Restore :meth:`state_dict` output (missing keys start fresh; monotonic-clock state is reset)."""
+        cost = state.get("cost_s")
+        self._cost = _Ewma(self._alpha, None if cost is None else float(cost))
+        self._lag = _Ewma(self._alpha, state.get("durability_lag_s"))
+        step_time = state.get("step_time_s")
+        if self._owns_step_time:
+            self._step_time = StepTimeEstimator(step_time)
+        elif step_time is not None:
+            self._step_time.seconds = float(step_time)
+        self._cost_step = self._lag_step = None
         self._last_save_step = state.get("last_save_step")
-        self._decided = None
+        self._decided: tuple[int, bool] | None = None
 
     def __repr__(self) -> str:
-        e = self._estimator
-        return (f"YoungDaly(mtbf_seconds={e.mtbf_s!r}, formula={e.formula!r}, "
-                f"initial_cost_seconds={e.initial_cost_s!r}, min_interval_steps={e.min_interval_steps})")
+        return (f"YoungDaly(mtbf_seconds={self.mtbf_s!r}, formula={self.formula!r}, "
+                f"initial_cost_seconds={self.initial_cost_s!r}, min_interval_steps={self.min_interval_steps})")
 
 
 def _lend_step_time(policy: object, estimator: StepTimeEstimator) -> None:
