@@ -56,75 +56,55 @@ class CheckpointConfig:
         keep_every_n_steps: Also keep every step that is a multiple of this (int >= 1 or ``None``).
         retention: A custom :class:`~torch_ckpt.RetentionPolicy`; replaces the two above.
         async_save: Persist in the background (``save()`` returns once staged) or inside ``save()``.
-        persist: Where background writes run: ``"thread"`` (lowest latency to durable) or ``"process"``
-            (a writer process per rank reading a shared-memory arena, keeping the write's Python work
-            off the trainer's GIL; not for DTensor/FSDP2 states).
-        overlap_staging: Copy parameters and optimizer state in the background, overlapping the next
-            forward/backward; any optimizer of the state waits for the copy before its next ``step()``.
-            Buffers, RNG and dataloader are still copied inside ``save()``, and so is everything of a
-            state without ``optimizer_owned_keys``. Code that mutates parameters or optimizer state
-            outside ``optimizer.step()`` must call ``wait_staged()`` first.
-        writer_niceness: Nice increment of the writer thread/process on Linux (int 0-19; 0 = unchanged);
-            on a 2-core machine 19 cuts the writer's slowdown of training from about 2x to 1.2x.
-        staging_budget_bytes: Host bytes for the reusable staging buffers (int or ``"4GB"``); ``None``:
-            half the available memory at each save (cgroup-aware), split over the local ranks. A state
-            that does not fit, or whose staging memory cannot be allocated, is saved synchronously from
-            the live tensors (logged), never by over-allocating.
+        persist: Where background writes run: ``"thread"`` (lowest latency to durable) or ``"process"`` (a
+            writer process per rank, off the trainer's GIL; not for DTensor/FSDP2 states).
+        overlap_staging: Copy parameters and optimizer state (``optimizer_owned_keys``) in the background,
+            overlapping the next forward/backward; the state's optimizers wait for it before their next
+            ``step()``; other mutations of them must call ``wait_staged()`` first.
+        writer_niceness: Nice increment of the writer on Linux (int 0-19; 0 = unchanged; on 2 cores, 19 cuts
+            the writer's slowdown of training from about 2x to 1.2x).
+        staging_budget_bytes: Host bytes for the reusable staging buffers (int or ``"4GB"``); ``None``: half
+            the available memory (cgroup-aware) over the local ranks. A state that does not fit is saved
+            synchronously from the live tensors (logged), never by over-allocating.
         thread_count: DCP writer threads (and files) per rank (int, 1-256); 2 overlaps checksumming with writing.
         verify_on_load: Check every file's CRC-32 before loading (sizes are always checked).
         on_world_size_change: What ``restore()`` does with rank-local state (RNG, dataloader position)
             when the world size differs: ``"error"`` or ``"keep_live"``.
         timeout_seconds: Limit for checkpoint collectives between ranks (seconds or duration, > 0).
         process_group: Ranks taking part (default: all); checkpoint traffic uses private gloo groups from it.
-        save_policy: When ``should_save()`` says yes: a :class:`~torch_ckpt.SavePolicy` such as
-            ``YoungDaly(mtbf_seconds="8h")``, ``EveryNSteps(100)``, ``EveryNSeconds("15m")`` or
-            ``AnyOf(...)``; rank 0 decides for every rank. Exclusive with the flat fields below, which
-            build one (several of them: ``AnyOf``).
-        mtbf_seconds: Mean time between failures of the job (seconds or duration, > 0): save at the
-            Young/Daly interval.
+        save_policy: When ``should_save()`` says yes (rank 0 decides for all): a :class:`~torch_ckpt.SavePolicy`
+            such as ``YoungDaly(mtbf_seconds="8h")``; exclusive with the flat fields below, which build one.
+        mtbf_seconds: Mean time between failures of the job (seconds or duration, > 0): ``YoungDaly``.
         save_every_n_steps: Save every this many steps (int >= 1).
         save_every_seconds: Save once this much time passed since the last save (seconds or duration, > 0).
         initial_cost_seconds: With ``mtbf_seconds``: the save cost assumed until one is measured (>= 0).
         formula: With ``mtbf_seconds``: ``"daly"`` or ``"young"``.
         min_interval_steps: With ``mtbf_seconds``: never save more often than every this many steps.
-        durable_url: fsspec URL of the durable tier (``s3://bucket/run``, ``gs://``, ``file://``,
-            ``memory://``), not inside the local root; every committed checkpoint (or every
-            ``replicate_every_n_saves``-th) is replicated there in the background.
+        durable_url: fsspec URL of the durable tier (``s3://bucket/run``, ``file://``...), outside the local
+            root; committed checkpoints are replicated there in the background.
         storage_options: fsspec options for ``durable_url`` (credentials, endpoint...).
         replicate_every_n_saves: Replicate every n-th save (int >= 1).
         durable_keep_last: Durable retention: keep this many newest durable checkpoints (``None``: all).
         durable_keep_every_n_steps: Durable retention: also keep multiples of this step.
         durable_verify: ``"checksum"`` (read uploads back, compare CRC-32) or ``"size"``.
         durable_flush_timeout_seconds: How long ``close()`` waits for pending replication (>= 0).
-        preemption_signals: Signals that request an emergency save, e.g. ``("SIGTERM", "SIGUSR1")``,
-            handled at the next ``should_save()``/``save_if_due()``.
+        preemption_signals: Signals requesting an emergency save at the next ``should_save()``/``save_if_due()``.
         preemption_timeout_seconds: How long the emergency save may take to commit before exiting (> 0).
         on_write_error: ``"raise"`` or ``"warn"`` (log failed background saves and continue).
-        on_existing_newer: What ``save()`` does when the root holds committed steps newer than the one
-            saved that this manager did not restore (an earlier run's): ``"error"`` (a ``ConfigError``
-            naming them) or ``"supersede"`` (move them aside as hidden ``.superseded_step_N.<time>``
-            directories, kept but never listed), so that "latest" and retention follow this run.
-        read_only: Open the root for ``restore()``, ``all_steps()``, ``latest_step()`` and ``health()``
-            only: no root lock, nothing created or cleaned, ``save()`` refused.
-        explicit_paths_only: Every save names its directory (``save(path=...)``): the root is only the
-            folder they lie in, so it is not locked, cleaned, pruned or moved aside from, and a save
-            without ``path`` is refused (runs saving sibling folders do not exclude each other; a
-            crash's leftovers there are not cleaned). Not with ``durable_url``.
-        naming: How step directories are named: a :class:`~torch_ckpt.policy.Naming`; ``None`` means
-            ``StepNaming()`` (``step_000000042``); e.g. ``PatternNaming("checkpoint_{step}")``. Listing,
-            resume and retention only consider names it parses.
-        local_root_shared: Whether the root is one directory seen by every rank (``True``) or private
-            to each node (``False``: each node commits its own copy after every rank agreed, uploads its
-            own shards, and a replaced node fetches only its shards from the durable tier). ``None``:
-            private when the ranks span more than one node. A shared directory used with ``False`` is refused.
-        durable_upload_threads: Files each node uploads to (and downloads from) the durable tier at once
-            (int, 1-256).
-        durable_timeout_seconds: Longest silence of the durable store that a call on the caller's thread
-            waits out (listing and downloading in ``restore()``; > 0); a download that keeps receiving
-            bytes is never cut short. On S3-compatible stores also the botocore connect and read
-            timeouts (3 attempts), unless ``storage_options["config_kwargs"]`` sets them.
-        durable_create: Create the durable tier's bucket (``file://``: the root's parent) when missing;
-            by default a missing one is an outage (``DurableUnavailableError``), never created silently.
+        on_existing_newer: When the root holds newer committed steps this manager did not restore (an
+            earlier run's): ``"error"`` in ``save()``, or ``"supersede"`` (moved aside, hidden, kept).
+        read_only: Only read the root: no lock, nothing created or cleaned, ``save()`` refused.
+        explicit_paths_only: Every save names its directory (``save(path=...)``); the root is only their
+            folder: not locked, cleaned, pruned or moved aside from. Not with ``durable_url``.
+        naming: How step directories are named (a :class:`~torch_ckpt.policy.Naming`; ``None``:
+            ``StepNaming()``); listing, resume and retention only consider names it parses.
+        local_root_shared: The root is one directory seen by every rank (``True``) or private to each
+            node (``False``: each commits and uploads its own shards; a replaced node fetches only its
+            own). ``None``: private when the ranks span several nodes.
+        durable_upload_threads: Files each node transfers to or from the durable tier at once (int, 1-256).
+        durable_timeout_seconds: Longest silence of the durable store waited out on the caller's thread
+            (``restore()``; > 0; also botocore's connect/read timeouts unless ``storage_options`` sets them).
+        durable_create: Create a missing durable bucket; by default it is an outage (``DurableUnavailableError``).
 
     Raises:
         ConfigError: A value is out of range or of the wrong type, or two fields conflict; the

@@ -29,11 +29,9 @@ class Naming(Protocol):
 
     def name(self, step: int) -> str:
         """Directory name of ``step`` (one path component, not hidden)."""
-        ...
 
     def step_of(self, name: str) -> int | None:
         """The step a directory name stands for, or None when it is not one of this naming's names."""
-        ...
 
 
 def check_name(name: str, what: str = "checkpoint name") -> str:

@@ -22,7 +22,6 @@ class RetentionPolicy(Protocol):
 
     def keep(self, steps: Sequence[int]) -> set[int]:
         """Return the subset of ``steps`` (ascending, committed) to keep."""
-        ...
 
 
 @dataclass(frozen=True, kw_only=True)

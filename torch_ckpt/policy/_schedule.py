@@ -244,18 +244,12 @@ class StepTimeEstimator:
         self._skip_next = False
 
     def record_step(self, step: int, now_s: float, *, sample: bool = True) -> float | None:
-        """Note that ``step`` finished at monotonic time ``now_s`` (seconds).
-
-        Args:
-            step: The optimizer step that just finished.
-            now_s: Monotonic time in seconds.
-            sample: ``False`` to measure the interval without averaging it in (a step slowed by a
-                save persisting in the background).
+        """Note that ``step`` finished at monotonic time ``now_s``; ``sample=False`` measures without averaging in.
 
         Returns:
-            The measured seconds per step since the previous call (also when excluded from the
-            average), or ``None`` without a previous call, when the step did not advance or the
-            clock went back.
+            The seconds per step since the previous call (also when not averaged in: a step slowed by
+            a save persisting), or ``None`` without a previous call, a step that did not advance or a
+            clock that went back.
         """
         prev, self._prev = self._prev, (step, now_s)
         skip, self._skip_next = self._skip_next, False
@@ -297,20 +291,16 @@ class SavePolicy(Protocol):
 
     def should_save(self, step: int, now_s: float) -> bool:
         """Whether to save after optimizer step ``step``, at monotonic time ``now_s`` seconds."""
-        ...
 
     def record_step(self, step: int, now_s: float) -> None:
         """Note that optimizer step ``step`` completed at monotonic time ``now_s`` seconds."""
-        ...
 
     def record_save(self, step: int, *, blocking_s: float, durable_after_s: float | None, slowdown_s: float = 0.0,
                     now_s: float) -> None:
         """Note a save at ``step`` and its measured costs, in seconds."""
-        ...
 
     def describe(self) -> dict[str, Any]:
         """The inputs and outputs of the last decision, as a JSON-serialisable dict."""
-        ...
 
 
 class EveryNSteps:
@@ -466,6 +456,7 @@ class YoungDaly:
         self._cost_step: int | None = None  # the step of the last cost sample (a repeat replaces it)
         self._lag_step: int | None = None
         self._last_save_step: int | None = None
+        self._decided: tuple[int, bool] | None = None  # the answer for the step last asked
         self._last: dict[str, Any] | None = None
         self.load_state_dict({})
 
@@ -508,14 +499,9 @@ class YoungDaly:
 
     def record_save(self, step: int, *, blocking_s: float, durable_after_s: float | None, slowdown_s: float = 0.0,
                     now_s: float) -> None:
-        """Update ``C`` and ``L`` from one save; a repeated ``step`` replaces its earlier samples.
-
-        Args:
-            step: The step saved (a save of any trigger restarts the step count).
-            blocking_s: Seconds the training loop was blocked by the save.
-            durable_after_s: Seconds from the start of the save until it was committed (None: not yet).
-            slowdown_s: Extra training time lost while the save persisted in the background.
-            now_s: Monotonic time of this call, in seconds (unused: the step count decides).
+        """Update ``C`` (``blocking_s + slowdown_s``) and ``L`` (``durable_after_s - blocking_s``; None: not
+        known yet) from one save, in seconds; a repeated ``step`` replaces its samples, a save of any trigger
+        restarts the step count (``now_s`` is unused).
 
         Raises:
             ValueError: A duration is negative or not finite.
@@ -562,7 +548,7 @@ class YoungDaly:
             self._step_time.seconds = float(step_time)
         self._cost_step = self._lag_step = None
         self._last_save_step = state.get("last_save_step")
-        self._decided: tuple[int, bool] | None = None
+        self._decided = None
 
     def __repr__(self) -> str:
         return (f"YoungDaly(mtbf_seconds={self.mtbf_s!r}, formula={self.formula!r}, "

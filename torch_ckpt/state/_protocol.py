@@ -14,7 +14,6 @@ class HasStateDict(Protocol):
 
     def state_dict(self) -> Mapping[str, Any]:
         """The state to save: a nested mapping of tensors and plain values (nothing is mutated)."""
-        ...
 
 
 @runtime_checkable
@@ -52,7 +51,6 @@ class Checkpointable(HasStateDict, Protocol):
 
     def load_state_dict(self, state_dict: dict[str, Any], /) -> object:
         """Take the checked, restored values (the same structure as :meth:`state_dict`); the result is ignored."""
-        ...
 
 
 #: What a save accepts: an object with ``state_dict()`` (any :class:`Checkpointable`) or a plain mapping.
