@@ -61,12 +61,8 @@ class Lineage:
 
     def holds(self, step: int, other: Lineage) -> bool:
         """True when checkpoint ``step`` of segment ``other`` is live in the history whose head is ``self``."""
-        if other.run == self.run:
-            return True
-        for run, left_at in self.parents:
-            if run == other.run:
-                return step <= left_at
-        return False
+        left_at = self.left_at(other)
+        return other.run == self.run or (left_at is not None and step <= left_at)
 
     def fork(self, step: int, run: str, since: float) -> Lineage:
         """The new segment ``run`` (begun at ``since``) that continues from checkpoint ``step`` of this one."""

@@ -9,6 +9,7 @@ does not commit in time stays an invisible temporary, never a half-marked checkp
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import threading
 from collections.abc import Iterable
@@ -93,8 +94,6 @@ class PreemptionFlag:
     def restore(self) -> None:
         """Reinstate the handlers that were active before."""
         for sig, handler in self._previous.items():
-            try:
+            with contextlib.suppress(ValueError, TypeError):  # not on the main thread any more
                 signal.signal(sig, handler)
-            except (ValueError, TypeError):  # not on the main thread any more
-                pass
         self._previous.clear()
