@@ -2,7 +2,7 @@
 #   make demo        set up, then train a small GPT on real text with async checkpoints, crash it, resume exactly
 #   make test        set up, then run the whole test suite (what CI runs)
 #   make test-fast   the edit loop: every test not marked slow (pytest -m "not slow"; a few minutes on an idle machine)
-#   make lint        ruff check . (configuration in pyproject.toml; `make test` runs it too)
+#   make lint        ruff check . and mypy (configuration in pyproject.toml; `make test` runs them too)
 #   make test-suites Lightning's and Accelerate's own test files, plain and with our plugins injected, compared
 #                    (not part of `make test`; CPU; SUITES_DIR=../shared/peer-suites; docs/test-suites.md)
 #   make venv-path   print the environment's path: . "$$(make -s venv-path)/bin/activate"
@@ -50,12 +50,14 @@ demo: setup
 test: setup
 	$(PY) -m pytest $(PYTEST_ARGS)
 	$(PY) -m ruff check .
+	$(PY) -m mypy
 
 test-fast: setup
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
 
 lint: setup
 	$(PY) -m ruff check .
+	$(PY) -m mypy
 
 clean:
 	rm -rf $(DEMO_DIR) $(DEMO_DIR)_cluster .pytest_cache build *.egg-info

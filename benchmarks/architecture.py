@@ -1,7 +1,8 @@
 """How wide the code is, measured: modules and Python calls inside torch_ckpt for one save and one restore.
 
 One ``CheckpointManager.save`` of a small ``TrainState`` (to commit, every thread) and one ``restore`` into fresh
-objects (each by a manager constructed before the count starts) are profiled with ``sys.setprofile``/``threading.setprofile`` installed before the manager starts; a call
+objects (each by a manager constructed before the count starts) are profiled with ``sys.setprofile`` and
+``threading.setprofile``; a call
 counts when its code object lives in a file of ``torch_ckpt/``. Also printed: core and adapter line counts
 (``wc -l`` of every ``.py``), top-level modules, subpackages. Prints JSON (``--json PATH`` also writes it).
 

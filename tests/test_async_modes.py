@@ -155,7 +155,7 @@ def test_a_copy_failure_fails_the_save_once_and_commits_nothing(tmp_path, monkey
 @pytest.mark.parametrize("bad", [0, -5, float("inf"), "soon", True])
 def test_checkpointer_timeout_must_be_a_positive_duration(bad):
     """AsyncCheckpointer refuses a timeout that is not a positive, finite duration, naming timeout_seconds."""
-    from torch_ckpt import AsyncCheckpointer
+    from torch_ckpt.save import AsyncCheckpointer
 
     with pytest.raises(ConfigError, match="timeout_seconds"):
         AsyncCheckpointer(timeout_seconds=bad)
@@ -163,7 +163,7 @@ def test_checkpointer_timeout_must_be_a_positive_duration(bad):
 
 def test_checkpointer_timeout_accepts_a_duration_string():
     """AsyncCheckpointer(timeout_seconds="2m") waits 120 s for its collectives."""
-    from torch_ckpt import AsyncCheckpointer
+    from torch_ckpt.save import AsyncCheckpointer
 
     with AsyncCheckpointer(timeout_seconds="2m") as ck:
         assert ck._ctx.timeout_seconds == 120.0
@@ -172,7 +172,7 @@ def test_checkpointer_timeout_accepts_a_duration_string():
 @pytest.mark.parametrize("bad", [0, 257, True])
 def test_checkpointer_thread_count_is_bounded_like_the_config(bad):
     """AsyncCheckpointer refuses thread_count outside 1-256 (CheckpointConfig's bound), naming thread_count."""
-    from torch_ckpt import AsyncCheckpointer
+    from torch_ckpt.save import AsyncCheckpointer
 
     with pytest.raises(ConfigError, match="thread_count must be an integer in \\[1, 256\\]"):
         AsyncCheckpointer(thread_count=bad)

@@ -1,4 +1,4 @@
-"""Tests for the step-time estimator and the Cadence that feeds a save policy (torch_ckpt.policy._cadence).
+"""Tests for the step-time estimator and the Cadence that feeds a save policy (torch_ckpt.policy._schedule).
 
 Every test drives a fake monotonic clock (plain floats passed as ``now_s``): nothing here sleeps or
 reads the real clock, so the results cannot depend on machine load.
@@ -12,8 +12,7 @@ from concurrent.futures import Future
 import pytest
 
 from torch_ckpt.handle import SaveHandle, SaveStats
-from torch_ckpt.policy._cadence import STEP_TIME_ALPHA, Cadence, StepTimeEstimator
-from torch_ckpt.policy._schedule import AnyOf, EveryNSteps, YoungDaly
+from torch_ckpt.policy._schedule import STEP_TIME_ALPHA, AnyOf, Cadence, EveryNSteps, StepTimeEstimator, YoungDaly
 
 HOUR = 3600.0
 

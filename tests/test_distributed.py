@@ -229,7 +229,7 @@ def test_ten_back_to_back_async_saves_with_training_barriers(tmp_path):
 
 
 def _rank0_alone(rank, world, root):
-    from torch_ckpt import AsyncCheckpointer
+    from torch_ckpt.save import AsyncCheckpointer
 
     if rank == 0:
         with AsyncCheckpointer(distributed=False) as ck:
@@ -293,7 +293,8 @@ def test_ranks_saving_different_steps_are_refused_on_every_rank(tmp_path):
 
 
 def _ranks_pass_different_directories(rank, world, root):
-    from torch_ckpt import AsyncCheckpointer, ConfigError
+    from torch_ckpt import ConfigError
+    from torch_ckpt.save import AsyncCheckpointer
 
     with AsyncCheckpointer(timeout_seconds=20) as ck:
         try:

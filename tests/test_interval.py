@@ -1,4 +1,4 @@
-"""Tests for the one seconds-to-steps rule, torch_ckpt.policy._interval.checkpoint_interval, and its users.
+"""Tests for the one seconds-to-steps rule, torch_ckpt.policy._schedule.checkpoint_interval, and its users.
 
 ``torch-ckpt plan`` (sizing.interval_plan), ``torch-ckpt simulate`` (simulate.sweep) and the runtime
 ``YoungDaly`` policy must all give the same interval for the same inputs.
@@ -11,9 +11,7 @@ from concurrent.futures import Future
 import pytest
 
 from torch_ckpt.handle import SaveHandle, SaveStats
-from torch_ckpt.policy._cadence import Cadence
-from torch_ckpt.policy._interval import checkpoint_interval, daly_interval, young_interval
-from torch_ckpt.policy._schedule import YoungDaly
+from torch_ckpt.policy._schedule import Cadence, YoungDaly, checkpoint_interval, daly_interval, young_interval
 from torch_ckpt.tools.simulate import sweep
 from torch_ckpt.tools.sizing import interval_plan
 

@@ -1,4 +1,4 @@
-"""What follows a commit (torch_ckpt.manager._commit): retention hides retired checkpoints first, deletes them after."""
+"""What follows a commit (manager._manager): retention hides retired checkpoints first, deletes them after."""
 
 from __future__ import annotations
 

@@ -2,7 +2,8 @@
 
 import pytest
 
-from torch_ckpt import ConfigError, Naming, PatternNaming, StepNaming
+from torch_ckpt import ConfigError, PatternNaming, StepNaming
+from torch_ckpt.policy import Naming
 
 
 def test_step_naming_round_trips():

@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from tests._dist import run_distributed
-from torch_ckpt import AsyncCheckpointer, CheckpointWriteError
+from torch_ckpt import CheckpointWriteError
 from torch_ckpt.distributed._context import DistContext
 from torch_ckpt.root._layout import read_manifest, scan_committed
+from torch_ckpt.save import AsyncCheckpointer
 from torch_ckpt.save._persist import SaveRequest, persist_checkpoint
 
 

@@ -6,7 +6,8 @@ from concurrent.futures import Future
 
 import pytest
 
-from torch_ckpt import ConfigError, SaveHandle, SaveReports, SaveStats
+from torch_ckpt import ConfigError, SaveHandle, SaveReports
+from torch_ckpt.save import SaveStats
 
 
 def handle(step: int, *, outcome: str | None = "ok") -> SaveHandle:

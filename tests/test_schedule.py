@@ -1,4 +1,4 @@
-"""Tests for the interval formulas (torch_ckpt.policy._interval) and save policies (torch_ckpt.policy._schedule)."""
+"""Tests for the interval formulas (torch_ckpt.policy._schedule) and save policies (torch_ckpt.policy._schedule)."""
 
 from __future__ import annotations
 
@@ -8,13 +8,17 @@ import time
 import pytest
 
 from torch_ckpt.errors import ConfigError
-from torch_ckpt.policy._interval import (
+from torch_ckpt.policy._schedule import (
+    AnyOf,
+    EveryNSeconds,
+    EveryNSteps,
+    SavePolicy,
+    YoungDaly,
     daly_interval,
     expected_lost_work,
     expected_overhead,
     young_interval,
 )
-from torch_ckpt.policy._schedule import AnyOf, EveryNSeconds, EveryNSteps, SavePolicy, YoungDaly
 
 HOUR = 3600.0
 MIN = 60.0

@@ -1,11 +1,10 @@
-"""Settings files: what makes a file ambiguous or unusable is a ConfigError naming it."""
+"""Settings files (CheckpointConfig.read_yaml): what makes a file ambiguous or unusable is a ConfigError naming it."""
 
 from __future__ import annotations
 
 import pytest
 
 from torch_ckpt import CheckpointConfig, ConfigError
-from torch_ckpt.settings_file import read_settings_file
 
 
 def test_a_key_given_twice_is_refused_naming_the_file_key_and_line(tmp_path):
@@ -13,7 +12,7 @@ def test_a_key_given_twice_is_refused_naming_the_file_key_and_line(tmp_path):
     path = tmp_path / "ckpt.yaml"
     path.write_text("keep_last: 3\nthread_count: 2\nkeep_last: 5\n")
     with pytest.raises(ConfigError, match=r"ckpt\.yaml: setting 'keep_last' is given twice \(line 3\)"):
-        read_settings_file(path)
+        CheckpointConfig.read_yaml(path)
 
 
 def test_a_key_repeated_in_a_nested_mapping_is_refused(tmp_path):
@@ -21,7 +20,7 @@ def test_a_key_repeated_in_a_nested_mapping_is_refused(tmp_path):
     path = tmp_path / "ckpt.yaml"
     path.write_text("storage_options:\n  anon: true\n  anon: false\n")
     with pytest.raises(ConfigError, match="'anon' is given twice"):
-        read_settings_file(path)
+        CheckpointConfig.read_yaml(path)
 
 
 @pytest.mark.parametrize("field", ["process_group", "retention", "save_policy", "naming"])
@@ -37,7 +36,7 @@ def test_distinct_keys_read_back_as_written(tmp_path):
     """A file without repeated or code-only keys reads back as its mapping."""
     path = tmp_path / "ckpt.yaml"
     path.write_text("keep_last: 3\nstorage_options:\n  anon: true\n")
-    assert read_settings_file(path, code_only={"process_group"}) == {"keep_last": 3, "storage_options": {"anon": True}}
+    assert CheckpointConfig.read_yaml(path) == {"keep_last": 3, "storage_options": {"anon": True}}
 
 
 @pytest.mark.parametrize("field", ["thread_count", "durable_upload_threads"])

@@ -1,72 +1,80 @@
 """torch-ckpt: asynchronous, atomic, sharded (DCP) checkpoints for PyTorch training.
 
-Names are imported lazily on first use, so ``import torch_ckpt`` (and the ``torch-ckpt`` command
-line) stays fast and has no side effects.
+The public surface is :data:`__all__`; every other public name lives in its subpackage
+(``torch_ckpt.policy``, ``torch_ckpt.save``, ``torch_ckpt.tiers``, ``torch_ckpt.errors``...). Names are
+imported on first use, so ``import torch_ckpt`` (and the ``torch-ckpt`` command line) stays fast and
+has no side effects.
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from torch_ckpt.config import CheckpointConfig
+    from torch_ckpt.distributed import rank_and_world
+    from torch_ckpt.errors import (
+        CheckpointCorruptError,
+        CheckpointError,
+        CheckpointNotFoundError,
+        CheckpointWriteError,
+        ConfigError,
+        StateMismatchError,
+        UnsafeCheckpointError,
+    )
+    from torch_ckpt.format import read_manifest
+    from torch_ckpt.handle import SaveHandle
+    from torch_ckpt.manager import CheckpointManager
+    from torch_ckpt.policy import (
+        EveryNSeconds,
+        EveryNSteps,
+        KeepEveryNSteps,
+        KeepLatest,
+        PatternNaming,
+        RetentionPolicy,
+        SavePolicy,
+        StepNaming,
+        YoungDaly,
+    )
+    from torch_ckpt.root import is_committed
+    from torch_ckpt.save import SaveReports
+    from torch_ckpt.state import Checkpointable, OptimizerState, TrainState
+    from torch_ckpt.tiers import DurableTier
+    from torch_ckpt.tools import load_full_state
 
 __version__ = "0.1.0"
 
-_EXPORTS = {
-    "CheckpointManager": "torch_ckpt.manager._manager",
-    "CheckpointConfig": "torch_ckpt.config",
-    "AsyncCheckpointer": "torch_ckpt.save._checkpointer",
-    "TrainState": "torch_ckpt.state._train_state",
-    "OptimizerState": "torch_ckpt.state._optimizer_state",
-    "Naming": "torch_ckpt.policy._naming",
-    "StepNaming": "torch_ckpt.policy._naming",
-    "PatternNaming": "torch_ckpt.policy._naming",
-    "is_committed": "torch_ckpt.root._layout",
-    "SaveHandle": "torch_ckpt.handle",
-    "SaveStats": "torch_ckpt.handle",
-    "SaveReports": "torch_ckpt.save._reports",
-    "rank_and_world": "torch_ckpt.distributed._context",
-    "RetentionPolicy": "torch_ckpt.policy._retention",
-    "KeepLatest": "torch_ckpt.policy._retention",
-    "KeepEveryNSteps": "torch_ckpt.policy._retention",
-    "KeepAny": "torch_ckpt.policy._retention",
-    "SavePolicy": "torch_ckpt.policy._schedule",
-    "EveryNSteps": "torch_ckpt.policy._schedule",
-    "EveryNSeconds": "torch_ckpt.policy._schedule",
-    "YoungDaly": "torch_ckpt.policy._schedule",
-    "AnyOf": "torch_ckpt.policy._schedule",
-    "young_interval": "torch_ckpt.policy._interval",
-    "daly_interval": "torch_ckpt.policy._interval",
-    "expected_overhead": "torch_ckpt.policy._interval",
-    "expected_lost_work": "torch_ckpt.policy._interval",
-    "checkpoint_interval": "torch_ckpt.policy._interval",
-    "parse_duration": "torch_ckpt.durations",
-    "format_duration": "torch_ckpt.durations",
-    "export_torch": "torch_ckpt.tools.convert",
-    "load_full_state": "torch_ckpt.tools.convert",
-    "Cadence": "torch_ckpt.policy._cadence",
-    "DurableTier": "torch_ckpt.tiers._durable",
-    "DurableUnavailableError": "torch_ckpt.tiers._durable",
-    "Replicator": "torch_ckpt.tiers._replicator",
-    "Manifest": "torch_ckpt.root._layout",
-    "read_manifest": "torch_ckpt.root._layout",
-    "log_all_ranks": "torch_ckpt._logging",
-    "export_safetensors": "torch_ckpt.tools.convert",
-    "CheckpointError": "torch_ckpt.errors",
-    "CheckpointNotFoundError": "torch_ckpt.errors",
-    "CheckpointCorruptError": "torch_ckpt.errors",
-    "UnsafeCheckpointError": "torch_ckpt.errors",
-    "StateMismatchError": "torch_ckpt.errors",
-    "CheckpointWriteError": "torch_ckpt.errors",
-    "CheckpointTimeoutError": "torch_ckpt.errors",
-    "ConfigError": "torch_ckpt.errors",
-    "CheckpointReadError": "torch_ckpt.errors",
-}
+__all__ = [
+    "CheckpointManager", "CheckpointConfig", "TrainState", "OptimizerState", "Checkpointable", "SaveHandle",
+    "SaveReports", "StepNaming", "PatternNaming", "SavePolicy", "EveryNSteps", "EveryNSeconds", "YoungDaly",
+    "RetentionPolicy", "KeepLatest", "KeepEveryNSteps", "DurableTier", "read_manifest", "is_committed",
+    "load_full_state", "rank_and_world", "CheckpointError", "ConfigError", "CheckpointNotFoundError",
+    "CheckpointCorruptError", "CheckpointWriteError", "StateMismatchError", "UnsafeCheckpointError",
+]
 
-__all__ = list(_EXPORTS)
+#: The module each public name is imported from on first use.
+_SOURCES = {
+    "torch_ckpt.manager": ("CheckpointManager",),
+    "torch_ckpt.config": ("CheckpointConfig",),
+    "torch_ckpt.state": ("TrainState", "OptimizerState", "Checkpointable"),
+    "torch_ckpt.handle": ("SaveHandle",),
+    "torch_ckpt.save": ("SaveReports",),
+    "torch_ckpt.policy": ("StepNaming", "PatternNaming", "SavePolicy", "EveryNSteps", "EveryNSeconds", "YoungDaly",
+                          "RetentionPolicy", "KeepLatest", "KeepEveryNSteps"),
+    "torch_ckpt.tiers": ("DurableTier",),
+    "torch_ckpt.format": ("read_manifest",),
+    "torch_ckpt.root": ("is_committed",),
+    "torch_ckpt.tools": ("load_full_state",),
+    "torch_ckpt.distributed": ("rank_and_world",),
+    "torch_ckpt.errors": ("CheckpointError", "ConfigError", "CheckpointNotFoundError", "CheckpointCorruptError",
+                          "CheckpointWriteError", "StateMismatchError", "UnsafeCheckpointError"),
+}
+_MODULE_OF = {name: module for module, names in _SOURCES.items() for name in names}
 
 
 def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
+    module = _MODULE_OF.get(name)
     if module is None:
         raise AttributeError(f"module 'torch_ckpt' has no attribute {name!r}")
     value = getattr(importlib.import_module(module), name)

@@ -1,7 +1,6 @@
 """Value checks for :class:`~torch_ckpt.CheckpointConfig`: byte sizes, durations, bounded ints, "not given".
 
-Each check raises :class:`~torch_ckpt.errors.ConfigError` naming the setting, the value and what
-is accepted, so a message read from a log tells the user what to change.
+Each check raises :class:`~torch_ckpt.ConfigError` naming the setting, the value and what is accepted.
 """
 
 from __future__ import annotations
@@ -17,7 +16,7 @@ __all__ = ["DEFAULT", "DefaultType", "check_bool", "check_int", "parse_size", "t
 
 
 class DefaultType:
-    """Type of :data:`DEFAULT`: "not given, use the configuration's value" in keyword arguments."""
+    """Type of :data:`DEFAULT`: "not given: use the configuration's value", for keyword arguments."""
 
     __slots__ = ()
 
@@ -25,8 +24,8 @@ class DefaultType:
         return "<default>"
 
 
-#: Default of keyword arguments that mirror a :class:`CheckpointConfig` field (e.g. the manager's):
-#: distinguishes "not given" from any value, so a ``config=`` is overridden only by what was passed.
+#: Default of keyword arguments that mirror a config field (the manager's): ``config=`` is overridden only by
+#: what was passed.
 DEFAULT = DefaultType()
 
 _SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -35,20 +34,15 @@ _SIZE = re.compile(r"\s*((?:\d+(?:\.\d*)?|\.\d+)(?:e[+-]?\d+)?)\s*([a-z]*)\s*")
 
 
 def parse_size(value: str | int) -> int:
-    """Convert a byte size to an int: ``4GB`` (10^9), ``512MiB`` (2^20), ``1.5TB`` or plain bytes.
+    """A byte size as an int, rounded down: ``4GB`` (10^9), ``512MiB`` (2^20), ``1.5TB`` or plain bytes.
 
     Args:
-        value: An ``int`` (bytes) or a string: a number with an optional unit B, KB, MB, GB, TB
-            (decimal) or KiB, MiB, GiB, TiB (binary), case-insensitive.
-
-    Returns:
-        The size in bytes, rounded down to a whole byte.
+        value: An ``int`` (bytes) or a string: a number with an optional, case-insensitive unit B,
+            KB, MB, GB, TB (decimal) or KiB, MiB, GiB, TiB (binary).
 
     Raises:
-        ValueError: The string is not a size (the message repeats it and lists the units), or it
-            is negative or not finite.
-        TypeError: ``value`` is neither ``str`` nor ``int`` (``bool`` and ``float`` are rejected:
-            a size is a whole number of bytes or a string with a unit).
+        ValueError: The string is not a size (the message lists the units), negative or not finite.
+        TypeError: ``value`` is neither ``str`` nor ``int`` (``bool`` and ``float`` are rejected).
     """
     if isinstance(value, bool) or not isinstance(value, (str, int)):
         raise TypeError(f"size must be an int of bytes or a string such as '4GB', got {type(value).__name__}: "

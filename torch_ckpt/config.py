@@ -1,24 +1,13 @@
 """``CheckpointConfig``: every setting of a :class:`~torch_ckpt.CheckpointManager`, typed and validated once.
 
-One frozen, keyword-only dataclass holds all the knobs, with units in the names of fields that
-have one (``timeout_seconds``, ``staging_budget_bytes``). It is validated once, in
-``__post_init__`` (the checks are in :mod:`torch_ckpt._values`): durations are stored as
-float seconds (``"8h"`` and ``"250ms"`` are accepted), byte sizes as int bytes (``"4GB"``,
-``"512MiB"``), lists of signals as tuples. The manager, and the Lightning and Accelerate adapters,
-build from it, so every integration shares one set of names and defaults.
-
-Sources:
-
-* code: ``CheckpointConfig(keep_last=5, mtbf_seconds="8h")`` or ``CheckpointManager(dir, keep_last=5)``;
-* a mapping: :meth:`CheckpointConfig.from_dict` (an unknown key is refused, naming the closest
-  valid one); an integration whose file also holds its own keys uses
-  :meth:`CheckpointConfig.from_dict_with_extras`, which validates those too and returns them apart;
-* a YAML file: :meth:`CheckpointConfig.from_yaml` (PyYAML's ``safe_load`` through
-  :meth:`CheckpointConfig.read_yaml`; a mapping of field names to values, e.g.
-  ``staging_budget_bytes: 8GB`` and ``mtbf_seconds: 8h``).
-
-Fields that take Python objects (``retention``, ``save_policy``, ``process_group``, ``naming``)
-can only be given in code; files use the flat fields (``keep_last``, ``mtbf_seconds``...).
+One frozen, keyword-only dataclass, validated in ``__post_init__`` (checks in :mod:`torch_ckpt._values`):
+durations are stored as float seconds (``"8h"``, ``"250ms"`` accepted), byte sizes as int bytes
+(``"4GB"``, ``"512MiB"``), lists of signals as tuples. The manager and the Lightning and Accelerate
+adapters build from it, so every integration shares one set of names and defaults. Sources: code
+(``CheckpointConfig(keep_last=5)``), a mapping (:meth:`~CheckpointConfig.from_dict`, refusing an unknown
+key with the closest valid one; :meth:`~CheckpointConfig.from_dict_with_extras` for files that also hold
+an integration's own keys) and YAML (:meth:`~CheckpointConfig.from_yaml`). Fields that take Python
+objects (``retention``, ``save_policy``, ``process_group``, ``naming``) can only be given in code.
 """
 
 from __future__ import annotations
@@ -33,19 +22,16 @@ from typing import Any
 
 from torch_ckpt._values import DEFAULT, DefaultType, check_bool, check_int, parse_size, to_bytes, to_seconds
 from torch_ckpt.errors import ConfigError
-from torch_ckpt.policy._interval import FORMULAS
 from torch_ckpt.policy._naming import Naming
 from torch_ckpt.policy._preemption import parse_signals
 from torch_ckpt.policy._retention import KeepAny, KeepEveryNSteps, KeepLatest, RetentionPolicy
-from torch_ckpt.policy._schedule import AnyOf, EveryNSeconds, EveryNSteps, SavePolicy, YoungDaly
-from torch_ckpt.restore._restore import RANK_LOCAL_POLICIES
-from torch_ckpt.settings_file import read_settings_file
+from torch_ckpt.policy._schedule import FORMULAS, AnyOf, EveryNSeconds, EveryNSteps, SavePolicy, YoungDaly
 
 #: fields that take Python objects: code only, never from a settings file
 CODE_ONLY_FIELDS = frozenset({"retention", "save_policy", "process_group", "naming"})
 
 __all__ = ["CheckpointConfig", "parse_size", "DEFAULT", "DefaultType", "ON_EXISTING_NEWER", "PERSIST_MODES",
-           "DURABLE_VERIFY", "ON_WRITE_ERROR"]
+           "DURABLE_VERIFY", "ON_WRITE_ERROR", "RANK_LOCAL_POLICIES"]
 
 #: Values of ``persist``.
 PERSIST_MODES = ("thread", "process")
@@ -55,6 +41,8 @@ ON_EXISTING_NEWER = ("error", "supersede")
 DURABLE_VERIFY = ("checksum", "size")
 #: Values of ``on_write_error``.
 ON_WRITE_ERROR = ("raise", "warn")
+#: Values of ``on_world_size_change`` (what a restore does with rank-local state).
+RANK_LOCAL_POLICIES = ("error", "keep_live")
 #: Types an integration's own file keys may have (:meth:`CheckpointConfig.from_dict_with_extras`).
 _EXTRA_TYPES = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
 
@@ -66,97 +54,57 @@ class CheckpointConfig:
     Attributes:
         keep_last: Keep this many newest committed checkpoints (int >= 1; ``None`` keeps all).
         keep_every_n_steps: Also keep every step that is a multiple of this (int >= 1 or ``None``).
-        retention: A custom :class:`~torch_ckpt.policy._retention.RetentionPolicy`; replaces the two above.
+        retention: A custom :class:`~torch_ckpt.RetentionPolicy`; replaces the two above.
         async_save: Persist in the background (``save()`` returns once staged) or inside ``save()``.
-        persist: Where background writes run: ``"thread"`` (lowest latency to durable) or
-            ``"process"`` (a writer process per rank reading a shared-memory arena; keeps the
-            write's Python work off the trainer's GIL; not for DTensor/FSDP2 states).
-        overlap_staging: Copy parameters and optimizer state in the background, overlapping the
-            next forward/backward; the manager waits for the copy before any optimizer of the state
-            takes its next ``step()``. Everything else (buffers such as BatchNorm statistics, RNG,
-            dataloader) is still copied inside ``save()``. Code that mutates parameters or
-            optimizer state outside ``optimizer.step()`` must call ``wait_staged()`` first. For
-            states without ``optimizer_owned_keys`` (plain dicts) everything is copied in ``save()``.
-        writer_niceness: Nice increment of the writer thread/process on Linux (int 0-19; 0 =
-            unchanged). On a 2-core machine 19 cuts the writer's slowdown of training from about 2x
-            to about 1.2x at the price of a slower write.
-        staging_budget_bytes: Host bytes for the reusable staging buffers (int or ``"4GB"``-style
-            string); ``None``: half the available memory at each save (psutil's available RAM,
-            capped by the memory cgroup's headroom in a container), split over the local ranks. A
-            state that does not fit, or whose staging memory cannot be allocated, is saved
-            synchronously straight from the live tensors (bounded memory, logged), never by
-            over-allocating.
-        thread_count: DCP writer threads (and files) per rank (int, 1-256); 2 overlaps checksumming
-            with writing.
+        persist: Where background writes run: ``"thread"`` (lowest latency to durable) or ``"process"`` (a
+            writer process per rank, off the trainer's GIL; not for DTensor/FSDP2 states).
+        overlap_staging: Copy parameters and optimizer state (``optimizer_owned_keys``) in the background,
+            overlapping the next forward/backward; the state's optimizers wait for it before their next
+            ``step()``; other mutations of them must call ``wait_staged()`` first.
+        writer_niceness: Nice increment of the writer on Linux (int 0-19; 0 = unchanged; on 2 cores, 19 cuts
+            the writer's slowdown of training from about 2x to 1.2x).
+        staging_budget_bytes: Host bytes for the reusable staging buffers (int or ``"4GB"``); ``None``: half
+            the available memory (cgroup-aware) over the local ranks. A state that does not fit is saved
+            synchronously from the live tensors (logged), never by over-allocating.
+        thread_count: DCP writer threads (and files) per rank (int, 1-256); 2 overlaps checksumming with writing.
         verify_on_load: Check every file's CRC-32 before loading (sizes are always checked).
-        on_world_size_change: What ``restore()`` does with rank-local state (RNG, dataloader
-            position) when the world size differs: ``"error"`` or ``"keep_live"``.
-        timeout_seconds: Limit for checkpoint collectives between ranks (seconds or a duration
-            string, > 0).
-        process_group: Ranks taking part (default: all); checkpoint traffic uses private gloo
-            groups created from it.
-        save_policy: When ``should_save()`` says yes: a :class:`~torch_ckpt.policy._schedule.SavePolicy`
-            such as ``YoungDaly(mtbf_seconds="8h")``, ``EveryNSteps(100)``, ``EveryNSeconds("15m")``
-            or ``AnyOf(...)``; rank 0 decides, every rank gets its answer. Exclusive with the flat
-            fields below, which build one (several of them: ``AnyOf``).
-        mtbf_seconds: Mean time between failures of the job (seconds or duration, > 0): save at
-            the Young/Daly interval (``YoungDaly``).
+        on_world_size_change: What ``restore()`` does with rank-local state (RNG, dataloader position)
+            when the world size differs: ``"error"`` or ``"keep_live"``.
+        timeout_seconds: Limit for checkpoint collectives between ranks (seconds or duration, > 0).
+        process_group: Ranks taking part (default: all); checkpoint traffic uses private gloo groups from it.
+        save_policy: When ``should_save()`` says yes (rank 0 decides for all): a :class:`~torch_ckpt.SavePolicy`
+            such as ``YoungDaly(mtbf_seconds="8h")``; exclusive with the flat fields below, which build one.
+        mtbf_seconds: Mean time between failures of the job (seconds or duration, > 0): ``YoungDaly``.
         save_every_n_steps: Save every this many steps (int >= 1).
-        save_every_seconds: Save once this much time has passed since the last save (seconds or
-            duration, > 0).
-        initial_cost_seconds: With ``mtbf_seconds``: the save cost assumed until one is measured
-            (seconds or duration, >= 0).
+        save_every_seconds: Save once this much time passed since the last save (seconds or duration, > 0).
+        initial_cost_seconds: With ``mtbf_seconds``: the save cost assumed until one is measured (>= 0).
         formula: With ``mtbf_seconds``: ``"daly"`` or ``"young"``.
         min_interval_steps: With ``mtbf_seconds``: never save more often than every this many steps.
-        durable_url: fsspec URL of the durable tier (``s3://bucket/run``, ``gs://``, ``file://``,
-            ``memory://``); every committed local checkpoint (or every
-            ``replicate_every_n_saves``-th) is replicated there in the background. Must not point
-            into the local root.
+        durable_url: fsspec URL of the durable tier (``s3://bucket/run``, ``file://``...), outside the local
+            root; committed checkpoints are replicated there in the background.
         storage_options: fsspec options for ``durable_url`` (credentials, endpoint...).
         replicate_every_n_saves: Replicate every n-th save (int >= 1).
         durable_keep_last: Durable retention: keep this many newest durable checkpoints (``None``: all).
         durable_keep_every_n_steps: Durable retention: also keep multiples of this step.
         durable_verify: ``"checksum"`` (read uploads back, compare CRC-32) or ``"size"``.
-        durable_flush_timeout_seconds: How long ``close()`` waits for pending replication
-            (seconds or duration, >= 0).
-        preemption_signals: Signals that request an emergency save, e.g. ``("SIGTERM", "SIGUSR1")``;
-            handled at the next ``should_save()``/``save_if_due()``.
-        preemption_timeout_seconds: How long the emergency save may take to commit before exiting
-            (seconds or duration, > 0).
+        durable_flush_timeout_seconds: How long ``close()`` waits for pending replication (>= 0).
+        preemption_signals: Signals requesting an emergency save at the next ``should_save()``/``save_if_due()``.
+        preemption_timeout_seconds: How long the emergency save may take to commit before exiting (> 0).
         on_write_error: ``"raise"`` or ``"warn"`` (log failed background saves and continue).
-        on_existing_newer: What ``save()`` does when the root already holds committed steps newer
-            than the step being saved that this manager did not restore (an earlier run's):
-            ``"error"`` (a ``ConfigError`` naming them and the options) or ``"supersede"`` (move
-            them aside as hidden ``.superseded_step_N.<time>`` directories, kept, never listed, as
-            after restoring an older step), so that "latest" and retention follow this run.
-        read_only: Open the root for ``restore()``, ``all_steps()``, ``latest_step()`` and
-            ``health()`` only: no root lock, nothing created or cleaned, ``save()`` refused. For
-            roots on read-only media or shared with a run that writes them.
-        explicit_paths_only: Every save names its directory (``save(path=...)``): the root is only
-            the folder those directories lie in (e.g. a user's folder holding other runs' checkpoints),
-            so it is not locked, not cleaned at start, not pruned and never moved aside from, and a
-            save without ``path`` is refused. Runs saving sibling folders of one directory then do not
-            exclude each other; a crash's leftovers there are not cleaned. Not with ``durable_url``.
-        naming: How step directories are named under the root (and in the durable tier): a
-            :class:`~torch_ckpt.policy._naming.Naming`; ``None`` means ``StepNaming()``
-            (``step_000000042``); e.g. ``PatternNaming("checkpoint_{step}")``. Listing, resume and
-            retention only consider names it parses.
-        local_root_shared: Whether the root is one directory seen by every rank (``True``) or a
-            directory private to each node (``False``: each node commits its own copy after every
-            rank agreed, uploads its own shards, and a replaced node fetches only its shards from
-            the durable tier). ``None`` (default): private when the ranks span more than one node
-            (``LOCAL_WORLD_SIZE < WORLD_SIZE``). A shared directory used with ``False`` is refused.
-        durable_upload_threads: Files each node uploads to (and downloads from) the durable tier
-            at once (int, 1-256).
-        durable_timeout_seconds: Longest silence of the durable store that a call on the caller's
-            thread waits out (listing and downloading in ``restore()``; seconds or duration, > 0):
-            a store that does not answer for this long counts as unreachable (a download that
-            keeps receiving bytes is never cut short). On S3-compatible stores also the botocore
-            connect and read timeouts (3 attempts), unless ``storage_options["config_kwargs"]``
-            sets them.
-        durable_create: Create the durable tier's bucket (``file://``: the root's parent
-            directory) when it does not exist; by default a missing one is an outage
-            (``DurableUnavailableError`` at restore, a replication error), never created silently.
+        on_existing_newer: When the root holds newer committed steps this manager did not restore (an
+            earlier run's): ``"error"`` in ``save()``, or ``"supersede"`` (moved aside, hidden, kept).
+        read_only: Only read the root: no lock, nothing created or cleaned, ``save()`` refused.
+        explicit_paths_only: Every save names its directory (``save(path=...)``); the root is only their
+            folder: not locked, cleaned, pruned or moved aside from. Not with ``durable_url``.
+        naming: How step directories are named (a :class:`~torch_ckpt.policy.Naming`; ``None``:
+            ``StepNaming()``); listing, resume and retention only consider names it parses.
+        local_root_shared: The root is one directory seen by every rank (``True``) or private to each
+            node (``False``: each commits and uploads its own shards; a replaced node fetches only its
+            own). ``None``: private when the ranks span several nodes.
+        durable_upload_threads: Files each node transfers to or from the durable tier at once (int, 1-256).
+        durable_timeout_seconds: Longest silence of the durable store waited out on the caller's thread
+            (``restore()``; > 0; also botocore's connect/read timeouts unless ``storage_options`` sets them).
+        durable_create: Create a missing durable bucket; by default it is an outage (``DurableUnavailableError``).
 
     Raises:
         ConfigError: A value is out of range or of the wrong type, or two fields conflict; the
@@ -241,7 +189,7 @@ class CheckpointConfig:
             if flat:
                 raise ConfigError(f"give either save_policy or {flat[0]}, not both (the flat fields build a policy)")
         if self.naming is not None and not isinstance(self.naming, Naming):
-            raise ConfigError(f"naming must provide name(step) and step_of(name) (torch_ckpt.Naming), "
+            raise ConfigError(f"naming must provide name(step) and step_of(name) (torch_ckpt.policy.Naming), "
                               f"got {self.naming!r}")
         self._check_durable()
         if not isinstance(self.preemption_signals, (list, tuple)):
@@ -308,15 +256,12 @@ class CheckpointConfig:
                   from_file: bool = False) -> CheckpointConfig:
         """Build from a mapping of field names to values (missing fields keep their defaults).
 
-        Args:
-            values: Field name -> value; values are validated as in the constructor.
-            source: Where the mapping came from (a file path...), prefixed to error messages.
-            from_file: ``values`` were read from a settings file: an unknown-key error then lists
-                and suggests only the fields a file may hold (not the code-only ones).
+        ``source`` (a file path...) prefixes error messages; ``from_file`` makes an unknown-key error
+        list and suggest only the fields a file may hold.
 
         Raises:
-            ConfigError: ``values`` is not a mapping, has an unknown key (the message names it,
-                the closest valid name and the valid ones), or has an invalid value.
+            ConfigError: ``values`` is not a mapping, has an unknown key (the message names it, the
+                closest valid name and the valid ones), or has an invalid value.
         """
         return cls.from_dict_with_extras(values, {}, source=source, from_file=from_file)[0]
 
@@ -324,31 +269,24 @@ class CheckpointConfig:
     def from_dict_with_extras(cls, values: Mapping[str, Any], extras: Mapping[str, bool | int | float | str], *,
                               source: str | None = None, from_file: bool = False,
                               reserved: Iterable[str] = ()) -> tuple[CheckpointConfig, dict[str, Any]]:
-        """Split ``values`` into this config and an integration's own keys, validating both.
-
-        For a settings file that also holds keys of the integration reading it (e.g.
-        ``accelerate_ckpt``'s ``enabled``): those keys are declared in ``extras`` with their
-        defaults, and a value must have its default's type (``bool``, ``int``, ``float`` or ``str``).
+        """Split ``values`` into this config and an integration's own keys (e.g. ``enabled``), validating both.
 
         Args:
             values: Field name or extra key -> value.
-            extras: The integration's own keys and their defaults (not field names).
+            extras: The integration's own keys and their defaults; a value must have its default's
+                type (``bool``, ``int``, ``float`` or ``str``).
             source: Where ``values`` came from (a file path...), prefixed to error messages.
-            from_file: ``values`` were read from a settings file, which cannot hold the code-only
-                fields (``retention``, ``save_policy``, ``process_group``, ``naming``).
-            reserved: Fields the integration sets itself and refuses from ``values``.
-                ``from_file`` and ``reserved`` only narrow the valid names an unknown-key error
-                lists and suggests, so it never offers a name the same source would refuse;
-                refusing such keys stays the caller's job (:meth:`read_yaml` does it for files).
+            from_file: ``values`` come from a settings file, which cannot hold the code-only fields.
+            reserved: Fields the integration sets itself. ``from_file`` and ``reserved`` only narrow
+                the names an unknown-key error suggests; refusing such keys is the caller's job
+                (:meth:`read_yaml` does it for files).
 
         Returns:
-            ``(config, extra_values)``: the validated config, and every key of ``extras`` with the
-            given value or its default.
+            ``(config, extra_values)``: every key of ``extras`` with the given value or its default.
 
         Raises:
-            ConfigError: ``values`` is not a mapping; a key is neither a field nor an extra (the
-                message names it and suggests the closest valid name); an extra has another type
-                than its default; a field value is invalid. The message starts with ``source``.
+            ConfigError: ``values`` is not a mapping; a key is neither a field nor an extra (the message
+                suggests the closest valid name); an extra or field value is invalid.
             TypeError: ``extras`` repeats a field or has a default of another type (a programming error).
         """
         prefix = f"{source}: " if source else ""
@@ -381,20 +319,56 @@ class CheckpointConfig:
             raise ConfigError(f"{prefix}{exc}") from None
 
     @staticmethod
-    def read_yaml(path: str | os.PathLike) -> dict[str, Any]:
-        """The mapping in a YAML settings file (``{}`` for an empty file), not yet validated.
+    def read_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
+        """The mapping in a YAML settings file (``{}`` for an empty file), keys not yet validated.
 
-        Parsed with PyYAML's safe loader (plain data only, never Python objects).
+        Plain data only (PyYAML's safe loader, never Python objects); ``~`` is expanded.
 
         Raises:
-            ConfigError: The file cannot be read, is not UTF-8 text, is not valid YAML (or is
-                nested too deeply to parse), is not a mapping, gives a key twice, or gives a
-                setting that takes a Python object (the message names the file).
+            ConfigError: The file cannot be read, is not UTF-8, not YAML, nested too deeply or not a
+                mapping, gives a key twice (YAML would keep the last silently), or gives a setting only
+                code can give (a Python object); every message names the file.
         """
-        return read_settings_file(path, code_only=CODE_ONLY_FIELDS)
+        import yaml  # imported here so that `import torch_ckpt.config` stays fast
+
+        path = Path(path).expanduser()
+
+        class NoDuplicates(yaml.SafeLoader):  # type: ignore[misc]  # PyYAML has no annotations
+            def construct_mapping(self, node: Any, deep: bool = False) -> dict[Any, Any]:
+                seen: set[Any] = set()
+                for key_node, _ in node.value:
+                    key = self.construct_object(key_node, deep=True)
+                    if isinstance(key, (str, int, float, bool)) and key in seen:
+                        raise ConfigError(f"{path}: setting {key!r} is given twice (line "
+                                          f"{key_node.start_mark.line + 1}); keep one")
+                    seen.add(key)
+                mapping: dict[Any, Any] = super().construct_mapping(node, deep=deep)
+                return mapping
+
+        try:
+            text = path.read_text(encoding="utf-8")
+        except OSError as exc:
+            raise ConfigError(f"cannot read the configuration file {path}: {exc.strerror or exc}") from exc
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"{path}: not a UTF-8 text file (byte {exc.start}); save it as UTF-8 YAML") from exc
+        try:
+            data = yaml.load(text, Loader=NoDuplicates)  # noqa: S506 - a SafeLoader subclass
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{path}: not valid YAML ({exc})") from exc
+        except RecursionError:  # PyYAML composes nested collections recursively
+            raise ConfigError(f"{path}: nested too deeply to be a settings file (setting: value lines)") from None
+        if data is not None and not isinstance(data, Mapping):
+            raise ConfigError(f"{path}: expected a mapping of settings, got {type(data).__name__}")
+        data = dict(data or {})
+        objects = sorted(str(k) for k in data if k in CODE_ONLY_FIELDS)
+        if objects:
+            them = "it" if len(objects) == 1 else "them"
+            raise ConfigError(f"{path}: {objects} can only be given in code (they take Python objects); remove "
+                              f"{them} from the file and pass {them} to the constructor")
+        return data
 
     @classmethod
-    def from_yaml(cls, path: str | os.PathLike) -> CheckpointConfig:
+    def from_yaml(cls, path: str | os.PathLike[str]) -> CheckpointConfig:
         """Read a YAML file holding a mapping of field names to values (an empty file gives the defaults).
 
         Raises:

@@ -1,8 +1,8 @@
 """Duration strings: ``8h``, ``15m``, ``2s``, ``1.5d``, ``250ms``, ``1h30m`` or plain seconds.
 
-Every option of torch-ckpt that takes a time (MTBF, save cost, intervals) accepts the forms
-parsed here, in Python and on the command line. Parsing is unit-aware only; whether zero or a
-negative value makes sense is up to the caller, which knows what the value means.
+Every option that takes a time (MTBF, save cost, intervals) accepts these forms, in Python and on
+the command line. Parsing is unit-aware only: whether zero or a negative value makes sense is up to
+the caller.
 
 Example:
     >>> parse_duration("1.5d")
@@ -20,125 +20,81 @@ __all__ = ["parse_duration", "format_duration", "DURATION_FORMS"]
 
 #: Seconds per unit suffix (lower case). ``m`` is minutes; milliseconds are ``ms``.
 _UNIT_SECONDS: dict[str, float] = {
-    "ms": 1e-3,
-    "s": 1.0,
-    "sec": 1.0,
-    "secs": 1.0,
-    "second": 1.0,
-    "seconds": 1.0,
-    "m": 60.0,
-    "min": 60.0,
-    "mins": 60.0,
-    "minute": 60.0,
-    "minutes": 60.0,
-    "h": 3600.0,
-    "hr": 3600.0,
-    "hrs": 3600.0,
-    "hour": 3600.0,
-    "hours": 3600.0,
-    "d": 86400.0,
-    "day": 86400.0,
-    "days": 86400.0,
-    "w": 604800.0,
+    "ms": 1e-3, **dict.fromkeys(("s", "sec", "secs", "second", "seconds"), 1.0),
+    **dict.fromkeys(("m", "min", "mins", "minute", "minutes"), 60.0),
+    **dict.fromkeys(("h", "hr", "hrs", "hour", "hours"), 3600.0),
+    **dict.fromkeys(("d", "day", "days"), 86400.0), "w": 604800.0,
 }
 
-#: Human-readable summary of the accepted forms, used in error messages and ``--help``.
-DURATION_FORMS = (
-    "a number of seconds (e.g. 90 or 2.5) or a number with a unit: ms, s, m/min, h, d, w "
-    "(e.g. 250ms, 2s, 15m, 8h, 1.5d), optionally combined (1h30m)"
-)
+#: The accepted forms, for error messages and ``--help``.
+DURATION_FORMS = ("a number of seconds (e.g. 90 or 2.5) or a number with a unit: ms, s, m/min, h, d, w "
+                  "(e.g. 250ms, 2s, 15m, 8h, 1.5d), optionally combined (1h30m)")
 
 _NUMBER = r"(?:\d+(?:\.\d*)?|\.\d+)(?:e[+-]?\d+)?"
 _PART = re.compile(rf"\s*({_NUMBER})\s*([a-z]+)\s*")
-_SIGN = re.compile(r"^\s*([+-]?)(.*)$", re.DOTALL)
 
 
 def parse_duration(value: str | float | int) -> float:
-    """Convert a duration to seconds.
+    """Convert a duration to seconds (may be zero or negative: callers reject what they cannot use).
 
     Args:
         value: An ``int`` or ``float`` (already seconds), or a string: a plain number of seconds
-            (``"90"``, ``"1e3"``) or one or more ``<number><unit>`` parts (``"8h"``, ``"1h30m"``,
-            ``"250ms"``), units as in :data:`DURATION_FORMS`; case and surrounding spaces are
-            ignored, a leading sign applies to the whole value.
-
-    Returns:
-        The duration in seconds (may be zero or negative; callers reject what they cannot use).
+            (``"90"``, ``"1e3"``) or one or more ``<number><unit>`` parts (``"8h"``, ``"1h30m"``),
+            units as in :data:`DURATION_FORMS`; case and surrounding spaces are ignored, a leading
+            sign applies to the whole value.
 
     Raises:
-        ValueError: If the string is empty, not a valid duration, or not finite (``inf``,
-            ``nan``). The message repeats the bad string and lists the accepted forms.
-        TypeError: If ``value`` is not a ``str``, ``int`` or ``float`` (``bool`` is rejected).
+        ValueError: The string is empty, not a duration, or not finite (``inf``, ``nan``); the
+            message repeats it and lists the accepted forms.
+        TypeError: ``value`` is not a ``str``, ``int`` or ``float`` (``bool`` is rejected).
     """
     if isinstance(value, bool) or not isinstance(value, (str, int, float)):
         raise TypeError(f"duration must be a str, int or float, got {type(value).__name__}: {value!r}")
     if not isinstance(value, str):
-        seconds = float(value)
-        if not math.isfinite(seconds):
+        if not math.isfinite(float(value)):
             raise ValueError(f"duration must be finite, got {value!r}")
-        return seconds
-    text = value.strip().lower()
-    seconds = _parse_text(text)
-    if seconds is None:
+        return float(value)
+    parsed = _parse_text(value.strip().lower())
+    if parsed is None:
         raise ValueError(f"invalid duration {value!r}: expected {DURATION_FORMS}")
-    return seconds
+    return parsed
 
 
 def _parse_text(text: str) -> float | None:
-    """Parse a stripped, lower-cased duration string; ``None`` if it is not one."""
-    if not text:
-        return None
+    """A stripped, lower-cased duration string in seconds; ``None`` if it is not one."""
     if re.fullmatch(rf"[+-]?{_NUMBER}", text):
         seconds = float(text)  # "1e309" overflows to inf: not a duration
         return seconds if math.isfinite(seconds) else None
-    sign_match = _SIGN.match(text)
-    assert sign_match is not None  # the pattern matches any string
-    sign, body = sign_match.groups()
-    total = 0.0
-    pos = 0
+    sign, body = (text[0], text[1:]) if text[:1] in ("+", "-") else ("", text)
+    total, pos = 0.0, 0
     for part in _PART.finditer(body):
-        if part.start() != pos:
-            return None
         number, unit = part.groups()
-        if unit not in _UNIT_SECONDS:
+        if part.start() != pos or unit not in _UNIT_SECONDS:
             return None
-        total += float(number) * _UNIT_SECONDS[unit]
-        pos = part.end()
+        total, pos = total + float(number) * _UNIT_SECONDS[unit], part.end()
     if pos == 0 or pos != len(body) or not math.isfinite(total):
         return None
     return -total if sign == "-" else total
 
 
 def format_duration(seconds: float) -> str:
-    """Render seconds for humans with three significant digits and the largest fitting unit.
-
-    The result parses back with :func:`parse_duration` (to within the rounding).
-
-    Args:
-        seconds: The duration in seconds; may be negative or infinite.
+    """Seconds for humans: three significant digits and the largest fitting unit (parses back, to the rounding).
 
     Returns:
-        For example ``"250 ms"``, ``"2 s"``, ``"5.66 min"``, ``"1.95 h"``, ``"1.5 d"``, ``"inf"``.
+        For example ``"250 ms"``, ``"2 s"``, ``"5.66 min"``, ``"1.95 h"``, ``"1.5 d"``, ``"-inf"``.
 
     Raises:
-        ValueError: If ``seconds`` is NaN.
+        ValueError: ``seconds`` is NaN.
     """
     seconds = float(seconds)
     if math.isnan(seconds):
         raise ValueError("cannot format a NaN duration")
     if math.isinf(seconds):
         return "inf" if seconds > 0 else "-inf"
-    sign = "-" if seconds < 0 else ""
-    magnitude = abs(seconds)
+    sign, magnitude = ("-" if seconds < 0 else ""), abs(seconds)
     if magnitude == 0:
         return "0 s"
-    for limit, unit, scale in (
-        (1.0, "ms", 1e-3),
-        (60.0, "s", 1.0),
-        (3600.0, "min", 60.0),
-        (86400.0, "h", 3600.0),
-    ):
-        # Compare after rounding so 59.999 s prints as "1 min", not "60 s".
-        if float(f"{magnitude / scale:.3g}") * scale < limit:
+    for limit, unit, scale in ((1.0, "ms", 1e-3), (60.0, "s", 1.0), (3600.0, "min", 60.0), (86400.0, "h", 3600.0)):
+        if float(f"{magnitude / scale:.3g}") * scale < limit:  # after rounding: 59.999 s is "1 min", not "60 s"
             return f"{sign}{magnitude / scale:.3g} {unit}"
     return f"{sign}{magnitude / 86400.0:.3g} d"

@@ -17,17 +17,8 @@ also inherits the builtin a caller would naturally catch, so ``except OSError`` 
 
 from __future__ import annotations
 
-__all__ = [
-    "CheckpointError",
-    "CheckpointNotFoundError",
-    "CheckpointCorruptError",
-    "UnsafeCheckpointError",
-    "StateMismatchError",
-    "CheckpointWriteError",
-    "CheckpointTimeoutError",
-    "ConfigError",
-    "CheckpointReadError",
-]
+__all__ = ["CheckpointError", "CheckpointNotFoundError", "CheckpointCorruptError", "UnsafeCheckpointError",
+           "StateMismatchError", "CheckpointWriteError", "CheckpointTimeoutError", "ConfigError", "CheckpointReadError"]
 
 
 class CheckpointError(Exception):
@@ -54,7 +45,8 @@ class StateMismatchError(CheckpointError, KeyError):
         unexpected: keys the checkpoint has but the live state does not.
     """
 
-    def __init__(self, message: str, *, missing: list[str] | None = None, unexpected: list[str] | None = None):
+    def __init__(self, message: str, *, missing: list[str] | None = None,
+                 unexpected: list[str] | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.missing = list(missing or [])

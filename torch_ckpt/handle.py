@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 __all__ = ["SaveHandle", "SaveStats"]
 
@@ -42,7 +43,7 @@ class SaveStats:
         """Throughput of the whole save in GB/s (10^9 bytes), ``bytes / total_s``."""
         return self.bytes / self.total_s / 1e9 if self.total_s > 0 else 0.0
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, Any]:
         """Plain dict (for loggers and trackers), including ``gb_per_s``."""
         d = asdict(self)
         d["gb_per_s"] = self.gb_per_s
@@ -61,7 +62,7 @@ class SaveHandle:
         stats: :class:`SaveStats`, complete once ``committed`` is done.
     """
 
-    def __init__(self, step: int, staged: Future, committed: Future, stats: SaveStats) -> None:
+    def __init__(self, step: int, staged: Future[None], committed: Future[str], stats: SaveStats) -> None:
         self.step = step
         self.staged = staged
         self.committed = committed

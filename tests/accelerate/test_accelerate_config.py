@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from accelerate_ckpt import ENV_VAR, load_settings
-from torch_ckpt import AnyOf, CheckpointConfig, ConfigError, EveryNSteps, YoungDaly
+from torch_ckpt import CheckpointConfig, ConfigError, EveryNSteps, YoungDaly
+from torch_ckpt.policy import AnyOf
 
 
 def write(tmp_path, text: str, name: str = "ckpt.yaml"):

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from torch_ckpt.policy._interval import (
+from torch_ckpt.policy._schedule import (
     daly_interval,
     expected_lost_work,
     expected_overhead,

@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from torch_ckpt.policy._interval import daly_interval
+from torch_ckpt.policy._schedule import daly_interval
 from torch_ckpt.tools.cli import main
 from torch_ckpt.tools.simulate import plot_sweep, simulate_overhead, sweep
 

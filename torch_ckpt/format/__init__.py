@@ -1,3 +1,6 @@
 """What a checkpoint is on disk: the manifest, listed files, the values codec, DCP metadata, records, and the DCP
-writer and reader.
-"""
+writer and reader."""
+
+from torch_ckpt.format._read import Manifest, read_manifest
+
+__all__ = ["Manifest", "read_manifest"]

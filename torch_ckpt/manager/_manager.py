@@ -33,7 +33,7 @@ from torch_ckpt.policy._lineage import BASE, Lineage, head_of
 from torch_ckpt.policy._naming import Naming, StepNaming
 from torch_ckpt.policy._preemption import PreemptionFlag
 from torch_ckpt.policy._retention import RetentionPolicy, apply_retention
-from torch_ckpt.policy._cadence import Cadence
+from torch_ckpt.policy._schedule import Cadence
 from torch_ckpt.restore._resume import restore_checkpoint
 from torch_ckpt.restore._resume_nodes import check_private_roots, node_layout, restore_node_local
 from torch_ckpt.root._layout import (
@@ -51,6 +51,7 @@ from torch_ckpt.root._nodes import NodeLayout
 from torch_ckpt.root._temporaries import PARTIAL_PREFIX, clean_stale_temporaries, is_reservation, is_temporary_name
 from torch_ckpt.save._checkpointer import AsyncCheckpointer, close_on_exit
 from torch_ckpt.save._persist import SaveRequest, check_extra_name
+from torch_ckpt.state._protocol import StateToRestore, StateToSave
 from torch_ckpt.tiers._durable import DurableTier
 from torch_ckpt.tiers._replicator import Replicator
 
@@ -690,7 +691,7 @@ class CheckpointManager:
         return self._runs.restored_step
 
     # -- saving ----------------------------------------------------------------------------------
-    def save(self, step: int, state: Any, *, path: str | os.PathLike | None = None,
+    def save(self, step: int, state: StateToSave, *, path: str | os.PathLike | None = None,
              extra_dir: str | os.PathLike | None = None) -> SaveHandle:
         """Checkpoint ``state`` as ``step``; returns once the state is staged (async) or committed (sync).
 
@@ -784,7 +785,7 @@ class CheckpointManager:
             self._preemption.received = next((sig for _, sig in votes if sig is not None), None)
         return bool(votes[0][0]) or self._preemption.requested
 
-    def save_if_due(self, step: int, state: Any) -> SaveHandle | None:
+    def save_if_due(self, step: int, state: StateToSave) -> SaveHandle | None:
         """:meth:`save` when :meth:`should_save` says so; returns the handle or None.
 
         After a preemption signal this is the emergency save: it waits until the checkpoint is
@@ -919,7 +920,7 @@ class CheckpointManager:
             self._ckpt.wait()
         remove_checkpoint(path)
 
-    def restore(self, state: Any, step: int | None = None, *, allow_cast: bool = False,
+    def restore(self, state: StateToRestore, step: int | None = None, *, allow_cast: bool = False,
                 path: str | os.PathLike | Sequence[str | os.PathLike] | None = None) -> int | None:
         """Load a committed checkpoint into ``state`` in place.
 

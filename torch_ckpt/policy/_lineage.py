@@ -1,25 +1,22 @@
 """Checkpoint lineage: which committed steps belong to the live history after rollbacks.
 
 A rollback (``restore()`` of a step older than the newest live one, then a save) starts a new *run
-segment*; the steps of the old segment beyond the restored one are abandoned. Every manifest
-written in a segment other than the base one records it (``"lineage"`` in ``manifest.json``)::
+segment*, abandoning the old segment's steps beyond the restored one. Manifests of every segment but
+the base one record it (``"lineage"`` in ``manifest.json``)::
 
     {"run": "3f9c...", "since": 1764626400.25, "parents": [["", 200], ["a81e...", 350]]}
 
-``run`` is the segment's random id, ``since`` the Unix time (seconds) it began, ``parents`` the
-chain of segments it descends from, oldest first, each with the step at which it was left.
-Saves that continue from the newest live step keep their segment. Manifests without a record
-(written before lineage existed, or by a run that never rolled back) belong to the *base*
-segment ``""`` (``since`` 0): old roots read as one linear history.
+``run`` is the segment's random id, ``since`` the Unix time (seconds) it began, ``parents`` the chain
+of segments it descends from, oldest first, each with the step at which it was left. Manifests
+without a record belong to the *base* segment ``""`` (``since`` 0), so old roots read as one history.
 
-The rule, owned here and asked by every tier (local listing and resume, node-local resume, the
-durable tier's uploads and retention, ``torch-ckpt ls``): of all the segments some tier holds a
-checkpoint of, the one that began last is the *head*; a checkpoint is *live* when its segment is
-the head, or one of the head's parents and its step is at most the step at which that parent was
-left; every other checkpoint is *superseded* and is never resumed, listed as latest, kept by
-retention instead of a live one, or uploaded over. A new segment's ``since`` is later than that of
-every segment its restore saw (:func:`new_segment`), so clock skew between restarts cannot order a
-fork before its parent.
+The rule, asked by every tier (listing and resume, node-local resume, the durable tier's uploads and
+retention, ``torch-ckpt ls``): of the segments any tier holds a checkpoint of, the one that began last
+is the *head*; a checkpoint is *live* when its segment is the head, or one of the head's parents and
+its step is at most the step at which that parent was left; every other checkpoint is *superseded*:
+never resumed, listed as latest, kept by retention instead of a live one, or uploaded over. A new
+segment begins later than every segment its restore saw (:func:`new_segment`), so clock skew between
+restarts cannot order a fork before its parent.
 """
 
 from __future__ import annotations
@@ -64,12 +61,8 @@ class Lineage:
 
     def holds(self, step: int, other: Lineage) -> bool:
         """True when checkpoint ``step`` of segment ``other`` is live in the history whose head is ``self``."""
-        if other.run == self.run:
-            return True
-        for run, left_at in self.parents:
-            if run == other.run:
-                return step <= left_at
-        return False
+        left_at = self.left_at(other)
+        return other.run == self.run or (left_at is not None and step <= left_at)
 
     def fork(self, step: int, run: str, since: float) -> Lineage:
         """The new segment ``run`` (begun at ``since``) that continues from checkpoint ``step`` of this one."""

@@ -1,13 +1,10 @@
 """Naming of checkpoint directories under a run root: the seam adapters plug their conventions into.
 
 A :class:`Naming` maps a step to one directory name and back. The manager, the durable tier and
-retention only ever list names the naming parses, so folders of other tools that share the root
-(for instance an older plain-Accelerate ``checkpoint_3`` without a torch-ckpt manifest) are never
-listed, written into or deleted.
-
-- :class:`StepNaming` (the default): ``step_000000042``.
-- :class:`PatternNaming`: any pattern with one ``{step}`` field, e.g. ``"checkpoint_{step}"``
-  (Accelerate's automatic naming) or ``"ckpt-{step:06d}"``.
+retention only list names the naming parses, so other tools' folders sharing the root (an older
+plain-Accelerate ``checkpoint_3``) are never listed, written into or deleted. :class:`StepNaming`
+(the default) gives ``step_000000042``; :class:`PatternNaming` any pattern with one ``{step}``
+field, e.g. ``"checkpoint_{step}"`` (Accelerate's) or ``"ckpt-{step:06d}"``.
 """
 
 from __future__ import annotations
@@ -32,11 +29,9 @@ class Naming(Protocol):
 
     def name(self, step: int) -> str:
         """Directory name of ``step`` (one path component, not hidden)."""
-        ...
 
     def step_of(self, name: str) -> int | None:
         """The step a directory name stands for, or None when it is not one of this naming's names."""
-        ...
 
 
 def check_name(name: str, what: str = "checkpoint name") -> str:
@@ -49,31 +44,6 @@ def check_name(name: str, what: str = "checkpoint name") -> str:
     if not isinstance(name, str) or not name or name.startswith(".") or "/" in name or "\0" in name:
         raise ConfigError(f"{what} {name!r} must be one non-empty path component that does not start with '.'")
     return name
-
-
-class StepNaming:
-    """``step_000000042``: zero-padded to 9 digits (ordering always uses the manifest's integer step)."""
-
-    _RE = re.compile(r"^step_(\d+)$")
-
-    def name(self, step: int) -> str:
-        return f"step_{step:09d}"
-
-    def step_of(self, name: str) -> int | None:
-        m = self._RE.match(name)
-        if m is None:
-            return None
-        step = int(m.group(1))
-        return step if self.name(step) == name else None
-
-    def __repr__(self) -> str:
-        return "StepNaming()"
-
-    def __eq__(self, other: object) -> bool:
-        return type(other) is StepNaming
-
-    def __hash__(self) -> int:
-        return hash(StepNaming)
 
 
 class PatternNaming:
@@ -114,14 +84,16 @@ class PatternNaming:
         check_name(self.name(0), f"naming pattern {pattern!r} produces")
 
     def name(self, step: int) -> str:
+        """The directory name of ``step``."""
         return self.pattern.format(step=step)
 
     def step_of(self, name: str) -> int | None:
+        """The step ``name`` stands for, or None (also for a non-canonical form such as ``checkpoint_007``)."""
         m = self._re.match(name)
         if m is None:
             return None
         step = int(m.group(1))
-        return step if self.name(step) == name else None  # canonical form only ('checkpoint_007' is not 7)
+        return step if self.name(step) == name else None
 
     def __repr__(self) -> str:
         return f"PatternNaming({self.pattern!r})"
@@ -131,3 +103,13 @@ class PatternNaming:
 
     def __hash__(self) -> int:
         return hash(self.pattern)
+
+
+class StepNaming(PatternNaming):
+    """``step_000000042``, the default: zero-padded to 9 digits (ordering uses the manifest's integer step)."""
+
+    def __init__(self) -> None:
+        super().__init__("step_{step:09d}")
+
+    def __repr__(self) -> str:
+        return "StepNaming()"

@@ -9,9 +9,12 @@ does not commit in time stays an invisible temporary, never a half-marked checkp
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import threading
 from collections.abc import Iterable
+from types import FrameType
+from typing import Any
 
 from torch_ckpt._logging import get_logger
 from torch_ckpt.errors import ConfigError
@@ -50,7 +53,7 @@ class PreemptionFlag:
         #: set by the manager's ``should_save``: something polls this flag at step boundaries
         self.polled = False
         self._warned = False
-        self._previous: dict[signal.Signals, object] = {}
+        self._previous: dict[signal.Signals, Any] = {}
         if not self.signals:
             return
         if threading.current_thread() is not threading.main_thread():
@@ -60,7 +63,7 @@ class PreemptionFlag:
         for sig in self.signals:
             self._previous[sig] = signal.signal(sig, self._handle)
 
-    def _handle(self, signum, frame) -> None:  # noqa: ARG002 - signal handler signature
+    def _handle(self, signum: int, frame: FrameType | None) -> None:  # noqa: ARG002 - signal handler signature
         if self.received is None:
             self.received = signal.Signals(signum)
 
@@ -91,8 +94,6 @@ class PreemptionFlag:
     def restore(self) -> None:
         """Reinstate the handlers that were active before."""
         for sig, handler in self._previous.items():
-            try:
+            with contextlib.suppress(ValueError, TypeError):  # not on the main thread any more
                 signal.signal(sig, handler)
-            except (ValueError, TypeError):  # not on the main thread any more
-                pass
         self._previous.clear()

@@ -22,7 +22,6 @@ class RetentionPolicy(Protocol):
 
     def keep(self, steps: Sequence[int]) -> set[int]:
         """Return the subset of ``steps`` (ascending, committed) to keep."""
-        ...
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -66,19 +65,12 @@ class KeepAny:
     policies: tuple[RetentionPolicy, ...]
 
     def keep(self, steps: Sequence[int]) -> set[int]:  # noqa: D102
-        kept: set[int] = set()
-        for p in self.policies:
-            kept |= p.keep(steps)
-        return kept
+        return set().union(*(p.keep(steps) for p in self.policies))
 
 
 def apply_retention(policy: RetentionPolicy | None, steps: Sequence[int], *,
                     protected: Sequence[int] = ()) -> list[int]:
-    """Return the steps to delete (ascending).
-
-    The newest step and every step in ``protected`` (e.g. a step being restored or replicated) are
-    never deleted.
-    """
+    """The steps to delete (ascending): never the newest one, nor any of ``protected`` (being restored, replicated)."""
     if policy is None or not steps:
         return []
     ordered = sorted(steps)

@@ -44,6 +44,7 @@ from torch.utils import swap_tensors
 
 from torch_ckpt import errors as errors_module
 from torch_ckpt._logging import get_logger
+from torch_ckpt.config import RANK_LOCAL_POLICIES
 from torch_ckpt.distributed._context import DistContext
 from torch_ckpt.errors import (
     CheckpointCorruptError,
@@ -72,7 +73,6 @@ __all__ = ["load_into", "copy_into_live", "copy_tensors", "swap_in", "restore_bu
 
 log = get_logger(__name__)
 
-RANK_LOCAL_POLICIES = ("error", "keep_live")
 DATA_SUFFIX = ".distcp"
 _Targets = dict[str, torch.Tensor]
 _OPAQUE = ("extras", "rng", "dataloader")  # replaced as a whole on load: their structure is not compared

@@ -1,3 +1,8 @@
 """Writing a checkpoint: staging into host memory, the asynchronous engine, persist (thread or writer process)
-and the commit.
-"""
+and the commit."""
+
+from torch_ckpt.handle import SaveStats
+from torch_ckpt.save._checkpointer import AsyncCheckpointer
+from torch_ckpt.save._reports import SaveReports
+
+__all__ = ["AsyncCheckpointer", "SaveStats", "SaveReports"]

@@ -50,6 +50,7 @@ from torch_ckpt.root._layout import read_manifest
 from torch_ckpt.root._temporaries import new_incarnation, partial_path, reserve, unreserve
 from torch_ckpt.save._persist import ArenaLayout, SaveRequest, arena_views, persist_checkpoint
 from torch_ckpt.save._writer_process import ProcessWriter
+from torch_ckpt.state._protocol import StateToRestore, StateToSave
 
 __all__ = ["AsyncCheckpointer", "HostStager", "StagedState", "StagingMemoryError", "close_on_exit",
            "default_budget_bytes", "available_memory_bytes", "cgroup_memory_headroom", "CGROUP_ROOT",
@@ -603,7 +604,7 @@ class AsyncCheckpointer:
         return waited
 
     # -- saving ----------------------------------------------------------------------------------
-    def save(self, final: str | os.PathLike, state: Any, *, step: int = 0, replace: bool = False,
+    def save(self, final: str | os.PathLike, state: StateToSave, *, step: int = 0, replace: bool = False,
              extra_dir: str | os.PathLike | None = None, lineage: Any = None,
              after_commit: Callable[[Path], Callable[[], None] | None] | None = None) -> SaveHandle:
         """Checkpoint ``state`` into directory ``final``; returns once staged (async) or committed (sync).
@@ -907,7 +908,7 @@ class AsyncCheckpointer:
             job.to_write = {}
 
     # -- loading ---------------------------------------------------------------------------------
-    def load(self, path: str | os.PathLike, state: Any, *, verify: bool = True,
+    def load(self, path: str | os.PathLike, state: StateToRestore, *, verify: bool = True,
              on_world_size_change: str = "error", allow_cast: bool = False) -> None:
         """Load the committed checkpoint directory ``path`` into ``state`` in place (collective).
 

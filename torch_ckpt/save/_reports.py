@@ -17,7 +17,7 @@ from torch_ckpt.handle import SaveHandle
 
 __all__ = ["STAT_KEYS", "SaveReports"]
 
-#: The per-save figures :meth:`SaveReports.metrics` reports (see :class:`~torch_ckpt.SaveStats`).
+#: The per-save figures :meth:`SaveReports.metrics` reports (see :class:`~torch_ckpt.save.SaveStats`).
 STAT_KEYS = ("blocking_s", "wait_for_previous_s", "staging_s", "persist_s", "total_s", "bytes", "files_bytes",
              "gb_per_s")
 
@@ -83,6 +83,6 @@ class SaveReports:
 
     @staticmethod
     def metrics(handle: SaveHandle, prefix: str = "checkpoint/", keys: tuple[str, ...] = STAT_KEYS) -> dict[str, float]:
-        """``{prefix + key: value}`` of the save's :class:`~torch_ckpt.SaveStats` for ``keys``, as floats."""
+        """``{prefix + key: value}`` of the save's :class:`~torch_ckpt.save.SaveStats` for ``keys``, as floats."""
         stats = handle.stats.as_dict()
         return {prefix + key: float(stats[key]) for key in keys}

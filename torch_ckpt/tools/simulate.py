@@ -24,7 +24,7 @@ import numpy as np
 
 from torch_ckpt._values import check_int, to_seconds
 from torch_ckpt.durations import format_duration
-from torch_ckpt.policy._interval import checkpoint_interval, expected_overhead, young_interval
+from torch_ckpt.policy._schedule import checkpoint_interval, expected_overhead, young_interval
 
 __all__ = ["SimulationResult", "simulate_overhead", "sweep", "plot_sweep"]
 
@@ -85,7 +85,7 @@ class SimulationResult:
     """One sweep: the measured overhead per interval next to the Young and Daly intervals.
 
     ``recommended_interval_s`` is what ``torch-ckpt plan`` and the runtime policy use
-    (:func:`torch_ckpt.policy._interval.checkpoint_interval`: Daly's, raised to the save cost plus the
+    (:func:`torch_ckpt.policy._schedule.checkpoint_interval`: Daly's, raised to the save cost plus the
     durability lag). All times in seconds; overheads are fractions of wall time.
     """
 

@@ -25,7 +25,7 @@ import re
 from typing import Any
 
 from torch_ckpt._values import check_int, to_seconds
-from torch_ckpt.policy._interval import checkpoint_interval, expected_overhead, young_interval
+from torch_ckpt.policy._schedule import checkpoint_interval, expected_overhead, young_interval
 
 __all__ = ["DTYPE_BYTES", "OPTIMIZER_MOMENTS", "parse_count", "checkpoint_size", "interval_plan"]
 
@@ -159,7 +159,7 @@ def interval_plan(
 ) -> dict[str, Any]:
     """Young and Daly intervals and the expected cost of saving at the recommended one.
 
-    The recommended interval is :func:`torch_ckpt.policy._interval.checkpoint_interval`'s, the rule the
+    The recommended interval is :func:`torch_ckpt.policy._schedule.checkpoint_interval`'s, the rule the
     runtime ``YoungDaly`` policy uses too: Daly's (2006) interval, raised to the time a save needs
     to become durable (``cost_s + durability_lag_s``) so that saves never pile up; in steps, the
     nearest whole step of Daly's interval, raised to the durability time rounded up.
