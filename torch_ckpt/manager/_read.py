@@ -181,6 +181,12 @@ class ManagerReadMixin:
             raise resume
         plan = resume.candidates
         if not plan:
+            plain = [p.parent for p in (self.root / ".metadata", *self.root.glob("*/.metadata"))
+                     if p.is_file() and not (p.parent / "manifest.json").exists()]
+            if plain:  # written by plain dcp.save: never start from scratch beside it unnoticed
+                raise CheckpointNotFoundError(
+                    f"{self.root} holds no torch-ckpt checkpoint but a plain DCP checkpoint {plain[0]}; adopt it with "
+                    f"`torch-ckpt import {plain[0]} {self.root} --step N`, or remove it to start from scratch")
             log.info("no committed checkpoint under %s%s; starting from scratch", self.root,
                      f" (the durable tier {self._tier.url} answered: no committed step)"
                      if self._tier is not None else "")

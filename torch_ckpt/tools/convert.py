@@ -31,6 +31,7 @@ from torch_ckpt.format._state_tree import tensor_keys
 from torch_ckpt.root._layout import commit_dir, write_json_durable
 from torch_ckpt.root._temporaries import new_incarnation, step_dir_name, temporary_name
 from torch_ckpt.storage._crc import file_crc32
+from torch_ckpt.storage._locations import as_location
 
 __all__ = ["export_safetensors", "export_torch", "import_dcp", "is_plain_dcp", "load_full_state", "model_weights",
            "prepare_dcp_load"]
@@ -39,7 +40,9 @@ __all__ = ["export_safetensors", "export_torch", "import_dcp", "is_plain_dcp", "
 def _resolve(checkpoint: str | os.PathLike, allow_symlinks: bool) -> tuple[Path, Manifest]:
     path = Path(checkpoint)
     if is_plain_dcp(path):
-        raise CheckpointNotFoundError(plain_dcp_note(path))
+        from torch_ckpt.tools.listing import plain_dcp_reason
+
+        raise CheckpointNotFoundError(f"{path} is a {plain_dcp_reason(as_location(path))}")
     if not path.is_dir():
         raise CheckpointNotFoundError(f"{path} is not a checkpoint directory (expected a directory holding a "
                                       "torch-ckpt manifest.json, e.g. ROOT/step_000001000)")
@@ -50,13 +53,6 @@ def is_plain_dcp(path: str | os.PathLike) -> bool:
     """True for a local directory written by plain ``dcp.save``: a ``.metadata`` file, no ``manifest.json``."""
     p = Path(path)
     return (p / METADATA_NAME).is_file() and not os.path.lexists(p / MANIFEST_NAME)
-
-
-def plain_dcp_note(path: str | os.PathLike, root: str | os.PathLike | None = None) -> str:
-    """The message naming a plain DCP folder and the ``torch-ckpt import`` command that adopts it."""
-    root = root if root is not None else Path(path).parent
-    return (f"{path} is a plain DCP checkpoint (not written by torch-ckpt): torch-ckpt import {path} {root} "
-            "--step N makes it a committed step")
 
 
 def load_full_state(checkpoint: str | os.PathLike, *, verify: bool = True,
@@ -280,9 +276,10 @@ def prepare_dcp_load(checkpoint: str | os.PathLike, state_dict: dict[str, Any], 
     specs = tensor_items(read_metadata(path, manifest))
     tree = read_rank_doc(path, manifest, min(rank, manifest.world_size - 1), tensor_keys=specs.__contains__)["tree"]
     saved = join_state(tree, _Refs())
-    missing = [k for k in state_dict if not isinstance(saved, dict) or k not in saved]
+    saved = saved if isinstance(saved, dict) else {}
+    missing = [k for k in state_dict if k not in saved]
     if missing:
-        raise ConfigError(f"{path} holds no {missing[0]!r}; it holds {sorted(saved) if isinstance(saved, dict) else []}")
+        raise ConfigError(f"{path} holds no {missing[0]!r}; it holds {sorted(saved)}")
     flat: dict[str, torch.Tensor] = {}
     for key in state_dict:
         state_dict[key] = _fill(state_dict[key], saved[key], flat, specs)

@@ -1,10 +1,7 @@
-"""What a checkpoint holds (``torch-ckpt inspect``): per component, from the metadata and the rank trees.
+"""What a checkpoint holds (``torch-ckpt inspect``), per component, from its metadata and rank trees.
 
-Every check goes through the storage/format layer (:mod:`torch_ckpt.format._files`), the validation path
-restore uses too (all but the CRC-32), so ``inspect`` accepts exactly what a restore would load.
-Nothing here writes to a checkpoint or executes code from one: DCP's ``.metadata`` is read with the
-restricted unpickler, the per-rank trees are JSON, and tensor payloads are never loaded (sizes come
-from the metadata; only the records' headers are read).
+The checks are a restore's (:mod:`torch_ckpt.format._files`), all but the CRC-32; nothing runs code
+from the checkpoint (restricted metadata unpickler, JSON trees, only the records' headers read).
 """
 
 from __future__ import annotations
@@ -23,8 +20,7 @@ from torch_ckpt.format._files import METADATA_NAME, rank_file_problems, read_lis
 from torch_ckpt.format._manifest import rank_file_name, read_manifest
 from torch_ckpt.format._state_tree import embedded_info, walk_tree
 from torch_ckpt.storage._locations import Location
-from torch_ckpt.tools.checks import dtype_name, iso_time
-from torch_ckpt.tools.listing import find_checkpoint
+from torch_ckpt.tools.listing import dtype_name, find_checkpoint, iso_time
 
 __all__ = ["inspect_checkpoint"]
 
