@@ -72,26 +72,20 @@ def _arg_type(name: str, parse: Callable[[str], Any]) -> Callable[[str], Any]:
     return run
 
 
-def _int_at_least(minimum: int) -> Callable[[str], int]:
-    def parse(text: str) -> int:
+def _number(cast: Callable[[str], Any], ok: Callable[[Any], bool], expected: str) -> Callable[[str], Any]:
+    def parse(text: str) -> Any:
         try:
-            value = int(text)
+            value = cast(text)
         except ValueError:
-            value = minimum - 1
-        if value < minimum:
-            raise ValueError(f"expected an integer >= {minimum}, got {text!r}")
+            value = None
+        if value is None or not ok(value):
+            raise ValueError(f"expected {expected}, got {text!r}")
         return value
-    return _arg_type("integer", parse)
+    return _arg_type("integer" if cast is int else "number", parse)
 
 
-def _positive_number(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = 0.0
-    if not 0 < value < float("inf"):
-        raise ValueError(f"expected a positive number, got {text!r}")
-    return value
+def _int_at_least(minimum: int) -> Callable[[str], int]:
+    return _number(int, lambda v: v >= minimum, f"an integer >= {minimum}")
 
 
 def _json_object(text: str) -> dict[str, Any]:
@@ -106,7 +100,7 @@ def _json_object(text: str) -> dict[str, Any]:
 
 positive_duration = _arg_type("duration", lambda t: to_seconds("duration", t, positive=True))
 non_negative_duration = _arg_type("duration", lambda t: to_seconds("duration", t, positive=False))
-positive_float = _arg_type("number", _positive_number)
+positive_float = _number(float, lambda v: 0 < v < float("inf"), "a positive number")
 _positive_int, _non_negative_int = _int_at_least(1), _int_at_least(0)
 _count = _arg_type("count", parse_count)
 _storage_options = _arg_type("storage options", _json_object)
@@ -114,11 +108,10 @@ _storage_options = _arg_type("storage options", _json_object)
 
 def fmt_bytes(n: float | None) -> str:
     """``1.2 GB`` for 1.2e9 bytes (decimal units); "-" for None."""
-    if n is None:
-        return "-"
-    unit, scale = next(((u, s) for u, s in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)) if n >= s),
-                       ("B", 1.0))
-    return f"{n:.0f} B" if scale == 1.0 else f"{n / scale:.3g} {unit}"
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)) if n is not None else ():
+        if n >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return "-" if n is None else f"{n:.0f} B"
 
 
 def _fmt_count(n: float) -> str:
@@ -165,36 +158,29 @@ def interval_rows(plans: list[dict[str, Any]]) -> str:
 
 
 def _add_plan_arguments(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("interval mode", f"Optimal save interval (Young 1974, Daly 2006). Durations accept "
+    d, n = {"metavar": "DURATION", "type": positive_duration}, {"metavar": "N", "type": _positive_int}
+    g = p.add_argument_group("interval mode", f"Optimal save interval (Young 1974, Daly 2006). Durations: "
                                               f"{DURATION_FORMS}.")
-    g.add_argument("--mtbf", type=positive_duration, action="append", metavar="DURATION",
-                   help="mean time between failures of the whole job; repeat for a table of several")
-    g.add_argument("--gpus", type=_positive_int, metavar="N",
-                   help="GPUs of the job, with --gpu-mtbf (default with --params: tp x pp x dp)")
-    g.add_argument("--gpu-mtbf", type=positive_duration, metavar="DURATION",
-                   help="MTBF of one GPU; the job's MTBF is this divided by --gpus")
-    g.add_argument("--save-cost", type=positive_duration, metavar="DURATION",
-                   help="training stall per save (with --params: default is the computed blocking time)")
-    g.add_argument("--durability-lag", type=non_negative_duration, metavar="DURATION",
-                   help="time from the end of the stall until the save is durable (default 0; "
-                        "with --params: the computed write time)")
-    g.add_argument("--step-time", type=positive_duration, metavar="DURATION",
-                   help="seconds per training step, to express the interval in steps")
+    g.add_argument("--mtbf", action="append", **d, help="mean time between failures of the job; repeat for a table")
+    g.add_argument("--gpus", **n, help="GPUs of the job, with --gpu-mtbf (default with --params: tp x pp x dp)")
+    g.add_argument("--gpu-mtbf", **d, help="MTBF of one GPU; the job's MTBF is this divided by --gpus")
+    g.add_argument("--save-cost", **d, help="training stall per save (default with --params: the blocking time)")
+    g.add_argument("--durability-lag", **{**d, "type": non_negative_duration},
+                   help="from the end of the stall until the save is durable (default 0; with --params: write time)")
+    g.add_argument("--step-time", **d, help="seconds per training step, to express the interval in steps")
     s = p.add_argument_group("sizing mode", "Checkpoint bytes and save times for a model (GB = 1e9 bytes).")
     s.add_argument("--params", type=_count, metavar="COUNT", help="number of parameters, e.g. 70e9 or 70B")
-    s.add_argument("--tp", type=_positive_int, metavar="N", help="tensor-parallel degree (default 1)")
-    s.add_argument("--pp", type=_positive_int, metavar="N", help="pipeline-parallel degree (default 1)")
-    s.add_argument("--dp", type=_positive_int, metavar="N",
-                   help="data-parallel degree; the optimizer is sharded over it (default 1)")
+    s.add_argument("--tp", **n, help="tensor-parallel degree (default 1)")
+    s.add_argument("--pp", **n, help="pipeline-parallel degree (default 1)")
+    s.add_argument("--dp", **n, help="data-parallel degree; the optimizer is sharded over it (default 1)")
     s.add_argument("--param-dtype", choices=sorted(DTYPE_BYTES), help="dtype of the weights (default bf16)")
     s.add_argument("--optimizer", choices=sorted(OPTIMIZER_MOMENTS),
                    help="fp32 moments: adam/adamw 2, sgd (momentum) 1 (default adam)")
-    s.add_argument("--gpus-per-node", type=_positive_int, metavar="N", help="ranks per node (default 8)")
-    s.add_argument("--d2h-gbps", type=positive_float, metavar="GB/s",
-                   help="device-to-host copy bandwidth per GPU in GB/s (default 25)")
+    s.add_argument("--gpus-per-node", **n, help="ranks per node (default 8)")
+    s.add_argument("--d2h-gbps", type=positive_float, metavar="GB/s", help="device-to-host GB/s per GPU (default 25)")
     s.add_argument("--storage-gbps", type=positive_float, metavar="GB/s",
-                   help="aggregate checkpoint-storage write bandwidth in GB/s (default 100)")
-    p.add_argument("--json", action="store_true", help="print machine-readable JSON")
+                   help="aggregate checkpoint-storage write GB/s (default 100)")
+    _add_json(p)
 
 
 _SIZING_DEFAULTS = {"tp": 1, "pp": 1, "dp": 1, "param_dtype": "bf16", "optimizer": "adam",
@@ -279,25 +265,19 @@ def _sizing_text(z: dict[str, Any], plan: dict[str, Any] | None) -> str:
 
 
 def _add_simulate_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--mtbf", type=positive_duration, required=True, metavar="DURATION",
-                   help=f"mean time between failures of the job (durations: {DURATION_FORMS})")
-    p.add_argument("--save-cost", type=positive_duration, required=True, metavar="DURATION",
-                   help="training stall per save")
-    p.add_argument("--durability-lag", type=non_negative_duration, default=0.0, metavar="DURATION",
-                   help="time from the end of the stall until the save is durable (default 0)")
-    p.add_argument("--restart-cost", type=non_negative_duration, default=0.0, metavar="DURATION",
-                   help="time to restart after a failure (default 0)")
-    p.add_argument("--min-interval", type=positive_duration, metavar="DURATION",
-                   help="smallest interval simulated (default Daly / 4)")
-    p.add_argument("--max-interval", type=positive_duration, metavar="DURATION",
-                   help="largest interval simulated (default Daly x 4)")
+    d, z = {"metavar": "DURATION", "type": positive_duration}, {"metavar": "DURATION", "type": non_negative_duration}
+    p.add_argument("--mtbf", required=True, **d, help=f"mean time between failures of the job ({DURATION_FORMS})")
+    p.add_argument("--save-cost", required=True, **d, help="training stall per save")
+    p.add_argument("--durability-lag", default=0.0, **z, help="from the end of the stall until durable (default 0)")
+    p.add_argument("--restart-cost", default=0.0, **z, help="time to restart after a failure (default 0)")
+    p.add_argument("--min-interval", **d, help="smallest interval simulated (default Daly / 4)")
+    p.add_argument("--max-interval", **d, help="largest interval simulated (default Daly x 4)")
     p.add_argument("--points", type=_int_at_least(2), default=81, help="intervals simulated, log-spaced (default 81)")
     p.add_argument("--failures", type=_positive_int, default=200_000,
-                   help="failures simulated, the same failure times for every interval "
-                        "(default 200000; runtime grows linearly)")
+                   help="failures simulated, the same for every interval (default 200000; time grows linearly)")
     p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     p.add_argument("--plot", metavar="FILE.png", help="draw overhead versus interval (needs matplotlib)")
-    p.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    _add_json(p)
 
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
@@ -328,15 +308,18 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
 # commands on checkpoints: ls, inspect, verify, convert, import
 
 
+def _add_json(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="print machine-readable JSON")
+
+
 def _add_common(p: argparse.ArgumentParser, *, remote: bool = True) -> None:
     if remote:
         p.add_argument("--storage-options", type=_storage_options, metavar="JSON",
                        help="fsspec options for URLs as a JSON object (credentials, endpoint...), e.g. "
                             "'{\"client_kwargs\": {\"endpoint_url\": \"http://127.0.0.1:9000\"}}'")
-        p.add_argument("--follow-symlinks", action="store_true",
-                       help="follow symbolic links inside checkpoints (local paths); by default a symlinked file, "
-                            "manifest.json included, is refused as a restore refuses it")
-    p.add_argument("--json", action="store_true", help="print machine-readable JSON")
+        p.add_argument("--follow-symlinks", action="store_true", help="follow symbolic links inside checkpoints "
+                       "(local paths); by default a symlinked file is refused, as a restore refuses it")
+    _add_json(p)
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bars (they only show on a terminal)")
 
 
@@ -590,9 +573,8 @@ def _add_import_arguments(p: argparse.ArgumentParser) -> None:
                                               "*.distcp files, no manifest.json")
     p.add_argument("root", metavar="ROOT", help="the run root to add it to, as ROOT/step_NNNNNNNNN")
     p.add_argument("--step", type=_non_negative_int, required=True, metavar="N", help="the step it becomes")
-    p.add_argument("--link", action="store_true", help="hard-link the data files instead of copying them "
-                                                       "(same file system)")
-    p.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    p.add_argument("--link", action="store_true", help="hard-link the data files instead of copying (one file system)")
+    _add_json(p)
 
 
 def _cmd_import(args: argparse.Namespace) -> int:

@@ -35,37 +35,31 @@ def inspect_checkpoint(where: str | os.PathLike | Location, *, step: int | None 
                        progress: bool = False) -> dict[str, Any]:
     """What a checkpoint holds, per component (top-level key of the saved state).
 
-    Sizes come from the DCP metadata (global shapes and dtypes, so a sharded tensor counts once at
-    its full size) and from the per-rank JSON trees (rank-local tensors, embedded per rank, count on
-    every rank). The checks of a restore are made, except checksums (see :func:`verify_checkpoint`):
-    the tensor records' headers are read, never their payload.
+    Sizes come from the DCP metadata (global shapes, so a sharded tensor counts once at full size)
+    and the per-rank trees (rank-local tensors count on every rank). A restore's checks are made
+    except checksums: only the records' headers are read.
 
     Args:
-        where: a checkpoint directory, or a run root (its newest committed checkpoint, or the one
-            whose manifest says ``step``; see :func:`~torch_ckpt.tools.listing.find_checkpoint`).
-        step: with a root, the step to inspect.
-        storage_options: fsspec options for URLs.
+        where: a checkpoint directory, or a run root (its newest committed checkpoint, or ``step``'s;
+            see :func:`~torch_ckpt.tools.listing.find_checkpoint`).
         keys: also list every tensor and array with its shape and dtype.
         progress: show a progress bar over the ranks' files on a terminal.
 
     Returns:
         ``{"checkpoint", "step", "world_size", "wall_time", "time", "torch_version", "format_version",
-        "files", "file_bytes", "manifest_tensor_bytes", "components": [...], "totals": {...}, "note"}``
-        and, with ``keys``, ``"keys": [...]``. ``files`` and ``file_bytes`` count the files the
-        manifest lists (the manifest itself excluded), as ``ls`` and ``verify`` do; ``note`` says
-        which checkpoint was chosen when several of a root held the step (else None). A component
-        is ``{"name", "bytes"`` (tensor + array bytes),
-        ``"tensor_bytes", "tensors", "dtypes"`` (``{dtype: count}``), ``"rank_local_tensors",
-        "arrays", "array_bytes", "values"`` (other leaves of rank 0's state)``}``; a key is ``{"key",
-        "component", "kind"`` ("tensor" or "ndarray"), ``"storage"`` ("dcp" or "json"), ``"rank"``
-        (json only), ``"shape", "dtype", "bytes", "chunks"`` (dcp only)``}``.
+        "files", "file_bytes"`` (the files the manifest lists, as ``ls`` and ``verify`` count them)
+        ``, "manifest_tensor_bytes", "components", "totals", "note"`` (which checkpoint was chosen
+        when several held the step)``}`` and with ``keys`` ``"keys"``. A component is ``{"name",
+        "bytes"`` (tensors + arrays) ``, "tensor_bytes", "tensors", "dtypes": {dtype: count},
+        "rank_local_tensors", "arrays", "array_bytes", "values"`` (other leaves of rank 0)``}``; a
+        key ``{"key", "component", "kind"`` ("tensor", "ndarray") ``, "storage"`` ("dcp", "json")
+        ``, "rank"`` (json) ``, "shape", "dtype", "bytes", "chunks"`` (dcp)``}``.
 
     Raises:
         PathNotFoundError: ``where`` does not exist.
-        CheckpointNotFoundError: not a committed checkpoint.
-        CheckpointCorruptError: the manifest, metadata, a listed file (missing, a symlink, wrong
-            size) or a per-rank file fails the checks of :mod:`torch_ckpt.format._files`, or the state
-            refers to a tensor the metadata lacks.
+        CheckpointNotFoundError: not a committed checkpoint (a plain DCP folder: named so).
+        CheckpointCorruptError: a check of :mod:`torch_ckpt.format._files` fails, or the state refers
+            to a tensor the metadata lacks.
         UnsafeCheckpointError: the DCP metadata references code (refused, not executed).
     """
     loc, note = find_checkpoint(where, step=step, storage_options=storage_options)
@@ -90,65 +84,47 @@ def inspect_checkpoint(where: str | os.PathLike | Location, *, step: int | None 
     key_rows: list[dict[str, Any]] = []
     seen: set[str] = set()
 
-    def add(comp: dict[str, Any], nbytes: int, dtype: str, *, local: bool) -> None:
-        comp["tensors"] += 1
-        comp["tensor_bytes"] += nbytes
-        comp["dtypes"][dtype] = comp["dtypes"].get(dtype, 0) + 1
-        comp["rank_local_tensors"] += int(local)
+    def add(top: str, key: str, shape: list[int], dtype: str, nbytes: int, kind: str, **where: Any) -> None:
+        comp = comps.setdefault(top, _component())
+        if kind == "ndarray":
+            comp["arrays"] += 1
+            comp["array_bytes"] += nbytes
+        else:
+            comp["tensors"] += 1
+            comp["tensor_bytes"] += nbytes
+            comp["dtypes"][dtype] = comp["dtypes"].get(dtype, 0) + 1
+            comp["rank_local_tensors"] += int("rank" in where)
+        if keys:
+            key_rows.append({"key": key, "component": top, "kind": kind, "storage": "json" if "rank" in where else
+                             "dcp", **where, "shape": shape, "dtype": dtype, "bytes": nbytes})
+
+    def add_dcp(top: str, key: str) -> None:
+        tmd = tensors[key]
+        add(top, key, list(tmd.size), dtype_name(tmd.properties.dtype),
+            math.prod(tmd.size) * tmd.properties.dtype.itemsize, "tensor", chunks=len(tmd.chunks))
 
     with tqdm(total=manifest.world_size, desc=f"inspect {loc.name}", unit="rank", leave=False, dynamic_ncols=True,
               disable=None if progress and manifest.world_size > 8 else True) as bar:  # None: only on a terminal
         for rank in range(manifest.world_size):
             tree = read_rank_doc(loc, manifest, rank)["tree"]
-            source = loc.describe(rank_file_name(rank))
-            tops = tree.items() if isinstance(tree, dict) else [("<root>", tree)]
-            for top, sub in tops:
-                comp = comps.setdefault(top, _component())
-                leaves = list(walk_tree(sub, (top,)))  # validated by read_rank_doc
-                for path, kind, node in leaves:
-                    name = ".".join(path)
-                    if kind == "tensor":
-                        key = node[TENSOR_TAG]
-                        if key in seen:
-                            continue
-                        seen.add(key)
-                        tmd = tensors.get(key)
-                        if tmd is None:
-                            raise CheckpointCorruptError(f"{source}: state key {name!r} refers to tensor {key!r}, "
-                                                         "which the DCP metadata does not hold")
-                        dtype = dtype_name(tmd.properties.dtype)
-                        nbytes = math.prod(tmd.size) * tmd.properties.dtype.itemsize
-                        add(comp, nbytes, dtype, local=False)
-                        if keys:
-                            key_rows.append({"key": key, "component": top, "kind": "tensor", "storage": "dcp",
-                                             "shape": list(tmd.size), "dtype": dtype, "bytes": nbytes,
-                                             "chunks": len(tmd.chunks)})
+            for top, sub in tree.items() if isinstance(tree, dict) else [("<root>", tree)]:
+                comps.setdefault(top, _component())
+                for path, kind, node in walk_tree(sub, (top,)):  # validated by read_rank_doc
+                    if kind == "tensor" and node[TENSOR_TAG] not in seen:
+                        seen.add(node[TENSOR_TAG])
+                        if node[TENSOR_TAG] not in tensors:
+                            raise CheckpointCorruptError(
+                                f"{loc.describe(rank_file_name(rank))}: state key {'.'.join(path)!r} refers to tensor "
+                                f"{node[TENSOR_TAG]!r}, which the DCP metadata does not hold")
+                        add_dcp(top, node[TENSOR_TAG])
                     elif kind in ("inline", "ndarray"):
-                        shape, dtype, nbytes = embedded_info(kind, node)
-                        if kind == "inline":
-                            add(comp, nbytes, dtype, local=True)
-                        else:
-                            comp["arrays"] += 1
-                            comp["array_bytes"] += nbytes
-                        if keys:
-                            key_rows.append({"key": name, "component": top,
-                                             "kind": "tensor" if kind == "inline" else "ndarray",
-                                             "storage": "json", "rank": rank, "shape": shape, "dtype": dtype,
-                                             "bytes": nbytes})
-                    elif rank == 0:
-                        comp["values"] += 1
+                        add(top, ".".join(path), *embedded_info(kind, node),
+                            "tensor" if kind == "inline" else "ndarray", rank=rank)
+                    elif kind != "tensor" and rank == 0:
+                        comps[top]["values"] += 1
             bar.update(1)
-    stray = [k for k in tensors if k not in seen]
-    if stray:
-        comp = comps.setdefault("(not in state)", _component())
-        for key in stray:
-            tmd = tensors[key]
-            nbytes = math.prod(tmd.size) * tmd.properties.dtype.itemsize
-            add(comp, nbytes, dtype_name(tmd.properties.dtype), local=False)
-            if keys:
-                key_rows.append({"key": key, "component": "(not in state)", "kind": "tensor", "storage": "dcp",
-                                 "shape": list(tmd.size), "dtype": dtype_name(tmd.properties.dtype),
-                                 "bytes": nbytes, "chunks": len(tmd.chunks)})
+    for key in (k for k in tensors if k not in seen):
+        add_dcp("(not in state)", key)
     components = []
     for name, comp in comps.items():
         comp["bytes"] = comp["tensor_bytes"] + comp["array_bytes"]
