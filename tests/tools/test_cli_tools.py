@@ -24,8 +24,7 @@ import torch
 from tests._format_fixtures import inline_shape_2_40, rank_json_nested_200k, rewrite, storage_data_not_a_dict
 from torch_ckpt import CheckpointManager, TrainState
 from torch_ckpt.tools.cli import main
-from torch_ckpt.tools.inspection import inspect_checkpoint
-from torch_ckpt.tools.listing import verify_checkpoint
+from torch_ckpt.tools.listing import inspect_checkpoint, verify_checkpoint
 from torch_ckpt.tools.sizing import interval_plan
 
 STEP10, STEP20 = "step_000000010", "step_000000020"

@@ -11,7 +11,7 @@ _EXPORTS = {
     **dict.fromkeys(("export_safetensors", "export_torch", "import_dcp", "load_full_state", "prepare_dcp_load"),
                     "convert"),
     **dict.fromkeys(("find_checkpoint", "list_root", "verify_checkpoint", "verify_path", "verify_root"), "listing"),
-    "inspect_checkpoint": "inspection",
+    "inspect_checkpoint": "listing",
     **dict.fromkeys(("checkpoint_size", "interval_plan", "measure_floors", "recommend"), "sizing"),
     **dict.fromkeys(("simulate_overhead", "sweep", "plot_sweep"), "simulate"),
 }

@@ -420,7 +420,7 @@ def _add_inspect_arguments(p: argparse.ArgumentParser) -> None:
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
     """Print the per-component table (and keys) of a checkpoint."""
-    from torch_ckpt.tools.inspection import inspect_checkpoint
+    from torch_ckpt.tools.listing import inspect_checkpoint
 
     with _argument_paths():
         result = inspect_checkpoint(_open(args.checkpoint, args), step=args.step, keys=args.keys,
