@@ -257,18 +257,14 @@ def split_state(state: Any, *, rank_local_keys: tuple[str, ...] = (), replicated
             store instead. Raised before anything is written.
     """
     tensors: dict[str, torch.Tensor] = {}
-    shared = None if replicated_keys is None else frozenset(replicated_keys)
-    shared_prefixes = () if shared is None else tuple(p + "." for p in shared)
-    sharded = _distributed_tensor_types()
+    replicated = None if replicated_keys is None else tuple(replicated_keys)
 
     def dcp_key(obj: torch.Tensor, key: str) -> str:
-        if key.startswith(_RANK_PREFIX) and _RANK_KEY_RE.match(key):
+        if is_per_rank_key(key):
             raise ConfigError(f"state key {key!r} starts with '__rank<N>__.', which names per-rank tensors in "
                               "checkpoints; rename it")
-        if shared is None or rank == 0 or key.startswith(shared_prefixes) or key in shared or \
-                isinstance(obj, sharded):
-            return key
-        return rank_key(key, rank)
+        return rank_key(key, rank) if rank and tensor_kind(key, obj, replicated) == "rank" else key
+
     active: set[int] = set()  # ids of the containers on the current path (cycle detection)
 
     def enter(obj: Any, key: str, depth: int) -> None:

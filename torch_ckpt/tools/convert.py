@@ -59,14 +59,8 @@ def load_full_state(checkpoint: str | os.PathLike, *, verify: bool = True,
                     allow_symlinks: bool = False) -> tuple[dict[str, Any], Manifest]:
     """Load a committed checkpoint as one nested dict of full tensors and Python values (one process).
 
-    The checks are a restore's (:mod:`torch_ckpt.format._files`): only the manifest's files, as
-    regular files; metadata whose chunks cover every tensor and fit in the files (checked before
-    any tensor is allocated); tensor records matching the metadata; bounded, well-formed rank files.
-
-    Args:
-        checkpoint: a committed step directory.
-        verify: check every file's CRC-32 first (sizes are always checked).
-        allow_symlinks: follow symlinked files (refused by default, like restore).
+    The checks are a restore's (:mod:`torch_ckpt.format._files`), made before any tensor is allocated;
+    ``verify`` adds every file's CRC-32; ``allow_symlinks`` follows symlinked files (refused by default).
 
     Returns:
         ``(state, manifest)``: rank 0's nested state with full tensors; when several ranks wrote
@@ -115,12 +109,11 @@ def export_torch(checkpoint: str | os.PathLike, out: str | os.PathLike, *,
                  allow_symlinks: bool = False) -> dict[str, Any]:
     """Write the full state of ``checkpoint`` as one ``torch.save`` file (``torch-ckpt convert --to torch``).
 
-    The file holds :func:`load_full_state`'s dict: the saved state's own top-level keys with full,
-    unsharded CPU tensors (a :class:`~torch_ckpt.TrainState` gives ``model`` (the model's
-    ``state_dict()``), ``optimizer`` (``get_optimizer_state_dict`` layout: ``state`` keyed by
-    parameter name, ``param_groups``), ``scheduler``, ``step``, ``epoch``, ``rng``, ``extras`` and,
-    with a loader, ``dataloader``), plus ``per_rank`` when several ranks wrote it. Numpy values
-    become tensors or Python scalars. Load it back with::
+    The file holds :func:`load_full_state`'s dict: the saved state's top-level keys with full CPU
+    tensors. A :class:`~torch_ckpt.TrainState` gives ``model`` (the model's ``state_dict()``),
+    ``optimizer`` (``get_optimizer_state_dict``'s layout: ``state`` keyed by parameter name,
+    ``param_groups``), ``scheduler``, ``step``, ``epoch``, ``rng``, ``extras`` (and ``dataloader``);
+    ``per_rank`` is added when several ranks wrote it; numpy values become tensors or scalars::
 
         sd = torch.load("step100.pt", weights_only=True)
         model.load_state_dict(sd["model"])
@@ -151,10 +144,9 @@ def model_weights(state: dict[str, Any], *, model: str | None = None,
                   source: str = "checkpoint") -> tuple[dict[str, torch.Tensor], list[str]]:
     """The model weights of a loaded state (:func:`load_full_state`), keyed as the model's ``state_dict()``.
 
-    A :class:`~torch_ckpt.TrainState` of one model saves its state dict under ``model``; one of
-    several models (a mapping, as the Accelerate adapter saves: ``{"0": ...}``) one per model name;
-    Lightning saves ``state_dict``. With several models each key is prefixed by its model's name
-    and a dot (``"1.fc.weight"``) unless ``model`` picks one (its own keys).
+    ``model`` holds one state dict or (Accelerate: ``{"0": ...}``) one per model name; Lightning saves
+    ``state_dict``. With several models each key is prefixed by its model's name and a dot
+    (``"1.fc.weight"``) unless ``model`` picks one (its own keys).
 
     Returns:
         ``(weights, model names)``; the names are empty for a single model's state dict.
@@ -181,11 +173,10 @@ def model_weights(state: dict[str, Any], *, model: str | None = None,
 
 def export_safetensors(checkpoint: str | os.PathLike, out: str | os.PathLike, *, model: str | None = None,
                        allow_symlinks: bool = False) -> dict[str, Any]:
-    """Write the model weights of ``checkpoint`` as safetensors, keyed as the model's ``state_dict()``.
+    """Write the model weights of ``checkpoint`` as safetensors, keyed as :func:`model_weights` gives them.
 
-    With one model the keys are its own, so ``model.load_state_dict(safetensors.torch.load_file(out))``
-    works; with several (see :func:`model_weights`) they are prefixed and the names are in the file's
-    metadata (``"models"``); ``model`` exports one alone, unprefixed.
+    With one model, ``model.load_state_dict(safetensors.torch.load_file(out))`` works; prefixed names
+    are listed in the file's metadata (``"models"``).
 
     Returns:
         ``{"step", "out", "tensors", "bytes", "models"}`` (``models``: the prefixes used, else empty).
@@ -248,13 +239,11 @@ def prepare_dcp_load(checkpoint: str | os.PathLike, state_dict: dict[str, Any], 
                      rank: int = 0) -> dict[str, torch.Tensor]:
     """Make stock ``torch.distributed.checkpoint.load`` restore ``state_dict`` from a torch-ckpt checkpoint.
 
-    Our DCP files hold the tensors only; plain values (learning rates, step counters, scheduler
-    state) live in the per-rank JSON files, so ``dcp.load`` alone fails with ``Missing key ...
-    optimizer.param_groups.0.lr``. This fills every plain value under the top-level keys of
-    ``state_dict`` in place from rank ``rank``'s file, adds the tensors the checkpoint holds and
-    ``state_dict`` lacks (a fresh optimizer's moments) as full-size CPU tensors, and returns the
-    tensors flat under their DCP keys: pass that dict to ``dcp.load``, which reads into the same
-    tensor objects, then apply ``state_dict``::
+    Our DCP files hold the tensors only; plain values (learning rates, counters) are in the rank
+    files, so ``dcp.load`` alone fails with ``Missing key ... optimizer.param_groups.0.lr``. This fills
+    the plain values under ``state_dict``'s top-level keys in place from rank ``rank``'s file, adds
+    the tensors it lacks (a fresh optimizer's moments) as full-size CPU tensors, and returns the
+    tensors flat under their DCP keys, for ``dcp.load`` to read into; then apply ``state_dict``::
 
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -265,8 +254,7 @@ def prepare_dcp_load(checkpoint: str | os.PathLike, state_dict: dict[str, Any], 
         dcp.load(prepare_dcp_load("ckpts/step_000000100", sd), checkpoint_id="ckpts/step_000000100")
         set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optimizer"])
 
-    Run it on every rank (with ``rank`` its own) under ``dcp.load``'s process group; DTensors of
-    ``state_dict`` are loaded as DTensors.
+    Distributed: call it on every rank with its ``rank``; DTensors of ``state_dict`` load as DTensors.
 
     Raises:
         ConfigError: a top-level key of ``state_dict`` is not in the checkpoint.
@@ -308,11 +296,9 @@ def import_dcp(src: str | os.PathLike, root: str | os.PathLike, step: int, *, li
     """Adopt a folder written by plain ``dcp.save`` (or torchtitan) as committed step ``step`` of ``root``.
 
     The data files are copied (``link``: hard-linked) into ``root/step_NNNNNNNNN`` unchanged; the
-    non-tensor items DCP pickled are decoded with ``torch.load(weights_only=True)`` (PyTorch's
-    restricted unpickler: containers, numbers, strings, tensors) into ``rank_00000.json``;
-    ``.metadata`` is rewritten without them; the manifest lists every file with its CRC-32. Then
-    ``restore``, ``verify``, ``inspect`` and ``convert`` work on it; nesting follows DCP's own
-    unflattening (an integer path element is a list index).
+    items DCP pickled are decoded by ``torch.load(weights_only=True)`` (PyTorch's restricted
+    unpickler) into ``rank_00000.json`` and dropped from the rewritten ``.metadata``; the manifest
+    lists every file with its CRC-32. Nesting follows DCP's unflattening (an integer is a list index).
 
     Returns:
         ``{"checkpoint", "step", "tensors", "values", "files", "bytes", "linked"}``.

@@ -26,8 +26,8 @@ from typing import Any
 from torch_ckpt._values import check_int, to_seconds
 from torch_ckpt.policy._interval import checkpoint_interval, expected_overhead, young_interval
 
-__all__ = ["DTYPE_BYTES", "OPTIMIZER_MOMENTS", "checkpoint_size", "interval_plan", "measure_copy", "measure_d2h",
-           "measure_floors", "measure_write_read", "parse_count", "recommend"]
+__all__ = ["DTYPE_BYTES", "OPTIMIZER_MOMENTS", "checkpoint_size", "interval_plan", "measure_floors", "parse_count",
+           "recommend"]
 
 #: Bytes per element of the supported parameter dtypes.
 DTYPE_BYTES: dict[str, int] = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
@@ -162,12 +162,7 @@ def _best_copy(dst: Any, src: Any, repeats: int, time_limit_s: float, sync: Any 
     return best, done
 
 
-def measure_copy(nbytes: int, *, repeats: int = 3, time_limit_s: float = 2.0) -> dict[str, Any]:
-    """Host memory copy into a preallocated, faulted-in buffer (best of ``repeats``).
-
-    Returns:
-        ``{"copy_gbps", "copy_bytes", "copy_repeats"}``.
-    """
+def _measure_copy(nbytes: int, *, repeats: int = 3, time_limit_s: float = 2.0) -> dict[str, Any]:
     import torch
 
     src = torch.empty(nbytes, dtype=torch.uint8).fill_(7)
@@ -176,9 +171,7 @@ def measure_copy(nbytes: int, *, repeats: int = 3, time_limit_s: float = 2.0) ->
     return {"copy_gbps": _gbps(nbytes, best), "copy_bytes": nbytes, "copy_repeats": done}
 
 
-def measure_d2h(nbytes: int, *, repeats: int = 3, time_limit_s: float = 2.0) -> dict[str, Any] | None:
-    """Device-to-host copy into pinned memory on the current CUDA device: ``{"d2h_gbps", "d2h_device"}``,
-    or None without CUDA."""
+def _measure_d2h(nbytes: int, *, repeats: int = 3, time_limit_s: float = 2.0) -> dict[str, Any] | None:
     import torch
 
     if not torch.cuda.is_available():
@@ -191,17 +184,8 @@ def measure_d2h(nbytes: int, *, repeats: int = 3, time_limit_s: float = 2.0) -> 
     return {"d2h_gbps": _gbps(nbytes, best), "d2h_device": torch.cuda.get_device_name()}
 
 
-def measure_write_read(directory: str | os.PathLike, nbytes: int, *, time_limit_s: float = 4.0) -> dict[str, Any]:
-    """Write ``nbytes`` of random data into a temporary file of ``directory``, fsync, drop it from the
-    page cache and read it back; the file is always removed.
-
-    Returns:
-        ``{"write_gbps", "write_bytes", "write_s", "read_gbps", "read_bytes", "read_s", "read_cold"}``
-        (``read_cold``: whether the page cache could be dropped).
-
-    Raises:
-        OSError: the directory is not writable (or the disk is full).
-    """
+def _measure_write_read(directory: str | os.PathLike, nbytes: int, *, time_limit_s: float = 4.0) -> dict[str, Any]:
+    """Write random data into a temporary file, fsync, drop it from the page cache, read it back, remove it."""
     import numpy as np
 
     view = memoryview(np.random.default_rng(0).bytes(min(nbytes, _PATTERN_BYTES)))
@@ -248,14 +232,18 @@ def measure_floors(directory: str | os.PathLike = ".", *, size_bytes: int = 256 
         time_limit_s: each disk phase stops after about this long (memory copies after half of it).
 
     Returns:
-        ``{"directory", "size_bytes", "copy_gbps", "d2h_gbps"`` (None without CUDA) ``, "d2h_device",
-        "write_gbps", "read_gbps", "read_cold", ..., "elapsed_s"}``.
+        ``{"directory", "size_bytes", "copy_gbps", "copy_bytes", "copy_repeats", "d2h_gbps"`` (None
+        without CUDA) ``, "d2h_device", "write_gbps", "write_bytes", "write_s", "read_gbps",
+        "read_bytes", "read_s", "read_cold"`` (whether the page cache could be dropped) ``, "elapsed_s"}``.
+
+    Raises:
+        OSError: the directory is not writable (or the disk is full).
     """
     start = time.perf_counter()
     out: dict[str, Any] = {"directory": os.path.abspath(os.fspath(directory)), "size_bytes": int(size_bytes)}
-    out.update(measure_copy(size_bytes, time_limit_s=time_limit_s / 2))
-    out.update(measure_d2h(size_bytes, time_limit_s=time_limit_s / 2) or {"d2h_gbps": None, "d2h_device": None})
-    out.update(measure_write_read(directory, size_bytes, time_limit_s=time_limit_s))
+    out.update(_measure_copy(size_bytes, time_limit_s=time_limit_s / 2))
+    out.update(_measure_d2h(size_bytes, time_limit_s=time_limit_s / 2) or {"d2h_gbps": None, "d2h_device": None})
+    out.update(_measure_write_read(directory, size_bytes, time_limit_s=time_limit_s))
     out["elapsed_s"] = time.perf_counter() - start
     return out
 
