@@ -477,7 +477,8 @@ def _verify_text(r: dict[str, Any]) -> str:
     for c in r["checkpoints"]:
         detail = f"{c['files']} files, {fmt_bytes(c['bytes'])}, {'?' if c['tensors'] is None else c['tensors']} " \
                  f"tensors; {'CRC-32' if c['checksums'] else 'sizes'}, structure"
-        lines.append(f"{'OK  ' if c['ok'] else 'FAIL'}  step {c['step']}  {c['checkpoint']}  ({detail})")
+        step = "-" if c["step"] is None else c["step"]
+        lines.append(f"{'OK  ' if c['ok'] else 'FAIL'}  step {step}  {c['checkpoint']}  ({detail})")
         lines += [f"      partial: {c['partial']}"] if c.get("partial") else []
         lines += [f"      {p['path']}: {p['problem']}" for p in c["problems"]]
         lines += [f"      warning: {w['path']}: {w['problem']}" for w in c["warnings"]]
