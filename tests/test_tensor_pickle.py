@@ -1,4 +1,4 @@
-"""torch_ckpt.format._tensor_pickle: a plain tensor's pickle decoded without executing it; anything else refused."""
+"""torch_ckpt.format._records: a plain tensor's pickle decoded without executing it; anything else refused."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import zipfile
 import pytest
 import torch
 
-from torch_ckpt.format._tensor_pickle import RecordProblem, pickled_tensor, storage_identity, stored_dtype
+from torch_ckpt.format._records import RecordProblem, pickled_tensor, storage_identity, stored_dtype
 
 CALLED: list[str] = []
 

@@ -24,9 +24,8 @@ import torch
 from tests._format_fixtures import inline_shape_2_40, rank_json_nested_200k, rewrite, storage_data_not_a_dict
 from torch_ckpt import CheckpointManager, TrainState
 from torch_ckpt.tools.cli import main
-from torch_ckpt.tools.inspection import inspect_checkpoint
+from torch_ckpt.tools.listing import inspect_checkpoint, verify_checkpoint
 from torch_ckpt.tools.sizing import interval_plan
-from torch_ckpt.tools.verification import verify_checkpoint
 
 STEP10, STEP20 = "step_000000010", "step_000000020"
 SHARD = "__0_0.distcp"
@@ -121,7 +120,7 @@ def test_ls_json_lists_committed_steps_with_time_size_and_tiers(saved, capsys):
         assert r["bytes"] == r["disk_bytes"] - (step_dir / "manifest.json").stat().st_size
         assert saved["before"] <= r["wall_time"] <= saved["after"]
         assert set(r["tiers"]) == {"local", "durable"} and r["tiers"]["durable"]["url"] == saved["url"]
-    assert out["counts"] == {"committed": 2, "partial": 0, "corrupt": 0}
+    assert out["counts"] == {"committed": 2, "partial": 0, "corrupt": 0, "plain-dcp": 0}
 
 
 def test_ls_memory_url_lists_the_durable_copies(saved, capsys):

@@ -65,7 +65,7 @@ def test_ls_accelerate_root_lists_checkpoint_folders(accelerate_root, capsys):
     out = run_json(capsys, "ls", accelerate_root)
     assert [(r["step"], r["name"], r["status"]) for r in out["steps"]] == \
         [(5, "checkpoint_5", "committed"), (10, "checkpoint_10", "committed")]
-    assert out["counts"] == {"committed": 2, "partial": 0, "corrupt": 0}
+    assert out["counts"] == {"committed": 2, "partial": 0, "corrupt": 0, "plain-dcp": 0}
 
 
 def test_verify_accelerate_root_verifies_every_checkpoint(accelerate_root, capsys):
@@ -138,7 +138,7 @@ def test_mixed_root_lists_every_naming_and_partial_temporaries(tmp_path, capsys)
     rows = {r["name"]: (r["step"], r["status"]) for r in out["steps"]}
     assert rows == {"step_000000001": (1, "committed"), "checkpoint_2": (2, "committed"),
                     tmp.name: (None, "partial")}
-    assert out["counts"] == {"committed": 2, "partial": 1, "corrupt": 0}
+    assert out["counts"] == {"committed": 2, "partial": 1, "corrupt": 0, "plain-dcp": 0}
     verified = run_json(capsys, "verify", root)
     assert verified["ok"] and [s["name"] for s in verified["skipped"]] == [tmp.name]
 

@@ -1,23 +1,16 @@
 """Split a nested state dict into DCP tensors and a JSON tree, and join them back.
 
-A training state dict mixes tensors (model, optimizer moments) with plain Python values
-(scheduler counters, hyper-parameters, dataloader positions). Tensors go to
-``torch.distributed.checkpoint`` (DCP) under flat, dot-joined keys (the same keys DCP's own
-flattening produces, so a plain ``dcp.load({"model": sd}, ...)`` finds them). Everything else is
-kept in a JSON tree that records the exact Python type (``int`` stays ``int``, ``tuple`` stays
-``tuple``, ``np.float32`` stays ``np.float32``), so loading never needs to unpickle anything.
+Tensors go to ``torch.distributed.checkpoint`` (DCP) under flat, dot-joined keys (those of DCP's own
+flattening); every other value goes to a JSON tree recording its exact Python type (``tuple`` stays
+``tuple``, ``np.float32`` stays ``np.float32``), so loading never unpickles anything. Tensors of
+*rank-local* subtrees (RNG states, dataloader positions) are embedded in the tree as base64: DCP
+would deduplicate same-named tensors of several ranks as replicas.
 
-Tensors inside *rank-local* subtrees (RNG states, dataloader positions: small and different on
-every rank) are embedded in the JSON tree as base64 instead of going through DCP, where
-same-named tensors on different ranks would be deduplicated as replicas.
-
-Which DCP tensors are one tensor of the job and which are this rank's own: DCP treats same-named
-plain tensors of several ranks as replicas and writes one of them. With ``replicated_keys`` (the
-state's declaration, e.g. TrainState's ``("model", "optimizer")``), only plain tensors under those
-key prefixes, and every ``DTensor``/``ShardedTensor`` (sharded), are such global tensors; any other
-tensor is *per rank*: rank 0 stores it under its own key, rank ``r`` under
-``__rank<r>__.<key>`` (:func:`rank_key`), and the rank's JSON tree names that key, so every rank
-reads back its own value (:func:`logical_key` strips the prefix again).
+For the same reason, with ``replicated_keys`` (the state's declaration, e.g. TrainState's
+``("model", "optimizer")``) only plain tensors under those key prefixes and every
+``DTensor``/``ShardedTensor`` are global tensors of the job; any other tensor is *per rank*: rank 0
+stores it under its own key, rank ``r`` under ``__rank<r>__.<key>`` (:func:`rank_key`), and the
+rank's tree names that key (:func:`logical_key` strips the prefix).
 
 Supported values (each comes back with its exact type and value; also listed in ``docs/values.md``):
 
@@ -58,34 +51,20 @@ from torch_ckpt.errors import CheckpointCorruptError, ConfigError
 __all__ = ["split_state", "join_state", "TENSOR_TAG", "MAX_DEPTH", "rank_key", "logical_key", "is_per_rank_key",
            "tensor_kind"]
 
-TENSOR_TAG = "__tensor__"
-INLINE_TENSOR_TAG = "__tensor_b64__"
-NDARRAY_TAG = "__ndarray_b64__"
-NPSCALAR_TAG = "__np_scalar__"
-_NPSCALAR_RAW = "__np_scalar_b64__"
-TUPLE_TAG = "__tuple__"
-DICT_TAG = "__dict__"
-BYTES_TAG = "__bytes_b64__"
-_BYTEARRAY = "__bytearray_b64__"
-FLOAT_TAG = "__float__"
-_COMPLEX = "__complex__"
-_BIGINT = "__int_hex__"
-_SET = "__set__"
-_FROZENSET = "__frozenset__"
+TENSOR_TAG, INLINE_TENSOR_TAG, NDARRAY_TAG = "__tensor__", "__tensor_b64__", "__ndarray_b64__"
+NPSCALAR_TAG, _NPSCALAR_RAW, TUPLE_TAG, DICT_TAG = "__np_scalar__", "__np_scalar_b64__", "__tuple__", "__dict__"
+BYTES_TAG, _BYTEARRAY, FLOAT_TAG, _COMPLEX = "__bytes_b64__", "__bytearray_b64__", "__float__", "__complex__"
+_BIGINT, _SET, _FROZENSET = "__int_hex__", "__set__", "__frozenset__"
 ODICT_TAG = "__odict__"  # wraps the encoding of an OrderedDict's items (a plain dict node or a __dict__ node)
 _TAGS = {TENSOR_TAG, INLINE_TENSOR_TAG, NDARRAY_TAG, NPSCALAR_TAG, _NPSCALAR_RAW, TUPLE_TAG, DICT_TAG, BYTES_TAG,
          _BYTEARRAY, FLOAT_TAG, _COMPLEX, _BIGINT, _SET, _FROZENSET, ODICT_TAG}
 
 #: Deepest nesting of containers (dicts, lists, tuples, sets) a state may have.
 MAX_DEPTH = 100
-# ints beyond this many bits are stored as hex text: Python refuses decimal conversions of more
-# than 4300 digits (sys.int_info.default_max_str_digits), which JSON writing and reading use
+# ints beyond this many bits are stored as hex text (Python's JSON refuses more than 4300 decimal digits)
 _JSON_INT_BITS = 4096
-# numpy scalar kinds stored as a JSON value (exact for these item sizes) rather than raw bytes
-_NP_VALUE_KINDS = {"b", "i", "u", "U"}
-_NP_RAW_KINDS = {"f", "c", "M", "m", "S"}
-
-
+# numpy scalar kinds stored as a JSON value (exact for these item sizes), and those stored as raw bytes
+_NP_VALUE_KINDS, _NP_RAW_KINDS = {"b", "i", "u", "U"}, {"f", "c", "M", "m", "S"}
 _RANK_PREFIX = "__rank"
 _RANK_KEY_RE = re.compile(r"__rank(\d+)__\.")
 
@@ -97,11 +76,8 @@ def rank_key(key: str, rank: int) -> str:
 
 def logical_key(key: str) -> str:
     """The state key of DCP key ``key`` (``__rank<r>__.`` removed; other keys unchanged)."""
-    if key.startswith(_RANK_PREFIX):
-        m = _RANK_KEY_RE.match(key)
-        if m is not None:
-            return key[m.end():]
-    return key
+    m = _RANK_KEY_RE.match(key) if key.startswith(_RANK_PREFIX) else None
+    return key if m is None else key[m.end():]
 
 
 def is_per_rank_key(key: str) -> bool:
@@ -141,20 +117,12 @@ def _type_name(obj: Any) -> str:
 @functools.lru_cache(maxsize=1)
 def _distributed_tensor_types() -> tuple[type, ...]:
     """Tensor subclasses DCP stores as shards (imported lazily: torch.distributed is heavy)."""
-    types: list[type] = []
-    try:
-        from torch.distributed.tensor import DTensor
-
-        types.append(DTensor)
-    except ImportError:  # pragma: no cover - torch without distributed
-        pass
     try:
         from torch.distributed._shard.sharded_tensor import ShardedTensor
-
-        types.append(ShardedTensor)
-    except ImportError:  # pragma: no cover
-        pass
-    return tuple(types)
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch without distributed
+        return ()
+    return DTensor, ShardedTensor
 
 
 # raw-bit and sub-byte dtypes: DCP's planner or the staging copy fail on them (in the background)
@@ -227,20 +195,14 @@ def _encode_np_scalar(obj: np.generic, path: str) -> dict:
                       "store a numpy scalar of a boolean, integer, float, complex, str, bytes, datetime64 or "
                       "timedelta64 dtype, or its .item()")
     if kind in _NP_VALUE_KINDS:
-        value = str(obj) if kind == "U" else obj.item()
-        if kind in "iu" and abs(value).bit_length() > _JSON_INT_BITS:  # pragma: no cover - numpy ints are <= 64 bits
-            raise _refuse(path, "an oversized numpy integer", "store a Python int")
-        return {NPSCALAR_TAG: value, "dtype": name}
+        return {NPSCALAR_TAG: str(obj) if kind == "U" else obj.item(), "dtype": name}  # numpy ints: <= 64 bits
     raw = bytes(obj) if kind == "S" else np.array(obj).tobytes()
     return {_NPSCALAR_RAW: _b64(raw), "dtype": name}
 
 
 def _decode_np_scalar_raw(node: dict) -> np.generic:
-    dtype = np.dtype(node["dtype"])
-    raw = base64.b64decode(node[_NPSCALAR_RAW])
-    if dtype.kind == "S":
-        return dtype.type(raw)
-    return np.frombuffer(raw, dtype=dtype)[0]
+    dtype, raw = np.dtype(node["dtype"]), base64.b64decode(node[_NPSCALAR_RAW])
+    return dtype.type(raw) if dtype.kind == "S" else np.frombuffer(raw, dtype=dtype)[0]
 
 
 def _encode_ndarray(arr: np.ndarray, path: str) -> dict:
@@ -252,8 +214,7 @@ def _encode_ndarray(arr: np.ndarray, path: str) -> dict:
                       "timedelta64 dtype (for structured arrays: one array per field), or a list of plain values")
     if np.dtype(arr.dtype.str) != arr.dtype:
         raise _refuse(path, f"a numpy array of dtype {arr.dtype}", "store an array of a standard dtype")
-    raw = np.ascontiguousarray(arr).tobytes()
-    return {NDARRAY_TAG: _b64(raw), "dtype": arr.dtype.str, "shape": list(arr.shape)}
+    return {NDARRAY_TAG: _b64(np.ascontiguousarray(arr).tobytes()), "dtype": arr.dtype.str, "shape": list(arr.shape)}
 
 
 def _advice_for(obj: Any) -> str:
@@ -296,18 +257,14 @@ def split_state(state: Any, *, rank_local_keys: tuple[str, ...] = (), replicated
             store instead. Raised before anything is written.
     """
     tensors: dict[str, torch.Tensor] = {}
-    shared = None if replicated_keys is None else frozenset(replicated_keys)
-    shared_prefixes = () if shared is None else tuple(p + "." for p in shared)
-    sharded = _distributed_tensor_types()
+    replicated = None if replicated_keys is None else tuple(replicated_keys)
 
     def dcp_key(obj: torch.Tensor, key: str) -> str:
-        if key.startswith(_RANK_PREFIX) and _RANK_KEY_RE.match(key):
+        if is_per_rank_key(key):
             raise ConfigError(f"state key {key!r} starts with '__rank<N>__.', which names per-rank tensors in "
                               "checkpoints; rename it")
-        if shared is None or rank == 0 or key.startswith(shared_prefixes) or key in shared or \
-                isinstance(obj, sharded):
-            return key
-        return rank_key(key, rank)
+        return rank_key(key, rank) if rank and tensor_kind(key, obj, replicated) == "rank" else key
+
     active: set[int] = set()  # ids of the containers on the current path (cycle detection)
 
     def enter(obj: Any, key: str, depth: int) -> None:
@@ -398,7 +355,7 @@ def join_state(tree: Any, tensors: dict[str, torch.Tensor] | Any) -> Any:
             return [dec(v) for v in node]
         if not isinstance(node, dict):
             return node
-        if len(node) >= 1:
+        if node:
             if TENSOR_TAG in node and len(node) == 1:
                 key = node[TENSOR_TAG]
                 if key not in tensors:
@@ -416,30 +373,21 @@ def join_state(tree: Any, tensors: dict[str, torch.Tensor] | Any) -> Any:
                 return _decode_np_scalar_raw(node)
             if len(node) == 1:
                 tag, value = next(iter(node.items()))
-                if tag == BYTES_TAG:
-                    return base64.b64decode(value)
-                if tag == _BYTEARRAY:
-                    return bytearray(base64.b64decode(value))
-                if tag == FLOAT_TAG:
-                    return float(value)
-                if tag == _BIGINT:
-                    return int(value, 16)
-                if tag == _COMPLEX:
-                    return complex(dec(value[0]), dec(value[1]))
-                if tag == TUPLE_TAG:
-                    return tuple(dec(v) for v in value)
-                if tag == _SET:
-                    return {dec(v) for v in value}
-                if tag == _FROZENSET:
-                    return frozenset(dec(v) for v in value)
-                if tag == DICT_TAG:
-                    return {dec(k): dec(v) for k, v in value}
-                if tag == ODICT_TAG:
-                    inner = dec(value)
-                    if not isinstance(inner, dict):
-                        raise TypeError(f"{ODICT_TAG} holds a {type(inner).__name__}, not a mapping")
-                    return OrderedDict(inner)
+                if tag in single:
+                    return single[tag](value)
         return {k: dec(v) for k, v in node.items()}
+
+    def odict(value: Any) -> OrderedDict:
+        inner = dec(value)
+        if not isinstance(inner, dict):
+            raise TypeError(f"{ODICT_TAG} holds a {type(inner).__name__}, not a mapping")
+        return OrderedDict(inner)
+
+    single = {BYTES_TAG: base64.b64decode, _BYTEARRAY: lambda v: bytearray(base64.b64decode(v)), FLOAT_TAG: float,
+              _BIGINT: lambda v: int(v, 16), _COMPLEX: lambda v: complex(dec(v[0]), dec(v[1])),
+              TUPLE_TAG: lambda v: tuple(dec(x) for x in v), _SET: lambda v: {dec(x) for x in v},
+              _FROZENSET: lambda v: frozenset(dec(x) for x in v), DICT_TAG: lambda v: {dec(k): dec(x) for k, x in v},
+              ODICT_TAG: odict}
 
     try:
         return dec(tree)

@@ -4,34 +4,34 @@ A data file (``__R_I.distcp``) is a sequence of ``torch.save`` records (small un
 archives), one per tensor chunk, at the byte ranges ``.metadata`` records. DCP ``torch.load``-s a
 range and copies the result into its target, casting silently, so metadata that disagrees with the
 records (a range a few bytes short, another dtype or shape) fails deep inside the load or loads
-wrong values. :func:`storage_record_problems` parses each record's zip structure with ``struct``
-and its ``data.pkl`` with :func:`torch_ckpt.format._tensor_pickle.pickled_tensor` (opcodes decoded, never
-executed) and checks: the archive ends exactly at the end of the range, its entries lie inside it
-uncompressed, the pickle is exactly a plain tensor rebuilt from one storage of the declared dtype,
-whose data entry holds exactly that storage and whose view has the declared chunk shape inside it.
-Only the few hundred header bytes of each record are read (records of small tensors share block
-reads).
+wrong values. :func:`storage_record_problems` parses each record's zip structure with ``struct`` and
+its ``data.pkl`` with :func:`pickled_tensor` (opcodes decoded into inert values, never executed) and
+checks: the archive ends exactly at the end of the range, its entries lie inside it uncompressed,
+the pickle is exactly a plain tensor rebuilt from one storage of the declared dtype, whose data
+entry holds exactly that storage and whose view has the declared chunk shape inside it. Only the
+few hundred header bytes of each record are read (records of small tensors share block reads).
 """
 
 from __future__ import annotations
 
+import io
 import math
+import pickletools
 import struct
+import zipfile
 from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
-from functools import lru_cache
+from functools import cache, lru_cache
 from typing import Any, Protocol
 
 import torch
 
-from torch_ckpt.format._tensor_pickle import RecordProblem, pickled_tensor, storage_identity, stored_dtype
-
-__all__ = ["RangeReader", "storage_record_problems", "MAX_PICKLE_BYTES"]
+__all__ = ["MAX_PICKLE_BYTES", "RangeReader", "RecordProblem", "pickled_tensor", "storage_identity",
+           "storage_record_problems", "stored_dtype"]
 
 MAX_PICKLE_BYTES = 64 << 10
 """Largest ``data.pkl`` entry read from a tensor record (bytes); a plain tensor's is ~200."""
-_MAX_ENTRIES = 64
-"""Most zip entries in one record (``torch.save`` of one tensor writes 7)."""
+_MAX_ENTRIES = 64  # most zip entries in one record (torch.save of one tensor writes 7)
 _BLOCK_BYTES = 64 << 10
 
 _EOCD, _EOCD_SIZE = b"PK\x05\x06", 22
@@ -42,12 +42,148 @@ _LOCAL, _LOCAL_SIZE = b"PK\x03\x04", 30
 _SAT16, _SAT32 = 0xFFFF, 0xFFFFFFFF
 
 
+class RecordProblem(ValueError):
+    """One problem of a record (message without file or key; it continues "the stored record ...")."""
+
+
 class RangeReader(Protocol):
     """A readable file: its size in bytes, and ``read_at(offset, length) -> bytes`` (short at its end)."""
 
     size: int
 
     def read_at(self, offset: int, length: int) -> bytes: ...
+
+
+# ---------------------------------------------------------------------------------------------
+# the pickle of a plain tensor
+
+_PUSH_ARG = {"BININT", "BININT1", "BININT2", "LONG1", "BINUNICODE", "SHORT_BINUNICODE", "BINUNICODE8"}
+_CONST = {"NEWFALSE": False, "NEWTRUE": True, "NONE": None, "EMPTY_TUPLE": (), "EMPTY_DICT": {}}
+_TUPLES = {"TUPLE1": 1, "TUPLE2": 2, "TUPLE3": 3}
+_MARK = object()
+
+
+def _interpret(data: bytes) -> Any:
+    """The pickle's result as inert values: a global is ``("global", module, name)``, a call ``("call", f, args)``."""
+    stack: list[Any] = []
+    memo: dict[int, Any] = {}
+    try:
+        for op, arg, _ in pickletools.genops(io.BytesIO(data)):
+            name = op.name
+            if name in ("PROTO", "FRAME"):
+                continue
+            if name in _PUSH_ARG:
+                stack.append(arg)
+            elif name in _CONST:
+                stack.append(_CONST[name])
+            elif name == "GLOBAL":
+                stack.append(("global", *arg.split(" ", 1)))
+            elif name == "MARK":
+                stack.append(_MARK)
+            elif name == "TUPLE":
+                if _MARK not in stack:
+                    raise RecordProblem("has a malformed tensor pickle")
+                at = len(stack) - 1 - stack[::-1].index(_MARK)
+                items = tuple(stack[at + 1:])
+                del stack[at:]
+                stack.append(items)
+            elif name in _TUPLES:
+                n = _TUPLES[name]
+                items, stack[-n:] = tuple(stack[-n:]), []
+                stack.append(items)
+            elif name == "BINPERSID":
+                stack.append(("persid", stack.pop()))
+            elif name == "REDUCE":
+                args = stack.pop()
+                stack.append(("call", stack.pop(), args))
+            elif name in ("BINPUT", "LONG_BINPUT"):
+                memo[arg] = stack[-1]
+            elif name == "MEMOIZE":
+                memo[len(memo)] = stack[-1]
+            elif name in ("BINGET", "LONG_BINGET"):
+                stack.append(memo[arg])
+            elif name == "STOP":
+                result = stack.pop()
+                if stack:
+                    break
+                return result
+            else:
+                raise RecordProblem(f"has a tensor pickle using opcode {name}, which a plain tensor's does not")
+    except RecordProblem:
+        raise
+    except (ValueError, IndexError, KeyError) as exc:
+        raise RecordProblem(f"has a malformed tensor pickle ({exc})") from None
+    raise RecordProblem("has a malformed tensor pickle")
+
+
+@lru_cache(maxsize=1024)  # records of tensors of one dtype and shape share their pickle bytes
+def pickled_tensor(data: bytes) -> tuple[tuple[str, str], str, int, int, tuple[int, ...], tuple[int, ...]]:
+    """``(identity, storage key, storage numel, offset, size, stride)`` of a pickled plain tensor.
+
+    ``identity`` is ``("typed", "FloatStorage")`` for a tensor rebuilt from a typed storage (numel
+    counts elements) or ``("untyped", "float8_e4m3fn")`` for one rebuilt from an untyped storage
+    and a dtype (numel counts bytes). The opcodes are interpreted into inert values, nothing is
+    imported or called, and the result must be the one structure ``torch.save`` writes.
+
+    Raises:
+        RecordProblem: anything else.
+    """
+    result = _interpret(data)
+    try:
+        kind, func, args = result
+        storage, offset, size, stride, requires_grad, hooks, *dtype = args
+        tag, (what, stype, key, location, numel) = storage
+        stype_kind, stype_module, stype_name = stype
+    except (TypeError, ValueError):
+        raise RecordProblem("has a pickle that is not a plain tensor") from None
+    if func == ("global", "torch._utils", "_rebuild_tensor_v2") and not dtype and stype_module == "torch":
+        identity = ("typed", stype_name)
+    elif func == ("global", "torch._utils", "_rebuild_tensor_v3") and len(dtype) == 1 and \
+            (stype_module, stype_name) == ("torch.storage", "UntypedStorage") and \
+            isinstance(dtype[0], tuple) and dtype[0][:2] == ("global", "torch"):
+        identity = ("untyped", dtype[0][2])  # dtypes without a typed storage
+    else:
+        raise RecordProblem("has a pickle that is not a plain tensor")
+    ok = (kind == "call" and tag == "persid" and what == "storage" and stype_kind == "global"
+          and isinstance(key, str) and isinstance(location, str) and type(numel) is int and numel >= 0
+          and type(offset) is int and offset >= 0 and isinstance(size, tuple) and isinstance(stride, tuple)
+          and len(size) == len(stride) and all(type(v) is int and v >= 0 for v in size + stride)
+          and isinstance(requires_grad, bool) and hooks == ("call", ("global", "collections", "OrderedDict"), ()))
+    if not ok:
+        raise RecordProblem("has a pickle that is not a plain tensor")
+    return identity, key, numel, offset, size, stride
+
+
+@cache
+def storage_identity(dtype: torch.dtype) -> tuple[str, str]:
+    """The identity (see :func:`pickled_tensor`) of ``torch.save`` records of ``dtype`` (from a real record)."""
+    buf = io.BytesIO()
+    torch.save(torch.empty(0, dtype=dtype), buf)  # our own bytes: the standard zip reader is fine here
+    with zipfile.ZipFile(buf) as archive:
+        return pickled_tensor(archive.read(next(n for n in archive.namelist() if n.endswith("/data.pkl"))))[0]
+
+
+_KNOWN_DTYPES = ("float32", "float64", "float16", "bfloat16", "complex64", "complex128", "complex32", "int8", "int16",
+                 "int32", "int64", "uint8", "uint16", "uint32", "uint64", "bool", "float8_e4m3fn", "float8_e5m2",
+                 "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu")
+
+
+def stored_dtype(identity: tuple[str, str]) -> str:
+    """The dtype name of records of ``identity`` (for messages), or "unknown"."""
+    if identity[0] == "untyped":
+        return identity[1]
+    for name in _KNOWN_DTYPES:
+        dtype = getattr(torch, name, None)
+        try:
+            if isinstance(dtype, torch.dtype) and storage_identity(dtype) == identity:
+                return name
+        except (RuntimeError, TypeError, ValueError, KeyError, NotImplementedError):  # torch.save cannot write it
+            continue
+    return "unknown"
+
+
+# ---------------------------------------------------------------------------------------------
+# the zip structure of a record
 
 
 class _Blocks:
@@ -63,15 +199,13 @@ class _Blocks:
         first, last = offset // _BLOCK_BYTES, (offset + max(length, 1) - 1) // _BLOCK_BYTES
         parts = []
         for block in range(first, last + 1):
-            data = self._cache.get(block)
-            if data is None:
+            if block not in self._cache:
                 if len(self._cache) >= 8:
                     self._cache.clear()
-                data = self._cache[block] = self._reader.read_at(block * _BLOCK_BYTES, _BLOCK_BYTES)
-            parts.append(data)
-        joined = parts[0] if len(parts) == 1 else b"".join(parts)
+                self._cache[block] = self._reader.read_at(block * _BLOCK_BYTES, _BLOCK_BYTES)
+            parts.append(self._cache[block])
         start = offset - first * _BLOCK_BYTES
-        return joined[start:start + length]
+        return b"".join(parts)[start:start + length]
 
 
 def _unpack(fmt: str, data: bytes, at: int = 0) -> tuple:
@@ -129,12 +263,6 @@ def _central_directory(rec: _Record) -> tuple[int, int, int]:
     return entries, cd_offset, cd_size
 
 
-def _entries(rec: _Record) -> tuple[dict[str, tuple[int, int, int, int]], int]:
-    """``({name: (method, compressed, uncompressed, local header offset)}, directory offset)``."""
-    count, cd_offset, cd_size = _central_directory(rec)
-    return _parse_directory(rec.read(cd_offset, cd_size, "zip central directory"), count), cd_offset
-
-
 @lru_cache(maxsize=1024)  # records of tensors of one dtype and shape share their directory bytes
 def _parse_directory(cd: bytes, count: int) -> dict[str, tuple[int, int, int, int]]:
     """``{name: (method, compressed, uncompressed, local header offset)}`` of a central directory (do not mutate)."""
@@ -143,8 +271,9 @@ def _parse_directory(cd: bytes, count: int) -> dict[str, tuple[int, int, int, in
     for _ in range(count):
         if cd[at:at + 4] != _CENTRAL or at + _CENTRAL_SIZE > len(cd):
             raise RecordProblem("has a malformed zip central directory")
-        method, comp, size, n_name, n_extra, n_comment, local = (_unpack("H", cd, at + 10)[0],) + \
-            _unpack("IIHHH", cd, at + 20) + (_unpack("I", cd, at + 42)[0],)
+        method, = _unpack("H", cd, at + 10)
+        comp, size, n_name, n_extra, n_comment = _unpack("IIHHH", cd, at + 20)
+        local, = _unpack("I", cd, at + 42)
         name_end = at + _CENTRAL_SIZE + n_name
         if name_end + n_extra + n_comment > len(cd):
             raise RecordProblem("has a malformed zip central directory")
@@ -157,12 +286,10 @@ def _parse_directory(cd: bytes, count: int) -> dict[str, tuple[int, int, int, in
                 tag, n = _unpack("HH", extra, pos)
                 if tag == 1:
                     field = pos + 4
-                    for i in range(3):
-                        if wide[i]:
-                            if field + 8 > pos + 4 + n:
-                                raise RecordProblem(f"has a short ZIP64 field in zip entry {name!r}")
-                            values[i] = _unpack("Q", extra, field)[0]
-                            field += 8
+                    for i in (i for i in range(3) if wide[i]):
+                        if field + 8 > pos + 4 + n:
+                            raise RecordProblem(f"has a short ZIP64 field in zip entry {name!r}")
+                        values[i], field = _unpack("Q", extra, field)[0], field + 8
                     break
                 pos += 4 + n
             else:
@@ -193,30 +320,26 @@ def _entry_data(rec: _Record, name: str, entry: tuple[int, int, int, int], cd_of
     return start, size
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
 def _check(rec: _Record, dtype: torch.dtype, sizes: tuple[int, ...]) -> None:
-    entries, cd_offset = _entries(rec)
+    count, cd_offset, cd_size = _central_directory(rec)
+    entries = _parse_directory(rec.read(cd_offset, cd_size, "zip central directory"), count)
     pickles = [n for n in entries if n.endswith("/data.pkl") and n.count("/") == 1]
     if len(pickles) != 1:
         raise RecordProblem("is not a torch.save record (no single data.pkl entry)")
-    prefix = pickles[0][: -len("data.pkl")]
     start, size = _entry_data(rec, pickles[0], entries[pickles[0]], cd_offset)
     if size > MAX_PICKLE_BYTES:
         raise RecordProblem(f"has a tensor pickle of {size} bytes, more than the {MAX_PICKLE_BYTES} accepted")
     identity, key, numel, offset, shape, stride = pickled_tensor(rec.read(start, size, "data.pkl"))
-    data_name = f"{prefix}data/{key}"
+    data_name = f"{pickles[0][: -len('data.pkl')]}data/{key}"
     if data_name not in entries:
         raise RecordProblem(f"lacks its tensor data entry {data_name!r}")
     _, data_bytes = _entry_data(rec, data_name, entries[data_name], cd_offset)
+    name = str(dtype).removeprefix("torch.")
     if identity != storage_identity(dtype):
-        raise RecordProblem(f"holds {stored_dtype(identity)} data but .metadata declares {_dtype_name(dtype)}")
+        raise RecordProblem(f"holds {stored_dtype(identity)} data but .metadata declares {name}")
     nbytes = numel * dtype.itemsize if identity[0] == "typed" else numel
     if nbytes != data_bytes or nbytes % dtype.itemsize:
-        raise RecordProblem(f"holds {data_bytes} bytes of tensor data, but its storage of {_dtype_name(dtype)} "
-                            f"declares {nbytes}")
+        raise RecordProblem(f"holds {data_bytes} bytes of tensor data, but its storage of {name} declares {nbytes}")
     numel = nbytes // dtype.itemsize
     if shape != tuple(sizes):
         raise RecordProblem(f"holds a tensor of shape {list(shape)}, but .metadata declares the chunk as {list(sizes)}")
@@ -247,13 +370,9 @@ def storage_record_problems(md: Any, tensors: dict[str, Any],
     chunk_sizes = {(key, tuple(c.offsets)): tuple(c.sizes) for key, item in tensors.items() for c in item.chunks}
     wanted = None if files is None else set(files)
     for index, info in md.storage_data.items():
-        item = tensors.get(index.fqn)
-        if item is None or index.offset is None:
-            continue
         rel = str(info.relative_path)
-        if wanted is not None and rel not in wanted:
-            continue
-        by_file.setdefault(rel, []).append((info.offset, info.length, index.fqn, tuple(index.offset)))
+        if index.fqn in tensors and index.offset is not None and (wanted is None or rel in wanted):
+            by_file.setdefault(rel, []).append((info.offset, info.length, index.fqn, tuple(index.offset)))
     problems: list[tuple[str, str]] = []
     for rel, items in sorted(by_file.items()):
         with open_file(rel) as reader:

@@ -1,24 +1,36 @@
-"""Export a committed checkpoint to a single ``torch.save`` file or to safetensors.
+"""Conversions between torch-ckpt checkpoints and other formats, and interop with plain DCP.
 
-Both exports read the checkpoint with the same pickle-free path as :meth:`CheckpointManager.restore`
-(restricted metadata unpickler, tensors with ``weights_only=True``, non-tensor values from JSON) and
-assemble full, unsharded tensors whatever world size wrote them. DCP's own
-``format_utils.dcp_to_torch_save`` is not used because it unpickles every non-tensor item.
+* :func:`load_full_state`, :func:`export_torch`, :func:`export_safetensors`: a committed checkpoint
+  as one nested dict of full tensors, a ``torch.save`` file, or the model weights as safetensors.
+  They read with the pickle-free path of a restore (restricted metadata unpickler, tensors with
+  ``weights_only=True``, plain values from JSON), whatever world size wrote the checkpoint; DCP's
+  ``format_utils.dcp_to_torch_save`` is not used because it unpickles every non-tensor item.
+* :func:`prepare_dcp_load`: stock ``torch.distributed.checkpoint.load`` on one of our checkpoints.
+* :func:`import_dcp`: a folder written by plain ``dcp.save`` (or torchtitan) made a committed step.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import io
+import os
+import pickle
+import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from torch_ckpt.errors import CheckpointNotFoundError, ConfigError
-from torch_ckpt.format._codec import is_per_rank_key, join_state
+from torch_ckpt.format._codec import is_per_rank_key, join_state, split_state
 from torch_ckpt.format._read import (
+    MANIFEST_NAME,
+    METADATA_NAME,
     Manifest,
     check_records,
     load_tensors,
+    rank_file_name,
+    read_dcp_metadata,
     read_manifest,
     read_metadata,
     read_rank_doc,
@@ -26,41 +38,48 @@ from torch_ckpt.format._read import (
     tensor_keys,
     verify_files,
 )
+from torch_ckpt.root._layout import commit_dir, write_json_durable
+from torch_ckpt.root._temporaries import new_incarnation, step_dir_name, temporary_name
+from torch_ckpt.storage._crc import file_crc32
+from torch_ckpt.storage._locations import as_location
 
-__all__ = ["load_full_state", "export_torch", "export_safetensors", "model_weights"]
+__all__ = ["export_safetensors", "export_torch", "import_dcp", "is_plain_dcp", "load_full_state", "model_weights",
+           "prepare_dcp_load"]
 
 
-def _resolve(checkpoint: str | Path, allow_symlinks: bool) -> tuple[Path, Manifest]:
+def _resolve(checkpoint: str | os.PathLike, allow_symlinks: bool) -> tuple[Path, Manifest]:
     path = Path(checkpoint)
+    if is_plain_dcp(path):
+        from torch_ckpt.tools.listing import plain_dcp_reason
+
+        raise CheckpointNotFoundError(f"{path} is a {plain_dcp_reason(as_location(path))}")
     if not path.is_dir():
         raise CheckpointNotFoundError(f"{path} is not a checkpoint directory (expected a directory holding a "
                                       "torch-ckpt manifest.json, e.g. ROOT/step_000001000)")
     return path, read_manifest(path, allow_symlinks=allow_symlinks)
 
 
-def load_full_state(checkpoint: str | Path, *, verify: bool = True,
+def is_plain_dcp(path: str | os.PathLike) -> bool:
+    """True for a local directory written by plain ``dcp.save``: a ``.metadata`` file, no ``manifest.json``."""
+    p = Path(path)
+    return (p / METADATA_NAME).is_file() and not os.path.lexists(p / MANIFEST_NAME)
+
+
+def load_full_state(checkpoint: str | os.PathLike, *, verify: bool = True,
                     allow_symlinks: bool = False) -> tuple[dict[str, Any], Manifest]:
     """Load a committed checkpoint as one nested dict of full tensors and Python values (one process).
 
-    Goes through the same validation as a restore (:mod:`torch_ckpt.format._read`): only the manifest's
-    files, as regular files inside the checkpoint; metadata whose chunks cover every tensor exactly
-    and fit in the files (checked before any tensor is allocated); tensor records that match the
-    metadata's dtypes, sizes and shapes; bounded, well-formed rank files.
-
-    Args:
-        checkpoint: a committed step directory.
-        verify: check every file's CRC-32 first (sizes are always checked).
-        allow_symlinks: follow symlinked files (refused by default, like restore).
+    The checks are a restore's (:mod:`torch_ckpt.format._read`), made before any tensor is allocated;
+    ``verify`` adds every file's CRC-32; ``allow_symlinks`` follows symlinked files (refused by default).
 
     Returns:
-        ``(state, manifest)``. ``state`` is rank 0's nested state with full tensors; when the
-        checkpoint was written by several ranks, ``state["per_rank"]`` lists each rank's rank-local
-        values (RNG, dataloader position) and every top-level entry that holds per-rank tensors
-        (e.g. ``extras``), as that rank saved it.
+        ``(state, manifest)``: rank 0's nested state with full tensors; when several ranks wrote
+        the checkpoint, ``state["per_rank"]`` lists each rank's rank-local values (``rng``,
+        ``dataloader``) and every top-level entry holding per-rank tensors, as that rank saved it.
 
     Raises:
-        CheckpointNotFoundError: not a committed checkpoint directory.
-        CheckpointCorruptError: a file fails verification or its content is malformed (named).
+        CheckpointNotFoundError: not a committed checkpoint directory (a plain DCP folder: named so).
+        CheckpointCorruptError: a file fails verification or is malformed (named).
         UnsafeCheckpointError: the metadata references code, or an item is pickled.
     """
     path, manifest = _resolve(checkpoint, allow_symlinks)
@@ -70,14 +89,12 @@ def load_full_state(checkpoint: str | Path, *, verify: bool = True,
     specs = tensor_items(md)
     trees = [read_rank_doc(path, manifest, r, allow_symlinks=allow_symlinks, tensor_keys=specs.__contains__)["tree"]
              for r in range(manifest.world_size)]
-    # sizes are bounded by the files (read_metadata) and every element is covered by a chunk, so
-    # every element of these buffers is overwritten by the load
+    # every element is covered by a chunk (read_metadata), so the load overwrites all of these buffers
     tensors = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype) for k, m in specs.items()}
     if tensors:
         load_tensors(tensors, path, md, set(manifest.files), no_dist=True, allow_symlinks=allow_symlinks)
     state = join_state(trees[0], tensors)
     if manifest.world_size > 1:
-        # rank-local parts, and every top-level entry holding a per-rank tensor (__rank<r>__. keys) on some rank
         per_rank = {"rng", "dataloader"} | {k for t in trees[1:] if isinstance(t, dict) for k, v in t.items()
                                             if any(is_per_rank_key(key) for key in tensor_keys(v))}
         state["per_rank"] = [join_state({k: v for k, v in t.items() if k in per_rank}, tensors)
@@ -86,24 +103,34 @@ def load_full_state(checkpoint: str | Path, *, verify: bool = True,
 
 
 def _weights_only_safe(node: Any) -> Any:
-    """Replace numpy values by tensors / Python scalars so ``torch.load(weights_only=True)`` can read them."""
+    """Numpy values as tensors / Python scalars, so ``torch.load(weights_only=True)`` reads the file."""
     import numpy as np
 
     if isinstance(node, dict):
-        return {k: _weights_only_safe(v) for k, v in node.items()}
+        return type(node)((k, _weights_only_safe(v)) for k, v in node.items())
     if isinstance(node, (list, tuple)):
         return type(node)(_weights_only_safe(v) for v in node)
     if isinstance(node, np.ndarray):
         return torch.from_numpy(node.copy())
-    if isinstance(node, np.generic):
-        return node.item()
-    return node
+    return node.item() if isinstance(node, np.generic) else node
 
 
-def export_torch(checkpoint: str | Path, out: str | Path, *, allow_symlinks: bool = False) -> dict[str, Any]:
-    """Write the full state of ``checkpoint`` as one ``torch.save`` file; returns a summary dict.
+def export_torch(checkpoint: str | os.PathLike, out: str | os.PathLike, *,
+                 allow_symlinks: bool = False) -> dict[str, Any]:
+    """Write the full state of ``checkpoint`` as one ``torch.save`` file (``torch-ckpt convert --to torch``).
 
-    The file loads with ``torch.load(out, weights_only=True)`` (numpy arrays become tensors).
+    The file holds :func:`load_full_state`'s dict: the saved state's top-level keys with full CPU
+    tensors. A :class:`~torch_ckpt.TrainState` gives ``model`` (the model's ``state_dict()``),
+    ``optimizer`` (``get_optimizer_state_dict``'s layout: ``state`` keyed by parameter name,
+    ``param_groups``), ``scheduler``, ``step``, ``epoch``, ``rng``, ``extras`` (and ``dataloader``);
+    ``per_rank`` is added when several ranks wrote it; numpy values become tensors or scalars::
+
+        sd = torch.load("step100.pt", weights_only=True)
+        model.load_state_dict(sd["model"])
+        set_optimizer_state_dict(model, optimizer, sd["optimizer"])  # torch.distributed.checkpoint.state_dict
+
+    Returns:
+        ``{"step", "out", "bytes"}``.
 
     Raises:
         CheckpointNotFoundError, CheckpointCorruptError, UnsafeCheckpointError: see :func:`load_full_state`.
@@ -114,7 +141,6 @@ def export_torch(checkpoint: str | Path, out: str | Path, *, allow_symlinks: boo
 
 
 def _flat_weights(node: dict[str, Any], prefix: str = "") -> dict[str, torch.Tensor]:
-    """The tensors of a (nested) state dict under dotted names (other values are left out)."""
     weights: dict[str, torch.Tensor] = {}
     for k, v in node.items():
         if isinstance(v, torch.Tensor):
@@ -128,16 +154,9 @@ def model_weights(state: dict[str, Any], *, model: str | None = None,
                   source: str = "checkpoint") -> tuple[dict[str, torch.Tensor], list[str]]:
     """The model weights of a loaded state (:func:`load_full_state`), keyed as the model's ``state_dict()``.
 
-    A :class:`~torch_ckpt.TrainState` of one model saves its state dict under ``model``; one of
-    several models (a mapping, as the Accelerate adapter always saves: ``{"0": ...}``) saves one
-    state dict per model name; a Lightning checkpoint saves ``state_dict``. With one model the keys
-    are the model's own; with several, each key is prefixed by its model's name and a dot
-    (``"1.fc.weight"``), unless ``model`` picks one of them (its own keys, no prefix).
-
-    Args:
-        state: the nested state.
-        model: with several models, the name of the one to take.
-        source: the checkpoint, for messages.
+    ``model`` holds one state dict or (Accelerate: ``{"0": ...}``) one per model name; Lightning saves
+    ``state_dict``. With several models each key is prefixed by its model's name and a dot
+    (``"1.fc.weight"``) unless ``model`` picks one (its own keys).
 
     Returns:
         ``(weights, model names)``; the names are empty for a single model's state dict.
@@ -145,10 +164,9 @@ def model_weights(state: dict[str, Any], *, model: str | None = None,
     Raises:
         ConfigError: no model tensors, or ``model`` is not one of the saved models (or there is one model).
     """
-    tree = state.get("model") or state.get("state_dict")  # TrainState / Lightning checkpoints
+    tree = state.get("model") or state.get("state_dict")
     if not isinstance(tree, dict) or not tree:
         raise ConfigError(f"{source}: no 'model' (TrainState) or 'state_dict' (Lightning) entry to export")
-    # a model's state dict maps flat names to tensors; a mapping of several models maps names to dicts
     several = "model" in state and all(isinstance(v, dict) for v in tree.values())
     names = sorted(tree) if several else []
     if model is not None:
@@ -156,40 +174,25 @@ def model_weights(state: dict[str, Any], *, model: str | None = None,
             raise ConfigError(f"{source}: no model named {model!r} to export; the checkpoint holds "
                               + (f"models {names}" if names else "one model (leave the model name out)"))
         weights = _flat_weights(tree[model])
-    elif len(names) == 1:
-        weights = _flat_weights(tree[names[0]])
     else:
-        weights = _flat_weights(tree)
+        weights = _flat_weights(tree[names[0]] if len(names) == 1 else tree)
     if not weights:
         raise ConfigError(f"{source}: the model entry holds no tensors to export")
     return weights, names
 
 
-def export_safetensors(checkpoint: str | Path, out: str | Path, *, model: str | None = None,
+def export_safetensors(checkpoint: str | os.PathLike, out: str | os.PathLike, *, model: str | None = None,
                        allow_symlinks: bool = False) -> dict[str, Any]:
-    """Write the model weights of ``checkpoint`` as safetensors, keyed as the model's ``state_dict()``.
+    """Write the model weights of ``checkpoint`` as safetensors, keyed as :func:`model_weights` gives them.
 
-    The weights are the ``model`` entry of a :class:`~torch_ckpt.TrainState` checkpoint (the
-    Accelerate adapter's too), or the ``state_dict`` entry of a Lightning one. With one model (an
-    Accelerate run with one prepared model included) the keys are the model's own, without any
-    prefix, so ``model.load_state_dict(safetensors.torch.load_file(out))`` works. With several
-    models, each key is prefixed by the model's name and a dot (``"0.fc.weight"``, ``"1.fc.weight"``),
-    and the names are listed in the file's metadata (``"models"``); ``model`` exports one of them
-    alone, without the prefix.
-
-    Args:
-        checkpoint: a committed checkpoint directory.
-        out: the file to write.
-        model: with several models, the name of the one to export.
-        allow_symlinks: follow symlinked files (refused by default, like restore).
+    With one model, ``model.load_state_dict(safetensors.torch.load_file(out))`` works; prefixed names
+    are listed in the file's metadata (``"models"``).
 
     Returns:
-        ``{"step", "out", "tensors", "bytes", "models"}``; ``models`` lists the model names whose
-        weights are in the file (prefixed when several), empty for a single model.
+        ``{"step", "out", "tensors", "bytes", "models"}`` (``models``: the prefixes used, else empty).
 
     Raises:
-        ConfigError: the checkpoint has no model tensors, ``model`` is not one of its models, or
-            ``safetensors`` is not installed.
+        ConfigError: no model tensors, ``model`` unknown, or ``safetensors`` is not installed.
         CheckpointNotFoundError, CheckpointCorruptError, UnsafeCheckpointError: see :func:`load_full_state`.
     """
     try:
@@ -203,3 +206,166 @@ def export_safetensors(checkpoint: str | Path, out: str | Path, *, model: str | 
                                            "models": ",".join(prefixed)})
     return {"step": manifest.step, "out": str(out), "tensors": len(weights), "bytes": Path(out).stat().st_size,
             "models": prefixed}
+
+
+# ---------------------------------------------------------------------------------------------
+# interop with plain DCP
+
+
+class _Ref:
+    """A tensor placeholder of the JSON tree (its DCP key), while the plain values are decoded."""
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+
+
+class _Refs(dict):
+    def __contains__(self, key: object) -> bool:
+        return True
+
+    def __getitem__(self, key: str) -> _Ref:
+        return _Ref(key)
+
+
+def _fill(live: Any, saved: Any, flat: dict[str, torch.Tensor], specs: dict[str, Any]) -> Any:
+    if isinstance(saved, _Ref):
+        if not isinstance(live, torch.Tensor):  # absent (a fresh optimizer): a full-size CPU buffer
+            meta = specs[saved.key]
+            live = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+        flat[saved.key] = live
+        return live
+    if isinstance(saved, dict):
+        out = live if isinstance(live, dict) else type(saved)()
+        for k, v in saved.items():
+            out[k] = _fill(out.get(k), v, flat, specs)
+        return out
+    if isinstance(saved, (list, tuple)):
+        old = live if isinstance(live, (list, tuple)) and len(live) == len(saved) else [None] * len(saved)
+        return type(saved)(_fill(a, b, flat, specs) for a, b in zip(old, saved))
+    return saved
+
+
+def prepare_dcp_load(checkpoint: str | os.PathLike, state_dict: dict[str, Any], *,
+                     rank: int = 0) -> dict[str, torch.Tensor]:
+    """Make stock ``torch.distributed.checkpoint.load`` restore ``state_dict`` from a torch-ckpt checkpoint.
+
+    Our DCP files hold the tensors only; plain values (learning rates, counters) are in the rank
+    files, so ``dcp.load`` alone fails with ``Missing key ... optimizer.param_groups.0.lr``. This fills
+    the plain values under ``state_dict``'s top-level keys in place from rank ``rank``'s file, adds
+    the tensors it lacks (a fresh optimizer's moments) as full-size CPU tensors, and returns the
+    tensors flat under their DCP keys, for ``dcp.load`` to read into; then apply ``state_dict``::
+
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+        from torch_ckpt.tools import prepare_dcp_load
+
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        sd = {"model": model_sd, "optimizer": optim_sd}
+        dcp.load(prepare_dcp_load("ckpts/step_000000100", sd), checkpoint_id="ckpts/step_000000100")
+        set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optimizer"])
+
+    Distributed: call it on every rank with its ``rank``; DTensors of ``state_dict`` load as DTensors.
+
+    Raises:
+        ConfigError: a top-level key of ``state_dict`` is not in the checkpoint.
+        CheckpointNotFoundError, CheckpointCorruptError, UnsafeCheckpointError: see :func:`load_full_state`.
+    """
+    path, manifest = _resolve(checkpoint, False)
+    specs = tensor_items(read_metadata(path, manifest))
+    tree = read_rank_doc(path, manifest, min(rank, manifest.world_size - 1), tensor_keys=specs.__contains__)["tree"]
+    saved = join_state(tree, _Refs())
+    saved = saved if isinstance(saved, dict) else {}
+    missing = [k for k in state_dict if k not in saved]
+    if missing:
+        raise ConfigError(f"{path} holds no {missing[0]!r}; it holds {sorted(saved)}")
+    flat: dict[str, torch.Tensor] = {}
+    for key in state_dict:
+        state_dict[key] = _fill(state_dict[key], saved[key], flat, specs)
+    return flat
+
+
+def _nest(paths: dict[str, tuple[Any, ...]], values: dict[str, Any]) -> dict[str, Any]:
+    """DCP's own unflattening (``_traverse.set_element``): an integer path element makes a list."""
+    root: dict[str, Any] = {}
+    for fqn, value in values.items():
+        path, node = paths.get(fqn, tuple(fqn.split("."))), root
+        for key, nxt in zip(path, path[1:]):
+            if isinstance(node, list):
+                node.extend([None] * (key + 1 - len(node)))
+                node[key] = node[key] if node[key] is not None else ({} if isinstance(nxt, str) else [])
+                node = node[key]
+            else:
+                node = node.setdefault(key, {} if isinstance(nxt, str) else [])
+        if isinstance(node, list):
+            node.extend([None] * (path[-1] + 1 - len(node)))
+        node[path[-1]] = value
+    return root
+
+
+def import_dcp(src: str | os.PathLike, root: str | os.PathLike, step: int, *, link: bool = False) -> dict[str, Any]:
+    """Adopt a folder written by plain ``dcp.save`` (or torchtitan) as committed step ``step`` of ``root``.
+
+    The data files are copied (``link``: hard-linked) into ``root/step_NNNNNNNNN`` unchanged; the
+    items DCP pickled are decoded by ``torch.load(weights_only=True)`` (PyTorch's restricted
+    unpickler) into ``rank_00000.json`` and dropped from the rewritten ``.metadata``; the manifest
+    lists every file with its CRC-32. Nesting follows DCP's unflattening (an integer is a list index).
+
+    Returns:
+        ``{"checkpoint", "step", "tensors", "values", "files", "bytes", "linked"}``.
+
+    Raises:
+        CheckpointNotFoundError: ``src`` is not a plain DCP folder.
+        ConfigError: ``root/step_N`` exists, or an item cannot be decoded or stored exactly (named).
+        UnsafeCheckpointError: ``.metadata`` references code.
+        OSError: a copy or link fails (hard links need one file system).
+    """
+    src, root = Path(src), Path(root)
+    if not is_plain_dcp(src):
+        raise CheckpointNotFoundError(f"{src} is not a plain DCP checkpoint (a folder holding .metadata without a "
+                                      "torch-ckpt manifest.json)")
+    md = read_dcp_metadata(src / METADATA_NAME)
+    specs = tensor_items(md)
+    values: dict[str, Any] = {k: torch.empty(0) for k in specs}
+    for index, info in md.storage_data.items():
+        if index.fqn in md.state_dict_metadata and index.fqn not in specs:
+            with open(src / str(info.relative_path), "rb") as f:
+                f.seek(info.offset)
+                raw = f.read(info.length)
+            try:
+                values[index.fqn] = torch.load(io.BytesIO(raw), weights_only=True)
+            except Exception as exc:  # noqa: BLE001 - the restricted unpickler refused or the bytes are bad
+                raise ConfigError(f"{src}: item {index.fqn!r} cannot be decoded without running code ({exc})") from None
+    tensors, tree = split_state(_nest(md.planner_data or {}, values))
+    if set(tensors) != set(specs):
+        raise ConfigError(f"{src}: its keys do not nest back to their DCP names: "
+                          f"{sorted(set(tensors) ^ set(specs))[:3]}")
+    final = root / step_dir_name(step)
+    if os.path.lexists(final):
+        raise ConfigError(f"{final} already exists; choose another --step")
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / temporary_name(final.name, new_incarnation())
+    tmp.mkdir()
+    try:
+        data = sorted({str(md.storage_data[i].relative_path) for i in md.storage_data if i.fqn in specs})
+        for name in data:
+            (os.link if link else shutil.copyfile)(src / name, tmp / name)
+        kept = {i: s for i, s in md.storage_data.items() if i.fqn in specs}
+        slim = dataclasses.replace(md, state_dict_metadata=dict(specs), storage_data=kept,
+                                   planner_data={k: v for k, v in (md.planner_data or {}).items() if k in specs})
+        with open(tmp / METADATA_NAME, "wb") as f:
+            pickle.dump(slim, f)
+            f.flush()
+            os.fsync(f.fileno())
+        files = {name: dict(zip(("bytes", "crc32"), file_crc32(tmp / name))) for name in [*data, METADATA_NAME]}
+        size, crc = write_json_durable(tmp / rank_file_name(0), {"step": step, "rank": 0, "world_size": 1,
+                                                                  "tree": tree})
+        files[rank_file_name(0)] = {"bytes": size, "crc32": crc}
+        payload = sum(m.properties.dtype.itemsize * int(torch.Size(m.size).numel()) for m in specs.values())
+        write_json_durable(tmp / MANIFEST_NAME, Manifest(step=step, world_size=1, files=files,
+                                                         tensor_bytes=payload).to_json())
+        commit_dir(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return {"checkpoint": str(final), "step": step, "tensors": len(specs), "values": len(values) - len(specs),
+            "files": len(files), "bytes": sum(i["bytes"] for i in files.values()), "linked": link}

@@ -7,12 +7,10 @@ failure loses everything since the last *durable* save; the job then restarts, w
 seconds (a failure during the restart starts it again), and resumes from that save. This is
 Daly's (2006) model with the asynchronous durability lag added.
 
-Between two failures the run is deterministic, so each gap ``g`` contributes exactly
-``T * k`` seconds of kept work, where ``k = floor((g - R - L) / (T + C))`` (0 if negative) is the
-number of saves that became durable in it (the first gap has no restart). The measured overhead
-is ``1 - kept work / wall time``: the fraction of wall time that did not advance training. The
-same failure times are used for every interval (common random numbers), so the curve is smooth
-and its minimum is well defined; 200,000 failures over 81 intervals take well under a second.
+Each gap ``g`` between failures keeps exactly ``T * k`` seconds of work, ``k = floor((g - R - L) /
+(T + C))`` (0 if negative; the first gap has no restart) being the saves made durable in it; the
+overhead is ``1 - kept work / wall time``. Every interval sees the same failure times (common
+random numbers), so the curve is smooth; 200,000 failures over 81 intervals take under a second.
 """
 
 from __future__ import annotations
@@ -29,37 +27,21 @@ from torch_ckpt.policy._schedule import checkpoint_interval, expected_overhead, 
 __all__ = ["SimulationResult", "simulate_overhead", "sweep", "plot_sweep"]
 
 
-def _failure_gaps(mtbf_s: float, failures: int, seed: int) -> np.ndarray:
-    check_int("failures", failures, 1)
-    return np.random.default_rng(seed).exponential(mtbf_s, size=failures)
-
-
-def simulate_overhead(
-    intervals_s: Any,
-    *,
-    mtbf_s: float,
-    cost_s: float,
-    durability_lag_s: float = 0.0,
-    restart_s: float = 0.0,
-    failures: int = 200_000,
-    seed: int = 0,
-) -> np.ndarray:
+def simulate_overhead(intervals_s: Any, *, mtbf_s: float, cost_s: float, durability_lag_s: float = 0.0,
+                      restart_s: float = 0.0, failures: int = 200_000, seed: int = 0) -> np.ndarray:
     """Measured overhead fraction for each interval, over the same ``failures`` failures.
 
     Args:
-        intervals_s: Compute seconds between saves ``T``: a number or a sequence (each > 0).
-        mtbf_s: Mean time between failures ``M``, in seconds (> 0).
-        cost_s: Training stall per save ``C``, in seconds (>= 0).
-        durability_lag_s: Seconds from the end of a stall until the save is durable ``L`` (>= 0).
-        restart_s: Seconds to restart after a failure ``R`` (>= 0).
-        failures: Number of failures simulated; the run lasts about ``failures x M`` seconds.
-        seed: Seed of the random generator (same seed, same result).
+        intervals_s: compute seconds between saves ``T``: a number or a sequence (each > 0).
+        mtbf_s, cost_s, durability_lag_s, restart_s: ``M`` (> 0), ``C``, ``L``, ``R`` (>= 0), in seconds.
+        failures: number of failures simulated; the run lasts about ``failures x M`` seconds.
+        seed: seed of the random generator (same seed, same result).
 
     Returns:
         Array of overhead fractions (0.01 = 1 % of wall time lost), one per interval.
 
     Raises:
-        ValueError: If an argument is out of range.
+        ValueError: an argument is out of range.
     """
     mtbf = to_seconds("mtbf_s", mtbf_s, positive=True)
     cost = to_seconds("cost_s", cost_s, positive=False)
@@ -68,7 +50,8 @@ def simulate_overhead(
     intervals = np.atleast_1d(np.asarray(intervals_s, dtype=float))
     if intervals.size == 0 or not np.all(np.isfinite(intervals)) or np.any(intervals <= 0):
         raise ValueError(f"intervals_s must be positive, finite seconds, got {intervals_s!r}")
-    gaps = _failure_gaps(mtbf, failures, seed)
+    check_int("failures", failures, 1)
+    gaps = np.random.default_rng(seed).exponential(mtbf, size=failures)
     wall = float(gaps.sum())
     run = gaps - restart - lag
     run[0] += restart  # the job's first start is not a restart
@@ -119,50 +102,30 @@ class SimulationResult:
             mark = "  <- measured optimum" if i == best else ""
             lines.append(f"{format_duration(t):>12}  {100 * o:8.3f}%  {100 * p:8.3f}%{mark}")
         lines.append("")
-        for name, t, o in (
-            ("measured optimum", self.optimum_interval_s, self.optimum_overhead),
-            ("Young (1974)", self.young_interval_s, self.young_overhead),
-            ("Daly (2006)", self.daly_interval_s, self.daly_overhead),
-            ("recommended", self.recommended_interval_s, self.recommended_overhead),
-        ):
+        for name, t, o in (("measured optimum", self.optimum_interval_s, self.optimum_overhead),
+                           ("Young (1974)", self.young_interval_s, self.young_overhead),
+                           ("Daly (2006)", self.daly_interval_s, self.daly_overhead),
+                           ("recommended", self.recommended_interval_s, self.recommended_overhead)):
             lines.append(f"{name:<17} {format_duration(t):>10} ({t:.1f} s)  overhead {100 * o:.3f}%")
         return "\n".join(lines)
 
 
-def sweep(
-    *,
-    mtbf_s: float,
-    cost_s: float,
-    durability_lag_s: float = 0.0,
-    restart_s: float = 0.0,
-    intervals_s: Any = None,
-    min_interval_s: float | None = None,
-    max_interval_s: float | None = None,
-    points: int = 81,
-    failures: int = 200_000,
-    seed: int = 0,
-) -> SimulationResult:
+def sweep(*, mtbf_s: float, cost_s: float, durability_lag_s: float = 0.0, restart_s: float = 0.0,
+          intervals_s: Any = None, min_interval_s: float | None = None, max_interval_s: float | None = None,
+          points: int = 81, failures: int = 200_000, seed: int = 0) -> SimulationResult:
     """Simulate a range of intervals and locate the measured optimum.
 
     Args:
-        mtbf_s: Mean time between failures, in seconds (> 0).
-        cost_s: Training stall per save, in seconds (> 0).
-        durability_lag_s: Seconds from the end of a stall until the save is durable (>= 0).
-        restart_s: Seconds to restart after a failure (>= 0).
-        intervals_s: Explicit intervals to simulate; if ``None``, ``points`` log-spaced intervals
+        mtbf_s, cost_s, durability_lag_s, restart_s, failures, seed: as :func:`simulate_overhead` (``cost_s`` > 0).
+        intervals_s: explicit intervals to simulate; if None, ``points`` (>= 2) log-spaced intervals
             from ``min_interval_s`` (default Daly / 4) to ``max_interval_s`` (default Daly x 4).
-        min_interval_s: Smallest interval of the default range, in seconds.
-        max_interval_s: Largest interval of the default range, in seconds.
-        points: Number of intervals in the default range (>= 2).
-        failures: Number of failures simulated.
-        seed: Random seed.
 
     Returns:
         A :class:`SimulationResult`; ``optimum_interval_s`` is the simulated interval with the
         lowest measured overhead, ``recommended_interval_s`` the one ``torch-ckpt plan`` recommends.
 
     Raises:
-        ValueError: If an argument is out of range (including ``min_interval_s >= max_interval_s``).
+        ValueError: an argument is out of range (including ``min_interval_s >= max_interval_s``).
     """
     cost = to_seconds("cost_s", cost_s, positive=True)
     young = young_interval(mtbf_s, cost)
@@ -185,10 +148,8 @@ def sweep(
     predicted = [expected_overhead(t, cost, mtbf_s, durability_lag_s, restart_s=restart_s) for t in intervals]
     return SimulationResult(
         mtbf_s=float(mtbf_s), cost_s=cost, durability_lag_s=float(durability_lag_s), restart_s=float(restart_s),
-        failures=failures, seed=seed,
-        intervals_s=tuple(float(t) for t in intervals),
-        overhead=tuple(float(o) for o in overhead),
-        predicted_overhead=tuple(predicted),
+        failures=failures, seed=seed, intervals_s=tuple(float(t) for t in intervals),
+        overhead=tuple(float(o) for o in overhead), predicted_overhead=tuple(predicted),
         optimum_interval_s=float(intervals[best]), optimum_overhead=float(overhead[best]),
         young_interval_s=young, young_overhead=float(young_o),
         daly_interval_s=daly, daly_overhead=float(daly_o),
@@ -202,7 +163,7 @@ def plot_sweep(result: SimulationResult, path: str) -> None:
     Uses matplotlib's object API (no pyplot, no global backend change).
 
     Raises:
-        ImportError: If matplotlib is not installed (the message says how to install it).
+        ImportError: matplotlib is not installed (the message says how to install it).
     """
     try:
         from matplotlib.figure import Figure
@@ -216,11 +177,8 @@ def plot_sweep(result: SimulationResult, path: str) -> None:
     x = [t / scale for t in result.intervals_s]
     ax.plot(x, [100 * o for o in result.overhead], label="measured (Monte Carlo)")
     ax.plot(x, [100 * o for o in result.predicted_overhead], "--", label="first-order model")
-    for label, t, style in (
-        ("measured optimum", result.optimum_interval_s, "k:"),
-        ("Young", result.young_interval_s, "g-."),
-        ("Daly", result.daly_interval_s, "r--"),
-    ):
+    for label, t, style in (("measured optimum", result.optimum_interval_s, "k:"),
+                             ("Young", result.young_interval_s, "g-."), ("Daly", result.daly_interval_s, "r--")):
         ax.axvline(t / scale, color=style[0], linestyle=style[1:], label=f"{label}: {format_duration(t)}")
     ax.set_xscale("log")
     ax.xaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
@@ -228,9 +186,7 @@ def plot_sweep(result: SimulationResult, path: str) -> None:
     ax.xaxis.set_minor_formatter(NullFormatter())
     ax.set_xlabel(f"compute time between saves ({unit})")
     ax.set_ylabel("overhead (% of wall time)")
-    ax.set_title(
-        f"MTBF {format_duration(result.mtbf_s)}, save cost {format_duration(result.cost_s)}, "
-        f"lag {format_duration(result.durability_lag_s)}, restart {format_duration(result.restart_s)}"
-    )
+    ax.set_title(f"MTBF {format_duration(result.mtbf_s)}, save cost {format_duration(result.cost_s)}, "
+                 f"lag {format_duration(result.durability_lag_s)}, restart {format_duration(result.restart_s)}")
     ax.legend(fontsize="small")
     fig.savefig(path)
