@@ -70,8 +70,8 @@ class CheckpointManager(ManagerPrepareMixin, ManagerCommitMixin, ManagerReadMixi
             ``durable_flush_timeout_seconds``, ``preemption_signals``, ``preemption_timeout_seconds``,
             ``on_write_error``, ``on_existing_newer``, ``read_only``, ``explicit_paths_only``, ``naming``,
             ``local_root_shared``, ``durable_upload_threads``, ``durable_timeout_seconds``,
-            ``durable_create``. README.md
-            ("Configuration") lists each with its default and unit.
+            ``durable_create``. docs/configuration.md
+            lists each with its default and unit.
 
     Raises:
         ConfigError: invalid arguments (an unknown setting, a bad value, a remote ``directory``, a
