@@ -2,6 +2,7 @@
 #   make demo        set up, then train a small GPT on real text with async checkpoints, crash it, resume exactly
 #   make test        set up, then run the whole test suite (what CI runs)
 #   make test-fast   the edit loop: every test not marked slow (pytest -m "not slow"; a few minutes on an idle machine)
+#   make docs        build the documentation site into site/ (MkDocs, strict: a warning fails; offline)
 #   make lint        ruff check . and mypy (configuration in pyproject.toml; `make test` runs them too)
 #   make test-suites Lightning's and Accelerate's own test files, plain and with our plugins injected, compared
 #                    (not part of `make test`; CPU; SUITES_DIR=../shared/peer-suites; docs/test-suites.md)
@@ -60,10 +61,18 @@ lint: setup
 	$(PY) -m mypy
 
 clean:
-	rm -rf $(DEMO_DIR) $(DEMO_DIR)_cluster .pytest_cache build *.egg-info
+	rm -rf $(DEMO_DIR) $(DEMO_DIR)_cluster .pytest_cache build *.egg-info site
 
 venv-path:
 	@echo $(VENV)
+
+# The site (mkdocs.yml, pages in docs/, API from the docstrings) into site/; open site/index.html. The docs extra
+# is part of dev, so an environment made by `make setup` has it; another one gets it installed here once.
+.PHONY: docs
+docs: setup
+	@$(PY) -c "import mkdocs, material, mkdocstrings_handlers.python" 2>/dev/null || \
+		$(PY) -m pip install --quiet --no-build-isolation -e ".[docs]"
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir site
 
 # Two simulated nodes of 2 ranks with node-local roots and a local S3 server (moto): node 1's disk is
 # deleted mid-run, node 0 resumes from its disk and node 1 fetches only its shards from S3.

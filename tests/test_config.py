@@ -16,7 +16,7 @@ from torch_ckpt.policy._naming import PatternNaming
 from torch_ckpt.policy._retention import KeepAny, KeepLatest
 from torch_ckpt.policy._schedule import AnyOf, EveryNSteps, YoungDaly
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+CONFIG_DOC = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
 
 
 # --- the dataclass -------------------------------------------------------------------------------
@@ -311,14 +311,14 @@ def test_manager_invalid_keyword_value_names_the_field(tmp_path):
     assert not (tmp_path / "root").exists()
 
 
-def test_readme_configuration_lists_every_field_with_its_default():
-    """README's Configuration section names every field and shows its default."""
-    text = README.read_text(encoding="utf-8")
-    section = text[text.index("## Configuration"):]
+def test_docs_configuration_lists_every_field_with_its_default():
+    """docs/configuration.md's Fields section names every field and shows its default."""
+    text = CONFIG_DOC.read_text(encoding="utf-8")
+    section = text[text.index("## Fields"):] + "\n## "
     section = section[:section.index("\n## ", 1)]
     for field in dataclasses.fields(CheckpointConfig):
         row = next((line for line in section.splitlines() if line.startswith(f"| `{field.name}`")), None)
-        assert row is not None, f"README Configuration lacks {field.name}"
+        assert row is not None, f"docs/configuration.md lacks {field.name}"
         shown = row.split("|")[2].strip()
         assert shown == f"`{field.default!r}`", (field.name, shown)
 

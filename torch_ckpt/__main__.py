@@ -4,4 +4,5 @@ import sys
 
 from torch_ckpt.tools.cli import main
 
-sys.exit(main())
+if __name__ == "__main__":  # importing the module (the docs' API inspection) runs nothing
+    sys.exit(main())

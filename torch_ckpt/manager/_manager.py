@@ -515,7 +515,7 @@ class CheckpointManager:
         config: a :class:`~torch_ckpt.config.CheckpointConfig` holding the settings (default: the
             defaults). Keyword arguments given next to it override its fields.
         **settings: any field of :class:`~torch_ckpt.config.CheckpointConfig` (the keywords below),
-            by name, with the same meaning, units and defaults; README.md ("Configuration") lists
+            by name, with the same meaning, units and defaults; docs/configuration.md lists
             each with its default and unit.
 
     Raises:
