@@ -33,8 +33,7 @@ from torch_ckpt.format._files import METADATA_NAME, NODE_METADATA_RE, RANK_FILE_
 from torch_ckpt.format._manifest import MANIFEST_NAME, Manifest
 from torch_ckpt.format._records import storage_record_problems
 from torch_ckpt.format._state_tree import MAX_NDIM
-from torch_ckpt.storage._bounded import corrupt, short_repr
-from torch_ckpt.storage._locations import Location, as_location
+from torch_ckpt.storage._locations import Location, as_location, corrupt, short_repr
 
 __all__ = ["MAX_METADATA_BYTES", "check_records", "metadata_name", "metadata_problems", "read_metadata",
            "record_problems", "tensor_items"]

@@ -29,9 +29,16 @@ from torch_ckpt.errors import CheckpointCorruptError
 from torch_ckpt.format._codec import TENSOR_TAG
 from torch_ckpt.format._manifest import MANIFEST_NAME, Manifest, rank_file_name
 from torch_ckpt.format._state_tree import walk_tree
-from torch_ckpt.storage._bounded import Malformed, corrupt, loads_bounded, short_repr
-from torch_ckpt.storage._local_files import open_regular
-from torch_ckpt.storage._locations import DurableUnavailableError, Location, as_location
+from torch_ckpt.storage._locations import (
+    DurableUnavailableError,
+    Location,
+    Malformed,
+    as_location,
+    corrupt,
+    loads_bounded,
+    open_regular,
+    short_repr,
+)
 
 __all__ = [
     "MAX_RANK_JSON_BYTES",

@@ -21,8 +21,15 @@ import torch
 
 from torch_ckpt.errors import CheckpointNotFoundError
 from torch_ckpt.policy._lineage import BASE, Lineage, MalformedLineage, lineage_from_doc
-from torch_ckpt.storage._bounded import Malformed, corrupt, loads_bounded, short_repr
-from torch_ckpt.storage._locations import DurableUnavailableError, Location, as_location
+from torch_ckpt.storage._locations import (
+    DurableUnavailableError,
+    Location,
+    Malformed,
+    as_location,
+    corrupt,
+    loads_bounded,
+    short_repr,
+)
 
 __all__ = [
     "FORMAT_NAME",

@@ -29,7 +29,7 @@ from torch_ckpt.format._codec import (
     TENSOR_TAG,
     TUPLE_TAG,
 )
-from torch_ckpt.storage._bounded import Malformed, short_repr
+from torch_ckpt.storage._locations import Malformed, short_repr
 
 __all__ = ["MAX_NDIM", "embedded_info", "tensor_keys", "walk_tree"]
 

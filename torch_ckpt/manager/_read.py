@@ -27,7 +27,7 @@ from torch_ckpt.restore._resume_nodes import restore_node_local
 from torch_ckpt.root._layout import read_manifest, remove_step_dir, scan_committed, scan_manifests
 from torch_ckpt.root._temporaries import is_reservation
 from torch_ckpt.save._persist import as_write_error
-from torch_ckpt.storage._deadline import waiting_for_coordinator
+from torch_ckpt.storage._locations import waiting_for_coordinator
 from torch_ckpt.tiers._durable import DurableUnavailableError
 
 log = get_logger("torch_ckpt.manager._manager")

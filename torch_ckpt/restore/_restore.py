@@ -56,7 +56,7 @@ from torch_ckpt.restore._live_copy import copy_tensors, owners_in, restore_buffe
 from torch_ckpt.restore._plan import local_tensor, plan_restore, staging_like
 from torch_ckpt.restore._targets import UndoLog, in_place_keys
 from torch_ckpt.root._layout import Manifest
-from torch_ckpt.storage._bounded import corrupt
+from torch_ckpt.storage._locations import corrupt
 
 __all__ = ["load_into", "copy_into_live", "collector_paused", "RANK_LOCAL_POLICIES"]
 

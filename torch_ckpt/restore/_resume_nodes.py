@@ -27,8 +27,7 @@ from torch_ckpt.policy._lineage import Lineage, head_of, new_segment, successor
 from torch_ckpt.restore._resume import set_aside_superseded
 from torch_ckpt.root._layout import is_committed, read_manifest, scan_committed, scan_manifests
 from torch_ckpt.root._nodes import NodeLayout, env_node
-from torch_ckpt.storage._deadline import waiting_for_coordinator
-from torch_ckpt.storage._locations import DurableUnavailableError
+from torch_ckpt.storage._locations import DurableUnavailableError, waiting_for_coordinator
 
 __all__ = ["node_layout", "check_private_roots", "restore_node_local", "local_inventory"]
 

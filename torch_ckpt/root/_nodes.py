@@ -33,10 +33,17 @@ from torch_ckpt.errors import ConfigError
 from torch_ckpt.format._dcp_metadata import metadata_name
 from torch_ckpt.format._dcp_plan import FlatKeysSavePlanner
 from torch_ckpt.format._dcp_write import ChecksumFileSystemWriter
-from torch_ckpt.tiers._nodes import REPLICA_TAG, is_replica_file
 
 __all__ = ["NodeLayout", "NodeDedupPlanner", "RecordingWriter", "node_views", "metadata_name", "env_node",
-           "shared_files"]
+           "shared_files", "REPLICA_TAG", "is_replica_file"]
+
+REPLICA_TAG = "replica_"
+"""Marks a data file holding only a node's extra copies of replicated tensors (``__R_replica_I.distcp``)."""
+
+
+def is_replica_file(name: str) -> bool:
+    """True for a data file holding only a node's extra copies of replicated tensors (never uploaded)."""
+    return name.startswith("__") and f"_{REPLICA_TAG}" in name
 
 
 def env_node(rank: int) -> int:

@@ -2,21 +2,22 @@
 
 Layout mirrors the local root (``URL/step_000000100/<files>``). Object stores have no atomic
 rename, so a durable checkpoint is committed by writing its ``manifest.json`` *last*, after every
-other file has been uploaded and verified; a step directory without a manifest is invisible.
-Deleting removes the manifest first. Locations stay URL strings end to end; no URL ever goes
-through ``pathlib``.
+other file has been uploaded and verified (:func:`torch_ckpt.format._files.verify_files`, the same
+check and messages as for a local checkpoint); a step without a manifest is invisible, and deleting
+removes the manifest first. URLs stay strings end to end; none goes through ``pathlib``. Uploads
+abandoned by a crash are removed by :mod:`torch_ckpt.tiers._cleanup`.
 
-The tier reads and checks through the one storage/format layer: a step directory is a
-:class:`~torch_ckpt.storage._locations.Location`, its manifest is read by
-:func:`torch_ckpt.format._manifest.read_manifest`,
-and every uploaded object and every fetched file is checked by :func:`torch_ckpt.format._files.verify_files`
-(the same function, and the same messages, as for a local checkpoint). Node-local checkpoints go
-up and come back through :mod:`torch_ckpt.tiers._nodes`; uploads abandoned by a crash are cleaned
-up by :mod:`torch_ckpt.tiers._cleanup`.
+Node-local checkpoints (:mod:`torch_ckpt.root._nodes`) go up once per tensor: each node uploads
+the files it is the uploader of (:func:`durable_manifest` lists them all, without the nodes' replica
+files), verifies them and writes an upload record; the committing node (node 0) waits for every
+node's record, checks it against the manifest and writes the durable manifest last
+(:meth:`DurableTier.upload_node`). A replaced node fetches only what its ranks load at the same rank
+layout (:func:`fetch_set`, :func:`node_fetch_manifest`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -34,17 +35,22 @@ from tqdm import tqdm
 from torch_ckpt._logging import get_logger
 from torch_ckpt._values import check_int
 from torch_ckpt.errors import CheckpointCorruptError, CheckpointError, ConfigError
-from torch_ckpt.format._files import verify_files
-from torch_ckpt.format._manifest import MANIFEST_NAME, Manifest, read_manifest
+from torch_ckpt.format._files import METADATA_NAME, verify_files
+from torch_ckpt.format._manifest import (
+    MANIFEST_NAME,
+    MAX_MANIFEST_BYTES,
+    MAX_MANIFEST_DEPTH,
+    MAX_MANIFEST_INT_DIGITS,
+    Manifest,
+    read_manifest,
+)
 from torch_ckpt.policy._naming import Naming, StepNaming
 from torch_ckpt.root._layout import commit_dir
-from torch_ckpt.storage._bounded import corrupt
+from torch_ckpt.root._nodes import is_replica_file
 from torch_ckpt.storage._crc import crc32
-from torch_ckpt.storage._deadline import Watch, bounded
-from torch_ckpt.storage._locations import DurableUnavailableError, Location, url_to_fs
-from torch_ckpt.tiers._nodes import node_fetch_manifest, upload_node
+from torch_ckpt.storage._locations import DurableUnavailableError, Location, Watch, bounded, corrupt, url_to_fs
 
-__all__ = ["DurableTier", "DurableUnavailableError"]
+__all__ = ["DurableTier", "DurableUnavailableError", "durable_manifest", "fetch_set", "node_fetch_manifest"]
 
 log = get_logger(__name__)
 
@@ -53,6 +59,8 @@ _CHUNK_BYTES = 8 << 20
 _calls = threading.local()
 #: Protocols whose root lies in a bucket that must exist (and is never created unless asked).
 _BUCKET_STORES = ("s3", "s3a", "gs", "gcs", "abfs", "az", "adl")
+#: The upload record a node writes into a step's prefix once its files are uploaded and verified.
+_MARKER = "_uploaded_node_{:05d}.json"
 
 
 class DurableTier:
@@ -221,7 +229,7 @@ class DurableTier:
 
     def listed(self) -> dict[int, Manifest]:
         """:meth:`list_steps` for the caller's thread: gives up after ``timeout_seconds`` without an
-        answer (:func:`torch_ckpt.storage._deadline.bounded`).
+        answer (:func:`torch_ckpt.storage._locations.bounded`).
 
         Raises:
             DurableUnavailableError: as :meth:`list_steps`, or the store did not answer in time.
@@ -367,10 +375,57 @@ class DurableTier:
                     poll_seconds: float = 0.2, abandon: Callable[[], bool] = lambda: False) -> None:
         """Upload one node's copy of a node-local checkpoint; on the committing node, also commit it.
 
-        See :func:`torch_ckpt.tiers._nodes.upload_node` (arguments, errors).
+        A step whose uploader died midway never gets a manifest, so the tier never shows it (its
+        prefix is removed as an abandoned upload).
+
+        Args:
+            local_dir: this node's committed copy.
+            manifest: its manifest (``node`` set).
+            commit: write the durable manifest once every node's record is there.
+            wait_seconds: how long the committing node waits for the other nodes' records (seconds).
+            poll_seconds: first delay between looks for records (doubles up to 5 s).
+            abandon: returns True when waiting is pointless (a newer step is queued).
+
+        Raises:
+            ValueError: ``manifest`` is not one node's copy.
+            CheckpointCorruptError: an upload or a node's record does not match the manifest (named).
+            TimeoutError: a node's record did not appear within ``wait_seconds`` (or ``abandon``).
         """
-        upload_node(self, local_dir, manifest, commit=commit, wait_seconds=wait_seconds, poll_seconds=poll_seconds,
-                    abandon=abandon)
+        if manifest.node is None:
+            raise ValueError("upload_node() needs one node's copy (manifest.node is set)")
+        step, node, loc = manifest.step, manifest.node, self.location(manifest.step)
+        self.make_step_dir(loc.path)
+        durable = durable_manifest(manifest)  # without the nodes' extra copies: each tensor is uploaded once
+        file_node = durable.nodes["file_node"]
+        mine = {name: info for name, info in durable.files.items() if file_node[name] == node}
+        self.put_all(local_dir, step, mine)
+        self.fs.pipe_file(f"{loc.path}/{_MARKER.format(node)}", json.dumps({"node": node, "files": mine}).encode())
+        self.refresh()
+        if not commit:
+            return
+        nodes = max(manifest.nodes["rank_node"]) + 1
+        deadline, delay, missing = time.monotonic() + wait_seconds, poll_seconds, list(range(nodes))
+        while True:
+            self.refresh()
+            missing = [n for n in missing if not loc.exists(_MARKER.format(n))]
+            if not missing:
+                break
+            if abandon() or time.monotonic() > deadline:
+                raise TimeoutError(f"durable tier {self.url}: step {step} is not committed: node(s) {missing} have "
+                                   f"not finished uploading their shards")
+            time.sleep(delay)
+            delay = min(delay * 2, 5.0)
+        for n in range(nodes):
+            source = loc.describe(_MARKER.format(n))
+            raw = loc.read_bytes(_MARKER.format(n), MAX_MANIFEST_BYTES, what="upload record")
+            doc: Any = loads_bounded(raw, source, what="upload record", max_depth=MAX_MANIFEST_DEPTH,
+                                     max_int_digits=MAX_MANIFEST_INT_DIGITS)
+            expected = {k: v for k, v in durable.files.items() if file_node[k] == n}
+            if not isinstance(doc, dict) or doc.get("files") != expected:
+                raise corrupt(source, f"node {n}'s upload record of step {step} does not match the manifest")
+        data = json.dumps(durable.to_json(), separators=(",", ":")).encode()
+        self.fs.pipe_file(f"{loc.path}/{MANIFEST_NAME}", data)
+        self.refresh()
 
     def delete(self, step: int) -> None:
         """Delete a durable checkpoint: manifest first (un-commit), then the files."""
@@ -512,6 +567,36 @@ class DurableTier:
             bar.close()
         self.last_download = sorted(files)
         return final
+
+
+def durable_manifest(manifest: Manifest) -> Manifest:
+    """The manifest of the durable copy of a node-local checkpoint: every file except the nodes'
+    replica files and per-node metadata (node 0's ``.metadata`` is the complete one); ``node`` None."""
+    keep = {n: i for n, i in manifest.files.items()
+            if not is_replica_file(n) and not (n.startswith("node_") and n.endswith(".metadata"))}
+    nodes = {"rank_node": manifest.nodes["rank_node"],
+             "file_node": {n: v for n, v in manifest.nodes["file_node"].items() if n in keep},
+             "shared": list(manifest.nodes.get("shared", []))}
+    return dataclasses.replace(manifest, files=keep, nodes=nodes, node=None, tiers={})
+
+
+def fetch_set(manifest: Manifest, node: int) -> list[str]:
+    """Files a node fetches from the durable copy to restore its ranks at the same layout: its
+    ranks' uploaded files, the files holding replicated tensors, and the complete ``.metadata``."""
+    own = {n for n, v in manifest.nodes["file_node"].items() if v == node}
+    return sorted(own | set(manifest.nodes.get("shared", [])) | {METADATA_NAME})
+
+
+def node_fetch_manifest(manifest: Manifest, node: int, where: str) -> Manifest:
+    """The manifest of ``node``'s copy fetched from the durable ``manifest`` (``held``: :func:`fetch_set`).
+
+    Raises:
+        ValueError: the checkpoint was written to a shared root (it has no node copies); names ``where``.
+    """
+    if not manifest.nodes:
+        raise ValueError(f"{where} was written to a shared root: it has no node copies")
+    return dataclasses.replace(manifest, node=node, nodes={**manifest.nodes, "held": fetch_set(manifest, node),
+                                                           "metadata": METADATA_NAME})
 
 
 def _only(name: str, info: dict[str, int]) -> Manifest:
