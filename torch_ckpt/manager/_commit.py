@@ -13,7 +13,6 @@ import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from torch_ckpt._logging import get_logger
 from torch_ckpt.errors import ConfigError
@@ -42,15 +41,9 @@ class ManagerCommitMixin:
         history = None if every is None else (lambda step: step % every == 0)  # never coalesced away
         tier, wait_seconds = self._tier, self._durable_flush_timeout
         record = _durable_recorder(tier.url)
-        if self._nodes is None:
-            return Replicator(tier, retention=retention, on_durable=record, never_skip=history,
-                              exit_flush_seconds=wait_seconds)
-        commit = self._nodes.node == 0
-
-        def upload(local_dir: Path, manifest: Any, abandon: Callable[[], bool]) -> None:
-            tier.upload_node(local_dir, manifest, commit=commit, abandon=abandon, wait_seconds=wait_seconds)
-
-        # every node uploads its own shards; node 0 commits and runs durable retention and cleanup
+        # the layout's upload (node-local roots: every node uploads its own shards); the committing rank runs
+        # durable retention and cleanup
+        commit, upload = self._roots.commits, self._roots.uploader(tier, wait_seconds)
         return Replicator(tier, retention=retention if commit else None, upload=upload,
                           on_durable=record if commit else None,
                           abandoned_after_seconds=24 * 3600.0 if commit else None, never_skip=history,
@@ -97,7 +90,7 @@ class ManagerCommitMixin:
         """
         try:
             committed = scan_committed(self.root, self.naming)
-            if self._replicator is not None and self._nodes is None and committed:
+            if self._replicator is not None and not self._roots.node_local and committed:
                 step = max(committed)
                 durable = read_manifest(committed[step]).tiers.get("durable", {})
                 if durable.get("url") != self._tier.url:

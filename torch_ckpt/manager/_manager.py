@@ -33,12 +33,12 @@ from torch_ckpt.policy._lineage import Lineage
 from torch_ckpt.policy._naming import Naming, StepNaming
 from torch_ckpt.policy._preemption import PreemptionFlag
 from torch_ckpt.policy._retention import RetentionPolicy
-from torch_ckpt.restore._resume_nodes import check_private_roots, node_layout
 from torch_ckpt.root._layout import check_root, is_committed
 from torch_ckpt.root._lock import RootLock
-from torch_ckpt.root._nodes import NodeLayout
+from torch_ckpt.root._nodes import choose_layout
 from torch_ckpt.root._temporaries import clean_stale_temporaries
 from torch_ckpt.save._checkpointer import AsyncCheckpointer, close_on_exit
+from torch_ckpt.save._persist_nodes import persist_node_local
 from torch_ckpt.tiers._durable import DurableTier
 from torch_ckpt.tiers._replicator import Replicator
 
@@ -161,13 +161,12 @@ class CheckpointManager(ManagerPrepareMixin, ManagerCommitMixin, ManagerReadMixi
                                        timeout_seconds=cfg.timeout_seconds, process_group=cfg.process_group,
                                        on_write_error=cfg.on_write_error)
         self._ctx = self._ckpt.ctx
-        self._nodes: NodeLayout | None = None
-        try:
-            self._nodes = node_layout(self._ctx, cfg.local_root_shared)
+        try:  # the root layout (torch_ckpt.root._layout.SharedRoot, or NodeLayout for node-local roots): chosen once
+            self._roots = choose_layout(self._ctx, cfg.local_root_shared, persist=persist_node_local)
         except CheckpointError:
             self._ckpt.close()
             raise
-        self._ckpt.node_layout = self._nodes
+        self._ckpt.layout = self._roots
         self._lock = RootLock(self.root, drain=self._ckpt.drain)
         self._replicator: Replicator | None = None
         self._replicate_every = cfg.replicate_every_n_saves
@@ -183,8 +182,8 @@ class CheckpointManager(ManagerPrepareMixin, ManagerCommitMixin, ManagerReadMixi
                 check_root(self.root, create=not self.read_only)
             except CheckpointError as exc:
                 error = exc
-        if self._nodes is not None and not self.read_only:  # before the lock, whose message would mislead
-            shared = check_private_roots(self.root, self._nodes, self._ctx, ok=error is None)
+        if not self.read_only:  # before the lock, whose message would mislead
+            shared = self._roots.check(self.root, self._ctx, ok=error is None)
             error = error or (ConfigError(shared) if shared else None)
         if self._acts_on_root and error is None:
             try:
@@ -205,8 +204,9 @@ class CheckpointManager(ManagerPrepareMixin, ManagerCommitMixin, ManagerReadMixi
             self._preemption.restore()
             self._lock.release()
             self._ckpt.close()
-            raise error or CheckpointError(f"rank 0 could not prepare {self.root}: {status}" if self._nodes is None
-                                           else f"a node could not prepare its checkpoint root: {status}")
+            what = "a node could not prepare its checkpoint root" if self._roots.node_local else \
+                f"rank 0 could not prepare {self.root}"
+            raise error or CheckpointError(f"{what}: {status}")
         # a manager nobody references any more (never closed) releases its root and threads like close()
         self._finalizer = weakref.finalize(self, _close_unreachable, str(self.root), self._ckpt, self._replicator,
                                            self._preemption, self._lock, self._durable_flush_timeout)
@@ -216,7 +216,7 @@ class CheckpointManager(ManagerPrepareMixin, ManagerCommitMixin, ManagerReadMixi
     def _acts_on_root(self) -> bool:
         """True on the rank that creates, commits, prunes and replicates this process's root: rank 0
         for a shared root, each node's lowest rank for node-local roots."""
-        return self._nodes.is_leader if self._nodes is not None else self._ctx.is_coordinator
+        return self._roots.acts
 
     # -- context manager -------------------------------------------------------------------------
     def __enter__(self) -> CheckpointManager:

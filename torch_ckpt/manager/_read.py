@@ -169,8 +169,17 @@ class ManagerReadMixin:
         if path is not None:
             return self._restore_paths(state, path, step, allow_cast)
         self._ckpt.wait()
-        if self._nodes is not None:
-            return restore_node_local(self, state, step, allow_cast)
+        if self._roots.node_local:
+            resumed = restore_node_local(
+                self._roots, self._ctx, self._tier, self.root, self.naming, step=step, read_only=self.read_only,
+                load=lambda local: self._ckpt.load(local, state, verify=self.verify_on_load, allow_cast=allow_cast,
+                                                   on_world_size_change=self.on_world_size_change))
+            if resumed is None:
+                return None
+            self.restore_source, self._restored_step, self._newest_known = resumed.source, resumed.step, None
+            if resumed.lineage is not None:
+                self._lineage = resumed.lineage
+            return resumed.step
         if self.root.exists() and not self.root.is_dir():
             raise CheckpointNotFoundError(f"checkpoint root {self.root} is not a directory")
         resume = waiting_for_coordinator(

@@ -69,11 +69,59 @@ __all__ = [
     "replace_dir",
     "quarantine_step_dir",
     "remove_step_dir",
+    "SharedRoot",
 ]
 
 log = get_logger(__name__)
 
 _DEFAULT_NAMING = StepNaming()
+
+
+class SharedRoot:
+    """The root layout of one directory that every rank sees (the default).
+
+    A *root layout* says how the ranks share the checkpoint root; the manager chooses it once, when
+    it is built (:func:`torch_ckpt.root._nodes.choose_layout`), and the writer, the replicator and the
+    restore ask it instead of testing for node-local roots. Two layouts exist: this one, and
+    :class:`torch_ckpt.root._nodes.NodeLayout` (a private root per node). Every layout answers:
+
+    - ``node_local``: whether each node holds its own copy of a checkpoint;
+    - ``acts``: whether this rank creates, commits, prunes and replicates its root;
+    - ``commits``: whether this rank commits the durable copy (and runs durable retention);
+    - ``agreed_name(final)``: what the ranks compare to agree that they save the same checkpoint;
+    - ``check(root, ctx, ok=...)``: a collective check of the root at start (an error message or None);
+    - ``uploader(tier, wait_seconds)``: the replicator's upload of this rank's part (None: ``tier.upload``);
+    - ``persist``: the commit protocol of the layout (``persist(req, ctx)``), None for the shared one,
+      given by the manager (layers above ``root`` provide it: this module imports none of them).
+
+    A memory tier (a tmpfs root replicated to peer nodes) would be one more layout, with its own
+    ``persist`` and ``uploader``.
+    """
+
+    node_local = False
+    persist = None
+
+    def __init__(self, rank: int = 0) -> None:
+        self.rank = rank
+
+    @property
+    def acts(self) -> bool:
+        """True on rank 0."""
+        return self.rank == 0
+
+    commits = acts
+
+    def agreed_name(self, final: str | os.PathLike) -> str:
+        """The absolute path of ``final`` (one directory for every rank)."""
+        return os.path.abspath(os.fspath(final))
+
+    def check(self, root: Path, ctx: Any, *, ok: bool = True) -> str | None:
+        """Nothing to check: None."""
+        return None
+
+    def uploader(self, tier: Any, wait_seconds: float) -> None:
+        """None: rank 0 uploads whole checkpoints (``tier.upload``)."""
+        return None
 
 
 def fsync_dir(path: str | os.PathLike) -> None:

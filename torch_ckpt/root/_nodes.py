@@ -18,9 +18,12 @@ from __future__ import annotations
 import dataclasses
 import os
 import pickle
+import secrets
 from collections import ChainMap
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
 
 import torch
 from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans
@@ -33,9 +36,10 @@ from torch_ckpt.errors import ConfigError
 from torch_ckpt.format._dcp_metadata import metadata_name
 from torch_ckpt.format._dcp_plan import FlatKeysSavePlanner
 from torch_ckpt.format._dcp_write import ChecksumFileSystemWriter
+from torch_ckpt.root._layout import SharedRoot
 
-__all__ = ["NodeLayout", "NodeDedupPlanner", "RecordingWriter", "node_views", "metadata_name", "env_node",
-           "shared_files", "REPLICA_TAG", "is_replica_file"]
+__all__ = ["NodeLayout", "choose_layout", "NodeDedupPlanner", "RecordingWriter", "node_views", "metadata_name",
+           "env_node", "shared_files", "REPLICA_TAG", "is_replica_file"]
 
 REPLICA_TAG = "replica_"
 """Marks a data file holding only a node's extra copies of replicated tensors (``__R_replica_I.distcp``)."""
@@ -66,15 +70,20 @@ def env_node(rank: int) -> int:
 
 @dataclass(frozen=True)
 class NodeLayout:
-    """The agreed node of every rank, and this rank's place in it.
+    """The root layout of node-local roots (see :class:`~torch_ckpt.root._layout.SharedRoot` for the
+    interface): the agreed node of every rank, and this rank's place in it.
 
     Attributes:
         rank_node: node index of each rank (nodes numbered 0..N-1 in order of their lowest rank).
         rank: this process's rank in the checkpoint group.
+        persist: the node-local commit protocol, ``persist(req, ctx)``
+            (:func:`torch_ckpt.save._persist_nodes.persist_node_local`, given by the manager).
     """
 
     rank_node: tuple[int, ...]
     rank: int
+    persist: Callable[..., Any] | None = field(default=None, compare=False, repr=False)
+    node_local: ClassVar[bool] = True
 
     @staticmethod
     def normalise(raw: list[int]) -> tuple[int, ...]:
@@ -106,6 +115,81 @@ class NodeLayout:
     def is_leader(self) -> bool:
         """True on the rank that acts for this node (its local rank 0)."""
         return self.leader_of(self.node) == self.rank
+
+    acts = is_leader
+
+    @property
+    def commits(self) -> bool:
+        """True on node 0's uploader, which commits the durable copy."""
+        return self.is_leader and self.node == 0
+
+    def agreed_name(self, final: str | os.PathLike) -> str:
+        """The name of ``final`` (each node's root is another directory)."""
+        return Path(final).name
+
+    def uploader(self, tier: Any, wait_seconds: float) -> Callable[[Path, Any, Callable[[], bool]], None]:
+        """Every node uploads its own files; node 0 commits once every node has (``tier.upload_node``)."""
+        commit = self.node == 0
+
+        def upload(local_dir: Path, manifest: Any, abandon: Callable[[], bool]) -> None:
+            tier.upload_node(local_dir, manifest, commit=commit, abandon=abandon, wait_seconds=wait_seconds)
+
+        return upload
+
+    def check(self, root: Path, ctx: Any, *, ok: bool = True) -> str | None:
+        """Collective: check that no node sees another node's root (a shared file system used with
+        ``local_root_shared=False`` would let nodes overwrite each other's manifests).
+
+        Each node's leader writes a probe file; after a barrier it looks for the other nodes' probes.
+
+        Returns:
+            An error message naming the root, or None.
+        """
+        probe = root / f".node_probe.{self.node}.{secrets.token_hex(8)}"
+        error = None
+        if ok and self.is_leader:
+            try:
+                probe.write_bytes(b"")
+            except OSError as exc:
+                error = f"cannot write {probe}: {exc.strerror}"
+        ctx.barrier(what="private root check")
+        if ok and self.is_leader and error is None:
+            others = [p.name for p in root.glob(".node_probe.*") if not p.name.startswith(f".node_probe.{self.node}.")]
+            if others:
+                error = (f"{root} is seen by more than one node (it holds {others[0]}): it is a shared directory. Pass "
+                         "CheckpointManager(..., local_root_shared=True), or give each node a directory of its own")
+        ctx.barrier(what="private root check")
+        if self.is_leader:
+            probe.unlink(missing_ok=True)
+        return error
+
+
+def choose_layout(ctx: Any, shared: bool | None, *, persist: Callable[..., Any] | None = None
+                  ) -> SharedRoot | NodeLayout:
+    """The root layout, agreed by every rank (collective): node-local roots unless the root is shared.
+
+    Args:
+        ctx: the checkpoint group (a :class:`~torch_ckpt.distributed._context.DistContext`).
+        shared: the manager's ``local_root_shared``; None: private when there is more than one node.
+        persist: the node-local commit protocol (:attr:`NodeLayout.persist`).
+
+    Raises:
+        ConfigError: ``shared`` is not a bool or None, or a node variable is malformed on some rank.
+    """
+    if shared is not None and not isinstance(shared, bool):
+        raise ConfigError(f"local_root_shared must be True, False or None, got {shared!r}")
+    try:
+        mine: Any = env_node(ctx.rank)
+    except ConfigError as exc:
+        mine = str(exc)
+    votes = ctx.all_gather(mine, what="node layout")
+    bad = next((v for v in votes if isinstance(v, str)), None)
+    if bad is not None:
+        raise ConfigError(bad)
+    rank_node = NodeLayout.normalise(votes)
+    if shared is True or (shared is None and max(rank_node) == 0):
+        return SharedRoot(ctx.rank)
+    return NodeLayout(rank_node=rank_node, rank=ctx.rank, persist=persist)
 
 
 class NodeDedupPlanner(FlatKeysSavePlanner):

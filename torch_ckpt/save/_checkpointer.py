@@ -29,7 +29,7 @@ from torch_ckpt.distributed._context import DistContext
 from torch_ckpt.errors import CheckpointError, ConfigError
 from torch_ckpt.handle import SaveHandle, SaveStats
 from torch_ckpt.restore._restore import RANK_LOCAL_POLICIES, load_into
-from torch_ckpt.root._layout import read_manifest
+from torch_ckpt.root._layout import SharedRoot, read_manifest
 from torch_ckpt.root._temporaries import new_incarnation, partial_path, reserve, unreserve
 from torch_ckpt.save._persist import PersistRequest, persist_checkpoint
 from torch_ckpt.save._prepare import CheckpointerPrepareMixin, SaveJob
@@ -142,8 +142,8 @@ class AsyncCheckpointer(CheckpointerPrepareMixin):
         self.last_stats: SaveStats | None = None
         self._incarnation = new_incarnation()
         self._failed_names: list[str] = []  # final names of failed saves whose temporaries the next save removes
-        # set by the manager for node-local roots (torch_ckpt.root._nodes.NodeLayout): each node commits its own copy
-        self.node_layout: Any = None
+        # the root layout, set by the manager (root._layout.SharedRoot; root._nodes.NodeLayout: each node commits)
+        self.layout: Any = SharedRoot(self._ctx.rank)
         if persist == "process" and self.async_save:
             self._process_writer = ProcessWriter(self._ctx, timeout_seconds=timeout_seconds, niceness=writer_niceness)
         finish_at_exit(self, 0)
@@ -326,8 +326,7 @@ class AsyncCheckpointer(CheckpointerPrepareMixin):
     def _reserve(self, job: SaveJob) -> None:
         """The rank that commits ``job.final`` creates it empty now, so its name is taken once ``save()``
         returns (a framework checking whether the name exists sees it as with a synchronous save)."""
-        acting = self.node_layout.is_leader if self.node_layout is not None else self._ctx.is_coordinator
-        if not acting:
+        if not self.layout.acts:
             return
         try:
             job.reserved = reserve(job.final)
@@ -354,7 +353,7 @@ class AsyncCheckpointer(CheckpointerPrepareMixin):
                 fields = dict(final=job.final, step=job.step, tree=job.tree, tensor_bytes=handle.stats.bytes,
                               replace=job.replace, extra_dir=job.extra_dir, lineage=job.lineage,
                               thread_count=self.thread_count, timings=timings, incarnation=self._incarnation,
-                              failed=failed, nodes=self.node_layout, failed_names=failed_names,
+                              failed=failed, nodes=self.layout, failed_names=failed_names,
                               reserved=job.reserved)
                 final, files_bytes = self._process_writer.persist(arena=None if failed else self._stager.arena,
                                                                   layout=job.layout, fields=fields)
@@ -362,7 +361,7 @@ class AsyncCheckpointer(CheckpointerPrepareMixin):
                 req = PersistRequest(final=job.final, step=job.step, tensors=job.to_write, tree=job.tree,
                                      tensor_bytes=handle.stats.bytes, thread_count=self.thread_count,
                                      timings=timings, incarnation=self._incarnation, failed=failed,
-                                     replace=job.replace, extra_dir=job.extra_dir, nodes=self.node_layout,
+                                     replace=job.replace, extra_dir=job.extra_dir, nodes=self.layout,
                                      progress=job.progress, failed_names=failed_names,
                                      lineage=job.lineage, reserved=job.reserved)
                 with self._ctx.background_work():  # no rebuild of the groups under this persist

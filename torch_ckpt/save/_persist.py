@@ -80,7 +80,7 @@ class PersistRequest:
     failed: str | None = None
     replace: bool = False
     extra_dir: Path | None = None
-    nodes: Any = None  # a torch_ckpt.root._nodes.NodeLayout: every node commits its own copy (node-local roots)
+    nodes: Any = None  # the root layout (torch_ckpt.root._layout.SharedRoot or NodeLayout); None: a shared root
     lineage: Any = None  # a Lineage recorded in the manifest (rank 0's); None: the base segment
     committed_bytes: int | None = None  # output: bytes of all committed files (every rank), set on success
     progress: Any = None
@@ -253,7 +253,8 @@ def persist_checkpoint(req: PersistRequest, ctx: DistContext) -> Path:
     the reserved ``final`` (created here when the caller did not) and only that directory is
     committed as ``final`` (:func:`~torch_ckpt.root._layout.commit_dir`); a failed save removes it, and
     ``final`` too when this save reserved it. A partial of another incarnation is never committed. With
-    ``req.nodes`` (node-local roots) see :func:`torch_ckpt.save._persist_nodes.persist_node_local`.
+    A root layout with a commit protocol of its own (``req.nodes.persist``: node-local roots) runs that
+    instead (:func:`torch_ckpt.save._persist_nodes.persist_node_local`).
 
     Returns:
         The committed directory (same on every rank).
@@ -262,10 +263,8 @@ def persist_checkpoint(req: PersistRequest, ctx: DistContext) -> Path:
         CheckpointWriteError: this or another rank failed, or the requesting process is gone;
             nothing was committed.
     """
-    if req.nodes is not None:
-        from torch_ckpt.save._persist_nodes import persist_node_local
-
-        return persist_node_local(req, ctx)
+    if getattr(req.nodes, "persist", None) is not None:
+        return req.nodes.persist(req, ctx)
     final = Path(req.final)
     tmp = partial_path(final, req.incarnation or new_incarnation())
     error: BaseException | None = None

@@ -205,7 +205,7 @@ class CheckpointerPrepareMixin:
             error = typed
         mine = None if error is None else (type(error).__name__, str(error))
         # node-local roots are different directories on each node: the ranks agree on the name
-        target = os.path.abspath(os.fspath(final)) if self.node_layout is None else Path(final).name
+        target = self.layout.agreed_name(final)
         try:
             votes = self._ctx.all_gather((mine, step, target, _digest(signature)), what="save agreement")
         except CheckpointError:

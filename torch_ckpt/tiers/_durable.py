@@ -48,7 +48,15 @@ from torch_ckpt.policy._naming import Naming, StepNaming
 from torch_ckpt.root._layout import commit_dir
 from torch_ckpt.root._nodes import is_replica_file
 from torch_ckpt.storage._crc import crc32
-from torch_ckpt.storage._locations import DurableUnavailableError, Location, Watch, bounded, corrupt, url_to_fs
+from torch_ckpt.storage._locations import (
+    DurableUnavailableError,
+    Location,
+    Watch,
+    bounded,
+    corrupt,
+    loads_bounded,
+    url_to_fs,
+)
 
 __all__ = ["DurableTier", "DurableUnavailableError", "durable_manifest", "fetch_set", "node_fetch_manifest"]
 
