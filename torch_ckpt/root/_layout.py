@@ -31,6 +31,7 @@ import os
 import shutil
 import stat
 import time
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +60,7 @@ __all__ = [
     "scan_manifests",
     "read_manifest",
     "write_json_durable",
+    "write_durable",
     "fsync_dir",
     "commit_dir",
     "check_root",
@@ -133,16 +135,18 @@ def fsync_dir(path: str | os.PathLike) -> None:
         os.close(fd)
 
 
-def write_json_durable(path: str | os.PathLike, obj: Any) -> tuple[int, int]:
-    """Write ``obj`` as JSON and fsync it. Returns ``(bytes, crc32)`` of what was written."""
-    import zlib
-
-    data = json.dumps(obj, separators=(",", ":"), allow_nan=True).encode()
+def write_durable(path: str | os.PathLike, data: bytes) -> tuple[int, int]:
+    """Write ``data`` and fsync it. Returns ``(bytes, crc32)`` of what was written."""
     with open(path, "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
     return len(data), zlib.crc32(data)
+
+
+def write_json_durable(path: str | os.PathLike, obj: Any) -> tuple[int, int]:
+    """Write ``obj`` as JSON and fsync it. Returns ``(bytes, crc32)`` of what was written."""
+    return write_durable(path, json.dumps(obj, separators=(",", ":"), allow_nan=True).encode())
 
 
 def update_manifest_tiers(step_dir: Path, tiers: dict[str, Any]) -> None:

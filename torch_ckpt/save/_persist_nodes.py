@@ -27,7 +27,7 @@ from torch_ckpt.errors import CheckpointError, CheckpointWriteError
 from torch_ckpt.format._dcp_metadata import metadata_name
 from torch_ckpt.format._files import METADATA_NAME
 from torch_ckpt.policy._lineage import BASE
-from torch_ckpt.root._layout import MANIFEST_NAME, Manifest, commit_dir, write_json_durable
+from torch_ckpt.root._layout import MANIFEST_NAME, Manifest, commit_dir, write_durable, write_json_durable
 from torch_ckpt.root._nodes import NodeDedupPlanner, NodeLayout, RecordingWriter, node_views, shared_files
 from torch_ckpt.root._temporaries import new_incarnation, partial_path, unreserve
 from torch_ckpt.save._persist import (
@@ -44,16 +44,6 @@ from torch_ckpt.save._persist import (
 __all__ = ["persist_node_local"]
 
 log = get_logger("torch_ckpt.save._persist")
-
-
-def _write_bytes(path: Path, data: bytes) -> tuple[int, int]:
-    import os
-
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    return len(data), zlib.crc32(data)
 
 
 def _fail_all(ctx: DistContext, mine: BaseException | None, what: str) -> list[str]:
@@ -136,9 +126,9 @@ def _persist(req: PersistRequest, ctx: DistContext, layout: NodeLayout, final: P
     if layout.is_leader and not failures and plan[0] == "ok":
         try:
             doc, views = plan[1], plan[2]
-            _write_bytes(tmp / metadata_name(layout.node), views[layout.node])
+            write_durable(tmp / metadata_name(layout.node), views[layout.node])
             if layout.node == 0:
-                _write_bytes(tmp / METADATA_NAME, views[None])  # replaces DCP's own (every copy listed)
+                write_durable(tmp / METADATA_NAME, views[None])  # replaces DCP's own (every copy listed)
             manifest = Manifest.from_json({**doc, "node": layout.node}, str(tmp / MANIFEST_NAME))
             check_on_disk(tmp, manifest.local_files())
             if ctx.is_coordinator and req.extra_dir is not None:  # framework files: node 0's copy, as rank 0 reads them

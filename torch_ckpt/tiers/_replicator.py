@@ -32,8 +32,7 @@ from torch_ckpt.format._manifest import Manifest
 from torch_ckpt.policy._lineage import head_of
 from torch_ckpt.policy._retention import RetentionPolicy, apply_retention
 from torch_ckpt.root._layout import read_manifest
-from torch_ckpt.tiers._cleanup import remove_abandoned
-from torch_ckpt.tiers._durable import DurableTier
+from torch_ckpt.tiers._durable import DurableTier, remove_abandoned
 
 __all__ = ["Replicator"]
 
