@@ -1,11 +1,10 @@
-"""Node-local roots at start and at resume: the agreed layout, a check that the roots are really
-private, and restoring the newest step that is complete somewhere.
+"""Restoring from node-local roots: the newest step every node can get, from its own disk or the durable tier.
 
-Only live copies count (:mod:`torch_ckpt.policy._lineage`: the lineage records of every node's manifests
-and the durable tier's decide together), so a stale node's copies of an abandoned timeline are
-never mixed with the others'. A step can be restored when every node can get its part: from its
-own copy on its local disk, or from the durable tier (only that node's files when the rank layout
-is unchanged, else the whole checkpoint, to reshard). Otherwise the next older step is tried, and the reason is logged.
+Only live copies count (:mod:`torch_ckpt.policy._lineage`: the lineage records of every node's
+manifests and of the durable tier decide together), so a stale node's copies of an abandoned
+timeline are never mixed with the others'. A node gets its part from its own copy, or from the
+durable tier (only its files when the rank layout is unchanged, else the whole checkpoint, to
+reshard); otherwise the next older step is tried, and the reason logged.
 """
 
 from __future__ import annotations
@@ -48,12 +47,9 @@ class Resumed:
 
 
 def local_inventory(root: Path, naming: Any, nodes: NodeLayout) -> dict[int, str]:
-    """``{step: "node" | "full"}``: steps this node can restore from its own disk.
-
-    "node": this node's copy of a checkpoint written with the same rank layout; "full": a complete
-    copy (downloaded to reshard, or written to a shared root). Copies whose files are missing or
-    of the wrong size, and node copies of another layout, are left out.
-    """
+    """``{step: "node" | "full"}``: steps this node can restore from its own disk: its copy written
+    with the same rank layout ("node"), or a complete copy ("full": downloaded to reshard, or from a
+    shared root). Copies with missing or truncated files are left out."""
     found: dict[int, str] = {}
     for step, path in scan_committed(root, naming).items():
         try:
@@ -74,9 +70,8 @@ def _plan(inventories: dict[int, dict[int, str]], durable: dict[int, Any], nodes
           step: int | None) -> list[tuple[int, dict[int, str]]]:
     """Rank 0: feasible ``(step, {node: "local"|"node"|"full"})`` newest first, logging why steps are skipped.
 
-    A step that some node reads from its own disk and that the durable tier also holds is listed a
-    second time with every node fetching it from the durable tier: when a local copy fails
-    verification, the same step is taken from the durable tier before any older step.
+    A step some node reads locally that the durable tier also holds is listed again with every node
+    fetching it: a local copy failing verification is replaced by the durable one before older steps.
     """
     candidates = sorted({s for inv in inventories.values() for s in inv} | set(durable), reverse=True)
     if step is not None:

@@ -1,15 +1,13 @@
-"""Node-local roots: which rank runs on which node, and what each node's copy of a checkpoint holds.
+"""Node-local roots: the root layout where each node keeps its own copy of a checkpoint on its own disk.
 
-On a cluster every node usually has its own local disk that the other nodes cannot see. With a
-node-local root each node keeps its own copy of a checkpoint: the shards its ranks wrote, their
-per-rank JSON, and DCP metadata that points every tensor at data the node holds. Replicated
-(non-sharded) tensors, which DCP would store once for the whole job, are stored once per node, so
-that a node's ranks restore at the same world size from their own disk alone. Only one copy of each
-is uploaded (the copies are spread over the nodes holding them, by bytes); the others lie in
-*replica* files that never leave their node. ``.metadata`` points every tensor at its uploaded copy:
-it is the complete checkpoint of the durable tier, used to reshard and by replaced nodes.
+A node's copy holds the shards its ranks wrote, their per-rank JSON, and DCP metadata pointing
+every tensor at data the node holds: replicated tensors, which DCP stores once per job, are stored
+once per node, so a node's ranks restore at the same world size from their own disk alone. One copy
+of each is uploaded (spread over the nodes holding it, by bytes); the others lie in *replica* files
+that never leave their node. ``.metadata`` points every tensor at its uploaded copy: the complete
+checkpoint of the durable tier, used to reshard and by replaced nodes.
 
-The node of a rank comes from torchrun's environment (``GROUP_RANK``, else ``NODE_RANK``, else
+A rank's node comes from torchrun's environment (``GROUP_RANK``, else ``NODE_RANK``, else
 ``RANK // LOCAL_WORLD_SIZE``); the ranks agree on the layout once, when the manager is built.
 """
 
@@ -193,13 +191,8 @@ def choose_layout(ctx: Any, shared: bool | None, *, persist: Callable[..., Any] 
 
 
 class NodeDedupPlanner(FlatKeysSavePlanner):
-    """DCP save planner that keeps one copy of every replicated tensor per node (not per job).
-
-    DCP would write a tensor that several ranks hold once, on one rank anywhere in the job; here
-    it is written once on every node holding it (balanced over that node's ranks), so each node's
-    files hold everything its ranks load back. The global metadata lists every chunk once;
-    :func:`node_views` points each node's copy of it at the data that node holds.
-    """
+    """DCP save planner that writes a tensor several ranks hold once per node holding it (balanced
+    over that node's ranks), not once per job; :func:`node_views` points each node's metadata at it."""
 
     def __init__(self, rank_node: tuple[int, ...]) -> None:
         super().__init__()
@@ -211,9 +204,7 @@ class NodeDedupPlanner(FlatKeysSavePlanner):
             ranks = [r for r, n in enumerate(self._rank_node) if n == node]
             for r, plan in zip(ranks, dedup_save_plans([all_plans[r] for r in ranks], False)):
                 deduped[r] = plan
-        # the metadata lists every chunk once (as a job-wide dedup would); where each node's copy
-        # lies is known from the write results (see node_views), every node's view is validated
-        # when it is read back (torch_ckpt.format._files.metadata_problems)
+        # every chunk listed once (as a job-wide dedup would); node_views places each node's copies
         _, metadata = create_default_global_save_plan(dedup_save_plans(list(deduped), False))
         global_plan = list(deduped)
         if self.flatten_state_dict:
@@ -232,10 +223,9 @@ class _NodePrefix(_StoragePrefix):
 class RecordingWriter(ChecksumFileSystemWriter):
     """The checksumming writer for node-local saves.
 
-    An item several nodes write is a *replica* on every node but the lowest one holding it: a
-    rank writes its replicas into files of their own (``__R_replica_I.distcp``), which stay on the
-    node's disk and are never uploaded, so the durable tier holds each tensor once. The
-    coordinator also keeps every rank's write results (to build each node's metadata).
+    An item several nodes write is a *replica* on every node but its uploader's: a rank writes its
+    replicas into files of their own (``__R_replica_I.distcp``), never uploaded. The coordinator
+    keeps every rank's write results (to build each node's metadata).
     """
 
     results: list[list[Any]] | None = None
@@ -296,17 +286,13 @@ def shared_files(results: list[list[Any]], rank_node: tuple[int, ...]) -> list[s
 
 
 def node_views(metadata: Metadata, results: list[list[Any]], rank_node: tuple[int, ...]) -> dict[int | None, bytes]:
-    """One pickled DCP metadata per node, each listing every chunk once and pointing it at that
-    node's copy when the node holds one (else at the uploaded copy); under key None the complete
-    metadata pointing every chunk at its uploaded copy (never at a replica file).
+    """``{node: pickled DCP metadata}``: each lists every chunk once, pointing it at that node's copy
+    when it holds one, else at the uploaded copy; under None the complete metadata (uploaded copies only).
 
     Args:
         metadata: the global metadata of a :class:`NodeDedupPlanner` save.
         results: every rank's DCP write results (rank order).
         rank_node: node of each rank.
-
-    Returns:
-        ``{node: pickled Metadata}``.
     """
     views: dict[int, bytes] = {}
     sdm: dict[str, Any] = {}

@@ -1,19 +1,17 @@
 """Persisting one checkpoint into node-local roots: every node writes and commits its own copy.
 
-Protocol (collective over the background group; every rank takes part in every step even after a
-failure, so a failing rank fails the step everywhere instead of hanging the others):
+Collective over the background group; every rank takes part in every step even after a failure,
+so a failing rank fails the step everywhere instead of hanging the others:
 
-1. rank 0 draws the partial's name ``.torch-ckpt.partial.<incarnation>``; each node's leader (its lowest
-   rank) creates it in its own root; the ranks agree that every node is prepared;
-2. every rank writes its DCP shards and its per-rank JSON into its node's temporary (replicated
-   tensors once per node, see :class:`~torch_ckpt.root._nodes.NodeDedupPlanner`) and checks them on disk;
-3. the ranks gather who wrote what (the agreement of today's shared-root commit); rank 0 builds
-   the global manifest (every file, its size, CRC-32 and node) and every node's DCP metadata;
-4. each leader writes its node's metadata and the manifest (naming its node) into its temporary
-   and checks its node's files; the ranks agree that every node is ready: that is the global
-   commit decision;
-5. only then does each leader rename its temporary to the final name. A node's listing therefore
-   only ever shows checkpoints that every rank wrote and verified.
+1. rank 0 draws the partial's name; each node's leader (its lowest rank) creates it in its root;
+2. every rank writes its DCP shards (replicated tensors once per node,
+   :class:`~torch_ckpt.root._nodes.NodeDedupPlanner`) and its per-rank JSON, and checks them on disk;
+3. the ranks gather who wrote what; rank 0 builds the global manifest (every file, its size, CRC-32
+   and node) and every node's DCP metadata;
+4. each leader writes its node's metadata and manifest and checks its node's files; the ranks agree
+   that every node is ready: the global commit decision;
+5. only then does each leader rename its partial to the final name, so a node only ever lists
+   checkpoints that every rank wrote and verified.
 """
 
 from __future__ import annotations

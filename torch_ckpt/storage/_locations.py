@@ -249,7 +249,10 @@ class Location:
     """A directory on the local file system or on an fsspec store; files are addressed by name.
 
     Local files are read as regular files only: a symlink is reported as such by :meth:`entries`
-    and refused by every read, unless ``allow_symlinks`` (object stores have no symlinks).
+    and refused by every read, unless ``allow_symlinks`` (object stores have no symlinks). Every
+    method reading a file ``name`` raises ``FileNotFoundError`` when it does not exist,
+    ``CheckpointCorruptError`` when it is a refused symlink or not a regular file, and
+    :class:`DurableUnavailableError` when the store cannot be reached.
 
     Args:
         text: a local path (``file://`` allowed) or an fsspec URL.
@@ -276,10 +279,8 @@ class Location:
 
     @classmethod
     def on(cls, fs: Any, path: str, url: str) -> Location:
-        """A directory of an already open fsspec file system (``path`` in its terms, ``url`` for messages).
-
-        On a local file system (``file://``) the result reads regular files only, like a local path.
-        """
+        """A directory of an open fsspec file system (``path`` in its terms, ``url`` for messages); on a
+        local file system it reads regular files only, like a local path."""
         new = object.__new__(cls)
         protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
         new.storage_options, new.allow_symlinks, new.fs = {}, False, fs
@@ -311,6 +312,9 @@ class Location:
     def _p(self, name: str) -> str:
         return f"{self.path.rstrip('/')}/{name}"
 
+    def _open_local(self, name: str, what: str = "file listed in the manifest") -> int:
+        return open_regular(Path(self._p(name)), allow_symlinks=self.allow_symlinks, what=what)
+
     def _call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         """Run a file-system call; on a remote store, backend errors become DurableUnavailableError."""
         if not self.remote:
@@ -331,12 +335,9 @@ class Location:
         return bool(self._call(self.fs.isdir, self.path))
 
     def entries(self) -> dict[str, dict[str, Any]]:
-        """``{name: {"type", "size": int, "mtime": float|None}}`` of the directory.
-
-        ``type`` is "file" or "directory"; locally also "symlink" (a link to anything but a
-        directory, not followed unless ``allow_symlinks``) and "other" (FIFO, socket, device).
-        A link to a directory is listed as the directory (restore follows step-directory links).
-        """
+        """``{name: {"type", "size": int, "mtime": float|None}}`` of the directory. ``type`` is "file" or
+        "directory"; locally also "symlink" (a link to anything but a directory, not followed unless
+        ``allow_symlinks``; a link to a directory is listed as the directory) and "other" (FIFO...)."""
         if not self.remote:
             return self._local_entries()
         out: dict[str, dict[str, Any]] = {}
@@ -371,21 +372,11 @@ class Location:
         return self.stat(name)[0]
 
     def stat(self, name: str) -> tuple[int, str | None]:
-        """``(size in bytes, store digest)`` of the file ``name`` (a regular file).
-
-        The digest is what the store computed over the object's bytes and reports with it: the
-        ETag of S3-compatible stores, without quotes (the MD5 of the object, or of its parts' MD5s
-        followed by ``-<parts>``; other values with server-side KMS encryption). None for local
-        files and stores that report none.
-
-        Raises:
-            FileNotFoundError: it does not exist.
-            CheckpointCorruptError: it is a symlink (unless ``allow_symlinks``) or not a regular file.
-            DurableUnavailableError: the store cannot be reached.
-        """
+        """``(size in bytes, store digest)`` of the file ``name``: the digest the store reports for the
+        object (S3's ETag without quotes: the MD5 of the object, or of its parts' MD5s followed by
+        ``-<parts>``; other values with SSE-KMS); None for local files and stores that report none."""
         if not self.remote:
-            fd = open_regular(Path(self._p(name)), allow_symlinks=self.allow_symlinks,
-                              what="file listed in the manifest")
+            fd = self._open_local(name)
             try:
                 return os.fstat(fd).st_size, None
             finally:
@@ -398,15 +389,10 @@ class Location:
 
     def read_bytes(self, name: str, max_bytes: int | None = None, *,
                    what: str = "file listed in the manifest") -> bytes:
-        """Contents of the file ``name`` (a regular file; at most ``max_bytes``; ``what`` it is, for messages).
-
-        Raises:
-            FileNotFoundError: it does not exist.
-            CheckpointCorruptError: it is a symlink (unless ``allow_symlinks``), not a regular file,
-                or larger than ``max_bytes``.
-        """
+        """Contents of the file ``name`` (``what`` it is, for messages); CheckpointCorruptError when it
+        holds more than ``max_bytes``."""
         if not self.remote:
-            fd = open_regular(Path(self._p(name)), allow_symlinks=self.allow_symlinks, what=what)
+            fd = self._open_local(name, what)
             if max_bytes is not None:
                 return read_fd(fd, max_bytes, self.describe(name))
             with os.fdopen(fd, "rb") as f:
@@ -423,21 +409,14 @@ class Location:
         return data
 
     def checksum(self, name: str, bar: Any = None) -> tuple[int, int]:
-        """``(bytes, crc32)`` of the file ``name`` (a regular file), read in chunks (advancing ``bar``).
-
-        Raises:
-            FileNotFoundError: it does not exist.
-            CheckpointCorruptError: it is a symlink (unless ``allow_symlinks``) or not a regular file.
-            DurableUnavailableError: the store cannot be reached.
-        """
+        """``(bytes, crc32)`` of the file ``name``, read in chunks (advancing ``bar``)."""
 
         def read() -> tuple[int, int]:
             crc, size = 0, 0
             if self.remote:
                 f = self.fs.open(self._p(name), "rb", block_size=_CHUNK_BYTES)
             else:
-                f = os.fdopen(open_regular(Path(self._p(name)), allow_symlinks=self.allow_symlinks,
-                                           what="file listed in the manifest"), "rb")
+                f = os.fdopen(self._open_local(name), "rb")
             with f:
                 while chunk := f.read(_CHUNK_BYTES):
                     crc = crc32(chunk, crc)
@@ -450,12 +429,7 @@ class Location:
 
     @contextmanager
     def open_range(self, name: str) -> Iterator[Any]:
-        """The file ``name`` (a regular file) open for range reads (a :class:`~torch_ckpt.format._records.RangeReader`).
-
-        Raises:
-            FileNotFoundError: it does not exist.
-            CheckpointCorruptError: it is a symlink (unless ``allow_symlinks``) or not a regular file.
-        """
+        """The file ``name`` open for range reads (a :class:`~torch_ckpt.format._records.RangeReader`)."""
         if not self.remote:
             with open_range(Path(self._p(name)), allow_symlinks=self.allow_symlinks) as f:
                 yield f
