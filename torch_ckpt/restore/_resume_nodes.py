@@ -102,18 +102,9 @@ def restore_node_local(nodes: NodeLayout, ctx: DistContext, tier: Any, root: Pat
                        load: Callable[[Path], None], *, step: int | None, read_only: bool) -> Resumed | None:
     """:meth:`CheckpointManager.restore` for node-local roots (collective; see the module doc).
 
-    Args:
-        nodes: the agreed layout.
-        ctx: the checkpoint group.
-        tier: the durable tier (a :class:`~torch_ckpt.tiers._durable.DurableTier`), or None.
-        root: this node's root.
-        naming: the step directories' naming.
-        load: loads a local checkpoint directory into the caller's state (verifying it).
-        step: the step to restore; None: the newest one every node can get.
-        read_only: never move a superseded local copy aside.
-
-    Returns:
-        What was restored, or None when no tier holds a checkpoint.
+    ``load(directory)`` loads a local checkpoint into the caller's state (verifying it); ``step``
+    None takes the newest one every node can get; ``read_only`` never moves a superseded local copy
+    aside. Returns None when no tier holds a checkpoint.
 
     Raises:
         CheckpointNotFoundError: ``step`` was given and no tier can provide it.

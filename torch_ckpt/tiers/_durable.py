@@ -87,9 +87,8 @@ class DurableTier:
         create: create a missing bucket (or the missing parent directory of a ``file://`` root)
             at the first upload; by default a missing one is an error (:meth:`check_container`).
 
-    With ``verify="checksum"`` on an S3-compatible store an uploaded object whose ETag (single or
-    multipart MD5) equals the one computed from the local file is not read back; other objects are
-    read back and their CRC-32 compared (``bytes_read_back`` counts those bytes). Downloads are
+    With ``verify="checksum"`` an S3 object whose ETag equals the MD5 computed from the local file
+    is not read back; other objects are (``bytes_read_back`` counts those bytes). Downloads are
     checked (size and CRC-32) before they are committed.
 
     Raises:
@@ -147,8 +146,7 @@ class DurableTier:
 
     # -- the container: a bucket, or the parent directory of a file:// root ---------------------
     def container(self) -> str | None:
-        """What must exist for this tier to be used: the bucket on object stores, the parent
-        directory of a ``file://`` root; None for other stores (``memory://``...)."""
+        """What must exist: the bucket, the parent directory of a ``file://`` root, or None (``memory://``...)."""
         if self._protocol in ("file", "local"):
             return os.path.dirname(self.root) or "/"
         if self._protocol in _BUCKET_STORES:
@@ -156,10 +154,8 @@ class DurableTier:
         return None
 
     def check_container(self) -> None:
-        """Check that the container exists (:meth:`container`); with ``create``, create a missing one.
-
-        A missing root in an existing bucket is an empty tier (a first run); a missing bucket is not:
-        it was deleted, is misspelt, or (``file://``) a file system is not mounted.
+        """Check that the :meth:`container` exists (a missing root in it is an empty tier; a missing
+        bucket is an error: deleted, misspelt or not mounted); with ``create``, create a missing one.
 
         Raises:
             DurableUnavailableError: it does not exist (and ``create`` is False), or the store
@@ -194,8 +190,7 @@ class DurableTier:
         log.warning("durable tier %s: created its %s %r (durable_create=True)", self.url, kind, container)
 
     def make_step_dir(self, path: str) -> None:
-        """Before an upload into ``path``: :meth:`check_container`, and create the directory on
-        stores that have directories (never a bucket, unless ``create``)."""
+        """Before an upload into ``path``: :meth:`check_container`, and create it on stores with directories."""
         self.check_container()
         if self._protocol not in _BUCKET_STORES:
             self.fs.makedirs(path, exist_ok=True)
@@ -223,22 +218,13 @@ class DurableTier:
         return []
 
     def listed(self) -> dict[int, Manifest]:
-        """:meth:`list_steps` for the caller's thread: gives up after ``timeout_seconds`` without an
-        answer (:func:`torch_ckpt.storage._locations.bounded`).
-
-        Raises:
-            DurableUnavailableError: as :meth:`list_steps`, or the store did not answer in time.
-        """
+        """:meth:`list_steps` for the caller's thread: DurableUnavailableError after ``timeout_seconds``
+        without an answer (:func:`torch_ckpt.storage._locations.bounded`)."""
         return bounded(self.list_steps, timeout_seconds=self.timeout_seconds, what=f"listing durable tier {self.url}")
 
     def fetch(self, step: int, local_root: Path, *, node: int | None = None) -> Path:
-        """:meth:`download` for the caller's thread: gives up after ``timeout_seconds`` without an
-        answer (a download that keeps receiving bytes goes on); nothing is committed after that.
-
-        Raises:
-            DurableUnavailableError: the store cannot be reached or did not answer in time.
-            CheckpointCorruptError, ValueError: as :meth:`download`.
-        """
+        """:meth:`download` for the caller's thread: DurableUnavailableError after ``timeout_seconds``
+        without an answer (a download receiving bytes goes on); nothing is committed after that."""
         return bounded(lambda watch: self.download(step, local_root, node=node, watch=watch),
                        timeout_seconds=self.timeout_seconds, what=f"downloading {self.describe(step)}")
 
@@ -269,13 +255,7 @@ class DurableTier:
         return dict(sorted(found.items()))
 
     def read_manifest(self, step: int) -> Manifest:
-        """The durable manifest of ``step``, validated (:func:`torch_ckpt.format._manifest.read_manifest`).
-
-        Raises:
-            CheckpointNotFoundError: there is none (the step is not committed here); a ``FileNotFoundError``.
-            CheckpointCorruptError: it is too large or not a valid manifest (the URL is named).
-            DurableUnavailableError: the store cannot be reached.
-        """
+        """The durable manifest of ``step`` (:func:`torch_ckpt.format._manifest.read_manifest`, which raises)."""
         return read_manifest(self.location(step))
 
     # -- upload --------------------------------------------------------------------------------
@@ -299,11 +279,7 @@ class DurableTier:
 
     def _put_verified(self, local: Path, loc: Location, name: str, info: dict[str, int]) -> None:
         """Upload one file, then check the stored object (by the store's digest when it equals the
-        local file's, else read back; sizes only with ``verify="size"``).
-
-        Raises:
-            CheckpointCorruptError: the stored object does not match the manifest (its URL named).
-        """
+        local file's, else read back; sizes only with ``verify="size"``): CheckpointCorruptError."""
         extra = {"chunksize": self.part_bytes} if self._protocol in ("s3", "s3a") else {}
         self.fs.put_file(str(local), f"{loc.path}/{name}", **extra)
         self.refresh()
@@ -323,11 +299,7 @@ class DurableTier:
 
     def put_all(self, local_dir: Path, step: int, files: dict[str, dict[str, int]]) -> None:
         """Upload and verify ``files`` (``{name: {"bytes", "crc32"}}``) of ``local_dir`` into the
-        directory of ``step``, ``upload_threads`` at once; writes no manifest.
-
-        Raises:
-            CheckpointCorruptError: an uploaded object does not match its entry (its URL named).
-        """
+        directory of ``step``, ``upload_threads`` at once; writes no manifest (raises as :meth:`upload`)."""
         loc, items = self.location(step), sorted(files.items())
         if self.upload_threads <= 1 or len(items) <= 1:
             for name, info in items:
@@ -417,17 +389,11 @@ class DurableTier:
         self.refresh()
 
     def set_aside(self, step: int, *, reason: str = "superseded") -> str:
-        """Move a durable checkpoint aside to the hidden prefix ``.<reason>_<name>.<time>`` (kept, never listed).
+        """Move a durable checkpoint aside to the hidden prefix ``.<reason>_<name>.<time>``; returns its URL.
 
-        A ``file://`` directory is renamed (atomic). On an object store the objects are copied first,
-        then the manifest is deleted (un-commit), then the rest: a crash in between leaves the step
-        listed (moved again later) or an un-committed prefix (removed as an abandoned upload).
-
-        Returns:
-            The URL of the hidden prefix.
-
-        Raises:
-            Exception: backend errors propagate (the replicator retries them).
+        A ``file://`` directory is renamed; on an object store the objects are copied, then the
+        manifest is deleted, then the rest (a crash leaves the step listed, or an abandoned upload).
+        Backend errors propagate (the replicator retries them).
         """
         name = self.naming.name(step)
         src, base = f"{self.root}/{name}", f".{reason}_{name}.{int(time.time())}"
@@ -450,13 +416,8 @@ class DurableTier:
 
     # -- download ------------------------------------------------------------------------------
     def _fetch_file(self, src: Location, name: str, info: dict[str, int], tmp: Path, bar: Any, watch: Watch) -> None:
-        """Copy one object into ``tmp`` and check the copy (size and CRC-32; a mismatch is reported on
-        the object's URL, with the text a corrupt local file gets).
-
-        Raises:
-            CheckpointCorruptError: the object is missing from the store, or its bytes do not match.
-            DurableUnavailableError: the store failed while the object was read.
-        """
+        """Copy one object into ``tmp`` and check the copy: CheckpointCorruptError (on the object's URL)
+        when it is missing or its bytes do not match, DurableUnavailableError when the store fails."""
         def store(call: Callable[[], Any]) -> Any:  # a failure of the store, not of the local disk: an outage
             try:
                 return call()
@@ -569,19 +530,10 @@ def node_fetch_manifest(manifest: Manifest, node: int, where: str) -> Manifest:
 # -- uploads abandoned by a crash: step prefixes that never got their manifest ---------------------
 def abandoned_uploads(tier: DurableTier, *, older_than_seconds: float,
                       exclude: set[int] | frozenset[int] = frozenset(), now: float | None = None) -> dict[int, float]:
-    """``{step: age in seconds}`` of the step prefixes without a manifest whose newest object is
-    older than ``older_than_seconds``. A prefix holding an object without a modification time, or
-    a younger one, may still be uploading and is never returned; nor is any step in ``exclude``.
-
-    Args:
-        tier: the durable tier.
-        older_than_seconds: idle time (seconds) after which a manifest-less prefix counts as abandoned.
-        exclude: steps never returned (queued or uploading here).
-        now: the current Unix time (seconds); defaults to ``time.time()``.
-
-    Raises:
-        DurableUnavailableError: the store cannot be listed.
-    """
+    """``{step: age in seconds}`` of the manifest-less step prefixes idle for over ``older_than_seconds``
+    (none holding an object without a modification time: it may still be uploading), except
+    ``exclude``; ``now``: Unix time (seconds; default ``time.time()``). DurableUnavailableError when
+    the store cannot be listed."""
     now = time.time() if now is None else now
     found: dict[int, float] = {}
     for name in tier.list_names():
@@ -595,12 +547,8 @@ def abandoned_uploads(tier: DurableTier, *, older_than_seconds: float,
 
 
 def idle_seconds(tier: DurableTier, step: int, now: float) -> float | None:
-    """Seconds since the newest object of an uncommitted step prefix was written; None when the
-    step is committed, empty, or an object's time is unknown (it may still be uploading).
-
-    Raises:
-        DurableUnavailableError: the prefix cannot be listed.
-    """
+    """Seconds since the newest object of an uncommitted step prefix was written; None when it is
+    committed, empty, or an object's time is unknown. DurableUnavailableError when it cannot be listed."""
     try:
         objects = tier.fs.find(tier.location(step).path, detail=True)
     except FileNotFoundError:
@@ -618,11 +566,7 @@ def idle_seconds(tier: DurableTier, step: int, now: float) -> float | None:
 def remove_abandoned(tier: DurableTier, *, older_than_seconds: float,
                      exclude: set[int] | frozenset[int] = frozenset(), now: float | None = None) -> list[int]:
     """Delete the prefixes :func:`abandoned_uploads` returns (each listed again first, and kept if a
-    manifest or a new object appeared); returns their steps, ascending. Arguments as there.
-
-    Raises:
-        DurableUnavailableError: the store cannot be listed.
-    """
+    manifest or a new object appeared); returns their steps, ascending. Arguments and errors as there."""
     removed = []
     for step in sorted(abandoned_uploads(tier, older_than_seconds=older_than_seconds, exclude=exclude, now=now)):
         tier.refresh()
@@ -643,10 +587,8 @@ def _only(name: str, info: dict[str, int]) -> Manifest:
 
 
 def _with_timeouts(url: str, storage_options: dict[str, Any] | None, timeout_seconds: float) -> dict[str, Any]:
-    """``storage_options`` with botocore connect/read timeouts of ``timeout_seconds`` and 3 attempts
-    ("standard" retries) on S3-compatible stores, where the caller's options do not set them
-    (botocore's defaults, 60 s and 5 attempts under s3fs's own 5 retries, let a silent store hold a
-    call for minutes)."""
+    """``storage_options`` with botocore connect/read timeouts of ``timeout_seconds`` and 3 "standard"
+    attempts on S3 stores unless set (botocore's 60 s and 5 attempts under s3fs's retries take minutes)."""
     options = dict(storage_options or {})
     if not url.startswith(("s3://", "s3a://")):
         return options
