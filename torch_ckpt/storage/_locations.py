@@ -281,22 +281,22 @@ class Location:
     def on(cls, fs: Any, path: str, url: str) -> Location:
         """A directory of an open fsspec file system (``path`` in its terms, ``url`` for messages); on a
         local file system it reads regular files only, like a local path."""
-        new = object.__new__(cls)
         protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
-        new.storage_options, new.allow_symlinks, new.fs = {}, False, fs
-        new.remote = protocol not in ("file", "local")
-        new.path = path.rstrip("/") if new.remote else os.path.abspath(path)
-        new.url = url.rstrip("/") if new.remote else new.path
+        remote = protocol not in ("file", "local")
+        path = path.rstrip("/") if remote else os.path.abspath(path)
+        return cls._made(fs, path, url.rstrip("/") if remote else path, remote, {}, False)
+
+    @classmethod
+    def _made(cls, fs: Any, path: str, url: str, remote: bool, options: dict[str, Any], symlinks: bool) -> Location:
+        new = object.__new__(cls)
+        new.fs, new.path, new.url, new.remote, new.storage_options, new.allow_symlinks = \
+            fs, path, url, remote, options, symlinks
         return new
 
     def child(self, name: str) -> Location:
         """The location of the entry ``name`` of this directory."""
-        new = object.__new__(Location)
-        new.storage_options, new.fs, new.remote = self.storage_options, self.fs, self.remote
-        new.allow_symlinks = self.allow_symlinks
-        new.path = f"{self.path.rstrip('/')}/{name}"
-        new.url = f"{self.url.rstrip('/')}/{name}" if self.remote else os.path.join(self.url, name)
-        return new
+        return self._made(self.fs, self._p(name), self.describe(name), self.remote, self.storage_options,
+                          self.allow_symlinks)
 
     @property
     def name(self) -> str:

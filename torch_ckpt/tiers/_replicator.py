@@ -209,8 +209,7 @@ class Replicator:
         with self._cond:
             if self._stop or self._thread is None:
                 return
-            queued = sorted({s for s in (self._active, self._pending[0] if self._pending else None) if s is not None}
-                            | set(self._history))
+            queued = sorted(self.busy_steps())
         log.warning("waiting up to %.0f s for the upload of step(s) %s to %s before the interpreter exits",
                     self._exit_flush_s, queued, self.tier.url)
         if not self.wait(self._exit_flush_s):
