@@ -63,11 +63,10 @@ class DistContext:
     """Rank, world size and the checkpoint process groups.
 
     Args:
-        timeout_seconds: how long a checkpoint collective may wait for the other ranks before
-            failing with :class:`CheckpointTimeoutError` (seconds).
+        timeout_seconds: how long a collective waits for the other ranks before
+            :class:`CheckpointTimeoutError` (seconds).
         process_group: the group whose ranks take part (default: the world).
-        distributed: False makes this process act alone even when a process group exists (for
-            saves that only one rank performs, e.g. Lightning's rank-0-only ``CheckpointIO`` calls).
+        distributed: False: act alone even with a process group (e.g. Lightning's rank-0-only saves).
     """
 
     def __init__(self, *, timeout_seconds: float = 600.0, process_group: Any = None,

@@ -117,7 +117,7 @@ def write_json_durable(path: str | os.PathLike, obj: Any) -> tuple[int, int]:
 
 
 def update_manifest_tiers(step_dir: Path, tiers: dict[str, Any]) -> None:
-    """Atomically rewrite ``step_dir/manifest.json`` with ``tiers`` merged in (write, fsync, rename)."""
+    """Atomically rewrite ``step_dir/manifest.json`` with ``tiers`` merged in."""
     manifest = read_manifest(step_dir)
     data = manifest.to_json()
     data["tiers"] = {**manifest.tiers, **tiers}
@@ -128,7 +128,7 @@ def update_manifest_tiers(step_dir: Path, tiers: dict[str, Any]) -> None:
 
 
 def check_root(root: Path, *, create: bool) -> None:
-    """Validate a checkpoint root; optionally create it.
+    """Validate a checkpoint root; with ``create``, create it.
 
     Raises:
         CheckpointWriteError: the root exists but is not a directory, or cannot be created.

@@ -135,14 +135,9 @@ class NodeLayout:
         return upload
 
     def check(self, root: Path, ctx: Any, *, ok: bool = True) -> str | None:
-        """Collective: check that no node sees another node's root (a shared file system used with
-        ``local_root_shared=False`` would let nodes overwrite each other's manifests).
-
-        Each node's leader writes a probe file; after a barrier it looks for the other nodes' probes.
-
-        Returns:
-            An error message naming the root, or None.
-        """
+        """Collective: an error message naming ``root`` when a node sees another node's root (a shared
+        file system with ``local_root_shared=False`` would let nodes overwrite each other's manifests),
+        else None. Each leader writes a probe file; after a barrier it looks for the others'."""
         probe = root / f".node_probe.{self.node}.{secrets.token_hex(8)}"
         error = None
         if ok and self.is_leader:
@@ -164,12 +159,9 @@ class NodeLayout:
 
 def choose_layout(ctx: Any, shared: bool | None, *, persist: Callable[..., Any] | None = None
                   ) -> SharedRoot | NodeLayout:
-    """The root layout, agreed by every rank (collective): node-local roots unless the root is shared.
-
-    Args:
-        ctx: the checkpoint group (a :class:`~torch_ckpt.distributed._context.DistContext`).
-        shared: the manager's ``local_root_shared``; None: private when there is more than one node.
-        persist: the node-local commit protocol (:attr:`NodeLayout.persist`).
+    """The root layout, agreed by every rank of ``ctx`` (collective): node-local roots unless
+    ``shared`` (``local_root_shared``; None: private when there is more than one node); ``persist``
+    becomes :attr:`NodeLayout.persist`.
 
     Raises:
         ConfigError: ``shared`` is not a bool or None, or a node variable is malformed on some rank.

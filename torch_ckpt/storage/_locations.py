@@ -84,14 +84,8 @@ def _max_depth(value: Any) -> int:
 
 
 def loads_bounded(raw: bytes, source: str, *, what: str, max_depth: int, max_int_digits: int) -> Any:
-    """Parse JSON from untrusted bytes with bounded nesting and integer length.
-
-    Args:
-        raw: the file's bytes (already bounded in size by the caller).
-        source: the file's path or URL, for messages.
-        what: what the file is ("manifest", "per-rank state file"), for messages.
-        max_depth: deepest nesting of objects and arrays accepted.
-        max_int_digits: longest integer literal accepted (digits).
+    """Parse JSON from untrusted bytes ``raw`` (bounded in size by the caller) of ``source`` (``what``
+    it is, for messages), with at most ``max_depth`` levels and ``max_int_digits``-digit integers.
 
     Raises:
         CheckpointCorruptError: not UTF-8 JSON, nested deeper than ``max_depth`` (the parser's own
@@ -571,14 +565,9 @@ def bounded(fn: Callable[[Watch], T], *, timeout_seconds: float, what: str) -> T
 
 def waiting_for_coordinator(ctx: Any, tier: Any, doing: str, collective: Callable[[], T], *,
                             whom: str | None = None) -> T:
-    """Run ``collective`` (a broadcast of rank 0's answer); a timeout on another rank says what rank 0
-    was doing (``doing``, e.g. "listing the durable tier s3://b/run") instead of suggesting that the
-    ranks called different methods. ``whom``: who is waited for, when not rank 0 (e.g. "the node
-    leaders"); then every rank's timeout gets the message.
-
-    Raises:
-        CheckpointTimeoutError: rank 0 did not answer within ``timeout_seconds``.
-    """
+    """Run ``collective`` (a broadcast of rank 0's answer); a CheckpointTimeoutError on another rank
+    says what rank 0 was ``doing`` (not that the ranks called different methods). ``whom``: who is
+    waited for when not rank 0 ("the node leaders"); then every rank's timeout says so."""
     try:
         return collective()
     except CheckpointTimeoutError as exc:
