@@ -63,6 +63,8 @@ __all__ = ["DurableTier", "DurableUnavailableError", "abandoned_uploads", "durab
 log = get_logger(__name__)
 
 _CHUNK_BYTES = 8 << 20
+#: Per thread: the watch of the bounded call (:meth:`DurableTier.listed`) running on this worker thread.
+_calls = threading.local()
 #: Protocols whose root lies in a bucket that must exist (and is never created unless asked).
 _BUCKET_STORES = ("s3", "s3a", "gs", "gcs", "abfs", "az", "adl")
 #: The upload record a node writes into a step's prefix once its files are uploaded and verified.
@@ -220,7 +222,11 @@ class DurableTier:
     def listed(self) -> dict[int, Manifest]:
         """:meth:`list_steps` for the caller's thread: DurableUnavailableError after ``timeout_seconds``
         without an answer (:func:`torch_ckpt.storage._locations.bounded`)."""
-        return bounded(self.list_steps, timeout_seconds=self.timeout_seconds, what=f"listing durable tier {self.url}")
+        def run(watch: Watch) -> dict[int, Manifest]:
+            _calls.watch = watch  # list_steps runs on this worker thread: it ticks the watch
+            return self.list_steps()
+
+        return bounded(run, timeout_seconds=self.timeout_seconds, what=f"listing durable tier {self.url}")
 
     def fetch(self, step: int, local_root: Path, *, node: int | None = None) -> Path:
         """:meth:`download` for the caller's thread: DurableUnavailableError after ``timeout_seconds``
@@ -228,13 +234,15 @@ class DurableTier:
         return bounded(lambda watch: self.download(step, local_root, node=node, watch=watch),
                        timeout_seconds=self.timeout_seconds, what=f"downloading {self.describe(step)}")
 
-    def list_steps(self, watch: Watch | None = None) -> dict[int, Manifest]:
-        """``{step: manifest}`` of committed durable checkpoints (``watch`` is told of every answer).
+    def list_steps(self) -> dict[int, Manifest]:
+        """``{step: manifest}`` of committed durable checkpoints (called by :meth:`listed`, it tells
+        the caller's watch of every answer).
 
         Raises:
             DurableUnavailableError: the store cannot be listed (distinct from an empty root).
         """
         found: dict[int, Manifest] = {}
+        watch: Watch | None = getattr(_calls, "watch", None)
         for name in self.list_names():
             if watch is not None:
                 watch.tick()
