@@ -134,10 +134,9 @@ class DistContext:
         then every rank joins a store barrier and forms two new groups.
 
         Raises:
-            CheckpointTimeoutError: not every rank joined the rebuild within ``timeout_seconds``
-                (it is tried again at the next operation), or the new groups could not be formed.
-            CheckpointError: the groups are broken and there is no key-value store to rebuild them
-                through (the job must restart its checkpointing).
+            CheckpointTimeoutError: not every rank joined within ``timeout_seconds``, or the new groups
+                could not be formed (tried again at the next operation).
+            CheckpointError: the groups are broken and there is no key-value store to rebuild them.
         """
         if not self.enabled:
             return

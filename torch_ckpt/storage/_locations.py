@@ -470,11 +470,7 @@ class Watch:
         self._local = 0  # workers now busy with local work (writing, fsync, checksums): not waiting on the store
 
     def tick(self) -> None:
-        """Record an answer from the store.
-
-        Raises:
-            DurableUnavailableError: the caller gave up waiting (stops the abandoned worker).
-        """
+        """Record an answer from the store; DurableUnavailableError once the caller gave up (stops the worker)."""
         self._last = time.monotonic()
         if self._abandoned:
             raise DurableUnavailableError("abandoned: the caller stopped waiting for the store")
@@ -497,11 +493,8 @@ class Watch:
             self.tick()
 
     def publish(self, fn: Callable[[], T]) -> T:
-        """Run ``fn`` (a local commit) unless the caller gave up; after it, the caller takes the result.
-
-        Raises:
-            DurableUnavailableError: the caller gave up waiting.
-        """
+        """Run ``fn`` (a local commit) unless the caller gave up (DurableUnavailableError); the caller
+        then takes the result."""
         with self._lock:
             if self._abandoned:
                 raise DurableUnavailableError("abandoned: the caller stopped waiting for the store")
@@ -519,16 +512,9 @@ class Watch:
 
 
 def bounded(fn: Callable[[Watch], T], *, timeout_seconds: float, what: str) -> T:
-    """Run ``fn(watch)`` on a worker thread; wait while the store answers at least every ``timeout_seconds``.
-
-    Args:
-        fn: the durable operation; it calls ``watch.tick()`` after each answer of the store and
-            commits anything local through ``watch.publish``.
-        timeout_seconds: longest silence of the store accepted (seconds, > 0).
-        what: the operation and the store, for the message (e.g. "listing s3://bucket/run").
-
-    Returns:
-        What ``fn`` returned.
+    """Run ``fn(watch)`` on a worker thread and return its result, waiting while the store answers at
+    least every ``timeout_seconds`` (> 0). ``fn`` calls ``watch.tick()`` after each answer and commits
+    anything local through ``watch.publish``; ``what`` names the operation and store in the message.
 
     Raises:
         DurableUnavailableError: the store did not answer for ``timeout_seconds``.

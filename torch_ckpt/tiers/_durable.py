@@ -457,15 +457,9 @@ class DurableTier:
     def download(self, step: int, local_root: Path, *, node: int | None = None, watch: Watch | None = None) -> Path:
         """Download a durable checkpoint into ``local_root`` (verified, then committed atomically).
 
-        Args:
-            step: the step.
-            local_root: the local run root.
-            node: for a node-local checkpoint, fetch only what this node's ranks load at the same
-                rank layout (:func:`fetch_set`) and commit it as that node's copy; None fetches every file.
-            watch: told of every answer of the store; the commit goes through it (see :meth:`fetch`).
-
-        Returns:
-            The local committed directory.
+        ``node``: for a node-local checkpoint, fetch only what this node's ranks load at the same rank
+        layout (:func:`fetch_set`), committed as that node's copy. ``watch`` is told of every answer of
+        the store, and the commit goes through it (:meth:`fetch`). Returns the committed directory.
 
         Raises:
             CheckpointCorruptError: a fetched file does not have the manifest's size or CRC-32 (the
