@@ -1,11 +1,11 @@
-"""torch_ckpt.storage._bounded: JSON from untrusted bytes with bounded nesting and integer length."""
+"""torch_ckpt.storage._locations: JSON from untrusted bytes with bounded nesting and integer length."""
 
 from __future__ import annotations
 
 import pytest
 
 from torch_ckpt.errors import CheckpointCorruptError
-from torch_ckpt.storage._bounded import Malformed, corrupt, loads_bounded, short_repr
+from torch_ckpt.storage._locations import Malformed, corrupt, loads_bounded, short_repr
 
 
 def load(raw: bytes, *, depth: int = 4, digits: int = 5):

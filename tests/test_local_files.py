@@ -1,4 +1,4 @@
-"""torch_ckpt.storage._local_files: checkpoint files are opened only as regular files and read within limits."""
+"""torch_ckpt.storage._locations: checkpoint files are opened only as regular files and read within limits."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import os
 import pytest
 
 from torch_ckpt.errors import CheckpointCorruptError
-from torch_ckpt.storage._local_files import open_range, open_regular, read_fd, reading
+from torch_ckpt.storage._locations import open_range, open_regular, read_fd, reading
 
 
 @pytest.fixture

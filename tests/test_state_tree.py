@@ -8,7 +8,7 @@ import torch
 
 from torch_ckpt.format._codec import split_state
 from torch_ckpt.format._read import MAX_NDIM, embedded_info, tensor_keys, walk_tree
-from torch_ckpt.storage._bounded import Malformed
+from torch_ckpt.storage._locations import Malformed
 
 
 def encoded():

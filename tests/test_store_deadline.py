@@ -1,4 +1,4 @@
-"""torch_ckpt.storage._deadline: a durable call on the caller's thread waits only while the store answers."""
+"""torch_ckpt.storage._locations: a durable call on the caller's thread waits only while the store answers."""
 
 from __future__ import annotations
 
@@ -7,8 +7,7 @@ import time
 
 import pytest
 
-from torch_ckpt.storage._deadline import bounded
-from torch_ckpt.storage._locations import DurableUnavailableError
+from torch_ckpt.storage._locations import DurableUnavailableError, bounded
 
 TIMEOUT = 0.3
 

@@ -1,4 +1,4 @@
-"""Uploads abandoned on the durable tier (torch_ckpt.tiers._cleanup): manifest-less step prefixes."""
+"""Uploads abandoned on the durable tier (torch_ckpt.tiers._durable): manifest-less step prefixes."""
 
 from __future__ import annotations
 
@@ -8,8 +8,7 @@ import uuid
 import pytest
 
 from torch_ckpt.root._layout import read_manifest
-from torch_ckpt.tiers._cleanup import abandoned_uploads, remove_abandoned
-from torch_ckpt.tiers._durable import DurableTier
+from torch_ckpt.tiers._durable import DurableTier, abandoned_uploads, remove_abandoned
 from torch_ckpt.tiers._replicator import Replicator
 
 pytest.importorskip("s3fs", reason="the s3 extra (s3fs, moto[server]) is not installed")

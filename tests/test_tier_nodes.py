@@ -1,4 +1,4 @@
-"""torch_ckpt.tiers._nodes: which files of a node-local checkpoint are uploaded, and which a node fetches back.
+"""Node-local checkpoints on the durable tier: which files are uploaded, and which a node fetches back.
 
 Only the pure manifest functions are covered here; uploads through a durable tier are in test_cluster_tiers.py.
 """
@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 
 from torch_ckpt.root._layout import Manifest
-from torch_ckpt.tiers._nodes import durable_manifest, fetch_set, is_replica_file, node_fetch_manifest
+from torch_ckpt.root._nodes import is_replica_file
+from torch_ckpt.tiers._durable import durable_manifest, fetch_set, node_fetch_manifest
 
 INFO = {"bytes": 1, "crc32": 0}
 

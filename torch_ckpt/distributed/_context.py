@@ -1,24 +1,20 @@
 """``DistContext``: every collective torch-ckpt performs, on its own gloo groups.
 
-Checkpoint traffic never uses the training process group (sharing it with NCCL training
-collectives or with a background thread deadlocks). Two gloo groups are created collectively when
-the manager is built: ``fg`` for decisions taken on the caller's thread (which step to restore,
-whether to save) and ``bg`` for the background writer (DCP plan exchange, commit agreement). Each
-thread therefore issues its collectives on its own group in the same order on every rank. Without
-an initialised process group every operation is a local no-op.
+Checkpoint traffic never uses the training process group (sharing it with NCCL collectives or with
+a background thread deadlocks): two gloo groups are created collectively with the manager, ``fg``
+for decisions on the caller's thread and ``bg`` for the background writer, so each thread issues
+its collectives on its own group in the same order on every rank. Without an initialised process
+group every operation is a local no-op.
 
-Recovery after a rank fault: a gloo collective that failed (a timeout closes its connections, a
-peer then sees "Connection closed by peer") leaves its group unusable for good. The context then
-counts as *broken*, and announces it in the job's key-value store (the default group's store,
-which does not depend on the broken connections). Before its next operation on the caller's
-thread (for instance the next save's agreement) every rank rebuilds both groups: a rank that saw
-the failure itself, or finds another rank's announcement, joins a store-based barrier for the next
-*generation* and, once every rank has joined, creates two new gloo groups named after that
-generation (not through ``new_group``'s process-wide counter, so the job's own later groups keep
-their names). A rank that waits longer than ``timeout_seconds`` for the others raises
-:class:`CheckpointTimeoutError` and joins again at its next operation. The rebuild never runs
-while this process's writer thread is persisting (:meth:`DistContext.background_work`); a writer
-*process* calls :meth:`DistContext.heal` before each save.
+After a rank fault: a failed gloo collective leaves its group unusable for good. The context then
+counts as *broken* and says so in the job's key-value store (which does not depend on the broken
+connections). Before its next operation on the caller's thread every rank rebuilds both groups: a
+rank that saw the failure, or finds another rank's announcement, joins a store barrier for the next
+*generation*, then creates two gloo groups named after it (not through ``new_group``'s
+process-wide counter, so the job's own later groups keep their names). A rank that waits longer
+than ``timeout_seconds`` raises :class:`CheckpointTimeoutError` and joins again at its next
+operation. No rebuild runs while this process's writer thread persists
+(:meth:`DistContext.background_work`); a writer *process* calls :meth:`DistContext.heal` before each save.
 """
 
 from __future__ import annotations
@@ -43,13 +39,9 @@ log = get_logger(__name__)
 def quiet_single_process_warning() -> None:
     """Ignore DCP's "assuming the intent is to save (load) in a single process" warning, process-wide.
 
-    ``dcp.save``/``dcp.load`` emit it on every call with ``no_dist=True``, which torch-ckpt passes on
-    purpose when there is no process group (``not DistContext.enabled``); no argument avoids it. The
-    filter matches that message only, attributed to DCP (or to torch-ckpt should DCP stop wrapping
-    the call), and also quiets the same non-information for the process's other single-process DCP
-    calls. The modules that call DCP (:mod:`torch_ckpt.format._dcp_write`, :mod:`torch_ckpt.format._read`) install
-    it once when imported: unlike ``warnings.catch_warnings`` around each call, it never changes
-    the process-wide filters from the writer thread. Installing it again adds no second filter.
+    DCP emits it on every call with ``no_dist=True``, which torch-ckpt passes on purpose without a
+    process group. The modules calling DCP install this filter (that message only) once at import,
+    never from the writer thread (as ``warnings.catch_warnings`` would); installing it again adds none.
     """
     warnings.filterwarnings(
         "ignore",
@@ -71,11 +63,10 @@ class DistContext:
     """Rank, world size and the checkpoint process groups.
 
     Args:
-        timeout_seconds: how long a checkpoint collective may wait for the other ranks before
-            failing with :class:`CheckpointTimeoutError` (seconds).
+        timeout_seconds: how long a collective waits for the other ranks before
+            :class:`CheckpointTimeoutError` (seconds).
         process_group: the group whose ranks take part (default: the world).
-        distributed: False makes this process act alone even when a process group exists (for
-            saves that only one rank performs, e.g. Lightning's rank-0-only ``CheckpointIO`` calls).
+        distributed: False: act alone even with a process group (e.g. Lightning's rank-0-only saves).
     """
 
     def __init__(self, *, timeout_seconds: float = 600.0, process_group: Any = None,
@@ -139,15 +130,13 @@ class DistContext:
         """Rebuild the checkpoint groups when a collective failed on this or another rank (collective).
 
         Called before every operation on the caller's thread, and by a writer process before each
-        save. Does nothing while the groups are healthy and no other rank announced a failure (one
-        store look-up); otherwise waits for this process's writer thread to finish its persist,
+        save: one store look-up while healthy; otherwise it waits for this process's writer thread,
         then every rank joins a store barrier and forms two new groups.
 
         Raises:
-            CheckpointTimeoutError: not every rank joined the rebuild within ``timeout_seconds``
-                (it is tried again at the next operation), or the new groups could not be formed.
-            CheckpointError: the groups are broken and there is no key-value store to rebuild them
-                through (the job must restart its checkpointing).
+            CheckpointTimeoutError: not every rank joined within ``timeout_seconds``, or the new groups
+                could not be formed (tried again at the next operation).
+            CheckpointError: the groups are broken and there is no key-value store to rebuild them.
         """
         if not self.enabled:
             return

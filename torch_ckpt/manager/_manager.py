@@ -35,7 +35,7 @@ from torch_ckpt.policy._preemption import PreemptionFlag
 from torch_ckpt.policy._retention import RetentionPolicy, apply_retention
 from torch_ckpt.policy._schedule import Cadence
 from torch_ckpt.restore._resume import restore_checkpoint
-from torch_ckpt.restore._resume_nodes import check_private_roots, node_layout, restore_node_local
+from torch_ckpt.restore._resume_nodes import restore_node_local
 from torch_ckpt.root._layout import (
     check_root,
     is_committed,
@@ -47,10 +47,12 @@ from torch_ckpt.root._layout import (
     update_manifest_tiers,
 )
 from torch_ckpt.root._lock import RootLock
-from torch_ckpt.root._nodes import NodeLayout
+from torch_ckpt.root._layout import SharedRoot
+from torch_ckpt.root._nodes import NodeLayout, choose_layout
 from torch_ckpt.root._temporaries import PARTIAL_PREFIX, clean_stale_temporaries, is_reservation, is_temporary_name
 from torch_ckpt.save._checkpointer import AsyncCheckpointer, close_on_exit
 from torch_ckpt.save._persist import SaveRequest, check_extra_name
+from torch_ckpt.save._persist_nodes import persist_node_local
 from torch_ckpt.state._protocol import StateToRestore, StateToSave
 from torch_ckpt.tiers._durable import DurableTier
 from torch_ckpt.tiers._replicator import Replicator
@@ -334,7 +336,7 @@ class AfterCommit:
         self.callbacks: list[Callable[[int, Path], None]] = []
         self.replicator: Replicator | None = None
 
-    def start_replicator(self, tier: DurableTier, nodes: NodeLayout | None) -> Replicator:
+    def start_replicator(self, tier: DurableTier, roots: SharedRoot | NodeLayout) -> Replicator:
         """Build the durable tier's replicator (its thread references nothing of the manager)."""
         cfg = self.config
         every, wait_seconds = cfg.durable_keep_every_n_steps, cfg.durable_flush_timeout_seconds
@@ -348,16 +350,9 @@ class AfterCommit:
             except OSError as exc:  # the local copy may have been pruned meanwhile
                 log.debug("could not record the durable copy of step %d in %s: %s", step, local_dir, exc)
 
-        if nodes is None:
-            self.replicator = Replicator(tier, retention=retention, on_durable=record, never_skip=history,
-                                         exit_flush_seconds=wait_seconds)
-            return self.replicator
-        commit = nodes.node == 0
-
-        def upload(local_dir: Path, manifest: Any, abandon: Callable[[], bool]) -> None:
-            tier.upload_node(local_dir, manifest, commit=commit, abandon=abandon, wait_seconds=wait_seconds)
-
-        # every node uploads its own shards; node 0 commits and runs durable retention and cleanup
+        # the layout's upload (node-local roots: every node uploads its own shards); the committing rank runs
+        # durable retention and cleanup
+        commit, upload = roots.commits, roots.uploader(tier, wait_seconds)
         self.replicator = Replicator(tier, retention=retention if commit else None, upload=upload,
                                      on_durable=record if commit else None,
                                      abandoned_after_seconds=24 * 3600.0 if commit else None, never_skip=history,
@@ -389,7 +384,7 @@ class AfterCommit:
         # retired checkpoints are hidden already; their bytes are deleted once `committed` resolved
         return functools.partial(_delete, retired) if retired else None
 
-    def catch_up(self, tier: DurableTier | None, nodes: NodeLayout | None) -> None:
+    def catch_up(self, tier: DurableTier | None, roots: SharedRoot | NodeLayout) -> None:
         """At start, the work a commit's writer may not have lived to do (a rank killed after rank 0's rename).
 
         The newest committed step whose manifest records no durable copy in ``tier`` is handed to the
@@ -397,7 +392,7 @@ class AfterCommit:
         """
         try:
             committed = scan_committed(self.root, self.naming)
-            if self.replicator is not None and nodes is None and committed:
+            if self.replicator is not None and not roots.node_local and committed:
                 step = max(committed)
                 if read_manifest(committed[step]).tiers.get("durable", {}).get("url") != tier.url:
                     log.info("step %d has no durable copy in %s yet: replicating it now", step, tier.url)
@@ -602,16 +597,15 @@ class CheckpointManager:
                                        timeout_seconds=cfg.timeout_seconds, process_group=cfg.process_group,
                                        on_write_error=cfg.on_write_error)
         self._ctx = ctx = self._ckpt.ctx
-        self._nodes: NodeLayout | None = None
-        try:
-            self._nodes = node_layout(ctx, cfg.local_root_shared)
+        try:  # the root layout (root._layout.SharedRoot, or root._nodes.NodeLayout for node-local roots): chosen once
+            self._roots = choose_layout(ctx, cfg.local_root_shared, persist=persist_node_local)
         except CheckpointError:
             self._ckpt.close()
             raise
-        self._ckpt.node_layout = self._nodes
+        self._ckpt.layout = self._roots
         # the rank that creates, commits, prunes and replicates this process's root: rank 0 for a shared
         # root, each node's lowest rank for node-local roots
-        acts_on_root = self._nodes.is_leader if self._nodes is not None else ctx.is_coordinator
+        acts_on_root = self._roots.acts
         self._runs = RunLineage(root, naming, acts_on_root)
         self._guard = SaveGuard(root, naming, cfg, self._ckpt.incarnation, self._runs)
         self._after = AfterCommit(root, naming, cfg, self._runs, ctx.is_coordinator)
@@ -626,8 +620,8 @@ class CheckpointManager:
                 check_root(root, create=not self.read_only)
             except CheckpointError as exc:
                 error = exc
-        if self._nodes is not None and not self.read_only:  # before the lock, whose message would mislead
-            shared = check_private_roots(root, self._nodes, ctx, ok=error is None)
+        if not self.read_only:  # before the lock, whose message would mislead
+            shared = self._roots.check(root, ctx, ok=error is None)
             error = error or (ConfigError(shared) if shared else None)
         if acts_on_root and error is None:
             try:
@@ -635,9 +629,9 @@ class CheckpointManager:
                     self._lock.acquire()
                     clean_stale_temporaries(root, keep_incarnation=self._ckpt.incarnation, naming=naming)
                 if self._tier is not None:
-                    self._after.start_replicator(self._tier, self._nodes)
+                    self._after.start_replicator(self._tier, self._roots)
                 if not self.read_only:
-                    self._after.catch_up(self._tier, self._nodes)
+                    self._after.catch_up(self._tier, self._roots)
             except CheckpointError as exc:
                 error = exc
         status = next((e for e in ctx.all_gather(None if error is None else str(error), what="init") if e), None)
@@ -647,8 +641,9 @@ class CheckpointManager:
             self._preemption.restore()
             self._lock.release()
             self._ckpt.close()
-            raise error or CheckpointError(f"rank 0 could not prepare {root}: {status}" if self._nodes is None
-                                           else f"a node could not prepare its checkpoint root: {status}")
+            what = "a node could not prepare its checkpoint root" if self._roots.node_local else \
+                f"rank 0 could not prepare {root}"
+            raise error or CheckpointError(f"{what}: {status}")
         # a manager nobody references any more (never closed) releases its root and threads like close()
         self._finalizer = weakref.finalize(self, _close_unreachable, str(root), self._ckpt, self._replicator,
                                            self._preemption, self._lock, cfg.durable_flush_timeout_seconds)
@@ -970,8 +965,16 @@ class CheckpointManager:
             CheckpointCorruptError: a file fails its size or checksum check.
         """
         self._ckpt.wait()
-        if self._nodes is not None and path is None:
-            return restore_node_local(self, state, step, allow_cast)
+        if self._roots.node_local and path is None:
+            resumed = restore_node_local(
+                self._roots, self._ctx, self._tier, self.root, self.naming, step=step, read_only=self.read_only,
+                load=lambda local: self._ckpt.load(local, state, verify=self.verify_on_load, allow_cast=allow_cast,
+                                                   on_world_size_change=self.on_world_size_change))
+            if resumed is None:
+                return None
+            self.restore_source = resumed.source
+            self._runs.restored(resumed.step, resumed.lineage)
+            return resumed.step
         done = restore_checkpoint(state, root=self.root, naming=self.naming, tier=self._tier, ctx=self._ctx, step=step,
                                   path=path, allow_cast=allow_cast, verify=self.verify_on_load,
                                   on_world_size_change=self.on_world_size_change, read_only=self.read_only,

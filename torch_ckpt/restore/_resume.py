@@ -30,7 +30,7 @@ from torch_ckpt.policy._lineage import Lineage, head_of, new_segment, successor
 from torch_ckpt.policy._naming import Naming, StepNaming
 from torch_ckpt.restore._restore import load_into
 from torch_ckpt.root._layout import quarantine_step_dir, read_manifest, scan_manifests
-from torch_ckpt.storage._deadline import waiting_for_coordinator
+from torch_ckpt.storage._locations import waiting_for_coordinator
 from torch_ckpt.tiers._durable import DurableTier, DurableUnavailableError
 
 __all__ = ["Restored", "ResumePlan", "restore_checkpoint", "resume_plan", "set_aside_superseded"]

@@ -1,102 +1,55 @@
-"""Node-local roots at start and at resume: the agreed layout, a check that the roots are really
-private, and restoring the newest step that is complete somewhere.
+"""Restoring from node-local roots: the newest step every node can get, from its own disk or the durable tier.
 
-Only live copies count (:mod:`torch_ckpt.policy._lineage`: the lineage records of every node's manifests
-and the durable tier's decide together), so a stale node's copies of an abandoned timeline are
-never mixed with the others'. A step can be restored when every node can get its part: from its
-own copy on its local disk, or from the durable tier (only that node's files when the rank layout
-is unchanged, else the whole checkpoint, to reshard). Otherwise the next older step is tried, and the reason is logged.
+Only live copies count (:mod:`torch_ckpt.policy._lineage`: the lineage records of every node's
+manifests and of the durable tier decide together), so a stale node's copies of an abandoned
+timeline are never mixed with the others'. A node gets its part from its own copy, or from the
+durable tier (only its files when the rank layout is unchanged, else the whole checkpoint, to
+reshard); otherwise the next older step is tried, and the reason logged.
 """
 
 from __future__ import annotations
 
-import secrets
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from torch_ckpt._logging import get_logger
 from torch_ckpt.distributed._context import DistContext
-from torch_ckpt.errors import (
-    CheckpointCorruptError,
-    CheckpointError,
-    CheckpointNotFoundError,
-    ConfigError,
-)
+from torch_ckpt.errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 from torch_ckpt.policy._lineage import Lineage, head_of, new_segment, successor
 from torch_ckpt.restore._resume import set_aside_superseded
 from torch_ckpt.root._layout import is_committed, read_manifest, scan_committed, scan_manifests
-from torch_ckpt.root._nodes import NodeLayout, env_node
-from torch_ckpt.storage._deadline import waiting_for_coordinator
-from torch_ckpt.storage._locations import DurableUnavailableError
+from torch_ckpt.root._nodes import NodeLayout
+from torch_ckpt.storage._locations import DurableUnavailableError, waiting_for_coordinator
 
-__all__ = ["node_layout", "check_private_roots", "restore_node_local", "local_inventory"]
+__all__ = ["Resumed", "restore_node_local", "local_inventory"]
 
 log = get_logger(__name__)
 
 
-def node_layout(ctx: DistContext, shared: bool | None) -> NodeLayout | None:
-    """Agree on the node of every rank (collective); None when the root is one shared directory.
+@dataclass(frozen=True)
+class Resumed:
+    """The outcome of :func:`restore_node_local` on this rank.
 
-    Args:
-        ctx: the checkpoint group.
-        shared: the manager's ``local_root_shared``; None: private when there is more than one node.
-
-    Raises:
-        ConfigError: ``shared`` is not a bool or None, or a node variable is malformed on some rank.
+    Attributes:
+        step: the restored step.
+        source: "local" (read from its node's disk), "durable-node" (its node fetched only its own
+            files) or "durable-full" (its node fetched the whole checkpoint).
+        lineage: the run segment of the next saves (:func:`torch_ckpt.policy._lineage.successor`);
+            None on the ranks that are not a node's leader.
     """
-    if shared is not None and not isinstance(shared, bool):
-        raise ConfigError(f"local_root_shared must be True, False or None, got {shared!r}")
-    try:
-        mine: Any = env_node(ctx.rank)
-    except ConfigError as exc:
-        mine = str(exc)
-    votes = ctx.all_gather(mine, what="node layout")
-    bad = next((v for v in votes if isinstance(v, str)), None)
-    if bad is not None:
-        raise ConfigError(bad)
-    rank_node = NodeLayout.normalise(votes)
-    if shared is True or (shared is None and max(rank_node) == 0):
-        return None
-    return NodeLayout(rank_node=rank_node, rank=ctx.rank)
 
-
-def check_private_roots(root: Path, nodes: NodeLayout, ctx: DistContext, *, ok: bool = True) -> str | None:
-    """Collective: check that no node sees another node's root (a shared file system used with
-    ``local_root_shared=False`` would let nodes overwrite each other's manifests).
-
-    Each node's leader writes a probe file; after a barrier it looks for the other nodes' probes.
-
-    Returns:
-        An error message naming the root, or None.
-    """
-    token = secrets.token_hex(8)
-    probe = root / f".node_probe.{nodes.node}.{token}"
-    error = None
-    if ok and nodes.is_leader:
-        try:
-            probe.write_bytes(b"")
-        except OSError as exc:
-            error = f"cannot write {probe}: {exc.strerror}"
-    ctx.barrier(what="private root check")
-    if ok and nodes.is_leader and error is None:
-        others = [p.name for p in root.glob(".node_probe.*") if not p.name.startswith(f".node_probe.{nodes.node}.")]
-        if others:
-            error = (f"{root} is seen by more than one node (it holds {others[0]}): it is a shared directory. Pass "
-                     "CheckpointManager(..., local_root_shared=True), or give each node a directory of its own")
-    ctx.barrier(what="private root check")
-    if nodes.is_leader:
-        probe.unlink(missing_ok=True)
-    return error
+    step: int
+    source: str
+    lineage: Lineage | None
 
 
 def local_inventory(root: Path, naming: Any, nodes: NodeLayout) -> dict[int, str]:
-    """``{step: "node" | "full"}``: steps this node can restore from its own disk.
-
-    "node": this node's copy of a checkpoint written with the same rank layout; "full": a complete
-    copy (downloaded to reshard, or written to a shared root). Copies whose files are missing or
-    of the wrong size, and node copies of another layout, are left out.
-    """
+    """``{step: "node" | "full"}``: steps this node can restore from its own disk: its copy written
+    with the same rank layout ("node"), or a complete copy ("full": downloaded to reshard, or from a
+    shared root). Copies with missing or truncated files are left out."""
     found: dict[int, str] = {}
     for step, path in scan_committed(root, naming).items():
         try:
@@ -117,9 +70,8 @@ def _plan(inventories: dict[int, dict[int, str]], durable: dict[int, Any], nodes
           step: int | None) -> list[tuple[int, dict[int, str]]]:
     """Rank 0: feasible ``(step, {node: "local"|"node"|"full"})`` newest first, logging why steps are skipped.
 
-    A step that some node reads from its own disk and that the durable tier also holds is listed a
-    second time with every node fetching it from the durable tier: when a local copy fails
-    verification, the same step is taken from the durable tier before any older step.
+    A step some node reads locally that the durable tier also holds is listed again with every node
+    fetching it: a local copy failing verification is replaced by the durable one before older steps.
     """
     candidates = sorted({s for inv in inventories.values() for s in inv} | set(durable), reverse=True)
     if step is not None:
@@ -146,11 +98,13 @@ def _plan(inventories: dict[int, dict[int, str]], durable: dict[int, Any], nodes
     return feasible
 
 
-def restore_node_local(mgr: Any, state: Any, step: int | None, allow_cast: bool) -> int | None:
+def restore_node_local(nodes: NodeLayout, ctx: DistContext, tier: Any, root: Path, naming: Any,
+                       load: Callable[[Path], None], *, step: int | None, read_only: bool) -> Resumed | None:
     """:meth:`CheckpointManager.restore` for node-local roots (collective; see the module doc).
 
-    Sets ``mgr.restore_source`` on every rank to "local" (read from its node's disk), "durable-node"
-    (its node fetched only its own files) or "durable-full" (its node fetched the whole checkpoint).
+    ``load(directory)`` loads a local checkpoint into the caller's state (verifying it); ``step``
+    None takes the newest one every node can get; ``read_only`` never moves a superseded local copy
+    aside. Returns None when no tier holds a checkpoint.
 
     Raises:
         CheckpointNotFoundError: ``step`` was given and no tier can provide it.
@@ -158,13 +112,12 @@ def restore_node_local(mgr: Any, state: Any, step: int | None, allow_cast: bool)
             ``durable_timeout_seconds``, or its bucket is missing) and no step is on every node's disk.
         CheckpointCorruptError, StateMismatchError: as :meth:`CheckpointManager.restore`.
     """
-    ctx, nodes, tier = mgr._ctx, mgr._nodes, mgr._tier
     inv: dict[int, str] | str | None = None
     lineages: dict[int, Lineage] = {}
     if nodes.is_leader:
         try:
-            inv = local_inventory(mgr.root, mgr.naming, nodes)
-            lineages = {s: m.lineage for s, (_, m) in scan_manifests(mgr.root, mgr.naming).items() if s in inv}
+            inv = local_inventory(root, naming, nodes)
+            lineages = {s: m.lineage for s, (_, m) in scan_manifests(root, naming).items() if s in inv}
         except (CheckpointError, OSError) as exc:
             inv = f"{type(exc).__name__}: {exc}"
     gathered = ctx.all_gather((nodes.node, inv, lineages), what="restore inventory")
@@ -216,13 +169,13 @@ def restore_node_local(mgr: Any, state: Any, step: int | None, allow_cast: bool)
             continue  # the store is down: only steps every node has on its disk are left
         action = actions[nodes.node]
         error: tuple[bool, str] | None = None  # (an outage?, message)
-        local = mgr.root / mgr.naming.name(cand)
+        local = root / naming.name(cand)
         if nodes.is_leader and action != "local":
             try:
-                if not mgr.read_only:
+                if not read_only:
                     set_aside_superseded(local)  # a superseded copy of this step: kept aside, not replaced
                 t0 = time.monotonic()
-                tier.fetch(cand, mgr.root, node=nodes.node if action == "node" else None)
+                tier.fetch(cand, root, node=nodes.node if action == "node" else None)
                 log.info("[node %d] fetched %d file(s) of step %d from %s in %.3f s", nodes.node,
                          len(tier.last_download), cand, tier.describe(cand), time.monotonic() - t0)
             except (CheckpointError, OSError, ValueError) as exc:
@@ -237,8 +190,7 @@ def restore_node_local(mgr: Any, state: Any, step: int | None, allow_cast: bool)
                                               f"{next(m for down, m in errors if down)}")
             if errors:
                 raise CheckpointCorruptError(f"step {cand} could not be fetched: {errors[0][1]}")
-            mgr._ckpt.load(local, state, verify=mgr.verify_on_load, on_world_size_change=mgr.on_world_size_change,
-                           allow_cast=allow_cast)
+            load(local)
         except (CheckpointCorruptError, DurableUnavailableError) as exc:
             if isinstance(exc, DurableUnavailableError):
                 store_down = True
@@ -251,14 +203,13 @@ def restore_node_local(mgr: Any, state: Any, step: int | None, allow_cast: bool)
             else:
                 log.warning("step %d is not usable (%s); falling back to step %d", cand, exc, rest[0][0])
             continue
-        mgr.restore_source = {"local": "local", "node": "durable-node", "full": "durable-full"}[action]
-        log.info("[rank %d] restored step %d from %s (%s)", ctx.rank, cand, local, mgr.restore_source)
+        source = {"local": "local", "node": "durable-node", "full": "durable-full"}[action]
+        log.info("[rank %d] restored step %d from %s (%s)", ctx.rank, cand, local, source)
         lineage = None
         if nodes.is_leader:
             head, complete, newest, fork = lineage_view
             restored = read_manifest(local).lineage
             lineage = successor(restored, cand, newest=complete and cand == newest and restored.run == head.run,
                                 fork=fork)
-        mgr._runs.restored(cand, lineage)
-        return cand
+        return Resumed(cand, source, lineage)
     return None

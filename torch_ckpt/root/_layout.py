@@ -1,26 +1,20 @@
-"""The committed step directories of a checkpoint root (a local directory): list, commit, replace, remove.
+"""The committed step directories of a checkpoint root (a local directory): list, commit, replace, remove;
+and the root layout (:class:`SharedRoot`).
 
-The manifest itself (:class:`Manifest`, :func:`read_manifest`) is defined in
-:mod:`torch_ckpt.format._read` and re-exported here; the names of temporaries and their clean-up are in
-:mod:`torch_ckpt.root._temporaries`, the root's lock in :mod:`torch_ckpt.root._lock`.
-
-Layout of a run root::
+The manifest is defined in :mod:`torch_ckpt.format._read` (re-exported here); the names of
+temporaries and their clean-up are in :mod:`torch_ckpt.root._temporaries`, the lock in :mod:`torch_ckpt.root._lock`::
 
     ROOT/
-      step_000000100/            committed checkpoint (DCP files + per-rank JSON + manifest.json)
-        .metadata                DCP global metadata (pickle, read with a restricted unpickler)
-        __0_0.distcp ...         tensor shards, one file per rank and writer thread
-        rank_00000.json ...      non-tensor state of each rank (types preserved, no pickle)
-        manifest.json            written last: step, world size, files with sizes and CRC-32
+      step_000000100/            committed: .metadata (DCP, read with a restricted unpickler), __R_T.distcp
+                                 shards, rank_NNNNN.json (non-tensor state, no pickle), manifest.json (last)
       step_000000110/            reserved when save() returned: a save in progress
         .torch-ckpt.partial.9f2c.../  its files until the commit; never listed, removed on the next start
 
-Commit protocol (crash-safe at every instant): the final name is reserved (created empty), all
-files are written and fsynced inside its partial, ``manifest.json`` is written and fsynced, the
-partial is fsynced, moved out to ``.torch-ckpt.tmp.<id>`` and renamed over the empty reservation
-(atomic on POSIX), and the root is fsynced. A directory with a final name therefore holds a
-complete checkpoint or nothing but partials (see :mod:`torch_ckpt.root._temporaries`); ordering always
-uses the manifest's integer step, never string order.
+Commit (crash-safe at every instant): the final name is reserved (created empty), every file is
+written and fsynced inside its partial, then ``manifest.json``; the partial is fsynced, moved out to
+``.torch-ckpt.tmp.<id>`` and renamed over the empty reservation (atomic on POSIX), and the root is
+fsynced. A final name therefore holds a complete checkpoint or nothing but partials; ordering uses
+the manifest's integer step, never string order.
 """
 
 from __future__ import annotations
@@ -31,6 +25,7 @@ import os
 import shutil
 import stat
 import time
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -51,29 +46,51 @@ from torch_ckpt.format._read import (
 from torch_ckpt.policy._naming import Naming, StepNaming
 from torch_ckpt.root._temporaries import PARTIAL_PREFIX, is_reservation, new_incarnation, replaced_name, side_path
 
-__all__ = [
-    "FORMAT_NAME",
-    "FORMAT_VERSION",
-    "Manifest",
-    "scan_committed",
-    "scan_manifests",
-    "read_manifest",
-    "write_json_durable",
-    "fsync_dir",
-    "commit_dir",
-    "check_root",
-    "update_manifest_tiers",
-    "rank_file_name",
-    "MANIFEST_NAME",
-    "is_committed",
-    "replace_dir",
-    "quarantine_step_dir",
-    "remove_step_dir",
-]
+__all__ = ["FORMAT_NAME", "FORMAT_VERSION", "MANIFEST_NAME", "Manifest", "SharedRoot", "check_root", "commit_dir",
+           "fsync_dir", "is_committed", "quarantine_step_dir", "rank_file_name", "read_manifest", "remove_step_dir",
+           "replace_dir", "retire_step_dir", "scan_committed", "scan_manifests", "update_manifest_tiers",
+           "write_durable", "write_json_durable"]
 
 log = get_logger(__name__)
 
 _DEFAULT_NAMING = StepNaming()
+
+
+class SharedRoot:
+    """The root layout of one directory that every rank sees (the default).
+
+    A *root layout* says how the ranks share the root; the manager chooses it once
+    (:func:`torch_ckpt.root._nodes.choose_layout`) and the writer, the replicator and the restore ask
+    it. The other layout is :class:`torch_ckpt.root._nodes.NodeLayout` (a private root per node); a
+    memory tier (a tmpfs root replicated to peers) would be a third, with its own ``persist`` and
+    ``uploader``. Every layout has: ``node_local``; ``acts`` (this rank creates, commits, prunes and
+    replicates its root); ``commits`` (it commits the durable copy); ``agreed_name(final)`` (what the
+    ranks compare when they agree on a save); ``check(root, ctx, ok=)`` (a collective check at start:
+    an error message or None); ``uploader(tier, wait_seconds)`` (the replicator's upload; None:
+    ``tier.upload``); ``persist`` (its commit protocol ``persist(req, ctx)``, given by the manager
+    since it lives in a higher layer; None: the shared-root one).
+    """
+
+    node_local = False
+    persist = None
+
+    def __init__(self, rank: int = 0) -> None:
+        self.rank = rank
+
+    @property
+    def acts(self) -> bool:
+        return self.rank == 0
+
+    commits = acts
+
+    def agreed_name(self, final: str | os.PathLike) -> str:
+        return os.path.abspath(os.fspath(final))
+
+    def check(self, root: Path, ctx: Any, *, ok: bool = True) -> str | None:
+        return None
+
+    def uploader(self, tier: Any, wait_seconds: float) -> None:
+        return None
 
 
 def fsync_dir(path: str | os.PathLike) -> None:
@@ -85,11 +102,8 @@ def fsync_dir(path: str | os.PathLike) -> None:
         os.close(fd)
 
 
-def write_json_durable(path: str | os.PathLike, obj: Any) -> tuple[int, int]:
-    """Write ``obj`` as JSON and fsync it. Returns ``(bytes, crc32)`` of what was written."""
-    import zlib
-
-    data = json.dumps(obj, separators=(",", ":"), allow_nan=True).encode()
+def write_durable(path: str | os.PathLike, data: bytes) -> tuple[int, int]:
+    """Write ``data`` and fsync it. Returns ``(bytes, crc32)`` of what was written."""
     with open(path, "wb") as f:
         f.write(data)
         f.flush()
@@ -97,8 +111,13 @@ def write_json_durable(path: str | os.PathLike, obj: Any) -> tuple[int, int]:
     return len(data), zlib.crc32(data)
 
 
+def write_json_durable(path: str | os.PathLike, obj: Any) -> tuple[int, int]:
+    """Write ``obj`` as JSON and fsync it. Returns ``(bytes, crc32)`` of what was written."""
+    return write_durable(path, json.dumps(obj, separators=(",", ":"), allow_nan=True).encode())
+
+
 def update_manifest_tiers(step_dir: Path, tiers: dict[str, Any]) -> None:
-    """Atomically rewrite ``step_dir/manifest.json`` with ``tiers`` merged in (write, fsync, rename)."""
+    """Atomically rewrite ``step_dir/manifest.json`` with ``tiers`` merged in."""
     manifest = read_manifest(step_dir)
     data = manifest.to_json()
     data["tiers"] = {**manifest.tiers, **tiers}
@@ -109,7 +128,7 @@ def update_manifest_tiers(step_dir: Path, tiers: dict[str, Any]) -> None:
 
 
 def check_root(root: Path, *, create: bool) -> None:
-    """Validate a checkpoint root; optionally create it.
+    """Validate a checkpoint root; with ``create``, create it.
 
     Raises:
         CheckpointWriteError: the root exists but is not a directory, or cannot be created.
@@ -128,13 +147,11 @@ def check_root(root: Path, *, create: bool) -> None:
 
 
 def scan_committed(root: str | os.PathLike, naming: Naming | None = None) -> dict[int, Path]:
-    """Return ``{step: directory}`` of committed checkpoints under ``root``, ascending.
+    """``{step: directory}`` of the committed checkpoints under ``root``, ascending.
 
-    Only names that ``naming`` (default :class:`StepNaming`) parses are considered, and the
-    manifest's step must equal the step of the name. Directories with such a name but no readable
-    manifest (a folder of another tool, or damage) are skipped with a warning; one removed while the
-    root is listed (the writer's retention, beside a read-only reader) is skipped silently; temporary
-    directories are never returned.
+    Only names that ``naming`` (default :class:`StepNaming`) parses count, and the manifest's step
+    must equal the name's. Such a directory without a readable manifest is skipped with a warning
+    (silently when it was removed while listed, or is a reservation); temporaries never count.
     """
     return {step: path for step, (path, _) in scan_manifests(root, naming).items()}
 
@@ -172,15 +189,9 @@ def scan_manifests(root: str | os.PathLike, naming: Naming | None = None) -> dic
 def commit_dir(tmp: Path, final: Path, *, replace: bool = False) -> None:
     """Atomically publish ``tmp`` as ``final`` (fsync tmp, rename, fsync parent).
 
-    A ``tmp`` inside ``final`` (its partial, see :mod:`torch_ckpt.root._temporaries`) is first moved out to
-    its hidden sibling ``.torch-ckpt.tmp.<id>``; it is then renamed over ``final``, which is missing or
-    an empty reservation (rename(2) replaces an empty directory atomically), or exchanged with it.
-
-    Args:
-        tmp: the complete temporary directory.
-        final: the final name.
-        replace: ``final`` may already hold a committed checkpoint, which is replaced (see
-            :func:`replace_dir`); otherwise an existing ``final`` is an error.
+    A ``tmp`` inside ``final`` (its partial) is first moved out to its sibling ``.torch-ckpt.tmp.<id>``,
+    then renamed over ``final``: missing, an empty reservation (rename(2) replaces an empty
+    directory atomically), or, with ``replace``, a committed checkpoint (:func:`replace_dir`).
 
     Raises:
         CheckpointWriteError: ``final`` already exists (without ``replace``) or the rename fails.
@@ -238,13 +249,10 @@ def _exchange(a: Path, b: Path) -> bool:
 def replace_dir(tmp: Path, final: Path) -> None:
     """Replace the committed checkpoint ``final`` by the complete directory ``tmp``, crash-safely.
 
-    On Linux the two entries are swapped atomically (``renameat2(RENAME_EXCHANGE)``): at every
-    instant ``final`` is either the old or the new complete checkpoint. The old one then lies under
-    the temporary name and is deleted (a crash leaves it as a stale temporary, removed on the next
-    start). Where the exchange is not supported, the old directory is first renamed to
-    ``.NAME.replaced.<id>`` and the new one renamed in; a crash between the two renames leaves no
-    ``final``, and :func:`~torch_ckpt.root._temporaries.clean_stale_temporaries` renames the old one back
-    on the next start.
+    On Linux the entries are swapped atomically (``renameat2(RENAME_EXCHANGE)``), then the old one is
+    deleted (a crash leaves it as a stale temporary). Elsewhere the old one is renamed to
+    ``.NAME.replaced.<id>`` first; a crash between the two renames leaves no ``final``, and the next
+    start renames the old one back (:func:`~torch_ckpt.root._temporaries.clean_stale_temporaries`).
 
     Raises:
         CheckpointWriteError: a rename fails (the old checkpoint is left in place or restorable).
@@ -268,9 +276,8 @@ def replace_dir(tmp: Path, final: Path) -> None:
 
 
 def is_committed(path: str | os.PathLike) -> bool:
-    """True when ``path`` is a committed torch-ckpt checkpoint: a valid manifest, and every file it
-    lists present as a regular file of the listed size (cheap: no checksums are read). For one
-    node's copy of a node-local checkpoint, the files that node holds."""
+    """True when ``path`` is a committed checkpoint: a valid manifest, and every file it lists (that
+    this node holds, for a node's copy) present as a regular file of the listed size (no checksums)."""
     path = Path(path)
     try:
         manifest = read_manifest(path)
@@ -284,11 +291,9 @@ def is_committed(path: str | os.PathLike) -> bool:
 
 
 def quarantine_step_dir(path: Path, *, reason: str = "corrupt") -> Path:
-    """Move a checkpoint directory aside (never listed, never auto-deleted) and return its new path.
-
-    ``reason`` names the hidden directory: ``.corrupt_step_N.<time>`` for a damaged checkpoint,
-    ``.superseded_step_N.<time>`` for one from a run segment abandoned by restoring an older step.
-    When that name is taken (twice within one second), ``.1``, ``.2``... is appended.
+    """Move a checkpoint directory aside (never listed, never auto-deleted) and return its new path:
+    ``.<reason>_NAME.<time>`` (``corrupt``, or ``superseded`` for an abandoned run segment), with
+    ``.1``, ``.2``... appended when taken.
 
     Raises:
         CheckpointWriteError: the directory cannot be moved (the message names both paths).
@@ -317,9 +322,7 @@ def quarantine_step_dir(path: Path, *, reason: str = "corrupt") -> Path:
 
 
 def remove_step_dir(path: Path) -> None:
-    """Delete a committed checkpoint so that no partial one is ever visible under a final name.
-
-    The directory is first renamed to a hidden trash name (atomic), then removed.
+    """Delete a committed checkpoint: renamed to a trash name first (:func:`retire_step_dir`), then removed.
 
     Raises:
         OSError: the rename failed (the checkpoint is still there, complete).
@@ -330,15 +333,10 @@ def remove_step_dir(path: Path) -> None:
 def retire_step_dir(path: Path) -> Path:
     """Rename a committed checkpoint to a hidden trash name (``.torch-ckpt.tmp.<random id>``, atomic); returns it.
 
-    The trash name carries no copy of NAME, so no framework's scan of the folder (Lightning's
-    ``hpc_ckpt_<N>`` or ``last`` names, Accelerate's numbered folders) mistakes it for a checkpoint.
-
-    Its ``manifest.json`` is deleted at once, so the trash never looks like a committed checkpoint
-    to anything listing the root; the caller deletes the rest when convenient (``shutil.rmtree``:
-    about 0.15 s per GiB of data files on the reference VM, which is why retention defers it until
-    the new checkpoint's ``committed`` has resolved). A leftover trash directory is removed at the
-    next start (:mod:`torch_ckpt.root._temporaries`); a leftover of an earlier removal under the same
-    name is deleted first, so it never blocks this one.
+    The name carries no copy of NAME (no framework's scan mistakes it for a checkpoint) and its
+    ``manifest.json`` is deleted at once. The caller deletes the rest when convenient (about 0.15 s
+    per GiB: retention defers it until the new checkpoint's ``committed`` resolved); a leftover is
+    removed at the next start.
 
     Raises:
         OSError: the rename failed (the checkpoint is still there, complete).

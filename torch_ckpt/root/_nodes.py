@@ -1,15 +1,13 @@
-"""Node-local roots: which rank runs on which node, and what each node's copy of a checkpoint holds.
+"""Node-local roots: the root layout where each node keeps its own copy of a checkpoint on its own disk.
 
-On a cluster every node usually has its own local disk that the other nodes cannot see. With a
-node-local root each node keeps its own copy of a checkpoint: the shards its ranks wrote, their
-per-rank JSON, and DCP metadata that points every tensor at data the node holds. Replicated
-(non-sharded) tensors, which DCP would store once for the whole job, are stored once per node, so
-that a node's ranks restore at the same world size from their own disk alone. Only one copy of each
-is uploaded (the copies are spread over the nodes holding them, by bytes); the others lie in
-*replica* files that never leave their node. ``.metadata`` points every tensor at its uploaded copy:
-it is the complete checkpoint of the durable tier, used to reshard and by replaced nodes.
+A node's copy holds the shards its ranks wrote, their per-rank JSON, and DCP metadata pointing
+every tensor at data the node holds: replicated tensors, which DCP stores once per job, are stored
+once per node, so a node's ranks restore at the same world size from their own disk alone. One copy
+of each is uploaded (spread over the nodes holding it, by bytes); the others lie in *replica* files
+that never leave their node. ``.metadata`` points every tensor at its uploaded copy: the complete
+checkpoint of the durable tier, used to reshard and by replaced nodes.
 
-The node of a rank comes from torchrun's environment (``GROUP_RANK``, else ``NODE_RANK``, else
+A rank's node comes from torchrun's environment (``GROUP_RANK``, else ``NODE_RANK``, else
 ``RANK // LOCAL_WORLD_SIZE``); the ranks agree on the layout once, when the manager is built.
 """
 
@@ -18,9 +16,12 @@ from __future__ import annotations
 import dataclasses
 import os
 import pickle
+import secrets
 from collections import ChainMap
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
 
 import torch
 from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans
@@ -30,12 +31,21 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, Tenso
 from torch.distributed.checkpoint.planner import SavePlan
 
 from torch_ckpt.errors import ConfigError
-from torch_ckpt.format._dcp_write import ChecksumFileSystemWriter, FlatKeysSavePlanner
 from torch_ckpt.format._read import metadata_name
-from torch_ckpt.tiers._nodes import REPLICA_TAG, is_replica_file
+from torch_ckpt.format._dcp_write import FlatKeysSavePlanner
+from torch_ckpt.format._dcp_write import ChecksumFileSystemWriter
+from torch_ckpt.root._layout import SharedRoot
 
-__all__ = ["NodeLayout", "NodeDedupPlanner", "RecordingWriter", "node_views", "metadata_name", "env_node",
-           "shared_files"]
+__all__ = ["NodeLayout", "choose_layout", "NodeDedupPlanner", "RecordingWriter", "node_views", "metadata_name",
+           "env_node", "shared_files", "REPLICA_TAG", "is_replica_file"]
+
+REPLICA_TAG = "replica_"
+"""Marks a data file holding only a node's extra copies of replicated tensors (``__R_replica_I.distcp``)."""
+
+
+def is_replica_file(name: str) -> bool:
+    """True for a data file holding only a node's extra copies of replicated tensors (never uploaded)."""
+    return name.startswith("__") and f"_{REPLICA_TAG}" in name
 
 
 def env_node(rank: int) -> int:
@@ -58,15 +68,20 @@ def env_node(rank: int) -> int:
 
 @dataclass(frozen=True)
 class NodeLayout:
-    """The agreed node of every rank, and this rank's place in it.
+    """The root layout of node-local roots (see :class:`~torch_ckpt.root._layout.SharedRoot` for the
+    interface): the agreed node of every rank, and this rank's place in it.
 
     Attributes:
         rank_node: node index of each rank (nodes numbered 0..N-1 in order of their lowest rank).
         rank: this process's rank in the checkpoint group.
+        persist: the node-local commit protocol, ``persist(req, ctx)``
+            (:func:`torch_ckpt.save._persist_nodes.persist_node_local`, given by the manager).
     """
 
     rank_node: tuple[int, ...]
     rank: int
+    persist: Callable[..., Any] | None = field(default=None, compare=False, repr=False)
+    node_local: ClassVar[bool] = True
 
     @staticmethod
     def normalise(raw: list[int]) -> tuple[int, ...]:
@@ -99,15 +114,77 @@ class NodeLayout:
         """True on the rank that acts for this node (its local rank 0)."""
         return self.leader_of(self.node) == self.rank
 
+    acts = is_leader
+
+    @property
+    def commits(self) -> bool:
+        """True on node 0's uploader, which commits the durable copy."""
+        return self.is_leader and self.node == 0
+
+    def agreed_name(self, final: str | os.PathLike) -> str:
+        """The name of ``final`` (each node's root is another directory)."""
+        return Path(final).name
+
+    def uploader(self, tier: Any, wait_seconds: float) -> Callable[[Path, Any, Callable[[], bool]], None]:
+        """Every node uploads its own files; node 0 commits once every node has (``tier.upload_node``)."""
+        commit = self.node == 0
+
+        def upload(local_dir: Path, manifest: Any, abandon: Callable[[], bool]) -> None:
+            tier.upload_node(local_dir, manifest, commit=commit, abandon=abandon, wait_seconds=wait_seconds)
+
+        return upload
+
+    def check(self, root: Path, ctx: Any, *, ok: bool = True) -> str | None:
+        """Collective: an error message naming ``root`` when a node sees another node's root (a shared
+        file system with ``local_root_shared=False`` would let nodes overwrite each other's manifests),
+        else None. Each leader writes a probe file; after a barrier it looks for the others'."""
+        probe = root / f".node_probe.{self.node}.{secrets.token_hex(8)}"
+        error = None
+        if ok and self.is_leader:
+            try:
+                probe.write_bytes(b"")
+            except OSError as exc:
+                error = f"cannot write {probe}: {exc.strerror}"
+        ctx.barrier(what="private root check")
+        if ok and self.is_leader and error is None:
+            others = [p.name for p in root.glob(".node_probe.*") if not p.name.startswith(f".node_probe.{self.node}.")]
+            if others:
+                error = (f"{root} is seen by more than one node (it holds {others[0]}): it is a shared directory. Pass "
+                         "CheckpointManager(..., local_root_shared=True), or give each node a directory of its own")
+        ctx.barrier(what="private root check")
+        if self.is_leader:
+            probe.unlink(missing_ok=True)
+        return error
+
+
+def choose_layout(ctx: Any, shared: bool | None, *, persist: Callable[..., Any] | None = None
+                  ) -> SharedRoot | NodeLayout:
+    """The root layout, agreed by every rank of ``ctx`` (collective): node-local roots unless
+    ``shared`` (``local_root_shared``; None: private when there is more than one node); ``persist``
+    becomes :attr:`NodeLayout.persist`.
+
+    Raises:
+        ConfigError: ``shared`` is not a bool or None, or a node variable is malformed on some rank.
+    """
+    if shared is not None and not isinstance(shared, bool):
+        raise ConfigError(f"local_root_shared must be True, False or None, got {shared!r}")
+    try:
+        mine: Any = env_node(ctx.rank)
+    except ConfigError as exc:
+        mine = str(exc)
+    votes = ctx.all_gather(mine, what="node layout")
+    bad = next((v for v in votes if isinstance(v, str)), None)
+    if bad is not None:
+        raise ConfigError(bad)
+    rank_node = NodeLayout.normalise(votes)
+    if shared is True or (shared is None and max(rank_node) == 0):
+        return SharedRoot(ctx.rank)
+    return NodeLayout(rank_node=rank_node, rank=ctx.rank, persist=persist)
+
 
 class NodeDedupPlanner(FlatKeysSavePlanner):
-    """DCP save planner that keeps one copy of every replicated tensor per node (not per job).
-
-    DCP would write a tensor that several ranks hold once, on one rank anywhere in the job; here
-    it is written once on every node holding it (balanced over that node's ranks), so each node's
-    files hold everything its ranks load back. The global metadata lists every chunk once;
-    :func:`node_views` points each node's copy of it at the data that node holds.
-    """
+    """DCP save planner that writes a tensor several ranks hold once per node holding it (balanced
+    over that node's ranks), not once per job; :func:`node_views` points each node's metadata at it."""
 
     def __init__(self, rank_node: tuple[int, ...]) -> None:
         super().__init__()
@@ -119,9 +196,7 @@ class NodeDedupPlanner(FlatKeysSavePlanner):
             ranks = [r for r, n in enumerate(self._rank_node) if n == node]
             for r, plan in zip(ranks, dedup_save_plans([all_plans[r] for r in ranks], False)):
                 deduped[r] = plan
-        # the metadata lists every chunk once (as a job-wide dedup would); where each node's copy
-        # lies is known from the write results (see node_views), every node's view is validated
-        # when it is read back (torch_ckpt.format._read.metadata_problems)
+        # every chunk listed once (as a job-wide dedup would); node_views places each node's copies
         _, metadata = create_default_global_save_plan(dedup_save_plans(list(deduped), False))
         global_plan = list(deduped)
         if self.flatten_state_dict:
@@ -140,10 +215,9 @@ class _NodePrefix(_StoragePrefix):
 class RecordingWriter(ChecksumFileSystemWriter):
     """The checksumming writer for node-local saves.
 
-    An item several nodes write is a *replica* on every node but the lowest one holding it: a
-    rank writes its replicas into files of their own (``__R_replica_I.distcp``), which stay on the
-    node's disk and are never uploaded, so the durable tier holds each tensor once. The
-    coordinator also keeps every rank's write results (to build each node's metadata).
+    An item several nodes write is a *replica* on every node but its uploader's: a rank writes its
+    replicas into files of their own (``__R_replica_I.distcp``), never uploaded. The coordinator
+    keeps every rank's write results (to build each node's metadata).
     """
 
     results: list[list[Any]] | None = None
@@ -204,17 +278,13 @@ def shared_files(results: list[list[Any]], rank_node: tuple[int, ...]) -> list[s
 
 
 def node_views(metadata: Metadata, results: list[list[Any]], rank_node: tuple[int, ...]) -> dict[int | None, bytes]:
-    """One pickled DCP metadata per node, each listing every chunk once and pointing it at that
-    node's copy when the node holds one (else at the uploaded copy); under key None the complete
-    metadata pointing every chunk at its uploaded copy (never at a replica file).
+    """``{node: pickled DCP metadata}``: each lists every chunk once, pointing it at that node's copy
+    when it holds one, else at the uploaded copy; under None the complete metadata (uploaded copies only).
 
     Args:
         metadata: the global metadata of a :class:`NodeDedupPlanner` save.
         results: every rank's DCP write results (rank order).
         rank_node: node of each rank.
-
-    Returns:
-        ``{node: pickled Metadata}``.
     """
     views: dict[int, bytes] = {}
     sdm: dict[str, Any] = {}

@@ -46,7 +46,7 @@ from torch_ckpt.errors import CheckpointError, CheckpointWriteError, ConfigError
 from torch_ckpt.format._codec import is_per_rank_key, split_state, tensor_kind
 from torch_ckpt.handle import SaveHandle, SaveStats
 from torch_ckpt.restore._restore import load_into
-from torch_ckpt.root._layout import read_manifest
+from torch_ckpt.root._layout import SharedRoot, read_manifest
 from torch_ckpt.root._temporaries import new_incarnation, partial_path, reserve, unreserve
 from torch_ckpt.save._persist import ArenaLayout, SaveRequest, arena_views, persist_checkpoint
 from torch_ckpt.save._writer_process import ProcessWriter
@@ -537,7 +537,8 @@ class AsyncCheckpointer:
         self.last_stats: SaveStats | None = None
         self._incarnation = new_incarnation()
         self._failed_names: list[str] = []  # final names of failed saves whose temporaries the next save removes
-        self.node_layout: Any = None  # node-local roots (root._nodes.NodeLayout, set by the manager)
+        # the root layout, set by the manager (root._layout.SharedRoot; root._nodes.NodeLayout: each node commits)
+        self.layout: Any = SharedRoot(self._ctx.rank)
         if persist == "process" and self.async_save:
             self._process_writer = ProcessWriter(self._ctx, timeout_seconds=timeout_seconds, niceness=writer_niceness)
         finish_at_exit(self, 0)
@@ -753,7 +754,7 @@ class AsyncCheckpointer:
             error = typed
         mine = None if error is None else (type(error).__name__, str(error))
         # node-local roots are different directories on each node: the ranks agree on the name
-        target = os.path.abspath(os.fspath(final)) if self.node_layout is None else Path(final).name
+        target = self.layout.agreed_name(final)
         try:
             votes = self._ctx.all_gather((mine, step, target, _digest(signature)), what="save agreement")
         except CheckpointError:
@@ -842,8 +843,7 @@ class AsyncCheckpointer:
     def _reserve(self, job: _Job) -> None:
         """The rank that commits ``job.final`` creates it empty now, so its name is taken once ``save()``
         returns (a framework checking whether the name exists sees it as with a synchronous save)."""
-        acting = self.node_layout.is_leader if self.node_layout is not None else self._ctx.is_coordinator
-        if not acting:
+        if not self.layout.acts:
             return
         try:
             job.reserved = reserve(job.request.final)
@@ -867,7 +867,7 @@ class AsyncCheckpointer:
             failed_names, self._failed_names = tuple(self._failed_names), []
             staged = replace(req, after_commit=None, tree=job.tree, tensor_bytes=handle.stats.bytes,
                              thread_count=self.thread_count, timings={"staging_s": handle.stats.staging_s},
-                             incarnation=self._incarnation, failed=failed, nodes=self.node_layout,
+                             incarnation=self._incarnation, failed=failed, nodes=self.layout,
                              failed_names=failed_names, reserved=job.reserved)
             if self._process_writer is not None and (job.fits or failed is not None):
                 final, files_bytes = self._process_writer.persist(

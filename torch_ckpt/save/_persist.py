@@ -281,7 +281,8 @@ def persist_checkpoint(req: SaveRequest, ctx: DistContext) -> tuple[Path, int]:
     the reserved ``final`` (created here when the caller did not) and only that directory is
     committed as ``final`` (:func:`~torch_ckpt.root._layout.commit_dir`); a failed save removes it, and
     ``final`` too when this save reserved it. A partial of another incarnation is never committed. With
-    ``req.nodes`` (node-local roots) see :func:`torch_ckpt.save._persist_nodes.persist_node_local`.
+    A root layout with a commit protocol of its own (``req.nodes.persist``: node-local roots) runs that
+    instead (:func:`torch_ckpt.save._persist_nodes.persist_node_local`).
 
     Returns:
         The committed directory (same on every rank) and the bytes of all its committed files.
@@ -290,10 +291,8 @@ def persist_checkpoint(req: SaveRequest, ctx: DistContext) -> tuple[Path, int]:
         CheckpointWriteError: this or another rank failed, or the requesting process is gone;
             nothing was committed.
     """
-    if req.nodes is not None:
-        from torch_ckpt.save._persist_nodes import persist_node_local
-
-        return persist_node_local(req, ctx)
+    if getattr(req.nodes, "persist", None) is not None:
+        return req.nodes.persist(req, ctx)
     final = Path(req.final)
     tmp = partial_path(final, req.incarnation or new_incarnation())
     error: BaseException | None = None

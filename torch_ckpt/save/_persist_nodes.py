@@ -1,19 +1,17 @@
 """Persisting one checkpoint into node-local roots: every node writes and commits its own copy.
 
-Protocol (collective over the background group; every rank takes part in every step even after a
-failure, so a failing rank fails the step everywhere instead of hanging the others):
+Collective over the background group; every rank takes part in every step even after a failure,
+so a failing rank fails the step everywhere instead of hanging the others:
 
-1. rank 0 draws the partial's name ``.torch-ckpt.partial.<incarnation>``; each node's leader (its lowest
-   rank) creates it in its own root; the ranks agree that every node is prepared;
-2. every rank writes its DCP shards and its per-rank JSON into its node's temporary (replicated
-   tensors once per node, see :class:`~torch_ckpt.root._nodes.NodeDedupPlanner`) and checks them on disk;
-3. the ranks gather who wrote what (the agreement of today's shared-root commit); rank 0 builds
-   the global manifest (every file, its size, CRC-32 and node) and every node's DCP metadata;
-4. each leader writes its node's metadata and the manifest (naming its node) into its temporary
-   and checks its node's files; the ranks agree that every node is ready: that is the global
-   commit decision;
-5. only then does each leader rename its temporary to the final name. A node's listing therefore
-   only ever shows checkpoints that every rank wrote and verified.
+1. rank 0 draws the partial's name; each node's leader (its lowest rank) creates it in its root;
+2. every rank writes its DCP shards (replicated tensors once per node,
+   :class:`~torch_ckpt.root._nodes.NodeDedupPlanner`) and its per-rank JSON, and checks them on disk;
+3. the ranks gather who wrote what; rank 0 builds the global manifest (every file, its size, CRC-32
+   and node) and every node's DCP metadata;
+4. each leader writes its node's metadata and manifest and checks its node's files; the ranks agree
+   that every node is ready: the global commit decision;
+5. only then does each leader rename its partial to the final name, so a node only ever lists
+   checkpoints that every rank wrote and verified.
 """
 
 from __future__ import annotations
@@ -26,7 +24,7 @@ from torch_ckpt.distributed._context import DistContext
 from torch_ckpt.errors import CheckpointError, CheckpointWriteError
 from torch_ckpt.format._read import METADATA_NAME, metadata_name
 from torch_ckpt.policy._lineage import BASE
-from torch_ckpt.root._layout import MANIFEST_NAME, Manifest, commit_dir, write_json_durable
+from torch_ckpt.root._layout import MANIFEST_NAME, Manifest, commit_dir, write_durable, write_json_durable
 from torch_ckpt.root._nodes import NodeDedupPlanner, NodeLayout, RecordingWriter, node_views, shared_files
 from torch_ckpt.root._temporaries import new_incarnation, partial_path, unreserve
 from torch_ckpt.save._persist import (
@@ -43,16 +41,6 @@ from torch_ckpt.save._persist import (
 __all__ = ["persist_node_local"]
 
 log = get_logger("torch_ckpt.save._persist")
-
-
-def _write_bytes(path: Path, data: bytes) -> tuple[int, int]:
-    import os
-
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    return len(data), zlib.crc32(data)
 
 
 def _fail_all(ctx: DistContext, mine: BaseException | None, what: str) -> list[str]:
@@ -137,9 +125,9 @@ def _persist(req: SaveRequest, ctx: DistContext, layout: NodeLayout, final: Path
     if layout.is_leader and not failures and plan[0] == "ok":
         try:
             doc, views = plan[1], plan[2]
-            _write_bytes(tmp / metadata_name(layout.node), views[layout.node])
+            write_durable(tmp / metadata_name(layout.node), views[layout.node])
             if layout.node == 0:
-                _write_bytes(tmp / METADATA_NAME, views[None])  # replaces DCP's own (every copy listed)
+                write_durable(tmp / METADATA_NAME, views[None])  # replaces DCP's own (every copy listed)
             manifest = Manifest.from_json({**doc, "node": layout.node}, str(tmp / MANIFEST_NAME))
             check_on_disk(tmp, manifest.local_files())
             if ctx.is_coordinator and req.extra_dir is not None:  # framework files: node 0's copy, as rank 0 reads them

@@ -1,10 +1,7 @@
 """The CRC-32 of checkpoint files (zlib's polynomial, the value stored in ``manifest.json``).
 
-:func:`crc32` is ISA-L's hardware-accelerated implementation when the ``isal`` package is
-installed (about 8 GB/s on the reference 2-core machine, against 2-4 GB/s for ``zlib.crc32``),
-otherwise ``zlib.crc32``. Both give the same values and release the GIL on large buffers, so the
-choice changes speed only, never the format. :func:`file_crc32` checksums a whole file, reading
-the next chunk while the current one is checksummed.
+:func:`crc32` is ISA-L's (``isal`` package; about 8 GB/s on the reference 2-core machine, against
+2-4 GB/s) when installed, else ``zlib.crc32``: the same values, both releasing the GIL.
 """
 
 from __future__ import annotations

@@ -1,51 +1,200 @@
-"""The storage seam: checkpoint directories on the local file system or on an fsspec store.
+"""The storage seam: bytes of checkpoints on the local file system or on an fsspec store.
 
-Every reader of a checkpoint reaches its bytes through this module. :class:`Location` gives one
-interface over a local directory (``file://`` allowed) and an fsspec URL (``s3://``, ``gs://``,
-``memory://``...): listing, bounded reads of whole files, range reads and CRC-32 (:mod:`torch_ckpt.storage._crc`).
-Local files are opened only as regular files (:mod:`torch_ckpt.storage._local_files`, whose names this
-module re-exports: ``O_NOFOLLOW``, no FIFO, no directory) unless symlinks are explicitly allowed; a
-backend error on a store is a :class:`DurableUnavailableError` (an outage, not a damaged
-checkpoint). On stores that compute a digest of each object (the ETag of S3-compatible stores),
-:meth:`Location.stat` reports it, so an upload can be verified without reading it back
-(:func:`torch_ckpt.format._read.verify_files`).
+Every reader of a checkpoint reaches its bytes through this module and treats them as untrusted:
+
+- :class:`Location` is one interface over a local directory (``file://`` allowed) and an fsspec URL
+  (``s3://``, ``gs://``, ``memory://``...): listing, bounded reads, range reads, CRC-32 and, on stores
+  that compute one (S3's ETag), the object's digest (:meth:`Location.stat`). A backend error on a
+  store is a :class:`DurableUnavailableError` (an outage, not a damaged checkpoint).
+- Local files are opened with ``O_NOFOLLOW`` (no symlink unless allowed) and ``O_NONBLOCK`` (a FIFO
+  never hangs the reader) and must be regular files (:func:`open_regular`); an I/O error while
+  reading becomes a :class:`~torch_ckpt.errors.CheckpointCorruptError` naming the file (:func:`reading`).
+- JSON is parsed with bounded nesting and integer length (:func:`loads_bounded`); malformed content is
+  reported by :func:`corrupt`, values in messages shortened by :func:`short_repr`.
+- A call to a store from the caller's thread (``durable_timeout_seconds``) is bounded by the store's
+  silence, not by its duration (:func:`bounded`): the operation ticks a :class:`Watch` after every
+  answer; when none came for ``timeout_seconds`` the caller gets a :class:`DurableUnavailableError`.
+  The abandoned worker stops at its next answer, and whatever it would publish goes through
+  :meth:`Watch.publish`, which refuses once the caller gave up (a late download never appears).
 """
 
 from __future__ import annotations
 
 import datetime as _dt
+import errno
+import json
 import os
 import stat
-from collections.abc import Iterator
+import threading
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import fsspec
 
-from torch_ckpt.errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError, ConfigError
-from torch_ckpt.storage._bounded import corrupt
+from torch_ckpt.errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointNotFoundError,
+    CheckpointTimeoutError,
+    ConfigError,
+)
 from torch_ckpt.storage._crc import crc32
-from torch_ckpt.storage._local_files import LocalFile, open_range, open_regular, read_fd, reading
 
 __all__ = [
-    "DurableUnavailableError",
-    "Location",
-    "LocalFile",
-    "PathNotFoundError",
-    "as_location",
-    "is_url",
-    "object_mtime",
-    "open_range",
-    "open_regular",
-    "read_fd",
-    "reading",
-    "url_to_fs",
+    "DurableUnavailableError", "LocalFile", "Location", "Malformed", "PathNotFoundError", "Watch", "as_location",
+    "bounded", "corrupt", "is_url", "loads_bounded", "object_mtime", "open_range", "open_regular", "read_fd",
+    "reading", "short_repr", "url_to_fs", "waiting_for_coordinator",
 ]
 
+T = TypeVar("T")
 _CHUNK_BYTES = 8 << 20
 
 
+# -- bounded parsing of untrusted content -------------------------------------------------------------
+class Malformed(ValueError):
+    """One malformed piece of content (its message does not name the file; the caller adds it)."""
+
+
+def corrupt(source: str, text: str) -> CheckpointCorruptError:
+    """The error for malformed content ``text`` of the file ``source``."""
+    return CheckpointCorruptError(f"{source}: {text}")
+
+
+def short_repr(value: Any) -> str:
+    """``repr(value)`` shortened to at most 120 characters (for messages about untrusted values)."""
+    text = repr(value)
+    return text if len(text) <= 120 else f"{text[:60]}...{text[-57:]}"
+
+
+def _max_depth(value: Any) -> int:
+    """Nesting depth of containers in a parsed JSON value, computed without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, dict):
+            deepest = max(deepest, depth)
+            stack.extend((v, depth + 1) for v in node.values())
+        elif isinstance(node, list):
+            deepest = max(deepest, depth)
+            stack.extend((v, depth + 1) for v in node)
+    return deepest
+
+
+def loads_bounded(raw: bytes, source: str, *, what: str, max_depth: int, max_int_digits: int) -> Any:
+    """Parse JSON from untrusted bytes ``raw`` (bounded in size by the caller) of ``source`` (``what``
+    it is, for messages), with at most ``max_depth`` levels and ``max_int_digits``-digit integers.
+
+    Raises:
+        CheckpointCorruptError: not UTF-8 JSON, nested deeper than ``max_depth`` (the parser's own
+            recursion limit included) or holding a longer integer; the message names ``source``.
+    """
+
+    def parse_int(text: str) -> int:
+        digits = len(text) - text.startswith("-")
+        if digits > max_int_digits:
+            raise Malformed(f"holds an integer of {digits} digits (at most {max_int_digits} are accepted)")
+        return int(text)
+
+    try:
+        data = json.loads(raw, parse_int=parse_int)
+    except Malformed as exc:
+        raise corrupt(source, f"{what} {exc}") from None
+    except RecursionError:
+        raise corrupt(source, f"{what} is nested too deeply to parse (at most {max_depth} levels are "
+                               "accepted)") from None
+    except (UnicodeDecodeError, ValueError) as exc:  # JSONDecodeError is a ValueError
+        raise corrupt(source, f"{what} is not valid JSON ({exc})") from None
+    depth = _max_depth(data)
+    if depth > max_depth:
+        raise corrupt(source, f"{what} is nested {depth} levels deep (at most {max_depth} are accepted)")
+    return data
+
+
+# -- local files: regular files only, read within limits -----------------------------------------
+def open_regular(path: Path, *, allow_symlinks: bool, what: str) -> int:
+    """Open ``path`` read-only as a regular file (no symlink unless allowed); returns the descriptor.
+
+    Raises:
+        FileNotFoundError: it does not exist.
+        CheckpointCorruptError: it is a symlink (and symlinks are not allowed), a directory, a FIFO
+            or anything else but a regular file.
+    """
+    flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)  # NONBLOCK: a FIFO must not hang us
+    if not allow_symlinks:
+        flags |= os.O_NOFOLLOW
+    try:
+        fd = os.open(path, flags)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise corrupt(str(path), f"{what} is a symbolic link; torch-ckpt reads only regular files inside the "
+                                      "checkpoint (copy the file in, or follow links explicitly: allow_symlinks=True, "
+                                      "torch-ckpt --follow-symlinks)") from None
+        if exc.errno in (errno.EISDIR,):
+            raise corrupt(str(path), f"{what} is a directory, not a regular file") from None
+        raise
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise corrupt(str(path), f"{what} is not a regular file")
+    os.set_blocking(fd, True)
+    return fd
+
+
+@contextmanager
+def reading(source: str, what: str) -> Iterator[None]:
+    """Turn an I/O error while reading a checkpoint file into CheckpointCorruptError naming it."""
+    try:
+        yield
+    except CheckpointCorruptError:
+        raise
+    except OSError as exc:
+        raise corrupt(source, f"{what} cannot be read ({exc.strerror or exc})") from exc
+
+
+def read_fd(fd: int, limit: int, source: str) -> bytes:
+    """All bytes of an open regular file, refusing more than ``limit`` (never allocates beyond its size)."""
+    with os.fdopen(fd, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size > limit:
+            raise corrupt(source, f"is {size} bytes, more than the {limit} accepted")
+        data = f.read(size + 1)
+    if len(data) > limit:
+        raise corrupt(source, f"grew past the {limit} bytes accepted while being read")
+    return data
+
+
+class LocalFile:
+    """A :class:`~torch_ckpt.format._records.RangeReader` over an open descriptor (``pread``)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.size = os.fstat(fd).st_size
+
+    def read_at(self, offset: int, length: int) -> bytes:
+        return os.pread(self.fd, length, offset)
+
+
+@contextmanager
+def open_range(path: Path, *, allow_symlinks: bool = False) -> Iterator[LocalFile]:
+    """The local regular file ``path`` open for range reads (I/O errors become corruption naming it).
+
+    Raises:
+        FileNotFoundError: it does not exist.
+        CheckpointCorruptError: it is a symlink (unless ``allow_symlinks``), not a regular file, or
+            unreadable.
+    """
+    fd = open_regular(path, allow_symlinks=allow_symlinks, what="file listed in the manifest")
+    try:
+        with reading(str(path), "file listed in the manifest"):
+            yield LocalFile(fd)
+    finally:
+        os.close(fd)
+
+
+# -- locations ------------------------------------------------------------------------------------
 class PathNotFoundError(CheckpointNotFoundError):
     """The path or URL given does not exist (a bad argument rather than a damaged checkpoint)."""
 
@@ -90,12 +239,14 @@ def object_mtime(info: dict[str, Any]) -> float | None:
     return None
 
 
-
 class Location:
     """A directory on the local file system or on an fsspec store; files are addressed by name.
 
     Local files are read as regular files only: a symlink is reported as such by :meth:`entries`
-    and refused by every read, unless ``allow_symlinks`` (object stores have no symlinks).
+    and refused by every read, unless ``allow_symlinks`` (object stores have no symlinks). Every
+    method reading a file ``name`` raises ``FileNotFoundError`` when it does not exist,
+    ``CheckpointCorruptError`` when it is a refused symlink or not a regular file, and
+    :class:`DurableUnavailableError` when the store cannot be reached.
 
     Args:
         text: a local path (``file://`` allowed) or an fsspec URL.
@@ -122,26 +273,24 @@ class Location:
 
     @classmethod
     def on(cls, fs: Any, path: str, url: str) -> Location:
-        """A directory of an already open fsspec file system (``path`` in its terms, ``url`` for messages).
-
-        On a local file system (``file://``) the result reads regular files only, like a local path.
-        """
-        new = object.__new__(cls)
+        """A directory of an open fsspec file system (``path`` in its terms, ``url`` for messages); on a
+        local file system it reads regular files only, like a local path."""
         protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
-        new.storage_options, new.allow_symlinks, new.fs = {}, False, fs
-        new.remote = protocol not in ("file", "local")
-        new.path = path.rstrip("/") if new.remote else os.path.abspath(path)
-        new.url = url.rstrip("/") if new.remote else new.path
+        remote = protocol not in ("file", "local")
+        path = path.rstrip("/") if remote else os.path.abspath(path)
+        return cls._made(fs, path, url.rstrip("/") if remote else path, remote, {}, False)
+
+    @classmethod
+    def _made(cls, fs: Any, path: str, url: str, remote: bool, options: dict[str, Any], symlinks: bool) -> Location:
+        new = object.__new__(cls)
+        new.fs, new.path, new.url, new.remote, new.storage_options, new.allow_symlinks = \
+            fs, path, url, remote, options, symlinks
         return new
 
     def child(self, name: str) -> Location:
         """The location of the entry ``name`` of this directory."""
-        new = object.__new__(Location)
-        new.storage_options, new.fs, new.remote = self.storage_options, self.fs, self.remote
-        new.allow_symlinks = self.allow_symlinks
-        new.path = f"{self.path.rstrip('/')}/{name}"
-        new.url = f"{self.url.rstrip('/')}/{name}" if self.remote else os.path.join(self.url, name)
-        return new
+        return self._made(self.fs, self._p(name), self.describe(name), self.remote, self.storage_options,
+                          self.allow_symlinks)
 
     @property
     def name(self) -> str:
@@ -156,6 +305,9 @@ class Location:
 
     def _p(self, name: str) -> str:
         return f"{self.path.rstrip('/')}/{name}"
+
+    def _open_local(self, name: str, what: str = "file listed in the manifest") -> int:
+        return open_regular(Path(self._p(name)), allow_symlinks=self.allow_symlinks, what=what)
 
     def _call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         """Run a file-system call; on a remote store, backend errors become DurableUnavailableError."""
@@ -177,12 +329,9 @@ class Location:
         return bool(self._call(self.fs.isdir, self.path))
 
     def entries(self) -> dict[str, dict[str, Any]]:
-        """``{name: {"type", "size": int, "mtime": float|None}}`` of the directory.
-
-        ``type`` is "file" or "directory"; locally also "symlink" (a link to anything but a
-        directory, not followed unless ``allow_symlinks``) and "other" (FIFO, socket, device).
-        A link to a directory is listed as the directory (restore follows step-directory links).
-        """
+        """``{name: {"type", "size": int, "mtime": float|None}}`` of the directory. ``type`` is "file" or
+        "directory"; locally also "symlink" (a link to anything but a directory, not followed unless
+        ``allow_symlinks``; a link to a directory is listed as the directory) and "other" (FIFO...)."""
         if not self.remote:
             return self._local_entries()
         out: dict[str, dict[str, Any]] = {}
@@ -217,21 +366,11 @@ class Location:
         return self.stat(name)[0]
 
     def stat(self, name: str) -> tuple[int, str | None]:
-        """``(size in bytes, store digest)`` of the file ``name`` (a regular file).
-
-        The digest is what the store computed over the object's bytes and reports with it: the
-        ETag of S3-compatible stores, without quotes (the MD5 of the object, or of its parts' MD5s
-        followed by ``-<parts>``; other values with server-side KMS encryption). None for local
-        files and stores that report none.
-
-        Raises:
-            FileNotFoundError: it does not exist.
-            CheckpointCorruptError: it is a symlink (unless ``allow_symlinks``) or not a regular file.
-            DurableUnavailableError: the store cannot be reached.
-        """
+        """``(size in bytes, store digest)`` of the file ``name``: the digest the store reports for the
+        object (S3's ETag without quotes: the MD5 of the object, or of its parts' MD5s followed by
+        ``-<parts>``; other values with SSE-KMS); None for local files and stores that report none."""
         if not self.remote:
-            fd = open_regular(Path(self._p(name)), allow_symlinks=self.allow_symlinks,
-                              what="file listed in the manifest")
+            fd = self._open_local(name)
             try:
                 return os.fstat(fd).st_size, None
             finally:
@@ -244,15 +383,10 @@ class Location:
 
     def read_bytes(self, name: str, max_bytes: int | None = None, *,
                    what: str = "file listed in the manifest") -> bytes:
-        """Contents of the file ``name`` (a regular file; at most ``max_bytes``; ``what`` it is, for messages).
-
-        Raises:
-            FileNotFoundError: it does not exist.
-            CheckpointCorruptError: it is a symlink (unless ``allow_symlinks``), not a regular file,
-                or larger than ``max_bytes``.
-        """
+        """Contents of the file ``name`` (``what`` it is, for messages); CheckpointCorruptError when it
+        holds more than ``max_bytes``."""
         if not self.remote:
-            fd = open_regular(Path(self._p(name)), allow_symlinks=self.allow_symlinks, what=what)
+            fd = self._open_local(name, what)
             if max_bytes is not None:
                 return read_fd(fd, max_bytes, self.describe(name))
             with os.fdopen(fd, "rb") as f:
@@ -269,21 +403,14 @@ class Location:
         return data
 
     def checksum(self, name: str, bar: Any = None) -> tuple[int, int]:
-        """``(bytes, crc32)`` of the file ``name`` (a regular file), read in chunks (advancing ``bar``).
-
-        Raises:
-            FileNotFoundError: it does not exist.
-            CheckpointCorruptError: it is a symlink (unless ``allow_symlinks``) or not a regular file.
-            DurableUnavailableError: the store cannot be reached.
-        """
+        """``(bytes, crc32)`` of the file ``name``, read in chunks (advancing ``bar``)."""
 
         def read() -> tuple[int, int]:
             crc, size = 0, 0
             if self.remote:
                 f = self.fs.open(self._p(name), "rb", block_size=_CHUNK_BYTES)
             else:
-                f = os.fdopen(open_regular(Path(self._p(name)), allow_symlinks=self.allow_symlinks,
-                                           what="file listed in the manifest"), "rb")
+                f = os.fdopen(self._open_local(name), "rb")
             with f:
                 while chunk := f.read(_CHUNK_BYTES):
                     crc = crc32(chunk, crc)
@@ -296,12 +423,7 @@ class Location:
 
     @contextmanager
     def open_range(self, name: str) -> Iterator[Any]:
-        """The file ``name`` (a regular file) open for range reads (a :class:`~torch_ckpt.format._records.RangeReader`).
-
-        Raises:
-            FileNotFoundError: it does not exist.
-            CheckpointCorruptError: it is a symlink (unless ``allow_symlinks``) or not a regular file.
-        """
+        """The file ``name`` open for range reads (a :class:`~torch_ckpt.format._records.RangeReader`)."""
         if not self.remote:
             with open_range(Path(self._p(name)), allow_symlinks=self.allow_symlinks) as f:
                 yield f
@@ -334,3 +456,114 @@ def as_location(where: str | os.PathLike | Location, *, storage_options: dict[st
     if isinstance(where, Location):
         return where
     return Location(where, storage_options=storage_options, allow_symlinks=allow_symlinks)
+
+
+# -- bounded calls to a store from the caller's thread ---------------------------------------------
+class Watch:
+    """Progress of one bounded call, shared by the caller and the worker doing it."""
+
+    def __init__(self) -> None:
+        self._last = time.monotonic()
+        self._lock = threading.Lock()
+        self._abandoned = False
+        self._published = False
+        self._local = 0  # workers now busy with local work (writing, fsync, checksums): not waiting on the store
+
+    def tick(self) -> None:
+        """Record an answer from the store; DurableUnavailableError once the caller gave up (stops the worker)."""
+        self._last = time.monotonic()
+        if self._abandoned:
+            raise DurableUnavailableError("abandoned: the caller stopped waiting for the store")
+
+    def idle_seconds(self) -> float:
+        """Seconds since the last answer (or since the call started); 0 during local work."""
+        return 0.0 if self._local else time.monotonic() - self._last
+
+    @contextmanager
+    def local_work(self) -> Iterator[None]:
+        """Mark local work (a disk write, an fsync, a checksum of a fetched file): the store's
+        silence is not counted while it runs, however long it takes."""
+        with self._lock:
+            self._local += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._local -= 1
+            self.tick()
+
+    def publish(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` (a local commit) unless the caller gave up (DurableUnavailableError); the caller
+        then takes the result."""
+        with self._lock:
+            if self._abandoned:
+                raise DurableUnavailableError("abandoned: the caller stopped waiting for the store")
+            result = fn()
+            self._published = True
+            return result
+
+    def _abandon(self) -> bool:
+        """Give up unless the worker already published; True when given up."""
+        with self._lock:
+            if self._published:
+                return False
+            self._abandoned = True
+            return True
+
+
+def bounded(fn: Callable[[Watch], T], *, timeout_seconds: float, what: str) -> T:
+    """Run ``fn(watch)`` on a worker thread and return its result, waiting while the store answers at
+    least every ``timeout_seconds`` (> 0). ``fn`` calls ``watch.tick()`` after each answer and commits
+    anything local through ``watch.publish``; ``what`` names the operation and store in the message.
+
+    Raises:
+        DurableUnavailableError: the store did not answer for ``timeout_seconds``.
+        Exception: whatever ``fn`` raised.
+    """
+    done = threading.Event()
+    box: dict[str, Any] = {}
+    watch = Watch()
+
+    def run() -> None:
+        try:
+            box["value"] = fn(watch)
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller
+            box["error"] = exc
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="torch_ckpt_durable_call", daemon=True).start()
+    try:
+        while not done.wait(max(0.0, timeout_seconds - watch.idle_seconds())):
+            if watch.idle_seconds() >= timeout_seconds and watch._abandon():
+                raise DurableUnavailableError(
+                    f"{what}: the store did not answer for {timeout_seconds:g} s (durable_timeout_seconds); "
+                    "it accepts connections but does not respond, or is very slow")
+            if watch._published:
+                done.wait()
+    except BaseException:
+        watch._abandon()  # an interrupt of the caller: the worker publishes nothing after it
+        raise
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+def waiting_for_coordinator(ctx: Any, tier: Any, doing: str, collective: Callable[[], T], *,
+                            whom: str | None = None) -> T:
+    """Run ``collective`` (a broadcast of rank 0's answer); a CheckpointTimeoutError on another rank
+    says what rank 0 was ``doing`` (not that the ranks called different methods). ``whom``: who is
+    waited for when not rank 0 ("the node leaders"); then every rank's timeout says so."""
+    try:
+        return collective()
+    except CheckpointTimeoutError as exc:
+        if whom is None and ctx.is_coordinator:
+            raise
+        bound = "" if tier is None else (
+            f"; each call to the store gives up after durable_timeout_seconds={tier.timeout_seconds:g} s "
+            "without an answer, but a download that keeps receiving bytes may take longer: raise timeout_seconds "
+            "above the time it needs")
+        raise CheckpointTimeoutError(
+            f"rank {ctx.rank} waited {ctx.timeout_seconds:g} s (timeout_seconds) for {whom or 'rank 0'}, which "
+            f"{'were' if whom else 'was'} {doing}"
+            f"{bound}") from exc

@@ -2,21 +2,21 @@
 
 Layout mirrors the local root (``URL/step_000000100/<files>``). Object stores have no atomic
 rename, so a durable checkpoint is committed by writing its ``manifest.json`` *last*, after every
-other file has been uploaded and verified; a step directory without a manifest is invisible.
-Deleting removes the manifest first. Locations stay URL strings end to end; no URL ever goes
-through ``pathlib``.
+other file has been uploaded and verified (:func:`torch_ckpt.format._read.verify_files`, the same
+check and messages as for a local checkpoint); a step without a manifest is invisible, deleting
+removes the manifest first, and a manifest-less prefix left by a crashed uploader is removed once
+idle (:func:`remove_abandoned`). URLs stay strings end to end; none goes through ``pathlib``.
 
-The tier reads and checks through the one storage/format layer: a step directory is a
-:class:`~torch_ckpt.storage._locations.Location`, its manifest is read by
-:func:`torch_ckpt.format._read.read_manifest`,
-and every uploaded object and every fetched file is checked by :func:`torch_ckpt.format._read.verify_files`
-(the same function, and the same messages, as for a local checkpoint). Node-local checkpoints go
-up and come back through :mod:`torch_ckpt.tiers._nodes`; uploads abandoned by a crash are cleaned
-up by :mod:`torch_ckpt.tiers._cleanup`.
+Node-local checkpoints (:mod:`torch_ckpt.root._nodes`) go up once per tensor: each node uploads
+the files it is the uploader of (:func:`durable_manifest`: every file but the nodes' replica files)
+and writes an upload record; node 0 waits for every record, checks it against the manifest and
+writes the durable manifest last (:meth:`DurableTier.upload_node`). A replaced node fetches only
+what its ranks load at the same rank layout (:func:`fetch_set`, :func:`node_fetch_manifest`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -25,7 +25,6 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -34,16 +33,32 @@ from tqdm import tqdm
 from torch_ckpt._logging import get_logger
 from torch_ckpt._values import check_int
 from torch_ckpt.errors import CheckpointCorruptError, CheckpointError, ConfigError
-from torch_ckpt.format._read import MANIFEST_NAME, Manifest, read_manifest, verify_files
+from torch_ckpt.format._read import METADATA_NAME, verify_files
+from torch_ckpt.format._read import (
+    MANIFEST_NAME,
+    MAX_MANIFEST_BYTES,
+    MAX_MANIFEST_DEPTH,
+    MAX_MANIFEST_INT_DIGITS,
+    Manifest,
+    read_manifest,
+)
 from torch_ckpt.policy._naming import Naming, StepNaming
-from torch_ckpt.root._layout import commit_dir
-from torch_ckpt.storage._bounded import corrupt
+from torch_ckpt.root._layout import commit_dir, write_durable
+from torch_ckpt.root._nodes import is_replica_file
 from torch_ckpt.storage._crc import crc32
-from torch_ckpt.storage._deadline import Watch, bounded
-from torch_ckpt.storage._locations import DurableUnavailableError, Location, url_to_fs
-from torch_ckpt.tiers._nodes import node_fetch_manifest, upload_node
+from torch_ckpt.storage._locations import (
+    DurableUnavailableError,
+    Location,
+    Watch,
+    bounded,
+    corrupt,
+    loads_bounded,
+    object_mtime,
+    url_to_fs,
+)
 
-__all__ = ["DurableTier", "DurableUnavailableError"]
+__all__ = ["DurableTier", "DurableUnavailableError", "abandoned_uploads", "durable_manifest", "fetch_set",
+           "idle_seconds", "node_fetch_manifest", "remove_abandoned"]
 
 log = get_logger(__name__)
 
@@ -52,6 +67,8 @@ _CHUNK_BYTES = 8 << 20
 _calls = threading.local()
 #: Protocols whose root lies in a bucket that must exist (and is never created unless asked).
 _BUCKET_STORES = ("s3", "s3a", "gs", "gcs", "abfs", "az", "adl")
+#: The upload record a node writes into a step's prefix once its files are uploaded and verified.
+_MARKER = "_uploaded_node_{:05d}.json"
 
 
 class DurableTier:
@@ -60,29 +77,25 @@ class DurableTier:
     Args:
         url: fsspec URL of the durable run root, e.g. ``s3://bucket/runs/exp1``.
         storage_options: passed to ``fsspec.url_to_fs`` (credentials, ``client_kwargs``...).
-        verify: "checksum" (check every uploaded object's content, see below) or "size" (sizes only).
+        verify: "checksum" (check every uploaded object's content) or "size" (sizes only).
         naming: directory names of steps (the local root's naming; default ``step_000000042``).
         part_bytes: multipart part size on S3-compatible stores (bytes); files of at least twice
             this size are uploaded in parts.
-        upload_threads: files uploaded at once by this process (>= 1).
+        upload_threads: files uploaded (and downloaded) at once by this process (>= 1).
         timeout_seconds: longest silence of the store that a call from the caller's thread
             (:meth:`listed`, :meth:`fetch`) waits out (seconds, > 0); on S3-compatible stores also
-            the botocore connect and read timeouts (with 3 attempts, "standard" retries) unless
+            the botocore connect and read timeouts (3 attempts, "standard" retries) unless
             ``storage_options["config_kwargs"]`` sets them.
         create: create a missing bucket (or the missing parent directory of a ``file://`` root)
             at the first upload; by default a missing one is an error (:meth:`check_container`).
 
-    Every uploaded object is checked by :func:`torch_ckpt.format._read.verify_files` against the
-    manifest. With ``verify="checksum"`` on an S3-compatible store that check takes the store's own
-    digest: an object whose ETag (single or multipart MD5) equals the one computed from the local
-    file (whose CRC-32 is compared with the manifest in the same pass) is not read back. Other
-    stores, S3 stores whose ETags are not MD5 digests (SSE-KMS), and any object whose digest
-    differs are read back and their CRC-32 compared (``bytes_read_back`` counts those bytes).
-    Downloads are checked by the same function (size and CRC-32) before they are committed.
+    With ``verify="checksum"`` an S3 object whose ETag equals the MD5 computed from the local file
+    is not read back; other objects are (``bytes_read_back`` counts those bytes). Downloads are
+    checked (size and CRC-32) before they are committed.
 
     Raises:
         ConfigError: the URL's protocol is unknown or its backend is not installed (the message
-            names the package to install), or ``verify`` is invalid.
+            names the package to install), or an argument is invalid.
     """
 
     def __init__(self, url: str, *, storage_options: dict[str, Any] | None = None, verify: str = "checksum",
@@ -99,7 +112,6 @@ class DurableTier:
         self.create = bool(create)
         self.fs, self.root = url_to_fs(url, _with_timeouts(url, storage_options, self.timeout_seconds))
         self.url = url.rstrip("/")
-        self.root = self.root.rstrip("/")
         check_int("part_bytes (S3's smallest part is 5 MiB)", part_bytes, 5 << 20)
         check_int("upload_threads", upload_threads, 1, 256)  # the bound CheckpointConfig sets
         self.verify = verify
@@ -110,6 +122,8 @@ class DurableTier:
         self._store_checked: bool | None = None  # None: not tried yet; False: ETags are not MD5s
         self._lock = threading.Lock()  # the two fields above, updated by upload threads
         self.last_download: list[str] = []  # files fetched by the last download()
+        protocol = self.fs.protocol
+        self._protocol = protocol if isinstance(protocol, str) else protocol[0]
 
     def is_inside(self, local_root: Path) -> bool:
         """True when this tier is a local path equal to, inside or containing ``local_root``."""
@@ -118,13 +132,6 @@ class DurableTier:
         mine, theirs = Path(self.root).resolve(), Path(local_root).resolve()
         return mine == theirs or theirs in mine.parents or mine in theirs.parents
 
-    @property
-    def _protocol(self) -> str:
-        return self.fs.protocol if isinstance(self.fs.protocol, str) else self.fs.protocol[0]
-
-    def _path(self, *parts: str) -> str:
-        return "/".join([self.root, *parts])
-
     def describe(self, step: int) -> str:
         """URL of a step directory (for messages)."""
         return f"{self.url}/{self.naming.name(step)}"
@@ -132,7 +139,7 @@ class DurableTier:
     def location(self, step: int) -> Location:
         """The directory of ``step`` in this tier (whether or not it exists or is committed)."""
         name = self.naming.name(step)
-        return Location.on(self.fs, self._path(name), f"{self.url}/{name}")
+        return Location.on(self.fs, f"{self.root}/{name}", f"{self.url}/{name}")
 
     def refresh(self) -> None:
         """Drop the file system's listing cache (after this process or another one wrote objects)."""
@@ -141,20 +148,16 @@ class DurableTier:
 
     # -- the container: a bucket, or the parent directory of a file:// root ---------------------
     def container(self) -> str | None:
-        """What must exist for this tier to be used: the bucket on object stores, the parent
-        directory of a ``file://`` root; None for other stores (``memory://``...)."""
+        """What must exist: the bucket, the parent directory of a ``file://`` root, or None (``memory://``...)."""
         if self._protocol in ("file", "local"):
-            return os.path.dirname(self.root.rstrip("/")) or "/"
+            return os.path.dirname(self.root) or "/"
         if self._protocol in _BUCKET_STORES:
             return self.root.lstrip("/").split("/", 1)[0]
         return None
 
     def check_container(self) -> None:
-        """Check that the bucket (or the parent directory of a ``file://`` root) exists; with
-        ``create``, create it when it does not.
-
-        A root that does not exist in an existing bucket is an empty tier (a first run); a missing
-        bucket is not: it was deleted, is misspelt, or (``file://``) a file system is not mounted.
+        """Check that the :meth:`container` exists (a missing root in it is an empty tier; a missing
+        bucket is an error: deleted, misspelt or not mounted); with ``create``, create a missing one.
 
         Raises:
             DurableUnavailableError: it does not exist (and ``create`` is False), or the store
@@ -189,8 +192,7 @@ class DurableTier:
         log.warning("durable tier %s: created its %s %r (durable_create=True)", self.url, kind, container)
 
     def make_step_dir(self, path: str) -> None:
-        """Before an upload into ``path``: check the container (:meth:`check_container`), and create
-        the directory on stores that have directories (never a bucket, unless ``create``)."""
+        """Before an upload into ``path``: :meth:`check_container`, and create it on stores with directories."""
         self.check_container()
         if self._protocol not in _BUCKET_STORES:
             self.fs.makedirs(path, exist_ok=True)
@@ -201,8 +203,7 @@ class DurableTier:
 
         Raises:
             DurableUnavailableError: the store cannot be listed (distinct from an empty root), or
-                the root's bucket (``file://``: parent directory) does not exist
-                (:meth:`check_container`).
+                the container does not exist (:meth:`check_container`).
         """
         self.refresh()
         root = Location.on(self.fs, self.root, self.url)
@@ -219,12 +220,8 @@ class DurableTier:
         return []
 
     def listed(self) -> dict[int, Manifest]:
-        """:meth:`list_steps` for the caller's thread: gives up after ``timeout_seconds`` without an
-        answer (:func:`torch_ckpt.storage._deadline.bounded`).
-
-        Raises:
-            DurableUnavailableError: as :meth:`list_steps`, or the store did not answer in time.
-        """
+        """:meth:`list_steps` for the caller's thread: DurableUnavailableError after ``timeout_seconds``
+        without an answer (:func:`torch_ckpt.storage._locations.bounded`)."""
         def run(watch: Watch) -> dict[int, Manifest]:
             _calls.watch = watch  # list_steps runs on this worker thread: it ticks the watch
             return self.list_steps()
@@ -232,19 +229,14 @@ class DurableTier:
         return bounded(run, timeout_seconds=self.timeout_seconds, what=f"listing durable tier {self.url}")
 
     def fetch(self, step: int, local_root: Path, *, node: int | None = None) -> Path:
-        """:meth:`download` for the caller's thread: gives up after ``timeout_seconds`` without an
-        answer (a download that keeps receiving bytes goes on); nothing is committed after that.
-
-        Raises:
-            DurableUnavailableError: the store cannot be reached or did not answer in time.
-            CheckpointCorruptError, ValueError: as :meth:`download`.
-        """
+        """:meth:`download` for the caller's thread: DurableUnavailableError after ``timeout_seconds``
+        without an answer (a download receiving bytes goes on); nothing is committed after that."""
         return bounded(lambda watch: self.download(step, local_root, node=node, watch=watch),
                        timeout_seconds=self.timeout_seconds, what=f"downloading {self.describe(step)}")
 
     def list_steps(self) -> dict[int, Manifest]:
         """``{step: manifest}`` of committed durable checkpoints (called by :meth:`listed`, it tells
-        the caller's watch of every answer of the store).
+        the caller's watch of every answer).
 
         Raises:
             DurableUnavailableError: the store cannot be listed (distinct from an empty root).
@@ -271,24 +263,14 @@ class DurableTier:
         return dict(sorted(found.items()))
 
     def read_manifest(self, step: int) -> Manifest:
-        """Read and validate the durable manifest of ``step`` (:func:`torch_ckpt.format._read.read_manifest`).
-
-        Raises:
-            CheckpointNotFoundError: there is none (the step is not committed in this tier); a
-                ``FileNotFoundError``.
-            CheckpointCorruptError: it is too large or not a valid manifest (the URL is named).
-            DurableUnavailableError: the store cannot be reached.
-        """
+        """The durable manifest of ``step`` (:func:`torch_ckpt.format._read.read_manifest`, which raises)."""
         return read_manifest(self.location(step))
 
     # -- upload --------------------------------------------------------------------------------
     def _store_digest(self, local: Path, info: dict[str, int]) -> str | None:
-        """The ETag an S3-compatible store computes for ``local`` as uploaded here (the MD5 of the
-        object, or for a multipart upload the MD5 of its parts' MD5s followed by ``-<parts>``).
-
-        Computed in one pass with the file's CRC-32: None when the local file no longer has the
-        manifest's size and CRC-32 (then the stored object is read back and compared instead).
-        """
+        """The ETag an S3-compatible store computes for ``local`` uploaded here (the MD5 of the object,
+        or for a multipart upload the MD5 of its parts' MD5s followed by ``-<parts>``), computed in one
+        pass with the CRC-32; None when the file no longer has the manifest's size and CRC-32."""
         size, crc, parts = 0, 0, []
         whole = hashlib.md5(usedforsecurity=False)
         multipart = info["bytes"] >= min(5 << 30, 2 * self.part_bytes)
@@ -304,19 +286,10 @@ class DurableTier:
         return f"{hashlib.md5(b''.join(parts), usedforsecurity=False).hexdigest()}-{len(parts)}"
 
     def _put_verified(self, local: Path, loc: Location, name: str, info: dict[str, int]) -> None:
-        """Upload one file, then check the stored object with :func:`~torch_ckpt.format._read.verify_files`.
-
-        With ``verify="checksum"`` on an S3-compatible store the check passes on the store's own
-        digest when it equals the local file's (no byte read back), else the object is read back
-        and its CRC-32 compared; with ``verify="size"`` only sizes are compared.
-
-        Raises:
-            CheckpointCorruptError: the stored object does not match the manifest (its URL named).
-        """
-        if self._protocol in ("s3", "s3a"):
-            self.fs.put_file(str(local), f"{loc.path}/{name}", chunksize=self.part_bytes)
-        else:
-            self.fs.put_file(str(local), f"{loc.path}/{name}")
+        """Upload one file, then check the stored object (by the store's digest when it equals the
+        local file's, else read back; sizes only with ``verify="size"``): CheckpointCorruptError."""
+        extra = {"chunksize": self.part_bytes} if self._protocol in ("s3", "s3a") else {}
+        self.fs.put_file(str(local), f"{loc.path}/{name}", **extra)
         self.refresh()
         checksums = self.verify == "checksum"
         digests = None
@@ -334,11 +307,7 @@ class DurableTier:
 
     def put_all(self, local_dir: Path, step: int, files: dict[str, dict[str, int]]) -> None:
         """Upload and verify ``files`` (``{name: {"bytes", "crc32"}}``) of ``local_dir`` into the
-        directory of ``step``, ``upload_threads`` at once; writes no manifest.
-
-        Raises:
-            CheckpointCorruptError: an uploaded object does not match its entry (its URL named).
-        """
+        directory of ``step``, ``upload_threads`` at once; writes no manifest (raises as :meth:`upload`)."""
         loc, items = self.location(step), sorted(files.items())
         if self.upload_threads <= 1 or len(items) <= 1:
             for name, info in items:
@@ -348,6 +317,10 @@ class DurableTier:
             for fut in [pool.submit(self._put_verified, local_dir / name, loc, name, info) for name, info in items]:
                 fut.result()
 
+    def _commit(self, loc: Location, manifest: Manifest) -> None:
+        self.fs.pipe_file(f"{loc.path}/{MANIFEST_NAME}", json.dumps(manifest.to_json(), separators=(",", ":")).encode())
+        self.refresh()
+
     def upload(self, local_dir: Path, manifest: Manifest) -> None:
         """Upload a committed local checkpoint, verify every file, then write the manifest (commit).
 
@@ -355,52 +328,86 @@ class DurableTier:
             CheckpointCorruptError: an uploaded object does not match the manifest (its URL named).
             Exception: backend errors propagate (the replicator retries them).
         """
-        step_dir = self._path(self.naming.name(manifest.step))
-        self.make_step_dir(step_dir)
+        loc = self.location(manifest.step)
+        self.make_step_dir(loc.path)
         self.put_all(local_dir, manifest.step, manifest.files)
-        data = json.dumps(manifest.to_json(), separators=(",", ":")).encode()
-        self.fs.pipe_file(f"{step_dir}/{MANIFEST_NAME}", data)
-        self.refresh()
+        self._commit(loc, manifest)
 
     def upload_node(self, local_dir: Path, manifest: Manifest, *, commit: bool, wait_seconds: float = 600.0,
                     poll_seconds: float = 0.2, abandon: Callable[[], bool] = lambda: False) -> None:
         """Upload one node's copy of a node-local checkpoint; on the committing node, also commit it.
 
-        See :func:`torch_ckpt.tiers._nodes.upload_node` (arguments, errors).
+        A step whose uploader died midway never gets a manifest, so the tier never shows it.
+
+        Args:
+            local_dir: this node's committed copy.
+            manifest: its manifest (``node`` set).
+            commit: write the durable manifest once every node's record is there.
+            wait_seconds: how long the committing node waits for the other nodes' records (seconds).
+            poll_seconds: first delay between looks for records (doubles up to 5 s).
+            abandon: returns True when waiting is pointless (a newer step is queued).
+
+        Raises:
+            ValueError: ``manifest`` is not one node's copy.
+            CheckpointCorruptError: an upload or a node's record does not match the manifest (named).
+            TimeoutError: a node's record did not appear within ``wait_seconds`` (or ``abandon``).
         """
-        upload_node(self, local_dir, manifest, commit=commit, wait_seconds=wait_seconds, poll_seconds=poll_seconds,
-                    abandon=abandon)
+        if manifest.node is None:
+            raise ValueError("upload_node() needs one node's copy (manifest.node is set)")
+        step, node, loc = manifest.step, manifest.node, self.location(manifest.step)
+        self.make_step_dir(loc.path)
+        durable = durable_manifest(manifest)  # without the nodes' extra copies: each tensor is uploaded once
+        file_node = durable.nodes["file_node"]
+        mine = {name: info for name, info in durable.files.items() if file_node[name] == node}
+        self.put_all(local_dir, step, mine)
+        self.fs.pipe_file(f"{loc.path}/{_MARKER.format(node)}", json.dumps({"node": node, "files": mine}).encode())
+        self.refresh()
+        if not commit:
+            return
+        nodes = max(manifest.nodes["rank_node"]) + 1
+        deadline, delay, missing = time.monotonic() + wait_seconds, poll_seconds, list(range(nodes))
+        while True:
+            self.refresh()
+            missing = [n for n in missing if not loc.exists(_MARKER.format(n))]
+            if not missing:
+                break
+            if abandon() or time.monotonic() > deadline:
+                raise TimeoutError(f"durable tier {self.url}: step {step} is not committed: node(s) {missing} have "
+                                   f"not finished uploading their shards")
+            time.sleep(delay)
+            delay = min(delay * 2, 5.0)
+        for n in range(nodes):
+            source = loc.describe(_MARKER.format(n))
+            raw = loc.read_bytes(_MARKER.format(n), MAX_MANIFEST_BYTES, what="upload record")
+            doc: Any = loads_bounded(raw, source, what="upload record", max_depth=MAX_MANIFEST_DEPTH,
+                                     max_int_digits=MAX_MANIFEST_INT_DIGITS)
+            if not isinstance(doc, dict) or doc.get("files") != {k: v for k, v in durable.files.items()
+                                                                 if file_node[k] == n}:
+                raise corrupt(source, f"node {n}'s upload record of step {step} does not match the manifest")
+        self._commit(loc, durable)
 
     def delete(self, step: int) -> None:
         """Delete a durable checkpoint: manifest first (un-commit), then the files."""
-        step_dir = self._path(self.naming.name(step))
+        path = self.location(step).path
         try:
-            self.fs.rm_file(f"{step_dir}/{MANIFEST_NAME}")
+            self.fs.rm_file(f"{path}/{MANIFEST_NAME}")
         except FileNotFoundError:
             pass
-        self.fs.rm(step_dir, recursive=True)
+        self.fs.rm(path, recursive=True)
         self.refresh()
 
     def set_aside(self, step: int, *, reason: str = "superseded") -> str:
-        """Move a durable checkpoint aside to the hidden prefix ``.<reason>_<name>.<time>`` (kept, never listed).
+        """Move a durable checkpoint aside to the hidden prefix ``.<reason>_<name>.<time>``; returns its URL.
 
-        On a local file system (``file://``) the directory is renamed (atomic). On an object store
-        its objects are copied to the hidden prefix first, then the step's manifest is deleted
-        (un-commit) and then its other objects: a crash in between leaves the step listed (moved
-        again later) or an un-committed prefix (removed as an abandoned upload), never a partial
-        checkpoint under a listed name.
-
-        Returns:
-            The URL of the hidden prefix.
-
-        Raises:
-            Exception: backend errors propagate (the replicator retries them).
+        A ``file://`` directory is renamed; on an object store the objects are copied, then the
+        manifest is deleted, then the rest (a crash leaves the step listed, or an abandoned upload).
+        Backend errors propagate (the replicator retries them).
         """
         name = self.naming.name(step)
-        src, base = self._path(name), f".{reason}_{name}.{int(time.time())}"
+        src, base = f"{self.root}/{name}", f".{reason}_{name}.{int(time.time())}"
         taken = set(self.list_names())
         target = next(t for t in (f"{base}.{n}" if n else base for n in range(10_000)) if t not in taken)
-        dst = self._path(target)
+        dst = f"{self.root}/{target}"
         if self._protocol in ("file", "local"):
             os.rename(src, dst)
         else:
@@ -416,17 +423,9 @@ class DurableTier:
         return f"{self.url}/{target}"
 
     # -- download ------------------------------------------------------------------------------
-    def _fetch_file(self, src: Location, name: str, info: dict[str, int], tmp: Path, bar: Any,
-                    watch: Watch | None = None) -> None:
-        """Copy one object into ``tmp``, then check the copy with :func:`~torch_ckpt.format._read.verify_files`
-        (size and CRC-32); a mismatch is reported on the object's URL, with the text a corrupt local
-        file gets.
-
-        Raises:
-            CheckpointCorruptError: the object is missing from the store (as a missing local file
-                is), or the fetched bytes do not match the manifest.
-            DurableUnavailableError: the store failed while the object was read.
-        """
+    def _fetch_file(self, src: Location, name: str, info: dict[str, int], tmp: Path, bar: Any, watch: Watch) -> None:
+        """Copy one object into ``tmp`` and check the copy: CheckpointCorruptError (on the object's URL)
+        when it is missing or its bytes do not match, DurableUnavailableError when the store fails."""
         def store(call: Callable[[], Any]) -> Any:  # a failure of the store, not of the local disk: an outage
             try:
                 return call()
@@ -442,16 +441,15 @@ class DurableTier:
             raise corrupt(src.describe(name), "listed in the manifest but missing") from None
         with fin, open(tmp / name, "wb") as fout:
             while chunk := store(lambda: fin.read(_CHUNK_BYTES)):
-                if watch is not None:
-                    watch.tick()
-                with _local_work(watch):
+                watch.tick()
+                with watch.local_work():
                     fout.write(chunk)
                 bar.update(len(chunk))
-            with _local_work(watch):
+            with watch.local_work():
                 fout.flush()
                 os.fsync(fout.fileno())
         problems: list[tuple[str, str]] = []
-        with _local_work(watch):
+        with watch.local_work():
             verify_files(tmp, _only(name, info), checksums=True, collect=problems)
         if problems:
             raise corrupt(src.describe(name), problems[0][1])
@@ -459,26 +457,19 @@ class DurableTier:
     def download(self, step: int, local_root: Path, *, node: int | None = None, watch: Watch | None = None) -> Path:
         """Download a durable checkpoint into ``local_root`` (verified, then committed atomically).
 
-        Args:
-            step: the step.
-            local_root: the local run root.
-            node: for a node-local checkpoint, fetch only what this node's ranks load at the same
-                rank layout (their own files, the files holding replicated tensors, and the
-                metadata) and commit it as that node's copy; None fetches every file.
-            watch: told of every answer of the store; the commit goes through it (see :meth:`fetch`).
-
-        Returns:
-            The local committed directory.
+        ``node``: for a node-local checkpoint, fetch only what this node's ranks load at the same rank
+        layout (:func:`fetch_set`), committed as that node's copy. ``watch`` is told of every answer of
+        the store, and the commit goes through it (:meth:`fetch`). Returns the committed directory.
 
         Raises:
-            CheckpointCorruptError: a fetched file does not have the manifest's size or CRC-32
-                (:func:`~torch_ckpt.format._read.verify_files`); the message names the object's URL.
+            CheckpointCorruptError: a fetched file does not have the manifest's size or CRC-32 (the
+                message names the object's URL).
             ValueError: ``node`` is given but the checkpoint was not written to node-local roots.
             DurableUnavailableError: the store cannot be reached or failed during the download.
         """
+        watch = watch if watch is not None else Watch()
         manifest = self.read_manifest(step)
-        if watch is not None:
-            watch.tick()
+        watch.tick()
         if node is not None:
             manifest = node_fetch_manifest(manifest, node, self.describe(step))
         files = manifest.local_files()
@@ -495,15 +486,9 @@ class DurableTier:
                 for fut in [pool.submit(self._fetch_file, self.location(step), name, info, tmp, bar, watch)
                             for name, info in sorted(files.items())]:
                     fut.result()
-            data = json.dumps(manifest.to_json(), separators=(",", ":")).encode()
-            with _local_work(watch), open(tmp / MANIFEST_NAME, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            if watch is None:
-                commit_dir(tmp, final, replace=final.exists())
-            else:
-                watch.publish(lambda: commit_dir(tmp, final, replace=final.exists()))
+            with watch.local_work():
+                write_durable(tmp / MANIFEST_NAME, json.dumps(manifest.to_json(), separators=(",", ":")).encode())
+            watch.publish(lambda: commit_dir(tmp, final, replace=final.exists()))
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -513,21 +498,99 @@ class DurableTier:
         return final
 
 
+# -- node-local checkpoints -----------------------------------------------------------------------
+def durable_manifest(manifest: Manifest) -> Manifest:
+    """The manifest of the durable copy of a node-local checkpoint: every file except the nodes'
+    replica files and per-node metadata (node 0's ``.metadata`` is the complete one); ``node`` None."""
+    keep = {n: i for n, i in manifest.files.items()
+            if not is_replica_file(n) and not (n.startswith("node_") and n.endswith(".metadata"))}
+    nodes = {"rank_node": manifest.nodes["rank_node"],
+             "file_node": {n: v for n, v in manifest.nodes["file_node"].items() if n in keep},
+             "shared": list(manifest.nodes.get("shared", []))}
+    return dataclasses.replace(manifest, files=keep, nodes=nodes, node=None, tiers={})
+
+
+def fetch_set(manifest: Manifest, node: int) -> list[str]:
+    """Files a node fetches from the durable copy to restore its ranks at the same layout: its
+    ranks' uploaded files, the files holding replicated tensors, and the complete ``.metadata``."""
+    own = {n for n, v in manifest.nodes["file_node"].items() if v == node}
+    return sorted(own | set(manifest.nodes.get("shared", [])) | {METADATA_NAME})
+
+
+def node_fetch_manifest(manifest: Manifest, node: int, where: str) -> Manifest:
+    """The manifest of ``node``'s copy fetched from the durable ``manifest`` (``held``: :func:`fetch_set`).
+
+    Raises:
+        ValueError: the checkpoint was written to a shared root (it has no node copies); names ``where``.
+    """
+    if not manifest.nodes:
+        raise ValueError(f"{where} was written to a shared root: it has no node copies")
+    return dataclasses.replace(manifest, node=node, nodes={**manifest.nodes, "held": fetch_set(manifest, node),
+                                                           "metadata": METADATA_NAME})
+
+
+# -- uploads abandoned by a crash: step prefixes that never got their manifest ---------------------
+def abandoned_uploads(tier: DurableTier, *, older_than_seconds: float,
+                      exclude: set[int] | frozenset[int] = frozenset(), now: float | None = None) -> dict[int, float]:
+    """``{step: age in seconds}`` of the manifest-less step prefixes idle for over ``older_than_seconds``
+    (none holding an object without a modification time: it may still be uploading), except
+    ``exclude``; ``now``: Unix time (seconds; default ``time.time()``). DurableUnavailableError when
+    the store cannot be listed."""
+    now = time.time() if now is None else now
+    found: dict[int, float] = {}
+    for name in tier.list_names():
+        named_step = tier.naming.step_of(name)
+        if named_step is None or named_step in exclude:
+            continue
+        age = idle_seconds(tier, named_step, now)
+        if age is not None and age > older_than_seconds:
+            found[named_step] = age
+    return found
+
+
+def idle_seconds(tier: DurableTier, step: int, now: float) -> float | None:
+    """Seconds since the newest object of an uncommitted step prefix was written; None when it is
+    committed, empty, or an object's time is unknown. DurableUnavailableError when it cannot be listed."""
+    try:
+        objects = tier.fs.find(tier.location(step).path, detail=True)
+    except FileNotFoundError:
+        return None
+    except Exception as exc:  # noqa: BLE001 - any backend error here means "unreachable"
+        raise DurableUnavailableError(f"cannot list {tier.describe(step)}: {exc}") from exc
+    if any(str(path).rstrip("/").endswith("/" + MANIFEST_NAME) for path in objects):
+        return None  # committed (or being deleted manifest-first by retention)
+    times = [object_mtime(info) for info in objects.values()]
+    if not times or any(t is None for t in times):
+        return None
+    return now - max(times)
+
+
+def remove_abandoned(tier: DurableTier, *, older_than_seconds: float,
+                     exclude: set[int] | frozenset[int] = frozenset(), now: float | None = None) -> list[int]:
+    """Delete the prefixes :func:`abandoned_uploads` returns (each listed again first, and kept if a
+    manifest or a new object appeared); returns their steps, ascending. Arguments and errors as there."""
+    removed = []
+    for step in sorted(abandoned_uploads(tier, older_than_seconds=older_than_seconds, exclude=exclude, now=now)):
+        tier.refresh()
+        age = idle_seconds(tier, step, time.time() if now is None else now)
+        if age is None or age <= older_than_seconds:
+            continue
+        tier.fs.rm(tier.location(step).path, recursive=True)
+        removed.append(step)
+        log.warning("durable tier %s: removed abandoned upload of step %d (no manifest, untouched for %.0f s)",
+                    tier.url, step, age)
+    tier.refresh()
+    return removed
+
+
 def _only(name: str, info: dict[str, int]) -> Manifest:
     """A manifest listing the one file ``name`` (``verify_files`` checks the listed files)."""
     return Manifest(step=0, world_size=1, files={name: info})
 
 
-def _local_work(watch: Watch | None) -> Any:
-    """``watch.local_work()`` (the store's silence is not counted meanwhile), or nothing without a watch."""
-    return nullcontext() if watch is None else watch.local_work()
-
-
 def _with_timeouts(url: str, storage_options: dict[str, Any] | None, timeout_seconds: float) -> dict[str, Any]:
-    """``storage_options`` with botocore connect/read timeouts of ``timeout_seconds`` and 3 attempts
-    ("standard" retries) on S3-compatible stores, where the caller's options do not set them
-    (botocore's defaults, 60 s and 5 attempts under s3fs's own 5 retries, let a silent store hold a
-    call for minutes)."""
+    """``storage_options`` with botocore connect/read timeouts of ``timeout_seconds`` and 3 "standard"
+    attempts on S3 stores unless set (botocore's 60 s and 5 attempts under s3fs's retries take minutes)."""
     options = dict(storage_options or {})
     if not url.startswith(("s3://", "s3a://")):
         return options

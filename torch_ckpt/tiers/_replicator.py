@@ -1,20 +1,13 @@
 """Background replication of committed local checkpoints to the durable tier.
 
-One thread on the coordinating rank (on each node's leader with node-local roots), started when a
-checkpoint is queued and ended when nothing is left to upload; at interpreter exit the queued
-uploads get up to ``exit_flush_seconds`` (:mod:`torch_ckpt._lifecycle`). The queue holds
-at most one pending step: a newer commit replaces an older one that has not started uploading
-(coalescing), so an outage never builds an unbounded backlog and the newest checkpoint becomes
-durable first. The one exception is a step the durable retention keeps as history (a multiple of
-``durable_keep_every_n_steps``, see ``never_skip``): it is queued beside the newest and uploaded
-after it, never coalesced away. Transient errors are retried with exponential backoff (capped);
-during an outage training and local saves go on, a warning is logged once, and
-:meth:`Replicator.stats` reports the lag. After each durable commit the durable retention policy
-runs.
-
-The thread also keeps the last known listing of the durable tier (:meth:`Replicator.durable_listing`):
-listed on request (uploads go first) and by the durable retention, updated by its own commits and
-deletions, so that ``health()`` reports the durable tier without any I/O on the caller's thread.
+One thread on the rank that acts on the root (each node's leader with node-local roots), started
+when a step is queued and ended when nothing is left; at interpreter exit queued uploads get up to
+``exit_flush_seconds``. At most one step is pending: a newer commit replaces an older one not yet
+started (so an outage builds no backlog and the newest becomes durable first), except a step the
+durable retention keeps as history (``never_skip``), uploaded after the newest. Errors are retried
+with capped exponential backoff while training goes on; :meth:`Replicator.stats` reports the lag.
+After each durable commit the durable retention runs. The thread also keeps the last known listing
+(:meth:`Replicator.durable_listing`), so ``health()`` reports the tier without I/O on the caller's thread.
 """
 
 from __future__ import annotations
@@ -32,8 +25,7 @@ from torch_ckpt.format._read import Manifest
 from torch_ckpt.policy._lineage import head_of
 from torch_ckpt.policy._retention import RetentionPolicy, apply_retention
 from torch_ckpt.root._layout import read_manifest
-from torch_ckpt.tiers._cleanup import remove_abandoned
-from torch_ckpt.tiers._durable import DurableTier
+from torch_ckpt.tiers._durable import DurableTier, remove_abandoned
 
 __all__ = ["Replicator"]
 
@@ -52,24 +44,19 @@ class Replicator:
         backoff_initial_seconds: first retry delay (seconds); doubles up to ``backoff_max_seconds``.
         backoff_max_seconds: longest retry delay (seconds).
         on_durable: called with ``(step, local_dir)`` after a durable commit.
-        upload: ``upload(local_dir, manifest, abandon)`` replacing ``tier.upload`` (e.g. one node's
-            part of a node-local checkpoint); ``abandon()`` is True once a newer step is queued
-            (never for a step ``never_skip`` keeps).
-        abandoned_after_seconds: after a durable commit (at most once per
-            ``min(abandoned_after_seconds, 1 h)``), delete step prefixes that have no manifest and
-            whose newest object is older than this (uploads abandoned by a crash); None never deletes
-            them. Steps this replicator has queued or is uploading are never touched.
-        never_skip: True for a step that must be uploaded even when newer steps commit before its
-            upload starts (the steps the durable retention keeps as history); None: every queued
-            step may be coalesced away. Every node of a node-local root must get the same function.
-        arranges: this replicator moves durable steps that an upload's lineage supersedes aside
-            (see :meth:`_make_way`); False on the nodes of a node-local root that do not commit,
-            which wait (retrying) until the committing node has done so.
-        commits: whether a successful ``upload`` commits the step in the durable tier (False on
-            the nodes of a node-local root that upload only their part); a committed step joins
-            the known listing at once.
-        exit_flush_seconds: how long the interpreter's exit waits for queued uploads (seconds; the
-            manager passes ``durable_flush_timeout_seconds``).
+        upload: ``upload(local_dir, manifest, abandon)`` replacing ``tier.upload`` (the root
+            layout's uploader); ``abandon()`` is True once a newer step is queued (never for a step
+            ``never_skip`` keeps).
+        abandoned_after_seconds: after a durable commit (at most once per ``min(this, 1 h)``), delete
+            manifest-less step prefixes idle for longer than this (seconds; None: never), except
+            steps queued or uploading here.
+        never_skip: True for a step uploaded even when newer steps commit first (history the durable
+            retention keeps); None: any queued step may be coalesced away. The same on every node.
+        arranges: move durable steps that an upload's lineage supersedes aside (:meth:`_make_way`);
+            False on the nodes that do not commit, which wait (retrying) for the committing node.
+        commits: a successful ``upload`` commits the step (False on the nodes that upload only
+            their part); a committed step joins the known listing at once.
+        exit_flush_seconds: how long the interpreter's exit waits for queued uploads (seconds).
     """
 
     def __init__(self, tier: DurableTier, *, retention: RetentionPolicy | None = None,
@@ -168,17 +155,10 @@ class Replicator:
             }
 
     def durable_listing(self, *, refresh: bool = True) -> dict[int, Manifest] | None:
-        """The last known ``{step: manifest}`` of the durable tier, without any I/O on this thread.
-
-        Args:
-            refresh: ask this replicator's thread to list the tier again in the background (at
-                most every ``RELIST_SECONDS``; after any upload in progress).
-
-        Returns:
-            A copy of the last listing (updated by this replicator's commits and deletions since),
-            or None when no listing has succeeded yet or the last one failed (``last_error`` in
-            :meth:`stats` says why).
-        """
+        """The last known ``{step: manifest}`` of the durable tier (a copy, updated by this replicator's
+        commits and deletions), without I/O on this thread; None when no listing succeeded yet or the
+        last one failed (``last_error`` in :meth:`stats`). ``refresh`` asks this replicator's thread to
+        list again (at most every ``RELIST_SECONDS``, after any upload in progress)."""
         with self._cond:
             if refresh and not self._list_requested and (
                     self._listed_at is None or time.monotonic() - self._listed_at >= RELIST_SECONDS):
@@ -229,8 +209,7 @@ class Replicator:
         with self._cond:
             if self._stop or self._thread is None:
                 return
-            queued = sorted({s for s in (self._active, self._pending[0] if self._pending else None) if s is not None}
-                            | set(self._history))
+            queued = sorted(self.busy_steps())
         log.warning("waiting up to %.0f s for the upload of step(s) %s to %s before the interpreter exits",
                     self._exit_flush_s, queued, self.tier.url)
         if not self.wait(self._exit_flush_s):
@@ -314,10 +293,9 @@ class Replicator:
     def _make_way(self, manifest: Any) -> bool:
         """Before ``manifest``'s step is uploaded: apply the lineage rule (:mod:`torch_ckpt.policy._lineage`).
 
-        Returns False (the step is not uploaded, with a warning) when the durable tier holds a newer
-        timeline that supersedes it. Otherwise every durable step it supersedes, and another
-        checkpoint under its own step's name, is moved aside (:meth:`DurableTier.set_aside`), so an
-        upload never writes into a listed checkpoint; done once per lineage.
+        False (not uploaded, with a warning) when the tier holds a newer timeline superseding it.
+        Otherwise every durable step it supersedes, and another checkpoint under its own name, is
+        moved aside first (once per lineage), so an upload never writes into a listed checkpoint.
 
         Raises:
             RuntimeError: (``arranges`` False) the step's name still holds another checkpoint: the
