@@ -13,7 +13,7 @@ from typing_extensions import override
 
 from lightning_ckpt import _compat
 from lightning_ckpt._checkpoint_io import AsyncDCPCheckpointIO
-from lightning_ckpt._values import encode_values
+from lightning_ckpt._load import encode_values
 from torch_ckpt import CheckpointConfig, ConfigError, SaveReports, StepNaming, TrainState, YoungDaly, is_committed
 
 __all__ = ["MTBFCheckpoint"]

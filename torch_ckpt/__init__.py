@@ -60,6 +60,8 @@ _EXPORTS = {
     "CheckpointTimeoutError": "torch_ckpt.errors",
     "ConfigError": "torch_ckpt.errors",
     "CheckpointReadError": "torch_ckpt.errors",
+    "AfterCommit": "torch_ckpt.save._after_commit",
+    "TypedValues": "torch_ckpt.format._typed_values",
 }
 
 __all__ = list(_EXPORTS)
