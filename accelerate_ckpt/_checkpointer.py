@@ -1,9 +1,8 @@
 """``attach()``: route one ``Accelerator``'s ``save_state``/``load_state`` through a torch-ckpt ``CheckpointManager``.
 
-Accelerate's pre-hooks run before optimizers, RNG... are written, so the adapter replaces both
-methods on that instance. Registered pre-hooks still run in order; what they do not ``pop()`` goes
-into one manager checkpoint, which owns naming, retention, resume with fallback, rollback, atomic
-replacement, scheduling and the durable copy. See ``docs/accelerate.md``.
+The adapter replaces both methods on that instance (Accelerate's pre-hooks run before optimizers, RNG... are
+written); registered pre-hooks still run in order, and what they do not ``pop()`` goes into one manager checkpoint
+(naming, retention, resume with fallback, rollback, atomic replacement, scheduling, durable copy).
 """
 
 from __future__ import annotations
@@ -14,14 +13,15 @@ import shutil
 import time
 import warnings
 import weakref
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from accelerate_ckpt import _compat as compat
 from accelerate_ckpt._config import CkptSettings, load_settings
-from accelerate_ckpt._guard import one_process_guard
 from accelerate_ckpt._state import AcceleratorTrainState
 from torch_ckpt import (
+    AfterCommit,
     CheckpointManager,
     CheckpointNotFoundError,
     ConfigError,
@@ -41,6 +41,25 @@ log = logging.getLogger(__name__)
 #: Accelerate's automatic checkpoint names, ``checkpoint_<save iteration>``.
 NAMING = PatternNaming("checkpoint_{step}")
 _HOOK_FILES = ".{}.hooks.tmp.{}"  # user save hooks write here; the files commit with the checkpoint (extra_dir)
+_PRESENT = ".accelerate_ckpt.present.{}"  # a folder of one empty file per process calling save_state (iteration)
+PRESENCE_WAIT_S = 15.0  # how long a save waits for every process's presence file, in seconds
+
+
+def missing_processes(root: Path, key: str, rank: int, world: int, timeout_s: float = PRESENCE_WAIT_S) -> list[int]:
+    """Mark process ``rank`` present at save ``key`` in ``root`` and wait up to ``timeout_s`` for the other
+    ``world`` processes' marks (a shared root); return the ranks still missing (empty: every process is saving).
+    Marks of earlier saves are removed by rank 0 once this one is complete, its own by each rank at ``close``."""
+    marks = root / _PRESENT.format(key)
+    marks.mkdir(parents=True, exist_ok=True)
+    (marks / str(rank)).touch()
+    deadline = time.monotonic() + timeout_s
+    while (missing := [r for r in range(world) if not (marks / str(r)).exists()]) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    if not missing and rank == 0:  # every rank is past the earlier saves' checks (their saves committed)
+        for old in root.glob(_PRESENT.format("*")):
+            if old != marks:
+                shutil.rmtree(old, ignore_errors=True)
+    return missing
 
 
 def attach(accelerator: Any, config: str | os.PathLike | None = None, *, save_policy: Any = None,
@@ -62,11 +81,9 @@ def attach(accelerator: Any, config: str | os.PathLike | None = None, *, save_po
 class AccelerateCheckpointer:
     """Asynchronous, atomic, sharded ``save_state``/``load_state`` for one ``Accelerator`` (training thread only).
 
-    The ``Accelerator`` holds this checkpointer (its ``save_state``, ``load_state`` and
-    ``end_training`` are this object's methods), and this object holds the ``Accelerator`` only
-    weakly: an attached ``Accelerator`` is freed like a plain one, and so is its manager, which then
-    finishes its in-flight save and releases the checkpoint folder (see ``docs/accelerate.md``,
-    "Lifecycle").
+    The ``Accelerator`` holds this checkpointer (its ``save_state``, ``load_state`` and ``end_training`` are this
+    object's methods), which holds it only weakly: an attached ``Accelerator`` is freed like a plain one, and so is
+    its manager, which then finishes its in-flight save (``docs/accelerate.md``, "Lifecycle").
 
     Attributes:
         accelerator: the ``Accelerator`` (a ``ConfigError`` once it was freed).
@@ -84,7 +101,7 @@ class AccelerateCheckpointer:
         self.manager: CheckpointManager | None = None
         self.last_handle: SaveHandle | None = None
         self._policy = {} if save_policy is None else {"save_policy": save_policy}
-        self._reports = SaveReports()
+        self._reports, self._after = SaveReports(), AfterCommit()  # stats logged once committed
         self._closed = not settings.enabled
         if not settings.enabled:
             log.info("accelerate_ckpt disabled by its settings: Accelerate's own save_state/load_state stay in use")
@@ -114,7 +131,7 @@ class AccelerateCheckpointer:
         the settings, step and the ``Accelerator`` travel, the manager and save handles (threads, locks) do not;
         the copy opens its own manager at first use."""
         state = {k: v for k, v in self.__dict__.items() if k not in ("_accelerator", "manager", "last_handle",
-                                                                      "_reports")}
+                                                                      "_reports", "_after")}
         state["accelerator"] = self._accelerator()  # strong only inside the pickle; the cycle is pickle's to resolve
         return state
 
@@ -122,7 +139,7 @@ class AccelerateCheckpointer:
         acc = state.pop("accelerator")
         self.__dict__.update(state)
         self._accelerator = (lambda: None) if acc is None else weakref.ref(acc)
-        self.manager, self.last_handle, self._reports = None, None, SaveReports()
+        self.manager, self.last_handle, self._reports, self._after = None, None, SaveReports(), AfterCommit()
 
     @property
     def accelerator(self) -> Any:
@@ -211,29 +228,33 @@ class AccelerateCheckpointer:
             The checkpoint folder; it appears, complete, when the save commits.
 
         Raises:
-            ConfigError: called under an ``if accelerator.is_main_process:``-style guard with several
-                processes; ``output_dir`` (or ``checkpoint_<n>``) exists and is not a torch-ckpt checkpoint.
+            ConfigError: not every process calls it (e.g. under ``if accelerator.is_main_process:``; found when
+                the others' presence files do not appear within ``PRESENCE_WAIT_S``); ``output_dir`` (or
+                ``checkpoint_<n>``) exists and is not a torch-ckpt checkpoint.
             CheckpointError: an earlier background save failed (raised once).
         """
         self._check_open()
         acc = self.accelerator
-        guard = one_process_guard() if acc.num_processes > 1 else None
-        if guard is not None:
-            raise ConfigError(
-                f"accelerator.save_state() is called under `{guard}`, but with accelerate_ckpt every process must "
-                "call it (each writes its own shard; the main process commits): remove the guard. Called on one "
-                f"process it would wait {self.settings.config.timeout_seconds:.0f} s for the others and fail")
         t0 = time.monotonic()
         self.wait()  # one save in flight; its hook files are in place before new hooks run
         waited = time.monotonic() - t0
+        iteration = compat.save_iteration(acc)
+        if output_dir is None and not self._auto:
+            raise ValueError("save_state() needs output_dir unless automatic_checkpoint_naming is enabled")
+        root = Path(acc.project_dir).expanduser() / "checkpoints" if self._auto else \
+            Path(output_dir).expanduser().absolute().parent
+        rank, world = rank_and_world()
+        if world > 1 and self.settings.config.local_root_shared is not False and (
+                missing := missing_processes(root, str(iteration), rank, world)):
+            raise ConfigError(
+                f"accelerator.save_state() was called on process {rank} but not on processes {missing} within "
+                f"{PRESENCE_WAIT_S:.0f} s (e.g. under `if accelerator.is_main_process:`); with accelerate_ckpt every "
+                "process must call it (each writes its own shard; the main process commits): remove the guard")
         if step is not None:
             self.step = int(step)
-        iteration = compat.save_iteration(acc)
         if self._auto:
             manager, path, number = self._open(), None, iteration
             folder = manager.root / NAMING.name(iteration)
-        elif output_dir is None:
-            raise ValueError("save_state() needs output_dir unless automatic_checkpoint_naming is enabled")
         else:
             folder = Path(output_dir).expanduser().absolute()
             manager, path = self._open(folder.parent), folder
@@ -253,8 +274,9 @@ class AccelerateCheckpointer:
         compat.set_save_iteration(acc, iteration + 1)
         handle.stats.wait_for_previous_s += waited
         handle.stats.blocking_s = time.monotonic() - t0  # the whole call: wait, hooks, staging
-        self.last_handle = handle
-        self._reports.add(handle, self.step)
+        self.last_handle = self._after.handle = handle
+        self._reports.add(handle)
+        self._after.add(0, "log statistics", partial(self._log_stats, handle, self.step))
         return folder
 
     def latest_checkpoint(self) -> Path | None:
@@ -353,7 +375,8 @@ class AccelerateCheckpointer:
         if self.manager is None and not self._auto:
             raise ConfigError("should_save() needs ProjectConfiguration(project_dir=..., automatic_checkpoint_naming="
                               "True), or a first save_state(folder)/load_state(folder) to set the checkpoint root")
-        self._log_finished()
+        self._after.poll()
+        self._log_lost_work()
         self.step = int(step)
         return self._open().should_save(self.step)
 
@@ -364,16 +387,18 @@ class AccelerateCheckpointer:
         self.accelerator.save_state()
         return self.last_handle
 
-    def _log_finished(self) -> None:
-        """Send committed saves' statistics (at their training step) and the lost-work health to the trackers."""
-        done = self._reports.committed()
+    def _log_stats(self, handle: SaveHandle, step: int | None) -> None:
+        """Send a committed save's statistics (at its training step) to the trackers."""
         acc = self._accelerator()
-        if acc is None or self.manager is None or not (self.settings.log_stats and getattr(acc, "trackers", None)):
-            return
-        for handle, step in done:
+        if acc is not None and self.settings.log_stats and getattr(acc, "trackers", None):
             acc.log(SaveReports.metrics(handle), step=step)
-        lost = self._reports.lost_work(self.manager.health)
-        if lost is not None:
+
+    def _log_lost_work(self) -> None:
+        """Send the lost-work health figure to the trackers when due."""
+        self._reports.committed()
+        acc = self._accelerator()
+        if acc is not None and self.manager is not None and self.settings.log_stats and getattr(acc, "trackers", None) \
+                and (lost := self._reports.lost_work(self.manager.health)) is not None:
             acc.log({"checkpoint/lost_work_s": lost})
 
     def replication_stats(self) -> dict[str, Any]:
@@ -390,7 +415,8 @@ class AccelerateCheckpointer:
             try:
                 self.manager.wait()
             finally:
-                self._log_finished()
+                self._after.run()
+                self._log_lost_work()
 
     def close(self) -> None:
         """Wait for the last save, give the ``Accelerator`` its own methods back and close the manager (idempotent).
@@ -409,4 +435,6 @@ class AccelerateCheckpointer:
                 if acc is not None and vars(acc).get(name) == getattr(self, name):
                     delattr(acc, name)
             if self.manager is not None:
+                for mark in self.manager.root.glob(f"{_PRESENT.format('*')}/{rank_and_world()[0]}"):
+                    mark.unlink(missing_ok=True)  # the last save committed: every process is past its check
                 self.manager.close()
