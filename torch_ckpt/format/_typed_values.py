@@ -1,7 +1,7 @@
 """``TypedValues``: values the codec refuses, stored pickle-free under typed markers (for the adapters).
 
-Stored as they are: tensors, numpy values, exact ``None``/``bool``/``int``/``float``/``str``/``bytes``, plain
-``list``/``tuple``, mappings with scalar keys (back as ``dict``). Under a one-key marker ``{prefix + tag + "__":
+Stored as they are: tensors, numpy values, exact scalars, ``bytes``, sets (the core's codec stores them), plain
+``list``/``tuple``, mappings with scalar keys (back as ``dict``, or ``OrderedDict``). Under a one-key marker ``{prefix + tag + "__":
 payload}``, each back with its exact type: mappings with other keys, ``pathlib`` paths, torch dtypes and devices,
 enum members, classes (by import path), dataclasses and namedtuples (import path and fields), OmegaConf
 ``DictConfig``/``ListConfig`` (unresolved, with their read-only/struct flags). Decoding never imports a module a
@@ -17,6 +17,7 @@ import importlib
 import pathlib
 import pickle
 import sys
+from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any
 
@@ -28,6 +29,7 @@ from torch_ckpt.errors import CheckpointCorruptError, ConfigError, UnsafeCheckpo
 __all__ = ["TypedValues"]
 
 _SCALARS = (type(None), bool, int, float, str)
+_AS_IS = (*_SCALARS, bytes, bytearray, complex, set, frozenset)  # the core's codec stores these exactly
 _PATHS = ("Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath", "PureWindowsPath")
 
 
@@ -51,16 +53,17 @@ class TypedValues:
         unsafe: ``"pickle"`` stores values without a typed encoding pickled; ``"error"`` refuses them.
         prefix: Start of every marker key (an adapter keeps its own, so its older checkpoints still decode).
         importable: Top-level packages a decode may import to find a class (installed libraries only).
+        plain_dicts: Mappings come back as ``dict`` (False: ``OrderedDict`` stays one).
 
     Raises:
         ConfigError: ``unsafe`` is neither mode.
     """
 
     def __init__(self, unsafe: str = "error", *, prefix: str = "__torch_ckpt_",
-                 importable: tuple[str, ...] = ("omegaconf",)) -> None:
+                 importable: tuple[str, ...] = ("omegaconf",), plain_dicts: bool = True) -> None:
         if unsafe not in ("pickle", "error"):
             raise ConfigError(f"unsafe values must be 'pickle' or 'error', got {unsafe!r}")
-        self.unsafe, self.importable = unsafe, importable
+        self.unsafe, self.importable, self._dict = unsafe, importable, dict if plain_dicts else None
         self._tags = {t: f"{prefix}{t}__" for t in ("pickled", "path", "enum", "class", "dataclass", "namedtuple",
                                                      "omegaconf", "mapping", "dtype", "device")}
         self._tag_of = {v: k for k, v in self._tags.items()}
@@ -77,7 +80,7 @@ class TypedValues:
         def sub(k: Any) -> str:
             return f"{key}.{k}" if key else str(k)
 
-        if type(value) in (*_SCALARS, bytes) or isinstance(value, (torch.Tensor, np.ndarray, np.generic)):
+        if type(value) in _AS_IS or isinstance(value, (torch.Tensor, np.ndarray, np.generic)):
             return value
         omegaconf = sys.modules.get("omegaconf")  # a container exists only once omegaconf is imported
         if omegaconf is not None and type(value) in (omegaconf.DictConfig, omegaconf.ListConfig) and (
@@ -88,7 +91,8 @@ class TypedValues:
             return {t["omegaconf"]: [type(value).__name__, self.encode(content, key, pickled), flags]}
         structured = omegaconf is not None and isinstance(value, omegaconf.Container)  # schema not kept: pickled
         if not structured and isinstance(value, Mapping) and all(type(k) in _SCALARS for k in value):
-            return {k: self.encode(v, sub(k), pickled) for k, v in value.items()}
+            return (self._dict or (type(value) if type(value) is OrderedDict else dict))(
+                (k, self.encode(v, sub(k), pickled)) for k, v in value.items())
         if not structured and isinstance(value, Mapping):
             return {t["mapping"]: [[self.encode(k, sub(f"<key {k!r}>"), pickled), self.encode(v, sub(k), pickled)]
                                    for k, v in value.items()]}
