@@ -83,63 +83,60 @@ class AccelerateCheckpointer:
 
     The ``Accelerator`` holds this checkpointer (its ``save_state``, ``load_state`` and ``end_training`` are this
     object's methods), which holds it only weakly: an attached ``Accelerator`` is freed like a plain one, and so is
-    its manager, which then finishes its in-flight save (``docs/accelerate.md``, "Lifecycle").
+    its manager, which then finishes its in-flight save (``docs/accelerate.md``, "Lifecycle"). Pickling the
+    ``Accelerator`` pickles the settings and step with it; the copy opens its own manager at first use.
 
     Attributes:
         accelerator: the ``Accelerator`` (a ``ConfigError`` once it was freed).
         settings: the merged :class:`~accelerate_ckpt.CkptSettings`.
-        step: the training step, recorded in each checkpoint and restored by ``load_state()`` (None:
-            unknown). Automatic names follow Accelerate's save iteration, never this step.
+        step: the training step, recorded in each checkpoint and restored by ``load_state()`` (None: unknown).
+            Automatic names follow Accelerate's save iteration, never this step.
         manager: the :class:`~torch_ckpt.CheckpointManager`, opened at first use (None until then).
         last_handle: the :class:`~torch_ckpt.SaveHandle` of the latest save.
     """
 
+    _RUNTIME = ("_accelerator", "manager", "last_handle", "_reports", "_after")
+
     def __init__(self, accelerator: Any, settings: CkptSettings, *, save_policy: Any = None) -> None:
         self._accelerator = weakref.ref(accelerator)  # the Accelerator holds us: no reference cycle
-        self.settings = settings
-        self.step: int | None = None
-        self.manager: CheckpointManager | None = None
-        self.last_handle: SaveHandle | None = None
+        self.settings, self.step = settings, None
         self._policy = {} if save_policy is None else {"save_policy": save_policy}
-        self._reports, self._after = SaveReports(), AfterCommit()  # stats logged once committed
+        self._reset()
         self._closed = not settings.enabled
         if not settings.enabled:
             log.info("accelerate_ckpt disabled by its settings: Accelerate's own save_state/load_state stay in use")
             return
         compat.check_supported(accelerator)
-        world = rank_and_world()[1]
-        if world != accelerator.num_processes:
-            warnings.warn(
-                f"torch.distributed has world size {world} but Accelerate runs {accelerator.num_processes} "
-                "process(es) (on a CPU machine, torchrun needs ACCELERATE_USE_CPU=1 or Accelerator(cpu=True)); "
-                f"checkpoints are written as world size {world}, while Accelerate trains each process alone",
-                stacklevel=3)
+        if (world := rank_and_world()[1]) != accelerator.num_processes:
+            warnings.warn(f"torch.distributed has world size {world} but Accelerate runs {accelerator.num_processes} "
+                          "process(es) (on a CPU machine, torchrun needs ACCELERATE_USE_CPU=1 or Accelerator(cpu=True)"
+                          f"); checkpoints are written as world size {world}, while Accelerate trains each process "
+                          "alone", stacklevel=3)
         self._auto = bool(accelerator.project_configuration.automatic_checkpoint_naming)
-        cfg = settings.config
-        if cfg.durable_url is not None:
+        if settings.config.durable_url is not None:
             if not self._auto:
                 raise ConfigError("durable_url needs ProjectConfiguration(automatic_checkpoint_naming=True): only "
                                   "automatic checkpoints are replicated")
-            DurableTier(cfg.durable_url, storage_options=cfg.storage_options)  # fail now on a bad URL
+            DurableTier(settings.config.durable_url, storage_options=settings.config.storage_options)  # fail now
         if self._auto and accelerator.project_dir is None:
             raise ConfigError("automatic_checkpoint_naming needs ProjectConfiguration(project_dir=...)")
         accelerator.save_state, accelerator.load_state = self.save_state, self.load_state
         accelerator.end_training = self.end_training
 
+    def _reset(self) -> None:
+        self.manager: CheckpointManager | None = None
+        self.last_handle: SaveHandle | None = None
+        self._reports, self._after = SaveReports(), AfterCommit()  # statistics logged once committed
+
     def __getstate__(self) -> dict[str, Any]:
-        """Pickling an attached ``Accelerator`` (``pickle.dumps(accelerator)``) pickles this object with it:
-        the settings, step and the ``Accelerator`` travel, the manager and save handles (threads, locks) do not;
-        the copy opens its own manager at first use."""
-        state = {k: v for k, v in self.__dict__.items() if k not in ("_accelerator", "manager", "last_handle",
-                                                                      "_reports", "_after")}
-        state["accelerator"] = self._accelerator()  # strong only inside the pickle; the cycle is pickle's to resolve
-        return state
+        # the Accelerator is strong only inside the pickle; the cycle is pickle's to resolve
+        return {**{k: v for k, v in self.__dict__.items() if k not in self._RUNTIME}, "acc": self._accelerator()}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        acc = state.pop("accelerator")
+        acc = state.pop("acc")
         self.__dict__.update(state)
         self._accelerator = (lambda: None) if acc is None else weakref.ref(acc)
-        self.manager, self.last_handle, self._reports, self._after = None, None, SaveReports(), AfterCommit()
+        self._reset()
 
     @property
     def accelerator(self) -> Any:
@@ -148,21 +145,16 @@ class AccelerateCheckpointer:
         Raises:
             ConfigError: the ``Accelerator`` was freed (this checkpointer holds it only weakly).
         """
-        acc = self._accelerator()
-        if acc is None:
+        if (acc := self._accelerator()) is None:
             raise ConfigError("the Accelerator of this AccelerateCheckpointer was freed; attach a new one")
         return acc
 
     def end_training(self) -> None:
-        """Replacement of ``Accelerator.end_training``: commit the save in flight, close, then Accelerate's own.
-
-        Accelerate's ``end_training`` destroys the process groups the background save needs, so
-        the in-flight save is committed (on every process) and the manager closed first; the
-        ``Accelerator`` then gets its own methods back and its ``end_training`` runs (trackers,
-        process group) even when the save failed.
+        """Replacement of ``Accelerator.end_training``: commit the save in flight and close (Accelerate's own
+        destroys the process groups the save needs), then run Accelerate's own even when the save failed.
 
         Raises:
-            CheckpointError: the in-flight (or an earlier) background save failed; it is not listed.
+            CheckpointError: the in-flight (or an earlier) background save failed.
         """
         acc = self.accelerator
         try:
@@ -173,14 +165,18 @@ class AccelerateCheckpointer:
     def _open(self, root: Path | None = None) -> CheckpointManager:
         """The manager (collective at creation): ``project_dir/checkpoints`` with automatic naming, else ``root``."""
         if self.manager is None:
-            if self._auto:
-                root = Path(self.accelerator.project_dir).expanduser() / "checkpoints"
-            s = self.settings
-            keep = s.config.keep_last if s.keep_last_given else self.accelerator.project_configuration.total_limit
+            s, acc = self.settings, self.accelerator
+            keep = s.config.keep_last if s.keep_last_given else acc.project_configuration.total_limit
             # explicit folders: the run owns each folder it saves, not the directory they lie in
-            self.manager = CheckpointManager(root, config=s.config, naming=NAMING, explicit_paths_only=not self._auto,
+            self.manager = CheckpointManager(self._root(None) if self._auto else root, config=s.config, naming=NAMING,
+                                             explicit_paths_only=not self._auto,
                                              keep_last=keep if self._auto else None, **self._policy)
         return self.manager
+
+    def _root(self, output_dir: Any) -> Path:
+        if self._auto:
+            return Path(self.accelerator.project_dir).expanduser() / "checkpoints"
+        return Path(output_dir).expanduser().absolute().parent
 
     def _check_open(self) -> None:
         if self._closed:
@@ -205,9 +201,8 @@ class AccelerateCheckpointer:
     def _run_hooks(self, table: dict, items: list, folder: Path, *, save: bool) -> list[int]:
         """Run the user's pre-hooks on ``items`` (one per plain model); return the indices a hook ``pop()``ed."""
         originals = list(items)
-        args = (compat.prepared(self.accelerator, "models"), items, str(folder)) if save else (items, str(folder))
         for hook in list(table.values()):
-            hook(*args)
+            hook(*((compat.prepared(self.accelerator, "models"),) if save else ()), items, str(folder))
         left = {id(x) for x in items}
         return [i for i, item in enumerate(originals) if id(item) not in left]
 
@@ -241,11 +236,9 @@ class AccelerateCheckpointer:
         iteration = compat.save_iteration(acc)
         if output_dir is None and not self._auto:
             raise ValueError("save_state() needs output_dir unless automatic_checkpoint_naming is enabled")
-        root = Path(acc.project_dir).expanduser() / "checkpoints" if self._auto else \
-            Path(output_dir).expanduser().absolute().parent
         rank, world = rank_and_world()
         if world > 1 and self.settings.config.local_root_shared is not False and (
-                missing := missing_processes(root, str(iteration), rank, world)):
+                missing := missing_processes(self._root(output_dir), str(iteration), rank, world)):
             raise ConfigError(
                 f"accelerator.save_state() was called on process {rank} but not on processes {missing} within "
                 f"{PRESENCE_WAIT_S:.0f} s (e.g. under `if accelerator.is_main_process:`); with accelerate_ckpt every "

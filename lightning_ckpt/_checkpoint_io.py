@@ -197,8 +197,8 @@ class AsyncDCPCheckpointIO(CheckpointIO):
         self._param_ptrs = lambda: {_ptr(p) for p in module.parameters()}
 
     def manager(self, directory: str | os.PathLike | None = None, **kwargs: Any) -> CheckpointManager:
-        """The core manager, created on first use (collectively once attached) with root ``directory``
-        (default: the first checkpoint's directory) and ``kwargs`` (:class:`~torch_ckpt.CheckpointConfig` fields).
+        """The core manager, created on first use (collectively once attached) with root ``directory`` and
+        ``kwargs`` (:class:`~torch_ckpt.CheckpointConfig` fields).
 
         Raises:
             ConfigError: no manager yet and no ``directory``.
@@ -212,16 +212,14 @@ class AsyncDCPCheckpointIO(CheckpointIO):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
-        """Stage ``checkpoint`` and return; it is committed at ``path`` (a directory) in the background.
-
-        A ``path`` that is an fsspec URL (``s3://``, ``memory://``...) is committed locally first, then uploaded
-        with the core's durable tier (every file verified, ``manifest.json`` last) once the commit is observed
-        (next save, ``wait()``, ``teardown``); ``storage_options`` (a dict) goes to fsspec for it.
+        """Stage ``checkpoint`` and return; it is committed at ``path`` (a directory) in the background. An fsspec
+        URL is committed locally, then uploaded once the commit is observed (next save, ``wait()``, ``teardown``)
+        with ``storage_options`` (a dict).
 
         Raises:
-            TypeError: ``storage_options`` is given for a local path (as Lightning's ``TorchCheckpointIO``).
-            ConfigError: a value needs pickling (see ``unsafe_values``), ``path`` is not a torch-ckpt checkpoint,
-                or ``storage_options`` is not a dict.
+            TypeError: ``storage_options`` for a local path (as Lightning's ``TorchCheckpointIO``).
+            ConfigError: a value needs pickling (``unsafe_values``), ``path`` is not a torch-ckpt checkpoint, or
+                ``storage_options`` is not a dict.
             CheckpointError: an earlier background save or upload failed (raised once).
         """
         url = os.fspath(path) if isinstance(path, (str, os.PathLike)) and is_url(os.fspath(path)) else None
@@ -297,11 +295,7 @@ class AsyncDCPCheckpointIO(CheckpointIO):
 
     def wait_for_path(self, path: Any) -> None:
         """Block until the in-flight save is committed if it writes ``path`` (``Tuner.lr_find`` restores the
-        checkpoint it has just saved; the save reserves its name at once).
-
-        Raises:
-            CheckpointError: that save failed (raised once).
-        """
+        checkpoint it has just saved; the save reserves its name at once)."""
         text = os.fspath(path)
         if (self.saving or self._after.pending) and self._saving_path == (text if is_url(text) else
                                                                          os.path.abspath(text)):
@@ -345,11 +339,11 @@ class AsyncDCPCheckpointIO(CheckpointIO):
     @override
     def load_checkpoint(self, path: Any, map_location: Any | None = None, weights_only: bool | None = None, *,
                         live: dict[str, Any] | None = None, strict: bool = True) -> dict[str, Any]:
-        """The checkpoint dict Lightning expects, from a torch-ckpt directory or a plain ``.ckpt`` file.
+        """The checkpoint dict Lightning expects, from a torch-ckpt directory or URL or a plain ``.ckpt`` file.
 
-        For ``ckpt_path="last"`` of :class:`~lightning_ckpt.MTBFCheckpoint`, a checkpoint failing verification
-        falls back to the next older one with a warning; an explicit path raises. Once attached, a directory
-        is first checked against ``live`` (``{"state_dict": <the live model's state>}``; keys when ``strict``).
+        ``ckpt_path="last"`` of :class:`~lightning_ckpt.MTBFCheckpoint` falls back past a checkpoint failing
+        verification (warning); an explicit path raises. Attached, a directory is first checked against ``live``
+        (``{"state_dict": <the live model's state>}``; keys when ``strict``).
 
         Raises:
             CheckpointNotFoundError: ``path`` is a directory but not a committed checkpoint.
@@ -373,9 +367,9 @@ class AsyncDCPCheckpointIO(CheckpointIO):
         path = _instead_of_interrupted(Path(path).absolute())
         candidates = self.fallbacks.pop(str(path), [path])
         if self._in_fit and not self.rng_restored_by_callback:
-            self._warn_once("rng", "AsyncDCPCheckpointIO alone does not restore the RNG: after this resume, dropout and "
-                            "random augmentation differ from an uninterrupted run. Add lightning_ckpt.MTBFCheckpoint "
-                            "for a bitwise exact resume.")
+            self._warn_once("rng", "AsyncDCPCheckpointIO alone does not restore the RNG: after this resume, dropout "
+                            "and random augmentation differ from an uninterrupted run. Add "
+                            "lightning_ckpt.MTBFCheckpoint for a bitwise exact resume.")
         manager = self._manager if self._collective else None
         if manager is None and self._collective:  # attached, nothing saved yet: read through a read-only manager
             manager = CheckpointManager(Path(candidates[0]).parent, config=self._config.replace(
@@ -390,8 +384,8 @@ class AsyncDCPCheckpointIO(CheckpointIO):
 
     @override
     def teardown(self) -> None:
-        """Wait for the in-flight save, release the manager; raise a background error once (log it while
-        another exception propagates)."""
+        """Wait for the in-flight save, release the manager; raise a background error once (logged while another
+        exception propagates)."""
         propagating = sys.exc_info()[1]  # Lightning tears down inside `except` when training failed
         self._collective = self._in_fit = False  # until attached again: later rank-0-only calls must not block
         self._after_fit, manager = True, self._manager
@@ -404,8 +398,7 @@ class AsyncDCPCheckpointIO(CheckpointIO):
                     manager.close()
                 if self._uploads_here and not self._keep_staging:  # a failed upload keeps the local copy
                     self._remote.close()
-        except Exception:
-            self._after.clear()
+        except Exception:  # the failed save's waiting actions are dropped (AfterCommit.run)
             if propagating is None:
                 raise
             log.exception("checkpoint error during teardown while %r propagates", propagating)
@@ -414,7 +407,7 @@ class AsyncDCPCheckpointIO(CheckpointIO):
 @atexit.register
 def _finish_at_exit() -> None:
     """A process leaving without ``teardown`` (a ``ddp_spawn`` worker whose ``fit`` raised) commits its in-flight
-    save (waiting at most ``_EXIT_WAIT_S``) and carries out what waits for it; errors are logged."""
+    save (waiting at most ``_EXIT_WAIT_S``) and what waits for it; errors are logged."""
     for io in list(_LIVE):
         if io._manager is None or not (io._after.pending or io.saving):
             continue

@@ -1,4 +1,4 @@
-"""encode_values/decode_values (torch_ckpt.TypedValues): which checkpoint values are stored as they are, and the pickle opt-in."""
+"""encode_values/decode_values (torch_ckpt.TypedValues): values stored as they are, typed, or pickled (opt-in)."""
 
 from __future__ import annotations
 

@@ -1,18 +1,13 @@
-"""``TypedValues``: values the codec refuses, stored pickle-free under typed markers (for the adapters).
-
-Stored as they are: tensors, numpy values, exact scalars, ``bytes``, sets (the core's codec stores them), plain
-``list``/``tuple``, mappings with scalar keys (back as ``dict``, or ``OrderedDict``). Under a one-key marker ``{prefix + tag + "__":
-payload}``, each back with its exact type: mappings with other keys, ``pathlib`` paths, torch dtypes and devices,
-enum members, classes (by import path), dataclasses and namedtuples (import path and fields), OmegaConf
-``DictConfig``/``ListConfig`` (unresolved, with their read-only/struct flags). Decoding never imports a module a
-checkpoint names (except ``importable`` packages) and never runs a constructor. Anything else is pickled
-(``unsafe="pickle"``; decoding it needs ``allow_pickle``) or refused with a ``ConfigError`` naming the key.
-"""
+"""``TypedValues``: values the codec refuses (paths, dtypes, devices, enums, classes, dataclasses, namedtuples,
+OmegaConf configs, mappings with other keys), stored pickle-free under one-key markers ``{prefix + tag + "__": ...}``
+and decoded with their exact type, importing no module a checkpoint names (but ``importable``) and running no
+constructor. Tensors, numpy values, scalars, bytes, sets, lists, tuples, dicts are kept; the rest pickled or refused."""
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import importlib
 import pathlib
 import pickle
@@ -30,56 +25,39 @@ __all__ = ["TypedValues"]
 
 _SCALARS = (type(None), bool, int, float, str)
 _AS_IS = (*_SCALARS, bytes, bytearray, complex, set, frozenset)  # the core's codec stores these exactly
-_PATHS = ("Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath", "PureWindowsPath")
 
 
-def _lookup(module: Any, qualname: Any) -> Any:
+def _lookup(module: Any, qualname: Any) -> Any:  # getattr in an imported module only
     obj: Any = sys.modules.get(module) if isinstance(module, str) and isinstance(qualname, str) else None
-    for part in qualname.split(".") if obj is not None else ():
-        obj = getattr(obj, part, None)
-    return obj
+    return functools.reduce(lambda o, part: getattr(o, part, None), qualname.split("."), obj) if obj else None
 
 
-def _reference(cls: type) -> list[str] | None:
-    """``[module, qualname]`` of ``cls`` if a decode finds it there again (not a local or renamed class)."""
+def _reference(cls: type) -> list[str] | None:  # None for a class a decode would not find (local, renamed)
     ref = [getattr(cls, "__module__", None), getattr(cls, "__qualname__", None)]
     return ref if _lookup(*ref) is cls else None  # type: ignore[return-value]
 
 
 class TypedValues:
-    """Encode values for :class:`~torch_ckpt.CheckpointManager` and decode them back (see the module docstring).
+    """Encode values for :class:`~torch_ckpt.CheckpointManager` and decode them back.
 
     Args:
-        unsafe: ``"pickle"`` stores values without a typed encoding pickled; ``"error"`` refuses them.
-        prefix: Start of every marker key (an adapter keeps its own, so its older checkpoints still decode).
+        unsafe: ``"pickle"`` stores values without a typed encoding pickled; else (``"error"``) refuses them.
+        prefix: Start of every marker key (an adapter keeps its own: its older checkpoints still decode).
         importable: Top-level packages a decode may import to find a class (installed libraries only).
         plain_dicts: Mappings come back as ``dict`` (False: ``OrderedDict`` stays one).
-
-    Raises:
-        ConfigError: ``unsafe`` is neither mode.
     """
 
     def __init__(self, unsafe: str = "error", *, prefix: str = "__torch_ckpt_",
                  importable: tuple[str, ...] = ("omegaconf",), plain_dicts: bool = True) -> None:
-        if unsafe not in ("pickle", "error"):
-            raise ConfigError(f"unsafe values must be 'pickle' or 'error', got {unsafe!r}")
         self.unsafe, self.importable, self._dict = unsafe, importable, dict if plain_dicts else None
-        self._tags = {t: f"{prefix}{t}__" for t in ("pickled", "path", "enum", "class", "dataclass", "namedtuple",
-                                                     "omegaconf", "mapping", "dtype", "device")}
+        self._tags = {t: f"{prefix}{t}__" for t in "pickled path enum class dataclass namedtuple omegaconf mapping "
+                                                   "dtype device".split()}
         self._tag_of = {v: k for k, v in self._tags.items()}
 
     def encode(self, value: Any, key: str = "", pickled: list[str] | None = None) -> Any:
         """A copy of ``value`` (containers copied, leaves shared) that the core stores; ``pickled`` collects the
-        keys of pickled values.
-
-        Raises:
-            ConfigError: a value needs pickling and ``unsafe`` is ``"error"``, or pickling fails (names the key).
-        """
-        t = self._tags
-
-        def sub(k: Any) -> str:
-            return f"{key}.{k}" if key else str(k)
-
+        keys of pickled values. Raises ConfigError naming ``key`` for a value refused or failing to pickle."""
+        t, sub = self._tags, functools.partial("{}.{}".format if key else "{1}".format, key)
         if type(value) in _AS_IS or isinstance(value, (torch.Tensor, np.ndarray, np.generic)):
             return value
         omegaconf = sys.modules.get("omegaconf")  # a container exists only once omegaconf is imported
@@ -98,12 +76,10 @@ class TypedValues:
                                    for k, v in value.items()]}
         if type(value) in (list, tuple):
             return type(value)(self.encode(v, sub(i), pickled) for i, v in enumerate(value))
-        if isinstance(value, pathlib.PurePath):
+        if isinstance(value, pathlib.PurePath):  # "PosixPath"... back as the same class
             return {t["path"]: [type(value).__name__, str(value)]}
-        if isinstance(value, torch.dtype):
-            return {t["dtype"]: str(value).removeprefix("torch.")}
-        if isinstance(value, torch.device):
-            return {t["device"]: str(value)}
+        if isinstance(value, (torch.dtype, torch.device)):
+            return {t[type(value).__name__]: str(value).removeprefix("torch.")}
         if isinstance(value, enum.Enum):
             cls = type(value)
             return {t["enum"]: [cls.__module__, cls.__qualname__, value.name, self.encode(value.value, key, pickled)]}
@@ -115,40 +91,35 @@ class TypedValues:
                                             for f in dataclasses.fields(value) if hasattr(value, f.name)}]}
         if ref is not None and isinstance(value, tuple) and isinstance(getattr(type(value), "_fields", None), tuple):
             return {t["namedtuple"]: [*ref, [self.encode(v, sub(i), pickled) for i, v in enumerate(value)]]}
-        what = f"{type(value).__module__}.{type(value).__qualname__}"
-        if self.unsafe == "error":
-            raise ConfigError(f"checkpoint key {key!r} holds a {what}, which cannot be stored without pickling. Store "
-                              "a tensor or a JSON value instead, or allow pickled values (loading them then needs "
-                              "weights_only=False / allow_pickle)")
+        what = f"checkpoint key {key!r} holds a {type(value).__module__}.{type(value).__qualname__}"
+        if self.unsafe != "pickle":
+            raise ConfigError(f"{what}, which cannot be stored without pickling. Store a tensor or a JSON value "
+                              "instead, or allow pickled values (loading them then needs weights_only=False)")
         try:
-            data = pickle.dumps(value)
+            data = {t["pickled"]: pickle.dumps(value)}
         except Exception as exc:  # noqa: BLE001 - pickling runs the object's own code: any error
-            raise ConfigError(f"checkpoint key {key!r} holds a {what}, which has no typed encoding and cannot be "
-                              f"pickled either ({type(exc).__name__}: {exc}); store a plain value instead") from exc
-        if pickled is not None:
-            pickled.append(key)
-        return {t["pickled"]: data}
+            raise ConfigError(f"{what}, which has no typed encoding and cannot be pickled either "
+                              f"({type(exc).__name__}: {exc}); store a plain value instead") from exc
+        (pickled if pickled is not None else []).append(key)
+        return data
 
     def decode(self, value: Any, *, allow_pickle: bool = False) -> Any:
         """Undo :meth:`encode` (dicts in place); pickled values only with ``allow_pickle``.
 
         Raises:
-            UnsafeCheckpointError: pickled values without ``allow_pickle`` (their keys listed), or a class a value
-                names is not in the imported modules.
+            UnsafeCheckpointError: pickled values without ``allow_pickle``, or a class not in the imported modules.
             CheckpointCorruptError: a malformed marker.
         """
         refused: list[str] = []
         try:
-            out = self._decode(value, "", allow_pickle, refused)
+            out = self._decode(value, "", allow_pickle, refused)  # a pickled value left encoded is refused below
         except (TypeError, ValueError, KeyError) as exc:
             if isinstance(exc, (UnsafeCheckpointError, CheckpointCorruptError)):
                 raise
             raise CheckpointCorruptError(f"malformed value marker in the checkpoint ({exc})") from exc
         if refused:
-            raise UnsafeCheckpointError(f"checkpoint values {refused[:10]}{' ...' if len(refused) > 10 else ''} were "
-                                        "stored pickled. Loading them runs code from the checkpoint: pass "
-                                        "weights_only=False (e.g. trainer.fit(..., weights_only=False)) only if you "
-                                        "trust it.")
+            raise UnsafeCheckpointError(f"checkpoint values {refused[:10]} were stored pickled. Loading them runs code "
+                                        "from the checkpoint: pass weights_only=False only if you trust it.")
         return out
 
     def _decode(self, obj: Any, key: str, allow_pickle: bool, refused: list[str]) -> Any:
@@ -161,12 +132,14 @@ class TypedValues:
             return obj
         tag = self._tag_of.get(next(iter(obj))) if len(obj) == 1 else None
         if tag is None:
-            for k, v in obj.items():
-                obj[k] = dec(v, f"{key}.{k}" if key else str(k))
+            obj.update((k, dec(v, f"{key}.{k}" if key else str(k))) for k, v in list(obj.items()))
             return obj
         (payload,) = obj.values()
         if tag == "path":
-            return getattr(pathlib, payload[0] if payload[0] in _PATHS else "Path")(payload[1])
+            cls = getattr(pathlib, str(payload[0]), None)
+            return (cls if isinstance(cls, type) and issubclass(cls, pathlib.PurePath) else pathlib.Path)(payload[1])
+        if tag == "device":
+            return torch.device(payload)
         if tag == "enum":
             cls = _lookup(payload[0], payload[1])  # nothing imported; an unknown enum comes back as its value
             return cls.__members__[payload[2]] if isinstance(cls, enum.EnumMeta) and payload[2] in cls.__members__ \
@@ -175,8 +148,6 @@ class TypedValues:
             if not isinstance(dtype := getattr(torch, str(payload), None), torch.dtype):
                 raise CheckpointCorruptError(f"checkpoint key {key!r}: unknown torch dtype {payload!r}")
             return dtype
-        if tag == "device":
-            return torch.device(payload)
         if tag == "class":
             return self._resolve(payload[0], payload[1], key)
         if tag == "dataclass":
@@ -189,11 +160,17 @@ class TypedValues:
             return made
         if tag == "namedtuple":
             cls, values = self._resolve(payload[0], payload[1], key), dec(payload[2])
-            if not (issubclass(cls, tuple) and len(getattr(cls, "_fields", ())) == len(values)):
+            if not (issubclass(cls, tuple) and len(getattr(cls, "_fields", ())) == len(values)):  # no __new__ runs
                 raise UnsafeCheckpointError(f"checkpoint key {key!r}: {cls} is not the namedtuple it was saved as")
             return tuple.__new__(cls, values)
         if tag == "omegaconf":
-            return self._omegaconf(payload[0], dec(payload[1]), payload[2], key)
+            oc, content = self._resolve("omegaconf", "OmegaConf", key), dec(payload[1])
+            if not isinstance(content, {"DictConfig": dict, "ListConfig": list}.get(payload[0], ())):
+                raise CheckpointCorruptError(f"checkpoint key {key!r}: malformed OmegaConf {payload[0]!r} value")
+            cfg = oc.create(content)
+            for flag in set(payload[2]) & {"struct", "readonly"}:
+                getattr(oc, f"set_{flag}")(cfg, True)
+            return cfg
         if tag == "mapping":
             items = [(dec(k), dec(v, f"{key}.{k}")) for k, v in payload]
             return obj if any(isinstance(k, dict) for k, _ in items) else dict(items)  # a refused key: raised later
@@ -203,7 +180,6 @@ class TypedValues:
         return obj
 
     def _resolve(self, module: Any, qualname: Any, key: str) -> Any:
-        """The class ``module.qualname`` from the imported modules (``importable`` ones imported if needed)."""
         if isinstance(module, str) and module not in sys.modules and module.split(".")[0] in self.importable:
             try:
                 importlib.import_module(module)
@@ -211,20 +187,6 @@ class TypedValues:
                 raise UnsafeCheckpointError(f"checkpoint key {key!r} holds a {module}.{qualname}, but {module} "
                                             f"cannot be imported ({exc}); install it to load this checkpoint") from exc
         if not isinstance(cls := _lookup(module, qualname), type):
-            raise UnsafeCheckpointError(f"checkpoint key {key!r} holds a {module}.{qualname}, which is not a class of "
-                                        f"an imported module. A checkpoint never imports modules: import {module} "
-                                        "before loading it")
+            raise UnsafeCheckpointError(f"checkpoint key {key!r} holds a {module}.{qualname}, not a class of an "
+                                        f"imported module (a checkpoint never imports one): import {module} first")
         return cls
-
-    def _omegaconf(self, kind: str, content: Any, flags: list[str], key: str) -> Any:
-        try:
-            from omegaconf import OmegaConf
-        except ImportError as exc:
-            raise UnsafeCheckpointError(f"checkpoint key {key!r} holds an OmegaConf {kind}: install omegaconf to "
-                                        "load this checkpoint") from exc
-        if not isinstance(content, {"DictConfig": dict, "ListConfig": list}.get(kind, ())):
-            raise CheckpointCorruptError(f"checkpoint key {key!r}: malformed OmegaConf {kind!r} value")
-        cfg = OmegaConf.create(content)
-        for flag in set(flags) & {"struct", "readonly"}:
-            getattr(OmegaConf, f"set_{flag}")(cfg, True)
-        return cfg
