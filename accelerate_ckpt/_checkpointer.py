@@ -13,15 +13,16 @@ import shutil
 import time
 import warnings
 import weakref
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 from accelerate_ckpt import _compat as compat
-from accelerate_ckpt._config import CkptSettings, load_settings
 from accelerate_ckpt._state import AcceleratorTrainState
 from torch_ckpt import (
     AfterCommit,
+    CheckpointConfig,
     CheckpointManager,
     CheckpointNotFoundError,
     ConfigError,
@@ -34,9 +35,56 @@ from torch_ckpt import (
     rank_and_world,
 )
 
-__all__ = ["NAMING", "AccelerateCheckpointer", "attach"]
-
 log = logging.getLogger(__name__)
+
+#: Environment variable holding the path of a YAML settings file; it wins over ``config=``.
+ENV_VAR = "ACCELERATE_CKPT_CONFIG"
+_EXTRAS = {"enabled": True, "log_stats": True}  # the adapter's own keys and their defaults
+_FIXED = ("naming", "read_only", "explicit_paths_only")  # set by the adapter itself
+
+
+@dataclass(frozen=True)
+class CkptSettings:
+    """The merged settings (:func:`load_settings`).
+
+    Attributes:
+        config: every core setting (same names, units and defaults as ``CheckpointManager``), validated.
+        keep_last_given: ``keep_last`` was set (not null); else automatic checkpoints follow ``total_limit``.
+        enabled: False leaves the ``Accelerator`` untouched (Accelerate's own synchronous saves).
+        log_stats: send per-save statistics to ``accelerator.log`` when trackers are configured.
+    """
+
+    config: CheckpointConfig
+    keep_last_given: bool = False
+    enabled: bool = True
+    log_stats: bool = True
+
+
+def load_settings(config: str | os.PathLike | None = None, **overrides: Any) -> CkptSettings:
+    """Merge, later winning: the core's defaults (``keep_last`` unset or null follows
+    ``ProjectConfiguration.total_limit``), the YAML file (named by ``ACCELERATE_CKPT_CONFIG`` if set, else
+    ``config``), ``overrides`` (given in code): an operator changes any setting the script does not pass.
+
+    Raises:
+        ConfigError: an unreadable file, an unknown key (with the closest valid one), a key the adapter sets
+            (``naming``, ``read_only``), or an invalid value; the message starts with the file (or ``attach()``)
+            and names the key.
+    """
+    path = os.environ.get(ENV_VAR) or config
+    file_values = CheckpointConfig.read_yaml(path) if path else {}
+    merged = {**file_values, **overrides}
+    layers = [(os.fspath(path), file_values, True)] if path else []
+    if overrides or not path:  # the file alone is checked first, so its errors name the file
+        layers.append(("attach()" + (f" over {os.fspath(path)}" if path else ""), merged, False))
+    for source, values, from_file in layers:
+        fixed = [k for k in _FIXED if k in values]
+        if fixed:
+            raise ConfigError(f"{source}: {fixed[0]} is set by accelerate_ckpt itself (Accelerate's checkpoint_N "
+                              "folders, a writable root); leave it out")
+        cfg, extra = CheckpointConfig.from_dict_with_extras(values, _EXTRAS, source=source, from_file=from_file,
+                                                            reserved=_FIXED)
+    return CkptSettings(cfg, merged.get("keep_last") is not None, **extra)
+
 
 #: Accelerate's automatic checkpoint names, ``checkpoint_<save iteration>``.
 NAMING = PatternNaming("checkpoint_{step}")
