@@ -1,9 +1,5 @@
-"""``attach()``: route one ``Accelerator``'s ``save_state``/``load_state`` through a torch-ckpt ``CheckpointManager``.
-
-The adapter replaces both methods on that instance (Accelerate's pre-hooks run before optimizers, RNG... are
-written); registered pre-hooks still run in order, and what they do not ``pop()`` goes into one manager checkpoint
-(naming, retention, resume with fallback, rollback, atomic replacement, scheduling, durable copy).
-"""
+"""``attach()``: one ``Accelerator``'s ``save_state``/``load_state`` through a torch-ckpt ``CheckpointManager``; its
+settings. Registered pre-hooks still run in order; what they do not ``pop()`` goes into one manager checkpoint."""
 
 from __future__ import annotations
 
@@ -77,8 +73,7 @@ def load_settings(config: str | os.PathLike | None = None, **overrides: Any) -> 
     if overrides or not path:  # the file alone is checked first, so its errors name the file
         layers.append(("attach()" + (f" over {os.fspath(path)}" if path else ""), merged, False))
     for source, values, from_file in layers:
-        fixed = [k for k in _FIXED if k in values]
-        if fixed:
+        if fixed := [k for k in _FIXED if k in values]:
             raise ConfigError(f"{source}: {fixed[0]} is set by accelerate_ckpt itself (Accelerate's checkpoint_N "
                               "folders, a writable root); leave it out")
         cfg, extra = CheckpointConfig.from_dict_with_extras(values, _EXTRAS, source=source, from_file=from_file,
@@ -256,24 +251,13 @@ class AccelerateCheckpointer:
 
     def save_state(self, output_dir: str | os.PathLike | None = None, safe_serialization: bool = True, *,
                    step: int | None = None, **save_model_func_kwargs: Any) -> Path:
-        """Replacement of ``Accelerator.save_state``: returns once the state is staged.
-
-        The folder is ``checkpoint_<save iteration>`` with automatic naming, else ``output_dir``, which
-        may be saved again (replaced atomically when the new checkpoint commits).
-
-        Args:
-            output_dir: the folder (ignored with automatic naming, as in Accelerate).
-            safe_serialization: ignored (nothing is pickled).
-            step: the training step (sets :attr:`step`).
-            save_model_func_kwargs: ignored (DeepSpeed only).
-
-        Returns:
-            The checkpoint folder; it appears, complete, when the save commits.
+        """Replacement of ``Accelerator.save_state``: returns the folder once the state is staged (it appears,
+        complete, at the commit): ``checkpoint_<save iteration>`` with automatic naming, else ``output_dir``
+        (replaced atomically when saved again). ``step`` sets :attr:`step`; the other arguments are ignored.
 
         Raises:
-            ConfigError: not every process calls it (e.g. under ``if accelerator.is_main_process:``; found when
-                the others' presence files do not appear within ``PRESENCE_WAIT_S``); ``output_dir`` (or
-                ``checkpoint_<n>``) exists and is not a torch-ckpt checkpoint.
+            ConfigError: not every process calls it (e.g. under ``if accelerator.is_main_process:``: the others'
+                presence files do not appear within ``PRESENCE_WAIT_S``); the folder is not a torch-ckpt one.
             CheckpointError: an earlier background save failed (raised once).
         """
         self._check_open()
@@ -330,10 +314,10 @@ class AccelerateCheckpointer:
     def _load_foreign(self, folder: Path, allow_unsafe: bool, load_kwargs: Any, kwargs: dict) -> None:
         """A folder without a torch-ckpt manifest: an incomplete save, or one plain Accelerate wrote."""
         if not any(not p.name.startswith(".") for p in folder.iterdir()):
-            newest = self.latest_checkpoint()
             raise CheckpointNotFoundError(
                 f"{folder} is an incomplete save (interrupted before it committed), not a checkpoint; "
-                + (f"the newest intact checkpoint is {newest}" if newest is not None else "load another one"))
+                + (f"the newest intact checkpoint is {newest}" if (newest := self.latest_checkpoint()) is not None
+                   else "load another one"))
         if not allow_unsafe:
             raise UnsafeCheckpointError(
                 f"{folder} has no torch-ckpt manifest (it was not written through torch-ckpt). Accelerate's own "
@@ -341,24 +325,21 @@ class AccelerateCheckpointer:
                 "call accelerator.load_state(folder, allow_unsafe_accelerate_folder=True)")
         log.info("%s has no torch-ckpt manifest: loading it with Accelerate's own load_state", folder)
         compat.plain_load_state(self.accelerator, str(folder), load_kwargs, kwargs)
-        number = NAMING.step_of(folder.name)
-        if number is not None:  # Accelerate does not restore its save iteration; the folder name holds it
+        if (number := NAMING.step_of(folder.name)) is not None:  # Accelerate does not restore its save iteration
             compat.set_save_iteration(self.accelerator, number + 1)
 
     def load_state(self, input_dir: str | os.PathLike | None = None, load_kwargs: dict | None = None, *,
                    allow_unsafe_accelerate_folder: bool = False, allow_cast: bool = False,
                    **load_model_func_kwargs: Any) -> None:
-        """Replacement of ``Accelerator.load_state``: restores everything in place, exactly, or nothing.
-
-        Without ``input_dir``, the newest checkpoint intact in either tier (a damaged one is skipped
-        with a warning). Loading an older one rolls back: newer ones are moved aside at the next save.
+        """Replacement of ``Accelerator.load_state``: restores everything in place, exactly, or nothing. Loading an
+        older checkpoint rolls back: newer ones are moved aside at the next save.
 
         Args:
-            input_dir: the checkpoint folder; None picks the newest intact automatic checkpoint.
-            allow_unsafe_accelerate_folder: load a folder plain Accelerate wrote with its own
-                ``load_state`` (it unpickles: only folders you trust).
+            input_dir: the folder; None: the newest intact automatic checkpoint in either tier (damaged: skipped).
+            allow_unsafe_accelerate_folder: load a folder plain Accelerate wrote, with its own ``load_state`` (it
+                unpickles: only folders you trust).
             allow_cast: cast tensors whose dtype differs from the live one (else ``StateMismatchError``).
-            load_kwargs, load_model_func_kwargs: used only for folders Accelerate wrote itself.
+            load_kwargs, load_model_func_kwargs: only for folders Accelerate wrote itself.
 
         Raises:
             ValueError: ``input_dir`` is not a folder, or None without automatic naming (as Accelerate).
@@ -404,13 +385,11 @@ class AccelerateCheckpointer:
         self.step = state.training_step
 
     def should_save(self, step: int) -> bool:
-        """Record that training step ``step`` finished; True when the save policy says to save now.
-
-        Call it once per step on every process (the main process decides for all).
+        """Record that training step ``step`` finished (every process, each step); True when the save policy (the
+        main process decides) says to save now.
 
         Raises:
-            ConfigError: no save policy, or no checkpoint root yet (automatic naming off and nothing
-                saved or loaded).
+            ConfigError: no save policy, or no checkpoint root yet (no automatic naming, nothing saved or loaded).
         """
         self._check_open()
         if self.manager is None and not self._auto:
@@ -428,14 +407,12 @@ class AccelerateCheckpointer:
         self.accelerator.save_state()
         return self.last_handle
 
-    def _log_stats(self, handle: SaveHandle, step: int | None) -> None:
-        """Send a committed save's statistics (at its training step) to the trackers."""
+    def _log_stats(self, handle: SaveHandle, step: int | None) -> None:  # once committed, at its training step
         acc = self._accelerator()
         if acc is not None and self.settings.log_stats and getattr(acc, "trackers", None):
             acc.log(SaveReports.metrics(handle), step=step)
 
-    def _log_lost_work(self) -> None:
-        """Send the lost-work health figure to the trackers when due."""
+    def _log_lost_work(self) -> None:  # the lost-work health figure, when due
         self._reports.committed()
         acc = self._accelerator()
         if acc is not None and self.manager is not None and self.settings.log_stats and getattr(acc, "trackers", None) \
@@ -451,7 +428,7 @@ class AccelerateCheckpointer:
         return self.manager.wait_durable(timeout_seconds) if self.manager is not None else True
 
     def wait(self) -> None:
-        """Block until the in-flight save is committed; raise a background error (once); log its stats."""
+        """Block until the in-flight save is committed; raise a background error (once); log its statistics."""
         if self.manager is not None:
             try:
                 self.manager.wait()
@@ -460,11 +437,8 @@ class AccelerateCheckpointer:
                 self._log_lost_work()
 
     def close(self) -> None:
-        """Wait for the last save, give the ``Accelerator`` its own methods back and close the manager (idempotent).
-
-        Raises:
-            CheckpointError: a background save failed (raised once).
-        """
+        """Wait for the last save, give the ``Accelerator`` its own methods back, close the manager (idempotent);
+        raises the ``CheckpointError`` of a failed background save once."""
         if self._closed:
             return
         self._closed = True

@@ -95,27 +95,24 @@ class AcceleratorTrainState:
                             "training_step": self.training_step}
         return sd
 
-    def _plain_key(self, key: str) -> tuple[OptimizerState, str] | None:
+    def _route(self, method: str, key: str, *args: Any) -> Any:  # optimizers_plain.<j>.<rest> to optimizer j
         parts = key.split(".", 2)
         if len(parts) == 3 and parts[0] == "optimizers_plain" and parts[1].isdigit() and int(parts[1]) < len(
                 self._plain):
-            return self._plain[int(parts[1])], parts[2]
-        return None
+            return getattr(self._plain[int(parts[1])], method)(parts[2], *args)
+        return getattr(self._train, method)(key, *args)
 
     def load_optional_key(self, key: str) -> bool:
         """True for optimizer-state tensors (a fresh optimizer has none yet)."""
-        plain = self._plain_key(key)
-        return plain[0].load_optional_key(plain[1]) if plain else self._train.load_optional_key(key)
+        return self._route("load_optional_key", key)
 
     def load_in_place(self, key: str) -> bool:
         """True for parameters, buffers and optimizer state (the load writes them in place); not custom objects."""
-        plain = self._plain_key(key)
-        return plain[0].load_in_place(plain[1]) if plain else self._train.load_in_place(key)
+        return self._route("load_in_place", key)
 
     def load_target(self, key: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
         """A new tensor, placed where its optimizer keeps it, for an optimizer-state key; None otherwise."""
-        plain = self._plain_key(key)
-        return plain[0].load_target(plain[1], shape, dtype) if plain else self._train.load_target(key, shape, dtype)
+        return self._route("load_target", key, shape, dtype)
 
     def check_load(self, state: Mapping[str, Any], *, allow_cast: bool = False) -> list[str]:
         """Check everything :meth:`load_state_dict` will load (tensors may be meta tensors); change nothing.
