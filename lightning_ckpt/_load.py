@@ -41,14 +41,19 @@ _IMPORTABLE = ("omegaconf", "lightning", "pytorch_lightning", "lightning_fabric"
 _warned_pickled: set[tuple[str, ...]] = set()
 
 
-def encode_values(checkpoint: Mapping[str, Any], mode: str) -> dict[str, Any]:
-    """A copy of ``checkpoint`` the core stores (:class:`torch_ckpt.TypedValues`; ``mode``: ``"pickle"``/``"error"``).
+def _values(mode: str) -> TypedValues:  # the markers of every lightning_ckpt version
+    return TypedValues(mode, prefix="__lightning_ckpt_", importable=_IMPORTABLE)
 
-    Raises:
-        ConfigError: a value needs pickling and ``mode`` is ``"error"``, or pickling fails (names the key).
-    """
+
+def encode_values(checkpoint: Mapping[str, Any], mode: str) -> dict[str, Any]:
+    """A copy of ``checkpoint`` the core stores (:class:`torch_ckpt.TypedValues`; ``mode``: ``"pickle"``/``"error"``);
+    raises ConfigError naming the key of a value refused or failing to pickle."""
     pickled: list[str] = []
-    out = TypedValues(mode, prefix="__lightning_ckpt_", importable=_IMPORTABLE).encode(dict(checkpoint), "", pickled)
+    try:
+        out = _values(mode).encode(dict(checkpoint), "", pickled)
+    except ConfigError as exc:
+        raise ConfigError(f"{exc}. For hyper-parameters: save_hyperparameters(ignore=[...]); "
+                          "AsyncDCPCheckpointIO(unsafe_values='pickle') (the default) stores picklable ones") from None
     if pickled and tuple(pickled) not in _warned_pickled:
         _warned_pickled.add(tuple(pickled))
         log.warning("checkpoint values %s have no pickle-free encoding and are stored pickled; loading them needs "
@@ -65,8 +70,7 @@ def decode_values(checkpoint: dict[str, Any], *, allow_pickle: bool) -> dict[str
             class (Lightning calls it with the hyper-parameters).
         CheckpointCorruptError: a malformed marker.
     """
-    out = TypedValues("pickle", prefix="__lightning_ckpt_", importable=_IMPORTABLE).decode(
-        checkpoint, allow_pickle=allow_pickle)
+    out = _values("pickle").decode(checkpoint, allow_pickle=allow_pickle)
     omegaconf = sys.modules.get("omegaconf")
     for key in ("hparams_type", "datamodule_hparams_type"):
         cls = out.get(key)
@@ -84,11 +88,7 @@ def is_url(text: str) -> bool:
 
 
 def check_options(storage_options: Any) -> dict[str, Any] | None:
-    """``storage_options`` for fsspec (None or a dict).
-
-    Raises:
-        ConfigError: anything else.
-    """
+    """``storage_options`` for fsspec (None or a dict; anything else: ConfigError)."""
     if storage_options is not None and not isinstance(storage_options, dict):
         raise ConfigError(f"storage_options for a checkpoint URL must be a dict of fsspec options, got "
                           f"{type(storage_options).__name__}")
@@ -96,7 +96,7 @@ def check_options(storage_options: Any) -> dict[str, Any] | None:
 
 
 class _OneName:
-    """The naming of one checkpoint: ``name`` whatever the step."""
+    """The naming (:class:`torch_ckpt.StepNaming`'s interface) of one checkpoint: ``name`` whatever the step."""
 
     def __init__(self, name: str) -> None:
         self._name = name
@@ -138,8 +138,7 @@ class RemoteCheckpoints:
         """Upload the committed ``local`` checkpoint to ``url`` (verified, manifest last), then delete ``local``.
 
         Raises:
-            CheckpointCorruptError: an uploaded object does not match the manifest.
-            DurableUnavailableError, OSError: the store failed (``local`` is kept).
+            CheckpointCorruptError, DurableUnavailableError, OSError: as ``DurableTier.upload`` (``local`` kept).
         """
         tier, name = self._tier(url, storage_options)
         manifest = read_manifest(local)
@@ -177,7 +176,7 @@ class _AllValues:
     """A load target reading every value (this rank's rank-local ones) into new tensors, after the core checked the
     checkpoint against ``live`` (the live model: keys when ``strict``, shapes, dtypes)."""
 
-    def __init__(self, rank_local: tuple[str, ...], live: dict[str, Any] | None = None, *, strict: bool = True) -> None:
+    def __init__(self, rank_local: tuple[str, ...], live: dict[str, Any] | None, strict: bool) -> None:
         self.rank_local_keys, self.loaded, self._live, self._strict = rank_local, {}, live or {}, strict
 
     def state_dict(self) -> dict[str, Any]:
@@ -229,7 +228,7 @@ def load_checkpoint_dir(candidates: Sequence[Path], *, manager: Any, verify: boo
         if saved != world:
             rank_zero_warn(f"{candidates[0]} was saved by {saved} ranks and is loaded by {world}: every rank "
                            "restores rank 0's loop progress and callback states (RNG included)")
-        target = _AllValues(RANK_LOCAL_KEYS if saved == world else (), live, strict=strict)
+        target = _AllValues(RANK_LOCAL_KEYS if saved == world else (), live, strict)
         manager.restore(target, path=list(candidates), allow_cast=allow_cast)
         state = target.loaded
     else:  # one process reading alone (not attached: no fallback candidates); rank 0's rank-local values
@@ -242,7 +241,7 @@ def load_checkpoint_dir(candidates: Sequence[Path], *, manager: Any, verify: boo
 
 def _device(map_location: Any, path: Path) -> torch.device | None:
     """The device ``torch.load``'s ``map_location`` (device, string, dict or callable) gives CPU-saved tensors
-    (every tensor is read into CPU memory first); None: leave them there."""
+    (all are read into CPU memory first); None: leave them there."""
     if callable(map_location):
         mapped = map_location(torch.empty(0).untyped_storage(), "cpu")
         map_location = None if mapped is None else mapped.device
