@@ -132,11 +132,10 @@ class MTBFCheckpoint(OnExceptionCheckpoint):
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         """Replace Lightning's SIGTERM handler (it stops mid-accumulation) by the manager's (agreed at the next step
         boundary); handlers installed before ``fit`` still run."""
-        connector = _compat.signal_connector(trainer)
-        if not self.save_on_sigterm or connector is None or self._handlers is None:
+        if not self.save_on_sigterm or self._handlers is None or not _compat.set_original_sigterm_handler(
+                trainer, self._handlers[0]):
             return
         before, record = self._handlers
-        _compat.set_original_sigterm_handler(connector, before)
 
         def handler(signum: int, frame: Any) -> None:
             record(signum, frame)
@@ -176,9 +175,7 @@ class MTBFCheckpoint(OnExceptionCheckpoint):
         if sigterm:
             self._io.wait()
             log.warning("[rank %d] SIGTERM: checkpoint of step %d is committed; stopping", trainer.global_rank, step)
-            connector = _compat.signal_connector(trainer)
-            if connector is not None:
-                connector.received_sigterm = True  # Lightning raises SIGTERMException at the end of this batch
+            _compat.mark_sigterm_received(trainer)  # Lightning raises SIGTERMException at the end of this batch
             trainer.should_stop = True
         self._report(trainer, pl_module)
         if self.log_stats and (lost := self._reports.lost_work(self._manager.health)) is not None:

@@ -17,16 +17,20 @@ from typing import Any
 _MARK = "_lightning_ckpt_wrapped"
 
 
-def signal_connector(trainer: Any) -> Any:
-    """``trainer._signal_connector`` (``_original_handlers``, ``received_sigterm``), or None."""
-    return getattr(trainer, "_signal_connector", None)
-
-
-def set_original_sigterm_handler(connector: Any, handler: Any) -> None:
-    """Make Lightning restore ``handler`` for SIGTERM after ``fit`` (``_original_handlers``)."""
+def set_original_sigterm_handler(trainer: Any, handler: Any) -> bool:
+    """Make Lightning restore ``handler`` for SIGTERM after ``fit`` (``trainer._signal_connector._original_handlers``);
+    False when the trainer has no signal connector."""
+    connector = getattr(trainer, "_signal_connector", None)
     originals = getattr(connector, "_original_handlers", None)
     if isinstance(originals, dict) and signal.SIGTERM in originals:
         originals[signal.SIGTERM] = handler
+    return connector is not None
+
+
+def mark_sigterm_received(trainer: Any) -> None:
+    """Set ``trainer._signal_connector.received_sigterm``: Lightning raises ``SIGTERMException`` after the batch."""
+    if (connector := getattr(trainer, "_signal_connector", None)) is not None:
+        connector.received_sigterm = True
 
 
 def sharded_flags(strategy: Any) -> tuple[bool, str]:
