@@ -88,7 +88,7 @@ class MTBFCheckpoint(OnExceptionCheckpoint):
         self._stepped, self._last_saved_step = False, None
 
     def __getstate__(self) -> dict[str, Any]:
-            # without its run's manager, plugin, signal handlers (setup sets them again): a trainer holding it pickles
+        # without its run's manager, plugin, signal handlers (setup sets them again): a trainer holding it pickles
         return {**self.__dict__, "_io": None, "_manager": None, "_handlers": None}
 
     @property
