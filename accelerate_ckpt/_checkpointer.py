@@ -88,17 +88,18 @@ _PRESENT = ".accelerate_ckpt.present.{}"  # a folder of one empty file per proce
 PRESENCE_WAIT_S = 15.0  # how long a save waits for every process's presence file, in seconds
 
 
-def missing_processes(root: Path, key: str, rank: int, world: int, timeout_s: float = PRESENCE_WAIT_S) -> list[int]:
-    """Mark process ``rank`` present at save ``key`` in ``root`` and wait up to ``timeout_s`` for the other
-    ``world`` processes' marks (a shared root); return the ranks still missing (empty: every process is saving).
-    Marks of earlier saves are removed by rank 0 once this one is complete, its own by each rank at ``close``."""
+def missing_processes(root: Path, key: str, rank: int, peers: range, timeout_s: float = PRESENCE_WAIT_S) -> list[int]:
+    """Mark process ``rank`` present at save ``key`` in ``root`` and wait up to ``timeout_s`` for the marks of
+    ``peers`` (the ranks of this node: they see the same disk even for a node-local root); return the ranks still
+    missing (empty: all are saving). The node's first rank then removes earlier saves' marks; each rank removes
+    its own at ``close``."""
     marks = root / _PRESENT.format(key)
     marks.mkdir(parents=True, exist_ok=True)
     (marks / str(rank)).touch()
     deadline = time.monotonic() + timeout_s
-    while (missing := [r for r in range(world) if not (marks / str(r)).exists()]) and time.monotonic() < deadline:
+    while (missing := [r for r in peers if not (marks / str(r)).exists()]) and time.monotonic() < deadline:
         time.sleep(0.02)
-    if not missing and rank == 0:  # every rank is past the earlier saves' checks (their saves committed)
+    if not missing and rank == peers[0]:  # every rank is past the earlier saves' checks (their saves committed)
         for old in root.glob(_PRESENT.format("*")):
             if old != marks:
                 shutil.rmtree(old, ignore_errors=True)
@@ -257,7 +258,8 @@ class AccelerateCheckpointer:
 
         Raises:
             ConfigError: not every process calls it (e.g. under ``if accelerator.is_main_process:``: the others'
-                presence files do not appear within ``PRESENCE_WAIT_S``); the folder is not a torch-ckpt one.
+                presence files on this node do not appear within ``PRESENCE_WAIT_S``); the folder is not a torch-ckpt
+                one.
             CheckpointError: an earlier background save failed (raised once).
         """
         self._check_open()
@@ -269,8 +271,9 @@ class AccelerateCheckpointer:
         if output_dir is None and not self._auto:
             raise ValueError("save_state() needs output_dir unless automatic_checkpoint_naming is enabled")
         rank, world = rank_and_world()
-        if world > 1 and self.settings.config.local_root_shared is not False and (
-                missing := missing_processes(self._root(output_dir), str(iteration), rank, world)):
+        local = int(os.environ.get("LOCAL_RANK", rank))  # torchrun: the ranks of a node are consecutive
+        peers = range(rank - local, rank - local + int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+        if len(peers) > 1 and (missing := missing_processes(self._root(output_dir), str(iteration), rank, peers)):
             raise ConfigError(
                 f"accelerator.save_state() was called on process {rank} but not on processes {missing} within "
                 f"{PRESENCE_WAIT_S:.0f} s (e.g. under `if accelerator.is_main_process:`); with accelerate_ckpt every "

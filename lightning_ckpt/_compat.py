@@ -89,22 +89,16 @@ def dump_checkpoint(trainer: Any) -> dict[str, Any]:
 
 
 def fit_loop_state(trainer: Any) -> dict[str, Any]:
-    """``trainer.fit_loop.state_dict()`` (fresh dicts): a checkpoint's ``loops.fit_loop`` taken now.
-
-    At an epoch's last batch end a resume from it restarts mid-epoch (``FitLoop.restarting``), loads the loaders'
-    states and counts the epoch finished; after ``on_advance_end`` counted it, ``_load_combined_loader_states``
-    would skip the loaders' states.
-    """
+    """``trainer.fit_loop.state_dict()`` (fresh dicts): a checkpoint's ``loops.fit_loop`` taken now. Taken at an
+    epoch's last batch end, a resume restarts mid-epoch (``FitLoop.restarting``) and loads the loaders' states;
+    once ``on_advance_end`` counted the epoch, ``_load_combined_loader_states`` would skip them."""
     return trainer.fit_loop.state_dict()
 
 
 def finish_loader_states(checkpoint: dict[str, Any]) -> None:
-    """Mark the train loaders' states of a checkpoint taken at an epoch's last batch as finished iterators.
-
-    At the last batch torchdata's ``StatefulDataLoader`` state still says "not finished" (Lightning's fetcher knows
-    the length), and a resume ran an empty epoch. With ``_iterator_finished`` set, the loader starts the next epoch
-    fresh; the sampler's ``yielded`` is reset (``loops.fit_loop.state_dict.combined_loader``).
-    """
+    """Mark the train loaders' states (``loops.fit_loop.state_dict.combined_loader``) of a checkpoint taken at an
+    epoch's last batch as finished iterators: torchdata's ``StatefulDataLoader`` still says "not finished" there,
+    and a resume ran an empty epoch. ``_iterator_finished`` set, the next epoch starts fresh (sampler ``yielded`` 0)."""
 
     def finish(node: Any) -> None:
         if isinstance(node, dict) and "_iterator_finished" in node:
