@@ -106,6 +106,12 @@ def missing_processes(root: Path, key: str, rank: int, peers: range, timeout_s: 
     return missing
 
 
+def _log_stats(accelerator: Any, settings: CkptSettings, handle: SaveHandle, step: int | None) -> None:
+    """Send a committed save's statistics to the trackers at its training step (``accelerator``: a weak reference)."""
+    if (acc := accelerator()) is not None and settings.log_stats and getattr(acc, "trackers", None):
+        acc.log(SaveReports.metrics(handle), step=step)
+
+
 def attach(accelerator: Any, config: str | os.PathLike | None = None, *, save_policy: Any = None,
            **settings: Any) -> AccelerateCheckpointer:
     """Make ``accelerator.save_state()`` asynchronous and ``load_state()`` exact; call it on every process.
@@ -304,7 +310,8 @@ class AccelerateCheckpointer:
         handle.stats.blocking_s = time.monotonic() - t0  # the whole call: wait, hooks, staging
         self.last_handle = self._after.handle = handle
         self._reports.add(handle)
-        self._after.add(0, "log statistics", partial(self._log_stats, handle, self.step))
+        # the weak reference, not self: a pending action must not keep this object (and its manager) alive
+        self._after.add(0, "log statistics", partial(_log_stats, self._accelerator, self.settings, handle, self.step))
         return folder
 
     def latest_checkpoint(self) -> Path | None:
@@ -409,11 +416,6 @@ class AccelerateCheckpointer:
             return None
         self.accelerator.save_state()
         return self.last_handle
-
-    def _log_stats(self, handle: SaveHandle, step: int | None) -> None:  # once committed, at its training step
-        acc = self._accelerator()
-        if acc is not None and self.settings.log_stats and getattr(acc, "trackers", None):
-            acc.log(SaveReports.metrics(handle), step=step)
 
     def _log_lost_work(self) -> None:  # the lost-work health figure, when due
         self._reports.committed()
