@@ -1,10 +1,5 @@
-"""``attach()``: route one ``Accelerator``'s ``save_state``/``load_state`` through a torch-ckpt ``CheckpointManager``.
-
-Accelerate's pre-hooks run before optimizers, RNG... are written, so the adapter replaces both
-methods on that instance. Registered pre-hooks still run in order; what they do not ``pop()`` goes
-into one manager checkpoint, which owns naming, retention, resume with fallback, rollback, atomic
-replacement, scheduling and the durable copy. See ``docs/accelerate.md``.
-"""
+"""``attach()``: one ``Accelerator``'s ``save_state``/``load_state`` through a torch-ckpt ``CheckpointManager``; its
+settings. Registered pre-hooks still run in order; what they do not ``pop()`` goes into one manager checkpoint."""
 
 from __future__ import annotations
 
@@ -14,14 +9,16 @@ import shutil
 import time
 import warnings
 import weakref
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from accelerate_ckpt import _compat as compat
-from accelerate_ckpt._config import CkptSettings, load_settings
-from accelerate_ckpt._guard import one_process_guard
 from accelerate_ckpt._state import AcceleratorTrainState
 from torch_ckpt import (
+    AfterCommit,
+    CheckpointConfig,
     CheckpointManager,
     CheckpointNotFoundError,
     ConfigError,
@@ -34,13 +31,85 @@ from torch_ckpt import (
     rank_and_world,
 )
 
-__all__ = ["NAMING", "AccelerateCheckpointer", "attach"]
-
 log = logging.getLogger(__name__)
+
+#: Environment variable holding the path of a YAML settings file; it wins over ``config=``.
+ENV_VAR = "ACCELERATE_CKPT_CONFIG"
+_EXTRAS = {"enabled": True, "log_stats": True}  # the adapter's own keys and their defaults
+_FIXED = ("naming", "read_only", "explicit_paths_only")  # set by the adapter itself
+
+
+@dataclass(frozen=True)
+class CkptSettings:
+    """The merged settings (:func:`load_settings`).
+
+    Attributes:
+        config: every core setting (same names, units and defaults as ``CheckpointManager``), validated.
+        keep_last_given: ``keep_last`` was set (not null); else automatic checkpoints follow ``total_limit``.
+        enabled: False leaves the ``Accelerator`` untouched (Accelerate's own synchronous saves).
+        log_stats: send per-save statistics to ``accelerator.log`` when trackers are configured.
+    """
+
+    config: CheckpointConfig
+    keep_last_given: bool = False
+    enabled: bool = True
+    log_stats: bool = True
+
+
+def load_settings(config: str | os.PathLike | None = None, **overrides: Any) -> CkptSettings:
+    """Merge, later winning: the core's defaults (``keep_last`` unset or null follows
+    ``ProjectConfiguration.total_limit``), the YAML file (named by ``ACCELERATE_CKPT_CONFIG`` if set, else
+    ``config``), ``overrides`` (given in code): an operator changes any setting the script does not pass.
+
+    Raises:
+        ConfigError: an unreadable file, an unknown key (with the closest valid one), a key the adapter sets
+            (``naming``, ``read_only``), or an invalid value; the message starts with the file (or ``attach()``)
+            and names the key.
+    """
+    path = os.environ.get(ENV_VAR) or config
+    file_values = CheckpointConfig.read_yaml(path) if path else {}
+    merged = {**file_values, **overrides}
+    layers = [(os.fspath(path), file_values, True)] if path else []
+    if overrides or not path:  # the file alone is checked first, so its errors name the file
+        layers.append(("attach()" + (f" over {os.fspath(path)}" if path else ""), merged, False))
+    for source, values, from_file in layers:
+        if fixed := [k for k in _FIXED if k in values]:
+            raise ConfigError(f"{source}: {fixed[0]} is set by accelerate_ckpt itself (Accelerate's checkpoint_N "
+                              "folders, a writable root); leave it out")
+        cfg, extra = CheckpointConfig.from_dict_with_extras(values, _EXTRAS, source=source, from_file=from_file,
+                                                            reserved=_FIXED)
+    return CkptSettings(cfg, merged.get("keep_last") is not None, **extra)
+
 
 #: Accelerate's automatic checkpoint names, ``checkpoint_<save iteration>``.
 NAMING = PatternNaming("checkpoint_{step}")
 _HOOK_FILES = ".{}.hooks.tmp.{}"  # user save hooks write here; the files commit with the checkpoint (extra_dir)
+_PRESENT = ".accelerate_ckpt.present.{}"  # a folder of one empty file per process calling save_state (iteration)
+PRESENCE_WAIT_S = 15.0  # how long a save waits for every process's presence file, in seconds
+
+
+def missing_processes(root: Path, key: str, rank: int, peers: range, timeout_s: float = PRESENCE_WAIT_S) -> list[int]:
+    """Mark process ``rank`` present at save ``key`` in ``root`` and wait up to ``timeout_s`` for the marks of
+    ``peers`` (the ranks of this node: they see the same disk even for a node-local root); return the ranks still
+    missing (empty: all are saving). The node's first rank then removes earlier saves' marks; each rank removes
+    its own at ``close``."""
+    marks = root / _PRESENT.format(key)
+    marks.mkdir(parents=True, exist_ok=True)
+    (marks / str(rank)).touch()
+    deadline = time.monotonic() + timeout_s
+    while (missing := [r for r in peers if not (marks / str(r)).exists()]) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    if not missing and rank == peers[0]:  # every rank is past the earlier saves' checks (their saves committed)
+        for old in root.glob(_PRESENT.format("*")):
+            if old != marks:
+                shutil.rmtree(old, ignore_errors=True)
+    return missing
+
+
+def _log_stats(accelerator: Any, settings: CkptSettings, handle: SaveHandle, step: int | None) -> None:
+    """Send a committed save's statistics to the trackers at its training step (``accelerator``: a weak reference)."""
+    if (acc := accelerator()) is not None and settings.log_stats and getattr(acc, "trackers", None):
+        acc.log(SaveReports.metrics(handle), step=step)
 
 
 def attach(accelerator: Any, config: str | os.PathLike | None = None, *, save_policy: Any = None,
@@ -62,67 +131,62 @@ def attach(accelerator: Any, config: str | os.PathLike | None = None, *, save_po
 class AccelerateCheckpointer:
     """Asynchronous, atomic, sharded ``save_state``/``load_state`` for one ``Accelerator`` (training thread only).
 
-    The ``Accelerator`` holds this checkpointer (its ``save_state``, ``load_state`` and
-    ``end_training`` are this object's methods), and this object holds the ``Accelerator`` only
-    weakly: an attached ``Accelerator`` is freed like a plain one, and so is its manager, which then
-    finishes its in-flight save and releases the checkpoint folder (see ``docs/accelerate.md``,
-    "Lifecycle").
+    The ``Accelerator`` holds this checkpointer (its ``save_state``, ``load_state`` and ``end_training`` are this
+    object's methods), which holds it only weakly: an attached ``Accelerator`` is freed like a plain one, and so is
+    its manager, which then finishes its in-flight save (``docs/accelerate.md``, "Lifecycle"). Pickling the
+    ``Accelerator`` pickles the settings and step with it; the copy opens its own manager at first use.
 
     Attributes:
         accelerator: the ``Accelerator`` (a ``ConfigError`` once it was freed).
         settings: the merged :class:`~accelerate_ckpt.CkptSettings`.
-        step: the training step, recorded in each checkpoint and restored by ``load_state()`` (None:
-            unknown). Automatic names follow Accelerate's save iteration, never this step.
+        step: the training step, recorded in each checkpoint and restored by ``load_state()`` (None: unknown).
+            Automatic names follow Accelerate's save iteration, never this step.
         manager: the :class:`~torch_ckpt.CheckpointManager`, opened at first use (None until then).
         last_handle: the :class:`~torch_ckpt.SaveHandle` of the latest save.
     """
 
+    _RUNTIME = ("_accelerator", "manager", "last_handle", "_reports", "_after")
+
     def __init__(self, accelerator: Any, settings: CkptSettings, *, save_policy: Any = None) -> None:
         self._accelerator = weakref.ref(accelerator)  # the Accelerator holds us: no reference cycle
-        self.settings = settings
-        self.step: int | None = None
-        self.manager: CheckpointManager | None = None
-        self.last_handle: SaveHandle | None = None
+        self.settings, self.step = settings, None
         self._policy = {} if save_policy is None else {"save_policy": save_policy}
-        self._reports = SaveReports()
+        self._reset()
         self._closed = not settings.enabled
         if not settings.enabled:
             log.info("accelerate_ckpt disabled by its settings: Accelerate's own save_state/load_state stay in use")
             return
         compat.check_supported(accelerator)
-        world = rank_and_world()[1]
-        if world != accelerator.num_processes:
-            warnings.warn(
-                f"torch.distributed has world size {world} but Accelerate runs {accelerator.num_processes} "
-                "process(es) (on a CPU machine, torchrun needs ACCELERATE_USE_CPU=1 or Accelerator(cpu=True)); "
-                f"checkpoints are written as world size {world}, while Accelerate trains each process alone",
-                stacklevel=3)
+        if (world := rank_and_world()[1]) != accelerator.num_processes:
+            warnings.warn(f"torch.distributed has world size {world} but Accelerate runs {accelerator.num_processes} "
+                          "process(es) (on a CPU machine, torchrun needs ACCELERATE_USE_CPU=1 or Accelerator(cpu=True)"
+                          f"); checkpoints are written as world size {world}, while Accelerate trains each process "
+                          "alone", stacklevel=3)
         self._auto = bool(accelerator.project_configuration.automatic_checkpoint_naming)
-        cfg = settings.config
-        if cfg.durable_url is not None:
+        if settings.config.durable_url is not None:
             if not self._auto:
                 raise ConfigError("durable_url needs ProjectConfiguration(automatic_checkpoint_naming=True): only "
                                   "automatic checkpoints are replicated")
-            DurableTier(cfg.durable_url, storage_options=cfg.storage_options)  # fail now on a bad URL
+            DurableTier(settings.config.durable_url, storage_options=settings.config.storage_options)  # fail now
         if self._auto and accelerator.project_dir is None:
             raise ConfigError("automatic_checkpoint_naming needs ProjectConfiguration(project_dir=...)")
         accelerator.save_state, accelerator.load_state = self.save_state, self.load_state
         accelerator.end_training = self.end_training
 
+    def _reset(self) -> None:
+        self.manager: CheckpointManager | None = None
+        self.last_handle: SaveHandle | None = None
+        self._reports, self._after = SaveReports(), AfterCommit()  # statistics logged once committed
+
     def __getstate__(self) -> dict[str, Any]:
-        """Pickling an attached ``Accelerator`` (``pickle.dumps(accelerator)``) pickles this object with it:
-        the settings, step and the ``Accelerator`` travel, the manager and save handles (threads, locks) do not;
-        the copy opens its own manager at first use."""
-        state = {k: v for k, v in self.__dict__.items() if k not in ("_accelerator", "manager", "last_handle",
-                                                                      "_reports")}
-        state["accelerator"] = self._accelerator()  # strong only inside the pickle; the cycle is pickle's to resolve
-        return state
+        # the Accelerator is strong only inside the pickle; the cycle is pickle's to resolve
+        return {**{k: v for k, v in self.__dict__.items() if k not in self._RUNTIME}, "acc": self._accelerator()}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        acc = state.pop("accelerator")
+        acc = state.pop("acc")
         self.__dict__.update(state)
         self._accelerator = (lambda: None) if acc is None else weakref.ref(acc)
-        self.manager, self.last_handle, self._reports = None, None, SaveReports()
+        self._reset()
 
     @property
     def accelerator(self) -> Any:
@@ -131,21 +195,16 @@ class AccelerateCheckpointer:
         Raises:
             ConfigError: the ``Accelerator`` was freed (this checkpointer holds it only weakly).
         """
-        acc = self._accelerator()
-        if acc is None:
+        if (acc := self._accelerator()) is None:
             raise ConfigError("the Accelerator of this AccelerateCheckpointer was freed; attach a new one")
         return acc
 
     def end_training(self) -> None:
-        """Replacement of ``Accelerator.end_training``: commit the save in flight, close, then Accelerate's own.
-
-        Accelerate's ``end_training`` destroys the process groups the background save needs, so
-        the in-flight save is committed (on every process) and the manager closed first; the
-        ``Accelerator`` then gets its own methods back and its ``end_training`` runs (trackers,
-        process group) even when the save failed.
+        """Replacement of ``Accelerator.end_training``: commit the save in flight and close (Accelerate's own
+        destroys the process groups the save needs), then run Accelerate's own even when the save failed.
 
         Raises:
-            CheckpointError: the in-flight (or an earlier) background save failed; it is not listed.
+            CheckpointError: the in-flight (or an earlier) background save failed.
         """
         acc = self.accelerator
         try:
@@ -156,14 +215,18 @@ class AccelerateCheckpointer:
     def _open(self, root: Path | None = None) -> CheckpointManager:
         """The manager (collective at creation): ``project_dir/checkpoints`` with automatic naming, else ``root``."""
         if self.manager is None:
-            if self._auto:
-                root = Path(self.accelerator.project_dir).expanduser() / "checkpoints"
-            s = self.settings
-            keep = s.config.keep_last if s.keep_last_given else self.accelerator.project_configuration.total_limit
+            s, acc = self.settings, self.accelerator
+            keep = s.config.keep_last if s.keep_last_given else acc.project_configuration.total_limit
             # explicit folders: the run owns each folder it saves, not the directory they lie in
-            self.manager = CheckpointManager(root, config=s.config, naming=NAMING, explicit_paths_only=not self._auto,
+            self.manager = CheckpointManager(self._root(None) if self._auto else root, config=s.config, naming=NAMING,
+                                             explicit_paths_only=not self._auto,
                                              keep_last=keep if self._auto else None, **self._policy)
         return self.manager
+
+    def _root(self, output_dir: Any) -> Path:
+        if self._auto:
+            return Path(self.accelerator.project_dir).expanduser() / "checkpoints"
+        return Path(output_dir).expanduser().absolute().parent
 
     def _check_open(self) -> None:
         if self._closed:
@@ -188,52 +251,44 @@ class AccelerateCheckpointer:
     def _run_hooks(self, table: dict, items: list, folder: Path, *, save: bool) -> list[int]:
         """Run the user's pre-hooks on ``items`` (one per plain model); return the indices a hook ``pop()``ed."""
         originals = list(items)
-        args = (compat.prepared(self.accelerator, "models"), items, str(folder)) if save else (items, str(folder))
         for hook in list(table.values()):
-            hook(*args)
+            hook(*((compat.prepared(self.accelerator, "models"),) if save else ()), items, str(folder))
         left = {id(x) for x in items}
         return [i for i, item in enumerate(originals) if id(item) not in left]
 
     def save_state(self, output_dir: str | os.PathLike | None = None, safe_serialization: bool = True, *,
                    step: int | None = None, **save_model_func_kwargs: Any) -> Path:
-        """Replacement of ``Accelerator.save_state``: returns once the state is staged.
-
-        The folder is ``checkpoint_<save iteration>`` with automatic naming, else ``output_dir``, which
-        may be saved again (replaced atomically when the new checkpoint commits).
-
-        Args:
-            output_dir: the folder (ignored with automatic naming, as in Accelerate).
-            safe_serialization: ignored (nothing is pickled).
-            step: the training step (sets :attr:`step`).
-            save_model_func_kwargs: ignored (DeepSpeed only).
-
-        Returns:
-            The checkpoint folder; it appears, complete, when the save commits.
+        """Replacement of ``Accelerator.save_state``: returns the folder once the state is staged (it appears,
+        complete, at the commit): ``checkpoint_<save iteration>`` with automatic naming, else ``output_dir``
+        (replaced atomically when saved again). ``step`` sets :attr:`step`; the other arguments are ignored.
 
         Raises:
-            ConfigError: called under an ``if accelerator.is_main_process:``-style guard with several
-                processes; ``output_dir`` (or ``checkpoint_<n>``) exists and is not a torch-ckpt checkpoint.
+            ConfigError: not every process calls it (e.g. under ``if accelerator.is_main_process:``: the others'
+                presence files on this node do not appear within ``PRESENCE_WAIT_S``); the folder is not a torch-ckpt
+                one.
             CheckpointError: an earlier background save failed (raised once).
         """
         self._check_open()
         acc = self.accelerator
-        guard = one_process_guard() if acc.num_processes > 1 else None
-        if guard is not None:
-            raise ConfigError(
-                f"accelerator.save_state() is called under `{guard}`, but with accelerate_ckpt every process must "
-                "call it (each writes its own shard; the main process commits): remove the guard. Called on one "
-                f"process it would wait {self.settings.config.timeout_seconds:.0f} s for the others and fail")
         t0 = time.monotonic()
         self.wait()  # one save in flight; its hook files are in place before new hooks run
         waited = time.monotonic() - t0
+        iteration = compat.save_iteration(acc)
+        if output_dir is None and not self._auto:
+            raise ValueError("save_state() needs output_dir unless automatic_checkpoint_naming is enabled")
+        rank, world = rank_and_world()
+        local = int(os.environ.get("LOCAL_RANK", rank))  # torchrun: the ranks of a node are consecutive
+        peers = range(rank - local, rank - local + int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+        if len(peers) > 1 and (missing := missing_processes(self._root(output_dir), str(iteration), rank, peers)):
+            raise ConfigError(
+                f"accelerator.save_state() was called on process {rank} but not on processes {missing} within "
+                f"{PRESENCE_WAIT_S:.0f} s (e.g. under `if accelerator.is_main_process:`); with accelerate_ckpt every "
+                "process must call it (each writes its own shard; the main process commits): remove the guard")
         if step is not None:
             self.step = int(step)
-        iteration = compat.save_iteration(acc)
         if self._auto:
             manager, path, number = self._open(), None, iteration
             folder = manager.root / NAMING.name(iteration)
-        elif output_dir is None:
-            raise ValueError("save_state() needs output_dir unless automatic_checkpoint_naming is enabled")
         else:
             folder = Path(output_dir).expanduser().absolute()
             manager, path = self._open(folder.parent), folder
@@ -253,8 +308,10 @@ class AccelerateCheckpointer:
         compat.set_save_iteration(acc, iteration + 1)
         handle.stats.wait_for_previous_s += waited
         handle.stats.blocking_s = time.monotonic() - t0  # the whole call: wait, hooks, staging
-        self.last_handle = handle
-        self._reports.add(handle, self.step)
+        self.last_handle = self._after.handle = handle
+        self._reports.add(handle)
+        # the weak reference, not self: a pending action must not keep this object (and its manager) alive
+        self._after.add(0, "log statistics", partial(_log_stats, self._accelerator, self.settings, handle, self.step))
         return folder
 
     def latest_checkpoint(self) -> Path | None:
@@ -267,10 +324,10 @@ class AccelerateCheckpointer:
     def _load_foreign(self, folder: Path, allow_unsafe: bool, load_kwargs: Any, kwargs: dict) -> None:
         """A folder without a torch-ckpt manifest: an incomplete save, or one plain Accelerate wrote."""
         if not any(not p.name.startswith(".") for p in folder.iterdir()):
-            newest = self.latest_checkpoint()
             raise CheckpointNotFoundError(
                 f"{folder} is an incomplete save (interrupted before it committed), not a checkpoint; "
-                + (f"the newest intact checkpoint is {newest}" if newest is not None else "load another one"))
+                + (f"the newest intact checkpoint is {newest}" if (newest := self.latest_checkpoint()) is not None
+                   else "load another one"))
         if not allow_unsafe:
             raise UnsafeCheckpointError(
                 f"{folder} has no torch-ckpt manifest (it was not written through torch-ckpt). Accelerate's own "
@@ -278,24 +335,21 @@ class AccelerateCheckpointer:
                 "call accelerator.load_state(folder, allow_unsafe_accelerate_folder=True)")
         log.info("%s has no torch-ckpt manifest: loading it with Accelerate's own load_state", folder)
         compat.plain_load_state(self.accelerator, str(folder), load_kwargs, kwargs)
-        number = NAMING.step_of(folder.name)
-        if number is not None:  # Accelerate does not restore its save iteration; the folder name holds it
+        if (number := NAMING.step_of(folder.name)) is not None:  # Accelerate does not restore its save iteration
             compat.set_save_iteration(self.accelerator, number + 1)
 
     def load_state(self, input_dir: str | os.PathLike | None = None, load_kwargs: dict | None = None, *,
                    allow_unsafe_accelerate_folder: bool = False, allow_cast: bool = False,
                    **load_model_func_kwargs: Any) -> None:
-        """Replacement of ``Accelerator.load_state``: restores everything in place, exactly, or nothing.
-
-        Without ``input_dir``, the newest checkpoint intact in either tier (a damaged one is skipped
-        with a warning). Loading an older one rolls back: newer ones are moved aside at the next save.
+        """Replacement of ``Accelerator.load_state``: restores everything in place, exactly, or nothing. Loading an
+        older checkpoint rolls back: newer ones are moved aside at the next save.
 
         Args:
-            input_dir: the checkpoint folder; None picks the newest intact automatic checkpoint.
-            allow_unsafe_accelerate_folder: load a folder plain Accelerate wrote with its own
-                ``load_state`` (it unpickles: only folders you trust).
+            input_dir: the folder; None: the newest intact automatic checkpoint in either tier (damaged: skipped).
+            allow_unsafe_accelerate_folder: load a folder plain Accelerate wrote, with its own ``load_state`` (it
+                unpickles: only folders you trust).
             allow_cast: cast tensors whose dtype differs from the live one (else ``StateMismatchError``).
-            load_kwargs, load_model_func_kwargs: used only for folders Accelerate wrote itself.
+            load_kwargs, load_model_func_kwargs: only for folders Accelerate wrote itself.
 
         Raises:
             ValueError: ``input_dir`` is not a folder, or None without automatic naming (as Accelerate).
@@ -341,19 +395,18 @@ class AccelerateCheckpointer:
         self.step = state.training_step
 
     def should_save(self, step: int) -> bool:
-        """Record that training step ``step`` finished; True when the save policy says to save now.
-
-        Call it once per step on every process (the main process decides for all).
+        """Record that training step ``step`` finished (every process, each step); True when the save policy (the
+        main process decides) says to save now.
 
         Raises:
-            ConfigError: no save policy, or no checkpoint root yet (automatic naming off and nothing
-                saved or loaded).
+            ConfigError: no save policy, or no checkpoint root yet (no automatic naming, nothing saved or loaded).
         """
         self._check_open()
         if self.manager is None and not self._auto:
             raise ConfigError("should_save() needs ProjectConfiguration(project_dir=..., automatic_checkpoint_naming="
                               "True), or a first save_state(folder)/load_state(folder) to set the checkpoint root")
-        self._log_finished()
+        self._after.poll()
+        self._log_lost_work()
         self.step = int(step)
         return self._open().should_save(self.step)
 
@@ -364,16 +417,11 @@ class AccelerateCheckpointer:
         self.accelerator.save_state()
         return self.last_handle
 
-    def _log_finished(self) -> None:
-        """Send committed saves' statistics (at their training step) and the lost-work health to the trackers."""
-        done = self._reports.committed()
+    def _log_lost_work(self) -> None:  # the lost-work health figure, when due
+        self._reports.committed()
         acc = self._accelerator()
-        if acc is None or self.manager is None or not (self.settings.log_stats and getattr(acc, "trackers", None)):
-            return
-        for handle, step in done:
-            acc.log(SaveReports.metrics(handle), step=step)
-        lost = self._reports.lost_work(self.manager.health)
-        if lost is not None:
+        if acc is not None and self.manager is not None and self.settings.log_stats and getattr(acc, "trackers", None) \
+                and (lost := self._reports.lost_work(self.manager.health)) is not None:
             acc.log({"checkpoint/lost_work_s": lost})
 
     def replication_stats(self) -> dict[str, Any]:
@@ -385,19 +433,17 @@ class AccelerateCheckpointer:
         return self.manager.wait_durable(timeout_seconds) if self.manager is not None else True
 
     def wait(self) -> None:
-        """Block until the in-flight save is committed; raise a background error (once); log its stats."""
+        """Block until the in-flight save is committed; raise a background error (once); log its statistics."""
         if self.manager is not None:
             try:
                 self.manager.wait()
             finally:
-                self._log_finished()
+                self._after.run()
+                self._log_lost_work()
 
     def close(self) -> None:
-        """Wait for the last save, give the ``Accelerator`` its own methods back and close the manager (idempotent).
-
-        Raises:
-            CheckpointError: a background save failed (raised once).
-        """
+        """Wait for the last save, give the ``Accelerator`` its own methods back, close the manager (idempotent);
+        raises the ``CheckpointError`` of a failed background save once."""
         if self._closed:
             return
         self._closed = True
@@ -409,4 +455,6 @@ class AccelerateCheckpointer:
                 if acc is not None and vars(acc).get(name) == getattr(self, name):
                     delattr(acc, name)
             if self.manager is not None:
+                for mark in self.manager.root.glob(f"{_PRESENT.format('*')}/{rank_and_world()[0]}"):
+                    mark.unlink(missing_ok=True)  # the last save committed: every process is past its check
                 self.manager.close()

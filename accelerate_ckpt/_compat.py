@@ -1,9 +1,6 @@
-"""Every private attribute of Accelerate that the adapter touches, each use with the versions checked.
-
-Accelerate has no public accessors for the objects it prepared or for its hook tables. Checked
-against accelerate 1.0.1 and 1.15.0, the range of the ``accelerate`` extra in ``pyproject.toml``
-(the adapter's tests pass on both); :func:`check_supported` fails at ``attach()`` when one is missing.
-"""
+"""Every private attribute of Accelerate the adapter touches (no public accessors exist for the prepared objects or
+the hook tables), checked against accelerate 1.0.1 and 1.15.0 (the ``accelerate`` extra's range);
+:func:`check_supported` fails at ``attach()`` when one is missing."""
 
 from __future__ import annotations
 
@@ -11,12 +8,8 @@ from typing import Any
 
 from torch_ckpt import ConfigError
 
-__all__ = ["check_supported", "hooks", "is_fsdp", "loader_epoch", "plain_end_training", "plain_load_state", "prepared",
-           "save_iteration", "set_loader_epoch", "set_loader_state", "set_save_iteration"]
-
-# Accelerator._models/_optimizers/_schedulers/_dataloaders/_custom_objects: the prepared objects in
-# preparation order; _save_model_state_pre_hook/_load_model_state_pre_hook: OrderedDicts {handle id: hook}
-# that register_save_state_pre_hook/register_load_state_pre_hook fill (1.0.1-1.15.0).
+# Accelerator._models/_optimizers/_schedulers/_dataloaders/_custom_objects: the prepared objects in order;
+# _save_model_state_pre_hook/_load_model_state_pre_hook: {handle id: hook} of register_*_state_pre_hook
 _ATTRS = ("_models", "_optimizers", "_schedulers", "_dataloaders", "_custom_objects",
           "_save_model_state_pre_hook", "_load_model_state_pre_hook")
 
@@ -35,27 +28,27 @@ def check_supported(acc: Any) -> None:
 
 
 def prepared(acc: Any, kind: str) -> list[Any]:
-    """The prepared ``models``, ``optimizers``, ``schedulers``, ``dataloaders`` or ``custom_objects`` (1.0.1-1.15.0)."""
+    """The prepared ``models``, ``optimizers``, ``schedulers``, ``dataloaders`` or ``custom_objects``."""
     return list(getattr(acc, f"_{kind}"))
 
 
 def hooks(acc: Any, kind: str) -> dict[int, Any]:
-    """The ``save`` or ``load`` state pre-hooks the user registered, ``{handle id: hook}`` (1.0.1-1.15.0)."""
+    """The ``save`` or ``load`` state pre-hooks the user registered, ``{handle id: hook}``."""
     return getattr(acc, f"_{kind}_model_state_pre_hook")
 
 
 def is_fsdp(acc: Any) -> bool:
-    """FSDP models are saved by Accelerate before the save hooks run, so they never reach them (1.0.1-1.15.0)."""
+    """FSDP models are saved by Accelerate before the save hooks run, so they never reach them."""
     return str(acc.distributed_type).endswith("FSDP")
 
 
 def save_iteration(acc: Any) -> int:
-    """``accelerator.save_iteration``, a read-only property over ``project_configuration.iteration`` (1.0.1-1.15.0)."""
+    """``accelerator.save_iteration``, a read-only property over ``project_configuration.iteration``."""
     return int(acc.project_configuration.iteration)
 
 
 def set_save_iteration(acc: Any, value: int) -> None:
-    acc.project_configuration.iteration = int(value)  # the attribute behind save_iteration (1.0.1-1.15.0)
+    acc.project_configuration.iteration = int(value)  # the attribute behind save_iteration
 
 
 def plain_load_state(acc: Any, folder: str, load_kwargs: Any, kwargs: dict) -> None:
@@ -70,7 +63,7 @@ def plain_end_training(acc: Any) -> None:
 
 
 def loader_epoch(loader: Any) -> int | None:
-    """``DataLoaderShard.iteration``/``DataLoaderDispatcher.iteration``: the epoch counter (1.0.1-1.15.0)."""
+    """``DataLoaderShard.iteration``/``DataLoaderDispatcher.iteration``: the epoch counter."""
     value = getattr(loader, "iteration", None)
     return value if isinstance(value, int) else None
 
@@ -79,12 +72,11 @@ def set_loader_epoch(loader: Any, epoch: int) -> None:
     if callable(getattr(loader, "set_epoch", None)):
         loader.set_epoch(epoch)  # public; also sets a seedable sampler's epoch
     else:
-        loader.iteration = epoch  # the epoch counter above (1.0.1-1.15.0)
+        loader.iteration = epoch  # the epoch counter above
 
 
 def set_loader_state(loader: Any, state: Any) -> None:
-    """Load a stateful loader's position; ``dl_state_dict`` is what ``state_dict()`` returns until the next batch
-    (``DataLoaderAdapter``, 1.0.1-1.15.0)."""
+    """Load a stateful loader's position; ``dl_state_dict``: what ``state_dict()`` returns until the next batch."""
     loader.load_state_dict(state)
     if hasattr(loader, "dl_state_dict"):
         loader.dl_state_dict = state

@@ -1,7 +1,5 @@
-"""``AcceleratorTrainState``: everything ``Accelerator.save_state`` covers, as one torch-ckpt ``Stateful``.
-
-Built for each save and load from the objects the ``Accelerator`` prepared; the keys are listed in
-``docs/accelerate.md`` ("What a checkpoint holds").
+"""``AcceleratorTrainState``: everything ``Accelerator.save_state`` covers, as one torch-ckpt state (built for each
+save and load from the objects the ``Accelerator`` prepared; keys in ``docs/accelerate.md``, "What a checkpoint holds").
 """
 
 from __future__ import annotations
@@ -14,9 +12,9 @@ from typing import Any
 import torch
 
 from accelerate_ckpt import _compat as compat
-from torch_ckpt import OptimizerState, StateMismatchError, TrainState
+from torch_ckpt import OptimizerState, StateMismatchError, TrainState, TypedValues
 
-__all__ = ["AcceleratorTrainState"]
+_VALUES = TypedValues("error", plain_dicts=False)  # custom objects' paths, enums, dataclasses... stored pickle-free
 
 
 class _DataLoaders:
@@ -44,7 +42,8 @@ class _DataLoaders:
 
 
 class AcceleratorTrainState:
-    """The complete state of an ``Accelerator`` run (a DCP ``Stateful`` with torch-ckpt's load protocol).
+    """The complete state of an ``Accelerator`` run (a DCP ``Stateful`` with torch-ckpt's load protocol); the
+    registered custom objects' states are encoded by :class:`torch_ckpt.TypedValues` (no pickling).
 
     Args:
         accelerator: the ``Accelerator`` whose prepared objects are saved or loaded.
@@ -91,29 +90,25 @@ class AcceleratorTrainState:
         """The nested state (live tensors, not copies)."""
         sd = self._train.state_dict()
         sd["optimizers_plain"] = {str(j): opt.state_dict() for j, opt in enumerate(self._plain)}
-        sd["custom"] = {str(k): obj.state_dict() for k, obj in enumerate(self._custom)}
+        sd["custom"] = {str(k): _VALUES.encode(obj.state_dict(), f"custom.{k}") for k, obj in enumerate(self._custom)}
         sd["accelerate"] = {"step": int(self._acc.step), "save_iteration": self._save_iteration,
                             "training_step": self.training_step}
         return sd
 
-    # -- loading (the protocol of torch_ckpt.restore._restore.load_into) -------------------------------------
-    def _plain_key(self, key: str) -> tuple[OptimizerState, str] | None:
-        """``(optimizer j, rest of the key)`` for ``optimizers_plain.<j>.<rest>``."""
+    def _route(self, method: str, key: str, *args: Any) -> Any:  # optimizers_plain.<j>.<rest> to optimizer j
         parts = key.split(".", 2)
         if len(parts) == 3 and parts[0] == "optimizers_plain" and parts[1].isdigit() and int(parts[1]) < len(
                 self._plain):
-            return self._plain[int(parts[1])], parts[2]
-        return None
+            return getattr(self._plain[int(parts[1])], method)(parts[2], *args)
+        return getattr(self._train, method)(key, *args)
 
     def load_optional_key(self, key: str) -> bool:
         """True for optimizer-state tensors (a fresh optimizer has none yet)."""
-        plain = self._plain_key(key)
-        return plain[0].load_optional_key(plain[1]) if plain else self._train.load_optional_key(key)
+        return self._route("load_optional_key", key)
 
     def load_target(self, key: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
         """A new tensor, placed where its optimizer keeps it, for an optimizer-state key; None otherwise."""
-        plain = self._plain_key(key)
-        return plain[0].load_target(plain[1], shape, dtype) if plain else self._train.load_target(key, shape, dtype)
+        return self._route("load_target", key, shape, dtype)
 
     def check_load(self, state: Mapping[str, Any], *, allow_cast: bool = False) -> list[str]:
         """Check everything :meth:`load_state_dict` will load (tensors may be meta tensors); change nothing.
@@ -154,7 +149,7 @@ class AcceleratorTrainState:
                 undo.append(opt.undo)
             for k, obj in enumerate(self._custom):
                 undo.append(partial(obj.load_state_dict, copy.deepcopy(obj.state_dict())))
-                obj.load_state_dict(state["custom"][str(k)])
+                obj.load_state_dict(_VALUES.decode(state["custom"][str(k)]))
             self._train.load_state_dict(state)  # undoes its own components when one of them fails
         except BaseException:
             for fn in reversed(undo):

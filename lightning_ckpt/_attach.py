@@ -1,11 +1,11 @@
 """Attaching :class:`~lightning_ckpt.AsyncDCPCheckpointIO` so every rank takes part in every save.
 
-Lightning calls a ``CheckpointIO`` on rank 0 only (FSDP/ModelParallel not at all): :func:`attach` replaces
-save, remove, load and teardown on this trainer's strategy *instance*. Single device/DDP: every rank saves,
-a load is checked against the live model first. ModelParallel (FSDP2, TP) and sharded FSDP: model and
-optimizer state go through :class:`torch_ckpt.TrainState`; loading while fitting is the core's checked,
-all-or-nothing load in place (evaluation: full tensors). Before ``fit`` it registers a picklable callback
-that attaches at ``setup`` in every worker (``ddp_spawn``); loggers' ``after_save_checkpoint`` waits for commits.
+Lightning calls a ``CheckpointIO`` on rank 0 only (FSDP/ModelParallel not at all): :func:`attach` replaces save,
+remove, load and teardown on the trainer's strategy *instance*. Single device/DDP: a load is checked against the
+live model first. ModelParallel and sharded FSDP: model and optimizer state go through
+:class:`torch_ckpt.TrainState` (while fitting, a checked all-or-nothing load in place; evaluation: full tensors).
+Before ``fit`` it registers a picklable callback attaching at ``setup`` in every worker (``ddp_spawn``); loggers'
+``after_save_checkpoint`` waits for commits.
 """
 
 from __future__ import annotations
@@ -20,11 +20,8 @@ from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 
 from lightning_ckpt import _compat
-from lightning_ckpt._remote import is_url
-from lightning_ckpt._values import decode_values
+from lightning_ckpt._load import decode_values, is_url
 from torch_ckpt import ConfigError, TrainState
-
-__all__ = ["attach", "sharded"]
 
 _MARK = "_lightning_ckpt_io"
 
@@ -35,11 +32,11 @@ def sharded(strategy: Any) -> bool:
     Raises:
         ConfigError: a sharded strategy configured to gather a full state dict on rank 0.
     """
-    flags = _compat.sharded_flags(strategy)
+    distributed, dict_type = _compat.sharded_flags(strategy)
     fix = None
-    if isinstance(strategy, ModelParallelStrategy) and not flags["save_distributed_checkpoint"]:
+    if isinstance(strategy, ModelParallelStrategy) and not distributed:
         fix = "ModelParallelStrategy(save_distributed_checkpoint=True)"
-    if isinstance(strategy, FSDPStrategy) and flags["state_dict_type"] != "sharded":
+    if isinstance(strategy, FSDPStrategy) and dict_type != "sharded":
         fix = "FSDPStrategy(state_dict_type='sharded')"
     if fix:
         raise ConfigError(f"AsyncDCPCheckpointIO writes sharded checkpoints (every rank its shards): use {fix}")
@@ -103,7 +100,7 @@ def _teardown(io: Any, original_teardown: Any) -> None:
 
 
 def _optimizers(strategy: Any) -> list:
-    return [getattr(o, "_optimizer", o) for o in strategy.optimizers]
+    return [_compat.unwrap_optimizer(o) for o in strategy.optimizers]
 
 
 def _sharded_module_state(strategy: Any) -> dict[str, Any]:
@@ -113,7 +110,7 @@ def _sharded_module_state(strategy: Any) -> dict[str, Any]:
 
 
 def _sharded_optimizer_state(strategy: Any, optimizer: Any) -> dict[str, Any]:
-    return TrainState(model=strategy.model, optimizer=[getattr(optimizer, "_optimizer", optimizer)],
+    return TrainState(model=strategy.model, optimizer=[_compat.unwrap_optimizer(optimizer)],
                       rng=False).state_dict()["optimizer"]
 
 
@@ -146,13 +143,9 @@ def _load_checkpoint(io: Any, trainer: Any, original_load: Any, is_sharded: bool
 
 
 def _defer_after_save(io: Any, logger: Any) -> None:
-    original = logger.after_save_checkpoint
-    if getattr(original, _MARK, False):
-        return
-
-    after_save_checkpoint = partial(_after_save_checkpoint, io, original)
-    setattr(after_save_checkpoint, _MARK, True)
-    logger.after_save_checkpoint = after_save_checkpoint
+    if not getattr(logger.after_save_checkpoint, _MARK, False):
+        logger.after_save_checkpoint = partial(_after_save_checkpoint, io, logger.after_save_checkpoint)
+        setattr(logger.after_save_checkpoint, _MARK, True)
 
 
 def _after_save_checkpoint(io: Any, original: Any, checkpoint_callback: Any) -> None:

@@ -13,7 +13,7 @@ from typing_extensions import override
 
 from lightning_ckpt import _compat
 from lightning_ckpt._checkpoint_io import AsyncDCPCheckpointIO
-from lightning_ckpt._values import encode_values
+from lightning_ckpt._load import encode_values
 from torch_ckpt import CheckpointConfig, ConfigError, SaveReports, StepNaming, TrainState, YoungDaly, is_committed
 
 __all__ = ["MTBFCheckpoint"]
@@ -84,20 +84,17 @@ class MTBFCheckpoint(OnExceptionCheckpoint):
         self._pending_rng: dict[str, Any] | None = None
         self._deferred: tuple[str, dict[str, Any]] | None = None  # an epoch end's path and Lightning state
         self._epoch_end_loop: tuple[int, dict[str, Any]] | None = None  # last batch's step and fit-loop state
-        self._reports = SaveReports(health_every_seconds=60.0)  # each commit once; lost work at most once a minute
-        self._stepped = False
-        self._last_saved_step: int | None = None
+        self._reports = SaveReports()  # each commit once; lost work at most once a minute
+        self._stepped, self._last_saved_step = False, None
 
     def __getstate__(self) -> dict[str, Any]:
-        """The callback without its run's manager, plugin and signal handlers (``setup`` sets them again), so a
-        trainer holding it pickles (``torch.save(trainer)``, ``ddp_spawn``)."""
+        # without its run's manager, plugin, signal handlers (setup sets them again): a trainer holding it pickles
         return {**self.__dict__, "_io": None, "_manager": None, "_handlers": None}
 
     @property
     @override
     def ckpt_path(self) -> str | None:  # type: ignore[override]
-        """The newest committed checkpoint (``ckpt_path="last"``; if it fails verification, the plugin falls
-        back to the next older one with a warning), or None."""
+        """The newest committed checkpoint (``ckpt_path="last"``; failing verification, the next older), or None."""
         naming, root = StepNaming(), Path(self.dirpath)
         steps = {naming.step_of(p.name): p for p in root.iterdir()} if root.is_dir() else {}
         self._candidates = [steps[s].absolute() for s in sorted((s for s in steps if s is not None), reverse=True)
@@ -115,9 +112,8 @@ class MTBFCheckpoint(OnExceptionCheckpoint):
         if stage != "fit":
             return
         # hyper-parameters go into every checkpoint: refuse what cannot be stored now, not at the first save
-        encode_values({"hyper_parameters": dict(pl_module.hparams)}, io.unsafe_values)
-        if trainer.datamodule is not None:
-            encode_values({"datamodule_hyper_parameters": dict(trainer.datamodule.hparams)}, io.unsafe_values)
+        encode_values({"hyper_parameters": dict(pl_module.hparams), "datamodule_hyper_parameters": dict(
+            trainer.datamodule.hparams) if trainer.datamodule is not None else {}}, io.unsafe_values)
         _compat.isolate_validation_rng(trainer)
         before = signal.getsignal(signal.SIGTERM) if threading.current_thread() is threading.main_thread() else None
         # collective: the manager owns the root (temporaries, retention, superseding after a rollback), the
@@ -129,18 +125,17 @@ class MTBFCheckpoint(OnExceptionCheckpoint):
             io.fallbacks[str(self._candidates[0])] = self._candidates
         io.rng_restored_by_callback = True
         io.enable_overlap(pl_module)
-        self._reports, self._stepped, self._last_saved_step, self._deferred = SaveReports(), False, None, None
-        self._epoch_end_loop = None
+        self._reports, self._stepped, self._last_saved_step, self._deferred, self._epoch_end_loop = (
+            SaveReports(), False, None, None, None)
 
     @override
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-        """Replace Lightning's SIGTERM handler (it stops mid-accumulation, before a save) by the manager's,
-        which is agreed at the next step boundary; handlers installed before ``fit`` still run."""
-        connector = _compat.signal_connector(trainer)
-        if not self.save_on_sigterm or connector is None or self._handlers is None:
+        """Replace Lightning's SIGTERM handler (it stops mid-accumulation) by the manager's (agreed at the next step
+        boundary); handlers installed before ``fit`` still run."""
+        if not self.save_on_sigterm or self._handlers is None or not _compat.set_original_sigterm_handler(
+                trainer, self._handlers[0]):
             return
         before, record = self._handlers
-        _compat.set_original_sigterm_handler(connector, before)
 
         def handler(signum: int, frame: Any) -> None:
             record(signum, frame)
@@ -180,9 +175,7 @@ class MTBFCheckpoint(OnExceptionCheckpoint):
         if sigterm:
             self._io.wait()
             log.warning("[rank %d] SIGTERM: checkpoint of step %d is committed; stopping", trainer.global_rank, step)
-            connector = _compat.signal_connector(trainer)
-            if connector is not None:
-                connector.received_sigterm = True  # Lightning raises SIGTERMException at the end of this batch
+            _compat.mark_sigterm_received(trainer)  # Lightning raises SIGTERMException at the end of this batch
             trainer.should_stop = True
         self._report(trainer, pl_module)
         if self.log_stats and (lost := self._reports.lost_work(self._manager.health)) is not None:
@@ -194,11 +187,9 @@ class MTBFCheckpoint(OnExceptionCheckpoint):
 
     def _save(self, trainer: Any, step: int, *, stopping: bool = False, fit_loop: dict[str, Any] | None = None
               ) -> None:
-        """Save ``step``. At an epoch end, Lightning's state of this step is taken now (its loaders marked
-        finished, so a resume starts the next epoch) and written with the RNG of the next epoch's first
-        batch, where a resume restores it: at that batch, or at once when training stops first.
-        ``fit_loop`` replaces the checkpoint's ``loops.fit_loop`` (the state taken at the epoch's last batch
-        end, for a save at ``on_train_end``)."""
+        """Save ``step``. At an epoch end the state is taken now (loaders marked finished: a resume starts the next
+        epoch) and written with the RNG of the next epoch's first batch (there, or at once when training stops).
+        ``fit_loop`` replaces ``loops.fit_loop`` (taken at the epoch's last batch end, for ``on_train_end``)."""
         if step == self._last_saved_step:
             return
         self._last_saved_step = step
@@ -216,8 +207,8 @@ class MTBFCheckpoint(OnExceptionCheckpoint):
             self._flush_deferred(trainer, stopping=True)
 
     def _flush_deferred(self, trainer: Any, *, stopping: bool = False) -> None:
-        """Write the checkpoint deferred by :meth:`_save` with this moment's RNG; when training stops before
-        the next epoch, with the RNG after what that epoch's start draws (the live RNG is then put back)."""
+        """Write the checkpoint deferred by :meth:`_save` with this moment's RNG; when training stops first, with the
+        RNG after what the next epoch's start draws (the live RNG is put back)."""
         if self._deferred is None:
             return
         (path, checkpoint), self._deferred = self._deferred, None
@@ -237,7 +228,7 @@ class MTBFCheckpoint(OnExceptionCheckpoint):
 
     @staticmethod
     def _log_metrics(trainer: Any, metrics: dict[str, float]) -> None:
-        """Write ``metrics`` once, straight to the loggers (``pl_module.log`` would repeat them per row)."""
+        """Write ``metrics`` once, straight to the loggers (``pl_module.log`` repeats them per row)."""
         for logger in trainer.loggers if trainer.is_global_zero else ():
             logger.log_metrics(metrics, step=trainer.global_step)
 
@@ -260,12 +251,10 @@ class MTBFCheckpoint(OnExceptionCheckpoint):
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         """Save the final step unless already saved, wait for it, log its statistics.
 
-        A stop at an epoch end decided after its last batch (``should_stop`` set by ``EarlyStopping`` on a
-        validation metric, by a callback or by the module, e.g. in ``on_train_epoch_end``) saves the state of
-        now (callbacks, schedulers stepped at the epoch end) with the fit loop's state taken at that last
-        batch end: Lightning has counted the epoch completed now, and a resume from that count would not
-        load the train loaders' states. A stop inside an epoch (``should_stop``, ``max_time``) is not saved:
-        Lightning counts that epoch as completed."""
+        A stop at an epoch end decided after its last batch (``EarlyStopping``, a callback, the module) saves the
+        state of now with the fit loop's state taken at that last batch end (Lightning has counted the epoch
+        completed, and a resume from that count would skip the loaders' states). A stop inside an epoch
+        (``should_stop``, ``max_time``) is not saved: Lightning counts that epoch as completed."""
         self._flush_deferred(trainer, stopping=True)
         step = trainer.global_step
         loop, self._epoch_end_loop = self._epoch_end_loop, None
@@ -289,7 +278,7 @@ class MTBFCheckpoint(OnExceptionCheckpoint):
 
     @override
     def teardown(self, trainer: Any, *_: Any, **__: Any) -> None:
-        """Nothing to remove (unlike ``OnExceptionCheckpoint``); the plugin's teardown waits for saves."""
+        """Nothing to remove (unlike ``OnExceptionCheckpoint``); the plugin's teardown waits."""
 
     @override
     def state_dict(self) -> dict[str, Any]:

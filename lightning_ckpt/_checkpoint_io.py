@@ -11,7 +11,6 @@ import shutil
 import sys
 import uuid
 import weakref
-from collections.abc import Callable
 from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 from typing import Any, Literal
@@ -23,10 +22,19 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
-from lightning_ckpt._load import load_checkpoint_dir
-from lightning_ckpt._remote import RemoteCheckpoints, check_options, is_url
-from lightning_ckpt._values import RANK_LOCAL_KEYS, UNSAFE_VALUE_MODES, encode_values
+from lightning_ckpt import _compat
+from lightning_ckpt._load import (
+    RANK_LOCAL_KEYS,
+    RemoteCheckpoints,
+    check_options,
+    encode_values,
+    is_remote_checkpoint,
+    is_url,
+    load_checkpoint_dir,
+    read_for_lightning,
+)
 from torch_ckpt import (
+    AfterCommit,
     CheckpointConfig,
     CheckpointManager,
     CheckpointWriteError,
@@ -37,16 +45,24 @@ from torch_ckpt import (
     rank_and_world,
 )
 
-__all__ = ["AsyncDCPCheckpointIO"]
-
 log = logging.getLogger(__name__)
 _LIVE: weakref.WeakSet = weakref.WeakSet()  # plugins of this process, finished at interpreter exit
 _EXIT_WAIT_S = 60.0  # longest wait at interpreter exit for an in-flight save, in seconds
 _PICKLED_FIELDS = ("_config", "verify_on_load", "unsafe_values", "allow_cast", "wait_outside_fit")
+_HPC_NAME = re.compile(r"hpc_ckpt_(\d+)\.ckpt")
+
+
+def install_hooks() -> None:
+    """Install the plugin's wrappers of Lightning (:func:`lightning_ckpt._compat.install_hooks`), once per process."""
+    from lightning_ckpt._callback import MTBFCheckpoint
+
+    _compat.install_hooks(lambda io: isinstance(io, AsyncDCPCheckpointIO),
+                          lambda callback: isinstance(callback, MTBFCheckpoint), read_for_lightning,
+                          is_remote_checkpoint)
 
 
 class _LightningState:
-    """The checkpoint dict as the core's ``Stateful``, with its rank-local keys and overlap-staged tensors."""
+    """The checkpoint dict as the core's state, with its rank-local keys and overlap-staged tensors."""
 
     rank_local_keys = RANK_LOCAL_KEYS
     replicated_keys = ("state_dict", "optimizer_states")  # one tensor for the job (DCP); other tensors per rank
@@ -73,7 +89,8 @@ class AsyncDCPCheckpointIO(CheckpointIO):
     plain ``.ckpt`` files still load. Values are stored with their exact types without pickling where a typed
     encoding exists (``unsafe_values`` governs the rest); loading unpickles only with ``weights_only=False``.
     Multi-process strategies need it attached (:class:`~lightning_ckpt.MTBFCheckpoint` or :meth:`attach`);
-    alone it does not restore the RNG (see ``docs/lightning.md``).
+    alone it does not restore the RNG (see ``docs/lightning.md``). Constructing one installs its wrappers of
+    Lightning's loader, links, ``Trainer.save_checkpoint`` and ``LightningCLI`` (once per process).
 
     Args:
         async_save: Persist in a background thread (default) or inside ``save_checkpoint``.
@@ -111,10 +128,10 @@ class AsyncDCPCheckpointIO(CheckpointIO):
         allow_cast: bool = False,
         wait_outside_fit: bool = True,
     ) -> None:
-        if unsafe_values not in UNSAFE_VALUE_MODES or not isinstance(allow_cast, bool) or \
+        if unsafe_values not in ("pickle", "error") or not isinstance(allow_cast, bool) or \
                 not isinstance(wait_outside_fit, bool):
-            raise ConfigError(f"unsafe_values must be one of {UNSAFE_VALUE_MODES} and allow_cast/wait_outside_fit "
-                              f"booleans, got {unsafe_values!r}, {allow_cast!r}, {wait_outside_fit!r}")
+            raise ConfigError(f"unsafe_values must be 'pickle' or 'error' and allow_cast/wait_outside_fit booleans, "
+                              f"got {unsafe_values!r}, {allow_cast!r}, {wait_outside_fit!r}")
         # the core's one typed configuration validates the manager's settings (same names and defaults)
         self._config = CheckpointConfig(async_save=async_save, persist=persist, overlap_staging=overlap_staging,
                                         writer_niceness=writer_niceness, staging_budget_bytes=staging_budget_bytes,
@@ -125,15 +142,15 @@ class AsyncDCPCheckpointIO(CheckpointIO):
         self._reset_runtime()
 
     def _reset_runtime(self) -> None:
+        install_hooks()
         _LIVE.add(self)
         self._manager: CheckpointManager | None = None
-        self._pending: list[tuple[int, str, Callable[[], None]]] = []  # (order, what, action) after the commit
-        self._param_ptrs: Callable[[], set[int]] | None = None
-        self._collective = self._in_fit = self._after_fit = self._warned_fallback = self._warned_rng = False
-        self._warned_loggers = False
+        self._after = AfterCommit()  # links 0, removals 1, loggers 2; uploads -1 (their failure stops the rest)
+        self._param_ptrs: Any = None
+        self._collective = self._in_fit = self._after_fit = False
+        self._warned: set[str] = set()
         self.rng_restored_by_callback = False
         self.fallbacks: dict[str, list[Path]] = {}  # "last" -> newest-first candidates (MTBFCheckpoint)
-        self.last_handle: SaveHandle | None = None
         self._saving_path: str | None = None  # where last_handle writes (a URL: until uploaded)
         self._remote = RemoteCheckpoints()  # checkpoints at fsspec URLs: committed locally, then uploaded
         self._remote_options: dict[str, Any] = {}  # URL -> the storage_options it was saved with
@@ -145,6 +162,21 @@ class AsyncDCPCheckpointIO(CheckpointIO):
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._reset_runtime()
+
+    @property
+    def last_handle(self) -> SaveHandle | None:
+        """The :class:`~torch_ckpt.SaveHandle` of the latest save, or None."""
+        return self._after.handle
+
+    @property
+    def saving(self) -> bool:
+        """True while a save is in flight (staged, not yet committed)."""
+        return self._after.saving
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            rank_zero_warn(message)
 
     def attach(self, trainer: Any) -> None:
         """Route every checkpoint operation of ``trainer`` through this plugin on every rank (before ``fit``).
@@ -165,8 +197,8 @@ class AsyncDCPCheckpointIO(CheckpointIO):
         self._param_ptrs = lambda: {_ptr(p) for p in module.parameters()}
 
     def manager(self, directory: str | os.PathLike | None = None, **kwargs: Any) -> CheckpointManager:
-        """The core manager, created on first use (collectively once attached) with root ``directory``
-        (default: the first checkpoint's directory) and ``kwargs`` (:class:`~torch_ckpt.CheckpointConfig` fields).
+        """The core manager, created on first use (collectively once attached) with root ``directory`` and
+        ``kwargs`` (:class:`~torch_ckpt.CheckpointConfig` fields).
 
         Raises:
             ConfigError: no manager yet and no ``directory``.
@@ -180,16 +212,14 @@ class AsyncDCPCheckpointIO(CheckpointIO):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
-        """Stage ``checkpoint`` and return; it is committed at ``path`` (a directory) in the background.
-
-        A ``path`` that is an fsspec URL (``s3://``, ``memory://``...) is committed locally first, then uploaded
-        with the core's durable tier (every file verified, ``manifest.json`` last) once the commit is observed
-        (next save, ``wait()``, ``teardown``); ``storage_options`` (a dict) goes to fsspec for it.
+        """Stage ``checkpoint`` and return; it is committed at ``path`` (a directory) in the background. An fsspec
+        URL is committed locally, then uploaded once the commit is observed (next save, ``wait()``, ``teardown``)
+        with ``storage_options`` (a dict).
 
         Raises:
-            TypeError: ``storage_options`` is given for a local path (as Lightning's ``TorchCheckpointIO``).
-            ConfigError: a value needs pickling (see ``unsafe_values``), ``path`` is not a torch-ckpt checkpoint,
-                or ``storage_options`` is not a dict.
+            TypeError: ``storage_options`` for a local path (as Lightning's ``TorchCheckpointIO``).
+            ConfigError: a value needs pickling (``unsafe_values``), ``path`` is not a torch-ckpt checkpoint, or
+                ``storage_options`` is not a dict.
             CheckpointError: an earlier background save or upload failed (raised once).
         """
         url = os.fspath(path) if isinstance(path, (str, os.PathLike)) and is_url(os.fspath(path)) else None
@@ -200,13 +230,13 @@ class AsyncDCPCheckpointIO(CheckpointIO):
             self._remote_options[url] = check_options(storage_options)
             path = self._remote.local_path(url)
         path = _local_path(path).absolute()
-        if rank_and_world()[1] > 1 and not self._collective:  # Lightning calls us on rank 0 only
-            if rank_and_world()[0] == 0:
-                if not self._warned_fallback:
-                    self._warned_fallback = True
-                    rank_zero_warn("AsyncDCPCheckpointIO is called on rank 0 only (not attached to a running fit), so "
-                                   "this checkpoint is written synchronously as a plain .ckpt file. Add lightning_ckpt."
-                                   "MTBFCheckpoint to the callbacks or call plugin.attach(trainer) before fit.")
+        rank, world = rank_and_world()
+        if world > 1 and not self._collective:  # Lightning calls us on rank 0 only
+            if rank == 0:
+                self._warn_once("rank0", "AsyncDCPCheckpointIO is called on rank 0 only (not attached to a running "
+                                "fit), so this checkpoint is written synchronously as a plain .ckpt file. Add "
+                                "lightning_ckpt.MTBFCheckpoint to the callbacks or call plugin.attach(trainer) "
+                                "before fit.")
                 if url is None:
                     TorchCheckpointIO().save_checkpoint(checkpoint, path)
                 else:  # one object PUT: a reader sees the whole file or none
@@ -219,48 +249,20 @@ class AsyncDCPCheckpointIO(CheckpointIO):
         self.wait()  # the previous save and its deferred actions come first
         step = int(checkpoint.get("global_step", 0))
         named = path.parent == manager.root and manager.naming.step_of(path.name) == step
-        self.last_handle = manager.save(step, state, path=None if named else path)
+        self._after.handle = manager.save(step, state, path=None if named else path)
         self._saving_path = url or str(path)
-        if url is not None and rank_and_world()[0] == 0:  # rank 0 uploads what every rank committed
+        if url is not None and rank == 0:  # rank 0 uploads what every rank committed
             self._uploads_here = True
-            self._after_commit(-1, f"upload {url}", lambda: self._upload(path, url, storage_options))
+            self._after.add(-1, f"upload {url}", lambda: self._upload(path, url, storage_options))
         if self.wait_outside_fit and self._after_fit:
             self.teardown()  # committed; the manager this save opened after the run ends with it (lifecycle)
 
     def warn_uploading_loggers(self, names: list[str]) -> None:
         """Warn once that loggers ``names`` upload no checkpoint of ours (``log_model`` picks files only)."""
-        if not self._warned_loggers:
-            self._warned_loggers = True
-            rank_zero_warn(f"{', '.join(names)} with log_model uploads checkpoint files only (it keeps paths for which "
-                           "Path.is_file()), and AsyncDCPCheckpointIO writes directories: no checkpoint is uploaded. "
-                           "Pass log_model=False and upload the checkpoint directories yourself, or use a durable tier "
-                           "(see docs/lightning.md, 'Loggers that upload checkpoints').")
-
-    @property
-    def saving(self) -> bool:
-        """True while a save is in flight (staged, not yet committed)."""
-        return self.last_handle is not None and not self.last_handle.committed.done()
-
-    def _after_commit(self, order: int, what: str, action: Callable[[], None]) -> None:
-        """Run ``action`` now, or once the in-flight save is committed (links 0, removals 1, loggers 2)."""
-        if self.saving:
-            self._pending.append((order, what, action))
-        else:
-            action()
-
-    def _run_pending(self) -> None:
-        handle, (pending, self._pending) = self.last_handle, (sorted(self._pending, key=lambda p: p[0]), [])
-        if pending and handle is not None and handle.committed.done() and handle.committed.exception() is not None:
-            log.warning("the last save failed: not carrying out %s, so older checkpoints stay in place",
-                        [what for _, what, _ in pending])
-            return
-        for order, what, action in pending:
-            try:
-                action()
-            except OSError as exc:
-                if order < 0:  # an upload: the checkpoint is not at its URL; what follows (removals) is dropped
-                    raise
-                log.warning("after a commit: could not %s: %s", what, exc)
+        self._warn_once("loggers", f"{', '.join(names)} with log_model uploads checkpoint files only (it keeps paths "
+                        "for which Path.is_file()), and AsyncDCPCheckpointIO writes directories: no checkpoint is "
+                        "uploaded. Pass log_model=False and upload the checkpoint directories yourself, or use a "
+                        "durable tier (see docs/lightning.md, 'Loggers that upload checkpoints').")
 
     def link_when_committed(self, target: str, link: str) -> None:
         """Point ``link`` at ``target`` atomically, once ``target``'s save is committed (rank 0 calls it)."""
@@ -272,16 +274,15 @@ class AsyncDCPCheckpointIO(CheckpointIO):
             os.symlink(os.path.relpath(target, os.path.dirname(link)), tmp)
             os.replace(tmp, link)
 
-        self._after_commit(0, f"link {link} -> {target}", relink)
+        self._after.add(0, f"link {link} -> {target}", relink)
 
-    def call_when_committed(self, call: Callable[[], None]) -> None:
+    def call_when_committed(self, call: Any) -> None:
         """Run ``call`` (a logger notification) on this thread once the in-flight save is committed."""
-        self._after_commit(2, "notify loggers", call)
+        self._after.add(2, "notify loggers", call)
 
     def poll(self) -> None:
         """Carry out deferred links, removals and logger calls if the in-flight save has committed."""
-        if self._pending and not self.saving:
-            self._run_pending()
+        self._after.poll()
 
     def _upload(self, local: Path, url: str, storage_options: Any) -> None:
         try:
@@ -294,14 +295,10 @@ class AsyncDCPCheckpointIO(CheckpointIO):
 
     def wait_for_path(self, path: Any) -> None:
         """Block until the in-flight save is committed if it writes ``path`` (``Tuner.lr_find`` restores the
-        checkpoint it has just saved; the synchronous IO's file exists once the save returned). The save
-        reserves its name at once, so without this wait a load would find an uncommitted reservation.
-
-        Raises:
-            CheckpointError: that save failed (raised once).
-        """
+        checkpoint it has just saved; the save reserves its name at once)."""
         text = os.fspath(path)
-        if (self.saving or self._pending) and self._saving_path == (text if is_url(text) else os.path.abspath(text)):
+        if (self.saving or self._after.pending) and self._saving_path == (text if is_url(text) else
+                                                                         os.path.abspath(text)):
             self.wait()
 
     def wait_staged(self) -> None:
@@ -315,23 +312,24 @@ class AsyncDCPCheckpointIO(CheckpointIO):
             if self._manager is not None:
                 self._manager.wait()
         finally:
-            self._run_pending()
+            self._after.run()
 
     @override
     def remove_checkpoint(self, path: Any) -> None:
         """Delete the checkpoint at ``path`` (directory, file or link; at a URL: manifest first) once the in-flight
         save is committed."""
         text = os.fspath(path)
+        if rank_and_world()[0] != 0:
+            return
         if is_url(text):
-            if rank_and_world()[0] == 0:
-                options = self._remote_options.get(text)
-                self._after_commit(1, f"remove {text}", lambda: self._remote.remove(text, options))
+            options = self._remote_options.get(text)
+            self._after.add(1, f"remove {text}", lambda: self._remote.remove(text, options))
             return
         target = _local_path(path).absolute()
-        if rank_and_world()[0] == 0 and (target.is_symlink() or target.is_file()):
-            self._after_commit(1, f"remove {target}", lambda: target.unlink(missing_ok=True))
-        elif rank_and_world()[0] == 0 and self._manager is not None:
-            self._after_commit(1, f"remove {target}", lambda: self._manager.remove(target))
+        if target.is_symlink() or target.is_file():
+            self._after.add(1, f"remove {target}", lambda: target.unlink(missing_ok=True))
+        elif self._manager is not None:
+            self._after.add(1, f"remove {target}", lambda: self._manager.remove(target))
 
     @staticmethod
     def is_checkpoint_dir(path: Any) -> bool:
@@ -341,11 +339,11 @@ class AsyncDCPCheckpointIO(CheckpointIO):
     @override
     def load_checkpoint(self, path: Any, map_location: Any | None = None, weights_only: bool | None = None, *,
                         live: dict[str, Any] | None = None, strict: bool = True) -> dict[str, Any]:
-        """The checkpoint dict Lightning expects, from a torch-ckpt directory or a plain ``.ckpt`` file.
+        """The checkpoint dict Lightning expects, from a torch-ckpt directory or URL or a plain ``.ckpt`` file.
 
-        For ``ckpt_path="last"`` of :class:`~lightning_ckpt.MTBFCheckpoint`, a checkpoint failing verification
-        falls back to the next older one with a warning; an explicit path raises. Once attached, a directory
-        is first checked against ``live`` (``{"state_dict": <the live model's state>}``; keys when ``strict``).
+        ``ckpt_path="last"`` of :class:`~lightning_ckpt.MTBFCheckpoint` falls back past a checkpoint failing
+        verification (warning); an explicit path raises. Attached, a directory is first checked against ``live``
+        (``{"state_dict": <the live model's state>}``; keys when ``strict``).
 
         Raises:
             CheckpointNotFoundError: ``path`` is a directory but not a committed checkpoint.
@@ -355,30 +353,30 @@ class AsyncDCPCheckpointIO(CheckpointIO):
         """
         self.wait_for_path(path)
         text = os.fspath(path) if isinstance(path, (str, os.PathLike)) else ""
+        allow_pickle = weights_only is False
         if is_url(text) and self._remote.is_checkpoint(text, self._remote_options.get(text)):
             local = self._remote.download(text, self._remote_options.get(text))
             try:
                 return load_checkpoint_dir([local], manager=None, verify=self.verify_on_load,
-                                           allow_pickle=weights_only is False, map_location=map_location)
+                                           allow_pickle=allow_pickle, map_location=map_location)
             finally:
                 shutil.rmtree(local.parent, ignore_errors=True)
         if is_url(text) or not Path(path).is_dir():
             return TorchCheckpointIO().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
-        path = _instead_of_interrupted(Path(path))
         # absolute: an attached manager reads a relative path relative to its root, not the working directory
-        candidates = self.fallbacks.pop(str(Path(path).absolute()), [Path(path).absolute()])
-        if self._in_fit and not self.rng_restored_by_callback and not self._warned_rng:
-            self._warned_rng = True
-            rank_zero_warn("AsyncDCPCheckpointIO alone does not restore the RNG: after this resume, dropout and random "
-                           "augmentation differ from an uninterrupted run. Add lightning_ckpt.MTBFCheckpoint for a "
-                           "bitwise exact resume.")
+        path = _instead_of_interrupted(Path(path).absolute())
+        candidates = self.fallbacks.pop(str(path), [path])
+        if self._in_fit and not self.rng_restored_by_callback:
+            self._warn_once("rng", "AsyncDCPCheckpointIO alone does not restore the RNG: after this resume, dropout "
+                            "and random augmentation differ from an uninterrupted run. Add "
+                            "lightning_ckpt.MTBFCheckpoint for a bitwise exact resume.")
         manager = self._manager if self._collective else None
         if manager is None and self._collective:  # attached, nothing saved yet: read through a read-only manager
-            manager = CheckpointManager(Path(candidates[0]).absolute().parent, config=self._config.replace(
+            manager = CheckpointManager(Path(candidates[0]).parent, config=self._config.replace(
                 read_only=True, persist="thread", naming=StepNaming(), keep_last=None))
         try:
             return load_checkpoint_dir(candidates, manager=manager, verify=self.verify_on_load,
-                                       allow_pickle=weights_only is False, map_location=map_location, live=live,
+                                       allow_pickle=allow_pickle, map_location=map_location, live=live,
                                        strict=strict, allow_cast=self.allow_cast)
         finally:
             if manager is not None and manager is not self._manager:
@@ -386,8 +384,8 @@ class AsyncDCPCheckpointIO(CheckpointIO):
 
     @override
     def teardown(self) -> None:
-        """Wait for the in-flight save, release the manager; raise a background error once (log it while
-        another exception propagates)."""
+        """Wait for the in-flight save, release the manager; raise a background error once (logged while another
+        exception propagates)."""
         propagating = sys.exc_info()[1]  # Lightning tears down inside `except` when training failed
         self._collective = self._in_fit = False  # until attached again: later rank-0-only calls must not block
         self._after_fit, manager = True, self._manager
@@ -400,8 +398,7 @@ class AsyncDCPCheckpointIO(CheckpointIO):
                     manager.close()
                 if self._uploads_here and not self._keep_staging:  # a failed upload keeps the local copy
                     self._remote.close()
-        except Exception:
-            self._pending = []
+        except Exception:  # the failed save's waiting actions are dropped (AfterCommit.run)
             if propagating is None:
                 raise
             log.exception("checkpoint error during teardown while %r propagates", propagating)
@@ -409,17 +406,16 @@ class AsyncDCPCheckpointIO(CheckpointIO):
 
 @atexit.register
 def _finish_at_exit() -> None:
-    """A process leaving without ``teardown`` (a ``ddp_spawn`` worker whose ``fit`` raised: Lightning tears down
-    only in the main process) commits its in-flight save and carries out the removals and links waiting for it,
-    as the synchronous IO had done by then; errors are logged."""
+    """A process leaving without ``teardown`` (a ``ddp_spawn`` worker whose ``fit`` raised) commits its in-flight
+    save (waiting at most ``_EXIT_WAIT_S``) and what waits for it; errors are logged."""
     for io in list(_LIVE):
-        if io._manager is None or not (io._pending or io.saving):
+        if io._manager is None or not (io._after.pending or io.saving):
             continue
         try:  # bounded: a save that needs ranks which are gone must not hold the process at exit
             io.last_handle.committed.result(timeout=_EXIT_WAIT_S)
         except FutureTimeout:
             log.error("the in-flight checkpoint save was not committed within %.0f s of interpreter exit; not "
-                      "carrying out %s", _EXIT_WAIT_S, [what for _, what, _ in io._pending])
+                      "carrying out %s", _EXIT_WAIT_S, io._after.pending)
             continue
         except Exception:  # noqa: BLE001 - the save failed: wait() below reports it and drops the removals
             pass
@@ -429,36 +425,23 @@ def _finish_at_exit() -> None:
             log.exception("checkpoint error while finishing the in-flight save at interpreter exit")
 
 
-_HPC_NAME = re.compile(r"hpc_ckpt_(\d+)\.ckpt")
-
-
 def _instead_of_interrupted(path: Path) -> Path:
-    """``path``, or for a SLURM ``hpc_ckpt_N.ckpt`` whose save a kill interrupted, the newest older one.
-
-    A save reserves its name when it starts (as Lightning's synchronous save creates the file), so a
-    kill mid-save leaves that name as an empty directory (nothing but hidden partial files). Lightning's
-    ``ckpt_path="hpc"`` takes the highest ``N`` it finds; like a plain save that a kill cut short before
-    the file existed, the interrupted one is skipped (with a warning) for the highest committed one.
-    """
-    if is_committed(path) or any(not name.startswith(".") for name in os.listdir(path)):
-        return path
+    """``path``, or for a SLURM ``hpc_ckpt_N.ckpt`` whose save a kill interrupted (its reserved name holds hidden
+    partial files only), the newest older committed one, with a warning (as a plain save cut short)."""
     match = _HPC_NAME.fullmatch(path.name)
-    if match is None:
-        return path  # loading it raises CheckpointNotFoundError naming it
-    older = []
-    for other in path.parent.iterdir():
-        found = _HPC_NAME.fullmatch(other.name)
-        if found and int(found.group(1)) < int(match.group(1)) and (other.is_file() or is_committed(other)):
-            older.append((int(found.group(1)), other))
-    if not older:
+    if match is None or is_committed(path) or any(not name.startswith(".") for name in os.listdir(path)):
         return path
+    older = [(int(m.group(1)), other) for other in path.parent.iterdir() if (m := _HPC_NAME.fullmatch(other.name))
+             and int(m.group(1)) < int(match.group(1)) and (other.is_file() or is_committed(other))]
+    if not older:
+        return path  # loading it raises CheckpointNotFoundError naming it
     chosen = max(older)[1]
     rank_zero_warn(f"{path} is a save that never committed (interrupted by a kill); resuming from {chosen} instead")
     return chosen
 
 
 def _ptr(tensor: torch.Tensor) -> int:
-    return getattr(tensor, "_local_tensor", tensor).data_ptr()  # a DTensor's local shard
+    return _compat.local_shard(tensor).data_ptr()
 
 
 def _local_path(path: Any) -> Path:

@@ -1,10 +1,19 @@
-"""Reading torch-ckpt directories back as the dict Lightning expects (plugin, ``pl_load``, ``load_from_checkpoint``)."""
+"""Lightning's checkpoint dict to and from the core: typed values, local directories, fsspec URLs.
+
+A checkpoint for a URL (``s3://``, ``memory://``...) is committed locally first, then uploaded by
+:class:`torch_ckpt.DurableTier` as a durable copy is (every file verified, ``manifest.json`` last, so the URL never
+shows a partial checkpoint); deleting removes the manifest first, and saving again to a URL un-commits the old one.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import os
 import shutil
-from collections.abc import Sequence
+import sys
+import tempfile
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -12,21 +21,163 @@ import torch
 from lightning.pytorch.utilities import move_data_to_device
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from lightning_ckpt._values import RANK_LOCAL_KEYS, decode_values
-from torch_ckpt import CheckpointNotFoundError, is_committed, load_full_state, rank_and_world, read_manifest
-
-__all__ = ["is_remote_checkpoint", "load_checkpoint_dir", "load_from_checkpoint", "read_for_lightning"]
+from torch_ckpt import (
+    CheckpointNotFoundError,
+    ConfigError,
+    DurableTier,
+    TypedValues,
+    UnsafeCheckpointError,
+    is_committed,
+    load_full_state,
+    rank_and_world,
+    read_manifest,
+)
 
 log = logging.getLogger(__name__)
 
+#: Top-level keys stored once per rank: loop progress (dataloader position) and callback states (RNG).
+RANK_LOCAL_KEYS = ("loops", "callbacks")
+_IMPORTABLE = ("omegaconf", "lightning", "pytorch_lightning", "lightning_fabric")
+_warned_pickled: set[tuple[str, ...]] = set()
+
+
+def _values(mode: str) -> TypedValues:  # the markers of every lightning_ckpt version
+    return TypedValues(mode, prefix="__lightning_ckpt_", importable=_IMPORTABLE)
+
+
+def encode_values(checkpoint: Mapping[str, Any], mode: str) -> dict[str, Any]:
+    """A copy of ``checkpoint`` the core stores (:class:`torch_ckpt.TypedValues`; ``mode``: ``"pickle"``/``"error"``);
+    raises ConfigError naming the key of a value refused or failing to pickle."""
+    pickled: list[str] = []
+    try:
+        out = _values(mode).encode(dict(checkpoint), "", pickled)
+    except ConfigError as exc:
+        raise ConfigError(f"{exc}. For hyper-parameters: save_hyperparameters(ignore=[...]); "
+                          "AsyncDCPCheckpointIO(unsafe_values='pickle') (the default) stores picklable ones") from None
+    if pickled and tuple(pickled) not in _warned_pickled:
+        _warned_pickled.add(tuple(pickled))
+        log.warning("checkpoint values %s have no pickle-free encoding and are stored pickled; loading them needs "
+                    "weights_only=False (AsyncDCPCheckpointIO(unsafe_values='error') refuses them instead)",
+                    pickled[:10])
+    return out
+
+
+def decode_values(checkpoint: dict[str, Any], *, allow_pickle: bool) -> dict[str, Any]:
+    """Undo :func:`encode_values` in place; pickled values only with ``allow_pickle``.
+
+    Raises:
+        UnsafeCheckpointError: see :meth:`torch_ckpt.TypedValues.decode`; or a ``hparams_type`` that is not a mapping
+            class (Lightning calls it with the hyper-parameters).
+        CheckpointCorruptError: a malformed marker.
+    """
+    out = _values("pickle").decode(checkpoint, allow_pickle=allow_pickle)
+    omegaconf = sys.modules.get("omegaconf")
+    for key in ("hparams_type", "datamodule_hparams_type"):
+        cls = out.get(key)
+        if not (cls is None or isinstance(cls, str) or isinstance(cls, type) and (issubclass(cls, Mapping) or (
+                omegaconf is not None and issubclass(cls, omegaconf.Container)))):
+            raise UnsafeCheckpointError(f"checkpoint key {key!r} holds {cls!r}, which Lightning would call with the "
+                                        "hyper-parameters; only mapping classes (dict, AttributeDict, DictConfig) "
+                                        "are loaded")
+    return out
+
+
+def is_url(text: str) -> bool:
+    """True for an fsspec URL (``s3://``, ``memory://``, ``http://``...); ``file://`` is a local path."""
+    return "://" in text and not text.startswith("file://")
+
+
+def check_options(storage_options: Any) -> dict[str, Any] | None:
+    """``storage_options`` for fsspec (None or a dict; anything else: ConfigError)."""
+    if storage_options is not None and not isinstance(storage_options, dict):
+        raise ConfigError(f"storage_options for a checkpoint URL must be a dict of fsspec options, got "
+                          f"{type(storage_options).__name__}")
+    return storage_options
+
+
+class _OneName:
+    """The naming (:class:`torch_ckpt.StepNaming`'s interface) of one checkpoint: ``name`` whatever the step."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def name(self, step: int) -> str:
+        return self._name
+
+    def step_of(self, name: str) -> int | None:
+        return 0 if name == self._name else None
+
+
+class RemoteCheckpoints:
+    """Uploads, downloads and deletes checkpoints at fsspec URLs, staged in local directories."""
+
+    def __init__(self) -> None:
+        self._staged: set[Path] = set()
+
+    @staticmethod
+    def _split(url: str) -> tuple[str, str]:
+        parent, _, name = url.rstrip("/").rpartition("/")
+        if not name or parent.endswith(":/") or parent.endswith(":"):
+            raise ConfigError(f"checkpoint URL {url!r} names no checkpoint inside a bucket or folder")
+        return parent, name
+
+    def _tier(self, url: str, storage_options: Any = None) -> tuple[DurableTier, str]:
+        parent, name = self._split(url)
+        return DurableTier(parent, storage_options=check_options(storage_options), naming=_OneName(name)), name
+
+    def local_path(self, url: str) -> Path:
+        """Where ``url``'s checkpoint is committed before its upload: a temporary directory named after the URL's
+        parent, the same on every rank of a node (the manager commits collectively)."""
+        parent, name = self._split(url)
+        digest = hashlib.sha1(parent.encode(), usedforsecurity=False).hexdigest()[:16]
+        staging = Path(tempfile.gettempdir()) / f"lightning_ckpt_upload_{os.getuid()}_{digest}"
+        self._staged.add(staging)
+        return staging / name
+
+    def upload(self, local: Path, url: str, storage_options: Any = None) -> None:
+        """Upload the committed ``local`` checkpoint to ``url`` (verified, manifest last), then delete ``local``.
+
+        Raises:
+            CheckpointCorruptError, DurableUnavailableError, OSError: as ``DurableTier.upload`` (``local`` kept).
+        """
+        tier, name = self._tier(url, storage_options)
+        manifest = read_manifest(local)
+        if tier.fs.exists(f"{tier.root}/{name}"):
+            tier.delete(0)  # the old checkpoint at this URL: manifest first, then its files
+        tier.upload(local, manifest)
+        shutil.rmtree(local, ignore_errors=True)
+
+    def is_checkpoint(self, url: str, storage_options: Any = None) -> bool:
+        """True when ``url`` holds a committed checkpoint (its ``manifest.json``)."""
+        tier, name = self._tier(url, storage_options)
+        tier.refresh()
+        return bool(tier.fs.exists(f"{tier.root}/{name}/manifest.json"))
+
+    def download(self, url: str, storage_options: Any = None) -> Path:
+        """Fetch the checkpoint at ``url`` into a new local directory (verified); the caller deletes its parent."""
+        return self._tier(url, storage_options)[0].download(0, Path(tempfile.mkdtemp(prefix="lightning_ckpt_dl_")))
+
+    def remove(self, url: str, storage_options: Any = None) -> None:
+        """Delete the checkpoint (manifest first) or file at ``url``; nothing there is a no-op."""
+        tier, name = self._tier(url, storage_options)
+        if tier.fs.isdir(path := f"{tier.root}/{name}"):
+            tier.delete(0)
+        elif tier.fs.exists(path):
+            tier.fs.rm_file(path)
+
+    def close(self) -> None:
+        """Remove the staging directories (rank 0, once every upload is done)."""
+        for staging in self._staged:
+            shutil.rmtree(staging, ignore_errors=True)
+        self._staged.clear()
+
 
 class _AllValues:
-    """A load target reading every value (this rank's rank-local ones) into new tensors, after the core
-    checked the checkpoint against ``live`` (the live model: keys when ``strict``, shapes, dtypes)."""
+    """A load target reading every value (this rank's rank-local ones) into new tensors, after the core checked the
+    checkpoint against ``live`` (the live model: keys when ``strict``, shapes, dtypes)."""
 
-    def __init__(self, rank_local: tuple[str, ...], live: dict[str, Any] | None = None, *, strict: bool = True) -> None:
-        self.rank_local_keys, self.loaded = rank_local, {}
-        self._live, self._strict = live or {}, strict
+    def __init__(self, rank_local: tuple[str, ...], live: dict[str, Any] | None, strict: bool) -> None:
+        self.rank_local_keys, self.loaded, self._live, self._strict = rank_local, {}, live or {}, strict
 
     def state_dict(self) -> dict[str, Any]:
         return self._live
@@ -49,9 +200,9 @@ def load_checkpoint_dir(candidates: Sequence[Path], *, manager: Any, verify: boo
                         allow_cast: bool = False) -> dict[str, Any]:
     """Load the first intact checkpoint of ``candidates`` (newest first) as Lightning's checkpoint dict.
 
-    With ``manager`` (attached: every rank calls this), a candidate that fails verification is skipped
-    with a warning when another follows, the checkpoint is checked against ``live`` first (see
-    ``_AllValues``), and each rank gets its own loop progress and callback states; without, rank 0's.
+    With ``manager`` (attached: every rank calls this), a candidate failing verification is skipped with a warning
+    when another follows, the checkpoint is checked against ``live`` first, and each rank gets its own loop progress
+    and callback states; without, rank 0's. A URL is downloaded into a temporary directory first.
 
     Raises:
         CheckpointNotFoundError: the last candidate is not a committed checkpoint.
@@ -59,6 +210,13 @@ def load_checkpoint_dir(candidates: Sequence[Path], *, manager: Any, verify: boo
         UnsafeCheckpointError: pickled values and ``allow_pickle`` is False.
         TypeError: ``map_location`` names no device.
     """
+    if len(candidates) == 1 and is_url(str(candidates[0])):
+        local = RemoteCheckpoints().download(str(candidates[0]))
+        try:
+            return load_checkpoint_dir([local], manager=None, verify=verify, allow_pickle=allow_pickle,
+                                       map_location=map_location)
+        finally:
+            shutil.rmtree(local.parent, ignore_errors=True)
     if skipped := [str(p) for p in candidates[:-1] if not is_committed(p)]:
         log.warning("checkpoints %s are not intact; falling back to older ones", skipped)
     candidates = [p for p in candidates[:-1] if is_committed(p)] + [Path(candidates[-1])]
@@ -70,7 +228,7 @@ def load_checkpoint_dir(candidates: Sequence[Path], *, manager: Any, verify: boo
         if saved != world:
             rank_zero_warn(f"{candidates[0]} was saved by {saved} ranks and is loaded by {world}: every rank "
                            "restores rank 0's loop progress and callback states (RNG included)")
-        target = _AllValues(RANK_LOCAL_KEYS if saved == world else (), live, strict=strict)
+        target = _AllValues(RANK_LOCAL_KEYS if saved == world else (), live, strict)
         manager.restore(target, path=list(candidates), allow_cast=allow_cast)
         state = target.loaded
     else:  # one process reading alone (not attached: no fallback candidates); rank 0's rank-local values
@@ -82,8 +240,8 @@ def load_checkpoint_dir(candidates: Sequence[Path], *, manager: Any, verify: boo
 
 
 def _device(map_location: Any, path: Path) -> torch.device | None:
-    """The device ``torch.load``'s ``map_location`` (device, string, dict or callable) gives tensors saved on
-    the CPU (location ``"cpu"``: every tensor is read into CPU memory first); None: leave them there."""
+    """The device ``torch.load``'s ``map_location`` (device, string, dict or callable) gives CPU-saved tensors
+    (all are read into CPU memory first); None: leave them there."""
     if callable(map_location):
         mapped = map_location(torch.empty(0).untyped_storage(), "cpu")
         map_location = None if mapped is None else mapped.device
@@ -99,27 +257,15 @@ def _device(map_location: Any, path: Path) -> torch.device | None:
 
 
 def read_for_lightning(path: str, map_location: Any, weights_only: bool | None) -> dict[str, Any]:
-    """Lightning's own loader (``pl_load``) on a torch-ckpt directory or URL: the dict the plugin's
-    ``load_checkpoint`` returns (verified, nothing unpickled unless ``weights_only=False``; a URL is
-    downloaded into a temporary directory first)."""
-    from lightning_ckpt._remote import RemoteCheckpoints, is_url
-
-    if not is_url(path):
-        return load_checkpoint_dir([Path(path)], manager=None, verify=True, allow_pickle=weights_only is False,
-                                   map_location=map_location)
-    local = RemoteCheckpoints().download(path)
-    try:
-        return load_checkpoint_dir([local], manager=None, verify=True, allow_pickle=weights_only is False,
-                                   map_location=map_location)
-    finally:
-        shutil.rmtree(local.parent, ignore_errors=True)
+    """Lightning's own loader (``pl_load``) on a torch-ckpt directory or URL: verified, nothing unpickled unless
+    ``weights_only=False``."""
+    return load_checkpoint_dir([Path(path) if not is_url(path) else path], manager=None, verify=True,  # type: ignore
+                               allow_pickle=weights_only is False, map_location=map_location)
 
 
 def is_remote_checkpoint(url: str) -> bool:
-    """True when the fsspec URL ``url`` holds a torch-ckpt checkpoint (its ``manifest.json``); False for an
-    unknown protocol or an unreachable store (Lightning's loader then reports the error)."""
-    from lightning_ckpt._remote import RemoteCheckpoints, is_url
-
+    """True when the fsspec URL ``url`` holds a torch-ckpt checkpoint; False for an unknown protocol or an
+    unreachable store (Lightning's loader then reports the error)."""
     try:
         return is_url(url) and RemoteCheckpoints().is_checkpoint(url)
     except Exception:  # noqa: BLE001 - not ours to report: Lightning's own loader tries the URL next
@@ -127,20 +273,20 @@ def is_remote_checkpoint(url: str) -> bool:
 
 
 def load_from_checkpoint(cls: type, checkpoint_path: str | Path, **kwargs: Any) -> Any:
-    """``cls.load_from_checkpoint(checkpoint_path, **kwargs)`` for a torch-ckpt directory or a ``.ckpt`` file.
+    """``cls.load_from_checkpoint(checkpoint_path, **kwargs)`` for a torch-ckpt directory or URL or a ``.ckpt`` file.
 
-    Importing :mod:`lightning_ckpt` already lets Lightning's own method read our directories (see
-    ``docs/lightning.md``); this function adds a clear error for a missing path. ``kwargs`` are those of
-    Lightning's method (``map_location``, ``strict``, ``weights_only``: False allows values stored
-    pickled, hyper-parameters overriding the saved ones).
+    ``kwargs`` are those of Lightning's method (``map_location``, ``strict``, ``weights_only``: False allows values
+    stored pickled, hyper-parameters overriding the saved ones). Installs the plugin's hooks on Lightning's loader
+    (as constructing :class:`~lightning_ckpt.AsyncDCPCheckpointIO` does).
 
     Raises:
         CheckpointNotFoundError: ``checkpoint_path`` does not exist.
         CheckpointCorruptError: a file fails verification.
         UnsafeCheckpointError: pickled values and ``weights_only`` is not False.
     """
-    from lightning_ckpt._remote import is_url
+    from lightning_ckpt._checkpoint_io import install_hooks
 
     if not is_url(str(checkpoint_path)) and not Path(checkpoint_path).exists():
         raise CheckpointNotFoundError(f"{checkpoint_path} does not exist")
+    install_hooks()
     return cls.load_from_checkpoint(checkpoint_path, **kwargs)

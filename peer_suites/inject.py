@@ -87,6 +87,9 @@ def install_lightning() -> list[Any]:
 
     from lightning_ckpt import AsyncDCPCheckpointIO
 
+    # the plugin installs its wrappers of Lightning when constructed: before the test modules bind `pl_load`...
+    AsyncDCPCheckpointIO()
+
     def make(original):
         def __init__(self, *args, **kwargs):
             reason = _own_checkpoint_io(kwargs)

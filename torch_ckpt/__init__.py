@@ -23,7 +23,7 @@ if TYPE_CHECKING:
         StateMismatchError,
         UnsafeCheckpointError,
     )
-    from torch_ckpt.format import read_manifest
+    from torch_ckpt.format import TypedValues, read_manifest
     from torch_ckpt.handle import SaveHandle
     from torch_ckpt.manager import CheckpointManager
     from torch_ckpt.policy import (
@@ -38,7 +38,7 @@ if TYPE_CHECKING:
         YoungDaly,
     )
     from torch_ckpt.root import is_committed
-    from torch_ckpt.save import SaveReports
+    from torch_ckpt.save import AfterCommit, SaveReports
     from torch_ckpt.state import Checkpointable, OptimizerState, TrainState
     from torch_ckpt.tiers import DurableTier
     from torch_ckpt.tools import load_full_state
@@ -51,6 +51,7 @@ __all__ = [
     "RetentionPolicy", "KeepLatest", "KeepEveryNSteps", "DurableTier", "read_manifest", "is_committed",
     "load_full_state", "rank_and_world", "CheckpointError", "ConfigError", "CheckpointNotFoundError",
     "CheckpointCorruptError", "CheckpointWriteError", "StateMismatchError", "UnsafeCheckpointError",
+    "AfterCommit", "TypedValues",
 ]
 
 #: The module each public name is imported from on first use.
@@ -59,11 +60,11 @@ _SOURCES = {
     "torch_ckpt.config": ("CheckpointConfig",),
     "torch_ckpt.state": ("TrainState", "OptimizerState", "Checkpointable"),
     "torch_ckpt.handle": ("SaveHandle",),
-    "torch_ckpt.save": ("SaveReports",),
+    "torch_ckpt.save": ("SaveReports", "AfterCommit"),
     "torch_ckpt.policy": ("StepNaming", "PatternNaming", "SavePolicy", "EveryNSteps", "EveryNSeconds", "YoungDaly",
                           "RetentionPolicy", "KeepLatest", "KeepEveryNSteps"),
     "torch_ckpt.tiers": ("DurableTier",),
-    "torch_ckpt.format": ("read_manifest",),
+    "torch_ckpt.format": ("read_manifest", "TypedValues"),
     "torch_ckpt.root": ("is_committed",),
     "torch_ckpt.tools": ("load_full_state",),
     "torch_ckpt.distributed": ("rank_and_world",),

@@ -34,6 +34,20 @@ def test_deleted_accelerator_frees_its_model_and_leaves_no_thread(tmp_path, atta
     assert model() is None and ckpt_threads() == []
 
 
+def test_a_deleted_attached_accelerator_is_freed_without_the_cycle_collector(tmp_path):
+    """With a save in flight and its statistics waiting for the commit, ``del`` alone (no ``gc``) frees the
+    checkpointer: nothing waiting after a commit holds it (no reference cycle)."""
+    run = make_run(tmp_path)
+    run.accelerator.save_state()
+    ckpt = weakref.ref(run.ckpt)
+    gc.disable()
+    try:
+        del run
+        assert ckpt() is None
+    finally:
+        gc.enable()
+
+
 def test_a_referenced_checkpointer_does_not_keep_its_accelerator_alive(tmp_path):
     """The user keeps only the object attach() returned: the Accelerator is still freed (held weakly)."""
     run = make_run(tmp_path)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import enum
+import pathlib
+from collections import OrderedDict
 from types import SimpleNamespace
 
 import pytest
@@ -87,3 +90,33 @@ def test_engines_that_save_themselves_are_refused(kind):
     """DeepSpeed, Megatron-LM and XLA setups raise ConfigError (their engines own the model state)."""
     with pytest.raises(ConfigError, match=kind.split(".")[1]):
         check_supported(SimpleNamespace(distributed_type=kind))
+
+
+class _Mode(enum.Enum):
+    TRAIN = "train"
+
+
+class _Paths:
+    """A registered object whose state holds a path, an enum member and an OrderedDict (no plain JSON values)."""
+
+    def __init__(self) -> None:
+        self.state = {"root": pathlib.Path("/data/a"), "mode": _Mode.TRAIN, "order": OrderedDict(b=1, a=2)}
+
+    def state_dict(self) -> dict:
+        return dict(self.state)
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.state = dict(sd)
+
+
+def test_registered_objects_with_paths_and_enums_round_trip_without_pickling(tmp_path):
+    """torch_ckpt.TypedValues stores a custom object's path and enum: they come back with their exact types."""
+    run = make_run(tmp_path)
+    obj = _Paths()
+    run.accelerator.register_for_checkpointing(obj)
+    run.accelerator.save_state(step=1)
+    saved, obj.state = obj.state_dict(), {}
+    run.accelerator.load_state()
+    assert obj.state == saved and type(obj.state["root"]) is type(saved["root"]) and obj.state["mode"] is _Mode.TRAIN
+    assert type(obj.state["order"]) is OrderedDict and list(obj.state["order"]) == ["b", "a"]
+    run.ckpt.close()

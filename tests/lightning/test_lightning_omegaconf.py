@@ -12,8 +12,11 @@ from lightning_helpers import TinyModule  # noqa: E402
 from omegaconf import DictConfig, ListConfig, OmegaConf  # noqa: E402
 
 from lightning_ckpt import AsyncDCPCheckpointIO  # noqa: E402
-from lightning_ckpt._values import OMEGACONF, PICKLED, decode_values, encode_values  # noqa: E402
+from lightning_ckpt._load import decode_values, encode_values  # noqa: E402
 from torch_ckpt import ConfigError  # noqa: E402
+
+OMEGACONF = "__lightning_ckpt_omegaconf__"  # the stored marker (checkpoints of earlier versions)
+PICKLED = "__lightning_ckpt_pickled__"  # the stored marker (checkpoints of earlier versions)
 
 
 class ConfModule(TinyModule):

@@ -23,3 +23,32 @@ def test_every_constructor_argument_is_typed_and_documented(name):
     documented = {p.arg_name for p in docstring_parser.parse(cls.__doc__).params if p.description}
     assert all(p.annotation is not inspect.Parameter.empty for p in params)
     assert {p.name for p in params} <= documented
+
+
+_WRAPPED = """
+import sys
+from lightning.fabric.utilities import cloud_io
+from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
+import lightning_ckpt
+targets = [cloud_io._load, Trainer.save_checkpoint, ModelCheckpoint._link_checkpoint, LightningCLI._parse_ckpt_path,
+           _CheckpointConnector._parse_ckpt_path]
+before = [getattr(t, "_lightning_ckpt_wrapped", False) for t in targets]
+lightning_ckpt.AsyncDCPCheckpointIO()
+targets = [cloud_io._load, Trainer.save_checkpoint, ModelCheckpoint._link_checkpoint, LightningCLI._parse_ckpt_path,
+           _CheckpointConnector._parse_ckpt_path]
+print(before, [getattr(t, "_lightning_ckpt_wrapped", False) for t in targets])
+"""
+
+
+def test_importing_changes_nothing_in_lightning_and_the_plugin_installs_its_wrappers():
+    """A fresh process: after ``import lightning_ckpt`` Lightning is untouched; constructing the plugin wraps the
+    loader, ``Trainer.save_checkpoint``, links, the fresh-fit path parsing and LightningCLI's ``--ckpt_path``."""
+    pytest.importorskip("jsonargparse")
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _WRAPPED], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.split("\n")[-2] == f"{[False] * 5} {[True] * 5}"

@@ -14,10 +14,13 @@ from lightning.pytorch.utilities.parsing import AttributeDict
 from lightning_helpers import TinyModule
 
 from lightning_ckpt import AsyncDCPCheckpointIO
-from lightning_ckpt._values import CLASS, PICKLED, decode_values, encode_values
+from lightning_ckpt._load import decode_values, encode_values
 from torch_ckpt import UnsafeCheckpointError
 
 Pair = namedtuple("Pair", "a b")
+
+CLASS = "__lightning_ckpt_class__"  # the stored marker (checkpoints of earlier versions)
+PICKLED = "__lightning_ckpt_pickled__"  # the stored marker (checkpoints of earlier versions)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""lightning_ckpt._values: which checkpoint values are stored as they are, and the pickle opt-in."""
+"""encode_values/decode_values (torch_ckpt.TypedValues): values stored as they are, typed, or pickled (opt-in)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from lightning_ckpt._values import decode_values, encode_values
+from lightning_ckpt._load import decode_values, encode_values
 from torch_ckpt import ConfigError, UnsafeCheckpointError
 
 

@@ -2,5 +2,6 @@
 writer and reader."""
 
 from torch_ckpt.format._read import Manifest, read_manifest
+from torch_ckpt.format._typed_values import TypedValues
 
-__all__ = ["Manifest", "read_manifest"]
+__all__ = ["Manifest", "TypedValues", "read_manifest"]

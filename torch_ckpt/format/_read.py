@@ -75,9 +75,16 @@ from torch_ckpt.format._codec import (
 )
 from torch_ckpt.format._records import storage_record_problems
 from torch_ckpt.policy._lineage import BASE, Lineage, MalformedLineage, lineage_from_doc
-from torch_ckpt.storage._locations import Malformed, corrupt, loads_bounded, short_repr
-from torch_ckpt.storage._locations import open_regular
-from torch_ckpt.storage._locations import DurableUnavailableError, Location, as_location
+from torch_ckpt.storage._locations import (
+    DurableUnavailableError,
+    Location,
+    Malformed,
+    as_location,
+    corrupt,
+    loads_bounded,
+    open_regular,
+    short_repr,
+)
 
 __all__ = [
     "FORMAT_NAME",

@@ -3,7 +3,7 @@
 The manager orchestrates a few objects with declared interfaces, built once: :class:`RunLineage`
 (the one owner of the restored step, the newest known step, the segment of the next saves
 (:mod:`torch_ckpt.policy._lineage`) and capture times), :class:`SaveGuard` (rank 0's checks before a
-save), :class:`AfterCommit` (callbacks, replication, retention), and :class:`HealthReport`;
+save), :class:`CommitFollowUp` (callbacks, replication, retention), and :class:`HealthReport`;
 listing and removal are the functions of :mod:`torch_ckpt.manager._read`, a restore is
 :func:`torch_ckpt.restore._resume.restore_checkpoint` (node-local roots:
 :func:`torch_ckpt.restore._resume_nodes.restore_node_local`). A save is one frozen
@@ -37,6 +37,7 @@ from torch_ckpt.policy._schedule import Cadence
 from torch_ckpt.restore._resume import restore_checkpoint
 from torch_ckpt.restore._resume_nodes import restore_node_local
 from torch_ckpt.root._layout import (
+    SharedRoot,
     check_root,
     is_committed,
     quarantine_step_dir,
@@ -47,7 +48,6 @@ from torch_ckpt.root._layout import (
     update_manifest_tiers,
 )
 from torch_ckpt.root._lock import RootLock
-from torch_ckpt.root._layout import SharedRoot
 from torch_ckpt.root._nodes import NodeLayout, choose_layout
 from torch_ckpt.root._temporaries import PARTIAL_PREFIX, clean_stale_temporaries, is_reservation, is_temporary_name
 from torch_ckpt.save._checkpointer import AsyncCheckpointer, close_on_exit
@@ -57,7 +57,7 @@ from torch_ckpt.state._protocol import StateToRestore, StateToSave
 from torch_ckpt.tiers._durable import DurableTier
 from torch_ckpt.tiers._replicator import Replicator
 
-__all__ = ["CheckpointManager", "ON_EXISTING_NEWER", "RunLineage", "SaveGuard", "AfterCommit", "HealthReport"]
+__all__ = ["CheckpointManager", "ON_EXISTING_NEWER", "RunLineage", "SaveGuard", "CommitFollowUp", "HealthReport"]
 
 log = get_logger(__name__)
 
@@ -317,7 +317,7 @@ class SaveGuard:
                 "hidden .superseded_step_N.* directories, never listed)")
         runs.newest_known = step  # every other committed step is older now
 
-class AfterCommit:
+class CommitFollowUp:
     """What follows a commit on the root: commit callbacks, durable replication, local retention.
 
     Runs in the writer thread once every rank is done with the committed directory, on the rank
@@ -434,11 +434,11 @@ class HealthReport:
     Args:
         root, naming: the manager's. tier: its durable tier (None without). runs: its :class:`RunLineage`
             (capture times). engine: its checkpointer (in-flight and failed saves). after: its
-            :class:`AfterCommit` (the replicator).
+            :class:`CommitFollowUp` (the replicator).
     """
 
     def __init__(self, root: Path, naming: Naming, tier: DurableTier | None, runs: RunLineage,
-                 engine: AsyncCheckpointer, after: AfterCommit) -> None:
+                 engine: AsyncCheckpointer, after: CommitFollowUp) -> None:
         self.root, self.naming, self.tier, self.runs, self.engine, self.after = root, naming, tier, runs, engine, after
 
     def health(self, schedule: dict[str, Any]) -> dict[str, Any]:
@@ -608,7 +608,7 @@ class CheckpointManager:
         acts_on_root = self._roots.acts
         self._runs = RunLineage(root, naming, acts_on_root)
         self._guard = SaveGuard(root, naming, cfg, self._ckpt.incarnation, self._runs)
-        self._after = AfterCommit(root, naming, cfg, self._runs, ctx.is_coordinator)
+        self._after = CommitFollowUp(root, naming, cfg, self._runs, ctx.is_coordinator)
         self._health = HealthReport(root, naming, self._tier, self._runs, self._ckpt, self._after)
         self.restore_source: str | None = None  # node-local roots: where this rank's last restore read from
         self._lock = RootLock(root, drain=self._ckpt.drain)

@@ -31,9 +31,8 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, Tenso
 from torch.distributed.checkpoint.planner import SavePlan
 
 from torch_ckpt.errors import ConfigError
+from torch_ckpt.format._dcp_write import ChecksumFileSystemWriter, FlatKeysSavePlanner
 from torch_ckpt.format._read import metadata_name
-from torch_ckpt.format._dcp_write import FlatKeysSavePlanner
-from torch_ckpt.format._dcp_write import ChecksumFileSystemWriter
 from torch_ckpt.root._layout import SharedRoot
 
 __all__ = ["NodeLayout", "choose_layout", "NodeDedupPlanner", "RecordingWriter", "node_views", "metadata_name",

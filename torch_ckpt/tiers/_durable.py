@@ -33,14 +33,15 @@ from tqdm import tqdm
 from torch_ckpt._logging import get_logger
 from torch_ckpt._values import check_int
 from torch_ckpt.errors import CheckpointCorruptError, CheckpointError, ConfigError
-from torch_ckpt.format._read import METADATA_NAME, verify_files
 from torch_ckpt.format._read import (
     MANIFEST_NAME,
     MAX_MANIFEST_BYTES,
     MAX_MANIFEST_DEPTH,
     MAX_MANIFEST_INT_DIGITS,
+    METADATA_NAME,
     Manifest,
     read_manifest,
+    verify_files,
 )
 from torch_ckpt.policy._naming import Naming, StepNaming
 from torch_ckpt.root._layout import commit_dir, write_durable
