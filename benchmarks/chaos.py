@@ -60,9 +60,12 @@ import psutil  # noqa: E402
 import train_gpt  # noqa: E402  (imports torch and torch_ckpt once, before any fork)
 from _common import emit_json  # noqa: E402
 
-from torch_ckpt.format._read import verify_files  # noqa: E402
-from torch_ckpt.root._layout import read_manifest, scan_committed  # noqa: E402
-from torch_ckpt.root._temporaries import is_reservation  # noqa: E402
+from torch_ckpt.format._files import verify_files  # noqa: E402
+from torch_ckpt.root._layout import (  # noqa: E402
+    is_reservation,  # noqa: E402
+    read_manifest,
+    scan_committed,
+)
 from torch_ckpt.save import _writer_process as writer_process  # noqa: E402
 
 

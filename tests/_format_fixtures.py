@@ -9,7 +9,7 @@ from pathlib import Path
 
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from torch_ckpt.format._read import read_dcp_metadata
+from torch_ckpt.format._files import read_dcp_metadata
 
 STEP = "step_000000001"
 

@@ -521,7 +521,7 @@ def _symlinked_manifest(step_dir: Path) -> str:
 
 
 def _shape_beyond_chunks(step_dir: Path) -> str:
-    from torch_ckpt.format._read import read_dcp_metadata
+    from torch_ckpt.format._files import read_dcp_metadata
 
     md = read_dcp_metadata(step_dir / ".metadata")
     item = md.state_dict_metadata["model.fc1.weight"]
@@ -531,7 +531,7 @@ def _shape_beyond_chunks(step_dir: Path) -> str:
 
 
 def _storage_rewritten(step_dir: Path) -> str:
-    from torch_ckpt.format._read import read_dcp_metadata
+    from torch_ckpt.format._files import read_dcp_metadata
 
     elsewhere = step_dir.parent / "elsewhere.distcp"
     elsewhere.write_bytes(_shard(step_dir).read_bytes())
@@ -544,7 +544,7 @@ def _storage_rewritten(step_dir: Path) -> str:
 
 def _fc1_weight_metadata(step_dir: Path, edit) -> str:
     """Apply ``edit(item, storage_info)`` to model.fc1.weight in .metadata; returns the data file holding it."""
-    from torch_ckpt.format._read import read_dcp_metadata
+    from torch_ckpt.format._files import read_dcp_metadata
 
     md = read_dcp_metadata(step_dir / ".metadata")
     info = next(v for k, v in md.storage_data.items() if k.fqn == "model.fc1.weight")
@@ -669,7 +669,7 @@ def test_retention_error_after_commit_is_reported_as_retention_and_the_save_succ
 
 
 def _w1_declared_float64(step_dir: Path) -> None:
-    from torch_ckpt.format._read import read_dcp_metadata
+    from torch_ckpt.format._files import read_dcp_metadata
 
     md = read_dcp_metadata(step_dir / ".metadata")
     md.state_dict_metadata["__rank1__.w1"].properties.dtype = torch.float64  # rank 1's own tensor (a per-rank key)

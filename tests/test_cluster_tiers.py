@@ -244,7 +244,7 @@ def test_store_mismatch_fails_the_upload(tmp_path, s3, monkeypatch):
 def test_manifest_node_fields_are_validated(tmp_path):
     """A manifest whose node fields do not cover every file is corrupt, naming the field."""
     from torch_ckpt import CheckpointCorruptError
-    from torch_ckpt.format._read import parse_manifest
+    from torch_ckpt.format._files import parse_manifest
 
     doc = {"format": "torch-ckpt", "format_version": 1, "step": 1, "world_size": 2, "wall_time": 1.0,
            "torch_version": "x", "files": {"a": {"bytes": 1, "crc32": 0}, "b": {"bytes": 1, "crc32": 0}},

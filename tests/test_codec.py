@@ -1,4 +1,4 @@
-"""Tests of torch_ckpt.format._codec: tensors split from JSON values, types preserved."""
+"""Tests of torch_ckpt.format._files: tensors split from JSON values, types preserved."""
 
 import json
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from torch_ckpt.errors import ConfigError
-from torch_ckpt.format._codec import join_state, split_state
+from torch_ckpt.format._files import join_state, split_state
 
 
 def roundtrip(state, **kw):
@@ -243,7 +243,7 @@ def test_container_that_contains_itself_is_refused():
 
 def test_nesting_deeper_than_the_limit_is_refused():
     """A state nested deeper than MAX_DEPTH raises ConfigError, not RecursionError in the writer."""
-    from torch_ckpt.format._codec import MAX_DEPTH
+    from torch_ckpt.format._files import MAX_DEPTH
 
     deep: dict = {}
     node = deep

@@ -9,7 +9,7 @@ from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from torch_ckpt.format._dcp_write import FlatKeysSavePlanner, group_by_first_segment
-from torch_ckpt.format._read import read_dcp_metadata
+from torch_ckpt.format._files import read_dcp_metadata
 
 
 def _flat() -> dict:

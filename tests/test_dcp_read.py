@@ -1,4 +1,4 @@
-"""format._read: DCP metadata read with a restricted unpickler, tensors read only from listed regular files."""
+"""format._files: DCP metadata read with a restricted unpickler, tensors read only from listed regular files."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import Metadata
 
 from torch_ckpt.errors import CheckpointCorruptError, UnsafeCheckpointError
-from torch_ckpt.format._read import load_dcp_metadata_bytes, load_tensors, read_dcp_metadata
+from torch_ckpt.format._files import load_dcp_metadata_bytes, load_tensors, read_dcp_metadata
 
 CALLED: list[str] = []
 
@@ -124,7 +124,7 @@ def test_pickled_item_is_refused(tmp_path):
 @pytest.mark.parametrize("interrupt", [KeyboardInterrupt, SystemExit])
 def test_interrupt_while_dcp_reads_is_raised_not_called_corruption(saved, monkeypatch, interrupt):
     """A Ctrl-C inside DCP's reader stays a KeyboardInterrupt (a corrupt error would make restore skip the step)."""
-    import torch_ckpt.format._read as dcp_read_mod
+    import torch_ckpt.format._files as dcp_read_mod
 
     def interrupted(*args, **kwargs):
         raise interrupt()

@@ -10,7 +10,7 @@ import torch
 from torch_ckpt import CheckpointManager
 from torch_ckpt.errors import CheckpointCorruptError
 from torch_ckpt.format._dcp_write import record_framing
-from torch_ckpt.format._read import read_manifest, read_metadata
+from torch_ckpt.format._files import read_manifest, read_metadata
 from torch_ckpt.restore._restore import load_direct
 
 

@@ -36,7 +36,7 @@ def _full_state(model, opt) -> dict[str, torch.Tensor]:
     """Full (unsharded) model and optimizer tensors, on every rank."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-    from torch_ckpt.format._codec import split_state
+    from torch_ckpt.format._files import split_state
 
     msd, osd = get_state_dict(model, [opt], options=StateDictOptions(full_state_dict=True))
     tensors, _ = split_state({"model": msd, "optimizer": osd})

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from torch_ckpt.root._temporaries import PARTIAL_PREFIX, remove_failed_temporaries
+from torch_ckpt.root._layout import PARTIAL_PREFIX, remove_failed_temporaries
 from torch_ckpt.save import AsyncCheckpointer
 
 INC = "aaaaaaaaaaaaaaaa"

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from torch_ckpt import CheckpointCorruptError, CheckpointManager, CheckpointNotFoundError, TrainState
-from torch_ckpt.format._read import Manifest, parse_manifest
+from torch_ckpt.format._files import Manifest, parse_manifest
 from torch_ckpt.policy._lineage import BASE, Lineage, head_of, lineage_from_doc, new_segment
 from torch_ckpt.root._layout import read_manifest
 from torch_ckpt.storage._locations import Location

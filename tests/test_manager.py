@@ -516,7 +516,7 @@ def test_read_only_manager_of_a_missing_root_is_not_found(tmp_path):
 @pytest.mark.parametrize("kind", ["dict", "list", "tuple", "int_keyed_dict", "int_keyed_tuple"])
 def test_state_nested_to_the_codec_limit_restores(tmp_path, kind):
     """Every container kind nested MAX_DEPTH deep (the most save() accepts) passes restore's bounded parsing."""
-    from torch_ckpt.format._codec import MAX_DEPTH
+    from torch_ckpt.format._files import MAX_DEPTH
 
     wrap = {"dict": lambda v: {"k": v}, "list": lambda v: [v], "tuple": lambda v: (v,),
             "int_keyed_dict": lambda v: {1: v}, "int_keyed_tuple": lambda v: {2: (v,)}}[kind]

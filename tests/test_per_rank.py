@@ -12,7 +12,7 @@ import torch
 
 from tests._dist import run_distributed
 from torch_ckpt import CheckpointManager, ConfigError, StateMismatchError, TrainState
-from torch_ckpt.format._read import read_metadata, tensor_items
+from torch_ckpt.format._files import read_metadata, tensor_items
 from torch_ckpt.root._layout import read_manifest
 
 pytestmark = [pytest.mark.timeout(300)]
@@ -241,7 +241,7 @@ def test_per_rank_values_come_back_on_node_local_roots_and_from_s3(tmp_path, s3)
 
 def test_split_state_names_per_rank_tensors_by_rank():
     """Rank 1's tensors outside replicated_keys get __rank1__. keys (placeholders too); replicated ones keep theirs."""
-    from torch_ckpt.format._codec import split_state
+    from torch_ckpt.format._files import split_state
 
     sd = {"model": {"w": torch.zeros(2)}, "extras": {"e": torch.ones(1)}}
     tensors, tree = split_state(sd, replicated_keys=("model",), rank=1)
@@ -252,7 +252,7 @@ def test_split_state_names_per_rank_tensors_by_rank():
 
 def test_logical_key_strips_the_rank_prefix_only():
     """logical_key undoes rank_key for every rank and leaves other keys alone."""
-    from torch_ckpt.format._codec import logical_key, rank_key
+    from torch_ckpt.format._files import logical_key, rank_key
 
     assert [logical_key(rank_key("extras.e", r)) for r in (0, 1, 12)] == ["extras.e"] * 3
     assert logical_key("__rank__.x") == "__rank__.x" and logical_key("__rankx__.y") == "__rankx__.y"
@@ -260,7 +260,7 @@ def test_logical_key_strips_the_rank_prefix_only():
 
 def test_reserved_rank_prefix_in_a_state_key_is_refused():
     """A state key starting with __rank<N>__. is refused in save(), naming it."""
-    from torch_ckpt.format._codec import split_state
+    from torch_ckpt.format._files import split_state
 
     with pytest.raises(ConfigError, match=r"__rank3__\.x"):
         split_state({"__rank3__": {"x": torch.zeros(1)}}, replicated_keys=(), rank=0)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests._dist import free_port
-from torch_ckpt.root._temporaries import is_reservation
+from torch_ckpt.root._layout import is_reservation
 
 REPO = Path(__file__).resolve().parents[1]
 HELPER = REPO / "tests" / "_helpers" / "rank_faults.py"

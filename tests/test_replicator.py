@@ -10,7 +10,7 @@ import uuid
 
 import pytest
 
-from torch_ckpt.format._read import MANIFEST_NAME, Manifest
+from torch_ckpt.format._files import MANIFEST_NAME, Manifest
 from torch_ckpt.tiers._durable import DurableTier
 from torch_ckpt.tiers._replicator import Replicator
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from torch_ckpt import CheckpointManager, CheckpointWriteError, is_committed
+from torch_ckpt.root._layout import PARTIAL_PREFIX, side_path
 from torch_ckpt.root._lock import RootLock
-from torch_ckpt.root._temporaries import PARTIAL_PREFIX, side_path
 
 
 def _state(v: float = 1.0) -> dict:

@@ -213,7 +213,7 @@ def _rewrite_rank_tree(step_dir, edit):
 def test_malformed_trainstate_fields_are_corrupt_and_change_nothing(tmp_path, edit):
     """A rank tree whose step/epoch/extras has the wrong type is corrupt: nothing changes and resume falls back."""
     from torch_ckpt import CheckpointCorruptError
-    from torch_ckpt.root._temporaries import step_dir_name
+    from torch_ckpt.root._layout import step_dir_name
 
     model, opt, sched = _trained()
     with CheckpointManager(tmp_path) as mgr:

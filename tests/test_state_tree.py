@@ -1,4 +1,4 @@
-"""torch_ckpt.format._read: the walker of encoded per-rank trees (leaves found, malformed nodes named by path)."""
+"""torch_ckpt.format._files: the walker of encoded per-rank trees (leaves found, malformed nodes named by path)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from torch_ckpt.format._codec import split_state
-from torch_ckpt.format._read import MAX_NDIM, embedded_info, tensor_keys, walk_tree
+from torch_ckpt.format._files import MAX_NDIM, embedded_info, split_state, tensor_keys, walk_tree
 from torch_ckpt.storage._locations import Malformed
 
 

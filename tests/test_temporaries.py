@@ -1,4 +1,4 @@
-"""Temporary step directories: incarnation-id names and the clean-up of stale ones (torch_ckpt.root._temporaries)."""
+"""Temporary step directories: incarnation-id names and the clean-up of stale ones (torch_ckpt.root._layout)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import os
 import pytest
 
 from torch_ckpt import CheckpointManager
-from torch_ckpt.root._temporaries import (
+from torch_ckpt.root._layout import (
     clean_stale_temporaries,
     is_temporary_name,
     new_incarnation,

@@ -279,7 +279,7 @@ def _one_file(tmp_path, data: bytes = bytes(range(256)) * 64):
     """``(directory, manifest)`` of a one-file checkpoint ``f.bin`` of ``data``."""
     import zlib
 
-    from torch_ckpt.format._read import Manifest
+    from torch_ckpt.format._files import Manifest
 
     local = tmp_path / "ckpt"
     local.mkdir()
@@ -295,7 +295,7 @@ def _flip_object(tier: DurableTier, path: str) -> None:
 
 def _local_corruption_text(tmp_path, local, manifest) -> str:
     """The problem text verify_files gives for ``f.bin`` of a copy of ``local`` with the same byte flipped."""
-    from torch_ckpt.format._read import verify_files
+    from torch_ckpt.format._files import verify_files
 
     damaged = tmp_path / "damaged"
     shutil.copytree(local, damaged)

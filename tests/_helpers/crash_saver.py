@@ -222,7 +222,7 @@ def _warm_up() -> None:
     starts no thread pool, so the process stays single-threaded and safe to fork.
     """
     torch.set_num_threads(1)
-    from torch_ckpt.format._codec import split_state
+    from torch_ckpt.format._files import split_state
 
     state, tensors = build_state()
     fill_for_step(state, tensors, 1)

@@ -16,7 +16,7 @@ from acc_helpers import Counter, TinyNet, make_run
 from accelerate_ckpt import AcceleratorTrainState
 from accelerate_ckpt._compat import check_supported
 from torch_ckpt import ConfigError, StateMismatchError
-from torch_ckpt.format._codec import split_state
+from torch_ckpt.format._files import split_state
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.filterwarnings("ignore::UserWarning")]
 

@@ -1,4 +1,4 @@
-"""DCP metadata (torch_ckpt.format._read): type checks, chunk coverage and bounds, record checks end to end."""
+"""DCP metadata (torch_ckpt.format._files): type checks, chunk coverage and bounds, record checks end to end."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 
 from tests._format_fixtures import STEP, manifest_doc, rewrite, tampered_metadata, weight_item  # noqa: F401
 from torch_ckpt import CheckpointCorruptError, CheckpointManager
-from torch_ckpt.format._read import metadata_problems, read_dcp_metadata, read_manifest, read_metadata
+from torch_ckpt.format._files import metadata_problems, read_dcp_metadata, read_manifest, read_metadata
 
 
 # -- DCP metadata ----------------------------------------------------------------------------------
@@ -126,7 +126,7 @@ def test_metadata_problems_do_not_mutate_the_metadata(saved):
 
 def test_dcp_reader_opens_only_listed_files_even_with_unchecked_metadata(ckpt, tmp_path):
     """load_tensors refuses to open a file outside the allowed names, even if metadata validation was skipped."""
-    from torch_ckpt.format._read import load_tensors
+    from torch_ckpt.format._files import load_tensors
 
     outside = tmp_path / "elsewhere.distcp"
     outside.write_bytes(next(ckpt.glob("*.distcp")).read_bytes())
@@ -144,7 +144,7 @@ def test_dcp_reader_opens_only_listed_files_even_with_unchecked_metadata(ckpt, t
                                                   pytest.param("process", 2, marks=pytest.mark.slow)])
 def test_records_of_every_dtype_written_by_the_manager_pass_and_restore(tmp_path, persist, thread_count):
     """Tensors of typed and untyped-storage dtypes (float8, uint16, bool, complex...) pass the record check, restore."""
-    from torch_ckpt.format._read import record_problems
+    from torch_ckpt.format._files import record_problems
 
     dtypes = [torch.float32, torch.bfloat16, torch.float8_e4m3fn, torch.uint16, torch.bool, torch.complex64, torch.int8]
     state = {f"t{i}": torch.arange(12).reshape(3, 4).to(d) for i, d in enumerate(dtypes)}

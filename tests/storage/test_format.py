@@ -1,4 +1,4 @@
-"""Listed files and per-rank state files (torch_ckpt.format._read): only listed regular files, bounded rank trees.
+"""Listed files and per-rank state files (torch_ckpt.format._files): only listed regular files, bounded rank trees.
 
 Each hostile input of issue 14 (items 3 and 4) is fed to the module's functions directly; the
 manager, CLI and convert paths that use them are covered in test_bad_input.py and test_cli_tools.py.
@@ -21,7 +21,7 @@ from tests._format_fixtures import (  # noqa: F401
     weight_item,
 )
 from torch_ckpt import CheckpointCorruptError
-from torch_ckpt.format._read import (
+from torch_ckpt.format._files import (
     MAX_STATE_DEPTH,
     parse_manifest,
     parse_rank_doc,

@@ -1,4 +1,4 @@
-"""manifest.json (torch_ckpt.format._read): bounded parsing and validation of an untrusted manifest.
+"""manifest.json (torch_ckpt.format._files): bounded parsing and validation of an untrusted manifest.
 
 Each hostile input of issue 14 (items 3 and 4) is fed to the module's functions directly; the
 manager, CLI and convert paths that use them are covered in test_bad_input.py and test_cli_tools.py.
@@ -12,7 +12,7 @@ import pytest
 
 from tests._format_fixtures import STEP, manifest_doc, rewrite, tampered_metadata, weight_item  # noqa: F401
 from torch_ckpt import CheckpointCorruptError
-from torch_ckpt.format._read import Manifest, parse_manifest, read_manifest
+from torch_ckpt.format._files import Manifest, parse_manifest, read_manifest
 
 
 def test_manifest_with_a_5000_digit_integer_is_corrupt_naming_the_file(ckpt):

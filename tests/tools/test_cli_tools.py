@@ -517,7 +517,7 @@ def _live_state() -> TrainState:
 
 
 def _metadata(step_dir: Path):
-    from torch_ckpt.format._read import read_dcp_metadata
+    from torch_ckpt.format._files import read_dcp_metadata
 
     return read_dcp_metadata(step_dir / ".metadata")
 

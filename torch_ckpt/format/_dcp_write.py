@@ -4,7 +4,7 @@ The writer keeps DCP's format (one ``.distcp`` file per writer thread and rank, 
 ``torch.save`` record at a recorded offset, plus ``.metadata``), writes straight from host memory
 with large GIL-free ``write`` calls, computes each file's CRC-32 and size while writing, fsyncs,
 checks the size on disk, and fails the write on an error in any of its threads (DCP's own
-``FileSystemWriter`` loses those). The read side is :mod:`torch_ckpt.format._read`.
+``FileSystemWriter`` loses those). The read side is :mod:`torch_ckpt.format._files`.
 
 :func:`serialize_tensor` gives a tensor's record in pieces (data by reference); :func:`record_framing`
 the bytes around the data, fixed by dtype, shape and strides, so :mod:`torch_ckpt.restore._restore`

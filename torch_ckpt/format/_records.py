@@ -354,7 +354,7 @@ def storage_record_problems(md: Any, tensors: dict[str, Any],
     """Check the record of every chunk of ``tensors`` against its storage entry and declared chunk.
 
     Args:
-        md: validated DCP metadata (see :func:`torch_ckpt.format._read.metadata_problems`).
+        md: validated DCP metadata (see :func:`torch_ckpt.format._files.metadata_problems`).
         tensors: ``{key: TensorStorageMetadata}`` of its well-formed tensors.
         open_file: opens a data file of the checkpoint by name (a context manager yielding a
             :class:`RangeReader`); it may raise ``OSError`` or ``CheckpointCorruptError``.

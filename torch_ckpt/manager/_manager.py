@@ -37,9 +37,13 @@ from torch_ckpt.policy._schedule import Cadence
 from torch_ckpt.restore._resume import restore_checkpoint
 from torch_ckpt.restore._resume_nodes import restore_node_local
 from torch_ckpt.root._layout import (
+    PARTIAL_PREFIX,
     SharedRoot,
     check_root,
+    clean_stale_temporaries,
     is_committed,
+    is_reservation,
+    is_temporary_name,
     quarantine_step_dir,
     read_manifest,
     retire_step_dir,
@@ -49,7 +53,6 @@ from torch_ckpt.root._layout import (
 )
 from torch_ckpt.root._lock import RootLock
 from torch_ckpt.root._nodes import NodeLayout, choose_layout
-from torch_ckpt.root._temporaries import PARTIAL_PREFIX, clean_stale_temporaries, is_reservation, is_temporary_name
 from torch_ckpt.save._checkpointer import AsyncCheckpointer, close_on_exit
 from torch_ckpt.save._persist import SaveRequest, check_extra_name
 from torch_ckpt.save._persist_nodes import persist_node_local
@@ -699,7 +702,7 @@ class CheckpointManager:
             step: training step (int >= 0). Without ``path`` it names the directory
                 (``naming.name(step)`` under the root) and must not be committed yet.
             state: a :class:`~torch_ckpt.TrainState`, any ``Stateful`` or a nested dict of tensors
-                and plain values (the supported values are listed in :mod:`torch_ckpt.format._codec`).
+                and plain values (the supported values are listed in :mod:`torch_ckpt.format._files`).
             path: an explicit checkpoint directory instead (absolute, or relative to the root; it
                 may lie outside the root, e.g. a framework's own file name). When it already holds
                 a committed torch-ckpt checkpoint, that one is replaced atomically at commit and

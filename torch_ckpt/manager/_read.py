@@ -16,8 +16,7 @@ from torch_ckpt.distributed._context import DistContext
 from torch_ckpt.errors import CheckpointCorruptError, CheckpointNotFoundError, CheckpointWriteError, ConfigError
 from torch_ckpt.policy._lineage import head_of
 from torch_ckpt.policy._naming import Naming
-from torch_ckpt.root._layout import read_manifest, remove_step_dir, scan_manifests
-from torch_ckpt.root._temporaries import is_reservation
+from torch_ckpt.root._layout import is_reservation, read_manifest, remove_step_dir, scan_manifests
 
 log = get_logger("torch_ckpt.manager._manager")
 

@@ -53,15 +53,20 @@ from torch_ckpt.errors import (
     ConfigError,
     StateMismatchError,
 )
-from torch_ckpt.format._codec import ODICT_TAG, TENSOR_TAG, is_per_rank_key, join_state, logical_key, split_state
 from torch_ckpt.format._dcp_write import record_framing
-from torch_ckpt.format._read import (
+from torch_ckpt.format._files import (
+    ODICT_TAG,
+    TENSOR_TAG,
     Manifest,
     check_records,
+    is_per_rank_key,
+    join_state,
     load_tensors,
+    logical_key,
     open_listed,
     read_metadata,
     read_rank_doc,
+    split_state,
     tensor_items,
     tensor_keys,
     verify_files,
@@ -780,7 +785,7 @@ def load_direct(targets: _Targets, step_dir: str | os.PathLike, md: Metadata, ma
 
     Returns:
         The keys not placed here (another layout, dtype or framing), for DCP's reader
-        (:func:`torch_ckpt.format._read.load_tensors`) once their records are checked.
+        (:func:`torch_ckpt.format._files.load_tensors`) once their records are checked.
 
     Raises:
         CheckpointCorruptError: a data file is missing, not a regular file, truncated, or has the

@@ -25,7 +25,7 @@ from torch_ckpt.errors import (
     CheckpointWriteError,
     ConfigError,
 )
-from torch_ckpt.format._read import Manifest
+from torch_ckpt.format._files import Manifest
 from torch_ckpt.policy._lineage import Lineage, head_of, new_segment, successor
 from torch_ckpt.policy._naming import Naming, StepNaming
 from torch_ckpt.restore._restore import load_into

@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.planner import SavePlan
 
 from torch_ckpt.errors import ConfigError
 from torch_ckpt.format._dcp_write import ChecksumFileSystemWriter, FlatKeysSavePlanner
-from torch_ckpt.format._read import metadata_name
+from torch_ckpt.format._files import metadata_name
 from torch_ckpt.root._layout import SharedRoot
 
 __all__ = ["NodeLayout", "choose_layout", "NodeDedupPlanner", "RecordingWriter", "node_views", "metadata_name",

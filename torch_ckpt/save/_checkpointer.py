@@ -43,11 +43,10 @@ from torch_ckpt._logging import get_logger
 from torch_ckpt._values import check_int, to_seconds
 from torch_ckpt.distributed._context import DistContext
 from torch_ckpt.errors import CheckpointError, CheckpointWriteError, ConfigError
-from torch_ckpt.format._codec import is_per_rank_key, split_state, tensor_kind
+from torch_ckpt.format._files import is_per_rank_key, split_state, tensor_kind
 from torch_ckpt.handle import SaveHandle, SaveStats
 from torch_ckpt.restore._restore import load_into
-from torch_ckpt.root._layout import SharedRoot, read_manifest
-from torch_ckpt.root._temporaries import new_incarnation, partial_path, reserve, unreserve
+from torch_ckpt.root._layout import SharedRoot, new_incarnation, partial_path, read_manifest, reserve, unreserve
 from torch_ckpt.save._persist import ArenaLayout, SaveRequest, arena_views, persist_checkpoint
 from torch_ckpt.save._writer_process import ProcessWriter
 from torch_ckpt.state._protocol import StateToRestore, StateToSave
@@ -614,8 +613,8 @@ class AsyncCheckpointer:
         describe (see its attributes): ``final`` is created empty by the committing rank before this
         returns (the name is taken at once), written inside it as a hidden
         ``.torch-ckpt.partial.<incarnation>`` and committed when complete
-        (:mod:`torch_ckpt.root._temporaries`). ``state``: a :class:`~torch_ckpt.TrainState`, any
-        ``Stateful`` or a nested dict of tensors and plain values (:mod:`torch_ckpt.format._codec`).
+        (:mod:`torch_ckpt.root._layout`). ``state``: a :class:`~torch_ckpt.TrainState`, any
+        ``Stateful`` or a nested dict of tensors and plain values (:mod:`torch_ckpt.format._files`).
         """
         return self.submit(SaveRequest(final=Path(final), step=step, replace=replace, lineage=lineage,
                                        extra_dir=None if extra_dir is None else Path(extra_dir),

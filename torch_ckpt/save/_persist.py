@@ -25,16 +25,19 @@ from torch_ckpt._logging import get_logger
 from torch_ckpt.distributed._context import DistContext
 from torch_ckpt.errors import CheckpointError, CheckpointWriteError
 from torch_ckpt.format._dcp_write import ChecksumFileSystemWriter, FlatKeysSavePlanner, group_by_first_segment
-from torch_ckpt.format._read import unwrap_dcp_error
+from torch_ckpt.format._files import unwrap_dcp_error
 from torch_ckpt.policy._lineage import BASE
-from torch_ckpt.root._layout import Manifest, commit_dir, rank_file_name, write_json_durable
-from torch_ckpt.root._temporaries import (
+from torch_ckpt.root._layout import (
     PARTIAL_PREFIX,
+    Manifest,
+    commit_dir,
     is_reservation,
     new_incarnation,
     partial_path,
+    rank_file_name,
     remove_failed_temporaries,
     unreserve,
+    write_json_durable,
 )
 
 __all__ = ["SaveRequest", "ArenaLayout", "arena_views", "persist_checkpoint", "prepare_partial", "write_shards",
@@ -249,7 +252,7 @@ def prepare_partial(req: SaveRequest, final: Path, tmp: Path) -> bool:
         True when ``final`` is reserved for this save (by the engine, or created here).
 
     The leftovers of this checkpointer's earlier failed saves (``req.failed_names``) are removed
-    first (:func:`~torch_ckpt.root._temporaries.remove_failed_temporaries`).
+    first (:func:`~torch_ckpt.root._layout.remove_failed_temporaries`).
 
     Raises:
         CheckpointWriteError: ``final`` holds a committed checkpoint and ``req.replace`` is False, or

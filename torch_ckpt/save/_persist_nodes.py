@@ -22,11 +22,19 @@ from pathlib import Path
 from torch_ckpt._logging import get_logger
 from torch_ckpt.distributed._context import DistContext
 from torch_ckpt.errors import CheckpointError, CheckpointWriteError
-from torch_ckpt.format._read import METADATA_NAME, metadata_name
+from torch_ckpt.format._files import METADATA_NAME, metadata_name
 from torch_ckpt.policy._lineage import BASE
-from torch_ckpt.root._layout import MANIFEST_NAME, Manifest, commit_dir, write_durable, write_json_durable
+from torch_ckpt.root._layout import (
+    MANIFEST_NAME,
+    Manifest,
+    commit_dir,
+    new_incarnation,
+    partial_path,
+    unreserve,
+    write_durable,
+    write_json_durable,
+)
 from torch_ckpt.root._nodes import NodeDedupPlanner, NodeLayout, RecordingWriter, node_views, shared_files
-from torch_ckpt.root._temporaries import new_incarnation, partial_path, unreserve
 from torch_ckpt.save._persist import (
     SaveRequest,
     as_write_error,

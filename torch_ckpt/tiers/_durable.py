@@ -2,7 +2,7 @@
 
 Layout mirrors the local root (``URL/step_000000100/<files>``). Object stores have no atomic
 rename, so a durable checkpoint is committed by writing its ``manifest.json`` *last*, after every
-other file has been uploaded and verified (:func:`torch_ckpt.format._read.verify_files`, the same
+other file has been uploaded and verified (:func:`torch_ckpt.format._files.verify_files`, the same
 check and messages as for a local checkpoint); a step without a manifest is invisible, deleting
 removes the manifest first, and a manifest-less prefix left by a crashed uploader is removed once
 idle (:func:`remove_abandoned`). URLs stay strings end to end; none goes through ``pathlib``.
@@ -33,7 +33,7 @@ from tqdm import tqdm
 from torch_ckpt._logging import get_logger
 from torch_ckpt._values import check_int
 from torch_ckpt.errors import CheckpointCorruptError, CheckpointError, ConfigError
-from torch_ckpt.format._read import (
+from torch_ckpt.format._files import (
     MANIFEST_NAME,
     MAX_MANIFEST_BYTES,
     MAX_MANIFEST_DEPTH,
@@ -264,7 +264,7 @@ class DurableTier:
         return dict(sorted(found.items()))
 
     def read_manifest(self, step: int) -> Manifest:
-        """The durable manifest of ``step`` (:func:`torch_ckpt.format._read.read_manifest`, which raises)."""
+        """The durable manifest of ``step`` (:func:`torch_ckpt.format._files.read_manifest`, which raises)."""
         return read_manifest(self.location(step))
 
     # -- upload --------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ from typing import Any
 from torch_ckpt._lifecycle import finish_at_exit
 from torch_ckpt._logging import get_logger
 from torch_ckpt.errors import CheckpointCorruptError
-from torch_ckpt.format._read import Manifest
+from torch_ckpt.format._files import Manifest
 from torch_ckpt.policy._lineage import head_of
 from torch_ckpt.policy._retention import RetentionPolicy, apply_retention
 from torch_ckpt.root._layout import read_manifest

@@ -22,24 +22,25 @@ from typing import Any
 import torch
 
 from torch_ckpt.errors import CheckpointNotFoundError, ConfigError
-from torch_ckpt.format._codec import is_per_rank_key, join_state, split_state
-from torch_ckpt.format._read import (
+from torch_ckpt.format._files import (
     MANIFEST_NAME,
     METADATA_NAME,
     Manifest,
     check_records,
+    is_per_rank_key,
+    join_state,
     load_tensors,
     rank_file_name,
     read_dcp_metadata,
     read_manifest,
     read_metadata,
     read_rank_doc,
+    split_state,
     tensor_items,
     tensor_keys,
     verify_files,
 )
-from torch_ckpt.root._layout import commit_dir, write_json_durable
-from torch_ckpt.root._temporaries import new_incarnation, step_dir_name, temporary_name
+from torch_ckpt.root._layout import commit_dir, new_incarnation, step_dir_name, temporary_name, write_json_durable
 from torch_ckpt.storage._crc import file_crc32
 from torch_ckpt.storage._locations import as_location
 
@@ -69,7 +70,7 @@ def load_full_state(checkpoint: str | os.PathLike, *, verify: bool = True,
                     allow_symlinks: bool = False) -> tuple[dict[str, Any], Manifest]:
     """Load a committed checkpoint as one nested dict of full tensors and Python values (one process).
 
-    The checks are a restore's (:mod:`torch_ckpt.format._read`), made before any tensor is allocated;
+    The checks are a restore's (:mod:`torch_ckpt.format._files`), made before any tensor is allocated;
     ``verify`` adds every file's CRC-32; ``allow_symlinks`` follows symlinked files (refused by default).
 
     Returns:

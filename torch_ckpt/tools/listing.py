@@ -2,7 +2,7 @@
 
 Local directories and any fsspec URL (``s3://``, ``gs://``, ``memory://``...; credentials in
 ``storage_options``) alike; the results are JSON-serialisable dicts (the commands' ``--json``).
-Every check is the restore's own (:mod:`torch_ckpt.format._read`, ``_manifest``, ``_dcp_metadata``),
+Every check is the restore's own (:mod:`torch_ckpt.format._files`, ``_manifest``, ``_dcp_metadata``),
 so these views accept exactly what a restore would load; :func:`check_dir` collects every problem
 with its file instead of stopping at the first. Nothing here writes to a checkpoint or runs code
 from one: ``.metadata`` is read with the restricted unpickler, rank files are JSON, and only the
@@ -49,8 +49,7 @@ from torch_ckpt.errors import (
     ConfigError,
     UnsafeCheckpointError,
 )
-from torch_ckpt.format._codec import TENSOR_TAG
-from torch_ckpt.format._read import (
+from torch_ckpt.format._files import (
     FORMAT_NAME,
     MANIFEST_NAME,
     MAX_MANIFEST_BYTES,
@@ -58,6 +57,7 @@ from torch_ckpt.format._read import (
     MAX_RANK_JSON_BYTES,
     METADATA_NAME,
     RANK_FILE_RE,
+    TENSOR_TAG,
     Manifest,
     embedded_info,
     load_dcp_metadata_bytes,
@@ -73,7 +73,7 @@ from torch_ckpt.format._read import (
     walk_tree,
 )
 from torch_ckpt.policy._lineage import head_of
-from torch_ckpt.root._temporaries import PARTIAL_PREFIX
+from torch_ckpt.root._layout import PARTIAL_PREFIX
 from torch_ckpt.storage._locations import Location, PathNotFoundError, as_location
 from torch_ckpt.tiers._durable import DurableTier
 
@@ -578,7 +578,7 @@ def inspect_checkpoint(where: str | os.PathLike | Location, *, step: int | None 
     Raises:
         PathNotFoundError: ``where`` does not exist.
         CheckpointNotFoundError: not a committed checkpoint (a plain DCP folder: named so).
-        CheckpointCorruptError: a check of :mod:`torch_ckpt.format._read` fails, or the state refers
+        CheckpointCorruptError: a check of :mod:`torch_ckpt.format._files` fails, or the state refers
             to a tensor the metadata lacks.
         UnsafeCheckpointError: the DCP metadata references code (refused, not executed).
     """
