@@ -22,3 +22,7 @@ def __getattr__(name: str) -> Any:
     if name not in _EXPORTS:
         raise AttributeError(f"module 'torch_ckpt.tools' has no attribute {name!r}")
     return getattr(import_module(f"torch_ckpt.tools.{_EXPORTS[name]}"), name)
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
