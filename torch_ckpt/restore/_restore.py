@@ -710,7 +710,7 @@ def _open_checked(step_dir: Path, name: str, manifest: Manifest, *, allow_symlin
         if size != expected:
             raise CheckpointCorruptError(f"{path}: size {size} bytes, manifest says {expected} (truncated?)")
         if hasattr(os, "posix_fadvise"):
-            try:  # (POSIX_FADV_WILLNEED on the whole file was measured slower: benchmarks/README.md, session 5)
+            try:  # (POSIX_FADV_WILLNEED on the data files was measured slower: benchmarks/README.md)
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
             except OSError:
                 pass  # only a hint (a security policy, an odd file system): the reads report any real error
