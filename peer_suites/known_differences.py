@@ -2,7 +2,7 @@
 
 Keys are pytest node ids relative to the suite's root (``tests_pytorch/...`` for Lightning, ``tests/...``
 for Accelerate), exact or without the ``[params]`` part (then every parametrisation is covered). Each
-reason names the documented behaviour (README "Guarantees", ``docs/lightning.md``, ``docs/accelerate.md``)
+reason names the documented behaviour (``docs/guarantees.md``, ``docs/lightning.md``, ``docs/accelerate.md``)
 that makes the test's expectation differ. A test is added here only when the difference is a choice of
 the design, never to hide a break; the report tags it ``KNOWN`` and does not count it as a break.
 """
@@ -19,7 +19,7 @@ KNOWN_DIFFERENCES: dict[str, str] = {
     "tests_pytorch/trainer/connectors/test_checkpoint_connector.py::test_local_cross_device_checkpoint": (
         "makes every os.rename fail with EXDEV; the commit is a rename inside the checkpoint's own folder (one "
         "device by construction), and a rename that fails fails the save (CheckpointWriteError) instead of "
-        "committing by copy, which would not be atomic: README, Guarantees, 'Atomic commit'"),
+        "committing by copy, which would not be atomic: docs/guarantees.md, 'Atomic commit'"),
     "tests_pytorch/loggers/test_wandb.py::test_wandb_log_model": _LOG_MODEL,
     "tests_pytorch/loggers/test_wandb.py::test_wandb_log_model_with_score": _LOG_MODEL,
     "tests_pytorch/loggers/test_mlflow.py::test_mlflow_log_model": _LOG_MODEL,
