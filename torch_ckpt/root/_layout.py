@@ -2,7 +2,7 @@
 and the root layout (:class:`SharedRoot`).
 
 The manifest is defined in :mod:`torch_ckpt.format._files` (re-exported here); the names of
-temporaries and their clean-up are in :mod:`torch_ckpt.root._layout`, the lock in :mod:`torch_ckpt.root._lock`::
+temporaries and their clean-up are here too, the lock in :mod:`torch_ckpt.root._lock`::
 
     ROOT/
       step_000000100/            committed: .metadata (DCP, read with a restricted unpickler), __R_T.distcp

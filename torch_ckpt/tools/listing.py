@@ -2,7 +2,7 @@
 
 Local directories and any fsspec URL (``s3://``, ``gs://``, ``memory://``...; credentials in
 ``storage_options``) alike; the results are JSON-serialisable dicts (the commands' ``--json``).
-Every check is the restore's own (:mod:`torch_ckpt.format._files`, ``_manifest``, ``_dcp_metadata``),
+Every check is the restore's own (:mod:`torch_ckpt.format._files` and :mod:`torch_ckpt.format._records`),
 so these views accept exactly what a restore would load; :func:`check_dir` collects every problem
 with its file instead of stopping at the first. Nothing here writes to a checkpoint or runs code
 from one: ``.metadata`` is read with the restricted unpickler, rank files are JSON, and only the
