@@ -13,7 +13,7 @@ PKG = Path(torch_ckpt.__file__).parent
 
 #: low to high: a module may import torch_ckpt modules of its own layer or a lower one (function-local imports too)
 LAYERS = [
-    {"errors", "_logging", "durations", "_values", "handle", "_lifecycle", "settings_file"},
+    {"errors", "_logging", "durations", "_values", "handle", "_lifecycle"},
     {"policy"},
     {"config"},
     {"distributed"},
