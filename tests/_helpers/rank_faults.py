@@ -187,12 +187,12 @@ def killed_after_rename(root: str, persist: str, timeout_s: float) -> dict:
     STEP = [0]
     DistContext.broadcast = dying
     if rank == 0:  # the launcher ends rank 0 right after: nothing runs after the commit of step 3
-        real_after = commit_mod.AfterCommit.run
+        real_after = commit_mod.CommitFollowUp.run
 
         def after(self, step, final, replicate=False):
             return None if step == 3 else real_after(self, step, final, replicate)
 
-        commit_mod.AfterCommit.run = after
+        commit_mod.CommitFollowUp.run = after
     mgr = CheckpointManager(local, timeout_seconds=timeout_s, durable_url=durable, keep_last=2)
     for step in (1, 2):
         STEP[0] = step
