@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from tqdm import tqdm
 
@@ -563,7 +563,7 @@ def idle_seconds(tier: DurableTier, step: int, now: float) -> float | None:
     times = [object_mtime(info) for info in objects.values()]
     if not times or any(t is None for t in times):
         return None
-    return now - max(times)
+    return now - max(cast(list[float], times))
 
 
 def remove_abandoned(tier: DurableTier, *, older_than_seconds: float,
