@@ -9,10 +9,11 @@ import shutil
 import time
 import warnings
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from accelerate_ckpt import _compat as compat
 from accelerate_ckpt._state import AcceleratorTrainState
@@ -148,8 +149,9 @@ class AccelerateCheckpointer:
     _RUNTIME = ("_accelerator", "manager", "last_handle", "_reports", "_after")
 
     def __init__(self, accelerator: Any, settings: CkptSettings, *, save_policy: Any = None) -> None:
-        self._accelerator = weakref.ref(accelerator)  # the Accelerator holds us: no reference cycle
-        self.settings, self.step = settings, None
+        self._accelerator: Callable[[], Any] = weakref.ref(accelerator)  # the Accelerator holds us: no reference cycle
+        self.settings = settings
+        self.step: int | None = None
         self._policy = {} if save_policy is None else {"save_policy": save_policy}
         self._reset()
         self._closed = not settings.enabled
@@ -218,8 +220,8 @@ class AccelerateCheckpointer:
             s, acc = self.settings, self.accelerator
             keep = s.config.keep_last if s.keep_last_given else acc.project_configuration.total_limit
             # explicit folders: the run owns each folder it saves, not the directory they lie in
-            self.manager = CheckpointManager(self._root(None) if self._auto else root, config=s.config, naming=NAMING,
-                                             explicit_paths_only=not self._auto,
+            self.manager = CheckpointManager(self._root(None) if self._auto else cast(Path, root), config=s.config,
+                                             naming=NAMING, explicit_paths_only=not self._auto,
                                              keep_last=keep if self._auto else None, **self._policy)
         return self.manager
 
@@ -290,6 +292,7 @@ class AccelerateCheckpointer:
             manager, path, number = self._open(), None, iteration
             folder = manager.root / NAMING.name(iteration)
         else:
+            assert output_dir is not None  # refused above without automatic naming
             folder = Path(output_dir).expanduser().absolute()
             manager, path = self._open(folder.parent), folder
             number = self.step if self.step is not None else iteration

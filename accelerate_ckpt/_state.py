@@ -7,7 +7,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Mapping, Sequence
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -70,7 +70,7 @@ class AcceleratorTrainState:
             inner = getattr(opt, "optimizer", opt)  # the torch optimizer inside Accelerate's AcceleratedOptimizer
             owners = {owner_of.get(id(p)) for g in inner.param_groups for p in g["params"]}
             if len(owners) == 1 and None not in owners:
-                by_model[owners.pop()].append(inner)
+                by_model[cast(str, owners.pop())].append(inner)
             else:  # spans several models, or a model a user hook saves: keep its own state_dict()
                 plain.append(inner)
         self._plain = [OptimizerState(opt, name=f"optimizers_plain.{j}") for j, opt in enumerate(plain)]

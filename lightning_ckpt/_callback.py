@@ -85,7 +85,14 @@ class MTBFCheckpoint(OnExceptionCheckpoint):
         self._deferred: tuple[str, dict[str, Any]] | None = None  # an epoch end's path and Lightning state
         self._epoch_end_loop: tuple[int, dict[str, Any]] | None = None  # last batch's step and fit-loop state
         self._reports = SaveReports()  # each commit once; lost work at most once a minute
-        self._stepped, self._last_saved_step = False, None
+        self._stepped = False
+        self._last_saved_step: int | None = None
+
+    @property
+    def _setup_io(self) -> AsyncDCPCheckpointIO:
+        """The trainer's plugin: :meth:`setup` sets it before any other hook runs."""
+        assert self._io is not None, "MTBFCheckpoint.setup() has not run"
+        return self._io
 
     def __getstate__(self) -> dict[str, Any]:
         # without its run's manager, plugin, signal handlers (setup sets them again): a trainer holding it pickles
@@ -153,7 +160,7 @@ class MTBFCheckpoint(OnExceptionCheckpoint):
 
     @override
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
-        self._io.wait_staged()
+        self._setup_io.wait_staged()
         self._stepped = True
 
     @override
@@ -162,7 +169,7 @@ class MTBFCheckpoint(OnExceptionCheckpoint):
             return
         self._stepped = False
         step = trainer.global_step
-        self._io.poll()
+        self._setup_io.poll()
         want = self._manager.should_save(step) if self._policy is not None or self.save_on_sigterm else False
         sigterm = self._manager.preemption_requested
         # the final step is saved at its step boundary: at on_train_end Lightning counts the epoch completed
@@ -173,7 +180,7 @@ class MTBFCheckpoint(OnExceptionCheckpoint):
             # saves at on_train_end with the loop state of this moment (see on_train_end)
             self._epoch_end_loop = (step, _compat.fit_loop_state(trainer))
         if sigterm:
-            self._io.wait()
+            self._setup_io.wait()
             log.warning("[rank %d] SIGTERM: checkpoint of step %d is committed; stopping", trainer.global_rank, step)
             _compat.mark_sigterm_received(trainer)  # Lightning raises SIGTERMException at the end of this batch
             trainer.should_stop = True
@@ -182,7 +189,7 @@ class MTBFCheckpoint(OnExceptionCheckpoint):
             self._log_metrics(trainer, {"ckpt/lost_work_s": lost})  # what a failure now would lose
             log.info("checkpoint health: a failure now would lose %.1f s of training", lost)
         if self.prog_bar:
-            pl_module.log("ckpt_saving", float(self._io.saving), prog_bar=True, logger=False, on_step=True,
+            pl_module.log("ckpt_saving", float(self._setup_io.saving), prog_bar=True, logger=False, on_step=True,
                           on_epoch=False)
 
     def _save(self, trainer: Any, step: int, *, stopping: bool = False, fit_loop: dict[str, Any] | None = None
@@ -223,8 +230,8 @@ class MTBFCheckpoint(OnExceptionCheckpoint):
         self._track_last_save()
 
     def _track_last_save(self) -> None:
-        if self._io.last_handle is not None:
-            self._reports.add(self._io.last_handle)
+        if self._setup_io.last_handle is not None:
+            self._reports.add(self._setup_io.last_handle)
 
     @staticmethod
     def _log_metrics(trainer: Any, metrics: dict[str, float]) -> None:
@@ -236,6 +243,7 @@ class MTBFCheckpoint(OnExceptionCheckpoint):
         """Log the statistics of every save committed since the last report (once each)."""
         for handle, _ in self._reports.committed():
             stats, info = handle.stats.as_dict(), self._manager.schedule_info()
+            plan: dict[str, Any]
             plan = next((p for p in info.get("policies", [info]) if "interval_steps" in p), {})  # the MTBF policy's
             metrics = SaveReports.metrics(handle, "ckpt/", _STAT_KEYS)
             metrics.update({f"ckpt/{k}": float(plan[k]) for k in _PLAN_KEYS if isinstance(plan.get(k), (int, float))})
@@ -264,7 +272,7 @@ class MTBFCheckpoint(OnExceptionCheckpoint):
             else:
                 log.info("training stopped inside an epoch at step %d: not saving it at train end (it would resume "
                          "at the next epoch); the newest checkpoint is step %s", step, self._last_saved_step)
-        self._io.wait()
+        self._setup_io.wait()
         self._report(trainer, None)
 
     @override

@@ -13,7 +13,7 @@ import uuid
 import weakref
 from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import fsspec
 import torch
@@ -269,7 +269,7 @@ class AsyncDCPCheckpointIO(CheckpointIO):
 
         def relink() -> None:
             if os.path.isdir(link) and not os.path.islink(link):
-                self._manager.remove(link)  # a checkpoint saved there earlier (save_last=True)
+                cast(CheckpointManager, self._manager).remove(link)  # a checkpoint saved there earlier (save_last=True)
             tmp = os.path.join(os.path.dirname(link), f".{os.path.basename(link)}.link-{uuid.uuid4().hex[:8]}")
             os.symlink(os.path.relpath(target, os.path.dirname(link)), tmp)
             os.replace(tmp, link)
@@ -329,7 +329,7 @@ class AsyncDCPCheckpointIO(CheckpointIO):
         if target.is_symlink() or target.is_file():
             self._after.add(1, f"remove {target}", lambda: target.unlink(missing_ok=True))
         elif self._manager is not None:
-            self._after.add(1, f"remove {target}", lambda: self._manager.remove(target))
+            self._after.add(1, f"remove {target}", lambda: cast(CheckpointManager, self._manager).remove(target))
 
     @staticmethod
     def is_checkpoint_dir(path: Any) -> bool:

@@ -164,7 +164,7 @@ def install_hooks(is_ours: Callable[[Any], bool], is_ours_callback: Callable[[An
     _wrap(cloud_io, "_load", lambda original: partial(_load, original, load_dir, is_remote_checkpoint))
     for module in (saving, torch_io):
         if module.pl_load is original_load:
-            module.pl_load = cloud_io._load
+            module.pl_load = cloud_io._load  # type: ignore[attr-defined]
     _wrap(_CheckpointConnector, "_parse_ckpt_path",
           lambda original: lambda self, *a, **k: _fresh_fit(original, is_ours_callback, self, *a, **k))
     _wrap(Trainer, "save_checkpoint", lambda original: lambda self, *a, **k: _save_checkpoint(original, is_ours, self,

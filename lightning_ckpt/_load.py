@@ -176,6 +176,8 @@ class _AllValues:
     """A load target reading every value (this rank's rank-local ones) into new tensors, after the core checked the
     checkpoint against ``live`` (the live model: keys when ``strict``, shapes, dtypes)."""
 
+    loaded: dict[str, Any]
+
     def __init__(self, rank_local: tuple[str, ...], live: dict[str, Any] | None, strict: bool) -> None:
         self.rank_local_keys, self.loaded, self._live, self._strict = rank_local, {}, live or {}, strict
 
@@ -272,7 +274,7 @@ def is_remote_checkpoint(url: str) -> bool:
         return False
 
 
-def load_from_checkpoint(cls: type, checkpoint_path: str | Path, **kwargs: Any) -> Any:
+def load_from_checkpoint(cls: type[Any], checkpoint_path: str | Path, **kwargs: Any) -> Any:
     """``cls.load_from_checkpoint(checkpoint_path, **kwargs)`` for a torch-ckpt directory or URL or a ``.ckpt`` file.
 
     ``kwargs`` are those of Lightning's method (``map_location``, ``strict``, ``weights_only``: False allows values

@@ -217,7 +217,7 @@ class DistContext:
         c10d = dist.distributed_c10d
         ranks = self._ranks
         pg, _ = c10d._new_process_group_helper(
-            len(ranks), ranks.index(dist.get_rank()), ranks, c10d.Backend("gloo"), self._store, group_name=name,
+            len(ranks), ranks.index(dist.get_rank()), ranks, c10d.Backend("gloo"), self._store, group_name=name,  # type: ignore[arg-type]
             timeout=datetime.timedelta(seconds=self.timeout_seconds))
         c10d._world.pg_group_ranks[pg] = {g: i for i, g in enumerate(ranks)}
         return pg

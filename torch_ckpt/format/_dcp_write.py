@@ -33,7 +33,7 @@ import threading
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import IO, Any, cast
 
 import numpy as np
 import torch
@@ -206,11 +206,11 @@ def serialize_tensor(tensor: torch.Tensor) -> list[Any]:
         return [cached[0], _data_view(tensor), cached[1]]
     capture = _Capture(tensor)
     if _SAVE_WITHOUT_ZIP_CRC:
-        zf = torch._C.PyTorchFileWriter(capture, False, torch.serialization._get_storage_alignment())
+        zf = torch._C.PyTorchFileWriter(cast(IO[bytes], capture), False, torch.serialization._get_storage_alignment())
         torch.serialization._save(tensor, zf, pickle, torch.serialization.DEFAULT_PROTOCOL, False)
         zf.write_end_of_file()
     else:
-        torch.save(tensor, capture)
+        torch.save(tensor, cast(IO[bytes], capture))
     pieces = capture.pieces
     data_at = [i for i, p in enumerate(pieces) if isinstance(p, memoryview)]
     if key is not None and len(data_at) == 1:
@@ -238,7 +238,7 @@ def record_framing(tensor: torch.Tensor) -> tuple[bytes, bytes] | None:
 
 def _data_view(tensor: torch.Tensor) -> memoryview:
     """The bytes of ``tensor``'s whole storage, without a copy (the view keeps the storage alive)."""
-    return memoryview(torch.empty(0, dtype=torch.uint8).set_(tensor.untyped_storage()).numpy())
+    return memoryview(torch.empty(0, dtype=torch.uint8).set_(tensor.untyped_storage()).numpy())  # type: ignore[arg-type]
 
 
 # -- the plan --------------------------------------------------------------------------------
@@ -323,7 +323,7 @@ class _FileSink(io.RawIOBase):
     def flush(self) -> None:
         pass
 
-    def write(self, b) -> int:  # type: ignore[override]
+    def write(self, b) -> int:
         view = memoryview(b)
         if view.format != "B" or view.ndim != 1:
             view = view.cast("B")
@@ -404,7 +404,7 @@ class _ChecksumFileSystem(FileSystem):
             return
         sink = self._writer._open(path)
         try:
-            yield sink  # type: ignore[misc]
+            yield sink
             self._writer._record(sink, sync=self._writer.sync_files)
         finally:
             sink.close()
@@ -521,9 +521,9 @@ class ChecksumFileSystemWriter(FileSystemWriter):
                 data = planner.resolve_data(item)
                 offset = sink.tell()
                 if item.type == WriteItemType.BYTE_IO:
-                    sink.write(data.getbuffer())
+                    sink.write(cast(io.BytesIO, data).getbuffer())
                 else:
-                    tensor = _host_tensor(data)  # referenced until written: the pieces may point into it
+                    tensor = _host_tensor(cast(torch.Tensor, data))  # referenced until written: the pieces may point in
                     for piece in serialize_tensor(tensor):
                         sink.write(piece)
                     del tensor

@@ -85,7 +85,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import cache, lru_cache
 from pathlib import Path, PurePath
-from typing import Any
+from typing import Any, TypeGuard, cast
 
 import numpy as np
 import torch
@@ -280,7 +280,7 @@ def _encode_np_scalar(obj: np.generic, path: str) -> dict:
                       "timedelta64 dtype, or its .item()")
     if kind in _NP_VALUE_KINDS:
         return {NPSCALAR_TAG: str(obj) if kind == "U" else obj.item(), "dtype": name}  # numpy ints: <= 64 bits
-    raw = bytes(obj) if kind == "S" else np.array(obj).tobytes()
+    raw = bytes(cast(np.bytes_, obj)) if kind == "S" else np.array(obj).tobytes()
     return {_NPSCALAR_RAW: _b64(raw), "dtype": name}
 
 
@@ -395,7 +395,8 @@ def split_state(state: Any, *, rank_local_keys: tuple[str, ...] = (), replicated
             enter(obj, key, depth)
             sub_local = lambda k: local or (not path and k in rank_local_keys)  # noqa: E731
             if all(type(k) is str for k in obj) and not any(k in _TAGS for k in obj):
-                out = {k: enc(v, _join(key, k), sub_local(k), depth + 1, path + (k,)) for k, v in obj.items()}
+                out: dict[Any, Any] | list[Any] = {k: enc(v, _join(key, k), sub_local(k), depth + 1, path + (k,))
+                                                   for k, v in obj.items()}
             else:
                 items = []
                 for k, v in obj.items():
@@ -467,6 +468,7 @@ def join_state(tree: Any, tensors: dict[str, torch.Tensor] | Any) -> Any:
             raise TypeError(f"{ODICT_TAG} holds a {type(inner).__name__}, not a mapping")
         return OrderedDict(inner)
 
+    single: dict[str, Callable[[Any], Any]]
     single = {BYTES_TAG: base64.b64decode, _BYTEARRAY: lambda v: bytearray(base64.b64decode(v)), FLOAT_TAG: float,
               _BIGINT: lambda v: int(v, 16), _COMPLEX: lambda v: complex(dec(v[0]), dec(v[1])),
               TUPLE_TAG: lambda v: tuple(dec(x) for x in v), _SET: lambda v: {dec(x) for x in v},
@@ -593,7 +595,7 @@ def _int_field(doc: dict, key: str, lo: int, hi: int, *, default: int | None = N
     return value
 
 
-def _number(value: Any) -> bool:
+def _number(value: Any) -> TypeGuard[int | float]:
     return type(value) in (int, float) and math.isfinite(value)
 
 
@@ -1208,6 +1210,7 @@ class SafeFileSystemReader(FileSystemReader):
         md = self._metadata if self._metadata is not None else read_dcp_metadata(self._get_metadata_path(rank))
         if getattr(md, "storage_meta", None) is None:
             md.storage_meta = StorageMeta()
+        assert md.storage_meta is not None
         md.storage_meta.load_id = self.load_id
         return md
 
@@ -1260,7 +1263,7 @@ def unwrap_dcp_error(exc: BaseException) -> BaseException:
     causes = [c for c in causes if isinstance(c, BaseException)]
     for wanted in (CheckpointError, OSError):
         for cause in causes:
-            if isinstance(cause, wanted) and (wanted is not OSError or cause.errno is not None):
+            if isinstance(cause, wanted) and (wanted is not OSError or cast(OSError, cause).errno is not None):
                 return cause
     return causes[0] if causes else exc
 
@@ -1291,7 +1294,7 @@ MAX_METADATA_BYTES = 1 << 30
 _INT_ONLY = frozenset((int,))
 
 
-def _int_tuple(value: Any) -> bool:
+def _int_tuple(value: Any) -> TypeGuard[tuple[int, ...]]:
     """A tuple (``torch.Size`` included) of at most ``MAX_NDIM`` non-negative ints (bools refused)."""
     # set/map/min run in C: no Python frame per element (this runs 4 times per tensor)
     return isinstance(value, tuple) and len(value) <= MAX_NDIM and set(map(type, value)) <= _INT_ONLY \
@@ -1354,6 +1357,7 @@ def metadata_problems(md: Any, manifest: Any) -> tuple[list[tuple[str, str]], di
         bad(f"storage_meta is a {type(md.storage_meta).__name__}, expected StorageMeta")
     if problems:
         return problems, {}
+    assert isinstance(sdm, dict) and isinstance(sd, dict)
 
     tensors: dict[str, Any] = {}
     for key, item in sdm.items():

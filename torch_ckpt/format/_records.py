@@ -58,7 +58,7 @@ class RangeReader(Protocol):
 # the pickle of a plain tensor
 
 _PUSH_ARG = {"BININT", "BININT1", "BININT2", "LONG1", "BINUNICODE", "SHORT_BINUNICODE", "BINUNICODE8"}
-_CONST = {"NEWFALSE": False, "NEWTRUE": True, "NONE": None, "EMPTY_TUPLE": (), "EMPTY_DICT": {}}
+_CONST: dict[str, Any] = {"NEWFALSE": False, "NEWTRUE": True, "NONE": None, "EMPTY_TUPLE": (), "EMPTY_DICT": {}}
 _TUPLES = {"TUPLE1": 1, "TUPLE2": 2, "TUPLE3": 3}
 _MARK = object()
 
@@ -67,6 +67,7 @@ def _interpret(data: bytes) -> Any:
     """The pickle's result as inert values: a global is ``("global", module, name)``, a call ``("call", f, args)``."""
     stack: list[Any] = []
     memo: dict[int, Any] = {}
+    arg: Any
     try:
         for op, arg, _ in pickletools.genops(io.BytesIO(data)):
             name = op.name

@@ -179,7 +179,7 @@ class TypedValues:
         refused.append(key)
         return obj
 
-    def _resolve(self, module: Any, qualname: Any, key: str) -> Any:
+    def _resolve(self, module: Any, qualname: Any, key: str) -> type[Any]:
         if isinstance(module, str) and module not in sys.modules and module.split(".")[0] in self.importable:
             try:
                 importlib.import_module(module)

@@ -22,7 +22,7 @@ import time
 import weakref
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from torch_ckpt._logging import get_logger
 from torch_ckpt.config import DEFAULT, ON_EXISTING_NEWER, CheckpointConfig, DefaultType
@@ -342,7 +342,8 @@ class CommitFollowUp:
     def start_replicator(self, tier: DurableTier, roots: SharedRoot | NodeLayout) -> Replicator:
         """Build the durable tier's replicator (its thread references nothing of the manager)."""
         cfg = self.config
-        every, wait_seconds = cfg.durable_keep_every_n_steps, cfg.durable_flush_timeout_seconds
+        # the config's durations are floats after its __post_init__
+        every, wait_seconds = cfg.durable_keep_every_n_steps, cast(float, cfg.durable_flush_timeout_seconds)
         retention = cfg.build_durable_retention()
         history = None if every is None else (lambda step: step % every == 0)  # never coalesced away
         url = tier.url
@@ -397,6 +398,7 @@ class CommitFollowUp:
             committed = scan_committed(self.root, self.naming)
             if self.replicator is not None and not roots.node_local and committed:
                 step = max(committed)
+                assert tier is not None  # a replicator exists only with a durable tier
                 if read_manifest(committed[step]).tiers.get("durable", {}).get("url") != tier.url:
                     log.info("step %d has no durable copy in %s yet: replicating it now", step, tier.url)
                     self.replicator.submit(step, committed[step])
@@ -586,18 +588,19 @@ class CheckpointManager:
         save_policy = cfg.build_save_policy()
         self._cadence = Cadence(save_policy) if save_policy is not None else None
         self._preemption = PreemptionFlag(cfg.preemption_signals)
-        self._preemption_timeout = cfg.preemption_timeout_seconds
+        self._preemption_timeout = cast(float, cfg.preemption_timeout_seconds)
         self._tier = DurableTier(cfg.durable_url, storage_options=cfg.storage_options, verify=cfg.durable_verify,
                                  naming=naming, upload_threads=cfg.durable_upload_threads,
-                                 timeout_seconds=cfg.durable_timeout_seconds, create=cfg.durable_create) \
+                                 timeout_seconds=cast(float, cfg.durable_timeout_seconds), create=cfg.durable_create) \
             if cfg.durable_url is not None else None
         if self._tier is not None and self._tier.is_inside(root):
             raise ConfigError(f"durable_url {cfg.durable_url!r} points into the local root {root}; the durable "
                               "tier must be another location (another disk, a file server, an object store)")
         self._ckpt = AsyncCheckpointer(async_save=cfg.async_save, persist=cfg.persist,
                                        overlap_staging=cfg.overlap_staging, writer_niceness=cfg.writer_niceness,
-                                       staging_budget_bytes=cfg.staging_budget_bytes, thread_count=cfg.thread_count,
-                                       timeout_seconds=cfg.timeout_seconds, process_group=cfg.process_group,
+                                       staging_budget_bytes=cast(int | None, cfg.staging_budget_bytes),
+                                       thread_count=cfg.thread_count, timeout_seconds=cast(float, cfg.timeout_seconds),
+                                       process_group=cfg.process_group,
                                        on_write_error=cfg.on_write_error)
         self._ctx = ctx = self._ckpt.ctx
         try:  # the root layout (root._layout.SharedRoot, or root._nodes.NodeLayout for node-local roots): chosen once
@@ -649,7 +652,7 @@ class CheckpointManager:
             raise error or CheckpointError(f"{what}: {status}")
         # a manager nobody references any more (never closed) releases its root and threads like close()
         self._finalizer = weakref.finalize(self, _close_unreachable, str(root), self._ckpt, self._replicator,
-                                           self._preemption, self._lock, cfg.durable_flush_timeout_seconds)
+                                           self._preemption, self._lock, cast(float, cfg.durable_flush_timeout_seconds))
         self._finalizer.atexit = False  # exit: torch_ckpt._lifecycle finishes in-flight work; the kernel drops the lock
 
     @property
@@ -810,6 +813,7 @@ class CheckpointManager:
 
     def _exit_for_preemption(self, step: int, handle: SaveHandle | None) -> None:
         sig = self._preemption.received
+        assert sig is not None  # called once a preemption signal arrived
         try:
             if handle is not None:
                 path = handle.committed.result(timeout=self._preemption_timeout)
@@ -910,7 +914,7 @@ class CheckpointManager:
                 raise ConfigError(f"remove(): a step must be an int >= 0, got {target}")
             path = self.root / self.naming.name(target)
         else:
-            path = self._guard.explicit_path(target)
+            path = self._guard.explicit_path(cast(str | os.PathLike, target))  # it refuses a bool
         if not self._runs.acts_on_root:
             return
         inflight = self._ckpt.in_flight
@@ -970,7 +974,8 @@ class CheckpointManager:
         self._ckpt.wait()
         if self._roots.node_local and path is None:
             resumed = restore_node_local(
-                self._roots, self._ctx, self._tier, self.root, self.naming, step=step, read_only=self.read_only,
+                cast(NodeLayout, self._roots), self._ctx, self._tier, self.root, self.naming, step=step,
+                read_only=self.read_only,
                 load=lambda local: self._ckpt.load(local, state, verify=self.verify_on_load, allow_cast=allow_cast,
                                                    on_world_size_change=self.on_world_size_change))
             if resumed is None:
@@ -1011,7 +1016,7 @@ class CheckpointManager:
             self._ckpt.close()
         finally:
             if self._replicator is not None:
-                self._replicator.close(self.config.durable_flush_timeout_seconds)
+                self._replicator.close(cast(float, self.config.durable_flush_timeout_seconds))
             self._preemption.restore()
             self._lock.release()
 

@@ -33,8 +33,9 @@ import queue
 import signal
 import threading
 import weakref
-from collections.abc import Iterable, Iterator, Mapping, MutableMapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import torch
@@ -110,7 +111,7 @@ class InterruptHold:
     """
 
     def __init__(self) -> None:
-        self._previous: object = None
+        self._previous: Callable[[int, FrameType | None], Any] | int | None = None
         self.held = False
 
     def _handler(self, signum: int, frame: object) -> None:
@@ -179,6 +180,7 @@ def staging_like(live: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         spec = live._spec
         if spec.tensor_meta is not None and spec.tensor_meta.dtype != dtype:
             spec = copy.copy(spec)
+            assert spec.tensor_meta is not None
             spec.tensor_meta = spec.tensor_meta._replace(dtype=dtype)
         return DTensor(local, spec, requires_grad=False)
     return torch.empty(live.shape, dtype=dtype, device="cpu")
@@ -249,6 +251,8 @@ def plan_restore(state: Any, step_dir: Path, manifest: Manifest, md: Any, tree: 
         if smd is None or not isinstance(getattr(getattr(smd, "properties", None), "dtype", None), torch.dtype):
             raise CheckpointCorruptError(f"{step_dir}: tensor {key!r} is listed in the state but not in DCP metadata")
         saved_meta[key] = torch.empty(tuple(smd.size), dtype=smd.properties.dtype, device="meta")
+    bad_dtype: list[str]
+    casts: list[str]
     bad_shape, bad_dtype, casts, inference = [], [], [], []
     for key, t in live_tensors.items():
         meta = saved_meta.get(key)
@@ -281,6 +285,7 @@ def plan_restore(state: Any, step_dir: Path, manifest: Manifest, md: Any, tree: 
                 f"the saved values: {_listed(overlapping)}. Put a tensor with its own memory (e.g. .clone()) in "
                 "the state.", missing=[], unexpected=[])
     if staged_aware:
+        assert check is not None
         casts += check(join_state(tree, saved_meta), allow_cast=allow_cast)
 
     make_target = getattr(state, "load_target", None)
@@ -387,8 +392,9 @@ def copy_tensors(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
     if errors:
         raise errors[0]
     bump = getattr(torch.autograd.graph, "increment_version", None)
-    for dst in fast[::2] if bump is not None else ():
-        bump(dst)  # as copy_ would: autograd refuses a backward through the old values
+    if bump is not None:
+        for dst in fast[::2]:
+            bump(dst)  # as copy_ would: autograd refuses a backward through the old values
 
 
 @contextlib.contextmanager
@@ -437,7 +443,7 @@ def _swappable(live: torch.Tensor, new: torch.Tensor, aliases: int) -> bool:
             return False
         if t.untyped_storage().nbytes() != t.numel() * t.element_size():  # part of a larger buffer
             return False
-        if t._use_count() != 1 or _storage_users(t) != 1 + others or weakref.getweakrefs(t):
+        if t._use_count() != 1 or _storage_users(t) != 1 + others or weakref.getweakrefs(t):  # type: ignore[attr-defined]
             return False
     return True
 
@@ -559,7 +565,7 @@ class Stopped(Exception):
 def _byte_view(t: torch.Tensor) -> memoryview:
     """Writable bytes of the contiguous CPU tensor ``t`` (no copy)."""
     flat = torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage(), t.storage_offset() * t.element_size(),
-                                                   (t.numel() * t.element_size(),))
+                                                   (t.numel() * t.element_size(),))  # type: ignore[call-overload]
     return memoryview(flat.numpy())
 
 
@@ -972,6 +978,7 @@ def _load_into(state: Any, step_dir: Path, manifest: Manifest, ctx: DistContext,
                                              f"{exc.strerror or exc} ({exc.filename or step_dir})")
         err.__cause__ = exc
     _vote(ctx, step_dir, err, "verify")
+    assert md is not None  # _vote raised unless _verified returned on every rank
     try:
         live_tensors, tree, targets, staged_aware = plan_restore(
             state, step_dir, manifest, md, tree, ctx, on_world_size_change=on_world_size_change, allow_cast=allow_cast)

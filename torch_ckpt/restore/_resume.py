@@ -121,6 +121,7 @@ def resume_plan(root: Path, tier: DurableTier | None, step: int | None,
                 return replace(plan, candidates=[(step, "durable")])
             if step in local or step in durable:
                 lin = local.get(step, durable.get(step))
+                assert lin is not None  # the step is in one of them
                 left, live = head.left_at(lin), sorted(set(live_local) | set(live_durable))[-10:]
                 why = f"its timeline was left at step {left}" if left is not None else \
                     f"its timeline ({lin.describe()}) was abandoned"
@@ -190,7 +191,7 @@ def restore_checkpoint(state: Any, *, root: Path, naming: Naming, tier: DurableT
     Raises:
         See :meth:`torch_ckpt.CheckpointManager.restore`.
     """
-    common = dict(verify=verify, on_world_size_change=on_world_size_change, allow_cast=allow_cast)
+    common: dict[str, Any] = dict(verify=verify, on_world_size_change=on_world_size_change, allow_cast=allow_cast)
     if path is not None:
         return _restore_paths(state, root, naming, ctx, path, step, acts_on_root, common)
     if root.exists() and not root.is_dir():
@@ -220,6 +221,7 @@ def restore_checkpoint(state: Any, *, root: Path, naming: Naming, tier: DurableT
             if where == "local":
                 local, manifest = resume.local[cand]
             else:
+                assert tier is not None  # durable candidates come from the tier
                 local = _download(root, naming, tier, ctx, cand, read_only)
                 manifest = read_manifest(local)
             t0 = time.monotonic()
@@ -231,6 +233,7 @@ def restore_checkpoint(state: Any, *, root: Path, naming: Naming, tier: DurableT
             if not rest:
                 raise
             if rest[0][0] == cand:
+                assert tier is not None  # the next candidate is the same step's durable copy
                 mlog.warning("the local copy of step %d is not usable (%s); taking step %d from the durable "
                             "tier %s", cand, exc, cand, tier.describe(cand))
             else:

@@ -9,6 +9,7 @@ reshard); otherwise the next older step is tried, and the reason logged.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -183,7 +184,7 @@ def restore_node_local(nodes: NodeLayout, ctx: DistContext, tier: Any, root: Pat
         fetching = "" if tier is None else f" (fetching step {cand} from {tier.describe(cand)})"
         errors = [e for e in waiting_for_coordinator(
             ctx, tier, f"restoring step {cand}{fetching}",
-            lambda error=error: ctx.all_gather(error, what="fetch checkpoint"), whom="the node leaders") if e]
+            functools.partial(ctx.all_gather, error, what="fetch checkpoint"), whom="the node leaders") if e]
         try:
             if any(down for down, _ in errors):
                 raise DurableUnavailableError(f"step {cand} could not be fetched: "

@@ -21,7 +21,7 @@ from collections import ChainMap
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import torch
 from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans
@@ -196,8 +196,8 @@ class NodeDedupPlanner(FlatKeysSavePlanner):
             for r, plan in zip(ranks, dedup_save_plans([all_plans[r] for r in ranks], False)):
                 deduped[r] = plan
         # every chunk listed once (as a job-wide dedup would); node_views places each node's copies
-        _, metadata = create_default_global_save_plan(dedup_save_plans(list(deduped), False))
-        global_plan = list(deduped)
+        _, metadata = create_default_global_save_plan(dedup_save_plans(cast(list[SavePlan], list(deduped)), False))
+        global_plan = cast(list[SavePlan], list(deduped))  # every rank is on a node: none left None
         if self.flatten_state_dict:
             merged = dict(ChainMap(*[p.planner_data for p in global_plan]))
             metadata = dataclasses.replace(metadata, planner_data=merged)
@@ -247,7 +247,7 @@ class RecordingWriter(ChecksumFileSystemWriter):
             for r, plan in enumerate(plans)]
 
     def write_data(self, plan: SavePlan, planner: Any) -> Any:  # noqa: D102
-        replicas = getattr(plan.storage_data, "replicas", frozenset())
+        replicas: frozenset[MetadataIndex] = getattr(plan.storage_data, "replicas", frozenset())
         own = [i for i in plan.items if MetadataIndex(i.index.fqn, i.index.offset) not in replicas]
         extra = [i for i in plan.items if MetadataIndex(i.index.fqn, i.index.offset) in replicas]
         prefix = plan.storage_data.prefix
@@ -285,7 +285,7 @@ def node_views(metadata: Metadata, results: list[list[Any]], rank_node: tuple[in
         results: every rank's DCP write results (rank order).
         rank_node: node of each rank.
     """
-    views: dict[int, bytes] = {}
+    views: dict[int | None, bytes] = {}
     sdm: dict[str, Any] = {}
     for fqn, item in metadata.state_dict_metadata.items():
         if isinstance(item, TensorStorageMetadata):

@@ -254,7 +254,7 @@ class HostStager:
         self._layout: ArenaLayout = ()
         self._views: dict[str, torch.Tensor] = {}
         self._nbytes = 0
-        self._stream = None
+        self._stream: torch.cuda.Stream | None = None
         self._lock = threading.Lock()
         self.allocations = 0
 
@@ -665,6 +665,7 @@ class AsyncCheckpointer:
             if job is not None:
                 self._abandon(job.handle, exc)
             raise
+        assert job is not None  # _agree raised when this rank had no job (error set)
         self._reserve(job)
         if job.background:
             job.handle.stats.blocking_s = time.monotonic() - t0  # the start below is the only remaining work

@@ -109,7 +109,7 @@ def arena_views(arena: torch.Tensor, layout: ArenaLayout) -> dict[str, torch.Ten
         if n == 0:
             out[key] = torch.empty(shape, dtype=dtype)
             continue
-        flat = torch.frombuffer(memoryview(base[offset:offset + n]), dtype=torch.uint8)
+        flat = torch.frombuffer(memoryview(base[offset:offset + n]), dtype=torch.uint8)  # type: ignore[arg-type]
         out[key] = flat.view(dtype).view(shape)
     return out
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import zlib
 from pathlib import Path
+from typing import Any
 
 from torch_ckpt._logging import get_logger
 from torch_ckpt.distributed._context import DistContext
@@ -103,7 +104,7 @@ def _persist(req: SaveRequest, ctx: DistContext, layout: NodeLayout, final: Path
         lambda: RecordingWriter(tmp, thread_count=req.thread_count, sync_files=True, rank_node=layout.rank_node),
         NodeDedupPlanner(layout.rank_node), exclude=(METADATA_NAME,))  # .metadata is rewritten below (node_views)
 
-    plan = None
+    plan: tuple[str, Any, Any] | None = None
     if ctx.is_coordinator and not failures:
         try:
             views = node_views(writer.metadata, writer.results, layout.rank_node)

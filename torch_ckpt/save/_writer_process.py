@@ -34,7 +34,7 @@ import threading
 import time
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.multiprocessing as mp
@@ -159,7 +159,7 @@ def _writer_main(requests: Connection, replies: Connection, rank: int, world_siz
             continue
         try:
             request, layout = payload
-            tensors = arena_views(arena, layout) if layout else {}
+            tensors = arena_views(cast(torch.Tensor, arena), layout) if layout else {}
             ctx.heal()  # the writers' groups, when a collective of an earlier save broke them
             final, files_bytes = persist_checkpoint(replace(request, tensors=tensors, owner_alive=trainer_alive), ctx)
             replies.send(("ok", (str(final), files_bytes)))

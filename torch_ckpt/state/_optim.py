@@ -284,6 +284,8 @@ def check_optimizer_state(model: nn.Module, optimizers: Sequence[torch.optim.Opt
     if unexpected:
         raise StateMismatchError(f"{prefix.rstrip('.')}: unexpected in checkpoint: {unexpected[:20]} (state for "
                                  "parameters these optimizers do not hold)", unexpected=unexpected)
+    bad: list[str]
+    cast: list[str]
     bad, cast = [], []
     for name, entries in saved.get(_STATE, {}).items():
         if not isinstance(entries, Mapping):
@@ -350,6 +352,7 @@ def keep_live_tensors(opt: torch.optim.Optimizer, old_state: Mapping[Any, Any]) 
                     and old.shape == new.shape and old.dtype == new.dtype and old.device == new.device
                     and old is not new):
                 if isinstance(old, DTensor):
+                    assert isinstance(new, DTensor)  # the same type as old
                     if old.placements != new.placements:
                         continue
                     shards.append((old._local_tensor, new._local_tensor))  # copied: never swapped

@@ -10,7 +10,7 @@ optimizers, and the placement rules both share, are in :mod:`torch_ckpt.state._o
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -63,6 +63,8 @@ def check_plain_optimizer_state(opt: torch.optim.Optimizer, saved: Any, *, prefi
         raise StateMismatchError(f"{prefix.rstrip('.')}: parameter groups of sizes {sizes} in the checkpoint, "
                                  f"{live_sizes} here; build the same optimizer as the saved run")
     params = _flat_params(opt)
+    bad: list[str]
+    cast: list[str]  # the keys to cast (shadows typing.cast here)
     bad, cast = [], []
     for index, entries in saved[_STATE].items():
         if not isinstance(index, int) or not 0 <= index < len(params) or not isinstance(entries, Mapping):
@@ -133,7 +135,7 @@ class OptimizerState:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """``optimizer.load_state_dict(state)``; then :meth:`undo` (a later component failed) or :meth:`keep_live`."""
         self._before = (self.optimizer.state, self.optimizer.param_groups)
-        self.optimizer.load_state_dict(state)
+        self.optimizer.load_state_dict(cast(dict[str, Any], state))
 
     def undo(self) -> None:
         """Put back the state and parameter groups the last :meth:`load_state_dict` replaced."""

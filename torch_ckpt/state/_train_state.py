@@ -24,7 +24,7 @@ import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -59,7 +59,7 @@ def capture_rng_state() -> dict[str, Any]:
         device], ...}``. Accelerator entries are present only when that backend is initialised.
     """
     version, mt, gauss = random.getstate()
-    np_state = np.random.get_state()
+    np_state = cast(tuple[Any, ...], np.random.get_state())  # legacy=True: the tuple form
     state: dict[str, Any] = {
         "python": {"version": version, "mt": np.asarray(mt, dtype=np.uint32), "gauss": gauss},  # 625 words
         "numpy": {

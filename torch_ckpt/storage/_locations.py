@@ -347,6 +347,7 @@ class Location:
         out: dict[str, dict[str, Any]] = {}
         with os.scandir(self.path) as it:
             for entry in it:
+                st: os.stat_result | None
                 try:
                     st = entry.stat(follow_symlinks=self.allow_symlinks)
                 except OSError:  # a dangling symlink, or removed while listing

@@ -23,10 +23,10 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from tqdm import tqdm
 
@@ -99,7 +99,7 @@ class DurableTier:
             names the package to install), or an argument is invalid.
     """
 
-    def __init__(self, url: str, *, storage_options: dict[str, Any] | None = None, verify: str = "checksum",
+    def __init__(self, url: str, *, storage_options: Mapping[str, Any] | None = None, verify: str = "checksum",
                  naming: Naming | None = None, part_bytes: int = 64 << 20, upload_threads: int = 1,
                  timeout_seconds: float = 30.0, create: bool = False) -> None:
         if not isinstance(url, str) or not url:
@@ -563,7 +563,7 @@ def idle_seconds(tier: DurableTier, step: int, now: float) -> float | None:
     times = [object_mtime(info) for info in objects.values()]
     if not times or any(t is None for t in times):
         return None
-    return now - max(times)
+    return now - max(cast(list[float], times))
 
 
 def remove_abandoned(tier: DurableTier, *, older_than_seconds: float,
@@ -589,7 +589,7 @@ def _only(name: str, info: dict[str, int]) -> Manifest:
     return Manifest(step=0, world_size=1, files={name: info})
 
 
-def _with_timeouts(url: str, storage_options: dict[str, Any] | None, timeout_seconds: float) -> dict[str, Any]:
+def _with_timeouts(url: str, storage_options: Mapping[str, Any] | None, timeout_seconds: float) -> dict[str, Any]:
     """``storage_options`` with botocore connect/read timeouts of ``timeout_seconds`` and 3 "standard"
     attempts on S3 stores unless set (botocore's 60 s and 5 attempts under s3fs's retries take minutes)."""
     options = dict(storage_options or {})

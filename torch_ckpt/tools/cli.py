@@ -108,10 +108,12 @@ _storage_options = _arg_type("storage options", _json_object)
 
 def fmt_bytes(n: float | None) -> str:
     """``1.2 GB`` for 1.2e9 bytes (decimal units); "-" for None."""
-    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)) if n is not None else ():
+    if n is None:
+        return "-"
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
         if n >= scale:
             return f"{n / scale:.3g} {unit}"
-    return "-" if n is None else f"{n:.0f} B"
+    return f"{n:.0f} B"
 
 
 def _fmt_count(n: float) -> str:
@@ -158,7 +160,8 @@ def interval_rows(plans: list[dict[str, Any]]) -> str:
 
 
 def _add_plan_arguments(p: argparse.ArgumentParser) -> None:
-    d, n = {"metavar": "DURATION", "type": positive_duration}, {"metavar": "N", "type": _positive_int}
+    d: dict[str, Any] = {"metavar": "DURATION", "type": positive_duration}
+    n: dict[str, Any] = {"metavar": "N", "type": _positive_int}
     g = p.add_argument_group("interval mode", f"Optimal save interval (Young 1974, Daly 2006). Durations: "
                                               f"{DURATION_FORMS}.")
     g.add_argument("--mtbf", action="append", **d, help="mean time between failures of the job; repeat for a table")
@@ -183,8 +186,8 @@ def _add_plan_arguments(p: argparse.ArgumentParser) -> None:
     _add_json(p)
 
 
-_SIZING_DEFAULTS = {"tp": 1, "pp": 1, "dp": 1, "param_dtype": "bf16", "optimizer": "adam",
-                    "gpus_per_node": 8, "d2h_gbps": 25.0, "storage_gbps": 100.0}
+_SIZING_DEFAULTS: dict[str, Any] = {"tp": 1, "pp": 1, "dp": 1, "param_dtype": "bf16", "optimizer": "adam",
+                                    "gpus_per_node": 8, "d2h_gbps": 25.0, "storage_gbps": 100.0}
 
 
 def _job_mtbfs(args: argparse.Namespace, default_gpus: int | None) -> list[float]:
@@ -265,7 +268,8 @@ def _sizing_text(z: dict[str, Any], plan: dict[str, Any] | None) -> str:
 
 
 def _add_simulate_arguments(p: argparse.ArgumentParser) -> None:
-    d, z = {"metavar": "DURATION", "type": positive_duration}, {"metavar": "DURATION", "type": non_negative_duration}
+    d: dict[str, Any] = {"metavar": "DURATION", "type": positive_duration}
+    z: dict[str, Any] = {"metavar": "DURATION", "type": non_negative_duration}
     p.add_argument("--mtbf", required=True, **d, help=f"mean time between failures of the job ({DURATION_FORMS})")
     p.add_argument("--save-cost", required=True, **d, help="training stall per save")
     p.add_argument("--durability-lag", default=0.0, **z, help="from the end of the stall until durable (default 0)")

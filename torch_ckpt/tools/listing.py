@@ -135,7 +135,9 @@ class _Report:
     """Problems and warnings of one checkpoint directory, each naming its file."""
 
     def __init__(self, loc: Location) -> None:
-        self.loc, self.problems, self.warnings = loc, [], []
+        self.loc = loc
+        self.problems: list[dict[str, str]] = []
+        self.warnings: list[dict[str, str]] = []
 
     def problem(self, file: str, text: str, *, warning: bool = False) -> None:
         text = text.replace(self.loc.describe(file) + ": ", "")  # the report names the file
