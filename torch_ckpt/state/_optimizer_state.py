@@ -64,8 +64,8 @@ def check_plain_optimizer_state(opt: torch.optim.Optimizer, saved: Any, *, prefi
                                  f"{live_sizes} here; build the same optimizer as the saved run")
     params = _flat_params(opt)
     bad: list[str]
-    cast: list[str]  # the keys to cast (shadows typing.cast here)
-    bad, cast = [], []
+    bad: list[str] = []
+    to_cast: list[str] = []
     for index, entries in saved[_STATE].items():
         if not isinstance(index, int) or not 0 <= index < len(params) or not isinstance(entries, Mapping):
             raise StateMismatchError(f"{prefix}state.{index}: state for a parameter this optimizer does not have",
@@ -74,12 +74,12 @@ def check_plain_optimizer_state(opt: torch.optim.Optimizer, saved: Any, *, prefi
         for entry, value in tensors_in(dict(entries), ""):
             entry = entry[1:]
             if policy_key(entry) != "step" and param.is_floating_point() and value.dtype != param.dtype:
-                (cast if allow_cast else bad).append(f"{prefix}state.{index}.{entry}: checkpoint {value.dtype}, "
+                (to_cast if allow_cast else bad).append(f"{prefix}state.{index}.{entry}: checkpoint {value.dtype}, "
                                                      f"parameter {param.dtype}")
     if bad:
         raise StateMismatchError(f"{prefix.rstrip('.')}: optimizer state dtypes differ from their parameters' "
                                  f"(loading would cast): {bad[:20]}. Restore with allow_cast=True to cast them.")
-    return cast
+    return to_cast
 
 
 class OptimizerState:
