@@ -63,7 +63,6 @@ def check_plain_optimizer_state(opt: torch.optim.Optimizer, saved: Any, *, prefi
         raise StateMismatchError(f"{prefix.rstrip('.')}: parameter groups of sizes {sizes} in the checkpoint, "
                                  f"{live_sizes} here; build the same optimizer as the saved run")
     params = _flat_params(opt)
-    bad: list[str]
     bad: list[str] = []
     to_cast: list[str] = []
     for index, entries in saved[_STATE].items():
