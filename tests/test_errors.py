@@ -13,10 +13,11 @@ from torch_ckpt.errors import (
     CheckpointTimeoutError,
     CheckpointWriteError,
     ConfigError,
+    DurableUnavailableError,
+    PathNotFoundError,
     StateMismatchError,
     UnsafeCheckpointError,
 )
-from torch_ckpt.storage._locations import DurableUnavailableError
 
 BUILTIN_OF = {
     CheckpointNotFoundError: FileNotFoundError,
@@ -28,6 +29,7 @@ BUILTIN_OF = {
     CheckpointTimeoutError: TimeoutError,
     ConfigError: ValueError,
     DurableUnavailableError: ConnectionError,
+    PathNotFoundError: FileNotFoundError,
 }
 
 

@@ -588,3 +588,13 @@ def test_leaving_the_block_normally_or_with_nothing_in_flight_does_not_warn(tmp_
         mgr.save(1, {"w": torch.ones(4)}).wait()
         raise KeyboardInterrupt
     assert not [r for r in caplog.records if "waiting for the save" in r.getMessage()]
+
+
+def test_a_checkpoint_directory_given_as_the_root_is_refused(tmp_path):
+    """A step directory passed as the run root is refused, naming its parent, instead of a silent fresh start."""
+    with CheckpointManager(tmp_path / "run") as mgr:
+        mgr.save(1, {"w": torch.ones(2)}).committed.result()
+        step_dir = mgr.checkpoints()[1]
+    with pytest.raises(ConfigError, match=r"is a checkpoint directory .* not a run root") as info:
+        CheckpointManager(step_dir)
+    assert str(step_dir.parent) in str(info.value)

@@ -18,7 +18,8 @@ also inherits the builtin a caller would naturally catch, so ``except OSError`` 
 from __future__ import annotations
 
 __all__ = ["CheckpointError", "CheckpointNotFoundError", "CheckpointCorruptError", "UnsafeCheckpointError",
-           "StateMismatchError", "CheckpointWriteError", "CheckpointTimeoutError", "ConfigError", "CheckpointReadError"]
+           "StateMismatchError", "CheckpointWriteError", "CheckpointTimeoutError", "ConfigError", "CheckpointReadError",
+           "DurableUnavailableError", "PathNotFoundError"]
 
 
 class CheckpointError(Exception):
@@ -70,3 +71,11 @@ class CheckpointTimeoutError(CheckpointError, TimeoutError):
 
 class ConfigError(CheckpointError, ValueError):
     """An argument or configuration value is invalid."""
+
+
+class DurableUnavailableError(CheckpointError, ConnectionError):
+    """The durable store could not be reached (an outage, not an empty store)."""
+
+
+class PathNotFoundError(CheckpointNotFoundError):
+    """The path or URL given does not exist (a bad argument rather than a damaged checkpoint)."""

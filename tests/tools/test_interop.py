@@ -157,3 +157,11 @@ def test_convert_takes_a_run_root_newest_step_or_step(ours, tmp_path, capsys):
     assert main(["convert", str(root), "--step", "6", "--to", "torch", str(out)]) == 1
     assert main(["convert", str(root / "step_000000005"), "--step", "5", "--to", "torch", str(out)]) == 2
     shutil.rmtree(root / "step_000000009")
+
+
+def test_ls_of_a_plain_dcp_folder_itself_names_the_import_command(plain, capsys):
+    """`ls` of the plain DCP folder itself (not its parent) says what it is and how to import it."""
+    src, _, _ = plain
+    assert main(["ls", str(src)]) == 1
+    err = capsys.readouterr().err
+    assert "plain DCP checkpoint" in err and f"torch-ckpt import {src} ROOT --step N" in err

@@ -53,6 +53,7 @@ from torch_ckpt.errors import (
     CheckpointCorruptError,
     CheckpointNotFoundError,
     CheckpointWriteError,
+    ConfigError,
 )
 from torch_ckpt.format._files import (
     FORMAT_NAME,
@@ -392,9 +393,14 @@ def check_root(root: Path, *, create: bool) -> None:
     Raises:
         CheckpointWriteError: the root exists but is not a directory, or cannot be created.
         CheckpointNotFoundError: ``create`` is False and the root does not exist.
+        ConfigError: the root is itself a checkpoint (it holds ``manifest.json``): training there would
+            start from scratch and write steps inside a checkpoint.
     """
     if root.exists() and not root.is_dir():
         raise CheckpointWriteError(f"checkpoint root {root} exists but is not a directory; pass a directory path")
+    if (root / MANIFEST_NAME).is_file():
+        raise ConfigError(f"{root} is a checkpoint directory (it holds {MANIFEST_NAME}), not a run root: pass the "
+                          f"run root that contains it ({root.parent}), or restore(path='{root}') to load this one")
     if not root.exists():
         if not create:
             raise CheckpointNotFoundError(f"checkpoint root {root} does not exist")

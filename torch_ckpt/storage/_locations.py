@@ -37,9 +37,10 @@ import fsspec
 from torch_ckpt.errors import (
     CheckpointCorruptError,
     CheckpointError,
-    CheckpointNotFoundError,
     CheckpointTimeoutError,
     ConfigError,
+    DurableUnavailableError,
+    PathNotFoundError,
 )
 from torch_ckpt.storage._crc import crc32
 
@@ -195,14 +196,6 @@ def open_range(path: Path, *, allow_symlinks: bool = False) -> Iterator[LocalFil
 
 
 # -- locations ------------------------------------------------------------------------------------
-class PathNotFoundError(CheckpointNotFoundError):
-    """The path or URL given does not exist (a bad argument rather than a damaged checkpoint)."""
-
-
-class DurableUnavailableError(CheckpointError, ConnectionError):
-    """The durable store could not be reached (an outage, not an empty store)."""
-
-
 def url_to_fs(url: str, storage_options: dict[str, Any] | None = None, *, what: str = "durable_url") -> tuple[Any, str]:
     """``(fsspec file system, root path without a trailing slash)`` of an fsspec URL.
 

@@ -122,7 +122,7 @@ def _is_plain_dcp(listing: dict[str, dict[str, Any]]) -> bool:
 
 def plain_dcp_reason(loc: Location, root: Location | None = None) -> str:
     """What ``ls``, ``verify`` and ``inspect`` say of a plain DCP folder: what it is and how to import it."""
-    root_text = root.describe() if root is not None else loc.describe().rstrip("/").rsplit("/", 1)[0]
+    root_text = root.describe() if root is not None else "ROOT"
     return (f"plain DCP checkpoint (not written by torch-ckpt): torch-ckpt import {loc.describe()} {root_text} "
             "--step N")
 
@@ -337,6 +337,7 @@ def list_root(root: str | os.PathLike | Location, *, storage_options: dict[str, 
 
     Raises:
         PathNotFoundError: ``root`` does not exist or is not a directory.
+        CheckpointNotFoundError: ``root`` is itself a plain DCP folder (the message names the import command).
     """
     loc = as_location(root, storage_options=storage_options)
     require_dir(loc)
@@ -346,6 +347,8 @@ def list_root(root: str | os.PathLike | Location, *, storage_options: dict[str, 
     links: list[dict[str, Any]] = []
     tier_cache: dict[str, set[int] | None] = {}
     entries = loc.entries()
+    if _is_plain_dcp(entries):  # the folder itself, not a run root: say what it is and how to adopt it
+        raise CheckpointNotFoundError(f"{loc.describe()} is a {plain_dcp_reason(loc)}, not a run root")
     lineages: dict[str, Any] = {}  # name: lineage of each committed checkpoint
     for name, info in entries.items():
         temp, aside = _TEMP_RE.match(name), _SUPERSEDED_RE.match(name)
