@@ -165,3 +165,19 @@ def test_ls_of_a_plain_dcp_folder_itself_names_the_import_command(plain, capsys)
     assert main(["ls", str(src)]) == 1
     err = capsys.readouterr().err
     assert "plain DCP checkpoint" in err and f"torch-ckpt import {src} ROOT --step N" in err
+
+
+def test_import_into_the_plain_folder_itself_is_refused(plain):
+    """A run root equal to (or inside) the plain DCP folder is refused: the advice names a separate ROOT."""
+    src, _, _ = plain
+    with pytest.raises(ConfigError, match="separate run root"):
+        import_dcp(src, src, step=1)
+    with pytest.raises(ConfigError, match="separate run root"):
+        import_dcp(src, src / "run", step=1)
+
+
+def test_restore_on_the_plain_folder_itself_advises_a_separate_root(plain):
+    """A manager rooted at the plain DCP folder itself suggests importing into a separate ROOT."""
+    src, model, opt = plain
+    with pytest.raises(CheckpointNotFoundError, match=r"torch-ckpt import \S+ ROOT --step N"):
+        CheckpointManager(src).restore(TrainState(model=model, optimizer=opt))

@@ -207,9 +207,10 @@ def restore_checkpoint(state: Any, *, root: Path, naming: Naming, tier: DurableT
         plain = [p.parent for p in (root / ".metadata", *root.glob("*/.metadata"))
                  if p.is_file() and not (p.parent / "manifest.json").exists()]
         if plain:  # written by plain dcp.save: never start from scratch beside it unnoticed
+            into = "ROOT" if plain[0] == root else str(root)  # the folder itself: a separate run root
             raise CheckpointNotFoundError(
                 f"{root} holds no torch-ckpt checkpoint but a plain DCP checkpoint {plain[0]}; adopt it with "
-                f"`torch-ckpt import {plain[0]} {root} --step N`, or remove it to start from scratch")
+                f"`torch-ckpt import {plain[0]} {into} --step N`, or remove it to start from scratch")
         mlog.info("no committed checkpoint under %s%s; starting from scratch", root,
                  f" (the durable tier {tier.url} answered: no committed step)" if tier is not None else "")
         return None

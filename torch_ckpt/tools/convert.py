@@ -316,7 +316,8 @@ def import_dcp(src: str | os.PathLike, root: str | os.PathLike, step: int, *, li
 
     Raises:
         CheckpointNotFoundError: ``src`` is not a plain DCP folder.
-        ConfigError: ``root/step_N`` exists, or an item cannot be decoded or stored exactly (named).
+        ConfigError: ``root`` is ``src`` or inside it, ``root/step_N`` exists, or an item
+            cannot be decoded or stored exactly (named).
         UnsafeCheckpointError: ``.metadata`` references code.
         OSError: a copy or link fails (hard links need one file system).
     """
@@ -324,6 +325,9 @@ def import_dcp(src: str | os.PathLike, root: str | os.PathLike, step: int, *, li
     if not is_plain_dcp(src):
         raise CheckpointNotFoundError(f"{src} is not a plain DCP checkpoint (a folder holding .metadata without a "
                                       "torch-ckpt manifest.json)")
+    if root.resolve() == src.resolve() or src.resolve() in root.resolve().parents:
+        raise ConfigError(f"the run root {root} is the plain DCP folder {src} or inside it; import into a "
+                          "separate run root (e.g. a sibling folder)")
     md = read_dcp_metadata(src / METADATA_NAME)
     specs = tensor_items(md)
     values: dict[str, Any] = {k: torch.empty(0) for k in specs}
