@@ -1,12 +1,13 @@
 """The ``torch-ckpt`` command line (console script declared in ``pyproject.toml``).
 
-Each subcommand is a row of ``_COMMANDS``: a help line, a function adding its arguments and a
-function ``_cmd_<name>(args) -> int``. ``plan`` and ``simulate`` start without importing torch; the
-commands on checkpoints import it when they run.
+Each subcommand is a row of ``_COMMANDS``: a function adding its arguments and a function
+``_cmd_<name>(args) -> int`` whose docstring is the command's help line. ``plan`` and ``simulate``
+start without importing torch; the commands on checkpoints import it when they run.
 
 Exit codes: 0 success; 2 bad arguments (argparse's convention, also a path or URL that does not
-exist, or a :class:`UsageError` raised late), message on stderr; 1 a checkpoint problem
-(``verify`` found one, ``ls`` lists a corrupt checkpoint, a checkpoint cannot be read).
+exist, or a :class:`UsageError` or :class:`~torch_ckpt.errors.ConfigError` raised late), message
+on stderr; 1 a checkpoint problem (``verify`` found one, ``ls`` lists a corrupt checkpoint, a
+checkpoint cannot be read).
 
 Examples::
 
@@ -29,7 +30,6 @@ import sys
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -49,23 +49,12 @@ class UsageError(ValueError):
     """A bad combination of arguments; ``main`` prints it and returns exit code 2."""
 
 
-@dataclass(frozen=True)
-class _Command:
-    help: str
-    add_arguments: Callable[[argparse.ArgumentParser], None]
-    run: Callable[[argparse.Namespace], int]
-
-
-# ---------------------------------------------------------------------------------------------
-# argument types and formats
-
-
 def _arg_type(name: str, parse: Callable[[str], Any]) -> Callable[[str], Any]:
-    """An argparse type: ``parse`` raising ValueError or ConfigError becomes argparse's error."""
+    """An argparse type: ``parse`` raising ValueError (ConfigError included) becomes argparse's error."""
     def run(text: str) -> Any:
         try:
             return parse(text)
-        except (ValueError, ConfigError) as exc:
+        except ValueError as exc:
             raise argparse.ArgumentTypeError(str(exc)) from None
 
     run.__name__ = name  # argparse names the type in its messages
@@ -102,8 +91,11 @@ positive_duration = _arg_type("duration", lambda t: to_seconds("duration", t, po
 non_negative_duration = _arg_type("duration", lambda t: to_seconds("duration", t, positive=False))
 positive_float = _number(float, lambda v: 0 < v < float("inf"), "a positive number")
 _positive_int, _non_negative_int = _int_at_least(1), _int_at_least(0)
-_count = _arg_type("count", parse_count)
-_storage_options = _arg_type("storage options", _json_object)
+# keyword arguments of add_argument shared by many options
+_DURATION: dict[str, Any] = {"metavar": "DURATION", "type": positive_duration}
+_LAG: dict[str, Any] = {"metavar": "DURATION", "type": non_negative_duration}
+_N: dict[str, Any] = {"metavar": "N", "type": _positive_int}
+_STEP: dict[str, Any] = {"metavar": "N", "type": _non_negative_int}
 
 
 def fmt_bytes(n: float | None) -> str:
@@ -123,6 +115,10 @@ def _fmt_count(n: float) -> str:
 
 def _fmt_time(seconds: float) -> str:
     return f"{format_duration(seconds)} ({seconds:.1f} s)" if seconds >= 60 else format_duration(seconds)
+
+
+def _fmt_local_time(ts: float | None) -> str:
+    return "-" if ts is None else dt.datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M:%S")
 
 
 def _table(rows: list[list[str]], right: tuple[int, ...] = ()) -> list[str]:
@@ -155,35 +151,31 @@ def interval_rows(plans: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-# ---------------------------------------------------------------------------------------------
-# plan
-
-
 def _add_plan_arguments(p: argparse.ArgumentParser) -> None:
-    d: dict[str, Any] = {"metavar": "DURATION", "type": positive_duration}
-    n: dict[str, Any] = {"metavar": "N", "type": _positive_int}
     g = p.add_argument_group("interval mode", f"Optimal save interval (Young 1974, Daly 2006). Durations: "
                                               f"{DURATION_FORMS}.")
-    g.add_argument("--mtbf", action="append", **d, help="mean time between failures of the job; repeat for a table")
-    g.add_argument("--gpus", **n, help="GPUs of the job, with --gpu-mtbf (default with --params: tp x pp x dp)")
-    g.add_argument("--gpu-mtbf", **d, help="MTBF of one GPU; the job's MTBF is this divided by --gpus")
-    g.add_argument("--save-cost", **d, help="training stall per save (default with --params: the blocking time)")
-    g.add_argument("--durability-lag", **{**d, "type": non_negative_duration},
+    g.add_argument("--mtbf", action="append", **_DURATION,
+                   help="mean time between failures of the job; repeat for a table")
+    g.add_argument("--gpus", **_N, help="GPUs of the job, with --gpu-mtbf (default with --params: tp x pp x dp)")
+    g.add_argument("--gpu-mtbf", **_DURATION, help="MTBF of one GPU; the job's MTBF is this divided by --gpus")
+    g.add_argument("--save-cost", **_DURATION,
+                   help="training stall per save (default with --params: the blocking time)")
+    g.add_argument("--durability-lag", **_LAG,
                    help="from the end of the stall until the save is durable (default 0; with --params: write time)")
-    g.add_argument("--step-time", **d, help="seconds per training step, to express the interval in steps")
+    g.add_argument("--step-time", **_DURATION, help="seconds per training step, to express the interval in steps")
     s = p.add_argument_group("sizing mode", "Checkpoint bytes and save times for a model (GB = 1e9 bytes).")
-    s.add_argument("--params", type=_count, metavar="COUNT", help="number of parameters, e.g. 70e9 or 70B")
-    s.add_argument("--tp", **n, help="tensor-parallel degree (default 1)")
-    s.add_argument("--pp", **n, help="pipeline-parallel degree (default 1)")
-    s.add_argument("--dp", **n, help="data-parallel degree; the optimizer is sharded over it (default 1)")
+    s.add_argument("--params", type=_arg_type("count", parse_count), metavar="COUNT",
+                   help="number of parameters, e.g. 70e9 or 70B")
+    s.add_argument("--tp", **_N, help="tensor-parallel degree (default 1)")
+    s.add_argument("--pp", **_N, help="pipeline-parallel degree (default 1)")
+    s.add_argument("--dp", **_N, help="data-parallel degree; the optimizer is sharded over it (default 1)")
     s.add_argument("--param-dtype", choices=sorted(DTYPE_BYTES), help="dtype of the weights (default bf16)")
     s.add_argument("--optimizer", choices=sorted(OPTIMIZER_MOMENTS),
                    help="fp32 moments: adam/adamw 2, sgd (momentum) 1 (default adam)")
-    s.add_argument("--gpus-per-node", **n, help="ranks per node (default 8)")
+    s.add_argument("--gpus-per-node", **_N, help="ranks per node (default 8)")
     s.add_argument("--d2h-gbps", type=positive_float, metavar="GB/s", help="device-to-host GB/s per GPU (default 25)")
     s.add_argument("--storage-gbps", type=positive_float, metavar="GB/s",
                    help="aggregate checkpoint-storage write GB/s (default 100)")
-    _add_json(p)
 
 
 _SIZING_DEFAULTS: dict[str, Any] = {"tp": 1, "pp": 1, "dp": 1, "param_dtype": "bf16", "optimizer": "adam",
@@ -213,7 +205,7 @@ def _plan(args: argparse.Namespace, mtbf: float, cost: float, lag: float) -> dic
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    """``torch-ckpt plan``: interval mode (``--mtbf``, ``--save-cost``) and sizing mode (``--params``)."""
+    """save interval from MTBF and save cost; checkpoint sizes and times for a model"""
     sizing_given = [k for k in _SIZING_DEFAULTS if getattr(args, k) is not None]
     if args.params is None:
         if sizing_given:
@@ -263,29 +255,24 @@ def _sizing_text(z: dict[str, Any], plan: dict[str, Any] | None) -> str:
     return "\n".join(lines)
 
 
-# ---------------------------------------------------------------------------------------------
-# simulate
-
 
 def _add_simulate_arguments(p: argparse.ArgumentParser) -> None:
-    d: dict[str, Any] = {"metavar": "DURATION", "type": positive_duration}
-    z: dict[str, Any] = {"metavar": "DURATION", "type": non_negative_duration}
-    p.add_argument("--mtbf", required=True, **d, help=f"mean time between failures of the job ({DURATION_FORMS})")
-    p.add_argument("--save-cost", required=True, **d, help="training stall per save")
-    p.add_argument("--durability-lag", default=0.0, **z, help="from the end of the stall until durable (default 0)")
-    p.add_argument("--restart-cost", default=0.0, **z, help="time to restart after a failure (default 0)")
-    p.add_argument("--min-interval", **d, help="smallest interval simulated (default Daly / 4)")
-    p.add_argument("--max-interval", **d, help="largest interval simulated (default Daly x 4)")
+    p.add_argument("--mtbf", required=True, **_DURATION,
+                   help=f"mean time between failures of the job ({DURATION_FORMS})")
+    p.add_argument("--save-cost", required=True, **_DURATION, help="training stall per save")
+    p.add_argument("--durability-lag", default=0.0, **_LAG, help="from the end of the stall until durable (default 0)")
+    p.add_argument("--restart-cost", default=0.0, **_LAG, help="time to restart after a failure (default 0)")
+    p.add_argument("--min-interval", **_DURATION, help="smallest interval simulated (default Daly / 4)")
+    p.add_argument("--max-interval", **_DURATION, help="largest interval simulated (default Daly x 4)")
     p.add_argument("--points", type=_int_at_least(2), default=81, help="intervals simulated, log-spaced (default 81)")
     p.add_argument("--failures", type=_positive_int, default=200_000,
                    help="failures simulated, the same for every interval (default 200000; time grows linearly)")
     p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     p.add_argument("--plot", metavar="FILE.png", help="draw overhead versus interval (needs matplotlib)")
-    _add_json(p)
 
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
-    """``torch-ckpt simulate``: Monte Carlo overhead versus interval, next to Young and Daly."""
+    """Monte Carlo overhead versus save interval, with Young and Daly marked"""
     from torch_ckpt.tools.simulate import plot_sweep, sweep  # numpy only when simulating
 
     if args.plot and importlib.util.find_spec("matplotlib") is None:
@@ -308,53 +295,25 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     return _emit(args, {**result.to_dict(), "plot": args.plot}, header + result.table() + footer)
 
 
-# ---------------------------------------------------------------------------------------------
-# commands on checkpoints: ls, inspect, verify, convert, import
-
-
-def _add_json(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--json", action="store_true", help="print machine-readable JSON")
-
-
 def _add_common(p: argparse.ArgumentParser, *, remote: bool = True) -> None:
+    """The options of the commands on checkpoints (``remote``: those that also read URLs)."""
     if remote:
-        p.add_argument("--storage-options", type=_storage_options, metavar="JSON",
+        p.add_argument("--storage-options", type=_arg_type("storage options", _json_object), metavar="JSON",
                        help="fsspec options for URLs as a JSON object (credentials, endpoint...), e.g. "
                             "'{\"client_kwargs\": {\"endpoint_url\": \"http://127.0.0.1:9000\"}}'")
         p.add_argument("--follow-symlinks", action="store_true", help="follow symbolic links inside checkpoints "
                        "(local paths); by default a symlinked file is refused, as a restore refuses it")
-    _add_json(p)
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bars (they only show on a terminal)")
 
 
 def _open(text: str, args: argparse.Namespace) -> Location:
     """A :class:`Location` for a path or URL; a bad one is a usage error (exit 2)."""
-    options = getattr(args, "storage_options", None)
-    if options and not is_url(text) and not getattr(args, "check_tiers", False):
+    if args.storage_options and not is_url(text) and not getattr(args, "check_tiers", False):
         raise UsageError("--storage-options only applies to URLs (s3://, gs://, memory://...)")
     try:
-        return Location(text, storage_options=options, allow_symlinks=getattr(args, "follow_symlinks", False))
+        return Location(text, storage_options=args.storage_options, allow_symlinks=args.follow_symlinks)
     except ConfigError as exc:
         raise UsageError(f"cannot open {text!r}: {exc.__cause__ or exc}") from None
-
-
-@contextmanager
-def _argument_paths() -> Iterator[None]:
-    """'This path does not exist' and bad argument combinations are usage errors (exit 2)."""
-    try:
-        yield
-    except (PathNotFoundError, ConfigError) as exc:
-        raise UsageError(str(exc)) from None
-
-
-def _fmt_age(seconds: float | None) -> str:
-    if seconds is None:
-        return "-"
-    return f"{format_duration(max(0.0, seconds))} ago" if seconds >= 0 else "in the future"
-
-
-def _fmt_local_time(ts: float | None) -> str:
-    return "-" if ts is None else dt.datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M:%S")
 
 
 def _add_ls_arguments(p: argparse.ArgumentParser) -> None:
@@ -369,12 +328,11 @@ def _add_ls_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _cmd_ls(args: argparse.Namespace) -> int:
-    """List a root; exit 1 when a checkpoint is corrupt."""
+    """list the checkpoints of a run root: step, time, size, tiers, status"""
     from torch_ckpt.tools.listing import CORRUPT, list_root  # torch: imported when the command runs
 
-    with _argument_paths():
-        result = list_root(_open(args.root, args), verify=args.verify, check_tiers=args.check_tiers,
-                           progress=not args.quiet)
+    result = list_root(_open(args.root, args), verify=args.verify, check_tiers=args.check_tiers,
+                       progress=not args.quiet)
     _emit(args, result, _ls_text)
     return 1 if result["counts"][CORRUPT] else 0
 
@@ -388,12 +346,14 @@ def _ls_text(result: dict[str, Any]) -> str:
     held: dict[int, list[str]] = {}
     for r in steps:
         step = "-" if r["step"] is None else str(r["step"])
+        age = "-" if r["age_s"] is None else \
+            f"{format_duration(r['age_s'])} ago" if r["age_s"] >= 0 else "in the future"
         rows.append([step, r["name"] + (f" -> {r['link_to']}" if r["link_to"] else ""), _fmt_local_time(r["wall_time"]),
-                     _fmt_age(r["age_s"]), fmt_bytes(r["bytes"]), ",".join(r["tiers"]) or "-",
-                     r["status"] + (", superseded" if r.get("superseded") else "")])
+                     age, fmt_bytes(r["bytes"]), ",".join(r["tiers"]) or "-",
+                     r["status"] + (", superseded" if r["superseded"] else "")])
         if r["alias_of"] is not None:
             continue  # its target's row carries the notes
-        if r["step"] is not None and r["status"] in ("committed", "corrupt") and not r.get("superseded"):
+        if r["step"] is not None and r["status"] in ("committed", "corrupt") and not r["superseded"]:
             held.setdefault(r["step"], []).append(r["name"])
         notes += [f"  step {step}: {r['name']}: {r['reason']}"] if r["reason"] else []
         notes += [f"  step {step}: {prob['path']}: {prob['problem']}" for prob in r["problems"]]
@@ -403,11 +363,11 @@ def _ls_text(result: dict[str, Any]) -> str:
               for s, names in held.items() if len(names) > 1]
     c = result["counts"]
     head = f"{result['root']}: {c['committed']} committed, {c['partial']} partial, {c['corrupt']} corrupt" + \
-        (f", {c['plain-dcp']} plain DCP" if c.get("plain-dcp") else "") + \
-        (f", {result['superseded']} superseded" if result.get("superseded") else "") + \
+        (f", {c['plain-dcp']} plain DCP" if c["plain-dcp"] else "") + \
+        (f", {result['superseded']} superseded" if result["superseded"] else "") + \
         (" (checksums verified)" if result["verified"] else "")
     foot = "SIZE: the files the manifest lists (as verify and inspect count them); for a partial entry, what is present"
-    if result.get("superseded"):
+    if result["superseded"]:
         foot += ("\nsuperseded: a step of a timeline abandoned by a rollback (restore of an older step, then a save); "
                  "kept, never resumed")
     return "\n".join([head, *_table(rows, right=(0, 4)), *notes, foot])
@@ -417,23 +377,21 @@ def _add_inspect_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("checkpoint", metavar="CKPT",
                    help="a checkpoint directory (ROOT/step_000001000), or a run root for its newest committed "
                         "checkpoint; local path or fsspec URL")
-    p.add_argument("--step", type=_non_negative_int, metavar="N", help="with a run root: inspect this step")
+    p.add_argument("--step", **_STEP, help="with a run root: inspect this step")
     p.add_argument("--keys", action="store_true", help="also list every tensor and array with shape and dtype")
     _add_common(p)
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
-    """Print the per-component table (and keys) of a checkpoint."""
+    """what a checkpoint holds per component: bytes, tensors, dtypes (--keys: every key)"""
     from torch_ckpt.tools.listing import inspect_checkpoint
 
-    with _argument_paths():
-        result = inspect_checkpoint(_open(args.checkpoint, args), step=args.step, keys=args.keys,
-                                    progress=not args.quiet)
+    result = inspect_checkpoint(_open(args.checkpoint, args), step=args.step, keys=args.keys, progress=not args.quiet)
     return _emit(args, result, _inspect_text)
 
 
 def _inspect_text(r: dict[str, Any]) -> str:
-    lines = [f"note: {r['note']}"] if r.get("note") else []
+    lines = [f"note: {r['note']}"] if r["note"] else []
     lines += [f"step {r['step']}  {r['checkpoint']}",
               f"world size {r['world_size']}, saved {_fmt_local_time(r['wall_time'])} with torch {r['torch_version']}; "
               f"{r['files']} files, {fmt_bytes(r['file_bytes'])} (the files the manifest lists)", ""]
@@ -467,11 +425,10 @@ def _add_verify_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
-    """Verify; exit 1 on any problem, each listed with its file."""
+    """check a checkpoint (or every checkpoint of a root): checksums and structure"""
     from torch_ckpt.tools.listing import verify_path
 
-    with _argument_paths():
-        result = verify_path(_open(args.target, args), checksums=not args.no_checksums, progress=not args.quiet)
+    result = verify_path(_open(args.target, args), checksums=not args.no_checksums, progress=not args.quiet)
     _emit(args, result, _verify_text)
     return 0 if result["ok"] else 1
 
@@ -486,8 +443,8 @@ def _verify_text(r: dict[str, Any]) -> str:
         lines += [f"      partial: {c['partial']}"] if c.get("partial") else []
         lines += [f"      {p['path']}: {p['problem']}" for p in c["problems"]]
         lines += [f"      warning: {w['path']}: {w['problem']}" for w in c["warnings"]]
-    lines += [f"skip  {s['name']}: " + (s["reason"] if s.get("link_to") or s.get("plain_dcp") else
-                                        f"partial ({s['reason']})") for s in r["skipped"]]
+    lines += [f"skip  {s['name']}: " + (s["reason"] if s["link_to"] or s["plain_dcp"] else f"partial ({s['reason']})")
+              for s in r["skipped"]]
     lines += [f"FAIL  {g}" for g in r["general_problems"]]
     bad = sum(not c["ok"] for c in r["checkpoints"])
     lines.append(f"verified {len(r['checkpoints'])} checkpoint(s): " +
@@ -506,7 +463,7 @@ def _add_convert_arguments(p: argparse.ArgumentParser) -> None:
                         "tensors; per_rank too when several ranks wrote it); safetensors: the model weights only, "
                         "keyed as model.state_dict()")
     p.add_argument("out", metavar="OUT", help="output file (.pt or .safetensors)")
-    p.add_argument("--step", type=_non_negative_int, metavar="N", help="with a run root: convert this step")
+    p.add_argument("--step", **_STEP, help="with a run root: convert this step")
     p.add_argument("--model", metavar="NAME",
                    help="safetensors of a checkpoint of several models: export only this one, under its own keys "
                         "(without it, each key is prefixed by its model's name and a dot)")
@@ -520,10 +477,7 @@ def _local_copy(args: argparse.Namespace) -> Iterator[str]:
     from torch_ckpt.tools.listing import find_checkpoint, step_of
 
     if not is_url(args.checkpoint):
-        if getattr(args, "storage_options", None):
-            raise UsageError("--storage-options only applies to URLs (s3://, gs://, memory://...)")
-        with _argument_paths():
-            yield find_checkpoint(os.path.expanduser(args.checkpoint.removeprefix("file://")), step=args.step)[0].path
+        yield find_checkpoint(_open(args.checkpoint, args), step=args.step)[0].path
         return
     url = args.checkpoint.rstrip("/")
     parent, _, name = url.rpartition("/")
@@ -532,11 +486,10 @@ def _local_copy(args: argparse.Namespace) -> Iterator[str]:
         raise UsageError(f"{url} is not a checkpoint URL (expected ROOT_URL or ROOT_URL/step_NNNNNNNNN)")
     if step is not None and args.step is not None:
         raise UsageError(f"{url} is a checkpoint; --step applies to a run root only")
-    root = parent if step is not None else url
     tmp = tempfile.mkdtemp(prefix="torch-ckpt-convert-")
     try:
         try:
-            tier = DurableTier(root, storage_options=args.storage_options)
+            tier = DurableTier(parent if step is not None else url, storage_options=args.storage_options)
             if step is None:
                 steps = tier.list_steps()
                 step = args.step if args.step is not None else max(steps, default=None)
@@ -558,7 +511,7 @@ def _local_copy(args: argparse.Namespace) -> Iterator[str]:
 
 
 def _cmd_convert(args: argparse.Namespace) -> int:
-    """Export a checkpoint (``--to torch``: see :func:`torch_ckpt.tools.convert.export_torch` for the layout)."""
+    """export a checkpoint (or a root's newest) to one torch.save file or the model weights to safetensors"""
     from torch_ckpt.tools.convert import export_safetensors, export_torch
 
     if args.model is not None and args.to != "safetensors":
@@ -577,26 +530,20 @@ def _add_import_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("src", metavar="SRC", help="a folder written by plain dcp.save (or torchtitan): .metadata and "
                                               "*.distcp files, no manifest.json")
     p.add_argument("root", metavar="ROOT", help="the run root to add it to, as ROOT/step_NNNNNNNNN")
-    p.add_argument("--step", type=_non_negative_int, required=True, metavar="N", help="the step it becomes")
+    p.add_argument("--step", required=True, **_STEP, help="the step it becomes")
     p.add_argument("--link", action="store_true", help="hard-link the data files instead of copying (one file system)")
-    _add_json(p)
 
 
 def _cmd_import(args: argparse.Namespace) -> int:
-    """Adopt a plain DCP folder as a committed step (see :func:`torch_ckpt.tools.convert.import_dcp`)."""
+    """adopt a folder written by plain dcp.save (or torchtitan) as a committed step of a run root"""
     from torch_ckpt.tools.convert import import_dcp
 
     src, root = (os.path.expanduser(a) for a in (args.src, args.root))
     if not os.path.isdir(src):
         raise UsageError(f"{src} is not a directory")
-    with _argument_paths():
-        r = import_dcp(src, root, args.step, link=args.link)
+    r = import_dcp(src, root, args.step, link=args.link)
     return _emit(args, r, f"{src} -> {r['checkpoint']} (step {r['step']}: {r['tensors']} tensors, {r['values']} "
                           f"values, {fmt_bytes(r['bytes'])} {'linked' if r['linked'] else 'copied'})")
-
-
-# ---------------------------------------------------------------------------------------------
-# bench
 
 
 def _add_bench_arguments(p: argparse.ArgumentParser) -> None:
@@ -607,15 +554,14 @@ def _add_bench_arguments(p: argparse.ArgumentParser) -> None:
                    help="bytes per measurement in MiB (default 256; each disk phase also stops after ~4 s)")
     p.add_argument("--state-gib", type=positive_float, metavar="GIB",
                    help="checkpoint size in GiB, for the save cost and write time it implies")
-    p.add_argument("--mtbf", type=positive_duration, metavar="DURATION",
+    p.add_argument("--mtbf", **_DURATION,
                    help="mean time between failures of the job (e.g. 8h), for the recommended interval")
-    p.add_argument("--step-time", type=positive_duration, metavar="DURATION",
-                   help="seconds per training step, to express the interval in steps")
+    p.add_argument("--step-time", **_DURATION, help="seconds per training step, to express the interval in steps")
     _add_common(p, remote=False)
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    """Measure the floors; with --state-gib (and --mtbf) print what they imply."""
+    """measure this machine's copy, write and read floors; the save cost and interval they imply"""
     from torch_ckpt.tools.sizing import measure_floors, recommend
 
     if (args.mtbf is not None or args.step_time is not None) and args.state_gib is None:
@@ -631,8 +577,6 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     rec = None if args.state_gib is None else \
         recommend(floors, args.state_gib * (1 << 30), mtbf_s=args.mtbf, step_time_s=args.step_time)
     return _emit(args, {**floors, "recommendation": rec}, _bench_text(floors, rec, args.state_gib))
-
-
 def _bench_text(f: dict[str, Any], rec: dict[str, Any] | None, state_gib: float | None) -> str:
     def row(label: str, gbps: float, note: str = "") -> str:
         return f"  {label:<32}{gbps:8.2f} GB/s" + (f"  ({note})" if note else "")
@@ -656,36 +600,24 @@ def _bench_text(f: dict[str, Any], rec: dict[str, Any] | None, state_gib: float 
     return "\n".join(lines)
 
 
-# ---------------------------------------------------------------------------------------------
-# entry point
 
-_COMMANDS: dict[str, _Command] = {
-    "plan": _Command("save interval from MTBF and save cost; checkpoint sizes and times for a model",
-                     _add_plan_arguments, _cmd_plan),
-    "simulate": _Command("Monte Carlo overhead versus save interval, with Young and Daly marked",
-                         _add_simulate_arguments, _cmd_simulate),
-    "ls": _Command("list the checkpoints of a run root: step, time, size, tiers, status", _add_ls_arguments, _cmd_ls),
-    "inspect": _Command("what a checkpoint holds per component: bytes, tensors, dtypes (--keys: every key)",
-                        _add_inspect_arguments, _cmd_inspect),
-    "verify": _Command("check a checkpoint (or every checkpoint of a root): checksums and structure",
-                       _add_verify_arguments, _cmd_verify),
-    "convert": _Command("export a checkpoint (or a root's newest) to one torch.save file or the model weights to "
-                        "safetensors", _add_convert_arguments, _cmd_convert),
-    "import": _Command("adopt a folder written by plain dcp.save (or torchtitan) as a committed step of a run root",
-                       _add_import_arguments, _cmd_import),
-    "bench": _Command("measure this machine's copy, write and read floors; the save cost and interval they imply",
-                      _add_bench_arguments, _cmd_bench),
+_COMMANDS: dict[str, tuple[Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]] = {
+    "plan": (_add_plan_arguments, _cmd_plan), "simulate": (_add_simulate_arguments, _cmd_simulate),
+    "ls": (_add_ls_arguments, _cmd_ls), "inspect": (_add_inspect_arguments, _cmd_inspect),
+    "verify": (_add_verify_arguments, _cmd_verify), "convert": (_add_convert_arguments, _cmd_convert),
+    "import": (_add_import_arguments, _cmd_import), "bench": (_add_bench_arguments, _cmd_bench),
 }
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The top-level parser with one sub-parser per entry of ``_COMMANDS``."""
+    """The top-level parser with one sub-parser per entry of ``_COMMANDS`` (each also takes ``--json``)."""
     parser = argparse.ArgumentParser(prog=_PROG, description="torch-ckpt: checkpoint planning and tools.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name, command in _COMMANDS.items():
-        p = sub.add_parser(name, help=command.help, description=command.help)
-        command.add_arguments(p)
-        p.set_defaults(run=command.run)
+    for name, (add_arguments, run) in _COMMANDS.items():
+        p = sub.add_parser(name, help=run.__doc__, description=run.__doc__)
+        add_arguments(p)
+        p.add_argument("--json", action="store_true", help="print machine-readable JSON")
+        p.set_defaults(run=run)
     return parser
 
 
@@ -714,12 +646,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         except OSError:
             pass
         return 0
-    except UsageError as exc:
+    except (UsageError, CheckpointError, OSError) as exc:  # one clear line
         print(f"{_PROG} {args.command}: error: {exc}", file=sys.stderr)
-        return 2
-    except (CheckpointError, OSError) as exc:  # a checkpoint problem: one clear line, exit 1
-        print(f"{_PROG} {args.command}: error: {exc}", file=sys.stderr)
-        return 1
+        # bad arguments or a path that does not exist: 2; a checkpoint problem: 1
+        return 2 if isinstance(exc, (UsageError, ConfigError, PathNotFoundError)) else 1
 
 
 if __name__ == "__main__":  # run through the package so exception classes are the importable ones
