@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint._traverse import set_element
 
 from torch_ckpt.errors import CheckpointNotFoundError, ConfigError
 from torch_ckpt.format._files import (
@@ -43,27 +44,19 @@ from torch_ckpt.format._files import (
 from torch_ckpt.root._layout import commit_dir, new_incarnation, step_dir_name, temporary_name, write_json_durable
 from torch_ckpt.storage._crc import file_crc32
 from torch_ckpt.storage._locations import as_location
+from torch_ckpt.tools.listing import is_plain_dcp, plain_dcp_reason
 
-__all__ = ["export_safetensors", "export_torch", "import_dcp", "is_plain_dcp", "load_full_state", "model_weights",
-           "prepare_dcp_load"]
+__all__ = ["export_safetensors", "export_torch", "import_dcp", "load_full_state", "model_weights", "prepare_dcp_load"]
 
 
 def _resolve(checkpoint: str | os.PathLike, allow_symlinks: bool) -> tuple[Path, Manifest]:
     path = Path(checkpoint)
-    if is_plain_dcp(path):
-        from torch_ckpt.tools.listing import plain_dcp_reason
-
-        raise CheckpointNotFoundError(f"{path} is a {plain_dcp_reason(as_location(path))}")
     if not path.is_dir():
         raise CheckpointNotFoundError(f"{path} is not a checkpoint directory (expected a directory holding a "
                                       "torch-ckpt manifest.json, e.g. ROOT/step_000001000)")
+    if is_plain_dcp(as_location(path).entries()):
+        raise CheckpointNotFoundError(f"{path} is a {plain_dcp_reason(as_location(path))}")
     return path, read_manifest(path, allow_symlinks=allow_symlinks)
-
-
-def is_plain_dcp(path: str | os.PathLike) -> bool:
-    """True for a local directory written by plain ``dcp.save``: a ``.metadata`` file, no ``manifest.json``."""
-    p = Path(path)
-    return (p / METADATA_NAME).is_file() and not os.path.lexists(p / MANIFEST_NAME)
 
 
 def load_full_state(checkpoint: str | os.PathLike, *, verify: bool = True,
@@ -285,24 +278,6 @@ def prepare_dcp_load(checkpoint: str | os.PathLike, state_dict: dict[str, Any], 
     return flat
 
 
-def _nest(paths: dict[str, tuple[Any, ...]], values: dict[str, Any]) -> dict[str, Any]:
-    """DCP's own unflattening (``_traverse.set_element``): an integer path element makes a list."""
-    root: dict[str, Any] = {}
-    for fqn, value in values.items():
-        path, node = paths.get(fqn, tuple(fqn.split("."))), root
-        for key, nxt in zip(path, path[1:]):
-            if isinstance(node, list):
-                node.extend([None] * (key + 1 - len(node)))
-                node[key] = node[key] if node[key] is not None else ({} if isinstance(nxt, str) else [])
-                node = node[key]
-            else:
-                node = node.setdefault(key, {} if isinstance(nxt, str) else [])
-        if isinstance(node, list):
-            node.extend([None] * (path[-1] + 1 - len(node)))
-        node[path[-1]] = value
-    return root
-
-
 def import_dcp(src: str | os.PathLike, root: str | os.PathLike, step: int, *, link: bool = False) -> dict[str, Any]:
     """Adopt a folder written by plain ``dcp.save`` (or torchtitan) as committed step ``step`` of ``root``.
 
@@ -322,7 +297,7 @@ def import_dcp(src: str | os.PathLike, root: str | os.PathLike, step: int, *, li
         OSError: a copy or link fails (hard links need one file system).
     """
     src, root = Path(src), Path(root)
-    if not is_plain_dcp(src):
+    if not (src.is_dir() and is_plain_dcp(as_location(src).entries())):
         raise CheckpointNotFoundError(f"{src} is not a plain DCP checkpoint (a folder holding .metadata without a "
                                       "torch-ckpt manifest.json)")
     if root.resolve() == src.resolve() or src.resolve() in root.resolve().parents:
@@ -340,7 +315,10 @@ def import_dcp(src: str | os.PathLike, root: str | os.PathLike, step: int, *, li
                 values[index.fqn] = torch.load(io.BytesIO(raw), weights_only=True)
             except Exception as exc:  # noqa: BLE001 - the restricted unpickler refused or the bytes are bad
                 raise ConfigError(f"{src}: item {index.fqn!r} cannot be decoded without running code ({exc})") from None
-    tensors, tree = split_state(_nest(md.planner_data or {}, values))
+    nested: dict[str, Any] = {}
+    for fqn, value in values.items():  # DCP's own unflattening: an integer path element makes a list
+        set_element(nested, (md.planner_data or {}).get(fqn, tuple(fqn.split("."))), value)
+    tensors, tree = split_state(nested)
     if set(tensors) != set(specs):
         raise ConfigError(f"{src}: its keys do not nest back to their DCP names: "
                           f"{sorted(set(tensors) ^ set(specs))[:3]}")

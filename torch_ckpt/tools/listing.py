@@ -78,8 +78,8 @@ from torch_ckpt.storage._locations import Location, PathNotFoundError, as_locati
 from torch_ckpt.tiers._durable import DurableTier
 
 __all__ = ["COMMITTED", "CORRUPT", "PARTIAL", "PLAIN_DCP", "check_dir", "find_checkpoint", "inspect_checkpoint",
-           "list_root", "looks_like_checkpoint", "plain_dcp_reason", "step_of", "verify_checkpoint", "verify_path",
-           "verify_root"]
+           "is_plain_dcp", "list_root", "looks_like_checkpoint", "plain_dcp_reason", "step_of", "verify_checkpoint",
+           "verify_path", "verify_root"]
 
 COMMITTED, PARTIAL, CORRUPT, PLAIN_DCP = "committed", "partial", "corrupt", "plain-dcp"
 
@@ -115,7 +115,8 @@ def step_of(name: str) -> tuple[int | None, bool]:
     return (int(m.group(1)), m.re is _TMP_RE) if m else (None, False)
 
 
-def _is_plain_dcp(listing: dict[str, dict[str, Any]]) -> bool:
+def is_plain_dcp(listing: dict[str, dict[str, Any]]) -> bool:
+    """Whether a directory's entries are a folder written by plain ``dcp.save``: ``.metadata``, no manifest."""
     return METADATA_NAME in listing and MANIFEST_NAME not in listing and \
         not any(RANK_FILE_RE.match(n) or n.startswith(PARTIAL_PREFIX) for n in listing)
 
@@ -148,12 +149,14 @@ class _Report:
         return any(p["file"] == file for p in self.problems)
 
 
-def _check_structure(loc: Location, manifest: Manifest, listing: dict[str, dict[str, Any]], rep: _Report) -> int:
-    """DCP metadata, tensor records and per-rank trees, as a restore checks them; returns the DCP tensor count."""
+def _check_structure(loc: Location, manifest: Manifest, listing: dict[str, dict[str, Any]], rep: _Report, *,
+                     deep: bool) -> int | None:
+    """The DCP metadata and the per-rank files listed, as a restore checks them; ``deep``: also their contents,
+    the tensor records and the per-rank trees (returns the DCP tensor count)."""
     md = None
     if METADATA_NAME not in manifest.files:
         rep.problem(METADATA_NAME, "DCP metadata is not listed in the manifest")
-    elif not rep.has(METADATA_NAME):  # else: already missing, truncated or corrupt
+    elif deep and not rep.has(METADATA_NAME):  # else: already missing, truncated or corrupt
         try:
             md = load_dcp_metadata_bytes(read_listed(loc, manifest, METADATA_NAME, MAX_METADATA_BYTES),
                                          loc.describe(METADATA_NAME))
@@ -176,11 +179,13 @@ def _check_structure(loc: Location, manifest: Manifest, listing: dict[str, dict[
             if isinstance(item, BytesStorageMetadata):
                 rep.problem(METADATA_NAME, f"item {key!r} is a pickled object; torch-ckpt never writes those and "
                                            "refuses to load them", warning=True)
-    referenced: set[str] = set()
-    trees_read = 0
     rank_problems = rank_file_problems(manifest)
     for file, text in rank_problems:
         rep.problem(file, text)
+    if not deep:
+        return None
+    referenced: set[str] = set()
+    trees_read = 0
     for rank in range(manifest.world_size) if not rank_problems or rank_problems[0][0] != MANIFEST_NAME else ():
         name = rank_file_name(rank)
         if name not in manifest.files or name not in listing or rep.has(name):
@@ -211,22 +216,9 @@ def _check_structure(loc: Location, manifest: Manifest, listing: dict[str, dict[
 
 def check_dir(loc: Location, *, checksums: bool, structure: bool,
               progress: bool) -> tuple[dict[str, Any], Manifest | None]:
-    """Check one checkpoint directory; never raises for a damaged checkpoint (every problem is listed).
-
-    Args:
-        loc: the checkpoint directory.
-        checksums: compare every file's CRC-32 (reads every byte).
-        structure: also check the DCP metadata, the tensor records and every rank's file (else the
-            cheap checks of ``ls``: the manifest, one rank file per rank, every listed file present
-            as a regular file of its size).
-        progress: show a progress bar over the checksummed bytes on a terminal.
-
-    Returns:
-        ``(result, manifest)``: the :func:`verify_checkpoint` dict, and the manifest when readable.
-
-    Raises:
-        DurableUnavailableError: the store cannot be reached.
-    """
+    """``(the verify_checkpoint dict, the manifest when readable)`` of one checkpoint directory; every problem
+    is listed, none raised (only DurableUnavailableError). Without ``structure`` the cheap checks of ``ls``: the
+    manifest, one rank file per rank, every listed file a regular file of its size (``checksums``: and CRC-32)."""
     rep = _Report(loc)
     step, _ = step_of(loc.name)
     out: dict[str, Any] = {"checkpoint": loc.describe(), "name": loc.name, "step": step, "ok": False,
@@ -238,7 +230,7 @@ def check_dir(loc: Location, *, checksums: bool, structure: bool,
         rep.problem("", "the checkpoint directory does not exist")
         return out, None
     manifest = None
-    if _is_plain_dcp(listing):
+    if is_plain_dcp(listing):
         rep.problem(MANIFEST_NAME, plain_dcp_reason(loc))
     elif MANIFEST_NAME not in listing:
         rep.problem(MANIFEST_NAME, "missing: not a committed checkpoint")
@@ -267,13 +259,8 @@ def check_dir(loc: Location, *, checksums: bool, structure: bool,
         for name, entry in sorted(listing.items()):
             if name != MANIFEST_NAME and name not in mine.files:
                 rep.problem(name, f"{entry['type']} not listed in the manifest (ignored on restore)", warning=True)
-        if structure and not manifest.partial:
-            out["tensors"] = _check_structure(loc, mine, listing, rep)
-        elif not manifest.partial:
-            if METADATA_NAME not in manifest.files:
-                rep.problem(METADATA_NAME, "DCP metadata is not listed in the manifest")
-            for file, text in rank_file_problems(manifest):
-                rep.problem(file, text)
+        if not manifest.partial:
+            out["tensors"] = _check_structure(loc, mine, listing, rep, deep=structure)
     out["ok"] = not rep.problems
     return out, manifest
 
@@ -347,7 +334,7 @@ def list_root(root: str | os.PathLike | Location, *, storage_options: dict[str, 
     links: list[dict[str, Any]] = []
     tier_cache: dict[str, set[int] | None] = {}
     entries = loc.entries()
-    if _is_plain_dcp(entries):  # the folder itself, not a run root: say what it is and how to adopt it
+    if is_plain_dcp(entries):  # the folder itself, not a run root: say what it is and how to adopt it
         raise CheckpointNotFoundError(f"{loc.describe()} is a {plain_dcp_reason(loc)}, not a run root")
     lineages: dict[str, Any] = {}  # name: lineage of each committed checkpoint
     for name, info in entries.items():
@@ -368,7 +355,7 @@ def list_root(root: str | os.PathLike | Location, *, storage_options: dict[str, 
             listing = child.entries()
         except FileNotFoundError:  # removed while listing (retention, commit rename)
             continue
-        plain = temp is None and _is_plain_dcp(listing)
+        plain = temp is None and is_plain_dcp(listing)
         if temp is None and step is None and not plain and not _ours(child, listing):
             continue  # another tool's folder (logs, a framework's checkpoint)
         present = sum(e["size"] for e in listing.values() if e["type"] == "file")
@@ -449,7 +436,7 @@ def find_checkpoint(where: str | os.PathLike | Location, *, step: int | None = N
     """
     loc = as_location(where, storage_options=storage_options)
     require_dir(loc)
-    if loc.exists(METADATA_NAME) and _is_plain_dcp(loc.entries()):
+    if loc.exists(METADATA_NAME) and is_plain_dcp(loc.entries()):
         raise CheckpointNotFoundError(f"{loc.describe()} is a {plain_dcp_reason(loc)}")
     if looks_like_checkpoint(loc):
         if step is not None:
@@ -540,7 +527,7 @@ def verify_path(where: str | os.PathLike | Location, *, storage_options: dict[st
     times; ``kind`` is "checkpoint" or "root"); a plain DCP folder fails with the import command."""
     loc = as_location(where, storage_options=storage_options)
     require_dir(loc)
-    if looks_like_checkpoint(loc) or (loc.exists(METADATA_NAME) and _is_plain_dcp(loc.entries())):
+    if looks_like_checkpoint(loc) or (loc.exists(METADATA_NAME) and is_plain_dcp(loc.entries())):
         return _summary(loc, "checkpoint", [check_dir(loc, checksums=checksums, structure=True, progress=progress)[0]],
                         [])
     return verify_root(loc, checksums=checksums, progress=progress)

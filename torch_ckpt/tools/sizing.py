@@ -149,39 +149,27 @@ def _gbps(nbytes: int, seconds: float) -> float:
     return nbytes / max(seconds, 1e-9) / 1e9
 
 
-def _best_copy(dst: Any, src: Any, repeats: int, time_limit_s: float, sync: Any = None) -> tuple[float, int]:
+def _best_copy(nbytes: int, time_limit_s: float, *, cuda: bool) -> tuple[float, int]:
+    """Best seconds of up to 3 copies (and how many ran) into preallocated host memory, from
+    host memory or (``cuda``) from the device into pinned memory, as a save stages."""
+    import torch
+
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda" if cuda else "cpu").fill_(7)
+    # faulted in, like the reused staging arena
+    dst = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) if cuda else torch.zeros(nbytes, dtype=torch.uint8)
+    if cuda:
+        dst.copy_(src)  # warm-up
+        torch.cuda.synchronize()
     best, done, start = float("inf"), 0, time.perf_counter()
-    while done < repeats:
+    while done < 3:
         t0 = time.perf_counter()
-        dst.copy_(src, non_blocking=sync is not None)
-        if sync is not None:
-            sync()
+        dst.copy_(src, non_blocking=cuda)
+        if cuda:
+            torch.cuda.synchronize()
         best, done = min(best, time.perf_counter() - t0), done + 1
         if time.perf_counter() - start > time_limit_s:
             break
     return best, done
-
-
-def _measure_copy(nbytes: int, *, repeats: int = 3, time_limit_s: float = 2.0) -> dict[str, Any]:
-    import torch
-
-    src = torch.empty(nbytes, dtype=torch.uint8).fill_(7)
-    dst = torch.zeros(nbytes, dtype=torch.uint8)  # faulted in, like the reused staging arena
-    best, done = _best_copy(dst, src, repeats, time_limit_s)
-    return {"copy_gbps": _gbps(nbytes, best), "copy_bytes": nbytes, "copy_repeats": done}
-
-
-def _measure_d2h(nbytes: int, *, repeats: int = 3, time_limit_s: float = 2.0) -> dict[str, Any] | None:
-    import torch
-
-    if not torch.cuda.is_available():
-        return None
-    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").fill_(7)
-    dst = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    dst.copy_(src)  # warm-up
-    torch.cuda.synchronize()
-    best, _ = _best_copy(dst, src, repeats, time_limit_s, torch.cuda.synchronize)
-    return {"d2h_gbps": _gbps(nbytes, best), "d2h_device": torch.cuda.get_device_name()}
 
 
 def _measure_write_read(directory: str | os.PathLike, nbytes: int, *, time_limit_s: float = 4.0) -> dict[str, Any]:
@@ -241,8 +229,14 @@ def measure_floors(directory: str | os.PathLike = ".", *, size_bytes: int = 256 
     """
     start = time.perf_counter()
     out: dict[str, Any] = {"directory": os.path.abspath(os.fspath(directory)), "size_bytes": int(size_bytes)}
-    out.update(_measure_copy(size_bytes, time_limit_s=time_limit_s / 2))
-    out.update(_measure_d2h(size_bytes, time_limit_s=time_limit_s / 2) or {"d2h_gbps": None, "d2h_device": None})
+    import torch
+
+    best, done = _best_copy(size_bytes, time_limit_s / 2, cuda=False)
+    out.update(copy_gbps=_gbps(size_bytes, best), copy_bytes=size_bytes, copy_repeats=done, d2h_gbps=None,
+               d2h_device=None)
+    if torch.cuda.is_available():
+        out.update(d2h_gbps=_gbps(size_bytes, _best_copy(size_bytes, time_limit_s / 2, cuda=True)[0]),
+                   d2h_device=torch.cuda.get_device_name())
     out.update(_measure_write_read(directory, size_bytes, time_limit_s=time_limit_s))
     out["elapsed_s"] = time.perf_counter() - start
     return out
