@@ -202,9 +202,6 @@ def export_safetensors(checkpoint: str | os.PathLike, out: str | os.PathLike, *,
             "models": prefixed}
 
 
-# ---------------------------------------------------------------------------------------------
-# interop with plain DCP
-
 
 class _Ref:
     """A tensor placeholder of the JSON tree (its DCP key), while the plain values are decoded."""

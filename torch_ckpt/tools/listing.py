@@ -37,6 +37,7 @@ import math
 import os
 import re
 import time
+from collections import defaultdict
 from typing import Any
 
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
@@ -99,11 +100,6 @@ def require_dir(loc: Location) -> None:
         raise PathNotFoundError(f"{loc.describe()} is not a directory")
 
 
-def dtype_name(dtype: Any) -> str:
-    """``float32`` for ``torch.float32``."""
-    return str(dtype).removeprefix("torch.")
-
-
 def iso_time(ts: float | None) -> str | None:
     """ISO 8601 (UTC, seconds) of a Unix time, or None."""
     return None if ts is None else _dt.datetime.fromtimestamp(ts, tz=_dt.timezone.utc).isoformat(timespec="seconds")
@@ -127,9 +123,6 @@ def plain_dcp_reason(loc: Location, root: Location | None = None) -> str:
     return (f"plain DCP checkpoint (not written by torch-ckpt): torch-ckpt import {loc.describe()} {root_text} "
             "--step N")
 
-
-# ---------------------------------------------------------------------------------------------
-# one checkpoint directory
 
 
 class _Report:
@@ -264,9 +257,6 @@ def check_dir(loc: Location, *, checksums: bool, structure: bool,
     out["ok"] = not rep.problems
     return out, manifest
 
-
-# ---------------------------------------------------------------------------------------------
-# a run root
 
 
 def _tier_steps(url: str, storage_options: dict[str, Any], cache: dict[str, set[int] | None]) -> set[int] | None:
@@ -460,9 +450,6 @@ def find_checkpoint(where: str | os.PathLike | Location, *, step: int | None = N
     return loc.child(same[-1]["name"]), note
 
 
-# ---------------------------------------------------------------------------------------------
-# verify
-
 
 def verify_checkpoint(where: str | os.PathLike | Location, *, storage_options: dict[str, Any] | None = None,
                       checksums: bool = True, progress: bool = False) -> dict[str, Any]:
@@ -533,14 +520,6 @@ def verify_path(where: str | os.PathLike | Location, *, storage_options: dict[st
     return verify_root(loc, checksums=checksums, progress=progress)
 
 
-# ---------------------------------------------------------------------------------------------
-# inspect
-
-
-def _component() -> dict[str, Any]:
-    return {"bytes": 0, "tensor_bytes": 0, "tensors": 0, "dtypes": {}, "rank_local_tensors": 0, "arrays": 0,
-            "array_bytes": 0, "values": 0}
-
 
 def inspect_checkpoint(where: str | os.PathLike | Location, *, step: int | None = None,
                        storage_options: dict[str, Any] | None = None, keys: bool = False,
@@ -592,12 +571,14 @@ def inspect_checkpoint(where: str | os.PathLike | Location, *, step: int | None 
         file, text = problems[0]
         more = f" (and {len(problems) - 1} more problem(s); run torch-ckpt verify)" if len(problems) > 1 else ""
         raise CheckpointCorruptError(f"{loc.describe(file)}: {text}{more}")
-    comps: dict[str, dict[str, Any]] = {}
+    comps: dict[str, dict[str, Any]] = defaultdict(lambda: {
+        "bytes": 0, "tensor_bytes": 0, "tensors": 0, "dtypes": {}, "rank_local_tensors": 0, "arrays": 0,
+        "array_bytes": 0, "values": 0})
     key_rows: list[dict[str, Any]] = []
     seen: set[str] = set()
 
     def add(top: str, key: str, shape: list[int], dtype: str, nbytes: int, kind: str, **where: Any) -> None:
-        comp = comps.setdefault(top, _component())
+        comp = comps[top]
         if kind == "ndarray":
             comp["arrays"] += 1
             comp["array_bytes"] += nbytes
@@ -612,7 +593,7 @@ def inspect_checkpoint(where: str | os.PathLike | Location, *, step: int | None 
 
     def add_dcp(top: str, key: str) -> None:
         tmd = tensors[key]
-        add(top, key, list(tmd.size), dtype_name(tmd.properties.dtype),
+        add(top, key, list(tmd.size), str(tmd.properties.dtype).removeprefix("torch."),
             math.prod(tmd.size) * tmd.properties.dtype.itemsize, "tensor", chunks=len(tmd.chunks))
 
     with tqdm(total=manifest.world_size, desc=f"inspect {loc.name}", unit="rank", leave=False, dynamic_ncols=True,
@@ -620,7 +601,7 @@ def inspect_checkpoint(where: str | os.PathLike | Location, *, step: int | None 
         for rank in range(manifest.world_size):
             tree = read_rank_doc(loc, manifest, rank)["tree"]
             for top, sub in tree.items() if isinstance(tree, dict) else [("<root>", tree)]:
-                comps.setdefault(top, _component())
+                comps[top]  # a component is listed even when empty
                 for path, kind, node in walk_tree(sub, (top,)):  # validated by read_rank_doc
                     if kind == "tensor" and node[TENSOR_TAG] not in seen:
                         seen.add(node[TENSOR_TAG])
@@ -637,11 +618,8 @@ def inspect_checkpoint(where: str | os.PathLike | Location, *, step: int | None 
             bar.update(1)
     for key in (k for k in tensors if k not in seen):
         add_dcp("(not in state)", key)
-    components = []
-    for name, comp in comps.items():
-        comp["bytes"] = comp["tensor_bytes"] + comp["array_bytes"]
-        comp["dtypes"] = dict(sorted(comp["dtypes"].items()))
-        components.append({"name": name, **comp})
+    components = [{"name": name, **c, "bytes": c["tensor_bytes"] + c["array_bytes"],
+                   "dtypes": dict(sorted(c["dtypes"].items()))} for name, c in comps.items()]
     totals = {k: sum(c[k] for c in components)
               for k in ("bytes", "tensor_bytes", "tensors", "rank_local_tensors", "arrays", "array_bytes", "values")}
     totals["dcp_tensor_bytes"] = sum(math.prod(t.size) * t.properties.dtype.itemsize for t in tensors.values())
