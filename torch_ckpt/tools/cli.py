@@ -87,15 +87,14 @@ def _json_object(text: str) -> dict[str, Any]:
     return value
 
 
-positive_duration = _arg_type("duration", lambda t: to_seconds("duration", t, positive=True))
-non_negative_duration = _arg_type("duration", lambda t: to_seconds("duration", t, positive=False))
 positive_float = _number(float, lambda v: 0 < v < float("inf"), "a positive number")
-_positive_int, _non_negative_int = _int_at_least(1), _int_at_least(0)
 # keyword arguments of add_argument shared by many options
-_DURATION: dict[str, Any] = {"metavar": "DURATION", "type": positive_duration}
-_LAG: dict[str, Any] = {"metavar": "DURATION", "type": non_negative_duration}
-_N: dict[str, Any] = {"metavar": "N", "type": _positive_int}
-_STEP: dict[str, Any] = {"metavar": "N", "type": _non_negative_int}
+_DURATION: dict[str, Any] = {"metavar": "DURATION",
+                             "type": _arg_type("duration", lambda t: to_seconds("duration", t, positive=True))}
+_LAG: dict[str, Any] = {"metavar": "DURATION",
+                        "type": _arg_type("duration", lambda t: to_seconds("duration", t, positive=False))}
+_N: dict[str, Any] = {"metavar": "N", "type": _int_at_least(1)}
+_STEP: dict[str, Any] = {"metavar": "N", "type": _int_at_least(0)}
 
 
 def fmt_bytes(n: float | None) -> str:
@@ -265,7 +264,7 @@ def _add_simulate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-interval", **_DURATION, help="smallest interval simulated (default Daly / 4)")
     p.add_argument("--max-interval", **_DURATION, help="largest interval simulated (default Daly x 4)")
     p.add_argument("--points", type=_int_at_least(2), default=81, help="intervals simulated, log-spaced (default 81)")
-    p.add_argument("--failures", type=_positive_int, default=200_000,
+    p.add_argument("--failures", type=_int_at_least(1), default=200_000,
                    help="failures simulated, the same for every interval (default 200000; time grows linearly)")
     p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     p.add_argument("--plot", metavar="FILE.png", help="draw overhead versus interval (needs matplotlib)")

@@ -210,14 +210,6 @@ class _Ref:
         self.key = key
 
 
-class _Refs(dict):
-    def __contains__(self, key: object) -> bool:
-        return True
-
-    def __getitem__(self, key: str) -> _Ref:
-        return _Ref(key)
-
-
 def _fill(live: Any, saved: Any, flat: dict[str, torch.Tensor], specs: dict[str, Any]) -> Any:
     if isinstance(saved, _Ref):
         if not isinstance(live, torch.Tensor):  # absent (a fresh optimizer): a full-size CPU buffer
@@ -264,7 +256,7 @@ def prepare_dcp_load(checkpoint: str | os.PathLike, state_dict: dict[str, Any], 
     path, manifest = _resolve(checkpoint, False)
     specs = tensor_items(read_metadata(path, manifest))
     tree = read_rank_doc(path, manifest, min(rank, manifest.world_size - 1), tensor_keys=specs.__contains__)["tree"]
-    saved = join_state(tree, _Refs())
+    saved = join_state(tree, {k: _Ref(k) for k in specs})
     saved = saved if isinstance(saved, dict) else {}
     missing = [k for k in state_dict if k not in saved]
     if missing:

@@ -140,9 +140,9 @@ def sweep(*, mtbf_s: float, cost_s: float, durability_lag_s: float = 0.0, restar
         intervals = np.geomspace(low, high, points)
     else:
         intervals = np.atleast_1d(np.asarray(intervals_s, dtype=float))
-    common = dict(mtbf_s=mtbf_s, cost_s=cost, durability_lag_s=durability_lag_s, restart_s=restart_s)
-    extra = [young, daly, recommended.interval_s]
-    measured = simulate_overhead(np.append(intervals, extra), failures=failures, seed=seed, **common)
+    measured = simulate_overhead(np.append(intervals, [young, daly, recommended.interval_s]), mtbf_s=mtbf_s,
+                                 cost_s=cost, durability_lag_s=durability_lag_s, restart_s=restart_s,
+                                 failures=failures, seed=seed)
     overhead, (young_o, daly_o, recommended_o) = measured[:-3], measured[-3:]
     best = int(np.argmin(overhead))
     predicted = [expected_overhead(t, cost, mtbf_s, durability_lag_s, restart_s=restart_s) for t in intervals]
