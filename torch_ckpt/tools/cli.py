@@ -621,14 +621,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line.
-
-    Args:
-        argv: Arguments without the program name (default ``sys.argv[1:]``).
-
-    Returns:
-        The exit code: 0 on success, 2 on bad arguments, 1 on a checkpoint problem (message on stderr).
-    """
+    """Run the command line on ``argv`` (without the program name; default ``sys.argv[1:]``) and return the
+    exit code: 0 on success, 2 on bad arguments, 1 on a checkpoint problem (message on stderr)."""
     parser = build_parser()
     try:
         args = parser.parse_args(argv)

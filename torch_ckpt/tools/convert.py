@@ -146,17 +146,12 @@ def _flat_weights(node: dict[str, Any], prefix: str = "") -> dict[str, torch.Ten
 
 def model_weights(state: dict[str, Any], *, model: str | None = None,
                   source: str = "checkpoint") -> tuple[dict[str, torch.Tensor], list[str]]:
-    """The model weights of a loaded state (:func:`load_full_state`), keyed as the model's ``state_dict()``.
+    """``(weights, model names)`` of a loaded state (:func:`load_full_state`), keyed as ``state_dict()``.
 
-    ``model`` holds one state dict or (Accelerate: ``{"0": ...}``) one per model name; Lightning saves
-    ``state_dict``. With several models each key is prefixed by its model's name and a dot
-    (``"1.fc.weight"``) unless ``model`` picks one (its own keys).
-
-    Returns:
-        ``(weights, model names)``; the names are empty for a single model's state dict.
-
-    Raises:
-        ConfigError: no model tensors, or ``model`` is not one of the saved models (or there is one model).
+    ``model`` holds one state dict (names empty) or (Accelerate: ``{"0": ...}``) one per model name;
+    Lightning saves ``state_dict``. With several models each key is prefixed by its model's name and a
+    dot (``"1.fc.weight"``) unless ``model`` picks one (its own keys). Raises ConfigError: no model
+    tensors, or ``model`` is not one of the saved models (or there is one model).
     """
     tree = state.get("model") or state.get("state_dict")
     if not isinstance(tree, dict) or not tree:
