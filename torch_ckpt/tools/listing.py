@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as _dt
+import functools
 import json
 import math
 import os
@@ -85,7 +86,6 @@ __all__ = ["COMMITTED", "CORRUPT", "PARTIAL", "PLAIN_DCP", "check_dir", "find_ch
 COMMITTED, PARTIAL, CORRUPT, PLAIN_DCP = "committed", "partial", "corrupt", "plain-dcp"
 
 _STEP_RE = re.compile(r"^step_(\d+)$")
-_TMP_RE = re.compile(r"^\.step_(\d+)(\.download)?\.tmp(\.[0-9a-f]+)?$")
 # a temporary of any name (group 1: NAME), and a checkpoint moved aside by a rollback
 _TEMP_RE = re.compile(r"^\.(.+?)(?:\.download)?\.tmp(?:\.[0-9a-f]+)?$")
 _SUPERSEDED_RE = re.compile(r"^\.superseded_(.+?)\.\d+(?:\.\d+)?$")
@@ -106,9 +106,10 @@ def iso_time(ts: float | None) -> str | None:
 
 
 def step_of(name: str) -> tuple[int | None, bool]:
-    """``(step, temporary)`` parsed from a directory name; step None for other names."""
-    m = _STEP_RE.match(name) or _TMP_RE.match(name)
-    return (int(m.group(1)), m.re is _TMP_RE) if m else (None, False)
+    """``(step, temporary)`` parsed from a ``step_N`` directory name or its temporary; step None for other names."""
+    temp = _TEMP_RE.match(name)
+    m = _STEP_RE.match(temp.group(1) if temp else name)
+    return (int(m.group(1)), temp is not None) if m else (None, False)
 
 
 def is_plain_dcp(listing: dict[str, dict[str, Any]]) -> bool:
@@ -259,15 +260,6 @@ def check_dir(loc: Location, *, checksums: bool, structure: bool,
 
 
 
-def _tier_steps(url: str, storage_options: dict[str, Any], cache: dict[str, set[int] | None]) -> set[int] | None:
-    if url not in cache:
-        try:
-            cache[url] = set(DurableTier(url, storage_options=storage_options).list_steps())
-        except (CheckpointError, OSError, ValueError):
-            cache[url] = None
-    return cache[url]
-
-
 def _ours(child: Location, listing: dict[str, dict[str, Any]]) -> bool:
     """Whether a directory not named ``step_N`` holds a torch-ckpt manifest (an unreadable one counts:
     ``check_dir`` reports it corrupt; one without torch-ckpt's ``format`` belongs to another tool)."""
@@ -322,16 +314,23 @@ def list_root(root: str | os.PathLike | Location, *, storage_options: dict[str, 
     now = time.time()
     rows: list[dict[str, Any]] = []
     links: list[dict[str, Any]] = []
-    tier_cache: dict[str, set[int] | None] = {}
     entries = loc.entries()
     if is_plain_dcp(entries):  # the folder itself, not a run root: say what it is and how to adopt it
         raise CheckpointNotFoundError(f"{loc.describe()} is a {plain_dcp_reason(loc)}, not a run root")
     lineages: dict[str, Any] = {}  # name: lineage of each committed checkpoint
+
+    @functools.cache
+    def tier_steps(url: str) -> set[int] | None:  # None: the tier cannot be listed
+        try:
+            return set(DurableTier(url, storage_options=loc.storage_options).list_steps())
+        except (CheckpointError, OSError, ValueError):
+            return None
+
     for name, info in entries.items():
         temp, aside = _TEMP_RE.match(name), _SUPERSEDED_RE.match(name)
         if info["type"] != "directory" or (name.startswith(".") and temp is None and aside is None):
             continue
-        step = step_of(temp.group(1) if temp else name)[0]
+        step = step_of(name)[0]
         row = {"step": step, "name": name, "status": PARTIAL, "wall_time": None, "time": None, "age_s": None,
                "mtime": info["mtime"], "files": None, "bytes": None, "disk_bytes": None, "tensor_bytes": None,
                "world_size": None, "tiers": {}, "problems": [], "reason": None, "link_to": None, "alias_of": None,
@@ -380,7 +379,7 @@ def list_root(root: str | os.PathLike | Location, *, storage_options: dict[str, 
                     continue
                 tiers[tier] = dict(tinfo)
                 if check_tiers and isinstance(tinfo.get("url"), str):
-                    steps = _tier_steps(tinfo["url"], loc.storage_options, tier_cache)
+                    steps = tier_steps(tinfo["url"])
                     tiers[tier]["checked"] = steps is not None
                     if steps is not None and manifest.step not in steps:
                         del tiers[tier]
