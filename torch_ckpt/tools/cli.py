@@ -254,7 +254,6 @@ def _sizing_text(z: dict[str, Any], plan: dict[str, Any] | None) -> str:
     return "\n".join(lines)
 
 
-
 def _add_simulate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mtbf", required=True, **_DURATION,
                    help=f"mean time between failures of the job ({DURATION_FORMS})")
@@ -597,7 +596,6 @@ def _bench_text(f: dict[str, Any], rec: dict[str, Any] | None, state_gib: float 
     lines += ["(add --mtbf for the recommended save interval)"] if rec["interval"] is None else \
         ["", interval_rows([rec["interval"]])]
     return "\n".join(lines)
-
 
 
 _COMMANDS: dict[str, tuple[Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]] = {

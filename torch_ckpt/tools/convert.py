@@ -197,7 +197,6 @@ def export_safetensors(checkpoint: str | os.PathLike, out: str | os.PathLike, *,
             "models": prefixed}
 
 
-
 class _Ref:
     """A tensor placeholder of the JSON tree (its DCP key), while the plain values are decoded."""
 

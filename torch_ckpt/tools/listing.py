@@ -125,7 +125,6 @@ def plain_dcp_reason(loc: Location, root: Location | None = None) -> str:
             "--step N")
 
 
-
 class _Report:
     """Problems and warnings of one checkpoint directory, each naming its file."""
 
@@ -257,7 +256,6 @@ def check_dir(loc: Location, *, checksums: bool, structure: bool,
             out["tensors"] = _check_structure(loc, mine, listing, rep, deep=structure)
     out["ok"] = not rep.problems
     return out, manifest
-
 
 
 def _ours(child: Location, listing: dict[str, dict[str, Any]]) -> bool:
@@ -449,7 +447,6 @@ def find_checkpoint(where: str | os.PathLike | Location, *, step: int | None = N
     return loc.child(same[-1]["name"]), note
 
 
-
 def verify_checkpoint(where: str | os.PathLike | Location, *, storage_options: dict[str, Any] | None = None,
                       checksums: bool = True, progress: bool = False) -> dict[str, Any]:
     """Check one checkpoint directory: files and structure.
@@ -517,7 +514,6 @@ def verify_path(where: str | os.PathLike | Location, *, storage_options: dict[st
         return _summary(loc, "checkpoint", [check_dir(loc, checksums=checksums, structure=True, progress=progress)[0]],
                         [])
     return verify_root(loc, checksums=checksums, progress=progress)
-
 
 
 def inspect_checkpoint(where: str | os.PathLike | Location, *, step: int | None = None,
