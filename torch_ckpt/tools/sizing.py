@@ -17,6 +17,7 @@ restore). Each phase stops at a time limit, measuring what it did.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import re
@@ -178,34 +179,28 @@ def _measure_write_read(directory: str | os.PathLike, nbytes: int, *, time_limit
 
     view = memoryview(np.random.default_rng(0).bytes(min(nbytes, _PATTERN_BYTES)))
     path = os.path.join(os.fspath(directory), f".torch-ckpt-bench.{os.getpid()}.tmp")
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    # opened before the try: a file of that name that is not ours is never removed
+    out = open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb", buffering=0)
     try:
-        written, t0 = 0, time.perf_counter()
-        try:
+        with out:
+            written, t0 = 0, time.perf_counter()
             while written < nbytes and time.perf_counter() - t0 <= time_limit_s:
                 off = written % len(view)
-                written += os.write(fd, view[off:off + min(_IO_CHUNK, nbytes - written, len(view) - off)])
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+                written += out.write(view[off:off + min(_IO_CHUNK, nbytes - written, len(view) - off)])
+            os.fsync(out.fileno())
         write_s = time.perf_counter() - t0
-        fd = os.open(path, os.O_RDONLY)
-        try:
+        with open(path, "rb", buffering=0) as f:
             cold = hasattr(os, "posix_fadvise")
             if cold:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
             buf, read, t0 = bytearray(_IO_CHUNK), 0, time.perf_counter()
-            while (n := os.readv(fd, [buf])) and time.perf_counter() - t0 <= time_limit_s:
+            while (n := f.readinto(buf)) and time.perf_counter() - t0 <= time_limit_s:
                 read += n
             read += n
             read_s = time.perf_counter() - t0
-        finally:
-            os.close(fd)
     finally:
-        try:
+        with contextlib.suppress(OSError):
             os.unlink(path)
-        except OSError:
-            pass
     return {"write_gbps": _gbps(written, write_s), "write_bytes": written, "write_s": write_s,
             "read_gbps": _gbps(read, read_s), "read_bytes": read, "read_s": read_s, "read_cold": cold}
 
