@@ -82,35 +82,20 @@ BASE = Lineage()
 
 
 def head_of(lineages: Iterable[Lineage]) -> Lineage:
-    """The head of the history: of the segments given, the one that began last (ties: the larger id).
-
-    Pass the lineage of every checkpoint of every tier that can be seen; with none, :data:`BASE`.
-    """
+    """Of the segments of every checkpoint of every tier seen, the one that began last (ties: the larger id)."""
     return max(lineages, key=lambda lin: (lin.since, lin.run), default=BASE)
 
 
 def new_segment(seen: Iterable[Lineage], now: float | None = None) -> tuple[str, float]:
-    """A fresh segment id and a start time later than that of every segment in ``seen``.
-
-    Returns:
-        ``(run, since)``: 16 random hex digits, and ``max(now, newest since seen + 1 ms)`` (seconds).
-    """
+    """``(run, since)``: 16 random hex digits, and ``max(now, newest since in seen + 1 ms)`` (seconds)."""
     since = time.time() if now is None else now
     latest = max((lin.since for lin in seen), default=0.0)
     return secrets.token_hex(8), max(since, latest + 1e-3)
 
 
 def successor(restored: Lineage, step: int, *, newest: bool, fork: tuple[str, float]) -> Lineage:
-    """The segment the saves after restoring checkpoint ``step`` of ``restored`` belong to.
-
-    Args:
-        restored: the restored checkpoint's segment.
-        step: its step.
-        newest: True only when it is the newest live step of a history in which every tier was
-            seen (a plain resume): the saves continue its segment. Otherwise (an older step, a
-            fallback past a damaged one, a tier that could not be listed) they start a new one.
-        fork: ``(run, since)`` of the new segment (:func:`new_segment`).
-    """
+    """The segment of the saves after restoring checkpoint ``step`` of ``restored``: the same one only when
+    ``newest`` (the newest live step, every tier seen: a plain resume), else ``fork`` (:func:`new_segment`)."""
     return restored if newest else restored.fork(step, *fork)
 
 
@@ -119,11 +104,7 @@ class MalformedLineage(ValueError):
 
 
 def lineage_from_doc(doc: Any) -> Lineage:
-    """Validate a manifest's ``lineage`` object (None or missing: the base segment).
-
-    Raises:
-        MalformedLineage: a field is missing, of the wrong type or out of range.
-    """
+    """Validate a manifest's ``lineage`` object (None: the base segment); raises :class:`MalformedLineage`."""
     if doc is None:
         return BASE
     if not isinstance(doc, dict) or set(doc) != {"run", "since", "parents"}:

@@ -15,7 +15,7 @@ from typing import Protocol, runtime_checkable
 
 from torch_ckpt.errors import ConfigError
 
-__all__ = ["Naming", "StepNaming", "PatternNaming", "check_name"]
+__all__ = ["Naming", "StepNaming", "PatternNaming"]
 
 
 @runtime_checkable
@@ -32,18 +32,6 @@ class Naming(Protocol):
 
     def step_of(self, name: str) -> int | None:
         """The step a directory name stands for, or None when it is not one of this naming's names."""
-
-
-def check_name(name: str, what: str = "checkpoint name") -> str:
-    """Validate one directory name produced by a naming.
-
-    Raises:
-        ConfigError: the name is empty, hidden (starts with '.'), contains a path separator or NUL,
-            or is '.'/'..'.
-    """
-    if not isinstance(name, str) or not name or name.startswith(".") or "/" in name or "\0" in name:
-        raise ConfigError(f"{what} {name!r} must be one non-empty path component that does not start with '.'")
-    return name
 
 
 class PatternNaming:
@@ -81,7 +69,10 @@ class PatternNaming:
                 regex += r"(\d+)"
         self.pattern = pattern
         self._re = re.compile(f"^{regex}$")
-        check_name(self.name(0), f"naming pattern {pattern!r} produces")
+        name = self.name(0)
+        if not name or name.startswith(".") or "/" in name or "\0" in name:
+            raise ConfigError(f"naming pattern {pattern!r} produces {name!r}, which must be one non-empty path "
+                              "component that does not start with '.'")
 
     def name(self, step: int) -> str:
         """The directory name of ``step``."""
