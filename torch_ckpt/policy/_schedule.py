@@ -223,8 +223,6 @@ class StepTimeEstimator:
     that does not advance (a rollback) or a clock that goes back restarts the measurement.
     """
 
-    __slots__ = ("seconds", "_prev", "_skip_next")
-
     def __init__(self, seconds: float | None = None) -> None:
         self.seconds: float | None = seconds
         self._prev: tuple[int, float] | None = None
@@ -249,8 +247,6 @@ class StepTimeEstimator:
 
 class _Ewma:
     """Exponentially weighted moving average of one sample per step: a repeated step replaces its sample."""
-
-    __slots__ = ("alpha", "value", "_step", "_before")
 
     def __init__(self, alpha: float, value: float | None) -> None:
         self.alpha, self.value = alpha, value
