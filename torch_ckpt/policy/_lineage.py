@@ -6,9 +6,7 @@ the base one record it (``"lineage"`` in ``manifest.json``)::
 
     {"run": "3f9c...", "since": 1764626400.25, "parents": [["", 200], ["a81e...", 350]]}
 
-``run`` is the segment's random id, ``since`` the Unix time (seconds) it began, ``parents`` the chain
-of segments it descends from, oldest first, each with the step at which it was left. Manifests
-without a record belong to the *base* segment ``""`` (``since`` 0), so old roots read as one history.
+The fields are :class:`Lineage`'s. Manifests without a record belong to the *base* segment ``""``.
 
 The rule, asked by every tier (listing and resume, node-local resume, the durable tier's uploads and
 retention, ``torch-ckpt ls``): of the segments any tier holds a checkpoint of, the one that began last
@@ -35,14 +33,9 @@ _MAX_RUN_CHARS = 64
 
 @dataclass(frozen=True)
 class Lineage:
-    """The run segment a checkpoint belongs to (see the module doc).
-
-    Attributes:
-        run: the segment's id (lowercase hex); ``""`` for the base segment.
-        since: Unix time (seconds) at which the segment began; 0.0 for the base segment.
-        parents: ``((run, step), ...)``, oldest first: the segments this one descends from, each
-            with the step at which it was left (the step restored to start the next one).
-    """
+    """The run segment a checkpoint belongs to: ``run``, its id (lowercase hex; ``""`` for the base segment),
+    ``since``, the Unix time (seconds) it began (0.0 for the base), and ``parents``, ``((run, step), ...)``
+    oldest first: the segments it descends from, each with the step at which it was left (restored)."""
 
     run: str = ""
     since: float = 0.0
