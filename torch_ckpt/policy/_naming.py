@@ -1,11 +1,4 @@
-"""Naming of checkpoint directories under a run root: the seam adapters plug their conventions into.
-
-A :class:`Naming` maps a step to one directory name and back. The manager, the durable tier and
-retention only list names the naming parses, so other tools' folders sharing the root (an older
-plain-Accelerate ``checkpoint_3``) are never listed, written into or deleted. :class:`StepNaming`
-(the default) gives ``step_000000042``; :class:`PatternNaming` any pattern with one ``{step}``
-field, e.g. ``"checkpoint_{step}"`` (Accelerate's) or ``"ckpt-{step:06d}"``.
-"""
+"""Naming of checkpoint directories under a run root: the seam adapters plug their conventions into."""
 
 from __future__ import annotations
 
@@ -22,7 +15,9 @@ __all__ = ["Naming", "StepNaming", "PatternNaming"]
 class Naming(Protocol):
     """How the checkpoint of a step is named under a run root (one path component).
 
-    Implementations must be pure (no I/O) and exact inverses on their own names:
+    The manager, the durable tier and retention only list names the naming parses, so other tools'
+    folders sharing the root (an older plain-Accelerate ``checkpoint_3``) are never listed, written
+    into or deleted. Implementations must be pure (no I/O) and exact inverses on their own names:
     ``step_of(name(step)) == step`` for every step >= 0, and ``step_of`` returns None for any name
     that ``name`` cannot produce.
     """

@@ -1,10 +1,8 @@
 """Preemption signals (SIGTERM, or SIGUSR1 on SLURM) turned into one emergency save at a step boundary.
 
-A signal handler must do almost nothing: :class:`PreemptionFlag` only records which signal arrived.
-The manager polls the flag at the next step boundary (``should_save`` / ``save_if_due``), agrees
-across ranks (a signal that reached any rank counts for all), takes one save, waits until it is
-committed locally (up to a timeout), logs one line and exits with ``128 + signum``. A save that
-does not commit in time stays an invisible temporary, never a half-marked checkpoint.
+The handler only records the signal; the manager polls the flag at the next ``should_save`` /
+``save_if_due`` (a signal on any rank counts for all), saves, waits for the commit (up to a timeout)
+and exits with ``128 + signum``.
 """
 
 from __future__ import annotations

@@ -1,19 +1,10 @@
 """When to save: the optimal interval (Young 1974, Daly 2006), its online estimates, and the save policies.
 
-Pure (no I/O, no process group; clocks are passed in as monotonic seconds); all times in seconds.
-A job computes for ``T``, stalls ``C`` to save, and repeats; failures arrive as a Poisson process
-with mean ``M``; a failure loses the work since the last *durable* checkpoint.
-
-* Young (1974), "A first order approximation to the optimum checkpoint interval",
-  Communications of the ACM 17(9):530-531: ``T = sqrt(2 C M)``.
-* Daly (2006), "A higher order estimate of the optimum checkpoint interval for restart dumps",
-  Future Generation Computer Systems 22(3):303-312, doi:10.1016/j.future.2004.11.016:
-  ``T = sqrt(2 C M) [1 + (1/3) sqrt(C / 2M) + (1/9) (C / 2M)] - C`` for ``C < 2M``, else ``T = M``.
-
-With asynchronous saves ``C`` is the blocking part plus the slowdown of training while the save
-persists, and the *durability lag* ``L`` adds to the expected loss (for ``L <= T``) but not, to
-first order, to the optimum. :func:`checkpoint_interval` is the one rule that turns seconds into
-steps (``torch-ckpt plan``, ``simulate`` and :class:`YoungDaly` use it).
+Pure (no I/O; clocks are passed in as monotonic seconds). The model: a job computes for ``T``, stalls
+``C`` to save (with asynchronous saves: the blocking part plus the slowdown while the save persists)
+and repeats; failures arrive as a Poisson process with mean ``M`` and lose the work since the last
+*durable* checkpoint, so the *durability lag* ``L`` adds to the loss but not, to first order, to the
+optimum. :func:`checkpoint_interval` is the one rule that turns seconds into steps.
 """
 
 from __future__ import annotations
@@ -41,7 +32,8 @@ log = get_logger(__name__)
 def young_interval(mtbf_s: float, cost_s: float) -> float:
     """Young's (1974) first-order optimum compute time between checkpoints, ``sqrt(2 C M)``, in seconds.
 
-    Args and Raises: as :func:`daly_interval`.
+    Young, "A first order approximation to the optimum checkpoint interval", Communications of the
+    ACM 17(9):530-531, 1974. Args and Raises: as :func:`daly_interval`.
     """
     mtbf = to_seconds("mtbf_s", mtbf_s, positive=True)
     cost = to_seconds("cost_s", cost_s, positive=False)
@@ -51,6 +43,8 @@ def young_interval(mtbf_s: float, cost_s: float) -> float:
 def daly_interval(mtbf_s: float, cost_s: float) -> float:
     """Daly's (2006) higher-order optimum compute time between checkpoints.
 
+    Daly, "A higher order estimate of the optimum checkpoint interval for restart dumps", Future
+    Generation Computer Systems 22(3):303-312, 2006, doi:10.1016/j.future.2004.11.016:
     ``T = sqrt(2 C M) [1 + (1/3) sqrt(C / 2M) + (1/9) (C / 2M)] - C`` for ``C < 2M``, else ``T = M``
     (the restart time does not enter the optimum). Daly's worked examples (restart 10 min, C = 5 min):
     116.7 min for M = 24 h, 56.7 min for 6 h, 9.14 min for 15 min.
