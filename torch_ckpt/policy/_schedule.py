@@ -434,6 +434,7 @@ class YoungDaly:
         self._alpha = float(ewma_alpha)
         self._step_time = StepTimeEstimator()
         self._owns_step_time = True
+        self._last_save_step: int | None = None
         self._decided: tuple[int, bool] | None = None  # the answer for the step last asked
         self._last: dict[str, Any] | None = None
         self.load_state_dict({})
@@ -514,7 +515,7 @@ class YoungDaly:
             self._step_time = StepTimeEstimator(step_time)
         elif step_time is not None:
             self._step_time.seconds = float(step_time)
-        self._last_save_step: int | None = state.get("last_save_step")
+        self._last_save_step = state.get("last_save_step")
         self._decided = None
 
     def __repr__(self) -> str:
