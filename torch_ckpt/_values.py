@@ -34,15 +34,11 @@ _SIZE = re.compile(r"\s*((?:\d+(?:\.\d*)?|\.\d+)(?:e[+-]?\d+)?)\s*([a-z]*)\s*")
 
 
 def parse_size(value: str | int) -> int:
-    """A byte size as an int, rounded down: ``4GB`` (10^9), ``512MiB`` (2^20), ``1.5TB`` or plain bytes.
+    """Bytes (rounded down) from an int or a number with an optional, case-insensitive unit: B, KB, MB, GB,
+    TB (powers of 10) or KiB, MiB, GiB, TiB (powers of 2), e.g. ``"4GB"``, ``"512MiB"``, ``"1.5TB"``.
 
-    Args:
-        value: An ``int`` (bytes) or a string: a number with an optional, case-insensitive unit B,
-            KB, MB, GB, TB (decimal) or KiB, MiB, GiB, TiB (binary).
-
-    Raises:
-        ValueError: The string is not a size (the message lists the units), negative or not finite.
-        TypeError: ``value`` is neither ``str`` nor ``int`` (``bool`` and ``float`` are rejected).
+    Raises ValueError for a string that is not a size (the message lists the units), a negative or an
+    infinite one; TypeError for a type other than ``str`` and ``int`` (``bool`` and ``float`` included).
     """
     if isinstance(value, bool) or not isinstance(value, (str, int)):
         raise TypeError(f"size must be an int of bytes or a string such as '4GB', got {type(value).__name__}: "

@@ -27,15 +27,11 @@ CODE_ONLY_FIELDS = frozenset({"retention", "save_policy", "process_group", "nami
 __all__ = ["CheckpointConfig", "parse_size", "DEFAULT", "DefaultType", "ON_EXISTING_NEWER", "PERSIST_MODES",
            "DURABLE_VERIFY", "ON_WRITE_ERROR", "RANK_LOCAL_POLICIES"]
 
-#: Values of ``persist``.
+# the accepted values of persist, on_existing_newer, durable_verify, on_write_error, on_world_size_change
 PERSIST_MODES = ("thread", "process")
-#: Values of ``on_existing_newer``.
 ON_EXISTING_NEWER = ("error", "supersede")
-#: Values of ``durable_verify``.
 DURABLE_VERIFY = ("checksum", "size")
-#: Values of ``on_write_error``.
 ON_WRITE_ERROR = ("raise", "warn")
-#: Values of ``on_world_size_change`` (what a restore does with rank-local state).
 RANK_LOCAL_POLICIES = ("error", "keep_live")
 #: Types an integration's own file keys may have (:meth:`CheckpointConfig.from_dict_with_extras`).
 _EXTRA_TYPES = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
@@ -290,8 +286,7 @@ class CheckpointConfig:
             close = difflib.get_close_matches(unknown[0], valid, n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise ConfigError(f"{prefix}unknown setting(s) {unknown}{hint}; rename or remove "
-                              f"{'it' if len(unknown) == 1 else 'them'}. "
-                              f"Valid settings: {valid}")
+                              f"{'it' if len(unknown) == 1 else 'them'}. Valid settings: {valid}")
         extra_values = {**extras, **{k: v for k, v in values.items() if k in extras}}
         for key, value in extra_values.items():
             kind = type(extras[key])

@@ -611,7 +611,7 @@ class Cadence:
         baseline = self.step_time.seconds
         persisting = self._pending is not None and not self._pending.done()
         stall, self._stall_next = self._stall_next, False  # this step held a save's blocking part
-        delta = self.step_time.record_step(step, now_s, sample=not persisting)
+        delta = self.step_time.record_step(step, now_s, sample=not persisting and not stall)
         if persisting and not stall and delta is not None and baseline is not None:
             self._slowdown_s += max(0.0, delta - baseline)
         self._report_durable(now_s)
@@ -636,7 +636,6 @@ class Cadence:
         self._pending = handle
         self._slowdown_s = 0.0
         self._stall_next = True
-        self.step_time.skip_next()
 
     def decide(self, step: int, now_s: float) -> bool:
         """The policy's decision for ``step`` (call after :meth:`record_step`)."""
