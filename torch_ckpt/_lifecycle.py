@@ -1,17 +1,9 @@
-"""Interpreter exit: finish the work still in flight, within a bound, before the process goes.
+"""Interpreter exit: a bounded wait for work still in flight (daemon threads are frozen at finalization).
 
-torch-ckpt's background threads (the writer of each save, the durable replicator) are daemon
-threads that exist only while they have work, so a process never waits at exit for an idle one.
-A daemon thread is frozen when the interpreter finalizes, though, so work still in flight at exit
-gets an explicit, bounded wait: :func:`finish_at_exit` registers an object whose
-``_finish_at_exit()`` runs then, in registration phase order (every checkpointer's in-flight save
-first, which may queue an upload, then every replicator's uploads).
-
-The wait runs from ``threading._register_atexit`` when Python has it (3.9+): before the interpreter
-joins its non-daemon threads and before any ``atexit`` handler (``multiprocessing`` stopping its
-children, other libraries' teardown), so the process groups and writer processes a save needs are
-still there. Without it, an ``atexit`` handler is used. A save that fails or does not finish within
-its bound is logged as an error naming the step (never lost silently); the exit goes on.
+Objects' ``_finish_at_exit()`` run in phase order (checkpointers' saves, which may queue uploads, then
+replicators). ``threading._register_atexit`` runs them before non-daemon threads are joined and before
+any ``atexit`` handler (``multiprocessing`` stopping writer processes), so what a save needs is still
+there. A failure is logged as an error; the exit goes on.
 """
 
 from __future__ import annotations

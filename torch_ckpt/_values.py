@@ -34,15 +34,11 @@ _SIZE = re.compile(r"\s*((?:\d+(?:\.\d*)?|\.\d+)(?:e[+-]?\d+)?)\s*([a-z]*)\s*")
 
 
 def parse_size(value: str | int) -> int:
-    """A byte size as an int, rounded down: ``4GB`` (10^9), ``512MiB`` (2^20), ``1.5TB`` or plain bytes.
+    """Bytes (rounded down) from an int or a number with an optional, case-insensitive unit: B, KB, MB, GB,
+    TB (powers of 10) or KiB, MiB, GiB, TiB (powers of 2), e.g. ``"4GB"``, ``"512MiB"``, ``"1.5TB"``.
 
-    Args:
-        value: An ``int`` (bytes) or a string: a number with an optional, case-insensitive unit B,
-            KB, MB, GB, TB (decimal) or KiB, MiB, GiB, TiB (binary).
-
-    Raises:
-        ValueError: The string is not a size (the message lists the units), negative or not finite.
-        TypeError: ``value`` is neither ``str`` nor ``int`` (``bool`` and ``float`` are rejected).
+    Raises ValueError for a string that is not a size (the message lists the units), a negative or an
+    infinite one; TypeError for a type other than ``str`` and ``int`` (``bool`` and ``float`` included).
     """
     if isinstance(value, bool) or not isinstance(value, (str, int)):
         raise TypeError(f"size must be an int of bytes or a string such as '4GB', got {type(value).__name__}: "
@@ -62,22 +58,14 @@ def parse_size(value: str | int) -> int:
 
 
 def check_bool(name: str, value: Any) -> bool:
-    """Return ``value`` if it is a bool.
-
-    Raises:
-        ConfigError: ``value`` is not ``True``/``False`` (``1`` and ``"yes"`` are refused).
-    """
+    """``value`` if it is ``True``/``False`` (``1`` and ``"yes"`` are refused), else :class:`ConfigError`."""
     if not isinstance(value, bool):
         raise ConfigError(f"{name} must be true or false, got {value!r}")
     return value
 
 
 def check_int(name: str, value: Any, minimum: int, maximum: int | None = None) -> int:
-    """Return ``value`` if it is an int (not a bool) in ``[minimum, maximum]``.
-
-    Raises:
-        ConfigError: another type (``2.0`` included) or a value out of range.
-    """
+    """``value`` if it is an int (not a bool, not ``2.0``) in ``[minimum, maximum]``, else :class:`ConfigError`."""
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum or (
             maximum is not None and value > maximum):
         bound = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
@@ -86,11 +74,7 @@ def check_int(name: str, value: Any, minimum: int, maximum: int | None = None) -
 
 
 def to_seconds(name: str, value: Any, *, positive: bool) -> float:
-    """Seconds (float) from a number or a duration string such as ``"8h"`` or ``"250ms"``.
-
-    Raises:
-        ConfigError: not a duration, negative, or zero when ``positive``.
-    """
+    """Seconds from a number or a duration such as ``"8h"``; ConfigError if negative (or 0 when ``positive``)."""
     try:
         seconds = float(parse_duration(value))
     except (TypeError, ValueError) as exc:
@@ -102,11 +86,7 @@ def to_seconds(name: str, value: Any, *, positive: bool) -> float:
 
 
 def to_bytes(name: str, value: Any) -> int:
-    """Bytes (int, at least 1) from an int or a size string such as ``"4GB"`` (see :func:`parse_size`).
-
-    Raises:
-        ConfigError: not a size, or zero.
-    """
+    """Bytes (at least 1) from an int or a size such as ``"4GB"`` (:func:`parse_size`), else :class:`ConfigError`."""
     try:
         size = parse_size(value)
     except (TypeError, ValueError) as exc:

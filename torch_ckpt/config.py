@@ -1,13 +1,7 @@
 """``CheckpointConfig``: every setting of a :class:`~torch_ckpt.CheckpointManager`, typed and validated once.
 
-One frozen, keyword-only dataclass, validated in ``__post_init__`` (checks in :mod:`torch_ckpt._values`):
-durations are stored as float seconds (``"8h"``, ``"250ms"`` accepted), byte sizes as int bytes
-(``"4GB"``, ``"512MiB"``), lists of signals as tuples. The manager and the Lightning and Accelerate
-adapters build from it, so every integration shares one set of names and defaults. Sources: code
-(``CheckpointConfig(keep_last=5)``), a mapping (:meth:`~CheckpointConfig.from_dict`, refusing an unknown
-key with the closest valid one; :meth:`~CheckpointConfig.from_dict_with_extras` for files that also hold
-an integration's own keys) and YAML (:meth:`~CheckpointConfig.from_yaml`). Fields that take Python
-objects (``retention``, ``save_policy``, ``process_group``, ``naming``) can only be given in code.
+The manager and the Lightning and Accelerate adapters build from it, so every integration shares one set
+of names and defaults; durations are stored as float seconds, byte sizes as int bytes, signals as a tuple.
 """
 
 from __future__ import annotations
@@ -33,15 +27,11 @@ CODE_ONLY_FIELDS = frozenset({"retention", "save_policy", "process_group", "nami
 __all__ = ["CheckpointConfig", "parse_size", "DEFAULT", "DefaultType", "ON_EXISTING_NEWER", "PERSIST_MODES",
            "DURABLE_VERIFY", "ON_WRITE_ERROR", "RANK_LOCAL_POLICIES"]
 
-#: Values of ``persist``.
+# the accepted values of persist, on_existing_newer, durable_verify, on_write_error, on_world_size_change
 PERSIST_MODES = ("thread", "process")
-#: Values of ``on_existing_newer``.
 ON_EXISTING_NEWER = ("error", "supersede")
-#: Values of ``durable_verify``.
 DURABLE_VERIFY = ("checksum", "size")
-#: Values of ``on_write_error``.
 ON_WRITE_ERROR = ("raise", "warn")
-#: Values of ``on_world_size_change`` (what a restore does with rank-local state).
 RANK_LOCAL_POLICIES = ("error", "keep_live")
 #: Types an integration's own file keys may have (:meth:`CheckpointConfig.from_dict_with_extras`).
 _EXTRA_TYPES = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
@@ -178,19 +168,15 @@ class CheckpointConfig:
                 self._set(name, to_seconds(name, getattr(self, name), positive=positive))
         if self.staging_budget_bytes is not None:
             self._set("staging_budget_bytes", to_bytes("staging_budget_bytes", self.staging_budget_bytes))
-        if self.retention is not None and not isinstance(self.retention, RetentionPolicy):
-            raise ConfigError(f"retention must be a RetentionPolicy (keep(steps) -> set), got {self.retention!r}")
-        if self.save_policy is not None:
-            if not isinstance(self.save_policy, SavePolicy):
-                raise ConfigError(f"save_policy must be a SavePolicy (YoungDaly, EveryNSteps, ...), "
-                                  f"got {self.save_policy!r}")
-            flat = [n for n in ("mtbf_seconds", "save_every_n_steps", "save_every_seconds")
-                    if getattr(self, n) is not None]
-            if flat:
-                raise ConfigError(f"give either save_policy or {flat[0]}, not both (the flat fields build a policy)")
-        if self.naming is not None and not isinstance(self.naming, Naming):
-            raise ConfigError(f"naming must provide name(step) and step_of(name) (torch_ckpt.policy.Naming), "
-                              f"got {self.naming!r}")
+        for name, kind, what in (("retention", RetentionPolicy, "be a RetentionPolicy (keep(steps) -> set)"),
+                                 ("save_policy", SavePolicy, "be a SavePolicy (YoungDaly, EveryNSteps, ...)"),
+                                 ("naming", Naming, "provide name(step) and step_of(name) (torch_ckpt.policy.Naming)"),
+                                 ("storage_options", Mapping, "be a mapping of fsspec options")):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), kind):
+                raise ConfigError(f"{name} must {what}, got {getattr(self, name)!r}")
+        flat = [n for n in ("mtbf_seconds", "save_every_n_steps", "save_every_seconds") if getattr(self, n) is not None]
+        if self.save_policy is not None and flat:
+            raise ConfigError(f"give either save_policy or {flat[0]}, not both (the flat fields build a policy)")
         self._check_durable()
         if not isinstance(self.preemption_signals, (list, tuple)):
             raise ConfigError(f"preemption_signals must be a list of signal names or numbers, e.g. ['SIGTERM'], "
@@ -201,8 +187,6 @@ class CheckpointConfig:
     def _check_durable(self) -> None:
         if self.durable_url is not None and (not isinstance(self.durable_url, str) or not self.durable_url):
             raise ConfigError(f"durable_url must be a non-empty URL string, got {self.durable_url!r}")
-        if self.storage_options is not None and not isinstance(self.storage_options, Mapping):
-            raise ConfigError(f"storage_options must be a mapping of fsspec options, got {self.storage_options!r}")
         if self.storage_options is not None:
             self._set("storage_options", dict(self.storage_options))  # a copy: the caller's later edits stay out
         if self.durable_url is None and (self.durable_keep_last is not None
@@ -302,8 +286,7 @@ class CheckpointConfig:
             close = difflib.get_close_matches(unknown[0], valid, n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise ConfigError(f"{prefix}unknown setting(s) {unknown}{hint}; rename or remove "
-                              f"{'it' if len(unknown) == 1 else 'them'}. "
-                              f"Valid settings: {valid}")
+                              f"{'it' if len(unknown) == 1 else 'them'}. Valid settings: {valid}")
         extra_values = {**extras, **{k: v for k, v in values.items() if k in extras}}
         for key, value in extra_values.items():
             kind = type(extras[key])

@@ -54,26 +54,19 @@ def parse_duration(value: str | float | int) -> float:
         if not math.isfinite(float(value)):
             raise ValueError(f"duration must be finite, got {value!r}")
         return float(value)
-    parsed = _parse_text(value.strip().lower())
-    if parsed is None:
-        raise ValueError(f"invalid duration {value!r}: expected {DURATION_FORMS}")
-    return parsed
-
-
-def _parse_text(text: str) -> float | None:
-    """A stripped, lower-cased duration string in seconds; ``None`` if it is not one."""
-    if re.fullmatch(rf"[+-]?{_NUMBER}", text):
-        seconds = float(text)  # "1e309" overflows to inf: not a duration
-        return seconds if math.isfinite(seconds) else None
+    text = value.strip().lower()
     sign, body = (text[0], text[1:]) if text[:1] in ("+", "-") else ("", text)
-    total, pos = 0.0, 0
-    for part in _PART.finditer(body):
-        number, unit = part.groups()
-        if part.start() != pos or unit not in _UNIT_SECONDS:
-            return None
-        total, pos = total + float(number) * _UNIT_SECONDS[unit], part.end()
+    if re.fullmatch(_NUMBER, body):
+        total, pos = float(body), len(body)  # "1e309" overflows to inf: refused below
+    else:
+        total, pos = 0.0, 0
+        for part in _PART.finditer(body):
+            number, unit = part.groups()
+            if part.start() != pos or unit not in _UNIT_SECONDS:
+                break
+            total, pos = total + float(number) * _UNIT_SECONDS[unit], part.end()
     if pos == 0 or pos != len(body) or not math.isfinite(total):
-        return None
+        raise ValueError(f"invalid duration {value!r}: expected {DURATION_FORMS}")
     return -total if sign == "-" else total
 
 

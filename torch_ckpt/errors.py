@@ -6,12 +6,14 @@ also inherits the builtin a caller would naturally catch, so ``except OSError`` 
 
     CheckpointError(Exception)
     ├── CheckpointNotFoundError(CheckpointError, FileNotFoundError)  no such checkpoint / root
+    │   └── PathNotFoundError(CheckpointNotFoundError)               the path or URL given does not exist
     ├── CheckpointCorruptError(CheckpointError, ValueError)          checksum, size or structure mismatch
     ├── UnsafeCheckpointError(CheckpointError, ValueError)           would need arbitrary unpickling
     ├── StateMismatchError(CheckpointError, KeyError)                live state and checkpoint keys differ
     ├── CheckpointWriteError(CheckpointError, OSError)               a save failed (disk full, permission...)
     ├── CheckpointReadError(CheckpointError, OSError)                reading a checkpoint failed (I/O error, permission)
     ├── CheckpointTimeoutError(CheckpointError, TimeoutError)        ranks did not agree in time
+    ├── DurableUnavailableError(CheckpointError, ConnectionError)    the durable store cannot be reached
     └── ConfigError(CheckpointError, ValueError)                     invalid argument or configuration
 """
 

@@ -6,9 +6,7 @@ the base one record it (``"lineage"`` in ``manifest.json``)::
 
     {"run": "3f9c...", "since": 1764626400.25, "parents": [["", 200], ["a81e...", 350]]}
 
-``run`` is the segment's random id, ``since`` the Unix time (seconds) it began, ``parents`` the chain
-of segments it descends from, oldest first, each with the step at which it was left. Manifests
-without a record belong to the *base* segment ``""`` (``since`` 0), so old roots read as one history.
+The fields are :class:`Lineage`'s. Manifests without a record belong to the *base* segment ``""``.
 
 The rule, asked by every tier (listing and resume, node-local resume, the durable tier's uploads and
 retention, ``torch-ckpt ls``): of the segments any tier holds a checkpoint of, the one that began last
@@ -35,14 +33,9 @@ _MAX_RUN_CHARS = 64
 
 @dataclass(frozen=True)
 class Lineage:
-    """The run segment a checkpoint belongs to (see the module doc).
-
-    Attributes:
-        run: the segment's id (lowercase hex); ``""`` for the base segment.
-        since: Unix time (seconds) at which the segment began; 0.0 for the base segment.
-        parents: ``((run, step), ...)``, oldest first: the segments this one descends from, each
-            with the step at which it was left (the step restored to start the next one).
-    """
+    """The run segment a checkpoint belongs to: ``run``, its id (lowercase hex; ``""`` for the base segment),
+    ``since``, the Unix time (seconds) it began (0.0 for the base), and ``parents``, ``((run, step), ...)``
+    oldest first: the segments it descends from, each with the step at which it was left (restored)."""
 
     run: str = ""
     since: float = 0.0
@@ -82,35 +75,20 @@ BASE = Lineage()
 
 
 def head_of(lineages: Iterable[Lineage]) -> Lineage:
-    """The head of the history: of the segments given, the one that began last (ties: the larger id).
-
-    Pass the lineage of every checkpoint of every tier that can be seen; with none, :data:`BASE`.
-    """
+    """Of the segments of every checkpoint of every tier seen, the one that began last (ties: the larger id)."""
     return max(lineages, key=lambda lin: (lin.since, lin.run), default=BASE)
 
 
 def new_segment(seen: Iterable[Lineage], now: float | None = None) -> tuple[str, float]:
-    """A fresh segment id and a start time later than that of every segment in ``seen``.
-
-    Returns:
-        ``(run, since)``: 16 random hex digits, and ``max(now, newest since seen + 1 ms)`` (seconds).
-    """
+    """``(run, since)``: 16 random hex digits, and ``max(now, newest since in seen + 1 ms)`` (seconds)."""
     since = time.time() if now is None else now
     latest = max((lin.since for lin in seen), default=0.0)
     return secrets.token_hex(8), max(since, latest + 1e-3)
 
 
 def successor(restored: Lineage, step: int, *, newest: bool, fork: tuple[str, float]) -> Lineage:
-    """The segment the saves after restoring checkpoint ``step`` of ``restored`` belong to.
-
-    Args:
-        restored: the restored checkpoint's segment.
-        step: its step.
-        newest: True only when it is the newest live step of a history in which every tier was
-            seen (a plain resume): the saves continue its segment. Otherwise (an older step, a
-            fallback past a damaged one, a tier that could not be listed) they start a new one.
-        fork: ``(run, since)`` of the new segment (:func:`new_segment`).
-    """
+    """The segment of the saves after restoring checkpoint ``step`` of ``restored``: the same one only when
+    ``newest`` (the newest live step, every tier seen: a plain resume), else ``fork`` (:func:`new_segment`)."""
     return restored if newest else restored.fork(step, *fork)
 
 
@@ -119,11 +97,7 @@ class MalformedLineage(ValueError):
 
 
 def lineage_from_doc(doc: Any) -> Lineage:
-    """Validate a manifest's ``lineage`` object (None or missing: the base segment).
-
-    Raises:
-        MalformedLineage: a field is missing, of the wrong type or out of range.
-    """
+    """Validate a manifest's ``lineage`` object (None: the base segment); raises :class:`MalformedLineage`."""
     if doc is None:
         return BASE
     if not isinstance(doc, dict) or set(doc) != {"run", "since", "parents"}:

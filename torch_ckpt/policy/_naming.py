@@ -1,11 +1,4 @@
-"""Naming of checkpoint directories under a run root: the seam adapters plug their conventions into.
-
-A :class:`Naming` maps a step to one directory name and back. The manager, the durable tier and
-retention only list names the naming parses, so other tools' folders sharing the root (an older
-plain-Accelerate ``checkpoint_3``) are never listed, written into or deleted. :class:`StepNaming`
-(the default) gives ``step_000000042``; :class:`PatternNaming` any pattern with one ``{step}``
-field, e.g. ``"checkpoint_{step}"`` (Accelerate's) or ``"ckpt-{step:06d}"``.
-"""
+"""Naming of checkpoint directories under a run root: the seam adapters plug their conventions into."""
 
 from __future__ import annotations
 
@@ -15,14 +8,16 @@ from typing import Protocol, runtime_checkable
 
 from torch_ckpt.errors import ConfigError
 
-__all__ = ["Naming", "StepNaming", "PatternNaming", "check_name"]
+__all__ = ["Naming", "StepNaming", "PatternNaming"]
 
 
 @runtime_checkable
 class Naming(Protocol):
     """How the checkpoint of a step is named under a run root (one path component).
 
-    Implementations must be pure (no I/O) and exact inverses on their own names:
+    The manager, the durable tier and retention only list names the naming parses, so other tools'
+    folders sharing the root (an older plain-Accelerate ``checkpoint_3``) are never listed, written
+    into or deleted. Implementations must be pure (no I/O) and exact inverses on their own names:
     ``step_of(name(step)) == step`` for every step >= 0, and ``step_of`` returns None for any name
     that ``name`` cannot produce.
     """
@@ -32,18 +27,6 @@ class Naming(Protocol):
 
     def step_of(self, name: str) -> int | None:
         """The step a directory name stands for, or None when it is not one of this naming's names."""
-
-
-def check_name(name: str, what: str = "checkpoint name") -> str:
-    """Validate one directory name produced by a naming.
-
-    Raises:
-        ConfigError: the name is empty, hidden (starts with '.'), contains a path separator or NUL,
-            or is '.'/'..'.
-    """
-    if not isinstance(name, str) or not name or name.startswith(".") or "/" in name or "\0" in name:
-        raise ConfigError(f"{what} {name!r} must be one non-empty path component that does not start with '.'")
-    return name
 
 
 class PatternNaming:
@@ -81,7 +64,10 @@ class PatternNaming:
                 regex += r"(\d+)"
         self.pattern = pattern
         self._re = re.compile(f"^{regex}$")
-        check_name(self.name(0), f"naming pattern {pattern!r} produces")
+        name = self.name(0)
+        if not name or name.startswith(".") or "/" in name or "\0" in name:
+            raise ConfigError(f"naming pattern {pattern!r} produces {name!r}, which must be one non-empty path "
+                              "component that does not start with '.'")
 
     def name(self, step: int) -> str:
         """The directory name of ``step``."""

@@ -1,10 +1,8 @@
 """Preemption signals (SIGTERM, or SIGUSR1 on SLURM) turned into one emergency save at a step boundary.
 
-A signal handler must do almost nothing: :class:`PreemptionFlag` only records which signal arrived.
-The manager polls the flag at the next step boundary (``should_save`` / ``save_if_due``), agrees
-across ranks (a signal that reached any rank counts for all), takes one save, waits until it is
-committed locally (up to a timeout), logs one line and exits with ``128 + signum``. A save that
-does not commit in time stays an invisible temporary, never a half-marked checkpoint.
+The handler only records the signal; the manager polls the flag at the next ``should_save`` /
+``save_if_due`` (a signal on any rank counts for all), saves, waits for the commit (up to a timeout)
+and exits with ``128 + signum``.
 """
 
 from __future__ import annotations
@@ -25,11 +23,7 @@ log = get_logger(__name__)
 
 
 def parse_signals(signals: Iterable[str | int | signal.Signals]) -> list[signal.Signals]:
-    """Turn ``["SIGTERM", "SIGUSR1", 15]`` into ``signal.Signals`` values.
-
-    Raises:
-        ConfigError: an unknown signal name or number.
-    """
+    """``["SIGTERM", "USR1", 15]`` as ``signal.Signals``; :class:`ConfigError` for an unknown one."""
     out = []
     for s in signals:
         try:
@@ -41,11 +35,8 @@ def parse_signals(signals: Iterable[str | int | signal.Signals]) -> list[signal.
 
 
 class PreemptionFlag:
-    """Installs handlers for ``signals`` that record the first one received.
-
-    Handlers can only be installed from the main thread; elsewhere a warning is logged and the flag
-    can still be set with :meth:`trigger`. :meth:`restore` puts the previous handlers back.
-    """
+    """Handlers for ``signals`` that record the first one received (installed only from the main thread,
+    else a warning; :meth:`trigger` still works). :meth:`restore` puts the previous handlers back."""
 
     def __init__(self, signals: Iterable[str | int | signal.Signals]) -> None:
         self.signals = parse_signals(signals)
@@ -73,11 +64,8 @@ class PreemptionFlag:
             self.received = sig
 
     def warn_if_unheeded(self) -> None:
-        """Log once when a signal arrived but nothing ever polled the flag (see :attr:`polled`).
-
-        The handler replaced the signal's own action (for SIGTERM: terminate), so without a poll
-        the signal would be ignored without a trace; called by ``save()``, which such loops still call.
-        """
+        """Log once when a signal arrived but nothing polled the flag: the handler replaced the signal's own
+        action (SIGTERM: terminate), so it would be ignored without a trace. Called by ``save()``."""
         if self.received is None or self.polled or self._warned:
             return
         self._warned = True

@@ -1,9 +1,4 @@
-"""Retention policies: which committed checkpoints to keep. Pure objects (no I/O).
-
-A policy sees the committed steps (ascending integers) and returns the ones to keep. The manager
-applies it only *after* a new checkpoint is committed, and always keeps the newest committed step
-whatever the policy says, so retention can never delete the last good checkpoint.
-"""
+"""Retention policies: which committed checkpoints to keep. Pure objects (no I/O)."""
 
 from __future__ import annotations
 
@@ -18,7 +13,11 @@ __all__ = ["RetentionPolicy", "KeepLatest", "KeepEveryNSteps", "KeepAny", "apply
 
 @runtime_checkable
 class RetentionPolicy(Protocol):
-    """Decides which committed steps survive. Implementations must not do I/O."""
+    """Decides which committed steps survive. Implementations must not do I/O.
+
+    The manager applies it only *after* a new checkpoint is committed, and always keeps the newest
+    committed step whatever the policy says, so retention can never delete the last good checkpoint.
+    """
 
     def keep(self, steps: Sequence[int]) -> set[int]:
         """Return the subset of ``steps`` (ascending, committed) to keep."""
@@ -37,7 +36,7 @@ class KeepLatest:
     def __post_init__(self) -> None:
         check_int("KeepLatest.count", self.count, 1)
 
-    def keep(self, steps: Sequence[int]) -> set[int]:  # noqa: D102
+    def keep(self, steps: Sequence[int]) -> set[int]:
         return set(sorted(steps)[-self.count:])
 
 
@@ -54,7 +53,7 @@ class KeepEveryNSteps:
     def __post_init__(self) -> None:
         check_int("KeepEveryNSteps.every_steps", self.every_steps, 1)
 
-    def keep(self, steps: Sequence[int]) -> set[int]:  # noqa: D102
+    def keep(self, steps: Sequence[int]) -> set[int]:
         return {s for s in steps if s % self.every_steps == 0}
 
 
@@ -64,7 +63,7 @@ class KeepAny:
 
     policies: tuple[RetentionPolicy, ...]
 
-    def keep(self, steps: Sequence[int]) -> set[int]:  # noqa: D102
+    def keep(self, steps: Sequence[int]) -> set[int]:
         return set().union(*(p.keep(steps) for p in self.policies))
 
 

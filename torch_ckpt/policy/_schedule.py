@@ -1,27 +1,10 @@
 """When to save: the optimal interval (Young 1974, Daly 2006), its online estimates, and the save policies.
 
-Pure (no I/O, no process group; clocks are passed in as monotonic seconds); all times in seconds.
-A job computes for ``T``, stalls ``C`` to save, and repeats; failures arrive as a Poisson process
-with mean ``M``; a failure loses the work since the last *durable* checkpoint.
-
-* Young (1974), "A first order approximation to the optimum checkpoint interval",
-  Communications of the ACM 17(9):530-531: ``T = sqrt(2 C M)``.
-* Daly (2006), "A higher order estimate of the optimum checkpoint interval for restart dumps",
-  Future Generation Computer Systems 22(3):303-312, doi:10.1016/j.future.2004.11.016:
-  ``T = sqrt(2 C M) [1 + (1/3) sqrt(C / 2M) + (1/9) (C / 2M)] - C`` for ``C < 2M``, else ``T = M``.
-
-With asynchronous saves ``C`` is the blocking part plus the slowdown of training while the save
-persists, and the *durability lag* ``L`` adds to the expected loss (for ``L <= T``) but not, to
-first order, to the optimum. :func:`checkpoint_interval` is the one rule that turns seconds into
-steps (``torch-ckpt plan``, ``simulate`` and :class:`YoungDaly` use it).
-
-A :class:`SavePolicy` is driven, per training step (through :class:`Cadence`), by
-``record_step(step, now_s)``, then ``should_save(step, now_s)`` (``True`` counts as a save starting
-now; the same step gets the same answer), then after each save of any trigger
-``record_save(step, blocking_s=, durable_after_s=, slowdown_s=, now_s=)`` (``durable_after_s=None``
-until known; a second call for the step once durable replaces the first's measurements);
-``describe()`` gives the last decision's inputs and outputs. Policies are not thread-safe. Every rank
-fed the same inputs decides the same; rank 0 decides and broadcasts, as clocks differ per rank.
+Pure (no I/O; clocks are passed in as monotonic seconds). The model: a job computes for ``T``, stalls
+``C`` to save (with asynchronous saves: the blocking part plus the slowdown while the save persists)
+and repeats; failures arrive as a Poisson process with mean ``M`` and lose the work since the last
+*durable* checkpoint, so the *durability lag* ``L`` adds to the loss but not, to first order, to the
+optimum. :func:`checkpoint_interval` is the one rule that turns seconds into steps.
 """
 
 from __future__ import annotations
@@ -49,7 +32,8 @@ log = get_logger(__name__)
 def young_interval(mtbf_s: float, cost_s: float) -> float:
     """Young's (1974) first-order optimum compute time between checkpoints, ``sqrt(2 C M)``, in seconds.
 
-    Args and Raises: as :func:`daly_interval`.
+    Young, "A first order approximation to the optimum checkpoint interval", Communications of the
+    ACM 17(9):530-531, 1974. Args and Raises: as :func:`daly_interval`.
     """
     mtbf = to_seconds("mtbf_s", mtbf_s, positive=True)
     cost = to_seconds("cost_s", cost_s, positive=False)
@@ -59,6 +43,8 @@ def young_interval(mtbf_s: float, cost_s: float) -> float:
 def daly_interval(mtbf_s: float, cost_s: float) -> float:
     """Daly's (2006) higher-order optimum compute time between checkpoints.
 
+    Daly, "A higher order estimate of the optimum checkpoint interval for restart dumps", Future
+    Generation Computer Systems 22(3):303-312, 2006, doi:10.1016/j.future.2004.11.016:
     ``T = sqrt(2 C M) [1 + (1/3) sqrt(C / 2M) + (1/9) (C / 2M)] - C`` for ``C < 2M``, else ``T = M``
     (the restart time does not enter the optimum). Daly's worked examples (restart 10 min, C = 5 min):
     116.7 min for M = 24 h, 56.7 min for 6 h, 9.14 min for 15 min.
@@ -224,19 +210,12 @@ STEP_TIME_ALPHA = 0.2
 
 
 class StepTimeEstimator:
-    """Seconds per training step: an EWMA (weight :data:`STEP_TIME_ALPHA`) of the time between steps.
+    """Seconds per training step (``seconds``; None until measured): an EWMA (weight :data:`STEP_TIME_ALPHA`).
 
-    Each :meth:`record_step` with a later step than the previous call measures
-    ``(now_s - previous_now_s) / (step - previous_step)``; the sample enters the average unless
-    excluded (``sample=False``, or :meth:`skip_next` marked the interval as holding a save's stall,
-    whose cost is counted in the save instead). A step that does not advance (a rollback) or a
-    clock that goes back restarts the measurement without a sample.
-
-    Args:
-        seconds: Initial estimate in seconds (``None``: unknown until two steps are recorded).
+    A sample is ``(now_s - previous now_s) / (step - previous step)``, left out with ``sample=False``
+    or after :meth:`skip_next` (the interval held a save's stall, counted in the save's cost). A step
+    that does not advance (a rollback) or a clock that goes back restarts the measurement.
     """
-
-    __slots__ = ("seconds", "_prev", "_skip_next")
 
     def __init__(self, seconds: float | None = None) -> None:
         self.seconds: float | None = seconds
@@ -244,13 +223,8 @@ class StepTimeEstimator:
         self._skip_next = False
 
     def record_step(self, step: int, now_s: float, *, sample: bool = True) -> float | None:
-        """Note that ``step`` finished at monotonic time ``now_s``; ``sample=False`` measures without averaging in.
-
-        Returns:
-            The seconds per step since the previous call (also when not averaged in: a step slowed by
-            a save persisting), or ``None`` without a previous call, a step that did not advance or a
-            clock that went back.
-        """
+        """Note ``step`` finished at monotonic ``now_s``; returns the seconds per step since the previous call
+        (also when not averaged in), or None when there is no measurement (see the class)."""
         prev, self._prev = self._prev, (step, now_s)
         skip, self._skip_next = self._skip_next, False
         if prev is None or step <= prev[0] or now_s < prev[1]:
@@ -266,28 +240,35 @@ class StepTimeEstimator:
 
 
 class _Ewma:
-    """Exponentially weighted moving average whose last sample can be replaced."""
+    """Exponentially weighted moving average of one sample per step: a repeated step replaces its sample."""
 
-    __slots__ = ("alpha", "value", "_before_last")
+    def __init__(self, alpha: float, value: float | None) -> None:
+        self.alpha, self.value = alpha, value
+        self._step: int | None = None
+        self._before = value
 
-    def __init__(self, alpha: float, value: float | None = None) -> None:
-        self.alpha = alpha
-        self.value = value
-        self._before_last = value
-
-    def update(self, sample: float) -> None:
-        self._before_last = self.value
-        self.value = sample if self.value is None else self.value + self.alpha * (sample - self.value)
-
-    def replace_last(self, sample: float) -> None:
-        self.value = self._before_last
-        self.update(sample)
+    def add(self, step: int, sample: float) -> bool:
+        """Average ``sample`` in; True when ``step`` is new (not a replacement)."""
+        new = step != self._step
+        if new:
+            self._step, self._before = step, self.value
+        self.value = sample if self._before is None else self._before + self.alpha * (sample - self._before)
+        return new
 
 
 # -- policies ------------------------------------------------------------------------------------------------------
 @runtime_checkable
 class SavePolicy(Protocol):
-    """Decides at which steps to save; see the module docstring for the call order."""
+    """Decides at which steps to save.
+
+    Driven per training step (through :class:`Cadence`) by ``record_step(step, now_s)``, then
+    ``should_save(step, now_s)`` (``True`` counts as a save starting now; the same step gets the same
+    answer), then after each save of any trigger ``record_save(step, blocking_s=, durable_after_s=,
+    slowdown_s=, now_s=)`` (``durable_after_s=None`` until known; a second call for the step once durable
+    replaces the first's measurements); ``describe()`` gives the last decision's inputs and outputs.
+    Policies are not thread-safe. Every rank fed the same inputs decides the same; rank 0 decides and
+    broadcasts, as clocks differ per rank.
+    """
 
     def should_save(self, step: int, now_s: float) -> bool:
         """Whether to save after optimizer step ``step``, at monotonic time ``now_s`` seconds."""
@@ -453,8 +434,6 @@ class YoungDaly:
         self._alpha = float(ewma_alpha)
         self._step_time = StepTimeEstimator()
         self._owns_step_time = True
-        self._cost_step: int | None = None  # the step of the last cost sample (a repeat replaces it)
-        self._lag_step: int | None = None
         self._last_save_step: int | None = None
         self._decided: tuple[int, bool] | None = None  # the answer for the step last asked
         self._last: dict[str, Any] | None = None
@@ -508,20 +487,10 @@ class YoungDaly:
         """
         cost = to_seconds("blocking_s", blocking_s, positive=False) + to_seconds("slowdown_s", slowdown_s,
                                                                                  positive=False)
-        if step == self._cost_step:
-            self._cost.replace_last(cost)
-        else:
-            self._cost.update(cost)
-            self._cost_step = step
-            if self._owns_step_time:
-                self._step_time.skip_next()  # the next step's duration includes this stall
+        if self._cost.add(step, cost) and self._owns_step_time:
+            self._step_time.skip_next()  # the next step's duration includes this stall
         if durable_after_s is not None:
-            lag = max(0.0, to_seconds("durable_after_s", durable_after_s, positive=False) - blocking_s)
-            if step == self._lag_step:
-                self._lag.replace_last(lag)
-            else:
-                self._lag.update(lag)
-                self._lag_step = step
+            self._lag.add(step, max(0.0, to_seconds("durable_after_s", durable_after_s, positive=False) - blocking_s))
         if self._last_save_step is None or step > self._last_save_step:
             self._last_save_step = step
 
@@ -546,7 +515,6 @@ class YoungDaly:
             self._step_time = StepTimeEstimator(step_time)
         elif step_time is not None:
             self._step_time.seconds = float(step_time)
-        self._cost_step = self._lag_step = None
         self._last_save_step = state.get("last_save_step")
         self._decided = None
 
@@ -643,7 +611,7 @@ class Cadence:
         baseline = self.step_time.seconds
         persisting = self._pending is not None and not self._pending.done()
         stall, self._stall_next = self._stall_next, False  # this step held a save's blocking part
-        delta = self.step_time.record_step(step, now_s, sample=not persisting)
+        delta = self.step_time.record_step(step, now_s, sample=not persisting and not stall)
         if persisting and not stall and delta is not None and baseline is not None:
             self._slowdown_s += max(0.0, delta - baseline)
         self._report_durable(now_s)
@@ -668,7 +636,6 @@ class Cadence:
         self._pending = handle
         self._slowdown_s = 0.0
         self._stall_next = True
-        self.step_time.skip_next()
 
     def decide(self, step: int, now_s: float) -> bool:
         """The policy's decision for ``step`` (call after :meth:`record_step`)."""
