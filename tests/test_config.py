@@ -345,3 +345,11 @@ def test_read_yaml_deeply_nested_file_is_a_config_error_naming_it(tmp_path):
     path.write_text("[" * 5000 + "]" * 5000 + "\n")
     with pytest.raises(ConfigError, match=r"deep\.yaml: nested too deeply"):
         CheckpointConfig.read_yaml(path)
+
+
+@pytest.mark.parametrize("field", ["timeout_seconds", "initial_cost_seconds", "durable_flush_timeout_seconds",
+                                   "preemption_timeout_seconds", "durable_timeout_seconds"])
+def test_none_for_a_required_duration_is_a_config_error_naming_it(field):
+    """None for a duration that has a default is refused (it was stored as None), naming the field."""
+    with pytest.raises(ConfigError, match=field):
+        CheckpointConfig(**{field: None})

@@ -164,8 +164,8 @@ class CheckpointConfig:
                                ("durable_flush_timeout_seconds", False), ("preemption_timeout_seconds", True),
                                ("mtbf_seconds", True), ("save_every_seconds", True),
                                ("durable_timeout_seconds", True)):
-            if getattr(self, name) is not None:
-                self._set(name, to_seconds(name, getattr(self, name), positive=positive))
+            if getattr(self, name) is not None or name not in ("mtbf_seconds", "save_every_seconds"):
+                self._set(name, to_seconds(name, getattr(self, name), positive=positive))  # only two are optional
         if self.staging_budget_bytes is not None:
             self._set("staging_budget_bytes", to_bytes("staging_budget_bytes", self.staging_budget_bytes))
         for name, kind, what in (("retention", RetentionPolicy, "be a RetentionPolicy (keep(steps) -> set)"),
