@@ -395,26 +395,25 @@ def join_state(tree: Any, tensors: dict[str, torch.Tensor] | Any) -> Any:
             return [dec(v) for v in node]
         if not isinstance(node, dict):
             return node
-        if node:
-            if TENSOR_TAG in node and len(node) == 1:
-                key = node[TENSOR_TAG]
-                if key not in tensors:
-                    raise CheckpointCorruptError(f"state refers to tensor {key!r}, which the checkpoint does not hold "
-                                                 "as a tensor")
-                return tensors[key]
-            if INLINE_TENSOR_TAG in node:
-                return _decode_inline_tensor(node)
-            if NDARRAY_TAG in node:
-                return np.frombuffer(base64.b64decode(node[NDARRAY_TAG]), dtype=np.dtype(node["dtype"])).reshape(
-                    node["shape"]).copy()
-            if NPSCALAR_TAG in node:
-                return np.dtype(node["dtype"]).type(node[NPSCALAR_TAG])
-            if _NPSCALAR_RAW in node:
-                return _decode_np_scalar_raw(node)
-            if len(node) == 1:
-                tag, value = next(iter(node.items()))
-                if tag in single:
-                    return single[tag](value)
+        if TENSOR_TAG in node and len(node) == 1:
+            key = node[TENSOR_TAG]
+            if key not in tensors:
+                raise CheckpointCorruptError(f"state refers to tensor {key!r}, which the checkpoint does not hold "
+                                             "as a tensor")
+            return tensors[key]
+        if INLINE_TENSOR_TAG in node:
+            return _decode_inline_tensor(node)
+        if NDARRAY_TAG in node:
+            data = base64.b64decode(node[NDARRAY_TAG])
+            return np.frombuffer(data, dtype=np.dtype(node["dtype"])).reshape(node["shape"]).copy()
+        if NPSCALAR_TAG in node:
+            return np.dtype(node["dtype"]).type(node[NPSCALAR_TAG])
+        if _NPSCALAR_RAW in node:
+            return _decode_np_scalar_raw(node)
+        if len(node) == 1:
+            tag, value = next(iter(node.items()))
+            if tag in single:
+                return single[tag](value)
         return {k: dec(v) for k, v in node.items()}
 
     def odict(value: Any) -> OrderedDict:
@@ -732,31 +731,28 @@ def _is_tag_node(node: dict, tag: str) -> bool:
 def walk_tree(tree: Any, path: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], str, Any]]:
     """Yield ``(path, kind, node)`` for every leaf of a per-rank tree, validating every node on the way.
 
-    ``kind`` is "tensor" (a DCP placeholder), "inline" (an embedded tensor), "ndarray" (an embedded
-    numpy array) or "value". Every node is checked the way :func:`torch_ckpt.format._files.join_state` will
-    decode it, so a tree this walk accepts decodes without error. Iterative (no recursion).
-
-    Raises:
-        ValueError: a malformed node; the message names its dotted path.
+    ``kind`` is "tensor" (a DCP placeholder), "inline" (an embedded tensor), "ndarray" or "value". A tree
+    this (iterative) walk accepts decodes with :func:`join_state`; ValueError names a bad node's dotted path.
     """
     stack: list[tuple[Any, tuple[str, ...]]] = [(tree, path)]
     while stack:
         node, where = stack.pop()
         try:
-            if isinstance(node, list):
-                stack.extend((v, where + (str(i),)) for i, v in reversed(list(enumerate(node))))
+            if isinstance(node, list) or (isinstance(node, dict) and _is_tag_node(node, TUPLE_TAG)):
+                items = node if isinstance(node, list) else node[TUPLE_TAG]
+                if not isinstance(items, list):
+                    raise Malformed(f"malformed {TUPLE_TAG} node")
+                stack.extend((v, where + (str(i),)) for i, v in reversed(list(enumerate(items))))
             elif not isinstance(node, dict):
                 yield where, "value", node
             elif len(node) == 1 and TENSOR_TAG in node:
                 if not isinstance(node[TENSOR_TAG], str):
                     raise Malformed(f"tensor placeholder {short_repr(node[TENSOR_TAG])} is not a key")
                 yield where, "tensor", node
-            elif INLINE_TENSOR_TAG in node:
-                embedded_info("inline", node)
-                yield where, "inline", node
-            elif NDARRAY_TAG in node:
-                embedded_info("ndarray", node)
-                yield where, "ndarray", node
+            elif INLINE_TENSOR_TAG in node or NDARRAY_TAG in node:
+                kind = "inline" if INLINE_TENSOR_TAG in node else "ndarray"
+                embedded_info(kind, node)
+                yield where, kind, node
             elif NPSCALAR_TAG in node:
                 name = node.get("dtype")
                 dtype = _numpy_dtype(name) if isinstance(name, str) else None
@@ -779,10 +775,6 @@ def walk_tree(tree: Any, path: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str
                 except ValueError:
                     raise Malformed(f"invalid float {short_repr(node[FLOAT_TAG])}") from None
                 yield where, "value", node
-            elif len(node) == 1 and TUPLE_TAG in node:
-                if not isinstance(node[TUPLE_TAG], list):
-                    raise Malformed(f"malformed {TUPLE_TAG} node")
-                stack.extend((v, where + (str(i),)) for i, v in reversed(list(enumerate(node[TUPLE_TAG]))))
             elif len(node) == 1 and ODICT_TAG in node:  # an OrderedDict: its items, encoded as a dict's
                 inner = node[ODICT_TAG]
                 if not isinstance(inner, dict) or _is_tag_node(inner, ODICT_TAG):
@@ -812,11 +804,8 @@ def tensor_keys(tree: Any) -> set[str]:
 MAX_RANK_JSON_BYTES = 4 << 30
 """Largest per-rank JSON file read (bytes)."""
 MAX_STATE_DEPTH = 400
-"""Deepest nesting of containers in a per-rank JSON file (the saved state's nesting plus tags).
-
-``codec.split_state`` refuses states nested deeper than ``codec.MAX_DEPTH`` (100) containers; one
-container encodes to at most 3 JSON levels (tag object, item list, key/value pair), plus the document's
-own wrapper, so everything ``save()`` accepts stays below this bound and restores."""
+"""Deepest nesting of containers in a per-rank JSON file: :func:`split_state` refuses more than :data:`MAX_DEPTH`
+(100) containers, each at most 3 JSON levels (tag object, item list, key/value pair), plus the document's own."""
 MAX_STATE_INT_DIGITS = 4300
 """Longest integer in a per-rank JSON file (digits): Python's default int/str conversion limit."""
 METADATA_NAME = ".metadata"
@@ -996,11 +985,7 @@ _ALLOWED_GLOBALS = {
     ("torch.serialization", "_get_layout"),
     ("torch", "Size"),
     ("collections", "OrderedDict"),
-    ("pathlib", "PosixPath"),
-    ("pathlib", "PurePosixPath"),
-    ("pathlib", "WindowsPath"),
-    ("pathlib", "PureWindowsPath"),
-}
+} | {("pathlib", n) for n in ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath")}
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -1212,18 +1197,14 @@ def metadata_problems(md: Any, manifest: Any) -> tuple[list[tuple[str, str]], di
     if not isinstance(md, Metadata):
         bad(f"not DCP metadata (got {type(md).__name__})")
         return problems, {}
-    sdm, sd = getattr(md, "state_dict_metadata", None), getattr(md, "storage_data", None)
-    if not isinstance(sdm, dict):
-        bad(f"state_dict_metadata is a {type(sdm).__name__}, expected a dict")
-    if not isinstance(sd, dict):
-        bad(f"storage_data is a {type(sd).__name__}, expected a dict")
-    if not isinstance(getattr(md, "planner_data", None), (dict, type(None))):
-        bad(f"planner_data is a {type(md.planner_data).__name__}, expected a dict")
-    if not isinstance(getattr(md, "storage_meta", None), (StorageMeta, type(None))):
-        bad(f"storage_meta is a {type(md.storage_meta).__name__}, expected StorageMeta")
+    for attr, kinds, want in (("state_dict_metadata", dict, "a dict"), ("storage_data", dict, "a dict"),
+                              ("planner_data", (dict, type(None)), "a dict"),
+                              ("storage_meta", (StorageMeta, type(None)), "StorageMeta")):
+        if not isinstance(value := getattr(md, attr, None), kinds):
+            bad(f"{attr} is a {type(value).__name__}, expected {want}")
     if problems:
         return problems, {}
-    assert isinstance(sdm, dict) and isinstance(sd, dict)
+    sdm, sd = md.state_dict_metadata, md.storage_data
 
     tensors: dict[str, Any] = {}
     for key, item in sdm.items():
