@@ -35,7 +35,6 @@ from __future__ import annotations
 import base64
 import dataclasses
 import enum
-import functools
 import io
 import json
 import math
@@ -133,7 +132,7 @@ def is_per_rank_key(key: str) -> bool:
     return key.startswith(_RANK_PREFIX) and _RANK_KEY_RE.match(key) is not None
 
 
-@functools.lru_cache(maxsize=64)
+@lru_cache(maxsize=64)
 def _prefixes(replicated_keys: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(p + "." for p in replicated_keys)
 
@@ -162,7 +161,7 @@ def _type_name(obj: Any) -> str:
     return f"{type(obj).__module__}.{type(obj).__qualname__}".removeprefix("builtins.")
 
 
-@functools.lru_cache(maxsize=1)
+@lru_cache(maxsize=1)
 def _distributed_tensor_types() -> tuple[type, ...]:
     """Tensor subclasses DCP stores as shards (imported lazily: torch.distributed is heavy)."""
     try:
@@ -548,7 +547,7 @@ class Manifest:
                                    "crc32": _int_field(info, "crc32", 0, (1 << 32) - 1)}
                 except Malformed as exc:
                     raise Malformed(f"entry of {name!r}: {exc}") from None
-            wall_time = data.get("wall_time")
+            wall_time: Any = data.get("wall_time")
             if type(wall_time) not in (int, float) or not math.isfinite(wall_time):
                 raise Malformed(f"wall_time must be a finite number, got {short_repr(wall_time)}")
             torch_version = data.get("torch_version")
@@ -916,12 +915,9 @@ def rank_file_problems(manifest: Any) -> list[tuple[str, str]]:
         missing = next(r for r in range(listed + 1) if rank_file_name(r) not in manifest.files)
         return [(MANIFEST_NAME, f"world size {manifest.world_size} but the manifest lists {listed} per-rank state "
                                 f"file(s); {rank_file_name(missing)} is not listed")]
-    problems = []
-    for r in range(manifest.world_size):
-        if rank_file_name(r) not in manifest.files:
-            problems.append((rank_file_name(r), f"per-rank state file of rank {r} is not listed in the manifest "
-                                                f"(world size {manifest.world_size})"))
-    return problems
+    return [(rank_file_name(r), f"per-rank state file of rank {r} is not listed in the manifest (world size "
+                                f"{manifest.world_size})") for r in range(manifest.world_size)
+            if rank_file_name(r) not in manifest.files]
 
 
 def parse_rank_doc(raw: bytes, source: str, manifest: Manifest, rank: int, *,
