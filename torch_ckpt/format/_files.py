@@ -382,12 +382,8 @@ def _join(key: str, part: str) -> str:
 
 
 def join_state(tree: Any, tensors: dict[str, torch.Tensor] | Any) -> Any:
-    """Rebuild the nested state from a JSON tree and loaded tensors (inverse of :func:`split_state`).
-
-    Raises:
-        CheckpointCorruptError: a placeholder names a tensor that ``tensors`` lacks, or a tagged node
-            is malformed.
-    """
+    """The state of a JSON tree and loaded tensors (inverse of :func:`split_state`); CheckpointCorruptError for
+    a placeholder of a tensor ``tensors`` lacks, or a malformed tagged node."""
 
     def dec(node: Any) -> Any:
         if isinstance(node, list):
@@ -704,12 +700,8 @@ def _b64_bytes(text: Any) -> int:
 
 
 def embedded_info(kind: str, node: dict) -> tuple[list[int], str, int]:
-    """``(shape, dtype name, bytes)`` of an embedded tensor (``kind`` "inline") or array ("ndarray").
-
-    Raises:
-        ValueError: unknown or unsafe dtype, invalid shape, data that is not base64, or data whose
-            length differs from what the shape and dtype need (checked before any allocation).
-    """
+    """``(shape, dtype name, bytes)`` of an embedded tensor (``kind`` "inline") or array ("ndarray"); ValueError
+    for an unsafe dtype, a bad shape, or data not base64 of the length they need (checked before allocating)."""
     name = node.get("dtype")
     dtype = (_torch_dtype if kind == "inline" else _numpy_dtype)(name) if isinstance(name, str) else None
     if dtype is None:
@@ -1097,12 +1089,9 @@ def load_tensors(tensors: dict[str, torch.Tensor], step_dir: str | os.PathLike, 
 
 
 def unwrap_dcp_error(exc: BaseException) -> BaseException:
-    """The error behind DCP's ``CheckpointException`` (which holds one ``(error, traceback)`` per rank).
-
-    DCP wraps whatever fails in its collective steps, e.g. writing or fsyncing ``.metadata`` in the
-    storage writer's ``finish``, so an ``ENOSPC`` there would otherwise lose its errno. Prefers a
-    :class:`CheckpointError`, then an ``OSError`` with an errno; returns ``exc`` when it wraps nothing.
-    """
+    """The error behind DCP's ``CheckpointException`` (one ``(error, traceback)`` per rank), so that e.g. an
+    ``ENOSPC`` fsyncing ``.metadata`` keeps its errno: a :class:`CheckpointError`, else an ``OSError`` with an
+    errno, else the first; ``exc`` when it wraps nothing."""
     failures = getattr(exc, "failures", None)
     if not isinstance(failures, dict):
         return exc
