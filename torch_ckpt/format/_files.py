@@ -295,13 +295,12 @@ def split_state(state: Any, *, rank_local_keys: tuple[str, ...] = (), replicated
             ``__rank<N>__.``; names the key path and what to store instead, before anything is written.
     """
     tensors: dict[str, torch.Tensor] = {}
-    replicated = None if replicated_keys is None else tuple(replicated_keys)
 
     def dcp_key(obj: torch.Tensor, key: str) -> str:
         if is_per_rank_key(key):
             raise ConfigError(f"state key {key!r} starts with '__rank<N>__.', which names per-rank tensors in "
                               "checkpoints; rename it")
-        return rank_key(key, rank) if rank and tensor_kind(key, obj, replicated) == "rank" else key
+        return rank_key(key, rank) if rank and tensor_kind(key, obj, replicated_keys) == "rank" else key
 
     active: set[int] = set()  # ids of the containers on the current path (cycle detection)
 
