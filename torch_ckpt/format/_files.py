@@ -951,9 +951,7 @@ def read_rank_doc(where: str | os.PathLike | Location, manifest: Manifest, rank:
     """:func:`parse_rank_doc` of the listed file of ``rank`` (local or on a store), once the manifest lists
     one per rank; raises CheckpointCorruptError naming the file, or DurableUnavailableError."""
     loc = as_location(where, allow_symlinks=allow_symlinks)
-    problems = rank_file_problems(manifest)
-    if problems:
-        raise corrupt(loc.describe(problems[0][0]), problems[0][1])
+    _raise_first(loc, rank_file_problems(manifest))
     name = rank_file_name(rank)
     raw = read_listed(loc, manifest, name, MAX_RANK_JSON_BYTES)
     return parse_rank_doc(raw, loc.describe(name), manifest, rank, tensor_keys=tensor_keys)
