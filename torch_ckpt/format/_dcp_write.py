@@ -1,25 +1,14 @@
 """Writing a DCP checkpoint: :class:`ChecksumFileSystemWriter`, its tensor records, write-behind and the plan.
 
-The writer keeps DCP's format (one ``.distcp`` file per writer thread and rank, each tensor a
-``torch.save`` record at a recorded offset, plus ``.metadata``), writes straight from host memory
-with large GIL-free ``write`` calls, computes each file's CRC-32 and size while writing, fsyncs,
-checks the size on disk, and fails the write on an error in any of its threads (DCP's own
-``FileSystemWriter`` loses those). The read side is :mod:`torch_ckpt.format._files`.
+DCP's format (one ``.distcp`` file per writer thread and rank of ``torch.save`` records at recorded
+offsets, plus ``.metadata``), written straight from host memory with large GIL-free ``write`` calls,
+CRC-32 and size computed while writing, fsynced, size checked on disk; an error in any writer thread
+fails the write (DCP's own ``FileSystemWriter`` loses those). The read side is :mod:`._files`.
 
-:func:`serialize_tensor` gives a tensor's record in pieces (data by reference); :func:`record_framing`
-the bytes around the data, fixed by dtype, shape and strides, so :mod:`torch_ckpt.restore._restore`
-can read a record's data straight into place.
-
-:class:`WriteBehind` hands each :data:`WINDOW_BYTES` window to the disk as soon as it is written
-(``sync_file_range(WRITE)``) and, :data:`LAG_WINDOWS` later, waits for it and drops it from the page
-cache, so the final ``fsync`` (still the durability barrier) finds little left and at most
-``(LAG_WINDOWS + 1) * WINDOW_BYTES`` are dirty. It switches itself off where the call is missing or
-refused (``EPERM`` from seccomp included). Reference VM, 1 GiB: write + fsync 0.43 s, with
-write-behind 0.32 s.
-
-``dcp.save`` spends about 17 us per *top-level* key (0.34 s for 20,000 flat keys, holding the GIL):
-:func:`group_by_first_segment` hands it the state nested by first key segment (no copies), and
-:class:`FlatKeysSavePlanner` records every key as the flat dict would, so ``.metadata`` is unchanged.
+:class:`WriteBehind` keeps at most ``(LAG_WINDOWS + 1) * WINDOW_BYTES`` dirty, so the final ``fsync``
+(still the durability barrier) finds little left (reference VM, 1 GiB: write + fsync 0.43 s, 0.32 s
+with it). ``dcp.save`` spends ~17 us per *top-level* key holding the GIL: :func:`group_by_first_segment`
+nests the state by first key segment and :class:`FlatKeysSavePlanner` keeps ``.metadata`` unchanged.
 """
 
 from __future__ import annotations
@@ -85,16 +74,12 @@ _SYNC_FILE_RANGE = _load()
 
 
 class WriteBehind:
-    """Write-behind of one file being written front to back through ``fd`` (see the module text).
+    """Write-behind of a file written front to back through ``fd``: each :data:`WINDOW_BYTES` window is
+    handed to the disk when written (``sync_file_range(WRITE)``) and, :data:`LAG_WINDOWS` later, waited
+    for and dropped from the page cache. Off where the call is missing or refused (seccomp ``EPERM``).
 
-    Args:
-        fd: the open file (written sequentially from offset 0).
-        path: its path, for error messages.
-        enabled: False makes every call a no-op (files that are not fsynced).
-
-    Raises (from :meth:`advance`):
-        OSError: the kernel reported a write error for a window (errno and path set); the same
-            error would otherwise surface at the final ``fsync``.
+    :meth:`advance` raises ``OSError`` (errno, path) for a kernel write error the final ``fsync`` would
+    otherwise report.
     """
 
     def __init__(self, fd: int, path: str | os.PathLike, *, enabled: bool = True) -> None:
@@ -194,11 +179,9 @@ def _record_key(tensor: torch.Tensor) -> tuple | None:
 def serialize_tensor(tensor: torch.Tensor) -> list[Any]:
     """``tensor`` as one ``torch.save`` record (what DCP's reader ``torch.load``\\ s), as a list of pieces.
 
-    The zip container's own per-record CRC-32 is skipped when this torch allows it: it is computed
-    while holding the GIL (about 3 GB/s) and duplicates the file CRC-32 recorded in the manifest;
-    ``torch.load`` does not check it. Without that CRC, the bytes around the tensor's data depend
-    only on its dtype, shape and strides, so they are serialized once per signature and reused
-    (a state of many small tensors then costs a few microseconds per tensor instead of ~150 us).
+    The zip's per-record CRC-32 is skipped where this torch allows it (computed holding the GIL, ~3 GB/s;
+    the manifest's file CRC-32 covers it; ``torch.load`` ignores it). The bytes around the data then
+    depend only on dtype, shape and strides and are cached per signature (~150 us -> a few us per tensor).
     """
     key = _record_key(tensor)
     cached = _RECORD_CACHE.get(key) if key is not None else None
@@ -222,11 +205,9 @@ def serialize_tensor(tensor: torch.Tensor) -> list[Any]:
 
 
 def record_framing(tensor: torch.Tensor) -> tuple[bytes, bytes] | None:
-    """The bytes torch-ckpt's DCP writer puts before and after ``tensor``'s data in its ``torch.save`` record.
+    """The bytes this writer puts before and after ``tensor``'s data in its record (None: no fixed framing).
 
-    They depend only on the tensor's dtype, shape and strides (not its values), so a reader can
-    compare a record's framing with them and, on an exact match, read the data straight into a
-    tensor of that signature. None when this torch or tensor gives no fixed framing.
+    A reader whose record has exactly this framing can read the data straight into such a tensor.
     """
     key = _record_key(tensor)
     if key is None:
@@ -244,11 +225,9 @@ def _data_view(tensor: torch.Tensor) -> memoryview:
 # -- the plan --------------------------------------------------------------------------------
 
 def group_by_first_segment(flat: Mapping[str, Any]) -> dict[str, Any]:
-    """``{"a.b.c": x, "d": y}`` as ``{"a": {"b.c": x}, "d": y}`` (values not copied).
+    """``{"a.b.c": x, "d": y}`` as ``{"a": {"b.c": x}, "d": y}`` (values not copied), which DCP flattens back.
 
-    DCP flattens the result back to exactly the keys of ``flat``. Returns ``dict(flat)`` unchanged
-    when grouping could change a key: a key that is also the first segment of another key (``"a"``
-    and ``"a.b"``), or any key that is not a string.
+    ``dict(flat)`` where grouping could change a key (``"a"`` and ``"a.b"``; a key not a string).
     """
     grouped: dict[str, Any] = {}
     groups: set[str] = set()  # heads whose value is a dict made here (never a value of the caller's)
@@ -292,12 +271,9 @@ _MAX_WRITE_BYTES = 1 << 30
 _DISTCP_SUFFIX = ".distcp"
 
 class _FileSink(io.RawIOBase):
-    """One data file being written: small pieces are gathered, large ones go straight to the OS.
+    """One data file: small pieces gathered, large ones straight to the OS, with a running CRC-32 and size.
 
-    Keeps a running CRC-32 and byte count of everything handed to the OS. ``flush`` is a no-op
-    (``torch.save`` calls it after every record); :meth:`finish` writes what is left, fsyncs and
-    checks the on-disk size. With ``write_behind`` (files that will be fsynced), writeback starts
-    while the file is being written (:class:`WriteBehind`).
+    ``flush`` is a no-op (``torch.save`` calls it after every record); :meth:`finish` completes the file.
     """
 
     def __init__(self, path: str | os.PathLike, *, write_behind: bool = False) -> None:
@@ -359,14 +335,9 @@ class _FileSink(io.RawIOBase):
         self.nbytes += n
 
     def finish(self, *, sync: bool) -> tuple[int, int]:
-        """Write the rest, fsync (when ``sync``), check the on-disk size and close.
+        """Write the rest, fsync (when ``sync``), check the on-disk size, close; returns ``(bytes, crc32)``.
 
-        Returns:
-            ``(size in bytes, crc32)`` of the file.
-
-        Raises:
-            OSError: a write or the fsync failed.
-            CheckpointWriteError: the file on disk does not have the size that was written.
+        Raises ``OSError`` (a write or the fsync) or CheckpointWriteError (the size on disk differs).
         """
         self._drain()
         if sync:
@@ -446,15 +417,9 @@ class _Aborted(Exception):
 
 
 class ChecksumFileSystemWriter(FileSystemWriter):
-    """DCP ``StorageWriter`` that writes straight from host memory and checksums while writing.
-
-    One file per writer thread (``__{rank}_{i}.distcp``), items balanced by bytes. Any error in any
-    thread fails :meth:`write_data` (the other threads stop at their next item); see :attr:`error`.
-
-    Args:
-        path: local directory to write the DCP checkpoint into.
-        thread_count: writer threads (and files) per rank.
-        sync_files: fsync every file (True for a local durable commit).
+    """DCP ``StorageWriter`` writing ``thread_count`` files per rank (``__{rank}_{i}.distcp``, balanced by
+    bytes) into local ``path``, fsynced with ``sync_files``. An error in any thread fails :meth:`write_data`
+    (the others stop at their next item); see :attr:`error`.
     """
 
     def __init__(self, path: str | os.PathLike, *, thread_count: int = 1, sync_files: bool = True) -> None:
@@ -549,7 +514,6 @@ class ChecksumFileSystemWriter(FileSystemWriter):
         buckets = _balance(list(plan.items), self.thread_count)
         names = [f"{prefix}{i}{_DISTCP_SUFFIX}" for i in range(len(buckets))]
         abort = threading.Event()
-        results: list[WriteResult] = []
         outcomes: list[Any] = [None] * len(buckets)
 
         def run(i: int) -> None:
@@ -568,13 +532,10 @@ class ChecksumFileSystemWriter(FileSystemWriter):
         for t in threads:
             t.join()
         for out in outcomes:
-            if isinstance(out, list):
-                results += out
-        outcomes = [o if isinstance(o, BaseException) else None for o in outcomes]
-        for out in outcomes:
             if isinstance(out, (KeyboardInterrupt, SystemExit)):
                 raise out
-        failed = [(n, e) for n, e in zip(names, outcomes) if e is not None and not isinstance(e, _Aborted)]
+        results = [r for out in outcomes if isinstance(out, list) for r in out]
+        failed = [(n, e) for n, e in zip(names, outcomes) if e is not None and not isinstance(e, (list, _Aborted))]
         if failed:
             first = self.error
             detail = "; ".join(f"{n}: {type(e).__name__}: {e}" for n, e in failed)

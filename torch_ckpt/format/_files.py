@@ -1,69 +1,33 @@
 """A checkpoint's files: the values codec, the manifest and rank files, DCP metadata, and pickle-free DCP reads.
 
-The module is the one validation path every reader goes through, and the codec that splits a state
-into DCP tensors and a JSON tree for the writer.
-
 Restore, ``verify``, ``inspect``, ``convert`` and the durable tier read checkpoints only through
-here. What a reader may rely on once a check passed (any violation raises
-:class:`~torch_ckpt.errors.CheckpointCorruptError` naming the file, or, with ``collect=``, is
-appended to a list: ``verify`` reports every problem):
+here. Every check raises :class:`~torch_ckpt.errors.CheckpointCorruptError` naming the file, or,
+with ``collect=``, appends to a list (``verify`` reports every problem):
 
-* **Manifest** (:func:`read_manifest`, the only reader, local directories and fsspec URLs alike):
-  written last (:mod:`torch_ckpt.root._layout`), a regular file (never followed through a symlink
-  unless asked) of at most :data:`MAX_MANIFEST_BYTES`, parsed with bounded nesting and integer
-  length, every field of the right type and range, every listed name a plain file name inside the
-  checkpoint, each with its size and CRC-32.
-* **Files** (:func:`verify_files`): only listed files are ever opened, each a regular file inside
-  the checkpoint (``O_NOFOLLOW``), with the listed size and, when checksums are on, CRC-32.
-* **Per-rank JSON** (``rank_00000.json`` ...; :func:`read_rank_doc`): one per rank of the world
-  size, at most :data:`MAX_RANK_JSON_BYTES`, parsed with bounded nesting (:data:`MAX_STATE_DEPTH`)
-  and integer length; ``rank``, ``step`` and ``world_size`` agree with the manifest; every node is
-  well formed (:func:`walk_tree`, the one walker of encoded trees: it checks each node the way
-  :func:`torch_ckpt.format._files.join_state` will decode it).
-* **DCP metadata** (:func:`read_metadata`): ``.metadata`` is unpickled by a restricted unpickler
-  that admits only DCP's own metadata classes (:func:`load_dcp_metadata_bytes`), then every field
-  type is checked (:func:`metadata_problems`): storage entries lie inside listed data files; each
-  tensor's chunks lie inside its shape, do not overlap and cover it; each chunk fits in its storage
-  entry, so declared sizes are bounded by the files' real sizes before anything is allocated.
-* **Records** (:func:`record_problems`): every chunk's ``torch.save`` record matches its declared
-  byte range, dtype, size and shape (headers only, nothing unpickled).
+* **Manifest** (:func:`read_manifest`, local or fsspec): a regular file (no symlink unless asked) of
+  at most :data:`MAX_MANIFEST_BYTES`, bounded JSON, every field typed and in range, every listed
+  name a plain file name with its size and CRC-32.
+* **Files** (:func:`verify_files`): only listed files are opened, as regular files inside the
+  checkpoint (``O_NOFOLLOW``), with the listed size and, with checksums, CRC-32.
+* **Per-rank JSON** (:func:`read_rank_doc`): one per rank, at most :data:`MAX_RANK_JSON_BYTES`,
+  bounded JSON; ``rank``/``step``/``world_size`` agree with the manifest; :func:`walk_tree` checks
+  each node the way :func:`join_state` decodes it.
+* **DCP metadata** (:func:`read_metadata`): unpickled admitting only DCP's metadata classes, then
+  :func:`metadata_problems`: storage entries lie inside listed data files; chunks lie inside the
+  shape, do not overlap, cover it and fit their storage entries (sizes bounded before allocating).
+* **Records** (:func:`record_problems`): each chunk's ``torch.save`` record matches its byte range,
+  dtype, size and shape (headers only, nothing unpickled).
 
-:func:`load_tensors` runs ``dcp.load`` with :class:`SafeFileSystemReader` (listed regular files
-only) and :class:`SafeLoadPlanner` (refuses pickled ``BYTE_IO`` items), so loading never executes
-code from a checkpoint, and turns DCP's failures into errors naming the damaged file.
+:func:`load_tensors` runs ``dcp.load`` through :class:`SafeFileSystemReader` (listed regular files)
+and :class:`SafeLoadPlanner` (no pickled ``BYTE_IO``), so loading never executes checkpoint code.
 
-Split a nested state dict into DCP tensors and a JSON tree, and join them back.
-
-Tensors go to ``torch.distributed.checkpoint`` (DCP) under flat, dot-joined keys (those of DCP's own
-flattening); every other value goes to a JSON tree recording its exact Python type (``tuple`` stays
-``tuple``, ``np.float32`` stays ``np.float32``), so loading never unpickles anything. Tensors of
-*rank-local* subtrees (RNG states, dataloader positions) are embedded in the tree as base64: DCP
-would deduplicate same-named tensors of several ranks as replicas.
-
-For the same reason, with ``replicated_keys`` (the state's declaration, e.g. TrainState's
-``("model", "optimizer")``) only plain tensors under those key prefixes and every
-``DTensor``/``ShardedTensor`` are global tensors of the job; any other tensor is *per rank*: rank 0
-stores it under its own key, rank ``r`` under ``__rank<r>__.<key>`` (:func:`rank_key`), and the
-rank's tree names that key (:func:`logical_key` strips the prefix).
-
-Supported values (each comes back with its exact type and value; also listed in ``docs/values.md``):
-
-* ``None``, ``bool``, ``int`` (any size), ``float`` (nan and +-inf included), ``complex``, ``str``,
-  ``bytes``, ``bytearray``;
-* ``list``, ``tuple``, ``set`` and ``frozenset`` (set elements: hashable values of this list);
-* ``dict`` and ``collections.OrderedDict`` (each comes back as its own type, same keys, same
-  order) with keys of any hashable type of this list;
-* numpy scalars of every boolean, integer, float, complex, ``str_``, ``bytes_``, ``datetime64``
-  and ``timedelta64`` dtype; numpy arrays of those dtypes (exactly ``np.ndarray``; they come back
-  C-contiguous);
-* dense (strided) tensors, ``nn.Parameter``, ``DTensor`` and ``ShardedTensor``.
-
-Everything else is refused by :func:`split_state` with a :class:`ConfigError` naming the key
-path and what to store instead, before anything is written: subclasses of the types above (an
-``IntEnum``, a namedtuple, a ``defaultdict``), ``Enum`` members, ``pathlib.Path``, dataclasses,
-``datetime`` objects, numpy object or structured arrays and array subclasses, sparse, quantized,
-nested and meta tensors, raw-bit and sub-byte dtypes, other tensor subclasses, containers that
-contain themselves and nesting deeper than :data:`MAX_DEPTH`.
+The codec (:func:`split_state`, :func:`join_state`) sends tensors to DCP under flat dot-joined keys
+and every other value to a JSON tree keeping its exact type; which values are stored and which are
+refused (with a :class:`ConfigError` naming the key path, before anything is written) is listed in
+``docs/values.md``. Tensors of *rank-local* subtrees are embedded as base64 (DCP would deduplicate
+same-named tensors of several ranks). With ``replicated_keys`` only plain tensors under those
+prefixes and ``DTensor``/``ShardedTensor`` are global; any other tensor is per rank, stored by rank
+``r`` under ``__rank<r>__.<key>`` (:func:`rank_key`; rank 0 keeps ``<key>``).
 """
 
 from __future__ import annotations
@@ -71,7 +35,6 @@ from __future__ import annotations
 import base64
 import dataclasses
 import enum
-import functools
 import io
 import json
 import math
@@ -128,7 +91,7 @@ __all__ = [
     "MAX_MANIFEST_INT_DIGITS", "MAX_METADATA_BYTES", "MAX_NDIM", "MAX_RANK_JSON_BYTES", "MAX_STATE_DEPTH",
     "MAX_STATE_INT_DIGITS", "METADATA_NAME", "Manifest", "NODE_METADATA_RE", "RANK_FILE_RE", "SafeFileSystemReader",
     "SafeLoadPlanner", "check_records", "embedded_info", "load_dcp_metadata_bytes", "load_tensors",
-    "manifest_from_doc", "metadata_name", "metadata_problems", "open_listed", "parse_manifest", "parse_rank_doc",
+    "metadata_name", "metadata_problems", "open_listed", "parse_manifest", "parse_rank_doc",
     "rank_file_name", "rank_file_problems", "read_dcp_metadata", "read_listed", "read_manifest", "read_metadata",
     "read_rank_doc", "record_problems", "tensor_items", "tensor_keys", "unwrap_dcp_error", "verify_files",
     "walk_tree", "split_state", "join_state", "TENSOR_TAG", "MAX_DEPTH", "rank_key", "logical_key",
@@ -169,7 +132,7 @@ def is_per_rank_key(key: str) -> bool:
     return key.startswith(_RANK_PREFIX) and _RANK_KEY_RE.match(key) is not None
 
 
-@functools.lru_cache(maxsize=64)
+@lru_cache(maxsize=64)
 def _prefixes(replicated_keys: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(p + "." for p in replicated_keys)
 
@@ -198,7 +161,7 @@ def _type_name(obj: Any) -> str:
     return f"{type(obj).__module__}.{type(obj).__qualname__}".removeprefix("builtins.")
 
 
-@functools.lru_cache(maxsize=1)
+@lru_cache(maxsize=1)
 def _distributed_tensor_types() -> tuple[type, ...]:
     """Tensor subclasses DCP stores as shards (imported lazily: torch.distributed is heavy)."""
     try:
@@ -320,34 +283,24 @@ def _advice_for(obj: Any) -> str:
 
 def split_state(state: Any, *, rank_local_keys: tuple[str, ...] = (), replicated_keys: tuple[str, ...] | None = None,
                 rank: int = 0) -> tuple[dict[str, torch.Tensor], Any]:
-    """Separate the tensors of a nested state dict from its plain values, refusing what cannot round-trip.
+    """Split ``state`` into ``({dcp_key: live tensor}, JSON tree with {"__tensor__": key} placeholders)``.
 
-    Args:
-        state: nested containers whose leaves are values of the supported set (module docstring).
-        rank_local_keys: top-level keys whose tensors are embedded per rank in the JSON tree.
-        replicated_keys: key prefixes (``"model"``, ``"extras.ema"``) whose plain tensors are the
-            same on every rank (stored once by DCP); every other plain tensor is stored per rank,
-            under :func:`rank_key` of ``rank``. None: every tensor is global (DCP's own semantics).
-        rank: this rank (names the keys of per-rank tensors).
-
-    Returns:
-        ``(tensors, tree)``: a flat ``{dotted_key: tensor}`` dict for DCP (the live tensors, not
-        copies) and a JSON-serialisable tree with ``{"__tensor__": key}`` placeholders.
+    ``rank_local_keys``: top-level keys whose tensors are embedded in the tree; ``replicated_keys``:
+    prefixes of tensors stored once for the job (None: every tensor is), the others are stored per
+    rank under :func:`rank_key`.
 
     Raises:
-        ConfigError: a value is outside the supported set, a container contains itself or is
-            nested deeper than :data:`MAX_DEPTH`, two paths flatten to the same key, or a tensor key
-            starts with the reserved ``__rank<N>__.``; the message names the key path and what to
-            store instead. Raised before anything is written.
+        ConfigError: a value outside the supported set, a container that contains itself or nests
+            deeper than :data:`MAX_DEPTH`, two paths flattening to one key, or a key starting with
+            ``__rank<N>__.``; names the key path and what to store instead, before anything is written.
     """
     tensors: dict[str, torch.Tensor] = {}
-    replicated = None if replicated_keys is None else tuple(replicated_keys)
 
     def dcp_key(obj: torch.Tensor, key: str) -> str:
         if is_per_rank_key(key):
             raise ConfigError(f"state key {key!r} starts with '__rank<N>__.', which names per-rank tensors in "
                               "checkpoints; rename it")
-        return rank_key(key, rank) if rank and tensor_kind(key, obj, replicated) == "rank" else key
+        return rank_key(key, rank) if rank and tensor_kind(key, obj, replicated_keys) == "rank" else key
 
     active: set[int] = set()  # ids of the containers on the current path (cycle detection)
 
@@ -428,38 +381,33 @@ def _join(key: str, part: str) -> str:
 
 
 def join_state(tree: Any, tensors: dict[str, torch.Tensor] | Any) -> Any:
-    """Rebuild the nested state from a JSON tree and loaded tensors (inverse of :func:`split_state`).
-
-    Raises:
-        CheckpointCorruptError: a placeholder names a tensor that ``tensors`` lacks, or a tagged node
-            is malformed.
-    """
+    """The state of a JSON tree and loaded tensors (inverse of :func:`split_state`); CheckpointCorruptError for
+    a placeholder of a tensor ``tensors`` lacks, or a malformed tagged node."""
 
     def dec(node: Any) -> Any:
         if isinstance(node, list):
             return [dec(v) for v in node]
         if not isinstance(node, dict):
             return node
-        if node:
-            if TENSOR_TAG in node and len(node) == 1:
-                key = node[TENSOR_TAG]
-                if key not in tensors:
-                    raise CheckpointCorruptError(f"state refers to tensor {key!r}, which the checkpoint does not hold "
-                                                 "as a tensor")
-                return tensors[key]
-            if INLINE_TENSOR_TAG in node:
-                return _decode_inline_tensor(node)
-            if NDARRAY_TAG in node:
-                return np.frombuffer(base64.b64decode(node[NDARRAY_TAG]), dtype=np.dtype(node["dtype"])).reshape(
-                    node["shape"]).copy()
-            if NPSCALAR_TAG in node:
-                return np.dtype(node["dtype"]).type(node[NPSCALAR_TAG])
-            if _NPSCALAR_RAW in node:
-                return _decode_np_scalar_raw(node)
-            if len(node) == 1:
-                tag, value = next(iter(node.items()))
-                if tag in single:
-                    return single[tag](value)
+        if TENSOR_TAG in node and len(node) == 1:
+            key = node[TENSOR_TAG]
+            if key not in tensors:
+                raise CheckpointCorruptError(f"state refers to tensor {key!r}, which the checkpoint does not hold "
+                                             "as a tensor")
+            return tensors[key]
+        if INLINE_TENSOR_TAG in node:
+            return _decode_inline_tensor(node)
+        if NDARRAY_TAG in node:
+            data = base64.b64decode(node[NDARRAY_TAG])
+            return np.frombuffer(data, dtype=np.dtype(node["dtype"])).reshape(node["shape"]).copy()
+        if NPSCALAR_TAG in node:
+            return np.dtype(node["dtype"]).type(node[NPSCALAR_TAG])
+        if _NPSCALAR_RAW in node:
+            return _decode_np_scalar_raw(node)
+        if len(node) == 1:
+            tag, value = next(iter(node.items()))
+            if tag in single:
+                return single[tag](value)
         return {k: dec(v) for k, v in node.items()}
 
     def odict(value: Any) -> OrderedDict:
@@ -568,12 +516,57 @@ class Manifest:
 
     @classmethod
     def from_json(cls, data: Any, source: str) -> Manifest:
-        """Validate a parsed manifest object (every field's type and range, plain file names).
-
-        Raises:
-            CheckpointCorruptError: naming ``source`` and the offending field.
-        """
-        return manifest_from_doc(data, source)
+        """Validate a parsed manifest object; raises CheckpointCorruptError naming ``source`` and the field."""
+        try:
+            if not isinstance(data, dict):
+                raise Malformed(f"expected a JSON object, got {type(data).__name__}")
+            if data.get("format") != FORMAT_NAME:
+                raise Malformed(f"format is {short_repr(data.get('format'))}, expected {FORMAT_NAME!r}")
+            version = _int_field(data, "format_version", 1, 1 << 31)
+            if version > FORMAT_VERSION:
+                raise Malformed(f"format_version {version} is newer than this torch-ckpt supports ({FORMAT_VERSION}); "
+                                 "upgrade torch-ckpt")
+            step = _int_field(data, "step", 0, (1 << 63) - 1)
+            world_size = _int_field(data, "world_size", 1, (1 << 31) - 1)
+            files_doc = data.get("files")
+            if not isinstance(files_doc, dict):
+                raise Malformed(f"files must be an object, got {type(files_doc).__name__}")
+            files: dict[str, dict[str, int]] = {}
+            for name, info in files_doc.items():
+                if not _is_plain_file_name(name) or name == MANIFEST_NAME:
+                    raise Malformed(f"file name {short_repr(name)} is not a plain file name inside the checkpoint")
+                if not isinstance(info, dict):
+                    raise Malformed(f"entry of {name!r} must be an object, got {type(info).__name__}")
+                try:
+                    files[name] = {"bytes": _int_field(info, "bytes", 0, (1 << 63) - 1),
+                                   "crc32": _int_field(info, "crc32", 0, (1 << 32) - 1)}
+                except Malformed as exc:
+                    raise Malformed(f"entry of {name!r}: {exc}") from None
+            wall_time: Any = data.get("wall_time")
+            if type(wall_time) not in (int, float) or not math.isfinite(wall_time):
+                raise Malformed(f"wall_time must be a finite number, got {short_repr(wall_time)}")
+            torch_version = data.get("torch_version")
+            if not isinstance(torch_version, str):
+                raise Malformed(f"torch_version must be a string, got {short_repr(torch_version)}")
+            tensor_bytes = _int_field(data, "tensor_bytes", 0, (1 << 63) - 1, default=0)
+            timings = data.get("timings", {})
+            if not isinstance(timings, dict) or not all(isinstance(k, str) and type(v) in (int, float)
+                                                        for k, v in timings.items()):
+                raise Malformed("timings must map phase names to numbers")
+            tiers = data.get("tiers", {})
+            if not isinstance(tiers, dict) or not all(isinstance(k, str) and isinstance(v, dict)
+                                                      for k, v in tiers.items()):
+                raise Malformed("tiers must map tier names to objects")
+            nodes, node = _nodes_fields(data, files, world_size)
+            try:
+                lineage = lineage_from_doc(data.get("lineage"))
+            except MalformedLineage as exc:
+                raise Malformed(str(exc)) from None
+        except Malformed as exc:
+            raise corrupt(source, f"invalid manifest ({exc})") from None
+        return cls(step=step, world_size=world_size, files=files, wall_time=float(wall_time),
+                   torch_version=torch_version, tensor_bytes=tensor_bytes, timings=dict(timings),
+                   format_version=version, tiers=dict(tiers), nodes=nodes, node=node, lineage=lineage)
 
 
 def _is_plain_file_name(name: Any) -> bool:
@@ -593,67 +586,6 @@ def _int_field(doc: dict, key: str, lo: int, hi: int, *, default: int | None = N
     if not lo <= value <= hi:
         raise Malformed(f"{key} {value} is out of range [{lo}, {hi}]")
     return value
-
-
-def _number(value: Any) -> TypeGuard[int | float]:
-    return type(value) in (int, float) and math.isfinite(value)
-
-
-def manifest_from_doc(data: Any, source: str) -> Manifest:
-    """Validate a parsed manifest object and build the :class:`~torch_ckpt.root._layout.Manifest`.
-
-    Raises:
-        CheckpointCorruptError: a field is missing, of the wrong type or out of range; names ``source``.
-    """
-    try:
-        if not isinstance(data, dict):
-            raise Malformed(f"expected a JSON object, got {type(data).__name__}")
-        if data.get("format") != FORMAT_NAME:
-            raise Malformed(f"format is {short_repr(data.get('format'))}, expected {FORMAT_NAME!r}")
-        version = _int_field(data, "format_version", 1, 1 << 31)
-        if version > FORMAT_VERSION:
-            raise Malformed(f"format_version {version} is newer than this torch-ckpt supports ({FORMAT_VERSION}); "
-                             "upgrade torch-ckpt")
-        step = _int_field(data, "step", 0, (1 << 63) - 1)
-        world_size = _int_field(data, "world_size", 1, (1 << 31) - 1)
-        files_doc = data.get("files")
-        if not isinstance(files_doc, dict):
-            raise Malformed(f"files must be an object, got {type(files_doc).__name__}")
-        files: dict[str, dict[str, int]] = {}
-        for name, info in files_doc.items():
-            if not _is_plain_file_name(name) or name == MANIFEST_NAME:
-                raise Malformed(f"file name {short_repr(name)} is not a plain file name inside the checkpoint")
-            if not isinstance(info, dict):
-                raise Malformed(f"entry of {name!r} must be an object, got {type(info).__name__}")
-            try:
-                files[name] = {"bytes": _int_field(info, "bytes", 0, (1 << 63) - 1),
-                               "crc32": _int_field(info, "crc32", 0, (1 << 32) - 1)}
-            except Malformed as exc:
-                raise Malformed(f"entry of {name!r}: {exc}") from None
-        wall_time = data.get("wall_time")
-        if not _number(wall_time):
-            raise Malformed(f"wall_time must be a finite number, got {short_repr(wall_time)}")
-        torch_version = data.get("torch_version")
-        if not isinstance(torch_version, str):
-            raise Malformed(f"torch_version must be a string, got {short_repr(torch_version)}")
-        tensor_bytes = _int_field(data, "tensor_bytes", 0, (1 << 63) - 1, default=0)
-        timings = data.get("timings", {})
-        if not isinstance(timings, dict) or not all(isinstance(k, str) and type(v) in (int, float)
-                                                    for k, v in timings.items()):
-            raise Malformed("timings must map phase names to numbers")
-        tiers = data.get("tiers", {})
-        if not isinstance(tiers, dict) or not all(isinstance(k, str) and isinstance(v, dict) for k, v in tiers.items()):
-            raise Malformed("tiers must map tier names to objects")
-        nodes, node = _nodes_fields(data, files, world_size)
-        try:
-            lineage = lineage_from_doc(data.get("lineage"))
-        except MalformedLineage as exc:
-            raise Malformed(str(exc)) from None
-    except Malformed as exc:
-        raise corrupt(source, f"invalid manifest ({exc})") from None
-    return Manifest(step=step, world_size=world_size, files=files, wall_time=float(wall_time),
-                    torch_version=torch_version, tensor_bytes=tensor_bytes, timings=dict(timings),
-                    format_version=version, tiers=dict(tiers), nodes=nodes, node=node, lineage=lineage)
 
 
 def _nodes_fields(data: dict, files: dict[str, Any], world_size: int) -> tuple[dict[str, Any], int | None]:
@@ -691,17 +623,12 @@ def _nodes_fields(data: dict, files: dict[str, Any], world_size: int) -> tuple[d
 
 
 def parse_manifest(raw: bytes, source: str) -> Manifest:
-    """Parse and validate the bytes of a ``manifest.json`` (see :func:`manifest_from_doc`).
-
-    Raises:
-        CheckpointCorruptError: larger than :data:`MAX_MANIFEST_BYTES`, not bounded JSON, or not a
-            valid torch-ckpt manifest; the message names ``source``.
-    """
+    """Validate the bytes of a ``manifest.json``; raises CheckpointCorruptError naming ``source``."""
     if len(raw) > MAX_MANIFEST_BYTES:
         raise corrupt(source, f"manifest is {len(raw)} bytes, more than the {MAX_MANIFEST_BYTES} accepted")
     data = loads_bounded(raw, source, what="manifest", max_depth=MAX_MANIFEST_DEPTH,
                          max_int_digits=MAX_MANIFEST_INT_DIGITS)
-    return manifest_from_doc(data, source)
+    return Manifest.from_json(data, source)
 
 
 def read_manifest(step_dir: str | os.PathLike | Location, *, allow_symlinks: bool = False) -> Manifest:
@@ -772,12 +699,8 @@ def _b64_bytes(text: Any) -> int:
 
 
 def embedded_info(kind: str, node: dict) -> tuple[list[int], str, int]:
-    """``(shape, dtype name, bytes)`` of an embedded tensor (``kind`` "inline") or array ("ndarray").
-
-    Raises:
-        ValueError: unknown or unsafe dtype, invalid shape, data that is not base64, or data whose
-            length differs from what the shape and dtype need (checked before any allocation).
-    """
+    """``(shape, dtype name, bytes)`` of an embedded tensor (``kind`` "inline") or array ("ndarray"); ValueError
+    for an unsafe dtype, a bad shape, or data not base64 of the length they need (checked before allocating)."""
     name = node.get("dtype")
     dtype = (_torch_dtype if kind == "inline" else _numpy_dtype)(name) if isinstance(name, str) else None
     if dtype is None:
@@ -798,31 +721,28 @@ def _is_tag_node(node: dict, tag: str) -> bool:
 def walk_tree(tree: Any, path: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], str, Any]]:
     """Yield ``(path, kind, node)`` for every leaf of a per-rank tree, validating every node on the way.
 
-    ``kind`` is "tensor" (a DCP placeholder), "inline" (an embedded tensor), "ndarray" (an embedded
-    numpy array) or "value". Every node is checked the way :func:`torch_ckpt.format._files.join_state` will
-    decode it, so a tree this walk accepts decodes without error. Iterative (no recursion).
-
-    Raises:
-        ValueError: a malformed node; the message names its dotted path.
+    ``kind`` is "tensor" (a DCP placeholder), "inline" (an embedded tensor), "ndarray" or "value". A tree
+    this (iterative) walk accepts decodes with :func:`join_state`; ValueError names a bad node's dotted path.
     """
     stack: list[tuple[Any, tuple[str, ...]]] = [(tree, path)]
     while stack:
         node, where = stack.pop()
         try:
-            if isinstance(node, list):
-                stack.extend((v, where + (str(i),)) for i, v in reversed(list(enumerate(node))))
+            if isinstance(node, list) or (isinstance(node, dict) and _is_tag_node(node, TUPLE_TAG)):
+                items = node if isinstance(node, list) else node[TUPLE_TAG]
+                if not isinstance(items, list):
+                    raise Malformed(f"malformed {TUPLE_TAG} node")
+                stack.extend((v, where + (str(i),)) for i, v in reversed(list(enumerate(items))))
             elif not isinstance(node, dict):
                 yield where, "value", node
             elif len(node) == 1 and TENSOR_TAG in node:
                 if not isinstance(node[TENSOR_TAG], str):
                     raise Malformed(f"tensor placeholder {short_repr(node[TENSOR_TAG])} is not a key")
                 yield where, "tensor", node
-            elif INLINE_TENSOR_TAG in node:
-                embedded_info("inline", node)
-                yield where, "inline", node
-            elif NDARRAY_TAG in node:
-                embedded_info("ndarray", node)
-                yield where, "ndarray", node
+            elif INLINE_TENSOR_TAG in node or NDARRAY_TAG in node:
+                kind = "inline" if INLINE_TENSOR_TAG in node else "ndarray"
+                embedded_info(kind, node)
+                yield where, kind, node
             elif NPSCALAR_TAG in node:
                 name = node.get("dtype")
                 dtype = _numpy_dtype(name) if isinstance(name, str) else None
@@ -845,10 +765,6 @@ def walk_tree(tree: Any, path: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str
                 except ValueError:
                     raise Malformed(f"invalid float {short_repr(node[FLOAT_TAG])}") from None
                 yield where, "value", node
-            elif len(node) == 1 and TUPLE_TAG in node:
-                if not isinstance(node[TUPLE_TAG], list):
-                    raise Malformed(f"malformed {TUPLE_TAG} node")
-                stack.extend((v, where + (str(i),)) for i, v in reversed(list(enumerate(node[TUPLE_TAG]))))
             elif len(node) == 1 and ODICT_TAG in node:  # an OrderedDict: its items, encoded as a dict's
                 inner = node[ODICT_TAG]
                 if not isinstance(inner, dict) or _is_tag_node(inner, ODICT_TAG):
@@ -878,11 +794,8 @@ def tensor_keys(tree: Any) -> set[str]:
 MAX_RANK_JSON_BYTES = 4 << 30
 """Largest per-rank JSON file read (bytes)."""
 MAX_STATE_DEPTH = 400
-"""Deepest nesting of containers in a per-rank JSON file (the saved state's nesting plus tags).
-
-``codec.split_state`` refuses states nested deeper than ``codec.MAX_DEPTH`` (100) containers; one
-container encodes to at most 3 JSON levels (tag object, item list, key/value pair), plus the document's
-own wrapper, so everything ``save()`` accepts stays below this bound and restores."""
+"""Deepest nesting of containers in a per-rank JSON file: :func:`split_state` refuses more than :data:`MAX_DEPTH`
+(100) containers, each at most 3 JSON levels (tag object, item list, key/value pair), plus the document's own."""
 MAX_STATE_INT_DIGITS = 4300
 """Longest integer in a per-rank JSON file (digits): Python's default int/str conversion limit."""
 METADATA_NAME = ".metadata"
@@ -891,12 +804,7 @@ NODE_METADATA_RE = re.compile(r"^node_\d{5,}\.metadata$")
 
 
 def open_listed(step_dir: str | os.PathLike, manifest: Manifest, name: str, *, allow_symlinks: bool = False) -> int:
-    """Open the manifest-listed file ``name`` of a local checkpoint as a regular file; returns the descriptor.
-
-    Raises:
-        CheckpointCorruptError: ``name`` is not listed, is missing, or is not a regular file inside
-            the checkpoint.
-    """
+    """A descriptor of the manifest-listed regular file ``name`` of a local checkpoint (else CheckpointCorruptError)."""
     path = Path(step_dir) / name
     if name not in manifest.files:
         raise corrupt(str(path), "is not listed in the manifest; refusing unverified data")
@@ -910,11 +818,10 @@ def open_listed(step_dir: str | os.PathLike, manifest: Manifest, name: str, *, a
 
 def read_listed(where: str | os.PathLike | Location, manifest: Manifest, name: str, limit: int, *,
                 allow_symlinks: bool = False) -> bytes:
-    """All bytes of the manifest-listed file ``name`` (at most ``limit``; its size must be the listed one).
+    """All bytes of the manifest-listed file ``name``, of its listed size and at most ``limit``.
 
     Raises:
-        CheckpointCorruptError: not listed, larger than ``limit``, missing, not a regular file,
-            unreadable, or not of the listed size; the message names it.
+        CheckpointCorruptError: anything else (not listed, missing, unreadable...); names the file.
         DurableUnavailableError: the store cannot be reached.
     """
     loc = as_location(where, allow_symlinks=allow_symlinks)
@@ -939,34 +846,18 @@ def read_listed(where: str | os.PathLike | Location, manifest: Manifest, name: s
 def verify_files(where: str | os.PathLike | Location, manifest: Manifest, *, checksums: bool, part: int = 0,
                  parts: int = 1, allow_symlinks: bool = False, collect: list[tuple[str, str]] | None = None,
                  progress: Any = None, store_digests: Mapping[str, str] | None = None) -> int:
-    """Check every file the manifest lists (this reader's share when ``parts`` > 1).
+    """Check every file this copy of the checkpoint lists (every ``parts``-th from ``part``): a regular file
+    of the listed size and, with ``checksums``, CRC-32. ``collect`` gets ``(file, problem)`` instead of a raise;
+    ``progress.update(bytes)`` is called as files are checked. Returns the bytes read for CRC-32s.
 
-    Each must be a regular file inside the checkpoint with the listed size, and with ``checksums``
-    the listed CRC-32. One node's copy of a node-local checkpoint is checked for that node's files.
-    Local checkpoints, checkpoints on a store, uploads to the durable tier and files fetched from it
-    are checked alike, with the same messages. With ``checksums`` and ``store_digests`` (``{file
-    name: digest}``), a file whose stored object reports exactly that digest
-    (:meth:`~torch_ckpt.storage._locations.Location.stat`, e.g. an S3 MD5 ETag) passes unread: the
-    caller vouches that the digest is of bytes with the listed CRC-32 (the durable tier computes
-    both in one pass); a digest that cannot match (SSE-KMS ETags) costs a read, never a false alarm.
-
-    Args:
-        where: the checkpoint directory (local path or :class:`~torch_ckpt.storage._locations.Location`).
-        manifest: its manifest.
-        checksums: also compare every file's CRC-32 (reads every byte not vouched for by ``store_digests``).
-        part: this reader's index when ``parts`` readers split the files.
-        parts: how many readers split the files.
-        allow_symlinks: follow symlinked files.
-        collect: append ``(file name, problem)`` for every problem instead of raising the first.
-        progress: an object with ``update(bytes)`` (a progress bar), advanced as files are checked.
-        store_digests: expected store digests of some files (see above).
-
-    Returns:
-        Bytes read to compare CRC-32s (0 without ``checksums``).
+    A file whose store digest (:meth:`~torch_ckpt.storage._locations.Location.stat`, e.g. an S3 MD5 ETag)
+    equals ``store_digests[name]`` passes unread: the caller vouches that digest is of bytes with the listed
+    CRC-32 (the durable tier computes both in one pass); a digest that cannot match costs a read, never a
+    false alarm.
 
     Raises:
-        CheckpointCorruptError: (without ``collect``) a file is missing, a symlink, not a regular
-            file, unreadable, or has the wrong size or CRC-32; the message names it.
+        CheckpointCorruptError: (without ``collect``) a file is missing, not a regular file, unreadable, or
+            has the wrong size or CRC-32; names it.
         DurableUnavailableError: the store cannot be reached.
     """
     loc = as_location(where, allow_symlinks=allow_symlinks)
@@ -1009,37 +900,23 @@ def verify_files(where: str | os.PathLike | Location, manifest: Manifest, *, che
 
 
 def rank_file_problems(manifest: Any) -> list[tuple[str, str]]:
-    """``[(file, problem)]`` when the manifest does not list exactly one JSON file per rank.
-
-    Counts the listed rank files before anything is done per rank, so a manifest declaring a huge
-    world size costs no more than its file list.
-    """
+    """``[(file, problem)]`` when the manifest does not list exactly one JSON file per rank."""
     listed = sum(1 for name in manifest.files if RANK_FILE_RE.match(name))
     if manifest.world_size > listed:  # checked first: never loop over a declared (untrusted) world size
         missing = next(r for r in range(listed + 1) if rank_file_name(r) not in manifest.files)
         return [(MANIFEST_NAME, f"world size {manifest.world_size} but the manifest lists {listed} per-rank state "
                                 f"file(s); {rank_file_name(missing)} is not listed")]
-    problems = []
-    for r in range(manifest.world_size):
-        if rank_file_name(r) not in manifest.files:
-            problems.append((rank_file_name(r), f"per-rank state file of rank {r} is not listed in the manifest "
-                                                f"(world size {manifest.world_size})"))
-    return problems
+    return [(rank_file_name(r), f"per-rank state file of rank {r} is not listed in the manifest (world size "
+                                f"{manifest.world_size})") for r in range(manifest.world_size)
+            if rank_file_name(r) not in manifest.files]
 
 
 def parse_rank_doc(raw: bytes, source: str, manifest: Manifest, rank: int, *,
                    tensor_keys: Callable[[str], bool] | None = None) -> dict[str, Any]:
-    """Parse and validate the per-rank JSON document of ``rank`` (bounded; see the module docstring).
+    """The validated per-rank document ``{"step", "rank", "world_size", "tree"}`` of ``rank`` in ``raw``.
 
-    ``source`` names the file in messages; ``step``/``world_size`` must agree with ``manifest``;
-    with ``tensor_keys``, every tensor placeholder must satisfy it (be a DCP tensor).
-
-    Returns:
-        The document ``{"step", "rank", "world_size", "tree"}``.
-
-    Raises:
-        CheckpointCorruptError: too large, not bounded JSON, fields that disagree with the manifest,
-            or a malformed tree node (named by its dotted path).
+    Every tensor placeholder must satisfy ``tensor_keys`` (be a DCP tensor) when given. Raises
+    CheckpointCorruptError naming ``source`` (and a malformed node's dotted path).
     """
     if len(raw) > MAX_RANK_JSON_BYTES:
         raise corrupt(source, f"per-rank state file is {len(raw)} bytes, more than the {MAX_RANK_JSON_BYTES} "
@@ -1071,19 +948,10 @@ def parse_rank_doc(raw: bytes, source: str, manifest: Manifest, rank: int, *,
 
 def read_rank_doc(where: str | os.PathLike | Location, manifest: Manifest, rank: int, *, allow_symlinks: bool = False,
                   tensor_keys: Callable[[str], bool] | None = None) -> dict[str, Any]:
-    """The validated per-rank document ``{"step", "rank", "world_size", "tree"}`` of ``rank``.
-
-    The one reader of per-rank files, local or on a store; see :func:`parse_rank_doc` for the checks.
-
-    Raises:
-        CheckpointCorruptError: the rank files are not one per rank, or this one is missing, not a
-            regular file, or malformed; the message names the file.
-        DurableUnavailableError: the store cannot be reached.
-    """
+    """:func:`parse_rank_doc` of the listed file of ``rank`` (local or on a store), once the manifest lists
+    one per rank; raises CheckpointCorruptError naming the file, or DurableUnavailableError."""
     loc = as_location(where, allow_symlinks=allow_symlinks)
-    problems = rank_file_problems(manifest)
-    if problems:
-        raise corrupt(loc.describe(problems[0][0]), problems[0][1])
+    _raise_first(loc, rank_file_problems(manifest))
     name = rank_file_name(rank)
     raw = read_listed(loc, manifest, name, MAX_RANK_JSON_BYTES)
     return parse_rank_doc(raw, loc.describe(name), manifest, rank, tensor_keys=tensor_keys)
@@ -1102,11 +970,7 @@ _ALLOWED_GLOBALS = {
     ("torch.serialization", "_get_layout"),
     ("torch", "Size"),
     ("collections", "OrderedDict"),
-    ("pathlib", "PosixPath"),
-    ("pathlib", "PurePosixPath"),
-    ("pathlib", "WindowsPath"),
-    ("pathlib", "PureWindowsPath"),
-}
+} | {("pathlib", n) for n in ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath")}
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -1126,11 +990,11 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 def load_dcp_metadata_bytes(data: bytes, source: str) -> Metadata:
-    """Unpickle DCP ``.metadata`` bytes with the restricted unpickler (never executes code from them);
-    only the result's type is checked here (:func:`metadata_problems` validates its fields).
+    """Unpickle DCP ``.metadata`` bytes admitting only DCP's metadata classes (fields unchecked:
+    :func:`metadata_problems`).
 
     Raises:
-        UnsafeCheckpointError: the pickle references anything but DCP metadata classes.
+        UnsafeCheckpointError: the pickle references anything else.
         CheckpointCorruptError: the bytes are truncated or not a DCP metadata pickle (named ``source``).
     """
     try:
@@ -1145,15 +1009,8 @@ def load_dcp_metadata_bytes(data: bytes, source: str) -> Metadata:
 
 
 def read_dcp_metadata(path: str | os.PathLike) -> Metadata:
-    """Read a DCP ``.metadata`` file without executing code from it (unvalidated: see :func:`read_metadata`).
-
-    Raises:
-        UnsafeCheckpointError: the pickle references anything but DCP metadata classes.
-        CheckpointCorruptError: the file is truncated or not a DCP metadata pickle.
-    """
-    with open(path, "rb") as f:
-        data = f.read()
-    return load_dcp_metadata_bytes(data, str(path))
+    """:func:`load_dcp_metadata_bytes` of a ``.metadata`` file (unvalidated: see :func:`read_metadata`)."""
+    return load_dcp_metadata_bytes(Path(path).read_bytes(), str(path))
 
 
 class _ListedFileSystem(FileSystem):
@@ -1181,15 +1038,8 @@ class _ListedFileSystem(FileSystem):
 
 
 class SafeFileSystemReader(FileSystemReader):
-    """``FileSystemReader`` confined to a checkpoint's verified files, with pickle-free metadata.
-
-    Args:
-        path: the checkpoint directory.
-        metadata: the already validated DCP metadata (see :func:`torch_ckpt.format._files.read_metadata`);
-            None reads it with :func:`read_dcp_metadata` (unvalidated: tests and plain-DCP use).
-        allowed: file names DCP may open (the manifest's); None allows any name.
-        allow_symlinks: follow symlinks when opening them.
-    """
+    """``FileSystemReader`` opening only ``allowed`` names (None: any), with ``metadata`` already validated
+    (None: :func:`read_dcp_metadata`, unvalidated, for tests and plain DCP)."""
 
     def __init__(self, path: str | os.PathLike, *, metadata: Metadata | None = None,
                  allowed: set[str] | None = None, allow_symlinks: bool = False) -> None:
@@ -1198,14 +1048,7 @@ class SafeFileSystemReader(FileSystemReader):
         if allowed is not None:
             self.fs = _ListedFileSystem(allowed, allow_symlinks=allow_symlinks)
 
-    @property
-    def failed_file(self) -> str | None:
-        """The file whose read failed, when known."""
-        return getattr(self.fs, "failed_file", None)
-
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        from torch.distributed.checkpoint.metadata import StorageMeta
-
         rank = kwargs.get("rank")
         md = self._metadata if self._metadata is not None else read_dcp_metadata(self._get_metadata_path(rank))
         if getattr(md, "storage_meta", None) is None:
@@ -1221,9 +1064,8 @@ def load_tensors(tensors: dict[str, torch.Tensor], step_dir: str | os.PathLike, 
     """``dcp.load`` of ``tensors`` from a validated checkpoint, reading only ``allowed`` regular files.
 
     Raises:
-        CheckpointCorruptError: DCP could not read or decode the data (a damaged file: with
-            ``verify_on_load=False`` no CRC caught it first); the message names the file when this
-            rank knows it, and the first underlying error, without DCP's embedded tracebacks.
+        CheckpointCorruptError: DCP could not read or decode the data (no CRC caught the damage first);
+            names the file when this rank knows it, and the first error without DCP's tracebacks.
         UnsafeCheckpointError: an item would need unpickling.
     """
     import torch.distributed.checkpoint as dcp
@@ -1233,29 +1075,20 @@ def load_tensors(tensors: dict[str, torch.Tensor], step_dir: str | os.PathLike, 
     try:
         dcp.load(tensors, storage_reader=reader, planner=SafeLoadPlanner(), process_group=process_group,
                  no_dist=no_dist)
-    except CheckpointException as exc:
+    except (CheckpointException, RuntimeError, ValueError, EOFError, OSError) as exc:
         first = unwrap_dcp_error(exc)
         if isinstance(first, CheckpointError) or not isinstance(first, Exception):
             raise first from None  # ours, or an interrupt (Ctrl-C, SystemExit): not a damaged file
-        where = reader.failed_file or str(step_dir)
+        where = cast(_ListedFileSystem, reader.fs).failed_file or str(step_dir)
         raise CheckpointCorruptError(
             f"{where}: tensor data cannot be read ({_first_line(first)}); the file is damaged. Run torch-ckpt "
             "verify, or restore with verify_on_load=True to catch this by checksum before loading") from None
-    except (RuntimeError, ValueError, EOFError, OSError) as exc:
-        if isinstance(exc, CheckpointError):
-            raise
-        where = reader.failed_file or str(step_dir)
-        raise CheckpointCorruptError(f"{where}: tensor data cannot be read ({_first_line(exc)}); the file is "
-                                     "damaged") from None
 
 
 def unwrap_dcp_error(exc: BaseException) -> BaseException:
-    """The error behind DCP's ``CheckpointException`` (which holds one ``(error, traceback)`` per rank).
-
-    DCP wraps whatever fails in its collective steps, e.g. writing or fsyncing ``.metadata`` in the
-    storage writer's ``finish``, so an ``ENOSPC`` there would otherwise lose its errno. Prefers a
-    :class:`CheckpointError`, then an ``OSError`` with an errno; returns ``exc`` when it wraps nothing.
-    """
+    """The error behind DCP's ``CheckpointException`` (one ``(error, traceback)`` per rank), so that e.g. an
+    ``ENOSPC`` fsyncing ``.metadata`` keeps its errno: a :class:`CheckpointError`, else an ``OSError`` with an
+    errno, else the first; ``exc`` when it wraps nothing."""
     failures = getattr(exc, "failures", None)
     if not isinstance(failures, dict):
         return exc
@@ -1346,18 +1179,14 @@ def metadata_problems(md: Any, manifest: Any) -> tuple[list[tuple[str, str]], di
     if not isinstance(md, Metadata):
         bad(f"not DCP metadata (got {type(md).__name__})")
         return problems, {}
-    sdm, sd = getattr(md, "state_dict_metadata", None), getattr(md, "storage_data", None)
-    if not isinstance(sdm, dict):
-        bad(f"state_dict_metadata is a {type(sdm).__name__}, expected a dict")
-    if not isinstance(sd, dict):
-        bad(f"storage_data is a {type(sd).__name__}, expected a dict")
-    if not isinstance(getattr(md, "planner_data", None), (dict, type(None))):
-        bad(f"planner_data is a {type(md.planner_data).__name__}, expected a dict")
-    if not isinstance(getattr(md, "storage_meta", None), (StorageMeta, type(None))):
-        bad(f"storage_meta is a {type(md.storage_meta).__name__}, expected StorageMeta")
+    for attr, kinds, want in (("state_dict_metadata", dict, "a dict"), ("storage_data", dict, "a dict"),
+                              ("planner_data", (dict, type(None)), "a dict"),
+                              ("storage_meta", (StorageMeta, type(None)), "StorageMeta")):
+        if not isinstance(value := getattr(md, attr, None), kinds):
+            bad(f"{attr} is a {type(value).__name__}, expected {want}")
     if problems:
         return problems, {}
-    assert isinstance(sdm, dict) and isinstance(sd, dict)
+    sdm, sd = md.state_dict_metadata, md.storage_data
 
     tensors: dict[str, Any] = {}
     for key, item in sdm.items():
@@ -1452,32 +1281,25 @@ def metadata_problems(md: Any, manifest: Any) -> tuple[list[tuple[str, str]], di
 
 
 def metadata_name(node: int) -> str:
-    """File holding the DCP metadata that ``node``'s ranks load their node's copy with.
-
-    A node-local checkpoint stores replicated tensors once per node; each node's metadata points
-    every tensor at the copy its node holds. ``.metadata`` (on node 0 and in the durable tier)
-    points every tensor at the one uploaded copy: the complete checkpoint every other reader uses.
-    """
+    """The DCP metadata pointing every tensor at ``node``'s own copy (a node-local checkpoint stores replicated
+    tensors once per node); ``.metadata`` points at the one uploaded copy every other reader uses."""
     return f"node_{node:05d}.metadata"
 
 
 def read_metadata(where: str | os.PathLike | Location, manifest: Manifest, *, allow_symlinks: bool = False) -> Metadata:
-    """The validated DCP metadata of a checkpoint (see :func:`metadata_problems`); for one node's copy
-    of a node-local checkpoint, that node's metadata (:func:`metadata_name`).
+    """The validated DCP metadata (:func:`metadata_problems`) of a checkpoint, or of one node's copy
+    (:func:`metadata_name`).
 
     Raises:
-        CheckpointCorruptError: ``.metadata`` is not listed, not a regular file, unreadable, or
-            inconsistent (with itself or with the manifest); the message names the file.
+        CheckpointCorruptError: not listed, not a regular file, unreadable, or inconsistent (with itself
+            or the manifest); names the file.
         UnsafeCheckpointError: the pickle references code.
         DurableUnavailableError: the store cannot be reached.
     """
     loc = as_location(where, allow_symlinks=allow_symlinks)
     node = manifest.node
-    name = (manifest.nodes or {}).get("metadata") or (METADATA_NAME if node is None else metadata_name(node))
-    source = loc.describe(name)
-    if name not in manifest.files:
-        raise corrupt(source, "DCP metadata is not listed in the manifest")
-    md = load_dcp_metadata_bytes(read_listed(loc, manifest, name, MAX_METADATA_BYTES), source)
+    name = manifest.nodes.get("metadata") or (METADATA_NAME if node is None else metadata_name(node))
+    md = load_dcp_metadata_bytes(read_listed(loc, manifest, name, MAX_METADATA_BYTES), loc.describe(name))
     _raise_first(loc, metadata_problems(md, manifest)[0])
     return md
 
@@ -1499,17 +1321,9 @@ def record_problems(where: str | os.PathLike | Location, manifest: Manifest, md:
                     parts: int = 1, allow_symlinks: bool = False,
                     tensors: dict[str, TensorStorageMetadata] | None = None,
                     files: list[str] | None = None) -> list[tuple[str, str]]:
-    """``[(file, problem)]`` for tensor records that do not match the metadata (this reader's share of the files).
+    """``[(file, problem)]`` for records of ``tensors`` (default: all of validated ``md``) that disagree with it.
 
-    Args:
-        where: the checkpoint directory.
-        manifest: its manifest (only the data files it lists are opened).
-        md: its DCP metadata (validated: :func:`read_metadata` or :func:`metadata_problems`).
-        part: this reader's index when ``parts`` readers split the data files.
-        parts: how many readers split the data files.
-        allow_symlinks: follow symlinked data files.
-        tensors: the well-formed tensors to check (default: every tensor of ``md``).
-        files: check the records of these data files only (instead of a ``part`` of all of them).
+    Checks the data files ``files``, else every ``parts``-th from ``part`` of those this copy holds.
 
     Raises:
         CheckpointCorruptError: a data file is not listed, missing, not a regular file, or unreadable.
@@ -1522,22 +1336,17 @@ def record_problems(where: str | os.PathLike | Location, manifest: Manifest, md:
         every = sorted({str(info.relative_path) for index, info in md.storage_data.items()
                         if index.fqn in tensors and str(info.relative_path) in held})
         files = [name for i, name in enumerate(every) if i % parts == part]
-    mine = list(files)
-    for name in mine:
+    for name in files:
         if name not in manifest.files:
             raise corrupt(loc.describe(name), "is not listed in the manifest; refusing unverified data")
-    return storage_record_problems(md, tensors, loc.open_range, mine)
+    return storage_record_problems(md, tensors, loc.open_range, files)
 
 
 def check_records(where: str | os.PathLike | Location, manifest: Manifest, md: Metadata, *, part: int = 0,
                   parts: int = 1, allow_symlinks: bool = False,
                   tensors: dict[str, TensorStorageMetadata] | None = None) -> None:
-    """Raise for the first tensor record that does not match the metadata (see :func:`record_problems`).
-
-    Raises:
-        CheckpointCorruptError: a record's byte range, dtype, size or shape disagrees with
-            ``.metadata``; the message names the data file, the tensor key and the byte range.
-    """
+    """Raise CheckpointCorruptError (naming the data file, key and byte range) for the first problem of
+    :func:`record_problems`."""
     loc = as_location(where, allow_symlinks=allow_symlinks)
     if tensors is None or tensors:
         _raise_first(loc, record_problems(loc, manifest, md, part=part, parts=parts, tensors=tensors))

@@ -1,15 +1,13 @@
-"""Checks of the tensor records inside DCP data files against ``.metadata``, without unpickling anything.
+"""Checks of the ``torch.save`` records in DCP data files against ``.metadata``, unpickling nothing.
 
-A data file (``__R_I.distcp``) is a sequence of ``torch.save`` records (small uncompressed zip
-archives), one per tensor chunk, at the byte ranges ``.metadata`` records. DCP ``torch.load``-s a
-range and copies the result into its target, casting silently, so metadata that disagrees with the
-records (a range a few bytes short, another dtype or shape) fails deep inside the load or loads
-wrong values. :func:`storage_record_problems` parses each record's zip structure with ``struct`` and
-its ``data.pkl`` with :func:`pickled_tensor` (opcodes decoded into inert values, never executed) and
-checks: the archive ends exactly at the end of the range, its entries lie inside it uncompressed,
-the pickle is exactly a plain tensor rebuilt from one storage of the declared dtype, whose data
-entry holds exactly that storage and whose view has the declared chunk shape inside it. Only the
-few hundred header bytes of each record are read (records of small tensors share block reads).
+DCP ``torch.load``-s a record's byte range and copies it into its target, casting silently, so
+metadata that disagrees with the records (a range a few bytes short, another dtype or shape) fails
+deep inside the load or loads wrong values. :func:`storage_record_problems` parses each record's zip
+structure with ``struct`` and its ``data.pkl`` with :func:`pickled_tensor` (opcodes decoded into
+inert values) and checks: the archive ends exactly where the range does, its entries lie inside it
+uncompressed, the pickle is exactly a plain tensor of one storage of the declared dtype, whose data
+entry holds exactly that storage and whose view has the chunk's shape inside it. Only the header
+bytes of each record are read.
 """
 
 from __future__ import annotations
@@ -121,13 +119,9 @@ def _interpret(data: bytes) -> Any:
 def pickled_tensor(data: bytes) -> tuple[tuple[str, str], str, int, int, tuple[int, ...], tuple[int, ...]]:
     """``(identity, storage key, storage numel, offset, size, stride)`` of a pickled plain tensor.
 
-    ``identity`` is ``("typed", "FloatStorage")`` for a tensor rebuilt from a typed storage (numel
-    counts elements) or ``("untyped", "float8_e4m3fn")`` for one rebuilt from an untyped storage
-    and a dtype (numel counts bytes). The opcodes are interpreted into inert values, nothing is
-    imported or called, and the result must be the one structure ``torch.save`` writes.
-
-    Raises:
-        RecordProblem: anything else.
+    ``identity`` is ``("typed", "FloatStorage")`` (numel counts elements) or ``("untyped",
+    "float8_e4m3fn")`` (an untyped storage and a dtype; numel counts bytes). Nothing is imported or
+    called; RecordProblem unless the pickle is exactly the structure ``torch.save`` writes.
     """
     result = _interpret(data)
     try:
@@ -352,20 +346,11 @@ def _check(rec: _Record, dtype: torch.dtype, sizes: tuple[int, ...]) -> None:
 def storage_record_problems(md: Any, tensors: dict[str, Any],
                             open_file: Callable[[str], AbstractContextManager[RangeReader]],
                             files: Iterable[str] | None = None) -> list[tuple[str, str]]:
-    """Check the record of every chunk of ``tensors`` against its storage entry and declared chunk.
+    """``[(file, problem naming key, chunk and byte range)]`` for the records of ``tensors`` (the well-formed
+    ``{key: TensorStorageMetadata}`` of validated ``md``) in ``files`` (None: all).
 
-    Args:
-        md: validated DCP metadata (see :func:`torch_ckpt.format._files.metadata_problems`).
-        tensors: ``{key: TensorStorageMetadata}`` of its well-formed tensors.
-        open_file: opens a data file of the checkpoint by name (a context manager yielding a
-            :class:`RangeReader`); it may raise ``OSError`` or ``CheckpointCorruptError``.
-        files: check only the records stored in these files (a reader's share); None checks all.
-
-    Returns:
-        ``[(file, problem)]``, each naming the tensor key, the chunk and the byte range.
-
-    Raises:
-        OSError, CheckpointCorruptError: from ``open_file`` or a read.
+    ``open_file(name)`` is a context manager yielding a :class:`RangeReader`; its ``OSError`` or
+    ``CheckpointCorruptError`` propagates.
     """
     by_file: dict[str, list[tuple[int, int, str, tuple[int, ...]]]] = {}
     chunk_sizes = {(key, tuple(c.offsets)): tuple(c.sizes) for key, item in tensors.items() for c in item.chunks}
