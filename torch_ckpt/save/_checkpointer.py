@@ -47,13 +47,12 @@ from torch_ckpt.format._files import is_per_rank_key, split_state, tensor_kind
 from torch_ckpt.handle import SaveHandle, SaveStats
 from torch_ckpt.restore._restore import load_into
 from torch_ckpt.root._layout import SharedRoot, new_incarnation, partial_path, read_manifest, reserve, unreserve
-from torch_ckpt.save._persist import ArenaLayout, SaveRequest, arena_views, persist_checkpoint
+from torch_ckpt.save._persist import ArenaLayout, SaveRequest, arena_views, nbytes_of, persist_checkpoint
 from torch_ckpt.save._writer_process import ProcessWriter
 from torch_ckpt.state._protocol import StateToRestore, StateToSave
 
 __all__ = ["AsyncCheckpointer", "HostStager", "StagedState", "StagingMemoryError", "close_on_exit",
-           "default_budget_bytes", "available_memory_bytes", "cgroup_memory_headroom", "CGROUP_ROOT",
-           "PROC_SELF_CGROUP"]
+           "default_budget_bytes", "cgroup_memory_headroom", "CGROUP_ROOT", "PROC_SELF_CGROUP"]
 
 log = get_logger(__name__)
 
@@ -68,18 +67,17 @@ CGROUP_ROOT = Path("/sys/fs/cgroup")
 PROC_SELF_CGROUP = Path("/proc/self/cgroup")
 #: limits at or above this many bytes mean "no limit" (v1 writes 2**63 rounded down to a page)
 _UNLIMITED = 1 << 60
+#: per cgroup version: the limit files, the usage file, the memory.stat keys of inactive file pages
+_CgroupFiles = tuple[tuple[str, ...], str, tuple[str, ...]]
+_V2_FILES: _CgroupFiles = (("memory.max", "memory.high"), "memory.current", ("inactive_file",))
+_V1_FILES: _CgroupFiles = (("memory.limit_in_bytes",), "memory.usage_in_bytes",
+                            ("total_inactive_file", "inactive_file"))
 
 
 def _read_int(path: Path) -> int | None:
     try:
-        text = path.read_text().strip()
-    except (OSError, UnicodeDecodeError):
-        return None
-    if text == "max":
-        return None
-    try:
-        value = int(text)
-    except ValueError:
+        value = int(path.read_text().strip())  # "max" (no limit) is a ValueError too
+    except (OSError, UnicodeDecodeError, ValueError):
         return None
     return None if value >= _UNLIMITED else value
 
@@ -97,47 +95,33 @@ def _stat_value(directory: Path, keys: tuple[str, ...]) -> int:
     return next((stats[k] for k in keys if k in stats), 0)
 
 
-def _levels(mount: Path, path: str) -> list[Path]:
-    """The cgroup directory of ``path`` under ``mount`` and its ancestors up to ``mount``, leaf first."""
+def _headroom(mount: Path, path: str, limit_files: tuple[str, ...], usage_file: str, inactive_keys: tuple[str, ...]
+              ) -> int | None:
+    """The least ``limit - working set`` of the cgroup ``path`` under ``mount`` and its ancestors up to ``mount``."""
     leaf = mount / path.strip("/") if path.strip("/") else mount
     if not leaf.is_dir():
         leaf = mount  # our cgroup is mounted as the root (container without a cgroup namespace)
     levels = [leaf]
     while levels[-1] != mount and mount in levels[-1].parents:
         levels.append(levels[-1].parent)
-    return levels
-
-
-def _headroom(levels: list[Path], limit_files: tuple[str, ...], usage_file: str, inactive_keys: tuple[str, ...]
-              ) -> int | None:
-    best: int | None = None
+    rooms = []
     for d in levels:
         limits = [v for v in (_read_int(d / name) for name in limit_files) if v is not None]
-        if not limits:
-            continue
-        usage = _read_int(d / usage_file) or 0
-        working_set = max(0, usage - _stat_value(d, inactive_keys))
-        room = max(0, min(limits) - working_set)
-        best = room if best is None else min(best, room)
-    return best
+        if limits:
+            working_set = max(0, (_read_int(d / usage_file) or 0) - _stat_value(d, inactive_keys))
+            rooms.append(max(0, min(limits) - working_set))
+    return min(rooms, default=None)
 
 
 def cgroup_memory_headroom(cgroup_root: Path | None = None, proc_self_cgroup: str | None = None) -> int | None:
     """Bytes this process's memory cgroups still allow it to allocate, or None when no limit applies.
 
-    cgroup v2 (``0::/path``) compares ``memory.max``/``memory.high`` with ``memory.current``, v1
-    (``N:memory:/path``) ``memory.limit_in_bytes`` with ``memory.usage_in_bytes``; inactive file pages
-    do not count as used (as in ``docker stats``); every ancestor up to the mount root is checked
-    (the mount root itself where the path is not found under it).
-
-    Args:
-        cgroup_root: where the cgroup file systems are mounted (default :data:`CGROUP_ROOT`): v2 at
-            the root itself or at ``unified/``, v1's memory controller at ``memory/``.
-        proc_self_cgroup: the text of ``/proc/self/cgroup`` (default: read :data:`PROC_SELF_CGROUP`).
-
-    Returns:
-        The smallest ``limit - (usage - inactive file pages)`` (never below 0) over every cgroup
-        level with a limit, v1 and v2; None without any limit (or without cgroups).
+    The smallest ``limit - (usage - inactive file pages)`` (as in ``docker stats``; never below 0)
+    over every level with a limit up to the mount root: cgroup v2 (``0::/path``, mounted at
+    ``cgroup_root`` or its ``unified/``) compares ``memory.max``/``memory.high`` with
+    ``memory.current``, v1 (``N:memory:/path``, at ``memory/``) ``memory.limit_in_bytes`` with
+    ``memory.usage_in_bytes``. ``cgroup_root`` defaults to :data:`CGROUP_ROOT`, ``proc_self_cgroup``
+    (its text) to reading :data:`PROC_SELF_CGROUP`.
     """
     root = CGROUP_ROOT if cgroup_root is None else Path(cgroup_root)
     if proc_self_cgroup is None:
@@ -152,46 +136,33 @@ def cgroup_memory_headroom(cgroup_root: Path | None = None, proc_self_cgroup: st
             continue
         hierarchy, controllers, path = parts
         if hierarchy == "0" and controllers == "":
-            for mount in (root, root / "unified"):
-                if (mount / "cgroup.controllers").is_file():
-                    room = _headroom(_levels(mount, path), ("memory.max", "memory.high"), "memory.current",
-                                     ("inactive_file",))
-                    if room is not None:
-                        found.append(room)
-                    break
-        elif "memory" in controllers.split(","):
-            mount = root / "memory"
-            if mount.is_dir():
-                room = _headroom(_levels(mount, path), ("memory.limit_in_bytes",), "memory.usage_in_bytes",
-                                 ("total_inactive_file", "inactive_file"))
-                if room is not None:
-                    found.append(room)
-    return min(found) if found else None
-
-
-def available_memory_bytes() -> int:
-    """Bytes of host memory a new allocation may take now: psutil's available RAM, capped by the cgroup headroom."""
-    available = int(psutil.virtual_memory().available)
-    room = cgroup_memory_headroom()
-    return available if room is None else min(available, room)
+            mount = next((m for m in (root, root / "unified") if (m / "cgroup.controllers").is_file()), None)
+            files = _V2_FILES
+        elif "memory" in controllers.split(",") and (root / "memory").is_dir():
+            mount, files = root / "memory", _V1_FILES
+        else:
+            continue
+        room = None if mount is None else _headroom(mount, path, *files)
+        if room is not None:
+            found.append(room)
+    return min(found, default=None)
 
 
 # -- staging ------------------------------------------------------------------------------------
 
 def default_budget_bytes(local_world_size: int | None = None, *, held_bytes: int = 0) -> int:
-    """Host bytes this rank may keep for staging now: half of :func:`available_memory_bytes`, split over local ranks.
-
-    Args:
-        local_world_size: ranks sharing this host's memory (default: ``$LOCAL_WORLD_SIZE``, else 1).
-        held_bytes: bytes of staging memory this rank already holds (they are freed before a new
-            arena is allocated, so they count as available).
-    """
+    """Host bytes this rank may keep for staging now: half of what a new allocation may take (psutil's available
+    RAM capped by :func:`cgroup_memory_headroom`) plus ``held_bytes`` (this rank's arena, freed before a new one),
+    split over ``local_world_size`` ranks (default ``$LOCAL_WORLD_SIZE``, else 1)."""
     if local_world_size is None:
         try:
             local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         except ValueError:
             local_world_size = 1
-    return int((available_memory_bytes() + held_bytes) * 0.5 / max(1, local_world_size))
+    available = int(psutil.virtual_memory().available)
+    room = cgroup_memory_headroom()
+    available = available if room is None else min(available, room)
+    return int((available + held_bytes) * 0.5 / max(1, local_world_size))
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -209,17 +180,10 @@ class StagingMemoryError(CheckpointWriteError):
 
 @dataclass
 class StagedState:
-    """Host copies of a flat tensor dict.
-
-    Attributes:
-        tensors: ``{key: host tensor}`` (views of the arena; DTensors keep their sharding spec).
-        nbytes: bytes copied.
-        layout: where each tensor lives in the arena.
-        event: CUDA event that completes when device copies are done (None for CPU-only states).
-    """
+    """Host copies of a flat tensor dict: ``tensors`` (views of the arena; DTensors keep their sharding spec),
+    the ``layout`` of the arena, and the CUDA ``event`` after which device copies have landed (None: CPU only)."""
 
     tensors: dict[str, torch.Tensor]
-    nbytes: int
     layout: ArenaLayout
     event: Any = None
 
@@ -253,9 +217,8 @@ class HostStager:
         self._signature: tuple | None = None
         self._layout: ArenaLayout = ()
         self._views: dict[str, torch.Tensor] = {}
-        self._nbytes = 0
         self._stream: torch.cuda.Stream | None = None
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         self.allocations = 0
 
     @property
@@ -276,66 +239,51 @@ class HostStager:
         """True when ``tensors`` fit in the staging budget."""
         return self.required_bytes(tensors) <= self.budget_bytes
 
-    def _ensure_arena(self, tensors: dict[str, torch.Tensor]) -> bool:
-        signature = tuple((k, tuple(_local(t).shape), _local(t).dtype) for k, t in tensors.items())
-        if signature == self._signature and self.arena is not None:
-            return False
-        layout, offset = [], 0
-        for key, shape, dtype in signature:
-            layout.append((key, shape, dtype, offset))
-            n = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-            offset += (n + _ALIGN_BYTES - 1) // _ALIGN_BYTES * _ALIGN_BYTES
-        # free the old arena before allocating the new one (its views keep its memory alive too)
-        self.arena, self._signature, self._layout, self._views = None, None, (), {}
-        try:
-            arena = torch.empty(max(offset, 1), dtype=torch.uint8, pin_memory=self.pin_memory)
-            if self.share_memory:
-                arena.share_memory_()
-        except (RuntimeError, MemoryError, OSError) as exc:  # out of memory, ulimit -v, pinned or /dev/shm limits
-            raise StagingMemoryError(
-                errno.ENOMEM, f"could not allocate the {offset}-byte staging arena "
-                f"({'shared memory' if self.share_memory else 'pinned' if self.pin_memory else 'host memory'}; "
-                f"staging budget {self.budget_bytes} bytes): {type(exc).__name__}: {exc}. Lower "
-                "staging_budget_bytes below the memory this process may allocate, or free memory") from exc
-        self.arena, self._signature, self._layout = arena, signature, tuple(layout)
-        self._views = arena_views(arena, self._layout)
-        self._nbytes = sum(v.numel() * v.element_size() for v in self._views.values())
-        self.allocations += 1
-        log.debug("allocated a %d-byte staging arena for %d tensors", offset, len(layout))
-        return True
-
     def reserve(self, tensors: dict[str, torch.Tensor]) -> None:
         """Allocate (or keep) the arena for ``tensors`` without copying anything.
 
         Raises:
             StagingMemoryError: the allocation failed (the arena is released; nothing is staged).
         """
+        signature = tuple((k, tuple(_local(t).shape), _local(t).dtype) for k, t in tensors.items())
         with self._lock:
-            self._ensure_arena(tensors)
+            if signature == self._signature and self.arena is not None:
+                return
+            layout, offset = [], 0
+            for key, shape, dtype in signature:
+                layout.append((key, shape, dtype, offset))
+                offset += (nbytes_of(shape, dtype) + _ALIGN_BYTES - 1) // _ALIGN_BYTES * _ALIGN_BYTES
+            self.release()  # the old arena goes before the new one is allocated (its views keep it alive too)
+            try:
+                arena = torch.empty(max(offset, 1), dtype=torch.uint8, pin_memory=self.pin_memory)
+                if self.share_memory:
+                    arena.share_memory_()
+            except (RuntimeError, MemoryError, OSError) as exc:  # out of memory, ulimit -v, pinned or /dev/shm limits
+                raise StagingMemoryError(
+                    errno.ENOMEM, f"could not allocate the {offset}-byte staging arena "
+                    f"({'shared memory' if self.share_memory else 'pinned' if self.pin_memory else 'host memory'}; "
+                    f"staging budget {self.budget_bytes} bytes): {type(exc).__name__}: {exc}. Lower "
+                    "staging_budget_bytes below the memory this process may allocate, or free memory") from exc
+            self.arena, self._signature, self._layout = arena, signature, tuple(layout)
+            self._views = arena_views(arena, self._layout)
+            self.allocations += 1
+            log.debug("allocated a %d-byte staging arena for %d tensors", offset, len(layout))
 
     def stage(self, tensors: dict[str, torch.Tensor], *, ready_event: Any = None,
               only: set[str] | None = None) -> StagedState:
-        """Copy ``tensors`` (any device; DTensors shard-locally) into the arena.
+        """Copy ``tensors`` (any device; DTensors shard-locally) into the arena, valid until the next call.
 
-        Device copies are asynchronous (:meth:`StagedState.synchronize`); host copies are done on return.
-
-        Args:
-            tensors: flat ``{key: tensor}``.
-            ready_event: CUDA event after which the device tensors hold the values to save
-                (default: the current stream's position).
-            only: copy just these keys (the arena covers all of ``tensors``): staging in two phases.
-
-        Returns:
-            The staged host tensors; valid until the next call to :meth:`stage`.
+        Device copies are asynchronous (:meth:`StagedState.synchronize`), after ``ready_event`` (default:
+        the current stream's position); host copies are done on return. ``only``: copy just these keys
+        (the arena covers all of ``tensors``): staging in two phases.
         """
         with self._lock:
-            self._ensure_arena(tensors)
-            views = self._views
+            self.reserve(tensors)
             out: dict[str, torch.Tensor] = {}
             device_pairs = []
             host_dst, host_src = [], []
             for key, t in tensors.items():
-                src, buf = _local(t).detach(), views[key]
+                src, buf = _local(t).detach(), self._views[key]
                 if only is not None and key not in only:
                     pass
                 elif src.device.type == "cuda":
@@ -361,7 +309,7 @@ class HostStager:
                         src.record_stream(self._stream)
                     event = torch.cuda.Event()
                     event.record(self._stream)
-            return StagedState(tensors=out, nbytes=self._nbytes, layout=self._layout, event=event)
+            return StagedState(tensors=out, layout=self._layout, event=event)
 
     def release(self) -> None:
         """Free the arena."""
@@ -800,12 +748,12 @@ class AsyncCheckpointer:
 
     def _stage(self, job: _Job, handle: SaveHandle) -> None:
         t = time.monotonic()
+        handle.stats.bytes = self._stager.required_bytes(job.tensors)
+        job.to_write = job.tensors
         if job.fits:
             staged = self._stager.stage(job.tensors, ready_event=job.ready_event, only=job.deferred_keys)
             staged.synchronize()
-            job.to_write, job.layout, handle.stats.bytes = staged.tensors, staged.layout, staged.nbytes
-        else:
-            job.to_write, handle.stats.bytes = job.tensors, self._stager.required_bytes(job.tensors)
+            job.to_write, job.layout = staged.tensors, staged.layout
         job.tensors = {}
         handle.stats.staging_s = time.monotonic() - t + job.early_s
         handle.staged.set_result(None)
