@@ -320,12 +320,9 @@ class HostStager:
 # -- the ranks' agreement --------------------------------------------------------------------
 
 def _signature(tensors: dict[str, torch.Tensor], replicated_keys: tuple[str, ...]) -> dict[str, tuple]:
-    """``{DCP key: (kind, global shape, dtype)}`` of the tensors this rank stores under keys other ranks may use too.
-
-    That is every key but the ``__rank<r>__.`` keys of this rank's own tensors: replicated and
-    sharded tensors, and rank 0's per-rank tensors (which keep their plain key). DCP keeps one
-    entry per key for the whole job, so ranks must agree on these (:meth:`AsyncCheckpointer._agree`).
-    """
+    """``{DCP key: (kind, global shape, dtype)}`` of the tensors this rank stores under keys other ranks may use too
+    (all but its ``__rank<r>__.`` keys; rank 0's per-rank tensors keep their plain key): DCP keeps one entry per
+    key for the whole job, so the ranks must agree on these."""
     return {k: (tensor_kind(k, t, replicated_keys), tuple(t.size()), str(t.dtype)) for k, t in tensors.items()
             if not is_per_rank_key(k)}
 
@@ -465,7 +462,6 @@ class AsyncCheckpointer:
         self.on_write_error = on_write_error
         self.failed_saves: list[dict[str, Any]] = []
         self.thread_count = thread_count
-        self.persist_mode = persist
         self.overlap_staging = bool(overlap_staging)
         self.writer_niceness = writer_niceness
         self._ctx = DistContext(timeout_seconds=timeout_seconds, process_group=process_group,
@@ -476,7 +472,6 @@ class AsyncCheckpointer:
         self._staged_future: Future | None = None
         self._writer: threading.Thread | None = None  # the thread of the save in flight; it ends with the save
         self._inflight: SaveHandle | None = None
-        self._job: Future | None = None  # the writer's last job, done once its cleanup (deletions) is too
         self._pending_error: BaseException | None = None
         self._agreed_digests: tuple | None = None  # the ranks' tensor-signature digests last found consistent
         self._lock = threading.Lock()
@@ -614,10 +609,14 @@ class AsyncCheckpointer:
                 self._abandon(job.handle, exc)
             raise
         assert job is not None  # _agree raised when this rank had no job (error set)
-        self._reserve(job)
+        if self.layout.acts:  # the name is taken once save() returns, as with a synchronous save
+            try:
+                job.reserved = reserve(request.final)
+            except OSError as exc:  # the writer's prepare step fails on it and reports it on every rank
+                log.debug("could not reserve %s: %s", request.final, exc)
         if job.background:
             job.handle.stats.blocking_s = time.monotonic() - t0  # the start below is the only remaining work
-            self._job = self._start_writer(job)
+            self._start_writer(job)
         else:
             self._run_job(job, job.handle)
             job.handle.stats.blocking_s = time.monotonic() - t0
@@ -681,19 +680,13 @@ class AsyncCheckpointer:
         for fut in (handle.staged, handle.committed):
             if not fut.done():
                 fut.set_exception(exc)
+
     def _agree(self, step: Any, final: str | os.PathLike, error: Exception | None,
                signature: dict[str, tuple] | None = None) -> None:
-        """The ranks' agreement before a submit: every rank raises when any failed or when they disagree.
-
-        One all-gather on the caller-thread checkpoint group (the group of every other decision
-        taken on this thread, in the same order on every rank), so a failed step leaves no
-        collective half-done behind. It carries a digest of the tensors each rank stores under
-        job-wide DCP keys (:func:`_signature`); when the digests differ from each other (and from
-        the last set agreed on: pipeline stages hold different keys on every save), a second
-        all-gather of the signatures finds the keys two ranks store differently, and every rank
-        raises a ``ConfigError`` naming them and the ranks (DCP would keep one rank's entry and
-        drop the other's).
-        """
+        """The ranks' agreement before a submit (one all-gather on the caller-thread group): every rank raises
+        when any failed or when they disagree. Digests of :func:`_signature` that differ (and differ from the set
+        last agreed on: pipeline stages hold different keys) take a second all-gather of the signatures, to name
+        the keys two ranks store differently (DCP would keep one rank's entry and drop the other's)."""
         if isinstance(error, OSError) and not isinstance(error, CheckpointError):
             where = f" ({error.filename})" if error.filename else ""
             typed = CheckpointWriteError(error.errno, f"checkpoint step {step} was not saved: "
@@ -758,45 +751,25 @@ class AsyncCheckpointer:
         handle.stats.staging_s = time.monotonic() - t + job.early_s
         handle.staged.set_result(None)
 
-    def _start_writer(self, job: _Job) -> Future:
-        """Run the job in a new writer thread, which ends with it; the future is done once its cleanup is.
-
-        One thread per save (at most one in flight): no idle writer outlives a save, and what the job
-        references (the manager's commit callback) is released with the thread.
-        """
-        done: Future = Future()
+    def _start_writer(self, job: _Job) -> None:
+        """Run the job in a new writer thread that ends with it (one save in flight at most): no idle writer
+        outlives a save, and what the job references (the manager's commit callback) is released with it."""
         niceness = self.writer_niceness
 
         def run() -> None:
             _lower_thread_priority(niceness)
-            try:
-                self._run_job(job, job.handle)
-                done.set_result(None)
-            except BaseException as exc:  # noqa: BLE001 - _run_job reports its own errors; this only ends the wait
-                done.set_exception(exc)
+            self._run_job(job, job.handle)
 
-        thread = threading.Thread(target=run, name="torch_ckpt_writer", daemon=True)  # exit: lifecycle waits
-        self._writer = thread
-        thread.start()
-        return done
+        self._writer = threading.Thread(target=run, name="torch_ckpt_writer", daemon=True)  # exit: lifecycle waits
+        self._writer.start()
 
     def _join_writer(self, timeout: float | None = None) -> None:
-        """Wait until the writer thread of the last save has ended (not from that thread itself)."""
+        """Wait until the writer thread of the last save, and so its follow-up work (deletions), has ended."""
         thread = self._writer
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout)
             if not thread.is_alive() and self._writer is thread:
                 self._writer = None
-
-    def _reserve(self, job: _Job) -> None:
-        """The rank that commits ``job.final`` creates it empty now, so its name is taken once ``save()``
-        returns (a framework checking whether the name exists sees it as with a synchronous save)."""
-        if not self.layout.acts:
-            return
-        try:
-            job.reserved = reserve(job.request.final)
-        except OSError as exc:  # the writer's prepare step fails on it and reports it on every rank
-            log.debug("could not reserve %s: %s", job.request.final, exc)
 
     def _run_job(self, job: _Job, handle: SaveHandle) -> None:
         req = job.request
@@ -880,10 +853,6 @@ class AsyncCheckpointer:
         listing of the root right after it shows no hidden trash of a retired checkpoint.
         """
         self._wait_inflight()
-        job = self._job
-        if job is not None:
-            job.result()  # _run_job reports its own errors; this only waits for the deletions
-            self._job = None
         self._join_writer()
         self._raise_pending()
 
@@ -894,13 +863,9 @@ class AsyncCheckpointer:
         if the owner is closed by its finalizer). Used before another owner in this process takes
         over the same root; safe from any thread.
         """
-        handle, job = self._inflight, self._job
-        for future in (None if handle is None else handle.committed, job):
-            if future is not None:
-                try:
-                    future.result()
-                except BaseException:  # noqa: BLE001 - recorded as the pending error by _run_job
-                    pass
+        handle = self._inflight
+        if handle is not None:
+            futures_wait([handle.committed])  # raises nothing: _run_job recorded the error as pending
         self._join_writer()
 
     def _finish_at_exit(self) -> None:
@@ -920,13 +885,7 @@ class AsyncCheckpointer:
                 log.error("[rank %d] the checkpoint of step %d failed at the interpreter's exit and is not listed "
                           "(the previous checkpoint stays the latest); see the error above", self._ctx.rank,
                           handle.step)
-        job = self._job
-        if job is not None and handle is not None and handle.committed.done():
-            try:
-                job.result(timeout=60.0)  # the deletions retention asked for
-            except BaseException:  # noqa: BLE001 - logged by the writer
-                pass
-        self._join_writer(timeout=5.0)
+        self._join_writer(timeout=30.0 if handle is None or handle.committed.done() else 0.0)  # the deletions
         with self._lock:
             err, self._pending_error = self._pending_error, None
         if err is not None and (handle is None or handle.committed.exception() is not err):
@@ -944,13 +903,7 @@ class AsyncCheckpointer:
             self._wait_inflight()
         finally:
             self._closed = True
-            job = self._job
-            if job is not None and self._writer is not threading.current_thread():
-                try:
-                    job.result()  # the deletions of the last save
-                except BaseException:  # noqa: BLE001 - _run_job reported it
-                    pass
-            self._join_writer()
+            self._join_writer()  # and the deletions of the last save
             if self._process_writer is not None:
                 self._process_writer.close()
             for hook in self._hooked.values():
