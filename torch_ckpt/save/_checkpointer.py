@@ -351,15 +351,6 @@ def _conflicts(signatures: list[dict[str, tuple]]) -> list[str]:
     return lines
 
 
-def _cuda_ready_event(tensors: dict[str, torch.Tensor]) -> Any:
-    """Event on the caller's CUDA stream marking the values to save (None without CUDA tensors)."""
-    if not any(t.device.type == "cuda" for t in tensors.values()):
-        return None
-    event = torch.cuda.Event()
-    event.record()
-    return event
-
-
 @dataclass(eq=False)
 class _Job:
     """The engine's side of one save between capture and commit (the save itself is ``request``)."""
@@ -378,15 +369,6 @@ class _Job:
     to_write: dict[str, torch.Tensor] = field(default_factory=dict)
     layout: ArenaLayout = ()
     reserved: bool = False  # this rank created ``final`` empty when the save was accepted
-
-
-def _lower_thread_priority(niceness: int) -> None:
-    """Raise the nice value of the calling (writer) thread on Linux."""
-    if niceness and hasattr(os, "setpriority"):
-        try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), niceness)
-        except OSError as exc:
-            log.warning("could not lower the checkpoint writer's priority: %s", exc)
 
 
 def close_on_exit(close: Callable[[], None], exc_type: type | None) -> None:
@@ -493,7 +475,7 @@ class AsyncCheckpointer:
 
     @property
     def incarnation(self) -> str:
-        """Random hex id of this checkpointer; its temporaries are named ``.NAME.tmp.<incarnation>``.
+        """Random hex id of this checkpointer; its partials are named ``NAME/.torch-ckpt.partial.<incarnation>``.
 
         Rank 0's id names the temporaries of a collective save; other ranks' ids are not used.
         """
@@ -653,10 +635,13 @@ class AsyncCheckpointer:
         stats.mode = "async" if background else ("sync" if fits else "sync-over-budget")
         handle = SaveHandle(step, Future(), Future(), stats)
         job = _Job(request=request, handle=handle, tensors=tensors, tree=tree, fits=fits, background=background, t0=t0,
-                   ready_event=_cuda_ready_event(tensors) if self.overlap_staging else None, signature=signature)
+                   signature=signature)
         self._inflight = handle
         try:
             if background and self.overlap_staging:
+                if any(t.device.type == "cuda" for t in tensors.values()):
+                    job.ready_event = torch.cuda.Event()  # marks the values to save on the caller's stream
+                    job.ready_event.record()
                 owned = state.optimizer_owned_keys(tensors) \
                     if callable(getattr(state, "optimizer_owned_keys", None)) else set()
                 # what forward passes may change (buffers, plain dict values) is copied now; parameters and
@@ -757,7 +742,11 @@ class AsyncCheckpointer:
         niceness = self.writer_niceness
 
         def run() -> None:
-            _lower_thread_priority(niceness)
+            if niceness and hasattr(os, "setpriority"):  # Linux: the nice value of this thread only
+                try:
+                    os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), niceness)
+                except OSError as exc:
+                    log.warning("could not lower the checkpoint writer's priority: %s", exc)
             self._run_job(job, job.handle)
 
         self._writer = threading.Thread(target=run, name="torch_ckpt_writer", daemon=True)  # exit: lifecycle waits
