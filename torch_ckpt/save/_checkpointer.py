@@ -386,31 +386,13 @@ class AsyncCheckpointer:
     """Asynchronous, atomic DCP saves to explicit directories; collective over all ranks.
 
     Args:
-        async_save: persist in the background (default) or inside :meth:`save`.
-        persist: "thread" (default; lowest latency to durable) or "process" (a writer process per
-            rank reading a shared-memory arena; keeps the write's Python work off the trainer's
-            GIL; plain tensors only, not DTensor/FSDP2 states).
-        overlap_staging: copy parameters and optimizer state in the background, overlapping the
-            next forward/backward; the checkpointer waits for the copy before any optimizer of the
-            state takes its next ``step()``. Everything else (buffers such as BatchNorm statistics,
-            RNG, dataloader) is still copied inside :meth:`save`. Code that mutates parameters or
-            optimizer state outside ``optimizer.step()`` must call :meth:`wait_staged` first. For
-            states without ``optimizer_owned_keys`` (plain dicts) everything is copied in ``save()``.
-        writer_niceness: nice increment of the writer thread/process (Linux; 0 = unchanged). On a
-            2-core machine 19 cuts the writer's slowdown of training from about 2x to about 1.2x at
-            the price of a slower write.
-        staging_budget_bytes: host bytes for the staging arena; default half of the available memory
-            at each save (capped by the memory cgroup), split over the local ranks. A state that
-            does not fit, or whose arena cannot be allocated, is saved synchronously straight from
-            the live tensors (bounded memory, logged), never by over-allocating.
-        thread_count: DCP writer threads (and files) per rank. The default 2 overlaps one thread's
-            CRC-32 and fsync with the other's writes. An error in any writer thread fails the save.
-        timeout_seconds: limit for checkpoint collectives between ranks (seconds, or a duration such as "10m").
-        process_group: ranks taking part (default: all); checkpoint traffic always uses private
-            gloo groups created from it.
-        on_write_error: "raise" (default): a failed background save is raised on the caller's
-            thread at the next call; "warn": it is logged as a warning and counted in
-            :attr:`failed_saves` so training continues (the step is never committed either way).
+        async_save, persist, overlap_staging, writer_niceness, staging_budget_bytes, thread_count,
+            timeout_seconds, process_group, on_write_error: as the :class:`~torch_ckpt.CheckpointConfig`
+            fields of the same names. A state over the staging budget (default: half the available
+            memory at each save, cgroup-aware, over the local ranks), or whose arena cannot be
+            allocated, is saved synchronously from the live tensors (logged); ``persist="process"``
+            takes plain tensors only; with ``on_write_error="warn"`` a failed background save is
+            logged and counted in :attr:`failed_saves`.
         distributed: True (default): saves and loads are collective over all ranks of
             ``process_group``; False: this process saves and loads alone (non-collective), even in a
             distributed job.
@@ -551,19 +533,12 @@ class AsyncCheckpointer:
 
         Collective: every rank calls it with the same ``request.final`` and ``request.step``. Waits
         first for the previous save (at most one in flight) and raises, once, any error of an
-        earlier background save. Before anything is submitted the ranks agree (one small all-gather
-        on the checkpoint group): when any rank failed to prepare its part (``refused``, an
+        earlier background save. Before anything is submitted the ranks agree (:meth:`_agree`): when
+        any rank failed to prepare its part (``refused``: the caller's own checks failed; an
         unsupported value, a staging error, a previous error) or the ranks name different steps or
-        directories, every rank raises for this step at once and nothing is written; later saves
-        work normally.
-
-        Args:
-            request: the save (the caller's fields; the engine adds what it stages).
-            state: what to save (see :meth:`save`).
-            refused: the caller's own checks of this save failed with this error: nothing is
-                captured, and every rank raises at the agreement.
-            started_at: ``time.monotonic()`` when the caller's save began (for ``blocking_s``).
-            waited_s: seconds the caller already waited for the previous save.
+        directories, every rank raises for this step at once and nothing is written. ``started_at``
+        (``time.monotonic()``) and ``waited_s`` (already waited for the previous save) are the
+        caller's, for the stats.
 
         Returns:
             A :class:`SaveHandle` whose ``committed`` future completes when the checkpoint is durable.

@@ -51,11 +51,8 @@ log = get_logger(__name__)
 
 @dataclass(frozen=True)
 class SaveRequest:
-    """One save, as the manager asks for it and as the thread or process writer carries it out.
-
-    The caller fills ``final`` to ``after_commit``; :class:`~torch_ckpt.save._checkpointer.AsyncCheckpointer`
-    adds what it staged (``dataclasses.replace``); the writer process gets it without ``tensors`` and
-    ``after_commit`` and maps the arena itself.
+    """One save, as the manager asks for it (``final`` to ``after_commit``), completed by the engine with what it
+    staged (``dataclasses.replace``); the writer process gets it without ``tensors`` and ``after_commit``.
 
     Attributes:
         final: the checkpoint directory (missing or an empty reservation). step: for the manifest.
@@ -68,11 +65,9 @@ class SaveRequest:
         thread_count: DCP writer threads per rank. timings: seconds recorded in the manifest.
         incarnation: names the partial ``.torch-ckpt.partial.<id>`` (rank 0's; None: a fresh id).
         owner_alive: asked before the write, the agreement and the commit; False fails the save.
-        failed: this rank's staging failed: it joins every collective, writes nothing, and the save
-            fails on every rank with this message.
-        nodes: the root layout (None: a shared root); its ``persist``, when set, commits instead.
-        failed_names: earlier failed saves whose temporaries go first (``remove_failed_temporaries``).
-        reserved: the engine created ``final`` empty; a failed save removes it.
+        failed: this rank's staging failed with this message: it joins every collective, writes nothing.
+        nodes: the root layout (None: a shared root). failed_names: earlier failed saves whose
+            temporaries go first. reserved: the engine created ``final`` empty; a failed save removes it.
     """
 
     final: Path
@@ -296,18 +291,9 @@ def _failures(ctx: DistContext, mine: BaseException | None, what: str) -> list[s
 
 
 def persist_checkpoint(req: SaveRequest, ctx: DistContext) -> tuple[Path, int]:
-    """Write, verify agreement and commit one checkpoint; collective over ``ctx``'s background group.
-
-    The root layout's own protocol when it has one (``req.nodes.persist``: node-local roots,
-    :func:`torch_ckpt.save._persist_nodes.persist_node_local`), else :func:`commit_checkpoint` of the shared root.
-
-    Returns:
-        The committed directory (same on every rank) and the bytes of all its committed files.
-
-    Raises:
-        CheckpointWriteError: this or another rank failed, or the requesting process is gone;
-            nothing was committed.
-    """
+    """Write, verify agreement and commit one checkpoint (collective): the root layout's own protocol when it has
+    one (``req.nodes.persist``: node-local roots, :mod:`torch_ckpt.save._persist_nodes`), else
+    :func:`commit_checkpoint` of the shared root. Returns the committed directory and the bytes of its files."""
     if req.nodes is not None and req.nodes.persist is not None:
         return req.nodes.persist(req, ctx)
     return commit_checkpoint(req, ctx, SharedPart(ctx))
@@ -323,8 +309,7 @@ def commit_checkpoint(req: SaveRequest, ctx: DistContext, part: SharedPart) -> t
        rank 0's framework files and the manifest, and looks at the owner once more; the ranks agree;
     4. only then each leader renames its partial to ``final`` (:func:`~torch_ckpt.root._layout.commit_dir`).
 
-    A failed save removes the partial, and ``final`` when this save reserved it; a partial of another
-    incarnation is never committed.
+    A failed save removes the partial, and ``final`` when this save reserved it.
 
     Raises:
         CheckpointWriteError: this or another rank failed, or the requesting process is gone; nothing was

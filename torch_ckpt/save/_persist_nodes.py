@@ -63,15 +63,8 @@ class _NodePart(SharedPart):
 
 
 def persist_node_local(req: SaveRequest, ctx: DistContext) -> tuple[Path, int]:
-    """Write, agree on and commit one checkpoint whose root is private to each node (see module doc).
-
-    Returns:
-        The committed directory on this rank's node and the bytes of all committed files.
-
-    Raises:
-        CheckpointWriteError: this or another rank failed, or the requesting process is gone;
-            no node committed anything. After the global decision, a node whose rename fails raises
-            on every rank naming it (the other nodes hold their copies).
-    """
+    """:func:`~torch_ckpt.save._persist.commit_checkpoint` into node-local roots (``req.nodes``, a
+    :class:`~torch_ckpt.root._nodes.NodeLayout`); returns this node's committed directory and the bytes of all
+    committed files. A node whose rename fails after the agreement raises on every rank (the others hold copies)."""
     assert isinstance(req.nodes, NodeLayout)
     return commit_checkpoint(req, ctx, _NodePart(req.nodes))
