@@ -194,13 +194,9 @@ class StagedState:
 
 
 class HostStager:
-    """A reusable host arena with a byte budget.
-
-    Args:
-        budget_bytes: most host bytes the arena may occupy; ``None`` uses
-            :func:`default_budget_bytes`, evaluated at each :meth:`fits` (memory in use changes).
-        pin_memory: page-lock the arena; ``None`` means "when CUDA is available".
-        share_memory: place the arena in shared memory (for a writer process).
+    """A reusable host arena with a byte budget (``None``: :func:`default_budget_bytes`, evaluated at each
+    :meth:`fits`), page-locked when ``pin_memory`` (``None``: when CUDA is available), in shared memory when
+    ``share_memory`` (for a writer process).
 
     Raises:
         ConfigError: ``budget_bytes`` is not positive.
@@ -501,10 +497,7 @@ class AsyncCheckpointer:
 
     def wait_previous(self) -> float:
         """Wait for the save in flight (not for its cleanup); raise, once, an earlier background error.
-
-        Returns:
-            The seconds waited.
-        """
+        Returns the seconds waited."""
         self._ensure_open()
         waited = self._wait_inflight()
         self._raise_pending()
@@ -811,22 +804,15 @@ class AsyncCheckpointer:
     # -- lifecycle -------------------------------------------------------------------------------
     def wait(self) -> None:
         """Block until the in-flight save is committed and its follow-up work (deleting the checkpoints
-        retention retired) is done; raise any background error (once).
-
-        ``save()`` itself only waits for ``committed``; ``wait()`` also waits for the deletions, so a
-        listing of the root right after it shows no hidden trash of a retired checkpoint.
-        """
+        retention retired) is done, so a listing of the root right after it shows no hidden trash of a
+        retired checkpoint (``save()`` only waits for ``committed``); raise any background error (once)."""
         self._wait_inflight()
         self._join_writer()
         self._raise_pending()
 
     def drain(self) -> None:
-        """Wait for the save in flight, its cleanup and its writer thread to end; raise nothing.
-
-        Its error, if any, stays pending for the next call of this checkpointer's owner (or is logged
-        if the owner is closed by its finalizer). Used before another owner in this process takes
-        over the same root; safe from any thread.
-        """
+        """Wait for the save in flight, its cleanup and its writer thread to end; raise nothing (its error stays
+        pending). Used before another owner in this process takes over the same root; safe from any thread."""
         handle = self._inflight
         if handle is not None:
             futures_wait([handle.committed])  # raises nothing: _run_job recorded the error as pending

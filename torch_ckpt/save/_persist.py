@@ -130,11 +130,7 @@ def as_write_error(exc: BaseException, where: Path) -> CheckpointError:
 
 
 def check_on_disk(directory: Path, files: dict[str, dict[str, int]]) -> None:
-    """Compare every written file's size on disk with the bytes written (before anything is committed).
-
-    Raises:
-        CheckpointWriteError: a file is missing or has another size (errno EIO).
-    """
+    """Raise CheckpointWriteError (EIO) when a written file is missing or its size on disk is not what was written."""
     for name, info in files.items():
         path = directory / name
         try:
@@ -157,11 +153,8 @@ _RESERVED = re.compile(r"^(manifest\.json(\.tmp)?|\.metadata|.*\.distcp|rank_\d+
 
 
 def check_extra_name(entry: Path) -> None:
-    """Refuse an ``extra_dir`` entry whose name a checkpoint file (or the root lock) uses.
-
-    Raises:
-        CheckpointWriteError: ``manifest.json``, ``.metadata``, ``*.distcp``, ``rank_N.json``, ``.lock*``.
-    """
+    """Raise CheckpointWriteError for an ``extra_dir`` entry named like a checkpoint file (``manifest.json``,
+    ``.metadata``, ``*.distcp``, ``rank_N.json``) or the root lock (``.lock*``)."""
     if _RESERVED.match(entry.name) or entry.name.startswith(".lock"):
         raise CheckpointWriteError(f"{entry}: the name {entry.name!r} is reserved for checkpoint files; "
                                    "write framework files under other names")
@@ -189,10 +182,8 @@ def move_extra_entries(extra_dir: Path, tmp: Path) -> None:
 
 def write_shards(req: SaveRequest, ctx: DistContext, part: SharedPart, final: Path, tmp: Path
                  ) -> tuple[Any, BaseException | None, list, list[str], float]:
-    """Every rank: write its shards (DCP) and per-rank JSON into ``tmp``, check them on disk and the owner, and
-    all-gather ``(error message or None, {file: {"bytes", "crc32"}})`` of every rank.
-
-    A rank whose staging failed (``req.failed``) still joins DCP's collectives with nothing to write.
+    """Every rank: write its shards (DCP; a rank whose staging failed joins with nothing) and per-rank JSON into
+    ``tmp``, check them and the owner, and all-gather ``(error message or None, {file: {"bytes", "crc32"}})``.
 
     Returns:
         ``(writer or None, this rank's error or None, gathered, failure lines "rank R: message", seconds)``.

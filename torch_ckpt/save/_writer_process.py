@@ -153,12 +153,8 @@ def _writer_main(requests: Connection, replies: Connection, rank: int, world_siz
 
 
 class ProcessWriter:
-    """Owns the writer process of this rank.
-
-    Args:
-        ctx: the manager's distributed context (used once, to agree on a rendezvous port).
-        timeout_seconds: limit for the writer's collectives and for its start (seconds).
-        niceness: added to the writer process's nice value (0 keeps the trainer's priority).
+    """Owns the writer process of this rank; ``ctx`` agrees once on a rendezvous port, ``timeout_seconds`` bounds
+    the writer's collectives and its start, ``niceness`` is added to its nice value.
 
     Raises:
         CheckpointError: the writer process could not start or form its process group.
@@ -227,10 +223,8 @@ class ProcessWriter:
         return self._proc.pid
 
     def persist(self, *, arena: torch.Tensor | None, layout: tuple, request: Any) -> tuple[Path, int]:
-        """Persist one staged :class:`~torch_ckpt.save._persist.SaveRequest` (no tensors) in the writer process.
-
-        Returns:
-            The committed directory and the bytes of all its committed files.
+        """Persist one staged :class:`~torch_ckpt.save._persist.SaveRequest` (no tensors) in the writer process;
+        returns the committed directory and the bytes of its files.
 
         Raises:
             CheckpointWriteError: the write or commit failed (this or another rank), or the writer died.
