@@ -1,21 +1,15 @@
 """``AsyncCheckpointer``: asynchronous, atomic DCP saves of a state to a given directory (the trainer's side).
 
-The engine under :class:`~torch_ckpt.CheckpointManager` and the adapters. For each
-:class:`~torch_ckpt.save._persist.SaveRequest` it waits for the previous save (one in flight at
-most), captures the state, stages it into a reusable host arena (:class:`HostStager`: now, or
-overlapping the next forward/backward), lets the ranks agree, and hands the request to a writer
-thread of its own or to the writer process (:mod:`torch_ckpt.save._persist`,
-:mod:`torch_ckpt.save._writer_process`); background errors are raised on the caller's thread once.
-It knows nothing of steps, naming or retention; interpreter exit waits for a save in flight
-(:mod:`torch_ckpt._lifecycle`).
+The engine under :class:`~torch_ckpt.CheckpointManager` and the adapters: per save it waits for the
+previous one (one in flight at most), captures the state, stages it into a reusable host arena
+(:class:`HostStager`), lets the ranks agree and hands the request to a writer thread of its own or
+to the writer process; background errors are raised on the caller's thread once. It knows nothing
+of steps, naming or retention.
 
-Staging copies every tensor into views of one flat host buffer, re-allocated only when keys, shapes
-or dtypes change (pinned with CUDA, shared memory for a writer process): a copy into an existing
-buffer runs at memory speed (9.5 GB/s on the reference VM), a fresh allocation per save is
-page-fault bound (1.4-2.7 GB/s). CUDA tensors go on a side stream after an event on the caller's
-stream, CPU tensors through one ``torch._foreach_copy_`` (GIL released). The default budget is half
-the memory this process may still allocate: psutil's available RAM capped by the headroom of every
-memory cgroup on its path (:func:`cgroup_memory_headroom`; in a container psutil reports the host).
+The arena is re-allocated only when keys, shapes or dtypes change: a copy into an existing buffer
+runs at memory speed (9.5 GB/s on the reference VM), a fresh allocation per save is page-fault bound
+(1.4-2.7 GB/s). Its default budget is half the memory this process may still allocate: psutil's
+available RAM capped by every memory cgroup on its path (in a container psutil reports the host).
 """
 
 from __future__ import annotations
@@ -114,15 +108,10 @@ def _headroom(mount: Path, path: str, limit_files: tuple[str, ...], usage_file: 
 
 
 def cgroup_memory_headroom(cgroup_root: Path | None = None, proc_self_cgroup: str | None = None) -> int | None:
-    """Bytes this process's memory cgroups still allow it to allocate, or None when no limit applies.
-
-    The smallest ``limit - (usage - inactive file pages)`` (as in ``docker stats``; never below 0)
-    over every level with a limit up to the mount root: cgroup v2 (``0::/path``, mounted at
-    ``cgroup_root`` or its ``unified/``) compares ``memory.max``/``memory.high`` with
-    ``memory.current``, v1 (``N:memory:/path``, at ``memory/``) ``memory.limit_in_bytes`` with
-    ``memory.usage_in_bytes``. ``cgroup_root`` defaults to :data:`CGROUP_ROOT`, ``proc_self_cgroup``
-    (its text) to reading :data:`PROC_SELF_CGROUP`.
-    """
+    """Bytes this process's memory cgroups still allow it to allocate (None: no limit): the smallest
+    ``limit - (usage - inactive file pages)`` (as ``docker stats``; >= 0) of every level up to the mount root,
+    cgroup v2 (``0::/path`` at ``cgroup_root`` or its ``unified/``) and v1 (``N:memory:/path`` at ``memory/``).
+    ``proc_self_cgroup``: the text of :data:`PROC_SELF_CGROUP` (default: read it)."""
     root = CGROUP_ROOT if cgroup_root is None else Path(cgroup_root)
     if proc_self_cgroup is None:
         try:
@@ -660,8 +649,8 @@ class AsyncCheckpointer:
         failed = [(rank, vote[0]) for rank, vote in enumerate(votes) if vote[0] is not None]
         if failed:
             rank, (kind, msg) = failed[0]
-            cls = getattr(errors_module, kind, None) if kind in errors_module.__all__ else None
-            cls = cls if cls is not None and kind != "StateMismatchError" else CheckpointError
+            cls = getattr(errors_module, kind) if kind in errors_module.__all__ and kind != "StateMismatchError" \
+                else CheckpointError
             others = f" (and ranks {[r for r, _ in failed[1:]]})" if len(failed) > 1 else ""
             raise cls(f"checkpoint step {step} was not saved: rank {rank}{others} could not prepare it: {msg}")
         if len({(vote[1], vote[2]) for vote in votes}) > 1:

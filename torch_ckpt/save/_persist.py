@@ -236,11 +236,9 @@ def prepare_partial(req: SaveRequest, final: Path, tmp: Path) -> bool:
     if not final.exists():
         final.mkdir(parents=True)
         reserved = True
-    for stale in final.iterdir():  # another incarnation's partial (its save died): never committed
-        if stale.name.startswith(PARTIAL_PREFIX) and stale != tmp:
-            shutil.rmtree(stale, ignore_errors=True)
-    if tmp.exists():  # this incarnation's own leftover of an earlier failed attempt
-        shutil.rmtree(tmp)
+    for stale in final.iterdir():  # another incarnation's partial (its save died), or this one's earlier attempt
+        if stale.name.startswith(PARTIAL_PREFIX):
+            shutil.rmtree(stale, ignore_errors=stale != tmp)  # never committed; ours must go
     remove_failed_temporaries(final.parent, tmp, req.failed_names)
     tmp.mkdir()
     return reserved

@@ -18,6 +18,7 @@ which the trainer saves a last checkpoint through it.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import datetime
@@ -133,12 +134,9 @@ def _writer_main(requests: Connection, replies: Connection, rank: int, world_siz
             os._exit(1)
         if msg is None:
             break
-        kind, payload = msg
-        if kind == "arena":
-            arena = payload
-            continue
+        request, layout, new_arena = msg  # the arena comes with the first save that uses it
+        arena = arena if new_arena is None else new_arena
         try:
-            request, layout = payload
             tensors = arena_views(cast(torch.Tensor, arena), layout) if layout else {}
             ctx.heal()  # the writers' groups, when a collective of an earlier save broke them
             final, files_bytes = persist_checkpoint(replace(request, tensors=tensors, owner_alive=trainer_alive), ctx)
@@ -230,10 +228,10 @@ class ProcessWriter:
             CheckpointWriteError: the write or commit failed (this or another rank), or the writer died.
         """
         try:
-            if arena is not None and arena.data_ptr() != self._arena_ptr:
-                self._requests.send(("arena", arena))
-                self._arena_ptr = arena.data_ptr()
-            self._requests.send(("save", (request, layout)))
+            new = arena if arena is not None and arena.data_ptr() != self._arena_ptr else None
+            self._requests.send((request, layout, new))
+            if new is not None:
+                self._arena_ptr = new.data_ptr()
         except OSError:  # the writer's end is closed (BrokenPipeError): _reply reports its death
             pass
         kind, payload = self._reply()
@@ -249,10 +247,8 @@ class ProcessWriter:
         """Stop the writer process (after the request in flight, if any)."""
         if self._proc.is_alive():
             try:
-                try:
+                with contextlib.suppress(OSError):  # the writer exited meanwhile
                     self._requests.send(None)
-                except OSError:  # the writer exited meanwhile
-                    pass
                 self._proc.join(timeout=30)
             finally:
                 if self._proc.is_alive():
