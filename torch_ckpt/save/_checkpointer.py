@@ -370,14 +370,15 @@ def close_on_exit(close: Callable[[], None], exc_type: type | None) -> None:
 class AsyncCheckpointer:
     """Asynchronous, atomic DCP saves to explicit directories; collective over all ranks.
 
+    ``async_save``, ``persist``, ``overlap_staging``, ``writer_niceness``, ``staging_budget_bytes``,
+    ``thread_count``, ``timeout_seconds``, ``process_group`` and ``on_write_error`` are the
+    :class:`~torch_ckpt.CheckpointConfig` fields of the same names. A state over the staging budget
+    (default: half the available memory at each save, cgroup-aware, over the local ranks), or whose
+    arena cannot be allocated, is saved synchronously from the live tensors (logged);
+    ``persist="process"`` takes plain tensors only; with ``on_write_error="warn"`` a failed
+    background save is logged and counted in :attr:`failed_saves`.
+
     Args:
-        async_save, persist, overlap_staging, writer_niceness, staging_budget_bytes, thread_count,
-            timeout_seconds, process_group, on_write_error: as the :class:`~torch_ckpt.CheckpointConfig`
-            fields of the same names. A state over the staging budget (default: half the available
-            memory at each save, cgroup-aware, over the local ranks), or whose arena cannot be
-            allocated, is saved synchronously from the live tensors (logged); ``persist="process"``
-            takes plain tensors only; with ``on_write_error="warn"`` a failed background save is
-            logged and counted in :attr:`failed_saves`.
         distributed: True (default): saves and loads are collective over all ranks of
             ``process_group``; False: this process saves and loads alone (non-collective), even in a
             distributed job.
