@@ -58,7 +58,7 @@ def test_the_next_save_removes_the_partial_a_failed_save_left(tmp_path, monkeypa
 
     real = persist_mod._write_and_commit
 
-    def leave_it(req, ctx, final, tmp, error, reserved):
+    def leave_it(req, ctx, part, final, tmp, error, reserved):
         (tmp / "partial.distcp").write_bytes(b"x")
         raise persist_mod.CheckpointWriteError("the collective timed out")
 

@@ -1,21 +1,15 @@
 """``AsyncCheckpointer``: asynchronous, atomic DCP saves of a state to a given directory (the trainer's side).
 
-The engine under :class:`~torch_ckpt.CheckpointManager` and the adapters. For each
-:class:`~torch_ckpt.save._persist.SaveRequest` it waits for the previous save (one in flight at
-most), captures the state, stages it into a reusable host arena (:class:`HostStager`: now, or
-overlapping the next forward/backward), lets the ranks agree, and hands the request to a writer
-thread of its own or to the writer process (:mod:`torch_ckpt.save._persist`,
-:mod:`torch_ckpt.save._writer_process`); background errors are raised on the caller's thread once.
-It knows nothing of steps, naming or retention; interpreter exit waits for a save in flight
-(:mod:`torch_ckpt._lifecycle`).
+The engine under :class:`~torch_ckpt.CheckpointManager` and the adapters: per save it waits for the
+previous one (one in flight at most), captures the state, stages it into a reusable host arena
+(:class:`HostStager`), lets the ranks agree and hands the request to a writer thread of its own or
+to the writer process; background errors are raised on the caller's thread once. It knows nothing
+of steps, naming or retention.
 
-Staging copies every tensor into views of one flat host buffer, re-allocated only when keys, shapes
-or dtypes change (pinned with CUDA, shared memory for a writer process): a copy into an existing
-buffer runs at memory speed (9.5 GB/s on the reference VM), a fresh allocation per save is
-page-fault bound (1.4-2.7 GB/s). CUDA tensors go on a side stream after an event on the caller's
-stream, CPU tensors through one ``torch._foreach_copy_`` (GIL released). The default budget is half
-the memory this process may still allocate: psutil's available RAM capped by the headroom of every
-memory cgroup on its path (:func:`cgroup_memory_headroom`; in a container psutil reports the host).
+The arena is re-allocated only when keys, shapes or dtypes change: a copy into an existing buffer
+runs at memory speed (9.5 GB/s on the reference VM), a fresh allocation per save is page-fault bound
+(1.4-2.7 GB/s). Its default budget is half the memory this process may still allocate: psutil's
+available RAM capped by every memory cgroup on its path (in a container psutil reports the host).
 """
 
 from __future__ import annotations
@@ -47,13 +41,12 @@ from torch_ckpt.format._files import is_per_rank_key, split_state, tensor_kind
 from torch_ckpt.handle import SaveHandle, SaveStats
 from torch_ckpt.restore._restore import load_into
 from torch_ckpt.root._layout import SharedRoot, new_incarnation, partial_path, read_manifest, reserve, unreserve
-from torch_ckpt.save._persist import ArenaLayout, SaveRequest, arena_views, persist_checkpoint
+from torch_ckpt.save._persist import ArenaLayout, SaveRequest, arena_views, nbytes_of, persist_checkpoint
 from torch_ckpt.save._writer_process import ProcessWriter
 from torch_ckpt.state._protocol import StateToRestore, StateToSave
 
 __all__ = ["AsyncCheckpointer", "HostStager", "StagedState", "StagingMemoryError", "close_on_exit",
-           "default_budget_bytes", "available_memory_bytes", "cgroup_memory_headroom", "CGROUP_ROOT",
-           "PROC_SELF_CGROUP"]
+           "default_budget_bytes", "cgroup_memory_headroom", "CGROUP_ROOT", "PROC_SELF_CGROUP"]
 
 log = get_logger(__name__)
 
@@ -68,18 +61,17 @@ CGROUP_ROOT = Path("/sys/fs/cgroup")
 PROC_SELF_CGROUP = Path("/proc/self/cgroup")
 #: limits at or above this many bytes mean "no limit" (v1 writes 2**63 rounded down to a page)
 _UNLIMITED = 1 << 60
+#: per cgroup version: the limit files, the usage file, the memory.stat keys of inactive file pages
+_CgroupFiles = tuple[tuple[str, ...], str, tuple[str, ...]]
+_V2_FILES: _CgroupFiles = (("memory.max", "memory.high"), "memory.current", ("inactive_file",))
+_V1_FILES: _CgroupFiles = (("memory.limit_in_bytes",), "memory.usage_in_bytes",
+                            ("total_inactive_file", "inactive_file"))
 
 
 def _read_int(path: Path) -> int | None:
     try:
-        text = path.read_text().strip()
-    except (OSError, UnicodeDecodeError):
-        return None
-    if text == "max":
-        return None
-    try:
-        value = int(text)
-    except ValueError:
+        value = int(path.read_text().strip())  # "max" (no limit) is a ValueError too
+    except (OSError, UnicodeDecodeError, ValueError):
         return None
     return None if value >= _UNLIMITED else value
 
@@ -97,48 +89,29 @@ def _stat_value(directory: Path, keys: tuple[str, ...]) -> int:
     return next((stats[k] for k in keys if k in stats), 0)
 
 
-def _levels(mount: Path, path: str) -> list[Path]:
-    """The cgroup directory of ``path`` under ``mount`` and its ancestors up to ``mount``, leaf first."""
+def _headroom(mount: Path, path: str, limit_files: tuple[str, ...], usage_file: str, inactive_keys: tuple[str, ...]
+              ) -> int | None:
+    """The least ``limit - working set`` of the cgroup ``path`` under ``mount`` and its ancestors up to ``mount``."""
     leaf = mount / path.strip("/") if path.strip("/") else mount
     if not leaf.is_dir():
         leaf = mount  # our cgroup is mounted as the root (container without a cgroup namespace)
     levels = [leaf]
     while levels[-1] != mount and mount in levels[-1].parents:
         levels.append(levels[-1].parent)
-    return levels
-
-
-def _headroom(levels: list[Path], limit_files: tuple[str, ...], usage_file: str, inactive_keys: tuple[str, ...]
-              ) -> int | None:
-    best: int | None = None
+    rooms = []
     for d in levels:
         limits = [v for v in (_read_int(d / name) for name in limit_files) if v is not None]
-        if not limits:
-            continue
-        usage = _read_int(d / usage_file) or 0
-        working_set = max(0, usage - _stat_value(d, inactive_keys))
-        room = max(0, min(limits) - working_set)
-        best = room if best is None else min(best, room)
-    return best
+        if limits:
+            working_set = max(0, (_read_int(d / usage_file) or 0) - _stat_value(d, inactive_keys))
+            rooms.append(max(0, min(limits) - working_set))
+    return min(rooms, default=None)
 
 
 def cgroup_memory_headroom(cgroup_root: Path | None = None, proc_self_cgroup: str | None = None) -> int | None:
-    """Bytes this process's memory cgroups still allow it to allocate, or None when no limit applies.
-
-    cgroup v2 (``0::/path``) compares ``memory.max``/``memory.high`` with ``memory.current``, v1
-    (``N:memory:/path``) ``memory.limit_in_bytes`` with ``memory.usage_in_bytes``; inactive file pages
-    do not count as used (as in ``docker stats``); every ancestor up to the mount root is checked
-    (the mount root itself where the path is not found under it).
-
-    Args:
-        cgroup_root: where the cgroup file systems are mounted (default :data:`CGROUP_ROOT`): v2 at
-            the root itself or at ``unified/``, v1's memory controller at ``memory/``.
-        proc_self_cgroup: the text of ``/proc/self/cgroup`` (default: read :data:`PROC_SELF_CGROUP`).
-
-    Returns:
-        The smallest ``limit - (usage - inactive file pages)`` (never below 0) over every cgroup
-        level with a limit, v1 and v2; None without any limit (or without cgroups).
-    """
+    """Bytes this process's memory cgroups still allow it to allocate (None: no limit): the smallest
+    ``limit - (usage - inactive file pages)`` (as ``docker stats``; >= 0) of every level up to the mount root,
+    cgroup v2 (``0::/path`` at ``cgroup_root`` or its ``unified/``) and v1 (``N:memory:/path`` at ``memory/``).
+    ``proc_self_cgroup``: the text of :data:`PROC_SELF_CGROUP` (default: read it)."""
     root = CGROUP_ROOT if cgroup_root is None else Path(cgroup_root)
     if proc_self_cgroup is None:
         try:
@@ -152,46 +125,33 @@ def cgroup_memory_headroom(cgroup_root: Path | None = None, proc_self_cgroup: st
             continue
         hierarchy, controllers, path = parts
         if hierarchy == "0" and controllers == "":
-            for mount in (root, root / "unified"):
-                if (mount / "cgroup.controllers").is_file():
-                    room = _headroom(_levels(mount, path), ("memory.max", "memory.high"), "memory.current",
-                                     ("inactive_file",))
-                    if room is not None:
-                        found.append(room)
-                    break
-        elif "memory" in controllers.split(","):
-            mount = root / "memory"
-            if mount.is_dir():
-                room = _headroom(_levels(mount, path), ("memory.limit_in_bytes",), "memory.usage_in_bytes",
-                                 ("total_inactive_file", "inactive_file"))
-                if room is not None:
-                    found.append(room)
-    return min(found) if found else None
-
-
-def available_memory_bytes() -> int:
-    """Bytes of host memory a new allocation may take now: psutil's available RAM, capped by the cgroup headroom."""
-    available = int(psutil.virtual_memory().available)
-    room = cgroup_memory_headroom()
-    return available if room is None else min(available, room)
+            mount = next((m for m in (root, root / "unified") if (m / "cgroup.controllers").is_file()), None)
+            files = _V2_FILES
+        elif "memory" in controllers.split(",") and (root / "memory").is_dir():
+            mount, files = root / "memory", _V1_FILES
+        else:
+            continue
+        room = None if mount is None else _headroom(mount, path, *files)
+        if room is not None:
+            found.append(room)
+    return min(found, default=None)
 
 
 # -- staging ------------------------------------------------------------------------------------
 
 def default_budget_bytes(local_world_size: int | None = None, *, held_bytes: int = 0) -> int:
-    """Host bytes this rank may keep for staging now: half of :func:`available_memory_bytes`, split over local ranks.
-
-    Args:
-        local_world_size: ranks sharing this host's memory (default: ``$LOCAL_WORLD_SIZE``, else 1).
-        held_bytes: bytes of staging memory this rank already holds (they are freed before a new
-            arena is allocated, so they count as available).
-    """
+    """Host bytes this rank may keep for staging now: half of what a new allocation may take (psutil's available
+    RAM capped by :func:`cgroup_memory_headroom`) plus ``held_bytes`` (this rank's arena, freed before a new one),
+    split over ``local_world_size`` ranks (default ``$LOCAL_WORLD_SIZE``, else 1)."""
     if local_world_size is None:
         try:
             local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         except ValueError:
             local_world_size = 1
-    return int((available_memory_bytes() + held_bytes) * 0.5 / max(1, local_world_size))
+    available = int(psutil.virtual_memory().available)
+    room = cgroup_memory_headroom()
+    available = available if room is None else min(available, room)
+    return int((available + held_bytes) * 0.5 / max(1, local_world_size))
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -209,17 +169,10 @@ class StagingMemoryError(CheckpointWriteError):
 
 @dataclass
 class StagedState:
-    """Host copies of a flat tensor dict.
-
-    Attributes:
-        tensors: ``{key: host tensor}`` (views of the arena; DTensors keep their sharding spec).
-        nbytes: bytes copied.
-        layout: where each tensor lives in the arena.
-        event: CUDA event that completes when device copies are done (None for CPU-only states).
-    """
+    """Host copies of a flat tensor dict: ``tensors`` (views of the arena; DTensors keep their sharding spec),
+    the ``layout`` of the arena, and the CUDA ``event`` after which device copies have landed (None: CPU only)."""
 
     tensors: dict[str, torch.Tensor]
-    nbytes: int
     layout: ArenaLayout
     event: Any = None
 
@@ -230,13 +183,9 @@ class StagedState:
 
 
 class HostStager:
-    """A reusable host arena with a byte budget.
-
-    Args:
-        budget_bytes: most host bytes the arena may occupy; ``None`` uses
-            :func:`default_budget_bytes`, evaluated at each :meth:`fits` (memory in use changes).
-        pin_memory: page-lock the arena; ``None`` means "when CUDA is available".
-        share_memory: place the arena in shared memory (for a writer process).
+    """A reusable host arena with a byte budget (``None``: :func:`default_budget_bytes`, evaluated at each
+    :meth:`fits`), page-locked when ``pin_memory`` (``None``: when CUDA is available), in shared memory when
+    ``share_memory`` (for a writer process).
 
     Raises:
         ConfigError: ``budget_bytes`` is not positive.
@@ -253,9 +202,8 @@ class HostStager:
         self._signature: tuple | None = None
         self._layout: ArenaLayout = ()
         self._views: dict[str, torch.Tensor] = {}
-        self._nbytes = 0
         self._stream: torch.cuda.Stream | None = None
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         self.allocations = 0
 
     @property
@@ -276,66 +224,51 @@ class HostStager:
         """True when ``tensors`` fit in the staging budget."""
         return self.required_bytes(tensors) <= self.budget_bytes
 
-    def _ensure_arena(self, tensors: dict[str, torch.Tensor]) -> bool:
-        signature = tuple((k, tuple(_local(t).shape), _local(t).dtype) for k, t in tensors.items())
-        if signature == self._signature and self.arena is not None:
-            return False
-        layout, offset = [], 0
-        for key, shape, dtype in signature:
-            layout.append((key, shape, dtype, offset))
-            n = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-            offset += (n + _ALIGN_BYTES - 1) // _ALIGN_BYTES * _ALIGN_BYTES
-        # free the old arena before allocating the new one (its views keep its memory alive too)
-        self.arena, self._signature, self._layout, self._views = None, None, (), {}
-        try:
-            arena = torch.empty(max(offset, 1), dtype=torch.uint8, pin_memory=self.pin_memory)
-            if self.share_memory:
-                arena.share_memory_()
-        except (RuntimeError, MemoryError, OSError) as exc:  # out of memory, ulimit -v, pinned or /dev/shm limits
-            raise StagingMemoryError(
-                errno.ENOMEM, f"could not allocate the {offset}-byte staging arena "
-                f"({'shared memory' if self.share_memory else 'pinned' if self.pin_memory else 'host memory'}; "
-                f"staging budget {self.budget_bytes} bytes): {type(exc).__name__}: {exc}. Lower "
-                "staging_budget_bytes below the memory this process may allocate, or free memory") from exc
-        self.arena, self._signature, self._layout = arena, signature, tuple(layout)
-        self._views = arena_views(arena, self._layout)
-        self._nbytes = sum(v.numel() * v.element_size() for v in self._views.values())
-        self.allocations += 1
-        log.debug("allocated a %d-byte staging arena for %d tensors", offset, len(layout))
-        return True
-
     def reserve(self, tensors: dict[str, torch.Tensor]) -> None:
         """Allocate (or keep) the arena for ``tensors`` without copying anything.
 
         Raises:
             StagingMemoryError: the allocation failed (the arena is released; nothing is staged).
         """
+        signature = tuple((k, tuple(_local(t).shape), _local(t).dtype) for k, t in tensors.items())
         with self._lock:
-            self._ensure_arena(tensors)
+            if signature == self._signature and self.arena is not None:
+                return
+            layout, offset = [], 0
+            for key, shape, dtype in signature:
+                layout.append((key, shape, dtype, offset))
+                offset += (nbytes_of(shape, dtype) + _ALIGN_BYTES - 1) // _ALIGN_BYTES * _ALIGN_BYTES
+            self.release()  # the old arena goes before the new one is allocated (its views keep it alive too)
+            try:
+                arena = torch.empty(max(offset, 1), dtype=torch.uint8, pin_memory=self.pin_memory)
+                if self.share_memory:
+                    arena.share_memory_()
+            except (RuntimeError, MemoryError, OSError) as exc:  # out of memory, ulimit -v, pinned or /dev/shm limits
+                raise StagingMemoryError(
+                    errno.ENOMEM, f"could not allocate the {offset}-byte staging arena "
+                    f"({'shared memory' if self.share_memory else 'pinned' if self.pin_memory else 'host memory'}; "
+                    f"staging budget {self.budget_bytes} bytes): {type(exc).__name__}: {exc}. Lower "
+                    "staging_budget_bytes below the memory this process may allocate, or free memory") from exc
+            self.arena, self._signature, self._layout = arena, signature, tuple(layout)
+            self._views = arena_views(arena, self._layout)
+            self.allocations += 1
+            log.debug("allocated a %d-byte staging arena for %d tensors", offset, len(layout))
 
     def stage(self, tensors: dict[str, torch.Tensor], *, ready_event: Any = None,
               only: set[str] | None = None) -> StagedState:
-        """Copy ``tensors`` (any device; DTensors shard-locally) into the arena.
+        """Copy ``tensors`` (any device; DTensors shard-locally) into the arena, valid until the next call.
 
-        Device copies are asynchronous (:meth:`StagedState.synchronize`); host copies are done on return.
-
-        Args:
-            tensors: flat ``{key: tensor}``.
-            ready_event: CUDA event after which the device tensors hold the values to save
-                (default: the current stream's position).
-            only: copy just these keys (the arena covers all of ``tensors``): staging in two phases.
-
-        Returns:
-            The staged host tensors; valid until the next call to :meth:`stage`.
+        Device copies are asynchronous (:meth:`StagedState.synchronize`), after ``ready_event`` (default:
+        the current stream's position); host copies are done on return. ``only``: copy just these keys
+        (the arena covers all of ``tensors``): staging in two phases.
         """
         with self._lock:
-            self._ensure_arena(tensors)
-            views = self._views
+            self.reserve(tensors)
             out: dict[str, torch.Tensor] = {}
             device_pairs = []
             host_dst, host_src = [], []
             for key, t in tensors.items():
-                src, buf = _local(t).detach(), views[key]
+                src, buf = _local(t).detach(), self._views[key]
                 if only is not None and key not in only:
                     pass
                 elif src.device.type == "cuda":
@@ -361,7 +294,7 @@ class HostStager:
                         src.record_stream(self._stream)
                     event = torch.cuda.Event()
                     event.record(self._stream)
-            return StagedState(tensors=out, nbytes=self._nbytes, layout=self._layout, event=event)
+            return StagedState(tensors=out, layout=self._layout, event=event)
 
     def release(self) -> None:
         """Free the arena."""
@@ -372,12 +305,9 @@ class HostStager:
 # -- the ranks' agreement --------------------------------------------------------------------
 
 def _signature(tensors: dict[str, torch.Tensor], replicated_keys: tuple[str, ...]) -> dict[str, tuple]:
-    """``{DCP key: (kind, global shape, dtype)}`` of the tensors this rank stores under keys other ranks may use too.
-
-    That is every key but the ``__rank<r>__.`` keys of this rank's own tensors: replicated and
-    sharded tensors, and rank 0's per-rank tensors (which keep their plain key). DCP keeps one
-    entry per key for the whole job, so ranks must agree on these (:meth:`AsyncCheckpointer._agree`).
-    """
+    """``{DCP key: (kind, global shape, dtype)}`` of the tensors this rank stores under keys other ranks may use too
+    (all but its ``__rank<r>__.`` keys; rank 0's per-rank tensors keep their plain key): DCP keeps one entry per
+    key for the whole job, so the ranks must agree on these."""
     return {k: (tensor_kind(k, t, replicated_keys), tuple(t.size()), str(t.dtype)) for k, t in tensors.items()
             if not is_per_rank_key(k)}
 
@@ -406,15 +336,6 @@ def _conflicts(signatures: list[dict[str, tuple]]) -> list[str]:
     return lines
 
 
-def _cuda_ready_event(tensors: dict[str, torch.Tensor]) -> Any:
-    """Event on the caller's CUDA stream marking the values to save (None without CUDA tensors)."""
-    if not any(t.device.type == "cuda" for t in tensors.values()):
-        return None
-    event = torch.cuda.Event()
-    event.record()
-    return event
-
-
 @dataclass(eq=False)
 class _Job:
     """The engine's side of one save between capture and commit (the save itself is ``request``)."""
@@ -435,15 +356,6 @@ class _Job:
     reserved: bool = False  # this rank created ``final`` empty when the save was accepted
 
 
-def _lower_thread_priority(niceness: int) -> None:
-    """Raise the nice value of the calling (writer) thread on Linux."""
-    if niceness and hasattr(os, "setpriority"):
-        try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), niceness)
-        except OSError as exc:
-            log.warning("could not lower the checkpoint writer's priority: %s", exc)
-
-
 def close_on_exit(close: Callable[[], None], exc_type: type | None) -> None:
     """``__exit__`` helper: close; when another exception is propagating, log a close error instead of masking it."""
     if exc_type is None:
@@ -458,32 +370,15 @@ def close_on_exit(close: Callable[[], None], exc_type: type | None) -> None:
 class AsyncCheckpointer:
     """Asynchronous, atomic DCP saves to explicit directories; collective over all ranks.
 
+    ``async_save``, ``persist``, ``overlap_staging``, ``writer_niceness``, ``staging_budget_bytes``,
+    ``thread_count``, ``timeout_seconds``, ``process_group`` and ``on_write_error`` are the
+    :class:`~torch_ckpt.CheckpointConfig` fields of the same names. A state over the staging budget
+    (default: half the available memory at each save, cgroup-aware, over the local ranks), or whose
+    arena cannot be allocated, is saved synchronously from the live tensors (logged);
+    ``persist="process"`` takes plain tensors only; with ``on_write_error="warn"`` a failed
+    background save is logged and counted in :attr:`failed_saves`.
+
     Args:
-        async_save: persist in the background (default) or inside :meth:`save`.
-        persist: "thread" (default; lowest latency to durable) or "process" (a writer process per
-            rank reading a shared-memory arena; keeps the write's Python work off the trainer's
-            GIL; plain tensors only, not DTensor/FSDP2 states).
-        overlap_staging: copy parameters and optimizer state in the background, overlapping the
-            next forward/backward; the checkpointer waits for the copy before any optimizer of the
-            state takes its next ``step()``. Everything else (buffers such as BatchNorm statistics,
-            RNG, dataloader) is still copied inside :meth:`save`. Code that mutates parameters or
-            optimizer state outside ``optimizer.step()`` must call :meth:`wait_staged` first. For
-            states without ``optimizer_owned_keys`` (plain dicts) everything is copied in ``save()``.
-        writer_niceness: nice increment of the writer thread/process (Linux; 0 = unchanged). On a
-            2-core machine 19 cuts the writer's slowdown of training from about 2x to about 1.2x at
-            the price of a slower write.
-        staging_budget_bytes: host bytes for the staging arena; default half of the available memory
-            at each save (capped by the memory cgroup), split over the local ranks. A state that
-            does not fit, or whose arena cannot be allocated, is saved synchronously straight from
-            the live tensors (bounded memory, logged), never by over-allocating.
-        thread_count: DCP writer threads (and files) per rank. The default 2 overlaps one thread's
-            CRC-32 and fsync with the other's writes. An error in any writer thread fails the save.
-        timeout_seconds: limit for checkpoint collectives between ranks (seconds, or a duration such as "10m").
-        process_group: ranks taking part (default: all); checkpoint traffic always uses private
-            gloo groups created from it.
-        on_write_error: "raise" (default): a failed background save is raised on the caller's
-            thread at the next call; "warn": it is logged as a warning and counted in
-            :attr:`failed_saves` so training continues (the step is never committed either way).
         distributed: True (default): saves and loads are collective over all ranks of
             ``process_group``; False: this process saves and loads alone (non-collective), even in a
             distributed job.
@@ -517,7 +412,6 @@ class AsyncCheckpointer:
         self.on_write_error = on_write_error
         self.failed_saves: list[dict[str, Any]] = []
         self.thread_count = thread_count
-        self.persist_mode = persist
         self.overlap_staging = bool(overlap_staging)
         self.writer_niceness = writer_niceness
         self._ctx = DistContext(timeout_seconds=timeout_seconds, process_group=process_group,
@@ -528,7 +422,6 @@ class AsyncCheckpointer:
         self._staged_future: Future | None = None
         self._writer: threading.Thread | None = None  # the thread of the save in flight; it ends with the save
         self._inflight: SaveHandle | None = None
-        self._job: Future | None = None  # the writer's last job, done once its cleanup (deletions) is too
         self._pending_error: BaseException | None = None
         self._agreed_digests: tuple | None = None  # the ranks' tensor-signature digests last found consistent
         self._lock = threading.Lock()
@@ -550,7 +443,7 @@ class AsyncCheckpointer:
 
     @property
     def incarnation(self) -> str:
-        """Random hex id of this checkpointer; its temporaries are named ``.NAME.tmp.<incarnation>``.
+        """Random hex id of this checkpointer; its partials are named ``NAME/.torch-ckpt.partial.<incarnation>``.
 
         Rank 0's id names the temporaries of a collective save; other ranks' ids are not used.
         """
@@ -594,10 +487,7 @@ class AsyncCheckpointer:
 
     def wait_previous(self) -> float:
         """Wait for the save in flight (not for its cleanup); raise, once, an earlier background error.
-
-        Returns:
-            The seconds waited.
-        """
+        Returns the seconds waited."""
         self._ensure_open()
         waited = self._wait_inflight()
         self._raise_pending()
@@ -626,19 +516,12 @@ class AsyncCheckpointer:
 
         Collective: every rank calls it with the same ``request.final`` and ``request.step``. Waits
         first for the previous save (at most one in flight) and raises, once, any error of an
-        earlier background save. Before anything is submitted the ranks agree (one small all-gather
-        on the checkpoint group): when any rank failed to prepare its part (``refused``, an
+        earlier background save. Before anything is submitted the ranks agree (:meth:`_agree`): when
+        any rank failed to prepare its part (``refused``: the caller's own checks failed; an
         unsupported value, a staging error, a previous error) or the ranks name different steps or
-        directories, every rank raises for this step at once and nothing is written; later saves
-        work normally.
-
-        Args:
-            request: the save (the caller's fields; the engine adds what it stages).
-            state: what to save (see :meth:`save`).
-            refused: the caller's own checks of this save failed with this error: nothing is
-                captured, and every rank raises at the agreement.
-            started_at: ``time.monotonic()`` when the caller's save began (for ``blocking_s``).
-            waited_s: seconds the caller already waited for the previous save.
+        directories, every rank raises for this step at once and nothing is written. ``started_at``
+        (``time.monotonic()``) and ``waited_s`` (already waited for the previous save) are the
+        caller's, for the stats.
 
         Returns:
             A :class:`SaveHandle` whose ``committed`` future completes when the checkpoint is durable.
@@ -666,10 +549,14 @@ class AsyncCheckpointer:
                 self._abandon(job.handle, exc)
             raise
         assert job is not None  # _agree raised when this rank had no job (error set)
-        self._reserve(job)
+        if self.layout.acts:  # the name is taken once save() returns, as with a synchronous save
+            try:
+                job.reserved = reserve(request.final)
+            except OSError as exc:  # the writer's prepare step fails on it and reports it on every rank
+                log.debug("could not reserve %s: %s", request.final, exc)
         if job.background:
             job.handle.stats.blocking_s = time.monotonic() - t0  # the start below is the only remaining work
-            self._job = self._start_writer(job)
+            self._start_writer(job)
         else:
             self._run_job(job, job.handle)
             job.handle.stats.blocking_s = time.monotonic() - t0
@@ -706,10 +593,13 @@ class AsyncCheckpointer:
         stats.mode = "async" if background else ("sync" if fits else "sync-over-budget")
         handle = SaveHandle(step, Future(), Future(), stats)
         job = _Job(request=request, handle=handle, tensors=tensors, tree=tree, fits=fits, background=background, t0=t0,
-                   ready_event=_cuda_ready_event(tensors) if self.overlap_staging else None, signature=signature)
+                   signature=signature)
         self._inflight = handle
         try:
             if background and self.overlap_staging:
+                if any(t.device.type == "cuda" for t in tensors.values()):
+                    job.ready_event = torch.cuda.Event()  # marks the values to save on the caller's stream
+                    job.ready_event.record()
                 owned = state.optimizer_owned_keys(tensors) \
                     if callable(getattr(state, "optimizer_owned_keys", None)) else set()
                 # what forward passes may change (buffers, plain dict values) is copied now; parameters and
@@ -733,19 +623,13 @@ class AsyncCheckpointer:
         for fut in (handle.staged, handle.committed):
             if not fut.done():
                 fut.set_exception(exc)
+
     def _agree(self, step: Any, final: str | os.PathLike, error: Exception | None,
                signature: dict[str, tuple] | None = None) -> None:
-        """The ranks' agreement before a submit: every rank raises when any failed or when they disagree.
-
-        One all-gather on the caller-thread checkpoint group (the group of every other decision
-        taken on this thread, in the same order on every rank), so a failed step leaves no
-        collective half-done behind. It carries a digest of the tensors each rank stores under
-        job-wide DCP keys (:func:`_signature`); when the digests differ from each other (and from
-        the last set agreed on: pipeline stages hold different keys on every save), a second
-        all-gather of the signatures finds the keys two ranks store differently, and every rank
-        raises a ``ConfigError`` naming them and the ranks (DCP would keep one rank's entry and
-        drop the other's).
-        """
+        """The ranks' agreement before a submit (one all-gather on the caller-thread group): every rank raises
+        when any failed or when they disagree. Digests of :func:`_signature` that differ (and differ from the set
+        last agreed on: pipeline stages hold different keys) take a second all-gather of the signatures, to name
+        the keys two ranks store differently (DCP would keep one rank's entry and drop the other's)."""
         if isinstance(error, OSError) and not isinstance(error, CheckpointError):
             where = f" ({error.filename})" if error.filename else ""
             typed = CheckpointWriteError(error.errno, f"checkpoint step {step} was not saved: "
@@ -766,8 +650,8 @@ class AsyncCheckpointer:
         failed = [(rank, vote[0]) for rank, vote in enumerate(votes) if vote[0] is not None]
         if failed:
             rank, (kind, msg) = failed[0]
-            cls = getattr(errors_module, kind, None) if kind in errors_module.__all__ else None
-            cls = cls if cls is not None and kind != "StateMismatchError" else CheckpointError
+            cls = getattr(errors_module, kind) if kind in errors_module.__all__ and kind != "StateMismatchError" \
+                else CheckpointError
             others = f" (and ranks {[r for r, _ in failed[1:]]})" if len(failed) > 1 else ""
             raise cls(f"checkpoint step {step} was not saved: rank {rank}{others} could not prepare it: {msg}")
         if len({(vote[1], vote[2]) for vote in votes}) > 1:
@@ -800,55 +684,39 @@ class AsyncCheckpointer:
 
     def _stage(self, job: _Job, handle: SaveHandle) -> None:
         t = time.monotonic()
+        handle.stats.bytes = self._stager.required_bytes(job.tensors)
+        job.to_write = job.tensors
         if job.fits:
             staged = self._stager.stage(job.tensors, ready_event=job.ready_event, only=job.deferred_keys)
             staged.synchronize()
-            job.to_write, job.layout, handle.stats.bytes = staged.tensors, staged.layout, staged.nbytes
-        else:
-            job.to_write, handle.stats.bytes = job.tensors, self._stager.required_bytes(job.tensors)
+            job.to_write, job.layout = staged.tensors, staged.layout
         job.tensors = {}
         handle.stats.staging_s = time.monotonic() - t + job.early_s
         handle.staged.set_result(None)
 
-    def _start_writer(self, job: _Job) -> Future:
-        """Run the job in a new writer thread, which ends with it; the future is done once its cleanup is.
-
-        One thread per save (at most one in flight): no idle writer outlives a save, and what the job
-        references (the manager's commit callback) is released with the thread.
-        """
-        done: Future = Future()
+    def _start_writer(self, job: _Job) -> None:
+        """Run the job in a new writer thread that ends with it (one save in flight at most): no idle writer
+        outlives a save, and what the job references (the manager's commit callback) is released with it."""
         niceness = self.writer_niceness
 
         def run() -> None:
-            _lower_thread_priority(niceness)
-            try:
-                self._run_job(job, job.handle)
-                done.set_result(None)
-            except BaseException as exc:  # noqa: BLE001 - _run_job reports its own errors; this only ends the wait
-                done.set_exception(exc)
+            if niceness and hasattr(os, "setpriority"):  # Linux: the nice value of this thread only
+                try:
+                    os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), niceness)
+                except OSError as exc:
+                    log.warning("could not lower the checkpoint writer's priority: %s", exc)
+            self._run_job(job, job.handle)
 
-        thread = threading.Thread(target=run, name="torch_ckpt_writer", daemon=True)  # exit: lifecycle waits
-        self._writer = thread
-        thread.start()
-        return done
+        self._writer = threading.Thread(target=run, name="torch_ckpt_writer", daemon=True)  # exit: lifecycle waits
+        self._writer.start()
 
     def _join_writer(self, timeout: float | None = None) -> None:
-        """Wait until the writer thread of the last save has ended (not from that thread itself)."""
+        """Wait until the writer thread of the last save, and so its follow-up work (deletions), has ended."""
         thread = self._writer
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout)
             if not thread.is_alive() and self._writer is thread:
                 self._writer = None
-
-    def _reserve(self, job: _Job) -> None:
-        """The rank that commits ``job.final`` creates it empty now, so its name is taken once ``save()``
-        returns (a framework checking whether the name exists sees it as with a synchronous save)."""
-        if not self.layout.acts:
-            return
-        try:
-            job.reserved = reserve(job.request.final)
-        except OSError as exc:  # the writer's prepare step fails on it and reports it on every rank
-            log.debug("could not reserve %s: %s", job.request.final, exc)
 
     def _run_job(self, job: _Job, handle: SaveHandle) -> None:
         req = job.request
@@ -926,33 +794,18 @@ class AsyncCheckpointer:
     # -- lifecycle -------------------------------------------------------------------------------
     def wait(self) -> None:
         """Block until the in-flight save is committed and its follow-up work (deleting the checkpoints
-        retention retired) is done; raise any background error (once).
-
-        ``save()`` itself only waits for ``committed``; ``wait()`` also waits for the deletions, so a
-        listing of the root right after it shows no hidden trash of a retired checkpoint.
-        """
+        retention retired) is done, so a listing of the root right after it shows no hidden trash of a
+        retired checkpoint (``save()`` only waits for ``committed``); raise any background error (once)."""
         self._wait_inflight()
-        job = self._job
-        if job is not None:
-            job.result()  # _run_job reports its own errors; this only waits for the deletions
-            self._job = None
         self._join_writer()
         self._raise_pending()
 
     def drain(self) -> None:
-        """Wait for the save in flight, its cleanup and its writer thread to end; raise nothing.
-
-        Its error, if any, stays pending for the next call of this checkpointer's owner (or is logged
-        if the owner is closed by its finalizer). Used before another owner in this process takes
-        over the same root; safe from any thread.
-        """
-        handle, job = self._inflight, self._job
-        for future in (None if handle is None else handle.committed, job):
-            if future is not None:
-                try:
-                    future.result()
-                except BaseException:  # noqa: BLE001 - recorded as the pending error by _run_job
-                    pass
+        """Wait for the save in flight, its cleanup and its writer thread to end; raise nothing (its error stays
+        pending). Used before another owner in this process takes over the same root; safe from any thread."""
+        handle = self._inflight
+        if handle is not None:
+            futures_wait([handle.committed])  # raises nothing: _run_job recorded the error as pending
         self._join_writer()
 
     def _finish_at_exit(self) -> None:
@@ -972,13 +825,7 @@ class AsyncCheckpointer:
                 log.error("[rank %d] the checkpoint of step %d failed at the interpreter's exit and is not listed "
                           "(the previous checkpoint stays the latest); see the error above", self._ctx.rank,
                           handle.step)
-        job = self._job
-        if job is not None and handle is not None and handle.committed.done():
-            try:
-                job.result(timeout=60.0)  # the deletions retention asked for
-            except BaseException:  # noqa: BLE001 - logged by the writer
-                pass
-        self._join_writer(timeout=5.0)
+        self._join_writer(timeout=30.0 if handle is None or handle.committed.done() else 0.0)  # the deletions
         with self._lock:
             err, self._pending_error = self._pending_error, None
         if err is not None and (handle is None or handle.committed.exception() is not err):
@@ -996,13 +843,7 @@ class AsyncCheckpointer:
             self._wait_inflight()
         finally:
             self._closed = True
-            job = self._job
-            if job is not None and self._writer is not threading.current_thread():
-                try:
-                    job.result()  # the deletions of the last save
-                except BaseException:  # noqa: BLE001 - _run_job reported it
-                    pass
-            self._join_writer()
+            self._join_writer()  # and the deletions of the last save
             if self._process_writer is not None:
                 self._process_writer.close()
             for hook in self._hooked.values():

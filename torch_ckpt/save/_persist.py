@@ -28,8 +28,10 @@ from torch_ckpt.format._dcp_write import ChecksumFileSystemWriter, FlatKeysSaveP
 from torch_ckpt.format._files import unwrap_dcp_error
 from torch_ckpt.policy._lineage import BASE
 from torch_ckpt.root._layout import (
+    MANIFEST_NAME,
     PARTIAL_PREFIX,
     Manifest,
+    SharedRoot,
     commit_dir,
     is_reservation,
     new_incarnation,
@@ -39,20 +41,18 @@ from torch_ckpt.root._layout import (
     unreserve,
     write_json_durable,
 )
+from torch_ckpt.root._nodes import NodeLayout
 
-__all__ = ["SaveRequest", "ArenaLayout", "arena_views", "persist_checkpoint", "prepare_partial", "write_shards",
-           "move_extra_entries", "check_extra_name", "as_write_error", "check_on_disk", "check_owner", "describe_error"]
+__all__ = ["SaveRequest", "ArenaLayout", "SharedPart", "arena_views", "persist_checkpoint", "commit_checkpoint",
+           "write_shards", "check_extra_name", "as_write_error", "check_on_disk", "check_owner", "describe_error"]
 
 log = get_logger(__name__)
 
 
 @dataclass(frozen=True)
 class SaveRequest:
-    """One save, as the manager asks for it and as the thread or process writer carries it out.
-
-    The caller fills ``final`` to ``after_commit``; :class:`~torch_ckpt.save._checkpointer.AsyncCheckpointer`
-    adds what it staged (``dataclasses.replace``); the writer process gets it without ``tensors`` and
-    ``after_commit`` and maps the arena itself.
+    """One save, as the manager asks for it (``final`` to ``after_commit``), completed by the engine with what it
+    staged (``dataclasses.replace``); the writer process gets it without ``tensors`` and ``after_commit``.
 
     Attributes:
         final: the checkpoint directory (missing or an empty reservation). step: for the manifest.
@@ -65,11 +65,9 @@ class SaveRequest:
         thread_count: DCP writer threads per rank. timings: seconds recorded in the manifest.
         incarnation: names the partial ``.torch-ckpt.partial.<id>`` (rank 0's; None: a fresh id).
         owner_alive: asked before the write, the agreement and the commit; False fails the save.
-        failed: this rank's staging failed: it joins every collective, writes nothing, and the save
-            fails on every rank with this message.
-        nodes: a :class:`~torch_ckpt.root._nodes.NodeLayout`: every node commits its own copy.
-        failed_names: earlier failed saves whose temporaries go first (``remove_failed_temporaries``).
-        reserved: the engine created ``final`` empty; a failed save removes it.
+        failed: this rank's staging failed with this message: it joins every collective, writes nothing.
+        nodes: the root layout (None: a shared root). failed_names: earlier failed saves whose
+            temporaries go first. reserved: the engine created ``final`` empty; a failed save removes it.
     """
 
     final: Path
@@ -86,7 +84,7 @@ class SaveRequest:
     incarnation: str | None = None
     owner_alive: Callable[[], bool] | None = field(default=None, compare=False)
     failed: str | None = None
-    nodes: Any = None
+    nodes: SharedRoot | NodeLayout | None = None
     failed_names: tuple[str, ...] = ()
     reserved: bool = False
 
@@ -96,22 +94,22 @@ ArenaLayout = tuple[tuple[str, tuple[int, ...], torch.dtype, int], ...]
 
 
 def arena_views(arena: torch.Tensor, layout: ArenaLayout) -> dict[str, torch.Tensor]:
-    """Return ``{key: tensor aliasing its slice of the arena}`` (used by the writer process too).
-
-    Each tensor gets a storage of exactly its own size that aliases the arena's memory (built with
-    ``torch.frombuffer``), so writers that copy "views of larger storages" (DCP does, to avoid
-    serialising the whole storage) see plain tensors and write them without an extra copy.
-    """
+    """``{key: tensor aliasing its slice of the arena}``, each with a storage of exactly its own size
+    (``torch.frombuffer``): DCP copies views of larger storages, so plain tensors are written without a copy."""
     base = arena.numpy()
     out = {}
     for key, shape, dtype, offset in layout:
-        n = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        n = nbytes_of(shape, dtype)
         if n == 0:
             out[key] = torch.empty(shape, dtype=dtype)
             continue
         flat = torch.frombuffer(memoryview(base[offset:offset + n]), dtype=torch.uint8)  # type: ignore[arg-type]
         out[key] = flat.view(dtype).view(shape)
     return out
+
+
+def nbytes_of(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    return torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
 
 
 def describe_error(exc: BaseException) -> str:
@@ -132,11 +130,7 @@ def as_write_error(exc: BaseException, where: Path) -> CheckpointError:
 
 
 def check_on_disk(directory: Path, files: dict[str, dict[str, int]]) -> None:
-    """Compare every written file's size on disk with the bytes written (before anything is committed).
-
-    Raises:
-        CheckpointWriteError: a file is missing or has another size (errno EIO).
-    """
+    """Raise CheckpointWriteError (EIO) when a written file is missing or its size on disk is not what was written."""
     for name, info in files.items():
         path = directory / name
         try:
@@ -146,6 +140,8 @@ def check_on_disk(directory: Path, files: dict[str, dict[str, int]]) -> None:
         if size != info["bytes"]:
             raise CheckpointWriteError(errno.EIO, f"{path} has {size} bytes on disk but {info['bytes']} were "
                                                   "written; not committing")
+
+
 def check_owner(req: SaveRequest, final: Path) -> None:
     """Raise when the process that requested this save is gone (see ``SaveRequest.owner_alive``)."""
     if req.owner_alive is not None and not req.owner_alive():
@@ -157,26 +153,19 @@ _RESERVED = re.compile(r"^(manifest\.json(\.tmp)?|\.metadata|.*\.distcp|rank_\d+
 
 
 def check_extra_name(entry: Path) -> None:
-    """Refuse an ``extra_dir`` entry whose name a checkpoint file (or the root lock) uses.
-
-    Raises:
-        CheckpointWriteError: ``manifest.json``, ``.metadata``, ``*.distcp``, ``rank_N.json``, ``.lock*``.
-    """
+    """Raise CheckpointWriteError for an ``extra_dir`` entry named like a checkpoint file (``manifest.json``,
+    ``.metadata``, ``*.distcp``, ``rank_N.json``) or the root lock (``.lock*``)."""
     if _RESERVED.match(entry.name) or entry.name.startswith(".lock"):
         raise CheckpointWriteError(f"{entry}: the name {entry.name!r} is reserved for checkpoint files; "
                                    "write framework files under other names")
 
 
 def move_extra_entries(extra_dir: Path, tmp: Path) -> None:
-    """Move every entry of ``extra_dir`` (files and folders a framework hook wrote) into ``tmp``.
-
-    They become part of the checkpoint directory and are committed atomically with it; they are
-    not listed in the manifest (verify reports them as unlisted; restore never reads them). A
-    missing ``extra_dir`` moves nothing; the emptied ``extra_dir`` is removed.
+    """Move every entry of ``extra_dir`` (what a framework hook wrote) into ``tmp``, to be committed with it
+    (unlisted in the manifest); then remove ``extra_dir``. Every name is checked before anything moves.
 
     Raises:
-        CheckpointWriteError: an entry's name collides with a checkpoint file name (``manifest.json``,
-            ``.metadata``, ``*.distcp``, ``rank_N.json``) or cannot be moved.
+        CheckpointWriteError: a name is reserved (:func:`check_extra_name`) or an entry cannot be moved.
     """
     if not extra_dir.is_dir():
         return
@@ -191,46 +180,29 @@ def move_extra_entries(extra_dir: Path, tmp: Path) -> None:
     shutil.rmtree(extra_dir, ignore_errors=True)
 
 
-def write_shards(req: SaveRequest, ctx: DistContext, final: Path, tmp: Path, make_writer: Callable[[], Any],
-                 planner: Any, *, exclude: tuple[str, ...] = ()) -> tuple[Any, BaseException | None, list, list[str],
-                                                                          float]:
-    """Every rank: write its shards (DCP) and per-rank state into ``tmp``, check them, and agree.
-
-    A rank whose staging failed (``req.failed``) still joins DCP's collectives with nothing to
-    write. Each rank checks its files on disk and that its trainer is alive; then one all-gather
-    tells every rank every other rank's files and errors.
-
-    Args:
-        req: the request (tensors, tree, step).
-        ctx: the distributed context (its background group carries the collectives).
-        final: the final directory (for the owner check).
-        tmp: the temporary directory every rank writes into.
-        make_writer: builds this rank's DCP storage writer (called inside the error handling).
-        planner: the DCP save planner (a :class:`~torch_ckpt.format._dcp_write.FlatKeysSavePlanner`, so the
-            grouped state writes the same metadata as a flat one).
-        exclude: file names this rank wrote that are not listed as written (rewritten later).
+def write_shards(req: SaveRequest, ctx: DistContext, part: SharedPart, final: Path, tmp: Path
+                 ) -> tuple[Any, BaseException | None, list, list[str], float]:
+    """Every rank: write its shards (DCP; a rank whose staging failed joins with nothing) and per-rank JSON into
+    ``tmp``, check them and the owner, and all-gather ``(error message or None, {file: {"bytes", "crc32"}})``.
 
     Returns:
-        ``(writer, error, gathered, failures, write_s)``: the writer (None if it could not be
-        built), this rank's error (None on success), every rank's all-gathered ``(error message or
-        None, {file: {"bytes", "crc32"}})``, the failure lines ("rank R: message"), and the seconds
-        the write took.
+        ``(writer or None, this rank's error or None, gathered, failure lines "rank R: message", seconds)``.
     """
     t0 = time.monotonic()
     files: dict[str, dict[str, int]] = {}
     writer = None
     error: BaseException | None = None
     try:
-        writer = make_writer()
+        writer = part.writer(tmp, req)
         # grouped: DCP's per-top-level-key work (0.34 s for 20,000 flat keys) is done a few times only
         dcp.save(group_by_first_segment(req.tensors) if req.failed is None else {}, storage_writer=writer,
-                 planner=planner, process_group=ctx.bg if ctx.enabled else None, no_dist=not ctx.enabled)
+                 planner=part.planner(), process_group=ctx.bg if ctx.enabled else None, no_dist=not ctx.enabled)
         if req.failed is not None:
             raise CheckpointWriteError(f"staging step {req.step} failed on rank {ctx.rank}: {req.failed}")
         rank_doc = {"step": req.step, "rank": ctx.rank, "world_size": ctx.world_size, "tree": req.tree}
         size, crc = write_json_durable(tmp / rank_file_name(ctx.rank), rank_doc)
         files = {name: {"bytes": b, "crc32": c} for name, (b, c) in writer.written_files.items()
-                 if name not in exclude}
+                 if name not in part.exclude}
         files[rank_file_name(ctx.rank)] = {"bytes": size, "crc32": crc}
         check_on_disk(tmp, files)
         check_owner(req, final)
@@ -246,17 +218,14 @@ def write_shards(req: SaveRequest, ctx: DistContext, final: Path, tmp: Path, mak
 
 
 def prepare_partial(req: SaveRequest, final: Path, tmp: Path) -> bool:
-    """The acting rank: check ``final`` may be written, reserve it if needed and create the partial ``tmp``.
+    """A leader: check ``final`` may be written, reserve it if needed, remove stale partials and this
+    checkpointer's failed temporaries (``req.failed_names``), and create ``tmp``.
 
     Returns:
         True when ``final`` is reserved for this save (by the engine, or created here).
 
-    The leftovers of this checkpointer's earlier failed saves (``req.failed_names``) are removed
-    first (:func:`~torch_ckpt.root._layout.remove_failed_temporaries`).
-
     Raises:
-        CheckpointWriteError: ``final`` holds a committed checkpoint and ``req.replace`` is False, or
-            it is not a directory.
+        CheckpointWriteError: ``final`` holds a committed checkpoint (without ``req.replace``) or is no directory.
         OSError: a directory cannot be created.
     """
     if os.path.lexists(final) and (final.is_symlink() or not final.is_dir()):
@@ -267,105 +236,146 @@ def prepare_partial(req: SaveRequest, final: Path, tmp: Path) -> bool:
     if not final.exists():
         final.mkdir(parents=True)
         reserved = True
-    for stale in final.iterdir():  # another incarnation's partial (its save died): never committed
-        if stale.name.startswith(PARTIAL_PREFIX) and stale != tmp:
-            shutil.rmtree(stale, ignore_errors=True)
-    if tmp.exists():  # this incarnation's own leftover of an earlier failed attempt
-        shutil.rmtree(tmp)
+    for stale in final.iterdir():  # another incarnation's partial (its save died), or this one's earlier attempt
+        if stale.name.startswith(PARTIAL_PREFIX):
+            shutil.rmtree(stale, ignore_errors=stale != tmp)  # never committed; ours must go
     remove_failed_temporaries(final.parent, tmp, req.failed_names)
     tmp.mkdir()
     return reserved
 
 
+class SharedPart:
+    """The shared root's part of :func:`commit_checkpoint` (one directory every rank sees): rank 0 prepares the
+    partial, writes the manifest of every rank's files and commits. Other layouts' parts derive from it."""
+
+    exclude: tuple[str, ...] = ()  # file names a rank wrote that are not listed as written (rewritten later)
+
+    def __init__(self, ctx: DistContext) -> None:
+        self.leader = ctx.is_coordinator  # this rank prepares, finishes and commits a partial in its root
+
+    def writer(self, tmp: Path, req: SaveRequest) -> ChecksumFileSystemWriter:
+        return ChecksumFileSystemWriter(tmp, thread_count=req.thread_count, sync_files=True)
+
+    def planner(self) -> Any:
+        return FlatKeysSavePlanner()  # the grouped state writes the same metadata as a flat one
+
+    def plan(self, req: SaveRequest, ctx: DistContext, writer: Any, gathered: list,
+             timings: dict[str, float]) -> tuple[Manifest, Any]:
+        """Rank 0: the manifest of every gathered file, and what :meth:`finish` needs besides."""
+        files: dict[str, dict[str, int]] = {}
+        for _, f in gathered:
+            files.update(f)
+        return Manifest(step=req.step, world_size=ctx.world_size, files=dict(sorted(files.items())),
+                        tensor_bytes=req.tensor_bytes, timings=timings, lineage=req.lineage or BASE), None
+
+    def finish(self, tmp: Path, manifest: Manifest, extra: Any) -> Manifest:
+        """A leader: write its root's own files into ``tmp``; return the manifest it writes there."""
+        return manifest
+
+
+def _failures(ctx: DistContext, mine: BaseException | None, what: str) -> list[str]:
+    """All-gather this rank's error; return every rank's, as ``rank N: message``."""
+    gathered = ctx.all_gather(None if mine is None else describe_error(mine), background=True, what=what)
+    return [f"rank {r}: {msg}" for r, msg in enumerate(gathered) if msg]
+
+
 def persist_checkpoint(req: SaveRequest, ctx: DistContext) -> tuple[Path, int]:
-    """Write, verify agreement and commit one checkpoint; collective over ``ctx``'s background group.
+    """Write, verify agreement and commit one checkpoint (collective): the root layout's own protocol when it has
+    one (``req.nodes.persist``: node-local roots, :mod:`torch_ckpt.save._persist_nodes`), else
+    :func:`commit_checkpoint` of the shared root. Returns the committed directory and the bytes of its files."""
+    if req.nodes is not None and req.nodes.persist is not None:
+        return req.nodes.persist(req, ctx)
+    return commit_checkpoint(req, ctx, SharedPart(ctx))
 
-    The files are written into rank 0's partial ``NAME/.torch-ckpt.partial.<incarnation>`` inside
-    the reserved ``final`` (created here when the caller did not) and only that directory is
-    committed as ``final`` (:func:`~torch_ckpt.root._layout.commit_dir`); a failed save removes it, and
-    ``final`` too when this save reserved it. A partial of another incarnation is never committed. With
-    A root layout with a commit protocol of its own (``req.nodes.persist``: node-local roots) runs that
-    instead (:func:`torch_ckpt.save._persist_nodes.persist_node_local`).
 
-    Returns:
-        The committed directory (same on every rank) and the bytes of all its committed files.
+def commit_checkpoint(req: SaveRequest, ctx: DistContext, part: SharedPart) -> tuple[Path, int]:
+    """The one commit sequence; every rank takes part in every step even after a failure:
+
+    1. rank 0 names the partial ``NAME/.torch-ckpt.partial.<its incarnation>``; each leader (``part.leader``)
+       creates it inside the reserved ``final`` of its root (:func:`prepare_partial`);
+    2. every rank writes its shards and per-rank JSON into it and checks them (:func:`write_shards`);
+    3. rank 0 plans the manifest (``part.plan``); each leader writes its root's files (``part.finish``),
+       rank 0's framework files and the manifest, and looks at the owner once more; the ranks agree;
+    4. only then each leader renames its partial to ``final`` (:func:`~torch_ckpt.root._layout.commit_dir`).
+
+    A failed save removes the partial, and ``final`` when this save reserved it.
 
     Raises:
-        CheckpointWriteError: this or another rank failed, or the requesting process is gone;
-            nothing was committed.
+        CheckpointWriteError: this or another rank failed, or the requesting process is gone; nothing was
+            committed. A failed rename after the agreement raises on every rank, naming it.
     """
-    if getattr(req.nodes, "persist", None) is not None:
-        return req.nodes.persist(req, ctx)
     final = Path(req.final)
-    tmp = partial_path(final, req.incarnation or new_incarnation())
+    tmp = final / ctx.broadcast(partial_path(final, req.incarnation or new_incarnation()).name, background=True,
+                                what="prepare name")
     error: BaseException | None = None
     reserved = req.reserved
-    if ctx.is_coordinator:
+    if part.leader:
         try:
             check_owner(req, final)
             reserved = prepare_partial(req, final, tmp)
-        except BaseException as exc:  # noqa: BLE001 - reported to every rank below
+        except BaseException as exc:  # noqa: BLE001 - reported to every rank in _write_and_commit
             error = exc
             unreserve(final, tmp, reserved)
     try:
-        return _write_and_commit(req, ctx, final, tmp, error, reserved)
+        return _write_and_commit(req, ctx, part, final, tmp, error, reserved)
     except BaseException:
-        if ctx.is_coordinator:  # e.g. a collective timed out: no partial directory (nor a reservation) is left
+        if part.leader:  # e.g. a collective timed out: no partial directory (nor a reservation) is left
             unreserve(final, tmp, reserved)
         raise
 
 
-def _write_and_commit(req: SaveRequest, ctx: DistContext, final: Path, tmp: Path,
+def _write_and_commit(req: SaveRequest, ctx: DistContext, part: SharedPart, final: Path, tmp: Path,
                       error: BaseException | None, reserved: bool) -> tuple[Path, int]:
-    # every rank writes into rank 0's partial directory (its name carries rank 0's incarnation id)
-    prepared = ctx.broadcast(("ok", tmp.name) if error is None else ("error", describe_error(error)), background=True,
-                             what="prepare")
-    if prepared[0] != "ok":
-        raise as_write_error(error, tmp) if error is not None else CheckpointWriteError(
-            f"rank 0 could not prepare {tmp}: {prepared[1]}")
-    tmp = final / prepared[1]
-
-    def make_writer() -> ChecksumFileSystemWriter:
-        return ChecksumFileSystemWriter(tmp, thread_count=req.thread_count, sync_files=True)
-
-    writer, error, gathered, failures, write_s = write_shards(req, ctx, final, tmp, make_writer, FlatKeysSavePlanner())
-
-    commit_error: str | None = None
-    if ctx.is_coordinator:
-        if failures:
-            unreserve(final, tmp, reserved)
-        else:
+    failures = _failures(ctx, error, "prepare")
+    if failures:
+        if error is not None:
+            raise as_write_error(error, tmp)
+        raise CheckpointWriteError(f"checkpoint step {req.step} could not be prepared: {'; '.join(failures)}")
+    writer, error, gathered, failures, write_s = write_shards(req, ctx, part, final, tmp)
+    ready_error: BaseException | None = None
+    plan: tuple[Manifest, Any] | None = None
+    if not failures:
+        if ctx.is_coordinator:
             try:
-                all_files: dict[str, dict[str, int]] = {}
-                for _, f in gathered:
-                    all_files.update(f)
-                timings = dict(req.timings or {})
-                timings["write_s"] = write_s
-                if req.extra_dir is not None:
+                plan = part.plan(req, ctx, writer, gathered, {**(req.timings or {}), "write_s": write_s})
+            except BaseException as exc:  # noqa: BLE001 - reported to every rank by the agreement below
+                ready_error = exc
+        plan = ctx.broadcast(plan, background=True, what="manifest")
+        if part.leader and plan is not None:
+            try:
+                manifest = part.finish(tmp, *plan)
+                if ctx.is_coordinator and req.extra_dir is not None:  # rank 0's framework files
                     move_extra_entries(Path(req.extra_dir), tmp)
-                manifest = Manifest(step=req.step, world_size=ctx.world_size, files=dict(sorted(all_files.items())),
-                                    tensor_bytes=req.tensor_bytes, timings=timings, lineage=req.lineage or BASE)
-                write_json_durable(tmp / "manifest.json", manifest.to_json())
+                write_json_durable(tmp / MANIFEST_NAME, manifest.to_json())
                 check_owner(req, final)  # last look before the rename: never commit for a dead trainer
-                commit_dir(tmp, final, replace=req.replace)
             except BaseException as exc:  # noqa: BLE001
-                commit_error = describe_error(exc)
-                error = error or exc
-                unreserve(final, tmp, reserved)
-    committed = ctx.is_coordinator and not failures and commit_error is None
+                ready_error = exc
+        failures = _failures(ctx, ready_error, "commit agreement")
+    if failures or plan is None:
+        if part.leader:
+            unreserve(final, tmp, reserved)
+        own = error or ready_error
+        if own is not None:
+            raise as_write_error(own, tmp)
+        raise CheckpointWriteError(f"checkpoint step {req.step} was not committed: {'; '.join(failures)}")
+    rename_error: BaseException | None = None
+    if part.leader:
+        try:
+            commit_dir(tmp, final, replace=req.replace)
+        except BaseException as exc:  # noqa: BLE001
+            rename_error = exc
+            unreserve(final, tmp, reserved)
     try:
-        outcome = ctx.broadcast(("failed", failures) if failures else (("commit-failed", commit_error) if commit_error
-                                                                        else ("ok", None)),
-                                background=True, what="commit")
+        renamed = _failures(ctx, rename_error, "commit")
     except CheckpointError as exc:
-        if not committed:
+        if not part.leader or rename_error is not None:
             raise
-        # the rename is done: the step is committed whatever happened to the others since (a rank killed now)
-        log.warning("step %d is committed at %s, but telling the other ranks failed: %s", req.step, final, exc)
-        outcome = ("ok", None)
-    if outcome[0] == "ok":
-        return final, sum(f["bytes"] for _, files_of_rank in gathered for f in files_of_rank.values())
-    if error is not None:
-        raise as_write_error(error, tmp)
-    detail = "; ".join(outcome[1]) if isinstance(outcome[1], list) else str(outcome[1])
-    raise CheckpointWriteError(f"checkpoint step {req.step} was not committed: {detail}")
+        # the rename is done: this root's copy is committed whatever happened to the others since (a rank killed)
+        log.warning("step %d is committed at %s, but hearing from the other ranks failed: %s", req.step, final, exc)
+        renamed = []
+    if rename_error is not None:
+        raise as_write_error(rename_error, tmp)
+    if renamed:
+        raise CheckpointWriteError(f"checkpoint step {req.step} was agreed by every rank but not committed in every "
+                                   f"root ({'; '.join(renamed)}); a root whose rename succeeded holds its copy")
+    return final, sum(info["bytes"] for info in plan[0].files.values())

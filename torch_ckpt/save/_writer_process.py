@@ -1,28 +1,24 @@
 """A persistent writer process per rank: persisting without competing for the trainer's GIL.
 
 The staging arena lives in shared memory; the writer process maps it once and, for each save,
-receives the save's :class:`~torch_ckpt.save._persist.SaveRequest` (without tensors) and the
-arena's layout, then runs :func:`~torch_ckpt.save._persist.persist_checkpoint` with its own gloo
-process group among the writer processes of all ranks. The process is started
-(and its process group formed) when the manager is built, so the first save does not pay for it.
+receives the :class:`~torch_ckpt.save._persist.SaveRequest` (without tensors) and the arena's layout,
+then runs :func:`~torch_ckpt.save._persist.persist_checkpoint` over its own gloo group among the
+writer processes of all ranks, formed when the manager is built (the first save does not pay for it).
 A writer that dies is detected within a second and reported as :class:`CheckpointWriteError`.
 
-The writer never outlives its trainer. On Linux it asks the kernel for SIGKILL when the thread
-that started it exits (``PR_SET_PDEATHSIG``, set first thing in the child, then ``getppid()`` is
-compared with the trainer's pid to close the race with a trainer that died before the call); the
-writer is therefore started only from the main thread, and from another thread the signal is not
-requested. On every platform it also checks that its parent is alive and unchanged (same pid,
-same start time) while idle (every second) and before a save starts, before the ranks agree on it
-and right before the commit rename, so a writer whose trainer died never commits; it then exits.
-
-Signals meant for the trainer are ignored by the writer (:data:`IGNORED_SIGNALS`): a terminal's
-Ctrl-C reaches the whole foreground process group, and a scheduler (SLURM) signals every process
-of the job step, so without that the writer would die of the very SIGINT/SIGTERM/SIGUSR1 on
-which the trainer saves a last checkpoint through it. The trainer's exit still takes it down.
+The writer never outlives its trainer. On Linux it asks for SIGKILL when the thread that started
+it exits (``PR_SET_PDEATHSIG``; so it is requested only from the main thread), then compares
+``getppid()`` with the trainer's pid (a trainer that died before the call). Everywhere it also
+checks that its parent is alive and unchanged (pid and start time) while idle (every second), before
+a save, before the ranks agree and right before the commit rename, so it never commits for a dead
+trainer; it then exits. It ignores the signals meant for the trainer (:data:`IGNORED_SIGNALS`: a
+terminal's Ctrl-C reaches the whole process group, SLURM signals every process of the step), on
+which the trainer saves a last checkpoint through it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import datetime
@@ -59,7 +55,7 @@ _PARENT_DEATH_SIGNAL: int | None = signal.SIGKILL
 
 
 def _process_start_time(pid: int) -> float | None:
-    """Start time of process ``pid`` (seconds since the epoch, psutil), None when it does not exist."""
+    """Start time of process ``pid`` (seconds since the epoch), None when it does not exist."""
     import psutil
 
     try:
@@ -69,11 +65,8 @@ def _process_start_time(pid: int) -> float | None:
 
 
 def _parent_alive(parent_pid: int, parent_started: float | None) -> bool:
-    """True while this process's parent is still the trainer ``parent_pid`` that started it.
-
-    A dead parent shows as a changed ``getppid()`` (POSIX re-parents orphans); where that does
-    not change (Windows), the parent's pid is gone or belongs to a process started later.
-    """
+    """True while this process's parent is still the trainer that started it: POSIX re-parents orphans (a new
+    ``getppid()``); elsewhere (Windows) the parent's pid is gone or belongs to a process started later."""
     if os.getppid() != parent_pid:
         return False
     if parent_started is None:
@@ -82,31 +75,21 @@ def _parent_alive(parent_pid: int, parent_started: float | None) -> bool:
     return started is not None and abs(started - parent_started) < 1.0
 
 
-def _die_with_parent(sig: int, parent_pid: int) -> None:
-    """Ask Linux to send ``sig`` to this process when its parent dies; exit now if it already did."""
-    if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        if libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
-            err = ctypes.get_errno()
-            raise OSError(err, f"prctl(PR_SET_PDEATHSIG) failed: {os.strerror(err)}")
-    if os.getppid() != parent_pid:  # the trainer died before the request took effect
-        os._exit(1)
-
-
 def _free_port(addr: str) -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((addr, 0))
         return s.getsockname()[1]
 
 
+def _error(exc: BaseException) -> tuple[str, tuple[str, str, int | None]]:
+    return "error", (type(exc).__name__, str(exc), getattr(exc, "errno", None))
+
+
 def _writer_main(requests: Connection, replies: Connection, rank: int, world_size: int, init: tuple[str, int] | None,
                  timeout_s: float, niceness: int, parent: tuple[int, float | None], death_signal: int | None) -> None:
-    """Entry point of the writer process (spawned; imports torch afresh).
-
-    ``requests`` and ``replies`` are this end of two pipes (no named semaphores, so nothing is
-    left in ``/dev/shm`` when the whole process group is killed). ``parent`` is the trainer's
-    ``(pid, start time)``; ``death_signal`` the signal requested for its death (Linux; None: none).
-    """
+    """Entry point of the writer process (spawned; imports torch afresh). ``requests`` and ``replies`` are pipes
+    (no named semaphores, which a SIGKILL of the whole group would leave in ``/dev/shm``); ``parent`` is the
+    trainer's ``(pid, start time)``; ``death_signal`` the signal requested for its death (None: none)."""
     parent_pid, parent_started = parent
     for sig in IGNORED_SIGNALS:  # the trainer's to handle (Ctrl-C, preemption): the writer must survive them
         signal.signal(sig, signal.SIG_IGN)
@@ -115,21 +98,19 @@ def _writer_main(requests: Connection, replies: Connection, rank: int, world_siz
         return _parent_alive(parent_pid, parent_started)
 
     try:
-        if death_signal is not None:
-            _die_with_parent(death_signal, parent_pid)
-        elif os.getppid() != parent_pid:
+        if death_signal is not None and sys.platform.startswith("linux"):  # first thing: see the module doc
+            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+            if libc.prctl(_PR_SET_PDEATHSIG, int(death_signal), 0, 0, 0) != 0:
+                err = ctypes.get_errno()
+                raise OSError(err, f"prctl(PR_SET_PDEATHSIG) failed: {os.strerror(err)}")
+        if os.getppid() != parent_pid:  # the trainer died before the request took effect
             os._exit(1)
-    except BaseException as exc:  # noqa: BLE001 - reported to the parent as a failed start
-        replies.send(("error", (type(exc).__name__, str(exc), getattr(exc, "errno", None))))
-        return
+        from dataclasses import replace
 
-    from dataclasses import replace
+        import torch.distributed as dist
 
-    import torch.distributed as dist
+        from torch_ckpt.save._persist import arena_views, persist_checkpoint
 
-    from torch_ckpt.save._persist import arena_views, persist_checkpoint
-
-    try:
         if niceness:
             os.nice(niceness)
         torch.set_num_threads(1)
@@ -138,8 +119,8 @@ def _writer_main(requests: Connection, replies: Connection, rank: int, world_siz
                                     world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s))
         ctx = DistContext(timeout_seconds=timeout_s)
         replies.send(("ready", None))
-    except BaseException as exc:  # noqa: BLE001
-        replies.send(("error", (type(exc).__name__, str(exc), getattr(exc, "errno", None))))
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent as a failed start
+        replies.send(_error(exc))
         return
     arena = None
     while True:
@@ -153,18 +134,15 @@ def _writer_main(requests: Connection, replies: Connection, rank: int, world_siz
             os._exit(1)
         if msg is None:
             break
-        kind, payload = msg
-        if kind == "arena":
-            arena = payload
-            continue
+        request, layout, new_arena = msg  # the arena comes with the first save that uses it
+        arena = arena if new_arena is None else new_arena
         try:
-            request, layout = payload
             tensors = arena_views(cast(torch.Tensor, arena), layout) if layout else {}
             ctx.heal()  # the writers' groups, when a collective of an earlier save broke them
             final, files_bytes = persist_checkpoint(replace(request, tensors=tensors, owner_alive=trainer_alive), ctx)
             replies.send(("ok", (str(final), files_bytes)))
         except BaseException as exc:  # noqa: BLE001 - reported to the parent
-            replies.send(("error", (type(exc).__name__, str(exc), getattr(exc, "errno", None))))
+            replies.send(_error(exc))
         if not trainer_alive():
             os._exit(1)  # the save above was not committed (owner_alive); nobody waits for more
     ctx.destroy()
@@ -173,12 +151,8 @@ def _writer_main(requests: Connection, replies: Connection, rank: int, world_siz
 
 
 class ProcessWriter:
-    """Owns the writer process of this rank.
-
-    Args:
-        ctx: the manager's distributed context (used once, to agree on a rendezvous port).
-        timeout_seconds: limit for the writer's collectives and for its start (seconds).
-        niceness: added to the writer process's nice value (0 keeps the trainer's priority).
+    """Owns the writer process of this rank; ``ctx`` agrees once on a rendezvous port, ``timeout_seconds`` bounds
+    the writer's collectives and its start, ``niceness`` is added to its nice value.
 
     Raises:
         CheckpointError: the writer process could not start or form its process group.
@@ -210,9 +184,8 @@ class ProcessWriter:
             child_requests.close()
             child_replies.close()
         self._arena_ptr: int | None = None
-        self._timeout_s = float(timeout_seconds)
         try:
-            kind, payload = self._reply(deadline_s=max(_START_TIMEOUT_S, self._timeout_s))
+            kind, payload = self._reply(deadline_s=max(_START_TIMEOUT_S, float(timeout_seconds)))
         except CheckpointWriteError as exc:
             self.close()
             raise CheckpointError(
@@ -248,19 +221,17 @@ class ProcessWriter:
         return self._proc.pid
 
     def persist(self, *, arena: torch.Tensor | None, layout: tuple, request: Any) -> tuple[Path, int]:
-        """Persist one staged :class:`~torch_ckpt.save._persist.SaveRequest` (no tensors) in the writer process.
-
-        Returns:
-            The committed directory and the bytes of all its committed files.
+        """Persist one staged :class:`~torch_ckpt.save._persist.SaveRequest` (no tensors) in the writer process;
+        returns the committed directory and the bytes of its files.
 
         Raises:
             CheckpointWriteError: the write or commit failed (this or another rank), or the writer died.
         """
         try:
-            if arena is not None and arena.data_ptr() != self._arena_ptr:
-                self._requests.send(("arena", arena))
-                self._arena_ptr = arena.data_ptr()
-            self._requests.send(("save", (request, layout)))
+            new = arena if arena is not None and arena.data_ptr() != self._arena_ptr else None
+            self._requests.send((request, layout, new))
+            if new is not None:
+                self._arena_ptr = new.data_ptr()
         except OSError:  # the writer's end is closed (BrokenPipeError): _reply reports its death
             pass
         kind, payload = self._reply()
@@ -276,10 +247,8 @@ class ProcessWriter:
         """Stop the writer process (after the request in flight, if any)."""
         if self._proc.is_alive():
             try:
-                try:
+                with contextlib.suppress(OSError):  # the writer exited meanwhile
                     self._requests.send(None)
-                except OSError:  # the writer exited meanwhile
-                    pass
                 self._proc.join(timeout=30)
             finally:
                 if self._proc.is_alive():
