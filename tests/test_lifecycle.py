@@ -123,6 +123,21 @@ def test_interpreter_exit_logs_a_save_that_fails_in_flight(tmp_path):
         assert mgr.all_steps() == []
 
 
+def test_interpreter_exit_waits_at_most_timeout_seconds_for_a_hung_save(tmp_path):
+    """A save still writing timeout_seconds after exit began is logged as not committed; the exit is not held."""
+    proc = _run(f"""
+        import time, torch
+        import torch_ckpt.save._checkpointer as c
+        from torch_ckpt import CheckpointManager
+        c.persist_checkpoint = lambda req, ctx: time.sleep(60)
+        mgr = CheckpointManager({str(tmp_path)!r}, timeout_seconds=1)
+        mgr.save(3, {{"w": torch.ones(4)}})
+        mgr._ckpt._pending_error = OSError("an earlier background failure nobody raised")
+    """, timeout=45)
+    assert "did not commit within 1 s" in proc.stderr, proc.stderr
+    assert "an earlier background failure nobody raised" in proc.stderr, proc.stderr
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_interpreter_exit_does_not_wait_for_an_idle_writer_process(tmp_path):

@@ -828,7 +828,8 @@ class AsyncCheckpointer:
         self._join_writer(timeout=30.0 if handle is None or handle.committed.done() else 0.0)  # the deletions
         with self._lock:
             err, self._pending_error = self._pending_error, None
-        if err is not None and (handle is None or handle.committed.exception() is not err):
+        raised_by_handle = handle is not None and handle.committed.done() and handle.committed.exception() is err
+        if err is not None and not raised_by_handle:  # (exception() of an undone future would block the exit)
             log.error("[rank %d] a background checkpoint error was never raised to the training code before the "
                       "interpreter's exit: %s: %s", self._ctx.rank, type(err).__name__, err)
         if self._process_writer is not None:  # else multiprocessing's exit handler waits for it forever
