@@ -90,10 +90,8 @@ PRESENCE_WAIT_S = 15.0  # how long a save waits for every process's presence fil
 
 
 def missing_processes(root: Path, key: str, rank: int, peers: range, timeout_s: float = PRESENCE_WAIT_S) -> list[int]:
-    """Mark process ``rank`` present at save ``key`` in ``root`` and wait up to ``timeout_s`` for the marks of
-    ``peers`` (the ranks of this node: they see the same disk even for a node-local root); return the ranks still
-    missing (empty: all are saving). The node's first rank then removes earlier saves' marks; each rank removes
-    its own at ``close``."""
+    """Mark ``rank`` present at save ``key`` in ``root``; the ``peers`` (this node's ranks: the same disk even for a
+    node-local root) whose marks did not appear within ``timeout_s``. Each rank removes its own mark at ``close``."""
     marks = root / _PRESENT.format(key)
     marks.mkdir(parents=True, exist_ok=True)
     (marks / str(rank)).touch()
@@ -220,15 +218,13 @@ class AccelerateCheckpointer:
             s, acc = self.settings, self.accelerator
             keep = s.config.keep_last if s.keep_last_given else acc.project_configuration.total_limit
             # explicit folders: the run owns each folder it saves, not the directory they lie in
-            self.manager = CheckpointManager(self._root(None) if self._auto else cast(Path, root), config=s.config,
+            self.manager = CheckpointManager(self._auto_root() if self._auto else cast(Path, root), config=s.config,
                                              naming=NAMING, explicit_paths_only=not self._auto,
                                              keep_last=keep if self._auto else None, **self._policy)
         return self.manager
 
-    def _root(self, output_dir: Any) -> Path:
-        if self._auto:
-            return Path(self.accelerator.project_dir).expanduser() / "checkpoints"
-        return Path(output_dir).expanduser().absolute().parent
+    def _auto_root(self) -> Path:
+        return Path(self.accelerator.project_dir).expanduser().absolute() / "checkpoints"
 
     def _check_open(self) -> None:
         if self._closed:
@@ -276,26 +272,24 @@ class AccelerateCheckpointer:
         self.wait()  # one save in flight; its hook files are in place before new hooks run
         waited = time.monotonic() - t0
         iteration = compat.save_iteration(acc)
-        if output_dir is None and not self._auto:
+        if self._auto:
+            folder = self._auto_root() / NAMING.name(iteration)
+        elif output_dir is None:
             raise ValueError("save_state() needs output_dir unless automatic_checkpoint_naming is enabled")
+        else:
+            folder = Path(output_dir).expanduser().absolute()
         rank, world = rank_and_world()
         local = int(os.environ.get("LOCAL_RANK", rank))  # torchrun: the ranks of a node are consecutive
         peers = range(rank - local, rank - local + int(os.environ.get("LOCAL_WORLD_SIZE", world)))
-        if len(peers) > 1 and (missing := missing_processes(self._root(output_dir), str(iteration), rank, peers)):
+        if len(peers) > 1 and (missing := missing_processes(folder.parent, str(iteration), rank, peers)):
             raise ConfigError(
                 f"accelerator.save_state() was called on process {rank} but not on processes {missing} within "
                 f"{PRESENCE_WAIT_S:.0f} s (e.g. under `if accelerator.is_main_process:`); with accelerate_ckpt every "
                 "process must call it (each writes its own shard; the main process commits): remove the guard")
         if step is not None:
             self.step = int(step)
-        if self._auto:
-            manager, path, number = self._open(), None, iteration
-            folder = manager.root / NAMING.name(iteration)
-        else:
-            assert output_dir is not None  # refused above without automatic naming
-            folder = Path(output_dir).expanduser().absolute()
-            manager, path = self._open(folder.parent), folder
-            number = self.step if self.step is not None else iteration
+        manager, path = self._open(folder.parent), None if self._auto else folder
+        number = iteration if self._auto or self.step is None else self.step
         log.info("Saving current state to %s (save iteration %d, training step %s)", folder, iteration,
                  "unknown" if self.step is None else self.step)
         user = bool(compat.hooks(acc, "save"))

@@ -1,8 +1,5 @@
-"""Every use of a Lightning (or torchdata) private attribute or loop internal, in one place.
-
-Checked against ``lightning`` 2.6.6 and ``torchdata`` 0.11 (the tested versions; ``pyproject.toml`` pins the
-ranges). :func:`install_hooks` wraps five Lightning functions once per process, when a plugin is constructed.
-"""
+"""Every use of a Lightning (or torchdata) private attribute or loop internal, in one place; checked against
+``lightning`` 2.6.6 and ``torchdata`` 0.11 (``pyproject.toml`` pins the ranges)."""
 
 from __future__ import annotations
 
@@ -138,17 +135,14 @@ def install_hooks(is_ours: Callable[[Any], bool], is_ours_callback: Callable[[An
                   is_remote_checkpoint: Callable[[str], bool]) -> None:
     """Wrap Lightning once per process (idempotent); every other checkpoint IO keeps Lightning's behaviour.
 
-    * ``ModelCheckpoint._link_checkpoint``: ``save_last="link"`` links wait for the commit of what they name
-      (the IO's ``link_when_committed``).
-    * ``fabric.utilities.cloud_io._load`` (bound as ``core.saving.pl_load``, ``plugins.io.torch_io.pl_load``):
-      ``load_from_checkpoint`` and ``TorchCheckpointIO`` read a directory or URL holding ``manifest.json`` through
-      ``load_dir(path, map_location, weights_only)``; another directory's ``IsADirectoryError`` says what to do.
-    * ``_CheckpointConnector._parse_ckpt_path``: a fresh ``fit(model)`` whose ``OnExceptionCheckpoint`` callbacks
-      are all ours (``is_ours_callback``) with no checkpoint loads nothing without Lightning's "last" warnings.
-    * ``Trainer.save_checkpoint`` with our IO (``is_ours``) outside a running ``fit`` returns committed (when the
-      IO's ``wait_outside_fit``); loggers uploading files make the IO warn.
-    * ``LightningCLI._parse_ckpt_path`` (with ``jsonargparse``): ``--ckpt_path DIR`` takes the directory's
-      hyper-parameters (Lightning reads them from a file only; they go through a temporary ``torch.save`` file).
+    * ``ModelCheckpoint._link_checkpoint``: ``save_last="link"`` links wait for the commit of what they name.
+    * ``cloud_io._load`` (bound as ``saving.pl_load``, ``torch_io.pl_load``): a directory or URL holding
+      ``manifest.json`` is read by ``load_dir``; another directory's ``IsADirectoryError`` says what to do.
+    * ``_CheckpointConnector._parse_ckpt_path``: a fresh ``fit`` whose ``OnExceptionCheckpoint`` callbacks are all
+      ours, with no checkpoint, loads nothing without Lightning's "last" warnings.
+    * ``Trainer.save_checkpoint`` with our IO outside a running ``fit`` returns committed (``wait_outside_fit``).
+    * ``LightningCLI._parse_ckpt_path``: ``--ckpt_path DIR`` takes the directory's hyper-parameters (Lightning
+      reads them from a file only: they go through a temporary ``torch.save`` file).
     """
     import importlib.util
 
