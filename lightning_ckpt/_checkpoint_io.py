@@ -33,10 +33,8 @@ from lightning_ckpt._load import (
     check_options,
     decode_values,
     encode_values,
-    is_remote_checkpoint,
     is_url,
     load_checkpoint_dir,
-    read_for_lightning,
 )
 from torch_ckpt import (
     AfterCommit,
@@ -56,14 +54,6 @@ _EXIT_WAIT_S = 60.0  # longest wait at interpreter exit for an in-flight save, i
 _PICKLED_FIELDS = ("_config", "verify_on_load", "unsafe_values", "allow_cast", "wait_outside_fit")
 _HPC_NAME = re.compile(r"hpc_ckpt_(\d+)\.ckpt")
 _MARK = "_lightning_ckpt_io"  # the plugin a strategy is attached to; a logger method already deferred
-
-
-def install_hooks() -> None:  # once per process (idempotent)
-    from lightning_ckpt._callback import MTBFCheckpoint
-
-    _compat.install_hooks(lambda io: isinstance(io, AsyncDCPCheckpointIO),
-                          lambda callback: isinstance(callback, MTBFCheckpoint), read_for_lightning,
-                          is_remote_checkpoint)
 
 
 class _LightningState:
@@ -147,7 +137,7 @@ class AsyncDCPCheckpointIO(CheckpointIO):
         self._reset_runtime()
 
     def _reset_runtime(self) -> None:
-        install_hooks()
+        _compat.install_hooks()
         _LIVE.add(self)
         self._manager: CheckpointManager | None = None
         self._after = AfterCommit()  # links 0, removals 1, loggers 2; uploads -1 (their failure stops the rest)

@@ -105,7 +105,7 @@ class RemoteCheckpoints:
     """Uploads, downloads and deletes checkpoints at fsspec URLs, staged in local directories."""
 
     def __init__(self) -> None:
-        self._staged: set[Path] = set()  # where this process uploaded from: removed at close()
+        self._staged: set[Path] = set()  # removed at close() by rank 0 (the uploader)
         self._keep = False  # an upload failed: its staged copy is the only one, never removed
 
     @staticmethod
@@ -124,7 +124,9 @@ class RemoteCheckpoints:
         parent, the same on every rank of a node (the manager commits collectively)."""
         parent, name = self._split(url)
         digest = hashlib.sha1(parent.encode(), usedforsecurity=False).hexdigest()[:16]
-        return Path(tempfile.gettempdir()) / f"lightning_ckpt_upload_{os.getuid()}_{digest}" / name
+        staging = Path(tempfile.gettempdir()) / f"lightning_ckpt_upload_{os.getuid()}_{digest}"
+        self._staged.add(staging)
+        return staging / name
 
     def upload(self, local: Path, url: str, storage_options: Any = None) -> None:
         """Upload the committed ``local`` checkpoint to ``url``, then delete ``local``.
@@ -143,7 +145,6 @@ class RemoteCheckpoints:
             raise CheckpointWriteError(getattr(exc, "errno", None), f"checkpoint {url} was committed locally at "
                                        f"{local} but its upload failed ({type(exc).__name__}: {exc}); older "
                                        "checkpoints are kept") from exc
-        self._staged.add(local.parent)
         shutil.rmtree(local, ignore_errors=True)
 
     def is_checkpoint(self, url: str, storage_options: Any = None) -> bool:
@@ -164,7 +165,7 @@ class RemoteCheckpoints:
             tier.fs.rm_file(path)
 
     def close(self) -> None:  # once every upload is done
-        for staging in () if self._keep else self._staged:
+        for staging in () if self._keep or rank_and_world()[0] != 0 else self._staged:
             shutil.rmtree(staging, ignore_errors=True)
         self._staged.clear()
 
@@ -274,7 +275,7 @@ def load_from_checkpoint(cls: type[Any], checkpoint_path: str | Path, **kwargs: 
         CheckpointCorruptError: a file fails verification.
         UnsafeCheckpointError: pickled values and ``weights_only`` is not False.
     """
-    from lightning_ckpt._checkpoint_io import install_hooks
+    from lightning_ckpt._compat import install_hooks
 
     if not is_url(str(checkpoint_path)) and not Path(checkpoint_path).exists():
         raise CheckpointNotFoundError(f"{checkpoint_path} does not exist")
