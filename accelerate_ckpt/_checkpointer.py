@@ -246,11 +246,12 @@ class AccelerateCheckpointer:
         """False when the settings disabled the adapter or it was closed (Accelerate's own methods are in use)."""
         return not self._closed
 
-    def _run_hooks(self, table: dict, items: list, folder: Path, *, save: bool) -> list[int]:
-        """Run the user's pre-hooks on ``items`` (one per plain model); return the indices a hook ``pop()``ed."""
+    def _run_hooks(self, kind: str, items: list, folder: Path) -> list[int]:
+        """Run the user's ``save`` or ``load`` pre-hooks on ``items`` (one per plain model); return the indices a
+        hook ``pop()``ed."""
         originals = list(items)
-        for hook in list(table.values()):
-            hook(*((compat.prepared(self.accelerator, "models"),) if save else ()), items, str(folder))
+        for hook in list(compat.hooks(self.accelerator, kind).values()):
+            hook(*((compat.prepared(self.accelerator, "models"),) if kind == "save" else ()), items, str(folder))
         left = {id(x) for x in items}
         return [i for i, item in enumerate(originals) if id(item) not in left]
 
@@ -299,7 +300,7 @@ class AccelerateCheckpointer:
         if user:
             shutil.rmtree(hook_dir, ignore_errors=True)
             os.makedirs(hook_dir)
-        skipped = self._run_hooks(compat.hooks(acc, "save"), weights, hook_dir, save=True)
+        skipped = self._run_hooks("save", weights, hook_dir)
         state = AcceleratorTrainState(acc, step=self.step, save_iteration=iteration + 1, skip_models=skipped)
         handle = manager.save(number, state, path=path, extra_dir=hook_dir if user else None)
         compat.set_save_iteration(acc, iteration + 1)
@@ -378,11 +379,9 @@ class AccelerateCheckpointer:
                 f"nothing. To load only the matching weights of model i: state, _ = torch_ckpt.load_full_state"
                 f"('{folder}'); model.load_state_dict(state['model'][str(i)], strict=False)")
         log.info("Loading states from %s", folder)
-        hooked = bool(compat.hooks(acc, "load"))
         models = [] if compat.is_fsdp(acc) else compat.prepared(acc, "models")
-        state = AcceleratorTrainState(acc, skip_models=self._run_hooks(compat.hooks(acc, "load"), models, folder,
-                                                                       save=False))
-        if hooked or input_dir is not None:  # explicit folders, newest first: the user hooks read the first one
+        state = AcceleratorTrainState(acc, skip_models=self._run_hooks("load", models, folder))
+        if compat.hooks(acc, "load") or input_dir is not None:  # newest first: the user hooks read the first one
             restored = manager.restore(state, path=candidates, allow_cast=allow_cast) if candidates else None
         else:
             restored = manager.restore(state, allow_cast=allow_cast)  # newest intact in either tier

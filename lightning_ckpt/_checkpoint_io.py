@@ -182,7 +182,7 @@ class AsyncDCPCheckpointIO(CheckpointIO):
         if strategy.checkpoint_io is not self:
             raise ConfigError("this AsyncDCPCheckpointIO is not the trainer's checkpoint IO: pass it as "
                               "Trainer(plugins=[AsyncDCPCheckpointIO(...)])")
-        is_sharded = sharded(strategy)
+        is_sharded = _sharded(strategy)
         if trainer.state.status != TrainerStatus.RUNNING:  # before fit: install at setup, in every worker
             if not any(isinstance(cb, _AttachAtSetup) for cb in trainer.callbacks):
                 trainer.callbacks.insert(0, _AttachAtSetup())
@@ -455,12 +455,8 @@ def _local_path(path: Any) -> Path:
 # -- attach(): every rank takes part in every save (Lightning calls a CheckpointIO on rank 0 only, FSDP and
 # ModelParallel not at all); save, remove, load and teardown are replaced on the strategy *instance* by these
 # module-level functions bound by functools.partial, never closures: an attached trainer still pickles (ddp_spawn)
-def sharded(strategy: Any) -> bool:
-    """True for strategies whose state is sharded (ModelParallel, FSDP).
-
-    Raises:
-        ConfigError: a sharded strategy configured to gather a full state dict on rank 0.
-    """
+def _sharded(strategy: Any) -> bool:
+    """True for ModelParallel and FSDP; ConfigError when one is configured to gather full state dicts on rank 0."""
     distributed, dict_type = _compat.sharded_flags(strategy)
     fix = None
     if isinstance(strategy, ModelParallelStrategy) and not distributed:
