@@ -90,10 +90,8 @@ PRESENCE_WAIT_S = 15.0  # how long a save waits for every process's presence fil
 
 
 def missing_processes(root: Path, key: str, rank: int, peers: range, timeout_s: float = PRESENCE_WAIT_S) -> list[int]:
-    """Mark process ``rank`` present at save ``key`` in ``root`` and wait up to ``timeout_s`` for the marks of
-    ``peers`` (the ranks of this node: they see the same disk even for a node-local root); return the ranks still
-    missing (empty: all are saving). The node's first rank then removes earlier saves' marks; each rank removes
-    its own at ``close``."""
+    """Mark ``rank`` present at save ``key`` in ``root``; the ``peers`` (this node's ranks: the same disk even for a
+    node-local root) whose marks did not appear within ``timeout_s``. Each rank removes its own mark at ``close``."""
     marks = root / _PRESENT.format(key)
     marks.mkdir(parents=True, exist_ok=True)
     (marks / str(rank)).touch()
@@ -220,15 +218,13 @@ class AccelerateCheckpointer:
             s, acc = self.settings, self.accelerator
             keep = s.config.keep_last if s.keep_last_given else acc.project_configuration.total_limit
             # explicit folders: the run owns each folder it saves, not the directory they lie in
-            self.manager = CheckpointManager(self._root(None) if self._auto else cast(Path, root), config=s.config,
+            self.manager = CheckpointManager(self._auto_root() if self._auto else cast(Path, root), config=s.config,
                                              naming=NAMING, explicit_paths_only=not self._auto,
                                              keep_last=keep if self._auto else None, **self._policy)
         return self.manager
 
-    def _root(self, output_dir: Any) -> Path:
-        if self._auto:
-            return Path(self.accelerator.project_dir).expanduser() / "checkpoints"
-        return Path(output_dir).expanduser().absolute().parent
+    def _auto_root(self) -> Path:
+        return Path(self.accelerator.project_dir).expanduser().absolute() / "checkpoints"
 
     def _check_open(self) -> None:
         if self._closed:
@@ -250,11 +246,12 @@ class AccelerateCheckpointer:
         """False when the settings disabled the adapter or it was closed (Accelerate's own methods are in use)."""
         return not self._closed
 
-    def _run_hooks(self, table: dict, items: list, folder: Path, *, save: bool) -> list[int]:
-        """Run the user's pre-hooks on ``items`` (one per plain model); return the indices a hook ``pop()``ed."""
+    def _run_hooks(self, kind: str, items: list, folder: Path) -> list[int]:
+        """Run the user's ``save`` or ``load`` pre-hooks on ``items`` (one per plain model); return the indices a
+        hook ``pop()``ed."""
         originals = list(items)
-        for hook in list(table.values()):
-            hook(*((compat.prepared(self.accelerator, "models"),) if save else ()), items, str(folder))
+        for hook in list(compat.hooks(self.accelerator, kind).values()):
+            hook(*((compat.prepared(self.accelerator, "models"),) if kind == "save" else ()), items, str(folder))
         left = {id(x) for x in items}
         return [i for i, item in enumerate(originals) if id(item) not in left]
 
@@ -276,26 +273,24 @@ class AccelerateCheckpointer:
         self.wait()  # one save in flight; its hook files are in place before new hooks run
         waited = time.monotonic() - t0
         iteration = compat.save_iteration(acc)
-        if output_dir is None and not self._auto:
+        if self._auto:
+            folder = self._auto_root() / NAMING.name(iteration)
+        elif output_dir is None:
             raise ValueError("save_state() needs output_dir unless automatic_checkpoint_naming is enabled")
+        else:
+            folder = Path(output_dir).expanduser().absolute()
         rank, world = rank_and_world()
         local = int(os.environ.get("LOCAL_RANK", rank))  # torchrun: the ranks of a node are consecutive
         peers = range(rank - local, rank - local + int(os.environ.get("LOCAL_WORLD_SIZE", world)))
-        if len(peers) > 1 and (missing := missing_processes(self._root(output_dir), str(iteration), rank, peers)):
+        if len(peers) > 1 and (missing := missing_processes(folder.parent, str(iteration), rank, peers)):
             raise ConfigError(
                 f"accelerator.save_state() was called on process {rank} but not on processes {missing} within "
                 f"{PRESENCE_WAIT_S:.0f} s (e.g. under `if accelerator.is_main_process:`); with accelerate_ckpt every "
                 "process must call it (each writes its own shard; the main process commits): remove the guard")
         if step is not None:
             self.step = int(step)
-        if self._auto:
-            manager, path, number = self._open(), None, iteration
-            folder = manager.root / NAMING.name(iteration)
-        else:
-            assert output_dir is not None  # refused above without automatic naming
-            folder = Path(output_dir).expanduser().absolute()
-            manager, path = self._open(folder.parent), folder
-            number = self.step if self.step is not None else iteration
+        manager, path = self._open(folder.parent), None if self._auto else folder
+        number = iteration if self._auto or self.step is None else self.step
         log.info("Saving current state to %s (save iteration %d, training step %s)", folder, iteration,
                  "unknown" if self.step is None else self.step)
         user = bool(compat.hooks(acc, "save"))
@@ -305,7 +300,7 @@ class AccelerateCheckpointer:
         if user:
             shutil.rmtree(hook_dir, ignore_errors=True)
             os.makedirs(hook_dir)
-        skipped = self._run_hooks(compat.hooks(acc, "save"), weights, hook_dir, save=True)
+        skipped = self._run_hooks("save", weights, hook_dir)
         state = AcceleratorTrainState(acc, step=self.step, save_iteration=iteration + 1, skip_models=skipped)
         handle = manager.save(number, state, path=path, extra_dir=hook_dir if user else None)
         compat.set_save_iteration(acc, iteration + 1)
@@ -384,11 +379,9 @@ class AccelerateCheckpointer:
                 f"nothing. To load only the matching weights of model i: state, _ = torch_ckpt.load_full_state"
                 f"('{folder}'); model.load_state_dict(state['model'][str(i)], strict=False)")
         log.info("Loading states from %s", folder)
-        hooked = bool(compat.hooks(acc, "load"))
         models = [] if compat.is_fsdp(acc) else compat.prepared(acc, "models")
-        state = AcceleratorTrainState(acc, skip_models=self._run_hooks(compat.hooks(acc, "load"), models, folder,
-                                                                       save=False))
-        if hooked or input_dir is not None:  # explicit folders, newest first: the user hooks read the first one
+        state = AcceleratorTrainState(acc, skip_models=self._run_hooks("load", models, folder))
+        if compat.hooks(acc, "load") or input_dir is not None:  # newest first: the user hooks read the first one
             restored = manager.restore(state, path=candidates, allow_cast=allow_cast) if candidates else None
         else:
             restored = manager.restore(state, allow_cast=allow_cast)  # newest intact in either tier

@@ -1,6 +1,5 @@
-"""``AcceleratorTrainState``: everything ``Accelerator.save_state`` covers, as one torch-ckpt state (built for each
-save and load from the objects the ``Accelerator`` prepared; keys in ``docs/accelerate.md``, "What a checkpoint holds").
-"""
+"""``AcceleratorTrainState``: everything ``Accelerator.save_state`` covers, as one torch-ckpt state (keys in
+``docs/accelerate.md``, "What a checkpoint holds")."""
 
 from __future__ import annotations
 

@@ -7,11 +7,11 @@ import atexit
 import logging
 import os
 import re
-import shutil
 import sys
 import uuid
 import weakref
 from concurrent.futures import TimeoutError as FutureTimeout
+from functools import partial
 from pathlib import Path
 from typing import Any, Literal, cast
 
@@ -19,6 +19,9 @@ import fsspec
 import torch
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
@@ -26,21 +29,21 @@ from lightning_ckpt import _compat
 from lightning_ckpt._load import (
     RANK_LOCAL_KEYS,
     RemoteCheckpoints,
+    _ShardedTarget,
     check_options,
+    decode_values,
     encode_values,
-    is_remote_checkpoint,
     is_url,
     load_checkpoint_dir,
-    read_for_lightning,
 )
 from torch_ckpt import (
     AfterCommit,
     CheckpointConfig,
     CheckpointManager,
-    CheckpointWriteError,
     ConfigError,
     SaveHandle,
     StepNaming,
+    TrainState,
     is_committed,
     rank_and_world,
 )
@@ -50,15 +53,7 @@ _LIVE: weakref.WeakSet = weakref.WeakSet()  # plugins of this process, finished 
 _EXIT_WAIT_S = 60.0  # longest wait at interpreter exit for an in-flight save, in seconds
 _PICKLED_FIELDS = ("_config", "verify_on_load", "unsafe_values", "allow_cast", "wait_outside_fit")
 _HPC_NAME = re.compile(r"hpc_ckpt_(\d+)\.ckpt")
-
-
-def install_hooks() -> None:
-    """Install the plugin's wrappers of Lightning (:func:`lightning_ckpt._compat.install_hooks`), once per process."""
-    from lightning_ckpt._callback import MTBFCheckpoint
-
-    _compat.install_hooks(lambda io: isinstance(io, AsyncDCPCheckpointIO),
-                          lambda callback: isinstance(callback, MTBFCheckpoint), read_for_lightning,
-                          is_remote_checkpoint)
+_MARK = "_lightning_ckpt_io"  # the plugin a strategy is attached to; a logger method already deferred
 
 
 class _LightningState:
@@ -142,7 +137,7 @@ class AsyncDCPCheckpointIO(CheckpointIO):
         self._reset_runtime()
 
     def _reset_runtime(self) -> None:
-        install_hooks()
+        _compat.install_hooks()
         _LIVE.add(self)
         self._manager: CheckpointManager | None = None
         self._after = AfterCommit()  # links 0, removals 1, loggers 2; uploads -1 (their failure stops the rest)
@@ -154,7 +149,6 @@ class AsyncDCPCheckpointIO(CheckpointIO):
         self._saving_path: str | None = None  # where last_handle writes (a URL: until uploaded)
         self._remote = RemoteCheckpoints()  # checkpoints at fsspec URLs: committed locally, then uploaded
         self._remote_options: dict[str, Any] = {}  # URL -> the storage_options it was saved with
-        self._keep_staging = self._uploads_here = False
 
     def __getstate__(self) -> dict[str, Any]:  # ddp_spawn pickles the plugin: runtime state stays behind
         return {k: v for k, v in self.__dict__.items() if k in _PICKLED_FIELDS}
@@ -184,9 +178,34 @@ class AsyncDCPCheckpointIO(CheckpointIO):
         Raises:
             ConfigError: not the trainer's checkpoint IO, or a sharded strategy gathers full state dicts.
         """
-        from lightning_ckpt._attach import attach
-
-        attach(self, trainer)
+        strategy = trainer.strategy
+        if strategy.checkpoint_io is not self:
+            raise ConfigError("this AsyncDCPCheckpointIO is not the trainer's checkpoint IO: pass it as "
+                              "Trainer(plugins=[AsyncDCPCheckpointIO(...)])")
+        is_sharded = _sharded(strategy)
+        if trainer.state.status != TrainerStatus.RUNNING:  # before fit: install at setup, in every worker
+            if not any(isinstance(cb, _AttachAtSetup) for cb in trainer.callbacks):
+                trainer.callbacks.insert(0, _AttachAtSetup())
+            return
+        self.start_fit()
+        if getattr(strategy, _MARK, None) is self:
+            return
+        if names := _compat.uploading_loggers(trainer):
+            raise ConfigError(f"{', '.join(names)} with log_model uploads checkpoint files only (Path.is_file()), and "
+                              "AsyncDCPCheckpointIO writes directories: no checkpoint would be uploaded. Pass "
+                              "log_model=False and upload the checkpoint directories yourself (docs/lightning.md)")
+        original_load = partial(type(strategy).load_checkpoint, strategy)
+        original_teardown = partial(type(strategy).teardown, strategy)
+        strategy.save_checkpoint = partial(_save_checkpoint, self, strategy)
+        strategy.remove_checkpoint = self.remove_checkpoint
+        strategy.teardown = partial(_teardown, self, original_teardown)
+        strategy.load_checkpoint = partial(_load_checkpoint, self, trainer, original_load, is_sharded)
+        if is_sharded:
+            strategy.lightning_module_state_dict = partial(_sharded_module_state, strategy)
+            strategy.optimizer_state = partial(_sharded_optimizer_state, strategy)
+        for logger in trainer.loggers:
+            _defer_after_save(self, logger)
+        setattr(strategy, _MARK, self)
 
     def start_fit(self) -> None:
         """Called once attached inside ``fit``: every rank now calls save/remove/load (collective)."""
@@ -252,8 +271,7 @@ class AsyncDCPCheckpointIO(CheckpointIO):
         self._after.handle = manager.save(step, state, path=None if named else path)
         self._saving_path = url or str(path)
         if url is not None and rank == 0:  # rank 0 uploads what every rank committed
-            self._uploads_here = True
-            self._after.add(-1, f"upload {url}", lambda: self._upload(path, url, storage_options))
+            self._after.add(-1, f"upload {url}", lambda: self._remote.upload(path, url, storage_options))
         if self.wait_outside_fit and self._after_fit:
             self.teardown()  # committed; the manager this save opened after the run ends with it (lifecycle)
 
@@ -283,15 +301,6 @@ class AsyncDCPCheckpointIO(CheckpointIO):
     def poll(self) -> None:
         """Carry out deferred links, removals and logger calls if the in-flight save has committed."""
         self._after.poll()
-
-    def _upload(self, local: Path, url: str, storage_options: Any) -> None:
-        try:
-            self._remote.upload(local, url, storage_options)
-        except Exception as exc:  # noqa: BLE001 - any backend error (botocore, aiohttp...) fails the save
-            self._keep_staging = True  # the only copy of this checkpoint: never deleted by teardown
-            raise CheckpointWriteError(getattr(exc, "errno", None), f"checkpoint {url} was committed locally at "
-                                       f"{local} but its upload failed ({type(exc).__name__}: {exc}); older "
-                                       "checkpoints are kept") from exc
 
     def wait_for_path(self, path: Any) -> None:
         """Block until the in-flight save is committed if it writes ``path`` (``Tuner.lr_find`` restores the
@@ -353,14 +362,10 @@ class AsyncDCPCheckpointIO(CheckpointIO):
         """
         self.wait_for_path(path)
         text = os.fspath(path) if isinstance(path, (str, os.PathLike)) else ""
-        allow_pickle = weights_only is False
-        if is_url(text) and self._remote.is_checkpoint(text, self._remote_options.get(text)):
-            local = self._remote.download(text, self._remote_options.get(text))
-            try:
-                return load_checkpoint_dir([local], manager=None, verify=self.verify_on_load,
-                                           allow_pickle=allow_pickle, map_location=map_location)
-            finally:
-                shutil.rmtree(local.parent, ignore_errors=True)
+        allow_pickle, options = weights_only is False, self._remote_options.get(text)
+        if is_url(text) and self._remote.is_checkpoint(text, options):
+            return load_checkpoint_dir([text], manager=None, verify=self.verify_on_load, allow_pickle=allow_pickle,
+                                       map_location=map_location, storage_options=options)
         if is_url(text) or not Path(path).is_dir():
             return TorchCheckpointIO().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
         # absolute: an attached manager reads a relative path relative to its root, not the working directory
@@ -396,8 +401,7 @@ class AsyncDCPCheckpointIO(CheckpointIO):
                 self._manager = None
                 if manager is not None:
                     manager.close()
-                if self._uploads_here and not self._keep_staging:  # a failed upload keeps the local copy
-                    self._remote.close()
+                self._remote.close()
         except Exception:  # the failed save's waiting actions are dropped (AfterCommit.run)
             if propagating is None:
                 raise
@@ -407,7 +411,7 @@ class AsyncDCPCheckpointIO(CheckpointIO):
 @atexit.register
 def _finish_at_exit() -> None:
     """A process leaving without ``teardown`` (a ``ddp_spawn`` worker whose ``fit`` raised) commits its in-flight
-    save (waiting at most ``_EXIT_WAIT_S``) and what waits for it; errors are logged."""
+    save and its deferred actions (waiting at most ``_EXIT_WAIT_S``); errors are logged."""
     for io in list(_LIVE):
         if io._manager is None or not (io._after.pending or io.saving):
             continue
@@ -446,3 +450,91 @@ def _ptr(tensor: torch.Tensor) -> int:
 
 def _local_path(path: Any) -> Path:
     return Path(os.fspath(path).removeprefix("file://"))
+
+
+# -- attach(): every rank takes part in every save (Lightning calls a CheckpointIO on rank 0 only, FSDP and
+# ModelParallel not at all); save, remove, load and teardown are replaced on the strategy *instance* by these
+# module-level functions bound by functools.partial, never closures: an attached trainer still pickles (ddp_spawn)
+def _sharded(strategy: Any) -> bool:
+    """True for ModelParallel and FSDP; ConfigError when one is configured to gather full state dicts on rank 0."""
+    distributed, dict_type = _compat.sharded_flags(strategy)
+    fix = None
+    if isinstance(strategy, ModelParallelStrategy) and not distributed:
+        fix = "ModelParallelStrategy(save_distributed_checkpoint=True)"
+    if isinstance(strategy, FSDPStrategy) and dict_type != "sharded":
+        fix = "FSDPStrategy(state_dict_type='sharded')"
+    if fix:
+        raise ConfigError(f"AsyncDCPCheckpointIO writes sharded checkpoints (every rank its shards): use {fix}")
+    return isinstance(strategy, (ModelParallelStrategy, FSDPStrategy))
+
+
+class _AttachAtSetup(Callback):
+    """Installs the wrappers inside ``fit``/``validate``... on every rank (picklable for ``ddp_spawn``)."""
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        trainer.strategy.checkpoint_io.attach(trainer)
+
+
+def _save_checkpoint(io: Any, strategy: Any, checkpoint: dict[str, Any], filepath: Any,
+                     storage_options: Any = None) -> None:
+    io.save_checkpoint(checkpoint, strategy.broadcast(filepath), storage_options)
+
+
+def _teardown(io: Any, original_teardown: Any) -> None:
+    try:
+        original_teardown()
+    finally:
+        io.teardown()  # idempotent; the sharded strategies' teardown does not call it
+
+
+def _optimizers(strategy: Any) -> list:
+    return [_compat.unwrap_optimizer(o) for o in strategy.optimizers]
+
+
+def _sharded_module_state(strategy: Any) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    return get_model_state_dict(strategy.model)
+
+
+def _sharded_optimizer_state(strategy: Any, optimizer: Any) -> dict[str, Any]:
+    return TrainState(model=strategy.model, optimizer=[_compat.unwrap_optimizer(optimizer)],
+                      rng=False).state_dict()["optimizer"]
+
+
+def _load_checkpoint(io: Any, trainer: Any, original_load: Any, is_sharded: bool, checkpoint_path: Any,
+                     weights_only: bool | None = None) -> dict[str, Any]:
+    strategy = trainer.strategy
+    checkpoint_path = strategy.broadcast(checkpoint_path)
+    if is_url(os.fspath(checkpoint_path)):  # fsspec URL: downloaded and read by every rank (never a Path)
+        return io.load_checkpoint(checkpoint_path, weights_only=weights_only)
+    path = Path(checkpoint_path)
+    io.wait_for_path(path)
+    if not path.is_dir():  # a committed checkpoint is a directory
+        return original_load(checkpoint_path, weights_only=weights_only)
+    fitting = trainer.state.fn == TrainerFn.FITTING
+    module = strategy.lightning_module
+    if is_sharded and fitting and _optimizers(strategy):
+        candidates = io.fallbacks.pop(str(path.absolute()), [path])
+        target = _ShardedTarget(strategy.model, _optimizers(strategy))
+        io.manager(path.parent).restore(target, path=candidates, allow_cast=io.allow_cast)
+        return decode_values(target.loaded, allow_pickle=weights_only is False)
+    # DDP/single device restore before the optimizers exist: only the model is checked (by the core)
+    live = None if is_sharded else {"state_dict": module.state_dict()}
+    checkpoint = io.load_checkpoint(path, weights_only=weights_only, live=live, strict=module.strict_loading)
+    if is_sharded:  # evaluation: full tensors on every rank, then sharded into the model
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        set_model_state_dict(strategy.model, checkpoint["state_dict"],
+                             options=StateDictOptions(full_state_dict=True, strict=module.strict_loading))
+    return checkpoint
+
+
+def _defer_after_save(io: Any, logger: Any) -> None:
+    if not getattr(logger.after_save_checkpoint, _MARK, False):
+        logger.after_save_checkpoint = partial(_after_save_checkpoint, io, logger.after_save_checkpoint)
+        setattr(logger.after_save_checkpoint, _MARK, True)
+
+
+def _after_save_checkpoint(io: Any, original: Any, checkpoint_callback: Any) -> None:
+    io.call_when_committed(partial(original, checkpoint_callback))

@@ -1,8 +1,5 @@
-"""Every use of a Lightning (or torchdata) private attribute or loop internal, in one place.
-
-Checked against ``lightning`` 2.6.6 and ``torchdata`` 0.11 (the tested versions; ``pyproject.toml`` pins the
-ranges). :func:`install_hooks` wraps five Lightning functions once per process, when a plugin is constructed.
-"""
+"""Every use of a Lightning (or torchdata) private attribute or loop internal, in one place; checked against
+``lightning`` 2.6.6 and ``torchdata`` 0.11 (``pyproject.toml`` pins the ranges)."""
 
 from __future__ import annotations
 
@@ -13,6 +10,8 @@ import tempfile
 from collections.abc import Callable
 from functools import partial
 from typing import Any
+
+from lightning_ckpt._load import is_remote_checkpoint, read_for_lightning
 
 _MARK = "_lightning_ckpt_wrapped"
 
@@ -133,22 +132,17 @@ def _wrap(owner: Any, name: str, make: Callable[[Any], Any], *, static: bool = F
         setattr(owner, name, staticmethod(wrapper) if static else wrapper)
 
 
-def install_hooks(is_ours: Callable[[Any], bool], is_ours_callback: Callable[[Any], bool],
-                  load_dir: Callable[[str, Any, bool | None], dict[str, Any]],
-                  is_remote_checkpoint: Callable[[str], bool]) -> None:
+def install_hooks() -> None:
     """Wrap Lightning once per process (idempotent); every other checkpoint IO keeps Lightning's behaviour.
 
-    * ``ModelCheckpoint._link_checkpoint``: ``save_last="link"`` links wait for the commit of what they name
-      (the IO's ``link_when_committed``).
-    * ``fabric.utilities.cloud_io._load`` (bound as ``core.saving.pl_load``, ``plugins.io.torch_io.pl_load``):
-      ``load_from_checkpoint`` and ``TorchCheckpointIO`` read a directory or URL holding ``manifest.json`` through
-      ``load_dir(path, map_location, weights_only)``; another directory's ``IsADirectoryError`` says what to do.
-    * ``_CheckpointConnector._parse_ckpt_path``: a fresh ``fit(model)`` whose ``OnExceptionCheckpoint`` callbacks
-      are all ours (``is_ours_callback``) with no checkpoint loads nothing without Lightning's "last" warnings.
-    * ``Trainer.save_checkpoint`` with our IO (``is_ours``) outside a running ``fit`` returns committed (when the
-      IO's ``wait_outside_fit``); loggers uploading files make the IO warn.
-    * ``LightningCLI._parse_ckpt_path`` (with ``jsonargparse``): ``--ckpt_path DIR`` takes the directory's
-      hyper-parameters (Lightning reads them from a file only; they go through a temporary ``torch.save`` file).
+    * ``ModelCheckpoint._link_checkpoint``: ``save_last="link"`` links wait for the commit of what they name.
+    * ``cloud_io._load`` (bound as ``saving.pl_load``, ``torch_io.pl_load``): a directory or URL holding
+      ``manifest.json`` is read by ``read_for_lightning``; another directory's ``IsADirectoryError`` says what to do.
+    * ``_CheckpointConnector._parse_ckpt_path``: a fresh ``fit`` whose ``OnExceptionCheckpoint`` callbacks are all
+      ours, with no checkpoint, loads nothing without Lightning's "last" warnings.
+    * ``Trainer.save_checkpoint`` with our IO outside a running ``fit`` returns committed (``wait_outside_fit``).
+    * ``LightningCLI._parse_ckpt_path``: ``--ckpt_path DIR`` takes the directory's hyper-parameters (Lightning
+      reads them from a file only: they go through a temporary ``torch.save`` file).
     """
     import importlib.util
 
@@ -161,18 +155,17 @@ def install_hooks(is_ours: Callable[[Any], bool], is_ours_callback: Callable[[An
 
     _wrap(ModelCheckpoint, "_link_checkpoint", lambda original: partial(_link, original), static=True)
     original_load = cloud_io._load
-    _wrap(cloud_io, "_load", lambda original: partial(_load, original, load_dir, is_remote_checkpoint))
+    _wrap(cloud_io, "_load", lambda original: partial(_load, original))
     for module in (saving, torch_io):
         if module.pl_load is original_load:
             module.pl_load = cloud_io._load  # type: ignore[attr-defined]
     _wrap(_CheckpointConnector, "_parse_ckpt_path",
-          lambda original: lambda self, *a, **k: _fresh_fit(original, is_ours_callback, self, *a, **k))
-    _wrap(Trainer, "save_checkpoint", lambda original: lambda self, *a, **k: _save_checkpoint(original, is_ours, self,
-                                                                                                *a, **k))
+          lambda original: lambda self, *a, **k: _fresh_fit(original, self, *a, **k))
+    _wrap(Trainer, "save_checkpoint", lambda original: lambda self, *a, **k: _save_checkpoint(original, self, *a, **k))
     if importlib.util.find_spec("jsonargparse") is not None:
         from lightning.pytorch.cli import LightningCLI
 
-        _wrap(LightningCLI, "_parse_ckpt_path", lambda original: lambda self: _cli_ckpt_path(original, load_dir, self))
+        _wrap(LightningCLI, "_parse_ckpt_path", lambda original: lambda self: _cli_ckpt_path(original, self))
 
 
 def _link(original: Any, trainer: Any, filepath: str, linkpath: str) -> None:
@@ -186,12 +179,12 @@ def _link(original: Any, trainer: Any, filepath: str, linkpath: str) -> None:
     return None
 
 
-def _load(original: Any, load_dir: Any, is_remote: Any, path_or_url: Any, map_location: Any = None,
-          weights_only: bool | None = None) -> Any:
+def _load(original: Any, path_or_url: Any, map_location: Any = None, weights_only: bool | None = None) -> Any:
     text = os.fspath(path_or_url) if isinstance(path_or_url, (str, os.PathLike)) else ""
     local = text[len("file://"):] if text.startswith("file://") else ("" if "://" in text else text)
-    if (local and os.path.isfile(os.path.join(local, "manifest.json"))) or (text and not local and is_remote(text)):
-        return load_dir(local or text, map_location, weights_only)
+    if (local and os.path.isfile(os.path.join(local, "manifest.json"))) or (
+            text and not local and is_remote_checkpoint(text)):
+        return read_for_lightning(local or text, map_location, weights_only)
     try:
         return original(path_or_url, map_location=map_location, weights_only=weights_only)
     except IsADirectoryError as exc:
@@ -202,40 +195,44 @@ def _load(original: Any, load_dir: Any, is_remote: Any, path_or_url: Any, map_lo
             "to one file with `torch-ckpt convert CKPT --to torch OUT`"), os.fspath(path_or_url)) from exc
 
 
-def _fresh_fit(original: Any, is_ours: Any, self: Any, state_fn: Any, ckpt_path: Any, model_provided: bool,
+def _fresh_fit(original: Any, self: Any, state_fn: Any, ckpt_path: Any, model_provided: bool,
                model_connected: bool) -> Any:
     from lightning.pytorch.callbacks import OnExceptionCheckpoint
     from lightning.pytorch.trainer.states import TrainerFn
 
+    from lightning_ckpt._callback import MTBFCheckpoint
+
     trainer = self.trainer
     ft = [cb for cb in trainer.callbacks if isinstance(cb, OnExceptionCheckpoint)]
     if ckpt_path is None and ft and trainer.state.fn == TrainerFn.FITTING and all(
-            is_ours(cb) and cb.ckpt_path is None for cb in ft) and not any(
+            isinstance(cb, MTBFCheckpoint) and cb.ckpt_path is None for cb in ft) and not any(
             getattr(cb, "save_last", None) for cb in trainer.checkpoint_callbacks):
         return None
     return original(self, state_fn, ckpt_path, model_provided=model_provided, model_connected=model_connected)
 
 
-def _save_checkpoint(original: Any, is_ours: Any, self: Any, filepath: Any, weights_only: bool | None = None,
+def _save_checkpoint(original: Any, self: Any, filepath: Any, weights_only: bool | None = None,
                      storage_options: Any | None = None) -> None:
     from lightning.pytorch.trainer.states import TrainerStatus
 
-    io = self.strategy.checkpoint_io
-    if is_ours(io) and (names := uploading_loggers(self)):
+    from lightning_ckpt._checkpoint_io import AsyncDCPCheckpointIO
+
+    ours = isinstance(io := self.strategy.checkpoint_io, AsyncDCPCheckpointIO)
+    if ours and (names := uploading_loggers(self)):
         io.warn_uploading_loggers(names)
     original(self, filepath, weights_only=weights_only, storage_options=storage_options)
-    if is_ours(io) and self.state.status != TrainerStatus.RUNNING and io.wait_outside_fit:
+    if ours and self.state.status != TrainerStatus.RUNNING and io.wait_outside_fit:
         io.wait()
 
 
-def _cli_ckpt_path(original: Any, load_dir: Any, self: Any) -> None:
+def _cli_ckpt_path(original: Any, self: Any) -> None:
     import torch
 
     command = self.config.get("subcommand") if hasattr(self.config, "get") else None
     path = self.config[command].get("ckpt_path") if command else None
     if not (isinstance(path, (str, os.PathLike)) and os.path.isfile(os.path.join(path, "manifest.json"))):
         return original(self)
-    hparams = load_dir(os.fspath(path), "cpu", True).get("hyper_parameters", {})
+    hparams = read_for_lightning(os.fspath(path), "cpu", True).get("hyper_parameters", {})
     with tempfile.TemporaryDirectory(prefix="lightning_ckpt_cli_") as tmp:
         torch.save({"hyper_parameters": hparams}, shim := os.path.join(tmp, "hparams.ckpt"))
         self.config[command]["ckpt_path"] = shim

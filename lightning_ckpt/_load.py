@@ -1,9 +1,5 @@
-"""Lightning's checkpoint dict to and from the core: typed values, local directories, fsspec URLs.
-
-A checkpoint for a URL (``s3://``, ``memory://``...) is committed locally first, then uploaded by
-:class:`torch_ckpt.DurableTier` as a durable copy is (every file verified, ``manifest.json`` last, so the URL never
-shows a partial checkpoint); deleting removes the manifest first, and saving again to a URL un-commits the old one.
-"""
+"""Lightning's checkpoint dict to and from the core: typed values, local directories, fsspec URLs (committed
+locally, then uploaded by :class:`torch_ckpt.DurableTier`: verified, ``manifest.json`` first to go, last to come)."""
 
 from __future__ import annotations
 
@@ -23,8 +19,10 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from torch_ckpt import (
     CheckpointNotFoundError,
+    CheckpointWriteError,
     ConfigError,
     DurableTier,
+    TrainState,
     TypedValues,
     UnsafeCheckpointError,
     is_committed,
@@ -63,13 +61,8 @@ def encode_values(checkpoint: Mapping[str, Any], mode: str) -> dict[str, Any]:
 
 
 def decode_values(checkpoint: dict[str, Any], *, allow_pickle: bool) -> dict[str, Any]:
-    """Undo :func:`encode_values` in place; pickled values only with ``allow_pickle``.
-
-    Raises:
-        UnsafeCheckpointError: see :meth:`torch_ckpt.TypedValues.decode`; or a ``hparams_type`` that is not a mapping
-            class (Lightning calls it with the hyper-parameters).
-        CheckpointCorruptError: a malformed marker.
-    """
+    """Undo :func:`encode_values` in place (pickled values only with ``allow_pickle``); UnsafeCheckpointError also
+    for a ``hparams_type`` that is not a mapping class (Lightning calls it with the hyper-parameters)."""
     out = _values("pickle").decode(checkpoint, allow_pickle=allow_pickle)
     omegaconf = sys.modules.get("omegaconf")
     for key in ("hparams_type", "datamodule_hparams_type"):
@@ -112,7 +105,8 @@ class RemoteCheckpoints:
     """Uploads, downloads and deletes checkpoints at fsspec URLs, staged in local directories."""
 
     def __init__(self) -> None:
-        self._staged: set[Path] = set()
+        self._staged: set[Path] = set()  # removed at close() by rank 0 (the uploader)
+        self._keep = False  # an upload failed: its staged copy is the only one, never removed
 
     @staticmethod
     def _split(url: str) -> tuple[str, str]:
@@ -135,20 +129,25 @@ class RemoteCheckpoints:
         return staging / name
 
     def upload(self, local: Path, url: str, storage_options: Any = None) -> None:
-        """Upload the committed ``local`` checkpoint to ``url`` (verified, manifest last), then delete ``local``.
+        """Upload the committed ``local`` checkpoint to ``url``, then delete ``local``.
 
         Raises:
-            CheckpointCorruptError, DurableUnavailableError, OSError: as ``DurableTier.upload`` (``local`` kept).
+            CheckpointWriteError: the upload failed; ``local`` is kept, even at :meth:`close`.
         """
-        tier, name = self._tier(url, storage_options)
-        manifest = read_manifest(local)
-        if tier.fs.exists(f"{tier.root}/{name}"):
-            tier.delete(0)  # the old checkpoint at this URL: manifest first, then its files
-        tier.upload(local, manifest)
+        try:
+            tier, name = self._tier(url, storage_options)
+            manifest = read_manifest(local)
+            if tier.fs.exists(f"{tier.root}/{name}"):
+                tier.delete(0)  # the old checkpoint at this URL: manifest first, then its files
+            tier.upload(local, manifest)
+        except Exception as exc:  # noqa: BLE001 - any backend error (botocore, aiohttp...) fails the save
+            self._keep = True
+            raise CheckpointWriteError(getattr(exc, "errno", None), f"checkpoint {url} was committed locally at "
+                                       f"{local} but its upload failed ({type(exc).__name__}: {exc}); older "
+                                       "checkpoints are kept") from exc
         shutil.rmtree(local, ignore_errors=True)
 
     def is_checkpoint(self, url: str, storage_options: Any = None) -> bool:
-        """True when ``url`` holds a committed checkpoint (its ``manifest.json``)."""
         tier, name = self._tier(url, storage_options)
         tier.refresh()
         return bool(tier.fs.exists(f"{tier.root}/{name}/manifest.json"))
@@ -165,9 +164,8 @@ class RemoteCheckpoints:
         elif tier.fs.exists(path):
             tier.fs.rm_file(path)
 
-    def close(self) -> None:
-        """Remove the staging directories (rank 0, once every upload is done)."""
-        for staging in self._staged:
+    def close(self) -> None:  # once every upload is done
+        for staging in () if self._keep or rank_and_world()[0] != 0 else self._staged:
             shutil.rmtree(staging, ignore_errors=True)
         self._staged.clear()
 
@@ -197,23 +195,17 @@ class _AllValues:
         self.loaded = dict(state)
 
 
-def load_checkpoint_dir(candidates: Sequence[Path], *, manager: Any, verify: bool, allow_pickle: bool,
+def load_checkpoint_dir(candidates: Sequence[Path | str], *, manager: Any, verify: bool, allow_pickle: bool,
                         map_location: Any = None, live: dict[str, Any] | None = None, strict: bool = True,
-                        allow_cast: bool = False) -> dict[str, Any]:
-    """Load the first intact checkpoint of ``candidates`` (newest first) as Lightning's checkpoint dict.
+                        allow_cast: bool = False, storage_options: Any = None) -> dict[str, Any]:
+    """The first intact checkpoint of ``candidates`` (newest first; one URL: downloaded first) as Lightning's dict.
 
-    With ``manager`` (attached: every rank calls this), a candidate failing verification is skipped with a warning
-    when another follows, the checkpoint is checked against ``live`` first, and each rank gets its own loop progress
-    and callback states; without, rank 0's. A URL is downloaded into a temporary directory first.
-
-    Raises:
-        CheckpointNotFoundError: the last candidate is not a committed checkpoint.
-        CheckpointCorruptError: the last candidate fails verification.
-        UnsafeCheckpointError: pickled values and ``allow_pickle`` is False.
-        TypeError: ``map_location`` names no device.
+    With ``manager`` (attached: every rank calls this) a candidate failing verification is skipped with a warning,
+    the checkpoint is checked against ``live`` first, and each rank gets its own loop progress and callback states;
+    without, rank 0's. Raises as ``CheckpointManager.restore``; TypeError: ``map_location`` names no device.
     """
     if len(candidates) == 1 and is_url(str(candidates[0])):
-        local = RemoteCheckpoints().download(str(candidates[0]))
+        local = RemoteCheckpoints().download(str(candidates[0]), storage_options)
         try:
             return load_checkpoint_dir([local], manager=None, verify=verify, allow_pickle=allow_pickle,
                                        map_location=map_location)
@@ -241,9 +233,8 @@ def load_checkpoint_dir(candidates: Sequence[Path], *, manager: Any, verify: boo
     return state if device is None else move_data_to_device(state, device)
 
 
-def _device(map_location: Any, path: Path) -> torch.device | None:
-    """The device ``torch.load``'s ``map_location`` (device, string, dict or callable) gives CPU-saved tensors
-    (all are read into CPU memory first); None: leave them there."""
+def _device(map_location: Any, path: Any) -> torch.device | None:
+    """Where ``torch.load``'s ``map_location`` (device, string, dict or callable) puts CPU tensors; None: CPU."""
     if callable(map_location):
         mapped = map_location(torch.empty(0).untyped_storage(), "cpu")
         map_location = None if mapped is None else mapped.device
@@ -259,15 +250,13 @@ def _device(map_location: Any, path: Path) -> torch.device | None:
 
 
 def read_for_lightning(path: str, map_location: Any, weights_only: bool | None) -> dict[str, Any]:
-    """Lightning's own loader (``pl_load``) on a torch-ckpt directory or URL: verified, nothing unpickled unless
-    ``weights_only=False``."""
-    return load_checkpoint_dir([Path(path) if not is_url(path) else path], manager=None, verify=True,  # type: ignore
-                               allow_pickle=weights_only is False, map_location=map_location)
+    """Lightning's own loader (``pl_load``) on a torch-ckpt directory or URL."""
+    return load_checkpoint_dir([path], manager=None, verify=True, allow_pickle=weights_only is False,
+                               map_location=map_location)
 
 
 def is_remote_checkpoint(url: str) -> bool:
-    """True when the fsspec URL ``url`` holds a torch-ckpt checkpoint; False for an unknown protocol or an
-    unreachable store (Lightning's loader then reports the error)."""
+    """False also for an unknown protocol or an unreachable store (Lightning's loader then reports the error)."""
     try:
         return is_url(url) and RemoteCheckpoints().is_checkpoint(url)
     except Exception:  # noqa: BLE001 - not ours to report: Lightning's own loader tries the URL next
@@ -286,9 +275,58 @@ def load_from_checkpoint(cls: type[Any], checkpoint_path: str | Path, **kwargs: 
         CheckpointCorruptError: a file fails verification.
         UnsafeCheckpointError: pickled values and ``weights_only`` is not False.
     """
-    from lightning_ckpt._checkpoint_io import install_hooks
+    from lightning_ckpt._compat import install_hooks
 
     if not is_url(str(checkpoint_path)) and not Path(checkpoint_path).exists():
         raise CheckpointNotFoundError(f"{checkpoint_path} does not exist")
     install_hooks()
     return cls.load_from_checkpoint(checkpoint_path, **kwargs)
+
+
+class _ShardedTarget:
+    """The live sharded model and optimizers as the core's load target (one :class:`torch_ckpt.TrainState`
+    per optimizer; nothing is written before every check and read succeeded); other values are read as is."""
+
+    rank_local_keys: tuple[str, ...] = ()  # loops and callbacks of rank 0 (the same on every rank here)
+
+    def __init__(self, model: Any, optimizers: list) -> None:
+        self._states = [TrainState(model=model, optimizer=[o], rng=False) for o in optimizers]
+        self.loaded: dict[str, Any] = {}
+
+    def _route(self, key: str) -> tuple[TrainState, str] | None:
+        if key.startswith("optimizer_states."):
+            index, _, rest = key.removeprefix("optimizer_states.").partition(".")
+            return self._states[int(index)], f"optimizer.{rest}"
+        return None
+
+    def state_dict(self) -> dict[str, Any]:
+        sections = [s.state_dict() for s in self._states]
+        return {"state_dict": sections[0]["model"], "optimizer_states": [s["optimizer"] for s in sections]}
+
+    def load_optional_key(self, key: str) -> bool:
+        route = self._route(key)
+        return route[0].load_optional_key(route[1]) if route else not key.startswith("state_dict.")
+
+    def load_target(self, key: str, shape: tuple[int, ...], dtype: Any) -> Any:
+        route = self._route(key)
+        if route is not None:
+            return route[0].load_target(route[1], shape, dtype)
+        return None if key.startswith("state_dict.") else torch.empty(shape, dtype=dtype)
+
+    def _sections(self, state: dict[str, Any], i: int) -> dict[str, Any]:
+        saved = state.get("optimizer_states")
+        if not isinstance(saved, list) or len(saved) != len(self._states):
+            raise ConfigError(f"checkpoint holds {len(saved) if isinstance(saved, list) else 'no'} optimizer states, "
+                              f"this run has {len(self._states)} optimizers")
+        return {"model": state["state_dict"], "optimizer": saved[i]}
+
+    def check_load(self, state: dict[str, Any], *, allow_cast: bool = False) -> list[str]:
+        """Check every optimizer's groups, state and dtypes against the live ones; change nothing."""
+        return [c for i, s in enumerate(self._states) for c in s.check_load(self._sections(state, i),
+                                                                              allow_cast=allow_cast)]
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Install every optimizer's state and the (checked, fully read) parameters, in place."""
+        for i, s in enumerate(self._states):
+            s.load_state_dict(self._sections(state, i))
+        self.loaded = dict(state)

@@ -1,4 +1,4 @@
-"""lightning_ckpt._attach: links and logger calls wait for commits; the sharded-strategy mechanism."""
+"""AsyncDCPCheckpointIO.attach: links and logger calls wait for commits; the sharded-strategy mechanism."""
 
 from __future__ import annotations
 
