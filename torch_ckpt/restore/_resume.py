@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from torch_ckpt._logging import get_logger
 from torch_ckpt.distributed._context import DistContext
@@ -33,10 +33,12 @@ from torch_ckpt.root._layout import quarantine_step_dir, read_manifest, scan_man
 from torch_ckpt.storage._locations import waiting_for_coordinator
 from torch_ckpt.tiers._durable import DurableTier, DurableUnavailableError
 
-__all__ = ["Restored", "ResumePlan", "restore_checkpoint", "resume_plan", "set_aside_superseded"]
+__all__ = ["Restored", "ResumePlan", "first_usable", "restore_checkpoint", "resume_plan", "set_aside_superseded"]
 
 log = get_logger(__name__)
 mlog = get_logger("torch_ckpt.manager._manager")  # what CheckpointManager.restore did: its own log lines, as before
+C = TypeVar("C")
+R = TypeVar("R")
 
 
 @dataclass(frozen=True)
@@ -214,36 +216,53 @@ def restore_checkpoint(state: Any, *, root: Path, naming: Naming, tier: DurableT
         mlog.info("no committed checkpoint under %s%s; starting from scratch", root,
                  f" (the durable tier {tier.url} answered: no committed step)" if tier is not None else "")
         return None
-    outage: DurableUnavailableError | None = None
-    for i, (cand, where) in enumerate(plan):
-        if where == "durable" and outage is not None:
-            continue  # the store is down: only local copies are left to try
+
+    def attempt(candidate: tuple[int, str]) -> tuple[int, Path, Manifest, float]:
+        cand, where = candidate
+        if where == "local":
+            local, manifest = resume.local[cand]
+        else:
+            assert tier is not None  # durable candidates come from the tier
+            local = _download(root, naming, tier, ctx, cand, read_only)
+            manifest = read_manifest(local)
+        t0 = time.monotonic()
+        load_into(state, local, manifest, ctx, **common)
+        return cand, local, manifest, t0
+
+    def fall_back(failed: tuple[int, str], nxt: tuple[int, str], exc: BaseException) -> None:
+        if nxt[0] == failed[0]:
+            assert tier is not None  # the next candidate is the same step's durable copy
+            mlog.warning("the local copy of step %d is not usable (%s); taking step %d from the durable "
+                         "tier %s", failed[0], exc, failed[0], tier.describe(failed[0]))
+        else:
+            mlog.warning("step %d is not usable (%s); falling back to step %d (%s copy)", failed[0], exc,
+                         nxt[0], nxt[1])
+
+    cand, local, manifest, t0 = first_usable(plan, attempt, fall_back, durable=lambda c: c[1] == "durable")
+    mlog.info("[rank %d] restored step %d from %s in %.3f s", ctx.rank, cand, local, time.monotonic() - t0)
+    return Restored(cand, resume.successor(cand, manifest.lineage) if acts_on_root else None)
+
+
+def first_usable(candidates: Sequence[C], try_one: Callable[[C], R],
+                 fall_back: Callable[[C, C, BaseException], None], *,
+                 errors: tuple[type[BaseException], ...] = (CheckpointCorruptError, DurableUnavailableError),
+                 durable: Callable[[C], bool] | None = None) -> R:
+    """``try_one`` of the first candidate that does not raise one of ``errors``; the last one's error is raised.
+
+    ``fall_back(failed, next, error)`` logs each move on. After a DurableUnavailableError the
+    candidates that need the store (``durable``) are skipped: only local copies can still work.
+    """
+    left = list(candidates)
+    while True:
+        candidate = left.pop(0)
         try:
-            if where == "local":
-                local, manifest = resume.local[cand]
-            else:
-                assert tier is not None  # durable candidates come from the tier
-                local = _download(root, naming, tier, ctx, cand, read_only)
-                manifest = read_manifest(local)
-            t0 = time.monotonic()
-            load_into(state, local, manifest, ctx, **common)
-        except (CheckpointCorruptError, DurableUnavailableError) as exc:
-            if isinstance(exc, DurableUnavailableError):
-                outage = exc
-            rest = [c for c in plan[i + 1:] if outage is None or c[1] == "local"]
-            if not rest:
+            return try_one(candidate)
+        except errors as exc:
+            if isinstance(exc, DurableUnavailableError) and durable is not None:
+                left = [c for c in left if not durable(c)]
+            if not left:
                 raise
-            if rest[0][0] == cand:
-                assert tier is not None  # the next candidate is the same step's durable copy
-                mlog.warning("the local copy of step %d is not usable (%s); taking step %d from the durable "
-                            "tier %s", cand, exc, cand, tier.describe(cand))
-            else:
-                mlog.warning("step %d is not usable (%s); falling back to step %d (%s copy)", cand, exc,
-                            rest[0][0], rest[0][1])
-            continue
-        mlog.info("[rank %d] restored step %d from %s in %.3f s", ctx.rank, cand, local, time.monotonic() - t0)
-        return Restored(cand, resume.successor(cand, manifest.lineage) if acts_on_root else None)
-    return None  # unreachable: the loop returns or raises
+            fall_back(candidate, left[0], exc)
 
 
 def _restore_paths(state: Any, root: Path, naming: Naming, ctx: DistContext, path: Any, step: int | None,
@@ -257,28 +276,28 @@ def _restore_paths(state: Any, root: Path, naming: Naming, ctx: DistContext, pat
     if not paths or not all(isinstance(p, (str, os.PathLike)) and str(p) for p in paths):
         raise ConfigError(f"restore(path=...) needs a directory or a non-empty sequence of them, got {path!r}")
     resolved = [Path(p).expanduser() if Path(p).expanduser().is_absolute() else root / p for p in paths]
-    for i, candidate in enumerate(resolved):
-        try:
-            manifest = read_manifest(candidate)
-            load_into(state, candidate, manifest, ctx, **common)
-        except (CheckpointCorruptError, CheckpointNotFoundError) as exc:
-            if i == len(resolved) - 1:
-                raise
-            mlog.warning("checkpoint %s is not usable (%s); falling back to %s", candidate, exc, resolved[i + 1])
-            continue
-        mlog.info("[rank %d] restored step %d from %s", ctx.rank, manifest.step, candidate)
-        if not acts_on_root:
-            return Restored(manifest.step, None)
-        # the saves that follow continue its segment when it is the newest live step of the root, else fork
-        found = scan_manifests(root, naming)
-        seen = [*(m.lineage for _, m in found.values()), manifest.lineage]
-        head = head_of(seen)
-        live = [s for s, (_, m) in found.items() if head.holds(s, m.lineage)]
-        newest = bool(live) and live[-1] == manifest.step and found[live[-1]][0].resolve() == candidate.resolve() \
-            and manifest.lineage.run == head.run
-        return Restored(manifest.step, successor(manifest.lineage, manifest.step, newest=newest,
-                                                 fork=new_segment(seen)))
-    raise AssertionError("unreachable")  # the loop returns or raises
+
+    def attempt(candidate: Path) -> tuple[Path, Manifest]:
+        manifest = read_manifest(candidate)
+        load_into(state, candidate, manifest, ctx, **common)
+        return candidate, manifest
+
+    candidate, manifest = first_usable(
+        resolved, attempt, lambda failed, nxt, exc: mlog.warning(
+            "checkpoint %s is not usable (%s); falling back to %s", failed, exc, nxt),
+        errors=(CheckpointCorruptError, CheckpointNotFoundError))
+    mlog.info("[rank %d] restored step %d from %s", ctx.rank, manifest.step, candidate)
+    if not acts_on_root:
+        return Restored(manifest.step, None)
+    # the saves that follow continue its segment when it is the newest live step of the root, else fork
+    found = scan_manifests(root, naming)
+    seen = [*(m.lineage for _, m in found.values()), manifest.lineage]
+    head = head_of(seen)
+    live = [s for s, (_, m) in found.items() if head.holds(s, m.lineage)]
+    newest = bool(live) and live[-1] == manifest.step and found[live[-1]][0].resolve() == candidate.resolve() \
+        and manifest.lineage.run == head.run
+    return Restored(manifest.step, successor(manifest.lineage, manifest.step, newest=newest,
+                                             fork=new_segment(seen)))
 
 
 def _download(root: Path, naming: Naming, tier: DurableTier, ctx: DistContext, step: int, read_only: bool) -> Path:

@@ -20,7 +20,7 @@ from torch_ckpt._logging import get_logger
 from torch_ckpt.distributed._context import DistContext
 from torch_ckpt.errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 from torch_ckpt.policy._lineage import Lineage, head_of, new_segment, successor
-from torch_ckpt.restore._resume import set_aside_superseded
+from torch_ckpt.restore._resume import first_usable, set_aside_superseded
 from torch_ckpt.root._layout import is_committed, read_manifest, scan_committed, scan_manifests
 from torch_ckpt.root._nodes import NodeLayout
 from torch_ckpt.storage._locations import DurableUnavailableError, waiting_for_coordinator
@@ -164,17 +164,14 @@ def restore_node_local(nodes: NodeLayout, ctx: DistContext, tier: Any, root: Pat
         log.info("no committed checkpoint on any node%s; starting from scratch",
                  f" (the durable tier {tier.url} answered: no committed step)" if tier is not None else "")
         return None
-    store_down = False
-    for i, (cand, actions) in enumerate(plan):
-        if store_down and set(actions.values()) != {"local"}:
-            continue  # the store is down: only steps every node has on its disk are left
+    def attempt(candidate: tuple[int, dict[int, str]]) -> tuple[int, str]:
+        cand, actions = candidate
         action = actions[nodes.node]
         error: tuple[bool, str] | None = None  # (an outage?, message)
-        local = root / naming.name(cand)
         if nodes.is_leader and action != "local":
             try:
                 if not read_only:
-                    set_aside_superseded(local)  # a superseded copy of this step: kept aside, not replaced
+                    set_aside_superseded(root / naming.name(cand))  # a superseded copy: kept aside, not replaced
                 t0 = time.monotonic()
                 tier.fetch(cand, root, node=nodes.node if action == "node" else None)
                 log.info("[node %d] fetched %d file(s) of step %d from %s in %.3f s", nodes.node,
@@ -185,32 +182,29 @@ def restore_node_local(nodes: NodeLayout, ctx: DistContext, tier: Any, root: Pat
         errors = [e for e in waiting_for_coordinator(
             ctx, tier, f"restoring step {cand}{fetching}",
             functools.partial(ctx.all_gather, error, what="fetch checkpoint"), whom="the node leaders") if e]
-        try:
-            if any(down for down, _ in errors):
-                raise DurableUnavailableError(f"step {cand} could not be fetched: "
-                                              f"{next(m for down, m in errors if down)}")
-            if errors:
-                raise CheckpointCorruptError(f"step {cand} could not be fetched: {errors[0][1]}")
-            load(local)
-        except (CheckpointCorruptError, DurableUnavailableError) as exc:
-            if isinstance(exc, DurableUnavailableError):
-                store_down = True
-            rest = [c for c in plan[i + 1:] if not store_down or set(c[1].values()) == {"local"}]
-            if not rest:
-                raise
-            if rest[0][0] == cand:
-                log.warning("a local copy of step %d is not usable (%s); taking step %d from the durable tier %s",
-                            cand, exc, cand, tier.describe(cand))
-            else:
-                log.warning("step %d is not usable (%s); falling back to step %d", cand, exc, rest[0][0])
-            continue
-        source = {"local": "local", "node": "durable-node", "full": "durable-full"}[action]
-        log.info("[rank %d] restored step %d from %s (%s)", ctx.rank, cand, local, source)
-        lineage = None
-        if nodes.is_leader:
-            head, complete, newest, fork = lineage_view
-            restored = read_manifest(local).lineage
-            lineage = successor(restored, cand, newest=complete and cand == newest and restored.run == head.run,
-                                fork=fork)
-        return Resumed(cand, source, lineage)
-    return None
+        if any(down for down, _ in errors):
+            raise DurableUnavailableError(f"step {cand} could not be fetched: "
+                                          f"{next(m for down, m in errors if down)}")
+        if errors:
+            raise CheckpointCorruptError(f"step {cand} could not be fetched: {errors[0][1]}")
+        load(root / naming.name(cand))
+        return cand, action
+
+    def fall_back(failed: tuple[int, Any], nxt: tuple[int, Any], exc: BaseException) -> None:
+        if nxt[0] == failed[0]:
+            log.warning("a local copy of step %d is not usable (%s); taking step %d from the durable tier %s",
+                        failed[0], exc, failed[0], tier.describe(failed[0]))
+        else:
+            log.warning("step %d is not usable (%s); falling back to step %d", failed[0], exc, nxt[0])
+
+    cand, action = first_usable(plan, attempt, fall_back, durable=lambda c: set(c[1].values()) != {"local"})
+    local = root / naming.name(cand)
+    source = {"local": "local", "node": "durable-node", "full": "durable-full"}[action]
+    log.info("[rank %d] restored step %d from %s (%s)", ctx.rank, cand, local, source)
+    lineage = None
+    if nodes.is_leader:
+        head, complete, newest, fork = lineage_view
+        restored = read_manifest(local).lineage
+        lineage = successor(restored, cand, newest=complete and cand == newest and restored.run == head.run,
+                            fork=fork)
+    return Resumed(cand, source, lineage)
