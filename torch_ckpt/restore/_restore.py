@@ -34,6 +34,7 @@ import signal
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -375,22 +376,11 @@ def copy_tensors(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
         i = loads.index(min(loads))
         shares[i].append(piece)
         loads[i] += piece[2]
-    errors: list[BaseException] = []
-
-    def run(share: list[tuple[int, int, int]]) -> None:
-        try:
-            _move(share)
-        except BaseException as exc:  # noqa: BLE001 - re-raised by the calling thread
-            errors.append(exc)
-
-    helpers = [threading.Thread(target=run, args=(s,), name="torch_ckpt_copy", daemon=True) for s in shares[1:]]
-    for t in helpers:
-        t.start()
-    run(shares[0])
-    for t in helpers:
-        t.join()
-    if errors:
-        raise errors[0]
+    if len(shares) == 1:
+        _move(shares[0])
+    else:
+        with ThreadPoolExecutor(len(shares), thread_name_prefix="torch_ckpt_copy") as pool:
+            list(pool.map(_move, shares))  # raises the first error, once every share is done
     bump = getattr(torch.autograd.graph, "increment_version", None)
     if bump is not None:
         for dst in fast[::2]:
