@@ -1,22 +1,9 @@
 """The restore engine: load one committed checkpoint directory into a live state, complete or not at all.
 
-:func:`load_into`, on every rank:
-
-1. verify the checkpoint's files against the manifest (sizes always, CRC-32 with ``verify``; the
-   work is split over ranks), the DCP metadata, and that every tensor record in the data files
-   matches it (dtype, size, shape, byte range); read this rank's JSON tree;
-2. plan (:func:`plan_restore`): compare the live state's tensor keys, shapes and dtypes and the
-   structure of its other values with the checkpoint's (the state may check its own structure),
-   and allocate one new buffer per checkpoint tensor; every rank agrees before any rank reads;
-3. read the tensors into the new buffers: in a single process :func:`load_direct` reads each data
-   file once, placing the tensors and computing the CRC-32 in the same pass; otherwise (and for
-   records it cannot place) DCP's reader, resharding to the live layout;
-4. only then write the live state (:func:`swap_in`: exchanged where a live tensor is its
-   storage's only user, copied otherwise; or the state's ``load_state_dict``), with a Ctrl-C held
-   until the write is done (:class:`InterruptHold`).
-
-A restore that fails or is interrupted before step 4 leaves the live state exactly as it was; step 4
-runs to its end, so the live state is either fully old or fully new.
+:func:`load_into` verifies the files, plans against the live state (:func:`plan_restore`), reads
+every tensor into new buffers (:func:`load_direct` in a single process, else DCP's reader), and
+only then writes the live state (:func:`swap_in`), with a Ctrl-C held until that write is done:
+a restore that fails before the write leaves the live state as it was, and the write runs to its end.
 """
 
 from __future__ import annotations
@@ -88,12 +75,8 @@ _OPAQUE = ("extras", "rng", "dataloader")  # replaced as a whole on load: their 
 # -- guards: the collector and Ctrl-C --------------------------------------------------------------
 @contextlib.contextmanager
 def collector_paused() -> Iterator[None]:
-    """Pause Python's cyclic garbage collector for the block, then restore its previous setting.
-
-    A restore allocates hundreds of thousands of small objects and frees almost none, so the
-    collector would run full collections again and again (about half the time of restoring 20,000
-    small tensors). Reference counting still frees everything acyclic; cycles are collected after.
-    """
+    """Pause the cyclic garbage collector for the block: a restore allocates hundreds of thousands of
+    small objects and frees almost none, so it would collect again and again (half the time of 20,000 tensors)."""
     was_enabled = gc.isenabled()
     gc.disable()
     try:
@@ -138,7 +121,7 @@ class InterruptHold:
 
 # -- planning: checks against the live state, new buffers -------------------------------------------
 def _is_tagged(node: Any) -> bool:
-    """True for a codec node (tensor placeholder, tuple, numpy value...) rather than a user dict."""
+    """A codec node (tensor placeholder, tuple, numpy value...), not a user dict."""
     return isinstance(node, dict) and len(node) == 1 and next(iter(node)).startswith("__")
 
 
@@ -150,11 +133,8 @@ def _mapping(node: Any) -> Any:
 
 
 def _structure_keys(tree: Any, *, deep: bool) -> set[str]:
-    """Dotted paths of the non-tensor structure: top-level keys only (``deep=False``), or every dict path.
-
-    Tensor placeholders are left out (tensor keys are compared on their own), and subtrees that are
-    replaced as a whole on load (extras, RNG, dataloader) are not descended into.
-    """
+    """Dotted paths of the non-tensor structure (top-level keys only unless ``deep``); tensors are
+    compared on their own, and subtrees replaced as a whole on load are not descended into."""
     keys: set[str] = set()
     tree = _mapping(tree)
     if not isinstance(tree, dict) or _is_tagged(tree):
@@ -192,14 +172,11 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
 
 
 def _overlaps_itself(t: torch.Tensor) -> bool:
-    """True when two elements of ``t`` (a shard, for a DTensor) share memory (a stride 0 over more than one)."""
+    """True when two elements of ``t`` (a shard, for a DTensor) share memory, e.g. an expand() view."""
     t = local_tensor(t)
     if t.layout != torch.strided or t.numel() <= 1:
         return False
-    probe = getattr(torch, "_debug_has_internal_overlap", None)  # 0: no, 1: yes, 2: too hard to tell
-    if probe is not None:
-        return probe(t) == 1
-    return any(st == 0 and n > 1 for n, st in zip(t.shape, t.stride()))
+    return torch._debug_has_internal_overlap(t) == 1  # 0: no, 1: yes, 2: too hard to tell
 
 
 def _listed(keys: list[str]) -> str:
@@ -210,11 +187,8 @@ def plan_restore(state: Any, step_dir: Path, manifest: Manifest, md: Any, tree: 
                  on_world_size_change: str, allow_cast: bool) -> tuple[_Targets, Any, _Targets, bool]:
     """Check ``state`` against the checkpoint and allocate the buffers to read into; writes nothing live.
 
-    Returns:
-        ``(live tensors, tree, {key: new buffer}, whether the state copies the buffers itself)``.
-
-    Raises:
-        StateMismatchError, ConfigError, CheckpointCorruptError: see :func:`load_into`.
+    Returns ``(live tensors, tree, {key: new buffer}, whether the state copies the buffers itself)``;
+    raises as :func:`load_into`.
     """
     same_world = manifest.world_size == ctx.world_size
     live_sd = state.state_dict() if hasattr(state, "state_dict") else state
@@ -344,11 +318,9 @@ def copy_tensors(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
     """``dst.copy_(src)`` for every ``(dst, src)`` pair, the plain CPU ones as threaded ``memmove``.
 
     ``Tensor.copy_`` runs on torch's intra-op threads, which stall when other processes keep the
-    cores busy (1 GiB in ~600 tensors: 1-5 s at load 8-9, against 0.2-0.3 s single-threaded).
-    Contiguous CPU pairs of the same dtype and shape that do not overlap are therefore copied byte
-    for byte, in pieces of at most 32 MiB over :data:`COPY_THREADS` threads (their autograd
-    versions bumped as ``copy_`` would); those under 64 KiB by one ``torch._foreach_copy_``. Any
-    other pair (other devices, strides, dtypes, DTensors, subclasses) goes through ``copy_``.
+    cores busy (1 GiB in ~600 tensors: 1-5 s at load 8-9, against 0.2-0.3 s single-threaded). So
+    :func:`_plain` pairs are copied in pieces of at most 32 MiB over :data:`COPY_THREADS` threads
+    (autograd versions bumped as ``copy_`` would), those under 64 KiB by one ``torch._foreach_copy_``.
 
     Raises:
         RuntimeError: from ``copy_`` for a pair it cannot copy (e.g. shapes that do not broadcast).
@@ -381,20 +353,14 @@ def copy_tensors(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
     else:
         with ThreadPoolExecutor(len(shares), thread_name_prefix="torch_ckpt_copy") as pool:
             list(pool.map(_move, shares))  # raises the first error, once every share is done
-    bump = getattr(torch.autograd.graph, "increment_version", None)
-    if bump is not None:
-        for dst in fast[::2]:
-            bump(dst)  # as copy_ would: autograd refuses a backward through the old values
+    for dst in fast[::2]:
+        torch.autograd.graph.increment_version(dst)  # as copy_: autograd refuses a backward through the old values
 
 
 @contextlib.contextmanager
 def restore_buffers(buffers: Iterable[torch.Tensor]) -> Iterator[None]:
-    """Within this block, :func:`swap_in` may exchange live tensors with these new buffers.
-
-    Only the restore's own buffers may end up holding the old values; a tensor a caller passed in
-    (e.g. another optimizer's ``state_dict()`` values) is only copied from. The caller keeps
-    ``buffers`` alive for the whole block (ids are compared).
-    """
+    """Within this block, :func:`swap_in` may exchange live tensors with these new buffers (kept alive
+    by the caller: ids are compared); any other tensor, e.g. another optimizer's values, is only copied from."""
     token = _OWNED.set(_OWNED.get() | {id(t) for t in buffers})
     try:
         yield
@@ -408,14 +374,9 @@ def _storage_users(t: torch.Tensor) -> int:
 
 
 def _swappable(live: torch.Tensor, new: torch.Tensor, aliases: int) -> bool:
-    """True when exchanging ``live``'s and ``new``'s contents is indistinguishable from ``live.copy_(new)``.
-
-    Host memory only (device memory may be known by address to a captured CUDA graph). ``new`` is a
-    plain tensor of the enclosing :func:`restore_buffers`; ``live`` a plain tensor or an
-    ``nn.Parameter`` without hooks; neither a view, alike in device, dtype, shape, strides and
-    layout, each the whole of its own storage and the only tensor there but for ``aliases`` known
-    aliases of ``live``, with no other C++ reference (autograd graph, hooks) and no weak reference.
-    """
+    """True when exchanging ``live``'s and ``new``'s contents is indistinguishable from ``live.copy_(new)``:
+    nothing else can see either storage. Host memory only: device memory may be known by address to a
+    captured CUDA graph."""
     if type(new) is not torch.Tensor or type(live) not in _PLAIN or live is new or id(new) not in _OWNED.get():
         return False
     if new.requires_grad or new.grad is not None:
@@ -451,14 +412,17 @@ def _swap(live: torch.Tensor, new: torch.Tensor) -> None:
 
 @torch.no_grad()
 def swap_in(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]], aliases: Mapping[int, int] | None = None) -> int:
-    """Give each live tensor its new buffer's values: exchanged where possible, else copied.
+    """Give each live tensor its new buffer's values: exchanged in O(1) where possible, else copied.
 
-    A ``(live, new)`` pair that :func:`_swappable` accepts (``new`` given once) is exchanged in O(1)
-    by ``torch.utils.swap_tensors``: ``live`` stays the same object (class, ``__dict__``,
-    ``requires_grad``, ``.grad`` kept) with the new values and a bumped autograd version; ``new``
-    must not be used afterwards. A live tensor given again (tied entries), every other pair and any
-    pair ``swap_tensors`` refuses go to :func:`copy_tensors`. ``aliases``: ``id(live) -> n`` for a
-    live tensor sharing its storage with ``n`` tensors the caller drops (``state_dict()`` entries).
+    A ``(live, new)`` pair that :func:`_swappable` accepts (``new`` given once, ``live`` not seen
+    before) goes through ``torch.utils.swap_tensors``: ``live`` stays the same object (class,
+    ``__dict__``, ``requires_grad``, ``.grad`` kept) with a bumped autograd version, and ``new`` must
+    not be used afterwards; every other pair goes to :func:`copy_tensors`.
+
+    Args:
+        pairs: ``(live, new)`` tensors.
+        aliases: ``id(live) -> n`` for a live tensor sharing its storage with ``n`` tensors the
+            caller drops (``state_dict()`` entries).
 
     Returns:
         The number of pairs exchanged.
@@ -474,7 +438,6 @@ def swap_in(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]], aliases: Mapping
     copies: list[tuple[torch.Tensor, torch.Tensor]] = []
     seen: set[int] = set()
     swapped = 0
-    bump = getattr(torch.autograd.graph, "increment_version", None)
     for live, new in pairs:
         first = id(live) not in seen
         seen.add(id(live))
@@ -486,8 +449,7 @@ def swap_in(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]], aliases: Mapping
         except RuntimeError:  # refused before changing anything (references found): copy instead
             copies.append((live, new))
             continue
-        if bump is not None:
-            bump(live)
+        torch.autograd.graph.increment_version(live)
         swapped += 1
     copy_tensors(copies)
     return swapped
@@ -495,13 +457,9 @@ def swap_in(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]], aliases: Mapping
 
 def owners_in(module: torch.nn.Module, live: Mapping[str, torch.Tensor]) -> tuple[dict[int, torch.Tensor],
                                                                                     dict[int, int]]:
-    """The parameter or buffer of ``module`` behind each ``state_dict()`` entry of ``live``, and its alias count.
-
-    Returns ``id(entry) -> tensor`` for entries that are the whole of exactly one of the module's
-    parameters/buffers (same storage start, dtype, shape and strides), and ``id(tensor) -> n``, the
-    number of distinct entries of ``live`` (other than the tensor itself) on that storage, for
-    :func:`swap_in`'s ``aliases``. DTensors and other subclasses are left out (copied).
-    """
+    """``(id(entry) -> tensor, id(tensor) -> n)``: the parameter or buffer of ``module`` that each
+    ``state_dict()`` entry of ``live`` is the whole of, and how many other entries alias it (for
+    :func:`swap_in`'s ``aliases``). DTensors and other subclasses are left out (copied)."""
     by_ptr: dict[int, list[torch.Tensor]] = {}
     for _, t in [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]:
         if type(t) in _PLAIN and t.numel():
@@ -529,9 +487,8 @@ def copy_into_live(live: Mapping[str, torch.Tensor], staged: Mapping[str, torch.
     """Give each live tensor the staged tensor of the same key, in place (shard-locally for DTensors).
 
     Plain tensors go through :func:`swap_in` (the staged buffer must not be used afterwards),
-    DTensor shards through :func:`copy_tensors`. With ``module``, ``live`` is that module's
-    ``state_dict()``: each entry's parameter or buffer itself is exchanged, keeping its identity,
-    ``requires_grad`` and ``.grad``; the entries then still hold the old values and must be dropped.
+    DTensor shards through :func:`copy_tensors`. With ``module``, ``live`` is its ``state_dict()``:
+    the parameters and buffers themselves are exchanged, and the entries (old values) must be dropped.
     """
     pairs = [(dst, staged[key]) for key, dst in live.items() if key in staged]
     owner, aliases = owners_in(module, live) if module is not None else ({}, {})
@@ -615,12 +572,8 @@ class _Crc:
 
 
 class _FileReader:
-    """Sequential reads of one open data file, every byte handed to a :class:`_Crc` once, in order.
-
-    Large pieces (a tensor's data) are read straight into their destination; small ones (record
-    framing, small tensors) come from a 1 MiB read-ahead buffer, so a file of many small records
-    costs a few large reads rather than three system calls per record.
-    """
+    """Sequential reads of one open data file, every byte handed to a :class:`_Crc` once, in order. Small
+    pieces come from a 1 MiB read-ahead buffer: many small records cost a few reads, not three calls each."""
 
     def __init__(self, fd: int, path: Path, crc: _Crc, stop: threading.Event) -> None:
         self._f = os.fdopen(fd, "rb", buffering=0)
@@ -770,14 +723,13 @@ def load_direct(targets: _Targets, step_dir: str | os.PathLike, md: Metadata, ma
                 verify: bool, allow_symlinks: bool = False) -> set[str]:
     """Read a single-rank checkpoint's data files once each, placing tensors into ``targets`` and checking CRC-32s.
 
-    DCP's reader costs two reads per byte when the checksums are verified first, plus a copy out
-    of each record. Here every listed ``.distcp`` file (without ``verify``: only those holding a
-    placeable tensor) is read front to back once, two files at a time: a tensor's data goes straight
-    into its new buffer, but only when the record's framing equals, byte for byte, what
-    ``torch.save`` writes for its dtype and shape (exactly what ``torch.load`` would decode); a
-    second thread per file computes the CRC-32 meanwhile. Sizes are checked before the first byte is
-    placed, CRC-32s (``verify``) after; of several failing files the first (in name order) is raised,
-    and an interrupt stops every reader first.
+    DCP's reader costs two reads per byte when the checksums are verified first, plus a copy out of
+    each record. Here each ``.distcp`` file (without ``verify``: only those holding a placeable
+    tensor) is read once, two files at a time, a second thread per file computing the CRC-32; a
+    tensor's data goes straight into its buffer only when the record's framing equals, byte for
+    byte, what ``torch.save`` writes for its dtype and shape. Sizes are checked before the first byte
+    is placed, CRC-32s after; of several failing files the first (in name order) is raised, and an
+    interrupt stops every reader first.
 
     Returns:
         The keys not placed here (another layout, dtype or framing), for DCP's reader
@@ -867,19 +819,16 @@ def load_into(state: Any, step_dir: Path, manifest: Manifest, ctx: DistContext, 
               on_world_size_change: str = "error", allow_cast: bool = False) -> None:
     """Load ``step_dir`` into ``state`` (a ``Stateful`` or a mutable dict) in place, all or nothing.
 
-    Everything is checked before the first write to the live state: files, keys, shapes, dtypes
-    and (for states with ``check_load``, such as :class:`~torch_ckpt.TrainState`) the structure of
-    every component. Tensors are then read into new host buffers (about the size of this rank's
-    state); only when every read succeeded is the live state written (see the module docstring).
+    Files, keys, shapes, dtypes and (with ``check_load``, as :class:`~torch_ckpt.TrainState` has)
+    every component's structure are checked, and the tensors read into new host buffers (about the
+    size of this rank's state), before the first write to the live state.
 
-    A state may take part through optional methods: ``load_optional_key(key) -> bool`` (a tensor
-    either side may lack), ``load_target(key, shape, dtype) -> Tensor | None`` (a buffer placed
-    where the tensor will live), ``check_load(saved, allow_cast=...)`` (structural checks on the
-    checkpoint state, tensors as meta tensors) and ``load_session()`` (a context manager held from
-    ``state_dict()`` to ``load_state_dict()``). A state with ``load_state_dict`` receives the new
-    buffers (on its tensors' devices) and copies them itself, so one that refuses them changes
-    nothing it did not change itself; with DTensors and no ``check_load``, and for a plain dict,
-    the buffers are copied into the live tensors. The cyclic garbage collector is paused meanwhile.
+    Optional methods of the state: ``load_optional_key(key) -> bool`` (a tensor either side may
+    lack), ``load_target(key, shape, dtype) -> Tensor | None`` (a buffer placed where the tensor will
+    live), ``check_load(saved, allow_cast=...)`` (structural checks, tensors as meta tensors) and
+    ``load_session()`` (a context manager held from ``state_dict()`` to ``load_state_dict()``). A state
+    with ``load_state_dict`` and no DTensors gets the new buffers and copies them itself, so one that
+    refuses them changes nothing it did not change itself.
 
     Args:
         state: the live state.
@@ -929,10 +878,6 @@ def _verified(step_dir: Path, manifest: Manifest, ctx: DistContext, *, direct: b
 def _vote(ctx: DistContext, step_dir: Path, error: BaseException | None, what: str) -> None:
     """Every rank learns whether any rank failed ``what``; a rank raises its own error, the others the
     failing rank's error class naming that rank (a ``StateMismatchError`` stays one)."""
-    if not ctx.enabled:
-        if error is not None:
-            raise error
-        return
     votes = ctx.all_gather(None if error is None else (type(error).__name__, str(error)), what=what)
     if error is not None:
         raise error

@@ -1,10 +1,6 @@
-"""Resuming: choose the newest live checkpoint complete in any reachable tier, and restore it (with fallback).
-
-Live means not superseded by a rollback (:mod:`torch_ckpt.policy._lineage`): the lineage records of
-every tier's manifests decide it together. :func:`restore_checkpoint` is the one entry point of a
-restore for :class:`~torch_ckpt.CheckpointManager`: the coordinator scans the root once
-(:func:`resume_plan`), every rank gets the plan with the manifests it read, and each candidate is
-loaded by :func:`torch_ckpt.restore._restore.load_into` until one succeeds.
+"""Resuming: restore the newest live checkpoint (not superseded by a rollback, :mod:`torch_ckpt.policy._lineage`)
+of any reachable tier, falling back to the next candidate. The coordinator plans (:func:`resume_plan`)
+and broadcasts the plan with the manifests it read; :func:`restore_checkpoint` is the entry point.
 """
 
 from __future__ import annotations
@@ -72,17 +68,9 @@ def resume_plan(root: Path, tier: DurableTier | None, step: int | None,
                 naming: Naming | None = None) -> ResumePlan | BaseException:
     """The live checkpoints to restore from, newest first, and the lineage they belong to; run on the coordinator.
 
-    A step held by both tiers is listed twice, local copy first: when the local copy fails
-    verification, the same step is taken from the durable tier before any older step. The durable
-    tier is listed with its timeout (:meth:`DurableTier.listed`).
-
-    Args:
-        root: the local root.
-        tier: the durable tier, if any.
-        step: the step asked for; None: the newest live one.
-        naming: the step naming of both tiers.
-
-    Returns an exception instead of raising it, so the coordinator can broadcast it to every rank.
+    ``step`` None: the newest live one. A step held by both tiers is listed twice, local copy first,
+    so a damaged local copy is taken from the durable tier before any older step. Returns an
+    exception instead of raising it, so the coordinator can broadcast it to every rank.
     """
     naming = naming or StepNaming()
     try:
@@ -108,12 +96,13 @@ def resume_plan(root: Path, tier: DurableTier | None, step: int | None,
         head = head_of(seen)
         live_local = [s for s, lin in local.items() if head.holds(s, lin)]
         live_durable = [s for s, lin in durable.items() if head.holds(s, lin)]
+        live = sorted({*live_local, *live_durable})
         for where, steps in (("local", local), ("durable", durable)):
             dropped = sorted(s for s, lin in steps.items() if not head.holds(s, lin))
             if dropped:
                 log.info("%s steps %s are superseded (an abandoned timeline, see policy._lineage); not resumed",
                          where, dropped)
-        plan = ResumePlan([], head, complete, max([*live_local, *live_durable], default=None), new_segment(seen),
+        plan = ResumePlan([], head, complete, live[-1] if live else None, new_segment(seen),
                           {s: found[s] for s in live_local})
         if step is not None:
             if step in live_local:  # a damaged local copy is then taken from the durable tier
@@ -124,12 +113,12 @@ def resume_plan(root: Path, tier: DurableTier | None, step: int | None,
             if step in local or step in durable:
                 lin = local.get(step, durable.get(step))
                 assert lin is not None  # the step is in one of them
-                left, live = head.left_at(lin), sorted(set(live_local) | set(live_durable))[-10:]
+                left = head.left_at(lin)
                 why = f"its timeline was left at step {left}" if left is not None else \
                     f"its timeline ({lin.describe()}) was abandoned"
                 return CheckpointNotFoundError(
                     f"step {step} is superseded: {why} by a rollback, and the run continued from there "
-                    f"({head.describe()}). Restore a live step (committed: {live}), or pass restore(path=...) "
+                    f"({head.describe()}). Restore a live step (committed: {live[-10:]}), or pass restore(path=...) "
                     "to load that checkpoint directory explicitly")
             if outage is not None:  # it may be there: say why it cannot be known
                 return DurableUnavailableError(f"step {step} is not under {root}, and {outage}")
@@ -143,24 +132,21 @@ def resume_plan(root: Path, tier: DurableTier | None, step: int | None,
                 return CheckpointNotFoundError(
                     f"step {step} is superseded: a rollback started a new timeline ({head.describe()}) and its "
                     f"copy was moved aside as {root / aside[-1]}. Restore a live step (committed: "
-                    f"{sorted(set(live_local) | set(live_durable))[-10:]}), or pass restore(path=...) to load "
+                    f"{live[-10:]}), or pass restore(path=...) to load "
                     "that directory explicitly")
             return CheckpointNotFoundError(f"step {step} is not a committed checkpoint under {where}; committed "
-                                           f"steps: {sorted(set(live_local) | set(live_durable))[-10:]}")
-        # a step held by both tiers is listed twice, local copy first (a damaged local copy heals from durable)
-        return replace(plan, candidates=[(s, where) for s in sorted(set(live_local) | set(live_durable), reverse=True)
-                                         for where in ("local", "durable")
-                                         if s in (live_local if where == "local" else live_durable)])
+                                           f"steps: {live[-10:]}")
+        return replace(plan, candidates=[(s, where) for s in reversed(live)
+                                         for where, held in (("local", live_local), ("durable", live_durable))
+                                         if s in held])
     except CheckpointError as exc:
         return exc
 
 
 def set_aside_superseded(path: Path) -> None:
-    """Before the live durable copy of a step is downloaded to ``path``: move a committed local
-    checkpoint there (superseded, or the plan would have chosen it) aside as
-    ``.superseded_<name>.<time>`` instead of letting the download replace it.
-
-    A damaged directory there is left for the download to replace, as before.
+    """Before a live durable copy is downloaded to ``path``: move a committed local checkpoint there
+    (superseded, or the plan would have chosen it) aside as ``.superseded_<name>.<time>``; a damaged one
+    is left for the download to replace.
 
     Raises:
         CheckpointWriteError: it could not be moved.

@@ -1,10 +1,6 @@
-"""Restoring from node-local roots: the newest step every node can get, from its own disk or the durable tier.
-
-Only live copies count (:mod:`torch_ckpt.policy._lineage`: the lineage records of every node's
-manifests and of the durable tier decide together), so a stale node's copies of an abandoned
-timeline are never mixed with the others'. A node gets its part from its own copy, or from the
-durable tier (only its files when the rank layout is unchanged, else the whole checkpoint, to
-reshard); otherwise the next older step is tried, and the reason logged.
+"""Restoring from node-local roots: the newest step every node can get, from its own disk or the durable tier
+(only its files when the rank layout is unchanged, else the whole checkpoint, to reshard). Only live
+copies count (:mod:`torch_ckpt.policy._lineage`), so a stale node's abandoned timeline is never mixed in.
 """
 
 from __future__ import annotations
@@ -70,10 +66,7 @@ def local_inventory(root: Path, naming: Any, nodes: NodeLayout) -> dict[int, str
 def _plan(inventories: dict[int, dict[int, str]], durable: dict[int, Any], nodes: NodeLayout,
           step: int | None) -> list[tuple[int, dict[int, str]]]:
     """Rank 0: feasible ``(step, {node: "local"|"node"|"full"})`` newest first, logging why steps are skipped.
-
-    A step some node reads locally that the durable tier also holds is listed again with every node
-    fetching it: a local copy failing verification is replaced by the durable one before older steps.
-    """
+    A step also in the durable tier is listed again with every node fetching it, before older steps."""
     candidates = sorted({s for inv in inventories.values() for s in inv} | set(durable), reverse=True)
     if step is not None:
         candidates = [step]
@@ -101,11 +94,9 @@ def _plan(inventories: dict[int, dict[int, str]], durable: dict[int, Any], nodes
 
 def restore_node_local(nodes: NodeLayout, ctx: DistContext, tier: Any, root: Path, naming: Any,
                        load: Callable[[Path], None], *, step: int | None, read_only: bool) -> Resumed | None:
-    """:meth:`CheckpointManager.restore` for node-local roots (collective; see the module doc).
-
-    ``load(directory)`` loads a local checkpoint into the caller's state (verifying it); ``step``
-    None takes the newest one every node can get; ``read_only`` never moves a superseded local copy
-    aside. Returns None when no tier holds a checkpoint.
+    """:meth:`CheckpointManager.restore` for node-local roots (collective). ``load(directory)`` loads
+    (and verifies) a local checkpoint; ``read_only`` never moves a superseded local copy aside.
+    Returns None when no tier holds a checkpoint.
 
     Raises:
         CheckpointNotFoundError: ``step`` was given and no tier can provide it.
@@ -134,7 +125,6 @@ def restore_node_local(nodes: NodeLayout, ctx: DistContext, tier: Any, root: Pat
                 durable = tier.listed()
             except DurableUnavailableError as exc:
                 outage = exc
-        # the lineage rule (torch_ckpt.policy._lineage): only live copies count, so every node loads the same timeline
         seen = [*(lin for _, _, lins in gathered for lin in lins.values()), *(m.lineage for m in durable.values())]
         head = head_of(seen)
         node_lins = {n: lins for n, i, lins in gathered if isinstance(i, dict)}  # the leaders' (others send none)
