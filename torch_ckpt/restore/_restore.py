@@ -89,9 +89,8 @@ def collector_paused() -> Iterator[None]:
 class InterruptHold:
     """Holds a Ctrl-C from :meth:`start` to :meth:`release`, then raises it (``KeyboardInterrupt``).
 
-    Only on the main thread and only while ``SIGINT`` has Python's default handler (another
-    handler, e.g. a framework's, is left alone); otherwise both methods do nothing. A second
-    Ctrl-C while one is held is raised at once, so a write that hangs can still be interrupted.
+    Only on the main thread while ``SIGINT`` has Python's default handler (a framework's is left
+    alone). A second Ctrl-C is raised at once, so a write that hangs can still be interrupted.
     """
 
     def __init__(self) -> None:
@@ -808,10 +807,7 @@ def load_direct(targets: _Targets, step_dir: str | os.PathLike, md: Metadata, ma
     errors = [r for r in results if isinstance(r, BaseException) and not isinstance(r, Stopped)]
     if errors:
         raise errors[0]  # the first error, in file order
-    placed: set[str] = set()
-    for result in results:
-        placed |= result
-    return set(targets) - placed
+    return set(targets).difference(*results)
 
 
 # -- the whole restore ------------------------------------------------------------------------------

@@ -42,8 +42,7 @@ class ResumePlan:
     """What a restore may load, decided on the coordinator and broadcast to every rank.
 
     Attributes:
-        candidates: live ``(step, "local"|"durable")`` pairs, newest first (superseded steps of
-            abandoned timelines are left out, see :mod:`torch_ckpt.policy._lineage`).
+        candidates: live ``(step, "local"|"durable")`` pairs, newest first.
         head: the head segment of the history seen.
         complete: every tier could be listed.
         newest: the newest live step of any tier (None: none).

@@ -32,10 +32,9 @@ class Resumed:
 
     Attributes:
         step: the restored step.
-        source: "local" (read from its node's disk), "durable-node" (its node fetched only its own
-            files) or "durable-full" (its node fetched the whole checkpoint).
-        lineage: the run segment of the next saves (:func:`torch_ckpt.policy._lineage.successor`);
-            None on the ranks that are not a node's leader.
+        source: "local" (its node's disk), "durable-node" (its node fetched its own files) or
+            "durable-full" (its node fetched the whole checkpoint).
+        lineage: the run segment of the next saves; None on the ranks that are not a node's leader.
     """
 
     step: int
@@ -154,6 +153,7 @@ def restore_node_local(nodes: NodeLayout, ctx: DistContext, tier: Any, root: Pat
         log.info("no committed checkpoint on any node%s; starting from scratch",
                  f" (the durable tier {tier.url} answered: no committed step)" if tier is not None else "")
         return None
+
     def attempt(candidate: tuple[int, dict[int, str]]) -> tuple[int, str]:
         cand, actions = candidate
         action = actions[nodes.node]
