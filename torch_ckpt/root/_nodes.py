@@ -32,11 +32,10 @@ from torch.distributed.checkpoint.planner import SavePlan
 
 from torch_ckpt.errors import ConfigError
 from torch_ckpt.format._dcp_write import ChecksumFileSystemWriter, FlatKeysSavePlanner
-from torch_ckpt.format._files import metadata_name
 from torch_ckpt.root._layout import SharedRoot
 
-__all__ = ["NodeLayout", "choose_layout", "NodeDedupPlanner", "RecordingWriter", "node_views", "metadata_name",
-           "env_node", "shared_files", "REPLICA_TAG", "is_replica_file"]
+__all__ = ["NodeLayout", "choose_layout", "NodeDedupPlanner", "RecordingWriter", "node_views", "env_node",
+           "shared_files", "REPLICA_TAG", "is_replica_file"]
 
 REPLICA_TAG = "replica_"
 """Marks a data file holding only a node's extra copies of replicated tensors (``__R_replica_I.distcp``)."""
