@@ -176,11 +176,10 @@ def clean_stale_temporaries(root: str | os.PathLike, *, keep_incarnation: str | 
     """Remove temporary checkpoint directories left by a crashed save or by a previous incarnation.
 
     Call it only while holding the root's lock: every temporary of another incarnation is then
-    stale (its owner is gone; a writer it left behind can no longer commit, see
-    :mod:`torch_ckpt.save._writer_process`). Temporaries are recognised by :func:`is_temporary_name`
-    (``.NAME.tmp``, ``.NAME.tmp.<id>``, ``.download`` forms); ``.trash_NAME`` leftovers of an
-    interrupted delete are removed; the old checkpoint of an interrupted non-atomic replace
-    (``.NAME.replaced.<id>``) is renamed back to NAME when NAME is missing, and removed otherwise.
+    stale (a writer it left behind can no longer commit, see :mod:`torch_ckpt.save._writer_process`).
+    Removed: temporaries (:func:`is_temporary_name`), ``.trash_NAME`` leftovers of an interrupted
+    delete, and the old checkpoint of an interrupted non-atomic replace (``.NAME.replaced.<id>``),
+    which is renamed back to NAME instead when NAME is missing.
 
     Args:
         root: the checkpoint root.
@@ -249,12 +248,11 @@ def remove_failed_temporaries(root: str | os.PathLike, current: str | os.PathLik
                               failed_names: tuple[str, ...] | list[str]) -> list[Path]:
     """Remove the leftovers of earlier, failed saves of the incarnation that writes ``current`` now.
 
-    A save runs only once the previous one finished on every rank (the ranks' agreement), so the
-    partial ``NAME/.torch-ckpt.partial.<id>`` of a failed save of the same incarnation id (and its
-    commit side ``.torch-ckpt.tmp.<id>``) is a leftover, for example of a save whose collective timed
-    out before rank 0 could remove it. The reservation ``NAME`` goes too once nothing is left in it.
-    Only the names of those saves are given: other directories of the root (a framework's files on
-    their way into the next checkpoint) are never touched.
+    Saves are sequential on every rank, so the partial ``NAME/.torch-ckpt.partial.<id>`` of a failed
+    save of the same incarnation (and its commit side ``.torch-ckpt.tmp.<id>``) is a leftover, e.g. of a
+    save whose collective timed out before rank 0 could remove it; its emptied reservation goes too.
+    Only those saves' names are touched (a framework's files on their way into the next checkpoint
+    are not).
 
     Args:
         root: the directory holding the failed saves' final names.
@@ -437,8 +435,7 @@ def commit_dir(tmp: Path, final: Path, *, replace: bool = False) -> None:
     fsync_dir(tmp)
     if tmp.parent == final:  # written inside its reserved (or replaced) directory: move it out first
         side = side_path(final, tmp.name[len(PARTIAL_PREFIX):])
-        if os.path.lexists(side):
-            shutil.rmtree(side, ignore_errors=True)
+        shutil.rmtree(side, ignore_errors=True)
         try:
             os.rename(tmp, side)
         except OSError as exc:
@@ -572,9 +569,8 @@ def retire_step_dir(path: Path) -> Path:
     """Rename a committed checkpoint to a hidden trash name (``.torch-ckpt.tmp.<random id>``, atomic); returns it.
 
     The name carries no copy of NAME (no framework's scan mistakes it for a checkpoint) and its
-    ``manifest.json`` is deleted at once. The caller deletes the rest when convenient (about 0.15 s
-    per GiB: retention defers it until the new checkpoint's ``committed`` resolved); a leftover is
-    removed at the next start.
+    ``manifest.json`` is deleted at once; the caller deletes the rest when convenient (about 0.15 s
+    per GiB), a leftover is removed at the next start.
 
     Raises:
         OSError: the rename failed (the checkpoint is still there, complete).

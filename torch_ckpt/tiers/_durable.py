@@ -146,8 +146,7 @@ class DurableTier:
 
     def refresh(self) -> None:
         """Drop the file system's listing cache (after this process or another one wrote objects)."""
-        if hasattr(self.fs, "invalidate_cache"):
-            self.fs.invalidate_cache()
+        self.fs.invalidate_cache()
 
     # -- the container: a bucket, or the parent directory of a file:// root ---------------------
     def container(self) -> str | None:
@@ -263,9 +262,8 @@ class DurableTier:
 
     # -- upload --------------------------------------------------------------------------------
     def _store_digest(self, local: Path, info: dict[str, int]) -> str | None:
-        """The ETag an S3-compatible store computes for ``local`` uploaded here (the MD5 of the object,
-        or for a multipart upload the MD5 of its parts' MD5s followed by ``-<parts>``), computed in one
-        pass with the CRC-32; None when the file no longer has the manifest's size and CRC-32."""
+        """The ETag S3 computes for ``local`` uploaded here (MD5, or the MD5 of the parts' MD5s and
+        ``-<parts>``), in one pass with the CRC-32; None when the file no longer matches the manifest."""
         size, crc, parts = 0, 0, []
         whole = hashlib.md5(usedforsecurity=False)
         multipart = info["bytes"] >= min(5 << 30, 2 * self.part_bytes)
@@ -281,8 +279,7 @@ class DurableTier:
         return f"{hashlib.md5(b''.join(parts), usedforsecurity=False).hexdigest()}-{len(parts)}"
 
     def _put_verified(self, local: Path, loc: Location, name: str, info: dict[str, int]) -> None:
-        """Upload one file, then check the stored object (by the store's digest when it equals the
-        local file's, else read back; sizes only with ``verify="size"``): CheckpointCorruptError."""
+        """Upload one file, then check the stored object (by the store's digest, else read back)."""
         extra = {"chunksize": self.part_bytes} if self._protocol in ("s3", "s3a") else {}
         self.fs.put_file(str(local), f"{loc.path}/{name}", **extra)
         self.refresh()
@@ -410,8 +407,7 @@ class DurableTier:
 
     # -- download ------------------------------------------------------------------------------
     def _fetch_file(self, src: Location, name: str, info: dict[str, int], tmp: Path, bar: Any, watch: Watch) -> None:
-        """Copy one object into ``tmp`` and check the copy: CheckpointCorruptError (on the object's URL)
-        when it is missing or its bytes do not match, DurableUnavailableError when the store fails."""
+        """Copy one object into ``tmp`` and check the copy (errors as :meth:`download`)."""
         what = f"cannot read {src.describe(name)}"  # the store's failures, not the local disk's, are an outage
         try:
             fin = _store(what, self.fs.open, f"{src.path}/{name}", "rb", block_size=_CHUNK_BYTES)
