@@ -40,8 +40,8 @@ def quiet_single_process_warning() -> None:
     """Ignore DCP's "assuming the intent is to save (load) in a single process" warning, process-wide.
 
     DCP emits it on every call with ``no_dist=True``, which torch-ckpt passes on purpose without a
-    process group. The modules calling DCP install this filter (that message only) once at import,
-    never from the writer thread (as ``warnings.catch_warnings`` would); installing it again adds none.
+    process group. Installed at import (``warnings.catch_warnings`` in the writer thread is not
+    thread-safe); installing it again adds none.
     """
     warnings.filterwarnings(
         "ignore",

@@ -292,9 +292,8 @@ class SharedRoot:
 
     A *root layout* says how the ranks share the root; the manager chooses it once
     (:func:`torch_ckpt.root._nodes.choose_layout`) and the writer, the replicator and the restore ask
-    it. The other layout is :class:`torch_ckpt.root._nodes.NodeLayout` (a private root per node); a
-    memory tier (a tmpfs root replicated to peers) would be a third, with its own ``persist`` and
-    ``uploader``. Every layout has: ``node_local``; ``acts`` (this rank creates, commits, prunes and
+    it. The other layout is :class:`torch_ckpt.root._nodes.NodeLayout` (a private root per node).
+    Every layout has: ``node_local``; ``acts`` (this rank creates, commits, prunes and
     replicates its root); ``commits`` (it commits the durable copy); ``agreed_name(final)`` (what the
     ranks compare when they agree on a save); ``check(root, ctx, ok=)`` (a collective check at start:
     an error message or None); ``uploader(tier, wait_seconds)`` (the replicator's upload; None:
