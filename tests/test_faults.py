@@ -207,7 +207,7 @@ def test_pickled_item_in_a_crafted_checkpoint_is_never_unpickled(tmp_path):
     """A DCP checkpoint whose non-tensor item is a malicious pickle is refused without running it."""
     import torch.distributed.checkpoint as dcp
 
-    from torch_ckpt.root._layout import FORMAT_NAME
+    from torch_ckpt.format._files import FORMAT_NAME
 
     marker = tmp_path / "pwned"
     _Evil.marker = marker

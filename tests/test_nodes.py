@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from torch_ckpt.errors import ConfigError
-from torch_ckpt.root._nodes import NodeLayout, env_node, metadata_name
+from torch_ckpt.format._files import metadata_name
+from torch_ckpt.root._nodes import NodeLayout, env_node
 
 NODE_VARS = ("GROUP_RANK", "NODE_RANK", "LOCAL_WORLD_SIZE")
 

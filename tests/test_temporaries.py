@@ -11,8 +11,8 @@ from torch_ckpt.root._layout import (
     clean_stale_temporaries,
     is_temporary_name,
     new_incarnation,
+    step_dir_name,
     temporary_name,
-    tmp_dir_name,
 )
 from torch_ckpt.tools.listing import list_root
 
@@ -28,7 +28,7 @@ def _make(root, names):
 
 def test_temporary_name_carries_the_incarnation_id():
     """`.step_N.tmp.<id>` is the name of step N's temporary written by incarnation <id>."""
-    assert tmp_dir_name(7, "abc123") == ".step_000000007.tmp.abc123"
+    assert temporary_name(step_dir_name(7), "abc123") == ".step_000000007.tmp.abc123"
     assert temporary_name("torch_ckpt", "abc123") == ".torch_ckpt.tmp.abc123"
 
 

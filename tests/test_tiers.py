@@ -329,6 +329,34 @@ def test_upload_corrupted_in_the_store_fails_as_a_corrupt_local_file_does(tmp_pa
     assert tier.list_steps() == {}
 
 
+def test_a_failed_upload_starts_no_further_file(tmp_path, monkeypatch):
+    """With several upload threads the first failure ends the upload: the files not started yet are never sent."""
+    import zlib
+
+    from torch_ckpt.format._files import Manifest
+
+    local, files = tmp_path / "ckpt", {}
+    local.mkdir()
+    for i in range(8):
+        (local / f"f{i}.bin").write_bytes(bytes([i]) * 64)
+        files[f"f{i}.bin"] = {"bytes": 64, "crc32": zlib.crc32(bytes([i]) * 64)}
+    tier = DurableTier(f"memory://ckpt-{uuid.uuid4().hex[:8]}/run", upload_threads=2)
+    real_put, sent = tier.fs.put_file, []
+
+    def put(lpath, rpath, **kwargs):
+        sent.append(rpath.rsplit("/", 1)[-1])
+        if rpath.endswith("/f0.bin"):
+            raise OSError("connection reset by peer")
+        time.sleep(0.2)
+        real_put(lpath, rpath, **kwargs)
+
+    monkeypatch.setattr(tier.fs, "put_file", put)
+    with pytest.raises(OSError, match="connection reset by peer"):
+        tier.upload(local, Manifest(step=1, world_size=1, files=files))
+    assert "f0.bin" in sent and len(sent) <= 2  # f0, and f1 when the other thread had taken it already
+    assert tier.list_steps() == {}
+
+
 @pytest.mark.parametrize(("verify", "read_back"), [("checksum", 256 * 64), ("size", 0)])
 def test_uploads_are_read_back_unless_verify_is_size(tmp_path, verify, read_back):
     """On a store without digests verify="checksum" reads every uploaded byte back; "size" reads none."""

@@ -23,7 +23,7 @@ import datetime
 import threading
 import warnings
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from typing import Any
 
 import torch.distributed as dist
@@ -40,8 +40,8 @@ def quiet_single_process_warning() -> None:
     """Ignore DCP's "assuming the intent is to save (load) in a single process" warning, process-wide.
 
     DCP emits it on every call with ``no_dist=True``, which torch-ckpt passes on purpose without a
-    process group. The modules calling DCP install this filter (that message only) once at import,
-    never from the writer thread (as ``warnings.catch_warnings`` would); installing it again adds none.
+    process group. Installed at import (``warnings.catch_warnings`` in the writer thread is not
+    thread-safe); installing it again adds none.
     """
     warnings.filterwarnings(
         "ignore",
@@ -121,17 +121,14 @@ class DistContext:
         if self._broken is None:
             self._broken = reason
         if self._store is not None:
-            try:
+            with suppress(Exception):  # the store itself is unreachable: the next rebuild says so
                 self._store.set(self._key("want", self.generation + 1), str(self.rank))
-            except Exception:  # noqa: BLE001 - the store itself is unreachable: the next rebuild says so
-                pass
 
     def heal(self) -> None:
         """Rebuild the checkpoint groups when a collective failed on this or another rank (collective).
 
-        Called before every operation on the caller's thread, and by a writer process before each
-        save: one store look-up while healthy; otherwise it waits for this process's writer thread,
-        then every rank joins a store barrier and forms two new groups.
+        One store look-up while healthy; otherwise it waits for this process's writer thread, then
+        every rank joins a store barrier and forms two new groups.
 
         Raises:
             CheckpointTimeoutError: not every rank joined within ``timeout_seconds``, or the new groups
@@ -192,10 +189,8 @@ class DistContext:
             bg = self._new_group(f"{self._ns}/g{target}/bg")
         except Exception as exc:  # noqa: BLE001 - not every rank formed the groups: try the next generation
             if fg is not None:
-                try:
+                with suppress(Exception):
                     dist.destroy_process_group(fg)
-                except Exception:  # noqa: BLE001
-                    pass
             reason = self._broken
             self.generation = target
             self._mark_broken(f"{reason}; rebuilding generation {target} failed")
@@ -207,10 +202,8 @@ class DistContext:
                     self._broken)
         self.generation, self._broken, self._arrived = target, None, None
         for g in old:
-            try:
+            with suppress(Exception):  # a broken group may refuse a clean shutdown
                 dist.destroy_process_group(g)
-            except Exception:  # noqa: BLE001 - a broken group may refuse a clean shutdown
-                pass
 
     def _new_group(self, name: str) -> Any:
         """A gloo group over this context's ranks with an explicit name (``new_group`` would use its counter)."""
@@ -263,9 +256,7 @@ class DistContext:
         if self.enabled and dist.is_initialized():
             for g in (self.fg, self.bg):
                 if g is not None:
-                    try:
+                    with suppress(RuntimeError, ValueError):
                         dist.destroy_process_group(g)
-                    except (RuntimeError, ValueError):
-                        pass
         self.fg = self.bg = None
         self.enabled = False

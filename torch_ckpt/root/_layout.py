@@ -1,8 +1,8 @@
 """The committed step directories of a checkpoint root (a local directory): list, commit, replace, remove;
-and the root layout (:class:`SharedRoot`).
+the names of temporaries and their clean-up; and the root layout (:class:`SharedRoot`).
 
-The manifest is defined in :mod:`torch_ckpt.format._files` (re-exported here); the names of
-temporaries and their clean-up are here too, the lock in :mod:`torch_ckpt.root._lock`::
+The manifest is defined in :mod:`torch_ckpt.format._files` (re-exported here), the lock in
+:mod:`torch_ckpt.root._lock`::
 
     ROOT/
       step_000000100/            committed: .metadata (DCP, read with a restricted unpickler), __R_T.distcp
@@ -10,28 +10,21 @@ temporaries and their clean-up are here too, the lock in :mod:`torch_ckpt.root._
       step_000000110/            reserved when save() returned: a save in progress
         .torch-ckpt.partial.9f2c.../  its files until the commit; never listed, removed on the next start
 
-Commit (crash-safe at every instant): the final name is reserved (created empty), every file is
-written and fsynced inside its partial, then ``manifest.json``; the partial is fsynced, moved out to
-``.torch-ckpt.tmp.<id>`` and renamed over the empty reservation (atomic on POSIX), and the root is
-fsynced. A final name therefore holds a complete checkpoint or nothing but partials; ordering uses
-the manifest's integer step, never string order.
+A save first *reserves* its final name: ``NAME`` is created empty when the save is accepted (before
+``save()`` returns), so every framework that checks whether a name exists sees it taken, as with a
+synchronous save. Every file is written and fsynced inside the hidden partial
+``NAME/.torch-ckpt.partial.<incarnation>``, then ``manifest.json``; the commit fsyncs the partial,
+moves it out to the hidden sibling ``.torch-ckpt.tmp.<incarnation>`` and renames it over the empty
+reservation (atomic on POSIX) or exchanges it with the committed checkpoint it replaces, then fsyncs
+the root. A final name therefore holds a complete checkpoint or nothing but partials (a
+*reservation*, never committed for any reader); ordering uses the manifest's integer step, never
+string order. No name we add beside a checkpoint contains a copy of ``NAME``, so a framework's own
+scan of the folder (Lightning's ``hpc_ckpt_<N>``, ``last`` names) never mistakes one for a checkpoint.
 
-Names of temporary checkpoint directories, incarnation ids, reservations, and the clean-up of stale temporaries.
-
-A save first *reserves* its final name: the directory ``NAME`` is created empty when the save is
-accepted (before ``save()`` returns), so every framework that checks whether a name exists sees it
-taken, as with a synchronous save. The checkpoint is written inside it, under the hidden
-``NAME/.torch-ckpt.partial.<incarnation>``; the commit moves that out to the hidden sibling
-``.torch-ckpt.tmp.<incarnation>`` and renames it over the reserved directory (rename(2) replaces an
-empty directory atomically) or exchanges it with the committed checkpoint it replaces. A
-directory that holds nothing but partials (or nothing) is a *reservation*: never committed for any
-reader. No name we add beside a checkpoint contains a copy of ``NAME``, so a framework's own scan
-of the folder (Lightning's ``hpc_ckpt_<N>``, ``last`` names) never mistakes one for a checkpoint.
-The incarnation is a random hex id drawn when the checkpointer is built; a restarted run
-therefore never writes into, and never commits, a temporary left or still being written by a
-previous incarnation. :func:`clean_stale_temporaries` removes those leftovers (and the other
-hidden directories of an interrupted delete or replace) when a run takes the root's lock. The
-final names, listing and commit are in :mod:`torch_ckpt.root._layout`.
+The incarnation is a random hex id drawn when the checkpointer is built: a restarted run never
+writes into, and never commits, a temporary left or still being written by a previous incarnation.
+:func:`clean_stale_temporaries` removes those leftovers (and the other hidden directories of an
+interrupted delete or replace) when a run takes the root's lock.
 """
 
 from __future__ import annotations
@@ -45,6 +38,7 @@ import shutil
 import stat
 import time
 import zlib
+from contextlib import suppress
 from pathlib import Path
 from typing import Any
 
@@ -56,8 +50,6 @@ from torch_ckpt.errors import (
     ConfigError,
 )
 from torch_ckpt.format._files import (
-    FORMAT_NAME,
-    FORMAT_VERSION,
     MANIFEST_NAME,
     Manifest,
     rank_file_name,
@@ -66,12 +58,11 @@ from torch_ckpt.format._files import (
 from torch_ckpt.policy._naming import Naming, StepNaming
 
 __all__ = [
-    "FORMAT_NAME", "FORMAT_VERSION", "MANIFEST_NAME", "Manifest", "SharedRoot", "check_root", "commit_dir",
-    "fsync_dir", "is_committed", "quarantine_step_dir", "rank_file_name", "read_manifest", "remove_step_dir",
-    "replace_dir", "retire_step_dir", "scan_committed", "scan_manifests", "update_manifest_tiers", "write_durable",
-    "write_json_durable", "step_dir_name", "tmp_dir_name", "temporary_name", "replaced_name", "new_incarnation",
-    "is_temporary_name", "clean_stale_temporaries", "remove_failed_temporaries", "PARTIAL_PREFIX", "partial_path",
-    "side_path", "is_reservation", "reserve", "unreserve"
+    "MANIFEST_NAME", "Manifest", "SharedRoot", "check_root", "commit_dir", "fsync_dir", "is_committed",
+    "quarantine_step_dir", "rank_file_name", "read_manifest", "remove_step_dir", "replace_dir", "retire_step_dir",
+    "scan_committed", "scan_manifests", "update_manifest_tiers", "write_durable", "write_json_durable", "step_dir_name",
+    "temporary_name", "replaced_name", "new_incarnation", "is_temporary_name", "clean_stale_temporaries",
+    "remove_failed_temporaries", "PARTIAL_PREFIX", "partial_path", "side_path", "is_reservation", "reserve", "unreserve"
 ]
 
 log = get_logger("torch_ckpt.root._layout")
@@ -156,15 +147,8 @@ def unreserve(final: Path, partial: Path, created: bool) -> None:
     """After a failed save: remove its partial, and ``final`` too when the save created it and it is empty."""
     shutil.rmtree(partial, ignore_errors=True)
     if created:
-        try:
+        with suppress(OSError):  # not empty (another save's partial, or the user's files) or already gone
             os.rmdir(final)
-        except OSError:
-            pass  # not empty (another save's partial, or the user's files) or already gone
-
-
-def tmp_dir_name(step: int, incarnation: str) -> str:
-    """Temporary sibling directory name used while ``step`` is being written by ``incarnation``."""
-    return temporary_name(step_dir_name(step), incarnation)
 
 
 def replaced_name(final_name: str) -> str:
@@ -192,11 +176,10 @@ def clean_stale_temporaries(root: str | os.PathLike, *, keep_incarnation: str | 
     """Remove temporary checkpoint directories left by a crashed save or by a previous incarnation.
 
     Call it only while holding the root's lock: every temporary of another incarnation is then
-    stale (its owner is gone; a writer it left behind can no longer commit, see
-    :mod:`torch_ckpt.save._writer_process`). Temporaries are recognised by :func:`is_temporary_name`
-    (``.NAME.tmp``, ``.NAME.tmp.<id>``, ``.download`` forms); ``.trash_NAME`` leftovers of an
-    interrupted delete are removed; the old checkpoint of an interrupted non-atomic replace
-    (``.NAME.replaced.<id>``) is renamed back to NAME when NAME is missing, and removed otherwise.
+    stale (a writer it left behind can no longer commit, see :mod:`torch_ckpt.save._writer_process`).
+    Removed: temporaries (:func:`is_temporary_name`), ``.trash_NAME`` leftovers of an interrupted
+    delete, and the old checkpoint of an interrupted non-atomic replace (``.NAME.replaced.<id>``),
+    which is renamed back to NAME instead when NAME is missing.
 
     Args:
         root: the checkpoint root.
@@ -238,44 +221,38 @@ def clean_stale_temporaries(root: str | os.PathLike, *, keep_incarnation: str | 
 
 
 def _clean_partials(directory: Path, keep_incarnation: str | None, named: bool) -> list[Path]:
-    """Remove the partial saves of other incarnations inside ``directory``; then the reservation itself
-    when nothing else is left in it (it was reserved by the crashed save). An empty directory with
-    one of the naming's names is a reservation whose save died before it began writing: removed too."""
+    """Remove the partial saves of other incarnations inside ``directory``, then the directory when that
+    left it empty (the crashed save had reserved it). An empty directory with one of the naming's names
+    is a reservation whose save died before it began writing: removed too."""
     removed: list[Path] = []
     try:
         names = os.listdir(directory)
     except OSError:
         return removed
     if not names and named:
-        try:
+        with suppress(OSError):
             os.rmdir(directory)
             removed.append(directory)
-        except OSError:
-            pass
         return removed
     for name in names:
         if name.startswith(PARTIAL_PREFIX) and name[len(PARTIAL_PREFIX):] != keep_incarnation:
             shutil.rmtree(directory / name, ignore_errors=True)
             removed.append(directory / name)
     if removed:
-        try:
-            os.rmdir(directory)  # only when empty: a committed checkpoint keeps its files
-        except OSError:
-            pass
+        with suppress(OSError):  # only when empty: a committed checkpoint keeps its files
+            os.rmdir(directory)
     return removed
-
 
 
 def remove_failed_temporaries(root: str | os.PathLike, current: str | os.PathLike,
                               failed_names: tuple[str, ...] | list[str]) -> list[Path]:
     """Remove the leftovers of earlier, failed saves of the incarnation that writes ``current`` now.
 
-    A save runs only once the previous one finished on every rank (the ranks' agreement), so the
-    partial ``NAME/.torch-ckpt.partial.<id>`` of a failed save of the same incarnation id (and its
-    commit side ``.torch-ckpt.tmp.<id>``) is a leftover, for example of a save whose collective timed
-    out before rank 0 could remove it. The reservation ``NAME`` goes too once nothing is left in it.
-    Only the names of those saves are given: other directories of the root (a framework's files on
-    their way into the next checkpoint) are never touched.
+    Saves are sequential on every rank, so the partial ``NAME/.torch-ckpt.partial.<id>`` of a failed
+    save of the same incarnation (and its commit side ``.torch-ckpt.tmp.<id>``) is a leftover, e.g. of a
+    save whose collective timed out before rank 0 could remove it; its emptied reservation goes too.
+    Only those saves' names are touched (a framework's files on their way into the next checkpoint
+    are not).
 
     Args:
         root: the directory holding the failed saves' final names.
@@ -299,10 +276,8 @@ def remove_failed_temporaries(root: str | os.PathLike, current: str | os.PathLik
         if entry.is_dir() and not final.is_symlink():
             shutil.rmtree(entry, ignore_errors=True)
             removed.append(entry)
-            try:
-                os.rmdir(final)  # only when empty: the failed save's reservation
-            except OSError:
-                pass
+            with suppress(OSError):  # only when empty: the failed save's reservation
+                os.rmdir(final)
     side = side_path(current.parent, incarnation)
     if failed_names and side.is_dir() and not side.is_symlink():  # a failed commit's side (saves are sequential)
         shutil.rmtree(side, ignore_errors=True)
@@ -312,18 +287,13 @@ def remove_failed_temporaries(root: str | os.PathLike, current: str | os.PathLik
     return removed
 
 
-log = get_logger(__name__)
-
-
-
 class SharedRoot:
     """The root layout of one directory that every rank sees (the default).
 
     A *root layout* says how the ranks share the root; the manager chooses it once
     (:func:`torch_ckpt.root._nodes.choose_layout`) and the writer, the replicator and the restore ask
-    it. The other layout is :class:`torch_ckpt.root._nodes.NodeLayout` (a private root per node); a
-    memory tier (a tmpfs root replicated to peers) would be a third, with its own ``persist`` and
-    ``uploader``. Every layout has: ``node_local``; ``acts`` (this rank creates, commits, prunes and
+    it. The other layout is :class:`torch_ckpt.root._nodes.NodeLayout` (a private root per node).
+    Every layout has: ``node_local``; ``acts`` (this rank creates, commits, prunes and
     replicates its root); ``commits`` (it commits the durable copy); ``agreed_name(final)`` (what the
     ranks compare when they agree on a save); ``check(root, ctx, ok=)`` (a collective check at start:
     an error message or None); ``uploader(tier, wait_seconds)`` (the replicator's upload; None:
@@ -464,8 +434,7 @@ def commit_dir(tmp: Path, final: Path, *, replace: bool = False) -> None:
     fsync_dir(tmp)
     if tmp.parent == final:  # written inside its reserved (or replaced) directory: move it out first
         side = side_path(final, tmp.name[len(PARTIAL_PREFIX):])
-        if os.path.lexists(side):
-            shutil.rmtree(side, ignore_errors=True)
+        shutil.rmtree(side, ignore_errors=True)
         try:
             os.rename(tmp, side)
         except OSError as exc:
@@ -599,23 +568,15 @@ def retire_step_dir(path: Path) -> Path:
     """Rename a committed checkpoint to a hidden trash name (``.torch-ckpt.tmp.<random id>``, atomic); returns it.
 
     The name carries no copy of NAME (no framework's scan mistakes it for a checkpoint) and its
-    ``manifest.json`` is deleted at once. The caller deletes the rest when convenient (about 0.15 s
-    per GiB: retention defers it until the new checkpoint's ``committed`` resolved); a leftover is
-    removed at the next start.
+    ``manifest.json`` is deleted at once; the caller deletes the rest when convenient (about 0.15 s
+    per GiB), a leftover is removed at the next start.
 
     Raises:
         OSError: the rename failed (the checkpoint is still there, complete).
     """
-    trash = side_path(path, new_incarnation())
-    if os.path.lexists(trash):
-        if trash.is_dir() and not trash.is_symlink():
-            shutil.rmtree(trash, ignore_errors=True)
-        else:
-            trash.unlink(missing_ok=True)
+    trash = side_path(path, new_incarnation())  # a fresh random id: never taken
     os.rename(path, trash)
-    try:
+    with suppress(OSError):  # else the rmtree that follows (or the next start's cleanup) removes it
         (trash / MANIFEST_NAME).unlink()
-    except OSError:
-        pass  # the rmtree that follows (or the next start's cleanup) removes it
     return trash
 

@@ -13,6 +13,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
+from contextlib import suppress
 from pathlib import Path
 
 from torch_ckpt._logging import get_logger
@@ -24,14 +25,10 @@ log = get_logger("torch_ckpt.root._layout")
 
 #: The lock file, used only where the file system cannot lock a directory (NFS); removed at release.
 LOCK_FILE_NAME = ".lock"
-# flock() on a directory refused by the file system (NFS emulates flock with POSIX locks, which need a
-# file opened for writing): lock a file in the root instead
+# flock() on a directory refused by the file system: lock a file in the root instead
 _NO_DIRECTORY_LOCK = (errno.EBADF, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOLCK)
 _NO_LOCKS = (errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP)
-# The RootLocks this process holds, by the real path of their root. The kernel lock excludes other
-# processes; within this process a second owner of the same root is told apart from another run, and
-# takes over from a previous owner that is closed or no longer reachable. At interpreter exit the
-# locks still held are released (the lock file, if any, removed).
+# The RootLocks this process holds, by the real path of their root (RootLock: within one process)
 _HELD: weakref.WeakValueDictionary[str, RootLock] = weakref.WeakValueDictionary()
 _HELD_LOCK = threading.RLock()  # a finalizer run by a collection inside the guard releases a lock too
 
@@ -39,30 +36,19 @@ _HELD_LOCK = threading.RLock()  # a finalizer run by a collection inside the gua
 class RootLock:
     """An exclusive lock on a checkpoint root, so two runs never write (or prune) the same root.
 
-    The lock is a kernel ``flock`` on the root directory itself, so it puts no file into the
-    user's folder; the kernel drops it when the owning process exits or dies, so there is no
-    staleness to guess and a lock left by a dead run is simply taken. A run that finds the root
-    locked names the holder's host and pid, read from ``/proc/locks`` (Linux; holders on this host).
+    A kernel ``flock`` on the root directory itself: no file in the user's folder, and the kernel
+    drops it when its process dies, so there is no staleness to guess. A run that finds the root
+    locked names the holder's host and pid (``/proc/locks``: holders on this host). Where the file
+    system cannot lock a directory (NFS emulates ``flock`` with POSIX locks, which need a file open
+    for writing), ``ROOT/.lock`` is locked instead; it records the owner and is unlinked at release
+    while still held (a contender that locked the unlinked file retries on the new one). Without
+    lock support :meth:`acquire` fails saying so, never falling back to a pid file; NFS and Lustre
+    mount options: docs/clusters.md.
 
-    Where the file system refuses to lock a directory (NFS, which emulates ``flock`` with POSIX
-    locks needing a file opened for writing), the lock is a ``flock`` on the file ``ROOT/.lock``
-    instead, which holds the owner's host, pid and start time while it runs and is removed at
-    release and at interpreter exit (unlinked while still held; a contender that locked an unlinked
-    file retries on the new one). Only a run killed with SIGKILL leaves that empty-or-stale file
-    behind, and the next run takes it over.
-
-    Local file systems are exact. On NFS, ``flock`` relies on the server's lock manager (NLM /
-    NFSv4 locks); a client mounted with ``local_lock=flock`` (or ``local_lock=all``) keeps flock
-    locks local to one node. On Lustre the clients must be mounted with ``-o flock``
-    (``localflock`` only excludes processes of the same node). A file system without lock support
-    makes :meth:`acquire` fail with a message saying so (never a silent fallback to a pid file).
-
-    Within one process the kernel lock cannot tell owners apart (a second open of the directory
-    conflicts like another process), so the held locks are also registered by the root's real
-    path: a new lock on a root whose previous holder in this process is closed or no longer
-    referenced (its ``drain``, e.g. the in-flight save, is finished first, then garbage is collected
-    so that its finalizer releases it) takes over; one whose holder is still open and referenced is
-    refused naming this process, never as another run.
+    Within one process the kernel lock cannot tell owners apart, so the held locks are also
+    registered by the root's real path: a previous holder in this process that is closed or no
+    longer referenced is taken over (:meth:`_take_over`); one still open is refused naming this
+    process, never as another run.
 
     Args:
         root: the checkpoint root.
@@ -97,14 +83,9 @@ class RootLock:
             owner.get("host") == socket.gethostname()
 
     def _take_over(self, key: str) -> None:
-        """Within this process: wait out a previous holder of the same root that is closed or unreachable.
-
-        The previous holder's in-flight work is finished first (its ``drain``), then garbage is
-        collected, so an owner nobody references any more is finalized and releases the lock.
-
-        Raises:
-            CheckpointWriteError: the previous holder is still open and reachable.
-        """
+        """Within this process: wait out a previous holder of the same root that is closed or unreachable
+        (its ``drain`` first, then a garbage collection so that its finalizer releases it), else
+        CheckpointWriteError."""
         with _HELD_LOCK:
             holder = _HELD.get(key)
         if holder is None or holder is self:
@@ -141,9 +122,6 @@ class RootLock:
 
     def acquire(self) -> None:
         """Take the lock without waiting (directory, else lock file); record the owner in a lock file.
-
-        A previous holder in this same process that is closed, or that nothing references any
-        more, is waited for (its in-flight save finishes) and its lock taken over.
 
         Raises:
             CheckpointWriteError: another live process holds it (its host and pid are named), an
@@ -211,10 +189,8 @@ class RootLock:
             os.close(fd)
 
     def __del__(self) -> None:  # an unreachable lock (its manager's finalizer did not run): the file goes too
-        try:
+        with suppress(Exception):  # interpreter shutdown
             self.release()
-        except Exception:  # noqa: BLE001 - interpreter shutdown
-            pass
 
 
 def _read_only_mount(path: Path) -> bool:
@@ -281,10 +257,8 @@ def _remove_old_lock_files(root: Path, held_fd: int) -> None:
         os.close(fd)
         return
     for name in (LOCK_FILE_NAME + ".owner", LOCK_FILE_NAME + ".owner.tmp"):
-        try:
+        with suppress(OSError):
             os.unlink(root / name)
-        except OSError:
-            pass
     _unlink_and_close(path, fd)
 
 

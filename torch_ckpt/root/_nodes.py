@@ -32,11 +32,10 @@ from torch.distributed.checkpoint.planner import SavePlan
 
 from torch_ckpt.errors import ConfigError
 from torch_ckpt.format._dcp_write import ChecksumFileSystemWriter, FlatKeysSavePlanner
-from torch_ckpt.format._files import metadata_name
 from torch_ckpt.root._layout import SharedRoot
 
-__all__ = ["NodeLayout", "choose_layout", "NodeDedupPlanner", "RecordingWriter", "node_views", "metadata_name",
-           "env_node", "shared_files", "REPLICA_TAG", "is_replica_file"]
+__all__ = ["NodeLayout", "choose_layout", "NodeDedupPlanner", "RecordingWriter", "node_views", "env_node",
+           "shared_files", "REPLICA_TAG", "is_replica_file"]
 
 REPLICA_TAG = "replica_"
 """Marks a data file holding only a node's extra copies of replicated tensors (``__R_replica_I.distcp``)."""
@@ -233,23 +232,21 @@ class RecordingWriter(ChecksumFileSystemWriter):
         size: dict[MetadataIndex, int] = {}
         for r, plan in enumerate(plans):
             for item in plan.items:
-                key = MetadataIndex(item.index.fqn, item.index.offset)
-                holders.setdefault(key, set()).add(self._rank_node[r])
-                size[key] = item.tensor_storage_size() or 1
+                holders.setdefault(item.index, set()).add(self._rank_node[r])
+                size[item.index] = item.tensor_storage_size() or 1
         load = dict.fromkeys(self._rank_node, 0)
         owner: dict[MetadataIndex, int] = {}
         for key in sorted(holders, key=lambda k: (-size[k], k.fqn, tuple(k.offset or ()))):
             owner[key] = min(holders[key], key=lambda n: (load[n], n))
             load[owner[key]] += size[key]
-        return [dataclasses.replace(plan, storage_data=_NodePrefix(f"__{r}_", frozenset(
-            MetadataIndex(i.index.fqn, i.index.offset) for i in plan.items
-            if owner[MetadataIndex(i.index.fqn, i.index.offset)] != self._rank_node[r])))
+        return [dataclasses.replace(plan, storage_data=_NodePrefix(
+            f"__{r}_", frozenset(i.index for i in plan.items if owner[i.index] != self._rank_node[r])))
             for r, plan in enumerate(plans)]
 
     def write_data(self, plan: SavePlan, planner: Any) -> Any:  # noqa: D102
         replicas: frozenset[MetadataIndex] = getattr(plan.storage_data, "replicas", frozenset())
-        own = [i for i in plan.items if MetadataIndex(i.index.fqn, i.index.offset) not in replicas]
-        extra = [i for i in plan.items if MetadataIndex(i.index.fqn, i.index.offset) in replicas]
+        own = [i for i in plan.items if i.index not in replicas]
+        extra = [i for i in plan.items if i.index in replicas]
         prefix = plan.storage_data.prefix
         results: list[Any] = []
         for items, pre in ((own, prefix), (extra, prefix + REPLICA_TAG)):
@@ -270,10 +267,9 @@ def shared_files(results: list[list[Any]], rank_node: tuple[int, ...]) -> list[s
     nodes_of: dict[MetadataIndex, set[int]] = {}
     for r, res in enumerate(results):
         for wr in res:
-            nodes_of.setdefault(MetadataIndex(wr.index.fqn, wr.index.offset), set()).add(rank_node[r])
+            nodes_of.setdefault(wr.index, set()).add(rank_node[r])
     return sorted({str(wr.storage_data.relative_path) for res in results for wr in res
-                   if len(nodes_of[MetadataIndex(wr.index.fqn, wr.index.offset)]) > 1
-                   and not is_replica_file(str(wr.storage_data.relative_path))})
+                   if len(nodes_of[wr.index]) > 1 and not is_replica_file(str(wr.storage_data.relative_path))})
 
 
 def node_views(metadata: Metadata, results: list[list[Any]], rank_node: tuple[int, ...]) -> dict[int | None, bytes]:
@@ -288,26 +284,21 @@ def node_views(metadata: Metadata, results: list[list[Any]], rank_node: tuple[in
     views: dict[int | None, bytes] = {}
     sdm: dict[str, Any] = {}
     for fqn, item in metadata.state_dict_metadata.items():
-        if isinstance(item, TensorStorageMetadata):
-            seen, chunks = set(), []
-            for chunk in item.chunks:
-                key = (tuple(chunk.offsets), tuple(chunk.sizes))
-                if key not in seen:
-                    seen.add(key)
-                    chunks.append(chunk)
-            item = dataclasses.replace(item, chunks=chunks)
+        if isinstance(item, TensorStorageMetadata):  # each chunk listed once
+            unique = {(tuple(c.offsets), tuple(c.sizes)): c for c in item.chunks}
+            item = dataclasses.replace(item, chunks=list(unique.values()))
         sdm[fqn] = item
     uploaded: dict[MetadataIndex, Any] = {}
     for res in results:
         for wr in res:
             if not is_replica_file(str(wr.storage_data.relative_path)):
-                uploaded[MetadataIndex(wr.index.fqn, wr.index.offset)] = wr.storage_data
+                uploaded[wr.index] = wr.storage_data
     for node in [None, *sorted(set(rank_node))]:
         storage = dict(uploaded)
         for r in range(len(results)):  # this node's own copies win (MetadataIndex ignores its index hint)
             if rank_node[r] == node:
                 for wr in results[r]:
-                    storage[MetadataIndex(wr.index.fqn, wr.index.offset)] = wr.storage_data
+                    storage[wr.index] = wr.storage_data
         view = Metadata(state_dict_metadata=sdm, planner_data=metadata.planner_data, storage_data=storage,
                         storage_meta=metadata.storage_meta, version=getattr(metadata, "version", None))
         views[node] = pickle.dumps(view)

@@ -258,8 +258,7 @@ class Location:
         if is_url(text):
             self.fs, self.path = url_to_fs(text, self.storage_options, what="URL")
             self.url, self.remote = text.rstrip("/"), True
-            if hasattr(self.fs, "invalidate_cache"):
-                self.fs.invalidate_cache()
+            self.fs.invalidate_cache()
         else:
             local = os.path.abspath(os.path.expanduser(text.removeprefix("file://")))
             self.fs, self.path, self.url, self.remote = fsspec.filesystem("file"), local, local, False
@@ -354,10 +353,6 @@ class Location:
                 out[entry.name] = {"type": kind, "size": int(st.st_size) if kind == "file" else 0,
                                    "mtime": float(st.st_mtime)}
         return out
-
-    def size(self, name: str) -> int:
-        """Size in bytes of the file ``name`` (a regular file); raises as :meth:`stat`."""
-        return self.stat(name)[0]
 
     def stat(self, name: str) -> tuple[int, str | None]:
         """``(size in bytes, store digest)`` of the file ``name``: the digest the store reports for the

@@ -25,8 +25,9 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import suppress
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 from tqdm import tqdm
 
@@ -44,7 +45,7 @@ from torch_ckpt.format._files import (
     verify_files,
 )
 from torch_ckpt.policy._naming import Naming, StepNaming
-from torch_ckpt.root._layout import commit_dir, write_durable
+from torch_ckpt.root._layout import commit_dir, write_json_durable
 from torch_ckpt.root._nodes import is_replica_file
 from torch_ckpt.storage._crc import crc32
 from torch_ckpt.storage._locations import (
@@ -62,6 +63,7 @@ __all__ = ["DurableTier", "DurableUnavailableError", "abandoned_uploads", "durab
            "idle_seconds", "node_fetch_manifest", "remove_abandoned"]
 
 log = get_logger(__name__)
+T = TypeVar("T")
 
 _CHUNK_BYTES = 8 << 20
 #: Per thread: the watch of the bounded call (:meth:`DurableTier.listed`) running on this worker thread.
@@ -144,8 +146,7 @@ class DurableTier:
 
     def refresh(self) -> None:
         """Drop the file system's listing cache (after this process or another one wrote objects)."""
-        if hasattr(self.fs, "invalidate_cache"):
-            self.fs.invalidate_cache()
+        self.fs.invalidate_cache()
 
     # -- the container: a bucket, or the parent directory of a file:// root ---------------------
     def container(self) -> str | None:
@@ -169,16 +170,13 @@ class DurableTier:
             return
         kind = "parent directory" if self._protocol in ("file", "local") else "bucket"
         try:
-            self.fs.info(container)
+            _store(f"cannot read durable tier {self.url} ({kind} {container!r})", self.fs.info, container)
             return
         except FileNotFoundError:
             if not self.create:
                 raise DurableUnavailableError(
                     f"durable tier {self.url}: its {kind} {container!r} does not exist (deleted, misspelt or not "
                     f"mounted); create it, or pass durable_create=True to have it created") from None
-        except Exception as exc:  # noqa: BLE001 - any backend error here means "unreachable"
-            raise DurableUnavailableError(f"cannot read durable tier {self.url} ({kind} {container!r}): "
-                                          f"{type(exc).__name__}: {exc}") from exc
         try:
             region = (getattr(self.fs, "client_kwargs", None) or {}).get("region_name")
             if self._protocol in ("s3", "s3a") and region in (None, "us-east-1"):
@@ -208,15 +206,12 @@ class DurableTier:
         """
         self.refresh()
         root = Location.on(self.fs, self.root, self.url)
+        what = f"cannot list durable tier {self.url}"
         try:
-            if root.exists():
-                return sorted(root.entries())
+            if _store(what, root.exists):
+                return sorted(_store(what, root.entries))
         except FileNotFoundError:
             pass
-        except DurableUnavailableError:  # the store's error, named by Location
-            raise
-        except Exception as exc:  # noqa: BLE001 - any other error here means "unreachable"
-            raise DurableUnavailableError(f"cannot list durable tier {self.url}: {exc}") from exc
         self.check_container()  # an absent root is empty only when its bucket exists
         return []
 
@@ -251,14 +246,12 @@ class DurableTier:
             if named_step is None:
                 continue
             try:
-                manifest = self.read_manifest(named_step)
+                manifest = _store(f"cannot read {self.url}/{name}", self.read_manifest, named_step)
             except FileNotFoundError:
                 continue  # an upload in progress or abandoned: not committed
             except CheckpointCorruptError as exc:
                 log.warning("durable tier: ignoring %s/%s: %s", self.url, name, exc)
                 continue
-            except Exception as exc:  # noqa: BLE001
-                raise DurableUnavailableError(f"cannot read {self.url}/{name}: {exc}") from exc
             if manifest.step == named_step:
                 found[manifest.step] = manifest
         return dict(sorted(found.items()))
@@ -269,9 +262,8 @@ class DurableTier:
 
     # -- upload --------------------------------------------------------------------------------
     def _store_digest(self, local: Path, info: dict[str, int]) -> str | None:
-        """The ETag an S3-compatible store computes for ``local`` uploaded here (the MD5 of the object,
-        or for a multipart upload the MD5 of its parts' MD5s followed by ``-<parts>``), computed in one
-        pass with the CRC-32; None when the file no longer has the manifest's size and CRC-32."""
+        """The ETag S3 computes for ``local`` uploaded here (MD5, or the MD5 of the parts' MD5s and
+        ``-<parts>``), in one pass with the CRC-32; None when the file no longer matches the manifest."""
         size, crc, parts = 0, 0, []
         whole = hashlib.md5(usedforsecurity=False)
         multipart = info["bytes"] >= min(5 << 30, 2 * self.part_bytes)
@@ -287,8 +279,7 @@ class DurableTier:
         return f"{hashlib.md5(b''.join(parts), usedforsecurity=False).hexdigest()}-{len(parts)}"
 
     def _put_verified(self, local: Path, loc: Location, name: str, info: dict[str, int]) -> None:
-        """Upload one file, then check the stored object (by the store's digest when it equals the
-        local file's, else read back; sizes only with ``verify="size"``): CheckpointCorruptError."""
+        """Upload one file, then check the stored object (by the store's digest, else read back)."""
         extra = {"chunksize": self.part_bytes} if self._protocol in ("s3", "s3a") else {}
         self.fs.put_file(str(local), f"{loc.path}/{name}", **extra)
         self.refresh()
@@ -309,14 +300,9 @@ class DurableTier:
     def put_all(self, local_dir: Path, step: int, files: dict[str, dict[str, int]]) -> None:
         """Upload and verify ``files`` (``{name: {"bytes", "crc32"}}``) of ``local_dir`` into the
         directory of ``step``, ``upload_threads`` at once; writes no manifest (raises as :meth:`upload`)."""
-        loc, items = self.location(step), sorted(files.items())
-        if self.upload_threads <= 1 or len(items) <= 1:
-            for name, info in items:
-                self._put_verified(local_dir / name, loc, name, info)
-            return
-        with ThreadPoolExecutor(max_workers=self.upload_threads, thread_name_prefix="torch_ckpt_upload") as pool:
-            for fut in [pool.submit(self._put_verified, local_dir / name, loc, name, info) for name, info in items]:
-                fut.result()
+        loc = self.location(step)
+        _run_all(self._put_verified, [(local_dir / name, loc, name, info) for name, info in sorted(files.items())],
+                 self.upload_threads, "torch_ckpt_upload")
 
     def _commit(self, loc: Location, manifest: Manifest) -> None:
         self.fs.pipe_file(f"{loc.path}/{MANIFEST_NAME}", json.dumps(manifest.to_json(), separators=(",", ":")).encode())
@@ -389,11 +375,11 @@ class DurableTier:
 
     def delete(self, step: int) -> None:
         """Delete a durable checkpoint: manifest first (un-commit), then the files."""
-        path = self.location(step).path
-        try:
-            self.fs.rm_file(f"{path}/{MANIFEST_NAME}")
-        except FileNotFoundError:
-            pass
+        self._remove(self.location(step).path)
+
+    def _remove(self, path: str) -> None:
+        with suppress(FileNotFoundError):
+            self.fs.rm_file(f"{path}/{MANIFEST_NAME}")  # first: un-commit
         self.fs.rm(path, recursive=True)
         self.refresh()
 
@@ -411,37 +397,24 @@ class DurableTier:
         dst = f"{self.root}/{target}"
         if self._protocol in ("file", "local"):
             os.rename(src, dst)
+            self.refresh()
         else:
             self.fs.copy(src, dst, recursive=True)
             self.refresh()
-            try:
-                self.fs.rm_file(f"{src}/{MANIFEST_NAME}")
-            except FileNotFoundError:
-                pass
-            self.fs.rm(src, recursive=True)
-        self.refresh()
+            self._remove(src)
         log.warning("durable tier %s: moved %s checkpoint %s aside to %s", self.url, reason, name, target)
         return f"{self.url}/{target}"
 
     # -- download ------------------------------------------------------------------------------
     def _fetch_file(self, src: Location, name: str, info: dict[str, int], tmp: Path, bar: Any, watch: Watch) -> None:
-        """Copy one object into ``tmp`` and check the copy: CheckpointCorruptError (on the object's URL)
-        when it is missing or its bytes do not match, DurableUnavailableError when the store fails."""
-        def store(call: Callable[[], Any]) -> Any:  # a failure of the store, not of the local disk: an outage
-            try:
-                return call()
-            except (FileNotFoundError, CheckpointError):
-                raise
-            except Exception as exc:  # noqa: BLE001 - any backend error (botocore, aiohttp, EIO on NFS...)
-                raise DurableUnavailableError(f"cannot read {src.describe(name)}: {type(exc).__name__}: "
-                                              f"{exc}") from exc
-
+        """Copy one object into ``tmp`` and check the copy (errors as :meth:`download`)."""
+        what = f"cannot read {src.describe(name)}"  # the store's failures, not the local disk's, are an outage
         try:
-            fin = store(lambda: self.fs.open(f"{src.path}/{name}", "rb", block_size=_CHUNK_BYTES))
+            fin = _store(what, self.fs.open, f"{src.path}/{name}", "rb", block_size=_CHUNK_BYTES)
         except FileNotFoundError:  # deleted from the store after its manifest was written: a damaged copy
             raise corrupt(src.describe(name), "listed in the manifest but missing") from None
         with fin, open(tmp / name, "wb") as fout:
-            while chunk := store(lambda: fin.read(_CHUNK_BYTES)):
+            while chunk := _store(what, fin.read, _CHUNK_BYTES):
                 watch.tick()
                 with watch.local_work():
                     fout.write(chunk)
@@ -482,13 +455,11 @@ class DurableTier:
         bar = tqdm(total=sum(i["bytes"] for i in files.values()), desc=f"download step {step}", unit="B",
                    unit_scale=True, unit_divisor=1024, leave=False, dynamic_ncols=True, disable=None)  # None: TTY only
         try:
-            with ThreadPoolExecutor(max_workers=max(1, self.upload_threads),
-                                    thread_name_prefix="torch_ckpt_download") as pool:
-                for fut in [pool.submit(self._fetch_file, self.location(step), name, info, tmp, bar, watch)
-                            for name, info in sorted(files.items())]:
-                    fut.result()
+            _run_all(self._fetch_file, [(self.location(step), name, info, tmp, bar, watch)
+                                        for name, info in sorted(files.items())], self.upload_threads,
+                     "torch_ckpt_download")
             with watch.local_work():
-                write_durable(tmp / MANIFEST_NAME, json.dumps(manifest.to_json(), separators=(",", ":")).encode())
+                write_json_durable(tmp / MANIFEST_NAME, manifest.to_json())
             watch.publish(lambda: commit_dir(tmp, final, replace=final.exists()))
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -553,11 +524,9 @@ def idle_seconds(tier: DurableTier, step: int, now: float) -> float | None:
     """Seconds since the newest object of an uncommitted step prefix was written; None when it is
     committed, empty, or an object's time is unknown. DurableUnavailableError when it cannot be listed."""
     try:
-        objects = tier.fs.find(tier.location(step).path, detail=True)
+        objects = _store(f"cannot list {tier.describe(step)}", tier.fs.find, tier.location(step).path, detail=True)
     except FileNotFoundError:
         return None
-    except Exception as exc:  # noqa: BLE001 - any backend error here means "unreachable"
-        raise DurableUnavailableError(f"cannot list {tier.describe(step)}: {exc}") from exc
     if any(str(path).rstrip("/").endswith("/" + MANIFEST_NAME) for path in objects):
         return None  # committed (or being deleted manifest-first by retention)
     times = [object_mtime(info) for info in objects.values()]
@@ -582,6 +551,39 @@ def remove_abandoned(tier: DurableTier, *, older_than_seconds: float,
                     tier.url, step, age)
     tier.refresh()
     return removed
+
+
+def _store(what: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """``fn(*args, **kwargs)``, a call to the store: any backend error (botocore, aiohttp, EIO on NFS...) but a
+    missing object or our own is an outage, DurableUnavailableError ``what: <type>: <message>`` (the type
+    says what an empty or terse message does not)."""
+    try:
+        return fn(*args, **kwargs)
+    except (FileNotFoundError, CheckpointError):
+        raise
+    except Exception as exc:  # noqa: BLE001
+        raise DurableUnavailableError(f"{what}: {type(exc).__name__}: {exc}") from exc
+
+
+def _run_all(work: Callable[..., None], items: list[tuple[Any, ...]], threads: int, prefix: str) -> None:
+    """``work(*item)`` for every item, ``threads`` at once. After a failure no further item starts (a
+    failed upload or download is retried whole; the rest would be wasted transfers), the running ones
+    finish, and the first failure in ``items`` order is raised."""
+    failed = threading.Event()
+
+    def run(*item: Any) -> None:
+        if failed.is_set():
+            return
+        try:
+            work(*item)
+        except BaseException:
+            failed.set()
+            raise
+
+    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix=prefix) as pool:
+        futures = [pool.submit(run, *item) for item in items]
+    for fut in futures:
+        fut.result()
 
 
 def _only(name: str, info: dict[str, int]) -> Manifest:

@@ -229,43 +229,40 @@ class Replicator:
                     self._thread = None
                     self._cond.notify_all()
                     return
-                listing = self._pending is None and not self._history
-                if listing:  # only a listing was asked for
+                step: int | None = None
+                if self._pending is None and not self._history:  # only a listing was asked for
                     self._list_requested = False
                 elif self._pending is not None:  # the newest first
                     (step, local_dir), self._pending = self._pending, None
                 else:
                     step = max(self._history)
                     local_dir = self._history.pop(step)
-                if not listing:
-                    self._active = step
-            if listing:
+                self._active = step
+            if step is None:
                 self._list()
                 continue
+            pause = 0.0
             try:
                 manifest = read_manifest(local_dir)
-                if not self._make_way(manifest):
+                if self._make_way(manifest):
+                    self._upload(local_dir, manifest, self._newer_queued)
                     with self._cond:
-                        self._active = None
-                        self._cond.notify_all()
-                    continue
-                self._upload(local_dir, manifest, self._newer_queued)
-                with self._cond:
-                    if self._durable_step is None or step > self._durable_step:  # history steps come later
-                        self._durable_step, self._durable_time = step, time.time()
-                    self._uploaded_bytes += sum(f["bytes"] for f in manifest.files.values())
-                    if self._commits and self._known is not None:
-                        self._known[step] = manifest
-                    if self._outage_since is not None:
-                        log.warning("durable tier %s reachable again; step %d replicated", self.tier.url, step)
-                    self._outage_since, self._last_error = None, None
-                delay = self._backoff0
-                log.info("replicated step %d to %s", step, self.tier.describe(step))
-                if self._on_durable is not None:
-                    self._on_durable(step, local_dir)
-                self._apply_retention()
-                self._remove_abandoned()
+                        if self._durable_step is None or step > self._durable_step:  # history steps come later
+                            self._durable_step, self._durable_time = step, time.time()
+                        self._uploaded_bytes += sum(f["bytes"] for f in manifest.files.values())
+                        if self._commits and self._known is not None:
+                            self._known[step] = manifest
+                        if self._outage_since is not None:
+                            log.warning("durable tier %s reachable again; step %d replicated", self.tier.url, step)
+                        self._outage_since, self._last_error = None, None
+                    delay = self._backoff0
+                    log.info("replicated step %d to %s", step, self.tier.describe(step))
+                    if self._on_durable is not None:
+                        self._on_durable(step, local_dir)
+                    self._apply_retention()
+                    self._remove_abandoned()
             except Exception as exc:  # noqa: BLE001 - retried; surfaced through stats and warnings
+                pause, delay = delay, min(delay * 2, self._backoff_max)
                 with self._cond:
                     first = self._outage_since is None
                     if first:
@@ -280,27 +277,19 @@ class Replicator:
                                 step, self.tier.url, exc)
                 if isinstance(exc, CheckpointCorruptError):
                     log.warning("%s", exc)
-                with self._cond:
-                    self._active = None
-                    self._cond.notify_all()
-                    self._cond.wait(timeout=delay)
-                delay = min(delay * 2, self._backoff_max)
-                continue
             with self._cond:
                 self._active = None
                 self._cond.notify_all()
+                if pause:
+                    self._cond.wait(timeout=pause)
 
     def _make_way(self, manifest: Any) -> bool:
         """Before ``manifest``'s step is uploaded: apply the lineage rule (:mod:`torch_ckpt.policy._lineage`).
 
         False (not uploaded, with a warning) when the tier holds a newer timeline superseding it.
         Otherwise every durable step it supersedes, and another checkpoint under its own name, is
-        moved aside first (once per lineage), so an upload never writes into a listed checkpoint.
-
-        Raises:
-            RuntimeError: (``arranges`` False) the step's name still holds another checkpoint: the
-                committing node has not moved it aside yet (retried).
-            Exception: the store's errors (retried).
+        moved aside first (once per lineage), so an upload never writes into a listed checkpoint;
+        without ``arranges``, RuntimeError (retried) until the committing node has done so.
         """
         if manifest.lineage == self._cleared:
             return True
