@@ -13,12 +13,8 @@ loads it back with ``optimizer.load_state_dict`` after checking it, so:
 * nothing is silently cast: torch's ``Optimizer.load_state_dict`` casts floating-point state to the
   parameter's dtype, so a dtype difference is reported before loading unless a cast was allowed.
 
-Canonical names come from DCP's own name mapping, so DDP, ``torch.compile`` and activation
-checkpoint wrappers give the same keys as ``get_model_state_dict``. FSDP1 flat parameters (several
-names per parameter) are refused; FSDP2 (``fully_shard``) parameters are DTensors and work as is.
-An optimizer that cannot be keyed by one model's parameter names (e.g. one spanning several models)
-is kept by its own integer-id ``state_dict()`` as :class:`OptimizerState`, with the same placement
-rules and the same checks before anything is written.
+Names are DCP's own (wrapper prefixes removed); FSDP1 flat parameters are refused. An optimizer
+spanning several models is kept by its own integer-id ``state_dict()`` as :class:`OptimizerState`.
 """
 
 from __future__ import annotations
@@ -42,15 +38,7 @@ _STATE, _GROUPS, _PARAMS = "state", "param_groups", "params"
 
 
 def param_names(model: nn.Module) -> dict[int, str]:
-    """``{id(parameter): canonical name}`` for every parameter of ``model``.
-
-    The names are those of DCP's ``get_model_state_dict`` (wrapper prefixes such as DDP's
-    ``module.`` and ``torch.compile``'s ``_orig_mod.`` removed).
-
-    Raises:
-        ConfigError: an FSDP1 model (flat parameters: several names per parameter, optimizer
-            state flattened per rank).
-    """
+    """``{id(parameter): name}`` as DCP's ``get_model_state_dict`` names them; ConfigError for FSDP1."""
     # DCP's names depend only on the parameter names and the module types along them: reuse the
     # last answer for this model while both are unchanged (a per-name _get_fqns costs ~15 us)
     signature = (tuple((n, id(p)) for n, p in model.named_parameters()),
@@ -119,11 +107,8 @@ def optimizer_state(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer
 
 
 def split_state_key(key: str, prefix: str, names: Collection[str]) -> tuple[str, str] | None:
-    """``(parameter name, state path)`` of a flat key ``<prefix>state.<parameter name>.<state path>``, or None.
-
-    ``names`` are the parameter names that may occur; the state path may itself be dotted (nested
-    state such as LBFGS's ``old_dirs.0``).
-    """
+    """``(parameter name, state path)`` of a flat key ``<prefix>state.<parameter name>.<state path>``, or None
+    (the state path may be dotted, e.g. LBFGS's ``old_dirs.0``)."""
     head = f"{prefix}state."
     if not key.startswith(head):
         return None

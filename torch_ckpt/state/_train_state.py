@@ -392,13 +392,8 @@ class TrainState:
     # -- the load side (called by torch_ckpt.restore._restore.load_into) --------------------------------
     @contextmanager
     def load_session(self) -> Iterator[None]:
-        """One restore: within the block, each model's parameter names are computed once.
-
-        :func:`~torch_ckpt.restore._restore.load_into` holds it from :meth:`state_dict` to the end of
-        :meth:`load_state_dict` (nothing else runs meanwhile, so the models cannot change); every
-        hook then shares one :func:`~torch_ckpt.state._optim.param_names` answer per model instead of
-        computing it 6 times. Outside a session each call computes the names itself. Re-entrant.
-        """
+        """One restore (``load_into`` holds it throughout): each model's parameter names are computed once,
+        not by each of the 6 hooks. Re-entrant."""
         if self._session_names is not None:
             yield
             return
