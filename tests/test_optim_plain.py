@@ -1,4 +1,4 @@
-"""state._optimizer_state: an optimizer kept by its own state_dict (integer ids), checked before anything loads.
+"""state._optim: an optimizer kept by its own state_dict (integer ids), checked before anything loads.
 
 End-to-end saves and restores of OptimizerState through the manager are in test_optim_state.py.
 """
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from torch_ckpt.errors import CheckpointCorruptError, StateMismatchError
-from torch_ckpt.state._optimizer_state import OptimizerState, check_plain_optimizer_state, plain_state_target
+from torch_ckpt.state._optim import OptimizerState, check_plain_optimizer_state, plain_state_target
 
 
 def stepped_adam(seed: int = 0, **kwargs) -> torch.optim.Adam:

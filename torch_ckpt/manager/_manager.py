@@ -1,14 +1,9 @@
 """``CheckpointManager``: one run root of step-numbered checkpoints, with retention, scheduling and resume.
 
-The manager orchestrates a few objects with declared interfaces, built once: :class:`RunLineage`
-(the one owner of the restored step, the newest known step, the segment of the next saves
-(:mod:`torch_ckpt.policy._lineage`) and capture times), :class:`SaveGuard` (rank 0's checks before a
-save), :class:`CommitFollowUp` (callbacks, replication, retention), and :class:`HealthReport`;
-listing and removal are the functions of :mod:`torch_ckpt.manager._read`, a restore is
-:func:`torch_ckpt.restore._resume.restore_checkpoint` (node-local roots:
-:func:`torch_ckpt.restore._resume_nodes.restore_node_local`). A save is one frozen
-:class:`~torch_ckpt.save._persist.SaveRequest`, built after the guard's checks and submitted to
-:class:`~torch_ckpt.save._checkpointer.AsyncCheckpointer`.
+The manager orchestrates objects built once: :class:`RunLineage` (where the saves stand in the run's
+history), :class:`SaveGuard` (rank 0's checks before a save), :class:`CommitFollowUp` (callbacks,
+replication, retention) and :class:`HealthReport`. A save is one frozen
+:class:`~torch_ckpt.save._persist.SaveRequest` submitted to :class:`~torch_ckpt.save._checkpointer.AsyncCheckpointer`.
 """
 
 from __future__ import annotations
@@ -28,7 +23,6 @@ from torch_ckpt._logging import get_logger
 from torch_ckpt.config import DEFAULT, ON_EXISTING_NEWER, CheckpointConfig, DefaultType
 from torch_ckpt.errors import CheckpointError, CheckpointNotFoundError, CheckpointWriteError, ConfigError
 from torch_ckpt.handle import SaveHandle, SaveStats
-from torch_ckpt.manager._read import agreed_checkpoints, remove_checkpoint
 from torch_ckpt.policy._lineage import BASE, Lineage, head_of
 from torch_ckpt.policy._naming import Naming, StepNaming
 from torch_ckpt.policy._preemption import PreemptionFlag
@@ -46,6 +40,7 @@ from torch_ckpt.root._layout import (
     is_temporary_name,
     quarantine_step_dir,
     read_manifest,
+    remove_step_dir,
     retire_step_dir,
     scan_committed,
     scan_manifests,
@@ -68,12 +63,25 @@ _SETTINGS = frozenset(CheckpointConfig.field_names())
 
 
 def _reserved_name(name: str) -> bool:
-    """True for a name of the form of the manager's own files: temporaries (:func:`is_temporary_name`),
-    partials, the aside directories of a delete, supersede, quarantine or replace, and the root lock.
-    Other hidden names (Lightning's ``.lr_find_<uuid>.ckpt``) are ordinary checkpoint paths."""
+    """A name of the manager's own files (other hidden names, e.g. Lightning's ``.lr_find_<uuid>.ckpt``, are not)."""
     return is_temporary_name(name) or name.startswith(
         (PARTIAL_PREFIX, ".torch-ckpt.", ".trash_", ".superseded_", ".corrupt_", ".lock")) or \
         bool(re.match(r"^\..+\.replaced\.[0-9a-f]{1,64}$", name))
+
+
+def _intact(path: Path, refusal: str) -> bool:
+    """True: ``path`` holds an intact manifest; False: ours but damaged (any other CheckpointError).
+
+    Raises:
+        ConfigError: no manifest: not a torch-ckpt checkpoint (``refusal`` says what is not done to it).
+    """
+    try:
+        read_manifest(path)
+    except CheckpointNotFoundError:
+        raise ConfigError(f"{path} exists but is not a torch-ckpt checkpoint (no manifest.json): {refusal}") from None
+    except CheckpointError:
+        return False
+    return True
 
 
 def _list_steps(steps: list[int]) -> str:
@@ -84,12 +92,8 @@ def _list_steps(steps: list[int]) -> str:
 
 
 class RunLineage:
-    """Where this manager's saves stand in the run's history; its one owner.
-
-    Args:
-        root, naming: the local run root and its naming. acts_on_root: this rank creates, commits
-            and prunes the root (rank 0, or each node's leader).
-    """
+    """Where this manager's saves stand in the run's history; its one owner (``acts_on_root``: this rank
+    creates, commits and prunes the root)."""
 
     def __init__(self, root: Path, naming: Naming, acts_on_root: bool) -> None:
         self.root, self.naming, self.acts_on_root = root, naming, acts_on_root
@@ -135,23 +139,14 @@ class RunLineage:
 
 
 class SaveGuard:
-    """Rank 0's checks before a save is agreed: step, ``path``, ``extra_dir``, newer steps of another run.
-
-    Args:
-        root, naming, config: the manager's. incarnation: the engine's (names staged extra dirs).
-        runs: the manager's :class:`RunLineage`.
-    """
+    """Rank 0's checks before a save is agreed: step, ``path``, ``extra_dir``, newer steps of another run."""
 
     def __init__(self, root: Path, naming: Naming, config: CheckpointConfig, incarnation: str,
                  runs: RunLineage) -> None:
         self.root, self.naming, self.config, self.incarnation, self.runs = root, naming, config, incarnation, runs
 
     def explicit_path(self, path: str | os.PathLike) -> Path:
-        """``path`` as an absolute checkpoint directory (relative ones under the root).
-
-        Raises:
-            ConfigError: empty, the root or above it, or a name of the form of torch-ckpt's own files.
-        """
+        """``path`` as an absolute checkpoint directory (relative ones under the root); ConfigError if unusable."""
         if not isinstance(path, (str, os.PathLike)) or str(path) == "":
             raise ConfigError(f"path must be a non-empty directory path, got {path!r}")
         final = Path(path).expanduser()
@@ -179,22 +174,10 @@ class SaveGuard:
         return final
 
     def check(self, step: Any, final: Path, *, explicit: bool, read_only: bool) -> bool:
-        """Every rank, before the save agreement: validate ``step``; on rank 0 also check its directory.
+        """Every rank: validate ``step``; rank 0 also checks ``final``. True (rank 0): the commit replaces one.
 
-        After a restore of a step older than the newest live one, the newer checkpoints belong to
-        an abandoned timeline (:mod:`torch_ckpt.policy._lineage`): the first save moves every local
-        step the new one supersedes aside (``.superseded_<name>.<time>``, kept, never listed), so
-        "latest" follows the run again. A damaged directory of ``step`` goes aside too
-        (``.corrupt_<name>.<time>``).
-
-        Returns:
-            True (on rank 0) when ``final`` holds a committed checkpoint that the commit replaces.
-
-        Raises:
-            ConfigError: read-only manager, invalid or already committed step, newer steps of
-                another run (``on_existing_newer="error"``), or ``final`` is not a torch-ckpt
-                checkpoint.
-            CheckpointWriteError: a directory could not be moved aside.
+        After a rollback the first save moves the abandoned timeline's steps aside, so "latest"
+        follows the run again; a damaged directory of ``step`` goes aside too.
         """
         if read_only:
             raise ConfigError(f"this CheckpointManager was opened with read_only=True on {self.root}: it restores "
@@ -218,15 +201,9 @@ class SaveGuard:
             if explicit:
                 return self._check_explicit(final)
             if os.path.lexists(final) and not is_reservation(final):  # an empty directory is free to use
-                try:
-                    read_manifest(final)
-                except CheckpointNotFoundError:
-                    raise ConfigError(f"{final} exists but is not a torch-ckpt checkpoint (no manifest.json): it is "
-                                      "never written into or deleted; move it away or use another directory") from None
-                except CheckpointError:
-                    quarantine_step_dir(final, reason="corrupt")
-                else:
+                if _intact(final, "it is never written into or deleted; move it away or use another directory"):
                     raise ConfigError(f"step {step} is already committed at {final}; save under a new step")
+                quarantine_step_dir(final, reason="corrupt")
             self._check_no_newer_steps(step, restored)
             return False
         except OSError as exc:
@@ -236,15 +213,8 @@ class SaveGuard:
                                        f"({exc.filename})") from exc
 
     def stage_extra(self, extra_dir: str | os.PathLike, final: Path) -> Path:
-        """Rank 0: move ``extra_dir`` aside to a hidden sibling of ``final`` (the commit moves it in).
-
-        The hook files are taken now, so the caller may refill ``extra_dir`` for the next save at once.
-
-        Raises:
-            ConfigError: ``extra_dir`` is missing, not a directory, a symlink, the root, ``final``, a
-                directory containing either, or inside ``final``.
-            CheckpointWriteError: an entry uses a checkpoint file's name, or the move fails.
-        """
+        """Rank 0: move ``extra_dir`` to a hidden sibling of ``final`` now (the commit moves it in), so the
+        caller may refill it for the next save at once."""
         src = Path(extra_dir).expanduser()
         src = (src if src.is_absolute() else self.root / src).absolute()
         if src.is_symlink() or not src.is_dir():
@@ -277,21 +247,13 @@ class SaveGuard:
                               "it is never overwritten; remove it or save elsewhere")
         if is_reservation(final):  # an empty folder (or a save that died before committing): written into
             return False
-        try:
-            read_manifest(final)
-        except CheckpointNotFoundError:
-            raise ConfigError(f"{final} exists but is not a torch-ckpt checkpoint (no manifest.json): it is never "
-                              "written into or deleted; move it away or save elsewhere") from None
-        except CheckpointError:
-            quarantine_step_dir(final, reason="corrupt")  # ours but damaged: kept aside, never listed
-            return False
-        return True
+        if _intact(final, "it is never written into or deleted; move it away or save elsewhere"):
+            return True
+        quarantine_step_dir(final, reason="corrupt")  # kept aside, never listed
+        return False
 
     def _check_no_newer_steps(self, step: int, restored: int | None) -> None:
-        """Rank 0: refuse (or move aside) committed steps newer than ``step`` that this run did not write.
-
-        ``restored``: the step this manager's last restore loaded (the save names a step below it).
-        """
+        """Rank 0: refuse (or move aside) committed steps newer than ``step`` that this run did not write."""
         runs = self.runs
         if runs.newest_known is not None and step > runs.newest_known:
             runs.newest_known = step
@@ -321,14 +283,10 @@ class SaveGuard:
         runs.newest_known = step  # every other committed step is older now
 
 class CommitFollowUp:
-    """What follows a commit on the root: commit callbacks, durable replication, local retention.
+    """What follows a commit on the root: callbacks (rank 0), durable replication, local retention.
 
-    Runs in the writer thread once every rank is done with the committed directory, on the rank
-    acting on the root; failures are logged and never change the save's outcome.
-
-    Args:
-        root, naming, config: the manager's. runs: its :class:`RunLineage`.
-        is_coordinator: this rank is rank 0 (it runs the callbacks).
+    Runs in the writer thread on the rank acting on the root; failures are logged and never change
+    the save's outcome.
     """
 
     def __init__(self, root: Path, naming: Naming, config: CheckpointConfig, runs: RunLineage,
@@ -364,11 +322,7 @@ class CommitFollowUp:
         return self.replicator
 
     def run(self, step: int, final: Path, replicate: bool = False) -> Callable[[], None] | None:
-        """After the commit of ``step`` at ``final``: callbacks, replication, retention.
-
-        Returns:
-            The deletion of the retired checkpoints (run once ``committed`` resolved), or None.
-        """
+        """After the commit of ``step``; returns the deletion of the retired checkpoints (or None)."""
         if not self.runs.acts_on_root:
             return None
         for callback in self.callbacks if self.is_coordinator else ():
@@ -389,11 +343,8 @@ class CommitFollowUp:
         return functools.partial(_delete, retired) if retired else None
 
     def catch_up(self, tier: DurableTier | None, roots: SharedRoot | NodeLayout) -> None:
-        """At start, the work a commit's writer may not have lived to do (a rank killed after rank 0's rename).
-
-        The newest committed step whose manifest records no durable copy in ``tier`` is handed to the
-        replicator (shared roots), and local retention is applied. Failures are logged: the start goes on.
-        """
+        """At start, the replication and retention a commit's writer may not have lived to do; failures are
+        logged, the start goes on."""
         try:
             committed = scan_committed(self.root, self.naming)
             if self.replicator is not None and not roots.node_local and committed:
@@ -408,11 +359,7 @@ class CommitFollowUp:
                         type(exc).__name__, exc)
 
     def apply_retention(self) -> list[Path]:
-        """Hide the checkpoints the retention policy retires (renamed to their trash names).
-
-        Returns:
-            The hidden trash directories, still to delete.
-        """
+        """Hide (rename) the checkpoints the retention policy retires; returns them, still to delete."""
         if not self.runs.acts_on_root or self.retention is None or self.config.explicit_paths_only:
             return []
         # a superseded step is neither kept nor counted
@@ -434,13 +381,7 @@ def _delete(paths: list[Path]) -> None:
 
 
 class HealthReport:
-    """:meth:`CheckpointManager.health` and :meth:`~CheckpointManager.replication_stats`.
-
-    Args:
-        root, naming: the manager's. tier: its durable tier (None without). runs: its :class:`RunLineage`
-            (capture times). engine: its checkpointer (in-flight and failed saves). after: its
-            :class:`CommitFollowUp` (the replicator).
-    """
+    """:meth:`CheckpointManager.health` and :meth:`~CheckpointManager.replication_stats`."""
 
     def __init__(self, root: Path, naming: Naming, tier: DurableTier | None, runs: RunLineage,
                  engine: AsyncCheckpointer, after: CommitFollowUp) -> None:
@@ -880,7 +821,12 @@ class CheckpointManager:
         temporaries, hidden and foreign directories never are, nor steps superseded by a rollback
         (:mod:`torch_ckpt.policy._lineage`).
         """
-        return agreed_checkpoints(self.root, self.naming, self._ctx)
+        found = None
+        if self._ctx.is_coordinator:
+            scanned = scan_manifests(self.root, self.naming)
+            head = head_of(m.lineage for _, m in scanned.values())
+            found = {s: str(p) for s, (p, m) in scanned.items() if head.holds(s, m.lineage)}
+        return {s: Path(p) for s, p in self._ctx.broadcast(found, what="list checkpoints").items()}
 
     def all_steps(self) -> list[int]:
         """Committed steps in ascending numeric order (rank 0's view, agreed by every rank)."""
@@ -920,7 +866,17 @@ class CheckpointManager:
         inflight = self._ckpt.in_flight
         if inflight is not None and not inflight.committed.done():
             self._ckpt.wait()
-        remove_checkpoint(path)
+        if not os.path.lexists(path):
+            return
+        if is_reservation(path) and os.listdir(path):  # only partials of saves that never committed: ours
+            shutil.rmtree(path, ignore_errors=True)
+            return
+        _intact(path, "not deleting it")  # a damaged one is still ours to delete
+        try:
+            remove_step_dir(path)
+        except OSError as exc:
+            raise CheckpointWriteError(exc.errno, f"cannot remove checkpoint {path}: {exc.strerror}") from exc
+        log.info("removed checkpoint %s", path)
 
     def restore(self, state: StateToRestore, step: int | None = None, *, allow_cast: bool = False,
                 path: str | os.PathLike | Sequence[str | os.PathLike] | None = None) -> int | None:
@@ -997,7 +953,6 @@ class CheckpointManager:
         """Block until the in-flight save no longer reads the live tensors (see ``overlap_staging``)."""
         self._ckpt.wait_staged()
 
-    # -- lifecycle -------------------------------------------------------------------------------
     def wait(self) -> None:
         """Block until the in-flight save is committed and the checkpoints it retired are deleted;
         raise any background error (once)."""
@@ -1021,16 +976,9 @@ class CheckpointManager:
             self._lock.release()
 
 
-
-
 def _close_unreachable(root: str, ckpt: AsyncCheckpointer, replicator: Replicator | None, preemption: PreemptionFlag,
                        lock: RootLock, flush_timeout: float) -> None:
-    """Finalizer of a manager that was never closed: close what it owned; log (there is no caller) any error.
-
-    Runs when the manager is garbage collected: after its in-flight save (whose writer thread
-    references it), or when a new manager of this process on the same root collects garbage. Not at
-    interpreter exit, where :mod:`torch_ckpt._lifecycle` finishes the in-flight work.
-    """
+    """Finalizer of a manager never closed (not at exit: :mod:`torch_ckpt._lifecycle`); errors are logged."""
     log.info("a CheckpointManager of %s was garbage collected without close(): closing it", root)
     try:
         ckpt.close()

@@ -13,43 +13,32 @@ loads it back with ``optimizer.load_state_dict`` after checking it, so:
 * nothing is silently cast: torch's ``Optimizer.load_state_dict`` casts floating-point state to the
   parameter's dtype, so a dtype difference is reported before loading unless a cast was allowed.
 
-Canonical names come from DCP's own name mapping, so DDP, ``torch.compile`` and activation
-checkpoint wrappers give the same keys as ``get_model_state_dict``. FSDP1 flat parameters (several
-names per parameter) are refused; FSDP2 (``fully_shard``) parameters are DTensors and work as is.
-An optimizer kept by its own integer-id ``state_dict()`` is :class:`torch_ckpt.state._optimizer_state.OptimizerState`;
-it shares the placement rules here (:func:`policy_key`, :func:`group_of`, :func:`step_on_param_device`).
+Names are DCP's own (wrapper prefixes removed); FSDP1 flat parameters are refused. An optimizer
+spanning several models is kept by its own integer-id ``state_dict()`` as :class:`OptimizerState`.
 """
 
 from __future__ import annotations
 
 import weakref
 from collections.abc import Collection, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from torch_ckpt.errors import ConfigError, StateMismatchError
+from torch_ckpt.errors import CheckpointCorruptError, ConfigError, StateMismatchError
 from torch_ckpt.restore._restore import copy_tensors, swap_in
 
 __all__ = ["param_names", "optimizer_state", "check_optimizer_state", "apply_optimizer_state",
            "state_target", "TargetLookup", "split_state_key", "keep_live_tensors", "policy_key", "tensors_in",
-           "group_of", "step_on_param_device"]
+           "group_of", "step_on_param_device", "plain_state_target", "check_plain_optimizer_state", "OptimizerState"]
 
 _STATE, _GROUPS, _PARAMS = "state", "param_groups", "params"
 
 
 def param_names(model: nn.Module) -> dict[int, str]:
-    """``{id(parameter): canonical name}`` for every parameter of ``model``.
-
-    The names are those of DCP's ``get_model_state_dict`` (wrapper prefixes such as DDP's
-    ``module.`` and ``torch.compile``'s ``_orig_mod.`` removed).
-
-    Raises:
-        ConfigError: an FSDP1 model (flat parameters: several names per parameter, optimizer
-            state flattened per rank).
-    """
+    """``{id(parameter): name}`` as DCP's ``get_model_state_dict`` names them; ConfigError for FSDP1."""
     # DCP's names depend only on the parameter names and the module types along them: reuse the
     # last answer for this model while both are unchanged (a per-name _get_fqns costs ~15 us)
     signature = (tuple((n, id(p)) for n, p in model.named_parameters()),
@@ -100,18 +89,8 @@ def _optimizer_names(opt: torch.optim.Optimizer, names: Mapping[int, str], where
 
 def optimizer_state(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer], *,
                     where: str = "optimizer", names: Mapping[int, str] | None = None) -> dict[str, Any]:
-    """The state of ``optimizers`` (all of ``model``) in DCP's layout, without touching them.
-
-    ``names`` is :func:`param_names` of ``model`` when the caller has it already (computed if None).
-
-    Returns:
-        ``{"state": {name: {key: value}}, "param_groups": [{..., "params": [name, ...]}]}``; the
-        groups of several optimizers are concatenated in order. Tensors are the live ones (not
-        copies); the dicts are new.
-
-    Raises:
-        ConfigError: an optimizer holds a parameter that is not in ``model``, or an FSDP1 model.
-    """
+    """The state of ``optimizers`` (all of ``model``) in DCP's layout, without touching them: ``{"state":
+    {name: {key: value}}, "param_groups": [{..., "params": [name, ...]}]}``, the live tensors in new dicts."""
     names = param_names(model) if names is None else names
     state: dict[str, Any] = {}
     groups: list[dict[str, Any]] = []
@@ -128,11 +107,8 @@ def optimizer_state(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer
 
 
 def split_state_key(key: str, prefix: str, names: Collection[str]) -> tuple[str, str] | None:
-    """``(parameter name, state path)`` of a flat key ``<prefix>state.<parameter name>.<state path>``, or None.
-
-    ``names`` are the parameter names that may occur; the state path may itself be dotted (nested
-    state such as LBFGS's ``old_dirs.0``).
-    """
+    """``(parameter name, state path)`` of a flat key ``<prefix>state.<parameter name>.<state path>``, or None
+    (the state path may be dotted, e.g. LBFGS's ``old_dirs.0``)."""
     head = f"{prefix}state."
     if not key.startswith(head):
         return None
@@ -182,11 +158,8 @@ def step_on_param_device(group: Mapping[str, Any]) -> bool:
 
 
 class TargetLookup:
-    """Parameters by name and their optimizer groups, computed once for many :func:`state_target` calls.
-
-    Valid while the model's parameters and the optimizers' groups stay as they were (one restore).
-    ``names`` is :func:`param_names` of ``model`` when the caller has it already (computed if None).
-    """
+    """Parameters by name and their optimizer groups, computed once for the :func:`state_target` calls of
+    one restore."""
 
     def __init__(self, model: nn.Module, optimizers: Sequence[torch.optim.Optimizer],
                  names: Mapping[int, str] | None = None) -> None:
@@ -206,8 +179,7 @@ def state_target(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer], 
     It is placed where ``Optimizer.load_state_dict`` would put the value (the parameter's device,
     except a ``step`` of a non-capturable, non-fused group, which stays on the CPU) and, for a
     DTensor parameter whose global shape it shares, sharded like the parameter. None when
-    ``param_name`` is not a parameter of these optimizers. ``lookup`` (built from the same model
-    and optimizers) saves recomputing the parameter names and groups on every call.
+    ``param_name`` is not a parameter of these optimizers.
     """
     param = (lookup.params if lookup is not None else _params_by_name(model)).get(param_name)
     if param is None:
@@ -231,19 +203,8 @@ def check_optimizer_state(model: nn.Module, optimizers: Sequence[torch.optim.Opt
                           names: Mapping[int, str] | None = None) -> list[str]:
     """Check that ``saved`` (layout of :func:`optimizer_state`) can be loaded into ``optimizers``; write nothing.
 
-    Tensors in ``saved`` may be meta tensors (only shape and dtype are looked at).
-
-    Args:
-        model: the model the optimizers belong to.
-        optimizers: the live optimizers.
-        saved: the checkpoint's optimizer state.
-        prefix: flat-key prefix used in error messages (e.g. ``"optimizer."``).
-        allow_cast: accept state whose dtype ``Optimizer.load_state_dict`` would cast to the
-            parameter's dtype.
-        names: :func:`param_names` of ``model`` when the caller has it already (computed if None).
-
-    Returns:
-        The flat keys that will be cast (only when ``allow_cast``).
+    Tensors in ``saved`` may be meta tensors. ``prefix``: of the flat keys in messages. ``names``:
+    :func:`param_names` of ``model`` if known. Returns the keys that will be cast (with ``allow_cast``).
 
     Raises:
         StateMismatchError: the parameter groups differ (count or parameter names, i.e. another
@@ -251,8 +212,6 @@ def check_optimizer_state(model: nn.Module, optimizers: Sequence[torch.optim.Opt
             have, or a state tensor's dtype differs from its parameter's (without ``allow_cast``).
         CheckpointCorruptError: ``saved`` does not have the layout.
     """
-    from torch_ckpt.errors import CheckpointCorruptError
-
     if not isinstance(saved, Mapping) or not isinstance(saved.get(_GROUPS), list) \
             or not isinstance(saved.get(_STATE, {}), Mapping):
         raise CheckpointCorruptError(f"{prefix.rstrip('.')}: the checkpoint's optimizer state is not a "
@@ -284,36 +243,32 @@ def check_optimizer_state(model: nn.Module, optimizers: Sequence[torch.optim.Opt
     if unexpected:
         raise StateMismatchError(f"{prefix.rstrip('.')}: unexpected in checkpoint: {unexpected[:20]} (state for "
                                  "parameters these optimizers do not hold)", unexpected=unexpected)
-    bad: list[str]
-    cast: list[str]
-    bad, cast = [], []
+    casts: list[str] = []
     for name, entries in saved.get(_STATE, {}).items():
         if not isinstance(entries, Mapping):
             raise CheckpointCorruptError(f"{prefix}state.{name}: not a mapping in the checkpoint")
-        param = params[name]
-        for entry, value in tensors_in(dict(entries), ""):
-            entry = entry[1:]
-            if policy_key(entry) == "step" or not param.is_floating_point():
-                continue
-            if value.dtype != param.dtype:
-                (cast if allow_cast else bad).append(f"{prefix}state.{name}.{entry}: checkpoint {value.dtype}, "
-                                                     f"parameter {param.dtype}")
-    if bad:
+        casts += _casts(f"{prefix}state.{name}", params[name], entries)
+    if casts and not allow_cast:
         raise StateMismatchError(
             f"{prefix.rstrip('.')}: optimizer state dtypes differ from their parameters' (loading would cast): "
-            f"{bad[:20]}. Build the model with the saved dtypes, or restore with allow_cast=True.",
+            f"{casts[:20]}. Build the model with the saved dtypes, or restore with allow_cast=True.",
             missing=[], unexpected=[])
-    return cast
+    return casts
+
+
+def _casts(key: str, param: torch.Tensor, entries: Mapping[str, Any]) -> list[str]:
+    """The state tensors of ``param`` that ``Optimizer.load_state_dict`` would cast to its dtype."""
+    if not param.is_floating_point():
+        return []
+    return [f"{key}{entry}: checkpoint {value.dtype}, parameter {param.dtype}"
+            for entry, value in tensors_in(dict(entries), "")
+            if policy_key(entry[1:]) != "step" and value.dtype != param.dtype]
 
 
 def apply_optimizer_state(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer],
                           saved: Mapping[str, Any], *, names: Mapping[int, str] | None = None) -> None:
-    """Load ``saved`` (checked by :func:`check_optimizer_state`) into ``optimizers``.
-
-    The tensors of ``saved`` become the optimizer's state (placed by :func:`state_target`); groups
-    and state are replaced as a whole, so afterwards ``optimizer.state_dict()`` equals the saved one.
-    ``names`` is :func:`param_names` of ``model`` when the caller has it already (computed if None).
-    """
+    """Load ``saved`` (checked by :func:`check_optimizer_state`) into ``optimizers``: groups and state are
+    replaced whole, so afterwards ``optimizer.state_dict()`` equals the saved one."""
     names = param_names(model) if names is None else names
     groups = list(saved[_GROUPS])
     state = saved.get(_STATE, {})
@@ -333,14 +288,8 @@ def apply_optimizer_state(model: nn.Module, optimizers: Sequence[torch.optim.Opt
 
 @torch.no_grad()
 def keep_live_tensors(opt: torch.optim.Optimizer, old_state: Mapping[Any, Any]) -> None:
-    """After a successful load, put back each state tensor the load replaced, holding the loaded values.
-
-    ``old_state`` is the optimizer's ``state`` before the load. Where a parameter had a tensor of
-    the same kind, shape, dtype and device under the same name, it receives the loaded value and
-    is put back, so references to optimizer state taken before a restore stay valid (the load is
-    in place, as for parameters). Plain tensors nothing else refers to exchange contents with the
-    loaded ones (:func:`torch_ckpt.restore._restore.swap_in`, O(1)); the others are copied into.
-    """
+    """After a successful load, put back each matching tensor of ``old_state`` holding the loaded value, so
+    references to optimizer state taken before a restore stay valid (in place, as for parameters)."""
     pairs, shards = [], []
     for param, entries in opt.state.items():
         before = old_state.get(param) if isinstance(old_state, Mapping) else None
@@ -361,3 +310,109 @@ def keep_live_tensors(opt: torch.optim.Optimizer, old_state: Mapping[Any, Any]) 
                 entries[key] = old
     copy_tensors(shards)
     swap_in(pairs)  # the loaded tensors are dropped: only the kept ones are used after this
+
+
+def _flat_params(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p for g in opt.param_groups for p in g[_PARAMS]]
+
+
+def plain_state_target(opt: torch.optim.Optimizer, index: int, entry: str, shape: Sequence[int],
+                       dtype: torch.dtype) -> torch.Tensor | None:
+    """Like :func:`state_target`, for ``optimizer.state_dict()``'s integer parameter ids (None: out of range)."""
+    params = _flat_params(opt)
+    if not 0 <= index < len(params):
+        return None
+    param = params[index]
+    group = group_of([opt], param)
+    step = policy_key(entry) == "step"
+    device = torch.device("cpu") if step and not step_on_param_device(group) else param.device
+    return torch.empty(tuple(shape), dtype=dtype, device=device)
+
+
+def check_plain_optimizer_state(opt: torch.optim.Optimizer, saved: Any, *, prefix: str,
+                                allow_cast: bool = False) -> list[str]:
+    """Check that ``saved`` (an ``optimizer.state_dict()``; tensors may be meta) loads into ``opt``; returns the
+    keys that will be cast (with ``allow_cast``), else StateMismatchError as :func:`check_optimizer_state`."""
+    if not isinstance(saved, Mapping) or not isinstance(saved.get(_GROUPS), list) \
+            or not isinstance(saved.get(_STATE), Mapping):
+        raise CheckpointCorruptError(f"{prefix.rstrip('.')}: not an optimizer state_dict in the checkpoint")
+    sizes = [len(g.get(_PARAMS, [])) if isinstance(g, Mapping) else -1 for g in saved[_GROUPS]]
+    live_sizes = [len(g[_PARAMS]) for g in opt.param_groups]
+    if sizes != live_sizes:
+        raise StateMismatchError(f"{prefix.rstrip('.')}: parameter groups of sizes {sizes} in the checkpoint, "
+                                 f"{live_sizes} here; build the same optimizer as the saved run")
+    params = _flat_params(opt)
+    casts: list[str] = []
+    for index, entries in saved[_STATE].items():
+        if not isinstance(index, int) or not 0 <= index < len(params) or not isinstance(entries, Mapping):
+            raise StateMismatchError(f"{prefix}state.{index}: state for a parameter this optimizer does not have",
+                                     unexpected=[f"{prefix}state.{index}"])
+        casts += _casts(f"{prefix}state.{index}", params[index], entries)
+    if casts and not allow_cast:
+        raise StateMismatchError(f"{prefix.rstrip('.')}: optimizer state dtypes differ from their parameters' "
+                                 f"(loading would cast): {casts[:20]}. Restore with allow_cast=True to cast them.")
+    return casts
+
+
+class OptimizerState:
+    """One optimizer kept by its own ``optimizer.state_dict()`` (integer parameter ids), as a restorable ``Stateful``.
+
+    For optimizers that cannot be keyed by one model's parameter names (e.g. one spanning several
+    models); :class:`~torch_ckpt.TrainState` keys the others by name. Implements the load protocol
+    of :func:`torch_ckpt.restore._restore.load_into` (keys relative to this object): state tensors a fresh
+    optimizer does not have yet are allocated where the optimizer keeps them, everything is checked
+    before anything is written, a load can be undone (:meth:`undo`) until the whole restore has
+    succeeded, and then (:meth:`keep_live`) the optimizer keeps its live state tensors, the loaded
+    values copied into them.
+
+    Args:
+        optimizer: the torch optimizer.
+        name: the key prefix used in error messages (e.g. ``"optimizers_plain.0"``).
+
+    Attributes:
+        replicated_keys: its state tensors are the same on every rank (stored once, as by DCP),
+            when it is saved as a state of its own.
+    """
+
+    replicated_keys: tuple[str, ...] = ("state",)
+
+    def __init__(self, optimizer: torch.optim.Optimizer, *, name: str = "optimizer") -> None:
+        self.optimizer = optimizer
+        self.name = name
+        self._before: tuple[Any, Any] = (optimizer.state, optimizer.param_groups)
+
+    def state_dict(self) -> dict[str, Any]:
+        """``optimizer.state_dict()`` (live tensors)."""
+        return self.optimizer.state_dict()
+
+    def _state_key(self, key: str) -> tuple[int, str] | None:
+        parts = key.split(".", 2)
+        if len(parts) != 3 or parts[0] != _STATE or not parts[1].isdigit():
+            return None
+        return int(parts[1]), parts[2]
+
+    def load_optional_key(self, key: str) -> bool:
+        """True for ``state.<id>.<entry>`` tensors (a parameter may have state on one side only)."""
+        return self._state_key(key) is not None
+
+    def load_target(self, key: str, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor | None:
+        """A new tensor on the device where the optimizer keeps ``key``; None for other keys."""
+        parts = self._state_key(key)
+        return None if parts is None else plain_state_target(self.optimizer, parts[0], parts[1], shape, dtype)
+
+    def check_load(self, state: Any, *, allow_cast: bool = False) -> list[str]:
+        """See :func:`check_plain_optimizer_state`; returns the keys that will be cast."""
+        return check_plain_optimizer_state(self.optimizer, state, prefix=f"{self.name}.", allow_cast=allow_cast)
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """``optimizer.load_state_dict(state)``; then :meth:`undo` (a later component failed) or :meth:`keep_live`."""
+        self._before = (self.optimizer.state, self.optimizer.param_groups)
+        self.optimizer.load_state_dict(cast(dict[str, Any], state))
+
+    def undo(self) -> None:
+        """Put back the state and parameter groups the last :meth:`load_state_dict` replaced."""
+        self.optimizer.state, self.optimizer.param_groups = self._before
+
+    def keep_live(self) -> None:
+        """After the whole restore succeeded: copy the loaded values into the tensors they replaced and keep those."""
+        keep_live_tensors(self.optimizer, self._before[0])

@@ -1,18 +1,9 @@
 """``TrainState``: one ``Stateful`` bundle holding the complete state of a training run, saved and loaded.
 
-What it captures (the "what to save" table): model(s) through DCP's ``get_model_state_dict`` and
-optimizer(s) from ``optimizer.state_dict()`` keyed by the same parameter names (so DDP, FSDP2 and
-compiled models produce the same keys as a plain module, in DCP's own layout), LR scheduler(s), a
-``GradScaler``, the dataloader position (anything with ``state_dict``/``load_state_dict``, e.g.
-torchdata's ``StatefulDataLoader``), the step and epoch counters, user extras (JSON values keep
-their type), and the RNG of every kind on this rank (:func:`capture_rng_state`: plain data the
-codec stores without pickling). Capturing changes none of them.
-
-The load side is the protocol :func:`torch_ckpt.restore._restore.load_into` calls: which flat keys
-may be missing on one side (optimizer state of a parameter that has none yet), where a loaded
-optimizer-state tensor is allocated, :meth:`TrainState.check_load` before anything is written, and
-:meth:`TrainState.load_state_dict`, which loads the components one by one, puts back those already
-loaded should one fail, and writes parameters and buffers last.
+Optimizers are keyed by DCP's parameter names (so DDP, FSDP2 and compiled models give a plain
+module's keys), the RNG is plain data the codec stores without pickling, and capturing changes
+nothing. The load side is the protocol of :func:`torch_ckpt.restore._restore.load_into`: check
+everything first, load component by component, put back what was loaded should one fail.
 """
 
 from __future__ import annotations
@@ -35,6 +26,7 @@ from torch_ckpt._logging import get_logger
 from torch_ckpt.errors import CheckpointCorruptError, ConfigError, StateMismatchError
 from torch_ckpt.restore._restore import copy_into_live
 from torch_ckpt.state._optim import (
+    OptimizerState,
     TargetLookup,
     apply_optimizer_state,
     check_optimizer_state,
@@ -144,15 +136,6 @@ def _need(mapping: Any, key: str, prefix: str = "") -> Any:
         raise StateMismatchError(f"checkpoint has no {prefix + key!r} entry but this TrainState needs one",
                                  missing=[prefix + key])
     return mapping[key]
-
-
-def _optimizer_undo(opt: torch.optim.Optimizer) -> Any:
-    """Put back an optimizer's state and groups (``load_state_dict`` replaces both objects, never edits them)."""
-    state, groups = opt.state, opt.param_groups
-
-    def undo() -> None:
-        opt.state, opt.param_groups = state, groups
-    return undo
 
 
 def iteration_in_progress(loader: Any) -> bool:
@@ -339,13 +322,8 @@ class TrainState:
         return models, optims
 
     def _model_state_dict(self, name: str, module: nn.Module) -> dict[str, Any]:
-        """DCP's ``get_model_state_dict`` of ``module``, or the module's own when that is known to be equal.
-
-        DCP's function renames every key through its wrapper-aware naming (about 30 us per tensor:
-        0.6 s for 20,000 tensors). For a module whose ``state_dict()`` DCP returned unchanged (same
-        keys in the same order, the same tensors), the module's own ``state_dict()`` is used again
-        while its keys and the types of its submodules stay the same.
-        """
+        """DCP's ``get_model_state_dict`` of ``module``, or the module's own when that is known to be equal
+        (DCP's renaming costs about 30 us per tensor: 0.6 s for 20,000 tensors)."""
         if self._options != StateDictOptions():
             return get_model_state_dict(module, options=self._options)
         structure = tuple((n, type(m)) for n, m in module.named_modules())
@@ -414,13 +392,8 @@ class TrainState:
     # -- the load side (called by torch_ckpt.restore._restore.load_into) --------------------------------
     @contextmanager
     def load_session(self) -> Iterator[None]:
-        """One restore: within the block, each model's parameter names are computed once.
-
-        :func:`~torch_ckpt.restore._restore.load_into` holds it from :meth:`state_dict` to the end of
-        :meth:`load_state_dict` (nothing else runs meanwhile, so the models cannot change); every
-        hook then shares one :func:`~torch_ckpt.state._optim.param_names` answer per model instead of
-        computing it 6 times. Outside a session each call computes the names itself. Re-entrant.
-        """
+        """One restore (``load_into`` holds it throughout): each model's parameter names are computed once,
+        not by each of the 6 hooks. Re-entrant."""
         if self._session_names is not None:
             yield
             return
@@ -542,7 +515,6 @@ class TrainState:
             self._load_state_dict(state_dict)
 
     def _load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """The body of :meth:`load_state_dict`, inside a :meth:`load_session`."""
         sections = self._sections(state_dict)
         self.check_load(state_dict, allow_cast=self._allow_cast)  # cheap; load_into checked with meta tensors
         self._allow_cast = False
@@ -553,7 +525,7 @@ class TrainState:
                 if osd is None:
                     continue
                 for opt in self._optims[name]:
-                    undo.append(_optimizer_undo(opt))
+                    undo.append(OptimizerState(opt).undo)  # puts back the state and groups load_state_dict replaces
                     live_optim_state.append((opt, opt.state))
                 apply_optimizer_state(self._models[name], self._optims[name], osd, names=self._param_names(name))
             if self._schedulers:
