@@ -265,7 +265,8 @@ class MemoryTier:
         try:
             inv = local_inventory(self.root, self.naming, self.layout) \
                 if self.layout.is_leader and self.root.is_dir() else None
-            mem = {s: m.lineage for s, (_, m) in scan_manifests(self.root, self.naming).items()} if inv else {}
+            mem = {s: m.lineage for s, (_, m) in scan_manifests(self.root, self.naming).items()} \
+                if inv is not None else {}
             disk = {s: m.lineage for s, (_, m) in scan_manifests(disk_root, self.naming).items()} \
                 if self.runs.acts_on_root and disk_root.is_dir() else {}
             mine = (self.layout.node, inv, mem, disk)
@@ -292,13 +293,13 @@ class MemoryTier:
         for node, inv, mem, dsk in gathered:
             seen += [*mem.values(), *dsk.values()]
             disk.update(dsk)
+            mem_lineage.update(mem)  # a copy some node lists, intact or not
             for s, kind in (inv or {}).items():
                 if kind == "node" and s in mem:
                     held.setdefault(s, set()).add(node)
-                    mem_lineage[s] = mem[s]
         head = head_of(seen)
         persistent = [s for s, lin in [*disk.items(), *durable.items()] if head.holds(s, lin)]
-        live_mem = sorted((s for s in held if head.holds(s, mem_lineage[s])), reverse=True)
+        live_mem = sorted((s for s in mem_lineage if head.holds(s, mem_lineage[s])), reverse=True)
         newest = max([*persistent, *live_mem], default=None)
         fork = new_segment(seen)
         nodes = set(range(self.layout.node_count))
@@ -312,7 +313,7 @@ class MemoryTier:
         for s in live_mem:
             if s <= floor:
                 break
-            missing = sorted(nodes - held[s])
+            missing = sorted(nodes - held.get(s, set()))
             if missing:
                 log.warning("memory tier: step %d is missing or incomplete in memory on node(s) %s; falling back to "
                             "an older step (memory or the disk and durable tiers)", s, missing)
