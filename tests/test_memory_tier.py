@@ -16,7 +16,7 @@ import pytest
 import torch
 from _dist import run_distributed
 
-from torch_ckpt import CheckpointManager, ConfigError, TrainState
+from torch_ckpt import CheckpointError, CheckpointManager, ConfigError, TrainState
 from torch_ckpt.config import CheckpointConfig
 from torch_ckpt.root._layout import MANIFEST_NAME, read_manifest
 from torch_ckpt.tools.cli import main as cli
@@ -92,6 +92,28 @@ def test_memory_saves_do_not_count_for_disk_retention(tmp_path):
             _train(model, opt, step)
             mgr.save_if_due(step, state)
     assert _steps(tmp_path / "disk") == [6, 9]
+
+
+def test_a_memory_save_is_left_out_of_the_disk_step_time(tmp_path):
+    """The step interval holding a memory save's stall is not sampled by the disk cadence's step-time estimate."""
+    state, _, _ = _state()
+    with _manager(tmp_path, mtbf_seconds="1h", memory_every_n_steps=1) as mgr:
+        mgr.save_if_due(1, state)
+        time.sleep(0.05)
+        mgr.save_if_due(2, state)  # a memory save of step 2 (step 1 gave the clock's start)
+        estimator = mgr._cadence.step_time
+        before = estimator.seconds
+        time.sleep(0.3)
+        mgr.save_if_due(3, state)
+        assert estimator.seconds == before
+
+
+def test_memory_saves_work_with_a_writer_process(tmp_path):
+    """persist="process": a memory save commits through the writer process into memory_root."""
+    state, _, _ = _state()
+    with CheckpointManager(tmp_path / "disk", memory_root=str(tmp_path / "mem"), persist="process") as mgr:
+        assert Path(mgr.save(4, state, tier="memory").committed.result(120)).parent == tmp_path / "mem"
+    assert read_manifest(tmp_path / "mem" / "step_000000004").node == 0
 
 
 def test_memory_retention_keeps_memory_keep_last_newest(tmp_path):
@@ -347,6 +369,18 @@ def _two_nodes(rank, world, base, drop_node):
         assert torch.equal(model[0].weight, model2[0].weight)
     else:
         assert (got, source) == (2, "local")
+
+
+def _shared_memory_root(rank, world, base):
+    os.environ.update(LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", GROUP_RANK=str(rank))
+    with pytest.raises(CheckpointError, match="memory_root|more than one node"):
+        CheckpointManager(Path(base) / f"node{rank}" / "disk", memory_root=str(Path(base) / "mem"))
+
+
+@pytest.mark.slow
+def test_a_memory_root_two_nodes_share_is_refused(tmp_path):
+    """A memory_root that two nodes see is refused at start, naming memory_root."""
+    run_distributed(_shared_memory_root, 2, str(tmp_path), timeout_s=240)
 
 
 @pytest.mark.slow

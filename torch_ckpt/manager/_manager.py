@@ -748,7 +748,10 @@ class CheckpointManager:
         """
         t0 = time.monotonic()
         if is_memory_save(tier, self._memory, path=path, extra_dir=extra_dir):
-            return cast(MemoryTier, self._memory).save(step, state, started_at=t0)
+            handle = cast(MemoryTier, self._memory).save(step, state, started_at=t0)
+            if self._cadence is not None:
+                self._cadence.step_time.skip_next()  # the memory save's stall is no training step time
+            return handle
         if self._preemption.received is not None:
             self._preemption.warn_if_unheeded()
         replicate = path is None and self._replicator is not None and (
@@ -819,10 +822,10 @@ class CheckpointManager:
         policy (nor ``preemption_signals``) only the memory cadence is asked.
         """
         memory = self._memory
-        if memory is not None and self._cadence is None and not self._preemption.signals:
-            return memory.save_if_due(step, state)  # memory cadence only
+        if memory is not None and self._cadence is None and not self._preemption.signals:  # memory cadence only
+            return self.save(step, state, tier="memory") if memory.due(step) else None
         if not self.should_save(step):
-            return memory.save_if_due(step, state) if memory is not None else None
+            return self.save(step, state, tier="memory") if memory is not None and memory.due(step) else None
         if memory is not None:
             memory.disk_saved(step)
         handle = None

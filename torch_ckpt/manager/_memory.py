@@ -113,7 +113,11 @@ class MemoryTier:
                 self.error = exc
         if not self.read_only:
             shared = self.layout.check(root, ctx, ok=self.error is None)
-            if shared:
+            if shared and "more than one node" in shared:
+                self.error = ConfigError(f"memory_root {root} is seen by more than one node (a shared directory); "
+                                         "the memory tier keeps one copy per node: give each node a directory of "
+                                         "its own, e.g. on its /dev/shm")
+            elif shared:
                 self.error = self.error or ConfigError(f"memory_root: {shared}")
         if leader and not self.read_only and self.error is None:
             try:
@@ -167,16 +171,14 @@ class MemoryTier:
             self.cadence.record_save_started(handle, time.monotonic())
         return handle
 
-    def save_if_due(self, step: int, state: Any) -> SaveHandle | None:
-        """Collective: a memory save of ``step`` when the memory cadence (rank 0 decides) says so, else None."""
+    def due(self, step: int) -> bool:
+        """Collective: record that ``step`` finished; True when the memory cadence (rank 0 decides) says to save."""
         if self.cadence is None:
-            return None
+            return False
         now = time.monotonic()
         self.cadence.record_step(step, now)
         decision = self.cadence.decide(step, now) if self.ctx.is_coordinator else False
-        if not self.ctx.broadcast(decision, what="memory save decision"):
-            return None
-        return self.save(step, state)
+        return bool(self.ctx.broadcast(decision, what="memory save decision"))
 
     def disk_saved(self, step: int) -> None:
         """A disk save of ``step`` began: the memory clock restarts (a newer checkpoint exists)."""
