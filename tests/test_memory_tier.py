@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -161,6 +162,24 @@ def test_restore_prefers_disk_when_it_is_as_new(tmp_path):
     with _manager(tmp_path) as mgr:
         assert mgr.restore(fresh) == 5
         assert mgr.restore_source is None
+
+
+def test_restore_prefers_a_newer_durable_step_over_memory(tmp_path):
+    """A durable step newer than the memory step (the local disk lost it) wins over memory."""
+    state, model, opt = _state()
+    url = f"file://{tmp_path / 'durable'}"
+    with _manager(tmp_path, durable_url=url, durable_create=True) as mgr:
+        mgr.save(4, state)
+        mgr.save(6, state, tier="memory")
+        _train(model, opt, 8)
+        mgr.save(8, state)
+        assert mgr.wait_durable(60)
+    shutil.rmtree(tmp_path / "disk" / "step_000000008")
+    fresh, model2, _ = _state(seed=1)
+    with _manager(tmp_path, durable_url=url) as mgr:
+        assert mgr.restore(fresh) == 8
+        assert mgr.restore_source is None
+    assert torch.equal(model[0].weight, model2[0].weight)
 
 
 def test_explicit_step_only_in_memory_is_loaded_from_memory(tmp_path):
