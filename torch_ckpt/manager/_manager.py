@@ -6,7 +6,9 @@ The manager orchestrates a few objects with declared interfaces, built once: :cl
 save), :class:`CommitFollowUp` (callbacks, replication, retention), and :class:`HealthReport`;
 listing and removal are the functions of :mod:`torch_ckpt.manager._read`, a restore is
 :func:`torch_ckpt.restore._resume.restore_checkpoint` (node-local roots:
-:func:`torch_ckpt.restore._resume_nodes.restore_node_local`). A save is one frozen
+:func:`torch_ckpt.restore._resume_nodes.restore_node_local`); the memory tier (``memory_root``) is
+:class:`~torch_ckpt.manager._memory.MemoryTier`, which the manager calls from ``save``, ``save_if_due``,
+``restore``, ``health`` and ``close``. A save is one frozen
 :class:`~torch_ckpt.save._persist.SaveRequest`, built after the guard's checks and submitted to
 :class:`~torch_ckpt.save._checkpointer.AsyncCheckpointer`.
 """
