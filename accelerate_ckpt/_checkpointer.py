@@ -38,6 +38,9 @@ log = logging.getLogger(__name__)
 ENV_VAR = "ACCELERATE_CKPT_CONFIG"
 _EXTRAS = {"enabled": True, "log_stats": True}  # the adapter's own keys and their defaults
 _FIXED = ("naming", "read_only", "explicit_paths_only")  # set by the adapter itself
+# the memory tier saves by training step into memory_root; Accelerate's checkpoints are save iterations at its own
+# paths, so the adapter takes no memory saves yet, and refuses these rather than ignore them
+_MEMORY = ("memory_root", "memory_every_n_steps", "memory_every_seconds", "memory_keep_last")
 
 
 @dataclass(frozen=True)
@@ -77,8 +80,11 @@ def load_settings(config: str | os.PathLike | None = None, **overrides: Any) -> 
         if fixed := [k for k in _FIXED if k in values]:
             raise ConfigError(f"{source}: {fixed[0]} is set by accelerate_ckpt itself (Accelerate's checkpoint_N "
                               "folders, a writable root); leave it out")
+        if memory := [k for k in _MEMORY if k in values]:
+            raise ConfigError(f"{source}: {memory[0]}: accelerate_ckpt takes no memory-tier saves yet; leave the "
+                              "memory_* settings out (a CheckpointManager in your own loop takes them)")
         cfg, extra = CheckpointConfig.from_dict_with_extras(values, _EXTRAS, source=source, from_file=from_file,
-                                                            reserved=_FIXED)
+                                                            reserved=_FIXED + _MEMORY)
     return CkptSettings(cfg, merged.get("keep_last") is not None, **extra)
 
 

@@ -32,6 +32,7 @@ RUN_PAGES = {
     "docs/distributed.md": (),
     "docs/durable-tier.md": ("boto3", "s3fs", "moto.server"),
     "docs/clusters.md": (),
+    "docs/memory-tier.md": (),
     "docs/scheduling.md": (),
     "docs/lightning.md": ("lightning",),
     "docs/accelerate.md": ("accelerate",),

@@ -95,6 +95,16 @@ class CheckpointConfig:
         durable_timeout_seconds: Longest silence of the durable store waited out on the caller's thread
             (``restore()``; > 0; also botocore's connect/read timeouts unless ``storage_options`` sets them).
         durable_create: Create a missing durable bucket; by default it is an outage (``DurableUnavailableError``).
+        memory_root: Local directory of the memory tier, typically under ``/dev/shm`` (tmpfs: it outlives the
+            trainer process, not the node); ``None``: no memory tier. Each node keeps its own copy there (the
+            node-local layout, even for one node); not the root nor inside it. Without peer replication a node
+            loss loses that node's memory copies and ``restore()`` falls back to the disk and durable tiers.
+        memory_every_n_steps: Memory tier: ``save_if_due()`` saves into ``memory_root`` every this many steps
+            when no disk save is due (int >= 1).
+        memory_every_seconds: Memory tier: ``save_if_due()`` saves into ``memory_root`` once this much time
+            passed since the last memory save, when no disk save is due (seconds or duration, > 0).
+        memory_keep_last: Memory tier retention: keep this many newest steps in ``memory_root`` (int >= 1;
+            each kept step holds about the node's share of the state in RAM).
 
     Raises:
         ConfigError: A value is out of range or of the wrong type, or two fields conflict; the
@@ -139,18 +149,22 @@ class CheckpointConfig:
     durable_upload_threads: int = 1
     durable_timeout_seconds: float | str = 30.0
     durable_create: bool = False
+    memory_root: str | None = None
+    memory_every_n_steps: int | None = None
+    memory_every_seconds: float | str | None = None
+    memory_keep_last: int = 2
 
     def __post_init__(self) -> None:
         for name in ("async_save", "overlap_staging", "verify_on_load", "read_only", "durable_create",
                      "explicit_paths_only"):
             check_bool(name, getattr(self, name))
         for name in ("keep_last", "keep_every_n_steps", "save_every_n_steps", "durable_keep_last",
-                     "durable_keep_every_n_steps"):
+                     "durable_keep_every_n_steps", "memory_every_n_steps"):
             if getattr(self, name) is not None:
                 check_int(name, getattr(self, name), 1)
         if self.local_root_shared is not None and not isinstance(self.local_root_shared, bool):
             raise ConfigError(f"local_root_shared must be true, false or None, got {self.local_root_shared!r}")
-        for name in ("min_interval_steps", "replicate_every_n_saves"):
+        for name in ("min_interval_steps", "replicate_every_n_saves", "memory_keep_last"):
             check_int(name, getattr(self, name), 1)
         for name in ("thread_count", "durable_upload_threads"):  # threads (and files) per rank
             check_int(name, getattr(self, name), 1, maximum=256)
@@ -163,9 +177,10 @@ class CheckpointConfig:
         for name, positive in (("timeout_seconds", True), ("initial_cost_seconds", False),
                                ("durable_flush_timeout_seconds", False), ("preemption_timeout_seconds", True),
                                ("mtbf_seconds", True), ("save_every_seconds", True),
-                               ("durable_timeout_seconds", True)):
-            if getattr(self, name) is not None or name not in ("mtbf_seconds", "save_every_seconds"):
-                self._set(name, to_seconds(name, getattr(self, name), positive=positive))  # only two are optional
+                               ("durable_timeout_seconds", True), ("memory_every_seconds", True)):
+            if getattr(self, name) is not None or name not in ("mtbf_seconds", "save_every_seconds",
+                                                               "memory_every_seconds"):
+                self._set(name, to_seconds(name, getattr(self, name), positive=positive))  # three are optional
         if self.staging_budget_bytes is not None:
             self._set("staging_budget_bytes", to_bytes("staging_budget_bytes", self.staging_budget_bytes))
         for name, kind, what in (("retention", RetentionPolicy, "be a RetentionPolicy (keep(steps) -> set)"),
@@ -178,6 +193,7 @@ class CheckpointConfig:
         if self.save_policy is not None and flat:
             raise ConfigError(f"give either save_policy or {flat[0]}, not both (the flat fields build a policy)")
         self._check_durable()
+        self._check_memory()
         if not isinstance(self.preemption_signals, (list, tuple)):
             raise ConfigError(f"preemption_signals must be a list of signal names or numbers, e.g. ['SIGTERM'], "
                               f"got {self.preemption_signals!r}")
@@ -198,6 +214,45 @@ class CheckpointConfig:
         if self.read_only and self.durable_url is not None:
             raise ConfigError("read_only=True cannot be combined with durable_url: a durable checkpoint is "
                               "downloaded into the local root; open the durable copy's directory instead")
+
+    def _check_memory(self) -> None:
+        root = self.memory_root
+        if root is None:
+            if self.memory_every_n_steps is not None or self.memory_every_seconds is not None:
+                raise ConfigError("memory_every_n_steps/memory_every_seconds need memory_root (the memory tier's "
+                                  "directory, e.g. /dev/shm/<run>)")
+            return
+        if isinstance(root, os.PathLike):
+            root = os.fspath(root)
+        if not isinstance(root, str) or not root or "://" in root:
+            raise ConfigError(f"memory_root must be a non-empty local directory path (e.g. /dev/shm/<run>), "
+                              f"got {self.memory_root!r}")
+        self._set("memory_root", root)
+
+    def check_memory_root(self, root: str | os.PathLike[str]) -> Path | None:
+        """``memory_root`` as an absolute path, checked against the run ``root``; None without a memory tier.
+
+        Raises:
+            ConfigError: ``memory_root`` is ``root``, inside it or contains it (the message names the field).
+        """
+        if self.memory_root is None:
+            return None
+        memory, disk = Path(self.memory_root).expanduser().absolute(), Path(root).expanduser().absolute()
+        if memory == disk or disk in memory.parents or memory in disk.parents:
+            raise ConfigError(f"memory_root {memory} must not be the checkpoint root {disk}, lie inside it or "
+                              "contain it: give the memory tier a directory of its own (e.g. /dev/shm/<run>)")
+        return memory
+
+    def build_memory_policy(self) -> SavePolicy | None:
+        """The memory tier's save policy (``EveryNSteps``/``EveryNSeconds``, ``AnyOf`` when both), or None."""
+        policies: list[SavePolicy] = []
+        if self.memory_every_n_steps is not None:
+            policies.append(EveryNSteps(self.memory_every_n_steps))
+        if self.memory_every_seconds is not None:
+            policies.append(EveryNSeconds(self.memory_every_seconds))
+        if not policies:
+            return None
+        return policies[0] if len(policies) == 1 else AnyOf(*policies)
 
     def _set(self, name: str, value: Any) -> None:
         object.__setattr__(self, name, value)  # normalising in __post_init__ of a frozen dataclass

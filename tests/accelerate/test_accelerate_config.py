@@ -113,6 +113,16 @@ def test_invalid_value_names_the_key(tmp_path, text, key):
         load_settings(write(tmp_path, text))
 
 
+@pytest.mark.parametrize("key", ["memory_root", "memory_every_n_steps", "memory_keep_last"])
+def test_memory_tier_settings_are_refused_not_ignored(tmp_path, key):
+    """The memory tier's settings, in the file or in code, raise ConfigError naming the key (no memory saves yet)."""
+    value = {"memory_root": "/dev/shm/run", "memory_every_n_steps": 5, "memory_keep_last": 2}[key]
+    with pytest.raises(ConfigError, match=key):
+        load_settings(write(tmp_path, f"{key}: {value}\n"))
+    with pytest.raises(ConfigError, match=key):
+        load_settings(**{key: value})
+
+
 def test_file_that_is_not_a_mapping_is_rejected(tmp_path):
     """A YAML list instead of a mapping raises ConfigError naming the file."""
     with pytest.raises(ConfigError, match="expected a mapping"):

@@ -2,7 +2,8 @@
 
 The manager orchestrates objects built once: :class:`RunLineage` (where the saves stand in the run's
 history), :class:`SaveGuard` (rank 0's checks before a save), :class:`CommitFollowUp` (callbacks,
-replication, retention) and :class:`HealthReport`. A save is one frozen
+replication, retention), :class:`HealthReport` and, with ``memory_root``, the memory tier
+(:class:`~torch_ckpt.manager._memory.MemoryTier`). A save is one frozen
 :class:`~torch_ckpt.save._persist.SaveRequest` submitted to :class:`~torch_ckpt.save._checkpointer.AsyncCheckpointer`.
 """
 
@@ -23,6 +24,7 @@ from torch_ckpt._logging import get_logger
 from torch_ckpt.config import DEFAULT, ON_EXISTING_NEWER, CheckpointConfig, DefaultType
 from torch_ckpt.errors import CheckpointError, CheckpointNotFoundError, CheckpointWriteError, ConfigError
 from torch_ckpt.handle import SaveHandle, SaveStats
+from torch_ckpt.manager._memory import MemoryTier, is_memory_save, memory_health
 from torch_ckpt.policy._lineage import BASE, Lineage, head_of
 from torch_ckpt.policy._naming import Naming, StepNaming
 from torch_ckpt.policy._preemption import PreemptionFlag
@@ -509,6 +511,10 @@ class CheckpointManager:
         durable_upload_threads: int | DefaultType = DEFAULT,
         durable_timeout_seconds: float | str | DefaultType = DEFAULT,
         durable_create: bool | DefaultType = DEFAULT,
+        memory_root: str | None | DefaultType = DEFAULT,
+        memory_every_n_steps: int | None | DefaultType = DEFAULT,
+        memory_every_seconds: float | str | None | DefaultType = DEFAULT,
+        memory_keep_last: int | DefaultType = DEFAULT,
     ) -> None:
         settings = {k: v for k, v in locals().items() if k in _SETTINGS and v is not DEFAULT}  # what was passed
         if not isinstance(directory, (str, os.PathLike)) or str(directory) == "":
@@ -534,6 +540,7 @@ class CheckpointManager:
                                  naming=naming, upload_threads=cfg.durable_upload_threads,
                                  timeout_seconds=cast(float, cfg.durable_timeout_seconds), create=cfg.durable_create) \
             if cfg.durable_url is not None else None
+        memory_dir = cfg.check_memory_root(root)  # before anything starts: a ConfigError naming memory_root
         if self._tier is not None and self._tier.is_inside(root):
             raise ConfigError(f"durable_url {cfg.durable_url!r} points into the local root {root}; the durable "
                               "tier must be another location (another disk, a file server, an object store)")
@@ -557,7 +564,7 @@ class CheckpointManager:
         self._guard = SaveGuard(root, naming, cfg, self._ckpt.incarnation, self._runs)
         self._after = CommitFollowUp(root, naming, cfg, self._runs, ctx.is_coordinator)
         self._health = HealthReport(root, naming, self._tier, self._runs, self._ckpt, self._after)
-        self.restore_source: str | None = None  # node-local roots: where this rank's last restore read from
+        self.restore_source: str | None = None  # node-local roots or memory: where this rank's last restore read from
         self._lock = RootLock(root, drain=self._ckpt.drain)
         self._replicate_every = cfg.replicate_every_n_saves
         self._saves = 0
@@ -581,8 +588,13 @@ class CheckpointManager:
                     self._after.catch_up(self._tier, self._roots)
             except CheckpointError as exc:
                 error = exc
+        # the memory tier (manager._memory): collective, so built on every rank whatever failed above
+        self._memory = MemoryTier(memory_dir, cfg, self._ckpt, naming, self._runs) if memory_dir else None
+        error = error or (self._memory.error if self._memory is not None else None)
         status = next((e for e in ctx.all_gather(None if error is None else str(error), what="init") if e), None)
         if error is not None or status is not None:
+            if self._memory is not None:
+                self._memory.close()
             if self._replicator is not None:
                 self._replicator.close(0)
             self._preemption.restore()
@@ -634,7 +646,7 @@ class CheckpointManager:
 
     # -- saving ----------------------------------------------------------------------------------
     def save(self, step: int, state: StateToSave, *, path: str | os.PathLike | None = None,
-             extra_dir: str | os.PathLike | None = None) -> SaveHandle:
+             extra_dir: str | os.PathLike | None = None, tier: str = "disk") -> SaveHandle:
         """Checkpoint ``state`` as ``step``; returns once the state is staged (async) or committed (sync).
 
         Waits first for the previous save (at most one in flight) and raises, once, any error of an
@@ -656,13 +668,18 @@ class CheckpointManager:
                 removed atomically with the checkpoint. It is taken (moved away) inside ``save()``,
                 so it may be refilled for the next save at once. Not listed in the manifest (not
                 checksummed; restore never reads them). Names of checkpoint files are refused.
+            tier: ``"disk"`` (default) or ``"memory"``: a checkpoint of ``step`` into ``memory_root``
+                (each node its own copy; no ``path`` or ``extra_dir``). A memory save never counts as a
+                persistent one: the disk cadence, ``replicate_every_n_saves``, durable replication and disk
+                retention ignore it; ``memory_keep_last`` newest steps stay in ``memory_root``.
 
         Returns:
             A :class:`SaveHandle` whose ``staged`` future completes when the live tensors may change
             and whose ``committed`` future completes when the checkpoint is durable and listed.
 
         Raises:
-            ConfigError: bad or already committed step; committed steps newer than ``step`` from a
+            ConfigError: an unknown ``tier``, or ``"memory"`` without ``memory_root``; bad or already
+                committed step; committed steps newer than ``step`` from a
                 run this manager did not restore (see ``on_existing_newer``); ``path`` exists and is
                 not a torch-ckpt checkpoint (it is never written into or deleted); a state value
                 that cannot be stored exactly without pickling; a ``read_only`` manager; any of
@@ -672,6 +689,11 @@ class CheckpointManager:
                 failed to prepare this save.
         """
         t0 = time.monotonic()
+        if is_memory_save(tier, self._memory, path=path, extra_dir=extra_dir):
+            handle = cast(MemoryTier, self._memory).save(step, state, started_at=t0)
+            if self._cadence is not None:
+                self._cadence.step_time.skip_next()  # the memory save's stall is no training step time
+            return handle
         if self._preemption.received is not None:
             self._preemption.warn_if_unheeded()
         replicate = path is None and self._replicator is not None and (
@@ -697,6 +719,8 @@ class CheckpointManager:
         self._saves += 1
         if self._cadence is not None:
             self._cadence.record_save_started(handle, time.monotonic())
+        if self._memory is not None and path is None:
+            self._memory.before_disk_save(step)
         return handle
 
     def _committed(self, step: int, final: Path, replicate: bool) -> Callable[[], None] | None:
@@ -733,9 +757,19 @@ class CheckpointManager:
         After a preemption signal this is the emergency save: it waits until the checkpoint is
         committed locally (up to ``preemption_timeout_seconds``), logs one line and raises
         ``SystemExit(128 + signum)``.
+
+        With a memory tier (``memory_root`` and ``memory_every_n_steps``/``memory_every_seconds``), a step
+        at which no disk save is due is saved into ``memory_root`` when the memory cadence says so
+        (``save(step, state, tier="memory")``); a disk save takes precedence. Without a disk save
+        policy (nor ``preemption_signals``) only the memory cadence is asked.
         """
+        memory = self._memory
+        if memory is not None and self._cadence is None and not self._preemption.signals:  # memory cadence only
+            return self.save(step, state, tier="memory") if memory.due(step) else None
         if not self.should_save(step):
-            return None
+            return self.save(step, state, tier="memory") if memory is not None and memory.due(step) else None
+        if memory is not None:
+            memory.disk_saved(step)
         handle = None
         if not self._step_committed_or_pending(step):
             handle = self.save(step, state)
@@ -796,7 +830,11 @@ class CheckpointManager:
             None, "durable": bool | None}}`` ("partial": this node's copy of a node-local checkpoint;
             durable None: not known, see below); ``durable_newest_step`` /
             ``durable_newest_age_s``: the newest step committed in the durable tier (listed there, so
-            also after a restart) and the age of its state in seconds (the exposure window).
+            also after a restart) and the age of its state in seconds (the exposure window);
+            ``memory_step`` / ``memory_age_s``: the newest step in this node's ``memory_root`` and the
+            age (seconds) of its state (None without a memory tier); ``lost_work_if_restart_now_s``:
+            seconds since the state of the newest checkpoint of any tier (what a process restart on the
+            same nodes loses now; a node loss loses the memory copies: see ``lost_work_if_failure_now_s``).
 
         Never does network I/O: the durable side is the replicator's last known listing of the
         store (listed in the background when ``health()`` asks, at most every 10 s, and by the
@@ -807,7 +845,7 @@ class CheckpointManager:
         (``replication["last_error"]`` says why), and on ranks that do not replicate (every rank but
         rank 0, or but each node's lowest rank with node-local roots).
         """
-        return self._health.health(self.schedule_info())
+        return memory_health(self._health.health(self.schedule_info()), self._memory)
 
     def replication_stats(self) -> dict[str, Any]:
         """State of the durable replication (see :meth:`Replicator.stats`); {} without a durable tier."""
@@ -901,6 +939,14 @@ class CheckpointManager:
         is restored with a warning. Every call to the store gives up after
         ``durable_timeout_seconds`` without an answer.
 
+        With a memory tier (``memory_root``), a step that every node holds intact in its
+        ``memory_root`` and that is newer than every live disk and durable step is loaded from memory
+        (always CRC-checked; ``restore_source`` is then ``"memory"``), as is an explicit ``step``
+        that only the memory tier holds. A memory copy missing on some node or failing verification
+        is passed over with a warning naming the step and the reason, for the disk and durable tiers.
+        After a restore of step S from any tier, the memory steps newer than S are deleted at the next
+        save: they are never resumed.
+
         Memory: the restore reads into new host buffers of about the state's size and, once every
         check passed, exchanges or copies them into the live tensors; a Ctrl-C meanwhile is raised
         once the live state is fully written, so an interrupted restore leaves it fully old or new.
@@ -928,6 +974,15 @@ class CheckpointManager:
             CheckpointCorruptError: a file fails its size or checksum check.
         """
         self._ckpt.wait()
+        if self._memory is not None and path is None:  # a newer step in every node's memory_root, verified
+            self.restore_source = None
+            memory = self._memory.restore(step=step, disk_root=self.root, tier=self._tier, load=lambda local: (
+                self._ckpt.load(local, state, verify=True, allow_cast=allow_cast,
+                                on_world_size_change=self.on_world_size_change)))
+            if memory is not None:
+                self.restore_source = "memory"
+                self._runs.restored(memory[0], memory[1] if self._runs.acts_on_root else None)
+                return memory[0]
         if self._roots.node_local and path is None:
             resumed = restore_node_local(
                 cast(NodeLayout, self._roots), self._ctx, self._tier, self.root, self.naming, step=step,
@@ -938,6 +993,8 @@ class CheckpointManager:
                 return None
             self.restore_source = resumed.source
             self._runs.restored(resumed.step, resumed.lineage)
+            if self._memory is not None:
+                self._memory.restored(resumed.step)
             return resumed.step
         done = restore_checkpoint(state, root=self.root, naming=self.naming, tier=self._tier, ctx=self._ctx, step=step,
                                   path=path, allow_cast=allow_cast, verify=self.verify_on_load,
@@ -946,6 +1003,8 @@ class CheckpointManager:
         if done is None:
             return None
         self._runs.restored(done.step, done.lineage)
+        if self._memory is not None:
+            self._memory.restored(done.step)
         return done.step
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -974,6 +1033,8 @@ class CheckpointManager:
                 self._replicator.close(cast(float, self.config.durable_flush_timeout_seconds))
             self._preemption.restore()
             self._lock.release()
+            if self._memory is not None:
+                self._memory.close()
 
 
 def _close_unreachable(root: str, ckpt: AsyncCheckpointer, replicator: Replicator | None, preemption: PreemptionFlag,

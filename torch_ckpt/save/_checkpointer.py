@@ -542,14 +542,15 @@ class AsyncCheckpointer:
                 job = self._capture(request, state, waited_s, t0)
             except Exception as exc:  # noqa: BLE001 - reported to every rank by the agreement below
                 error = exc
+        layout = self.layout if request.nodes is None else request.nodes  # a request may name another root's layout
         try:
-            self._agree(request.step, request.final, error, None if job is None else job.signature)
+            self._agree(request.step, request.final, error, None if job is None else job.signature, layout=layout)
         except BaseException as exc:
             if job is not None:
                 self._abandon(job.handle, exc)
             raise
         assert job is not None  # _agree raised when this rank had no job (error set)
-        if self.layout.acts:  # the name is taken once save() returns, as with a synchronous save
+        if layout.acts:  # the name is taken once save() returns, as with a synchronous save
             try:
                 job.reserved = reserve(request.final)
             except OSError as exc:  # the writer's prepare step fails on it and reports it on every rank
@@ -625,7 +626,7 @@ class AsyncCheckpointer:
                 fut.set_exception(exc)
 
     def _agree(self, step: Any, final: str | os.PathLike, error: Exception | None,
-               signature: dict[str, tuple] | None = None) -> None:
+               signature: dict[str, tuple] | None = None, *, layout: Any = None) -> None:
         """The ranks' agreement before a submit (one all-gather on the caller-thread group): every rank raises
         when any failed or when they disagree. Digests of :func:`_signature` that differ (and differ from the set
         last agreed on: pipeline stages hold different keys) take a second all-gather of the signatures, to name
@@ -638,7 +639,7 @@ class AsyncCheckpointer:
             error = typed
         mine = None if error is None else (type(error).__name__, str(error))
         # node-local roots are different directories on each node: the ranks agree on the name
-        target = self.layout.agreed_name(final)
+        target = (self.layout if layout is None else layout).agreed_name(final)
         try:
             votes = self._ctx.all_gather((mine, step, target, _digest(signature)), what="save agreement")
         except CheckpointError:
@@ -735,7 +736,8 @@ class AsyncCheckpointer:
             failed_names, self._failed_names = tuple(self._failed_names), []
             staged = replace(req, after_commit=None, tree=job.tree, tensor_bytes=handle.stats.bytes,
                              thread_count=self.thread_count, timings={"staging_s": handle.stats.staging_s},
-                             incarnation=self._incarnation, failed=failed, nodes=self.layout,
+                             incarnation=self._incarnation, failed=failed,
+                             nodes=self.layout if req.nodes is None else req.nodes,
                              failed_names=failed_names, reserved=job.reserved)
             if self._process_writer is not None and (job.fits or failed is not None):
                 final, files_bytes = self._process_writer.persist(

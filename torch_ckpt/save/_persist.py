@@ -66,7 +66,7 @@ class SaveRequest:
         incarnation: names the partial ``.torch-ckpt.partial.<id>`` (rank 0's; None: a fresh id).
         owner_alive: asked before the write, the agreement and the commit; False fails the save.
         failed: this rank's staging failed with this message: it joins every collective, writes nothing.
-        nodes: the root layout (None: a shared root). failed_names: earlier failed saves whose
+        nodes: the root layout (None: the engine's, a shared root by default). failed_names: earlier failed saves whose
             temporaries go first. reserved: the engine created ``final`` empty; a failed save removes it.
     """
 

@@ -1,0 +1,414 @@
+"""manager._memory: the memory tier: saves, cadence, restore from memory and its fallback, rollback, health."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from _dist import run_distributed
+
+from torch_ckpt import CheckpointError, CheckpointManager, ConfigError, TrainState
+from torch_ckpt.config import CheckpointConfig
+from torch_ckpt.root._layout import MANIFEST_NAME, read_manifest
+from torch_ckpt.tools.cli import main as cli
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _state(seed: int = 0):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return TrainState(model=model, optimizer=opt), model, opt
+
+
+def _train(model, opt, step: int) -> None:
+    torch.manual_seed(100 + step)
+    model(torch.randn(4, 8)).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _steps(root: Path) -> list[int]:
+    return sorted(int(p.name.rsplit("_", 1)[1]) for p in root.glob("step_*") if (p / MANIFEST_NAME).is_file())
+
+
+def _manager(tmp_path: Path, **kwargs) -> CheckpointManager:
+    return CheckpointManager(tmp_path / "disk", memory_root=str(tmp_path / "mem"), async_save=False, **kwargs)
+
+
+def _data_file(step_dir: Path) -> Path:
+    return max((p for p in step_dir.glob("*.distcp")), key=lambda p: p.stat().st_size)
+
+
+def test_memory_save_lands_in_memory_root_with_a_node_manifest(tmp_path):
+    """save(tier="memory") commits into memory_root (a node copy with manifest), not into the disk root."""
+    state, model, opt = _state()
+    with _manager(tmp_path) as mgr:
+        mgr.save(3, state, tier="memory")
+        assert mgr.all_steps() == []
+    manifest = read_manifest(tmp_path / "mem" / "step_000000003")
+    assert manifest.step == 3 and manifest.node == 0 and manifest.nodes["rank_node"] == [0]
+    assert _steps(tmp_path / "disk") == []
+
+
+def test_memory_checkpoints_are_listed_and_verified_by_the_cli(tmp_path, capsys):
+    """``torch-ckpt ls`` and ``verify`` read memory_root like any run root."""
+    state, _, _ = _state()
+    with _manager(tmp_path) as mgr:
+        mgr.save(3, state, tier="memory")
+    assert cli(["ls", str(tmp_path / "mem"), "--verify"]) == 0
+    assert "step_000000003" in capsys.readouterr().out
+    assert cli(["verify", str(tmp_path / "mem")]) == 0
+
+
+def test_save_if_due_alternates_tiers_with_disk_first(tmp_path):
+    """Disk saves at the disk cadence; the other steps the memory cadence picks go to memory."""
+    state, model, opt = _state()
+    where = {}
+    with _manager(tmp_path, save_every_n_steps=4, memory_every_n_steps=1, memory_keep_last=10) as mgr:
+        for step in range(1, 10):
+            _train(model, opt, step)
+            handle = mgr.save_if_due(step, state)
+            where[step] = Path(handle.committed.result()).parent.name
+    assert [s for s, w in where.items() if w == "disk"] == [4, 8]
+    assert [s for s, w in where.items() if w == "mem"] == [1, 2, 3, 5, 6, 7, 9]
+
+
+def test_memory_saves_do_not_count_for_disk_retention(tmp_path):
+    """keep_last on the disk root retires disk steps only; memory saves never push a disk step out."""
+    state, model, opt = _state()
+    with _manager(tmp_path, keep_last=2, save_every_n_steps=3, memory_every_n_steps=1) as mgr:
+        for step in range(1, 10):
+            _train(model, opt, step)
+            mgr.save_if_due(step, state)
+    assert _steps(tmp_path / "disk") == [6, 9]
+
+
+def test_a_memory_save_is_left_out_of_the_disk_step_time(tmp_path):
+    """The step interval holding a memory save's stall is not sampled by the disk cadence's step-time estimate."""
+    state, _, _ = _state()
+    with _manager(tmp_path, mtbf_seconds="1h", memory_every_n_steps=1) as mgr:
+        mgr.save_if_due(1, state)
+        time.sleep(0.05)
+        mgr.save_if_due(2, state)  # a memory save of step 2 (step 1 gave the clock's start)
+        estimator = mgr._cadence.step_time
+        before = estimator.seconds
+        time.sleep(0.3)
+        mgr.save_if_due(3, state)
+        assert estimator.seconds == before
+
+
+def test_memory_saves_work_with_a_writer_process(tmp_path):
+    """persist="process": a memory save commits through the writer process into memory_root."""
+    state, _, _ = _state()
+    with CheckpointManager(tmp_path / "disk", memory_root=str(tmp_path / "mem"), persist="process") as mgr:
+        assert Path(mgr.save(4, state, tier="memory").committed.result(120)).parent == tmp_path / "mem"
+    assert read_manifest(tmp_path / "mem" / "step_000000004").node == 0
+
+
+def test_memory_retention_keeps_memory_keep_last_newest(tmp_path):
+    """memory_keep_last newest steps stay in memory_root."""
+    state, model, opt = _state()
+    with _manager(tmp_path, memory_every_n_steps=1, memory_keep_last=3) as mgr:
+        for step in range(1, 8):
+            mgr.save_if_due(step, state)
+    assert _steps(tmp_path / "mem") == [5, 6, 7]
+
+
+def test_memory_saves_do_not_count_for_replication(tmp_path):
+    """replicate_every_n_saves counts disk saves only, and memory steps never reach the durable tier."""
+    state, model, opt = _state()
+    url = f"file://{tmp_path / 'durable'}"
+    with _manager(tmp_path, save_every_n_steps=2, memory_every_n_steps=1, durable_url=url,
+                  replicate_every_n_saves=2, durable_create=True) as mgr:
+        for step in range(1, 9):
+            mgr.save_if_due(step, state)
+        assert mgr.wait_durable(60)
+    assert _steps(tmp_path / "durable") == [4, 8]
+
+
+def test_restore_takes_the_newer_memory_step(tmp_path):
+    """restore() loads a memory step newer than the newest disk step, exactly."""
+    state, model, opt = _state()
+    with _manager(tmp_path, save_every_n_steps=4, memory_every_n_steps=1) as mgr:
+        for step in range(1, 7):
+            _train(model, opt, step)
+            mgr.save_if_due(step, state)
+    fresh, model2, opt2 = _state(seed=1)
+    with _manager(tmp_path) as mgr:
+        assert mgr.restore(fresh) == 6
+        assert mgr.restore_source == "memory"
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), model2.state_dict().values()))
+
+
+def test_restore_prefers_disk_when_it_is_as_new(tmp_path):
+    """A memory step not newer than the newest disk step is not used."""
+    state, model, opt = _state()
+    with _manager(tmp_path) as mgr:
+        mgr.save(5, state, tier="memory")
+        mgr.save(5, state)
+    fresh, _, _ = _state(seed=1)
+    with _manager(tmp_path) as mgr:
+        assert mgr.restore(fresh) == 5
+        assert mgr.restore_source is None
+
+
+def test_restore_prefers_a_newer_durable_step_over_memory(tmp_path):
+    """A durable step newer than the memory step (the local disk lost it) wins over memory."""
+    state, model, opt = _state()
+    url = f"file://{tmp_path / 'durable'}"
+    with _manager(tmp_path, durable_url=url, durable_create=True) as mgr:
+        mgr.save(4, state)
+        mgr.save(6, state, tier="memory")
+        _train(model, opt, 8)
+        mgr.save(8, state)
+        assert mgr.wait_durable(60)
+    shutil.rmtree(tmp_path / "disk" / "step_000000008")
+    fresh, model2, _ = _state(seed=1)
+    with _manager(tmp_path, durable_url=url) as mgr:
+        assert mgr.restore(fresh) == 8
+        assert mgr.restore_source is None
+    assert torch.equal(model[0].weight, model2[0].weight)
+
+
+def test_explicit_step_only_in_memory_is_loaded_from_memory(tmp_path):
+    """restore(step=S) with S only in memory_root loads it from memory."""
+    state, model, opt = _state()
+    with _manager(tmp_path) as mgr:
+        mgr.save(2, state)
+        _train(model, opt, 3)
+        mgr.save(3, state, tier="memory")
+        mgr.save(4, state, tier="memory")
+    fresh, model2, _ = _state(seed=1)
+    with _manager(tmp_path) as mgr:
+        assert mgr.restore(fresh, step=3) == 3
+        assert mgr.restore_source == "memory"
+    assert torch.equal(model[0].weight, model2[0].weight)
+
+
+def _corrupt_newest_memory_copy(tmp_path: Path, how: str) -> None:
+    state, model, opt = _state()
+    with _manager(tmp_path) as mgr:
+        _train(model, opt, 1)
+        mgr.save(4, state)
+        _train(model, opt, 2)
+        mgr.save(5, state, tier="memory")
+    data = _data_file(tmp_path / "mem" / "step_000000005")
+    raw = bytearray(data.read_bytes())
+    if how == "flip":
+        raw[len(raw) // 2] ^= 0x01
+        data.write_bytes(bytes(raw))
+    else:
+        data.write_bytes(bytes(raw[: len(raw) // 2]))
+
+
+@pytest.mark.parametrize("how", ["flip", "truncate"])
+def test_a_damaged_memory_copy_falls_back_to_disk_with_a_warning(tmp_path, caplog, how):
+    """A bit-flipped or truncated memory file: restore() takes the disk step and warns naming the memory step."""
+    _corrupt_newest_memory_copy(tmp_path, how)
+    fresh, _, _ = _state(seed=1)
+    with caplog.at_level(logging.WARNING, logger="torch_ckpt"), _manager(tmp_path) as mgr:
+        assert mgr.restore(fresh) == 4
+        assert mgr.restore_source is None
+    assert any("memory tier: step 5" in r.getMessage() for r in caplog.records), caplog.text
+
+
+def test_rollback_never_resumes_abandoned_memory_steps(tmp_path):
+    """After restoring an older disk step and saving, the newer memory steps are gone for good."""
+    state, model, opt = _state()
+    with _manager(tmp_path, memory_keep_last=5) as mgr:
+        mgr.save(2, state)
+        for step in (3, 4, 5):
+            _train(model, opt, step)
+            mgr.save(step, state, tier="memory")
+    fresh, model2, opt2 = _state(seed=1)
+    with _manager(tmp_path) as mgr:
+        assert mgr.restore(fresh, step=2) == 2
+        _train(model2, opt2, 30)
+        mgr.save(3, fresh, tier="memory")  # the new timeline's step 3
+    assert _steps(tmp_path / "mem") == [3]
+    again, model3, _ = _state(seed=2)
+    with _manager(tmp_path) as mgr:
+        assert mgr.restore(again) == 3
+    assert torch.equal(model3[0].weight, model2[0].weight)
+
+
+def test_a_disk_save_after_a_rollback_drops_newer_memory_steps(tmp_path):
+    """A disk save after restoring an older step deletes the memory steps newer than the restored one."""
+    state, model, opt = _state()
+    with _manager(tmp_path, memory_keep_last=5) as mgr:
+        mgr.save(2, state)
+        mgr.save(3, state, tier="memory")
+        mgr.save(9, state, tier="memory")
+    fresh, _, _ = _state(seed=1)
+    with _manager(tmp_path, on_existing_newer="supersede") as mgr:
+        mgr.restore(fresh, step=2)
+        mgr.save(5, fresh)
+    assert _steps(tmp_path / "mem") == []
+
+
+def test_health_reports_memory_step_age_and_restart_exposure(tmp_path):
+    """health() gives memory_step, memory_age_s and lost_work_if_restart_now_s (newest of any tier)."""
+    state, _, _ = _state()
+    with _manager(tmp_path) as mgr:
+        mgr.save(1, state)
+        time.sleep(0.2)
+        mgr.save(2, state, tier="memory")
+        report = mgr.health()
+    assert report["memory_step"] == 2 and report["latest_step"] == 1
+    assert 0 <= report["memory_age_s"] < report["latest_age_s"]
+    assert report["lost_work_if_restart_now_s"] == report["memory_age_s"]
+
+
+def test_health_without_a_memory_tier_has_the_keys(tmp_path):
+    """Without memory_root the memory keys are None and the restart exposure is the disk step's age."""
+    state, _, _ = _state()
+    with CheckpointManager(tmp_path / "disk", async_save=False) as mgr:
+        mgr.save(1, state)
+        report = mgr.health()
+    assert report["memory_step"] is None and report["memory_age_s"] is None
+    assert report["lost_work_if_restart_now_s"] == pytest.approx(report["latest_age_s"], abs=1.0)
+
+
+@pytest.mark.parametrize("settings, field", [
+    ({"memory_root": "DISK"}, "memory_root"),
+    ({"memory_root": "DISK/inner"}, "memory_root"),
+    ({"memory_root": "mem", "memory_every_n_steps": 0}, "memory_every_n_steps"),
+    ({"memory_root": "mem", "memory_every_seconds": -1}, "memory_every_seconds"),
+    ({"memory_root": "mem", "memory_keep_last": 0}, "memory_keep_last"),
+    ({"memory_every_n_steps": 2}, "memory_root"),
+    ({"memory_root": ""}, "memory_root"),
+])
+def test_invalid_memory_settings_name_the_field(tmp_path, settings, field):
+    """A bad memory setting is a ConfigError naming the field."""
+    disk = tmp_path / "disk"
+    values = {k: (str(disk) + v[4:] if isinstance(v, str) and v.startswith("DISK") else
+                  str(tmp_path / v) if k == "memory_root" and v else v) for k, v in settings.items()}
+    with pytest.raises(ConfigError, match=field):
+        CheckpointManager(disk, **values)
+
+
+def test_memory_save_needs_memory_root(tmp_path):
+    """save(tier="memory") without memory_root, or an unknown tier, is a ConfigError."""
+    state, _, _ = _state()
+    with CheckpointManager(tmp_path / "disk", async_save=False) as mgr:
+        with pytest.raises(ConfigError, match="memory_root"):
+            mgr.save(1, state, tier="memory")
+        with pytest.raises(ConfigError, match="tier"):
+            mgr.save(1, state, tier="tape")
+
+
+def test_memory_settings_come_from_a_yaml_file(tmp_path):
+    """The memory fields are settings a file may hold."""
+    path = tmp_path / "ckpt.yaml"
+    path.write_text("memory_root: /dev/shm/run\nmemory_every_n_steps: 5\nmemory_every_seconds: 30s\n"
+                    "memory_keep_last: 1\n", encoding="utf-8")
+    cfg = CheckpointConfig.from_yaml(path)
+    assert (cfg.memory_root, cfg.memory_every_n_steps, cfg.memory_every_seconds, cfg.memory_keep_last) == \
+        ("/dev/shm/run", 5, 30.0, 1)
+
+
+# -- a process restart: the trainer is killed (SIGKILL) after a memory save ------------------------------
+_TRAINER = textwrap.dedent("""
+    import json, sys, time
+    import torch
+    sys.path.insert(0, sys.argv[3])
+    from test_memory_tier import _state, _train
+    from torch_ckpt import CheckpointManager
+    state, model, opt = _state()
+    mgr = CheckpointManager(sys.argv[1] + "/disk", memory_root=sys.argv[1] + "/mem", save_every_n_steps=5,
+                            memory_every_n_steps=1)
+    for step in range(1, 8):
+        _train(model, opt, step)
+        handle = mgr.save_if_due(step, state)
+        handle.committed.result()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "rng": torch.get_rng_state()},
+               sys.argv[2])
+    print("READY", flush=True)
+    time.sleep(600)
+""")
+
+
+def test_process_restart_resumes_bitwise_from_memory(tmp_path):
+    """A trainer killed with SIGKILL after a memory save resumes that step exactly (model, optimizer, RNG)."""
+    expected = tmp_path / "expected.pt"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.Popen([sys.executable, "-c", _TRAINER, str(tmp_path), str(expected), str(REPO / "tests")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        line = proc.stdout.readline()
+        assert line.strip() == "READY", proc.stderr.read()
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+    fresh, model, opt = _state(seed=1)
+    with _manager(tmp_path) as mgr:
+        assert mgr.restore(fresh) == 7
+        assert mgr.restore_source == "memory"
+    want = torch.load(expected, weights_only=False)
+    assert all(torch.equal(a, b) for a, b in zip(want["model"].values(), model.state_dict().values()))
+    got_opt = opt.state_dict()["state"]
+    for key, entry in want["opt"]["state"].items():
+        assert all(torch.equal(entry[k], got_opt[key][k]) for k in entry)
+    assert torch.equal(want["rng"], torch.get_rng_state())
+    assert json.loads((tmp_path / "mem" / "step_000000007" / MANIFEST_NAME).read_text())["step"] == 7
+
+
+# -- two ranks as two nodes over gloo, each with its own memory_root ---------------------------------------
+def _two_nodes(rank, world, base, drop_node):
+    os.environ.update(LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", GROUP_RANK=str(rank))
+    node = Path(base) / f"node{rank}"
+    state, model, opt = _state()
+    kwargs = dict(memory_root=str(node / "mem"), async_save=False)
+    with CheckpointManager(node / "disk", save_every_n_steps=2, memory_every_n_steps=1, **kwargs) as mgr:
+        for step in range(1, 4):
+            _train(model, opt, step)
+            mgr.save_if_due(step, state)
+    assert _steps(node / "mem") == [1, 3] and _steps(node / "disk") == [2]
+    if drop_node is not None and rank == drop_node:
+        os.rename(node / "mem" / "step_000000003", node / "mem" / "gone")
+    torch.distributed.barrier()
+    fresh, model2, _ = _state(seed=1)
+    with CheckpointManager(node / "disk", **kwargs) as mgr:
+        got = mgr.restore(fresh)
+        source = mgr.restore_source
+    if drop_node is None:
+        assert (got, source) == (3, "memory")
+        assert torch.equal(model[0].weight, model2[0].weight)
+    else:
+        assert (got, source) == (2, "local")
+
+
+def _shared_memory_root(rank, world, base):
+    os.environ.update(LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", GROUP_RANK=str(rank))
+    with pytest.raises(CheckpointError, match="memory_root|more than one node"):
+        CheckpointManager(Path(base) / f"node{rank}" / "disk", memory_root=str(Path(base) / "mem"))
+
+
+@pytest.mark.slow
+def test_a_memory_root_two_nodes_share_is_refused(tmp_path):
+    """A memory_root that two nodes see is refused at start, naming memory_root."""
+    run_distributed(_shared_memory_root, 2, str(tmp_path), timeout_s=240)
+
+
+@pytest.mark.slow
+def test_two_nodes_restore_from_their_own_memory_roots(tmp_path):
+    """Two nodes (gloo ranks), each with its own memory_root, resume the newest memory step together."""
+    run_distributed(_two_nodes, 2, str(tmp_path), None, timeout_s=240)
+
+
+@pytest.mark.slow
+def test_a_node_missing_its_memory_copy_falls_back_to_disk(tmp_path):
+    """When one node lacks its memory copy of the newest step, both nodes restore the disk step."""
+    run_distributed(_two_nodes, 2, str(tmp_path), 1, timeout_s=240)

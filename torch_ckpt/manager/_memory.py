@@ -1,0 +1,356 @@
+"""The memory tier: frequent checkpoints into a tmpfs root that outlives the trainer process.
+
+``memory_root`` (typically under ``/dev/shm``) holds the same checkpoints as the disk root (DCP
+files, ``manifest.json`` with CRC-32, the atomic commit), always in the node-local layout
+(:class:`~torch_ckpt.root._nodes.NodeLayout`, even for one node): every node keeps its own copy, so
+a restarted process on the same nodes resumes from RAM. There is no peer replication yet: a node
+loss loses its memory copies, and a restore falls back to the disk and durable tiers.
+
+A memory save goes through the manager's one :class:`~torch_ckpt.save._checkpointer.AsyncCheckpointer`
+(its request names this tier's layout) and never counts as a persistent save: the disk cadence,
+``replicate_every_n_saves``, durable replication and disk retention never see it. A restore takes a
+memory step only when every node holds an intact copy newer than every live disk and durable step
+(the lineage rules of :mod:`torch_ckpt.policy._lineage`, over the manifests of all three tiers).
+"""
+
+from __future__ import annotations
+
+import functools
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from torch_ckpt._logging import get_logger
+from torch_ckpt.config import CheckpointConfig
+from torch_ckpt.errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointNotFoundError,
+    CheckpointReadError,
+    ConfigError,
+)
+from torch_ckpt.handle import SaveHandle
+from torch_ckpt.policy._lineage import Lineage, head_of, new_segment, successor
+from torch_ckpt.policy._naming import Naming
+from torch_ckpt.policy._retention import KeepLatest, apply_retention
+from torch_ckpt.policy._schedule import Cadence
+from torch_ckpt.restore._resume_nodes import local_inventory, restore_node_local
+from torch_ckpt.root._layout import (
+    check_root,
+    clean_stale_temporaries,
+    read_manifest,
+    retire_step_dir,
+    scan_committed,
+    scan_manifests,
+)
+from torch_ckpt.root._lock import RootLock
+from torch_ckpt.root._nodes import NodeLayout, choose_layout
+from torch_ckpt.save._checkpointer import AsyncCheckpointer
+from torch_ckpt.save._persist import SaveRequest
+from torch_ckpt.save._persist_nodes import persist_node_local
+from torch_ckpt.storage._locations import DurableUnavailableError
+
+__all__ = ["MemoryTier", "TIERS", "is_memory_save", "memory_health"]
+
+log = get_logger(__name__)
+
+#: The values of ``CheckpointManager.save(..., tier=)``.
+TIERS = ("disk", "memory")
+
+
+def is_memory_save(tier: Any, memory: MemoryTier | None, *, path: Any, extra_dir: Any) -> bool:
+    """True when ``save(..., tier=tier)`` is a memory save; False for a disk save.
+
+    Raises:
+        ConfigError: an unknown ``tier``; ``"memory"`` without ``memory_root``, or with ``path``/``extra_dir``.
+    """
+    if tier not in TIERS:
+        raise ConfigError(f"tier must be one of {list(TIERS)}, got {tier!r}")
+    if tier == "disk":
+        return False
+    if memory is None:
+        raise ConfigError("save(..., tier='memory') needs CheckpointManager(..., memory_root='/dev/shm/<run>')")
+    if path is not None or extra_dir is not None:
+        raise ConfigError("save(..., tier='memory') takes no path or extra_dir: memory checkpoints are the step "
+                          "directories of memory_root")
+    return True
+
+
+class MemoryTier:
+    """The memory tier of one manager (see the module doc); built on every rank (collective).
+
+    Args:
+        root: ``memory_root``, absolute. config: the manager's settings. engine: its checkpointer.
+        naming: its naming. runs: its ``RunLineage`` (the run segment memory saves record).
+
+    The construction agrees on the node-local layout and checks the root on every node; a failure
+    is kept in :attr:`error` (the manager reports it with its own, on every rank).
+    """
+
+    def __init__(self, root: Path, config: CheckpointConfig, engine: AsyncCheckpointer, naming: Naming,
+                 runs: Any) -> None:
+        self.root, self.naming, self.engine, self.runs = root, naming, engine, runs
+        self.ctx = ctx = engine.ctx
+        self.read_only = config.read_only
+        self.keep_last = config.memory_keep_last
+        policy = config.build_memory_policy()
+        self.cadence = Cadence(policy) if policy is not None else None
+        self.captured_at: dict[int, float] = {}  # step -> Unix time its state was captured (last 64)
+        self.rolled_back_to: int | None = None  # a restore's step: newer memory steps go at the next save
+        self.error: CheckpointError | None = None
+        self._lock: RootLock | None = None
+        # forced node-local (shared=False): each node keeps its own copy, even for one node
+        self.layout: NodeLayout = choose_layout(ctx, False, persist=persist_node_local)  # type: ignore[assignment]
+        leader = self.layout.is_leader
+        if leader:
+            try:
+                check_root(root, create=not self.read_only)
+            except CheckpointNotFoundError:
+                pass  # read-only and missing: nothing to restore from memory
+            except CheckpointError as exc:
+                self.error = exc
+        if not self.read_only:
+            shared = self.layout.check(root, ctx, ok=self.error is None)
+            if shared and "more than one node" in shared:
+                self.error = ConfigError(f"memory_root {root} is seen by more than one node (a shared directory); "
+                                         "the memory tier keeps one copy per node: give each node a directory of "
+                                         "its own, e.g. on its /dev/shm")
+            elif shared:
+                self.error = self.error or ConfigError(f"memory_root: {shared}")
+        if leader and not self.read_only and self.error is None:
+            try:
+                self._lock = RootLock(root, drain=engine.drain)
+                self._lock.acquire()
+                clean_stale_temporaries(root, keep_incarnation=engine.incarnation, naming=naming)
+            except CheckpointError as exc:
+                self.error = exc
+
+    def close(self) -> None:
+        """Release the memory root's lock (the checkpoints stay)."""
+        if self._lock is not None:
+            self._lock.release()
+
+    # -- saving ----------------------------------------------------------------------------------
+    def save(self, step: Any, state: Any, *, started_at: float | None = None) -> SaveHandle:
+        """Collective: checkpoint ``state`` as ``step`` into ``memory_root`` (every node its own copy).
+
+        Raises:
+            ConfigError: a read-only manager or a bad step (every rank raises at the agreement).
+            CheckpointError: as :meth:`CheckpointManager.save`.
+        """
+        t0 = time.monotonic() if started_at is None else started_at
+        refused: Exception | None = None
+        waited = 0.0
+        valid = not isinstance(step, bool) and isinstance(step, int) and step >= 0
+        final = self.root / (self.naming.name(step) if valid else ".invalid_step")
+        lineage = None
+        try:
+            if self.read_only:
+                raise ConfigError(f"this CheckpointManager was opened with read_only=True: memory saves into "
+                                  f"{self.root} are refused")
+            if not valid:
+                raise ConfigError(f"step must be an integer >= 0, got {step!r}")
+            if self.error is not None:
+                raise self.error
+            waited = self.engine.wait_previous()
+            lineage = self.runs.head() if self.runs.acts_on_root else None
+            if self.layout.is_leader:
+                self._drop(step, inclusive=True)  # a leftover of this step, or newer steps this run did not write
+        except Exception as exc:  # noqa: BLE001 - every rank raises it at the engine's agreement
+            refused = exc
+        request = SaveRequest(final=final, step=step if valid else 0, lineage=lineage, nodes=self.layout,
+                              after_commit=self._after_commit)
+        captured = time.time()
+        handle = self.engine.submit(request, state, refused=refused, started_at=t0, waited_s=waited)
+        self.captured_at[step] = captured
+        while len(self.captured_at) > 64:
+            self.captured_at.pop(next(iter(self.captured_at)))
+        if self.cadence is not None:
+            self.cadence.record_save_started(handle, time.monotonic())
+        return handle
+
+    def due(self, step: int) -> bool:
+        """Collective: record that ``step`` finished; True when the memory cadence (rank 0 decides) says to save."""
+        if self.cadence is None:
+            return False
+        now = time.monotonic()
+        self.cadence.record_step(step, now)
+        decision = self.cadence.decide(step, now) if self.ctx.is_coordinator else False
+        return bool(self.ctx.broadcast(decision, what="memory save decision"))
+
+    def disk_saved(self, step: int) -> None:
+        """A disk save of ``step`` began: the memory clock restarts (a newer checkpoint exists)."""
+        if self.cadence is not None:
+            self.cadence.policy.record_save(step, blocking_s=0.0, durable_after_s=None, now_s=time.monotonic())
+
+    def before_disk_save(self, step: int) -> None:
+        """A disk save of ``step`` was submitted: memory steps of an abandoned timeline go (see :meth:`_drop`)."""
+        if self.layout.is_leader and not self.read_only:
+            self._drop(step, inclusive=False)
+
+    def _drop(self, step: int, *, inclusive: bool) -> None:
+        """Leader: delete memory steps newer than ``step`` (and ``step`` itself when ``inclusive``), and after
+        a restore of step S every step newer than S: they belong to an abandoned timeline or an earlier run,
+        and a restart must never resume them."""
+        limit = step if self.rolled_back_to is None else min(step, self.rolled_back_to)
+        self.rolled_back_to = None
+        if not self.root.is_dir():
+            return
+        doomed = []
+        for entry in self.root.iterdir():
+            s = self.naming.step_of(entry.name)
+            if s is not None and (s > limit or (inclusive and s == step)) and entry.is_dir() \
+                    and not entry.is_symlink():
+                doomed.append((s, entry))
+        newer = sorted(s for s, _ in doomed if s != step or not inclusive)
+        if newer:
+            log.warning("memory tier: deleting step(s) %s of %s, newer than step %d (an abandoned timeline or "
+                        "an earlier run's); they are never resumed", newer, self.root, limit)
+        for _, entry in doomed:
+            try:
+                shutil.rmtree(retire_step_dir(entry), ignore_errors=True)
+            except OSError:
+                shutil.rmtree(entry, ignore_errors=True)
+
+    def _after_commit(self, final: Path) -> Callable[[], None] | None:
+        """Writer thread, every rank: memory retention on each node's leader (``memory_keep_last`` newest)."""
+        if not self.layout.is_leader:
+            return None
+        try:
+            committed = scan_committed(self.root, self.naming)
+            retired = []
+            for s in apply_retention(KeepLatest(count=self.keep_last), list(committed)):
+                retired.append(retire_step_dir(committed[s]))
+                log.debug("memory retention removed step %d (%s)", s, committed[s])
+        except (OSError, CheckpointError) as exc:
+            log.warning("memory retention after committing %s failed: %s: %s", final, type(exc).__name__, exc)
+            return None
+        return functools.partial(_delete, retired) if retired else None
+
+    # -- restore ---------------------------------------------------------------------------------
+    def restore(self, *, step: int | None, disk_root: Path, tier: Any, load: Callable[[Path], None]
+                ) -> tuple[int, Lineage] | None:
+        """Collective: load the memory step :meth:`CheckpointManager.restore` should take, if any.
+
+        ``step`` None: the newest step every node holds intact in memory, when it is newer than every live
+        disk and durable step; ``step`` given: that step when only the memory tier holds it. A memory copy
+        that is missing on some node or fails verification is passed over with a warning naming the step
+        and the reason. Returns ``(step, run segment of the next saves)``, or None: take the disk/durable path.
+
+        Raises:
+            StateMismatchError: the memory checkpoint does not fit the live state.
+        """
+        plan = self._plan(step, disk_root, tier)
+        for cand, lineage in plan:
+            try:
+                restore_node_local(self.layout, self.ctx, None, self.root, self.naming, load, step=cand,
+                                   read_only=True)
+            except (CheckpointCorruptError, CheckpointNotFoundError, CheckpointReadError) as exc:
+                log.warning("memory tier: step %d could not be restored from %s (%s: %s); falling back to %s",
+                            cand, self.root, type(exc).__name__, exc,
+                            "an older memory step" if cand != plan[-1][0] else "the disk and durable tiers")
+                continue
+            log.info("[rank %d] restored step %d from the memory tier %s", self.ctx.rank, cand, self.root)
+            self.restored(cand)
+            return cand, lineage
+        return None
+
+    def restored(self, step: int) -> None:
+        """A restore (of any tier) loaded ``step``: memory steps newer than it go at the next save."""
+        self.rolled_back_to = step
+
+    def _plan(self, step: int | None, disk_root: Path, tier: Any) -> list[tuple[int, Lineage]]:
+        """Every rank: the memory candidates, newest first, each with the run segment it continues (rank 0 decides)."""
+        mine: tuple[Any, ...] = (self.layout.node, None, {}, {})
+        try:
+            inv = local_inventory(self.root, self.naming, self.layout) \
+                if self.layout.is_leader and self.root.is_dir() else None
+            mem = {s: m.lineage for s, (_, m) in scan_manifests(self.root, self.naming).items()} \
+                if inv is not None else {}
+            disk = {s: m.lineage for s, (_, m) in scan_manifests(disk_root, self.naming).items()} \
+                if self.runs.acts_on_root and disk_root.is_dir() else {}
+            mine = (self.layout.node, inv, mem, disk)
+        except (CheckpointError, OSError) as exc:
+            log.warning("memory tier: cannot list %s (%s: %s); not restoring from memory", self.root,
+                        type(exc).__name__, exc)
+        gathered = self.ctx.all_gather(mine, what="memory inventory")
+        plan: list[tuple[int, Lineage]] = []
+        if self.ctx.is_coordinator:
+            plan = self._choose(step, gathered, tier)
+        return self.ctx.broadcast(plan, what="memory restore plan")
+
+    def _choose(self, step: int | None, gathered: list[tuple[Any, ...]], tier: Any) -> list[tuple[int, Lineage]]:
+        durable: dict[int, Lineage] = {}
+        if tier is not None:
+            try:
+                durable = {s: m.lineage for s, m in tier.listed().items()}
+            except (DurableUnavailableError, CheckpointError, OSError) as exc:
+                log.info("memory tier: the durable tier is not listed (%s); comparing with the disk tier only", exc)
+        held: dict[int, set[int]] = {}  # memory step -> nodes holding their own intact copy
+        mem_lineage: dict[int, Lineage] = {}
+        disk: dict[int, Lineage] = {}
+        seen: list[Lineage] = list(durable.values())
+        for node, inv, mem, dsk in gathered:
+            seen += [*mem.values(), *dsk.values()]
+            disk.update(dsk)
+            mem_lineage.update(mem)  # a copy some node lists, intact or not
+            for s, kind in (inv or {}).items():
+                if kind == "node" and s in mem:
+                    held.setdefault(s, set()).add(node)
+        head = head_of(seen)
+        persistent = [s for s, lin in [*disk.items(), *durable.items()] if head.holds(s, lin)]
+        live_mem = sorted((s for s in mem_lineage if head.holds(s, mem_lineage[s])), reverse=True)
+        newest = max([*persistent, *live_mem], default=None)
+        fork = new_segment(seen)
+        nodes = set(range(self.layout.node_count))
+        if step is not None:
+            if step in disk or step in durable or held.get(step) != nodes:
+                return []  # the disk/durable path serves it, or says why not
+            lin = mem_lineage[step]
+            return [(step, successor(lin, step, newest=step == newest and lin.run == head.run, fork=fork))]
+        floor = max(persistent, default=-1)
+        plan = []
+        for s in live_mem:
+            if s <= floor:
+                break
+            missing = sorted(nodes - held.get(s, set()))
+            if missing:
+                log.warning("memory tier: step %d is missing or incomplete in memory on node(s) %s; falling back to "
+                            "an older step (memory or the disk and durable tiers)", s, missing)
+                continue
+            lin = mem_lineage[s]
+            plan.append((s, successor(lin, s, newest=s == newest and lin.run == head.run, fork=fork)))
+        return plan
+
+    # -- health ----------------------------------------------------------------------------------
+    def newest(self) -> tuple[int | None, float | None]:
+        """The newest memory step on this node and the age (seconds) of the state it holds."""
+        committed = scan_committed(self.root, self.naming) if self.root.is_dir() else {}
+        if not committed:
+            return None, None
+        step = max(committed)
+        captured = self.captured_at.get(step)
+        if captured is None:
+            try:
+                captured = read_manifest(committed[step]).wall_time  # saved by an earlier process: its commit time
+            except CheckpointError:
+                return step, None
+        return step, time.time() - captured
+
+
+def memory_health(report: dict[str, Any], memory: MemoryTier | None) -> dict[str, Any]:
+    """``report`` (:meth:`CheckpointManager.health`) with ``memory_step``, ``memory_age_s`` and
+    ``lost_work_if_restart_now_s``: seconds since the state of the newest checkpoint of any tier."""
+    step, age = memory.newest() if memory is not None else (None, None)
+    ages = [a for a in (report.get("latest_age_s"), report.get("durable_age_s"), report.get("durable_newest_age_s"),
+                        age) if a is not None]
+    return {**report, "memory_step": step, "memory_age_s": age,
+            "lost_work_if_restart_now_s": min(ages) if ages else None}
+
+
+def _delete(paths: list[Path]) -> None:
+    for path in paths:
+        shutil.rmtree(path, ignore_errors=True)
+
