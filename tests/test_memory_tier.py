@@ -85,6 +85,35 @@ def test_save_if_due_alternates_tiers_with_disk_first(tmp_path):
     assert [s for s, w in where.items() if w == "mem"] == [1, 2, 3, 5, 6, 7, 9]
 
 
+def test_a_due_memory_save_is_put_off_while_a_disk_save_is_written(tmp_path, monkeypatch):
+    """save_if_due never waits for an in-flight disk write: the due memory save comes at the first step after it."""
+    import threading
+
+    from torch_ckpt.save import _checkpointer
+
+    release = threading.Event()
+    real = _checkpointer.persist_checkpoint
+
+    def held_back(req, ctx):
+        if req.nodes is None or not req.nodes.node_local:  # the disk save: held until released
+            assert release.wait(30)
+        return real(req, ctx)
+
+    monkeypatch.setattr(_checkpointer, "persist_checkpoint", held_back)
+    state, model, opt = _state()
+    with CheckpointManager(tmp_path / "disk", memory_root=str(tmp_path / "mem"), save_every_n_steps=2,
+                           memory_every_n_steps=1, memory_keep_last=10) as mgr:
+        disk = mgr.save_if_due(2, state)
+        assert disk is not None and not disk.committed.done()
+        assert mgr.save_if_due(3, state) is None  # due in memory, put off: the disk write is in flight
+        assert not disk.committed.done()
+        release.set()
+        disk.wait()
+        handle = mgr.save_if_due(5, state)
+        assert handle is not None and Path(handle.committed.result(30)).parent.name == "mem"
+    assert _steps(tmp_path / "mem") == [5]
+
+
 def test_memory_saves_do_not_count_for_disk_retention(tmp_path):
     """keep_last on the disk root retires disk steps only; memory saves never push a disk step out."""
     state, model, opt = _state()

@@ -172,12 +172,17 @@ class MemoryTier:
         return handle
 
     def due(self, step: int) -> bool:
-        """Collective: record that ``step`` finished; True when the memory cadence (rank 0 decides) says to save."""
+        """Collective: record that ``step`` finished; True when the memory cadence (rank 0 decides) says to save.
+
+        While rank 0's previous save (of either tier) is still being written, a due memory save is put off to
+        a later step instead of making training wait for that write (the engine holds one save in flight).
+        """
         if self.cadence is None:
             return False
         now = time.monotonic()
         self.cadence.record_step(step, now)
-        decision = self.cadence.decide(step, now) if self.ctx.is_coordinator else False
+        decision = self.cadence.decide(step, now) and self.engine.in_flight is None \
+            if self.ctx.is_coordinator else False
         return bool(self.ctx.broadcast(decision, what="memory save decision"))
 
     def disk_saved(self, step: int) -> None:
