@@ -14,8 +14,9 @@ one warm-up round discarded, ``--reps`` rounds kept:
   (``durable_over_disk_writebehind``);
 * peers: ``torch.save`` (+ explicit fsync), ``dcp.save``, ``dcp.async_save`` (defaults), Lightning
   ``AsyncCheckpointIO(TorchCheckpointIO())``, ``Accelerator.save_state``;
-* torch-ckpt: thread / process persistence, with and without ``overlap_staging``, and a thread
-  writer at nice 19.
+* torch-ckpt: thread / process persistence, with and without ``overlap_staging``, a thread
+  writer at nice 19, and the memory tier (``ours_memory``: a save into a tmpfs ``memory_root``; its
+  ``durable_s`` is the memory commit, not a disk write).
 
 Per method and round: ``blocking_s`` (the call returns), ``safe_s`` (the live state may be mutated
 again; differs from blocking only with overlap staging), ``durable_s`` (files fsynced; for methods
@@ -70,7 +71,8 @@ if str(REPO) not in sys.path:
 FLOOR_NAMES = ("memcpy", "disk")
 PEER_NAMES = ("torch_save", "dcp_save", "dcp_async_default", "dcp_async_stager", "lightning_async",
               "accelerate_save_state")
-OURS_NAMES = ("ours_thread", "ours_thread_overlap", "ours_process", "ours_process_overlap", "ours_thread_nice19")
+OURS_NAMES = ("ours_thread", "ours_thread_overlap", "ours_process", "ours_process_overlap", "ours_thread_nice19",
+              "ours_memory")
 # set up last: it initialises a one-rank gloo process group, which the methods set up before never see
 LAST_NAMES = ("dcp_async_process",)
 ALL_METHODS = PEER_NAMES + OURS_NAMES + LAST_NAMES
@@ -556,7 +558,7 @@ class Ours(Method):
     def run(self, step):
         device_sync(self.ctx.device)
         t0 = time.perf_counter()
-        h = self.mgr.save(step, self.state)
+        h = self.save(step)
         t1 = time.perf_counter()
         h.staged.result()
         ts = time.perf_counter()
@@ -570,6 +572,9 @@ class Ours(Method):
             "lib_staging_s": st["staging_s"],
             "lib_persist_s": st["persist_s"],
         }
+
+    def save(self, step):
+        return self.mgr.save(step, self.state)
 
     def retained_bytes(self):
         # the staging arena (private attribute; the manager may hold it through its checkpointer)
@@ -588,6 +593,40 @@ class Ours(Method):
         self.mgr.close()
 
 
+class OursMemory(Ours):
+    """torch-ckpt's memory tier: ``save(step, state, tier="memory")`` into a ``memory_root`` on ``/dev/shm``
+    (tmpfs; the run directory when there is none). ``durable_s`` is the memory commit (files and manifest in
+    tmpfs, renamed into place): it survives a process restart, not a node loss. The goal's denominator is
+    ``memcpy`` (a memory save blocks <= 1.2x the copy floor)."""
+
+    def __init__(self, ctx):
+        super().__init__(ctx, "ours_memory", "thread", False, 0)
+
+    def setup(self):
+        import tempfile
+
+        from torch_ckpt import CheckpointManager, TrainState
+
+        shm = Path("/dev/shm")
+        self.mem = Path(tempfile.mkdtemp(prefix="torch-ckpt-bench-", dir=shm if shm.is_dir() else self.out.parent))
+        self.mgr = CheckpointManager(self.out, keep_last=1, async_save=True, memory_root=str(self.mem),
+                                     memory_keep_last=1, **self.kw)
+        self.state = TrainState(model=self.ctx.model, optimizer=self.ctx.opt)
+
+    def save(self, step):
+        return self.mgr.save(step, self.state, tier="memory")
+
+    def clean(self):
+        super().clean()
+        for p in list(self.mem.iterdir()):
+            if p.name.startswith("step_") or p.name.startswith(".step_"):
+                remove(p)
+
+    def close(self):
+        super().close()
+        remove(self.mem)
+
+
 OURS_CONFIG = {
     "ours_thread": ("thread", False, 0),
     "ours_thread_overlap": ("thread", True, 0),
@@ -600,6 +639,8 @@ PEERS = {c.name: c for c in (TorchSave, DcpSave, DcpAsyncDefault, DcpAsyncStager
 
 
 def make_method(name: str, ctx: Ctx) -> Method:
+    if name == "ours_memory":
+        return OursMemory(ctx)
     if name in OURS_CONFIG:
         return Ours(ctx, name, *OURS_CONFIG[name])
     return PEERS[name](ctx)
