@@ -7,7 +7,7 @@ checkpoint is about 150 MB (n_embd 512, 4 layers: 12.7M parameters, 152 MB with 
 no checkpointing and with each checkpointing method, saving every ``--save-every`` (K) steps:
 
 * torch-ckpt: ``ours_thread``, ``ours_thread_nice19``, ``ours_process``, ``ours_overlap``
-  (thread + overlap_staging);
+  (thread + overlap_staging), ``ours_memory`` (the memory tier: saves into a tmpfs ``memory_root``);
 * peers: ``dcp_async`` (``dcp.async_save`` defaults; waits for the previous future before the next
   save, as DCP's docs do), ``dcp_async_stager`` (the same with one reused ``DefaultStager``),
   ``lightning_async`` (``AsyncCheckpointIO(TorchCheckpointIO())``),
@@ -70,6 +70,7 @@ METHODS = (
     "ours_thread",
     "ours_thread_nice19",
     "ours_process",
+    "ours_memory",
     "ours_overlap",
     "dcp_async",
     "dcp_async_stager",
@@ -210,6 +211,38 @@ class Ours(Saver):
         self.mgr.close()
 
 
+class OursMemory(Ours):
+    """The memory tier: ``save(step, state, tier="memory")`` into a ``memory_root`` on ``/dev/shm`` (tmpfs)."""
+
+    def __init__(self, env, name="ours_memory"):
+        super().__init__(env, name)
+
+    def setup(self):
+        import tempfile
+
+        from torch_ckpt import CheckpointManager
+
+        shm = Path("/dev/shm")
+        self.mem = Path(tempfile.mkdtemp(prefix="torch-ckpt-bench-", dir=shm if shm.is_dir() else self.out.parent))
+        self.mgr = CheckpointManager(self.out, keep_last=1, memory_root=str(self.mem), memory_keep_last=1)
+
+    def save(self, step):
+        t = time.perf_counter()
+        self.mgr.wait()
+        self.lib_wait_prev += time.perf_counter() - t
+        self.mgr.save(step, self.env.state, tier="memory")
+
+    def clean(self):
+        super().clean()
+        for p in self.mem.iterdir():
+            if p.name.startswith("step_"):
+                shutil.rmtree(p, ignore_errors=True)
+
+    def close(self):
+        super().close()
+        shutil.rmtree(self.mem, ignore_errors=True)
+
+
 class DcpAsync(Saver):
     name = "dcp_async"
 
@@ -309,6 +342,8 @@ class TorchSave(Saver):
 
 
 def make_saver(name: str, env: Env) -> Saver:
+    if name == "ours_memory":
+        return OursMemory(env)
     if name in Ours.CONFIG:
         return Ours(env, name)
     return {"none": Saver, "dcp_async": DcpAsync, "dcp_async_stager": DcpAsyncStager, "lightning_async": LightningAsync,
