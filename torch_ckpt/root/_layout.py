@@ -434,7 +434,8 @@ def commit_dir(tmp: Path, final: Path, *, replace: bool = False) -> None:
     fsync_dir(tmp)
     if tmp.parent == final:  # written inside its reserved (or replaced) directory: move it out first
         side = side_path(final, tmp.name[len(PARTIAL_PREFIX):])
-        shutil.rmtree(side, ignore_errors=True)
+        if os.path.lexists(side):  # a leftover of an earlier attempt (rare): the usual commit deletes nothing
+            shutil.rmtree(side, ignore_errors=True)
         try:
             os.rename(tmp, side)
         except OSError as exc:
