@@ -441,3 +441,30 @@ def test_two_nodes_restore_from_their_own_memory_roots(tmp_path):
 def test_a_node_missing_its_memory_copy_falls_back_to_disk(tmp_path):
     """When one node lacks its memory copy of the newest step, both nodes restore the disk step."""
     run_distributed(_two_nodes, 2, str(tmp_path), 1, timeout_s=240)
+
+
+def test_a_memory_root_of_another_run_root_is_refused(tmp_path):
+    """A new run root on a memory_root that holds another run root's steps raises, naming both; nothing is resumed."""
+    state, model, opt = _state()
+    with _manager(tmp_path) as mgr:
+        mgr.save(5, state, tier="memory")
+    with pytest.raises(ConfigError, match="memory_root .*holds the memory checkpoints of the run root .*disk"):
+        CheckpointManager(tmp_path / "other", memory_root=str(tmp_path / "mem"), async_save=False)
+    assert _steps(tmp_path / "mem") == [5]
+
+
+def test_the_same_run_root_reopens_its_memory_root(tmp_path):
+    """A restart of the same run root resumes from the memory_root it wrote."""
+    state, model, opt = _state()
+    with _manager(tmp_path) as mgr:
+        mgr.save(5, state, tier="memory")
+    with _manager(tmp_path) as mgr:
+        assert mgr.restore(_state(1)[0]) == 5 and mgr.restore_source == "memory"
+
+
+def test_a_memory_root_linked_into_the_run_root_is_refused(tmp_path):
+    """A memory_root that is a symbolic link into the run root is refused like the root itself."""
+    (tmp_path / "disk" / "inner").mkdir(parents=True)
+    (tmp_path / "link").symlink_to(tmp_path / "disk" / "inner")
+    with pytest.raises(ConfigError, match="memory_root"):
+        CheckpointManager(tmp_path / "disk", memory_root=str(tmp_path / "link"), async_save=False)

@@ -233,12 +233,15 @@ class CheckpointConfig:
         """``memory_root`` as an absolute path, checked against the run ``root``; None without a memory tier.
 
         Raises:
-            ConfigError: ``memory_root`` is ``root``, inside it or contains it (the message names the field).
+            ConfigError: ``memory_root`` is ``root``, inside it or contains it, also through a symbolic link
+                (the message names the field).
         """
         if self.memory_root is None:
             return None
         memory, disk = Path(self.memory_root).expanduser().absolute(), Path(root).expanduser().absolute()
-        if memory == disk or disk in memory.parents or memory in disk.parents:
+        real_memory, real_disk = memory.resolve(), disk.resolve()  # a symlink into the root is the root
+        if {memory, real_memory} & {disk, real_disk} or disk in memory.parents or memory in disk.parents \
+                or real_disk in real_memory.parents or real_memory in real_disk.parents:
             raise ConfigError(f"memory_root {memory} must not be the checkpoint root {disk}, lie inside it or "
                               "contain it: give the memory tier a directory of its own (e.g. /dev/shm/<run>)")
         return memory

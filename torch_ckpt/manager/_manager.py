@@ -589,7 +589,7 @@ class CheckpointManager:
             except CheckpointError as exc:
                 error = exc
         # the memory tier (manager._memory): collective, so built on every rank whatever failed above
-        self._memory = MemoryTier(memory_dir, cfg, self._ckpt, naming, self._runs) if memory_dir else None
+        self._memory = MemoryTier(memory_dir, cfg, self._ckpt, naming, self._runs, root) if memory_dir else None
         error = error or (self._memory.error if self._memory is not None else None)
         status = next((e for e in ctx.all_gather(None if error is None else str(error), what="init") if e), None)
         if error is not None or status is not None:

@@ -44,6 +44,7 @@ from torch_ckpt.root._layout import (
     retire_step_dir,
     scan_committed,
     scan_manifests,
+    write_durable,
 )
 from torch_ckpt.root._lock import RootLock
 from torch_ckpt.root._nodes import NodeLayout, choose_layout
@@ -52,7 +53,7 @@ from torch_ckpt.save._persist import SaveRequest
 from torch_ckpt.save._persist_nodes import persist_node_local
 from torch_ckpt.storage._locations import DurableUnavailableError
 
-__all__ = ["MemoryTier", "TIERS", "is_memory_save", "memory_health"]
+__all__ = ["MemoryTier", "TIERS", "OWNER_NAME", "is_memory_save", "memory_health"]
 
 log = get_logger(__name__)
 
@@ -90,7 +91,7 @@ class MemoryTier:
     """
 
     def __init__(self, root: Path, config: CheckpointConfig, engine: AsyncCheckpointer, naming: Naming,
-                 runs: Any) -> None:
+                 runs: Any, disk_root: Path) -> None:
         self.root, self.naming, self.engine, self.runs = root, naming, engine, runs
         self.ctx = ctx = engine.ctx
         self.read_only = config.read_only
@@ -107,6 +108,7 @@ class MemoryTier:
         if leader:
             try:
                 check_root(root, create=not self.read_only)
+                self.error = _claim(root, disk_root, read_only=self.read_only)
             except CheckpointNotFoundError:
                 pass  # read-only and missing: nothing to restore from memory
             except CheckpointError as exc:
@@ -343,6 +345,29 @@ class MemoryTier:
             except CheckpointError:
                 return step, None
         return step, time.time() - captured
+
+
+#: In ``memory_root``: the run root it belongs to (its absolute path), written by the first manager using it.
+OWNER_NAME = ".torch-ckpt.run-root"
+
+
+def _claim(root: Path, disk_root: Path, *, read_only: bool) -> ConfigError | None:
+    """Bind ``root`` to the run root ``disk_root``: a memory root holding another run root's checkpoints is refused
+    (another job's memory steps are never resumed, nor deleted); an error, or None."""
+    marker, owner = root / OWNER_NAME, str(disk_root)
+    try:
+        claimed = marker.read_text(encoding="utf-8").strip()
+    except FileNotFoundError:
+        if not read_only:
+            write_durable(marker, owner.encode("utf-8"))
+        return None
+    except (OSError, UnicodeDecodeError) as exc:
+        return ConfigError(f"memory_root {root}: cannot read {marker} ({exc}); remove it if the directory is yours")
+    if claimed != owner:
+        return ConfigError(f"memory_root {root} holds the memory checkpoints of the run root {claimed}, not of "
+                           f"{owner}: give this run a memory_root of its own (e.g. /dev/shm/<run>), or remove "
+                           f"{root} if that run is over")
+    return None
 
 
 def memory_health(report: dict[str, Any], memory: MemoryTier | None) -> dict[str, Any]:
