@@ -468,3 +468,17 @@ def test_a_memory_root_linked_into_the_run_root_is_refused(tmp_path):
     (tmp_path / "link").symlink_to(tmp_path / "disk" / "inner")
     with pytest.raises(ConfigError, match="memory_root"):
         CheckpointManager(tmp_path / "disk", memory_root=str(tmp_path / "link"), async_save=False)
+
+
+def test_a_memory_root_that_is_a_file_is_refused(tmp_path):
+    """A memory_root naming a file is a ConfigError naming memory_root."""
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(ConfigError, match="memory_root .*not a directory"):
+        CheckpointManager(tmp_path / "disk", memory_root=str(tmp_path / "afile"), async_save=False)
+
+
+def test_a_durable_url_inside_memory_root_is_refused(tmp_path):
+    """durable_url equal to memory_root is a ConfigError: memory saves never become durable checkpoints."""
+    with pytest.raises(ConfigError, match="memory_root"):
+        CheckpointManager(tmp_path / "disk", memory_root=str(tmp_path / "mem"), async_save=False,
+                          durable_url=(tmp_path / "mem").as_uri())

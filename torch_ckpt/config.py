@@ -244,6 +244,9 @@ class CheckpointConfig:
                 or real_disk in real_memory.parents or real_memory in real_disk.parents:
             raise ConfigError(f"memory_root {memory} must not be the checkpoint root {disk}, lie inside it or "
                               "contain it: give the memory tier a directory of its own (e.g. /dev/shm/<run>)")
+        if memory.exists() and not memory.is_dir():
+            raise ConfigError(f"memory_root {memory} exists and is not a directory: name a directory "
+                              "(e.g. /dev/shm/<run>)")
         return memory
 
     def build_memory_policy(self) -> SavePolicy | None:

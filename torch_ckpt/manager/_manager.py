@@ -541,6 +541,9 @@ class CheckpointManager:
                                  timeout_seconds=cast(float, cfg.durable_timeout_seconds), create=cfg.durable_create) \
             if cfg.durable_url is not None else None
         memory_dir = cfg.check_memory_root(root)  # before anything starts: a ConfigError naming memory_root
+        if self._tier is not None and memory_dir is not None and self._tier.is_inside(memory_dir):
+            raise ConfigError(f"durable_url {cfg.durable_url!r} points into memory_root {memory_dir}; the durable "
+                              "tier must be another location than the memory tier")
         if self._tier is not None and self._tier.is_inside(root):
             raise ConfigError(f"durable_url {cfg.durable_url!r} points into the local root {root}; the durable "
                               "tier must be another location (another disk, a file server, an object store)")
