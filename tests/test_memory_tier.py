@@ -287,6 +287,92 @@ def test_a_disk_save_after_a_rollback_drops_newer_memory_steps(tmp_path):
     assert _steps(tmp_path / "mem") == []
 
 
+def _abandon_memory_steps_after(tmp_path: Path, monkeypatch, *, restore_kwargs) -> None:
+    """Disk step 2, memory steps 3-5; a restart rolls back with ``restore_kwargs`` and saves disk step 3,
+    then dies before the memory tier deletes the abandoned steps (the drop is disabled)."""
+    from torch_ckpt.manager._memory import MemoryTier
+
+    state, model, opt = _state()
+    with _manager(tmp_path, memory_keep_last=5) as mgr:
+        mgr.save(2, state)
+        for step in (3, 4, 5):
+            _train(model, opt, step)
+            mgr.save(step, state, tier="memory")
+    monkeypatch.setattr(MemoryTier, "before_disk_save", lambda self, step: None)  # the crash window
+    fresh, model2, opt2 = _state(seed=1)
+    with _manager(tmp_path) as mgr:
+        assert mgr.restore(fresh, **restore_kwargs) == 2
+        _train(model2, opt2, 30)
+        mgr.save(3, fresh)
+    monkeypatch.undo()
+    assert _steps(tmp_path / "mem") == [3, 4, 5]  # still there: only the lineage keeps them from being resumed
+    again, model3, _ = _state(seed=2)
+    with _manager(tmp_path) as mgr:
+        assert mgr.restore(again) == 3
+        assert mgr.restore_source is None
+    assert torch.equal(model3[0].weight, model2[0].weight)
+
+
+def test_a_crash_before_the_memory_drop_never_resumes_abandoned_memory_steps(tmp_path, monkeypatch):
+    """Restoring an older disk step while memory holds newer ones forks the lineage: a crash before the memory
+    steps are deleted still resumes the new timeline's disk step."""
+    _abandon_memory_steps_after(tmp_path, monkeypatch, restore_kwargs={"step": 2})
+
+
+def test_a_path_restore_with_newer_memory_steps_forks_the_lineage(tmp_path, monkeypatch):
+    """restore(path=...) of an older step while memory holds newer ones is a rollback, as restore(step=...) is."""
+    _abandon_memory_steps_after(tmp_path, monkeypatch, restore_kwargs={"path": tmp_path / "disk" / "step_000000002"})
+
+
+def test_a_damaged_newest_memory_step_restored_from_disk_forks_the_lineage(tmp_path, monkeypatch):
+    """Falling back from a damaged memory step to an older disk step is a rollback: that memory step is never
+    resumed later, even when the drop of abandoned memory steps never ran."""
+    from torch_ckpt.manager._memory import MemoryTier
+
+    state, model, opt = _state()
+    with _manager(tmp_path, memory_keep_last=5) as mgr:
+        mgr.save(2, state)
+        _train(model, opt, 5)
+        mgr.save(5, state, tier="memory")
+    saved = _data_file(tmp_path / "mem" / "step_000000005").read_bytes()
+    _data_file(tmp_path / "mem" / "step_000000005").write_bytes(saved[:-1] + bytes([saved[-1] ^ 1]))
+    monkeypatch.setattr(MemoryTier, "before_disk_save", lambda self, step: None)
+    fresh, model2, opt2 = _state(seed=1)
+    with _manager(tmp_path) as mgr:
+        assert mgr.restore(fresh) == 2
+        _train(model2, opt2, 30)
+        mgr.save(4, fresh)
+    monkeypatch.undo()
+    _data_file(tmp_path / "mem" / "step_000000005").write_bytes(saved)  # the copy reads intact again
+    again, model3, _ = _state(seed=2)
+    with _manager(tmp_path) as mgr:
+        assert mgr.restore(again) == 4
+    assert torch.equal(model3[0].weight, model2[0].weight)
+
+
+def test_a_memory_save_after_a_rollback_sets_abandoned_disk_steps_aside(tmp_path):
+    """After a rollback, the first memory save moves the abandoned disk steps aside: losing the memory copy
+    (a node reboot wipes /dev/shm) resumes the restored step, never the abandoned timeline."""
+    state, model, opt = _state()
+    with _manager(tmp_path) as mgr:
+        for step in (2, 4, 6):
+            _train(model, opt, step)
+            mgr.save(step, state)
+    fresh, model2, opt2 = _state(seed=1)
+    with _manager(tmp_path) as mgr:
+        assert mgr.restore(fresh, step=2) == 2
+        expected = model2[0].weight.detach().clone()
+        _train(model2, opt2, 30)
+        mgr.save(3, fresh, tier="memory")
+    assert _steps(tmp_path / "disk") == [2]
+    assert len(list((tmp_path / "disk").glob(".superseded_step_*"))) == 2
+    shutil.rmtree(tmp_path / "mem")
+    again, model3, _ = _state(seed=2)
+    with _manager(tmp_path) as mgr:
+        assert mgr.restore(again) == 2
+    assert torch.equal(model3[0].weight, expected)
+
+
 def test_health_reports_memory_step_age_and_restart_exposure(tmp_path):
     """health() gives memory_step, memory_age_s and lost_work_if_restart_now_s (newest of any tier)."""
     state, _, _ = _state()
@@ -417,6 +503,38 @@ def _two_nodes(rank, world, base, drop_node):
         assert torch.equal(model[0].weight, model2[0].weight)
     else:
         assert (got, source) == (2, "local")
+
+
+def _two_nodes_rollback(rank, world, base):
+    from torch_ckpt.manager._memory import MemoryTier
+
+    os.environ.update(LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", GROUP_RANK=str(rank))
+    node = Path(base) / f"node{rank}"
+    state, model, opt = _state()
+    kwargs = dict(memory_root=str(node / "mem"), async_save=False, memory_keep_last=5)
+    with CheckpointManager(node / "disk", **kwargs) as mgr:
+        mgr.save(2, state)
+        for step in (3, 4, 5):
+            _train(model, opt, step)
+            mgr.save(step, state, tier="memory")
+    MemoryTier.before_disk_save = lambda self, step: None  # die before the abandoned memory steps go
+    fresh, model2, opt2 = _state(seed=1)
+    with CheckpointManager(node / "disk", **kwargs) as mgr:
+        assert mgr.restore(fresh, step=2) == 2 and mgr.restore_source == "local"
+        _train(model2, opt2, 30)
+        mgr.save(3, fresh)
+    assert _steps(node / "mem") == [3, 4, 5]
+    again, model3, _ = _state(seed=2)
+    with CheckpointManager(node / "disk", **kwargs) as mgr:
+        assert (mgr.restore(again), mgr.restore_source) == (3, "local")
+    assert torch.equal(model3[0].weight, model2[0].weight)
+
+
+@pytest.mark.slow
+def test_two_nodes_never_resume_abandoned_memory_steps_after_a_rollback(tmp_path):
+    """Node-local roots: a rollback while every node's memory holds newer steps forks the lineage, so a crash
+    before those steps are deleted resumes the new timeline's disk step."""
+    run_distributed(_two_nodes_rollback, 2, str(tmp_path), timeout_s=240)
 
 
 def _shared_memory_root(rank, world, base):

@@ -139,6 +139,14 @@ class RunLineage:
         if lineage is not None:
             self._lineage = lineage
 
+    def set_aside_abandoned(self) -> None:
+        """After a rollback, before the new timeline's first save of any tier commits: move the local steps the
+        head does not hold aside (``.superseded_*``), so no restart resumes them, whatever tier it finds."""
+        head = self.head()
+        for s, (s_path, s_manifest) in scan_manifests(self.root, self.naming).items():
+            if not head.holds(s, s_manifest.lineage):
+                quarantine_step_dir(s_path, reason="superseded")
+
 
 class SaveGuard:
     """Rank 0's checks before a save is agreed: step, ``path``, ``extra_dir``, newer steps of another run."""
@@ -194,12 +202,8 @@ class SaveGuard:
         if not self.runs.acts_on_root:
             return False
         try:
-            head = self.runs.head()
             if restored is not None and not self.config.explicit_paths_only:
-                # a rollback: the steps of the abandoned timeline go aside
-                for s, (s_path, s_manifest) in scan_manifests(self.root, self.naming).items():
-                    if not head.holds(s, s_manifest.lineage):
-                        quarantine_step_dir(s_path, reason="superseded")
+                self.runs.set_aside_abandoned()  # a rollback: the steps of the abandoned timeline go aside
             if explicit:
                 return self._check_explicit(final)
             if os.path.lexists(final) and not is_reservation(final):  # an empty directory is free to use
@@ -977,19 +981,21 @@ class CheckpointManager:
             CheckpointCorruptError: a file fails its size or checksum check.
         """
         self._ckpt.wait()
-        if self._memory is not None and path is None:  # a newer step in every node's memory_root, verified
+        listed: dict[int, Lineage] = {}  # the memory tier's steps: restoring an older one elsewhere is a rollback
+        if self._memory is not None:  # a newer step in every node's memory_root, verified
             self.restore_source = None
             memory = self._memory.restore(step=step, disk_root=self.root, tier=self._tier, load=lambda local: (
                 self._ckpt.load(local, state, verify=True, allow_cast=allow_cast,
-                                on_world_size_change=self.on_world_size_change)))
+                                on_world_size_change=self.on_world_size_change)), choose=path is None)
             if memory is not None:
                 self.restore_source = "memory"
                 self._runs.restored(memory[0], memory[1] if self._runs.acts_on_root else None)
                 return memory[0]
+            listed = self._memory.listed
         if self._roots.node_local and path is None:
             resumed = restore_node_local(
                 cast(NodeLayout, self._roots), self._ctx, self._tier, self.root, self.naming, step=step,
-                read_only=self.read_only,
+                read_only=self.read_only, memory=listed,
                 load=lambda local: self._ckpt.load(local, state, verify=self.verify_on_load, allow_cast=allow_cast,
                                                    on_world_size_change=self.on_world_size_change))
             if resumed is None:
@@ -1002,7 +1008,7 @@ class CheckpointManager:
         done = restore_checkpoint(state, root=self.root, naming=self.naming, tier=self._tier, ctx=self._ctx, step=step,
                                   path=path, allow_cast=allow_cast, verify=self.verify_on_load,
                                   on_world_size_change=self.on_world_size_change, read_only=self.read_only,
-                                  acts_on_root=self._runs.acts_on_root)
+                                  acts_on_root=self._runs.acts_on_root, memory=listed)
         if done is None:
             return None
         self._runs.restored(done.step, done.lineage)

@@ -94,12 +94,13 @@ class MemoryTier:
                  runs: Any, disk_root: Path) -> None:
         self.root, self.naming, self.engine, self.runs = root, naming, engine, runs
         self.ctx = ctx = engine.ctx
-        self.read_only = config.read_only
+        self.read_only, self.explicit_paths_only = config.read_only, config.explicit_paths_only
         self.keep_last = config.memory_keep_last
         policy = config.build_memory_policy()
         self.cadence = Cadence(policy) if policy is not None else None
         self.captured_at: dict[int, float] = {}  # step -> Unix time its state was captured (last 64)
         self.rolled_back_to: int | None = None  # a restore's step: newer memory steps go at the next save
+        self.listed: dict[int, Lineage] = {}  # every node's memory steps at the last restore: {step: lineage}
         self.error: CheckpointError | None = None
         self._lock: RootLock | None = None
         # forced node-local (shared=False): each node keeps its own copy, even for one node
@@ -158,6 +159,8 @@ class MemoryTier:
                 raise self.error
             waited = self.engine.wait_previous()
             lineage = self.runs.head() if self.runs.acts_on_root else None
+            if lineage is not None and self.runs.restored_step is not None and not self.explicit_paths_only:
+                self.runs.set_aside_abandoned()  # a rollback: a restart that finds no memory copy must not resume them
             if self.layout.is_leader:
                 self._drop(step, inclusive=True)  # a leftover of this step, or newer steps this run did not write
         except Exception as exc:  # noqa: BLE001 - every rank raises it at the engine's agreement
@@ -237,19 +240,21 @@ class MemoryTier:
         return functools.partial(_delete, retired) if retired else None
 
     # -- restore ---------------------------------------------------------------------------------
-    def restore(self, *, step: int | None, disk_root: Path, tier: Any, load: Callable[[Path], None]
-                ) -> tuple[int, Lineage] | None:
+    def restore(self, *, step: int | None, disk_root: Path, tier: Any, load: Callable[[Path], None],
+                choose: bool = True) -> tuple[int, Lineage] | None:
         """Collective: load the memory step :meth:`CheckpointManager.restore` should take, if any.
 
         ``step`` None: the newest step every node holds intact in memory, when it is newer than every live
         disk and durable step; ``step`` given: that step when only the memory tier holds it. A memory copy
         that is missing on some node or fails verification is passed over with a warning naming the step
         and the reason. Returns ``(step, run segment of the next saves)``, or None: take the disk/durable path.
+        Either way :attr:`listed` then holds every node's memory steps, ``{step: lineage}``, for the disk
+        path's lineage decision (a restore of an older step is a rollback); ``choose=False`` only lists.
 
         Raises:
             StateMismatchError: the memory checkpoint does not fit the live state.
         """
-        plan = self._plan(step, disk_root, tier)
+        plan = self._plan(step, disk_root, tier, choose=choose)
         for cand, lineage in plan:
             try:
                 restore_node_local(self.layout, self.ctx, None, self.root, self.naming, load, step=cand,
@@ -268,8 +273,9 @@ class MemoryTier:
         """A restore (of any tier) loaded ``step``: memory steps newer than it go at the next save."""
         self.rolled_back_to = step
 
-    def _plan(self, step: int | None, disk_root: Path, tier: Any) -> list[tuple[int, Lineage]]:
-        """Every rank: the memory candidates, newest first, each with the run segment it continues (rank 0 decides)."""
+    def _plan(self, step: int | None, disk_root: Path, tier: Any, *, choose: bool) -> list[tuple[int, Lineage]]:
+        """Every rank: the memory candidates, newest first, each with the run segment it continues (rank 0 decides);
+        sets :attr:`listed`."""
         mine: tuple[Any, ...] = (self.layout.node, None, {}, {})
         try:
             inv = local_inventory(self.root, self.naming, self.layout) \
@@ -283,6 +289,9 @@ class MemoryTier:
             log.warning("memory tier: cannot list %s (%s: %s); not restoring from memory", self.root,
                         type(exc).__name__, exc)
         gathered = self.ctx.all_gather(mine, what="memory inventory")
+        self.listed = {s: lin for _, _, mem, _ in gathered for s, lin in mem.items()}
+        if not choose:
+            return []
         plan: list[tuple[int, Lineage]] = []
         if self.ctx.is_coordinator:
             plan = self._choose(step, gathered, tier)

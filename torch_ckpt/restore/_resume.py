@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TypeVar
@@ -63,11 +63,13 @@ class ResumePlan:
         return successor(restored, step, newest=newest, fork=self.fork)
 
 
-def resume_plan(root: Path, tier: DurableTier | None, step: int | None,
-                naming: Naming | None = None) -> ResumePlan | BaseException:
+def resume_plan(root: Path, tier: DurableTier | None, step: int | None, naming: Naming | None = None,
+                memory: Mapping[int, Lineage] | None = None) -> ResumePlan | BaseException:
     """The live checkpoints to restore from, newest first, and the lineage they belong to; run on the coordinator.
 
-    ``step`` None: the newest live one. A step held by both tiers is listed twice, local copy first,
+    ``step`` None: the newest live one. ``memory``: ``{step: lineage}`` of the memory tier's checkpoints;
+    they count for the head and the newest live step (restoring an older step is then a rollback), but
+    are not candidates. A step held by both tiers is listed twice, local copy first,
     so a damaged local copy is taken from the durable tier before any older step. Returns an
     exception instead of raising it, so the coordinator can broadcast it to every rank.
     """
@@ -91,17 +93,19 @@ def resume_plan(root: Path, tier: DurableTier | None, step: int | None,
                 outage = exc
                 if step is None:
                     log.warning("%s; resuming from the local tier only", exc)
-        seen = [*local.values(), *durable.values()]
+        memory = memory or {}
+        seen = [*local.values(), *durable.values(), *memory.values()]
         head = head_of(seen)
         live_local = [s for s, lin in local.items() if head.holds(s, lin)]
         live_durable = [s for s, lin in durable.items() if head.holds(s, lin)]
         live = sorted({*live_local, *live_durable})
+        newest = max([*live, *(s for s, lin in memory.items() if head.holds(s, lin))], default=None)
         for where, steps in (("local", local), ("durable", durable)):
             dropped = sorted(s for s, lin in steps.items() if not head.holds(s, lin))
             if dropped:
                 log.info("%s steps %s are superseded (an abandoned timeline, see policy._lineage); not resumed",
                          where, dropped)
-        plan = ResumePlan([], head, complete, live[-1] if live else None, new_segment(seen),
+        plan = ResumePlan([], head, complete, newest, new_segment(seen),
                           {s: found[s] for s in live_local})
         if step is not None:
             if step in live_local:  # a damaged local copy is then taken from the durable tier
@@ -171,22 +175,23 @@ class Restored:
 def restore_checkpoint(state: Any, *, root: Path, naming: Naming, tier: DurableTier | None, ctx: DistContext,
                        step: int | None, path: str | os.PathLike | Sequence[str | os.PathLike] | None,
                        allow_cast: bool, verify: bool, on_world_size_change: str, read_only: bool,
-                       acts_on_root: bool) -> Restored | None:
+                       acts_on_root: bool, memory: Mapping[int, Lineage] | None = None) -> Restored | None:
     """Restore ``state`` from the newest usable checkpoint (or ``step``, or ``path``), falling back as
     :meth:`torch_ckpt.CheckpointManager.restore` documents; collective. None: nothing to restore.
+    ``memory``: the memory tier's ``{step: lineage}`` (see :func:`resume_plan`).
 
     Raises:
         See :meth:`torch_ckpt.CheckpointManager.restore`.
     """
     common: dict[str, Any] = dict(verify=verify, on_world_size_change=on_world_size_change, allow_cast=allow_cast)
     if path is not None:
-        return _restore_paths(state, root, naming, ctx, path, step, acts_on_root, common)
+        return _restore_paths(state, root, naming, ctx, path, step, acts_on_root, common, memory or {})
     if root.exists() and not root.is_dir():
         raise CheckpointNotFoundError(f"checkpoint root {root} is not a directory")
     resume = waiting_for_coordinator(
         ctx, tier, "listing the checkpoints of the local root and the durable tier",
-        lambda: ctx.broadcast(resume_plan(root, tier, step, naming) if ctx.is_coordinator else None,
-                              what="restore plan")) if ctx.enabled else resume_plan(root, tier, step, naming)
+        lambda: ctx.broadcast(resume_plan(root, tier, step, naming, memory) if ctx.is_coordinator else None,
+                              what="restore plan")) if ctx.enabled else resume_plan(root, tier, step, naming, memory)
     if isinstance(resume, BaseException):
         raise resume
     plan = resume.candidates
@@ -251,7 +256,7 @@ def first_usable(candidates: Sequence[C], try_one: Callable[[C], R],
 
 
 def _restore_paths(state: Any, root: Path, naming: Naming, ctx: DistContext, path: Any, step: int | None,
-                   acts_on_root: bool, common: dict[str, Any]) -> Restored:
+                   acts_on_root: bool, common: dict[str, Any], memory: Mapping[int, Lineage]) -> Restored:
     """``restore(path=...)``: the directories given, newest first, each tried in turn."""
     if step is not None:
         raise ConfigError("restore(): pass either step or path, not both")
@@ -274,13 +279,15 @@ def _restore_paths(state: Any, root: Path, naming: Naming, ctx: DistContext, pat
     mlog.info("[rank %d] restored step %d from %s", ctx.rank, manifest.step, candidate)
     if not acts_on_root:
         return Restored(manifest.step, None)
-    # the saves that follow continue its segment when it is the newest live step of the root, else fork
+    # the saves that follow continue its segment when it is the newest live step of the root (and of the
+    # memory tier), else fork
     found = scan_manifests(root, naming)
-    seen = [*(m.lineage for _, m in found.values()), manifest.lineage]
+    seen = [*(m.lineage for _, m in found.values()), manifest.lineage, *memory.values()]
     head = head_of(seen)
     live = [s for s, (_, m) in found.items() if head.holds(s, m.lineage)]
+    newer_in_memory = any(s > manifest.step and head.holds(s, lin) for s, lin in memory.items())
     newest = bool(live) and live[-1] == manifest.step and found[live[-1]][0].resolve() == candidate.resolve() \
-        and manifest.lineage.run == head.run
+        and manifest.lineage.run == head.run and not newer_in_memory
     return Restored(manifest.step, successor(manifest.lineage, manifest.step, newest=newest,
                                              fork=new_segment(seen)))
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -92,9 +92,11 @@ def _plan(inventories: dict[int, dict[int, str]], durable: dict[int, Any], nodes
 
 
 def restore_node_local(nodes: NodeLayout, ctx: DistContext, tier: Any, root: Path, naming: Any,
-                       load: Callable[[Path], None], *, step: int | None, read_only: bool) -> Resumed | None:
+                       load: Callable[[Path], None], *, step: int | None, read_only: bool,
+                       memory: Mapping[int, Lineage] | None = None) -> Resumed | None:
     """:meth:`CheckpointManager.restore` for node-local roots (collective). ``load(directory)`` loads
-    (and verifies) a local checkpoint; ``read_only`` never moves a superseded local copy aside.
+    (and verifies) a local checkpoint; ``read_only`` never moves a superseded local copy aside;
+    ``memory``: the memory tier's ``{step: lineage}``, counted for the head and the newest step.
     Returns None when no tier holds a checkpoint.
 
     Raises:
@@ -124,13 +126,16 @@ def restore_node_local(nodes: NodeLayout, ctx: DistContext, tier: Any, root: Pat
                 durable = tier.listed()
             except DurableUnavailableError as exc:
                 outage = exc
-        seen = [*(lin for _, _, lins in gathered for lin in lins.values()), *(m.lineage for m in durable.values())]
+        memory = memory or {}
+        seen = [*(lin for _, _, lins in gathered for lin in lins.values()), *(m.lineage for m in durable.values()),
+                *memory.values()]
         head = head_of(seen)
         node_lins = {n: lins for n, i, lins in gathered if isinstance(i, dict)}  # the leaders' (others send none)
         inventories = {n: {s: kind for s, kind in i.items() if head.holds(s, node_lins[n][s])}
                        for n, i in inventories.items()}
         durable = {s: m for s, m in durable.items() if head.holds(s, m.lineage)}
-        newest = max([*durable, *(s for i in inventories.values() for s in i)], default=None)
+        newest = max([*durable, *(s for i in inventories.values() for s in i),
+                      *(s for s, lin in memory.items() if head.holds(s, lin))], default=None)
         lineage_view = (head, outage is None, newest, new_segment(seen))
         plan = _plan(inventories, durable, nodes, step) if not bad else \
             CheckpointError(f"cannot list the local roots: {'; '.join(bad)}")
