@@ -61,7 +61,7 @@ __all__ = [
     "MANIFEST_NAME", "Manifest", "SharedRoot", "check_root", "commit_dir", "fsync_dir", "is_committed",
     "quarantine_step_dir", "rank_file_name", "read_manifest", "remove_step_dir", "replace_dir", "retire_step_dir",
     "scan_committed", "scan_manifests", "update_manifest_tiers", "write_durable", "write_json_durable", "step_dir_name",
-    "temporary_name", "replaced_name", "new_incarnation", "is_temporary_name", "clean_stale_temporaries",
+    "temporary_name", "new_incarnation", "is_temporary_name", "clean_stale_temporaries",
     "remove_failed_temporaries", "PARTIAL_PREFIX", "partial_path", "side_path", "is_reservation", "reserve", "unreserve"
 ]
 
@@ -149,11 +149,6 @@ def unreserve(final: Path, partial: Path, created: bool) -> None:
     if created:
         with suppress(OSError):  # not empty (another save's partial, or the user's files) or already gone
             os.rmdir(final)
-
-
-def replaced_name(final_name: str) -> str:
-    """Hidden name of the old checkpoint ``final_name`` between the two renames of a non-atomic replace."""
-    return f".{final_name}.replaced.{new_incarnation()}"
 
 
 def is_temporary_name(name: str, naming: Naming | None = None) -> bool:
@@ -497,7 +492,7 @@ def replace_dir(tmp: Path, final: Path) -> None:
             fsync_dir(final.parent)
             shutil.rmtree(tmp, ignore_errors=True)
             return
-        aside = final.with_name(replaced_name(final.name))
+        aside = final.with_name(f".{final.name}.replaced.{new_incarnation()}")
         os.rename(final, aside)
         try:
             os.rename(tmp, final)
