@@ -10,21 +10,16 @@ The manifest is defined in :mod:`torch_ckpt.format._files` (re-exported here), t
       step_000000110/            reserved when save() returned: a save in progress
         .torch-ckpt.partial.9f2c.../  its files until the commit; never listed, removed on the next start
 
-A save first *reserves* its final name: ``NAME`` is created empty when the save is accepted (before
-``save()`` returns), so every framework that checks whether a name exists sees it taken, as with a
-synchronous save. Every file is written and fsynced inside the hidden partial
-``NAME/.torch-ckpt.partial.<incarnation>``, then ``manifest.json``; the commit fsyncs the partial,
-moves it out to the hidden sibling ``.torch-ckpt.tmp.<incarnation>`` and renames it over the empty
-reservation (atomic on POSIX) or exchanges it with the committed checkpoint it replaces, then fsyncs
-the root. A final name therefore holds a complete checkpoint or nothing but partials (a
-*reservation*, never committed for any reader); ordering uses the manifest's integer step, never
-string order. No name we add beside a checkpoint contains a copy of ``NAME``, so a framework's own
-scan of the folder (Lightning's ``hpc_ckpt_<N>``, ``last`` names) never mistakes one for a checkpoint.
+A save reserves its final name ``NAME`` (created empty before ``save()`` returns, so a framework that
+checks whether a name exists sees it taken), writes into the hidden partial inside it and commits by
+renames (docs/format.md, "The commit protocol"): a final name holds a complete checkpoint or nothing
+but partials (a *reservation*); ordering uses the manifest's integer step, never string order. No name
+we add beside a checkpoint contains a copy of ``NAME``, so a framework's own scan of the folder
+(Lightning's ``hpc_ckpt_<N>``, ``last`` names) never mistakes one for a checkpoint.
 
-The incarnation is a random hex id drawn when the checkpointer is built: a restarted run never
-writes into, and never commits, a temporary left or still being written by a previous incarnation.
-:func:`clean_stale_temporaries` removes those leftovers (and the other hidden directories of an
-interrupted delete or replace) when a run takes the root's lock.
+The incarnation is a random hex id drawn when the checkpointer is built: a restarted run never writes
+into, and never commits, a temporary of a previous incarnation; :func:`clean_stale_temporaries` removes
+those leftovers (and those of an interrupted delete or replace) when a run takes the root's lock.
 """
 
 from __future__ import annotations
