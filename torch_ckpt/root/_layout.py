@@ -189,18 +189,13 @@ def clean_stale_temporaries(root: str | os.PathLike, *, keep_incarnation: str | 
         if m and keep_incarnation is not None and m.group(3) == keep_incarnation:
             continue
         replaced = _REPLACED_RE.match(entry.name)
-        if replaced is not None:
-            final = root / replaced.group(1)
-            if not os.path.lexists(final):
-                os.rename(entry, final)
-                log.warning("restored %s from %s (a replace was interrupted)", final, entry)
-                continue
-            shutil.rmtree(entry, ignore_errors=True)
-            removed.append(entry)
+        if replaced is not None and not os.path.lexists(root / replaced.group(1)):
+            os.rename(entry, root / replaced.group(1))
+            log.warning("restored %s from %s (a replace was interrupted)", root / replaced.group(1), entry)
             continue
         trash = entry.name.startswith(".trash_") and (
             naming.step_of(entry.name[len(".trash_"):]) is not None or entry.name.startswith(".trash_step_"))
-        if is_temporary_name(entry.name, naming) or trash:
+        if replaced is not None or is_temporary_name(entry.name, naming) or trash:
             shutil.rmtree(entry, ignore_errors=True)
             removed.append(entry)
         elif not entry.name.startswith(".") and entry.is_dir() and not entry.is_symlink():
