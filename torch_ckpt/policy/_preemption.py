@@ -55,8 +55,7 @@ class PreemptionFlag:
             self._previous[sig] = signal.signal(sig, self._handle)
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:  # noqa: ARG002 - signal handler signature
-        if self.received is None:
-            self.received = signal.Signals(signum)
+        self.trigger(signal.Signals(signum))
 
     def trigger(self, sig: signal.Signals = signal.SIGTERM) -> None:
         """Set the flag as if ``sig`` had arrived."""

@@ -10,21 +10,16 @@ The manifest is defined in :mod:`torch_ckpt.format._files` (re-exported here), t
       step_000000110/            reserved when save() returned: a save in progress
         .torch-ckpt.partial.9f2c.../  its files until the commit; never listed, removed on the next start
 
-A save first *reserves* its final name: ``NAME`` is created empty when the save is accepted (before
-``save()`` returns), so every framework that checks whether a name exists sees it taken, as with a
-synchronous save. Every file is written and fsynced inside the hidden partial
-``NAME/.torch-ckpt.partial.<incarnation>``, then ``manifest.json``; the commit fsyncs the partial,
-moves it out to the hidden sibling ``.torch-ckpt.tmp.<incarnation>`` and renames it over the empty
-reservation (atomic on POSIX) or exchanges it with the committed checkpoint it replaces, then fsyncs
-the root. A final name therefore holds a complete checkpoint or nothing but partials (a
-*reservation*, never committed for any reader); ordering uses the manifest's integer step, never
-string order. No name we add beside a checkpoint contains a copy of ``NAME``, so a framework's own
-scan of the folder (Lightning's ``hpc_ckpt_<N>``, ``last`` names) never mistakes one for a checkpoint.
+A save reserves its final name ``NAME`` (created empty before ``save()`` returns, so a framework that
+checks whether a name exists sees it taken), writes into the hidden partial inside it and commits by
+renames (docs/format.md, "The commit protocol"): a final name holds a complete checkpoint or nothing
+but partials (a *reservation*); ordering uses the manifest's integer step, never string order. No name
+we add beside a checkpoint contains a copy of ``NAME``, so a framework's own scan of the folder
+(Lightning's ``hpc_ckpt_<N>``, ``last`` names) never mistakes one for a checkpoint.
 
-The incarnation is a random hex id drawn when the checkpointer is built: a restarted run never
-writes into, and never commits, a temporary left or still being written by a previous incarnation.
-:func:`clean_stale_temporaries` removes those leftovers (and the other hidden directories of an
-interrupted delete or replace) when a run takes the root's lock.
+The incarnation is a random hex id drawn when the checkpointer is built: a restarted run never writes
+into, and never commits, a temporary of a previous incarnation; :func:`clean_stale_temporaries` removes
+those leftovers (and those of an interrupted delete or replace) when a run takes the root's lock.
 """
 
 from __future__ import annotations
@@ -61,7 +56,7 @@ __all__ = [
     "MANIFEST_NAME", "Manifest", "SharedRoot", "check_root", "commit_dir", "fsync_dir", "is_committed",
     "quarantine_step_dir", "rank_file_name", "read_manifest", "remove_step_dir", "replace_dir", "retire_step_dir",
     "scan_committed", "scan_manifests", "update_manifest_tiers", "write_durable", "write_json_durable", "step_dir_name",
-    "temporary_name", "replaced_name", "new_incarnation", "is_temporary_name", "clean_stale_temporaries",
+    "temporary_name", "new_incarnation", "is_temporary_name", "clean_stale_temporaries",
     "remove_failed_temporaries", "PARTIAL_PREFIX", "partial_path", "side_path", "is_reservation", "reserve", "unreserve"
 ]
 
@@ -151,11 +146,6 @@ def unreserve(final: Path, partial: Path, created: bool) -> None:
             os.rmdir(final)
 
 
-def replaced_name(final_name: str) -> str:
-    """Hidden name of the old checkpoint ``final_name`` between the two renames of a non-atomic replace."""
-    return f".{final_name}.replaced.{new_incarnation()}"
-
-
 def is_temporary_name(name: str, naming: Naming | None = None) -> bool:
     """True for the name of one of our temporary checkpoint directories.
 
@@ -199,18 +189,13 @@ def clean_stale_temporaries(root: str | os.PathLike, *, keep_incarnation: str | 
         if m and keep_incarnation is not None and m.group(3) == keep_incarnation:
             continue
         replaced = _REPLACED_RE.match(entry.name)
-        if replaced is not None:
-            final = root / replaced.group(1)
-            if not os.path.lexists(final):
-                os.rename(entry, final)
-                log.warning("restored %s from %s (a replace was interrupted)", final, entry)
-                continue
-            shutil.rmtree(entry, ignore_errors=True)
-            removed.append(entry)
+        if replaced is not None and not os.path.lexists(root / replaced.group(1)):
+            os.rename(entry, root / replaced.group(1))
+            log.warning("restored %s from %s (a replace was interrupted)", root / replaced.group(1), entry)
             continue
         trash = entry.name.startswith(".trash_") and (
             naming.step_of(entry.name[len(".trash_"):]) is not None or entry.name.startswith(".trash_step_"))
-        if is_temporary_name(entry.name, naming) or trash:
+        if replaced is not None or is_temporary_name(entry.name, naming) or trash:
             shutil.rmtree(entry, ignore_errors=True)
             removed.append(entry)
         elif not entry.name.startswith(".") and entry.is_dir() and not entry.is_symlink():
@@ -497,7 +482,7 @@ def replace_dir(tmp: Path, final: Path) -> None:
             fsync_dir(final.parent)
             shutil.rmtree(tmp, ignore_errors=True)
             return
-        aside = final.with_name(replaced_name(final.name))
+        aside = final.with_name(f".{final.name}.replaced.{new_incarnation()}")
         os.rename(final, aside)
         try:
             os.rename(tmp, final)

@@ -15,6 +15,7 @@ import weakref
 from collections.abc import Callable
 from contextlib import suppress
 from pathlib import Path
+from typing import Any
 
 from torch_ckpt._logging import get_logger
 from torch_ckpt.errors import CheckpointWriteError
@@ -75,12 +76,16 @@ class RootLock:
         pid = _flock_holder(self.root)
         if pid is not None:
             return pid == os.getpid()
-        try:  # the lock-file fallback: its owner record
+        owner = self._recorded_owner()
+        return owner.get("pid") == os.getpid() and owner.get("host") == socket.gethostname()
+
+    def _recorded_owner(self) -> dict[str, Any]:
+        """The lock-file fallback's owner record ({} when missing or unreadable)."""
+        try:
             owner = json.loads(self.path.read_bytes() or b"{}")
         except (OSError, ValueError):
-            return False
-        return isinstance(owner, dict) and owner.get("pid") == os.getpid() and \
-            owner.get("host") == socket.gethostname()
+            return {}
+        return owner if isinstance(owner, dict) else {}
 
     def _take_over(self, key: str) -> None:
         """Within this process: wait out a previous holder of the same root that is closed or unreachable
@@ -107,13 +112,8 @@ class RootLock:
 
     def _owner(self) -> str:
         pid = _flock_holder(self.root)
-        owner: object = {"host": socket.gethostname(), "pid": pid}
-        if pid is None:
-            try:
-                owner = json.loads(self.path.read_bytes() or b"{}")
-            except (OSError, ValueError):
-                owner = {}
-        if not isinstance(owner, dict) or "pid" not in owner:
+        owner = {"host": socket.gethostname(), "pid": pid} if pid is not None else self._recorded_owner()
+        if "pid" not in owner:
             return "owner not recorded: another host, or not recorded yet"
         since = owner.get("since")
         when = time.strftime(" since %Y-%m-%d %H:%M:%S", time.localtime(since)) \
