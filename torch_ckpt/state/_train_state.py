@@ -430,7 +430,7 @@ class TrainState:
         if lookup is None:
             lookup = self._lookups[name] = TargetLookup(self._models[name], self._optims[name],
                                                         self._param_names(name))
-        return state_target(self._models[name], self._optims[name], param, entry, shape, dtype, lookup=lookup)
+        return state_target(lookup, param, entry, shape, dtype)
 
     def _sections(self, state_dict: Mapping[str, Any]) -> list[tuple[str, Any, Any]]:
         """``(model name, model state, optimizer state or None)`` for every model; raises if absent."""
