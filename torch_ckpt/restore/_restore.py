@@ -75,8 +75,7 @@ _OPAQUE = ("extras", "rng", "dataloader")  # replaced as a whole on load: their 
 # -- guards: the collector and Ctrl-C --------------------------------------------------------------
 @contextlib.contextmanager
 def collector_paused() -> Iterator[None]:
-    """Pause the cyclic garbage collector for the block: a restore allocates hundreds of thousands of
-    small objects and frees almost none, so it would collect again and again (half the time of 20,000 tensors)."""
+    """Pause the cyclic collector: a restore allocates many small objects and frees almost none."""
     was_enabled = gc.isenabled()
     gc.disable()
     try:
@@ -87,11 +86,9 @@ def collector_paused() -> Iterator[None]:
 
 
 class InterruptHold:
-    """Holds a Ctrl-C from :meth:`start` to :meth:`release`, then raises it (``KeyboardInterrupt``).
+    """Holds a Ctrl-C from :meth:`start` to :meth:`release`, then raises it; a second one is raised at once.
 
-    Only on the main thread while ``SIGINT`` has Python's default handler (a framework's is left
-    alone). A second Ctrl-C is raised at once, so a write that hangs can still be interrupted.
-    """
+    Only on the main thread while ``SIGINT`` has Python's default handler (a framework's is left alone)."""
 
     def __init__(self) -> None:
         self._previous: Callable[[int, FrameType | None], Any] | int | None = None
@@ -314,16 +311,8 @@ def _move(pieces: list[tuple[int, int, int]]) -> None:
 
 @torch.no_grad()
 def copy_tensors(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """``dst.copy_(src)`` for every ``(dst, src)`` pair, the plain CPU ones as threaded ``memmove``.
-
-    ``Tensor.copy_`` runs on torch's intra-op threads, which stall when other processes keep the
-    cores busy (1 GiB in ~600 tensors: 1-5 s at load 8-9, against 0.2-0.3 s single-threaded). So
-    :func:`_plain` pairs are copied in pieces of at most 32 MiB over :data:`COPY_THREADS` threads
-    (autograd versions bumped as ``copy_`` would), those under 64 KiB by one ``torch._foreach_copy_``.
-
-    Raises:
-        RuntimeError: from ``copy_`` for a pair it cannot copy (e.g. shapes that do not broadcast).
-    """
+    """``dst.copy_(src)`` for every pair; :func:`_plain` ones as ``memmove`` pieces over :data:`COPY_THREADS`
+    threads (torch's intra-op threads stall on busy cores), those under 64 KiB by one ``_foreach_copy_``."""
     fast: list[torch.Tensor] = []
     pieces: list[tuple[int, int, int]] = []
     small_dst: list[torch.Tensor] = []
@@ -411,23 +400,11 @@ def _swap(live: torch.Tensor, new: torch.Tensor) -> None:
 
 @torch.no_grad()
 def swap_in(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]], aliases: Mapping[int, int] | None = None) -> int:
-    """Give each live tensor its new buffer's values: exchanged in O(1) where possible, else copied.
+    """Give each live tensor its new buffer's values; returns how many pairs were exchanged, not copied.
 
-    A ``(live, new)`` pair that :func:`_swappable` accepts (``new`` given once, ``live`` not seen
-    before) goes through ``torch.utils.swap_tensors``: ``live`` stays the same object (class,
-    ``__dict__``, ``requires_grad``, ``.grad`` kept) with a bumped autograd version, and ``new`` must
-    not be used afterwards; every other pair goes to :func:`copy_tensors`.
-
-    Args:
-        pairs: ``(live, new)`` tensors.
-        aliases: ``id(live) -> n`` for a live tensor sharing its storage with ``n`` tensors the
-            caller drops (``state_dict()`` entries).
-
-    Returns:
-        The number of pairs exchanged.
-
-    Raises:
-        RuntimeError: from ``copy_`` for a pair it cannot copy (e.g. shapes that do not broadcast).
+    A :func:`_swappable` pair (``new`` given once, ``live`` not seen before) is exchanged by :func:`_swap`
+    (``live`` keeps its identity; ``new`` must not be used afterwards), any other goes to :func:`copy_tensors`.
+    ``aliases``: ``id(live) -> n`` for a live tensor sharing its storage with ``n`` tensors the caller drops.
     """
     pairs = list(pairs)
     aliases = aliases or {}
@@ -483,12 +460,8 @@ def owners_in(module: torch.nn.Module, live: Mapping[str, torch.Tensor]) -> tupl
 @torch.no_grad()
 def copy_into_live(live: Mapping[str, torch.Tensor], staged: Mapping[str, torch.Tensor],
                    module: torch.nn.Module | None = None) -> None:
-    """Give each live tensor the staged tensor of the same key, in place (shard-locally for DTensors).
-
-    Plain tensors go through :func:`swap_in` (the staged buffer must not be used afterwards),
-    DTensor shards through :func:`copy_tensors`. With ``module``, ``live`` is its ``state_dict()``:
-    the parameters and buffers themselves are exchanged, and the entries (old values) must be dropped.
-    """
+    """Give each live tensor the staged tensor of its key: DTensor shards copied, plain tensors :func:`swap_in`
+    (staged buffers unusable afterwards). With ``module``, ``live`` is its ``state_dict()`` (to be dropped)."""
     pairs = [(dst, staged[key]) for key, dst in live.items() if key in staged]
     owner, aliases = owners_in(module, live) if module is not None else ({}, {})
     copy_tensors([(local_tensor(d), local_tensor(s)) for d, s in pairs
@@ -720,23 +693,11 @@ def _read_file(fd: int, path: Path, expected: dict[str, int], entries: list[tupl
 
 def load_direct(targets: _Targets, step_dir: str | os.PathLike, md: Metadata, manifest: Manifest, *,
                 verify: bool, allow_symlinks: bool = False) -> set[str]:
-    """Read a single-rank checkpoint's data files once each, placing tensors into ``targets`` and checking CRC-32s.
+    """Read a single-rank checkpoint's data files once each (two at a time, CRC-32 on a second thread),
+    placing a tensor straight into its target when its record's framing is byte for byte ``torch.save``'s.
 
-    DCP's reader costs two reads per byte when the checksums are verified first, plus a copy out of
-    each record. Here each ``.distcp`` file (without ``verify``: only those holding a placeable
-    tensor) is read once, two files at a time, a second thread per file computing the CRC-32; a
-    tensor's data goes straight into its buffer only when the record's framing equals, byte for
-    byte, what ``torch.save`` writes for its dtype and shape. Sizes are checked before the first byte
-    is placed, CRC-32s after; of several failing files the first (in name order) is raised, and an
-    interrupt stops every reader first.
-
-    Returns:
-        The keys not placed here (another layout, dtype or framing), for DCP's reader
-        (:func:`torch_ckpt.format._files.load_tensors`) once their records are checked.
-
-    Raises:
-        CheckpointCorruptError: a data file is missing, not a regular file, truncated, or has the
-            wrong size or CRC-32; the message names it.
+    Sizes are checked before the first byte is placed, CRC-32s after (``CheckpointCorruptError`` naming
+    the first failing file); an interrupt stops every reader. Returns the keys left for DCP's reader.
     """
     step_dir = Path(step_dir)
     by_file: dict[str, list[tuple[int, int, str | None]]] = {}

@@ -171,20 +171,19 @@ class TargetLookup:
                     self.groups[id(p)] = g
 
 
-def state_target(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer], param_name: str, entry: str,
-                 shape: Sequence[int], dtype: torch.dtype, *, lookup: TargetLookup | None = None
-                 ) -> torch.Tensor | None:
+def state_target(lookup: TargetLookup, param_name: str, entry: str, shape: Sequence[int],
+                 dtype: torch.dtype) -> torch.Tensor | None:
     """A new, uninitialised tensor to load optimizer state ``entry`` of ``param_name`` into.
 
     It is placed where ``Optimizer.load_state_dict`` would put the value (the parameter's device,
     except a ``step`` of a non-capturable, non-fused group, which stays on the CPU) and, for a
     DTensor parameter whose global shape it shares, sharded like the parameter. None when
-    ``param_name`` is not a parameter of these optimizers.
+    ``param_name`` is not a parameter of ``lookup``'s optimizers.
     """
-    param = (lookup.params if lookup is not None else _params_by_name(model)).get(param_name)
+    param = lookup.params.get(param_name)
     if param is None:
         return None
-    group = lookup.groups.get(id(param), {}) if lookup is not None else group_of(optimizers, param)
+    group = lookup.groups.get(id(param))
     if not group:
         return None
     step = policy_key(entry) == "step"

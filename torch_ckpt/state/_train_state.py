@@ -44,12 +44,8 @@ log = get_logger(__name__)
 
 # -- the RNG of this process -----------------------------------------------------------------------
 def capture_rng_state() -> dict[str, Any]:
-    """Return the state of every RNG this process uses.
-
-    Returns:
-        ``{"python": {...}, "numpy": {...}, "torch_cpu": uint8 tensor, "cuda": [uint8 tensor per
-        device], ...}``. Accelerator entries are present only when that backend is initialised.
-    """
+    """``{"python", "numpy", "torch_cpu"[, "cuda", "xpu", "mps"]}``: every RNG this process uses (an
+    accelerator's entry only when that backend is initialised)."""
     version, mt, gauss = random.getstate()
     np_state = cast(tuple[Any, ...], np.random.get_state())  # legacy=True: the tuple form
     state: dict[str, Any] = {
@@ -85,11 +81,7 @@ def _host_states(state: Any) -> tuple[tuple, tuple, torch.Tensor]:
 
 
 def check_rng_state(state: Any) -> None:
-    """Check that :func:`restore_rng_state` would accept ``state``, on scratch generators (nothing live changes).
-
-    Raises:
-        CheckpointCorruptError: a required entry is missing or malformed.
-    """
+    """Raise ``CheckpointCorruptError`` unless scratch generators accept ``state`` (nothing live changes)."""
     try:
         py_state, np_state, cpu = _host_states(state)
         random.Random().setstate(py_state)
@@ -104,14 +96,8 @@ def check_rng_state(state: Any) -> None:
 
 
 def restore_rng_state(state: dict[str, Any]) -> None:
-    """Restore RNG states captured by :func:`capture_rng_state`.
-
-    Accelerator states are restored for as many devices as both the checkpoint and this process
-    have; a checkpoint from a CPU-only run leaves accelerator generators untouched.
-
-    Raises:
-        CheckpointCorruptError: a required entry is missing or malformed.
-    """
+    """Restore :func:`capture_rng_state`'s states (``CheckpointCorruptError`` if malformed); accelerators for
+    the devices both sides have (a CPU-only checkpoint leaves them untouched)."""
     check_rng_state(state)  # nothing is set unless every host generator accepts its state
     py_state, np_state, cpu = _host_states(state)
     random.setstate(py_state)
@@ -444,7 +430,7 @@ class TrainState:
         if lookup is None:
             lookup = self._lookups[name] = TargetLookup(self._models[name], self._optims[name],
                                                         self._param_names(name))
-        return state_target(self._models[name], self._optims[name], param, entry, shape, dtype, lookup=lookup)
+        return state_target(lookup, param, entry, shape, dtype)
 
     def _sections(self, state_dict: Mapping[str, Any]) -> list[tuple[str, Any, Any]]:
         """``(model name, model state, optimizer state or None)`` for every model; raises if absent."""
