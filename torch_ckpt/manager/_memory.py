@@ -177,11 +177,8 @@ class MemoryTier:
         return handle
 
     def due(self, step: int) -> bool:
-        """Collective: record that ``step`` finished; True when the memory cadence (rank 0 decides) says to save.
-
-        While rank 0's previous save (of either tier) is still being written, a due memory save is put off to
-        a later step instead of making training wait for that write (the engine holds one save in flight).
-        """
+        """Collective: record that ``step`` finished; True when the memory cadence (rank 0 decides) says to save
+        and no save (of either tier) is still being written (a due save is put off rather than making training wait)."""
         if self.cadence is None:
             return False
         now = time.monotonic()
