@@ -185,10 +185,7 @@ class SaveGuard:
 
     def check(self, step: Any, final: Path, *, explicit: bool, read_only: bool) -> bool:
         """Every rank: validate ``step``; rank 0 also checks ``final``. True (rank 0): the commit replaces one.
-
-        After a rollback the first save moves the abandoned timeline's steps aside, so "latest"
-        follows the run again; a damaged directory of ``step`` goes aside too.
-        """
+        After a rollback the first save moves the abandoned steps aside (and a damaged ``step`` directory)."""
         if read_only:
             raise ConfigError(f"this CheckpointManager was opened with read_only=True on {self.root}: it restores "
                               "and lists checkpoints but does not save; open a writable root without read_only "
@@ -289,11 +286,8 @@ class SaveGuard:
         runs.newest_known = step  # every other committed step is older now
 
 class CommitFollowUp:
-    """What follows a commit on the root: callbacks (rank 0), durable replication, local retention.
-
-    Runs in the writer thread on the rank acting on the root; failures are logged and never change
-    the save's outcome.
-    """
+    """What follows a commit on the root (callbacks on rank 0, durable replication, local retention), in the writer
+    thread of the rank acting on the root; failures are logged and never change the save's outcome."""
 
     def __init__(self, root: Path, naming: Naming, config: CheckpointConfig, runs: RunLineage,
                  is_coordinator: bool) -> None:

@@ -136,14 +136,13 @@ class MemoryTier:
             self._lock.release()
 
     # -- saving ----------------------------------------------------------------------------------
-    def save(self, step: Any, state: Any, *, started_at: float | None = None) -> SaveHandle:
+    def save(self, step: Any, state: Any, *, started_at: float) -> SaveHandle:
         """Collective: checkpoint ``state`` as ``step`` into ``memory_root`` (every node its own copy).
 
         Raises:
             ConfigError: a read-only manager or a bad step (every rank raises at the agreement).
             CheckpointError: as :meth:`CheckpointManager.save`.
         """
-        t0 = time.monotonic() if started_at is None else started_at
         refused: Exception | None = None
         waited = 0.0
         valid = not isinstance(step, bool) and isinstance(step, int) and step >= 0
@@ -168,7 +167,7 @@ class MemoryTier:
         request = SaveRequest(final=final, step=step if valid else 0, lineage=lineage, nodes=self.layout,
                               after_commit=self._after_commit)
         captured = time.time()
-        handle = self.engine.submit(request, state, refused=refused, started_at=t0, waited_s=waited)
+        handle = self.engine.submit(request, state, refused=refused, started_at=started_at, waited_s=waited)
         self.captured_at[step] = captured
         while len(self.captured_at) > 64:
             self.captured_at.pop(next(iter(self.captured_at)))
@@ -177,11 +176,8 @@ class MemoryTier:
         return handle
 
     def due(self, step: int) -> bool:
-        """Collective: record that ``step`` finished; True when the memory cadence (rank 0 decides) says to save.
-
-        While rank 0's previous save (of either tier) is still being written, a due memory save is put off to
-        a later step instead of making training wait for that write (the engine holds one save in flight).
-        """
+        """Collective: record that ``step`` finished; True when the memory cadence (rank 0 decides) says to save
+        and no save (of either tier) is still being written (a due save is put off rather than making training wait)."""
         if self.cadence is None:
             return False
         now = time.monotonic()

@@ -443,10 +443,7 @@ class AsyncCheckpointer:
 
     @property
     def incarnation(self) -> str:
-        """Random hex id of this checkpointer; its partials are named ``NAME/.torch-ckpt.partial.<incarnation>``.
-
-        Rank 0's id names the temporaries of a collective save; other ranks' ids are not used.
-        """
+        """Random hex id of this checkpointer; rank 0's names a collective save's ``NAME/.torch-ckpt.partial.<id>``."""
         return self._incarnation
 
     @property

@@ -161,12 +161,8 @@ def check_extra_name(entry: Path) -> None:
 
 
 def move_extra_entries(extra_dir: Path, tmp: Path) -> None:
-    """Move every entry of ``extra_dir`` (what a framework hook wrote) into ``tmp``, to be committed with it
-    (unlisted in the manifest); then remove ``extra_dir``. Every name is checked before anything moves.
-
-    Raises:
-        CheckpointWriteError: a name is reserved (:func:`check_extra_name`) or an entry cannot be moved.
-    """
+    """Move every entry of ``extra_dir`` (a framework hook's files, unlisted in the manifest) into ``tmp``, then
+    remove ``extra_dir``; raises CheckpointWriteError for a reserved name or an entry that cannot be moved."""
     if not extra_dir.is_dir():
         return
     entries = sorted(extra_dir.iterdir())
