@@ -367,9 +367,7 @@ class DurableTier:
 
     def delete(self, step: int) -> None:
         """Delete a durable checkpoint: manifest first (un-commit), then the files."""
-        self._remove(self.location(step).path)
-
-    def _remove(self, path: str) -> None:
+        path = self.location(step).path
         with suppress(FileNotFoundError):
             self.fs.rm_file(f"{path}/{MANIFEST_NAME}")  # first: un-commit
         self.fs.rm(path, recursive=True)
@@ -393,7 +391,7 @@ class DurableTier:
         else:
             self.fs.copy(src, dst, recursive=True)
             self.refresh()
-            self._remove(src)
+            self.delete(step)
         log.warning("durable tier %s: moved %s checkpoint %s aside to %s", self.url, reason, name, target)
         return f"{self.url}/{target}"
 
