@@ -256,9 +256,7 @@ class CheckpointConfig:
             policies.append(EveryNSteps(self.memory_every_n_steps))
         if self.memory_every_seconds is not None:
             policies.append(EveryNSeconds(self.memory_every_seconds))
-        if not policies:
-            return None
-        return policies[0] if len(policies) == 1 else AnyOf(*policies)
+        return _any_of(policies)
 
     def _set(self, name: str, value: Any) -> None:
         object.__setattr__(self, name, value)  # normalising in __post_init__ of a frozen dataclass
@@ -286,9 +284,7 @@ class CheckpointConfig:
             policies.append(EveryNSteps(self.save_every_n_steps))
         if self.save_every_seconds is not None:
             policies.append(EveryNSeconds(self.save_every_seconds))
-        if not policies:
-            return None
-        return policies[0] if len(policies) == 1 else AnyOf(*policies)
+        return _any_of(policies)
 
     # -- sources ---------------------------------------------------------------------------------
     @classmethod
@@ -440,3 +436,9 @@ def _keep(count: int | None, every: int | None) -> RetentionPolicy | None:
     latest = KeepLatest(count=count)
     return latest if every is None else KeepAny((latest, KeepEveryNSteps(every_steps=every)))
 
+
+
+def _any_of(policies: list[SavePolicy]) -> SavePolicy | None:
+    if not policies:
+        return None
+    return policies[0] if len(policies) == 1 else AnyOf(*policies)

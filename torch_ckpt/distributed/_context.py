@@ -108,11 +108,6 @@ class DistContext:
         with self._background:
             yield
 
-    @property
-    def broken(self) -> str | None:
-        """Why the checkpoint groups are unusable until rebuilt (a failed collective), None when healthy."""
-        return self._broken
-
     def _key(self, kind: str, generation: int) -> str:
         return f"{self._ns}/{kind}/{generation}"
 

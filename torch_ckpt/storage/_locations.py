@@ -45,13 +45,13 @@ from torch_ckpt.errors import (
 from torch_ckpt.storage._crc import crc32
 
 __all__ = [
-    "DurableUnavailableError", "LocalFile", "Location", "Malformed", "PathNotFoundError", "Watch", "as_location",
-    "bounded", "corrupt", "is_url", "loads_bounded", "object_mtime", "open_range", "open_regular", "read_fd",
-    "reading", "short_repr", "url_to_fs", "waiting_for_coordinator",
+    "CHUNK_BYTES", "DurableUnavailableError", "LocalFile", "Location", "Malformed", "PathNotFoundError", "Watch",
+    "as_location", "bounded", "corrupt", "is_url", "loads_bounded", "object_mtime", "open_range", "open_regular",
+    "read_fd", "reading", "short_repr", "store_call", "url_to_fs", "waiting_for_coordinator",
 ]
 
 T = TypeVar("T")
-_CHUNK_BYTES = 8 << 20
+CHUNK_BYTES = 8 << 20
 
 
 # -- bounded parsing of untrusted content -------------------------------------------------------------
@@ -208,6 +208,18 @@ def url_to_fs(url: str, storage_options: dict[str, Any] | None = None, *, what: 
     except (ImportError, ValueError) as exc:
         raise ConfigError(f"cannot use {what} {url!r}: {exc}") from exc
     return fs, root.rstrip("/")
+
+
+def store_call(what: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """``fn(*args, **kwargs)``, a call to the store: any backend error (botocore, aiohttp, EIO on NFS...) but a
+    missing object or our own is an outage, DurableUnavailableError ``what: <type>: <message>`` (the type
+    says what an empty or terse message does not)."""
+    try:
+        return fn(*args, **kwargs)
+    except (FileNotFoundError, CheckpointError):
+        raise
+    except Exception as exc:  # noqa: BLE001
+        raise DurableUnavailableError(f"{what}: {type(exc).__name__}: {exc}") from exc
 
 
 def is_url(text: str | os.PathLike) -> bool:
@@ -397,11 +409,11 @@ class Location:
         def read() -> tuple[int, int]:
             crc, size = 0, 0
             if self.remote:
-                f = self.fs.open(self._p(name), "rb", block_size=_CHUNK_BYTES)
+                f = self.fs.open(self._p(name), "rb", block_size=CHUNK_BYTES)
             else:
                 f = os.fdopen(self._open_local(name), "rb")
             with f:
-                while chunk := f.read(_CHUNK_BYTES):
+                while chunk := f.read(CHUNK_BYTES):
                     crc = crc32(chunk, crc)
                     size += len(chunk)
                     if bar is not None:

@@ -27,13 +27,13 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import suppress
 from pathlib import Path
-from typing import Any, TypeVar, cast
+from typing import Any, cast
 
 from tqdm import tqdm
 
 from torch_ckpt._logging import get_logger
-from torch_ckpt._values import check_int
-from torch_ckpt.errors import CheckpointCorruptError, CheckpointError, ConfigError
+from torch_ckpt._values import check_int, to_seconds
+from torch_ckpt.errors import CheckpointCorruptError, ConfigError
 from torch_ckpt.format._files import (
     MANIFEST_NAME,
     MAX_MANIFEST_BYTES,
@@ -49,6 +49,7 @@ from torch_ckpt.root._layout import commit_dir, write_json_durable
 from torch_ckpt.root._nodes import is_replica_file
 from torch_ckpt.storage._crc import crc32
 from torch_ckpt.storage._locations import (
+    CHUNK_BYTES,
     DurableUnavailableError,
     Location,
     Watch,
@@ -56,6 +57,7 @@ from torch_ckpt.storage._locations import (
     corrupt,
     loads_bounded,
     object_mtime,
+    store_call,
     url_to_fs,
 )
 
@@ -63,9 +65,7 @@ __all__ = ["DurableTier", "DurableUnavailableError", "abandoned_uploads", "durab
            "idle_seconds", "node_fetch_manifest", "remove_abandoned"]
 
 log = get_logger(__name__)
-T = TypeVar("T")
 
-_CHUNK_BYTES = 8 << 20
 #: Per thread: the watch of the bounded call (:meth:`DurableTier.listed`) running on this worker thread.
 _calls = threading.local()
 #: Protocols whose root lies in a bucket that must exist (and is never created unless asked).
@@ -108,10 +108,7 @@ class DurableTier:
             raise ConfigError(f"durable_url must be a non-empty fsspec URL string, got {url!r}")
         if verify not in ("checksum", "size"):
             raise ConfigError(f"verify must be 'checksum' or 'size', got {verify!r}")
-        if isinstance(timeout_seconds, bool) or not isinstance(timeout_seconds, (int, float)) \
-                or not timeout_seconds > 0:
-            raise ConfigError(f"durable_timeout_seconds must be a number of seconds > 0, got {timeout_seconds!r}")
-        self.timeout_seconds = float(timeout_seconds)
+        self.timeout_seconds = to_seconds("durable_timeout_seconds", timeout_seconds, positive=True)
         self.create = bool(create)
         self.fs, self.root = url_to_fs(url, _with_timeouts(url, storage_options, self.timeout_seconds))
         self.url = url.rstrip("/")
@@ -149,28 +146,23 @@ class DurableTier:
         self.fs.invalidate_cache()
 
     # -- the container: a bucket, or the parent directory of a file:// root ---------------------
-    def container(self) -> str | None:
-        """What must exist: the bucket, the parent directory of a ``file://`` root, or None (``memory://``...)."""
-        if self._protocol in ("file", "local"):
-            return os.path.dirname(self.root) or "/"
-        if self._protocol in _BUCKET_STORES:
-            return self.root.lstrip("/").split("/", 1)[0]
-        return None
-
     def check_container(self) -> None:
-        """Check that the :meth:`container` exists (a missing root in it is an empty tier; a missing
-        bucket is an error: deleted, misspelt or not mounted); with ``create``, create a missing one.
+        """Check that the container exists: the bucket or the parent directory of a ``file://`` root
+        (``memory://``... have none); a missing root in it is an empty tier, a missing container an error
+        (deleted, misspelt or not mounted). With ``create``, create a missing one.
 
         Raises:
             DurableUnavailableError: it does not exist (and ``create`` is False), or the store
                 cannot be asked.
         """
-        container = self.container()
-        if container is None:
+        if self._protocol in ("file", "local"):
+            container, kind = os.path.dirname(self.root) or "/", "parent directory"
+        elif self._protocol in _BUCKET_STORES:
+            container, kind = self.root.lstrip("/").split("/", 1)[0], "bucket"
+        else:
             return
-        kind = "parent directory" if self._protocol in ("file", "local") else "bucket"
         try:
-            _store(f"cannot read durable tier {self.url} ({kind} {container!r})", self.fs.info, container)
+            store_call(f"cannot read durable tier {self.url} ({kind} {container!r})", self.fs.info, container)
             return
         except FileNotFoundError:
             if not self.create:
@@ -208,8 +200,8 @@ class DurableTier:
         root = Location.on(self.fs, self.root, self.url)
         what = f"cannot list durable tier {self.url}"
         try:
-            if _store(what, root.exists):
-                return sorted(_store(what, root.entries))
+            if store_call(what, root.exists):
+                return sorted(store_call(what, root.entries))
         except FileNotFoundError:
             pass
         self.check_container()  # an absent root is empty only when its bucket exists
@@ -246,7 +238,7 @@ class DurableTier:
             if named_step is None:
                 continue
             try:
-                manifest = _store(f"cannot read {self.url}/{name}", self.read_manifest, named_step)
+                manifest = store_call(f"cannot read {self.url}/{name}", self.read_manifest, named_step)
             except FileNotFoundError:
                 continue  # an upload in progress or abandoned: not committed
             except CheckpointCorruptError as exc:
@@ -268,7 +260,7 @@ class DurableTier:
         whole = hashlib.md5(usedforsecurity=False)
         multipart = info["bytes"] >= min(5 << 30, 2 * self.part_bytes)
         with open(local, "rb") as f:
-            while chunk := f.read(self.part_bytes if multipart else _CHUNK_BYTES):
+            while chunk := f.read(self.part_bytes if multipart else CHUNK_BYTES):
                 size, crc = size + len(chunk), crc32(chunk, crc)
                 (parts.append(hashlib.md5(chunk, usedforsecurity=False).digest()) if multipart
                  else whole.update(chunk))
@@ -375,9 +367,7 @@ class DurableTier:
 
     def delete(self, step: int) -> None:
         """Delete a durable checkpoint: manifest first (un-commit), then the files."""
-        self._remove(self.location(step).path)
-
-    def _remove(self, path: str) -> None:
+        path = self.location(step).path
         with suppress(FileNotFoundError):
             self.fs.rm_file(f"{path}/{MANIFEST_NAME}")  # first: un-commit
         self.fs.rm(path, recursive=True)
@@ -401,7 +391,7 @@ class DurableTier:
         else:
             self.fs.copy(src, dst, recursive=True)
             self.refresh()
-            self._remove(src)
+            self.delete(step)
         log.warning("durable tier %s: moved %s checkpoint %s aside to %s", self.url, reason, name, target)
         return f"{self.url}/{target}"
 
@@ -410,11 +400,11 @@ class DurableTier:
         """Copy one object into ``tmp`` and check the copy (errors as :meth:`download`)."""
         what = f"cannot read {src.describe(name)}"  # the store's failures, not the local disk's, are an outage
         try:
-            fin = _store(what, self.fs.open, f"{src.path}/{name}", "rb", block_size=_CHUNK_BYTES)
+            fin = store_call(what, self.fs.open, f"{src.path}/{name}", "rb", block_size=CHUNK_BYTES)
         except FileNotFoundError:  # deleted from the store after its manifest was written: a damaged copy
             raise corrupt(src.describe(name), "listed in the manifest but missing") from None
         with fin, open(tmp / name, "wb") as fout:
-            while chunk := _store(what, fin.read, _CHUNK_BYTES):
+            while chunk := store_call(what, fin.read, CHUNK_BYTES):
                 watch.tick()
                 with watch.local_work():
                     fout.write(chunk)
@@ -524,7 +514,7 @@ def idle_seconds(tier: DurableTier, step: int, now: float) -> float | None:
     """Seconds since the newest object of an uncommitted step prefix was written; None when it is
     committed, empty, or an object's time is unknown. DurableUnavailableError when it cannot be listed."""
     try:
-        objects = _store(f"cannot list {tier.describe(step)}", tier.fs.find, tier.location(step).path, detail=True)
+        objects = store_call(f"cannot list {tier.describe(step)}", tier.fs.find, tier.location(step).path, detail=True)
     except FileNotFoundError:
         return None
     if any(str(path).rstrip("/").endswith("/" + MANIFEST_NAME) for path in objects):
@@ -551,18 +541,6 @@ def remove_abandoned(tier: DurableTier, *, older_than_seconds: float,
                     tier.url, step, age)
     tier.refresh()
     return removed
-
-
-def _store(what: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-    """``fn(*args, **kwargs)``, a call to the store: any backend error (botocore, aiohttp, EIO on NFS...) but a
-    missing object or our own is an outage, DurableUnavailableError ``what: <type>: <message>`` (the type
-    says what an empty or terse message does not)."""
-    try:
-        return fn(*args, **kwargs)
-    except (FileNotFoundError, CheckpointError):
-        raise
-    except Exception as exc:  # noqa: BLE001
-        raise DurableUnavailableError(f"{what}: {type(exc).__name__}: {exc}") from exc
 
 
 def _run_all(work: Callable[..., None], items: list[tuple[Any, ...]], threads: int, prefix: str) -> None:
