@@ -247,11 +247,6 @@ def _encode_np_scalar(obj: np.generic, path: str) -> dict:
     return {_NPSCALAR_RAW: _b64(raw), "dtype": name}
 
 
-def _decode_np_scalar_raw(node: dict) -> np.generic:
-    dtype, raw = np.dtype(node["dtype"]), base64.b64decode(node[_NPSCALAR_RAW])
-    return dtype.type(raw) if dtype.kind == "S" else np.frombuffer(raw, dtype=dtype)[0]
-
-
 def _encode_ndarray(arr: np.ndarray, path: str) -> dict:
     if type(arr) is not np.ndarray:
         raise _refuse(path, f"a numpy array subclass {_type_name(arr)}", "store np.asarray(value) (a plain ndarray)")
@@ -403,7 +398,8 @@ def join_state(tree: Any, tensors: dict[str, torch.Tensor] | Any) -> Any:
         if NPSCALAR_TAG in node:
             return np.dtype(node["dtype"]).type(node[NPSCALAR_TAG])
         if _NPSCALAR_RAW in node:
-            return _decode_np_scalar_raw(node)
+            dtype, raw = np.dtype(node["dtype"]), base64.b64decode(node[_NPSCALAR_RAW])
+            return dtype.type(raw) if dtype.kind == "S" else np.frombuffer(raw, dtype=dtype)[0]
         if len(node) == 1:
             tag, value = next(iter(node.items()))
             if tag in single:
@@ -1253,29 +1249,25 @@ def metadata_problems(md: Any, manifest: Any) -> tuple[list[tuple[str, str]], di
 
     for key, item in list(tensors.items()):
         itemsize = item.properties.dtype.itemsize
-        covered, ok = 0, True
+        covered, before = 0, len(problems)
         for chunk in item.chunks:
             length = stored.get((key, tuple(chunk.offsets)))
             n = math.prod(chunk.sizes)
             covered += n
             if length is None:
                 bad(f"tensor {key!r}: the chunk at offset {list(chunk.offsets)} has no storage entry")
-                ok = False
             elif n * itemsize > length:
                 bad(f"tensor {key!r}: the chunk at offset {list(chunk.offsets)} declares {n * itemsize} bytes but its "
                     f"storage entry holds only {length}")
-                ok = False
         total = math.prod(item.size)
         if covered != total:
             bad(f"tensor {key!r}: chunks hold {covered} of the {total} elements of its declared shape "
                 f"{list(item.size)}")
-            ok = False
         elif len(item.chunks) > 1 and (pair := _overlapping([tuple(c.offsets) for c in item.chunks],
                                                             [tuple(c.sizes) for c in item.chunks])):
             bad(f"tensor {key!r}: chunks at offsets {list(item.chunks[pair[0]].offsets)} and "
                 f"{list(item.chunks[pair[1]].offsets)} overlap")
-            ok = False
-        if not ok:
+        if len(problems) > before:
             del tensors[key]
     return problems, tensors
 
