@@ -690,7 +690,7 @@ class CheckpointManager:
                 failed to prepare this save.
         """
         t0 = time.monotonic()
-        if is_memory_save(tier, self._memory, path=path, extra_dir=extra_dir):
+        if tier != "disk" and is_memory_save(tier, self._memory, path=path, extra_dir=extra_dir):
             handle = cast(MemoryTier, self._memory).save(step, state, started_at=t0)
             if self._cadence is not None:
                 self._cadence.step_time.skip_next()  # the memory save's stall is no training step time
