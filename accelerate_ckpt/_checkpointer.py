@@ -216,7 +216,7 @@ class AccelerateCheckpointer:
         try:
             self.close()
         finally:
-            compat.plain_end_training(acc)
+            type(acc).end_training(acc)  # Accelerate's own: finishes the trackers, destroys the process group
 
     def _open(self, root: Path | None = None) -> CheckpointManager:
         """The manager (collective at creation): ``project_dir/checkpoints`` with automatic naming, else ``root``."""

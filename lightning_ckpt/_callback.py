@@ -177,8 +177,9 @@ class MTBFCheckpoint(OnExceptionCheckpoint):
             self._save(trainer, step, stopping=sigterm)
         elif self.save_on_train_end and _compat.is_last_batch(trainer):
             # a stop decided later at this epoch end (should_stop from EarlyStopping, a callback or the module)
-            # saves at on_train_end with the loop state of this moment (see on_train_end)
-            self._epoch_end_loop = (step, _compat.fit_loop_state(trainer))
+            # saves at on_train_end with the loop state of this moment: a resume then restarts mid-epoch and loads
+            # the loaders' states (counted completed at on_train_end, Lightning would skip them)
+            self._epoch_end_loop = (step, trainer.fit_loop.state_dict())
         if sigterm:
             self._setup_io.wait()
             log.warning("[rank %d] SIGTERM: checkpoint of step %d is committed; stopping", trainer.global_rank, step)

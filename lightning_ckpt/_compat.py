@@ -17,8 +17,7 @@ _MARK = "_lightning_ckpt_wrapped"
 
 
 def set_original_sigterm_handler(trainer: Any, handler: Any) -> bool:
-    """Make Lightning restore ``handler`` for SIGTERM after ``fit`` (``trainer._signal_connector._original_handlers``);
-    False when the trainer has no signal connector."""
+    """Make Lightning restore ``handler`` for SIGTERM after ``fit``; False without a signal connector."""
     connector = getattr(trainer, "_signal_connector", None)
     originals = getattr(connector, "_original_handlers", None)
     if isinstance(originals, dict) and signal.SIGTERM in originals:
@@ -65,8 +64,7 @@ def is_final_batch(trainer: Any) -> bool:
 
 
 def isolate_validation_rng(trainer: Any) -> None:
-    """Run validation during ``fit`` inside ``isolate_rng()`` (Lightning does so for the sanity check only), so a
-    resumed run skips the validation after the saved step exactly. Wraps ``fit_loop.epoch_loop.val_loop.run``."""
+    """Run validation during ``fit`` inside ``isolate_rng()`` (Lightning isolates the sanity check only)."""
     loop = trainer.fit_loop.epoch_loop.val_loop
     if not getattr(loop.run, _MARK, False):
         loop.run = partial(_isolated_run, trainer, loop)  # a partial, not a closure: the trainer still pickles
@@ -87,13 +85,6 @@ def dump_checkpoint(trainer: Any) -> dict[str, Any]:
     return trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
 
 
-def fit_loop_state(trainer: Any) -> dict[str, Any]:
-    """``trainer.fit_loop.state_dict()`` (fresh dicts): a checkpoint's ``loops.fit_loop`` taken now. Taken at an
-    epoch's last batch end, a resume restarts mid-epoch (``FitLoop.restarting``) and loads the loaders' states;
-    once ``on_advance_end`` counted the epoch, ``_load_combined_loader_states`` would skip them."""
-    return trainer.fit_loop.state_dict()
-
-
 def finish_loader_states(checkpoint: dict[str, Any]) -> None:
     """Mark the train loaders' states (``loops.fit_loop.state_dict.combined_loader``) of a checkpoint taken at an
     epoch's last batch as finished iterators: torchdata's ``StatefulDataLoader`` still says "not finished" there,
@@ -112,8 +103,7 @@ def finish_loader_states(checkpoint: dict[str, Any]) -> None:
 
 
 def start_next_epoch(trainer: Any) -> None:
-    """Draw what the next epoch's start draws: set the train samplers' epoch (``_set_sampler_epoch``), create each
-    train loader's iterator (``_combined_loader``), fetch a batch. Only for a run stopping at an epoch end."""
+    """Draw what the next epoch's start draws (samplers' epoch, each train loader's iterator, its first batch)."""
     from lightning.fabric.utilities.data import _set_sampler_epoch
 
     progress = trainer.fit_loop.epoch_progress.current
