@@ -409,8 +409,7 @@ class AsyncDCPCheckpointIO(CheckpointIO):
 
 @atexit.register
 def _finish_at_exit() -> None:
-    """A process leaving without ``teardown`` (a ``ddp_spawn`` worker whose ``fit`` raised) commits its in-flight
-    save and its deferred actions (waiting at most ``_EXIT_WAIT_S``); errors are logged."""
+    """Commit a plugin's in-flight save and deferred actions at exit without ``teardown`` (``ddp_spawn`` worker)."""
     for io in list(_LIVE):
         if io._manager is None or not (io._after.pending or io.saving):
             continue
@@ -429,8 +428,7 @@ def _finish_at_exit() -> None:
 
 
 def _instead_of_interrupted(path: Path) -> Path:
-    """``path``, or for a SLURM ``hpc_ckpt_N.ckpt`` whose save a kill interrupted (its reserved name holds hidden
-    partial files only), the newest older committed one, with a warning (as a plain save cut short)."""
+    """``path``, or for an interrupted SLURM ``hpc_ckpt_N.ckpt`` (hidden partial files only) the newest older one."""
     match = _HPC_NAME.fullmatch(path.name)
     if match is None or is_committed(path) or any(not name.startswith(".") for name in os.listdir(path)):
         return path

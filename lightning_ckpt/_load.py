@@ -120,8 +120,7 @@ class RemoteCheckpoints:
         return DurableTier(parent, storage_options=check_options(storage_options), naming=_OneName(name)), name
 
     def local_path(self, url: str) -> Path:
-        """Where ``url``'s checkpoint is committed before its upload: a temporary directory named after the URL's
-        parent, the same on every rank of a node (the manager commits collectively)."""
+        """Where ``url``'s checkpoint is committed before its upload (the same on every rank of a node)."""
         parent, name = self._split(url)
         digest = hashlib.sha1(parent.encode(), usedforsecurity=False).hexdigest()[:16]
         staging = Path(tempfile.gettempdir()) / f"lightning_ckpt_upload_{os.getuid()}_{digest}"
@@ -171,8 +170,7 @@ class RemoteCheckpoints:
 
 
 class _AllValues:
-    """A load target reading every value (this rank's rank-local ones) into new tensors, after the core checked the
-    checkpoint against ``live`` (the live model: keys when ``strict``, shapes, dtypes)."""
+    """A load target reading every value into new tensors, after the core checked them against ``live``."""
 
     loaded: dict[str, Any]
 
@@ -284,8 +282,7 @@ def load_from_checkpoint(cls: type[Any], checkpoint_path: str | Path, **kwargs: 
 
 
 class _ShardedTarget:
-    """The live sharded model and optimizers as the core's load target (one :class:`torch_ckpt.TrainState`
-    per optimizer; nothing is written before every check and read succeeded); other values are read as is."""
+    """The live sharded model and optimizers (one ``TrainState`` each) as the core's load target."""
 
     rank_local_keys: tuple[str, ...] = ()  # loops and callbacks of rank 0 (the same on every rank here)
 
