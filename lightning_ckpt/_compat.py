@@ -11,7 +11,7 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
-from lightning_ckpt._load import is_remote_checkpoint, read_for_lightning
+from lightning_ckpt._load import is_remote_checkpoint, load_checkpoint_dir
 
 _MARK = "_lightning_ckpt_wrapped"
 
@@ -127,7 +127,7 @@ def install_hooks() -> None:
 
     * ``ModelCheckpoint._link_checkpoint``: ``save_last="link"`` links wait for the commit of what they name.
     * ``cloud_io._load`` (bound as ``saving.pl_load``, ``torch_io.pl_load``): a directory or URL holding
-      ``manifest.json`` is read by ``read_for_lightning``; another directory's ``IsADirectoryError`` says what to do.
+      ``manifest.json`` is read by ``load_checkpoint_dir``; another directory's ``IsADirectoryError`` says what to do.
     * ``_CheckpointConnector._parse_ckpt_path``: a fresh ``fit`` whose ``OnExceptionCheckpoint`` callbacks are all
       ours, with no checkpoint, loads nothing without Lightning's "last" warnings.
     * ``Trainer.save_checkpoint`` with our IO outside a running ``fit`` returns committed (``wait_outside_fit``).
@@ -174,7 +174,7 @@ def _load(original: Any, path_or_url: Any, map_location: Any = None, weights_onl
     local = text[len("file://"):] if text.startswith("file://") else ("" if "://" in text else text)
     if (local and os.path.isfile(os.path.join(local, "manifest.json"))) or (
             text and not local and is_remote_checkpoint(text)):
-        return read_for_lightning(local or text, map_location, weights_only)
+        return load_checkpoint_dir([local or text], allow_pickle=weights_only is False, map_location=map_location)
     try:
         return original(path_or_url, map_location=map_location, weights_only=weights_only)
     except IsADirectoryError as exc:
@@ -222,7 +222,7 @@ def _cli_ckpt_path(original: Any, self: Any) -> None:
     path = self.config[command].get("ckpt_path") if command else None
     if not (isinstance(path, (str, os.PathLike)) and os.path.isfile(os.path.join(path, "manifest.json"))):
         return original(self)
-    hparams = read_for_lightning(os.fspath(path), "cpu", True).get("hyper_parameters", {})
+    hparams = load_checkpoint_dir([os.fspath(path)], allow_pickle=False, map_location="cpu").get("hyper_parameters", {})
     with tempfile.TemporaryDirectory(prefix="lightning_ckpt_cli_") as tmp:
         torch.save({"hyper_parameters": hparams}, shim := os.path.join(tmp, "hparams.ckpt"))
         self.config[command]["ckpt_path"] = shim

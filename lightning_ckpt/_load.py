@@ -193,9 +193,9 @@ class _AllValues:
         self.loaded = dict(state)
 
 
-def load_checkpoint_dir(candidates: Sequence[Path | str], *, manager: Any, verify: bool, allow_pickle: bool,
-                        map_location: Any = None, live: dict[str, Any] | None = None, strict: bool = True,
-                        allow_cast: bool = False, storage_options: Any = None) -> dict[str, Any]:
+def load_checkpoint_dir(candidates: Sequence[Path | str], *, allow_pickle: bool, manager: Any = None,
+                        verify: bool = True, map_location: Any = None, live: dict[str, Any] | None = None,
+                        strict: bool = True, allow_cast: bool = False, storage_options: Any = None) -> dict[str, Any]:
     """The first intact checkpoint of ``candidates`` (newest first; one URL: downloaded first) as Lightning's dict.
 
     With ``manager`` (attached: every rank calls this) a candidate failing verification is skipped with a warning,
@@ -205,8 +205,7 @@ def load_checkpoint_dir(candidates: Sequence[Path | str], *, manager: Any, verif
     if len(candidates) == 1 and is_url(str(candidates[0])):
         local = RemoteCheckpoints().download(str(candidates[0]), storage_options)
         try:
-            return load_checkpoint_dir([local], manager=None, verify=verify, allow_pickle=allow_pickle,
-                                       map_location=map_location)
+            return load_checkpoint_dir([local], verify=verify, allow_pickle=allow_pickle, map_location=map_location)
         finally:
             shutil.rmtree(local.parent, ignore_errors=True)
     if skipped := [str(p) for p in candidates[:-1] if not is_committed(p)]:
@@ -245,12 +244,6 @@ def _device(map_location: Any, path: Any) -> torch.device | None:
     except (TypeError, RuntimeError) as exc:
         raise TypeError(f"map_location for {path} names no device: {map_location!r}") from exc
     return None if device.type == "cpu" else device
-
-
-def read_for_lightning(path: str, map_location: Any, weights_only: bool | None) -> dict[str, Any]:
-    """Lightning's own loader (``pl_load``) on a torch-ckpt directory or URL."""
-    return load_checkpoint_dir([path], manager=None, verify=True, allow_pickle=weights_only is False,
-                               map_location=map_location)
 
 
 def is_remote_checkpoint(url: str) -> bool:
