@@ -216,7 +216,7 @@ class AccelerateCheckpointer:
         try:
             self.close()
         finally:
-            compat.plain_end_training(acc)
+            type(acc).end_training(acc)  # Accelerate's own: finishes the trackers, destroys the process group
 
     def _open(self, root: Path | None = None) -> CheckpointManager:
         """The manager (collective at creation): ``project_dir/checkpoints`` with automatic naming, else ``root``."""
@@ -253,8 +253,7 @@ class AccelerateCheckpointer:
         return not self._closed
 
     def _run_hooks(self, kind: str, items: list, folder: Path) -> list[int]:
-        """Run the user's ``save`` or ``load`` pre-hooks on ``items`` (one per plain model); return the indices a
-        hook ``pop()``ed."""
+        """Run the user's ``save``/``load`` pre-hooks on ``items`` (one per plain model); the indices they popped."""
         originals = list(items)
         for hook in list(compat.hooks(self.accelerator, kind).values()):
             hook(*((compat.prepared(self.accelerator, "models"),) if kind == "save" else ()), items, str(folder))

@@ -57,11 +57,6 @@ def plain_load_state(acc: Any, folder: str, load_kwargs: Any, kwargs: dict) -> N
     type(acc).load_state(acc, folder, **extra, **kwargs)
 
 
-def plain_end_training(acc: Any) -> None:
-    """Accelerate's own ``end_training`` (the class method): finishes the trackers, destroys the process group."""
-    type(acc).end_training(acc)
-
-
 def loader_epoch(loader: Any) -> int | None:
     """``DataLoaderShard.iteration``/``DataLoaderDispatcher.iteration``: the epoch counter."""
     value = getattr(loader, "iteration", None)

@@ -176,9 +176,9 @@ class MTBFCheckpoint(OnExceptionCheckpoint):
         if want or sigterm or (self.save_on_train_end and _compat.is_final_batch(trainer)):
             self._save(trainer, step, stopping=sigterm)
         elif self.save_on_train_end and _compat.is_last_batch(trainer):
-            # a stop decided later at this epoch end (should_stop from EarlyStopping, a callback or the module)
-            # saves at on_train_end with the loop state of this moment (see on_train_end)
-            self._epoch_end_loop = (step, _compat.fit_loop_state(trainer))
+            # a stop decided later at this epoch end (EarlyStopping, a callback, the module) saves at on_train_end
+            # with this loop state: a resume then loads the loaders' states (skipped once the epoch is counted)
+            self._epoch_end_loop = (step, trainer.fit_loop.state_dict())
         if sigterm:
             self._setup_io.wait()
             log.warning("[rank %d] SIGTERM: checkpoint of step %d is committed; stopping", trainer.global_rank, step)

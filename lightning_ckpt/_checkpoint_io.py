@@ -54,6 +54,10 @@ _EXIT_WAIT_S = 60.0  # longest wait at interpreter exit for an in-flight save, i
 _PICKLED_FIELDS = ("_config", "verify_on_load", "unsafe_values", "allow_cast", "wait_outside_fit")
 _HPC_NAME = re.compile(r"hpc_ckpt_(\d+)\.ckpt")
 _MARK = "_lightning_ckpt_io"  # the plugin a strategy is attached to; a logger method already deferred
+_UPLOADING = ("{} with log_model uploads checkpoint files only (it keeps paths for which Path.is_file()), and "
+              "AsyncDCPCheckpointIO writes directories: no checkpoint is uploaded. Pass log_model=False and upload the "
+              "checkpoint directories yourself, or use a durable tier (see docs/lightning.md, 'Loggers that upload "
+              "checkpoints').")
 
 
 class _LightningState:
@@ -191,9 +195,7 @@ class AsyncDCPCheckpointIO(CheckpointIO):
         if getattr(strategy, _MARK, None) is self:
             return
         if names := _compat.uploading_loggers(trainer):
-            raise ConfigError(f"{', '.join(names)} with log_model uploads checkpoint files only (Path.is_file()), and "
-                              "AsyncDCPCheckpointIO writes directories: no checkpoint would be uploaded. Pass "
-                              "log_model=False and upload the checkpoint directories yourself (docs/lightning.md)")
+            raise ConfigError(_UPLOADING.format(", ".join(names)))
         original_load = partial(type(strategy).load_checkpoint, strategy)
         original_teardown = partial(type(strategy).teardown, strategy)
         strategy.save_checkpoint = partial(_save_checkpoint, self, strategy)
@@ -277,10 +279,7 @@ class AsyncDCPCheckpointIO(CheckpointIO):
 
     def warn_uploading_loggers(self, names: list[str]) -> None:
         """Warn once that loggers ``names`` upload no checkpoint of ours (``log_model`` picks files only)."""
-        self._warn_once("loggers", f"{', '.join(names)} with log_model uploads checkpoint files only (it keeps paths "
-                        "for which Path.is_file()), and AsyncDCPCheckpointIO writes directories: no checkpoint is "
-                        "uploaded. Pass log_model=False and upload the checkpoint directories yourself, or use a "
-                        "durable tier (see docs/lightning.md, 'Loggers that upload checkpoints').")
+        self._warn_once("loggers", _UPLOADING.format(", ".join(names)))
 
     def link_when_committed(self, target: str, link: str) -> None:
         """Point ``link`` at ``target`` atomically, once ``target``'s save is committed (rank 0 calls it)."""
@@ -410,8 +409,7 @@ class AsyncDCPCheckpointIO(CheckpointIO):
 
 @atexit.register
 def _finish_at_exit() -> None:
-    """A process leaving without ``teardown`` (a ``ddp_spawn`` worker whose ``fit`` raised) commits its in-flight
-    save and its deferred actions (waiting at most ``_EXIT_WAIT_S``); errors are logged."""
+    """Commit a plugin's in-flight save and deferred actions at exit without ``teardown`` (``ddp_spawn`` worker)."""
     for io in list(_LIVE):
         if io._manager is None or not (io._after.pending or io.saving):
             continue
@@ -430,8 +428,7 @@ def _finish_at_exit() -> None:
 
 
 def _instead_of_interrupted(path: Path) -> Path:
-    """``path``, or for a SLURM ``hpc_ckpt_N.ckpt`` whose save a kill interrupted (its reserved name holds hidden
-    partial files only), the newest older committed one, with a warning (as a plain save cut short)."""
+    """``path``, or for an interrupted SLURM ``hpc_ckpt_N.ckpt`` (hidden partial files only) the newest older one."""
     match = _HPC_NAME.fullmatch(path.name)
     if match is None or is_committed(path) or any(not name.startswith(".") for name in os.listdir(path)):
         return path
@@ -487,10 +484,6 @@ def _teardown(io: Any, original_teardown: Any) -> None:
         io.teardown()  # idempotent; the sharded strategies' teardown does not call it
 
 
-def _optimizers(strategy: Any) -> list:
-    return [_compat.unwrap_optimizer(o) for o in strategy.optimizers]
-
-
 def _sharded_module_state(strategy: Any) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
@@ -514,9 +507,10 @@ def _load_checkpoint(io: Any, trainer: Any, original_load: Any, is_sharded: bool
         return original_load(checkpoint_path, weights_only=weights_only)
     fitting = trainer.state.fn == TrainerFn.FITTING
     module = strategy.lightning_module
-    if is_sharded and fitting and _optimizers(strategy):
+    optimizers = [_compat.unwrap_optimizer(o) for o in strategy.optimizers]
+    if is_sharded and fitting and optimizers:
         candidates = io.fallbacks.pop(str(path.absolute()), [path])
-        target = _ShardedTarget(strategy.model, _optimizers(strategy))
+        target = _ShardedTarget(strategy.model, optimizers)
         io.manager(path.parent).restore(target, path=candidates, allow_cast=io.allow_cast)
         return decode_values(target.loaded, allow_pickle=weights_only is False)
     # DDP/single device restore before the optimizers exist: only the model is checked (by the core)

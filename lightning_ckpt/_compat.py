@@ -11,14 +11,13 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
-from lightning_ckpt._load import is_remote_checkpoint, read_for_lightning
+from lightning_ckpt._load import is_remote_checkpoint, load_checkpoint_dir
 
 _MARK = "_lightning_ckpt_wrapped"
 
 
 def set_original_sigterm_handler(trainer: Any, handler: Any) -> bool:
-    """Make Lightning restore ``handler`` for SIGTERM after ``fit`` (``trainer._signal_connector._original_handlers``);
-    False when the trainer has no signal connector."""
+    """Make Lightning restore ``handler`` for SIGTERM after ``fit``; False without a signal connector."""
     connector = getattr(trainer, "_signal_connector", None)
     originals = getattr(connector, "_original_handlers", None)
     if isinstance(originals, dict) and signal.SIGTERM in originals:
@@ -65,8 +64,7 @@ def is_final_batch(trainer: Any) -> bool:
 
 
 def isolate_validation_rng(trainer: Any) -> None:
-    """Run validation during ``fit`` inside ``isolate_rng()`` (Lightning does so for the sanity check only), so a
-    resumed run skips the validation after the saved step exactly. Wraps ``fit_loop.epoch_loop.val_loop.run``."""
+    """Run validation during ``fit`` inside ``isolate_rng()`` (Lightning isolates the sanity check only)."""
     loop = trainer.fit_loop.epoch_loop.val_loop
     if not getattr(loop.run, _MARK, False):
         loop.run = partial(_isolated_run, trainer, loop)  # a partial, not a closure: the trainer still pickles
@@ -87,13 +85,6 @@ def dump_checkpoint(trainer: Any) -> dict[str, Any]:
     return trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
 
 
-def fit_loop_state(trainer: Any) -> dict[str, Any]:
-    """``trainer.fit_loop.state_dict()`` (fresh dicts): a checkpoint's ``loops.fit_loop`` taken now. Taken at an
-    epoch's last batch end, a resume restarts mid-epoch (``FitLoop.restarting``) and loads the loaders' states;
-    once ``on_advance_end`` counted the epoch, ``_load_combined_loader_states`` would skip them."""
-    return trainer.fit_loop.state_dict()
-
-
 def finish_loader_states(checkpoint: dict[str, Any]) -> None:
     """Mark the train loaders' states (``loops.fit_loop.state_dict.combined_loader``) of a checkpoint taken at an
     epoch's last batch as finished iterators: torchdata's ``StatefulDataLoader`` still says "not finished" there,
@@ -112,8 +103,7 @@ def finish_loader_states(checkpoint: dict[str, Any]) -> None:
 
 
 def start_next_epoch(trainer: Any) -> None:
-    """Draw what the next epoch's start draws: set the train samplers' epoch (``_set_sampler_epoch``), create each
-    train loader's iterator (``_combined_loader``), fetch a batch. Only for a run stopping at an epoch end."""
+    """Draw what the next epoch's start draws (samplers' epoch, each train loader's iterator, its first batch)."""
     from lightning.fabric.utilities.data import _set_sampler_epoch
 
     progress = trainer.fit_loop.epoch_progress.current
@@ -137,7 +127,7 @@ def install_hooks() -> None:
 
     * ``ModelCheckpoint._link_checkpoint``: ``save_last="link"`` links wait for the commit of what they name.
     * ``cloud_io._load`` (bound as ``saving.pl_load``, ``torch_io.pl_load``): a directory or URL holding
-      ``manifest.json`` is read by ``read_for_lightning``; another directory's ``IsADirectoryError`` says what to do.
+      ``manifest.json`` is read by ``load_checkpoint_dir``; another directory's ``IsADirectoryError`` says what to do.
     * ``_CheckpointConnector._parse_ckpt_path``: a fresh ``fit`` whose ``OnExceptionCheckpoint`` callbacks are all
       ours, with no checkpoint, loads nothing without Lightning's "last" warnings.
     * ``Trainer.save_checkpoint`` with our IO outside a running ``fit`` returns committed (``wait_outside_fit``).
@@ -184,7 +174,7 @@ def _load(original: Any, path_or_url: Any, map_location: Any = None, weights_onl
     local = text[len("file://"):] if text.startswith("file://") else ("" if "://" in text else text)
     if (local and os.path.isfile(os.path.join(local, "manifest.json"))) or (
             text and not local and is_remote_checkpoint(text)):
-        return read_for_lightning(local or text, map_location, weights_only)
+        return load_checkpoint_dir([local or text], allow_pickle=weights_only is False, map_location=map_location)
     try:
         return original(path_or_url, map_location=map_location, weights_only=weights_only)
     except IsADirectoryError as exc:
@@ -232,7 +222,7 @@ def _cli_ckpt_path(original: Any, self: Any) -> None:
     path = self.config[command].get("ckpt_path") if command else None
     if not (isinstance(path, (str, os.PathLike)) and os.path.isfile(os.path.join(path, "manifest.json"))):
         return original(self)
-    hparams = read_for_lightning(os.fspath(path), "cpu", True).get("hyper_parameters", {})
+    hparams = load_checkpoint_dir([os.fspath(path)], allow_pickle=False, map_location="cpu").get("hyper_parameters", {})
     with tempfile.TemporaryDirectory(prefix="lightning_ckpt_cli_") as tmp:
         torch.save({"hyper_parameters": hparams}, shim := os.path.join(tmp, "hparams.ckpt"))
         self.config[command]["ckpt_path"] = shim

@@ -120,8 +120,7 @@ class RemoteCheckpoints:
         return DurableTier(parent, storage_options=check_options(storage_options), naming=_OneName(name)), name
 
     def local_path(self, url: str) -> Path:
-        """Where ``url``'s checkpoint is committed before its upload: a temporary directory named after the URL's
-        parent, the same on every rank of a node (the manager commits collectively)."""
+        """Where ``url``'s checkpoint is committed before its upload (the same on every rank of a node)."""
         parent, name = self._split(url)
         digest = hashlib.sha1(parent.encode(), usedforsecurity=False).hexdigest()[:16]
         staging = Path(tempfile.gettempdir()) / f"lightning_ckpt_upload_{os.getuid()}_{digest}"
@@ -171,8 +170,7 @@ class RemoteCheckpoints:
 
 
 class _AllValues:
-    """A load target reading every value (this rank's rank-local ones) into new tensors, after the core checked the
-    checkpoint against ``live`` (the live model: keys when ``strict``, shapes, dtypes)."""
+    """A load target reading every value into new tensors, after the core checked them against ``live``."""
 
     loaded: dict[str, Any]
 
@@ -195,9 +193,9 @@ class _AllValues:
         self.loaded = dict(state)
 
 
-def load_checkpoint_dir(candidates: Sequence[Path | str], *, manager: Any, verify: bool, allow_pickle: bool,
-                        map_location: Any = None, live: dict[str, Any] | None = None, strict: bool = True,
-                        allow_cast: bool = False, storage_options: Any = None) -> dict[str, Any]:
+def load_checkpoint_dir(candidates: Sequence[Path | str], *, allow_pickle: bool, manager: Any = None,
+                        verify: bool = True, map_location: Any = None, live: dict[str, Any] | None = None,
+                        strict: bool = True, allow_cast: bool = False, storage_options: Any = None) -> dict[str, Any]:
     """The first intact checkpoint of ``candidates`` (newest first; one URL: downloaded first) as Lightning's dict.
 
     With ``manager`` (attached: every rank calls this) a candidate failing verification is skipped with a warning,
@@ -207,8 +205,7 @@ def load_checkpoint_dir(candidates: Sequence[Path | str], *, manager: Any, verif
     if len(candidates) == 1 and is_url(str(candidates[0])):
         local = RemoteCheckpoints().download(str(candidates[0]), storage_options)
         try:
-            return load_checkpoint_dir([local], manager=None, verify=verify, allow_pickle=allow_pickle,
-                                       map_location=map_location)
+            return load_checkpoint_dir([local], verify=verify, allow_pickle=allow_pickle, map_location=map_location)
         finally:
             shutil.rmtree(local.parent, ignore_errors=True)
     if skipped := [str(p) for p in candidates[:-1] if not is_committed(p)]:
@@ -249,12 +246,6 @@ def _device(map_location: Any, path: Any) -> torch.device | None:
     return None if device.type == "cpu" else device
 
 
-def read_for_lightning(path: str, map_location: Any, weights_only: bool | None) -> dict[str, Any]:
-    """Lightning's own loader (``pl_load``) on a torch-ckpt directory or URL."""
-    return load_checkpoint_dir([path], manager=None, verify=True, allow_pickle=weights_only is False,
-                               map_location=map_location)
-
-
 def is_remote_checkpoint(url: str) -> bool:
     """False also for an unknown protocol or an unreachable store (Lightning's loader then reports the error)."""
     try:
@@ -284,8 +275,7 @@ def load_from_checkpoint(cls: type[Any], checkpoint_path: str | Path, **kwargs: 
 
 
 class _ShardedTarget:
-    """The live sharded model and optimizers as the core's load target (one :class:`torch_ckpt.TrainState`
-    per optimizer; nothing is written before every check and read succeeded); other values are read as is."""
+    """The live sharded model and optimizers (one ``TrainState`` each) as the core's load target."""
 
     rank_local_keys: tuple[str, ...] = ()  # loops and callbacks of rank 0 (the same on every rank here)
 
