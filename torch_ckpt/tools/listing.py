@@ -146,8 +146,7 @@ class _Report:
 
 def _check_structure(loc: Location, manifest: Manifest, listing: dict[str, dict[str, Any]], rep: _Report, *,
                      deep: bool) -> int | None:
-    """The DCP metadata and the per-rank files listed, as a restore checks them; ``deep``: also their contents,
-    the tensor records and the per-rank trees (returns the DCP tensor count)."""
+    """The metadata and rank files as a restore checks them (``deep``: their contents too; returns the tensor count)."""
     md = None
     if METADATA_NAME not in manifest.files:
         rep.problem(METADATA_NAME, "DCP metadata is not listed in the manifest")
@@ -261,8 +260,7 @@ def check_dir(loc: Location, *, checksums: bool, structure: bool,
 
 
 def _ours(child: Location, listing: dict[str, dict[str, Any]]) -> bool:
-    """Whether a directory not named ``step_N`` holds a torch-ckpt manifest (an unreadable one counts:
-    ``check_dir`` reports it corrupt; one without torch-ckpt's ``format`` belongs to another tool)."""
+    """Whether a directory holds a torch-ckpt manifest (an unreadable one counts: ``check_dir`` reports it)."""
     if MANIFEST_NAME not in listing:
         return False
     try:
