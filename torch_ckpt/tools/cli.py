@@ -126,9 +126,10 @@ def _table(rows: list[list[str]], right: tuple[int, ...] = ()) -> list[str]:
             for r in rows]
 
 
-def _emit(args: argparse.Namespace, payload: dict[str, Any], text: str | Callable[[dict[str, Any]], str]) -> int:
+def _emit(args: argparse.Namespace, payload: dict[str, Any], text: str | Callable[[dict[str, Any]], str],
+          code: int = 0) -> int:
     print(json.dumps(payload, indent=2) if args.json else text if isinstance(text, str) else text(payload))
-    return 0
+    return code
 
 
 def interval_rows(plans: list[dict[str, Any]]) -> str:
@@ -331,8 +332,7 @@ def _cmd_ls(args: argparse.Namespace) -> int:
 
     result = list_root(_open(args.root, args), verify=args.verify, check_tiers=args.check_tiers,
                        progress=not args.quiet)
-    _emit(args, result, _ls_text)
-    return 1 if result["counts"][CORRUPT] else 0
+    return _emit(args, result, _ls_text, 1 if result["counts"][CORRUPT] else 0)
 
 
 def _ls_text(result: dict[str, Any]) -> str:
@@ -427,8 +427,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     from torch_ckpt.tools.listing import verify_path
 
     result = verify_path(_open(args.target, args), checksums=not args.no_checksums, progress=not args.quiet)
-    _emit(args, result, _verify_text)
-    return 0 if result["ok"] else 1
+    return _emit(args, result, _verify_text, 0 if result["ok"] else 1)
 
 
 def _verify_text(r: dict[str, Any]) -> str:

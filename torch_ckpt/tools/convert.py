@@ -322,10 +322,9 @@ def import_dcp(src: str | os.PathLike, root: str | os.PathLike, step: int, *, li
             pickle.dump(slim, f)
             f.flush()
             os.fsync(f.fileno())
-        files = {name: dict(zip(("bytes", "crc32"), file_crc32(tmp / name))) for name in [*data, METADATA_NAME]}
-        size, crc = write_json_durable(tmp / rank_file_name(0), {"step": step, "rank": 0, "world_size": 1,
-                                                                  "tree": tree})
-        files[rank_file_name(0)] = {"bytes": size, "crc32": crc}
+        write_json_durable(tmp / rank_file_name(0), {"step": step, "rank": 0, "world_size": 1, "tree": tree})
+        files = {name: dict(zip(("bytes", "crc32"), file_crc32(tmp / name)))
+                 for name in [*data, METADATA_NAME, rank_file_name(0)]}
         payload = sum(m.properties.dtype.itemsize * int(torch.Size(m.size).numel()) for m in specs.values())
         write_json_durable(tmp / MANIFEST_NAME, Manifest(step=step, world_size=1, files=files,
                                                          tensor_bytes=payload).to_json())

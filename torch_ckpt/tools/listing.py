@@ -92,12 +92,14 @@ _SUPERSEDED_RE = re.compile(r"^\.superseded_(.+?)\.\d+(?:\.\d+)?$")
 _NO_CHECKPOINT = "(a checkpoint is a directory holding a torch-ckpt manifest.json)"
 
 
-def require_dir(loc: Location) -> None:
-    """Raise :class:`PathNotFoundError` unless ``loc`` is an existing directory."""
+def open_dir(where: str | os.PathLike | Location, storage_options: dict[str, Any] | None) -> Location:
+    """``where`` as a :class:`Location`; :class:`PathNotFoundError` unless it is an existing directory."""
+    loc = as_location(where, storage_options=storage_options)
     if not loc.exists():
         raise PathNotFoundError(f"{loc.describe()} does not exist")
     if not loc.is_dir():
         raise PathNotFoundError(f"{loc.describe()} is not a directory")
+    return loc
 
 
 def iso_time(ts: float | None) -> str | None:
@@ -144,8 +146,7 @@ class _Report:
 
 def _check_structure(loc: Location, manifest: Manifest, listing: dict[str, dict[str, Any]], rep: _Report, *,
                      deep: bool) -> int | None:
-    """The DCP metadata and the per-rank files listed, as a restore checks them; ``deep``: also their contents,
-    the tensor records and the per-rank trees (returns the DCP tensor count)."""
+    """The metadata and rank files as a restore checks them (``deep``: their contents too; returns the tensor count)."""
     md = None
     if METADATA_NAME not in manifest.files:
         rep.problem(METADATA_NAME, "DCP metadata is not listed in the manifest")
@@ -259,8 +260,7 @@ def check_dir(loc: Location, *, checksums: bool, structure: bool,
 
 
 def _ours(child: Location, listing: dict[str, dict[str, Any]]) -> bool:
-    """Whether a directory not named ``step_N`` holds a torch-ckpt manifest (an unreadable one counts:
-    ``check_dir`` reports it corrupt; one without torch-ckpt's ``format`` belongs to another tool)."""
+    """Whether a directory holds a torch-ckpt manifest (an unreadable one counts: ``check_dir`` reports it)."""
     if MANIFEST_NAME not in listing:
         return False
     try:
@@ -306,8 +306,7 @@ def list_root(root: str | os.PathLike | Location, *, storage_options: dict[str, 
         PathNotFoundError: ``root`` does not exist or is not a directory.
         CheckpointNotFoundError: ``root`` is itself a plain DCP folder (the message names the import command).
     """
-    loc = as_location(root, storage_options=storage_options)
-    require_dir(loc)
+    loc = open_dir(root, storage_options)
     own = "durable" if loc.remote else "local"
     now = time.time()
     rows: list[dict[str, Any]] = []
@@ -421,8 +420,7 @@ def find_checkpoint(where: str | os.PathLike | Location, *, step: int | None = N
         CheckpointNotFoundError: the root has no committed checkpoint (of that step); a plain DCP
             folder, or a root holding one, is named with the ``torch-ckpt import`` command.
     """
-    loc = as_location(where, storage_options=storage_options)
-    require_dir(loc)
+    loc = open_dir(where, storage_options)
     if loc.exists(METADATA_NAME) and is_plain_dcp(loc.entries()):
         raise CheckpointNotFoundError(f"{loc.describe()} is a {plain_dcp_reason(loc)}")
     if looks_like_checkpoint(loc):
@@ -464,8 +462,7 @@ def verify_checkpoint(where: str | os.PathLike | Location, *, storage_options: d
     Raises:
         PathNotFoundError: ``where`` does not exist.
     """
-    loc = as_location(where, storage_options=storage_options)
-    require_dir(loc)
+    loc = open_dir(where, storage_options)
     return check_dir(loc, checksums=checksums, structure=True, progress=progress)[0]
 
 
@@ -508,8 +505,7 @@ def verify_path(where: str | os.PathLike | Location, *, storage_options: dict[st
                 checksums: bool = True, progress: bool = False) -> dict[str, Any]:
     """Verify a checkpoint directory, or every checkpoint of a root (:func:`verify_root`'s shape both
     times; ``kind`` is "checkpoint" or "root"); a plain DCP folder fails with the import command."""
-    loc = as_location(where, storage_options=storage_options)
-    require_dir(loc)
+    loc = open_dir(where, storage_options)
     if looks_like_checkpoint(loc) or (loc.exists(METADATA_NAME) and is_plain_dcp(loc.entries())):
         return _summary(loc, "checkpoint", [check_dir(loc, checksums=checksums, structure=True, progress=progress)[0]],
                         [])

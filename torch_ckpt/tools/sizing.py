@@ -151,8 +151,7 @@ def _gbps(nbytes: int, seconds: float) -> float:
 
 
 def _best_copy(nbytes: int, time_limit_s: float, *, cuda: bool) -> tuple[float, int]:
-    """Best seconds of up to 3 copies (and how many ran) into preallocated host memory, from
-    host memory or (``cuda``) from the device into pinned memory, as a save stages."""
+    """``(best seconds, copies run)`` of up to 3 copies into preallocated memory (``cuda``: device to pinned host)."""
     import torch
 
     src = torch.empty(nbytes, dtype=torch.uint8, device="cuda" if cuda else "cpu").fill_(7)
