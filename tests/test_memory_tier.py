@@ -253,14 +253,19 @@ def test_a_damaged_memory_copy_falls_back_to_disk_with_a_warning(tmp_path, caplo
     assert any("memory tier: step 5" in r.getMessage() for r in caplog.records), caplog.text
 
 
-def test_rollback_never_resumes_abandoned_memory_steps(tmp_path):
-    """After restoring an older disk step and saving, the newer memory steps are gone for good."""
+def _disk_2_then_memory_3_to_5(tmp_path: Path) -> None:
+    """Disk step 2, then memory steps 3, 4 and 5 (trained between saves), all kept."""
     state, model, opt = _state()
     with _manager(tmp_path, memory_keep_last=5) as mgr:
         mgr.save(2, state)
         for step in (3, 4, 5):
             _train(model, opt, step)
             mgr.save(step, state, tier="memory")
+
+
+def test_rollback_never_resumes_abandoned_memory_steps(tmp_path):
+    """After restoring an older disk step and saving, the newer memory steps are gone for good."""
+    _disk_2_then_memory_3_to_5(tmp_path)
     fresh, model2, opt2 = _state(seed=1)
     with _manager(tmp_path) as mgr:
         assert mgr.restore(fresh, step=2) == 2
@@ -292,12 +297,7 @@ def _abandon_memory_steps_after(tmp_path: Path, monkeypatch, *, restore_kwargs) 
     then dies before the memory tier deletes the abandoned steps (the drop is disabled)."""
     from torch_ckpt.manager._memory import MemoryTier
 
-    state, model, opt = _state()
-    with _manager(tmp_path, memory_keep_last=5) as mgr:
-        mgr.save(2, state)
-        for step in (3, 4, 5):
-            _train(model, opt, step)
-            mgr.save(step, state, tier="memory")
+    _disk_2_then_memory_3_to_5(tmp_path)
     monkeypatch.setattr(MemoryTier, "before_disk_save", lambda self, step: None)  # the crash window
     fresh, model2, opt2 = _state(seed=1)
     with _manager(tmp_path) as mgr:
