@@ -598,3 +598,21 @@ def test_a_checkpoint_directory_given_as_the_root_is_refused(tmp_path):
     with pytest.raises(ConfigError, match=r"is a checkpoint directory .* not a run root") as info:
         CheckpointManager(step_dir)
     assert str(step_dir.parent) in str(info.value)
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"durable_url": "nosuchprotocol://bucket/run"},  # the durable tier refuses its URL
+    {"memory_root": "{root}.file"},  # the memory tier refuses its root (a file)
+    {"durable_url": "file://{root}/inside"},  # the durable tier inside the local root
+])
+def test_a_refused_construction_leaves_the_signal_handlers_as_they_were(tmp_path, kwargs):
+    """A CheckpointManager whose construction is refused installs no preemption handler."""
+    import signal
+
+    before = signal.getsignal(signal.SIGUSR1)
+    root = tmp_path / "run"
+    (tmp_path / "run.file").write_text("not a directory")
+    kwargs = {k: v.format(root=root) for k, v in kwargs.items()}
+    with pytest.raises(ConfigError):
+        CheckpointManager(root, preemption_signals=("SIGUSR1",), **kwargs)
+    assert signal.getsignal(signal.SIGUSR1) is before

@@ -532,7 +532,6 @@ class CheckpointManager:
         self.read_only = cfg.read_only
         save_policy = cfg.build_save_policy()
         self._cadence = Cadence(save_policy) if save_policy is not None else None
-        self._preemption = PreemptionFlag(cfg.preemption_signals)
         self._preemption_timeout = cast(float, cfg.preemption_timeout_seconds)
         self._tier = DurableTier(cfg.durable_url, storage_options=cfg.storage_options, verify=cfg.durable_verify,
                                  naming=naming, upload_threads=cfg.durable_upload_threads,
@@ -567,6 +566,8 @@ class CheckpointManager:
         self._health = HealthReport(root, naming, self._tier, self._runs, self._ckpt, self._after)
         self.restore_source: str | None = None  # node-local roots or memory: where this rank's last restore read from
         self._lock = RootLock(root, drain=self._ckpt.drain)
+        # the signal handlers go in only now: a construction refused above leaves the process's handlers as they were
+        self._preemption = PreemptionFlag(cfg.preemption_signals)
         self._replicate_every = cfg.replicate_every_n_saves
         self._saves = 0
         error = None
