@@ -373,6 +373,33 @@ def test_a_memory_save_after_a_rollback_sets_abandoned_disk_steps_aside(tmp_path
     assert torch.equal(model3[0].weight, expected)
 
 
+def test_abandoned_disk_steps_are_set_aside_once_per_restore(tmp_path, monkeypatch):
+    """After a rollback only the first memory save scans the disk root for abandoned steps; later ones do not."""
+    import torch_ckpt.manager._manager as manager_mod
+
+    state, model, opt = _state()
+    with _manager(tmp_path) as mgr:
+        for step in (2, 4):
+            _train(model, opt, step)
+            mgr.save(step, state)
+    fresh, _, _ = _state(seed=1)
+    with _manager(tmp_path, memory_keep_last=5) as mgr:
+        assert mgr.restore(fresh, step=2) == 2
+        mgr.save(3, fresh, tier="memory")
+        scans: list[Path] = []
+        real = manager_mod.scan_manifests
+
+        def counted(root, naming):
+            scans.append(root)
+            return real(root, naming)
+
+        monkeypatch.setattr(manager_mod, "scan_manifests", counted)
+        mgr.save(4, fresh, tier="memory")
+        mgr.save(5, fresh, tier="memory")
+    assert scans == []
+    assert _steps(tmp_path / "disk") == [2]
+
+
 def test_health_reports_memory_step_age_and_restart_exposure(tmp_path):
     """health() gives memory_step, memory_age_s and lost_work_if_restart_now_s (newest of any tier)."""
     state, _, _ = _state()

@@ -103,6 +103,7 @@ class RunLineage:
         self.newest_known: int | None = None  # newest step known to be under the root (None: scan)
         self.captured_at: dict[int, float] = {}  # step -> Unix time its state was captured (last 256)
         self._lineage: Lineage | None = None  # segment of the next saves; None: not known yet
+        self._abandoned_pending = False  # a restore happened: the abandoned steps are not set aside yet
 
     def head(self) -> Lineage:
         """The segment of the next saves: the one a restore chose, else the head of the local root's history."""
@@ -135,17 +136,20 @@ class RunLineage:
 
     def restored(self, step: int, lineage: Lineage | None) -> None:
         """A restore loaded ``step``; the next saves belong to ``lineage`` (on the rank acting on the root)."""
-        self.restored_step, self.newest_known = step, None
+        self.restored_step, self.newest_known, self._abandoned_pending = step, None, True
         if lineage is not None:
             self._lineage = lineage
 
     def set_aside_abandoned(self) -> None:
         """After a rollback, before the new timeline's first save of any tier commits: move the local steps the
         head does not hold aside (``.superseded_*``), so no restart resumes them, whatever tier it finds."""
+        if not self._abandoned_pending:  # once per restore, not at every memory save until the next disk save
+            return
         head = self.head()
         for s, (s_path, s_manifest) in scan_manifests(self.root, self.naming).items():
             if not head.holds(s, s_manifest.lineage):
                 quarantine_step_dir(s_path, reason="superseded")
+        self._abandoned_pending = False
 
 
 class SaveGuard:
