@@ -17,7 +17,7 @@ import pytest
 import torch
 from _dist import run_distributed
 
-from torch_ckpt import CheckpointError, CheckpointManager, ConfigError, TrainState
+from torch_ckpt import CheckpointError, CheckpointManager, CheckpointWriteError, ConfigError, TrainState
 from torch_ckpt.config import CheckpointConfig
 from torch_ckpt.root._layout import MANIFEST_NAME, read_manifest
 from torch_ckpt.tools.cli import main as cli
@@ -627,3 +627,10 @@ def test_a_durable_url_inside_memory_root_is_refused(tmp_path):
     with pytest.raises(ConfigError, match="memory_root"):
         CheckpointManager(tmp_path / "disk", memory_root=str(tmp_path / "mem"), async_save=False,
                           durable_url=(tmp_path / "mem").as_uri())
+
+
+def test_a_memory_root_that_cannot_be_created_is_named_memory_root(tmp_path):
+    """A memory_root that cannot be created (its parent is a file) is refused naming memory_root."""
+    (tmp_path / "afile").write_text("not a directory")
+    with pytest.raises(CheckpointWriteError, match=r"cannot create memory_root .*afile/mem"):
+        CheckpointManager(tmp_path / "disk", memory_root=str(tmp_path / "afile" / "mem"), async_save=False)

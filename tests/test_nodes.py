@@ -75,3 +75,12 @@ def test_leader_is_the_lowest_rank_of_its_node():
 def test_metadata_name_is_per_node_and_sortable():
     """Each node's metadata file has its own zero-padded name."""
     assert metadata_name(3) == "node_00003.metadata" and metadata_name(3) != metadata_name(30)
+
+
+def test_a_node_local_root_that_cannot_be_created_is_a_write_error_naming_it(tmp_path):
+    """A node-local root whose parent is a file is refused with CheckpointWriteError naming the root."""
+    from torch_ckpt import CheckpointManager, CheckpointWriteError
+
+    (tmp_path / "afile").write_text("not a directory")
+    with pytest.raises(CheckpointWriteError, match=r"cannot create checkpoint root .*afile/run"):
+        CheckpointManager(tmp_path / "afile" / "run", local_root_shared=False, async_save=False)

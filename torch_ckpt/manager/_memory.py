@@ -108,7 +108,7 @@ class MemoryTier:
         leader = self.layout.is_leader
         if leader:
             try:
-                check_root(root, create=not self.read_only)
+                check_root(root, create=not self.read_only, what="memory_root")
                 self.error = _claim(root, disk_root, read_only=self.read_only)
             except CheckpointNotFoundError:
                 pass  # read-only and missing: nothing to restore from memory

@@ -342,8 +342,8 @@ def update_manifest_tiers(step_dir: Path, tiers: dict[str, Any]) -> None:
     fsync_dir(step_dir)
 
 
-def check_root(root: Path, *, create: bool) -> None:
-    """Validate a checkpoint root; with ``create``, create it.
+def check_root(root: Path, *, create: bool, what: str = "checkpoint root") -> None:
+    """Validate a checkpoint root; with ``create``, create it. ``what`` names it in messages (``memory_root``).
 
     Raises:
         CheckpointWriteError: the root exists but is not a directory, or cannot be created.
@@ -352,17 +352,17 @@ def check_root(root: Path, *, create: bool) -> None:
             start from scratch and write steps inside a checkpoint.
     """
     if root.exists() and not root.is_dir():
-        raise CheckpointWriteError(f"checkpoint root {root} exists but is not a directory; pass a directory path")
+        raise CheckpointWriteError(f"{what} {root} exists but is not a directory; pass a directory path")
     if (root / MANIFEST_NAME).is_file():
         raise ConfigError(f"{root} is a checkpoint directory (it holds {MANIFEST_NAME}), not a run root: pass the "
                           f"run root that contains it ({root.parent}), or restore(path='{root}') to load this one")
     if not root.exists():
         if not create:
-            raise CheckpointNotFoundError(f"checkpoint root {root} does not exist")
+            raise CheckpointNotFoundError(f"{what} {root} does not exist")
         try:
             root.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
-            raise CheckpointWriteError(exc.errno, f"cannot create checkpoint root {root}: {exc.strerror}; "
+            raise CheckpointWriteError(exc.errno, f"cannot create {what} {root}: {exc.strerror}; "
                                        "choose a writable location") from exc
 
 

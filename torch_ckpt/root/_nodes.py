@@ -137,10 +137,11 @@ class NodeLayout:
         file system with ``local_root_shared=False`` would let nodes overwrite each other's manifests),
         else None. Each leader writes a probe file; after a barrier it looks for the others'."""
         probe = root / f".node_probe.{self.node}.{secrets.token_hex(8)}"
-        error = None
+        error, written = None, False
         if ok and self.is_leader:
             try:
                 probe.write_bytes(b"")
+                written = True
             except OSError as exc:
                 error = f"cannot write {probe}: {exc.strerror}"
         ctx.barrier(what="private root check")
@@ -150,7 +151,7 @@ class NodeLayout:
                 error = (f"{root} is seen by more than one node (it holds {others[0]}): it is a shared directory. Pass "
                          "CheckpointManager(..., local_root_shared=True), or give each node a directory of its own")
         ctx.barrier(what="private root check")
-        if self.is_leader:
+        if written:  # not when the root could not be created (its parent may be a file)
             probe.unlink(missing_ok=True)
         return error
 
