@@ -512,7 +512,7 @@ def _two_nodes(rank, world, base, drop_node):
     os.environ.update(LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", GROUP_RANK=str(rank))
     node = Path(base) / f"node{rank}"
     state, model, opt = _state()
-    kwargs = dict(memory_root=str(node / "mem"), async_save=False)
+    kwargs = dict(memory_root=str(node / "mem"), async_save=False, memory_replicas=0 if drop_node is not None else 1)
     with CheckpointManager(node / "disk", save_every_n_steps=2, memory_every_n_steps=1, **kwargs) as mgr:
         for step in range(1, 4):
             _train(model, opt, step)
@@ -584,7 +584,8 @@ def test_two_nodes_restore_from_their_own_memory_roots(tmp_path):
 
 @pytest.mark.slow
 def test_a_node_missing_its_memory_copy_falls_back_to_disk(tmp_path):
-    """When one node lacks its memory copy of the newest step, both nodes restore the disk step."""
+    """Without peer replicas (memory_replicas=0), when one node lacks its memory copy of the newest step, both
+    nodes restore the disk step."""
     run_distributed(_two_nodes, 2, str(tmp_path), 1, timeout_s=240)
 
 

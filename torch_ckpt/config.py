@@ -97,14 +97,22 @@ class CheckpointConfig:
         durable_create: Create a missing durable bucket; by default it is an outage (``DurableUnavailableError``).
         memory_root: Local directory of the memory tier, typically under ``/dev/shm`` (tmpfs: it outlives the
             trainer process, not the node); ``None``: no memory tier. Each node keeps its own copy there (the
-            node-local layout, even for one node); not the root nor inside it. Without peer replication a node
-            loss loses that node's memory copies and ``restore()`` falls back to the disk and durable tiers.
+            node-local layout, even for one node); not the root nor inside it. A node loss loses that node's
+            memory copies: ``restore()`` takes them from a partner's replica (``memory_replicas``), else
+            falls back to the disk and durable tiers.
         memory_every_n_steps: Memory tier: ``save_if_due()`` saves into ``memory_root`` every this many steps
             when no disk save is due (int >= 1).
         memory_every_seconds: Memory tier: ``save_if_due()`` saves into ``memory_root`` once this much time
             passed since the last memory save, when no disk save is due (seconds or duration, > 0).
         memory_keep_last: Memory tier retention: keep this many newest steps in ``memory_root`` (int >= 1;
             each kept step holds about the node's share of the state in RAM).
+        memory_replicas: Memory tier: partner nodes that hold a copy of each node's newest memory step in
+            their ``memory_root`` (int >= 0; 0: none), sent in the background after each memory save and
+            checked by CRC-32 on arrival, so a node loss resumes from a partner's RAM. Ignored on one node.
+        memory_partner_stride: Memory tier: node ``k`` sends to nodes ``k + stride * i`` (mod the node count),
+            ``i = 1..memory_replicas``; e.g. the nodes per rack, so that a copy leaves the rack (int >= 1).
+        memory_replication_bytes_per_second: Memory tier: cap on the bytes per second each node sends to
+            its partners (int or size such as ``"1GB"``); ``None``: no cap.
 
     Raises:
         ConfigError: A value is out of range or of the wrong type, or two fields conflict; the
@@ -153,6 +161,9 @@ class CheckpointConfig:
     memory_every_n_steps: int | None = None
     memory_every_seconds: float | str | None = None
     memory_keep_last: int = 2
+    memory_replicas: int = 1
+    memory_partner_stride: int = 1
+    memory_replication_bytes_per_second: int | str | None = None
 
     def __post_init__(self) -> None:
         for name in ("async_save", "overlap_staging", "verify_on_load", "read_only", "durable_create",
@@ -164,8 +175,9 @@ class CheckpointConfig:
                 check_int(name, getattr(self, name), 1)
         if self.local_root_shared is not None and not isinstance(self.local_root_shared, bool):
             raise ConfigError(f"local_root_shared must be true, false or None, got {self.local_root_shared!r}")
-        for name in ("min_interval_steps", "replicate_every_n_saves", "memory_keep_last"):
+        for name in ("min_interval_steps", "replicate_every_n_saves", "memory_keep_last", "memory_partner_stride"):
             check_int(name, getattr(self, name), 1)
+        check_int("memory_replicas", self.memory_replicas, 0)
         for name in ("thread_count", "durable_upload_threads"):  # threads (and files) per rank
             check_int(name, getattr(self, name), 1, maximum=256)
         check_int("writer_niceness", self.writer_niceness, 0, maximum=19)
@@ -181,8 +193,9 @@ class CheckpointConfig:
             if getattr(self, name) is not None or name not in ("mtbf_seconds", "save_every_seconds",
                                                                "memory_every_seconds"):
                 self._set(name, to_seconds(name, getattr(self, name), positive=positive))  # three are optional
-        if self.staging_budget_bytes is not None:
-            self._set("staging_budget_bytes", to_bytes("staging_budget_bytes", self.staging_budget_bytes))
+        for name in ("staging_budget_bytes", "memory_replication_bytes_per_second"):
+            if getattr(self, name) is not None:
+                self._set(name, to_bytes(name, getattr(self, name)))
         for name, kind, what in (("retention", RetentionPolicy, "be a RetentionPolicy (keep(steps) -> set)"),
                                  ("save_policy", SavePolicy, "be a SavePolicy (YoungDaly, EveryNSteps, ...)"),
                                  ("naming", Naming, "provide name(step) and step_of(name) (torch_ckpt.policy.Naming)"),

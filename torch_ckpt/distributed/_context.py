@@ -200,6 +200,11 @@ class DistContext:
             with suppress(Exception):  # a broken group may refuse a clean shutdown
                 dist.destroy_process_group(g)
 
+    def new_group(self) -> Any:
+        """Collective: one more gloo group over the checkpoint ranks, for a background protocol of its own."""
+        timeout = datetime.timedelta(seconds=self.timeout_seconds)
+        return dist.new_group(ranks=self._ranks, backend="gloo", timeout=timeout)
+
     def _new_group(self, name: str) -> Any:
         """A gloo group over this context's ranks with an explicit name (``new_group`` would use its counter)."""
         c10d = dist.distributed_c10d

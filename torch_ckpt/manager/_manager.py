@@ -517,6 +517,9 @@ class CheckpointManager:
         memory_every_n_steps: int | None | DefaultType = DEFAULT,
         memory_every_seconds: float | str | None | DefaultType = DEFAULT,
         memory_keep_last: int | DefaultType = DEFAULT,
+        memory_replicas: int | DefaultType = DEFAULT,
+        memory_partner_stride: int | DefaultType = DEFAULT,
+        memory_replication_bytes_per_second: int | str | None | DefaultType = DEFAULT,
     ) -> None:
         settings = {k: v for k, v in locals().items() if k in _SETTINGS and v is not DEFAULT}  # what was passed
         if not isinstance(directory, (str, os.PathLike)) or str(directory) == "":

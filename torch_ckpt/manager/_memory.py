@@ -3,8 +3,10 @@
 ``memory_root`` (typically under ``/dev/shm``) holds the same checkpoints as the disk root (DCP
 files, ``manifest.json`` with CRC-32, the atomic commit), always in the node-local layout
 (:class:`~torch_ckpt.root._nodes.NodeLayout`, even for one node): every node keeps its own copy, so
-a restarted process on the same nodes resumes from RAM. There is no peer replication yet: a node
-loss loses its memory copies, and a restore falls back to the disk and durable tiers.
+a restarted process on the same nodes resumes from RAM. With ``memory_replicas`` (default 1) and two
+nodes or more, each node's newest memory step is also held by partner nodes
+(:mod:`torch_ckpt.tiers._peers`): a restore gives a node that lost its copy the partner's, checked by
+CRC-32, before falling back to the disk and durable tiers.
 
 A memory save goes through the manager's one :class:`~torch_ckpt.save._checkpointer.AsyncCheckpointer`
 (its request names this tier's layout) and never counts as a persistent save: the disk cadence,
@@ -17,10 +19,11 @@ from __future__ import annotations
 
 import functools
 import shutil
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from torch_ckpt._logging import get_logger
 from torch_ckpt.config import CheckpointConfig
@@ -52,6 +55,7 @@ from torch_ckpt.save._checkpointer import AsyncCheckpointer
 from torch_ckpt.save._persist import SaveRequest
 from torch_ckpt.save._persist_nodes import persist_node_local
 from torch_ckpt.storage._locations import DurableUnavailableError
+from torch_ckpt.tiers._peers import PeerReplicator, repair, replica_inventory
 
 __all__ = ["MemoryTier", "TIERS", "OWNER_NAME", "is_memory_save", "memory_health"]
 
@@ -101,6 +105,7 @@ class MemoryTier:
         self.captured_at: dict[int, float] = {}  # step -> Unix time its state was captured (last 64)
         self.rolled_back_to: int | None = None  # a restore's step: newer memory steps go at the next save
         self.listed: dict[int, Lineage] = {}  # every node's memory steps at the last restore: {step: lineage}
+        self.last_step: int | None = None  # the newest step seen by save() or due(), for health()
         self.error: CheckpointError | None = None
         self._lock: RootLock | None = None
         # forced node-local (shared=False): each node keeps its own copy, even for one node
@@ -129,9 +134,26 @@ class MemoryTier:
                 clean_stale_temporaries(root, keep_incarnation=engine.incarnation, naming=naming)
             except CheckpointError as exc:
                 self.error = exc
+        self.peers: PeerReplicator | None = None
+        self._retention = threading.Lock()
+        count, replicas = self.layout.node_count, config.memory_replicas
+        if count == 1 and replicas and leader and not self.read_only:
+            log.warning("memory tier: one node, so no partner holds a replica: a node loss loses the memory copies "
+                        "(restore falls back to the disk and durable tiers)")
+        elif count > 1 and replicas and not self.read_only:
+            try:  # collective on every rank (the group); the same ConfigError everywhere
+                self.peers = PeerReplicator(root, naming, self.layout, ctx, replicas=replicas,
+                                            stride=config.memory_partner_stride,
+                                            bytes_per_second=cast(Any, config.memory_replication_bytes_per_second),
+                                            on_safe=lambda: _delete(self._retire()))
+            except ConfigError as exc:
+                self.error = self.error or exc
 
     def close(self) -> None:
-        """Release the memory root's lock (the checkpoints stay)."""
+        """Finish peer replication of the steps committed so far, release the memory root's lock (the
+        checkpoints stay)."""
+        if self.peers is not None:
+            self.peers.close(self.ctx.timeout_seconds)
         if self._lock is not None:
             self._lock.release()
 
@@ -168,6 +190,8 @@ class MemoryTier:
                               after_commit=self._after_commit)
         captured = time.time()
         handle = self.engine.submit(request, state, refused=refused, started_at=started_at, waited_s=waited)
+        if valid:
+            self.last_step = step if self.last_step is None else max(self.last_step, step)
         self.captured_at[step] = captured
         while len(self.captured_at) > 64:
             self.captured_at.pop(next(iter(self.captured_at)))
@@ -180,6 +204,7 @@ class MemoryTier:
         and no save (of either tier) is still being written (a due save is put off rather than making training wait)."""
         if self.cadence is None:
             return False
+        self.last_step = step if self.last_step is None else max(self.last_step, step)
         now = time.monotonic()
         self.cadence.record_step(step, now)
         decision = self.cadence.decide(step, now) and self.engine.in_flight is None \
@@ -188,11 +213,14 @@ class MemoryTier:
 
     def disk_saved(self, step: int) -> None:
         """A disk save of ``step`` began: the memory clock restarts (a newer checkpoint exists)."""
+        self.last_step = step if self.last_step is None else max(self.last_step, step)
         if self.cadence is not None:
             self.cadence.policy.record_save(step, blocking_s=0.0, durable_after_s=None, now_s=time.monotonic())
 
     def before_disk_save(self, step: int) -> None:
         """A disk save of ``step`` was submitted: memory steps of an abandoned timeline go (see :meth:`_drop`)."""
+        if isinstance(step, int):
+            self.last_step = step if self.last_step is None else max(self.last_step, step)
         if self.layout.is_leader and not self.read_only:
             self._drop(step, inclusive=False)
 
@@ -202,6 +230,8 @@ class MemoryTier:
         and a restart must never resume them."""
         limit = step if self.rolled_back_to is None else min(step, self.rolled_back_to)
         self.rolled_back_to = None
+        if self.peers is not None:
+            self.peers.drop_newer(limit if inclusive else step)
         if not self.root.is_dir():
             return
         doomed = []
@@ -224,16 +254,25 @@ class MemoryTier:
         """Writer thread, every rank: memory retention on each node's leader (``memory_keep_last`` newest)."""
         if not self.layout.is_leader:
             return None
-        try:
-            committed = scan_committed(self.root, self.naming)
-            retired = []
-            for s in apply_retention(KeepLatest(count=self.keep_last), list(committed)):
-                retired.append(retire_step_dir(committed[s]))
-                log.debug("memory retention removed step %d (%s)", s, committed[s])
-        except (OSError, CheckpointError) as exc:
-            log.warning("memory retention after committing %s failed: %s: %s", final, type(exc).__name__, exc)
-            return None
+        if self.peers is not None:
+            self.peers.committed(cast(int, self.naming.step_of(final.name)))
+        retired = self._retire()
         return functools.partial(_delete, retired) if retired else None
+
+    def _retire(self) -> list[Path]:
+        """Leader (writer or replication thread): retire the memory steps retention drops: all but the
+        ``memory_keep_last`` newest, the step being sent to the partners and the newest node-loss-safe one."""
+        with self._retention:
+            keep = self.peers.keeps() if self.peers is not None else set()
+            retired = []
+            try:
+                committed = scan_committed(self.root, self.naming)
+                for s in apply_retention(KeepLatest(count=self.keep_last), list(committed), protected=sorted(keep)):
+                    retired.append(retire_step_dir(committed[s]))
+                    log.debug("memory retention removed step %d (%s)", s, committed[s])
+            except (OSError, CheckpointError) as exc:
+                log.warning("memory retention in %s failed: %s: %s", self.root, type(exc).__name__, exc)
+            return retired
 
     # -- restore ---------------------------------------------------------------------------------
     def restore(self, *, step: int | None, disk_root: Path, tier: Any, load: Callable[[Path], None],
@@ -251,7 +290,13 @@ class MemoryTier:
             StateMismatchError: the memory checkpoint does not fit the live state.
         """
         plan = self._plan(step, disk_root, tier, choose=choose)
-        for cand, lineage in plan:
+        for cand, lineage, repairs in plan:
+            problem = repair(self.layout, self.ctx, self.root, self.naming, cand, repairs) if repairs else None
+            if problem is not None:
+                log.warning("memory tier: step %d could not be rebuilt from the partners' replicas (%s); falling back "
+                            "to %s", cand, problem, "an older memory step" if cand != plan[-1][0] else
+                            "the disk and durable tiers")
+                continue
             try:
                 restore_node_local(self.layout, self.ctx, None, self.root, self.naming, load, step=cand,
                                    read_only=True)
@@ -269,10 +314,10 @@ class MemoryTier:
         """A restore (of any tier) loaded ``step``: memory steps newer than it go at the next save."""
         self.rolled_back_to = step
 
-    def _plan(self, step: int | None, disk_root: Path, tier: Any, *, choose: bool) -> list[tuple[int, Lineage]]:
-        """Every rank: the memory candidates, newest first, each with the run segment it continues (rank 0 decides);
-        sets :attr:`listed`."""
-        mine: tuple[Any, ...] = (self.layout.node, None, {}, {})
+    def _plan(self, step: int | None, disk_root: Path, tier: Any, *, choose: bool) -> list[tuple[int, Lineage, Any]]:
+        """Every rank: the memory candidates, newest first, each with the run segment it continues and the nodes to
+        rebuild from a partner's replica, ``{node: holder}`` (rank 0 decides); sets :attr:`listed`."""
+        mine: tuple[Any, ...] = (self.layout.node, None, {}, {}, {})
         try:
             inv = local_inventory(self.root, self.naming, self.layout) \
                 if self.layout.is_leader and self.root.is_dir() else None
@@ -280,20 +325,22 @@ class MemoryTier:
                 if inv is not None else {}
             disk = {s: m.lineage for s, (_, m) in scan_manifests(disk_root, self.naming).items()} \
                 if self.runs.acts_on_root and disk_root.is_dir() else {}
-            mine = (self.layout.node, inv, mem, disk)
+            replicas = replica_inventory(self.root, self.naming, self.layout) if inv is not None else {}
+            mine = (self.layout.node, inv, mem, disk, replicas)
         except (CheckpointError, OSError) as exc:
             log.warning("memory tier: cannot list %s (%s: %s); not restoring from memory", self.root,
                         type(exc).__name__, exc)
         gathered = self.ctx.all_gather(mine, what="memory inventory")
-        self.listed = {s: lin for _, _, mem, _ in gathered for s, lin in mem.items()}
+        self.listed = {s: lin for _, _, mem, _, reps in gathered
+                       for s, lin in [*mem.items(), *(kv for r in reps.values() for kv in r.items())]}
         if not choose:
             return []
-        plan: list[tuple[int, Lineage]] = []
+        plan: list[tuple[int, Lineage, Any]] = []
         if self.ctx.is_coordinator:
             plan = self._choose(step, gathered, tier)
         return self.ctx.broadcast(plan, what="memory restore plan")
 
-    def _choose(self, step: int | None, gathered: list[tuple[Any, ...]], tier: Any) -> list[tuple[int, Lineage]]:
+    def _choose(self, step: int | None, gathered: list[tuple[Any, ...]], tier: Any) -> list[tuple[int, Lineage, Any]]:
         durable: dict[int, Lineage] = {}
         if tier is not None:
             try:
@@ -301,39 +348,55 @@ class MemoryTier:
             except (DurableUnavailableError, CheckpointError, OSError) as exc:
                 log.info("memory tier: the durable tier is not listed (%s); comparing with the disk tier only", exc)
         held: dict[int, set[int]] = {}  # memory step -> nodes holding their own intact copy
+        holders: dict[int, dict[int, int]] = {}  # memory step -> {node: a node holding its intact replica}
         mem_lineage: dict[int, Lineage] = {}
         disk: dict[int, Lineage] = {}
         seen: list[Lineage] = list(durable.values())
-        for node, inv, mem, dsk in gathered:
+        for node, inv, mem, dsk, reps in gathered:
             seen += [*mem.values(), *dsk.values()]
             disk.update(dsk)
             mem_lineage.update(mem)  # a copy some node lists, intact or not
             for s, kind in (inv or {}).items():
                 if kind == "node" and s in mem:
                     held.setdefault(s, set()).add(node)
+            for source, steps in reps.items():
+                for s, lin in steps.items():
+                    holders.setdefault(s, {}).setdefault(source, node)
+                    mem_lineage.setdefault(s, lin)
+                    seen.append(lin)
         head = head_of(seen)
         persistent = [s for s, lin in [*disk.items(), *durable.items()] if head.holds(s, lin)]
         live_mem = sorted((s for s in mem_lineage if head.holds(s, mem_lineage[s])), reverse=True)
         newest = max([*persistent, *live_mem], default=None)
         fork = new_segment(seen)
         nodes = set(range(self.layout.node_count))
+        def rebuilt(s: int) -> dict[int, int] | None:  # {node: holder} for the nodes lacking their copy; None: lost
+            lacking = nodes - held.get(s, set())
+            found = {n: h for n, h in holders.get(s, {}).items() if n in lacking}
+            return found if set(found) == lacking else None
+
         if step is not None:
-            if step in disk or step in durable or held.get(step) != nodes:
+            repairs = rebuilt(step) if step in mem_lineage else None
+            if step in disk or step in durable or repairs is None:
                 return []  # the disk/durable path serves it, or says why not
             lin = mem_lineage[step]
-            return [(step, successor(lin, step, newest=step == newest and lin.run == head.run, fork=fork))]
+            return [(step, successor(lin, step, newest=step == newest and lin.run == head.run, fork=fork), repairs)]
         floor = max(persistent, default=-1)
         plan = []
         for s in live_mem:
             if s <= floor:
                 break
-            missing = sorted(nodes - held.get(s, set()))
-            if missing:
-                log.warning("memory tier: step %d is missing or incomplete in memory on node(s) %s; falling back to "
-                            "an older step (memory or the disk and durable tiers)", s, missing)
+            repairs = rebuilt(s)
+            if repairs is None:
+                log.warning("memory tier: step %d is missing or incomplete in memory on node(s) %s, and no partner "
+                            "holds an intact replica; falling back to an older step (memory or the disk and durable "
+                            "tiers)", s, sorted(nodes - held.get(s, set())))
                 continue
+            if repairs:
+                log.warning("memory tier: node(s) %s lost their copy of step %d; taking it from the replica on node(s) "
+                            "%s", sorted(repairs), s, sorted(set(repairs.values())))
             lin = mem_lineage[s]
-            plan.append((s, successor(lin, s, newest=s == newest and lin.run == head.run, fork=fork)))
+            plan.append((s, successor(lin, s, newest=s == newest and lin.run == head.run, fork=fork), repairs))
         return plan
 
     # -- health ----------------------------------------------------------------------------------
@@ -343,13 +406,17 @@ class MemoryTier:
         if not committed:
             return None, None
         step = max(committed)
+        return step, self.age_of(step, committed[step])
+
+    def age_of(self, step: int, directory: Path | None = None) -> float | None:
+        """Seconds since the state of memory ``step`` was captured (an earlier process's: its commit time)."""
         captured = self.captured_at.get(step)
         if captured is None:
             try:
-                captured = read_manifest(committed[step]).wall_time  # saved by an earlier process: its commit time
+                captured = read_manifest(directory or self.root / self.naming.name(step)).wall_time
             except CheckpointError:
-                return step, None
-        return step, time.time() - captured
+                return None
+        return time.time() - captured
 
 
 #: In ``memory_root``: the run root it belongs to (its absolute path), written by the first manager using it.
@@ -376,13 +443,28 @@ def _claim(root: Path, disk_root: Path, *, read_only: bool) -> ConfigError | Non
 
 
 def memory_health(report: dict[str, Any], memory: MemoryTier | None) -> dict[str, Any]:
-    """``report`` (:meth:`CheckpointManager.health`) with ``memory_step``, ``memory_age_s`` and
-    ``lost_work_if_restart_now_s``: seconds since the state of the newest checkpoint of any tier."""
+    """``report`` (:meth:`CheckpointManager.health`) with the memory tier's keys (see there)."""
     step, age = memory.newest() if memory is not None else (None, None)
     ages = [a for a in (report.get("latest_age_s"), report.get("durable_age_s"), report.get("durable_newest_age_s"),
                         age) if a is not None]
+    peers = memory.peers if memory is not None else None
+    safe = peers.safe if peers is not None else None
+    safe_age = memory.age_of(safe) if memory is not None and safe is not None else None
+    durable, durable_age = report.get("durable_step"), report.get("lost_work_if_failure_now_s")
+    node = [a for a in (safe_age, durable_age) if a is not None]
+    last = memory.last_step if memory is not None else None
+
+    def behind(*steps: int | None) -> int | None:
+        known = [s for s in steps if s is not None]
+        return None if last is None else last - max(known) if known else last
+
     return {**report, "memory_step": step, "memory_age_s": age,
-            "lost_work_if_restart_now_s": min(ages) if ages else None}
+            "lost_work_if_restart_now_s": min(ages) if ages else None,
+            "memory_safe_step": safe, "lost_work_if_node_lost_s": min(node) if node else None,
+            "lost_steps_if_node_lost": behind(safe, durable), "lost_work_if_job_lost_s": durable_age,
+            "lost_steps_if_job_lost": behind(durable),
+            "memory_replication": {**peers.stats, "partners": peers.partners, "sent_step": peers.sent}
+            if peers is not None else {}}
 
 
 def _delete(paths: list[Path]) -> None:

@@ -1,0 +1,205 @@
+"""tiers._peers: the memory tier's peer replication: partners, checked transfer, node-loss restore, fallbacks."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from _dist import run_distributed
+
+from torch_ckpt import CheckpointManager, ConfigError, TrainState
+from torch_ckpt.root._layout import MANIFEST_NAME
+from torch_ckpt.tiers._peers import PEERS_DIR, _listing, _Reader, _Sink, partners
+
+
+def _state(seed: int = 0):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return TrainState(model=model, optimizer=opt), model, opt
+
+
+def _train(model, opt, step: int) -> None:
+    torch.manual_seed(100 + step)
+    model(torch.randn(4, 8)).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _steps(root: Path) -> list[int]:
+    return sorted(int(p.name.rsplit("_", 1)[1]) for p in root.glob("step_*") if (p / MANIFEST_NAME).is_file())
+
+
+def _biggest(directory: Path) -> Path:
+    return max(directory.glob("*.distcp"), key=lambda p: p.stat().st_size)
+
+
+# -- partners and the checked byte stream, in one process ------------------------------------------------------
+@pytest.mark.parametrize(("node", "count", "replicas", "stride", "want"), [
+    (0, 2, 1, 1, [1]), (1, 2, 1, 1, [0]), (2, 3, 1, 1, [0]), (0, 5, 2, 1, [1, 2]), (1, 8, 1, 4, [5]),
+    (3, 6, 2, 2, [5, 1]),
+])
+def test_partners_form_a_ring_with_a_stride(node, count, replicas, stride, want):
+    """Node k's partners are k + stride * i (mod the node count), i = 1..replicas."""
+    assert partners(node, count, replicas, stride) == want
+
+
+@pytest.mark.parametrize(("count", "replicas", "stride"), [(2, 2, 1), (4, 1, 4), (4, 3, 2)])
+def test_a_ring_without_distinct_partners_names_the_settings(count, replicas, stride):
+    """More replicas than other nodes, or a stride the node count divides, is refused naming both settings."""
+    with pytest.raises(ConfigError, match="memory_replicas.*memory_partner_stride"):
+        partners(0, count, replicas, stride)
+
+
+def _committed_copy(tmp_path: Path) -> Path:
+    state, _, _ = _state()
+    with CheckpointManager(tmp_path / "disk", memory_root=str(tmp_path / "mem"), async_save=False) as mgr:
+        mgr.save(1, state, tier="memory")
+    return tmp_path / "mem" / "step_000000001"
+
+
+def _stream(source: Path, files, target: Path, chunk: int = 1000) -> _Sink:
+    reader, sink = _Reader(source, files), _Sink(target, files)
+    total = sum(size for _, size, _ in files)
+    for start in range(0, total, chunk):
+        sink.write(memoryview(reader.read(min(chunk, total - start))))
+    sink.close()
+    return sink
+
+
+def test_a_streamed_copy_is_byte_identical(tmp_path):
+    """A node's copy streamed in chunks smaller than its files arrives byte for byte, every CRC matching."""
+    copy = _committed_copy(tmp_path)
+    files = _listing(copy)
+    sink = _stream(copy, files, tmp_path / "out")
+    assert sink.problems == []
+    assert all((tmp_path / "out" / name).read_bytes() == (copy / name).read_bytes() for name, _, _ in files)
+
+
+def test_a_bit_flipped_in_the_sender_copy_is_named_by_the_receiver(tmp_path):
+    """A file changed after its commit fails the receiver's CRC check against the sender's manifest, by name."""
+    copy = _committed_copy(tmp_path)
+    files = _listing(copy)
+    data = _biggest(copy)
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0x01
+    data.write_bytes(bytes(raw))
+    sink = _stream(copy, files, tmp_path / "out")
+    assert len(sink.problems) == 1 and sink.problems[0].startswith(data.name)
+
+
+def test_a_truncated_sender_file_is_refused(tmp_path):
+    """A sender file shorter than its manifest says is padded in the stream and refused by its CRC."""
+    copy = _committed_copy(tmp_path)
+    files = _listing(copy)
+    data = _biggest(copy)
+    data.write_bytes(data.read_bytes()[:-10])
+    assert _stream(copy, files, tmp_path / "out").problems[0].startswith(data.name)
+
+
+def test_one_node_warns_that_no_partner_holds_a_replica(tmp_path, caplog):
+    """A memory tier on one node says at start that a node loss loses the memory copies."""
+    with caplog.at_level(logging.WARNING, logger="torch_ckpt"):
+        CheckpointManager(tmp_path / "disk", memory_root=str(tmp_path / "mem")).close()
+    assert "no partner holds a replica" in caplog.text
+
+
+def test_memory_replicas_zero_is_silent_on_one_node(tmp_path, caplog):
+    """memory_replicas=0 turns replication off without the one-node warning."""
+    with caplog.at_level(logging.WARNING, logger="torch_ckpt"):
+        CheckpointManager(tmp_path / "disk", memory_root=str(tmp_path / "mem"), memory_replicas=0).close()
+    assert "partner" not in caplog.text
+
+
+@pytest.mark.parametrize(("field", "value"), [("memory_replicas", -1), ("memory_partner_stride", 0),
+                                              ("memory_replication_bytes_per_second", "fast")])
+def test_invalid_replication_settings_name_the_field(tmp_path, field, value):
+    """A bad replication setting is a ConfigError naming it."""
+    with pytest.raises(ConfigError, match=field):
+        CheckpointManager(tmp_path / "disk", memory_root=str(tmp_path / "mem"), **{field: value})
+
+
+# -- nodes over gloo: one rank per node, each with its own memory_root ---------------------------------------
+def _node(rank: int, base: str) -> Path:
+    os.environ.update(LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", GROUP_RANK=str(rank))
+    return Path(base) / f"node{rank}"
+
+
+def _train_and_save(node: Path, **kwargs) -> dict:
+    """Steps 1-5, a disk save at 2 and 4, memory saves at the others; returns the health after close."""
+    state, model, opt = _state()
+    mgr = CheckpointManager(node / "disk", memory_root=str(node / "mem"), save_every_n_steps=2,
+                            memory_every_n_steps=1, async_save=False, **kwargs)
+    with mgr:
+        for step in range(1, 6):
+            _train(model, opt, step)
+            mgr.save_if_due(step, state)
+    torch.save(model.state_dict(), node / "want.pt")
+    return mgr.health()
+
+
+def _replicate_then_lose(rank, world, base, lost, damage, kwargs):
+    node = _node(rank, base)
+    health = _train_and_save(node, **kwargs)
+    partner = (rank + 1) % world
+    replica = node / "mem" / PEERS_DIR / f"node-{(rank - 1) % world}"
+    assert _steps(replica) == [5], f"node {rank} holds {_steps(replica)}: {health}"
+    assert health["memory_safe_step"] == 5 and health["memory_replication"]["partners"] == [partner]
+    assert health["lost_steps_if_node_lost"] == 0
+    cap = kwargs.get("memory_replication_bytes_per_second")
+    if cap is not None:  # three rounds sent, each taking at least its bytes over the cap
+        stats = health["memory_replication"]
+        assert stats["transfer_s"] >= 0.9 * stats["sent_bytes"] / cap > 0.5
+    torch.distributed.barrier()
+    if rank == lost:
+        shutil.rmtree(node / "mem")  # the node is replaced: its RAM is gone
+    holder = (lost + 1) % world  # stride 1: node k's partner is node k + 1
+    if rank == holder and damage == "flip":
+        data = _biggest(node / "mem" / PEERS_DIR / f"node-{lost}" / "step_000000005")
+        raw = bytearray(data.read_bytes())
+        raw[len(raw) // 2] ^= 0x10
+        data.write_bytes(bytes(raw))
+    elif rank == holder and damage == "truncate":
+        data = _biggest(node / "mem" / PEERS_DIR / f"node-{lost}" / "step_000000005")
+        data.write_bytes(data.read_bytes()[:-8])
+    torch.distributed.barrier()
+    fresh, model2, _ = _state(seed=1)
+    with CheckpointManager(node / "disk", memory_root=str(node / "mem"), **kwargs) as mgr:
+        got, source = mgr.restore(fresh), mgr.restore_source
+    if damage is None:
+        assert (got, source) == (5, "memory")
+        want = torch.load(node / "want.pt")
+        assert all(torch.equal(want[k], v) for k, v in model2.state_dict().items())
+        assert _steps(node / "mem") == ([5] if rank == lost else [3, 5])  # the lost node's copy is back
+    else:
+        assert (got, source) == (4, "local")
+
+
+@pytest.mark.slow
+def test_two_nodes_replicate_and_a_lost_node_resumes_from_its_partner(tmp_path):
+    """2 nodes: each holds the other's newest memory step; a node whose RAM is wiped resumes it bitwise."""
+    run_distributed(_replicate_then_lose, 2, str(tmp_path), 1, None, {}, timeout_s=240)
+
+
+@pytest.mark.slow
+def test_three_nodes_rebuild_a_lost_node_from_its_partner(tmp_path):
+    """3 nodes (odd count): the wiped node 0 gets its copy from node 1, the others read their own."""
+    run_distributed(_replicate_then_lose, 3, str(tmp_path), 0, None, {}, timeout_s=300)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("damage", ["flip", "truncate"])
+def test_a_damaged_replica_falls_back_to_the_disk_step(tmp_path, damage):
+    """A replica with a flipped bit or cut short is refused at restore; every node resumes the disk step."""
+    run_distributed(_replicate_then_lose, 2, str(tmp_path), 1, damage, {}, timeout_s=240)
+
+
+@pytest.mark.slow
+def test_a_bandwidth_cap_still_replicates(tmp_path):
+    """memory_replication_bytes_per_second slows the sender but every replica arrives and restores."""
+    run_distributed(_replicate_then_lose, 2, str(tmp_path), 0, None,
+                    {"memory_replication_bytes_per_second": 100_000}, timeout_s=240)
