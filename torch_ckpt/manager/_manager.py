@@ -598,20 +598,15 @@ class CheckpointManager:
         self._memory = MemoryTier(memory_dir, cfg, self._ckpt, naming, self._runs, root) if memory_dir else None
         error = error or (self._memory.error if self._memory is not None else None)
         status = next((e for e in ctx.all_gather(None if error is None else str(error), what="init") if e), None)
+        self._held = (self._ckpt, self._replicator, self._preemption, self._lock, self._memory)  # see _release
         if error is not None or status is not None:
-            if self._memory is not None:
-                self._memory.close()
-            if self._replicator is not None:
-                self._replicator.close(0)
-            self._preemption.restore()
-            self._lock.release()
-            self._ckpt.close()
+            _release(*self._held, flush_timeout=0)
             what = "a node could not prepare its checkpoint root" if self._roots.node_local else \
                 f"rank 0 could not prepare {root}"
             raise error or CheckpointError(f"{what}: {status}")
         # a manager nobody references any more (never closed) releases its root and threads like close()
-        self._finalizer = weakref.finalize(self, _close_unreachable, str(root), self._ckpt, self._replicator,
-                                           self._preemption, self._lock, cast(float, cfg.durable_flush_timeout_seconds))
+        self._finalizer = weakref.finalize(self, _close_unreachable, str(root), self._held,
+                                           cast(float, cfg.durable_flush_timeout_seconds))
         self._finalizer.atexit = False  # exit: torch_ckpt._lifecycle finishes in-flight work; the kernel drops the lock
 
     @property
@@ -1034,25 +1029,16 @@ class CheckpointManager:
         """Wait for the in-flight save (and, up to ``durable_flush_timeout_seconds``, its replication),
         release everything; raise any pending error once."""
         self._finalizer.detach()
-        try:
-            self._ckpt.close()
-        finally:
-            if self._replicator is not None:
-                self._replicator.close(cast(float, self.config.durable_flush_timeout_seconds))
-            self._preemption.restore()
-            self._lock.release()
-            if self._memory is not None:
-                self._memory.close()
+        _release(*self._held, flush_timeout=cast(float, self.config.durable_flush_timeout_seconds))
 
 
-def _close_unreachable(root: str, ckpt: AsyncCheckpointer, replicator: Replicator | None, preemption: PreemptionFlag,
-                       lock: RootLock, flush_timeout: float) -> None:
-    """Finalizer of a manager never closed (not at exit: :mod:`torch_ckpt._lifecycle`); errors are logged."""
-    log.info("a CheckpointManager of %s was garbage collected without close(): closing it", root)
+def _release(ckpt: AsyncCheckpointer, replicator: Replicator | None, preemption: PreemptionFlag, lock: RootLock,
+             memory: MemoryTier | None, *, flush_timeout: float) -> None:
+    """The one teardown of a manager (close(), a refused construction, the finalizer), in this order: the
+    in-flight save commits or fails, its replication gets up to ``flush_timeout`` seconds, then the signal
+    handlers, the root's lock and the memory tier's root go back. Each step runs even when one before it raised."""
     try:
         ckpt.close()
-    except BaseException as exc:  # noqa: BLE001 - nobody to raise it to
-        log.error("checkpoint error of the unclosed CheckpointManager of %s: %s: %s", root, type(exc).__name__, exc)
     finally:
         try:
             if replicator is not None:
@@ -1060,3 +1046,14 @@ def _close_unreachable(root: str, ckpt: AsyncCheckpointer, replicator: Replicato
         finally:
             preemption.restore()
             lock.release()
+            if memory is not None:
+                memory.close()
+
+
+def _close_unreachable(root: str, held: tuple, flush_timeout: float) -> None:
+    """Finalizer of a manager never closed (not at exit: :mod:`torch_ckpt._lifecycle`); errors are logged."""
+    log.info("a CheckpointManager of %s was garbage collected without close(): closing it", root)
+    try:
+        _release(*held, flush_timeout=flush_timeout)
+    except BaseException as exc:  # noqa: BLE001 - nobody to raise it to
+        log.error("checkpoint error of the unclosed CheckpointManager of %s: %s: %s", root, type(exc).__name__, exc)
