@@ -87,6 +87,24 @@ def test_a_construction_refused_after_it_took_the_root_releases_what_it_took(tmp
     assert _flock_holder(tmp_path / "b") is None and _flock_holder(tmp_path / "mem") is None
 
 
+def test_a_collective_failing_during_construction_releases_the_root_and_the_handler(tmp_path, monkeypatch):
+    """A construction whose agreement between ranks raises releases the root's lock and the signal handler."""
+    from torch_ckpt.distributed._context import DistContext
+
+    original = DistContext.all_gather
+
+    def gather(self, obj, **kw):
+        if kw.get("what") == "init":
+            raise CheckpointWriteError("peer lost")
+        return original(self, obj, **kw)
+
+    monkeypatch.setattr(DistContext, "all_gather", gather)
+    before = signal.getsignal(signal.SIGUSR1)
+    with pytest.raises(CheckpointWriteError, match="peer lost"):
+        CheckpointManager(tmp_path, preemption_signals=("SIGUSR1",))
+    assert signal.getsignal(signal.SIGUSR1) is before and _flock_holder(tmp_path) is None
+
+
 def test_second_manager_while_the_first_is_open_names_this_process_not_another_run(tmp_path):
     """Two open managers of one process on one root: the second is refused naming this process, not a run."""
     with CheckpointManager(tmp_path):
