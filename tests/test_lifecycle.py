@@ -75,6 +75,16 @@ def test_unreferenced_manager_is_freed_and_releases_its_root(tmp_path):
     assert ref() is None and _flock_holder(tmp_path) is None and os.listdir(tmp_path) == ["step_000000001"]
 
 
+def test_unreferenced_manager_with_a_memory_tier_is_freed_and_releases_both_roots(tmp_path):
+    """Dropping an unclosed manager with memory_root frees it and lets go of the disk and the memory root's locks."""
+    mgr = CheckpointManager(tmp_path / "disk", memory_root=str(tmp_path / "mem"))
+    mgr.save(1, {"w": torch.ones(4)}, tier="memory")
+    mgr.wait()
+    ref = weakref.ref(mgr)
+    del mgr
+    assert ref() is None and _flock_holder(tmp_path / "disk") is None and _flock_holder(tmp_path / "mem") is None
+
+
 def test_a_construction_refused_after_it_took_the_root_releases_what_it_took(tmp_path):
     """A construction the memory tier refuses, once the root is locked and the handler installed, releases both."""
     before = signal.getsignal(signal.SIGUSR1)
