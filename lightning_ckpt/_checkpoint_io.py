@@ -10,7 +10,6 @@ import re
 import sys
 import uuid
 import weakref
-from concurrent.futures import TimeoutError as FutureTimeout
 from functools import partial
 from pathlib import Path
 from typing import Any, Literal, cast
@@ -50,7 +49,6 @@ from torch_ckpt import (
 
 log = logging.getLogger(__name__)
 _LIVE: weakref.WeakSet = weakref.WeakSet()  # plugins of this process, finished at interpreter exit
-_EXIT_WAIT_S = 60.0  # longest wait at interpreter exit for an in-flight save, in seconds
 _PICKLED_FIELDS = ("_config", "verify_on_load", "unsafe_values", "allow_cast", "wait_outside_fit")
 _HPC_NAME = re.compile(r"hpc_ckpt_(\d+)\.ckpt")
 _MARK = "_lightning_ckpt_io"  # the plugin a strategy is attached to; a logger method already deferred
@@ -409,19 +407,16 @@ class AsyncDCPCheckpointIO(CheckpointIO):
 
 @atexit.register
 def _finish_at_exit() -> None:
-    """Commit a plugin's in-flight save and deferred actions at exit without ``teardown`` (``ddp_spawn`` worker)."""
+    """Carry out a plugin's deferred actions at exit without ``teardown`` (``ddp_spawn`` worker) once its in-flight
+    save is committed: :mod:`torch_ckpt._lifecycle` waited for it first, within the plugin's ``timeout_seconds``."""
     for io in list(_LIVE):
-        if io._manager is None or not (io._after.pending or io.saving):
+        if io._manager is None or not io._after.pending:
             continue
-        try:  # bounded: a save that needs ranks which are gone must not hold the process at exit
-            io.last_handle.committed.result(timeout=_EXIT_WAIT_S)
-        except FutureTimeout:
-            log.error("the in-flight checkpoint save was not committed within %.0f s of interpreter exit; not "
-                      "carrying out %s", _EXIT_WAIT_S, io._after.pending)
+        if io.saving:  # that bounded wait ran out (a save that needs ranks which are gone): it must not hold the exit
+            log.error("the in-flight checkpoint save was not committed at interpreter exit; not carrying out %s",
+                      io._after.pending)
             continue
-        except Exception:  # noqa: BLE001 - the save failed: wait() below reports it and drops the removals
-            pass
-        try:
+        try:  # the save failed: wait() reports it and drops the removals
             io.wait()
         except Exception:  # noqa: BLE001 - at exit: report, never mask the exit status
             log.exception("checkpoint error while finishing the in-flight save at interpreter exit")

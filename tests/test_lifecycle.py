@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -16,7 +17,7 @@ import pytest
 import torch
 
 from tests._threads import ckpt_threads
-from torch_ckpt import CheckpointManager, CheckpointWriteError
+from torch_ckpt import CheckpointManager, CheckpointWriteError, ConfigError
 from torch_ckpt.root._lock import _flock_holder
 
 
@@ -72,6 +73,46 @@ def test_unreferenced_manager_is_freed_and_releases_its_root(tmp_path):
     ref = weakref.ref(mgr)
     del mgr
     assert ref() is None and _flock_holder(tmp_path) is None and os.listdir(tmp_path) == ["step_000000001"]
+
+
+def test_unreferenced_manager_with_a_memory_tier_is_freed_and_releases_both_roots(tmp_path):
+    """Dropping an unclosed manager with memory_root frees it and lets go of the disk and the memory root's locks."""
+    mgr = CheckpointManager(tmp_path / "disk", memory_root=str(tmp_path / "mem"))
+    mgr.save(1, {"w": torch.ones(4)}, tier="memory")
+    mgr.wait()
+    ref = weakref.ref(mgr)
+    del mgr
+    assert ref() is None and _flock_holder(tmp_path / "disk") is None and _flock_holder(tmp_path / "mem") is None
+
+
+def test_a_construction_refused_after_it_took_the_root_releases_what_it_took(tmp_path):
+    """A construction the memory tier refuses, once the root is locked and the handler installed, releases both."""
+    before = signal.getsignal(signal.SIGUSR1)
+    with CheckpointManager(tmp_path / "a", memory_root=str(tmp_path / "mem"), async_save=False) as mgr:
+        mgr.save(1, {"w": torch.ones(4)}, tier="memory")
+    with pytest.raises(ConfigError, match="memory_root"):
+        CheckpointManager(tmp_path / "b", memory_root=str(tmp_path / "mem"), preemption_signals=("SIGUSR1",),
+                          durable_url=(tmp_path / "durable").as_uri())
+    assert signal.getsignal(signal.SIGUSR1) is before and ckpt_threads() == []
+    assert _flock_holder(tmp_path / "b") is None and _flock_holder(tmp_path / "mem") is None
+
+
+def test_a_collective_failing_during_construction_releases_the_root_and_the_handler(tmp_path, monkeypatch):
+    """A construction whose agreement between ranks raises releases the root's lock and the signal handler."""
+    from torch_ckpt.distributed._context import DistContext
+
+    original = DistContext.all_gather
+
+    def gather(self, obj, **kw):
+        if kw.get("what") == "init":
+            raise CheckpointWriteError("peer lost")
+        return original(self, obj, **kw)
+
+    monkeypatch.setattr(DistContext, "all_gather", gather)
+    before = signal.getsignal(signal.SIGUSR1)
+    with pytest.raises(CheckpointWriteError, match="peer lost"):
+        CheckpointManager(tmp_path, preemption_signals=("SIGUSR1",))
+    assert signal.getsignal(signal.SIGUSR1) is before and _flock_holder(tmp_path) is None
 
 
 def test_second_manager_while_the_first_is_open_names_this_process_not_another_run(tmp_path):

@@ -105,6 +105,18 @@ def test_a_process_leaving_without_teardown_commits_and_removes(tmp_path):
     assert AsyncDCPCheckpointIO.is_checkpoint_dir(tmp_path / "epoch=2.ckpt")
 
 
+def test_a_save_still_in_flight_after_the_exit_wait_leaves_its_removal_undone(tmp_path):
+    """A process leaving while its save outlasts the core's bounded exit wait exits, keeping the older checkpoint."""
+    script = _EXIT_WITHOUT_TEARDOWN.replace("time.sleep(0.5)", "time.sleep(3 if '2.ckpt' in str(req.final) else 0)")
+    here = os.path.dirname(__file__)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", script.replace("AsyncDCPCheckpointIO()", "AsyncDCPCheckpointIO("
+                           "timeout_seconds=1)"), str(tmp_path), here], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert "not carrying out ['remove" in done.stderr, done.stderr
+    assert AsyncDCPCheckpointIO.is_checkpoint_dir(tmp_path / "epoch=1.ckpt")
+
+
 @pytest.mark.slow
 def test_save_checkpoint_in_the_main_process_after_ddp_spawn_returns_committed(tmp_path, monkeypatch):
     """After a ddp_spawn fit, trainer.save_checkpoint in the main process returns once committed."""

@@ -577,49 +577,50 @@ class CheckpointManager:
         self._preemption = PreemptionFlag(cfg.preemption_signals)
         self._replicate_every = cfg.replicate_every_n_saves
         self._saves = 0
-        error = None
-        if acts_on_root:
-            try:
-                check_root(root, create=not self.read_only)
-            except CheckpointError as exc:
-                error = exc
-        if not self.read_only:  # before the lock, whose message would mislead
-            shared = self._roots.check(root, ctx, ok=error is None)
-            error = error or (ConfigError(shared) if shared else None)
-        if acts_on_root and error is None:
-            try:
-                if not self.read_only and not cfg.explicit_paths_only:  # a root of its own: exclusive, cleaned
-                    self._lock.acquire()
-                    clean_stale_temporaries(root, keep_incarnation=self._ckpt.incarnation, naming=naming)
-                if self._tier is not None:
-                    self._after.start_replicator(self._tier, self._roots)
-                if not self.read_only:
-                    self._after.catch_up(self._tier, self._roots)
-            except CheckpointError as exc:
-                error = exc
-        # the memory tier (manager._memory): collective, so built on every rank whatever failed above
-        self._memory = MemoryTier(memory_dir, cfg, self._ckpt, naming, self._runs, root) if memory_dir else None
-        error = error or (self._memory.error if self._memory is not None else None)
-        status = next((e for e in ctx.all_gather(None if error is None else str(error), what="init") if e), None)
-        if error is not None or status is not None:
-            if self._memory is not None:
-                self._memory.close()
-            if self._replicator is not None:
-                self._replicator.close(0)
-            self._preemption.restore()
-            self._lock.release()
-            self._ckpt.close()
-            what = "a node could not prepare its checkpoint root" if self._roots.node_local else \
-                f"rank 0 could not prepare {root}"
-            raise error or CheckpointError(f"{what}: {status}")
+        self._memory: MemoryTier | None = None
+        try:  # whatever raises from here on (a refusal, a failed collective) releases what was taken, like close()
+            error = None
+            if acts_on_root:
+                try:
+                    check_root(root, create=not self.read_only)
+                except CheckpointError as exc:
+                    error = exc
+            if not self.read_only:  # before the lock, whose message would mislead
+                shared = self._roots.check(root, ctx, ok=error is None)
+                error = error or (ConfigError(shared) if shared else None)
+            if acts_on_root and error is None:
+                try:
+                    if not self.read_only and not cfg.explicit_paths_only:  # a root of its own: exclusive, cleaned
+                        self._lock.acquire()
+                        clean_stale_temporaries(root, keep_incarnation=self._ckpt.incarnation, naming=naming)
+                    if self._tier is not None:
+                        self._after.start_replicator(self._tier, self._roots)
+                    if not self.read_only:
+                        self._after.catch_up(self._tier, self._roots)
+                except CheckpointError as exc:
+                    error = exc
+            # the memory tier (manager._memory): collective, so built on every rank whatever failed above
+            self._memory = MemoryTier(memory_dir, cfg, self._ckpt, naming, self._runs, root) if memory_dir else None
+            error = error or (self._memory.error if self._memory is not None else None)
+            status = next((e for e in ctx.all_gather(None if error is None else str(error), what="init") if e), None)
+            if error is not None or status is not None:
+                what = "a node could not prepare its checkpoint root" if self._roots.node_local else \
+                    f"rank 0 could not prepare {root}"
+                raise error or CheckpointError(f"{what}: {status}")
+        except BaseException:
+            _release(*self._holdings(), flush_timeout=0)
+            raise
         # a manager nobody references any more (never closed) releases its root and threads like close()
-        self._finalizer = weakref.finalize(self, _close_unreachable, str(root), self._ckpt, self._replicator,
-                                           self._preemption, self._lock, cast(float, cfg.durable_flush_timeout_seconds))
+        self._finalizer = weakref.finalize(self, _close_unreachable, str(root), self._holdings(),
+                                           cast(float, cfg.durable_flush_timeout_seconds))
         self._finalizer.atexit = False  # exit: torch_ckpt._lifecycle finishes in-flight work; the kernel drops the lock
 
     @property
     def _replicator(self) -> Replicator | None:
         return self._after.replicator
+
+    def _holdings(self) -> tuple[AsyncCheckpointer, Replicator | None, PreemptionFlag, RootLock, MemoryTier | None]:
+        return self._ckpt, self._replicator, self._preemption, self._lock, self._memory  # what _release lets go of
 
     @property
     def retention(self) -> RetentionPolicy | None:
@@ -1037,25 +1038,16 @@ class CheckpointManager:
         """Wait for the in-flight save (and, up to ``durable_flush_timeout_seconds``, its replication),
         release everything; raise any pending error once."""
         self._finalizer.detach()
-        try:
-            self._ckpt.close()
-        finally:
-            if self._replicator is not None:
-                self._replicator.close(cast(float, self.config.durable_flush_timeout_seconds))
-            self._preemption.restore()
-            self._lock.release()
-            if self._memory is not None:
-                self._memory.close()
+        _release(*self._holdings(), flush_timeout=cast(float, self.config.durable_flush_timeout_seconds))
 
 
-def _close_unreachable(root: str, ckpt: AsyncCheckpointer, replicator: Replicator | None, preemption: PreemptionFlag,
-                       lock: RootLock, flush_timeout: float) -> None:
-    """Finalizer of a manager never closed (not at exit: :mod:`torch_ckpt._lifecycle`); errors are logged."""
-    log.info("a CheckpointManager of %s was garbage collected without close(): closing it", root)
+def _release(ckpt: AsyncCheckpointer, replicator: Replicator | None, preemption: PreemptionFlag, lock: RootLock,
+             memory: MemoryTier | None, *, flush_timeout: float) -> None:
+    """The one teardown of a manager (close(), a refused construction, the finalizer), in this order: the
+    in-flight save commits or fails, its replication gets up to ``flush_timeout`` seconds, then the signal
+    handlers, the root's lock and the memory tier's root go back. Each step runs even when one before it raised."""
     try:
         ckpt.close()
-    except BaseException as exc:  # noqa: BLE001 - nobody to raise it to
-        log.error("checkpoint error of the unclosed CheckpointManager of %s: %s: %s", root, type(exc).__name__, exc)
     finally:
         try:
             if replicator is not None:
@@ -1063,3 +1055,14 @@ def _close_unreachable(root: str, ckpt: AsyncCheckpointer, replicator: Replicato
         finally:
             preemption.restore()
             lock.release()
+            if memory is not None:
+                memory.close()
+
+
+def _close_unreachable(root: str, held: tuple, flush_timeout: float) -> None:
+    """Finalizer of a manager never closed (not at exit: :mod:`torch_ckpt._lifecycle`); errors are logged."""
+    log.info("a CheckpointManager of %s was garbage collected without close(): closing it", root)
+    try:
+        _release(*held, flush_timeout=flush_timeout)
+    except BaseException as exc:  # noqa: BLE001 - nobody to raise it to
+        log.error("checkpoint error of the unclosed CheckpointManager of %s: %s: %s", root, type(exc).__name__, exc)
