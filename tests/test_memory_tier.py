@@ -490,6 +490,29 @@ def test_a_disk_save_restarts_the_memory_count_without_a_memory_cost_sample(tmp_
     assert memory["cost_s"] == cost and memory["steps_since_save"] == 1
 
 
+def test_a_disk_save_waiting_for_a_memory_save_leaves_the_wait_out_of_the_disk_cost(tmp_path, monkeypatch):
+    """The disk cost measures the disk save only: its wait for a memory save still being written is left out."""
+    from torch_ckpt.save import _checkpointer
+
+    real = _checkpointer.persist_checkpoint
+
+    def slow_memory(req, ctx):
+        if req.nodes is not None and req.nodes.node_local:
+            time.sleep(1.0)
+        return real(req, ctx)
+
+    monkeypatch.setattr(_checkpointer, "persist_checkpoint", slow_memory)
+    state, _, _ = _state()
+    with CheckpointManager(tmp_path / "disk", memory_root=str(tmp_path / "mem"), mtbf_seconds="1h") as mgr:
+        mgr.should_save(1)
+        mgr.save(1, state, tier="memory")
+        disk = mgr.save(2, state)  # waits for the memory save
+        assert disk.stats.wait_for_previous_s > 0.5
+        mgr.should_save(2)
+        cost = mgr.schedule_info()["cost_s"]
+    assert cost < disk.stats.blocking_s - 0.5
+
+
 def test_schedule_info_and_health_show_each_tiers_interval(tmp_path):
     """schedule_info() (and health()["schedule"]) give the disk policy's keys and the memory plan under "memory"."""
     state, _, _ = _state()

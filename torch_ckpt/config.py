@@ -68,7 +68,7 @@ class CheckpointConfig:
         save_every_n_steps: Save every this many steps (int >= 1).
         save_every_seconds: Save once this much time passed since the last save (seconds or duration, > 0).
         initial_cost_seconds: With ``mtbf_seconds``: the save cost assumed until one is measured (>= 0).
-        formula: With ``mtbf_seconds``: ``"daly"`` or ``"young"``.
+        formula: With ``mtbf_seconds`` (and ``memory_mtbf_seconds``): ``"daly"`` or ``"young"``.
         min_interval_steps: With ``mtbf_seconds``: never save more often than every this many steps.
         durable_url: fsspec URL of the durable tier (``s3://bucket/run``, ``file://``...), outside the local
             root; committed checkpoints are replicated there in the background.

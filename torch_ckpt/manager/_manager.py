@@ -852,7 +852,8 @@ class CheckpointManager:
             (the local tier stands in when there is none); ``lost_work_if_failure_now_s``: training
             time that a failure right now would lose (back to the newest durable checkpoint; None
             before the first one); ``in_flight_step``; ``failed_saves``; ``replication`` (see
-            :meth:`replication_stats`); ``schedule`` (the save policy's last decision, if any);
+            :meth:`replication_stats`); ``schedule`` (:meth:`schedule_info`: the save policy's last decision, if
+            any, and the memory tier's under ``"memory"``);
             ``tiers``: per step, which tiers hold a copy, ``{step: {"local": "complete" | "partial" |
             None, "durable": bool | None}}`` ("partial": this node's copy of a node-local checkpoint;
             durable None: not known, see below); ``durable_newest_step`` /
