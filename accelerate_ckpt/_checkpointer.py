@@ -40,7 +40,7 @@ _EXTRAS = {"enabled": True, "log_stats": True}  # the adapter's own keys and the
 _FIXED = ("naming", "read_only", "explicit_paths_only")  # set by the adapter itself
 # the memory tier saves by training step into memory_root; Accelerate's checkpoints are save iterations at its own
 # paths, so the adapter takes no memory saves yet, and refuses these rather than ignore them
-_MEMORY = ("memory_root", "memory_every_n_steps", "memory_every_seconds", "memory_keep_last")
+_MEMORY = tuple(name for name in CheckpointConfig.field_names() if name.startswith("memory_"))
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,15 @@ from concurrent.futures import Future
 import pytest
 
 from torch_ckpt.handle import SaveHandle, SaveStats
-from torch_ckpt.policy._schedule import STEP_TIME_ALPHA, AnyOf, Cadence, EveryNSteps, StepTimeEstimator, YoungDaly
+from torch_ckpt.policy._schedule import (
+    STEP_TIME_ALPHA,
+    AnyOf,
+    Cadence,
+    EveryNSeconds,
+    EveryNSteps,
+    StepTimeEstimator,
+    YoungDaly,
+)
 
 HOUR = 3600.0
 
@@ -212,3 +220,75 @@ def test_cadence_never_reads_the_real_clock(monkeypatch):
         cadence.record_step(step, clock.advance(1.0))
         cadence.decide(step, clock.now)
     assert cadence.step_time.seconds == pytest.approx(1.0)
+
+
+# --- two tiers: the other tier's saves never enter this cadence's costs ----------------------------------------
+
+
+def test_cadence_leaves_a_wait_for_another_tiers_save_out_of_the_cost():
+    """A save that waited for a save this cadence did not make reports its blocking time less that wait."""
+    clock, policy = FakeClock(), RecordingPolicy()
+    cadence = Cadence(policy)
+    cadence.record_step(1, clock.advance(1.0))
+    handle, committed = pending_save(1, blocking_s=2.5)
+    handle.stats.wait_for_previous_s = 2.0  # the other tier's save was still being written
+    cadence.record_save_started(handle, clock.now)
+    commit(handle, committed, total_s=4.0)
+    cadence.record_step(2, clock.advance(1.0))
+    assert [(s["blocking_s"], s["durable_after_s"]) for s in policy.saves] == [(0.5, None), (0.5, 2.0)]
+
+
+def test_cadence_counts_a_wait_for_its_own_previous_save():
+    """A wait for this cadence's own save, still persisting at the last step, stays in the cost."""
+    clock, policy = FakeClock(), RecordingPolicy()
+    cadence = Cadence(policy)
+    cadence.record_step(1, clock.advance(1.0))
+    first, first_committed = pending_save(1, blocking_s=0.5)
+    cadence.record_save_started(first, clock.now)
+    cadence.record_step(2, clock.advance(1.0))  # the first save still persists
+    commit(first, first_committed, total_s=3.0)
+    second, _ = pending_save(2, blocking_s=2.5)
+    second.stats.wait_for_previous_s = 2.0
+    cadence.record_save_started(second, clock.now)
+    assert policy.saves[-1]["step"] == 2 and policy.saves[-1]["blocking_s"] == 2.5
+
+
+def test_cadence_busy_step_is_no_step_time_sample():
+    """A step recorded while another tier's save persists (busy) leaves the step-time estimate as it was."""
+    clock, cadence = FakeClock(), Cadence(RecordingPolicy())
+    for step in range(1, 4):
+        cadence.record_step(step, clock.advance(1.0))
+    cadence.record_step(4, clock.advance(5.0), busy=True)
+    assert cadence.step_time.seconds == pytest.approx(1.0)
+
+
+def test_other_saved_restarts_young_daly_without_a_cost_sample():
+    """Another tier's save restarts the step count, keeps the measured cost and leaves out its stall's step."""
+    clock, policy = FakeClock(), YoungDaly(HOUR, initial_cost_seconds=0.0)
+    cadence = Cadence(policy)
+    for step in range(1, 4):
+        cadence.record_step(step, clock.advance(1.0))
+    handle, committed = pending_save(3, blocking_s=0.5)
+    cadence.record_save_started(handle, clock.now)
+    commit(handle, committed, total_s=1.0)
+    for step in range(4, 8):
+        cadence.record_step(step, clock.advance(1.0))
+    cadence.other_saved(7, clock.now)
+    cadence.record_step(8, clock.advance(30.0))  # holds the other tier's stall
+    cadence.decide(8, clock.now)
+    info = policy.describe()
+    assert info["cost_s"] == 0.5 and info["steps_since_save"] == 1
+    assert cadence.step_time.seconds == pytest.approx(1.0)
+
+
+def test_other_saved_restarts_an_every_n_seconds_clock_inside_any_of():
+    """Through AnyOf, another tier's save restarts an EveryNSeconds clock (no save 10 s after it)."""
+    clock = FakeClock()
+    cadence = Cadence(AnyOf(EveryNSteps(1000), EveryNSeconds(10)))
+    cadence.record_step(1, clock.now)
+    cadence.record_step(2, clock.advance(9.0))
+    cadence.other_saved(2, clock.now)
+    cadence.record_step(3, clock.advance(9.0))
+    assert not cadence.decide(3, clock.now)
+    cadence.record_step(4, clock.advance(1.0))
+    assert cadence.decide(4, clock.now)

@@ -431,6 +431,9 @@ def test_health_without_a_memory_tier_has_the_keys(tmp_path):
     ({"memory_root": "mem", "memory_keep_last": 0}, "memory_keep_last"),
     ({"memory_every_n_steps": 2}, "memory_root"),
     ({"memory_root": ""}, "memory_root"),
+    ({"memory_root": "mem", "memory_mtbf_seconds": 0}, "memory_mtbf_seconds"),
+    ({"memory_root": "mem", "memory_mtbf_seconds": "soon"}, "memory_mtbf_seconds"),
+    ({"memory_mtbf_seconds": "1h"}, "memory_root"),
 ])
 def test_invalid_memory_settings_name_the_field(tmp_path, settings, field):
     """A bad memory setting is a ConfigError naming the field."""
@@ -439,6 +442,98 @@ def test_invalid_memory_settings_name_the_field(tmp_path, settings, field):
                   str(tmp_path / v) if k == "memory_root" and v else v) for k, v in settings.items()}
     with pytest.raises(ConfigError, match=field):
         CheckpointManager(disk, **values)
+
+
+def _slow_disk_persist(monkeypatch, seconds: float) -> None:
+    """Make every disk save's persist take ``seconds`` longer (memory saves keep their speed)."""
+    from torch_ckpt.save import _checkpointer
+
+    real = _checkpointer.persist_checkpoint
+
+    def slow(req, ctx):
+        if req.nodes is None or not req.nodes.node_local:
+            time.sleep(seconds)
+        return real(req, ctx)
+
+    monkeypatch.setattr(_checkpointer, "persist_checkpoint", slow)
+
+
+def test_the_memory_interval_follows_the_memory_save_cost(tmp_path, monkeypatch):
+    """Under the same MTBF a cheap memory save gets a shorter interval than a slow disk save."""
+    _slow_disk_persist(monkeypatch, 0.5)
+    state, _, _ = _state()
+    with _manager(tmp_path, mtbf_seconds="1h", memory_mtbf_seconds="1h") as mgr:
+        for step in range(1, 4):
+            time.sleep(0.01)
+            mgr.save_if_due(step, state)  # memory saves as soon as a step time is measured (no cost assumed)
+        mgr.save(4, state)  # a disk save: 0.5 s more
+        mgr.save_if_due(5, state)
+        disk, memory = mgr.schedule_info(), mgr.schedule_info()["memory"]
+    assert _steps(tmp_path / "mem") and _steps(tmp_path / "disk") == [4]
+    assert disk["cost_s"] >= 0.5 > memory["cost_s"]
+    assert memory["optimal_interval_s"] < disk["optimal_interval_s"]
+
+
+def test_a_disk_save_restarts_the_memory_count_without_a_memory_cost_sample(tmp_path):
+    """A disk save from save_if_due leaves the memory tier's measured cost as it was and restarts its count."""
+    state, _, _ = _state()
+    with _manager(tmp_path, save_every_n_steps=4, memory_mtbf_seconds="1h") as mgr:
+        for step in range(1, 4):
+            time.sleep(0.01)
+            mgr.save_if_due(step, state)
+        cost = mgr.schedule_info()["memory"]["cost_s"]
+        assert cost > 0
+        mgr.save_if_due(4, state)  # the disk save
+        mgr.save_if_due(5, state)
+        memory = mgr.schedule_info()["memory"]
+    assert _steps(tmp_path / "disk") == [4]
+    assert memory["cost_s"] == cost and memory["steps_since_save"] == 1
+
+
+def test_a_disk_save_waiting_for_a_memory_save_leaves_the_wait_out_of_the_disk_cost(tmp_path, monkeypatch):
+    """The disk cost measures the disk save only: its wait for a memory save still being written is left out."""
+    from torch_ckpt.save import _checkpointer
+
+    real = _checkpointer.persist_checkpoint
+
+    def slow_memory(req, ctx):
+        if req.nodes is not None and req.nodes.node_local:
+            time.sleep(1.0)
+        return real(req, ctx)
+
+    monkeypatch.setattr(_checkpointer, "persist_checkpoint", slow_memory)
+    state, _, _ = _state()
+    with CheckpointManager(tmp_path / "disk", memory_root=str(tmp_path / "mem"), mtbf_seconds="1h") as mgr:
+        mgr.should_save(1)
+        mgr.save(1, state, tier="memory")
+        disk = mgr.save(2, state)  # waits for the memory save
+        assert disk.stats.wait_for_previous_s > 0.5
+        mgr.should_save(2)
+        cost = mgr.schedule_info()["cost_s"]
+    assert cost < disk.stats.blocking_s - 0.5
+
+
+def test_schedule_info_and_health_show_each_tiers_interval(tmp_path):
+    """schedule_info() (and health()["schedule"]) give the disk policy's keys and the memory plan under "memory"."""
+    state, _, _ = _state()
+    with _manager(tmp_path, save_every_n_steps=10, memory_mtbf_seconds="30m") as mgr:
+        mgr.save_if_due(1, state)
+        info, health = mgr.schedule_info(), mgr.health()
+    assert info["policy"] == "EveryNSteps" and info["n"] == 10
+    assert info["memory"]["policy"] == "YoungDaly" and info["memory"]["mtbf_s"] == 1800.0
+    assert "interval_s" in info["memory"] and health["schedule"] == info
+
+
+def test_memory_mtbf_seconds_combines_with_memory_every_n_steps():
+    """memory_mtbf_seconds with memory_every_n_steps builds AnyOf(YoungDaly, EveryNSteps) for the memory tier."""
+    from torch_ckpt.policy import AnyOf, EveryNSteps, YoungDaly
+
+    policy = CheckpointConfig(memory_root="/dev/shm/run", memory_mtbf_seconds="1h",
+                              memory_every_n_steps=5).build_memory_policy()
+    assert isinstance(policy, AnyOf)
+    young, every = policy.policies
+    assert isinstance(young, YoungDaly) and young.mtbf_s == 3600.0 and young.initial_cost_s == 0.0
+    assert isinstance(every, EveryNSteps) and every.n == 5
 
 
 def test_memory_save_needs_memory_root(tmp_path):

@@ -68,7 +68,7 @@ class CheckpointConfig:
         save_every_n_steps: Save every this many steps (int >= 1).
         save_every_seconds: Save once this much time passed since the last save (seconds or duration, > 0).
         initial_cost_seconds: With ``mtbf_seconds``: the save cost assumed until one is measured (>= 0).
-        formula: With ``mtbf_seconds``: ``"daly"`` or ``"young"``.
+        formula: With ``mtbf_seconds`` (and ``memory_mtbf_seconds``): ``"daly"`` or ``"young"``.
         min_interval_steps: With ``mtbf_seconds``: never save more often than every this many steps.
         durable_url: fsspec URL of the durable tier (``s3://bucket/run``, ``file://``...), outside the local
             root; committed checkpoints are replicated there in the background.
@@ -104,6 +104,11 @@ class CheckpointConfig:
             when no disk save is due (int >= 1).
         memory_every_seconds: Memory tier: ``save_if_due()`` saves into ``memory_root`` once this much time
             passed since the last memory save, when no disk save is due (seconds or duration, > 0).
+        memory_mtbf_seconds: Memory tier: the mean time between the failures it protects against (process
+            and job restarts on the same nodes; seconds or duration, > 0): ``save_if_due()`` saves into
+            ``memory_root`` at the ``YoungDaly`` interval of the memory saves' own measured cost (``formula``
+            applies; no cost is assumed before the first memory save is measured). Combined with
+            ``memory_every_n_steps``/``memory_every_seconds``, a memory save is due when any of them says so.
         memory_keep_last: Memory tier retention: keep this many newest steps in ``memory_root`` (int >= 1;
             each kept step holds about the node's share of the state in RAM).
         memory_replicas: Memory tier: partner nodes that hold a copy of each node's newest memory step in
@@ -160,6 +165,7 @@ class CheckpointConfig:
     memory_root: str | None = None
     memory_every_n_steps: int | None = None
     memory_every_seconds: float | str | None = None
+    memory_mtbf_seconds: float | str | None = None
     memory_keep_last: int = 2
     memory_replicas: int = 1
     memory_partner_stride: int = 1
@@ -189,10 +195,11 @@ class CheckpointConfig:
         for name, positive in (("timeout_seconds", True), ("initial_cost_seconds", False),
                                ("durable_flush_timeout_seconds", False), ("preemption_timeout_seconds", True),
                                ("mtbf_seconds", True), ("save_every_seconds", True),
-                               ("durable_timeout_seconds", True), ("memory_every_seconds", True)):
+                               ("durable_timeout_seconds", True), ("memory_every_seconds", True),
+                               ("memory_mtbf_seconds", True)):
             if getattr(self, name) is not None or name not in ("mtbf_seconds", "save_every_seconds",
-                                                               "memory_every_seconds"):
-                self._set(name, to_seconds(name, getattr(self, name), positive=positive))  # three are optional
+                                                               "memory_every_seconds", "memory_mtbf_seconds"):
+                self._set(name, to_seconds(name, getattr(self, name), positive=positive))  # four are optional
         for name in ("staging_budget_bytes", "memory_replication_bytes_per_second"):
             if getattr(self, name) is not None:
                 self._set(name, to_bytes(name, getattr(self, name)))
@@ -231,9 +238,10 @@ class CheckpointConfig:
     def _check_memory(self) -> None:
         root = self.memory_root
         if root is None:
-            if self.memory_every_n_steps is not None or self.memory_every_seconds is not None:
-                raise ConfigError("memory_every_n_steps/memory_every_seconds need memory_root (the memory tier's "
-                                  "directory, e.g. /dev/shm/<run>)")
+            if any(getattr(self, n) is not None for n in ("memory_every_n_steps", "memory_every_seconds",
+                                                            "memory_mtbf_seconds")):
+                raise ConfigError("memory_every_n_steps/memory_every_seconds/memory_mtbf_seconds need memory_root "
+                                  "(the memory tier's directory, e.g. /dev/shm/<run>)")
             return
         if isinstance(root, os.PathLike):
             root = os.fspath(root)
@@ -263,8 +271,11 @@ class CheckpointConfig:
         return memory
 
     def build_memory_policy(self) -> SavePolicy | None:
-        """The memory tier's save policy (``EveryNSteps``/``EveryNSeconds``, ``AnyOf`` when both), or None."""
+        """The memory tier's save policy (``YoungDaly``/``EveryNSteps``/``EveryNSeconds``, ``AnyOf`` when
+        several), or None. Its ``YoungDaly`` assumes no cost (0 s) until the first memory save is measured."""
         policies: list[SavePolicy] = []
+        if self.memory_mtbf_seconds is not None:
+            policies.append(YoungDaly(self.memory_mtbf_seconds, initial_cost_seconds=0.0, formula=self.formula))
         if self.memory_every_n_steps is not None:
             policies.append(EveryNSteps(self.memory_every_n_steps))
         if self.memory_every_seconds is not None:

@@ -516,6 +516,7 @@ class CheckpointManager:
         memory_root: str | None | DefaultType = DEFAULT,
         memory_every_n_steps: int | None | DefaultType = DEFAULT,
         memory_every_seconds: float | str | None | DefaultType = DEFAULT,
+        memory_mtbf_seconds: float | str | None | DefaultType = DEFAULT,
         memory_keep_last: int | DefaultType = DEFAULT,
         memory_replicas: int | DefaultType = DEFAULT,
         memory_partner_stride: int | DefaultType = DEFAULT,
@@ -754,7 +755,7 @@ class CheckpointManager:
         self._preemption.polled = True
         decision = False
         if self._cadence is not None:
-            self._cadence.record_step(step, now)
+            self._cadence.record_step(step, now, busy=self._ckpt.in_flight is not None)
             decision = self._cadence.decide(step, now) if self._ctx.is_coordinator else False
         votes = self._ctx.all_gather((decision, self._preemption.received), what="save decision")
         if self._preemption.received is None:
@@ -766,12 +767,14 @@ class CheckpointManager:
 
         After a preemption signal this is the emergency save: it waits until the checkpoint is
         committed locally (up to ``preemption_timeout_seconds``), logs one line and raises
-        ``SystemExit(128 + signum)``.
+        ``SystemExit(128 + signum)``. With ``memory_root``, the step is first saved into memory (committed
+        in RAM before the disk save starts; a failure there is logged and the disk save goes on), so a
+        restart on the same nodes resumes it even when the disk save does not commit in time.
 
-        With a memory tier (``memory_root`` and ``memory_every_n_steps``/``memory_every_seconds``), a step
-        at which no disk save is due is saved into ``memory_root`` when the memory cadence says so
-        (``save(step, state, tier="memory")``); a disk save takes precedence. Without a disk save
-        policy (nor ``preemption_signals``) only the memory cadence is asked.
+        With a memory tier (``memory_root`` and ``memory_every_n_steps``/``memory_every_seconds``/
+        ``memory_mtbf_seconds``), a step at which no disk save is due is saved into ``memory_root`` when the
+        memory cadence says so (``save(step, state, tier="memory")``); a disk save takes precedence. Without
+        a disk save policy (nor ``preemption_signals``) only the memory cadence is asked.
         """
         memory = self._memory
         if memory is not None and self._cadence is None and not self._preemption.signals:  # memory cadence only
@@ -780,11 +783,13 @@ class CheckpointManager:
             return self.save(step, state, tier="memory") if memory is not None and memory.due(step) else None
         if memory is not None:
             memory.disk_saved(step)
-        handle = None
+        handle, in_memory = None, False
         if not self._step_committed_or_pending(step):
+            if memory is not None and self._preemption.requested:
+                in_memory = self._save_to_memory_first(step, state)
             handle = self.save(step, state)
         if self._preemption.requested:
-            self._exit_for_preemption(step, handle)
+            self._exit_for_preemption(step, handle, in_memory)
         return handle
 
     @property
@@ -796,7 +801,19 @@ class CheckpointManager:
         handle = self._ckpt.in_flight
         return (handle is not None and handle.step == step) or is_committed(self.root / self.naming.name(step))
 
-    def _exit_for_preemption(self, step: int, handle: SaveHandle | None) -> None:
+    def _save_to_memory_first(self, step: int, state: StateToSave) -> bool:
+        """Preempted: save ``step`` into memory and wait for its commit (fast, RAM), before the disk save;
+        True once committed (a failure is logged: the disk save goes on)."""
+        try:
+            self.save(step, state, tier="memory")
+            self._ckpt.wait_previous()  # committed before the disk save starts; its error is raised here, once
+        except Exception as exc:  # noqa: BLE001 - whatever the memory save raised, the disk save must still run
+            log.warning("preempted: the memory save of step %d failed (%s: %s); saving it to disk only", step,
+                        type(exc).__name__, exc)
+            return False
+        return True
+
+    def _exit_for_preemption(self, step: int, handle: SaveHandle | None, in_memory: bool = False) -> None:
         sig = self._preemption.received
         assert sig is not None  # called once a preemption signal arrived
         try:
@@ -805,15 +822,19 @@ class CheckpointManager:
                 log.warning("preempted by %s: checkpoint of step %d committed at %s; exiting", sig.name, step, path)
         except TimeoutError:
             log.error("preempted by %s: checkpoint of step %d not committed within %.0f s; exiting without it "
-                      "(it stays an invisible temporary, removed on the next start)", sig.name, step,
-                      self._preemption_timeout)
+                      "(it stays an invisible temporary, removed on the next start)%s", sig.name, step,
+                      self._preemption_timeout, "; a restart on these nodes resumes its memory copy" if in_memory
+                      else "")
             logging.shutdown()  # flush log handlers: the hard exit below skips interpreter teardown
             os._exit(128 + int(sig))  # do not wait for the writer thread at interpreter exit
         raise SystemExit(128 + int(sig))
 
     def schedule_info(self) -> dict[str, Any]:
-        """The save policy's last decision inputs and outputs (``describe()``), or {} without a policy."""
-        return self._cadence.policy.describe() if self._cadence is not None else {}
+        """The save policy's last decision inputs and outputs (``describe()``), or {} without a policy; with a
+        memory cadence, also ``"memory"``: the memory tier's policy's ``describe()`` (its own interval)."""
+        info = self._cadence.policy.describe() if self._cadence is not None else {}
+        cadence = self._memory.cadence if self._memory is not None else None
+        return info if cadence is None else {**info, "memory": cadence.policy.describe()}
 
     def add_commit_callback(self, callback: Callable[[int, Path], None]) -> None:
         """Call ``callback(step, directory)`` after each commit, on rank 0 only.
@@ -835,7 +856,8 @@ class CheckpointManager:
             (the local tier stands in when there is none); ``lost_work_if_failure_now_s``: training
             time that a failure right now would lose (back to the newest durable checkpoint; None
             before the first one); ``in_flight_step``; ``failed_saves``; ``replication`` (see
-            :meth:`replication_stats`); ``schedule`` (the save policy's last decision, if any);
+            :meth:`replication_stats`); ``schedule`` (:meth:`schedule_info`: the save policy's last decision, if
+            any, and the memory tier's under ``"memory"``);
             ``tiers``: per step, which tiers hold a copy, ``{step: {"local": "complete" | "partial" |
             None, "durable": bool | None}}`` ("partial": this node's copy of a node-local checkpoint;
             durable None: not known, see below); ``durable_newest_step`` /

@@ -206,16 +206,19 @@ class MemoryTier:
             return False
         self.last_step = step if self.last_step is None else max(self.last_step, step)
         now = time.monotonic()
-        self.cadence.record_step(step, now)
+        self.cadence.record_step(step, now, busy=self.engine.in_flight is not None)
         decision = self.cadence.decide(step, now) and self.engine.in_flight is None \
             if self.ctx.is_coordinator else False
         return bool(self.ctx.broadcast(decision, what="memory save decision"))
 
     def disk_saved(self, step: int) -> None:
-        """A disk save of ``step`` began: the memory clock restarts (a newer checkpoint exists)."""
+        """A disk save of ``step`` begins (``step`` finished): the memory clock restarts (a newer checkpoint
+        exists), with no memory cost sample; the disk save's stall is no memory step time."""
         self.last_step = step if self.last_step is None else max(self.last_step, step)
         if self.cadence is not None:
-            self.cadence.policy.record_save(step, blocking_s=0.0, durable_after_s=None, now_s=time.monotonic())
+            now = time.monotonic()
+            self.cadence.record_step(step, now, busy=self.engine.in_flight is not None)
+            self.cadence.other_saved(step, now)
 
     def before_disk_save(self, step: int) -> None:
         """A disk save of ``step`` was submitted: memory steps of an abandoned timeline go (see :meth:`_drop`)."""

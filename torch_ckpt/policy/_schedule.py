@@ -371,10 +371,12 @@ class EveryNSeconds:
     def record_save(self, step: int, *, blocking_s: float, durable_after_s: float | None, slowdown_s: float = 0.0,
                     now_s: float) -> None:
         """Restart the clock at the start of a save (``now_s - blocking_s``) of a new step."""
-        if self._last_save_step is not None and step <= self._last_save_step:
-            return
-        self._last_save_step = step
-        self._last_save_s = now_s - blocking_s
+        self.restart(step, now_s - blocking_s)
+
+    def restart(self, step: int, now_s: float) -> None:
+        """Restart the clock at monotonic ``now_s`` seconds, for a checkpoint of a new ``step`` made elsewhere."""
+        if self._last_save_step is None or step > self._last_save_step:
+            self._last_save_step, self._last_save_s = step, now_s
 
     def describe(self) -> dict[str, Any]:
         """``policy``, ``seconds`` and the last ``step``, ``elapsed_s`` and ``decision``."""
@@ -491,6 +493,10 @@ class YoungDaly:
             self._step_time.skip_next()  # the next step's duration includes this stall
         if durable_after_s is not None:
             self._lag.add(step, max(0.0, to_seconds("durable_after_s", durable_after_s, positive=False) - blocking_s))
+        self.restart(step, now_s)
+
+    def restart(self, step: int, now_s: float) -> None:
+        """Restart the step count at ``step`` (a checkpoint of a new step made elsewhere), measuring nothing."""
         if self._last_save_step is None or step > self._last_save_step:
             self._last_save_step = step
 
@@ -527,6 +533,12 @@ def _lend_step_time(policy: object, estimator: StepTimeEstimator) -> None:
     share = getattr(policy, "use_step_time", None)
     if callable(share):
         share(estimator)
+
+
+def _restart(policy: object, step: int, now_s: float) -> None:
+    restart = getattr(policy, "restart", None)
+    if callable(restart):
+        restart(step, now_s)
 
 
 class AnyOf:
@@ -578,6 +590,11 @@ class AnyOf:
             policy.record_save(step, blocking_s=blocking_s, durable_after_s=durable_after_s, slowdown_s=slowdown_s,
                                now_s=now_s)
 
+    def restart(self, step: int, now_s: float) -> None:
+        """Forward to every policy that has a count or clock to restart (see :meth:`Cadence.other_saved`)."""
+        for policy in self._policies:
+            _restart(policy, step, now_s)
+
     def describe(self) -> dict[str, Any]:
         """``policy``, the last ``step``/``decision``/``triggered_by`` and each policy's ``describe()``."""
         return {"policy": "AnyOf", **self._last, "policies": [p.describe() for p in self._policies]}
@@ -593,6 +610,10 @@ class Cadence:
     ``use_step_time``, so the runtime has one step-time estimate), measures how much slower steps
     run while a save persists (that slowdown plus the blocking time is the save's cost ``C``), and
     reports each save twice to the policy: when its blocking part ends and once it is durable.
+    With two save tiers (the manager's disk and memory tiers, each its own cadence) the costs never
+    mix: a step while the other tier's save persists is no step-time sample, the other tier's
+    saves only restart the count (:meth:`other_saved`), and a wait for the other tier's save is
+    left out of this tier's cost.
 
     Args:
         policy: The save policy.
@@ -605,13 +626,15 @@ class Cadence:
         self._pending: SaveHandle | None = None
         self._slowdown_s = 0.0
         self._stall_next = False
+        self._other_wait_s = 0.0  # the pending save's wait for another tier's save, left out of its cost
 
-    def record_step(self, step: int, now_s: float) -> None:
-        """Record that ``step`` just finished at monotonic time ``now_s`` (seconds)."""
+    def record_step(self, step: int, now_s: float, *, busy: bool = False) -> None:
+        """Record that ``step`` just finished at monotonic time ``now_s`` (seconds); ``busy``: a save (of any
+        tier) is still persisting, so the step is no step-time sample."""
         baseline = self.step_time.seconds
         persisting = self._pending is not None and not self._pending.done()
         stall, self._stall_next = self._stall_next, False  # this step held a save's blocking part
-        delta = self.step_time.record_step(step, now_s, sample=not persisting and not stall)
+        delta = self.step_time.record_step(step, now_s, sample=not persisting and not stall and not busy)
         if persisting and not stall and delta is not None and baseline is not None:
             self._slowdown_s += max(0.0, delta - baseline)
         self._report_durable(now_s)
@@ -623,18 +646,30 @@ class Cadence:
             return
         self._pending = None
         if handle.committed.exception() is None:
-            s = handle.stats
-            self.policy.record_save(handle.step, blocking_s=s.blocking_s, durable_after_s=s.total_s,
-                                    slowdown_s=self._slowdown_s, now_s=now_s)
+            s, other = handle.stats, self._other_wait_s
+            self.policy.record_save(handle.step, blocking_s=max(0.0, s.blocking_s - other),
+                                    durable_after_s=max(0.0, s.total_s - other), slowdown_s=self._slowdown_s,
+                                    now_s=now_s)
         self._slowdown_s = 0.0
 
     def record_save_started(self, handle: SaveHandle, now_s: float) -> None:
-        """Report a save whose blocking part just ended (its durability is reported later)."""
+        """Report a save whose blocking part just ended (its durability is reported later). Its wait for the
+        previous save counts in its cost only when that was this cadence's own save, still persisting at the
+        last :meth:`record_step`; a wait for another tier's save is that tier's cost."""
+        own = self._pending is not None
         self._report_durable(now_s)
-        self.policy.record_save(handle.step, blocking_s=handle.stats.blocking_s, durable_after_s=None,
-                                slowdown_s=0.0, now_s=now_s)
+        self._other_wait_s = 0.0 if own else handle.stats.wait_for_previous_s
+        self.policy.record_save(handle.step, blocking_s=max(0.0, handle.stats.blocking_s - self._other_wait_s),
+                                durable_after_s=None, slowdown_s=0.0, now_s=now_s)
         self._pending = handle
         self._slowdown_s = 0.0
+        self._stall_next = True
+
+    def other_saved(self, step: int, now_s: float) -> None:
+        """Another tier's save of ``step`` starts now (after :meth:`record_step` of ``step``): the policy's step
+        count or clock restarts (a newer checkpoint exists; its ``restart(step, now_s)``, where it has one), with
+        no cost sample; the next step interval holds that save's stall, so it is no step time."""
+        _restart(self.policy, step, now_s)
         self._stall_next = True
 
     def decide(self, step: int, now_s: float) -> bool:
