@@ -80,6 +80,12 @@ docs: setup
 demo-cluster: setup
 	$(PY) examples/demo_cluster.py --work-dir $(DEMO_DIR)_cluster
 
+# The same two nodes with a memory tier (tmpfs, each node's newest step replicated to the other): every rank is
+# killed between disk saves and node 1's disk and RAM are wiped; both resume from memory, node 1 from node 0's copy.
+.PHONY: demo-cluster-memory
+demo-cluster-memory: setup
+	$(PY) examples/demo_cluster.py --work-dir $(DEMO_DIR)_cluster_memory --memory
+
 # The frameworks' own test files (unmodified copies under SUITES_DIR, or checkouts at the pinned tags), run plain
 # and with AsyncDCPCheckpointIO / attach() injected; table in $(SUITES_OUT)/report.md. SUITES_ARGS passes options
 # to peer_suites/run.py (e.g. SUITES_ARGS="--only test_model_checkpoint --suites lightning").

@@ -15,7 +15,13 @@
 
 Exits non-zero when anything differs, nothing was resumed, or node 1 read anything but its shards.
 
-    python examples/demo_cluster.py --work-dir demo_cluster
+With ``--memory`` (``make demo-cluster-memory``) the run also saves into the memory tier (a tmpfs directory per
+node, under ``/dev/shm`` when there is one) every step, each node's newest memory step replicated to the other
+node; every rank is killed (SIGKILL) mid-run between two disk saves, node 1's disk and tmpfs are wiped, and the
+same command resumes: node 0 from its own memory, node 1 from the copy node 0 held for it (``memory-peer``),
+at a step newer than any disk or durable checkpoint.
+
+    python examples/demo_cluster.py --work-dir demo_cluster [--memory]
 """
 
 from __future__ import annotations
@@ -23,8 +29,11 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import re
 import shutil
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -52,7 +61,7 @@ def start_s3() -> tuple[object, dict, str]:
 
 
 def train_cmd(args: argparse.Namespace, ckpt_dir: Path, log: Path, url: str, options: dict,
-              stop_after: int | None = None) -> list[str]:
+              stop_after: int | None = None, memory: Path | None = None) -> list[str]:
     cmd = [
         sys.executable, str(TRAIN), "--nproc", "4", "--simulate-nodes", "2",
         "--steps", str(args.steps), "--save-every", str(args.save_every), "--seed", str(args.seed),
@@ -60,7 +69,51 @@ def train_cmd(args: argparse.Namespace, ckpt_dir: Path, log: Path, url: str, opt
         "--ckpt-dir", str(ckpt_dir), "--log-jsonl", str(log), "--quiet",
         "--durable-url", url, "--storage-options", json.dumps(options),
     ]  # fmt: skip
+    cmd += ["--memory-root", str(memory), "--memory-every", "1"] if memory is not None else []
     return cmd + (["--stop-after-step", str(stop_after)] if stop_after is not None else [])
+
+
+def memory_node_loss(args: argparse.Namespace, options: dict, bucket: str, ref_log: Path) -> list[str]:
+    """Every rank killed at ``--stop-after + 5``, node 1's disk and tmpfs wiped, resumed from memory; problems."""
+    shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else args.work_dir
+    memory = Path(tempfile.mkdtemp(prefix="torch-ckpt-demo-cluster-", dir=shm))
+    run_dir, run_log = args.work_dir / "run", args.work_dir / "run.jsonl"
+    kill_at = args.stop_after + args.save_every // 2
+    try:
+        cmd = train_cmd(args, run_dir, run_log, f"s3://{bucket}/run", options, memory=memory)
+        print(f"\n== the run, every rank killed (SIGKILL) after step {kill_at}\n$ {' '.join(cmd)}", flush=True)
+        proc = subprocess.run([*cmd, "--crash-at-step", str(kill_at)], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+        sys.stdout.write(proc.stdout)
+        if proc.returncode == 0:
+            return ["the run was not killed"]
+        print(f"\n== node 1 is replaced: deleting its disk {run_dir / 'node1'} and its tmpfs {memory / 'node1'}",
+              flush=True)
+        shutil.rmtree(run_dir / "node1")
+        shutil.rmtree(memory / "node1")
+        before = len(read_jsonl(run_log))
+        out = run_to_end(cmd, "the same command on the new node set")
+    finally:
+        shutil.rmtree(memory, ignore_errors=True)
+    problems = []
+    found = dict(re.findall(r"node (\d) \(rank \d\) restored step (\d+) from memory", out))
+    steps = {int(v) for v in found.values()}
+    if "memory-peer" not in out or len(found) != 2 or len(steps) != 1:
+        problems.append("node 0 did not resume from its memory and node 1 from its partner's replica")
+    restored = steps.pop() if len(steps) == 1 else -1
+    if restored <= args.stop_after:
+        problems.append(f"the resumed step {restored} is not newer than the last disk save {args.stop_after}")
+    ref = {r["step"]: r for r in read_jsonl(ref_log)}
+    resumed = read_jsonl(run_log)[before:]
+    problems += compare(ref, resumed, loss_rtol=1e-5)
+    if not resumed or resumed[0]["step"] != restored + 1:
+        problems.append(f"the resumed run did not continue at step {restored + 1}")
+    if not problems:
+        print(f"demo-cluster: OK: every rank killed after step {kill_at}, node 1's disk and RAM wiped; both nodes "
+              f"resumed step {restored} from memory (node 1 from node 0's replica; {kill_at - restored} step(s) "
+              f"lost, the last disk save was step {args.stop_after}); steps {resumed[0]['step']}..{resumed[-1]['step']}"
+              " match the reference", flush=True)
+    return problems
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -71,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stop-after", type=int, default=30, help="stop the run after this step (a save step)")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--max-windows", type=int, default=400)
+    p.add_argument("--memory", action="store_true", help="the memory tier: a node lost between disk saves resumes "
+                   "from its partner's RAM")
     args = p.parse_args(argv)
     if args.stop_after % args.save_every:
         p.error("--stop-after must be a multiple of --save-every")
@@ -81,6 +136,11 @@ def main(argv: list[str] | None = None) -> int:
         ref_log, run_log = args.work_dir / "reference.jsonl", args.work_dir / "run.jsonl"
         run_to_end(train_cmd(args, args.work_dir / "reference", ref_log, f"s3://{bucket}/reference", options),
                    "reference run")
+        if args.memory:
+            problems = memory_node_loss(args, options, bucket, ref_log)
+            if problems:
+                print("demo-cluster: FAILED\n  " + "\n  ".join(problems[:20]), flush=True)
+            return 1 if problems else 0
         run_dir = args.work_dir / "run"
         cmd = train_cmd(args, run_dir, run_log, f"s3://{bucket}/run", options)
         run_to_end(train_cmd(args, run_dir, run_log, f"s3://{bucket}/run", options, args.stop_after),

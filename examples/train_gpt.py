@@ -240,6 +240,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--durable-url", default=None, help="durable tier (fsspec URL, e.g. s3://bucket/run)")
     p.add_argument("--storage-options", type=json.loads, default=None, metavar="JSON",
                    help="fsspec options of --durable-url as a JSON object (endpoint, credentials)")
+    p.add_argument("--memory-root", type=Path, default=None, help="memory tier directory (tmpfs, e.g. "
+                   "/dev/shm/<run>; per simulated node MEMORY_ROOT/nodeK); with --memory-every")
+    p.add_argument("--memory-every", type=int, default=0, help="save into --memory-root every K steps when no disk "
+                   "save is due (0: never); every node's newest memory step is also held by a partner node")
     add_model_arguments(p)
     # interruptions, for tests and demos
     p.add_argument("--crash-at-step", type=int, default=None, help="SIGKILL this process (every rank) right "
@@ -251,6 +255,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--nproc must be >= 1, got {args.nproc}")
     if args.simulate_nodes < 1 or args.nproc % args.simulate_nodes:
         p.error(f"--simulate-nodes must divide --nproc ({args.nproc}), got {args.simulate_nodes}")
+    if (args.memory_root is None) != (args.memory_every == 0):
+        p.error("--memory-root and --memory-every go together")
     return args
 
 
@@ -359,9 +365,13 @@ def train(args: argparse.Namespace, rank: int = 0, world: int = 1) -> dict:
     try:
         # ckpt: one manager per run root; every rank builds it and calls restore/save collectively
         # ckpt: simulated nodes each get a private root (on a real cluster: the same path on each node's disk)
-        root = args.ckpt_dir / f"node{os.environ.get('GROUP_RANK', '0')}" if args.simulate_nodes > 1 else args.ckpt_dir
+        node = f"node{os.environ.get('GROUP_RANK', '0')}"
+        root = args.ckpt_dir / node if args.simulate_nodes > 1 else args.ckpt_dir
+        memory_root = None if args.memory_root is None else \
+            str(args.memory_root / node if args.simulate_nodes > 1 else args.memory_root)
         with CheckpointManager(root, keep_last=args.keep_last, save_policy=policy, persist=args.persist,
-                               durable_url=args.durable_url, storage_options=args.storage_options) as mgr:
+                               durable_url=args.durable_url, storage_options=args.storage_options,
+                               memory_root=memory_root) as mgr:
             resumed = mgr.restore(state)  # ckpt: newest committed checkpoint, loaded in place; None: fresh start
             if args.simulate_nodes > 1 and resumed is not None and os.environ.get("LOCAL_RANK") == "0":
                 print(f"train_gpt: node {os.environ['GROUP_RANK']} (rank {rank}) restored step {resumed} from "
@@ -403,6 +413,8 @@ def train(args: argparse.Namespace, rank: int = 0, world: int = 1) -> dict:
                         handle = mgr.save_if_due(state.step, state)  # ckpt: rank 0 decides, every rank saves
                     elif args.save_every and state.step % args.save_every == 0:
                         handle = mgr.save(state.step, state)  # ckpt: returns after staging
+                    elif args.memory_every and state.step % args.memory_every == 0:
+                        handle = mgr.save(state.step, state, tier="memory")  # ckpt: into tmpfs, then a partner
                     else:
                         handle = None
                     if handle is not None:

@@ -972,10 +972,12 @@ class CheckpointManager:
         ``durable_timeout_seconds`` without an answer.
 
         With a memory tier (``memory_root``), a step that every node holds intact in its
-        ``memory_root`` and that is newer than every live disk and durable step is loaded from memory
-        (always CRC-checked; ``restore_source`` is then ``"memory"``), as is an explicit ``step``
-        that only the memory tier holds. A memory copy missing on some node or failing verification
-        is passed over with a warning naming the step and the reason, for the disk and durable tiers.
+        ``memory_root`` (or gets back from a partner's replica, checked by CRC-32: ``memory_replicas``)
+        and that is newer than every live disk and durable step is loaded from memory (always
+        CRC-checked; ``restore_source`` is then ``"memory"``, ``"memory-peer"`` on a node whose copy
+        came from a partner), as is an explicit ``step`` that only the memory tier holds. A memory copy
+        missing on some node (with no intact replica) or failing verification is passed over with a
+        warning naming the step and the reason, for the disk and durable tiers.
         After a restore of step S from any tier, the memory steps newer than S are deleted at the next
         save: they are never resumed.
 
@@ -1013,7 +1015,7 @@ class CheckpointManager:
                 self._ckpt.load(local, state, verify=True, allow_cast=allow_cast,
                                 on_world_size_change=self.on_world_size_change)), choose=path is None)
             if memory is not None:
-                self.restore_source = "memory"
+                self.restore_source = self._memory.source
                 self._runs.restored(memory[0], memory[1] if self._runs.acts_on_root else None)
                 return memory[0]
             listed = self._memory.listed

@@ -106,6 +106,7 @@ class MemoryTier:
         self.rolled_back_to: int | None = None  # a restore's step: newer memory steps go at the next save
         self.listed: dict[int, Lineage] = {}  # every node's memory steps at the last restore: {step: lineage}
         self.last_step: int | None = None  # the newest step seen by save() or due(), for health()
+        self.source = "memory"  # the last memory restore's source on this rank: "memory" or "memory-peer"
         self.error: CheckpointError | None = None
         self._lock: RootLock | None = None
         # forced node-local (shared=False): each node keeps its own copy, even for one node
@@ -308,7 +309,9 @@ class MemoryTier:
                             cand, self.root, type(exc).__name__, exc,
                             "an older memory step" if cand != plan[-1][0] else "the disk and durable tiers")
                 continue
-            log.info("[rank %d] restored step %d from the memory tier %s", self.ctx.rank, cand, self.root)
+            log.info("[rank %d] restored step %d from the memory tier %s%s", self.ctx.rank, cand, self.root,
+                     " (its copy rebuilt from a partner's replica)" if self.layout.node in repairs else "")
+            self.source = "memory-peer" if self.layout.node in repairs else "memory"
             self.restored(cand)
             return cand, lineage
         return None
@@ -391,6 +394,8 @@ class MemoryTier:
                 break
             repairs = rebuilt(s)
             if repairs is None:
+                if plan:  # older than a usable step: only a fallback, not worth a warning
+                    continue
                 log.warning("memory tier: step %d is missing or incomplete in memory on node(s) %s, and no partner "
                             "holds an intact replica; falling back to an older step (memory or the disk and durable "
                             "tiers)", s, sorted(nodes - held.get(s, set())))
