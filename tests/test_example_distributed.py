@@ -89,3 +89,14 @@ def test_sigkill_of_all_ranks_then_resume_matches_uninterrupted_run(tmp_path, re
     step = resumed_from(resumed)
     assert step is not None and 2 <= step <= 8 and step % 2 == 0
     assert_bitwise_equal(after, reference[step:])
+
+
+def test_the_memory_cluster_demo_resumes_a_lost_node_from_its_partners_memory(tmp_path):
+    """make demo-cluster-memory, shortened: every rank killed between disk saves, node 1's disk and tmpfs wiped;
+    both nodes resume one step from memory (node 1 from node 0's replica) and match the reference run."""
+    demo = EXAMPLE.with_name("demo_cluster.py")
+    cmd = [sys.executable, str(demo), "--work-dir", str(tmp_path / "work"), "--memory", "--steps", "30",
+           "--save-every", "10", "--stop-after", "10", "--max-windows", "200"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=6 * LAUNCH_TIMEOUT_S)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "restored step" in proc.stdout and "from memory-peer" in proc.stdout
