@@ -191,16 +191,13 @@ class MTBFCheckpoint(OnExceptionCheckpoint):
         tier = self._manager.save_due(step) if asks else None  # "disk", "memory" or None
         sigterm = self._manager.preemption_requested
         # the final step is saved at its step boundary: at on_train_end Lightning counts the epoch completed
-        if tier == "disk" or sigterm or (self.save_on_train_end and _compat.is_final_batch(trainer)):
-            self._save(trainer, step, stopping=sigterm)
-        else:
-            if tier == "memory":
-                self._save(trainer, step, memory=True)
-            if self.save_on_train_end and _compat.is_last_batch(trainer):
-                # a stop decided later at this epoch end (EarlyStopping, a callback, the module) saves at
-                # on_train_end with this loop state: a resume then loads the loaders' states (skipped once the
-                # epoch is counted)
-                self._epoch_end_loop = (step, trainer.fit_loop.state_dict())
+        disk = tier == "disk" or sigterm or (self.save_on_train_end and _compat.is_final_batch(trainer))
+        if disk or tier == "memory":
+            self._save(trainer, step, stopping=sigterm, memory=not disk)
+        if not disk and self.save_on_train_end and _compat.is_last_batch(trainer):
+            # a stop decided later at this epoch end (EarlyStopping, a callback, the module) saves at on_train_end
+            # with this loop state: a resume then loads the loaders' states (skipped once the epoch is counted)
+            self._epoch_end_loop = (step, trainer.fit_loop.state_dict())
         if sigterm:
             self._setup_io.wait()
             log.warning("[rank %d] SIGTERM: checkpoint of step %d is committed; stopping", trainer.global_rank, step)
