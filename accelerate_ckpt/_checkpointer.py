@@ -320,9 +320,10 @@ class AccelerateCheckpointer:
         if self._closed or not self._auto:
             return None
         found = self._open().checkpoints()
-        memory = self._open().health()["memory_step"]
+        memory_root = self.settings.config.memory_root
+        memory = self._open().health()["memory_step"] if memory_root is not None else None
         if memory is not None and memory > max(found, default=-1):
-            return Path(cast(str, self.settings.config.memory_root)).expanduser().absolute() / NAMING.name(memory)
+            return Path(cast(str, memory_root)).expanduser().absolute() / NAMING.name(memory)
         return found[max(found)] if found else None
 
     def _load_foreign(self, folder: Path, allow_unsafe: bool, load_kwargs: Any, kwargs: dict) -> None:

@@ -25,6 +25,14 @@ def test_memory_saves_follow_their_cadence_into_memory_root(make_trainer, tmp_pa
     assert steps(tmp_path / "mem") == [2, 4, 6] and steps(tmp_path / "ckpt") == [5]
 
 
+def test_memory_every_seconds_saves_once_the_time_has_passed(make_trainer, tmp_path):
+    """memory_every_seconds=1 ms (shorter than a step) saves every step after the first into memory_root."""
+    cb = MTBFCheckpoint(tmp_path / "ckpt", mtbf_seconds=None, save_on_train_end=False,
+                        memory_root=str(tmp_path / "mem"), memory_every_seconds=0.001, memory_keep_last=10)
+    make_trainer(max_steps=4, plugins=[AsyncDCPCheckpointIO(async_save=False)], callbacks=[cb]).fit(TinyModule())
+    assert steps(tmp_path / "mem") == [2, 3, 4] and steps(tmp_path / "ckpt") == []  # the clock starts at step 1
+
+
 def _fit(make_trainer, tmp_path, name, max_steps, seed, **kwargs):
     torch.manual_seed(0)
     module = TinyModule()
