@@ -4,12 +4,14 @@ memory step exactly, the LightningCLI YAML route, and bad values."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
 from lightning_helpers import TinyModule
 
 from lightning_ckpt import AsyncDCPCheckpointIO, MTBFCheckpoint
+from tests._dist import run_distributed
 from torch_ckpt import ConfigError
 
 
@@ -57,6 +59,29 @@ def test_last_resumes_the_newest_memory_step_bitwise(make_trainer, tmp_path, mem
     assert trainer.ckpt_path == str(tmp_path / "mem" / f"step_{newest:09d}") and cb._manager.restore_source == "memory"
     assert resumed.draws == reference.draws[newest:]
     assert all(torch.equal(v, reference.state_dict()[k]) for k, v in resumed.state_dict().items())
+
+
+def _two_rank_body(rank: int, world: int, root: str) -> None:
+    import lightning as L
+
+    def fit(max_steps: int) -> L.Trainer:
+        cb = MTBFCheckpoint(Path(root) / "ckpt", mtbf_seconds=None, save_on_train_end=False,
+                            memory_root=str(Path(root) / "mem"), memory_every_n_steps=2)
+        trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=max_steps, logger=False,
+                            enable_progress_bar=False, enable_model_summary=False, default_root_dir=root,
+                            plugins=[AsyncDCPCheckpointIO(async_save=False)], callbacks=[cb])
+        trainer.fit(TinyModule(), ckpt_path="last")
+        return trainer
+
+    fit(5)
+    resumed = fit(7)
+    assert (resumed.ckpt_path, resumed.global_step) == (str(Path(root) / "mem" / "step_000000004"), 7)
+
+
+@pytest.mark.slow
+def test_two_ranks_save_to_memory_and_resume_from_it(tmp_path):
+    """On 2 DDP ranks memory saves commit and ckpt_path="last" resumes memory step 4 on both ranks."""
+    run_distributed(_two_rank_body, 2, str(tmp_path), timeout_s=240)
 
 
 def test_lightning_cli_yaml_enables_memory_saves(tmp_path):
