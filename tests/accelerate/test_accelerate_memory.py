@@ -4,12 +4,17 @@ numbered by save iteration, resumed by ``load_state()`` when newest; the setting
 from __future__ import annotations
 
 import copy
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 pytest.importorskip("accelerate")
 from acc_helpers import bitwise, make_run, train
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from _dist import run_distributed  # noqa: E402
 
 import accelerate_ckpt
 from torch_ckpt import ConfigError
@@ -91,3 +96,36 @@ def test_memory_save_with_a_save_state_pre_hook_is_refused(tmp_path):
     with pytest.raises(ConfigError, match="save_state pre-hooks"):
         run.ckpt.save_if_due(1)
     run.ckpt.close()
+
+
+def _two_process_body(rank: int, world: int, root: str) -> None:
+    from accelerate import Accelerator
+    from accelerate.utils import ProjectConfiguration
+
+    def attach():
+        acc = Accelerator(cpu=True, project_config=ProjectConfiguration(project_dir=root,
+                                                                        automatic_checkpoint_naming=True))
+        ckpt = accelerate_ckpt.attach(acc, async_save=False, memory_root=f"{root}-mem", memory_every_n_steps=2)
+        torch.manual_seed(0)
+        model = torch.nn.Linear(2, 2)
+        return acc, ckpt, *acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=0.1))
+
+    acc, ckpt, model, opt = attach()
+    for step in range(1, 5):
+        acc.backward(model(torch.ones(3, 2) * (rank + step)).sum())
+        opt.step()
+        opt.zero_grad()
+        ckpt.save_if_due(step)
+    weights = copy.deepcopy(model.state_dict())
+    ckpt.close()
+    acc, ckpt, model, opt = attach()
+    acc.load_state()
+    assert (ckpt.step, ckpt.manager.restore_source) == (4, "memory"), rank
+    assert all(torch.equal(v, weights[k]) for k, v in model.state_dict().items()), rank
+    ckpt.close()
+
+
+@pytest.mark.slow
+def test_two_processes_save_to_memory_and_resume_from_it(tmp_path):
+    """2 processes: memory saves commit and load_state() resumes memory step 4 with the same weights on both."""
+    run_distributed(_two_process_body, 2, str(tmp_path / "proj"), timeout_s=150)
