@@ -403,7 +403,7 @@ class AccelerateCheckpointer:
         when the memory cadence says so (as a ``save_state()`` of the next save iteration, into ``memory_root``).
 
         Raises:
-            ConfigError: no save policy nor memory cadence, or no checkpoint root yet (no automatic naming, nothing
+            ConfigError: no save policy nor ``memory_root``, or no checkpoint root yet (no automatic naming, nothing
                 saved or loaded); a memory save with ``save_state``/``load_state`` pre-hooks registered (their
                 files cannot go into a memory checkpoint).
         """

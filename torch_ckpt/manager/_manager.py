@@ -784,7 +784,7 @@ class CheckpointManager:
         their framework): ``"disk"`` (the memory clock restarts), ``"memory"`` or None.
 
         Raises:
-            ConfigError: no ``save_policy``, ``preemption_signals`` or memory cadence was configured.
+            ConfigError: neither a ``save_policy``, ``preemption_signals`` nor a ``memory_root`` was configured.
         """
         memory = self._memory
         if memory is not None and self._cadence is None and not self._preemption.signals:  # memory cadence only
