@@ -38,9 +38,6 @@ log = logging.getLogger(__name__)
 ENV_VAR = "ACCELERATE_CKPT_CONFIG"
 _EXTRAS = {"enabled": True, "log_stats": True}  # the adapter's own keys and their defaults
 _FIXED = ("naming", "read_only", "explicit_paths_only")  # set by the adapter itself
-# the memory tier saves by training step into memory_root; Accelerate's checkpoints are save iterations at its own
-# paths, so the adapter takes no memory saves yet, and refuses these rather than ignore them
-_MEMORY = tuple(name for name in CheckpointConfig.field_names() if name.startswith("memory_"))
 
 
 @dataclass(frozen=True)
@@ -80,11 +77,8 @@ def load_settings(config: str | os.PathLike | None = None, **overrides: Any) -> 
         if fixed := [k for k in _FIXED if k in values]:
             raise ConfigError(f"{source}: {fixed[0]} is set by accelerate_ckpt itself (Accelerate's checkpoint_N "
                               "folders, a writable root); leave it out")
-        if memory := [k for k in _MEMORY if k in values]:
-            raise ConfigError(f"{source}: {memory[0]}: accelerate_ckpt takes no memory-tier saves yet; leave the "
-                              "memory_* settings out (a CheckpointManager in your own loop takes them)")
         cfg, extra = CheckpointConfig.from_dict_with_extras(values, _EXTRAS, source=source, from_file=from_file,
-                                                            reserved=_FIXED + _MEMORY)
+                                                            reserved=_FIXED)
     return CkptSettings(cfg, merged.get("keep_last") is not None, **extra)
 
 
@@ -174,6 +168,9 @@ class AccelerateCheckpointer:
                 raise ConfigError("durable_url needs ProjectConfiguration(automatic_checkpoint_naming=True): only "
                                   "automatic checkpoints are replicated")
             DurableTier(settings.config.durable_url, storage_options=settings.config.storage_options)  # fail now
+        if settings.config.memory_root is not None and not self._auto:
+            raise ConfigError("memory_root needs ProjectConfiguration(automatic_checkpoint_naming=True): memory saves "
+                              "are numbered and resumed like automatic checkpoints (load_state() without a folder)")
         if self._auto and accelerator.project_dir is None:
             raise ConfigError("automatic_checkpoint_naming needs ProjectConfiguration(project_dir=...)")
         accelerator.save_state, accelerator.load_state = self.save_state, self.load_state
@@ -318,10 +315,15 @@ class AccelerateCheckpointer:
         return folder
 
     def latest_checkpoint(self) -> Path | None:
-        """The newest committed automatic checkpoint folder on local disk, or None (collective)."""
+        """The newest committed automatic checkpoint folder on local disk, or this node's ``memory_root`` folder
+        when a memory save is newer (resume either with ``load_state()`` without a folder), or None (collective)."""
         if self._closed or not self._auto:
             return None
         found = self._open().checkpoints()
+        memory_root = self.settings.config.memory_root
+        memory = self._open().health()["memory_step"] if memory_root is not None else None
+        if memory is not None and memory > max(found, default=-1):
+            return Path(cast(str, memory_root)).expanduser().absolute() / NAMING.name(memory)
         return found[max(found)] if found else None
 
     def _load_foreign(self, folder: Path, allow_unsafe: bool, load_kwargs: Any, kwargs: dict) -> None:
@@ -397,10 +399,13 @@ class AccelerateCheckpointer:
 
     def should_save(self, step: int) -> bool:
         """Record that training step ``step`` finished (every process, each step); True when the save policy (the
-        main process decides) says to save now.
+        main process decides) says to save now. Else, with a memory tier (``memory_root``), take a memory save here
+        when the memory cadence says so (as a ``save_state()`` of the next save iteration, into ``memory_root``).
 
         Raises:
-            ConfigError: no save policy, or no checkpoint root yet (no automatic naming, nothing saved or loaded).
+            ConfigError: no save policy nor ``memory_root``, or no checkpoint root yet (no automatic naming, nothing
+                saved or loaded); a memory save with ``save_state``/``load_state`` pre-hooks registered (their
+                files cannot go into a memory checkpoint).
         """
         self._check_open()
         if self.manager is None and not self._auto:
@@ -409,14 +414,31 @@ class AccelerateCheckpointer:
         self._after.poll()
         self._log_lost_work()
         self.step = int(step)
-        return self._open().should_save(self.step)
+        tier = self._open().save_due(self.step)
+        if tier == "memory":
+            self._save_memory()
+        return tier == "disk"
+
+    def _save_memory(self) -> None:
+        """A memory-tier save numbered like the next automatic checkpoint: it takes that save iteration (the
+        next ``save_state()`` is ``checkpoint_<N+1>``), so the newest of both tiers has the highest number."""
+        acc = self.accelerator
+        if hooks := [kind for kind in ("save", "load") if compat.hooks(acc, kind)]:
+            raise ConfigError(f"memory_root: the registered {hooks[0]}_state pre-hooks write or read their own files, "
+                              "which a memory checkpoint cannot hold: remove the hooks or the memory_* settings")
+        self.wait()
+        iteration = compat.save_iteration(acc)
+        state = AcceleratorTrainState(acc, step=self.step, save_iteration=iteration + 1)
+        self.last_handle = self._open().save(iteration, state, tier="memory")
+        compat.set_save_iteration(acc, iteration + 1)
 
     def save_if_due(self, step: int) -> SaveHandle | None:
-        """``accelerator.save_state()`` when :meth:`should_save` says so; returns its handle or None."""
-        if not self.should_save(step):
-            return None
-        self.accelerator.save_state()
-        return self.last_handle
+        """``accelerator.save_state()`` when :meth:`should_save` says so; returns its handle, that of the memory save
+        ``should_save`` took, or None."""
+        before = self.last_handle
+        if self.should_save(step):
+            self.accelerator.save_state()
+        return self.last_handle if self.last_handle is not before else None
 
     def _log_lost_work(self) -> None:  # the lost-work health figure, when due
         self._reports.committed()

@@ -40,6 +40,20 @@ class MTBFCheckpoint(OnExceptionCheckpoint):
         formula: ``"daly"`` (default) or ``"young"``.
         min_interval_steps: Never save more often than every this many steps (MTBF policy).
         keep_last: Keep this many newest committed checkpoints (None: all); older ones go after a commit.
+        memory_root: Directory of the memory tier, typically under ``/dev/shm`` (tmpfs: it outlives the trainer
+            process, not the node; each node keeps its own copy); None: no memory saves. Not inside ``dirpath``.
+        memory_every_n_steps: Save into ``memory_root`` every this many optimizer steps at which no disk save
+            is taken (None: off).
+        memory_every_seconds: Save into ``memory_root`` when this many seconds (or a duration string) passed
+            since the last save of either tier (None: off).
+        memory_mtbf_seconds: Save into ``memory_root`` at the Young/Daly interval of this MTBF (process restarts on
+            the same nodes; seconds or a duration string) and the memory saves' own measured cost (None: off).
+        memory_keep_last: Keep this many newest steps in ``memory_root`` (>= 1).
+        memory_replicas: Partner nodes holding a replica of each node's newest memory step, so a node loss
+            resumes from a partner's RAM (>= 0; ignored on one node).
+        memory_partner_stride: Node ``k`` sends its replicas to nodes ``k + stride * i`` (e.g. the nodes per rack).
+        memory_replication_bytes_per_second: Cap on what each node sends to its partners (bytes or a size such as
+            ``"1GB"``; None: no cap).
         save_on_sigterm: On SIGTERM, save at the next step boundary, wait for the commit, then stop.
         save_on_train_end: Save the final step when training ends normally.
         log_stats: Log each save's statistics (``ckpt/blocking_s``, ``ckpt/gb_per_s``...) and the schedule
@@ -61,6 +75,14 @@ class MTBFCheckpoint(OnExceptionCheckpoint):
         formula: Literal["daly", "young"] = "daly",
         min_interval_steps: int = 1,
         keep_last: int | None = 3,
+        memory_root: str | None = None,
+        memory_every_n_steps: int | None = None,
+        memory_every_seconds: float | str | None = None,
+        memory_mtbf_seconds: float | str | None = None,
+        memory_keep_last: int = 2,
+        memory_replicas: int = 1,
+        memory_partner_stride: int = 1,
+        memory_replication_bytes_per_second: int | str | None = None,
         save_on_sigterm: bool = True,
         save_on_train_end: bool = True,
         log_stats: bool = True,
@@ -68,10 +90,17 @@ class MTBFCheckpoint(OnExceptionCheckpoint):
     ) -> None:
         super().__init__(dirpath=str(dirpath), filename="mtbf")
         # the core's one typed configuration validates these (same names as CheckpointManager's)
-        self._policy = CheckpointConfig(
+        config = CheckpointConfig(
             mtbf_seconds=mtbf_seconds, save_every_n_steps=save_every_n_steps, save_every_seconds=save_every_seconds,
             initial_cost_seconds=initial_cost_seconds, formula=formula, min_interval_steps=min_interval_steps,
-            keep_last=keep_last).build_save_policy()
+            keep_last=keep_last, memory_root=memory_root, memory_every_n_steps=memory_every_n_steps,
+            memory_every_seconds=memory_every_seconds, memory_mtbf_seconds=memory_mtbf_seconds,
+            memory_keep_last=memory_keep_last, memory_replicas=memory_replicas,
+            memory_partner_stride=memory_partner_stride,
+            memory_replication_bytes_per_second=memory_replication_bytes_per_second)
+        self._policy = config.build_save_policy()
+        # every memory_* setting of the core, for the manager
+        self._memory = {k: getattr(config, k) for k in config.field_names() if k.startswith("memory_")}
         policies = getattr(self._policy, "policies", None) or [self._policy]
         self._young_daly = next((p for p in policies if isinstance(p, YoungDaly)), None)
         self.keep_last, self.save_on_sigterm, self.save_on_train_end = keep_last, save_on_sigterm, save_on_train_end
@@ -82,7 +111,7 @@ class MTBFCheckpoint(OnExceptionCheckpoint):
         self._candidates: list[Path] = []
         self._rng = TrainState()  # this rank's RNG (Python, NumPy, torch CPU/CUDA) only
         self._pending_rng: dict[str, Any] | None = None
-        self._deferred: tuple[str, dict[str, Any]] | None = None  # an epoch end's path and Lightning state
+        self._deferred: tuple[str | None, dict[str, Any]] | None = None  # an epoch end's path (None: memory), state
         self._epoch_end_loop: tuple[int, dict[str, Any]] | None = None  # last batch's step and fit-loop state
         self._reports = SaveReports()  # each commit once; lost work at most once a minute
         self._stepped = False
@@ -101,11 +130,13 @@ class MTBFCheckpoint(OnExceptionCheckpoint):
     @property
     @override
     def ckpt_path(self) -> str | None:  # type: ignore[override]
-        """The newest committed checkpoint (``ckpt_path="last"``; failing verification, the next older), or None."""
-        naming, root = StepNaming(), Path(self.dirpath)
-        steps = {naming.step_of(p.name): p for p in root.iterdir()} if root.is_dir() else {}
-        self._candidates = [steps[s].absolute() for s in sorted((s for s in steps if s is not None), reverse=True)
-                            if is_committed(steps[s])]
+        """The newest committed checkpoint (``ckpt_path="last"``; failing verification, the next older), or None.
+        This node's newest memory step when it is newer than every disk step: its resume then restores the newest
+        step of every tier as the core chooses it (a memory copy missing on a node or damaged falls back)."""
+        disk = _committed_steps(Path(self.dirpath))
+        memory = _committed_steps(Path(root).expanduser()) if (root := self._memory["memory_root"]) else {}
+        newest = [memory[max(memory)]] if memory and max(memory) > max(disk, default=-1) else []
+        self._candidates = newest + [disk[s] for s in sorted(disk, reverse=True)]
         return str(self._candidates[0]) if self._candidates else None
 
     @override
@@ -126,7 +157,7 @@ class MTBFCheckpoint(OnExceptionCheckpoint):
         # collective: the manager owns the root (temporaries, retention, superseding after a rollback), the
         # save decision and its agreement, SIGTERM and health
         self._manager = io.manager(self.dirpath, keep_last=self.keep_last, save_policy=self._policy,
-                                   preemption_signals=("SIGTERM",) if self.save_on_sigterm else ())
+                                   preemption_signals=("SIGTERM",) if self.save_on_sigterm else (), **self._memory)
         self._handlers = (before, signal.getsignal(signal.SIGTERM)) if before is not None else None
         if self._candidates:
             io.fallbacks[str(self._candidates[0])] = self._candidates
@@ -170,12 +201,14 @@ class MTBFCheckpoint(OnExceptionCheckpoint):
         self._stepped = False
         step = trainer.global_step
         self._setup_io.poll()
-        want = self._manager.should_save(step) if self._policy is not None or self.save_on_sigterm else False
+        asks = self._policy is not None or self.save_on_sigterm or self._memory["memory_root"] is not None
+        tier = self._manager.save_due(step) if asks else None  # "disk", "memory" or None
         sigterm = self._manager.preemption_requested
         # the final step is saved at its step boundary: at on_train_end Lightning counts the epoch completed
-        if want or sigterm or (self.save_on_train_end and _compat.is_final_batch(trainer)):
-            self._save(trainer, step, stopping=sigterm)
-        elif self.save_on_train_end and _compat.is_last_batch(trainer):
+        disk = tier == "disk" or sigterm or (self.save_on_train_end and _compat.is_final_batch(trainer))
+        if disk or tier == "memory":
+            self._save(trainer, step, stopping=sigterm, memory=not disk)
+        if not disk and self.save_on_train_end and _compat.is_last_batch(trainer):
             # a stop decided later at this epoch end (EarlyStopping, a callback, the module) saves at on_train_end
             # with this loop state: a resume then loads the loaders' states (skipped once the epoch is counted)
             self._epoch_end_loop = (step, trainer.fit_loop.state_dict())
@@ -192,18 +225,23 @@ class MTBFCheckpoint(OnExceptionCheckpoint):
             pl_module.log("ckpt_saving", float(self._setup_io.saving), prog_bar=True, logger=False, on_step=True,
                           on_epoch=False)
 
-    def _save(self, trainer: Any, step: int, *, stopping: bool = False, fit_loop: dict[str, Any] | None = None
-              ) -> None:
-        """Save ``step``. At an epoch end the state is taken now (loaders marked finished: a resume starts the next
-        epoch) and written with the RNG of the next epoch's first batch (there, or at once when training stops).
-        ``fit_loop`` replaces ``loops.fit_loop`` (taken at the epoch's last batch end, for ``on_train_end``)."""
-        if step == self._last_saved_step:
-            return
-        self._last_saved_step = step
-        path = str(Path(self.dirpath) / StepNaming().name(step))
+    def _save(self, trainer: Any, step: int, *, stopping: bool = False, fit_loop: dict[str, Any] | None = None,
+              memory: bool = False) -> None:
+        """Save ``step`` (``memory``: into the memory tier). At an epoch end the state is taken now (loaders marked
+        finished: a resume starts the next epoch) and written with the RNG of the next epoch's first batch (there,
+        or at once when training stops). ``fit_loop`` replaces ``loops.fit_loop`` (taken at the epoch's last batch
+        end, for ``on_train_end``)."""
+        if not memory:
+            if step == self._last_saved_step:
+                return
+            self._last_saved_step = step
+        path = None if memory else str(Path(self.dirpath) / StepNaming().name(step))
         if not _compat.is_last_batch(trainer):
-            trainer.save_checkpoint(path, weights_only=False)
-            self._track_last_save()
+            if path is None:
+                self._setup_io.save_to_memory(_compat.dump_checkpoint(trainer))
+            else:
+                trainer.save_checkpoint(path, weights_only=False)
+                self._track_last_save()
             return
         checkpoint = _compat.dump_checkpoint(trainer)
         if fit_loop is not None:
@@ -225,6 +263,9 @@ class MTBFCheckpoint(OnExceptionCheckpoint):
             rng, before = self._rng.state_dict()["rng"], rng
             self._rng.load_state_dict({"rng": before})
         checkpoint["callbacks"][self.state_key]["rng"] = rng
+        if path is None:
+            self._setup_io.save_to_memory(checkpoint)
+            return
         trainer.strategy.save_checkpoint(checkpoint, path)
         trainer.strategy.barrier("MTBFCheckpoint.save")
         self._track_last_save()
@@ -299,3 +340,10 @@ class MTBFCheckpoint(OnExceptionCheckpoint):
         self._pending_rng = state_dict.get("rng")
         if self._young_daly is not None and state_dict.get("young_daly"):
             self._young_daly.load_state_dict(state_dict["young_daly"])
+
+
+def _committed_steps(root: Path) -> dict[int, Path]:
+    """The committed ``step_N`` checkpoint directories under ``root`` (absolute), by step."""
+    naming = StepNaming()
+    steps = {naming.step_of(p.name): p for p in root.iterdir()} if root.is_dir() else {}
+    return {s: p.absolute() for s, p in steps.items() if s is not None and is_committed(p)}

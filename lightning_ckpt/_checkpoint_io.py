@@ -34,6 +34,7 @@ from lightning_ckpt._load import (
     encode_values,
     is_url,
     load_checkpoint_dir,
+    restore_candidates,
 )
 from torch_ckpt import (
     AfterCommit,
@@ -262,8 +263,7 @@ class AsyncDCPCheckpointIO(CheckpointIO):
                     with fsspec.open(url, "wb", **(self._remote_options[url] or {})) as f:
                         torch.save(checkpoint, f)
             return
-        state = _LightningState(encode_values(checkpoint, self.unsafe_values),
-                                self._param_ptrs() if self._param_ptrs is not None else None)
+        state = self._state(checkpoint)
         manager = self.manager(path.parent)
         self.wait()  # the previous save and its deferred actions come first
         step = int(checkpoint.get("global_step", 0))
@@ -274,6 +274,23 @@ class AsyncDCPCheckpointIO(CheckpointIO):
             self._after.add(-1, f"upload {url}", lambda: self._remote.upload(path, url, storage_options))
         if self.wait_outside_fit and self._after_fit:
             self.teardown()  # committed; the manager this save opened after the run ends with it (lifecycle)
+
+    def _state(self, checkpoint: dict[str, Any]) -> _LightningState:
+        return _LightningState(encode_values(checkpoint, self.unsafe_values),
+                               self._param_ptrs() if self._param_ptrs is not None else None)
+
+    def save_to_memory(self, checkpoint: dict[str, Any]) -> None:
+        """Stage ``checkpoint`` as its ``global_step`` into the manager's memory tier and return (every rank;
+        :class:`~lightning_ckpt.MTBFCheckpoint` calls it at its memory cadence).
+
+        Raises:
+            ConfigError: no manager with a ``memory_root``, or a value needs pickling (``unsafe_values``).
+            CheckpointError: an earlier background save failed (raised once).
+        """
+        state = self._state(checkpoint)
+        self.wait()
+        self._after.handle = self.manager().save(int(checkpoint.get("global_step", 0)), state, tier="memory")
+        self._saving_path = None
 
     def warn_uploading_loggers(self, names: list[str]) -> None:
         """Warn once that loggers ``names`` upload no checkpoint of ours (``log_model`` picks files only)."""
@@ -506,7 +523,7 @@ def _load_checkpoint(io: Any, trainer: Any, original_load: Any, is_sharded: bool
     if is_sharded and fitting and optimizers:
         candidates = io.fallbacks.pop(str(path.absolute()), [path])
         target = _ShardedTarget(strategy.model, optimizers)
-        io.manager(path.parent).restore(target, path=candidates, allow_cast=io.allow_cast)
+        restore_candidates(io.manager(path.parent), target, candidates, allow_cast=io.allow_cast)
         return decode_values(target.loaded, allow_pickle=weights_only is False)
     # DDP/single device restore before the optimizers exist: only the model is checked (by the core)
     live = None if is_sharded else {"state_dict": module.state_dict()}

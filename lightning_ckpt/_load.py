@@ -220,7 +220,7 @@ def load_checkpoint_dir(candidates: Sequence[Path | str], *, allow_pickle: bool,
             rank_zero_warn(f"{candidates[0]} was saved by {saved} ranks and is loaded by {world}: every rank "
                            "restores rank 0's loop progress and callback states (RNG included)")
         target = _AllValues(RANK_LOCAL_KEYS if saved == world else (), live, strict)
-        manager.restore(target, path=list(candidates), allow_cast=allow_cast)
+        restore_candidates(manager, target, candidates, allow_cast=allow_cast)
         state = target.loaded
     else:  # one process reading alone (not attached: no fallback candidates); rank 0's rank-local values
         state, _ = load_full_state(candidates[0], verify=verify)
@@ -228,6 +228,15 @@ def load_checkpoint_dir(candidates: Sequence[Path | str], *, allow_pickle: bool,
     state = decode_values(state, allow_pickle=allow_pickle)
     device = _device(map_location, candidates[0])
     return state if device is None else move_data_to_device(state, device)
+
+
+def restore_candidates(manager: Any, target: Any, candidates: Sequence[Path | str], *, allow_cast: bool) -> None:
+    """``manager.restore`` of the first intact of ``candidates``; when the first is a step of the manager's
+    ``memory_root`` (:class:`~lightning_ckpt.MTBFCheckpoint`'s "last" while a memory step is the newest), the
+    newest step of every tier as the core chooses it."""
+    memory = manager.config.memory_root
+    newest = memory is not None and Path(candidates[0]).parent == Path(memory).expanduser().absolute()
+    manager.restore(target, allow_cast=allow_cast, **({} if newest else {"path": list(candidates)}))
 
 
 def _device(map_location: Any, path: Any) -> torch.device | None:

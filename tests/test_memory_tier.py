@@ -85,6 +85,14 @@ def test_save_if_due_alternates_tiers_with_disk_first(tmp_path):
     assert [s for s, w in where.items() if w == "mem"] == [1, 2, 3, 5, 6, 7, 9]
 
 
+def test_save_due_answers_save_if_due_without_saving(tmp_path):
+    """save_due(step) gives save_if_due's tier ("disk", "memory" or None) and writes nothing itself."""
+    with _manager(tmp_path, save_every_n_steps=4, memory_every_n_steps=2) as mgr:
+        answers = [mgr.save_due(step) for step in range(1, 6)]
+    assert answers == [None, "memory", None, "disk", None]
+    assert _steps(tmp_path / "disk") == [] and _steps(tmp_path / "mem") == []
+
+
 def test_a_due_memory_save_is_put_off_while_a_disk_save_is_written(tmp_path, monkeypatch):
     """save_if_due never waits for an in-flight disk write: the due memory save comes at the first step after it."""
     import threading

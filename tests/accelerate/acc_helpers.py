@@ -80,8 +80,10 @@ def make_run(project_dir: os.PathLike | None, *, total_limit: int | None = None,
     return Run(acc, ckpt, model, opt, sched, loader)
 
 
-def train(run: Run, start: int, stop: int, *, save_at: tuple[int, ...] = (), skip: bool = True) -> list[tuple]:
-    """Steps ``start+1 .. stop``; returns ``(step, loss, lr, batch ids)`` per step; saves at ``save_at``.
+def train(run: Run, start: int, stop: int, *, save_at: tuple[int, ...] = (), skip: bool = True,
+          if_due: bool = False) -> list[tuple]:
+    """Steps ``start+1 .. stop``; returns ``(step, loss, lr, batch ids)`` per step; saves at ``save_at``, and
+    with ``if_due`` calls ``ckpt.save_if_due(step)`` after every step.
 
     Resuming mid-epoch uses ``skip_first_batches`` (``skip=True``) or the loader's own position
     (stateful loaders, ``skip=False``).
@@ -102,6 +104,8 @@ def train(run: Run, start: int, stop: int, *, save_at: tuple[int, ...] = (), ski
             records.append((step, loss.item(), run.scheduler.get_last_lr()[0], idx.tolist()))
             if step in save_at:
                 acc.save_state(step=step)
+            if if_due:
+                run.ckpt.save_if_due(step)
             if step >= stop:
                 break
         else:

@@ -113,14 +113,24 @@ def test_invalid_value_names_the_key(tmp_path, text, key):
         load_settings(write(tmp_path, text))
 
 
-@pytest.mark.parametrize("key", ["memory_root", "memory_every_n_steps", "memory_keep_last"])
-def test_memory_tier_settings_are_refused_not_ignored(tmp_path, key):
-    """The memory tier's settings, in the file or in code, raise ConfigError naming the key (no memory saves yet)."""
-    value = {"memory_root": "/dev/shm/run", "memory_every_n_steps": 5, "memory_keep_last": 2}[key]
-    with pytest.raises(ConfigError, match=key):
-        load_settings(write(tmp_path, f"{key}: {value}\n"))
-    with pytest.raises(ConfigError, match=key):
-        load_settings(**{key: value})
+def test_memory_tier_settings_from_the_file_and_code_reach_the_core_config(tmp_path):
+    """memory_* keys of the file go into CheckpointConfig; a keyword setting wins over the file's."""
+    s = load_settings(write(tmp_path, "memory_root: /dev/shm/run\nmemory_every_n_steps: 5\nmemory_keep_last: 3\n"),
+                      memory_every_seconds="1m")
+    assert (s.config.memory_root, s.config.memory_every_n_steps, s.config.memory_keep_last,
+            s.config.memory_every_seconds) == ("/dev/shm/run", 5, 3, 60.0)
+
+
+@pytest.mark.parametrize(("text", "key"), [
+    ("memory_root: /dev/shm/run\nmemory_every_n_steps: 0\n", "memory_every_n_steps"),
+    ("memory_root: /dev/shm/run\nmemory_every_seconds: soon\n", "memory_every_seconds"),
+    ("memory_root: /dev/shm/run\nmemory_keep_last: 0\n", "memory_keep_last"),
+    ("memory_every_n_steps: 5\n", "memory_root"),
+])
+def test_invalid_memory_tier_value_names_the_key(tmp_path, text, key):
+    """A bad memory tier value (or a cadence without memory_root) raises ConfigError naming the file and key."""
+    with pytest.raises(ConfigError, match=f"ckpt.yaml.*{key}"):
+        load_settings(write(tmp_path, text))
 
 
 def test_file_that_is_not_a_mapping_is_rejected(tmp_path):

@@ -776,13 +776,10 @@ class CheckpointManager:
         memory cadence says so (``save(step, state, tier="memory")``); a disk save takes precedence. Without
         a disk save policy (nor ``preemption_signals``) only the memory cadence is asked.
         """
+        tier = self.save_due(step)
+        if tier != "disk":
+            return None if tier is None else self.save(step, state, tier="memory")
         memory = self._memory
-        if memory is not None and self._cadence is None and not self._preemption.signals:  # memory cadence only
-            return self.save(step, state, tier="memory") if memory.due(step) else None
-        if not self.should_save(step):
-            return self.save(step, state, tier="memory") if memory is not None and memory.due(step) else None
-        if memory is not None:
-            memory.disk_saved(step)
         handle, in_memory = None, False
         if not self._step_committed_or_pending(step):
             if memory is not None and self._preemption.requested:
@@ -791,6 +788,22 @@ class CheckpointManager:
         if self._preemption.requested:
             self._exit_for_preemption(step, handle, in_memory)
         return handle
+
+    def save_due(self, step: int) -> str | None:
+        """Collective: :meth:`save_if_due`'s decision for ``step``, without saving (for adapters saving through
+        their framework): ``"disk"`` (the memory clock restarts), ``"memory"`` or None.
+
+        Raises:
+            ConfigError: neither a ``save_policy``, ``preemption_signals`` nor a ``memory_root`` was configured.
+        """
+        memory = self._memory
+        if memory is not None and self._cadence is None and not self._preemption.signals:  # memory cadence only
+            return "memory" if memory.due(step) else None
+        if not self.should_save(step):
+            return "memory" if memory is not None and memory.due(step) else None
+        if memory is not None:
+            memory.disk_saved(step)
+        return "disk"
 
     @property
     def preemption_requested(self) -> bool:

@@ -388,7 +388,7 @@ class MemoryTier:
             lin = mem_lineage[step]
             return [(step, successor(lin, step, newest=step == newest and lin.run == head.run, fork=fork), repairs)]
         floor = max(persistent, default=-1)
-        plan = []
+        plan: list[tuple[int, Lineage, Any]] = []
         for s in live_mem:
             if s <= floor:
                 break
