@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Any, ClassVar, cast
 
 import torch
-from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans
 from torch.distributed.checkpoint.default_planner import create_default_global_save_plan
 from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, _StoragePrefix
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
@@ -192,15 +191,15 @@ class NodeDedupPlanner(FlatKeysSavePlanner):
     def _create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
         deduped: list[SavePlan | None] = [None] * len(all_plans)
         nodes = sorted(set(self._rank_node))
-        for node in nodes:  # a dedup of one plan, or of one node's plans once more, changes nothing: skipped
+        for node in nodes:
             ranks = [r for r, n in enumerate(self._rank_node) if n == node]
-            plans = [all_plans[r] for r in ranks]
-            for r, plan in zip(ranks, dedup_save_plans(plans, False) if len(plans) > 1 else plans):
+            for r, plan in zip(ranks, self._dedup_save_plans([all_plans[r] for r in ranks])):
                 deduped[r] = plan
         global_plan = cast(list[SavePlan], list(deduped))  # every rank is on a node: none left None
-        # every chunk listed once (as a job-wide dedup would); node_views places each node's copies
+        # every chunk listed once (as a job-wide dedup would; one node's plans are deduplicated already);
+        # node_views places each node's copies
         _, metadata = create_default_global_save_plan(
-            dedup_save_plans(global_plan, False) if len(nodes) > 1 else global_plan)
+            self._dedup_save_plans(global_plan) if len(nodes) > 1 else global_plan)
         if self.flatten_state_dict:
             merged = dict(ChainMap(*[p.planner_data for p in global_plan]))
             metadata = dataclasses.replace(metadata, planner_data=merged)
