@@ -57,3 +57,21 @@ def test_grouped_save_writes_the_same_metadata_as_a_flat_one(tmp_path):
     back = {k: torch.empty_like(v) for k, v in flat.items()}
     dcp.load(back, checkpoint_id=str(tmp_path / "grouped"), no_dist=True)
     assert all(torch.equal(back[k], flat[k]) for k in flat)
+
+
+def _local_plan(state):
+    planner = FlatKeysSavePlanner()
+    planner.set_up_planner(state, is_coordinator=True)
+    return planner, planner.create_local_plan()
+
+
+def test_one_ranks_plan_is_not_deduplicated_again():
+    """A single rank's plan is taken as it is (nothing to deduplicate)."""
+    planner, plan = _local_plan({"a": torch.ones(2)})
+    assert planner._dedup_save_plans([plan])[0] is plan
+
+
+def test_two_ranks_plans_are_still_deduplicated():
+    """A tensor two ranks hold is written by one of them."""
+    planner, plan = _local_plan({"a": torch.ones(2)})
+    assert sum(len(p.items) for p in planner._dedup_save_plans([plan, plan])) == 1

@@ -84,3 +84,49 @@ def test_a_node_local_root_that_cannot_be_created_is_a_write_error_naming_it(tmp
     (tmp_path / "afile").write_text("not a directory")
     with pytest.raises(CheckpointWriteError, match=r"cannot create checkpoint root .*afile/run"):
         CheckpointManager(tmp_path / "afile" / "run", local_root_shared=False, async_save=False)
+
+
+def _one_node_save(path):
+    """A one-rank DCP save with the node-local writer and planner; returns the writer."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from torch_ckpt.root._nodes import NodeDedupPlanner, RecordingWriter
+
+    writer = RecordingWriter(path, rank_node=(0,))
+    dcp.save({"a": torch.ones(3), "b": torch.zeros(2)}, storage_writer=writer, planner=NodeDedupPlanner((0,)),
+             no_dist=True)
+    return writer
+
+
+def test_the_node_local_writer_leaves_the_metadata_to_the_leaders(tmp_path):
+    """A node-local save's DCP pass writes no .metadata (each leader writes its node's views instead)."""
+    writer = _one_node_save(tmp_path)
+    assert writer.metadata is not None and not (tmp_path / ".metadata").exists()
+
+
+def test_node_views_carry_the_dcp_version_and_storage_meta(tmp_path):
+    """The complete view records DCP's format version and this save's storage meta, as DCP's own file did."""
+    import pickle
+
+    from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
+
+    from torch_ckpt.root._nodes import node_views
+
+    writer = _one_node_save(tmp_path)
+    view = pickle.loads(node_views(writer.metadata, writer.results, (0,))[None])
+    assert view.version == CURRENT_DCP_VERSION and view.storage_meta.checkpoint_id == writer.checkpoint_id
+
+
+def test_a_node_without_replicas_shares_the_complete_view_pickled_once(tmp_path, monkeypatch):
+    """One node holds no replicas: its view is the complete one, and it is pickled once."""
+    import pickle
+
+    from torch_ckpt.root import _nodes
+
+    writer = _one_node_save(tmp_path)
+    calls = []
+    dumps = pickle.dumps
+    monkeypatch.setattr(_nodes.pickle, "dumps", lambda obj: calls.append(obj) or dumps(obj))
+    views = _nodes.node_views(writer.metadata, writer.results, (0,))
+    assert views[0] == views[None] and len(calls) == 1

@@ -261,6 +261,10 @@ class FlatKeysSavePlanner(DefaultSavePlanner):
         if self.flatten_state_dict:
             self.mappings = {fqn: (fqn,) for fqn in self.mappings}
 
+    def _dedup_save_plans(self, all_plans: list[SavePlan]) -> list[SavePlan]:
+        # one plan has nothing to deduplicate (DCP's pass over every item changes nothing then)
+        return all_plans if len(all_plans) == 1 else super()._dedup_save_plans(all_plans)
+
 
 # -- the writer ------------------------------------------------------------------------------
 

@@ -24,9 +24,8 @@ from pathlib import Path
 from typing import Any, ClassVar, cast
 
 import torch
-from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans
 from torch.distributed.checkpoint.default_planner import create_default_global_save_plan
-from torch.distributed.checkpoint.filesystem import _StoragePrefix
+from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, _StoragePrefix
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import SavePlan
 
@@ -191,13 +190,16 @@ class NodeDedupPlanner(FlatKeysSavePlanner):
 
     def _create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
         deduped: list[SavePlan | None] = [None] * len(all_plans)
-        for node in sorted(set(self._rank_node)):
+        nodes = sorted(set(self._rank_node))
+        for node in nodes:
             ranks = [r for r, n in enumerate(self._rank_node) if n == node]
-            for r, plan in zip(ranks, dedup_save_plans([all_plans[r] for r in ranks], False)):
+            for r, plan in zip(ranks, self._dedup_save_plans([all_plans[r] for r in ranks])):
                 deduped[r] = plan
-        # every chunk listed once (as a job-wide dedup would); node_views places each node's copies
-        _, metadata = create_default_global_save_plan(dedup_save_plans(cast(list[SavePlan], list(deduped)), False))
         global_plan = cast(list[SavePlan], list(deduped))  # every rank is on a node: none left None
+        # every chunk listed once (as a job-wide dedup would; one node's plans are deduplicated already);
+        # node_views places each node's copies
+        _, metadata = create_default_global_save_plan(
+            self._dedup_save_plans(global_plan) if len(nodes) > 1 else global_plan)
         if self.flatten_state_dict:
             merged = dict(ChainMap(*[p.planner_data for p in global_plan]))
             metadata = dataclasses.replace(metadata, planner_data=merged)
@@ -229,6 +231,8 @@ class RecordingWriter(ChecksumFileSystemWriter):
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:  # noqa: D102
         # the uploaded copy of a tensor several nodes hold is spread over those nodes by bytes, so
         # that replicated weights do not all go up through one node
+        if len(set(self._rank_node)) == 1:  # one node: it uploads every chunk
+            return [dataclasses.replace(plan, storage_data=_NodePrefix(f"__{r}_")) for r, plan in enumerate(plans)]
         holders: dict[MetadataIndex, set[int]] = {}
         size: dict[MetadataIndex, int] = {}
         for r, plan in enumerate(plans):
@@ -259,8 +263,9 @@ class RecordingWriter(ChecksumFileSystemWriter):
         return done
 
     def finish(self, metadata: Metadata, results: list[list[Any]]) -> None:  # noqa: D102
+        # DCP's own .metadata is not written: node_views pickles every copy's (the leaders write them)
+        metadata.version, metadata.storage_meta = CURRENT_DCP_VERSION, self.storage_meta()
         self.results, self.metadata = results, metadata
-        super().finish(metadata, results)
 
 
 def shared_files(results: list[list[Any]], rank_node: tuple[int, ...]) -> list[str]:
@@ -285,7 +290,7 @@ def node_views(metadata: Metadata, results: list[list[Any]], rank_node: tuple[in
     views: dict[int | None, bytes] = {}
     sdm: dict[str, Any] = {}
     for fqn, item in metadata.state_dict_metadata.items():
-        if isinstance(item, TensorStorageMetadata):  # each chunk listed once
+        if isinstance(item, TensorStorageMetadata) and len(item.chunks) > 1:  # each chunk listed once
             unique = {(tuple(c.offsets), tuple(c.sizes)): c for c in item.chunks}
             item = dataclasses.replace(item, chunks=list(unique.values()))
         sdm[fqn] = item
@@ -295,12 +300,14 @@ def node_views(metadata: Metadata, results: list[list[Any]], rank_node: tuple[in
             if not is_replica_file(str(wr.storage_data.relative_path)):
                 uploaded[wr.index] = wr.storage_data
     for node in [None, *sorted(set(rank_node))]:
-        storage = dict(uploaded)
-        for r in range(len(results)):  # this node's own copies win (MetadataIndex ignores its index hint)
-            if rank_node[r] == node:
-                for wr in results[r]:
-                    storage[wr.index] = wr.storage_data
-        view = Metadata(state_dict_metadata=sdm, planner_data=metadata.planner_data, storage_data=storage,
+        # this node's replicas win (MetadataIndex ignores its index hint); its other copies are the uploaded ones
+        # (one owner per chunk), so a node without replicas has the complete view, pickled once
+        extra = {wr.index: wr.storage_data for r, res in enumerate(results) if rank_node[r] == node for wr in res
+                 if is_replica_file(str(wr.storage_data.relative_path))}
+        if node is not None and not extra:
+            views[node] = views[None]
+            continue
+        view = Metadata(state_dict_metadata=sdm, planner_data=metadata.planner_data, storage_data={**uploaded, **extra},
                         storage_meta=metadata.storage_meta, version=getattr(metadata, "version", None))
         views[node] = pickle.dumps(view)
     return views

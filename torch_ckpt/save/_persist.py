@@ -197,8 +197,7 @@ def write_shards(req: SaveRequest, ctx: DistContext, part: SharedPart, final: Pa
             raise CheckpointWriteError(f"staging step {req.step} failed on rank {ctx.rank}: {req.failed}")
         rank_doc = {"step": req.step, "rank": ctx.rank, "world_size": ctx.world_size, "tree": req.tree}
         size, crc = write_json_durable(tmp / rank_file_name(ctx.rank), rank_doc)
-        files = {name: {"bytes": b, "crc32": c} for name, (b, c) in writer.written_files.items()
-                 if name not in part.exclude}
+        files = {name: {"bytes": b, "crc32": c} for name, (b, c) in writer.written_files.items()}
         files[rank_file_name(ctx.rank)] = {"bytes": size, "crc32": crc}
         check_on_disk(tmp, files)
         check_owner(req, final)
@@ -243,8 +242,6 @@ def prepare_partial(req: SaveRequest, final: Path, tmp: Path) -> bool:
 class SharedPart:
     """The shared root's part of :func:`commit_checkpoint` (one directory every rank sees): rank 0 prepares the
     partial, writes the manifest of every rank's files and commits. Other layouts' parts derive from it."""
-
-    exclude: tuple[str, ...] = ()  # file names a rank wrote that are not listed as written (rewritten later)
 
     def __init__(self, ctx: DistContext) -> None:
         self.leader = ctx.is_coordinator  # this rank prepares, finishes and commits a partial in its root

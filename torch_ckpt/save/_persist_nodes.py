@@ -25,8 +25,6 @@ __all__ = ["persist_node_local"]
 
 
 class _NodePart(SharedPart):
-    exclude = (METADATA_NAME,)  # rewritten by finish() (node_views)
-
     def __init__(self, layout: NodeLayout) -> None:
         self.layout = layout
         self.leader = layout.is_leader
@@ -56,7 +54,7 @@ class _NodePart(SharedPart):
         node = self.layout.node
         write_durable(tmp / metadata_name(node), views[node])
         if node == 0:
-            write_durable(tmp / METADATA_NAME, views[None])  # replaces DCP's own (every copy listed)
+            write_durable(tmp / METADATA_NAME, views[None])  # DCP writes none here (RecordingWriter.finish)
         manifest = replace(manifest, node=node)
         check_on_disk(tmp, manifest.local_files())
         return manifest
