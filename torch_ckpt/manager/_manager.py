@@ -879,7 +879,12 @@ class CheckpointManager:
             ``memory_step`` / ``memory_age_s``: the newest step in this node's ``memory_root`` and the
             age (seconds) of its state (None without a memory tier); ``lost_work_if_restart_now_s``:
             seconds since the state of the newest checkpoint of any tier (what a process restart on the
-            same nodes loses now; a node loss loses the memory copies: see ``lost_work_if_failure_now_s``).
+            same nodes loses now); ``memory_safe_step``: the newest memory step this node's partners hold
+            (peer replication), ``lost_work_if_node_lost_s`` / ``lost_steps_if_node_lost``: seconds and
+            steps a loss of this node costs now (back to that step or the newest durable one),
+            ``lost_work_if_job_lost_s`` / ``lost_steps_if_job_lost``: the same for the loss of every node
+            (back to the newest durable one); ``memory_replication``: the replication's counters
+            (docs/memory-tier.md; {} without replication).
 
         Never does network I/O: the durable side is the replicator's last known listing of the
         store (listed in the background when ``health()`` asks, at most every 10 s, and by the
