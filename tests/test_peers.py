@@ -101,6 +101,16 @@ def test_a_truncated_sender_file_is_refused(tmp_path):
     assert _stream(copy, files, tmp_path / "out").problems[0].startswith(data.name)
 
 
+def test_a_sender_file_deleted_meanwhile_streams_as_zeros_and_is_refused(tmp_path):
+    """A listed file gone from the sender's copy keeps the stream's length (zeros) and fails the receiver's CRC."""
+    copy = _committed_copy(tmp_path)
+    files = _listing(copy)
+    data = _biggest(copy)
+    data.unlink()
+    sink = _stream(copy, files, tmp_path / "out")
+    assert [p.split(":")[0] for p in sink.problems] == [data.name]
+
+
 def test_one_node_warns_that_no_partner_holds_a_replica(tmp_path, caplog):
     """A memory tier on one node says at start that a node loss loses the memory copies."""
     with caplog.at_level(logging.WARNING, logger="torch_ckpt"):
@@ -166,10 +176,14 @@ def _replicate_then_lose(rank, world, base, lost, damage, kwargs):
     elif rank == holder and damage == "truncate":
         data = _biggest(node / "mem" / PEERS_DIR / f"node-{lost}" / "step_000000005")
         data.write_bytes(data.read_bytes()[:-8])
+    leftover = node / "mem" / PEERS_DIR / f"node-{(rank - 1) % world}" / ".incoming.step_000000009.dead"
+    if rank != lost:
+        shutil.copytree(replica / "step_000000005", leftover)  # a receive that a kill interrupted
     torch.distributed.barrier()
     fresh, model2, _ = _state(seed=1)
     with CheckpointManager(node / "disk", memory_root=str(node / "mem"), **kwargs) as mgr:
         got, source = mgr.restore(fresh), mgr.restore_source
+    assert not leftover.exists()  # removed at the start, never listed
     if damage is None:
         assert (got, source) == (5, "memory-peer" if rank == lost else "memory")
         want = torch.load(node / "want.pt")
@@ -203,3 +217,10 @@ def test_a_bandwidth_cap_still_replicates(tmp_path):
     """memory_replication_bytes_per_second slows the sender but every replica arrives and restores."""
     run_distributed(_replicate_then_lose, 2, str(tmp_path), 0, None,
                     {"memory_replication_bytes_per_second": 100_000}, timeout_s=240)
+
+
+@pytest.mark.slow
+def test_replication_works_with_a_writer_process(tmp_path):
+    """persist="process": the replication rounds follow the writer process's commits as the thread's."""
+    run_distributed(_replicate_then_lose, 2, str(tmp_path), 1, None, {"persist": "process"}, timeout_s=300,
+                    daemon=False)

@@ -331,7 +331,8 @@ class MemoryTier:
                 if inv is not None else {}
             disk = {s: m.lineage for s, (_, m) in scan_manifests(disk_root, self.naming).items()} \
                 if self.runs.acts_on_root and disk_root.is_dir() else {}
-            replicas = replica_inventory(self.root, self.naming, self.layout) if inv is not None else {}
+            replicas = replica_inventory(self.root, self.naming, self.layout) \
+                if inv is not None and not self.read_only else {}  # a rebuild writes into memory_root
             mine = (self.layout.node, inv, mem, disk, replicas)
         except (CheckpointError, OSError) as exc:
             log.warning("memory tier: cannot list %s (%s: %s); not restoring from memory", self.root,

@@ -99,8 +99,9 @@ def _listing(step_dir: Path) -> list[tuple[str, int, int]]:
 
 
 class _Reader:
-    """The listed files of a directory as one byte stream (a file shorter than listed reads as zeros there, which
-    the receiver's CRC check rejects)."""
+    """The listed files of a directory as one byte stream. A file that is shorter than listed, or cannot be read
+    (e.g. deleted meanwhile), reads as zeros there: the stream keeps its length (the partner's protocol goes on)
+    and the receiver's CRC check refuses the copy."""
 
     def __init__(self, directory: Path, files: list[tuple[str, int, int]]) -> None:
         self.pending = [(directory / name, size) for name, size, _ in files]
@@ -115,10 +116,18 @@ class _Reader:
                 if self.file is not None:
                     self.file.close()
                 path, self.left = self.pending.pop(0)
-                self.file = open(path, "rb", buffering=0)  # noqa: SIM115 - closed when its bytes are read
+                try:
+                    self.file = open(path, "rb", buffering=0)  # noqa: SIM115 - closed when its bytes are read
+                except OSError:
+                    self.file = None
                 continue
-            k = self.file.readinto(view[got:got + min(n - got, self.left)]) or 0
-            if k == 0:  # truncated: pad, the CRC check refuses it
+            k = 0
+            if self.file is not None:
+                try:
+                    k = self.file.readinto(view[got:got + min(n - got, self.left)]) or 0
+                except OSError:
+                    self.file = None
+            if k == 0:  # truncated or unreadable: zeros, which the CRC check refuses
                 k = min(n - got, self.left)
             got, self.left = got + k, self.left - k
         if self.left == 0 and self.file is not None:
