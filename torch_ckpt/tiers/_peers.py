@@ -443,23 +443,16 @@ class PeerReplicator:
                 log.warning("memory tier: step %d of node %d cannot be replicated: %s", step, self.layout.node, exc)
         got = _exchange(self.group, {leader(p): header for p in self.partners}, [leader(s) for s in self.sources],
                         _TAG_HEADER)
-        incoming, held = [], []
+        incoming = []
+        held: list[int] = []  # descriptors of this node's own files the sinks copy from
         needs = {leader(s): b"" for s in self.sources}
         try:
             for src in self.sources:
                 if got[leader(src)]:
                     doc = json.loads(got[leader(src)])
-                    listed = [(str(n), int(b), int(c)) for n, b, c in doc["files"]]
-                    found, fds = _reusable(self.root / doc["name"], int(doc["step"]), self.layout.node, doc["chunks"],
-                                           {n: b for n, b, _ in listed})
-                    held += fds
-                    local: dict[str, list[tuple[int, int, int, int]]] = {}
-                    for k, (fd, offset) in found.items():
-                        name, at, length = doc["chunks"][k][:3]
-                        local.setdefault(name, []).append((at, length, fd, offset))
-                    tmp = replica_dir(self.root, src, f"{_TMP}{doc['name']}.{secrets.token_hex(4)}")
-                    incoming.append((src, doc, _Sink(tmp, listed, local)))
-                    needs[leader(src)] = json.dumps([k for k in range(len(doc["chunks"])) if k not in found]).encode()
+                    sink, wanted = self._sink(src, doc, held)
+                    incoming.append((src, doc, sink))
+                    needs[leader(src)] = json.dumps(wanted).encode()
             answers = _exchange(self.group, needs, [leader(p) for p in self.partners], _TAG_NEED)
             outgoing = []
             for p in self.partners if header else []:
@@ -504,6 +497,20 @@ class PeerReplicator:
                     self.safe = step
         if header and newly_safe:
             self._on_safe()
+
+    def _sink(self, src: int, doc: dict[str, Any], held: list[int]) -> tuple[_Sink, list[int]]:
+        """The sink of node ``src``'s copy (its header ``doc``) taking the chunks this node's own copy of the step
+        holds from there (their descriptors are added to ``held``), and the indices of the chunks to be sent."""
+        listed = [(str(n), int(b), int(c)) for n, b, c in doc["files"]]
+        found, fds = _reusable(self.root / doc["name"], int(doc["step"]), self.layout.node, doc["chunks"],
+                               {n: b for n, b, _ in listed})
+        held += fds
+        local: dict[str, list[tuple[int, int, int, int]]] = {}
+        for k, (fd, offset) in found.items():
+            name, at, length = doc["chunks"][k][:3]
+            local.setdefault(name, []).append((at, length, fd, offset))
+        tmp = replica_dir(self.root, src, f"{_TMP}{doc['name']}.{secrets.token_hex(4)}")
+        return _Sink(tmp, listed, local), [k for k in range(len(doc["chunks"])) if k not in found]
 
     def drop_newer(self, limit: int) -> None:
         """Leader: delete replicas of steps newer than ``limit`` (an abandoned timeline, see ``MemoryTier._drop``)."""
