@@ -7,6 +7,13 @@ with point-to-point messages only: it sends each partner the newest committed st
 (nothing when a backlog already sent it: a backlog coalesces to the newest step), in chunks, and receives
 its sources' steps. Rounds pair up because every node commits the same memory saves (the commit agreement).
 
+A round sends only what a partner lacks: the header lists each tensor chunk of the sender's data files (its
+DCP metadata view: file, byte range, key and chunk offset) with the CRC-32 of its bytes as read now; the partner
+looks each up in its own committed copy of the same step and answers with those it does not hold with that CRC
+(missing, gone with retention, or other bytes); the stream then carries only those and the bytes around the
+chunks, and the partner copies the others from its own files. Under data parallelism the partner holds every
+replicated tensor, so a round sends the per-rank state and the small files (kilobytes).
+
 The receiver checks every file's size and CRC-32 against the sender's manifest before renaming the copy to
 ``memory_root/.peers/node-<k>/<step>`` (atomic) and acknowledging it; a step is *node-loss-safe* for node
 ``k`` once every partner acknowledged it. At restore, a node that lost its memory copy gets it back from a
@@ -17,22 +24,24 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import queue
 import re
 import secrets
 import shutil
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from torch_ckpt._logging import get_logger
 from torch_ckpt.errors import CheckpointError, ConfigError
-from torch_ckpt.format._files import MANIFEST_NAME, read_manifest
+from torch_ckpt.format._files import MANIFEST_NAME, open_listed, read_manifest, read_metadata
 from torch_ckpt.policy._lineage import Lineage
 from torch_ckpt.root._layout import is_committed, retire_step_dir, scan_manifests
 from torch_ckpt.root._nodes import NodeLayout
@@ -47,7 +56,7 @@ PEERS_DIR = ".peers"
 #: Bytes per point-to-point message of a file stream.
 CHUNK_BYTES = 16 << 20
 _TMP = ".incoming."
-_TAG_HEADER, _TAG_DATA, _TAG_ACK = 11, 13, 15
+_TAG_HEADER, _TAG_DATA, _TAG_ACK, _TAG_NEED = 11, 13, 15, 17
 
 
 def partners(node: int, count: int, replicas: int, stride: int) -> list[int]:
@@ -98,14 +107,87 @@ def _listing(step_dir: Path) -> list[tuple[str, int, int]]:
             *((name, info["bytes"], info["crc32"]) for name, info in sorted(manifest.local_files().items()))]
 
 
-class _Reader:
-    """The listed files of a directory as one byte stream. A file that is shorter than listed, or cannot be read
-    (e.g. deleted meanwhile), reads as zeros there: the stream keeps its length (the partner's protocol goes on)
-    and the receiver's CRC check refuses the copy."""
+def _blocks(fd: int, offset: int, length: int) -> Iterator[bytes]:
+    """Bytes ``offset .. offset + length`` of an open file, at most :data:`CHUNK_BYTES` at a time (zeros past its
+    end, which a CRC check rejects)."""
+    for at in range(offset, offset + length, CHUNK_BYTES):
+        n = min(CHUNK_BYTES, offset + length - at)
+        data = os.pread(fd, n, at)
+        yield data + bytes(n - len(data))
 
-    def __init__(self, directory: Path, files: list[tuple[str, int, int]]) -> None:
-        self.pending = [(directory / name, size) for name, size, _ in files]
+
+def _range_crc(fd: int, offset: int, length: int) -> int:
+    crc = 0
+    for data in _blocks(fd, offset, length):
+        crc = crc32(data, crc)
+    return crc
+
+
+def _chunks(step_dir: Path) -> list[list[Any]]:
+    """``[[file, offset, length, fqn, chunk offset, crc32]]``: the storage entries of a node's copy that lie in its
+    own files (its DCP metadata view), in file order, each with the CRC-32 of its bytes as read now."""
+    manifest = read_manifest(step_dir)
+    held = manifest.local_files()
+    entries = sorted((str(info.relative_path), info.offset, info.length, index.fqn,
+                      None if index.offset is None else list(index.offset))
+                     for index, info in read_metadata(step_dir, manifest).storage_data.items()
+                     if str(info.relative_path) in held and info.length)
+    fds: dict[str, int] = {}
+    try:
+        for name, *_ in entries:
+            if name not in fds:
+                fds[name] = open_listed(step_dir, manifest, name)
+        return [[*entry, _range_crc(fds[entry[0]], entry[1], entry[2])] for entry in entries]
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+
+
+def _reusable(own: Path, step: int, node: int | None, chunks: list[list[Any]], sizes: dict[str, int]
+              ) -> tuple[dict[int, tuple[int, int]], list[int]]:
+    """The chunks of a partner's copy of ``step`` (:func:`_chunks`) that this node's own committed copy ``own``
+    holds with the same CRC-32, each inside its file and after the one before: ``({chunk index: (descriptor,
+    offset)}, descriptors to close)``; none when ``own`` is gone or unreadable (everything is then sent)."""
+    found: dict[int, tuple[int, int]] = {}
+    fds: dict[str, int] = {}
+    try:
+        manifest = read_manifest(own)
+        if manifest.node != node or manifest.step != step or not is_committed(own):
+            return found, []
+        held, where = manifest.local_files(), read_metadata(own, manifest).storage_data
+        end = dict.fromkeys(sizes, 0)
+        for k, (name, offset, length, fqn, chunk, crc) in enumerate(chunks):
+            info = where.get(MetadataIndex(fqn, chunk))
+            if info is None or info.length != length or str(info.relative_path) not in held or name not in end \
+                    or not end[name] <= offset <= sizes[name] - length:
+                continue
+            path = str(info.relative_path)
+            if path not in fds:
+                fds[path] = open_listed(own, manifest, path)
+            if _range_crc(fds[path], info.offset, length) == crc:
+                found[k], end[name] = (fds[path], info.offset), offset + length
+    except (OSError, CheckpointError) as exc:
+        log.info("memory tier: the own copy %s cannot give a partner's chunks (they are sent): %s", own, exc)
+    return found, list(fds.values())
+
+
+class _Reader:
+    """The listed files of a directory as one byte stream, less the ``skip`` ranges (``{file: [(offset,
+    length)]}``, which the receiver holds); a file shorter than listed reads as zeros there, which the receiver's
+    CRC check rejects."""
+
+    def __init__(self, directory: Path, files: list[tuple[str, int, int]],
+                 skip: dict[str, list[tuple[int, int]]] | None = None) -> None:
+        self.pending: list[tuple[Path, int, int]] = []
+        for name, size, _ in files:
+            pos = 0
+            for offset, length in [*sorted((skip or {}).get(name, [])), (size, 0)]:
+                if offset > pos:
+                    self.pending.append((directory / name, pos, offset - pos))
+                pos = offset + length
+        self.total = sum(length for _, _, length in self.pending)
         self.file: Any = None
+        self.path: Path | None = None
         self.left = 0
 
     def read(self, n: int) -> bytearray:
@@ -113,13 +195,16 @@ class _Reader:
         view, got = memoryview(buf), 0
         while got < n:
             if self.left == 0:
+                path, offset, self.left = self.pending.pop(0)
+                if path != self.path:
+                    self._close()
+                    try:  # unreadable (e.g. deleted meanwhile): zeros, the partner's protocol goes on
+                        self.file = open(path, "rb", buffering=0)  # noqa: SIM115 - closed when read
+                    except OSError:
+                        self.file = None
+                    self.path = path
                 if self.file is not None:
-                    self.file.close()
-                path, self.left = self.pending.pop(0)
-                try:
-                    self.file = open(path, "rb", buffering=0)  # noqa: SIM115 - closed when its bytes are read
-                except OSError:
-                    self.file = None
+                    self.file.seek(offset)
                 continue
             k = 0
             if self.file is not None:
@@ -127,29 +212,53 @@ class _Reader:
                     k = self.file.readinto(view[got:got + min(n - got, self.left)]) or 0
                 except OSError:
                     self.file = None
-            if k == 0:  # truncated or unreadable: zeros, which the CRC check refuses
+            if k == 0:  # truncated or unreadable: pad, the CRC check refuses it
                 k = min(n - got, self.left)
             got, self.left = got + k, self.left - k
-        if self.left == 0 and self.file is not None:
-            self.file.close()
-            self.file = None
+        if self.left == 0 and not self.pending:
+            self._close()
         return buf
+
+    def _close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+        self.file, self.path = None, None
 
 
 class _Sink:
-    """Writes one byte stream into the listed files of a new directory, checking each file's CRC-32."""
+    """Writes one byte stream into the listed files of a new directory, with the ``local`` ranges (``{file:
+    [(offset, length, descriptor, offset there)]}``) copied from this node's own files, checking each file's
+    CRC-32."""
 
-    def __init__(self, directory: Path, files: list[tuple[str, int, int]]) -> None:
+    def __init__(self, directory: Path, files: list[tuple[str, int, int]],
+                 local: dict[str, list[tuple[int, int, int, int]]] | None = None) -> None:
         directory.mkdir(parents=True)
-        self.directory, self.files = directory, files
-        self.index, self.left, self.crc = -1, 0, 0
+        self.directory, self.files, self.local = directory, files, local or {}
+        self.total = _total(files) - sum(piece[1] for pieces in self.local.values() for piece in pieces)
+        self.index, self.left, self.crc, self.pos = -1, 0, 0, 0
+        self.pieces: list[tuple[int, int, int, int]] = []
         self.file: Any = None
         self.problems: list[str] = []
         self._advance()
 
+    def _room(self) -> int:
+        """Stream bytes the current file takes before its next local range (or its end)."""
+        return self.pieces[0][0] - self.pos if self.pieces else self.left
+
+    def _put(self, data: memoryview | bytes) -> None:
+        self.file.write(data)
+        self.crc = crc32(data, self.crc)
+        self.pos, self.left = self.pos + len(data), self.left - len(data)
+
     def _advance(self) -> None:
-        """Close a finished file (checking its CRC) and open the next, until one expects bytes or none is left."""
-        while self.left == 0 and self.index < len(self.files):
+        """Copy the local ranges due now; close a finished file (checking its CRC) and open the next, until one
+        expects stream bytes or none is left."""
+        while self._room() == 0 and self.index < len(self.files):
+            if self.pieces:
+                _, length, fd, offset = self.pieces.pop(0)
+                for data in _blocks(fd, offset, length):
+                    self._put(data)
+                continue
             if self.file is not None:
                 self.file.close()
                 self.file = None
@@ -159,14 +268,14 @@ class _Sink:
             self.index += 1
             if self.index < len(self.files):
                 name, self.left, _ = self.files[self.index]
+                self.pieces, self.pos = sorted(self.local.get(name, [])), 0
                 self.file, self.crc = open(self.directory / name, "wb"), 0  # noqa: SIM115 - closed once written
 
     def write(self, data: memoryview) -> None:
         while len(data) and self.file is not None:
-            k = min(len(data), self.left)
-            self.file.write(data[:k])
-            self.crc = crc32(data[:k], self.crc)
-            data, self.left = data[k:], self.left - k
+            k = min(len(data), self._room())
+            self._put(data[:k])
+            data = data[k:]
             self._advance()
 
     def close(self) -> None:
@@ -186,11 +295,12 @@ def _wait(works: list[Any]) -> None:
 
 
 def _transfer(group: Any, outgoing: list[tuple[int, _Reader, int]], incoming: list[tuple[int, _Sink, int]], *,
-              bytes_per_second: int | None) -> int:
-    """Send and receive byte streams in lockstep chunks (group ranks, streams of known lengths); bytes sent."""
+              bytes_per_second: int | None, already: int = 0) -> int:
+    """Send and receive byte streams in lockstep chunks (group ranks, streams of known lengths); bytes sent, with
+    the ``already`` sent before (messages the bandwidth cap counts too)."""
     streams = [total for _, _, total in outgoing + incoming]
     chunks = max((math.ceil(total / CHUNK_BYTES) for total in streams), default=0)
-    start, sent = time.monotonic(), 0
+    start, sent = time.monotonic(), already
     for i in range(chunks):
         works: list[Any] = []
         received = []
@@ -276,8 +386,8 @@ class PeerReplicator:
         self.pinned: int | None = None  # the step being sent (retention keeps it)
         self.sent: int | None = None
         self.safe: int | None = None  # the newest step every partner acknowledged
-        self.stats: dict[str, Any] = {"rounds": 0, "coalesced": 0, "sent_bytes": 0, "transfer_s": 0.0, "refused": 0,
-                                      "last_error": None}
+        self.stats: dict[str, Any] = {"rounds": 0, "coalesced": 0, "sent_bytes": 0, "reused_bytes": 0,
+                                      "transfer_s": 0.0, "refused": 0, "last_error": None}
         self._thread: threading.Thread | None = None
         if layout.is_leader:
             for folder in (root / PEERS_DIR).glob("node-*"):
@@ -330,33 +440,52 @@ class PeerReplicator:
             self.pinned = step
         self.stats["rounds"] += 1
         leader = self.layout.leader_of
-        header, files = b"", []
+        header, files, chunks = b"", [], []
+        step_dir = self.root / self.naming.name(step) if step is not None else self.root
         if step is None:
             self.stats["coalesced"] += 1
         else:
             try:
-                files = _listing(self.root / self.naming.name(step))
-                header = json.dumps({"step": step, "name": self.naming.name(step), "files": files}).encode()
+                files, chunks = _listing(step_dir), _chunks(step_dir)
+                header = json.dumps({"step": step, "name": self.naming.name(step), "files": files,
+                                     "chunks": chunks}).encode()
             except (OSError, CheckpointError) as exc:
                 log.warning("memory tier: step %d of node %d cannot be replicated: %s", step, self.layout.node, exc)
         got = _exchange(self.group, {leader(p): header for p in self.partners}, [leader(s) for s in self.sources],
                         _TAG_HEADER)
         incoming = []
-        for src in self.sources:
-            if got[leader(src)]:
-                doc = json.loads(got[leader(src)])
-                listed = [(str(n), int(b), int(c)) for n, b, c in doc["files"]]
-                tmp = replica_dir(self.root, src, f"{_TMP}{doc['name']}.{secrets.token_hex(4)}")
-                incoming.append((src, doc, _Sink(tmp, listed), _total(listed)))
-        outgoing = [(leader(p), _Reader(self.root / self.naming.name(step), files), _total(files))
-                    for p in self.partners] if header else []
-        t0 = time.monotonic()
-        self.stats["sent_bytes"] += _transfer(self.group, outgoing, [(leader(s), k, n) for s, _, k, n in incoming],
-                                              bytes_per_second=self.bytes_per_second)
-        self.stats["transfer_s"] += time.monotonic() - t0
+        held: list[int] = []  # descriptors of this node's own files the sinks copy from
+        needs = {leader(s): b"" for s in self.sources}
+        try:
+            for src in self.sources:
+                if got[leader(src)]:
+                    doc = json.loads(got[leader(src)])
+                    sink, wanted = self._sink(src, doc, held)
+                    incoming.append((src, doc, sink))
+                    needs[leader(src)] = json.dumps(wanted).encode()
+            answers = _exchange(self.group, needs, [leader(p) for p in self.partners], _TAG_NEED)
+            outgoing = []
+            for p in self.partners if header else []:
+                need = set(json.loads(answers[leader(p)]))
+                skip: dict[str, list[tuple[int, int]]] = {}
+                for k, (name, at, length, *_) in enumerate(chunks):
+                    if k not in need:
+                        skip.setdefault(name, []).append((at, length))
+                reader = _Reader(step_dir, files, skip)
+                outgoing.append((leader(p), reader, reader.total))
+                self.stats["reused_bytes"] += _total(files) - reader.total
+            control = len(header) * len(self.partners) + sum(map(len, needs.values()))
+            t0 = time.monotonic()
+            streams = [(leader(s), sink, sink.total) for s, _, sink in incoming]
+            self.stats["sent_bytes"] += _transfer(self.group, outgoing, streams, bytes_per_second=self.bytes_per_second,
+                                                  already=control)
+            self.stats["transfer_s"] += time.monotonic() - t0
+        finally:
+            for fd in held:
+                os.close(fd)
         acks = {leader(s): b"" for s in self.sources}
         newly_safe = False
-        for src, doc, sink, _ in incoming:
+        for src, doc, sink in incoming:
             final = replica_dir(self.root, src, doc["name"])
             problem = _receive_into(final, sink, source=src, step=int(doc["step"]))
             if problem is None:
@@ -378,6 +507,20 @@ class PeerReplicator:
                     self.safe = step
         if header and newly_safe:
             self._on_safe()
+
+    def _sink(self, src: int, doc: dict[str, Any], held: list[int]) -> tuple[_Sink, list[int]]:
+        """The sink of node ``src``'s copy (its header ``doc``) taking the chunks this node's own copy of the step
+        holds from there (their descriptors are added to ``held``), and the indices of the chunks to be sent."""
+        listed = [(str(n), int(b), int(c)) for n, b, c in doc["files"]]
+        found, fds = _reusable(self.root / doc["name"], int(doc["step"]), self.layout.node, doc["chunks"],
+                               {n: b for n, b, _ in listed})
+        held += fds
+        local: dict[str, list[tuple[int, int, int, int]]] = {}
+        for k, (fd, offset) in found.items():
+            name, at, length = doc["chunks"][k][:3]
+            local.setdefault(name, []).append((at, length, fd, offset))
+        tmp = replica_dir(self.root, src, f"{_TMP}{doc['name']}.{secrets.token_hex(4)}")
+        return _Sink(tmp, listed, local), [k for k in range(len(doc["chunks"])) if k not in found]
 
     def drop_newer(self, limit: int) -> None:
         """Leader: delete replicas of steps newer than ``limit`` (an abandoned timeline, see ``MemoryTier._drop``)."""
