@@ -18,8 +18,9 @@ ranks build a new manager and time ``mgr.restore(state)``:
 Floors, per repeat: ``gloo_s``, one ``dist.send``/``recv`` of the replica's byte count from rank 0 to
 rank 1 (best of 3), and ``tmpfs_read_s``, an ``os.read`` of node 0's replica files in 16 MiB chunks;
 ``floor_s = gloo_s + tmpfs_read_s`` (bytes over the loopback gloo bandwidth plus the tmpfs read).
-Ratios: ``peer / floor``, ``peer / durable``, ``peer / memory`` of node 1's median times. One more ``peer``
-restore, untimed, runs under cProfile on both ranks (top entries in ``profile``, per node).
+Ratios: ``peer / floor``, ``peer / durable``, ``peer / memory`` of node 1's median times, and
+``stream / floor``: node 1's seconds in the peer stream (``repair``, timed by a wrapper) over the floor.
+One more ``peer`` restore, untimed, runs under cProfile on both ranks (top entries in ``profile``).
 
     python benchmarks/recovery.py --mb 256 --repeats 5 --json benchmarks/results/recovery_cpu_256mb_session13.json
 
@@ -95,6 +96,20 @@ def _gloo_s(rank: int, nbytes: int) -> float:
     return out[1]
 
 
+def _time_calls(owner: Any, name: str, parts: dict[str, float]) -> None:
+    """Wrap ``owner.name`` so that every call adds its seconds to ``parts[name]`` (observes, changes nothing)."""
+    fn = getattr(owner, name)
+
+    def timed(*a, **kw):
+        t0 = time.perf_counter()
+        try:
+            return fn(*a, **kw)
+        finally:
+            parts[name] = parts.get(name, 0.0) + time.perf_counter() - t0
+
+    setattr(owner, name, timed)
+
+
 class Node:
     """One rank's side: its roots, the managers' settings, and the timed restores."""
 
@@ -103,6 +118,12 @@ class Node:
         self.kwargs = {"memory_root": str(self.mem), "memory_replicas": 1, "durable_url": url,
                        "storage_options": options}
         self.target = _state(mb, fill=-1.0)
+        self.parts: dict[str, float] = {}  # seconds of the timed parts of the last restore on this rank
+        from torch_ckpt.manager import _memory
+        from torch_ckpt.tiers._durable import DurableTier
+
+        for owner, name in ((_memory, "repair"), (DurableTier, "listed"), (DurableTier, "fetch")):
+            _time_calls(owner, name, self.parts)
 
     def manager(self, **extra):
         from torch_ckpt import CheckpointManager
@@ -110,7 +131,11 @@ class Node:
         return CheckpointManager(self.disk, **self.kwargs, **extra)
 
     def restore(self, wipe: tuple[Path, ...], profile: cProfile.Profile | None = None) -> dict[str, Any]:
-        """Node 1 removes ``wipe``; both ranks build a manager and time ``restore``; {rank: (s, step, source)}."""
+        """Node 1 removes ``wipe``; both ranks build a manager and time ``restore``.
+
+        Returns ``{"node0"|"node1": (seconds, step, source, parts)}``, ``parts`` the seconds in the peer stream
+        (``repair``), the durable listing (``listed``) and the durable fetch (``fetch``) on that rank.
+        """
         import torch.distributed as dist
 
         if self.rank == 1:
@@ -119,6 +144,7 @@ class Node:
         dist.barrier()
         with self.manager() as mgr:
             dist.barrier()
+            self.parts.clear()
             if profile is not None:
                 profile.enable()
             t0 = time.perf_counter()
@@ -128,7 +154,7 @@ class Node:
                 profile.disable()
             source = mgr.restore_source
         out: list[Any] = [None, None]
-        dist.all_gather_object(out, (dt, step, source))
+        dist.all_gather_object(out, (dt, step, source, dict(self.parts)))
         return {"node0": out[0], "node1": out[1]}
 
 
@@ -210,7 +236,10 @@ def summarize(raw: dict[str, Any], mb: int) -> dict[str, Any]:
         both = [max(rec[case]["node0"][0], rec[case]["node1"][0]) for rec in reps]
         cases[case] = {"node1_s": stat(node1), "max_s": stat(both),
                        "sources": sorted({f"node{n}:{rec[case][f'node{n}'][2]}" for rec in reps for n in (0, 1)}),
-                       "steps": sorted({rec[case][f"node{n}"][1] for rec in reps for n in (0, 1)})}
+                       "steps": sorted({rec[case][f"node{n}"][1] for rec in reps for n in (0, 1)}),
+                       "parts_s": {f"node{n}_{part}": stat([rec[case][f"node{n}"][3].get(part, 0.0) for rec in reps])
+                                   for n in (0, 1) for part in ("repair", "listed", "fetch")
+                                   if any(part in rec[case][f"node{n}"][3] for rec in reps)}}
     gloo = [rec["gloo_s"] for rec in reps]
     read = [rec["tmpfs_read_s"] for rec in reps]
     floor = [g + t for g, t in zip(gloo, read)]
@@ -223,6 +252,7 @@ def summarize(raw: dict[str, Any], mb: int) -> dict[str, Any]:
         "peer_over_floor": med["peer"] / floors["floor_s"]["median"],
         "peer_over_durable": med["peer"] / med["durable"],
         "peer_over_memory": med["peer"] / med["memory"],
+        "stream_over_floor": cases["peer"]["parts_s"]["node1_repair"]["median"] / floors["floor_s"]["median"],
         "peer_over_floor_per_repeat": stat([p / f for p, f in zip(peer, floor)]),
         "peer_over_durable_per_repeat": stat([p / rec["durable"]["node1"][0] for p, rec in zip(peer, reps)]),
         "goal": {"peer_over_floor": 1.3, "peer_over_durable": 0.25},
