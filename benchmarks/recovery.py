@@ -17,9 +17,12 @@ ranks build a new manager and time ``mgr.restore(state)``:
 
 Floors, per repeat: ``gloo_s``, one ``dist.send``/``recv`` of the replica's byte count from rank 0 to
 rank 1 (best of 3), and ``tmpfs_read_s``, an ``os.read`` of node 0's replica files in 16 MiB chunks;
-``floor_s = gloo_s + tmpfs_read_s`` (bytes over the loopback gloo bandwidth plus the tmpfs read).
+``floor_s = gloo_s + tmpfs_read_s`` (bytes over the loopback gloo bandwidth plus the tmpfs read); not in it,
+informative: ``tmpfs_write_crc_s``, node 1 writing as many bytes into its tmpfs with a CRC-32 of each chunk
+(the receiver's side of the stream).
 Ratios: ``peer / floor``, ``peer / durable``, ``peer / memory`` of node 1's median times, and
-``stream / floor``: node 1's seconds in the peer stream (``repair``, timed by a wrapper) over the floor.
+``stream / floor``: node 1's seconds in the peer stream (``repair``, timed by a wrapper) over the floor, and
+``peer / (floor + memory)``: against the stream floor plus node 1's restore of an intact own copy.
 One more ``peer`` restore, untimed, runs under cProfile on both ranks (top entries in ``profile``).
 
     python benchmarks/recovery.py --mb 256 --repeats 5 --json benchmarks/results/recovery_cpu_256mb_session13.json
@@ -75,6 +78,25 @@ def _tmpfs_read_s(directory: Path) -> float:
         finally:
             os.close(fd)
     return time.perf_counter() - t0
+
+
+def _tmpfs_write_crc_s(path: Path, nbytes: int) -> float:
+    """Seconds to write ``nbytes`` to ``path`` in 16 MiB ``os.write`` calls, CRC-32 of each (the receiver's work)."""
+    from torch_ckpt.storage._crc import crc32
+
+    chunk, crc = memoryview(bytearray(os.urandom(1 << 20)) * (TENSOR_BYTES >> 20)), 0
+    t0 = time.perf_counter()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        for off in range(0, nbytes, TENSOR_BYTES):
+            piece = chunk[:min(TENSOR_BYTES, nbytes - off)]
+            os.write(fd, piece)
+            crc = crc32(piece, crc)
+    finally:
+        os.close(fd)
+    dt = time.perf_counter() - t0
+    path.unlink()
+    return dt
 
 
 def _gloo_s(rank: int, nbytes: int) -> float:
@@ -184,10 +206,10 @@ def _rank_main(rank: int, port: int, base: str, shm: str, url: str, options: dic
     repeats: list[dict[str, Any]] = []
     for r in range(args.repeats):
         rec: dict[str, Any] = {"loadavg": os.getloadavg(), "gloo_s": _gloo_s(rank, nbytes)}
-        read = _tmpfs_read_s(replica) if rank == 0 else None
+        floor = _tmpfs_read_s(replica) if rank == 0 else _tmpfs_write_crc_s(node.mem / "_floor.bin", nbytes)
         gathered: list[Any] = [None, None]
-        dist.all_gather_object(gathered, read)
-        rec["tmpfs_read_s"] = gathered[0]
+        dist.all_gather_object(gathered, floor)
+        rec["tmpfs_read_s"], rec["tmpfs_write_crc_s"] = gathered
         rec["peer"] = node.restore((node.mem,))
         rec["memory"] = node.restore(())
         repeats.append(rec)
@@ -245,6 +267,7 @@ def summarize(raw: dict[str, Any], mb: int) -> dict[str, Any]:
     floor = [g + t for g, t in zip(gloo, read)]
     nbytes = raw["replica_bytes"]
     floors = {"gloo_s": stat(gloo), "tmpfs_read_s": stat(read), "floor_s": stat(floor),
+              "tmpfs_write_crc_s": stat([rec["tmpfs_write_crc_s"] for rec in reps]),
               "gloo_MiB_s": stat([nbytes / g / 2**20 for g in gloo])}
     peer = [rec["peer"]["node1"][0] for rec in reps]
     med = {c: cases[c]["node1_s"]["median"] for c in CASES}
@@ -253,6 +276,7 @@ def summarize(raw: dict[str, Any], mb: int) -> dict[str, Any]:
         "peer_over_durable": med["peer"] / med["durable"],
         "peer_over_memory": med["peer"] / med["memory"],
         "stream_over_floor": cases["peer"]["parts_s"]["node1_repair"]["median"] / floors["floor_s"]["median"],
+        "peer_over_floor_plus_memory": med["peer"] / (floors["floor_s"]["median"] + med["memory"]),
         "peer_over_floor_per_repeat": stat([p / f for p, f in zip(peer, floor)]),
         "peer_over_durable_per_repeat": stat([p / rec["durable"]["node1"][0] for p, rec in zip(peer, reps)]),
         "goal": {"peer_over_floor": 1.3, "peer_over_durable": 0.25},
