@@ -35,6 +35,25 @@ still alive when the restart began), ``orphans_survived`` (alive ``--orphan-boun
 being resumed; must be 0), ``orphan_exit_after_resume_s`` and ``run_errors`` (runs whose stderr
 holds a traceback, e.g. a restarted run's failed save; must be 0).
 
+``--nodes N`` (e.g. ``--nodes 2 --memory-every 1``) runs the training as N simulated nodes of one gloo rank, each
+with its own disk root (``ckpt/nodeK``, a save every ``--save-every`` steps) and memory tier (``mem/nodeK``, a save
+every ``--memory-every`` steps, each node's newest memory step replicated to the next node). Every kill takes the
+whole run (its process group); every fifth lands in the first 5 s (start-up, restore, a node's repair), every
+fourth waits for a disk save in flight and every fourth for a replica being received. After half of the kills
+(seeded) a random node is lost: its disk root and memory root (with the replicas it held) are wiped. After every
+kill every tier of every node is audited (disk roots, memory roots and ``.peers/node-*`` replica folders): each
+``step_*`` directory is a reservation or a committed checkpoint whose files verify, and nothing else is listed.
+Each restart's restore is read from the ranks' ``restored step S from SOURCE`` lines; the steps lost per kill
+(the newest step trained before it minus the step resumed) must be at most ``--memory-every + 1`` (the memory
+interval plus the save in flight). Every logged step is compared with a reference run: lr, epoch and batch
+exactly, the loss to float32 rounding (it is all-reduced over gloo ranks, see ``examples/demo_cluster.py``).
+Reported besides the fields above: ``node_losses``, ``resumes`` / ``resumes_after_node_loss``,
+``resume_sources`` (per node restore: ``memory``, ``memory-peer``, ``local``, ... and ``fresh`` runs),
+``split_resumes`` (nodes resuming different steps; must be 0), ``lost_steps`` / ``lost_steps_node_loss``
+(``{steps lost: kills}``), ``lost_over_bound`` (the details of every kill that lost more; must be empty),
+``exposed`` (what the audits found) and ``instants`` as ``during_disk_save`` / ``during_memory_save`` /
+``during_replication`` (not exclusive), ``between_saves``, ``no_checkpoint_yet``.
+
 Children are forked from this pre-imported process (importing torch costs seconds per trial
 otherwise); the parent never runs a torch op, so forking is safe.
 """
@@ -42,14 +61,17 @@ otherwise); the parent never runs a torch op, so forking is safe.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -59,6 +81,7 @@ sys.path.insert(0, str(REPO / "examples"))
 import psutil  # noqa: E402
 import train_gpt  # noqa: E402  (imports torch and torch_ckpt once, before any fork)
 from _common import emit_json  # noqa: E402
+from demo import compare  # noqa: E402
 
 from torch_ckpt.format._files import verify_files  # noqa: E402
 from torch_ckpt.root._layout import (  # noqa: E402
@@ -69,10 +92,19 @@ from torch_ckpt.root._layout import (  # noqa: E402
 from torch_ckpt.save import _writer_process as writer_process  # noqa: E402
 
 
+def _matches(root: Path, *patterns: str) -> bool:
+    """Something under ``root`` matches one of the glob ``patterns`` (listed again when a directory that the
+    running training removes, e.g. a step retention deletes, vanished while it was listed)."""
+    while True:
+        try:
+            return any(any(root.glob(pattern)) for pattern in patterns)
+        except FileNotFoundError:
+            continue
+
+
 def _save_in_flight(root: Path) -> bool:
     """A save is being written under ``root``: its partial inside a reserved name, or a commit-side temporary."""
-    return any(root.glob("step_*/.torch-ckpt.partial.*")) or any(root.glob(".torch-ckpt.tmp.*")) \
-        or any(root.glob(".step_*.tmp*"))
+    return _matches(root, "step_*/.torch-ckpt.partial.*", ".torch-ckpt.tmp.*", ".step_*.tmp*")
 
 
 def _writers(pid: int) -> list[psutil.Process]:
@@ -119,21 +151,26 @@ def _kill_all(procs: list[psutil.Process]) -> None:
 
 def _run_child(argv: list[str], *, kill_after_s: float | None, after_first_step: bool = False,
                stop_writers: bool = False, event: tuple[float, object] | None = None,
-               in_save_of: Path | None = None) -> tuple[bool, float, list[psutil.Process]]:
+               in_save_of: Path | None = None, in_flight: Callable[[], bool] | None = None,
+               group: bool = False) -> tuple[bool, float, list[psutil.Process]]:
     """Fork a child running ``train_gpt.main(argv)``; SIGKILL it ``kill_after_s`` after it starts (or, with
     ``after_first_step``, after it logged its first step). ``stop_writers``: SIGSTOP its writer processes just
     before the kill. ``event``: ``(seconds, callable)`` called once that long after the start (or the first
     step), or when the child ends if earlier. ``in_save_of``: after the delay, wait (up to 5 s) until a save
     is in flight in that checkpoint root (:func:`_save_in_flight`), then kill: saves of the small
-    model take milliseconds, so purely random instants may all miss them. Returns (killed, alive_s, the
-    child's writers at the kill)."""
+    model take milliseconds, so purely random instants may all miss them; ``in_flight``: the same with any
+    condition. ``group``: SIGKILL the child's whole process group (its ranks too) and wait until all are gone.
+    The child's stdout goes to ``<log>.stdout``. Returns (killed, alive_s, the child's writers at the kill)."""
+    if in_save_of is not None:
+        in_flight = functools.partial(_save_in_flight, in_save_of)
     t0 = time.monotonic()
     pid = os.fork()
     if pid == 0:  # child
         try:
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(devnull, 1)
-            os.dup2(os.open(str(argv[argv.index("--log-jsonl") + 1]) + ".stderr", os.O_WRONLY | os.O_CREAT, 0o644), 2)
+            os.setpgid(0, 0)  # a process group of its own: ranks and all, killed at once with ``group``
+            log_name = str(argv[argv.index("--log-jsonl") + 1])
+            os.dup2(os.open(log_name + ".stdout", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644), 1)
+            os.dup2(os.open(log_name + ".stderr", os.O_WRONLY | os.O_CREAT, 0o644), 2)
             train_gpt.main(argv)
             code = 0
         except SystemExit as exc:
@@ -185,9 +222,9 @@ def _run_child(argv: list[str], *, kill_after_s: float | None, after_first_step:
             return finished_early()
         fire(start)
         time.sleep(0.002)
-    if in_save_of is not None:
+    if in_flight is not None:
         give_up = time.monotonic() + 5.0
-        while time.monotonic() < give_up and not _save_in_flight(in_save_of):
+        while time.monotonic() < give_up and not in_flight():
             done, status = os.waitpid(pid, os.WNOHANG)
             if done:
                 return finished_early()
@@ -200,8 +237,13 @@ def _run_child(argv: list[str], *, kill_after_s: float | None, after_first_step:
                 w.suspend()
             except psutil.NoSuchProcess:
                 pass
-    os.kill(pid, signal.SIGKILL)
+    ranks = psutil.Process(pid).children(recursive=True) if group else []
+    if group:
+        os.killpg(pid, signal.SIGKILL)
+    else:
+        os.kill(pid, signal.SIGKILL)
     _, status = os.waitpid(pid, 0)
+    _wait_gone(ranks, 30.0)
     fire(None)
     return os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, time.monotonic() - t0, writers
 
@@ -225,6 +267,132 @@ def _spread(values: list[float]) -> dict[str, float] | None:
     return {"min": min(values), "median": statistics.median(values), "max": max(values)}
 
 
+def _audit(root: Path) -> list[str]:
+    """Problems of one checkpoint root (or replica folder): a listed step whose directory is not a final
+    ``step_*`` name, or a ``step_*`` directory that is neither a reservation nor a committed checkpoint whose files
+    all verify (sizes and CRC-32)."""
+    committed = scan_committed(root)
+    problems = [f"{d}: listed, but a temporary name" for d in committed.values() if not d.name.startswith("step_")]
+    for d in sorted(root.glob("step_*")):
+        if not d.is_dir() or is_reservation(d):
+            continue
+        try:
+            if int(d.name[5:]) not in committed:
+                raise ValueError("partial data under a final name")
+            verify_files(d, read_manifest(d), checksums=True)
+        except Exception as exc:  # noqa: BLE001 - counted, reported
+            problems.append(f"{d}: {exc}")
+    return problems
+
+
+_RESTORED = re.compile(r"node (\d+) \(rank \d+\) restored step (\d+) from (\S+)")
+
+
+def node_chaos(args: argparse.Namespace, rng: random.Random, work: Path) -> dict:
+    """The ``--nodes`` mode: kills of the whole multi-node run, half of them also losing a node; the result."""
+    nproc = args.nodes
+    steps = args.steps or max(60, args.trials * 5)
+    common = ["--steps", str(steps), "--save-every", str(args.save_every), "--seed", "7", "--keep-last", "2",
+              "--max-windows", "640", "--n-layer", "1", "--n-embd", "32", "--quiet", "--nproc", str(nproc),
+              "--simulate-nodes", str(args.nodes), "--memory-every", str(args.memory_every)]  # fmt: skip
+    _run_child(common + ["--ckpt-dir", str(work / "ref_ckpt"), "--memory-root", str(work / "ref_mem"),
+                         "--log-jsonl", str(work / "ref.jsonl")], kill_after_s=None)
+    reference = _read_log(work / "ref.jsonl")
+    ckpt, mem = work / "ckpt", work / "mem"
+    disks = [ckpt / f"node{k}" for k in range(args.nodes)]
+    memories = [mem / f"node{k}" for k in range(args.nodes)]
+    bound = args.memory_every + 1  # the memory interval plus the one save in flight at the kill
+    result: dict = {"nodes": args.nodes, "memory_every": args.memory_every, "save_every": args.save_every,
+                    "trials": 0, "killed": 0, "partial_exposed": 0, "exposed": [], "resumable": 0, "exact_resume": 0,
+                    "mismatched_steps": 0, "run_errors": 0, "node_losses": 0, "resumes": 0,
+                    "resumes_after_node_loss": 0, "resume_sources": {}, "split_resumes": 0,
+                    "instants": {"during_disk_save": 0, "during_memory_save": 0, "during_replication": 0,
+                                 "between_saves": 0, "no_checkpoint_yet": 0},
+                    "lost_steps_bound": bound, "lost_steps": {}, "lost_steps_node_loss": {}, "lost_over_bound": []}
+    delays: list[float] = []
+    progress, pending = 0, None  # the newest step trained; (killed trial, progress then, node lost) to resume
+
+    def replicating() -> bool:
+        return _matches(mem, "node*/.peers/node-*/.incoming.*")
+
+    def run(log: Path, **kw) -> tuple[bool, dict[int, dict], int]:
+        killed = _run_child(common + ["--ckpt-dir", str(ckpt), "--memory-root", str(mem), "--log-jsonl", str(log)],
+                            group=True, **kw)[0]
+        err = Path(str(log) + ".stderr")
+        if err.exists() and "Traceback" in err.read_text(errors="replace"):
+            result["run_errors"] += 1
+            print(f"{log.name}: traceback in {err}", file=sys.stderr)
+        got = _read_log(log)
+        bad = compare(reference, list(got.values()), loss_rtol=1e-5)  # loss: float32 rounding over gloo ranks
+        restored = {int(k): (int(s), src) for k, s, src in _RESTORED.findall(Path(str(log) + ".stdout").read_text())}
+        resumed = None
+        if restored:
+            resumed = min(st for st, _ in restored.values())
+            result["split_resumes"] += int(len({st for st, _ in restored.values()}) > 1)
+            for _, src in restored.values():
+                result["resume_sources"][src] = result["resume_sources"].get(src, 0) + 1
+        elif got:
+            resumed = min(got) - 1
+            result["resume_sources"]["fresh"] = result["resume_sources"].get("fresh", 0) + int(resumed == 0)
+        nonlocal progress, pending
+        if resumed is not None and pending is not None:
+            trial, at_kill, lost_node = pending
+            lost = at_kill - resumed
+            result["resumes"] += 1
+            result["resumes_after_node_loss"] += int(lost_node is not None)
+            for key in ("lost_steps",) + (("lost_steps_node_loss",) if lost_node is not None else ()):
+                result[key][str(lost)] = result[key].get(str(lost), 0) + 1
+            if lost > bound or lost < 0:
+                result["lost_over_bound"].append({"killed_trial": trial, "killed_after_step": at_kill,
+                                                  "node_lost": lost_node, "resumed_step": resumed,
+                                                  "sources": {k: v[1] for k, v in restored.items()}})
+            pending = None
+        progress = max(got) if got else (resumed if resumed is not None else progress)
+        return killed, got, len(bad)
+
+    for trial in range(args.trials):
+        log = work / f"run_{trial:04d}.jsonl"
+        early = trial % 5 == 0  # every fifth kill lands in the run's first 5 s: start-up, restore, a node's repair
+        wait_for = {1: functools.partial(_save_in_flight, disks[0]), 3: replicating}.get(trial % 4)
+        delay = rng.uniform(0.0, 5.0) if early else rng.uniform(0.0, args.max_delay)
+        killed, _, bad = run(log, kill_after_s=delay, after_first_step=not early, in_flight=wait_for)
+        result["mismatched_steps"] += bad
+        result["exact_resume"] += int(not bad)
+        delays.append(delay)
+        result["trials"] += 1
+        result["killed"] += int(killed)
+        inst = result["instants"]
+        flags = {"during_disk_save": any(map(_save_in_flight, disks)),
+                 "during_memory_save": any(map(_save_in_flight, memories)), "during_replication": replicating()}
+        for key, hit in flags.items():
+            inst[key] += int(hit)
+        if not any(flags.values()):
+            inst["no_checkpoint_yet" if not any(scan_committed(r) for r in disks + memories) else "between_saves"] += 1
+        lost_node = rng.randrange(args.nodes) if rng.random() < 0.5 else None
+        pending = (trial, progress, lost_node if pending is None or pending[2] is None else pending[2])
+        if lost_node is not None:  # a replaced node: its disk and its RAM (with the replicas it held) are gone
+            result["node_losses"] += 1
+            shutil.rmtree(disks[lost_node], ignore_errors=True)
+            shutil.rmtree(memories[lost_node], ignore_errors=True)
+        problems = [x for r in disks + memories + sorted(mem.glob("node*/.peers/node-*")) for x in _audit(r)]
+        result["partial_exposed"] += len(problems)
+        result["exposed"] += [f"trial {trial}: {x}" for x in problems]
+        result["resumable"] += int(not problems)
+        if os.environ.get("CHAOS_VERBOSE"):
+            print(f"trial {trial}: delay {delay:.3f}s killed={killed} progress={progress} node_lost={lost_node} "
+                  f"{flags} sources={result['resume_sources']}")
+
+    _, final, result["final_mismatched_steps"] = run(work / "final.jsonl", kill_after_s=None)
+    result["final_steps_checked"] = len(final)
+    result["finished"] = max(final, default=progress) == steps
+    result["kill_delays_s"] = _spread(delays)
+    result["ok"] = (result["partial_exposed"] == 0 and result["resumable"] == result["trials"]
+                    and result["mismatched_steps"] == 0 and result["final_mismatched_steps"] == 0
+                    and result["finished"] and result["run_errors"] == 0
+                    and result["split_resumes"] == 0 and not result["lost_over_bound"])
+    return result
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--trials", type=int, default=200)
@@ -243,7 +411,13 @@ def main(argv: list[str] | None = None) -> dict:
                    help="start writer processes without the parent-death signal (stands in for non-Linux)")
     p.add_argument("--orphan-bound", type=float, default=30.0,
                    help="seconds an orphaned writer may take to exit before it counts as survived")
+    p.add_argument("--nodes", type=int, default=1,
+                   help="N > 1: N simulated nodes of one rank (gloo), each with its disk root and memory tier; half "
+                        "of the kills also lose a random node (its disk and memory wiped)")
+    p.add_argument("--memory-every", type=int, default=1, help="with --nodes: memory saves every K steps")
     args = p.parse_args(argv)
+    if args.nodes > 1 and (args.persist != "thread" or args.restart_while_orphan):
+        p.error("--nodes goes with the default writer (no --persist process, no --restart-while-orphan)")
     if args.restart_while_orphan and args.persist != "process":
         p.error("--restart-while-orphan needs --persist process")
     if args.no_death_signal:
@@ -253,6 +427,11 @@ def main(argv: list[str] | None = None) -> dict:
     work = args.work_dir
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
+    if args.nodes > 1:
+        result = node_chaos(args, rng, work)
+        result["wall_s"] = time.monotonic() - t_start
+        emit_json(result, args.json)
+        return result
     steps = args.steps or max(300, args.trials * 40)
     common = ["--steps", str(steps), "--save-every", str(args.save_every), "--seed", "7", "--keep-last", "2",
               "--max-windows", "640", "--n-layer", "1", "--n-embd", "32", "--quiet", "--persist", args.persist]

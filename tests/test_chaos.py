@@ -1,4 +1,4 @@
-"""The short chaos run: about 20 SIGKILLs of the real training at random instants, each resumed."""
+"""The short chaos runs: SIGKILLs of the real training at random instants (some losing a node), each resumed."""
 
 import json
 import subprocess
@@ -43,4 +43,22 @@ def test_short_chaos_run_with_process_writer_and_restart_while_orphan(tmp_path):
     assert result["trials"] == 3 and result["orphans_stopped"] > 0  # orphans really outlived their trainers
     assert result["orphans_survived"] == 0 and result["run_errors"] == 0
     assert result["exact_resume"] == 3 and result["final_mismatched_steps"] == 0
+    assert proc.returncode == 0
+
+
+@pytest.mark.timeout(600)
+def test_short_chaos_run_with_node_losses_resumes_from_the_partners_memory(tmp_path):
+    """6 kills of a 2-node run with memory saves every step, half losing a node: nothing partial, exact resumes."""
+    out = tmp_path / "chaos.json"
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "chaos.py"), "--nodes", "2", "--memory-every",
+                           "1", "--save-every", "10", "--trials", "6", "--steps", "40", "--work-dir",
+                           str(tmp_path / "run"), "--json", str(out)],
+                          capture_output=True, text=True, timeout=580)
+    assert out.exists(), proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["trials"] == 6 and result["node_losses"] > 0
+    assert result["partial_exposed"] == 0 and result["resumable"] == 6
+    assert result["exact_resume"] == 6 and result["mismatched_steps"] == 0 and result["final_mismatched_steps"] == 0
+    assert result["resume_sources"].get("memory-peer", 0) > 0  # a lost node came back from its partner's replica
+    assert result["lost_over_bound"] == [] and result["split_resumes"] == 0 and result["finished"]
     assert proc.returncode == 0
