@@ -192,7 +192,7 @@ class MemoryTier:
         captured = time.time()
         handle = self.engine.submit(request, state, refused=refused, started_at=started_at, waited_s=waited)
         if valid:
-            self.last_step = step if self.last_step is None else max(self.last_step, step)
+            self._saw(step)
         self.captured_at[step] = captured
         while len(self.captured_at) > 64:
             self.captured_at.pop(next(iter(self.captured_at)))
@@ -200,12 +200,15 @@ class MemoryTier:
             self.cadence.record_save_started(handle, time.monotonic())
         return handle
 
+    def _saw(self, step: int) -> None:
+        self.last_step = step if self.last_step is None else max(self.last_step, step)
+
     def due(self, step: int) -> bool:
         """Collective: record that ``step`` finished; True when the memory cadence (rank 0 decides) says to save
         and no save (of either tier) is still being written (a due save is put off rather than making training wait)."""
         if self.cadence is None:
             return False
-        self.last_step = step if self.last_step is None else max(self.last_step, step)
+        self._saw(step)
         now = time.monotonic()
         self.cadence.record_step(step, now, busy=self.engine.in_flight is not None)
         decision = self.cadence.decide(step, now) and self.engine.in_flight is None \
@@ -215,7 +218,7 @@ class MemoryTier:
     def disk_saved(self, step: int) -> None:
         """A disk save of ``step`` begins (``step`` finished): the memory clock restarts (a newer checkpoint
         exists), with no memory cost sample; the disk save's stall is no memory step time."""
-        self.last_step = step if self.last_step is None else max(self.last_step, step)
+        self._saw(step)
         if self.cadence is not None:
             now = time.monotonic()
             self.cadence.record_step(step, now, busy=self.engine.in_flight is not None)
@@ -224,7 +227,7 @@ class MemoryTier:
     def before_disk_save(self, step: int) -> None:
         """A disk save of ``step`` was submitted: memory steps of an abandoned timeline go (see :meth:`_drop`)."""
         if isinstance(step, int):
-            self.last_step = step if self.last_step is None else max(self.last_step, step)
+            self._saw(step)
         if self.layout.is_leader and not self.read_only:
             self._drop(step, inclusive=False)
 
@@ -235,7 +238,7 @@ class MemoryTier:
         limit = step if self.rolled_back_to is None else min(step, self.rolled_back_to)
         self.rolled_back_to = None
         if self.peers is not None:
-            self.peers.drop_newer(limit if inclusive else step)
+            self.peers.drop_newer(limit)
         if not self.root.is_dir():
             return
         doomed = []
@@ -401,7 +404,7 @@ class MemoryTier:
                             "holds an intact replica; falling back to an older step (memory or the disk and durable "
                             "tiers)", s, sorted(nodes - held.get(s, set())))
                 continue
-            if repairs:
+            if repairs and not plan:  # the step the restore tries first; an older one is only a fallback
                 log.warning("memory tier: node(s) %s lost their copy of step %d; taking it from the replica on node(s) "
                             "%s", sorted(repairs), s, sorted(set(repairs.values())))
             lin = mem_lineage[s]
