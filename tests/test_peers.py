@@ -250,7 +250,7 @@ def test_a_damaged_replica_falls_back_to_the_disk_step(tmp_path, damage):
 def test_a_bandwidth_cap_still_replicates(tmp_path):
     """memory_replication_bytes_per_second slows the sender but every replica arrives and restores."""
     run_distributed(_replicate_then_lose, 2, str(tmp_path), 0, None,
-                    {"memory_replication_bytes_per_second": 100_000}, timeout_s=240)
+                    {"memory_replication_bytes_per_second": 40_000}, timeout_s=240)
 
 
 @pytest.mark.slow

@@ -321,6 +321,8 @@ def _transfer(group: Any, outgoing: list[tuple[int, _Reader, int]], incoming: li
             sink.write(memoryview(buf.numpy()))  # type: ignore[arg-type]
         if bytes_per_second:
             time.sleep(max(0.0, sent / bytes_per_second - (time.monotonic() - start)))
+    if bytes_per_second:  # also when nothing was streamed: the control messages count against the cap
+        time.sleep(max(0.0, sent / bytes_per_second - (time.monotonic() - start)))
     return sent
 
 
