@@ -47,9 +47,6 @@ def test_short_chaos_run_with_process_writer_and_restart_while_orphan(tmp_path):
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.xfail(reason="known bug (session 13 chaos finding): a node loss right after a disk save restarts "
-                   "from scratch instead of the replicated memory step (restore_node_local falls back through disk "
-                   "steps only); open in issue 29", strict=False)
 def test_short_chaos_run_with_node_losses_resumes_from_the_partners_memory(tmp_path):
     """6 kills of a 2-node run with memory saves every step, half losing a node: nothing partial, exact resumes."""
     out = tmp_path / "chaos.json"

@@ -281,3 +281,57 @@ def test_a_tensor_that_differs_between_nodes_is_sent_and_restores_bitwise(tmp_pa
     run_distributed(_replicate_then_lose, 2, str(tmp_path), 1, None, {}, 4096, 1, timeout_s=240)
     for stats in _figures(tmp_path, 2):
         assert 2 * stats["data_bytes"] < stats["reused_bytes"] < 3 * stats["data_bytes"], stats
+
+
+def _lose_disk_and_memory_after_a_disk_save(rank, world, base, replicas):
+    """Steps 1-6 (disk saves at 2, 4, 6; memory at 1, 3, 5), node 1 then loses its disk and RAM; restore, save 7."""
+    node = _node(rank, base)
+    state, model, opt = _state()
+    kwargs = {"memory_replicas": replicas, "memory_root": str(node / "mem")} if replicas is not None else \
+        {"local_root_shared": False}  # replicas None: no memory tier, node-local disk roots only
+    with CheckpointManager(node / "disk", save_every_n_steps=2, memory_every_n_steps=1 if replicas is not None
+                           else None, async_save=False, **kwargs) as mgr:
+        for step in range(1, 7):
+            _train(model, opt, step)
+            if step == 5:
+                want = {k: v.clone() for k, v in model.state_dict().items()}
+            mgr.save_if_due(step, state)
+    torch.distributed.barrier()
+    if rank == 1:
+        shutil.rmtree(node / "disk")
+        shutil.rmtree(node / "mem", ignore_errors=True)
+    torch.distributed.barrier()
+    fresh, model2, opt2 = _state(seed=1)
+    with CheckpointManager(node / "disk", async_save=False, **kwargs) as mgr:
+        got, source = mgr.restore(fresh), mgr.restore_source
+        exact = all(torch.equal(want[k], v) for k, v in model2.state_dict().items())
+        if got is None:
+            mgr.save(2, fresh)  # a run from scratch saves the steps the leftovers hold, without a refusal
+        else:
+            _train(model2, opt2, 6)
+            mgr.save(6, fresh)  # the step node 0 still held: it went aside, this one is the new timeline's
+    aside = sorted(p.name.split(".")[1].removeprefix("superseded_") for p in (node / "disk").glob(".superseded_*"))
+    if replicas:
+        assert (got, source, exact) == (5, "memory-peer" if rank == 1 else "memory", True)
+        assert _steps(node / "disk") == ([6] if rank == 1 else [2, 4, 6])
+        assert aside == ([] if rank == 1 else ["step_000000006"])
+    else:
+        assert got is None and source is None
+        assert _steps(node / "disk") == [2]
+        assert aside == ([] if rank == 1 else ["step_000000002", "step_000000004", "step_000000006"])
+        assert replicas is None or _steps(node / "mem") == []
+
+
+@pytest.mark.slow
+def test_a_node_lost_right_after_a_disk_save_resumes_the_replicated_memory_step(tmp_path):
+    """The newest disk step gone with node 1's disk, every node resumes the newer memory step (node 1 from its
+    partner), and node 0's orphaned disk copy of step 6 goes aside at the next save."""
+    run_distributed(_lose_disk_and_memory_after_a_disk_save, 2, str(tmp_path), 1, timeout_s=240)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("replicas", [0, None], ids=["memory-without-replicas", "node-local-disk-only"])
+def test_a_node_lost_with_no_replica_starts_over_and_sets_the_leftovers_aside(tmp_path, replicas):
+    """No step is complete anywhere (node 1's disk and RAM gone, no replica): the run starts from scratch, and
+    its first save moves node 0's steps of the old timeline aside instead of being refused."""
+    run_distributed(_lose_disk_and_memory_after_a_disk_save, 2, str(tmp_path), replicas, timeout_s=240)

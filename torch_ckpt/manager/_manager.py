@@ -134,8 +134,9 @@ class RunLineage:
         """The save :meth:`begin_save` began was refused: the restored step stands again."""
         self.restored_step = restored
 
-    def restored(self, step: int, lineage: Lineage | None) -> None:
-        """A restore loaded ``step``; the next saves belong to ``lineage`` (on the rank acting on the root)."""
+    def restored(self, step: int | None, lineage: Lineage | None) -> None:
+        """A restore loaded ``step`` (None: it found only steps no tier can complete, and starts from scratch);
+        the next saves belong to ``lineage`` (on the rank acting on the root)."""
         self.restored_step, self.newest_known, self._abandoned_pending = step, None, True
         if lineage is not None:
             self._lineage = lineage
@@ -203,8 +204,8 @@ class SaveGuard:
         if not self.runs.acts_on_root:
             return False
         try:
-            if restored is not None and not self.config.explicit_paths_only:
-                self.runs.set_aside_abandoned()  # a rollback: the steps of the abandoned timeline go aside
+            if not self.config.explicit_paths_only:
+                self.runs.set_aside_abandoned()  # after a rollback: the steps of the abandoned timeline go aside
             if explicit:
                 return self._check_explicit(final)
             if os.path.lexists(final) and not is_reservation(final):  # an empty directory is free to use
@@ -1031,7 +1032,8 @@ class CheckpointManager:
             self.restore_source = None
             memory = self._memory.restore(step=step, disk_root=self.root, tier=self._tier, load=lambda local: (
                 self._ckpt.load(local, state, verify=True, allow_cast=allow_cast,
-                                on_world_size_change=self.on_world_size_change)), choose=path is None)
+                                on_world_size_change=self.on_world_size_change)), choose=path is None,
+                disk_per_node=self._roots.node_local)
             if memory is not None:
                 self.restore_source = self._memory.source
                 self._runs.restored(memory[0], memory[1] if self._runs.acts_on_root else None)
@@ -1045,10 +1047,10 @@ class CheckpointManager:
                                                    on_world_size_change=self.on_world_size_change))
             if resumed is None:
                 return None
-            self.restore_source = resumed.source
+            self.restore_source = resumed.source if resumed.step is not None else None
             self._runs.restored(resumed.step, resumed.lineage)
             if self._memory is not None:
-                self._memory.restored(resumed.step)
+                self._memory.restored(-1 if resumed.step is None else resumed.step)
             return resumed.step
         done = restore_checkpoint(state, root=self.root, naming=self.naming, tier=self._tier, ctx=self._ctx, step=step,
                                   path=path, allow_cast=allow_cast, verify=self.verify_on_load,

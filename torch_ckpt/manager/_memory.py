@@ -181,7 +181,7 @@ class MemoryTier:
                 raise self.error
             waited = self.engine.wait_previous()
             lineage = self.runs.head() if self.runs.acts_on_root else None
-            if lineage is not None and self.runs.restored_step is not None and not self.explicit_paths_only:
+            if lineage is not None and not self.explicit_paths_only:
                 self.runs.set_aside_abandoned()  # a rollback: a restart that finds no memory copy must not resume them
             if self.layout.is_leader:
                 self._drop(step, inclusive=True)  # a leftover of this step, or newer steps this run did not write
@@ -283,11 +283,14 @@ class MemoryTier:
 
     # -- restore ---------------------------------------------------------------------------------
     def restore(self, *, step: int | None, disk_root: Path, tier: Any, load: Callable[[Path], None],
-                choose: bool = True) -> tuple[int, Lineage] | None:
+                choose: bool = True, disk_per_node: bool = False) -> tuple[int, Lineage] | None:
         """Collective: load the memory step :meth:`CheckpointManager.restore` should take, if any.
 
-        ``step`` None: the newest step every node holds intact in memory, when it is newer than every live
-        disk and durable step; ``step`` given: that step when only the memory tier holds it. A memory copy
+        ``step`` None: the newest step every node holds intact in memory (or gets back from a partner), when
+        it is newer than every live disk and durable step that can be assembled (a disk step counts only
+        when every node holds it intact, with ``disk_per_node`` (node-local disk roots), or the durable tier
+        holds it: a node that lost its disk copy of the newest step makes the memory step the newest
+        usable one); ``step`` given: that step when only the memory tier holds it. A memory copy
         that is missing on some node or fails verification is passed over with a warning naming the step
         and the reason. Returns ``(step, run segment of the next saves)``, or None: take the disk/durable path.
         Either way :attr:`listed` then holds every node's memory steps, ``{step: lineage}``, for the disk
@@ -296,7 +299,7 @@ class MemoryTier:
         Raises:
             StateMismatchError: the memory checkpoint does not fit the live state.
         """
-        plan = self._plan(step, disk_root, tier, choose=choose)
+        plan = self._plan(step, disk_root, tier, choose=choose, disk_per_node=disk_per_node)
         for cand, lineage, repairs in plan:
             problem = repair(self.layout, self.ctx, self.root, self.naming, cand, repairs) if repairs else None
             if problem is not None:
@@ -316,6 +319,8 @@ class MemoryTier:
                      " (its copy rebuilt from a partner's replica)" if self.layout.node in repairs else "")
             self.source = "memory-peer" if self.layout.node in repairs else "memory"
             self.restored(cand)
+            if self.peers is not None and self.layout.is_leader:
+                self.peers.committed(cand)  # node-loss-safe again: the partners may lack it (a rebuilt copy, a kill)
             return cand, lineage
         return None
 
@@ -323,34 +328,37 @@ class MemoryTier:
         """A restore (of any tier) loaded ``step``: memory steps newer than it go at the next save."""
         self.rolled_back_to = step
 
-    def _plan(self, step: int | None, disk_root: Path, tier: Any, *, choose: bool) -> list[tuple[int, Lineage, Any]]:
+    def _plan(self, step: int | None, disk_root: Path, tier: Any, *, choose: bool,
+              disk_per_node: bool) -> list[tuple[int, Lineage, Any]]:
         """Every rank: the memory candidates, newest first, each with the run segment it continues and the nodes to
         rebuild from a partner's replica, ``{node: holder}`` (rank 0 decides); sets :attr:`listed`."""
-        mine: tuple[Any, ...] = (self.layout.node, None, {}, {}, {})
+        mine: tuple[Any, ...] = (self.layout.node, None, {}, {}, {}, set())
         try:
             inv = local_inventory(self.root, self.naming, self.layout) \
                 if self.layout.is_leader and self.root.is_dir() else None
             mem = {s: m.lineage for s, (_, m) in scan_manifests(self.root, self.naming).items()} \
                 if inv is not None else {}
-            disk = {s: m.lineage for s, (_, m) in scan_manifests(disk_root, self.naming).items()} \
-                if self.runs.acts_on_root and disk_root.is_dir() else {}
+            lists_disk = self.runs.acts_on_root and disk_root.is_dir()
+            disk = {s: m.lineage for s, (_, m) in scan_manifests(disk_root, self.naming).items()} if lists_disk else {}
+            intact = set(local_inventory(disk_root, self.naming, self.layout)) if lists_disk else set()
             replicas = replica_inventory(self.root, self.naming, self.layout) \
                 if inv is not None and not self.read_only else {}  # a rebuild writes into memory_root
-            mine = (self.layout.node, inv, mem, disk, replicas)
+            mine = (self.layout.node, inv, mem, disk, replicas, intact)
         except (CheckpointError, OSError) as exc:
             log.warning("memory tier: cannot list %s (%s: %s); not restoring from memory", self.root,
                         type(exc).__name__, exc)
         gathered = self.ctx.all_gather(mine, what="memory inventory")
-        self.listed = {s: lin for _, _, mem, _, reps in gathered
+        self.listed = {s: lin for _, _, mem, _, reps, _ in gathered
                        for s, lin in [*mem.items(), *(kv for r in reps.values() for kv in r.items())]}
         if not choose:
             return []
         plan: list[tuple[int, Lineage, Any]] = []
         if self.ctx.is_coordinator:
-            plan = self._choose(step, gathered, tier)
+            plan = self._choose(step, gathered, tier, disk_per_node)
         return self.ctx.broadcast(plan, what="memory restore plan")
 
-    def _choose(self, step: int | None, gathered: list[tuple[Any, ...]], tier: Any) -> list[tuple[int, Lineage, Any]]:
+    def _choose(self, step: int | None, gathered: list[tuple[Any, ...]], tier: Any,
+                disk_per_node: bool) -> list[tuple[int, Lineage, Any]]:
         durable: dict[int, Lineage] = {}
         if tier is not None:
             try:
@@ -362,9 +370,12 @@ class MemoryTier:
         mem_lineage: dict[int, Lineage] = {}
         disk: dict[int, Lineage] = {}
         seen: list[Lineage] = list(durable.values())
-        for node, inv, mem, dsk, reps in gathered:
+        on_disk: dict[int, set[int]] = {}  # node -> its intact disk steps (from the rank acting on its root)
+        for node, inv, mem, dsk, reps, intact in gathered:
             seen += [*mem.values(), *dsk.values()]
             disk.update(dsk)
+            if intact:
+                on_disk.setdefault(node, set()).update(intact)
             mem_lineage.update(mem)  # a copy some node lists, intact or not
             for s, kind in (inv or {}).items():
                 if kind == "node" and s in mem:
@@ -376,10 +387,14 @@ class MemoryTier:
                     seen.append(lin)
         head = head_of(seen)
         persistent = [s for s, lin in [*disk.items(), *durable.items()] if head.holds(s, lin)]
+        nodes = set(range(self.layout.node_count))
+        everywhere = set.intersection(*(on_disk.get(n, set()) for n in nodes)) if disk_per_node else \
+            set().union(*on_disk.values())
+        usable = [s for s in persistent if s in durable or s in everywhere]  # a restore can assemble them
         live_mem = sorted((s for s in mem_lineage if head.holds(s, mem_lineage[s])), reverse=True)
         newest = max([*persistent, *live_mem], default=None)
         fork = new_segment(seen)
-        nodes = set(range(self.layout.node_count))
+
         def rebuilt(s: int) -> dict[int, int] | None:  # {node: holder} for the nodes lacking their copy; None: lost
             lacking = nodes - held.get(s, set())
             found = {n: h for n, h in holders.get(s, {}).items() if n in lacking}
@@ -391,7 +406,10 @@ class MemoryTier:
                 return []  # the disk/durable path serves it, or says why not
             lin = mem_lineage[step]
             return [(step, successor(lin, step, newest=step == newest and lin.run == head.run, fork=fork), repairs)]
-        floor = max(persistent, default=-1)
+        floor = max(usable, default=-1)
+        if floor < max(persistent, default=-1):
+            log.warning("memory tier: the newest disk step %d is not intact on every node (and the durable tier has "
+                        "no copy); the newest usable disk step is %s", max(persistent), floor if floor >= 0 else "none")
         plan: list[tuple[int, Lineage, Any]] = []
         for s in live_mem:
             if s <= floor:

@@ -31,13 +31,15 @@ class Resumed:
     """The outcome of :func:`restore_node_local` on this rank.
 
     Attributes:
-        step: the restored step.
-        source: "local" (its node's disk), "durable-node" (its node fetched its own files) or
-            "durable-full" (its node fetched the whole checkpoint).
+        step: the restored step; None: no step is complete in any tier although some node holds steps of
+            an unfinished timeline (another node lost its copies): the run starts from scratch in a new
+            segment, and those steps are set aside at its first save.
+        source: "local" (its node's disk), "durable-node" (its node fetched its own files),
+            "durable-full" (its node fetched the whole checkpoint) or "none" (``step`` None).
         lineage: the run segment of the next saves; None on the ranks that are not a node's leader.
     """
 
-    step: int
+    step: int | None
     source: str
     lineage: Lineage | None
 
@@ -97,7 +99,7 @@ def restore_node_local(nodes: NodeLayout, ctx: DistContext, tier: Any, root: Pat
     """:meth:`CheckpointManager.restore` for node-local roots (collective). ``load(directory)`` loads
     (and verifies) a local checkpoint; ``read_only`` never moves a superseded local copy aside;
     ``memory``: the memory tier's ``{step: lineage}``, counted for the head and the newest step.
-    Returns None when no tier holds a checkpoint.
+    Returns None when no tier holds a checkpoint (see :attr:`Resumed.step` for leftovers of one).
 
     Raises:
         CheckpointNotFoundError: ``step`` was given and no tier can provide it.
@@ -155,6 +157,12 @@ def restore_node_local(nodes: NodeLayout, ctx: DistContext, tier: Any, root: Pat
     if isinstance(plan, BaseException):
         raise plan
     if not plan:
+        head, _, newest, fork = lineage_view
+        if newest is not None:  # steps some node holds but no tier can complete: a new segment, they go aside
+            log.warning("no step is complete on every node%s (newest held: step %d); starting from scratch, and the "
+                        "incomplete steps are set aside at the first save", " or in the durable tier"
+                        if tier is not None else "", newest)
+            return Resumed(None, "none", Lineage(run=fork[0], since=fork[1]) if nodes.is_leader else None)
         log.info("no committed checkpoint on any node%s; starting from scratch",
                  f" (the durable tier {tier.url} answered: no committed step)" if tier is not None else "")
         return None

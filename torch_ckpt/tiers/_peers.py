@@ -511,12 +511,17 @@ class PeerReplicator:
             self._on_safe()
 
     def _sink(self, src: int, doc: dict[str, Any], held: list[int]) -> tuple[_Sink, list[int]]:
-        """The sink of node ``src``'s copy (its header ``doc``) taking the chunks this node's own copy of the step
-        holds from there (their descriptors are added to ``held``), and the indices of the chunks to be sent."""
+        """The sink of node ``src``'s copy (its header ``doc``) taking the chunks this node's own copy of the step,
+        or a replica of that step it already holds (a restart replicates its restored step again), holds from
+        there (their descriptors are added to ``held``), and the indices of the chunks to be sent."""
         listed = [(str(n), int(b), int(c)) for n, b, c in doc["files"]]
-        found, fds = _reusable(self.root / doc["name"], int(doc["step"]), self.layout.node, doc["chunks"],
-                               {n: b for n, b, _ in listed})
+        step, sizes = int(doc["step"]), {n: b for n, b, _ in listed}
+        found, fds = _reusable(self.root / doc["name"], step, self.layout.node, doc["chunks"], sizes)
         held += fds
+        if len(found) < len(doc["chunks"]):
+            again, fds = _reusable(replica_dir(self.root, src, doc["name"]), step, src, doc["chunks"], sizes)
+            held += fds
+            found = {**again, **found}
         local: dict[str, list[tuple[int, int, int, int]]] = {}
         for k, (fd, offset) in found.items():
             name, at, length = doc["chunks"][k][:3]
