@@ -45,7 +45,12 @@ kill every tier of every node is audited (disk roots, memory roots and ``.peers/
 ``step_*`` directory is a reservation or a committed checkpoint whose files verify, and nothing else is listed.
 Each restart's restore is read from the ranks' ``restored step S from SOURCE`` lines; the steps lost per kill
 (the newest step trained before it minus the step resumed) must be at most ``--memory-every + 1`` (the memory
-interval plus the save in flight). Every logged step is compared with a reference run: lr, epoch and batch
+interval plus the save in flight), or, after a node loss, at most what the lost node's ``health()`` said just
+before the kill (``lost_steps_if_node_lost`` plus the steps trained since its record: replication fell behind
+the cadence, counted in ``replication_lag_kills``). ``health_checked`` / ``health_exact`` count the node losses
+whose estimate was known / equal to the loss; ``health_underestimates`` lists those that lost more (must be
+empty); ``health_estimate_minus_lost`` is ``{estimate - lost: kills}`` (a round that finished between the last
+record and the kill makes the estimate larger). Every logged step is compared with a reference run: lr, epoch and batch
 exactly, the loss to float32 rounding (it is all-reduced over gloo ranks, see ``examples/demo_cluster.py``).
 Reported besides the fields above: ``node_losses``, ``resumes`` / ``resumes_after_node_loss``,
 ``resume_sources`` (per node restore: ``memory``, ``memory-peer``, ``local``, ... and ``fresh`` runs),
@@ -285,7 +290,7 @@ def _audit(root: Path) -> list[str]:
     return problems
 
 
-_RESTORED = re.compile(r"node (\d+) \(rank \d+\) restored step (\d+) from (\S+)")
+_RESTORED = re.compile(r"node (\d+) \(rank \d+\) restored step (\d+) from (memory-peer|memory|local|durable-\w+)")
 
 
 def node_chaos(args: argparse.Namespace, rng: random.Random, work: Path) -> dict:
@@ -308,7 +313,9 @@ def node_chaos(args: argparse.Namespace, rng: random.Random, work: Path) -> dict
                     "resumes_after_node_loss": 0, "resume_sources": {}, "split_resumes": 0,
                     "instants": {"during_disk_save": 0, "during_memory_save": 0, "during_replication": 0,
                                  "between_saves": 0, "no_checkpoint_yet": 0},
-                    "lost_steps_bound": bound, "lost_steps": {}, "lost_steps_node_loss": {}, "lost_over_bound": []}
+                    "lost_steps_bound": bound, "lost_steps": {}, "lost_steps_node_loss": {}, "lost_over_bound": [],
+                    "replication_lag_kills": 0, "health_checked": 0, "health_exact": 0, "health_underestimates": [],
+                    "health_estimate_minus_lost": {}}
     delays: list[float] = []
     progress, pending = 0, None  # the newest step trained; (killed trial, progress then, node lost) to resume
 
@@ -336,16 +343,26 @@ def node_chaos(args: argparse.Namespace, rng: random.Random, work: Path) -> dict
             result["resume_sources"]["fresh"] = result["resume_sources"].get("fresh", 0) + int(resumed == 0)
         nonlocal progress, pending
         if resumed is not None and pending is not None:
-            trial, at_kill, lost_node = pending
+            trial, at_kill, lost_node, estimate = pending
             lost = at_kill - resumed
             result["resumes"] += 1
             result["resumes_after_node_loss"] += int(lost_node is not None)
             for key in ("lost_steps",) + (("lost_steps_node_loss",) if lost_node is not None else ()):
                 result[key][str(lost)] = result[key].get(str(lost), 0) + 1
-            if lost > bound or lost < 0:
-                result["lost_over_bound"].append({"killed_trial": trial, "killed_after_step": at_kill,
-                                                  "node_lost": lost_node, "resumed_step": resumed,
-                                                  "sources": {k: v[1] for k, v in restored.items()}})
+            kill = {"killed_trial": trial, "killed_after_step": at_kill, "node_lost": lost_node,
+                    "resumed_step": resumed, "estimated_lost_steps": estimate,
+                    "sources": {k: v[1] for k, v in restored.items()}}
+            if estimate is not None:  # health() said, just before the kill, what losing that node costs
+                result["health_checked"] += 1
+                result["health_exact"] += int(lost == estimate)
+                gap = result["health_estimate_minus_lost"]
+                gap[str(estimate - lost)] = gap.get(str(estimate - lost), 0) + 1
+                if lost > estimate:
+                    result["health_underestimates"].append(kill)
+            if lost < 0 or (lost > bound and (estimate is None or lost > estimate)):
+                result["lost_over_bound"].append(kill)
+            elif lost > bound:  # replication fell behind the cadence: health() said so
+                result["replication_lag_kills"] += 1
             pending = None
         progress = max(got) if got else (resumed if resumed is not None else progress)
         return killed, got, len(bad)
@@ -369,7 +386,10 @@ def node_chaos(args: argparse.Namespace, rng: random.Random, work: Path) -> dict
         if not any(flags.values()):
             inst["no_checkpoint_yet" if not any(scan_committed(r) for r in disks + memories) else "between_saves"] += 1
         lost_node = rng.randrange(args.nodes) if rng.random() < 0.5 else None
-        pending = (trial, progress, lost_node if pending is None or pending[2] is None else pending[2])
+        if pending is not None and pending[2] is not None:  # the kill before never resumed: that loss stands
+            pending = (trial, progress, pending[2], None)
+        else:
+            pending = (trial, progress, lost_node, _estimate(log, lost_node, progress))
         if lost_node is not None:  # a replaced node: its disk and its RAM (with the replicas it held) are gone
             result["node_losses"] += 1
             shutil.rmtree(disks[lost_node], ignore_errors=True)
@@ -389,8 +409,23 @@ def node_chaos(args: argparse.Namespace, rng: random.Random, work: Path) -> dict
     result["ok"] = (result["partial_exposed"] == 0 and result["resumable"] == result["trials"]
                     and result["mismatched_steps"] == 0 and result["final_mismatched_steps"] == 0
                     and result["finished"] and result["run_errors"] == 0
-                    and result["split_resumes"] == 0 and not result["lost_over_bound"])
+                    and result["split_resumes"] == 0 and not result["lost_over_bound"]
+                    and not result["health_underestimates"])
     return result
+
+
+def _estimate(log: Path, node: int | None, progress: int) -> int | None:
+    """Steps a loss of ``node`` costs at ``progress`` per the node's last ``health()`` record before the kill
+    (``lost_steps_if_node_lost``, plus the steps trained after it); None: no node lost, or no record."""
+    if node is None:
+        return None
+    path = Path(f"{log}.node{node}.health")
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")] \
+        if path.exists() else []
+    if not records or records[-1]["lost_steps_if_node_lost"] is None:
+        return None
+    last = records[-1]
+    return int(last["lost_steps_if_node_lost"]) + progress - int(last["step"])
 
 
 def main(argv: list[str] | None = None) -> dict:

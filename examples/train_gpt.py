@@ -228,7 +228,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "run: a writer thread (default) or a writer process per rank")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--log-jsonl", type=Path, default=None, help="append one JSON object per optimizer step "
-                   "(rank 0 only; the loss is the mean over ranks and the batch lists every rank's windows)")
+                   "(rank 0 only; the loss is the mean over ranks and the batch lists every rank's windows); with "
+                   "--memory-root each node also appends its health() loss estimates to PATH.node<k>.health")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank (1 keeps runs "
                    "bitwise reproducible)")
     p.add_argument("--nproc", type=int, default=1, help="start N data-parallel CPU ranks (DDP over gloo) with "
@@ -356,9 +357,12 @@ def train(args: argparse.Namespace, rank: int = 0, world: int = 1) -> dict:
 
     logging_on = args.log_jsonl is not None  # the same on every rank: gathering the batch is collective
     log = None
+    health_log = None
     if logging_on and lead:
         args.log_jsonl.parent.mkdir(parents=True, exist_ok=True)
         log = open(args.log_jsonl, "a", encoding="utf-8")
+    if logging_on and args.memory_root is not None and os.environ.get("LOCAL_RANK", "0") == "0":
+        health_log = open(f"{args.log_jsonl}.node{os.environ.get('GROUP_RANK', '0')}.health", "a", encoding="utf-8")
     handles, save_steps, decisions = [], [], []
     schedule: dict = {}
     loss_value = float("nan")
@@ -424,6 +428,11 @@ def train(args: argparse.Namespace, rank: int = 0, world: int = 1) -> dict:
                             info = mgr.schedule_info()  # ckpt: this decision's inputs and interval
                             decisions.append({"step": state.step, "interval_steps": info.get("interval_steps"),
                                               "steps_since_save": info.get("steps_since_save")})
+                    if health_log is not None:  # ckpt: what a loss of this node, or of the whole job, costs now
+                        h = mgr.health()
+                        health_log.write(json.dumps({"step": state.step, **{k: h[k] for k in (
+                            "memory_safe_step", "lost_steps_if_node_lost", "lost_steps_if_job_lost")}}) + "\n")
+                        health_log.flush()
                     if args.crash_at_step is not None and state.step == args.crash_at_step:
                         os.kill(os.getpid(), signal.SIGKILL)
                     if state.step >= args.steps or state.step == args.stop_after_step:
@@ -436,8 +445,9 @@ def train(args: argparse.Namespace, rank: int = 0, world: int = 1) -> dict:
                 schedule = {**mgr.schedule_info(), "saves": len(save_steps), "decisions": decisions}
         # ckpt: leaving the with-block waited for the in-flight save
     finally:
-        if log is not None:
-            log.close()
+        for f in (log, health_log):
+            if f is not None:
+                f.close()
 
     seconds = time.perf_counter() - t0
     blocking = [b for b in map(_blocking_seconds, handles) if b is not None]

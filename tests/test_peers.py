@@ -296,6 +296,8 @@ def _lose_disk_and_memory_after_a_disk_save(rank, world, base, replicas):
             if step == 5:
                 want = {k: v.clone() for k, v in model.state_dict().items()}
             mgr.save_if_due(step, state)
+    if replicas is not None:  # node-local disks and no durable tier: step 6 goes with the node, step 5 does not
+        assert mgr.health()["lost_steps_if_node_lost"] == (1 if replicas else 6)
     torch.distributed.barrier()
     if rank == 1:
         shutil.rmtree(node / "disk")

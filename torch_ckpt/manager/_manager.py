@@ -882,9 +882,11 @@ class CheckpointManager:
             seconds since the state of the newest checkpoint of any tier (what a process restart on the
             same nodes loses now); ``memory_safe_step``: the newest memory step this node's partners hold
             (peer replication), ``lost_work_if_node_lost_s`` / ``lost_steps_if_node_lost``: seconds and
-            steps a loss of this node costs now (back to that step or the newest durable one),
+            steps a loss of this node costs now (back to that step or the newest durable one; node-local
+            roots without a durable tier: the disk steps go with the node and do not count),
             ``lost_work_if_job_lost_s`` / ``lost_steps_if_job_lost``: the same for the loss of every node
-            (back to the newest durable one); ``memory_replication``: the replication's counters
+            (back to the newest durable one; None / every step seen when nothing outlives the nodes);
+            ``memory_replication``: the replication's counters
             (docs/memory-tier.md; {} without replication).
 
         Never does network I/O: the durable side is the replicator's last known listing of the
@@ -896,7 +898,8 @@ class CheckpointManager:
         (``replication["last_error"]`` says why), and on ranks that do not replicate (every rank but
         rank 0, or but each node's lowest rank with node-local roots).
         """
-        return memory_health(self._health.health(self.schedule_info()), self._memory)
+        return memory_health(self._health.health(self.schedule_info()), self._memory,
+                             lost_with_node=self._roots.node_local and self._tier is None)
 
     def replication_stats(self) -> dict[str, Any]:
         """State of the durable replication (see :meth:`Replicator.stats`); {} without a durable tier."""

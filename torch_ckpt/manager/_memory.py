@@ -472,15 +472,17 @@ def _claim(root: Path, disk_root: Path, *, read_only: bool) -> ConfigError | Non
     return None
 
 
-def memory_health(report: dict[str, Any], memory: MemoryTier | None) -> dict[str, Any]:
-    """``report`` (:meth:`CheckpointManager.health`) with the memory tier's keys (see there)."""
+def memory_health(report: dict[str, Any], memory: MemoryTier | None, *, lost_with_node: bool = False) -> dict[str, Any]:
+    """``report`` (:meth:`CheckpointManager.health`) with the memory tier's keys (see there); ``lost_with_node``:
+    the disk root is node-local and no durable tier holds a copy, so a node loss takes its disk steps too."""
     step, age = memory.newest() if memory is not None else (None, None)
     ages = [a for a in (report.get("latest_age_s"), report.get("durable_age_s"), report.get("durable_newest_age_s"),
                         age) if a is not None]
     peers = memory.peers if memory is not None else None
     safe = peers.safe if peers is not None else None
     safe_age = memory.age_of(safe) if memory is not None and safe is not None else None
-    durable, durable_age = report.get("durable_step"), report.get("lost_work_if_failure_now_s")
+    durable, durable_age = (None, None) if lost_with_node else \
+        (report.get("durable_step"), report.get("lost_work_if_failure_now_s"))
     node = [a for a in (safe_age, durable_age) if a is not None]
     last = memory.last_step if memory is not None else None
 
