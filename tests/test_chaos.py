@@ -61,4 +61,5 @@ def test_short_chaos_run_with_node_losses_resumes_from_the_partners_memory(tmp_p
     assert result["exact_resume"] == 6 and result["mismatched_steps"] == 0 and result["final_mismatched_steps"] == 0
     assert result["resume_sources"].get("memory-peer", 0) > 0  # a lost node came back from its partner's replica
     assert result["lost_over_bound"] == [] and result["split_resumes"] == 0 and result["finished"]
+    assert result["health_checked"] > 0 and result["health_underestimates"] == []  # health() bounded each loss
     assert proc.returncode == 0
