@@ -283,9 +283,8 @@ class AccelerateCheckpointer:
         number = iteration if self._auto or self.step is None else self.step
         log.info("Saving current state to %s (save iteration %d, training step %s)", folder, iteration,
                  "unknown" if self.step is None else self.step)
-        user = bool(compat.hooks(acc, "save"))
-        models = [] if compat.is_fsdp(acc) else compat.prepared(acc, "models")
-        weights = [acc.get_state_dict(m, unwrap=False) if user else object() for m in models]  # user hooks: real ones
+        user = bool(compat.hooks(acc, "save"))  # user hooks get the real weights
+        weights = [acc.get_state_dict(m, unwrap=False) if user else object() for m in compat.hooked_models(acc)]
         hook_dir = folder.parent / _HOOK_FILES.format(folder.name, manager.checkpointer.incarnation)
         if user:
             shutil.rmtree(hook_dir, ignore_errors=True)
@@ -373,8 +372,7 @@ class AccelerateCheckpointer:
                 f"nothing. To load only the matching weights of model i: state, _ = torch_ckpt.load_full_state"
                 f"('{folder}'); model.load_state_dict(state['model'][str(i)], strict=False)")
         log.info("Loading states from %s", folder)
-        models = [] if compat.is_fsdp(acc) else compat.prepared(acc, "models")
-        state = AcceleratorTrainState(acc, skip_models=self._run_hooks("load", models, folder))
+        state = AcceleratorTrainState(acc, skip_models=self._run_hooks("load", compat.hooked_models(acc), folder))
         if compat.hooks(acc, "load") or input_dir is not None:  # newest first: the user hooks read the first one
             restored = manager.restore(state, path=candidates, allow_cast=allow_cast) if candidates else None
         else:

@@ -37,9 +37,9 @@ def hooks(acc: Any, kind: str) -> dict[int, Any]:
     return getattr(acc, f"_{kind}_model_state_pre_hook")
 
 
-def is_fsdp(acc: Any) -> bool:
-    """FSDP models are saved by Accelerate before the save hooks run, so they never reach them."""
-    return str(acc.distributed_type).endswith("FSDP")
+def hooked_models(acc: Any) -> list[Any]:
+    """The prepared models the save/load pre-hooks see: none under FSDP (Accelerate saves those before the hooks)."""
+    return [] if str(acc.distributed_type).endswith("FSDP") else prepared(acc, "models")
 
 
 def save_iteration(acc: Any) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import signal
@@ -73,9 +74,7 @@ def isolate_validation_rng(trainer: Any) -> None:
 def _isolated_run(trainer: Any, loop: Any, *args: Any, **kwargs: Any) -> Any:
     from lightning.pytorch.utilities.seed import isolate_rng
 
-    if trainer.sanity_checking:  # already isolated by Lightning
-        return type(loop).run(loop, *args, **kwargs)
-    with isolate_rng():
+    with contextlib.nullcontext() if trainer.sanity_checking else isolate_rng():  # the sanity check: by Lightning
         return type(loop).run(loop, *args, **kwargs)
 
 
