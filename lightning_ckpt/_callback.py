@@ -229,14 +229,10 @@ class MTBFCheckpoint(OnExceptionCheckpoint):
                 return
             self._last_saved_step = step
         path = None if memory else str(Path(self.dirpath) / StepNaming().name(step))
-        if not _compat.is_last_batch(trainer):
-            if path is None:
-                self._setup_io.save_to_memory(_compat.dump_checkpoint(trainer))
-            else:
-                trainer.save_checkpoint(path, weights_only=False)
-                self._track_last_save()
-            return
         checkpoint = _compat.dump_checkpoint(trainer)
+        if not _compat.is_last_batch(trainer):
+            self._write(trainer, path, checkpoint)
+            return
         if fit_loop is not None:
             checkpoint["loops"]["fit_loop"] = fit_loop
         _compat.finish_loader_states(checkpoint)
@@ -255,14 +251,15 @@ class MTBFCheckpoint(OnExceptionCheckpoint):
             rng, before = self._rng.state_dict()["rng"], rng
             self._rng.load_state_dict({"rng": before})
         checkpoint["callbacks"][self.state_key]["rng"] = rng
+        self._write(trainer, path, checkpoint)
+
+    def _write(self, trainer: Any, path: str | None, checkpoint: dict[str, Any]) -> None:
+        """Save ``checkpoint`` at ``path`` (every rank; None: into the memory tier)."""
         if path is None:
             self._setup_io.save_to_memory(checkpoint)
             return
         trainer.strategy.save_checkpoint(checkpoint, path)
         trainer.strategy.barrier("MTBFCheckpoint.save")
-        self._track_last_save()
-
-    def _track_last_save(self) -> None:
         if self._setup_io.last_handle is not None:
             self._reports.add(self._setup_io.last_handle)
 
