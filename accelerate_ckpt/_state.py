@@ -22,21 +22,11 @@ class _DataLoaders:
         self.loaders = list(loaders)
 
     def state_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for i, dl in enumerate(self.loaders):
-            epoch = compat.loader_epoch(dl)
-            out[str(i)] = {} if epoch is None else {"epoch": epoch}
-            if getattr(dl, "use_stateful_dataloader", False):
-                out[str(i)]["state"] = dl.state_dict()
-        return out
+        return {str(i): compat.loader_state(dl) for i, dl in enumerate(self.loaders)}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         for i, dl in enumerate(self.loaders):
-            entry = state[str(i)]
-            if "epoch" in entry:
-                compat.set_loader_epoch(dl, int(entry["epoch"]))
-            if "state" in entry:
-                compat.set_loader_state(dl, entry["state"])
+            compat.load_loader_state(dl, state[str(i)])
 
 
 class AcceleratorTrainState:
