@@ -1,5 +1,4 @@
-"""``attach()``: one ``Accelerator``'s ``save_state``/``load_state`` through a torch-ckpt ``CheckpointManager``; its
-settings. Registered pre-hooks still run in order; what they do not ``pop()`` goes into one manager checkpoint."""
+"""``attach()``: one ``Accelerator``'s ``save_state``/``load_state`` through a torch-ckpt ``CheckpointManager``."""
 
 from __future__ import annotations
 
@@ -58,14 +57,11 @@ class CkptSettings:
 
 
 def load_settings(config: str | os.PathLike | None = None, **overrides: Any) -> CkptSettings:
-    """Merge, later winning: the core's defaults (``keep_last`` unset or null follows
-    ``ProjectConfiguration.total_limit``), the YAML file (named by ``ACCELERATE_CKPT_CONFIG`` if set, else
-    ``config``), ``overrides`` (given in code): an operator changes any setting the script does not pass.
+    """Merge, later winning: the core's defaults, the YAML file (``ACCELERATE_CKPT_CONFIG`` if set, else ``config``),
+    ``overrides`` (given in code).
 
     Raises:
-        ConfigError: an unreadable file, an unknown key (with the closest valid one), a key the adapter sets
-            (``naming``, ``read_only``), or an invalid value; the message starts with the file (or ``attach()``)
-            and names the key.
+        ConfigError: an unreadable file, an unknown or adapter-set key, or an invalid value (naming file and key).
     """
     path = os.environ.get(ENV_VAR) or config
     file_values = CheckpointConfig.read_yaml(path) if path else {}
@@ -90,8 +86,8 @@ PRESENCE_WAIT_S = 15.0  # how long a save waits for every process's presence fil
 
 
 def missing_processes(root: Path, key: str, rank: int, peers: range, timeout_s: float = PRESENCE_WAIT_S) -> list[int]:
-    """Mark ``rank`` present at save ``key`` in ``root``; the ``peers`` (this node's ranks: the same disk even for a
-    node-local root) whose marks did not appear within ``timeout_s``. Each rank removes its own mark at ``close``."""
+    """Mark ``rank`` present at save ``key`` in ``root``; the ``peers`` (this node's ranks) whose marks did not appear
+    within ``timeout_s``."""
     marks = root / _PRESENT.format(key)
     marks.mkdir(parents=True, exist_ok=True)
     (marks / str(rank)).touch()
@@ -128,12 +124,8 @@ def attach(accelerator: Any, config: str | os.PathLike | None = None, *, save_po
 
 
 class AccelerateCheckpointer:
-    """Asynchronous, atomic, sharded ``save_state``/``load_state`` for one ``Accelerator`` (training thread only).
-
-    The ``Accelerator`` holds this checkpointer (its ``save_state``, ``load_state`` and ``end_training`` are this
-    object's methods), which holds it only weakly: an attached ``Accelerator`` is freed like a plain one, and so is
-    its manager, which then finishes its in-flight save (``docs/accelerate.md``, "Lifecycle"). Pickling the
-    ``Accelerator`` pickles the settings and step with it; the copy opens its own manager at first use.
+    """Asynchronous, atomic, sharded ``save_state``/``load_state`` for one ``Accelerator`` (training thread only),
+    which holds this checkpointer; it holds the ``Accelerator`` only weakly (``docs/accelerate.md``, "Lifecycle").
 
     Attributes:
         accelerator: the ``Accelerator`` (a ``ConfigError`` once it was freed).
@@ -203,8 +195,7 @@ class AccelerateCheckpointer:
         return acc
 
     def end_training(self) -> None:
-        """Replacement of ``Accelerator.end_training``: commit the save in flight and close (Accelerate's own
-        destroys the process groups the save needs), then run Accelerate's own even when the save failed.
+        """Replacement of ``Accelerator.end_training``: commit the save in flight and close, then run Accelerate's.
 
         Raises:
             CheckpointError: the in-flight (or an earlier) background save failed.
@@ -259,14 +250,11 @@ class AccelerateCheckpointer:
 
     def save_state(self, output_dir: str | os.PathLike | None = None, safe_serialization: bool = True, *,
                    step: int | None = None, **save_model_func_kwargs: Any) -> Path:
-        """Replacement of ``Accelerator.save_state``: returns the folder once the state is staged (it appears,
-        complete, at the commit): ``checkpoint_<save iteration>`` with automatic naming, else ``output_dir``
-        (replaced atomically when saved again). ``step`` sets :attr:`step`; the other arguments are ignored.
+        """Replacement of ``Accelerator.save_state``: returns the folder (``checkpoint_<save iteration>`` with automatic
+        naming, else ``output_dir``) once the state is staged. ``step`` sets :attr:`step`; other arguments are ignored.
 
         Raises:
-            ConfigError: not every process calls it (e.g. under ``if accelerator.is_main_process:``: the others'
-                presence files on this node do not appear within ``PRESENCE_WAIT_S``); the folder is not a torch-ckpt
-                one.
+            ConfigError: not every process calls it (within ``PRESENCE_WAIT_S``); the folder is not a torch-ckpt one.
             CheckpointError: an earlier background save failed (raised once).
         """
         self._check_open()
@@ -295,9 +283,8 @@ class AccelerateCheckpointer:
         number = iteration if self._auto or self.step is None else self.step
         log.info("Saving current state to %s (save iteration %d, training step %s)", folder, iteration,
                  "unknown" if self.step is None else self.step)
-        user = bool(compat.hooks(acc, "save"))
-        models = [] if compat.is_fsdp(acc) else compat.prepared(acc, "models")
-        weights = [acc.get_state_dict(m, unwrap=False) if user else object() for m in models]  # user hooks: real ones
+        user = bool(compat.hooks(acc, "save"))  # user hooks get the real weights
+        weights = [acc.get_state_dict(m, unwrap=False) if user else object() for m in compat.hooked_models(acc)]
         hook_dir = folder.parent / _HOOK_FILES.format(folder.name, manager.checkpointer.incarnation)
         if user:
             shutil.rmtree(hook_dir, ignore_errors=True)
@@ -315,8 +302,8 @@ class AccelerateCheckpointer:
         return folder
 
     def latest_checkpoint(self) -> Path | None:
-        """The newest committed automatic checkpoint folder on local disk, or this node's ``memory_root`` folder
-        when a memory save is newer (resume either with ``load_state()`` without a folder), or None (collective)."""
+        """The newest committed automatic checkpoint folder on local disk (or this node's ``memory_root`` one when
+        newer), or None (collective)."""
         if self._closed or not self._auto:
             return None
         found = self._open().checkpoints()
@@ -346,8 +333,7 @@ class AccelerateCheckpointer:
     def load_state(self, input_dir: str | os.PathLike | None = None, load_kwargs: dict | None = None, *,
                    allow_unsafe_accelerate_folder: bool = False, allow_cast: bool = False,
                    **load_model_func_kwargs: Any) -> None:
-        """Replacement of ``Accelerator.load_state``: restores everything in place, exactly, or nothing. Loading an
-        older checkpoint rolls back: newer ones are moved aside at the next save.
+        """Replacement of ``Accelerator.load_state``: restores everything in place, exactly, or nothing.
 
         Args:
             input_dir: the folder; None: the newest intact automatic checkpoint in either tier (damaged: skipped).
@@ -386,8 +372,7 @@ class AccelerateCheckpointer:
                 f"nothing. To load only the matching weights of model i: state, _ = torch_ckpt.load_full_state"
                 f"('{folder}'); model.load_state_dict(state['model'][str(i)], strict=False)")
         log.info("Loading states from %s", folder)
-        models = [] if compat.is_fsdp(acc) else compat.prepared(acc, "models")
-        state = AcceleratorTrainState(acc, skip_models=self._run_hooks("load", models, folder))
+        state = AcceleratorTrainState(acc, skip_models=self._run_hooks("load", compat.hooked_models(acc), folder))
         if compat.hooks(acc, "load") or input_dir is not None:  # newest first: the user hooks read the first one
             restored = manager.restore(state, path=candidates, allow_cast=allow_cast) if candidates else None
         else:
@@ -398,14 +383,12 @@ class AccelerateCheckpointer:
         self.step = state.training_step
 
     def should_save(self, step: int) -> bool:
-        """Record that training step ``step`` finished (every process, each step); True when the save policy (the
-        main process decides) says to save now. Else, with a memory tier (``memory_root``), take a memory save here
-        when the memory cadence says so (as a ``save_state()`` of the next save iteration, into ``memory_root``).
+        """Record that training step ``step`` finished (every process, each step); True when the save policy says to
+        save now. Else take a memory save here when the memory cadence (``memory_root``) says so.
 
         Raises:
-            ConfigError: no save policy nor ``memory_root``, or no checkpoint root yet (no automatic naming, nothing
-                saved or loaded); a memory save with ``save_state``/``load_state`` pre-hooks registered (their
-                files cannot go into a memory checkpoint).
+            ConfigError: no save policy nor ``memory_root``, no checkpoint root yet, or a memory save with
+                ``save_state``/``load_state`` pre-hooks registered.
         """
         self._check_open()
         if self.manager is None and not self._auto:
@@ -420,8 +403,7 @@ class AccelerateCheckpointer:
         return tier == "disk"
 
     def _save_memory(self) -> None:
-        """A memory-tier save numbered like the next automatic checkpoint: it takes that save iteration (the
-        next ``save_state()`` is ``checkpoint_<N+1>``), so the newest of both tiers has the highest number."""
+        """A memory-tier save taking the next save iteration, so the newest of both tiers has the highest number."""
         acc = self.accelerator
         if hooks := [kind for kind in ("save", "load") if compat.hooks(acc, kind)]:
             raise ConfigError(f"memory_root: the registered {hooks[0]}_state pre-hooks write or read their own files, "
@@ -433,8 +415,7 @@ class AccelerateCheckpointer:
         compat.set_save_iteration(acc, iteration + 1)
 
     def save_if_due(self, step: int) -> SaveHandle | None:
-        """``accelerator.save_state()`` when :meth:`should_save` says so; returns its handle, that of the memory save
-        ``should_save`` took, or None."""
+        """``accelerator.save_state()`` when :meth:`should_save` says so; its (or the memory save's) handle, or None."""
         before = self.last_handle
         if self.should_save(step):
             self.accelerator.save_state()
@@ -466,7 +447,7 @@ class AccelerateCheckpointer:
 
     def close(self) -> None:
         """Wait for the last save, give the ``Accelerator`` its own methods back, close the manager (idempotent);
-        raises the ``CheckpointError`` of a failed background save once."""
+        raises a failed background save's ``CheckpointError`` once."""
         if self._closed:
             return
         self._closed = True

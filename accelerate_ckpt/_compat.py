@@ -37,9 +37,9 @@ def hooks(acc: Any, kind: str) -> dict[int, Any]:
     return getattr(acc, f"_{kind}_model_state_pre_hook")
 
 
-def is_fsdp(acc: Any) -> bool:
-    """FSDP models are saved by Accelerate before the save hooks run, so they never reach them."""
-    return str(acc.distributed_type).endswith("FSDP")
+def hooked_models(acc: Any) -> list[Any]:
+    """The prepared models the save/load pre-hooks see: none under FSDP (Accelerate saves those before the hooks)."""
+    return [] if str(acc.distributed_type).endswith("FSDP") else prepared(acc, "models")
 
 
 def save_iteration(acc: Any) -> int:
@@ -57,21 +57,24 @@ def plain_load_state(acc: Any, folder: str, load_kwargs: Any, kwargs: dict) -> N
     type(acc).load_state(acc, folder, **extra, **kwargs)
 
 
-def loader_epoch(loader: Any) -> int | None:
-    """``DataLoaderShard.iteration``/``DataLoaderDispatcher.iteration``: the epoch counter."""
-    value = getattr(loader, "iteration", None)
-    return value if isinstance(value, int) else None
+def loader_state(loader: Any) -> dict[str, Any]:
+    """A prepared loader's epoch (``DataLoaderShard``/``DataLoaderDispatcher.iteration``) and, for a stateful one,
+    its ``state_dict()``."""
+    epoch = getattr(loader, "iteration", None)
+    out: dict[str, Any] = {"epoch": epoch} if isinstance(epoch, int) else {}
+    if getattr(loader, "use_stateful_dataloader", False):
+        out["state"] = loader.state_dict()
+    return out
 
 
-def set_loader_epoch(loader: Any, epoch: int) -> None:
-    if callable(getattr(loader, "set_epoch", None)):
-        loader.set_epoch(epoch)  # public; also sets a seedable sampler's epoch
-    else:
-        loader.iteration = epoch  # the epoch counter above
-
-
-def set_loader_state(loader: Any, state: Any) -> None:
-    """Load a stateful loader's position; ``dl_state_dict``: what ``state_dict()`` returns until the next batch."""
-    loader.load_state_dict(state)
-    if hasattr(loader, "dl_state_dict"):
-        loader.dl_state_dict = state
+def load_loader_state(loader: Any, entry: dict[str, Any]) -> None:
+    """Put back what :func:`loader_state` took (``dl_state_dict``: what ``state_dict()`` returns until the next
+    batch)."""
+    if "epoch" in entry and callable(getattr(loader, "set_epoch", None)):
+        loader.set_epoch(int(entry["epoch"]))  # public; also sets a seedable sampler's epoch
+    elif "epoch" in entry:
+        loader.iteration = int(entry["epoch"])
+    if "state" in entry:
+        loader.load_state_dict(entry["state"])
+        if hasattr(loader, "dl_state_dict"):
+            loader.dl_state_dict = entry["state"]

@@ -1,5 +1,4 @@
-"""``AcceleratorTrainState``: everything ``Accelerator.save_state`` covers, as one torch-ckpt state (keys in
-``docs/accelerate.md``, "What a checkpoint holds")."""
+"""``AcceleratorTrainState``: everything ``Accelerator.save_state`` covers, as one torch-ckpt state."""
 
 from __future__ import annotations
 
@@ -23,26 +22,15 @@ class _DataLoaders:
         self.loaders = list(loaders)
 
     def state_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for i, dl in enumerate(self.loaders):
-            epoch = compat.loader_epoch(dl)
-            out[str(i)] = {} if epoch is None else {"epoch": epoch}
-            if getattr(dl, "use_stateful_dataloader", False):
-                out[str(i)]["state"] = dl.state_dict()
-        return out
+        return {str(i): compat.loader_state(dl) for i, dl in enumerate(self.loaders)}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         for i, dl in enumerate(self.loaders):
-            entry = state[str(i)]
-            if "epoch" in entry:
-                compat.set_loader_epoch(dl, int(entry["epoch"]))
-            if "state" in entry:
-                compat.set_loader_state(dl, entry["state"])
+            compat.load_loader_state(dl, state[str(i)])
 
 
 class AcceleratorTrainState:
-    """The complete state of an ``Accelerator`` run (a DCP ``Stateful`` with torch-ckpt's load protocol); the
-    registered custom objects' states are encoded by :class:`torch_ckpt.TypedValues` (no pickling).
+    """The complete state of an ``Accelerator`` run (keys in ``docs/accelerate.md``, "What a checkpoint holds").
 
     Args:
         accelerator: the ``Accelerator`` whose prepared objects are saved or loaded.
@@ -110,15 +98,8 @@ class AcceleratorTrainState:
         return self._route("load_target", key, shape, dtype)
 
     def check_load(self, state: Mapping[str, Any], *, allow_cast: bool = False) -> list[str]:
-        """Check everything :meth:`load_state_dict` will load (tensors may be meta tensors); change nothing.
-
-        Returns:
-            The optimizer-state keys that will be cast (only with ``allow_cast``).
-
-        Raises:
-            StateMismatchError: other optimizers, registered objects, dataloaders, parameter groups
-                or dtypes than the checkpoint's.
-        """
+        """Check everything :meth:`load_state_dict` will load (tensors may be meta tensors); change nothing; return
+        the optimizer-state keys that will be cast. StateMismatchError: other objects, groups or dtypes than saved."""
         for key, what, live in (("optimizers_plain", "optimizers outside the models' DCP state, this run has",
                                  self._plain),
                                 ("custom", "objects registered with register_for_checkpointing, this run registered",
@@ -134,12 +115,7 @@ class AcceleratorTrainState:
         return casts
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Load in place, all or nothing (loaded components are put back on a failure); set
-        ``accelerator.step`` and the save iteration.
-
-        Raises:
-            StateMismatchError: see :meth:`check_load`.
-        """
+        """Load in place, all or nothing; set ``accelerator.step`` and the save iteration (raises as check_load)."""
         self.check_load(state, allow_cast=self._allow_cast)  # cheap; load_into checked with meta tensors
         undo: list = []
         try:

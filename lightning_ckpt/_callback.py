@@ -89,7 +89,6 @@ class MTBFCheckpoint(OnExceptionCheckpoint):
         prog_bar: bool = True,
     ) -> None:
         super().__init__(dirpath=str(dirpath), filename="mtbf")
-        # the core's one typed configuration validates these (same names as CheckpointManager's)
         config = CheckpointConfig(
             mtbf_seconds=mtbf_seconds, save_every_n_steps=save_every_n_steps, save_every_seconds=save_every_seconds,
             initial_cost_seconds=initial_cost_seconds, formula=formula, min_interval_steps=min_interval_steps,
@@ -130,9 +129,8 @@ class MTBFCheckpoint(OnExceptionCheckpoint):
     @property
     @override
     def ckpt_path(self) -> str | None:  # type: ignore[override]
-        """The newest committed checkpoint (``ckpt_path="last"``; failing verification, the next older), or None.
-        This node's newest memory step when it is newer than every disk step: its resume then restores the newest
-        step of every tier as the core chooses it (a memory copy missing on a node or damaged falls back)."""
+        """The newest committed checkpoint (``ckpt_path="last"``; this node's newest memory step if newer than every
+        disk step), or None."""
         disk = _committed_steps(Path(self.dirpath))
         memory = _committed_steps(Path(root).expanduser()) if (root := self._memory["memory_root"]) else {}
         newest = [memory[max(memory)]] if memory and max(memory) > max(disk, default=-1) else []
@@ -149,13 +147,11 @@ class MTBFCheckpoint(OnExceptionCheckpoint):
         self._io = io
         if stage != "fit":
             return
-        # hyper-parameters go into every checkpoint: refuse what cannot be stored now, not at the first save
+        # refuse hyper-parameters that cannot be stored now, not at the first save
         encode_values({"hyper_parameters": dict(pl_module.hparams), "datamodule_hyper_parameters": dict(
             trainer.datamodule.hparams) if trainer.datamodule is not None else {}}, io.unsafe_values)
         _compat.isolate_validation_rng(trainer)
         before = signal.getsignal(signal.SIGTERM) if threading.current_thread() is threading.main_thread() else None
-        # collective: the manager owns the root (temporaries, retention, superseding after a rollback), the
-        # save decision and its agreement, SIGTERM and health
         self._manager = io.manager(self.dirpath, keep_last=self.keep_last, save_policy=self._policy,
                                    preemption_signals=("SIGTERM",) if self.save_on_sigterm else (), **self._memory)
         self._handlers = (before, signal.getsignal(signal.SIGTERM)) if before is not None else None
@@ -168,8 +164,7 @@ class MTBFCheckpoint(OnExceptionCheckpoint):
 
     @override
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-        """Replace Lightning's SIGTERM handler (it stops mid-accumulation) by the manager's (agreed at the next step
-        boundary); handlers installed before ``fit`` still run."""
+        """Replace Lightning's SIGTERM handler by the manager's; handlers installed before ``fit`` still run."""
         if not self.save_on_sigterm or self._handlers is None or not _compat.set_original_sigterm_handler(
                 trainer, self._handlers[0]):
             return
@@ -227,23 +222,17 @@ class MTBFCheckpoint(OnExceptionCheckpoint):
 
     def _save(self, trainer: Any, step: int, *, stopping: bool = False, fit_loop: dict[str, Any] | None = None,
               memory: bool = False) -> None:
-        """Save ``step`` (``memory``: into the memory tier). At an epoch end the state is taken now (loaders marked
-        finished: a resume starts the next epoch) and written with the RNG of the next epoch's first batch (there,
-        or at once when training stops). ``fit_loop`` replaces ``loops.fit_loop`` (taken at the epoch's last batch
-        end, for ``on_train_end``)."""
+        """Save ``step`` (``memory``: into the memory tier); at an epoch end taken now (loaders finished) and written
+        with the next epoch's first RNG (:meth:`_flush_deferred`). ``fit_loop`` replaces ``loops.fit_loop``."""
         if not memory:
             if step == self._last_saved_step:
                 return
             self._last_saved_step = step
         path = None if memory else str(Path(self.dirpath) / StepNaming().name(step))
-        if not _compat.is_last_batch(trainer):
-            if path is None:
-                self._setup_io.save_to_memory(_compat.dump_checkpoint(trainer))
-            else:
-                trainer.save_checkpoint(path, weights_only=False)
-                self._track_last_save()
-            return
         checkpoint = _compat.dump_checkpoint(trainer)
+        if not _compat.is_last_batch(trainer):
+            self._write(trainer, path, checkpoint)
+            return
         if fit_loop is not None:
             checkpoint["loops"]["fit_loop"] = fit_loop
         _compat.finish_loader_states(checkpoint)
@@ -252,8 +241,7 @@ class MTBFCheckpoint(OnExceptionCheckpoint):
             self._flush_deferred(trainer, stopping=True)
 
     def _flush_deferred(self, trainer: Any, *, stopping: bool = False) -> None:
-        """Write the checkpoint deferred by :meth:`_save` with this moment's RNG; when training stops first, with the
-        RNG after what the next epoch's start draws (the live RNG is put back)."""
+        """Write the checkpoint deferred by :meth:`_save` with this RNG (stopping: the next epoch's start's)."""
         if self._deferred is None:
             return
         (path, checkpoint), self._deferred = self._deferred, None
@@ -263,14 +251,15 @@ class MTBFCheckpoint(OnExceptionCheckpoint):
             rng, before = self._rng.state_dict()["rng"], rng
             self._rng.load_state_dict({"rng": before})
         checkpoint["callbacks"][self.state_key]["rng"] = rng
+        self._write(trainer, path, checkpoint)
+
+    def _write(self, trainer: Any, path: str | None, checkpoint: dict[str, Any]) -> None:
+        """Save ``checkpoint`` at ``path`` (every rank; None: into the memory tier)."""
         if path is None:
             self._setup_io.save_to_memory(checkpoint)
             return
         trainer.strategy.save_checkpoint(checkpoint, path)
         trainer.strategy.barrier("MTBFCheckpoint.save")
-        self._track_last_save()
-
-    def _track_last_save(self) -> None:
         if self._setup_io.last_handle is not None:
             self._reports.add(self._setup_io.last_handle)
 
@@ -298,12 +287,8 @@ class MTBFCheckpoint(OnExceptionCheckpoint):
 
     @override
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
-        """Save the final step unless already saved, wait for it, log its statistics.
-
-        A stop at an epoch end decided after its last batch (``EarlyStopping``, a callback, the module) saves the
-        state of now with the fit loop's state taken at that last batch end (Lightning has counted the epoch
-        completed, and a resume from that count would skip the loaders' states). A stop inside an epoch
-        (``should_stop``, ``max_time``) is not saved: Lightning counts that epoch as completed."""
+        """Save the final step unless already saved (a stop inside an epoch is not: Lightning counts that epoch as
+        completed), wait for it, log its statistics."""
         self._flush_deferred(trainer, stopping=True)
         step = trainer.global_step
         loop, self._epoch_end_loop = self._epoch_end_loop, None
@@ -327,7 +312,7 @@ class MTBFCheckpoint(OnExceptionCheckpoint):
 
     @override
     def teardown(self, trainer: Any, *_: Any, **__: Any) -> None:
-        """Nothing to remove (unlike ``OnExceptionCheckpoint``); the plugin's teardown waits."""
+        """Nothing to remove (unlike ``OnExceptionCheckpoint``)."""
 
     @override
     def state_dict(self) -> dict[str, Any]:

@@ -83,12 +83,9 @@ class _LightningState:
 class AsyncDCPCheckpointIO(CheckpointIO):
     """Asynchronous, atomic DCP checkpoints for Lightning: ``Trainer(plugins=[AsyncDCPCheckpointIO()])``.
 
-    Checkpoints are directories at the paths Lightning asks for (fsspec URLs: committed locally, then uploaded);
-    plain ``.ckpt`` files still load. Values are stored with their exact types without pickling where a typed
-    encoding exists (``unsafe_values`` governs the rest); loading unpickles only with ``weights_only=False``.
-    Multi-process strategies need it attached (:class:`~lightning_ckpt.MTBFCheckpoint` or :meth:`attach`);
-    alone it does not restore the RNG (see ``docs/lightning.md``). Constructing one installs its wrappers of
-    Lightning's loader, links, ``Trainer.save_checkpoint`` and ``LightningCLI`` (once per process).
+    Checkpoints are directories at the paths Lightning asks for; plain ``.ckpt`` files still load. Multi-process
+    strategies need it attached (:class:`~lightning_ckpt.MTBFCheckpoint` or :meth:`attach`). Constructing one
+    installs its wrappers of Lightning (once per process). See ``docs/lightning.md``.
 
     Args:
         async_save: Persist in a background thread (default) or inside ``save_checkpoint``.
@@ -130,7 +127,6 @@ class AsyncDCPCheckpointIO(CheckpointIO):
                 not isinstance(wait_outside_fit, bool):
             raise ConfigError(f"unsafe_values must be 'pickle' or 'error' and allow_cast/wait_outside_fit booleans, "
                               f"got {unsafe_values!r}, {allow_cast!r}, {wait_outside_fit!r}")
-        # the core's one typed configuration validates the manager's settings (same names and defaults)
         self._config = CheckpointConfig(async_save=async_save, persist=persist, overlap_staging=overlap_staging,
                                         writer_niceness=writer_niceness, staging_budget_bytes=staging_budget_bytes,
                                         thread_count=thread_count, timeout_seconds=timeout_seconds,
@@ -204,8 +200,10 @@ class AsyncDCPCheckpointIO(CheckpointIO):
         if is_sharded:
             strategy.lightning_module_state_dict = partial(_sharded_module_state, strategy)
             strategy.optimizer_state = partial(_sharded_optimizer_state, strategy)
-        for logger in trainer.loggers:
-            _defer_after_save(self, logger)
+        for logger in trainer.loggers:  # notified once the save is committed
+            if not getattr(logger.after_save_checkpoint, _MARK, False):
+                logger.after_save_checkpoint = partial(_after_save_checkpoint, self, logger.after_save_checkpoint)
+                setattr(logger.after_save_checkpoint, _MARK, True)
         setattr(strategy, _MARK, self)
 
     def start_fit(self) -> None:
@@ -217,8 +215,7 @@ class AsyncDCPCheckpointIO(CheckpointIO):
         self._param_ptrs = lambda: {_ptr(p) for p in module.parameters()}
 
     def manager(self, directory: str | os.PathLike | None = None, **kwargs: Any) -> CheckpointManager:
-        """The core manager, created on first use (collectively once attached) with root ``directory`` and
-        ``kwargs`` (:class:`~torch_ckpt.CheckpointConfig` fields).
+        """The core manager, created on first use with root ``directory`` and ``kwargs`` (config fields).
 
         Raises:
             ConfigError: no manager yet and no ``directory``.
@@ -232,9 +229,7 @@ class AsyncDCPCheckpointIO(CheckpointIO):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
-        """Stage ``checkpoint`` and return; it is committed at ``path`` (a directory) in the background. An fsspec
-        URL is committed locally, then uploaded once the commit is observed (next save, ``wait()``, ``teardown``)
-        with ``storage_options`` (a dict).
+        """Stage ``checkpoint`` and return; it is committed at ``path`` (a directory; a URL: then uploaded).
 
         Raises:
             TypeError: ``storage_options`` for a local path (as Lightning's ``TorchCheckpointIO``).
@@ -280,8 +275,7 @@ class AsyncDCPCheckpointIO(CheckpointIO):
                                self._param_ptrs() if self._param_ptrs is not None else None)
 
     def save_to_memory(self, checkpoint: dict[str, Any]) -> None:
-        """Stage ``checkpoint`` as its ``global_step`` into the manager's memory tier and return (every rank;
-        :class:`~lightning_ckpt.MTBFCheckpoint` calls it at its memory cadence).
+        """Stage ``checkpoint`` as its ``global_step`` into the manager's memory tier and return (every rank).
 
         Raises:
             ConfigError: no manager with a ``memory_root``, or a value needs pickling (``unsafe_values``).
@@ -308,17 +302,12 @@ class AsyncDCPCheckpointIO(CheckpointIO):
 
         self._after.add(0, f"link {link} -> {target}", relink)
 
-    def call_when_committed(self, call: Any) -> None:
-        """Run ``call`` (a logger notification) on this thread once the in-flight save is committed."""
-        self._after.add(2, "notify loggers", call)
-
     def poll(self) -> None:
         """Carry out deferred links, removals and logger calls if the in-flight save has committed."""
         self._after.poll()
 
     def wait_for_path(self, path: Any) -> None:
-        """Block until the in-flight save is committed if it writes ``path`` (``Tuner.lr_find`` restores the
-        checkpoint it has just saved; the save reserves its name at once)."""
+        """Block until the in-flight save is committed if it writes ``path`` (``Tuner.lr_find`` reloads at once)."""
         text = os.fspath(path)
         if (self.saving or self._after.pending) and self._saving_path == (text if is_url(text) else
                                                                          os.path.abspath(text)):
@@ -339,8 +328,7 @@ class AsyncDCPCheckpointIO(CheckpointIO):
 
     @override
     def remove_checkpoint(self, path: Any) -> None:
-        """Delete the checkpoint at ``path`` (directory, file or link; at a URL: manifest first) once the in-flight
-        save is committed."""
+        """Delete the checkpoint, file or link at ``path`` once the in-flight save is committed."""
         text = os.fspath(path)
         if rank_and_world()[0] != 0:
             return
@@ -362,11 +350,8 @@ class AsyncDCPCheckpointIO(CheckpointIO):
     @override
     def load_checkpoint(self, path: Any, map_location: Any | None = None, weights_only: bool | None = None, *,
                         live: dict[str, Any] | None = None, strict: bool = True) -> dict[str, Any]:
-        """The checkpoint dict Lightning expects, from a torch-ckpt directory or URL or a plain ``.ckpt`` file.
-
-        ``ckpt_path="last"`` of :class:`~lightning_ckpt.MTBFCheckpoint` falls back past a checkpoint failing
-        verification (warning); an explicit path raises. Attached, a directory is first checked against ``live``
-        (``{"state_dict": <the live model's state>}``; keys when ``strict``).
+        """The checkpoint dict Lightning expects, from a torch-ckpt directory or URL or a plain ``.ckpt`` file;
+        attached, first checked against ``live`` (``{"state_dict": ...}``; keys when ``strict``).
 
         Raises:
             CheckpointNotFoundError: ``path`` is a directory but not a committed checkpoint.
@@ -403,8 +388,7 @@ class AsyncDCPCheckpointIO(CheckpointIO):
 
     @override
     def teardown(self) -> None:
-        """Wait for the in-flight save, release the manager; raise a background error once (logged while another
-        exception propagates)."""
+        """Wait for the in-flight save, release the manager; raise a background error (logged if one propagates)."""
         propagating = sys.exc_info()[1]  # Lightning tears down inside `except` when training failed
         self._collective = self._in_fit = False  # until attached again: later rank-0-only calls must not block
         self._after_fit, manager = True, self._manager
@@ -424,8 +408,7 @@ class AsyncDCPCheckpointIO(CheckpointIO):
 
 @atexit.register
 def _finish_at_exit() -> None:
-    """Carry out a plugin's deferred actions at exit without ``teardown`` (``ddp_spawn`` worker) once its in-flight
-    save is committed: :mod:`torch_ckpt._lifecycle` waited for it first, within the plugin's ``timeout_seconds``."""
+    """Carry out deferred actions at exit without ``teardown`` (``ddp_spawn`` worker) once the save committed."""
     for io in list(_LIVE):
         if io._manager is None or not io._after.pending:
             continue
@@ -536,11 +519,5 @@ def _load_checkpoint(io: Any, trainer: Any, original_load: Any, is_sharded: bool
     return checkpoint
 
 
-def _defer_after_save(io: Any, logger: Any) -> None:
-    if not getattr(logger.after_save_checkpoint, _MARK, False):
-        logger.after_save_checkpoint = partial(_after_save_checkpoint, io, logger.after_save_checkpoint)
-        setattr(logger.after_save_checkpoint, _MARK, True)
-
-
 def _after_save_checkpoint(io: Any, original: Any, checkpoint_callback: Any) -> None:
-    io.call_when_committed(partial(original, checkpoint_callback))
+    io._after.add(2, "notify loggers", partial(original, checkpoint_callback))

@@ -1,8 +1,8 @@
-"""Every use of a Lightning (or torchdata) private attribute or loop internal, in one place; checked against
-``lightning`` 2.6.6 and ``torchdata`` 0.11 (``pyproject.toml`` pins the ranges)."""
+"""Every Lightning (or torchdata) private attribute or loop internal; checked on lightning 2.6.6, torchdata 0.11."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import signal
@@ -74,9 +74,7 @@ def isolate_validation_rng(trainer: Any) -> None:
 def _isolated_run(trainer: Any, loop: Any, *args: Any, **kwargs: Any) -> Any:
     from lightning.pytorch.utilities.seed import isolate_rng
 
-    if trainer.sanity_checking:  # already isolated by Lightning
-        return type(loop).run(loop, *args, **kwargs)
-    with isolate_rng():
+    with contextlib.nullcontext() if trainer.sanity_checking else isolate_rng():  # the sanity check: by Lightning
         return type(loop).run(loop, *args, **kwargs)
 
 
@@ -86,9 +84,9 @@ def dump_checkpoint(trainer: Any) -> dict[str, Any]:
 
 
 def finish_loader_states(checkpoint: dict[str, Any]) -> None:
-    """Mark the train loaders' states (``loops.fit_loop.state_dict.combined_loader``) of a checkpoint taken at an
-    epoch's last batch as finished iterators: torchdata's ``StatefulDataLoader`` still says "not finished" there,
-    and a resume ran an empty epoch. ``_iterator_finished`` set, the next epoch starts fresh (sampler ``yielded`` 0)."""
+    """Mark the train loaders' states of a checkpoint taken at an epoch's last batch finished (``_iterator_finished``,
+    sampler ``yielded`` 0): torchdata's ``StatefulDataLoader`` says "not finished" there, and a resume ran an empty
+    epoch."""
 
     def finish(node: Any) -> None:
         if isinstance(node, dict) and "_iterator_finished" in node:
@@ -123,17 +121,10 @@ def _wrap(owner: Any, name: str, make: Callable[[Any], Any], *, static: bool = F
 
 
 def install_hooks() -> None:
-    """Wrap Lightning once per process (idempotent); every other checkpoint IO keeps Lightning's behaviour.
-
-    * ``ModelCheckpoint._link_checkpoint``: ``save_last="link"`` links wait for the commit of what they name.
-    * ``cloud_io._load`` (bound as ``saving.pl_load``, ``torch_io.pl_load``): a directory or URL holding
-      ``manifest.json`` is read by ``load_checkpoint_dir``; another directory's ``IsADirectoryError`` says what to do.
-    * ``_CheckpointConnector._parse_ckpt_path``: a fresh ``fit`` whose ``OnExceptionCheckpoint`` callbacks are all
-      ours, with no checkpoint, loads nothing without Lightning's "last" warnings.
-    * ``Trainer.save_checkpoint`` with our IO outside a running ``fit`` returns committed (``wait_outside_fit``).
-    * ``LightningCLI._parse_ckpt_path``: ``--ckpt_path DIR`` takes the directory's hyper-parameters (Lightning
-      reads them from a file only: they go through a temporary ``torch.save`` file).
-    """
+    """Wrap Lightning once per process (idempotent; other checkpoint IOs keep Lightning's behaviour): links wait for
+    the commit (``_link_checkpoint``), the loader reads our directories (``cloud_io._load``), a fresh ``fit`` with no
+    checkpoint of ours loads nothing (``_parse_ckpt_path``), ``Trainer.save_checkpoint`` outside ``fit`` returns
+    committed, ``LightningCLI --ckpt_path DIR`` takes the directory's hyper-parameters (through a temporary file)."""
     import importlib.util
 
     from lightning.fabric.plugins.io import torch_io

@@ -1,5 +1,4 @@
-"""Lightning's checkpoint dict to and from the core: typed values, local directories, fsspec URLs (committed
-locally, then uploaded by :class:`torch_ckpt.DurableTier`: verified, ``manifest.json`` first to go, last to come)."""
+"""Lightning's checkpoint dict to and from the core: typed values, local directories, fsspec URLs."""
 
 from __future__ import annotations
 
@@ -61,8 +60,8 @@ def encode_values(checkpoint: Mapping[str, Any], mode: str) -> dict[str, Any]:
 
 
 def decode_values(checkpoint: dict[str, Any], *, allow_pickle: bool) -> dict[str, Any]:
-    """Undo :func:`encode_values` in place (pickled values only with ``allow_pickle``); UnsafeCheckpointError also
-    for a ``hparams_type`` that is not a mapping class (Lightning calls it with the hyper-parameters)."""
+    """Undo :func:`encode_values` in place (pickled values only with ``allow_pickle``; ``hparams_type``: only a
+    mapping class, Lightning calls it), else UnsafeCheckpointError."""
     out = _values("pickle").decode(checkpoint, allow_pickle=allow_pickle)
     omegaconf = sys.modules.get("omegaconf")
     for key in ("hparams_type", "datamodule_hparams_type"):
@@ -170,7 +169,7 @@ class RemoteCheckpoints:
 
 
 class _AllValues:
-    """A load target reading every value into new tensors, after the core checked them against ``live``."""
+    """A load target reading every value into new tensors (checked against ``live``)."""
 
     loaded: dict[str, Any]
 
@@ -196,12 +195,9 @@ class _AllValues:
 def load_checkpoint_dir(candidates: Sequence[Path | str], *, allow_pickle: bool, manager: Any = None,
                         verify: bool = True, map_location: Any = None, live: dict[str, Any] | None = None,
                         strict: bool = True, allow_cast: bool = False, storage_options: Any = None) -> dict[str, Any]:
-    """The first intact checkpoint of ``candidates`` (newest first; one URL: downloaded first) as Lightning's dict.
-
-    With ``manager`` (attached: every rank calls this) a candidate failing verification is skipped with a warning,
-    the checkpoint is checked against ``live`` first, and each rank gets its own loop progress and callback states;
-    without, rank 0's. Raises as ``CheckpointManager.restore``; TypeError: ``map_location`` names no device.
-    """
+    """The first intact checkpoint of ``candidates`` (newest first; one URL: downloaded) as Lightning's dict; with
+    ``manager`` (attached, every rank) checked against ``live``, each rank its own loop and callback states.
+    Raises as ``CheckpointManager.restore``; TypeError: ``map_location`` names no device."""
     if len(candidates) == 1 and is_url(str(candidates[0])):
         local = RemoteCheckpoints().download(str(candidates[0]), storage_options)
         try:
@@ -231,9 +227,8 @@ def load_checkpoint_dir(candidates: Sequence[Path | str], *, allow_pickle: bool,
 
 
 def restore_candidates(manager: Any, target: Any, candidates: Sequence[Path | str], *, allow_cast: bool) -> None:
-    """``manager.restore`` of the first intact of ``candidates``; when the first is a step of the manager's
-    ``memory_root`` (:class:`~lightning_ckpt.MTBFCheckpoint`'s "last" while a memory step is the newest), the
-    newest step of every tier as the core chooses it."""
+    """``manager.restore`` of the first intact of ``candidates``; the first in ``memory_root``: the newest step of
+    every tier as the core chooses it."""
     memory = manager.config.memory_root
     newest = memory is not None and Path(candidates[0]).parent == Path(memory).expanduser().absolute()
     manager.restore(target, allow_cast=allow_cast, **({} if newest else {"path": list(candidates)}))
@@ -264,11 +259,8 @@ def is_remote_checkpoint(url: str) -> bool:
 
 
 def load_from_checkpoint(cls: type[Any], checkpoint_path: str | Path, **kwargs: Any) -> Any:
-    """``cls.load_from_checkpoint(checkpoint_path, **kwargs)`` for a torch-ckpt directory or URL or a ``.ckpt`` file.
-
-    ``kwargs`` are those of Lightning's method (``map_location``, ``strict``, ``weights_only``: False allows values
-    stored pickled, hyper-parameters overriding the saved ones). Installs the plugin's hooks on Lightning's loader
-    (as constructing :class:`~lightning_ckpt.AsyncDCPCheckpointIO` does).
+    """``cls.load_from_checkpoint(checkpoint_path, **kwargs)`` for a torch-ckpt directory or URL or a ``.ckpt`` file
+    (``kwargs``: Lightning's; ``weights_only=False`` allows pickled values). Installs the plugin's loader hooks.
 
     Raises:
         CheckpointNotFoundError: ``checkpoint_path`` does not exist.
@@ -320,7 +312,7 @@ class _ShardedTarget:
         return {"model": state["state_dict"], "optimizer": saved[i]}
 
     def check_load(self, state: dict[str, Any], *, allow_cast: bool = False) -> list[str]:
-        """Check every optimizer's groups, state and dtypes against the live ones; change nothing."""
+        """Check every optimizer's groups, state and dtypes; change nothing."""
         return [c for i, s in enumerate(self._states) for c in s.check_load(self._sections(state, i),
                                                                               allow_cast=allow_cast)]
 
