@@ -22,6 +22,7 @@ import shutil
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, cast
 
@@ -292,13 +293,24 @@ class MemoryTier:
         and the reason. Returns ``(step, run segment of the next saves)``, or None: take the disk/durable path.
         Either way :attr:`listed` then holds every node's memory steps, ``{step: lineage}``, for the disk
         path's lineage decision (a restore of an older step is a rollback); ``choose=False`` only lists.
+        The coordinator lists the durable tier in the background: meanwhile the first candidate without the
+        durable steps is rebuilt from the partners' replicas where a node lost its copy (kept for the final
+        plan when it is its first candidate too), and nothing is loaded before the plan with them is agreed.
 
         Raises:
             StateMismatchError: the memory checkpoint does not fit the live state.
         """
-        plan = self._plan(step, disk_root, tier, choose=choose)
+        guess, listing, gathered = self._plan(step, disk_root, tier, choose=choose)
+        early = None  # (step, repairs, problem): the rebuild streamed while the coordinator lists the durable tier
+        if guess and guess[0][2]:
+            early = (guess[0][0], guess[0][2],
+                     repair(self.layout, self.ctx, self.root, self.naming, guess[0][0], guess[0][2]))
+        plan = self._decide(step, gathered, listing) if choose and tier is not None else guess
         for cand, lineage, repairs in plan:
-            problem = repair(self.layout, self.ctx, self.root, self.naming, cand, repairs) if repairs else None
+            if early is not None and early[:2] == (cand, repairs):
+                problem = early[2]
+            else:
+                problem = repair(self.layout, self.ctx, self.root, self.naming, cand, repairs) if repairs else None
             if problem is not None:
                 log.warning("memory tier: step %d could not be rebuilt from the partners' replicas (%s); falling back "
                             "to %s", cand, problem, "an older memory step" if cand != plan[-1][0] else
@@ -323,9 +335,17 @@ class MemoryTier:
         """A restore (of any tier) loaded ``step``: memory steps newer than it go at the next save."""
         self.rolled_back_to = step
 
-    def _plan(self, step: int | None, disk_root: Path, tier: Any, *, choose: bool) -> list[tuple[int, Lineage, Any]]:
-        """Every rank: the memory candidates, newest first, each with the run segment it continues and the nodes to
-        rebuild from a partner's replica, ``{node: holder}`` (rank 0 decides); sets :attr:`listed`."""
+    def _plan(self, step: int | None, disk_root: Path, tier: Any, *, choose: bool
+              ) -> tuple[list[tuple[int, Lineage, Any]], Future | None, list[tuple[Any, ...]]]:
+        """Every rank: gather every node's memory, replica and disk steps (sets :attr:`listed`) while the coordinator
+        lists the durable tier in the background; ``(guess, listing, gathered)``: ``guess`` the plan of
+        :meth:`_choose` without the durable steps (rank 0 decides, every rank gets it; empty when not ``choose``),
+        ``listing`` the coordinator's durable listing (:meth:`_decide` waits for it)."""
+        listing = None
+        if choose and tier is not None and self.ctx.is_coordinator:
+            pool = ThreadPoolExecutor(1, thread_name_prefix="torch-ckpt-durable-listing")
+            listing = pool.submit(_durable_steps, tier)
+            pool.shutdown(wait=False)
         mine: tuple[Any, ...] = (self.layout.node, None, {}, {}, {})
         try:
             inv = local_inventory(self.root, self.naming, self.layout) \
@@ -344,19 +364,26 @@ class MemoryTier:
         self.listed = {s: lin for _, _, mem, _, reps in gathered
                        for s, lin in [*mem.items(), *(kv for r in reps.values() for kv in r.items())]}
         if not choose:
-            return []
-        plan: list[tuple[int, Lineage, Any]] = []
+            return [], None, gathered
+        guess: list[tuple[int, Lineage, Any]] = []
         if self.ctx.is_coordinator:
-            plan = self._choose(step, gathered, tier)
-        return self.ctx.broadcast(plan, what="memory restore plan")
+            guess = self._choose(step, gathered, {}, warn=log.warning if tier is None else lambda *_: None)
+        return self.ctx.broadcast(guess, what="memory restore plan"), listing, gathered
 
-    def _choose(self, step: int | None, gathered: list[tuple[Any, ...]], tier: Any) -> list[tuple[int, Lineage, Any]]:
-        durable: dict[int, Lineage] = {}
-        if tier is not None:
-            try:
-                durable = {s: m.lineage for s, m in tier.listed().items()}
-            except (DurableUnavailableError, CheckpointError, OSError) as exc:
-                log.info("memory tier: the durable tier is not listed (%s); comparing with the disk tier only", exc)
+    def _decide(self, step: int | None, gathered: list[tuple[Any, ...]], listing: Future | None
+                ) -> list[tuple[int, Lineage, Any]]:
+        """Every rank: the memory candidates, newest first, each with the run segment it continues and the nodes to
+        rebuild from a partner's replica, ``{node: holder}``: rank 0 decides, with the durable steps once listed
+        (without a durable tier, the guess of :meth:`_plan` is the plan)."""
+        plan: list[tuple[int, Lineage, Any]] = []
+        if listing is not None:  # the coordinator's
+            plan = self._choose(step, gathered, listing.result())
+        return self.ctx.broadcast(plan, what="memory restore plan (durable steps listed)")
+
+    def _choose(self, step: int | None, gathered: list[tuple[Any, ...]], durable: dict[int, Lineage], *,
+                warn: Callable[..., None] = log.warning) -> list[tuple[int, Lineage, Any]]:
+        """Rank 0: the plan of :meth:`_decide` from the gathered inventories and the durable steps ``{step:
+        lineage}``; ``warn`` logs the steps passed over."""
         held: dict[int, set[int]] = {}  # memory step -> nodes holding their own intact copy
         holders: dict[int, dict[int, int]] = {}  # memory step -> {node: a node holding its intact replica}
         mem_lineage: dict[int, Lineage] = {}
@@ -400,13 +427,13 @@ class MemoryTier:
             if repairs is None:
                 if plan:  # older than a usable step: only a fallback, not worth a warning
                     continue
-                log.warning("memory tier: step %d is missing or incomplete in memory on node(s) %s, and no partner "
-                            "holds an intact replica; falling back to an older step (memory or the disk and durable "
-                            "tiers)", s, sorted(nodes - held.get(s, set())))
+                warn("memory tier: step %d is missing or incomplete in memory on node(s) %s, and no partner holds "
+                     "an intact replica; falling back to an older step (memory or the disk and durable tiers)", s,
+                     sorted(nodes - held.get(s, set())))
                 continue
             if repairs and not plan:  # the step the restore tries first; an older one is only a fallback
-                log.warning("memory tier: node(s) %s lost their copy of step %d; taking it from the replica on node(s) "
-                            "%s", sorted(repairs), s, sorted(set(repairs.values())))
+                warn("memory tier: node(s) %s lost their copy of step %d; taking it from the replica on node(s) %s",
+                     sorted(repairs), s, sorted(set(repairs.values())))
             lin = mem_lineage[s]
             plan.append((s, successor(lin, s, newest=s == newest and lin.run == head.run, fork=fork), repairs))
         return plan
@@ -433,6 +460,15 @@ class MemoryTier:
 
 #: In ``memory_root``: the run root it belongs to (its absolute path), written by the first manager using it.
 OWNER_NAME = ".torch-ckpt.run-root"
+
+
+def _durable_steps(tier: Any) -> dict[int, Lineage]:
+    """The durable tier's ``{step: lineage}``; none (logged) when it cannot be listed."""
+    try:
+        return {s: m.lineage for s, m in tier.listed().items()}
+    except (DurableUnavailableError, CheckpointError, OSError) as exc:
+        log.info("memory tier: the durable tier is not listed (%s); comparing with the disk tier only", exc)
+        return {}
 
 
 def _claim(root: Path, disk_root: Path, *, read_only: bool) -> ConfigError | None:
