@@ -340,15 +340,10 @@ class MemoryTier:
 
     def _plan(self, step: int | None, disk_root: Path, tier: Any, *, choose: bool
               ) -> tuple[list[tuple[int, Lineage, Any]], Future | None, list[tuple[Any, ...]]]:
-        """Every rank: gather every node's memory, replica and disk steps (sets :attr:`listed`) while the coordinator
-        lists the durable tier in the background; ``(guess, listing, gathered)``: ``guess`` the plan of
+        """Every rank: gather every node's memory, replica and disk steps (sets :attr:`listed`), the coordinator
+        listing the durable tier in the background from then on; ``(guess, listing, gathered)``: ``guess`` the plan of
         :meth:`_choose` without the durable steps (rank 0 decides, every rank gets it; empty when not ``choose``),
         ``listing`` the coordinator's durable listing (:meth:`_decide` waits for it)."""
-        listing = None
-        if choose and tier is not None and self.ctx.is_coordinator:
-            pool = ThreadPoolExecutor(1, thread_name_prefix="torch-ckpt-durable-listing")
-            listing = pool.submit(_durable_steps, tier)
-            pool.shutdown(wait=False)
         mine: tuple[Any, ...] = (self.layout.node, None, {}, {}, {})
         try:
             inv = local_inventory(self.root, self.naming, self.layout) \
@@ -363,6 +358,11 @@ class MemoryTier:
         except (CheckpointError, OSError) as exc:
             log.warning("memory tier: cannot list %s (%s: %s); not restoring from memory", self.root,
                         type(exc).__name__, exc)
+        listing = None  # started after the local scans: its Python work would slow their many system calls
+        if choose and tier is not None and self.ctx.is_coordinator:
+            pool = ThreadPoolExecutor(1, thread_name_prefix="torch-ckpt-durable-listing")
+            listing = pool.submit(_durable_steps, tier)
+            pool.shutdown(wait=False)
         gathered = self.ctx.all_gather(mine, what="memory inventory")
         self.listed = {s: lin for _, _, mem, _, reps in gathered
                        for s, lin in [*mem.items(), *(kv for r in reps.values() for kv in r.items())]}
