@@ -283,7 +283,7 @@ class MemoryTier:
             return retired
 
     # -- restore ---------------------------------------------------------------------------------
-    def restore(self, *, step: int | None, disk_root: Path, tier: Any, load: Callable[[Path, bool], None],
+    def restore(self, *, step: int | None, disk_root: Path, tier: Any, load: Callable[..., None],
                 choose: bool = True) -> tuple[int, Lineage] | None:
         """Collective: load the memory step :meth:`CheckpointManager.restore` should take, if any.
 
@@ -293,7 +293,7 @@ class MemoryTier:
         and the reason. Returns ``(step, run segment of the next saves)``, or None: take the disk/durable path.
         Either way :attr:`listed` then holds every node's memory steps, ``{step: lineage}``, for the disk
         path's lineage decision (a restore of an older step is a rollback); ``choose=False`` only lists.
-        ``load(directory, verify)`` loads a step; ``verify`` (CRC-32) is False for a copy just rebuilt from a
+        ``load(directory, verify=...)`` loads a step; ``verify`` (CRC-32) is False for a copy just rebuilt from a
         partner's replica, checked as it arrived.
         The coordinator lists the durable tier in the background: meanwhile the first candidate without the
         durable steps is rebuilt from the partners' replicas where a node lost its copy (kept for the final
@@ -318,10 +318,10 @@ class MemoryTier:
                             "to %s", cand, problem, "an older memory step" if cand != plan[-1][0] else
                             "the disk and durable tiers")
                 continue
+            checked = self.layout.node in repairs  # rebuilt: every file's CRC-32 was checked as it arrived
             try:
                 restore_node_local(self.layout, self.ctx, None, self.root, self.naming,
-                                   functools.partial(load, verify=self.layout.node not in repairs), step=cand,
-                                   read_only=True)
+                                   functools.partial(load, verify=not checked), step=cand, read_only=True)
             except (CheckpointCorruptError, CheckpointNotFoundError, CheckpointReadError) as exc:
                 log.warning("memory tier: step %d could not be restored from %s (%s: %s); falling back to %s",
                             cand, self.root, type(exc).__name__, exc,
