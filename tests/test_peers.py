@@ -298,7 +298,7 @@ def _durable_beside_a_lost_copy(rank, world, base, durable_newer):
         assert mgr.wait_durable(60)
     torch.save(model.state_dict(), node / "want.pt")
     torch.distributed.barrier()
-    shutil.rmtree(node / "disk")  # every node lost its disk: step 6 only in the durable tier
+    shutil.rmtree(node / "disk")  # every node lost its disk: its disk steps are in the durable tier only
     if rank == 1:
         shutil.rmtree(node / "mem")  # node 1 lost its RAM: its copy of step 5 is on node 0
     torch.distributed.barrier()
