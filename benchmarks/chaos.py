@@ -47,10 +47,12 @@ Each restart's restore is read from the ranks' ``restored step S from SOURCE`` l
 (the newest step trained before it minus the step resumed) must be at most ``--memory-every + 1`` (the memory
 interval plus the save in flight), or, after a node loss, at most what the lost node's ``health()`` said just
 before the kill (``lost_steps_if_node_lost`` plus the steps trained since its record: replication fell behind
-the cadence, counted in ``replication_lag_kills``). ``health_checked`` / ``health_exact`` count the node losses
-whose estimate was known / equal to the loss; ``health_underestimates`` lists those that lost more (must be
-empty); ``health_estimate_minus_lost`` is ``{estimate - lost: kills}`` (a round that finished between the last
-record and the kill makes the estimate larger). Every logged step is compared with a reference run: lr, epoch and batch
+the cadence, counted in ``replication_lag_kills``). A run killed before it resumed may lose a second node:
+when every node was lost that way (``job_losses``) the estimate is ``lost_steps_if_job_lost``.
+``health_checked`` / ``health_exact`` count the node losses whose estimate was known / equal to the loss;
+``health_underestimates`` lists those that lost more (must be empty); ``health_estimate_minus_lost`` is
+``{estimate - lost: kills}`` (a round that finished between the last record and the kill makes the estimate
+larger). Every logged step is compared with a reference run: lr, epoch and batch
 exactly, the loss to float32 rounding (it is all-reduced over gloo ranks, see ``examples/demo_cluster.py``).
 Reported besides the fields above: ``node_losses``, ``resumes`` / ``resumes_after_node_loss``,
 ``resume_sources`` (per node restore: ``memory``, ``memory-peer``, ``local``, ... and ``fresh`` runs),
@@ -314,9 +316,10 @@ def node_chaos(args: argparse.Namespace, rng: random.Random, work: Path) -> dict
                     "instants": {"during_disk_save": 0, "during_memory_save": 0, "during_replication": 0,
                                  "between_saves": 0, "no_checkpoint_yet": 0},
                     "lost_steps_bound": bound, "lost_steps": {}, "lost_steps_node_loss": {}, "lost_over_bound": [],
-                    "replication_lag_kills": 0, "health_checked": 0, "health_exact": 0, "health_underestimates": [],
-                    "health_estimate_minus_lost": {}}
+                    "replication_lag_kills": 0, "job_losses": 0, "health_checked": 0, "health_exact": 0,
+                    "health_underestimates": [], "health_estimate_minus_lost": {}}
     delays: list[float] = []
+    logs: list[Path] = []  # the trials' logs, newest first
     progress, pending = 0, None  # the newest step trained; (killed trial, progress then, node lost) to resume
 
     def replicating() -> bool:
@@ -347,9 +350,12 @@ def node_chaos(args: argparse.Namespace, rng: random.Random, work: Path) -> dict
             lost = at_kill - resumed
             result["resumes"] += 1
             result["resumes_after_node_loss"] += int(lost_node is not None)
+            job_lost = lost_node is not None and len(lost_node) == args.nodes  # every node replaced before a resume
+            result["job_losses"] += int(job_lost)
             for key in ("lost_steps",) + (("lost_steps_node_loss",) if lost_node is not None else ()):
                 result[key][str(lost)] = result[key].get(str(lost), 0) + 1
-            kill = {"killed_trial": trial, "killed_after_step": at_kill, "node_lost": lost_node,
+            kill = {"killed_trial": trial, "killed_after_step": at_kill,
+                    "nodes_lost": sorted(lost_node) if lost_node is not None else None,
                     "resumed_step": resumed, "estimated_lost_steps": estimate,
                     "sources": {k: v[1] for k, v in restored.items()}}
             if estimate is not None:  # health() said, just before the kill, what losing that node costs
@@ -361,7 +367,7 @@ def node_chaos(args: argparse.Namespace, rng: random.Random, work: Path) -> dict
                     result["health_underestimates"].append(kill)
             if lost < 0 or (lost > bound and (estimate is None or lost > estimate)):
                 result["lost_over_bound"].append(kill)
-            elif lost > bound:  # replication fell behind the cadence: health() said so
+            elif lost > bound and not job_lost:  # replication fell behind the cadence: health() said so
                 result["replication_lag_kills"] += 1
             pending = None
         progress = max(got) if got else (resumed if resumed is not None else progress)
@@ -386,10 +392,11 @@ def node_chaos(args: argparse.Namespace, rng: random.Random, work: Path) -> dict
         if not any(flags.values()):
             inst["no_checkpoint_yet" if not any(scan_committed(r) for r in disks + memories) else "between_saves"] += 1
         lost_node = rng.randrange(args.nodes) if rng.random() < 0.5 else None
+        logs.insert(0, log)
+        lost_nodes = {lost_node} if lost_node is not None else None
         if pending is not None and pending[2] is not None:  # the kill before never resumed: that loss stands
-            pending = (trial, progress, pending[2], None)
-        else:
-            pending = (trial, progress, lost_node, _estimate(log, lost_node, progress))
+            lost_nodes = pending[2] | (lost_nodes or set())
+        pending = (trial, progress, lost_nodes, _estimate(logs, lost_nodes, progress, args.nodes))
         if lost_node is not None:  # a replaced node: its disk and its RAM (with the replicas it held) are gone
             result["node_losses"] += 1
             shutil.rmtree(disks[lost_node], ignore_errors=True)
@@ -414,18 +421,24 @@ def node_chaos(args: argparse.Namespace, rng: random.Random, work: Path) -> dict
     return result
 
 
-def _estimate(log: Path, node: int | None, progress: int) -> int | None:
-    """Steps a loss of ``node`` costs at ``progress`` per the node's last ``health()`` record before the kill
-    (``lost_steps_if_node_lost``, plus the steps trained after it); None: no node lost, or no record."""
-    if node is None:
+def _estimate(logs: list[Path], nodes: set[int] | None, progress: int, count: int) -> int | None:
+    """Steps the loss of ``nodes`` costs at ``progress`` per the last ``health()`` record each lost node wrote
+    (in ``logs``, newest first): ``lost_steps_if_node_lost``, or ``lost_steps_if_job_lost`` when every node is
+    lost, plus the steps trained after it; the largest. None: no node lost, or no record."""
+    if not nodes:
         return None
-    path = Path(f"{log}.node{node}.health")
-    records = [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")] \
-        if path.exists() else []
-    if not records or records[-1]["lost_steps_if_node_lost"] is None:
-        return None
-    last = records[-1]
-    return int(last["lost_steps_if_node_lost"]) + progress - int(last["step"])
+    key = "lost_steps_if_job_lost" if len(nodes) == count else "lost_steps_if_node_lost"
+    found = []
+    for node in nodes:
+        for log in logs:
+            path = Path(f"{log}.node{node}.health")
+            records = [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")] \
+                if path.exists() else []
+            if records:
+                if records[-1][key] is not None:
+                    found.append(int(records[-1][key]) + progress - int(records[-1]["step"]))
+                break
+    return max(found) if found else None
 
 
 def main(argv: list[str] | None = None) -> dict:

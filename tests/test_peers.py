@@ -13,8 +13,11 @@ import torch
 from _dist import run_distributed
 
 from torch_ckpt import CheckpointManager, ConfigError, TrainState
+from torch_ckpt.manager import _memory
 from torch_ckpt.root._layout import MANIFEST_NAME
-from torch_ckpt.tiers._peers import PEERS_DIR, _chunks, _listing, _Reader, _reusable, _Sink, partners
+from torch_ckpt.storage._crc import crc32
+from torch_ckpt.tiers import _peers
+from torch_ckpt.tiers._peers import PEERS_DIR, _chunks, _listing, _Reader, _reusable, _Sink, _transfer, partners
 
 
 def _state(seed: int = 0, width: int = 16):
@@ -260,6 +263,67 @@ def test_replication_works_with_a_writer_process(tmp_path):
                     daemon=False)
 
 
+def _stream_both_ways(rank, world, base):
+    _peers.CHUNK_BYTES = 1000  # many chunks, so that chunk i + 1 is in flight while chunk i is written
+    data = os.urandom(10_500 if rank == 0 else 2_100)  # 11 and 3 chunks: the shorter stream ends first
+    out, into = Path(base) / f"out{rank}", Path(base) / f"in{rank}"
+    out.mkdir()
+    (out / "a.bin").write_bytes(data)
+    files = [("a.bin", len(data), crc32(data))]
+    torch.distributed.all_gather_object(listings := [None, None], files)
+    peer = 1 - rank
+    sink = _Sink(into, listings[peer])
+    _transfer(None, [(peer, _Reader(out, files), len(data))], [(peer, sink, listings[peer][0][1])],
+              bytes_per_second=None)
+    sink.close()
+    assert sink.problems == []
+    assert (into / "a.bin").read_bytes() == (Path(base) / f"out{peer}" / "a.bin").read_bytes()
+
+
+@pytest.mark.slow
+def test_two_streams_of_many_chunks_cross_intact(tmp_path):
+    """Two nodes stream each other files of 11 and 3 chunks at once (double-buffered); both arrive byte for byte."""
+    run_distributed(_stream_both_ways, 2, str(tmp_path), timeout_s=120)
+
+
+def _durable_beside_a_lost_copy(rank, world, base, durable_newer):
+    node = _node(rank, base)
+    url = (Path(base) / "durable").as_uri()
+    state, model, opt = _state()
+    kwargs = {"memory_root": str(node / "mem"), "durable_url": url}
+    with CheckpointManager(node / "disk", async_save=False, durable_create=True, **kwargs) as mgr:
+        for step in (4, 5, 6) if durable_newer else (4, 5):
+            _train(model, opt, step)
+            mgr.save(step, state, tier="memory" if step == 5 else "disk")
+        assert mgr.wait_durable(60)
+    torch.save(model.state_dict(), node / "want.pt")
+    torch.distributed.barrier()
+    shutil.rmtree(node / "disk")  # every node lost its disk: its disk steps are in the durable tier only
+    if rank == 1:
+        shutil.rmtree(node / "mem")  # node 1 lost its RAM: its copy of step 5 is on node 0
+    torch.distributed.barrier()
+    streamed = []
+    _memory.repair = lambda *a, original=_memory.repair: streamed.append(a[4]) or original(*a)
+    fresh, model2, _ = _state(seed=1)
+    with CheckpointManager(node / "disk", **kwargs) as mgr:
+        got, source = mgr.restore(fresh), mgr.restore_source
+    want = torch.load(node / "want.pt")
+    assert all(torch.equal(want[k], v) for k, v in model2.state_dict().items())
+    assert streamed == [5]  # started before the durable listing was in, and streamed once
+    if durable_newer:
+        assert (got, source) == (6, "durable-node")
+    else:
+        assert (got, source) == (5, "memory-peer" if rank == 1 else "memory")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("durable_newer", [True, False])
+def test_the_durable_listing_decides_after_a_lost_copy_streamed_back(tmp_path, durable_newer):
+    """A lost node's memory copy streams back while the durable tier is listed; a newer durable step still wins,
+    an older one leaves the streamed copy to be loaded."""
+    run_distributed(_durable_beside_a_lost_copy, 2, str(tmp_path), durable_newer, timeout_s=240)
+
+
 def _figures(base: Path, world: int) -> list[dict]:
     return [json.loads((base / f"node{rank}" / "bytes.json").read_text()) for rank in range(world)]
 
@@ -337,3 +401,24 @@ def test_a_node_lost_with_no_replica_starts_over_and_sets_the_leftovers_aside(tm
     """No step is complete anywhere (node 1's disk and RAM gone, no replica): the run starts from scratch, and
     its first save moves node 0's steps of the old timeline aside instead of being refused."""
     run_distributed(_lose_disk_and_memory_after_a_disk_save, 2, str(tmp_path), replicas, timeout_s=240)
+
+
+def test_a_replica_deletion_cut_short_leaves_nothing_listed(tmp_path, monkeypatch):
+    """A replica is renamed to a hidden name before its files go: a kill in the middle of the deletion never
+    leaves a part of it under its step name."""
+    from torch_ckpt.tiers import _peers
+
+    copy = _committed_copy(tmp_path)
+    replica = tmp_path / "mem" / PEERS_DIR / "node-1" / copy.name
+    shutil.copytree(copy, replica)
+
+    def killed(path, ignore_errors=False):  # the first file goes, then the process dies
+        next(p for p in Path(path).iterdir() if p.is_file()).unlink()
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(_peers.shutil, "rmtree", killed)
+    with pytest.raises(KeyboardInterrupt):
+        _peers._discard(replica)
+    monkeypatch.undo()
+    assert not replica.exists() and _steps(replica.parent) == []
+    assert [p.name for p in replica.parent.iterdir() if p.name.startswith(".")]  # the hidden rest

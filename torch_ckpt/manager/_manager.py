@@ -1033,9 +1033,10 @@ class CheckpointManager:
         listed: dict[int, Lineage] = {}  # the memory tier's steps: restoring an older one elsewhere is a rollback
         if self._memory is not None:  # a newer step in every node's memory_root, verified
             self.restore_source = None
-            memory = self._memory.restore(step=step, disk_root=self.root, tier=self._tier, load=lambda local: (
-                self._ckpt.load(local, state, verify=True, allow_cast=allow_cast,
-                                on_world_size_change=self.on_world_size_change)), choose=path is None,
+            memory = self._memory.restore(
+                step=step, disk_root=self.root, tier=self._tier, choose=path is None, load=lambda local, verify: (
+                    self._ckpt.load(local, state, verify=verify, allow_cast=allow_cast,
+                                    on_world_size_change=self.on_world_size_change)),
                 disk_per_node=self._roots.node_local)
             if memory is not None:
                 self.restore_source = self._memory.source

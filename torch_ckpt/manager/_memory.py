@@ -22,6 +22,7 @@ import shutil
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, cast
 
@@ -282,7 +283,7 @@ class MemoryTier:
             return retired
 
     # -- restore ---------------------------------------------------------------------------------
-    def restore(self, *, step: int | None, disk_root: Path, tier: Any, load: Callable[[Path], None],
+    def restore(self, *, step: int | None, disk_root: Path, tier: Any, load: Callable[..., None],
                 choose: bool = True, disk_per_node: bool = False) -> tuple[int, Lineage] | None:
         """Collective: load the memory step :meth:`CheckpointManager.restore` should take, if any.
 
@@ -295,21 +296,35 @@ class MemoryTier:
         and the reason. Returns ``(step, run segment of the next saves)``, or None: take the disk/durable path.
         Either way :attr:`listed` then holds every node's memory steps, ``{step: lineage}``, for the disk
         path's lineage decision (a restore of an older step is a rollback); ``choose=False`` only lists.
+        ``load(directory, verify=...)`` loads a step; ``verify`` (CRC-32) is False for a copy just rebuilt from a
+        partner's replica, checked as it arrived.
+        The coordinator lists the durable tier in the background: meanwhile the first candidate without the
+        durable steps is rebuilt from the partners' replicas where a node lost its copy (kept for the final
+        plan when it is its first candidate too), and nothing is loaded before the plan with them is agreed.
 
         Raises:
             StateMismatchError: the memory checkpoint does not fit the live state.
         """
-        plan = self._plan(step, disk_root, tier, choose=choose, disk_per_node=disk_per_node)
+        guess, listing, gathered = self._plan(step, disk_root, tier, choose=choose, disk_per_node=disk_per_node)
+        early = None  # (step, repairs, problem): the rebuild streamed while the coordinator lists the durable tier
+        if guess and guess[0][2]:
+            early = (guess[0][0], guess[0][2],
+                     repair(self.layout, self.ctx, self.root, self.naming, guess[0][0], guess[0][2]))
+        plan = self._decide(step, gathered, listing, disk_per_node) if choose and tier is not None else guess
         for cand, lineage, repairs in plan:
-            problem = repair(self.layout, self.ctx, self.root, self.naming, cand, repairs) if repairs else None
+            if early is not None and early[:2] == (cand, repairs):
+                problem = early[2]
+            else:
+                problem = repair(self.layout, self.ctx, self.root, self.naming, cand, repairs) if repairs else None
             if problem is not None:
                 log.warning("memory tier: step %d could not be rebuilt from the partners' replicas (%s); falling back "
                             "to %s", cand, problem, "an older memory step" if cand != plan[-1][0] else
                             "the disk and durable tiers")
                 continue
+            checked = self.layout.node in repairs  # rebuilt: every file's CRC-32 was checked as it arrived
             try:
-                restore_node_local(self.layout, self.ctx, None, self.root, self.naming, load, step=cand,
-                                   read_only=True)
+                restore_node_local(self.layout, self.ctx, None, self.root, self.naming,
+                                   functools.partial(load, verify=not checked), step=cand, read_only=True)
             except (CheckpointCorruptError, CheckpointNotFoundError, CheckpointReadError) as exc:
                 log.warning("memory tier: step %d could not be restored from %s (%s: %s); falling back to %s",
                             cand, self.root, type(exc).__name__, exc,
@@ -328,10 +343,12 @@ class MemoryTier:
         """A restore (of any tier) loaded ``step``: memory steps newer than it go at the next save."""
         self.rolled_back_to = step
 
-    def _plan(self, step: int | None, disk_root: Path, tier: Any, *, choose: bool,
-              disk_per_node: bool) -> list[tuple[int, Lineage, Any]]:
-        """Every rank: the memory candidates, newest first, each with the run segment it continues and the nodes to
-        rebuild from a partner's replica, ``{node: holder}`` (rank 0 decides); sets :attr:`listed`."""
+    def _plan(self, step: int | None, disk_root: Path, tier: Any, *, choose: bool, disk_per_node: bool,
+              ) -> tuple[list[tuple[int, Lineage, Any]], Future | None, list[tuple[Any, ...]]]:
+        """Every rank: gather every node's memory, replica and disk steps (sets :attr:`listed`), the coordinator
+        listing the durable tier in the background from then on; ``(guess, listing, gathered)``: ``guess`` the plan of
+        :meth:`_choose` without the durable steps (rank 0 decides, every rank gets it; empty when not ``choose``),
+        ``listing`` the coordinator's durable listing (:meth:`_decide` waits for it)."""
         mine: tuple[Any, ...] = (self.layout.node, None, {}, {}, {}, set())
         try:
             inv = local_inventory(self.root, self.naming, self.layout) \
@@ -347,24 +364,36 @@ class MemoryTier:
         except (CheckpointError, OSError) as exc:
             log.warning("memory tier: cannot list %s (%s: %s); not restoring from memory", self.root,
                         type(exc).__name__, exc)
+        listing = None  # started after the local scans: its Python work would slow their many system calls
+        if choose and tier is not None and self.ctx.is_coordinator:
+            pool = ThreadPoolExecutor(1, thread_name_prefix="torch-ckpt-durable-listing")
+            listing = pool.submit(_durable_steps, tier)
+            pool.shutdown(wait=False)
         gathered = self.ctx.all_gather(mine, what="memory inventory")
         self.listed = {s: lin for _, _, mem, _, reps, _ in gathered
                        for s, lin in [*mem.items(), *(kv for r in reps.values() for kv in r.items())]}
         if not choose:
-            return []
-        plan: list[tuple[int, Lineage, Any]] = []
+            return [], None, gathered
+        guess: list[tuple[int, Lineage, Any]] = []
         if self.ctx.is_coordinator:
-            plan = self._choose(step, gathered, tier, disk_per_node)
-        return self.ctx.broadcast(plan, what="memory restore plan")
+            guess = self._choose(step, gathered, {}, disk_per_node,
+                                 warn=log.warning if tier is None else lambda *_: None)
+        return self.ctx.broadcast(guess, what="memory restore plan"), listing, gathered
 
-    def _choose(self, step: int | None, gathered: list[tuple[Any, ...]], tier: Any,
+    def _decide(self, step: int | None, gathered: list[tuple[Any, ...]], listing: Future | None,
                 disk_per_node: bool) -> list[tuple[int, Lineage, Any]]:
-        durable: dict[int, Lineage] = {}
-        if tier is not None:
-            try:
-                durable = {s: m.lineage for s, m in tier.listed().items()}
-            except (DurableUnavailableError, CheckpointError, OSError) as exc:
-                log.info("memory tier: the durable tier is not listed (%s); comparing with the disk tier only", exc)
+        """Every rank: the memory candidates, newest first, each with the run segment it continues and the nodes to
+        rebuild from a partner's replica, ``{node: holder}``: rank 0 decides, with the durable steps once listed
+        (without a durable tier, the guess of :meth:`_plan` is the plan)."""
+        plan: list[tuple[int, Lineage, Any]] = []
+        if listing is not None:  # the coordinator's
+            plan = self._choose(step, gathered, listing.result(), disk_per_node)
+        return self.ctx.broadcast(plan, what="memory restore plan (durable steps listed)")
+
+    def _choose(self, step: int | None, gathered: list[tuple[Any, ...]], durable: dict[int, Lineage],
+                disk_per_node: bool, *, warn: Callable[..., None] = log.warning) -> list[tuple[int, Lineage, Any]]:
+        """Rank 0: the plan of :meth:`_decide` from the gathered inventories and the durable steps ``{step:
+        lineage}`` (``disk_per_node``: see :meth:`restore`); ``warn`` logs the steps passed over."""
         held: dict[int, set[int]] = {}  # memory step -> nodes holding their own intact copy
         holders: dict[int, dict[int, int]] = {}  # memory step -> {node: a node holding its intact replica}
         mem_lineage: dict[int, Lineage] = {}
@@ -408,8 +437,8 @@ class MemoryTier:
             return [(step, successor(lin, step, newest=step == newest and lin.run == head.run, fork=fork), repairs)]
         floor = max(usable, default=-1)
         if floor < max(persistent, default=-1):
-            log.warning("memory tier: the newest disk step %d is not intact on every node (and the durable tier has "
-                        "no copy); the newest usable disk step is %s", max(persistent), floor if floor >= 0 else "none")
+            warn("memory tier: the newest disk step %d is not intact on every node (and the durable tier has no "
+                 "copy); the newest usable disk step is %s", max(persistent), floor if floor >= 0 else "none")
         plan: list[tuple[int, Lineage, Any]] = []
         for s in live_mem:
             if s <= floor:
@@ -418,13 +447,13 @@ class MemoryTier:
             if repairs is None:
                 if plan:  # older than a usable step: only a fallback, not worth a warning
                     continue
-                log.warning("memory tier: step %d is missing or incomplete in memory on node(s) %s, and no partner "
-                            "holds an intact replica; falling back to an older step (memory or the disk and durable "
-                            "tiers)", s, sorted(nodes - held.get(s, set())))
+                warn("memory tier: step %d is missing or incomplete in memory on node(s) %s, and no partner holds "
+                     "an intact replica; falling back to an older step (memory or the disk and durable tiers)", s,
+                     sorted(nodes - held.get(s, set())))
                 continue
             if repairs and not plan:  # the step the restore tries first; an older one is only a fallback
-                log.warning("memory tier: node(s) %s lost their copy of step %d; taking it from the replica on node(s) "
-                            "%s", sorted(repairs), s, sorted(set(repairs.values())))
+                warn("memory tier: node(s) %s lost their copy of step %d; taking it from the replica on node(s) %s",
+                     sorted(repairs), s, sorted(set(repairs.values())))
             lin = mem_lineage[s]
             plan.append((s, successor(lin, s, newest=s == newest and lin.run == head.run, fork=fork), repairs))
         return plan
@@ -451,6 +480,15 @@ class MemoryTier:
 
 #: In ``memory_root``: the run root it belongs to (its absolute path), written by the first manager using it.
 OWNER_NAME = ".torch-ckpt.run-root"
+
+
+def _durable_steps(tier: Any) -> dict[int, Lineage]:
+    """The durable tier's ``{step: lineage}``; none (logged) when it cannot be listed."""
+    try:
+        return {s: m.lineage for s, m in tier.listed().items()}
+    except (DurableUnavailableError, CheckpointError, OSError) as exc:
+        log.info("memory tier: the durable tier is not listed (%s); comparing with the disk tier only", exc)
+        return {}
 
 
 def _claim(root: Path, disk_root: Path, *, read_only: bool) -> ConfigError | None:

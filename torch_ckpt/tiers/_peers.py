@@ -296,26 +296,36 @@ def _wait(works: list[Any]) -> None:
 
 def _transfer(group: Any, outgoing: list[tuple[int, _Reader, int]], incoming: list[tuple[int, _Sink, int]], *,
               bytes_per_second: int | None, already: int = 0) -> int:
-    """Send and receive byte streams in lockstep chunks (group ranks, streams of known lengths); bytes sent, with
-    the ``already`` sent before (messages the bandwidth cap counts too)."""
+    """Send and receive byte streams in chunks (group ranks, streams of known lengths), double-buffered: chunk
+    ``i + 1`` is read and in flight while chunk ``i`` is written and checksummed; bytes sent, with the ``already``
+    sent before (messages the bandwidth cap counts too)."""
     streams = [total for _, _, total in outgoing + incoming]
     chunks = max((math.ceil(total / CHUNK_BYTES) for total in streams), default=0)
     start, sent = time.monotonic(), already
-    for i in range(chunks):
+
+    def post(i: int) -> tuple[list[Any], list[tuple[_Sink, torch.Tensor]]]:
+        nonlocal sent
         works: list[Any] = []
         received = []
+        for src, sink, total in incoming:  # receives first: the partner's sends land in posted buffers
+            n = min(CHUNK_BYTES, total - i * CHUNK_BYTES)
+            if n > 0:
+                buf = torch.empty(n, dtype=torch.uint8)
+                works.append(dist.irecv(buf, group=group, group_src=src, tag=_TAG_DATA))
+                received.append((sink, buf))
         for dst, reader, total in outgoing:
             n = min(CHUNK_BYTES, total - i * CHUNK_BYTES)
             if n > 0:
                 works.append(dist.isend(torch.frombuffer(reader.read(n), dtype=torch.uint8), group=group,
                                         group_dst=dst, tag=_TAG_DATA))
                 sent += n
-        for src, sink, total in incoming:
-            n = min(CHUNK_BYTES, total - i * CHUNK_BYTES)
-            if n > 0:
-                buf = torch.empty(n, dtype=torch.uint8)
-                works.append(dist.irecv(buf, group=group, group_src=src, tag=_TAG_DATA))
-                received.append((sink, buf))
+        return works, received
+
+    pending = post(0) if chunks else ([], [])
+    for i in range(chunks):
+        works, received = pending
+        if i + 1 < chunks:
+            pending = post(i + 1)
         _wait(works)
         for sink, buf in received:
             sink.write(memoryview(buf.numpy()))  # type: ignore[arg-type]
@@ -393,7 +403,7 @@ class PeerReplicator:
         self._thread: threading.Thread | None = None
         if layout.is_leader:
             for folder in (root / PEERS_DIR).glob("node-*"):
-                for leftover in folder.glob(f"{_TMP}*"):  # a receive a kill interrupted
+                for leftover in folder.glob(".*"):  # a receive or a deletion a kill interrupted
                     shutil.rmtree(leftover, ignore_errors=True)
             self._thread = threading.Thread(target=self._run, name="torch-ckpt-peer-replication", daemon=True)
             self._thread.start()
@@ -493,7 +503,7 @@ class PeerReplicator:
             if problem is None:
                 for older in final.parent.iterdir():  # the newest replica of each source is kept
                     if older != final and self.naming.step_of(older.name) is not None:
-                        shutil.rmtree(older, ignore_errors=True)
+                        _discard(older)
             else:
                 self.stats["refused"] += 1
                 log.warning("memory tier: the replica of node %d's step %s was refused: %s", src, doc["step"], problem)
@@ -535,7 +545,15 @@ class PeerReplicator:
             for entry in folder.iterdir():
                 step = self.naming.step_of(entry.name)
                 if step is not None and step > limit:
-                    shutil.rmtree(entry, ignore_errors=True)
+                    _discard(entry)
+
+
+def _discard(replica: Path) -> None:
+    """Delete a replica: renamed to a hidden name first, so a kill meanwhile never leaves a part of it listed."""
+    try:
+        shutil.rmtree(retire_step_dir(replica), ignore_errors=True)
+    except OSError:
+        shutil.rmtree(replica, ignore_errors=True)
 
 
 def repair(layout: NodeLayout, ctx: Any, root: Path, naming: Any, step: int, repairs: dict[int, int]) -> str | None:
