@@ -13,6 +13,7 @@ import torch
 
 from torch_ckpt import CheckpointConfig, CheckpointManager, ConfigError, TrainState
 from torch_ckpt.format import _incremental
+from torch_ckpt.format._files import read_manifest
 from torch_ckpt.tools.convert import load_full_state
 from torch_ckpt.tools.listing import inspect_checkpoint, list_root, verify_checkpoint
 
@@ -64,7 +65,7 @@ def _save_steps(root: Path, steps: int, **kwargs) -> dict[int, dict[str, torch.T
 def _restore(root: Path, step: int) -> dict[str, torch.Tensor]:
     state, model, opt = _state(seed=99)
     _train(model, opt)  # the optimizer has state to load into
-    with CheckpointManager(root) as mgr:
+    with CheckpointManager(root, on_world_size_change="keep_live") as mgr:
         assert mgr.restore(state, step=step) == step
     return _snapshot(model, opt)
 
@@ -263,3 +264,92 @@ def test_a_restarted_run_writes_its_first_save_in_full(tmp_path):
             mgr.save(step, state).wait()
     assert not _linked(tmp_path / "step_000000002")
     assert set(_linked(tmp_path / "step_000000003").values()) == {2}
+
+
+def test_the_memory_tier_links_on_tmpfs(tmp_path):
+    """Memory saves into a tmpfs root (/dev/shm) hard-link unchanged tensors, and the newest restores bitwise."""
+    shm = Path("/dev/shm")
+    if not shm.is_dir() or not os.access(shm, os.W_OK):
+        pytest.skip("no writable /dev/shm")
+    mem = shm / f"torch-ckpt-test-{os.getpid()}-{tmp_path.name}"
+    try:
+        state, model, opt = _state()
+        with CheckpointManager(tmp_path / "disk", memory_root=str(mem), async_save=False) as mgr:
+            for step in (1, 2, 3):
+                _train(model, opt)
+                mgr.save(step, state, tier="memory")
+            want = _snapshot(model, opt)
+        linked = _linked(mem / "step_000000003")
+        assert linked
+        assert all(os.stat(mem / "step_000000003" / n).st_nlink >= 2 for n in linked)
+        restored, model2, opt2 = _state(seed=99)
+        _train(model2, opt2)
+        with CheckpointManager(tmp_path / "disk", memory_root=str(mem)) as mgr:
+            assert mgr.restore(restored) == 3
+        _assert_equal(_snapshot(model2, opt2), want)
+    finally:
+        shutil.rmtree(mem, ignore_errors=True)
+
+
+def test_the_durable_tier_copies_linked_files_server_side(tmp_path, s3):
+    """On S3 a linked file is copied from the previous step's object: the bytes uploaded per save drop."""
+    from torch_ckpt.tiers._durable import DurableTier
+
+    url = f"s3://{s3.new_bucket()}/run"
+    state, model, opt = _state()
+    stats = []
+    with CheckpointManager(tmp_path, durable_url=url, storage_options=s3.options, keep_last=None) as mgr:
+        for step in (1, 2, 3):
+            _train(model, opt)
+            mgr.save(step, state).wait()
+            assert mgr.wait_durable(60)
+            stats.append(dict(mgr.replication_stats()))
+    sent = [stats[0]["uploaded_bytes"], *(b["uploaded_bytes"] - a["uploaded_bytes"] for a, b in zip(stats, stats[1:]))]
+    assert sent[1] < 0.25 * sent[0] and sent[2] < 0.25 * sent[0]
+    assert stats[-1]["copied_bytes"] == sum(i["bytes"] for n, i in _files(tmp_path / "step_000000003").items()
+                                            if "linked_from" in i) * 2
+    tier = DurableTier(url, storage_options=s3.options)
+    tier.delete(1)
+    tier.delete(2)
+    assert verify_checkpoint(f"{url}/step_000000003", storage_options=s3.options)["ok"]
+
+
+def test_the_durable_tier_uploads_when_the_source_step_is_missing(tmp_path, s3):
+    """A linked file whose source step is not on the tier (deleted there) is uploaded in full, and verifies."""
+    from torch_ckpt.tiers._durable import DurableTier
+
+    url = f"s3://{s3.new_bucket()}/run"
+    _save_steps(tmp_path, 2)
+    tier = DurableTier(url, storage_options=s3.options)
+    tier.upload(tmp_path / "step_000000002", read_manifest(tmp_path / "step_000000002"))
+    assert tier.bytes_copied == 0
+    assert tier.bytes_uploaded == sum(i["bytes"] for i in _files(tmp_path / "step_000000002").values())
+    assert verify_checkpoint(f"{url}/step_000000002", storage_options=s3.options)["ok"]
+
+
+def _ddp_saves(rank: int, world: int, root: str) -> None:
+    state, model, opt = _state()
+    model = torch.nn.parallel.DistributedDataParallel(model)
+    state = TrainState(model=model, optimizer=opt)
+    with CheckpointManager(root, keep_last=2) as mgr:
+        for step in (1, 2, 3):
+            model(torch.randn(4, BASE_WIDTH)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            mgr.save(step, state).wait()
+    if rank == 0:
+        torch.save(_snapshot(model.module, opt), Path(root) / "reference.pt")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_ddp_ranks_link_their_own_files(tmp_path):
+    """Under DDP on 2 ranks each step links unchanged files and restores bitwise on one process after retention."""
+    from tests._dist import run_distributed
+
+    run_distributed(_ddp_saves, 2, str(tmp_path))
+    assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_000000002", "step_000000003"]
+    assert _linked(tmp_path / "step_000000003")
+    assert verify_checkpoint(tmp_path / "step_000000003")["ok"]
+    want = torch.load(tmp_path / "reference.pt", weights_only=True)
+    _assert_equal(_restore(tmp_path, 3), want)
