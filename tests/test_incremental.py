@@ -168,7 +168,7 @@ def test_a_failed_link_writes_the_tensors(tmp_path, monkeypatch):
 
 
 def test_a_replaced_previous_file_is_not_linked(tmp_path):
-    """A previous data file replaced by another file (new inode, same bytes) is not linked: it is not the one recorded."""
+    """A previous data file replaced by a copy (new inode, same bytes) is not linked: it is not the file recorded."""
     state, model, opt = _state()
     with CheckpointManager(tmp_path) as mgr:
         _train(model, opt)
@@ -353,3 +353,89 @@ def test_ddp_ranks_link_their_own_files(tmp_path):
     assert verify_checkpoint(tmp_path / "step_000000003")["ok"]
     want = torch.load(tmp_path / "reference.pt", weights_only=True)
     _assert_equal(_restore(tmp_path, 3), want)
+
+
+def _fsdp_saves(rank: int, world: int, root: str) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    state, model, opt = _state()
+    for layer in model:
+        fully_shard(layer)
+    fully_shard(model)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    state = TrainState(model=model, optimizer=opt)
+    with CheckpointManager(root, keep_last=2) as mgr:
+        for step in (1, 2, 3):
+            model(torch.randn(4, BASE_WIDTH)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            mgr.save(step, state).wait()
+    full = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()}
+    if rank == 0:
+        torch.save(full, Path(root) / "reference.pt")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_fsdp2_shards_are_linked_per_rank(tmp_path):
+    """Under FSDP2 on 2 ranks each rank links the file of its frozen shard; the model loads bitwise on one process."""
+    from tests._dist import run_distributed
+
+    run_distributed(_fsdp_saves, 2, str(tmp_path))
+    linked = _linked(tmp_path / "step_000000003")
+    assert {name.split("_")[2] for name in linked} == {"0", "1"}  # __0_* and __1_*: both ranks' shards
+    full, _ = load_full_state(tmp_path / "step_000000003")
+    want = torch.load(tmp_path / "reference.pt", weights_only=True)
+    for key, value in want.items():
+        assert torch.equal(full["model"][key], value), key
+
+
+_CHAOS_TRAINER = r'''
+import sys, time, torch
+sys.path.insert(0, sys.argv[2])
+from tests.test_incremental import _state, _train
+from torch_ckpt import CheckpointManager
+state, model, opt = _state()
+with CheckpointManager(sys.argv[1], keep_last=2) as mgr:
+    step = mgr.restore(state) or 0
+    while True:
+        step += 1
+        _train(model, opt)
+        mgr.save(step, state)
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_kills_during_saves_and_retention_leave_no_dangling_file(tmp_path):
+    """SIGKILLs at random instants of incremental saves with retention: every committed step verifies and restores."""
+    import random
+    import subprocess
+    import sys
+    import time
+
+    repo = Path(__file__).resolve().parents[1]
+    script = tmp_path / "trainer.py"
+    script.write_text(_CHAOS_TRAINER)
+    root = tmp_path / "root"
+    rng = random.Random(14)
+    linked_steps = 0
+    for _ in range(8):
+        proc = subprocess.Popen([sys.executable, str(script), str(root), str(repo)], cwd=repo,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(rng.uniform(2.0, 4.0))  # the import takes ~1.5 s; then saves and deletions run back to back
+        proc.kill()
+        proc.wait()
+        listing = list_root(root, verify=True)
+        assert listing["counts"]["corrupt"] == 0
+        committed = [r for r in listing["steps"] if r["status"] == "committed"]
+        assert committed
+        linked_steps += sum(bool(r["linked_bytes"]) for r in committed)
+        for row in committed:  # each verified alone: every file it references is there, with its CRC-32
+            assert verify_checkpoint(root / row["name"])["ok"]
+    assert linked_steps > 0  # the kills hit a run of incremental saves
+    state, model, opt = _state(seed=99)
+    _train(model, opt)
+    with CheckpointManager(root, keep_last=2) as mgr:  # opening cleans the partials the kills left
+        assert mgr.restore(state) is not None
+    assert list_root(root)["counts"]["partial"] == 0

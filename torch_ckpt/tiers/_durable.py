@@ -332,8 +332,8 @@ class DurableTier:
         (:attr:`bytes_uploaded`): every stored step is a complete copy, whatever retention deletes."""
         loc = self.location(step)
         sources = self._copy_sources(files)
-        _run_all(self._put_verified, [(local_dir / name, loc, name, info, sources.get(name))
-                                      for name, info in sorted(files.items())], self.upload_threads, "torch_ckpt_upload")
+        work = [(local_dir / name, loc, name, info, sources.get(name)) for name, info in sorted(files.items())]
+        _run_all(self._put_verified, work, self.upload_threads, "torch_ckpt_upload")
 
     def _commit(self, loc: Location, manifest: Manifest) -> None:
         self.fs.pipe_file(f"{loc.path}/{MANIFEST_NAME}", json.dumps(manifest.to_json(), separators=(",", ":")).encode())

@@ -346,9 +346,9 @@ def _ls_text(result: dict[str, Any]) -> str:
         step = "-" if r["step"] is None else str(r["step"])
         age = "-" if r["age_s"] is None else \
             f"{format_duration(r['age_s'])} ago" if r["age_s"] >= 0 else "in the future"
+        written = "-" if r.get("written_bytes") is None else fmt_bytes(r["written_bytes"])
         rows.append([step, r["name"] + (f" -> {r['link_to']}" if r["link_to"] else ""), _fmt_local_time(r["wall_time"]),
-                     age, fmt_bytes(r["bytes"]), "-" if r.get("written_bytes") is None else fmt_bytes(r["written_bytes"]),
-                     ",".join(r["tiers"]) or "-",
+                     age, fmt_bytes(r["bytes"]), written, ",".join(r["tiers"]) or "-",
                      r["status"] + (", superseded" if r["superseded"] else "")])
         if r["alias_of"] is not None:
             continue  # its target's row carries the notes
@@ -365,8 +365,9 @@ def _ls_text(result: dict[str, Any]) -> str:
         (f", {c['plain-dcp']} plain DCP" if c["plain-dcp"] else "") + \
         (f", {result['superseded']} superseded" if result["superseded"] else "") + \
         (" (checksums verified)" if result["verified"] else "")
-    foot = ("SIZE: the files the manifest lists (as verify and inspect count them); for a partial entry, what is present"
-            "\nWRITTEN: of SIZE, what its save wrote; the rest it hard-linked from an earlier checkpoint (incremental)")
+    foot = ("SIZE: the files the manifest lists (as verify and inspect count them); for a partial entry, what is "
+            "present\nWRITTEN: of SIZE, what its save wrote; the rest it hard-linked from an earlier checkpoint "
+            "(incremental)")
     if result["superseded"]:
         foot += ("\nsuperseded: a step of a timeline abandoned by a rollback (restore of an older step, then a save); "
                  "kept, never resumed")
