@@ -406,7 +406,7 @@ with CheckpointManager(sys.argv[1], keep_last=2) as mgr:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 def test_kills_during_saves_and_retention_leave_no_dangling_file(tmp_path):
     """SIGKILLs at random instants of incremental saves with retention: every committed step verifies and restores."""
     import random
@@ -423,7 +423,12 @@ def test_kills_during_saves_and_retention_leave_no_dangling_file(tmp_path):
     for _ in range(8):
         proc = subprocess.Popen([sys.executable, str(script), str(root), str(repo)], cwd=repo,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        time.sleep(rng.uniform(2.0, 4.0))  # the import takes ~1.5 s; then saves and deletions run back to back
+        newest = max((int(p.parent.name.split("_")[1]) for p in root.glob("step_*/manifest.json")), default=0)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not any(int(p.parent.name.split("_")[1]) > newest
+                                                      for p in root.glob("step_*/manifest.json")):
+            time.sleep(0.05)  # until this incarnation committed a save: then saves and deletions run back to back
+        time.sleep(rng.uniform(0.0, 1.0))
         proc.kill()
         proc.wait()
         listing = list_root(root, verify=True)
