@@ -71,6 +71,8 @@ log = get_logger(__name__)
 _calls = threading.local()
 #: Protocols whose root lies in a bucket that must exist (and is never created unless asked).
 _BUCKET_STORES = ("s3", "s3a", "gs", "gcs", "abfs", "az", "adl")
+#: Most server-side copies (files of incremental saves) one upload runs at once, beside its uploads.
+_COPY_THREADS = 8
 #: The upload record a node writes into a step's prefix once its files are uploaded and verified.
 _MARKER = "_uploaded_node_{:05d}.json"
 
@@ -333,7 +335,15 @@ class DurableTier:
         loc = self.location(step)
         sources = self._copy_sources(files)
         work = [(local_dir / name, loc, name, info, sources.get(name)) for name, info in sorted(files.items())]
-        _run_all(self._put_verified, work, self.upload_threads, "torch_ckpt_upload")
+        copies = [item for item in work if item[4] is not None]
+        # server-side copies take no upload bandwidth: they run beside the uploads, not in their turn
+        with ThreadPoolExecutor(max_workers=max(1, min(len(copies), _COPY_THREADS)),
+                                thread_name_prefix="torch_ckpt_copy") as pool:
+            copying = [pool.submit(self._put_verified, *item) for item in copies]
+            _run_all(self._put_verified, [item for item in work if item[4] is None], self.upload_threads,
+                     "torch_ckpt_upload")
+        for fut in copying:
+            fut.result()
 
     def _commit(self, loc: Location, manifest: Manifest) -> None:
         self.fs.pipe_file(f"{loc.path}/{MANIFEST_NAME}", json.dumps(manifest.to_json(), separators=(",", ":")).encode())
