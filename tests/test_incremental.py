@@ -444,3 +444,15 @@ def test_kills_during_saves_and_retention_leave_no_dangling_file(tmp_path):
     with CheckpointManager(root, keep_last=2) as mgr:  # opening cleans the partials the kills left
         assert mgr.restore(state) is not None
     assert list_root(root)["counts"]["partial"] == 0
+
+
+def test_a_node_local_root_links_too(tmp_path):
+    """With node-local roots (local_root_shared=False) a node's copy links unchanged tensors and restores bitwise."""
+    snaps = _save_steps(tmp_path, 3, local_root_shared=False)
+    manifest = read_manifest(tmp_path / "step_000000003")
+    assert manifest.node == 0 and _linked(tmp_path / "step_000000003")
+    state, model, opt = _state(seed=99)
+    _train(model, opt)
+    with CheckpointManager(tmp_path, local_root_shared=False) as mgr:
+        assert mgr.restore(state) == 3
+    _assert_equal(_snapshot(model, opt), snaps[3])
