@@ -58,7 +58,8 @@ def test_error_in_a_non_first_writer_thread_fails_the_save(tmp_path, monkeypatch
             raise OSError(errno.EFBIG, "File too large", str(self.path))
         return real(self, view)
 
-    with CheckpointManager(tmp_path, keep_last=1, thread_count=threads) as mgr:
+    # incremental=False: the same state saved again would be hard-linked, with no writer thread writing
+    with CheckpointManager(tmp_path, keep_last=1, thread_count=threads, incremental=False) as mgr:
         mgr.save(1, _mixed_state()).wait()
         monkeypatch.setattr(dcp_io._FileSink, "_write_all", write_all)
         with pytest.raises(CheckpointWriteError) as info:

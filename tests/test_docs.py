@@ -33,6 +33,7 @@ RUN_PAGES = {
     "docs/durable-tier.md": ("boto3", "s3fs", "moto.server"),
     "docs/clusters.md": (),
     "docs/memory-tier.md": (),
+    "docs/incremental.md": (),
     "docs/scheduling.md": (),
     "docs/lightning.md": ("lightning",),
     "docs/accelerate.md": ("accelerate",),

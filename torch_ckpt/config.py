@@ -57,6 +57,9 @@ class CheckpointConfig:
             the available memory (cgroup-aware) over the local ranks. A state that does not fit is saved
             synchronously from the live tensors (logged), never by over-allocating.
         thread_count: DCP writer threads (and files) per rank (int, 1-256); 2 overlaps checksumming with writing.
+        incremental: Do not rewrite tensors unchanged since the last committed save into the same root (same
+            CRC-32 of their staged bytes): hard-link the data file holding them (the durable tier copies it
+            server-side). Each checkpoint stays self-contained; ``False`` writes every byte of every save.
         verify_on_load: Check every file's CRC-32 before loading (sizes are always checked).
         on_world_size_change: What ``restore()`` does with rank-local state (RNG, dataloader position)
             when the world size differs: ``"error"`` or ``"keep_live"``.
@@ -133,6 +136,7 @@ class CheckpointConfig:
     writer_niceness: int = 0
     staging_budget_bytes: int | str | None = None
     thread_count: int = 2
+    incremental: bool = True
     verify_on_load: bool = True
     on_world_size_change: str = "error"
     timeout_seconds: float | str = 600.0
@@ -173,7 +177,7 @@ class CheckpointConfig:
 
     def __post_init__(self) -> None:
         for name in ("async_save", "overlap_staging", "verify_on_load", "read_only", "durable_create",
-                     "explicit_paths_only"):
+                     "explicit_paths_only", "incremental"):
             check_bool(name, getattr(self, name))
         for name in ("keep_last", "keep_every_n_steps", "save_every_n_steps", "durable_keep_last",
                      "durable_keep_every_n_steps", "memory_every_n_steps"):

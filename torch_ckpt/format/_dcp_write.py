@@ -34,6 +34,8 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from torch_ckpt.distributed._context import quiet_single_process_warning
 from torch_ckpt.errors import CheckpointWriteError
+from torch_ckpt.format import _incremental
+from torch_ckpt.format._incremental import LINK_MIN_SHARE, Baseline, Record
 from torch_ckpt.storage._crc import crc32
 
 quiet_single_process_warning()  # dcp.save runs with this writer and no_dist=True when there is no process group
@@ -283,7 +285,11 @@ class _FileSink(io.RawIOBase):
     def __init__(self, path: str | os.PathLike, *, write_behind: bool = False) -> None:
         super().__init__()
         self.path = Path(path)
-        self._f = self.path.open("wb", buffering=0)  # raw FileIO: every write is one system call
+        try:  # never opened for writing in place: a hard link (incremental saves) would change every copy
+            self._f = self.path.open("xb", buffering=0)  # raw FileIO: every write is one system call
+        except FileExistsError:
+            os.unlink(self.path)
+            self._f = self.path.open("xb", buffering=0)
         self._fd = self._f.fileno()
         self._behind = WriteBehind(self._fd, self.path, enabled=write_behind)
         self._buf = bytearray()
@@ -416,6 +422,34 @@ def _host_tensor(data: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def _record_id(index: Any) -> tuple:
+    """What identifies a tensor record across saves: its key and chunk offset (``MetadataIndex``)."""
+    return (index.fqn, tuple(index.offset) if index.offset is not None else None)
+
+
+def _in_threads(work: Any, buckets: list[list[WriteItem]], name: str) -> None:
+    """``work(bucket)`` for every bucket, the first on this thread, the others on threads of their own;
+    raises the first error."""
+    errors: list[BaseException] = []
+
+    def run(bucket: list[WriteItem]) -> None:
+        try:
+            work(bucket)
+        except BaseException as exc:  # noqa: BLE001 - raised below, on the caller's thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(b,), name=f"{name}_{i}", daemon=True)
+               for i, b in enumerate(buckets[1:], 1)]
+    for t in threads:
+        t.start()
+    if buckets:
+        run(buckets[0])
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+
+
 class _Aborted(Exception):
     """Another writer thread of the same save failed; this one stopped early."""
 
@@ -424,14 +458,22 @@ class ChecksumFileSystemWriter(FileSystemWriter):
     """DCP ``StorageWriter`` writing ``thread_count`` files per rank (``__{rank}_{i}.distcp``, balanced by
     bytes) into local ``path``, fsynced with ``sync_files``. An error in any thread fails :meth:`write_data`
     (the others stop at their next item); see :attr:`error`.
+
+    ``incremental=(final, step)``: ``path`` is the partial of checkpoint directory ``final`` (of ``step``);
+    host tensors unchanged since this root's last committed save (same signature and CRC-32 of their
+    bytes) are not written: their data file is hard-linked from that checkpoint
+    (:mod:`torch_ckpt.format._incremental`, :attr:`linked_files`); new files then take the next free names.
     """
 
-    def __init__(self, path: str | os.PathLike, *, thread_count: int = 1, sync_files: bool = True) -> None:
+    def __init__(self, path: str | os.PathLike, *, thread_count: int = 1, sync_files: bool = True,
+                 incremental: tuple[Path, int] | None = None) -> None:
         super().__init__(path, single_file_per_rank=True, sync_files=sync_files, thread_count=thread_count,
                          overwrite=True)
         self.fs = _ChecksumFileSystem(self)
         self.path = self.fs.init_path(path)
+        self._target = incremental
         self._files: dict[str, tuple[int, int]] = {}
+        self._linked: dict[str, int] = {}
         self._errors: list[BaseException] = []
         self._lock = threading.Lock()
 
@@ -478,6 +520,91 @@ class ChecksumFileSystemWriter(FileSystemWriter):
         with self._lock:
             return dict(self._files)
 
+    @property
+    def linked_files(self) -> dict[str, int]:
+        """``{file name: step of the checkpoint it was hard-linked from}`` of this rank's linked data files."""
+        with self._lock:
+            return dict(self._linked)
+
+    # -- incremental saves -----------------------------------------------------------------------
+    def _digests(self, items: list[WriteItem], planner: SavePlanner) -> dict[Any, tuple[tuple, tuple[int, int], int]]:
+        """``{item index: (signature, (bytes, crc32) of the data, record length)}`` of the host tensors of
+        ``items`` with a fixed record framing (others are always written), ``thread_count`` threads at once."""
+        out: dict[Any, tuple[tuple, tuple[int, int], int]] = {}
+
+        def digest(bucket: list[WriteItem]) -> None:
+            for item in bucket:
+                if item.type == WriteItemType.BYTE_IO:
+                    continue
+                data = planner.resolve_data(item)
+                if not isinstance(data, torch.Tensor) or data.device.type != "cpu":
+                    continue  # a live device tensor (unstaged save): not copied twice to digest it
+                tensor = _host_tensor(data)
+                framing, key = record_framing(tensor), _record_key(tensor)
+                if framing is None or key is None:
+                    continue
+                view = _data_view(tensor)
+                found = (key, (view.nbytes, crc32(view)), len(framing[0]) + view.nbytes + len(framing[1]))
+                with self._lock:
+                    out[item.index] = found
+
+        _in_threads(digest, _balance(items, self.thread_count), "torch_ckpt_dcp_digest")
+        return out
+
+    def _reuse(self, prefix: str, items: list[WriteItem], digests: dict[Any, tuple]) -> dict[Any, WriteResult]:
+        """Link the previous save's data files whose records ``items`` can point at; ``{item index: result}``."""
+        assert self._target is not None
+        base = _incremental.baseline_for(self._target[0], prefix)
+        if base is None:
+            return {}
+        by_file: dict[str, list[tuple[WriteItem, Record]]] = {}
+        for item in items:
+            found, rec = digests.get(item.index), base.records.get(_record_id(item.index))
+            if found is not None and rec is not None and found == (rec.signature, rec.digest, rec.length):
+                by_file.setdefault(rec.file, []).append((item, rec))
+        reused: dict[Any, WriteResult] = {}
+        for name, pairs in sorted(by_file.items()):
+            if sum(rec.length for _, rec in pairs) < LINK_MIN_SHARE * base.files[name][0]:
+                continue  # mostly stale records: its live tensors are written instead
+            if not _incremental.link_file(base, name, Path(self.path)):
+                continue
+            with self._lock:
+                self._files[name] = base.files[name][:2]
+                self._linked[name] = base.step
+            for item, rec in pairs:
+                reused[item.index] = WriteResult(index=item.index, size_in_bytes=rec.length,
+                                                 storage_data=_StorageInfo(name, rec.offset, rec.length))
+        return reused
+
+    def _remember(self, prefix: str, results: list[WriteResult], digests: dict[Any, tuple]) -> None:
+        """Record this save's data files and tensor records as the baseline of the next (once committed)."""
+        assert self._target is not None
+        final, step = self._target
+        files: dict[str, tuple[int, int, int, int]] = {}
+        records: dict[tuple, Record] = {}
+        for r in results:
+            info = cast(_StorageInfo, r.storage_data)
+            name = str(info.relative_path)
+            if name not in files:
+                st = os.stat(Path(self.path) / name)
+                size, crc = self.written_files[name]
+                files[name] = (size, crc, st.st_dev, st.st_ino)
+            found = digests.get(r.index)
+            if found is not None and found[2] == info.length:
+                records[_record_id(r.index)] = Record(name, info.offset, info.length, found[0], found[1])
+        _incremental.remember(final, prefix, Baseline(directory=Path(final), step=step, files=files, records=records))
+
+    def _new_names(self, prefix: str, count: int) -> list[str]:
+        """``count`` data file names ``{prefix}{i}.distcp``, skipping those of linked files."""
+        names: list[str] = []
+        i = 0
+        while len(names) < count:
+            name = f"{prefix}{i}{_DISTCP_SUFFIX}"
+            if name not in self._linked:
+                names.append(name)
+            i += 1
+        return names
+
     # -- StorageWriter -----------------------------------------------------------------------------
     def _write_file(self, file_name: str, items: list[WriteItem], planner: SavePlanner,
                     abort: threading.Event) -> list[WriteResult]:
@@ -515,8 +642,11 @@ class ChecksumFileSystemWriter(FileSystemWriter):
             CheckpointWriteError: a write, fsync or size check failed (errno of the first OS error).
         """
         prefix = plan.storage_data.prefix
-        buckets = _balance(list(plan.items), self.thread_count)
-        names = [f"{prefix}{i}{_DISTCP_SUFFIX}" for i in range(len(buckets))]
+        items = list(plan.items)
+        digests = self._digests(items, planner) if self._target is not None else {}
+        reused = self._reuse(prefix, items, digests) if digests else {}
+        buckets = _balance([item for item in items if item.index not in reused], self.thread_count)
+        names = self._new_names(prefix, len(buckets))
         abort = threading.Event()
         outcomes: list[Any] = [None] * len(buckets)
 
@@ -546,6 +676,9 @@ class ChecksumFileSystemWriter(FileSystemWriter):
             code = first.errno if isinstance(first, OSError) and first.errno is not None else errno_mod.EIO
             raise CheckpointWriteError(code, f"writing {len(failed)} of {len(buckets)} data files in {self.path} "
                                              f"failed: {detail}")
+        results += reused.values()
+        if self._target is not None:
+            self._remember(prefix, results, digests)
         done: torch.futures.Future[list[WriteResult]] = torch.futures.Future()
         done.set_result(results)
         return done

@@ -439,6 +439,17 @@ MAX_MANIFEST_INT_DIGITS = 20
 """Longest integer in a manifest (digits); sizes, steps and CRCs fit in 64 bits."""
 
 
+#: the manifest field of a file an incremental save hard-linked (the step of the checkpoint it was linked from)
+LINKED_FROM = "linked_from"
+
+
+def bytes_written(files: Mapping[str, Mapping[str, int]]) -> tuple[int, int]:
+    """``(bytes written, bytes referenced)`` of a manifest's ``files``: those the save wrote, and those it
+    hard-linked from an earlier checkpoint (shared on disk, still part of this checkpoint)."""
+    linked = sum(info["bytes"] for info in files.values() if LINKED_FROM in info)
+    return sum(info["bytes"] for info in files.values()) - linked, linked
+
+
 def rank_file_name(rank: int) -> str:
     """Per-rank JSON file holding that rank's non-tensor state."""
     return f"rank_{rank:05d}.json"
@@ -451,7 +462,9 @@ class Manifest:
     Attributes:
         step: training step (int).
         world_size: number of ranks that wrote it.
-        files: ``{file name: {"bytes": int, "crc32": int}}`` for every file except the manifest.
+        files: ``{file name: {"bytes": int, "crc32": int}}`` for every file except the manifest; a data file an
+            incremental save hard-linked from an earlier checkpoint instead of writing it also has
+            ``"linked_from": <that checkpoint's step>`` (:func:`bytes_written`).
         wall_time: Unix time (seconds) of the commit.
         torch_version: ``torch.__version__`` of the writer.
         tensor_bytes: bytes of tensor payload saved (all ranks, after deduplication).
@@ -536,6 +549,8 @@ class Manifest:
                 try:
                     files[name] = {"bytes": _int_field(info, "bytes", 0, (1 << 63) - 1),
                                    "crc32": _int_field(info, "crc32", 0, (1 << 32) - 1)}
+                    if LINKED_FROM in info:
+                        files[name][LINKED_FROM] = _int_field(info, LINKED_FROM, 0, (1 << 63) - 1)
                 except Malformed as exc:
                     raise Malformed(f"entry of {name!r}: {exc}") from None
             wall_time: Any = data.get("wall_time")

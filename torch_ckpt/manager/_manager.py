@@ -485,6 +485,7 @@ class CheckpointManager:
         writer_niceness: int | DefaultType = DEFAULT,
         staging_budget_bytes: int | str | None | DefaultType = DEFAULT,
         thread_count: int | DefaultType = DEFAULT,
+        incremental: bool | DefaultType = DEFAULT,
         verify_on_load: bool | DefaultType = DEFAULT,
         on_world_size_change: str | DefaultType = DEFAULT,
         timeout_seconds: float | str | DefaultType = DEFAULT,
@@ -558,7 +559,7 @@ class CheckpointManager:
                                        staging_budget_bytes=cast(int | None, cfg.staging_budget_bytes),
                                        thread_count=cfg.thread_count, timeout_seconds=cast(float, cfg.timeout_seconds),
                                        process_group=cfg.process_group,
-                                       on_write_error=cfg.on_write_error)
+                                       on_write_error=cfg.on_write_error, incremental=cfg.incremental)
         self._ctx = ctx = self._ckpt.ctx
         try:  # the root layout (root._layout.SharedRoot, or root._nodes.NodeLayout for node-local roots): chosen once
             self._roots = choose_layout(ctx, cfg.local_root_shared, persist=persist_node_local)

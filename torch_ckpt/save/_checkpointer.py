@@ -34,7 +34,7 @@ from torch.distributed.tensor import DTensor
 from torch_ckpt import errors as errors_module
 from torch_ckpt._lifecycle import finish_at_exit
 from torch_ckpt._logging import get_logger
-from torch_ckpt._values import check_int, to_seconds
+from torch_ckpt._values import check_bool, check_int, to_seconds
 from torch_ckpt.distributed._context import DistContext
 from torch_ckpt.errors import CheckpointError, CheckpointWriteError, ConfigError
 from torch_ckpt.format._files import is_per_rank_key, split_state, tensor_kind
@@ -371,7 +371,7 @@ class AsyncCheckpointer:
     """Asynchronous, atomic DCP saves to explicit directories; collective over all ranks.
 
     ``async_save``, ``persist``, ``overlap_staging``, ``writer_niceness``, ``staging_budget_bytes``,
-    ``thread_count``, ``timeout_seconds``, ``process_group`` and ``on_write_error`` are the
+    ``thread_count``, ``timeout_seconds``, ``process_group``, ``on_write_error`` and ``incremental`` are the
     :class:`~torch_ckpt.CheckpointConfig` fields of the same names. A state over the staging budget
     (default: half the available memory at each save, cgroup-aware, over the local ranks), or whose
     arena cannot be allocated, is saved synchronously from the live tensors (logged);
@@ -400,6 +400,7 @@ class AsyncCheckpointer:
         process_group: Any = None,
         on_write_error: str = "raise",
         distributed: bool = True,
+        incremental: bool = True,
     ) -> None:
         if on_write_error not in ("raise", "warn"):
             raise ConfigError(f"on_write_error must be 'raise' or 'warn', got {on_write_error!r}")
@@ -412,6 +413,7 @@ class AsyncCheckpointer:
         self.on_write_error = on_write_error
         self.failed_saves: list[dict[str, Any]] = []
         self.thread_count = thread_count
+        self.incremental = check_bool("incremental", incremental)
         self.overlap_staging = bool(overlap_staging)
         self.writer_niceness = writer_niceness
         self._ctx = DistContext(timeout_seconds=timeout_seconds, process_group=process_group,
@@ -733,7 +735,7 @@ class AsyncCheckpointer:
             failed_names, self._failed_names = tuple(self._failed_names), []
             staged = replace(req, after_commit=None, tree=job.tree, tensor_bytes=handle.stats.bytes,
                              thread_count=self.thread_count, timings={"staging_s": handle.stats.staging_s},
-                             incarnation=self._incarnation, failed=failed,
+                             incarnation=self._incarnation, failed=failed, incremental=self.incremental,
                              nodes=self.layout if req.nodes is None else req.nodes,
                              failed_names=failed_names, reserved=job.reserved)
             if self._process_writer is not None and (job.fits or failed is not None):

@@ -25,7 +25,7 @@ from torch_ckpt._logging import get_logger
 from torch_ckpt.distributed._context import DistContext
 from torch_ckpt.errors import CheckpointError, CheckpointWriteError
 from torch_ckpt.format._dcp_write import ChecksumFileSystemWriter, FlatKeysSavePlanner, group_by_first_segment
-from torch_ckpt.format._files import unwrap_dcp_error
+from torch_ckpt.format._files import LINKED_FROM, unwrap_dcp_error
 from torch_ckpt.policy._lineage import BASE
 from torch_ckpt.root._layout import (
     MANIFEST_NAME,
@@ -68,6 +68,8 @@ class SaveRequest:
         failed: this rank's staging failed with this message: it joins every collective, writes nothing.
         nodes: the root layout (None: the engine's, a shared root by default). failed_names: earlier failed saves whose
             temporaries go first. reserved: the engine created ``final`` empty; a failed save removes it.
+        incremental: tensors unchanged since this root's last committed save are hard-linked, not written
+            (:mod:`torch_ckpt.format._incremental`).
     """
 
     final: Path
@@ -87,6 +89,7 @@ class SaveRequest:
     nodes: SharedRoot | NodeLayout | None = None
     failed_names: tuple[str, ...] = ()
     reserved: bool = False
+    incremental: bool = False
 
 
 #: ``((key, shape, dtype, offset_bytes), ...)``: where each tensor lives in the staging arena.
@@ -197,7 +200,10 @@ def write_shards(req: SaveRequest, ctx: DistContext, part: SharedPart, final: Pa
             raise CheckpointWriteError(f"staging step {req.step} failed on rank {ctx.rank}: {req.failed}")
         rank_doc = {"step": req.step, "rank": ctx.rank, "world_size": ctx.world_size, "tree": req.tree}
         size, crc = write_json_durable(tmp / rank_file_name(ctx.rank), rank_doc)
+        linked = writer.linked_files
         files = {name: {"bytes": b, "crc32": c} for name, (b, c) in writer.written_files.items()}
+        for name, step in linked.items():
+            files[name][LINKED_FROM] = step
         files[rank_file_name(ctx.rank)] = {"bytes": size, "crc32": crc}
         check_on_disk(tmp, files)
         check_owner(req, final)
@@ -247,7 +253,8 @@ class SharedPart:
         self.leader = ctx.is_coordinator  # this rank prepares, finishes and commits a partial in its root
 
     def writer(self, tmp: Path, req: SaveRequest) -> ChecksumFileSystemWriter:
-        return ChecksumFileSystemWriter(tmp, thread_count=req.thread_count, sync_files=True)
+        return ChecksumFileSystemWriter(tmp, thread_count=req.thread_count, sync_files=True,
+                                        incremental=(req.final, req.step) if req.incremental else None)
 
     def planner(self) -> Any:
         return FlatKeysSavePlanner()  # the grouped state writes the same metadata as a flat one

@@ -30,7 +30,8 @@ class _NodePart(SharedPart):
         self.leader = layout.is_leader
 
     def writer(self, tmp: Path, req: SaveRequest) -> RecordingWriter:
-        return RecordingWriter(tmp, thread_count=req.thread_count, sync_files=True, rank_node=self.layout.rank_node)
+        return RecordingWriter(tmp, thread_count=req.thread_count, sync_files=True, rank_node=self.layout.rank_node,
+                               incremental=(req.final, req.step) if req.incremental else None)
 
     def planner(self) -> Any:
         return NodeDedupPlanner(self.layout.rank_node)

@@ -33,8 +33,9 @@ from tqdm import tqdm
 
 from torch_ckpt._logging import get_logger
 from torch_ckpt._values import check_int, to_seconds
-from torch_ckpt.errors import CheckpointCorruptError, ConfigError
+from torch_ckpt.errors import CheckpointCorruptError, CheckpointError, ConfigError
 from torch_ckpt.format._files import (
+    LINKED_FROM,
     MANIFEST_NAME,
     MAX_MANIFEST_BYTES,
     MAX_MANIFEST_DEPTH,
@@ -70,6 +71,8 @@ log = get_logger(__name__)
 _calls = threading.local()
 #: Protocols whose root lies in a bucket that must exist (and is never created unless asked).
 _BUCKET_STORES = ("s3", "s3a", "gs", "gcs", "abfs", "az", "adl")
+#: Most server-side copies (files of incremental saves) one upload runs at once, beside its uploads.
+_COPY_THREADS = 8
 #: The upload record a node writes into a step's prefix once its files are uploaded and verified.
 _MARKER = "_uploaded_node_{:05d}.json"
 
@@ -119,8 +122,10 @@ class DurableTier:
         self.part_bytes = part_bytes
         self.upload_threads = upload_threads
         self.bytes_read_back = 0  # bytes read back from the store to verify uploads (0 when it verifies itself)
+        self.bytes_uploaded = 0  # bytes of files uploaded
+        self.bytes_copied = 0  # bytes of files copied server-side from an earlier step (incremental saves)
         self._store_checked: bool | None = None  # None: not tried yet; False: ETags are not MD5s
-        self._lock = threading.Lock()  # the two fields above, updated by upload threads
+        self._lock = threading.Lock()  # the fields above, updated by upload threads
         self.last_download: list[str] = []  # files fetched by the last download()
         protocol = self.fs.protocol
         self._protocol = protocol if isinstance(protocol, str) else protocol[0]
@@ -270,10 +275,41 @@ class DurableTier:
             return whole.hexdigest()
         return f"{hashlib.md5(b''.join(parts), usedforsecurity=False).hexdigest()}-{len(parts)}"
 
-    def _put_verified(self, local: Path, loc: Location, name: str, info: dict[str, int]) -> None:
-        """Upload one file, then check the stored object (by the store's digest, else read back)."""
+    def _copy_sources(self, files: dict[str, dict[str, int]]) -> dict[str, str]:
+        """``{name: path of the stored object to copy}`` for the files an incremental save hard-linked whose
+        checkpoint is committed on this tier with the same file (bytes and CRC-32 in its durable manifest)."""
+        sources: dict[str, str] = {}
+        for step in sorted({info[LINKED_FROM] for info in files.values() if LINKED_FROM in info}):
+            try:
+                listed = self.read_manifest(step).files
+            except (CheckpointError, OSError):  # not uploaded (replicate_every_n_saves), or deleted by retention
+                continue
+            for name, info in files.items():
+                held = listed.get(name)
+                if info.get(LINKED_FROM) == step and held is not None and \
+                        (held["bytes"], held["crc32"]) == (info["bytes"], info["crc32"]):
+                    sources[name] = f"{self.location(step).path}/{name}"
+        return sources
+
+    def _put_verified(self, local: Path, loc: Location, name: str, info: dict[str, int],
+                      copy_from: str | None = None) -> None:
+        """Upload one file (with ``copy_from``: copy that stored object server-side, uploading it where the
+        copy fails), then check the stored object (by the store's digest, else read back)."""
         extra = {"chunksize": self.part_bytes} if self._protocol in ("s3", "s3a") else {}
-        self.fs.put_file(str(local), f"{loc.path}/{name}", **extra)
+        copied = False
+        if copy_from is not None:
+            try:
+                self.fs.copy(copy_from, f"{loc.path}/{name}")
+                copied = True
+            except (OSError, ValueError) as exc:  # deleted by retention since it was listed, or not supported
+                log.debug("durable tier %s: server-side copy of %s failed (%s); uploading it", self.url, copy_from, exc)
+        if not copied:
+            self.fs.put_file(str(local), f"{loc.path}/{name}", **extra)
+        with self._lock:
+            if copied:
+                self.bytes_copied += info["bytes"]
+            else:
+                self.bytes_uploaded += info["bytes"]
         self.refresh()
         checksums = self.verify == "checksum"
         digests = None
@@ -291,10 +327,23 @@ class DurableTier:
 
     def put_all(self, local_dir: Path, step: int, files: dict[str, dict[str, int]]) -> None:
         """Upload and verify ``files`` (``{name: {"bytes", "crc32"}}``) of ``local_dir`` into the
-        directory of ``step``, ``upload_threads`` at once; writes no manifest (raises as :meth:`upload`)."""
+        directory of ``step``, ``upload_threads`` at once; writes no manifest (raises as :meth:`upload`).
+
+        A file an incremental save hard-linked (``linked_from``) is copied server-side from that step's object
+        when the tier holds it with the same bytes and CRC-32 (:attr:`bytes_copied`), else uploaded
+        (:attr:`bytes_uploaded`): every stored step is a complete copy, whatever retention deletes."""
         loc = self.location(step)
-        _run_all(self._put_verified, [(local_dir / name, loc, name, info) for name, info in sorted(files.items())],
-                 self.upload_threads, "torch_ckpt_upload")
+        sources = self._copy_sources(files)
+        work = [(local_dir / name, loc, name, info, sources.get(name)) for name, info in sorted(files.items())]
+        copies = [item for item in work if item[4] is not None]
+        # server-side copies take no upload bandwidth: they run beside the uploads, not in their turn
+        with ThreadPoolExecutor(max_workers=max(1, min(len(copies), _COPY_THREADS)),
+                                thread_name_prefix="torch_ckpt_copy") as pool:
+            copying = [pool.submit(self._put_verified, *item) for item in copies]
+            _run_all(self._put_verified, [item for item in work if item[4] is None], self.upload_threads,
+                     "torch_ckpt_upload")
+        for fut in copying:
+            fut.result()
 
     def _commit(self, loc: Location, manifest: Manifest) -> None:
         self.fs.pipe_file(f"{loc.path}/{MANIFEST_NAME}", json.dumps(manifest.to_json(), separators=(",", ":")).encode())

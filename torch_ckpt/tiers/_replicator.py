@@ -89,6 +89,7 @@ class Replicator:
         self._arranges = arranges
         self._cleared: Any = None  # lineage whose superseded durable steps are already moved aside
         self._uploaded_bytes = 0
+        self._copied_bytes = 0
         self._commits = commits
         self._known: dict[int, Manifest] | None = None  # the last listing of the tier (None: none succeeded)
         self._listed_at: float | None = None  # monotonic time of the last listing asked for
@@ -140,7 +141,8 @@ class Replicator:
 
     def stats(self) -> dict[str, Any]:
         """Replication state: ``durable_step``, ``pending_step``, ``lag_s`` (age of the newest durable copy,
-        seconds), ``outage_s``, ``last_error``, ``skipped`` (coalesced steps), ``uploaded_bytes``."""
+        seconds), ``outage_s``, ``last_error``, ``skipped`` (coalesced steps), ``uploaded_bytes`` (sent to the
+        store) and ``copied_bytes`` (files of incremental saves copied server-side from an earlier step)."""
         with self._cond:
             now = time.time()
             return {
@@ -152,6 +154,7 @@ class Replicator:
                 "last_error": self._last_error,
                 "skipped": self._skipped,
                 "uploaded_bytes": self._uploaded_bytes,
+                "copied_bytes": self._copied_bytes,
             }
 
     def durable_listing(self, *, refresh: bool = True) -> dict[int, Manifest] | None:
@@ -245,11 +248,14 @@ class Replicator:
             try:
                 manifest = read_manifest(local_dir)
                 if self._make_way(manifest):
+                    copied0 = self.tier.bytes_copied
                     self._upload(local_dir, manifest, self._newer_queued)
+                    copied = self.tier.bytes_copied - copied0  # hard-linked files copied server-side
                     with self._cond:
                         if self._durable_step is None or step > self._durable_step:  # history steps come later
                             self._durable_step, self._durable_time = step, time.time()
-                        self._uploaded_bytes += sum(f["bytes"] for f in manifest.files.values())
+                        self._uploaded_bytes += sum(f["bytes"] for f in manifest.files.values()) - copied
+                        self._copied_bytes += copied
                         if self._commits and self._known is not None:
                             self._known[step] = manifest
                         if self._outage_since is not None:

@@ -339,15 +339,16 @@ def _ls_text(result: dict[str, Any]) -> str:
     steps = result["steps"]
     if not steps:
         return f"{result['root']}: no checkpoints (a checkpoint is a directory holding a torch-ckpt manifest.json)"
-    rows = [["STEP", "NAME", "TIME", "AGE", "SIZE", "TIERS", "STATUS"]]
+    rows = [["STEP", "NAME", "TIME", "AGE", "SIZE", "WRITTEN", "TIERS", "STATUS"]]
     notes: list[str] = []
     held: dict[int, list[str]] = {}
     for r in steps:
         step = "-" if r["step"] is None else str(r["step"])
         age = "-" if r["age_s"] is None else \
             f"{format_duration(r['age_s'])} ago" if r["age_s"] >= 0 else "in the future"
+        written = "-" if r.get("written_bytes") is None else fmt_bytes(r["written_bytes"])
         rows.append([step, r["name"] + (f" -> {r['link_to']}" if r["link_to"] else ""), _fmt_local_time(r["wall_time"]),
-                     age, fmt_bytes(r["bytes"]), ",".join(r["tiers"]) or "-",
+                     age, fmt_bytes(r["bytes"]), written, ",".join(r["tiers"]) or "-",
                      r["status"] + (", superseded" if r["superseded"] else "")])
         if r["alias_of"] is not None:
             continue  # its target's row carries the notes
@@ -364,11 +365,13 @@ def _ls_text(result: dict[str, Any]) -> str:
         (f", {c['plain-dcp']} plain DCP" if c["plain-dcp"] else "") + \
         (f", {result['superseded']} superseded" if result["superseded"] else "") + \
         (" (checksums verified)" if result["verified"] else "")
-    foot = "SIZE: the files the manifest lists (as verify and inspect count them); for a partial entry, what is present"
+    foot = ("SIZE: the files the manifest lists (as verify and inspect count them); for a partial entry, what is "
+            "present\nWRITTEN: of SIZE, what its save wrote; the rest it hard-linked from an earlier checkpoint "
+            "(incremental)")
     if result["superseded"]:
         foot += ("\nsuperseded: a step of a timeline abandoned by a rollback (restore of an older step, then a save); "
                  "kept, never resumed")
-    return "\n".join([head, *_table(rows, right=(0, 4)), *notes, foot])
+    return "\n".join([head, *_table(rows, right=(0, 4, 5)), *notes, foot])
 
 
 def _add_inspect_arguments(p: argparse.ArgumentParser) -> None:
@@ -392,7 +395,9 @@ def _inspect_text(r: dict[str, Any]) -> str:
     lines = [f"note: {r['note']}"] if r["note"] else []
     lines += [f"step {r['step']}  {r['checkpoint']}",
               f"world size {r['world_size']}, saved {_fmt_local_time(r['wall_time'])} with torch {r['torch_version']}; "
-              f"{r['files']} files, {fmt_bytes(r['file_bytes'])} (the files the manifest lists)", ""]
+              f"{r['files']} files, {fmt_bytes(r['file_bytes'])} (the files the manifest lists)" +
+              (f"; {fmt_bytes(r['written_bytes'])} written by its save, {fmt_bytes(r['linked_bytes'])} hard-linked "
+               "from an earlier checkpoint (incremental)" if r.get("linked_bytes") else ""), ""]
     rows = [["COMPONENT", "BYTES", "TENSORS", "DTYPES", "OTHER"]]
     for c in [*r["components"], {"name": "total", **r["totals"], "dtypes": {}}]:
         other = [f"{c['arrays']} numpy array{'s' * (c['arrays'] > 1)} ({fmt_bytes(c['array_bytes'])})"] * bool(

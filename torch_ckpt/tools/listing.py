@@ -61,6 +61,7 @@ from torch_ckpt.format._files import (
     RANK_FILE_RE,
     TENSOR_TAG,
     Manifest,
+    bytes_written,
     embedded_info,
     load_dcp_metadata_bytes,
     metadata_problems,
@@ -296,6 +297,8 @@ def list_root(root: str | os.PathLike | Location, *, storage_options: dict[str, 
         ``status``, ``wall_time`` and ``time`` (ISO 8601 UTC: the commit time, else the directory's
         modification time), ``age_s``, ``mtime``, ``files`` and ``bytes`` (the files the manifest
         lists, as ``verify`` and ``inspect`` count them; for a partial entry what is present),
+        ``written_bytes`` and ``linked_bytes`` (of those, the bytes its save wrote and those it hard-linked
+        from an earlier checkpoint, shared on disk: an incremental save; None unless committed),
         ``disk_bytes`` (every file present), ``tensor_bytes``, ``world_size``, ``tiers`` (``{name:
         info}``: this root's own intact copy as "local" or "durable", plus the copies the manifest
         records), ``problems`` (``[{"file", "path", "problem"}]``), ``reason`` (why partial or
@@ -329,7 +332,8 @@ def list_root(root: str | os.PathLike | Location, *, storage_options: dict[str, 
             continue
         step = step_of(name)[0]
         row = {"step": step, "name": name, "status": PARTIAL, "wall_time": None, "time": None, "age_s": None,
-               "mtime": info["mtime"], "files": None, "bytes": None, "disk_bytes": None, "tensor_bytes": None,
+               "mtime": info["mtime"], "files": None, "bytes": None, "written_bytes": None, "linked_bytes": None,
+               "disk_bytes": None, "tensor_bytes": None,
                "world_size": None, "tiers": {}, "problems": [], "reason": None, "link_to": None, "alias_of": None,
                "superseded": aside is not None}
         child = loc.child(name)
@@ -366,6 +370,7 @@ def list_root(root: str | os.PathLike | Location, *, storage_options: dict[str, 
             row["reason"] = f"partial: {result['partial']}"
         if manifest is not None:
             lineages[name] = manifest.lineage
+            row["written_bytes"], row["linked_bytes"] = bytes_written(manifest.files)
             row.update(step=manifest.step, files=result["files"], bytes=result["bytes"], wall_time=manifest.wall_time,
                        time=iso_time(manifest.wall_time), age_s=now - manifest.wall_time,
                        tensor_bytes=manifest.tensor_bytes, world_size=manifest.world_size)
@@ -530,6 +535,7 @@ def inspect_checkpoint(where: str | os.PathLike | Location, *, step: int | None 
     Returns:
         ``{"checkpoint", "step", "world_size", "wall_time", "time", "torch_version", "format_version",
         "files", "file_bytes"`` (the files the manifest lists, as ``ls`` and ``verify`` count them)
+        ``, "written_bytes", "linked_bytes"`` (of those, written by its save and hard-linked from an earlier one)
         ``, "manifest_tensor_bytes", "components", "totals", "note"`` (which checkpoint was chosen
         when several held the step)``}`` and with ``keys`` ``"keys"``. A component is ``{"name",
         "bytes"`` (tensors + arrays) ``, "tensor_bytes", "tensors", "dtypes": {dtype: count},
@@ -619,6 +625,7 @@ def inspect_checkpoint(where: str | os.PathLike | Location, *, step: int | None 
         "wall_time": manifest.wall_time, "time": iso_time(manifest.wall_time), "torch_version": manifest.torch_version,
         "format_version": manifest.format_version, "files": len(manifest.files),
         "file_bytes": sum(i["bytes"] for i in manifest.files.values()),
+        "written_bytes": bytes_written(manifest.files)[0], "linked_bytes": bytes_written(manifest.files)[1],
         "manifest_tensor_bytes": manifest.tensor_bytes, "components": components, "totals": totals,
         "note": note,
     }
