@@ -17,9 +17,9 @@ Exits non-zero when anything differs, nothing was resumed, or node 1 read anythi
 
 With ``--memory`` (``make demo-cluster-memory``) the run also saves into the memory tier (a tmpfs directory per
 node, under ``/dev/shm`` when there is one) every step, each node's newest memory step replicated to the other
-node; every rank is killed (SIGKILL) mid-run between two disk saves, node 1's disk and tmpfs are wiped, and the
-same command resumes: node 0 from its own memory, node 1 from the copy node 0 held for it (``memory-peer``),
-at a step newer than any disk or durable checkpoint.
+node; the run is killed mid-run between two disk saves (one rank SIGKILLs itself, the launcher stops the
+rest), node 1's disk and tmpfs are wiped, and the same command resumes: node 0 from its own memory, node 1
+from the copy node 0 held for it (``memory-peer``), at a step newer than any disk or durable checkpoint.
 
     python examples/demo_cluster.py --work-dir demo_cluster [--memory]
 """

@@ -378,8 +378,9 @@ def train(args: argparse.Namespace, rank: int = 0, world: int = 1) -> dict:
                                memory_root=memory_root) as mgr:
             resumed = mgr.restore(state)  # ckpt: newest committed checkpoint, loaded in place; None: fresh start
             if args.simulate_nodes > 1 and resumed is not None and os.environ.get("LOCAL_RANK") == "0":
-                print(f"train_gpt: node {os.environ['GROUP_RANK']} (rank {rank}) restored step {resumed} from "
-                      f"{mgr.restore_source}", flush=True)
+                sys.stdout.write(f"train_gpt: node {os.environ['GROUP_RANK']} (rank {rank}) restored step {resumed} "
+                                 f"from {mgr.restore_source}\n")  # one write: the nodes' lines never run together
+                sys.stdout.flush()
             if lead and not args.quiet:
                 where = f"resumed from step {resumed}" if resumed is not None else "starting fresh"
                 print(

@@ -124,16 +124,18 @@ def test_durable_tier_holds_each_tensor_once(two_nodes, s3):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("command", ["ls", "verify"])
+@pytest.mark.parametrize("command", ["ls", "verify", "inspect"])
 def test_cli_says_a_node_copy_is_partial(two_nodes, command):
-    """ls and verify report one node's copy as this node's shards (OK), not as corrupt."""
+    """ls, verify and inspect report one node's copy as this node's (OK), not as corrupt."""
     import subprocess
     import sys
 
     out = subprocess.run([sys.executable, "-m", "torch_ckpt", command, str(two_nodes / "node1")],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
-    assert "partial: this node's shards (node 1 of 2)" in out.stdout
+    want = "node 1's copy of a node-local checkpoint" if command == "inspect" else \
+        "partial: this node's copy of a node-local checkpoint (node 1 of 2); the other nodes' copies hold the rest"
+    assert want in out.stdout
     assert "corrupt" not in out.stdout.replace("0 corrupt", "")
 
 

@@ -122,6 +122,34 @@ def test_a_due_memory_save_is_put_off_while_a_disk_save_is_written(tmp_path, mon
     assert _steps(tmp_path / "mem") == [5]
 
 
+def test_a_memory_save_put_off_comes_at_the_next_step_not_the_next_multiple(tmp_path, monkeypatch):
+    """memory_every_n_steps=3: step 3, due while a disk write is in flight, is saved at step 4 once it is done."""
+    import threading
+
+    from torch_ckpt.save import _checkpointer
+
+    release = threading.Event()
+    real = _checkpointer.persist_checkpoint
+
+    def held_back(req, ctx):
+        if req.nodes is None or not req.nodes.node_local:  # the disk save: held until released
+            assert release.wait(30)
+        return real(req, ctx)
+
+    monkeypatch.setattr(_checkpointer, "persist_checkpoint", held_back)
+    state, _, _ = _state()
+    with CheckpointManager(tmp_path / "disk", memory_root=str(tmp_path / "mem"), memory_every_n_steps=3,
+                           memory_keep_last=10) as mgr:
+        disk = mgr.save(2, state)
+        assert mgr.save_if_due(3, state) is None  # due, put off: the disk write is in flight
+        release.set()
+        disk.wait()
+        handle = mgr.save_if_due(4, state)
+        assert handle is not None and Path(handle.committed.result(30)).parent.name == "mem"
+        assert mgr.save_if_due(5, state) is None  # owed no more
+    assert _steps(tmp_path / "mem") == [4]
+
+
 def test_memory_saves_do_not_count_for_disk_retention(tmp_path):
     """keep_last on the disk root retires disk steps only; memory saves never push a disk step out."""
     state, model, opt = _state()

@@ -107,6 +107,7 @@ class MemoryTier:
         self.rolled_back_to: int | None = None  # a restore's step: newer memory steps go at the next save
         self.listed: dict[int, Lineage] = {}  # every node's memory steps at the last restore: {step: lineage}
         self.last_step: int | None = None  # the newest step seen by save() or due(), for health()
+        self._owed = False  # rank 0: a due memory save was put off while another save was being written
         self.source = "memory"  # the last memory restore's source on this rank: "memory" or "memory-peer"
         self.error: CheckpointError | None = None
         self._lock: RootLock | None = None
@@ -211,15 +212,19 @@ class MemoryTier:
             return False
         self._saw(step)
         now = time.monotonic()
-        self.cadence.record_step(step, now, busy=self.engine.in_flight is not None)
-        decision = self.cadence.decide(step, now) and self.engine.in_flight is None \
-            if self.ctx.is_coordinator else False
+        busy = self.engine.in_flight is not None
+        self.cadence.record_step(step, now, busy=busy)
+        decision = False
+        if self.ctx.is_coordinator:
+            wanted = self.cadence.decide(step, now) or self._owed  # a save put off while another was written
+            self._owed, decision = wanted and busy, wanted and not busy
         return bool(self.ctx.broadcast(decision, what="memory save decision"))
 
     def disk_saved(self, step: int) -> None:
         """A disk save of ``step`` begins (``step`` finished): the memory clock restarts (a newer checkpoint
         exists), with no memory cost sample; the disk save's stall is no memory step time."""
         self._saw(step)
+        self._owed = False  # the disk checkpoint is newer than a memory save put off
         if self.cadence is not None:
             now = time.monotonic()
             self.cadence.record_step(step, now, busy=self.engine.in_flight is not None)

@@ -68,9 +68,11 @@ def partners(node: int, count: int, replicas: int, stride: int) -> list[int]:
     """
     ring = [(node + stride * i) % count for i in range(1, replicas + 1)]
     if node in ring or len(set(ring)) != len(ring):
+        most = count // math.gcd(count, stride) - 1  # the other nodes the stride reaches before it comes back
         raise ConfigError(f"memory_replicas={replicas} with memory_partner_stride={stride} on {count} nodes does not "
-                          f"give {replicas} distinct partner node(s) (node {node} would send to {ring}): use fewer "
-                          "replicas (at most nodes - 1) or a stride that does not divide into the node count")
+                          f"give {replicas} distinct partner node(s) (node {node} would send to {ring}): this stride "
+                          f"reaches {most} other node(s), so use memory_replicas <= {most}, or a stride that shares no "
+                          f"factor with {count} (e.g. 1: up to {count - 1})")
     return ring
 
 

@@ -70,8 +70,10 @@ from torch_ckpt.format._files import (
     rank_file_problems,
     read_listed,
     read_manifest,
+    read_metadata,
     read_rank_doc,
     record_problems,
+    tensor_items,
     verify_files,
     walk_tree,
 )
@@ -239,8 +241,9 @@ def check_dir(loc: Location, *, checksums: bool, structure: bool,
             rep.problem(MANIFEST_NAME, f"says step {manifest.step} but the directory is {loc.name}")
         mine = manifest
         if manifest.partial:  # one node's copy of a node-local checkpoint: that node's files only
-            out["partial"] = (f"this node's shards (node {manifest.node} of {max(manifest.nodes['rank_node']) + 1}); "
-                              "the other nodes and the durable tier hold the rest")
+            count = max(manifest.nodes["rank_node"]) + 1
+            out["partial"] = (f"this node's copy of a node-local checkpoint (node {manifest.node} of {count})"
+                              + ("; the other nodes' copies hold the rest" if count > 1 else ""))
             mine = dataclasses.replace(manifest, files=manifest.local_files())
         out.update(step=manifest.step, world_size=manifest.world_size, files=len(mine.files),
                    bytes=sum(i["bytes"] for i in mine.files.values()))
@@ -552,12 +555,17 @@ def inspect_checkpoint(where: str | os.PathLike | Location, *, step: int | None 
     """
     loc, note = find_checkpoint(where, step=step, storage_options=storage_options)
     manifest = read_manifest(loc)
-    if METADATA_NAME not in manifest.files:
+    # one node's copy of a node-local checkpoint (a node root, a memory root): its files, its ranks' values
+    mine = dataclasses.replace(manifest, files=manifest.local_files()) if manifest.partial else manifest
+    if not manifest.partial and METADATA_NAME not in manifest.files:
         raise CheckpointCorruptError(f"{loc.describe(METADATA_NAME)}: DCP metadata is not listed in the manifest")
     problems: list[tuple[str, str]] = []  # the listed files must be what a restore reads: regular files, listed sizes
-    verify_files(loc, manifest, checksums=False, collect=problems)
+    verify_files(loc, mine, checksums=False, collect=problems)
     tensors: dict[str, Any] = {}
-    if not problems:
+    if not problems and manifest.partial:
+        md = read_metadata(loc, manifest)  # the node's view of the DCP metadata, validated
+        tensors = tensor_items(md)
+    elif not problems:
         md = load_dcp_metadata_bytes(read_listed(loc, manifest, METADATA_NAME, MAX_METADATA_BYTES),
                                      loc.describe(METADATA_NAME))
         problems, tensors = metadata_problems(md, manifest)
@@ -593,9 +601,11 @@ def inspect_checkpoint(where: str | os.PathLike | Location, *, step: int | None 
         add(top, key, list(tmd.size), str(tmd.properties.dtype).removeprefix("torch."),
             math.prod(tmd.size) * tmd.properties.dtype.itemsize, "tensor", chunks=len(tmd.chunks))
 
-    with tqdm(total=manifest.world_size, desc=f"inspect {loc.name}", unit="rank", leave=False, dynamic_ncols=True,
-              disable=None if progress and manifest.world_size > 8 else True) as bar:  # None: only on a terminal
-        for rank in range(manifest.world_size):
+    ranks = [r for r, n in enumerate(manifest.nodes["rank_node"]) if n == manifest.node] if manifest.partial \
+        else range(manifest.world_size)
+    with tqdm(total=len(ranks), desc=f"inspect {loc.name}", unit="rank", leave=False, dynamic_ncols=True,
+              disable=None if progress and len(ranks) > 8 else True) as bar:  # None: only on a terminal
+        for rank in ranks:
             tree = read_rank_doc(loc, manifest, rank)["tree"]
             for top, sub in tree.items() if isinstance(tree, dict) else [("<root>", tree)]:
                 comps[top]  # a component is listed even when empty
@@ -610,11 +620,14 @@ def inspect_checkpoint(where: str | os.PathLike | Location, *, step: int | None 
                     elif kind in ("inline", "ndarray"):
                         add(top, ".".join(path), *embedded_info(kind, node),
                             "tensor" if kind == "inline" else "ndarray", rank=rank)
-                    elif kind != "tensor" and rank == 0:
+                    elif kind != "tensor" and rank == ranks[0]:
                         comps[top]["values"] += 1
             bar.update(1)
-    for key in (k for k in tensors if k not in seen):
+    for key in (k for k in tensors if k not in seen and not manifest.partial):  # a node copy: others' ranks' keys
         add_dcp("(not in state)", key)
+    if manifest.partial:
+        note = " ".join(filter(None, [note, f"node {manifest.node}'s copy of a node-local checkpoint: the values of "
+                                            f"its ranks {list(ranks)}, and the tensors their state refers to"]))
     components = [{"name": name, **c, "bytes": c["tensor_bytes"] + c["array_bytes"],
                    "dtypes": dict(sorted(c["dtypes"].items()))} for name, c in comps.items()]
     totals = {k: sum(c[k] for c in components)
@@ -623,9 +636,9 @@ def inspect_checkpoint(where: str | os.PathLike | Location, *, step: int | None 
     out: dict[str, Any] = {
         "checkpoint": loc.describe(), "step": manifest.step, "world_size": manifest.world_size,
         "wall_time": manifest.wall_time, "time": iso_time(manifest.wall_time), "torch_version": manifest.torch_version,
-        "format_version": manifest.format_version, "files": len(manifest.files),
-        "file_bytes": sum(i["bytes"] for i in manifest.files.values()),
-        "written_bytes": bytes_written(manifest.files)[0], "linked_bytes": bytes_written(manifest.files)[1],
+        "format_version": manifest.format_version, "files": len(mine.files),
+        "file_bytes": sum(i["bytes"] for i in mine.files.values()),
+        "written_bytes": bytes_written(mine.files)[0], "linked_bytes": bytes_written(mine.files)[1],
         "manifest_tensor_bytes": manifest.tensor_bytes, "components": components, "totals": totals,
         "note": note,
     }
