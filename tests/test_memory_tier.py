@@ -766,3 +766,22 @@ def test_a_memory_root_that_cannot_be_created_is_named_memory_root(tmp_path):
     (tmp_path / "afile").write_text("not a directory")
     with pytest.raises(CheckpointWriteError, match=r"cannot create memory_root .*afile/mem"):
         CheckpointManager(tmp_path / "disk", memory_root=str(tmp_path / "afile" / "mem"), async_save=False)
+
+
+def test_a_newest_disk_step_that_fails_to_load_gives_way_to_a_newer_memory_step(tmp_path):
+    """Disk 4 and 6, memory 5, disk 6 flipped: the disk path falls back to 4, then memory 5 is loaded, not 4."""
+    state, model, opt = _state()
+    with _manager(tmp_path, save_every_n_steps=2, memory_every_n_steps=1, memory_keep_last=3) as mgr:
+        for step in range(1, 7):
+            _train(model, opt, step)
+            if step == 5:
+                want = {k: v.clone() for k, v in model.state_dict().items()}
+            mgr.save_if_due(step, state)
+    data = _data_file(tmp_path / "disk" / "step_000000006")
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0x01
+    data.write_bytes(bytes(raw))
+    fresh, model2, _ = _state(seed=1)
+    with _manager(tmp_path) as mgr:
+        assert (mgr.restore(fresh), mgr.restore_source) == (5, "memory")
+    assert all(torch.equal(want[k], v) for k, v in model2.state_dict().items())

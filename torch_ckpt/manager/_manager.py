@@ -1034,15 +1034,14 @@ class CheckpointManager:
         listed: dict[int, Lineage] = {}  # the memory tier's steps: restoring an older one elsewhere is a rollback
         if self._memory is not None:  # a newer step in every node's memory_root, verified
             self.restore_source = None
-            memory = self._memory.restore(
-                step=step, disk_root=self.root, tier=self._tier, choose=path is None, load=lambda local, verify: (
-                    self._ckpt.load(local, state, verify=verify, allow_cast=allow_cast,
-                                    on_world_size_change=self.on_world_size_change)),
-                disk_per_node=self._roots.node_local)
+            def from_memory(local: Path, verify: bool) -> None:
+                self._ckpt.load(local, state, verify=verify, allow_cast=allow_cast,
+                                on_world_size_change=self.on_world_size_change)
+
+            memory = self._memory.restore(step=step, disk_root=self.root, tier=self._tier, choose=path is None,
+                                          load=from_memory, disk_per_node=self._roots.node_local)
             if memory is not None:
-                self.restore_source = self._memory.source
-                self._runs.restored(memory[0], memory[1] if self._runs.acts_on_root else None)
-                return memory[0]
+                return self._restored_memory(memory)
             listed = self._memory.listed
         if self._roots.node_local and path is None:
             resumed = restore_node_local(
@@ -1056,6 +1055,9 @@ class CheckpointManager:
             self._runs.restored(resumed.step, resumed.lineage)
             if self._memory is not None:
                 self._memory.restored(-1 if resumed.step is None else resumed.step)
+                newer = self._memory.restore_newer(resumed.step, from_memory) if resumed.step is not None else None
+                if newer is not None:  # the newest disk/durable step failed to load: a newer memory step did not
+                    return self._restored_memory(newer)
             return resumed.step
         done = restore_checkpoint(state, root=self.root, naming=self.naming, tier=self._tier, ctx=self._ctx, step=step,
                                   path=path, allow_cast=allow_cast, verify=self.verify_on_load,
@@ -1066,7 +1068,16 @@ class CheckpointManager:
         self._runs.restored(done.step, done.lineage)
         if self._memory is not None:
             self._memory.restored(done.step)
+            newer = self._memory.restore_newer(done.step, from_memory) if path is None else None
+            if newer is not None:  # the newest disk/durable step failed to load: a newer memory step did not
+                return self._restored_memory(newer)
         return done.step
+
+    def _restored_memory(self, memory: tuple[int, Lineage]) -> int:
+        """A memory step was loaded: the restore's bookkeeping; returns the step."""
+        self.restore_source = cast(MemoryTier, self._memory).source
+        self._runs.restored(memory[0], memory[1] if self._runs.acts_on_root else None)
+        return memory[0]
 
     # -- lifecycle -------------------------------------------------------------------------------
     def wait_staged(self) -> None:

@@ -62,6 +62,9 @@ __all__ = ["MemoryTier", "TIERS", "OWNER_NAME", "is_memory_save", "memory_health
 
 log = get_logger(__name__)
 
+#: A memory restore candidate: (step, run segment of the next saves, {node: holder} to rebuild, below the disk floor).
+_Candidate = tuple[int, Lineage, Any, bool]
+
 #: The values of ``CheckpointManager.save(..., tier=)``.
 TIERS = ("disk", "memory")
 
@@ -106,6 +109,7 @@ class MemoryTier:
         self.captured_at: dict[int, float] = {}  # step -> Unix time its state was captured (last 64)
         self.rolled_back_to: int | None = None  # a restore's step: newer memory steps go at the next save
         self.listed: dict[int, Lineage] = {}  # every node's memory steps at the last restore: {step: lineage}
+        self.fallbacks: list[tuple[int, Lineage, Any]] = []  # the last restore's memory steps below the disk floor
         self.last_step: int | None = None  # the newest step seen by save() or due(), for health()
         self._owed = False  # rank 0: a due memory save was put off while another save was being written
         self.source = "memory"  # the last memory restore's source on this rank: "memory" or "memory-peer"
@@ -312,10 +316,26 @@ class MemoryTier:
         """
         guess, listing, gathered = self._plan(step, disk_root, tier, choose=choose, disk_per_node=disk_per_node)
         early = None  # (step, repairs, problem): the rebuild streamed while the coordinator lists the durable tier
-        if guess and guess[0][2]:
+        if guess and guess[0][2] and not guess[0][3]:
             early = (guess[0][0], guess[0][2],
                      repair(self.layout, self.ctx, self.root, self.naming, guess[0][0], guess[0][2]))
         plan = self._decide(step, gathered, listing, disk_per_node) if choose and tier is not None else guess
+        self.fallbacks = [entry[:3] for entry in plan if entry[3]]
+        return self._first([entry[:3] for entry in plan if not entry[3]], load, early)
+
+    def restore_newer(self, step: int, load: Callable[..., None]) -> tuple[int, Lineage] | None:
+        """Collective: the disk/durable path restored ``step`` after the newest usable disk or durable step failed
+        to load; load the newest memory step newer than ``step`` (older than that failed one, so :meth:`restore`
+        passed it over), if any works. Returns as :meth:`restore`; None: ``step`` stands."""
+        plan, self.fallbacks = [entry for entry in self.fallbacks if entry[0] > step], []
+        if plan:
+            log.warning("memory tier: the disk/durable path fell back to step %d; memory step(s) %s are newer",
+                        step, [entry[0] for entry in plan])
+        return self._first(plan, load, None) if plan else None
+
+    def _first(self, plan: list[tuple[int, Lineage, Any]], load: Callable[..., None],
+               early: tuple[int, Any, str | None] | None) -> tuple[int, Lineage] | None:
+        """Collective: load the first memory candidate of ``plan`` that works (``early``: a rebuild already done)."""
         for cand, lineage, repairs in plan:
             if early is not None and early[:2] == (cand, repairs):
                 problem = early[2]
@@ -349,7 +369,7 @@ class MemoryTier:
         self.rolled_back_to = step
 
     def _plan(self, step: int | None, disk_root: Path, tier: Any, *, choose: bool, disk_per_node: bool,
-              ) -> tuple[list[tuple[int, Lineage, Any]], Future | None, list[tuple[Any, ...]]]:
+              ) -> tuple[list[_Candidate], Future | None, list[tuple[Any, ...]]]:
         """Every rank: gather every node's memory, replica and disk steps (sets :attr:`listed`), the coordinator
         listing the durable tier in the background from then on; ``(guess, listing, gathered)``: ``guess`` the plan of
         :meth:`_choose` without the durable steps (rank 0 decides, every rank gets it; empty when not ``choose``),
@@ -379,24 +399,24 @@ class MemoryTier:
                        for s, lin in [*mem.items(), *(kv for r in reps.values() for kv in r.items())]}
         if not choose:
             return [], None, gathered
-        guess: list[tuple[int, Lineage, Any]] = []
+        guess: list[_Candidate] = []
         if self.ctx.is_coordinator:
             guess = self._choose(step, gathered, {}, disk_per_node,
                                  warn=log.warning if tier is None else lambda *_: None)
         return self.ctx.broadcast(guess, what="memory restore plan"), listing, gathered
 
     def _decide(self, step: int | None, gathered: list[tuple[Any, ...]], listing: Future | None,
-                disk_per_node: bool) -> list[tuple[int, Lineage, Any]]:
+                disk_per_node: bool) -> list[_Candidate]:
         """Every rank: the memory candidates, newest first, each with the run segment it continues and the nodes to
         rebuild from a partner's replica, ``{node: holder}``: rank 0 decides, with the durable steps once listed
         (without a durable tier, the guess of :meth:`_plan` is the plan)."""
-        plan: list[tuple[int, Lineage, Any]] = []
+        plan: list[_Candidate] = []
         if listing is not None:  # the coordinator's
             plan = self._choose(step, gathered, listing.result(), disk_per_node)
         return self.ctx.broadcast(plan, what="memory restore plan (durable steps listed)")
 
     def _choose(self, step: int | None, gathered: list[tuple[Any, ...]], durable: dict[int, Lineage],
-                disk_per_node: bool, *, warn: Callable[..., None] = log.warning) -> list[tuple[int, Lineage, Any]]:
+                disk_per_node: bool, *, warn: Callable[..., None] = log.warning) -> list[_Candidate]:
         """Rank 0: the plan of :meth:`_decide` from the gathered inventories and the durable steps ``{step:
         lineage}`` (``disk_per_node``: see :meth:`restore`); ``warn`` logs the steps passed over."""
         held: dict[int, set[int]] = {}  # memory step -> nodes holding their own intact copy
@@ -439,16 +459,19 @@ class MemoryTier:
             if step in disk or step in durable or repairs is None:
                 return []  # the disk/durable path serves it, or says why not
             lin = mem_lineage[step]
-            return [(step, successor(lin, step, newest=step == newest and lin.run == head.run, fork=fork), repairs)]
+            return [(step, successor(lin, step, newest=step == newest and lin.run == head.run, fork=fork), repairs,
+                     False)]
         floor = max(usable, default=-1)
         if floor < max(persistent, default=-1):
             warn("memory tier: the newest disk step %d is not intact on every node (and the durable tier has no "
                  "copy); the newest usable disk step is %s", max(persistent), floor if floor >= 0 else "none")
-        plan: list[tuple[int, Lineage, Any]] = []
+        plan: list[tuple[int, Lineage, Any, bool]] = []  # (step, segment, repairs, below the disk floor)
         for s in live_mem:
-            if s <= floor:
-                break
             repairs = rebuilt(s)
+            if s <= floor:  # only if that disk/durable step fails to load (restore_newer)
+                if repairs is not None:
+                    plan.append((s, successor(mem_lineage[s], s, newest=False, fork=fork), repairs, True))
+                continue
             if repairs is None:
                 if plan:  # older than a usable step: only a fallback, not worth a warning
                     continue
@@ -460,7 +483,7 @@ class MemoryTier:
                 warn("memory tier: node(s) %s lost their copy of step %d; taking it from the replica on node(s) %s",
                      sorted(repairs), s, sorted(set(repairs.values())))
             lin = mem_lineage[s]
-            plan.append((s, successor(lin, s, newest=s == newest and lin.run == head.run, fork=fork), repairs))
+            plan.append((s, successor(lin, s, newest=s == newest and lin.run == head.run, fork=fork), repairs, False))
         return plan
 
     # -- health ----------------------------------------------------------------------------------
