@@ -103,6 +103,8 @@ class AsyncDCPCheckpointIO(CheckpointIO):
         allow_cast: Accept dtype differences between the checkpoint and the live model when loading into an
             attached trainer (each cast key is logged once).
         wait_outside_fit: A save outside a running ``fit`` returns only once the checkpoint is committed.
+        incremental: Hard-link the files of tensors unchanged since the last save instead of writing them
+            again (``docs/incremental.md``); False writes every byte of every save.
 
     Raises:
         ConfigError: An argument is out of range.
@@ -122,6 +124,7 @@ class AsyncDCPCheckpointIO(CheckpointIO):
         unsafe_values: Literal["pickle", "error"] = "pickle",
         allow_cast: bool = False,
         wait_outside_fit: bool = True,
+        incremental: bool = True,
     ) -> None:
         if unsafe_values not in ("pickle", "error") or not isinstance(allow_cast, bool) or \
                 not isinstance(wait_outside_fit, bool):
@@ -130,7 +133,7 @@ class AsyncDCPCheckpointIO(CheckpointIO):
         self._config = CheckpointConfig(async_save=async_save, persist=persist, overlap_staging=overlap_staging,
                                         writer_niceness=writer_niceness, staging_budget_bytes=staging_budget_bytes,
                                         thread_count=thread_count, timeout_seconds=timeout_seconds,
-                                        verify_on_load=verify_on_load)
+                                        verify_on_load=verify_on_load, incremental=incremental)
         self.verify_on_load, self.unsafe_values = verify_on_load, unsafe_values
         self.allow_cast, self.wait_outside_fit = allow_cast, wait_outside_fit
         self._reset_runtime()

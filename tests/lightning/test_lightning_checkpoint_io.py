@@ -184,3 +184,18 @@ def test_the_plugin_alone_warns_that_a_resume_does_not_restore_the_rng(make_trai
     io.attach(trainer2 := make_trainer(max_steps=2, plugins=[io], enable_checkpointing=False))
     with pytest.warns(UserWarning, match="does not restore the RNG"):
         trainer2.fit(TinyModule(), ckpt_path=tmp_path / "a.ckpt")
+
+
+@pytest.mark.parametrize("incremental", [True, False])
+def test_incremental_links_unchanged_tensors_unless_turned_off(tmp_path, incremental):
+    """A second save of the same values hard-links the first one's data files; incremental=False writes them."""
+    import json
+
+    io = AsyncDCPCheckpointIO(incremental=incremental)
+    for name in ("a.ckpt", "b.ckpt"):
+        io.save_checkpoint(lightning_dict(3), tmp_path / name)
+        io.wait()
+    files = json.loads((tmp_path / "b.ckpt" / "manifest.json").read_text())["files"]
+    assert any("linked_from" in info for info in files.values()) == incremental
+    assert torch.equal(io.load_checkpoint(tmp_path / "b.ckpt")["state_dict"]["layer.weight"], torch.full((2, 3), 3.0))
+    io.teardown()
