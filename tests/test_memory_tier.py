@@ -785,3 +785,19 @@ def test_a_newest_disk_step_that_fails_to_load_gives_way_to_a_newer_memory_step(
     with _manager(tmp_path) as mgr:
         assert (mgr.restore(fresh), mgr.restore_source) == (5, "memory")
     assert all(torch.equal(want[k], v) for k, v in model2.state_dict().items())
+
+
+@pytest.mark.parametrize(("fstype", "warns"), [("ext4", True), ("tmpfs", False)])
+def test_a_memory_root_not_in_ram_is_warned_about(tmp_path, monkeypatch, caplog, fstype, warns):
+    """A memory_root on a file system not held in RAM gets a warning naming it; one on a tmpfs does not."""
+    import collections
+
+    import psutil
+
+    part = collections.namedtuple("part", "device mountpoint fstype opts")
+    monkeypatch.setattr(psutil, "disk_partitions", lambda all=False: [
+        part("/dev/vda", "/", "ext4", "rw"), part("none", str(tmp_path.resolve()), fstype, "rw")])
+    with caplog.at_level(logging.WARNING, logger="torch_ckpt"), _manager(tmp_path, memory_replicas=0):
+        pass
+    said = [r.getMessage() for r in caplog.records if "not in RAM" in r.getMessage()]
+    assert bool(said) == warns and all(str(tmp_path / "mem") in m and fstype in m for m in said)

@@ -122,6 +122,7 @@ class MemoryTier:
             try:
                 check_root(root, create=not self.read_only, what="memory_root")
                 self.error = _claim(root, disk_root, read_only=self.read_only)
+                _warn_unless_in_ram(root)
             except CheckpointNotFoundError:
                 pass  # read-only and missing: nothing to restore from memory
             except CheckpointError as exc:
@@ -519,6 +520,26 @@ def _durable_steps(tier: Any) -> dict[int, Lineage]:
         return {}
 
 
+#: File systems that keep their files in RAM.
+_IN_RAM = ("tmpfs", "ramfs", "hugetlbfs")
+
+
+def _warn_unless_in_ram(root: Path) -> None:
+    """Warn when ``root`` lies on a file system that is not held in RAM (a memory tier on disk is a second disk
+    tier: its saves cost disk writes). Silent where the mounts cannot be read."""
+    import psutil
+
+    try:
+        mounts = {Path(p.mountpoint): p.fstype for p in psutil.disk_partitions(all=True)}
+    except (OSError, RuntimeError):
+        return
+    real = root.resolve()
+    mount = max((m for m in mounts if m == real or m in real.parents), key=lambda m: len(m.parts), default=None)
+    if mount is not None and mounts[mount] not in _IN_RAM:
+        log.warning("memory tier: memory_root %s is on a %s file system (%s), not in RAM: its saves are disk writes; "
+                    "use a directory on a tmpfs such as /dev/shm", root, mounts[mount] or "unknown", mount)
+
+
 def _claim(root: Path, disk_root: Path, *, read_only: bool) -> ConfigError | None:
     """Bind ``root`` to the run root ``disk_root``: a memory root holding another run root's checkpoints is refused
     (another job's memory steps are never resumed, nor deleted); an error, or None."""
@@ -533,7 +554,8 @@ def _claim(root: Path, disk_root: Path, *, read_only: bool) -> ConfigError | Non
         return ConfigError(f"memory_root {root}: cannot read {marker} ({exc}); remove it if the directory is yours")
     if claimed != owner:
         return ConfigError(f"memory_root {root} holds the memory checkpoints of the run root {claimed}, not of "
-                           f"{owner}: give this run a memory_root of its own (e.g. /dev/shm/<run>), or remove "
+                           f"{owner}: give this run a memory_root of its own (e.g. /dev/shm/<run>; with a root per "
+                           "node, as simulated nodes have, one per node too), or remove "
                            f"{root} if that run is over")
     return None
 
