@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from torch_ckpt import CheckpointConfig, CheckpointManager, ConfigError, TrainState
-from torch_ckpt.format import _incremental
+from torch_ckpt.format import _dcp_write as _incremental
 from torch_ckpt.format._files import read_manifest
 from torch_ckpt.tools.convert import load_full_state
 from torch_ckpt.tools.listing import inspect_checkpoint, list_root, verify_checkpoint

@@ -69,7 +69,7 @@ class SaveRequest:
         nodes: the root layout (None: the engine's, a shared root by default). failed_names: earlier failed saves whose
             temporaries go first. reserved: the engine created ``final`` empty; a failed save removes it.
         incremental: tensors unchanged since this root's last committed save are hard-linked, not written
-            (:mod:`torch_ckpt.format._incremental`).
+            (:mod:`torch_ckpt.format._dcp_write`).
     """
 
     final: Path
