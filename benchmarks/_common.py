@@ -2,12 +2,13 @@
 
 What two or more scripts do the same way lives here: the timestamped log line, the ``--methods``
 list, the disk floor (chunked write + fsync), DCP's reused ``DefaultStager``, closing the methods,
-and writing the JSON summary.
+a local moto S3 server, and writing the JSON summary.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -18,7 +19,7 @@ import sys
 import tempfile
 import time
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -109,6 +110,31 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def moto_server() -> Iterator[tuple[str, Any]]:
+    """A moto S3 server in its own process on 127.0.0.1 (in memory), answering: ``(endpoint URL, boto3 client)``;
+    stopped on exit."""
+    import boto3
+
+    port = free_port()
+    endpoint = f"http://127.0.0.1:{port}"
+    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        client = boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="bench", aws_secret_access_key="bench",
+                              region_name="us-east-1")
+        for _ in range(100):
+            try:
+                client.list_buckets()
+                break
+            except Exception:  # noqa: BLE001 - the server is still starting
+                time.sleep(0.1)
+        yield endpoint, client
+    finally:
+        server.terminate()
+        server.wait(10)
 
 
 def remove(path: Path) -> None:

@@ -22,7 +22,6 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -32,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from benchmarks._common import emit_json, free_port, git_info, start_run  # noqa: E402
+from benchmarks._common import emit_json, git_info, moto_server, start_run  # noqa: E402
 from examples.train_gpt import GPT  # noqa: E402
 from torch_ckpt import CheckpointManager, TrainState  # noqa: E402
 from torch_ckpt.format._files import bytes_written, read_manifest  # noqa: E402
@@ -163,31 +162,16 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=3, help="direct uploads of one step, each way")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
-    import boto3
-
     work = start_run("torch_ckpt_incremental_", args.threads, None)
-    port = free_port()
-    endpoint = f"http://127.0.0.1:{port}"
-    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        client = boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="bench", aws_secret_access_key="bench",
-                              region_name="us-east-1")
-        for _ in range(100):
-            try:
-                client.list_buckets()
-                break
-            except Exception:  # noqa: BLE001 - the server is still starting
-                time.sleep(0.1)
-        runs = {}
-        for incremental in (False, True):
-            bucket = f"incremental-{str(incremental).lower()}"
-            client.create_bucket(Bucket=bucket)
-            runs["on" if incremental else "off"] = run(args, work, endpoint, bucket, incremental)
-        direct = direct_uploads(work / "incremental_True", endpoint, client, args.reps)
+        with moto_server() as (endpoint, client):
+            runs = {}
+            for incremental in (False, True):
+                bucket = f"incremental-{str(incremental).lower()}"
+                client.create_bucket(Bucket=bucket)
+                runs["on" if incremental else "off"] = run(args, work, endpoint, bucket, incremental)
+            direct = direct_uploads(work / "incremental_True", endpoint, client, args.reps)
     finally:
-        server.terminate()
-        server.wait(10)
         shutil.rmtree(work, ignore_errors=True)
     on, off = runs["on"], runs["off"]
     later_on, later_off = on["saves"][1:], off["saves"][1:]

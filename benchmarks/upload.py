@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
-import subprocess
 import sys
 import time
 import zlib
@@ -24,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._common import emit_json, free_port, git_info  # noqa: E402
+from benchmarks._common import emit_json, git_info, moto_server  # noqa: E402
 from torch_ckpt.root._layout import Manifest  # noqa: E402
 from torch_ckpt.tiers._durable import DurableTier  # noqa: E402
 
@@ -115,41 +114,27 @@ def main() -> None:
     args = p.parse_args()
     import shutil
 
-    import boto3
-
     shutil.rmtree(args.work_dir, ignore_errors=True)
     manifest = _make_checkpoint(args.work_dir, args.nodes, args.files_per_node, args.file_mib << 20)
     total = sum(i["bytes"] for i in manifest.files.values())
-    port = free_port()
-    endpoint = f"http://127.0.0.1:{port}"
-    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        client = boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="bench", aws_secret_access_key="bench",
-                              region_name="us-east-1")
-        for _ in range(100):
-            try:
-                client.list_buckets()
-                break
-            except Exception:  # noqa: BLE001 - the server is still starting
-                time.sleep(0.1)
-        runs = {}
-        for label, fn, readback in (("rank0_only", _rank0_only, False), ("per_node", _parallel, False),
-                                    ("rank0_only_readback", _rank0_only, True), ("per_node_readback", _parallel, True)):
-            bucket = label.replace("_", "-")
-            client.create_bucket(Bucket=bucket)
-            runs[label] = fn(f"s3://{bucket}/run", endpoint, args.work_dir, manifest, readback)
-            uploaders = args.nodes if label.startswith("per_node") else 1
-            runs[label]["uploaders"] = uploaders
-            runs[label]["throughput_MiB_s"] = total / runs[label]["wall_s"] / 2**20
-            runs[label]["per_uploader_MiB_s"] = total / uploaders / runs[label]["wall_s"] / 2**20
-            committed = DurableTier(f"s3://{bucket}/run", storage_options=_options(endpoint)).list_steps()
-            assert list(committed) == [1], committed
-            print(f"{label:22s} {runs[label]['wall_s']:7.2f} s  {runs[label]['throughput_MiB_s']:7.1f} MiB/s  "
-                  f"read back {runs[label]['bytes_read_back'] >> 20} MiB", flush=True)
+        with moto_server() as (endpoint, client):
+            runs = {}
+            for label, fn, readback in (("rank0_only", _rank0_only, False), ("per_node", _parallel, False),
+                                        ("rank0_only_readback", _rank0_only, True),
+                                        ("per_node_readback", _parallel, True)):
+                bucket = label.replace("_", "-")
+                client.create_bucket(Bucket=bucket)
+                runs[label] = fn(f"s3://{bucket}/run", endpoint, args.work_dir, manifest, readback)
+                uploaders = args.nodes if label.startswith("per_node") else 1
+                runs[label]["uploaders"] = uploaders
+                runs[label]["throughput_MiB_s"] = total / runs[label]["wall_s"] / 2**20
+                runs[label]["per_uploader_MiB_s"] = total / uploaders / runs[label]["wall_s"] / 2**20
+                committed = DurableTier(f"s3://{bucket}/run", storage_options=_options(endpoint)).list_steps()
+                assert list(committed) == [1], committed
+                print(f"{label:22s} {runs[label]['wall_s']:7.2f} s  {runs[label]['throughput_MiB_s']:7.1f} MiB/s  "
+                      f"read back {runs[label]['bytes_read_back'] >> 20} MiB", flush=True)
     finally:
-        server.terminate()
-        server.wait(10)
         shutil.rmtree(args.work_dir, ignore_errors=True)
     result = {"benchmark": "upload", "git": git_info(), "cpus": os.cpu_count(), "nodes": args.nodes,
               "files_per_node": args.files_per_node, "file_bytes": args.file_mib << 20, "total_bytes": total,
