@@ -163,3 +163,27 @@ def test_ls_bytes_match_verify_and_inspect(accelerate_root, capsys):
     folder = accelerate_root / "checkpoint_10"
     on_disk = sum(f.stat().st_size for f in folder.iterdir())
     assert row["disk_bytes"] == on_disk == row["bytes"] + (folder / "manifest.json").stat().st_size
+
+
+def _memory_copy(tmp_path: Path) -> Path:
+    """A committed memory step: one node's copy of a node-local checkpoint (node 0 of 1)."""
+    model = torch.nn.Linear(4, 2)
+    state = TrainState(model=model, optimizer=torch.optim.AdamW(model.parameters()))
+    with CheckpointManager(tmp_path / "disk", memory_root=str(tmp_path / "mem"), async_save=False) as mgr:
+        mgr.save(1, state, tier="memory")
+    return tmp_path / "mem" / "step_000000001"
+
+
+def test_verify_checks_the_structure_of_a_node_copy(tmp_path):
+    """verify reads a node copy's metadata view and rank trees: it counts the tensors and finds a forged tree."""
+    from _format_fixtures import rewrite
+
+    from torch_ckpt.tools.listing import verify_checkpoint
+
+    copy = _memory_copy(tmp_path)
+    assert verify_checkpoint(copy)["ok"] and verify_checkpoint(copy)["tensors"] == 2
+    doc = json.loads((copy / "rank_00000.json").read_text())
+    doc["tree"]["model"]["__odict__"]["weight"] = {"__tensor__": "model.nowhere"}
+    rewrite(copy, "rank_00000.json", json.dumps(doc).encode())  # the manifest agrees: only the structure is wrong
+    result = verify_checkpoint(copy)
+    assert not result["ok"] and any("model.nowhere" in p["problem"] for p in result["problems"])

@@ -39,7 +39,7 @@ import os
 import re
 import time
 from collections import defaultdict
-from typing import Any
+from typing import Any, cast
 
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 from tqdm import tqdm
@@ -64,6 +64,7 @@ from torch_ckpt.format._files import (
     bytes_written,
     embedded_info,
     load_dcp_metadata_bytes,
+    metadata_name,
     metadata_problems,
     parse_rank_doc,
     rank_file_name,
@@ -211,6 +212,35 @@ def _check_structure(loc: Location, manifest: Manifest, listing: dict[str, dict[
     return len(tensors)
 
 
+def _check_node_copy(loc: Location, manifest: Manifest, rep: _Report, *, deep: bool) -> int | None:
+    """One node's copy of a node-local checkpoint as a restore on that node checks it (``deep``): its view of the
+    DCP metadata, the records of its data files and its ranks' state trees; returns the tensor count."""
+    if not deep or rep.problems:
+        return None
+    name = manifest.nodes.get("metadata") or metadata_name(cast(int, manifest.node))
+    try:
+        md = read_metadata(loc, manifest)
+        tensors = tensor_items(md)
+        for file, text in record_problems(loc, manifest, md, tensors=tensors):
+            rep.problem(file, text)
+    except (UnsafeCheckpointError, CheckpointCorruptError) as exc:
+        rep.problem(name, str(exc))
+        return None
+    for rank in (r for r, n in enumerate(manifest.nodes["rank_node"]) if n == manifest.node):
+        file = rank_file_name(rank)
+        try:
+            doc = parse_rank_doc(read_listed(loc, manifest, file, MAX_RANK_JSON_BYTES), loc.describe(file), manifest,
+                                 rank)
+        except CheckpointCorruptError as exc:
+            rep.problem(file, str(exc))
+            continue
+        for path, kind, node in walk_tree(doc["tree"]):
+            if kind == "tensor" and node[TENSOR_TAG] not in tensors:
+                rep.problem(file, f"state key {'.'.join(path) or '<root>'!r} refers to tensor {node[TENSOR_TAG]!r}, "
+                                  "which the node's DCP metadata does not hold (as a valid tensor)")
+    return len(tensors)
+
+
 def check_dir(loc: Location, *, checksums: bool, structure: bool,
               progress: bool) -> tuple[dict[str, Any], Manifest | None]:
     """``(the verify_checkpoint dict, the manifest when readable)`` of one checkpoint directory; every problem
@@ -257,8 +287,8 @@ def check_dir(loc: Location, *, checksums: bool, structure: bool,
         for name, entry in sorted(listing.items()):
             if name != MANIFEST_NAME and name not in mine.files:
                 rep.problem(name, f"{entry['type']} not listed in the manifest (ignored on restore)", warning=True)
-        if not manifest.partial:
-            out["tensors"] = _check_structure(loc, mine, listing, rep, deep=structure)
+        out["tensors"] = _check_node_copy(loc, manifest, rep, deep=structure) if manifest.partial else \
+            _check_structure(loc, mine, listing, rep, deep=structure)
     out["ok"] = not rep.problems
     return out, manifest
 
