@@ -93,8 +93,9 @@ def test_save_due_answers_save_if_due_without_saving(tmp_path):
     assert _steps(tmp_path / "disk") == [] and _steps(tmp_path / "mem") == []
 
 
-def test_a_due_memory_save_is_put_off_while_a_disk_save_is_written(tmp_path, monkeypatch):
-    """save_if_due never waits for an in-flight disk write: the due memory save comes at the first step after it."""
+@pytest.fixture
+def disk_writes_held(monkeypatch):
+    """Disk saves wait in their writer until the returned event is set (memory saves go through)."""
     import threading
 
     from torch_ckpt.save import _checkpointer
@@ -108,6 +109,13 @@ def test_a_due_memory_save_is_put_off_while_a_disk_save_is_written(tmp_path, mon
         return real(req, ctx)
 
     monkeypatch.setattr(_checkpointer, "persist_checkpoint", held_back)
+    yield release
+    release.set()
+
+
+def test_a_due_memory_save_is_put_off_while_a_disk_save_is_written(tmp_path, disk_writes_held):
+    """save_if_due never waits for an in-flight disk write: the due memory save comes at the first step after it."""
+    release = disk_writes_held
     state, model, opt = _state()
     with CheckpointManager(tmp_path / "disk", memory_root=str(tmp_path / "mem"), save_every_n_steps=2,
                            memory_every_n_steps=1, memory_keep_last=10) as mgr:
@@ -122,21 +130,9 @@ def test_a_due_memory_save_is_put_off_while_a_disk_save_is_written(tmp_path, mon
     assert _steps(tmp_path / "mem") == [5]
 
 
-def test_a_memory_save_put_off_comes_at_the_next_step_not_the_next_multiple(tmp_path, monkeypatch):
+def test_a_memory_save_put_off_comes_at_the_next_step_not_the_next_multiple(tmp_path, disk_writes_held):
     """memory_every_n_steps=3: step 3, due while a disk write is in flight, is saved at step 4 once it is done."""
-    import threading
-
-    from torch_ckpt.save import _checkpointer
-
-    release = threading.Event()
-    real = _checkpointer.persist_checkpoint
-
-    def held_back(req, ctx):
-        if req.nodes is None or not req.nodes.node_local:  # the disk save: held until released
-            assert release.wait(30)
-        return real(req, ctx)
-
-    monkeypatch.setattr(_checkpointer, "persist_checkpoint", held_back)
+    release = disk_writes_held
     state, _, _ = _state()
     with CheckpointManager(tmp_path / "disk", memory_root=str(tmp_path / "mem"), memory_every_n_steps=3,
                            memory_keep_last=10) as mgr:

@@ -188,19 +188,10 @@ def _check_structure(loc: Location, manifest: Manifest, listing: dict[str, dict[
         name = rank_file_name(rank)
         if name not in manifest.files or name not in listing or rep.has(name):
             continue  # already reported as unlisted, missing, truncated or corrupt
-        try:
-            doc = parse_rank_doc(read_listed(loc, manifest, name, MAX_RANK_JSON_BYTES), loc.describe(name), manifest,
-                                 rank)
-        except CheckpointCorruptError as exc:
-            rep.problem(name, str(exc))
-            continue
-        for path, kind, node in walk_tree(doc["tree"]):
-            if kind == "tensor":
-                referenced.add(node[TENSOR_TAG])
-                if md is not None and node[TENSOR_TAG] not in tensors:
-                    rep.problem(name, f"state key {'.'.join(path) or '<root>'!r} refers to tensor {node[TENSOR_TAG]!r}"
-                                      ", which the DCP metadata does not hold (as a valid tensor)")
-        trees_read += 1
+        refs = _tree_refs(loc, manifest, rank, rep, tensors if md is not None else None)
+        if refs is not None:
+            referenced |= refs
+            trees_read += 1
     for name in sorted(manifest.files):
         m = RANK_FILE_RE.match(name)
         if m and int(m.group(1)) >= manifest.world_size:
@@ -227,18 +218,28 @@ def _check_node_copy(loc: Location, manifest: Manifest, rep: _Report, *, deep: b
         rep.problem(name, str(exc))
         return None
     for rank in (r for r, n in enumerate(manifest.nodes["rank_node"]) if n == manifest.node):
-        file = rank_file_name(rank)
-        try:
-            doc = parse_rank_doc(read_listed(loc, manifest, file, MAX_RANK_JSON_BYTES), loc.describe(file), manifest,
-                                 rank)
-        except CheckpointCorruptError as exc:
-            rep.problem(file, str(exc))
-            continue
-        for path, kind, node in walk_tree(doc["tree"]):
-            if kind == "tensor" and node[TENSOR_TAG] not in tensors:
-                rep.problem(file, f"state key {'.'.join(path) or '<root>'!r} refers to tensor {node[TENSOR_TAG]!r}, "
-                                  "which the node's DCP metadata does not hold (as a valid tensor)")
+        _tree_refs(loc, manifest, rank, rep, tensors)
     return len(tensors)
+
+
+def _tree_refs(loc: Location, manifest: Manifest, rank: int, rep: _Report, tensors: dict[str, Any] | None
+               ) -> set[str] | None:
+    """The tensors rank ``rank``'s state tree refers to, each checked against ``tensors`` (the DCP metadata's, when
+    read); None when the rank file cannot be parsed (reported)."""
+    name = rank_file_name(rank)
+    try:
+        doc = parse_rank_doc(read_listed(loc, manifest, name, MAX_RANK_JSON_BYTES), loc.describe(name), manifest, rank)
+    except CheckpointCorruptError as exc:
+        rep.problem(name, str(exc))
+        return None
+    referenced = set()
+    for path, kind, node in walk_tree(doc["tree"]):
+        if kind == "tensor":
+            referenced.add(node[TENSOR_TAG])
+            if tensors is not None and node[TENSOR_TAG] not in tensors:
+                rep.problem(name, f"state key {'.'.join(path) or '<root>'!r} refers to tensor {node[TENSOR_TAG]!r}, "
+                                  "which the DCP metadata does not hold (as a valid tensor)")
+    return referenced
 
 
 def check_dir(loc: Location, *, checksums: bool, structure: bool,
