@@ -406,7 +406,7 @@ def test_a_node_lost_with_no_replica_starts_over_and_sets_the_leftovers_aside(tm
 def test_a_replica_deletion_cut_short_leaves_nothing_listed(tmp_path, monkeypatch):
     """A replica is renamed to a hidden name before its files go: a kill in the middle of the deletion never
     leaves a part of it under its step name."""
-    from torch_ckpt.tiers import _peers
+    from torch_ckpt.root import _layout
 
     copy = _committed_copy(tmp_path)
     replica = tmp_path / "mem" / PEERS_DIR / "node-1" / copy.name
@@ -416,9 +416,9 @@ def test_a_replica_deletion_cut_short_leaves_nothing_listed(tmp_path, monkeypatc
         next(p for p in Path(path).iterdir() if p.is_file()).unlink()
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(_peers.shutil, "rmtree", killed)
+    monkeypatch.setattr(_layout.shutil, "rmtree", killed)
     with pytest.raises(KeyboardInterrupt):
-        _peers._discard(replica)
+        _layout.discard_step_dir(replica)
     monkeypatch.undo()
     assert not replica.exists() and _steps(replica.parent) == []
     assert [p.name for p in replica.parent.iterdir() if p.name.startswith(".")]  # the hidden rest

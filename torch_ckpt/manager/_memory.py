@@ -44,6 +44,7 @@ from torch_ckpt.restore._resume_nodes import local_inventory, restore_node_local
 from torch_ckpt.root._layout import (
     check_root,
     clean_stale_temporaries,
+    discard_step_dir,
     read_manifest,
     retire_step_dir,
     scan_committed,
@@ -263,10 +264,7 @@ class MemoryTier:
             log.warning("memory tier: deleting step(s) %s of %s, newer than step %d (an abandoned timeline or "
                         "an earlier run's); they are never resumed", newer, self.root, limit)
         for _, entry in doomed:
-            try:
-                shutil.rmtree(retire_step_dir(entry), ignore_errors=True)
-            except OSError:
-                shutil.rmtree(entry, ignore_errors=True)
+            discard_step_dir(entry)
 
     def _after_commit(self, final: Path) -> Callable[[], None] | None:
         """Writer thread, every rank: memory retention on each node's leader (``memory_keep_last`` newest)."""

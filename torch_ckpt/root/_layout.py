@@ -54,7 +54,8 @@ from torch_ckpt.policy._naming import Naming, StepNaming
 
 __all__ = [
     "MANIFEST_NAME", "Manifest", "SharedRoot", "check_root", "commit_dir", "fsync_dir", "is_committed",
-    "quarantine_step_dir", "rank_file_name", "read_manifest", "remove_step_dir", "replace_dir", "retire_step_dir",
+    "quarantine_step_dir", "rank_file_name", "read_manifest", "remove_step_dir", "discard_step_dir", "replace_dir",
+    "retire_step_dir",
     "scan_committed", "scan_manifests", "update_manifest_tiers", "write_durable", "write_json_durable", "step_dir_name",
     "temporary_name", "new_incarnation", "is_temporary_name", "clean_stale_temporaries",
     "remove_failed_temporaries", "PARTIAL_PREFIX", "partial_path", "side_path", "is_reservation", "reserve", "unreserve"
@@ -548,6 +549,15 @@ def remove_step_dir(path: Path) -> None:
         OSError: the rename failed (the checkpoint is still there, complete).
     """
     shutil.rmtree(retire_step_dir(path), ignore_errors=True)
+
+
+def discard_step_dir(path: Path) -> None:
+    """:func:`remove_step_dir`, or removed in place when the rename fails: for a directory that must go either
+    way (a superseded memory step, a replica); never raises."""
+    try:
+        remove_step_dir(path)
+    except OSError:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def retire_step_dir(path: Path) -> Path:

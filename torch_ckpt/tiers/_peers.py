@@ -43,7 +43,7 @@ from torch_ckpt._logging import get_logger
 from torch_ckpt.errors import CheckpointError, ConfigError
 from torch_ckpt.format._files import MANIFEST_NAME, open_listed, read_manifest, read_metadata
 from torch_ckpt.policy._lineage import Lineage
-from torch_ckpt.root._layout import is_committed, retire_step_dir, scan_manifests
+from torch_ckpt.root._layout import discard_step_dir, is_committed, retire_step_dir, scan_manifests
 from torch_ckpt.root._nodes import NodeLayout
 from torch_ckpt.storage._crc import crc32
 
@@ -505,7 +505,7 @@ class PeerReplicator:
             if problem is None:
                 for older in final.parent.iterdir():  # the newest replica of each source is kept
                     if older != final and self.naming.step_of(older.name) is not None:
-                        _discard(older)
+                        discard_step_dir(older)  # renamed hidden first: a kill never leaves part of it listed
             else:
                 self.stats["refused"] += 1
                 log.warning("memory tier: the replica of node %d's step %s was refused: %s", src, doc["step"], problem)
@@ -547,15 +547,7 @@ class PeerReplicator:
             for entry in folder.iterdir():
                 step = self.naming.step_of(entry.name)
                 if step is not None and step > limit:
-                    _discard(entry)
-
-
-def _discard(replica: Path) -> None:
-    """Delete a replica: renamed to a hidden name first, so a kill meanwhile never leaves a part of it listed."""
-    try:
-        shutil.rmtree(retire_step_dir(replica), ignore_errors=True)
-    except OSError:
-        shutil.rmtree(replica, ignore_errors=True)
+                    discard_step_dir(entry)
 
 
 def repair(layout: NodeLayout, ctx: Any, root: Path, naming: Any, step: int, repairs: dict[int, int]) -> str | None:
