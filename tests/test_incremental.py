@@ -456,3 +456,27 @@ def test_a_node_local_root_links_too(tmp_path):
     with CheckpointManager(tmp_path, local_root_shared=False) as mgr:
         assert mgr.restore(state) == 3
     _assert_equal(_snapshot(model, opt), snaps[3])
+
+
+def test_a_linked_file_damaged_in_place_is_written_again_not_shared(tmp_path, caplog):
+    """A bit flipped in place in the last save's data file (same inode and size) is read before linking: the next
+    save writes its tensors again, verifies, and restores the live values."""
+    import logging
+
+    state, model, opt = _state()
+    with CheckpointManager(tmp_path, keep_last=2) as mgr:
+        mgr.save(1, state).wait()
+        data = max((tmp_path / "step_000000001").glob("*.distcp"), key=lambda p: p.stat().st_size)
+        with open(data, "r+b") as f:  # in place: the inode and size stay
+            f.seek(data.stat().st_size // 2)
+            byte = f.read(1)
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([byte[0] ^ 0x01]))
+        _train(model, opt)
+        with caplog.at_level(logging.WARNING, logger="torch_ckpt"):
+            mgr.save(2, state).wait()
+        want = _snapshot(model, opt)
+    assert _linked(tmp_path / "step_000000002") == {}
+    assert any("no longer matches" in r.getMessage() for r in caplog.records)
+    assert verify_checkpoint(tmp_path / "step_000000002")["ok"]
+    _assert_equal(_restore(tmp_path, 2), want)

@@ -53,7 +53,7 @@ from torch_ckpt._logging import get_logger
 from torch_ckpt.distributed._context import quiet_single_process_warning
 from torch_ckpt.errors import CheckpointError, CheckpointWriteError
 from torch_ckpt.format._files import read_manifest
-from torch_ckpt.storage._crc import crc32
+from torch_ckpt.storage._crc import crc32, file_crc32
 
 log = get_logger(__name__)
 
@@ -790,7 +790,8 @@ def _same_file(st: os.stat_result, info: tuple[int, int, int, int]) -> bool:
 
 def link_file(base: Baseline, name: str, into: Path) -> bool:
     """Hard-link ``base``'s data file ``name`` into directory ``into``; False (nothing left behind) when it is
-    not the remembered file any more (listed size or CRC-32, device, inode, size differ) or cannot be linked."""
+    not the remembered file any more (listed size or CRC-32, device, inode, size differ), its bytes no longer
+    have that CRC-32 (read through the new link: a read instead of a write), or it cannot be linked."""
     info = base.files.get(name)
     listed = (base.listed or {}).get(name)
     if info is None or listed is None or (listed.get("bytes"), listed.get("crc32")) != info[:2]:
@@ -804,8 +805,11 @@ def link_file(base: Baseline, name: str, into: Path) -> bool:
         log.debug("incremental save: cannot link %s into %s (%s); writing its tensors", src, into, exc)
         return False
     try:
-        if _same_file(os.stat(dst, follow_symlinks=False), info):
-            return True  # the link is the remembered file (not one that replaced it between stat and link)
+        if _same_file(os.stat(dst, follow_symlinks=False), info):  # not a file that replaced it between stat and link
+            if file_crc32(dst) == info[:2]:  # its bytes too: a file damaged since it was written is never shared on
+                return True
+            log.warning("incremental save: %s no longer matches the CRC-32 it was written with (damaged since); its "
+                        "tensors are written again, not linked", src)
         os.unlink(dst)
     except OSError:
         pass
