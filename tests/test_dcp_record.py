@@ -89,3 +89,52 @@ def test_cached_framing_still_gives_the_current_values():
 def test_tensor_subclass_has_no_fixed_framing():
     """A tensor subclass (nn.Parameter) gets no fixed framing, so the direct reader never assumes one."""
     assert record_framing(torch.nn.Parameter(torch.zeros(3))) is None
+
+
+def test_record_framing_is_compact():
+    """A small tensor's record carries under half the bytes torch.save puts around the same data."""
+    tensor = torch.zeros(8, 384)
+    if dcp_record._ZIP_VERSION is None:
+        pytest.skip("this torch gives no compact records")
+    before, after = record_framing(tensor)
+    buf = io.BytesIO()
+    torch.save(tensor, buf)
+    assert len(before) + len(after) < 0.5 * (len(buf.getvalue()) - tensor.numel() * 4)
+
+
+def test_record_small_entries_pass_a_standard_zip_reader():
+    """Python's zipfile reads a record's pickle, byte order and version entries with their CRC-32s."""
+    import zipfile
+    record = b"".join(bytes(p) for p in serialize_tensor(torch.arange(6.0)))
+    with zipfile.ZipFile(io.BytesIO(record)) as archive:
+        names = archive.namelist()
+        assert archive.read("archive/byteorder") == b"little" and archive.read("archive/version").strip()
+        assert archive.read("archive/data.pkl").startswith(b"\x80")
+    assert "archive/data/0" in names
+
+
+def test_record_of_data_beyond_the_compact_limit_is_written_by_torch(monkeypatch):
+    """Data too large for 32-bit zip fields gets torch's own zip writer, and still loads back equal."""
+    monkeypatch.setattr(dcp_record, "_ZIP32_DATA_MAX", 16)
+    monkeypatch.setattr(dcp_record, "_RECORD_CACHE", {})
+    tensor = torch.arange(64, dtype=torch.float32)
+    assert dcp_record._compact_framing(tensor, b"3\n") is None
+    assert torch.equal(load(serialize_tensor(tensor)), tensor)
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.uint32, torch.complex64],
+                         ids=["float8_e4m3fn", "uint32", "complex64"])
+def test_record_of_untyped_storage_dtypes_loads_back(dtype):
+    """Dtypes without a typed storage (float8, uint32) and complex ones get records torch.load reads back."""
+    tensor = torch.ones(5).to(dtype)
+    out = load(serialize_tensor(tensor))
+    assert out.dtype == dtype and torch.equal(out.view(torch.uint8), tensor.view(torch.uint8))
+
+
+def test_record_through_dcp_file_view_loads_back():
+    """A record in the middle of a file, read as DCP's reader reads it (a byte-range view), loads back equal."""
+    from torch.distributed.checkpoint.filesystem import _create_file_view
+    tensor = torch.randn(4, 7)
+    record = b"".join(bytes(p) for p in serialize_tensor(tensor))
+    view = _create_file_view(io.BytesIO(b"x" * 11 + record + b"y" * 5), 11, len(record))
+    assert torch.equal(torch.load(view, map_location="cpu", weights_only=True), tensor)

@@ -252,18 +252,65 @@ def test_the_writer_process_links_too(tmp_path):
     _assert_equal(_restore(tmp_path, 3), snaps[3])
 
 
-def test_a_restarted_run_writes_its_first_save_in_full(tmp_path):
-    """Baselines live in the writer's memory: after a restart the first save writes everything, the next links."""
-    _save_steps(tmp_path, 1)
+def _restart_and_save(root: Path, steps: tuple[int, ...], **kwargs) -> dict[str, torch.Tensor]:
+    """A new process's view (no baselines in memory): restore the newest step, train and save ``steps``."""
     _incremental.forget_all()
-    state, model, opt = _state()
-    with CheckpointManager(tmp_path) as mgr:
+    state, model, opt = _state(seed=5)
+    _train(model, opt)
+    with CheckpointManager(root, **kwargs) as mgr:
         mgr.restore(state)
-        for step in (2, 3):
+        for step in steps:
             _train(model, opt)
             mgr.save(step, state).wait()
-    assert not _linked(tmp_path / "step_000000002")
-    assert set(_linked(tmp_path / "step_000000003").values()) == {2}
+    return _snapshot(model, opt)
+
+
+@pytest.mark.parametrize("persist", ["thread", "process"])
+def test_a_restarted_run_links_from_the_restored_checkpoint(tmp_path, persist):
+    """After a restart the first save links the frozen base from the checkpoint it resumed from (its rank file
+    keeps the digests), with either writer, and restores bitwise."""
+    _save_steps(tmp_path, 1, persist=persist)
+    want = _restart_and_save(tmp_path, (2,), persist=persist)
+    first, second = tmp_path / "step_000000001", tmp_path / "step_000000002"
+    linked = _linked(second)
+    assert set(linked.values()) == {1}
+    assert all(os.stat(first / n).st_ino == os.stat(second / n).st_ino for n in linked)
+    _assert_equal(_restore(tmp_path, 2), want)
+
+
+def test_a_restart_ignores_digests_of_an_altered_rank_file(tmp_path):
+    """A rank file whose bytes disagree with the manifest's CRC-32 gives no baseline: the save writes everything."""
+    _save_steps(tmp_path, 1)
+    rank_file = tmp_path / "step_000000001" / "rank_00000.json"
+    doc = json.loads(rank_file.read_text())
+    _incremental.forget_all()
+    doc["records"] = {name: [[o, c ^ 1] for o, c in pairs] for name, pairs in doc["records"].items()}
+    assert _incremental.baseline_on_disk(tmp_path / "step_000000002", 2, "__0_") is not None
+    rank_file.write_text(json.dumps(doc))
+    assert _incremental.baseline_on_disk(tmp_path / "step_000000002", 2, "__0_") is None
+
+
+def test_a_restart_with_wrong_digests_rewrites_the_tensors(tmp_path, monkeypatch):
+    """Digests that do not match the new tensors' bytes (kept from another state) link nothing."""
+    _save_steps(tmp_path, 1)
+    real = _incremental.baseline_on_disk
+
+    def off_by_one(final, step, prefix):
+        base = real(final, step, prefix)
+        for key, rec in list(base.records.items()):
+            base.records[key] = _incremental.Record(rec.file, rec.offset, rec.length, rec.signature,
+                                                    (rec.digest[0], rec.digest[1] ^ 1))
+        return base
+
+    monkeypatch.setattr(_incremental, "baseline_on_disk", off_by_one)
+    want = _restart_and_save(tmp_path, (2,))
+    assert _linked(tmp_path / "step_000000002") == {}
+    _assert_equal(_restore(tmp_path, 2), want)
+
+
+def test_a_restart_into_an_empty_root_has_no_baseline(tmp_path):
+    """With no committed checkpoint older than the step, the first save has nothing to link from."""
+    assert _incremental.baseline_on_disk(tmp_path / "step_000000001", 1, "__0_") is None
 
 
 def test_the_memory_tier_links_on_tmpfs(tmp_path):

@@ -32,9 +32,15 @@ from __future__ import annotations
 import ctypes
 import errno as errno_mod
 import io
+import math
 import os
 import pickle
+import re
+import struct
+import sys
 import threading
+import zipfile
+import zlib
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -46,13 +52,21 @@ import torch
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import FileSystem, _StorageInfo
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
 from torch_ckpt._logging import get_logger
 from torch_ckpt.distributed._context import quiet_single_process_warning
 from torch_ckpt.errors import CheckpointError, CheckpointWriteError
-from torch_ckpt.format._files import read_manifest
+from torch_ckpt.format._files import (
+    MAX_RANK_JSON_BYTES,
+    parse_rank_doc,
+    rank_file_name,
+    read_listed,
+    read_manifest,
+    read_metadata,
+)
 from torch_ckpt.storage._crc import crc32, file_crc32
 
 log = get_logger(__name__)
@@ -61,7 +75,8 @@ quiet_single_process_warning()  # dcp.save runs with this writer and no_dist=Tru
 
 __all__ = ["ChecksumFileSystemWriter", "serialize_tensor", "record_framing", "WriteBehind", "WINDOW_BYTES",
            "LAG_WINDOWS", "group_by_first_segment", "FlatKeysSavePlanner",
-           "Record", "Baseline", "remember", "baseline_for", "link_file", "LINK_MIN_SHARE", "forget_all"]
+           "Record", "Baseline", "remember", "baseline_for", "baseline_on_disk", "link_file", "LINK_MIN_SHARE",
+           "forget_all"]
 
 
 # -- write-behind ----------------------------------------------------------------------------
@@ -141,21 +156,94 @@ class WriteBehind:
 
 
 # -- tensor records --------------------------------------------------------------------------
+#
+# A record is a zip archive that ``torch.load`` reads: the ``data.pkl`` that ``torch.serialization._save``
+# pickles for the tensor, its ``byteorder``, the storage's bytes (``data/0``) and the archive ``version``,
+# stored uncompressed with no alignment padding (~570 bytes around the data; ``torch.save`` writes ~1.5 kB,
+# which is 8% of a LoRA adapter's checkpoint). The entries ``torch.save`` adds for ``mmap`` loading and
+# its own bookkeeping (``.format_version``, ``.storage_alignment``, ``.data/serialization_id``) mean
+# nothing to one byte range read by DCP. The data entry's CRC-32 is left 0 (``torch.load`` does not check
+# it; the manifest's file CRC-32 covers every byte). Data of 4 GiB or more (which would need ZIP64 fields)
+# and tensors this torch cannot pickle so are written by torch's own zip writer.
 
-def _probe_torch_save_without_zip_crc() -> bool:
-    """True when this torch exposes the pieces of ``torch.save`` needed to skip its zip CRC-32."""
+_ZIP32_DATA_MAX = 0xFFFF0000  # data bytes below which a record's zip fields all fit 32 bits
+_ZIP_DATE = 0x21  # 1980-01-01, the zip epoch: records do not depend on the clock
+
+
+class _Entries:
+    """Stands in for torch's zip writer: keeps the entries ``torch.serialization._save`` hands it."""
+
+    def __init__(self) -> None:
+        self.entries: dict[str, Any] = {}
+
+    def write_record(self, name: str, data: Any, size: int) -> None:
+        self.entries[name] = data
+
+
+def _compact_framing(tensor: torch.Tensor, version: bytes) -> tuple[bytes, bytes] | None:
+    """``(bytes before the data, bytes after it)`` of ``tensor``'s compact record (None: use torch's writer)."""
+    nbytes = tensor.untyped_storage().nbytes()
+    if nbytes >= _ZIP32_DATA_MAX:
+        return None
+    recorder = _Entries()
+    torch.serialization._save(tensor, recorder, pickle, torch.serialization.DEFAULT_PROTOCOL, True)
+    pkl, storages = recorder.entries.get("data.pkl"), [n for n in recorder.entries if n.startswith("data/")]
+    if not isinstance(pkl, bytes) or len(storages) != 1:
+        return None
+    entries = [("data.pkl", pkl, zlib.crc32(pkl)), ("byteorder", sys.byteorder.encode(), None),
+               (storages[0], None, 0), ("version", version, None)]
+    out, central, offset, head = bytearray(), bytearray(), 0, b""
+    for name, data, crc in entries:
+        raw = f"archive/{name}".encode()
+        size = nbytes if data is None else len(data)
+        crc = zlib.crc32(data or b"") if crc is None else crc
+        out += struct.pack("<IHHHHHIIIHH", 0x04034B50, 20, 0, 0, 0, _ZIP_DATE, crc, size, size, len(raw), 0) + raw
+        central += struct.pack("<IHHHHHHIIIHHHHHII", 0x02014B50, 20, 20, 0, 0, 0, _ZIP_DATE, crc, size, size,
+                               len(raw), 0, 0, 0, 0, 0, offset) + raw
+        if data is None:
+            head, out = bytes(out), bytearray()
+            offset = len(head) + nbytes
+        else:
+            out += data
+            offset += 30 + len(raw) + size
+    out += central + struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, len(entries), len(entries), len(central),
+                                 offset, 0)
+    return head, bytes(out)
+
+
+def _probe_records() -> tuple[bytes | None, bool]:
+    """``(zip version entry for compact records, torch's writer can skip its CRC-32)`` on this torch."""
+    def loads(record: bytes, tensor: torch.Tensor) -> bool:
+        return bool(torch.equal(torch.load(io.BytesIO(record), weights_only=True), tensor))
+
+    probe = torch.arange(3.0)
+    version: bytes | None = None
+    try:
+        with zipfile.ZipFile(_saved(probe)) as archive:
+            version = archive.read(next(n for n in archive.namelist() if n.endswith("/version")))
+        framing = _compact_framing(probe, version)
+        if framing is None or not loads(framing[0] + probe.numpy().tobytes() + framing[1], probe):
+            version = None
+    except Exception:  # noqa: BLE001 - any incompatibility: torch's own writer
+        version = None
     try:
         buf = io.BytesIO()
         zf = torch._C.PyTorchFileWriter(buf, False, torch.serialization._get_storage_alignment())
-        torch.serialization._save(torch.zeros(2), zf, pickle, torch.serialization.DEFAULT_PROTOCOL, False)
+        torch.serialization._save(probe, zf, pickle, torch.serialization.DEFAULT_PROTOCOL, False)
         zf.write_end_of_file()
-        buf.seek(0)
-        return bool(torch.equal(torch.load(buf, weights_only=True), torch.zeros(2)))
-    except Exception:  # noqa: BLE001 - any incompatibility: use plain torch.save
-        return False
+        return version, loads(buf.getvalue(), probe)
+    except Exception:  # noqa: BLE001 - any incompatibility: plain torch.save
+        return version, False
 
 
-_SAVE_WITHOUT_ZIP_CRC = _probe_torch_save_without_zip_crc()
+def _saved(tensor: torch.Tensor) -> io.BytesIO:
+    buf = io.BytesIO()
+    torch.save(tensor, buf)
+    buf.seek(0)
+    return buf
+
+
+_ZIP_VERSION, _SAVE_WITHOUT_ZIP_CRC = _probe_records()
 
 
 class _Capture:
@@ -185,28 +273,39 @@ class _Capture:
         pass
 
 
-#: ``{tensor signature: (bytes before the data, bytes after it)}`` of ``torch.save`` records; see serialize_tensor
+#: ``{tensor signature: (bytes before the data, bytes after it)}`` of records; see serialize_tensor
 _RECORD_CACHE: dict[tuple, tuple[bytes, bytes]] = {}
 _RECORD_CACHE_MAX = 4096
 
 
 def _record_key(tensor: torch.Tensor) -> tuple | None:
-    """What a ``torch.save`` record's non-data bytes depend on (None: do not cache this tensor)."""
-    if type(tensor) is not torch.Tensor or tensor.is_quantized or not _SAVE_WITHOUT_ZIP_CRC:
+    """What a record's non-data bytes depend on (None: do not cache this tensor)."""
+    if type(tensor) is not torch.Tensor or tensor.is_quantized or not (_ZIP_VERSION or _SAVE_WITHOUT_ZIP_CRC):
         return None
     return (tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset(),
-            tensor.untyped_storage().nbytes(), tensor.is_conj(), tensor.is_neg())
+            tensor.untyped_storage().nbytes(), tensor.is_conj(), tensor.is_neg(), tensor.requires_grad)
+
+
+def _cache(key: tuple, framing: tuple[bytes, bytes]) -> None:
+    if len(_RECORD_CACHE) >= _RECORD_CACHE_MAX:
+        _RECORD_CACHE.clear()
+    _RECORD_CACHE[key] = framing
 
 
 def serialize_tensor(tensor: torch.Tensor) -> list[Any]:
-    """``tensor`` as one ``torch.save`` record (what DCP's reader ``torch.load``\\ s), as a list of pieces.
+    """``tensor`` as one record that DCP's reader ``torch.load``\\ s, as a list of pieces (data by reference).
 
-    The zip's per-record CRC-32 is skipped where this torch allows it (computed holding the GIL, ~3 GB/s;
-    the manifest's file CRC-32 covers it; ``torch.load`` ignores it). The bytes around the data then
-    depend only on dtype, shape and strides and are cached per signature (~150 us -> a few us per tensor).
+    The record is compact (see above) where this torch allows it, else written by torch's zip writer
+    with its per-record CRC-32 skipped (computed holding the GIL, ~3 GB/s), else by ``torch.save``. The
+    bytes around the data depend only on the tensor's signature and are cached per signature (~150 us
+    -> a few us per tensor).
     """
     key = _record_key(tensor)
     cached = _RECORD_CACHE.get(key) if key is not None else None
+    if cached is None and key is not None and _ZIP_VERSION is not None:
+        cached = _compact_framing(tensor, _ZIP_VERSION)
+        if cached is not None:
+            _cache(key, cached)
     if cached is not None:
         return [cached[0], _data_view(tensor), cached[1]]
     capture = _Capture(tensor)
@@ -219,10 +318,8 @@ def serialize_tensor(tensor: torch.Tensor) -> list[Any]:
     pieces = capture.pieces
     data_at = [i for i, p in enumerate(pieces) if isinstance(p, memoryview)]
     if key is not None and len(data_at) == 1:
-        if len(_RECORD_CACHE) >= _RECORD_CACHE_MAX:
-            _RECORD_CACHE.clear()
         i = data_at[0]
-        _RECORD_CACHE[key] = (b"".join(pieces[:i]), b"".join(pieces[i + 1:]))
+        _cache(key, (b"".join(pieces[:i]), b"".join(pieces[i + 1:])))
     return pieces
 
 
@@ -494,6 +591,7 @@ class ChecksumFileSystemWriter(FileSystemWriter):
         self._target = incremental
         self._files: dict[str, tuple[int, int]] = {}
         self._linked: dict[str, int] = {}
+        self._digests_doc: dict[str, list[list[int]]] = {}
         self._errors: list[BaseException] = []
         self._lock = threading.Lock()
 
@@ -541,6 +639,12 @@ class ChecksumFileSystemWriter(FileSystemWriter):
             return dict(self._files)
 
     @property
+    def record_digests(self) -> dict[str, list[list[int]]]:
+        """``{data file: [[record offset, CRC-32 of the tensor's data], ...]}`` of an incremental save (else empty),
+        kept in the rank's JSON so that the first save after a restart can share unchanged records too."""
+        return self._digests_doc
+
+    @property
     def linked_files(self) -> dict[str, int]:
         """``{file name: step of the checkpoint it was hard-linked from}`` of this rank's linked data files."""
         with self._lock:
@@ -574,7 +678,7 @@ class ChecksumFileSystemWriter(FileSystemWriter):
     def _reuse(self, prefix: str, items: list[WriteItem], digests: dict[Any, tuple]) -> dict[Any, WriteResult]:
         """Link the previous save's data files whose records ``items`` can point at; ``{item index: result}``."""
         assert self._target is not None
-        base = baseline_for(self._target[0], prefix)
+        base = baseline_for(self._target[0], prefix) or baseline_on_disk(*self._target, prefix)
         if base is None:
             return {}
         by_file: dict[str, list[tuple[WriteItem, Record]]] = {}
@@ -612,6 +716,8 @@ class ChecksumFileSystemWriter(FileSystemWriter):
             found = digests.get(r.index)
             if found is not None and found[2] == info.length:
                 records[_record_id(r.index)] = Record(name, info.offset, info.length, found[0], found[1])
+        self._digests_doc = {name: sorted([r.offset, r.digest[1]] for r in records.values() if r.file == name)
+                             for name in files}
         remember(final, prefix, Baseline(directory=Path(final), step=step, files=files, records=records))
 
     def _new_names(self, prefix: str, count: int) -> list[str]:
@@ -782,6 +888,76 @@ def baseline_for(final: Path, prefix: str) -> Baseline | None:
             base.listed = manifest.files
             return base
     return None
+
+
+def baseline_on_disk(final: Path, step: int, prefix: str) -> Baseline | None:
+    """The baseline of this process's first incremental save into a root (after a restart): the newest
+    committed checkpoint of ``final``'s root older than ``step``, as its manifest, DCP metadata and the
+    rank's JSON (the digests its save kept, :attr:`ChecksumFileSystemWriter.record_digests`) describe it.
+
+    None when there is none, or any of those files is missing, unreadable or disagrees with the manifest
+    (its size or CRC-32); a record is shared only if its digest equals the new tensor's, and its file
+    only if the file's bytes still have the manifest's CRC-32 (:func:`link_file`).
+    """
+    match = re.fullmatch(r"__(\d+)_", prefix)
+    if match is None:
+        return None
+    newest: tuple[int, Path, Any] | None = None
+    try:
+        entries = list(os.scandir(final.parent))
+    except OSError:
+        return None
+    for entry in entries:
+        if entry.name.startswith(".") or entry.path == os.fspath(final) or not entry.is_dir(follow_symlinks=False):
+            continue
+        try:
+            manifest = read_manifest(entry.path)
+        except (CheckpointError, OSError):
+            continue
+        if manifest.step < step and (newest is None or manifest.step > newest[0]):
+            newest = (manifest.step, Path(entry.path), manifest)
+    if newest is None:
+        return None
+    _, directory, manifest = newest
+    name = rank_file_name(int(match[1]))
+    try:
+        raw = read_listed(directory, manifest, name, MAX_RANK_JSON_BYTES)
+        if crc32(raw) != manifest.files[name]["crc32"]:
+            return None
+        doc = parse_rank_doc(raw, str(directory / name), manifest, int(match[1]))
+        md = read_metadata(directory, manifest)
+    except (CheckpointError, OSError):
+        return None
+    digests = doc.get("records")
+    if not isinstance(digests, dict):
+        return None
+    chunks = {(fqn, tuple(c.offsets)): (item.properties.dtype, tuple(c.sizes))
+              for fqn, item in md.state_dict_metadata.items() if isinstance(item, TensorStorageMetadata)
+              for c in item.chunks}
+    ranges = {(str(info.relative_path), info.offset): (index, info.length) for index, info in md.storage_data.items()}
+    files: dict[str, tuple[int, int, int, int]] = {}
+    records: dict[tuple, Record] = {}
+    for file, pairs in digests.items():
+        listed = manifest.files.get(file) if isinstance(file, str) else None
+        if listed is None or not isinstance(pairs, list):
+            continue
+        try:
+            st = os.stat(directory / file, follow_symlinks=False)
+        except OSError:
+            continue
+        files[file] = (listed["bytes"], listed["crc32"], st.st_dev, st.st_ino)
+        for pair in pairs:
+            if not (isinstance(pair, list) and len(pair) == 2 and all(type(v) is int for v in pair)):
+                continue
+            found = ranges.get((file, pair[0]))
+            chunk = chunks.get((found[0].fqn, tuple(found[0].offset or ()))) if found is not None else None
+            if found is None or chunk is None:
+                continue
+            dtype, sizes = chunk
+            nbytes = math.prod(sizes) * dtype.itemsize
+            signature = (dtype, sizes, torch.empty(sizes, device="meta").stride(), 0, nbytes, False, False, False)
+            records[_record_id(found[0])] = Record(file, pair[0], found[1], signature, (nbytes, pair[1]))
+    return Baseline(directory=directory, step=manifest.step, files=files, records=records, listed=manifest.files)
 
 
 def _same_file(st: os.stat_result, info: tuple[int, int, int, int]) -> bool:

@@ -199,6 +199,8 @@ def write_shards(req: SaveRequest, ctx: DistContext, part: SharedPart, final: Pa
         if req.failed is not None:
             raise CheckpointWriteError(f"staging step {req.step} failed on rank {ctx.rank}: {req.failed}")
         rank_doc = {"step": req.step, "rank": ctx.rank, "world_size": ctx.world_size, "tree": req.tree}
+        if writer.record_digests:
+            rank_doc["records"] = writer.record_digests
         size, crc = write_json_durable(tmp / rank_file_name(ctx.rank), rank_doc)
         linked = writer.linked_files
         files = {name: {"bytes": b, "crc32": c} for name, (b, c) in writer.written_files.items()}
