@@ -159,7 +159,7 @@ class WriteBehind:
 #
 # A record is a zip archive that ``torch.load`` reads: the ``data.pkl`` that ``torch.serialization._save``
 # pickles for the tensor, its ``byteorder``, the storage's bytes (``data/0``) and the archive ``version``,
-# stored uncompressed with no alignment padding (~570 bytes around the data; ``torch.save`` writes ~1.5 kB,
+# stored uncompressed with no alignment padding (~610 bytes around the data; ``torch.save`` writes ~1.5 kB,
 # which is 8% of a LoRA adapter's checkpoint). The entries ``torch.save`` adds for ``mmap`` loading and
 # its own bookkeeping (``.format_version``, ``.storage_alignment``, ``.data/serialization_id``) mean
 # nothing to one byte range read by DCP. The data entry's CRC-32 is left 0 (``torch.load`` does not check
