@@ -532,3 +532,23 @@ def test_live_tensor_with_self_overlapping_elements_is_refused_before_any_write(
         mgr.restore(live)
     after = live if kind == "dict" else module.state_dict()
     assert all(torch.equal(after[k], v) for k, v in before.items())
+
+
+def test_every_candidate_failing_names_each_checkpoint_tried(tmp_path):
+    """When every committed step fails its CRC-32, the error names each step tried, newest first."""
+    from torch_ckpt import CheckpointCorruptError
+
+    model, opt = _wide(0)
+    with CheckpointManager(tmp_path, incremental=False) as mgr:
+        for step in (1, 2):
+            mgr.save(step, TrainState(model=model, optimizer=opt)).wait()
+    for data in tmp_path.glob("step_*/*.distcp"):
+        raw = bytearray(data.read_bytes())
+        raw[len(raw) // 2] ^= 0x01
+        data.write_bytes(bytes(raw))
+    live_model, live_opt = _wide(1)
+    with CheckpointManager(tmp_path) as mgr, pytest.raises(CheckpointCorruptError) as caught:
+        mgr.restore(TrainState(model=live_model, optimizer=live_opt))
+    text = str(caught.value)
+    assert "none of the 2 checkpoints tried" in text
+    assert text.index("step_000000002") < text.index("step_000000001")

@@ -237,21 +237,28 @@ def first_usable(candidates: Sequence[C], try_one: Callable[[C], R],
                  fall_back: Callable[[C, C, BaseException], None], *,
                  errors: tuple[type[BaseException], ...] = (CheckpointCorruptError, DurableUnavailableError),
                  durable: Callable[[C], bool] | None = None) -> R:
-    """``try_one`` of the first candidate that does not raise one of ``errors``; the last one's error is raised.
+    """``try_one`` of the first candidate that does not raise one of ``errors``.
 
     ``fall_back(failed, next, error)`` logs each move on. After a DurableUnavailableError the
     candidates that need the store (``durable``) are skipped: only local copies can still work.
+    When every candidate fails, the last one's error is raised; after more than one, as an error of
+    its type whose message gives every candidate's error, newest first (each names its path).
     """
     left = list(candidates)
+    failed: list[BaseException] = []
     while True:
         candidate = left.pop(0)
         try:
             return try_one(candidate)
         except errors as exc:
+            failed.append(exc)
             if isinstance(exc, DurableUnavailableError) and durable is not None:
                 left = [c for c in left if not durable(c)]
             if not left:
-                raise
+                if len(failed) == 1:
+                    raise
+                raise type(exc)(f"none of the {len(failed)} checkpoints tried could be restored (newest first): "
+                                + "; ".join(f"{i}) {e}" for i, e in enumerate(failed, 1))) from exc
             fall_back(candidate, left[0], exc)
 
 
