@@ -187,3 +187,14 @@ def test_verify_checks_the_structure_of_a_node_copy(tmp_path):
     rewrite(copy, "rank_00000.json", json.dumps(doc).encode())  # the manifest agrees: only the structure is wrong
     result = verify_checkpoint(copy)
     assert not result["ok"] and any("model.nowhere" in p["problem"] for p in result["problems"])
+
+
+def test_a_root_whose_only_checkpoint_is_corrupt_names_it_and_its_problem(tmp_path):
+    """find_checkpoint on a root holding only a corrupt checkpoint names that checkpoint and why, not just 'none'."""
+    from torch_ckpt import CheckpointNotFoundError
+
+    with CheckpointManager(tmp_path) as mgr:
+        mgr.save(1, {"w": torch.ones(3)}).wait()
+    (tmp_path / "step_000000001" / "manifest.json").write_text('{"format": "torch-ckpt", "broken')
+    with pytest.raises(CheckpointNotFoundError, match=r"step_000000001.*not valid JSON.*torch-ckpt verify"):
+        find_checkpoint(tmp_path)

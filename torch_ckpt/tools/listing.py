@@ -471,9 +471,13 @@ def find_checkpoint(where: str | os.PathLike | Location, *, step: int | None = N
                and (step is None or r["step"] == step)]
     if not listing:
         plain = [r for r in rows if r["status"] == PLAIN_DCP]
+        corrupt = [r for r in rows if r["status"] == CORRUPT and (step is None or r["step"] == step)]
         raise CheckpointNotFoundError(f"{loc.describe()} has no committed checkpoint" +
                                       (f" of step {step}" if step is not None else "") +
                                       (f"; {plain[0]['name']} is a {plain[0]['reason']}" if plain else
+                                       f"; {len(corrupt)} failed its checks, the newest ({corrupt[-1]['name']}): "
+                                       f"{corrupt[-1]['problems'][0]['problem'] if corrupt[-1]['problems'] else '?'}"
+                                       " (`torch-ckpt verify` lists every problem)" if corrupt else
                                        f" {_NO_CHECKPOINT}"))
     chosen_step = listing[-1]["step"]
     same = sorted((r for r in listing if r["step"] == chosen_step),
