@@ -7,7 +7,8 @@ checkpoint is about 150 MB (n_embd 512, 4 layers: 12.7M parameters, 152 MB with 
 no checkpointing and with each checkpointing method, saving every ``--save-every`` (K) steps:
 
 * torch-ckpt: ``ours_thread``, ``ours_thread_nice19``, ``ours_process``, ``ours_overlap``
-  (thread + overlap_staging), ``ours_memory`` (the memory tier: saves into a tmpfs ``memory_root``);
+  (thread + overlap_staging), ``ours_memory`` (the memory tier: saves into a tmpfs ``memory_root``),
+  ``ours_memory_overlap`` (the same + overlap_staging), ``ours_memory_process`` (the same, writer process);
 * peers: ``dcp_async`` (``dcp.async_save`` defaults; waits for the previous future before the next
   save, as DCP's docs do), ``dcp_async_stager`` (the same with one reused ``DefaultStager``),
   ``lightning_async`` (``AsyncCheckpointIO(TorchCheckpointIO())``),
@@ -71,6 +72,8 @@ METHODS = (
     "ours_thread_nice19",
     "ours_process",
     "ours_memory",
+    "ours_memory_overlap",
+    "ours_memory_process",
     "ours_overlap",
     "dcp_async",
     "dcp_async_stager",
@@ -212,7 +215,14 @@ class Ours(Saver):
 
 
 class OursMemory(Ours):
-    """The memory tier: ``save(step, state, tier="memory")`` into a ``memory_root`` on ``/dev/shm`` (tmpfs)."""
+    """The memory tier: ``save(step, state, tier="memory")`` into a ``memory_root`` on ``/dev/shm`` (tmpfs);
+    ``ours_memory_overlap`` with ``overlap_staging``, ``ours_memory_process`` with the writer process."""
+
+    MEMORY: ClassVar[dict[str, tuple[str, bool]]] = {
+        "ours_memory": ("thread", False),
+        "ours_memory_overlap": ("thread", True),
+        "ours_memory_process": ("process", False),
+    }
 
     def __init__(self, env, name="ours_memory"):
         super().__init__(env, name)
@@ -224,7 +234,9 @@ class OursMemory(Ours):
 
         shm = Path("/dev/shm")
         self.mem = Path(tempfile.mkdtemp(prefix="torch-ckpt-bench-", dir=shm if shm.is_dir() else self.out.parent))
-        self.mgr = CheckpointManager(self.out, keep_last=1, memory_root=str(self.mem), memory_keep_last=1)
+        persist, overlap = self.MEMORY[self.name]
+        self.mgr = CheckpointManager(self.out, keep_last=1, memory_root=str(self.mem), memory_keep_last=1,
+                                     persist=persist, overlap_staging=overlap)
 
     def save(self, step):
         t = time.perf_counter()
@@ -342,8 +354,8 @@ class TorchSave(Saver):
 
 
 def make_saver(name: str, env: Env) -> Saver:
-    if name == "ours_memory":
-        return OursMemory(env)
+    if name in OursMemory.MEMORY:
+        return OursMemory(env, name)
     if name in Ours.CONFIG:
         return Ours(env, name)
     return {"none": Saver, "dcp_async": DcpAsync, "dcp_async_stager": DcpAsyncStager, "lightning_async": LightningAsync,
