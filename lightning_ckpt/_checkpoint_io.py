@@ -49,7 +49,8 @@ from torch_ckpt import (
 )
 
 log = logging.getLogger(__name__)
-_LIVE: weakref.WeakSet = weakref.WeakSet()  # plugins of this process, finished at interpreter exit
+#: plugins, finished at interpreter exit by the process that made each (a forked child exits at once)
+_LIVE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _PICKLED_FIELDS = ("_config", "verify_on_load", "unsafe_values", "allow_cast", "wait_outside_fit")
 _HPC_NAME = re.compile(r"hpc_ckpt_(\d+)\.ckpt")
 _MARK = "_lightning_ckpt_io"  # the plugin a strategy is attached to; a logger method already deferred
@@ -140,7 +141,7 @@ class AsyncDCPCheckpointIO(CheckpointIO):
 
     def _reset_runtime(self) -> None:
         _compat.install_hooks()
-        _LIVE.add(self)
+        _LIVE[self] = os.getpid()
         self._manager: CheckpointManager | None = None
         self._after = AfterCommit()  # links 0, removals 1, loggers 2; uploads -1 (their failure stops the rest)
         self._param_ptrs: Any = None
@@ -412,7 +413,7 @@ class AsyncDCPCheckpointIO(CheckpointIO):
 @atexit.register
 def _finish_at_exit() -> None:
     """Carry out deferred actions at exit without ``teardown`` (``ddp_spawn`` worker) once the save committed."""
-    for io in list(_LIVE):
+    for io in [io for io, pid in list(_LIVE.items()) if pid == os.getpid()]:
         if io._manager is None or not io._after.pending:
             continue
         if io.saving:  # that bounded wait ran out (a save that needs ranks which are gone): it must not hold the exit

@@ -211,3 +211,39 @@ def test_dropped_process_writer_manager_is_taken_over_and_its_writer_process_sto
     with CheckpointManager(tmp_path) as second:
         assert second.all_steps() == [1]
     assert not writer.is_alive() and writer not in multiprocessing.active_children()
+
+
+def _child_exit_code(target=None) -> int | None:
+    """Fork a child (as DataLoader workers are made) running ``target``, wait up to 60 s; its exit code or None."""
+    import multiprocessing
+
+    child = multiprocessing.get_context("fork").Process(target=target or (lambda: None))
+    child.start()
+    child.join(60)
+    code = child.exitcode
+    if code is None:
+        child.kill()
+        child.join()
+    return code
+
+
+def test_a_forked_child_exits_at_once_while_a_save_is_in_flight(tmp_path, held_writes):
+    """A forked child (a DataLoader worker) does not wait at its exit for the parent's save, which still commits."""
+    with CheckpointManager(tmp_path) as mgr:
+        mgr.save(1, {"w": torch.ones(4)})
+        assert _child_exit_code() == 0
+        held_writes.set()
+        mgr.wait()
+        assert mgr.all_steps() == [1]
+
+
+def test_a_forked_child_leaves_the_parents_lock_file_in_place(tmp_path, monkeypatch):
+    """Where the root is locked through a lock file, a forked child's exit hooks do not remove the parent's file."""
+    from torch_ckpt.root import _lock
+
+    monkeypatch.setattr(_lock, "_lock_directory", lambda root: None)
+    with CheckpointManager(tmp_path) as mgr:
+        mgr.save(1, {"w": torch.ones(4)}).wait()
+        assert (tmp_path / _lock.LOCK_FILE_NAME).exists()
+        assert _child_exit_code(_lock._release_all) == 0
+        assert (tmp_path / _lock.LOCK_FILE_NAME).exists()

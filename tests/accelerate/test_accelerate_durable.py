@@ -66,6 +66,7 @@ def test_unreachable_store_falls_back_to_local_checkpoints(tmp_path, url, monkey
     train(run, 0, 4)
     run.accelerator.save_state(step=4)
     run.ckpt.wait()
+    assert run.ckpt.wait_replicated(60)  # else the upload meets the outage and close() waits out its retries
     saved = {k: v.clone() for k, v in run.model.state_dict().items()}
     train(run, 4, 6)
 

@@ -615,7 +615,7 @@ class CheckpointManager:
             raise
         # a manager nobody references any more (never closed) releases its root and threads like close()
         self._finalizer = weakref.finalize(self, _close_unreachable, str(root), self._holdings(),
-                                           cast(float, cfg.durable_flush_timeout_seconds))
+                                           cast(float, cfg.durable_flush_timeout_seconds), os.getpid())
         self._finalizer.atexit = False  # exit: torch_ckpt._lifecycle finishes in-flight work; the kernel drops the lock
 
     @property
@@ -1119,8 +1119,11 @@ def _release(ckpt: AsyncCheckpointer, replicator: Replicator | None, preemption:
                 memory.close()
 
 
-def _close_unreachable(root: str, held: tuple, flush_timeout: float) -> None:
-    """Finalizer of a manager never closed (not at exit: :mod:`torch_ckpt._lifecycle`); errors are logged."""
+def _close_unreachable(root: str, held: tuple, flush_timeout: float, pid: int) -> None:
+    """Finalizer of a manager never closed (not at exit: :mod:`torch_ckpt._lifecycle`); errors are logged.
+    Nothing in a forked child (``pid`` is the manager's process): its threads and lock are the parent's."""
+    if os.getpid() != pid:
+        return
     log.info("a CheckpointManager of %s was garbage collected without close(): closing it", root)
     try:
         _release(*held, flush_timeout=flush_timeout)

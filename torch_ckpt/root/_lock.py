@@ -65,6 +65,7 @@ class RootLock:
         self._drain = drain
         self._since: float | None = None
         self._key: str | None = None
+        self._pid: int | None = None  # the process that took it (a forked child inherits the object, not the lock)
 
     @property
     def held(self) -> bool:
@@ -171,7 +172,7 @@ class RootLock:
                 raise CheckpointWriteError(exc.errno, f"cannot write the lock owner into {self.path}: "
                                            f"{exc.strerror}; check that the checkpoint root is writable and has "
                                            "free space") from exc
-        self._fd, self._file, self._since, self._key = fd, file, time.time(), key
+        self._fd, self._file, self._since, self._key, self._pid = fd, file, time.time(), key, os.getpid()
         with _HELD_LOCK:
             _HELD[key] = self
 
@@ -183,9 +184,9 @@ class RootLock:
         with _HELD_LOCK:
             if self._key is not None and _HELD.get(self._key) is self:
                 del _HELD[self._key]
-        if self._file:
+        if self._file and self._pid == os.getpid():
             _unlink_and_close(self.path, fd)
-        else:
+        else:  # in a forked child only its copy of the descriptor: the parent still holds the lock and its file
             os.close(fd)
 
     def __del__(self) -> None:  # an unreachable lock (its manager's finalizer did not run): the file goes too
@@ -304,7 +305,7 @@ def _flock_holder(root: Path) -> int | None:
 def _release_all() -> None:
     """At interpreter exit: remove the lock files still held (the kernel drops the locks themselves)."""
     with _HELD_LOCK:
-        held = list(_HELD.values())
+        held = [lock for lock in _HELD.values() if lock._pid == os.getpid()]  # a forked child holds none
     for lock in held:
         try:
             lock.release()
