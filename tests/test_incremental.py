@@ -313,6 +313,31 @@ def test_a_restart_into_an_empty_root_has_no_baseline(tmp_path):
     assert _incremental.baseline_on_disk(tmp_path / "step_000000001", 1, "__0_") is None
 
 
+def _save_live_after_restart(root: Path, values: dict[int, torch.Tensor]) -> None:
+    """Save each ``{step: tensor}`` as extras from a new process's view, from the live tensors (layout kept)."""
+    for step, value in values.items():
+        _incremental.forget_all()
+        with CheckpointManager(root, staging_budget_bytes=1) as mgr:  # over budget: no contiguous staged copy
+            mgr.save(step, TrainState(extras={"w": value}, rng=False)).wait()
+
+
+def test_a_restart_never_links_a_record_of_another_layout(tmp_path):
+    """A record saved transposed is not linked for a row-major tensor of the same bytes after a restart."""
+    a = torch.arange(BASE_WIDTH * BASE_WIDTH, dtype=torch.float32).reshape(BASE_WIDTH, BASE_WIDTH)
+    _save_live_after_restart(tmp_path, {1: a.t(), 2: a.clone()})
+    full, _ = load_full_state(tmp_path / "step_000000002")
+    assert torch.equal(full["extras"]["w"], a)
+
+
+def test_a_restart_links_a_record_of_the_same_layout(tmp_path):
+    """A record saved from a live row-major tensor is linked after a restart when the tensor is unchanged."""
+    a = torch.arange(BASE_WIDTH * BASE_WIDTH, dtype=torch.float32).reshape(BASE_WIDTH, BASE_WIDTH)
+    _save_live_after_restart(tmp_path, {1: a.clone(), 2: a.clone()})
+    assert set(_linked(tmp_path / "step_000000002").values()) == {1}
+    full, _ = load_full_state(tmp_path / "step_000000002")
+    assert torch.equal(full["extras"]["w"], a)
+
+
 def test_the_memory_tier_links_on_tmpfs(tmp_path):
     """Memory saves into a tmpfs root (/dev/shm) hard-link unchanged tensors, and the newest restores bitwise."""
     shm = Path("/dev/shm")
