@@ -530,10 +530,13 @@ def _balance(items: list[WriteItem], bins: int) -> list[list[WriteItem]]:
 
 
 def _host_tensor(data: torch.Tensor) -> torch.Tensor:
-    """A CPU tensor whose storage holds exactly its elements (so ``torch.save`` writes only them)."""
+    """A CPU tensor whose storage holds exactly its elements (so ``torch.save`` writes only them), with no
+    conjugate or negative bit (those pickle as extra metadata, which the record checks refuse)."""
     t = data.detach()
     if t.device.type != "cpu":
         t = t.cpu()
+    if t.is_conj() or t.is_neg():
+        t = t.resolve_conj().resolve_neg()
     if t.untyped_storage().nbytes() != t.numel() * t.element_size():
         t = t.clone()
     return t
