@@ -162,6 +162,19 @@ def test_over_budget_state_saves_synchronously(tmp_path, make_state):
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), model2.parameters()))
 
 
+@pytest.mark.parametrize("view", ["conj", "neg"])
+def test_over_budget_conj_and_neg_views_restore(tmp_path, view):
+    """Live conjugate and negative views saved over the staging budget restore (their records are plain)."""
+    base = torch.randn(32, 32, dtype=torch.complex64)
+    value = base.conj() if view == "conj" else base.real.clone()._neg_view()
+    with CheckpointManager(tmp_path, staging_budget_bytes=16) as mgr:
+        assert mgr.save(1, TrainState(extras={"v": value}, rng=False)).stats.mode == "sync-over-budget"
+    target = TrainState(extras={"v": torch.zeros(value.shape, dtype=value.dtype)}, rng=False)
+    with CheckpointManager(tmp_path) as mgr:
+        assert mgr.restore(target) == 1
+    assert torch.equal(target.extras["v"], value.resolve_conj().resolve_neg())
+
+
 def test_sync_mode_commits_before_returning(tmp_path, make_state):
     """async_save=False commits inside save()."""
     state, *_ = make_state()

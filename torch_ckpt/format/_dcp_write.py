@@ -530,10 +530,13 @@ def _balance(items: list[WriteItem], bins: int) -> list[list[WriteItem]]:
 
 
 def _host_tensor(data: torch.Tensor) -> torch.Tensor:
-    """A CPU tensor whose storage holds exactly its elements (so ``torch.save`` writes only them)."""
+    """A CPU tensor whose storage holds exactly its elements (so ``torch.save`` writes only them), with no
+    conjugate or negative bit (those pickle as extra metadata, which the record checks refuse)."""
     t = data.detach()
     if t.device.type != "cpu":
         t = t.cpu()
+    if t.is_conj() or t.is_neg():
+        t = t.resolve_conj().resolve_neg()
     if t.untyped_storage().nbytes() != t.numel() * t.element_size():
         t = t.clone()
     return t
@@ -592,6 +595,7 @@ class ChecksumFileSystemWriter(FileSystemWriter):
         self._files: dict[str, tuple[int, int]] = {}
         self._linked: dict[str, int] = {}
         self._digests_doc: dict[str, list[list[int]]] = {}
+        self._framings: dict[Any, tuple[bytes, bytes]] = {}  # {item index: record framing} of digested tensors
         self._errors: list[BaseException] = []
         self._lock = threading.Lock()
 
@@ -671,6 +675,7 @@ class ChecksumFileSystemWriter(FileSystemWriter):
                 found = (key, (view.nbytes, crc32(view)), len(framing[0]) + view.nbytes + len(framing[1]))
                 with self._lock:
                     out[item.index] = found
+                    self._framings[item.index] = framing
 
         _in_threads(digest, _balance(items, self.thread_count), "torch_ckpt_dcp_digest")
         return out
@@ -686,6 +691,8 @@ class ChecksumFileSystemWriter(FileSystemWriter):
             found, rec = digests.get(item.index), base.records.get(_record_id(item.index))
             if found is not None and rec is not None and found == (rec.signature, rec.digest, rec.length):
                 by_file.setdefault(rec.file, []).append((item, rec))
+        if not base.signatures_recorded:  # inferred from .metadata: the record's own bytes must say the same
+            by_file = {name: self._same_framing(base.directory / name, pairs) for name, pairs in by_file.items()}
         reused: dict[Any, WriteResult] = {}
         for name, pairs in sorted(by_file.items()):
             if sum(rec.length for _, rec in pairs) < LINK_MIN_SHARE * base.files[name][0]:
@@ -699,6 +706,26 @@ class ChecksumFileSystemWriter(FileSystemWriter):
                 reused[item.index] = WriteResult(index=item.index, size_in_bytes=rec.length,
                                                  storage_data=_StorageInfo(name, rec.offset, rec.length))
         return reused
+
+    def _same_framing(self, path: Path, pairs: list[tuple[WriteItem, Record]]) -> list[tuple[WriteItem, Record]]:
+        """The ``(item, record)`` pairs whose record in file ``path`` has, byte for byte, the framing the item's
+        tensor would get (its pickle: dtype, shape, strides, storage offset, conj/neg bits, requires_grad)."""
+        kept: list[tuple[WriteItem, Record]] = []
+        try:
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        except OSError:
+            return kept
+        try:
+            for item, rec in pairs:
+                head, tail = self._framings[item.index]
+                if os.pread(fd, len(head), rec.offset) == head and \
+                        os.pread(fd, len(tail), rec.offset + rec.length - len(tail)) == tail:
+                    kept.append((item, rec))
+        except OSError:
+            return []
+        finally:
+            os.close(fd)
+        return kept
 
     def _remember(self, prefix: str, results: list[WriteResult], digests: dict[Any, tuple]) -> None:
         """Record this save's data files and tensor records as the baseline of the next (once committed)."""
@@ -851,6 +878,9 @@ class Baseline:
     files: dict[str, tuple[int, int, int, int]]
     records: dict[tuple, Record] = field(default_factory=dict)
     listed: dict[str, dict[str, int]] | None = None  # the committed manifest's files, once checked
+    #: False: the records' signatures are inferred from ``.metadata`` (a baseline read from disk, which
+    #: assumes a contiguous layout); a record is then shared only if its framing bytes equal the new tensor's
+    signatures_recorded: bool = True
 
 
 _lock = threading.Lock()
@@ -896,8 +926,10 @@ def baseline_on_disk(final: Path, step: int, prefix: str) -> Baseline | None:
     rank's JSON (the digests its save kept, :attr:`ChecksumFileSystemWriter.record_digests`) describe it.
 
     None when there is none, or any of those files is missing, unreadable or disagrees with the manifest
-    (its size or CRC-32); a record is shared only if its digest equals the new tensor's, and its file
-    only if the file's bytes still have the manifest's CRC-32 (:func:`link_file`).
+    (its size or CRC-32); a record is shared only if its digest equals the new tensor's and its framing
+    bytes in the file equal the new tensor's (the signature here is inferred from ``.metadata``, which
+    does not know strides or a storage offset), and its file only if the file's bytes still have the
+    manifest's CRC-32 (:func:`link_file`).
     """
     match = re.fullmatch(r"__(\d+)_", prefix)
     if match is None:
@@ -957,7 +989,8 @@ def baseline_on_disk(final: Path, step: int, prefix: str) -> Baseline | None:
             nbytes = math.prod(sizes) * dtype.itemsize
             signature = (dtype, sizes, torch.empty(sizes, device="meta").stride(), 0, nbytes, False, False, False)
             records[_record_id(found[0])] = Record(file, pair[0], found[1], signature, (nbytes, pair[1]))
-    return Baseline(directory=directory, step=manifest.step, files=files, records=records, listed=manifest.files)
+    return Baseline(directory=directory, step=manifest.step, files=files, records=records, listed=manifest.files,
+                    signatures_recorded=False)
 
 
 def _same_file(st: os.stat_result, info: tuple[int, int, int, int]) -> bool:
