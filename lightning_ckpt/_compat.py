@@ -11,7 +11,7 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
-from lightning_ckpt._load import is_remote_checkpoint, load_checkpoint_dir
+from lightning_ckpt._load import is_remote_checkpoint, is_url, load_checkpoint_dir
 
 _MARK = "_lightning_ckpt_wrapped"
 
@@ -162,9 +162,8 @@ def _link(original: Any, trainer: Any, filepath: str, linkpath: str) -> None:
 
 def _load(original: Any, path_or_url: Any, map_location: Any = None, weights_only: bool | None = None) -> Any:
     text = os.fspath(path_or_url) if isinstance(path_or_url, (str, os.PathLike)) else ""
-    local = text[len("file://"):] if text.startswith("file://") else ("" if "://" in text else text)
-    if (local and os.path.isfile(os.path.join(local, "manifest.json"))) or (
-            text and not local and is_remote_checkpoint(text)):
+    local = "" if is_url(text) else text.removeprefix("file://")
+    if os.path.isfile(os.path.join(local, "manifest.json")) if local else is_remote_checkpoint(text):
         return load_checkpoint_dir([local or text], allow_pickle=weights_only is False, map_location=map_location)
     try:
         return original(path_or_url, map_location=map_location, weights_only=weights_only)
