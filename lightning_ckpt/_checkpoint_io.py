@@ -29,7 +29,6 @@ from lightning_ckpt._load import (
     RANK_LOCAL_KEYS,
     RemoteCheckpoints,
     _ShardedTarget,
-    check_options,
     decode_values,
     encode_values,
     is_url,
@@ -245,7 +244,10 @@ class AsyncDCPCheckpointIO(CheckpointIO):
             raise TypeError(f"{type(self).__name__}.save_checkpoint(..., storage_options=...) applies to fsspec URLs "
                             f"only (s3://, memory://...), not to the local path {path}")
         if url is not None:
-            self._remote_options[url] = check_options(storage_options)
+            if storage_options is not None and not isinstance(storage_options, dict):
+                raise ConfigError(f"storage_options for a checkpoint URL must be a dict of fsspec options, got "
+                                  f"{type(storage_options).__name__}")
+            self._remote_options[url] = storage_options
             path = self._remote.local_path(url)
         path = _local_path(path).absolute()
         rank, world = rank_and_world()
