@@ -22,6 +22,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from typing_extensions import override
 
 from lightning_ckpt import _compat
@@ -29,7 +30,6 @@ from lightning_ckpt._load import (
     RANK_LOCAL_KEYS,
     RemoteCheckpoints,
     _ShardedTarget,
-    check_options,
     decode_values,
     encode_values,
     is_url,
@@ -145,7 +145,7 @@ class AsyncDCPCheckpointIO(CheckpointIO):
         self._manager: CheckpointManager | None = None
         self._after = AfterCommit()  # links 0, removals 1, loggers 2; uploads -1 (their failure stops the rest)
         self._param_ptrs: Any = None
-        self._collective = self._in_fit = self._after_fit = False
+        self._collective = self._after_fit = False
         self._warned: set[str] = set()
         self.rng_restored_by_callback = False
         self.fallbacks: dict[str, list[Path]] = {}  # "last" -> newest-first candidates (MTBFCheckpoint)
@@ -212,7 +212,7 @@ class AsyncDCPCheckpointIO(CheckpointIO):
 
     def start_fit(self) -> None:
         """Called once attached inside ``fit``: every rank now calls save/remove/load (collective)."""
-        self._collective, self._in_fit, self._after_fit = True, True, False
+        self._collective, self._after_fit = True, False
 
     def enable_overlap(self, module: Any) -> None:
         """Let saves copy ``module``'s parameters and optimizer state in the background (the caller waits)."""
@@ -246,7 +246,10 @@ class AsyncDCPCheckpointIO(CheckpointIO):
             raise TypeError(f"{type(self).__name__}.save_checkpoint(..., storage_options=...) applies to fsspec URLs "
                             f"only (s3://, memory://...), not to the local path {path}")
         if url is not None:
-            self._remote_options[url] = check_options(storage_options)
+            if storage_options is not None and not isinstance(storage_options, dict):
+                raise ConfigError(f"storage_options for a checkpoint URL must be a dict of fsspec options, got "
+                                  f"{type(storage_options).__name__}")
+            self._remote_options[url] = storage_options
             path = self._remote.local_path(url)
         path = _local_path(path).absolute()
         rank, world = rank_and_world()
@@ -374,7 +377,7 @@ class AsyncDCPCheckpointIO(CheckpointIO):
         # absolute: an attached manager reads a relative path relative to its root, not the working directory
         path = _instead_of_interrupted(Path(path).absolute())
         candidates = self.fallbacks.pop(str(path), [path])
-        if self._in_fit and not self.rng_restored_by_callback:
+        if self._collective and not self.rng_restored_by_callback:
             self._warn_once("rng", "AsyncDCPCheckpointIO alone does not restore the RNG: after this resume, dropout "
                             "and random augmentation differ from an uninterrupted run. Add "
                             "lightning_ckpt.MTBFCheckpoint for a bitwise exact resume.")
@@ -394,7 +397,7 @@ class AsyncDCPCheckpointIO(CheckpointIO):
     def teardown(self) -> None:
         """Wait for the in-flight save, release the manager; raise a background error (logged if one propagates)."""
         propagating = sys.exc_info()[1]  # Lightning tears down inside `except` when training failed
-        self._collective = self._in_fit = False  # until attached again: later rank-0-only calls must not block
+        self._collective = False  # until attached again: later rank-0-only calls must not block
         self._after_fit, manager = True, self._manager
         try:
             try:
@@ -484,8 +487,6 @@ def _teardown(io: Any, original_teardown: Any) -> None:
 
 
 def _sharded_module_state(strategy: Any) -> dict[str, Any]:
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
     return get_model_state_dict(strategy.model)
 
 
@@ -516,8 +517,6 @@ def _load_checkpoint(io: Any, trainer: Any, original_load: Any, is_sharded: bool
     live = None if is_sharded else {"state_dict": module.state_dict()}
     checkpoint = io.load_checkpoint(path, weights_only=weights_only, live=live, strict=module.strict_loading)
     if is_sharded:  # evaluation: full tensors on every rank, then sharded into the model
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
         set_model_state_dict(strategy.model, checkpoint["state_dict"],
                              options=StateDictOptions(full_state_dict=True, strict=module.strict_loading))
     return checkpoint

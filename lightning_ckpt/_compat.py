@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import importlib.util
 import os
 import signal
 import tempfile
@@ -11,7 +12,18 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
-from lightning_ckpt._load import is_remote_checkpoint, load_checkpoint_dir
+import torch
+from lightning.fabric.plugins.io import torch_io
+from lightning.fabric.utilities import cloud_io
+from lightning.fabric.utilities.data import _set_sampler_epoch
+from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
+from lightning.pytorch.core import saving
+from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
+from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
+from lightning.pytorch.utilities.seed import isolate_rng
+
+from lightning_ckpt._load import is_remote_checkpoint, is_url, load_checkpoint_dir
 
 _MARK = "_lightning_ckpt_wrapped"
 
@@ -72,8 +84,6 @@ def isolate_validation_rng(trainer: Any) -> None:
 
 
 def _isolated_run(trainer: Any, loop: Any, *args: Any, **kwargs: Any) -> Any:
-    from lightning.pytorch.utilities.seed import isolate_rng
-
     with contextlib.nullcontext() if trainer.sanity_checking else isolate_rng():  # the sanity check: by Lightning
         return type(loop).run(loop, *args, **kwargs)
 
@@ -102,8 +112,6 @@ def finish_loader_states(checkpoint: dict[str, Any]) -> None:
 
 def start_next_epoch(trainer: Any) -> None:
     """Draw what the next epoch's start draws (samplers' epoch, each train loader's iterator, its first batch)."""
-    from lightning.fabric.utilities.data import _set_sampler_epoch
-
     progress = trainer.fit_loop.epoch_progress.current
     loaders = trainer.fit_loop._combined_loader.flattened
     for loader in loaders:
@@ -125,15 +133,6 @@ def install_hooks() -> None:
     the commit (``_link_checkpoint``), the loader reads our directories (``cloud_io._load``), a fresh ``fit`` with no
     checkpoint of ours loads nothing (``_parse_ckpt_path``), ``Trainer.save_checkpoint`` outside ``fit`` returns
     committed, ``LightningCLI --ckpt_path DIR`` takes the directory's hyper-parameters (through a temporary file)."""
-    import importlib.util
-
-    from lightning.fabric.plugins.io import torch_io
-    from lightning.fabric.utilities import cloud_io
-    from lightning.pytorch import Trainer
-    from lightning.pytorch.callbacks import ModelCheckpoint
-    from lightning.pytorch.core import saving
-    from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
-
     _wrap(ModelCheckpoint, "_link_checkpoint", lambda original: partial(_link, original), static=True)
     original_load = cloud_io._load
     _wrap(cloud_io, "_load", lambda original: partial(_load, original))
@@ -162,9 +161,8 @@ def _link(original: Any, trainer: Any, filepath: str, linkpath: str) -> None:
 
 def _load(original: Any, path_or_url: Any, map_location: Any = None, weights_only: bool | None = None) -> Any:
     text = os.fspath(path_or_url) if isinstance(path_or_url, (str, os.PathLike)) else ""
-    local = text[len("file://"):] if text.startswith("file://") else ("" if "://" in text else text)
-    if (local and os.path.isfile(os.path.join(local, "manifest.json"))) or (
-            text and not local and is_remote_checkpoint(text)):
+    local = "" if is_url(text) else text.removeprefix("file://")
+    if os.path.isfile(os.path.join(local, "manifest.json")) if local else is_remote_checkpoint(text):
         return load_checkpoint_dir([local or text], allow_pickle=weights_only is False, map_location=map_location)
     try:
         return original(path_or_url, map_location=map_location, weights_only=weights_only)
@@ -178,10 +176,7 @@ def _load(original: Any, path_or_url: Any, map_location: Any = None, weights_onl
 
 def _fresh_fit(original: Any, self: Any, state_fn: Any, ckpt_path: Any, model_provided: bool,
                model_connected: bool) -> Any:
-    from lightning.pytorch.callbacks import OnExceptionCheckpoint
-    from lightning.pytorch.trainer.states import TrainerFn
-
-    from lightning_ckpt._callback import MTBFCheckpoint
+    from lightning_ckpt._callback import MTBFCheckpoint  # not at the top: _callback imports this module
 
     trainer = self.trainer
     ft = [cb for cb in trainer.callbacks if isinstance(cb, OnExceptionCheckpoint)]
@@ -194,9 +189,7 @@ def _fresh_fit(original: Any, self: Any, state_fn: Any, ckpt_path: Any, model_pr
 
 def _save_checkpoint(original: Any, self: Any, filepath: Any, weights_only: bool | None = None,
                      storage_options: Any | None = None) -> None:
-    from lightning.pytorch.trainer.states import TrainerStatus
-
-    from lightning_ckpt._checkpoint_io import AsyncDCPCheckpointIO
+    from lightning_ckpt._checkpoint_io import AsyncDCPCheckpointIO  # not at the top: it imports this module
 
     ours = isinstance(io := self.strategy.checkpoint_io, AsyncDCPCheckpointIO)
     if ours and (names := uploading_loggers(self)):
@@ -207,8 +200,6 @@ def _save_checkpoint(original: Any, self: Any, filepath: Any, weights_only: bool
 
 
 def _cli_ckpt_path(original: Any, self: Any) -> None:
-    import torch
-
     command = self.config.get("subcommand") if hasattr(self.config, "get") else None
     path = self.config[command].get("ckpt_path") if command else None
     if not (isinstance(path, (str, os.PathLike)) and os.path.isfile(os.path.join(path, "manifest.json"))):

@@ -79,14 +79,6 @@ def is_url(text: str) -> bool:
     return "://" in text and not text.startswith("file://")
 
 
-def check_options(storage_options: Any) -> dict[str, Any] | None:
-    """``storage_options`` for fsspec (None or a dict; anything else: ConfigError)."""
-    if storage_options is not None and not isinstance(storage_options, dict):
-        raise ConfigError(f"storage_options for a checkpoint URL must be a dict of fsspec options, got "
-                          f"{type(storage_options).__name__}")
-    return storage_options
-
-
 class _OneName:
     """The naming (:class:`torch_ckpt.StepNaming`'s interface) of one checkpoint: ``name`` whatever the step."""
 
@@ -116,7 +108,7 @@ class RemoteCheckpoints:
 
     def _tier(self, url: str, storage_options: Any = None) -> tuple[DurableTier, str]:
         parent, name = self._split(url)
-        return DurableTier(parent, storage_options=check_options(storage_options), naming=_OneName(name)), name
+        return DurableTier(parent, storage_options=storage_options, naming=_OneName(name)), name
 
     def local_path(self, url: str) -> Path:
         """Where ``url``'s checkpoint is committed before its upload (the same on every rank of a node)."""
