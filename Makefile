@@ -26,6 +26,9 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.deps-installed
 PYTEST_ARGS ?=
 DEMO_DIR ?= demo_run
+# The environment is shared by every clone with these dependency files, and its editable install points
+# at the clone that ran `make` last: every target runs this clone's code (subprocesses included) first.
+export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
 
 .PHONY: demo test test-fast lint setup clean venv-path
 

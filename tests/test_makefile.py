@@ -69,3 +69,13 @@ def test_variables_of_an_outer_make_do_not_leak_into_the_plan(tmp_path, monkeypa
     monkeypatch.setenv("CACHE_DIR", str(tmp_path / "outer-cache"))
     plan = _make(_clone(tmp_path), "venv-path", f"CACHE_DIR={tmp_path / 'cache'}")  # `make -n`: "echo PATH"
     assert re.search(re.escape(str(tmp_path / "cache")) + r"/venv-[0-9a-f]{16}$", plan.strip()), plan
+
+
+def test_every_target_runs_its_own_clones_code_first(tmp_path):
+    """Recipes see the clone first on PYTHONPATH: the shared environment's editable install may be another clone's."""
+    clone = _clone(tmp_path)
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("MAKE") and k not in _MAKEFILE_VARS and k != "PYTHONPATH"}
+    out = subprocess.run(["make", "-s", "-C", str(clone), "--eval", "show-path:\n\t@echo $$PYTHONPATH", "show-path"],
+                         capture_output=True, text=True, env=env, timeout=60, check=True)
+    assert out.stdout.strip() == str(clone)

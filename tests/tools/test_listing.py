@@ -198,3 +198,17 @@ def test_a_root_whose_only_checkpoint_is_corrupt_names_it_and_its_problem(tmp_pa
     (tmp_path / "step_000000001" / "manifest.json").write_text('{"format": "torch-ckpt", "broken')
     with pytest.raises(CheckpointNotFoundError, match=r"step_000000001.*not valid JSON.*torch-ckpt verify"):
         find_checkpoint(tmp_path)
+
+
+def test_a_crashed_save_of_another_naming_is_listed_partial_and_verify_says_so(tmp_path):
+    """A folder named by another naming (Accelerate's checkpoint_N) holding only a partial is listed as partial,
+    and verify on it says it is an incomplete save."""
+    from torch_ckpt.tools.listing import verify_root
+
+    with CheckpointManager(tmp_path, naming=PatternNaming("checkpoint_{step}")) as mgr:
+        mgr.save(1, {"w": torch.ones(3)}).wait()
+    (tmp_path / "checkpoint_2" / ".torch-ckpt.partial.0123456789abcdef").mkdir(parents=True)
+    rows = {r["name"]: r for r in list_root(tmp_path)["steps"]}
+    assert rows["checkpoint_2"]["status"] == "partial" and rows["checkpoint_1"]["status"] == "committed"
+    result = verify_root(tmp_path / "checkpoint_2")
+    assert not result["ok"] and "incomplete save" in result["general_problems"][0]

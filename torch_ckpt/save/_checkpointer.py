@@ -354,6 +354,15 @@ class _Job:
     to_write: dict[str, torch.Tensor] = field(default_factory=dict)
     layout: ArenaLayout = ()
     reserved: bool = False  # this rank created ``final`` empty when the save was accepted
+    unchanged: frozenset[str] | None = None  # keys whose tensors' versions did not move (_version_of)
+
+
+def _version_of(t: torch.Tensor) -> tuple[int, int]:
+    """What changes when a tensor is replaced or written in place: its data pointer and version counter (of
+    the local shard for a DTensor; ``state_dict()`` detaches, which keeps both). Incremental saves compare
+    only tensors where it did not change, each still confirmed by the CRC-32 of its bytes."""
+    local = getattr(t, "_local_tensor", t)
+    return local.data_ptr(), local._version
 
 
 def close_on_exit(close: Callable[[], None], exc_type: type | None) -> None:
@@ -414,6 +423,7 @@ class AsyncCheckpointer:
         self.failed_saves: list[dict[str, Any]] = []
         self.thread_count = thread_count
         self.incremental = check_bool("incremental", incremental)
+        self._versions: dict[str, tuple[int, int]] | None = None  # of the previous capture (None: none yet)
         self.overlap_staging = bool(overlap_staging)
         self.writer_niceness = writer_niceness
         self._ctx = DistContext(timeout_seconds=timeout_seconds, process_group=process_group,
@@ -574,6 +584,10 @@ class AsyncCheckpointer:
         tensors, tree = split_state(sd, rank_local_keys=tuple(getattr(state, "rank_local_keys", ())),
                                     replicated_keys=replicated, rank=self._ctx.rank)
         signature = _signature(tensors, replicated) if self._ctx.enabled and self._ctx.world_size > 1 else None
+        versions = {k: _version_of(t) for k, t in tensors.items()}
+        unchanged = None if self._versions is None else frozenset(
+            k for k, v in versions.items() if self._versions.get(k) == v)
+        self._versions = versions
         if self._process_writer is not None and any(type(t) is not torch.Tensor for t in tensors.values()):
             raise ConfigError("persist='process' supports plain tensors only; this state holds DTensor/sharded "
                               "tensors (FSDP2/TP). Use persist='thread'.")
@@ -593,7 +607,7 @@ class AsyncCheckpointer:
         stats.mode = "async" if background else ("sync" if fits else "sync-over-budget")
         handle = SaveHandle(step, Future(), Future(), stats)
         job = _Job(request=request, handle=handle, tensors=tensors, tree=tree, fits=fits, background=background, t0=t0,
-                   signature=signature)
+                   signature=signature, unchanged=unchanged)
         self._inflight = handle
         try:
             if background and self.overlap_staging:
@@ -736,6 +750,7 @@ class AsyncCheckpointer:
             staged = replace(req, after_commit=None, tree=job.tree, tensor_bytes=handle.stats.bytes,
                              thread_count=self.thread_count, timings={"staging_s": handle.stats.staging_s},
                              incarnation=self._incarnation, failed=failed, incremental=self.incremental,
+                             unchanged_keys=job.unchanged,
                              nodes=self.layout if req.nodes is None else req.nodes,
                              failed_names=failed_names, reserved=job.reserved)
             if self._process_writer is not None and (job.fits or failed is not None):

@@ -70,6 +70,9 @@ class SaveRequest:
             temporaries go first. reserved: the engine created ``final`` empty; a failed save removes it.
         incremental: tensors unchanged since this root's last committed save are hard-linked, not written
             (:mod:`torch_ckpt.format._dcp_write`).
+        unchanged_keys: the keys whose live tensors' version counters did not change since the engine's
+            previous capture (None: no previous capture in this process); with ``incremental`` only these
+            are compared with the last save, every other tensor is written.
     """
 
     final: Path
@@ -90,6 +93,7 @@ class SaveRequest:
     failed_names: tuple[str, ...] = ()
     reserved: bool = False
     incremental: bool = False
+    unchanged_keys: frozenset[str] | None = None
 
 
 #: ``((key, shape, dtype, offset_bytes), ...)``: where each tensor lives in the staging arena.
@@ -256,7 +260,8 @@ class SharedPart:
 
     def writer(self, tmp: Path, req: SaveRequest) -> ChecksumFileSystemWriter:
         return ChecksumFileSystemWriter(tmp, thread_count=req.thread_count, sync_files=True,
-                                        incremental=(req.final, req.step) if req.incremental else None)
+                                        incremental=(req.final, req.step) if req.incremental else None,
+                                        unchanged_keys=req.unchanged_keys)
 
     def planner(self) -> Any:
         return FlatKeysSavePlanner()  # the grouped state writes the same metadata as a flat one

@@ -295,9 +295,10 @@ def check_dir(loc: Location, *, checksums: bool, structure: bool,
 
 
 def _ours(child: Location, listing: dict[str, dict[str, Any]]) -> bool:
-    """Whether a directory holds a torch-ckpt manifest (an unreadable one counts: ``check_dir`` reports it)."""
+    """Whether a directory holds a torch-ckpt manifest (an unreadable one counts: ``check_dir`` reports it), or
+    a torch-ckpt partial (a save in progress, or left by a crash, under any naming)."""
     if MANIFEST_NAME not in listing:
-        return False
+        return any(n.startswith(PARTIAL_PREFIX) for n in listing)
     try:
         doc = json.loads(child.read_bytes(MANIFEST_NAME, MAX_MANIFEST_BYTES, what="manifest"))
     except (CheckpointError, OSError, ValueError, RecursionError):
@@ -538,7 +539,11 @@ def verify_root(where: str | os.PathLike | Location, *, storage_options: dict[st
 
 
 def _summary(loc: Location, kind: str, results: list[dict[str, Any]], skipped: list[dict[str, Any]]) -> dict[str, Any]:
-    general = [] if results else [f"{loc.describe()} holds no checkpoint to verify {_NO_CHECKPOINT}"]
+    partial = not results and not skipped and any(n.startswith(PARTIAL_PREFIX) for n in loc.entries())
+    general = [] if results else [
+        f"{loc.describe()} is an incomplete save (a torch-ckpt partial and no manifest: a save still being written, or "
+        "one a crash interrupted, which the run removes when it next opens this root); nothing to verify" if partial
+        else f"{loc.describe()} holds no checkpoint to verify {_NO_CHECKPOINT}"]
     problems = sum(len(r["problems"]) for r in results) + len(general)
     return {"target": loc.describe(), "kind": kind, "ok": problems == 0, "checkpoints": results, "skipped": skipped,
             "problems": problems, "general_problems": general}
