@@ -582,19 +582,19 @@ class ChecksumFileSystemWriter(FileSystemWriter):
     ``incremental=(final, step)``: ``path`` is the partial of checkpoint directory ``final`` (of ``step``);
     host tensors unchanged since this root's last committed save (same signature and CRC-32 of their
     bytes) are not written: their data file is hard-linked from that checkpoint
-    (incremental saves, below; :attr:`linked_files`); new files then take the next free names. With
-    ``unchanged_keys`` only the tensors of those keys are candidates (their version counters did not
-    change since the previous capture): a tensor the run changed is written even if its CRC-32 collides.
+    (incremental saves, below; :attr:`linked_files`); new files then take the next free names. The
+    tensors of ``changed_keys`` (written in place since the previous capture: their version counters
+    moved) are always written, even where their CRC-32 happens to equal the old one.
     """
 
     def __init__(self, path: str | os.PathLike, *, thread_count: int = 1, sync_files: bool = True,
-                 incremental: tuple[Path, int] | None = None, unchanged_keys: frozenset[str] | None = None) -> None:
+                 incremental: tuple[Path, int] | None = None, changed_keys: frozenset[str] = frozenset()) -> None:
         super().__init__(path, single_file_per_rank=True, sync_files=sync_files, thread_count=thread_count,
                          overwrite=True)
         self.fs = _ChecksumFileSystem(self)
         self.path = self.fs.init_path(path)
         self._target = incremental
-        self._unchanged = unchanged_keys
+        self._changed = changed_keys
         self._files: dict[str, tuple[int, int]] = {}
         self._linked: dict[str, int] = {}
         self._digests_doc: dict[str, list[list[int]]] = {}
@@ -691,8 +691,8 @@ class ChecksumFileSystemWriter(FileSystemWriter):
             return {}
         by_file: dict[str, list[tuple[WriteItem, Record]]] = {}
         for item in items:
-            if self._unchanged is not None and item.index.fqn not in self._unchanged:
-                continue  # its live tensor changed (version counter) since the last capture: written
+            if item.index.fqn in self._changed:
+                continue  # its live tensor was written in place since the last capture: written again
             found, rec = digests.get(item.index), base.records.get(_record_id(item.index))
             if found is not None and rec is not None and found == (rec.signature, rec.digest, rec.length):
                 by_file.setdefault(rec.file, []).append((item, rec))

@@ -354,13 +354,13 @@ class _Job:
     to_write: dict[str, torch.Tensor] = field(default_factory=dict)
     layout: ArenaLayout = ()
     reserved: bool = False  # this rank created ``final`` empty when the save was accepted
-    unchanged: frozenset[str] | None = None  # keys whose tensors' versions did not move (_version_of)
+    changed: frozenset[str] = frozenset()  # keys whose tensors were written in place since the last capture
 
 
 def _version_of(t: torch.Tensor) -> tuple[int, int]:
-    """What changes when a tensor is replaced or written in place: its data pointer and version counter (of
-    the local shard for a DTensor; ``state_dict()`` detaches, which keeps both). Incremental saves compare
-    only tensors where it did not change, each still confirmed by the CRC-32 of its bytes."""
+    """A tensor's data pointer and version counter (of the local shard for a DTensor; ``state_dict()``
+    detaches, which keeps both): the same pointer with another version means it was written in place, and
+    an incremental save writes it again whatever its CRC-32 says."""
     local = getattr(t, "_local_tensor", t)
     return local.data_ptr(), local._version
 
@@ -423,7 +423,7 @@ class AsyncCheckpointer:
         self.failed_saves: list[dict[str, Any]] = []
         self.thread_count = thread_count
         self.incremental = check_bool("incremental", incremental)
-        self._versions: dict[str, tuple[int, int]] | None = None  # of the previous capture (None: none yet)
+        self._versions: dict[str, tuple[int, int]] = {}  # {key: (data pointer, version)} at the previous capture
         self.overlap_staging = bool(overlap_staging)
         self.writer_niceness = writer_niceness
         self._ctx = DistContext(timeout_seconds=timeout_seconds, process_group=process_group,
@@ -585,8 +585,8 @@ class AsyncCheckpointer:
                                     replicated_keys=replicated, rank=self._ctx.rank)
         signature = _signature(tensors, replicated) if self._ctx.enabled and self._ctx.world_size > 1 else None
         versions = {k: _version_of(t) for k, t in tensors.items()}
-        unchanged = None if self._versions is None else frozenset(
-            k for k, v in versions.items() if self._versions.get(k) == v)
+        changed = frozenset(k for k, (ptr, version) in versions.items()
+                            if (old := self._versions.get(k)) is not None and old[0] == ptr and old[1] != version)
         self._versions = versions
         if self._process_writer is not None and any(type(t) is not torch.Tensor for t in tensors.values()):
             raise ConfigError("persist='process' supports plain tensors only; this state holds DTensor/sharded "
@@ -607,7 +607,7 @@ class AsyncCheckpointer:
         stats.mode = "async" if background else ("sync" if fits else "sync-over-budget")
         handle = SaveHandle(step, Future(), Future(), stats)
         job = _Job(request=request, handle=handle, tensors=tensors, tree=tree, fits=fits, background=background, t0=t0,
-                   signature=signature, unchanged=unchanged)
+                   signature=signature, changed=changed)
         self._inflight = handle
         try:
             if background and self.overlap_staging:
@@ -750,7 +750,7 @@ class AsyncCheckpointer:
             staged = replace(req, after_commit=None, tree=job.tree, tensor_bytes=handle.stats.bytes,
                              thread_count=self.thread_count, timings={"staging_s": handle.stats.staging_s},
                              incarnation=self._incarnation, failed=failed, incremental=self.incremental,
-                             unchanged_keys=job.unchanged,
+                             changed_keys=job.changed,
                              nodes=self.layout if req.nodes is None else req.nodes,
                              failed_names=failed_names, reserved=job.reserved)
             if self._process_writer is not None and (job.fits or failed is not None):

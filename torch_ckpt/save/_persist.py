@@ -70,9 +70,9 @@ class SaveRequest:
             temporaries go first. reserved: the engine created ``final`` empty; a failed save removes it.
         incremental: tensors unchanged since this root's last committed save are hard-linked, not written
             (:mod:`torch_ckpt.format._dcp_write`).
-        unchanged_keys: the keys whose live tensors' version counters did not change since the engine's
-            previous capture (None: no previous capture in this process); with ``incremental`` only these
-            are compared with the last save, every other tensor is written.
+        changed_keys: the keys whose live tensors were written in place since the engine's previous capture
+            (same data pointer, another version counter); with ``incremental`` they are always written, every
+            other tensor is compared with the last save.
     """
 
     final: Path
@@ -93,7 +93,7 @@ class SaveRequest:
     failed_names: tuple[str, ...] = ()
     reserved: bool = False
     incremental: bool = False
-    unchanged_keys: frozenset[str] | None = None
+    changed_keys: frozenset[str] = frozenset()
 
 
 #: ``((key, shape, dtype, offset_bytes), ...)``: where each tensor lives in the staging arena.
@@ -261,7 +261,7 @@ class SharedPart:
     def writer(self, tmp: Path, req: SaveRequest) -> ChecksumFileSystemWriter:
         return ChecksumFileSystemWriter(tmp, thread_count=req.thread_count, sync_files=True,
                                         incremental=(req.final, req.step) if req.incremental else None,
-                                        unchanged_keys=req.unchanged_keys)
+                                        changed_keys=req.changed_keys)
 
     def planner(self) -> Any:
         return FlatKeysSavePlanner()  # the grouped state writes the same metadata as a flat one
