@@ -74,6 +74,7 @@ METHODS = (
     "ours_memory",
     "ours_memory_overlap",
     "ours_memory_process",
+    "ours_memory_overlap_process",
     "ours_overlap",
     "dcp_async",
     "dcp_async_stager",
@@ -216,12 +217,14 @@ class Ours(Saver):
 
 class OursMemory(Ours):
     """The memory tier: ``save(step, state, tier="memory")`` into a ``memory_root`` on ``/dev/shm`` (tmpfs);
-    ``ours_memory_overlap`` with ``overlap_staging``, ``ours_memory_process`` with the writer process."""
+    ``ours_memory_overlap`` with ``overlap_staging``, ``ours_memory_process`` with the writer process,
+    ``ours_memory_overlap_process`` with both."""
 
     MEMORY: ClassVar[dict[str, tuple[str, bool]]] = {
         "ours_memory": ("thread", False),
         "ours_memory_overlap": ("thread", True),
         "ours_memory_process": ("process", False),
+        "ours_memory_overlap_process": ("process", True),
     }
 
     def __init__(self, env, name="ours_memory"):
