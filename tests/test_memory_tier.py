@@ -178,6 +178,31 @@ def test_memory_saves_work_with_a_writer_process(tmp_path):
     assert read_manifest(tmp_path / "mem" / "step_000000004").node == 0
 
 
+def test_every_step_memory_saves_with_a_writer_process_and_overlap_restore_exactly(tmp_path):
+    """persist="process" with overlap_staging (the every-step setting): each step's memory save holds that
+    step's values, and the newest restores bitwise into a fresh state."""
+    import copy
+
+    state, model, opt = _state()
+    snaps = {}
+    with CheckpointManager(tmp_path / "disk", memory_root=str(tmp_path / "mem"), persist="process",
+                           overlap_staging=True, memory_every_n_steps=1, memory_keep_last=2) as mgr:
+        for step in range(1, 7):
+            _train(model, opt, step)
+            mgr.save(step, state, tier="memory")  # the next _train overlaps its copy
+            snaps[step] = (copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()))
+        mgr.wait()
+    for step in (5, 6):  # 5: saved while step 6 trained
+        fresh, model2, opt2 = _state(seed=1)
+        _train(model2, opt2, 0)
+        with CheckpointManager(tmp_path / "disk", memory_root=str(tmp_path / "mem")) as mgr:
+            assert mgr.restore(fresh, step=step) == step
+        want_model, want_opt = snaps[step]
+        assert all(torch.equal(v, want_model[k]) for k, v in model2.state_dict().items())
+        got = opt2.state_dict()["state"]
+        assert all(torch.equal(got[i][name], t) for i, st in want_opt["state"].items() for name, t in st.items())
+
+
 def test_memory_retention_keeps_memory_keep_last_newest(tmp_path):
     """memory_keep_last newest steps stay in memory_root."""
     state, model, opt = _state()
