@@ -305,7 +305,7 @@ def _flock_holder(root: Path) -> int | None:
 def _release_all() -> None:
     """At interpreter exit: remove the lock files still held (the kernel drops the locks themselves)."""
     with _HELD_LOCK:
-        held = [lock for lock in _HELD.values() if lock._pid == os.getpid()]  # a forked child holds none
+        held = list(_HELD.values())  # in a forked child release() only closes its copy of the descriptor
     for lock in held:
         try:
             lock.release()

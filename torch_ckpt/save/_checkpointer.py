@@ -584,10 +584,12 @@ class AsyncCheckpointer:
         tensors, tree = split_state(sd, rank_local_keys=tuple(getattr(state, "rank_local_keys", ())),
                                     replicated_keys=replicated, rank=self._ctx.rank)
         signature = _signature(tensors, replicated) if self._ctx.enabled and self._ctx.world_size > 1 else None
-        versions = {k: _version_of(t) for k, t in tensors.items()}
-        changed = frozenset(k for k, (ptr, version) in versions.items()
-                            if (old := self._versions.get(k)) is not None and old[0] == ptr and old[1] != version)
-        self._versions = versions
+        changed: frozenset[str] = frozenset()
+        if self.incremental:  # (about 0.35 us a tensor, on the training thread)
+            versions = {k: _version_of(t) for k, t in tensors.items()}
+            changed = frozenset(k for k, (ptr, version) in versions.items()
+                                if (old := self._versions.get(k)) is not None and old[0] == ptr and old[1] != version)
+            self._versions = versions
         if self._process_writer is not None and any(type(t) is not torch.Tensor for t in tensors.values()):
             raise ConfigError("persist='process' supports plain tensors only; this state holds DTensor/sharded "
                               "tensors (FSDP2/TP). Use persist='thread'.")
