@@ -158,6 +158,57 @@ def test_replaced_node_fetches_only_its_shards_and_resume_is_exact(tmp_path, s3)
     run_distributed(_as_nodes, 2, 1, _restore_resharded, str(tmp_path), url, s3.options, 3, timeout_s=240)
 
 
+def _per_rank(model, opt) -> TrainState:
+    """Every tensor stored per rank: each node's ranks write, and link, their own files."""
+    state = TrainState(model=model, optimizer=opt)
+    state.replicated_keys = ()
+    return state
+
+
+def _frozen_base_saves(rank, world, base, url, options, steps):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 256), torch.nn.ReLU(), torch.nn.Linear(256, 2))
+    model[0].requires_grad_(False)  # a frozen base far larger than the trained head
+    opt = torch.optim.AdamW(model[2].parameters(), lr=1e-2)
+    with CheckpointManager(_root(base, rank, 2), durable_url=url, storage_options=options, keep_last=2) as mgr:
+        for step in range(1, steps + 1):
+            _train(model, opt, step)
+            mgr.save(step, _per_rank(model, opt)).wait()
+            assert mgr.wait_durable(60)
+    torch.save({k: v.clone() for k, v in model.state_dict().items()}, Path(base) / f"ref{rank}.pt")
+
+
+@pytest.mark.slow
+def test_nodes_reference_the_unchanged_objects_of_an_earlier_durable_step(tmp_path, s3):
+    """Incremental saves from 2 nodes: both nodes' unchanged files are referenced, not uploaded; durable
+    retention keeps them, and a replaced node restores step 3 from them exactly."""
+    from torch_ckpt.tiers._durable import DurableTier
+
+    url = f"s3://{s3.new_bucket()}/run"
+    run_distributed(_as_nodes, 4, 2, _frozen_base_saves, str(tmp_path), url, s3.options, 3, timeout_s=240)
+    tier = DurableTier(url, storage_options=s3.options)
+    manifest = tier.read_manifest(3)
+    assert {manifest.nodes["file_node"][name] for name in manifest.stored} == {0, 1}  # each node's own files
+    uploaded = {p.rsplit("/", 1)[-1] for p in tier.fs.find(tier.location(3).path)}
+    assert not uploaded & set(manifest.stored)
+    tier.delete(1)
+    tier.delete(2)
+    shutil.rmtree(tmp_path / "node1")
+
+    run_distributed(_as_nodes, 4, 2, _restore_frozen_base, str(tmp_path), url, s3.options, timeout_s=240)
+
+
+def _restore_frozen_base(rank, world, base, url, options):
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 256), torch.nn.ReLU(), torch.nn.Linear(256, 2))
+    opt = torch.optim.AdamW(model[2].parameters(), lr=1e-2)
+    with CheckpointManager(_root(base, rank, 2), durable_url=url, storage_options=options) as mgr:
+        assert mgr.restore(_per_rank(model, opt)) == 3
+        assert mgr.restore_source == ("local" if rank < 2 else "durable-node"), (rank, mgr.restore_source)
+    ref = torch.load(Path(base) / f"ref{rank}.pt")
+    assert all(torch.equal(v, ref[k]) for k, v in model.state_dict().items())
+
+
 def _upload_dies_on_node1(rank, world, base, url, options):
     from torch_ckpt.tiers._durable import DurableTier
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import os
@@ -397,14 +398,36 @@ def test_the_memory_tier_links_on_tmpfs(tmp_path):
         shutil.rmtree(mem, ignore_errors=True)
 
 
-def test_the_durable_tier_copies_linked_files_server_side(tmp_path, s3):
-    """On S3 a linked file is copied from the previous step's object: the bytes uploaded per save drop."""
+def _durable_run(tmp_path: Path, url: str, options: dict, steps: int = 3) -> dict[int, dict[str, torch.Tensor]]:
+    """Train and save steps 1..steps with every save uploaded; return each step's snapshot."""
+    state, model, opt = _state()
+    snaps = {}
+    with CheckpointManager(tmp_path / "local", durable_url=url, storage_options=options, keep_last=None) as mgr:
+        for step in range(1, steps + 1):
+            _train(model, opt)
+            mgr.save(step, state).wait()
+            assert mgr.wait_durable(60)
+            snaps[step] = _snapshot(model, opt)
+    return snaps
+
+
+def _restored_from_durable(tmp_path: Path, url: str, options: dict, step: int) -> dict[str, torch.Tensor]:
+    """Restore ``step`` into fresh objects from the durable tier alone (an empty local root)."""
+    state, model, opt = _state(seed=7)
+    local = tmp_path / f"fresh_{step}"
+    with CheckpointManager(local, durable_url=url, storage_options=options) as mgr:
+        assert mgr.restore(state, step=step) == step
+    return _snapshot(model, opt)
+
+
+def test_the_durable_tier_references_linked_files_instead_of_storing_them_again(tmp_path, s3):
+    """On S3 a linked file is neither uploaded nor copied: the manifest references the earlier step's object."""
     from torch_ckpt.tiers._durable import DurableTier
 
     url = f"s3://{s3.new_bucket()}/run"
     state, model, opt = _state()
     stats = []
-    with CheckpointManager(tmp_path, durable_url=url, storage_options=s3.options, keep_last=None) as mgr:
+    with CheckpointManager(tmp_path / "local", durable_url=url, storage_options=s3.options, keep_last=None) as mgr:
         for step in (1, 2, 3):
             _train(model, opt)
             mgr.save(step, state).wait()
@@ -412,12 +435,139 @@ def test_the_durable_tier_copies_linked_files_server_side(tmp_path, s3):
             stats.append(dict(mgr.replication_stats()))
     sent = [stats[0]["uploaded_bytes"], *(b["uploaded_bytes"] - a["uploaded_bytes"] for a, b in zip(stats, stats[1:]))]
     assert sent[1] < 0.25 * sent[0] and sent[2] < 0.25 * sent[0]
-    assert stats[-1]["copied_bytes"] == sum(i["bytes"] for n, i in _files(tmp_path / "step_000000003").items()
-                                            if "linked_from" in i) * 2
+    linked = {n: i for n, i in _files(tmp_path / "local" / "step_000000003").items() if "linked_from" in i}
+    assert linked and stats[-1]["referenced_bytes"] == 2 * sum(i["bytes"] for i in linked.values())
+    tier = DurableTier(url, storage_options=s3.options)
+    manifest = tier.read_manifest(3)
+    assert manifest.stored == dict.fromkeys(linked, "step_000000001") and manifest.format_version == 2
+    held = {p.rsplit("/", 1)[-1] for p in tier.fs.find(tier.location(3).path)}
+    assert not held & set(linked)  # not copied into step 3's prefix either
+    assert verify_checkpoint(f"{url}/step_000000003", storage_options=s3.options)["ok"]
+
+
+def test_durable_retention_keeps_the_objects_a_retained_step_references(tmp_path, s3):
+    """Deleting the steps whose objects step 3 references keeps them: step 3 verifies and restores bitwise."""
+    from torch_ckpt.tiers._durable import DurableTier
+
+    url = f"s3://{s3.new_bucket()}/run"
+    snaps = _durable_run(tmp_path, url, s3.options)
     tier = DurableTier(url, storage_options=s3.options)
     tier.delete(1)
     tier.delete(2)
+    assert sorted(tier.list_steps()) == [3]
     assert verify_checkpoint(f"{url}/step_000000003", storage_options=s3.options)["ok"]
+    _assert_equal(_restored_from_durable(tmp_path, url, s3.options, 3), snaps[3])
+
+
+def test_deleting_the_last_referencing_step_removes_the_kept_objects(tmp_path, s3):
+    """Once no committed manifest references a deleted step's objects, deleting the referencing step removes them."""
+    from torch_ckpt.tiers._durable import DurableTier
+
+    url = f"s3://{s3.new_bucket()}/run"
+    _durable_run(tmp_path, url, s3.options)
+    tier = DurableTier(url, storage_options=s3.options)
+    for step in (1, 2):
+        tier.delete(step)
+    assert tier.fs.find(tier.location(1).path)  # kept: step 3 references them
+    tier.delete(3)
+    tier.refresh()
+    assert not [p for p in tier.fs.find(tier.root) if "/step_" in p]
+
+
+def test_a_deletion_killed_after_the_manifest_leaves_no_dangling_reference(tmp_path, s3):
+    """A kill between un-commit and cleanup leaves garbage only; removing abandoned uploads keeps referenced objects."""
+    from torch_ckpt.tiers._durable import DurableTier, remove_abandoned
+
+    url = f"s3://{s3.new_bucket()}/run"
+    snaps = _durable_run(tmp_path, url, s3.options)
+    tier = DurableTier(url, storage_options=s3.options)
+    tier.fs.rm_file(f"{tier.location(1).path}/manifest.json")  # killed right after un-committing step 1
+    tier.refresh()
+    referenced = set(tier.read_manifest(2).stored)
+    assert remove_abandoned(tier, older_than_seconds=-1.0) == [1]  # its garbage only: the rest is referenced
+    assert {p.rsplit("/", 1)[-1] for p in tier.fs.find(tier.location(1).path)} == referenced
+    assert verify_checkpoint(f"{url}/step_000000003", storage_options=s3.options)["ok"]
+    _assert_equal(_restored_from_durable(tmp_path, url, s3.options, 2), snaps[2])
+
+
+def test_a_commit_whose_referenced_object_is_gone_is_refused(tmp_path, s3):
+    """An upload referencing an object deleted since it was listed is not committed: the step stays invisible."""
+    from torch_ckpt.errors import CheckpointCorruptError
+    from torch_ckpt.tiers._durable import DurableTier
+
+    url = f"s3://{s3.new_bucket()}/run"
+    _save_steps(tmp_path, 2)
+    tier = DurableTier(url, storage_options=s3.options)
+    tier.upload(tmp_path / "step_000000001", read_manifest(tmp_path / "step_000000001"))
+    found = tier._references
+
+    def vanishing(files):
+        refs = found(files)
+        for name, where in refs.items():  # each referenced object vanishes right after it was found
+            tier.fs.rm_file(f"{tier.root}/{where}/{name}")
+        return refs
+
+    tier._references = vanishing
+    with pytest.raises(CheckpointCorruptError, match=r"step_000000001/.*referenced by step 2 but missing"):
+        tier.upload(tmp_path / "step_000000002", read_manifest(tmp_path / "step_000000002"))
+    assert sorted(tier.list_steps()) == [1]
+
+
+def test_setting_a_durable_step_aside_copies_what_it_references(tmp_path, s3):
+    """A step set aside (a rollback) is a self-contained copy; the steps still listed keep verifying."""
+    from torch_ckpt.tiers._durable import DurableTier
+
+    url = f"s3://{s3.new_bucket()}/run"
+    _durable_run(tmp_path, url, s3.options)
+    tier = DurableTier(url, storage_options=s3.options)
+    aside = tier.set_aside(2)
+    assert verify_checkpoint(aside, storage_options=s3.options)["ok"]
+    assert "stored" not in json.loads(tier.fs.cat_file(f"{aside.split('://', 1)[1]}/manifest.json"))
+    assert sorted(tier.list_steps()) == [1, 3]
+    assert verify_checkpoint(f"{url}/step_000000003", storage_options=s3.options)["ok"]
+
+
+def test_a_file_url_durable_tier_references_and_sets_aside_too(tmp_path):
+    """On a file:// durable root the same references hold, and a step set aside is hard-linked, self-contained."""
+    from torch_ckpt.tiers._durable import DurableTier
+
+    url = f"file://{tmp_path / 'durable'}"
+    (tmp_path / "durable").mkdir()
+    snaps = _durable_run(tmp_path, url, {})
+    tier = DurableTier(url)
+    assert tier.read_manifest(3).stored
+    aside = tier.set_aside(3)
+    assert verify_checkpoint(aside)["ok"]
+    tier.delete(1)
+    tier.delete(2)
+    assert verify_checkpoint(aside)["ok"]
+    full, _ = load_full_state(aside.removeprefix("file://"))
+    _assert_equal({f"model.{k}": v for k, v in full["model"].items()},
+                  {k: v for k, v in snaps[3].items() if k.startswith("model.")})
+
+
+@pytest.mark.parametrize("stored", [{"__0_0.distcp": "../elsewhere"}, {"__0_0.distcp": "a/b"},
+                                    {"unlisted.distcp": "step_000000001"}, {"__0_0.distcp": 1}, ["__0_0.distcp"]])
+def test_a_manifest_whose_references_point_outside_its_root_is_refused(stored):
+    """``stored`` may only name files of the manifest and plain sibling directories: anything else is corrupt."""
+    from torch_ckpt.errors import CheckpointCorruptError
+    from torch_ckpt.format._files import Manifest
+
+    doc = Manifest(step=2, world_size=1, files={"__0_0.distcp": {"bytes": 1, "crc32": 0}}).to_json()
+    doc["stored"] = stored
+    with pytest.raises(CheckpointCorruptError, match="stored must map files of the manifest"):
+        Manifest.from_json(doc, "m.json")
+
+
+def test_only_a_manifest_with_references_is_written_as_format_2():
+    """Local manifests stay format 1 (older readers read them); one with ``stored`` is 2, which they refuse."""
+    from torch_ckpt.format._files import Manifest
+
+    plain = Manifest(step=2, world_size=1, files={"__0_0.distcp": {"bytes": 1, "crc32": 0}})
+    assert plain.to_json()["format_version"] == 1 and "stored" not in plain.to_json()
+    doc = dataclasses.replace(plain, stored={"__0_0.distcp": "step_000000001"}).to_json()
+    assert doc["format_version"] == 2
+    assert Manifest.from_json(doc, "m.json").stored == {"__0_0.distcp": "step_000000001"}
 
 
 def test_the_durable_tier_uploads_when_the_source_step_is_missing(tmp_path, s3):
@@ -428,7 +578,7 @@ def test_the_durable_tier_uploads_when_the_source_step_is_missing(tmp_path, s3):
     _save_steps(tmp_path, 2)
     tier = DurableTier(url, storage_options=s3.options)
     tier.upload(tmp_path / "step_000000002", read_manifest(tmp_path / "step_000000002"))
-    assert tier.bytes_copied == 0
+    assert tier.bytes_referenced == 0
     assert tier.bytes_uploaded == sum(i["bytes"] for i in _files(tmp_path / "step_000000002").values())
     assert verify_checkpoint(f"{url}/step_000000002", storage_options=s3.options)["ok"]
 

@@ -153,7 +153,14 @@ def test_remote_reads_lists_and_checksums(mem):
 def test_remote_read_over_the_limit_is_refused_before_reading(mem, monkeypatch):
     """A remote object larger than max_bytes is refused from its listed size, without downloading it."""
     fs, url = mem
-    monkeypatch.setattr(fs, "cat_file", lambda *a, **k: pytest.fail("object was downloaded"))
+    real_open = fs.open
+
+    def unread(*args, **kwargs):
+        f = real_open(*args, **kwargs)
+        f.read = lambda *a: pytest.fail("object was downloaded")
+        return f
+
+    monkeypatch.setattr(fs, "open", unread)
     with pytest.raises(CheckpointCorruptError, match="10 bytes, more than the 9 accepted"):
         Location(url).read_bytes("a.bin", 9)
 
@@ -171,7 +178,7 @@ def test_remote_backend_error_is_an_outage(mem, monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("connection reset")
 
-    monkeypatch.setattr(fs, "cat_file", broken)
+    monkeypatch.setattr(fs, "open", broken)
     with pytest.raises(DurableUnavailableError, match=f"{url}.*connection reset"):
         Location(url).read_bytes("a.bin")
 

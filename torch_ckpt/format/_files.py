@@ -429,7 +429,9 @@ def join_state(tree: Any, tensors: dict[str, torch.Tensor] | Any) -> Any:
 
 
 FORMAT_NAME = "torch-ckpt"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""Newest manifest format this torch-ckpt reads. Version 2 (written only by a durable manifest with
+``stored``, which older readers would take for missing files) adds that field; every other manifest is 1."""
 MANIFEST_NAME = "manifest.json"
 MAX_MANIFEST_BYTES = 64 << 20
 """Largest ``manifest.json`` read (bytes); a real one lists ~100 bytes per file."""
@@ -441,6 +443,8 @@ MAX_MANIFEST_INT_DIGITS = 20
 
 #: the manifest field of a file an incremental save hard-linked (the step of the checkpoint it was linked from)
 LINKED_FROM = "linked_from"
+#: the manifest field, on the durable tier, naming for each file stored under another step the directory holding it
+STORED = "stored"
 
 
 def bytes_written(files: Mapping[str, Mapping[str, int]]) -> tuple[int, int]:
@@ -481,6 +485,9 @@ class Manifest:
             that node); None for a complete copy (shared root, durable tier).
         lineage: the run segment the checkpoint belongs to (:mod:`torch_ckpt.policy._lineage`); written as
             ``"lineage"`` except for the base segment (manifests without it).
+        stored: on the durable tier, ``{file name: directory name}`` for the files of an incremental save whose
+            object is the one of an earlier step (a sibling directory of the same root) instead of a copy in
+            this directory; every reader opens them there (:meth:`Location.resolving`); empty elsewhere.
     """
 
     step: int
@@ -490,15 +497,17 @@ class Manifest:
     torch_version: str = field(default_factory=lambda: torch.__version__)
     tensor_bytes: int = 0
     timings: dict[str, float] = field(default_factory=dict)
-    format_version: int = FORMAT_VERSION
+    format_version: int = 1
     tiers: dict[str, Any] = field(default_factory=dict)
     nodes: dict[str, Any] = field(default_factory=dict)
     node: int | None = None
     lineage: Lineage = BASE
+    stored: dict[str, str] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         """Return the JSON object written to disk."""
-        doc = {"format": FORMAT_NAME, "format_version": self.format_version, "step": self.step,
+        version = max(self.format_version, 2) if self.stored else self.format_version
+        doc = {"format": FORMAT_NAME, "format_version": version, "step": self.step,
                "wall_time": self.wall_time, "world_size": self.world_size, "torch_version": self.torch_version,
                "tensor_bytes": self.tensor_bytes, "timings": self.timings, "tiers": self.tiers, "files": self.files}
         if self.nodes:
@@ -507,6 +516,8 @@ class Manifest:
             doc["node"] = self.node
         if not self.lineage.is_base:
             doc["lineage"] = self.lineage.to_json()
+        if self.stored:
+            doc[STORED] = self.stored
         return doc
 
     @property
@@ -569,6 +580,10 @@ class Manifest:
                                                       for k, v in tiers.items()):
                 raise Malformed("tiers must map tier names to objects")
             nodes, node = _nodes_fields(data, files, world_size)
+            stored = data.get(STORED, {})
+            if not isinstance(stored, dict) or not all(name in files and _is_plain_file_name(where)
+                                                       for name, where in stored.items()):
+                raise Malformed(f"{STORED} must map files of the manifest to plain directory names")
             try:
                 lineage = lineage_from_doc(data.get("lineage"))
             except MalformedLineage as exc:
@@ -577,7 +592,8 @@ class Manifest:
             raise corrupt(source, f"invalid manifest ({exc})") from None
         return cls(step=step, world_size=world_size, files=files, wall_time=float(wall_time),
                    torch_version=torch_version, tensor_bytes=tensor_bytes, timings=dict(timings),
-                   format_version=version, tiers=dict(tiers), nodes=nodes, node=node, lineage=lineage)
+                   format_version=version, tiers=dict(tiers), nodes=nodes, node=node, lineage=lineage,
+                   stored=dict(stored))
 
 
 def _is_plain_file_name(name: Any) -> bool:
@@ -835,7 +851,7 @@ def read_listed(where: str | os.PathLike | Location, manifest: Manifest, name: s
         CheckpointCorruptError: anything else (not listed, missing, unreadable...); names the file.
         DurableUnavailableError: the store cannot be reached.
     """
-    loc = as_location(where, allow_symlinks=allow_symlinks)
+    loc = as_location(where, allow_symlinks=allow_symlinks).resolving(manifest.stored)
     source = loc.describe(name)
     if name not in manifest.files:
         raise corrupt(source, "is not listed in the manifest; refusing unverified data")
@@ -871,7 +887,7 @@ def verify_files(where: str | os.PathLike | Location, manifest: Manifest, *, che
             has the wrong size or CRC-32; names it.
         DurableUnavailableError: the store cannot be reached.
     """
-    loc = as_location(where, allow_symlinks=allow_symlinks)
+    loc = as_location(where, allow_symlinks=allow_symlinks).resolving(manifest.stored)
     read = 0
 
     def bad(name: str, text: str) -> None:
@@ -961,7 +977,7 @@ def read_rank_doc(where: str | os.PathLike | Location, manifest: Manifest, rank:
                   tensor_keys: Callable[[str], bool] | None = None) -> dict[str, Any]:
     """:func:`parse_rank_doc` of the listed file of ``rank`` (local or on a store), once the manifest lists
     one per rank; raises CheckpointCorruptError naming the file, or DurableUnavailableError."""
-    loc = as_location(where, allow_symlinks=allow_symlinks)
+    loc = as_location(where, allow_symlinks=allow_symlinks).resolving(manifest.stored)
     _raise_first(loc, rank_file_problems(manifest))
     name = rank_file_name(rank)
     raw = read_listed(loc, manifest, name, MAX_RANK_JSON_BYTES)
@@ -1303,7 +1319,7 @@ def read_metadata(where: str | os.PathLike | Location, manifest: Manifest, *, al
         UnsafeCheckpointError: the pickle references code.
         DurableUnavailableError: the store cannot be reached.
     """
-    loc = as_location(where, allow_symlinks=allow_symlinks)
+    loc = as_location(where, allow_symlinks=allow_symlinks).resolving(manifest.stored)
     node = manifest.node
     name = manifest.nodes.get("metadata") or (METADATA_NAME if node is None else metadata_name(node))
     md = load_dcp_metadata_bytes(read_listed(loc, manifest, name, MAX_METADATA_BYTES), loc.describe(name))
@@ -1336,7 +1352,7 @@ def record_problems(where: str | os.PathLike | Location, manifest: Manifest, md:
         CheckpointCorruptError: a data file is not listed, missing, not a regular file, or unreadable.
         DurableUnavailableError: the store cannot be reached.
     """
-    loc = as_location(where, allow_symlinks=allow_symlinks)
+    loc = as_location(where, allow_symlinks=allow_symlinks).resolving(manifest.stored)
     tensors = tensor_items(md) if tensors is None else tensors
     if files is None:  # one node's copy holds its own files only: records of another node's are checked there
         held = manifest.local_files()
@@ -1354,6 +1370,6 @@ def check_records(where: str | os.PathLike | Location, manifest: Manifest, md: M
                   tensors: dict[str, TensorStorageMetadata] | None = None) -> None:
     """Raise CheckpointCorruptError (naming the data file, key and byte range) for the first problem of
     :func:`record_problems`."""
-    loc = as_location(where, allow_symlinks=allow_symlinks)
+    loc = as_location(where, allow_symlinks=allow_symlinks).resolving(manifest.stored)
     if tensors is None or tensors:
         _raise_first(loc, record_problems(loc, manifest, md, part=part, parts=parts, tensors=tensors))

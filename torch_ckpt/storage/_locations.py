@@ -27,7 +27,7 @@ import os
 import stat
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
@@ -262,6 +262,8 @@ class Location:
         ConfigError: the URL's protocol is unknown or its backend is not installed.
     """
 
+    _stored: dict[str, str] = {}  # noqa: RUF012 - never mutated: resolving() gives a copy its own
+
     def __init__(self, text: str | os.PathLike, *, storage_options: dict[str, Any] | None = None,
                  allow_symlinks: bool = False) -> None:
         text = os.fspath(text)
@@ -291,6 +293,25 @@ class Location:
             fs, path, url, remote, options, symlinks
         return new
 
+    def resolving(self, stored: Mapping[str, str]) -> Location:
+        """This directory, where each file ``name`` of ``stored`` (``{name: directory}``, a manifest's
+        :attr:`~torch_ckpt.format._files.Manifest.stored`) is read from that sibling directory instead."""
+        if not stored:
+            return self
+        new = self._made(self.fs, self.path, self.url, self.remote, self.storage_options, self.allow_symlinks)
+        new._stored = dict(stored)
+        return new
+
+    def _where(self, name: str) -> tuple[str, str]:
+        """``(path, url)`` of the directory that holds the file ``name``."""
+        other = self._stored.get(name)
+        if other is None:
+            return self.path, self.url
+        if self.remote:
+            parent_path, parent_url = self.path.rstrip("/").rsplit("/", 1)[0], self.url.rstrip("/").rsplit("/", 1)[0]
+            return f"{parent_path}/{other}", f"{parent_url}/{other}"
+        return os.path.join(os.path.dirname(self.path), other), os.path.join(os.path.dirname(self.url), other)
+
     def child(self, name: str) -> Location:
         """The location of the entry ``name`` of this directory."""
         return self._made(self.fs, self._p(name), self.describe(name), self.remote, self.storage_options,
@@ -305,10 +326,15 @@ class Location:
         """The URL or path of this directory, or of its file ``name`` (for messages)."""
         if name is None:
             return self.url
-        return f"{self.url.rstrip('/')}/{name}" if self.remote else os.path.join(self.url, name)
+        url = self._where(name)[1]
+        return f"{url.rstrip('/')}/{name}" if self.remote else os.path.join(url, name)
 
-    def _p(self, name: str) -> str:
-        return f"{self.path.rstrip('/')}/{name}"
+    def path_of(self, name: str) -> str:
+        """The path, in the terms of :attr:`fs`, of the file ``name`` (in another directory for a
+        :meth:`resolving` one)."""
+        return f"{self._where(name)[0].rstrip('/')}/{name}"
+
+    _p = path_of
 
     def _open_local(self, name: str, what: str = "file listed in the manifest") -> int:
         return open_regular(Path(self._p(name)), allow_symlinks=self.allow_symlinks, what=what)
@@ -393,12 +419,17 @@ class Location:
             with os.fdopen(fd, "rb") as f:
                 data = f.read()
         else:
-            if max_bytes is not None:
-                size = int(self._call(self.fs.info, self._p(name)).get("size") or 0)
-                if size > max_bytes:
-                    raise CheckpointCorruptError(f"{self.describe(name)}: {size} bytes, more than the {max_bytes} "
-                                                 "accepted")
-            data = self._call(self.fs.cat_file, self._p(name))
+            def read() -> bytes:
+                with self.fs.open(self._p(name), "rb") as f:  # one HEAD (the size) and one GET
+                    size = getattr(f, "size", None)
+                    if max_bytes is None:
+                        return f.read()
+                    if size is not None and int(size) > max_bytes:
+                        raise CheckpointCorruptError(f"{self.describe(name)}: {size} bytes, more than the "
+                                                     f"{max_bytes} accepted")
+                    return f.read(max_bytes + 1)
+
+            data = self._call(read)
         if max_bytes is not None and len(data) > max_bytes:
             raise CheckpointCorruptError(f"{self.describe(name)}: more than the {max_bytes} bytes accepted")
         return data

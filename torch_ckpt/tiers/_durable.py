@@ -7,6 +7,10 @@ check and messages as for a local checkpoint); a step without a manifest is invi
 removes the manifest first, and a manifest-less prefix left by a crashed uploader is removed once
 idle (:func:`remove_abandoned`). URLs stay strings end to end; none goes through ``pathlib``.
 
+A file an incremental save hard-linked is not stored twice: the durable manifest references the
+object of the earlier step (``stored``), and an object is deleted only once no committed manifest
+references it (:meth:`DurableTier.sweep`).
+
 Node-local checkpoints (:mod:`torch_ckpt.root._nodes`) go up once per tensor: each node uploads
 the files it is the uploader of (:func:`durable_manifest`: every file but the nodes' replica files)
 and writes an upload record; node 0 waits for every record, checks it against the manifest and
@@ -41,6 +45,7 @@ from torch_ckpt.format._files import (
     MAX_MANIFEST_DEPTH,
     MAX_MANIFEST_INT_DIGITS,
     METADATA_NAME,
+    STORED,
     Manifest,
     read_manifest,
     verify_files,
@@ -71,8 +76,6 @@ log = get_logger(__name__)
 _calls = threading.local()
 #: Protocols whose root lies in a bucket that must exist (and is never created unless asked).
 _BUCKET_STORES = ("s3", "s3a", "gs", "gcs", "abfs", "az", "adl")
-#: Most server-side copies (files of incremental saves) one upload runs at once, beside its uploads.
-_COPY_THREADS = 8
 #: The upload record a node writes into a step's prefix once its files are uploaded and verified.
 _MARKER = "_uploaded_node_{:05d}.json"
 
@@ -123,8 +126,10 @@ class DurableTier:
         self.upload_threads = upload_threads
         self.bytes_read_back = 0  # bytes read back from the store to verify uploads (0 when it verifies itself)
         self.bytes_uploaded = 0  # bytes of files uploaded
-        self.bytes_copied = 0  # bytes of files copied server-side from an earlier step (incremental saves)
+        self.bytes_referenced = 0  # bytes of files not uploaded: the object of an earlier step (incremental saves)
         self._store_checked: bool | None = None  # None: not tried yet; False: ETags are not MD5s
+        self._manifests: dict[str, Manifest] = {}  # directory name: manifest this tier committed or read
+        self._uncommitted: set[str] = set()  # directory names found without a manifest (list_steps(reuse=True))
         self._lock = threading.Lock()  # the fields above, updated by upload threads
         self.last_download: list[str] = []  # files fetched by the last download()
         protocol = self.fs.protocol
@@ -205,8 +210,7 @@ class DurableTier:
         root = Location.on(self.fs, self.root, self.url)
         what = f"cannot list durable tier {self.url}"
         try:
-            if store_call(what, root.exists):
-                return sorted(store_call(what, root.entries))
+            return sorted(store_call(what, root.entries))
         except FileNotFoundError:
             pass
         self.check_container()  # an absent root is empty only when its bucket exists
@@ -227,30 +231,46 @@ class DurableTier:
         return bounded(lambda watch: self.download(step, local_root, node=node, watch=watch),
                        timeout_seconds=self.timeout_seconds, what=f"downloading {self.describe(step)}")
 
-    def list_steps(self) -> dict[int, Manifest]:
+    def list_steps(self, *, reuse: bool = False) -> dict[int, Manifest]:
         """``{step: manifest}`` of committed durable checkpoints (called by :meth:`listed`, it tells
-        the caller's watch of every answer).
+        the caller's watch of every answer). ``reuse``: the manifests this tier committed or read
+        before are not read again (only for the process that alone writes the tier: its
+        retention), the names are always listed.
 
         Raises:
             DurableUnavailableError: the store cannot be listed (distinct from an empty root).
         """
         found: dict[int, Manifest] = {}
         watch: Watch | None = getattr(_calls, "watch", None)
-        for name in self.list_names():
+        names = self.list_names()
+        for name in names:
             if watch is not None:
                 watch.tick()
             named_step = self.naming.step_of(name)
             if named_step is None:
                 continue
-            try:
-                manifest = store_call(f"cannot read {self.url}/{name}", self.read_manifest, named_step)
-            except FileNotFoundError:
-                continue  # an upload in progress or abandoned: not committed
-            except CheckpointCorruptError as exc:
-                log.warning("durable tier: ignoring %s/%s: %s", self.url, name, exc)
-                continue
+            with self._lock:
+                manifest = self._manifests.get(name) if reuse else None
+                if reuse and name in self._uncommitted:
+                    continue
+            if manifest is None:
+                try:
+                    manifest = store_call(f"cannot read {self.url}/{name}", self.read_manifest, named_step)
+                except FileNotFoundError:
+                    with self._lock:
+                        self._uncommitted.add(name)
+                    continue  # an upload in progress or abandoned: not committed
+                except CheckpointCorruptError as exc:
+                    log.warning("durable tier: ignoring %s/%s: %s", self.url, name, exc)
+                    continue
             if manifest.step == named_step:
                 found[manifest.step] = manifest
+                with self._lock:
+                    self._manifests[name] = manifest
+        with self._lock:
+            for name in set(self._manifests) - set(names):
+                del self._manifests[name]
+            self._uncommitted &= set(names)
         return dict(sorted(found.items()))
 
     def read_manifest(self, step: int) -> Manifest:
@@ -275,41 +295,45 @@ class DurableTier:
             return whole.hexdigest()
         return f"{hashlib.md5(b''.join(parts), usedforsecurity=False).hexdigest()}-{len(parts)}"
 
-    def _copy_sources(self, files: dict[str, dict[str, int]]) -> dict[str, str]:
-        """``{name: path of the stored object to copy}`` for the files an incremental save hard-linked whose
-        checkpoint is committed on this tier with the same file (bytes and CRC-32 in its durable manifest)."""
-        sources: dict[str, str] = {}
+    def _references(self, files: dict[str, dict[str, int]]) -> dict[str, str]:
+        """``{name: directory holding its object}`` for the files an incremental save hard-linked whose
+        checkpoint is committed on this tier with the same file (bytes and CRC-32 in its durable manifest),
+        each checked to be there with its size: these are not uploaded again (:attr:`Manifest.stored`)."""
+        found: dict[str, str] = {}
         for step in sorted({info[LINKED_FROM] for info in files.values() if LINKED_FROM in info}):
             try:
-                listed = self.read_manifest(step).files
+                held = self.read_manifest(step)
             except (CheckpointError, OSError):  # not uploaded (replicate_every_n_saves), or deleted by retention
                 continue
             for name, info in files.items():
-                held = listed.get(name)
-                if info.get(LINKED_FROM) == step and held is not None and \
-                        (held["bytes"], held["crc32"]) == (info["bytes"], info["crc32"]):
-                    sources[name] = f"{self.location(step).path}/{name}"
-        return sources
+                listed = held.files.get(name)
+                if info.get(LINKED_FROM) == step and listed is not None and \
+                        (listed["bytes"], listed["crc32"]) == (info["bytes"], info["crc32"]):
+                    found[name] = held.stored.get(name, self.naming.name(step))
+        sizes = self._sizes(set(found.values()))
+        return {name: where for name, where in found.items() if sizes.get((where, name)) == files[name]["bytes"]}
 
-    def _put_verified(self, local: Path, loc: Location, name: str, info: dict[str, int],
-                      copy_from: str | None = None) -> None:
-        """Upload one file (with ``copy_from``: copy that stored object server-side, uploading it where the
-        copy fails), then check the stored object (by the store's digest, else read back)."""
-        extra = {"chunksize": self.part_bytes} if self._protocol in ("s3", "s3a") else {}
-        copied = False
-        if copy_from is not None:
+    def _sizes(self, directories: set[str]) -> dict[tuple[str, str], int]:
+        """``{(directory, name): size in bytes}`` of the objects in those step directories (one listing each)."""
+        out: dict[tuple[str, str], int] = {}
+        for where in sorted(directories):
+            path = f"{self.root}/{where}"
+            self.fs.invalidate_cache(path)
             try:
-                self.fs.copy(copy_from, f"{loc.path}/{name}")
-                copied = True
-            except (OSError, ValueError) as exc:  # deleted by retention since it was listed, or not supported
-                log.debug("durable tier %s: server-side copy of %s failed (%s); uploading it", self.url, copy_from, exc)
-        if not copied:
-            self.fs.put_file(str(local), f"{loc.path}/{name}", **extra)
+                entries = self.fs.ls(path, detail=True)
+            except FileNotFoundError:
+                continue
+            for info in entries:
+                if info.get("type") != "directory":
+                    out[(where, str(info["name"]).rstrip("/").rsplit("/", 1)[-1])] = int(info.get("size") or 0)
+        return out
+
+    def _put_verified(self, local: Path, loc: Location, name: str, info: dict[str, int]) -> None:
+        """Upload one file, then check the stored object (by the store's digest, else read back)."""
+        extra = {"chunksize": self.part_bytes} if self._protocol in ("s3", "s3a") else {}
+        self.fs.put_file(str(local), f"{loc.path}/{name}", **extra)
         with self._lock:
-            if copied:
-                self.bytes_copied += info["bytes"]
-            else:
-                self.bytes_uploaded += info["bytes"]
+            self.bytes_uploaded += info["bytes"]
         self.refresh()
         checksums = self.verify == "checksum"
         digests = None
@@ -325,29 +349,37 @@ class DurableTier:
                     log.warning("durable tier %s: object ETags are not MD5 digests; verifying uploads by reading "
                                 "them back", self.url)
 
-    def put_all(self, local_dir: Path, step: int, files: dict[str, dict[str, int]]) -> None:
+    def put_all(self, local_dir: Path, step: int, files: dict[str, dict[str, int]]) -> dict[str, str]:
         """Upload and verify ``files`` (``{name: {"bytes", "crc32"}}``) of ``local_dir`` into the
         directory of ``step``, ``upload_threads`` at once; writes no manifest (raises as :meth:`upload`).
 
-        A file an incremental save hard-linked (``linked_from``) is copied server-side from that step's object
-        when the tier holds it with the same bytes and CRC-32 (:attr:`bytes_copied`), else uploaded
-        (:attr:`bytes_uploaded`): every stored step is a complete copy, whatever retention deletes."""
+        A file an incremental save hard-linked (``linked_from``) is not uploaded when the tier holds that
+        step's object with the same bytes and CRC-32 (:attr:`bytes_referenced`): the returned
+        ``{name: directory}`` (the durable manifest's :attr:`~torch_ckpt.format._files.Manifest.stored`)
+        says where it is, and :meth:`delete` keeps an object while a committed manifest references it."""
         loc = self.location(step)
-        sources = self._copy_sources(files)
-        work = [(local_dir / name, loc, name, info, sources.get(name)) for name, info in sorted(files.items())]
-        copies = [item for item in work if item[4] is not None]
-        # server-side copies take no upload bandwidth: they run beside the uploads, not in their turn
-        with ThreadPoolExecutor(max_workers=max(1, min(len(copies), _COPY_THREADS)),
-                                thread_name_prefix="torch_ckpt_copy") as pool:
-            copying = [pool.submit(self._put_verified, *item) for item in copies]
-            _run_all(self._put_verified, [item for item in work if item[4] is None], self.upload_threads,
-                     "torch_ckpt_upload")
-        for fut in copying:
-            fut.result()
+        refs = self._references(files)
+        _run_all(self._put_verified, [(local_dir / name, loc, name, info) for name, info in sorted(files.items())
+                                      if name not in refs], self.upload_threads, "torch_ckpt_upload")
+        with self._lock:
+            self.bytes_referenced += sum(files[name]["bytes"] for name in refs)
+        return refs
+
+    def _check_references(self, manifest: Manifest) -> None:
+        """Before a commit: every object ``manifest`` references under another step is there with its size."""
+        held = self._sizes(set(manifest.stored.values()))
+        for name, where in sorted(manifest.stored.items()):
+            if held.get((where, name)) != manifest.files[name]["bytes"]:
+                raise corrupt(f"{self.url}/{where}/{name}", f"referenced by step {manifest.step} but missing or "
+                                                            "of another size; the step is not committed")
 
     def _commit(self, loc: Location, manifest: Manifest) -> None:
+        self._check_references(manifest)
         self.fs.pipe_file(f"{loc.path}/{MANIFEST_NAME}", json.dumps(manifest.to_json(), separators=(",", ":")).encode())
         self.refresh()
+        with self._lock:
+            self._manifests[loc.name] = manifest
+            self._uncommitted.discard(loc.name)
 
     def upload(self, local_dir: Path, manifest: Manifest) -> None:
         """Upload a committed local checkpoint, verify every file, then write the manifest (commit).
@@ -358,8 +390,8 @@ class DurableTier:
         """
         loc = self.location(manifest.step)
         self.make_step_dir(loc.path)
-        self.put_all(local_dir, manifest.step, manifest.files)
-        self._commit(loc, manifest)
+        stored = self.put_all(local_dir, manifest.step, manifest.files)
+        self._commit(loc, dataclasses.replace(manifest, stored=stored))
 
     def upload_node(self, local_dir: Path, manifest: Manifest, *, commit: bool, wait_seconds: float = 600.0,
                     poll_seconds: float = 0.2, abandon: Callable[[], bool] = lambda: False) -> None:
@@ -387,8 +419,9 @@ class DurableTier:
         durable = durable_manifest(manifest)  # without the nodes' extra copies: each tensor is uploaded once
         file_node = durable.nodes["file_node"]
         mine = {name: info for name, info in durable.files.items() if file_node[name] == node}
-        self.put_all(local_dir, step, mine)
-        self.fs.pipe_file(f"{loc.path}/{_MARKER.format(node)}", json.dumps({"node": node, "files": mine}).encode())
+        stored = self.put_all(local_dir, step, mine)
+        self.fs.pipe_file(f"{loc.path}/{_MARKER.format(node)}",
+                          json.dumps({"node": node, "files": mine, STORED: stored}).encode())
         self.refresh()
         if not commit:
             return
@@ -404,43 +437,100 @@ class DurableTier:
                                    f"not finished uploading their shards")
             time.sleep(delay)
             delay = min(delay * 2, 5.0)
+        stored = {}
         for n in range(nodes):
             source = loc.describe(_MARKER.format(n))
             raw = loc.read_bytes(_MARKER.format(n), MAX_MANIFEST_BYTES, what="upload record")
             doc: Any = loads_bounded(raw, source, what="upload record", max_depth=MAX_MANIFEST_DEPTH,
                                      max_int_digits=MAX_MANIFEST_INT_DIGITS)
-            if not isinstance(doc, dict) or doc.get("files") != {k: v for k, v in durable.files.items()
-                                                                 if file_node[k] == n}:
+            theirs = {k: v for k, v in durable.files.items() if file_node[k] == n}
+            if not isinstance(doc, dict) or doc.get("files") != theirs or not isinstance(doc.get(STORED, {}), dict) \
+                    or not set(doc.get(STORED, {})) <= set(theirs):
                 raise corrupt(source, f"node {n}'s upload record of step {step} does not match the manifest")
+            stored.update(doc.get(STORED, {}))
+        try:
+            durable = dataclasses.replace(durable, stored=stored)
+            Manifest.from_json(durable.to_json(), loc.describe(MANIFEST_NAME))  # the records' directory names
+        except CheckpointCorruptError as exc:
+            raise corrupt(loc.describe(), f"the upload records of step {step} do not make a valid manifest "
+                                          f"({exc})") from None
         self._commit(loc, durable)
 
     def delete(self, step: int) -> None:
-        """Delete a durable checkpoint: manifest first (un-commit), then the files."""
-        path = self.location(step).path
+        """Delete a durable checkpoint: its manifest first (un-commit), then every object of its directory
+        that no committed manifest references (:attr:`~torch_ckpt.format._files.Manifest.stored`), and the
+        objects it referenced in the directories of deleted steps once nothing references them. A kill at
+        any point leaves objects no manifest needs (removed by a later deletion or :func:`remove_abandoned`),
+        never a committed manifest missing one."""
+        name = self.naming.name(step)
+        with self._lock:
+            manifest = self._manifests.pop(name, None)
+        try:
+            referenced = set((manifest or self.read_manifest(step)).stored.values())
+        except (CheckpointError, OSError, ValueError):
+            referenced = set()
         with suppress(FileNotFoundError):
-            self.fs.rm_file(f"{path}/{MANIFEST_NAME}")  # first: un-commit
-        self.fs.rm(path, recursive=True)
+            self.fs.rm_file(f"{self.root}/{name}/{MANIFEST_NAME}")  # first: un-commit
+        with self._lock:
+            self._uncommitted.add(name)
         self.refresh()
+        self.sweep([name, *sorted(referenced)])
+
+    def sweep(self, names: list[str]) -> int:
+        """Delete the objects of the uncommitted step directories ``names`` that no committed manifest of
+        this tier references; returns how many were deleted (a committed directory is left alone)."""
+        kept: dict[str, set[str]] = {}
+        for manifest in self.list_steps(reuse=True).values():
+            for file, where in manifest.stored.items():
+                kept.setdefault(where, set()).add(file)
+        deleted = 0
+        for name in dict.fromkeys(names):
+            path = f"{self.root}/{name}"
+            try:
+                objects = [str(p) for p in self.fs.find(path)]
+            except FileNotFoundError:
+                continue
+            if any(p.rstrip("/").endswith("/" + MANIFEST_NAME) for p in objects):
+                continue  # committed (again, or still): not garbage
+            gone = [p for p in objects if p.rstrip("/").rsplit("/", 1)[-1] not in kept.get(name, ())]
+            if len(gone) == len(objects):
+                with suppress(FileNotFoundError):
+                    self.fs.rm(path, recursive=True)
+            else:
+                for p in gone:
+                    with suppress(FileNotFoundError):
+                        self.fs.rm_file(p)
+            deleted += len(gone)
+        self.refresh()
+        return deleted
 
     def set_aside(self, step: int, *, reason: str = "superseded") -> str:
         """Move a durable checkpoint aside to the hidden prefix ``.<reason>_<name>.<time>``; returns its URL.
 
-        A ``file://`` directory is renamed; on an object store the objects are copied, then the
-        manifest is deleted, then the rest (a crash leaves the step listed, or an abandoned upload).
-        Backend errors propagate (the replicator retries them).
+        The files its manifest lists (also those it references in earlier steps' directories) are copied
+        there (hard-linked on a ``file://`` root), then its manifest without references, then the step is
+        deleted (:meth:`delete`; a crash before leaves the step listed). Backend errors propagate (the
+        replicator retries them).
         """
         name = self.naming.name(step)
-        src, base = f"{self.root}/{name}", f".{reason}_{name}.{int(time.time())}"
+        manifest = self.read_manifest(step)
+        base = f".{reason}_{name}.{int(time.time())}"
         taken = set(self.list_names())
         target = next(t for t in (f"{base}.{n}" if n else base for n in range(10_000)) if t not in taken)
-        dst = f"{self.root}/{target}"
-        if self._protocol in ("file", "local"):
-            os.rename(src, dst)
-            self.refresh()
-        else:
-            self.fs.copy(src, dst, recursive=True)
-            self.refresh()
-            self.delete(step)
+        src, dst = self.location(step).resolving(manifest.stored), f"{self.root}/{target}"
+        self.make_step_dir(dst)
+        for file in sorted(manifest.files):
+            if self._protocol in ("file", "local"):
+                try:
+                    os.link(src.path_of(file), f"{dst}/{file}")
+                    continue
+                except OSError:
+                    pass
+            self.fs.copy(src.path_of(file), f"{dst}/{file}")
+        self.fs.pipe_file(f"{dst}/{MANIFEST_NAME}", json.dumps(dataclasses.replace(manifest, stored={}).to_json(),
+                                                               separators=(",", ":")).encode())
+        self.refresh()
+        self.delete(step)
         log.warning("durable tier %s: moved %s checkpoint %s aside to %s", self.url, reason, name, target)
         return f"{self.url}/{target}"
 
@@ -449,7 +539,7 @@ class DurableTier:
         """Copy one object into ``tmp`` and check the copy (errors as :meth:`download`)."""
         what = f"cannot read {src.describe(name)}"  # the store's failures, not the local disk's, are an outage
         try:
-            fin = store_call(what, self.fs.open, f"{src.path}/{name}", "rb", block_size=CHUNK_BYTES)
+            fin = store_call(what, self.fs.open, src.path_of(name), "rb", block_size=CHUNK_BYTES)
         except FileNotFoundError:  # deleted from the store after its manifest was written: a damaged copy
             raise corrupt(src.describe(name), "listed in the manifest but missing") from None
         with fin, open(tmp / name, "wb") as fout:
@@ -494,11 +584,11 @@ class DurableTier:
         bar = tqdm(total=sum(i["bytes"] for i in files.values()), desc=f"download step {step}", unit="B",
                    unit_scale=True, unit_divisor=1024, leave=False, dynamic_ncols=True, disable=None)  # None: TTY only
         try:
-            _run_all(self._fetch_file, [(self.location(step), name, info, tmp, bar, watch)
-                                        for name, info in sorted(files.items())], self.upload_threads,
-                     "torch_ckpt_download")
-            with watch.local_work():
-                write_json_durable(tmp / MANIFEST_NAME, manifest.to_json())
+            src = self.location(step).resolving(manifest.stored)
+            _run_all(self._fetch_file, [(src, name, info, tmp, bar, watch) for name, info in sorted(files.items())],
+                     self.upload_threads, "torch_ckpt_download")
+            with watch.local_work():  # every file is in the local copy: it references no other directory
+                write_json_durable(tmp / MANIFEST_NAME, dataclasses.replace(manifest, stored={}).to_json())
             watch.publish(lambda: commit_dir(tmp, final, replace=final.exists()))
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -584,7 +674,8 @@ def remove_abandoned(tier: DurableTier, *, older_than_seconds: float,
         age = idle_seconds(tier, step, time.time() if now is None else now)
         if age is None or age <= older_than_seconds:
             continue
-        tier.fs.rm(tier.location(step).path, recursive=True)
+        if not tier.sweep([tier.naming.name(step)]):
+            continue  # only objects committed steps reference (a deleted step's): kept
         removed.append(step)
         log.warning("durable tier %s: removed abandoned upload of step %d (no manifest, untouched for %.0f s)",
                     tier.url, step, age)

@@ -89,7 +89,7 @@ class Replicator:
         self._arranges = arranges
         self._cleared: Any = None  # lineage whose superseded durable steps are already moved aside
         self._uploaded_bytes = 0
-        self._copied_bytes = 0
+        self._referenced_bytes = 0
         self._commits = commits
         self._known: dict[int, Manifest] | None = None  # the last listing of the tier (None: none succeeded)
         self._listed_at: float | None = None  # monotonic time of the last listing asked for
@@ -142,7 +142,8 @@ class Replicator:
     def stats(self) -> dict[str, Any]:
         """Replication state: ``durable_step``, ``pending_step``, ``lag_s`` (age of the newest durable copy,
         seconds), ``outage_s``, ``last_error``, ``skipped`` (coalesced steps), ``uploaded_bytes`` (sent to the
-        store) and ``copied_bytes`` (files of incremental saves copied server-side from an earlier step)."""
+        store) and ``referenced_bytes`` (files of incremental saves not uploaded: they reference the object of
+        an earlier step)."""
         with self._cond:
             now = time.time()
             return {
@@ -154,7 +155,7 @@ class Replicator:
                 "last_error": self._last_error,
                 "skipped": self._skipped,
                 "uploaded_bytes": self._uploaded_bytes,
-                "copied_bytes": self._copied_bytes,
+                "referenced_bytes": self._referenced_bytes,
             }
 
     def durable_listing(self, *, refresh: bool = True) -> dict[int, Manifest] | None:
@@ -248,14 +249,14 @@ class Replicator:
             try:
                 manifest = read_manifest(local_dir)
                 if self._make_way(manifest):
-                    copied0 = self.tier.bytes_copied
+                    referenced0 = self.tier.bytes_referenced
                     self._upload(local_dir, manifest, self._newer_queued)
-                    copied = self.tier.bytes_copied - copied0  # hard-linked files copied server-side
+                    referenced = self.tier.bytes_referenced - referenced0  # hard-linked files not uploaded
                     with self._cond:
                         if self._durable_step is None or step > self._durable_step:  # history steps come later
                             self._durable_step, self._durable_time = step, time.time()
-                        self._uploaded_bytes += sum(f["bytes"] for f in manifest.files.values()) - copied
-                        self._copied_bytes += copied
+                        self._uploaded_bytes += sum(f["bytes"] for f in manifest.files.values()) - referenced
+                        self._referenced_bytes += referenced
                         if self._commits and self._known is not None:
                             self._known[step] = manifest
                         if self._outage_since is not None:
@@ -322,7 +323,7 @@ class Replicator:
         if self.retention is None:
             return
         try:
-            durable = self.tier.list_steps()
+            durable = self.tier.list_steps(reuse=True)  # this process alone writes the tier
             with self._cond:
                 self._known = dict(durable)
             head = head_of(m.lineage for m in durable.values())  # superseded steps are neither kept nor counted

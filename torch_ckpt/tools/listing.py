@@ -353,6 +353,7 @@ def list_root(root: str | os.PathLike | Location, *, storage_options: dict[str, 
     if is_plain_dcp(entries):  # the folder itself, not a run root: say what it is and how to adopt it
         raise CheckpointNotFoundError(f"{loc.describe()} is a {plain_dcp_reason(loc)}, not a run root")
     lineages: dict[str, Any] = {}  # name: lineage of each committed checkpoint
+    referenced: dict[str, list[int]] = {}  # directory name: steps whose durable manifest references its objects
 
     @functools.cache
     def tier_steps(url: str) -> set[int] | None:  # None: the tier cannot be listed
@@ -405,6 +406,8 @@ def list_root(root: str | os.PathLike | Location, *, storage_options: dict[str, 
             row["reason"] = f"partial: {result['partial']}"
         if manifest is not None:
             lineages[name] = manifest.lineage
+            for where in set(manifest.stored.values()):
+                referenced.setdefault(where, []).append(manifest.step)
             row["written_bytes"], row["linked_bytes"] = bytes_written(manifest.files)
             row.update(step=manifest.step, files=result["files"], bytes=result["bytes"], wall_time=manifest.wall_time,
                        time=iso_time(manifest.wall_time), age_s=now - manifest.wall_time,
@@ -425,6 +428,10 @@ def list_root(root: str | os.PathLike | Location, *, storage_options: dict[str, 
         rows.append(row)
     head = head_of(lineages.values())
     for row in rows:
+        if row["status"] == PARTIAL and row["name"] in referenced:  # a deleted durable step's kept objects
+            row["reason"] = (f"no manifest.json: the objects of a deleted step that step(s) "
+                             f"{', '.join(map(str, sorted(referenced[row['name']])))} still reference "
+                             "(removed with the last of them)")
         if row["name"] in lineages and not head.holds(row["step"], lineages[row["name"]]):
             row["superseded"] = True
     by_name = {r["name"]: r for r in rows}
