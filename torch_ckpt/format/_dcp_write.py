@@ -336,6 +336,24 @@ def record_framing(tensor: torch.Tensor) -> tuple[bytes, bytes] | None:
     return _RECORD_CACHE.get(key)
 
 
+def _word_crcs(view: memoryview, itemsize: int) -> tuple[int, ...]:
+    """The CRC-32 of each of the first ``w - 1`` word columns of elements of ``itemsize`` bytes, ``w =
+    itemsize // 4`` 32-bit words each (``()`` for elements of 4 bytes or less).
+
+    CRC-32 detects every change confined to 32 consecutive bits (a burst of length <= 32; Peterson and
+    Brown 1961), so it alone catches any change of one element of up to 4 bytes. A change of one wider
+    element is a burst of up to 64 or 128 bits, which the CRC-32 of the whole misses for 1 in 2**32 of
+    them. With these columns it is always caught: if the element's first changed word is its last, the
+    change is a 32-bit burst of the whole; otherwise it is the only changed word of its column. The cost
+    is a strided copy of ``(w - 1) / w`` of the bytes, for 8- and 16-byte dtypes only.
+    """
+    words = itemsize // 4
+    if words <= 1 or view.nbytes == 0:
+        return ()
+    table = np.frombuffer(view, dtype=np.uint32).reshape(-1, words)
+    return tuple(crc32(np.ascontiguousarray(table[:, j])) for j in range(words - 1))
+
+
 def _data_view(tensor: torch.Tensor) -> memoryview:
     """The bytes of ``tensor``'s whole storage, without a copy (the view keeps the storage alive)."""
     return memoryview(torch.empty(0, dtype=torch.uint8).set_(tensor.untyped_storage()).numpy())  # type: ignore[arg-type]
@@ -647,7 +665,8 @@ class ChecksumFileSystemWriter(FileSystemWriter):
 
     @property
     def record_digests(self) -> dict[str, list[list[int]]]:
-        """``{data file: [[record offset, CRC-32 of the tensor's data], ...]}`` of an incremental save (else empty),
+        """``{data file: [[record offset, CRC-32 of the tensor's data, *word column CRC-32s], ...]}`` of an
+        incremental save (else empty; the columns only for 8- and 16-byte dtypes, see :func:`_word_crcs`),
         kept in the rank's JSON so that the first save after a restart can share unchanged records too."""
         return self._digests_doc
 
@@ -658,10 +677,11 @@ class ChecksumFileSystemWriter(FileSystemWriter):
             return dict(self._linked)
 
     # -- incremental saves -----------------------------------------------------------------------
-    def _digests(self, items: list[WriteItem], planner: SavePlanner) -> dict[Any, tuple[tuple, tuple[int, int], int]]:
-        """``{item index: (signature, (bytes, crc32) of the data, record length)}`` of the host tensors of
-        ``items`` with a fixed record framing (others are always written), ``thread_count`` threads at once."""
-        out: dict[Any, tuple[tuple, tuple[int, int], int]] = {}
+    def _digests(self, items: list[WriteItem], planner: SavePlanner) -> dict[Any, tuple[tuple, tuple[int, ...], int]]:
+        """``{item index: (signature, (bytes, crc32, *word column crc32s) of the data, record length)}`` of the
+        host tensors of ``items`` with a fixed record framing (others are always written), ``thread_count``
+        threads at once."""
+        out: dict[Any, tuple[tuple, tuple[int, ...], int]] = {}
 
         def digest(bucket: list[WriteItem]) -> None:
             for item in bucket:
@@ -675,7 +695,8 @@ class ChecksumFileSystemWriter(FileSystemWriter):
                 if framing is None or key is None:
                     continue
                 view = _data_view(tensor)
-                found = (key, (view.nbytes, crc32(view)), len(framing[0]) + view.nbytes + len(framing[1]))
+                found = (key, (view.nbytes, crc32(view), *_word_crcs(view, tensor.element_size())),
+                         len(framing[0]) + view.nbytes + len(framing[1]))
                 with self._lock:
                     out[item.index] = found
                     self._framings[item.index] = framing
@@ -748,7 +769,7 @@ class ChecksumFileSystemWriter(FileSystemWriter):
             found = digests.get(r.index)
             if found is not None and found[2] == info.length:
                 records[_record_id(r.index)] = Record(name, info.offset, info.length, found[0], found[1])
-        self._digests_doc = {name: sorted([r.offset, r.digest[1]] for r in records.values() if r.file == name)
+        self._digests_doc = {name: sorted([r.offset, *r.digest[1:]] for r in records.values() if r.file == name)
                              for name in files}
         remember(final, prefix, Baseline(directory=Path(final), step=step, files=files, records=records))
 
@@ -857,14 +878,14 @@ class Record:
     Attributes:
         file: data file name. offset, length: the record's byte range in it (bytes).
         signature: dtype, shape, strides, storage offset and size of the tensor (what its framing depends on).
-        digest: ``(bytes, crc32)`` of the tensor's data.
+        digest: ``(bytes, crc32, *word column crc32s)`` of the tensor's data (see :func:`_word_crcs`).
     """
 
     file: str
     offset: int
     length: int
     signature: tuple
-    digest: tuple[int, int]
+    digest: tuple[int, ...]
 
 
 @dataclass
@@ -984,7 +1005,7 @@ def baseline_on_disk(final: Path, step: int, prefix: str) -> Baseline | None:
             continue
         files[file] = (listed["bytes"], listed["crc32"], st.st_dev, st.st_ino)
         for pair in pairs:
-            if not (isinstance(pair, list) and len(pair) == 2 and all(type(v) is int for v in pair)):
+            if not (isinstance(pair, list) and 2 <= len(pair) <= 5 and all(type(v) is int for v in pair)):
                 continue
             found = ranges.get((file, pair[0]))
             chunk = chunks.get((found[0].fqn, tuple(found[0].offset or ()))) if found is not None else None
@@ -993,7 +1014,7 @@ def baseline_on_disk(final: Path, step: int, prefix: str) -> Baseline | None:
             dtype, sizes = chunk
             nbytes = math.prod(sizes) * dtype.itemsize
             signature = (dtype, sizes, torch.empty(sizes, device="meta").stride(), 0, nbytes, False, False, False)
-            records[_record_id(found[0])] = Record(file, pair[0], found[1], signature, (nbytes, pair[1]))
+            records[_record_id(found[0])] = Record(file, pair[0], found[1], signature, (nbytes, *pair[1:]))
     return Baseline(directory=directory, step=manifest.step, files=files, records=records, listed=manifest.files,
                     signatures_recorded=False)
 
