@@ -26,7 +26,8 @@ also checks that the killed trainer's writer exits and commits nothing afterward
 that appeared after the trainer was reaped; must be 0).
 
 ``--restart-while-orphan`` (with ``--persist process``) stands in for an immediate restart while
-the old writer is slow: the writer is SIGSTOPped before its trainer is SIGKILLed, the next run
+the old writer is slow: each kill after start-up waits for a save in flight, the writer is SIGSTOPped
+before its trainer is SIGKILLed, the next run
 starts at once, and the old writer is SIGCONTed at a random instant of that restarted run.
 ``--no-death-signal`` starts writers without Linux's parent-death signal (standing in for other
 platforms), so that such an orphan really lives on and only its own liveness check and the
@@ -536,7 +537,9 @@ def main(argv: list[str] | None = None) -> dict:
     for trial in range(args.trials):
         log = work / f"run_{trial:04d}.jsonl"
         early = trial % 10 == 0  # every tenth kill lands during start-up / restore
-        in_save = trial % 4 == 1  # every fourth kill waits for a save in flight after its delay
+        # every fourth kill waits for a save in flight after its delay; with --restart-while-orphan every one
+        # after start-up does, so that the writers stopped at the kill are busy ones (orphans to outlive it)
+        in_save = trial % 4 == 1 or (args.restart_while_orphan and not early)
         delay = rng.uniform(0.0, 0.3) if early else rng.uniform(0.0, args.max_delay)
         event = resume_orphans_event(orphans)
         killed, _, writers = _run_child(common + ["--ckpt-dir", str(ckpt), "--log-jsonl", str(log)],

@@ -490,26 +490,52 @@ def test_a_deletion_killed_after_the_manifest_leaves_no_dangling_reference(tmp_p
     _assert_equal(_restored_from_durable(tmp_path, url, s3.options, 2), snaps[2])
 
 
-def test_a_commit_whose_referenced_object_is_gone_is_refused(tmp_path, s3):
-    """An upload referencing an object deleted since it was listed is not committed: the step stays invisible."""
-    from torch_ckpt.errors import CheckpointCorruptError
+def test_a_referenced_object_gone_before_the_upload_looks_is_uploaded_instead(tmp_path, s3):
+    """A candidate reference whose object vanished before the upload's listing is uploaded: step 2 is self-contained."""
     from torch_ckpt.tiers._durable import DurableTier
 
     url = f"s3://{s3.new_bucket()}/run"
-    _save_steps(tmp_path, 2)
+    snaps = _save_steps(tmp_path, 2)
     tier = DurableTier(url, storage_options=s3.options)
     tier.upload(tmp_path / "step_000000001", read_manifest(tmp_path / "step_000000001"))
     found = tier._references
 
     def vanishing(files):
         refs = found(files)
-        for name, where in refs.items():  # each referenced object vanishes right after it was found
+        assert refs  # step 2 linked unchanged files of step 1
+        for name, where in refs.items():  # each candidate's object vanishes right after it was chosen
             tier.fs.rm_file(f"{tier.root}/{where}/{name}")
         return refs
 
     tier._references = vanishing
+    tier.upload(tmp_path / "step_000000002", read_manifest(tmp_path / "step_000000002"))
+    assert tier.read_manifest(2).stored == {}
+    tier.fs.rm(f"{tier.root}/step_000000001", recursive=True)
+    assert verify_checkpoint(tier.describe(2), storage_options=s3.options)["ok"]
+    _assert_equal(_restored_from_durable(tmp_path, url, s3.options, 2), snaps[2])
+
+
+def test_a_node_commit_whose_referenced_object_is_gone_is_refused(tmp_path, s3):
+    """The committing node checks the references the nodes' records name: one gone since leaves the step invisible."""
+    from torch_ckpt.errors import CheckpointCorruptError
+    from torch_ckpt.tiers._durable import DurableTier
+
+    url = f"s3://{s3.new_bucket()}/run"
+    _save_steps(tmp_path, 2, local_root_shared=False)
+    tier = DurableTier(url, storage_options=s3.options)
+    tier.upload_node(tmp_path / "step_000000001", read_manifest(tmp_path / "step_000000001"), commit=True)
+    put_all = tier.put_all
+
+    def then_gone(local_dir, step, files):
+        refs = put_all(local_dir, step, files)
+        assert refs
+        for name, where in refs.items():  # gone after this node looked, before the commit
+            tier.fs.rm_file(f"{tier.root}/{where}/{name}")
+        return refs
+
+    tier.put_all = then_gone
     with pytest.raises(CheckpointCorruptError, match=r"step_000000001/.*referenced by step 2 but missing"):
-        tier.upload(tmp_path / "step_000000002", read_manifest(tmp_path / "step_000000002"))
+        tier.upload_node(tmp_path / "step_000000002", read_manifest(tmp_path / "step_000000002"), commit=True)
     assert sorted(tier.list_steps()) == [1]
 
 

@@ -94,7 +94,8 @@ class CheckpointConfig:
         local_root_shared: The root is one directory seen by every rank (``True``) or private to each
             node (``False``: each commits and uploads its own shards; a replaced node fetches only its
             own). ``None``: private when the ranks span several nodes.
-        durable_upload_threads: Files each node transfers to or from the durable tier at once (int, 1-256).
+        durable_upload_threads: Large files each node transfers to or from the durable tier at once (int,
+            1-256): at most this many parts (64 MiB; 8 MiB chunks for downloads) in flight, small files beside.
         durable_timeout_seconds: Longest silence of the durable store waited out on the caller's thread
             (``restore()``; > 0; also botocore's connect/read timeouts unless ``storage_options`` sets them).
         durable_create: Create a missing durable bucket; by default it is an outage (``DurableUnavailableError``).

@@ -90,7 +90,9 @@ class DurableTier:
         naming: directory names of steps (the local root's naming; default ``step_000000042``).
         part_bytes: multipart part size on S3-compatible stores (bytes); files of at least twice
             this size are uploaded in parts.
-        upload_threads: files uploaded (and downloaded) at once by this process (>= 1).
+        upload_threads: large files uploaded (and downloaded) at once by this process (>= 1): at most
+            ``upload_threads * part_bytes`` bytes in flight (``CHUNK_BYTES`` for downloads), small
+            files beside them (:func:`_run_all`).
         timeout_seconds: longest silence of the store that a call from the caller's thread
             (:meth:`listed`, :meth:`fetch`) waits out (seconds, > 0); on S3-compatible stores also
             the botocore connect and read timeouts (3 attempts, "standard" retries) unless
@@ -128,6 +130,7 @@ class DurableTier:
         self.bytes_uploaded = 0  # bytes of files uploaded
         self.bytes_referenced = 0  # bytes of files not uploaded: the object of an earlier step (incremental saves)
         self._store_checked: bool | None = None  # None: not tried yet; False: ETags are not MD5s
+        self._bucket_seen = False  # check_container() found the bucket (bucket stores)
         self._manifests: dict[str, Manifest] = {}  # directory name: manifest this tier committed or read
         self._uncommitted: set[str] = set()  # directory names found without a manifest (list_steps(reuse=True))
         self._lock = threading.Lock()  # the fields above, updated by upload threads
@@ -193,8 +196,11 @@ class DurableTier:
         log.warning("durable tier %s: created its %s %r (durable_create=True)", self.url, kind, container)
 
     def make_step_dir(self, path: str) -> None:
-        """Before an upload into ``path``: :meth:`check_container`, and create it on stores with directories."""
-        self.check_container()
+        """Before an upload into ``path``: :meth:`check_container` (a bucket once: an upload into a bucket
+        deleted since fails, and :meth:`put_all` then names it), and create ``path`` on stores with directories."""
+        if not self._bucket_seen:
+            self.check_container()
+            self._bucket_seen = self._protocol in _BUCKET_STORES
         if self._protocol not in _BUCKET_STORES:
             self.fs.makedirs(path, exist_ok=True)
 
@@ -297,21 +303,26 @@ class DurableTier:
 
     def _references(self, files: dict[str, dict[str, int]]) -> dict[str, str]:
         """``{name: directory holding its object}`` for the files an incremental save hard-linked whose
-        checkpoint is committed on this tier with the same file (bytes and CRC-32 in its durable manifest),
-        each checked to be there with its size: these are not uploaded again (:attr:`Manifest.stored`)."""
+        checkpoint is committed on this tier with the same file (bytes and CRC-32 in its durable manifest,
+        as this tier committed or read it, else read): the candidates for not being uploaded again
+        (:attr:`Manifest.stored`), once :meth:`put_all` has found each object there with its size."""
         found: dict[str, str] = {}
         for step in sorted({info[LINKED_FROM] for info in files.values() if LINKED_FROM in info}):
+            directory = self.naming.name(step)
+            with self._lock:
+                held = self._manifests.get(directory)
             try:
-                held = self.read_manifest(step)
+                held = held or self.read_manifest(step)
             except (CheckpointError, OSError):  # not uploaded (replicate_every_n_saves), or deleted by retention
                 continue
+            with self._lock:
+                self._manifests[directory] = held
             for name, info in files.items():
                 listed = held.files.get(name)
                 if info.get(LINKED_FROM) == step and listed is not None and \
                         (listed["bytes"], listed["crc32"]) == (info["bytes"], info["crc32"]):
-                    found[name] = held.stored.get(name, self.naming.name(step))
-        sizes = self._sizes(set(found.values()))
-        return {name: where for name, where in found.items() if sizes.get((where, name)) == files[name]["bytes"]}
+                    found[name] = held.stored.get(name, directory)
+        return found
 
     def _sizes(self, directories: set[str]) -> dict[tuple[str, str], int]:
         """``{(directory, name): size in bytes}`` of the objects in those step directories (one listing each)."""
@@ -351,22 +362,41 @@ class DurableTier:
 
     def put_all(self, local_dir: Path, step: int, files: dict[str, dict[str, int]]) -> dict[str, str]:
         """Upload and verify ``files`` (``{name: {"bytes", "crc32"}}``) of ``local_dir`` into the
-        directory of ``step``, ``upload_threads`` at once; writes no manifest (raises as :meth:`upload`).
+        directory of ``step`` (at most ``upload_threads * part_bytes`` bytes in flight, see :func:`_run_all`);
+        writes no manifest (raises as :meth:`upload`).
 
         A file an incremental save hard-linked (``linked_from``) is not uploaded when the tier holds that
         step's object with the same bytes and CRC-32 (:attr:`bytes_referenced`): the returned
         ``{name: directory}`` (the durable manifest's :attr:`~torch_ckpt.format._files.Manifest.stored`)
-        says where it is, and :meth:`delete` keeps an object while a committed manifest references it."""
+        says where it is, and :meth:`delete` keeps an object while a committed manifest references it.
+        Each referenced object is found there with its size by one listing per directory after the other
+        files are uploaded (the last look before the commit); one that is gone is uploaded instead."""
         loc = self.location(step)
-        refs = self._references(files)
-        _run_all(self._put_verified, [(local_dir / name, loc, name, info) for name, info in sorted(files.items())
-                                      if name not in refs], self.upload_threads, "torch_ckpt_upload")
+        candidates = self._references(files)
+        budget = self.upload_threads * self.part_bytes
+
+        def held(size: int) -> int:  # bytes an upload holds: s3fs reads a file sent in one request whole
+            return self.part_bytes if size >= min(5 << 30, 2 * self.part_bytes) else size
+
+        def put(names: list[str]) -> None:
+            _run_all([(held(files[n]["bytes"]), self._put_verified, (local_dir / n, loc, n, files[n]))
+                      for n in names], budget, "torch_ckpt_upload")
+
+        try:
+            put(sorted(set(files) - set(candidates)))
+        except FileNotFoundError:
+            self._bucket_seen = False
+            self.check_container()  # a bucket deleted since it was seen: DurableUnavailableError naming it
+            raise
+        sizes = self._sizes(set(candidates.values()))
+        refs = {name: where for name, where in candidates.items() if sizes.get((where, name)) == files[name]["bytes"]}
+        put(sorted(set(candidates) - set(refs)))
         with self._lock:
             self.bytes_referenced += sum(files[name]["bytes"] for name in refs)
         return refs
 
     def _check_references(self, manifest: Manifest) -> None:
-        """Before a commit: every object ``manifest`` references under another step is there with its size."""
+        """Before a commit of references other processes found: each object is there with its size."""
         held = self._sizes(set(manifest.stored.values()))
         for name, where in sorted(manifest.stored.items()):
             if held.get((where, name)) != manifest.files[name]["bytes"]:
@@ -374,7 +404,6 @@ class DurableTier:
                                                             "of another size; the step is not committed")
 
     def _commit(self, loc: Location, manifest: Manifest) -> None:
-        self._check_references(manifest)
         self.fs.pipe_file(f"{loc.path}/{MANIFEST_NAME}", json.dumps(manifest.to_json(), separators=(",", ":")).encode())
         self.refresh()
         with self._lock:
@@ -454,6 +483,7 @@ class DurableTier:
         except CheckpointCorruptError as exc:
             raise corrupt(loc.describe(), f"the upload records of step {step} do not make a valid manifest "
                                           f"({exc})") from None
+        self._check_references(durable)  # the other nodes looked before their records, maybe long ago
         self._commit(loc, durable)
 
     def delete(self, step: int) -> None:
@@ -493,13 +523,12 @@ class DurableTier:
             if any(p.rstrip("/").endswith("/" + MANIFEST_NAME) for p in objects):
                 continue  # committed (again, or still): not garbage
             gone = [p for p in objects if p.rstrip("/").rsplit("/", 1)[-1] not in kept.get(name, ())]
-            if len(gone) == len(objects):
+            if gone:
                 with suppress(FileNotFoundError):
-                    self.fs.rm(path, recursive=True)
-            else:
-                for p in gone:
-                    with suppress(FileNotFoundError):
-                        self.fs.rm_file(p)
+                    self.fs.rm(gone)  # one request on S3 (DeleteObjects), whatever the number
+            if len(gone) == len(objects) and self._protocol not in _BUCKET_STORES:
+                with suppress(FileNotFoundError):
+                    self.fs.rm(path, recursive=True)  # the emptied directory
             deleted += len(gone)
         self.refresh()
         return deleted
@@ -585,8 +614,9 @@ class DurableTier:
                    unit_scale=True, unit_divisor=1024, leave=False, dynamic_ncols=True, disable=None)  # None: TTY only
         try:
             src = self.location(step).resolving(manifest.stored)
-            _run_all(self._fetch_file, [(src, name, info, tmp, bar, watch) for name, info in sorted(files.items())],
-                     self.upload_threads, "torch_ckpt_download")
+            _run_all([(min(info["bytes"], CHUNK_BYTES), self._fetch_file, (src, name, info, tmp, bar, watch))
+                      for name, info in sorted(files.items())], self.upload_threads * CHUNK_BYTES,
+                     "torch_ckpt_download")
             with watch.local_work():  # every file is in the local copy: it references no other directory
                 write_json_durable(tmp / MANIFEST_NAME, dataclasses.replace(manifest, stored={}).to_json())
             watch.publish(lambda: commit_dir(tmp, final, replace=final.exists()))
@@ -683,25 +713,43 @@ def remove_abandoned(tier: DurableTier, *, older_than_seconds: float,
     return removed
 
 
-def _run_all(work: Callable[..., None], items: list[tuple[Any, ...]], threads: int, prefix: str) -> None:
-    """``work(*item)`` for every item, ``threads`` at once. After a failure no further item starts (a
-    failed upload or download is retried whole; the rest would be wasted transfers), the running ones
-    finish, and the first failure in ``items`` order is raised."""
-    failed = threading.Event()
+#: most transfers running at once, however small their files (the pool's threads)
+MAX_TRANSFERS = 16
 
-    def run(*item: Any) -> None:
-        if failed.is_set():
-            return
+
+def _run_all(items: list[tuple[int, Callable[..., None], tuple[Any, ...]]], budget_bytes: int, prefix: str) -> None:
+    """``work(*args)`` for every ``(weight, work, args)`` item, the heaviest first, as many at once as keep
+    the sum of the running items' weights (the bytes each holds in memory) within ``budget_bytes``, one
+    at a time when one alone is heavier, and at most :data:`MAX_TRANSFERS`. So the small files of a save
+    (rank files, ``.metadata``) and a listing travel beside its large ones and a save costs about its
+    largest transfer, not the sum of its requests' round trips. After a failure no further item starts
+    (a failed upload or download is retried whole; the rest would be wasted transfers), the running
+    ones finish, and the first failure in ``items`` order is raised."""
+    failed = threading.Event()
+    cond = threading.Condition()
+    running = [0]  # bytes of the items now running
+
+    def run(weight: int, work: Callable[..., None], args: tuple[Any, ...]) -> None:
+        with cond:
+            while running[0] and running[0] + weight > budget_bytes:
+                cond.wait()
+            running[0] += weight
         try:
-            work(*item)
+            if not failed.is_set():
+                work(*args)
         except BaseException:
             failed.set()
             raise
+        finally:
+            with cond:
+                running[0] -= weight
+                cond.notify_all()
 
-    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix=prefix) as pool:
-        futures = [pool.submit(run, *item) for item in items]
-    for fut in futures:
-        fut.result()
+    order = sorted(range(len(items)), key=lambda i: -items[i][0])
+    with ThreadPoolExecutor(max_workers=max(1, min(MAX_TRANSFERS, len(items))), thread_name_prefix=prefix) as pool:
+        futures = {i: pool.submit(run, *items[i]) for i in order}
+    for i in range(len(items)):
+        futures[i].result()
 
 
 def _only(name: str, info: dict[str, int]) -> Manifest:
