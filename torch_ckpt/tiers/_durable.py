@@ -369,8 +369,8 @@ class DurableTier:
         step's object with the same bytes and CRC-32 (:attr:`bytes_referenced`): the returned
         ``{name: directory}`` (the durable manifest's :attr:`~torch_ckpt.format._files.Manifest.stored`)
         says where it is, and :meth:`delete` keeps an object while a committed manifest references it.
-        Each referenced object is found there with its size by one listing per directory after the other
-        files are uploaded (the last look before the commit); one that is gone is uploaded instead."""
+        Each referenced object is found there with its size by one listing per directory, made while the
+        other files are uploaded; one that is gone is uploaded instead."""
         loc = self.location(step)
         candidates = self._references(files)
         budget = self.upload_threads * self.part_bytes
@@ -378,17 +378,18 @@ class DurableTier:
         def held(size: int) -> int:  # bytes an upload holds: s3fs reads a file sent in one request whole
             return self.part_bytes if size >= min(5 << 30, 2 * self.part_bytes) else size
 
-        def put(names: list[str]) -> None:
+        def put(names: list[str], *also: tuple[int, Callable[..., None], tuple[Any, ...]]) -> None:
             _run_all([(held(files[n]["bytes"]), self._put_verified, (local_dir / n, loc, n, files[n]))
-                      for n in names], budget, "torch_ckpt_upload")
+                      for n in names] + list(also), budget, "torch_ckpt_upload")
 
-        try:
-            put(sorted(set(files) - set(candidates)))
+        sizes: dict[tuple[str, str], int] = {}
+        try:  # the listing of the referenced directories goes beside the uploads: no round trip of its own
+            put(sorted(set(files) - set(candidates)),
+                (0, lambda: sizes.update(self._sizes(set(candidates.values()))), ()))
         except FileNotFoundError:
             self._bucket_seen = False
             self.check_container()  # a bucket deleted since it was seen: DurableUnavailableError naming it
             raise
-        sizes = self._sizes(set(candidates.values()))
         refs = {name: where for name, where in candidates.items() if sizes.get((where, name)) == files[name]["bytes"]}
         put(sorted(set(candidates) - set(refs)))
         with self._lock:
