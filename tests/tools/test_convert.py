@@ -1,5 +1,9 @@
 """Export of committed checkpoints: one torch.save file, or model weights as safetensors."""
 
+import os
+import stat
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -41,6 +45,29 @@ def test_safetensors_export_has_model_weights_only(tmp_path):
     weights = load_file(tmp_path / "w.safetensors")
     assert set(weights) == set(model.state_dict())
     assert all(torch.equal(weights[k], v) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize("to", ["torch", "safetensors"])
+def test_an_export_gets_the_mode_of_any_new_file(tmp_path, to):
+    """Both exports are created with 0666 minus the umask, like any file the user writes (not 0600)."""
+    path, *_ = _saved(tmp_path)
+    out = tmp_path / f"w.{to}"
+    old = os.umask(0o027)
+    try:
+        (export_torch if to == "torch" else export_safetensors)(path, out)
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(out.stat().st_mode) == 0o640
+
+
+def test_cli_convert_json_names_the_chosen_checkpoint(tmp_path, capsys):
+    """`convert ROOT --json` names the checkpoint it exported (the root's newest step), as inspect does."""
+    import json
+
+    path, *_ = _saved(tmp_path)
+    capsys.readouterr()
+    assert main(["convert", str(Path(path).parent), "--to", "torch", str(tmp_path / "x.pt"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["checkpoint"] == str(path)
 
 
 def test_cli_convert_and_missing_path(tmp_path, capsys):

@@ -473,13 +473,15 @@ def _add_convert_arguments(p: argparse.ArgumentParser) -> None:
 
 
 @contextmanager
-def _local_copy(args: argparse.Namespace) -> Iterator[str]:
-    """The checkpoint as a local directory: itself (a root: its chosen step), or a verified download of a URL."""
+def _local_copy(args: argparse.Namespace) -> Iterator[tuple[str, str]]:
+    """``(local directory, what was chosen)`` of the checkpoint: itself (a root: its chosen step), or a
+    verified download of a URL (the chosen step's URL)."""
     from torch_ckpt.tiers._durable import DurableTier
     from torch_ckpt.tools.listing import find_checkpoint, step_of
 
     if not is_url(args.checkpoint):
-        yield find_checkpoint(_open(args.checkpoint, args), step=args.step)[0].path
+        path = find_checkpoint(_open(args.checkpoint, args), step=args.step)[0].path
+        yield path, str(path)
         return
     url = args.checkpoint.rstrip("/")
     parent, _, name = url.rpartition("/")
@@ -500,7 +502,7 @@ def _local_copy(args: argparse.Namespace) -> Iterator[str]:
                                                                               args.step is not None else ""))
             elif not tier.fs.exists(f"{tier.root}/{name}"):
                 raise UsageError(f"{url} does not exist")
-            local = str(tier.download(step, Path(tmp)))
+            local = str(tier.download(step, Path(tmp))), tier.describe(step)
         except ConfigError as exc:
             raise UsageError(f"cannot open {url!r}: {exc.__cause__ or exc}") from None
         except (CheckpointError, OSError, ValueError):  # ValueError includes UsageError
@@ -518,10 +520,10 @@ def _cmd_convert(args: argparse.Namespace) -> int:
 
     if args.model is not None and args.to != "safetensors":
         raise UsageError("--model applies to --to safetensors only (--to torch exports the full state)")
-    with _local_copy(args) as path:
+    with _local_copy(args) as (path, chosen):
         result = export_torch(path, args.out, allow_symlinks=args.follow_symlinks) if args.to == "torch" else \
             export_safetensors(path, args.out, model=args.model, allow_symlinks=args.follow_symlinks)
-    result["checkpoint"] = args.checkpoint
+    result["checkpoint"] = chosen  # the checkpoint exported (a root's chosen step), as inspect names it
     extra = f", {result['tensors']} tensors" if "tensors" in result else ""
     if result.get("models"):
         extra += f"; keys prefixed by model name: {', '.join(result['models'])}"

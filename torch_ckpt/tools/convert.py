@@ -193,8 +193,23 @@ def export_safetensors(checkpoint: str | os.PathLike, out: str | os.PathLike, *,
     prefixed = names if model is None and len(names) > 1 else []
     save_file(weights, str(out), metadata={"step": str(manifest.step), "format": "torch-ckpt export",
                                            "models": ",".join(prefixed)})
+    os.chmod(out, 0o666 & ~_umask())  # safetensors writes 0600; an export gets the mode of any new file
     return {"step": manifest.step, "out": str(out), "tensors": len(weights), "bytes": Path(out).stat().st_size,
             "models": prefixed}
+
+
+def _umask() -> int:
+    """This process's umask, read without changing it (``/proc`` on Linux; else set and restored)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 class _Ref:
