@@ -374,13 +374,7 @@ class AsyncDCPCheckpointIO(CheckpointIO):
                                        map_location=map_location, storage_options=options)
         if is_url(text) or not Path(path).is_dir():
             return TorchCheckpointIO().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
-        # absolute: an attached manager reads a relative path relative to its root, not the working directory
-        path = _instead_of_interrupted(Path(path).absolute())
-        candidates = self.fallbacks.pop(str(path), [path])
-        if self._collective and not self.rng_restored_by_callback:
-            self._warn_once("rng", "AsyncDCPCheckpointIO alone does not restore the RNG: after this resume, dropout "
-                            "and random augmentation differ from an uninterrupted run. Add "
-                            "lightning_ckpt.MTBFCheckpoint for a bitwise exact resume.")
+        candidates = self._candidates(path)
         manager = self._manager if self._collective else None
         if manager is None and self._collective:  # attached, nothing saved yet: read through a read-only manager
             manager = CheckpointManager(Path(candidates[0]).parent, config=self._config.replace(
@@ -392,6 +386,19 @@ class AsyncDCPCheckpointIO(CheckpointIO):
         finally:
             if manager is not None and manager is not self._manager:
                 manager.close()
+
+    def _candidates(self, path: str | os.PathLike) -> list[Path]:
+        """The checkpoint directories to try for a resume from ``path``, in order: ``path`` (absolute), or
+        for an interrupted SLURM ``hpc_ckpt_N.ckpt`` the newest older one, then the older checkpoints a
+        ``ckpt_path="last"`` resolution queued (:attr:`fallbacks`). Attached, warns once that the RNG is not
+        restored without :class:`MTBFCheckpoint`. Every load of a directory (sharded or not) goes here."""
+        # absolute: an attached manager reads a relative path relative to its root, not the working directory
+        chosen = _instead_of_interrupted(Path(path).absolute())
+        if self._collective and not self.rng_restored_by_callback:
+            self._warn_once("rng", "AsyncDCPCheckpointIO alone does not restore the RNG: after this resume, dropout "
+                            "and random augmentation differ from an uninterrupted run. Add "
+                            "lightning_ckpt.MTBFCheckpoint for a bitwise exact resume.")
+        return self.fallbacks.pop(str(chosen), [chosen])
 
     @override
     def teardown(self) -> None:
@@ -509,7 +516,7 @@ def _load_checkpoint(io: Any, trainer: Any, original_load: Any, is_sharded: bool
     module = strategy.lightning_module
     optimizers = [_compat.unwrap_optimizer(o) for o in strategy.optimizers]
     if is_sharded and fitting and optimizers:
-        candidates = io.fallbacks.pop(str(path.absolute()), [path])
+        candidates = io._candidates(path)
         target = _ShardedTarget(strategy.model, optimizers)
         restore_candidates(io.manager(path.parent), target, candidates, allow_cast=io.allow_cast)
         return decode_values(target.loaded, allow_pickle=weights_only is False)

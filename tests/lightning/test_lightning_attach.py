@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+import time
 from pathlib import Path
 
 import lightning as L
@@ -175,6 +177,32 @@ def _model_parallel_body(rank: int, world: int, root: str) -> None:
     assert uninterrupted.keys() == resumed.keys()
     for key in uninterrupted:
         assert torch.equal(uninterrupted[key], resumed[key]), key
+
+
+def _interrupted_hpc_body(rank: int, world: int, root: str) -> None:
+    import warnings
+
+    root = Path(root)
+    uninterrupted = _fit_sharded(root, "a", 8)
+    if rank == 0:  # SLURM's layout: hpc_ckpt_1 committed (step 6), hpc_ckpt_2 a save a kill interrupted
+        shutil.copytree(root / "a" / "step_000000006", root / "hpc" / "hpc_ckpt_1.ckpt")
+        (root / "hpc" / "hpc_ckpt_2.ckpt" / ".torch-ckpt.partial.0123456789abcdef").mkdir(parents=True)
+        (root / "hpc" / "ready").touch()
+    while not (root / "hpc" / "ready").exists():
+        time.sleep(0.05)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        resumed = _fit_sharded(root, "b", 8, ckpt_path=str(root / "hpc" / "hpc_ckpt_2.ckpt"))
+    if rank == 0:
+        assert any("never committed" in str(w.message) for w in caught), [str(w.message) for w in caught]
+    for key in uninterrupted:
+        assert torch.equal(uninterrupted[key], resumed[key]), key
+
+
+@pytest.mark.slow
+def test_a_sharded_resume_from_an_interrupted_hpc_checkpoint_uses_the_older_one(tmp_path):
+    """FSDP2 on 2 CPU ranks: resuming from an hpc_ckpt_N that never committed loads hpc_ckpt_(N-1), bitwise."""
+    run_distributed(_interrupted_hpc_body, 2, str(tmp_path), timeout_s=150)
 
 
 @pytest.mark.slow
