@@ -174,6 +174,16 @@ def _memory_copy(tmp_path: Path) -> Path:
     return tmp_path / "mem" / "step_000000001"
 
 
+def test_the_copy_of_a_one_node_run_is_listed_without_a_partial_note(tmp_path):
+    """A memory step of a run of one node holds the whole checkpoint: ls, verify and inspect call it no part."""
+    from torch_ckpt.tools.listing import inspect_checkpoint, verify_checkpoint
+
+    copy = _memory_copy(tmp_path)
+    row = list_root(copy.parent, verify=True)["steps"][0]
+    assert row["status"] == "committed" and row.get("reason") is None
+    assert "partial" not in verify_checkpoint(copy) and inspect_checkpoint(copy)["note"] is None
+
+
 def test_verify_checks_the_structure_of_a_node_copy(tmp_path):
     """verify reads a node copy's metadata view and rank trees: it counts the tensors and finds a forged tree."""
     from _format_fixtures import rewrite

@@ -273,8 +273,9 @@ def check_dir(loc: Location, *, checksums: bool, structure: bool,
         mine = manifest
         if manifest.partial:  # one node's copy of a node-local checkpoint: that node's files only
             count = max(manifest.nodes["rank_node"]) + 1
-            out["partial"] = (f"this node's copy of a node-local checkpoint (node {manifest.node} of {count})"
-                              + ("; the other nodes' copies hold the rest" if count > 1 else ""))
+            if count > 1:  # the copy of a run of one node holds everything: nothing to say
+                out["partial"] = (f"this node's copy of a node-local checkpoint (node {manifest.node} of {count}); "
+                                  "the other nodes' copies hold the rest")
             mine = dataclasses.replace(manifest, files=manifest.local_files())
         out.update(step=manifest.step, world_size=manifest.world_size, files=len(mine.files),
                    bytes=sum(i["bytes"] for i in mine.files.values()))
@@ -672,7 +673,7 @@ def inspect_checkpoint(where: str | os.PathLike | Location, *, step: int | None 
             bar.update(1)
     for key in (k for k in tensors if k not in seen and not manifest.partial):  # a node copy: others' ranks' keys
         add_dcp("(not in state)", key)
-    if manifest.partial:
+    if manifest.partial and max(manifest.nodes["rank_node"]) > 0:  # several nodes: this copy is part of it
         note = " ".join(filter(None, [note, f"node {manifest.node}'s copy of a node-local checkpoint: the values of "
                                             f"its ranks {list(ranks)}, and the tensors their state refers to"]))
     components = [{"name": name, **c, "bytes": c["tensor_bytes"] + c["array_bytes"],
