@@ -174,6 +174,21 @@ def _memory_copy(tmp_path: Path) -> Path:
     return tmp_path / "mem" / "step_000000001"
 
 
+def test_ls_counts_a_hard_linked_file_once_in_the_stored_total(tmp_path):
+    """Incremental steps share a linked data file: ls's stored total counts it once, below the sum of the sizes."""
+    frozen, trained = torch.randn(256, 256), torch.randn(4, 4)
+    with CheckpointManager(tmp_path, thread_count=2) as mgr:
+        for step in (1, 2, 3):
+            trained.add_(1.0)
+            mgr.save(step, TrainState(extras={"frozen": frozen, "trained": trained}, rng=False)).wait()
+    listing = list_root(tmp_path)
+    linked = sum(r["linked_bytes"] for r in listing["steps"])
+    assert linked > 0
+    files = [p for d in tmp_path.glob("step_*") for p in d.iterdir()]
+    assert listing["disk_bytes"] == sum({(p.stat().st_ino): p.stat().st_size for p in files}.values())
+    assert listing["disk_bytes"] <= sum(r["disk_bytes"] for r in listing["steps"]) - linked
+
+
 def test_the_copy_of_a_one_node_run_is_listed_without_a_partial_note(tmp_path):
     """A memory step of a run of one node holds the whole checkpoint: ls, verify and inspect call it no part."""
     from torch_ckpt.tools.listing import inspect_checkpoint, verify_checkpoint

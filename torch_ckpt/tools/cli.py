@@ -364,7 +364,8 @@ def _ls_text(result: dict[str, Any]) -> str:
     head = f"{result['root']}: {c['committed']} committed, {c['partial']} partial, {c['corrupt']} corrupt" + \
         (f", {c['plain-dcp']} plain DCP" if c["plain-dcp"] else "") + \
         (f", {result['superseded']} superseded" if result["superseded"] else "") + \
-        (" (checksums verified)" if result["verified"] else "")
+        (" (checksums verified)" if result["verified"] else "") + \
+        f"; {fmt_bytes(result['disk_bytes'])} stored (hard-linked files counted once)"
     foot = ("SIZE: the files the manifest lists (as verify and inspect count them); for a partial entry, what is "
             "present\nWRITTEN: of SIZE, what its save wrote; the rest it hard-linked from an earlier checkpoint "
             "(incremental)")

@@ -39,6 +39,7 @@ import os
 import re
 import time
 from collections import defaultdict
+from contextlib import suppress
 from typing import Any, cast
 
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
@@ -328,8 +329,9 @@ def list_root(root: str | os.PathLike | Location, *, storage_options: dict[str, 
         progress: show a progress bar for verification on a terminal.
 
     Returns:
-        ``{"root", "verified", "steps": [entry...], "counts": {status: n}, "superseded": n}``, entries
-        sorted by step. An entry has ``step`` (the manifest's; None when unknown), ``name``,
+        ``{"root", "verified", "steps": [entry...], "counts": {status: n}, "superseded": n, "disk_bytes"}``
+        (``disk_bytes``: what the listed entries occupy together, a file hard-linked into several counted
+        once), entries sorted by step. An entry has ``step`` (the manifest's; None when unknown), ``name``,
         ``status``, ``wall_time`` and ``time`` (ISO 8601 UTC: the commit time, else the directory's
         modification time), ``age_s``, ``mtime``, ``files`` and ``bytes`` (the files the manifest
         lists, as ``verify`` and ``inspect`` count them; for a partial entry what is present),
@@ -445,7 +447,28 @@ def list_root(root: str | os.PathLike | Location, *, storage_options: dict[str, 
     counts = {s: sum(r["status"] == s and r["alias_of"] is None and not r["superseded"] for r in rows)
               for s in (COMMITTED, PARTIAL, CORRUPT, PLAIN_DCP)}
     superseded = sum(r["superseded"] and r["alias_of"] is None for r in rows)
-    return {"root": loc.describe(), "verified": verify, "steps": rows, "counts": counts, "superseded": superseded}
+    return {"root": loc.describe(), "verified": verify, "steps": rows, "counts": counts, "superseded": superseded,
+            "disk_bytes": _stored_bytes(loc, [r["name"] for r in rows if r["alias_of"] is None])}
+
+
+def _stored_bytes(loc: Location, names: list[str]) -> int:
+    """Bytes the entries ``names`` of ``loc`` occupy together: a local file hard-linked into several of them
+    (an incremental save) counted once; on an object store every object once (stores have no links)."""
+    if loc.remote:
+        total = 0
+        for name in names:
+            with suppress(OSError):
+                total += sum(e["size"] for e in loc.child(name).entries().values() if e["type"] == "file")
+        return total
+    seen: dict[tuple[int, int], int] = {}
+    for name in names:
+        with suppress(OSError), os.scandir(loc.path_of(name)) as it:
+            for entry in it:
+                with suppress(OSError):
+                    if entry.is_file(follow_symlinks=False):
+                        st = entry.stat(follow_symlinks=False)
+                        seen[(st.st_dev, st.st_ino)] = st.st_size
+    return sum(seen.values())
 
 
 def looks_like_checkpoint(loc: Location) -> bool:
