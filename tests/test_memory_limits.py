@@ -133,6 +133,30 @@ def test_failed_arena_allocation_falls_back_to_a_synchronous_save(tmp_path, monk
     assert torch.equal(out["w"], state["w"])
 
 
+def test_a_save_into_the_arena_it_already_has_asks_no_budget(tmp_path, monkeypatch):
+    """Once the arena fits the state, later saves stage into it whatever memory is left; a new layout asks again."""
+    state = {"w": torch.arange(1000, dtype=torch.float32)}
+    with CheckpointManager(tmp_path) as mgr:
+        assert mgr.save(1, state).stats.mode == "async"
+        mgr.wait()
+        asked: list[int] = []
+
+        def starved(local_world_size=None, *, held_bytes=0):
+            asked.append(held_bytes)
+            return 1  # nothing left to allocate
+
+        monkeypatch.setattr(staging, "default_budget_bytes", starved)
+        state["w"].add_(1.0)
+        assert mgr.save(2, state).stats.mode == "async" and asked == []  # the arena is there: nothing allocated
+        mgr.wait()
+        state["v"] = torch.ones(10)  # another layout: a new arena, which the budget refuses
+        assert mgr.save(3, state).stats.mode == "sync-over-budget" and asked
+        mgr.wait()
+        out = {"w": torch.zeros(1000), "v": torch.zeros(10)}
+        mgr.restore(out)
+    assert torch.equal(out["w"], state["w"]) and torch.equal(out["v"], state["v"])
+
+
 _TRAINER = textwrap.dedent("""
     import sys, torch
     from torch_ckpt import CheckpointManager

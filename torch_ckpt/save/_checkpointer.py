@@ -163,6 +163,10 @@ def _nbytes(t: torch.Tensor) -> int:
     return loc.numel() * loc.element_size()
 
 
+def _arena_signature(tensors: dict[str, torch.Tensor]) -> tuple:
+    return tuple((k, tuple(_local(t).shape), _local(t).dtype) for k, t in tensors.items())
+
+
 class StagingMemoryError(CheckpointWriteError):
     """The staging arena could not be allocated (errno ENOMEM); names the size, the budget and the fix."""
 
@@ -224,13 +228,19 @@ class HostStager:
         """True when ``tensors`` fit in the staging budget."""
         return self.required_bytes(tensors) <= self.budget_bytes
 
+    def holds(self, tensors: dict[str, torch.Tensor]) -> bool:
+        """True when the arena is laid out for ``tensors`` already (keys, shapes, dtypes): staging them
+        allocates nothing, whatever memory is left (so no budget applies)."""
+        with self._lock:
+            return self.arena is not None and self._signature == _arena_signature(tensors)
+
     def reserve(self, tensors: dict[str, torch.Tensor]) -> None:
         """Allocate (or keep) the arena for ``tensors`` without copying anything.
 
         Raises:
             StagingMemoryError: the allocation failed (the arena is released; nothing is staged).
         """
-        signature = tuple((k, tuple(_local(t).shape), _local(t).dtype) for k, t in tensors.items())
+        signature = _arena_signature(tensors)
         with self._lock:
             if signature == self._signature and self.arena is not None:
                 return
@@ -593,13 +603,14 @@ class AsyncCheckpointer:
         if self._process_writer is not None and any(type(t) is not torch.Tensor for t in tensors.values()):
             raise ConfigError("persist='process' supports plain tensors only; this state holds DTensor/sharded "
                               "tensors (FSDP2/TP). Use persist='thread'.")
-        need, budget = self._stager.required_bytes(tensors), self._stager.budget_bytes
-        fits = need <= budget
+        held = self._stager.holds(tensors)  # the last save's arena fits: nothing to allocate, no budget to ask
+        need, budget = (0, 0) if held else (self._stager.required_bytes(tensors), self._stager.budget_bytes)
+        fits = held or need <= budget
         if not fits:
             log.warning("state of %d bytes exceeds the staging budget of %d bytes: saving step %d synchronously "
                         "from the live tensors (raise staging_budget_bytes to save asynchronously)",
                         need, budget, step)
-        else:
+        elif not held:
             try:
                 self._stager.reserve(tensors)
             except StagingMemoryError as exc:  # the budget was not really there (ulimit -v, pinned or /dev/shm limits)
