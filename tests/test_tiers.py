@@ -468,3 +468,42 @@ def test_s3_restore_falls_back_when_an_object_of_the_newest_copy_was_deleted(tmp
         assert mgr.restore(live) == 1
     assert torch.equal(live["w"], torch.ones(8))
     assert f"step_000000002/{name}: listed in the manifest but missing" in caplog.text
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_s3_multipart_uploads_hold_at_most_upload_threads_parts(tmp_path, s3, threads):
+    """A large file goes up in parts, but never more than ``upload_threads * part_bytes`` bytes are in flight
+    (s3fs would read up to its ``max_concurrency`` (10) parts of one file at once)."""
+    import threading
+    import zlib
+
+    from torch_ckpt.format._files import Manifest
+
+    part = 5 << 20
+    local = tmp_path / "ckpt"
+    local.mkdir()
+    files = {}
+    for name, size in (("big.bin", 6 * part + 1), ("small.bin", 1000)):
+        data = bytes([len(name)]) * size
+        (local / name).write_bytes(data)
+        files[name] = {"bytes": size, "crc32": zlib.crc32(data)}
+    tier = DurableTier(f"s3://{s3.new_bucket()}/run", storage_options=s3.options, part_bytes=part,
+                       upload_threads=threads)
+    real_call, lock, flight = tier.fs._call_s3, threading.Lock(), {"now": 0, "most": 0}
+
+    async def call(method, *args, **kwargs):
+        body = kwargs.get("Body")
+        size = len(body) if isinstance(body, (bytes, bytearray, memoryview)) else 0
+        with lock:
+            flight["now"] += size
+            flight["most"] = max(flight["most"], flight["now"])
+        try:
+            return await real_call(method, *args, **kwargs)
+        finally:
+            with lock:
+                flight["now"] -= size
+
+    tier.fs._call_s3 = call
+    tier.upload(local, Manifest(step=1, world_size=1, files=files))
+    assert list(tier.list_steps()) == [1]
+    assert 0 < flight["most"] <= threads * part

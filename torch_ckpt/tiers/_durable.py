@@ -339,9 +339,16 @@ class DurableTier:
                     out[(where, str(info["name"]).rstrip("/").rsplit("/", 1)[-1])] = int(info.get("size") or 0)
         return out
 
+    def _parts_at_once(self, size: int) -> int:
+        """Parts of a file of ``size`` bytes sent at once (s3fs reads that many parts into memory, and would
+        read up to its own ``max_concurrency``, 10 by default): at most ``upload_threads``."""
+        parts = -(-size // self.part_bytes)
+        return max(1, min(self.upload_threads, int(getattr(self.fs, "max_concurrency", 1) or 1), parts))
+
     def _put_verified(self, local: Path, loc: Location, name: str, info: dict[str, int]) -> None:
         """Upload one file, then check the stored object (by the store's digest, else read back)."""
-        extra = {"chunksize": self.part_bytes} if self._protocol in ("s3", "s3a") else {}
+        extra = {"chunksize": self.part_bytes, "max_concurrency": self._parts_at_once(info["bytes"])} \
+            if self._protocol in ("s3", "s3a") else {}
         self.fs.put_file(str(local), f"{loc.path}/{name}", **extra)
         with self._lock:
             self.bytes_uploaded += info["bytes"]
@@ -376,7 +383,8 @@ class DurableTier:
         budget = self.upload_threads * self.part_bytes
 
         def held(size: int) -> int:  # bytes an upload holds: s3fs reads a file sent in one request whole
-            return self.part_bytes if size >= min(5 << 30, 2 * self.part_bytes) else size
+            multipart = size >= min(5 << 30, 2 * self.part_bytes)
+            return self._parts_at_once(size) * self.part_bytes if multipart else size
 
         def put(names: list[str], *also: tuple[int, Callable[..., None], tuple[Any, ...]]) -> None:
             _run_all([(held(files[n]["bytes"]), self._put_verified, (local_dir / n, loc, n, files[n]))
