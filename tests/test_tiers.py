@@ -507,3 +507,44 @@ def test_s3_multipart_uploads_hold_at_most_upload_threads_parts(tmp_path, s3, th
     tier.upload(local, Manifest(step=1, world_size=1, files=files))
     assert list(tier.list_steps()) == [1]
     assert 0 < flight["most"] <= threads * part
+
+
+def test_s3_downloads_request_at_most_upload_threads_chunks_at_once(tmp_path, s3):
+    """A download reads its objects in ``CHUNK_BYTES`` requests, at most ``upload_threads`` of them in flight
+    (s3fs's default read-ahead cache would ask for two chunks at a time)."""
+    import threading
+    import zlib
+
+    from torch_ckpt.format._files import Manifest
+    from torch_ckpt.storage._locations import CHUNK_BYTES
+
+    local = tmp_path / "ckpt"
+    local.mkdir()
+    files = {}
+    for name, size in (("a.bin", 2 * CHUNK_BYTES + 5), ("b.bin", CHUNK_BYTES + 3)):
+        data = bytes([len(name) + size % 7]) * size
+        (local / name).write_bytes(data)
+        files[name] = {"bytes": size, "crc32": zlib.crc32(data)}
+    url = f"s3://{s3.new_bucket()}/run"
+    DurableTier(url, storage_options=s3.options).upload(local, Manifest(step=1, world_size=1, files=files))
+    tier = DurableTier(url, storage_options=s3.options, upload_threads=1)
+    real_call, lock, flight = tier.fs._call_s3, threading.Lock(), {"now": 0, "most": 0}
+
+    async def call(method, *args, **kwargs):
+        asked = 0
+        if method == "get_object" and isinstance(kwargs.get("Range"), str):
+            first, last = kwargs["Range"].removeprefix("bytes=").split("-")
+            asked = int(last) - int(first) + 1
+        with lock:
+            flight["now"] += asked
+            flight["most"] = max(flight["most"], flight["now"])
+        try:
+            return await real_call(method, *args, **kwargs)
+        finally:
+            with lock:
+                flight["now"] -= asked
+
+    tier.fs._call_s3 = call
+    got = tier.download(1, tmp_path / "restored")
+    assert all((got / name).stat().st_size == info["bytes"] for name, info in files.items())
+    assert 0 < flight["most"] <= CHUNK_BYTES

@@ -577,7 +577,8 @@ class DurableTier:
         """Copy one object into ``tmp`` and check the copy (errors as :meth:`download`)."""
         what = f"cannot read {src.describe(name)}"  # the store's failures, not the local disk's, are an outage
         try:
-            fin = store_call(what, self.fs.open, src.path_of(name), "rb", block_size=CHUNK_BYTES)
+            # no read-ahead cache: each read asks for one chunk (the "readahead" default asks for two and keeps them)
+            fin = store_call(what, self.fs.open, src.path_of(name), "rb", block_size=CHUNK_BYTES, cache_type="none")
         except FileNotFoundError:  # deleted from the store after its manifest was written: a damaged copy
             raise corrupt(src.describe(name), "listed in the manifest but missing") from None
         with fin, open(tmp / name, "wb") as fout:
