@@ -459,3 +459,27 @@ def test_refusing_store_with_a_local_step_restores_it(tmp_path, status):
     finally:
         server.close()
     assert all(torch.equal(v, saved[1][k]) for k, v in model.state_dict().items())
+
+
+def test_a_bucket_deleted_while_references_are_checked_names_the_bucket(tmp_path, s3):
+    """The bucket goes away after a save's own files went up, while its references are listed: the uploads that
+    replace the references fail as any put into a deleted bucket does (DurableUnavailableError naming it)."""
+    from torch_ckpt.format._files import read_manifest
+
+    url = f"s3://{s3.new_bucket()}/run"
+    frozen = torch.randn(256, 256)
+    with CheckpointManager(tmp_path, keep_last=None) as mgr:
+        for step in (1, 2):
+            mgr.save(step, TrainState(extras={"frozen": frozen, "step": torch.tensor(step)}, rng=False)).wait()
+    tier = DurableTier(url, storage_options=s3.options)
+    tier.upload(tmp_path / "step_000000001", read_manifest(tmp_path / "step_000000001"))
+    sizes = tier._sizes
+
+    def bucket_gone(directories):
+        assert directories == {"step_000000001"}  # step 2 linked the frozen tensor's file: a candidate reference
+        _delete_bucket(s3, url)
+        return sizes(directories)
+
+    tier._sizes = bucket_gone
+    with pytest.raises(DurableUnavailableError, match=r"bucket 'ckpt-[0-9a-f]+' does not exist"):
+        tier.upload(tmp_path / "step_000000002", read_manifest(tmp_path / "step_000000002"))

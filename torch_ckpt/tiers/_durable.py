@@ -394,12 +394,13 @@ class DurableTier:
         try:  # the listing of the referenced directories goes beside the uploads: no round trip of its own
             put(sorted(set(files) - set(candidates)),
                 (0, lambda: sizes.update(self._sizes(set(candidates.values()))), ()))
+            refs = {name: where for name, where in candidates.items()
+                    if sizes.get((where, name)) == files[name]["bytes"]}
+            put(sorted(set(candidates) - set(refs)))
         except FileNotFoundError:
             self._bucket_seen = False
             self.check_container()  # a bucket deleted since it was seen: DurableUnavailableError naming it
             raise
-        refs = {name: where for name, where in candidates.items() if sizes.get((where, name)) == files[name]["bytes"]}
-        put(sorted(set(candidates) - set(refs)))
         with self._lock:
             self.bytes_referenced += sum(files[name]["bytes"] for name in refs)
         return refs
