@@ -572,6 +572,32 @@ def test_a_file_url_durable_tier_references_and_sets_aside_too(tmp_path):
                   {k: v for k, v in snaps[3].items() if k.startswith("model.")})
 
 
+def test_a_sweep_whose_first_object_another_deleter_removed_still_deletes_the_rest(tmp_path):
+    """On a file:// root a deleted step's unreferenced objects all go even when one vanished between the sweep's
+    listing and its deletion (another deleter); the objects a retained step references stay."""
+    from torch_ckpt.tiers._durable import DurableTier
+
+    url = f"file://{tmp_path / 'durable'}"
+    (tmp_path / "durable").mkdir()
+    _durable_run(tmp_path, url, {})
+    tier = DurableTier(url)
+    referenced = {name for name, where in tier.read_manifest(3).stored.items() if where == "step_000000001"}
+    assert referenced
+    find = tier.fs.find
+
+    def raced(path, *args, **kwargs):
+        found = find(path, *args, **kwargs)
+        first = next((p for p in sorted(found) if p.rsplit("/", 1)[-1] not in referenced | {"manifest.json"}), None)
+        if path.endswith("step_000000001") and first is not None:
+            os.remove(first)  # another deleter got there first
+        return found
+
+    tier.fs.find = raced
+    tier.delete(1)
+    assert set(os.listdir(tmp_path / "durable" / "step_000000001")) == referenced
+    assert verify_checkpoint(f"{url}/step_000000003")["ok"]
+
+
 @pytest.mark.parametrize("stored", [{"__0_0.distcp": "../elsewhere"}, {"__0_0.distcp": "a/b"},
                                     {"unlisted.distcp": "step_000000001"}, {"__0_0.distcp": 1}, ["__0_0.distcp"]])
 def test_a_manifest_whose_references_point_outside_its_root_is_refused(stored):

@@ -534,8 +534,12 @@ class DurableTier:
                 continue  # committed (again, or still): not garbage
             gone = [p for p in objects if p.rstrip("/").rsplit("/", 1)[-1] not in kept.get(name, ())]
             if gone:
-                with suppress(FileNotFoundError):
+                try:
                     self.fs.rm(gone)  # one request on S3 (DeleteObjects), whatever the number
+                except FileNotFoundError:  # one went meanwhile: a local or memory store stopped at it
+                    for p in gone:
+                        with suppress(FileNotFoundError):
+                            self.fs.rm_file(p)
             if len(gone) == len(objects) and self._protocol not in _BUCKET_STORES:
                 with suppress(FileNotFoundError):
                     self.fs.rm(path, recursive=True)  # the emptied directory
