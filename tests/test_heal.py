@@ -483,3 +483,17 @@ def test_a_bucket_deleted_while_references_are_checked_names_the_bucket(tmp_path
     tier._sizes = bucket_gone
     with pytest.raises(DurableUnavailableError, match=r"bucket 'ckpt-[0-9a-f]+' does not exist"):
         tier.upload(tmp_path / "step_000000002", read_manifest(tmp_path / "step_000000002"))
+
+
+def test_a_one_process_node_local_root_restores_from_the_durable_tier(tmp_path):
+    """One process with a node-local root whose local copies are gone restores its node's copy fetched from the
+    durable tier (a fetched copy lists the files it holds; verifying only its small files must not trip on them)."""
+    url = f"file://{tmp_path / 'durable'}"
+    (tmp_path / "durable").mkdir()
+    saved = _save(tmp_path / "local", [1, 2], durable_url=url, local_root_shared=False)
+    shutil.rmtree(tmp_path / "local")
+    state, model = _state()
+    with CheckpointManager(tmp_path / "local", durable_url=url, local_root_shared=False) as mgr:
+        assert mgr.restore(state) == 2
+        assert mgr.restore_source == "durable-node"
+    assert all(torch.equal(v, saved[2][k]) for k, v in model.state_dict().items())

@@ -821,7 +821,8 @@ def _verified(step_dir: Path, manifest: Manifest, ctx: DistContext, *, direct: b
     if direct:  # data files: sizes now, CRC-32 while load_direct reads them (one read per byte)
         verify_files(step_dir, manifest, checksums=False)
         small = {n: i for n, i in manifest.local_files().items() if not n.endswith(DATA_SUFFIX)}
-        verify_files(step_dir, dataclasses.replace(manifest, files=small), checksums=verify)
+        nodes = {**manifest.nodes, "held": sorted(small)} if "held" in manifest.nodes else manifest.nodes
+        verify_files(step_dir, dataclasses.replace(manifest, files=small, nodes=nodes), checksums=verify)
     else:
         verify_files(step_dir, manifest, checksums=verify, part=part, parts=parts)
     md = read_metadata(step_dir, manifest)
