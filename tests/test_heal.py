@@ -461,9 +461,9 @@ def test_refusing_store_with_a_local_step_restores_it(tmp_path, status):
     assert all(torch.equal(v, saved[1][k]) for k, v in model.state_dict().items())
 
 
-def test_a_bucket_deleted_while_references_are_checked_names_the_bucket(tmp_path, s3):
-    """The bucket goes away after a save's own files went up, while its references are listed: the uploads that
-    replace the references fail as any put into a deleted bucket does (DurableUnavailableError naming it)."""
+def test_a_bucket_deleted_before_a_gone_reference_is_uploaded_names_the_bucket(tmp_path, s3):
+    """A save's referenced object is gone and the bucket goes away after the save's own files went up: the upload
+    that replaces the reference fails as any put into a deleted bucket does (DurableUnavailableError naming it)."""
     from torch_ckpt.format._files import read_manifest
 
     url = f"s3://{s3.new_bucket()}/run"
@@ -473,16 +473,43 @@ def test_a_bucket_deleted_while_references_are_checked_names_the_bucket(tmp_path
             mgr.save(step, TrainState(extras={"frozen": frozen, "step": torch.tensor(step)}, rng=False)).wait()
     tier = DurableTier(url, storage_options=s3.options)
     tier.upload(tmp_path / "step_000000001", read_manifest(tmp_path / "step_000000001"))
-    sizes = tier._sizes
+    references, put = tier._references, tier._put_verified
+    candidates: dict[str, str] = {}
 
-    def bucket_gone(directories):
-        assert directories == {"step_000000001"}  # step 2 linked the frozen tensor's file: a candidate reference
-        _delete_bucket(s3, url)
-        return sizes(directories)
+    def found(files):
+        candidates.update(references(files))
+        assert set(candidates.values()) == {"step_000000001"}  # step 2 linked the frozen tensor's file
+        return candidates
 
-    tier._sizes = bucket_gone
+    def bucket_gone(local, loc, name, info):
+        if name in candidates:  # the second round: the listing found the reference gone, the own files are up
+            _delete_bucket(s3, url)
+        return put(local, loc, name, info)
+
+    tier._references, tier._put_verified = found, bucket_gone
+    tier._sizes = lambda directories: {}  # every referenced object reads as gone
     with pytest.raises(DurableUnavailableError, match=r"bucket 'ckpt-[0-9a-f]+' does not exist"):
         tier.upload(tmp_path / "step_000000002", read_manifest(tmp_path / "step_000000002"))
+
+
+def test_a_bucket_deleted_right_before_the_commit_names_the_bucket(tmp_path, s3):
+    """The bucket goes away after every file of a save went up, before its manifest: DurableUnavailableError
+    naming the bucket, and nothing committed."""
+    from torch_ckpt.format._files import read_manifest
+
+    url = f"s3://{s3.new_bucket()}/run"
+    _save(tmp_path, [1])
+    tier = DurableTier(url, storage_options=s3.options)
+    pipe = tier.fs.pipe_file
+
+    def bucket_gone(path, *args, **kwargs):
+        if path.endswith("/manifest.json"):
+            _delete_bucket(s3, url)
+        return pipe(path, *args, **kwargs)
+
+    tier.fs.pipe_file = bucket_gone
+    with pytest.raises(DurableUnavailableError, match=r"bucket 'ckpt-[0-9a-f]+' does not exist"):
+        tier.upload(tmp_path / "step_000000001", read_manifest(tmp_path / "step_000000001"))
 
 
 def test_a_one_process_node_local_root_restores_from_the_durable_tier(tmp_path):

@@ -440,7 +440,7 @@ class Location:
         def read() -> tuple[int, int]:
             crc, size = 0, 0
             if self.remote:
-                f = self.fs.open(self._p(name), "rb", block_size=CHUNK_BYTES)
+                f = self.fs.open(self._p(name), "rb", block_size=CHUNK_BYTES, cache_type="none")  # one chunk a read
             else:
                 f = os.fdopen(self._open_local(name), "rb")
             with f:

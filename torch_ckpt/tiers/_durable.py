@@ -414,7 +414,13 @@ class DurableTier:
                                                             "of another size; the step is not committed")
 
     def _commit(self, loc: Location, manifest: Manifest) -> None:
-        self.fs.pipe_file(f"{loc.path}/{MANIFEST_NAME}", json.dumps(manifest.to_json(), separators=(",", ":")).encode())
+        try:
+            self.fs.pipe_file(f"{loc.path}/{MANIFEST_NAME}",
+                              json.dumps(manifest.to_json(), separators=(",", ":")).encode())
+        except FileNotFoundError:
+            self._bucket_seen = False
+            self.check_container()  # a bucket deleted since it was seen: DurableUnavailableError naming it
+            raise
         self.refresh()
         with self._lock:
             self._manifests[loc.name] = manifest
