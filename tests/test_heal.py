@@ -476,8 +476,8 @@ def test_a_bucket_deleted_before_a_gone_reference_is_uploaded_names_the_bucket(t
     references, put = tier._references, tier._put_verified
     candidates: dict[str, str] = {}
 
-    def found(files):
-        candidates.update(references(files))
+    def found(files, local_root):
+        candidates.update(references(files, local_root))
         assert set(candidates.values()) == {"step_000000001"}  # step 2 linked the frozen tensor's file
         return candidates
 

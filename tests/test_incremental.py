@@ -445,6 +445,31 @@ def test_the_durable_tier_references_linked_files_instead_of_storing_them_again(
     assert verify_checkpoint(f"{url}/step_000000003", storage_options=s3.options)["ok"]
 
 
+def test_a_file_linked_from_a_step_not_replicated_references_the_step_it_came_from(tmp_path, s3):
+    """With replicate_every_n_saves=2 a linked file is followed through the local steps the tier does not hold
+    to the one it does: referenced, not uploaded again; the step restores bitwise from the durable tier alone."""
+    from torch_ckpt.tiers._durable import DurableTier
+
+    url = f"s3://{s3.new_bucket()}/run"
+    state, model, opt = _state()
+    snaps = {}
+    with CheckpointManager(tmp_path / "local", durable_url=url, storage_options=s3.options, keep_last=None,
+                           replicate_every_n_saves=2) as mgr:
+        for step in (1, 2, 3, 4, 5):
+            _train(model, opt)
+            mgr.save(step, state).wait()
+            assert mgr.wait_durable(60)
+            snaps[step] = _snapshot(model, opt)
+    tier = DurableTier(url, storage_options=s3.options)
+    held = sorted(tier.list_steps())
+    assert len(held) >= 2 and any(s - 1 not in held for s in held[1:])  # steps between were not replicated
+    newest = tier.read_manifest(held[-1])
+    linked = {n for n, i in _files(tmp_path / "local" / f"step_{held[-1]:09d}").items() if "linked_from" in i}
+    assert linked and set(newest.stored) == linked  # each linked file referenced, none uploaded again
+    assert set(newest.stored.values()) <= {f"step_{s:09d}" for s in held}
+    _assert_equal(_restored_from_durable(tmp_path, url, s3.options, held[-1]), snaps[held[-1]])
+
+
 def test_durable_retention_keeps_the_objects_a_retained_step_references(tmp_path, s3):
     """Deleting the steps whose objects step 3 references keeps them: step 3 verifies and restores bitwise."""
     from torch_ckpt.tiers._durable import DurableTier
@@ -500,8 +525,8 @@ def test_a_referenced_object_gone_before_the_upload_looks_is_uploaded_instead(tm
     tier.upload(tmp_path / "step_000000001", read_manifest(tmp_path / "step_000000001"))
     found = tier._references
 
-    def vanishing(files):
-        refs = found(files)
+    def vanishing(files, local_root):
+        refs = found(files, local_root)
         assert refs  # step 2 linked unchanged files of step 1
         for name, where in refs.items():  # each candidate's object vanishes right after it was chosen
             tier.fs.rm_file(f"{tier.root}/{where}/{name}")

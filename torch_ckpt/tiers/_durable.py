@@ -301,27 +301,51 @@ class DurableTier:
             return whole.hexdigest()
         return f"{hashlib.md5(b''.join(parts), usedforsecurity=False).hexdigest()}-{len(parts)}"
 
-    def _references(self, files: dict[str, dict[str, int]]) -> dict[str, str]:
-        """``{name: directory holding its object}`` for the files an incremental save hard-linked whose
-        checkpoint is committed on this tier with the same file (bytes and CRC-32 in its durable manifest,
-        as this tier committed or read it, else read): the candidates for not being uploaded again
-        (:attr:`Manifest.stored`), once :meth:`put_all` has found each object there with its size."""
-        found: dict[str, str] = {}
-        for step in sorted({info[LINKED_FROM] for info in files.values() if LINKED_FROM in info}):
-            directory = self.naming.name(step)
-            with self._lock:
-                held = self._manifests.get(directory)
+    def _durable_manifest(self, step: int) -> Manifest | None:
+        """The committed manifest of ``step`` on this tier (as this tier committed or read it, else read;
+        None when the tier does not hold it)."""
+        directory = self.naming.name(step)
+        with self._lock:
+            held = self._manifests.get(directory)
+        if held is None:
             try:
-                held = held or self.read_manifest(step)
+                held = self.read_manifest(step)
             except (CheckpointError, OSError):  # not uploaded (replicate_every_n_saves), or deleted by retention
-                continue
+                return None
             with self._lock:
                 self._manifests[directory] = held
-            for name, info in files.items():
-                listed = held.files.get(name)
-                if info.get(LINKED_FROM) == step and listed is not None and \
+        return held
+
+    def _references(self, files: dict[str, dict[str, int]], local_root: Path) -> dict[str, str]:
+        """``{name: directory holding its object}`` for the files an incremental save hard-linked whose
+        checkpoint is committed on this tier with the same file (bytes and CRC-32 in its durable manifest):
+        the candidates for not being uploaded again (:attr:`Manifest.stored`), once :meth:`put_all` has
+        found each object there with its size. A file linked from a step this tier does not hold (with
+        ``replicate_every_n_saves``) is followed through that step's local manifest in ``local_root`` to the
+        step it was linked from there, and so on, while those local checkpoints are there: the same bytes
+        (a hard link of a hard link), referenced where the tier holds them."""
+        found: dict[str, str] = {}
+        local: dict[int, Manifest | None] = {}
+        for name, info in files.items():
+            step, seen = info.get(LINKED_FROM), set()
+            while isinstance(step, int) and step not in seen:
+                seen.add(step)
+                held = self._durable_manifest(step)
+                listed = held.files.get(name) if held is not None else None
+                if held is not None and listed is not None and \
                         (listed["bytes"], listed["crc32"]) == (info["bytes"], info["crc32"]):
-                    found[name] = held.stored.get(name, directory)
+                    found[name] = held.stored.get(name, self.naming.name(step))
+                    break
+                if step not in local:
+                    try:
+                        local[step] = read_manifest(local_root / self.naming.name(step))
+                    except (CheckpointError, OSError):  # deleted by local retention: uploaded instead
+                        local[step] = None
+                mine = local[step]
+                there = mine.files.get(name) if mine is not None else None
+                if there is None or (there["bytes"], there["crc32"]) != (info["bytes"], info["crc32"]):
+                    break
+                step = there.get(LINKED_FROM)
         return found
 
     def _sizes(self, directories: set[str]) -> dict[tuple[str, str], int]:
@@ -379,7 +403,7 @@ class DurableTier:
         Each referenced object is found there with its size by one listing per directory, made while the
         other files are uploaded; one that is gone is uploaded instead."""
         loc = self.location(step)
-        candidates = self._references(files)
+        candidates = self._references(files, local_dir.parent)
         budget = self.upload_threads * self.part_bytes
 
         def held(size: int) -> int:  # bytes an upload holds: s3fs reads a file sent in one request whole
