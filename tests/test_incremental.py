@@ -470,6 +470,51 @@ def test_a_file_linked_from_a_step_not_replicated_references_the_step_it_came_fr
     _assert_equal(_restored_from_durable(tmp_path, url, s3.options, held[-1]), snaps[held[-1]])
 
 
+def test_a_step_restored_from_the_durable_tier_is_a_plain_local_checkpoint_with_its_durable_copy(tmp_path, s3):
+    """A download writes every file itself: its manifest links nothing, is format 1, records the durable copy
+    (ls shows it, and the next start does not upload it again)."""
+    url = f"s3://{s3.new_bucket()}/run"
+    snaps = _durable_run(tmp_path, url, s3.options)
+    _assert_equal(_restored_from_durable(tmp_path, url, s3.options, 3), snaps[3])
+    local = tmp_path / "fresh_3"
+    doc = json.loads((local / "step_000000003" / "manifest.json").read_text())
+    assert doc["format_version"] == 1 and "stored" not in doc and doc["tiers"]["durable"]["url"] == url
+    assert not any("linked_from" in info for info in doc["files"].values())
+    row = list_root(local)["steps"][0]
+    assert row["tiers"].keys() == {"local", "durable"} and row["linked_bytes"] == 0
+    with CheckpointManager(local, durable_url=url, storage_options=s3.options) as mgr:
+        assert mgr.wait_durable(30) and mgr.replication_stats()["uploaded_bytes"] == 0
+
+
+def test_ls_of_the_durable_root_counts_referenced_objects_as_not_written(tmp_path, s3):
+    """On the durable root, WRITTEN is what a step's upload stored under its own prefix; the rest it references."""
+    from torch_ckpt.tiers._durable import DurableTier
+
+    url = f"s3://{s3.new_bucket()}/run"
+    _durable_run(tmp_path, url, s3.options)
+    tier = DurableTier(url, storage_options=s3.options)
+    for row in list_root(url, storage_options=s3.options)["steps"]:
+        manifest = tier.read_manifest(row["step"])
+        referenced = sum(manifest.files[n]["bytes"] for n in manifest.stored)
+        assert row["linked_bytes"] == referenced and row["written_bytes"] == row["bytes"] - referenced
+        assert (referenced > 0) == (row["step"] > 1)
+
+
+def test_keep_last_below_replicate_every_n_saves_is_warned_about(tmp_path, caplog):
+    """With keep_last < replicate_every_n_saves uploads cannot stay incremental: the manager says so at start."""
+    import logging
+
+    url = f"file://{tmp_path / 'durable'}"
+    (tmp_path / "durable").mkdir()
+    with caplog.at_level(logging.WARNING, logger="torch_ckpt"):
+        CheckpointManager(tmp_path / "a", durable_url=url, keep_last=1, replicate_every_n_saves=3).close()
+        CheckpointManager(tmp_path / "b", durable_url=url, keep_last=3, replicate_every_n_saves=3).close()
+    assert [r.getMessage() for r in caplog.records if "replicate_every_n_saves" in r.getMessage()] == [
+        "keep_last=1 < replicate_every_n_saves=3: an uploaded save's unchanged files come from local checkpoints "
+        "that retention has removed, so they are uploaded again instead of referenced (keep_last >= "
+        "replicate_every_n_saves keeps the uploads incremental)"]
+
+
 def test_durable_retention_keeps_the_objects_a_retained_step_references(tmp_path, s3):
     """Deleting the steps whose objects step 3 references keeps them: step 3 verifies and restores bitwise."""
     from torch_ckpt.tiers._durable import DurableTier

@@ -447,10 +447,13 @@ LINKED_FROM = "linked_from"
 STORED = "stored"
 
 
-def bytes_written(files: Mapping[str, Mapping[str, int]]) -> tuple[int, int]:
+def bytes_written(files: Mapping[str, Mapping[str, int]], stored: Mapping[str, str] | None = None) -> tuple[int, int]:
     """``(bytes written, bytes referenced)`` of a manifest's ``files``: those the save wrote, and those it
-    hard-linked from an earlier checkpoint (shared on disk, still part of this checkpoint)."""
-    linked = sum(info["bytes"] for info in files.values() if LINKED_FROM in info)
+    hard-linked from an earlier checkpoint (shared on disk, still part of this checkpoint). With ``stored``
+    (a durable manifest's :attr:`Manifest.stored`): those its upload stored under its own prefix, and those
+    it references in an earlier step's objects."""
+    linked = sum(info["bytes"] for name, info in files.items()
+                 if (name in stored if stored is not None else LINKED_FROM in info))
     return sum(info["bytes"] for info in files.values()) - linked, linked
 
 
@@ -506,7 +509,7 @@ class Manifest:
 
     def to_json(self) -> dict[str, Any]:
         """Return the JSON object written to disk."""
-        version = max(self.format_version, 2) if self.stored else self.format_version
+        version = 2 if self.stored else 1  # what a reader needs: 2 only for references (stored)
         doc = {"format": FORMAT_NAME, "format_version": version, "step": self.step,
                "wall_time": self.wall_time, "world_size": self.world_size, "torch_version": self.torch_version,
                "tensor_bytes": self.tensor_bytes, "timings": self.timings, "tiers": self.tiers, "files": self.files}

@@ -579,6 +579,12 @@ class CheckpointManager:
         # the signal handlers go in only now: a construction refused above leaves the process's handlers as they were
         self._preemption = PreemptionFlag(cfg.preemption_signals)
         self._replicate_every = cfg.replicate_every_n_saves
+        if cfg.durable_url and cfg.incremental and cfg.keep_last is not None and \
+                cfg.keep_last < cfg.replicate_every_n_saves and ctx.is_coordinator:
+            log.warning("keep_last=%d < replicate_every_n_saves=%d: an uploaded save's unchanged files come from "
+                        "local checkpoints that retention has removed, so they are uploaded again instead of "
+                        "referenced (keep_last >= replicate_every_n_saves keeps the uploads incremental)",
+                        cfg.keep_last, cfg.replicate_every_n_saves)
         self._saves = 0
         self._memory: MemoryTier | None = None
         try:  # whatever raises from here on (a refusal, a failed collective) releases what was taken, like close()

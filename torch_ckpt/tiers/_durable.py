@@ -662,8 +662,14 @@ class DurableTier:
             _run_all([(min(info["bytes"], CHUNK_BYTES), self._fetch_file, (src, name, info, tmp, bar, watch))
                       for name, info in sorted(files.items())], self.upload_threads * CHUNK_BYTES,
                      "torch_ckpt_download")
-            with watch.local_work():  # every file is in the local copy: it references no other directory
-                write_json_durable(tmp / MANIFEST_NAME, dataclasses.replace(manifest, stored={}).to_json())
+            # every file is in the local copy, written by this download: it references no other directory, links
+            # nothing (no linked_from), and its durable copy is this tier's (the next start does not upload it again)
+            local = dataclasses.replace(
+                manifest, stored={}, files={n: {k: v for k, v in i.items() if k != LINKED_FROM}
+                                            for n, i in manifest.files.items()},
+                tiers={**manifest.tiers, "durable": {"url": self.url}})
+            with watch.local_work():
+                write_json_durable(tmp / MANIFEST_NAME, local.to_json())
             watch.publish(lambda: commit_dir(tmp, final, replace=final.exists()))
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)

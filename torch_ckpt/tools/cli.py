@@ -365,10 +365,12 @@ def _ls_text(result: dict[str, Any]) -> str:
         (f", {c['plain-dcp']} plain DCP" if c["plain-dcp"] else "") + \
         (f", {result['superseded']} superseded" if result["superseded"] else "") + \
         (" (checksums verified)" if result["verified"] else "") + \
-        f"; {fmt_bytes(result['disk_bytes'])} stored (hard-linked files counted once)"
-    foot = ("SIZE: the files the manifest lists (as verify and inspect count them); for a partial entry, what is "
-            "present\nWRITTEN: of SIZE, what its save wrote; the rest it hard-linked from an earlier checkpoint "
-            "(incremental)")
+        f"; {fmt_bytes(result['disk_bytes'])} stored" + \
+        (" (each object once)" if is_url(result["root"]) else " (hard-linked files counted once)")
+    foot = "SIZE: the files the manifest lists (as verify and inspect count them); for a partial entry, what is present"
+    foot += ("\nWRITTEN: of SIZE, what its upload stored under its own prefix; the rest it references in an earlier "
+             "step's objects (incremental)" if is_url(result["root"]) else "\nWRITTEN: of SIZE, what its save wrote; "
+             "the rest it hard-linked from an earlier checkpoint (incremental)")
     if result["superseded"]:
         foot += ("\nsuperseded: a step of a timeline abandoned by a rollback (restore of an older step, then a save); "
                  "kept, never resumed")
@@ -397,8 +399,9 @@ def _inspect_text(r: dict[str, Any]) -> str:
     lines += [f"step {r['step']}  {r['checkpoint']}",
               f"world size {r['world_size']}, saved {_fmt_local_time(r['wall_time'])} with torch {r['torch_version']}; "
               f"{r['files']} files, {fmt_bytes(r['file_bytes'])} (the files the manifest lists)" +
-              (f"; {fmt_bytes(r['written_bytes'])} written by its save, {fmt_bytes(r['linked_bytes'])} hard-linked "
-               "from an earlier checkpoint (incremental)" if r.get("linked_bytes") else ""), ""]
+              (f"; {fmt_bytes(r['written_bytes'])} written by its save, {fmt_bytes(r['linked_bytes'])} " +
+               ("referenced in an earlier step's objects" if is_url(r["checkpoint"]) else
+                "hard-linked from an earlier checkpoint") + " (incremental)" if r.get("linked_bytes") else ""), ""]
     rows = [["COMPONENT", "BYTES", "TENSORS", "DTYPES", "OTHER"]]
     for c in [*r["components"], {"name": "total", **r["totals"], "dtypes": {}}]:
         other = [f"{c['arrays']} numpy array{'s' * (c['arrays'] > 1)} ({fmt_bytes(c['array_bytes'])})"] * bool(

@@ -411,7 +411,8 @@ def list_root(root: str | os.PathLike | Location, *, storage_options: dict[str, 
             lineages[name] = manifest.lineage
             for where in set(manifest.stored.values()):
                 referenced.setdefault(where, []).append(manifest.step)
-            row["written_bytes"], row["linked_bytes"] = bytes_written(manifest.files)
+            row["written_bytes"], row["linked_bytes"] = bytes_written(manifest.files,
+                                                                      manifest.stored if loc.remote else None)
             row.update(step=manifest.step, files=result["files"], bytes=result["bytes"], wall_time=manifest.wall_time,
                        time=iso_time(manifest.wall_time), age_s=now - manifest.wall_time,
                        tensor_bytes=manifest.tensor_bytes, world_size=manifest.world_size)
@@ -709,7 +710,8 @@ def inspect_checkpoint(where: str | os.PathLike | Location, *, step: int | None 
         "wall_time": manifest.wall_time, "time": iso_time(manifest.wall_time), "torch_version": manifest.torch_version,
         "format_version": manifest.format_version, "files": len(mine.files),
         "file_bytes": sum(i["bytes"] for i in mine.files.values()),
-        "written_bytes": bytes_written(mine.files)[0], "linked_bytes": bytes_written(mine.files)[1],
+        "written_bytes": bytes_written(mine.files, manifest.stored if loc.remote else None)[0],
+        "linked_bytes": bytes_written(mine.files, manifest.stored if loc.remote else None)[1],
         "manifest_tensor_bytes": manifest.tensor_bytes, "components": components, "totals": totals,
         "note": note,
     }
