@@ -69,6 +69,7 @@ otherwise); the parent never runs a torch op, so forking is safe.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import os
@@ -129,6 +130,13 @@ def _writers(pid: int) -> list[psutil.Process]:
         except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
             continue
     return found
+
+
+def _status(proc: psutil.Process) -> str | None:
+    try:
+        return proc.status()
+    except psutil.NoSuchProcess:
+        return None
 
 
 def _gone(proc: psutil.Process) -> bool:
@@ -245,12 +253,19 @@ def _run_child(argv: list[str], *, kill_after_s: float | None, after_first_step:
                 w.suspend()
             except psutil.NoSuchProcess:
                 pass
+        until = time.monotonic() + 2.0  # SIGSTOP lands asynchronously: the trainer dies only once they are stopped
+        while time.monotonic() < until and any(not _gone(w) and _status(w) != psutil.STATUS_STOPPED for w in writers):
+            time.sleep(0.001)
     ranks = psutil.Process(pid).children(recursive=True) if group else []
     if group:
         os.killpg(pid, signal.SIGKILL)
     else:
         os.kill(pid, signal.SIGKILL)
     _, status = os.waitpid(pid, 0)
+    if stop_writers:  # the kernel sends SIGHUP and SIGCONT to a stopped process group its leader's death orphaned
+        for w in writers:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                w.suspend()
     _wait_gone(ranks, 30.0)
     fire(None)
     return os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, time.monotonic() - t0, writers

@@ -216,9 +216,10 @@ def test_restart_while_the_orphan_is_stopped_never_shares_its_temporary(tmp_path
     assert torch.equal(state["w"], torch.full_like(state["w"], trainer_helper.expected_value(2, 0.75)))
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGUSR1])
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP])
 def test_writer_survives_the_signals_a_terminal_or_scheduler_sends_the_whole_group(tmp_path, sig):
-    """Ctrl-C (SIGINT to the process group) or SIGTERM/SIGUSR1 from SLURM: the writer lives, the next save commits."""
+    """Ctrl-C or a hangup (SIGINT/SIGHUP to the process group) or SIGTERM/SIGUSR1 from SLURM: the writer lives, the
+    next save commits."""
     state = {"w": torch.randn(1 << 16)}
     with CheckpointManager(tmp_path / "ck", persist="process") as mgr:
         mgr.save(1, state).wait()

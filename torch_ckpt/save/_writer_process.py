@@ -12,8 +12,9 @@ it exits (``PR_SET_PDEATHSIG``; so it is requested only from the main thread), t
 checks that its parent is alive and unchanged (pid and start time) while idle (every second), before
 a save, before the ranks agree and right before the commit rename, so it never commits for a dead
 trainer; it then exits. It ignores the signals meant for the trainer (:data:`IGNORED_SIGNALS`: a
-terminal's Ctrl-C reaches the whole process group, SLURM signals every process of the step), on
-which the trainer saves a last checkpoint through it.
+terminal's Ctrl-C or hangup reaches the whole process group, SLURM signals every process of the step,
+and the kernel sends SIGHUP to a stopped process group its trainer's death orphaned), on which the
+trainer saves a last checkpoint through it, or the liveness check ends it.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ _START_TIMEOUT_S = 120.0
 _IDLE_POLL_S = 1.0  # how often an idle writer checks that its trainer is still alive
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 #: signals the writer ignores: they ask the trainer to stop or to save (sent to the whole group)
-IGNORED_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGUSR1", "SIGUSR2")
+IGNORED_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGUSR1", "SIGUSR2", "SIGHUP")
                         if hasattr(signal, name))
 # Signal the kernel sends the writer when its trainer dies (Linux). SIGKILL also ends a stopped or
 # busy writer at once. None: do not request one (tests use it to stand in for other platforms).
