@@ -27,9 +27,9 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import suppress
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any, cast
 
@@ -194,6 +194,17 @@ class DurableTier:
             raise DurableUnavailableError(f"durable tier {self.url}: cannot create its {kind} {container!r}: "
                                           f"{type(exc).__name__}: {exc}") from exc
         log.warning("durable tier %s: created its %s %r (durable_create=True)", self.url, kind, container)
+
+    @contextmanager
+    def _naming_a_gone_bucket(self) -> Iterator[None]:
+        """Writes into the bucket :meth:`make_step_dir` saw: a FileNotFoundError from them checks it again, so a
+        bucket deleted since raises DurableUnavailableError naming it (else the error propagates as it is)."""
+        try:
+            yield
+        except FileNotFoundError:
+            self._bucket_seen = False
+            self.check_container()
+            raise
 
     def make_step_dir(self, path: str) -> None:
         """Before an upload into ``path``: :meth:`check_container` (a bucket once: an upload into a bucket
@@ -415,16 +426,12 @@ class DurableTier:
                       for n in names] + list(also), budget, "torch_ckpt_upload")
 
         sizes: dict[tuple[str, str], int] = {}
-        try:  # the listing of the referenced directories goes beside the uploads: no round trip of its own
+        with self._naming_a_gone_bucket():  # the listing of the referenced directories goes beside the uploads
             put(sorted(set(files) - set(candidates)),
                 (0, lambda: sizes.update(self._sizes(set(candidates.values()))), ()))
             refs = {name: where for name, where in candidates.items()
                     if sizes.get((where, name)) == files[name]["bytes"]}
             put(sorted(set(candidates) - set(refs)))
-        except FileNotFoundError:
-            self._bucket_seen = False
-            self.check_container()  # a bucket deleted since it was seen: DurableUnavailableError naming it
-            raise
         with self._lock:
             self.bytes_referenced += sum(files[name]["bytes"] for name in refs)
         return refs
@@ -438,13 +445,9 @@ class DurableTier:
                                                             "of another size; the step is not committed")
 
     def _commit(self, loc: Location, manifest: Manifest) -> None:
-        try:
+        with self._naming_a_gone_bucket():
             self.fs.pipe_file(f"{loc.path}/{MANIFEST_NAME}",
                               json.dumps(manifest.to_json(), separators=(",", ":")).encode())
-        except FileNotFoundError:
-            self._bucket_seen = False
-            self.check_container()  # a bucket deleted since it was seen: DurableUnavailableError naming it
-            raise
         self.refresh()
         with self._lock:
             self._manifests[loc.name] = manifest
@@ -796,6 +799,8 @@ def _run_all(items: list[tuple[int, Callable[..., None], tuple[Any, ...]]], budg
                 running[0] -= weight
                 cond.notify_all()
 
+    if not items:
+        return
     order = sorted(range(len(items)), key=lambda i: -items[i][0])
     with ThreadPoolExecutor(max_workers=max(1, min(MAX_TRANSFERS, len(items))), thread_name_prefix=prefix) as pool:
         futures = {i: pool.submit(run, *items[i]) for i in order}
