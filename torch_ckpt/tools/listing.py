@@ -449,18 +449,13 @@ def list_root(root: str | os.PathLike | Location, *, storage_options: dict[str, 
               for s in (COMMITTED, PARTIAL, CORRUPT, PLAIN_DCP)}
     superseded = sum(r["superseded"] and r["alias_of"] is None for r in rows)
     return {"root": loc.describe(), "verified": verify, "steps": rows, "counts": counts, "superseded": superseded,
-            "disk_bytes": _stored_bytes(loc, [r["name"] for r in rows if r["alias_of"] is None])}
+            "disk_bytes": sum(r["disk_bytes"] or 0 for r in rows if r["alias_of"] is None) if loc.remote else
+            _linked_once_bytes(loc, [r["name"] for r in rows if r["alias_of"] is None])}
 
 
-def _stored_bytes(loc: Location, names: list[str]) -> int:
-    """Bytes the entries ``names`` of ``loc`` occupy together: a local file hard-linked into several of them
-    (an incremental save) counted once; on an object store every object once (stores have no links)."""
-    if loc.remote:
-        total = 0
-        for name in names:
-            with suppress(OSError):
-                total += sum(e["size"] for e in loc.child(name).entries().values() if e["type"] == "file")
-        return total
+def _linked_once_bytes(loc: Location, names: list[str]) -> int:
+    """Bytes the entries ``names`` of the local ``loc`` occupy together: a file hard-linked into several of
+    them (an incremental save) counted once (an object store has no links: the entries' sizes add up)."""
     seen: dict[tuple[int, int], int] = {}
     for name in names:
         with suppress(OSError), os.scandir(loc.path_of(name)) as it:
