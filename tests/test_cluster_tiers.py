@@ -269,8 +269,8 @@ def test_durable_upload_to_s3_reads_nothing_back(tmp_path, s3):
 
 
 @pytest.mark.slow
-def test_store_mismatch_fails_the_upload(tmp_path, s3, monkeypatch):
-    """A stored object whose bytes differ from the local file (same size) fails the upload as corrupt."""
+def test_bytes_changed_in_transit_fail_the_upload(tmp_path, s3, monkeypatch):
+    """A one-request upload stored as other bytes of the same size (its ETag is not their MD5) fails as corrupt."""
     import zlib
 
     from torch_ckpt import CheckpointCorruptError
@@ -281,11 +281,38 @@ def test_store_mismatch_fails_the_upload(tmp_path, s3, monkeypatch):
     (tmp_path / "f").write_bytes(b"a" * 100)
     files = {"f": {"bytes": 100, "crc32": zlib.crc32(b"a" * 100)}}
     tier = DurableTier(url, storage_options=s3.options)
+    real_call = tier.fs._call_s3
+
+    async def garbling_call(method, *args, **kwargs):
+        if method == "put_object" and kwargs.get("Key", "").endswith("/f"):
+            kwargs["Body"] = b"b" * 100
+        return await real_call(method, *args, **kwargs)
+
+    monkeypatch.setattr(tier.fs, "_call_s3", garbling_call)
+    with pytest.raises(CheckpointCorruptError, match=r"step_000000001/f: CRC-32 .* does not match the manifest"):
+        tier.upload(tmp_path, Manifest(step=1, world_size=1, files=files))
+    assert tier.list_steps() == {}
+
+
+@pytest.mark.slow
+def test_multipart_object_overwritten_after_upload_fails_it(tmp_path, s3, monkeypatch):
+    """A multipart upload whose object then holds other bytes of the same size (HEAD's ETag differs) is corrupt."""
+    import zlib
+
+    from torch_ckpt import CheckpointCorruptError
+    from torch_ckpt.root._layout import Manifest
+    from torch_ckpt.tiers._durable import DurableTier
+
+    url = f"s3://{s3.new_bucket()}/run"
+    data = os.urandom(11 << 20)
+    (tmp_path / "f").write_bytes(data)
+    files = {"f": {"bytes": len(data), "crc32": zlib.crc32(data)}}
+    tier = DurableTier(url, storage_options=s3.options, part_bytes=5 << 20)
     real_put = tier.fs.put_file
 
     def corrupting_put(lpath, rpath, **kwargs):
         real_put(lpath, rpath, **kwargs)
-        tier.fs.pipe_file(rpath, b"b" * 100)  # the store now holds other bytes of the same size
+        tier.fs.pipe_file(rpath, bytes(len(data)))  # the store now holds other bytes of the same size
 
     monkeypatch.setattr(tier.fs, "put_file", corrupting_put)
     tier._store_checked = True  # this store's ETags are known to be MD5s

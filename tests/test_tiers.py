@@ -408,15 +408,16 @@ def test_fetch_checks_every_file_with_verify_files(tmp_path, monkeypatch):
 
 
 def test_s3_upload_of_a_file_changed_since_its_commit_is_refused(tmp_path, s3):
-    """The ETag mode never vouches for a local file that no longer has its manifest CRC-32: it reads back."""
+    """A local file that no longer has its manifest CRC-32 is not uploaded: the error names it."""
     local, manifest = _one_file(tmp_path)
     data = bytearray((local / "f.bin").read_bytes())
     data[0] ^= 0xFF
     (local / "f.bin").write_bytes(bytes(data))  # bit rot after the commit: same size
     tier = DurableTier(f"s3://{s3.new_bucket()}/run", storage_options=s3.options)
-    with pytest.raises(CheckpointCorruptError, match=r"step_000000001/f\.bin: CRC-32 .* does not match the manifest"):
+    with pytest.raises(CheckpointCorruptError) as exc:
         tier.upload(local, manifest)
-    assert tier.list_steps() == {}
+    assert str(exc.value).startswith(f"{local / 'f.bin'}: CRC-32 ") and "changed since its commit" in str(exc.value)
+    assert tier.list_steps() == {} and tier.bytes_uploaded == 0
 
 
 def test_s3_upload_is_checked_by_the_store_digest_without_reading_back(tmp_path, s3):
@@ -425,6 +426,38 @@ def test_s3_upload_is_checked_by_the_store_digest_without_reading_back(tmp_path,
     tier = DurableTier(f"s3://{s3.new_bucket()}/run", storage_options=s3.options)
     tier.upload(local, manifest)
     assert tier.bytes_read_back == 0 and list(tier.list_steps()) == [1]
+
+
+def test_s3_one_request_upload_is_verified_by_its_answer(tmp_path, s3, monkeypatch):
+    """A file sent in one PutObject is verified by the ETag answered: no HEAD, nothing read back."""
+    local, manifest = _one_file(tmp_path)
+    tier = DurableTier(f"s3://{s3.new_bucket()}/run", storage_options=s3.options)
+    real_call, methods = tier.fs._call_s3, []
+
+    async def call(method, *args, **kwargs):
+        methods.append(method)
+        return await real_call(method, *args, **kwargs)
+
+    monkeypatch.setattr(tier.fs, "_call_s3", call)
+    tier.upload(local, manifest)
+    assert [m for m in methods if m != "head_bucket"] == ["put_object", "put_object"]  # f.bin, then the manifest
+
+
+def test_s3_store_answering_other_etags_is_read_back_with_a_warning(tmp_path, s3, monkeypatch, caplog):
+    """A store whose PutObject ETag is not the MD5 of the bytes gets every upload read back, and says so once."""
+    local, manifest = _one_file(tmp_path)
+    tier = DurableTier(f"s3://{s3.new_bucket()}/run", storage_options=s3.options)
+    real_call = tier.fs._call_s3
+
+    async def call(method, *args, **kwargs):
+        answer = await real_call(method, *args, **kwargs)
+        return {**answer, "ETag": '"kms-encrypted"'} if method == "put_object" else answer
+
+    monkeypatch.setattr(tier.fs, "_call_s3", call)
+    with caplog.at_level(logging.WARNING):
+        tier.upload(local, manifest)
+    assert tier.bytes_read_back == manifest.files["f.bin"]["bytes"] and list(tier.list_steps()) == [1]
+    assert caplog.text.count("ETags are not MD5 digests") == 1
 
 
 def test_history_steps_are_replicated_whatever_replicate_every_n_saves_says(tmp_path):

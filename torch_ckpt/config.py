@@ -79,7 +79,8 @@ class CheckpointConfig:
         replicate_every_n_saves: Replicate every n-th save (int >= 1).
         durable_keep_last: Durable retention: keep this many newest durable checkpoints (``None``: all).
         durable_keep_every_n_steps: Durable retention: also keep multiples of this step.
-        durable_verify: ``"checksum"`` (read uploads back, compare CRC-32) or ``"size"``.
+        durable_verify: ``"checksum"`` (every upload checked: by the S3 ETag, else read back and
+            CRC-32 compared) or ``"size"`` (sizes only, where no ETag vouches for the bytes).
         durable_flush_timeout_seconds: How long ``close()`` waits for pending replication (>= 0).
         preemption_signals: Signals requesting an emergency save at the next ``should_save()``/``save_if_due()``.
         preemption_timeout_seconds: How long the emergency save may take to commit before exiting (> 0).

@@ -33,6 +33,7 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any, cast
 
+from fsspec.asyn import sync
 from tqdm import tqdm
 
 from torch_ckpt._logging import get_logger
@@ -100,9 +101,11 @@ class DurableTier:
         create: create a missing bucket (or the missing parent directory of a ``file://`` root)
             at the first upload; by default a missing one is an error (:meth:`check_container`).
 
-    With ``verify="checksum"`` an S3 object whose ETag equals the MD5 computed from the local file
-    is not read back; other objects are (``bytes_read_back`` counts those bytes). Downloads are
-    checked (size and CRC-32) before they are committed.
+    An S3 object sent in one request is verified by the ETag its ``PutObject`` answer carries: the MD5
+    of the bytes sent, whose size and CRC-32 were checked against the manifest (no further request).
+    With ``verify="checksum"``, one sent in parts is verified by the ETag its HEAD gives (the MD5 of
+    the parts' MD5s) and any other object is read back (``bytes_read_back`` counts those bytes).
+    Downloads are checked (size and CRC-32) before they are committed.
 
     Raises:
         ConfigError: the URL's protocol is unknown or its backend is not installed (the message
@@ -296,20 +299,15 @@ class DurableTier:
 
     # -- upload --------------------------------------------------------------------------------
     def _store_digest(self, local: Path, info: dict[str, int]) -> str | None:
-        """The ETag S3 computes for ``local`` uploaded here (MD5, or the MD5 of the parts' MD5s and
+        """The ETag S3 computes for ``local`` uploaded here in parts (the MD5 of the parts' MD5s and
         ``-<parts>``), in one pass with the CRC-32; None when the file no longer matches the manifest."""
         size, crc, parts = 0, 0, []
-        whole = hashlib.md5(usedforsecurity=False)
-        multipart = info["bytes"] >= min(5 << 30, 2 * self.part_bytes)
         with open(local, "rb") as f:
-            while chunk := f.read(self.part_bytes if multipart else CHUNK_BYTES):
+            while chunk := f.read(self.part_bytes):
                 size, crc = size + len(chunk), crc32(chunk, crc)
-                (parts.append(hashlib.md5(chunk, usedforsecurity=False).digest()) if multipart
-                 else whole.update(chunk))
+                parts.append(hashlib.md5(chunk, usedforsecurity=False).digest())
         if size != info["bytes"] or crc != info["crc32"]:
             return None
-        if not multipart:
-            return whole.hexdigest()
         return f"{hashlib.md5(b''.join(parts), usedforsecurity=False).hexdigest()}-{len(parts)}"
 
     def _durable_manifest(self, step: int) -> Manifest | None:
@@ -380,25 +378,57 @@ class DurableTier:
         parts = -(-size // self.part_bytes)
         return max(1, min(self.upload_threads, int(getattr(self.fs, "max_concurrency", 1) or 1), parts))
 
+    def _multipart(self, size: int) -> bool:
+        """Whether a file of ``size`` bytes goes up in parts (s3fs: from twice the part size, or 5 GiB)."""
+        return size >= min(5 << 30, 2 * self.part_bytes)
+
+    def _put_object(self, local: Path, loc: Location, name: str, info: dict[str, int]) -> bool:
+        """Upload one file in one S3 ``PutObject`` request (what s3fs sends for it, with the same
+        additional arguments); True when the store answered the MD5 of the bytes sent as its ETag.
+
+        Raises:
+            CheckpointCorruptError: the local file no longer matches the manifest (size or CRC-32);
+                nothing is sent.
+        """
+        body = local.read_bytes()
+        if len(body) != info["bytes"]:
+            raise corrupt(str(local), f"size {len(body)} bytes, manifest says {info['bytes']} (changed since its "
+                                      "commit; not uploaded)")
+        if (crc := crc32(body)) != info["crc32"]:
+            raise corrupt(str(local), f"CRC-32 {crc:#010x} does not match the manifest ({info['crc32']:#010x}); "
+                                      "the file changed since its commit and is not uploaded")
+        bucket, key, _ = self.fs.split_path(f"{loc.path}/{name}")
+        answer = sync(self.fs.loop, self.fs._call_s3, "put_object", Bucket=bucket, Key=key, Body=body)
+        return str(answer.get("ETag", "")).strip('"') == hashlib.md5(body, usedforsecurity=False).hexdigest()
+
     def _put_verified(self, local: Path, loc: Location, name: str, info: dict[str, int]) -> None:
-        """Upload one file, then check the stored object (by the store's digest, else read back)."""
-        extra = {"chunksize": self.part_bytes, "max_concurrency": self._parts_at_once(info["bytes"])} \
-            if self._protocol in ("s3", "s3a") else {}
-        self.fs.put_file(str(local), f"{loc.path}/{name}", **extra)
+        """Upload one file, then check the stored object: by the ETag of the S3 request that stored it
+        (one request), else by its digest (HEAD), else read back."""
+        checksums, s3 = self.verify == "checksum", self._protocol in ("s3", "s3a")
+        one_request = s3 and not self._multipart(info["bytes"])
+        if one_request:
+            verified = self._put_object(local, loc, name, info)
+        else:
+            extra = {"chunksize": self.part_bytes, "max_concurrency": self._parts_at_once(info["bytes"])} \
+                if s3 else {}
+            self.fs.put_file(str(local), f"{loc.path}/{name}", **extra)
         with self._lock:
             self.bytes_uploaded += info["bytes"]
         self.refresh()
-        checksums = self.verify == "checksum"
+        if one_request and verified:  # the store answered the MD5 of bytes whose size and CRC-32 were checked
+            with self._lock:
+                self._store_checked = True
+            return
         digests = None
-        if checksums and self._protocol in ("s3", "s3a") and self._store_checked is not False:
+        if checksums and s3 and not one_request and self._store_checked is not False:
             digest = self._store_digest(local, info)
             digests = {name: digest} if digest is not None else None
         read = verify_files(loc, _only(name, info), checksums=checksums, store_digests=digests)
         with self._lock:
             self.bytes_read_back += read
-            if digests and info["bytes"] and self._store_checked is None:
+            if checksums and s3 and info["bytes"] and self._store_checked is None:
                 self._store_checked = read == 0
-                if read:  # read back (and equal) although its digest was offered: ETags here are not MD5s
+                if read:  # read back (and equal): this store's ETags are not MD5s
                     log.warning("durable tier %s: object ETags are not MD5 digests; verifying uploads by reading "
                                 "them back", self.url)
 
@@ -417,9 +447,8 @@ class DurableTier:
         candidates = self._references(files, local_dir.parent)
         budget = self.upload_threads * self.part_bytes
 
-        def held(size: int) -> int:  # bytes an upload holds: s3fs reads a file sent in one request whole
-            multipart = size >= min(5 << 30, 2 * self.part_bytes)
-            return self._parts_at_once(size) * self.part_bytes if multipart else size
+        def held(size: int) -> int:  # bytes an upload holds: a file sent in one request is read whole
+            return self._parts_at_once(size) * self.part_bytes if self._multipart(size) else size
 
         def put(names: list[str], *also: tuple[int, Callable[..., None], tuple[Any, ...]]) -> None:
             _run_all([(held(files[n]["bytes"]), self._put_verified, (local_dir / n, loc, n, files[n]))
@@ -529,12 +558,13 @@ class DurableTier:
         self._check_references(durable)  # the other nodes looked before their records, maybe long ago
         self._commit(loc, durable)
 
-    def delete(self, step: int) -> None:
+    def delete(self, step: int, *, listed: Mapping[int, Manifest] | None = None) -> None:
         """Delete a durable checkpoint: its manifest first (un-commit), then every object of its directory
         that no committed manifest references (:attr:`~torch_ckpt.format._files.Manifest.stored`), and the
         objects it referenced in the directories of deleted steps once nothing references them. A kill at
         any point leaves objects no manifest needs (removed by a later deletion or :func:`remove_abandoned`),
-        never a committed manifest missing one."""
+        never a committed manifest missing one. ``listed``: the committed steps as the caller, the tier's
+        only writer, just listed them (:meth:`list_steps` with ``reuse``), so they are not listed again."""
         name = self.naming.name(step)
         with self._lock:
             manifest = self._manifests.pop(name, None)
@@ -547,13 +577,15 @@ class DurableTier:
         with self._lock:
             self._uncommitted.add(name)
         self.refresh()
-        self.sweep([name, *sorted(referenced)])
+        self.sweep([name, *sorted(referenced)],
+                   listed=None if listed is None else {s: m for s, m in listed.items() if s != step})
 
-    def sweep(self, names: list[str]) -> int:
+    def sweep(self, names: list[str], *, listed: Mapping[int, Manifest] | None = None) -> int:
         """Delete the objects of the uncommitted step directories ``names`` that no committed manifest of
-        this tier references; returns how many were deleted (a committed directory is left alone)."""
+        this tier references (those ``listed``, else listed now); returns how many were deleted (a
+        committed directory is left alone)."""
         kept: dict[str, set[str]] = {}
-        for manifest in self.list_steps(reuse=True).values():
+        for manifest in (self.list_steps(reuse=True) if listed is None else listed).values():
             for file, where in manifest.stored.items():
                 kept.setdefault(where, set()).add(file)
         deleted = 0

@@ -332,7 +332,8 @@ class Replicator:
                 with self._cond:
                     if self._known is not None:
                         self._known.pop(step, None)
-                self.tier.delete(step)
+                self.tier.delete(step, listed=durable)
+                durable.pop(step, None)
                 log.info("durable retention removed step %d from %s", step, self.tier.url)
         except Exception as exc:  # noqa: BLE001 - retention is retried after the next upload
             log.warning("durable retention on %s failed: %s", self.tier.url, exc)
