@@ -49,6 +49,21 @@ def _entry(rank: int, world_size: int, port: int, fn, args, errors, env: dict, c
     os._exit(0)
 
 
+def _run(fn, args, env: dict, cwd: str) -> None:
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(env)
+    fn(*args)
+
+
+def start_process(fn, *args):
+    """Start ``fn(*args)`` in a process of its own, forked from the fork server (torch imported), with the
+    caller's environment and directory: a trainer to SIGKILL (``proc.kill()``) at a random instant."""
+    proc = _context().Process(target=_run, args=(fn, args, dict(os.environ), os.getcwd()))
+    proc.start()
+    return proc
+
+
 def run_distributed(fn, world_size: int, *args, timeout_s: float = 120.0, daemon: bool = True) -> None:
     """Spawn ``world_size`` ranks running ``fn(rank, world_size, *args)``; raise on any failure or hang.
 

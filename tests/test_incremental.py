@@ -768,19 +768,15 @@ def test_fsdp2_shards_are_linked_per_rank(tmp_path):
         assert torch.equal(full["model"][key], value), key
 
 
-_CHAOS_TRAINER = r'''
-import sys, time, torch
-sys.path.insert(0, sys.argv[2])
-from tests.test_incremental import _state, _train
-from torch_ckpt import CheckpointManager
-state, model, opt = _state()
-with CheckpointManager(sys.argv[1], keep_last=2) as mgr:
-    step = mgr.restore(state) or 0
-    while True:
-        step += 1
-        _train(model, opt)
-        mgr.save(step, state)
-'''
+def _chaos_trainer(root: str) -> None:
+    """Train and save every step under ``root`` (keep_last=2) until killed, resuming what is there."""
+    state, model, opt = _state()
+    with CheckpointManager(root, keep_last=2) as mgr:
+        step = mgr.restore(state) or 0
+        while True:
+            step += 1
+            _train(model, opt)
+            mgr.save(step, state)
 
 
 @pytest.mark.slow
@@ -788,19 +784,15 @@ with CheckpointManager(sys.argv[1], keep_last=2) as mgr:
 def test_kills_during_saves_and_retention_leave_no_dangling_file(tmp_path):
     """SIGKILLs at random instants of incremental saves with retention: every committed step verifies and restores."""
     import random
-    import subprocess
-    import sys
     import time
 
-    repo = Path(__file__).resolve().parents[1]
-    script = tmp_path / "trainer.py"
-    script.write_text(_CHAOS_TRAINER)
+    from tests._dist import start_process
+
     root = tmp_path / "root"
     rng = random.Random(14)
     linked_steps = 0
     for _ in range(8):
-        proc = subprocess.Popen([sys.executable, str(script), str(root), str(repo)], cwd=repo,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        proc = start_process(_chaos_trainer, str(root))
         newest = max((int(p.parent.name.split("_")[1]) for p in root.glob("step_*/manifest.json")), default=0)
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and not any(int(p.parent.name.split("_")[1]) > newest
@@ -808,7 +800,7 @@ def test_kills_during_saves_and_retention_leave_no_dangling_file(tmp_path):
             time.sleep(0.05)  # until this incarnation committed a save: then saves and deletions run back to back
         time.sleep(rng.uniform(0.0, 1.0))
         proc.kill()
-        proc.wait()
+        proc.join()
         listing = list_root(root, verify=True)
         assert listing["counts"]["corrupt"] == 0
         committed = [r for r in listing["steps"] if r["status"] == "committed"]
