@@ -765,3 +765,11 @@ def test_forged_manifest_step_names_both_files_and_both_values(copy, tmp_path, c
     assert code == 1 and out == "" and len(err.strip().splitlines()) == 1, err
     assert f"{forged / 'rank_00000.json'}: step 20 in this per-rank state file disagrees with step 30 in " \
            f"{forged / 'manifest.json'}" in err, err
+
+
+@pytest.mark.parametrize("where", ["root", "url"])
+def test_a_missing_step_names_the_committed_ones(saved, capsys, where):
+    """`inspect --step N` of a step the root (local or durable) lacks says which steps it holds."""
+    code, _, err = run(capsys, "inspect", saved[where], "--step", 15)
+    assert code != 0
+    assert "no committed checkpoint of step 15" in err and "its committed steps: 10, 20" in err

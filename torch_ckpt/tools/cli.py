@@ -502,8 +502,9 @@ def _local_copy(args: argparse.Namespace) -> Iterator[tuple[str, str]]:
                 steps = tier.list_steps()
                 step = args.step if args.step is not None else max(steps, default=None)
                 if step is None or step not in steps:
-                    raise UsageError(f"{url} holds no committed checkpoint" + (f" of step {args.step}" if
-                                                                              args.step is not None else ""))
+                    raise UsageError(f"{url} holds no committed checkpoint" +
+                                     (f" of step {args.step}" if args.step is not None else "") +
+                                     (f"; its committed steps: {', '.join(map(str, steps))}" if steps else ""))
             elif not tier.fs.exists(f"{tier.root}/{name}"):
                 raise UsageError(f"{url} does not exist")
             local = str(tier.download(step, Path(tmp))), tier.describe(step)

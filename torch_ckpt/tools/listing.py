@@ -500,12 +500,15 @@ def find_checkpoint(where: str | os.PathLike | Location, *, step: int | None = N
     if not listing:
         plain = [r for r in rows if r["status"] == PLAIN_DCP]
         corrupt = [r for r in rows if r["status"] == CORRUPT and (step is None or r["step"] == step)]
+        others = [r["step"] for r in rows if r["status"] == COMMITTED and r["alias_of"] is None
+                  and not r["superseded"]]
         raise CheckpointNotFoundError(f"{loc.describe()} has no committed checkpoint" +
                                       (f" of step {step}" if step is not None else "") +
                                       (f"; {plain[0]['name']} is a {plain[0]['reason']}" if plain else
                                        f"; {len(corrupt)} failed its checks, the newest ({corrupt[-1]['name']}): "
                                        f"{corrupt[-1]['problems'][0]['problem'] if corrupt[-1]['problems'] else '?'}"
                                        " (`torch-ckpt verify` lists every problem)" if corrupt else
+                                       f"; its committed steps: {', '.join(map(str, others))}" if others else
                                        f" {_NO_CHECKPOINT}"))
     chosen_step = listing[-1]["step"]
     same = sorted((r for r in listing if r["step"] == chosen_step),
