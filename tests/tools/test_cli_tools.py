@@ -413,7 +413,21 @@ def test_unreachable_store_exits_1_with_one_line(capsys):
     fsspec.register_implementation("unreachable", _Unreachable, clobber=True)
     code, out, err = run(capsys, "verify", "unreachable://bucket/run")
     assert code == 1 and out == ""
-    assert err.strip() == "torch-ckpt verify: error: cannot read unreachable://bucket/run: connection reset by peer"
+    assert err.strip() == ("torch-ckpt verify: error: cannot read unreachable://bucket/run: RuntimeError: connection "
+                           "reset by peer")
+
+
+def test_a_store_without_credentials_says_where_they_go(capsys, monkeypatch):
+    """An S3 URL with no credentials anywhere fails in one line that names the environment and --storage-options."""
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent")
+    monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent")
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    code, _, err = run(capsys, "ls", "s3://no-such-bucket/run", "--storage-options",
+                       '{"client_kwargs": {"endpoint_url": "http://127.0.0.1:9"}}')
+    assert code == 1
+    assert "credentials" in err and "AWS_ACCESS_KEY_ID" in err and "--storage-options" in err
 
 
 # --- convert, bench ----------------------------------------------------------------------------

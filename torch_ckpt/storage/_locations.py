@@ -210,6 +210,17 @@ def url_to_fs(url: str, storage_options: dict[str, Any] | None = None, *, what: 
     return fs, root.rstrip("/")
 
 
+def outage(what: str, exc: BaseException) -> DurableUnavailableError:
+    """DurableUnavailableError ``what: <type>: <message>`` for a backend error; a missing or refused credential
+    also says where credentials go (the store's own environment, or ``storage_options``)."""
+    text = f"{what}: {type(exc).__name__}: {exc}"
+    if "credential" in text.lower() or type(exc).__name__ in ("InvalidAccessKeyId", "SignatureDoesNotMatch"):
+        text += ("; give the store's credentials in its usual environment (for S3: AWS_ACCESS_KEY_ID and "
+                 "AWS_SECRET_ACCESS_KEY, or AWS_PROFILE) or in storage_options (the command line's "
+                 "--storage-options '{\"key\": ..., \"secret\": ...}')")
+    return DurableUnavailableError(text)
+
+
 def store_call(what: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     """``fn(*args, **kwargs)``, a call to the store: any backend error (botocore, aiohttp, EIO on NFS...) but a
     missing object or our own is an outage, DurableUnavailableError ``what: <type>: <message>`` (the type
@@ -219,7 +230,7 @@ def store_call(what: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     except (FileNotFoundError, CheckpointError):
         raise
     except Exception as exc:  # noqa: BLE001
-        raise DurableUnavailableError(f"{what}: {type(exc).__name__}: {exc}") from exc
+        raise outage(what, exc) from exc
 
 
 def is_url(text: str | os.PathLike) -> bool:
@@ -348,7 +359,7 @@ class Location:
         except (FileNotFoundError, CheckpointError):
             raise
         except Exception as exc:  # noqa: BLE001 - any backend error (botocore, aiohttp...) means unreachable
-            raise DurableUnavailableError(f"cannot read {self.describe()}: {exc}") from exc
+            raise outage(f"cannot read {self.describe()}", exc) from exc
 
     def exists(self, name: str | None = None) -> bool:
         """Whether the directory (on object stores, the prefix), or its entry ``name``, exists."""

@@ -36,7 +36,7 @@ from typing import Any
 from torch_ckpt._values import to_seconds
 from torch_ckpt.durations import DURATION_FORMS, format_duration
 from torch_ckpt.errors import CheckpointError, ConfigError
-from torch_ckpt.storage._locations import DurableUnavailableError, Location, PathNotFoundError, is_url
+from torch_ckpt.storage._locations import Location, PathNotFoundError, is_url, outage
 from torch_ckpt.tools.sizing import DTYPE_BYTES, OPTIMIZER_MOMENTS, checkpoint_size, interval_plan, parse_count
 
 __all__ = ["main", "UsageError", "build_parser"]
@@ -513,7 +513,7 @@ def _local_copy(args: argparse.Namespace) -> Iterator[tuple[str, str]]:
         except (CheckpointError, OSError, ValueError):  # ValueError includes UsageError
             raise
         except Exception as exc:  # noqa: BLE001 - backend errors (botocore, aiohttp...) mean unreachable
-            raise DurableUnavailableError(f"cannot read {url}: {exc}") from exc
+            raise outage(f"cannot read {url}", exc) from exc
         yield local
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
