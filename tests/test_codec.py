@@ -114,7 +114,7 @@ def test_numpy_arrays_keep_dtype_shape_and_values(value):
 @pytest.mark.parametrize("value", [
     1, -(2**70), 2**5000, 0.1, -0.0, True, None, "", "\ud800", 1 + 2j, b"\x00\xff", bytearray(b"ab"),
     (1, [2, (3,)]), [], (), {1, "a", (1, 2)}, frozenset({b"x", 2.5}),
-], ids=repr)
+], ids=lambda v: f"{type(v).__name__}{sorted(v, key=repr)}" if isinstance(v, (set, frozenset)) else repr(v))
 def test_python_values_keep_their_exact_type_and_value(value):
     """Big ints, complex, bytes vs bytearray, tuple vs list, sets and frozensets come back as they were."""
     out = _json_roundtrip(value)
