@@ -26,7 +26,8 @@ def _clone(tmp_path: Path, name: str = "clone") -> Path:
 
 # variables the Makefile reads: an outer `make test VENV=...` exports them to this process (command-line
 # variables reach recipes' environments), and an inherited VENV would override every clone's own path
-_MAKEFILE_VARS = {"VENV", "CACHE_DIR", "PYTHON", "TORCH_SPEC", "TORCH_INDEX_URL", "PYTEST_ARGS", "DEMO_DIR", "TEST_WORKERS"}
+_MAKEFILE_VARS = {"VENV", "CACHE_DIR", "PYTHON", "TORCH_SPEC", "TORCH_INDEX_URL", "PYTEST_ARGS", "DEMO_DIR",
+                  "TEST_WORKERS"}
 
 
 def _make(clone: Path, *args: str) -> str:
