@@ -30,11 +30,15 @@ def _context():
     return _CONTEXT[0]
 
 
-def _entry(rank: int, world_size: int, port: int, fn, args, errors, env: dict, cwd: str) -> None:
-    # as a spawned rank would: the caller's environment and directory now, not the fork server's at its start
+def _as_caller(env: dict, cwd: str) -> None:
+    """Take the caller's environment and directory, as a spawned process would (not the fork server's at its start)."""
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)
+
+
+def _entry(rank: int, world_size: int, port: int, fn, args, errors, env: dict, cwd: str) -> None:
+    _as_caller(env, cwd)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
     try:
@@ -50,9 +54,7 @@ def _entry(rank: int, world_size: int, port: int, fn, args, errors, env: dict, c
 
 
 def _run(fn, args, env: dict, cwd: str) -> None:
-    os.chdir(cwd)
-    os.environ.clear()
-    os.environ.update(env)
+    _as_caller(env, cwd)
     fn(*args)
 
 
