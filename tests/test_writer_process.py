@@ -254,3 +254,19 @@ def test_sigkill_of_the_whole_process_group_leaves_nothing_in_dev_shm(tmp_path, 
     assert not [f for f in mapped if os.path.exists(f)]
     with CheckpointManager(tmp_path / "ck", persist="process") as mgr:  # the root lock is free
         assert mgr.restore(trainer_helper.new_state()) == 1
+
+
+@pytest.mark.skipif(os.name != "posix", reason="POSIX re-parents orphans; elsewhere the start time is needed")
+@pytest.mark.timeout(120)
+def test_a_posix_writer_knows_its_trainer_by_parent_pid_alone(tmp_path, monkeypatch):
+    """On POSIX no start time is read for the liveness check (Linux lets a re-read one drift); a save commits."""
+    from torch_ckpt.save import _writer_process
+
+    def refuse(pid):
+        raise AssertionError("a start time was read on POSIX")
+
+    monkeypatch.setattr(_writer_process, "_process_start_time", refuse)
+    assert _writer_process._parent_alive(os.getppid(), None)
+    with CheckpointManager(tmp_path, persist="process") as mgr:
+        mgr.save(1, {"w": torch.arange(3.0)}).wait()
+    assert is_committed(tmp_path / "step_000000001")

@@ -66,8 +66,10 @@ def _process_start_time(pid: int) -> float | None:
 
 
 def _parent_alive(parent_pid: int, parent_started: float | None) -> bool:
-    """True while this process's parent is still the trainer that started it: POSIX re-parents orphans (a new
-    ``getppid()``); elsewhere (Windows) the parent's pid is gone or belongs to a process started later."""
+    """True while this process's parent is still the trainer that started it. POSIX re-parents orphans, so a
+    changed ``getppid()`` is exact and ``parent_started`` is None there (a start time read again later can
+    differ by seconds: Linux derives it from a boot time that moves with clock adjustments). Elsewhere
+    (Windows, whose start times are exact) the parent's pid is gone or belongs to a process started later."""
     if os.getppid() != parent_pid:
         return False
     if parent_started is None:
@@ -175,7 +177,7 @@ class ProcessWriter:
         if _PARENT_DEATH_SIGNAL is not None and death_signal is None:
             log.info("checkpoint writer process started from a non-main thread: it stops through its liveness "
                      "check (within %.0f s), not through a parent-death signal, if the trainer dies", _IDLE_POLL_S)
-        parent = (os.getpid(), _process_start_time(os.getpid()))
+        parent = (os.getpid(), None if os.name == "posix" else _process_start_time(os.getpid()))
         self._proc = spawn.Process(target=_writer_main, name=f"torch_ckpt_writer_rank{ctx.rank}", daemon=True,
                                    args=(child_requests, child_replies, ctx.rank, ctx.world_size, init,
                                          timeout_seconds, niceness, parent, death_signal))
