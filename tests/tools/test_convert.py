@@ -60,6 +60,58 @@ def test_an_export_gets_the_mode_of_any_new_file(tmp_path, to):
     assert stat.S_IMODE(out.stat().st_mode) == 0o640
 
 
+@pytest.mark.parametrize("to", ["torch", "safetensors"])
+def test_an_existing_output_is_refused_and_kept_unless_overwrite(tmp_path, to):
+    """An existing OUT is refused with a ConfigError naming it and left untouched; overwrite=True replaces it."""
+    path, *_ = _saved(tmp_path)
+    export = export_torch if to == "torch" else export_safetensors
+    out = tmp_path / "mine.bin"
+    out.write_bytes(b"precious")
+    with pytest.raises(ConfigError, match=r"mine\.bin already exists.*overwrite"):
+        export(path, out)
+    assert out.read_bytes() == b"precious"
+    assert export(path, out, overwrite=True)["bytes"] == out.stat().st_size > len(b"precious")
+
+
+def test_an_export_that_fails_while_writing_leaves_no_output_and_no_partial(tmp_path, monkeypatch):
+    """An error in the middle of writing leaves neither OUT nor a partial file beside it."""
+    path, *_ = _saved(tmp_path)
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+
+    def failing_save(obj, f):
+        Path(f).write_bytes(b"half")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", failing_save)
+    with pytest.raises(OSError, match="No space"):
+        export_torch(path, out_dir / "full.pt")
+    assert os.listdir(out_dir) == []
+
+
+@pytest.mark.parametrize("where", ["directory", "inside the checkpoint", "missing folder"])
+def test_an_output_path_that_cannot_be_a_new_file_is_refused_naming_it(tmp_path, where):
+    """OUT that is a directory, lies inside the exported checkpoint, or has no folder: ConfigError, nothing written."""
+    path, *_ = _saved(tmp_path)
+    out = {"directory": tmp_path, "inside the checkpoint": Path(path) / "full.pt",
+           "missing folder": tmp_path / "nope" / "full.pt"}[where]
+    before = sorted(os.listdir(path))
+    with pytest.raises(ConfigError, match=str(out.parent if where == "missing folder" else out)):
+        export_torch(path, out)
+    assert sorted(os.listdir(path)) == before
+
+
+def test_cli_convert_refuses_an_existing_output_and_overwrite_replaces_it(tmp_path, capsys):
+    """`convert` onto an existing OUT exits 2 naming it and --overwrite; with --overwrite it replaces it."""
+    path, *_ = _saved(tmp_path)
+    out = tmp_path / "x.pt"
+    out.write_bytes(b"keep")
+    assert main(["convert", str(path), "--to", "torch", str(out)]) == 2
+    assert "--overwrite" in capsys.readouterr().err and out.read_bytes() == b"keep"
+    assert main(["convert", str(path), "--to", "torch", str(out), "--overwrite"]) == 0
+    assert torch.load(out, weights_only=True)["step"] == 4
+
+
 def test_cli_convert_json_names_the_chosen_checkpoint(tmp_path, capsys):
     """`convert ROOT --json` names the checkpoint it exported (the root's newest step), as inspect does."""
     import json

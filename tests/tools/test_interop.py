@@ -152,10 +152,11 @@ def test_convert_takes_a_run_root_newest_step_or_step(ours, tmp_path, capsys):
     sd = torch.load(out, weights_only=True)
     assert {"model", "optimizer", "step", "rng"} <= set(sd)
     model.load_state_dict(sd["model"])  # the documented load-back
-    assert main(["convert", str(root), "--step", "5", "--to", "torch", str(out)]) == 0
+    assert main(["convert", str(root), "--step", "5", "--to", "torch", str(out), "--overwrite"]) == 0
     assert "step 5 ->" in capsys.readouterr().out
-    assert main(["convert", str(root), "--step", "6", "--to", "torch", str(out)]) == 1
-    assert main(["convert", str(root / "step_000000005"), "--step", "5", "--to", "torch", str(out)]) == 2
+    assert main(["convert", str(root), "--step", "6", "--to", "torch", str(out), "--overwrite"]) == 1
+    assert main(["convert", str(root / "step_000000005"), "--step", "5", "--to", "torch", str(out),
+                 "--overwrite"]) == 2
     shutil.rmtree(root / "step_000000009")
 
 

@@ -470,6 +470,7 @@ def _add_convert_arguments(p: argparse.ArgumentParser) -> None:
                         "keyed as model.state_dict()")
     p.add_argument("out", metavar="OUT", help="output file (.pt or .safetensors)")
     p.add_argument("--step", **_STEP, help="with a run root: convert this step")
+    p.add_argument("--overwrite", action="store_true", help="replace OUT if it exists (else an existing OUT is refused)")
     p.add_argument("--model", metavar="NAME",
                    help="safetensors of a checkpoint of several models: export only this one, under its own keys "
                         "(without it, each key is prefixed by its model's name and a dot)")
@@ -526,8 +527,9 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     if args.model is not None and args.to != "safetensors":
         raise UsageError("--model applies to --to safetensors only (--to torch exports the full state)")
     with _local_copy(args) as (path, chosen):
-        result = export_torch(path, args.out, allow_symlinks=args.follow_symlinks) if args.to == "torch" else \
-            export_safetensors(path, args.out, model=args.model, allow_symlinks=args.follow_symlinks)
+        result = export_torch(path, args.out, allow_symlinks=args.follow_symlinks, overwrite=args.overwrite) \
+            if args.to == "torch" else export_safetensors(path, args.out, model=args.model, overwrite=args.overwrite,
+                                                          allow_symlinks=args.follow_symlinks)
     result["checkpoint"] = chosen  # the checkpoint exported (a root's chosen step), as inspect names it
     extra = f", {result['tensors']} tensors" if "tensors" in result else ""
     if result.get("models"):

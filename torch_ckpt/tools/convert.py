@@ -11,11 +11,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 import os
 import pickle
 import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -109,15 +113,16 @@ def _weights_only_safe(node: Any) -> Any:
     return node.item() if isinstance(node, np.generic) else node
 
 
-def export_torch(checkpoint: str | os.PathLike, out: str | os.PathLike, *,
-                 allow_symlinks: bool = False) -> dict[str, Any]:
+def export_torch(checkpoint: str | os.PathLike, out: str | os.PathLike, *, allow_symlinks: bool = False,
+                 overwrite: bool = False) -> dict[str, Any]:
     """Write the full state of ``checkpoint`` as one ``torch.save`` file (``torch-ckpt convert --to torch``).
 
     The file holds :func:`load_full_state`'s dict: the saved state's top-level keys with full CPU
     tensors. A :class:`~torch_ckpt.TrainState` gives ``model`` (the model's ``state_dict()``),
     ``optimizer`` (``get_optimizer_state_dict``'s layout: ``state`` keyed by parameter name,
     ``param_groups``), ``scheduler``, ``step``, ``epoch``, ``rng``, ``extras`` (and ``dataloader``);
-    ``per_rank`` is added when several ranks wrote it; numpy values become tensors or scalars::
+    ``per_rank`` is added when several ranks wrote it; numpy values become tensors or scalars. ``out``
+    appears whole or not at all (written beside it, then renamed)::
 
         sd = torch.load("step100.pt", weights_only=True)
         model.load_state_dict(sd["model"])
@@ -127,10 +132,13 @@ def export_torch(checkpoint: str | os.PathLike, out: str | os.PathLike, *,
         ``{"step", "out", "bytes"}``.
 
     Raises:
+        ConfigError: ``out`` exists (and not ``overwrite``), is a directory, lies inside ``checkpoint``, or its
+            folder does not exist.
         CheckpointNotFoundError, CheckpointCorruptError, UnsafeCheckpointError: see :func:`load_full_state`.
     """
     state, manifest = load_full_state(checkpoint, allow_symlinks=allow_symlinks)
-    torch.save(_weights_only_safe(state), out)
+    with _output_file(out, checkpoint, overwrite) as tmp:
+        torch.save(_weights_only_safe(state), tmp)
     return {"step": manifest.step, "out": str(out), "bytes": Path(out).stat().st_size}
 
 
@@ -171,17 +179,18 @@ def model_weights(state: dict[str, Any], *, model: str | None = None,
 
 
 def export_safetensors(checkpoint: str | os.PathLike, out: str | os.PathLike, *, model: str | None = None,
-                       allow_symlinks: bool = False) -> dict[str, Any]:
+                       allow_symlinks: bool = False, overwrite: bool = False) -> dict[str, Any]:
     """Write the model weights of ``checkpoint`` as safetensors, keyed as :func:`model_weights` gives them.
 
     With one model, ``model.load_state_dict(safetensors.torch.load_file(out))`` works; prefixed names
-    are listed in the file's metadata (``"models"``).
+    are listed in the file's metadata (``"models"``). ``out`` appears whole or not at all.
 
     Returns:
         ``{"step", "out", "tensors", "bytes", "models"}`` (``models``: the prefixes used, else empty).
 
     Raises:
-        ConfigError: no model tensors, ``model`` unknown, or ``safetensors`` is not installed.
+        ConfigError: no model tensors, ``model`` unknown, ``safetensors`` is not installed, or ``out`` is
+            refused (see :func:`export_torch`).
         CheckpointNotFoundError, CheckpointCorruptError, UnsafeCheckpointError: see :func:`load_full_state`.
     """
     try:
@@ -191,11 +200,39 @@ def export_safetensors(checkpoint: str | os.PathLike, out: str | os.PathLike, *,
     state, manifest = load_full_state(checkpoint, allow_symlinks=allow_symlinks)
     weights, names = model_weights(state, model=model, source=str(checkpoint))
     prefixed = names if model is None and len(names) > 1 else []
-    save_file(weights, str(out), metadata={"step": str(manifest.step), "format": "torch-ckpt export",
-                                           "models": ",".join(prefixed)})
-    os.chmod(out, 0o666 & ~_umask())  # safetensors writes 0600; an export gets the mode of any new file
+    with _output_file(out, checkpoint, overwrite) as tmp:
+        save_file(weights, tmp, metadata={"step": str(manifest.step), "format": "torch-ckpt export",
+                                          "models": ",".join(prefixed)})
     return {"step": manifest.step, "out": str(out), "tensors": len(weights), "bytes": Path(out).stat().st_size,
             "models": prefixed}
+
+
+@contextmanager
+def _output_file(out: str | os.PathLike, checkpoint: str | os.PathLike, overwrite: bool) -> Iterator[str]:
+    """A new file beside ``out`` to write the export into; renamed onto ``out`` once written (a kill or an error
+    leaves ``out`` as it was), with the mode of any new file (not ``mkstemp``'s 0600)."""
+    out = Path(out)
+    if out.is_dir():
+        raise ConfigError(f"{out} is a directory; name the output file, e.g. {out / 'model.safetensors'}")
+    if os.path.lexists(out) and not overwrite:
+        raise ConfigError(f"{out} already exists; choose another output file, or pass overwrite=True "
+                          "(torch-ckpt convert --overwrite) to replace it")
+    if Path(checkpoint).resolve() in out.absolute().resolve().parents:
+        raise ConfigError(f"{out} lies inside the checkpoint {checkpoint}, which must stay as committed; write the "
+                          "export elsewhere")
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".partial", dir=out.absolute().parent)
+    except FileNotFoundError:
+        raise ConfigError(f"the folder of {out} does not exist; create it first") from None
+    os.close(fd)
+    try:
+        yield tmp
+        os.chmod(tmp, 0o666 & ~_umask())
+        os.replace(tmp, out)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
 
 
 def _umask() -> int:
