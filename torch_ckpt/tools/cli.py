@@ -470,7 +470,7 @@ def _add_convert_arguments(p: argparse.ArgumentParser) -> None:
                         "keyed as model.state_dict()")
     p.add_argument("out", metavar="OUT", help="output file (.pt or .safetensors)")
     p.add_argument("--step", **_STEP, help="with a run root: convert this step")
-    p.add_argument("--overwrite", action="store_true", help="replace OUT if it exists (else an existing OUT is refused)")
+    p.add_argument("--overwrite", action="store_true", help="replace OUT if it exists (else it is refused)")
     p.add_argument("--model", metavar="NAME",
                    help="safetensors of a checkpoint of several models: export only this one, under its own keys "
                         "(without it, each key is prefixed by its model's name and a dot)")
