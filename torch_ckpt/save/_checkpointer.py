@@ -164,7 +164,9 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 def _arena_signature(tensors: dict[str, torch.Tensor]) -> tuple:
-    return tuple((k, tuple(_local(t).shape), _local(t).dtype) for k, t in tensors.items())
+    """``((key, shape, dtype), ...)`` of the local shards: what the arena's layout depends on (computed once a save,
+    as :attr:`_Job.arena` and passed to :meth:`HostStager.holds`, ``reserve`` and ``stage``)."""
+    return tuple((k, (loc := _local(t)).shape, loc.dtype) for k, t in tensors.items())
 
 
 class StagingMemoryError(CheckpointWriteError):
@@ -228,25 +230,27 @@ class HostStager:
         """True when ``tensors`` fit in the staging budget."""
         return self.required_bytes(tensors) <= self.budget_bytes
 
-    def holds(self, tensors: dict[str, torch.Tensor]) -> bool:
+    def holds(self, tensors: dict[str, torch.Tensor], signature: tuple | None = None) -> bool:
         """True when the arena is laid out for ``tensors`` already (keys, shapes, dtypes): staging them
-        allocates nothing, whatever memory is left (so no budget applies)."""
+        allocates nothing, whatever memory is left (so no budget applies). ``signature``: their
+        :func:`_arena_signature`, if the caller has it."""
+        signature = _arena_signature(tensors) if signature is None else signature
         with self._lock:
-            return self.arena is not None and self._signature == _arena_signature(tensors)
+            return self.arena is not None and self._signature == signature
 
-    def reserve(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Allocate (or keep) the arena for ``tensors`` without copying anything.
+    def reserve(self, tensors: dict[str, torch.Tensor], signature: tuple | None = None) -> None:
+        """Allocate (or keep) the arena for ``tensors`` (``signature``: as :meth:`holds`) without copying anything.
 
         Raises:
             StagingMemoryError: the allocation failed (the arena is released; nothing is staged).
         """
-        signature = _arena_signature(tensors)
+        signature = _arena_signature(tensors) if signature is None else signature
         with self._lock:
             if signature == self._signature and self.arena is not None:
                 return
             layout, offset = [], 0
             for key, shape, dtype in signature:
-                layout.append((key, shape, dtype, offset))
+                layout.append((key, tuple(shape), dtype, offset))
                 offset += (nbytes_of(shape, dtype) + _ALIGN_BYTES - 1) // _ALIGN_BYTES * _ALIGN_BYTES
             self.release()  # the old arena goes before the new one is allocated (its views keep it alive too)
             try:
@@ -265,27 +269,27 @@ class HostStager:
             log.debug("allocated a %d-byte staging arena for %d tensors", offset, len(layout))
 
     def stage(self, tensors: dict[str, torch.Tensor], *, ready_event: Any = None,
-              only: set[str] | None = None) -> StagedState:
+              only: set[str] | None = None, signature: tuple | None = None) -> StagedState:
         """Copy ``tensors`` (any device; DTensors shard-locally) into the arena, valid until the next call.
 
         Device copies are asynchronous (:meth:`StagedState.synchronize`), after ``ready_event`` (default:
         the current stream's position); host copies are done on return. ``only``: copy just these keys
-        (the arena covers all of ``tensors``): staging in two phases.
+        (the arena covers all of ``tensors``): staging in two phases. ``signature``: as :meth:`holds`.
         """
         with self._lock:
-            self.reserve(tensors)
+            self.reserve(tensors, signature)
             out: dict[str, torch.Tensor] = {}
             device_pairs = []
             host_dst, host_src = [], []
             for key, t in tensors.items():
-                src, buf = _local(t).detach(), self._views[key]
-                if only is not None and key not in only:
-                    pass
-                elif src.device.type == "cuda":
-                    device_pairs.append((buf, src))
-                else:
-                    host_dst.append(buf)
-                    host_src.append(src)
+                buf = self._views[key]
+                if only is None or key in only:
+                    src = _local(t).detach()
+                    if src.device.type == "cuda":
+                        device_pairs.append((buf, src))
+                    else:
+                        host_dst.append(buf)
+                        host_src.append(src)
                 out[key] = DTensor(buf, t._spec, requires_grad=False) if isinstance(t, DTensor) else buf
             if host_dst:
                 # one call for all host copies: per-tensor Python overhead matters for many small tensors
@@ -359,6 +363,7 @@ class _Job:
     t0: float
     ready_event: Any = None
     signature: dict[str, tuple] | None = None  # the tensors this rank stores under job-wide DCP keys (_signature)
+    arena: tuple | None = None  # _arena_signature of ``tensors``
     deferred_keys: set[str] | None = None  # overlap_staging: copied in the writer, before the next optimizer step
     early_s: float = 0.0
     to_write: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -603,7 +608,8 @@ class AsyncCheckpointer:
         if self._process_writer is not None and any(type(t) is not torch.Tensor for t in tensors.values()):
             raise ConfigError("persist='process' supports plain tensors only; this state holds DTensor/sharded "
                               "tensors (FSDP2/TP). Use persist='thread'.")
-        held = self._stager.holds(tensors)  # the last save's arena fits: nothing to allocate, no budget to ask
+        arena = _arena_signature(tensors)
+        held = self._stager.holds(tensors, arena)  # the last save's arena fits: nothing to allocate, no budget to ask
         need, budget = (0, 0) if held else (self._stager.required_bytes(tensors), self._stager.budget_bytes)
         fits = held or need <= budget
         if not fits:
@@ -612,7 +618,7 @@ class AsyncCheckpointer:
                         need, budget, step)
         elif not held:
             try:
-                self._stager.reserve(tensors)
+                self._stager.reserve(tensors, arena)
             except StagingMemoryError as exc:  # the budget was not really there (ulimit -v, pinned or /dev/shm limits)
                 fits = False
                 log.warning("step %d is saved synchronously from the live tensors: %s", step, exc)
@@ -620,7 +626,7 @@ class AsyncCheckpointer:
         stats.mode = "async" if background else ("sync" if fits else "sync-over-budget")
         handle = SaveHandle(step, Future(), Future(), stats)
         job = _Job(request=request, handle=handle, tensors=tensors, tree=tree, fits=fits, background=background, t0=t0,
-                   signature=signature, changed=changed)
+                   signature=signature, changed=changed, arena=arena)
         self._inflight = handle
         try:
             if background and self.overlap_staging:
@@ -632,7 +638,7 @@ class AsyncCheckpointer:
                 # what forward passes may change (buffers, plain dict values) is copied now; parameters and
                 # optimizer state are copied in the background, before the next optimizer.step()
                 t = time.monotonic()
-                self._stager.stage(tensors, only=set(tensors) - owned)
+                self._stager.stage(tensors, only=set(tensors) - owned, signature=arena)
                 job.deferred_keys, job.early_s = owned, time.monotonic() - t
                 self._install_step_hooks(state)
                 self._staged_future = handle.staged
@@ -714,7 +720,8 @@ class AsyncCheckpointer:
         handle.stats.bytes = self._stager.required_bytes(job.tensors)
         job.to_write = job.tensors
         if job.fits:
-            staged = self._stager.stage(job.tensors, ready_event=job.ready_event, only=job.deferred_keys)
+            staged = self._stager.stage(job.tensors, ready_event=job.ready_event, only=job.deferred_keys,
+                                        signature=job.arena)
             staged.synchronize()
             job.to_write, job.layout = staged.tensors, staged.layout
         job.tensors = {}
@@ -723,10 +730,14 @@ class AsyncCheckpointer:
 
     def _start_writer(self, job: _Job) -> None:
         """Run the job in a new writer thread that ends with it (one save in flight at most): no idle writer
-        outlives a save, and what the job references (the manager's commit callback) is released with it."""
+        outlives a save, and what the job references (the manager's commit callback) is released with it.
+        The thread waits for ``go`` before its first line of Python: ``Thread.start`` returns to the caller
+        as soon as the thread runs, not a GIL switch interval (5 ms) later, after the writer let it go."""
         niceness = self.writer_niceness
+        go = threading.Event()
 
         def run() -> None:
+            go.wait()
             if niceness and hasattr(os, "setpriority"):  # Linux: the nice value of this thread only
                 try:
                     os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), niceness)
@@ -736,6 +747,7 @@ class AsyncCheckpointer:
 
         self._writer = threading.Thread(target=run, name="torch_ckpt_writer", daemon=True)  # exit: lifecycle waits
         self._writer.start()
+        go.set()
 
     def _join_writer(self, timeout: float | None = None) -> None:
         """Wait until the writer thread of the last save, and so its follow-up work (deletions), has ended."""

@@ -30,19 +30,26 @@ from torch.distributed.tensor import DTensor
 from torch_ckpt.errors import CheckpointCorruptError, ConfigError, StateMismatchError
 from torch_ckpt.restore._restore import copy_tensors, swap_in
 
-__all__ = ["param_names", "optimizer_state", "check_optimizer_state", "apply_optimizer_state",
+__all__ = ["param_names", "module_walk", "optimizer_state", "check_optimizer_state", "apply_optimizer_state",
            "state_target", "TargetLookup", "split_state_key", "keep_live_tensors", "policy_key", "tensors_in",
            "group_of", "step_on_param_device", "plain_state_target", "check_plain_optimizer_state", "OptimizerState"]
 
 _STATE, _GROUPS, _PARAMS = "state", "param_groups", "params"
 
 
-def param_names(model: nn.Module) -> dict[int, str]:
-    """``{id(parameter): name}`` as DCP's ``get_model_state_dict`` names them; ConfigError for FSDP1."""
+def module_walk(model: nn.Module) -> tuple[tuple[tuple[str, nn.Parameter], ...], tuple[tuple[str, type], ...]]:
+    """``(model.named_parameters(), ((name, type) of each of model.named_modules()))``: what :func:`param_names`
+    depends on, walked once (a save reuses it for the structure check and the overlap-staged keys)."""
+    return tuple(model.named_parameters()), tuple((n, type(m)) for n, m in model.named_modules())
+
+
+def param_names(model: nn.Module, walk: tuple | None = None) -> dict[int, str]:
+    """``{id(parameter): name}`` as DCP's ``get_model_state_dict`` names them; ConfigError for FSDP1.
+    ``walk``: :func:`module_walk` of ``model`` taken just before, if the caller has it."""
     # DCP's names depend only on the parameter names and the module types along them: reuse the
     # last answer for this model while both are unchanged (a per-name _get_fqns costs ~15 us)
-    signature = (tuple((n, id(p)) for n, p in model.named_parameters()),
-                 tuple((n, type(m)) for n, m in model.named_modules()))
+    params, modules = module_walk(model) if walk is None else walk
+    signature = (tuple((n, id(p)) for n, p in params), modules)
     cached = _NAMES_CACHE.get(model)
     if cached is not None and cached[0] == signature:
         return dict(cached[1])

@@ -32,6 +32,7 @@ from torch_ckpt.state._optim import (
     check_optimizer_state,
     keep_live_tensors,
     optimizer_state,
+    module_walk,
     param_names,
     split_state_key,
     state_target,
@@ -288,6 +289,8 @@ class TrainState:
                               "state, resharded on load)")
         self._allow_cast = False
         self._name_cache: dict[str, set[str]] = {}
+        self._walks: dict[str, tuple] = {}  # module_walk of each model, inside state_dict()
+        self._param_ptrs: set[int] | None = None  # data pointers of the parameters at the last state_dict()
         self._plain_models: dict[str, tuple[tuple, tuple[str, ...]]] = {}
         self._lookups: dict[str, TargetLookup] = {}
         self.step = int(step)
@@ -312,7 +315,8 @@ class TrainState:
         (DCP's renaming costs about 30 us per tensor: 0.6 s for 20,000 tensors)."""
         if self._options != StateDictOptions():
             return get_model_state_dict(module, options=self._options)
-        structure = tuple((n, type(m)) for n, m in module.named_modules())
+        structure = self._walks[name][1] if name in self._walks else tuple((n, type(m)) for n, m in
+                                                                             module.named_modules())
         known = self._plain_models.get(name)
         if known is not None and known[0] == structure:
             own = module.state_dict()
@@ -338,7 +342,12 @@ class TrainState:
         """
         self._name_cache = {}  # parameter names, for load_into's calls that follow (a module may have changed)
         self._lookups = {}
-        model_sd, optim_sd = self._model_optim_state()
+        self._walks = {name: module_walk(module) for name, module in self._models.items()}
+        try:
+            model_sd, optim_sd = self._model_optim_state()
+        finally:
+            walks, self._walks = self._walks, {}
+        self._param_ptrs = {p.data_ptr() for walk in walks.values() for _, p in walk[0]}
         sd: dict[str, Any] = {"step": self.step, "epoch": self.epoch, "extras": dict(self.extras)}
         if self._models:
             sd["model"] = model_sd
@@ -358,9 +367,11 @@ class TrainState:
         """Keys of ``tensors`` (flat, from this state's :meth:`state_dict`) that only ``optimizer.step()`` mutates.
 
         These are the parameters and the optimizer state; buffers (e.g. BatchNorm running stats),
-        RNG and dataloader state also change in forward passes and are not included.
+        RNG and dataloader state also change in forward passes and are not included (the parameters are
+        those of the last :meth:`state_dict`, which gave ``tensors``).
         """
-        param_ptrs = {p.data_ptr() for m in self._models.values() for p in m.parameters()}
+        param_ptrs = self._param_ptrs if self._param_ptrs is not None else \
+            {p.data_ptr() for m in self._models.values() for p in m.parameters()}
         owned = set()
         for key, t in tensors.items():
             if key.startswith("optimizer."):
@@ -393,7 +404,7 @@ class TrainState:
         """:func:`~torch_ckpt.state._optim.param_names` of model ``name``, once per :meth:`load_session`."""
         memo = self._session_names
         if memo is None:
-            return param_names(self._models[name])
+            return param_names(self._models[name], self._walks.get(name))
         names = memo.get(name)
         if names is None:
             names = memo[name] = param_names(self._models[name])
