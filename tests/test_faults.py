@@ -118,6 +118,27 @@ def test_warn_policy_keeps_training_going(tmp_path, disk_full_once, caplog):
     assert any("training continues" in r.getMessage() for r in caplog.records)
 
 
+def test_an_error_raised_by_handle_wait_is_not_raised_again_by_the_next_save(tmp_path, disk_full_once):
+    """save(1).wait() raises the ENOSPC once; the next save() commits its own step instead of raising it again."""
+    state = TrainState(model=_model(16))
+    with CheckpointManager(tmp_path) as mgr:
+        with pytest.raises(CheckpointWriteError, match="No space left"):
+            mgr.save(1, state).wait()
+        assert mgr.save(2, state).wait().endswith("step_000000002")
+        mgr.wait()  # nothing pending either
+        assert mgr.all_steps() == [2]
+
+
+def test_an_error_not_taken_from_its_handle_is_raised_by_the_next_save(tmp_path, disk_full_once):
+    """Without handle.wait(), the failed save's error is raised by the next save(), which saves nothing."""
+    state = TrainState(model=_model(16))
+    with CheckpointManager(tmp_path) as mgr:
+        mgr.save(1, state)
+        with pytest.raises(CheckpointWriteError, match="No space left"):
+            mgr.save(2, state)
+        assert mgr.save(3, state).wait() and mgr.all_steps() == [3]
+
+
 def test_second_run_on_the_same_root_is_refused(tmp_path):
     """A root in use by a live run is locked: the second manager fails naming host and pid."""
     with CheckpointManager(tmp_path):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -60,21 +61,36 @@ class SaveHandle:
         committed: future resolved (with the committed directory path, a str) once the checkpoint is
             durable and listed; it raises the save's error if persisting failed.
         stats: :class:`SaveStats`, complete once ``committed`` is done.
+
+    A save's error raised by :meth:`wait` counts as raised: the next ``save()``, ``wait()`` or ``close()`` of
+    the manager does not raise it again (``on_raised``, from the engine, is told so).
     """
 
-    def __init__(self, step: int, staged: Future[None], committed: Future[str], stats: SaveStats) -> None:
+    def __init__(self, step: int, staged: Future[None], committed: Future[str], stats: SaveStats, *,
+                 on_raised: Callable[[BaseException], None] | None = None) -> None:
         self.step = step
         self.staged = staged
         self.committed = committed
         self.stats = stats
+        self._on_raised = on_raised
 
     def done(self) -> bool:
         """True once the save is committed or failed."""
         return self.committed.done()
 
     def wait(self, timeout: float | None = None) -> str:
-        """Block until committed; returns the checkpoint path or raises the save's error."""
-        return self.committed.result(timeout)
+        """Block until committed; returns the checkpoint path or raises the save's error (then raised once).
+
+        Raises:
+            TimeoutError: not committed within ``timeout`` seconds (the save goes on).
+            CheckpointError: the save failed (the class of its error; see ``docs/errors.md``).
+        """
+        try:
+            return self.committed.result(timeout)
+        except BaseException as exc:
+            if self._on_raised is not None and self.committed.done() and self.committed.exception() is exc:
+                self._on_raised(exc)
+            raise
 
     def __repr__(self) -> str:
         state = "committed" if self.committed.done() and not self.committed.exception() else (

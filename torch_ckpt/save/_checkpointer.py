@@ -491,6 +491,12 @@ class AsyncCheckpointer:
         if err is not None:
             raise err
 
+    def _raised(self, exc: BaseException) -> None:
+        """A save's error was raised to the caller by its handle: it is not raised again (raised once)."""
+        with self._lock:
+            if self._pending_error is exc:
+                self._pending_error = None
+
     def _ensure_open(self) -> None:
         if self._closed:
             raise CheckpointError("this checkpointer is closed; create a new one")
@@ -624,7 +630,7 @@ class AsyncCheckpointer:
                 log.warning("step %d is saved synchronously from the live tensors: %s", step, exc)
         background = self.async_save and fits
         stats.mode = "async" if background else ("sync" if fits else "sync-over-budget")
-        handle = SaveHandle(step, Future(), Future(), stats)
+        handle = SaveHandle(step, Future(), Future(), stats, on_raised=self._raised)
         job = _Job(request=request, handle=handle, tensors=tensors, tree=tree, fits=fits, background=background, t0=t0,
                    signature=signature, changed=changed, arena=arena)
         self._inflight = handle
