@@ -214,6 +214,12 @@ class AsyncDCPCheckpointIO(CheckpointIO):
         """Called once attached inside ``fit``: every rank now calls save/remove/load (collective)."""
         self._collective, self._after_fit = True, False
 
+    def in_run(self, running: bool) -> None:
+        """Told by ``Trainer.save_checkpoint`` whether its trainer is running (``fit``...): a save outside a run
+        commits before it returns and releases the manager; inside one (also after an earlier run's
+        teardown, this plugin reused) saves stay asynchronous and removals wait for them."""
+        self._after_fit = not running
+
     def enable_overlap(self, module: Any) -> None:
         """Let saves copy ``module``'s parameters and optimizer state in the background (the caller waits)."""
         self._param_ptrs = lambda: {_ptr(p) for p in module.parameters()}
@@ -346,8 +352,18 @@ class AsyncDCPCheckpointIO(CheckpointIO):
         target = _local_path(path).absolute()
         if target.is_symlink() or target.is_file():
             self._after.add(1, f"remove {target}", lambda: target.unlink(missing_ok=True))
-        elif self._manager is not None:
-            self._after.add(1, f"remove {target}", lambda: cast(CheckpointManager, self._manager).remove(target))
+        elif target.is_dir():
+            self._after.add(1, f"remove {target}", lambda: self._remove_dir(target))
+
+    def _remove_dir(self, target: Path) -> None:
+        """Remove the checkpoint directory ``target`` through the manager, or one opened for it (none is open
+        outside a run): as Lightning's own plugin would, never silently keep it."""
+        if self._manager is not None:
+            self._manager.remove(target)
+            return
+        with CheckpointManager(target.parent, config=self._config.replace(naming=StepNaming(), keep_last=None,
+                                                                          persist="thread")) as manager:
+            manager.remove(target)
 
     @staticmethod
     def is_checkpoint_dir(path: Any) -> bool:

@@ -192,8 +192,10 @@ def _save_checkpoint(original: Any, self: Any, filepath: Any, weights_only: bool
     from lightning_ckpt._checkpoint_io import AsyncDCPCheckpointIO  # not at the top: it imports this module
 
     ours = isinstance(io := self.strategy.checkpoint_io, AsyncDCPCheckpointIO)
-    if ours and (names := uploading_loggers(self)):
-        io.warn_uploading_loggers(names)
+    if ours:
+        io.in_run(self.state.status == TrainerStatus.RUNNING)  # a plugin reused after an earlier run's teardown
+        if names := uploading_loggers(self):
+            io.warn_uploading_loggers(names)
     original(self, filepath, weights_only=weights_only, storage_options=storage_options)
     if ours and self.state.status != TrainerStatus.RUNNING and io.wait_outside_fit:
         io.wait()

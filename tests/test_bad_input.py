@@ -189,9 +189,9 @@ def test_explicit_missing_step_raises_not_found_naming_step_and_path(tmp_path, m
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("step", [-1, 1.5, 2.0, "3", None, True])
+@pytest.mark.parametrize("step", [-1, 1.5, 2.0, "3", None, True, 2**63, 10**25])
 def test_save_refuses_a_step_that_is_not_a_non_negative_int(tmp_path, step):
-    """save() with a negative, float, str, None or bool step raises ConfigError naming it; nothing is written."""
+    """save() with a negative, float, str, None, bool or >= 2**63 step raises ConfigError naming it; nothing written."""
     with CheckpointManager(tmp_path) as mgr:
         with pytest.raises(ConfigError) as info:
             mgr.save(step, _dict_state())
@@ -199,6 +199,23 @@ def test_save_refuses_a_step_that_is_not_a_non_negative_int(tmp_path, step):
     assert isinstance(info.value, ValueError)
     assert repr(step) in str(info.value)
     assert _entries(tmp_path) == []  # only the root lock
+
+
+@pytest.mark.timeout(60)
+def test_the_largest_step_a_manifest_holds_saves_and_restores(tmp_path):
+    """Step 2**63 - 1 (the manifest's limit) is saved, listed and restored."""
+    with CheckpointManager(tmp_path) as mgr:
+        mgr.save(2**63 - 1, _dict_state()).wait()
+        assert mgr.all_steps() == [2**63 - 1] and mgr.restore(_dict_state()) == 2**63 - 1
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("step", [-1, 2**63, True])
+def test_a_memory_save_refuses_a_step_a_manifest_cannot_hold(tmp_path, step):
+    """save(tier="memory") refuses a negative, bool or >= 2**63 step with ConfigError naming it."""
+    with CheckpointManager(tmp_path / "disk", memory_root=tmp_path / "mem") as mgr:
+        with pytest.raises(ConfigError, match=r"step must be an integer from 0 to"):
+            mgr.save(step, _dict_state(), tier="memory")
 
 
 @pytest.mark.timeout(60)

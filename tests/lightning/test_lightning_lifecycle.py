@@ -37,3 +37,47 @@ def test_second_trainer_saves_into_the_folder_of_one_still_referenced(make_train
     second.save_checkpoint(tmp_path / "checkpoints" / "manual-2.ckpt")
     names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir() if is_committed(p))
     assert names == ["epoch=0-step=4.ckpt", "epoch=0-step=8.ckpt", "manual-2.ckpt", "manual.ckpt"]
+
+
+class _Validated(TinyModule):
+    def validation_step(self, batch, batch_idx):
+        return self.layer(batch[0]).pow(2).mean()
+
+
+def _folders(make_trainer, tmp_path, name, plugin, runs):
+    """The checkpoints ModelCheckpoint(save_top_k=1, every 2 steps) leaves after ``runs`` on one plugin."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    folder = tmp_path / name
+    for run in runs:
+        trainer = make_trainer(plugins=[plugin] if plugin is not None else None, max_steps=8,
+                               callbacks=[ModelCheckpoint(dirpath=folder, save_top_k=1, every_n_train_steps=2)])
+        module = _Validated()
+        if run == "validate":
+            trainer.validate(module, module.train_dataloader(), verbose=False)
+        trainer.fit(module)
+    return sorted(p.name for p in folder.iterdir())
+
+
+def test_validate_before_fit_keeps_the_removals_of_save_top_k(make_trainer, tmp_path):
+    """validate() then fit() on the plugin alone: the same folders as plain Lightning (removals not dropped)."""
+    plain = _folders(make_trainer, tmp_path, "plain", None, ["validate"])
+    ours = _folders(make_trainer, tmp_path, "ours", AsyncDCPCheckpointIO(), ["validate"])
+    assert ours == plain == ["epoch=0-step=8.ckpt"]
+
+
+def test_a_plugin_reused_by_a_second_trainer_saves_asynchronously_and_removes(make_trainer, tmp_path):
+    """One plugin, two fits in turn: the second fit's saves stay asynchronous and save_top_k still removes."""
+    plugin = AsyncDCPCheckpointIO()
+    _folders(make_trainer, tmp_path, "first", plugin, ["fit"])
+    assert _folders(make_trainer, tmp_path, "ours", plugin, ["fit"]) == ["epoch=0-step=8.ckpt"]
+    assert plugin.last_handle is not None and plugin.last_handle.stats.mode == "async"
+
+
+def test_remove_checkpoint_outside_a_run_removes_a_committed_directory(make_trainer, tmp_path):
+    """remove_checkpoint() of a committed checkpoint after the run (no manager open) deletes it, as Lightning would."""
+    trainer = make_trainer(plugins=[AsyncDCPCheckpointIO()])
+    trainer.fit(TinyModule())
+    trainer.save_checkpoint(tmp_path / "manual.ckpt")
+    trainer.strategy.remove_checkpoint(tmp_path / "manual.ckpt")
+    assert not (tmp_path / "manual.ckpt").exists() and ckpt_threads(0) == []

@@ -73,6 +73,19 @@ def test_an_existing_output_is_refused_and_kept_unless_overwrite(tmp_path, to):
     assert export(path, out, overwrite=True)["bytes"] == out.stat().st_size > len(b"precious")
 
 
+@pytest.mark.parametrize("kind", ["fifo", "symlink"])
+def test_overwrite_never_replaces_what_is_not_a_regular_file(tmp_path, kind):
+    """overwrite=True onto a FIFO or a symbolic link is refused (ConfigError naming it); both stay as they were."""
+    path, *_ = _saved(tmp_path)
+    out, target = tmp_path / "out", tmp_path / "target.pt"
+    target.write_bytes(b"keep")
+    os.mkfifo(out) if kind == "fifo" else out.symlink_to(target)
+    with pytest.raises(ConfigError, match="not a regular file"):
+        export_torch(path, out, overwrite=True)
+    assert (stat.S_ISFIFO(os.lstat(out).st_mode) if kind == "fifo" else out.is_symlink())
+    assert target.read_bytes() == b"keep"
+
+
 def test_an_export_that_fails_while_writing_leaves_no_output_and_no_partial(tmp_path, monkeypatch):
     """An error in the middle of writing leaves neither OUT nor a partial file beside it."""
     path, *_ = _saved(tmp_path)

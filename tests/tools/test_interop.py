@@ -133,6 +133,18 @@ def test_import_makes_a_committed_step_that_restores_verifies_inspects_and_conve
                                                                                  model.state_dict()["0.weight"])
 
 
+def test_import_refuses_a_step_beyond_2_63_and_a_root_inside_a_checkpoint(plain, ours, tmp_path):
+    """import of step 2**63 (API and CLI) and into a root inside a committed checkpoint is refused; nothing written."""
+    (plain, *_), (root, *_) = plain, ours
+    with pytest.raises(ConfigError, match="2\\*\\*63 - 1"):
+        import_dcp(plain, tmp_path / "new", 2**63)
+    assert main(["import", str(plain), str(tmp_path / "new"), "--step", str(10**23)]) == 2
+    inside = root / "step_000000009" / "nested"
+    with pytest.raises(ConfigError, match="inside it"):
+        import_dcp(plain, inside, 3)
+    assert not (tmp_path / "new").exists() and not inside.exists()
+
+
 def test_import_refuses_an_existing_step_and_a_folder_that_is_not_plain_dcp(plain, ours, tmp_path):
     src, _, _ = plain
     root = ours[0]

@@ -26,7 +26,7 @@ from torch_ckpt.errors import CheckpointError, CheckpointNotFoundError, Checkpoi
 from torch_ckpt.handle import SaveHandle, SaveStats
 from torch_ckpt.manager._memory import MemoryTier, is_memory_save, memory_health
 from torch_ckpt.policy._lineage import BASE, Lineage, head_of
-from torch_ckpt.policy._naming import Naming, StepNaming
+from torch_ckpt.policy._naming import Naming, StepNaming, check_step
 from torch_ckpt.policy._preemption import PreemptionFlag
 from torch_ckpt.policy._retention import RetentionPolicy, apply_retention
 from torch_ckpt.policy._schedule import Cadence
@@ -195,8 +195,7 @@ class SaveGuard:
             raise ConfigError(f"this CheckpointManager was opened with read_only=True on {self.root}: it restores "
                               "and lists checkpoints but does not save; open a writable root without read_only "
                               "to save")
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise ConfigError(f"step must be an integer >= 0, got {step!r}")
+        check_step(step)
         if self.config.explicit_paths_only and not explicit:
             raise ConfigError(f"this CheckpointManager was opened with explicit_paths_only=True on {self.root}: "
                               "every save names its directory (save(step, state, path=...))")
@@ -674,8 +673,8 @@ class CheckpointManager:
         is written.
 
         Args:
-            step: training step (int >= 0). Without ``path`` it names the directory
-                (``naming.name(step)`` under the root) and must not be committed yet.
+            step: training step, an int from 0 to 2**63 - 1 (what a manifest holds). Without ``path`` it names
+                the directory (``naming.name(step)`` under the root) and must not be committed yet.
             state: a :class:`~torch_ckpt.TrainState`, any ``Stateful`` or a nested dict of tensors
                 and plain values (the supported values are listed in :mod:`torch_ckpt.format._files`).
             path: an explicit checkpoint directory instead (absolute, or relative to the root; it
@@ -955,8 +954,7 @@ class CheckpointManager:
             raise ConfigError(f"this CheckpointManager was opened with read_only=True on {self.root}: remove() "
                               "is refused")
         if isinstance(target, int) and not isinstance(target, bool):
-            if target < 0:
-                raise ConfigError(f"remove(): a step must be an int >= 0, got {target}")
+            check_step(target, "remove(): a step")
             path = self.root / self.naming.name(target)
         else:
             path = self._guard.explicit_path(cast(str | os.PathLike, target))  # it refuses a bool

@@ -37,7 +37,7 @@ from torch_ckpt.errors import (
 )
 from torch_ckpt.handle import SaveHandle
 from torch_ckpt.policy._lineage import Lineage, head_of, new_segment, successor
-from torch_ckpt.policy._naming import Naming
+from torch_ckpt.policy._naming import MAX_STEP, Naming, check_step
 from torch_ckpt.policy._retention import KeepLatest, apply_retention
 from torch_ckpt.policy._schedule import Cadence
 from torch_ckpt.restore._resume_nodes import local_inventory, restore_node_local
@@ -176,7 +176,7 @@ class MemoryTier:
         """
         refused: Exception | None = None
         waited = 0.0
-        valid = not isinstance(step, bool) and isinstance(step, int) and step >= 0
+        valid = not isinstance(step, bool) and isinstance(step, int) and 0 <= step <= MAX_STEP
         final = self.root / (self.naming.name(step) if valid else ".invalid_step")
         lineage = None
         try:
@@ -184,7 +184,7 @@ class MemoryTier:
                 raise ConfigError(f"this CheckpointManager was opened with read_only=True: memory saves into "
                                   f"{self.root} are refused")
             if not valid:
-                raise ConfigError(f"step must be an integer >= 0, got {step!r}")
+                check_step(step)
             if self.error is not None:
                 raise self.error
             waited = self.engine.wait_previous()

@@ -4,11 +4,25 @@ from __future__ import annotations
 
 import re
 import string
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from torch_ckpt.errors import ConfigError
 
-__all__ = ["Naming", "StepNaming", "PatternNaming"]
+__all__ = ["Naming", "StepNaming", "PatternNaming", "MAX_STEP", "check_step"]
+
+#: The largest step a checkpoint can hold (a manifest stores it as a signed 64-bit integer).
+MAX_STEP = (1 << 63) - 1
+
+
+def check_step(step: Any, what: str = "step") -> int:
+    """``step`` if it is an ``int`` (not a bool) in ``[0, MAX_STEP]``.
+
+    Raises:
+        ConfigError: any other value, named with ``what`` (a reader would refuse such a manifest).
+    """
+    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= MAX_STEP:
+        raise ConfigError(f"{what} must be an integer from 0 to {MAX_STEP} (2**63 - 1), got {step!r}")
+    return step
 
 
 @runtime_checkable

@@ -36,6 +36,7 @@ from typing import Any
 from torch_ckpt._values import to_seconds
 from torch_ckpt.durations import DURATION_FORMS, format_duration
 from torch_ckpt.errors import CheckpointError, ConfigError
+from torch_ckpt.policy._naming import MAX_STEP
 from torch_ckpt.storage._locations import Location, PathNotFoundError, is_url, outage
 from torch_ckpt.tools.sizing import DTYPE_BYTES, OPTIMIZER_MOMENTS, checkpoint_size, interval_plan, parse_count
 
@@ -94,7 +95,8 @@ _DURATION: dict[str, Any] = {"metavar": "DURATION",
 _LAG: dict[str, Any] = {"metavar": "DURATION",
                         "type": _arg_type("duration", lambda t: to_seconds("duration", t, positive=False))}
 _N: dict[str, Any] = {"metavar": "N", "type": _int_at_least(1)}
-_STEP: dict[str, Any] = {"metavar": "N", "type": _int_at_least(0)}
+_STEP: dict[str, Any] = {"metavar": "N", "type": _number(int, lambda v: 0 <= v <= MAX_STEP,
+                                                           "an integer from 0 to 2**63 - 1")}
 
 
 def fmt_bytes(n: float | None) -> str:

@@ -17,6 +17,7 @@ import io
 import os
 import pickle
 import shutil
+import stat
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -45,6 +46,7 @@ from torch_ckpt.format._files import (
     tensor_keys,
     verify_files,
 )
+from torch_ckpt.policy._naming import check_step
 from torch_ckpt.root._layout import commit_dir, new_incarnation, step_dir_name, temporary_name, write_json_durable
 from torch_ckpt.storage._crc import file_crc32
 from torch_ckpt.storage._locations import as_location
@@ -132,8 +134,8 @@ def export_torch(checkpoint: str | os.PathLike, out: str | os.PathLike, *, allow
         ``{"step", "out", "bytes"}``.
 
     Raises:
-        ConfigError: ``out`` exists (and not ``overwrite``), is a directory, lies inside ``checkpoint``, or its
-            folder does not exist.
+        ConfigError: ``out`` exists (and not ``overwrite``, or is not a regular file), is a directory, lies inside
+            ``checkpoint``, or its folder does not exist.
         CheckpointNotFoundError, CheckpointCorruptError, UnsafeCheckpointError: see :func:`load_full_state`.
     """
     state, manifest = load_full_state(checkpoint, allow_symlinks=allow_symlinks)
@@ -217,6 +219,9 @@ def _output_file(out: str | os.PathLike, checkpoint: str | os.PathLike, overwrit
     if os.path.lexists(out) and not overwrite:
         raise ConfigError(f"{out} already exists; choose another output file, or pass overwrite=True "
                           "(torch-ckpt convert --overwrite) to replace it")
+    if os.path.lexists(out) and not stat.S_ISREG(os.lstat(out).st_mode):
+        raise ConfigError(f"{out} is not a regular file (a symbolic link, device, FIFO or socket): overwrite "
+                          "replaces regular files only; name a new output file")
     if Path(checkpoint).resolve() in out.absolute().resolve().parents:
         raise ConfigError(f"{out} lies inside the checkpoint {checkpoint}, which must stay as committed; write the "
                           "export elsewhere")
@@ -326,15 +331,20 @@ def import_dcp(src: str | os.PathLike, root: str | os.PathLike, step: int, *, li
 
     Raises:
         CheckpointNotFoundError: ``src`` is not a plain DCP folder.
-        ConfigError: ``root`` is ``src`` or inside it, ``root/step_N`` exists, or an item
+        ConfigError: ``step`` is outside ``[0, 2**63 - 1]``, ``root`` is ``src`` or inside it or inside a
+            checkpoint, ``root/step_N`` exists, or an item
             cannot be decoded or stored exactly (named).
         UnsafeCheckpointError: ``.metadata`` references code.
         OSError: a copy or link fails (hard links need one file system).
     """
+    check_step(step)
     src, root = Path(src), Path(root)
     if not (src.is_dir() and is_plain_dcp(as_location(src).entries())):
         raise CheckpointNotFoundError(f"{src} is not a plain DCP checkpoint (a folder holding .metadata without a "
                                       "torch-ckpt manifest.json)")
+    if inside := next((d for d in (root.resolve(), *root.resolve().parents) if (d / MANIFEST_NAME).is_file()), None):
+        raise ConfigError(f"the run root {root} is the checkpoint {inside} or inside it (a retention of that "
+                          "checkpoint would delete the import); import into a run root of its own")
     if root.resolve() == src.resolve() or src.resolve() in root.resolve().parents:
         raise ConfigError(f"the run root {root} is the plain DCP folder {src} or inside it; import into a "
                           "separate run root (e.g. a sibling folder)")
