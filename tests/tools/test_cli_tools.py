@@ -724,6 +724,19 @@ def test_ls_lists_a_symlinked_step_directory_as_restore_does(copy, tmp_path, cap
         assert mgr.all_steps() == [20]
 
 
+@pytest.mark.parametrize("command", ["ls", "verify", "inspect"])
+def test_a_symlink_loop_in_the_root_does_not_break_the_tools(copy, capsys, command):
+    """A self-referencing symlink beside the steps (ELOOP on stat) is passed over: ls/verify/inspect still work."""
+    (copy / "loop").symlink_to("loop")
+    out = run_json(capsys, command, copy)
+    if command == "ls":
+        assert [r["step"] for r in out["steps"]] == [10, 20]
+    elif command == "verify":
+        assert out["ok"] and len(out["checkpoints"]) == 2
+    else:
+        assert out["step"] == 20
+
+
 # --- ls marks what restore would skip, by cheap checks only (issue 14, gap 4) --------------------
 
 

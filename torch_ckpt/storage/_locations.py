@@ -395,8 +395,12 @@ class Location:
                     st = entry.stat(follow_symlinks=False) if entry.is_symlink() else None
                 if st is None:
                     continue
-                if stat.S_ISLNK(st.st_mode) and entry.is_dir():  # a linked step directory: listed as restore lists it
-                    st = entry.stat()
+                if stat.S_ISLNK(st.st_mode):  # a linked step directory: listed as restore lists it
+                    try:
+                        if entry.is_dir():
+                            st = entry.stat()
+                    except OSError:  # a link loop (ELOOP) or removed meanwhile: listed as the link it is
+                        pass
                 kind = "symlink" if stat.S_ISLNK(st.st_mode) else "directory" if stat.S_ISDIR(st.st_mode) else \
                     "file" if stat.S_ISREG(st.st_mode) else "other"
                 out[entry.name] = {"type": kind, "size": int(st.st_size) if kind == "file" else 0,
