@@ -35,13 +35,14 @@ def test_process_writer_roundtrip(tmp_path, make_state):
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_dead_writer_process_is_reported(tmp_path, make_state):
-    """A writer process killed mid-run turns into a CheckpointWriteError, not a hang."""
+    """A writer process killed mid-save turns that save into a CheckpointWriteError, not a hang."""
     state, *_ = make_state()
     with pytest.raises(CheckpointWriteError, match="writer process died"):
         with CheckpointManager(tmp_path, persist="process") as mgr:
-            os.kill(mgr.checkpointer._process_writer._proc.pid, signal.SIGKILL)
-            mgr.checkpointer._process_writer._proc.join(10)
+            pid = mgr.checkpointer._process_writer._proc.pid
+            os.kill(pid, signal.SIGSTOP)  # the save below waits for it
             mgr.save(1, state)
+            os.kill(pid, signal.SIGKILL)
             mgr.wait()
     assert not (tmp_path / "step_000000001").exists()
 

@@ -22,7 +22,8 @@ import psutil
 import pytest
 import torch
 
-from torch_ckpt import CheckpointManager, is_committed
+from tests._dist import run_distributed
+from torch_ckpt import CheckpointManager, CheckpointWriteError, is_committed
 
 pytestmark = pytest.mark.slow  # see pyproject's markers: left out by make test-fast
 
@@ -270,3 +271,52 @@ def test_a_posix_writer_knows_its_trainer_by_parent_pid_alone(tmp_path, monkeypa
     with CheckpointManager(tmp_path, persist="process") as mgr:
         mgr.save(1, {"w": torch.arange(3.0)}).wait()
     assert is_committed(tmp_path / "step_000000001")
+
+
+def _writer_of(mgr) -> psutil.Process:
+    return psutil.Process(mgr.checkpointer._process_writer.pid)
+
+
+@pytest.mark.timeout(180)
+def test_a_writer_process_killed_between_saves_is_replaced_and_the_next_save_commits(tmp_path):
+    """SIGKILL of the idle writer (an OOM kill): the next save starts a new writer process and commits."""
+    with CheckpointManager(tmp_path, persist="process") as mgr:
+        mgr.save(1, {"w": torch.ones(3)}).wait()
+        old = _writer_of(mgr)
+        old.kill()
+        _wait_for(lambda: not mgr.checkpointer._process_writer.alive, "the writer to be reaped")
+        assert mgr.save(2, {"w": torch.full((3,), 2.0)}).wait().endswith("step_000000002")
+        assert _writer_of(mgr).pid != old.pid and mgr.all_steps() == [1, 2]
+
+
+@pytest.mark.timeout(180)
+def test_after_a_save_the_killed_writer_failed_the_following_saves_commit(tmp_path):
+    """A writer killed mid-save fails that save (raised once by its handle); the saves after it commit."""
+    with CheckpointManager(tmp_path, persist="process") as mgr:
+        mgr.save(1, {"w": torch.ones(3)}).wait()
+        writer = _writer_of(mgr)
+        writer.suspend()  # holds the next save mid-way
+        handle = mgr.save(2, {"w": torch.ones(3)})
+        writer.kill()
+        with pytest.raises(CheckpointWriteError, match="writer process died"):
+            handle.wait()
+        for step in (3, 4):
+            mgr.save(step, {"w": torch.ones(3)}).wait()
+        assert mgr.all_steps() == [1, 3, 4]
+
+
+def _kill_own_writer_then_save(rank, world_size, root):
+    with CheckpointManager(root, persist="process") as mgr:
+        mgr.save(1, {"w": torch.ones(3)}).wait()
+        if rank == 1:
+            _writer_of(mgr).kill()
+            _wait_for(lambda: not mgr.checkpointer._process_writer.alive, "rank 1's writer to be reaped")
+        mgr.save(2, {"w": torch.ones(3)}).wait()  # every rank starts a new writer (their group is new)
+        assert mgr.all_steps() == [1, 2]
+
+
+@pytest.mark.timeout(240)
+def test_one_ranks_dead_writer_is_replaced_on_every_rank(tmp_path):
+    """2 gloo ranks: rank 1's writer is killed between saves; every rank starts a new one and step 2 commits."""
+    run_distributed(_kill_own_writer_then_save, 2, tmp_path, daemon=False)
+    assert is_committed(tmp_path / "step_000000002")

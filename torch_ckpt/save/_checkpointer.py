@@ -24,8 +24,9 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import psutil
 import torch
@@ -458,8 +459,9 @@ class AsyncCheckpointer:
         self._failed_names: list[str] = []  # final names of failed saves whose temporaries the next save removes
         # the root layout, set by the manager (root._layout.SharedRoot; root._nodes.NodeLayout: each node commits)
         self.layout: Any = SharedRoot(self._ctx.rank)
+        self._new_writer = partial(ProcessWriter, self._ctx, timeout_seconds=timeout_seconds, niceness=writer_niceness)
         if persist == "process" and self.async_save:
-            self._process_writer = ProcessWriter(self._ctx, timeout_seconds=timeout_seconds, niceness=writer_niceness)
+            self._process_writer = self._new_writer()
         finish_at_exit(self, 0)
 
     @property
@@ -573,8 +575,12 @@ class AsyncCheckpointer:
             except Exception as exc:  # noqa: BLE001 - reported to every rank by the agreement below
                 error = exc
         layout = self.layout if request.nodes is None else request.nodes  # a request may name another root's layout
+        writer_dead = self._process_writer is not None and not self._process_writer.alive
         try:
-            self._agree(request.step, request.final, error, None if job is None else job.signature, layout=layout)
+            restart = self._agree(request.step, request.final, error, None if job is None else job.signature,
+                                  layout=layout, writer_dead=writer_dead)
+            if restart:
+                self._restart_writer(request.step)
         except BaseException as exc:
             if job is not None:
                 self._abandon(job.handle, exc)
@@ -663,12 +669,25 @@ class AsyncCheckpointer:
             if not fut.done():
                 fut.set_exception(exc)
 
+    def _restart_writer(self, step: int) -> None:
+        """Every rank (collective: the writers form a group of their own): replace the writer processes after one
+        died (OOM-killed, say), so the saves of the rest of the run are written again."""
+        old = cast(ProcessWriter, self._process_writer)
+        code = old.exitcode
+        self._process_writer = None
+        old.close()
+        self._process_writer = self._new_writer()
+        log.warning("[rank %d] a checkpoint writer process had died (here: exit code %s); started new ones before "
+                    "step %d", self._ctx.rank, code, step)
+
     def _agree(self, step: Any, final: str | os.PathLike, error: Exception | None,
-               signature: dict[str, tuple] | None = None, *, layout: Any = None) -> None:
+               signature: dict[str, tuple] | None = None, *, layout: Any = None, writer_dead: bool = False) -> bool:
         """The ranks' agreement before a submit (one all-gather on the caller-thread group): every rank raises
-        when any failed or when they disagree. Digests of :func:`_signature` that differ (and differ from the set
-        last agreed on: pipeline stages hold different keys) take a second all-gather of the signatures, to name
-        the keys two ranks store differently (DCP would keep one rank's entry and drop the other's)."""
+        when any failed or when they disagree; True when any rank's writer process died (``writer_dead``), so
+        every rank starts a new one (:meth:`_restart_writer`). Digests of :func:`_signature` that differ (and
+        differ from the set last agreed on: pipeline stages hold different keys) take a second all-gather of the
+        signatures, to name the keys two ranks store differently (DCP would keep one rank's entry and drop the
+        other's)."""
         if isinstance(error, OSError) and not isinstance(error, CheckpointError):
             where = f" ({error.filename})" if error.filename else ""
             typed = CheckpointWriteError(error.errno, f"checkpoint step {step} was not saved: "
@@ -679,7 +698,7 @@ class AsyncCheckpointer:
         # node-local roots are different directories on each node: the ranks agree on the name
         target = (self.layout if layout is None else layout).agreed_name(final)
         try:
-            votes = self._ctx.all_gather((mine, step, target, _digest(signature)), what="save agreement")
+            votes = self._ctx.all_gather((mine, step, target, _digest(signature), writer_dead), what="save agreement")
         except CheckpointError:
             if error is not None:
                 raise error  # noqa: B904 - this rank's own failure says more than the failed agreement (its context)
@@ -708,6 +727,7 @@ class AsyncCheckpointer:
                     "every rank, and a key stored per rank must not be replicated on another rank; values that "
                     "differ per rank belong outside replicated_keys")
             self._agreed_digests = digests
+        return any(vote[4] for vote in votes)
 
     def wait_staged(self) -> None:
         """Block until the in-flight save no longer reads the live tensors (see ``overlap_staging``)."""

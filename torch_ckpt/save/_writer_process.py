@@ -219,6 +219,16 @@ class ProcessWriter:
                     f"the checkpoint writer process did not answer within {deadline_s:.0f} s") from None
 
     @property
+    def alive(self) -> bool:
+        """True while the writer process runs (False once it died, e.g. OOM-killed, or was closed)."""
+        return self._proc.is_alive()
+
+    @property
+    def exitcode(self) -> int | None:
+        """Exit code of the writer process once it ended (negative: the signal that killed it), else None."""
+        return self._proc.exitcode
+
+    @property
     def pid(self) -> int | None:
         """Process id of the writer process (None before it started)."""
         return self._proc.pid
