@@ -620,6 +620,18 @@ def test_malformed_newest_step_falls_back_to_the_previous_one(tmp_path, make_sta
 
 
 @pytest.mark.timeout(120)
+def test_a_newest_step_without_a_valid_manifest_is_warned_about_once_per_open_and_restore(tmp_path, make_state,
+                                                                                            caplog):
+    """Opening a root and restoring past a step whose manifest is not JSON logs its 'ignoring' warning once."""
+    live, _, step2 = _two_steps(tmp_path, make_state)
+    (step2 / "manifest.json").write_text("{")
+    with caplog.at_level(logging.WARNING), CheckpointManager(tmp_path) as mgr:
+        assert mgr.restore(live) == 1
+    assert [r.getMessage() for r in caplog.records].count(
+        next(m for r in caplog.records if (m := r.getMessage()).startswith("ignoring"))) == 1
+
+
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("damage", list(_MALFORMED), ids=list(_MALFORMED))
 def test_explicit_restore_of_an_intact_step_works_beside_a_malformed_one(tmp_path, make_state, damage):
     """restore(step=1) succeeds however step 2 is malformed."""

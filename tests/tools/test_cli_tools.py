@@ -417,6 +417,23 @@ def test_unreachable_store_exits_1_with_one_line(capsys):
                            "reset by peer")
 
 
+class _ConnectsAtOnce(fsspec.AbstractFileSystem):
+    """An fsspec store that connects when created (as FTP and SFTP do), to a port where nothing listens."""
+
+    protocol = "connectsatonce"
+
+    def __init__(self, *args, **kwargs):
+        raise ConnectionRefusedError(111, "Connection refused")
+
+
+def test_a_store_that_refuses_the_connection_when_created_exits_1_naming_the_url(capsys):
+    """A backend refusing the connection in its constructor: exit 1, one line naming the URL, no traceback."""
+    fsspec.register_implementation("connectsatonce", _ConnectsAtOnce, clobber=True)
+    code, out, err = run(capsys, "ls", "connectsatonce://host/run")
+    assert code == 1 and out == "" and "Traceback" not in err
+    assert "cannot reach URL connectsatonce://host/run: ConnectionRefusedError" in err
+
+
 def test_a_store_without_credentials_says_where_they_go(capsys, monkeypatch):
     """An S3 URL with no credentials anywhere fails in one line that names the environment and --storage-options."""
     for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):

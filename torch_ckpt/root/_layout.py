@@ -377,8 +377,26 @@ def scan_committed(root: str | os.PathLike, naming: Naming | None = None) -> dic
     return {step: path for step, (path, _) in scan_manifests(root, naming).items()}
 
 
+#: ``{warning: monotonic time}`` of the scans' recent warnings (one open and restore scans a root several times)
+_WARNED: dict[str, float] = {}
+_REPEAT_AFTER_S = 60.0
+
+
+def _warn_skipped(message: str) -> None:
+    """Log a skipped entry as a warning, the same one again only after :data:`_REPEAT_AFTER_S` (else debug)."""
+    now = time.monotonic()
+    if now - _WARNED.get(message, -_REPEAT_AFTER_S) < _REPEAT_AFTER_S:
+        log.debug("%s", message)
+        return
+    if len(_WARNED) > 1000:
+        _WARNED.clear()
+    _WARNED[message] = now
+    log.warning("%s", message)
+
+
 def scan_manifests(root: str | os.PathLike, naming: Naming | None = None) -> dict[int, tuple[Path, Manifest]]:
-    """:func:`scan_committed` with each directory's manifest: ``{step: (directory, manifest)}``, ascending."""
+    """:func:`scan_committed` with each directory's manifest: ``{step: (directory, manifest)}``, ascending.
+    A skipped directory is warned about once a minute at most (a restore scans the root more than once)."""
     root = Path(root)
     naming = naming or _DEFAULT_NAMING
     found: dict[int, tuple[Path, Manifest]] = {}
@@ -395,13 +413,13 @@ def scan_manifests(root: str | os.PathLike, naming: Naming | None = None) -> dic
                 log.debug("ignoring %s: removed while the root was listed", entry)
                 continue
             if not is_reservation(entry):  # a reserved name (a save in flight, or crashed) is silently not one
-                log.warning("ignoring %s: %s", entry, exc)
+                _warn_skipped(f"ignoring {entry}: {exc}")
             continue
         except OSError as exc:  # unreadable (permissions, I/O error): not a usable checkpoint either
-            log.warning("ignoring %s: cannot read its manifest (%s)", entry, exc)
+            _warn_skipped(f"ignoring {entry}: cannot read its manifest ({exc})")
             continue
         if manifest.step != named_step:
-            log.warning("ignoring %s: manifest says step %d", entry, manifest.step)
+            _warn_skipped(f"ignoring {entry}: manifest says step {manifest.step}")
             continue
         found[manifest.step] = (entry, manifest)
     return dict(sorted(found.items()))

@@ -202,11 +202,16 @@ def url_to_fs(url: str, storage_options: dict[str, Any] | None = None, *, what: 
     Raises:
         ConfigError: the URL's protocol is unknown or its backend is not installed (the message
             names the package to install).
+        DurableUnavailableError: the backend connects when created (FTP, SFTP) and the store cannot be reached.
     """
     try:
         fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
     except (ImportError, ValueError) as exc:
         raise ConfigError(f"cannot use {what} {url!r}: {exc}") from exc
+    except FileNotFoundError:
+        raise
+    except (OSError, EOFError) as exc:  # a refused or dropped connection of a backend that connects at once
+        raise outage(f"cannot reach {what} {url}", exc) from exc
     return fs, root.rstrip("/")
 
 
