@@ -274,6 +274,9 @@ class AsyncDCPCheckpointIO(CheckpointIO):
         state = self._state(checkpoint)
         manager = self.manager(path.parent)
         self.wait()  # the previous save and its deferred actions come first
+        if rank == 0 and path.is_symlink():  # save_last="link" saves last.ckpt in full after a resume: Lightning's
+            log.info("replacing the link %s by a checkpoint, as Lightning does", path)  # own IO replaces the link
+            path.unlink()
         step = int(checkpoint.get("global_step", 0))
         named = path.parent == manager.root and manager.naming.step_of(path.name) == step
         self._after.handle = manager.save(step, state, path=None if named else path)

@@ -81,3 +81,17 @@ def test_remove_checkpoint_outside_a_run_removes_a_committed_directory(make_trai
     trainer.save_checkpoint(tmp_path / "manual.ckpt")
     trainer.strategy.remove_checkpoint(tmp_path / "manual.ckpt")
     assert not (tmp_path / "manual.ckpt").exists() and ckpt_threads(0) == []
+
+
+def test_a_full_save_onto_a_save_last_link_replaces_the_link_as_lightning_does(make_trainer, tmp_path):
+    """After a resume, save_last="link" saves last.ckpt in full: the link is replaced, its target is kept."""
+    import os
+
+    trainer = make_trainer(plugins=[AsyncDCPCheckpointIO()])
+    trainer.fit(TinyModule())
+    target = tmp_path / "epoch=0-step=4.ckpt"
+    trainer.save_checkpoint(target)
+    os.symlink(target.name, tmp_path / "last.ckpt")
+    trainer.save_checkpoint(tmp_path / "last.ckpt")
+    assert not (tmp_path / "last.ckpt").is_symlink() and is_committed(tmp_path / "last.ckpt")
+    assert is_committed(target)
