@@ -450,6 +450,17 @@ def test_a_store_without_credentials_says_where_they_go(capsys, monkeypatch):
 # --- convert, bench ----------------------------------------------------------------------------
 
 
+def test_convert_of_a_root_whose_newest_step_is_corrupt_names_the_older_steps(copy, tmp_path, capsys):
+    """`convert ROOT` stops at a corrupt newest step (exit 1) and says which older steps --step can export."""
+    shard = copy / STEP20 / SHARD
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    code, _, err = run(capsys, "convert", copy, "--to", "torch", tmp_path / "full.pt")
+    assert code == 1 and "CRC-32" in err and "--step N (committed: 10)" in err
+    assert not (tmp_path / "full.pt").exists()
+
+
 def test_convert_from_a_memory_url(saved, tmp_path, capsys):
     """`convert URL --to torch` downloads, verifies and exports a file loadable with weights_only=True."""
     out = run_json(capsys, "convert", f"{saved['url']}/{STEP20}", "--to", "torch", tmp_path / "full.pt", "--quiet")

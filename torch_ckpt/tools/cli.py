@@ -35,7 +35,7 @@ from typing import Any
 
 from torch_ckpt._values import to_seconds
 from torch_ckpt.durations import DURATION_FORMS, format_duration
-from torch_ckpt.errors import CheckpointError, ConfigError
+from torch_ckpt.errors import CheckpointCorruptError, CheckpointError, ConfigError
 from torch_ckpt.policy._naming import MAX_STEP
 from torch_ckpt.storage._locations import Location, PathNotFoundError, is_url, outage
 from torch_ckpt.tools.sizing import DTYPE_BYTES, OPTIMIZER_MOMENTS, checkpoint_size, interval_plan, parse_count
@@ -528,10 +528,22 @@ def _cmd_convert(args: argparse.Namespace) -> int:
 
     if args.model is not None and args.to != "safetensors":
         raise UsageError("--model applies to --to safetensors only (--to torch exports the full state)")
-    with _local_copy(args) as (path, chosen):
-        result = export_torch(path, args.out, allow_symlinks=args.follow_symlinks, overwrite=args.overwrite) \
-            if args.to == "torch" else export_safetensors(path, args.out, model=args.model, overwrite=args.overwrite,
-                                                          allow_symlinks=args.follow_symlinks)
+    try:
+        with _local_copy(args) as (path, chosen):
+            result = export_torch(path, args.out, allow_symlinks=args.follow_symlinks, overwrite=args.overwrite) \
+                if args.to == "torch" else export_safetensors(path, args.out, model=args.model,
+                                                              overwrite=args.overwrite,
+                                                              allow_symlinks=args.follow_symlinks)
+    except CheckpointCorruptError as exc:  # a root's newest step: say how to take an older one (restore would)
+        root = Path(os.path.expanduser(args.checkpoint))
+        if args.step is not None or is_url(args.checkpoint) or (root / "manifest.json").exists():
+            raise
+        from torch_ckpt.root._layout import scan_committed
+
+        steps = sorted(scan_committed(root))
+        raise CheckpointCorruptError(f"{exc}; that is the newest step of {root}: export an older committed one "
+                                     f"with --step N (committed: {', '.join(map(str, steps[:-1][-10:]))})"
+                                     if len(steps) > 1 else str(exc)) from exc
     result["checkpoint"] = chosen  # the checkpoint exported (a root's chosen step), as inspect names it
     extra = f", {result['tensors']} tensors" if "tensors" in result else ""
     if result.get("models"):
