@@ -216,12 +216,13 @@ def _output_file(out: str | os.PathLike, checkpoint: str | os.PathLike, overwrit
     out = Path(out)
     if out.is_dir():
         raise ConfigError(f"{out} is a directory; name the output file, e.g. {out / 'model.safetensors'}")
-    if os.path.lexists(out) and not overwrite:
-        raise ConfigError(f"{out} already exists; choose another output file, or pass overwrite=True "
-                          "(torch-ckpt convert --overwrite) to replace it")
-    if os.path.lexists(out) and not stat.S_ISREG(os.lstat(out).st_mode):
-        raise ConfigError(f"{out} is not a regular file (a symbolic link, device, FIFO or socket): overwrite "
-                          "replaces regular files only; name a new output file")
+    if os.path.lexists(out):
+        if not overwrite:
+            raise ConfigError(f"{out} already exists; choose another output file, or pass overwrite=True "
+                              "(torch-ckpt convert --overwrite) to replace it")
+        if not stat.S_ISREG(os.lstat(out).st_mode):
+            raise ConfigError(f"{out} is not a regular file (a symbolic link, device, FIFO or socket): overwrite "
+                              "replaces regular files only; name a new output file")
     if Path(checkpoint).resolve() in out.absolute().resolve().parents:
         raise ConfigError(f"{out} lies inside the checkpoint {checkpoint}, which must stay as committed; write the "
                           "export elsewhere")
