@@ -54,6 +54,9 @@ from benchmarks._common import emit_json, free_port, git_info, make_log  # noqa:
 log = make_log("recovery")
 TENSOR_BYTES = 16 << 20
 CASES = ("peer", "memory", "durable")
+#: the timed parts of a restore: the stream, the durable listing and fetch, the inventory gathering (``_plan``),
+#: the agreement with the durable steps (``_decide``; inside ``load_into`` when a read precedes it) and the load
+PARTS = ("repair", "listed", "fetch", "_plan", "_decide", "load_into")
 
 
 def _state(mb: int, fill: float) -> dict[str, Any]:
@@ -135,16 +138,25 @@ def _time_calls(owner: Any, name: str, parts: dict[str, float]) -> None:
 class Node:
     """One rank's side: its roots, the managers' settings, and the timed restores."""
 
-    def __init__(self, rank: int, base: Path, shm: Path, url: str, options: dict, mb: int) -> None:
+    def __init__(self, rank: int, base: Path, shm: Path, url: str, options: dict, mb: int,
+                 listing_latency_s: float = 0.0) -> None:
         self.rank, self.disk, self.mem = rank, base / f"node{rank}" / "disk", shm / f"node{rank}"
         self.kwargs = {"memory_root": str(self.mem), "memory_replicas": 1, "durable_url": url,
                        "storage_options": options}
         self.target = _state(mb, fill=-1.0)
         self.parts: dict[str, float] = {}  # seconds of the timed parts of the last restore on this rank
         from torch_ckpt.manager import _memory
+        from torch_ckpt.save import _checkpointer
         from torch_ckpt.tiers._durable import DurableTier
 
-        for owner, name in ((_memory, "repair"), (DurableTier, "listed"), (DurableTier, "fetch")):
+        if listing_latency_s:  # a remote store's round trips: waited with the GIL released, as a socket wait is
+            def slow(tier, original=DurableTier.listed):
+                time.sleep(listing_latency_s)
+                return original(tier)
+            DurableTier.listed = slow
+        for owner, name in ((_memory, "repair"), (DurableTier, "listed"), (DurableTier, "fetch"),
+                            (_memory.MemoryTier, "_plan"), (_memory.MemoryTier, "_decide"),
+                            (_checkpointer, "load_into")):
             _time_calls(owner, name, self.parts)
 
     def manager(self, **extra):
@@ -194,7 +206,7 @@ def _rank_main(rank: int, port: int, base: str, shm: str, url: str, options: dic
     logging.basicConfig(level=logging.ERROR)
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo", rank=rank, world_size=2)
-    node = Node(rank, Path(base), Path(shm), url, options, args.mb)
+    node = Node(rank, Path(base), Path(shm), url, options, args.mb, args.listing_latency_s)
     source = _state(args.mb, fill=1.0)
     t0 = time.perf_counter()
     with node.manager(async_save=False) as mgr:
@@ -260,7 +272,7 @@ def summarize(raw: dict[str, Any], mb: int) -> dict[str, Any]:
                        "sources": sorted({f"node{n}:{rec[case][f'node{n}'][2]}" for rec in reps for n in (0, 1)}),
                        "steps": sorted({rec[case][f"node{n}"][1] for rec in reps for n in (0, 1)}),
                        "parts_s": {f"node{n}_{part}": stat([rec[case][f"node{n}"][3].get(part, 0.0) for rec in reps])
-                                   for n in (0, 1) for part in ("repair", "listed", "fetch")
+                                   for n in (0, 1) for part in PARTS
                                    if any(part in rec[case][f"node{n}"][3] for rec in reps)}}
     gloo = [rec["gloo_s"] for rec in reps]
     read = [rec["tmpfs_read_s"] for rec in reps]
@@ -294,6 +306,8 @@ def main(argv=None) -> dict[str, Any]:
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank")
     p.add_argument("--dir", type=Path, default=None, help="parent of the disk roots (default: $TMPDIR)")
     p.add_argument("--profile-top", type=int, default=25, help="cProfile entries kept per rank (peer restore)")
+    p.add_argument("--listing-latency-s", type=float, default=0.0,
+                   help="seconds added before every durable listing (a remote store's round trips; default 0)")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
     import logging

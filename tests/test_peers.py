@@ -66,11 +66,17 @@ def _committed_copy(tmp_path: Path) -> Path:
     return tmp_path / "mem" / "step_000000001"
 
 
-def _stream(source: Path, files, target: Path, chunk: int = 1000) -> _Sink:
-    reader, sink = _Reader(source, files), _Sink(target, files)
-    total = sum(size for _, size, _ in files)
-    for start in range(0, total, chunk):
-        sink.write(memoryview(reader.read(min(chunk, total - start))))
+def _stream(source: Path, files, target: Path, skip=None, local=None) -> _Sink:
+    """Stream ``source``'s listed files into ``target`` piece by piece in this process, in pieces of 1,000 bytes."""
+    chunk, _peers.CHUNK_BYTES = _peers.CHUNK_BYTES, 1000
+    try:
+        reader, sink = _Reader(source, files, skip), _Sink(target, files, local)
+    finally:
+        _peers.CHUNK_BYTES = chunk
+    assert [length for *_, length in reader.pieces] == [length for *_, length in sink.pieces]
+    for i in range(len(reader.pieces)):
+        sink.view(i).copy_(torch.frombuffer(reader.read(i), dtype=torch.uint8))
+        sink.landed(i)
     sink.close()
     return sink
 
@@ -132,11 +138,8 @@ def test_a_chunk_whose_bytes_differ_on_the_receiver_is_sent_and_the_copy_verifie
     for k, (fd, offset) in found.items():
         skip.setdefault(chunks[k][0], []).append(tuple(chunks[k][1:3]))
         local.setdefault(chunks[k][0], []).append((*chunks[k][1:3], fd, offset))
-    reader, sink = _Reader(copy, files, skip), _Sink(tmp_path / "out", files, local)
-    assert reader.total == sink.total == sum(size for _, size, _ in files) - sum(c[2] for c in chunks) + length
-    for start in range(0, reader.total, 1000):
-        sink.write(memoryview(reader.read(min(1000, reader.total - start))))
-    sink.close()
+    sink = _stream(copy, files, tmp_path / "out", skip, local)
+    assert sink.total == sum(size for _, size, _ in files) - sum(c[2] for c in chunks) + length
     for fd in fds:
         os.close(fd)
     assert sink.problems == []
@@ -264,7 +267,7 @@ def test_replication_works_with_a_writer_process(tmp_path):
 
 
 def _stream_both_ways(rank, world, base):
-    _peers.CHUNK_BYTES = 1000  # many chunks, so that chunk i + 1 is in flight while chunk i is written
+    _peers.CHUNK_BYTES = 1000  # many pieces, so that piece i + 1 is in flight while piece i lands
     data = os.urandom(10_500 if rank == 0 else 2_100)  # 11 and 3 chunks: the shorter stream ends first
     out, into = Path(base) / f"out{rank}", Path(base) / f"in{rank}"
     out.mkdir()
@@ -273,8 +276,7 @@ def _stream_both_ways(rank, world, base):
     torch.distributed.all_gather_object(listings := [None, None], files)
     peer = 1 - rank
     sink = _Sink(into, listings[peer])
-    _transfer(None, [(peer, _Reader(out, files), len(data))], [(peer, sink, listings[peer][0][1])],
-              bytes_per_second=None)
+    _transfer(None, [(peer, _Reader(out, files))], [(peer, sink)], bytes_per_second=None)
     sink.close()
     assert sink.problems == []
     assert (into / "a.bin").read_bytes() == (Path(base) / f"out{peer}" / "a.bin").read_bytes()
@@ -282,7 +284,7 @@ def _stream_both_ways(rank, world, base):
 
 @pytest.mark.slow
 def test_two_streams_of_many_chunks_cross_intact(tmp_path):
-    """Two nodes stream each other files of 11 and 3 chunks at once (double-buffered); both arrive byte for byte."""
+    """Two nodes stream each other files of 11 and 3 pieces at once (two in flight); both arrive byte for byte."""
     run_distributed(_stream_both_ways, 2, str(tmp_path), timeout_s=120)
 
 
@@ -322,6 +324,87 @@ def test_the_durable_listing_decides_after_a_lost_copy_streamed_back(tmp_path, d
     """A lost node's memory copy streams back while the durable tier is listed; a newer durable step still wins,
     an older one leaves the streamed copy to be loaded."""
     run_distributed(_durable_beside_a_lost_copy, 2, str(tmp_path), durable_newer, timeout_s=240)
+
+
+def _read_while_listed(rank, world, base, durable_newer):
+    import threading
+
+    from torch_ckpt.restore import _restore
+    from torch_ckpt.tiers._durable import DurableTier
+
+    node = _node(rank, base)
+    kwargs = {"memory_root": str(node / "mem"), "durable_url": (Path(base) / "durable").as_uri()}
+    state, model, opt = _state()
+    with CheckpointManager(node / "disk", async_save=False, durable_create=True, **kwargs) as mgr:
+        for step in (4, 5, 6) if durable_newer else (4, 5):
+            _train(model, opt, step)
+            mgr.save(step, state, tier="memory" if step == 5 else "disk")
+        assert mgr.wait_durable(60)
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    torch.distributed.barrier()
+    shutil.rmtree(node / "disk")  # the disk steps are in the durable tier only; every node keeps its memory copy
+    torch.distributed.barrier()
+    read, listings = threading.Event(), []
+    _restore.load_direct = lambda *a, original=_restore.load_direct, **k: (read.set(), original(*a, **k))[1]
+
+    def listed(tier, original=DurableTier.listed):  # the coordinator's listing waits for the memory read
+        listings.append(read.wait(60))
+        return original(tier)
+    DurableTier.listed = listed
+    fresh, model2, _ = _state(seed=1)
+    with CheckpointManager(node / "disk", **kwargs) as mgr:
+        got, source = mgr.restore(fresh), mgr.restore_source
+    assert listings[:1] == [True] if rank == 0 else not listings  # (the disk/durable path lists once more)
+    assert all(torch.equal(want[k], v) for k, v in model2.state_dict().items())
+    assert (got, source) == ((6, "durable-node") if durable_newer else (5, "memory"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("durable_newer", [True, False])
+def test_the_own_memory_copy_is_read_while_the_durable_tier_is_listed(tmp_path, durable_newer):
+    """Each node reads its memory copy while the coordinator lists the durable tier; a newer durable step still
+    wins (the read is dropped), an older one leaves the memory step to be written into the live state."""
+    run_distributed(_read_while_listed, 2, str(tmp_path), durable_newer, timeout_s=240)
+
+
+def _fsdp_memory_restore(rank, world, base):
+    from torch.distributed.fsdp import fully_shard
+
+    def sharded(seed: int):
+        _, model, _ = _state(seed)
+        for layer in model:
+            fully_shard(layer)
+        fully_shard(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        return TrainState(model=model, optimizer=opt), model, opt
+
+    node = _node(rank, base)
+    kwargs = {"memory_root": str(node / "mem")}
+    state, model, opt = sharded(0)
+    with CheckpointManager(node / "disk", async_save=False, **kwargs) as mgr:
+        for step in (1, 2):
+            _train(model, opt, step)
+            mgr.save(step, state, tier="memory" if step == 2 else "disk")
+    want = {k: v.full_tensor() for k, v in model.state_dict().items()}
+    if rank == 1:
+        shutil.rmtree(node / "mem")  # node 1's shards come back from node 0's replica
+    torch.distributed.barrier()
+    fresh, model2, opt2 = sharded(1)
+    with CheckpointManager(node / "disk", **kwargs) as mgr:
+        got, source = mgr.restore(fresh), mgr.restore_source
+    assert (got, source) == (2, "memory-peer" if rank == 1 else "memory")
+    assert all(torch.equal(want[k], v.full_tensor()) for k, v in model2.state_dict().items())
+    assert opt2.state_dict()["state"] and all(
+        torch.equal(a.full_tensor(), b.full_tensor()) for k in opt.state_dict()["state"]
+        for a, b in zip(opt.state_dict()["state"][k].values(), opt2.state_dict()["state"][k].values())
+        if isinstance(a, torch.Tensor) and a.dim())
+
+
+@pytest.mark.slow
+def test_fsdp2_shards_restore_bitwise_from_each_node_s_memory_copy(tmp_path):
+    """FSDP2 on 2 nodes of one rank: each rank reads its node's memory copy alone (one rebuilt from the partner's
+    replica), and the sharded model and optimizer state come back bitwise."""
+    run_distributed(_fsdp_memory_restore, 2, str(tmp_path), timeout_s=240)
 
 
 def _figures(base: Path, world: int) -> list[dict]:

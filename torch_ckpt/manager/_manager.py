@@ -1038,9 +1038,9 @@ class CheckpointManager:
         listed: dict[int, Lineage] = {}  # the memory tier's steps: restoring an older one elsewhere is a rollback
         if self._memory is not None:  # a newer step in every node's memory_root, verified
             self.restore_source = None
-            def from_memory(local: Path, verify: bool) -> None:
+            def from_memory(local: Path, verify: bool, before_write: Callable[[], Any] | None) -> None:
                 self._ckpt.load(local, state, verify=verify, allow_cast=allow_cast,
-                                on_world_size_change=self.on_world_size_change)
+                                on_world_size_change=self.on_world_size_change, before_write=before_write)
 
             memory = self._memory.restore(step=step, disk_root=self.root, tier=self._tier, choose=path is None,
                                           load=from_memory, disk_per_node=self._roots.node_local)

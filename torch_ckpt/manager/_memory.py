@@ -66,6 +66,11 @@ log = get_logger(__name__)
 #: A memory restore candidate: (step, run segment of the next saves, {node: holder} to rebuild, below the disk floor).
 _Candidate = tuple[int, Lineage, Any, bool]
 
+
+class _Superseded(Exception):
+    """A memory step was read, and the plan agreed with the durable steps starts with another one: the read is
+    dropped before the live state is written."""
+
 #: The values of ``CheckpointManager.save(..., tier=)``.
 TIERS = ("disk", "memory")
 
@@ -307,8 +312,9 @@ class MemoryTier:
         ``load(directory, verify=...)`` loads a step; ``verify`` (CRC-32) is False for a copy just rebuilt from a
         partner's replica, checked as it arrived.
         The coordinator lists the durable tier in the background: meanwhile the first candidate without the
-        durable steps is rebuilt from the partners' replicas where a node lost its copy (kept for the final
-        plan when it is its first candidate too), and nothing is loaded before the plan with them is agreed.
+        durable steps is rebuilt from the partners' replicas where a node lost its copy, and read; the plan with
+        the durable steps is agreed before the live state is written. When its first candidate is another
+        step, the read is dropped (the live state unchanged) and that plan is followed.
 
         Raises:
             StateMismatchError: the memory checkpoint does not fit the live state.
@@ -318,7 +324,35 @@ class MemoryTier:
         if guess and guess[0][2] and not guess[0][3]:
             early = (guess[0][0], guess[0][2],
                      repair(self.layout, self.ctx, self.root, self.naming, guess[0][0], guess[0][2]))
-        plan = self._decide(step, gathered, listing, disk_per_node) if choose and tier is not None else guess
+        if not (choose and tier is not None):
+            return self._follow(guess, load, early)
+        agreed: list[list[_Candidate]] = []
+
+        def agree(cand: int, repairs: Any) -> Lineage:
+            """Collective the first time, before the live state is written: the plan with the durable steps; the
+            run segment ``cand`` continues, or :class:`_Superseded`."""
+            if not agreed:
+                agreed.append(self._decide(step, gathered, listing, disk_per_node))
+            first = next((entry for entry in agreed[0] if not entry[3]), None)
+            if first is None or (first[0], first[2]) != (cand, repairs):
+                raise _Superseded()
+            return first[1]
+
+        tried: set[int] = set()
+        try:
+            done = self._first([entry[:3] for entry in guess if not entry[3]], load, early, agree=agree, tried=tried)
+        except _Superseded:
+            done = None
+        if done is not None:
+            self.fallbacks = [entry[:3] for entry in agreed[0] if entry[3]]
+            return done
+        if not agreed:  # every guessed candidate failed before the agreement
+            agreed.append(self._decide(step, gathered, listing, disk_per_node))
+        return self._follow([entry for entry in agreed[0] if entry[0] not in tried], load, early)
+
+    def _follow(self, plan: list[_Candidate], load: Callable[..., None],
+                early: tuple[int, Any, str | None] | None) -> tuple[int, Lineage] | None:
+        """Collective: load the first candidate of the agreed ``plan`` that works; keep its fallbacks."""
         self.fallbacks = [entry[:3] for entry in plan if entry[3]]
         return self._first([entry[:3] for entry in plan if not entry[3]], load, early)
 
@@ -333,23 +367,33 @@ class MemoryTier:
         return self._first(plan, load, None) if plan else None
 
     def _first(self, plan: list[tuple[int, Lineage, Any]], load: Callable[..., None],
-               early: tuple[int, Any, str | None] | None) -> tuple[int, Lineage] | None:
-        """Collective: load the first memory candidate of ``plan`` that works (``early``: a rebuild already done)."""
+               early: tuple[int, Any, str | None] | None, *, agree: Callable[[int, Any], Lineage] | None = None,
+               tried: set[int] | None = None) -> tuple[int, Lineage] | None:
+        """Collective: load the first memory candidate of ``plan`` that works (``early``: a rebuild already done).
+        ``agree(step, repairs)``, when given, is called once a candidate is read, before the live state is
+        written: it returns the candidate's run segment or raises :class:`_Superseded`; ``tried`` collects the
+        steps that failed."""
         for cand, lineage, repairs in plan:
             if early is not None and early[:2] == (cand, repairs):
                 problem = early[2]
             else:
                 problem = repair(self.layout, self.ctx, self.root, self.naming, cand, repairs) if repairs else None
             if problem is not None:
+                if tried is not None:
+                    tried.add(cand)
                 log.warning("memory tier: step %d could not be rebuilt from the partners' replicas (%s); falling back "
                             "to %s", cand, problem, "an older memory step" if cand != plan[-1][0] else
                             "the disk and durable tiers")
                 continue
             checked = self.layout.node in repairs  # rebuilt: every file's CRC-32 was checked as it arrived
+            before_write = None if agree is None else functools.partial(agree, cand, repairs)
             try:
                 restore_node_local(self.layout, self.ctx, None, self.root, self.naming,
-                                   functools.partial(load, verify=not checked), step=cand, read_only=True)
+                                   functools.partial(load, verify=not checked, before_write=before_write),
+                                   step=cand, read_only=True)
             except (CheckpointCorruptError, CheckpointNotFoundError, CheckpointReadError) as exc:
+                if tried is not None:
+                    tried.add(cand)
                 log.warning("memory tier: step %d could not be restored from %s (%s: %s); falling back to %s",
                             cand, self.root, type(exc).__name__, exc,
                             "an older memory step" if cand != plan[-1][0] else "the disk and durable tiers")
@@ -360,7 +404,7 @@ class MemoryTier:
             self.restored(cand)
             if self.peers is not None and self.layout.is_leader:
                 self.peers.committed(cand)  # node-loss-safe again: the partners may lack it (a rebuilt copy, a kill)
-            return cand, lineage
+            return cand, lineage if agree is None else agree(cand, repairs)  # (agreed already: no collective)
         return None
 
     def restored(self, step: int) -> None:

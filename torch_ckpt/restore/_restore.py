@@ -693,25 +693,26 @@ def _read_file(fd: int, path: Path, expected: dict[str, int], entries: list[tupl
 
 def load_direct(targets: _Targets, step_dir: str | os.PathLike, md: Metadata, manifest: Manifest, *,
                 verify: bool, allow_symlinks: bool = False) -> set[str]:
-    """Read a single-rank checkpoint's data files once each (two at a time, CRC-32 on a second thread),
+    """Read the data files of a copy one process reads alone once each (two at a time, CRC-32 on a second thread),
     placing a tensor straight into its target when its record's framing is byte for byte ``torch.save``'s.
 
     Sizes are checked before the first byte is placed, CRC-32s after (``CheckpointCorruptError`` naming
     the first failing file); an interrupt stops every reader. Returns the keys left for DCP's reader.
     """
     step_dir = Path(step_dir)
+    held = manifest.local_files()
     by_file: dict[str, list[tuple[int, int, str | None]]] = {}
     seen: dict[str, int] = {}
     for index, info in md.storage_data.items():
         name = getattr(info, "relative_path", None)
-        if name not in manifest.files:
+        if name not in held:
             continue  # DCP's reader refuses it with a clear error
         key = index.fqn if index.fqn in targets and not getattr(info, "transform_descriptors", None) else None
         by_file.setdefault(name, []).append((int(info.offset), int(info.length), key))
         if key is not None:
             seen[key] = seen.get(key, 0) + 1
     placeable = {k for k, n in seen.items() if n == 1 and _placeable(k, targets[k], md)}
-    jobs = [(name, sorted(by_file.get(name, []))) for name in sorted(manifest.files) if name.endswith(DATA_SUFFIX)]
+    jobs = [(name, sorted(by_file.get(name, []))) for name in sorted(held) if name.endswith(DATA_SUFFIX)]
     jobs = [(name, entries) for name, entries in jobs if verify or any(k in placeable for _, _, k in entries)]
     fds: list[int] = []
     try:  # every file's size is checked before the first byte is placed
@@ -773,7 +774,8 @@ def load_direct(targets: _Targets, step_dir: str | os.PathLike, md: Metadata, ma
 
 # -- the whole restore ------------------------------------------------------------------------------
 def load_into(state: Any, step_dir: Path, manifest: Manifest, ctx: DistContext, *, verify: bool,
-              on_world_size_change: str = "error", allow_cast: bool = False) -> None:
+              on_world_size_change: str = "error", allow_cast: bool = False,
+              before_write: Callable[[], Any] | None = None) -> None:
     """Load ``step_dir`` into ``state`` (a ``Stateful`` or a mutable dict) in place, all or nothing.
 
     Files, keys, shapes, dtypes and (with ``check_load``, as :class:`~torch_ckpt.TrainState` has)
@@ -795,6 +797,9 @@ def load_into(state: Any, step_dir: Path, manifest: Manifest, ctx: DistContext, 
         verify: check CRC-32 of every file (sizes are always checked).
         on_world_size_change: "error" or "keep_live" (rank-local state when the world size changed).
         allow_cast: cast tensors whose dtype differs from the live one (each key logged once).
+        before_write: called on every rank once every rank has read and checked everything, before the first
+            write to the live state (e.g. a collective that may still call the restore off by raising: the live
+            state then stays unchanged).
 
     Raises:
         CheckpointCorruptError: files fail verification or the structure is inconsistent (a tensor
@@ -808,7 +813,7 @@ def load_into(state: Any, step_dir: Path, manifest: Manifest, ctx: DistContext, 
     session = getattr(state, "load_session", None)  # e.g. TrainState: work shared by its hooks, once per restore
     with collector_paused(), (session() if callable(session) else contextlib.nullcontext()):
         _load_into(state, Path(step_dir), manifest, ctx, verify=verify, on_world_size_change=on_world_size_change,
-                   allow_cast=allow_cast)
+                   allow_cast=allow_cast, before_write=before_write)
 
 
 def _verified(step_dir: Path, manifest: Manifest, ctx: DistContext, *, direct: bool, verify: bool,
@@ -856,10 +861,13 @@ def _vote(ctx: DistContext, step_dir: Path, error: BaseException | None, what: s
 
 
 def _load_into(state: Any, step_dir: Path, manifest: Manifest, ctx: DistContext, *, verify: bool,
-               on_world_size_change: str, allow_cast: bool) -> None:
+               on_world_size_change: str, allow_cast: bool, before_write: Callable[[], Any] | None) -> None:
     """The body of :func:`load_into` (same arguments and errors), run with the collector paused."""
     same_world = manifest.world_size == ctx.world_size
-    direct = not ctx.enabled  # one process reads every file itself: checksum while placing the tensors
+    # one reader of every file (one process, or a node's copy that this rank alone reads): checksum while placing
+    direct = not ctx.enabled or (manifest.node is not None and same_world
+                                 and [r for r, n in enumerate(manifest.nodes["rank_node"]) if n == manifest.node]
+                                 == [ctx.rank])
     err: BaseException | None = None
     md = tree = None
     try:  # every rank's reads and checks are agreed on before any rank loads anything
@@ -882,17 +890,21 @@ def _load_into(state: Any, step_dir: Path, manifest: Manifest, ctx: DistContext,
         raise
     _vote(ctx, step_dir, None, "restore plan agreement")
 
-    rest = set(targets)
-    if direct and rest:
-        rest = load_direct(targets, step_dir, md, manifest, verify=verify)
-        # a placed tensor's record was compared byte for byte with torch.save's framing for its
-        # declared dtype and shape; every other record is checked before DCP's reader opens it
-        unchecked = {k: v for k, v in tensor_items(md).items() if k in rest or k not in targets}
-        if unchecked:
-            check_records(step_dir, manifest, md, tensors=unchecked)
-    if rest:
-        load_tensors({k: targets[k] for k in rest}, step_dir, md, set(manifest.files),
-                     process_group=ctx.fg if ctx.enabled else None, no_dist=not ctx.enabled)
+    if direct:
+        try:
+            _load_direct(targets, step_dir, md, manifest, verify=verify)
+        except (CheckpointError, OSError) as exc:
+            err = exc if isinstance(exc, CheckpointError) else CheckpointReadError(
+                exc.errno, f"reading checkpoint {step_dir} failed on rank {ctx.rank}: {exc.strerror or exc}")
+            if not ctx.enabled:
+                raise err from exc
+        if ctx.enabled:  # the ranks read their own copies alone: every rank learns whether all reads succeeded
+            _vote(ctx, step_dir, err, "verify")
+    elif targets:
+        load_tensors(targets, step_dir, md, set(manifest.files), process_group=ctx.fg if ctx.enabled else None,
+                     no_dist=not ctx.enabled)
+    if before_write is not None:
+        before_write()
     hold = InterruptHold()  # every read succeeded: a Ctrl-C from here on is raised once the live state is written
     hold.start()
     try:
@@ -900,6 +912,21 @@ def _load_into(state: Any, step_dir: Path, manifest: Manifest, ctx: DistContext,
             _write_live(state, live_tensors, tree, targets, staged_aware)
     finally:  # also when a second Ctrl-C (raised at once while one is held) lands in the write
         hold.release()
+
+
+def _load_direct(targets: _Targets, step_dir: Path, md: Any, manifest: Manifest, *, verify: bool) -> None:
+    """Read ``targets`` from files this process reads alone: :func:`load_direct`, then DCP's reader (no
+    collective) for the tensors it could not place."""
+    if not targets:
+        return
+    rest = load_direct(targets, step_dir, md, manifest, verify=verify)
+    # a placed tensor's record was compared byte for byte with torch.save's framing for its
+    # declared dtype and shape; every other record is checked before DCP's reader opens it
+    unchecked = {k: v for k, v in tensor_items(md).items() if k in rest or k not in targets}
+    if unchecked:
+        check_records(step_dir, manifest, md, tensors=unchecked)
+    if rest:
+        load_tensors({k: targets[k] for k in rest}, step_dir, md, set(manifest.files), no_dist=True)
 
 
 def _assign(target: MutableMapping, loaded: Mapping) -> None:

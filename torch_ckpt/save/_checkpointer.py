@@ -844,19 +844,20 @@ class AsyncCheckpointer:
 
     # -- loading ---------------------------------------------------------------------------------
     def load(self, path: str | os.PathLike, state: StateToRestore, *, verify: bool = True,
-             on_world_size_change: str = "error", allow_cast: bool = False) -> None:
+             on_world_size_change: str = "error", allow_cast: bool = False,
+             before_write: Callable[[], Any] | None = None) -> None:
         """Load the committed checkpoint directory ``path`` into ``state`` in place (collective).
 
         ``allow_cast=True`` casts tensors whose dtype differs from the live one (logged per key);
         by default that is a ``StateMismatchError``. A failed load leaves ``state`` unchanged. See
-        :func:`torch_ckpt.restore._restore.load_into` for the checks and errors.
+        :func:`torch_ckpt.restore._restore.load_into` for the checks, ``before_write`` and the errors.
         """
         self._ensure_open()
         self._wait_inflight()
         self._raise_pending()
         path = Path(path)
         load_into(state, path, read_manifest(path), self._ctx, verify=verify,
-                  on_world_size_change=on_world_size_change, allow_cast=allow_cast)
+                  on_world_size_change=on_world_size_change, allow_cast=allow_cast, before_write=before_write)
 
     # -- lifecycle -------------------------------------------------------------------------------
     def wait(self) -> None:

@@ -173,118 +173,153 @@ def _reusable(own: Path, step: int, node: int | None, chunks: list[list[Any]], s
     return found, list(fds.values())
 
 
+def _pieces(files: list[tuple[str, int, int]], excluded: dict[str, list[tuple[int, int]]]
+            ) -> list[tuple[str, int, int]]:
+    """``[(file, offset, length)]``: the stream of the listed files in order, less the ``excluded`` ranges
+    (``{file: [(offset, length)]}``), each piece at most :data:`CHUNK_BYTES`: one message each. Sender and
+    receiver compute the same list (their excluded ranges are the chunks the receiver holds)."""
+    out: list[tuple[str, int, int]] = []
+    for name, size, _ in files:
+        pos = 0
+        for offset, length in [*sorted(excluded.get(name, [])), (size, 0)]:
+            out += [(name, at, min(CHUNK_BYTES, offset - at)) for at in range(pos, offset, CHUNK_BYTES)]
+            pos = max(pos, offset + length)
+    return out
+
+
 class _Reader:
-    """The listed files of a directory as one byte stream, less the ``skip`` ranges (``{file: [(offset,
-    length)]}``, which the receiver holds); a file shorter than listed reads as zeros there, which the receiver's
-    CRC check rejects."""
+    """The sender's side of a stream: the listed files of a directory, less the ``skip`` ranges (``{file:
+    [(offset, length)]}``, which the receiver holds), one piece (:func:`_pieces`) at a time; a file shorter than
+    listed or unreadable reads as zeros there, which the receiver's CRC check rejects."""
 
     def __init__(self, directory: Path, files: list[tuple[str, int, int]],
                  skip: dict[str, list[tuple[int, int]]] | None = None) -> None:
-        self.pending: list[tuple[Path, int, int]] = []
-        for name, size, _ in files:
-            pos = 0
-            for offset, length in [*sorted((skip or {}).get(name, [])), (size, 0)]:
-                if offset > pos:
-                    self.pending.append((directory / name, pos, offset - pos))
-                pos = offset + length
-        self.total = sum(length for _, _, length in self.pending)
-        self.file: Any = None
-        self.path: Path | None = None
-        self.left = 0
+        self.directory = directory
+        self.pieces = _pieces(files, skip or {})
+        self.total = sum(length for _, _, length in self.pieces)
+        self._fd: int | None = None
+        self._name: str | None = None
+        self._bufs: list[bytearray] = []
 
-    def read(self, n: int) -> bytearray:
-        buf = bytearray(n)
-        view, got = memoryview(buf), 0
-        while got < n:
-            if self.left == 0:
-                path, offset, self.left = self.pending.pop(0)
-                if path != self.path:
-                    self._close()
-                    try:  # unreadable (e.g. deleted meanwhile): zeros, the partner's protocol goes on
-                        self.file = open(path, "rb", buffering=0)  # noqa: SIM115 - closed when read
-                    except OSError:
-                        self.file = None
-                    self.path = path
-                if self.file is not None:
-                    self.file.seek(offset)
-                continue
-            k = 0
-            if self.file is not None:
-                try:
-                    k = self.file.readinto(view[got:got + min(n - got, self.left)]) or 0
-                except OSError:
-                    self.file = None
-            if k == 0:  # truncated or unreadable: pad, the CRC check refuses it
-                k = min(n - got, self.left)
-            got, self.left = got + k, self.left - k
-        if self.left == 0 and not self.pending:
-            self._close()
+    def read(self, i: int) -> memoryview:
+        """The bytes of piece ``i`` (pieces are read in order), in one of two buffers: valid until piece ``i + 2``
+        is read."""
+        name, offset, length = self.pieces[i]
+        if len(self._bufs) < 2:
+            self._bufs.append(bytearray(max(size for *_, size in self.pieces)))
+        if name != self._name:
+            self.close()
+            self._name = name
+            try:  # unreadable (e.g. deleted meanwhile): zeros, the partner's protocol goes on
+                self._fd = os.open(self.directory / name, os.O_RDONLY)
+            except OSError:
+                self._fd = None
+        buf = memoryview(self._bufs[i % 2])[:length]
+        got = 0
+        while self._fd is not None and got < length:
+            try:
+                k = os.preadv(self._fd, [buf[got:]], offset + got)
+            except OSError:
+                k = 0
+            if k == 0:
+                break
+            got += k
+        if got < length:  # truncated or unreadable: zeros for the rest
+            buf[got:] = bytes(length - got)
+        if i == len(self.pieces) - 1:
+            self.close()
         return buf
 
-    def _close(self) -> None:
-        if self.file is not None:
-            self.file.close()
-        self.file, self.path = None, None
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+        self._fd, self._name = None, None
 
 
 class _Sink:
-    """Writes one byte stream into the listed files of a new directory, with the ``local`` ranges (``{file:
-    [(offset, length, descriptor, offset there)]}``) copied from this node's own files, checking each file's
-    CRC-32."""
+    """The receiver's side of a stream: the listed files of a new directory, written piece by piece
+    (:func:`_pieces`) from two receive buffers, with the ``local`` ranges (``{file: [(offset, length, descriptor,
+    offset there)]}``) copied from this node's own files in their places; each file's CRC-32 is computed in file
+    order as its bytes land, and :meth:`close` checks it against the sender's manifest."""
 
     def __init__(self, directory: Path, files: list[tuple[str, int, int]],
                  local: dict[str, list[tuple[int, int, int, int]]] | None = None) -> None:
         directory.mkdir(parents=True)
-        self.directory, self.files, self.local = directory, files, local or {}
-        self.total = _total(files) - sum(piece[1] for pieces in self.local.values() for piece in pieces)
-        self.index, self.left, self.crc, self.pos = -1, 0, 0, 0
-        self.pieces: list[tuple[int, int, int, int]] = []
-        self.file: Any = None
+        self.directory, self.files, local = directory, files, local or {}
         self.problems: list[str] = []
-        self._advance()
+        self.pieces = _pieces(files, {n: [(at, length) for at, length, *_ in r] for n, r in local.items()})
+        self.total = sum(length for _, _, length in self.pieces)
+        self._local = {n: sorted(r) for n, r in local.items()}
+        self._bufs: list[torch.Tensor] = []
+        self._file = -1  # index into files of the open file
+        self._fd: int | None = None
+        self._pos = self._crc = 0  # bytes of the open file written, and their CRC-32
+        self._next(self.pieces[0][0] if self.pieces else None)
 
-    def _room(self) -> int:
-        """Stream bytes the current file takes before its next local range (or its end)."""
-        return self.pieces[0][0] - self.pos if self.pieces else self.left
+    def view(self, i: int) -> torch.Tensor:
+        """Where piece ``i`` is received: one of two buffers, free again once piece ``i`` :meth:`landed`."""
+        length = self.pieces[i][2]
+        if len(self._bufs) < 2:
+            self._bufs.append(torch.empty(max(size for *_, size in self.pieces), dtype=torch.uint8))
+        return self._bufs[i % 2][:length]
 
-    def _put(self, data: memoryview | bytes) -> None:
-        self.file.write(data)
-        self.crc = crc32(data, self.crc)
-        self.pos, self.left = self.pos + len(data), self.left - len(data)
-
-    def _advance(self) -> None:
-        """Copy the local ranges due now; close a finished file (checking its CRC) and open the next, until one
-        expects stream bytes or none is left."""
-        while self._room() == 0 and self.index < len(self.files):
-            if self.pieces:
-                _, length, fd, offset = self.pieces.pop(0)
-                for data in _blocks(fd, offset, length):
-                    self._put(data)
-                continue
-            if self.file is not None:
-                self.file.close()
-                self.file = None
-                name, _, want = self.files[self.index]
-                if self.crc != want:
-                    self.problems.append(f"{name}: CRC-32 {self.crc:#010x}, the sender's manifest says {want:#010x}")
-            self.index += 1
-            if self.index < len(self.files):
-                name, self.left, _ = self.files[self.index]
-                self.pieces, self.pos = sorted(self.local.get(name, [])), 0
-                self.file, self.crc = open(self.directory / name, "wb"), 0  # noqa: SIM115 - closed once written
-
-    def write(self, data: memoryview) -> None:
-        while len(data) and self.file is not None:
-            k = min(len(data), self._room())
-            self._put(data[:k])
-            data = data[k:]
-            self._advance()
+    def landed(self, i: int) -> None:
+        """Piece ``i`` (received into :meth:`view`) is complete: write it (and the local ranges before it)."""
+        name, at, length = self.pieces[i]
+        self._next(name)
+        self._locals(at)
+        self._put(memoryview(self._bufs[i % 2].numpy())[:length])  # type: ignore[arg-type]
 
     def close(self) -> None:
-        if self.file is not None:
-            self.file.close()
-            self.file = None
-            self.problems.append(f"{self.files[self.index][0]}: {self.left} byte(s) short")
+        """Write what is left (local ranges, empty files) and check the files' CRC-32s; call once every receive
+        is done. Problems go into :attr:`problems`."""
+        self._next(None)
+
+    def _put(self, data: memoryview) -> None:
+        assert self._fd is not None
+        done = 0
+        while done < len(data):
+            done += os.pwrite(self._fd, data[done:], self._pos + done)
+        self._crc = crc32(data, self._crc)
+        self._pos += len(data)
+
+    def _locals(self, until: int) -> None:
+        """Copy the open file's local ranges that start before ``until``."""
+        ranges = self._local.get(self.files[self._file][0], [])
+        while ranges and ranges[0][0] < until:
+            _, length, fd, offset = ranges.pop(0)
+            buf = bytearray(length)
+            _fill(fd, memoryview(buf), offset)  # past the end of the own file: zeros, the CRC refuses them
+            self._put(memoryview(buf))
+
+    def _next(self, name: str | None) -> None:
+        """Finish files until ``name`` is the open one (None: finish them all)."""
+        while self._file < len(self.files) and (self._file < 0 or self.files[self._file][0] != name):
+            if self._fd is not None:
+                listed, size, want = self.files[self._file]
+                self._locals(size)
+                os.close(self._fd)
+                self._fd = None
+                if self._pos != size:
+                    self.problems.append(f"{listed}: {size - self._pos} byte(s) short")
+                elif self._crc != want:
+                    self.problems.append(f"{listed}: CRC-32 {self._crc:#010x}, the sender's manifest says "
+                                         f"{want:#010x}")
+            self._file += 1
+            if self._file < len(self.files):
+                self._fd = os.open(self.directory / self.files[self._file][0],
+                                   os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                self._pos = self._crc = 0
+
+
+def _fill(fd: int, view: memoryview, offset: int) -> None:
+    """Read ``view``'s bytes from ``offset`` of an open file (past its end: left as zeros, which the CRC rejects)."""
+    got = 0
+    while got < len(view):
+        k = os.preadv(fd, [view[got:]], offset + got)
+        if k == 0:
+            return
+        got += k
 
 
 def _total(files: list[tuple[str, int, int]]) -> int:
@@ -296,43 +331,43 @@ def _wait(works: list[Any]) -> None:
         work.wait()
 
 
-def _transfer(group: Any, outgoing: list[tuple[int, _Reader, int]], incoming: list[tuple[int, _Sink, int]], *,
+def _transfer(group: Any, outgoing: list[tuple[int, _Reader]], incoming: list[tuple[int, _Sink]], *,
               bytes_per_second: int | None, already: int = 0) -> int:
-    """Send and receive byte streams in chunks (group ranks, streams of known lengths), double-buffered: chunk
-    ``i + 1`` is read and in flight while chunk ``i`` is written and checksummed; bytes sent, with the ``already``
-    sent before (messages the bandwidth cap counts too)."""
-    streams = [total for _, _, total in outgoing + incoming]
-    chunks = max((math.ceil(total / CHUNK_BYTES) for total in streams), default=0)
+    """Send and receive streams piece by piece (group ranks; :func:`_pieces`), pieces ``i`` and ``i + 1`` in
+    flight at once (each received into one of its sink's two buffers, written while the next arrives); bytes
+    sent, with the ``already`` sent before (messages the bandwidth cap counts too)."""
+    rounds = max([len(reader.pieces) for _, reader in outgoing] + [len(sink.pieces) for _, sink in incoming],
+                 default=0)
     start, sent = time.monotonic(), already
 
-    def post(i: int) -> tuple[list[Any], list[tuple[_Sink, torch.Tensor]]]:
+    def post(i: int) -> list[Any]:
         nonlocal sent
         works: list[Any] = []
-        received = []
-        for src, sink, total in incoming:  # receives first: the partner's sends land in posted buffers
-            n = min(CHUNK_BYTES, total - i * CHUNK_BYTES)
-            if n > 0:
-                buf = torch.empty(n, dtype=torch.uint8)
-                works.append(dist.irecv(buf, group=group, group_src=src, tag=_TAG_DATA))
-                received.append((sink, buf))
-        for dst, reader, total in outgoing:
-            n = min(CHUNK_BYTES, total - i * CHUNK_BYTES)
-            if n > 0:
-                works.append(dist.isend(torch.frombuffer(reader.read(n), dtype=torch.uint8), group=group,
-                                        group_dst=dst, tag=_TAG_DATA))
-                sent += n
-        return works, received
+        for src, sink in incoming:  # receives first: the partner's sends land in posted buffers
+            if i < len(sink.pieces):
+                works.append(dist.irecv(sink.view(i), group=group, group_src=src, tag=_TAG_DATA))
+        for dst, reader in outgoing:
+            if i < len(reader.pieces):
+                data = reader.read(i)
+                works.append(dist.isend(torch.frombuffer(data, dtype=torch.uint8), group=group, group_dst=dst,
+                                        tag=_TAG_DATA))
+                sent += len(data)
+        return works
 
-    pending = post(0) if chunks else ([], [])
-    for i in range(chunks):
-        works, received = pending
-        if i + 1 < chunks:
-            pending = post(i + 1)
-        _wait(works)
-        for sink, buf in received:
-            sink.write(memoryview(buf.numpy()))  # type: ignore[arg-type]
-        if bytes_per_second:
-            time.sleep(max(0.0, sent / bytes_per_second - (time.monotonic() - start)))
+    try:
+        pending = post(0) if rounds else []
+        for i in range(rounds):
+            works = pending
+            pending = post(i + 1) if i + 1 < rounds else []
+            _wait(works)
+            for _, sink in incoming:
+                if i < len(sink.pieces):
+                    sink.landed(i)
+            if bytes_per_second:
+                time.sleep(max(0.0, sent / bytes_per_second - (time.monotonic() - start)))
+    finally:
+        for _, reader in outgoing:
+            reader.close()
     if bytes_per_second:  # also when nothing was streamed: the control messages count against the cap
         time.sleep(max(0.0, sent / bytes_per_second - (time.monotonic() - start)))
     return sent
@@ -486,11 +521,11 @@ class PeerReplicator:
                     if k not in need:
                         skip.setdefault(name, []).append((at, length))
                 reader = _Reader(step_dir, files, skip)
-                outgoing.append((leader(p), reader, reader.total))
+                outgoing.append((leader(p), reader))
                 self.stats["reused_bytes"] += _total(files) - reader.total
             control = len(header) * len(self.partners) + sum(map(len, needs.values()))
             t0 = time.monotonic()
-            streams = [(leader(s), sink, sink.total) for s, _, sink in incoming]
+            streams = [(leader(s), sink) for s, _, sink in incoming]
             self.stats["sent_bytes"] += _transfer(self.group, outgoing, streams, bytes_per_second=self.bytes_per_second,
                                                   already=control)
             self.stats["transfer_s"] += time.monotonic() - t0
@@ -571,12 +606,12 @@ def repair(layout: NodeLayout, ctx: Any, root: Path, naming: Any, step: int, rep
     if layout.is_leader:
         sink = None
         try:
-            outgoing = [(layout.leader_of(t), _Reader(replica_dir(root, t, name), listings[t]), _total(listings[t]))
+            outgoing = [(layout.leader_of(t), _Reader(replica_dir(root, t, name), listings[t]))
                         for t, h in repairs.items() if h == node]
             incoming = []
             if node in repairs:
                 sink = _Sink(root / f"{_TMP}{name}.{secrets.token_hex(4)}", listings[node])
-                incoming.append((layout.leader_of(repairs[node]), sink, _total(listings[node])))
+                incoming.append((layout.leader_of(repairs[node]), sink))
             _transfer(ctx.fg, outgoing, incoming, bytes_per_second=None)
             if sink is not None:
                 local = _receive_into(root / name, sink, source=node, step=step)
