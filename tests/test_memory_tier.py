@@ -822,3 +822,67 @@ def test_a_memory_root_not_in_ram_is_warned_about(tmp_path, monkeypatch, caplog,
         pass
     said = [r.getMessage() for r in caplog.records if "not in RAM" in r.getMessage()]
     assert bool(said) == warns and all(str(tmp_path / "mem") in m and fstype in m for m in said)
+
+
+@pytest.mark.parametrize("persist", ["thread", "process"])
+def test_a_memory_save_writes_over_the_files_of_a_retired_step(tmp_path, monkeypatch, persist):
+    """With memory_keep_last=1 a memory save writes into the data files of a step retention retired (their
+    tmpfs pages reused, not freed and allocated again), and the newest step restores bitwise."""
+    from torch_ckpt.manager import _memory
+
+    monkeypatch.setattr(_memory, "SPARE_MIN_BYTES", 1)
+    state, model, opt = _state()
+    mem = tmp_path / "mem"
+    with CheckpointManager(tmp_path / "disk", memory_root=str(mem), memory_keep_last=1, async_save=True,
+                           persist=persist) as mgr:
+        held = []  # open descriptors of step 1's data files: their inodes cannot be reused by other files
+        for step in range(1, 5):
+            _train(model, opt, step)
+            mgr.save(step, state, tier="memory").wait()
+            if step == 1:
+                held = [os.open(p, os.O_RDONLY) for p in (mem / "step_000000001").glob("*.distcp")]
+            if step == 3:
+                now = {(p.stat().st_dev, p.stat().st_ino) for p in (mem / "step_000000003").glob("*.distcp")}
+                reused = [fd for fd in held if (os.fstat(fd).st_dev, os.fstat(fd).st_ino) in now]
+                assert reused and all(os.fstat(fd).st_nlink == 1 for fd in reused)  # renamed into step 3, not deleted
+        for fd in held:
+            os.close(fd)
+        want = {k: v.clone() for k, v in model.state_dict().items()}
+    assert not (mem / ".spare").exists()  # close hands the recycled files' RAM back
+    fresh, model2, _ = _state(seed=1)
+    with CheckpointManager(tmp_path / "disk", memory_root=str(mem)) as mgr:
+        assert mgr.restore(fresh) == 4 and mgr.restore_source == "memory"
+    assert all(torch.equal(want[k], v) for k, v in model2.state_dict().items())
+
+
+def test_a_recycled_file_with_another_link_or_a_symlink_is_never_written_in_place(tmp_path, monkeypatch):
+    """A file in the spare directory with a second hard link, or a symlink there, is removed, not written through:
+    the other name's bytes stay, and the save commits intact files of its own."""
+    from torch_ckpt.manager import _memory
+
+    monkeypatch.setattr(_memory, "SPARE_MIN_BYTES", 1)
+    monkeypatch.setattr(_memory, "_recycle", lambda paths, spare, kept: _memory._delete(paths))  # fill it by hand
+    outside = tmp_path / "outside.bin"
+    outside.write_bytes(b"keep me" * 1000)
+    linked = tmp_path / "linked.bin"
+    linked.write_bytes(b"linked" * 1000)
+    state, model, opt = _state()
+    mem = tmp_path / "mem"
+    with CheckpointManager(tmp_path / "disk", memory_root=str(mem), memory_keep_last=1, async_save=False) as mgr:
+        mgr.save(1, state, tier="memory")
+        spare = mem / ".spare"
+        spare.mkdir()
+        (spare / "a").symlink_to(outside)
+        os.link(linked, spare / "b")
+        _train(model, opt, 2)
+        mgr.save(2, state, tier="memory")
+        assert outside.read_bytes() == b"keep me" * 1000 and linked.read_bytes() == b"linked" * 1000
+        assert list(spare.iterdir()) == []
+        assert all(p.stat().st_nlink == 1 and not p.is_symlink() for p in (mem / "step_000000002").iterdir())
+    assert verify_tree(mem / "step_000000002")
+
+
+def verify_tree(step_dir: Path) -> bool:
+    from torch_ckpt.tools.listing import verify_checkpoint
+
+    return bool(verify_checkpoint(step_dir)["ok"])

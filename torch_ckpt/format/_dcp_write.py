@@ -36,6 +36,8 @@ import math
 import os
 import pickle
 import re
+import shutil
+import stat as stat_mod
 import struct
 import sys
 import threading
@@ -417,14 +419,18 @@ class _FileSink(io.RawIOBase):
     ``flush`` is a no-op (``torch.save`` calls it after every record); :meth:`finish` completes the file.
     """
 
-    def __init__(self, path: str | os.PathLike, *, write_behind: bool = False) -> None:
+    def __init__(self, path: str | os.PathLike, *, write_behind: bool = False, spare: Path | None = None) -> None:
         super().__init__()
         self.path = Path(path)
-        try:  # never opened for writing in place: a hard link (incremental saves) would change every copy
-            self._f = self.path.open("xb", buffering=0)  # raw FileIO: every write is one system call
-        except FileExistsError:
-            os.unlink(self.path)
-            self._f = self.path.open("xb", buffering=0)
+        self._reused = _reuse_spare(spare, self.path) if spare is not None else None
+        if self._reused is not None:
+            self._f = self._reused[0]
+        else:
+            try:  # never opened for writing in place: a hard link (incremental saves) would change every copy
+                self._f = self.path.open("xb", buffering=0)  # raw FileIO: every write is one system call
+            except FileExistsError:
+                os.unlink(self.path)
+                self._f = self.path.open("xb", buffering=0)
         self._fd = self._f.fileno()
         self._behind = WriteBehind(self._fd, self.path, enabled=write_behind)
         self._buf = bytearray()
@@ -485,6 +491,11 @@ class _FileSink(io.RawIOBase):
         Raises ``OSError`` (a write or the fsync) or CheckpointWriteError (the size on disk differs).
         """
         self._drain()
+        if self._reused is not None and self._reused[1] > self.nbytes:  # a spare file's old bytes past the new end
+            try:
+                os.ftruncate(self._fd, self.nbytes)
+            except OSError as exc:
+                raise OSError(exc.errno, exc.strerror, str(self.path)) from None
         if sync:
             try:
                 os.fsync(self._fd)
@@ -503,6 +514,37 @@ class _FileSink(io.RawIOBase):
                 self._f.close()
             finally:
                 super().close()
+
+
+def _reuse_spare(spare: Path, path: Path) -> tuple[Any, int] | None:
+    """Move one file of the directory ``spare`` (the memory tier's recycled files) to ``path`` and open it for
+    writing in place, so that its pages (tmpfs) are overwritten rather than freed and allocated again: ``(raw
+    file, its size)``, or None when none is there. Another writer may claim a file first (the rename is atomic);
+    one that is not a regular file with a single link (a hard link would change another checkpoint) is
+    removed instead."""
+    try:
+        names = os.listdir(spare)
+    except OSError:
+        return None
+    for name in names:
+        try:
+            os.rename(spare / name, path)
+        except OSError:
+            continue  # claimed by another writer meanwhile
+        try:
+            fd = os.open(path, os.O_RDWR | getattr(os, "O_NOFOLLOW", 0))
+        except OSError:
+            fd = None
+        if fd is not None:
+            info = os.fstat(fd)
+            if stat_mod.S_ISREG(info.st_mode) and info.st_nlink == 1:
+                return os.fdopen(fd, "r+b", buffering=0), info.st_size
+            os.close(fd)
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+    return None
 
 
 class _ChecksumFileSystem(FileSystem):
@@ -606,13 +648,15 @@ class ChecksumFileSystemWriter(FileSystemWriter):
     """
 
     def __init__(self, path: str | os.PathLike, *, thread_count: int = 1, sync_files: bool = True,
-                 incremental: tuple[Path, int] | None = None, changed_keys: frozenset[str] = frozenset()) -> None:
+                 incremental: tuple[Path, int] | None = None, changed_keys: frozenset[str] = frozenset(),
+                 spare: Path | None = None) -> None:
         super().__init__(path, single_file_per_rank=True, sync_files=sync_files, thread_count=thread_count,
                          overwrite=True)
         self.fs = _ChecksumFileSystem(self)
         self.path = self.fs.init_path(path)
         self._target = incremental
         self._changed = changed_keys
+        self._spare = spare
         self._files: dict[str, tuple[int, int]] = {}
         self._linked: dict[str, int] = {}
         self._digests_doc: dict[str, list[list[int]]] = {}
@@ -623,7 +667,7 @@ class ChecksumFileSystemWriter(FileSystemWriter):
     # -- bookkeeping -------------------------------------------------------------------------------
     def _open(self, path: str | os.PathLike) -> _FileSink:
         try:
-            return _FileSink(path, write_behind=self.sync_files)
+            return _FileSink(path, write_behind=self.sync_files, spare=self._spare)
         except OSError as exc:
             self._fail(exc)
             raise

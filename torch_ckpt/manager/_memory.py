@@ -18,7 +18,10 @@ memory step only when every node holds an intact copy newer than every live disk
 from __future__ import annotations
 
 import functools
+import os
+import secrets
 import shutil
+import stat
 import threading
 import time
 from collections.abc import Callable
@@ -40,6 +43,7 @@ from torch_ckpt.policy._lineage import Lineage, head_of, new_segment, successor
 from torch_ckpt.policy._naming import MAX_STEP, Naming, check_step
 from torch_ckpt.policy._retention import KeepLatest, apply_retention
 from torch_ckpt.policy._schedule import Cadence
+from torch_ckpt.restore._restore import DATA_SUFFIX
 from torch_ckpt.restore._resume_nodes import local_inventory, restore_node_local
 from torch_ckpt.root._layout import (
     check_root,
@@ -65,6 +69,10 @@ log = get_logger(__name__)
 
 #: A memory restore candidate: (step, run segment of the next saves, {node: holder} to rebuild, below the disk floor).
 _Candidate = tuple[int, Lineage, Any, bool]
+#: The directory of ``memory_root`` holding recycled data files (see :func:`_recycle`).
+SPARE_DIR = ".spare"
+#: Smaller data files are deleted, not recycled.
+SPARE_MIN_BYTES = 1 << 20
 
 
 class _Superseded(Exception):
@@ -121,6 +129,7 @@ class MemoryTier:
         self.source = "memory"  # the last memory restore's source on this rank: "memory" or "memory-peer"
         self.error: CheckpointError | None = None
         self._lock: RootLock | None = None
+        self.spare = root / SPARE_DIR  # the data files of retired steps, written over by the next saves
         # forced node-local (shared=False): each node keeps its own copy, even for one node
         self.layout: NodeLayout = choose_layout(ctx, False, persist=persist_node_local)  # type: ignore[assignment]
         leader = self.layout.is_leader
@@ -146,6 +155,7 @@ class MemoryTier:
                 self._lock = RootLock(root, drain=engine.drain)
                 self._lock.acquire()
                 clean_stale_temporaries(root, keep_incarnation=engine.incarnation, naming=naming)
+                shutil.rmtree(self.spare, ignore_errors=True)  # an earlier process's: RAM it no longer needs
             except CheckpointError as exc:
                 self.error = exc
         self.peers: PeerReplicator | None = None
@@ -169,6 +179,7 @@ class MemoryTier:
         if self.peers is not None:
             self.peers.close(self.ctx.timeout_seconds)
         if self._lock is not None:
+            shutil.rmtree(self.spare, ignore_errors=True)  # the saves are over: their RAM goes
             self._lock.release()
 
     # -- saving ----------------------------------------------------------------------------------
@@ -201,7 +212,7 @@ class MemoryTier:
         except Exception as exc:  # noqa: BLE001 - every rank raises it at the engine's agreement
             refused = exc
         request = SaveRequest(final=final, step=step if valid else 0, lineage=lineage, nodes=self.layout,
-                              after_commit=self._after_commit)
+                              after_commit=self._after_commit, spare_dir=self.spare)
         captured = time.time()
         handle = self.engine.submit(request, state, refused=refused, started_at=started_at, waited_s=waited)
         if valid:
@@ -278,7 +289,7 @@ class MemoryTier:
         if self.peers is not None:
             self.peers.committed(cast(int, self.naming.step_of(final.name)))
         retired = self._retire()
-        return functools.partial(_delete, retired) if retired else None
+        return functools.partial(_recycle, retired, self.spare, final) if retired else None
 
     def _retire(self) -> list[Path]:
         """Leader (writer or replication thread): retire the memory steps retention drops: all but the
@@ -632,4 +643,25 @@ def memory_health(report: dict[str, Any], memory: MemoryTier | None, *, lost_wit
 def _delete(paths: list[Path]) -> None:
     for path in paths:
         shutil.rmtree(path, ignore_errors=True)
+
+
+def _recycle(paths: list[Path], spare: Path, kept: Path) -> None:
+    """Delete the retired step directories ``paths`` (hidden already), first moving their data files into
+    ``spare``, up to the bytes of the step ``kept`` just committed (about what the next save writes): only
+    files of at least :data:`SPARE_MIN_BYTES` with a single link (a hard link is another checkpoint's file too).
+    On a tmpfs the next save then writes over their pages instead of freeing and allocating them again."""
+    try:
+        budget = sum(e.stat().st_size for e in os.scandir(kept) if e.is_file(follow_symlinks=False))
+        spare.mkdir(exist_ok=True)
+        held = sum(e.stat().st_size for e in os.scandir(spare))
+        for path in paths:
+            for entry in os.scandir(path):
+                info = entry.stat(follow_symlinks=False)
+                if entry.name.endswith(DATA_SUFFIX) and stat.S_ISREG(info.st_mode) and info.st_nlink == 1 \
+                        and SPARE_MIN_BYTES <= info.st_size <= budget - held:
+                    os.rename(entry.path, spare / secrets.token_hex(8))
+                    held += info.st_size
+    except OSError as exc:
+        log.debug("memory tier: retired files not recycled: %s", exc)
+    _delete(paths)
 

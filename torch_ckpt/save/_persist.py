@@ -70,6 +70,9 @@ class SaveRequest:
             temporaries go first. reserved: the engine created ``final`` empty; a failed save removes it.
         incremental: tensors unchanged since this root's last committed save are hard-linked, not written
             (:mod:`torch_ckpt.format._dcp_write`).
+        spare_dir: a directory of recycled files (the memory tier's): data files are written into them in place,
+            so tmpfs pages are reused rather than freed and allocated again
+            (:func:`torch_ckpt.format._dcp_write.ChecksumFileSystemWriter`).
         changed_keys: the keys whose live tensors were written in place since the engine's previous capture
             (same data pointer, another version counter); with ``incremental`` they are always written, every
             other tensor is compared with the last save.
@@ -94,6 +97,7 @@ class SaveRequest:
     reserved: bool = False
     incremental: bool = False
     changed_keys: frozenset[str] = frozenset()
+    spare_dir: Path | None = None
 
 
 #: ``((key, shape, dtype, offset_bytes), ...)``: where each tensor lives in the staging arena.
@@ -261,7 +265,7 @@ class SharedPart:
     def writer(self, tmp: Path, req: SaveRequest) -> ChecksumFileSystemWriter:
         return ChecksumFileSystemWriter(tmp, thread_count=req.thread_count, sync_files=True,
                                         incremental=(req.final, req.step) if req.incremental else None,
-                                        changed_keys=req.changed_keys)
+                                        changed_keys=req.changed_keys, spare=req.spare_dir)
 
     def planner(self) -> Any:
         return FlatKeysSavePlanner()  # the grouped state writes the same metadata as a flat one

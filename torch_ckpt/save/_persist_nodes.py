@@ -32,7 +32,7 @@ class _NodePart(SharedPart):
     def writer(self, tmp: Path, req: SaveRequest) -> RecordingWriter:
         return RecordingWriter(tmp, thread_count=req.thread_count, sync_files=True, rank_node=self.layout.rank_node,
                                incremental=(req.final, req.step) if req.incremental else None,
-                               changed_keys=req.changed_keys)
+                               changed_keys=req.changed_keys, spare=req.spare_dir)
 
     def planner(self) -> Any:
         return NodeDedupPlanner(self.layout.rank_node)
