@@ -80,3 +80,10 @@ def test_state_mismatch_carries_missing_and_unexpected_keys():
     exc = StateMismatchError("differs", missing=("a",), unexpected=["b", "c"])
     assert exc.missing == ["a"] and exc.unexpected == ["b", "c"]
     assert StateMismatchError("differs").missing == []
+
+
+def test_an_oserror_with_a_code_prints_its_message_without_the_errno_prefix():
+    """str() of a CheckpointWriteError built with an errno is its message (and file), not "[Errno N] ..."."""
+    exc = CheckpointWriteError(11, "checkpoint root /ckpt is in use by another run")
+    assert str(exc) == "checkpoint root /ckpt is in use by another run" and exc.errno == 11
+    assert str(CheckpointWriteError(5, "read failed", "/ckpt/a.distcp")) == "read failed: '/ckpt/a.distcp'"

@@ -70,6 +70,17 @@ def saved(tmp_path):
     return tmp_path
 
 
+def test_a_shape_mismatch_says_what_to_do_next(tmp_path):
+    """A restore refused for a shape mismatch names the differing tensor and points to the saved shapes."""
+    model, opt, _ = _trained()
+    with CheckpointManager(tmp_path) as mgr:
+        mgr.save(1, TrainState(model=model, optimizer=opt)).wait()
+    other = torch.nn.Sequential(torch.nn.Linear(4, 5), torch.nn.Linear(5, 2))
+    with CheckpointManager(tmp_path) as mgr, pytest.raises(StateMismatchError) as info:
+        mgr.restore(TrainState(model=other, optimizer=torch.optim.Adam(other.parameters())))
+    assert "model.0.weight" in str(info.value) and "torch-ckpt inspect" in str(info.value)
+
+
 def test_mismatch_leaves_a_fresh_optimizer_without_state(tmp_path):
     """A restore refused for a shape mismatch leaves a fresh optimizer without state (not initialised)."""
     model, opt, _ = _trained()

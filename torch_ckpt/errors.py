@@ -27,6 +27,13 @@ __all__ = ["CheckpointError", "CheckpointNotFoundError", "CheckpointCorruptError
 class CheckpointError(Exception):
     """Base class of every error raised by torch-ckpt."""
 
+    def __str__(self) -> str:
+        """The message; for the subclasses that are ``OSError`` s, without the ``[Errno N]`` prefix that
+        ``OSError`` puts before it (the code stays in ``errno``)."""
+        if isinstance(self, OSError) and self.errno is not None and self.strerror:
+            return self.strerror if self.filename is None else f"{self.strerror}: {self.filename!r}"
+        return super().__str__()
+
 
 class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
     """A checkpoint root, step or file does not exist (or is not a committed checkpoint)."""

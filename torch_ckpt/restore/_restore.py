@@ -236,7 +236,9 @@ def plan_restore(state: Any, step_dir: Path, manifest: Manifest, md: Any, tree: 
         if local_tensor(t).is_inference():
             inference.append(key)
     if bad_shape:
-        raise StateMismatchError(f"{step_dir}: tensor shapes differ: {bad_shape[:20]}", missing=[], unexpected=[])
+        raise StateMismatchError(f"{step_dir}: tensor shapes differ: {bad_shape[:20]}. Build the model and optimizer "
+                                 "with the saved run's sizes (`torch-ckpt inspect` lists the saved shapes), or start "
+                                 "the changed model in a new root", missing=[], unexpected=[])
     if inference:  # they cannot be written in place: refuse before the first write
         raise StateMismatchError(
             f"{step_dir}: live tensors created under torch.inference_mode() cannot be restored in place: "
