@@ -886,3 +886,35 @@ def verify_tree(step_dir: Path) -> bool:
     from torch_ckpt.tools.listing import verify_checkpoint
 
     return bool(verify_checkpoint(step_dir)["ok"])
+
+
+@pytest.mark.parametrize("when", ["at_start", "meanwhile"])
+def test_a_symlink_in_place_of_the_spare_directory_is_never_followed(tmp_path, monkeypatch, when):
+    """A symlink put where memory_root/.spare belongs (before the manager opens, or while it runs) is removed,
+    never followed: the files of the directory it points to stay, and none of the memory tier's land there."""
+    from torch_ckpt.manager import _memory
+
+    monkeypatch.setattr(_memory, "SPARE_MIN_BYTES", 1)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "precious.distcp").write_bytes(b"mine" * 1000)
+    mem = tmp_path / "mem"
+    mem.mkdir()
+    if when == "at_start":
+        (mem / ".spare").symlink_to(outside, target_is_directory=True)
+    state, model, opt = _state()
+    with CheckpointManager(tmp_path / "disk", memory_root=str(mem), memory_keep_last=1, async_save=False) as mgr:
+        for step in range(1, 5):
+            if when == "meanwhile" and step == 3:
+                shutil.rmtree(mem / ".spare")
+                (mem / ".spare").symlink_to(outside, target_is_directory=True)
+            _train(model, opt, step)
+            mgr.save(step, state, tier="memory")
+        want = {k: v.clone() for k, v in model.state_dict().items()}
+    assert sorted(p.name for p in outside.iterdir()) == ["precious.distcp"]
+    assert (outside / "precious.distcp").read_bytes() == b"mine" * 1000
+    assert not os.path.lexists(mem / ".spare")
+    fresh, model2, _ = _state(seed=1)
+    with CheckpointManager(tmp_path / "disk", memory_root=str(mem)) as mgr:
+        assert mgr.restore(fresh) == 4
+    assert all(torch.equal(want[k], v) for k, v in model2.state_dict().items())

@@ -521,29 +521,34 @@ def _reuse_spare(spare: Path, path: Path) -> tuple[Any, int] | None:
     writing in place, so that its pages (tmpfs) are overwritten rather than freed and allocated again: ``(raw
     file, its size)``, or None when none is there. Another writer may claim a file first (the rename is atomic);
     one that is not a regular file with a single link (a hard link would change another checkpoint) is
-    removed instead."""
+    removed instead. ``spare`` itself is never followed through a symlink."""
     try:
-        names = os.listdir(spare)
+        where = os.open(spare, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_NOFOLLOW", 0))
     except OSError:
         return None
-    for name in names:
-        try:
-            os.rename(spare / name, path)
-        except OSError:
-            continue  # claimed by another writer meanwhile
-        try:
-            fd = os.open(path, os.O_RDWR | getattr(os, "O_NOFOLLOW", 0))
-        except OSError:
-            fd = None
-        if fd is not None:
-            info = os.fstat(fd)
-            if stat_mod.S_ISREG(info.st_mode) and info.st_nlink == 1:
-                return os.fdopen(fd, "r+b", buffering=0), info.st_size
-            os.close(fd)
-        if path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path)
-        else:
-            path.unlink()
+    try:
+        for name in os.listdir(where):
+            try:
+                os.rename(name, path, src_dir_fd=where)
+            except OSError:
+                continue  # claimed by another writer meanwhile
+            try:
+                fd = os.open(path, os.O_RDWR | getattr(os, "O_NOFOLLOW", 0))
+            except OSError:
+                fd = None
+            if fd is not None:
+                info = os.fstat(fd)
+                if stat_mod.S_ISREG(info.st_mode) and info.st_nlink == 1:
+                    return os.fdopen(fd, "r+b", buffering=0), info.st_size
+                os.close(fd)
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
+    except OSError:
+        pass  # unreadable or changed meanwhile: a new file instead
+    finally:
+        os.close(where)
     return None
 
 

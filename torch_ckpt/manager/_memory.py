@@ -155,7 +155,7 @@ class MemoryTier:
                 self._lock = RootLock(root, drain=engine.drain)
                 self._lock.acquire()
                 clean_stale_temporaries(root, keep_incarnation=engine.incarnation, naming=naming)
-                shutil.rmtree(self.spare, ignore_errors=True)  # an earlier process's: RAM it no longer needs
+                _remove_spare(self.spare)  # an earlier process's: RAM it no longer needs
             except CheckpointError as exc:
                 self.error = exc
         self.peers: PeerReplicator | None = None
@@ -179,7 +179,7 @@ class MemoryTier:
         if self.peers is not None:
             self.peers.close(self.ctx.timeout_seconds)
         if self._lock is not None:
-            shutil.rmtree(self.spare, ignore_errors=True)  # the saves are over: their RAM goes
+            _remove_spare(self.spare)  # the saves are over: their RAM goes
             self._lock.release()
 
     # -- saving ----------------------------------------------------------------------------------
@@ -645,6 +645,17 @@ def _delete(paths: list[Path]) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
+def _remove_spare(spare: Path) -> None:
+    """Delete the spare directory (a symlink or file in its place: the link itself, never its target)."""
+    try:
+        if stat.S_ISDIR(os.lstat(spare).st_mode):
+            shutil.rmtree(spare, ignore_errors=True)
+        else:
+            os.unlink(spare)
+    except OSError:
+        pass  # missing, or gone meanwhile
+
+
 def _recycle(paths: list[Path], spare: Path, kept: Path) -> None:
     """Delete the retired step directories ``paths`` (hidden already), first moving their data files into
     ``spare``, up to the bytes of the step ``kept`` just committed (about what the next save writes): only
@@ -652,8 +663,10 @@ def _recycle(paths: list[Path], spare: Path, kept: Path) -> None:
     On a tmpfs the next save then writes over their pages instead of freeing and allocating them again."""
     try:
         budget = sum(e.stat().st_size for e in os.scandir(kept) if e.is_file(follow_symlinks=False))
+        if os.path.lexists(spare) and not stat.S_ISDIR(os.lstat(spare).st_mode):
+            _remove_spare(spare)  # a symlink or a file put there: never followed
         spare.mkdir(exist_ok=True)
-        held = sum(e.stat().st_size for e in os.scandir(spare))
+        held = sum(e.stat(follow_symlinks=False).st_size for e in os.scandir(spare))
         for path in paths:
             for entry in os.scandir(path):
                 info = entry.stat(follow_symlinks=False)
