@@ -407,6 +407,40 @@ def test_fsdp2_shards_restore_bitwise_from_each_node_s_memory_copy(tmp_path):
     run_distributed(_fsdp_memory_restore, 2, str(tmp_path), timeout_s=240)
 
 
+def _own_copy_flipped(rank, world, base):
+    from torch_ckpt.tools.listing import verify_checkpoint
+
+    node = _node(rank, base)
+    kwargs = {"memory_root": str(node / "mem")}
+    state, model, opt = _state()
+    with CheckpointManager(node / "disk", async_save=False, **kwargs) as mgr:
+        for step in (2, 3):
+            _train(model, opt, step)
+            mgr.save(step, state, tier="memory" if step == 3 else "disk")
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    torch.distributed.barrier()
+    own = node / "mem" / "step_000000003"
+    if rank == 1:  # node 1 keeps its copy, but one bit of it flipped since its commit
+        data = _biggest(own)
+        raw = bytearray(data.read_bytes())
+        raw[len(raw) // 2] ^= 0x04
+        data.write_bytes(bytes(raw))
+    torch.distributed.barrier()
+    fresh, model2, _ = _state(seed=1)
+    with CheckpointManager(node / "disk", **kwargs) as mgr:
+        got, source = mgr.restore(fresh), mgr.restore_source
+    assert (got, source) == (3, "memory-peer" if rank == 1 else "memory")
+    assert all(torch.equal(want[k], v) for k, v in model2.state_dict().items())
+    assert verify_checkpoint(own)["ok"]  # the damaged copy was replaced by the rebuilt one
+
+
+@pytest.mark.slow
+def test_an_own_memory_copy_failing_its_crc_is_rebuilt_from_the_partner(tmp_path):
+    """A node whose own memory copy fails its CRC-32 check gets it rebuilt from its partner's replica and resumes the
+    memory step with every other node, instead of every node falling back to the older disk step."""
+    run_distributed(_own_copy_flipped, 2, str(tmp_path), timeout_s=240)
+
+
 def _figures(base: Path, world: int) -> list[dict]:
     return [json.loads((base / f"node{rank}" / "bytes.json").read_text()) for rank in range(world)]
 

@@ -336,7 +336,7 @@ class MemoryTier:
             early = (guess[0][0], guess[0][2],
                      repair(self.layout, self.ctx, self.root, self.naming, guess[0][0], guess[0][2]))
         if not (choose and tier is not None):
-            return self._follow(guess, load, early)
+            return self._follow(guess, load, early, gathered)
         agreed: list[list[_Candidate]] = []
 
         def agree(cand: int, repairs: Any) -> Lineage:
@@ -351,7 +351,8 @@ class MemoryTier:
 
         tried: set[int] = set()
         try:
-            done = self._first([entry[:3] for entry in guess if not entry[3]], load, early, agree=agree, tried=tried)
+            done = self._first([entry[:3] for entry in guess if not entry[3]], load, early, agree=agree, tried=tried,
+                               gathered=gathered)
         except _Superseded:
             done = None
         if done is not None:
@@ -359,13 +360,13 @@ class MemoryTier:
             return done
         if not agreed:  # every guessed candidate failed before the agreement
             agreed.append(self._decide(step, gathered, listing, disk_per_node))
-        return self._follow([entry for entry in agreed[0] if entry[0] not in tried], load, early)
+        return self._follow([entry for entry in agreed[0] if entry[0] not in tried], load, early, gathered)
 
-    def _follow(self, plan: list[_Candidate], load: Callable[..., None],
-                early: tuple[int, Any, str | None] | None) -> tuple[int, Lineage] | None:
+    def _follow(self, plan: list[_Candidate], load: Callable[..., None], early: tuple[int, Any, str | None] | None,
+                gathered: list[tuple[Any, ...]]) -> tuple[int, Lineage] | None:
         """Collective: load the first candidate of the agreed ``plan`` that works; keep its fallbacks."""
         self.fallbacks = [entry[:3] for entry in plan if entry[3]]
-        return self._first([entry[:3] for entry in plan if not entry[3]], load, early)
+        return self._first([entry[:3] for entry in plan if not entry[3]], load, early, gathered=gathered)
 
     def restore_newer(self, step: int, load: Callable[..., None]) -> tuple[int, Lineage] | None:
         """Collective: the disk/durable path restored ``step`` after the newest usable disk or durable step failed
@@ -379,35 +380,43 @@ class MemoryTier:
 
     def _first(self, plan: list[tuple[int, Lineage, Any]], load: Callable[..., None],
                early: tuple[int, Any, str | None] | None, *, agree: Callable[[int, Any], Lineage] | None = None,
-               tried: set[int] | None = None) -> tuple[int, Lineage] | None:
+               tried: set[int] | None = None, gathered: list[tuple[Any, ...]] | None = None
+               ) -> tuple[int, Lineage] | None:
         """Collective: load the first memory candidate of ``plan`` that works (``early``: a rebuild already done).
         ``agree(step, repairs)``, when given, is called once a candidate is read, before the live state is
         written: it returns the candidate's run segment or raises :class:`_Superseded`; ``tried`` collects the
-        steps that failed."""
-        for cand, lineage, repairs in plan:
-            if early is not None and early[:2] == (cand, repairs):
+        steps that failed. A node whose own copy fails its checks while reading gets it rebuilt from a partner's
+        replica listed in ``gathered`` (the inventories of :meth:`_plan`), and the step is read again, once."""
+        for cand, lineage, planned in plan:
+            if early is not None and early[:2] == (cand, planned):
                 problem = early[2]
             else:
-                problem = repair(self.layout, self.ctx, self.root, self.naming, cand, repairs) if repairs else None
+                problem = repair(self.layout, self.ctx, self.root, self.naming, cand, planned) if planned else None
+            repairs, again = dict(planned), True
+            while problem is None:
+                checked = self.layout.node in repairs  # rebuilt: every file's CRC-32 was checked as it arrived
+                before_write = None if agree is None else functools.partial(agree, cand, planned)
+                try:
+                    restore_node_local(self.layout, self.ctx, None, self.root, self.naming,
+                                       functools.partial(load, verify=not checked, before_write=before_write),
+                                       step=cand, read_only=True)
+                    break
+                except (CheckpointCorruptError, CheckpointNotFoundError, CheckpointReadError) as exc:
+                    extra = self._replicas_for(cand, exc, repairs, gathered) if again else None
+                    if not extra:
+                        problem = f"{type(exc).__name__}: {exc}"
+                        break
+                    again = False
+                    log.warning("memory tier: the copy of step %d on node(s) %s failed its checks (%s); rebuilding it "
+                                "from the partners' replicas", cand, sorted(extra), exc)
+                    repairs.update(extra)
+                    problem = repair(self.layout, self.ctx, self.root, self.naming, cand, extra)
             if problem is not None:
                 if tried is not None:
                     tried.add(cand)
-                log.warning("memory tier: step %d could not be rebuilt from the partners' replicas (%s); falling back "
-                            "to %s", cand, problem, "an older memory step" if cand != plan[-1][0] else
+                log.warning("memory tier: step %d could not be restored from %s (%s); falling back to %s", cand,
+                            self.root, problem, "an older memory step" if cand != plan[-1][0] else
                             "the disk and durable tiers")
-                continue
-            checked = self.layout.node in repairs  # rebuilt: every file's CRC-32 was checked as it arrived
-            before_write = None if agree is None else functools.partial(agree, cand, repairs)
-            try:
-                restore_node_local(self.layout, self.ctx, None, self.root, self.naming,
-                                   functools.partial(load, verify=not checked, before_write=before_write),
-                                   step=cand, read_only=True)
-            except (CheckpointCorruptError, CheckpointNotFoundError, CheckpointReadError) as exc:
-                if tried is not None:
-                    tried.add(cand)
-                log.warning("memory tier: step %d could not be restored from %s (%s: %s); falling back to %s",
-                            cand, self.root, type(exc).__name__, exc,
-                            "an older memory step" if cand != plan[-1][0] else "the disk and durable tiers")
                 continue
             log.info("[rank %d] restored step %d from the memory tier %s%s", self.ctx.rank, cand, self.root,
                      " (its copy rebuilt from a partner's replica)" if self.layout.node in repairs else "")
@@ -415,8 +424,22 @@ class MemoryTier:
             self.restored(cand)
             if self.peers is not None and self.layout.is_leader:
                 self.peers.committed(cand)  # node-loss-safe again: the partners may lack it (a rebuilt copy, a kill)
-            return cand, lineage if agree is None else agree(cand, repairs)  # (agreed already: no collective)
+            return cand, lineage if agree is None else agree(cand, planned)  # (agreed already: no collective)
         return None
+
+    def _replicas_for(self, step: int, exc: BaseException, repairs: dict[int, int],
+                      gathered: list[tuple[Any, ...]] | None) -> dict[int, int] | None:
+        """Collective, after a read of ``step`` failed on some rank: ``{node: holder}`` for the nodes whose own copy
+        failed (each rank says whether its own read raised ``exc``, not another rank's), each with a partner
+        holding an intact replica of it; None when a node is not rebuilt yet and none holds one."""
+        own = getattr(exc, "failed_ranks", None) is None
+        bad = {n for n in self.ctx.all_gather(self.layout.node if own else None, what="memory copies that failed")
+               if n is not None}
+        if not bad or gathered is None or bad & set(repairs):
+            return None
+        holders = {source: node for node, _, _, _, reps, _ in gathered for source, steps in reps.items()
+                   if step in steps and source in bad and node != source}
+        return holders if set(holders) == bad else None
 
     def restored(self, step: int) -> None:
         """A restore (of any tier) loaded ``step``: memory steps newer than it go at the next save."""

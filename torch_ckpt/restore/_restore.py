@@ -842,7 +842,7 @@ def _verified(step_dir: Path, manifest: Manifest, ctx: DistContext, *, direct: b
 
 def _vote(ctx: DistContext, step_dir: Path, error: BaseException | None, what: str) -> None:
     """Every rank learns whether any rank failed ``what``; a rank raises its own error, the others the
-    failing rank's error class naming that rank (a ``StateMismatchError`` stays one)."""
+    failing rank's error class naming that rank (a ``StateMismatchError`` stays one), with ``failed_ranks``."""
     votes = ctx.all_gather(None if error is None else (type(error).__name__, str(error)), what=what)
     if error is not None:
         raise error
@@ -850,16 +850,19 @@ def _vote(ctx: DistContext, step_dir: Path, error: BaseException | None, what: s
     if not failed:
         return
     rank, (kind, text) = failed[0]
-    if what == "verify":
-        if kind == CheckpointReadError.__name__:  # every rank raises the same class (no fallback)
-            raise CheckpointReadError(errno.EIO, f"{step_dir}: reading failed on another rank: {text}")
-        raise CheckpointCorruptError(f"{step_dir}: verification failed on another rank: {text}")
-    others = f" (and ranks {[r for r, _ in failed[1:]]})" if len(failed) > 1 else ""
-    message = f"{step_dir}: not restored: rank {rank}{others} cannot load this checkpoint: {kind}: {text}"
-    if kind == "StateMismatchError":
-        raise StateMismatchError(message)
-    cls = getattr(errors_module, kind, None) if kind in errors_module.__all__ else None
-    raise (cls if isinstance(cls, type) and issubclass(cls, CheckpointError) else CheckpointError)(message)
+    relayed: CheckpointError
+    if what == "verify":  # every rank raises the same class (no fallback on one rank only)
+        relayed = CheckpointReadError(errno.EIO, f"{step_dir}: reading failed on another rank: {text}") \
+            if kind == CheckpointReadError.__name__ else \
+            CheckpointCorruptError(f"{step_dir}: verification failed on another rank: {text}")
+    else:
+        others = f" (and ranks {[r for r, _ in failed[1:]]})" if len(failed) > 1 else ""
+        message = f"{step_dir}: not restored: rank {rank}{others} cannot load this checkpoint: {kind}: {text}"
+        cls = StateMismatchError if kind == "StateMismatchError" else \
+            getattr(errors_module, kind, None) if kind in errors_module.__all__ else None
+        relayed = (cls if isinstance(cls, type) and issubclass(cls, CheckpointError) else CheckpointError)(message)
+    relayed.failed_ranks = [r for r, _ in failed]  # type: ignore[attr-defined]  # (a rank's own error has none)
+    raise relayed
 
 
 def _load_into(state: Any, step_dir: Path, manifest: Manifest, ctx: DistContext, *, verify: bool,
