@@ -132,12 +132,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               "bytes": args.mb << 20,
               "machine": {"cpus": os.cpu_count(), "loadavg_start": load_start, "loadavg_end": os.getloadavg(),
                           "memory_root": str(shm), "git": git_info()},
-              "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+              "config": {**vars(args), "json": None if args.json is None else str(args.json)},
               "runtime_s": time.perf_counter() - t_start}
     emit_json(result, args.json)
-    r = result["ratios"]
-    log(f"recycled/deleted {r['recycled_over_deleted']:.2f}x, recycled/tmpfs-new {r['recycled_over_tmpfs_new']:.2f}x "
-        f"in {result['runtime_s']:.0f} s")
+    log("recycled/deleted {recycled_over_deleted:.2f}x, recycled/tmpfs-new {recycled_over_tmpfs_new:.2f}x".format(
+        **result["ratios"]))
     return result
 
 
