@@ -539,3 +539,43 @@ def test_a_replica_deletion_cut_short_leaves_nothing_listed(tmp_path, monkeypatc
     monkeypatch.undo()
     assert not replica.exists() and _steps(replica.parent) == []
     assert [p.name for p in replica.parent.iterdir() if p.name.startswith(".")]  # the hidden rest
+
+
+def _replicated_saves_grow_rss_little(rank, world, base):
+    import gc
+    import time
+
+    import psutil
+
+    def settled(mgr):  # the newest memory step is committed and its replica confirmed: no round in flight
+        mgr.wait()
+        deadline = time.monotonic() + 60
+        while (health := mgr.health())["memory_safe_step"] != health["memory_step"]:
+            assert time.monotonic() < deadline, f"node {rank}: never replicated: {health}"
+            time.sleep(0.05)
+        gc.collect()
+        return proc.memory_info().rss
+
+    node = _node(rank, base)
+    torch.manual_seed(rank)  # the nodes' bytes differ: nothing is taken from the partner's own copy
+    model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(8)])  # ~34 MB fp32
+    state, proc = TrainState(model=model), psutil.Process()
+    with CheckpointManager(node / "disk", memory_root=str(node / "mem"), memory_every_n_steps=1,
+                           save_every_n_steps=1000) as mgr:
+        for step in range(1, 24):
+            with torch.no_grad():
+                model[step % 8].weight.add_(1.0)  # a changed file each step: its chunks are streamed
+            mgr.save_if_due(step, state)
+            if step == 3:
+                base_rss = settled(mgr)
+        growth = settled(mgr) - base_rss
+        sent = mgr.health()["memory_replication"]["sent_bytes"]
+    state_bytes = sum(p.numel() * 4 for p in model.parameters())
+    assert sent > 2 * state_bytes, f"node {rank} streamed only {sent} bytes"
+    assert growth < 0.25 * state_bytes, f"node {rank}: RSS grew by {growth} bytes over 20 replicated memory saves"
+
+
+@pytest.mark.slow
+def test_resident_memory_stays_flat_over_20_replicated_memory_saves(tmp_path):
+    """Twenty memory saves, each streamed to the partner node, grow neither node's RSS by a quarter of the state."""
+    run_distributed(_replicated_saves_grow_rss_little, 2, str(tmp_path), timeout_s=240)

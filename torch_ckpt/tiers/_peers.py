@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import math
+import mmap
 import os
 import queue
 import re
@@ -199,14 +200,14 @@ class _Reader:
         self.total = sum(length for _, _, length in self.pieces)
         self._fd: int | None = None
         self._name: str | None = None
-        self._bufs: list[bytearray] = []
+        self._bufs: list[mmap.mmap] = []  # anonymous mappings: unmapped when the stream is done, never left resident
 
     def read(self, i: int) -> memoryview:
         """The bytes of piece ``i`` (pieces are read in order), in one of two buffers: valid until piece ``i + 2``
         is read."""
         name, offset, length = self.pieces[i]
         if len(self._bufs) < 2:
-            self._bufs.append(bytearray(max(size for *_, size in self.pieces)))
+            self._bufs.append(mmap.mmap(-1, max(size for *_, size in self.pieces)))
         if name != self._name:
             self.close()
             self._name = name
@@ -260,7 +261,7 @@ class _Sink:
         """Where piece ``i`` is received: one of two buffers, free again once piece ``i`` :meth:`landed`."""
         length = self.pieces[i][2]
         if len(self._bufs) < 2:
-            self._bufs.append(torch.empty(max(size for *_, size in self.pieces), dtype=torch.uint8))
+            self._bufs.append(torch.frombuffer(mmap.mmap(-1, max(size for *_, size in self.pieces)), dtype=torch.uint8))
         return self._bufs[i % 2][:length]
 
     def landed(self, i: int) -> None:
@@ -288,9 +289,11 @@ class _Sink:
         ranges = self._local.get(self.files[self._file][0], [])
         while ranges and ranges[0][0] < until:
             _, length, fd, offset = ranges.pop(0)
-            buf = bytearray(length)
-            _fill(fd, memoryview(buf), offset)  # past the end of the own file: zeros, the CRC refuses them
-            self._put(memoryview(buf))
+            with mmap.mmap(-1, min(length, CHUNK_BYTES) or 1) as scratch:
+                for done in range(0, length, CHUNK_BYTES):
+                    with memoryview(scratch)[:min(CHUNK_BYTES, length - done)] as buf:
+                        _fill(fd, buf, offset + done)  # past the end of the own file: zeros, the CRC refuses them
+                        self._put(buf)
 
     def _next(self, name: str | None) -> None:
         """Finish files until ``name`` is the open one (None: finish them all)."""
@@ -313,11 +316,12 @@ class _Sink:
 
 
 def _fill(fd: int, view: memoryview, offset: int) -> None:
-    """Read ``view``'s bytes from ``offset`` of an open file (past its end: left as zeros, which the CRC rejects)."""
+    """Read ``view``'s bytes from ``offset`` of an open file (past its end: zeros, which the CRC rejects)."""
     got = 0
     while got < len(view):
         k = os.preadv(fd, [view[got:]], offset + got)
         if k == 0:
+            view[got:] = bytes(len(view) - got)
             return
         got += k
 
