@@ -187,3 +187,65 @@ def test_remote_missing_file_is_not_an_outage(mem):
     """A missing object raises FileNotFoundError, not DurableUnavailableError."""
     with pytest.raises(FileNotFoundError):
         Location(mem[1]).read_bytes("absent.bin")
+
+
+def _serve(handler):
+    import http.server
+    import threading
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+@pytest.fixture
+def http_dir(tmp_path):
+    """A loopback HTTP server (127.0.0.1) serving tmp_path, which holds a.bin; its base URL."""
+    import functools
+    import http.server
+
+    (tmp_path / "a.bin").write_bytes(b"0123456789")
+    server = _serve(functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(tmp_path)))
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def test_an_http_path_the_server_answers_404_for_does_not_exist(http_dir):
+    """Over HTTP, a 404 is a path that does not exist; an existing file is found."""
+    assert Location(http_dir).exists("a.bin")
+    assert not Location(http_dir).exists("missing.bin")
+
+
+def test_an_unreachable_http_server_is_unavailable_not_missing():
+    """A server nobody listens on raises DurableUnavailableError naming the URL (fsspec calls it not found)."""
+    import socket
+
+    with socket.socket() as s:  # a loopback port that was free a moment ago: nothing listens on it
+        s.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{s.getsockname()[1]}/run"
+    with pytest.raises(DurableUnavailableError, match=f"cannot read {url}.*connect"):
+        Location(url).exists()
+
+
+def test_an_http_server_answering_503_is_unavailable_not_missing():
+    """A server that answers 503 Service Unavailable raises DurableUnavailableError, not "does not exist"."""
+    import http.server
+
+    class Busy(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - the name http.server calls
+            self.send_error(503)
+
+        do_HEAD = do_GET  # noqa: N815
+
+        def log_message(self, *args):
+            pass
+
+    server = _serve(Busy)
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/run"
+        with pytest.raises(DurableUnavailableError, match=f"cannot read {url}.*503"):
+            Location(url).exists()
+    finally:
+        server.shutdown()
+        server.server_close()

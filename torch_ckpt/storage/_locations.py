@@ -361,18 +361,42 @@ class Location:
             return fn(*args, **kwargs)
         try:
             return fn(*args, **kwargs)
-        except (FileNotFoundError, CheckpointError):
+        except FileNotFoundError as exc:
+            cause = exc.__cause__  # fsspec's HTTP file system reports any failure as not found, caused by it
+            while isinstance(cause, FileNotFoundError):
+                cause = cause.__cause__
+            if not (isinstance(cause, OSError) or (getattr(cause, "status", None) or 0) >= 500):
+                raise  # not found indeed (a 404, S3's NoSuchKey/NoSuchBucket); not a refused connection or timeout
+            raise outage(f"cannot read {self.describe()}", cause) from cause
+        except CheckpointError:
             raise
         except Exception as exc:  # noqa: BLE001 - any backend error (botocore, aiohttp...) means unreachable
             raise outage(f"cannot read {self.describe()}", exc) from exc
 
     def exists(self, name: str | None = None) -> bool:
-        """Whether the directory (on object stores, the prefix), or its entry ``name``, exists."""
-        return bool(self._call(self.fs.exists, self.path if name is None else self._p(name)))
+        """Whether the directory (on object stores, the prefix), or its entry ``name``, exists.
+
+        Raises:
+            DurableUnavailableError: a remote store did not answer (fsspec's own ``exists`` reports that as
+                False: an unreachable server would read as a path that does not exist).
+        """
+        path = self.path if name is None else self._p(name)
+        if not self.remote:
+            return bool(self.fs.exists(path))
+        return self._info(path) is not None
 
     def is_dir(self) -> bool:
-        """Whether this is a directory (a prefix with entries, on object stores)."""
-        return bool(self._call(self.fs.isdir, self.path))
+        """Whether this is a directory (a prefix with entries, on object stores); raises as :meth:`exists`."""
+        if not self.remote:
+            return bool(self.fs.isdir(self.path))
+        info = self._info(self.path)
+        return info is not None and info.get("type") == "directory"
+
+    def _info(self, path: str) -> dict[str, Any] | None:
+        try:
+            return self._call(self.fs.info, path)
+        except FileNotFoundError:
+            return None
 
     def entries(self) -> dict[str, dict[str, Any]]:
         """``{name: {"type", "size": int, "mtime": float|None}}`` of the directory. ``type`` is "file" or

@@ -508,7 +508,7 @@ def _local_copy(args: argparse.Namespace) -> Iterator[tuple[str, str]]:
                     raise UsageError(f"{url} holds no committed checkpoint" +
                                      (f" of step {args.step}" if args.step is not None else "") +
                                      (f"; its committed steps: {', '.join(map(str, steps))}" if steps else ""))
-            elif not tier.fs.exists(f"{tier.root}/{name}"):
+            elif not Location.on(tier.fs, f"{tier.root}/{name}", url).exists():
                 raise UsageError(f"{url} does not exist")
             local = str(tier.download(step, Path(tmp))), tier.describe(step)
         except ConfigError as exc:
