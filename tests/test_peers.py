@@ -17,7 +17,17 @@ from torch_ckpt.manager import _memory
 from torch_ckpt.root._layout import MANIFEST_NAME
 from torch_ckpt.storage._crc import crc32
 from torch_ckpt.tiers import _peers
-from torch_ckpt.tiers._peers import PEERS_DIR, _chunks, _listing, _Reader, _reusable, _Sink, _transfer, partners
+from torch_ckpt.tiers._peers import (
+    PEERS_DIR,
+    _chunks,
+    _listing,
+    _Reader,
+    _receive_into,
+    _reusable,
+    _Sink,
+    _transfer,
+    partners,
+)
 
 
 def _state(seed: int = 0, width: int = 16):
@@ -579,3 +589,69 @@ def _replicated_saves_grow_rss_little(rank, world, base):
 def test_resident_memory_stays_flat_over_20_replicated_memory_saves(tmp_path):
     """Twenty memory saves, each streamed to the partner node, grow neither node's RSS by a quarter of the state."""
     run_distributed(_replicated_saves_grow_rss_little, 2, str(tmp_path), timeout_s=240)
+
+
+def test_a_sink_that_cannot_write_keeps_receiving_and_names_the_error(tmp_path, monkeypatch):
+    """ENOSPC while a replica is written is a problem of the copy, not an exception: every piece is still taken."""
+    import errno
+
+    copy = _committed_copy(tmp_path)
+    files = _listing(copy)
+    calls = []
+
+    def full(self, data):
+        calls.append(len(data))
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(_Sink, "_put", full)
+    sink = _stream(copy, files, tmp_path / "out")  # would raise out of landed() and stop the stream
+    assert len(calls) == 1 and len(sink.problems) == 1 and "No space left on device" in sink.problems[0]
+    assert _receive_into(tmp_path / "final", sink, source=0, step=1) == sink.problems[0]
+    assert not (tmp_path / "out").exists() and not (tmp_path / "final").exists()
+
+
+def _receive_fails_then_recovers(rank, world, base):
+    import errno
+    import time
+
+    node = _node(rank, base)
+    flag = Path(base) / "full"
+    if rank == 1:
+        put = _Sink._put
+
+        def full_while_flagged(self, data):
+            if flag.exists():
+                raise OSError(errno.ENOSPC, "No space left on device")
+            put(self, data)
+
+        _Sink._put = full_while_flagged
+        flag.touch()
+    torch.distributed.barrier()
+    state, model, opt = _state(seed=rank)
+
+    def until(mgr, what, ok):
+        deadline = time.monotonic() + 60  # far below the group's timeout: a stuck stream fails here
+        while not ok(health := mgr.health()):
+            assert time.monotonic() < deadline, f"node {rank}: {what}: {health}"
+            time.sleep(0.05)
+
+    with CheckpointManager(node / "disk", memory_root=str(node / "mem"), async_save=False) as mgr:
+        _train(model, opt, 1)
+        mgr.save(1, state, tier="memory")
+        if rank == 1:
+            until(mgr, "the full replica was never refused", lambda h: h["memory_replication"]["refused"] == 1)
+            flag.unlink()
+        else:
+            until(mgr, "the round never ended", lambda h: h["memory_replication"]["rounds"] >= 1)
+            assert mgr.health()["memory_safe_step"] is None
+        torch.distributed.barrier()
+        _train(model, opt, 2)
+        mgr.save(2, state, tier="memory")
+        until(mgr, "step 2 never became node-loss safe", lambda h: h["memory_safe_step"] == 2)
+    assert not list((node / "mem" / PEERS_DIR).rglob(".incoming*")), "a refused replica was left behind"
+
+
+@pytest.mark.slow
+def test_a_partner_that_cannot_write_the_replica_refuses_it_without_stalling_the_stream(tmp_path):
+    """ENOSPC on the receiving node: the round ends at once with the replica refused; the next one is kept."""
+    run_distributed(_receive_fails_then_recovers, 2, str(tmp_path), timeout_s=240)

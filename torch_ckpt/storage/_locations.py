@@ -365,7 +365,7 @@ class Location:
             cause = exc.__cause__  # fsspec's HTTP file system reports any failure as not found, caused by it
             while isinstance(cause, FileNotFoundError):
                 cause = cause.__cause__
-            if not (isinstance(cause, OSError) or (getattr(cause, "status", None) or 0) >= 500):
+            if cause is None or not (isinstance(cause, OSError) or (getattr(cause, "status", None) or 0) >= 500):
                 raise  # not found indeed (a 404, S3's NoSuchKey/NoSuchBucket); not a refused connection or timeout
             raise outage(f"cannot read {self.describe()}", cause) from cause
         except CheckpointError:

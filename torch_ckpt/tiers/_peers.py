@@ -241,11 +241,13 @@ class _Sink:
     """The receiver's side of a stream: the listed files of a new directory, written piece by piece
     (:func:`_pieces`) from two receive buffers, with the ``local`` ranges (``{file: [(offset, length, descriptor,
     offset there)]}``) copied from this node's own files in their places; each file's CRC-32 is computed in file
-    order as its bytes land, and :meth:`close` checks it against the sender's manifest."""
+    order as its bytes land, and :meth:`close` checks it against the sender's manifest.
+
+    A failure to write (ENOSPC on a full tmpfs, EIO) never raises: it becomes a problem, writing stops, and the
+    pieces are still received, so the sender's stream completes instead of waiting for the group's timeout."""
 
     def __init__(self, directory: Path, files: list[tuple[str, int, int]],
                  local: dict[str, list[tuple[int, int, int, int]]] | None = None) -> None:
-        directory.mkdir(parents=True)
         self.directory, self.files, local = directory, files, local or {}
         self.problems: list[str] = []
         self.pieces = _pieces(files, {n: [(at, length) for at, length, *_ in r] for n, r in local.items()})
@@ -255,6 +257,11 @@ class _Sink:
         self._file = -1  # index into files of the open file
         self._fd: int | None = None
         self._pos = self._crc = 0  # bytes of the open file written, and their CRC-32
+        self._failed = False
+        self._writing(self._open)
+
+    def _open(self) -> None:
+        self.directory.mkdir(parents=True)
         self._next(self.pieces[0][0] if self.pieces else None)
 
     def view(self, i: int) -> torch.Tensor:
@@ -267,14 +274,31 @@ class _Sink:
     def landed(self, i: int) -> None:
         """Piece ``i`` (received into :meth:`view`) is complete: write it (and the local ranges before it)."""
         name, at, length = self.pieces[i]
-        self._next(name)
-        self._locals(at)
-        self._put(memoryview(self._bufs[i % 2].numpy())[:length])  # type: ignore[arg-type]
+
+        def write() -> None:
+            self._next(name)
+            self._locals(at)
+            self._put(memoryview(self._bufs[i % 2].numpy())[:length])  # type: ignore[arg-type]
+
+        self._writing(write)
 
     def close(self) -> None:
         """Write what is left (local ranges, empty files) and check the files' CRC-32s; call once every receive
         is done. Problems go into :attr:`problems`."""
-        self._next(None)
+        self._writing(lambda: self._next(None))
+
+    def _writing(self, fn: Callable[[], Any]) -> None:
+        """Run ``fn`` unless writing already failed; an ``OSError`` becomes a problem and stops writing."""
+        if self._failed:
+            return
+        try:
+            fn()
+        except OSError as exc:
+            self._failed = True
+            self.problems.append(f"writing into {self.directory}: {exc}")
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
 
     def _put(self, data: memoryview) -> None:
         assert self._fd is not None
@@ -403,13 +427,16 @@ def _receive_into(final: Path, sink: _Sink, *, source: int, step: int) -> str | 
                 problem = f"its manifest is node {manifest.node}'s step {manifest.step}"
         except CheckpointError as exc:
             problem = str(exc)
-    if problem is not None:
-        shutil.rmtree(sink.directory, ignore_errors=True)
-        return problem
-    if final.exists():
-        shutil.rmtree(retire_step_dir(final), ignore_errors=True)
-    sink.directory.rename(final)
-    return None
+    if problem is None:
+        try:
+            if final.exists():
+                shutil.rmtree(retire_step_dir(final), ignore_errors=True)
+            sink.directory.rename(final)
+            return None
+        except OSError as exc:  # raised, it would leave the partners waiting in the next exchange
+            problem = f"renaming {sink.directory} to {final.name}: {exc}"
+    shutil.rmtree(sink.directory, ignore_errors=True)
+    return problem
 
 
 class PeerReplicator:
@@ -542,9 +569,12 @@ class PeerReplicator:
             final = replica_dir(self.root, src, doc["name"])
             problem = _receive_into(final, sink, source=src, step=int(doc["step"]))
             if problem is None:
-                for older in final.parent.iterdir():  # the newest replica of each source is kept
-                    if older != final and self.naming.step_of(older.name) is not None:
-                        discard_step_dir(older)  # renamed hidden first: a kill never leaves part of it listed
+                try:
+                    for older in final.parent.iterdir():  # the newest replica of each source is kept
+                        if older != final and self.naming.step_of(older.name) is not None:
+                            discard_step_dir(older)  # renamed hidden first: a kill never leaves part of it listed
+                except OSError as exc:  # the next round retries; raised, it would leave the partner waiting
+                    log.warning("memory tier: an older replica of node %d could not be removed: %s", src, exc)
             else:
                 self.stats["refused"] += 1
                 log.warning("memory tier: the replica of node %d's step %s was refused: %s", src, doc["step"], problem)
