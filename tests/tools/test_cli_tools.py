@@ -824,7 +824,7 @@ def test_forged_manifest_step_names_both_files_and_both_values(copy, tmp_path, c
 
 @pytest.mark.parametrize("where", ["root", "url"])
 def test_a_missing_step_names_the_committed_ones(saved, capsys, where):
-    """`inspect --step N` of a step the root (local or durable) lacks says which steps it holds."""
+    """`inspect --step N` of a step the root (local or durable) lacks says which steps it holds; exit 2."""
     code, _, err = run(capsys, "inspect", saved[where], "--step", 15)
-    assert code != 0
+    assert code == 2, err
     assert "no committed checkpoint of step 15" in err and "its committed steps: 10, 20" in err

@@ -166,7 +166,8 @@ def test_convert_takes_a_run_root_newest_step_or_step(ours, tmp_path, capsys):
     model.load_state_dict(sd["model"])  # the documented load-back
     assert main(["convert", str(root), "--step", "5", "--to", "torch", str(out), "--overwrite"]) == 0
     assert "step 5 ->" in capsys.readouterr().out
-    assert main(["convert", str(root), "--step", "6", "--to", "torch", str(out), "--overwrite"]) == 1
+    # a step the root lacks: a bad argument (exit 2)
+    assert main(["convert", str(root), "--step", "6", "--to", "torch", str(out), "--overwrite"]) == 2
     assert main(["convert", str(root / "step_000000005"), "--step", "5", "--to", "torch", str(out),
                  "--overwrite"]) == 2
     shutil.rmtree(root / "step_000000009")

@@ -485,7 +485,9 @@ def find_checkpoint(where: str | os.PathLike | Location, *, step: int | None = N
         PathNotFoundError: ``where`` does not exist.
         ConfigError: ``step`` was given with a checkpoint directory.
         CheckpointNotFoundError: the root has no committed checkpoint (of that step); a plain DCP
-            folder, or a root holding one, is named with the ``torch-ckpt import`` command.
+            folder, or a root holding one, is named with the ``torch-ckpt import`` command. A ``step`` the
+            root holds no checkpoint of at all (none corrupt either) is a :class:`PathNotFoundError`, a
+            bad argument (the CLI's exit code 2).
     """
     loc = open_dir(where, storage_options)
     if loc.exists(METADATA_NAME) and is_plain_dcp(loc.entries()):
@@ -502,7 +504,8 @@ def find_checkpoint(where: str | os.PathLike | Location, *, step: int | None = N
         corrupt = [r for r in rows if r["status"] == CORRUPT and (step is None or r["step"] == step)]
         others = [r["step"] for r in rows if r["status"] == COMMITTED and r["alias_of"] is None
                   and not r["superseded"]]
-        raise CheckpointNotFoundError(f"{loc.describe()} has no committed checkpoint" +
+        missing = PathNotFoundError if step is not None and not plain and not corrupt else CheckpointNotFoundError
+        raise missing(f"{loc.describe()} has no committed checkpoint" +
                                       (f" of step {step}" if step is not None else "") +
                                       (f"; {plain[0]['name']} is a {plain[0]['reason']}" if plain else
                                        f"; {len(corrupt)} failed its checks, the newest ({corrupt[-1]['name']}): "
