@@ -249,3 +249,57 @@ def test_an_http_server_answering_503_is_unavailable_not_missing():
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_an_http_directory_listing_is_a_directory_and_a_file_is_not(http_dir):
+    """Over HTTP (whose info calls everything a file) a served directory is a directory, a file is not."""
+    assert Location(http_dir).is_dir()
+    assert not Location(f"{http_dir}/a.bin").is_dir()
+    assert not Location(f"{http_dir}/missing").is_dir()
+
+
+def test_a_checkpoint_served_over_http_lists_and_verifies(tmp_path, capsys):
+    """`torch-ckpt ls` and `verify` of a run root served by a loopback HTTP server exit 0."""
+    import functools
+    import http.server
+
+    import torch
+
+    from torch_ckpt import CheckpointManager, TrainState
+    from torch_ckpt.tools.cli import main
+
+    with CheckpointManager(tmp_path / "run", async_save=False) as mgr:
+        mgr.save(10, TrainState(model=torch.nn.Linear(4, 4), rng=False))
+    server = _serve(functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(tmp_path)))
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/run"
+        assert main(["ls", url]) == 0 and "step_000000010" in capsys.readouterr().out
+        assert main(["verify", url]) == 0 and "all OK" in capsys.readouterr().out
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_server_that_drops_the_connection_is_unavailable_not_missing():
+    """A server that accepts and closes without answering raises DurableUnavailableError, not "does not exist"."""
+    import socket
+    import threading
+
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def drop():
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            conn.recv(1024)
+            conn.close()
+
+    threading.Thread(target=drop, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{listener.getsockname()[1]}/run"
+        with pytest.raises(DurableUnavailableError, match=f"cannot read {url}"):
+            Location(url).exists()
+    finally:
+        listener.close()

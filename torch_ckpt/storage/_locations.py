@@ -25,6 +25,7 @@ import errno
 import json
 import os
 import stat
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -365,7 +366,10 @@ class Location:
             cause = exc.__cause__  # fsspec's HTTP file system reports any failure as not found, caused by it
             while isinstance(cause, FileNotFoundError):
                 cause = cause.__cause__
-            if cause is None or not (isinstance(cause, OSError) or (getattr(cause, "status", None) or 0) >= 500):
+            aiohttp = sys.modules.get("aiohttp")  # loaded whenever one of its errors is the cause
+            dropped = aiohttp is not None and isinstance(cause, aiohttp.ClientConnectionError)  # e.g. disconnected
+            if cause is None or not (dropped or isinstance(cause, OSError)
+                                     or (getattr(cause, "status", None) or 0) >= 500):
                 raise  # not found indeed (a 404, S3's NoSuchKey/NoSuchBucket); not a refused connection or timeout
             raise outage(f"cannot read {self.describe()}", cause) from cause
         except CheckpointError:
@@ -389,8 +393,10 @@ class Location:
         """Whether this is a directory (a prefix with entries, on object stores); raises as :meth:`exists`."""
         if not self.remote:
             return bool(self.fs.isdir(self.path))
-        info = self._info(self.path)
-        return info is not None and info.get("type") == "directory"
+        info = self._info(self.path)  # raises when the store does not answer, which isdir would call False
+        if info is None or info.get("type") == "directory":
+            return info is not None
+        return bool(self._call(self.fs.isdir, self.path))  # HTTP's info says "file" of a page listing files
 
     def _info(self, path: str) -> dict[str, Any] | None:
         try:
