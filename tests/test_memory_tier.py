@@ -918,3 +918,50 @@ def test_a_symlink_in_place_of_the_spare_directory_is_never_followed(tmp_path, m
     with CheckpointManager(tmp_path / "disk", memory_root=str(mem)) as mgr:
         assert mgr.restore(fresh) == 4
     assert all(torch.equal(want[k], v) for k, v in model2.state_dict().items())
+
+
+def _two_ranks_a_node(rank, world, base, flip):
+    """4 ranks as 2 nodes of 2: memory saves of a replicated model plus a per-rank tensor, restored into fresh
+    objects; ``flip``: a byte of node 0's biggest data file is flipped before the restore."""
+    os.environ.update(LOCAL_RANK=str(rank % 2), LOCAL_WORLD_SIZE="2", GROUP_RANK=str(rank // 2))
+    node = Path(base) / f"node{rank // 2}"
+
+    def build(seed):
+        torch.manual_seed(seed)  # the same on every rank: the model is replicated, as with DDP
+        model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 8))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        mine = torch.full((1000,), float(rank if seed == 0 else -1))  # differs per rank
+        return TrainState(model=model, optimizer=opt, extras={"mine": mine}), model, opt, mine
+
+    state, model, opt, mine = build(0)
+    mgr = CheckpointManager(node / "disk", memory_root=str(node / "mem"), memory_replicas=0, async_save=False)
+    with mgr:
+        for step in (1, 2, 3):
+            model(torch.randn(4, 64)).sum().backward()
+            opt.step()
+            mgr.save(step, state, tier="memory" if step > 1 else "disk")
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    torch.distributed.barrier()
+    if flip and rank == 0:
+        data = max((node / "mem" / "step_000000003").glob("*.distcp"), key=lambda p: p.stat().st_size)
+        raw = bytearray(data.read_bytes())
+        raw[len(raw) // 2] ^= 0x04
+        data.write_bytes(bytes(raw))
+    torch.distributed.barrier()
+    fresh, model2, _, _ = build(1)
+    with CheckpointManager(node / "disk", memory_root=str(node / "mem"), memory_replicas=0) as mgr:
+        got, source = mgr.restore(fresh), mgr.restore_source
+    if flip:  # one rank of node 0 checked that file; its vote sends every rank to step 2, together
+        assert (got, source) == (2, "memory"), (rank, got, source)
+        return
+    assert (got, source) == (3, "memory"), (rank, got, source)
+    assert all(torch.equal(want[k], v) for k, v in model2.state_dict().items())
+    assert torch.equal(fresh.extras["mine"], torch.full((1000,), float(rank))), fresh.extras["mine"][:3]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flip", [False, True], ids=["intact", "flipped"])
+def test_two_ranks_of_a_node_read_its_memory_copy_side_by_side(tmp_path, flip):
+    """2 nodes of 2 ranks restore bitwise from their nodes' memory copies; a byte flipped in a file that one
+    rank of the node checks sends every rank back to the older memory step."""
+    run_distributed(_two_ranks_a_node, 4, str(tmp_path), flip, timeout_s=240)

@@ -694,10 +694,13 @@ def _read_file(fd: int, path: Path, expected: dict[str, int], entries: list[tupl
 
 
 def load_direct(targets: _Targets, step_dir: str | os.PathLike, md: Metadata, manifest: Manifest, *,
-                verify: bool, allow_symlinks: bool = False) -> set[str]:
-    """Read the data files of a copy one process reads alone once each (two at a time, CRC-32 on a second thread),
-    placing a tensor straight into its target when its record's framing is byte for byte ``torch.save``'s.
+                verify: bool, allow_symlinks: bool = False, share: tuple[int, int] = (0, 1)) -> set[str]:
+    """Read the data files of a copy once each (two at a time, CRC-32 on a second thread), placing a tensor
+    straight into its target when its record's framing is byte for byte ``torch.save``'s.
 
+    ``share`` ``(part, parts)``: the ranks of one node read its copy side by side, each the files holding
+    its own tensors; the CRC-32 of every ``parts``-th data file from ``part`` is this rank's to check (read
+    whole), the others' are its mates' (a vote after the read tells every rank whether all passed).
     Sizes are checked before the first byte is placed, CRC-32s after (``CheckpointCorruptError`` naming
     the first failing file); an interrupt stops every reader. Returns the keys left for DCP's reader.
     """
@@ -715,7 +718,8 @@ def load_direct(targets: _Targets, step_dir: str | os.PathLike, md: Metadata, ma
             seen[key] = seen.get(key, 0) + 1
     placeable = {k for k, n in seen.items() if n == 1 and _placeable(k, targets[k], md)}
     jobs = [(name, sorted(by_file.get(name, []))) for name in sorted(held) if name.endswith(DATA_SUFFIX)]
-    jobs = [(name, entries) for name, entries in jobs if verify or any(k in placeable for _, _, k in entries)]
+    checked = {name for i, (name, _) in enumerate(jobs) if verify and i % share[1] == share[0]}
+    jobs = [(name, entries) for name, entries in jobs if name in checked or any(k in placeable for _, _, k in entries)]
     fds: list[int] = []
     try:  # every file's size is checked before the first byte is placed
         for name, _ in jobs:
@@ -741,7 +745,7 @@ def load_direct(targets: _Targets, step_dir: str | os.PathLike, md: Metadata, ma
             name, entries = jobs[i]
             try:
                 results[i] = _read_file(fds[i], step_dir / name, manifest.files[name], entries, targets, placeable,
-                                        verify=verify, stop=stop)
+                                        verify=name in checked, stop=stop)
             except BaseException as exc:  # noqa: BLE001 - handed to the calling thread
                 results[i] = exc
                 if not isinstance(exc, Exception):  # an interrupt: the other reader stops too
@@ -869,10 +873,11 @@ def _load_into(state: Any, step_dir: Path, manifest: Manifest, ctx: DistContext,
                on_world_size_change: str, allow_cast: bool, before_write: Callable[[], Any] | None) -> None:
     """The body of :func:`load_into` (same arguments and errors), run with the collector paused."""
     same_world = manifest.world_size == ctx.world_size
-    # one reader of every file (one process, or a node's copy that this rank alone reads): checksum while placing
-    direct = not ctx.enabled or (manifest.node is not None and same_world
-                                 and [r for r, n in enumerate(manifest.nodes["rank_node"]) if n == manifest.node]
-                                 == [ctx.rank])
+    # one process, or a node's copy read by the ranks of that node: each file read once, checksummed while placing
+    mates = [r for r, n in enumerate(manifest.nodes["rank_node"]) if n == manifest.node] \
+        if manifest.node is not None and same_world and ctx.enabled else []
+    direct = not ctx.enabled or ctx.rank in mates
+    share = (mates.index(ctx.rank), len(mates)) if ctx.rank in mates else (0, 1)
     err: BaseException | None = None
     md = tree = None
     try:  # every rank's reads and checks are agreed on before any rank loads anything
@@ -897,7 +902,7 @@ def _load_into(state: Any, step_dir: Path, manifest: Manifest, ctx: DistContext,
 
     if direct:
         try:
-            _load_direct(targets, step_dir, md, manifest, verify=verify)
+            _load_direct(targets, step_dir, md, manifest, verify=verify, share=share)
         except (CheckpointError, OSError) as exc:
             err = exc if isinstance(exc, CheckpointError) else CheckpointReadError(
                 exc.errno, f"reading checkpoint {step_dir} failed on rank {ctx.rank}: {exc.strerror or exc}")
@@ -919,17 +924,21 @@ def _load_into(state: Any, step_dir: Path, manifest: Manifest, ctx: DistContext,
         hold.release()
 
 
-def _load_direct(targets: _Targets, step_dir: Path, md: Any, manifest: Manifest, *, verify: bool) -> None:
-    """Read ``targets`` from files this process reads alone: :func:`load_direct`, then DCP's reader (no
-    collective) for the tensors it could not place."""
+def _load_direct(targets: _Targets, step_dir: Path, md: Any, manifest: Manifest, *, verify: bool,
+                 share: tuple[int, int] = (0, 1)) -> None:
+    """Read ``targets`` from a copy without a collective: :func:`load_direct` (``share`` as there), then DCP's
+    reader for the tensors it could not place."""
     if not targets:
         return
-    rest = load_direct(targets, step_dir, md, manifest, verify=verify)
-    # a placed tensor's record was compared byte for byte with torch.save's framing for its
-    # declared dtype and shape; every other record is checked before DCP's reader opens it
-    unchecked = {k: v for k, v in tensor_items(md).items() if k in rest or k not in targets}
-    if unchecked:
-        check_records(step_dir, manifest, md, tensors=unchecked)
+    rest = load_direct(targets, step_dir, md, manifest, verify=verify, share=share)
+    # a placed tensor's record was compared byte for byte with torch.save's framing for its declared dtype
+    # and shape; the records DCP's reader opens next are checked first, the others' in this rank's share
+    items = tensor_items(md)
+    if rest:
+        check_records(step_dir, manifest, md, tensors={k: v for k, v in items.items() if k in rest})
+    others = {k: v for k, v in items.items() if k not in targets}
+    if others:
+        check_records(step_dir, manifest, md, tensors=others, part=share[0], parts=share[1])
     if rest:
         load_tensors({k: targets[k] for k in rest}, step_dir, md, set(manifest.files), no_dist=True)
 
