@@ -386,3 +386,21 @@ def _background_staging_fails_on_rank1(rank, world, root):
 def test_background_staging_failure_on_one_rank_fails_every_rank_at_once(tmp_path):
     """overlap_staging: rank 1's background copy fails; both ranks fail step 1, not at the timeout; step 2 commits."""
     run_distributed(_background_staging_fails_on_rank1, 2, str(tmp_path), timeout_s=120)
+
+
+def _one_rank_without_tensors(rank, world, root):
+    def build(v):  # rank 1's state has values only: it has no tensor to read
+        return {"a": torch.full((5000,), float(v))} if rank == 0 else {"meta": {"x": v}}
+
+    with CheckpointManager(root, async_save=False) as mgr:
+        mgr.save(1, build(1))
+    fresh = build(-1)
+    with CheckpointManager(root) as mgr:
+        assert mgr.restore(fresh) == 1
+    dist.barrier()  # paired with a rank still inside the collective read, this would fail
+    assert (torch.equal(fresh["a"], torch.full((5000,), 1.0)) if rank == 0 else fresh == {"meta": {"x": 1}})
+
+
+def test_a_rank_without_tensors_still_joins_the_collective_read(tmp_path):
+    """A rank whose state holds no tensors restores with the others from a shared root (it joins DCP's read)."""
+    run_distributed(_one_rank_without_tensors, 2, str(tmp_path), timeout_s=120)

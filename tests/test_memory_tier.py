@@ -965,3 +965,38 @@ def test_two_ranks_of_a_node_read_its_memory_copy_side_by_side(tmp_path, flip):
     """2 nodes of 2 ranks restore bitwise from their nodes' memory copies; a byte flipped in a file that one
     rank of the node checks sends every rank back to the older memory step."""
     run_distributed(_two_ranks_a_node, 4, str(tmp_path), flip, timeout_s=240)
+
+
+def _a_node_rank_without_tensors(rank, world, base, flip):
+    """2 ranks as one node, rank 1's state without tensors; ``flip``: the index of the node's data file whose
+    middle byte is flipped before the restore."""
+    os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2", GROUP_RANK="0")
+    node = Path(base)
+
+    def build(v):
+        return {"a": torch.full((5000,), float(v)), "b": torch.full((5000,), v + 0.5)} if rank == 0 else \
+            {"meta": {"x": v}}
+
+    with CheckpointManager(node / "disk", memory_root=str(node / "mem"), memory_replicas=0, async_save=False) as mgr:
+        mgr.save(1, build(1), tier="disk")
+        mgr.save(2, build(2), tier="memory")
+    torch.distributed.barrier()
+    files = sorted((node / "mem" / "step_000000002").glob("*.distcp"))
+    assert len(files) > flip, files
+    if rank == 0:
+        raw = bytearray(files[flip].read_bytes())
+        raw[len(raw) // 2] ^= 0x04
+        files[flip].write_bytes(bytes(raw))
+    torch.distributed.barrier()
+    fresh = build(-1)
+    with CheckpointManager(node / "disk", memory_root=str(node / "mem"), memory_replicas=0) as mgr:
+        assert mgr.restore(fresh) == 1  # every rank falls back, whichever rank's share the file was
+    assert fresh == {"meta": {"x": 1}} if rank else torch.equal(fresh["a"], torch.full((5000,), 1.0))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flip", [0, 1])
+def test_a_node_rank_without_tensors_still_checks_its_share_of_the_files(tmp_path, flip):
+    """A rank of the node with no tensors of its own still checks its share of the node's CRC-32s: a flipped
+    byte in any data file sends both ranks to the older step."""
+    run_distributed(_a_node_rank_without_tensors, 2, str(tmp_path), flip, timeout_s=120)

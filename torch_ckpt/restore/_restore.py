@@ -910,7 +910,7 @@ def _load_into(state: Any, step_dir: Path, manifest: Manifest, ctx: DistContext,
                 raise err from exc
         if ctx.enabled:  # the ranks read their own copies alone: every rank learns whether all reads succeeded
             _vote(ctx, step_dir, err, "verify")
-    elif targets:
+    else:  # collective: a rank with nothing to read still joins it, or the others would wait for it
         load_tensors(targets, step_dir, md, set(manifest.files), process_group=ctx.fg if ctx.enabled else None,
                      no_dist=not ctx.enabled)
     if before_write is not None:
@@ -927,9 +927,8 @@ def _load_into(state: Any, step_dir: Path, manifest: Manifest, ctx: DistContext,
 def _load_direct(targets: _Targets, step_dir: Path, md: Any, manifest: Manifest, *, verify: bool,
                  share: tuple[int, int] = (0, 1)) -> None:
     """Read ``targets`` from a copy without a collective: :func:`load_direct` (``share`` as there), then DCP's
-    reader for the tensors it could not place."""
-    if not targets:
-        return
+    reader for the tensors it could not place. With no targets, this rank's share of the CRC-32s is still
+    checked (its mates rely on it)."""
     rest = load_direct(targets, step_dir, md, manifest, verify=verify, share=share)
     # a placed tensor's record was compared byte for byte with torch.save's framing for its declared dtype
     # and shape; the records DCP's reader opens next are checked first, the others' in this rank's share
