@@ -1000,3 +1000,25 @@ def test_a_node_rank_without_tensors_still_checks_its_share_of_the_files(tmp_pat
     """A rank of the node with no tensors of its own still checks its share of the node's CRC-32s: a flipped
     byte in any data file sends both ranks to the older step."""
     run_distributed(_a_node_rank_without_tensors, 2, str(tmp_path), flip, timeout_s=120)
+
+
+def _ranks_that_would_read_differently(rank, world, base):
+    """2 ranks as one node; rank 1 made to take the collective read path: both raise, no rank waits."""
+    from torch_ckpt.restore import _restore
+
+    os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2", GROUP_RANK="0")
+    node = Path(base)
+    with CheckpointManager(node / "disk", memory_root=str(node / "mem"), memory_replicas=0, async_save=False) as mgr:
+        mgr.save(1, {"a": torch.full((5000,), 1.0)}, tier="memory")
+    if rank == 1:
+        _restore._one_pass = lambda manifest, ctx: (False, (0, 1))
+    fresh = {"a": torch.zeros(5000)}
+    with CheckpointManager(node / "disk", memory_root=str(node / "mem"), memory_replicas=0) as mgr:
+        assert mgr.restore(fresh) is None  # the only copy cannot be read by this layout: nothing restored
+    assert torch.equal(fresh["a"], torch.zeros(5000))
+
+
+@pytest.mark.slow
+def test_ranks_that_would_read_a_copy_in_different_ways_refuse_it_instead_of_waiting(tmp_path):
+    """A rank on the collective read path beside one-pass ranks: every rank refuses that copy, none hangs."""
+    run_distributed(_ranks_that_would_read_differently, 2, str(tmp_path), timeout_s=120)

@@ -844,13 +844,19 @@ def _verified(step_dir: Path, manifest: Manifest, ctx: DistContext, *, direct: b
     return md, tree
 
 
-def _vote(ctx: DistContext, step_dir: Path, error: BaseException | None, what: str) -> None:
+def _vote(ctx: DistContext, step_dir: Path, error: BaseException | None, what: str, *, path: bool | None = None
+          ) -> None:
     """Every rank learns whether any rank failed ``what``; a rank raises its own error, the others the
-    failing rank's error class naming that rank (a ``StateMismatchError`` stays one), with ``failed_ranks``."""
-    votes = ctx.all_gather(None if error is None else (type(error).__name__, str(error)), what=what)
+    failing rank's error class naming that rank (a ``StateMismatchError`` stays one), with ``failed_ranks``.
+    ``path``: this rank's read path (one pass or collective); ranks that differ would wait in different
+    collectives, so every rank raises ``CheckpointReadError`` instead (the restore moves on to another copy)."""
+    votes = ctx.all_gather((None if error is None else (type(error).__name__, str(error)), path), what=what)
     if error is not None:
         raise error
-    failed = [(rank, vote) for rank, vote in enumerate(votes) if vote is not None]
+    if len({p for _, p in votes}) > 1:
+        raise CheckpointReadError(errno.EIO, f"{step_dir}: the ranks would read this copy in different ways "
+                                  f"(one pass: ranks {[r for r, (_, p) in enumerate(votes) if p]}); not read here")
+    failed = [(rank, vote) for rank, (vote, _) in enumerate(votes) if vote is not None]
     if not failed:
         return
     rank, (kind, text) = failed[0]
@@ -869,15 +875,19 @@ def _vote(ctx: DistContext, step_dir: Path, error: BaseException | None, what: s
     raise relayed
 
 
+def _one_pass(manifest: Manifest, ctx: DistContext) -> tuple[bool, tuple[int, int]]:
+    """Whether this rank reads the copy in one pass (one process, or a node's copy read by the ranks of that
+    node: each file read once, checksummed while placing), and its ``(part, parts)`` of the CRC-32 checks."""
+    mates = [r for r, n in enumerate(manifest.nodes["rank_node"]) if n == manifest.node] \
+        if manifest.node is not None and manifest.world_size == ctx.world_size and ctx.enabled else []
+    return not ctx.enabled or ctx.rank in mates, (mates.index(ctx.rank), len(mates)) if ctx.rank in mates else (0, 1)
+
+
 def _load_into(state: Any, step_dir: Path, manifest: Manifest, ctx: DistContext, *, verify: bool,
                on_world_size_change: str, allow_cast: bool, before_write: Callable[[], Any] | None) -> None:
     """The body of :func:`load_into` (same arguments and errors), run with the collector paused."""
     same_world = manifest.world_size == ctx.world_size
-    # one process, or a node's copy read by the ranks of that node: each file read once, checksummed while placing
-    mates = [r for r, n in enumerate(manifest.nodes["rank_node"]) if n == manifest.node] \
-        if manifest.node is not None and same_world and ctx.enabled else []
-    direct = not ctx.enabled or ctx.rank in mates
-    share = (mates.index(ctx.rank), len(mates)) if ctx.rank in mates else (0, 1)
+    direct, share = _one_pass(manifest, ctx)
     err: BaseException | None = None
     md = tree = None
     try:  # every rank's reads and checks are agreed on before any rank loads anything
@@ -888,7 +898,7 @@ def _load_into(state: Any, step_dir: Path, manifest: Manifest, ctx: DistContext,
         err = CheckpointReadError(exc.errno, f"reading checkpoint {step_dir} failed on rank {ctx.rank}: "
                                              f"{exc.strerror or exc} ({exc.filename or step_dir})")
         err.__cause__ = exc
-    _vote(ctx, step_dir, err, "verify")
+    _vote(ctx, step_dir, err, "verify", path=direct)
     assert md is not None  # _vote raised unless _verified returned on every rank
     try:
         live_tensors, tree, targets, staged_aware = plan_restore(
