@@ -2,7 +2,7 @@
 
 What two or more scripts do the same way lives here: the timestamped log line, the ``--methods``
 list, the disk floor (chunked write + fsync), DCP's reused ``DefaultStager``, closing the methods,
-a local moto S3 server, and writing the JSON summary.
+a local moto S3 server, spawning gloo ranks, and writing the JSON summary.
 """
 
 from __future__ import annotations
@@ -152,6 +152,33 @@ def close_all(methods: Iterable[Any], log: Callable[[str], None]) -> None:
             m.close()
         except Exception as exc:  # noqa: BLE001 - cleaning up after a run: report, never hide the result
             log(f"{m.name}: close failed: {exc}")
+
+
+def spawn_ranks(target: Callable[..., None], world: int, make_args: Callable[[int, int, Any], tuple]) -> Any:
+    """Run ``target(*make_args(rank, port, results))`` in ``world`` spawned processes (``port``: a free
+    127.0.0.1 port for their gloo group) and return the one object a rank put on ``results``.
+
+    Raises:
+        SystemExit: a rank exited non-zero or nothing was put (its exit codes named).
+    """
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    results = ctx.SimpleQueue()
+    port = free_port()
+    procs = [ctx.Process(target=target, args=make_args(rank, port, results)) for rank in range(world)]
+    try:
+        for proc in procs:
+            proc.start()
+        for proc in procs:
+            proc.join()
+        if any(proc.exitcode for proc in procs) or results.empty():
+            raise SystemExit(f"a rank failed: exit codes {[proc.exitcode for proc in procs]}")
+        return results.get()
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
 
 
 def emit_json(result: dict[str, Any], path: Path | None) -> None:

@@ -32,7 +32,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._common import emit_json, free_port, git_info, make_log  # noqa: E402
+from benchmarks._common import emit_json, git_info, make_log, spawn_ranks  # noqa: E402
 
 log = make_log("node_read")
 TENSOR_BYTES = 16 << 20
@@ -130,29 +130,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = p.parse_args(argv)
     if args.ranks < 2:
         p.error("--ranks must be >= 2 (ranks sharing a node)")
-    import torch.multiprocessing as mp
-
     t_start, load_start = time.perf_counter(), os.getloadavg()
     base = Path(tempfile.mkdtemp(prefix="torch_ckpt_node_read_"))
     shm = Path(tempfile.mkdtemp(prefix="torch_ckpt_node_read_", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
-    procs = []
     try:
-        ctx = mp.get_context("spawn")
-        results = ctx.SimpleQueue()
-        port = free_port()
-        procs = [ctx.Process(target=_rank_main, args=(r, args.ranks, port, str(base), str(shm), args, results))
-                 for r in range(args.ranks)]
-        for proc in procs:
-            proc.start()
-        for proc in procs:
-            proc.join()
-        if any(proc.exitcode for proc in procs) or results.empty():
-            raise SystemExit(f"a rank failed: exit codes {[proc.exitcode for proc in procs]}")
-        raw = results.get()
+        raw = spawn_ranks(_rank_main, args.ranks,
+                          lambda rank, port, results: (rank, args.ranks, port, str(base), str(shm), args, results))
     finally:
-        for proc in procs:
-            if proc.is_alive():
-                proc.kill()
         shutil.rmtree(base, ignore_errors=True)
         shutil.rmtree(shm, ignore_errors=True)
     reps = raw["repeats"]

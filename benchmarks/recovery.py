@@ -49,7 +49,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._common import emit_json, free_port, git_info, make_log  # noqa: E402
+from benchmarks._common import emit_json, free_port, git_info, make_log, spawn_ranks  # noqa: E402
 
 log = make_log("recovery")
 TENSOR_BYTES = 16 << 20
@@ -313,7 +313,6 @@ def main(argv=None) -> dict[str, Any]:
     import logging
 
     import boto3
-    import torch.multiprocessing as mp
     from moto.server import ThreadedMotoServer
 
     logging.getLogger("werkzeug").setLevel(logging.ERROR)
@@ -323,29 +322,15 @@ def main(argv=None) -> dict[str, Any]:
     s3_port = free_port()
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=s3_port, verbose=False)
     server.start()
-    procs = []
     try:
         endpoint = f"http://127.0.0.1:{s3_port}"
         boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="bench", aws_secret_access_key="bench",
                      region_name="us-east-1").create_bucket(Bucket="bench")
         options = {"key": "bench", "secret": "bench", "skip_instance_cache": True, "use_listings_cache": False,
                    "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"}}
-        ctx = mp.get_context("spawn")
-        results = ctx.SimpleQueue()
-        port = free_port()
-        procs = [ctx.Process(target=_rank_main, args=(r, port, str(base), str(shm), "s3://bench/run", options, args,
-                                                      results)) for r in (0, 1)]
-        for proc in procs:
-            proc.start()
-        for proc in procs:
-            proc.join()
-        if any(proc.exitcode for proc in procs) or results.empty():
-            raise SystemExit(f"a rank failed: exit codes {[proc.exitcode for proc in procs]}")
-        raw = results.get()
+        raw = spawn_ranks(_rank_main, 2, lambda rank, port, results: (
+            rank, port, str(base), str(shm), "s3://bench/run", options, args, results))
     finally:
-        for proc in procs:
-            if proc.is_alive():
-                proc.kill()
         server.stop()
         shutil.rmtree(base, ignore_errors=True)
         shutil.rmtree(shm, ignore_errors=True)
