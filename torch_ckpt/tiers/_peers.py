@@ -254,6 +254,7 @@ class _Sink:
         self.total = sum(length for _, _, length in self.pieces)
         self._local = {n: sorted(r) for n, r in local.items()}
         self._bufs: list[torch.Tensor] = []
+        self._scratch: mmap.mmap | None = None  # the local ranges' copy buffer, one for the whole stream
         self._file = -1  # index into files of the open file
         self._fd: int | None = None
         self._pos = self._crc = 0  # bytes of the open file written, and their CRC-32
@@ -313,11 +314,12 @@ class _Sink:
         ranges = self._local.get(self.files[self._file][0], [])
         while ranges and ranges[0][0] < until:
             _, length, fd, offset = ranges.pop(0)
-            with mmap.mmap(-1, min(length, CHUNK_BYTES) or 1) as scratch:
-                for done in range(0, length, CHUNK_BYTES):
-                    with memoryview(scratch)[:min(CHUNK_BYTES, length - done)] as buf:
-                        _fill(fd, buf, offset + done)  # past the end of the own file: zeros, the CRC refuses them
-                        self._put(buf)
+            if self._scratch is None:
+                self._scratch = mmap.mmap(-1, CHUNK_BYTES)  # unmapped with the sink, never left resident
+            for done in range(0, length, CHUNK_BYTES):
+                with memoryview(self._scratch)[:min(CHUNK_BYTES, length - done)] as buf:
+                    _fill(fd, buf, offset + done)  # past the end of the own file: zeros, the CRC refuses them
+                    self._put(buf)
 
     def _next(self, name: str | None) -> None:
         """Finish files until ``name`` is the open one (None: finish them all)."""
